@@ -1,0 +1,161 @@
+"""Backend registry: which implementation runs each op, and why.
+
+A backend declares, as data, the ops it implements and a ``refuse(op, q) -> reason | None`` rule
+(device, architecture, dtype, head dim, installed libraries). ``call`` picks the highest-priority
+backend that accepts the call, or the one the user named, and falls back to the next one when the chosen
+backend fails at run time, logging that once. The torch reference accepts everything, so a call only
+fails when the inputs are invalid.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+OPS = ("dense_attention", "group_prob_sums", "select_kv", "sparse_attention", "pddp_groups")
+
+
+class NoCapableBackendError(RuntimeError):
+    """No available backend accepts the call; the message lists every backend's reason."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation family of the ops.
+
+    Attributes:
+        name: the dispatch key users pass as ``backend=`` (e.g. "torch", "triton", "flash_attn4").
+        priority: higher runs first under ``backend="auto"``.
+        ops: op name -> function with the reference's signature (``kernels/reference``).
+        refuse: ``(op, q, requested) -> str | None``: why this backend cannot run that call (None = it
+            can); ``requested`` is True when the caller named this backend (e.g. the Triton interpreter
+            runs CPU tensors only when asked for by name).
+        unavailable_reason: set when the backend's toolchain failed to import; the backend is then skipped.
+    """
+
+    name: str
+    priority: int
+    ops: Mapping[str, Callable] = field(default_factory=dict)
+    refuse: Callable[[str, torch.Tensor, bool], str | None] = lambda op, q, requested: None
+    unavailable_reason: str | None = None
+
+
+@dataclass
+class Choice:
+    """The backend that ran an op, and the reason it was picked (shown in the run summary)."""
+
+    backend: str
+    reason: str
+
+
+_backends: dict[str, Backend] = {}
+_failed: dict[tuple[str, str], str] = {}  # (backend, op) -> first run-time error, never retried
+_lock = threading.Lock()
+_last: dict[str, Choice] = {}
+
+
+def register(backend: Backend) -> None:
+    """Add or replace a backend (called by each backend package at import)."""
+    _backends[backend.name] = backend
+
+
+def backends() -> list[Backend]:
+    """All registered backends, available or not, highest priority first."""
+    return sorted(_backends.values(), key=lambda b: -b.priority)
+
+
+def backend_names() -> list[str]:
+    """Names accepted by ``backend=``: "auto" and every registered backend."""
+    return ["auto", *(b.name for b in backends())]
+
+
+def _refusal(b: Backend, op: str, q: torch.Tensor, requested: bool = False) -> str | None:
+    if b.unavailable_reason:
+        return f"unavailable ({b.unavailable_reason})"
+    if op not in b.ops:
+        return f"does not implement {op}"
+    if (b.name, op) in _failed:
+        return f"failed earlier in this process ({_failed[b.name, op]})"
+    return b.refuse(op, q, requested)
+
+
+def candidates(op: str, q: torch.Tensor, backend: str = "auto") -> list[tuple[Backend, str]]:
+    """Backends that accept ``op`` on ``q``, best first, each with the reason it is eligible.
+
+    Raises:
+        ValueError: ``backend`` is not "auto" nor a registered name.
+        NoCapableBackendError: nothing accepts the call (lists every refusal).
+    """
+    if backend != "auto" and backend not in _backends:
+        raise ValueError(f"backend must be one of {backend_names()}, got {backend!r}")
+    order = backends()
+    refusals = []
+    if backend != "auto":
+        named = _backends[backend]
+        why = _refusal(named, op, q, requested=True)
+        if why is None:
+            order = [named] + [b for b in order if b is not named]
+        else:
+            refusals.append(f"{backend} (requested): {why}")
+    out = []
+    for b in order:
+        why = _refusal(b, op, q, requested=b.name == backend)
+        if why is None:
+            picked = "requested" if b.name == backend else ("best available" if not refusals else "fallback")
+            out.append((b, f"{picked}; " + "; ".join(refusals) if refusals else picked))
+        elif not (backend != "auto" and b.name == backend):
+            refusals.append(f"{b.name}: {why}")
+    if not out:
+        raise NoCapableBackendError(f"no backend can run {op} on {_describe(q)}: " + "; ".join(refusals))
+    return out
+
+
+def call(op: str, q: torch.Tensor, *args, backend: str = "auto", **kwargs):
+    """Run ``op(q, *args, **kwargs)`` on the best backend that accepts it (see ``candidates``).
+
+    A backend that raises anything but ValueError/TypeError (bad input is the caller's error, and
+    the same for every backend) is marked failed for that op in this process, logged once, and the next
+    candidate runs.
+    """
+    for b, reason in candidates(op, q, backend):
+        try:
+            result = b.ops[op](q, *args, **kwargs)
+        except (ValueError, TypeError):
+            raise
+        except Exception as err:  # a kernel that breaks at run time must not lose the user's run
+            with _lock:
+                _failed[b.name, op] = f"{type(err).__name__}: {err}"
+            log.warning("MC-Sparse: backend %s failed on %s (%s: %s); falling back", b.name, op, type(err).__name__, err)
+            continue
+        _last[op] = Choice(b.name, reason)
+        return result
+    raise NoCapableBackendError(f"every backend failed on {op}: " + "; ".join(f"{k[0]}: {v}" for k, v in _failed.items() if k[1] == op))
+
+
+def last_choices() -> dict[str, Choice]:
+    """op -> the backend that ran it most recently in this process, with the reason."""
+    return dict(_last)
+
+
+def failures() -> dict[tuple[str, str], str]:
+    """(backend, op) -> the run-time error that disabled it in this process."""
+    return dict(_failed)
+
+
+def report() -> str:
+    """One line per backend: available or why not, and the ops it implements."""
+    lines = []
+    for b in backends():
+        state = "available" if not b.unavailable_reason else f"unavailable: {b.unavailable_reason}"
+        lines.append(f"{b.name} (priority {b.priority}): {state}; ops: {', '.join(sorted(b.ops))}")
+    return "\n".join(lines)
+
+
+def _describe(q: torch.Tensor) -> str:
+    return f"q of shape {tuple(q.shape)}, {q.dtype}, on {q.device}"
