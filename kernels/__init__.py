@@ -62,8 +62,8 @@ def _check_qkv(q, k, v=None):
             raise TypeError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
     if k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"k must be [B, H, Sk, D] with q's B, H, D {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v is not None and v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"v must have k's [B, H, Sk] {tuple(k.shape[:3])}, got {tuple(v.shape)}")
+    if v is not None and v.shape != k.shape:
+        raise ValueError(f"v must have k's shape [B, H, Sk, D] {tuple(k.shape)}, got {tuple(v.shape)}")
 
 
 def _check_perm(perm, q, group_size):

@@ -121,21 +121,24 @@ def call(op: str, q: torch.Tensor, *args, backend: str = "auto", **kwargs):
 
     A backend that raises anything but ValueError/TypeError (bad input is the caller's error, and
     the same for every backend) is marked failed for that op in this process, logged once, and the next
-    candidate runs.
+    candidate runs. The last candidate's error propagates unchanged (e.g. out of memory).
     """
-    for b, reason in candidates(op, q, backend):
+    chosen = candidates(op, q, backend)
+    for i, (b, reason) in enumerate(chosen):
         try:
             result = b.ops[op](q, *args, **kwargs)
         except (ValueError, TypeError):
             raise
         except Exception as err:  # a kernel that breaks at run time must not lose the user's run
+            if i == len(chosen) - 1:
+                raise  # the last resort failed: that is the inputs (or memory), not a backend to disable
             with _lock:
                 _failed[b.name, op] = f"{type(err).__name__}: {err}"
             log.warning("MC-Sparse: backend %s failed on %s (%s: %s); falling back", b.name, op, type(err).__name__, err)
             continue
         _last[op] = Choice(b.name, reason)
         return result
-    raise NoCapableBackendError(f"every backend failed on {op}: " + "; ".join(f"{k[0]}: {v}" for k, v in _failed.items() if k[1] == op))
+    raise AssertionError("unreachable: the last candidate re-raises")
 
 
 def last_choices() -> dict[str, Choice]:

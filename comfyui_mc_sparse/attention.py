@@ -1,0 +1,127 @@
+"""One MC-Sparse attention layer call: the anchor step and the reuse step (MC-Sparse sec. 3).
+
+Anchor step (sec. 3.3-3.5): pass 1 dense attention with the row LSE gives the output the model uses;
+Fast PDDP groups the queries into groups of exactly C; pass 2 + top-K selects each group's K KV tokens
+from exact probabilities; one sparse evaluation gives the residual R = O_dense - O_sparse. Reuse step:
+sparse attention with the cached groups and indices over the *current* q, k, v, plus the cached R.
+
+Tensors are ``[B, H, S, D]`` self-attention inputs (q, k, v of one shape), fp16 / bf16 / fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import kernels
+from .cache import CacheEntry
+from .config import HEAD_DIMS, MCSparseConfig
+from .selection import keys_for_density
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class NonFiniteInputError(ValueError):
+    """q, k or v holds NaN or inf (raised before any kernel runs)."""
+
+
+def ineligible_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why this call cannot take the sparse path (a short human string), or None when it can.
+
+    Checks: 4-D ``[B, H, S, D]`` tensors of one shape (self-attention), float16/bfloat16/float32, head dim
+    in ``config.HEAD_DIMS``. Cheap (no device sync); finiteness is checked separately at anchor steps.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a tensor ({type(t).__name__})"
+        if t.dim() != 4:
+            return f"{name} is not [B, H, S, D] (shape {tuple(t.shape)})"
+    if not (q.shape == k.shape == v.shape):
+        return f"not self-attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if q.dtype not in _DTYPES or not (q.dtype == k.dtype == v.dtype):
+        return f"unsupported dtype {q.dtype}/{k.dtype}/{v.dtype} (float16, bfloat16, float32 supported)"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"unsupported head dim {q.shape[-1]} (supported: {', '.join(map(str, HEAD_DIMS))})"
+    if q.shape[2] < 1:
+        return "empty sequence"
+    return None
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_finite: bool = True) -> None:
+    """Raise when ``ineligible_reason`` finds a problem or (with ``check_finite``) q, k or v is not finite.
+
+    Raises:
+        ValueError: wrong shapes, dtype or head dim (message names the input and the accepted range).
+        NonFiniteInputError: NaN or inf in q, k or v (one device sync).
+    """
+    reason = ineligible_reason(q, k, v)
+    if reason is not None:
+        raise ValueError(f"q, k, v must be self-attention [B, H, S, D] inputs MC-Sparse supports: {reason}")
+    if check_finite:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not bool(torch.isfinite(t).all()):
+                raise NonFiniteInputError(f"{name} must be finite, got NaN or inf values")
+
+
+def anchor_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config: MCSparseConfig,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, CacheEntry]:
+    """Anchor step of one layer: the dense output and a fresh cache entry.
+
+    Args:
+        q, k, v: ``[B, H, S, D]`` self-attention inputs. config: density, C, KV tile, residual settings.
+        scale: softmax scale, None = 1/sqrt(D). backend: kernel backend name or "auto".
+        check_finite: raise NonFiniteInputError on NaN/inf inputs (one device sync).
+    Returns:
+        (O_dense ``[B, H, S, D]`` in q's dtype, CacheEntry).
+    Raises:
+        ValueError / NonFiniteInputError: see ``check_inputs``.
+    """
+    check_inputs(q, k, v, check_finite=check_finite)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, lse = kernels.dense_attention(q, k, v, scale=scale, return_lse=True, backend=backend)
+    perm = kernels.pddp_groups(q, config.group_size, power_iters=config.power_iters, backend=backend)
+    num_keys = keys_for_density(config.density, k.shape[2], config.kv_tile)
+    kv_idx = kernels.select_kv(
+        q, k, lse, perm, num_keys, group_size=config.group_size, kv_tile=config.kv_tile, scale=scale, backend=backend
+    )
+    residual = None
+    if config.residual:
+        sparse = kernels.sparse_attention(q, k, v, perm, kv_idx, scale=scale, backend=backend)
+        residual = (out.float() - sparse.float()).to(getattr(torch, config.residual_dtype))
+    return out, CacheEntry(perm=perm, kv_idx=kv_idx, residual=residual, num_keys=num_keys, shape=tuple(q.shape))
+
+
+def reuse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    entry: CacheEntry,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Reuse step of one layer: sparse attention over the current q, k, v with the cached groups and
+    indices, plus the cached residual.
+
+    Args:
+        q, k, v: ``[B, H, S, D]`` of the current step. entry: from ``anchor_attention`` on the same shape.
+    Returns:
+        ``[B, H, S, D]`` in q's dtype.
+    Raises:
+        ValueError: the entry was made for another shape (callers key entries by shape, see ``cache``).
+    """
+    if not entry.fits(q):
+        raise ValueError(f"entry must be made for q's shape and device, got {entry.shape} for q {tuple(q.shape)} on {q.device}")
+    out = kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx, scale=scale, backend=backend)
+    if entry.residual is not None:
+        out.add_(entry.residual)
+    return out

@@ -1,0 +1,87 @@
+"""MC-Sparse settings: one frozen, validated configuration per patched model.
+
+Sources: MC-Sparse (arXiv 2610.06801) sec. 3 (density, query tile C) and sec. 4 (schedule: dense warm-up
+steps and layers, anchor steps). Steps are 0-based indices within one sampler call's schedule: the paper's
+video setting "10 dense warm-up steps, anchors at steps 10 and 26 of 50" (1-based) is
+``warmup_steps=10, anchor_steps=(9, 25)``; the first anchor overlaps the last warm-up step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GROUP_SIZES = (64, 128)
+"""Accepted query tile sizes C (the sparse kernel's query tile; every query group holds exactly C queries)."""
+
+HEAD_DIMS = (64, 128)
+"""Head dims the sparse path supports (Wan/HunyuanVideo 128, Hunyuan3D 64); other calls stay dense."""
+
+RESIDUAL_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class MCSparseConfig:
+    """What MC-Sparse does on one model.
+
+    Attributes:
+        density: s in (0, 1], the fraction of KV tokens each query group keeps (K = ceil(s*S), rounded up
+            to ``kv_tile``, at most S). 1.0 means every token: sparse output equals dense.
+        group_size: C in {64, 128}, queries per group (and the sparse kernel's query tile).
+        kv_tile: K is rounded up to a multiple of this (the sparse kernel's KV tile), >= 1.
+        warmup_steps: the first ``warmup_steps`` steps of a sampler call run dense attention (>= 0).
+        warmup_layers: transformer blocks with index < this always run dense (>= 0).
+        anchor_steps: 0-based steps that refresh the metadata cache: dense output, new query groups, exact
+            selection and residual. Strictly increasing, >= 0, at least one; the first must be
+            >= warmup_steps - 1 (it may overlap the last warm-up step).
+        power_iters: power-iteration steps per PDDP split (>= 1).
+        residual: add the cached residual O_dense - O_sparse at reuse steps (sec. 3.4). False gives
+            "MC-Sparse without residual" (an ablation).
+        residual_dtype: storage dtype of the residual: "bfloat16" (default), "float16" or "float32".
+    Raises:
+        ValueError / TypeError: a field is out of range; the message names the field and the range.
+    """
+
+    density: float = 0.25
+    group_size: int = 128
+    kv_tile: int = 64
+    warmup_steps: int = 10
+    warmup_layers: int = 0
+    anchor_steps: tuple[int, ...] = (9, 25)
+    power_iters: int = 8
+    residual: bool = True
+    residual_dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        object.__setattr__(self, "anchor_steps", tuple(self.anchor_steps))
+        _check_number("density", self.density)
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {self.density}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size (query tile C) must be 64 or 128, got {self.group_size}")
+        for name, low in (("kv_tile", 1), ("warmup_steps", 0), ("warmup_layers", 0), ("power_iters", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        anchors = self.anchor_steps
+        if not anchors:
+            raise ValueError("anchor_steps must hold at least one step, got ()")
+        if any(isinstance(a, bool) or not isinstance(a, int) for a in anchors):
+            raise TypeError(f"anchor_steps must be ints, got {anchors}")
+        if any(a < 0 for a in anchors) or any(b <= a for a, b in zip(anchors, anchors[1:])):
+            raise ValueError(f"anchor_steps must be strictly increasing steps >= 0, got {anchors}")
+        if anchors[0] < self.warmup_steps - 1:
+            raise ValueError(
+                f"anchor_steps must not start before the dense warm-up ends: the first anchor must be >= "
+                f"warmup_steps - 1 = {self.warmup_steps - 1}, got {anchors[0]}"
+            )
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if value != value:  # NaN
+        raise ValueError(f"{name} must be a number, got NaN")

@@ -1,0 +1,262 @@
+"""The MC-Sparse algorithm on the reference path: config, schedule, anchor and reuse steps, the run."""
+
+import math
+
+import pytest
+import torch
+
+from comfyui_mc_sparse_pack import kernels
+from comfyui_mc_sparse_pack.comfyui_mc_sparse import attention, engine, schedule, selection
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey, MetadataCache
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.schedule import StepKind
+
+
+def _qkv(gen, B=1, H=2, S=200, D=64, dtype=torch.float32):
+    return [torch.randn(B, H, S, D, generator=gen).to(dtype) for _ in range(3)]
+
+
+def _rel_l1(a, b):
+    return ((a.double() - b.double()).abs().sum() / b.double().abs().sum()).item()
+
+
+# --- configuration and schedule -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"density": 0.0}, r"density must be in \(0, 1\], got 0.0"),
+        ({"density": 1.5}, r"density must be in \(0, 1\], got 1.5"),
+        ({"density": float("nan")}, "density must be a number, got NaN"),
+        ({"density": "0.2"}, "density must be a number"),
+        ({"group_size": 96}, "group_size .* must be 64 or 128, got 96"),
+        ({"kv_tile": 0}, "kv_tile must be >= 1, got 0"),
+        ({"warmup_steps": -1}, "warmup_steps must be >= 0"),
+        ({"warmup_layers": 1.5}, "warmup_layers must be an int"),
+        ({"anchor_steps": ()}, "anchor_steps must hold at least one step"),
+        ({"anchor_steps": (5, 5)}, "strictly increasing"),
+        ({"warmup_steps": 10, "anchor_steps": (3, 25)}, r"must not start before the dense warm-up ends.*>= .* = 9, got 3"),
+        ({"residual_dtype": "int8"}, "residual_dtype must be one of"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_field(kwargs, match):
+    """Each bad setting raises, naming the field, the accepted range and the value got."""
+    with pytest.raises((ValueError, TypeError), match=match):
+        MCSparseConfig(**kwargs)
+
+
+def test_schedule_warmup_anchors_reuse():
+    """Warm-up steps and layers are dense, anchors refresh (the first overlaps the last warm-up step), the rest reuse."""
+    cfg = MCSparseConfig(warmup_steps=10, warmup_layers=1, anchor_steps=(9, 25))
+    kinds = [schedule.step_kind(cfg, s, 3) for s in range(50)]
+    assert kinds[:9] == [StepKind.DENSE] * 9
+    assert kinds[9] is StepKind.ANCHOR and kinds[25] is StepKind.ANCHOR
+    assert all(kinds[s] is StepKind.REUSE for s in range(50) if s not in (range(10)) and s != 25)
+    assert all(schedule.step_kind(cfg, s, 0) is StepKind.DENSE for s in range(50))
+    counts = schedule.count_steps(cfg, 50, 1 + 1)
+    assert counts[StepKind.REUSE] == 39 and counts[StepKind.ANCHOR] == 2
+
+
+def test_paper_schedule_at_50_steps_is_the_papers():
+    """The paper's video schedule: 10 warm-up steps, anchors at 1-based steps 10 and 26."""
+    assert schedule.paper_video_schedule(50) == (10, (9, 25))
+    for n in range(1, 80):
+        warmup, anchors = schedule.paper_video_schedule(n)
+        MCSparseConfig(warmup_steps=warmup, anchor_steps=anchors)  # always valid
+        assert all(0 <= a < n for a in anchors)
+
+
+@pytest.mark.parametrize("density,S,tile,K", [(0.25, 1000, 64, 256), (0.2, 100, 64, 64), (1.0, 190, 64, 190), (0.9, 100, 64, 100), (0.01, 5, 64, 5)])
+def test_keys_for_density_rounds_up_to_the_tile_and_caps_at_s(density, S, tile, K):
+    """K = ceil(s*S) rounded up to the KV tile, never more than S."""
+    assert selection.keys_for_density(density, S, tile) == K
+
+
+# --- anchor and reuse steps -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_anchor_step_returns_dense_and_compensated_sparse_equals_dense(gen, dtype):
+    """At an anchor step the output is dense, and sparse + residual reproduces it."""
+    q, k, v = _qkv(gen, B=2, S=300, dtype=dtype)
+    cfg = MCSparseConfig(density=0.2, group_size=64, warmup_steps=0, anchor_steps=(0,), residual_dtype="float32")
+    out, entry = attention.anchor_attention(q, k, v, cfg)
+    dense = kernels.dense_attention(q, k, v)
+    assert torch.equal(out, dense)
+    compensated = attention.reuse_attention(q, k, v, entry)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    assert _rel_l1(compensated, dense) < tol
+
+
+def test_reuse_step_uses_current_qkv_and_cached_groups_indices_residual(gen):
+    """A reuse step is sparse attention over the *current* q, k, v with the cached groups and indices, plus R."""
+    q0, k0, v0 = _qkv(gen, S=260)
+    cfg = MCSparseConfig(density=0.3, group_size=64, warmup_steps=0, anchor_steps=(0,))
+    _, entry = attention.anchor_attention(q0, k0, v0, cfg)
+    q1, k1, v1 = (t + 0.3 * torch.randn(t.shape, generator=gen) for t in (q0, k0, v0))
+    out = attention.reuse_attention(q1, k1, v1, entry)
+    expected = kernels.sparse_attention(q1, k1, v1, entry.perm, entry.kv_idx) + entry.residual
+    assert torch.allclose(out, expected, atol=1e-6)
+    stale = kernels.sparse_attention(q0, k0, v0, entry.perm, entry.kv_idx) + entry.residual
+    assert not torch.allclose(out, stale, atol=1e-3)
+
+
+def test_density_one_equals_dense_at_reuse(gen):
+    """At density 1.0 every token is kept: a reuse step equals dense attention of the current step."""
+    q, k, v = _qkv(gen, S=150, D=128)
+    cfg = MCSparseConfig(density=1.0, group_size=128, warmup_steps=0, anchor_steps=(0,), residual=False)
+    _, entry = attention.anchor_attention(q, k, v, cfg)
+    q1, k1, v1 = _qkv(gen, S=150, D=128)
+    assert torch.allclose(attention.reuse_attention(q1, k1, v1, entry), kernels.dense_attention(q1, k1, v1), atol=1e-5)
+
+
+@pytest.mark.parametrize("B,S,C,density", [(3, 200, 64, 0.2), (1, 130, 128, 0.5), (2, 7, 64, 0.3), (1, 1, 64, 0.5), (1, 70, 64, 1.0)])
+def test_shapes_batches_ragged_and_tiny(gen, B, S, C, density):
+    """Batch > 1, S not a multiple of C, K >= S and tiny S all give finite, fully written outputs."""
+    q, k, v = _qkv(gen, B=B, S=S)
+    cfg = MCSparseConfig(density=density, group_size=C, warmup_steps=0, anchor_steps=(0,))
+    out, entry = attention.anchor_attention(q, k, v, cfg)
+    assert entry.perm.shape == (B, 2, -(-S // C) * C) and entry.kv_idx.shape[2] == -(-S // C)
+    reused = attention.reuse_attention(q, k, v, entry)
+    assert reused.shape == q.shape and torch.isfinite(reused).all()
+    # batch items are independent: item 0 alone gives the same selection
+    if B > 1:
+        _, solo = attention.anchor_attention(q[:1], k[:1], v[:1], cfg)
+        assert torch.equal(solo.kv_idx, entry.kv_idx[:1])
+
+
+def test_residual_improves_reuse_accuracy(gen):
+    """With a slowly drifting input, sparse + residual is closer to dense than sparse alone."""
+    base = _qkv(gen, S=512, D=64)
+    q0, k0, v0 = (t * 2 for t in base)
+    cfg = MCSparseConfig(density=0.2, group_size=64, warmup_steps=0, anchor_steps=(0,))
+    _, entry = attention.anchor_attention(q0, k0, v0, cfg)
+    q1, k1, v1 = (t + 0.05 * torch.randn(t.shape, generator=gen) for t in (q0, k0, v0))
+    dense = kernels.dense_attention(q1, k1, v1)
+    with_r = attention.reuse_attention(q1, k1, v1, entry)
+    without = kernels.sparse_attention(q1, k1, v1, entry.perm, entry.kv_idx)
+    assert _rel_l1(with_r, dense) < _rel_l1(without, dense)
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda q: (q, q, q[..., :100, :]), "not self-attention"),
+        (lambda q: (q[..., :48], q[..., :48], q[..., :48]), "unsupported head dim 48"),
+        (lambda q: (q.double(), q.double(), q.double()), "unsupported dtype"),
+        (lambda q: (q[0], q[0], q[0]), r"not \[B, H, S, D\]"),
+    ],
+)
+def test_anchor_rejects_unsupported_inputs(gen, make, match):
+    """Mismatched shapes, unsupported head dim or dtype raise a ValueError naming the problem."""
+    q = torch.randn(1, 2, 128, 64, generator=gen)
+    cfg = MCSparseConfig(group_size=64, warmup_steps=0, anchor_steps=(0,))
+    with pytest.raises(ValueError, match=match):
+        attention.anchor_attention(*make(q), cfg)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_anchor_rejects_non_finite_inputs(gen, bad):
+    """NaN or inf in k raises NonFiniteInputError naming k."""
+    q, k, v = _qkv(gen, S=128)
+    k[0, 1, 5, 3] = bad
+    cfg = MCSparseConfig(group_size=64, warmup_steps=0, anchor_steps=(0,))
+    with pytest.raises(attention.NonFiniteInputError, match="k must be finite"):
+        attention.anchor_attention(q, k, v, cfg)
+
+
+def test_reuse_rejects_an_entry_of_another_shape(gen):
+    """A cache entry is never applied to a different shape."""
+    q, k, v = _qkv(gen, S=128)
+    cfg = MCSparseConfig(group_size=64, warmup_steps=0, anchor_steps=(0,))
+    _, entry = attention.anchor_attention(q, k, v, cfg)
+    q2, k2, v2 = _qkv(gen, S=192)
+    with pytest.raises(ValueError, match="entry must be made for q's shape"):
+        attention.reuse_attention(q2, k2, v2, entry)
+
+
+# --- one run ---------------------------------------------------------------------------------------
+
+
+def _run(runner, gen, steps, layers, S=192, branches=("cond", "uncond"), nan_at=None):
+    outs = {}
+    for step in range(steps):
+        for layer in range(layers):
+            for branch in branches:
+                q, k, v = _qkv(gen, S=S)
+                if nan_at == (step, layer):
+                    q[0, 0, 0, 0] = float("nan")
+                key = CacheKey(layer, branch, None, tuple(q.shape))
+                outs[step, layer, branch] = runner.attention(q, k, v, step=step, layer=layer, key=key)
+    return outs
+
+
+def test_runner_follows_the_schedule_and_summarises(gen):
+    """A run counts dense warm-up, anchor and reuse calls per branch and reports the cache."""
+    cfg = MCSparseConfig(density=0.25, group_size=64, warmup_steps=2, warmup_layers=1, anchor_steps=(1, 4))
+    runner = engine.MCSparseRunner(cfg)
+    _run(runner, gen, steps=6, layers=3)
+    c = runner.stats.calls
+    # layer 0 always dense (6 steps x 2 branches); layers 1-2: step 0 dense, steps 1 and 4 anchors, rest reuse
+    assert c[StepKind.DENSE] == 12 + 4 and c[StepKind.ANCHOR] == 8 and c[StepKind.REUSE] == 12
+    assert runner.stats.anchors == [1, 4]
+    assert len(runner.cache) == 4 and runner.cache.nbytes > 0
+    text = runner.summary()
+    assert "12 sparse (reuse)" in text and "dense warm-up layer" in text and "anchor steps taken: 1, 4" in text
+    runner.close()
+    assert len(runner.cache) == 0
+
+
+def test_runner_falls_back_to_dense_on_non_finite_input_and_says_so(gen):
+    """NaN at an anchor step runs dense for that call, and the summary names the reason."""
+    cfg = MCSparseConfig(density=0.25, group_size=64, warmup_steps=0, anchor_steps=(0,))
+    runner = engine.MCSparseRunner(cfg)
+    outs = _run(runner, gen, steps=1, layers=1, branches=("c",), nan_at=(0, 0))
+    assert torch.isnan(outs[0, 0, "c"]).any()  # dense of NaN input is the model's own behaviour
+    assert "non-finite input" in runner.summary()
+
+
+def test_runner_takes_a_late_anchor_when_the_cache_is_missing(gen):
+    """A reuse step without a cache entry (anchor skipped, new branch) anchors instead and notes it."""
+    cfg = MCSparseConfig(density=0.25, group_size=64, warmup_steps=0, anchor_steps=(0,))
+    runner = engine.MCSparseRunner(cfg)
+    q, k, v = _qkv(gen, S=192)
+    runner.attention(q, k, v, step=3, layer=0, key=CacheKey(0, "c", None, tuple(q.shape)))
+    assert runner.stats.calls[StepKind.ANCHOR] == 1 and "late anchor at step 3" in runner.summary()
+
+
+def test_runner_warns_when_nothing_went_sparse(gen):
+    """A run with no sparse call says so loudly."""
+    runner = engine.MCSparseRunner(MCSparseConfig(group_size=64, warmup_steps=10, anchor_steps=(9,)))
+    _run(runner, gen, steps=2, layers=1, branches=("c",))
+    assert "WARNING: no attention call went sparse" in runner.summary()
+
+
+def test_runner_passes_unsupported_calls_to_dense_fn(gen):
+    """Cross-attention shapes and unsupported head dims go to dense_fn, counted with the reason."""
+    runner = engine.MCSparseRunner(MCSparseConfig(group_size=64, warmup_steps=0, anchor_steps=(0,)))
+    q = torch.randn(1, 2, 128, 64, generator=gen)
+    kv = torch.randn(1, 2, 77, 64, generator=gen)
+    seen = []
+
+    def dense_fn(q_, k_, v_):
+        seen.append(k_.shape[2])
+        return kernels.dense_attention(q_, k_, v_)
+
+    out = runner.attention(q, kv, kv, step=0, layer=0, key=CacheKey(0), dense_fn=dense_fn)
+    assert out.shape == q.shape and seen == [77]
+    assert "not self-attention" in runner.summary()
+
+
+def test_metadata_cache_accounts_bytes(gen):
+    """The cache's byte count is the entries' indices + residuals, and replacing an entry does not double count."""
+    cache = MetadataCache()
+    q, k, v = _qkv(gen, S=128)
+    cfg = MCSparseConfig(group_size=64, warmup_steps=0, anchor_steps=(0,))
+    _, entry = attention.anchor_attention(q, k, v, cfg)
+    expected = entry.perm.numel() * 4 + entry.kv_idx.numel() * 4 + entry.residual.numel() * 2
+    cache.put(CacheKey(0), entry)
+    cache.put(CacheKey(0), entry)
+    assert cache.nbytes == expected == entry.nbytes and cache.peak_bytes == expected
+    assert math.isclose(cache.nbytes, expected)
