@@ -1,0 +1,44 @@
+"""Packaging contracts: the README's commands are what CI runs, the pack loads as ComfyUI loads it."""
+
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import comfyui_mc_sparse_pack as pack
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _readme_commands():
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    return [line.strip() for block in blocks[:2] for line in block.strip().splitlines()]
+
+
+def test_ci_runs_the_readme_commands_verbatim():
+    """`.ci/run` runs the README's set-up + main-job command and its test command, unchanged."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    commands = _readme_commands()
+    assert len(commands) == 2 and all(c in ci for c in commands)
+
+
+def test_pack_loads_outside_comfyui_without_registering_nodes():
+    """Outside ComfyUI the root package imports and exports no nodes (V3 only: no NODE_CLASS_MAPPINGS)."""
+    assert not hasattr(pack, "NODE_CLASS_MAPPINGS")
+    assert "comfy" not in sys.modules or hasattr(sys.modules["comfy"], "__file__")
+
+
+def test_kernels_is_never_imported_as_a_top_level_module():
+    """Loading the pack imports `kernels` only inside the pack (Hugging Face's `kernels` is never shadowed)."""
+    assert pack.__name__ + ".kernels" in sys.modules
+    top = sys.modules.get("kernels")
+    assert top is None or Path(getattr(top, "__file__", "") or "").parent != ROOT / "kernels"
+
+
+def test_pyproject_has_registry_metadata_and_requirements_no_torch():
+    """Comfy Registry fields are present; torch is never a runtime requirement (ComfyUI provides it)."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["name"] and re.fullmatch(r"\d+\.\d+\.\d+", meta["project"]["version"])
+    assert meta["tool"]["comfy"]["PublisherId"] and meta["project"]["urls"]["Repository"]
+    reqs = [ln.split("#")[0].strip() for ln in (ROOT / "requirements.txt").read_text().splitlines()]
+    assert not any(r.lower().startswith("torch") for r in reqs if r)
