@@ -6,6 +6,7 @@ import tomllib
 from pathlib import Path
 
 import comfyui_mc_sparse_pack as pack
+from comfyui_mc_sparse_pack.comfyui_mc_sparse import engine  # noqa: F401  (imports kernels the way the pack does)
 
 ROOT = Path(__file__).resolve().parent.parent
 
