@@ -1,0 +1,174 @@
+"""Per-model rules: which modules run the self-attention MC-Sparse may replace, and their token layout.
+
+The override alone cannot tell self- from cross-attention (ComfyUI passes both the same
+transformer_options; ``shared/docs/comfyui.md`` 1.2), nor which block it is in (the Oct-2025 snapshot sets no
+block index for DiTs). So every self-attention call site of a supported model is **marked**: its module's
+``forward`` is object-patched (``ModelPatcher.add_object_patch``, ``comfy/model_patcher.py`` L453; applied in
+``patch_model`` L744-749, restored in ``unpatch_model`` L794-798) with a wrapper that calls the original with
+a *copy* of transformer_options carrying a ``CallSite`` under ``MARK_KEY``. Calls without a mark (cross
+attention, Wan I2V image branch, HunyuanVideo's token refiner, text encoders) are passed through dense.
+A newer ComfyUI's ``transformer_options["block_index"]`` is not needed: the mark carries the block.
+
+Models (class names of ``model.diffusion_model``; sources are ComfyUI snapshot files):
+
+* Wan 2.1/2.2 T2V, I2V, FLF, Fun, Camera, 5B TI2V, HuMo (``comfy/ldm/wan/model.py``: ``WanModel`` and
+  subclasses; self-attn ``blocks.i.self_attn``, call L81-87, q/k/v ``(B, S, H*128)``). Extra tokens
+  (``reference_latent`` prepended L552-556, ``time_dim_concat`` appended) are just more self-attention tokens.
+* Wan VACE (``VaceWanModel`` L661): main blocks as Wan; ``vace_blocks.j`` get layer ``len(blocks) + j``.
+* HunyuanVideo (``comfy/ldm/hunyuan_video/model.py`` ``HunyuanVideo`` L191): ``double_blocks.i`` and
+  ``single_blocks.j`` (layer ``n_double + j``); joint sequence **[video, text]** (``flux/layers.py`` L182-185
+  with ``flipped_img_txt``; single blocks get ``cat(img, txt)``, hunyuan L372).
+* Hunyuan3D 2.0 (``comfy/ldm/hunyuan3d/model.py`` ``Hunyuan3Dv2`` L13): double blocks joint **[cond, latent]**
+  (not flipped), single blocks ``cat(txt, img)`` (L123).
+* Hunyuan3D 2.1 (``comfy/ldm/hunyuan3dv2_1/hunyuandit.py`` ``HunYuanDiTPlain`` L536): its ``Attention``
+  (L352-418) calls attention **without** transformer_options, so ``blocks.i.attn1.forward`` is replaced by
+  ``override.hunyuan3d21_attn_forward`` (same projections, then the MC-Sparse dispatch). The sequence is
+  [1 time token, latent tokens]; the latent set is unordered (PDDP groups it; no grid is assumed).
+
+Wan S2V (``WanModel_S2V``) passes no transformer_options to its blocks, and Wan Animate's face adapter calls
+attention directly: both stay dense (unmarked). Every other model: dense pass-through, counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+MARK_KEY = "mc_sparse_call_site"
+"""transformer_options key of the ``CallSite`` put there by a marked module's forward."""
+
+TEXT_LEN_KEY = "mc_sparse_text_len"
+"""transformer_options key where a joint model's double block records the text length for its single blocks
+(the dict is the per-forward one built in ``comfy/samplers.py`` L302-323, so the value lives one forward)."""
+
+WAN_FAMILY = ("WanModel", "VaceWanModel", "CameraWanModel", "HumoWanModel", "AnimateWanModel")
+SKIPPED = {"WanModel_S2V": "Wan S2V blocks pass no transformer_options (snapshot)"}
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """A marked self-attention call.
+
+    Attributes:
+        layer: block index used by the schedule's dense warm-up layers and the cache key (0-based).
+        family: "wan", "hunyuan_video", "hunyuan3d" or "hunyuan3d21".
+        joint: None (the sequence is all latent tokens), "video_first" ([video, text]) or "text_first"
+            ([text, latent]); text tokens are never sparsified.
+        text_len: number of text tokens in a joint sequence (None: read ``TEXT_LEN_KEY`` at call time).
+        prefix: leading non-latent tokens that are still attended sparsely (Hunyuan3D 2.1 time token: 1).
+    """
+
+    layer: int
+    family: str
+    joint: str | None = None
+    text_len: int | None = None
+    prefix: int = 0
+
+
+@dataclass(frozen=True)
+class PatchPlan:
+    """What to object-patch on one model: ``(attribute path, factory(original) -> replacement)`` pairs,
+    whether an APPLY_MODEL wrapper must publish transformer_options (Hunyuan3D 2.1), and the family."""
+
+    family: str | None
+    patches: tuple[tuple[str, Callable[[Callable], Callable]], ...]
+    needs_context_publisher: bool
+    reason_unsupported: str | None
+
+
+def _marking_forward(original: Callable, site: CallSite, *, record_text_len_from: str | None = None) -> Callable:
+    """Wrap ``original`` (a module's forward) to call it with a copied transformer_options carrying ``site``.
+
+    ``record_text_len_from`` names the kwarg whose ``shape[1]`` is the text length (joint double blocks):
+    it is stored under ``TEXT_LEN_KEY`` in the caller's per-forward dict for the single blocks after them.
+    """
+
+    def forward(*args: Any, **kwargs: Any):
+        options = kwargs.get("transformer_options")
+        if options is None:  # caller passed none (e.g. S2V); nothing to mark
+            return original(*args, **kwargs)
+        text_len = site.text_len
+        if record_text_len_from is not None and record_text_len_from in kwargs:
+            text_len = int(kwargs[record_text_len_from].shape[1])
+            options[TEXT_LEN_KEY] = text_len
+        marked = dict(options)
+        marked[MARK_KEY] = site if text_len == site.text_len else CallSite(
+            site.layer, site.family, site.joint, text_len, site.prefix
+        )
+        kwargs["transformer_options"] = marked
+        return original(*args, **kwargs)
+
+    forward.mc_sparse_marker = site
+    return forward
+
+
+def _mark(site: CallSite, **kw) -> Callable[[Callable], Callable]:
+    return lambda original: _marking_forward(original, site, **kw)
+
+
+def plan_for(diffusion_model: Any) -> PatchPlan:
+    """The object patches MC-Sparse needs on ``diffusion_model`` (a ``torch.nn.Module``), by class name."""
+    name = type(diffusion_model).__name__
+    if name in SKIPPED:
+        return PatchPlan(None, (), False, SKIPPED[name])
+    patches: list[tuple[str, Callable]] = []
+    if name in WAN_FAMILY:
+        blocks = getattr(diffusion_model, "blocks", [])
+        for i, block in enumerate(blocks):
+            if hasattr(block, "self_attn"):
+                patches.append((f"blocks.{i}.self_attn.forward", _mark(CallSite(i, "wan"))))
+        for j, block in enumerate(getattr(diffusion_model, "vace_blocks", None) or []):
+            if hasattr(block, "self_attn"):
+                patches.append((f"vace_blocks.{j}.self_attn.forward", _mark(CallSite(len(blocks) + j, "wan"))))
+        return PatchPlan("wan", tuple(patches), False, None)
+    if name == "HunyuanVideo":
+        return _joint_plan(diffusion_model, "hunyuan_video", "video_first")
+    if name == "Hunyuan3Dv2":
+        return _joint_plan(diffusion_model, "hunyuan3d", "text_first")
+    if name == "HunYuanDiTPlain":
+        from .override import make_hunyuan3d21_attn_forward
+
+        for i, block in enumerate(getattr(diffusion_model, "blocks", [])):
+            if hasattr(block, "attn1"):
+                site = CallSite(i, "hunyuan3d21", prefix=1)
+                patches.append((f"blocks.{i}.attn1.forward", _h3d21_factory(block.attn1, site, make_hunyuan3d21_attn_forward)))
+        return PatchPlan("hunyuan3d21", tuple(patches), True, None)
+    return PatchPlan(None, (), False, f"model {name} is not supported by MC-Sparse (dense pass-through)")
+
+
+def _h3d21_factory(module, site, maker):
+    return lambda original: maker(module, site, original)
+
+
+def _joint_plan(diffusion_model: Any, family: str, joint: str) -> PatchPlan:
+    doubles = list(getattr(diffusion_model, "double_blocks", None) or [])
+    singles = list(getattr(diffusion_model, "single_blocks", None) or [])
+    patches = [
+        (f"double_blocks.{i}.forward", _mark(CallSite(i, family, joint), record_text_len_from="txt"))
+        for i in range(len(doubles))
+    ]
+    patches += [(f"single_blocks.{j}.forward", _mark(CallSite(len(doubles) + j, family, joint))) for j in range(len(singles))]
+    return PatchPlan(family, tuple(patches), False, None)
+
+
+def install_plan(patcher: Any, plan: PatchPlan) -> int:
+    """Add ``plan``'s object patches to ``patcher`` (a ComfyUI ModelPatcher clone), chaining any object patch
+    already registered for the same attribute (e.g. another pack's memory-efficient attention forward).
+    Returns the number of patches installed. The model itself is untouched until ComfyUI loads it.
+    """
+    count = 0
+    for rel, factory in plan.patches:
+        key = f"diffusion_model.{rel}"
+        existing = patcher.object_patches.get(key)
+        if existing is not None and getattr(existing, "mc_sparse_marker", None) is not None:
+            continue  # already ours (node applied twice): keep one layer of marking
+        if existing is None:
+            module_path, attr = key.rsplit(".", 1)
+            module = patcher.get_model_object(module_path)
+            existing = getattr(type(module), attr).__get__(module, type(module))
+        patcher.add_object_patch(key, factory(existing))
+        count += 1
+    return count

@@ -1,0 +1,352 @@
+"""Per-run state, the wrappers and callbacks that manage it, and ``apply_mc_sparse``.
+
+Lifecycle (pattern of core EasyCache, ``comfy_extras/nodes_easycache.py`` L144-172 / L353-355):
+
+* ``apply_mc_sparse`` clones the model, puts an ``MCSparsePatch`` holder (frozen settings; deep-copies to a
+  fresh holder) under ``transformer_options["mc_sparse"]``, installs the override, object-patches the
+  self-attention call sites (``layouts``), and registers under key "mc_sparse":
+  an OUTER_SAMPLE wrapper, a CALC_COND_BATCH wrapper, ON_PREPARE_STATE and ON_CLEANUP callbacks, and (for
+  Hunyuan3D 2.1 only) an APPLY_MODEL wrapper.
+* OUTER_SAMPLE (once per sampler call; ``comfy/samplers.py`` L1032-1035, args ``(noise, latent, sampler,
+  sigmas, ...)``) clones the guider's model_options, creates a fresh ``RunState`` (an ``MCSparseRunner``
+  for this call's schedule) under ``transformer_options["mc_sparse_run"]``, and in ``finally`` logs the run
+  summary, frees the caches and restores the options. Interrupts and errors go through the ``finally``.
+* CALC_COND_BATCH (per step, gets the model_options actually used) and ON_PREPARE_STATE re-assert our
+  override on top, chaining whatever another node put there; a displacement is logged once and reported.
+* ON_CLEANUP (``comfy/model_patcher.py`` L906-911, end of ``outer_sample``) frees the caches of active runs.
+
+Nothing here imports ComfyUI at module level; ``apply_mc_sparse`` imports ``comfy`` when called.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import torch
+
+from .layouts import install_plan, plan_for
+from .override import CURRENT_OPTIONS, RUN_KEY, install_override, sync_time
+from .settings import PatchSettings, build_settings, resolve_schedule
+from .steps import step_index
+
+logger = logging.getLogger(__name__)
+
+HOLDER_KEY = "mc_sparse"
+WRAPPER_KEY = "mc_sparse"
+
+
+class MCSparsePatch:
+    """The node's holder in ``transformer_options["mc_sparse"]``: settings plus the runs now in progress.
+
+    ``ModelPatcher.clone`` deep-copies model_options (``comfy/model_patcher.py`` L293), so deep-copying
+    gives a fresh holder with the same settings and no runs (cheap, never copies caches).
+    """
+
+    def __init__(self, settings: PatchSettings, family: str | None = None, unsupported: str | None = None):
+        self.settings = settings
+        self.family = family
+        self.unsupported = unsupported
+        self.active_runs: list[RunState] = []
+
+    def __deepcopy__(self, memo):
+        return MCSparsePatch(self.settings, self.family, self.unsupported)
+
+    def release(self) -> None:
+        """Free the caches of every active run (ON_CLEANUP)."""
+        for run in list(self.active_runs):
+            run.close()
+
+
+class RunState:
+    """Everything MC-Sparse knows during one sampler call.
+
+    Args:
+        settings: the node's settings.
+        sample_sigmas: this call's schedule (1-D, ``steps + 1`` values, descending).
+        family: the model family from ``layouts.plan_for`` (None = unsupported, all dense).
+        unsupported: why the model is unsupported, if it is.
+        runner_factory: ``(config, backend) -> runner``; default ``engine.MCSparseRunner`` (tests inject).
+
+    ``runner`` is None when the call has no anchor step (``dense_run_reason`` says why); every call is then
+    dense. Deep copies return the same object: the state is shared by reference within a run.
+    """
+
+    def __init__(self, settings: PatchSettings, sample_sigmas, *, family: str | None = None,
+                 unsupported: str | None = None, runner_factory=None):
+        self.settings = settings
+        self.sample_sigmas = [float(s) for s in (sample_sigmas.tolist() if isinstance(sample_sigmas, torch.Tensor) else sample_sigmas)]
+        self.num_steps = max(1, len(self.sample_sigmas) - 1)
+        self.family = family
+        self.schedule = resolve_schedule(settings, self.num_steps)
+        self.notes: list[str] = list(self.schedule.notes)
+        self.dense_reasons: Counter = Counter()  # used when there is no runner
+        self.sparse_calls_by_kind: Counter = Counter()
+        self.dense_ms: dict[tuple, list[float]] = {}
+        self.reuse_ms: dict[tuple, list[float]] = {}
+        self.displaced: list[str] = []
+        self.closed = False
+        self.config = None
+        self.runner = None
+        self.dense_run_reason = unsupported or "no anchor step in this sampler call"
+        if unsupported is None and self.schedule.anchor_steps and self.schedule.warmup_steps < self.num_steps:
+            from ..config import MCSparseConfig
+
+            self.config = MCSparseConfig(
+                density=settings.density,
+                group_size=settings.group_size,
+                warmup_steps=self.schedule.warmup_steps,
+                warmup_layers=settings.warmup_layers,
+                anchor_steps=self.schedule.anchor_steps,
+            )
+            if runner_factory is None:
+                from ..engine import MCSparseRunner
+
+                runner_factory = lambda config, backend: MCSparseRunner(config, backend=backend)  # noqa: E731
+            self.runner = runner_factory(self.config, self._backend_name(settings.backend))
+        elif unsupported is None and self.schedule.warmup_steps >= self.num_steps:
+            self.dense_run_reason = f"dense warm-up covers all {self.num_steps} steps"
+        if settings.cache_placement == "cpu":
+            self.notes.append("cache placement 'cpu' requested: the engine keeps caches on the compute device for now")
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def _backend_name(self, requested: str) -> str:
+        if requested == "auto":
+            return "auto"
+        from ... import kernels
+
+        names = kernels.registry.backend_names()
+        alias = {"torch": "reference"}.get(requested, requested)
+        for candidate in (requested, alias):
+            if candidate in names:
+                return candidate
+        self.notes.append(f"backend '{requested}' is not available here (have: {', '.join(names)}); using auto")
+        return "auto"
+
+    # -- called from the override ---------------------------------------------------------------------------
+    def step_for(self, sigma: float) -> int:
+        """0-based step of ``sigma`` in this call's schedule (``steps.step_index``)."""
+        return step_index(sigma, self.sample_sigmas)
+
+    def kind(self, step: int, layer: int) -> str:
+        """"dense", "anchor" or "reuse" for this step and block."""
+        from ..schedule import step_kind
+
+        return step_kind(self.config, step, layer).value
+
+    def record_dense(self, reason: str) -> None:
+        """Count a call that ran dense, with its reason."""
+        if self.runner is not None:
+            self.runner.record_dense(reason)
+        else:
+            self.dense_reasons[reason] += 1
+
+    def timed_dense(self, reason: str, shape: tuple, fn):
+        """Run a dense warm-up call ``fn()``, count it and record its time per conditioning chunk shape."""
+        start = sync_time()
+        out = fn()
+        ms = (sync_time() - start) * 1000.0
+        self.record_dense(reason)
+        self.dense_ms.setdefault(shape[1:], []).append(ms / max(1, shape[0]))
+        return out
+
+    def sparse_call(self, q, k, v, *, step: int, layer: int, branch, window, dense_fn, scale):
+        """An anchor or reuse call for one conditioning chunk through the runner, timed."""
+        from ..cache import CacheKey
+
+        key = CacheKey(layer=layer, branch=branch, window=window, shape=tuple(q.shape))
+        reuse_before = self.runner.stats.calls.get(_reuse_kind(), 0)
+        start = sync_time()
+        out = self.runner.attention(q, k, v, step=step, layer=layer, key=key, dense_fn=dense_fn, scale=scale)
+        ms = (sync_time() - start) * 1000.0
+        if self.runner.stats.calls.get(_reuse_kind(), 0) > reuse_before:
+            self.reuse_ms.setdefault(tuple(q.shape[1:]), []).append(ms / max(1, q.shape[0]))
+        return out
+
+    # -- end of run -------------------------------------------------------------------------------------------
+    def note_displaced(self, what: str) -> None:
+        """Another node wrote the override key after us; we chained it and took the top again."""
+        if what not in self.displaced:
+            self.displaced.append(what)
+            logger.warning("MC-Sparse: another attention override (%s) was installed after the MC-Sparse Patch "
+                           "node; MC-Sparse re-installed itself on top and calls it for dense attention", what)
+
+    def time_saved_ms(self) -> float | None:
+        """Measured: reuse calls x (mean dense time - mean reuse time) per chunk shape; None if no pair."""
+        saved, paired = 0.0, False
+        for shape, reuse in self.reuse_ms.items():
+            dense = self.dense_ms.get(shape)
+            if dense:
+                paired = True
+                saved += len(reuse) * (sum(dense) / len(dense)) - sum(reuse)
+        return saved if paired else None
+
+    def counts(self) -> dict[str, int]:
+        """{"sparse": reuse calls, "anchor": anchor calls, "dense": dense calls} so far."""
+        if self.runner is None:
+            return {"sparse": 0, "anchor": 0, "dense": sum(self.dense_reasons.values())}
+        calls = {k.value: n for k, n in self.runner.stats.calls.items()}
+        return {"sparse": calls.get("reuse", 0), "anchor": calls.get("anchor", 0), "dense": calls.get("dense", 0)}
+
+    def summary(self) -> str:
+        """The multi-line run summary (see ``summary.format_summary``)."""
+        from .summary import format_summary
+
+        return format_summary(self)
+
+    def close(self) -> None:
+        """Free the caches (idempotent)."""
+        if self.runner is not None:
+            self.runner.close()
+        self.closed = True
+
+
+def _reuse_kind():
+    from ..schedule import StepKind
+
+    return StepKind.REUSE
+
+
+# -- wrappers and callbacks (called by ComfyUI) ---------------------------------------------------------------
+
+def outer_sample_wrapper(executor, *args, **kwargs):
+    """OUTER_SAMPLE: a fresh ``RunState`` for this sampler call; summary, free and restore in ``finally``."""
+    from comfy.model_patcher import create_model_options_clone
+
+    guider = executor.class_obj
+    original_options = guider.model_options
+    holder: MCSparsePatch | None = original_options.get("transformer_options", {}).get(HOLDER_KEY)
+    if holder is None:
+        return executor(*args, **kwargs)
+    sigmas = args[3] if len(args) > 3 else kwargs["sigmas"]
+    run = None
+    try:
+        guider.model_options = create_model_options_clone(original_options)
+        options = guider.model_options.setdefault("transformer_options", {})
+        run = RunState(holder.settings, sigmas, family=holder.family, unsupported=holder.unsupported)
+        options[RUN_KEY] = run
+        displaced = install_override(options)
+        if displaced:
+            run.note_displaced(displaced)
+        holder.active_runs.append(run)
+        return executor(*args, **kwargs)
+    finally:
+        if run is not None:
+            try:
+                _report(run)
+            finally:
+                run.close()
+                if run in holder.active_runs:
+                    holder.active_runs.remove(run)
+        guider.model_options = original_options
+
+
+def _report(run: RunState) -> None:
+    text = run.summary()
+    counts = run.counts()
+    if counts["sparse"] == 0:
+        logger.warning("%s", text)
+    else:
+        logger.info("%s", text)
+    try:  # progress text under the sampler node in the UI (server.py L1008), when a server is running
+        from comfy_execution.utils import get_executing_context
+        from server import PromptServer
+
+        context = get_executing_context()
+        server = getattr(PromptServer, "instance", None)
+        if context is not None and server is not None and hasattr(server, "send_progress_text"):
+            server.send_progress_text(text.splitlines()[0], context.node_id)
+    except Exception as err:  # the UI message is optional; never fail a finished sampling run over it
+        logger.debug("MC-Sparse: no progress text (%s)", err)
+
+
+def calc_cond_batch_wrapper(executor, *args, **kwargs):
+    """CALC_COND_BATCH (per step): re-assert the override on the model_options this step really uses
+    (args ``(model, conds, x_in, timestep, model_options)``, ``comfy/samplers.py`` L209-213)."""
+    model_options = args[4] if len(args) > 4 else kwargs.get("model_options")
+    if model_options is not None:
+        options = model_options.setdefault("transformer_options", {})
+        displaced = install_override(options)
+        run = options.get(RUN_KEY)
+        if displaced and run is not None:
+            run.note_displaced(displaced)
+    return executor(*args, **kwargs)
+
+
+def on_prepare_state(patcher, *args, **kwargs):
+    """ON_PREPARE_STATE: called ``(patcher, timestep)`` in the Oct-2025 snapshot (``model_patcher.py``
+    L1040-1042) and ``(patcher, timestep, model_options)`` in newer ComfyUI; re-asserts the override."""
+    model_options = kwargs.get("model_options") or (args[1] if len(args) > 1 else None)
+    target = model_options if isinstance(model_options, dict) else getattr(patcher, "model_options", None)
+    if target is not None:
+        install_override(target.setdefault("transformer_options", {}))
+
+
+def on_cleanup(patcher, *args, **kwargs):
+    """ON_CLEANUP: free the caches of runs still active on this patcher's holder."""
+    holder = getattr(patcher, "model_options", {}).get("transformer_options", {}).get(HOLDER_KEY)
+    if isinstance(holder, MCSparsePatch):
+        holder.release()
+
+
+def apply_model_wrapper(executor, *args, **kwargs):
+    """APPLY_MODEL (Hunyuan3D 2.1 only): publish this evaluation's transformer_options in
+    ``override.CURRENT_OPTIONS`` for the replaced attention forwards (args ``(x, t, c_concat, c_crossattn,
+    control, transformer_options)``, ``comfy/model_base.py`` L159-164)."""
+    options = kwargs.get("transformer_options", args[5] if len(args) > 5 else None)
+    token = CURRENT_OPTIONS.set(options)
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        CURRENT_OPTIONS.reset(token)
+
+
+def apply_mc_sparse(
+    model,
+    *,
+    preset: str = "balanced",
+    density: float = 0.2,
+    dense_warmup: str = "auto",
+    warmup_layers: int = 1,
+    anchor_steps: str = "auto",
+    query_tile: int = 128,
+    cache_placement: str = "auto",
+    backend: str = "auto",
+    min_tokens: int = 2048,
+    verbose: bool = False,
+):
+    """Return a clone of ``model`` (a ComfyUI ``ModelPatcher``) with MC-Sparse attention installed.
+
+    Args: see ``settings.build_settings`` (same names; step numbers 1-based, percents of each sampler
+    call). The original ``model`` is not modified; bypassing the node leaves no trace.
+    Returns:
+        the patched clone.
+    Raises:
+        ValueError / TypeError: a bad setting, naming the input.
+    """
+    import comfy.patcher_extension as pe
+
+    settings = build_settings(preset=preset, density=density, dense_warmup=dense_warmup, warmup_layers=warmup_layers,
+                              anchor_steps=anchor_steps, query_tile=query_tile, cache_placement=cache_placement,
+                              backend=backend, min_tokens=min_tokens, verbose=verbose)
+    patched = model.clone()
+    plan = plan_for(patched.get_model_object("diffusion_model"))
+    if plan.reason_unsupported:
+        logger.warning("MC-Sparse: %s", plan.reason_unsupported)
+    options = patched.model_options.setdefault("transformer_options", {})
+    options[HOLDER_KEY] = MCSparsePatch(settings, plan.family, plan.reason_unsupported)
+    install_override(options)
+    installed = install_plan(patched, plan)
+    patched.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, outer_sample_wrapper)
+    patched.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, calc_cond_batch_wrapper)
+    if plan.needs_context_publisher:
+        patched.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY, apply_model_wrapper)
+    patched.add_callback_with_key(pe.CallbacksMP.ON_PREPARE_STATE, WRAPPER_KEY, on_prepare_state)
+    patched.add_callback_with_key(pe.CallbacksMP.ON_CLEANUP, WRAPPER_KEY, on_cleanup)
+    if settings.verbose:
+        logger.info("MC-Sparse: patched %s (%s): %d self-attention call sites marked; %s",
+                    type(patched.get_model_object("diffusion_model")).__name__, plan.family, installed, settings)
+    return patched

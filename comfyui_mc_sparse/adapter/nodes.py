@@ -1,0 +1,118 @@
+"""The "MC-Sparse Patch" node (ComfyUI V3 node API) and the pack's ``comfy_entrypoint``.
+
+Schema pattern: core ``comfy_extras/nodes_easycache.py`` L328-356 (``io.ComfyNode`` + ``io.Schema``) and
+entry point L490-498 (``ComfyExtension.get_node_list``). Imported only inside ComfyUI (root ``__init__``).
+
+The node id, input ids and combo options are a persistence contract with saved workflows: never rename them
+(``tests/test_adapter_workflows.py`` pins them).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from comfy_api.latest import ComfyExtension, io
+
+from .lifecycle import apply_mc_sparse
+from .settings import BACKENDS, CACHE_PLACEMENTS, PRESET_NAMES
+
+logger = logging.getLogger(__name__)
+
+NODE_ID = "MCSparsePatch"
+
+
+class MCSparsePatch(io.ComfyNode):
+    """MODEL in, MODEL out: MC-Sparse sparse self-attention on Wan 2.1/2.2, HunyuanVideo and Hunyuan3D."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID,
+            display_name="MC-Sparse Patch",
+            category="model/patch",
+            description=(
+                "Training-free sparse attention for video and 3D diffusion transformers (MC-Sparse). "
+                "Pays off on long token counts (video from ~480p/33 frames up, Hunyuan3D): each step after "
+                "the dense warm-up attends only a fraction (density) of the tokens, corrected by a residual "
+                "measured at anchor steps. Unsupported models and calls run normal dense attention; the run "
+                "summary in the console says what went sparse and why anything stayed dense."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model (after the loader and any LoRA)."),
+                io.Combo.Input(
+                    "preset", options=list(PRESET_NAMES), default="balanced",
+                    tooltip="quality = 25% density, balanced = 20%, fast = 15% (paper: 15-25% keeps PSNR ~28-33 dB "
+                            "at 1.5-2x faster denoising). The presets use the paper's schedule scaled to your step "
+                            "count and ignore the density / warm-up / anchor boxes; pick custom to use them.",
+                ),
+                io.Float.Input(
+                    "density", default=0.2, min=0.05, max=1.0, step=0.01, display_mode=io.NumberDisplay.slider,
+                    tooltip="custom only: share of tokens each query group looks at on sparse steps. Lower is "
+                            "faster but drifts further from the dense result; 1.0 = no sparsity.",
+                ),
+                io.String.Input(
+                    "dense_warmup", default="auto",
+                    tooltip="custom only: how many first steps run normal attention: a step count ('10') or a "
+                            "percent of the sampler's steps ('20%'). auto = 20% (paper: 10 of 50).",
+                ),
+                io.Int.Input(
+                    "warmup_layers", default=1, min=0, max=100,
+                    tooltip="The first N transformer blocks always run normal attention (they are the most "
+                            "sensitive). 1 is a good default.",
+                ),
+                io.String.Input(
+                    "anchor_steps", default="auto",
+                    tooltip="custom only: steps (1-based, as in the progress bar) where MC-Sparse re-measures "
+                            "which tokens matter, e.g. '10, 26' for 50 steps, or percents '20%, 52%'. auto = the "
+                            "paper's 10 and 26 of 50, scaled. Each KSampler counts its own steps.",
+                ),
+                io.Combo.Input(
+                    "query_tile", options=["128", "64"], default="128",
+                    tooltip="Queries per group (C). 128 suits most GPUs; 64 for small or odd token counts.",
+                ),
+                io.Combo.Input(
+                    "cache_placement", options=list(CACHE_PLACEMENTS), default="auto",
+                    tooltip="Where the per-block cache lives between steps: gpu (fastest), cpu (saves VRAM on "
+                            "long videos), auto.",
+                ),
+                io.Combo.Input(
+                    "backend", options=list(BACKENDS), default="auto",
+                    tooltip="Kernel backend. auto picks the fastest available; torch always works (slow).",
+                ),
+                io.Int.Input(
+                    "min_tokens", default=2048, min=0, max=1_000_000, step=256,
+                    tooltip="Attention over fewer latent tokens than this stays normal (sparsity does not pay "
+                            "off on short sequences).",
+                ),
+                io.Boolean.Input(
+                    "verbose", default=False,
+                    tooltip="Log more detail (the patched call sites and the settings).",
+                ),
+            ],
+            outputs=[io.Model.Output(tooltip="The model with MC-Sparse attention.")],
+        )
+
+    @classmethod
+    def execute(cls, model, preset: str, density: float, dense_warmup: str, warmup_layers: int, anchor_steps: str,
+                query_tile: str, cache_placement: str, backend: str, min_tokens: int, verbose: bool) -> io.NodeOutput:
+        try:
+            tile = int(query_tile)
+        except (TypeError, ValueError):
+            raise ValueError(f"query tile C must be 64 or 128, got {query_tile!r}") from None
+        return io.NodeOutput(apply_mc_sparse(
+            model, preset=preset, density=density, dense_warmup=dense_warmup, warmup_layers=warmup_layers,
+            anchor_steps=anchor_steps, query_tile=tile, cache_placement=cache_placement, backend=backend,
+            min_tokens=min_tokens, verbose=verbose,
+        ))
+
+
+class MCSparseExtension(ComfyExtension):
+    """The pack's node list for ComfyUI's V3 loader (``nodes.load_custom_node``)."""
+
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return [MCSparsePatch]
+
+
+async def comfy_entrypoint() -> MCSparseExtension:
+    """V3 entry point ComfyUI calls when the pack exports no ``NODE_CLASS_MAPPINGS``."""
+    return MCSparseExtension()

@@ -1,0 +1,319 @@
+"""The ``optimized_attention_override`` MC-Sparse installs, and the per-call dispatch behind it.
+
+Contract (ComfyUI ``comfy/ldm/modules/attention.py`` L118-134, ``wrap_attn``): the override is called as
+``override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+skip_output_reshape=False, **kwargs)`` where ``func`` is the raw backend and kwargs carry
+``transformer_options`` and ``_inside_attn_wrapper`` (forwarded untouched to ``func`` / ``previous``).
+Layouts: ``skip_reshape=False`` -> q/k/v ``(B, S, heads*D)``, output ``(B, S, heads*D)``;
+``skip_reshape=True`` -> ``(B, heads, S, D)``, output ``(B, S, heads*D)`` unless ``skip_output_reshape``,
+then ``(B, heads, S, D)``.
+
+Dispatch of one call (``dispatch``): unmarked calls (cross-attention, token refiners, text encoders), calls
+outside an MC-Sparse sampler run, masked non-joint calls, short sequences and unsupported shapes run dense
+through ``previous`` (any override installed before ours) or ``func`` and are counted with their reason.
+Dense warm-up steps/layers also go straight to ``previous``/``func`` on the whole batch, so they are bit-
+identical to the unpatched model. Anchor and reuse steps split the batch into its conditioning chunks
+(``cond_or_uncond`` / ``uuids``, ``comfy/samplers.py`` L321-323) and call ``MCSparseRunner.attention`` per
+chunk with a cache key of (block, uuid, context window, shape), never the batch position.
+
+Joint text+latent sequences (HunyuanVideo [video, text], Hunyuan3D 2.0 [cond, latent]): text *query* rows
+are recomputed exactly (dense, cheap: text is a few hundred rows). Padded text tokens (the additive text mask
+is -inf/-max there) are removed from the keys, which is exact since they carry zero probability. Latent query
+rows run MC-Sparse over the remaining joint sequence: text keys take part in the exact token-level top-K
+selection (heavily attended text keys are kept by probability mass) and the residual compensates the rest.
+A mask with other values than 0 / large-negative, or one not shared by the batch, makes the call dense.
+
+The Python logic runs under ``torch.compiler.disable`` (dynamo would otherwise guard on it and recompile
+every call, ``shared/docs/comfyui.md`` 4.3).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .layouts import MARK_KEY, TEXT_LEN_KEY, CallSite
+from .steps import current_sigma
+
+logger = logging.getLogger(__name__)
+
+RUN_KEY = "mc_sparse_run"
+"""transformer_options key of the active ``lifecycle.RunState`` (set by the OUTER_SAMPLE wrapper)."""
+
+CURRENT_OPTIONS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mc_sparse_options", default=None)
+"""transformer_options of the model evaluation in progress, published by the APPLY_MODEL wrapper for models
+whose attention sees none (Hunyuan3D 2.1). Set and reset around each evaluation; None outside."""
+
+_MASK_NEG = -1e4  # additive mask entries at or below this count as "masked out" (ComfyUI uses -finfo.max)
+
+
+def make_override(previous: Callable | None) -> Callable:
+    """Build the override, chained to ``previous`` (the override that was installed before, or None).
+
+    The returned function carries ``mc_sparse_override = True`` and ``previous`` attributes, so the
+    installer can recognise itself and never stack two MC-Sparse layers.
+    """
+
+    @torch.compiler.disable
+    def mc_sparse_attention_override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                                     skip_output_reshape=False, **kwargs):
+        def call(q_, k_, v_, mask_, skip_reshape_, skip_output_reshape_):
+            if previous is not None:
+                return previous(func, q_, k_, v_, heads, mask=mask_, attn_precision=attn_precision,
+                                skip_reshape=skip_reshape_, skip_output_reshape=skip_output_reshape_, **kwargs)
+            return func(q_, k_, v_, heads, mask=mask_, attn_precision=attn_precision, skip_reshape=skip_reshape_,
+                        skip_output_reshape=skip_output_reshape_, **kwargs)
+
+        options = kwargs.get("transformer_options") or {}
+        run = options.get(RUN_KEY)
+        if run is None:
+            return call(q, k, v, mask, skip_reshape, skip_output_reshape)
+        return dispatch(run, options.get(MARK_KEY), q, k, v, heads, mask=mask, skip_reshape=skip_reshape,
+                        skip_output_reshape=skip_output_reshape, options=options, call=call,
+                        scale=kwargs.get("scale"))
+
+    mc_sparse_attention_override.mc_sparse_override = True
+    mc_sparse_attention_override.previous = previous
+    return mc_sparse_attention_override
+
+
+def is_ours(fn: Any) -> bool:
+    """True when ``fn`` is an override built by ``make_override``."""
+    return bool(getattr(fn, "mc_sparse_override", False))
+
+
+def install_override(transformer_options: dict) -> str | None:
+    """Put our override on top of ``transformer_options["optimized_attention_override"]`` (idempotent).
+
+    Returns None when ours was already on top or the slot was empty; otherwise a description of the
+    foreign override that was found on top (it is chained as ``previous``), for a warning.
+    """
+    current = transformer_options.get("optimized_attention_override")
+    if is_ours(current):
+        return None
+    transformer_options["optimized_attention_override"] = make_override(current)
+    if current is None:
+        return None
+    return getattr(current, "__qualname__", None) or type(current).__name__
+
+
+def _to_heads_first(t: torch.Tensor, heads: int, skip_reshape: bool) -> torch.Tensor:
+    if skip_reshape:
+        return t  # [B, H, S, D]
+    b, s, hd = t.shape
+    return t.view(b, s, heads, hd // heads).transpose(1, 2)  # [B, S, H*D] -> [B, H, S, D]
+
+
+def _from_heads_first(t: torch.Tensor, skip_reshape: bool, skip_output_reshape: bool) -> torch.Tensor:
+    if skip_reshape and skip_output_reshape:
+        return t  # caller wants [B, H, S, D]
+    b, h, s, d = t.shape
+    return t.transpose(1, 2).reshape(b, s, h * d)
+
+
+def _window_key(window: Any) -> Any:
+    """A hashable, step-stable identity of a context window (``comfy/context_windows.py`` L226)."""
+    if window is None:
+        return None
+    index_list = getattr(window, "index_list", None)
+    if index_list is not None:
+        return ("window", tuple(int(i) for i in index_list))
+    return ("window", repr(window))
+
+
+def _keep_mask(mask: torch.Tensor | None, seq: int, latent: slice) -> tuple[torch.Tensor | None, str | None]:
+    """Indices of keys to keep for a joint call with an additive (or bool) key mask, or a reason to go dense.
+
+    Accepts masks that broadcast to ``(1, 1, [1,] S)`` (one mask for the whole batch, per key only).
+    """
+    if mask is None:
+        return None, None
+    m = mask
+    if m.dtype == torch.bool:
+        m = torch.where(m, 0.0, float("-inf"))
+    if m.shape[-1] != seq or any(d != 1 for d in m.shape[:-1]):
+        return None, f"mask of shape {tuple(mask.shape)} is not one per-key mask for the batch"
+    row = m.reshape(seq).float()
+    masked = row <= _MASK_NEG
+    if bool(((row != 0) & ~masked).any()):
+        return None, "mask holds values other than 0 and masked-out"
+    if bool(masked[latent].any()):
+        return None, "mask masks latent tokens"
+    if not bool(masked.any()):
+        return None, None
+    return torch.nonzero(~masked).flatten(), None
+
+
+def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_reshape: bool, skip_output_reshape: bool,
+             options: dict, call: Callable, scale: float | None = None):
+    """Run one attention call dense or through MC-Sparse and return it in the caller's output layout.
+
+    Args:
+        run: the active ``lifecycle.RunState``.
+        site: the ``CallSite`` mark of a self-attention call, or None (unmarked: dense).
+        q, k, v: as ComfyUI passed them (see the module docstring for layouts).
+        heads: number of heads H.
+        call: ``(q, k, v, mask, skip_reshape, skip_output_reshape) -> out``, the dense path (previous or func).
+        scale: softmax scale if the caller passed one, else 1/sqrt(D).
+    """
+
+    def dense(reason: str):
+        run.record_dense(reason)
+        return call(q, k, v, mask, skip_reshape, skip_output_reshape)
+
+    if site is None:
+        return dense("not a marked self-attention call (cross-attention, token refiner, unsupported block)")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return dense(f"q/k/v arrive as {type(q).__name__}, not tensors (AttentionTensorContainer)")
+    if q.shape != k.shape or q.shape != v.shape:
+        return dense(f"q/k/v shapes differ ({tuple(q.shape)} / {tuple(k.shape)} / {tuple(v.shape)})")
+    if run.runner is None:
+        return dense(run.dense_run_reason)
+    seq = q.shape[2] if skip_reshape else q.shape[1]
+    batch = q.shape[0]
+    head_dim = q.shape[-1] if skip_reshape else q.shape[-1] // heads
+
+    text_len = 0
+    if site.joint is not None:
+        text_len = site.text_len if site.text_len is not None else options.get(TEXT_LEN_KEY)
+        if text_len is None:
+            return dense("joint sequence without a known text length")
+        text_len = int(text_len)
+        if not 0 <= text_len < seq:
+            return dense(f"joint text length {text_len} does not fit a sequence of {seq}")
+    elif mask is not None:
+        return dense("masked attention")
+    latent_tokens = seq - text_len - site.prefix
+    if latent_tokens < run.settings.min_tokens:
+        return dense(f"fewer latent tokens ({latent_tokens}) than min tokens ({run.settings.min_tokens})")
+    if head_dim not in (64, 128):
+        return dense(f"head dim {head_dim} not supported (64, 128)")
+
+    sigma = current_sigma(options)
+    if sigma is None:
+        return dense("no current sigma in transformer_options")
+    step = run.step_for(sigma)
+    kind = run.kind(step, site.layer)
+    if kind == "dense":
+        reason = "dense warm-up layer" if site.layer < run.config.warmup_layers else "dense warm-up step"
+        return run.timed_dense(reason, (batch, heads, seq, head_dim),
+                               lambda: call(q, k, v, mask, skip_reshape, skip_output_reshape))
+
+    cond_or_uncond = list(options.get("cond_or_uncond") or [0])
+    uuids = list(options.get("uuids") or [])
+    chunks = len(cond_or_uncond)
+    if batch % chunks:
+        return dense(f"batch {batch} does not split into {chunks} conditioning chunks")
+    per_chunk = batch // chunks
+    window = _window_key(options.get("context_window"))
+
+    qh, kh, vh = (_to_heads_first(t, heads, skip_reshape) for t in (q, k, v))  # [B, H, S, D]
+    if site.joint is not None:
+        latent = slice(0, seq - text_len) if site.joint == "video_first" else slice(text_len, seq)
+        keep, why = _keep_mask(mask, seq, latent)
+        if why is not None:
+            return dense(why)
+    outs = []
+    for i in range(chunks):
+        rows = slice(i * per_chunk, (i + 1) * per_chunk)
+        branch = str(uuids[i]) if i < len(uuids) else f"cond_or_uncond={cond_or_uncond[i]}"
+        qc, kc, vc = qh[rows], kh[rows], vh[rows]
+        if site.joint is None:
+            outs.append(run.sparse_call(qc, kc, vc, step=step, layer=site.layer, branch=branch, window=window,
+                                        dense_fn=_dense_fn(call), scale=scale))
+        else:
+            outs.append(_joint_chunk(run, site, qc, kc, vc, text_len=text_len, keep=keep, mask=mask, step=step,
+                                     branch=branch, window=window, scale=scale))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    return _from_heads_first(out, skip_reshape, skip_output_reshape)
+
+
+def _dense_fn(call: Callable) -> Callable:
+    """``(q, k, v) [B, H, S, D] -> [B, H, S, D]`` through the caller's own dense path (previous or func)."""
+
+    def dense_fn(q, k, v):
+        out = call(q, k, v, None, True, True)
+        if out.dim() == 3:  # a backend or previous override that ignores skip_output_reshape
+            b, h, s, d = q.shape
+            out = out.view(b, s, h, d).transpose(1, 2)
+        return out
+
+    return dense_fn
+
+
+def _exact_rows(q_rows, k, v, scale: float, key_bias: torch.Tensor | None) -> torch.Tensor:
+    """Exact attention of a few query rows over all keys, fp32 accumulation. ``[B,H,T,D] -> [B,H,T,D]``."""
+    scores = torch.matmul(q_rows.float(), k.float().transpose(-1, -2)) * scale  # [B, H, T, S]
+    if key_bias is not None:
+        scores = scores + key_bias
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q_rows.dtype)
+
+
+def _joint_chunk(run, site: CallSite, q, k, v, *, text_len: int, keep, mask, step: int, branch, window, scale):
+    """One conditioning chunk of a joint [video, text] / [text, latent] call (see the module docstring)."""
+    seq = q.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    text = slice(seq - text_len, seq) if site.joint == "video_first" else slice(0, text_len)
+    if keep is not None:
+        qs, ks, vs = q[:, :, keep], k[:, :, keep], v[:, :, keep]
+    else:
+        qs, ks, vs = q, k, v
+    out_kept = run.sparse_call(qs, ks, vs, step=step, layer=site.layer, branch=branch, window=window,
+                               dense_fn=None, scale=scale)
+    if keep is not None:
+        out = torch.empty_like(q)
+        out[:, :, keep] = out_kept
+    else:
+        out = out_kept
+    if text_len:
+        out[:, :, text] = _exact_rows(q[:, :, text], ks, vs, scale, None)
+    return out
+
+
+def make_hunyuan3d21_attn_forward(module, site: CallSite, original: Callable) -> Callable:
+    """Replacement for ``hunyuan3dv2_1`` ``Attention.forward`` (``hunyuandit.py`` L390-418), which calls
+    attention without transformer_options. Same projections and per-head q/k/v split as the original, then
+    ``dispatch`` with the transformer_options the APPLY_MODEL wrapper published in ``CURRENT_OPTIONS``.
+    Outside an MC-Sparse run it calls ``original`` unchanged.
+    """
+
+    def forward(x, *args, **kwargs):
+        options = CURRENT_OPTIONS.get()
+        run = options.get(RUN_KEY) if options else None
+        if run is None or args or kwargs:
+            return original(x, *args, **kwargs)
+        from comfy.ldm.modules.attention import optimized_attention
+
+        b, n, _ = x.shape
+        heads, head_dim = module.num_heads, module.head_dim
+        qkv = torch.cat((module.to_q(x), module.to_k(x), module.to_v(x)), dim=-1)
+        width = qkv.shape[-1] // heads // 3
+        # the original interleaves q/k/v per head: [.., heads, 3*width] then splits the last dim
+        q, k, v = torch.split(qkv.view(1, -1, heads, width * 3), width, dim=-1)
+        q = module.q_norm(q.reshape(b, n, heads, head_dim)).reshape(b, n, heads * head_dim)
+        k = module.k_norm(k.reshape(b, n, heads, head_dim)).reshape(b, n, heads * head_dim)
+        v = v.reshape(b, n, heads * head_dim)
+
+        def call(q_, k_, v_, mask_, skip_reshape_, skip_output_reshape_):
+            return optimized_attention(q_, k_, v_, heads, mask=mask_, skip_reshape=skip_reshape_,
+                                       skip_output_reshape=skip_output_reshape_)
+
+        out = dispatch(run, site, q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False,
+                       options=options, call=call)
+        return module.out_proj(out)
+
+    forward.mc_sparse_marker = site
+    return forward
+
+
+def sync_time() -> float:
+    """``time.perf_counter()`` after a device sync (CUDA only), for measured attention times."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()

@@ -1,0 +1,287 @@
+"""Node widget values -> validated patch settings, and their resolution for one sampler call.
+
+The node stores *what the artist asked for* (``PatchSettings``); the number of denoising steps is only known
+when a sampler starts, so warm-up and anchors given in percent (or left on ``auto``) are turned into concrete
+0-based step indices per sampler call by ``resolve_schedule``. Nothing here imports ComfyUI.
+
+Units used throughout:
+
+* step numbers typed by the user are **1-based**, as ComfyUI's progress bar counts them ("10, 26" = the
+  paper's video anchors, method.md "Schedule"); internally steps are 0-based within the sampler call;
+* percentages are of the sampler call's step count (a Wan2.2 high-noise stage of 10 steps: "20%" = step 2);
+* density is the fraction of KV tokens each query group keeps, in (0, 1].
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+PRESETS: dict[str, float] = {"quality": 0.25, "balanced": 0.20, "fast": 0.15}
+"""Preset -> density. 25 % and 15 % are the paper's reported video settings (method.md results table)."""
+
+PRESET_NAMES = ("quality", "balanced", "fast", "custom")
+CACHE_PLACEMENTS = ("auto", "gpu", "cpu")
+BACKENDS = ("auto", "triton", "flash_attn4", "torch")
+GROUP_SIZES = (64, 128)
+
+# The paper's second video anchor, 1-based step 26 of 50 (method.md "Schedule"), as a fraction of the run.
+_PAPER_SECOND_ANCHOR = 26 / 50
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One step position as typed: ``value`` is a 1-based step number, or a percent when ``percent``."""
+
+    value: float
+    percent: bool
+
+    def to_index(self, num_steps: int) -> int:
+        """0-based step index within a sampler call of ``num_steps`` steps (may be >= num_steps)."""
+        if self.percent:
+            return max(0, math.ceil(self.value / 100.0 * num_steps) - 1)
+        return int(self.value) - 1
+
+    def to_count(self, num_steps: int) -> int:
+        """Number of steps this spec covers from the start of a call of ``num_steps`` steps."""
+        if self.percent:
+            return min(num_steps, math.ceil(self.value / 100.0 * num_steps))
+        return int(self.value)
+
+    def __str__(self) -> str:
+        return f"{self.value:g}%" if self.percent else f"{int(self.value)}"
+
+
+@dataclass(frozen=True)
+class PatchSettings:
+    """What the MC-Sparse Patch node asked for (validated, frozen, cheap to deep-copy).
+
+    Attributes:
+        preset: one of ``PRESET_NAMES`` (informational once resolved).
+        density: fraction of KV tokens kept per query group, in (0, 1].
+        group_size: query tile C, 64 or 128 tokens.
+        warmup: dense warm-up length (steps or percent); None = the paper's schedule scaled to the call.
+        warmup_layers: number of leading transformer blocks that always run dense (>= 0).
+        anchors: anchor steps (1-based steps or percents); None = the paper's schedule scaled to the call.
+        cache_placement: "auto", "gpu" or "cpu": where cached indices/residuals live between steps.
+        backend: kernel backend request, one of ``BACKENDS``.
+        min_tokens: self-attention calls with fewer tokens (per sequence) run dense.
+        verbose: log every dense decision once per reason and a per-layer table at the end of a run.
+    """
+
+    preset: str
+    density: float
+    group_size: int
+    warmup: StepSpec | None
+    warmup_layers: int
+    anchors: tuple[StepSpec, ...] | None
+    cache_placement: str
+    backend: str
+    min_tokens: int
+    verbose: bool
+
+
+def parse_step_list(text: str, *, name: str, allow_empty: bool = False) -> tuple[StepSpec, ...] | None:
+    """Parse ``"10, 26"`` (1-based steps) or ``"20%, 52%"`` (percent of the run); ``"auto"``/blank -> None.
+
+    Raises:
+        TypeError: ``text`` is not a string.
+        ValueError: an entry is not a positive integer or a percent in (0, 100]; the message names ``name``.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be text like '10, 26' or '20%, 52%', got {type(text).__name__}")
+    stripped = text.strip().lower()
+    if stripped in ("", "auto"):
+        return None
+    specs = []
+    for raw in stripped.replace(";", ",").split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        specs.append(_parse_one(item, name=name))
+    if not specs and not allow_empty:
+        raise ValueError(f"{name} must list at least one step (e.g. '10, 26' or '20%, 52%') or 'auto', got {text!r}")
+    return tuple(specs)
+
+
+def _parse_one(item: str, *, name: str) -> StepSpec:
+    if item.endswith("%"):
+        try:
+            value = float(item[:-1])
+        except ValueError:
+            raise ValueError(f"{name} must hold step numbers or percents like '20%', got {item!r}") from None
+        if not (0.0 < value <= 100.0) or math.isnan(value):
+            raise ValueError(f"{name} percents must be in (0%, 100%], got {item!r}")
+        return StepSpec(value, True)
+    try:
+        value = int(item)
+    except ValueError:
+        raise ValueError(f"{name} must hold whole step numbers (1-based) or percents like '20%', got {item!r}") from None
+    if value < 1:
+        raise ValueError(f"{name} step numbers are 1-based and must be >= 1, got {item!r}")
+    return StepSpec(float(value), False)
+
+
+def parse_warmup(text: str) -> StepSpec | None:
+    """Parse the dense warm-up widget: ``"auto"``, a step count ``"10"`` (0 allowed) or a percent ``"20%"``.
+
+    Raises:
+        ValueError: anything else; the message names "dense warm-up".
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"dense warm-up must be text like '10' or '20%', got {type(text).__name__}")
+    stripped = text.strip().lower()
+    if stripped in ("", "auto"):
+        return None
+    if stripped.endswith("%"):
+        try:
+            value = float(stripped[:-1])
+        except ValueError:
+            raise ValueError(f"dense warm-up must be 'auto', a step count or a percent like '20%', got {text!r}") from None
+        if not (0.0 <= value <= 100.0):
+            raise ValueError(f"dense warm-up percent must be in [0%, 100%], got {text!r}")
+        return StepSpec(value, True)
+    try:
+        value = int(stripped)
+    except ValueError:
+        raise ValueError(f"dense warm-up must be 'auto', a step count or a percent like '20%', got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"dense warm-up must be >= 0 steps, got {text!r}")
+    return StepSpec(float(value), False)
+
+
+def build_settings(
+    *,
+    preset: str,
+    density: float,
+    dense_warmup: str,
+    warmup_layers: int,
+    anchor_steps: str,
+    query_tile: int,
+    cache_placement: str,
+    backend: str,
+    min_tokens: int,
+    verbose: bool,
+) -> PatchSettings:
+    """Validate the node's widget values and return ``PatchSettings``.
+
+    With a preset other than "custom", density comes from ``PRESETS`` and warm-up/anchors are the paper's
+    video schedule scaled to each sampler call (the density, warm-up and anchor widgets are ignored).
+
+    Raises:
+        ValueError / TypeError: naming the input, the accepted range and the value got.
+    """
+    if preset not in PRESET_NAMES:
+        raise ValueError(f"preset must be one of {', '.join(PRESET_NAMES)}, got {preset!r}")
+    if not isinstance(density, (int, float)) or isinstance(density, bool):
+        raise TypeError(f"density must be a number in (0, 1], got {type(density).__name__}")
+    if not (0.0 < float(density) <= 1.0):
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    if isinstance(warmup_layers, bool) or not isinstance(warmup_layers, int) or warmup_layers < 0:
+        raise ValueError(f"dense warm-up layers must be a whole number >= 0, got {warmup_layers!r}")
+    if query_tile not in GROUP_SIZES:
+        raise ValueError(f"query tile C must be 64 or 128, got {query_tile!r}")
+    if cache_placement not in CACHE_PLACEMENTS:
+        raise ValueError(f"cache placement must be one of {', '.join(CACHE_PLACEMENTS)}, got {cache_placement!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise ValueError(f"min tokens must be a whole number >= 0, got {min_tokens!r}")
+    warmup = parse_warmup(dense_warmup)
+    anchors = parse_step_list(anchor_steps, name="anchor steps")
+    if warmup is not None and anchors is not None and all(a.percent == warmup.percent for a in anchors):
+        # Same units: an anchor before the last warm-up step is rejected now rather than mid-sampling.
+        first = min(a.value for a in anchors)
+        if warmup.value > 0 and first < warmup.value:
+            unit = "%" if warmup.percent else ""
+            raise ValueError(
+                f"anchor steps must not come before the last dense warm-up step ({warmup.value:g}{unit}), "
+                f"got first anchor {first:g}{unit}"
+            )
+    if preset != "custom":
+        density = PRESETS[preset]
+        warmup = None
+        anchors = None
+    return PatchSettings(
+        preset=preset,
+        density=float(density),
+        group_size=int(query_tile),
+        warmup=warmup,
+        warmup_layers=int(warmup_layers),
+        anchors=anchors,
+        cache_placement=cache_placement,
+        backend=backend,
+        min_tokens=int(min_tokens),
+        verbose=bool(verbose),
+    )
+
+
+@dataclass(frozen=True)
+class ResolvedSchedule:
+    """Warm-up and anchors of one sampler call, 0-based within its ``num_steps`` steps.
+
+    ``notes`` lists adjustments made while resolving (anchors past the end dropped, anchors moved out of the
+    warm-up), for the run summary.
+    """
+
+    num_steps: int
+    warmup_steps: int
+    anchor_steps: tuple[int, ...]
+    notes: tuple[str, ...]
+
+
+def resolve_schedule(settings: PatchSettings, num_steps: int) -> ResolvedSchedule:
+    """Turn the settings' warm-up/anchor specs into concrete 0-based steps for a call of ``num_steps`` steps.
+
+    ``auto`` uses ``schedule.paper_video_schedule(num_steps)`` (the paper's 50-step video configuration scaled).
+    A warm-up without anchors gets anchors at its last step and at 52 % (the paper's step 26 of 50); anchors
+    without a warm-up get a warm-up ending at the first anchor. Anchors inside the warm-up move to its last
+    step (which is an anchor anyway); anchors past the end of the call are dropped; both are noted.
+
+    Raises:
+        ValueError: ``num_steps`` < 1.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    notes: list[str] = []
+    if settings.warmup is None and settings.anchors is None:
+        from ..schedule import paper_video_schedule
+
+        warmup_steps, anchors = paper_video_schedule(num_steps)
+        anchors = tuple(int(a) for a in anchors)
+    else:
+        if settings.anchors is not None:
+            raw = [a.to_index(num_steps) for a in settings.anchors]
+            dropped = sorted({r for r in raw if r >= num_steps})
+            if dropped:
+                notes.append(
+                    f"anchor steps {', '.join(str(d + 1) for d in dropped)} lie past the end of this "
+                    f"{num_steps}-step sampler call and were dropped"
+                )
+            anchors = tuple(sorted({r for r in raw if r < num_steps}))
+        else:
+            anchors = None
+        if settings.warmup is not None:
+            warmup_steps = settings.warmup.to_count(num_steps)
+        else:
+            warmup_steps = (anchors[0] + 1) if anchors else num_steps
+        if anchors is None:
+            first = max(0, warmup_steps - 1)
+            second = max(0, math.ceil(_PAPER_SECOND_ANCHOR * num_steps) - 1)
+            anchors = tuple(sorted({a for a in (first, second) if a < num_steps}))
+    warmup_steps = min(int(warmup_steps), num_steps)
+    if anchors and warmup_steps > 0 and anchors[0] < warmup_steps - 1:
+        moved = [a for a in anchors if a < warmup_steps - 1]
+        notes.append(
+            f"anchor steps {', '.join(str(a + 1) for a in moved)} fall inside the dense warm-up and were "
+            f"moved to its last step {warmup_steps}"
+        )
+        anchors = tuple(sorted({max(a, warmup_steps - 1) for a in anchors}))
+    if not anchors:
+        notes.append("no anchor step falls inside this sampler call: it runs dense")
+    elif warmup_steps >= num_steps:
+        notes.append(f"the dense warm-up covers all {num_steps} steps of this sampler call")
+    return ResolvedSchedule(num_steps=num_steps, warmup_steps=warmup_steps, anchor_steps=tuple(anchors), notes=tuple(notes))

@@ -1,0 +1,53 @@
+"""The denoising step of the current model evaluation, from its sigma and this sampler call's schedule.
+
+ComfyUI gives the model the current sigma (``transformer_options["sigmas"]``, shape ``[latent batch]``, set
+at ``comfy/samplers.py`` L321-323) and the schedule of *this* sampler call (``sample_sigmas``, set at
+``comfy/samplers.py`` L979, ``steps + 1`` descending values; the same tensor the OUTER_SAMPLE wrapper gets).
+The step is the schedule interval that holds the sigma:
+
+* first-order samplers (euler, uni_pc, ...) evaluate exactly at ``sample_sigmas[i]`` -> step i;
+* heun and other second-order samplers evaluate step i's corrector at ``sample_sigmas[i+1]`` -> counted as
+  step i+1 (the same sigma as step i+1's first evaluation; both see the same attention regime);
+* ancestral / SDE / dpmpp_2s samplers evaluate between entries, ``ss[i] > sigma > ss[i+1]`` -> step i;
+* split samplers (KSamplerAdvanced, SplitSigmas) and denoise < 1 hand each call its own slice, so steps are
+  local to the call; steps skipped by caching nodes simply never arrive.
+
+Matching uses a relative tolerance of 1e-4, as core ``comfy/context_windows.py`` L166-171 does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RTOL = 1e-4
+
+
+def step_index(sigma: float, sample_sigmas: torch.Tensor | list[float]) -> int:
+    """0-based step of ``sigma`` within ``sample_sigmas`` (descending, length steps + 1), clamped to
+    ``[0, steps - 1]``.
+
+    Args:
+        sigma: the current sigma (a float; for a latent batch pass its largest value).
+        sample_sigmas: the sampler call's schedule, 1-D, descending.
+    Raises:
+        ValueError: ``sample_sigmas`` has fewer than 2 entries, or ``sigma`` is NaN.
+    """
+    values = [float(s) for s in (sample_sigmas.tolist() if isinstance(sample_sigmas, torch.Tensor) else sample_sigmas)]
+    if len(values) < 2:
+        raise ValueError(f"sample_sigmas must hold at least 2 values (1 step), got {len(values)}")
+    if sigma != sigma:
+        raise ValueError("sigma must be a number, got NaN")
+    num_steps = len(values) - 1
+    # Count schedule entries (excluding the final one) at or above sigma, within tolerance.
+    at_or_above = sum(1 for s in values[:-1] if s >= sigma * (1.0 - RTOL) - 1e-12)
+    return min(max(at_or_above - 1, 0), num_steps - 1)
+
+
+def current_sigma(transformer_options: dict) -> float | None:
+    """The largest current sigma in ``transformer_options["sigmas"]``, or None when absent."""
+    sigmas = transformer_options.get("sigmas")
+    if sigmas is None:
+        return None
+    if isinstance(sigmas, torch.Tensor):
+        return float(sigmas.detach().float().max().item()) if sigmas.numel() else None
+    return float(max(sigmas))

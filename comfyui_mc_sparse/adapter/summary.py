@@ -1,0 +1,38 @@
+"""The end-of-run summary of one sampler call: what went sparse, what stayed dense and why, anchors, cache
+memory and the attention time saved as measured. Logged by the OUTER_SAMPLE wrapper (``lifecycle``)."""
+
+from __future__ import annotations
+
+
+def format_summary(run) -> str:
+    """Multi-line summary of a ``lifecycle.RunState``. The first line is short enough for UI progress text.
+
+    With a runner, its own summary (calls per kind, dense reasons, anchors, cache peak, kernels) is included;
+    the adapter adds the schedule, measured time saved per conditioning chunk, displaced overrides and notes.
+    Ends with a loud WARNING line when no call went sparse.
+    """
+    counts = run.counts()
+    s = run.settings
+    sched = run.schedule
+    head = (f"MC-Sparse: {counts['sparse']} sparse, {counts['anchor']} anchor, {counts['dense']} dense attention "
+            f"calls over {run.num_steps} steps (density {s.density:g}, preset {s.preset})")
+    lines = [head]
+    lines.append(f"  schedule: dense warm-up {sched.warmup_steps} steps, {s.warmup_layers} layers; anchors at steps "
+                 f"{', '.join(str(a + 1) for a in sched.anchor_steps) or 'none'} (1-based)")
+    if run.runner is not None:
+        lines.extend("  " + line for line in run.runner.summary().splitlines()
+                     if "WARNING" not in line)
+    else:
+        lines.append(f"  whole sampler call dense: {run.dense_run_reason}")
+        for reason, n in run.dense_reasons.most_common():
+            lines.append(f"  dense x{n}: {reason}")
+    saved = run.time_saved_ms()
+    if saved is not None:
+        lines.append(f"  attention time saved (measured by the adapter): {saved / 1000:.3f} s")
+    for what in run.displaced:
+        lines.append(f"  another attention override ({what}) was installed after MC-Sparse; chained under it")
+    lines.extend(f"  note: {n}" for n in run.notes)
+    if counts["sparse"] == 0:
+        lines.append("  WARNING: no attention call went sparse in this sampler call: MC-Sparse gave no speedup "
+                     "(see the dense reasons above)")
+    return "\n".join(lines)

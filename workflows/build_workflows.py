@@ -1,0 +1,280 @@
+"""Build the shipped workflows from the official ComfyUI templates (PyPI ``comfyui-workflow-templates-json``).
+
+For each template: insert an "MC-Sparse Patch" node right after the model loader (after the LoRA loader
+where there is one), rewire its consumers, add a short MarkdownNote, and write
+
+* ``<name>_mc_sparse.json``      UI workflow (load in ComfyUI),
+* ``<name>_mc_sparse_api.json``  API-format twin (``/prompt``, ``PromptExecutor``; headless runs).
+
+The API twin maps each node's positional ``widgets_values`` to input names with ``WIDGETS`` (the widget order
+of the Oct-2025 node definitions; ``control_after_generate`` pseudo-widgets skipped, as the frontend's
+``graphToPrompt`` does). Subgraph templates (Wan2.2 14B, Hunyuan3D 2.1) are edited inside their subgraph
+definition and flattened for the API twin.
+
+Run (build-time only; the templates package is not a runtime requirement):
+    .venv/bin/pip install comfyui-workflow-templates-json && .venv/bin/python workflows/build_workflows.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+PATCH_WIDGETS = ["balanced", 0.2, "auto", 1, "auto", "128", "auto", "auto", 2048, False]
+PATCH_NAMES = ["preset", "density", "dense_warmup", "warmup_layers", "anchor_steps", "query_tile", "cache_placement",
+               "backend", "min_tokens", "verbose"]
+
+# node type -> widget input names in widget order ("*" = UI-only control_after_generate pseudo-widget)
+WIDGETS: dict[str, list[str]] = {
+    "UNETLoader": ["unet_name", "weight_dtype"],
+    "CLIPLoader": ["clip_name", "type", "device"],
+    "DualCLIPLoader": ["clip_name1", "clip_name2", "type", "device"],
+    "VAELoader": ["vae_name"],
+    "CLIPTextEncode": ["text"],
+    "EmptyHunyuanLatentVideo": ["width", "height", "length", "batch_size"],
+    "KSampler": ["seed", "*", "steps", "cfg", "sampler_name", "scheduler", "denoise"],
+    "KSamplerAdvanced": ["add_noise", "noise_seed", "*", "steps", "cfg", "sampler_name", "scheduler", "start_at_step",
+                         "end_at_step", "return_with_leftover_noise"],
+    "ModelSamplingSD3": ["shift"],
+    "ModelSamplingAuraFlow": ["shift"],
+    "VAEDecode": [],
+    "VAEDecodeTiled": ["tile_size", "overlap", "temporal_size", "temporal_overlap"],
+    "CreateVideo": ["fps"],
+    "SaveVideo": ["filename_prefix", "format", "codec"],
+    "LoraLoaderModelOnly": ["lora_name", "strength_model"],
+    "CLIPVisionLoader": ["clip_name"],
+    "CLIPVisionEncode": ["crop"],
+    "LoadImage": ["image", "upload"],
+    "WanImageToVideo": ["width", "height", "length", "batch_size"],
+    "Wan22ImageToVideoLatent": ["width", "height", "length", "batch_size"],
+    "KSamplerSelect": ["sampler_name"],
+    "BasicScheduler": ["scheduler", "steps", "denoise"],
+    "BasicGuider": [],
+    "RandomNoise": ["noise_seed", "*"],
+    "SamplerCustomAdvanced": [],
+    "FluxGuidance": ["guidance"],
+    "MCSparsePatch": PATCH_NAMES,
+}
+UI_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+LOADERS = ("UNETLoader", "ImageOnlyCheckpointLoader", "CheckpointLoaderSimple")
+
+TARGETS = {
+    "text_to_video_wan.json": "wan21_t2v_1.3b",
+    "image_to_video_wan.json": "wan21_i2v_14b",
+    "video_wan2_2_5B_ti2v.json": "wan22_ti2v_5b",
+    "hunyuan_video_text_to_video.json": "hunyuan_video_t2v",
+    "video_wan2_2_14B_t2v.json": "wan22_t2v_14b_two_stage",
+    "3d_hunyuan3d-v2.1.json": "hunyuan3d_v21",
+}
+
+NOTE = ("## MC-Sparse Patch\n\nSparse attention after the dense warm-up. Presets: quality (25% density), balanced "
+        "(20%), fast (15%). Pick *custom* to set density, warm-up and anchor steps yourself. The console prints a "
+        "run summary after each sampler: how many attention calls went sparse, and why any stayed dense.")
+
+
+def _templates_dir() -> Path:
+    import comfyui_workflow_templates_json as pkg
+
+    return Path(pkg.__file__).resolve().parent / "templates"
+
+
+def _graph_nodes(graph: dict) -> list[dict]:
+    return graph["nodes"]
+
+
+def _insert_patch(graph: dict, *, links_as_dicts: bool) -> list[int]:
+    """Insert an MCSparsePatch after every MODEL-producing loader/LoRA chain end in ``graph`` (in place).
+    Returns the new node ids."""
+    nodes = {n["id"]: n for n in graph["nodes"]}
+    links = graph["links"]
+
+    def link_fields(link):
+        if links_as_dicts:
+            return link["id"], link["origin_id"], link["origin_slot"], link["target_id"], link["target_slot"], link["type"]
+        return tuple(link)
+
+    # chain ends: MODEL outputs of loaders, followed through LoRA loaders
+    sources = []
+    for n in graph["nodes"]:
+        if n["type"] in LOADERS:
+            sources.append(n["id"])
+    ends = []
+    for src in sources:
+        cur = src
+        while True:
+            nxt = [link_fields(lk) for lk in links if link_fields(lk)[1] == cur and link_fields(lk)[5] == "MODEL"
+                   and nodes.get(link_fields(lk)[3], {}).get("type") == "LoraLoaderModelOnly"]
+            if not nxt:
+                break
+            cur = nxt[0][3]
+        ends.append(cur)
+    new_ids = []
+    next_id = max([n["id"] for n in graph["nodes"]] + [0]) + 1
+    next_link = max([link_fields(lk)[0] for lk in links] + [graph.get("last_link_id", 0) or 0, 0]) + 1
+    for end in dict.fromkeys(ends):
+        out_links = [lk for lk in links if link_fields(lk)[1] == end and link_fields(lk)[5] == "MODEL"
+                     and nodes.get(link_fields(lk)[3], {}).get("type") != "LoraLoaderModelOnly"]
+        if not out_links:
+            continue
+        src_node = nodes[end]
+        pid = next_id
+        next_id += 1
+        in_link = next_link
+        next_link += 1
+        patch = {
+            "id": pid, "type": "MCSparsePatch",
+            "pos": [src_node.get("pos", [0, 0])[0] + 40, src_node.get("pos", [0, 0])[1] + 160], "size": [320, 300],
+            "flags": {}, "order": src_node.get("order", 0), "mode": 0,
+            "inputs": [{"name": "model", "type": "MODEL", "link": in_link}],
+            "outputs": [{"name": "MODEL", "type": "MODEL", "links": [], "slot_index": 0}],
+            "properties": {"Node name for S&R": "MCSparsePatch"},
+            "widgets_values": list(PATCH_WIDGETS),
+        }
+        model_slot = 0
+        for lk in out_links:
+            lid, _o, oslot, tid, tslot, _t = link_fields(lk)
+            model_slot = oslot
+            if links_as_dicts:
+                lk["origin_id"], lk["origin_slot"] = pid, 0
+            else:
+                lk[1], lk[2] = pid, 0
+            patch["outputs"][0]["links"].append(lid)
+        for out in src_node.get("outputs", []):
+            if out.get("type") == "MODEL" and out.get("links"):
+                out["links"] = [lid for lid in out["links"] if lid not in patch["outputs"][0]["links"]] + [in_link]
+        new_link = ({"id": in_link, "origin_id": end, "origin_slot": model_slot, "target_id": pid, "target_slot": 0,
+                     "type": "MODEL"} if links_as_dicts else [in_link, end, model_slot, pid, 0, "MODEL"])
+        links.append(new_link)
+        graph["nodes"].append(patch)
+        new_ids.append(pid)
+    if "last_node_id" in graph:
+        graph["last_node_id"] = max(graph["last_node_id"], next_id - 1)
+    if "last_link_id" in graph:
+        graph["last_link_id"] = max(graph.get("last_link_id") or 0, next_link - 1)
+    if "state" in graph:
+        graph["state"]["lastNodeId"] = max(graph["state"].get("lastNodeId", 0), next_id - 1)
+        graph["state"]["lastLinkId"] = max(graph["state"].get("lastLinkId", 0), next_link - 1)
+    return new_ids
+
+
+def build_ui(template: dict) -> dict:
+    """The template with the patch node(s) inserted and a note added (subgraphs edited in place)."""
+    ui = copy.deepcopy(template)
+    inserted = _insert_patch(ui, links_as_dicts=False)
+    for sg in ui.get("definitions", {}).get("subgraphs", []):
+        inserted += _insert_patch(sg, links_as_dicts=True)
+    if not inserted:
+        raise ValueError("no model loader found to insert MC-Sparse Patch after")
+    nid = ui["last_node_id"] + 1
+    ui["nodes"].append({"id": nid, "type": "MarkdownNote", "pos": [-400, -200], "size": [380, 200], "flags": {},
+                        "order": 0, "mode": 0, "inputs": [], "outputs": [], "properties": {},
+                        "widgets_values": [NOTE], "color": "#432", "bgcolor": "#653"})
+    ui["last_node_id"] = nid
+    return ui
+
+
+def _api_from_graph(graph: dict, *, prefix: str, links_as_dicts: bool, sub_inputs: dict, subgraphs: dict,
+                    api: dict, outer_values: dict) -> dict:
+    """Flatten ``graph`` into ``api``; returns {(node_id, slot)-> source ref} for subgraph outputs."""
+    def lf(link):
+        if links_as_dicts:
+            return link["id"], link["origin_id"], link["origin_slot"], link["target_id"], link["target_slot"], link["type"]
+        return tuple(link)
+
+    by_link = {lf(lk)[0]: lf(lk) for lk in graph["links"]}
+    sub_out_refs = {}
+
+    def resolve(origin_id, origin_slot):
+        if origin_id == -10:  # subgraph input node
+            return sub_inputs.get(origin_slot)
+        if (origin_id, origin_slot) in sub_out_refs:
+            return sub_out_refs[(origin_id, origin_slot)]
+        return [f"{prefix}{origin_id}", origin_slot]
+
+    # subgraph instances first so their outputs can be referenced
+    order = sorted(graph["nodes"], key=lambda n: 0 if n["type"] in subgraphs else 1)
+    for n in order:
+        if n["type"] in subgraphs:
+            sg = subgraphs[n["type"]]
+            inner_inputs = {}
+            for i, inp in enumerate(n.get("inputs", [])):
+                if inp.get("link") is not None:
+                    _lid, o, os_, _t, _ts, _ty = by_link[inp["link"]]
+                    inner_inputs[i] = resolve(o, os_)
+            # widget-promoted inputs of the subgraph instance
+            widget_vals = n.get("widgets_values") or []
+            sg_inputs = sg.get("inputs", [])
+            wi = 0
+            for i, sgi in enumerate(sg_inputs):
+                if i not in inner_inputs and wi < len(widget_vals):
+                    inner_inputs[i] = ("value", widget_vals[wi])
+                    wi += 1
+            inner_prefix = f"{prefix}{n['id']}:"
+            inner = _api_from_graph(sg, prefix=inner_prefix, links_as_dicts=True, sub_inputs=inner_inputs,
+                                    subgraphs=subgraphs, api=api, outer_values={})
+            for lk in sg["links"]:
+                lid, o, os_, t, ts, _ty = lf_sub(lk)
+                if t == -20:
+                    sub_out_refs[(n["id"], ts)] = inner.get((o, os_), [f"{inner_prefix}{o}", os_])
+    for n in graph["nodes"]:
+        if n["type"] in UI_ONLY or n["type"] in subgraphs or n.get("mode", 0) in (2, 4):
+            continue
+        names = WIDGETS.get(n["type"])
+        if names is None:
+            raise KeyError(f"no widget map for node type {n['type']}")
+        inputs = {}
+        vals = list(n.get("widgets_values") or [])
+        for name, val in zip([x for x in names], vals):
+            if name != "*":
+                inputs[name] = val
+        for inp in n.get("inputs", []):
+            if inp.get("link") is None:
+                continue
+            _lid, o, os_, _t, _ts, _ty = by_link[inp["link"]]
+            ref = resolve(o, os_)
+            if isinstance(ref, tuple) and ref[0] == "value":
+                inputs[inp["name"]] = ref[1]
+            elif ref is not None:
+                inputs[inp["name"]] = ref
+        api[f"{prefix}{n['id']}"] = {"class_type": n["type"], "inputs": inputs, "_meta": {"title": n.get("title", n["type"])}}
+    return {(k[0], k[1]): v for k, v in sub_out_refs.items()}
+
+
+def lf_sub(link):
+    return link["id"], link["origin_id"], link["origin_slot"], link["target_id"], link["target_slot"], link["type"]
+
+
+def build_api(ui: dict) -> dict:
+    """Flatten a UI workflow (with the patch inserted) into API format."""
+    subgraphs = {sg["id"]: sg for sg in ui.get("definitions", {}).get("subgraphs", [])}
+    api: dict = {}
+    _api_from_graph(ui, prefix="", links_as_dicts=False, sub_inputs={}, subgraphs=subgraphs, api=api, outer_values={})
+    # drop inputs referencing nodes that were not emitted (UI-only)
+    for node in api.values():
+        for k, v in list(node["inputs"].items()):
+            if isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and v[0] not in api:
+                del node["inputs"][k]
+    return api
+
+
+def main() -> None:
+    tdir = _templates_dir()
+    for template_name, out in TARGETS.items():
+        template = json.loads((tdir / template_name).read_text(encoding="utf-8"))
+        ui = build_ui(template)
+        try:
+            api = build_api(ui)
+        except KeyError as err:
+            print(f"{template_name}: API twin not built ({err}); UI workflow written")
+            (HERE / f"{out}_mc_sparse.json").write_text(json.dumps(ui, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            continue
+        (HERE / f"{out}_mc_sparse.json").write_text(json.dumps(ui, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        (HERE / f"{out}_mc_sparse_api.json").write_text(json.dumps(api, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        print(f"{template_name} -> {out}: {sum(1 for n in api.values() if n['class_type'] == 'MCSparsePatch')} patch node(s), {len(api)} API nodes")
+
+
+if __name__ == "__main__":
+    main()
