@@ -1,0 +1,65 @@
+"""The Triton backend: token-sparse attention and selection pass 2 (+ top-K) as Triton kernels.
+
+Importing this package registers ``Backend(name="triton", priority=20)`` with the kernel registry; an import
+error (no triton, a broken toolchain) is caught by ``kernels/_optional.py`` and recorded as the unavailable
+reason. Capabilities (checked by ``refuse`` before any launch):
+
+- devices: CUDA with compute capability >= 8.0 (bf16 ``tl.dot``); CPU tensors only when the backend is requested
+  by name and Triton's interpreter is on (``TRITON_INTERPRET=1`` before triton is imported: tests);
+- dtypes: float16, bfloat16 (fp32 would run the products in TF32; the torch reference covers fp32/fp64);
+- head dim: a power of two in [16, 256];
+- any group size C, any K_alloc, any S (ragged tails masked).
+
+Ops: ``sparse_attention`` (``sparse_attention.py``), ``group_prob_sums`` and ``select_kv`` (``selection.py``).
+Dense pass 1 is not here: it belongs to the SDPA and flash-attn-4 backends.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton  # noqa: F401  (an ImportError here marks the backend unavailable)
+
+from ..registry import Backend, register
+from .selection import group_prob_sums, select_kv
+from .sparse_attention import sparse_attention
+
+__all__ = ["group_prob_sums", "refuse", "select_kv", "sparse_attention"]
+
+_DTYPES = (torch.float16, torch.bfloat16)
+# triton picks the interpreter when a kernel is decorated, i.e. when this package is imported
+_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def refuse(op: str, q: torch.Tensor, requested: bool) -> str | None:
+    """Why the Triton backend cannot run ``op`` on ``q`` (None when it can); see the module docstring."""
+    if q.dtype not in _DTYPES:
+        return f"runs float16/bfloat16 only, got {q.dtype}"
+    d = q.shape[-1]
+    if d < 16 or d > 256 or d & (d - 1):
+        return f"head dim must be a power of two in [16, 256], got {d}"
+    if q.device.type == "cuda":
+        if _INTERPRETER:
+            return "TRITON_INTERPRET=1 is set: the interpreter runs CPU tensors only"
+        major, _ = torch.cuda.get_device_capability(q.device)
+        if major < 8:
+            return f"needs compute capability >= 8.0, got {major}.x"
+        return None
+    if q.device.type == "cpu":
+        if not requested:
+            return "CPU tensors run on Triton's interpreter only when backend='triton' is requested (testing)"
+        if not _INTERPRETER:
+            return "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing the pack"
+        return None
+    return f"runs on CUDA devices, got {q.device.type}"
+
+
+register(
+    Backend(
+        name="triton",
+        priority=20,
+        ops={"sparse_attention": sparse_attention, "group_prob_sums": group_prob_sums, "select_kv": select_kv},
+        refuse=refuse,
+    )
+)

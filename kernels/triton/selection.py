@@ -1,0 +1,170 @@
+"""Triton pass 2 of exact selection: group sums of exact probabilities, then top-K (MC-Sparse sec. 3.3).
+
+``sums[b, h, g, j] = sum over the C queries i of group g of exp(q_i . k_j * scale - LSE_i)``.
+
+Tile scheme: one program per (group, batch*head), groups of one head back to back (L2 reuse of the head's K).
+The program gathers its group's query rows (BLOCK_M = C rounded up to a power of two, at most 128; larger groups
+are handled in chunks of 128 rows inside the key loop) and their LSE once, then sweeps all Sk keys densely in
+BLOCK_N tiles: ``s^T = K_tile @ Q^T`` ([BLOCK_N, BLOCK_M], fp32 accumulate), ``p = exp2(s * scale*log2(e) -
+LSE*log2(e))``, and the group sum is a row sum of ``p^T`` (in-thread and intra-warp, no shared-memory round trip).
+Keys are read un-permuted, so the K loads are plain contiguous tiles. Padded query slots get LSE = +inf, so they
+add exactly 0; key positions past Sk are masked on load and never stored.
+
+``select_kv`` runs this kernel on chunks of heads (bounded scratch: ``_SCRATCH_BYTES``) and keeps each group's
+top-K with ``torch.topk(sorted=False)`` + ``torch.sort`` (ties broken as torch.topk breaks them).
+
+Expected agreement with ``kernels.reference.group_prob_sums``: relative error ~1e-3 for bf16/fp16 inputs against
+a float64 reference (the QK^T product is exact in fp32 accumulation; the error is exp2's and the inputs'), not
+bitwise; the selected sets then agree except where group sums tie within that error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_SCRATCH_BYTES = 1 << 30  # fp32 group-sum scratch per head chunk in select_kv: 1 GiB (14B 720p: 5 heads)
+
+
+@triton.jit
+def _group_prob_sums_fwd(
+    Q, K, LSE, PERM, SUMS,
+    sm_scale_log2,  # softmax scale * log2(e)
+    H, S, SK, n_slots, C,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_lb, stride_lh, stride_ls,
+    stride_sb, stride_sh, stride_sg, stride_sn,
+    M_CHUNKS: tl.constexpr,  # ceil(C / BLOCK_M)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EXP_F16: tl.constexpr,  # packed ex2.approx.f16x2 (twice the MUFU rate, ~1e-3 relative error; CUDA only)
+):
+    group = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    perm_base = PERM + bh.to(tl.int64) * n_slots + group.to(tl.int64) * C
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    l_base = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    s_base = SUMS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + group.to(tl.int64) * stride_sg
+
+    # first (often only) chunk of the group's queries, kept for the whole key sweep
+    q_idx = tl.load(perm_base + offs_m, mask=offs_m < C, other=-1)  # [BLOCK_M]
+    q_valid = (q_idx >= 0) & (q_idx < S)
+    q_rows = tl.where(q_valid, q_idx, 0).to(tl.int64)
+    q = tl.load(q_base + q_rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_valid[:, None], other=0.0)
+    # LSE in base 2; padded slots +inf so exp2(s - inf) = 0
+    lse2 = tl.load(l_base + q_rows * stride_ls, mask=q_valid, other=float("inf")) * 1.4426950408889634
+
+    for n0 in range(0, SK, BLOCK_N):
+        keys = n0 + offs_n
+        k_ok = keys < SK
+        k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                    mask=k_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        st = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M] fp32
+        x = st * sm_scale_log2 - lse2[None, :]  # log2 of the exact probability, <= ~0
+        if EXP_F16:
+            p = tl.inline_asm_elementwise(
+                "ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)], dtype=tl.float16, is_pure=True, pack=2
+            )
+            col = tl.sum(p.to(tl.float32), 1)  # [BLOCK_N]
+        else:
+            col = tl.sum(tl.math.exp2(x), 1)  # [BLOCK_N]
+        for mc in tl.static_range(1, M_CHUNKS):  # groups wider than 128 queries: further chunks, gathered again
+            offs_c = mc * BLOCK_M + offs_m
+            c_idx = tl.load(perm_base + offs_c, mask=offs_c < C, other=-1)
+            c_valid = (c_idx >= 0) & (c_idx < S)
+            c_rows = tl.where(c_valid, c_idx, 0).to(tl.int64)
+            qc = tl.load(q_base + c_rows[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                         mask=c_valid[:, None], other=0.0)
+            lc = tl.load(l_base + c_rows * stride_ls, mask=c_valid, other=float("inf")) * 1.4426950408889634
+            pc = tl.math.exp2(tl.dot(k, tl.trans(qc)) * sm_scale_log2 - lc[None, :])
+            col += tl.sum(pc, 1)
+        tl.store(s_base + keys.to(tl.int64) * stride_sn, col, mask=k_ok)
+
+
+def _config(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages), tuned on an H200 at D = 128, C = 128 (docs/kernels.md)."""
+    return (128, 8, 3) if head_dim >= 128 else (64, 4, 3)
+
+
+def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
+                    num_stages=None, exp_f16=False):
+    """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
+
+    Args:
+        q, k: ``[B, H, S, D]`` / ``[B, H, Sk, D]``, fp16 or bf16, any strides; lse: fp32 ``[B, H, S]`` (natural log);
+        perm: int32 ``[B, H, G*C]``; group_size: C (any C >= 1); scale: None means 1/sqrt(D).
+        out: optional fp32 ``[B, H, G, Sk]`` buffer to write into (any strides); block_n, num_warps,
+        num_stages: tuning overrides; exp_f16: packed half-precision exp2 (CUDA only, benchmarks).
+    Returns:
+        fp32 ``[B, H, G, Sk]``, each entry in [0, C].
+    Raises:
+        TypeError: lse not float32. ValueError: lse or out of the wrong shape.
+    """
+    B, H, S, D = q.shape
+    C = group_size
+    n_slots = perm.shape[-1]
+    G = n_slots // C
+    SK = k.shape[2]
+    if lse.dtype != torch.float32:
+        raise TypeError(f"lse must be float32, got {lse.dtype}")
+    if tuple(lse.shape) != (B, H, S):
+        raise ValueError(f"lse must be [B, H, S] = {(B, H, S)}, got {tuple(lse.shape)}")
+    if out is None:
+        out = torch.empty(B, H, G, SK, dtype=torch.float32, device=q.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (B, H, G, SK):
+        raise ValueError(f"out must be float32 [B, H, G, Sk] = {(B, H, G, SK)}, got {out.dtype} {tuple(out.shape)}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    block_m = min(128, max(16, triton.next_power_of_2(C)))
+    bn, warps, stages = _config(D)
+    perm = perm.contiguous()
+    _group_prob_sums_fwd[(G, B * H)](
+        q, k, lse, perm, out,
+        scale * _LOG2E,
+        H, S, SK, n_slots, C,
+        *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
+        M_CHUNKS=triton.cdiv(C, block_m), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_F16=exp_f16,
+        num_warps=num_warps or warps, num_stages=num_stages or stages,
+    )
+    return out
+
+
+def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None):
+    """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
+
+    Heads are processed in chunks so the fp32 group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB): at
+    Wan2.1-14B 720p one head's sums are 591 x 75600 x 4 B = 179 MB. ``heads_per_chunk`` overrides the chunk size.
+
+    Returns:
+        int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
+    """
+    B, H, S, _ = q.shape
+    C = group_size
+    G = perm.shape[-1] // C
+    SK = k.shape[2]
+    k_alloc = -(-num_keys // kv_tile) * kv_tile
+    out = torch.full((B, H, G, k_alloc), -1, dtype=torch.int32, device=q.device)
+    per_head = G * SK * 4
+    hc = heads_per_chunk or max(1, min(H, _SCRATCH_BYTES // per_head))
+    scratch = torch.empty(B, hc, G, SK, dtype=torch.float32, device=q.device)
+    for h0 in range(0, H, hc):
+        h1 = min(H, h0 + hc)
+        sums = group_prob_sums(
+            q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
+            out=scratch[:, : h1 - h0],
+        )
+        top = torch.topk(sums, num_keys, dim=-1, sorted=False).indices  # [B, h, G, K] int64
+        out[:, h0:h1, :, :num_keys] = torch.sort(top, dim=-1).values.to(torch.int32)
+    return out

@@ -1,0 +1,44 @@
+"""Test helper: two fixes to Triton 3.6's interpreter (TRITON_INTERPRET=1) so CPU tests run the real kernels.
+
+1. Kernel scalars are 1-element arrays converted with ``int(array)`` (loop bounds, ``range(0, N, BLOCK)``);
+   NumPy >= 2.4 rejects ``int()`` of an array with ndim > 0, so ``__index__`` is made to read the single element.
+2. bfloat16 tensors are stored as their uint16 bit patterns, and ``tl.dot`` multiplied those integers; bf16
+   operands are widened to float32 first (exact: every bf16 value is a float32 value).
+Test-only: compiled kernels never use the interpreter.
+"""
+
+from __future__ import annotations
+
+
+def patch_interpreter() -> None:
+    """Idempotently fix ``tensor.__index__`` in ``triton.runtime.interpreter`` (no-op if triton is absent)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_mc_sparse_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._mc_sparse_patched = True
+    interpreter._patch_lang_tensor = patched
+
+    import numpy as np
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    original_dot = builder.create_dot
+
+    def widen(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        return original_dot(self, widen(a), widen(b), d, *args, **kwargs)
+
+    builder.create_dot = create_dot

@@ -1,0 +1,237 @@
+"""Kernel benchmark on a CUDA GPU (not collected by pytest): prints a table and writes JSON to --out.
+
+At the Wan2.1-1.3B 480p (B=1, H=12, S=32760, D=128) and Wan2.1-14B 720p (H=40, S=75600) attention shapes, bf16:
+- dense: every dense kernel present (cuDNN SDPA with LSE through the ``cuda_sdpa`` backend, flash-attn-4 with LSE
+  when importable, SDPA's default pick without LSE); the best one is the baseline of every ratio below;
+- sparse: each sparse backend at densities 0.1/0.15/0.25/0.5, C = 128, each group's indices a random sorted set of
+  floor(s*S) tokens padded with -1 to a multiple of 128; efficiency = best dense ms * s / sparse ms (1.0 = ideal);
+- selection: Triton pass 2 alone and pass 2 + top-K (``select_kv``) as a fraction of one best dense call;
+- PDDP: the grouping op's milliseconds;
+- error: relative L2 / max-abs error against the torch reference in float32 on a sub-sample of heads, checked
+  before any timing; the selected sets' overlap with the reference's.
+Timings are ``triton.testing.do_bench`` medians over rotating input sets (no cache-warm repeats of one input).
+
+Usage: python tests/bench_kernels.py --out bench.json [--shapes 1.3b,14b] [--densities 0.1,0.15,0.25,0.5] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "comfyui_mc_sparse"))
+import _standalone  # noqa: E402
+
+_standalone.load_pack()
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+from comfyui_mc_sparse_pack import kernels  # noqa: E402
+from comfyui_mc_sparse_pack.kernels import reference, registry  # noqa: E402
+
+SHAPES = {"1.3b": dict(B=1, H=12, S=32760, D=128), "14b": dict(B=1, H=40, S=75600, D=128)}
+C = 128
+KV_TILE = 128
+DTYPE = torch.bfloat16
+
+
+def bench(fn_of_inputs, inputs, rep_ms=600, warmup_ms=100):
+    """Median ms of fn over rotating input sets."""
+    cyc = itertools.cycle(inputs)
+    return triton.testing.do_bench(lambda: fn_of_inputs(*next(cyc)), warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def rel_err(a, b):
+    a, b = a.float(), b.float()
+    return dict(rel_l2=float((a - b).norm() / b.norm().clamp_min(1e-30)), max_abs=float((a - b).abs().max()))
+
+
+def random_kv_idx(B, H, G, S, num_keys, gen):
+    """Random sorted distinct indices per group, num_keys of S, -1-padded to a multiple of KV_TILE."""
+    k_alloc = -(-num_keys // KV_TILE) * KV_TILE
+    out = torch.full((B, H, G, k_alloc), -1, dtype=torch.int32, device="cuda")
+    for b in range(B):
+        for h in range(H):
+            keys = torch.rand(G, S, device="cuda", generator=gen)
+            top = torch.topk(keys, num_keys, dim=-1, sorted=False).indices
+            out[b, h, :, :num_keys] = torch.sort(top, dim=-1).values.to(torch.int32)
+    return out
+
+
+def dense_kernels():
+    """name -> fn(q, k, v) returning (O, LSE) or O, for each dense kernel present."""
+    out = {}
+    names = {b.name: b for b in registry.backends() if not b.unavailable_reason}
+    if "flash_attn4" in names:
+        out["flash_attn4 (LSE)"] = lambda q, k, v: kernels.dense_attention(q, k, v, return_lse=True, backend="flash_attn4")
+    if "cuda_sdpa" in names:
+        out["cudnn sdpa (LSE)"] = lambda q, k, v: kernels.dense_attention(q, k, v, return_lse=True, backend="cuda_sdpa")
+    out["sdpa default (no LSE)"] = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return out
+
+
+def sparse_kernels():
+    names = {b.name: b for b in registry.backends() if not b.unavailable_reason and "sparse_attention" in b.ops}
+    return {n: (lambda n: lambda q, k, v, p, i: kernels.sparse_attention(q, k, v, p, i, backend=n))(n)
+            for n in names if n != "torch"}
+
+
+def run_shape(name, shp, densities, sweep, rep, log):
+    B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
+    G = -(-S // C)
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    sets = [tuple(torch.randn(B, H, S, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(3)) for _ in range(2)]
+    res = dict(shape=shp, dense={}, sparse={}, selection={}, pddp={}, errors={}, sweep={})
+    sub = slice(0, 2)  # heads checked against the float32 reference
+    q0, k0, v0 = sets[0]
+    q32, k32, v32 = (t[:, sub].float() for t in sets[0])
+    ref_o, ref_lse = reference.dense_attention(q32, k32, v32, return_lse=True)
+
+    # dense: correctness, then timing
+    for dname, fn in dense_kernels().items():
+        got = fn(q0, k0, v0)
+        o = got[0] if isinstance(got, tuple) else got
+        err = rel_err(o[:, sub], ref_o)
+        if isinstance(got, tuple):
+            err["lse_max_abs"] = float((got[1][:, sub] - ref_lse).abs().max())
+        res["errors"][f"dense {dname}"] = err
+        ms = bench(fn, sets, rep)
+        res["dense"][dname] = dict(ms=ms, tflops=4 * S * S * D * H * B / ms / 1e9)
+        log(f"{name} dense {dname}: {ms:.2f} ms, {res['dense'][dname]['tflops']:.0f} TFLOP/s, err {err}")
+    best_name = min((n for n in res["dense"] if "(LSE)" in n), key=lambda n: res["dense"][n]["ms"])
+    best = res["dense"][best_name]["ms"]
+    res["best_dense"] = dict(name=best_name, ms=best)
+    _, lse0 = kernels.dense_attention(q0, k0, v0, return_lse=True)
+
+    # PDDP grouping (reference op; the GPU path of Fast PDDP), then groups for everything below
+    perms = [kernels.pddp_groups(s[0], C) for s in sets]
+    ms = bench(lambda q: kernels.pddp_groups(q, C), [(s[0],) for s in sets], rep_ms=max(rep, 300))
+    res["pddp"] = dict(ms=ms, backend=registry.last_choices()["pddp_groups"].backend)
+    log(f"{name} pddp: {ms:.2f} ms ({res['pddp']['backend']})")
+    perm0 = perms[0]
+
+    # selection pass 2 (+ top-K): correctness on one head, then timing on all heads
+    ref_sums = reference.group_prob_sums(q32[:, :1], k32[:, :1], ref_lse[:, :1], perm0[:, :1], group_size=C)
+    got_sums = kernels.group_prob_sums(q0[:, :1], k0[:, :1], ref_lse[:, :1], perm0[:, :1], group_size=C, backend="triton")
+    res["errors"]["group_prob_sums triton"] = rel_err(got_sums, ref_sums)
+    kq = int(0.25 * S)
+    ref_top = torch.topk(ref_sums, kq, dim=-1).indices
+    got_sel = kernels.select_kv(q0[:, :1], k0[:, :1], ref_lse[:, :1], perm0[:, :1], kq, group_size=C, kv_tile=KV_TILE,
+                                backend="triton")
+    hit = torch.zeros_like(ref_sums, dtype=torch.bool).scatter_(-1, ref_top, True)
+    sel = got_sel[..., :kq].long()
+    res["errors"]["select_kv triton overlap (s=0.25)"] = float(torch.gather(hit, -1, sel).float().mean())
+    log(f"{name} pass-2 errors: {res['errors']['group_prob_sums triton']}, overlap {res['errors']['select_kv triton overlap (s=0.25)']:.4f}")
+    lses = [lse0, kernels.dense_attention(*sets[1], return_lse=True)[1]]
+    sel_inputs = [(s[0], s[1], lse, p) for s, lse, p in zip(sets, lses, perms)]
+    hc = min(H, max(1, (1 << 30) // (G * S * 4)))
+    ms = bench(lambda q, k, l, p: kernels.group_prob_sums(q[:, :hc], k[:, :hc], l[:, :hc], p[:, :hc], group_size=C,
+                                                          backend="triton"), sel_inputs, rep) * H / hc
+    res["selection"]["pass2 only (triton)"] = dict(ms=ms, frac_of_dense=ms / best)
+    log(f"{name} pass 2 (triton, all heads, extrapolated from {hc}): {ms:.2f} ms = {ms / best:.3f} of dense")
+    for s in densities:
+        kq = int(s * S)
+        ms = bench(lambda q, k, l, p: kernels.select_kv(q, k, l, p, kq, group_size=C, kv_tile=KV_TILE, backend="triton"),
+                   sel_inputs, rep_ms=max(rep, 1000))
+        res["selection"][f"pass2+topk s={s}"] = dict(ms=ms, frac_of_dense=ms / best)
+        log(f"{name} pass 2 + top-K s={s}: {ms:.2f} ms = {ms / best:.3f} of dense")
+
+    # sparse attention at each density
+    for s in densities:
+        kq = int(s * S)
+        idxs = [random_kv_idx(B, H, G, S, kq, gen) for _ in sets]
+        ref = reference.sparse_attention(q32, k32, v32, perm0[:, sub], idxs[0][:, sub])
+        for sname, fn in sparse_kernels().items():
+            got = fn(q0, k0, v0, perm0, idxs[0])
+            err = rel_err(got[:, sub], ref)
+            res["errors"][f"sparse {sname} s={s}"] = err
+            ms = bench(fn, [(*st, p, i) for st, p, i in zip(sets, perms, idxs)], rep)
+            eff = best * (kq / S) / ms
+            res["sparse"].setdefault(sname, {})[str(s)] = dict(ms=ms, efficiency=eff, speedup=best / ms)
+            log(f"{name} sparse {sname} s={s}: {ms:.2f} ms, efficiency {eff:.3f}, speedup {best / ms:.2f}x, err {err}")
+        if sweep and s == 0.25:
+            from comfyui_mc_sparse_pack.kernels.triton import sparse_attention as tsa
+            for bn, nw, ns in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+                try:
+                    ms = bench(lambda q, k, v, p, i: tsa(q, k, v, p, i, block_n=bn, num_warps=nw, num_stages=ns),
+                               [(*st, p, i) for st, p, i in zip(sets, perms, idxs)], rep)
+                    res["sweep"][f"sparse bn{bn} w{nw} st{ns}"] = best * (kq / S) / ms
+                except Exception as err:  # out of shared memory etc.
+                    res["sweep"][f"sparse bn{bn} w{nw} st{ns}"] = f"{type(err).__name__}"
+                log(f"{name} sweep sparse bn{bn} w{nw} st{ns}: {res['sweep'][f'sparse bn{bn} w{nw} st{ns}']}")
+        del idxs
+    if sweep:
+        from comfyui_mc_sparse_pack.kernels.triton.selection import group_prob_sums as gps
+        for bn, nw, ns, f16 in itertools.product((64, 128), (4, 8), (2, 3), (False, True)):
+            key = f"pass2 bn{bn} w{nw} st{ns} f16exp{int(f16)}"
+            try:
+                out = gps(q0[:, :1], k0[:, :1], ref_lse[:, :1], perm0[:, :1], group_size=C, block_n=bn, num_warps=nw,
+                          num_stages=ns, exp_f16=f16)
+                e = rel_err(out, ref_sums)["rel_l2"]
+                ms = bench(lambda q, k, l, p: gps(q[:, :hc], k[:, :hc], l[:, :hc], p[:, :hc], group_size=C, block_n=bn,
+                                                  num_warps=nw, num_stages=ns, exp_f16=f16), sel_inputs, rep) * H / hc
+                res["sweep"][key] = dict(frac=ms / best, rel_l2=e)
+            except Exception as err:
+                res["sweep"][key] = f"{type(err).__name__}: {str(err)[:100]}"
+            log(f"{name} sweep {key}: {res['sweep'][key]}")
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--shapes", default="1.3b,14b")
+    ap.add_argument("--densities", default="0.1,0.15,0.25,0.5")
+    ap.add_argument("--rep", type=int, default=500, help="do_bench rep budget per measurement, ms")
+    ap.add_argument("--sweep", action="store_true", help="also time Triton tile configs")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU")
+    densities = [float(x) for x in args.densities.split(",")]
+    report = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version(), python=platform.python_version(), argv=sys.argv,
+        backends=registry.report(), shapes={},
+    )
+    try:
+        import flash_attn  # noqa: F401
+        from importlib.metadata import version
+        report["flash_attn_4"] = version("flash-attn-4")
+        report["cutlass_dsl"] = version("nvidia-cutlass-dsl")
+    except Exception as err:  # optional
+        report["flash_attn_4"] = f"absent ({type(err).__name__})"
+    t0 = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+
+    log(registry.report())
+    for name in args.shapes.split(","):
+        report["shapes"][name] = run_shape(name, SHAPES[name], densities, args.sweep, args.rep, log)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        torch.cuda.empty_cache()
+    print_table(report)
+
+
+def print_table(report):
+    print("\n| shape | kernel | s=" + " | s=".join(str(s) for s in next(iter(
+        next(iter(report["shapes"].values()))["sparse"].values()), {}).keys()) + " |")
+    for name, r in report["shapes"].items():
+        print(f"| {name} | best dense: {r['best_dense']['name']} {r['best_dense']['ms']:.2f} ms |")
+        for sname, per in r["sparse"].items():
+            print(f"| {name} | {sname} efficiency | " + " | ".join(f"{v['efficiency']:.3f}" for v in per.values()) + " |")
+        for k, v in r["selection"].items():
+            print(f"| {name} | {k} | {v['ms']:.2f} ms = {v['frac_of_dense']:.3f} dense |")
+        print(f"| {name} | pddp | {r['pddp']['ms']:.2f} ms |")
+
+
+if __name__ == "__main__":
+    main()
