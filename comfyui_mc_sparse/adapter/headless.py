@@ -174,7 +174,7 @@ def _tiny_model(kind: str):
         if kind == "hunyuan3d21":
             from comfy.ldm.hunyuan3dv2_1.hunyuandit import HunYuanDiTPlain
 
-            return HunYuanDiTPlain(in_channels=64, hidden_size=128, context_dim=1024, depth=4, num_heads=2,
+            return HunYuanDiTPlain(in_channels=64, hidden_size=1024, context_dim=1024, depth=2, num_heads=16,
                                    operations=ops)
     raise ValueError(f"kind must be one of wan21_t2v, wan21_i2v, wan22_5b, hunyuan_video, hunyuan3d21, got {kind!r}")
 

@@ -190,3 +190,15 @@ def test_torch_compile_second_run_no_recompile(comfy, summaries):
     assert graphs_after_first > 0
     assert counters["stats"]["unique_graphs"] == graphs_after_first  # no new graph = no recompile in run 2
     assert summaries.counts()["sparse"] > 0
+
+
+def test_hunyuan3d21_object_patch_route(comfy, summaries):
+    """Hunyuan3D 2.1 (no transformer_options at attention): the replaced attn1 forwards go sparse."""
+    _, nodes = comfy
+    model = _patch(nodes, _load(comfy, "hunyuan3d21"))
+    g = torch.Generator().manual_seed(0)
+    pos = [[torch.randn(1, 16, 1024, generator=g), {}]]
+    neg = [[torch.zeros(1, 16, 1024), {}]]
+    out = nodes.common_ksampler(model, 1, 6, 5.0, "euler", "normal", pos, neg,
+                                {"samples": torch.zeros(1, 64, 256), "type": "hunyuan3dv2"})[0]["samples"]
+    assert torch.isfinite(out).all() and summaries.counts()["sparse"] > 0, summaries.summaries[-1]
