@@ -41,6 +41,26 @@ SHAPES = {"1.3b": dict(B=1, H=12, S=32760, D=128), "14b": dict(B=1, H=40, S=7560
 C = 128
 KV_TILE = 128
 DTYPE = torch.bfloat16
+SPARSE_VARIANTS = {  # Triton sparse kernel options timed with --sweep (at s = 0.25)
+    "default": {},
+    "mask by -1": dict(mask_from_count=False),
+    "cache .cg": dict(cache=".cg"),
+    "warp_specialize": dict(warp_spec=True),
+    "bn128 w8 st2": dict(block_n=128, num_warps=8, num_stages=2),
+    "bn64 w8 st3": dict(block_n=64, num_warps=8, num_stages=3),
+    "bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3),
+    "bn64 w4 st4": dict(block_n=64, num_warps=4, num_stages=4),
+    "bm64 bn64 w4 st3": dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    "bm64 bn128 w4 st3": dict(block_m=64, block_n=128, num_warps=4, num_stages=3),
+}
+PASS2_VARIANTS = {
+    "default": {},
+    "poly": dict(poly=True),
+    "poly bn128 w8 st3": dict(poly=True, block_n=128, num_warps=8, num_stages=3),
+    "bn32 w4 st3": dict(block_n=32, num_warps=4, num_stages=3),
+    "bn64 w4 st4": dict(block_n=64, num_warps=4, num_stages=4),
+    "poly bn64 w8 st3": dict(poly=True, block_n=64, num_warps=8, num_stages=3),
+}
 
 
 def bench(fn_of_inputs, inputs, rep_ms=600, warmup_ms=100):
@@ -159,29 +179,27 @@ def run_shape(name, shp, densities, sweep, rep, log):
             log(f"{name} sparse {sname} s={s}: {ms:.2f} ms, efficiency {eff:.3f}, speedup {best / ms:.2f}x, err {err}")
         if sweep and s == 0.25:
             from comfyui_mc_sparse_pack.kernels.triton import sparse_attention as tsa
-            for bn, nw, ns in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+            for key, kw in SPARSE_VARIANTS.items():
                 try:
-                    ms = bench(lambda q, k, v, p, i: tsa(q, k, v, p, i, block_n=bn, num_warps=nw, num_stages=ns),
+                    ms = bench(lambda q, k, v, p, i: tsa(q, k, v, p, i, **kw),
                                [(*st, p, i) for st, p, i in zip(sets, perms, idxs)], rep)
-                    res["sweep"][f"sparse bn{bn} w{nw} st{ns}"] = best * (kq / S) / ms
-                except Exception as err:  # out of shared memory etc.
-                    res["sweep"][f"sparse bn{bn} w{nw} st{ns}"] = f"{type(err).__name__}"
-                log(f"{name} sweep sparse bn{bn} w{nw} st{ns}: {res['sweep'][f'sparse bn{bn} w{nw} st{ns}']}")
+                    res["sweep"][f"sparse {key}"] = best * (kq / S) / ms
+                except Exception as err:  # out of resources, unsupported option
+                    res["sweep"][f"sparse {key}"] = f"{type(err).__name__}: {str(err)[:120]}"
+                log(f"{name} sweep sparse {key}: {res['sweep'][f'sparse {key}']}")
         del idxs
     if sweep:
         from comfyui_mc_sparse_pack.kernels.triton.selection import group_prob_sums as gps
-        for bn, nw, ns, f16 in itertools.product((64, 128), (4, 8), (2, 3), (False, True)):
-            key = f"pass2 bn{bn} w{nw} st{ns} f16exp{int(f16)}"
+        for key, kw in PASS2_VARIANTS.items():
             try:
-                out = gps(q0[:, :1], k0[:, :1], ref_lse[:, :1], perm0[:, :1], group_size=C, block_n=bn, num_warps=nw,
-                          num_stages=ns, exp_f16=f16)
+                out = gps(q0[:, :1], k0[:, :1], ref_lse[:, :1], perm0[:, :1], group_size=C, **kw)
                 e = rel_err(out, ref_sums)["rel_l2"]
-                ms = bench(lambda q, k, l, p: gps(q[:, :hc], k[:, :hc], l[:, :hc], p[:, :hc], group_size=C, block_n=bn,
-                                                  num_warps=nw, num_stages=ns, exp_f16=f16), sel_inputs, rep) * H / hc
-                res["sweep"][key] = dict(frac=ms / best, rel_l2=e)
+                ms = bench(lambda q, k, l, p: gps(q[:, :hc], k[:, :hc], l[:, :hc], p[:, :hc], group_size=C, **kw),
+                           sel_inputs, rep) * H / hc
+                res["sweep"][f"pass2 {key}"] = dict(frac=ms / best, rel_l2=e)
             except Exception as err:
-                res["sweep"][key] = f"{type(err).__name__}: {str(err)[:100]}"
-            log(f"{name} sweep {key}: {res['sweep'][key]}")
+                res["sweep"][f"pass2 {key}"] = f"{type(err).__name__}: {str(err)[:120]}"
+            log(f"{name} sweep pass2 {key}: {res['sweep'][f'pass2 {key}']}")
     return res
 
 

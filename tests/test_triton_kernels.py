@@ -106,6 +106,33 @@ def test_group_prob_sums_matches_reference(gen, monkeypatch, dtype, S, D, C, K, 
     assert _rel(sums, ref) < 1e-5
 
 
+def test_group_prob_sums_polynomial_exp2(gen):
+    """The FMA-pipe exp2 used for every other key tile (poly=True) keeps the sums within 1e-4."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    S, D, C = 300, 32, 32
+    q, k, _ = _inputs(gen, S, D, torch.bfloat16)
+    perm = _random_groups(gen, 1, 2, S, C)
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    sums = selection.group_prob_sums(q, k, lse, perm, group_size=C, poly=True)
+    ref = reference.group_prob_sums(q.double(), k.double(), lse, perm, group_size=C)
+    assert _rel(sums, ref) < 1e-4
+
+
+def test_sparse_attention_masks_minus_one_anywhere(gen):
+    """mask_from_count=False masks -1 slots wherever they sit (not only trailing), as the reference does."""
+    from comfyui_mc_sparse_pack.kernels.triton import sparse_attention as tsa
+
+    S, D, C, K = 60, 32, 16, 24
+    q, k, v = _inputs(gen, S, D, torch.float16)
+    perm = _random_groups(gen, 1, 2, S, C)
+    idx = _random_kv_idx(gen, 1, 2, perm.shape[-1] // C, S, K, 8)
+    idx[..., 3] = -1  # a hole in the middle of every group
+    out = tsa(q, k, v, perm, idx, mask_from_count=False)
+    ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
+    assert _rel(out, ref) < BOUND[torch.float16]
+
+
 def test_group_prob_sums_groups_wider_than_a_tile(gen):
     """C = 200 > 128 runs the kernel's chunk loop over the group's queries."""
     S, D, C = 300, 16, 200
@@ -131,7 +158,8 @@ def test_select_kv_matches_reference_selection(gen, S, D, C, K, kv_tile):
     sums = reference.group_prob_sums(q.double(), k.double(), lse, perm, group_size=C)
     kth = torch.topk(sums, K, dim=-1).values[..., -1:]  # the K-th largest sum per group
     picked = torch.gather(sums, -1, got[..., :K].long())
-    assert (picked >= kth * (1 - 1e-5)).all()  # every pick is in the top K, ties aside
+    # every pick is in the top K, up to ties within the fp16 rounding of select_kv's scratch sums (2^-11)
+    assert (picked >= kth * (1 - 2e-3)).all()
 
 
 def test_select_kv_chunks_heads(gen):

@@ -31,6 +31,20 @@ _SCRATCH_BYTES = 1 << 30  # fp32 group-sum scratch per head chunk in select_kv: 
 
 
 @triton.jit
+def _exp2_fma(x):
+    """2^x on the FMA/ALU pipes (no MUFU), relative error < 5e-5 for x in [-125, 0.5]; smaller x gives ~0."""
+    x = tl.maximum(x, -125.0)
+    t = x + 12582912.0  # 1.5 * 2^23: the add rounds x to an integer n held in t's low mantissa bits
+    f = x - (t - 12582912.0)  # [-0.5, 0.5]
+    p = 0.009618129 * f + 0.05550411  # Taylor series of 2^f to degree 4 (error ~4e-5 on |f| <= 0.5)
+    p = p * f + 0.2402265
+    p = p * f + 0.6931472
+    p = p * f + 1.0
+    # 2^n * p: add n to p's exponent field; t's bits are 0x4B400000 + n, and 0x4B400000 << 23 wraps to 0
+    return (p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _group_prob_sums_fwd(
     Q, K, LSE, PERM, SUMS,
     sm_scale_log2,  # softmax scale * log2(e)
@@ -44,6 +58,7 @@ def _group_prob_sums_fwd(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EXP_F16: tl.constexpr,  # packed ex2.approx.f16x2 (twice the MUFU rate, ~1e-3 relative error; CUDA only)
+    POLY: tl.constexpr,  # every other key tile's exp2 on the FMA pipe (polynomial), the rest on MUFU
 ):
     group = tl.program_id(0)
     bh = tl.program_id(1)
@@ -69,12 +84,15 @@ def _group_prob_sums_fwd(
 
     for n0 in range(0, SK, BLOCK_N):
         keys = n0 + offs_n
+        use_poly = POLY and ((n0 // BLOCK_N) % 2 == 1)
         k_ok = keys < SK
         k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                     mask=k_ok[:, None], other=0.0)  # [BLOCK_N, D]
         st = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M] fp32
         x = st * sm_scale_log2 - lse2[None, :]  # log2 of the exact probability, <= ~0
-        if EXP_F16:
+        if use_poly:
+            col = tl.sum(_exp2_fma(x), 1)
+        elif EXP_F16:
             p = tl.inline_asm_elementwise(
                 "ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)], dtype=tl.float16, is_pure=True, pack=2
             )
@@ -91,23 +109,24 @@ def _group_prob_sums_fwd(
             lc = tl.load(l_base + c_rows * stride_ls, mask=c_valid, other=float("inf")) * 1.4426950408889634
             pc = tl.math.exp2(tl.dot(k, tl.trans(qc)) * sm_scale_log2 - lc[None, :])
             col += tl.sum(pc, 1)
-        tl.store(s_base + keys.to(tl.int64) * stride_sn, col, mask=k_ok)
+        tl.store(s_base + keys.to(tl.int64) * stride_sn, col.to(SUMS.dtype.element_ty), mask=k_ok)
 
 
 def _config(head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages), tuned on an H200 at D = 128, C = 128 (docs/kernels.md)."""
-    return (128, 8, 3) if head_dim >= 128 else (64, 4, 3)
+    return (64, 4, 3)
 
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
-                    num_stages=None, exp_f16=False):
+                    num_stages=None, exp_f16=False, poly=False):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
         q, k: ``[B, H, S, D]`` / ``[B, H, Sk, D]``, fp16 or bf16, any strides; lse: fp32 ``[B, H, S]`` (natural log);
         perm: int32 ``[B, H, G*C]``; group_size: C (any C >= 1); scale: None means 1/sqrt(D).
-        out: optional fp32 ``[B, H, G, Sk]`` buffer to write into (any strides); block_n, num_warps,
-        num_stages: tuning overrides; exp_f16: packed half-precision exp2 (CUDA only, benchmarks).
+        out: optional ``[B, H, G, Sk]`` buffer to write into (any strides), fp32, or fp16 for select_kv's
+        scratch; block_n, num_warps, num_stages: tuning overrides; exp_f16: packed half-precision exp2 (CUDA only);
+        poly: half the exponentials by polynomial on the FMA pipe (benchmarks).
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
@@ -124,8 +143,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         raise ValueError(f"lse must be [B, H, S] = {(B, H, S)}, got {tuple(lse.shape)}")
     if out is None:
         out = torch.empty(B, H, G, SK, dtype=torch.float32, device=q.device)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (B, H, G, SK):
-        raise ValueError(f"out must be float32 [B, H, G, Sk] = {(B, H, G, SK)}, got {out.dtype} {tuple(out.shape)}")
+    elif out.dtype not in (torch.float32, torch.float16) or tuple(out.shape) != (B, H, G, SK):
+        raise ValueError(f"out must be float32/16 [B, H, G, Sk] = {(B, H, G, SK)}, got {out.dtype} {tuple(out.shape)}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     block_m = min(128, max(16, triton.next_power_of_2(C)))
     bn, warps, stages = _config(D)
@@ -135,17 +154,20 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         scale * _LOG2E,
         H, S, SK, n_slots, C,
         *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
-        M_CHUNKS=triton.cdiv(C, block_m), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_F16=exp_f16,
+        M_CHUNKS=triton.cdiv(C, block_m), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_F16=exp_f16, POLY=poly,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )
     return out
 
 
-def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None):
+def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=False):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
-    Heads are processed in chunks so the fp32 group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB): at
-    Wan2.1-14B 720p one head's sums are 591 x 75600 x 4 B = 179 MB. ``heads_per_chunk`` overrides the chunk size.
+    Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
+    kept in fp16 there (values in [0, C], relative precision 2^-11: enough to rank; halves the top-K traffic): at
+    Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. The top-K positions are marked in a boolean
+    mask and read back in ascending order with ``torch.nonzero_static`` (cheaper than sorting K indices per group,
+    and no host sync). ``heads_per_chunk`` overrides the chunk size.
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -156,15 +178,19 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     SK = k.shape[2]
     k_alloc = -(-num_keys // kv_tile) * kv_tile
     out = torch.full((B, H, G, k_alloc), -1, dtype=torch.int32, device=q.device)
-    per_head = G * SK * 4
+    per_head = G * SK * 3  # fp16 sums + bool mask
     hc = heads_per_chunk or max(1, min(H, _SCRATCH_BYTES // per_head))
-    scratch = torch.empty(B, hc, G, SK, dtype=torch.float32, device=q.device)
+    scratch = torch.empty(B, hc, G, SK, dtype=torch.float16, device=q.device)
+    mask = torch.empty(B, hc, G, SK, dtype=torch.bool, device=q.device)
     for h0 in range(0, H, hc):
         h1 = min(H, h0 + hc)
         sums = group_prob_sums(
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
-            out=scratch[:, : h1 - h0],
+            out=scratch[:, : h1 - h0], poly=poly,
         )
         top = torch.topk(sums, num_keys, dim=-1, sorted=False).indices  # [B, h, G, K] int64
-        out[:, h0:h1, :, :num_keys] = torch.sort(top, dim=-1).values.to(torch.int32)
+        m = mask[:, : h1 - h0]
+        m.zero_().scatter_(-1, top, True)
+        flat = torch.nonzero_static(m.reshape(-1), size=top.numel()).reshape(top.shape)  # row-major: ascending
+        out[:, h0:h1, :, :num_keys] = (flat % SK).to(torch.int32)
     return out

@@ -27,7 +27,7 @@ _LN2 = 0.6931471805599453
 
 @triton.jit
 def _sparse_attn_fwd(
-    Q, K, V, PERM, KV_IDX, OUT, LSE,
+    Q, K, V, PERM, KV_IDX, N_VALID, OUT, LSE,
     sm_scale_log2,  # softmax scale * log2(e)
     H, S, SK, n_slots,  # n_slots: G*C entries of perm per (b, h); SK: KV length
     K_ALLOC, C,
@@ -40,6 +40,9 @@ def _sparse_attn_fwd(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    MASK_FROM_COUNT: tl.constexpr,  # mask slots >= the group's valid count (N_VALID) instead of slots holding -1
+    CACHE: tl.constexpr,  # cache modifier of the K/V gathers ("" or ".cg")
+    WARP_SPEC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # group * M_BLOCKS + block inside the group
     bh = tl.program_id(1)
@@ -69,18 +72,25 @@ def _sparse_attn_fwd(
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
     idx_base = KV_IDX + (bh.to(tl.int64) * (n_slots // C) + group) * K_ALLOC
 
+    if MASK_FROM_COUNT:
+        n_valid = tl.load(N_VALID + bh.to(tl.int64) * (n_slots // C) + group)
+    else:
+        n_valid = K_ALLOC
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    for n0 in range(0, K_ALLOC, BLOCK_N):
+    for n0 in tl.range(0, K_ALLOC, BLOCK_N, warp_specialize=WARP_SPEC):
         slots = n0 + offs_n
         kv = tl.load(idx_base + slots, mask=slots < K_ALLOC, other=-1)  # [BLOCK_N] int32, -1 = masked
         kv_valid = (kv >= 0) & (kv < SK)
         kv_rows = tl.where(kv_valid, kv, 0).to(tl.int64)
-        k = tl.load(k_base + kv_rows[:, None] * stride_ks + offs_d[None, :] * stride_kd)  # [BLOCK_N, D]
+        k = tl.load(k_base + kv_rows[:, None] * stride_ks + offs_d[None, :] * stride_kd, cache_modifier=CACHE)
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
-        bias = tl.where(kv_valid, 0.0, float("-inf"))  # [BLOCK_N]
+        if MASK_FROM_COUNT:  # the mask does not depend on the loaded indices: lets the gathers pipeline freely
+            bias = tl.where(slots < n_valid, 0.0, float("-inf"))  # [BLOCK_N]
+        else:
+            bias = tl.where(kv_valid, 0.0, float("-inf"))  # [BLOCK_N]
         qk = qk * sm_scale_log2 + bias[None, :]
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # a row that has seen only masked slots keeps m = -inf; use 0 there so no inf - inf appears
@@ -89,7 +99,7 @@ def _sparse_attn_fwd(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_base + kv_rows[:, None] * stride_vs + offs_d[None, :] * stride_vd)  # [BLOCK_N, D]
+        v = tl.load(v_base + kv_rows[:, None] * stride_vs + offs_d[None, :] * stride_vd, cache_modifier=CACHE)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
 
@@ -108,12 +118,12 @@ def _sparse_attn_fwd(
 def _config(head_dim: int, block_m: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for one head dim and query block (tuned on an H200, docs/kernels.md)."""
     if block_m >= 128:
-        return (64, 8, 3) if head_dim >= 128 else (64, 4, 3)
+        return (128, 8, 3) if head_dim >= 128 else (64, 4, 3)
     return (64, 4, 3)
 
 
 def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, block_n=None, num_warps=None,
-                     num_stages=None):
+                     num_stages=None, mask_from_count=True, cache="", warp_spec=False, block_m=None):
     """Token-sparse attention on the Triton kernel; same contract as ``kernels.reference.sparse_attention``.
 
     Args:
@@ -123,7 +133,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, blo
         kv_idx: int32 ``[B, H, G, K_alloc]`` each group's KV token indices, -1 = masked slot. Any K_alloc.
         scale: softmax scale; None means 1/sqrt(D).
         return_lse: also return the fp32 row log-sum-exp ``[B, H, S]`` (natural log, scale applied).
-        block_n, num_warps, num_stages: tuning overrides (benchmarks); None picks the tuned defaults.
+        block_n, num_warps, num_stages, block_m, cache, warp_spec: tuning overrides (benchmarks).
+        mask_from_count: mask by each group's count of valid slots (computed here, one pass over kv_idx); needs
+            the -1 slots trailing (the kv_idx convention); False masks slots holding -1 wherever they are.
     Returns:
         O ``[B, H, S, D]`` in q's dtype, original query order (queries absent from ``perm`` are left
         uninitialised, as the contract says every query appears once), or (O, LSE).
@@ -137,7 +149,7 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, blo
         raise ValueError(f"perm width must be a multiple of kv_idx's G = {G}, got {n_slots}")
     C = n_slots // G
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    block_m = min(128, max(16, triton.next_power_of_2(C)))
+    block_m = block_m or min(128, max(16, triton.next_power_of_2(C)))
     m_blocks = triton.cdiv(C, block_m)
     bn, warps, stages = _config(D, block_m)
     bn = block_n or bn
@@ -147,13 +159,15 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, blo
     kv_idx = kv_idx.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else out  # dummy when unused
+    n_valid = (kv_idx >= 0).sum(-1, dtype=torch.int32) if mask_from_count else kv_idx  # dummy when unused
     grid = (G * m_blocks, B * H)
     _sparse_attn_fwd[grid](
-        q, k, v, perm, kv_idx, out, lse,
+        q, k, v, perm, kv_idx, n_valid, out, lse,
         scale * _LOG2E,
         H, S, k.shape[2], n_slots, k_alloc, C,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=bn, RETURN_LSE=return_lse,
+        MASK_FROM_COUNT=mask_from_count, CACHE=cache, WARP_SPEC=warp_spec,
         num_warps=warps, num_stages=stages,
     )
     return (out, lse) if return_lse else out
