@@ -144,8 +144,9 @@ def run_shape(name, shp, densities, sweep, rep, log):
     res["errors"]["group_prob_sums triton"] = rel_err(got_sums, ref_sums)
     kq = int(0.25 * S)
     ref_top = torch.topk(ref_sums, kq, dim=-1).indices
-    got_sel = kernels.select_kv(q0[:, :1], k0[:, :1], ref_lse[:, :1], perm0[:, :1], kq, group_size=C, kv_tile=KV_TILE,
-                                backend="triton")
+    from comfyui_mc_sparse_pack.kernels.triton import selection as tsel  # direct: a failure must not fall back
+
+    got_sel = tsel.select_kv(q0[:, :1], k0[:, :1], ref_lse[:, :1], perm0[:, :1], kq, group_size=C, kv_tile=KV_TILE)
     hit = torch.zeros_like(ref_sums, dtype=torch.bool).scatter_(-1, ref_top, True)
     sel = got_sel[..., :kq].long()
     res["errors"]["select_kv triton overlap (s=0.25)"] = float(torch.gather(hit, -1, sel).float().mean())
@@ -159,7 +160,7 @@ def run_shape(name, shp, densities, sweep, rep, log):
     log(f"{name} pass 2 (triton, all heads, extrapolated from {hc}): {ms:.2f} ms = {ms / best:.3f} of dense")
     for s in densities:
         kq = int(s * S)
-        ms = bench(lambda q, k, l, p: kernels.select_kv(q, k, l, p, kq, group_size=C, kv_tile=KV_TILE, backend="triton"),
+        ms = bench(lambda q, k, l, p: tsel.select_kv(q, k, l, p, kq, group_size=C, kv_tile=KV_TILE),
                    sel_inputs, rep_ms=max(rep, 1000))
         res["selection"][f"pass2+topk s={s}"] = dict(ms=ms, frac_of_dense=ms / best)
         log(f"{name} pass 2 + top-K s={s}: {ms:.2f} ms = {ms / best:.3f} of dense")
