@@ -96,7 +96,9 @@ def anchor_attention(
     residual = None
     if config.residual:
         sparse = kernels.sparse_attention(q, k, v, perm, kv_idx, scale=scale, backend=backend)
-        residual = (out.float() - sparse.float()).to(getattr(torch, config.residual_dtype))
+        # fp8 storage needs a scale: keep float32 here, ``encoding.encode_residual`` quantises (cache.py)
+        store = torch.float32 if config.residual_dtype.startswith("float8") else getattr(torch, config.residual_dtype)
+        residual = (out.float() - sparse.float()).to(store)
     return out, CacheEntry(perm=perm, kv_idx=kv_idx, residual=residual, num_keys=num_keys, shape=tuple(q.shape))
 
 

@@ -1,28 +1,71 @@
 """The metadata cache: query groups, KV indices and residual per (layer, branch), refreshed at anchor
-steps and read at reuse steps (MC-Sparse sec. 3.5), with byte accounting.
+steps and read at reuse steps (MC-Sparse sec. 3.5), stored compactly, placed on the GPU or in pinned CPU
+memory, with byte accounting.
 
 Entries are keyed by ``CacheKey``, never by batch position: the branch is the conditioning's uuid
 (cond/uncond), the window names a context window, and the shape keeps a resolution change from reusing
 a stale entry.
+
+Storage (``encoding``): an anchor step's ``CacheEntry`` (int32 groups and indices, residual) becomes a
+``StoredEntry``: bitmask or 16-bit selections (bit-exact), 16-bit groups, residual in bf16 or fp8 + scale.
+A reuse step decodes it back to a ``CacheEntry`` just before the sparse kernel.
+
+Placement (``MCSparseConfig.cache_placement``, the paper's "cache offload", sec. 4):
+- "gpu": entries on the compute device; an entry that would leave less than a small margin of free GPU
+  memory goes to CPU memory instead (counted, and said in the summary), never an out-of-memory error;
+- "cpu": entries in pinned CPU memory (``cudaHostRegister`` on plain CPU tensors, so the bytes are exact and
+  returned at ``clear``; pageable memory when CUDA is absent or pinning fails);
+- "auto": GPU while the expected cache (``expected_bytes``, from ``memory.estimate_cache``) plus the headroom
+  fits the free GPU memory, else CPU; without an expectation it decides per entry, spilling to CPU.
+Free memory comes from ``free_memory_fn(device)`` (the ComfyUI adapter can pass one that subtracts what the
+model still needs) or ``torch.cuda.mem_get_info``.
+
+Prefetch: ``prefetch(key)`` copies (when in CPU memory) and decodes an entry on a side CUDA stream while the
+current layer computes; ``load(key)`` makes the compute stream wait on that work's event and marks the decoded
+tensors as used there (``record_stream``), so neither stream can read freed or half-written memory. Host
+buffers remember the events of their last copies and are not rewritten or unpinned before those complete.
+Without CUDA the same calls run synchronously (the decoded entry is kept for the next ``load``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 
 import torch
+
+from .encoding import (
+    EncodedGroups,
+    EncodedResidual,
+    EncodedSelection,
+    decode_groups,
+    decode_residual,
+    decode_selection,
+    encode_groups,
+    encode_residual,
+    encode_selection,
+)
+
+log = logging.getLogger(__name__)
+
+PLACEMENTS = ("auto", "gpu", "cpu")
+_GPU_MARGIN = 256 << 20  # bytes 'gpu' placement always leaves free (decode temporaries, allocator slack)
+_ALIGN = 256  # byte alignment of each tensor inside a host buffer (any dtype's element size divides it)
+_MAX_PENDING = 2  # prefetched entries kept at once (the next layer's, and one stale at most)
+
+FreeMemoryFn = Callable[[torch.device], int]
 
 
 @dataclass
 class CacheEntry:
-    """What an anchor step leaves for the reuse steps of one (layer, branch).
+    """What an anchor step leaves for the reuse steps of one (layer, branch), decoded (what kernels take).
 
     Attributes:
         perm: int32 ``[B, H, G*C]`` query groups (docs/architecture.md).
         kv_idx: int32 ``[B, H, G, K_alloc]`` each group's selected KV tokens, sorted, -1 = masked slot.
-        residual: ``[B, H, S, D]`` O_dense - O_sparse at the anchor step (config.residual_dtype), or None
-            when the residual is off.
+        residual: ``[B, H, S, D]`` O_dense - O_sparse at the anchor step (config.residual_dtype; float32
+            when that is fp8, which ``encode_entry`` quantises), or None when the residual is off.
         num_keys: K, the selected tokens per group.
         shape: the ``[B, H, S, D]`` shape of the q it was made for.
     """
@@ -42,6 +85,90 @@ class CacheEntry:
     def fits(self, q: torch.Tensor) -> bool:
         """True when this entry was made for q's shape on q's device."""
         return tuple(q.shape) == self.shape and q.device == self.perm.device
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.perm, self.kv_idx, self.residual) if t is not None]
+
+
+@dataclass
+class StoredEntry:
+    """A ``CacheEntry`` in compact storage (``encoding``), on the GPU or in CPU memory.
+
+    Attributes:
+        groups, selection, residual: the encoded parts (residual None when off).
+        num_keys: K. shape: ``[B, H, S, D]`` of the q it serves.
+        ready: CUDA event after which the tensors hold their values (None: ready now).
+    """
+
+    groups: EncodedGroups
+    selection: EncodedSelection
+    residual: EncodedResidual | None
+    num_keys: int
+    shape: tuple[int, ...]
+    ready: torch.cuda.Event | None = None
+    host: _HostBuffer | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored (encoded) tensors."""
+        return self.groups.nbytes + self.selection.nbytes + (self.residual.nbytes if self.residual else 0)
+
+    @property
+    def device(self) -> torch.device:
+        return self.groups.data.device
+
+    def fits(self, q: torch.Tensor) -> bool:
+        """True when this entry was made for q's shape (it is decoded onto q's device)."""
+        return tuple(q.shape) == self.shape
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.groups.data, self.selection.data]
+        if self.residual is not None:
+            out += [self.residual.data] + ([self.residual.scale] if self.residual.scale is not None else [])
+        return out
+
+    def _with_tensors(self, new: list[torch.Tensor]) -> StoredEntry:
+        it = iter(new)
+        groups = EncodedGroups(self.groups.kind, next(it), self.groups.num_tokens, self.groups.width)
+        sel = self.selection
+        selection = EncodedSelection(sel.kind, next(it), sel.num_tokens, sel.num_keys, sel.width)
+        residual = None
+        if self.residual is not None:
+            data = next(it)
+            residual = EncodedResidual(data, next(it) if self.residual.scale is not None else None)
+        return StoredEntry(groups, selection, residual, self.num_keys, self.shape)
+
+    def decode(self, device: torch.device, dtype: torch.dtype, *, non_blocking: bool = False) -> CacheEntry:
+        """The ``CacheEntry`` on ``device`` (residual in ``dtype``), bit-exact groups and selections.
+
+        Runs on the current stream; ``non_blocking`` copies from pinned memory asynchronously.
+        """
+        perm = decode_groups(self.groups, device, non_blocking=non_blocking)
+        kv_idx = decode_selection(self.selection, device, non_blocking=non_blocking)
+        residual = None
+        if self.residual is not None:
+            residual = decode_residual(self.residual, dtype, device, non_blocking=non_blocking)
+        return CacheEntry(perm, kv_idx, residual, self.num_keys, self.shape)
+
+
+def encode_entry(entry: CacheEntry, *, index_encoding: str = "auto", residual_dtype: str = "bfloat16",
+                 residual_scale: str = "row") -> StoredEntry:
+    """Compact ``entry`` on its own device (see ``encoding`` for the formats; one device sync to check rows).
+
+    Args: index_encoding, residual_dtype, residual_scale: as in ``MCSparseConfig``.
+    Raises: ValueError for malformed tensors or unknown names.
+    """
+    S = entry.shape[2]
+    residual = None
+    if entry.residual is not None:
+        residual = encode_residual(entry.residual, residual_dtype, residual_scale)
+    return StoredEntry(
+        groups=encode_groups(entry.perm, S),
+        selection=encode_selection(entry.kv_idx, S, entry.num_keys, index_encoding),
+        residual=residual,
+        num_keys=entry.num_keys,
+        shape=entry.shape,
+    )
 
 
 @dataclass(frozen=True)
@@ -63,34 +190,291 @@ class CacheKey:
     kind: str = "self"
 
 
-class MetadataCache:
-    """Cache entries of one sampling run, with current and peak bytes.
+class _HostBuffer:
+    """One entry's bytes in CPU memory: a plain uint8 tensor, page-locked with ``cudaHostRegister`` when CUDA
+    is available (exact size, unlike the power-of-two caching host allocator; unlocked on ``release``)."""
 
+    def __init__(self, nbytes: int, pin: bool):
+        self.data = torch.empty(nbytes, dtype=torch.uint8)
+        self.events: list[torch.cuda.Event] = []  # copies reading or writing these bytes, newest last
+        self.pinned = False
+        if pin and nbytes:
+            try:
+                err = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 1)  # 1: portable
+                self.pinned = int(err) == 0
+            except (RuntimeError, AttributeError, TypeError) as exc:  # no cudart binding: stay pageable
+                log.debug("cudaHostRegister unavailable: %s", exc)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        n = like.numel() * like.element_size()
+        return self.data[offset : offset + n].view(like.dtype).view(like.shape)
+
+    def used(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            self.events = self.events[-1:] + [event]
+
+    def wait_on(self, stream) -> None:
+        """Make ``stream`` wait until every recorded copy of these bytes is done (before rewriting them)."""
+        for ev in self.events:
+            stream.wait_event(ev)
+        self.events.clear()
+
+    def release(self) -> None:
+        """Wait for the last copies, then unlock the pages (idempotent)."""
+        for ev in self.events:
+            ev.synchronize()
+        self.events.clear()
+        if self.pinned:
+            self.pinned = False
+            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: CUDA may be gone already
+            pass
+
+
+@dataclass
+class _Pending:
+    entry: CacheEntry
+    event: torch.cuda.Event | None
+    device: torch.device
+    dtype: torch.dtype
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    offsets, pos = [], 0
+    for t in tensors:
+        offsets.append(pos)
+        pos += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
+    return offsets, pos
+
+
+class MetadataCache:
+    """Cache entries of one sampling run, with placement, prefetch and current / peak bytes.
+
+    Args:
+        placement: "gpu" (default), "cpu" or "auto" (module docstring).
+        headroom_bytes: GPU bytes 'auto' leaves free for the model. free_memory_fn: ``device -> bytes`` the
+            cache may still use there (None: ``torch.cuda.mem_get_info``).
+        expected_bytes: the whole cache's expected bytes (``memory.estimate_cache``), for 'auto'; None: decide
+            per entry. Settable later (``MCSparseRunner.plan``).
+    Attributes:
+        nbytes, peak_bytes: stored bytes now / at most. gpu_bytes, host_bytes: of which on a GPU / in CPU
+        memory (a CPU-only run counts its entries as host). hits / misses: loads served by a prefetch /
+        decoded synchronously. moved: entries put in CPU memory because GPU memory was short. notes: events
+        for the run summary.
     Not thread-safe; one instance per sampler call (ComfyUI: created by the OUTER_SAMPLE wrapper).
     """
 
-    def __init__(self):
-        self._entries: dict[CacheKey, CacheEntry] = {}
-        self.nbytes = 0
-        self.peak_bytes = 0
+    def __init__(self, placement: str = "gpu", *, headroom_bytes: int = 0, free_memory_fn: FreeMemoryFn | None = None,
+                 expected_bytes: int | None = None):
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        self.placement = placement
+        self.headroom_bytes = headroom_bytes
+        self.free_memory_fn = free_memory_fn
+        self.expected_bytes = expected_bytes
+        self._entries: dict[CacheKey, CacheEntry | StoredEntry] = {}
+        self._pending: dict[CacheKey, _Pending] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._auto_choice: str | None = None
+        self.nbytes = self.peak_bytes = 0
+        self.gpu_bytes = self.host_bytes = self.peak_gpu_bytes = self.peak_host_bytes = 0
+        self.hits = self.misses = self.moved = 0
+        self.notes: list[str] = []
 
-    def get(self, key: CacheKey) -> CacheEntry | None:
-        """The entry for ``key``, or None."""
+    # --- queries ---------------------------------------------------------------------------------------------
+
+    def get(self, key: CacheKey) -> CacheEntry | StoredEntry | None:
+        """The entry for ``key`` as stored, or None."""
         return self._entries.get(key)
-
-    def put(self, key: CacheKey, entry: CacheEntry) -> None:
-        """Store (or replace) the entry for ``key``."""
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.nbytes -= old.nbytes
-        self._entries[key] = entry
-        self.nbytes += entry.nbytes
-        self.peak_bytes = max(self.peak_bytes, self.nbytes)
-
-    def clear(self) -> None:
-        """Drop every entry (frees the tensors unless referenced elsewhere)."""
-        self._entries.clear()
-        self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def free_bytes(self, device: torch.device) -> int | None:
+        """Bytes the cache may still use on ``device`` (None for non-CUDA devices)."""
+        if device.type != "cuda":
+            return None
+        if self.free_memory_fn is not None:
+            return int(self.free_memory_fn(device))
+        return torch.cuda.mem_get_info(device)[0]
+
+    # --- store -----------------------------------------------------------------------------------------------
+
+    def put(self, key: CacheKey, entry: CacheEntry | StoredEntry) -> None:
+        """Store (or replace) the entry for ``key``. A ``StoredEntry`` on a CUDA device is placed per
+        ``placement`` (copied to CPU memory when so decided); a ``CacheEntry`` is kept as given.
+
+        Raises: MemoryError / torch.cuda.OutOfMemoryError when even CPU memory cannot hold it.
+        """
+        self._pending.pop(key, None)  # a prefetch of the replaced entry is stale
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._account(old, -1)
+        reusable = old.host if isinstance(old, StoredEntry) else None
+        if isinstance(entry, StoredEntry) and entry.device.type == "cuda":
+            old_gpu = old.nbytes if old is not None and _on_gpu(old) else 0
+            if self._choose(entry, old_gpu) == "cpu":
+                entry = self._to_host(entry, reusable)
+                reusable = None if entry.host is reusable else reusable
+            else:
+                entry.ready = _record(entry.device)
+        if reusable is not None:
+            reusable.release()
+        self._entries[key] = entry
+        self._account(entry, +1)
+
+    def decide(self, device: torch.device) -> str:
+        """Where new entries for ``device`` go as things stand: "gpu" or "cpu" ('auto' with an expectation
+        decides once, from the free memory now; otherwise the per-entry checks of ``put`` still apply)."""
+        if device.type != "cuda" or self.placement == "cpu":
+            return "cpu"
+        if self.placement == "gpu":
+            return "gpu"
+        if self._auto_choice is None and self.expected_bytes is not None:
+            free = self.free_bytes(device)
+            fits = self.expected_bytes - self.gpu_bytes + self.headroom_bytes <= free
+            self._auto_choice = "gpu" if fits else "cpu"
+            log.info("MC-Sparse cache placement auto -> %s: expected %.2f GiB, %.2f GiB free, %.2f GiB headroom",
+                     self._auto_choice, self.expected_bytes / 2**30, free / 2**30, self.headroom_bytes / 2**30)
+        return self._auto_choice or "gpu"
+
+    def _choose(self, entry: StoredEntry, old_gpu: int) -> str:
+        if self.decide(entry.device) == "cpu":
+            return "cpu"
+        free = self.free_bytes(entry.device) + old_gpu
+        if self.placement == "gpu":
+            if entry.nbytes + _GPU_MARGIN <= free:
+                return "gpu"
+            self._spill(f"cache placement gpu: GPU memory short ({free / 2**30:.2f} GiB free), entries moved to CPU memory")
+            return "cpu"
+        if entry.nbytes + self.headroom_bytes <= free:
+            return "gpu"
+        self._spill(f"cache placement auto: GPU memory short ({free / 2**30:.2f} GiB free, "
+                    f"{self.headroom_bytes / 2**30:.1f} GiB headroom), entries moved to CPU memory")
+        return "cpu"
+
+    def _spill(self, note: str) -> None:
+        self.moved += 1
+        if note not in self.notes:
+            self.notes.append(note)
+            log.warning("MC-Sparse: %s", note)
+
+    def _to_host(self, entry: StoredEntry, reusable: _HostBuffer | None) -> StoredEntry:
+        tensors = entry.tensors()
+        offsets, total = _layout(tensors)
+        pin = torch.cuda.is_available()
+        if reusable is not None and reusable.nbytes == total:
+            buf = reusable
+            buf.wait_on(torch.cuda.current_stream(entry.device))  # earlier prefetches must finish reading it
+        else:
+            buf = _HostBuffer(total, pin)
+            if pin and not buf.pinned and "CPU cache memory could not be pinned" not in " ".join(self.notes):
+                self.notes.append("CPU cache memory could not be pinned: copies are synchronous (slower)")
+        host = [buf.view(off, t) for off, t in zip(offsets, tensors)]
+        for dst, src in zip(host, tensors):
+            dst.copy_(src, non_blocking=buf.pinned)
+        stored = entry._with_tensors(host)
+        stored.host = buf
+        stored.ready = _record(entry.device)
+        buf.used(stored.ready)
+        return stored
+
+    def _account(self, entry, sign: int) -> None:
+        n = sign * entry.nbytes
+        self.nbytes += n
+        if _on_gpu(entry):
+            self.gpu_bytes += n
+        else:
+            self.host_bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        self.peak_gpu_bytes = max(self.peak_gpu_bytes, self.gpu_bytes)
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+
+    # --- read ------------------------------------------------------------------------------------------------
+
+    def load(self, key: CacheKey, device: torch.device, dtype: torch.dtype) -> CacheEntry | None:
+        """The decoded entry for ``key`` on ``device`` (residual in ``dtype``), or None when absent.
+
+        Uses the prefetched copy when there is one (the current stream waits for it), else decodes now on
+        the current stream.
+        """
+        stored = self._entries.get(key)
+        if stored is None:
+            return None
+        if isinstance(stored, CacheEntry):
+            return stored
+        pending = self._pending.pop(key, None)
+        if pending is not None and pending.device == device and pending.dtype == dtype:
+            if pending.event is not None:
+                current = torch.cuda.current_stream(device)
+                current.wait_event(pending.event)
+                for t in pending.entry.tensors():
+                    t.record_stream(current)  # allocated on the side stream, used (and freed) on this one
+            self.hits += 1
+            return pending.entry
+        self.misses += 1
+        if device.type == "cuda" and stored.ready is not None:
+            torch.cuda.current_stream(device).wait_event(stored.ready)
+        entry = stored.decode(device, dtype, non_blocking=stored.host is not None and stored.host.pinned)
+        if stored.host is not None and device.type == "cuda":
+            stored.host.used(_record(device))
+        return entry
+
+    def prefetch(self, key: CacheKey, device: torch.device, dtype: torch.dtype) -> None:
+        """Start copying (if in CPU memory) and decoding ``key``'s entry for ``device``, on a side CUDA stream
+        (synchronously without CUDA). No-op when absent, kept as a raw ``CacheEntry``, or already pending."""
+        stored = self._entries.get(key)
+        if stored is None or isinstance(stored, CacheEntry) or key in self._pending:
+            return
+        while len(self._pending) >= _MAX_PENDING:
+            self._pending.pop(next(iter(self._pending)))
+        if device.type != "cuda":
+            self._pending[key] = _Pending(stored.decode(device, dtype), None, device, dtype)
+            return
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            if stored.ready is not None:
+                side.wait_event(stored.ready)
+            if stored.host is None:
+                for t in stored.tensors():
+                    t.record_stream(side)  # read here: not to be reused before this stream is past it
+            entry = stored.decode(device, dtype, non_blocking=stored.host is not None and stored.host.pinned)
+            event = _record(device)
+        if stored.host is not None:
+            stored.host.used(event)
+        self._pending[key] = _Pending(entry, event, device, dtype)
+
+    # --- free ------------------------------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Drop every entry and prefetch, unpinning CPU buffers once their copies are done."""
+        self._pending.clear()
+        for entry in self._entries.values():
+            if isinstance(entry, StoredEntry) and entry.host is not None:
+                entry.host.release()
+        self._entries.clear()
+        self.nbytes = self.gpu_bytes = self.host_bytes = 0
+        self._auto_choice = None
+
+
+def _on_gpu(entry) -> bool:
+    tensor = entry.perm if isinstance(entry, CacheEntry) else entry.groups.data
+    return tensor.device.type == "cuda"
+
+
+def _record(device: torch.device) -> torch.cuda.Event | None:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

@@ -16,7 +16,17 @@ GROUP_SIZES = (64, 128)
 HEAD_DIMS = (64, 128)
 """Head dims the sparse path supports (Wan/HunyuanVideo 128, Hunyuan3D 64); other calls stay dense."""
 
-RESIDUAL_DTYPES = ("bfloat16", "float16", "float32")
+RESIDUAL_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+"""Residual storage dtypes; float8_e4m3fn stores a float32 scale per row or per tensor (``residual_scale``)."""
+
+RESIDUAL_SCALES = ("row", "tensor")
+INDEX_ENCODINGS = ("auto", "bitmask", "uint16", "int32")
+"""KV selection storage (``encoding``): "auto" picks the smallest lossless form for the density and S."""
+
+CACHE_PLACEMENTS = ("auto", "gpu", "cpu")
+""""gpu": entries stay on the compute device (moved to CPU only when GPU memory is short); "cpu": in pinned CPU
+memory, the next layer's entry prefetched on a side stream; "auto": GPU while the cache fits the free memory
+minus ``cache_headroom_gib``, else CPU."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +46,15 @@ class MCSparseConfig:
         power_iters: power-iteration steps per PDDP split (>= 1).
         residual: add the cached residual O_dense - O_sparse at reuse steps (sec. 3.4). False gives
             "MC-Sparse without residual" (an ablation).
-        residual_dtype: storage dtype of the residual: "bfloat16" (default), "float16" or "float32".
+        residual_dtype: storage dtype of the residual: "bfloat16" (default), "float16", "float32" or
+            "float8_e4m3fn" (half the bytes of bf16; a float32 scale per ``residual_scale``; its fidelity cost is
+            measured in docs/cache.md).
+        residual_scale: fp8 residual scale granularity: "row" (one per query and head, default) or "tensor".
+        index_encoding: KV selection storage, lossless: "auto" (default: smallest of bitmask, 16-bit and
+            32-bit indices for the density and S), "bitmask", "uint16" or "int32" (see ``encoding``).
+        cache_placement: "auto" (default), "gpu" or "cpu" (see ``CACHE_PLACEMENTS``).
+        cache_headroom_gib: GiB of GPU memory 'auto' leaves free for the model (activations) when it decides
+            to keep the cache on the GPU; >= 0, default 4.
     Raises:
         ValueError / TypeError: a field is out of range; the message names the field and the range.
     """
@@ -50,6 +68,10 @@ class MCSparseConfig:
     power_iters: int = 8
     residual: bool = True
     residual_dtype: str = "bfloat16"
+    residual_scale: str = "row"
+    index_encoding: str = "auto"
+    cache_placement: str = "auto"
+    cache_headroom_gib: float = 4.0
 
     def __post_init__(self):
         object.__setattr__(self, "anchor_steps", tuple(self.anchor_steps))
@@ -78,6 +100,13 @@ class MCSparseConfig:
             )
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
+        for name, options in (("residual_scale", RESIDUAL_SCALES), ("index_encoding", INDEX_ENCODINGS),
+                              ("cache_placement", CACHE_PLACEMENTS)):
+            if getattr(self, name) not in options:
+                raise ValueError(f"{name} must be one of {options}, got {getattr(self, name)!r}")
+        _check_number("cache_headroom_gib", self.cache_headroom_gib)
+        if not 0.0 <= self.cache_headroom_gib < float("inf"):
+            raise ValueError(f"cache_headroom_gib must be a finite number >= 0, got {self.cache_headroom_gib}")
 
 
 def _check_number(name: str, value) -> None:

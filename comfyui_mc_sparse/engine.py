@@ -5,6 +5,14 @@ self-attention call: it picks dense / anchor / reuse from the schedule (``schedu
 the cache, and counts what ran and why, for the end-of-run summary. Nothing is lost on a bad call:
 non-finite inputs, a missing cache entry, or an out-of-memory error fall back to dense attention and the
 summary says so.
+
+Cache (``cache``, ``encoding``): anchor entries are stored compactly and placed per
+``config.cache_placement``. The order in which keys are stored at an anchor step is the layer order of the
+model; at a reuse step the runner loads layer L's entry and at once starts prefetching the entry that
+followed L at the anchor step (cyclically, so the last layer prefetches the first of the next step), which a
+side CUDA stream copies and decodes while layer L computes. ``plan`` gives the memory and speed estimate
+before sampling (``memory``). Out of memory anywhere in the pack's path frees the cache, logs what would fit
+and turns the rest of the run dense.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
+from . import memory
 from .attention import NonFiniteInputError, anchor_attention, check_inputs, ineligible_reason, reuse_attention
-from .cache import CacheKey, MetadataCache
+from .cache import CacheKey, FreeMemoryFn, MetadataCache, encode_entry
 from .config import MCSparseConfig
 from .schedule import StepKind, step_kind
 
@@ -62,17 +71,65 @@ class MCSparseRunner:
         backend: kernel backend name ("auto", "torch", "triton", ...), see ``kernels.registry``.
         measure_time: synchronise around each call and record its time per step kind (for the summary's
             "attention time saved"); costs one device sync per call on GPUs.
+        free_memory_fn: ``torch.device -> int``, the GPU bytes the cache may still take on that device
+            (called before storing each anchor entry on a GPU, and by ``plan``). None: free device memory
+            (``torch.cuda.mem_get_info``). The ComfyUI adapter passes one built on
+            ``comfy.model_management.get_free_memory`` minus what the model still needs, so the cache never
+            takes memory ComfyUI has counted on.
     """
 
-    def __init__(self, config: MCSparseConfig, *, backend: str = "auto", measure_time: bool = False):
+    def __init__(self, config: MCSparseConfig, *, backend: str = "auto", measure_time: bool = False,
+                 free_memory_fn: FreeMemoryFn | None = None):
         self.config = config
         self.backend = backend
         self.measure_time = measure_time
-        self.cache = MetadataCache()
+        self.cache = MetadataCache(config.cache_placement, headroom_bytes=int(config.cache_headroom_gib * memory.GIB),
+                                   free_memory_fn=free_memory_fn)
         self.stats = RunStats()
         self.disabled_reason: str | None = None
+        self.plan_line: str | None = None
+        self._plan: memory.CacheEstimate | None = None
         self._dense_ms_by_shape: dict[tuple, list[float]] = {}
         self._reuse_ms_by_shape: dict[tuple, list[float]] = {}
+        self._order: list[CacheKey] = []  # keys in the order the latest anchor step stored them
+        self._order_index: dict[CacheKey, int] = {}
+        self._order_step: int | None = None
+
+    def plan(self, *, heads: int, head_dim: int, layers: int, tokens: int, branches: int = 2, batch: int = 1,
+             num_steps: int | None = None, attention_share: float | None = None,
+             kernel_efficiency: float = memory.DEFAULT_KERNEL_EFFICIENCY, device: torch.device | None = None) -> str:
+        """Estimate the cache and the speedup before sampling; log it (info) and keep it for the summary.
+
+        Args:
+            heads, head_dim: H, D of the self-attention. layers: transformer blocks. tokens: S per call.
+            branches: cached conditioning branches (2 with CFG). batch: B per runner call.
+            num_steps: the sampler call's steps (None: no speedup estimate). attention_share: self-attention's
+                share of a dense step (None: ``memory.attention_share``). kernel_efficiency: sparse kernel's
+                fraction of the ideal 1/s speedup. device: the compute device ('auto' placement decides on it
+                now; None: the current CUDA device when there is one).
+        Returns:
+            The log line (``memory.format_plan``).
+        """
+        est = memory.estimate_for_config(self.config, heads=heads, head_dim=head_dim, layers=layers, tokens=tokens,
+                                         branches=branches, batch=batch)
+        speed = None
+        if num_steps is not None:
+            calibrated = True
+            if attention_share is None:
+                attention_share, calibrated = memory.attention_share(heads, head_dim, tokens)
+            speed = memory.expected_speedup(self.config, num_steps=num_steps, num_layers=layers,
+                                            attention_share=attention_share, kernel_efficiency=kernel_efficiency,
+                                            calibrated=calibrated)
+        self._plan = est
+        self.cache.expected_bytes = est.total_bytes + est.working_bytes
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        placement = self.config.cache_placement
+        if device is not None and device.type == "cuda":
+            placement = f"{placement} -> {self.cache.decide(device)}"
+        self.plan_line = memory.format_plan(est, speed, placement)
+        log.info("%s", self.plan_line)
+        return self.plan_line
 
     def record_dense(self, reason: str) -> None:
         """Count a call that the caller ran densely itself (e.g. cross-attention, a masked call)."""
@@ -111,38 +168,86 @@ class MCSparseRunner:
         if kind is StepKind.DENSE:
             why = "dense warm-up layer" if layer < self.config.warmup_layers else "dense warm-up step"
             return self._dense(dense, q, k, v, why, timed_shape=tuple(q.shape))
-        entry = self.cache.get(key) if kind is StepKind.REUSE else None
-        if kind is StepKind.REUSE and (entry is None or not entry.fits(q)):
+        stored = self.cache.get(key) if kind is StepKind.REUSE else None
+        if kind is StepKind.REUSE and (stored is None or not stored.fits(q)):
             self._note(f"late anchor at step {step}: no cache entry for this layer/branch/shape (anchor step skipped?)")
             kind = StepKind.ANCHOR
         try:
             start = self._tic()
             if kind is StepKind.ANCHOR:
                 out, entry = anchor_attention(q, k, v, self.config, scale=scale, backend=self.backend)
-                self.cache.put(key, entry)
+                self._store(key, entry, step)
                 if step not in self.stats.anchors:
                     self.stats.anchors.append(step)
             else:
                 check_inputs(q, k, v, check_finite=False)
+                entry = self.cache.load(key, q.device, q.dtype)
+                self._prefetch_next(key, q)
                 out = reuse_attention(q, k, v, entry, scale=scale, backend=self.backend)
             self._toc(kind, start, tuple(q.shape))
         except NonFiniteInputError as err:
             return self._dense(dense, q, k, v, f"non-finite input ({err})")
-        except torch.cuda.OutOfMemoryError as err:
-            self.cache.clear()
-            self.disabled_reason = "out of GPU memory; dense for the rest of the run"
-            self._note(
-                f"out of memory at step {step}, layer {layer} ({err}); the cache was freed and the rest of this run is "
-                "dense. Lower the density, set cache placement to cpu, or reduce resolution/frames to fit."
-            )
-            log.warning("MC-Sparse: %s", self.stats.notes[-1])
+        except (torch.cuda.OutOfMemoryError, MemoryError) as err:
+            self._out_of_memory(err, step, layer, q)
             return self._dense(dense, q, k, v, self.disabled_reason)
         self.stats.calls[kind] += 1
         return out
 
-    def close(self) -> None:
-        """Free the cache (the run is over)."""
+    def _store(self, key: CacheKey, entry, step: int) -> None:
+        """Encode and place an anchor entry; remember the anchor step's key order for prefetching."""
+        c = self.config
+        stored = encode_entry(entry, index_encoding=c.index_encoding, residual_dtype=c.residual_dtype,
+                              residual_scale=c.residual_scale)
+        del entry
+        self.cache.put(key, stored)
+        if step != self._order_step:
+            self._order_step = step
+            self._order, self._order_index = [], {}
+        if key not in self._order_index:
+            self._order_index[key] = len(self._order)
+            self._order.append(key)
+
+    def _prefetch_next(self, key: CacheKey, q: torch.Tensor) -> None:
+        """Start fetching the entry that followed ``key`` at the anchor step (a failure only costs speed)."""
+        i = self._order_index.get(key)
+        if i is None or len(self._order) < 2:
+            return
+        nxt = self._order[(i + 1) % len(self._order)]
+        try:
+            self.cache.prefetch(nxt, q.device, q.dtype)
+        except torch.cuda.OutOfMemoryError:
+            self._note("a prefetch ran out of GPU memory and was skipped (entries are then decoded in line)")
+
+    def _out_of_memory(self, err: BaseException, step: int, layer: int, q: torch.Tensor) -> None:
+        """Free the cache, turn the rest of the run dense, and say what would have fit."""
+        entries = self._plan.entries if self._plan is not None else max(len(self.cache), len(self._order), 1)
         self.cache.clear()
+        self._order, self._order_index = [], {}
+        if q.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed cache back, so ComfyUI sees it free
+        free = self.cache.free_bytes(q.device)
+        c = self.config
+        est = memory.estimate_cache(
+            heads=q.shape[1], head_dim=q.shape[3], layers=entries, tokens=q.shape[2], batch=q.shape[0], branches=1,
+            density=c.density, group_size=c.group_size, kv_tile=c.kv_tile, index_encoding=c.index_encoding,
+            residual_dtype=c.residual_dtype, residual_scale=c.residual_scale, residual=c.residual,
+        )
+        fits = memory.suggest_settings(c, tuple(q.shape), entries, free)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        self.disabled_reason = "out of memory; dense for the rest of the run"
+        self._note(
+            f"out of memory at step {step}, layer {layer} ({first}); the cache was freed and the rest of this run is "
+            f"dense. This cache needs ~{est.total_bytes / memory.GIB:.2f} GiB for {entries} entries of q "
+            f"{list(q.shape)} (placement {c.cache_placement}, residual {c.residual_dtype})"
+            + (f"; {free / memory.GIB:.2f} GiB of GPU memory free now" if free is not None else "")
+            + ". Settings that would fit: " + "; ".join(fits) + "."
+        )
+        log.warning("MC-Sparse: %s", self.stats.notes[-1])
+
+    def close(self) -> None:
+        """Free the cache (the run is over): GPU tensors, pinned CPU buffers, prefetches."""
+        self.cache.clear()
+        self._order, self._order_index = [], {}
 
     def summary(self) -> str:
         """The end-of-run summary: calls per kind, dense reasons, anchors, cache memory, time saved."""
@@ -156,7 +261,9 @@ class MCSparseRunner:
         for reason, n in s.dense_reasons.most_common():
             lines.append(f"  dense x{n}: {reason}")
         lines.append(f"  anchor steps taken: {', '.join(map(str, s.anchors)) or 'none'}")
-        lines.append(f"  metadata cache: peak {self.cache.peak_bytes / 2**20:.1f} MiB")
+        lines.append(self._cache_line())
+        if self.plan_line:
+            lines.append("  " + self.plan_line)
         choices = kernels.registry.last_choices()
         if choices:
             lines.append("  kernels: " + ", ".join(f"{op}={c.backend}" for op, c in sorted(choices.items())))
@@ -171,6 +278,19 @@ class MCSparseRunner:
         if total and not s.sparse_calls:
             lines.append("  WARNING: no attention call went sparse in this run: MC-Sparse gave no speedup")
         return "\n".join(lines)
+
+    def _cache_line(self) -> str:
+        c, cfg = self.cache, self.config
+        res = "off" if not cfg.residual else cfg.residual_dtype + (
+            f" ({cfg.residual_scale} scale)" if cfg.residual_dtype.startswith("float8") else "")
+        line = (f"  metadata cache: peak {c.peak_bytes / 2**20:.1f} MiB (GPU {c.peak_gpu_bytes / 2**20:.1f} MiB, "
+                f"CPU {c.peak_host_bytes / 2**20:.1f} MiB), placement {cfg.cache_placement}, selections "
+                f"{cfg.index_encoding}, residual {res}")
+        if c.hits or c.misses:
+            line += f"; reuse loads: {c.hits} prefetched, {c.misses} in line"
+        if c.moved:
+            line += f"; {c.moved} entries moved to CPU memory (GPU memory short)"
+        return line + "".join(f"\n  note: {n}" for n in c.notes)
 
     def time_saved_ms(self) -> float | None:
         """Reuse calls x (mean dense time - mean reuse time) per shape, from measured calls; None if unmeasured."""
