@@ -8,7 +8,7 @@ import torch
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import diagnostics as dg
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import schedule
-from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheEntry, CacheKey
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import MCSparseRunner
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.workload import SyntheticWorkload, WorkloadSpec
@@ -204,7 +204,8 @@ def test_mc_sparse_beats_its_ablation_and_bsa_at_a_reuse_step():
         out = runner.attention(q, k, v, step=step, layer=0, key=key)
     assert schedule.step_kind(cfg, reuse, 0) is schedule.StepKind.REUSE
     dense = kernels.dense_attention(q, k, v)
-    entry = runner.cache.get(key)
+    stored = runner.cache.get(key)  # decoded when the cache keeps a compact StoredEntry
+    entry = stored if isinstance(stored, CacheEntry) else stored.decode(q.device, q.dtype)
     mc = dg.relative_l1(out, dense)
     bare = dg.relative_l1(kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx), dense)
     bsa = dg.vanilla_bsa(q, k, v, 0.2, group_size=64, kv_tile=64).with_rel_l1(dense)
