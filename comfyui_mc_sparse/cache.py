@@ -192,18 +192,25 @@ class CacheKey:
 
 class _HostBuffer:
     """One entry's bytes in CPU memory: a plain uint8 tensor, page-locked with ``cudaHostRegister`` when CUDA
-    is available (exact size, unlike the power-of-two caching host allocator; unlocked on ``release``)."""
+    is available (exact size, unlike the power-of-two caching host allocator; unlocked on ``release``); where
+    registering fails, torch's pinned allocator; pageable when that fails too."""
 
     def __init__(self, nbytes: int, pin: bool):
         self.data = torch.empty(nbytes, dtype=torch.uint8)
         self.events: list[torch.cuda.Event] = []  # copies reading or writing these bytes, newest last
-        self.pinned = False
+        self.pinned = self.registered = False
         if pin and nbytes:
             try:
                 err = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 1)  # 1: portable
-                self.pinned = int(err) == 0
-            except (RuntimeError, AttributeError, TypeError) as exc:  # no cudart binding: stay pageable
+                self.pinned = self.registered = int(err) == 0
+            except (RuntimeError, AttributeError, TypeError) as exc:  # no cudart binding
                 log.debug("cudaHostRegister unavailable: %s", exc)
+            if not self.pinned:
+                try:  # torch's caching host allocator (sizes rounded up to a power of two, kept by torch)
+                    self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                    self.pinned = True
+                except RuntimeError as exc:
+                    log.debug("pinned allocation failed, staying pageable: %s", exc)
 
     @property
     def nbytes(self) -> int:
@@ -228,8 +235,8 @@ class _HostBuffer:
         for ev in self.events:
             ev.synchronize()
         self.events.clear()
-        if self.pinned:
-            self.pinned = False
+        if self.registered:
+            self.registered = self.pinned = False
             torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
 
     def __del__(self):
