@@ -14,11 +14,20 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU through Triton's interpreter; it is chosen when kernels are decorated.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-_loader_path = Path(__file__).resolve().parent.parent / "comfyui_mc_sparse" / "_standalone.py"
-_spec = importlib.util.spec_from_file_location("_mc_sparse_standalone", _loader_path)
-_standalone = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_standalone)
-pack = _standalone.load_pack()
+
+def _load_by_path(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # fix two Triton 3.6 interpreter bugs for every test
+    _load_by_path("_mc_sparse_triton_interp", Path(__file__).resolve().parent / "_triton_interp.py").patch_interpreter()
+
+pack = _load_by_path(
+    "_mc_sparse_standalone", Path(__file__).resolve().parent.parent / "comfyui_mc_sparse" / "_standalone.py"
+).load_pack()
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
