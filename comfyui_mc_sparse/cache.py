@@ -138,16 +138,22 @@ class StoredEntry:
             residual = EncodedResidual(data, next(it) if self.residual.scale is not None else None)
         return StoredEntry(groups, selection, residual, self.num_keys, self.shape)
 
+    def to_device(self, device: torch.device, *, non_blocking: bool = False) -> StoredEntry:
+        """The encoded tensors copied to ``device`` (all copies first, so a side stream's copies are not queued
+        behind decode kernels waiting for SMs); self when already there."""
+        if self.device == device:
+            return self
+        return self._with_tensors([t.to(device, non_blocking=non_blocking) for t in self.tensors()])
+
     def decode(self, device: torch.device, dtype: torch.dtype, *, non_blocking: bool = False) -> CacheEntry:
         """The ``CacheEntry`` on ``device`` (residual in ``dtype``), bit-exact groups and selections.
 
         Runs on the current stream; ``non_blocking`` copies from pinned memory asynchronously.
         """
-        perm = decode_groups(self.groups, device, non_blocking=non_blocking)
-        kv_idx = decode_selection(self.selection, device, non_blocking=non_blocking)
-        residual = None
-        if self.residual is not None:
-            residual = decode_residual(self.residual, dtype, device, non_blocking=non_blocking)
+        staged = self.to_device(device, non_blocking=non_blocking)
+        perm = decode_groups(staged.groups)
+        kv_idx = decode_selection(staged.selection)
+        residual = None if staged.residual is None else decode_residual(staged.residual, dtype)
         return CacheEntry(perm, kv_idx, residual, self.num_keys, self.shape)
 
 
@@ -448,7 +454,8 @@ class MetadataCache:
             return
         side = self._streams.get(device)
         if side is None:
-            side = self._streams[device] = torch.cuda.Stream(device)
+            # high priority: the small decode kernels get SMs as soon as any block of the layer's kernels retires
+            side = self._streams[device] = torch.cuda.Stream(device, priority=-1)
         with torch.cuda.stream(side):
             if stored.ready is not None:
                 side.wait_event(stored.ready)

@@ -197,20 +197,24 @@ def decode_selection(enc: EncodedSelection, device: torch.device | str | None = 
     if enc.width > enc.num_keys:
         out[..., enc.num_keys :] = -1
     if enc.kind == "uint16":
-        out[..., : enc.num_keys] = data.to(torch.int32) & 0xFFFF
+        torch.bitwise_and(data.to(torch.int32), 0xFFFF, out=out[..., : enc.num_keys])
         return out
     rows = data.reshape(-1, data.shape[-1])
     flat_out = out.view(-1, enc.width)
     row_bits = rows.shape[1] * 8
-    shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
+    ones = torch.ones(8, dtype=torch.uint8, device=data.device)  # made on the device: no host copy, no sync
+    masks = ones << torch.arange(8, dtype=torch.uint8, device=data.device)  # 1, 2, 4, ..., 128
     for r0, r1 in _row_chunks(rows.shape[0], row_bits):
-        bits = ((rows[r0:r1].unsqueeze(-1) >> shifts) & 1).reshape(-1)  # [(r1-r0) * row_bits], row-major
+        # nonzero where bit j of byte b is set: flat position (row * row_bits + 8b + j), row-major = sorted per row
+        bits = torch.bitwise_and(rows[r0:r1].unsqueeze(-1), masks).view(-1)
         count = (r1 - r0) * enc.num_keys
         if hasattr(torch, "nonzero_static"):
-            pos = torch.nonzero_static(bits, size=count).view(r1 - r0, enc.num_keys)
+            pos = torch.nonzero_static(bits, size=count)
         else:  # older torch: one device sync per chunk
-            pos = torch.nonzero(bits).view(r1 - r0, enc.num_keys)
-        flat_out[r0:r1, : enc.num_keys] = (pos % row_bits).to(torch.int32)  # set bits come out sorted per row
+            pos = torch.nonzero(bits)
+        pos = pos.view(r1 - r0, enc.num_keys).to(torch.int32)  # < 2**31: a chunk holds < 2**26 bits
+        base = torch.arange(r1 - r0, dtype=torch.int32, device=data.device).mul_(row_bits).unsqueeze(-1)
+        torch.sub(pos, base, out=flat_out[r0:r1, : enc.num_keys])
     return out
 
 
@@ -250,7 +254,7 @@ def decode_groups(enc: EncodedGroups, device: torch.device | str | None = None, 
     if enc.kind == "int32":
         return data
     out = torch.empty(*data.shape[:-1], enc.width, dtype=torch.int32, device=data.device)
-    out[..., : enc.num_tokens] = data.to(torch.int32) & 0xFFFF
+    torch.bitwise_and(data.to(torch.int32), 0xFFFF, out=out[..., : enc.num_tokens])
     out[..., enc.num_tokens :] = -1
     return out
 
@@ -319,5 +323,5 @@ def decode_residual(
     scales = scale.reshape(-1, 1)
     for r0, r1 in _row_chunks(rows.shape[0], D):
         s = scales if scales.shape[0] == 1 else scales[r0:r1]
-        flat_out[r0:r1] = (rows[r0:r1].float() * s).to(dtype)
+        torch.mul(rows[r0:r1].to(dtype), s, out=flat_out[r0:r1])  # fp8 -> dtype is exact; product in fp32
     return out

@@ -8,9 +8,9 @@ summary says so.
 
 Cache (``cache``, ``encoding``): anchor entries are stored compactly and placed per
 ``config.cache_placement``. The order in which keys are stored at an anchor step is the layer order of the
-model; at a reuse step the runner loads layer L's entry and at once starts prefetching the entry that
-followed L at the anchor step (cyclically, so the last layer prefetches the first of the next step), which a
-side CUDA stream copies and decodes while layer L computes. ``plan`` gives the memory and speed estimate
+model; at a reuse step the runner loads layer L's entry, queues L's kernels, then starts prefetching the entry
+that followed L at the anchor step (cyclically, so the last layer prefetches the first of the next step),
+which a side CUDA stream copies and decodes while layer L computes. ``plan`` gives the memory and speed estimate
 before sampling (``memory``). Out of memory anywhere in the pack's path frees the cache, logs what would fit
 and turns the rest of the run dense.
 """
@@ -182,8 +182,9 @@ class MCSparseRunner:
             else:
                 check_inputs(q, k, v, check_finite=False)
                 entry = self.cache.load(key, q.device, q.dtype)
-                self._prefetch_next(key, q)
                 out = reuse_attention(q, k, v, entry, scale=scale, backend=self.backend)
+                del entry
+                self._prefetch_next(key, q)  # after this layer's kernels are queued: they overlap the copy
             self._toc(kind, start, tuple(q.shape))
         except NonFiniteInputError as err:
             return self._dense(dense, q, k, v, f"non-finite input ({err})")
