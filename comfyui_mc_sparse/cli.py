@@ -43,7 +43,7 @@ from .config import MCSparseConfig
 from .engine import MCSparseRunner
 from .schedule import StepKind
 
-logger = logging.getLogger("comfyui_mc_sparse.cli")
+logger = logging.getLogger(__name__)
 
 ROWS = ("dense", "vanilla BSA", "Sol-Attn (comfy-kitchen)", "MC-Sparse w/o residual", "MC-Sparse")
 """Table rows, in order."""
@@ -240,7 +240,8 @@ def run_demo(cfg: dict, spec: workload.WorkloadSpec, configs: dict[float, MCSpar
         "title": "MC-Sparse demo on a synthetic DiT-like workload",
         "settings": {**cfg, "grid": list(cfg["grid"]), "tokens": spec.tokens, "anchor_steps": list(cfg["anchor_steps"])},
         "environment": {"torch": torch.__version__, "python": platform.python_version(), "device": _device_name(device),
-                        "threads": torch.get_num_threads(), "kernels": {op: c.backend for op, c in kernels.registry.last_choices().items()}},
+                        "threads": torch.get_num_threads(),
+                        "kernels": {op: c.backend for op, c in kernels.registry.last_choices().items()}},
         "rows": rows,
         "notes": notes,
         "wall_s": time.perf_counter() - started,

@@ -41,7 +41,7 @@ import torch
 from .. import kernels
 from .selection import keys_for_density
 
-logger = logging.getLogger("comfyui_mc_sparse.diagnostics")
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_MAX_PROB_BYTES",
@@ -170,7 +170,9 @@ def _check_inputs(q, k, v, density=None, group_size=None, kv_tile=None, max_prob
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise TypeError(f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}")
+        raise TypeError(
+            f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}"
+        )
     if q.shape[2] < 1 or q.shape[3] < 1:
         raise ValueError(f"q must have S >= 1 tokens and D >= 1, got shape {tuple(q.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -451,7 +453,8 @@ def _check_perm(perm, q, group_size) -> torch.Tensor:
     real = perm[..., :S].long()
     if bool((real < 0).any()) or bool((real >= S).any()) or bool((perm[..., S:] != -1).any()):
         raise ValueError(f"perm must hold each query index in [0, {S}) once, then -1 padding, got other values")
-    seen = torch.zeros(B, H, S, dtype=torch.int32, device=q.device).scatter_add_(2, real, torch.ones_like(real, dtype=torch.int32))
+    ones = torch.ones_like(real, dtype=torch.int32)
+    seen = torch.zeros(B, H, S, dtype=torch.int32, device=q.device).scatter_add_(2, real, ones)
     if bool((seen != 1).any()):
         raise ValueError("perm must hold each query index exactly once, got duplicates")
     return perm

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger("comfyui_mc_sparse.workload")
+logger = logging.getLogger(__name__)
 
 __all__ = ["HEAD_KINDS", "SIZES", "SyntheticWorkload", "WorkloadSpec", "attention_stats", "rope_bands"]
 
