@@ -133,7 +133,7 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False):
     groups = perm.reshape(B, H, G, C)
     out_sorted = torch.empty(B, H, G, C, D, dtype=acc, device=q.device)
     lse_sorted = torch.empty(B, H, G, C, dtype=acc, device=q.device)
-    step = max(1, _CHUNK_ELEMENTS // max(1, B * H * C * K))
+    step = max(1, _CHUNK_ELEMENTS // max(1, B * H * K * max(C, 2 * D)))  # scores [g, C, K] and gathered K, V [g, K, D]
     for g0 in range(0, G, step):
         qg, _ = _gather_rows(q, groups[:, :, g0 : g0 + step])  # [B, H, g, C, D]
         kg, kvalid = _gather_rows(k, kv_idx[:, :, g0 : g0 + step])  # [B, H, g, K, D]
