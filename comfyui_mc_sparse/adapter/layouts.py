@@ -14,7 +14,11 @@ Models (class names of ``model.diffusion_model``; sources are ComfyUI snapshot f
 * Wan 2.1/2.2 T2V, I2V, FLF, Fun, Camera, 5B TI2V, HuMo (``comfy/ldm/wan/model.py``: ``WanModel`` and
   subclasses; self-attn ``blocks.i.self_attn``, call L81-87, q/k/v ``(B, S, H*128)``). Extra tokens
   (``reference_latent`` prepended L552-556, ``time_dim_concat`` appended) are just more self-attention tokens.
-* Wan VACE (``VaceWanModel`` L661): main blocks as Wan; ``vace_blocks.j`` get layer ``len(blocks) + j``.
+* Wan VACE (``VaceWanModel`` L661-776): main blocks as Wan. ``vace_blocks[ii]`` runs right after main block
+  ``i`` (``vace_layers_mapping``, L702) with the same transformer_options, once per VACE context
+  (``for iii in range(len(c))``, L766-769). Its call site gets the main block's index as ``layer`` (as newer
+  ComfyUI's ``block_index`` does) and ``kind="vace"``, and each repeat within one forward an ``occurrence``
+  number, so every VACE call has its own cache entry and never collides with main block ``i``.
 * HunyuanVideo (``comfy/ldm/hunyuan_video/model.py`` ``HunyuanVideo`` L191): ``double_blocks.i`` and
   ``single_blocks.j`` (layer ``n_double + j``); joint sequence **[video, text]** (``flux/layers.py`` L182-185
   with ``flipped_img_txt``; single blocks get ``cat(img, txt)``, hunyuan L372).
@@ -40,6 +44,10 @@ logger = logging.getLogger(__name__)
 MARK_KEY = "mc_sparse_call_site"
 """transformer_options key of the ``CallSite`` put there by a marked module's forward."""
 
+OCCURRENCE_KEY = "mc_sparse_occurrences"
+"""transformer_options key of a per-forward ``{(layer, kind): calls so far}`` dict, reset by main block 0's
+mark; numbers repeated calls of one site within a forward (VACE blocks run once per VACE context)."""
+
 TEXT_LEN_KEY = "mc_sparse_text_len"
 """transformer_options key where a joint model's double block records the text length for its single blocks
 (the dict is the per-forward one built in ``comfy/samplers.py`` L302-323, so the value lives one forward)."""
@@ -59,6 +67,10 @@ class CallSite:
             ([text, latent]); text tokens are never sparsified.
         text_len: number of text tokens in a joint sequence (None: read ``TEXT_LEN_KEY`` at call time).
         prefix: leading non-latent tokens that are still attended sparsely (Hunyuan3D 2.1 time token: 1).
+        kind: which call inside the block: "self" (the block's own self-attention) or "vace" (a VACE block
+            attached after main block ``layer``); part of the cache key.
+        occurrence: 0 for the first call of this (layer, kind) in one forward, 1 for the next, ... (VACE
+            blocks once per VACE context); part of the cache key.
     """
 
     layer: int
@@ -66,6 +78,13 @@ class CallSite:
     joint: str | None = None
     text_len: int | None = None
     prefix: int = 0
+    kind: str = "self"
+    occurrence: int = 0
+
+    @property
+    def cache_kind(self) -> str:
+        """``CacheKey.kind`` of this call: ``kind``, plus ``#occurrence`` for repeats within a forward."""
+        return self.kind if not self.occurrence else f"{self.kind}#{self.occurrence}"
 
 
 @dataclass(frozen=True)
@@ -79,11 +98,14 @@ class PatchPlan:
     reason_unsupported: str | None
 
 
-def _marking_forward(original: Callable, site: CallSite, *, record_text_len_from: str | None = None) -> Callable:
+def _marking_forward(original: Callable, site: CallSite, *, record_text_len_from: str | None = None,
+                     reset_occurrences: bool = False, count_occurrences: bool = False) -> Callable:
     """Wrap ``original`` (a module's forward) to call it with a copied transformer_options carrying ``site``.
 
     ``record_text_len_from`` names the kwarg whose ``shape[1]`` is the text length (joint double blocks):
     it is stored under ``TEXT_LEN_KEY`` in the caller's per-forward dict for the single blocks after them.
+    ``reset_occurrences`` (the first main block) starts a fresh ``OCCURRENCE_KEY`` dict for this forward;
+    ``count_occurrences`` (VACE blocks) numbers this site's calls within the forward.
     """
 
     def forward(*args: Any, **kwargs: Any):
@@ -94,9 +116,16 @@ def _marking_forward(original: Callable, site: CallSite, *, record_text_len_from
         if record_text_len_from is not None and record_text_len_from in kwargs:
             text_len = int(kwargs[record_text_len_from].shape[1])
             options[TEXT_LEN_KEY] = text_len
+        if reset_occurrences:
+            options[OCCURRENCE_KEY] = {}
+        occurrence = 0
+        if count_occurrences:
+            seen = options.setdefault(OCCURRENCE_KEY, {})
+            occurrence = seen.get((site.layer, site.kind), 0)
+            seen[(site.layer, site.kind)] = occurrence + 1
         marked = dict(options)
-        marked[MARK_KEY] = site if text_len == site.text_len else CallSite(
-            site.layer, site.family, site.joint, text_len, site.prefix
+        marked[MARK_KEY] = site if (text_len, occurrence) == (site.text_len, site.occurrence) else CallSite(
+            site.layer, site.family, site.joint, text_len, site.prefix, site.kind, occurrence
         )
         kwargs["transformer_options"] = marked
         return original(*args, **kwargs)
@@ -117,12 +146,17 @@ def plan_for(diffusion_model: Any) -> PatchPlan:
     patches: list[tuple[str, Callable]] = []
     if name in WAN_FAMILY:
         blocks = getattr(diffusion_model, "blocks", [])
+        vace_blocks = list(getattr(diffusion_model, "vace_blocks", None) or [])
         for i, block in enumerate(blocks):
             if hasattr(block, "self_attn"):
-                patches.append((f"blocks.{i}.self_attn.forward", _mark(CallSite(i, "wan"))))
-        for j, block in enumerate(getattr(diffusion_model, "vace_blocks", None) or []):
+                patches.append((f"blocks.{i}.self_attn.forward",
+                                _mark(CallSite(i, "wan"), reset_occurrences=i == 0 and bool(vace_blocks))))
+        # vace_layers_mapping: main block index -> VACE block index (wan/model.py L702)
+        main_of = {ii: i for i, ii in (getattr(diffusion_model, "vace_layers_mapping", None) or {}).items()}
+        for j, block in enumerate(vace_blocks):
             if hasattr(block, "self_attn"):
-                patches.append((f"vace_blocks.{j}.self_attn.forward", _mark(CallSite(len(blocks) + j, "wan"))))
+                site = CallSite(main_of.get(j, len(blocks) + j), "wan", kind="vace")
+                patches.append((f"vace_blocks.{j}.self_attn.forward", _mark(site, count_occurrences=True)))
         return PatchPlan("wan", tuple(patches), False, None)
     if name == "HunyuanVideo":
         return _joint_plan(diffusion_model, "hunyuan_video", "video_first")
@@ -172,3 +206,53 @@ def install_plan(patcher: Any, plan: PatchPlan) -> int:
         patcher.add_object_patch(key, factory(existing))
         count += 1
     return count
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Self-attention shape of one model evaluation, for the cache estimate before sampling.
+
+    Attributes:
+        heads: H. head_dim: D. tokens: S per self-attention call (latent tokens plus text/prefix tokens of
+        a joint sequence, text counted as 0 when unknown before the first call). layers: marked call sites.
+    """
+
+    heads: int
+    head_dim: int
+    tokens: int
+    layers: int
+
+
+def geometry(diffusion_model: Any, plan: PatchPlan, latent_shape: tuple[int, ...]) -> Geometry | None:
+    """``Geometry`` of ``diffusion_model`` for a latent of ``latent_shape`` (the OUTER_SAMPLE noise shape),
+    or None for unsupported models / unknown layouts.
+
+    Token counts: Wan and HunyuanVideo patchify (t, h, w) by ``patch_size`` (``wan/model.py`` L541-543,
+    padding up as ``comfy.ldm.common_dit.pad_to_patch_size`` does); Hunyuan3D latents are ``[B, C, N]``
+    (N tokens; 2.1 adds 1 time token, ``hunyuandit.py`` L620).
+    """
+    if plan.family is None or not latent_shape:
+        return None
+    layers = len(plan.patches)
+    dm = diffusion_model
+    if plan.family in ("wan", "hunyuan_video"):
+        patch = tuple(getattr(dm, "patch_size", (1, 2, 2)))
+        if len(latent_shape) != 5 or len(patch) != 3:
+            return None
+        tokens = 1
+        for size, p in zip(latent_shape[2:], patch):
+            tokens *= -(-int(size) // int(p))
+        heads = int(getattr(dm, "num_heads", 0))
+        dim = int(getattr(dm, "dim", 0) or getattr(dm, "hidden_size", 0))
+        return Geometry(heads, dim // heads, tokens, layers) if heads and dim else None
+    if plan.family in ("hunyuan3d", "hunyuan3d21"):
+        if len(latent_shape) != 3:
+            return None
+        tokens = int(latent_shape[-1]) + (1 if plan.family == "hunyuan3d21" else 0)
+        if plan.family == "hunyuan3d21":
+            attn = dm.blocks[0].attn1
+            return Geometry(int(attn.num_heads), int(attn.head_dim), tokens, layers)
+        block = dm.double_blocks[0]  # flux DoubleStreamBlock: num_heads, hidden_size (flux/layers.py L162)
+        return Geometry(int(block.num_heads), int(block.hidden_size) // int(block.num_heads), tokens, layers)
+    return None
+

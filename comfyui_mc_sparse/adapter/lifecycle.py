@@ -86,32 +86,61 @@ class RunState:
         self.dense_ms: dict[tuple, list[float]] = {}
         self.reuse_ms: dict[tuple, list[float]] = {}
         self.displaced: list[str] = []
+        self.cache_keys: set = set()  # every CacheKey used in this run (summary: entries per window / kind)
+        self._extra_kv: bool | None = None
+        from ... import kernels
+
+        self._choices_at_start = kernels.registry.last_choices()
         self.closed = False
         self.config = None
         self.runner = None
         self.dense_run_reason = unsupported or "no anchor step in this sampler call"
         if unsupported is None and self.schedule.anchor_steps and self.schedule.warmup_steps < self.num_steps:
+            import dataclasses
+
             from ..config import MCSparseConfig
 
+            extra = {}
+            if any(f.name == "cache_placement" for f in dataclasses.fields(MCSparseConfig)):
+                extra["cache_placement"] = settings.cache_placement
+            elif settings.cache_placement == "cpu":
+                self.notes.append("cache placement 'cpu' requested: this engine keeps caches on the compute device")
             self.config = MCSparseConfig(
                 density=settings.density,
                 group_size=settings.group_size,
                 warmup_steps=self.schedule.warmup_steps,
                 warmup_layers=settings.warmup_layers,
                 anchor_steps=self.schedule.anchor_steps,
+                **extra,
             )
             if runner_factory is None:
-                from ..engine import MCSparseRunner
-
-                runner_factory = lambda config, backend: MCSparseRunner(config, backend=backend)  # noqa: E731
+                runner_factory = _default_runner
             self.runner = runner_factory(self.config, self._backend_name(settings.backend))
         elif unsupported is None and self.schedule.warmup_steps >= self.num_steps:
             self.dense_run_reason = f"dense warm-up covers all {self.num_steps} steps"
-        if settings.cache_placement == "cpu":
-            self.notes.append("cache placement 'cpu' requested: the engine keeps caches on the compute device for now")
 
     def __deepcopy__(self, memo):
         return self
+
+    def backend_line(self) -> str | None:
+        """"backend: requested X; ran op=name (reason), ..." for the kernel ops this run called, from
+        ``kernels.registry.last_choices()`` (process-wide, so only choices made since this run started)."""
+        if self.runner is None:
+            return None
+        from ... import kernels
+
+        used = {op: c for op, c in kernels.registry.last_choices().items() if self._choices_at_start.get(op) is not c}
+        if not used:
+            return f"backend: requested {self.settings.backend}; no kernel op ran in this sampler call"
+        by_backend: dict[str, list[str]] = {}
+        why: list[str] = []  # the registry's reason clauses, deduplicated across ops
+        for op, c in sorted(used.items()):
+            by_backend.setdefault(c.backend, []).append(op)
+            for clause in c.reason.split("; "):
+                if clause not in why and ": does not implement " not in clause:
+                    why.append(clause)
+        ran = ", ".join(f"{name} ({', '.join(ops)})" for name, ops in by_backend.items())
+        return f"backend: requested {self.settings.backend}; ran {ran}; why: {'; '.join(why)}"
 
     def _backend_name(self, requested: str) -> str:
         if requested == "auto":
@@ -119,12 +148,14 @@ class RunState:
         from ... import kernels
 
         names = kernels.registry.backend_names()
-        alias = {"torch": "reference"}.get(requested, requested)
-        for candidate in (requested, alias):
-            if candidate in names:
-                return candidate
-        self.notes.append(f"backend '{requested}' is not available here (have: {', '.join(names)}); using auto")
-        return "auto"
+        if requested not in names:
+            self.notes.append(f"backend '{requested}' is not registered here (have: {', '.join(names)}); using auto")
+            return "auto"
+        backend = next(b for b in kernels.registry.backends() if b.name == requested)
+        if backend.unavailable_reason:
+            self.notes.append(f"backend '{requested}' is unavailable here ({backend.unavailable_reason}); "
+                              "each op falls back to the best available backend")
+        return requested
 
     # -- called from the override ---------------------------------------------------------------------------
     def step_for(self, sigma: float) -> int:
@@ -153,14 +184,41 @@ class RunState:
         self.dense_ms.setdefault(shape[1:], []).append(ms / max(1, shape[0]))
         return out
 
-    def sparse_call(self, q, k, v, *, step: int, layer: int, branch, window, dense_fn, scale):
-        """An anchor or reuse call for one conditioning chunk through the runner, timed."""
+    @property
+    def supports_extra_kv(self) -> bool:
+        """True when the runner's ``attention`` takes ``extra_kv`` (exact extra keys, e.g. joint text)."""
+        if self._extra_kv is None:
+            import inspect
+
+            try:
+                params = inspect.signature(self.runner.attention).parameters
+            except (TypeError, ValueError, AttributeError):
+                params = {}
+            self._extra_kv = "extra_kv" in params
+            if any(self.family == f for f in ("hunyuan_video", "hunyuan3d")):
+                self.notes.append("joint text keys: " + (
+                    "attended exactly beside the sparse latent keys (extra_kv)" if self._extra_kv else
+                    "selected with the latent keys by exact top-K (engine has no extra_kv yet)"))
+        return self._extra_kv
+
+    def sparse_call(self, q, k, v, *, step: int, layer: int, branch, window, dense_fn, scale, kind: str = "self",
+                    extra_kv=None):
+        """An anchor or reuse call for one conditioning chunk through the runner, timed.
+
+        Args:
+            q, k, v: ``[b, H, S, D]`` of one conditioning chunk. kind: ``CacheKey.kind`` ("self", "vace",
+            "vace#1", ...). extra_kv: ``(k_text, v_text)`` ``[b, H, T, D]`` attended exactly (runner support
+            required, see ``supports_extra_kv``). Other args as ``MCSparseRunner.attention``.
+        """
         from ..cache import CacheKey
 
-        key = CacheKey(layer=layer, branch=branch, window=window, shape=tuple(q.shape))
+        key = CacheKey(layer=layer, branch=branch, window=window, shape=tuple(q.shape), kind=kind)
+        self.cache_keys.add(key)
         reuse_before = self.runner.stats.calls.get(_reuse_kind(), 0)
         start = sync_time()
-        out = self.runner.attention(q, k, v, step=step, layer=layer, key=key, dense_fn=dense_fn, scale=scale)
+        extra = {} if extra_kv is None else {"extra_kv": extra_kv}
+        out = self.runner.attention(q, k, v, step=step, layer=layer, key=key, dense_fn=dense_fn, scale=scale,
+                                    **extra)
         ms = (sync_time() - start) * 1000.0
         if self.runner.stats.calls.get(_reuse_kind(), 0) > reuse_before:
             self.reuse_ms.setdefault(tuple(q.shape[1:]), []).append(ms / max(1, q.shape[0]))
@@ -204,6 +262,49 @@ class RunState:
         self.closed = True
 
 
+def _default_runner(config, backend: str):
+    """``engine.MCSparseRunner`` for ``config``; on an engine that takes ``free_memory_fn`` the cache may use
+    only the GPU memory ComfyUI has not counted on (``comfy.model_management.get_free_memory`` L1148 minus
+    ``minimum_inference_memory`` L566, the headroom ComfyUI keeps for inference)."""
+    import inspect
+
+    from ..engine import MCSparseRunner
+
+    kwargs = {}
+    if "free_memory_fn" in inspect.signature(MCSparseRunner).parameters:
+        kwargs["free_memory_fn"] = _comfy_free_memory
+    return MCSparseRunner(config, backend=backend, **kwargs)
+
+
+def _comfy_free_memory(device: torch.device) -> int:
+    """GPU bytes on ``device`` the MC-Sparse cache may take: ComfyUI's free memory minus its inference reserve."""
+    import comfy.model_management as mm
+
+    return max(0, int(mm.get_free_memory(device)) - int(mm.minimum_inference_memory()))
+
+
+def _plan_before_sampling(run: RunState, guider, noise) -> None:
+    """Log the runner's cache / speed estimate (``MCSparseRunner.plan``, when the engine has it) before the
+    first step, from the model's attention geometry and the latent (``noise``, the latent's shape)."""
+    runner = run.runner
+    if runner is None or not hasattr(runner, "plan") or not isinstance(noise, torch.Tensor):
+        return
+    from .layouts import geometry
+
+    dm = guider.model_patcher.get_model_object("diffusion_model")
+    geo = geometry(dm, plan_for(dm), tuple(noise.shape))
+    if geo is None:
+        return
+    conds = getattr(guider, "conds", {}) or {}
+    cfg = getattr(guider, "cfg", 1.0)
+    branches = 2 if ("negative" in conds and cfg != 1.0) else 1
+    try:  # the runner logs the estimate (info) and repeats it in its summary
+        runner.plan(heads=geo.heads, head_dim=geo.head_dim, layers=geo.layers, tokens=geo.tokens,
+                           branches=branches, batch=int(noise.shape[0]), num_steps=run.num_steps)
+    except (ValueError, TypeError) as err:  # an estimate must never stop sampling; say why it is missing
+        logger.warning("MC-Sparse: no cache estimate for this run (%s)", err)
+
+
 def _reuse_kind():
     from ..schedule import StepKind
 
@@ -232,6 +333,7 @@ def outer_sample_wrapper(executor, *args, **kwargs):
         if displaced:
             run.note_displaced(displaced)
         holder.active_runs.append(run)
+        _plan_before_sampling(run, guider, args[0] if args else kwargs.get("noise"))
         return executor(*args, **kwargs)
     finally:
         if run is not None:

@@ -77,7 +77,9 @@ class MCSparsePatch(io.ComfyNode):
                 ),
                 io.Combo.Input(
                     "backend", options=list(BACKENDS), default="auto",
-                    tooltip="Kernel backend. auto picks the fastest available; torch always works (slow).",
+                    tooltip="Kernel backend. auto picks the fastest available (flash_attn4 or cuda_sdpa for dense "
+                            "passes, triton for the sparse ones); torch always works (slow). A backend that cannot "
+                            "run here falls back, and the run summary says which ran and why.",
                 ),
                 io.Int.Input(
                     "min_tokens", default=2048, min=0, max=1_000_000, step=256,

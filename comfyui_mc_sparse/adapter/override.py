@@ -19,8 +19,10 @@ chunk with a cache key of (block, uuid, context window, shape), never the batch 
 Joint text+latent sequences (HunyuanVideo [video, text], Hunyuan3D 2.0 [cond, latent]): text *query* rows
 are recomputed exactly (dense, cheap: text is a few hundred rows). Padded text tokens (the additive text mask
 is -inf/-max there) are removed from the keys, which is exact since they carry zero probability. Latent query
-rows run MC-Sparse over the remaining joint sequence: text keys take part in the exact token-level top-K
-selection (heavily attended text keys are kept by probability mass) and the residual compensates the rest.
+rows: with an engine whose ``MCSparseRunner.attention`` takes ``extra_kv``, MC-Sparse over the latent keys
+plus all unmasked text keys exactly (LSE merge); with an older engine, MC-Sparse over the remaining joint
+sequence, where text keys take part in the exact token-level top-K selection and the residual compensates
+the rest. The run summary names the route taken.
 A mask with other values than 0 / large-negative, or one not shared by the batch, makes the call dense.
 
 The Python logic runs under ``torch.compiler.disable`` (dynamo would otherwise guard on it and recompile
@@ -226,7 +228,7 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
         qc, kc, vc = qh[rows], kh[rows], vh[rows]
         if site.joint is None:
             outs.append(run.sparse_call(qc, kc, vc, step=step, layer=site.layer, branch=branch, window=window,
-                                        dense_fn=_dense_fn(call), scale=scale))
+                                        dense_fn=_dense_fn(call), scale=scale, kind=site.cache_kind))
         else:
             outs.append(_joint_chunk(run, site, qc, kc, vc, text_len=text_len, keep=keep, mask=mask, step=step,
                                      branch=branch, window=window, scale=scale))
@@ -256,16 +258,37 @@ def _exact_rows(q_rows, k, v, scale: float, key_bias: torch.Tensor | None) -> to
 
 
 def _joint_chunk(run, site: CallSite, q, k, v, *, text_len: int, keep, mask, step: int, branch, window, scale):
-    """One conditioning chunk of a joint [video, text] / [text, latent] call (see the module docstring)."""
+    """One conditioning chunk of a joint [video, text] / [text, latent] call, ``[B, H, S, D]`` in and out.
+
+    Text query rows are always exact (dense over every kept key). Latent query rows:
+
+    * runner with ``extra_kv`` (``engine.MCSparseRunner.attention``): MC-Sparse over the latent keys plus
+      *all* kept text keys exactly (LSE merge in the engine); masked text keys are left out of ``extra_kv``;
+    * older runner: MC-Sparse over the kept joint sequence (text keys compete in the exact top-K selection,
+      the residual compensates the rest); masked keys are removed first.
+    """
     seq = q.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     text = slice(seq - text_len, seq) if site.joint == "video_first" else slice(0, text_len)
+    latent = slice(0, seq - text_len) if site.joint == "video_first" else slice(text_len, seq)
     if keep is not None:
-        qs, ks, vs = q[:, :, keep], k[:, :, keep], v[:, :, keep]
+        ks, vs = k[:, :, keep], v[:, :, keep]
     else:
-        qs, ks, vs = q, k, v
+        ks, vs = k, v
+    if text_len and run.supports_extra_kv:
+        text_keys = torch.arange(text.start, text.stop, device=q.device)
+        if keep is not None:
+            text_keys = keep[(keep >= text.start) & (keep < text.stop)]
+        extra = (k[:, :, text_keys], v[:, :, text_keys])
+        out = torch.empty_like(q)
+        out[:, :, latent] = run.sparse_call(q[:, :, latent], k[:, :, latent], v[:, :, latent], step=step,
+                                            layer=site.layer, branch=branch, window=window, dense_fn=None,
+                                            scale=scale, kind=site.cache_kind, extra_kv=extra)
+        out[:, :, text] = _exact_rows(q[:, :, text], ks, vs, scale, None)
+        return out
+    qs = q[:, :, keep] if keep is not None else q
     out_kept = run.sparse_call(qs, ks, vs, step=step, layer=site.layer, branch=branch, window=window,
-                               dense_fn=None, scale=scale)
+                               dense_fn=None, scale=scale, kind=site.cache_kind)
     if keep is not None:
         out = torch.empty_like(q)
         out[:, :, keep] = out_kept

@@ -25,7 +25,10 @@ PRESETS: dict[str, float] = {"quality": 0.25, "balanced": 0.20, "fast": 0.15}
 
 PRESET_NAMES = ("quality", "balanced", "fast", "custom")
 CACHE_PLACEMENTS = ("auto", "gpu", "cpu")
-BACKENDS = ("auto", "triton", "flash_attn4", "torch")
+BACKENDS = ("auto", "flash_attn4", "cuda_sdpa", "triton", "torch")
+"""The node's backend combo: exactly ``kernels.registry.backend_names()`` (auto, then the registered backends,
+highest priority first; an unavailable one is still listed and falls back with its reason in the summary).
+``tests/test_adapter_inputs.py`` checks the two stay equal."""
 GROUP_SIZES = (64, 128)
 
 # The paper's second video anchor, 1-based step 26 of 50 (method.md "Schedule"), as a fraction of the run.

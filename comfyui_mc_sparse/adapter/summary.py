@@ -26,6 +26,16 @@ def format_summary(run) -> str:
         lines.append(f"  whole sampler call dense: {run.dense_run_reason}")
         for reason, n in run.dense_reasons.most_common():
             lines.append(f"  dense x{n}: {reason}")
+    keys = getattr(run, "cache_keys", None)
+    if keys:
+        windows = {k.window for k in keys}
+        lines.append(f"  cache entries: {len(keys)} keys over {len({k.layer for k in keys})} blocks, "
+                     f"{len({k.branch for k in keys})} conditioning branches, "
+                     f"{len(windows - {None}) or 'no'} context windows, kinds {', '.join(sorted({k.kind for k in keys}))}")
+    backend_line = getattr(run, "backend_line", None)
+    line = backend_line() if callable(backend_line) else None
+    if line:
+        lines.append("  " + line)
     saved = run.time_saved_ms()
     if saved is not None:
         lines.append(f"  attention time saved (measured by the adapter): {saved / 1000:.3f} s")

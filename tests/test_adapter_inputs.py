@@ -1,0 +1,225 @@
+"""Bad and unusual input through the adapter, the backend combo, VACE call sites, the extra_kv route (CI).
+
+Stand-ins mirror ComfyUI (Oct-2025 snapshot) contracts: ``_func`` is a raw backend
+(``comfy/ldm/modules/attention.py`` L476-516, both layouts); ``_options`` the transformer_options of
+``comfy/samplers.py`` L321-323; ``VaceWanModel`` the attributes ``comfy/ldm/wan/model.py`` L661-776 sets
+(``blocks``, ``vace_blocks``, ``vace_layers_mapping``), with blocks that call ``self_attn.forward`` with
+``transformer_options`` as ``WanAttentionBlock.forward`` does (L235).
+"""
+
+import math
+import types
+
+import pytest
+import torch
+
+from comfyui_mc_sparse_pack import kernels
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import layouts, lifecycle, override, settings
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.layouts import MARK_KEY, TEXT_LEN_KEY, CallSite
+
+
+def _func(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
+    if not skip_reshape:
+        b, s, hd = q.shape
+        q, k, v = (t.view(b, -1, heads, hd // heads).transpose(1, 2) for t in (q, k, v))
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores + mask.double()
+    out = (torch.softmax(scores, -1) @ v.double()).to(q.dtype)
+    if skip_reshape and skip_output_reshape:
+        return out
+    b, h, s, d = out.shape
+    return out.transpose(1, 2).reshape(b, s, h * d)
+
+
+def _settings(**over):
+    base = dict(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1", query_tile=64,
+                cache_placement="auto", backend="auto", min_tokens=0, verbose=False)
+    return settings.build_settings(**{**base, **over})
+
+
+def _options(run, site, chunks=1, sigma=1.0):
+    return {override.RUN_KEY: run, MARK_KEY: site, "cond_or_uncond": [1, 0][:chunks],
+            "uuids": [f"u{i}" for i in range(chunks)], "sigmas": torch.tensor([sigma])}
+
+
+SIGMAS = torch.tensor([1.0, 0.8, 0.6, 0.0])  # anchor at step 0, reuse at steps 1 and 2
+
+
+def test_backend_combo_is_the_registry():
+    """The node's backend options are exactly the registry's names (auto + every registered backend)."""
+    assert list(settings.BACKENDS) == kernels.registry.backend_names()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("preset", "ultra", "preset must be one of"), ("backend", "cuda", "backend must be one of"),
+    ("cache_placement", "disk", "cache placement must be one of"), ("min_tokens", -1, "min tokens must be"),
+    ("warmup_layers", 1.5, "dense warm-up layers must be"), ("density", float("nan"), "density must be in"),
+    ("anchor_steps", "0", "1-based"), ("dense_warmup", "150%", "dense warm-up percent"),
+])
+def test_bad_node_values_name_the_input(field, value, match):
+    """A bad widget value stops the node with "<input> must ..., got ..."."""
+    with pytest.raises((ValueError, TypeError), match=match):
+        _settings(**{field: value})
+
+
+def test_unknown_model_is_exact_pass_through_and_counted(gen):
+    """A model family MC-Sparse does not know: bit-identical to func, every call counted with the reason."""
+    plan = layouts.plan_for(torch.nn.Linear(2, 2))
+    assert plan.family is None and "not supported" in plan.reason_unsupported
+    run = lifecycle.RunState(_settings(), SIGMAS, unsupported=plan.reason_unsupported)
+    over = override.make_override(None)
+    q = torch.randn(1, 256, 128, generator=gen)
+    out = over(_func, q, q, q, 1, transformer_options=_options(run, None))
+    assert torch.equal(out, _func(q, q, q, 1))
+    assert run.counts() == {"sparse": 0, "anchor": 0, "dense": 1}
+    text = run.summary()
+    assert "not supported" in text and "WARNING: no attention call went sparse" in text
+
+
+@pytest.mark.parametrize("seq", [97, 161, 200])
+def test_odd_token_counts_go_sparse(gen, seq):
+    """Token counts that are not multiples of C (a ragged last group) run the sparse path; density 1 = dense."""
+    run = lifecycle.RunState(_settings(density=1.0), SIGMAS)
+    over = override.make_override(None)
+    q, k, v = (torch.randn(1, 2, seq, 64, generator=gen) for _ in range(3))
+    ref = _func(q, k, v, 2, skip_reshape=True, skip_output_reshape=True)
+    for sigma in (1.0, 0.8):
+        out = over(_func, q, k, v, 2, skip_reshape=True, skip_output_reshape=True,
+                   transformer_options=_options(run, CallSite(0, "wan"), sigma=sigma))
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert run.counts()["sparse"] == 1
+
+
+def test_nan_input_falls_back_to_dense_with_reason(gen):
+    """NaN latents (q/k/v not finite) at an anchor: reported dense fallback, the caller's own attention runs."""
+    run = lifecycle.RunState(_settings(), SIGMAS)
+    over = override.make_override(None)
+    q = torch.randn(1, 2, 128, 64, generator=gen)
+    q[0, 0, 5, 3] = float("nan")
+    out = over(_func, q, q, q, 2, skip_reshape=True, transformer_options=_options(run, CallSite(0, "wan")))
+    assert out.shape == (1, 128, 128) and torch.isnan(out).any()  # what dense attention gives on NaN input
+    assert any("non-finite" in r for r in run.runner.stats.dense_reasons), run.runner.stats.dense_reasons
+
+
+def test_unsupported_head_dim_and_mask_are_reported_dense(gen):
+    """Head dim 80 and a masked non-joint call stay dense, exactly, each with its reason in the summary."""
+    run = lifecycle.RunState(_settings(), SIGMAS)
+    over = override.make_override(None)
+    site = CallSite(0, "wan")
+    q = torch.randn(1, 128, 160, generator=gen)  # 2 heads x 80
+    assert torch.equal(over(_func, q, q, q, 2, transformer_options=_options(run, site)), _func(q, q, q, 2))
+    q2 = torch.randn(1, 128, 128, generator=gen)
+    mask = torch.zeros(1, 1, 128)
+    out = over(_func, q2, q2, q2, 1, mask=mask, transformer_options=_options(run, site))
+    assert torch.equal(out, _func(q2, q2, q2, 1, mask=mask))
+    text = run.summary()
+    assert "head dim 80 not supported" in text and "masked attention" in text
+
+
+def test_summary_names_backend_and_reason(gen):
+    """After a sparse run the summary says which backend ran each kernel op and why."""
+    run = lifecycle.RunState(_settings(backend="torch"), SIGMAS)
+    over = override.make_override(None)
+    q, k, v = (torch.randn(1, 2, 128, 64, generator=gen) for _ in range(3))
+    for sigma in (1.0, 0.8):
+        over(_func, q, k, v, 2, skip_reshape=True, transformer_options=_options(run, CallSite(0, "wan"), sigma=sigma))
+    line = run.backend_line()
+    assert line.startswith("backend: requested torch; ran torch (") and "requested" in line.split("why:")[1]
+    assert line in run.summary()
+
+
+class _Attn(torch.nn.Module):
+    def forward(self, x, transformer_options=None):
+        return transformer_options[MARK_KEY]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = _Attn()
+
+
+class VaceWanModel(torch.nn.Module):
+    """Stand-in of ``comfy/ldm/wan/model.py`` VaceWanModel: 4 blocks, VACE blocks after blocks 0 and 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(4))
+        self.vace_blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.vace_layers_mapping = {0: 0, 2: 1}
+
+
+def test_vace_sites_keyed_by_main_block_kind_and_context():
+    """VACE blocks get the main block's index, kind "vace", and one occurrence per VACE context per forward."""
+    model = VaceWanModel()
+    plan = layouts.plan_for(model)
+    patched = {}
+    for rel, factory in plan.patches:
+        mod = model.get_submodule(rel.rsplit(".", 1)[0])
+        patched[rel] = factory(mod.forward)
+    for _forward in range(2):  # the occurrence count restarts every forward (block 0 resets it)
+        options = {}
+        seen = []
+        for i in range(4):
+            seen.append(patched[f"blocks.{i}.self_attn.forward"](None, transformer_options=options))
+            ii = model.vace_layers_mapping.get(i)
+            if ii is not None:
+                for _context in range(2):
+                    seen.append(patched[f"vace_blocks.{ii}.self_attn.forward"](None, transformer_options=options))
+        keys = [(s.layer, s.cache_kind) for s in seen]
+        assert keys == [(0, "self"), (0, "vace"), (0, "vace#1"), (1, "self"), (2, "self"), (2, "vace"),
+                        (2, "vace#1"), (3, "self")]
+
+
+class _ExtraKVRunner:
+    """A runner with the lead's ``extra_kv`` signature; attends exactly over cat(k, k_text) and records calls."""
+
+    def __init__(self, config, backend):
+        from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import RunStats
+        from comfyui_mc_sparse_pack.comfyui_mc_sparse.schedule import StepKind
+
+        self.stats, self.kind, self.seen = RunStats(), StepKind, []
+
+    def attention(self, q, k, v, *, step, layer, key, dense_fn=None, scale=None, extra_kv=None):
+        self.seen.append((q.shape, extra_kv[0].shape))
+        self.stats.calls[self.kind.REUSE if step else self.kind.ANCHOR] += 1
+        kk, vv = torch.cat((k, extra_kv[0]), 2), torch.cat((v, extra_kv[1]), 2)
+        return torch.softmax(q @ kk.transpose(-1, -2) * scale, -1) @ vv
+
+    def record_dense(self, reason):
+        self.stats.calls[self.kind.DENSE] += 1
+        self.stats.dense_reasons[reason] += 1
+
+    def summary(self):
+        return ""
+
+    def close(self):
+        pass
+
+
+def test_joint_call_uses_extra_kv_when_the_engine_has_it(gen):
+    """With an engine taking ``extra_kv``: the runner gets video queries/keys only plus the unmasked text keys
+    as extra_kv; text rows stay exact; masked text keys carry no weight; the summary says which route ran."""
+    run = lifecycle.RunState(_settings(), SIGMAS, family="hunyuan_video", runner_factory=_ExtraKVRunner)
+    assert run.supports_extra_kv
+    over = override.make_override(None)
+    sv, st, pad = 128, 16, 4
+    q, k, v = (torch.randn(1, 2, sv + st, 128, generator=gen) for _ in range(3))
+    mask = torch.zeros(1, 1, sv + st)
+    mask[..., -pad:] = -torch.finfo(torch.float32).max
+    opts = {**_options(run, CallSite(0, "hunyuan_video", "video_first"), sigma=0.8), TEXT_LEN_KEY: st}
+    out = over(_func, q, k, v, 2, mask=mask, skip_reshape=True, skip_output_reshape=True, transformer_options=opts)
+    assert run.runner.seen == [((1, 2, sv, 128), (1, 2, st - pad, 128))]
+    ref = _func(q, k, v, 2, mask=mask.unsqueeze(1), skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)  # the stand-in is exact: so is every row
+    assert "attended exactly beside the sparse latent keys (extra_kv)" in run.summary()
+
+
+def test_geometry_for_the_cache_estimate():
+    """Tokens per call from the latent shape and patch size (Wan: (1, 2, 2), padded up), heads and head dim."""
+    dm = types.SimpleNamespace(patch_size=(1, 2, 2), num_heads=12, dim=1536)
+    plan = layouts.PatchPlan("wan", (("a", None),) * 30, False, None)
+    geo = layouts.geometry(dm, plan, (1, 16, 21, 60, 105))  # 832x480 -> 60x104 latent is even; 105 is odd
+    assert (geo.heads, geo.head_dim, geo.tokens, geo.layers) == (12, 128, 21 * 30 * 53, 30)
+    assert layouts.geometry(dm, layouts.PatchPlan(None, (), False, "x"), (1, 16, 3, 8, 8)) is None
