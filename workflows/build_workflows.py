@@ -39,7 +39,7 @@ WIDGETS: dict[str, list[str]] = {
     "KSamplerAdvanced": ["add_noise", "noise_seed", "*", "steps", "cfg", "sampler_name", "scheduler", "start_at_step",
                          "end_at_step", "return_with_leftover_noise"],
     "ModelSamplingSD3": ["shift"],
-    "ModelSamplingAuraFlow": ["shift"],
+    "ModelSamplingAuraFlow": ["shift", "sampling"],  # "sampling": a newer widget, dropped (API_DROP)
     "VAEDecode": [],
     "VAEDecodeTiled": ["tile_size", "overlap", "temporal_size", "temporal_overlap"],
     "CreateVideo": ["fps"],
@@ -47,7 +47,7 @@ WIDGETS: dict[str, list[str]] = {
     "LoraLoaderModelOnly": ["lora_name", "strength_model"],
     "CLIPVisionLoader": ["clip_name"],
     "CLIPVisionEncode": ["crop"],
-    "LoadImage": ["image", "upload"],
+    "LoadImage": ["image", "*"],  # "upload": the frontend's upload button (image_upload), not an input
     "WanImageToVideo": ["width", "height", "length", "batch_size"],
     "Wan22ImageToVideoLatent": ["width", "height", "length", "batch_size"],
     "KSamplerSelect": ["sampler_name"],
@@ -56,9 +56,23 @@ WIDGETS: dict[str, list[str]] = {
     "RandomNoise": ["noise_seed", "*"],
     "SamplerCustomAdvanced": [],
     "FluxGuidance": ["guidance"],
+    "ImageOnlyCheckpointLoader": ["ckpt_name"],
+    "Hunyuan3Dv2Conditioning": [],
+    "EmptyLatentHunyuan3Dv2": ["resolution", "batch_size"],
+    "VAEDecodeHunyuan3D": ["num_chunks", "octree_resolution"],
+    "VoxelToMesh": ["algorithm", "threshold"],
+    "SaveGLB": ["filename_prefix"],
     "MCSparsePatch": PATCH_NAMES,
 }
 UI_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+PASS_THROUGH = ("ComfySwitchNode",)
+# Resolved to literals / the chosen branch in the API twin (their node types are newer than the Oct-2025
+# snapshot, or, for Primitive*, only carry a value): "PrimitiveInt" & co. -> their widget value,
+# "ComfySwitchNode" -> on_true / on_false by its switch, "ComfyMathExpression" -> the evaluated expression.
+LITERAL_NODES = ("PrimitiveInt", "PrimitiveFloat", "PrimitiveBoolean", "PrimitiveString", "PrimitiveStringMultiline",
+                 "ComfySwitchNode", "ComfyMathExpression")
+# Inputs of newer templates that the Oct-2025 node definitions do not have (left out of the API twin).
+API_DROP = {"ModelSamplingAuraFlow": ("sampling",)}
 LOADERS = ("UNETLoader", "ImageOnlyCheckpointLoader", "CheckpointLoaderSimple")
 
 TARGETS = {
@@ -105,8 +119,11 @@ def _insert_patch(graph: dict, *, links_as_dicts: bool) -> list[int]:
     for src in sources:
         cur = src
         while True:
-            nxt = [link_fields(lk) for lk in links if link_fields(lk)[1] == cur and link_fields(lk)[5] == "MODEL"
-                   and nodes.get(link_fields(lk)[3], {}).get("type") == "LoraLoaderModelOnly"]
+            consumers = [link_fields(lk) for lk in links if link_fields(lk)[1] == cur and link_fields(lk)[5] == "MODEL"]
+            # follow LoRA loaders, then a ComfySwitchNode (Wan2.2 "turbo" toggle: LoRA path vs plain loader), so
+            # the patch sits where both paths meet and is applied whichever the switch picks
+            nxt = ([c for c in consumers if nodes.get(c[3], {}).get("type") == "LoraLoaderModelOnly"]
+                   or [c for c in consumers if nodes.get(c[3], {}).get("type") in PASS_THROUGH])
             if not nxt:
                 break
             cur = nxt[0][3]
@@ -116,7 +133,7 @@ def _insert_patch(graph: dict, *, links_as_dicts: bool) -> list[int]:
     next_link = max([link_fields(lk)[0] for lk in links] + [graph.get("last_link_id", 0) or 0, 0]) + 1
     for end in dict.fromkeys(ends):
         out_links = [lk for lk in links if link_fields(lk)[1] == end and link_fields(lk)[5] == "MODEL"
-                     and nodes.get(link_fields(lk)[3], {}).get("type") != "LoraLoaderModelOnly"]
+                     and nodes.get(link_fields(lk)[3], {}).get("type") not in ("LoraLoaderModelOnly", *PASS_THROUGH)]
         if not out_links:
             continue
         src_node = nodes[end]
@@ -192,7 +209,47 @@ def _api_from_graph(graph: dict, *, prefix: str, links_as_dicts: bool, sub_input
             return sub_inputs.get(origin_slot)
         if (origin_id, origin_slot) in sub_out_refs:
             return sub_out_refs[(origin_id, origin_slot)]
+        if origin_id in literal_nodes:
+            if literal_nodes[origin_id]["type"] == "ComfyMathExpression" and origin_slot == 0:
+                value = literal(origin_id)
+                return ("value", float(value[1]))
+            return literal(origin_id)
         return [f"{prefix}{origin_id}", origin_slot]
+
+    literal_nodes = {n["id"]: n for n in graph["nodes"] if n["type"] in LITERAL_NODES}
+
+    def input_ref(node, name):
+        inp = next((i for i in node.get("inputs", []) if i["name"] == name), None)
+        if inp is None or inp.get("link") is None:
+            return None
+        _lid, o, os_, _t, _ts, _ty = by_link[inp["link"]]
+        return resolve(o, os_)
+
+    def literal(nid):
+        """("value", v) or a [node, slot] ref for a Primitive*/switch/math node (see LITERAL_NODES)."""
+        n = literal_nodes[nid]
+        vals = n.get("widgets_values") or []
+        if n["type"].startswith("Primitive"):
+            ref = input_ref(n, "value")
+            return ref if ref is not None else ("value", vals[0])
+        if n["type"] == "ComfySwitchNode":
+            sw = input_ref(n, "switch")
+            flag = sw[1] if isinstance(sw, tuple) else (vals[0] if vals else False)
+            if isinstance(sw, list):
+                raise KeyError(f"switch of node {nid} is not a literal ({sw})")
+            return input_ref(n, "on_true" if flag else "on_false")
+        if n["type"] == "ComfyMathExpression":
+            env = {}
+            for letter in "abc":
+                ref = input_ref(n, f"values.{letter}")
+                if isinstance(ref, tuple):
+                    env[letter] = ref[1]
+            import math
+
+            value = eval(vals[0], {"__builtins__": {}, "floor": math.floor, "ceil": math.ceil,  # noqa: S307
+                                   "round": round, "min": min, "max": max}, env)
+            return ("value", value)
+        raise KeyError(n["type"])
 
     # subgraph instances first so their outputs can be referenced
     order = sorted(graph["nodes"], key=lambda n: 0 if n["type"] in subgraphs else 1)
@@ -220,7 +277,7 @@ def _api_from_graph(graph: dict, *, prefix: str, links_as_dicts: bool, sub_input
                 if t == -20:
                     sub_out_refs[(n["id"], ts)] = inner.get((o, os_), [f"{inner_prefix}{o}", os_])
     for n in graph["nodes"]:
-        if n["type"] in UI_ONLY or n["type"] in subgraphs or n.get("mode", 0) in (2, 4):
+        if n["type"] in UI_ONLY or n["type"] in subgraphs or n["type"] in LITERAL_NODES or n.get("mode", 0) in (2, 4):
             continue
         names = WIDGETS.get(n["type"])
         if names is None:
@@ -239,6 +296,8 @@ def _api_from_graph(graph: dict, *, prefix: str, links_as_dicts: bool, sub_input
                 inputs[inp["name"]] = ref[1]
             elif ref is not None:
                 inputs[inp["name"]] = ref
+        for name in API_DROP.get(n["type"], ()):
+            inputs.pop(name, None)
         api[f"{prefix}{n['id']}"] = {"class_type": n["type"], "inputs": inputs, "_meta": {"title": n.get("title", n["type"])}}
     return {(k[0], k[1]): v for k, v in sub_out_refs.items()}
 

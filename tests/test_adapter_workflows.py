@@ -1,0 +1,135 @@
+"""Every shipped workflow (UI and API) checked against the node definitions, without ComfyUI (CI).
+
+``tests/data/comfyui_node_defs.json`` holds the definitions of every node type the workflows use, dumped from
+the Oct-2025 ComfyUI snapshot by ``adapter.headless.node_definitions`` (inputs in declaration order with type,
+required flag and combo options; output types). The integration test
+``tests/integration/test_comfyui_workflows.py::test_node_definitions_snapshot_is_current`` regenerates it from
+a real ComfyUI and fails when it drifts. Checks:
+
+* API twins: node types exist; every input is declared; required inputs are present; literals have the
+  declared type (combo values among the options, except machine-specific file lists); links point at
+  existing nodes whose output type is the declared input type.
+* UI workflows (subgraphs included): node types exist (frontend-only notes and the newer-than-snapshot
+  nodes in ``NEWER_NODES`` excepted, with the reason); every link joins an output and an input of the same
+  type as declared; our patch node's widgets are the frozen inputs in order and valid settings.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import settings
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFS = json.loads((ROOT / "tests" / "data" / "comfyui_node_defs.json").read_text(encoding="utf-8"))
+FROZEN = ["preset", "density", "dense_warmup", "warmup_layers", "anchor_steps", "query_tile", "cache_placement",
+          "backend", "min_tokens", "verbose"]
+FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+NEWER_NODES = {  # in the newer templates (comfyui-workflow-templates-json 0.1.123) but not the Oct-2025 core
+    "ComfySwitchNode": "Wan2.2 template's turbo toggle; resolved to its branch in the API twin",
+    "ComfyMathExpression": "Wan2.2 template's frames = floor(duration * fps) + 1; a literal in the API twin",
+}
+PY_TYPES = {"INT": (int,), "FLOAT": (int, float), "STRING": (str,), "BOOLEAN": (bool,), "COMBO": (str, int, float)}
+API = sorted((ROOT / "workflows").glob("*_api.json"))
+UI = sorted(p for p in (ROOT / "workflows").glob("*.json") if not p.name.endswith("_api.json"))
+
+
+def test_every_workflow_has_an_api_twin():
+    """Each UI workflow has its API twin (Wan2.2 14B two-stage and Hunyuan3D 2.1 included)."""
+    assert len(UI) >= 6
+    for ui in UI:
+        assert ui.with_name(ui.stem + "_api.json").is_file(), ui.name
+
+
+def test_patch_node_definition_matches_settings():
+    """The recorded MCSparsePatch definition is the frozen input list with the settings' combo options."""
+    d = DEFS["MCSparsePatch"]
+    assert list(d["inputs"]) == ["model", *FROZEN] and d["outputs"] == ["MODEL"]
+    assert d["inputs"]["preset"]["options"] == list(settings.PRESET_NAMES)
+    assert d["inputs"]["backend"]["options"] == list(settings.BACKENDS)
+    assert d["inputs"]["cache_placement"]["options"] == list(settings.CACHE_PLACEMENTS)
+
+
+@pytest.mark.parametrize("path", API, ids=lambda p: p.name)
+def test_api_workflow_matches_node_definitions(path):
+    prompt = json.loads(path.read_text(encoding="utf-8"))
+    for nid, node in prompt.items():
+        ct = node["class_type"]
+        d = DEFS.get(ct)
+        assert d is not None, f"{path.name} node {nid}: unknown node type {ct}"
+        declared = d["inputs"]
+        for name, value in node["inputs"].items():
+            assert name in declared, f"{path.name} node {nid} ({ct}): undeclared input {name!r}"
+            want = declared[name]
+            if isinstance(value, list):
+                src, slot = value
+                assert src in prompt, f"{path.name} node {nid}: link to missing node {src}"
+                src_type = DEFS[prompt[src]["class_type"]]["outputs"][slot]
+                assert src_type == want["type"] or "*" in (src_type, want["type"]), (
+                    f"{path.name} node {nid} ({ct}).{name}: {want['type']} input fed by {src_type}")
+            else:
+                ok = PY_TYPES.get(want["type"])
+                assert ok is not None, f"{path.name} node {nid} ({ct}).{name}: literal for a {want['type']} input"
+                assert isinstance(value, ok) and not (want["type"] in ("INT", "FLOAT") and isinstance(value, bool)), (
+                    f"{path.name} node {nid} ({ct}).{name}: {value!r} is not {want['type']}")
+                if want["options"] is not None:
+                    assert value in want["options"], f"{path.name} node {nid} ({ct}).{name}: {value!r} not an option"
+        missing = [n for n, w in declared.items() if w["required"] and n not in node["inputs"]]
+        assert not missing, f"{path.name} node {nid} ({ct}): missing required inputs {missing}"
+        if ct == "MCSparsePatch":
+            assert [k for k in node["inputs"] if k != "model"] == FROZEN
+            settings.build_settings(**{**{k: node["inputs"][k] for k in FROZEN},
+                                       "query_tile": int(node["inputs"]["query_tile"])})
+
+
+def _graphs(ui):
+    return [ui, *ui.get("definitions", {}).get("subgraphs", [])]
+
+
+def _links(graph):
+    for lk in graph.get("links", []):
+        if isinstance(lk, dict):
+            yield lk["id"], lk["origin_id"], lk["origin_slot"], lk["target_id"], lk["target_slot"], lk["type"]
+        else:
+            yield tuple(lk)
+
+
+@pytest.mark.parametrize("path", UI, ids=lambda p: p.name)
+def test_ui_workflow_matches_node_definitions(path):
+    ui = json.loads(path.read_text(encoding="utf-8"))
+    subgraph_ids = {sg["id"] for sg in ui.get("definitions", {}).get("subgraphs", [])}
+    patches = 0
+    for graph in _graphs(ui):
+        nodes = {n["id"]: n for n in graph["nodes"]}
+        for n in graph["nodes"]:
+            t = n["type"]
+            if t in FRONTEND_ONLY or t in subgraph_ids or t in NEWER_NODES:
+                continue
+            assert DEFS.get(t) is not None, f"{path.name} node {n['id']}: unknown node type {t}"
+            declared = DEFS[t]["inputs"]
+            for inp in n.get("inputs", []):
+                if inp.get("link") is None:
+                    continue
+                assert inp["name"] in declared or t in ("ModelSamplingAuraFlow",) and inp["name"] == "sampling", (
+                    f"{path.name} node {n['id']} ({t}): undeclared input {inp['name']!r}")
+            if t == "MCSparsePatch":
+                patches += 1
+                vals = n["widgets_values"]
+                assert len(vals) == len(FROZEN)
+                settings.build_settings(**{**dict(zip(FROZEN, vals)), "query_tile": int(vals[5])})
+        for _lid, o, os_, tgt, ts, ltype in _links(graph):
+            if o < 0 or tgt < 0:  # subgraph input / output pseudo-nodes
+                continue
+            src, dst = nodes[o], nodes[tgt]
+            if src["type"] in DEFS and DEFS[src["type"]] is not None and src["type"] not in subgraph_ids:
+                out_type = DEFS[src["type"]]["outputs"][os_]
+                assert out_type == ltype or "*" in (out_type, ltype) or src["type"].startswith("Primitive"), (
+                    f"{path.name}: link from {src['type']}[{os_}] ({out_type}) typed {ltype}")
+            if dst["type"] in DEFS and DEFS[dst["type"]] is not None:
+                name = dst["inputs"][ts]["name"]
+                if name in DEFS[dst["type"]]["inputs"]:
+                    want = DEFS[dst["type"]]["inputs"][name]["type"]
+                    assert want == ltype or "*" in (want, ltype) or want in PY_TYPES, (
+                        f"{path.name}: {dst['type']}.{name} ({want}) fed a {ltype}")
+    assert patches >= 1, f"{path.name}: no MCSparsePatch node"
