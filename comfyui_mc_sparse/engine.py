@@ -119,7 +119,7 @@ class MCSparseRunner:
                 attention_share, calibrated = memory.attention_share(heads, head_dim, tokens)
             speed = memory.expected_speedup(self.config, num_steps=num_steps, num_layers=layers,
                                             attention_share=attention_share, kernel_efficiency=kernel_efficiency,
-                                            calibrated=calibrated)
+                                            overhead=memory.decode_overhead(est), calibrated=calibrated)
         self._plan = est
         self.cache.expected_bytes = est.total_bytes + est.working_bytes
         if device is None and torch.cuda.is_available():

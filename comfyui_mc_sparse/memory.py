@@ -39,6 +39,12 @@ ATTENTION_SHARES = {
     (12, 128): (32760, 0.58),  # Wan2.1-1.3B, 480p 81 frames
 }
 DEFAULT_KERNEL_EFFICIENCY = 0.90
+# Cost of decoding a compact entry at a reuse call, as a fraction of one dense attention call: measured on the
+# H200 at the Wan2.1-14B 480p shape (docs/cache.md: +1.8 ms per layer for bitmask selections, +2.9 ms with an fp8
+# residual, against ~36 ms of dense attention per block). The bitmask decode scales like dense attention with S
+# (H*S^2/C vs H*S^2*D), the fp8 dequantisation like S, so the fp8 part is an upper bound at larger S.
+DECODE_OVERHEAD = {"bitmask": 0.05, "uint16": 0.005, "int32": 0.0}
+FP8_DECODE_OVERHEAD = 0.03
 SELECTION_PASS_COST = 0.5  # pass 2 + top-K as a fraction of one dense attention (paper sec. 3.3)
 
 
@@ -52,8 +58,8 @@ class CacheEstimate:
         selection_encoding: the encoding "auto" resolved to ("bitmask", "uint16" or "int32").
         residual_dtype: storage dtype name of the residual ("none" when off).
         naive_entry_bytes: per entry in the paper's layout (int32 perm and indices, bf16 residual).
-        working_bytes: GPU bytes of decoded entries in flight at a reuse step (current + prefetched next),
-            needed on the GPU whatever the placement.
+        working_bytes: GPU bytes of decoded entries in flight at a reuse step (current + prefetched next:
+            int32 groups and indices, residual in the compute dtype), needed on the GPU whatever the placement.
     """
 
     entries: int
@@ -128,7 +134,7 @@ def estimate_cache(
     res = encoding.residual_nbytes(batch, heads, tokens, head_dim, residual_dtype, residual_scale) if residual else 0
     naive = rows * width * 4 + batch * heads * groups * group_size * 4 + (2 * batch * heads * tokens * head_dim if residual else 0)
     decoded = rows * width * 4 + batch * heads * groups * group_size * 4
-    if residual and (residual_dtype == encoding.FP8_DTYPE_NAME or decoded_dtype_bytes != _dtype_bytes(residual_dtype)):
+    if residual:  # a residual kept on the GPU in the compute dtype is used in place; counted anyway (CPU placement)
         decoded += batch * heads * tokens * head_dim * decoded_dtype_bytes
     entries = max(0, layers - warmup_layers) * branches
     return CacheEstimate(entries, grp, sel, res, kind, residual_dtype if residual else "none", naive, 2 * decoded)
@@ -143,10 +149,6 @@ def estimate_for_config(config: MCSparseConfig, *, heads: int, head_dim: int, la
         warmup_layers=config.warmup_layers, index_encoding=config.index_encoding,
         residual_dtype=config.residual_dtype, residual_scale=config.residual_scale, residual=config.residual,
     )
-
-
-def _dtype_bytes(name: str) -> int:
-    return 1 if name == encoding.FP8_DTYPE_NAME else {"bfloat16": 2, "float16": 2, "float32": 4}[name]
 
 
 # --- speed ----------------------------------------------------------------------------------------------------
@@ -172,6 +174,7 @@ class SpeedupEstimate:
         speedup: dense time / MC-Sparse time of the sampler call. reuse_speedup: the same for one reuse step.
         attention_share: a. kernel_efficiency: e. steps: counts per step kind (over layers, in layer-steps).
         calibrated: the share came from a measurement of this model (else the 14B calibration).
+        overhead: the reuse call's extra cost assumed (fraction of a dense attention).
     """
 
     speedup: float
@@ -180,6 +183,7 @@ class SpeedupEstimate:
     kernel_efficiency: float
     steps: dict
     calibrated: bool
+    overhead: float = 0.0
 
 
 def expected_speedup(
@@ -213,10 +217,16 @@ def expected_speedup(
     attention = sum(cost[kind] * n for kind, n in counts.items()) / num_layers  # in dense-attention steps
     total = num_steps * (1 - a) + a * attention
     return SpeedupEstimate(num_steps / total, 1.0 / ((1 - a) + a * sparse), a, kernel_efficiency,
-                           {k.value: n for k, n in counts.items()}, calibrated)
+                           {k.value: n for k, n in counts.items()}, calibrated, overhead)
 
 
 # --- messages -------------------------------------------------------------------------------------------------
+
+
+def decode_overhead(est: CacheEstimate) -> float:
+    """The reuse call's decode cost for ``est``'s formats, as a fraction of a dense attention call (measured)."""
+    fp8 = FP8_DECODE_OVERHEAD if est.residual_dtype == encoding.FP8_DTYPE_NAME else 0.0
+    return DECODE_OVERHEAD[est.selection_encoding] + fp8
 
 
 def _gb(n: int) -> str:
@@ -237,7 +247,8 @@ def format_plan(est: CacheEstimate, speed: SpeedupEstimate | None = None, placem
         line += (
             f"; expected DiT speedup {speed.speedup:.2f}x (reuse steps {speed.reuse_speedup:.2f}x; attention "
             f"{speed.attention_share:.0%} of a dense step{'' if speed.calibrated else ', uncalibrated model'}, "
-            f"sparse kernel efficiency {speed.kernel_efficiency:.2f} assumed)"
+            f"sparse kernel efficiency {speed.kernel_efficiency:.2f} assumed, cache decode {speed.overhead:.2f} of a "
+            f"dense attention)"
         )
     return line
 
