@@ -182,7 +182,9 @@ def _pack_bits(idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return out.reshape(*lead, nbytes)
 
 
-def decode_selection(enc: EncodedSelection, device: torch.device | str | None = None, *, non_blocking: bool = False) -> torch.Tensor:
+def decode_selection(
+    enc: EncodedSelection, device: torch.device | str | None = None, *, non_blocking: bool = False
+) -> torch.Tensor:
     """The int32 ``[B, H, G, K_alloc]`` selection, bit-exact, on ``device`` (None: where the data is); an
     "int32" entry already there is returned itself (callers must not modify it).
 

@@ -132,7 +132,8 @@ def estimate_cache(
     sel = encoding.selection_nbytes(kind, rows, tokens, num_keys, width)
     grp = encoding.groups_nbytes(batch, heads, tokens, group_size)
     res = encoding.residual_nbytes(batch, heads, tokens, head_dim, residual_dtype, residual_scale) if residual else 0
-    naive = rows * width * 4 + batch * heads * groups * group_size * 4 + (2 * batch * heads * tokens * head_dim if residual else 0)
+    naive = rows * width * 4 + batch * heads * groups * group_size * 4
+    naive += 2 * batch * heads * tokens * head_dim if residual else 0
     decoded = rows * width * 4 + batch * heads * groups * group_size * 4
     if residual:  # a residual kept on the GPU in the compute dtype is used in place; counted anyway (CPU placement)
         decoded += batch * heads * tokens * head_dim * decoded_dtype_bytes

@@ -206,7 +206,8 @@ def main():
             out.setdefault(n, {})["with FFN" if mlp else "attention only"] = {"median_ms": statistics.median(ms), "all_ms": ms}
         for dtype in ("bf16", "fp8"):
             for mode in ("attention only", "with FFN"):
-                out[f"{dtype} cpu/gpu, {mode}"] = out[f"{dtype} cpu"][mode]["median_ms"] / out[f"{dtype} gpu"][mode]["median_ms"]
+                cpu_ms, gpu_ms = out[f"{dtype} cpu"][mode]["median_ms"], out[f"{dtype} gpu"][mode]["median_ms"]
+                out[f"{dtype} cpu/gpu, {mode}"] = cpu_ms / gpu_ms
             out[f"{dtype} outputs equal cpu vs gpu"] = bool(torch.equal(outs[f"{dtype} cpu"], outs[f"{dtype} gpu"]))
         for n, r in runners.items():
             c = r.cache

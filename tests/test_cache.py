@@ -61,7 +61,8 @@ def test_rows_not_k_sorted_fall_back_to_int32(gen):
         assert enc.kind == "int32" and torch.equal(encoding.decode_selection(enc), bad)
 
 
-@pytest.mark.parametrize("S,K,expected", [(32760, 8192, "bitmask"), (32760, 1024, "uint16"), (32760, 2040, "uint16"), (32760, 2048, "bitmask"),
+@pytest.mark.parametrize("S,K,expected", [(32760, 8192, "bitmask"), (32760, 1024, "uint16"), (32760, 2040, "uint16"),
+                                          (32760, 2048, "bitmask"),
                                           (75600, 18944, "bitmask"), (200000, 1024, "int32"), (200000, 8192, "bitmask")])
 def test_auto_picks_the_smallest_encoding(S, K, expected):
     """auto: bitmask (S/8 bytes) beats 16-bit indices (2K) above s = 1/16; int32 only where neither fits."""
