@@ -43,15 +43,18 @@ KV_TILE = 128
 DTYPE = torch.bfloat16
 SPARSE_VARIANTS = {  # Triton sparse kernel options timed with --sweep (at s = 0.25)
     "default": {},
-    "mask by -1": dict(mask_from_count=False),
-    "cache .cg": dict(cache=".cg"),
-    "warp_specialize": dict(warp_spec=True),
-    "bn128 w8 st2": dict(block_n=128, num_warps=8, num_stages=2),
-    "bn64 w8 st3": dict(block_n=64, num_warps=8, num_stages=3),
-    "bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3),
+    "minimal (perm ignored: no Q gather / O scatter)": dict(permute_q=False),
+    "int64 row offsets": dict(row64=True),
+    "mask by -1 (every tile masked)": dict(mask_from_count=False),
+    "bn64 w4 st2": dict(block_n=64, num_warps=4, num_stages=2),
     "bn64 w4 st4": dict(block_n=64, num_warps=4, num_stages=4),
-    "bm64 bn64 w4 st3": dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
-    "bm64 bn128 w4 st3": dict(block_m=64, block_n=128, num_warps=4, num_stages=3),
+    "bn32 w4 st3": dict(block_n=32, num_warps=4, num_stages=3),
+    "bn32 w4 st4": dict(block_n=32, num_warps=4, num_stages=4),
+    "bn64 w8 st3": dict(block_n=64, num_warps=8, num_stages=3),
+    "bn64 w8 st4": dict(block_n=64, num_warps=8, num_stages=4),
+    "bn128 w8 st2": dict(block_n=128, num_warps=8, num_stages=2),
+    "bn128 w8 st3": dict(block_n=128, num_warps=8, num_stages=3),
+    "bn64 w4 st3 .cg": dict(block_n=64, num_warps=4, num_stages=3, cache=".cg"),
 }
 PASS2_VARIANTS = {
     "default": {},
@@ -60,6 +63,10 @@ PASS2_VARIANTS = {
     "bn32 w4 st3": dict(block_n=32, num_warps=4, num_stages=3),
     "bn64 w4 st4": dict(block_n=64, num_warps=4, num_stages=4),
     "poly bn64 w8 st3": dict(poly=True, block_n=64, num_warps=8, num_stages=3),
+    "bn64 w4 st2": dict(block_n=64, num_warps=4, num_stages=2),
+    "bn128 w8 st2": dict(block_n=128, num_warps=8, num_stages=2),
+    "bn128 w4 st2": dict(block_n=128, num_warps=4, num_stages=2),
+    "exp f16x2": dict(exp_f16=True),
 }
 
 
@@ -131,11 +138,21 @@ def run_shape(name, shp, densities, sweep, rep, log):
     res["best_dense"] = dict(name=best_name, ms=best)
     _, lse0 = kernels.dense_attention(q0, k0, v0, return_lse=True)
 
-    # PDDP grouping (reference op; the GPU path of Fast PDDP), then groups for everything below
-    perms = [kernels.pddp_groups(s[0], C) for s in sets]
-    ms = bench(lambda q: kernels.pddp_groups(q, C), [(s[0],) for s in sets], rep_ms=max(rep, 300))
-    res["pddp"] = dict(ms=ms, backend=registry.last_choices()["pddp_groups"].backend)
-    log(f"{name} pddp: {ms:.2f} ms ({res['pddp']['backend']})")
+    # PDDP grouping: the torch reference and the GPU op (kernels/triton/pddp.py); contract checked on every head
+    for bname in ("torch", "triton"):
+        p = kernels.pddp_groups(q0, C, backend=bname)
+        ok = bool((p[..., S:] == -1).all()) and bool(torch.equal(
+            torch.sort(p[..., :S], dim=-1).values, torch.arange(S, device="cuda", dtype=torch.int32).expand(B, H, S)))
+        ms = bench(lambda q: kernels.pddp_groups(q, C, backend=bname), [(st[0],) for st in sets], rep_ms=max(rep, 300))
+        res["pddp"][bname] = dict(ms=ms, contract_ok=ok)
+        log(f"{name} pddp {bname}: {ms:.2f} ms, contract {ok}")
+    ref_p, got_p = kernels.pddp_groups(q0[:, :1], C, backend="torch"), kernels.pddp_groups(q0[:, :1], C, backend="triton")
+    same = sum(len(set(ref_p[0, 0, g * C:(g + 1) * C].tolist()) & set(got_p[0, 0, g * C:(g + 1) * C].tolist()))
+               for g in range(G)) / S
+    res["errors"]["pddp triton vs torch: queries in the same group"] = same
+    perms = [kernels.pddp_groups(st[0], C) for st in sets]
+    res["pddp"]["default backend"] = registry.last_choices()["pddp_groups"].backend
+    log(f"{name} pddp same-group fraction vs torch {same:.4f}; default {res['pddp']['default backend']}")
     perm0 = perms[0]
 
     # selection pass 2 (+ top-K): correctness on one head, then timing on all heads
@@ -180,9 +197,22 @@ def run_shape(name, shp, densities, sweep, rep, log):
             log(f"{name} sparse {sname} s={s}: {ms:.2f} ms, efficiency {eff:.3f}, speedup {best / ms:.2f}x, err {err}")
         if sweep and s == 0.25:
             from comfyui_mc_sparse_pack.kernels.triton import sparse_attention as tsa
-            for key, kw in SPARSE_VARIANTS.items():
+            variants = dict(SPARSE_VARIANTS)
+            try:  # the kernel before this change, side by side (a copy of the previous commit's file, if present)
+                import importlib.util
+                spec = importlib.util.spec_from_file_location("_prev_sa", Path(__file__).parent / "_prev_sparse_attention.py")
+                prev = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(prev)
+                variants["previous kernel (count pass, masked tiles)"] = dict(_fn=prev.sparse_attention)
+            except FileNotFoundError:
+                pass
+            for key, kw in variants.items():
+                kw = dict(kw)
+                fn_v = kw.pop("_fn", tsa)
                 try:
-                    ms = bench(lambda q, k, v, p, i: tsa(q, k, v, p, i, **kw),
+                    if kw.get("permute_q", True):  # correctness first (ref: the float32 reference at s = 0.25)
+                        res["errors"][f"sweep sparse {key}"] = rel_err(fn_v(q0, k0, v0, perm0, idxs[0], **kw)[:, sub], ref)["rel_l2"]
+                    ms = bench(lambda q, k, v, p, i: fn_v(q, k, v, p, i, **kw),
                                [(*st, p, i) for st, p, i in zip(sets, perms, idxs)], rep)
                     res["sweep"][f"sparse {key}"] = best * (kq / S) / ms
                 except Exception as err:  # out of resources, unsupported option
@@ -249,7 +279,10 @@ def print_table(report):
             print(f"| {name} | {sname} efficiency | " + " | ".join(f"{v['efficiency']:.3f}" for v in per.values()) + " |")
         for k, v in r["selection"].items():
             print(f"| {name} | {k} | {v['ms']:.2f} ms = {v['frac_of_dense']:.3f} dense |")
-        print(f"| {name} | pddp | {r['pddp']['ms']:.2f} ms |")
+        for bname in ("torch", "triton"):
+            print(f"| {name} | pddp {bname} | {r['pddp'][bname]['ms']:.2f} ms |")
+        for k, v in r["sweep"].items():
+            print(f"| {name} | sweep {k} | {v} |")
 
 
 if __name__ == "__main__":
