@@ -73,6 +73,7 @@ def anchor_attention(
     scale: float | None = None,
     backend: str = "auto",
     check_finite: bool = True,
+    extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, CacheEntry]:
     """Anchor step of one layer: the dense output and a fresh cache entry.
 
@@ -80,14 +81,20 @@ def anchor_attention(
         q, k, v: ``[B, H, S, D]`` self-attention inputs. config: density, C, KV tile, residual settings.
         scale: softmax scale, None = 1/sqrt(D). backend: kernel backend name or "auto".
         check_finite: raise NonFiniteInputError on NaN/inf inputs (one device sync).
+        extra_kv: optional (k_x, v_x) ``[B, H, T, D]``: keys every query attends exactly, besides its selected
+            ones (e.g. the text tokens of a joint video+text sequence); merged by LSE. Selection probabilities
+            are normalised over all S + T keys.
     Returns:
-        (O_dense ``[B, H, S, D]`` in q's dtype, CacheEntry).
+        (O_dense ``[B, H, S, D]`` in q's dtype (over all S + T keys), CacheEntry).
     Raises:
-        ValueError / NonFiniteInputError: see ``check_inputs``.
+        ValueError / NonFiniteInputError: see ``check_inputs``; extra_kv of the wrong shape.
     """
     check_inputs(q, k, v, check_finite=check_finite)
+    _check_extra(q, extra_kv, check_finite=check_finite)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, lse = kernels.dense_attention(q, k, v, scale=scale, return_lse=True, backend=backend)
+    k_all, v_all = (k, v) if extra_kv is None else (torch.cat([k, extra_kv[0]], 2), torch.cat([v, extra_kv[1]], 2))
+    out, lse = kernels.dense_attention(q, k_all, v_all, scale=scale, return_lse=True, backend=backend)
+    del k_all, v_all
     perm = kernels.pddp_groups(q, config.group_size, power_iters=config.power_iters, backend=backend)
     num_keys = keys_for_density(config.density, k.shape[2], config.kv_tile)
     kv_idx = kernels.select_kv(
@@ -95,7 +102,7 @@ def anchor_attention(
     )
     residual = None
     if config.residual:
-        sparse = kernels.sparse_attention(q, k, v, perm, kv_idx, scale=scale, backend=backend)
+        sparse = _sparse(q, k, v, perm, kv_idx, extra_kv, scale, backend)
         # fp8 storage needs a scale: keep float32 here, ``encoding.encode_residual`` quantises (cache.py)
         store = torch.float32 if config.residual_dtype.startswith("float8") else getattr(torch, config.residual_dtype)
         residual = (out.float() - sparse.float()).to(store)
@@ -110,12 +117,14 @@ def reuse_attention(
     *,
     scale: float | None = None,
     backend: str = "auto",
+    extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Reuse step of one layer: sparse attention over the current q, k, v with the cached groups and
     indices, plus the cached residual.
 
     Args:
         q, k, v: ``[B, H, S, D]`` of the current step. entry: from ``anchor_attention`` on the same shape.
+        extra_kv: the always-attended keys of this step, as given to ``anchor_attention``.
     Returns:
         ``[B, H, S, D]`` in q's dtype.
     Raises:
@@ -123,7 +132,49 @@ def reuse_attention(
     """
     if not entry.fits(q):
         raise ValueError(f"entry must be made for q's shape and device, got {entry.shape} for q {tuple(q.shape)} on {q.device}")
-    out = kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx, scale=scale, backend=backend)
+    _check_extra(q, extra_kv, check_finite=False)
+    out = _sparse(q, k, v, entry.perm, entry.kv_idx, extra_kv, scale, backend)
     if entry.residual is not None:
         out.add_(entry.residual)
     return out
+
+
+def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets, from each part's output and LSE.
+
+    Args:
+        o1, o2: ``[B, H, S, D]`` softmax attention outputs over key sets 1 and 2; lse1, lse2: their fp32
+            ``[B, H, S]`` log-sum-exps (natural log, scale applied).
+    Returns:
+        ``[B, H, S, D]`` in o1's dtype, exactly the attention over both sets (up to rounding).
+    """
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    merged = (o1.float() * w1.unsqueeze(-1) + o2.float() * w2.unsqueeze(-1)) / (w1 + w2).unsqueeze(-1)
+    return merged.to(o1.dtype)
+
+
+def _sparse(q, k, v, perm, kv_idx, extra_kv, scale, backend):
+    """Token-sparse attention over the selected keys, merged with exact attention over ``extra_kv``."""
+    if extra_kv is None:
+        return kernels.sparse_attention(q, k, v, perm, kv_idx, scale=scale, backend=backend)
+    o_sel, lse_sel = kernels.sparse_attention(q, k, v, perm, kv_idx, scale=scale, return_lse=True, backend=backend)
+    o_x, lse_x = kernels.dense_attention(q, extra_kv[0], extra_kv[1], scale=scale, return_lse=True, backend=backend)
+    return merge_attention(o_sel, lse_sel, o_x, lse_x)
+
+
+def _check_extra(q: torch.Tensor, extra_kv, *, check_finite: bool) -> None:
+    if extra_kv is None:
+        return
+    if not isinstance(extra_kv, (tuple, list)) or len(extra_kv) != 2:
+        raise TypeError(f"extra_kv must be a (k, v) pair of tensors, got {type(extra_kv).__name__}")
+    B, H, _, D = q.shape
+    for name, t in zip(("extra_kv k", "extra_kv v"), extra_kv):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (B, H, D):
+            raise ValueError(f"{name} must be [B, H, T, D] with q's B, H, D {(B, H, D)}, got {getattr(t, 'shape', t)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must match q's dtype and device, got {t.dtype} on {t.device}")
+        if check_finite and not bool(torch.isfinite(t).all()):
+            raise NonFiniteInputError(f"{name} must be finite, got NaN or inf values")
+    if extra_kv[0].shape != extra_kv[1].shape:
+        raise ValueError(f"extra_kv k and v must have one shape, got {tuple(extra_kv[0].shape)} and {tuple(extra_kv[1].shape)}")

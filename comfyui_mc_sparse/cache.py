@@ -308,6 +308,14 @@ class MetadataCache:
         """The entry for ``key`` as stored, or None."""
         return self._entries.get(key)
 
+    def peek(self, key: CacheKey, device: torch.device, dtype: torch.dtype) -> CacheEntry | None:
+        """The entry for ``key`` decoded on ``device`` (residual in ``dtype``), or None; read-only: prefetch
+        state and hit counters are left alone (for diagnostics and tests)."""
+        stored = self._entries.get(key)
+        if stored is None or isinstance(stored, CacheEntry):
+            return stored
+        return stored.decode(device, dtype)
+
     def __len__(self) -> int:
         return len(self._entries)
 

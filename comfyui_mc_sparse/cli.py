@@ -251,8 +251,7 @@ def run_demo(cfg: dict, spec: workload.WorkloadSpec, configs: dict[float, MCSpar
 def _cached_entry(runner: MCSparseRunner, key: CacheKey, q: torch.Tensor) -> CacheEntry:
     """The runner's cached groups and indices for ``key``, decoded (read-only: the runner's prefetch state
     and hit counters are left alone)."""
-    stored = runner.cache.get(key)
-    return stored if isinstance(stored, CacheEntry) else stored.decode(q.device, q.dtype)
+    return runner.cache.peek(key, q.device, q.dtype)
 
 
 def _add(acc, method, target, **metrics) -> None:

@@ -147,18 +147,28 @@ class MCSparseRunner:
         key: CacheKey,
         dense_fn: DenseFn | None = None,
         scale: float | None = None,
+        extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Self-attention for one layer call at 0-based ``step``.
 
         Args:
             q, k, v: ``[B, H, S, D]``. key: the cache entry's identity (layer, branch, window, shape).
             dense_fn: ``(q, k, v) -> [B, H, S, D]`` for dense calls (e.g. ComfyUI's own attention); None
-                uses ``kernels.dense_attention``.
+                uses ``kernels.dense_attention``. With ``extra_kv`` it receives the concatenated keys and values.
             scale: softmax scale, None = 1/sqrt(D) (dense_fn must use the same).
+            extra_kv: optional (k_x, v_x) ``[B, H, T, D]`` that every query attends exactly besides its selected
+                keys (e.g. text tokens of a joint sequence); see ``attention.anchor_attention``.
         Returns:
             ``[B, H, S, D]`` in q's dtype.
         """
-        dense = dense_fn or (lambda q_, k_, v_: kernels.dense_attention(q_, k_, v_, scale=scale, backend=self.backend))
+        dense_call = dense_fn or (lambda q_, k_, v_: kernels.dense_attention(q_, k_, v_, scale=scale, backend=self.backend))
+        if extra_kv is None:
+            dense = dense_call
+        else:
+
+            def dense(q_, k_, v_):
+                return dense_call(q_, torch.cat([k_, extra_kv[0]], 2), torch.cat([v_, extra_kv[1]], 2))
+
         if self.disabled_reason is not None:
             return self._dense(dense, q, k, v, self.disabled_reason)
         reason = ineligible_reason(q, k, v)
@@ -175,14 +185,14 @@ class MCSparseRunner:
         try:
             start = self._tic()
             if kind is StepKind.ANCHOR:
-                out, entry = anchor_attention(q, k, v, self.config, scale=scale, backend=self.backend)
+                out, entry = anchor_attention(q, k, v, self.config, scale=scale, backend=self.backend, extra_kv=extra_kv)
                 self._store(key, entry, step)
                 if step not in self.stats.anchors:
                     self.stats.anchors.append(step)
             else:
                 check_inputs(q, k, v, check_finite=False)
                 entry = self.cache.load(key, q.device, q.dtype)
-                out = reuse_attention(q, k, v, entry, scale=scale, backend=self.backend)
+                out = reuse_attention(q, k, v, entry, scale=scale, backend=self.backend, extra_kv=extra_kv)
                 del entry
                 self._prefetch_next(key, q)  # after this layer's kernels are queued: they overlap the copy
             self._toc(kind, start, tuple(q.shape))

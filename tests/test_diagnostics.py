@@ -204,8 +204,7 @@ def test_mc_sparse_beats_its_ablation_and_bsa_at_a_reuse_step():
         out = runner.attention(q, k, v, step=step, layer=0, key=key)
     assert schedule.step_kind(cfg, reuse, 0) is schedule.StepKind.REUSE
     dense = kernels.dense_attention(q, k, v)
-    stored = runner.cache.get(key)  # decoded when the cache keeps a compact StoredEntry
-    entry = stored if isinstance(stored, CacheEntry) else stored.decode(q.device, q.dtype)
+    entry = runner.cache.peek(key, q.device, q.dtype)
     mc = dg.relative_l1(out, dense)
     bare = dg.relative_l1(kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx), dense)
     bsa = dg.vanilla_bsa(q, k, v, 0.2, group_size=64, kv_tile=64).with_rel_l1(dense)

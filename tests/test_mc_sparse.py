@@ -260,3 +260,49 @@ def test_metadata_cache_accounts_bytes(gen):
     cache.put(CacheKey(0), entry)
     assert cache.nbytes == expected == entry.nbytes and cache.peak_bytes == expected
     assert math.isclose(cache.nbytes, expected)
+
+
+# --- joint sequences: keys every query attends exactly -------------------------------------------------
+
+
+def test_merge_attention_equals_attention_over_the_union(gen):
+    """Merging two disjoint key sets' outputs by LSE is attention over their union."""
+    q, k, v = _qkv(gen, S=96)
+    o1, l1 = kernels.dense_attention(q, k[:, :, :40], v[:, :, :40], return_lse=True)
+    o2, l2 = kernels.dense_attention(q, k[:, :, 40:], v[:, :, 40:], return_lse=True)
+    assert torch.allclose(attention.merge_attention(o1, l1, o2, l2), kernels.dense_attention(q, k, v), atol=1e-5)
+
+
+def test_extra_keys_are_attended_exactly_at_anchor_and_reuse(gen):
+    """With extra_kv (text keys of a joint sequence) the anchor output is dense over video + text keys, and a
+    reuse step equals sparse-over-selected merged with exact-over-text, plus the residual."""
+    q, k, v = _qkv(gen, S=256)
+    kx, vx = (torch.randn(1, 2, 30, 64, generator=gen) for _ in range(2))
+    cfg = MCSparseConfig(density=0.25, group_size=64, warmup_steps=0, anchor_steps=(0,), residual_dtype="float32")
+    out, entry = attention.anchor_attention(q, k, v, cfg, extra_kv=(kx, vx))
+    full = kernels.dense_attention(q, torch.cat([k, kx], 2), torch.cat([v, vx], 2))
+    assert torch.allclose(out, full, atol=1e-6)
+    assert _rel_l1(attention.reuse_attention(q, k, v, entry, extra_kv=(kx, vx)), full) < 1e-5
+    # at density 1.0 and no residual, a reuse step is exact dense attention over all keys
+    exact = MCSparseConfig(density=1.0, group_size=64, warmup_steps=0, anchor_steps=(0,), residual=False)
+    _, entry1 = attention.anchor_attention(q, k, v, exact, extra_kv=(kx, vx))
+    assert torch.allclose(attention.reuse_attention(q, k, v, entry1, extra_kv=(kx, vx)), full, atol=1e-5)
+
+
+def test_runner_dense_fn_sees_extra_keys(gen):
+    """A dense call with extra_kv hands dense_fn the concatenated keys and values."""
+    runner = engine.MCSparseRunner(MCSparseConfig(group_size=64, warmup_steps=2, anchor_steps=(1,)))
+    q, k, v = _qkv(gen, S=128)
+    kx, vx = (torch.randn(1, 2, 7, 64, generator=gen) for _ in range(2))
+    seen = []
+    runner.attention(q, k, v, step=0, layer=0, key=CacheKey(0), extra_kv=(kx, vx),
+                     dense_fn=lambda a, b, c: seen.append(b.shape[2]) or kernels.dense_attention(a, b, c))
+    assert seen == [135]
+
+
+def test_extra_kv_of_the_wrong_shape_is_rejected(gen):
+    """extra_kv must share q's batch, heads and head dim."""
+    q, k, v = _qkv(gen, S=128)
+    cfg = MCSparseConfig(group_size=64, warmup_steps=0, anchor_steps=(0,))
+    with pytest.raises(ValueError, match=r"extra_kv k must be \[B, H, T, D\]"):
+        attention.anchor_attention(q, k, v, cfg, extra_kv=(torch.randn(1, 3, 5, 64), torch.randn(1, 3, 5, 64)))
