@@ -90,21 +90,33 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m comfyui_mc_sparse``. Returns a process exit code (0 = success)."""
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        return _demo(args)
-    return _comfyui(args)
+    if args.command != "demo":
+        return _comfyui(args)
+    code = _demo(args)
+    if code == 0 and os.environ.get("COMFYUI_DIR"):  # the main job also runs a shipped workflow in that ComfyUI
+        print(f"\nCOMFYUI_DIR is set: running the shipped Wan 2.1 T2V workflow headless in {os.environ['COMFYUI_DIR']}")
+        code = _comfyui(argparse.Namespace(comfyui_dir=os.environ["COMFYUI_DIR"]))
+    return code
 
 
 def _comfyui(args) -> int:
     try:
-        headless = importlib.import_module("..adapter.headless", __package__)
+        headless = importlib.import_module(".adapter.headless", __package__)
     except ImportError as err:
         print(f"comfyui: the headless runner is not available in this checkout ({err})", file=sys.stderr)
         return 2
     if not args.comfyui_dir:
         print("comfyui: --comfyui-dir (or $COMFYUI_DIR) must name a ComfyUI checkout, got none", file=sys.stderr)
         return 2
-    return int(headless.run_headless_demo(args.comfyui_dir))
+    try:
+        return int(headless.run_headless_demo(args.comfyui_dir))
+    except ImportError as err:  # ComfyUI's own requirements are missing from this Python
+        print(
+            f"comfyui: this Python cannot import ComfyUI from {args.comfyui_dir} ({err}); run the command with "
+            "ComfyUI's Python environment (the one that runs ComfyUI, with its requirements installed)",
+            file=sys.stderr,
+        )
+        return 2
 
 
 # --- demo ---------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ class RunStats:
     Attributes:
         calls: StepKind -> calls that ran as that kind.
         dense_reasons: reason -> dense calls (warm-up, ineligible input, fallbacks).
-        anchors: anchor steps taken (step indices, in order of first use).
+        anchors: anchor steps taken (0-based step indices, in order of first use; the summary prints them 1-based).
         time_ms: StepKind -> attention milliseconds measured (device-synchronised only when timing is on).
         time_calls: StepKind -> calls included in time_ms.
         notes: one-off events worth a line in the summary (fallbacks, OOM).
@@ -271,7 +271,8 @@ class MCSparseRunner:
         ]
         for reason, n in s.dense_reasons.most_common():
             lines.append(f"  dense x{n}: {reason}")
-        lines.append(f"  anchor steps taken: {', '.join(map(str, s.anchors)) or 'none'}")
+        taken = ", ".join(str(step + 1) for step in s.anchors)  # 1-based, as ComfyUI's progress bar counts
+        lines.append(f"  anchor steps taken (1-based): {taken or 'none'}")
         lines.append(self._cache_line())
         if self.plan_line:
             lines.append("  " + self.plan_line)

@@ -203,7 +203,7 @@ def test_runner_follows_the_schedule_and_summarises(gen):
     assert runner.stats.anchors == [1, 4]
     assert len(runner.cache) == 4 and runner.cache.nbytes > 0
     text = runner.summary()
-    assert "12 sparse (reuse)" in text and "dense warm-up layer" in text and "anchor steps taken: 1, 4" in text
+    assert "12 sparse (reuse)" in text and "dense warm-up layer" in text and "anchor steps taken (1-based): 2, 5" in text
     runner.close()
     assert len(runner.cache) == 0
 
