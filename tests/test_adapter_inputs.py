@@ -198,11 +198,10 @@ class _ExtraKVRunner:
         pass
 
 
-def test_joint_call_uses_extra_kv_when_the_engine_has_it(gen):
-    """With an engine taking ``extra_kv``: the runner gets video queries/keys only plus the unmasked text keys
-    as extra_kv; text rows stay exact; masked text keys carry no weight; the summary says which route ran."""
+def test_joint_call_passes_text_keys_as_extra_kv(gen):
+    """The runner gets video queries/keys only plus the unmasked text keys as extra_kv; text rows stay exact;
+    masked text keys carry no weight; the summary says which route ran."""
     run = lifecycle.RunState(_settings(), SIGMAS, family="hunyuan_video", runner_factory=_ExtraKVRunner)
-    assert run.supports_extra_kv
     over = override.make_override(None)
     sv, st, pad = 128, 16, 4
     q, k, v = (torch.randn(1, 2, sv + st, 128, generator=gen) for _ in range(3))

@@ -87,7 +87,6 @@ class RunState:
         self.reuse_ms: dict[tuple, list[float]] = {}
         self.displaced: list[str] = []
         self.cache_keys: set = set()  # every CacheKey used in this run (summary: entries per window / kind)
-        self._extra_kv: bool | None = None
         from ... import kernels
 
         self._choices_at_start = kernels.registry.last_choices()
@@ -96,23 +95,18 @@ class RunState:
         self.runner = None
         self.dense_run_reason = unsupported or "no anchor step in this sampler call"
         if unsupported is None and self.schedule.anchor_steps and self.schedule.warmup_steps < self.num_steps:
-            import dataclasses
-
             from ..config import MCSparseConfig
 
-            extra = {}
-            if any(f.name == "cache_placement" for f in dataclasses.fields(MCSparseConfig)):
-                extra["cache_placement"] = settings.cache_placement
-            elif settings.cache_placement == "cpu":
-                self.notes.append("cache placement 'cpu' requested: this engine keeps caches on the compute device")
             self.config = MCSparseConfig(
                 density=settings.density,
                 group_size=settings.group_size,
                 warmup_steps=self.schedule.warmup_steps,
                 warmup_layers=settings.warmup_layers,
                 anchor_steps=self.schedule.anchor_steps,
-                **extra,
+                cache_placement=settings.cache_placement,
             )
+            if family in ("hunyuan_video", "hunyuan3d"):
+                self.notes.append("joint text keys: attended exactly beside the sparse latent keys (extra_kv)")
             if runner_factory is None:
                 runner_factory = _default_runner
             self.runner = runner_factory(self.config, self._backend_name(settings.backend))
@@ -184,23 +178,6 @@ class RunState:
         self.dense_ms.setdefault(shape[1:], []).append(ms / max(1, shape[0]))
         return out
 
-    @property
-    def supports_extra_kv(self) -> bool:
-        """True when the runner's ``attention`` takes ``extra_kv`` (exact extra keys, e.g. joint text)."""
-        if self._extra_kv is None:
-            import inspect
-
-            try:
-                params = inspect.signature(self.runner.attention).parameters
-            except (TypeError, ValueError, AttributeError):
-                params = {}
-            self._extra_kv = "extra_kv" in params
-            if any(self.family == f for f in ("hunyuan_video", "hunyuan3d")):
-                self.notes.append("joint text keys: " + (
-                    "attended exactly beside the sparse latent keys (extra_kv)" if self._extra_kv else
-                    "selected with the latent keys by exact top-K (engine has no extra_kv yet)"))
-        return self._extra_kv
-
     def sparse_call(self, q, k, v, *, step: int, layer: int, branch, window, dense_fn, scale, kind: str = "self",
                     extra_kv=None):
         """An anchor or reuse call for one conditioning chunk through the runner, timed.
@@ -208,7 +185,7 @@ class RunState:
         Args:
             q, k, v: ``[b, H, S, D]`` of one conditioning chunk. kind: ``CacheKey.kind`` ("self", "vace",
             "vace#1", ...). extra_kv: ``(k_text, v_text)`` ``[b, H, T, D]`` attended exactly (runner support
-            required, see ``supports_extra_kv``). Other args as ``MCSparseRunner.attention``.
+            ). Other args as ``MCSparseRunner.attention``.
         """
         from ..cache import CacheKey
 
@@ -263,17 +240,12 @@ class RunState:
 
 
 def _default_runner(config, backend: str):
-    """``engine.MCSparseRunner`` for ``config``; on an engine that takes ``free_memory_fn`` the cache may use
-    only the GPU memory ComfyUI has not counted on (``comfy.model_management.get_free_memory`` L1148 minus
-    ``minimum_inference_memory`` L566, the headroom ComfyUI keeps for inference)."""
-    import inspect
-
+    """``engine.MCSparseRunner`` for ``config``; the cache may use only the GPU memory ComfyUI has not counted
+    on (``comfy.model_management.get_free_memory`` L1148 minus ``minimum_inference_memory`` L566, the headroom
+    ComfyUI keeps for inference)."""
     from ..engine import MCSparseRunner
 
-    kwargs = {}
-    if "free_memory_fn" in inspect.signature(MCSparseRunner).parameters:
-        kwargs["free_memory_fn"] = _comfy_free_memory
-    return MCSparseRunner(config, backend=backend, **kwargs)
+    return MCSparseRunner(config, backend=backend, free_memory_fn=_comfy_free_memory)
 
 
 def _comfy_free_memory(device: torch.device) -> int:

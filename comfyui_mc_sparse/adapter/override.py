@@ -19,10 +19,8 @@ chunk with a cache key of (block, uuid, context window, shape), never the batch 
 Joint text+latent sequences (HunyuanVideo [video, text], Hunyuan3D 2.0 [cond, latent]): text *query* rows
 are recomputed exactly (dense, cheap: text is a few hundred rows). Padded text tokens (the additive text mask
 is -inf/-max there) are removed from the keys, which is exact since they carry zero probability. Latent query
-rows: with an engine whose ``MCSparseRunner.attention`` takes ``extra_kv``, MC-Sparse over the latent keys
-plus all unmasked text keys exactly (LSE merge); with an older engine, MC-Sparse over the remaining joint
-sequence, where text keys take part in the exact token-level top-K selection and the residual compensates
-the rest. The run summary names the route taken.
+rows: MC-Sparse over the latent keys plus all unmasked text keys exactly (``extra_kv`` of
+``MCSparseRunner.attention``: the two parts are merged by their LSE). The run summary names the route.
 A mask with other values than 0 / large-negative, or one not shared by the batch, makes the call dense.
 
 The Python logic runs under ``torch.compiler.disable`` (dynamo would otherwise guard on it and recompile
@@ -260,12 +258,9 @@ def _exact_rows(q_rows, k, v, scale: float, key_bias: torch.Tensor | None) -> to
 def _joint_chunk(run, site: CallSite, q, k, v, *, text_len: int, keep, mask, step: int, branch, window, scale):
     """One conditioning chunk of a joint [video, text] / [text, latent] call, ``[B, H, S, D]`` in and out.
 
-    Text query rows are always exact (dense over every kept key). Latent query rows:
-
-    * runner with ``extra_kv`` (``engine.MCSparseRunner.attention``): MC-Sparse over the latent keys plus
-      *all* kept text keys exactly (LSE merge in the engine); masked text keys are left out of ``extra_kv``;
-    * older runner: MC-Sparse over the kept joint sequence (text keys compete in the exact top-K selection,
-      the residual compensates the rest); masked keys are removed first.
+    Text query rows are always exact (dense over every kept key). Latent query rows: MC-Sparse over the latent
+    keys plus *all* kept text keys exactly (``extra_kv``, LSE merge in the engine); masked text keys are left
+    out of ``extra_kv``. Without text tokens the call is MC-Sparse over the kept keys.
     """
     seq = q.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -275,7 +270,7 @@ def _joint_chunk(run, site: CallSite, q, k, v, *, text_len: int, keep, mask, ste
         ks, vs = k[:, :, keep], v[:, :, keep]
     else:
         ks, vs = k, v
-    if text_len and run.supports_extra_kv:
+    if text_len:
         text_keys = torch.arange(text.start, text.stop, device=q.device)
         if keep is not None:
             text_keys = keep[(keep >= text.start) & (keep < text.stop)]
