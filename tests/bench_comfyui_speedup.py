@@ -1,0 +1,896 @@
+"""DiT denoising speedup of MC-Sparse in real ComfyUI sampling (issue 5). A benchmark, not a test (not collected).
+
+What it does, per configuration (model x resolution):
+
+1. imports the few ComfyUI modules it needs from the checkout ``--comfyui`` (no ``nodes.py``, no text encoders;
+   ``comfy.supported_models`` is tried and replaced by an identical WAN21_T2V config if its text-encoder imports
+   fail), loads this pack the way ComfyUI does (``_standalone.load_pack``: the checkout root as a package);
+2. builds Wan2.1 T2V with ComfyUI's own classes (``WAN21_T2V`` config -> ``model_base.WAN21`` ->
+   ``comfy.ldm.wan.model.WanModel``) directly on the device in bf16, fills every parameter with N(0, 0.02)
+   (norm weights 1, norm biases 0; ComfyUI's ops skip weight init), wraps it in ``comfy.model_patcher.ModelPatcher``;
+3. runs ``comfy.sample.sample`` (what ``nodes.common_ksampler`` / KSampler calls; CFG on, synthetic conditioning
+   ``[[randn(1, 512, 4096), {}]]`` positive and negative, latent ``[1, 16, (frames-1)//4+1, H/8, W/8]``):
+   * unpatched, ``--dense-steps`` steps (ComfyUI's default attention: SDPA on NVIDIA), with a pass-through
+     ``optimized_attention_override`` that syncs around each attention call and times it: the dense step time and
+     the self-attention share of a dense step, measured in the same process;
+   * patched with ``apply_mc_sparse`` (the MC-Sparse Patch node's function) per density, preset "custom" on a short
+     schedule of ``--steps`` steps: ``--patched-warmup`` dense warm-up steps, one anchor right after, the rest reuse
+     (default 4 steps: dense, anchor, reuse, reuse); ``--warmup-layers`` 0 = the paper's setting;
+   * with ``--presets``: the node's 'fast' preset exactly as a user gets it (all other inputs at the node defaults;
+     its schedule is the paper's scaled to the call: ``--preset-steps`` 4 -> anchors at steps 1 and 2, reuse 3, 4);
+   Per-step wall times come from the sampler callback (device synchronised) against a SAMPLER_SAMPLE wrapper's
+   start (after model loading); a CALC_COND_BATCH wrapper counts, per step, the MC-Sparse anchor / reuse / dense
+   self-attention calls of the run (``RunState``), which is what classifies each step (dense / anchor / reuse).
+   Before each patched run one layer's anchor and reuse run on random q/k/v of the exact call shape through the
+   pack's runner, so Triton kernels are compiled before the timed steps;
+4. extrapolates to the paper's 50-step schedule (10 dense warm-up steps, anchors at 1-based 10 and 26: 9 dense +
+   2 anchor + 39 reuse steps), against 50 unpatched dense steps; and computes the IDEAL speedup of that schedule
+   from parts measured in the same run: dense step D and its self-attention time A (non-attention N = D - A); a
+   fraction f = (layers - warm-up layers) / layers of the attention goes sparse; an ideal reuse step costs
+   N + A (1 - f) + A f s, an ideal anchor D + A f (0.5 + s) (pass 2 ~ half a dense attention, plus one sparse
+   evaluation for the residual); ideal = 50 D / (9 D + 2 anchor + 39 reuse). Also at kernel efficiency 0.97 (the
+   issue's figures). Achieved / ideal, the step type that loses the most against its ideal, the cache bytes (run
+   summary / runner's cache) and, if the cache went to CPU memory, an estimated transfer time (bytes / measured
+   pinned host-to-device bandwidth) are reported.
+
+Everything goes to ``--out`` (JSON, rewritten after each run) and a markdown table at the end. Every run is in its
+own try/except: an error is recorded and the next run goes on.
+
+Usage (H200, ~6 minutes; see docs/speedup.md):
+    COMFYUI_DIR=.comfyui python tests/bench_comfyui_speedup.py --plan headline --out $OUT/speedup.json
+CPU smoke (a minute):
+    COMFYUI_DIR=.comfyui .venv-comfy/bin/python tests/bench_comfyui_speedup.py --model tiny --res tiny --presets
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MODELS = {  # Wan2.1 T2V: in_dim 16, text_dim 4096, freq_dim 256, patch (1, 2, 2), head dim 128
+    "wan14b": {"dim": 5120, "num_heads": 40, "num_layers": 40, "ffn_dim": 13824},
+    "wan1.3b": {"dim": 1536, "num_heads": 12, "num_layers": 30, "ffn_dim": 8960},
+    "tiny": {"dim": 256, "num_heads": 2, "num_layers": 3, "ffn_dim": 512},
+}
+RESOLUTIONS = {"720p": (1280, 720), "480p": (832, 480), "tiny": (128, 128)}  # width x height in pixels
+
+# Paper schedule (MC-Sparse video): 50 steps, 10 dense warm-up steps, anchors at 1-based 10 and 26 (main() rescales
+# it with schedule.paper_video_schedule when --schedule-steps is not 50).
+PAPER = {"steps": 50, "dense_warmup": "10", "anchor_steps": "10, 26"}
+# The issue's bars (docs/performance.md): Wan2.1-14B 720p speedup per density, and achieved / ideal.
+BARS = {("wan14b", "720p"): {0.25: 1.55, 0.15: 1.70}}
+BAR_RATIO = 0.95
+
+# --plan headline: what the issue's bars need, ~6 minutes on one H200 (estimates in docs/speedup.md).
+HEADLINE = [  # later_warmup 0: the second density's run skips the dense step (A R R; saves ~23 s at 720p)
+    {"model": "wan14b", "res": "720p", "densities": [0.25, 0.15], "presets": True, "later_warmup": 0},
+    {"model": "wan14b", "res": "480p", "densities": [0.25], "presets": False},
+    {"model": "wan1.3b", "res": "480p", "densities": [0.25], "presets": False},
+]
+# Rough H200 seconds per CFG step (dense) used only for the up-front time estimate (docs/performance.md).
+EST_DENSE_STEP_S = {("wan14b", "720p"): 23.0, ("wan14b", "480p"): 6.0, ("wan1.3b", "480p"): 1.2}
+
+log = logging.getLogger("bench_comfyui_speedup")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ComfyUI and the pack
+# ---------------------------------------------------------------------------------------------------------------
+
+class Env:
+    """The imported ComfyUI modules and the pack's modules (filled by ``setup``)."""
+
+
+def setup(comfyui_dir: str, device: str) -> Env:
+    """Import ComfyUI from ``comfyui_dir`` (CPU mode only when ``device`` is cpu) and load the pack."""
+    root = Path(comfyui_dir).resolve()
+    if not (root / "comfy" / "model_base.py").is_file():
+        raise FileNotFoundError(f"--comfyui / COMFYUI_DIR must be a ComfyUI checkout (with comfy/), got {root}")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    stubbed = _stub_if_missing("torchsde", "SDE samplers only; euler and uni_pc do not use it")
+    from comfy.cli_args import args
+
+    if device == "cpu":
+        args.cpu = True  # before comfy.model_management is imported (shared/docs/comfyui.md 4.2)
+    import comfy.latent_formats
+    import comfy.model_base
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy.patcher_extension
+    import comfy.sample
+    import comfy.samplers
+    import comfy.supported_models_base
+
+    env = Env()
+    env.stubbed = stubbed
+    env.comfy_root = str(root)
+    env.model_base = comfy.model_base
+    env.mm = comfy.model_management
+    env.model_patcher = comfy.model_patcher
+    env.pe = comfy.patcher_extension
+    env.sample = comfy.sample
+    env.samplers = comfy.samplers
+    env.config_source = "comfy.supported_models.WAN21_T2V"
+    try:  # imports every text encoder (transformers): may break on a transformers newer than ComfyUI's pin
+        import comfy.supported_models
+
+        env.wan_config_cls = comfy.supported_models.WAN21_T2V
+    except Exception as err:  # the same config class, without the text-encoder imports
+        env.wan_config_cls = _fallback_wan_config(comfy.supported_models_base, comfy.model_base, comfy.latent_formats)
+        env.config_source = f"local copy of WAN21_T2V (comfy.supported_models failed: {type(err).__name__}: {err})"
+        print(f"note: {env.config_source}", flush=True)
+
+    sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
+    import _standalone
+
+    try:
+        pack = _standalone.load_pack()  # the checkout root as a package, as nodes.load_custom_node does
+        env.pack_load = "_standalone.load_pack (root __init__, V3 entry point imported)"
+    except Exception as err:  # e.g. comfy_api does not import here: load the package without its __init__
+        import importlib.util
+
+        name = _standalone.PACK_NAME
+        sys.modules.pop(name, None)
+        spec = importlib.util.spec_from_file_location(name, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+        pack = importlib.util.module_from_spec(spec)
+        sys.modules[name] = pack
+        env.pack_load = f"package shell without the root __init__ (load_pack failed: {type(err).__name__}: {err})"
+        print(f"note: {env.pack_load}", flush=True)
+    import importlib
+
+    p = pack.__name__
+    env.lifecycle = importlib.import_module(f"{p}.comfyui_mc_sparse.adapter.lifecycle")
+    env.settings = importlib.import_module(f"{p}.comfyui_mc_sparse.adapter.settings")
+    env.engine = importlib.import_module(f"{p}.comfyui_mc_sparse.engine")
+    env.config = importlib.import_module(f"{p}.comfyui_mc_sparse.config")
+    env.cache = importlib.import_module(f"{p}.comfyui_mc_sparse.cache")
+    env.schedule = importlib.import_module(f"{p}.comfyui_mc_sparse.schedule")
+    env.selection = importlib.import_module(f"{p}.comfyui_mc_sparse.selection")
+    env.kernels = importlib.import_module(f"{p}.kernels")
+    return env
+
+
+def _stub_if_missing(name: str, why: str) -> list[str]:
+    """Put an empty module ``name`` in ``sys.modules`` when it cannot be imported (ComfyUI imports it at module
+    level but this benchmark never calls it; any attribute access raises AttributeError)."""
+    import importlib
+    import importlib.machinery
+    import types
+
+    try:
+        importlib.import_module(name)
+        return []
+    except ImportError:
+        stub = types.ModuleType(name)
+        stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
+
+        def missing(attr):
+            raise AttributeError(f"{name} is a stub in this benchmark ({why}): no {attr}")
+
+        stub.__getattr__ = missing  # module-level __getattr__ (PEP 562)
+        sys.modules[name] = stub
+        print(f"note: {name} is not installed: stubbed ({why})", flush=True)
+        return [name]
+
+
+def _fallback_wan_config(supported_models_base, model_base, latent_formats):
+    class WAN21_T2V(supported_models_base.BASE):  # noqa: N801  (comfy/supported_models.py WAN21_T2V, minus clip_target)
+        unet_config = {"image_model": "wan2.1", "model_type": "t2v"}  # noqa: RUF012  (ComfyUI's class layout)
+        sampling_settings = {"shift": 8.0}  # noqa: RUF012  (ComfyUI's class layout)
+        unet_extra_config = {}  # noqa: RUF012  (ComfyUI's class layout)
+        latent_format = latent_formats.Wan21
+        memory_usage_factor = 0.9
+        supported_inference_dtypes = [torch.float16, torch.bfloat16, torch.float32]  # noqa: RUF012
+
+        def __init__(self, unet_config):
+            super().__init__(unet_config)
+            self.memory_usage_factor = self.unet_config.get("dim", 2000) / 2222
+
+        def get_model(self, state_dict, prefix="", device=None):
+            return model_base.WAN21(self, device=device)
+
+    return WAN21_T2V
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now(device: torch.device) -> float:
+    sync(device)
+    return time.perf_counter()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------------------------
+
+def build_model(env: Env, model: str, device: torch.device, dtype: torch.dtype, seed: int):
+    """Wan2.1 T2V through ComfyUI's classes, random weights made on ``device``; returns (ModelPatcher, info)."""
+    spec = MODELS[model]
+    unet_config = {  # what comfy/model_detection.py detects from a Wan2.1 T2V checkpoint
+        "image_model": "wan2.1", "model_type": "t2v", "dim": spec["dim"], "out_dim": 16,
+        "num_heads": spec["num_heads"], "ffn_dim": spec["ffn_dim"], "num_layers": spec["num_layers"],
+        "patch_size": (1, 2, 2), "freq_dim": 256, "window_size": (-1, -1), "qk_norm": True,
+        "cross_attn_norm": True, "eps": 1e-6, "in_dim": 16, "text_dim": 4096,
+    }
+    t0 = time.perf_counter()
+    config = env.wan_config_cls(unet_config)
+    config.set_inference_dtype(dtype, None)  # weights and compute in dtype, no manual cast
+    base = config.get_model({}, device=device)
+    dm = base.diffusion_model
+    g = torch.Generator(device=device).manual_seed(seed)
+    n_params = 0
+    other_dtypes: dict[str, str] = {}
+    with torch.no_grad():
+        norm_params = set()
+        for module in dm.modules():
+            if "norm" in type(module).__name__.lower():
+                for name, p in module.named_parameters(recurse=False):
+                    (p.fill_(1.0) if name in ("weight", "scale") else p.zero_())
+                    norm_params.add(id(p))
+        for name, p in dm.named_parameters():
+            n_params += p.numel()
+            if p.device.type != device.type:
+                raise RuntimeError(f"parameter {name} is on {p.device}, expected {device}")
+            if p.dtype != dtype:  # WanModel keeps patch_embedding in float32 on purpose
+                other_dtypes[name] = str(p.dtype)
+            if id(p) not in norm_params:
+                p.normal_(0.0, 0.02, generator=g)
+        bad = [name for name, p in dm.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise RuntimeError(f"non-finite parameters after init: {bad[:5]}")
+    patcher = env.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
+    sync(device)
+    info = {"params": n_params, "param_bytes": n_params * torch.tensor([], dtype=dtype).element_size(),
+            "build_s": time.perf_counter() - t0, "config": dict(unet_config.items()),
+            "config_class": env.config_source, "dtype": str(dtype), "device": str(device),
+            "params_not_in_dtype": other_dtypes}
+    return patcher, info
+
+
+def latent_shape(res: str, frames: int) -> tuple[int, ...]:
+    w, h = RESOLUTIONS[res]
+    return (1, 16, (frames - 1) // 4 + 1, h // 8, w // 8)
+
+
+def tokens_of(shape: tuple[int, ...]) -> int:
+    return shape[2] * math.ceil(shape[3] / 2) * math.ceil(shape[4] / 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Timed sampling
+# ---------------------------------------------------------------------------------------------------------------
+
+def attention_timer(rec: dict, device: torch.device):
+    """A pass-through ``optimized_attention_override`` (ComfyUI's ``wrap_attn`` contract) that times each call,
+    split into self-attention (q and k of the same length) and the rest, per model evaluation."""
+
+    def override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
+                 **kwargs):
+        sq, sk = (q.shape[2], k.shape[2]) if skip_reshape else (q.shape[1], k.shape[1])
+        kind = "self" if sq == sk else "cross"
+        t0 = now(device)
+        out = func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                   skip_output_reshape=skip_output_reshape, **kwargs)
+        dt = now(device) - t0
+        rec["attn_current"][kind] += dt
+        rec["attn_calls_current"][kind] += 1
+        rec.setdefault("attn_func", getattr(func, "__name__", repr(func)))
+        return out
+
+    return override
+
+
+def timed_sample(env: Env, patcher, *, steps: int, shape, cfg: float, sampler: str, scheduler: str, seed: int,
+                 device: torch.device, time_attention: bool = False) -> dict:
+    """One ``comfy.sample.sample`` call with per-step timing. Returns the record (steps, evals, run state)."""
+    rec: dict = {"evals": [], "step_ends": [], "t_start": None, "run": None,
+                 "attn_current": {"self": 0.0, "cross": 0.0}, "attn_calls_current": {"self": 0, "cross": 0},
+                 "forwards_current": []}
+    m = patcher.clone()
+    if time_attention:
+        m.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = \
+            attention_timer(rec, device)
+
+    def sampler_sample(executor, *args, **kwargs):  # after model loading, around the sampling loop
+        rec["t_start"] = now(device)
+        return executor(*args, **kwargs)
+
+    def calc_cond_batch(executor, *args, **kwargs):  # once per model evaluation (both CFG branches)
+        mo = args[4] if len(args) > 4 else kwargs.get("model_options") or {}
+        run = (mo.get("transformer_options") or {}).get("mc_sparse_run")
+        if run is not None:
+            rec["run"] = run
+        before = _run_counts(run)
+        rec["attn_current"] = {"self": 0.0, "cross": 0.0}
+        rec["attn_calls_current"] = {"self": 0, "cross": 0}
+        rec["forwards_current"] = []
+        timestep = args[3] if len(args) > 3 else kwargs.get("timestep")
+        t0 = now(device)
+        out = executor(*args, **kwargs)
+        t1 = now(device)
+        after = _run_counts(run)
+        rec["evals"].append({
+            "sigma": float(timestep.max()) if isinstance(timestep, torch.Tensor) else None, "eval_s": t1 - t0,
+            "calls": {k: after[k] - before[k] for k in after}, "forward_batches": list(rec["forwards_current"]),
+            "attn_s": dict(rec["attn_current"]) if time_attention else None,
+            "attn_calls": dict(rec["attn_calls_current"]) if time_attention else None})
+        return out
+
+    def apply_model(executor, *args, **kwargs):  # each diffusion-model forward: its batch (2 = cond+uncond)
+        x = args[0] if args else kwargs.get("x")
+        rec["forwards_current"].append(int(x.shape[0]) if isinstance(x, torch.Tensor) else -1)
+        return executor(*args, **kwargs)
+
+    m.add_wrapper_with_key(env.pe.WrappersMP.SAMPLER_SAMPLE, "mc_sparse_bench", sampler_sample)
+    m.add_wrapper_with_key(env.pe.WrappersMP.APPLY_MODEL, "mc_sparse_bench", apply_model)
+    m.add_wrapper_with_key(env.pe.WrappersMP.CALC_COND_BATCH, "mc_sparse_bench", calc_cond_batch)
+
+    def callback(step, x0, x, total_steps):
+        rec["step_ends"].append((int(step), now(device)))
+
+    g = torch.Generator().manual_seed(seed)
+    latent = torch.zeros(shape)
+    noise = torch.randn(shape, generator=g)  # as comfy.sample.prepare_noise: CPU, seeded
+    cg = torch.Generator().manual_seed(seed + 1)
+    positive = [[torch.randn(1, 512, 4096, generator=cg), {}]]
+    negative = [[torch.randn(1, 512, 4096, generator=cg), {}]]
+    t_call = time.perf_counter()
+    out = env.sample.sample(m, noise, steps, cfg, sampler, scheduler, positive, negative, latent, denoise=1.0,
+                            callback=callback, disable_pbar=True, seed=seed)
+    rec["call_s"] = time.perf_counter() - t_call
+    rec["finite"] = bool(torch.isfinite(out).all())
+    rec["latent_std"] = float(out.float().std())
+    prev = rec["t_start"]
+    step_s = []
+    for _, t in rec["step_ends"]:
+        step_s.append(t - prev)
+        prev = t
+    rec["step_s"] = step_s
+    rec["load_s"] = (rec["t_start"] - t_call) if rec["t_start"] else None
+    lm = getattr(m.model, "model_lowvram", None)
+    rec["model_lowvram"] = bool(lm) if lm is not None else None
+    del m
+    return rec
+
+
+def _run_counts(run) -> dict:
+    if run is None:
+        return {"anchor": 0, "reuse": 0, "dense_self": 0, "dense_all": 0}
+    c = run.counts()
+    dense_self = sum(len(v) for v in run.dense_ms.values())
+    return {"anchor": c["anchor"], "reuse": c["sparse"], "dense_self": dense_self, "dense_all": c["dense"]}
+
+
+def classify(rec: dict) -> list[dict]:
+    """Per-step rows: kind from the MC-Sparse call counts of that step (no run: dense)."""
+    rows = []
+    n = len(rec["step_s"])
+    evals = rec["evals"]
+    for i in range(n):
+        ev = evals[i] if len(evals) == n else None
+        calls = ev["calls"] if ev else {}
+        kind = "anchor" if calls.get("anchor") else "reuse" if calls.get("reuse") else "dense"
+        rows.append({"step": i + 1, "kind": kind, "wall_s": rec["step_s"][i],
+                     "eval_s": ev["eval_s"] if ev else None, "calls": calls,
+                     "forward_batches": ev["forward_batches"] if ev else None,
+                     "self_attn_s": (ev["attn_s"] or {}).get("self") if ev and ev["attn_s"] else None,
+                     "cross_attn_s": (ev["attn_s"] or {}).get("cross") if ev and ev["attn_s"] else None})
+    if len(evals) != n:
+        rows.append({"note": f"{len(evals)} model evaluations for {n} steps: kinds not attributed per step"})
+    return rows
+
+
+def warm_step(values: list[float]) -> float:
+    """Steady-state time of a step kind: drop the first (cold) sample when there are two or more; median."""
+    if not values:
+        return float("nan")
+    return statistics.median(values[1:] if len(values) >= 2 else values)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Patched runs
+# ---------------------------------------------------------------------------------------------------------------
+
+def prewarm_kernels(env: Env, *, heads: int, head_dim: int, tokens: int, density: float, group_size: int,
+                    device: torch.device, dtype: torch.dtype, backend: str = "auto") -> float:
+    """One anchor and one reuse call of one layer at the exact per-chunk shape through the pack's runner (the
+    same modules the adapter uses), so kernel compilation is not inside the timed steps. Returns seconds."""
+    t0 = now(device)
+    cfg = env.config.MCSparseConfig(density=density, group_size=group_size, warmup_steps=0, warmup_layers=0,
+                                    anchor_steps=(0,))
+    runner = env.engine.MCSparseRunner(cfg, backend=backend)
+    g = torch.Generator(device=device).manual_seed(7)
+    q, k, v = (torch.randn(1, tokens, heads * head_dim, generator=g, device=device, dtype=dtype)
+               .view(1, tokens, heads, head_dim).transpose(1, 2) for _ in range(3))
+    key = env.cache.CacheKey(layer=0, branch="prewarm", window=None, shape=tuple(q.shape), kind="self")
+    runner.attention(q, k, v, step=0, layer=0, key=key)
+    runner.attention(q, k, v, step=1, layer=0, key=key)
+    runner.close()
+    del q, k, v, runner
+    return now(device) - t0
+
+
+def schedule_counts(env: Env, settings, steps: int, layers: int) -> dict:
+    """Steps of each kind (kind of the first sparse-eligible layer) when ``settings`` resolve to ``steps`` steps."""
+    sched = env.settings.resolve_schedule(settings, steps)
+    cfg = env.config.MCSparseConfig(density=settings.density, group_size=settings.group_size,
+                                    warmup_steps=sched.warmup_steps, warmup_layers=0, anchor_steps=sched.anchor_steps)
+    kinds = [env.schedule.step_kind(cfg, s, 0).value for s in range(steps)]
+    return {"steps": steps, "warmup_steps": sched.warmup_steps, "anchors_1based": [a + 1 for a in sched.anchor_steps],
+            "dense": kinds.count("dense"), "anchor": kinds.count("anchor"), "reuse": kinds.count("reuse"),
+            "kinds": "".join(k[0].upper() for k in kinds)}
+
+
+def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
+    """Pinned host -> device bytes/s (median of 3 copies), or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(3):
+        t0 = now(device)
+        dst.copy_(src, non_blocking=True)
+        times.append(now(device) - t0)
+    del src, dst
+    return nbytes / statistics.median(times)
+
+
+def run_patched(env: Env, base, *, label: str, apply_kwargs: dict, steps: int, args, shape, device, dtype,
+                spec: dict) -> dict:
+    """Patch ``base`` with ``apply_mc_sparse(**apply_kwargs)``, sample ``steps`` steps, return the record."""
+    result: dict = {"label": label, "apply_kwargs": apply_kwargs, "steps": steps}
+    settings = env.settings.build_settings(**{**_node_defaults(), **apply_kwargs})
+    result["timed_schedule"] = schedule_counts(env, settings, steps, spec["num_layers"])
+    result["prewarm_s"] = prewarm_kernels(env, heads=spec["num_heads"], head_dim=spec["dim"] // spec["num_heads"],
+                                          tokens=tokens_of(shape), density=settings.density,
+                                          group_size=settings.group_size, device=device, dtype=dtype,
+                                          backend=settings.backend)
+    patched = env.lifecycle.apply_mc_sparse(base, **apply_kwargs)
+    rec = timed_sample(env, patched, steps=steps, shape=shape, cfg=args.cfg, sampler=args.sampler,
+                       scheduler=args.scheduler, seed=args.seed, device=device)
+    del patched
+    rows = classify(rec)
+    result["per_step"] = rows
+    result["finite"] = rec["finite"]
+    result["latent_std"] = rec["latent_std"]
+    result["load_s"] = rec["load_s"]
+    result["model_lowvram"] = rec["model_lowvram"]
+    by_kind: dict[str, list[float]] = {"dense": [], "anchor": [], "reuse": []}
+    for r in rows:
+        if "kind" in r:
+            by_kind[r["kind"]].append(r["wall_s"])
+    result["step_s_by_kind"] = by_kind
+    expected = result["timed_schedule"]
+    got = {k: len(v) for k, v in by_kind.items()}
+    result["schedule_check"] = ("ok" if all(got[k] == expected[k] for k in got) else
+                                f"MISMATCH: timed steps by kind {got}, schedule says {expected}")
+    run = rec["run"]
+    if run is None:
+        result["error_note"] = "no MC-Sparse run state seen (the patch did not engage)"
+        return result
+    result["run_summary"] = run.summary()
+    result["counts"] = run.counts()
+    runner = run.runner
+    if runner is not None:
+        c = runner.cache
+        result["cache"] = {"peak_bytes": c.peak_bytes, "peak_gpu_bytes": c.peak_gpu_bytes,
+                           "peak_host_bytes": c.peak_host_bytes, "prefetched_loads": c.hits, "inline_loads": c.misses,
+                           "moved_to_cpu": c.moved, "placement": runner.config.cache_placement,
+                           "plan": runner.plan_line}
+        result["anchors_taken_0based"] = list(runner.stats.anchors)
+        result["engine_notes"] = list(runner.stats.notes)
+        sparse_layers = spec["num_layers"] - runner.config.warmup_layers
+        s_tok = tokens_of(shape)
+        k = env.selection.keys_for_density(runner.config.density, s_tok, runner.config.kv_tile)
+        result["keys_per_group"] = k
+        result["effective_density"] = k / s_tok
+        result["sparse_layers"] = sparse_layers
+        # attention times measured by the adapter (per call, per conditioning chunk), summed per reuse step
+        n_reuse = len(by_kind["reuse"])
+        reuse_ms = sum(sum(v) for v in run.reuse_ms.values())
+        result["reuse_attention_s_per_step"] = (reuse_ms / 1000.0 / n_reuse) if n_reuse else None
+        if c.peak_host_bytes:
+            bw = h2d_bandwidth(device)
+            result["h2d_bytes_per_s"] = bw
+            result["transfer_s_per_reuse_step_est"] = (c.peak_host_bytes / bw) if bw else None
+    return result
+
+
+def _node_defaults() -> dict:
+    return {"preset": "balanced", "density": 0.2, "dense_warmup": "auto", "warmup_layers": 1, "anchor_steps": "auto",
+                "query_tile": 128, "cache_placement": "auto", "backend": "auto", "min_tokens": 2048, "verbose": False}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Extrapolation and the ideal
+# ---------------------------------------------------------------------------------------------------------------
+
+def extrapolate(env: Env, dense: dict, run: dict, *, settings_50, layers: int, eff_alt: float = 0.97,
+                patched_dense: dict | None = None) -> dict:
+    """The 50-step schedule's time from measured per-kind steps, against 50 dense steps, and its ideal.
+
+    Dense steps of the schedule cost this run's patched dense step; a run without one uses the patched dense step
+    of ``patched_dense`` (an earlier run of the same configuration), else the unpatched dense step."""
+    sched = schedule_counts(env, settings_50, PAPER["steps"], layers)
+    D = dense["dense_step_s"]
+    A = dense["self_attn_s"]
+    N = D - A
+    kinds = run["step_s_by_kind"]
+    d_src = "this patched run"
+    if kinds["dense"]:
+        d_pat = statistics.median(kinds["dense"])
+    elif patched_dense is not None:
+        d_pat = statistics.median(patched_dense["step_s_by_kind"]["dense"])
+        d_src = f"patched run '{patched_dense['label']}'"
+    else:
+        d_pat, d_src = None, "unpatched"
+    d_used = d_pat if d_pat is not None else D
+    anchor = statistics.mean(kinds["anchor"]) if kinds["anchor"] else float("nan")
+    reuse = warm_step(kinds["reuse"]) if len(kinds["reuse"]) >= 3 else (
+        statistics.median(kinds["reuse"]) if kinds["reuse"] else float("nan"))
+    nd, na, nr = sched["dense"], sched["anchor"], sched["reuse"]
+    t_dense = PAPER["steps"] * D
+    t_mc = nd * d_used + na * anchor + nr * reuse
+    s = settings_50.density
+    f = run.get("sparse_layers", layers) / layers
+
+    def ideal(eff: float) -> dict:
+        r_i = N + A * (1 - f) + A * f * s / eff
+        a_i = D + A * f * (0.5 + s / eff)
+        t_i = nd * D + na * a_i + nr * r_i
+        return {"kernel_efficiency": eff, "reuse_step_s": r_i, "anchor_step_s": a_i, "total_s": t_i,
+                "speedup": t_dense / t_i}
+
+    ideal1, ideal_alt = ideal(1.0), ideal(eff_alt)
+    speedup = t_dense / t_mc
+    losses = {"dense steps (patch overhead on warm-up)": nd * (d_used - D),
+              "anchor steps": na * (anchor - ideal1["anchor_step_s"]),
+              "reuse steps": nr * (reuse - ideal1["reuse_step_s"])}
+    out = {
+        "method": (f"extrapolated: {nd} dense x {d_used:.3f} s ({d_src} dense step) + {na} anchor x {anchor:.3f} s "
+                   f"(mean of {len(kinds['anchor'])} timed) + {nr} reuse x {reuse:.3f} s (median of "
+                   f"{len(kinds['reuse'])} timed) vs {PAPER['steps']} x {D:.3f} s (unpatched dense step, warm)"),
+        "schedule_50": sched, "dense_step_s": D, "patched_dense_step_s": d_pat, "anchor_step_s": anchor,
+        "reuse_step_s": reuse, "total_dense_s": t_dense, "total_mc_sparse_s": t_mc, "speedup": speedup,
+        "ideal": ideal1, "ideal_at_eff": ideal_alt, "achieved_over_ideal": speedup / ideal1["speedup"],
+        "achieved_over_ideal_at_eff": speedup / ideal_alt["speedup"],
+        "reuse_over_ideal": reuse / ideal1["reuse_step_s"], "anchor_over_ideal": anchor / ideal1["anchor_step_s"],
+        "loss_s_vs_ideal": losses,
+        "limiting_part": max(losses, key=lambda k: losses[k]) if max(losses.values()) > 0 else "none (at ideal)",
+        "reuse_step_speedup": D / reuse,
+    }
+    ra = run.get("reuse_attention_s_per_step")
+    if ra:  # measured sparse attention of a reuse step (adapter timing) -> kernel efficiency, non-attention rest
+        out["reuse_sparse_attention_s"] = ra
+        out["reuse_non_sparse_s"] = reuse - ra
+        out["sparse_kernel_efficiency_vs_dense_attention"] = (A * f * s) / ra
+        out["anchor_extra_over_dense_in_dense_attentions"] = (anchor - D) / (A * f) if A * f > 0 else None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One configuration
+# ---------------------------------------------------------------------------------------------------------------
+
+def run_config(env: Env, cfg: dict, args, device: torch.device, dtype: torch.dtype, report: dict, save) -> None:
+    model, res = cfg["model"], cfg["res"]
+    spec = MODELS[model]
+    shape = latent_shape(res, args.frames)
+    entry = {"model": model, "res": res, "frames": args.frames, "latent": list(shape), "tokens": tokens_of(shape),
+             "heads": spec["num_heads"], "layers": spec["num_layers"], "runs": [], "errors": []}
+    report["configs"].append(entry)
+    print(f"\n=== {model} {res}: latent {list(shape)}, {entry['tokens']} tokens, {spec['num_layers']} blocks x "
+          f"{spec['num_heads']} heads ===", flush=True)
+    base = None
+    try:
+        base, info = build_model(env, model, device, dtype, args.seed)
+        entry["model_info"] = info
+        print(f"built {info['params'] / 1e9:.2f} B params in {info['build_s']:.1f} s", flush=True)
+        rec = timed_sample(env, base, steps=args.dense_steps, shape=shape, cfg=args.cfg, sampler=args.sampler,
+                           scheduler=args.scheduler, seed=args.seed, device=device, time_attention=True)
+        rows = classify(rec)
+        step_s = rec["step_s"]
+        self_attn = [r["self_attn_s"] for r in rows if "kind" in r]
+        cross_attn = [r["cross_attn_s"] for r in rows if "kind" in r]
+        dense = {"per_step": rows, "dense_step_s": warm_step(step_s), "self_attn_s": warm_step(self_attn),
+                 "cross_attn_s": warm_step(cross_attn), "attention_func": rec.get("attn_func"),
+                 "finite": rec["finite"], "latent_std": rec["latent_std"], "load_s": rec["load_s"],
+                 "model_lowvram": rec["model_lowvram"],
+                 "method": f"median of steps 2..{len(step_s)} of {len(step_s)}" if len(step_s) >= 2 else "one step"}
+        dense["self_attn_share"] = dense["self_attn_s"] / dense["dense_step_s"]
+        entry["dense"] = dense
+        print(f"dense (unpatched, attention {dense['attention_func']}): steps "
+              f"{', '.join(f'{t:.3f}' for t in step_s)} s -> {dense['dense_step_s']:.3f} s/step; self-attention "
+              f"{dense['self_attn_s']:.3f} s ({100 * dense['self_attn_share']:.0f}%), cross {dense['cross_attn_s']:.3f} s"
+              + ("" if rec["finite"] else "  WARNING: non-finite latent"), flush=True)
+        save()
+    except Exception as err:
+        entry["errors"].append({"stage": "build/dense", "error": f"{type(err).__name__}: {err}",
+                                "traceback": traceback.format_exc()[-3000:]})
+        print(f"FAILED build/dense: {type(err).__name__}: {err}", flush=True)
+        traceback.print_exc()
+        base = None
+        _free(env, device)
+        save()
+        return
+
+    runs = []  # (label, node inputs of the timed run, timed steps, node inputs of the 50-step schedule)
+    for i, density in enumerate(cfg["densities"]):
+        # later runs of a config may skip the dense warm-up step (--plan headline: time); their dense steps are
+        # then extrapolated with the patched dense step of the first run of this configuration
+        w = args.patched_warmup if i == 0 else cfg.get("later_warmup", args.patched_warmup)
+        kwargs = {"preset": "custom", "density": density, "dense_warmup": str(w), "anchor_steps": str(w + 1),
+                  "warmup_layers": args.warmup_layers, "query_tile": args.query_tile,
+                  "cache_placement": args.cache_placement, "backend": args.backend, "min_tokens": args.min_tokens}
+        runs.append((f"density {density:g}", kwargs, args.steps - (args.patched_warmup - w),
+                     {**kwargs, "dense_warmup": PAPER["dense_warmup"], "anchor_steps": PAPER["anchor_steps"]}))
+    if cfg["presets"]:
+        kwargs = {"preset": "fast", "min_tokens": args.min_tokens}  # every other input at the node default
+        runs.append(("preset fast", kwargs, args.preset_steps, kwargs))
+    for label, kwargs, steps, kwargs50 in runs:
+        if args.budget_s and time.perf_counter() - T0 > args.budget_s:
+            entry["runs"].append({"label": label, "skipped": f"time budget {args.budget_s:.0f} s spent"})
+            print(f"[{label}] skipped: budget spent", flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            s50 = env.settings.build_settings(**{**_node_defaults(), **kwargs50})
+            r = run_patched(env, base, label=label, apply_kwargs=kwargs, steps=steps, args=args, shape=shape,
+                            device=device, dtype=dtype, spec=spec)
+            first = next((q for q in entry["runs"] if q.get("step_s_by_kind", {}).get("dense")), None)
+            r["extrapolation"] = x = extrapolate(env, dense, r, settings_50=s50, layers=spec["num_layers"],
+                                                 patched_dense=first)
+            bar = BARS.get((model, res), {}).get(s50.density) if kwargs.get("preset") == "custom" else None
+            x["bars"] = {"speedup_bar": bar, "speedup_met": None if bar is None else x["speedup"] >= bar,
+                         "ratio_bar": BAR_RATIO, "ratio_met": x["achieved_over_ideal"] >= BAR_RATIO}
+            entry["runs"].append(r)
+            _print_run(r)
+        except Exception as err:
+            entry["runs"].append({"label": label, "error": f"{type(err).__name__}: {err}",
+                                  "traceback": traceback.format_exc()[-3000:]})
+            print(f"[{label}] FAILED: {type(err).__name__}: {err}", flush=True)
+            traceback.print_exc()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(f"[{label}] {time.perf_counter() - t0:.1f} s wall", flush=True)
+        save()
+    base = None
+    _free(env, device)
+
+
+def _free(env: Env, device: torch.device) -> None:
+    """Unload ComfyUI's models and free cached allocations before the next configuration (the caller has dropped
+    its own reference to the model)."""
+    try:
+        env.mm.unload_all_models()
+        env.mm.cleanup_models_gc()
+    except Exception as err:  # freeing must not stop the benchmark
+        print(f"note: ComfyUI unload failed: {err}", flush=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        print(f"freed: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB still allocated", flush=True)
+
+
+def _print_run(r: dict) -> None:
+    x = r["extrapolation"]
+    steps = " ".join(f"{row['kind'][0].upper()}:{row['wall_s']:.3f}" for row in r["per_step"] if "kind" in row)
+    print(f"[{r['label']}] timed {r['timed_schedule']['kinds']} ({r['schedule_check']}): {steps} s; "
+          f"kernels prewarm {r['prewarm_s']:.1f} s; finite={r['finite']}", flush=True)
+    print(f"  {x['method']}", flush=True)
+    print(f"  50 steps: dense {x['total_dense_s']:.1f} s, MC-Sparse {x['total_mc_sparse_s']:.1f} s -> "
+          f"{x['speedup']:.3f}x; ideal {x['ideal']['speedup']:.3f}x (eff 0.97: {x['ideal_at_eff']['speedup']:.3f}x); "
+          f"achieved/ideal {x['achieved_over_ideal']:.3f}; limiting part: {x['limiting_part']}", flush=True)
+    cache = r.get("cache") or {}
+    if cache:
+        print(f"  cache peak {fmt_bytes(cache['peak_bytes'])} (GPU {fmt_bytes(cache['peak_gpu_bytes'])}, CPU "
+              f"{fmt_bytes(cache['peak_host_bytes'])}); loads {cache['prefetched_loads']} prefetched, "
+              f"{cache['inline_loads']} in line" + (f"; est. transfer {r['transfer_s_per_reuse_step_est']:.3f} s per "
+                                                     "reuse step" if r.get("transfer_s_per_reuse_step_est") else ""),
+              flush=True)
+    first = (r.get("run_summary") or "").splitlines()[:1]
+    if first:
+        print(f"  {first[0]}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Table
+# ---------------------------------------------------------------------------------------------------------------
+
+def fmt_bytes(n: int | float | None) -> str:
+    if not n:
+        return "0"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**29 else f"{n / 2**20:.1f} MiB"
+
+
+def table(report: dict) -> str:
+    n = PAPER["steps"]
+    lines = [f"| model | res | tokens | run | dense step s (self-attn %) | anchor s | reuse s | {n} steps dense s | "
+             f"{n} steps MC-Sparse s | speedup | ideal (eff 1 / 0.97) | achieved/ideal | bars | limiting part | "
+             "cache peak (on CPU) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in report["configs"]:
+        d = c.get("dense")
+        head = f"| {c['model']} | {c['res']} | {c['tokens']} "
+        if not d:
+            err = c["errors"][0]["error"] if c.get("errors") else "not run"
+            lines.append(head + f"| FAILED: {err[:80]} | | | | | | | | | | | |")
+            continue
+        for e in c.get("errors") or []:
+            lines.append(head + f"| {e.get('stage', 'config')} FAILED: {e['error'][:80]} | | | | | | | | | | | |")
+        for r in c["runs"]:
+            if "extrapolation" not in r:
+                why = r.get("error") or r.get("skipped") or "?"
+                lines.append(head + f"| {r['label']}: {why[:80]} | | | | | | | | | | | |")
+                continue
+            x = r["extrapolation"]
+            cache = r.get("cache") or {}
+            b = x.get("bars") or {}
+            bars = []
+            if b.get("speedup_bar") is not None:
+                bars.append(f">= {b['speedup_bar']:.2f}x {'met' if b['speedup_met'] else 'NOT met'}")
+            if b.get("ratio_bar") is not None:
+                bars.append(f"ratio >= {b['ratio_bar']:.2f} {'met' if b['ratio_met'] else 'NOT met'}")
+            lines.append(
+                head + f"| {r['label']} | {d['dense_step_s']:.3f} ({100 * d['self_attn_share']:.0f}%) | "
+                f"{x['anchor_step_s']:.3f} | {x['reuse_step_s']:.3f} | {x['total_dense_s']:.1f} | "
+                f"{x['total_mc_sparse_s']:.1f} | **{x['speedup']:.3f}x** | {x['ideal']['speedup']:.3f} / "
+                f"{x['ideal_at_eff']['speedup']:.3f} | {x['achieved_over_ideal']:.3f} | {'; '.join(bars)} | "
+                f"{x['limiting_part']} | {fmt_bytes(cache.get('peak_bytes'))} ({fmt_bytes(cache.get('peak_host_bytes'))}) |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+T0 = time.perf_counter()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--comfyui", default=os.environ.get("COMFYUI_DIR", ""), help="ComfyUI checkout ($COMFYUI_DIR)")
+    ap.add_argument("--plan", choices=["single", "headline", "headline-smoke"], default="single",
+                    help="single: --model/--res/--densities; headline: wan14b 720p (0.25, 0.15, fast preset), "
+                         "wan14b 480p and wan1.3b 480p (0.25); headline-smoke: the same set with tiny models")
+    ap.add_argument("--model", choices=list(MODELS), default="tiny")
+    ap.add_argument("--res", choices=list(RESOLUTIONS), default="tiny")
+    ap.add_argument("--frames", type=int, default=81)
+    ap.add_argument("--densities", type=float, nargs="+", default=[0.25, 0.15])
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per patched run (>= warm-up + 3)")
+    ap.add_argument("--patched-warmup", type=int, default=1, help="dense warm-up steps of the timed patched run")
+    ap.add_argument("--dense-steps", type=int, default=2, help="timed steps of the unpatched run")
+    ap.add_argument("--schedule-steps", type=int, default=50, help="the paper's schedule length (extrapolation)")
+    ap.add_argument("--presets", action="store_true", help="also time the node's 'fast' preset")
+    ap.add_argument("--preset-steps", type=int, default=4, help="steps of the fast-preset run (4: A A R R)")
+    ap.add_argument("--warmup-layers", type=int, default=0, help="dense blocks in the density runs (paper: 0)")
+    ap.add_argument("--query-tile", type=int, default=128)
+    ap.add_argument("--cache-placement", default="auto", choices=["auto", "gpu", "cpu"])
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--min-tokens", type=int, default=None, help="node input (default 2048; 0 for --res tiny)")
+    ap.add_argument("--sampler", default="euler", choices=["euler", "uni_pc"])
+    ap.add_argument("--scheduler", default="simple")
+    ap.add_argument("--cfg", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="skip remaining runs after this many seconds (0: none)")
+    ap.add_argument("--out", default="bench_comfyui_speedup.json")
+    args = ap.parse_args()
+    PAPER["steps"] = args.schedule_steps
+    if not args.comfyui:
+        ap.error("--comfyui or COMFYUI_DIR must name a ComfyUI checkout")
+    if args.steps < args.patched_warmup + 3:
+        ap.error(f"--steps must be >= --patched-warmup + 3 (dense, anchor, 2 reuse), got {args.steps}")
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+
+    if args.plan == "headline":
+        plan = [dict(c) for c in HEADLINE]
+    elif args.plan == "headline-smoke":
+        plan = [dict(c, model="tiny", res="tiny") for c in HEADLINE]
+    else:
+        plan = [{"model": args.model, "res": args.res, "densities": args.densities, "presets": args.presets}]
+    if args.min_tokens is None:
+        args.min_tokens = 0 if all(c["res"] == "tiny" for c in plan) else 2048
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    env = setup(args.comfyui, device.type)
+    if device.type == "cuda" and device.index is None:
+        device = env.mm.get_torch_device()  # cuda:N, the device object ComfyUI compares against
+    if args.schedule_steps != 50:
+        warm, anchors = env.schedule.paper_video_schedule(args.schedule_steps)
+        PAPER.update(dense_warmup=str(warm), anchor_steps=", ".join(str(a + 1) for a in anchors))
+    est = _estimate(env, plan, args)
+    if est:
+        print(f"estimated H200 time of the timed sampling of this plan: ~{est:.0f} s (+ import, model builds, "
+              "kernel compilation)", flush=True)
+    report = {"argv": sys.argv, "args": vars(args), "plan": plan, "host": platform.node(),
+              "python": platform.python_version(), "torch": torch.__version__, "comfyui": env.comfy_root,
+              "config_class": env.config_source, "pack_load": env.pack_load, "stubbed_modules": env.stubbed,
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+              "kernel_backends": [f"{b.name}{' (unavailable: ' + b.unavailable_reason + ')' if b.unavailable_reason else ''}"
+                                  for b in env.kernels.registry.backends()],
+              "extrapolation": (f"per step kind: unpatched run of {args.dense_steps} steps (dense step = median of steps "
+                                f"2..); patched runs of {args.steps} steps (dense {args.patched_warmup}, anchor at step "
+                                f"{args.patched_warmup + 1}, rest reuse) and the fast preset on {args.preset_steps} "
+                                f"steps; {args.schedule_steps}-step totals = sum over the paper's schedule of the "
+                                "measured time of each step kind"),
+              "configs": []}
+    out = Path(args.out)
+
+    def save():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1, default=str))
+
+    print(f"ComfyUI {env.comfy_root} imported ({env.config_source}); pack: {env.pack_load}; "
+          f"kernel backends: {', '.join(report['kernel_backends'])}", flush=True)
+    for cfg in plan:
+        if args.budget_s and time.perf_counter() - T0 > args.budget_s:
+            report["configs"].append({**cfg, "tokens": "", "errors": [{"error": "skipped: time budget spent"}],
+                                      "runs": []})
+            continue
+        try:
+            run_config(env, cfg, args, device, dtype, report, save)
+        except Exception as err:  # run_config records its own errors; this is for a bug between its stages
+            failed = {"stage": "config", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+            if report["configs"] and report["configs"][-1].get("model") == cfg["model"] and \
+                    report["configs"][-1].get("res") == cfg["res"]:
+                report["configs"][-1]["errors"].append(failed)
+            else:
+                report["configs"].append({**cfg, "tokens": "", "runs": [], "errors": [failed]})
+            traceback.print_exc()
+        save()
+    report["wall_s"] = time.perf_counter() - T0
+    report["table"] = table(report)
+    save()
+    print(f"\nMC-Sparse DiT denoising speedup, {args.schedule_steps}-step paper schedule (extrapolated per step kind, "
+          f"see {out}); wall {report['wall_s']:.0f} s\n")
+    print(report["table"], flush=True)
+    ok = all(r.get("extrapolation") for c in report["configs"] for r in c.get("runs", [])) and \
+        all(not c.get("errors") for c in report["configs"])
+    return 0 if ok else 1
+
+
+def _estimate(env: Env, plan: list[dict], args) -> float:
+    """Rough H200 seconds of the timed sampling of ``plan`` (EST_DENSE_STEP_S; 0 when a config has no estimate)."""
+    total = 0.0
+    for c in plan:
+        d = EST_DENSE_STEP_S.get((c["model"], c["res"]))
+        if d is None:
+            return 0.0
+        att = {"720p": 0.68, "480p": 0.5}.get(c["res"], 0.5)
+        total += args.dense_steps * d
+        runs = []
+        for i, s in enumerate(c["densities"]):
+            w = args.patched_warmup if i == 0 else c.get("later_warmup", args.patched_warmup)
+            runs.append((s, args.steps - (args.patched_warmup - w),
+                         {"preset": "custom", "density": s, "dense_warmup": str(w), "anchor_steps": str(w + 1)}))
+        if c["presets"]:
+            runs.append((0.15, args.preset_steps, {"preset": "fast"}))
+        for s, steps, kw in runs:
+            sc = schedule_counts(env, env.settings.build_settings(**{**_node_defaults(), **kw}), steps, 1)
+            total += sc["dense"] * d + sc["anchor"] * d * (1 + att * (0.5 + s / 0.9)) + \
+                sc["reuse"] * d * (1 - att + att * s / 0.9)
+    return total
+
+
+if __name__ == "__main__":
+    sys.exit(main())
