@@ -8,7 +8,7 @@ import torch
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import diagnostics as dg
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import schedule
-from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheEntry, CacheKey
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import MCSparseRunner
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.workload import SyntheticWorkload, WorkloadSpec

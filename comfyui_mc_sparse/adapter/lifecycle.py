@@ -21,13 +21,13 @@ Nothing here imports ComfyUI at module level; ``apply_mc_sparse`` imports ``comf
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from typing import Any
 
 import torch
 
 from .layouts import install_plan, plan_for
-from .override import CURRENT_OPTIONS, RUN_KEY, install_override, sync_time
+from .override import CURRENT_OPTIONS, RUN_KEY, install_override
 from .settings import PatchSettings, build_settings, resolve_schedule
 from .steps import step_index
 
@@ -83,8 +83,9 @@ class RunState:
         self.notes: list[str] = list(self.schedule.notes)
         self.dense_reasons: Counter = Counter()  # used when there is no runner
         self.sparse_calls_by_kind: Counter = Counter()
-        self.dense_ms: dict[tuple, list[float]] = {}
-        self.reuse_ms: dict[tuple, list[float]] = {}
+        self._timer = CallTimer()
+        self._dense_ms: dict[tuple, list[float]] = {}  # per chunk shape: ms per batch item of each dense call
+        self._reuse_ms: dict[tuple, list[float]] = {}  # same for reuse calls
         self.displaced: list[str] = []
         self.cache_keys: set = set()  # every CacheKey used in this run (summary: entries per window / kind)
         from ... import kernels
@@ -115,6 +116,18 @@ class RunState:
 
     def __deepcopy__(self, memo):
         return self
+
+    @property
+    def dense_ms(self) -> dict[tuple, list[float]]:
+        """Measured dense warm-up call times (ms per batch item) per chunk shape ``(H, S, D)``."""
+        self._timer.resolve()
+        return self._dense_ms
+
+    @property
+    def reuse_ms(self) -> dict[tuple, list[float]]:
+        """Measured reuse call times (ms per batch item) per chunk shape ``(H, S, D)``."""
+        self._timer.resolve()
+        return self._reuse_ms
 
     def backend_line(self) -> str | None:
         """"backend: requested X; ran op=name (reason), ..." for the kernel ops this run called, from
@@ -171,11 +184,10 @@ class RunState:
 
     def timed_dense(self, reason: str, shape: tuple, fn):
         """Run a dense warm-up call ``fn()``, count it and record its time per conditioning chunk shape."""
-        start = sync_time()
+        start = self._timer.start()
         out = fn()
-        ms = (sync_time() - start) * 1000.0
         self.record_dense(reason)
-        self.dense_ms.setdefault(shape[1:], []).append(ms / max(1, shape[0]))
+        self._timer.stop(start, self._dense_ms, shape[1:], max(1, shape[0]))
         return out
 
     def sparse_call(self, q, k, v, *, step: int, layer: int, branch, window, dense_fn, scale, kind: str = "self",
@@ -192,13 +204,11 @@ class RunState:
         key = CacheKey(layer=layer, branch=branch, window=window, shape=tuple(q.shape), kind=kind)
         self.cache_keys.add(key)
         reuse_before = self.runner.stats.calls.get(_reuse_kind(), 0)
-        start = sync_time()
-        extra = {} if extra_kv is None else {"extra_kv": extra_kv}
+        start = self._timer.start()
         out = self.runner.attention(q, k, v, step=step, layer=layer, key=key, dense_fn=dense_fn, scale=scale,
-                                    **extra)
-        ms = (sync_time() - start) * 1000.0
+                                    extra_kv=extra_kv)
         if self.runner.stats.calls.get(_reuse_kind(), 0) > reuse_before:
-            self.reuse_ms.setdefault(tuple(q.shape[1:]), []).append(ms / max(1, q.shape[0]))
+            self._timer.stop(start, self._reuse_ms, tuple(q.shape[1:]), max(1, q.shape[0]))
         return out
 
     # -- end of run -------------------------------------------------------------------------------------------
@@ -237,6 +247,40 @@ class RunState:
         if self.runner is not None:
             self.runner.close()
         self.closed = True
+
+
+class CallTimer:
+    """Times attention calls without a device sync per call: on CUDA a pair of events per call, read once when
+    the times are asked for (end of run); on CPU the wall clock."""
+
+    def __init__(self):
+        self._pending: list[tuple] = []
+
+    def start(self):
+        """A start mark (a recorded CUDA event, or a perf_counter value)."""
+        if torch.cuda.is_available():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, start, bucket: dict, shape: tuple, per: int) -> None:
+        """Record the time since ``start`` divided by ``per`` under ``bucket[shape]`` (now or at ``resolve``)."""
+        if isinstance(start, float):
+            bucket.setdefault(shape, []).append((time.perf_counter() - start) * 1000.0 / per)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((start, end, bucket, shape, per))
+
+    def resolve(self) -> None:
+        """Wait for the recorded calls and move their times into their buckets."""
+        if not self._pending:
+            return
+        self._pending[-1][1].synchronize()
+        for start, end, bucket, shape, per in self._pending:
+            bucket.setdefault(shape, []).append(start.elapsed_time(end) / per)
+        self._pending.clear()
 
 
 def _default_runner(config, backend: str):

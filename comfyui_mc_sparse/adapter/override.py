@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -328,10 +327,3 @@ def make_hunyuan3d21_attn_forward(module, site: CallSite, original: Callable) ->
 
     forward.mc_sparse_marker = site
     return forward
-
-
-def sync_time() -> float:
-    """``time.perf_counter()`` after a device sync (CUDA only), for measured attention times."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter()
