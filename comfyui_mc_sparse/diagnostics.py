@@ -546,7 +546,7 @@ def sol_attn(q, k, v, density: float, *, scale: float | None = None, tail: bool 
     B, H, S, D = q.shape
     name = "Sol-Attn (comfy-kitchen)"
     try:
-        import comfy_kitchen  # noqa: PLC0415  (optional: only the diagnostics need it)
+        import comfy_kitchen
     except Exception as err:  # an optional library: ImportError or a broken install
         return SparseResult(name, None, None, float("nan"), float("nan"), note=f"comfy-kitchen unavailable: {err}")
     if D > 128:

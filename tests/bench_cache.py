@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "comfyui_mc_sparse"))
-import _standalone  # noqa: E402
+import _standalone
 
 _standalone.load_pack()
 from comfyui_mc_sparse_pack import kernels  # noqa: E402

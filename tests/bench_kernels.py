@@ -27,12 +27,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "comfyui_mc_sparse"))
-import _standalone  # noqa: E402
+import _standalone
 
 _standalone.load_pack()
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
-
 from comfyui_mc_sparse_pack import kernels  # noqa: E402
 from comfyui_mc_sparse_pack.kernels import reference, registry  # noqa: E402
 
@@ -250,8 +249,9 @@ def main():
         backends=registry.report(), shapes={},
     )
     try:
-        import flash_attn  # noqa: F401
         from importlib.metadata import version
+
+        import flash_attn  # noqa: F401
         report["flash_attn_4"] = version("flash-attn-4")
         report["cutlass_dsl"] = version("nvidia-cutlass-dsl")
     except Exception as err:  # optional

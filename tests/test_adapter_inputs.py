@@ -12,7 +12,6 @@ import types
 
 import pytest
 import torch
-
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import layouts, lifecycle, override, settings
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.layouts import MARK_KEY, TEXT_LEN_KEY, CallSite

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings, steps
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.layouts import MARK_KEY, TEXT_LEN_KEY, CallSite
 

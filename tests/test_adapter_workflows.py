@@ -18,7 +18,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,7 +110,7 @@ def test_ui_workflow_matches_node_definitions(path):
             for inp in n.get("inputs", []):
                 if inp.get("link") is None:
                     continue
-                assert inp["name"] in declared or t in ("ModelSamplingAuraFlow",) and inp["name"] == "sampling", (
+                assert inp["name"] in declared or (t in ("ModelSamplingAuraFlow",) and inp["name"] == "sampling"), (
                     f"{path.name} node {n['id']} ({t}): undeclared input {inp['name']!r}")
             if t == "MCSparsePatch":
                 patches += 1

@@ -10,9 +10,8 @@ import textwrap
 from pathlib import Path
 
 import torch
-
-from comfyui_mc_sparse_pack.kernels import reference, registry
 from comfyui_mc_sparse_pack import kernels
+from comfyui_mc_sparse_pack.kernels import reference, registry
 
 
 def test_runtime_failure_falls_back_and_is_reported(caplog, gen):

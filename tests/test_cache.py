@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import attention, encoding, engine
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey, MetadataCache, StoredEntry, encode_entry

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import cli
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import diagnostics as dg
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import schedule

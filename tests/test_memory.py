@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import attention, engine, memory
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey, encode_entry
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
@@ -58,7 +57,7 @@ def test_wan14b_480p_cfg_sizes_against_method_md():
     assert 53 * GB < bf16.naive_total_bytes < 55 * GB
     assert bf16.selection_encoding == "bitmask" and bf16.selection_bytes == 40 * 256 * 4095
     assert 30 * GB < bf16.total_bytes < 31 * GB
-    assert fp8.total_bytes < 20 * GB and 17 * GB < fp8.total_bytes
+    assert fp8.total_bytes < 20 * GB and fp8.total_bytes > 17 * GB
     assert "naive int32 + bf16 layout" in memory.format_plan(fp8, placement="cpu")
 
 

@@ -2,10 +2,10 @@
 
 import re
 import sys
-import tomllib
 from pathlib import Path
 
 import comfyui_mc_sparse_pack as pack
+import tomllib
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import engine  # noqa: F401  (imports kernels the way the pack does)
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.kernels.reference import pddp
 

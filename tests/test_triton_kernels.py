@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from comfyui_mc_sparse_pack.kernels import reference, registry
 from comfyui_mc_sparse_pack import kernels
+from comfyui_mc_sparse_pack.kernels import reference, registry
 
 from ._triton_interp import patch_interpreter
 

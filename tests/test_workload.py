@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import workload
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.workload import SyntheticWorkload, WorkloadSpec
 

@@ -246,7 +246,7 @@ def _api_from_graph(graph: dict, *, prefix: str, links_as_dicts: bool, sub_input
                     env[letter] = ref[1]
             import math
 
-            value = eval(vals[0], {"__builtins__": {}, "floor": math.floor, "ceil": math.ceil,  # noqa: S307
+            value = eval(vals[0], {"__builtins__": {}, "floor": math.floor, "ceil": math.ceil,
                                    "round": round, "min": min, "max": max}, env)
             return ("value", value)
         raise KeyError(n["type"])

@@ -59,8 +59,8 @@ def setup_comfy(comfyui_dir: str) -> Any:
 
     if not torch.cuda.is_available():
         args.cpu = True
-    import utils.extra_config  # noqa: F401  (before nodes: nodes puts comfy/ first on sys.path)
     import nodes
+    import utils.extra_config  # noqa: F401  (before nodes: nodes puts comfy/ first on sys.path)
 
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
     ok = asyncio.run(nodes.load_custom_node(str(PACK_ROOT)))

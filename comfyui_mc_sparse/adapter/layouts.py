@@ -36,8 +36,9 @@ attention directly: both stay dense (unmarked). Every other model: dense pass-th
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
