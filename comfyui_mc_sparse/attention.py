@@ -37,6 +37,8 @@ def ineligible_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str 
             return f"{name} is not a tensor ({type(t).__name__})"
         if t.dim() != 4:
             return f"{name} is not [B, H, S, D] (shape {tuple(t.shape)})"
+    if q.device.type == "meta" or not (q.device == k.device == v.device):
+        return f"q, k, v must be real tensors on one device, got {q.device}, {k.device}, {v.device}"
     if not (q.shape == k.shape == v.shape):
         return f"not self-attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if q.dtype not in _DTYPES or not (q.dtype == k.dtype == v.dtype):

@@ -105,8 +105,9 @@ def _comfyui(args) -> int:
     except ImportError as err:
         print(f"comfyui: the headless runner is not available in this checkout ({err})", file=sys.stderr)
         return 2
-    if not args.comfyui_dir:
-        print("comfyui: --comfyui-dir (or $COMFYUI_DIR) must name a ComfyUI checkout, got none", file=sys.stderr)
+    if not args.comfyui_dir or not os.path.isfile(os.path.join(args.comfyui_dir, "comfy", "model_patcher.py")):
+        print(f"comfyui: --comfyui-dir (or $COMFYUI_DIR) must name a ComfyUI checkout, got {args.comfyui_dir!r}",
+              file=sys.stderr)
         return 2
     try:
         return int(headless.run_headless_demo(args.comfyui_dir))
@@ -133,18 +134,30 @@ def _settings(args) -> dict:
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
-        device = torch.device(args.device)
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: no CUDA GPU is available to this torch ({torch.__version__})")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     steps = args.steps if args.steps is not None else base["steps"]
     for name, value in (("densities", args.densities),):
         if not value or any(not 0.0 < d <= 1.0 for d in value):
             raise ValueError(f"--{name} must be numbers in (0, 1], got {value}")
+    for name in ("heads", "layers"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json must name a file in an existing folder, got {args.json}")
     if steps < 2:
         raise ValueError(f"--steps must be >= 2 (at least one anchor and one reuse step), got {steps}")
     warmup, anchors = schedule.paper_video_schedule(steps)
     return {
-        "grid": tuple(grid), "heads": args.heads or base["heads"], "head_dim": args.head_dim,
-        "layers": args.layers or base["layers"], "steps": steps, "warmup_steps": warmup, "anchor_steps": anchors,
+        "grid": tuple(grid), "heads": base["heads"] if args.heads is None else args.heads, "head_dim": args.head_dim,
+        "layers": base["layers"] if args.layers is None else args.layers, "steps": steps, "warmup_steps": warmup, "anchor_steps": anchors,
         "densities": list(args.densities), "group_size": args.group_size, "kv_tile": args.kv_tile,
         "device": str(device), "dtype": dtype, "seed": args.seed, "quick": bool(args.quick),
     }

@@ -78,6 +78,8 @@ class MCSparseConfig:
         _check_number("density", self.density)
         if not 0.0 < self.density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {self.density}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
+            raise TypeError(f"group_size (query tile C) must be 64 or 128 as an int, got {self.group_size!r}")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size (query tile C) must be 64 or 128, got {self.group_size}")
         for name, low in (("kv_tile", 1), ("warmup_steps", 0), ("warmup_layers", 0), ("power_iters", 1)):

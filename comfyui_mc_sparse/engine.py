@@ -94,6 +94,7 @@ class MCSparseRunner:
         self._order: list[CacheKey] = []  # keys in the order the latest anchor step stored them
         self._order_index: dict[CacheKey, int] = {}
         self._order_step: int | None = None
+        self._entry_step: dict[CacheKey, int] = {}  # step at which each entry was stored
 
     def plan(self, *, heads: int, head_dim: int, layers: int, tokens: int, branches: int = 2, batch: int = 1,
              num_steps: int | None = None, attention_share: float | None = None,
@@ -178,16 +179,23 @@ class MCSparseRunner:
         if kind is StepKind.DENSE:
             why = "dense warm-up layer" if layer < self.config.warmup_layers else "dense warm-up step"
             return self._dense(dense, q, k, v, why, timed_shape=tuple(q.shape))
-        stored = self.cache.get(key) if kind is StepKind.REUSE else None
-        if kind is StepKind.REUSE and (stored is None or not stored.fits(q)):
-            self._note(f"late anchor at step {step}: no cache entry for this layer/branch/shape (anchor step skipped?)")
+        stored = self.cache.get(key)
+        fresh = stored is not None and stored.fits(q)
+        if kind is StepKind.ANCHOR and fresh and self._entry_step.get(key) == step:
+            # heun / dpm_2 style samplers evaluate the model twice at one step: one anchor is enough
+            return self._dense(dense, q, k, v, "anchor step evaluated again by the sampler (dense, first anchor kept)")
+        if kind is StepKind.REUSE and not fresh:
+            if key.window is not None:  # a window the anchor step did not see will not be seen again either
+                return self._dense(dense, q, k, v, "context window not seen at the anchor step (moving windows run dense)")
+            self._note(f"late anchor at step {step + 1} (1-based): no cache entry for this layer/branch/shape "
+                       "(the anchor step was skipped, e.g. by a step-caching node)")
             kind = StepKind.ANCHOR
         try:
             start = self._tic()
             if kind is StepKind.ANCHOR:
                 out, entry = anchor_attention(q, k, v, self.config, scale=scale, backend=self.backend, extra_kv=extra_kv)
                 self._store(key, entry, step)
-                if step not in self.stats.anchors:
+                if step in self.config.anchor_steps and step not in self.stats.anchors:
                     self.stats.anchors.append(step)
             else:
                 check_inputs(q, k, v, check_finite=False)
@@ -198,7 +206,9 @@ class MCSparseRunner:
             self._toc(kind, start, tuple(q.shape))
         except NonFiniteInputError as err:
             return self._dense(dense, q, k, v, f"non-finite input ({err})")
-        except (torch.cuda.OutOfMemoryError, MemoryError) as err:
+        except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as err:
+            if not _is_out_of_memory(err):
+                raise
             self._out_of_memory(err, step, layer, q)
             return self._dense(dense, q, k, v, self.disabled_reason)
         self.stats.calls[kind] += 1
@@ -211,6 +221,7 @@ class MCSparseRunner:
                               residual_scale=c.residual_scale)
         del entry
         self.cache.put(key, stored)
+        self._entry_step[key] = step
         if step != self._order_step:
             self._order_step = step
             self._order, self._order_index = [], {}
@@ -233,6 +244,7 @@ class MCSparseRunner:
         """Free the cache, turn the rest of the run dense, and say what would have fit."""
         entries = self._plan.entries if self._plan is not None else max(len(self.cache), len(self._order), 1)
         self.cache.clear()
+        self._entry_step.clear()
         self._order, self._order_index = [], {}
         if q.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the freed cache back, so ComfyUI sees it free
@@ -258,6 +270,7 @@ class MCSparseRunner:
     def close(self) -> None:
         """Free the cache (the run is over): GPU tensors, pinned CPU buffers, prefetches."""
         self.cache.clear()
+        self._entry_step.clear()
         self._order, self._order_index = [], {}
 
     def summary(self) -> str:
@@ -345,3 +358,11 @@ class MCSparseRunner:
             self._dense_ms_by_shape.setdefault(shape, []).append(ms)
         elif kind is StepKind.REUSE:
             self._reuse_ms_by_shape.setdefault(shape, []).append(ms)
+
+
+def _is_out_of_memory(err: BaseException) -> bool:
+    """True for a CUDA or CPU allocation failure (torch raises RuntimeError for the CPU allocator)."""
+    if isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(err)
+    return "out of memory" in text or "can't allocate memory" in text

@@ -60,6 +60,8 @@ def _check_qkv(q, k, v=None):
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
         if t.dtype != q.dtype or t.device != q.device:
             raise TypeError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
+    if k.shape[2] < 1:
+        raise ValueError(f"k must hold at least one key (Sk >= 1), got shape {tuple(k.shape)}")
     if k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"k must be [B, H, Sk, D] with q's B, H, D {tuple(q.shape)}, got {tuple(k.shape)}")
     if v is not None and v.shape != k.shape:
@@ -118,6 +120,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, bac
     """Token-sparse attention over each group's gathered KV tokens, output in the original query order.
 
     Args: q, k, v ``[B, H, S, D]``; perm int32 ``[B, H, G*C]``; kv_idx int32 ``[B, H, G, K_alloc]``.
+    perm and kv_idx must come from ``pddp_groups`` and ``select_kv`` (or keep their contract: each query once,
+    indices in [0, Sk) sorted with trailing -1, at least one per group): their values are not checked here,
+    since that would cost a device sync on every reuse step.
     Returns: O ``[B, H, S, D]`` (q's dtype), or (O, LSE fp32 ``[B, H, S]``).
     """
     _check_qkv(q, k, v)

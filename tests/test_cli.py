@@ -43,6 +43,10 @@ def test_demo_quick_prints_all_rows(tmp_path, capsys):
         (["demo", "--densities", "0"], r"--densities must be numbers in \(0, 1\], got \[0.0\]"),
         (["demo", "--frames", "4"], "--frames, --height and --width must be given together"),
         (["demo", "--steps", "1"], "--steps must be >= 2"),
+        (["demo", "--heads", "0"], "--heads must be >= 1, got 0"),
+        (["demo", "--layers", "0"], "--layers must be >= 1, got 0"),
+        (["demo", "--device", "banana"], "--device must be auto, cpu, cuda or cuda:N, got 'banana'"),
+        (["demo", "--json", "/nonexistent/dir/x.json"], "--json must name a file in an existing folder"),
         (["demo", "--frames", "64", "--height", "64", "--width", "64"], "q must be small enough for exact diagnostics"),
     ],
 )

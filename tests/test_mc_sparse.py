@@ -222,7 +222,7 @@ def test_runner_takes_a_late_anchor_when_the_cache_is_missing(gen):
     runner = engine.MCSparseRunner(cfg)
     q, k, v = _qkv(gen, S=192)
     runner.attention(q, k, v, step=3, layer=0, key=CacheKey(0, "c", None, tuple(q.shape)))
-    assert runner.stats.calls[StepKind.ANCHOR] == 1 and "late anchor at step 3" in runner.summary()
+    assert runner.stats.calls[StepKind.ANCHOR] == 1 and "late anchor at step 4 (1-based)" in runner.summary()
 
 
 def test_runner_warns_when_nothing_went_sparse(gen):
@@ -305,3 +305,49 @@ def test_extra_kv_of_the_wrong_shape_is_rejected(gen):
     cfg = MCSparseConfig(group_size=64, warmup_steps=0, anchor_steps=(0,))
     with pytest.raises(ValueError, match=r"extra_kv k must be \[B, H, T, D\]"):
         attention.anchor_attention(q, k, v, cfg, extra_kv=(torch.randn(1, 3, 5, 64), torch.randn(1, 3, 5, 64)))
+
+
+def test_a_second_evaluation_at_an_anchor_step_runs_dense_not_a_second_anchor(gen):
+    """Multi-evaluation samplers (heun) hit an anchor step twice: the second call is dense, the cache is kept."""
+    runner = engine.MCSparseRunner(MCSparseConfig(group_size=64, warmup_steps=0, anchor_steps=(0,)))
+    q, k, v = _qkv(gen, S=128)
+    key = CacheKey(0, "c", None, tuple(q.shape))
+    runner.attention(q, k, v, step=0, layer=0, key=key)
+    out = runner.attention(q, k, v, step=0, layer=0, key=key)
+    assert runner.stats.calls[StepKind.ANCHOR] == 1 and torch.allclose(out, kernels.dense_attention(q, k, v))
+    assert "anchor step evaluated again" in runner.summary()
+
+
+def test_a_context_window_unseen_at_the_anchor_runs_dense_with_the_reason(gen):
+    """Moving context windows never match an anchor entry: dense with the reason, no anchor per step."""
+    runner = engine.MCSparseRunner(MCSparseConfig(group_size=64, warmup_steps=0, anchor_steps=(0,)))
+    q, k, v = _qkv(gen, S=128)
+    runner.attention(q, k, v, step=0, layer=0, key=CacheKey(0, "c", (0, 8), tuple(q.shape)))
+    runner.attention(q, k, v, step=1, layer=0, key=CacheKey(0, "c", (1, 9), tuple(q.shape)))
+    assert runner.stats.calls[StepKind.ANCHOR] == 1
+    assert "context window not seen at the anchor step" in runner.summary()
+
+
+def test_cpu_allocation_failure_turns_the_run_dense_and_says_what_fits(gen, monkeypatch):
+    """The CPU allocator's RuntimeError counts as out of memory: the rest of the run is dense, with advice."""
+    runner = engine.MCSparseRunner(MCSparseConfig(group_size=64, warmup_steps=0, anchor_steps=(0,)))
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+
+    monkeypatch.setattr(engine, "anchor_attention", no_memory)
+    q, k, v = _qkv(gen, S=128)
+    out = runner.attention(q, k, v, step=0, layer=0, key=CacheKey(0))
+    assert torch.allclose(out, kernels.dense_attention(q, k, v)) and runner.disabled_reason
+    assert "out of memory" in runner.summary()
+
+
+def test_meta_tensors_and_empty_keys_are_refused(gen):
+    """Tensors without data and key sets without keys get a clear refusal, not an internal error."""
+    q = torch.empty(1, 2, 128, 64, device="meta")
+    assert "real tensors" in attention.ineligible_reason(q, q, q)
+    with pytest.raises(TypeError, match="group_size .* must be 64 or 128"):
+        MCSparseConfig(group_size=64.0)
+    x = torch.randn(1, 2, 16, 64, generator=gen)
+    with pytest.raises(ValueError, match=r"k must hold at least one key"):
+        kernels.dense_attention(x, x[:, :, :0], x[:, :, :0])
