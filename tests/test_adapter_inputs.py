@@ -7,6 +7,7 @@ Stand-ins mirror ComfyUI (Oct-2025 snapshot) contracts: ``_func`` is a raw backe
 ``transformer_options`` as ``WanAttentionBlock.forward`` does (L235).
 """
 
+import logging
 import math
 import types
 
@@ -221,3 +222,119 @@ def test_geometry_for_the_cache_estimate():
     geo = layouts.geometry(dm, plan, (1, 16, 21, 60, 105))  # 832x480 -> 60x104 latent is even; 105 is odd
     assert (geo.heads, geo.head_dim, geo.tokens, geo.layers) == (12, 128, 21 * 30 * 53, 30)
     assert layouts.geometry(dm, layouts.PatchPlan(None, (), False, "x"), (1, 16, 3, 8, 8)) is None
+
+
+# -- presets, warm-up / anchor consistency, interrupted runs ---------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["quality", "balanced", "fast"])
+def test_presets_ignore_the_custom_boxes_entirely(preset):
+    """A preset neither uses nor validates density / dense warm-up / anchor steps (the tooltip's promise);
+    the other inputs are still validated."""
+    s = _settings(preset=preset, density=7.0, dense_warmup="abc", anchor_steps="abc")
+    assert (s.density, s.warmup, s.anchors) == (settings.PRESETS[preset], None, None)
+    s = _settings(preset=preset, dense_warmup="10", anchor_steps="5")  # contradictory only under custom
+    assert (s.warmup, s.anchors) == (None, None)
+    with pytest.raises(ValueError, match="query tile C"):
+        _settings(preset=preset, anchor_steps="abc", query_tile=96)
+    with pytest.raises(ValueError, match="anchor steps"):
+        _settings(preset="custom", anchor_steps="abc")
+
+
+@pytest.mark.parametrize("warmup,anchors", [("10", "5"), ("10", "26, 5"), ("50%", "20%, 60%")])
+def test_same_unit_anchor_inside_warmup_is_rejected_by_the_node(warmup, anchors):
+    """Same units (steps/steps or %/%): an anchor before the warm-up's last step stops the node, naming both."""
+    with pytest.raises(ValueError, match=r"anchor steps must not come before the last dense warm-up step"):
+        _settings(dense_warmup=warmup, anchor_steps=anchors)
+    _settings(dense_warmup=warmup, anchor_steps=anchors.replace("5", "50").replace("20%", "50%"))  # at/after: fine
+
+
+def test_mixed_unit_anchor_inside_warmup_moves_to_its_last_step_with_a_note():
+    """Mixed units are compared per sampler call: the anchor moves to the warm-up's last step, noted."""
+    r = settings.resolve_schedule(_settings(dense_warmup="10", anchor_steps="10%, 60%"), 50)
+    assert (r.warmup_steps, r.anchor_steps) == (10, (9, 29))
+    assert any("anchor steps 5 fall inside the dense warm-up" in n and "last step 10" in n for n in r.notes), r.notes
+    r = settings.resolve_schedule(_settings(dense_warmup="50%", anchor_steps="3, 8"), 10)
+    assert (r.warmup_steps, r.anchor_steps) == (5, (4, 7)) and any("moved" in n for n in r.notes)
+
+
+def test_auto_warmup_with_custom_anchors_runs_dense_up_to_the_first_anchor():
+    """auto warm-up: 20% with auto anchors; with custom anchors every step up to and including the first anchor
+    (earlier or later than 20%); no anchor inside the call -> all dense."""
+    assert settings.resolve_schedule(_settings(dense_warmup="auto", anchor_steps="auto"), 50).warmup_steps == 10
+    r = settings.resolve_schedule(_settings(dense_warmup="auto", anchor_steps="5, 26"), 50)
+    assert (r.warmup_steps, r.anchor_steps, r.notes) == (5, (4, 25), ())
+    r = settings.resolve_schedule(_settings(dense_warmup="auto", anchor_steps="30, 40"), 50)
+    assert (r.warmup_steps, r.anchor_steps) == (30, (29, 39))
+    r = settings.resolve_schedule(_settings(dense_warmup="auto", anchor_steps="60"), 50)
+    assert (r.warmup_steps, r.anchor_steps) == (50, ())
+
+
+class InterruptProcessingException(Exception):  # noqa: N818  (ComfyUI's name)
+    """Stand-in of ``comfy.model_management.InterruptProcessingException`` (same name)."""
+
+
+def _outer_sample(monkeypatch, run_steps, raise_exc):
+    """Drive ``outer_sample_wrapper`` like ``comfy/samplers.py`` L1032-1035: the executor evaluates the model
+    through ``calc_cond_batch_wrapper`` (args ``(model, conds, x_in, timestep, model_options)``) for
+    ``run_steps`` sigmas, one self-attention call each, then raises ``raise_exc`` (or returns)."""
+    import copy
+    import logging
+    import sys
+
+    comfy_pkg = types.ModuleType("comfy")
+    mp = types.ModuleType("comfy.model_patcher")
+    mp.create_model_options_clone = lambda o: {**o, "transformer_options": copy.copy(o.get("transformer_options", {}))}
+    comfy_pkg.model_patcher = mp
+    monkeypatch.setitem(sys.modules, "comfy", comfy_pkg)
+    monkeypatch.setitem(sys.modules, "comfy.model_patcher", mp)
+    holder = lifecycle.MCSparsePatch(_settings(dense_warmup="1", anchor_steps="1"), "wan")
+    guider = types.SimpleNamespace(model_options={"transformer_options": {lifecycle.HOLDER_KEY: holder}})
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 128, 64, generator=gen)
+
+    def executor(noise, latent, sampler, sigmas):
+        for sigma in sigmas[:run_steps]:
+            def inner(model, conds, x, timestep, model_options):
+                opts = {**model_options["transformer_options"], MARK_KEY: CallSite(0, "wan"),
+                        "cond_or_uncond": [0], "uuids": ["u0"], "sigmas": timestep}
+                return opts["optimized_attention_override"](_func, q, q, q, 2, skip_reshape=True,
+                                                            transformer_options=opts)
+            lifecycle.calc_cond_batch_wrapper(inner, None, None, None, sigma.reshape(1), guider.model_options)
+        if raise_exc is not None:
+            raise raise_exc
+        return "done"
+
+    executor.class_obj = guider
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger(lifecycle.__name__)
+    old_level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        result = lifecycle.outer_sample_wrapper(executor, None, None, None, torch.tensor([1.0, 0.8, 0.6, 0.4, 0.0]))
+    except BaseException as err:
+        result = err
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    summaries = [r.getMessage() for r in records if r.getMessage().startswith("MC-Sparse:")]
+    assert len(summaries) == 1 and not holder.active_runs
+    return result, summaries[0], records[-1].levelno
+
+
+def test_interrupted_run_says_so_in_its_summary(monkeypatch):
+    """An exception (ComfyUI's interrupt, OOM, ...) during sampling: the summary's first line says the run was
+    interrupted after which step and by what, gives the counts so far, and the exception still propagates."""
+    err, text, level = _outer_sample(monkeypatch, 3, InterruptProcessingException("interrupted"))
+    assert isinstance(err, InterruptProcessingException)
+    head = text.splitlines()[0]
+    assert head.startswith("MC-Sparse: run interrupted after step 3 of 4 (InterruptProcessingException): "
+                           "2 sparse, 1 anchor, 0 dense attention calls so far"), head
+    assert "WARNING: no attention call went sparse" not in text and level == logging.WARNING
+    err, text, _ = _outer_sample(monkeypatch, 0, RuntimeError("CUDA out of memory"))
+    assert text.startswith("MC-Sparse: run interrupted before its first step (RuntimeError): 0 sparse"), text
+    result, text, level = _outer_sample(monkeypatch, 4, None)
+    assert result == "done" and text.startswith("MC-Sparse: 3 sparse, 1 anchor, 0 dense attention calls over 4 steps")
+    assert "interrupted" not in text and level == logging.INFO

@@ -53,7 +53,10 @@ class MCSparsePatch(io.ComfyNode):
                 io.String.Input(
                     "dense_warmup", default="auto",
                     tooltip="custom only: how many first steps run normal attention: a step count ('10') or a "
-                            "percent of the sampler's steps ('20%'). auto = 20% (paper: 10 of 50).",
+                            "percent of the sampler's steps ('20%'). auto: with auto anchors, 20% of the steps "
+                            "(paper: 10 of 50); with your own anchors, every step up to and including the first "
+                            "anchor (anchors '5, 26' -> 5 steps; '30, 40' -> 30), since sparse steps need an "
+                            "anchor before them.",
                 ),
                 io.Int.Input(
                     "warmup_layers", default=1, min=0, max=100,
@@ -64,7 +67,10 @@ class MCSparsePatch(io.ComfyNode):
                     "anchor_steps", default="auto",
                     tooltip="custom only: steps (1-based, as in the progress bar) where MC-Sparse re-measures "
                             "which tokens matter, e.g. '10, 26' for 50 steps, or percents '20%, 52%'. auto = the "
-                            "paper's 10 and 26 of 50, scaled. Each KSampler counts its own steps.",
+                            "paper's 10 and 26 of 50, scaled (with your own warm-up: its last step and 52%). Each "
+                            "KSampler counts its own steps. An anchor before the warm-up's last step: with both "
+                            "boxes in the same unit (steps and steps, or % and %) the node stops with an error; "
+                            "with mixed units it moves to the warm-up's last step and the run summary notes it.",
                 ),
                 io.Combo.Input(
                     "query_tile", options=["128", "64"], default="128",

@@ -179,10 +179,6 @@ def build_settings(
     """
     if preset not in PRESET_NAMES:
         raise ValueError(f"preset must be one of {', '.join(PRESET_NAMES)}, got {preset!r}")
-    if not isinstance(density, (int, float)) or isinstance(density, bool):
-        raise TypeError(f"density must be a number in (0, 1], got {type(density).__name__}")
-    if not (0.0 < float(density) <= 1.0):
-        raise ValueError(f"density must be in (0, 1], got {density}")
     if isinstance(warmup_layers, bool) or not isinstance(warmup_layers, int) or warmup_layers < 0:
         raise ValueError(f"dense warm-up layers must be a whole number >= 0, got {warmup_layers!r}")
     if query_tile not in GROUP_SIZES:
@@ -193,21 +189,18 @@ def build_settings(
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
         raise ValueError(f"min tokens must be a whole number >= 0, got {min_tokens!r}")
-    warmup = parse_warmup(dense_warmup)
-    anchors = parse_step_list(anchor_steps, name="anchor steps")
-    if warmup is not None and anchors is not None and all(a.percent == warmup.percent for a in anchors):
-        # Same units: an anchor before the last warm-up step is rejected now rather than mid-sampling.
-        first = min(a.value for a in anchors)
-        if warmup.value > 0 and first < warmup.value:
-            unit = "%" if warmup.percent else ""
-            raise ValueError(
-                f"anchor steps must not come before the last dense warm-up step ({warmup.value:g}{unit}), "
-                f"got first anchor {first:g}{unit}"
-            )
     if preset != "custom":
-        density = PRESETS[preset]
-        warmup = None
-        anchors = None
+        # A preset ignores the density / warm-up / anchor boxes entirely (not even validated): its density
+        # and the paper's schedule scaled to each sampler call.
+        density, warmup, anchors = PRESETS[preset], None, None
+    else:
+        if not isinstance(density, (int, float)) or isinstance(density, bool):
+            raise TypeError(f"density must be a number in (0, 1], got {type(density).__name__}")
+        if not (0.0 < float(density) <= 1.0):
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        warmup = parse_warmup(dense_warmup)
+        anchors = parse_step_list(anchor_steps, name="anchor steps")
+        _check_same_unit_order(warmup, anchors)
     return PatchSettings(
         preset=preset,
         density=float(density),
@@ -220,6 +213,28 @@ def build_settings(
         min_tokens=int(min_tokens),
         verbose=bool(verbose),
     )
+
+
+def _check_same_unit_order(warmup: StepSpec | None, anchors: tuple[StepSpec, ...] | None) -> None:
+    """Warm-up and anchors typed in the same unit (all step numbers, or all percents): an anchor before the
+    last warm-up step is a contradiction known now, so the node rejects it. Mixed units can only be compared
+    once a sampler call's step count is known (``resolve_schedule`` then moves such an anchor, with a note).
+
+    Raises:
+        ValueError: naming "anchor steps" and "dense warm-up", with both values.
+    """
+    if warmup is None or anchors is None or warmup.value <= 0:
+        return
+    if any(a.percent != warmup.percent for a in anchors):
+        return
+    first = min(a.value for a in anchors)
+    if first < warmup.value:
+        unit = "%" if warmup.percent else ""
+        raise ValueError(
+            f"anchor steps must not come before the last dense warm-up step ({warmup.value:g}{unit}), "
+            f"got first anchor {first:g}{unit}; with both in the same unit this is rejected (move the anchor "
+            f"to >= {warmup.value:g}{unit} or shorten the dense warm-up)"
+        )
 
 
 @dataclass(frozen=True)
