@@ -59,8 +59,11 @@ def setup_comfy(comfyui_dir: str) -> Any:
 
     if not torch.cuda.is_available():
         args.cpu = True
-    import nodes
-    import utils.extra_config  # noqa: F401  (before nodes: nodes puts comfy/ first on sys.path)
+    # Order matters (kept apart so import sorting cannot swap them): ComfyUI's top-level utils/ package must be
+    # imported before nodes, which puts comfy/ (with its own utils.py) first on sys.path.
+    import utils.extra_config  # noqa: F401
+
+    import nodes  # isort: skip
 
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
     ok = asyncio.run(nodes.load_custom_node(str(PACK_ROOT)))

@@ -10,7 +10,8 @@ Lifecycle (pattern of core EasyCache, ``comfy_extras/nodes_easycache.py`` L144-1
 * OUTER_SAMPLE (once per sampler call; ``comfy/samplers.py`` L1032-1035, args ``(noise, latent, sampler,
   sigmas, ...)``) clones the guider's model_options, creates a fresh ``RunState`` (an ``MCSparseRunner``
   for this call's schedule) under ``transformer_options["mc_sparse_run"]``, and in ``finally`` logs the run
-  summary, frees the caches and restores the options. Interrupts and errors go through the ``finally``.
+  summary, frees the caches and restores the options. Interrupts and errors go through the ``finally`` too;
+  their summary then starts "run interrupted after step N (ExceptionType)" and gives the counts so far.
 * CALC_COND_BATCH (per step, gets the model_options actually used) and ON_PREPARE_STATE re-assert our
   override on top, chaining whatever another node put there; a displacement is logged once and reported.
 * ON_CLEANUP (``comfy/model_patcher.py`` L906-911, end of ``outer_sample``) frees the caches of active runs.
@@ -20,6 +21,7 @@ Nothing here imports ComfyUI at module level; ``apply_mc_sparse`` imports ``comf
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -92,6 +94,8 @@ class RunState:
 
         self._choices_at_start = kernels.registry.last_choices()
         self.closed = False
+        self.last_step: int | None = None  # highest 0-based step a model evaluation reached so far
+        self.interrupted_by: str | None = None  # exception type name when the sampler call did not finish
         self.config = None
         self.runner = None
         self.dense_run_reason = unsupported or "no anchor step in this sampler call"
@@ -166,8 +170,15 @@ class RunState:
 
     # -- called from the override ---------------------------------------------------------------------------
     def step_for(self, sigma: float) -> int:
-        """0-based step of ``sigma`` in this call's schedule (``steps.step_index``)."""
-        return step_index(sigma, self.sample_sigmas)
+        """0-based step of ``sigma`` in this call's schedule (``steps.step_index``); noted as reached."""
+        step = step_index(sigma, self.sample_sigmas)
+        self.note_step(step)
+        return step
+
+    def note_step(self, step: int) -> None:
+        """A model evaluation of ``step`` (0-based) started: the summary of an interrupted run names it."""
+        if self.last_step is None or step > self.last_step:
+            self.last_step = step
 
     def kind(self, step: int, layer: int) -> str:
         """"dense", "anchor" or "reuse" for this step and block."""
@@ -351,6 +362,10 @@ def outer_sample_wrapper(executor, *args, **kwargs):
         holder.active_runs.append(run)
         _plan_before_sampling(run, guider, args[0] if args else kwargs.get("noise"))
         return executor(*args, **kwargs)
+    except BaseException as err:  # ComfyUI's interrupt (InterruptProcessingException), OOM, Ctrl-C, ...
+        if run is not None:
+            run.interrupted_by = type(err).__name__
+        raise
     finally:
         if run is not None:
             try:
@@ -365,7 +380,7 @@ def outer_sample_wrapper(executor, *args, **kwargs):
 def _report(run: RunState) -> None:
     text = run.summary()
     counts = run.counts()
-    if counts["sparse"] == 0:
+    if counts["sparse"] == 0 or run.interrupted_by is not None:
         logger.warning("%s", text)
     else:
         logger.info("%s", text)
@@ -391,6 +406,10 @@ def calc_cond_batch_wrapper(executor, *args, **kwargs):
         run = options.get(RUN_KEY)
         if displaced and run is not None:
             run.note_displaced(displaced)
+        timestep = args[3] if len(args) > 3 else kwargs.get("timestep")
+        if run is not None and isinstance(timestep, torch.Tensor) and timestep.numel():
+            with contextlib.suppress(ValueError):  # this evaluation's step, for an interrupted run's summary
+                run.note_step(step_index(float(timestep.detach().float().max()), run.sample_sigmas))
     return executor(*args, **kwargs)
 
 

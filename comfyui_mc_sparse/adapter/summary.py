@@ -9,13 +9,23 @@ def format_summary(run) -> str:
 
     With a runner, its own summary (calls per kind, dense reasons, anchors, cache peak, kernels) is included;
     the adapter adds the schedule, measured time saved per conditioning chunk, displaced overrides and notes.
-    Ends with a loud WARNING line when no call went sparse.
+    Ends with a loud WARNING line when no call went sparse in a finished run. A run that ended by an exception
+    (``run.interrupted_by``, e.g. ComfyUI's InterruptProcessingException) starts
+    "MC-Sparse: run interrupted after step N (ExceptionType): <counts> so far", N being the last step
+    (1-based) a model evaluation reached, or "before its first step".
     """
     counts = run.counts()
     s = run.settings
     sched = run.schedule
-    head = (f"MC-Sparse: {counts['sparse']} sparse, {counts['anchor']} anchor, {counts['dense']} dense attention "
-            f"calls over {run.num_steps} steps (density {s.density:g}, preset {s.preset})")
+    tally = f"{counts['sparse']} sparse, {counts['anchor']} anchor, {counts['dense']} dense attention calls"
+    interrupted = getattr(run, "interrupted_by", None)
+    if interrupted is not None:
+        last = getattr(run, "last_step", None)
+        where = f"after step {last + 1} of {run.num_steps}" if last is not None else "before its first step"
+        head = (f"MC-Sparse: run interrupted {where} ({interrupted}): {tally} so far "
+                f"(density {s.density:g}, preset {s.preset})")
+    else:
+        head = f"MC-Sparse: {tally} over {run.num_steps} steps (density {s.density:g}, preset {s.preset})"
     lines = [head]
     lines.append(f"  schedule: dense warm-up {sched.warmup_steps} steps, {s.warmup_layers} layers; anchors at steps "
                  f"{', '.join(str(a + 1) for a in sched.anchor_steps) or 'none'} (1-based)")
@@ -42,7 +52,7 @@ def format_summary(run) -> str:
     for what in run.displaced:
         lines.append(f"  another attention override ({what}) was installed after MC-Sparse; chained under it")
     lines.extend(f"  note: {n}" for n in run.notes)
-    if counts["sparse"] == 0:
+    if counts["sparse"] == 0 and interrupted is None:
         lines.append("  WARNING: no attention call went sparse in this sampler call: MC-Sparse gave no speedup "
                      "(see the dense reasons above)")
     return "\n".join(lines)

@@ -202,3 +202,33 @@ def test_hunyuan3d21_object_patch_route(comfy, summaries):
     out = nodes.common_ksampler(model, 1, 6, 5.0, "euler", "normal", pos, neg,
                                 {"samples": torch.zeros(1, 64, 256), "type": "hunyuan3dv2"})[0]["samples"]
     assert torch.isfinite(out).all() and summaries.counts()["sparse"] > 0, summaries.summaries[-1]
+
+
+def test_interrupted_run_says_so_in_its_summary(comfy, summaries):
+    """ComfyUI's interrupt (the progress hook raises InterruptProcessingException after step 3 of 6, as
+    ``main.py``'s hook does when the user presses cancel): the summary says "run interrupted after step 3"
+    with the counts so far; the exception reaches the caller; the next run is a normal one."""
+    import comfy.model_management as mm
+    import pytest
+    from comfy import utils as comfy_utils  # not "import comfy.utils": that would shadow the comfy fixture
+
+    _, nodes = comfy
+    patched = _patch(nodes, _load(comfy, "wan21_t2v"))
+    z = torch.zeros(1, 16, 3, 16, 16)
+
+    def hook(value, total, preview, node_id=None):
+        if value >= 3:
+            raise mm.InterruptProcessingException()
+
+    old = comfy_utils.PROGRESS_BAR_HOOK
+    comfy_utils.set_progress_bar_global_hook(hook)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            _sample(nodes, patched, latent=z, steps=6)
+    finally:
+        comfy_utils.set_progress_bar_global_hook(old)
+    head = summaries.summaries[-1].splitlines()[0]
+    assert head.startswith("MC-Sparse: run interrupted after step 3 of 6 (InterruptProcessingException): "), head
+    assert "calls so far" in head and "WARNING" not in summaries.summaries[-1]
+    _sample(nodes, patched, latent=z, steps=6)
+    assert "interrupted" not in summaries.summaries[-1] and summaries.counts()["sparse"] > 0
