@@ -318,14 +318,8 @@ class MCSparseRunner:
         return line + "".join(f"\n  note: {n}" for n in c.notes)
 
     def time_saved_ms(self) -> float | None:
-        """Reuse calls x (mean dense time - mean reuse time) per shape, from measured calls; None if unmeasured."""
-        saved, any_pair = 0.0, False
-        for shape, reuse in self._reuse_ms_by_shape.items():
-            dense = self._dense_ms_by_shape.get(shape)
-            if dense:
-                any_pair = True
-                saved += len(reuse) * (sum(dense) / len(dense)) - sum(reuse)
-        return saved if any_pair else None
+        """Measured attention time saved by the reuse calls (see ``time_saved_ms``); None if unmeasured."""
+        return time_saved_ms(self._dense_ms_by_shape, self._reuse_ms_by_shape)
 
     def _dense(self, dense: DenseFn, q, k, v, reason: str, timed_shape: tuple | None = None) -> torch.Tensor:
         start = self._tic()
@@ -366,3 +360,12 @@ def _is_out_of_memory(err: BaseException) -> bool:
         return True
     text = str(err)
     return "out of memory" in text or "can't allocate memory" in text
+
+
+def time_saved_ms(dense_ms: dict[tuple, list[float]], reuse_ms: dict[tuple, list[float]]) -> float | None:
+    """Attention milliseconds the reuse calls saved: per call shape, reuse calls x mean dense call time minus the
+    reuse calls' time, from calls measured in the same run. None when no shape has both kinds measured."""
+    pairs = [(dense_ms[shape], reuse) for shape, reuse in reuse_ms.items() if dense_ms.get(shape)]
+    if not pairs:
+        return None
+    return sum(len(reuse) * (sum(dense) / len(dense)) - sum(reuse) for dense, reuse in pairs)

@@ -1,14 +1,13 @@
 """Bad and unusual input through the adapter, the backend combo, VACE call sites, the extra_kv route (CI).
 
-Stand-ins mirror ComfyUI (Oct-2025 snapshot) contracts: ``_func`` is a raw backend
-(``comfy/ldm/modules/attention.py`` L476-516, both layouts); ``_options`` the transformer_options of
-``comfy/samplers.py`` L321-323; ``VaceWanModel`` the attributes ``comfy/ldm/wan/model.py`` L661-776 sets
+Stand-ins mirror ComfyUI (Oct-2025 snapshot) contracts: ``_func`` and ``_options`` from
+``tests/_comfy_standins.py`` (a raw backend, the transformer_options of one call); ``VaceWanModel`` the attributes ``comfy/ldm/wan/model.py`` L661-776 sets
 (``blocks``, ``vace_blocks``, ``vace_layers_mapping``), with blocks that call ``self_attn.forward`` with
 ``transformer_options`` as ``WanAttentionBlock.forward`` does (L235).
 """
 
+import functools
 import logging
-import math
 import types
 
 import pytest
@@ -17,19 +16,8 @@ from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import layouts, lifecycle, override, settings
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.layouts import MARK_KEY, TEXT_LEN_KEY, CallSite
 
-
-def _func(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
-    if not skip_reshape:
-        b, s, hd = q.shape
-        q, k, v = (t.view(b, -1, heads, hd // heads).transpose(1, 2) for t in (q, k, v))
-    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        scores = scores + mask.double()
-    out = (torch.softmax(scores, -1) @ v.double()).to(q.dtype)
-    if skip_reshape and skip_output_reshape:
-        return out
-    b, h, s, d = out.shape
-    return out.transpose(1, 2).reshape(b, s, h * d)
+from ._comfy_standins import raw_attention as _func
+from ._comfy_standins import transformer_options
 
 
 def _settings(**over):
@@ -38,9 +26,7 @@ def _settings(**over):
     return settings.build_settings(**{**base, **over})
 
 
-def _options(run, site, chunks=1, sigma=1.0):
-    return {override.RUN_KEY: run, MARK_KEY: site, "cond_or_uncond": [1, 0][:chunks],
-            "uuids": [f"u{i}" for i in range(chunks)], "sigmas": torch.tensor([sigma])}
+_options = functools.partial(transformer_options, chunks=1, sigma=1.0)
 
 
 SIGMAS = torch.tensor([1.0, 0.8, 0.6, 0.0])  # anchor at step 0, reuse at steps 1 and 2

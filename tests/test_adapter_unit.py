@@ -1,37 +1,22 @@
 """Unit tests of the ComfyUI adapter against small stand-ins of ComfyUI contracts (no ComfyUI needed).
 
-Stand-ins and the ComfyUI (Oct-2025 snapshot) lines they mirror:
-* ``_func``: a raw attention backend, ``comfy/ldm/modules/attention.py`` L476-516 (``attention_pytorch``):
-  (B, S, H*D) or, with skip_reshape, (B, H, S, D); output (B, S, H*D) unless skip_output_reshape.
-* ``_options``: transformer_options as ``comfy/samplers.py`` L321-323 builds them (cond_or_uncond, uuids,
-  sigmas) plus ``sample_sigmas`` (L979).
+Stand-ins (``tests/_comfy_standins.py``, each citing the ComfyUI Oct-2025 lines it mirrors): ``_func`` a raw
+attention backend, ``_options`` the transformer_options of one model call.
 """
 
+import functools
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings, steps
-from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.layouts import MARK_KEY, TEXT_LEN_KEY, CallSite
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.layouts import TEXT_LEN_KEY, CallSite
+
+from ._comfy_standins import raw_attention as _func
+from ._comfy_standins import transformer_options
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _func(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
-    """Reference dense attention in float64 with ComfyUI's layout contract."""
-    if not skip_reshape:
-        b, s, hd = q.shape
-        q, k, v = (t.view(b, -1, heads, hd // heads).transpose(1, 2) for t in (q, k, v))
-    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        scores = scores + mask.double()
-    out = (torch.softmax(scores, -1) @ v.double()).to(q.dtype)
-    if skip_reshape and skip_output_reshape:
-        return out
-    b, h, s, d = out.shape
-    return out.transpose(1, 2).reshape(b, s, h * d)
 
 
 def _settings(**over):
@@ -77,9 +62,7 @@ def test_step_index(sampler_sigmas, sigma, expected):
     assert steps.step_index(sigma, torch.tensor(sampler_sigmas)) == expected
 
 
-def _options(run, site, chunks=2, sigma=0.5):
-    return {override.RUN_KEY: run, MARK_KEY: site, "cond_or_uncond": [1, 0][:chunks],
-            "uuids": [f"u{i}" for i in range(chunks)], "sigmas": torch.tensor([sigma])}
+_options = functools.partial(transformer_options, chunks=2, sigma=0.5)
 
 
 @pytest.mark.parametrize("skip_reshape,skip_output_reshape", [(False, False), (True, False), (True, True)])

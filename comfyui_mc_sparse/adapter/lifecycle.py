@@ -232,13 +232,9 @@ class RunState:
 
     def time_saved_ms(self) -> float | None:
         """Measured: reuse calls x (mean dense time - mean reuse time) per chunk shape; None if no pair."""
-        saved, paired = 0.0, False
-        for shape, reuse in self.reuse_ms.items():
-            dense = self.dense_ms.get(shape)
-            if dense:
-                paired = True
-                saved += len(reuse) * (sum(dense) / len(dense)) - sum(reuse)
-        return saved if paired else None
+        from ..engine import time_saved_ms
+
+        return time_saved_ms(self.dense_ms, self.reuse_ms)
 
     def counts(self) -> dict[str, int]:
         """{"sparse": reuse calls, "anchor": anchor calls, "dense": dense calls} so far."""
