@@ -6,7 +6,9 @@ libraries that are missing or broken never break this import: their backend is r
 with the reason. Pass ``backend="torch"`` (or another name) to force one; ``registry.report()`` lists them.
 
 Tensor conventions: q, k, v ``[B, H, S, D]`` (fp16, bf16, fp32 or fp64); ``perm`` int32 ``[B, H, G*C]``;
-``kv_idx`` int32 ``[B, H, G, K_alloc]`` sorted with -1 padding; LSE fp32 ``[B, H, S]``.
+``kv_idx`` int32 ``[B, H, G, K_alloc]`` sorted with -1 padding; LSE fp32 ``[B, H, S]``. The reuse path's op
+(``sparse_attention`` with ``out=`` and ``residual=``, TEAM.md contract 2) takes q/k/v and writes ``out`` by strides,
+so ``[B, H, S, D]`` views of ComfyUI's ``[B, S, H*D]`` tensors go in and out without copies.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from . import reference, registry
 from .registry import Backend, NoCapableBackendError
+from .residual import Residual
 
 registry.register(
     Backend(
@@ -28,6 +31,7 @@ registry.register(
             "select_kv": reference.select_kv,
             "sparse_attention": reference.sparse_attention,
             "pddp_groups": reference.pddp_groups,
+            "decode_bitmask": reference.decode_bitmask,
         },
     )
 )
@@ -39,6 +43,8 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 __all__ = [
     "Backend",
     "NoCapableBackendError",
+    "Residual",
+    "decode_bitmask",
     "dense_attention",
     "group_prob_sums",
     "pddp_groups",
@@ -116,25 +122,120 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, bac
     )
 
 
-def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, backend="auto"):
+def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, backend="auto"):
     """Token-sparse attention over each group's gathered KV tokens, output in the original query order.
 
-    Args: q, k, v ``[B, H, S, D]``; perm int32 ``[B, H, G*C]``; kv_idx int32 ``[B, H, G, K_alloc]``.
-    perm and kv_idx must come from ``pddp_groups`` and ``select_kv`` (or keep their contract: each query once,
-    indices in [0, Sk) sorted with trailing -1, at least one per group): their values are not checked here,
-    since that would cost a device sync on every reuse step.
-    Returns: O ``[B, H, S, D]`` (q's dtype), or (O, LSE fp32 ``[B, H, S]``).
+    Args:
+        q, k, v: ``[B, H, S, D]`` (k, v ``[B, H, Sk, D]``), any strides: e.g. ``x.view(B, S, H, D).transpose(1, 2)``
+            of ComfyUI's ``[B, S, H*D]`` tensors, read in place.
+        perm: int32 ``[B, H, G*C]`` query groups (-1 in the last G*C - S slots).
+        kv_idx: int32 ``[B, H, G, K_alloc]``, each row sorted ascending with trailing -1 padding.
+        scale: softmax scale; None means 1/sqrt(D).
+        return_lse: also return the fp32 LSE ``[B, H, S]`` (natural log, scale applied) of the sparse part.
+        out: optional ``[B, H, S, D]`` tensor in q's dtype on q's device, any strides (e.g. a view of a
+            ``[B, S, H*D]`` buffer); written in place (every element of the view, nothing outside it) and returned.
+        residual: optional ``kernels.Residual`` ("plain", "fp8_row" or "int4_row"); the result is sparse + R,
+            R added in fp32 before rounding (in the kernel's epilogue on the Triton backend).
+        backend: "auto" or a backend name (``registry.backend_names()``).
+    perm and kv_idx must come from ``pddp_groups`` and ``select_kv`` / ``decode_bitmask`` (or keep their contract: each
+    query once, indices in [0, Sk) sorted with trailing -1, at least one per group): their values are not checked
+    here, since that would cost a device sync on every reuse step.
+    Returns:
+        O ``[B, H, S, D]`` (q's dtype; ``out`` itself when given), or (O, LSE fp32 ``[B, H, S]``).
+    Raises:
+        TypeError / ValueError: malformed q/k/v, perm, kv_idx, out (shape, dtype, device, overlapping q/k/v) or
+        residual (shape or device not q's). NoCapableBackendError: nothing can run the call.
     """
     _check_qkv(q, k, v)
-    if kv_idx.dtype != torch.int32 or kv_idx.dim() != 4 or kv_idx.shape[:2] != q.shape[:2]:
-        raise ValueError(f"kv_idx must be int32 [B, H, G, K], got {kv_idx.dtype} {tuple(kv_idx.shape)}")
+    if not isinstance(kv_idx, torch.Tensor) or kv_idx.dtype != torch.int32 or kv_idx.dim() != 4 or kv_idx.shape[:2] != q.shape[:2]:
+        raise ValueError(f"kv_idx must be int32 [B, H, G, K] with q's B, H, got {_desc(kv_idx)}")
+    if kv_idx.device != q.device or perm.device != q.device:
+        raise ValueError(f"perm and kv_idx must be on q's device {q.device}, got {perm.device}, {kv_idx.device}")
     G = kv_idx.shape[2]
     if perm.shape[-1] % G:
         raise ValueError(f"perm width {perm.shape[-1]} must be G*C for kv_idx's G = {G}")
     _check_perm(perm, q, perm.shape[-1] // G)
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(q.shape):
+            raise ValueError(f"out must be a tensor of q's shape {tuple(q.shape)}, got {_desc(out)}")
+        if out.dtype != q.dtype or out.device != q.device:
+            raise TypeError(f"out must have q's dtype and device ({q.dtype}, {q.device}), got {out.dtype}, {out.device}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if _overlaps(out, t):
+                raise ValueError(f"out must not share memory with {name} (the kernel reads {name} while writing out)")
+    if residual is not None:
+        if not isinstance(residual, Residual):
+            raise TypeError(f"residual must be a kernels.Residual (or None), got {type(residual).__name__}")
+        residual.check(q)
     return registry.call(
-        "sparse_attention", q, k, v, perm, kv_idx, scale=_scale(q, scale), return_lse=return_lse, backend=backend
+        "sparse_attention", q, k, v, perm, kv_idx, scale=_scale(q, scale), return_lse=return_lse, out=out,
+        residual=residual, backend=backend,
     )
+
+
+def decode_bitmask(bits, *, num_tokens, out=None, width=None, backend="auto"):
+    """Bitmask selection rows -> sorted int32 KV indices with trailing -1 (the cache's compact form, decoded).
+
+    Args:
+        bits: uint8 ``[..., ceil(num_tokens/8)]``, little bit order: bit j of byte b is token 8b + j
+            (comfyui_mc_sparse/encoding.py); bits of tokens >= num_tokens are ignored.
+        num_tokens: S, the KV length.
+        out: int32 ``[..., width]`` with bits' leading shape, on bits' device, whose leading dims flatten to rows
+            (e.g. ``stacked[0]`` of a ``[2, H, G, K_alloc]`` buffer two CFG entries decode into); every element is
+            written. None allocates one ``width`` wide.
+        width: K_alloc when ``out`` is None.
+        backend: "auto" (one Triton launch on CUDA, no host sync, no int64 intermediates) or a backend name.
+    Returns:
+        ``out``: each row's set tokens ascending, then -1. A row with more than ``width`` set tokens keeps its first
+        ``width`` (the cache never stores one; checking would cost a device sync).
+    Raises:
+        TypeError / ValueError: bits not uint8 of ceil(num_tokens/8) bytes per row, out of the wrong dtype, shape or
+        device, or neither out nor width given.
+    """
+    if not isinstance(bits, torch.Tensor) or bits.dtype != torch.uint8 or bits.dim() < 1:
+        raise TypeError(f"bits must be a uint8 tensor [..., ceil(S/8)], got {_desc(bits)}")
+    if num_tokens < 1 or bits.shape[-1] != -(-num_tokens // 8):
+        raise ValueError(f"bits must have ceil(num_tokens/8) = {-(-num_tokens // 8)} bytes per row, got {bits.shape[-1]}")
+    if out is None:
+        if width is None or width < 1:
+            raise ValueError(f"give out or a width >= 1, got width={width}")
+        out = torch.empty(*bits.shape[:-1], width, dtype=torch.int32, device=bits.device)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or tuple(out.shape[:-1]) != tuple(bits.shape[:-1]):
+        raise ValueError(f"out must be int32 [{', '.join(map(str, bits.shape[:-1]))}, width], got {_desc(out)}")
+    if width is not None and out.shape[-1] != width:
+        raise ValueError(f"out's width {out.shape[-1]} differs from width={width}")
+    if out.device != bits.device:
+        raise ValueError(f"out must be on bits' device {bits.device}, got {out.device}")
+    if out.shape[-1] < 1 or out.stride(-1) != 1 or not _rows_uniform(out):
+        raise ValueError(f"out must have unit stride on its last dim and leading dims that flatten to rows, got strides "
+                         f"{out.stride()}")
+    return registry.call("decode_bitmask", bits, out, num_tokens=num_tokens, backend=backend)
+
+
+def _rows_uniform(t: torch.Tensor) -> bool:
+    """True when t's leading dims flatten to one row stride (t.view(-1, width) works without a copy)."""
+    try:
+        t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return False
+    return True
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when the byte ranges of a and b intersect (conservative for interleaved views)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    lo = t.data_ptr()
+    return lo, lo + (sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _desc(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def pddp_groups(q, group_size, *, power_iters=8, backend="auto"):

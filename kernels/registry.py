@@ -18,7 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-OPS = ("dense_attention", "group_prob_sums", "select_kv", "sparse_attention", "pddp_groups")
+OPS = ("dense_attention", "group_prob_sums", "select_kv", "sparse_attention", "pddp_groups", "decode_bitmask")
 
 
 class NoCapableBackendError(RuntimeError):

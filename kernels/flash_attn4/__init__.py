@@ -22,6 +22,7 @@ import torch
 from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
 from ..registry import Backend, register
+from ..residual import finish_unfused
 
 __all__ = ["dense_attention", "refuse", "sparse_attention"]
 
@@ -59,7 +60,7 @@ def dense_attention(q, k, v, *, scale=None, return_lse=False):
     return (out, lse) if return_lse else out
 
 
-def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False):
+def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None):
     """Token-sparse attention through FA4's paged KV with one-token pages; contract of
     ``kernels.reference.sparse_attention`` (kv_idx's -1 slots must be trailing in each group, as select_kv makes them).
 
@@ -89,8 +90,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False):
         out_g[n0:n1] = o
         lse_g[n0:n1] = lse
     dest = perm[:, :, :S].long()  # the -1 padding slots are the last G*C - S entries
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    out.scatter_(2, dest.unsqueeze(-1).expand(-1, -1, -1, D), out_g.reshape(B, H, G * C, D)[:, :, :S])
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    o.scatter_(2, dest.unsqueeze(-1).expand(-1, -1, -1, D), out_g.reshape(B, H, G * C, D)[:, :, :S])
+    out = finish_unfused(o, out, residual)
     if not return_lse:
         return out
     lse_out = torch.empty(B, H, S, dtype=torch.float32, device=q.device)

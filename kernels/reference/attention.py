@@ -115,15 +115,19 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None):
     return out
 
 
-def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False):
+def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None):
     """Token-sparse attention: each query group attends to its own gathered KV tokens.
 
     Args:
-        q, k, v: ``[B, H, S, D]``; perm: int32 ``[B, H, G*C]``; kv_idx: int32 ``[B, H, G, K_alloc]``
+        q, k, v: ``[B, H, S, D]`` (any strides); perm: int32 ``[B, H, G*C]``; kv_idx: int32 ``[B, H, G, K_alloc]``
         (-1 slots masked; a group whose slots are all -1 is an error upstream, not handled here).
         scale: None means 1/sqrt(D). return_lse: also return fp32 ``[B, H, S]``.
+        out: optional ``[B, H, S, D]`` tensor in q's dtype (any strides, e.g. a view of a ``[B, S, H*D]`` buffer),
+            written in place and returned.
+        residual: optional ``kernels.Residual``; R is added in the accumulation precision before rounding.
     Returns:
-        O ``[B, H, S, D]`` in q's dtype in the original query order (every query written once), or (O, LSE).
+        O ``[B, H, S, D]`` in q's dtype in the original query order (every query written once; ``out`` itself
+        when given), or (O, LSE). The LSE is the sparse part's (the residual does not change it).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     acc = _acc_dtype(q)
@@ -144,9 +148,14 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False):
         p = torch.exp(scores - row_lse.unsqueeze(-1))
         out_sorted[:, :, g0 : g0 + step] = torch.matmul(p, vg.to(acc))
         lse_sorted[:, :, g0 : g0 + step] = row_lse
-    out = torch.empty_like(q)
-    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     dest = perm[:, :, :S].long()  # padding slots are the last G*C - S entries of perm
-    out.scatter_(2, dest.unsqueeze(-1).expand(-1, -1, -1, D), out_sorted.reshape(B, H, G * C, D)[:, :, :S].to(q.dtype))
+    full = torch.empty(B, H, S, D, dtype=acc, device=q.device)
+    full.scatter_(2, dest.unsqueeze(-1).expand(-1, -1, -1, D), out_sorted.reshape(B, H, G * C, D)[:, :, :S])
+    if residual is not None:
+        full += residual.dequantize(acc)
+    if out is None:
+        out = torch.empty_like(q)
+    out.copy_(full)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     lse.scatter_(2, dest, lse_sorted.reshape(B, H, G * C)[:, :, :S].float())
     return (out, lse) if return_lse else out

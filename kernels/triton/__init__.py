@@ -35,12 +35,20 @@ _INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def refuse(op: str, q: torch.Tensor, requested: bool) -> str | None:
-    """Why the Triton backend cannot run ``op`` on ``q`` (None when it can); see the module docstring."""
+    """Why the Triton backend cannot run ``op`` on ``q`` (None when it can); see the module docstring.
+
+    For ``decode_bitmask`` ``q`` is the uint8 bitmask: only the device rules apply."""
+    if op == "decode_bitmask":
+        return _device_refusal(q, requested)
     if q.dtype not in _DTYPES:
         return f"runs float16/bfloat16 only, got {q.dtype}"
     d = q.shape[-1]
     if d < 16 or d > 256 or d & (d - 1):
         return f"head dim must be a power of two in [16, 256], got {d}"
+    return _device_refusal(q, requested)
+
+
+def _device_refusal(q: torch.Tensor, requested: bool) -> str | None:
     if q.device.type == "cuda":
         if _INTERPRETER:
             return "TRITON_INTERPRET=1 is set: the interpreter runs CPU tensors only"

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..residual import finish_unfused
+
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -181,7 +183,7 @@ def _config(head_dim: int, block_m: int) -> tuple[int, int, int]:
     return (64, 4, 3)
 
 
-def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, block_n=None, num_warps=None,
+def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, block_n=None, num_warps=None,
                      num_stages=None, mask_from_count=True, cache="", block_m=None, row64=None, permute_q=True):
     """Token-sparse attention on the Triton kernel; same contract as ``kernels.reference.sparse_attention``.
 
@@ -226,6 +228,7 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, blo
         row64 = reach >= 2**31
     perm = perm.contiguous()
     kv_idx = kv_idx.contiguous()
+    target = out
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else out  # dummy when unused
     grid = (G * m_blocks, B * H)
@@ -238,4 +241,5 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, blo
         MASK_FROM_COUNT=mask_from_count, ROW64=bool(row64), CACHE=cache, PERMUTE_Q=permute_q,
         num_warps=warps, num_stages=stages,
     )
+    out = finish_unfused(out, target, residual)
     return (out, lse) if return_lse else out

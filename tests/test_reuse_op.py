@@ -1,0 +1,179 @@
+"""The reuse-path op (TEAM.md contract 2) on the torch reference: ``sparse_attention(..., out=, residual=)``,
+``kernels.Residual`` in its three stored forms, and ``decode_bitmask``; each against brute force in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from comfyui_mc_sparse_pack import kernels
+from comfyui_mc_sparse_pack.kernels import Residual
+
+
+def make_residual(r: torch.Tensor, kind: str) -> Residual:
+    """A residual of ``kind`` encoding the float tensor r ``[B, H, S, D]`` (the cache's formats)."""
+    if kind == "plain":
+        return Residual(r.to(torch.bfloat16))
+    amax = r.abs().amax(-1).float()
+    if kind == "fp8_row":
+        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        return Residual((r / scale[..., None]).to(torch.float8_e4m3fn), scale, "fp8_row")
+    scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+    q = torch.round(r / scale[..., None]).clamp(-7, 7).to(torch.int16) + 8
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+    return Residual(packed, scale, "int4_row")
+
+
+def brute_residual(res: Residual) -> torch.Tensor:
+    """R in float64, element by element from the documented format (independent of Residual.dequantize)."""
+    if res.kind == "plain":
+        return res.data.double()
+    if res.kind == "fp8_row":
+        return res.data.double() * res.scale.double()[..., None]
+    B, H, S, half = res.data.shape
+    out = torch.empty(B, H, S, 2 * half, dtype=torch.float64)
+    for j in range(half):
+        byte = res.data[..., j].long()
+        out[..., 2 * j] = (byte % 16 - 8).double()
+        out[..., 2 * j + 1] = (byte // 16 - 8).double()
+    return out * res.scale.double()[..., None]
+
+
+def brute_sparse(q, k, v, perm, kv_idx, scale=None):
+    """Float64 masked-softmax attention per query (the definition), and its LSE."""
+    B, H, S, D = q.shape
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    G = kv_idx.shape[2]
+    C = perm.shape[-1] // G
+    out = torch.full((B, H, S, D), float("nan"), dtype=torch.float64)
+    lse = torch.full((B, H, S), float("nan"), dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for g in range(G):
+                keys = kv_idx[b, h, g][kv_idx[b, h, g] >= 0].long()
+                rows = perm[b, h, g * C:(g + 1) * C]
+                rows = rows[rows >= 0].long()
+                s = q[b, h, rows].double() @ k[b, h, keys].double().T * scale
+                lse[b, h, rows] = torch.logsumexp(s, -1)
+                out[b, h, rows] = torch.softmax(s, -1) @ v[b, h, keys].double()
+    return out, lse
+
+
+def random_groups(gen, B, H, S, C):
+    G = -(-S // C)
+    perm = torch.full((B, H, G * C), -1, dtype=torch.int32)
+    for b in range(B):
+        for h in range(H):
+            perm[b, h, :S] = torch.randperm(S, generator=gen).to(torch.int32)
+    return perm
+
+
+def random_kv_idx(gen, B, H, G, S, K, k_alloc):
+    idx = torch.full((B, H, G, k_alloc), -1, dtype=torch.int32)
+    for b in range(B):
+        for h in range(H):
+            for g in range(G):
+                idx[b, h, g, :K] = torch.sort(torch.randperm(S, generator=gen)[:K]).values.to(torch.int32)
+    return idx
+
+
+def native_views(gen, B, S, H, D, dtype):
+    """q, k, v as [B, H, S, D] views of [B, S, H*D] tensors (ComfyUI's layout), and an out view likewise."""
+    qkv = [torch.randn(B, S, H * D, generator=gen).to(dtype) for _ in range(3)]
+    views = [t.view(B, S, H, D).transpose(1, 2) for t in qkv]
+    return views
+
+
+@pytest.mark.parametrize("kind", ["plain", "fp8_row", "int4_row"])
+def test_residual_dequantize_matches_format(gen, kind):
+    """Residual.dequantize reads each stored form as TEAM.md contract 2 defines it (nibble order, scales)."""
+    r = torch.randn(2, 3, 7, 16, generator=gen)
+    res = make_residual(r, kind)
+    assert torch.equal(res.dequantize(torch.float64), brute_residual(res))
+    bound = {"plain": 1e-2, "fp8_row": 7e-2, "int4_row": 0.1}[kind]  # the format's own rounding
+    assert (res.dequantize() - r).norm() / r.norm() < bound
+
+
+def test_residual_rejects_malformed():
+    """Clear errors for an unknown kind, wrong dtypes, a missing or misshapen scale, or a shape not q's."""
+    x = torch.zeros(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="kind"):
+        Residual(x, None, "int8")
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        Residual(x.double())
+    with pytest.raises(ValueError, match="no scale"):
+        Residual(x, torch.ones(1, 2, 5))
+    with pytest.raises(TypeError, match="float32 scale"):
+        Residual(x.to(torch.float8_e4m3fn), None, "fp8_row")
+    with pytest.raises(ValueError, match=r"\[B, H, S\]"):
+        Residual(x.to(torch.float8_e4m3fn), torch.ones(1, 2, 5, 1), "fp8_row")
+    with pytest.raises(TypeError, match="uint8"):
+        Residual(x.half(), torch.ones(1, 2, 5), "int4_row")
+    q = torch.zeros(1, 2, 5, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"\(1, 2, 5, 4\)"):
+        Residual(torch.zeros(1, 2, 5, 8, dtype=torch.uint8), torch.ones(1, 2, 5), "int4_row").check(q)
+    perm = torch.arange(5, dtype=torch.int32).view(1, 1, 5).expand(1, 2, 5).contiguous()
+    idx = torch.arange(5, dtype=torch.int32).view(1, 1, 1, 5).expand(1, 2, 1, 5).contiguous()
+    with pytest.raises(TypeError, match="kernels.Residual"):
+        kernels.sparse_attention(q, q, q, perm, idx, residual=x.half())
+    with pytest.raises(ValueError, match="out must be a tensor of q's shape"):
+        kernels.sparse_attention(q, q, q, perm, idx, out=torch.empty(1, 2, 5, 4, dtype=torch.float16))
+    with pytest.raises(TypeError, match="out must have q's dtype"):
+        kernels.sparse_attention(q, q, q, perm, idx, out=torch.empty(1, 2, 5, 8))
+    with pytest.raises(ValueError, match="share memory"):
+        kernels.sparse_attention(q, q.clone(), q.clone(), perm, idx, out=q)
+
+
+@pytest.mark.parametrize("kind", [None, "plain", "fp8_row", "int4_row"])
+def test_reference_writes_native_out_view_with_residual(gen, kind):
+    """Native-layout views in, an out view of a wider [B, S, H*D + 8] buffer written in place (every element of the
+    view, nothing else), result = float64 sparse attention + R, B = 2."""
+    B, S, H, D, C, K = 2, 37, 2, 16, 8, 11
+    q, k, v = native_views(gen, B, S, H, D, torch.bfloat16)
+    perm = random_groups(gen, B, H, S, C)
+    idx = random_kv_idx(gen, B, H, perm.shape[-1] // C, S, K, 16)
+    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen), kind)
+    base = torch.full((B, S, H * D + 8), float("nan"), dtype=torch.bfloat16)
+    out = base[..., :H * D].view(B, S, H, D).transpose(1, 2)
+    got, lse = kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, backend="torch")
+    assert got is out
+    ref, ref_lse = brute_sparse(q, k, v, perm, idx)
+    if res is not None:
+        ref = ref + brute_residual(res)
+    assert not got.isnan().any() and base[..., H * D:].isnan().all()
+    assert (got.double() - ref).norm() / ref.norm() < 8e-3
+    assert (lse.double() - ref_lse).abs().max() < 1e-4
+
+
+def brute_decode(bits: torch.Tensor, num_tokens: int, width: int) -> torch.Tensor:
+    rows = bits.reshape(-1, bits.shape[-1])
+    out = torch.full((rows.shape[0], width), -1, dtype=torch.int32)
+    for r in range(rows.shape[0]):
+        toks = [8 * b + j for b in range(rows.shape[1]) for j in range(8)
+                if (int(rows[r, b]) >> j) & 1 and 8 * b + j < num_tokens][:width]
+        out[r, :len(toks)] = torch.tensor(toks, dtype=torch.int32)
+    return out.reshape(*bits.shape[:-1], width)
+
+
+def random_bitmask(gen, lead, S, K):
+    """uint8 [*lead, ceil(S/8)] with exactly K of the S tokens set per row (little bit order)."""
+    rows = math.prod(lead)
+    nbytes = -(-S // 8)
+    bits = torch.zeros(rows, nbytes * 8, dtype=torch.uint8)
+    for r in range(rows):
+        bits[r, torch.randperm(S, generator=gen)[:K]] = 1
+    packed = (bits.view(rows, nbytes, 8).long() << torch.arange(8)).sum(-1).to(torch.uint8)
+    return packed.view(*lead, nbytes)
+
+
+@pytest.mark.parametrize(("S", "K", "width"), [(37, 9, 16), (64, 64, 64), (1000, 250, 256), (13, 1, 5)])
+def test_decode_bitmask_reference(gen, S, K, width):
+    """Reference decode equals brute force, incl. ragged S (stray bits past S ignored) and into a stacked buffer."""
+    bits = random_bitmask(gen, (2, 3), S, K)
+    if S % 8:
+        bits[..., -1] |= 0xFF << (S % 8) & 0xFF  # bits of tokens >= S must be ignored
+    stacked = torch.full((2, 2, 3, width), 7, dtype=torch.int32)
+    got = kernels.decode_bitmask(bits, num_tokens=S, out=stacked[1])
+    assert got.data_ptr() == stacked[1].data_ptr()
+    assert torch.equal(stacked[1], brute_decode(bits, S, width)) and (stacked[0] == 7).all()
