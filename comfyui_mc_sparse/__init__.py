@@ -3,7 +3,8 @@
 The algorithm, free of ComfyUI: ``config`` (settings), ``schedule`` (dense / anchor / reuse steps),
 ``selection`` (K from density), ``attention`` (anchor and reuse steps of one layer), ``cache`` and
 ``encoding`` (the metadata cache and its compact storage), ``memory`` (estimates), ``engine`` (one
-sampling run), ``diagnostics`` (oracles and metrics), ``workload`` (synthetic q/k/v), ``cli`` (the demo).
+sampling run). ``tools`` holds what ComfyUI never loads: ``diagnostics`` (oracles and metrics), ``workload``
+(synthetic q/k/v), ``cli`` (the demo), ``headless`` (a shipped workflow run in a ComfyUI checkout).
 The kernels (Fast PDDP, exact selection, token-sparse attention) are in the checkout's ``kernels``
 package; ``adapter`` is the ComfyUI side.
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import override
-from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.layouts import MARK_KEY
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import MARK_KEY
 
 
 def raw_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,

@@ -1,7 +1,7 @@
 """Metadata-cache benchmark on a CUDA GPU (not collected by pytest): prints a table, writes JSON to --out.
 
 At the Wan2.1-14B 480p 81-frame self-attention shape (B=1, H=40, S=32760, D=128, bf16), density 0.25, C=128:
-1. bytes: one real anchor entry (synthetic DiT-like q/k/v, ``workload.py``) is encoded with each residual
+1. bytes: one real anchor entry (synthetic DiT-like q/k/v, ``tools/workload.py``) is encoded with each residual
    option; its selections and groups are decoded on the GPU and compared bit for bit; the cache of the
    40-layer x 2-branch (CFG) run is that entry's bytes x 80, next to ``memory.estimate_cache`` and the paper's
    naive layout (int32 indices + bf16 residual);
@@ -38,7 +38,7 @@ from comfyui_mc_sparse_pack import kernels  # noqa: E402
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import attention, engine, memory  # noqa: E402
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheEntry, CacheKey, encode_entry  # noqa: E402
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig  # noqa: E402
-from comfyui_mc_sparse_pack.comfyui_mc_sparse.workload import SyntheticWorkload, WorkloadSpec  # noqa: E402
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools.workload import SyntheticWorkload, WorkloadSpec  # noqa: E402
 
 GRID = (21, 30, 52)  # Wan2.1 480p, 81 frames: 32760 tokens
 H, D, DENSITY, C = 40, 128, 0.25, 128

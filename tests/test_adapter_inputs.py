@@ -14,7 +14,7 @@ import pytest
 import torch
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import layouts, lifecycle, override, settings
-from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.layouts import MARK_KEY, TEXT_LEN_KEY, CallSite
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import MARK_KEY, TEXT_LEN_KEY, CallSite
 
 from ._comfy_standins import raw_attention as _func
 from ._comfy_standins import transformer_options

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings, steps
-from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.layouts import TEXT_LEN_KEY, CallSite
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import TEXT_LEN_KEY, CallSite
 
 from ._comfy_standins import raw_attention as _func
 from ._comfy_standins import transformer_options

@@ -1,7 +1,7 @@
 """Every shipped workflow (UI and API) checked against the node definitions, without ComfyUI (CI).
 
 ``tests/data/comfyui_node_defs.json`` holds the definitions of every node type the workflows use, dumped from
-the Oct-2025 ComfyUI snapshot by ``adapter.headless.node_definitions`` (inputs in declaration order with type,
+the Oct-2025 ComfyUI snapshot by ``tools.headless.node_definitions`` (inputs in declaration order with type,
 required flag and combo options; output types). The integration test
 ``tests/integration/test_comfyui_workflows.py::test_node_definitions_snapshot_is_current`` regenerates it from
 a real ComfyUI and fails when it drifts. Checks:

@@ -7,7 +7,7 @@ from comfyui_mc_sparse_pack.comfyui_mc_sparse import attention, encoding, engine
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey, MetadataCache, StoredEntry, encode_entry
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.schedule import StepKind
-from comfyui_mc_sparse_pack.comfyui_mc_sparse.workload import SyntheticWorkload, WorkloadSpec
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools.workload import SyntheticWorkload, WorkloadSpec
 
 
 def _selection(gen, B, H, G, S, K, width):

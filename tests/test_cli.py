@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from comfyui_mc_sparse_pack.comfyui_mc_sparse import cli
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 

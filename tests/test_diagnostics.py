@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 from comfyui_mc_sparse_pack import kernels
-from comfyui_mc_sparse_pack.comfyui_mc_sparse import diagnostics as dg
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools import diagnostics as dg
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import schedule
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import MCSparseRunner
-from comfyui_mc_sparse_pack.comfyui_mc_sparse.workload import SyntheticWorkload, WorkloadSpec
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools.workload import SyntheticWorkload, WorkloadSpec
 
 
 def _qkv(gen, B=1, H=2, S=300, D=32, sharp=2.0):

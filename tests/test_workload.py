@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-from comfyui_mc_sparse_pack.comfyui_mc_sparse import workload
-from comfyui_mc_sparse_pack.comfyui_mc_sparse.workload import SyntheticWorkload, WorkloadSpec
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools import workload
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools.workload import SyntheticWorkload, WorkloadSpec
 
 SMALL = dict(frames=4, height=8, width=16, heads=5, head_dim=64, num_steps=10)
 

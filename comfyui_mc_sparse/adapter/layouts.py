@@ -26,7 +26,7 @@ Models (class names of ``model.diffusion_model``; sources are ComfyUI snapshot f
   (not flipped), single blocks ``cat(txt, img)`` (L123).
 * Hunyuan3D 2.1 (``comfy/ldm/hunyuan3dv2_1/hunyuandit.py`` ``HunYuanDiTPlain`` L536): its ``Attention``
   (L352-418) calls attention **without** transformer_options, so ``blocks.i.attn1.forward`` is replaced by
-  ``override.hunyuan3d21_attn_forward`` (same projections, then the MC-Sparse dispatch). The sequence is
+  ``hunyuan3d21.make_attn_forward`` (same projections, then the MC-Sparse dispatch). The sequence is
   [1 time token, latent tokens]; the latent set is unordered (PDDP groups it; no grid is assumed).
 
 Wan S2V (``WanModel_S2V``) passes no transformer_options to its blocks, and Wan Animate's face adapter calls
@@ -40,52 +40,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .callsite import MARK_KEY, OCCURRENCE_KEY, TEXT_LEN_KEY, CallSite
+from . import hunyuan3d21
+
 logger = logging.getLogger(__name__)
-
-MARK_KEY = "mc_sparse_call_site"
-"""transformer_options key of the ``CallSite`` put there by a marked module's forward."""
-
-OCCURRENCE_KEY = "mc_sparse_occurrences"
-"""transformer_options key of a per-forward ``{(layer, kind): calls so far}`` dict, reset by main block 0's
-mark; numbers repeated calls of one site within a forward (VACE blocks run once per VACE context)."""
-
-TEXT_LEN_KEY = "mc_sparse_text_len"
-"""transformer_options key where a joint model's double block records the text length for its single blocks
-(the dict is the per-forward one built in ``comfy/samplers.py`` L302-323, so the value lives one forward)."""
 
 WAN_FAMILY = ("WanModel", "VaceWanModel", "CameraWanModel", "HumoWanModel", "AnimateWanModel")
 SKIPPED = {"WanModel_S2V": "Wan S2V blocks pass no transformer_options (snapshot)"}
-
-
-@dataclass(frozen=True)
-class CallSite:
-    """A marked self-attention call.
-
-    Attributes:
-        layer: block index used by the schedule's dense warm-up layers and the cache key (0-based).
-        family: "wan", "hunyuan_video", "hunyuan3d" or "hunyuan3d21".
-        joint: None (the sequence is all latent tokens), "video_first" ([video, text]) or "text_first"
-            ([text, latent]); text tokens are never sparsified.
-        text_len: number of text tokens in a joint sequence (None: read ``TEXT_LEN_KEY`` at call time).
-        prefix: leading non-latent tokens that are still attended sparsely (Hunyuan3D 2.1 time token: 1).
-        kind: which call inside the block: "self" (the block's own self-attention) or "vace" (a VACE block
-            attached after main block ``layer``); part of the cache key.
-        occurrence: 0 for the first call of this (layer, kind) in one forward, 1 for the next, ... (VACE
-            blocks once per VACE context); part of the cache key.
-    """
-
-    layer: int
-    family: str
-    joint: str | None = None
-    text_len: int | None = None
-    prefix: int = 0
-    kind: str = "self"
-    occurrence: int = 0
-
-    @property
-    def cache_kind(self) -> str:
-        """``CacheKey.kind`` of this call: ``kind``, plus ``#occurrence`` for repeats within a forward."""
-        return self.kind if not self.occurrence else f"{self.kind}#{self.occurrence}"
 
 
 @dataclass(frozen=True)
@@ -164,12 +125,10 @@ def plan_for(diffusion_model: Any) -> PatchPlan:
     if name == "Hunyuan3Dv2":
         return _joint_plan(diffusion_model, "hunyuan3d", "text_first")
     if name == "HunYuanDiTPlain":
-        from .override import make_hunyuan3d21_attn_forward
-
         for i, block in enumerate(getattr(diffusion_model, "blocks", [])):
             if hasattr(block, "attn1"):
                 site = CallSite(i, "hunyuan3d21", prefix=1)
-                patches.append((f"blocks.{i}.attn1.forward", _h3d21_factory(block.attn1, site, make_hunyuan3d21_attn_forward)))
+                patches.append((f"blocks.{i}.attn1.forward", _h3d21_factory(block.attn1, site, hunyuan3d21.make_attn_forward)))
         return PatchPlan("hunyuan3d21", tuple(patches), True, None)
     return PatchPlan(None, (), False, f"model {name} is not supported by MC-Sparse (dense pass-through)")
 

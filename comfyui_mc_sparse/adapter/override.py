@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .layouts import MARK_KEY, TEXT_LEN_KEY, CallSite
+from .callsite import MARK_KEY, TEXT_LEN_KEY, CallSite
 from .steps import current_sigma
 
 logger = logging.getLogger(__name__)
@@ -291,39 +291,3 @@ def _joint_chunk(run, site: CallSite, q, k, v, *, text_len: int, keep, mask, ste
     if text_len:
         out[:, :, text] = _exact_rows(q[:, :, text], ks, vs, scale, None)
     return out
-
-
-def make_hunyuan3d21_attn_forward(module, site: CallSite, original: Callable) -> Callable:
-    """Replacement for ``hunyuan3dv2_1`` ``Attention.forward`` (``hunyuandit.py`` L390-418), which calls
-    attention without transformer_options. Same projections and per-head q/k/v split as the original, then
-    ``dispatch`` with the transformer_options the APPLY_MODEL wrapper published in ``CURRENT_OPTIONS``.
-    Outside an MC-Sparse run it calls ``original`` unchanged.
-    """
-
-    def forward(x, *args, **kwargs):
-        options = CURRENT_OPTIONS.get()
-        run = options.get(RUN_KEY) if options else None
-        if run is None or args or kwargs:
-            return original(x, *args, **kwargs)
-        from comfy.ldm.modules.attention import optimized_attention
-
-        b, n, _ = x.shape
-        heads, head_dim = module.num_heads, module.head_dim
-        qkv = torch.cat((module.to_q(x), module.to_k(x), module.to_v(x)), dim=-1)
-        width = qkv.shape[-1] // heads // 3
-        # the original interleaves q/k/v per head: [.., heads, 3*width] then splits the last dim
-        q, k, v = torch.split(qkv.view(1, -1, heads, width * 3), width, dim=-1)
-        q = module.q_norm(q.reshape(b, n, heads, head_dim)).reshape(b, n, heads * head_dim)
-        k = module.k_norm(k.reshape(b, n, heads, head_dim)).reshape(b, n, heads * head_dim)
-        v = v.reshape(b, n, heads * head_dim)
-
-        def call(q_, k_, v_, mask_, skip_reshape_, skip_output_reshape_):
-            return optimized_attention(q_, k_, v_, heads, mask=mask_, skip_reshape=skip_reshape_,
-                                       skip_output_reshape=skip_output_reshape_)
-
-        out = dispatch(run, site, q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False,
-                       options=options, call=call)
-        return module.out_proj(out)
-
-    forward.mc_sparse_marker = site
-    return forward

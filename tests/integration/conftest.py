@@ -50,7 +50,7 @@ class SummaryCapture(logging.Handler):
 
 @pytest.fixture(scope="session")
 def comfy():
-    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import headless
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools import headless
 
     nodes = headless.setup_comfy(COMFYUI_DIR)
     return headless, nodes

@@ -1,6 +1,6 @@
 """MC-Sparse in a real ComfyUI (COMFYUI_DIR): HunyuanVideo, context windows, VACE, Hunyuan3D 2.0 and a LoRA.
 
-Tiny random checkpoints with the real key names (``adapter.headless.write_tiny_checkpoint``), loaded by
+Tiny random checkpoints with the real key names (``tools.headless.write_tiny_checkpoint``), loaded by
 ComfyUI's own loaders and detection; CPU. Counters and cache keys come from the run summary the OUTER_SAMPLE
 wrapper logs ("MC-Sparse: N sparse, M anchor, K dense ..." and "cache entries: ..."). Joint-sequence checks
 spy on ComfyUI's copy of ``adapter.override.dispatch`` and compare with an exact float64 reference.

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import kernels
-from .selection import keys_for_density
+from ... import kernels
+from ..selection import keys_for_density
 
 logger = logging.getLogger(__name__)
 

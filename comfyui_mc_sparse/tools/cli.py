@@ -18,7 +18,7 @@ L1 against dense, attention time in ms (mean per call). Metrics are averaged ove
 Progress goes to stderr, the table to stdout, ``--json`` writes every number.
 
 ``comfyui`` (alias ``comfyui-demo``) runs the shipped Wan workflow headless in a ComfyUI checkout
-(``adapter.headless.run_headless_demo``) when that module is present.
+(``tools.headless.run_headless_demo``) when that module is present.
 """
 
 from __future__ import annotations
@@ -36,12 +36,13 @@ from collections import defaultdict
 
 import torch
 
-from .. import kernels
-from . import diagnostics, schedule, workload
-from .cache import CacheEntry, CacheKey
-from .config import MCSparseConfig
-from .engine import MCSparseRunner
-from .schedule import StepKind
+from ... import kernels
+from .. import schedule
+from ..cache import CacheEntry, CacheKey
+from ..config import MCSparseConfig
+from ..engine import MCSparseRunner
+from ..schedule import StepKind
+from . import diagnostics, workload
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _comfyui(args) -> int:
     try:
-        headless = importlib.import_module(".adapter.headless", __package__)
+        headless = importlib.import_module(".headless", __package__)
     except ImportError as err:
         print(f"comfyui: the headless runner is not available in this checkout ({err})", file=sys.stderr)
         return 2

@@ -1,0 +1,49 @@
+"""Hunyuan3D 2.1: its ``Attention`` (ComfyUI ``comfy/ldm/hunyuan3dv2_1/hunyuandit.py`` L352-418) calls attention
+without transformer_options, so ``layouts`` replaces ``blocks.i.attn1.forward`` with ``make_attn_forward``'s
+function: the original projections, then the MC-Sparse dispatch of ``override``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from . import override
+from .callsite import CallSite
+
+
+def make_attn_forward(module, site: CallSite, original: Callable) -> Callable:
+    """Replacement for ``hunyuan3dv2_1`` ``Attention.forward`` (``hunyuandit.py`` L390-418), which calls
+    attention without transformer_options. Same projections and per-head q/k/v split as the original, then
+    ``override.dispatch`` with the transformer_options the APPLY_MODEL wrapper published in ``override.CURRENT_OPTIONS``.
+    Outside an MC-Sparse run it calls ``original`` unchanged.
+    """
+
+    def forward(x, *args, **kwargs):
+        options = override.CURRENT_OPTIONS.get()
+        run = options.get(override.RUN_KEY) if options else None
+        if run is None or args or kwargs:
+            return original(x, *args, **kwargs)
+        from comfy.ldm.modules.attention import optimized_attention
+
+        b, n, _ = x.shape
+        heads, head_dim = module.num_heads, module.head_dim
+        qkv = torch.cat((module.to_q(x), module.to_k(x), module.to_v(x)), dim=-1)
+        width = qkv.shape[-1] // heads // 3
+        # the original interleaves q/k/v per head: [.., heads, 3*width] then splits the last dim
+        q, k, v = torch.split(qkv.view(1, -1, heads, width * 3), width, dim=-1)
+        q = module.q_norm(q.reshape(b, n, heads, head_dim)).reshape(b, n, heads * head_dim)
+        k = module.k_norm(k.reshape(b, n, heads, head_dim)).reshape(b, n, heads * head_dim)
+        v = v.reshape(b, n, heads * head_dim)
+
+        def call(q_, k_, v_, mask_, skip_reshape_, skip_output_reshape_):
+            return optimized_attention(q_, k_, v_, heads, mask=mask_, skip_reshape=skip_reshape_,
+                                       skip_output_reshape=skip_output_reshape_)
+
+        out = override.dispatch(run, site, q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False,
+                       options=options, call=call)
+        return module.out_proj(out)
+
+    forward.mc_sparse_marker = site
+    return forward
