@@ -1,0 +1,237 @@
+"""The raylight inner-attention processor (``adapter/raylight.py``) against raylight's own registry and dispatcher.
+
+raylight's source is never committed: point ``RAYLIGHT_DIR`` at a raylight checkout (the folder holding ``src/``,
+with ``src/raylight/distributed_modules/inner_attention/``); the tests that need it are skipped otherwise.
+Two Ulysses ranks are simulated in one process by handing each rank its slice of the heads of one CPU tensor
+(what the all-to-all gives each rank): every rank's output must equal the one-GPU MC-Sparse output's same heads.
+"""
+
+import datetime
+import logging
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import raylight as ray_mc
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.layouts import CallSite
+
+from ._comfy_standins import raw_attention, transformer_options
+
+RANKS = 2
+
+
+@pytest.fixture(scope="module")
+def inner():
+    """raylight's ``inner_attention`` package from ``RAYLIGHT_DIR`` (skipped with the reason when absent)."""
+    root = os.environ.get("RAYLIGHT_DIR")
+    if not root:
+        pytest.skip("RAYLIGHT_DIR is not set (a raylight checkout with src/raylight/distributed_modules/"
+                    "inner_attention/; fetch github:komikndr/raylight)")
+    src = Path(root) / "src"
+    if not (src / "raylight" / "distributed_modules" / "inner_attention").is_dir():
+        pytest.skip(f"{src}/raylight/distributed_modules/inner_attention is missing (raylight too old)")
+    if str(src) not in sys.path:
+        sys.path.insert(0, str(src))
+    try:
+        import raylight.distributed_modules.inner_attention as ia
+    except ImportError as err:
+        pytest.skip(f"raylight's inner_attention does not import here: {err}")
+    return ia
+
+
+def _settings(**over):
+    base = dict(preset="custom", density=0.25, dense_warmup="1", warmup_layers=1, anchor_steps="1", query_tile=64,
+                cache_placement="cpu", backend="torch", min_tokens=0, verbose=False)
+    return settings.build_settings(**{**base, **over})
+
+
+class FakeXfuserAttention:
+    """xDiT's long-context attention as raylight's dispatcher sees it: ``ring_attn_fn(q, k, v, **kwargs)`` on
+    ``[B, S, H, D]`` (flash layout), here exact attention in float64 cast back to q's dtype."""
+
+    def __init__(self):
+        self.dense_calls = 0
+        self.ring_attn_fn = self._ring
+
+    def _ring(self, q, k, v, softmax_scale=None, **kwargs):
+        self.dense_calls += 1
+        out = raw_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q.shape[2], skip_reshape=True,
+                            skip_output_reshape=True)
+        return out.transpose(1, 2)
+
+
+def _options(run, layer, sigma, chunks=2):
+    return {override.RUN_KEY: run, "block_index": layer, "cond_or_uncond": [1, 0][:chunks],
+            "uuids": [f"u{i}" for i in range(chunks)], "sigmas": torch.tensor([sigma])}
+
+
+def _xdit_kwargs(**over):
+    return {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1), "alibi_slopes": None,
+            "deterministic": False, "return_attn_probs": False, "group": None, "joint_tensor_key": None,
+            "joint_tensor_value": None, "joint_strategy": "none", **over}
+
+
+def test_registration_and_set_inner_attention(inner):
+    """The processor registers under its namespaced name (idempotently) and raylight creates and installs it."""
+    assert ray_mc.register_with_raylight() and ray_mc.register_with_raylight()
+    assert ray_mc.PROCESSOR_NAME in inner.InnerAttentionRegistry.available()
+    processor = inner.create_inner_attention(ray_mc.PROCESSOR_NAME)
+    assert isinstance(processor, ray_mc.MCSparseInnerAttention) and processor.supports_ring is False
+    assert ray_mc.INNER_ATTENTION_KEY == inner.INNER_ATTENTION_KEY
+
+    class Model:
+        model_options = {"transformer_options": {}}
+
+        def clone(self):
+            other = Model()
+            other.model_options = dict(self.model_options)
+            return other
+
+    patched = inner.set_inner_attention(Model(), processor)
+    assert patched.model_options["transformer_options"][inner.INNER_ATTENTION_KEY] is processor
+
+
+def test_two_ulysses_ranks_equal_one_gpu_heads(inner, gen):
+    """Key property: through raylight's dispatcher, each simulated rank's output (its heads, full sequence) equals
+    the one-GPU MC-Sparse output's same heads at warm-up, anchor and reuse steps; the two ranks share one
+    RunState, so a cache key without the head slice would hand rank 1 rank 0's selections."""
+    sig = torch.tensor([1.0, 0.6, 0.3, 0.0])
+    one_gpu = lifecycle.RunState(_settings(), sig, family="wan")
+    ranks = lifecycle.RunState(_settings(), sig, family="wan")
+    over = override.make_override(None)
+    xdit = FakeXfuserAttention()
+    dispatcher = inner.InnerAttentionDispatcher(xdit)
+    per_rank = 4 // RANKS
+    processors = [ray_mc.MCSparseInnerAttention(lambda r=r: ray_mc.HeadSlice(r, RANKS, 1)) for r in range(RANKS)]
+    b, h, s, d = 2, 4, 320, 64  # 2 conditioning chunks; 320 tokens = 5 query groups of 64
+    base = [torch.randn(b, h, s, d, generator=gen) for _ in range(3)]
+    max_gap_to_dense = 0.0
+    for sigma in sig[:-1].tolist():
+        for layer in range(2):
+            q, k, v = (t + 0.3 * torch.randn(t.shape, generator=gen) for t in base)  # drifts a little per call
+            ref = over(raw_attention, q, k, v, h, skip_reshape=True, skip_output_reshape=True,
+                       transformer_options=transformer_options(one_gpu, CallSite(layer, "wan"), sigma=sigma))
+            for r, processor in enumerate(processors):
+                heads = slice(r * per_rank, (r + 1) * per_rank)
+                ql, kl, vl = (t[:, heads].transpose(1, 2).contiguous() for t in (q, k, v))  # [B, S, H/N, D]
+                with dispatcher.scope(processor, _options(ranks, layer, sigma)):
+                    out = xdit.ring_attn_fn(ql, kl, vl, **_xdit_kwargs())
+                assert out.shape == ql.shape and out.dtype == ql.dtype and torch.isfinite(out).all()
+                torch.testing.assert_close(out.transpose(1, 2), ref[:, heads], rtol=1e-5, atol=1e-5)
+            dense = raw_attention(q, k, v, h, skip_reshape=True, skip_output_reshape=True)
+            max_gap_to_dense = max(max_gap_to_dense, float((ref - dense).abs().max()))
+    assert ranks.counts()["sparse"] == RANKS * one_gpu.counts()["sparse"] > 0
+    assert ranks.counts()["anchor"] == RANKS * one_gpu.counts()["anchor"] > 0
+    assert max_gap_to_dense > 1e-3  # the sparse path really ran (density 0.25 differs from dense)
+    kinds = {key.kind for key in ranks.cache_keys}
+    assert kinds == {f"self@u{r}/{RANKS}" for r in range(RANKS)}
+
+
+def test_dense_paths_pass_xdit_arguments_through(inner, gen):
+    """Outside a run, cross-attention shapes, joint/causal calls and dense warm-up run xDiT's attention with the
+    caller's arguments; reasons are counted."""
+    run = lifecycle.RunState(_settings(), torch.tensor([1.0, 0.5, 0.0]), family="wan")
+    xdit = FakeXfuserAttention()
+    dispatcher = inner.InnerAttentionDispatcher(xdit)
+    processor = ray_mc.MCSparseInnerAttention(lambda: ray_mc.HeadSlice(0, 2, 1))
+    q = torch.randn(2, 128, 2, 64, generator=gen)
+    ctx = torch.randn(2, 16, 2, 64, generator=gen)
+    cases = [({}, q, q, "outside"),
+             (_options(run, 1, 0.5), q, ctx, "not self-attention"),
+             (_options(run, 1, 0.5), q, q, "joint text keys"),
+             (_options(run, 1, 0.5), q, q, "causal"),
+             (_options(run, 0, 0.5), q, q, "warm-up layer")]
+    extra = [{}, {}, {"joint_tensor_key": ctx}, {"causal": True}, {}]
+    for (opts, qq, kv, _), more in zip(cases, extra):
+        before = xdit.dense_calls
+        with dispatcher.scope(processor, opts):
+            out = xdit.ring_attn_fn(qq, kv, kv, **_xdit_kwargs(**more))
+        assert xdit.dense_calls == before + 1
+        torch.testing.assert_close(out, xdit._ring(qq, kv, kv))
+    reasons = " | ".join(run.runner.stats.dense_reasons)
+    for _, _, _, why in cases[1:]:
+        assert why in reasons
+
+
+def test_ring_refused_with_a_clear_message(inner):
+    """raylight's scope refuses the processor under ring attention; the pack refuses first, naming the fix."""
+    with pytest.raises(RuntimeError, match="ring"):
+        with inner.inner_attention_scope(ray_mc.MCSparseInnerAttention(), {}, ring_world_size=2):
+            pass
+    with pytest.raises(RuntimeError, match=r"ring degree 2 > 1.*Ulysses only"):
+        ray_mc.check_ring(ray_mc.HeadSlice(0, 2, 2))
+    ray_mc.check_ring(ray_mc.HeadSlice(1, 2, 1))  # Ulysses only: accepted
+    run = lifecycle.RunState(_settings(), torch.tensor([1.0, 0.5, 0.0]), family="wan")
+    q = torch.randn(1, 128, 2, 64)
+    ring_processor = ray_mc.MCSparseInnerAttention(lambda: ray_mc.HeadSlice(0, 1, 2))
+    with pytest.raises(RuntimeError, match="ring degree 2"):
+        ring_processor(lambda *a, **k: q, q, q, q, transformer_options=_options(run, 1, 0.5, chunks=1))
+
+
+class FakeStore:
+    """The c10d key-value store calls ``report_across_ranks`` makes (set / wait / get / delete_key)."""
+
+    def __init__(self):
+        self.data = {}
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def wait(self, keys, timeout):
+        assert isinstance(timeout, datetime.timedelta)
+        missing = [key for key in keys if key not in self.data]
+        if missing:
+            raise RuntimeError(f"timeout waiting for {missing}")
+
+    def get(self, key):
+        return self.data[key]
+
+    def delete_key(self, key):
+        return self.data.pop(key, None) is not None
+
+
+def test_summary_gathered_and_logged_once_by_rank_zero():
+    """Rank 1 only publishes; rank 0 logs one text holding both ranks' tallies (and says when a rank is missing)."""
+    records = []
+
+    class Log:
+        def log(self, level, fmt, text):
+            records.append((level, text))
+
+    store = FakeStore()
+    rank1 = "MC-Sparse: 3 sparse, 1 anchor, 2 dense attention calls over 4 steps\n  note: only on rank 1"
+    rank0 = "MC-Sparse: 4 sparse, 1 anchor, 2 dense attention calls over 4 steps\n  schedule: x"
+    assert ray_mc.report_across_ranks(rank1, group=(1, 2, store), run_id=7, log=Log()) is None
+    assert records == []
+    text = ray_mc.report_across_ranks(rank0, group=(0, 2, store), run_id=7, log=Log())
+    assert len(records) == 1 and records[0] == (logging.INFO, text)
+    assert "rank 0: MC-Sparse: 4 sparse" in text and "rank 1: MC-Sparse: 3 sparse" in text
+    assert "only on rank 1" in text and text.count("schedule: x") == 1
+    assert store.data == {}  # rank 0 removed what it read
+    records.clear()
+    text = ray_mc.report_across_ranks(rank0, group=(0, 2, FakeStore()), timeout_s=0.01, log=Log())
+    assert len(records) == 1 and "rank 1: MC-Sparse: no summary from this rank" in text
+
+
+def test_forward_options_shim_passes_published_options_only_when_missing():
+    """raylight's Wan self-attention passes no transformer_options: the shim adds this evaluation's, once."""
+    seen = []
+    module = types.SimpleNamespace(xfuser_optimized_attention=lambda *a, **kw: seen.append(kw.get("transformer_options")))
+    assert ray_mc.forward_options_shim(module) and ray_mc.forward_options_shim(module)
+    assert module.xfuser_optimized_attention.wrapped.__name__ == "<lambda>"  # wrapped once, not twice
+    run_options = {override.RUN_KEY: object()}
+    explicit = {"mine": 1}
+
+    def executor(*args, **kwargs):
+        module.xfuser_optimized_attention(1, 2, 3, heads=2)
+        module.xfuser_optimized_attention(1, 2, 3, heads=2, transformer_options=explicit)
+        return "out"
+
+    assert ray_mc.diffusion_model_wrapper(executor, 0, 0, 0, None, None, run_options) == "out"
+    module.xfuser_optimized_attention(1, 2, 3, heads=2)  # outside an evaluation
+    assert seen == [run_options, explicit, None]
+    assert run_options[ray_mc.OCCURRENCE_KEY] == {}
