@@ -118,7 +118,9 @@ class MCSparseExtension(ComfyExtension):
     """The pack's node list for ComfyUI's V3 loader (``nodes.load_custom_node``)."""
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [MCSparsePatch]
+        from .nodes_raylight import raylight_nodes
+
+        return [MCSparsePatch, *raylight_nodes()]
 
 
 async def comfy_entrypoint() -> MCSparseExtension:
