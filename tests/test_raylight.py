@@ -17,7 +17,7 @@ import pytest
 import torch
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import raylight as ray_mc
-from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.layouts import CallSite
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import CallSite
 
 from ._comfy_standins import raw_attention, transformer_options
 
