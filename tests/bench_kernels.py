@@ -136,18 +136,18 @@ def run_shape(name, shp, densities, sweep, rep, log):
     res["best_dense"] = dict(name=best_name, ms=best)
     _, lse0 = kernels.dense_attention(q0, k0, v0, return_lse=True)
 
-    # PDDP grouping: the torch reference and the GPU op (kernels/triton/pddp.py); contract checked on every head
-    for bname in ("torch", "triton"):
+    # PDDP grouping: the torch reference and the GPU op (kernels/torch_gpu/pddp.py); contract checked on every head
+    for bname in ("torch", "torch_gpu"):
         p = kernels.pddp_groups(q0, C, backend=bname)
         ok = bool((p[..., S:] == -1).all()) and bool(torch.equal(
             torch.sort(p[..., :S], dim=-1).values, torch.arange(S, device="cuda", dtype=torch.int32).expand(B, H, S)))
         ms = bench(lambda q: kernels.pddp_groups(q, C, backend=bname), [(st[0],) for st in sets], rep_ms=max(rep, 300))
         res["pddp"][bname] = dict(ms=ms, contract_ok=ok)
         log(f"{name} pddp {bname}: {ms:.2f} ms, contract {ok}")
-    ref_p, got_p = kernels.pddp_groups(q0[:, :1], C, backend="torch"), kernels.pddp_groups(q0[:, :1], C, backend="triton")
+    ref_p, got_p = kernels.pddp_groups(q0[:, :1], C, backend="torch"), kernels.pddp_groups(q0[:, :1], C, backend="torch_gpu")
     same = sum(len(set(ref_p[0, 0, g * C:(g + 1) * C].tolist()) & set(got_p[0, 0, g * C:(g + 1) * C].tolist()))
                for g in range(G)) / S
-    res["errors"]["pddp triton vs torch: queries in the same group"] = same
+    res["errors"]["pddp torch_gpu vs torch: queries in the same group"] = same
     perms = [kernels.pddp_groups(st[0], C) for st in sets]
     res["pddp"]["default backend"] = registry.last_choices()["pddp_groups"].backend
     log(f"{name} pddp same-group fraction vs torch {same:.4f}; default {res['pddp']['default backend']}")

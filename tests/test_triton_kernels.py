@@ -206,7 +206,7 @@ def test_sparse_attention_valid_count_paths(gen, K, k_alloc):
 @pytest.mark.parametrize(("S", "C"), [(1000, 64), (333, 16), (128, 128), (50, 64), (700, 100)])
 def test_pddp_groups_gpu_path_contract(gen, S, C):
     """The GPU PDDP op: every query once, exactly C per group, -1 only in the last G*C - S slots, int32."""
-    from comfyui_mc_sparse_pack.kernels.triton import pddp
+    from comfyui_mc_sparse_pack.kernels.torch_gpu import pddp
 
     q = torch.randn(2, 3, S, 32, generator=gen).to(torch.bfloat16)
     perm = pddp.pddp_groups(q, C)
@@ -220,7 +220,7 @@ def test_pddp_groups_gpu_path_splits_like_reference(gen):
     """On a clearly anisotropic input (one axis with 10x the spread) the first split is the reference's (up to the
     arbitrary sign of the direction and queries whose projections tie within bf16 rounding), it runs along that
     axis, and the final groups agree with the reference's for almost every query."""
-    from comfyui_mc_sparse_pack.kernels.triton import pddp
+    from comfyui_mc_sparse_pack.kernels.torch_gpu import pddp
 
     S, C, D = 1000, 64, 32
     scale = torch.ones(D)

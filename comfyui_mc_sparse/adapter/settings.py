@@ -26,8 +26,9 @@ PRESETS: dict[str, float] = {"quality": 0.25, "balanced": 0.20, "fast": 0.15}
 PRESET_NAMES = ("quality", "balanced", "fast", "custom")
 CACHE_PLACEMENTS = ("auto", "gpu", "cpu")
 BACKENDS = ("auto", "flash_attn4", "cuda_sdpa", "triton", "torch")
-"""The node's backend combo: exactly ``kernels.registry.backend_names()`` (auto, then the registered backends,
-highest priority first; an unavailable one is still listed and falls back with its reason in the summary).
+"""The node's backend combo: ``kernels.registry.backend_names()`` (auto, then the registered backends, highest
+priority first; an unavailable one is still listed and falls back with its reason in the summary), less
+"torch_gpu", which implements only the query grouping and is picked by every choice for that op.
 ``tests/test_adapter_inputs.py`` checks the two stay equal."""
 GROUP_SIZES = (64, 128)
 

@@ -10,9 +10,9 @@ reason. Capabilities (checked by ``refuse`` before any launch):
 - head dim: a power of two in [16, 256];
 - any group size C, any K_alloc, any S (ragged tails masked).
 
-Ops: ``sparse_attention`` (``sparse_attention.py``), ``group_prob_sums`` and ``select_kv`` (``selection.py``),
-``pddp_groups`` (``pddp.py``: torch ops on the GPU without host syncs; any dtype the refusal lets through).
-Dense pass 1 is not here: it belongs to the SDPA and flash-attn-4 backends.
+Ops: ``sparse_attention`` (``sparse_attention.py``), ``group_prob_sums`` and ``select_kv`` (``selection.py``).
+Dense pass 1 is not here: it belongs to the SDPA and flash-attn-4 backends; the GPU query grouping
+(``pddp_groups``) is torch ops, in its own backend ``kernels/torch_gpu``.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ import torch
 import triton  # noqa: F401  (an ImportError here marks the backend unavailable)
 
 from ..registry import Backend, register
-from .pddp import pddp_groups
 from .selection import group_prob_sums, select_kv
 from .sparse_attention import sparse_attention
 
-__all__ = ["group_prob_sums", "pddp_groups", "refuse", "select_kv", "sparse_attention"]
+__all__ = ["group_prob_sums", "refuse", "select_kv", "sparse_attention"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 # triton picks the interpreter when a kernel is decorated, i.e. when this package is imported
@@ -71,7 +70,6 @@ register(
         priority=20,
         ops={
             "sparse_attention": sparse_attention, "group_prob_sums": group_prob_sums, "select_kv": select_kv,
-            "pddp_groups": pddp_groups,
         },
         refuse=refuse,
     )

@@ -23,15 +23,21 @@ Output: int32 ``[B, H, G*C]``, every query once, -1 only in the last G*C - S slo
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from ..reference.pddp import principal_direction
 
-_PLANS: dict[tuple[int, int, str], list[dict]] = {}
+MAX_PLANS = 4
+"""Tree tables kept at once (least recently used dropped first): one per (S, C, device) a run meets, so a
+run sees its few shapes cached while a long ComfyUI session over many resolutions holds at most this many."""
+
+_PLANS: OrderedDict[tuple[int, int, str], list[dict]] = OrderedDict()
 
 
 def _plan(S: int, C: int, device: torch.device) -> list[dict]:
-    """Per-level static tables of the PDDP tree of S queries in groups of C (cached per device).
+    """Per-level static tables of the PDDP tree of S queries in groups of C (cached per device, ``MAX_PLANS`` at most).
 
     Each level: ``pos`` int64 [N, n_max] slot of perm read by each padded node row (slot G*C = the zero-row
     sentinel for padding), ``pad`` bool [N, n_max] rows that must sort last (node padding, and slots >= S whose
@@ -40,6 +46,7 @@ def _plan(S: int, C: int, device: torch.device) -> list[dict]:
     """
     key = (S, C, str(device))
     if key in _PLANS:
+        _PLANS.move_to_end(key)
         return _PLANS[key]
     G = -(-S // C)
     nodes = [(0, G)]  # (first block, blocks)
@@ -62,6 +69,8 @@ def _plan(S: int, C: int, device: torch.device) -> list[dict]:
         ))
         nodes = [half for b, g in nodes for half in (((b, -(-g // 2)), (b + -(-g // 2), g // 2)) if g > 1 else ((b, g),))]
     _PLANS[key] = levels
+    while len(_PLANS) > MAX_PLANS:
+        _PLANS.popitem(last=False)
     return levels
 
 
