@@ -17,6 +17,8 @@ Columns per density: realized density (kept query-key pairs / S^2), recall (kept
 L1 against dense, attention time in ms (mean per call). Metrics are averaged over reuse steps and layers.
 Progress goes to stderr, the table to stdout, ``--json`` writes every number.
 
+``probe --captured FILE`` prints the MC-Sparse Probe's table from a capture file (``capture.run_probe``).
+
 ``comfyui`` (alias ``comfyui-demo``) runs the shipped Wan workflow headless in a ComfyUI checkout
 (``tools.headless.run_headless_demo``) when that module is present.
 """
@@ -42,6 +44,7 @@ from ..cache import CacheEntry, CacheKey
 from ..config import MCSparseConfig
 from ..engine import MCSparseRunner
 from ..schedule import StepKind
+from . import capture as probe_capture
 from . import diagnostics, workload
 
 logger = logging.getLogger(__name__)
@@ -81,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true",
                       help="fast CI setting: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     demo.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    probe_capture.add_probe_parser(sub)
     comfy = sub.add_parser("comfyui", aliases=["comfyui-demo"],
                            help="run the shipped Wan workflow headless in a ComfyUI checkout (tiny random model)")
     comfy.add_argument("--comfyui-dir", default=os.environ.get("COMFYUI_DIR"),
@@ -91,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m comfyui_mc_sparse``. Returns a process exit code (0 = success)."""
     args = build_parser().parse_args(argv)
+    if args.command == "probe":
+        return probe_capture.run_probe(args)
     if args.command != "demo":
         return _comfyui(args)
     code = _demo(args)
