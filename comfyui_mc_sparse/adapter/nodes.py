@@ -1,4 +1,5 @@
-"""The "MC-Sparse Patch" node (ComfyUI V3 node API) and the pack's ``comfy_entrypoint``.
+"""The "MC-Sparse Patch" node (ComfyUI V3 node API) and the pack's ``comfy_entrypoint`` (which also registers the
+fidelity nodes of ``fidelity_nodes``: MC-Sparse Probe, Probe Report, Compare).
 
 Schema pattern: core ``comfy_extras/nodes_easycache.py`` L328-356 (``io.ComfyNode`` + ``io.Schema``) and
 entry point L490-498 (``ComfyExtension.get_node_list``). Imported only inside ComfyUI (root ``__init__``).
@@ -13,6 +14,7 @@ import logging
 
 from comfy_api.latest import ComfyExtension, io
 
+from .fidelity_nodes import FIDELITY_NODES
 from .lifecycle import apply_mc_sparse
 from .settings import BACKENDS, CACHE_PLACEMENTS, PRESET_NAMES
 
@@ -120,7 +122,7 @@ class MCSparseExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         from .nodes_raylight import raylight_nodes
 
-        return [MCSparsePatch, *raylight_nodes()]
+        return [MCSparsePatch, *FIDELITY_NODES, *raylight_nodes()]
 
 
 async def comfy_entrypoint() -> MCSparseExtension:

@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 RUN_KEY = "mc_sparse_run"
 """transformer_options key of the active ``lifecycle.RunState`` (set by the OUTER_SAMPLE wrapper)."""
 
+PROBE_RUN_KEY = "mc_sparse_probe_run"
+"""transformer_options key of the active ``probe.ProbeRun`` (set by the MC-Sparse Probe's OUTER_SAMPLE wrapper)."""
+
 CURRENT_OPTIONS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mc_sparse_options", default=None)
 """transformer_options of the model evaluation in progress, published by the APPLY_MODEL wrapper for models
 whose attention sees none (Hunyuan3D 2.1). Set and reset around each evaluation; None outside."""
@@ -70,6 +73,10 @@ def make_override(previous: Callable | None) -> Callable:
                         skip_output_reshape=skip_output_reshape_, **kwargs)
 
         options = kwargs.get("transformer_options") or {}
+        probe = options.get(PROBE_RUN_KEY)
+        if probe is not None:  # the MC-Sparse Probe looks at the call first; it never changes it
+            probe.observe(options.get(MARK_KEY), q, k, v, heads, skip_reshape=skip_reshape, options=options,
+                          scale=kwargs.get("scale"))
         run = options.get(RUN_KEY)
         if run is None:
             return call(q, k, v, mask, skip_reshape, skip_output_reshape)
