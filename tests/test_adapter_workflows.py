@@ -50,6 +50,37 @@ def test_patch_node_definition_matches_settings():
     assert d["inputs"]["cache_placement"]["options"] == list(settings.CACHE_PLACEMENTS)
 
 
+FIDELITY_FROZEN = {  # node id -> (inputs in order, outputs): saved workflows depend on them
+    "MCSparseProbe": (["model", "density", "query_tile", "probe_step", "reuse_step", "blocks", "heads", "per_head",
+                       "oracle_queries", "capture_blocks"], ["MODEL", "MC_SPARSE_PROBE"]),
+    "MCSparseProbeReport": (["probe", "samples"], ["IMAGE", "STRING"]),
+    "MCSparseCompare": (["image_a", "image_b", "label_a", "label_b"], ["IMAGE", "STRING", "FLOAT", "FLOAT"]),
+}
+
+
+def test_fidelity_node_definitions_are_frozen_and_shipped():
+    """The recorded Probe / Probe Report / Compare definitions are the frozen ones; the A/B and probe workflows ship
+    (UI + API) and use them, and the probe workflow's widgets are valid ProbeSpec values."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.probe import ProbeSpec
+
+    for node_id, (inputs, outputs) in FIDELITY_FROZEN.items():
+        assert list(DEFS[node_id]["inputs"]) == inputs and DEFS[node_id]["outputs"] == outputs, node_id
+    assert DEFS["MCSparseProbe"]["inputs"]["query_tile"]["options"] == ["128", "64"]
+    used = {}
+    for name in ("wan21_t2v_1.3b_compare_api.json", "wan21_t2v_1.3b_probe_api.json"):
+        prompt = json.loads((ROOT / "workflows" / name).read_text(encoding="utf-8"))
+        used[name] = {n["class_type"] for n in prompt.values()}
+        for node in prompt.values():
+            if node["class_type"] == "MCSparseProbe":
+                values = {k: v for k, v in node["inputs"].items() if k != "model"}
+                ProbeSpec(**{**values, "query_tile": int(values["query_tile"])})
+    assert {"MCSparseCompare", "MCSparsePatch"} <= used["wan21_t2v_1.3b_compare_api.json"]
+    assert {"MCSparseProbe", "MCSparseProbeReport", "MCSparsePatch"} <= used["wan21_t2v_1.3b_probe_api.json"]
+    samplers = [n for n in json.loads((ROOT / "workflows" / "wan21_t2v_1.3b_compare_api.json").read_text()).values()
+                if n["class_type"] == "KSampler"]
+    assert len(samplers) == 2 and samplers[0]["inputs"]["seed"] == samplers[1]["inputs"]["seed"]
+
+
 @pytest.mark.parametrize("path", API, ids=lambda p: p.name)
 def test_api_workflow_matches_node_definitions(path):
     prompt = json.loads(path.read_text(encoding="utf-8"))

@@ -11,14 +11,21 @@ of the Oct-2025 node definitions; ``control_after_generate`` pseudo-widgets skip
 ``graphToPrompt`` does). Subgraph templates (Wan2.2 14B, Hunyuan3D 2.1) are edited inside their subgraph
 definition and flattened for the API twin.
 
+Then the fidelity workflows, from the built Wan 2.1 T2V 1.3B workflow (``build_fidelity``):
+
+* ``wan21_t2v_1.3b_compare``  the same seed sampled with the patch and without it, into "MC-Sparse Compare";
+* ``wan21_t2v_1.3b_probe``    "MC-Sparse Probe" after the patch, "MC-Sparse Probe Report" after the sampler.
+
 Run (build-time only; the templates package is not a runtime requirement):
     .venv/bin/pip install comfyui-workflow-templates-json && .venv/bin/python workflows/build_workflows.py
+    .venv/bin/python workflows/build_workflows.py --fidelity-only   # the fidelity workflows alone (no templates)
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -26,6 +33,10 @@ HERE = Path(__file__).resolve().parent
 PATCH_WIDGETS = ["balanced", 0.2, "auto", 1, "auto", "128", "auto", "auto", 2048, False]
 PATCH_NAMES = ["preset", "density", "dense_warmup", "warmup_layers", "anchor_steps", "query_tile", "cache_placement",
                "backend", "min_tokens", "verbose"]
+
+PROBE_WIDGETS = [0.2, "128", "auto", "auto", "all", 8, False, 512, "none"]
+PROBE_NAMES = ["density", "query_tile", "probe_step", "reuse_step", "blocks", "heads", "per_head", "oracle_queries",
+               "capture_blocks"]
 
 # node type -> widget input names in widget order ("*" = UI-only control_after_generate pseudo-widget)
 WIDGETS: dict[str, list[str]] = {
@@ -63,6 +74,11 @@ WIDGETS: dict[str, list[str]] = {
     "VoxelToMesh": ["algorithm", "threshold"],
     "SaveGLB": ["filename_prefix"],
     "MCSparsePatch": PATCH_NAMES,
+    "MCSparseProbe": PROBE_NAMES,
+    "MCSparseProbeReport": [],
+    "MCSparseCompare": ["label_a", "label_b"],
+    "PreviewImage": [],
+    "PreviewAny": [],
 }
 UI_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
 PASS_THROUGH = ("ComfySwitchNode",)
@@ -319,7 +335,139 @@ def build_api(ui: dict) -> dict:
     return api
 
 
+FIDELITY_SOURCE = "wan21_t2v_1.3b_mc_sparse.json"
+"""The fidelity workflows start from the built Wan 2.1 T2V 1.3B workflow (template + MC-Sparse Patch)."""
+
+COMPARE_NOTE = ("## A/B: MC-Sparse vs dense\n\nThe same seed is sampled twice: top with the MC-Sparse Patch, bottom "
+                "with the plain model (the patch bypassed). **MC-Sparse Compare** gives PSNR and SSIM per frame and "
+                "overall and shows patched | dense | difference x4. Try the presets (quality / balanced / fast) on "
+                "your prompt: above ~30 dB PSNR and ~0.9 SSIM the difference is hard to see.")
+PROBE_NOTE = ("## MC-Sparse Probe\n\nMeasures, at one step of this run, how close MC-Sparse's attention is to exact "
+              "dense attention in every block (relative L1 of the output, attention recall), beside block-sparse "
+              "attention and the oracles. It does not change the video. **MC-Sparse Probe Report** shows the plot "
+              "and the table after sampling; they are also in the console and in output/mc_sparse_probe/.")
+
+
+def _find(ui: dict, node_type: str) -> dict:
+    matches = [n for n in ui["nodes"] if n["type"] == node_type]
+    if len(matches) != 1:
+        raise ValueError(f"expected one {node_type} node, found {len(matches)}")
+    return matches[0]
+
+
+def _add_node(ui: dict, node_type: str, pos, widgets, inputs, outputs, size=(320, 160)) -> dict:
+    """Append a node (``inputs`` / ``outputs``: ``[(name, type)]``) with a fresh id; returns it."""
+    nid = ui["last_node_id"] + 1
+    ui["last_node_id"] = nid
+    node = {"id": nid, "type": node_type, "pos": list(pos), "size": list(size), "flags": {}, "order": len(ui["nodes"]),
+            "mode": 0, "inputs": [{"name": n, "type": t, "link": None} for n, t in inputs],
+            "outputs": [{"name": n, "type": t, "links": [], "slot_index": i} for i, (n, t) in enumerate(outputs)],
+            "properties": {"Node name for S&R": node_type}, "widgets_values": list(widgets)}
+    if node_type in UI_ONLY:
+        node["properties"] = {}
+    ui["nodes"].append(node)
+    return node
+
+
+def _link(ui: dict, src: dict, src_slot: int, dst: dict, dst_slot: int) -> None:
+    """Connect ``src`` output ``src_slot`` to ``dst`` input ``dst_slot`` (replacing the input's old link)."""
+    link_type = src["outputs"][src_slot]["type"]
+    old = dst["inputs"][dst_slot].get("link")
+    if old is not None:
+        ui["links"] = [lk for lk in ui["links"] if lk[0] != old]
+        for n in ui["nodes"]:
+            for out in n.get("outputs", []):
+                if out.get("links"):
+                    out["links"] = [x for x in out["links"] if x != old]
+    lid = ui["last_link_id"] + 1
+    ui["last_link_id"] = lid
+    ui["links"].append([lid, src["id"], src_slot, dst["id"], dst_slot, link_type])
+    src["outputs"][src_slot]["links"].append(lid)
+    dst["inputs"][dst_slot]["link"] = lid
+
+
+def _note(ui: dict, text: str, pos) -> None:
+    _add_node(ui, "MarkdownNote", pos, [text], [], [], size=(400, 220)).update(color="#432", bgcolor="#653")
+
+
+def build_compare_ui(source: dict) -> dict:
+    """The patched Wan workflow sampled twice with one fixed seed, patched and plain, into MC-Sparse Compare."""
+    ui = copy.deepcopy(source)
+    loader, shift, sampler = _find(ui, "UNETLoader"), _find(ui, "ModelSamplingSD3"), _find(ui, "KSampler")
+    decode, vae = _find(ui, "VAEDecode"), _find(ui, "VAELoader")
+    sampler["widgets_values"][1] = "fixed"  # both runs must use the same seed
+    sampler["title"] = "KSampler (MC-Sparse)"
+    x, y = sampler["pos"]
+    shift_b = _add_node(ui, "ModelSamplingSD3", (shift["pos"][0], y + 420), shift["widgets_values"], [("model", "MODEL")],
+                        [("MODEL", "MODEL")], size=(210, 60))
+    sampler_b = _add_node(ui, "KSampler", (x, y + 520), sampler["widgets_values"],
+                          [(i["name"], i["type"]) for i in sampler["inputs"]], [("LATENT", "LATENT")], size=(315, 262))
+    sampler_b["title"] = "KSampler (dense, same seed)"
+    decode_b = _add_node(ui, "VAEDecode", (decode["pos"][0], y + 520), [], [("samples", "LATENT"), ("vae", "VAE")],
+                         [("IMAGE", "IMAGE")], size=(210, 46))
+    compare = _add_node(ui, "MCSparseCompare", (decode["pos"][0] + 260, y + 420), ["patched", "dense"],
+                        [("image_a", "IMAGE"), ("image_b", "IMAGE")],
+                        [("side_by_side", "IMAGE"), ("report", "STRING"), ("psnr", "FLOAT"), ("ssim", "FLOAT")])
+    preview = _add_node(ui, "PreviewImage", (decode["pos"][0] + 620, y + 420), [], [("images", "IMAGE")], [],
+                        size=(400, 300))
+    text = _add_node(ui, "PreviewAny", (decode["pos"][0] + 260, y + 620), [], [("source", "*")], [], size=(340, 200))
+    _link(ui, loader, 0, shift_b, 0)
+    _link(ui, shift_b, 0, sampler_b, 0)
+    by_name = {i["name"]: i.get("link") for i in sampler["inputs"]}
+    for slot, name in enumerate(["model", "positive", "negative", "latent_image"]):
+        if name == "model":
+            continue
+        src_id, src_slot = next((lk[1], lk[2]) for lk in ui["links"] if lk[0] == by_name[name])
+        _link(ui, next(n for n in ui["nodes"] if n["id"] == src_id), src_slot, sampler_b, slot)
+    _link(ui, sampler_b, 0, decode_b, 0)
+    _link(ui, vae, 0, decode_b, 1)
+    _link(ui, decode, 0, compare, 0)
+    _link(ui, decode_b, 0, compare, 1)
+    _link(ui, compare, 0, preview, 0)
+    _link(ui, compare, 1, text, 0)
+    _note(ui, COMPARE_NOTE, (-400, 60))
+    return ui
+
+
+def build_probe_ui(source: dict) -> dict:
+    """The patched Wan workflow with MC-Sparse Probe after the patch and its report after the sampler."""
+    ui = copy.deepcopy(source)
+    patch, shift, sampler = _find(ui, "MCSparsePatch"), _find(ui, "ModelSamplingSD3"), _find(ui, "KSampler")
+    probe = _add_node(ui, "MCSparseProbe", (patch["pos"][0] + 380, patch["pos"][1] + 260), PROBE_WIDGETS,
+                      [("model", "MODEL")], [("MODEL", "MODEL"), ("probe", PROBE_TYPE)], size=(320, 300))
+    report = _add_node(ui, "MCSparseProbeReport", (sampler["pos"][0], sampler["pos"][1] + 320), [],
+                       [("probe", PROBE_TYPE), ("samples", "LATENT")], [("plot", "IMAGE"), ("report", "STRING")],
+                       size=(480, 320))
+    text = _add_node(ui, "PreviewAny", (sampler["pos"][0] + 500, sampler["pos"][1] + 320), [], [("source", "*")], [],
+                     size=(480, 320))
+    _link(ui, patch, 0, probe, 0)
+    _link(ui, probe, 0, shift, 0)
+    _link(ui, probe, 1, report, 0)
+    _link(ui, sampler, 0, report, 1)
+    _link(ui, report, 1, text, 0)
+    _note(ui, PROBE_NOTE, (-400, 60))
+    return ui
+
+
+PROBE_TYPE = "MC_SPARSE_PROBE"
+FIDELITY_TARGETS = {"wan21_t2v_1.3b_compare": build_compare_ui, "wan21_t2v_1.3b_probe": build_probe_ui}
+
+
+def build_fidelity() -> None:
+    """Write the A/B compare and the probe workflows (UI + API twin) from ``FIDELITY_SOURCE``."""
+    source = json.loads((HERE / FIDELITY_SOURCE).read_text(encoding="utf-8"))
+    for out, build in FIDELITY_TARGETS.items():
+        ui = build(source)
+        api = build_api(ui)
+        (HERE / f"{out}.json").write_text(json.dumps(ui, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        (HERE / f"{out}_api.json").write_text(json.dumps(api, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        print(f"{FIDELITY_SOURCE} -> {out}: {len(api)} API nodes")
+
+
 def main() -> None:
+    if "--fidelity-only" in sys.argv[1:]:
+        build_fidelity()
+        return
     tdir = _templates_dir()
     for template_name, out in TARGETS.items():
         template = json.loads((tdir / template_name).read_text(encoding="utf-8"))
@@ -333,6 +481,7 @@ def main() -> None:
         (HERE / f"{out}_mc_sparse.json").write_text(json.dumps(ui, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         (HERE / f"{out}_mc_sparse_api.json").write_text(json.dumps(api, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         print(f"{template_name} -> {out}: {sum(1 for n in api.values() if n['class_type'] == 'MCSparsePatch')} patch node(s), {len(api)} API nodes")
+    build_fidelity()
 
 
 if __name__ == "__main__":
