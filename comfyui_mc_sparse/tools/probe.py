@@ -385,10 +385,13 @@ class PackedEntry:
     def unpack(self, device) -> CacheEntry:
         """The ``CacheEntry`` on ``device`` (kv_idx sorted ascending with -1 padding, as ``select_kv`` returns it)."""
         S = self.shape[2]
-        mask = _unpackbits(self.bits.to(device), S)  # [B, H, G, S]
+        B, H, G, _ = self.bits.shape
         pos = torch.arange(S, dtype=torch.int32, device=device)
-        idx = torch.where(mask, pos, S).sort(dim=-1).values[..., : self.k_alloc]  # real indices first, ascending
-        kv_idx = torch.where(idx >= S, -1, idx).to(torch.int32).contiguous()
+        kv_idx = torch.empty(B, H, G, self.k_alloc, dtype=torch.int32, device=device)
+        for h in range(H):  # one head at a time: the sort's temporaries are [B, G, S]
+            mask = _unpackbits(self.bits[:, h].to(device), S)  # [B, G, S]
+            idx = torch.where(mask, pos, S).sort(dim=-1).values[..., : self.k_alloc]  # real indices first, ascending
+            kv_idx[:, h] = torch.where(idx >= S, -1, idx)
         residual = self.residual.to(device) if self.residual is not None else None
         return CacheEntry(perm=self.perm.to(device), kv_idx=kv_idx, residual=residual, num_keys=self.num_keys,
                           shape=self.shape)
