@@ -23,10 +23,11 @@ import torch
 import triton  # noqa: F401  (an ImportError here marks the backend unavailable)
 
 from ..registry import Backend, register
+from .bitmask import decode_bitmask
 from .selection import group_prob_sums, select_kv
 from .sparse_attention import sparse_attention
 
-__all__ = ["group_prob_sums", "refuse", "select_kv", "sparse_attention"]
+__all__ = ["decode_bitmask", "group_prob_sums", "refuse", "select_kv", "sparse_attention"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 # triton picks the interpreter when a kernel is decorated, i.e. when this package is imported
@@ -70,6 +71,7 @@ register(
         priority=20,
         ops={
             "sparse_attention": sparse_attention, "group_prob_sums": group_prob_sums, "select_kv": select_kv,
+            "decode_bitmask": decode_bitmask,
         },
         refuse=refuse,
     )

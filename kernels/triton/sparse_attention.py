@@ -23,55 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..residual import finish_unfused
-
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-
-
-@triton.jit
-def _attn_tile(acc, m_i, l_i, q, k_base, v_base, idx_base, n0, n_valid, SK, sm_scale_log2,
-               stride_ks, stride_kd, stride_vs, stride_vd,
-               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_FROM_COUNT: tl.constexpr,
-               ROW64: tl.constexpr, CACHE: tl.constexpr):
-    """One BLOCK_N-slot tile of a group's KV: gather K/V rows by index, online softmax (base 2), acc += P @ V.
-
-    MASKED=False is the hot path: every slot of the tile is valid (n0 + BLOCK_N <= n_valid), so there is no mask and
-    the score update is one FMA per element (the running max is finite after the first tile). MASKED=True handles
-    the group's last partial tile (or every tile when masking by the loaded -1 indices)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    slots = n0 + offs_n
-    if MASKED:
-        kv = tl.load(idx_base + slots, mask=slots < n_valid, other=-1)  # [BLOCK_N] int32, -1 = masked
-        kv_ok = (kv >= 0) & (kv < SK)
-    else:
-        kv = tl.load(idx_base + slots)
-        kv_ok = kv < SK
-    kv_rows = tl.where(kv_ok, kv, 0)  # out-of-range indices read row 0 (never out of bounds)
-    if ROW64:
-        kv_rows = kv_rows.to(tl.int64)
-    k = tl.load(k_base + kv_rows[:, None] * stride_ks + offs_d[None, :] * stride_kd, cache_modifier=CACHE)
-    qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
-    if MASKED:
-        if MASK_FROM_COUNT:
-            bias = tl.where(slots < n_valid, 0.0, float("-inf"))
-        else:
-            bias = tl.where(kv_ok, 0.0, float("-inf"))
-        qk = qk * sm_scale_log2 + bias[None, :]
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw only masked slots: no inf - inf
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * sm_scale_log2)
-        p = tl.math.exp2(qk * sm_scale_log2 - m_new[:, None])  # one FMA + exp2 per score
-        alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    v = tl.load(v_base + kv_rows[:, None] * stride_vs + offs_d[None, :] * stride_vd, cache_modifier=CACHE)
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -95,8 +48,20 @@ def _valid_count(idx_base, K_ALLOC, PROBES: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_to_f32_div256(byte):
+    """float8_e4m3fn bit patterns (uint8) -> fp32 value / 256, exactly, in registers on any architecture.
+
+    Moving e4m3's sign and its 7 exponent/mantissa bits into an fp16's (s eeee mmm -> s 0eeee mmm0000000) gives
+    2^-8 times the value, normals and subnormals alike (the caller folds the 256 into its row scale). The NaN
+    pattern (0x7f/0xff) is not special-cased (the cache clamps residuals to +-448 before storing)."""
+    b = byte.to(tl.int16)
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _sparse_attn_fwd(
-    Q, K, V, PERM, KV_IDX, OUT, LSE,
+    Q, K, V, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE,
     sm_scale_log2,  # softmax scale * log2(e)
     H, S, SK, n_slots,  # n_slots: G*C entries of perm per (b, h); SK: KV length
     K_ALLOC, C,
@@ -104,13 +69,16 @@ def _sparse_attn_fwd(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,
+    stride_rb, stride_rh, stride_rs, stride_rd,
+    stride_cb, stride_ch, stride_cs,  # residual scale [B, H, S]
     M_BLOCKS: tl.constexpr,  # programs per group: ceil(C / BLOCK_M)
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RETURN_LSE: tl.constexpr,
-    MASK_FROM_COUNT: tl.constexpr,  # trailing -1 slots: unmasked full tiles + one masked tail tile
-    ROW64: tl.constexpr,  # int64 K/V row offsets (needed when Sk * row stride >= 2^31)
+    RES_KIND: tl.constexpr,  # 0 none, 1 plain, 2 fp8_row (uint8 bit patterns), 3 int4_row
+    MASK_FROM_COUNT: tl.constexpr,  # trailing -1 slots: loop to the group's valid count, mask by slot < count
+    ROW64: tl.constexpr,  # int64 row offsets (needed when a (b, h) slice of q/k/v/out/residual spans >= 2^31 elements)
     CACHE: tl.constexpr,  # cache modifier of the K/V gathers ("" or ".cg")
     PERMUTE_Q: tl.constexpr,  # False: group g reads/writes query rows g*C.. directly (benchmark baseline only)
 ):
@@ -123,6 +91,7 @@ def _sparse_attn_fwd(
 
     offs_m = row0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows inside the group
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
 
     # query indices of this block; rows past C or past the padded tail read -1
     if PERMUTE_Q:
@@ -131,14 +100,12 @@ def _sparse_attn_fwd(
     else:
         q_idx = tl.where(offs_m < C, group * C + offs_m, -1)
     q_valid = (q_idx >= 0) & (q_idx < S)
-    q_rows = tl.where(q_valid, q_idx, 0).to(tl.int64)
+    q_rows = tl.where(q_valid, q_idx, 0)
+    if ROW64:
+        q_rows = q_rows.to(tl.int64)
 
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    q = tl.load(
-        q_base + q_rows[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-        mask=q_valid[:, None],
-        other=0.0,
-    )  # [BLOCK_M, D]
+    q = tl.load(q_base + q_rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_valid[:, None], other=0.0)
 
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
@@ -149,65 +116,109 @@ def _sparse_attn_fwd(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     if MASK_FROM_COUNT:
-        n_valid = _valid_count(idx_base, K_ALLOC, 128)
-        n_full = (n_valid // BLOCK_N) * BLOCK_N
-        for n0 in range(0, n_full, BLOCK_N):  # hot loop: full tiles, no masks
-            acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, k_base, v_base, idx_base, n0, n_valid, SK, sm_scale_log2,
-                                       stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_N, False, True,
-                                       ROW64, CACHE)
-        if n_full < n_valid:
-            acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, k_base, v_base, idx_base, n_full, n_valid, SK,
-                                       sm_scale_log2, stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_N,
-                                       True, True, ROW64, CACHE)
+        n_end = _valid_count(idx_base, K_ALLOC, 128)
     else:
-        for n0 in range(0, K_ALLOC, BLOCK_N):
-            acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, k_base, v_base, idx_base, n0, K_ALLOC, SK, sm_scale_log2,
-                                       stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_N, True, False,
-                                       ROW64, CACHE)
+        n_end = K_ALLOC
+    # One tile body for every tile: full tiles see an all-true mask; the group's last tile masks its tail slots.
+    # The first tile holds at least one valid slot (the contract), so the running max is finite from there on.
+    for n0 in range(0, n_end, BLOCK_N):
+        slots = n0 + offs_n
+        kv = tl.load(idx_base + slots, mask=slots < n_end, other=-1)  # [BLOCK_N] int32, -1 = masked
+        if MASK_FROM_COUNT:
+            kv_rows = tl.where((kv >= 0) & (kv < SK), kv, 0)  # in-bounds reads whatever the indices hold
+            col_ok = slots < n_end  # from the loop counter: no second (score-layout) copy of the indices
+        else:
+            col_ok = (kv >= 0) & (kv < SK)
+            kv_rows = tl.where(col_ok, kv, 0)  # masked slots read row 0 (in bounds), then get a -inf score
+        if ROW64:
+            kv_rows = kv_rows.to(tl.int64)
+        k = tl.load(k_base + kv_rows[:, None] * stride_ks + offs_d[None, :] * stride_kd, cache_modifier=CACHE)
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
+        qk = tl.where(col_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * sm_scale_log2)
+        if not MASK_FROM_COUNT:  # -1 anywhere: a tile may be all masked before any valid slot
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk * sm_scale_log2 - m_new[:, None])  # one FMA + exp2 per score
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = tl.load(v_base + kv_rows[:, None] * stride_vs + offs_d[None, :] * stride_vd, cache_modifier=CACHE)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
 
     out = acc / l_i[:, None]
-    o_base = OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    tl.store(
-        o_base + q_rows[:, None] * stride_os + offs_d[None, :] * stride_od,
-        out.to(OUT.dtype.element_ty),
-        mask=q_valid[:, None],
-    )
+    # the rows again (L1/L2 hits), so their 64-bit offsets are not kept in registers through the loop
+    if PERMUTE_Q:
+        q_idx = tl.load(perm_base + offs_m, mask=offs_m < C, other=-1)
+    else:
+        q_idx = tl.where(offs_m < C, group * C + offs_m, -1)
+    q_valid = (q_idx >= 0) & (q_idx < S)
+    q_rows = tl.where(q_valid, q_idx, 0)
+    if ROW64:
+        q_rows = q_rows.to(tl.int64)
     if RETURN_LSE:
         lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # natural log
         tl.store(LSE + bh.to(tl.int64) * S + q_rows, lse, mask=q_valid)
+    # epilogue in two column halves (halves the live registers: out, R and their row addresses)
+    halves = tl.split(tl.permute(tl.reshape(out, [BLOCK_M, 2, HEAD_DIM // 2]), (0, 2, 1)))
+    _store_half(halves[0], 0, OUT, RES, RES_SCALE, b, h, q_rows, q_valid, stride_ob, stride_oh, stride_os, stride_od,
+                stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, HEAD_DIM // 2, RES_KIND)
+    _store_half(halves[1], HEAD_DIM // 2, OUT, RES, RES_SCALE, b, h, q_rows, q_valid, stride_ob, stride_oh, stride_os,
+                stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, HEAD_DIM // 2,
+                RES_KIND)
 
 
-def _config(head_dim: int, block_m: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages): BN 64, 4 warps, 3 stages: 0.770 of cuDNN at 14B, s = 0.25 on the H200; 4 stages
-    0.771, BN 128 / 8 warps 0.740, 8 warps with BN 64 0.647 (docs/kernels-benchmark.md)."""
-    return (64, 4, 3)
+@triton.jit
+def _store_half(out, col0, OUT, RES, RES_SCALE, b, h, q_rows, q_valid, stride_ob, stride_oh, stride_os, stride_od,
+                stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
+                WIDTH: tl.constexpr, RES_KIND: tl.constexpr):
+    """Columns col0 .. col0 + WIDTH of the output rows: + residual (original query order, dequantised here), store."""
+    offs_d = col0 + tl.arange(0, WIDTH)
+    if RES_KIND != 0:
+        r_base = RES + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh + q_rows[:, None] * stride_rs
+        if RES_KIND == 3:  # int4_row: byte j holds element 2j in its low nibble, 2j + 1 in its high nibble
+            offs_j = col0 // 2 + tl.arange(0, WIDTH // 2)
+            byte = tl.load(r_base + offs_j[None, :] * stride_rd, mask=q_valid[:, None], other=0x88).to(tl.int32)
+            r = tl.reshape(tl.join((byte & 0xF) - 8, (byte >> 4) - 8), [out.shape[0], WIDTH]).to(tl.float32)
+        else:
+            r = tl.load(r_base + offs_d[None, :] * stride_rd, mask=q_valid[:, None], other=0)
+            r = _e4m3_to_f32_div256(r) if RES_KIND == 2 else r.to(tl.float32)
+        if RES_KIND >= 2:
+            c_base = RES_SCALE + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
+            row_scale = tl.load(c_base + q_rows * stride_cs, mask=q_valid, other=0.0)
+            if RES_KIND == 2:
+                row_scale = row_scale * 256.0
+            r = r * row_scale[:, None]
+        out = out + r
+    o_base = OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    tl.store(o_base + q_rows[:, None] * stride_os + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty),
+             mask=q_valid[:, None])
 
 
-def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, block_n=None, num_warps=None,
-                     num_stages=None, mask_from_count=True, cache="", block_m=None, row64=None, permute_q=True):
-    """Token-sparse attention on the Triton kernel; same contract as ``kernels.reference.sparse_attention``.
+_RES_KINDS = {None: 0, "plain": 1, "fp8_row": 2, "int4_row": 3}
 
-    Args:
-        q, k, v: ``[B, H, S, D]`` / ``[B, H, Sk, D]``, fp16 or bf16, any strides (unit stride on D is fastest);
-            D a power of two in [16, 256].
-        perm: int32 ``[B, H, G*C]`` query groups, -1 padding at the tail.
-        kv_idx: int32 ``[B, H, G, K_alloc]`` each group's KV token indices, -1 = masked slot. Any K_alloc.
-        scale: softmax scale; None means 1/sqrt(D).
-        return_lse: also return the fp32 row log-sum-exp ``[B, H, S]`` (natural log, scale applied).
-        mask_from_count: the -1 slots are trailing (the kv_idx convention): each program finds its group's valid
-            count (two vector probes of its kv_idx row), runs the full tiles unmasked and masks only the last partial
-            tile. False masks slots holding -1 wherever they are (every tile masked, slower).
-        block_n, num_warps, num_stages, block_m, cache: tuning overrides (benchmarks).
-        row64: int64 K/V row offsets; None picks int64 only when (Sk - 1) * row stride could overflow int32 (the
-            base pointers of each (b, h) are always 64-bit).
-        permute_q: False makes group g read and write query rows g*C..g*C+C-1 directly, ignoring perm: a
-            benchmark baseline that measures what the gather/scatter through perm costs; not the op's contract.
-    Returns:
-        O ``[B, H, S, D]`` in q's dtype, original query order (queries absent from ``perm`` are left
-        uninitialised, as the contract says every query appears once), or (O, LSE).
-    Raises:
-        ValueError: a group width C = G*C / G that does not divide ``perm``'s width.
-    """
+
+def config(head_dim: int, capability: tuple[int, int] | None) -> dict:
+    """Default launch config (block_n, num_warps, num_stages, maxnreg) on a CUDA capability (None: the interpreter).
+
+    Every default compiles without register spills at D = 128, BLOCK_M = 128 for every residual kind
+    (``tests/ptxas_report.py`` compiles the kernel offline for sm_80 / sm_89 / sm_90 and prints registers, spills and
+    shared memory; the GPU benchmark prints the loaded kernel's ``n_regs`` / ``n_spills``) and fits the architecture's
+    shared memory (sm_86 / sm_89: 99 KiB per block). sm_90: BLOCK_N 32 with 8 warps capped at 128 registers, so two
+    programs (16 warps) share an SM and one's softmax overlaps the other's wgmma; the previous default (BLOCK_N 64,
+    4 warps, 255 registers) spilled 160-260 bytes (docs/kernels-benchmark.md has the measured configs)."""
+    major, minor = capability or (9, 0)
+    if major >= 9:
+        return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=128)
+    if (major, minor) == (8, 0):
+        return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=None)
+    return dict(block_n=32, num_warps=8, num_stages=2, maxnreg=None)  # sm_86 / sm_89: 99 KiB of shared memory
+
+
+def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, block_n=None,
+                num_warps=None, num_stages=None, mask_from_count=True, cache="", block_m=None, row64=None,
+                permute_q=True, maxnreg=None, capability=None):
+    """(grid, positional args, meta) of one launch, and (out, lse); shared by the op and ``tests/ptxas_report.py``."""
     B, H, S, D = q.shape
     G, k_alloc = kv_idx.shape[2], kv_idx.shape[3]
     n_slots = perm.shape[-1]
@@ -217,29 +228,67 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     block_m = block_m or min(128, max(16, triton.next_power_of_2(C)))
     m_blocks = triton.cdiv(C, block_m)
-    bn, warps, stages = _config(D, block_m)
-    bn = block_n or bn
-    warps = num_warps or warps
-    stages = num_stages or stages
-    if row64 is None:
-        sk = k.shape[2]
-        reach = max((sk - 1) * abs(k.stride(2)) + (D - 1) * abs(k.stride(3)),
-                    (sk - 1) * abs(v.stride(2)) + (D - 1) * abs(v.stride(3)))
+    cfg = config(D, capability)
+    bn, warps, stages = block_n or cfg["block_n"], num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
+    maxnreg = cfg["maxnreg"] if maxnreg is None else maxnreg  # 0 lifts the cap
+    if row64 is None:  # int32 row offsets unless some (b, h) slice reaches past 2^31 elements
+        views = [q, k, v, out] + ([] if residual is None else [residual.data])
+        reach = max(sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], t.stride()[2:])) for t in views if t is not None)
         row64 = reach >= 2**31
-    perm = perm.contiguous()
+    perm = perm.contiguous()  # no-ops for the cache's arrays (always contiguous)
     kv_idx = kv_idx.contiguous()
-    target = out
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else out  # dummy when unused
+    kind = _RES_KINDS[None if residual is None else residual.kind]
+    if residual is None:
+        res, res_scale, r_strides, c_strides = out, out, (0, 0, 0, 0), (0, 0, 0)
+    else:
+        res = residual.data.view(torch.uint8) if kind == 2 else residual.data  # fp8 read as bits: any architecture
+        res_scale = residual.scale if residual.scale is not None else out
+        r_strides = res.stride()
+        c_strides = residual.scale.stride() if residual.scale is not None else (0, 0, 0)
     grid = (G * m_blocks, B * H)
-    _sparse_attn_fwd[grid](
-        q, k, v, perm, kv_idx, out, lse,
-        scale * _LOG2E,
-        H, S, k.shape[2], n_slots, k_alloc, C,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=bn, RETURN_LSE=return_lse,
-        MASK_FROM_COUNT=mask_from_count, ROW64=bool(row64), CACHE=cache, PERMUTE_Q=permute_q,
-        num_warps=warps, num_stages=stages,
-    )
-    out = finish_unfused(out, target, residual)
+    args = (q, k, v, perm, kv_idx, out, lse, res, res_scale, scale * _LOG2E, H, S, k.shape[2], n_slots, k_alloc, C,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *r_strides, *c_strides)
+    meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=bn, RETURN_LSE=return_lse, RES_KIND=kind,
+                MASK_FROM_COUNT=mask_from_count, ROW64=bool(row64), CACHE=cache, PERMUTE_Q=permute_q,
+                num_warps=warps, num_stages=stages)
+    if maxnreg:
+        meta["maxnreg"] = maxnreg
+    return grid, args, meta, (out, lse)
+
+
+def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, **tuning):
+    """Token-sparse attention on the Triton kernel; contract of ``kernels.sparse_attention`` (TEAM.md contract 2).
+
+    Args:
+        q, k, v: ``[B, H, S, D]`` / ``[B, H, Sk, D]``, fp16 or bf16, any strides (read in place; unit stride on D is
+            fastest), D a power of two in [16, 256].
+        perm: int32 ``[B, H, G*C]`` query groups, -1 padding at the tail.
+        kv_idx: int32 ``[B, H, G, K_alloc]`` each group's KV token indices, -1 = masked slot. Any K_alloc.
+        scale: softmax scale; None means 1/sqrt(D).
+        return_lse: also return the fp32 row log-sum-exp ``[B, H, S]`` (natural log, scale applied).
+        out: ``[B, H, S, D]`` in q's dtype, any strides: the kernel stores through them (None: a new contiguous one).
+        residual: ``kernels.Residual`` added in fp32 in the epilogue, read by strides, dequantised in registers.
+        tuning: ``mask_from_count`` (default True: the -1 slots are trailing, each program loops to its group's valid
+            count; False masks -1 anywhere), ``block_n``, ``num_warps``, ``num_stages``, ``block_m``, ``cache``,
+            ``row64`` (None: int64 row offsets only when some (b, h) slice of q/k/v/out/residual spans >= 2^31
+            elements; the (b, h) base offsets are always 64-bit),
+            ``permute_q`` (False ignores perm: a benchmark baseline, not the contract).
+    Returns:
+        ``out`` (original query order; queries absent from ``perm`` are left as they were), or (out, LSE).
+    Raises:
+        ValueError: a group width C = G*C / G that does not divide ``perm``'s width.
+    """
+    cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    grid, args, meta, (out, lse) = launch_args(q, k, v, perm, kv_idx, scale=scale, return_lse=return_lse, out=out,
+                                               residual=residual, capability=cap, **tuning)
+    _sparse_attn_fwd[grid](*args, **meta)
     return (out, lse) if return_lse else out
+
+
+def compiled_kernels():
+    """The compiled variants of the sparse kernel in this process (device -> key -> CompiledKernel); the GPU benchmark
+    reads ``n_regs`` / ``n_spills`` from them."""
+    return _sparse_attn_fwd.device_caches

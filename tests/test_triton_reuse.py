@@ -1,0 +1,140 @@
+"""The reuse-path Triton kernels (TEAM.md contract 2) against float64 brute force, under TRITON_INTERPRET=1 on CPU:
+the sparse kernel reading q/k/v in ComfyUI's native layout and writing ``out`` by strides with the residual epilogue
+(plain / fp8_row / int4_row), B = 2 (both CFG branches in one launch), ragged tails, fp16/bf16, NaN-poisoned
+outputs; and the bitmask decode kernel, bit-exact. Tolerances: see tests/test_triton_kernels.py."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from comfyui_mc_sparse_pack import kernels
+from comfyui_mc_sparse_pack.kernels import registry
+
+from ._triton_interp import patch_interpreter
+from .test_reuse_op import (
+    brute_decode,
+    brute_residual,
+    brute_sparse,
+    make_residual,
+    random_bitmask,
+    random_groups,
+    random_kv_idx,
+)
+
+triton_backend = next(b for b in registry.backends() if b.name == "triton")
+pytestmark = pytest.mark.skipif(
+    bool(triton_backend.unavailable_reason), reason=f"triton backend unavailable: {triton_backend.unavailable_reason}"
+)
+patch_interpreter()
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BOUND = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
+tsa = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention")
+
+
+class LaunchSpy:
+    """Stands in for the JIT kernel: records the tensors each launch received, then launches the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.launches.append(args)
+            return self.kernel[grid](*args, **meta)
+
+        return launch
+
+
+def _native(gen, B, S, H, D, dtype, pad=0, fill=None):
+    """[B, H, S, D] view of a [B, S, H*D + pad] tensor (random, or filled with ``fill``), and the base tensor."""
+    if fill is None:
+        base = torch.randn(B, S, H * D + pad, generator=gen).to(dtype).to(DEVICE)
+    else:
+        base = torch.full((B, S, H * D + pad), fill, dtype=dtype, device=DEVICE)
+    return base[..., :H * D].view(B, S, H, D).transpose(1, 2), base
+
+
+# (S, D, C, K, K_alloc): ragged S (S % C != 0), K not a multiple of the 64-slot tile, K_alloc past K
+CASES = [(45, 16, 16, 21, 32), (70, 32, 32, 64, 80), (33, 16, 8, 5, 5)]
+
+
+# every residual kind in both dtypes, every case at least twice
+COMBOS = [(0, torch.float16, None), (0, torch.bfloat16, "int4_row"), (1, torch.bfloat16, "plain"),
+          (1, torch.float16, "fp8_row"), (2, torch.bfloat16, "fp8_row"), (2, torch.float16, "int4_row"),
+          (0, torch.float16, "plain"), (1, torch.bfloat16, None)]
+
+
+@pytest.mark.parametrize(("case", "dtype", "kind"), COMBOS,
+                         ids=[f"S{CASES[c][0]}-K{CASES[c][3]}-{str(d)[6:]}-{k}" for c, d, k in COMBOS])
+def test_native_layout_out_view_residual_b2(gen, monkeypatch, case, dtype, kind):
+    """B = 2 stacked branches in one launch: q/k/v read in place from [B, S, H*D] views, out written through a view
+    of a NaN-poisoned [B, S, H*D + 8] buffer (every element of the view written, the 8 extra columns untouched),
+    out returned itself, no tensor allocated but the LSE; O = sparse + R and LSE match float64 brute force."""
+    S, D, C, K, k_alloc = CASES[case]
+    B, H = 2, 2
+    (q, _), (k, _), (v, _) = (_native(gen, B, S, H, D, dtype) for _ in range(3))
+    out, base = _native(gen, B, S, H, D, dtype, pad=8, fill=float("nan"))
+    perm = random_groups(gen, B, H, S, C).to(DEVICE)
+    idx = random_kv_idx(gen, B, H, perm.shape[-1] // C, S, K, k_alloc).to(DEVICE)
+    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen), kind)
+    if res is not None:
+        res = kernels.Residual(res.data.to(DEVICE), None if res.scale is None else res.scale.to(DEVICE), res.kind)
+    spy = LaunchSpy(tsa._sparse_attn_fwd)
+    monkeypatch.setattr(tsa, "_sparse_attn_fwd", spy)
+    made = []
+    for name in ("empty", "empty_like", "empty_strided", "zeros", "zeros_like", "full"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, **kw: made.append(_real(*a, **kw)) or made[-1])
+    got, lse = kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, backend="triton")
+    monkeypatch.undo()
+    assert registry.last_choices()["sparse_attention"].backend == "triton"
+    assert got is out and len(spy.launches) == 1
+    args = spy.launches[0]
+    assert [a.data_ptr() for a in args[:3]] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]  # read in place
+    assert args[5] is out
+    assert [tuple(t.shape) for t in made] == [(B, H, S)]  # only the LSE
+    assert not out.isnan().any() and base[..., H * D:].isnan().all()
+    ref, ref_lse = brute_sparse(q.cpu(), k.cpu(), v.cpu(), perm.cpu(), idx.cpu())
+    if res is not None:
+        ref = ref + brute_residual(kernels.Residual(res.data.cpu(), None if res.scale is None else res.scale.cpu(), kind))
+    err = float((out.cpu().double() - ref).norm() / ref.norm())
+    assert err < BOUND[dtype], err
+    assert (lse.cpu().double() - ref_lse).abs().max() < 1e-4
+
+
+def test_epilogue_adds_residual_in_original_query_order(gen):
+    """R of query i lands on output row i (not on the permuted slot): a residual that is nonzero on one query only
+    changes that query's output row, by R (added in fp32 before the one rounding: within an fp16 ulp of base + R)."""
+    B, H, S, D, C, K = 1, 1, 40, 16, 8, 12
+    q, k, v = (torch.randn(B, H, S, D, generator=gen).to(torch.float16).to(DEVICE) for _ in range(3))
+    perm = random_groups(gen, B, H, S, C).to(DEVICE)
+    idx = random_kv_idx(gen, B, H, perm.shape[-1] // C, S, K, 16).to(DEVICE)
+    base = kernels.sparse_attention(q, k, v, perm, idx, backend="triton")
+    r = torch.zeros(B, H, S, D, dtype=torch.float16, device=DEVICE)
+    target = int(perm[0, 0, 3])  # a query that is not in slot `target` of the permuted order
+    r[0, 0, target] = 1.0
+    with_r = kernels.sparse_attention(q, k, v, perm, idx, residual=kernels.Residual(r), backend="triton")
+    changed = (with_r != base).any(-1)[0, 0]
+    assert changed.nonzero().flatten().tolist() == [target]
+    assert ((with_r[0, 0, target].float() - base[0, 0, target].float() - 1.0).abs() <= 2.0**-9).all()
+
+
+@pytest.mark.parametrize(("S", "K", "width"), [(37, 9, 16), (64, 64, 64), (3001, 700, 768), (13, 1, 5), (2100, 2100, 2100)])
+def test_decode_bitmask_kernel_bit_exact(gen, S, K, width):
+    """The Triton decode equals the reference and brute force bit for bit, ragged S (stray bits past S ignored),
+    rows longer than one step, into half of a stacked [2, ...] buffer (the other half untouched), -1 tails written."""
+    bits = random_bitmask(gen, (2, 3), S, K)
+    if S % 8:
+        bits[..., -1] |= 0xFF << (S % 8) & 0xFF
+    bits = bits.to(DEVICE)
+    stacked = torch.full((2, 2, 3, width), 7, dtype=torch.int32, device=DEVICE)
+    got = kernels.decode_bitmask(bits, num_tokens=S, out=stacked[1], backend="triton")
+    assert registry.last_choices()["decode_bitmask"].backend == "triton"
+    assert got.data_ptr() == stacked[1].data_ptr()
+    assert torch.equal(stacked[1].cpu(), brute_decode(bits.cpu(), S, width))
+    assert (stacked[0] == 7).all()
+    ref = kernels.decode_bitmask(bits, num_tokens=S, width=width, backend="torch")
+    assert torch.equal(ref, stacked[1])
