@@ -11,15 +11,26 @@ At the Wan2.1-1.3B 480p (B=1, H=12, S=32760, D=128) and Wan2.1-14B 720p (H=40, S
   before any timing; the selected sets' overlap with the reference's.
 Timings are ``triton.testing.do_bench`` medians over rotating input sets (no cache-warm repeats of one input).
 
+With --reuse (issue 14) it times the reuse path instead of selection and grouping, at each density: the Triton
+kernel on contiguous [B, H, S, D] inputs (the scoreboard's ``triton_sparse_eff_min``), on the model's strided views
+of [B, S, H*D] tensors writing ``out=`` (a view too), and with the residual epilogue (plain bf16 / fp8_row /
+int4_row); flash-attn-4's paged route when present (``fa4_route_eff_min``); a few tile configs at s = 0.25; the
+bitmask decode kernel; and the compiled kernels' ``n_regs`` / ``n_spills``. It updates docs/results/scoreboard.json
+(and writes a copy next to --out).
+
 Usage: python tests/bench_kernels.py --out bench.json [--shapes 1.3b,14b] [--densities 0.1,0.15,0.25,0.5] [--sweep]
+       python tests/bench_kernels.py --out $OUT/bench_reuse.json --reuse --rep 40
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib
 import itertools
 import json
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -71,7 +82,8 @@ PASS2_VARIANTS = {
 def bench(fn_of_inputs, inputs, rep_ms=600, warmup_ms=100):
     """Median ms of fn over rotating input sets."""
     cyc = itertools.cycle(inputs)
-    return triton.testing.do_bench(lambda: fn_of_inputs(*next(cyc)), warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return triton.testing.do_bench(lambda: fn_of_inputs(*next(cyc)), warmup=min(warmup_ms, rep_ms), rep=rep_ms,
+                                   return_mode="median")
 
 
 def rel_err(a, b):
@@ -232,6 +244,172 @@ def run_shape(name, shp, densities, sweep, rep, log):
     return res
 
 
+# --- reuse path (issue 14) -------------------------------------------------------------------------------------
+
+REUSE_CONFIGS = {  # Triton sparse tile configs timed with --reuse at s = 0.25 (the default is timed anyway)
+    "bn64 w4 st3 (previous default)": dict(block_n=64, num_warps=4, num_stages=3, maxnreg=0),
+    "bn32 w4 st3": dict(block_n=32, num_warps=4, num_stages=3, maxnreg=0),
+    "bn64 w8 st3": dict(block_n=64, num_warps=8, num_stages=3, maxnreg=0),
+    "bn128 w8 st3": dict(block_n=128, num_warps=8, num_stages=3, maxnreg=0),
+    "bn32 w8 st4 r128": dict(block_n=32, num_warps=8, num_stages=4, maxnreg=128),
+}
+_tsa = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention")
+
+
+def compiled_now():
+    """{id: CompiledKernel} of every sparse-kernel variant compiled in this process so far."""
+    return {id(ck): ck for ck in _tsa.compiled_kernels()}
+
+
+def regs_of_new(before):
+    """[(num_warps, n_regs, n_spills)] of the kernels compiled since ``before`` (a ``compiled_now()`` result)."""
+    return [(ck.metadata.num_warps, int(ck.n_regs), int(ck.n_spills)) for key, ck in compiled_now().items()
+            if key not in before]
+
+
+def make_residuals(B, H, S, D, gen):
+    """A random residual in each stored form (the cache's formats; TEAM.md contract 2) and its float32 value."""
+    r = torch.randn(B, H, S, D, device="cuda", generator=gen) * 0.05
+    amax = r.abs().amax(-1)
+    s8 = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    s4 = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+    q4 = (torch.round(r / s4[..., None]).clamp(-7, 7) + 8).to(torch.uint8)
+    out = {
+        "plain": kernels.Residual(r.to(torch.bfloat16)),
+        "fp8_row": kernels.Residual((r / s8[..., None]).to(torch.float8_e4m3fn), s8.float(), "fp8_row"),
+        "int4_row": kernels.Residual(q4[..., 0::2] | (q4[..., 1::2] << 4), s4.float(), "int4_row"),
+    }
+    del r
+    return out
+
+
+def random_perm(B, H, S, gen):
+    G = -(-S // C)
+    perm = torch.full((B, H, G * C), -1, dtype=torch.int32, device="cuda")
+    perm[..., :S] = torch.argsort(torch.rand(B, H, S, device="cuda", generator=gen), dim=-1).to(torch.int32)
+    return perm
+
+
+def run_reuse_shape(name, shp, densities, rep, log):
+    B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
+    G = -(-S // C)
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    res = dict(shape=shp, dense={}, sparse={}, errors={}, sweep={}, kernels={}, decode={})
+    sets = [tuple(torch.randn(B, H, S, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(3)) for _ in range(2)]
+    native = [tuple(torch.randn(B, S, H * D, device="cuda", dtype=DTYPE, generator=gen).view(B, S, H, D).transpose(1, 2)
+                    for _ in range(3)) for _ in range(2)]
+    out_buf = torch.empty(B, S, H * D, device="cuda", dtype=DTYPE)
+    out_v = out_buf.view(B, S, H, D).transpose(1, 2)
+    perms = [random_perm(B, H, S, gen) for _ in range(2)]
+    residuals = make_residuals(B, H, S, D, gen)
+    sub = slice(0, 2)
+
+    for dname, fn in dense_kernels().items():
+        if "(LSE)" not in dname:
+            continue
+        ms = bench(fn, sets, rep)
+        res["dense"][dname] = dict(ms=ms, tflops=4 * S * S * D * H * B / ms / 1e9)
+        log(f"{name} dense {dname}: {ms:.2f} ms, {res['dense'][dname]['tflops']:.0f} TFLOP/s")
+    best_name = min(res["dense"], key=lambda n: res["dense"][n]["ms"])
+    best = res["dense"][best_name]["ms"]
+    res["best_dense"] = dict(name=best_name, ms=best)
+
+    fa4 = "flash_attn4" in {b.name for b in registry.backends() if not b.unavailable_reason}
+    variants = {
+        "triton contiguous": lambda st, p, i: kernels.sparse_attention(*st[0], p, i, backend="triton"),
+        "triton native views, out=": lambda st, p, i: kernels.sparse_attention(*st[1], p, i, out=out_v, backend="triton"),
+    }
+    for kind, r in residuals.items():
+        variants[f"triton native, out=, residual {kind}"] = (
+            lambda st, p, i, r=r: kernels.sparse_attention(*st[1], p, i, out=out_v, residual=r, backend="triton"))
+    variants["triton native, out=, residual plain, LSE"] = (
+        lambda st, p, i: kernels.sparse_attention(*st[1], p, i, out=out_v, residual=residuals["plain"], return_lse=True,
+                                                  backend="triton"))
+    if fa4:
+        variants["flash_attn4 paged route"] = lambda st, p, i: kernels.sparse_attention(*st[0], p, i, backend="flash_attn4")
+    both = [(st, nt) for st, nt in zip(sets, native)]
+    for s in densities:
+        kq = int(s * S)
+        idxs = [random_kv_idx(B, H, G, S, kq, gen) for _ in sets]
+        ref = reference.sparse_attention(*(t[:, sub].float() for t in sets[0]), perms[0][:, sub], idxs[0][:, sub])
+        ref_n = reference.sparse_attention(*(t[:, sub].float() for t in native[0]), perms[0][:, sub], idxs[0][:, sub])
+        for vname, fn in variants.items():
+            before = compiled_now()
+            got = fn(both[0], perms[0], idxs[0])
+            got = got[0] if isinstance(got, tuple) else got
+            want = ref if "contiguous" in vname or "flash" in vname else ref_n
+            for kind, r in residuals.items():
+                if f"residual {kind}" in vname:
+                    part = kernels.Residual(r.data[:, sub], None if r.scale is None else r.scale[:, sub], r.kind)
+                    want = want + part.dequantize(torch.float32)
+            res["errors"][f"{vname} s={s}"] = rel_err(got[:, sub], want)
+            new = regs_of_new(before)
+            if new:
+                res["kernels"][vname] = new
+                log(f"{name} compiled {vname}: (num_warps, n_regs, n_spills) {new}"
+                    + ("  <-- SPILLS" if any(x[2] for x in new) else ""))
+            ms = bench(fn, [(st, p, i) for st, p, i in zip(both, perms, idxs)], rep)
+            eff = best * (kq / S) / ms
+            res["sparse"].setdefault(vname, {})[str(s)] = dict(ms=ms, efficiency=eff, speedup=best / ms)
+            log(f"{name} {vname} s={s}: {ms:.2f} ms, efficiency {eff:.3f}, err {res['errors'][f'{vname} s={s}']}")
+        if s == 0.25:
+            for cname, kw in REUSE_CONFIGS.items():
+                try:
+                    before = compiled_now()
+                    err = rel_err(_tsa.sparse_attention(*sets[0], perms[0], idxs[0], **kw)[:, sub], ref)["rel_l2"]
+                    new = regs_of_new(before)
+                    ms = bench(lambda st, p, i, kw=kw: _tsa.sparse_attention(*st[0], p, i, **kw),
+                               [(st, p, i) for st, p, i in zip(both, perms, idxs)], rep)
+                    res["sweep"][cname] = dict(efficiency=best * (kq / S) / ms, ms=ms, rel_l2=err, regs_spills=new)
+                except Exception as e:  # out of resources on this GPU
+                    res["sweep"][cname] = f"{type(e).__name__}: {str(e)[:120]}"
+                log(f"{name} config {cname} s=0.25: {res['sweep'][cname]}")
+            # the bitmask decode kernel on this selection (what the cache's decode runs on CUDA)
+            from comfyui_mc_sparse_pack.comfyui_mc_sparse import encoding
+
+            enc = encoding.encode_selection(idxs[0], S, kq, "bitmask")
+            dec = torch.empty_like(idxs[0])
+            kernels.decode_bitmask(enc.data, num_tokens=S, out=dec)
+            ok = bool(torch.equal(dec, idxs[0]))
+            ms = bench(lambda: kernels.decode_bitmask(enc.data, num_tokens=S, out=dec), [()], rep)
+            res["decode"] = dict(ms=ms, bit_exact=ok, backend=registry.last_choices()["decode_bitmask"].backend,
+                                 frac_of_sparse=ms / res["sparse"]["triton contiguous"][str(s)]["ms"])
+            log(f"{name} decode_bitmask s=0.25: {ms:.3f} ms ({res['decode']['backend']}), bit-exact {ok}, "
+                f"{res['decode']['frac_of_sparse']:.3f} of the sparse call")
+        del idxs
+    return res
+
+
+def update_scoreboard(path, report, command):
+    """Write triton_sparse_eff_min (and fa4_route_eff_min) into the scoreboard (shared/docs/scoreboard.md format)."""
+    path = Path(path)
+    board = json.loads(path.read_text()) if path.is_file() else {}
+    root = Path(__file__).resolve().parent.parent
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+
+    def effs(variant):
+        return {(n, s): v["efficiency"] for n, r in report["shapes"].items() for s, v in r["sparse"].get(variant, {}).items()}
+
+    dense = "; ".join(f"{n}: {r['best_dense']['name']} {r['best_dense']['ms']:.2f} ms" for n, r in report["shapes"].items())
+    spills = sorted({x for r in report["shapes"].values() for v in r["kernels"].values() for x in v})
+    for key, variant in (("triton_sparse_eff_min", "triton contiguous"), ("fa4_route_eff_min", "flash_attn4 paged route")):
+        e = effs(variant)
+        if not e:
+            continue
+        worst = min(e, key=e.get)
+        native = effs("triton native, out=, residual plain")
+        note = (f"min over shapes x s of best dense (with LSE) x s / sparse ms; worst at {worst[0]} s={worst[1]}; "
+                f"best dense {dense}")
+        if key.startswith("triton") and native:
+            note += (f"; native [B, S, H*D] views + out= + plain residual epilogue: min {min(native.values()):.3f}; "
+                     f"compiled (num_warps, n_regs, n_spills): {spills}")
+        board[key] = dict(value=round(e[worst], 4), unit="ratio", command=command, commit=commit or "unknown",
+                          gpu=report["gpu"], date=datetime.date.today().isoformat(), note=note)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(board, indent=2) + "\n")
+    return board
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON output path")
@@ -239,6 +417,8 @@ def main():
     ap.add_argument("--densities", default="0.1,0.15,0.25,0.5")
     ap.add_argument("--rep", type=int, default=500, help="do_bench rep budget per measurement, ms")
     ap.add_argument("--sweep", action="store_true", help="also time Triton tile configs")
+    ap.add_argument("--reuse", action="store_true", help="time the reuse path (issue 14) instead of selection/grouping")
+    ap.add_argument("--scoreboard", default=str(Path(__file__).resolve().parent.parent / "docs" / "results" / "scoreboard.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
@@ -263,9 +443,20 @@ def main():
 
     log(registry.report())
     for name in args.shapes.split(","):
-        report["shapes"][name] = run_shape(name, SHAPES[name], densities, args.sweep, args.rep, log)
+        if args.reuse:
+            report["shapes"][name] = run_reuse_shape(name, SHAPES[name], densities, args.rep, log)
+        else:
+            report["shapes"][name] = run_shape(name, SHAPES[name], densities, args.sweep, args.rep, log)
         Path(args.out).write_text(json.dumps(report, indent=1))
         torch.cuda.empty_cache()
+    if args.reuse:
+        command = "python3 tests/bench_kernels.py " + " ".join(a if a != args.out else "$OUT/" + Path(a).name
+                                                                 for a in sys.argv[1:])
+        board = update_scoreboard(args.scoreboard, report, command)
+        (Path(args.out).parent / "scoreboard.json").write_text(json.dumps(board, indent=2) + "\n")
+        print_reuse_table(report, board)
+        log("done")
+        return
     print_table(report)
 
 
@@ -282,6 +473,23 @@ def print_table(report):
             print(f"| {name} | pddp {bname} | {r['pddp'][bname]['ms']:.2f} ms |")
         for k, v in r["sweep"].items():
             print(f"| {name} | sweep {k} | {v} |")
+
+
+
+def print_reuse_table(report, board):
+    dens = list(next(iter(next(iter(report["shapes"].values()))["sparse"].values())).keys())
+    print("\n| shape | variant | s=" + " | s=".join(dens) + " |")
+    for name, r in report["shapes"].items():
+        print(f"| {name} | best dense: {r['best_dense']['name']} {r['best_dense']['ms']:.2f} ms |")
+        for vname, per in r["sparse"].items():
+            print(f"| {name} | {vname} efficiency | " + " | ".join(f"{v['efficiency']:.3f}" for v in per.values()) + " |")
+        for cname, v in r["sweep"].items():
+            print(f"| {name} | config {cname} (s=0.25) | {v} |")
+        print(f"| {name} | decode_bitmask | {r['decode']} |")
+        print(f"| {name} | compiled (num_warps, n_regs, n_spills) | {r['kernels']} |")
+    for key in ("triton_sparse_eff_min", "fa4_route_eff_min"):
+        if key in board:
+            print(f"scoreboard {key} = {board[key]['value']} ({board[key]['note']})")
 
 
 if __name__ == "__main__":

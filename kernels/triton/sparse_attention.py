@@ -288,7 +288,12 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
     return (out, lse) if return_lse else out
 
 
-def compiled_kernels():
-    """The compiled variants of the sparse kernel in this process (device -> key -> CompiledKernel); the GPU benchmark
-    reads ``n_regs`` / ``n_spills`` from them."""
-    return _sparse_attn_fwd.device_caches
+def compiled_kernels() -> list:
+    """Every compiled variant of the sparse kernel in this process (triton ``CompiledKernel``, loaded), so the GPU
+    benchmark and test can read ``n_regs`` / ``n_spills`` / ``metadata.num_warps`` (triton 3.x internals)."""
+    out = []
+    for caches in _sparse_attn_fwd.device_caches.values():
+        for ck in caches[0].values():
+            ck._init_handles()
+            out.append(ck)
+    return out
