@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
+
 log = logging.getLogger(__name__)
 
 SELECTION_ENCODINGS = ("auto", "bitmask", "uint16", "int32")
@@ -194,6 +196,8 @@ def decode_selection(
     data = enc.data if device is None else enc.data.to(device, non_blocking=non_blocking)
     if enc.kind == "int32":
         return data
+    if enc.kind == "bitmask" and data.is_cuda and kernels.registry.candidates("decode_bitmask", data)[0][0].name == "triton":
+        return kernels.decode_bitmask(data, num_tokens=enc.num_tokens, width=enc.width)  # one launch, int32, no sync
     lead = data.shape[:-1]
     out = torch.empty(*lead, enc.width, dtype=torch.int32, device=data.device)
     if enc.width > enc.num_keys:
