@@ -147,7 +147,8 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
         residual (shape or device not q's). NoCapableBackendError: nothing can run the call.
     """
     _check_qkv(q, k, v)
-    if not isinstance(kv_idx, torch.Tensor) or kv_idx.dtype != torch.int32 or kv_idx.dim() != 4 or kv_idx.shape[:2] != q.shape[:2]:
+    if (not isinstance(kv_idx, torch.Tensor) or kv_idx.dtype != torch.int32 or kv_idx.dim() != 4
+            or kv_idx.shape[:2] != q.shape[:2]):
         raise ValueError(f"kv_idx must be int32 [B, H, G, K] with q's B, H, got {_desc(kv_idx)}")
     if kv_idx.device != q.device or perm.device != q.device:
         raise ValueError(f"perm and kv_idx must be on q's device {q.device}, got {perm.device}, {kv_idx.device}")

@@ -418,7 +418,7 @@ def main():
     ap.add_argument("--rep", type=int, default=500, help="do_bench rep budget per measurement, ms")
     ap.add_argument("--sweep", action="store_true", help="also time Triton tile configs")
     ap.add_argument("--reuse", action="store_true", help="time the reuse path (issue 14) instead of selection/grouping")
-    ap.add_argument("--scoreboard", default=str(Path(__file__).resolve().parent.parent / "docs" / "results" / "scoreboard.json"))
+    ap.add_argument("--scoreboard", default=str(Path(__file__).resolve().parent.parent / "docs/results/scoreboard.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")

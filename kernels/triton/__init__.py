@@ -10,7 +10,8 @@ reason. Capabilities (checked by ``refuse`` before any launch):
 - head dim: a power of two in [16, 256];
 - any group size C, any K_alloc, any S (ragged tails masked).
 
-Ops: ``sparse_attention`` (``sparse_attention.py``), ``group_prob_sums`` and ``select_kv`` (``selection.py``).
+Ops: ``sparse_attention`` (``sparse_attention.py``), ``group_prob_sums`` and ``select_kv`` (``selection.py``),
+``decode_bitmask`` (``bitmask.py``; any CUDA device, the uint8 bitmask in place of q in ``refuse``).
 Dense pass 1 is not here: it belongs to the SDPA and flash-attn-4 backends; the GPU query grouping
 (``pddp_groups``) is torch ops, in its own backend ``kernels/torch_gpu``.
 """
