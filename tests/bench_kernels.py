@@ -250,7 +250,6 @@ REUSE_CONFIGS = {  # Triton sparse tile configs timed with --reuse at s = 0.25 (
     "bn64 w4 st3 (previous default)": dict(block_n=64, num_warps=4, num_stages=3, maxnreg=0),
     "bn32 w4 st3": dict(block_n=32, num_warps=4, num_stages=3, maxnreg=0),
     "bn64 w8 st3": dict(block_n=64, num_warps=8, num_stages=3, maxnreg=0),
-    "bn128 w8 st3": dict(block_n=128, num_warps=8, num_stages=3, maxnreg=0),
     "bn32 w8 st4 r128": dict(block_n=32, num_warps=8, num_stages=4, maxnreg=128),
 }
 _tsa = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention")
