@@ -207,12 +207,10 @@ def config(head_dim: int, capability: tuple[int, int] | None) -> dict:
     shared memory (sm_86 / sm_89: 99 KiB per block). sm_90: BLOCK_N 32 with 8 warps capped at 128 registers, so two
     programs (16 warps) share an SM and one's softmax overlaps the other's wgmma; the previous default (BLOCK_N 64,
     4 warps, 255 registers) spilled 160-260 bytes (docs/kernels-benchmark.md has the measured configs)."""
-    major, minor = capability or (9, 0)
+    major, _ = capability or (9, 0)
     if major >= 9:
         return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=128)
-    if (major, minor) == (8, 0):
-        return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=None)
-    return dict(block_n=32, num_warps=8, num_stages=2, maxnreg=None)  # sm_86 / sm_89: 99 KiB of shared memory
+    return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=None)  # sm_80-89: ~200 registers, 48 KiB shared
 
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, block_n=None,
