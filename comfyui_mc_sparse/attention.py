@@ -20,6 +20,7 @@ from .config import HEAD_DIMS, MCSparseConfig
 from .selection import keys_for_density
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_PLAIN_RESIDUALS = ("bfloat16", "float16", "float32")
 
 
 class NonFiniteInputError(ValueError):
@@ -105,8 +106,9 @@ def anchor_attention(
     residual = None
     if config.residual:
         sparse = _sparse(q, k, v, perm, kv_idx, extra_kv, scale, backend)
-        # fp8 storage needs a scale: keep float32 here, ``encoding.encode_residual`` quantises (cache.py)
-        store = torch.float32 if config.residual_dtype.startswith("float8") else getattr(torch, config.residual_dtype)
+        # quantised storage (fp8, int4) and 'auto' (resolved later): float32 here, ``encoding.encode_residual``
+        # stores it (cache.py)
+        store = getattr(torch, config.residual_dtype) if config.residual_dtype in _PLAIN_RESIDUALS else torch.float32
         residual = (out.float() - sparse.float()).to(store)
     return out, CacheEntry(perm=perm, kv_idx=kv_idx, residual=residual, num_keys=num_keys, shape=tuple(q.shape))
 
@@ -136,8 +138,11 @@ def reuse_attention(
         raise ValueError(f"entry must be made for q's shape and device, got {entry.shape} for q {tuple(q.shape)} on {q.device}")
     _check_extra(q, extra_kv, check_finite=False)
     out = _sparse(q, k, v, entry.perm, entry.kv_idx, extra_kv, scale, backend)
-    if entry.residual is not None:
-        out.add_(entry.residual)
+    r = entry.residual
+    if r is not None:
+        # a decoded entry holds a kernels.Residual in its stored form; dequantised here until the sparse kernel
+        # takes ``residual=`` (TEAM.md contract 2)
+        out.add_(r if isinstance(r, torch.Tensor) else r.dequantize(out.dtype))
     return out
 
 

@@ -7,16 +7,19 @@ Entries are keyed by ``CacheKey``, never by batch position: the branch is the co
 a stale entry.
 
 Storage (``encoding``): an anchor step's ``CacheEntry`` (int32 groups and indices, residual) becomes a
-``StoredEntry``: bitmask or 16-bit selections (bit-exact), 16-bit groups, residual in bf16 or fp8 + scale.
-A reuse step decodes it back to a ``CacheEntry`` just before the sparse kernel.
+``StoredEntry``: bitmask or 16-bit selections (bit-exact), 16/17-bit groups, residual in bf16, fp8 or 4-bit
+(+ row scales). A reuse step decodes it back to a ``CacheEntry`` just before the sparse kernel (the residual
+stays in its stored form: the kernel's epilogue reads it).
 
 Placement (``MCSparseConfig.cache_placement``, the paper's "cache offload", sec. 4):
 - "gpu": entries on the compute device; an entry that would leave less than a small margin of free GPU
   memory goes to CPU memory instead (counted, and said in the summary), never an out-of-memory error;
 - "cpu": entries in pinned CPU memory (``cudaHostRegister`` on plain CPU tensors, so the bytes are exact and
   returned at ``clear``; pageable memory when CUDA is absent or pinning fails);
-- "auto": GPU while the expected cache (``expected_bytes``, from ``memory.estimate_cache``) plus the headroom
-  fits the free GPU memory, else CPU; without an expectation it decides per entry, spilling to CPU.
+- "auto": decided before sampling by ``memory.plan_cache`` (GPU when the whole cache, its working set and the
+  headroom fit the free GPU memory, else pinned CPU memory within the pin budget; ``fix_placement``); without a
+  plan it decides per entry, spilling to CPU.
+Never more than ``pin_budget_bytes`` of host memory is page-locked (``memory.pin_budget``): past it, pageable.
 Free memory comes from ``free_memory_fn(device)`` (the ComfyUI adapter can pass one that subtracts what the
 model still needs) or ``torch.cuda.mem_get_info``.
 
@@ -40,11 +43,11 @@ from .encoding import (
     EncodedResidual,
     EncodedSelection,
     decode_groups,
-    decode_residual,
     decode_selection,
     encode_groups,
     encode_residual,
     encode_selection,
+    residual_for_kernel,
 )
 
 log = logging.getLogger(__name__)
@@ -64,8 +67,9 @@ class CacheEntry:
     Attributes:
         perm: int32 ``[B, H, G*C]`` query groups (docs/architecture.md).
         kv_idx: int32 ``[B, H, G, K_alloc]`` each group's selected KV tokens, sorted, -1 = masked slot.
-        residual: ``[B, H, S, D]`` O_dense - O_sparse at the anchor step (config.residual_dtype; float32
-            when that is fp8, which ``encode_entry`` quantises), or None when the residual is off.
+        residual: O_dense - O_sparse at the anchor step, or None when the residual is off: a ``[B, H, S, D]``
+            tensor as the anchor made it (float32 when the storage quantises, which ``encode_entry`` does), or,
+            decoded from storage, the ``kernels.Residual`` the sparse kernel takes (``encoding``).
         num_keys: K, the selected tokens per group.
         shape: the ``[B, H, S, D]`` shape of the q it was made for.
     """
@@ -79,15 +83,16 @@ class CacheEntry:
     @property
     def nbytes(self) -> int:
         """Bytes held on the device (indices + residual)."""
-        tensors = (self.perm, self.kv_idx, self.residual)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def fits(self, q: torch.Tensor) -> bool:
         """True when this entry was made for q's shape on q's device."""
         return tuple(q.shape) == self.shape and q.device == self.perm.device
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.perm, self.kv_idx, self.residual) if t is not None]
+        r = self.residual
+        parts = [r] if isinstance(r, torch.Tensor) else [] if r is None else [r.data, r.scale]
+        return [t for t in (self.perm, self.kv_idx, *parts) if t is not None]
 
 
 @dataclass
@@ -122,20 +127,14 @@ class StoredEntry:
         return tuple(q.shape) == self.shape
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [self.groups.data, self.selection.data]
-        if self.residual is not None:
-            out += [self.residual.data] + ([self.residual.scale] if self.residual.scale is not None else [])
-        return out
+        return self.groups.tensors() + [self.selection.data] + (self.residual.tensors() if self.residual else [])
 
     def _with_tensors(self, new: list[torch.Tensor]) -> StoredEntry:
         it = iter(new)
-        groups = EncodedGroups(self.groups.kind, next(it), self.groups.num_tokens, self.groups.width)
+        groups = self.groups.with_tensors(it)
         sel = self.selection
         selection = EncodedSelection(sel.kind, next(it), sel.num_tokens, sel.num_keys, sel.width)
-        residual = None
-        if self.residual is not None:
-            data = next(it)
-            residual = EncodedResidual(data, next(it) if self.residual.scale is not None else None)
+        residual = None if self.residual is None else self.residual.with_tensors(it)
         return StoredEntry(groups, selection, residual, self.num_keys, self.shape)
 
     def to_device(self, device: torch.device, *, non_blocking: bool = False) -> StoredEntry:
@@ -145,29 +144,30 @@ class StoredEntry:
             return self
         return self._with_tensors([t.to(device, non_blocking=non_blocking) for t in self.tensors()])
 
-    def decode(self, device: torch.device, dtype: torch.dtype, *, non_blocking: bool = False) -> CacheEntry:
-        """The ``CacheEntry`` on ``device`` (residual in ``dtype``), bit-exact groups and selections.
+    def decode(self, device: torch.device, *, non_blocking: bool = False) -> CacheEntry:
+        """The ``CacheEntry`` on ``device``: bit-exact int32 groups and selections, the residual in its stored
+        form as a ``kernels.Residual`` (not dequantised).
 
         Runs on the current stream; ``non_blocking`` copies from pinned memory asynchronously.
         """
         staged = self.to_device(device, non_blocking=non_blocking)
         perm = decode_groups(staged.groups)
         kv_idx = decode_selection(staged.selection)
-        residual = None if staged.residual is None else decode_residual(staged.residual, dtype)
+        residual = None if staged.residual is None else residual_for_kernel(staged.residual)
         return CacheEntry(perm, kv_idx, residual, self.num_keys, self.shape)
 
 
-def encode_entry(entry: CacheEntry, *, index_encoding: str = "auto", residual_dtype: str = "bfloat16",
-                 residual_scale: str = "row") -> StoredEntry:
+def encode_entry(entry: CacheEntry, *, index_encoding: str = "auto", residual_dtype: str = "bfloat16") -> StoredEntry:
     """Compact ``entry`` on its own device (see ``encoding`` for the formats; one device sync to check rows).
 
-    Args: index_encoding, residual_dtype, residual_scale: as in ``MCSparseConfig``.
+    Args: index_encoding: as in ``MCSparseConfig``. residual_dtype: a storage name of
+        ``encoding.RESIDUAL_FORMATS`` (already resolved: not "auto").
     Raises: ValueError for malformed tensors or unknown names.
     """
     S = entry.shape[2]
     residual = None
     if entry.residual is not None:
-        residual = encode_residual(entry.residual, residual_dtype, residual_scale)
+        residual = encode_residual(entry.residual, residual_dtype)
     return StoredEntry(
         groups=encode_groups(entry.perm, S),
         selection=encode_selection(entry.kv_idx, S, entry.num_keys, index_encoding),
@@ -257,7 +257,6 @@ class _Pending:
     entry: CacheEntry
     event: torch.cuda.Event | None
     device: torch.device
-    dtype: torch.dtype
 
 
 def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
@@ -275,8 +274,9 @@ class MetadataCache:
         placement: "gpu" (default), "cpu" or "auto" (module docstring).
         headroom_bytes: GPU bytes 'auto' leaves free for the model. free_memory_fn: ``device -> bytes`` the
             cache may still use there (None: ``torch.cuda.mem_get_info``).
-        expected_bytes: the whole cache's expected bytes (``memory.estimate_cache``), for 'auto'; None: decide
-            per entry. Settable later (``MCSparseRunner.plan``).
+        pin_budget_bytes: host bytes the cache may page-lock (``memory.pin_budget``); past it host buffers stay
+            pageable (noted). None: no limit (no plan was made).
+    Decided up front by ``MCSparseRunner.plan`` through ``fix_placement``; without it 'auto' decides per entry.
     Attributes:
         nbytes, peak_bytes: stored bytes now / at most. gpu_bytes, host_bytes: of which on a GPU / in CPU
         memory (a CPU-only run counts its entries as host). hits / misses: loads served by a prefetch /
@@ -286,13 +286,14 @@ class MetadataCache:
     """
 
     def __init__(self, placement: str = "gpu", *, headroom_bytes: int = 0, free_memory_fn: FreeMemoryFn | None = None,
-                 expected_bytes: int | None = None):
+                 pin_budget_bytes: int | None = None):
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         self.placement = placement
         self.headroom_bytes = headroom_bytes
         self.free_memory_fn = free_memory_fn
-        self.expected_bytes = expected_bytes
+        self.pin_budget_bytes = pin_budget_bytes
+        self.pinned_bytes = 0
         self._entries: dict[CacheKey, CacheEntry | StoredEntry] = {}
         self._pending: dict[CacheKey, _Pending] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -308,13 +309,14 @@ class MetadataCache:
         """The entry for ``key`` as stored, or None."""
         return self._entries.get(key)
 
-    def peek(self, key: CacheKey, device: torch.device, dtype: torch.dtype) -> CacheEntry | None:
-        """The entry for ``key`` decoded on ``device`` (residual in ``dtype``), or None; read-only: prefetch
+    def peek(self, key: CacheKey, device: torch.device, dtype: torch.dtype | None = None) -> CacheEntry | None:
+        """The entry for ``key`` decoded on ``device`` (``dtype`` unused: the residual stays in its stored form),
+        or None; read-only: prefetch
         state and hit counters are left alone (for diagnostics and tests)."""
         stored = self._entries.get(key)
         if stored is None or isinstance(stored, CacheEntry):
             return stored
-        return stored.decode(device, dtype)
+        return stored.decode(device)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -348,23 +350,24 @@ class MetadataCache:
             else:
                 entry.ready = _record(entry.device)
         if reusable is not None:
-            reusable.release()
+            self._release(reusable)
         self._entries[key] = entry
         self._account(entry, +1)
 
+    def fix_placement(self, choice: str) -> None:
+        """Where 'auto' puts every entry from now on ("gpu" or "cpu"), decided before sampling
+        (``memory.plan_cache``); the per-entry checks of ``put`` still move an entry that would not fit."""
+        if choice not in ("gpu", "cpu"):
+            raise ValueError(f"choice must be 'gpu' or 'cpu', got {choice!r}")
+        self._auto_choice = choice
+
     def decide(self, device: torch.device) -> str:
-        """Where new entries for ``device`` go as things stand: "gpu" or "cpu" ('auto' with an expectation
-        decides once, from the free memory now; otherwise the per-entry checks of ``put`` still apply)."""
+        """Where new entries for ``device`` go as things stand: "gpu" or "cpu" ('auto' without a fixed choice:
+        "gpu", with the per-entry checks of ``put``)."""
         if device.type != "cuda" or self.placement == "cpu":
             return "cpu"
         if self.placement == "gpu":
             return "gpu"
-        if self._auto_choice is None and self.expected_bytes is not None:
-            free = self.free_bytes(device)
-            fits = self.expected_bytes - self.gpu_bytes + self.headroom_bytes <= free
-            self._auto_choice = "gpu" if fits else "cpu"
-            log.info("MC-Sparse cache placement auto -> %s: expected %.2f GiB, %.2f GiB free, %.2f GiB headroom",
-                     self._auto_choice, self.expected_bytes / 2**30, free / 2**30, self.headroom_bytes / 2**30)
         return self._auto_choice or "gpu"
 
     def _choose(self, entry: StoredEntry, old_gpu: int) -> str:
@@ -382,6 +385,16 @@ class MetadataCache:
                     f"{self.headroom_bytes / 2**30:.1f} GiB headroom), entries moved to CPU memory")
         return "cpu"
 
+    def _release(self, buf: _HostBuffer) -> None:
+        if buf.pinned:
+            self.pinned_bytes -= buf.nbytes
+        buf.release()
+
+    def _once(self, note: str) -> None:
+        if note not in self.notes:
+            self.notes.append(note)
+            log.warning("MC-Sparse: %s", note)
+
     def _spill(self, note: str) -> None:
         self.moved += 1
         if note not in self.notes:
@@ -396,9 +409,14 @@ class MetadataCache:
             buf = reusable
             buf.wait_on(torch.cuda.current_stream(entry.device))  # earlier prefetches must finish reading it
         else:
+            if pin and self.pin_budget_bytes is not None and self.pinned_bytes + total > self.pin_budget_bytes:
+                pin = False  # never page-lock more than the plan's share of the host's available memory
+                self._once(f"host memory: the pin budget ({self.pin_budget_bytes / 2**30:.2f} GiB) is used up; "
+                           "further entries stay pageable (copies are synchronous, slower)")
             buf = _HostBuffer(total, pin)
-            if pin and not buf.pinned and "CPU cache memory could not be pinned" not in " ".join(self.notes):
-                self.notes.append("CPU cache memory could not be pinned: copies are synchronous (slower)")
+            if pin and not buf.pinned:
+                self._once("CPU cache memory could not be pinned: copies are synchronous (slower)")
+            self.pinned_bytes += total if buf.pinned else 0
         host = [buf.view(off, t) for off, t in zip(offsets, tensors)]
         for dst, src in zip(host, tensors):
             dst.copy_(src, non_blocking=buf.pinned)
@@ -421,8 +439,9 @@ class MetadataCache:
 
     # --- read ------------------------------------------------------------------------------------------------
 
-    def load(self, key: CacheKey, device: torch.device, dtype: torch.dtype) -> CacheEntry | None:
-        """The decoded entry for ``key`` on ``device`` (residual in ``dtype``), or None when absent.
+    def load(self, key: CacheKey, device: torch.device, dtype: torch.dtype | None = None) -> CacheEntry | None:
+        """The decoded entry for ``key`` on ``device`` (residual as a ``kernels.Residual`` in its stored form;
+        ``dtype`` unused), or None when absent.
 
         Uses the prefetched copy when there is one (the current stream waits for it), else decodes now on
         the current stream.
@@ -433,7 +452,7 @@ class MetadataCache:
         if isinstance(stored, CacheEntry):
             return stored
         pending = self._pending.pop(key, None)
-        if pending is not None and pending.device == device and pending.dtype == dtype:
+        if pending is not None and pending.device == device:
             if pending.event is not None:
                 current = torch.cuda.current_stream(device)
                 current.wait_event(pending.event)
@@ -444,12 +463,12 @@ class MetadataCache:
         self.misses += 1
         if device.type == "cuda" and stored.ready is not None:
             torch.cuda.current_stream(device).wait_event(stored.ready)
-        entry = stored.decode(device, dtype, non_blocking=stored.host is not None and stored.host.pinned)
+        entry = stored.decode(device, non_blocking=stored.host is not None and stored.host.pinned)
         if stored.host is not None and device.type == "cuda":
             stored.host.used(_record(device))
         return entry
 
-    def prefetch(self, key: CacheKey, device: torch.device, dtype: torch.dtype) -> None:
+    def prefetch(self, key: CacheKey, device: torch.device, dtype: torch.dtype | None = None) -> None:
         """Start copying (if in CPU memory) and decoding ``key``'s entry for ``device``, on a side CUDA stream
         (synchronously without CUDA). No-op when absent, kept as a raw ``CacheEntry``, or already pending."""
         stored = self._entries.get(key)
@@ -458,7 +477,7 @@ class MetadataCache:
         while len(self._pending) >= _MAX_PENDING:
             self._pending.pop(next(iter(self._pending)))
         if device.type != "cuda":
-            self._pending[key] = _Pending(stored.decode(device, dtype), None, device, dtype)
+            self._pending[key] = _Pending(stored.decode(device), None, device)
             return
         side = self._streams.get(device)
         if side is None:
@@ -470,11 +489,11 @@ class MetadataCache:
             if stored.host is None:
                 for t in stored.tensors():
                     t.record_stream(side)  # read here: not to be reused before this stream is past it
-            entry = stored.decode(device, dtype, non_blocking=stored.host is not None and stored.host.pinned)
+            entry = stored.decode(device, non_blocking=stored.host is not None and stored.host.pinned)
             event = _record(device)
         if stored.host is not None:
             stored.host.used(event)
-        self._pending[key] = _Pending(entry, event, device, dtype)
+        self._pending[key] = _Pending(entry, event, device)
 
     # --- free ------------------------------------------------------------------------------------------------
 
@@ -483,7 +502,7 @@ class MetadataCache:
         self._pending.clear()
         for entry in self._entries.values():
             if isinstance(entry, StoredEntry) and entry.host is not None:
-                entry.host.release()
+                self._release(entry.host)
         self._entries.clear()
         self.nbytes = self.gpu_bytes = self.host_bytes = 0
         self._auto_choice = None

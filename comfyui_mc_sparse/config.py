@@ -16,10 +16,10 @@ GROUP_SIZES = (64, 128)
 HEAD_DIMS = (64, 128)
 """Head dims the sparse path supports (Wan/HunyuanVideo 128, Hunyuan3D 64); other calls stay dense."""
 
-RESIDUAL_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
-"""Residual storage dtypes; float8_e4m3fn stores a float32 scale per row or per tensor (``residual_scale``)."""
+RESIDUAL_DTYPES = ("auto", "bfloat16", "float16", "float32", "float8_e4m3fn", "int4")
+"""Residual storage: "auto" (chosen before sampling from free memory: ``memory.plan_cache``), a plain dtype, or
+float8_e4m3fn / int4 with a float32 scale per row (``encoding.encode_residual``)."""
 
-RESIDUAL_SCALES = ("row", "tensor")
 INDEX_ENCODINGS = ("auto", "bitmask", "uint16", "int32")
 """KV selection storage (``encoding``): "auto" picks the smallest lossless form for the density and S."""
 
@@ -46,15 +46,15 @@ class MCSparseConfig:
         power_iters: power-iteration steps per PDDP split (>= 1).
         residual: add the cached residual O_dense - O_sparse at reuse steps (sec. 3.4). False gives
             "MC-Sparse without residual" (an ablation).
-        residual_dtype: storage dtype of the residual: "bfloat16" (default), "float16", "float32" or
-            "float8_e4m3fn" (half the bytes of bf16; a float32 scale per ``residual_scale``; its fidelity cost is
-            measured in docs/cache.md).
-        residual_scale: fp8 residual scale granularity: "row" (one per query and head, default) or "tensor".
+        residual_dtype: storage of the residual: "auto" (default: bf16 when the cache fits the memory free
+            before sampling, else fp8, else int4: ``memory.plan_cache``; bf16 when no plan is made),
+            "bfloat16", "float16", "float32", "float8_e4m3fn" (half the bytes of bf16) or "int4" (a quarter);
+            the last two keep a float32 scale per row; their fidelity cost is measured in docs/cache.md.
         index_encoding: KV selection storage, lossless: "auto" (default: smallest of bitmask, 16-bit and
             32-bit indices for the density and S), "bitmask", "uint16" or "int32" (see ``encoding``).
         cache_placement: "auto" (default), "gpu" or "cpu" (see ``CACHE_PLACEMENTS``).
-        cache_headroom_gib: GiB of GPU memory 'auto' leaves free for the model (activations) when it decides
-            to keep the cache on the GPU; >= 0, default 4.
+        cache_headroom_gib: GiB the cache leaves free for ComfyUI: on the GPU (activations) when it is kept
+            there, and in host memory when it is pinned there; >= 0, default 4 (``memory.plan_cache``).
     Raises:
         ValueError / TypeError: a field is out of range; the message names the field and the range.
     """
@@ -67,8 +67,7 @@ class MCSparseConfig:
     anchor_steps: tuple[int, ...] = (9, 25)
     power_iters: int = 8
     residual: bool = True
-    residual_dtype: str = "bfloat16"
-    residual_scale: str = "row"
+    residual_dtype: str = "auto"
     index_encoding: str = "auto"
     cache_placement: str = "auto"
     cache_headroom_gib: float = 4.0
@@ -102,8 +101,7 @@ class MCSparseConfig:
             )
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
-        for name, options in (("residual_scale", RESIDUAL_SCALES), ("index_encoding", INDEX_ENCODINGS),
-                              ("cache_placement", CACHE_PLACEMENTS)):
+        for name, options in (("index_encoding", INDEX_ENCODINGS), ("cache_placement", CACHE_PLACEMENTS)):
             if getattr(self, name) not in options:
                 raise ValueError(f"{name} must be one of {options}, got {getattr(self, name)!r}")
         _check_number("cache_headroom_gib", self.cache_headroom_gib)

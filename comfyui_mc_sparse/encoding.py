@@ -17,12 +17,15 @@ Decoding a bitmask uses ``torch.nonzero_static`` (no device-to-host sync) over b
 bound the temporaries. Round trips are bit-exact (tests/test_cache.py).
 
 Query groups (``perm`` int32 ``[B, H, G*C]``, -1 in the last G*C - S slots) are stored as 16-bit values for the
-first S slots when S <= 65536 (the -1 tail is implied), else as given.
+first S slots when S <= 65536, as 16 bits + one high bit (a bit plane) when S <= 131072 (Wan2.1 720p: S = 75600),
+the -1 tail implied; else as given.
 
-Residual R = O_dense - O_sparse ``[B, H, S, D]``: kept in bf16/fp16/fp32 as configured, or as float8_e4m3fn
-with a float32 scale per row (one query of one head: ``[B, H, S, 1]``, 3 % overhead at D = 128) or per
-tensor; the row scale maps each row's max |R| to 448 (e4m3's largest finite value). This is the only lossy
-part: its cost in output error is measured in tests/test_cache.py and tests/bench_cache.py (docs/cache.md).
+Residual R = O_dense - O_sparse ``[B, H, S, D]`` is stored in one of the forms the sparse kernel's epilogue reads
+(TEAM.md contract 2, ``kernels.Residual``): plain bf16/fp16/fp32; float8_e4m3fn with an fp32 scale per row (one
+query of one head, D values: max |R| -> 448); or 4-bit with an fp32 scale per row (two values per byte, the
+scale picked per row to minimise the L1 error, ``encode_residual``). The reuse path hands the stored form to the
+kernel as is (``residual_for_kernel``); only the torch reference dequantises. This is the only lossy part: its
+cost in output error is measured in tests/test_cache.py and tests/bench_cache.py (docs/cache.md).
 """
 
 from __future__ import annotations
@@ -40,8 +43,14 @@ SELECTION_ENCODINGS = ("auto", "bitmask", "uint16", "int32")
 """Accepted ``MCSparseConfig.index_encoding`` values; "auto" picks the smallest that applies."""
 
 FP8_DTYPE_NAME = "float8_e4m3fn"
-RESIDUAL_SCALES = ("row", "tensor")
+INT4_NAME = "int4"
+_PLAIN = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+RESIDUAL_FORMATS = (*_PLAIN, FP8_DTYPE_NAME, INT4_NAME)
+"""Residual storage names: plain dtypes, fp8 e4m3 with a row scale, 4-bit with a row scale (``encode_residual``)."""
+INT4_CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6)
+"""Candidate clip ratios of the int4 row scale (``encode_residual``); 1.0 is round-to-nearest with max|R| / 7."""
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+_INT4_MAX = 7.0  # q in [-7, 7]: nibble q + 8 in [1, 15]
 _CHUNK_ELEMENTS = 1 << 26  # temporaries per decode/encode chunk (64 Mi elements: 64-512 MiB)
 _UINT16_LIMIT = 1 << 16  # 16-bit indices address tokens 0 .. 65535
 
@@ -229,29 +238,66 @@ def decode_selection(
 
 @dataclass
 class EncodedGroups:
-    """Query groups ``perm``, compact: ``data`` int16 bit pattern ``[B, H, S]`` ("uint16") or the int32
-    ``[B, H, G*C]`` array as given ("int32"); ``width`` = G*C, ``num_tokens`` = S."""
+    """Query groups ``perm``, compact (lossless).
+
+    Attributes:
+        kind: "uint16" (S <= 65536: ``data`` int16 bit pattern ``[B, H, S]``), "uint17" (S <= 131072: ``data``
+            the low 16 bits as int16 ``[B, H, S]``, ``high`` uint8 ``[B, H, ceil(S/8)]`` bit 16 of each slot,
+            little bit order), or "int32" (``data`` the ``[B, H, G*C]`` array as given).
+        width: G*C. num_tokens: S. The -1 tail of the first two kinds is implied.
+    """
 
     kind: str
     data: torch.Tensor
     num_tokens: int
     width: int
+    high: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return _tensor_bytes(self.data)
+        return _tensor_bytes(self.data) + _tensor_bytes(self.high)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data] + ([self.high] if self.high is not None else [])
+
+    def with_tensors(self, it) -> EncodedGroups:
+        data = next(it)
+        return EncodedGroups(self.kind, data, self.num_tokens, self.width, next(it) if self.high is not None else None)
+
+
+def groups_kind(num_tokens: int) -> str:
+    """The encoding of query groups for S = ``num_tokens`` (when the layout is as documented)."""
+    if num_tokens <= _UINT16_LIMIT:
+        return "uint16"
+    return "uint17" if num_tokens <= 2 * _UINT16_LIMIT else "int32"
+
+
+def groups_nbytes(batch: int, heads: int, num_tokens: int, group_size: int) -> int:
+    """Bytes of encoded query groups: 2 per query (S <= 65536), 2 per query + 1 bit (S <= 131072), else 4 per
+    slot of the G*C-wide rows."""
+    kind = groups_kind(num_tokens)
+    if kind == "uint16":
+        return batch * heads * num_tokens * 2
+    if kind == "uint17":
+        return batch * heads * (num_tokens * 2 + -(-num_tokens // 8))
+    return batch * heads * (-(-num_tokens // group_size) * group_size) * 4
 
 
 def encode_groups(perm: torch.Tensor, num_tokens: int) -> EncodedGroups:
-    """Encode int32 ``perm`` ``[B, H, G*C]`` (tail slots -1) losslessly; 16-bit when S <= 65536 and the
-    layout is as documented (one device sync to check), else as given."""
+    """Encode int32 ``perm`` ``[B, H, G*C]`` (tail slots -1) losslessly: 16 or 17 bits per query when S <= 131072
+    and the layout is as documented (one device sync to check), else as given."""
     if perm.dtype != torch.int32 or perm.dim() != 3:
         raise ValueError(f"perm must be int32 [B, H, G*C], got {perm.dtype} {tuple(perm.shape)}")
     width = perm.shape[-1]
+    kind = groups_kind(num_tokens)
     head, tail = perm[..., :num_tokens], perm[..., num_tokens:]
-    if num_tokens <= _UINT16_LIMIT and bool((tail == -1).all() & (head >= 0).all() & (head < num_tokens).all()):
-        return EncodedGroups("uint16", head.to(torch.int16), num_tokens, width)
-    return EncodedGroups("int32", perm.clone(), num_tokens, width)
+    if kind == "int32" or not bool((tail == -1).all() & (head >= 0).all() & (head < num_tokens).all()):
+        return EncodedGroups("int32", perm.clone(), num_tokens, width)
+    low = head.to(torch.int16)  # keeps the low 16 bits; decode masks them back
+    if kind == "uint16":
+        return EncodedGroups("uint16", low, num_tokens, width)
+    high = _pack_flags(head >= _UINT16_LIMIT)
+    return EncodedGroups("uint17", low, num_tokens, width, high)
 
 
 def decode_groups(enc: EncodedGroups, device: torch.device | str | None = None, *, non_blocking: bool = False) -> torch.Tensor:
@@ -260,19 +306,58 @@ def decode_groups(enc: EncodedGroups, device: torch.device | str | None = None, 
     if enc.kind == "int32":
         return data
     out = torch.empty(*data.shape[:-1], enc.width, dtype=torch.int32, device=data.device)
-    torch.bitwise_and(data.to(torch.int32), 0xFFFF, out=out[..., : enc.num_tokens])
+    head = out[..., : enc.num_tokens]
+    torch.bitwise_and(data.to(torch.int32), 0xFFFF, out=head)
+    if enc.kind == "uint17":
+        high = enc.high if device is None else enc.high.to(device, non_blocking=non_blocking)
+        head.add_(_unpack_flags(high, enc.num_tokens).to(torch.int32) << 16)
     out[..., enc.num_tokens :] = -1
     return out
+
+
+def _pack_flags(flags: torch.Tensor) -> torch.Tensor:
+    """bool ``[..., n]`` -> uint8 ``[..., ceil(n/8)]``, bit j of byte b = flag 8b + j."""
+    n = flags.shape[-1]
+    pad = -(-n // 8) * 8 - n
+    bits = torch.nn.functional.pad(flags.to(torch.uint8), (0, pad)).view(*flags.shape[:-1], -1, 8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=flags.device)
+    return (bits << shifts).sum(-1, dtype=torch.uint8)
+
+
+def _unpack_flags(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """uint8 ``[..., ceil(n/8)]`` -> uint8 0/1 ``[..., n]`` (inverse of ``_pack_flags``)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :n]
 
 
 # --- residual -------------------------------------------------------------------------------------------------
 
 
+def residual_nbytes(batch: int, heads: int, num_tokens: int, head_dim: int, dtype_name: str) -> int:
+    """Bytes of an encoded residual ``[B, H, S, D]`` stored as ``dtype_name`` (``RESIDUAL_FORMATS``).
+
+    bf16/fp16: 2 per element, fp32: 4, fp8: 1 + a 4-byte scale per row, int4: 1/2 + a 4-byte scale per row.
+    Raises ValueError for an unknown name.
+    """
+    rows = batch * heads * num_tokens
+    if dtype_name == FP8_DTYPE_NAME:
+        return rows * head_dim + rows * 4
+    if dtype_name == INT4_NAME:
+        return rows * -(-head_dim // 2) + rows * 4
+    if dtype_name in _PLAIN:
+        return rows * head_dim * _PLAIN[dtype_name].itemsize
+    raise ValueError(f"residual dtype must be one of {RESIDUAL_FORMATS}, got {dtype_name!r}")
+
+
 @dataclass
 class EncodedResidual:
-    """The residual ``[B, H, S, D]``: ``data`` in bf16/fp16/fp32 (``scale`` None), or float8_e4m3fn with a
-    float32 ``scale`` ``[B, H, S, 1]`` (row) or ``[1, 1, 1, 1]`` (tensor); value = data * scale."""
+    """The residual ``[B, H, S, D]`` in one of the forms the sparse kernel's epilogue reads (TEAM.md contract 2;
+    ``kernels.Residual``): kind "plain" (``data`` bf16/fp16/fp32 ``[B, H, S, D]``), "fp8_row" (``data``
+    float8_e4m3fn ``[B, H, S, D]``, ``scale`` fp32 ``[B, H, S]``: R = data * scale) or "int4_row" (``data`` uint8
+    ``[B, H, S, D//2]``, byte j = element 2j in the low nibble, 2j+1 in the high one, nibble = q + 8 with q in
+    [-7, 7]; ``scale`` fp32 ``[B, H, S]``: R = q * scale)."""
 
+    kind: str
     data: torch.Tensor
     scale: torch.Tensor | None = None
 
@@ -280,54 +365,99 @@ class EncodedResidual:
     def nbytes(self) -> int:
         return _tensor_bytes(self.data) + _tensor_bytes(self.scale)
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data] + ([self.scale] if self.scale is not None else [])
 
-def encode_residual(residual: torch.Tensor, dtype_name: str, scale: str = "row") -> EncodedResidual:
-    """Store ``residual`` ``[B, H, S, D]`` as ``dtype_name`` ("bfloat16", "float16", "float32" or
-    "float8_e4m3fn"); fp8 uses a per-``scale`` ("row" or "tensor") float32 scale, amax -> 448.
+    def with_tensors(self, it) -> EncodedResidual:
+        data = next(it)
+        return EncodedResidual(self.kind, data, next(it) if self.scale is not None else None)
 
-    Raises ValueError for an unknown dtype or scale name.
+
+def encode_residual(residual: torch.Tensor, dtype_name: str) -> EncodedResidual:
+    """Store ``residual`` ``[B, H, S, D]`` (any float dtype; fp32 keeps the quantisers exact) as ``dtype_name``.
+
+    - "bfloat16" / "float16" / "float32": a cast.
+    - "float8_e4m3fn": one fp32 scale per row (one query of one head) mapping the row's max |R| to 448.
+    - "int4": q = round(R / s) clamped to [-7, 7] with one fp32 scale s per row, chosen per row among
+      ``s = clip * max|R| / 7`` for ``clip`` in ``INT4_CLIPS`` as the one with the least L1 error of q * s (the
+      round-to-nearest absmax scale is clip 1.0; clipping the largest values buys finer steps for the rest:
+      measured in docs/cache.md, residual L1 error 0.128 -> 0.103 on the synthetic workload).
+    Zero rows get scale 1 (q = 0). Raises ValueError for an unknown name, or an odd D for int4.
     """
-    if dtype_name != FP8_DTYPE_NAME:
-        if dtype_name not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"residual dtype must be bfloat16, float16, float32 or {FP8_DTYPE_NAME}, got {dtype_name!r}")
-        return EncodedResidual(residual.to(getattr(torch, dtype_name)))
-    if scale not in RESIDUAL_SCALES:
-        raise ValueError(f"residual_scale must be one of {RESIDUAL_SCALES}, got {scale!r}")
+    if dtype_name in _PLAIN:
+        return EncodedResidual("plain", residual.to(_PLAIN[dtype_name]))
+    if dtype_name not in (FP8_DTYPE_NAME, INT4_NAME):
+        raise ValueError(f"residual dtype must be one of {RESIDUAL_FORMATS}, got {dtype_name!r}")
     B, H, S, D = residual.shape
     rows = residual.reshape(B * H * S, D)
-    data = torch.empty(B * H * S, D, dtype=torch.float8_e4m3fn, device=residual.device)
-    if scale == "tensor":
-        amax = residual.abs().amax().float()
-        scales = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax)).reshape(1, 1)
-    else:
-        scales = torch.empty(B * H * S, 1, dtype=torch.float32, device=residual.device)
-    for r0, r1 in _row_chunks(rows.shape[0], D):
-        chunk = rows[r0:r1].float()
-        if scale == "row":
+    scales = torch.empty(B * H * S, 1, dtype=torch.float32, device=residual.device)
+    if dtype_name == FP8_DTYPE_NAME:
+        data = torch.empty(B * H * S, D, dtype=torch.float8_e4m3fn, device=residual.device)
+        for r0, r1 in _row_chunks(rows.shape[0], D):
+            chunk = rows[r0:r1].float()
             amax = chunk.abs().amax(-1, keepdim=True)
-            scales[r0:r1] = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
             s = scales[r0:r1]
-        else:
-            s = scales
-        data[r0:r1] = (chunk / s).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-    shape = (B, H, S, 1) if scale == "row" else (1, 1, 1, 1)
-    return EncodedResidual(data.reshape(B, H, S, D), scales.reshape(shape))
+            torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax), out=s)
+            data[r0:r1] = (chunk / s).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+        return EncodedResidual("fp8_row", data.view(B, H, S, D), scales.view(B, H, S))
+    if D % 2:
+        raise ValueError(f"int4 residual needs an even head dim, got D = {D}")
+    data = torch.empty(B * H * S, D // 2, dtype=torch.uint8, device=residual.device)
+    for r0, r1 in _row_chunks(rows.shape[0], 4 * D):  # ~4 row-sized temporaries per candidate
+        chunk = rows[r0:r1].float()
+        amax = chunk.abs().amax(-1, keepdim=True)
+        base = torch.where(amax > 0, amax / _INT4_MAX, torch.ones_like(amax))
+        best_s, best_err = base, None
+        for clip in INT4_CLIPS:
+            s = base * clip
+            err = (torch.round(chunk / s).clamp_(-_INT4_MAX, _INT4_MAX).mul_(s) - chunk).abs_().sum(-1, keepdim=True)
+            if best_err is None:
+                best_s, best_err = s, err
+            else:
+                better = err < best_err
+                best_s, best_err = torch.where(better, s, best_s), torch.where(better, err, best_err)
+        scales[r0:r1] = best_s
+        nib = torch.round(chunk / best_s).clamp_(-_INT4_MAX, _INT4_MAX).add_(8).to(torch.uint8)
+        data[r0:r1] = nib[:, 0::2] | (nib[:, 1::2] << 4)
+    return EncodedResidual("int4_row", data.view(B, H, S, D // 2), scales.view(B, H, S))
 
 
-def decode_residual(
-    enc: EncodedResidual, dtype: torch.dtype, device: torch.device | str | None = None, *, non_blocking: bool = False
-) -> torch.Tensor:
-    """The residual ``[B, H, S, D]`` in ``dtype`` on ``device`` (None: where the data is); returns the stored
-    tensor itself when no copy or conversion is needed (callers must not modify it)."""
-    data = enc.data if device is None else enc.data.to(device, non_blocking=non_blocking)
-    if enc.scale is None:
-        return data if data.dtype == dtype else data.to(dtype)
-    scale = enc.scale if device is None else enc.scale.to(device, non_blocking=non_blocking)
-    B, H, S, D = data.shape
-    out = torch.empty(B, H, S, D, dtype=dtype, device=data.device)
-    rows, flat_out = data.reshape(-1, D), out.view(-1, D)
-    scales = scale.reshape(-1, 1)
-    for r0, r1 in _row_chunks(rows.shape[0], D):
-        s = scales if scales.shape[0] == 1 else scales[r0:r1]
-        torch.mul(rows[r0:r1].to(dtype), s, out=flat_out[r0:r1])  # fp8 -> dtype is exact; product in fp32
-    return out
+def residual_for_kernel(enc: EncodedResidual, device: torch.device | str | None = None, *,
+                        non_blocking: bool = False):
+    """The stored residual as the sparse kernel takes it (``kernels.Residual``), on ``device`` (None: where it
+    is), without dequantising: only a copy when the device differs. The result shares the stored tensors when
+    no copy is needed (callers must not modify them)."""
+    moved = enc if device is None else enc.with_tensors(iter([t.to(device, non_blocking=non_blocking)
+                                                                for t in enc.tensors()]))
+    return kernels_residual()(data=moved.data, scale=moved.scale, kind=moved.kind)
+
+
+def kernels_residual():
+    """``kernels.Residual`` (TEAM.md contract 2), or this module's stand-in until the kernels provide it."""
+    return getattr(kernels, "Residual", _StandInResidual)
+
+
+@dataclass(frozen=True)
+class _StandInResidual:
+    """Same fields and ``dequantize`` as ``kernels.Residual``; used until kernels/ defines it."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    kind: str = "plain"
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """R as a new ``[B, H, S, D]`` tensor in ``dtype`` (the reference path)."""
+        if self.kind == "plain":
+            return self.data.to(dtype)
+        scale = self.scale.float().unsqueeze(-1)
+        if self.kind == "fp8_row":
+            return (self.data.float() * scale).to(dtype)
+        q = torch.stack(((self.data & 0xF).to(torch.int8) - 8, (self.data >> 4).to(torch.int8) - 8), -1).flatten(-2)
+        return (q.float() * scale).to(dtype)
+
+
+def decode_residual(enc: EncodedResidual, dtype: torch.dtype, device: torch.device | str | None = None, *,
+                    non_blocking: bool = False) -> torch.Tensor:
+    """The residual dequantised to a ``[B, H, S, D]`` tensor in ``dtype`` (tests, benchmarks and the reference
+    path only: the reuse path hands ``residual_for_kernel`` to the kernel)."""
+    return residual_for_kernel(enc, device, non_blocking=non_blocking).dequantize(dtype)

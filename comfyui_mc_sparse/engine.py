@@ -21,7 +21,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -76,17 +76,29 @@ class MCSparseRunner:
             (``torch.cuda.mem_get_info``). The ComfyUI adapter passes one built on
             ``comfy.model_management.get_free_memory`` minus what the model still needs, so the cache never
             takes memory ComfyUI has counted on.
+        host_memory_fn: ``() -> memory.HostMemory | None``, the host's available memory (``plan`` keeps pinned
+            memory within ``memory.pin_budget`` of it); default psutil / ``/proc/meminfo``.
+    Attributes:
+        residual_dtype: the residual storage in use ("auto" resolved: bf16 until ``plan`` decides).
+        cache_plan: ``memory.CachePlan`` from ``plan`` (None before). disabled_reason: why every call is dense
+            (the cache fits nowhere, or an out-of-memory error), else None.
     """
 
     def __init__(self, config: MCSparseConfig, *, backend: str = "auto", measure_time: bool = False,
-                 free_memory_fn: FreeMemoryFn | None = None):
+                 free_memory_fn: FreeMemoryFn | None = None,
+                 host_memory_fn: Callable[[], memory.HostMemory | None] = memory.host_memory):
         self.config = config
+        self.host_memory_fn = host_memory_fn
+        # 'auto' stores bf16 until plan() decides from the free memory
+        self.residual_dtype = "bfloat16" if config.residual_dtype == "auto" else config.residual_dtype
+        self._anchor_config = replace(config, residual_dtype=self.residual_dtype)
         self.backend = backend
         self.measure_time = measure_time
         self.cache = MetadataCache(config.cache_placement, headroom_bytes=int(config.cache_headroom_gib * memory.GIB),
                                    free_memory_fn=free_memory_fn)
         self.stats = RunStats()
         self.disabled_reason: str | None = None
+        self.cache_plan: memory.CachePlan | None = None
         self.plan_line: str | None = None
         self._plan: memory.CacheEstimate | None = None
         self._dense_ms_by_shape: dict[tuple, list[float]] = {}
@@ -99,22 +111,41 @@ class MCSparseRunner:
     def plan(self, *, heads: int, head_dim: int, layers: int, tokens: int, branches: int = 2, batch: int = 1,
              num_steps: int | None = None, attention_share: float | None = None,
              kernel_efficiency: float = memory.DEFAULT_KERNEL_EFFICIENCY, device: torch.device | None = None) -> str:
-        """Estimate the cache and the speedup before sampling; log it (info) and keep it for the summary.
+        """Decide the residual precision and the cache placement from the free memory (``memory.plan_cache``),
+        estimate the cache and the speedup; log it (info, or a warning when the run must stay dense) and keep it
+        for the summary. Call before sampling.
 
         Args:
             heads, head_dim: H, D of the self-attention. layers: transformer blocks. tokens: S per call.
             branches: cached conditioning branches (2 with CFG). batch: B per runner call.
             num_steps: the sampler call's steps (None: no speedup estimate). attention_share: self-attention's
                 share of a dense step (None: ``memory.attention_share``). kernel_efficiency: sparse kernel's
-                fraction of the ideal 1/s speedup. device: the compute device ('auto' placement decides on it
-                now; None: the current CUDA device when there is one).
+                fraction of the ideal 1/s speedup. device: the compute device (None: the current CUDA device when
+                there is one); on a CUDA device the GPU's free memory (``free_memory_fn``) and the host's
+                (``host_memory_fn``) decide; elsewhere nothing constrains the cache.
         Returns:
-            The log line (``memory.format_plan``).
+            The log line (``memory.format_plan``). When nothing fits, every later call is dense and the line
+            says why and which settings would fit.
         """
-        est = memory.estimate_for_config(self.config, heads=heads, head_dim=head_dim, layers=layers, tokens=tokens,
-                                         branches=branches, batch=batch)
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        on_gpu = device is not None and device.type == "cuda"
+        plan = memory.plan_cache(self.config, heads=heads, head_dim=head_dim, layers=layers, tokens=tokens,
+                                 branches=branches, batch=batch, gpu_free=self.cache.free_bytes(device) if on_gpu else None,
+                                 host=self.host_memory_fn() if on_gpu else None)
+        self.cache_plan = plan
+        est = plan.estimate or plan.options[next(iter(plan.options))]
+        if plan.dense:
+            self.disabled_reason = "the metadata cache fits in no memory (see the plan line)"
+        else:
+            self.residual_dtype = plan.residual_dtype
+            self._anchor_config = replace(self.config, residual_dtype=plan.residual_dtype)
+            if on_gpu:
+                self.cache.pin_budget_bytes = plan.host_budget
+                if self.config.cache_placement == "auto":
+                    self.cache.fix_placement(plan.placement)
         speed = None
-        if num_steps is not None:
+        if num_steps is not None and not plan.dense:
             calibrated = True
             if attention_share is None:
                 attention_share, calibrated = memory.attention_share(heads, head_dim, tokens)
@@ -122,14 +153,13 @@ class MCSparseRunner:
                                             attention_share=attention_share, kernel_efficiency=kernel_efficiency,
                                             overhead=memory.decode_overhead(est), calibrated=calibrated)
         self._plan = est
-        self.cache.expected_bytes = est.total_bytes + est.working_bytes
-        if device is None and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-        placement = self.config.cache_placement
-        if device is not None and device.type == "cuda":
-            placement = f"{placement} -> {self.cache.decide(device)}"
-        self.plan_line = memory.format_plan(est, speed, placement)
-        log.info("%s", self.plan_line)
+        placement = None if plan.dense or not on_gpu else self.config.cache_placement
+        self.plan_line = memory.format_plan(est, speed, placement, plan if on_gpu else None)
+        if plan.dense:
+            log.warning("%s", self.plan_line)
+            self._note(f"dense run: {plan.describe()}")
+        else:
+            log.info("%s", self.plan_line)
         return self.plan_line
 
     def record_dense(self, reason: str) -> None:
@@ -193,7 +223,8 @@ class MCSparseRunner:
         try:
             start = self._tic()
             if kind is StepKind.ANCHOR:
-                out, entry = anchor_attention(q, k, v, self.config, scale=scale, backend=self.backend, extra_kv=extra_kv)
+                out, entry = anchor_attention(q, k, v, self._anchor_config, scale=scale, backend=self.backend,
+                                              extra_kv=extra_kv)
                 self._store(key, entry, step)
                 if step in self.config.anchor_steps and step not in self.stats.anchors:
                     self.stats.anchors.append(step)
@@ -216,9 +247,7 @@ class MCSparseRunner:
 
     def _store(self, key: CacheKey, entry, step: int) -> None:
         """Encode and place an anchor entry; remember the anchor step's key order for prefetching."""
-        c = self.config
-        stored = encode_entry(entry, index_encoding=c.index_encoding, residual_dtype=c.residual_dtype,
-                              residual_scale=c.residual_scale)
+        stored = encode_entry(entry, index_encoding=self.config.index_encoding, residual_dtype=self.residual_dtype)
         del entry
         self.cache.put(key, stored)
         self._entry_step[key] = step
@@ -253,15 +282,16 @@ class MCSparseRunner:
         est = memory.estimate_cache(
             heads=q.shape[1], head_dim=q.shape[3], layers=entries, tokens=q.shape[2], batch=q.shape[0], branches=1,
             density=c.density, group_size=c.group_size, kv_tile=c.kv_tile, index_encoding=c.index_encoding,
-            residual_dtype=c.residual_dtype, residual_scale=c.residual_scale, residual=c.residual,
+            residual_dtype=self.residual_dtype, residual=c.residual,
         )
-        fits = memory.suggest_settings(c, tuple(q.shape), entries, free)
+        fits = memory.suggest_settings(c, tuple(q.shape), entries, free,
+                                       self.host_memory_fn() if q.device.type == "cuda" else None)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         self.disabled_reason = "out of memory; dense for the rest of the run"
         self._note(
             f"out of memory at step {step}, layer {layer} ({first}); the cache was freed and the rest of this run is "
             f"dense. This cache needs ~{est.total_bytes / memory.GIB:.2f} GiB for {entries} entries of q "
-            f"{list(q.shape)} (placement {c.cache_placement}, residual {c.residual_dtype})"
+            f"{list(q.shape)} (placement {c.cache_placement}, residual {self.residual_dtype})"
             + (f"; {free / memory.GIB:.2f} GiB of GPU memory free now" if free is not None else "")
             + ". Settings that would fit: " + "; ".join(fits) + "."
         )
@@ -306,8 +336,8 @@ class MCSparseRunner:
 
     def _cache_line(self) -> str:
         c, cfg = self.cache, self.config
-        res = "off" if not cfg.residual else cfg.residual_dtype + (
-            f" ({cfg.residual_scale} scale)" if cfg.residual_dtype.startswith("float8") else "")
+        res = "off" if not cfg.residual else self.residual_dtype + (
+            " (row scale)" if self.residual_dtype in ("float8_e4m3fn", "int4") else "")
         line = (f"  metadata cache: peak {c.peak_bytes / 2**20:.1f} MiB (GPU {c.peak_gpu_bytes / 2**20:.1f} MiB, "
                 f"CPU {c.peak_host_bytes / 2**20:.1f} MiB), placement {cfg.cache_placement}, selections "
                 f"{cfg.index_encoding}, residual {res}")

@@ -24,6 +24,7 @@ S^2 and the rest as S, so a share measured at S0 carries to S as r = a0/(1 - a0)
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 from . import encoding
@@ -44,7 +45,7 @@ DEFAULT_KERNEL_EFFICIENCY = 0.90
 # residual, against ~36 ms of dense attention per block). The bitmask decode scales like dense attention with S
 # (H*S^2/C vs H*S^2*D), the fp8 dequantisation like S, so the fp8 part is an upper bound at larger S.
 DECODE_OVERHEAD = {"bitmask": 0.05, "uint16": 0.005, "int32": 0.0}
-FP8_DECODE_OVERHEAD = 0.03
+FP8_DECODE_OVERHEAD = 0.03  # dequantising pass before the kernel reads the residual itself; int4 assumed the same
 SELECTION_PASS_COST = 0.5  # pass 2 + top-K as a fraction of one dense attention (paper sec. 3.3)
 
 
@@ -59,7 +60,7 @@ class CacheEstimate:
         residual_dtype: storage dtype name of the residual ("none" when off).
         naive_entry_bytes: per entry in the paper's layout (int32 perm and indices, bf16 residual).
         working_bytes: GPU bytes of decoded entries in flight at a reuse step (current + prefetched next:
-            int32 groups and indices, residual in the compute dtype), needed on the GPU whatever the placement.
+            int32 groups and indices, the residual as stored), needed on the GPU whatever the placement.
     """
 
     entries: int
@@ -100,9 +101,7 @@ def estimate_cache(
     warmup_layers: int = 0,
     index_encoding: str = "auto",
     residual_dtype: str = "bfloat16",
-    residual_scale: str = "row",
     residual: bool = True,
-    decoded_dtype_bytes: int = 2,
 ) -> CacheEstimate:
     """Cache bytes for one model and resolution.
 
@@ -112,9 +111,9 @@ def estimate_cache(
         group_size, kv_tile: C and the KV tile (K = ``keys_for_density``). branches: conditioning branches
             cached separately (2 with CFG, 1 without). batch: B per call (1 when ComfyUI's conds arrive as
             separate chunks, which is how the adapter keys them).
-        warmup_layers: blocks that always run dense (no entry). index_encoding, residual_dtype,
-            residual_scale, residual: as in ``MCSparseConfig``. decoded_dtype_bytes: bytes of q's dtype (2
-            for bf16/fp16), for the decoded residual in flight.
+        warmup_layers: blocks that always run dense (no entry). index_encoding, residual: as in
+            ``MCSparseConfig``. residual_dtype: a storage name (``encoding.RESIDUAL_FORMATS``; "auto" counts as
+            bf16, what it resolves to without a plan: use ``plan_cache`` for the choice).
     Returns:
         CacheEstimate (bytes).
     Raises:
@@ -131,24 +130,25 @@ def estimate_cache(
     kind = encoding.pick_selection_encoding(index_encoding, tokens, num_keys, width)
     sel = encoding.selection_nbytes(kind, rows, tokens, num_keys, width)
     grp = encoding.groups_nbytes(batch, heads, tokens, group_size)
-    res = encoding.residual_nbytes(batch, heads, tokens, head_dim, residual_dtype, residual_scale) if residual else 0
+    residual_dtype = "bfloat16" if residual_dtype == "auto" else residual_dtype
+    res = encoding.residual_nbytes(batch, heads, tokens, head_dim, residual_dtype) if residual else 0
     naive = rows * width * 4 + batch * heads * groups * group_size * 4
     naive += 2 * batch * heads * tokens * head_dim if residual else 0
-    decoded = rows * width * 4 + batch * heads * groups * group_size * 4
-    if residual:  # a residual kept on the GPU in the compute dtype is used in place; counted anyway (CPU placement)
-        decoded += batch * heads * tokens * head_dim * decoded_dtype_bytes
+    # in flight at a reuse call: int32 groups and indices, the residual in its stored form (the kernel reads it)
+    decoded = rows * width * 4 + batch * heads * groups * group_size * 4 + res
     entries = max(0, layers - warmup_layers) * branches
     return CacheEstimate(entries, grp, sel, res, kind, residual_dtype if residual else "none", naive, 2 * decoded)
 
 
 def estimate_for_config(config: MCSparseConfig, *, heads: int, head_dim: int, layers: int, tokens: int,
-                        branches: int = 2, batch: int = 1) -> CacheEstimate:
-    """``estimate_cache`` with the density, C, tile, layers and storage settings of ``config``."""
+                        branches: int = 2, batch: int = 1, residual_dtype: str | None = None) -> CacheEstimate:
+    """``estimate_cache`` with the density, C, tile, layers and storage settings of ``config`` (the residual
+    stored as ``residual_dtype`` when given, e.g. what 'auto' resolved to)."""
     return estimate_cache(
         heads=heads, head_dim=head_dim, layers=layers, tokens=tokens, density=config.density,
         group_size=config.group_size, kv_tile=config.kv_tile, branches=branches, batch=batch,
         warmup_layers=config.warmup_layers, index_encoding=config.index_encoding,
-        residual_dtype=config.residual_dtype, residual_scale=config.residual_scale, residual=config.residual,
+        residual_dtype=residual_dtype or config.residual_dtype, residual=config.residual,
     )
 
 
@@ -226,16 +226,18 @@ def expected_speedup(
 
 def decode_overhead(est: CacheEstimate) -> float:
     """The reuse call's decode cost for ``est``'s formats, as a fraction of a dense attention call (measured)."""
-    fp8 = FP8_DECODE_OVERHEAD if est.residual_dtype == encoding.FP8_DTYPE_NAME else 0.0
-    return DECODE_OVERHEAD[est.selection_encoding] + fp8
+    quantised = est.residual_dtype in (encoding.FP8_DTYPE_NAME, encoding.INT4_NAME)
+    return DECODE_OVERHEAD[est.selection_encoding] + (FP8_DECODE_OVERHEAD if quantised else 0.0)
 
 
 def _gb(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / 2**20:.1f} MiB"
 
 
-def format_plan(est: CacheEstimate, speed: SpeedupEstimate | None = None, placement: str | None = None) -> str:
-    """One log line: the cache's bytes (parts, against the naive layout), placement, expected speedup."""
+def format_plan(est: CacheEstimate, speed: SpeedupEstimate | None = None, placement: str | None = None,
+                plan: CachePlan | None = None) -> str:
+    """One log line: the cache's bytes (parts, against the naive layout), placement, the memory decision
+    (``plan``: the choice, the other precisions' sizes, the figures it was made from) and the expected speedup."""
     line = (
         f"MC-Sparse plan: cache {_gb(est.total_bytes)} for {est.entries} layer x branch entries "
         f"({_gb(est.entry_bytes)} each: selections {est.selection_encoding} {_gb(est.selection_bytes)}, "
@@ -244,6 +246,8 @@ def format_plan(est: CacheEstimate, speed: SpeedupEstimate | None = None, placem
     )
     if placement:
         line += f", placement {placement} (+{_gb(est.working_bytes)} GPU working set)"
+    if plan is not None:
+        line += f"; {plan.describe()}"
     if speed is not None:
         line += (
             f"; expected DiT speedup {speed.speedup:.2f}x (reuse steps {speed.reuse_speedup:.2f}x; attention "
@@ -254,38 +258,201 @@ def format_plan(est: CacheEstimate, speed: SpeedupEstimate | None = None, placem
     return line
 
 
-def suggest_settings(config: MCSparseConfig, shape: tuple[int, ...], entries: int, free_bytes: int | None,
-                     host_bytes: int | None = None) -> list[str]:
-    """Settings that would fit a cache of ``entries`` entries for q of ``shape`` ``[B, H, S, D]``.
+# --- placement and precision before sampling ------------------------------------------------------------------
+
+AUTO_PRECISIONS = ("bfloat16", encoding.FP8_DTYPE_NAME, encoding.INT4_NAME)
+"""What residual precision 'auto' tries, in order: the first whose cache fits (GPU or pinned host memory) wins."""
+PRECISION_LABELS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", encoding.FP8_DTYPE_NAME: "fp8",
+                    encoding.INT4_NAME: "int4"}
+HOST_PIN_SHARE = 0.75
+"""Share of the host's *available* memory (psutil ``virtual_memory().available``) the cache may pin. Pinned pages
+cannot be swapped or reclaimed, so pinning all of it would push ComfyUI's own later allocations (VAE decode,
+models it moves to RAM, its own pinned weights) and the OS page cache into swap or the OOM killer; a quarter of
+what is available (and at least ``cache_headroom_gib``) stays free."""
+WINDOWS_PIN_SHARE = 0.40
+"""On Windows the driver caps page-locked memory near half of RAM: the cache pins at most 40 % of the total
+(ComfyUI's own pinned-memory cap, ``comfy/model_management.py`` MAX_PINNED_MEMORY, uses the same figure)."""
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Host memory figures in bytes: ``available`` (what new allocations can take without swapping), ``total``,
+    and where they came from ("psutil", "/proc/meminfo" or "given")."""
+
+    available: int
+    total: int
+    source: str = "given"
+
+
+def host_memory() -> HostMemory | None:
+    """The host's memory now: psutil (a ComfyUI requirement, imported lazily), else Linux ``/proc/meminfo``, else
+    None (unknown: the plan then does not pin, ``plan_cache``)."""
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return HostMemory(int(vm.available), int(vm.total), "psutil")
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+        return HostMemory(info["MemAvailable"], info["MemTotal"], "/proc/meminfo")
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def pin_budget(host: HostMemory | None, headroom_bytes: int, *, windows: bool | None = None) -> int:
+    """Bytes the cache may pin in host memory: ``HOST_PIN_SHARE`` of the available memory and no more than
+    available - headroom (and ``WINDOWS_PIN_SHARE`` of the total on Windows); 0 when the figures are unknown."""
+    if host is None:
+        return 0
+    budget = min(int(HOST_PIN_SHARE * host.available), host.available - headroom_bytes)
+    if sys.platform == "win32" if windows is None else windows:
+        budget = min(budget, int(WINDOWS_PIN_SHARE * host.total))
+    return max(0, budget)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The cache's precision and placement for one run, decided before sampling (``plan_cache``).
+
+    Attributes:
+        residual_dtype: the storage chosen (``encoding.RESIDUAL_FORMATS``), None when the run stays dense.
+        placement: "gpu" or "cpu" (pinned host memory), None when the run stays dense.
+        estimate: the chosen cache's ``CacheEstimate`` (None when dense).
+        options: residual storage -> ``CacheEstimate`` for every precision considered (the sizes shown).
+        gpu_budget: GPU bytes free for the cache and its working set, before the headroom (None: unknown or
+            not a GPU run: not a constraint). host_budget: bytes it may pin (``pin_budget``).
+        headroom: bytes left free for ComfyUI. host: the host figures used (None: unknown).
+        requested: the config's residual_dtype and cache_placement.
+        reason: why the run stays dense (None otherwise). fits: settings that would fit, when dense.
+    """
+
+    residual_dtype: str | None
+    placement: str | None
+    estimate: CacheEstimate | None
+    options: dict
+    gpu_budget: int | None
+    host_budget: int
+    headroom: int
+    host: HostMemory | None
+    requested: tuple[str, str]
+    reason: str | None = None
+    fits: tuple[str, ...] = ()
+
+    @property
+    def dense(self) -> bool:
+        return self.residual_dtype is None
+
+    def describe(self) -> str:
+        """The decision in words: choice, sizes of each precision, the memory figures, what would fit."""
+        sizes = ", ".join(f"{PRECISION_LABELS.get(k, k)} {_gb(e.total_bytes)}" for k, e in self.options.items())
+        gpu = "GPU free unknown" if self.gpu_budget is None else f"GPU {_gb(self.gpu_budget)} free"
+        host = ("host memory unknown (nothing pinned)" if self.host is None else
+                f"host pin budget {_gb(self.host_budget)} of {_gb(self.host.available)} available")
+        figures = f"{gpu}, headroom {_gb(self.headroom)}, {host}"
+        dtype, placement = self.requested
+        if self.dense:
+            return (f"cache does not fit: residual {dtype}, placement {placement} ({sizes}; {figures}): this run "
+                    f"stays dense. Would fit: {'; '.join(self.fits) or 'no single setting change (free GPU or host memory first)'}")
+        return (f"residual {dtype} -> {PRECISION_LABELS.get(self.residual_dtype, self.residual_dtype)}, placement "
+                f"{placement} -> {self.placement} ({sizes}; {figures})")
+
+
+def _fit(est: CacheEstimate, placement: str, gpu_budget: int | None, host_budget: int, headroom: int) -> bool:
+    gpu_left = math.inf if gpu_budget is None else gpu_budget - headroom
+    if placement == "gpu":
+        return est.total_bytes + est.working_bytes <= gpu_left
+    return est.working_bytes <= gpu_left and est.total_bytes <= host_budget
+
+
+_PLACEMENT_ORDER = {"auto": ("gpu", "cpu"), "gpu": ("gpu",), "cpu": ("cpu",)}
+
+
+def plan_cache(config: MCSparseConfig, *, heads: int, head_dim: int, layers: int, tokens: int, branches: int = 2,
+               batch: int = 1, gpu_free: int | None, host: HostMemory | None, windows: bool | None = None,
+               suggest: bool = True) -> CachePlan:
+    """Choose the residual precision and the placement before sampling, from the free memory.
+
+    Precisions tried: ``AUTO_PRECISIONS`` for "auto" (bf16, then fp8, then int4), else only the configured one;
+    for each, placements "gpu" then "cpu" ('auto'), or the configured one; the first that fits wins:
+    - gpu: cache + working set + headroom <= ``gpu_free``;
+    - cpu: working set + headroom <= ``gpu_free`` and cache <= ``pin_budget(host, headroom)`` (never pins more).
+    Nothing fits: the run stays dense (``CachePlan.dense``), ``reason`` says why and ``fits`` names settings
+    that would fit (residual precision, headroom, placement, a shorter video).
 
     Args:
-        free_bytes: GPU bytes available to the cache (None: unknown). host_bytes: CPU bytes available for a
-            'cpu' placement (None: unknown, assumed enough).
-    Returns:
-        Human strings, cheapest change first, each with the bytes it needs; empty when nothing listed fits.
+        config: the settings (density, C, warm-up layers, residual_dtype, cache_placement, cache_headroom_gib).
+        heads, head_dim, layers, tokens, branches, batch: as ``estimate_cache``.
+        gpu_free: GPU bytes the cache may use (the adapter's ComfyUI-aware figure); None: not a GPU run, or
+            unknown (no GPU constraint). host: ``host_memory()`` figures; None: unknown (nothing may be pinned).
+        windows: apply the Windows pinning cap (None: when running on Windows).
+        suggest: when dense, work out ``fits`` (a few dozen more estimates).
     """
-    B, H, S, D = shape
+    headroom = int(config.cache_headroom_gib * GIB)
+    host_budget = pin_budget(host, headroom, windows=windows)
+    precisions = AUTO_PRECISIONS if config.residual_dtype == "auto" else (config.residual_dtype,)
+    if not config.residual:
+        precisions = ("bfloat16",)  # no residual stored: the precision changes nothing
+    kw = dict(heads=heads, head_dim=head_dim, layers=layers, tokens=tokens, branches=branches, batch=batch)
+    options = {p: estimate_for_config(config, residual_dtype=p, **kw) for p in precisions}
+    requested = (PRECISION_LABELS.get(config.residual_dtype, config.residual_dtype), config.cache_placement)
+    common = dict(options=options, gpu_budget=gpu_free, host_budget=host_budget, headroom=headroom, host=host,
+                  requested=requested)
+    for p, est in options.items():
+        for placement in _PLACEMENT_ORDER[config.cache_placement]:
+            if _fit(est, placement, gpu_free, host_budget, headroom):
+                return CachePlan(p, placement, est, **common)
+    smallest = min(options.values(), key=lambda e: e.total_bytes)
+    reason = (f"the cache needs {_gb(smallest.total_bytes)} at least ({smallest.residual_dtype} residual) and "
+              f"{_gb(smallest.working_bytes)} of GPU working set")
+    fits = tuple(_what_would_fit(config, kw, gpu_free, host, windows)) if suggest else ()
+    return CachePlan(None, None, None, reason=reason, fits=fits, **common)
 
-    def est(**changes):
-        fields = {"density": config.density, "group_size": config.group_size, "kv_tile": config.kv_tile,
-                  "index_encoding": config.index_encoding, "residual_dtype": config.residual_dtype,
-                  "residual_scale": config.residual_scale, "residual": config.residual} | changes
-        return estimate_cache(heads=H, head_dim=D, layers=entries, tokens=S, batch=B, branches=1, **fields)
+
+def _what_would_fit(config: MCSparseConfig, kw: dict, gpu_free: int | None, host: HostMemory | None,
+                    windows: bool | None) -> list[str]:
+    """Single setting changes (node input names) that make ``plan_cache`` fit, cheapest in fidelity first."""
+    import dataclasses
+
+    def fits(**change) -> CachePlan | None:
+        plan = plan_cache(dataclasses.replace(config, **change), gpu_free=gpu_free, host=host, windows=windows,
+                          suggest=False, **kw)
+        return None if plan.dense else plan
 
     out = []
-    budget = math.inf if free_bytes is None else free_bytes
-    now = est()
-    fp8 = est(residual_dtype=encoding.FP8_DTYPE_NAME)
-    if config.residual_dtype != encoding.FP8_DTYPE_NAME and fp8.total_bytes + fp8.working_bytes <= budget:
-        out.append(f"residual_dtype='{encoding.FP8_DTYPE_NAME}' ({_gb(fp8.total_bytes)} on the GPU)")
-    host_ok = host_bytes is None or now.total_bytes <= host_bytes
-    if config.cache_placement != "cpu" and now.working_bytes <= budget and host_ok:
-        out.append(f"cache_placement='cpu' ({_gb(now.total_bytes)} of CPU memory, {_gb(now.working_bytes)} on the GPU)")
-    if fp8.working_bytes <= budget and (host_bytes is None or fp8.total_bytes <= host_bytes):
-        out.append(f"cache_placement='cpu' with residual_dtype='{encoding.FP8_DTYPE_NAME}' "
-                   f"({_gb(fp8.total_bytes)} of CPU memory)")
-    none = est(residual=False)
-    if config.residual and none.total_bytes + none.working_bytes <= budget:
-        out.append(f"residual off ({_gb(none.total_bytes)}; costs fidelity, paper sec. 5 ablation: -3.5 dB)")
-    out.append("fewer frames or a lower resolution (the cache grows with tokens S: residual ~S, selections ~S^2)")
+    for p in AUTO_PRECISIONS:
+        if config.residual_dtype not in ("auto", p) and (plan := fits(residual_dtype=p)):
+            out.append(f"residual precision {PRECISION_LABELS[p]} ({_gb(plan.estimate.total_bytes)}, "
+                       f"{plan.placement})")
+            break
+    if config.cache_placement != "auto" and (plan := fits(cache_placement="auto")):
+        out.append(f"cache placement auto ({plan.placement})")
+    for gib in (2.0, 1.0, 0.0):
+        if gib < config.cache_headroom_gib and (plan := fits(cache_headroom_gib=gib)):
+            out.append(f"memory headroom {gib:g} GiB ({_gb(plan.estimate.total_bytes)} "
+                       f"{PRECISION_LABELS[plan.residual_dtype]}, {plan.placement}; less memory left for ComfyUI)")
+            break
+    lo, hi = 0, kw["tokens"]  # largest token count that fits: a shorter video or a lower resolution
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        plan = plan_cache(config, gpu_free=gpu_free, host=host, windows=windows, suggest=False,
+                          **(kw | {"tokens": mid}))
+        lo, hi = (mid, hi) if not plan.dense else (lo, mid)
+    if lo >= 1:
+        out.append(f"fewer latent tokens: at most {lo} (now {kw['tokens']}: fewer frames or a lower resolution)")
+    if config.residual:
+        none = dataclasses.replace(config, residual=False)
+        if not plan_cache(none, gpu_free=gpu_free, host=host, windows=windows, suggest=False, **kw).dense:
+            out.append("residual off (costs fidelity: paper sec. 5 ablation, -3.5 dB)")
     return out
+
+
+def suggest_settings(config: MCSparseConfig, shape: tuple[int, ...], entries: int, free_bytes: int | None,
+                     host: HostMemory | None = None) -> list[str]:
+    """Settings that would fit a cache of ``entries`` entries for q of ``shape`` ``[B, H, S, D]`` after an out of
+    memory error: ``plan_cache``'s suggestions for ``free_bytes`` of GPU memory (None: unknown) and ``host``."""
+    B, H, S, D = shape
+    kw = dict(heads=H, head_dim=D, layers=entries + config.warmup_layers, tokens=S, branches=1, batch=B)
+    return _what_would_fit(config, kw, free_bytes, host, None) or ["fewer frames or a lower resolution"]

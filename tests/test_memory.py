@@ -1,32 +1,37 @@
 """Cache memory and speedup estimates: equal to real stored bytes, and to the numbers in the docs."""
 
+import dataclasses
+
 import pytest
 import torch
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import attention, engine, memory
-from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey, encode_entry
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheEntry, CacheKey, encode_entry
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.selection import keys_for_density
 
 GB = 1e9
 
 
 @pytest.mark.parametrize(
-    "S,C,density,enc,res,scale,residual",
+    "S,C,density,enc,res,residual",
     [
-        (300, 64, 0.25, "auto", "bfloat16", "row", True),
-        (300, 64, 0.05, "auto", "float8_e4m3fn", "row", True),
-        (257, 128, 0.5, "uint16", "float8_e4m3fn", "tensor", True),
-        (200, 64, 0.3, "int32", "float32", "row", True),
-        (190, 64, 1.0, "bitmask", "bfloat16", "row", False),
+        (300, 64, 0.25, "auto", "bfloat16", True),
+        (300, 64, 0.05, "auto", "float8_e4m3fn", True),
+        (257, 128, 0.5, "uint16", "float8_e4m3fn", True),
+        (200, 64, 0.3, "int32", "float32", True),
+        (190, 64, 1.0, "bitmask", "bfloat16", False),
+        (300, 64, 0.25, "auto", "int4", True),
+        (257, 128, 0.2, "auto", "auto", True),
     ],
 )
-def test_estimate_equals_stored_bytes_of_real_anchor_entries(gen, S, C, density, enc, res, scale, residual):
+def test_estimate_equals_stored_bytes_of_real_anchor_entries(gen, S, C, density, enc, res, residual):
     """estimate_cache's per-entry bytes are exactly the encoded bytes of an entry from a real anchor call."""
     B, H, D = 2, 3, 64
     q, k, v = (torch.randn(B, H, S, D, generator=gen) for _ in range(3))
     cfg = MCSparseConfig(density=density, group_size=C, warmup_steps=0, anchor_steps=(0,), residual=residual,
-                         residual_dtype=res, residual_scale=scale, index_encoding=enc)
+                         residual_dtype=res, index_encoding=enc)
     _, entry = attention.anchor_attention(q, k, v, cfg)
-    stored = encode_entry(entry, index_encoding=enc, residual_dtype=res, residual_scale=scale)
+    stored = encode_entry(entry, index_encoding=enc, residual_dtype="bfloat16" if res == "auto" else res)
     est = memory.estimate_for_config(cfg, heads=H, head_dim=D, layers=5, tokens=S, branches=2, batch=B)
     assert est.entry_bytes == stored.nbytes
     assert (est.groups_bytes, est.selection_bytes) == (stored.groups.nbytes, stored.selection.nbytes)
@@ -61,6 +66,126 @@ def test_wan14b_480p_cfg_sizes_against_method_md():
     assert "naive int32 + bf16 layout" in memory.format_plan(fp8, placement="cpu")
 
 
+def _entry_of(gen, B, H, S, D, C, K, width):
+    """A CacheEntry with the anchor's layout (groups a permutation + -1 tail, K sorted keys + -1, fp32 R), built
+    directly: an anchor call at these S would take minutes on a CPU."""
+    G = -(-S // C)
+    perm = torch.full((B, H, G * C), -1, dtype=torch.int32)
+    perm[..., :S] = torch.stack([torch.randperm(S, generator=gen) for _ in range(B * H)]).view(B, H, S).to(torch.int32)
+    kv = torch.full((B, H, G, width), -1, dtype=torch.int32)
+    kv[..., :K] = torch.sort(torch.randperm(S, generator=gen)[:K]).values.to(torch.int32)  # one K-set for all groups
+    return CacheEntry(perm, kv, torch.randn(B, H, S, D, generator=gen), K, (B, H, S, D))
+
+
+def test_estimate_equals_stored_bytes_past_16_bit_tokens(gen):
+    """At S > 65536 (Wan2.1 720p's 75600 tokens; here 1 head) the estimate is the stored bytes too: 17-bit groups,
+    bitmask selections, each residual precision."""
+    S, C, density = 75600, 128, 0.25
+    cfg = MCSparseConfig(density=density, warmup_layers=1)
+    K = keys_for_density(density, S, cfg.kv_tile)
+    entry = _entry_of(gen, 1, 1, S, 128, C, K, K)
+    for res in ("bfloat16", "float8_e4m3fn", "int4"):
+        stored = encode_entry(entry, residual_dtype=res)
+        est = memory.estimate_for_config(cfg, heads=1, head_dim=128, layers=40, tokens=S, branches=2, residual_dtype=res)
+        assert stored.groups.kind == "uint17" and stored.selection.kind == "bitmask"
+        assert est.entry_bytes == stored.nbytes and est.entries == 78
+        assert (est.groups_bytes, est.selection_bytes, est.residual_bytes) == (
+            stored.groups.nbytes, stored.selection.nbytes, stored.residual.nbytes)
+
+
+def test_wan14b_quality_cfg_sizes_meet_the_bars():
+    """Issue 10's bars at the quality preset (s = 0.25, block 0 dense, C = 128, CFG): int4 (what 'auto' stores when
+    bf16 and fp8 fit nowhere) <= 32 GiB at 720p and <= 12 GiB at 480p; the other precisions for the record."""
+    cfg = MCSparseConfig(density=0.25, warmup_layers=1)
+    sizes = {}
+    for name, S in (("720p", 75600), ("480p", 32760)):
+        for res in ("bfloat16", "float8_e4m3fn", "int4"):
+            est = memory.estimate_for_config(cfg, heads=40, head_dim=128, layers=40, tokens=S, residual_dtype=res)
+            sizes[name, res] = est.total_bytes / 2**30
+    print({k: round(v, 2) for k, v in sizes.items()})
+    assert sizes["720p", "int4"] <= 32 and sizes["480p", "int4"] <= 12
+    assert sizes["720p", "bfloat16"] > sizes["720p", "float8_e4m3fn"] > sizes["720p", "int4"]
+
+
+GIB = 2**30
+_720P = dict(heads=40, head_dim=128, layers=40, tokens=75600, branches=2)
+
+
+@pytest.mark.parametrize(
+    "gpu_free,available,residual,placement,expected",
+    [
+        (100, 200, "auto", "auto", ("bfloat16", "gpu")),  # H200: all on the GPU
+        (20, 128, "auto", "auto", ("bfloat16", "cpu")),  # 24 GB card, 128 GB host: bf16 pinned (73 <= 96)
+        (20, 64, "auto", "auto", ("float8_e4m3fn", "cpu")),  # 64 GB host: 46 GiB fp8 <= 48
+        (20, 48, "auto", "auto", ("int4", "cpu")),  # 48 GB host: 32 GiB int4 <= 36
+        (40, 40, "auto", "auto", ("int4", "gpu")),  # a 48 GB card: int4 on the GPU (31.6 + 3.7 + 4 <= 40)
+        (20, 32, "auto", "auto", (None, None)),  # 32 GB host: pin budget 24 < 31.6: dense
+        (20, 128, "auto", "gpu", (None, None)),  # forced GPU, too small
+        (100, 200, "int4", "cpu", ("int4", "cpu")),  # forced precision and placement
+        (20, 64, "bfloat16", "auto", (None, None)),  # forced bf16 does not fit a 64 GB host
+        (7, 128, "auto", "auto", (None, None)),  # GPU cannot hold the working set + headroom
+    ],
+)
+def test_plan_decisions_from_free_memory_figures(gpu_free, available, residual, placement, expected):
+    """bf16 when it fits, else fp8, else int4; GPU before pinned host memory; never more pinned than the budget."""
+    cfg = MCSparseConfig(density=0.25, warmup_layers=1, residual_dtype=residual, cache_placement=placement)
+    host = memory.HostMemory(available * GIB, available * GIB)
+    plan = memory.plan_cache(cfg, gpu_free=gpu_free * GIB, host=host, windows=False, **_720P)
+    assert (plan.residual_dtype, plan.placement) == expected, plan.describe()
+    if plan.placement == "cpu":
+        assert plan.estimate.total_bytes <= plan.host_budget <= 0.75 * host.available
+    if plan.dense:
+        assert plan.fits and "this run stays dense. Would fit: " in plan.describe()
+    else:
+        assert plan.estimate == plan.options[plan.residual_dtype]
+
+
+def test_pin_budget_rule():
+    """Pinned bytes: at most 75 % of the available host memory and available - headroom; 40 % of the total on
+    Windows; nothing when the figures are unknown."""
+    host = memory.HostMemory(40 * GIB, 64 * GIB)
+    assert memory.pin_budget(host, 4 * GIB, windows=False) == 30 * GIB
+    assert memory.pin_budget(host, 20 * GIB, windows=False) == 20 * GIB
+    assert memory.pin_budget(host, 4 * GIB, windows=True) == int(0.4 * 64 * GIB)
+    assert memory.pin_budget(None, 0) == 0
+    assert memory.pin_budget(memory.HostMemory(1 * GIB, 8 * GIB), 4 * GIB, windows=False) == 0
+
+
+def test_refuses_to_pin_past_the_budget():
+    """A plan never puts the cache in host memory past the pin budget, whichever precision it tries: with 41.4 GiB
+    available (budget 31.05 GiB) int4's 31.63 GiB is refused, with 42.2 GiB (budget 31.65 GiB) it is taken."""
+    cfg = MCSparseConfig(density=0.25, warmup_layers=1)
+    refused = memory.plan_cache(cfg, gpu_free=20 * GIB, host=memory.HostMemory(int(41.4 * GIB), 64 * GIB),
+                                windows=False, **_720P)
+    taken = memory.plan_cache(cfg, gpu_free=20 * GIB, host=memory.HostMemory(int(42.2 * GIB), 64 * GIB),
+                              windows=False, **_720P)
+    assert refused.dense and (taken.residual_dtype, taken.placement) == ("int4", "cpu")
+    unknown = memory.plan_cache(cfg, gpu_free=20 * GIB, host=None, **_720P)
+    assert unknown.dense and "host memory unknown (nothing pinned)" in unknown.describe()
+
+
+def test_dense_run_says_why_before_it_starts_and_names_what_fits(gen):
+    """A cache that fits nowhere: plan() warns before sampling, every call runs dense, and the message names a
+    setting that would fit (here the residual precision, forced to bf16; 'auto' then takes int4)."""
+    cfg = MCSparseConfig(density=0.25, group_size=64, warmup_steps=0, anchor_steps=(0,), residual_dtype="bfloat16",
+                         cache_headroom_gib=0.0)
+    int4 = memory.estimate_for_config(cfg, heads=2, head_dim=64, layers=2, tokens=256, branches=1, residual_dtype="int4")
+    gpu = int4.total_bytes + int4.working_bytes  # fits int4 on the GPU, not fp8 or bf16
+    runner = engine.MCSparseRunner(cfg, free_memory_fn=lambda dev: gpu, host_memory_fn=lambda: None)
+    line = runner.plan(heads=2, head_dim=64, layers=2, tokens=256, branches=1, num_steps=2,
+                       device=torch.device("cuda", 0))
+    assert "this run stays dense" in line and "residual precision int4" in line
+    assert runner.cache_plan.dense and runner.disabled_reason
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=gen) for _ in range(3))
+    out = runner.attention(q, k, v, step=1, layer=0, key=CacheKey(0, "c", None, tuple(q.shape)))
+    assert torch.allclose(out, engine.kernels.dense_attention(q, k, v)) and len(runner.cache) == 0
+    assert "dense run: cache does not fit" in runner.summary()
+    ok = engine.MCSparseRunner(dataclasses.replace(cfg, residual_dtype="auto"), free_memory_fn=lambda dev: gpu,
+                               host_memory_fn=lambda: None)
+    ok.plan(heads=2, head_dim=64, layers=2, tokens=256, branches=1, device=torch.device("cuda", 0))
+    assert ok.residual_dtype == "int4" and ok.disabled_reason is None and "auto -> int4" in ok.plan_line
+
+
 @pytest.mark.parametrize(
     "heads,tokens,layers,density,eff,expected",
     [
@@ -85,13 +210,13 @@ def test_attention_share_scales_with_tokens():
 
 
 def test_suggestions_fit_the_budget():
-    """suggest_settings only lists settings whose GPU bytes fit the free memory given."""
-    cfg = MCSparseConfig(density=0.25)
+    """After an out of memory error: suggestions are settings whose plan fits the GPU memory left."""
+    cfg = MCSparseConfig(density=0.25, residual_dtype="bfloat16")
     shape = (1, 40, 32760, 128)
     tips = memory.suggest_settings(cfg, shape, 80, free_bytes=20 * 2**30)
-    assert tips[0].startswith("residual_dtype='float8_e4m3fn'") and any("cache_placement='cpu'" in t for t in tips)
-    tight = memory.suggest_settings(cfg, shape, 80, free_bytes=2 * 2**30)
-    assert not any(t.startswith("residual_dtype") for t in tight) and any("cache_placement='cpu'" in t for t in tight)
+    assert tips[0].startswith("residual precision int4") and "gpu" in tips[0]  # fp8: 15.8 + 1.0 + 4 > 20 GiB
+    tight = memory.suggest_settings(cfg, shape, 80, free_bytes=2 * 2**30, host=memory.HostMemory(100 * GIB, 128 * GIB))
+    assert any("memory headroom" in t or "fewer latent tokens" in t for t in tight)
 
 
 @pytest.mark.gpu
@@ -103,7 +228,7 @@ def test_estimate_matches_cuda_allocations():
     q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
     cfg = MCSparseConfig(density=0.25, warmup_steps=0, anchor_steps=(0,), residual_dtype="float8_e4m3fn")
     _, entry = attention.anchor_attention(q, k, v, cfg)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize()  # 6 tensors with int4 / 17-bit groups, 5 here
     before = torch.cuda.memory_allocated(dev)
     stored = encode_entry(entry, residual_dtype="float8_e4m3fn")
     torch.cuda.synchronize()
