@@ -106,9 +106,10 @@ def anchor_attention(
     residual = None
     if config.residual:
         sparse = _sparse(q, k, v, perm, kv_idx, extra_kv, scale, backend)
-        # quantised storage (fp8, int4) and 'auto' (resolved later): float32 here, ``encoding.encode_residual``
-        # stores it (cache.py)
-        store = getattr(torch, config.residual_dtype) if config.residual_dtype in _PLAIN_RESIDUALS else torch.float32
+        # quantised storage (fp8, int4): float32 here, ``encoding.encode_residual`` quantises it (cache.py); 'auto'
+        # unresolved (no plan) is bf16
+        name = "bfloat16" if config.residual_dtype == "auto" else config.residual_dtype
+        store = getattr(torch, name) if name in _PLAIN_RESIDUALS else torch.float32
         residual = (out.float() - sparse.float()).to(store)
     return out, CacheEntry(perm=perm, kv_idx=kv_idx, residual=residual, num_keys=num_keys, shape=tuple(q.shape))
 
@@ -137,12 +138,14 @@ def reuse_attention(
     if not entry.fits(q):
         raise ValueError(f"entry must be made for q's shape and device, got {entry.shape} for q {tuple(q.shape)} on {q.device}")
     _check_extra(q, extra_kv, check_finite=False)
-    out = _sparse(q, k, v, entry.perm, entry.kv_idx, extra_kv, scale, backend)
     r = entry.residual
-    if r is not None:
-        # a decoded entry holds a kernels.Residual in its stored form; dequantised here until the sparse kernel
-        # takes ``residual=`` (TEAM.md contract 2)
-        out.add_(r if isinstance(r, torch.Tensor) else r.dequantize(out.dtype))
+    if isinstance(r, torch.Tensor):  # an entry straight from the anchor (not through the cache's storage)
+        r = kernels.Residual(r)
+    if extra_kv is None:  # the kernel adds R (stored form, any kind) in its epilogue
+        return kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx, scale=scale, residual=r, backend=backend)
+    out = _sparse(q, k, v, entry.perm, entry.kv_idx, extra_kv, scale, backend)
+    if r is not None:  # after the LSE merge with the extra keys
+        out.add_(r.dequantize(out.dtype))
     return out
 
 

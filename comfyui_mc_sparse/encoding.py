@@ -214,6 +214,8 @@ def decode_selection(
     if enc.kind == "uint16":
         torch.bitwise_and(data.to(torch.int32), 0xFFFF, out=out[..., : enc.num_keys])
         return out
+    if data.device.type == "cuda":  # one launch, no host sync, no int64 temporaries (TEAM.md contract 2)
+        return kernels.decode_bitmask(data, num_tokens=enc.num_tokens, out=out)
     rows = data.reshape(-1, data.shape[-1])
     flat_out = out.view(-1, enc.width)
     row_bits = rows.shape[1] * 8
@@ -423,41 +425,17 @@ def encode_residual(residual: torch.Tensor, dtype_name: str) -> EncodedResidual:
 
 
 def residual_for_kernel(enc: EncodedResidual, device: torch.device | str | None = None, *,
-                        non_blocking: bool = False):
-    """The stored residual as the sparse kernel takes it (``kernels.Residual``), on ``device`` (None: where it
-    is), without dequantising: only a copy when the device differs. The result shares the stored tensors when
-    no copy is needed (callers must not modify them)."""
+                        non_blocking: bool = False) -> kernels.Residual:
+    """The stored residual as the sparse kernel takes it (``kernels.Residual``, TEAM.md contract 2), on ``device``
+    (None: where it is), without dequantising: only a copy when the device differs. The result shares the stored
+    tensors when no copy is needed (callers must not modify them)."""
     moved = enc if device is None else enc.with_tensors(iter([t.to(device, non_blocking=non_blocking)
                                                                 for t in enc.tensors()]))
-    return kernels_residual()(data=moved.data, scale=moved.scale, kind=moved.kind)
-
-
-def kernels_residual():
-    """``kernels.Residual`` (TEAM.md contract 2), or this module's stand-in until the kernels provide it."""
-    return getattr(kernels, "Residual", _StandInResidual)
-
-
-@dataclass(frozen=True)
-class _StandInResidual:
-    """Same fields and ``dequantize`` as ``kernels.Residual``; used until kernels/ defines it."""
-
-    data: torch.Tensor
-    scale: torch.Tensor | None = None
-    kind: str = "plain"
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """R as a new ``[B, H, S, D]`` tensor in ``dtype`` (the reference path)."""
-        if self.kind == "plain":
-            return self.data.to(dtype)
-        scale = self.scale.float().unsqueeze(-1)
-        if self.kind == "fp8_row":
-            return (self.data.float() * scale).to(dtype)
-        q = torch.stack(((self.data & 0xF).to(torch.int8) - 8, (self.data >> 4).to(torch.int8) - 8), -1).flatten(-2)
-        return (q.float() * scale).to(dtype)
+    return kernels.Residual(data=moved.data, scale=moved.scale, kind=moved.kind)
 
 
 def decode_residual(enc: EncodedResidual, dtype: torch.dtype, device: torch.device | str | None = None, *,
                     non_blocking: bool = False) -> torch.Tensor:
-    """The residual dequantised to a ``[B, H, S, D]`` tensor in ``dtype`` (tests, benchmarks and the reference
-    path only: the reuse path hands ``residual_for_kernel`` to the kernel)."""
+    """The residual dequantised to a ``[B, H, S, D]`` tensor in ``dtype`` (tests and benchmarks only: the reuse
+    path hands ``residual_for_kernel`` to the kernel)."""
     return residual_for_kernel(enc, device, non_blocking=non_blocking).dequantize(dtype)
