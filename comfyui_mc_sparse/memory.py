@@ -354,8 +354,9 @@ class CachePlan:
         figures = f"{gpu}, headroom {_gb(self.headroom)}, {host}"
         dtype, placement = self.requested
         if self.dense:
+            fits = "; ".join(self.fits) or "no single setting change (free GPU or host memory first)"
             return (f"cache does not fit: residual {dtype}, placement {placement} ({sizes}; {figures}): this run "
-                    f"stays dense. Would fit: {'; '.join(self.fits) or 'no single setting change (free GPU or host memory first)'}")
+                    f"stays dense. Would fit: {fits}")
         return (f"residual {dtype} -> {PRECISION_LABELS.get(self.residual_dtype, self.residual_dtype)}, placement "
                 f"{placement} -> {self.placement} ({sizes}; {figures})")
 

@@ -43,11 +43,28 @@ def test_backend_combo_is_the_registry():
     ("cache_placement", "disk", "cache placement must be one of"), ("min_tokens", -1, "min tokens must be"),
     ("warmup_layers", 1.5, "dense warm-up layers must be"), ("density", float("nan"), "density must be in"),
     ("anchor_steps", "0", "1-based"), ("dense_warmup", "150%", "dense warm-up percent"),
+    ("residual_precision", "int8", "residual precision must be one of"),
+    ("memory_headroom_gib", -1.0, "memory headroom must be"), ("memory_headroom_gib", True, "memory headroom must be"),
 ])
 def test_bad_node_values_name_the_input(field, value, match):
     """A bad widget value stops the node with "<input> must ..., got ..."."""
     with pytest.raises((ValueError, TypeError), match=match):
         _settings(**{field: value})
+
+
+@pytest.mark.parametrize("precision,dtype", [("auto", "auto"), ("bf16", "bfloat16"), ("fp8", "float8_e4m3fn"),
+                                             ("int4", "int4")])
+def test_residual_precision_and_headroom_reach_the_runner(precision, dtype):
+    """The node's residual precision and memory headroom become the run's config (plan_cache decides 'auto')."""
+    run = lifecycle.RunState(_settings(residual_precision=precision, memory_headroom_gib=2.5), SIGMAS)
+    assert run.config.residual_dtype == dtype and run.config.cache_headroom_gib == 2.5
+    assert run.runner.residual_dtype == ("bfloat16" if dtype == "auto" else dtype)
+
+
+def test_cache_size_tooltip_is_computed():
+    """The tooltip's sizes are memory.py's estimates (quality preset, 720p int4 31.6 GiB, 480p int4 9.7 GiB)."""
+    note = settings.cache_size_note()
+    assert "720p: bf16 72.9 / fp8 45.7 / int4 31.6 GiB" in note and "480p: bf16 27.6 / fp8 15.8 / int4 9.7 GiB" in note
 
 
 def test_unknown_model_is_exact_pass_through_and_counted(gen):

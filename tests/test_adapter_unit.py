@@ -150,7 +150,7 @@ def test_workflows_match_node_definitions():
     """Every shipped workflow has the patch node with the frozen input names (UI widgets in schema order,
     API inputs by name), and every API link points at a node that exists."""
     frozen = ["preset", "density", "dense_warmup", "warmup_layers", "anchor_steps", "query_tile", "cache_placement",
-              "backend", "min_tokens", "verbose"]
+              "backend", "min_tokens", "verbose", "residual_precision", "memory_headroom_gib"]
     files = sorted((ROOT / "workflows").glob("*.json"))
     assert len(files) >= 6
     for path in files:

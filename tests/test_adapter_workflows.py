@@ -23,7 +23,7 @@ from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import settings
 ROOT = Path(__file__).resolve().parent.parent
 DEFS = json.loads((ROOT / "tests" / "data" / "comfyui_node_defs.json").read_text(encoding="utf-8"))
 FROZEN = ["preset", "density", "dense_warmup", "warmup_layers", "anchor_steps", "query_tile", "cache_placement",
-          "backend", "min_tokens", "verbose"]
+          "backend", "min_tokens", "verbose", "residual_precision", "memory_headroom_gib"]
 FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
 NEWER_NODES = {  # in the newer templates (comfyui-workflow-templates-json 0.1.123) but not the Oct-2025 core
     "ComfySwitchNode": "Wan2.2 template's turbo toggle; resolved to its branch in the API twin",

@@ -30,9 +30,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-PATCH_WIDGETS = ["balanced", 0.2, "auto", 1, "auto", "128", "auto", "auto", 2048, False]
+PATCH_WIDGETS = ["balanced", 0.2, "auto", 1, "auto", "128", "auto", "auto", 2048, False, "auto", 4.0]
 PATCH_NAMES = ["preset", "density", "dense_warmup", "warmup_layers", "anchor_steps", "query_tile", "cache_placement",
-               "backend", "min_tokens", "verbose"]
+               "backend", "min_tokens", "verbose", "residual_precision", "memory_headroom_gib"]
 
 PROBE_WIDGETS = [0.2, "128", "auto", "auto", "all", 8, False, 512, "none"]
 PROBE_NAMES = ["density", "query_tile", "probe_step", "reuse_step", "blocks", "heads", "per_head", "oracle_queries",

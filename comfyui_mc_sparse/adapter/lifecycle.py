@@ -30,7 +30,7 @@ import torch
 
 from .layouts import install_plan, plan_for
 from .override import CURRENT_OPTIONS, RUN_KEY, install_override
-from .settings import PatchSettings, build_settings, resolve_schedule
+from .settings import RESIDUAL_PRECISIONS, PatchSettings, build_settings, resolve_schedule
 from .steps import step_index
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,8 @@ class RunState:
                 warmup_layers=settings.warmup_layers,
                 anchor_steps=self.schedule.anchor_steps,
                 cache_placement=settings.cache_placement,
+                residual_dtype=RESIDUAL_PRECISIONS[settings.residual_precision],
+                cache_headroom_gib=settings.memory_headroom_gib,
             )
             if family in ("hunyuan_video", "hunyuan3d"):
                 self.notes.append("joint text keys: attended exactly beside the sparse latent keys (extra_kv)")
@@ -450,6 +452,8 @@ def apply_mc_sparse(
     backend: str = "auto",
     min_tokens: int = 2048,
     verbose: bool = False,
+    residual_precision: str = "auto",
+    memory_headroom_gib: float = 4.0,
 ):
     """Return a clone of ``model`` (a ComfyUI ``ModelPatcher``) with MC-Sparse attention installed.
 
@@ -464,7 +468,8 @@ def apply_mc_sparse(
 
     settings = build_settings(preset=preset, density=density, dense_warmup=dense_warmup, warmup_layers=warmup_layers,
                               anchor_steps=anchor_steps, query_tile=query_tile, cache_placement=cache_placement,
-                              backend=backend, min_tokens=min_tokens, verbose=verbose)
+                              backend=backend, min_tokens=min_tokens, verbose=verbose,
+                              residual_precision=residual_precision, memory_headroom_gib=memory_headroom_gib)
     patched = model.clone()
     plan = plan_for(patched.get_model_object("diffusion_model"))
     if plan.reason_unsupported:

@@ -16,7 +16,7 @@ from comfy_api.latest import ComfyExtension, io
 
 from .fidelity_nodes import FIDELITY_NODES
 from .lifecycle import apply_mc_sparse
-from .settings import BACKENDS, CACHE_PLACEMENTS, PRESET_NAMES
+from .settings import BACKENDS, CACHE_PLACEMENTS, MAX_HEADROOM_GIB, PRESET_NAMES, RESIDUAL_PRECISIONS, cache_size_note
 
 logger = logging.getLogger(__name__)
 
@@ -98,13 +98,28 @@ class MCSparsePatch(io.ComfyNode):
                     "verbose", default=False,
                     tooltip="Log more detail (the patched call sites and the settings).",
                 ),
+                io.Combo.Input(
+                    "residual_precision", options=list(RESIDUAL_PRECISIONS), default="auto",
+                    tooltip="How the per-block correction (residual) is stored between steps: bf16 (exact), fp8 (half "
+                            "the size, near-identical output), int4 (a quarter, slightly less faithful). auto: bf16 "
+                            "when the cache fits your free VRAM or a safe share of your free RAM, else fp8, else "
+                            "int4; the console says what it chose before sampling, or why the run stays dense and "
+                            "which setting would fit. Cache sizes, " + cache_size_note() + ".",
+                ),
+                io.Float.Input(
+                    "memory_headroom_gib", default=4.0, min=0.0, max=MAX_HEADROOM_GIB, step=0.5,
+                    tooltip="GiB the cache leaves free for ComfyUI on the GPU (and in RAM when the cache lives "
+                            "there). Raise it if you run out of memory elsewhere; lower it to fit a bigger cache. "
+                            "At most 75% of the free RAM is ever used.",
+                ),
             ],
             outputs=[io.Model.Output(tooltip="The model with MC-Sparse attention.")],
         )
 
     @classmethod
     def execute(cls, model, preset: str, density: float, dense_warmup: str, warmup_layers: int, anchor_steps: str,
-                query_tile: str, cache_placement: str, backend: str, min_tokens: int, verbose: bool) -> io.NodeOutput:
+                query_tile: str, cache_placement: str, backend: str, min_tokens: int, verbose: bool,
+                residual_precision: str = "auto", memory_headroom_gib: float = 4.0) -> io.NodeOutput:
         try:
             tile = int(query_tile)
         except (TypeError, ValueError):
@@ -112,7 +127,8 @@ class MCSparsePatch(io.ComfyNode):
         return io.NodeOutput(apply_mc_sparse(
             model, preset=preset, density=density, dense_warmup=dense_warmup, warmup_layers=warmup_layers,
             anchor_steps=anchor_steps, query_tile=tile, cache_placement=cache_placement, backend=backend,
-            min_tokens=min_tokens, verbose=verbose,
+            min_tokens=min_tokens, verbose=verbose, residual_precision=residual_precision,
+            memory_headroom_gib=memory_headroom_gib,
         ))
 
 

@@ -63,7 +63,7 @@ class MCSparsePatchRay(io.ComfyNode):
     @classmethod
     def execute(cls, ray_actors, preset: str, density: float, dense_warmup: str, warmup_layers: int,
                 anchor_steps: str, query_tile: str, cache_placement: str, backend: str, min_tokens: int,
-                verbose: bool) -> io.NodeOutput:
+                verbose: bool, residual_precision: str = "auto", memory_headroom_gib: float = 4.0) -> io.NodeOutput:
         from .settings import build_settings
 
         try:
@@ -72,7 +72,8 @@ class MCSparsePatchRay(io.ComfyNode):
             raise ValueError(f"query tile C must be 64 or 128, got {query_tile!r}") from None
         settings = dict(preset=preset, density=density, dense_warmup=dense_warmup, warmup_layers=warmup_layers,
                         anchor_steps=anchor_steps, query_tile=tile, cache_placement=cache_placement, backend=backend,
-                        min_tokens=min_tokens, verbose=verbose)
+                        min_tokens=min_tokens, verbose=verbose, residual_precision=residual_precision,
+                        memory_headroom_gib=memory_headroom_gib)
         build_settings(**settings)  # bad inputs fail here, naming the input, before any worker is touched
         patch_workers(ray_actors, settings)
         return io.NodeOutput(ray_actors)

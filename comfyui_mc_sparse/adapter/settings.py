@@ -25,6 +25,9 @@ PRESETS: dict[str, float] = {"quality": 0.25, "balanced": 0.20, "fast": 0.15}
 
 PRESET_NAMES = ("quality", "balanced", "fast", "custom")
 CACHE_PLACEMENTS = ("auto", "gpu", "cpu")
+RESIDUAL_PRECISIONS = {"auto": "auto", "bf16": "bfloat16", "fp8": "float8_e4m3fn", "int4": "int4"}
+"""The node's residual precision options -> ``MCSparseConfig.residual_dtype`` (``memory.plan_cache`` decides 'auto')."""
+MAX_HEADROOM_GIB = 256.0
 BACKENDS = ("auto", "flash_attn4", "cuda_sdpa", "triton", "torch")
 """The node's backend combo: ``kernels.registry.backend_names()`` (auto, then the registered backends, highest
 priority first; an unavailable one is still listed and falls back with its reason in the summary), less
@@ -71,6 +74,8 @@ class PatchSettings:
         warmup_layers: number of leading transformer blocks that always run dense (>= 0).
         anchors: anchor steps (1-based steps or percents); None = the paper's schedule scaled to the call.
         cache_placement: "auto", "gpu" or "cpu": where cached indices/residuals live between steps.
+        residual_precision: "auto", "bf16", "fp8" or "int4" (``RESIDUAL_PRECISIONS``): how the residual is stored.
+        memory_headroom_gib: GiB the cache leaves free for ComfyUI on the GPU and in host memory, >= 0.
         backend: kernel backend request, one of ``BACKENDS``.
         min_tokens: self-attention calls with fewer tokens (per sequence) run dense.
         verbose: log every dense decision once per reason and a per-layer table at the end of a run.
@@ -86,6 +91,8 @@ class PatchSettings:
     backend: str
     min_tokens: int
     verbose: bool
+    residual_precision: str = "auto"
+    memory_headroom_gib: float = 4.0
 
 
 def parse_step_list(text: str, *, name: str, allow_empty: bool = False) -> tuple[StepSpec, ...] | None:
@@ -169,6 +176,8 @@ def build_settings(
     backend: str,
     min_tokens: int,
     verbose: bool,
+    residual_precision: str = "auto",
+    memory_headroom_gib: float = 4.0,
 ) -> PatchSettings:
     """Validate the node's widget values and return ``PatchSettings``.
 
@@ -190,6 +199,11 @@ def build_settings(
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
         raise ValueError(f"min tokens must be a whole number >= 0, got {min_tokens!r}")
+    if residual_precision not in RESIDUAL_PRECISIONS:
+        raise ValueError(f"residual precision must be one of {', '.join(RESIDUAL_PRECISIONS)}, got {residual_precision!r}")
+    if (isinstance(memory_headroom_gib, bool) or not isinstance(memory_headroom_gib, (int, float))
+            or not 0.0 <= memory_headroom_gib <= MAX_HEADROOM_GIB):
+        raise ValueError(f"memory headroom must be a number of GiB in [0, {MAX_HEADROOM_GIB:g}], got {memory_headroom_gib!r}")
     if preset != "custom":
         # A preset ignores the density / warm-up / anchor boxes entirely (not even validated): its density
         # and the paper's schedule scaled to each sampler call.
@@ -213,6 +227,8 @@ def build_settings(
         backend=backend,
         min_tokens=int(min_tokens),
         verbose=bool(verbose),
+        residual_precision=residual_precision,
+        memory_headroom_gib=float(memory_headroom_gib),
     )
 
 
@@ -304,3 +320,20 @@ def resolve_schedule(settings: PatchSettings, num_steps: int) -> ResolvedSchedul
     elif warmup_steps >= num_steps:
         notes.append(f"the dense warm-up covers all {num_steps} steps of this sampler call")
     return ResolvedSchedule(num_steps=num_steps, warmup_steps=warmup_steps, anchor_steps=tuple(anchors), notes=tuple(notes))
+
+
+def cache_size_note(preset: str = "quality") -> str:
+    """The cache sizes per residual precision of Wan2.1-14B, 81 frames, CFG, at 720p and 480p under ``preset``
+    (block 0 dense), computed by ``memory.estimate_cache`` (for the node's tooltips)."""
+    from ..config import MCSparseConfig
+    from ..memory import AUTO_PRECISIONS, GIB, PRECISION_LABELS, estimate_for_config
+
+    cfg = MCSparseConfig(density=PRESETS[preset], warmup_layers=1)
+    parts = []
+    for label, tokens in (("720p", 21 * 45 * 80), ("480p", 21 * 30 * 52)):
+        sizes = []
+        for p in AUTO_PRECISIONS:
+            est = estimate_for_config(cfg, heads=40, head_dim=128, layers=40, tokens=tokens, residual_dtype=p)
+            sizes.append(f"{PRECISION_LABELS[p]} {est.total_bytes / GIB:.1f}")
+        parts.append(f"{label}: {' / '.join(sizes)} GiB")
+    return f"Wan2.1-14B, 81 frames, CFG, preset {preset}: " + "; ".join(parts)
