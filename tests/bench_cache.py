@@ -1,55 +1,71 @@
-"""Metadata-cache benchmark on a CUDA GPU (not collected by pytest): prints a table, writes JSON to --out.
+"""Metadata-cache benchmark (not collected by pytest): sizes as stored, the estimate, fidelity per residual precision.
 
-At the Wan2.1-14B 480p 81-frame self-attention shape (B=1, H=40, S=32760, D=128, bf16), density 0.25, C=128:
-1. bytes: one real anchor entry (synthetic DiT-like q/k/v, ``tools/workload.py``) is encoded with each residual
-   option; its selections and groups are decoded on the GPU and compared bit for bit; the cache of the
-   40-layer x 2-branch (CFG) run is that entry's bytes x 80, next to ``memory.estimate_cache`` and the paper's
-   naive layout (int32 indices + bf16 residual);
-2. fidelity: relative L1 of the reuse output against dense at later steps of the workload, residual in bf16,
-   fp8 with a row scale, fp8 with a tensor scale, and without residual;
-3. speed: a reuse step over a stack of --layers layers through ``MCSparseRunner.attention`` (load, prefetch of
-   the next layer, sparse kernel, residual), with the cache resident on the GPU and in pinned CPU memory,
-   bf16 and fp8 residual, plus the naive uncompressed resident cache; each alone ("attention only", the worst
-   case for hiding copies) and with each layer's non-attention work emulated by bf16 GEMMs of Wan2.1-14B's FFN
-   shape calibrated to 39.5 ms per layer (1.58 s / 40 blocks, docs/performance.md). Medians of interleaved
-   repeats (variant order rotated), wall time between device syncs. Ratio = CPU-placement / GPU-placement.
+For Wan2.1-14B self-attention (H=40, D=128, bf16) at 720p (81 frames: 21 x 45 x 80 = 75600 tokens) and 480p
+(21 x 30 x 52 = 32760), preset 'quality' (s = 0.25, C = 128, block 0 dense: 39 blocks x 2 CFG branches = 78
+entries), on synthetic DiT-like q/k/v (``tools/workload.py``, anchor at step 9 of 50 as the preset's schedule):
+1. bytes: one real anchor entry is encoded with each residual precision (bf16, fp8 row, int4 row); its selections and
+   groups are decoded on the device (``kernels.decode_bitmask`` on CUDA) and compared bit for bit; the run's cache
+   is that entry's bytes x 78 (every entry of a run has the same shape, so the same bytes), next to
+   ``memory.estimate_for_config`` (must be equal, to the byte) and the naive int32 + bf16 layout; what 'auto' picks
+   (``memory.plan_cache``) on this machine and on reference machines (figures stated below);
+2. fidelity: relative L1 of the reuse output (``kernels.sparse_attention(residual=kernels.Residual)``, the reuse
+   path) against dense attention, at the anchor step and 1, 3, 15 and 40 steps after it, per precision, side by side
+   with bf16 (and without residual); optionally on captured q/k/v (``--captured``, a probe capture: safetensors with
+   ``block{b}.anchor.{q,k,v}`` and ``block{b}.reuse.{q,k,v}``);
+3. (``--speed``) a reuse step over 40 layers through ``MCSparseRunner.attention``, cache on the GPU vs in pinned CPU
+   memory (the in-model offload measurement is tests/bench_comfyui_speedup.py's).
+Writes ``<out>/bench_cache.json`` and the keys ``cache_gib_wan14b_{720p,480p}_quality_cfg`` to ``--scoreboard``
+(and a copy to ``<out>/scoreboard.json``). The scoreboard value is the cache the preset's default ('auto'
+precision) stores when bf16 and fp8 do not fit the machine: int4 (the note gives every precision's size).
 
-Usage: python tests/bench_cache.py --out bench_cache.json [--layers 40] [--budget-s 150]
+Usage (GPU, ~1-2 min on an H200): python tests/bench_cache.py --out $OUT
+CPU fidelity table on a small grid: python tests/bench_cache.py --out /tmp/bc --grid 8,16,24 --heads 8 --no-scoreboard
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "comfyui_mc_sparse"))
-import _standalone
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
+import _standalone  # noqa: E402
 
 _standalone.load_pack()
 from comfyui_mc_sparse_pack import kernels  # noqa: E402
-from comfyui_mc_sparse_pack.comfyui_mc_sparse import attention, engine, memory  # noqa: E402
+from comfyui_mc_sparse_pack.comfyui_mc_sparse import attention, encoding, engine, memory  # noqa: E402
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheEntry, CacheKey, encode_entry  # noqa: E402
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig  # noqa: E402
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools.workload import SyntheticWorkload, WorkloadSpec  # noqa: E402
 
-GRID = (21, 30, 52)  # Wan2.1 480p, 81 frames: 32760 tokens
-H, D, DENSITY, C = 40, 128, 0.25, 128
-ENTRIES = 40 * 2  # 40 blocks x 2 CFG branches
-ANCHOR_STEP, REUSE_STEPS = 9, (12, 24)  # 0-based steps of a 50-step schedule
-MLP_MS_PER_LAYER = 1580.0 / 40  # Wan2.1-14B 480p step without self-attention, per block (performance.md)
-RESIDUALS = {"bf16": ("bfloat16", "row"), "fp8-row": ("float8_e4m3fn", "row"), "fp8-tensor": ("float8_e4m3fn", "tensor")}
+GRIDS = {"720p": (21, 45, 80), "480p": (21, 30, 52)}  # Wan2.1 81 frames: 75600 and 32760 tokens
+LAYERS, D, DENSITY, C = 40, 128, 0.25, 128  # Wan2.1-14B, preset 'quality'
+ANCHOR_STEP, AFTER = 9, (1, 3, 15, 40)  # the preset's anchor of a 50-step run; reuse steps after it
+PRECISIONS = ("bfloat16", "float8_e4m3fn", "int4")
+LABEL = memory.PRECISION_LABELS
+GIB = 2**30
+# Machines 'auto' is shown for: GPU bytes free for the cache with the model loaded, host memory available
+# (assumed figures, not measured: a 14B fp8 model partly resident on a 24 GB card, ComfyUI and the OS in RAM).
+REFERENCE_MACHINES = {
+    "24 GB GPU, 32 GB RAM": (8, 20),
+    "24 GB GPU, 64 GB RAM": (8, 48),
+    "24 GB GPU, 128 GB RAM": (8, 110),
+    "48 GB GPU, 64 GB RAM": (30, 48),
+}
 
 
 def rel_l1(a, b):
-    return ((a.float() - b.float()).abs().sum() / b.float().abs().sum()).item()
+    return ((a.double() - b.double()).abs().sum() / b.double().abs().sum()).item()
 
 
 def sync():
@@ -68,198 +84,254 @@ def section(report, name, fn):
     print(f"[{name}] {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench_cache.json")
-    ap.add_argument("--layers", type=int, default=40)
-    ap.add_argument("--budget-s", type=float, default=150.0, help="wall seconds for the timed repeats")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks the script runs")
-    args = ap.parse_args()
-    global GRID, H, C
-    if args.smoke:
-        GRID, H, C, args.layers, args.budget_s = (4, 8, 16), 2, 64, 3, 1.0
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "none (CPU)"
-    report = {"env": {"torch": torch.__version__, "gpu": gpu, "python": platform.python_version(),
-                      "shape": [1, H, GRID[0] * GRID[1] * GRID[2], D], "density": DENSITY, "C": C}}
-    try:
-        import triton
+def quality_config(**over) -> MCSparseConfig:
+    """The preset's cache settings (residual kept in fp32 by the anchor: every precision is encoded from it)."""
+    fields = dict(density=DENSITY, group_size=C, warmup_steps=0, anchor_steps=(0,), warmup_layers=1, residual_dtype="int4")
+    return MCSparseConfig(**(fields | over))
 
-        report["env"]["triton"] = triton.__version__
-    except ImportError:
-        pass
-    spec = WorkloadSpec(frames=GRID[0], height=GRID[1], width=GRID[2], heads=H, head_dim=D, num_steps=50, seed=0)
+
+def bytes_part(entry, heads, tokens, dev):
+    cfg = quality_config()
+    out = {"naive_entry_bytes": entry.perm.numel() * 4 + entry.kv_idx.numel() * 4 + 2 * entry.residual.numel()}
+    for p in PRECISIONS:
+        sync()
+        before = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+        stored = encode_entry(entry, residual_dtype=p)
+        sync()
+        grown = torch.cuda.memory_allocated() - before if dev.type == "cuda" else None
+        back = stored.decode(dev)
+        sync()
+        est = memory.estimate_for_config(cfg, heads=heads, head_dim=D, layers=LAYERS, tokens=tokens, residual_dtype=p)
+        out[p] = {
+            "selection": stored.selection.kind, "groups": stored.groups.kind, "residual": stored.residual.kind,
+            "selection_bytes": stored.selection.nbytes, "groups_bytes": stored.groups.nbytes,
+            "residual_bytes": stored.residual.nbytes, "entry_bytes": stored.nbytes, "entries": est.entries,
+            "total_bytes": stored.nbytes * est.entries, "total_GiB": stored.nbytes * est.entries / GIB,
+            "estimate_total_bytes": est.total_bytes, "estimate_equal": stored.nbytes * est.entries == est.total_bytes,
+            "cuda_allocated_bytes": grown, "working_GiB": est.working_bytes / GIB,
+            "bit_exact_selection": bool(torch.equal(back.kv_idx, entry.kv_idx)),
+            "bit_exact_groups": bool(torch.equal(back.perm, entry.perm)),
+        }
+        del stored, back
+    out["naive_total_GiB"] = out["naive_entry_bytes"] * out["int4"]["entries"] / GIB
+    here = memory.host_memory()
+    gpu_free = torch.cuda.mem_get_info()[0] if dev.type == "cuda" else None
+    machines = {"this machine (nothing else loaded)": (gpu_free, here)}
+    for name, (g, h) in REFERENCE_MACHINES.items():
+        machines[name] = (g * GIB, memory.HostMemory(h * GIB, h * GIB))
+    out["auto"] = {}
+    for name, (g, h) in machines.items():
+        plan = memory.plan_cache(quality_config(residual_dtype="auto"), heads=heads, head_dim=D, layers=LAYERS,
+                                 tokens=tokens, gpu_free=g, host=h, windows=False)
+        out["auto"][name] = {"residual": plan.residual_dtype, "placement": plan.placement,
+                             "GiB": plan.estimate.total_bytes / GIB if plan.estimate else None, "plan": plan.describe()}
+    return out
+
+
+def fidelity_rows(entry, qkv_at, steps, dev, scale=None):
+    """{step label: {method: rel L1 vs dense}} for the reuse output at each step, per residual precision."""
+    stored = {p: encode_entry(entry, residual_dtype=p) for p in PRECISIONS}
+    out = {}
+    for label, step in steps:
+        q, k, v = qkv_at(step)
+        dense = kernels.dense_attention(q, k, v, scale=scale)
+        row = {"no residual": rel_l1(kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx, scale=scale), dense),
+               "fp32 residual": rel_l1(kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx, scale=scale,
+                                                                residual=kernels.Residual(entry.residual)), dense)}
+        for p, st in stored.items():
+            res = encoding.residual_for_kernel(st.residual, dev)  # what a reuse load hands the kernel
+            row[LABEL[p]] = rel_l1(kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx, scale=scale,
+                                                            residual=res), dense)
+        for p in PRECISIONS[1:]:
+            row[f"{LABEL[p]} - bf16"] = row[LABEL[p]] - row["bf16"]
+        out[label] = row
+        print(f"  {label}: " + ", ".join(f"{k_}={v_:.5f}" for k_, v_ in row.items()), flush=True)
+    return out
+
+
+def captured_part(path, dev):
+    """Fidelity on a probe capture (each block: anchor q/k/v -> entry, reuse q/k/v -> rel L1 per precision)."""
+    from safetensors import safe_open  # only this part needs it
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    scale = float(meta["scale"]) if meta.get("scale") else None
+    blocks = sorted({int(key.split(".")[0][5:]) for key in tensors})
+    out = {"file": str(path), "probe_step": meta.get("probe_step"), "reuse_step": meta.get("reuse_step")}
+    for b in blocks:
+        get = {phase: [tensors[f"block{b}.{phase}.{x}"].to(dev) for x in "qkv"] for phase in ("anchor", "reuse")
+               if f"block{b}.{phase}.q" in tensors}
+        if "reuse" not in get:
+            continue
+        q0, k0, v0 = get["anchor"]
+        cfg = dataclasses.replace(quality_config(), group_size=C if q0.shape[2] >= C else 64)
+        _, entry = attention.anchor_attention(q0, k0, v0, cfg, scale=scale)
+        print(f"captured block {b} (q {list(q0.shape)}):", flush=True)
+        out[f"block {b}"] = fidelity_rows(entry, lambda _s: get["reuse"], [("reuse step", None)], dev, scale)
+    return out
+
+
+def speed_part(entry, wl, layers, budget_s, smoke, dev):
+    """Reuse step over ``layers`` layers, cache on the GPU vs in pinned CPU memory (attention only)."""
+    q, k, v = wl.qkv(ANCHOR_STEP + AFTER[1], dtype=torch.bfloat16)
+    keys = [CacheKey(layer, "cond", None, tuple(q.shape)) for layer in range(layers)]
+    runners = {}
+    for name, placement, dtype in (("bf16 gpu", "gpu", "bfloat16"), ("bf16 cpu", "cpu", "bfloat16"),
+                                   ("int4 gpu", "gpu", "int4"), ("int4 cpu", "cpu", "int4")):
+        r = engine.MCSparseRunner(quality_config(cache_placement=placement, residual_dtype=dtype))
+        for key in keys:
+            r._store(key, entry, 0)  # what an anchor call stores: encode, place, remember the layer order
+        runners[name] = r
+    outs, times = {}, {n: [] for n in runners}
+
+    def timed(name):
+        sync()
+        t = time.perf_counter()
+        for layer, key in enumerate(keys):
+            outs[name] = runners[name].attention(q, k, v, step=1, layer=layer, key=key)
+        sync()
+        return (time.perf_counter() - t) * 1000
+
+    for n in runners:
+        timed(n)  # warm-up: compile, prefetch chain primed
+    rounds = 1 if smoke else max(3, min(9, int(budget_s / max(sum(timed(n) for n in runners) / 1000, 1e-3))))
+    names = list(runners)
+    for i in range(rounds):
+        for n in names[i % len(names):] + names[: i % len(names)]:
+            times[n].append(timed(n))
+    out = {"layers": layers, "rounds": rounds}
+    for n, ms in times.items():
+        c = runners[n].cache
+        out[n] = {"median_ms": statistics.median(ms), "hits": c.hits, "misses": c.misses}
+    for p in ("bf16", "int4"):
+        out[f"{p} cpu/gpu"] = out[f"{p} cpu"]["median_ms"] / out[f"{p} gpu"]["median_ms"]
+        out[f"{p} outputs equal cpu vs gpu"] = bool(torch.equal(outs[f"{p} cpu"], outs[f"{p} gpu"]))
+    for r in runners.values():
+        r.close()
+    return out
+
+
+def run_grid(name, grid, heads, args, dev):
+    spec = WorkloadSpec(frames=grid[0], height=grid[1], width=grid[2], heads=heads, head_dim=D, num_steps=50, seed=0)
     wl = SyntheticWorkload(spec, device=dev)
-    S = spec.tokens
-    cfg = MCSparseConfig(density=DENSITY, group_size=C, warmup_steps=0, anchor_steps=(0,), residual_dtype="float8_e4m3fn")
+    rep = {"shape": [1, heads, spec.tokens, D]}
     q0, k0, v0 = wl.qkv(ANCHOR_STEP, dtype=torch.bfloat16)
     sync()
     t0 = time.perf_counter()
-    _, entry = attention.anchor_attention(q0, k0, v0, cfg)  # residual kept in float32 (fp8 config)
+    _, entry = attention.anchor_attention(q0, k0, v0, quality_config())  # residual kept in float32
     sync()
-    report["anchor_s"] = time.perf_counter() - t0
-    report["kernels"] = {op: c.backend for op, c in kernels.registry.last_choices().items()}
-    print(f"anchor {report['anchor_s']:.2f} s, kernels {report['kernels']}", flush=True)
-
-    def bytes_part():
-        out = {"naive_entry_bytes": entry.perm.numel() * 4 + entry.kv_idx.numel() * 4 + 2 * entry.residual.numel()}
-        out["naive_total_GB"] = out["naive_entry_bytes"] * ENTRIES / 1e9
-        for name, (dtype, scale) in RESIDUALS.items():
-            stored = encode_entry(entry, residual_dtype=dtype, residual_scale=scale)
-            back = stored.decode(dev, torch.bfloat16)
-            sync()
-            est = memory.estimate_cache(heads=H, head_dim=D, layers=40, tokens=S, density=DENSITY, group_size=C,
-                                        branches=2, residual_dtype=dtype, residual_scale=scale)
-            out[name] = {
-                "selection": stored.selection.kind, "groups": stored.groups.kind,
-                "selection_bytes": stored.selection.nbytes, "groups_bytes": stored.groups.nbytes,
-                "residual_bytes": stored.residual.nbytes, "entry_bytes": stored.nbytes,
-                "total_GB": stored.nbytes * ENTRIES / 1e9, "estimate_total_GB": est.total_bytes / 1e9,
-                "bit_exact_selection": bool(torch.equal(back.kv_idx, entry.kv_idx)),
-                "bit_exact_groups": bool(torch.equal(back.perm, entry.perm)),
-            }
-        return out
-
-    def fidelity_part():
-        out = {}
-        stored = {n: encode_entry(entry, residual_dtype=d, residual_scale=s) for n, (d, s) in RESIDUALS.items()}
-        for step in (ANCHOR_STEP, *REUSE_STEPS):
-            q, k, v = wl.qkv(step, dtype=torch.bfloat16)
-            dense = kernels.dense_attention(q, k, v)
-            sparse = kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx)
-            row = {"no residual": rel_l1(sparse, dense), "fp32 residual": rel_l1(sparse + entry.residual.to(q.dtype), dense)}
-            for name, st in stored.items():
-                row[name] = rel_l1(sparse + st.decode(dev, q.dtype).residual, dense)
-            out[f"step {step}"] = row
-            print(f"fidelity step {step}: " + ", ".join(f"{k_} {v_:.5f}" for k_, v_ in row.items()), flush=True)
-        return out
-
-    def speed_part():
-        L = args.layers
-        q, k, v = wl.qkv(REUSE_STEPS[0], dtype=torch.bfloat16)
-        keys = [CacheKey(layer, "cond", None, tuple(q.shape)) for layer in range(L)]
-        naive = CacheEntry(entry.perm, entry.kv_idx, entry.residual.to(torch.bfloat16), entry.num_keys, entry.shape)
-        runners = {}
-        t0 = time.perf_counter()
-        for name, placement, dtype in (("naive resident", "gpu", None), ("bf16 gpu", "gpu", "bfloat16"),
-                                       ("bf16 cpu", "cpu", "bfloat16"), ("fp8 gpu", "gpu", "float8_e4m3fn"),
-                                       ("fp8 cpu", "cpu", "float8_e4m3fn")):
-            r = engine.MCSparseRunner(dataclasses.replace(cfg, cache_placement=placement, residual_dtype=dtype or "bfloat16"))
-            for key in keys:
-                if dtype is None:
-                    r.cache.put(key, naive)  # the paper's layout, as before this issue: nothing to decode
-                else:
-                    r._store(key, entry, 0)  # what an anchor call stores: encode, place, remember the layer order
-            runners[name] = r
-        sync()
-        setup_s = time.perf_counter() - t0
-        width, hidden = (5120, 13824) if not args.smoke else (64, 128)  # Wan2.1-14B: dim 5120, FFN 13824
-        x = torch.randn(S, width, device=dev, dtype=torch.bfloat16)
-        w1 = torch.randn(width, hidden, device=dev, dtype=torch.bfloat16) * 0.01
-        w2 = torch.randn(hidden, width, device=dev, dtype=torch.bfloat16) * 0.01
-
-        def ffn():
-            return (x @ w1) @ w2
-
-        for _ in range(3):
-            ffn()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            ffn()
-        sync()
-        ffn_ms = (time.perf_counter() - t0) * 200
-        reps_mlp = 1 if args.smoke else max(1, round(MLP_MS_PER_LAYER / ffn_ms))
-        outs = {}
-
-        def step(name, mlp):
-            r = runners[name]
-            for layer, key in enumerate(keys):
-                outs[name] = r.attention(q, k, v, step=1, layer=layer, key=key)
-                if mlp:
-                    for _ in range(reps_mlp):
-                        ffn()
-
-        def timed(name, mlp):
-            sync()
-            t = time.perf_counter()
-            step(name, mlp)
-            sync()
-            return (time.perf_counter() - t) * 1000
-
-        times = {(n, m): [] for n in runners for m in (False, True)}
-        for mlp in (False, True):
-            for n in runners:
-                step(n, mlp)  # warm-up (Triton compile, prefetch chain primed)
-        first = {key: timed(*key) for key in times}
-        for key, ms in first.items():
-            times[key].append(ms)
-        per_round = sum(first.values()) / 1000
-        rounds = max(2, min(9, int(args.budget_s / max(per_round, 1e-3))))
-        names = list(times)
-        for i in range(rounds - 1):
-            for key in names[i % len(names):] + names[: i % len(names)]:
-                times[key].append(timed(*key))
-        out = {"layers": L, "setup_s": setup_s, "ffn_ms": ffn_ms, "ffn_reps_per_layer": reps_mlp, "rounds": rounds}
-        for (n, mlp), ms in times.items():
-            out.setdefault(n, {})["with FFN" if mlp else "attention only"] = {"median_ms": statistics.median(ms), "all_ms": ms}
-        for dtype in ("bf16", "fp8"):
-            for mode in ("attention only", "with FFN"):
-                cpu_ms, gpu_ms = out[f"{dtype} cpu"][mode]["median_ms"], out[f"{dtype} gpu"][mode]["median_ms"]
-                out[f"{dtype} cpu/gpu, {mode}"] = cpu_ms / gpu_ms
-            out[f"{dtype} outputs equal cpu vs gpu"] = bool(torch.equal(outs[f"{dtype} cpu"], outs[f"{dtype} gpu"]))
-        for n, r in runners.items():
-            c = r.cache
-            out[n]["cache"] = {"gpu_GB": c.gpu_bytes / 1e9, "host_GB": c.host_bytes / 1e9, "hits": c.hits,
-                               "misses": c.misses, "moved": c.moved, "notes": list(c.notes)}
-            hosts = [e.host for e in (c.get(key) for key in keys) if getattr(e, "host", None) is not None]
-            out[n]["cache"]["pinned"] = f"{sum(h.pinned for h in hosts)}/{len(hosts)}"
-        # one load alone, no prefetch: what a layer's decode (and copy) costs when not hidden
-        for n in ("bf16 gpu", "bf16 cpu", "fp8 gpu", "fp8 cpu"):
-            stored = runners[n].cache.get(keys[0])
-            ms = []
-            for _ in range(3):
-                sync()
-                t = time.perf_counter()
-                stored.decode(dev, torch.bfloat16, non_blocking=stored.host is not None)
-                sync()
-                ms.append((time.perf_counter() - t) * 1000)
-            out[n]["one load alone ms"] = min(ms)
-        for r in runners.values():
-            r.close()
-        return out
-
-    section(report, "bytes", bytes_part)
-    section(report, "fidelity", fidelity_part)
-    section(report, "speed", speed_part)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print_table(report)
+    rep["anchor_s"] = time.perf_counter() - t0
+    rep["kernels"] = {op: c.backend for op, c in kernels.registry.last_choices().items()}
+    del q0, k0, v0
+    print(f"{name} S={spec.tokens}: anchor {rep['anchor_s']:.2f} s, kernels {rep['kernels']}", flush=True)
+    section(rep, "bytes", lambda: bytes_part(entry, heads, spec.tokens, dev))
+    steps = [("anchor", ANCHOR_STEP)] + [(f"+{a} steps", ANCHOR_STEP + a) for a in AFTER if ANCHOR_STEP + a < 50]
+    section(rep, "fidelity", lambda: fidelity_rows(entry, lambda s: wl.qkv(s, dtype=torch.bfloat16), steps, dev))
+    if args.speed:
+        section(rep, "speed", lambda: speed_part(entry, wl, args.layers, args.budget_s, args.smoke, dev))
+    return rep
 
 
-def print_table(rep):
-    b = rep.get("bytes", {})
-    if "bf16" in b:
-        print(f"\ncache, Wan2.1-14B 480p 81f, s={DENSITY}, CFG ({ENTRIES} entries): naive {b['naive_total_GB']:.1f} GB")
-        for name in RESIDUALS:
-            e = b[name]
-            print(f"  {name:10s} {e['total_GB']:6.2f} GB (estimate {e['estimate_total_GB']:.2f}); per entry: selections "
-                  f"{e['selection']} {e['selection_bytes'] / 1e6:.1f} MB, groups {e['groups_bytes'] / 1e6:.1f} MB, residual "
-                  f"{e['residual_bytes'] / 1e6:.1f} MB; bit-exact {e['bit_exact_selection'] and e['bit_exact_groups']}")
-    f = rep.get("fidelity", {})
-    for step, row in f.items():
-        if isinstance(row, dict):
-            print(f"  rel L1 vs dense, {step}: " + ", ".join(f"{k}={v:.5f}" for k, v in row.items()))
-    s = rep.get("speed", {})
-    if "layers" in s:
-        print(f"\nreuse step, {s['layers']} layers (median ms of {s['rounds']} rounds):")
-        for n in ("naive resident", "bf16 gpu", "bf16 cpu", "fp8 gpu", "fp8 cpu"):
-            print(f"  {n:15s} attention only {s[n]['attention only']['median_ms']:8.1f}   with FFN "
-                  f"{s[n]['with FFN']['median_ms']:8.1f}   cache {s[n]['cache']}" + (
-                      f"   one load alone {s[n]['one load alone ms']:.2f} ms" if "one load alone ms" in s[n] else ""))
-        for key, val in s.items():
-            if "cpu/gpu" in key or "equal" in key:
-                print(f"  {key}: {val:.3f}" if isinstance(val, float) else f"  {key}: {val}")
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_cache_out", help="directory for bench_cache.json (and scoreboard.json)")
+    ap.add_argument("--grid", default=None, help="F,H,W instead of Wan2.1 720p and 480p (e.g. 8,16,24 on a CPU)")
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--captured", default=None, help="a probe capture (.safetensors) for the captured-q/k/v table")
+    ap.add_argument("--speed", action="store_true", help="also time a reuse step, cache on the GPU vs pinned CPU")
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--budget-s", type=float, default=60.0)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks the script runs")
+    ap.add_argument("--scoreboard", default=str(ROOT / "docs" / "results" / "scoreboard.json"))
+    ap.add_argument("--no-scoreboard", action="store_true")
+    args = ap.parse_args()
+    grids = dict(GRIDS)
+    if args.smoke:
+        grids, args.heads, args.layers, args.budget_s, args.no_scoreboard = {"smoke": (4, 8, 16)}, 2, 3, 1.0, True
+    elif args.grid:
+        grids, args.no_scoreboard = {"custom": tuple(int(x) for x in args.grid.split(","))}, True
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    report = {"env": {"torch": torch.__version__, "python": platform.python_version(),
+                      "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "none (CPU)",
+                      "density": DENSITY, "C": C, "anchor_step": ANCHOR_STEP, "layers": LAYERS}}
+    for name, grid in grids.items():
+        report[name] = run_grid(name, grid, args.heads, args, dev)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.captured:
+        section(report, "captured", lambda: captured_part(args.captured, dev))
+    report["wall_s"] = time.perf_counter() - started
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_cache.json").write_text(json.dumps(report, indent=1))
+    print_table(report, grids)
+    if not args.no_scoreboard:
+        write_scoreboard(report, Path(args.scoreboard), out_dir)
+    print(f"wall {report['wall_s']:.1f} s", flush=True)
+
+
+def print_table(rep, grids):
+    for name in grids:
+        r = rep.get(name, {})
+        b = r.get("bytes", {})
+        if "int4" in b:
+            print(f"\ncache, Wan2.1-14B {name} 81f (S={r['shape'][2]}), s={DENSITY}, CFG, block 0 dense "
+                  f"({b['int4']['entries']} entries); naive int32 + bf16 layout {b['naive_total_GiB']:.2f} GiB")
+            print("| residual | per entry: selections / groups / residual (MB) | cache GiB as stored | estimate equal "
+                  "| bit-exact | GPU working set GiB |")
+            for p in PRECISIONS:
+                e = b[p]
+                print(f"| {LABEL[p]} | {e['selection']} {e['selection_bytes'] / 1e6:.1f} / {e['groups']} "
+                      f"{e['groups_bytes'] / 1e6:.2f} / {e['residual']} {e['residual_bytes'] / 1e6:.1f} | "
+                      f"{e['total_GiB']:.2f} | {e['estimate_equal']} | {e['bit_exact_selection'] and e['bit_exact_groups']} "
+                      f"| {e['working_GiB']:.2f} |")
+            for machine, a in b["auto"].items():
+                print(f"  auto on {machine}: {a['plan']}")
+        f = r.get("fidelity", {})
+        if f and "error" not in f:
+            cols = list(next(iter(f.values())))
+            print(f"\nrelative L1 of the reuse output vs dense, {name} (synthetic; anchor at step {ANCHOR_STEP + 1} of 50)")
+            print("| step | " + " | ".join(cols) + " |")
+            for step, row in f.items():
+                print(f"| {step} | " + " | ".join(f"{row[c]:+.5f}" if " - " in c else f"{row[c]:.5f}" for c in cols) + " |")
+    cap = rep.get("captured")
+    if cap:
+        print(f"\ncaptured q/k/v: {json.dumps(cap, indent=1)}")
+
+
+def write_scoreboard(rep, path: Path, out_dir: Path) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    board = json.loads(path.read_text()) if path.is_file() else {}
+    gpu = rep["env"]["gpu"] if rep["env"]["gpu"].startswith("NVIDIA") else None
+    mine = {}
+    for name in GRIDS:
+        b, f = rep.get(name, {}).get("bytes", {}), rep.get(name, {}).get("fidelity", {})
+        if "int4" not in b:
+            continue
+        sizes = ", ".join(f"{LABEL[p]} {b[p]['total_GiB']:.2f}" for p in PRECISIONS)
+        fid = "; ".join(f"{step}: bf16 {row['bf16']:.5f}, fp8 {row['fp8 - bf16']:+.5f}, int4 {row['int4 - bf16']:+.5f}"
+                        for step, row in f.items() if isinstance(row, dict) and "bf16" in row)
+        mine[f"cache_gib_wan14b_{name}_quality_cfg"] = {
+            "value": round(b["int4"]["total_GiB"], 3), "unit": "GiB",
+            "command": "python tests/bench_cache.py --out $OUT", "commit": commit, "gpu": gpu,
+            "date": datetime.date.today().isoformat(),
+            "note": (f"preset quality (s=0.25, block 0 dense, CFG, {b['int4']['entries']} entries), residual precision "
+                     f"'auto' = int4 where bf16 and fp8 do not fit (bf16 when it fits); stored bytes of a real entry x "
+                     f"entries, estimate equal: {all(b[p]['estimate_equal'] for p in PRECISIONS)}; every precision "
+                     f"(GiB): {sizes}. Reuse output rel L1 vs dense on the synthetic workload (precision - bf16): {fid}"),
+        }
+    board.update(mine)
+    text = json.dumps(board, indent=1) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as err:
+        print(f"scoreboard not written to {path}: {err}")
+    (out_dir / "scoreboard.json").write_text(text)
+    print("scoreboard: " + ", ".join(f"{k} = {v['value']}" for k, v in mine.items()))
 
 
 if __name__ == "__main__":
