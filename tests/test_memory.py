@@ -124,6 +124,7 @@ _720P = dict(heads=40, head_dim=128, layers=40, tokens=75600, branches=2)
         (100, 200, "int4", "cpu", ("int4", "cpu")),  # forced precision and placement
         (20, 64, "bfloat16", "auto", (None, None)),  # forced bf16 does not fit a 64 GB host
         (7, 128, "auto", "auto", (None, None)),  # GPU cannot hold the working set + headroom
+        (36, 8, "auto", "auto", (None, None)),  # int4 31.6 + 4 headroom fits 36 GiB, not with its 3.7 GiB working set
     ],
 )
 def test_plan_decisions_from_free_memory_figures(gpu_free, available, residual, placement, expected):
