@@ -214,8 +214,6 @@ def decode_selection(
     if enc.kind == "uint16":
         torch.bitwise_and(data.to(torch.int32), 0xFFFF, out=out[..., : enc.num_keys])
         return out
-    if data.device.type == "cuda":  # one launch, no host sync, no int64 temporaries (TEAM.md contract 2)
-        return kernels.decode_bitmask(data, num_tokens=enc.num_tokens, out=out)
     rows = data.reshape(-1, data.shape[-1])
     flat_out = out.view(-1, enc.width)
     row_bits = rows.shape[1] * 8
