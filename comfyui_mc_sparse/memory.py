@@ -1,4 +1,8 @@
-"""What the metadata cache will cost and what the schedule will buy, before sampling.
+"""What the metadata cache will cost, where it goes and in which precision, and what the schedule will buy,
+before sampling.
+
+``plan_cache`` picks the residual precision ('auto': bf16, else fp8, else int4) and the placement (GPU, else pinned
+host memory within ``pin_budget``) from the free memory, or keeps the run dense with the settings that would fit.
 
 ``estimate_cache`` gives the bytes of the encoded cache (``encoding``) per (layer, branch) entry and in total,
 for model dims, tokens, density, C, CFG branches, selection encoding and residual dtype; the byte formulas are
