@@ -4,6 +4,7 @@ import pytest
 import torch
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import attention, encoding, engine
+from comfyui_mc_sparse_pack.comfyui_mc_sparse import cache as cache_module
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey, MetadataCache, StoredEntry, encode_entry
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.schedule import StepKind
@@ -272,6 +273,33 @@ def test_placement_decisions_follow_free_memory(placement, fixed, free, entry, c
     assert cache._choose(_FakeEntry(entry), 0) == choice
     assert (cache.moved == 1) is spilled and bool(cache.notes) is spilled
     assert all(d == torch.device("cuda", 0) for d in seen)
+
+
+def test_host_buffers_never_pin_past_the_budget(gen, monkeypatch):
+    """At run time the cache page-locks at most ``pin_budget_bytes``: later host buffers stay pageable, with a note
+    (CUDA faked: the pinning call is what is checked)."""
+    made = []
+
+    class FakeBuffer(cache_module._HostBuffer):
+        def __init__(self, nbytes, pin):
+            made.append(pin)
+            self.data, self.events = torch.empty(nbytes, dtype=torch.uint8), []
+            self.pinned = self.registered = pin
+
+        def release(self):
+            self.pinned = self.registered = False
+
+    monkeypatch.setattr(cache_module, "_HostBuffer", FakeBuffer)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    q, k, v = (torch.randn(1, 2, 128, 64, generator=gen) for _ in range(3))
+    _, entry = attention.anchor_attention(q, k, v, MCSparseConfig(group_size=64, warmup_steps=0, anchor_steps=(0,)))
+    stored = encode_entry(entry)
+    one = cache_module._layout(stored.tensors())[1]
+    cache = MetadataCache("cpu", pin_budget_bytes=int(2.5 * one))
+    for _ in range(4):
+        cache._to_host(stored, None)
+    assert made == [True, True, False, False] and cache.pinned_bytes == 2 * one
+    assert any("pin budget" in n for n in cache.notes)
 
 
 def test_config_rejects_unknown_storage_settings():
