@@ -361,8 +361,10 @@ class CachePlan:
             fits = "; ".join(self.fits) or "no single setting change (free GPU or host memory first)"
             return (f"cache does not fit: residual {dtype}, placement {placement} ({sizes}; {figures}): this run "
                     f"stays dense. Would fit: {fits}")
+        cost = ("; int4 costs some fidelity in the steps right after the anchor, docs/cache.md"
+                if self.residual_dtype == encoding.INT4_NAME else "")
         return (f"residual {dtype} -> {PRECISION_LABELS.get(self.residual_dtype, self.residual_dtype)}, placement "
-                f"{placement} -> {self.placement} ({sizes}; {figures})")
+                f"{placement} -> {self.placement} ({sizes}; {figures}{cost})")
 
 
 def _fit(est: CacheEstimate, placement: str, gpu_budget: int | None, host_budget: int, headroom: int) -> bool:
