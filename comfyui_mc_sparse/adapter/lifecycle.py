@@ -31,7 +31,7 @@ import torch
 from .layouts import install_plan, plan_for
 from .override import CURRENT_OPTIONS, RUN_KEY, install_override
 from .settings import RESIDUAL_PRECISIONS, PatchSettings, build_settings, resolve_schedule
-from .steps import step_index
+from .steps import STEP_KEY, current_sigma, step_index
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class RunState:
         self._choices_at_start = kernels.registry.last_choices()
         self.closed = False
         self.last_step: int | None = None  # highest 0-based step a model evaluation reached so far
+        self._sigma_step: tuple | None = None  # (sigmas tensor, its step): fallback without CALC_COND_BATCH
         self.interrupted_by: str | None = None  # exception type name when the sampler call did not finish
         self.config = None
         self.runner = None
@@ -175,6 +176,35 @@ class RunState:
         """0-based step of ``sigma`` in this call's schedule (``steps.step_index``); noted as reached."""
         step = step_index(sigma, self.sample_sigmas)
         self.note_step(step)
+        return step
+
+    def begin_evaluation(self, sigma: float) -> int:
+        """A model evaluation at ``sigma`` starts (CALC_COND_BATCH wrapper): its 0-based step, noted as reached; the
+        runner may start fetching the first cache entries that evaluation reads (``MCSparseRunner.begin_evaluation``).
+        """
+        step = self.step_for(sigma)
+        begin = getattr(self.runner, "begin_evaluation", None)
+        if begin is not None:
+            begin(step)
+        return step
+
+    def step_of(self, options: dict) -> int | None:
+        """The 0-based step of the model evaluation ``options`` belongs to, without a device read per call:
+        ``options[STEP_KEY]`` (set once per evaluation by the CALC_COND_BATCH wrapper); for a caller that bypasses
+        that wrapper, the sigma read once per ``sigmas`` tensor (one per evaluation). None: no sigma at all."""
+        step = options.get(STEP_KEY)
+        if step is not None:
+            return step
+        sigmas = options.get("sigmas")
+        if sigmas is None:
+            return None
+        if self._sigma_step is not None and self._sigma_step[0] is sigmas:
+            return self._sigma_step[1]
+        sigma = current_sigma(options)
+        if sigma is None:
+            return None
+        step = self.step_for(sigma)
+        self._sigma_step = (sigmas, step)  # holds the tensor, so its identity cannot be reused by another
         return step
 
     def note_step(self, step: int) -> None:
@@ -395,8 +425,10 @@ def _report(run: RunState) -> None:
 
 
 def calc_cond_batch_wrapper(executor, *args, **kwargs):
-    """CALC_COND_BATCH (per step): re-assert the override on the model_options this step really uses
-    (args ``(model, conds, x_in, timestep, model_options)``, ``comfy/samplers.py`` L209-213)."""
+    """CALC_COND_BATCH (once per model evaluation, ``comfy/samplers.py`` L209-213, args ``(model, conds, x_in,
+    timestep, model_options)``): re-assert the override on the model_options this evaluation really uses, resolve
+    the evaluation's step from ``timestep`` (the one host read of a sigma per evaluation) and hand it to every
+    attention call below under ``steps.STEP_KEY``, on a copy of the options (the guider's stay untouched)."""
     model_options = args[4] if len(args) > 4 else kwargs.get("model_options")
     if model_options is not None:
         options = model_options.setdefault("transformer_options", {})
@@ -406,8 +438,15 @@ def calc_cond_batch_wrapper(executor, *args, **kwargs):
             run.note_displaced(displaced)
         timestep = args[3] if len(args) > 3 else kwargs.get("timestep")
         if run is not None and isinstance(timestep, torch.Tensor) and timestep.numel():
-            with contextlib.suppress(ValueError):  # this evaluation's step, for an interrupted run's summary
-                run.note_step(step_index(float(timestep.detach().float().max()), run.sample_sigmas))
+            step = None
+            with contextlib.suppress(ValueError):  # NaN sigma: the attention calls then fall back per sigma
+                step = run.begin_evaluation(float(timestep.detach().float().max()))
+            if step is not None:
+                model_options = {**model_options, "transformer_options": {**options, STEP_KEY: step}}
+                if len(args) > 4:
+                    args = (*args[:4], model_options, *args[5:])
+                else:
+                    kwargs["model_options"] = model_options
     return executor(*args, **kwargs)
 
 

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from .callsite import MARK_KEY, TEXT_LEN_KEY, CallSite
-from .steps import current_sigma
 
 logger = logging.getLogger(__name__)
 
@@ -201,10 +200,9 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
     if head_dim not in (64, 128):
         return dense(f"head dim {head_dim} not supported (64, 128)")
 
-    sigma = current_sigma(options)
-    if sigma is None:
+    step = run.step_of(options)  # resolved once per model evaluation (steps.STEP_KEY): no device read here
+    if step is None:
         return dense("no current sigma in transformer_options")
-    step = run.step_for(sigma)
     kind = run.kind(step, site.layer)
     if kind == "dense":
         reason = "dense warm-up layer" if site.layer < run.config.warmup_layers else "dense warm-up step"

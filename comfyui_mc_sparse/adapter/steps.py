@@ -13,6 +13,12 @@ The step is the schedule interval that holds the sigma:
   local to the call; steps skipped by caching nodes simply never arrive.
 
 Matching uses a relative tolerance of 1e-4, as core ``comfy/context_windows.py`` L166-171 does.
+
+Reading a sigma that lives on the GPU is a host-device sync, so it happens once per model evaluation: the
+CALC_COND_BATCH wrapper (``lifecycle.calc_cond_batch_wrapper``, args ``(model, conds, x_in, timestep,
+model_options)``, ``comfy/samplers.py`` L209-213; ``timestep`` is the tensor ``_calc_cond_batch`` puts under
+``transformer_options["sigmas"]``, L323) resolves the step and hands it to every attention call of that evaluation
+under ``STEP_KEY``. Attention calls never read a device tensor for it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from __future__ import annotations
 import torch
 
 RTOL = 1e-4
+
+STEP_KEY = "mc_sparse_step"
+"""transformer_options key of the 0-based step of the model evaluation in progress (set by the CALC_COND_BATCH
+wrapper on a copy of the options it passes down; absent outside an MC-Sparse run)."""
 
 
 def step_index(sigma: float, sample_sigmas: torch.Tensor | list[float]) -> int:
@@ -44,7 +54,8 @@ def step_index(sigma: float, sample_sigmas: torch.Tensor | list[float]) -> int:
 
 
 def current_sigma(transformer_options: dict) -> float | None:
-    """The largest current sigma in ``transformer_options["sigmas"]``, or None when absent."""
+    """The largest current sigma in ``transformer_options["sigmas"]``, or None when absent (a host read of a
+    device tensor: call it once per model evaluation, never per attention call)."""
     sigmas = transformer_options.get("sigmas")
     if sigmas is None:
         return None
