@@ -118,35 +118,46 @@ def reuse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    entry: CacheEntry,
+    entry,
     *,
     scale: float | None = None,
     backend: str = "auto",
     extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reuse step of one layer: sparse attention over the current q, k, v with the cached groups and
-    indices, plus the cached residual.
+    """Reuse step of one layer: sparse attention over the current q, k, v with the cached groups and indices, plus
+    the cached residual, in one kernel launch for the whole batch (the residual added in the kernel's epilogue).
 
     Args:
-        q, k, v: ``[B, H, S, D]`` of the current step. entry: from ``anchor_attention`` on the same shape.
-        extra_kv: the always-attended keys of this step, as given to ``anchor_attention``.
+        q, k, v: ``[B, H, S, D]`` of the current step, any strides (e.g. views of ComfyUI's ``[B, S, H*D]``).
+        entry: the cached ``perm``, ``kv_idx`` and ``residual`` for this batch: a ``CacheEntry`` from
+            ``anchor_attention`` on the same shape, or a ``prefetch.ReuseBatch`` (entries of several conditioning
+            chunks stacked). A residual tensor is taken as a plain ``kernels.Residual``.
+        extra_kv: the always-attended keys of this step, as given to ``anchor_attention``: then the sparse part and
+            the exact part are merged by their LSE and the residual is added after the merge.
+        out: optional ``[B, H, S, D]`` tensor in q's dtype, any strides (a view of the caller's output buffer);
+            written and returned.
     Returns:
-        ``[B, H, S, D]`` in q's dtype.
+        ``[B, H, S, D]`` in q's dtype (``out`` when given).
     Raises:
-        ValueError: the entry was made for another shape (callers key entries by shape, see ``cache``).
+        ValueError: a ``CacheEntry`` made for another shape (callers key entries by shape, see ``cache``).
     """
-    if not entry.fits(q):
+    fits = getattr(entry, "fits", None)
+    if fits is not None and not fits(q):
         raise ValueError(f"entry must be made for q's shape and device, got {entry.shape} for q {tuple(q.shape)} on {q.device}")
+    residual = entry.residual
+    if isinstance(residual, torch.Tensor):
+        residual = kernels.Residual(data=residual, kind="plain")
+    if extra_kv is None:
+        return kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx, scale=scale, out=out, residual=residual,
+                                        backend=backend)
     _check_extra(q, extra_kv, check_finite=False)
-    r = entry.residual
-    if isinstance(r, torch.Tensor):  # an entry straight from the anchor (not through the cache's storage)
-        r = kernels.Residual(r)
-    if extra_kv is None:  # the kernel adds R (stored form, any kind) in its epilogue
-        return kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx, scale=scale, residual=r, backend=backend)
-    out = _sparse(q, k, v, entry.perm, entry.kv_idx, extra_kv, scale, backend)
-    if r is not None:  # after the LSE merge with the extra keys
-        out.add_(r.dequantize(out.dtype))
-    return out
+    merged = _sparse(q, k, v, entry.perm, entry.kv_idx, extra_kv, scale, backend)
+    if residual is not None:
+        merged = (merged.float() + residual.dequantize(torch.float32)).to(q.dtype)
+    if out is None:
+        return merged
+    return out.copy_(merged)
 
 
 def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,19 @@ the cache, and counts what ran and why, for the end-of-run summary. Nothing is l
 non-finite inputs, a missing cache entry, or an out-of-memory error fall back to dense attention and the
 summary says so.
 
-Cache (``cache``, ``encoding``): anchor entries are stored compactly and placed per
-``config.cache_placement``. The order in which keys are stored at an anchor step is the layer order of the
-model; at a reuse step the runner loads layer L's entry, queues L's kernels, then starts prefetching the entry
-that followed L at the anchor step (cyclically, so the last layer prefetches the first of the next step),
-which a side CUDA stream copies and decodes while layer L computes. ``plan`` gives the memory and speed estimate
-before sampling (``memory``). Out of memory anywhere in the pack's path frees the cache, logs what would fit
-and turns the rest of the run dense.
+One call serves a whole batch: ``keys`` names one cache entry per conditioning chunk of the batch (ComfyUI's CFG
+batch holds uncond and cond), and at a reuse step the entries of all chunks are decoded into one stacked batch and
+one sparse-kernel launch serves them all, writing into the caller's ``out`` (a strided view of ComfyUI's output
+layout) with the residual added in the kernel's epilogue. Nothing on the reuse path reads a device value on the
+host: the step comes from the caller, finiteness is checked at anchor steps only, and timing (``measure_time``)
+is off unless asked for.
+
+Cache (``cache``, ``encoding``): anchor entries are stored compactly and placed per ``config.cache_placement``.
+Prefetch (``prefetch``): the order in which calls arrive is learned from the calls themselves (``CallOrder``), and
+after a reuse call's kernel is queued the entries of the call predicted next are copied and decoded on a side CUDA
+stream (``ReuseLoader``) while this one computes. ``plan`` gives the memory and speed estimate before sampling
+(``memory``). Out of memory anywhere in the pack's path frees the cache, logs what would fit and turns the rest of
+the run dense.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -30,6 +36,7 @@ from . import memory
 from .attention import NonFiniteInputError, anchor_attention, check_inputs, ineligible_reason, reuse_attention
 from .cache import CacheKey, FreeMemoryFn, MetadataCache, encode_entry
 from .config import MCSparseConfig
+from .prefetch import CallOrder, ReuseLoader
 from .schedule import StepKind, step_kind
 
 log = logging.getLogger(__name__)
@@ -103,10 +110,11 @@ class MCSparseRunner:
         self._plan: memory.CacheEstimate | None = None
         self._dense_ms_by_shape: dict[tuple, list[float]] = {}
         self._reuse_ms_by_shape: dict[tuple, list[float]] = {}
-        self._order: list[CacheKey] = []  # keys in the order the latest anchor step stored them
-        self._order_index: dict[CacheKey, int] = {}
-        self._order_step: int | None = None
+        self.order = CallOrder()  # the order calls arrive in, learned (prefetch)
+        self.loader = ReuseLoader(self.cache)
         self._entry_step: dict[CacheKey, int] = {}  # step at which each entry was stored
+        self._device: torch.device | None = None  # of the latest reuse call (begin_evaluation prefetches there)
+        self._dtype: torch.dtype | None = None
 
     def plan(self, *, heads: int, head_dim: int, layers: int, tokens: int, branches: int = 2, batch: int = 1,
              num_steps: int | None = None, attention_share: float | None = None,
@@ -167,6 +175,16 @@ class MCSparseRunner:
         self.stats.calls[StepKind.DENSE] += 1
         self.stats.dense_reasons[reason] += 1
 
+    def begin_evaluation(self, step: int) -> None:
+        """A model evaluation at 0-based ``step`` starts (the ComfyUI adapter calls this once per evaluation): at a
+        reuse step, start fetching the entries its first call is expected to read (the prefetch queued after the
+        previous evaluation's last call may have guessed otherwise, and after an anchor step there was none)."""
+        first = self.order.begin_evaluation()
+        if self.disabled_reason is not None or self._device is None:
+            return
+        if step_kind(self.config, step, self.config.warmup_layers) is StepKind.REUSE:
+            self._prefetch(first)
+
     def attention(
         self,
         q: torch.Tensor,
@@ -175,106 +193,153 @@ class MCSparseRunner:
         *,
         step: int,
         layer: int,
-        key: CacheKey,
+        key: CacheKey | None = None,
+        keys: Sequence[CacheKey] | None = None,
         dense_fn: DenseFn | None = None,
         scale: float | None = None,
         extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Self-attention for one layer call at 0-based ``step``.
 
         Args:
-            q, k, v: ``[B, H, S, D]``. key: the cache entry's identity (layer, branch, window, shape).
+            q, k, v: ``[B, H, S, D]``, any strides (e.g. views of ComfyUI's ``[B, S, H*D]``).
+            key: the cache entry's identity (layer, branch, window, shape) when the batch is one conditioning chunk;
+                or ``keys``: one key per conditioning chunk, in batch order (B splits into ``len(keys)`` equal
+                chunks). Exactly one of the two.
             dense_fn: ``(q, k, v) -> [B, H, S, D]`` for dense calls (e.g. ComfyUI's own attention); None
                 uses ``kernels.dense_attention``. With ``extra_kv`` it receives the concatenated keys and values.
             scale: softmax scale, None = 1/sqrt(D) (dense_fn must use the same).
             extra_kv: optional (k_x, v_x) ``[B, H, T, D]`` that every query attends exactly besides its selected
                 keys (e.g. text tokens of a joint sequence); see ``attention.anchor_attention``.
+            out: optional ``[B, H, S, D]`` tensor in q's dtype, any strides (a view of the caller's output buffer):
+                the result is written there (by the sparse kernel itself at reuse steps) and returned.
         Returns:
-            ``[B, H, S, D]`` in q's dtype.
+            ``[B, H, S, D]`` in q's dtype (``out`` when given).
+        Raises:
+            ValueError: both or neither of key/keys, or a batch that does not split into the keys' chunks.
         """
+        group = _group(key, keys, q)
         dense_call = dense_fn or (lambda q_, k_, v_: kernels.dense_attention(q_, k_, v_, scale=scale, backend=self.backend))
         if extra_kv is None:
             dense = dense_call
         else:
 
-            def dense(q_, k_, v_):
-                return dense_call(q_, torch.cat([k_, extra_kv[0]], 2), torch.cat([v_, extra_kv[1]], 2))
+            def dense(q_, k_, v_, x=extra_kv):
+                return dense_call(q_, torch.cat([k_, x[0]], 2), torch.cat([v_, x[1]], 2))
 
         if self.disabled_reason is not None:
-            return self._dense(dense, q, k, v, self.disabled_reason)
+            return _into(out, self._dense(dense, q, k, v, self.disabled_reason))
         reason = ineligible_reason(q, k, v)
         if reason is not None:
-            return self._dense(dense, q, k, v, reason)
+            return _into(out, self._dense(dense, q, k, v, reason))
         kind = step_kind(self.config, step, layer)
         if kind is StepKind.DENSE:
             why = "dense warm-up layer" if layer < self.config.warmup_layers else "dense warm-up step"
-            return self._dense(dense, q, k, v, why, timed_shape=tuple(q.shape))
-        stored = self.cache.get(key)
-        fresh = stored is not None and stored.fits(q)
-        if kind is StepKind.ANCHOR and fresh and self._entry_step.get(key) == step:
-            # heun / dpm_2 style samplers evaluate the model twice at one step: one anchor is enough
-            return self._dense(dense, q, k, v, "anchor step evaluated again by the sampler (dense, first anchor kept)")
-        if kind is StepKind.REUSE and not fresh:
-            if key.window is not None:  # a window the anchor step did not see will not be seen again either
-                return self._dense(dense, q, k, v, "context window not seen at the anchor step (moving windows run dense)")
-            self._note(f"late anchor at step {step + 1} (1-based): no cache entry for this layer/branch/shape "
-                       "(the anchor step was skipped, e.g. by a step-caching node)")
-            kind = StepKind.ANCHOR
+            return _into(out, self._dense(dense, q, k, v, why, timed_shape=tuple(q.shape)))
+        b = q.shape[0] // len(group)
+        chunk_shape = (b, *q.shape[1:])
+        kinds = [self._chunk_kind(kind, key_, chunk_shape, step) for key_ in group]
         try:
             start = self._tic()
+            if all(k_ is StepKind.REUSE for k_ in kinds):
+                result = self._reuse(q, k, v, group, scale=scale, extra_kv=extra_kv, out=out)
+                self._toc(StepKind.REUSE, start, tuple(q.shape))
+                self.stats.calls[StepKind.REUSE] += len(group)
+                return result
+            result = self._per_chunk(q, k, v, group, kinds, step=step, dense=dense, scale=scale, extra_kv=extra_kv,
+                                     out=out)
             if kind is StepKind.ANCHOR:
-                out, entry = anchor_attention(q, k, v, self._anchor_config, scale=scale, backend=self.backend,
-                                              extra_kv=extra_kv)
-                self._store(key, entry, step)
-                if step in self.config.anchor_steps and step not in self.stats.anchors:
-                    self.stats.anchors.append(step)
-            else:
-                check_inputs(q, k, v, check_finite=False)
-                entry = self.cache.load(key, q.device, q.dtype)
-                out = reuse_attention(q, k, v, entry, scale=scale, backend=self.backend, extra_kv=extra_kv)
-                del entry
-                self._prefetch_next(key, q)  # after this layer's kernels are queued: they overlap the copy
-            self._toc(kind, start, tuple(q.shape))
+                self.order.anchor_call(group, step)  # the anchor step's call order: the first guess for reuse steps
+            return result
         except NonFiniteInputError as err:
-            return self._dense(dense, q, k, v, f"non-finite input ({err})")
+            return _into(out, self._dense(dense, q, k, v, f"non-finite input ({err})"))
         except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as err:
             if not _is_out_of_memory(err):
                 raise
             self._out_of_memory(err, step, layer, q)
-            return self._dense(dense, q, k, v, self.disabled_reason)
-        self.stats.calls[kind] += 1
-        return out
+            return _into(out, self._dense(dense, q, k, v, self.disabled_reason))
+
+    def _chunk_kind(self, kind: StepKind, key: CacheKey, shape: tuple, step: int) -> StepKind | str:
+        """What one conditioning chunk runs at an anchor/reuse step: the step's kind, ANCHOR for a reuse chunk
+        without a fresh entry (a late anchor), or a dense reason (str)."""
+        stored = self.cache.get(key)
+        fresh = stored is not None and tuple(stored.shape) == tuple(shape)
+        if kind is StepKind.ANCHOR and fresh and self._entry_step.get(key) == step:
+            # heun / dpm_2 style samplers evaluate the model twice at one step: one anchor is enough
+            return "anchor step evaluated again by the sampler (dense, first anchor kept)"
+        if kind is StepKind.REUSE and not fresh:
+            if key.window is not None:  # a window the anchor step did not see will not be seen again either
+                return "context window not seen at the anchor step (moving windows run dense)"
+            self._note(f"late anchor at step {step + 1} (1-based): no cache entry for this layer/branch/shape "
+                       "(the anchor step was skipped, e.g. by a step-caching node)")
+            return StepKind.ANCHOR
+        return kind
+
+    def _reuse(self, q, k, v, group: tuple[CacheKey, ...], *, scale, extra_kv, out) -> torch.Tensor:
+        """Reuse call over the whole batch: one stacked load of the group's entries, one kernel launch, then the
+        prefetch of the group expected next (queued after this call's kernel, so the side stream overlaps it)."""
+        check_inputs(q, k, v, check_finite=False)
+        self.order.observe(group)
+        self._device, self._dtype = q.device, q.dtype
+        batch = self.loader.load(group, q.device, q.dtype)
+        result = reuse_attention(q, k, v, batch, scale=scale, backend=self.backend, extra_kv=extra_kv, out=out)
+        del batch
+        self._prefetch(self.order.predict(group))
+        return result
+
+    def _per_chunk(self, q, k, v, group, kinds, *, step: int, dense, scale, extra_kv, out) -> torch.Tensor:
+        """Each conditioning chunk on its own (an anchor step, or chunks of different kinds): anchor, reuse or dense."""
+        b = q.shape[0] // len(group)
+        result = out if out is not None else torch.empty_like(q, memory_format=torch.contiguous_format)
+        for i, (key, kind) in enumerate(zip(group, kinds)):
+            rows = slice(i * b, (i + 1) * b)
+            qc, kc, vc = q[rows], k[rows], v[rows]
+            xc = None if extra_kv is None else (extra_kv[0][rows], extra_kv[1][rows])
+            if isinstance(kind, str):
+                result[rows] = self._dense(dense if xc is None else _with_extra(dense, xc), qc, kc, vc, kind)
+            elif kind is StepKind.ANCHOR:
+                self._device, self._dtype = q.device, q.dtype
+                start = self._tic()
+                o, entry = anchor_attention(qc, kc, vc, self._anchor_config, scale=scale, backend=self.backend,
+                                            extra_kv=xc)
+                self._store(key, entry, step)
+                if step in self.config.anchor_steps and step not in self.stats.anchors:
+                    self.stats.anchors.append(step)
+                result[rows] = o
+                self._toc(kind, start, tuple(qc.shape))
+                self.stats.calls[kind] += 1
+            else:
+                start = self._tic()
+                self._reuse(qc, kc, vc, (key,), scale=scale, extra_kv=xc, out=result[rows])
+                self._toc(kind, start, tuple(qc.shape))
+                self.stats.calls[kind] += 1
+        return result
 
     def _store(self, key: CacheKey, entry, step: int) -> None:
-        """Encode and place an anchor entry; remember the anchor step's key order for prefetching."""
+        """Encode and place an anchor entry."""
         stored = encode_entry(entry, index_encoding=self.config.index_encoding, residual_dtype=self.residual_dtype)
         del entry
+        self.loader.clear()  # a prefetched copy of an older entry is stale
         self.cache.put(key, stored)
         self._entry_step[key] = step
-        if step != self._order_step:
-            self._order_step = step
-            self._order, self._order_index = [], {}
-        if key not in self._order_index:
-            self._order_index[key] = len(self._order)
-            self._order.append(key)
 
-    def _prefetch_next(self, key: CacheKey, q: torch.Tensor) -> None:
-        """Start fetching the entry that followed ``key`` at the anchor step (a failure only costs speed)."""
-        i = self._order_index.get(key)
-        if i is None or len(self._order) < 2:
+    def _prefetch(self, group) -> None:
+        """Start fetching ``group`` (a failure only costs speed)."""
+        if group is None or self._device is None:
             return
-        nxt = self._order[(i + 1) % len(self._order)]
         try:
-            self.cache.prefetch(nxt, q.device, q.dtype)
+            self.loader.prefetch(group, self._device, self._dtype)
         except torch.cuda.OutOfMemoryError:
             self._note("a prefetch ran out of GPU memory and was skipped (entries are then decoded in line)")
 
     def _out_of_memory(self, err: BaseException, step: int, layer: int, q: torch.Tensor) -> None:
         """Free the cache, turn the rest of the run dense, and say what would have fit."""
-        entries = self._plan.entries if self._plan is not None else max(len(self.cache), len(self._order), 1)
+        entries = self._plan.entries if self._plan is not None else max(len(self.cache), 1)
+        self.loader.clear()
         self.cache.clear()
         self._entry_step.clear()
-        self._order, self._order_index = [], {}
+        self.order.clear()
         if q.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the freed cache back, so ComfyUI sees it free
         free = self.cache.free_bytes(q.device)
@@ -299,9 +364,10 @@ class MCSparseRunner:
 
     def close(self) -> None:
         """Free the cache (the run is over): GPU tensors, pinned CPU buffers, prefetches."""
+        self.loader.clear()
         self.cache.clear()
         self._entry_step.clear()
-        self._order, self._order_index = [], {}
+        self.order.clear()
 
     def summary(self) -> str:
         """The end-of-run summary: calls per kind, dense reasons, anchors, cache memory, time saved."""
@@ -341,8 +407,10 @@ class MCSparseRunner:
         line = (f"  metadata cache: peak {c.peak_bytes / 2**20:.1f} MiB (GPU {c.peak_gpu_bytes / 2**20:.1f} MiB, "
                 f"CPU {c.peak_host_bytes / 2**20:.1f} MiB), placement {cfg.cache_placement}, selections "
                 f"{cfg.index_encoding}, residual {res}")
-        if c.hits or c.misses:
-            line += f"; reuse loads: {c.hits} prefetched, {c.misses} in line"
+        ld = self.loader
+        if ld.hits or ld.misses:
+            line += (f"; reuse loads: {ld.hits} prefetched, {ld.misses} in line (prefetch hit rate "
+                     f"{ld.hit_rate:.1%})")
         if c.moved:
             line += f"; {c.moved} entries moved to CPU memory (GPU memory short)"
         return line + "".join(f"\n  note: {n}" for n in c.notes)
@@ -382,6 +450,27 @@ class MCSparseRunner:
             self._dense_ms_by_shape.setdefault(shape, []).append(ms)
         elif kind is StepKind.REUSE:
             self._reuse_ms_by_shape.setdefault(shape, []).append(ms)
+
+
+def _group(key: CacheKey | None, keys: Sequence[CacheKey] | None, q: torch.Tensor) -> tuple[CacheKey, ...]:
+    if (key is None) == (keys is None):
+        raise ValueError("give exactly one of key (one conditioning chunk) and keys (one per chunk)")
+    group = (key,) if keys is None else tuple(keys)
+    if not group or q.shape[0] % len(group):
+        raise ValueError(f"the batch of {q.shape[0]} must split into {len(group)} equal conditioning chunks (keys)")
+    return group
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """``result`` written into ``out`` when given (the caller's buffer), else ``result``."""
+    if out is None or out is result:
+        return result
+    return out.copy_(result)
+
+
+def _with_extra(dense, chunk_extra):
+    """The dense closure bound to one chunk's extra keys (``dense`` defaults to the whole batch's)."""
+    return lambda q_, k_, v_: dense(q_, k_, v_, chunk_extra)
 
 
 def _is_out_of_memory(err: BaseException) -> bool:

@@ -185,11 +185,13 @@ class _ExtraKVRunner:
 
         self.stats, self.kind, self.seen = RunStats(), StepKind, []
 
-    def attention(self, q, k, v, *, step, layer, key, dense_fn=None, scale=None, extra_kv=None):
+    def attention(self, q, k, v, *, step, layer, key=None, keys=None, dense_fn=None, scale=None, extra_kv=None,
+                  out=None):
         self.seen.append((q.shape, extra_kv[0].shape))
         self.stats.calls[self.kind.REUSE if step else self.kind.ANCHOR] += 1
         kk, vv = torch.cat((k, extra_kv[0]), 2), torch.cat((v, extra_kv[1]), 2)
-        return torch.softmax(q @ kk.transpose(-1, -2) * scale, -1) @ vv
+        result = torch.softmax(q @ kk.transpose(-1, -2) * scale, -1) @ vv
+        return result if out is None else out.copy_(result)
 
     def record_dense(self, reason):
         self.stats.calls[self.kind.DENSE] += 1

@@ -224,7 +224,7 @@ def test_cpu_placement_prefetches_in_anchor_order_and_matches_gpu_placement(gen)
     reuse = cpu_runner.stats.calls[StepKind.REUSE]
     assert reuse == 3 * 3 * 2  # steps 1, 2 and 4 reuse; 3 layers x 2 branches each
     # the first reuse call after each anchor finds nothing prefetched (step 1 and step 4); all others hit
-    assert cpu_runner.cache.misses == 2 and cpu_runner.cache.hits == reuse - 2
+    assert cpu_runner.loader.misses == 2 and cpu_runner.loader.hits == reuse - 2
     assert "2 in line" in cpu_runner.summary() and cpu_runner.cache.host_bytes > 0
     cpu_runner.close()
     assert cpu_runner.cache.nbytes == 0 and len(cpu_runner.cache) == 0

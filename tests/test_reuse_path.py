@@ -1,5 +1,5 @@
-"""The reuse step's call path: no host-device sync per attention call, the step resolved once per model evaluation
-(issue 14 item 4, issue 9 defect 5).
+"""The reuse step's call path (issue 14): prefetch in the order calls really arrive (batched and split CFG), no
+host-device sync per attention call, the step resolved once per model evaluation (issue 9 defect 5).
 
 A fake sampler run drives the adapter the way ComfyUI does (``comfy/samplers.py`` L209-323): the CALC_COND_BATCH
 wrapper gets ``(model, conds, x_in, timestep, model_options)`` and the model evaluation below it calls the installed
@@ -16,6 +16,8 @@ import torch
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import MARK_KEY, CallSite
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.steps import STEP_KEY
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.prefetch import CallOrder
 
 from ._comfy_standins import raw_attention
 
@@ -56,8 +58,10 @@ def _settings(**over):
 
 def _fake_sampler_run(run, *, layers, steps, batch_orders, qkv, heads, guard_from_step):
     """Evaluate the model ``steps`` times through the CALC_COND_BATCH wrapper. ``batch_orders``: the forwards of one
-    evaluation as lists of cond_or_uncond indices (``[[1, 0]]`` batched CFG, ``[[1], [0]]`` split). Host reads raise
-    inside evaluations of step >= ``guard_from_step``. Returns the outputs of the last evaluation, per forward."""
+    evaluation as lists of cond_or_uncond indices (``[[1, 0]]`` batched CFG, ``[[1], [0]]`` split: ComfyUI runs uncond
+    then cond when memory is short, ``comfy/samplers.py`` L255-290), or a function of the step giving them. Host
+    reads raise inside evaluations of step >= ``guard_from_step``. Returns the outputs of the last evaluation, per
+    forward, and the steps the evaluations saw."""
     model_options = {"transformer_options": {override.RUN_KEY: run}}
     override.install_override(model_options["transformer_options"])
     seen_steps = []
@@ -68,8 +72,9 @@ def _fake_sampler_run(run, *, layers, steps, batch_orders, qkv, heads, guard_fro
         seen_steps.append(topts.get(STEP_KEY))
         guard = no_host_reads() if topts.get(STEP_KEY, -1) >= guard_from_step else contextlib.nullcontext()
         result = []
+        orders = batch_orders(topts.get(STEP_KEY)) if callable(batch_orders) else batch_orders
         with guard:
-            for order in batch_orders:
+            for order in orders:
                 q, k, v = (torch.cat([t[i] for i in order]) for t in qkv)
                 for layer in range(layers):
                     call_options = dict(topts, cond_or_uncond=list(order), uuids=[f"uuid{i}" for i in order],
@@ -103,9 +108,159 @@ def test_reuse_calls_do_no_host_reads(batch_orders):
     assert all(bool(torch.isfinite(o).all()) for o in outs)
 
 
+def test_batched_cfg_reuse_is_one_launch_on_views_without_copies(monkeypatch):
+    """Both CFG branches of a batched call go to the sparse kernel in one launch (B = 2, both entries stacked), with
+    q/k/v and out as strided [B, H, S, D] views of ComfyUI's [B, S, H*D] tensors (same storage: no copies), the
+    residual handed over in its stored form; the override returns the very buffer the kernel wrote."""
+    from comfyui_mc_sparse_pack import kernels
+
+    launches = []
+    real = kernels.sparse_attention
+
+    def recording(q, k, v, perm, kv_idx, **kw):
+        launches.append((q, kw.get("out"), kw.get("residual"), perm.shape[0], kv_idx.shape[0]))
+        return real(q, k, v, perm, kv_idx, **kw)
+
+    monkeypatch.setattr(kernels, "sparse_attention", recording)
+    g = torch.Generator().manual_seed(SEED)
+    heads, seq, dim = 2, 192, 64
+    run = lifecycle.RunState(_settings(), torch.tensor([1.0, 0.8, 0.6, 0.0]))
+    over = override.make_override(None)
+    q, k, v = (torch.randn(2, seq, heads * dim, generator=g) for _ in range(3))
+    for sigma in (1.0, 0.8):  # anchor (per branch), then reuse
+        launches.clear()
+        opts = {override.RUN_KEY: run, MARK_KEY: CallSite(0, "wan"), "cond_or_uncond": [1, 0],
+                "uuids": ["u1", "u0"], "sigmas": torch.tensor([sigma])}
+        out = over(raw_attention, q, k, v, heads, transformer_options=opts)
+    assert len(launches) == 1
+    qh, out_h, residual, perm_b, kv_b = launches[0]
+    assert qh.shape == (2, heads, seq, dim) and perm_b == kv_b == 2
+    assert qh.data_ptr() == q.data_ptr() and not qh.is_contiguous()
+    assert out_h is not None and out_h.data_ptr() == out.data_ptr() and out.shape == q.shape
+    assert residual is not None and residual.data.shape[0] == 2
+
+
 def test_host_read_guard_catches_a_per_call_item():
     """The guard is live: a dispatch that reads the sigma per call (the defect) raises under it."""
     run = lifecycle.RunState(_settings(), torch.tensor([1.0, 0.8, 0.6, 0.0]))
     opts = {override.RUN_KEY: run, "sigmas": torch.tensor([0.8])}
     with no_host_reads(), pytest.raises(HostReadError):
         run.step_of(opts)  # no STEP_KEY: falls back to reading the sigma
+
+
+# --- prefetch order ---------------------------------------------------------------------------------------------
+
+_BATCHED, _SPLIT = [[1, 0]], [[1], [0]]
+
+
+def _evaluation_groups(orders, layers, windows=(None,), vace=()):
+    """The call groups of one model evaluation, as ComfyUI issues them: per context window, per forward (batch of
+    conditioning chunks), per block; VACE blocks right after their main block."""
+    groups = []
+    for window in windows:
+        for order in orders:
+            for layer in range(layers):
+                kinds = ["self"] + (["vace"] if layer in vace else [])
+                for kind in kinds:
+                    groups.append(tuple(CacheKey(layer, f"uuid{i}", window, (1, 2, 64, 64), kind) for i in order))
+    return groups
+
+
+@pytest.mark.parametrize("anchor_orders,reuse_orders", [(_BATCHED, _BATCHED), (_SPLIT, _SPLIT), (_BATCHED, _SPLIT),
+                                                        (_SPLIT, _BATCHED)],
+                         ids=["batched", "split", "anchor-batched-reuse-split", "anchor-split-reuse-batched"])
+@pytest.mark.parametrize("windows,vace", [((None,), ()), (("w0", "w1"), (1,))], ids=["plain", "windows+vace"])
+def test_call_order_predicts_every_reuse_call(anchor_orders, reuse_orders, windows, vace):
+    """The prefetch order for batched and split CFG (and context windows, VACE blocks): with the batching of the
+    anchor step every reuse call is predicted, the first of each evaluation included; when the batching changed
+    after the anchor step, only the first call of the first reuse evaluation may be missed, and once an evaluation
+    in the new order has been seen, no prediction is ever wrong again."""
+    order = CallOrder()
+    layers = 4
+    for group in _evaluation_groups(anchor_orders, layers, windows, vace):
+        order.anchor_call(group, step=2)
+    wrong_per_eval = []
+    for _ in range(4):
+        wrong = 0
+        expected = order.begin_evaluation()  # begin_evaluation's prefetch
+        for group in _evaluation_groups(reuse_orders, layers, windows, vace):
+            wrong += expected != group
+            order.observe(group)
+            expected = order.predict(group)  # what the side stream decodes next
+        wrong_per_eval.append(wrong)
+    same = anchor_orders == reuse_orders
+    assert wrong_per_eval[0] == (0 if same else 1), wrong_per_eval
+    assert wrong_per_eval[1:] == [0, 0, 0]
+    assert order.wrong == wrong_per_eval[0]
+
+
+def test_call_order_learns_an_order_the_anchor_step_did_not_show():
+    """Calls that skip a block at reuse steps (a guidance node dropping uncond's block 2, say): the anchor step's order
+    guesses wrong once at the gap, the learned successor is right from the next evaluation on."""
+    order = CallOrder()
+    for group in _evaluation_groups(_SPLIT, 4):
+        order.anchor_call(group, step=0)
+    skipped = CacheKey(2, "uuid1", None, (1, 2, 64, 64), "self")
+    wrongs = []
+    for _ in range(3):
+        before = order.wrong
+        order.begin_evaluation()
+        for group in _evaluation_groups(_SPLIT, 4):
+            if group != (skipped,):
+                order.observe(group)
+                order.predict(group)
+        wrongs.append(order.wrong - before)
+    assert wrongs == [1, 0, 0], wrongs
+
+
+def test_call_order_relearns_when_batching_changes_mid_run():
+    """ComfyUI may switch between batched and split CFG from one evaluation to the next (free memory changes): one
+    wrong guess at each switch (the first call), none while the mode stays."""
+    order = CallOrder()
+    for group in _evaluation_groups(_BATCHED, 3):
+        order.anchor_call(group, step=0)
+    wrongs = []
+    for orders in (_BATCHED, _SPLIT, _SPLIT, _BATCHED, _BATCHED, _SPLIT):
+        before = order.wrong
+        order.begin_evaluation()
+        for group in _evaluation_groups(orders, 3):
+            order.observe(group)
+            order.predict(group)
+        wrongs.append(order.wrong - before)
+    assert wrongs == [0, 1, 0, 1, 0, 1], wrongs
+
+
+@pytest.mark.parametrize("anchor_orders,reuse_orders,misses", [(_BATCHED, _BATCHED, 0), (_SPLIT, _SPLIT, 0),
+                                                               (_BATCHED, _SPLIT, 1)],
+                         ids=["batched", "split", "anchor-batched-reuse-split"])
+def test_runner_prefetches_only_the_next_call_cpu_cache(anchor_orders, reuse_orders, misses):
+    """Through the adapter with the cache in CPU memory: each reuse load is served by the one group the side stream
+    decoded (the hit rate the summary reports), and nothing else is ever decoded ahead (no dropped prefetches)."""
+    print(f"seed {SEED}")
+    g = torch.Generator().manual_seed(SEED)
+    heads, seq, dim, layers, steps = 2, 192, 64, 3, 4
+    qkv = [[torch.randn(1, seq, heads * dim, generator=g) for _ in range(2)] for _ in range(3)]
+    run = lifecycle.RunState(_settings(cache_placement="cpu"), torch.tensor([1.0, 0.8, 0.6, 0.4, 0.0]))
+    loader = run.runner.loader
+    log = []  # ("decode", group) when the side stream starts a group, ("load", group) when a call reads one
+    prefetch, load = loader.prefetch, loader.load
+
+    def record_prefetch(group, device, dtype):
+        if group is not None and (loader._pending is None or loader._pending.group != tuple(group)):
+            log.append(("decode", tuple(group)))
+        return prefetch(group, device, dtype)
+
+    def record_load(group, device, dtype):
+        log.append(("load", tuple(group)))
+        return load(group, device, dtype)
+
+    loader.prefetch, loader.load = record_prefetch, record_load
+    _fake_sampler_run(run, layers=layers, steps=steps, qkv=qkv, heads=heads, guard_from_step=1,
+                      batch_orders=lambda step: anchor_orders if step == 0 else reuse_orders)
+    entries_per_eval = layers * 2
+    assert loader.misses == misses and loader.hits == 3 * entries_per_eval - misses
+    # each group the side stream decoded is the one the next call read (the run's last prediction has no next call)
+    decodes = [i for i, (what, _) in enumerate(log) if what == "decode"]
+    not_next = [log[i][1] for i in decodes[:-1] if next(g for w, g in log[i + 1:] if w == "load") != log[i][1]]
+    assert len(not_next) == misses and loader.dropped == 2 * misses  # a switch wastes the one group guessed
+    assert f"prefetch hit rate {loader.hit_rate:.1%}" in run.summary()

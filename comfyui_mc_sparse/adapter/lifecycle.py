@@ -233,26 +233,29 @@ class RunState:
         self._timer.stop(start, self._dense_ms, shape[1:], max(1, shape[0]))
         return out
 
-    def sparse_call(self, q, k, v, *, step: int, layer: int, branch, window, dense_fn, scale, kind: str = "self",
-                    extra_kv=None):
-        """An anchor or reuse call for one conditioning chunk through the runner, timed.
+    def sparse_call(self, q, k, v, *, step: int, layer: int, branches, window, dense_fn, scale, kind: str = "self",
+                    extra_kv=None, out=None):
+        """An anchor or reuse call for a whole batch through the runner, timed (CUDA events, read at the end).
 
         Args:
-            q, k, v: ``[b, H, S, D]`` of one conditioning chunk. kind: ``CacheKey.kind`` ("self", "vace",
-            "vace#1", ...). extra_kv: ``(k_text, v_text)`` ``[b, H, T, D]`` attended exactly (runner support
-            ). Other args as ``MCSparseRunner.attention``.
+            q, k, v: ``[B, H, S, D]`` (any strides), B = ``len(branches)`` conditioning chunks of equal size.
+            branches: each chunk's conditioning identity (uuid), in batch order. kind: ``CacheKey.kind`` ("self",
+            "vace", "vace#1", ...). extra_kv: ``(k_text, v_text)`` ``[B, H, T, D]`` attended exactly. out: the
+            ``[B, H, S, D]`` view of the caller's output buffer the result is written into. Other args as
+            ``MCSparseRunner.attention``.
         """
         from ..cache import CacheKey
 
-        key = CacheKey(layer=layer, branch=branch, window=window, shape=tuple(q.shape), kind=kind)
-        self.cache_keys.add(key)
+        chunk = (q.shape[0] // len(branches), *q.shape[1:])
+        keys = [CacheKey(layer=layer, branch=b, window=window, shape=chunk, kind=kind) for b in branches]
+        self.cache_keys.update(keys)
         reuse_before = self.runner.stats.calls.get(_reuse_kind(), 0)
         start = self._timer.start()
-        out = self.runner.attention(q, k, v, step=step, layer=layer, key=key, dense_fn=dense_fn, scale=scale,
-                                    extra_kv=extra_kv)
+        result = self.runner.attention(q, k, v, step=step, layer=layer, keys=keys, dense_fn=dense_fn, scale=scale,
+                                       extra_kv=extra_kv, out=out)
         if self.runner.stats.calls.get(_reuse_kind(), 0) > reuse_before:
             self._timer.stop(start, self._reuse_ms, tuple(q.shape[1:]), max(1, q.shape[0]))
-        return out
+        return result
 
     # -- end of run -------------------------------------------------------------------------------------------
     def note_displaced(self, what: str) -> None:

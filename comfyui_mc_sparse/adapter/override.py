@@ -217,25 +217,37 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
     per_chunk = batch // chunks
     window = _window_key(options.get("context_window"))
 
-    qh, kh, vh = (_to_heads_first(t, heads, skip_reshape) for t in (q, k, v))  # [B, H, S, D]
-    if site.joint is not None:
-        latent = slice(0, seq - text_len) if site.joint == "video_first" else slice(text_len, seq)
-        keep, why = _keep_mask(mask, seq, latent)
-        if why is not None:
-            return dense(why)
+    qh, kh, vh = (_to_heads_first(t, heads, skip_reshape) for t in (q, k, v))  # [B, H, S, D] views, no copies
+    branches = [str(uuids[i]) if i < len(uuids) else f"cond_or_uncond={cond_or_uncond[i]}" for i in range(chunks)]
+    if site.joint is None:
+        # the whole batch in one runner call (one kernel launch for both CFG branches at reuse steps), written
+        # straight into the output in the caller's layout through a strided view
+        out, out_h = _output_buffer(qh, skip_reshape, skip_output_reshape)
+        run.sparse_call(qh, kh, vh, step=step, layer=site.layer, branches=branches, window=window,
+                        dense_fn=_dense_fn(call), scale=scale, kind=site.cache_kind, out=out_h)
+        return out
+    latent = slice(0, seq - text_len) if site.joint == "video_first" else slice(text_len, seq)
+    keep, why = _keep_mask(mask, seq, latent)
+    if why is not None:
+        return dense(why)
     outs = []
     for i in range(chunks):
         rows = slice(i * per_chunk, (i + 1) * per_chunk)
-        branch = str(uuids[i]) if i < len(uuids) else f"cond_or_uncond={cond_or_uncond[i]}"
-        qc, kc, vc = qh[rows], kh[rows], vh[rows]
-        if site.joint is None:
-            outs.append(run.sparse_call(qc, kc, vc, step=step, layer=site.layer, branch=branch, window=window,
-                                        dense_fn=_dense_fn(call), scale=scale, kind=site.cache_kind))
-        else:
-            outs.append(_joint_chunk(run, site, qc, kc, vc, text_len=text_len, keep=keep, mask=mask, step=step,
-                                     branch=branch, window=window, scale=scale))
+        outs.append(_joint_chunk(run, site, qh[rows], kh[rows], vh[rows], text_len=text_len, keep=keep, mask=mask,
+                                 step=step, branch=branches[i], window=window, scale=scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     return _from_heads_first(out, skip_reshape, skip_output_reshape)
+
+
+def _output_buffer(qh: torch.Tensor, skip_reshape: bool, skip_output_reshape: bool):
+    """The output tensor in the layout the caller expects, and its ``[B, H, S, D]`` view for the kernels to write:
+    ``[B, S, H*D]`` (viewed as ``[B, H, S, D]`` by strides), or ``[B, H, S, D]`` itself with skip_output_reshape."""
+    b, h, s, d = qh.shape
+    if skip_reshape and skip_output_reshape:
+        out = torch.empty(b, h, s, d, dtype=qh.dtype, device=qh.device)
+        return out, out
+    out = torch.empty(b, s, h * d, dtype=qh.dtype, device=qh.device)
+    return out, out.view(b, s, h, d).transpose(1, 2)
 
 
 def _dense_fn(call: Callable) -> Callable:
@@ -281,12 +293,12 @@ def _joint_chunk(run, site: CallSite, q, k, v, *, text_len: int, keep, mask, ste
         extra = (k[:, :, text_keys], v[:, :, text_keys])
         out = torch.empty_like(q)
         out[:, :, latent] = run.sparse_call(q[:, :, latent], k[:, :, latent], v[:, :, latent], step=step,
-                                            layer=site.layer, branch=branch, window=window, dense_fn=None,
+                                            layer=site.layer, branches=[branch], window=window, dense_fn=None,
                                             scale=scale, kind=site.cache_kind, extra_kv=extra)
         out[:, :, text] = _exact_rows(q[:, :, text], ks, vs, scale, None)
         return out
     qs = q[:, :, keep] if keep is not None else q
-    out_kept = run.sparse_call(qs, ks, vs, step=step, layer=site.layer, branch=branch, window=window,
+    out_kept = run.sparse_call(qs, ks, vs, step=step, layer=site.layer, branches=[branch], window=window,
                                dense_fn=None, scale=scale, kind=site.cache_kind)
     if keep is not None:
         out = torch.empty_like(q)
