@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from .cache import CacheEntry, CacheKey, MetadataCache, StoredEntry
 from . import encoding
+from .cache import CacheEntry, CacheKey, MetadataCache, StoredEntry
 from .encoding import decode_groups, decode_selection
 
 Group = tuple[CacheKey, ...]
