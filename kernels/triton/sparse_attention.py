@@ -117,34 +117,44 @@ def _sparse_attn_fwd(
 
     if MASK_FROM_COUNT:
         n_end = _valid_count(idx_base, K_ALLOC, 128)
+        # The tail slots of the group's last tile repeat the group's first key: its score is a real one, so the running
+        # max stays exact and the scores need no mask; their V rows load as zeros (the load's mask: no work per
+        # score), and their n_pad weights are taken out of l after the loop with this key's score, computed here.
+        kv_first = tl.load(idx_base)
+        kv_first = tl.where((kv_first >= 0) & (kv_first < SK), kv_first, 0)
+        k_first = tl.load(k_base + kv_first.to(tl.int64) * stride_ks + offs_d * stride_kd).to(tl.float32)
+        s_first = tl.sum(q.to(tl.float32) * k_first[None, :], 1) * sm_scale_log2  # [BLOCK_M], base-2 units
     else:
         n_end = K_ALLOC
-    # One tile body for every tile: full tiles see an all-true mask; the group's last tile masks its tail slots.
+        kv_first = -1
+    # One tile body for every tile (for MASK_FROM_COUNT, full tiles and the last one alike: no per-score mask).
     # The first tile holds at least one valid slot (the contract), so the running max is finite from there on.
     for n0 in range(0, n_end, BLOCK_N):
         slots = n0 + offs_n
-        kv = tl.load(idx_base + slots, mask=slots < n_end, other=-1)  # [BLOCK_N] int32, -1 = masked
-        if MASK_FROM_COUNT:
-            kv_rows = tl.where((kv >= 0) & (kv < SK), kv, 0)  # in-bounds reads whatever the indices hold
-            col_ok = slots < n_end  # from the loop counter: no second (score-layout) copy of the indices
-        else:
-            col_ok = (kv >= 0) & (kv < SK)
-            kv_rows = tl.where(col_ok, kv, 0)  # masked slots read row 0 (in bounds), then get a -inf score
+        live = slots < n_end
+        kv = tl.load(idx_base + slots, mask=live, other=kv_first)  # [BLOCK_N] int32
+        col_ok = (kv >= 0) & (kv < SK)
+        kv_rows = tl.where(col_ok, kv, 0)  # out-of-range indices read row 0 (in bounds)
         if ROW64:
             kv_rows = kv_rows.to(tl.int64)
         k = tl.load(k_base + kv_rows[:, None] * stride_ks + offs_d[None, :] * stride_kd, cache_modifier=CACHE)
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
-        qk = tl.where(col_ok[None, :], qk, float("-inf"))
+        if not MASK_FROM_COUNT:  # -1 anywhere: mask those scores; a tile may be all masked before any valid slot
+            qk = tl.where(col_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * sm_scale_log2)
-        if not MASK_FROM_COUNT:  # -1 anywhere: a tile may be all masked before any valid slot
+        if not MASK_FROM_COUNT:
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk * sm_scale_log2 - m_new[:, None])  # one FMA + exp2 per score
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_base + kv_rows[:, None] * stride_vs + offs_d[None, :] * stride_vd, cache_modifier=CACHE)
+        v = tl.load(v_base + kv_rows[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=live[:, None],
+                    other=0.0, cache_modifier=CACHE)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
+    if MASK_FROM_COUNT:
+        n_pad = tl.cdiv(n_end, BLOCK_N) * BLOCK_N - n_end
+        l_i = l_i - n_pad.to(tl.float32) * tl.math.exp2(s_first - m_i)
 
     out = acc / l_i[:, None]
     # the rows again (L1/L2 hits), so their 64-bit offsets are not kept in registers through the loop
