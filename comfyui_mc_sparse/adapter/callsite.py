@@ -26,7 +26,7 @@ class CallSite:
 
     Attributes:
         layer: block index used by the schedule's dense warm-up layers and the cache key (0-based).
-        family: "wan", "hunyuan_video", "hunyuan3d" or "hunyuan3d21".
+        family: "wan", "hunyuan_video", "hunyuan3d", "hunyuan3d21" or "minimax_h3".
         joint: None (the sequence is all latent tokens), "video_first" ([video, text]) or "text_first"
             ([text, latent]); text tokens are never sparsified.
         text_len: number of text tokens in a joint sequence (None: read ``TEXT_LEN_KEY`` at call time).
@@ -35,6 +35,11 @@ class CallSite:
             attached after main block ``layer``); part of the cache key.
         occurrence: 0 for the first call of this (layer, kind) in one forward, 1 for the next, ... (VACE
             blocks once per VACE context); part of the cache key.
+        comfy_block: ``(block_type, block_index)`` ComfyUI itself puts in transformer_options while this
+            site's block runs, in versions that set them (v0.33.0: Wan ``("double", i)``, HunyuanVideo
+            ``("double", i)`` / ``("single", j)``); None where it sets none. The mark stays the source of
+            ``layer`` (it names the module whose weights made q/k, which is what a cache entry belongs to);
+            ComfyUI's index is checked against it on every call and a disagreement is noted in the summary.
     """
 
     layer: int
@@ -44,6 +49,7 @@ class CallSite:
     prefix: int = 0
     kind: str = "self"
     occurrence: int = 0
+    comfy_block: tuple[str, int] | None = None
 
     @property
     def cache_kind(self) -> str:

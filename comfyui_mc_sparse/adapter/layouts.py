@@ -20,8 +20,12 @@ Models (class names of ``model.diffusion_model``; sources are ComfyUI snapshot f
   ComfyUI's ``block_index`` does) and ``kind="vace"``, and each repeat within one forward an ``occurrence``
   number, so every VACE call has its own cache entry and never collides with main block ``i``.
 * HunyuanVideo (``comfy/ldm/hunyuan_video/model.py`` ``HunyuanVideo`` L191): ``double_blocks.i`` and
-  ``single_blocks.j`` (layer ``n_double + j``); joint sequence **[video, text]** (``flux/layers.py`` L182-185
-  with ``flipped_img_txt``; single blocks get ``cat(img, txt)``, hunyuan L372).
+  ``single_blocks.j`` (layer ``n_double + j``); joint sequence **[video, text]** in v0.3.64 (``flux/layers.py``
+  L182-185 with ``flipped_img_txt``; single blocks get ``cat(img, txt)``, hunyuan L372) and **[text, video]**
+  in v0.33.0 (``flipped_img_txt`` gone, ``cat(txt, img)``); the order is read from the double blocks.
+* MiniMax-H3 (v0.33.0 ``comfy/ldm/minimax/model.py`` ``MiniMaxH3Model``): ``blocks.i.attn``; one packed
+  sequence [text | conditions / references | audio | video]; the video rows come from the model's own
+  ``PackedLayout`` (``minimax.py``), everything before them is kept exact.
 * Hunyuan3D 2.0 (``comfy/ldm/hunyuan3d/model.py`` ``Hunyuan3Dv2`` L13): double blocks joint **[cond, latent]**
   (not flipped), single blocks ``cat(txt, img)`` (L123).
 * Hunyuan3D 2.1 (``comfy/ldm/hunyuan3dv2_1/hunyuandit.py`` ``HunYuanDiTPlain`` L536): its ``Attention``
@@ -58,6 +62,8 @@ class PatchPlan:
     patches: tuple[tuple[str, Callable[[Callable], Callable]], ...]
     needs_context_publisher: bool
     reason_unsupported: str | None
+    diffusion_model_wrapper: Callable | None = None
+    """A DIFFUSION_MODEL wrapper that records the token layout of each forward (MiniMax-H3), or None."""
 
 
 def _marking_forward(original: Callable, site: CallSite, *, record_text_len_from: str | None = None,
@@ -85,15 +91,34 @@ def _marking_forward(original: Callable, site: CallSite, *, record_text_len_from
             seen = options.setdefault(OCCURRENCE_KEY, {})
             occurrence = seen.get((site.layer, site.kind), 0)
             seen[(site.layer, site.kind)] = occurrence + 1
+        if site.comfy_block is not None and isinstance(options.get(BLOCK_INDEX_KEY), int):
+            _check_block_index(options, site)
         marked = dict(options)
         marked[MARK_KEY] = site if (text_len, occurrence) == (site.text_len, site.occurrence) else CallSite(
-            site.layer, site.family, site.joint, text_len, site.prefix, site.kind, occurrence
+            site.layer, site.family, site.joint, text_len, site.prefix, site.kind, occurrence, site.comfy_block
         )
         kwargs["transformer_options"] = marked
         return original(*args, **kwargs)
 
     forward.mc_sparse_marker = site
     return forward
+
+
+BLOCK_INDEX_KEY = "block_index"
+"""transformer_options key newer ComfyUI sets before each DiT block (with ``block_type``); v0.3.64 sets none."""
+
+
+def _check_block_index(options: dict, site: CallSite) -> None:
+    """Compare ComfyUI's ``(block_type, block_index)`` with ``site.comfy_block``; note a disagreement once in
+    the active run's summary (``RunState.notes``), naming both."""
+    got = (options.get("block_type", site.comfy_block[0]), options[BLOCK_INDEX_KEY])
+    if got == site.comfy_block:
+        return
+    run = options.get("mc_sparse_run")
+    note = (f"ComfyUI's block index {got[0]} {got[1]} differs from the marked block {site.comfy_block[0]} "
+            f"{site.comfy_block[1]} (layer {site.layer}); the cache is keyed by the marked block")
+    if run is not None and note not in run.notes:
+        run.notes.append(note)
 
 
 def _mark(site: CallSite, **kw) -> Callable[[Callable], Callable]:
@@ -112,18 +137,26 @@ def plan_for(diffusion_model: Any) -> PatchPlan:
         for i, block in enumerate(blocks):
             if hasattr(block, "self_attn"):
                 patches.append((f"blocks.{i}.self_attn.forward",
-                                _mark(CallSite(i, "wan"), reset_occurrences=i == 0 and bool(vace_blocks))))
+                                _mark(CallSite(i, "wan", comfy_block=("double", i)),
+                                      reset_occurrences=i == 0 and bool(vace_blocks))))
         # vace_layers_mapping: main block index -> VACE block index (wan/model.py L702)
         main_of = {ii: i for i, ii in (getattr(diffusion_model, "vace_layers_mapping", None) or {}).items()}
         for j, block in enumerate(vace_blocks):
             if hasattr(block, "self_attn"):
-                site = CallSite(main_of.get(j, len(blocks) + j), "wan", kind="vace")
+                main = main_of.get(j)
+                site = CallSite(len(blocks) + j if main is None else main, "wan", kind="vace",
+                                comfy_block=None if main is None else ("double", main))
                 patches.append((f"vace_blocks.{j}.self_attn.forward", _mark(site, count_occurrences=True)))
         return PatchPlan("wan", tuple(patches), False, None)
     if name == "HunyuanVideo":
-        return _joint_plan(diffusion_model, "hunyuan_video", "video_first")
+        return _joint_plan(diffusion_model, "hunyuan_video", _hunyuan_video_order(diffusion_model))
     if name == "Hunyuan3Dv2":
         return _joint_plan(diffusion_model, "hunyuan3d", "text_first")
+    if name == "MiniMaxH3Model":
+        from . import minimax
+
+        return PatchPlan(minimax.FAMILY, tuple(minimax.patches(diffusion_model)), False, None,
+                         diffusion_model_wrapper=minimax.layout_wrapper)
     if name == "HunYuanDiTPlain":
         for i, block in enumerate(getattr(diffusion_model, "blocks", [])):
             if hasattr(block, "attn1"):
@@ -131,6 +164,15 @@ def plan_for(diffusion_model: Any) -> PatchPlan:
                 patches.append((f"blocks.{i}.attn1.forward", _h3d21_factory(block.attn1, site, hunyuan3d21.make_attn_forward)))
         return PatchPlan("hunyuan3d21", tuple(patches), True, None)
     return PatchPlan(None, (), False, f"model {name} is not supported by MC-Sparse (dense pass-through)")
+
+
+def _hunyuan_video_order(diffusion_model: Any) -> str:
+    """HunyuanVideo's joint order, read from its double blocks: "video_first" where they carry
+    ``flipped_img_txt=True`` (Oct-2025 v0.3.64, ``flux/layers.py`` L180-185; single blocks ``cat(img, txt)``),
+    "text_first" where the attribute is gone (v0.33.0: ``cat(txt, img)`` in both block kinds)."""
+    doubles = list(getattr(diffusion_model, "double_blocks", None) or [])
+    flipped = bool(doubles) and bool(getattr(doubles[0], "flipped_img_txt", False))
+    return "video_first" if flipped else "text_first"
 
 
 def _h3d21_factory(module, site, maker):
@@ -141,10 +183,13 @@ def _joint_plan(diffusion_model: Any, family: str, joint: str) -> PatchPlan:
     doubles = list(getattr(diffusion_model, "double_blocks", None) or [])
     singles = list(getattr(diffusion_model, "single_blocks", None) or [])
     patches = [
-        (f"double_blocks.{i}.forward", _mark(CallSite(i, family, joint), record_text_len_from="txt"))
+        (f"double_blocks.{i}.forward", _mark(CallSite(i, family, joint, comfy_block=("double", i)),
+                                             record_text_len_from="txt"))
         for i in range(len(doubles))
     ]
-    patches += [(f"single_blocks.{j}.forward", _mark(CallSite(len(doubles) + j, family, joint))) for j in range(len(singles))]
+    patches += [(f"single_blocks.{j}.forward", _mark(CallSite(len(doubles) + j, family, joint,
+                                                              comfy_block=("single", j))))
+                for j in range(len(singles))]
     return PatchPlan(family, tuple(patches), False, None)
 
 
@@ -205,6 +250,15 @@ def geometry(diffusion_model: Any, plan: PatchPlan, latent_shape: tuple[int, ...
         heads = int(getattr(dm, "num_heads", 0))
         dim = int(getattr(dm, "dim", 0) or getattr(dm, "hidden_size", 0))
         return Geometry(heads, dim // heads, tokens, layers) if heads and dim else None
+    if plan.family == "minimax_h3":  # latent_shape: the video stream [1, 24, T, H, W]; cache over video rows
+        if len(latent_shape) != 5:
+            return None
+        patch = tuple(getattr(dm, "patch_size", (1, 2, 2)))
+        tokens = 1
+        for size, p in zip(latent_shape[2:], patch):
+            tokens *= -(-int(size) // int(p))
+        attn = dm.blocks[0].attn
+        return Geometry(int(attn.heads), int(attn.head_dim), tokens, layers)
     if plan.family in ("hunyuan3d", "hunyuan3d21"):
         if len(latent_shape) != 3:
             return None

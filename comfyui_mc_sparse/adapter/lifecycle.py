@@ -81,7 +81,13 @@ class RunState:
         self.sample_sigmas = [float(s) for s in (sample_sigmas.tolist() if isinstance(sample_sigmas, torch.Tensor) else sample_sigmas)]
         self.num_steps = max(1, len(self.sample_sigmas) - 1)
         self.family = family
-        self.schedule = resolve_schedule(settings, self.num_steps)
+        if family == "minimax_h3":  # presets follow the published H3 configuration (adapter/minimax.py)
+            from .minimax import preset_for_run
+
+            settings, self.schedule = preset_for_run(settings, self.num_steps)
+            self.settings = settings
+        else:
+            self.schedule = resolve_schedule(settings, self.num_steps)
         self.notes: list[str] = list(self.schedule.notes)
         self.dense_reasons: Counter = Counter()  # used when there is no runner
         self.sparse_calls_by_kind: Counter = Counter()
@@ -115,6 +121,9 @@ class RunState:
             )
             if family in ("hunyuan_video", "hunyuan3d"):
                 self.notes.append("joint text keys: attended exactly beside the sparse latent keys (extra_kv)")
+            elif family == "minimax_h3":
+                self.notes.append("MiniMax-H3: only the target video rows are sparse; text, condition, reference "
+                                  "and audio rows are exact, and their keys are attended exactly (extra_kv)")
             if runner_factory is None:
                 runner_factory = _default_runner
             self.runner = runner_factory(self.config, self._backend_name(settings.backend))
@@ -341,16 +350,20 @@ def _comfy_free_memory(device: torch.device) -> int:
     return max(0, int(mm.get_free_memory(device)) - int(mm.minimum_inference_memory()))
 
 
-def _plan_before_sampling(run: RunState, guider, noise) -> None:
+def _plan_before_sampling(run: RunState, guider, noise, latent_shapes=None) -> None:
     """Log the runner's cache / speed estimate (``MCSparseRunner.plan``, when the engine has it) before the
-    first step, from the model's attention geometry and the latent (``noise``, the latent's shape)."""
+    first step, from the model's attention geometry and the latent (``noise``, the latent's shape; for a packed
+    multi-stream latent, v0.33.0 ``latent_shapes``, the first stream's shape: MiniMax-H3's video)."""
     runner = run.runner
     if runner is None or not hasattr(runner, "plan") or not isinstance(noise, torch.Tensor):
         return
     from .layouts import geometry
 
+    shape = tuple(noise.shape)
+    if latent_shapes is not None and len(latent_shapes) > 1:
+        shape = tuple(latent_shapes[0])
     dm = guider.model_patcher.get_model_object("diffusion_model")
-    geo = geometry(dm, plan_for(dm), tuple(noise.shape))
+    geo = geometry(dm, plan_for(dm), shape)
     if geo is None:
         return
     conds = getattr(guider, "conds", {}) or {}
@@ -391,7 +404,7 @@ def outer_sample_wrapper(executor, *args, **kwargs):
         if displaced:
             run.note_displaced(displaced)
         holder.active_runs.append(run)
-        _plan_before_sampling(run, guider, args[0] if args else kwargs.get("noise"))
+        _plan_before_sampling(run, guider, args[0] if args else kwargs.get("noise"), kwargs.get("latent_shapes"))
         return executor(*args, **kwargs)
     except BaseException as err:  # ComfyUI's interrupt (InterruptProcessingException), OOM, Ctrl-C, ...
         if run is not None:
@@ -524,6 +537,8 @@ def apply_mc_sparse(
     patched.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, calc_cond_batch_wrapper)
     if plan.needs_context_publisher:
         patched.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY, apply_model_wrapper)
+    if plan.diffusion_model_wrapper is not None:
+        patched.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, plan.diffusion_model_wrapper)
     patched.add_callback_with_key(pe.CallbacksMP.ON_PREPARE_STATE, WRAPPER_KEY, on_prepare_state)
     patched.add_callback_with_key(pe.CallbacksMP.ON_CLEANUP, WRAPPER_KEY, on_cleanup)
     if settings.verbose:

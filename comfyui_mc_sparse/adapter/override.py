@@ -85,7 +85,69 @@ def make_override(previous: Callable | None) -> Callable:
 
     mc_sparse_attention_override.mc_sparse_override = True
     mc_sparse_attention_override.previous = previous
+    mc_sparse_attention_override.container_function = make_container_function(previous)
     return mc_sparse_attention_override
+
+
+def make_container_function(previous: Callable | None) -> Callable:
+    """The override's entry for ``AttentionTensorContainer`` inputs (ComfyUI v0.33.0).
+
+    ``wrap_attn`` (v0.33.0 ``comfy/ldm/modules/attention.py`` L171-204) calls
+    ``override.container_function(q, k, v, heads, ..., **kwargs)`` instead of the override, without the backend
+    ``func``, when q/k/v arrive in containers (MiniMax-H3 passes ``[1, H, S, D]`` views of its qkv buffer).
+    MC-Sparse calls read the tensors with ``peek()`` (no copy) and release them when done. Dense calls keep the
+    container path, so a backend that frees its inputs early still can: ``previous.container_function`` when
+    the override below ours has one (``ModelPatcher.set_model_optimized_attention`` copies the backend's,
+    e.g. comfy-kitchen's), else ComfyUI's selected backend ``attention.optimized_attention`` called with the
+    containers and ``_inside_attn_wrapper`` (so ``wrap_attn`` skips the overrides and uses the backend's own
+    container path, or takes the tensors for it).
+    """
+
+    def backend() -> Callable:
+        import comfy.ldm.modules.attention as attention
+
+        return attention.optimized_attention
+
+    @torch.compiler.disable
+    def container_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                           skip_output_reshape=False, **kwargs):
+        containers = (q, k, v)
+        flags = {"mask": mask, "attn_precision": attn_precision, "skip_reshape": skip_reshape,
+                 "skip_output_reshape": skip_output_reshape}
+
+        def dense_containers():
+            if previous is not None and getattr(previous, "container_function", None) is not None:
+                return previous.container_function(*containers, heads, **flags, **kwargs)
+            if previous is not None:
+                return previous(backend(), *(c.take() for c in containers), heads, **flags, **kwargs)
+            return backend()(*containers, heads, **flags, **kwargs)
+
+        options = kwargs.get("transformer_options") or {}
+        run = options.get(RUN_KEY)
+        if run is None:
+            return dense_containers()
+        qt, kt, vt = (c.peek() for c in containers)
+
+        def call(q_, k_, v_, mask_, skip_reshape_, skip_output_reshape_):
+            same = q_ is qt and k_ is kt and v_ is vt and mask_ is mask
+            if same and (skip_reshape_, skip_output_reshape_) == (skip_reshape, skip_output_reshape):
+                return dense_containers()  # the whole call dense: the backend's own container path
+            if previous is not None:
+                return previous(backend(), q_, k_, v_, heads, mask=mask_, attn_precision=attn_precision,
+                                skip_reshape=skip_reshape_, skip_output_reshape=skip_output_reshape_, **kwargs)
+            return backend()(q_, k_, v_, heads, mask=mask_, attn_precision=attn_precision, skip_reshape=skip_reshape_,
+                             skip_output_reshape=skip_output_reshape_, **kwargs)
+
+        try:
+            return dispatch(run, options.get(MARK_KEY), qt, kt, vt, heads, mask=mask, skip_reshape=skip_reshape,
+                            skip_output_reshape=skip_output_reshape, options=options, call=call,
+                            scale=kwargs.get("scale"))
+        finally:
+            for c in containers:  # single owner: drop our hold on the inputs as a consuming backend would
+                if getattr(c, "tensor", None) is not None:
+                    c.take()
+
+    return container_function
 
 
 def is_ours(fn: Any) -> bool:
