@@ -19,6 +19,7 @@ Then the fidelity workflows, from the built Wan 2.1 T2V 1.3B workflow (``build_f
 Run (build-time only; the templates package is not a runtime requirement):
     .venv/bin/pip install comfyui-workflow-templates-json && .venv/bin/python workflows/build_workflows.py
     .venv/bin/python workflows/build_workflows.py --fidelity-only   # the fidelity workflows alone (no templates)
+    .venv/bin/python workflows/build_workflows.py video_minimax_h3_t2v.json   # only the named templates
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ WIDGETS: dict[str, list[str]] = {
     "ModelSamplingAuraFlow": ["shift", "sampling"],  # "sampling": a newer widget, dropped (API_DROP)
     "VAEDecode": [],
     "VAEDecodeTiled": ["tile_size", "overlap", "temporal_size", "temporal_overlap"],
-    "CreateVideo": ["fps"],
+    "CreateVideo": ["fps", "bit_depth"],  # bit_depth: v0.33.0 (only the H3 template carries its value)
     "SaveVideo": ["filename_prefix", "format", "codec"],
     "LoraLoaderModelOnly": ["lora_name", "strength_model"],
     "CLIPVisionLoader": ["clip_name"],
@@ -79,8 +80,14 @@ WIDGETS: dict[str, list[str]] = {
     "MCSparseCompare": ["label_a", "label_b"],
     "PreviewImage": [],
     "PreviewAny": [],
+    # ComfyUI v0.33.0 nodes of the MiniMax-H3 template (comfy_extras/nodes_minimax_h3.py, nodes_resolution.py,
+    # nodes_audio.py, nodes_video.py); its API twin is checked against tests/data/comfyui_node_defs_v0.33.0.json
+    "ResolutionSelector": ["aspect_ratio", "megapixels", "multiple"],
+    "MiniMaxH3ImageToVideo": ["prompt", "width", "height", "length"],
+    "VAEDecodeAudio": [],
 }
 UI_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 PASS_THROUGH = ("ComfySwitchNode",)
 # Resolved to literals / the chosen branch in the API twin (their node types are newer than the Oct-2025
 # snapshot, or, for Primitive*, only carry a value): "PrimitiveInt" & co. -> their widget value,
@@ -98,6 +105,7 @@ TARGETS = {
     "hunyuan_video_text_to_video.json": "hunyuan_video_t2v",
     "video_wan2_2_14B_t2v.json": "wan22_t2v_14b_two_stage",
     "3d_hunyuan3d-v2.1.json": "hunyuan3d_v21",
+    "video_minimax_h3_t2v.json": "minimax_h3_t2v",  # ComfyUI v0.33.0 (MiniMax-H3); subgraph template
 }
 
 NOTE = ("## MC-Sparse Patch\n\nSparse attention after the dense warm-up. Presets: quality (25% density), balanced "
@@ -273,18 +281,25 @@ def _api_from_graph(graph: dict, *, prefix: str, links_as_dicts: bool, sub_input
         if n["type"] in subgraphs:
             sg = subgraphs[n["type"]]
             inner_inputs = {}
-            for i, inp in enumerate(n.get("inputs", [])):
-                if inp.get("link") is not None:
-                    _lid, o, os_, _t, _ts, _ty = by_link[inp["link"]]
-                    inner_inputs[i] = resolve(o, os_)
-            # widget-promoted inputs of the subgraph instance
-            widget_vals = n.get("widgets_values") or []
             sg_inputs = sg.get("inputs", [])
-            wi = 0
-            for i, sgi in enumerate(sg_inputs):
-                if i not in inner_inputs and wi < len(widget_vals):
-                    inner_inputs[i] = ("value", widget_vals[wi])
-                    wi += 1
+            slot_of = {sgi["name"]: i for i, sgi in enumerate(sg_inputs)}
+            for i, inp in enumerate(n.get("inputs", [])):
+                if inp.get("link") is not None:  # instance inputs may list fewer slots than the definition: by name
+                    _lid, o, os_, _t, _ts, _ty = by_link[inp["link"]]
+                    inner_inputs[slot_of.get(inp["name"], i)] = resolve(o, os_)
+            # widget-promoted inputs of the subgraph instance: one value per widget-typed definition input, in
+            # definition order (linked ones keep a value too), when the counts say so; else the unlinked ones
+            widget_vals = n.get("widgets_values") or []
+            widget_slots = [i for i, sgi in enumerate(sg_inputs) if sgi.get("type") in WIDGET_TYPES]
+            if len(widget_slots) == len(widget_vals):
+                for i, val in zip(widget_slots, widget_vals):
+                    inner_inputs.setdefault(i, ("value", val))
+            else:
+                wi = 0
+                for i, sgi in enumerate(sg_inputs):
+                    if i not in inner_inputs and wi < len(widget_vals):
+                        inner_inputs[i] = ("value", widget_vals[wi])
+                        wi += 1
             inner_prefix = f"{prefix}{n['id']}:"
             inner = _api_from_graph(sg, prefix=inner_prefix, links_as_dicts=True, sub_inputs=inner_inputs,
                                     subgraphs=subgraphs, api=api, outer_values={})
@@ -464,12 +479,16 @@ def build_fidelity() -> None:
         print(f"{FIDELITY_SOURCE} -> {out}: {len(api)} API nodes")
 
 
-def main() -> None:
+def main(only: list[str] | None = None) -> None:
+    """Build every target (then the fidelity workflows), or only the templates named in ``only`` (file names as
+    in ``TARGETS``; the fidelity workflows are then left alone); ``--fidelity-only``: the fidelity workflows."""
     if "--fidelity-only" in sys.argv[1:]:
         build_fidelity()
         return
     tdir = _templates_dir()
     for template_name, out in TARGETS.items():
+        if only and template_name not in only:
+            continue
         template = json.loads((tdir / template_name).read_text(encoding="utf-8"))
         ui = build_ui(template)
         try:
@@ -481,8 +500,9 @@ def main() -> None:
         (HERE / f"{out}_mc_sparse.json").write_text(json.dumps(ui, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         (HERE / f"{out}_mc_sparse_api.json").write_text(json.dumps(api, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         print(f"{template_name} -> {out}: {sum(1 for n in api.values() if n['class_type'] == 'MCSparsePatch')} patch node(s), {len(api)} API nodes")
-    build_fidelity()
+    if not only:
+        build_fidelity()
 
 
 if __name__ == "__main__":
-    main()
+    main([a for a in sys.argv[1:] if not a.startswith("--")] or None)
