@@ -261,12 +261,18 @@ def _tiny_model(kind: str):
             return WanModel(model_type=model_type, in_dim=in_dim, out_dim=out_dim, dim=256, ffn_dim=512,
                             num_heads=2, num_layers=3, text_dim=4096, freq_dim=256, operations=ops)
         if kind == "hunyuan_video":
-            from comfy.ldm.hunyuan_video.model import HunyuanVideo
+            import dataclasses
 
-            return HunyuanVideo(image_model=None, in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096,
-                                hidden_size=256, mlp_ratio=4.0, num_heads=2, depth=2, depth_single_blocks=2,
-                                axes_dim=[16, 56, 56], theta=256, patch_size=[1, 2, 2], qkv_bias=True,
-                                guidance_embed=True, byt5=False, meanflow=False, operations=ops)
+            from comfy.ldm.hunyuan_video import model as hv
+
+            # v0.33.0's HunyuanVideoParams adds three required fields (what detection sets for plain T2V)
+            newer = {"use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False}
+            fields = {f.name for f in dataclasses.fields(hv.HunyuanVideoParams)}
+            return hv.HunyuanVideo(image_model=None, in_channels=16, out_channels=16, vec_in_dim=768,
+                                   context_in_dim=4096, hidden_size=256, mlp_ratio=4.0, num_heads=2, depth=2,
+                                   depth_single_blocks=2, axes_dim=[16, 56, 56], theta=256, patch_size=[1, 2, 2],
+                                   qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False, operations=ops,
+                                   **{k: v for k, v in newer.items() if k in fields})
         if kind == "hunyuan3d":  # v2.0: detection fixes 16 heads (model_detection.py L432): 1024 -> head dim 64
             from comfy.ldm.hunyuan3d.model import Hunyuan3Dv2
 

@@ -95,7 +95,7 @@ def _check_joint_calls(calls, *, padded):
     if padded:  # the check is sensitive to the mask: without it, the text rows differ
         c = reuse[0]
         seq = c["q"].shape[2]
-        text = slice(seq - c["text_len"], seq)
+        text = slice(seq - c["text_len"], seq) if c["site"].joint == "video_first" else slice(0, c["text_len"])
         unmasked = _masked_reference(c["q"], c["k"], c["v"], None)
         assert (unmasked[:, text] - c["out"][:, text].double()).abs().max() > 1e-3
     return reuse
@@ -153,9 +153,15 @@ def test_context_windows_keep_caches_per_window(comfy, summaries):
     base = _load(comfy, "wan21_t2v")
     ctx = nodes.NODE_CLASS_MAPPINGS["WanContextWindowsManual"]
 
+    import inspect
+
+    newer = {"freenoise": False, "retain_first_frame": False, "split_conds_to_windows": False}  # v0.33.0 inputs
+    params = inspect.signature(ctx.execute).parameters
+    extra = {k: v for k, v in newer.items() if k in params}
+
     def windowed(model):  # 9 frames -> 3 latent frames per window, overlap 1 -> 1 frame: windows [0-2], [2-4]
         return ctx.execute(model, 9, 1, cw.ContextSchedules.STATIC_STANDARD, 1, False,
-                           cw.ContextFuseMethods.PYRAMID).result[0]
+                           cw.ContextFuseMethods.PYRAMID, **extra).result[0]
 
     _wan_sample(nodes, _patch(nodes, base), torch.zeros(1, 16, 3, 16, 16))  # no windows: 3 frames, 192 tokens
     single = summaries.counts()
