@@ -23,11 +23,9 @@ Never more than ``pin_budget_bytes`` of host memory is page-locked (``memory.pin
 Free memory comes from ``free_memory_fn(device)`` (the ComfyUI adapter can pass one that subtracts what the
 model still needs) or ``torch.cuda.mem_get_info``.
 
-Prefetch: ``prefetch(key)`` copies (when in CPU memory) and decodes an entry on a side CUDA stream while the
-current layer computes; ``load(key)`` makes the compute stream wait on that work's event and marks the decoded
-tensors as used there (``record_stream``), so neither stream can read freed or half-written memory. Host
-buffers remember the events of their last copies and are not rewritten or unpinned before those complete.
-Without CUDA the same calls run synchronously (the decoded entry is kept for the next ``load``).
+Reading entries at reuse steps (decode, prefetch on a side CUDA stream in the order calls arrive) is
+``prefetch.ReuseLoader``'s job. Entries record when their bytes are ready (``StoredEntry.ready``); host buffers
+remember the events of their last copies and are not rewritten or unpinned before those complete.
 """
 
 from __future__ import annotations
@@ -55,7 +53,6 @@ log = logging.getLogger(__name__)
 PLACEMENTS = ("auto", "gpu", "cpu")
 _GPU_MARGIN = 256 << 20  # bytes 'gpu' placement always leaves free (decode temporaries, allocator slack)
 _ALIGN = 256  # byte alignment of each tensor inside a host buffer (any dtype's element size divides it)
-_MAX_PENDING = 2  # prefetched entries kept at once (the next layer's, and one stale at most)
 
 FreeMemoryFn = Callable[[torch.device], int]
 
@@ -252,13 +249,6 @@ class _HostBuffer:
             pass
 
 
-@dataclass
-class _Pending:
-    entry: CacheEntry
-    event: torch.cuda.Event | None
-    device: torch.device
-
-
 def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     offsets, pos = [], 0
     for t in tensors:
@@ -268,7 +258,7 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
 
 
 class MetadataCache:
-    """Cache entries of one sampling run, with placement, prefetch and current / peak bytes.
+    """Cache entries of one sampling run, with placement and current / peak bytes.
 
     Args:
         placement: "gpu" (default), "cpu" or "auto" (module docstring).
@@ -279,9 +269,8 @@ class MetadataCache:
     Decided up front by ``MCSparseRunner.plan`` through ``fix_placement``; without it 'auto' decides per entry.
     Attributes:
         nbytes, peak_bytes: stored bytes now / at most. gpu_bytes, host_bytes: of which on a GPU / in CPU
-        memory (a CPU-only run counts its entries as host). hits / misses: loads served by a prefetch /
-        decoded synchronously. moved: entries put in CPU memory because GPU memory was short. notes: events
-        for the run summary.
+        memory (a CPU-only run counts its entries as host). moved: entries put in CPU memory because GPU memory
+        was short. notes: events for the run summary.
     Not thread-safe; one instance per sampler call (ComfyUI: created by the OUTER_SAMPLE wrapper).
     """
 
@@ -295,12 +284,10 @@ class MetadataCache:
         self.pin_budget_bytes = pin_budget_bytes
         self.pinned_bytes = 0
         self._entries: dict[CacheKey, CacheEntry | StoredEntry] = {}
-        self._pending: dict[CacheKey, _Pending] = {}
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._auto_choice: str | None = None
         self.nbytes = self.peak_bytes = 0
         self.gpu_bytes = self.host_bytes = self.peak_gpu_bytes = self.peak_host_bytes = 0
-        self.hits = self.misses = self.moved = 0
+        self.moved = 0
         self.notes: list[str] = []
 
     # --- queries ---------------------------------------------------------------------------------------------
@@ -311,8 +298,7 @@ class MetadataCache:
 
     def peek(self, key: CacheKey, device: torch.device, dtype: torch.dtype | None = None) -> CacheEntry | None:
         """The entry for ``key`` decoded on ``device`` (``dtype`` unused: the residual stays in its stored form),
-        or None; read-only: prefetch
-        state and hit counters are left alone (for diagnostics and tests)."""
+        or None; read-only (for diagnostics and tests)."""
         stored = self._entries.get(key)
         if stored is None or isinstance(stored, CacheEntry):
             return stored
@@ -337,7 +323,6 @@ class MetadataCache:
 
         Raises: MemoryError / torch.cuda.OutOfMemoryError when even CPU memory cannot hold it.
         """
-        self._pending.pop(key, None)  # a prefetch of the replaced entry is stale
         old = self._entries.pop(key, None)
         if old is not None:
             self._account(old, -1)
@@ -437,69 +422,10 @@ class MetadataCache:
         self.peak_gpu_bytes = max(self.peak_gpu_bytes, self.gpu_bytes)
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
 
-    # --- read ------------------------------------------------------------------------------------------------
-
-    def load(self, key: CacheKey, device: torch.device, dtype: torch.dtype | None = None) -> CacheEntry | None:
-        """The decoded entry for ``key`` on ``device`` (residual as a ``kernels.Residual`` in its stored form;
-        ``dtype`` unused), or None when absent.
-
-        Uses the prefetched copy when there is one (the current stream waits for it), else decodes now on
-        the current stream.
-        """
-        stored = self._entries.get(key)
-        if stored is None:
-            return None
-        if isinstance(stored, CacheEntry):
-            return stored
-        pending = self._pending.pop(key, None)
-        if pending is not None and pending.device == device:
-            if pending.event is not None:
-                current = torch.cuda.current_stream(device)
-                current.wait_event(pending.event)
-                for t in pending.entry.tensors():
-                    t.record_stream(current)  # allocated on the side stream, used (and freed) on this one
-            self.hits += 1
-            return pending.entry
-        self.misses += 1
-        if device.type == "cuda" and stored.ready is not None:
-            torch.cuda.current_stream(device).wait_event(stored.ready)
-        entry = stored.decode(device, non_blocking=stored.host is not None and stored.host.pinned)
-        if stored.host is not None and device.type == "cuda":
-            stored.host.used(_record(device))
-        return entry
-
-    def prefetch(self, key: CacheKey, device: torch.device, dtype: torch.dtype | None = None) -> None:
-        """Start copying (if in CPU memory) and decoding ``key``'s entry for ``device``, on a side CUDA stream
-        (synchronously without CUDA). No-op when absent, kept as a raw ``CacheEntry``, or already pending."""
-        stored = self._entries.get(key)
-        if stored is None or isinstance(stored, CacheEntry) or key in self._pending:
-            return
-        while len(self._pending) >= _MAX_PENDING:
-            self._pending.pop(next(iter(self._pending)))
-        if device.type != "cuda":
-            self._pending[key] = _Pending(stored.decode(device), None, device)
-            return
-        side = self._streams.get(device)
-        if side is None:
-            # high priority: the small decode kernels get SMs as soon as any block of the layer's kernels retires
-            side = self._streams[device] = torch.cuda.Stream(device, priority=-1)
-        with torch.cuda.stream(side):
-            if stored.ready is not None:
-                side.wait_event(stored.ready)
-            if stored.host is None:
-                for t in stored.tensors():
-                    t.record_stream(side)  # read here: not to be reused before this stream is past it
-            entry = stored.decode(device, non_blocking=stored.host is not None and stored.host.pinned)
-            event = _record(device)
-        if stored.host is not None:
-            stored.host.used(event)
-        self._pending[key] = _Pending(entry, event, device)
-
     # --- free ------------------------------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Drop every entry and prefetch, unpinning CPU buffers once their copies are done."""
-        self._pending.clear()
+        """Drop every entry, unpinning CPU buffers once their copies are done."""
         for entry in self._entries.values():
             if isinstance(entry, StoredEntry) and entry.host is not None:
                 self._release(entry.host)

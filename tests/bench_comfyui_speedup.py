@@ -529,7 +529,8 @@ def run_patched(env: Env, base, *, label: str, apply_kwargs: dict, steps: int, a
         result["cache"] = {"peak_bytes": c.peak_bytes, "peak_gpu_bytes": c.peak_gpu_bytes,
                            "peak_host_bytes": c.peak_host_bytes, "prefetched_loads": ld.hits, "inline_loads": ld.misses,
                            "dropped_prefetches": ld.dropped, "moved_to_cpu": c.moved,
-                           "placement": runner.config.cache_placement, "residual_dtype": runner.config.residual_dtype,
+                           "placement": runner.config.cache_placement,
+                           "residual_dtype": getattr(runner, "residual_dtype", runner.config.residual_dtype),
                            "plan": runner.plan_line}
         result["anchors_taken_0based"] = list(runner.stats.anchors)
         result["engine_notes"] = list(runner.stats.notes)
@@ -799,30 +800,20 @@ def run_peer(env: Env, base, *, dense: dict, args, shape, device, steps: int = 3
 def run_cpu_split(env: Env, base, *, args, shape, device, dtype, spec, density: float) -> dict:
     """The prefetch hit rate with the cache in CPU memory and the CFG batch split (as ComfyUI does when memory is
     short, forced as ``timed_sample(split_cfg=True)`` describes): node inputs custom, density ``density``, warm-up 1
-    step with the anchor in it, 2 reuse steps, placement cpu. The residual is stored in fp8 (row scales) to keep the
-    pinned host memory of a 40-block 720p cache well inside the machine's memory."""
-    import dataclasses
-
+    step with the anchor in it, 2 reuse steps, placement cpu, residual precision auto (the pack's plan picks what
+    the pin budget allows)."""
     kwargs = {"preset": "custom", "density": density, "dense_warmup": "1", "anchor_steps": "1", "warmup_layers": 0,
               "cache_placement": "cpu", "min_tokens": args.min_tokens, "_split_cfg": True}
-    real_factory = env.lifecycle._default_runner
-
-    def fp8_runner(config, backend):
-        return real_factory(dataclasses.replace(config, residual_dtype="float8_e4m3fn"), backend)
-
-    env.lifecycle._default_runner = fp8_runner
-    try:
-        r = run_patched(env, base, label=f"cpu cache, CFG split, density {density:g}", apply_kwargs=kwargs, steps=3,
-                        args=args, shape=shape, device=device, dtype=dtype, spec=spec)
-    finally:
-        env.lifecycle._default_runner = real_factory
+    r = run_patched(env, base, label=f"cpu cache, CFG split, density {density:g}", apply_kwargs=kwargs, steps=3,
+                    args=args, shape=shape, device=device, dtype=dtype, spec=spec)
     cache = r.get("cache") or {}
     loads = cache.get("prefetched_loads", 0) + cache.get("inline_loads", 0)
     r["prefetch_hit_rate"] = cache.get("prefetched_loads", 0) / loads if loads else None
     r["forward_batches"] = [row.get("forward_batches") for row in r.get("per_step", []) if "kind" in row]
     print(f"[cpu split] prefetch hit rate {r['prefetch_hit_rate']} ({cache.get('prefetched_loads')} prefetched, "
           f"{cache.get('inline_loads')} in line, {cache.get('dropped_prefetches')} dropped); forward batches "
-          f"{r['forward_batches']}; cache peak CPU {fmt_bytes(cache.get('peak_host_bytes'))}", flush=True)
+          f"{r['forward_batches']}; residual {cache.get('residual_dtype')}, cache peak CPU "
+          f"{fmt_bytes(cache.get('peak_host_bytes'))}; plan: {cache.get('plan')}", flush=True)
     return r
 
 
@@ -873,7 +864,8 @@ def scoreboard_entries(report: dict, *, command: str, commit: str, gpu: str | No
                 put("prefetch_hit_rate_wan14b_720p", r["prefetch_hit_rate"], "fraction",
                     f"reuse loads served by prefetch {cache.get('prefetched_loads')} / "
                     f"{cache.get('prefetched_loads', 0) + cache.get('inline_loads', 0)}; cache placement cpu "
-                    "(fp8 residual), CFG split forced the way ComfyUI splits when memory is short: during sampling "
+                    f"(residual {cache.get('residual_dtype')}, peak {fmt_bytes(cache.get('peak_host_bytes'))} in CPU "
+                    "memory), CFG split forced the way ComfyUI splits when memory is short: during sampling "
                     "the model's memory_required for a batch > 1 is made infinite, so comfy/samplers.py "
                     "_calc_cond_batch runs uncond and cond as separate forwards; forward batches per step "
                     f"{r.get('forward_batches')}; density 0.25, 1 anchor step + 2 reuse steps")
