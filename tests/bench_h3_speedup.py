@@ -13,11 +13,12 @@ A benchmark, not a test (not collected). What it does:
    ``non-block time + block 0 + 49 x mean(blocks 1..B-1)`` (block 0 stays dense in every step; blocks 1..49 are
    alike in shape and cost);
 3. picks the longest packed sequence that fits: candidate lengths of a 768p (1344 x 768) video at 24 fps, longest
-   first (345 frames = the authors' ~104k packed tokens); for each, the pack's own cache estimate for the FULL
-   50-block model (``memory.estimate_for_config``, preset 'fast', 2 CFG branches) is placed by the pack's own rule
-   (``cache.MetadataCache.decide`` with placement 'auto': GPU when it fits beside the full model's weights and a
-   measured activation peak, else CPU memory when host memory holds it), and the first length whose cache has a
-   place is used; the timed run uses that placement (so reuse steps pay the CPU->GPU prefetch if the plan says so);
+   first (345 frames = the authors' ~104k packed tokens); for each, the pack's own planner ``memory.plan_cache``
+   decides for the FULL 50-block model (preset 'fast', 2 CFG branches, residual precision 'auto': bf16, fp8, int4;
+   placement 'auto': GPU, else pinned CPU memory) with the GPU memory left beside the full model's weights and an
+   activation estimate, and the host memory available; the first length it does not leave dense is used, and
+   the timed run uses the planned residual precision and placement (so reuse steps pay the CPU->GPU prefetch if
+   the plan says so);
 4. samples with ``comfy.sample.sample`` (euler, simple, cfg 5; synthetic Qwen3-VL states ``[1, 256, 5120]``
    positive and negative; a NestedTensor AV latent as ``EmptyMiniMaxH3LatentAV`` makes): unpatched for
    ``--dense-steps`` steps, then patched with ``apply_mc_sparse(preset="fast")`` (the node as a user sets it, on
@@ -198,42 +199,36 @@ def video_tokens(vshape) -> int:
 
 def plan_length(env: Env, geo: dict, block_bytes: int, other_bytes: int, text_len: int, width: int, height: int,
                 device: torch.device, act_bytes_per_token: float, frames_list) -> dict:
-    """The longest candidate whose FULL-model cache the pack places (GPU or CPU) beside the full weights."""
+    """The longest candidate whose FULL-model cache the pack's own planner places (``memory.plan_cache``: residual
+    precision bf16 -> fp8 -> int4 and placement GPU -> pinned CPU memory, preset 'fast' on the published H3
+    schedule, 2 CFG branches, default headroom) beside the full model's weights and an activation estimate."""
     heads, head_dim = geo["num_attention_heads"], geo["attention_head_dim"]
-    settings = env.settings.build_settings(preset="fast", density=0.15, dense_warmup="auto", warmup_layers=1,
-                                           anchor_steps="auto", query_tile=128, cache_placement="auto",
-                                           backend="auto", min_tokens=4096, verbose=False)
     warm, anchors = env.minimax.h3_schedule(PUBLISHED_STEPS)
-    cfg = env.config.MCSparseConfig(density=settings.density, group_size=settings.group_size, warmup_steps=warm,
-                                    warmup_layers=1, anchor_steps=anchors, cache_placement="auto")
-    total_gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    cfg = env.config.MCSparseConfig(density=0.15, group_size=128, warmup_steps=warm, warmup_layers=1,
+                                    anchor_steps=anchors, cache_placement="auto", residual_dtype="auto")
+    total_gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     weights = geo["num_layers"] * block_bytes + other_bytes
-    try:
-        import psutil
-
-        host = int(psutil.virtual_memory().available)
-    except Exception:  # noqa: BLE001
-        host = 0
+    host = env.memory.host_memory()
     tried = []
     for frames in frames_list:
         vshape, ashape = av_shape(frames, width, height)
         tokens = video_tokens(vshape)
         packed = tokens + 2 * ashape[-1] + text_len
-        est = env.memory.estimate_for_config(cfg, heads=heads, head_dim=head_dim, layers=geo["num_layers"],
-                                             tokens=tokens, branches=2, batch=1)
-        act = int(act_bytes_per_token * packed)
-        free_full = total_gpu - weights - act
-        cache = env.cache.MetadataCache("auto", headroom_bytes=int(cfg.cache_headroom_gib * 2**30),
-                                        free_memory_fn=lambda d, f=free_full: max(0, f))
-        cache.expected_bytes = est.total_bytes + est.working_bytes
-        place = cache.decide(device) if device.type == "cuda" else "cpu"
-        fits = place == "gpu" or est.total_bytes <= 0.8 * host
-        tried.append({"frames": frames, "video_tokens": tokens, "packed_tokens": packed,
-                      "cache_gib_full_model": est.total_bytes / 2**30, "gpu_free_gib_full_model": free_full / 2**30,
-                      "placement": place, "fits": fits})
-        if fits and (free_full > 0 or device.type != "cuda"):
+        gpu_free = None if total_gpu is None else max(0, total_gpu - weights - int(act_bytes_per_token * packed))
+        plan = env.memory.plan_cache(cfg, heads=heads, head_dim=head_dim, layers=geo["num_layers"], tokens=tokens,
+                                     branches=2, batch=1, gpu_free=gpu_free, host=host, suggest=False)
+        row = {"frames": frames, "video_tokens": tokens, "packed_tokens": packed,
+               "gpu_free_gib_full_model": None if gpu_free is None else gpu_free / 2**30,
+               "host_available_gib": None if host is None else host.available / 2**30,
+               "residual": plan.residual_dtype, "placement": plan.placement,
+               "cache_gib_full_model": None if plan.estimate is None else plan.estimate.total_bytes / 2**30,
+               "dense_reason": plan.reason}
+        tried.append(row)
+        if not plan.dense:
+            label = {v: k for k, v in env.settings.RESIDUAL_PRECISIONS.items()}[plan.residual_dtype]
             return {"frames": frames, "vshape": vshape, "ashape": ashape, "video_tokens": tokens,
-                    "packed_tokens": packed, "placement": place, "tried": tried}
+                    "packed_tokens": packed, "placement": plan.placement, "residual_precision": label,
+                    "tried": tried}
     raise RuntimeError(f"no candidate length fits: {tried}")
 
 
@@ -395,6 +390,7 @@ def main(argv=None) -> int:
     ap.add_argument("--text-tokens", type=int, default=256)
     ap.add_argument("--frames", type=int, default=None, help="force one frame count (17k + 5)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: tiny dims, 64x64, 22 frames")
+    ap.add_argument("--residual-precision", default=None, help="force bf16 / fp8 / int4 instead of the plan's")
     ap.add_argument("--no-scoreboard", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -424,9 +420,11 @@ def main(argv=None) -> int:
                                    + 3 * geo["ffn_hidden_size"] + 4 * geo["hidden_size"])
         plan = plan_length(env, geo, info["block_bytes"], other, a.text_tokens, width, height, device, act_per_token,
                            frames)
+        if a.residual_precision:
+            plan["residual_precision"] = a.residual_precision
         result["plan"] = {k: v for k, v in plan.items()}
         print(f"plan: {plan['frames']} frames, {plan['video_tokens']} video / {plan['packed_tokens']} packed tokens, "
-              f"full-model cache -> {plan['placement']}", flush=True)
+              f"full-model cache -> {plan['placement']}, residual {plan['residual_precision']}", flush=True)
         dump()
         dense = timed_sample(env, base, steps=a.dense_steps, plan=plan, text_len=a.text_tokens, geo=geo,
                              device=device, seed=a.seed)
@@ -434,7 +432,8 @@ def main(argv=None) -> int:
         dump()
         if device.type == "cuda":
             result["prewarm_s"] = prewarm(env, geo, plan, device, dtype)
-        patch = {"preset": "fast", "cache_placement": plan["placement"]}
+        patch = {"preset": "fast", "cache_placement": plan["placement"],
+                 "residual_precision": plan["residual_precision"]}
         if a.tiny:  # the preset keeps videos under 4096 tokens dense: the smoke test uses its schedule by hand
             patch.update(preset="custom", density=0.15, dense_warmup="1", anchor_steps="1", warmup_layers=1,
                          min_tokens=0, query_tile=64)
@@ -465,7 +464,8 @@ def main(argv=None) -> int:
                 f"text {a.text_tokens}, audio {2 * plan['ashape'][-1]}); CFG 2 branches; preset fast (density 0.15, "
                 f"published H3 schedule {n_dense} dense + {n_anchor} anchor + {n_reuse} reuse of 49, block 0 dense); "
                 f"{a.blocks} of 50 blocks built and timed per block, full model = non-block + block 0 + 49 x mean "
-                f"sparse-eligible block, per step kind; cache placement {plan['placement']} (full-model plan)")
+                f"sparse-eligible block, per step kind; cache {plan['placement']}, residual "
+                f"{plan['residual_precision']} (the pack's memory.plan_cache for the full 50-block model)")
         result["note"] = note
         print(f"{KEY} = {speedup:.3f}x  (dense {d:.2f} s, anchor {an:.2f} s, reuse {re_:.2f} s per full-model step)",
               flush=True)
