@@ -349,9 +349,30 @@ class CachePlan:
     def dense(self) -> bool:
         return self.residual_dtype is None
 
+    def why_not(self, precision: str) -> str:
+        """Why ``precision`` does not fit (each placement tried), '' when it does: e.g. 'GPU working set 4.80 GiB >
+        4.00 GiB free after the headroom'."""
+        est = self.options[precision]
+        gpu_left = None if self.gpu_budget is None else self.gpu_budget - self.headroom
+        reasons = []
+        for placement in _PLACEMENT_ORDER[self.requested[1]]:
+            if _fit(est, placement, self.gpu_budget, self.host_budget, self.headroom):
+                return ""
+            if placement == "gpu":
+                reasons.append(f"cache + working set {_gb(est.total_bytes + est.working_bytes)} > GPU "
+                               f"{_gb(max(0, gpu_left))} free after the headroom")
+            elif gpu_left is not None and est.working_bytes > gpu_left:
+                reasons.append(f"in RAM: its GPU working set {_gb(est.working_bytes)} > {_gb(max(0, gpu_left))}")
+            else:
+                reasons.append(f"in RAM: > pin budget {_gb(self.host_budget)}")
+        return "; ".join(reasons)
+
     def describe(self) -> str:
-        """The decision in words: choice, sizes of each precision, the memory figures, what would fit."""
-        sizes = ", ".join(f"{PRECISION_LABELS.get(k, k)} {_gb(e.total_bytes)}" for k, e in self.options.items())
+        """The decision in words: choice, sizes of each precision (and why each better one does not fit), the memory
+        figures, what would fit."""
+        sizes = ", ".join(f"{PRECISION_LABELS.get(k, k)} {_gb(e.total_bytes)}" + (
+            f" ({self.why_not(k)})" if k != self.residual_dtype and self.why_not(k) else "")
+            for k, e in self.options.items())
         gpu = "GPU free unknown" if self.gpu_budget is None else f"GPU {_gb(self.gpu_budget)} free"
         host = ("host memory unknown (nothing pinned)" if self.host is None else
                 f"host pin budget {_gb(self.host_budget)} of {_gb(self.host.available)} available")

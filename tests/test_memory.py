@@ -141,6 +141,20 @@ def test_plan_decisions_from_free_memory_figures(gpu_free, available, residual, 
         assert plan.estimate == plan.options[plan.residual_dtype]
 
 
+def test_plan_line_says_why_each_better_precision_does_not_fit():
+    """24 GB card (8 GiB free) with 110 GiB of RAM at 720p: bf16 and fp8 fit the pin budget but their GPU working
+    sets (two decoded entries: 4.80 / 4.10 GiB) do not fit the 4 GiB left after the headroom, so auto takes int4;
+    the line says so."""
+    cfg = MCSparseConfig(density=0.25, warmup_layers=1)
+    plan = memory.plan_cache(cfg, gpu_free=8 * GIB, host=memory.HostMemory(110 * GIB, 128 * GIB), windows=False, **_720P)
+    assert (plan.residual_dtype, plan.placement) == ("int4", "cpu")
+    line = plan.describe()
+    assert "bf16 72.93 GiB (cache + working set" in line and "in RAM: its GPU working set 4.80 GiB > 4.00 GiB" in line
+    assert "in RAM: its GPU working set 4.10 GiB > 4.00 GiB" in line
+    small = memory.plan_cache(cfg, gpu_free=8 * GIB, host=memory.HostMemory(48 * GIB, 64 * GIB), windows=False, **_720P)
+    assert "fp8 45.69 GiB (cache + working set 49.79 GiB > GPU 4.00 GiB free after the headroom; in RAM: its GPU " in small.describe()
+
+
 def test_pin_budget_rule():
     """Pinned bytes: at most 75 % of the available host memory and available - headroom; 40 % of the total on
     Windows; nothing when the figures are unknown."""
