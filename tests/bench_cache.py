@@ -324,7 +324,7 @@ def write_scoreboard(rep, path: Path, out_dir: Path) -> None:
                      f"(GiB): {sizes}. Reuse output rel L1 vs dense on the synthetic workload (precision - bf16): {fid}"),
         }
     board.update(mine)
-    text = json.dumps(board, indent=1) + "\n"
+    text = json.dumps(board, indent=2) + "\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
