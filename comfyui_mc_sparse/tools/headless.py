@@ -375,7 +375,12 @@ def execute_prompt(prompt: dict) -> dict:
     if not valid[0]:
         raise ValueError(f"prompt does not validate: {valid[1]} {json.dumps(valid[3], default=str)[:2000]}")
     _state["latents"] = []
-    executor = execution.PromptExecutor(_ServerStub(), cache_type=execution.CacheType.CLASSIC)
+    import inspect
+
+    kwargs = {}
+    if "cache_args" in inspect.signature(execution.PromptExecutor).parameters:  # v0.33.0 reads cache_args["ram"]
+        kwargs["cache_args"] = {"lru": 0, "ram": 0.0, "ram_inactive": 0.0}  # main.py's defaults with no flags
+    executor = execution.PromptExecutor(_ServerStub(), cache_type=execution.CacheType.CLASSIC, **kwargs)
     executor.execute(prompt, pid, {}, valid[2])
     return {"success": executor.success, "messages": executor.status_messages, "latents": list(_state["latents"])}
 
