@@ -202,8 +202,8 @@ def speed_part(entry, wl, layers, budget_s, smoke, dev):
             times[n].append(timed(n))
     out = {"layers": layers, "rounds": rounds}
     for n, ms in times.items():
-        c = runners[n].cache
-        out[n] = {"median_ms": statistics.median(ms), "hits": c.hits, "misses": c.misses}
+        ld = runners[n].loader
+        out[n] = {"median_ms": statistics.median(ms), "hits": ld.hits, "misses": ld.misses}
     for p in ("bf16", "int4"):
         out[f"{p} cpu/gpu"] = out[f"{p} cpu"]["median_ms"] / out[f"{p} gpu"]["median_ms"]
         out[f"{p} outputs equal cpu vs gpu"] = bool(torch.equal(outs[f"{p} cpu"], outs[f"{p} gpu"]))
