@@ -1,9 +1,10 @@
 """MC-Sparse settings: one frozen, validated configuration per patched model.
 
 Sources: MC-Sparse (arXiv 2610.06801) sec. 3 (density, query tile C) and sec. 4 (schedule: dense warm-up
-steps and layers, anchor steps). Steps are 0-based indices within one sampler call's schedule: the paper's
-video setting "10 dense warm-up steps, anchors at steps 10 and 26 of 50" (1-based) is
-``warmup_steps=10, anchor_steps=(9, 25)``; the first anchor overlaps the last warm-up step.
+steps and layers, anchor steps). Steps are 0-based indices within one sampler call's schedule: the authors'
+published video setting "10 dense warm-up steps of 50, one anchor folded into the last of them" is
+``warmup_steps=10, anchor_steps=(9,)`` (the default); the paper's two-anchor setting (1-based steps 10 and 26)
+is ``anchor_steps=(9, 25)``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class MCSparseConfig:
     kv_tile: int = 64
     warmup_steps: int = 10
     warmup_layers: int = 0
-    anchor_steps: tuple[int, ...] = (9, 25)
+    anchor_steps: tuple[int, ...] = (9,)
     power_iters: int = 8
     residual: bool = True
     residual_dtype: str = "auto"

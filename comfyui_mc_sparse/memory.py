@@ -180,6 +180,9 @@ class SpeedupEstimate:
         attention_share: a. kernel_efficiency: e. steps: counts per step kind (over layers, in layer-steps).
         calibrated: the share came from a measurement of this model (else the 14B calibration).
         overhead: the reuse call's extra cost assumed (fraction of a dense attention).
+        anchors: anchor steps in the schedule. anchor_step_cost: one anchor step's time in dense steps.
+        anchor_share: the anchors' time beyond the dense attention their step runs anyway (pass 2 + top-K, one
+            sparse evaluation), as a fraction of the whole MC-Sparse run.
     """
 
     speedup: float
@@ -189,6 +192,9 @@ class SpeedupEstimate:
     steps: dict
     calibrated: bool
     overhead: float = 0.0
+    anchors: int = 0
+    anchor_step_cost: float = 1.0
+    anchor_share: float = 0.0
 
 
 def expected_speedup(
@@ -221,8 +227,13 @@ def expected_speedup(
     counts = count_steps(config, num_steps, num_layers)
     attention = sum(cost[kind] * n for kind, n in counts.items()) / num_layers  # in dense-attention steps
     total = num_steps * (1 - a) + a * attention
+    extra = cost[StepKind.ANCHOR] - cost[StepKind.DENSE]
+    anchor_layers = counts[StepKind.ANCHOR]
+    n_anchors = len([s for s in config.anchor_steps if s < num_steps])
+    per_step = 1.0 + a * extra * anchor_layers / max(1, n_anchors) / num_layers
     return SpeedupEstimate(num_steps / total, 1.0 / ((1 - a) + a * sparse), a, kernel_efficiency,
-                           {k.value: n for k, n in counts.items()}, calibrated, overhead)
+                           {k.value: n for k, n in counts.items()}, calibrated, overhead, n_anchors, per_step,
+                           a * extra * anchor_layers / num_layers / total)
 
 
 # --- messages -------------------------------------------------------------------------------------------------
@@ -259,6 +270,11 @@ def format_plan(est: CacheEstimate, speed: SpeedupEstimate | None = None, placem
             f"sparse kernel efficiency {speed.kernel_efficiency:.2f} assumed, cache decode {speed.overhead:.2f} of a "
             f"dense attention)"
         )
+        if speed.anchors:
+            line += (
+                f"; {speed.anchors} anchor step{'s' if speed.anchors > 1 else ''} at ~{speed.anchor_step_cost:.2f}x "
+                f"a dense step each, ~{speed.anchor_share:.1%} of the run (estimate)"
+            )
     return line
 
 

@@ -10,9 +10,10 @@ import math
 
 from .config import MCSparseConfig
 
-PAPER_STEPS = 50
-PAPER_WARMUP_STEPS = 10
-PAPER_ANCHORS_1_BASED = (10, 26)
+WARMUP_FRACTION = 0.2
+"""Dense warm-up share of the published schedule: the authors' public code (github dodododddo/mcsparse) runs 49
+steps, the first 10 dense, one anchor folded into the last dense step, block 0 dense (method.md "Schedule"; issue
+15). 20 % gives 10 steps at 49 and at 50."""
 
 
 class StepKind(enum.Enum):
@@ -43,17 +44,18 @@ def step_kind(config: MCSparseConfig, step: int, layer: int) -> StepKind:
 
 
 def paper_video_schedule(num_steps: int) -> tuple[int, tuple[int, ...]]:
-    """The paper's video schedule scaled to ``num_steps``: (warmup_steps, 0-based anchor_steps).
+    """The authors' published video schedule scaled to ``num_steps``: (warmup_steps, 0-based anchor_steps).
 
-    At 50 steps this is 10 warm-up steps and anchors (9, 25) (1-based 10 and 26). Fewer steps scale the
-    fractions 10/50 and 26/50 (rounded, at least one warm-up step); duplicate anchors collapse.
+    Dense warm-up = 20 % of the steps (rounded half up, at least one step), and ONE anchor folded into the last
+    warm-up step, so the anchor's dense output is that step's own: 50 steps -> (10, (9,)), 49 -> (10, (9,)),
+    20 -> (4, (3,)), 4 -> (1, (0,)). A second anchor (the paper's step 26 of 50, "20%, 52%") is an option of the
+    node's 'custom' preset, not of this schedule.
     Raises ValueError when num_steps < 1.
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    warmup = max(1, round(num_steps * PAPER_WARMUP_STEPS / PAPER_STEPS))
-    anchors = sorted({max(warmup, math.floor(num_steps * a / PAPER_STEPS + 0.5)) - 1 for a in PAPER_ANCHORS_1_BASED})
-    return warmup, tuple(a for a in anchors if a < num_steps) or (num_steps - 1,)
+    warmup = min(num_steps, max(1, math.floor(num_steps * WARMUP_FRACTION + 0.5)))
+    return warmup, (warmup - 1,)
 
 
 def count_steps(config: MCSparseConfig, num_steps: int, num_layers: int) -> dict[StepKind, int]:

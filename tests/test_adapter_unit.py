@@ -43,11 +43,24 @@ def test_build_settings_rejects_bad_inputs_naming_them():
 def test_resolve_schedule_scales_paper_and_percent():
     """auto = paper schedule scaled; percents resolve per sampler call; anchors past the end are dropped."""
     r = settings.resolve_schedule(_settings(), 50)
-    assert (r.warmup_steps, r.anchor_steps) == (10, (9, 25))
+    assert (r.warmup_steps, r.anchor_steps) == (10, (9,))
     r = settings.resolve_schedule(_settings(dense_warmup="20%", anchor_steps="20%, 52%"), 10)
-    assert (r.warmup_steps, r.anchor_steps) == (2, (1, 5))
+    assert (r.warmup_steps, r.anchor_steps) == (2, (1, 5))  # a second anchor is an option of custom
+    r = settings.resolve_schedule(_settings(dense_warmup="6"), 30)
+    assert (r.warmup_steps, r.anchor_steps) == (6, (5,))  # own warm-up, auto anchors: one, on its last step
     r = settings.resolve_schedule(_settings(dense_warmup="2", anchor_steps="2, 26"), 10)
     assert r.anchor_steps == (1,) and any("dropped" in n for n in r.notes)
+
+
+@pytest.mark.parametrize("preset,density", [("quality", 0.25), ("balanced", 0.20), ("fast", 0.15)])
+def test_presets_run_the_published_schedule(preset, density):
+    """Every preset: its density, 20 % dense warm-up, ONE anchor on the last warm-up step, block 0 dense; the
+    custom boxes (density, warm-up, warm-up layers, anchors) are ignored."""
+    s = _settings(preset=preset, density=0.9, dense_warmup="3", warmup_layers=5, anchor_steps="3, 26")
+    assert (s.density, s.warmup_layers, s.warmup, s.anchors) == (density, 1, None, None)
+    for steps, warmup in ((50, 10), (49, 10), (30, 6), (20, 4), (8, 2)):
+        r = settings.resolve_schedule(s, steps)
+        assert (r.warmup_steps, r.anchor_steps, r.notes) == (warmup, (warmup - 1,), ())
 
 
 @pytest.mark.parametrize("sampler_sigmas,sigma,expected", [

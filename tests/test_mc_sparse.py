@@ -57,13 +57,20 @@ def test_schedule_warmup_anchors_reuse():
     assert counts[StepKind.REUSE] == 39 and counts[StepKind.ANCHOR] == 2
 
 
-def test_paper_schedule_at_50_steps_is_the_papers():
-    """The paper's video schedule: 10 warm-up steps, anchors at 1-based steps 10 and 26."""
-    assert schedule.paper_video_schedule(50) == (10, (9, 25))
+def test_published_schedule_has_one_anchor_folded_into_the_last_warmup_step():
+    """The authors' published schedule: 20 % dense warm-up (10 of 49 or 50), ONE anchor on its last step."""
+    assert schedule.paper_video_schedule(50) == (10, (9,))
+    assert schedule.paper_video_schedule(49) == (10, (9,))
+    assert schedule.paper_video_schedule(20) == (4, (3,))
+    assert schedule.paper_video_schedule(1) == (1, (0,))
     for n in range(1, 80):
         warmup, anchors = schedule.paper_video_schedule(n)
         MCSparseConfig(warmup_steps=warmup, anchor_steps=anchors)  # always valid
-        assert all(0 <= a < n for a in anchors)
+        assert anchors == (warmup - 1,) and 1 <= warmup <= n and abs(warmup - 0.2 * n) <= 0.5 + (n < 5)
+    cfg = MCSparseConfig()  # the default is the published schedule at 50 steps
+    counts = schedule.count_steps(cfg, 50, 1)
+    assert (cfg.warmup_steps, cfg.anchor_steps) == (10, (9,))
+    assert counts == {StepKind.DENSE: 9, StepKind.ANCHOR: 1, StepKind.REUSE: 40}
 
 
 @pytest.mark.parametrize("density,S,tile,K", [(0.25, 1000, 64, 256), (0.2, 100, 64, 64), (1.0, 190, 64, 190), (0.9, 100, 64, 100), (0.01, 5, 64, 5)])

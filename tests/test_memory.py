@@ -213,9 +213,28 @@ def test_dense_run_says_why_before_it_starts_and_names_what_fits(gen):
 def test_expected_speedup_reproduces_performance_md(heads, tokens, layers, density, eff, expected):
     """The paper's 50-step schedule with the measured attention shares gives performance.md's ideal speedups."""
     share, calibrated = memory.attention_share(heads, 128, tokens)
-    cfg = MCSparseConfig(density=density)  # 10 warm-up steps, anchors (9, 25)
+    cfg = MCSparseConfig(density=density, anchor_steps=(9, 25))  # performance.md: the paper's two anchors
     sp = memory.expected_speedup(cfg, num_steps=50, num_layers=layers, attention_share=share, kernel_efficiency=eff)
     assert calibrated and sp.speedup == pytest.approx(expected, abs=0.006)
+
+
+def test_plan_line_says_what_the_anchors_cost():
+    """The published schedule (one anchor folded into the last warm-up step) costs one anchor; a second anchor
+    doubles the anchors' share of the run; the plan line states both figures."""
+    share, _ = memory.attention_share(40, 128, 75600)
+    one = memory.expected_speedup(MCSparseConfig(density=0.15, warmup_layers=1), num_steps=50, num_layers=40,
+                                  attention_share=share)
+    two = memory.expected_speedup(MCSparseConfig(density=0.15, warmup_layers=1, anchor_steps=(9, 25)), num_steps=50,
+                                  num_layers=40, attention_share=share)
+    # anchor step = 1 + a * (0.5 + s/e) * 39/40 dense steps; with 10 dense + 1 anchor (its step dense anyway)
+    per_step = 1 + share * (memory.SELECTION_PASS_COST + 0.15 / memory.DEFAULT_KERNEL_EFFICIENCY) * 39 / 40
+    assert one.anchors == 1 and two.anchors == 2
+    assert one.anchor_step_cost == pytest.approx(per_step) and two.anchor_step_cost == pytest.approx(per_step)
+    assert two.anchor_share == pytest.approx(2 * one.anchor_share * two.speedup / one.speedup, rel=1e-9)
+    assert one.speedup > two.speedup and 0.01 < one.anchor_share < 0.03
+    est = memory.estimate_cache(heads=40, head_dim=128, layers=39, tokens=75600, branches=2, density=0.15)
+    line = memory.format_plan(est, one)
+    assert f"1 anchor step at ~{per_step:.2f}x a dense step each, ~{one.anchor_share:.1%} of the run" in line
 
 
 def test_attention_share_scales_with_tokens():

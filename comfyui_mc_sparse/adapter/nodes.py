@@ -44,8 +44,10 @@ class MCSparsePatch(io.ComfyNode):
                 io.Combo.Input(
                     "preset", options=list(PRESET_NAMES), default="balanced",
                     tooltip="quality = 25% density, balanced = 20%, fast = 15% (paper: 15-25% keeps PSNR ~28-33 dB "
-                            "at 1.5-2x faster denoising). The presets use the paper's schedule scaled to your step "
-                            "count and ignore the density / warm-up / anchor boxes; pick custom to use them.",
+                            "at 1.5-2x faster denoising). The presets use the authors' published schedule scaled to "
+                            "your step count: the first 20% of the steps dense, one anchor on the last of them, "
+                            "block 0 dense. They ignore the density / warm-up / warm-up layers / anchor boxes; pick "
+                            "custom to use them (e.g. a second anchor).",
                 ),
                 io.Float.Input(
                     "density", default=0.2, min=0.05, max=1.0, step=0.01, display_mode=io.NumberDisplay.slider,
@@ -56,20 +58,22 @@ class MCSparsePatch(io.ComfyNode):
                     "dense_warmup", default="auto",
                     tooltip="custom only: how many first steps run normal attention: a step count ('10') or a "
                             "percent of the sampler's steps ('20%'). auto: with auto anchors, 20% of the steps "
-                            "(paper: 10 of 50); with your own anchors, every step up to and including the first "
+                            "(published: 10 of 50); with your own anchors, every step up to and including the first "
                             "anchor (anchors '5, 26' -> 5 steps; '30, 40' -> 30), since sparse steps need an "
                             "anchor before them.",
                 ),
                 io.Int.Input(
                     "warmup_layers", default=1, min=0, max=100,
-                    tooltip="The first N transformer blocks always run normal attention (they are the most "
-                            "sensitive). 1 is a good default.",
+                    tooltip="custom only (presets: 1): the first N transformer blocks always run normal attention "
+                            "(they are the most sensitive). 1 is a good default.",
                 ),
                 io.String.Input(
                     "anchor_steps", default="auto",
                     tooltip="custom only: steps (1-based, as in the progress bar) where MC-Sparse re-measures "
-                            "which tokens matter, e.g. '10, 26' for 50 steps, or percents '20%, 52%'. auto = the "
-                            "paper's 10 and 26 of 50, scaled (with your own warm-up: its last step and 52%). Each "
+                            "which tokens matter, e.g. '10' for 50 steps, or percents '20%'. auto = one anchor on "
+                            "the last dense warm-up step (10 of 50), which costs little since that step is dense "
+                            "anyway. A second anchor ('10, 26' or '20%, 52%') costs about one more anchor step "
+                            "(~2-3% of a 50-step run) and may help if late quality sags. Each "
                             "KSampler counts its own steps. An anchor before the warm-up's last step: with both "
                             "boxes in the same unit (steps and steps, or % and %) the node stops with an error; "
                             "with mixed units it moves to the warm-up's last step and the run summary notes it.",

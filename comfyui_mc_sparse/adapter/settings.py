@@ -21,7 +21,12 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 PRESETS: dict[str, float] = {"quality": 0.25, "balanced": 0.20, "fast": 0.15}
-"""Preset -> density. 25 % and 15 % are the paper's reported video settings (method.md results table)."""
+"""Preset -> density. 25 % and 15 % are the paper's reported video settings (method.md results table). Every
+preset runs the authors' published schedule scaled to the sampler call (``schedule.paper_video_schedule``: dense
+warm-up 20 % of the steps, one anchor folded into its last step) with block 0 dense (``PRESET_WARMUP_LAYERS``)."""
+
+PRESET_WARMUP_LAYERS = 1
+"""Dense warm-up layers of every preset: block 0 always dense, as in the authors' published configuration."""
 
 PRESET_NAMES = ("quality", "balanced", "fast", "custom")
 CACHE_PLACEMENTS = ("auto", "gpu", "cpu")
@@ -34,9 +39,6 @@ priority first; an unavailable one is still listed and falls back with its reaso
 "torch_gpu", which implements only the query grouping and is picked by every choice for that op.
 ``tests/test_adapter_inputs.py`` checks the two stay equal."""
 GROUP_SIZES = (64, 128)
-
-# The paper's second video anchor, 1-based step 26 of 50 (method.md "Schedule"), as a fraction of the run.
-_PAPER_SECOND_ANCHOR = 26 / 50
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,9 @@ class PatchSettings:
         preset: one of ``PRESET_NAMES`` (informational once resolved).
         density: fraction of KV tokens kept per query group, in (0, 1].
         group_size: query tile C, 64 or 128 tokens.
-        warmup: dense warm-up length (steps or percent); None = the paper's schedule scaled to the call.
-        warmup_layers: number of leading transformer blocks that always run dense (>= 0).
-        anchors: anchor steps (1-based steps or percents); None = the paper's schedule scaled to the call.
+        warmup: dense warm-up length (steps or percent); None = the published schedule scaled to the call.
+        warmup_layers: number of leading transformer blocks that always run dense (>= 0; presets: 1).
+        anchors: anchor steps (1-based steps or percents); None = the published schedule's one anchor.
         cache_placement: "auto", "gpu" or "cpu": where cached indices/residuals live between steps.
         residual_precision: "auto", "bf16", "fp8" or "int4" (``RESIDUAL_PRECISIONS``): how the residual is stored.
         memory_headroom_gib: GiB the cache leaves free for ComfyUI on the GPU and in host memory, >= 0.
@@ -181,8 +183,9 @@ def build_settings(
 ) -> PatchSettings:
     """Validate the node's widget values and return ``PatchSettings``.
 
-    With a preset other than "custom", density comes from ``PRESETS`` and warm-up/anchors are the paper's
-    video schedule scaled to each sampler call (the density, warm-up and anchor widgets are ignored).
+    With a preset other than "custom", density comes from ``PRESETS``, warm-up/anchors are the published
+    schedule scaled to each sampler call (one anchor folded into the last dense warm-up step) and block 0 is
+    dense (``PRESET_WARMUP_LAYERS``): the density, warm-up, warm-up layers and anchor widgets are ignored.
 
     Raises:
         ValueError / TypeError: naming the input, the accepted range and the value got.
@@ -205,9 +208,10 @@ def build_settings(
             or not 0.0 <= memory_headroom_gib <= MAX_HEADROOM_GIB):
         raise ValueError(f"memory headroom must be a number of GiB in [0, {MAX_HEADROOM_GIB:g}], got {memory_headroom_gib!r}")
     if preset != "custom":
-        # A preset ignores the density / warm-up / anchor boxes entirely (not even validated): its density
-        # and the paper's schedule scaled to each sampler call.
+        # A preset ignores the density / warm-up / warm-up layers / anchor boxes entirely (not even validated):
+        # its density and the published schedule scaled to each sampler call, block 0 dense.
         density, warmup, anchors = PRESETS[preset], None, None
+        warmup_layers = PRESET_WARMUP_LAYERS
     else:
         if not isinstance(density, (int, float)) or isinstance(density, bool):
             raise TypeError(f"density must be a number in (0, 1], got {type(density).__name__}")
@@ -271,9 +275,9 @@ class ResolvedSchedule:
 def resolve_schedule(settings: PatchSettings, num_steps: int) -> ResolvedSchedule:
     """Turn the settings' warm-up/anchor specs into concrete 0-based steps for a call of ``num_steps`` steps.
 
-    ``auto`` uses ``schedule.paper_video_schedule(num_steps)`` (the paper's 50-step video configuration scaled).
-    A warm-up without anchors gets anchors at its last step and at 52 % (the paper's step 26 of 50); anchors
-    without a warm-up get a warm-up ending at the first anchor. Anchors inside the warm-up move to its last
+    ``auto`` uses ``schedule.paper_video_schedule(num_steps)`` (the published configuration scaled: 20 % dense
+    warm-up, one anchor at its last step). A warm-up without anchors gets one anchor at its last step; anchors
+    without a warm-up get a warm-up ending at the first anchor (a second anchor is typed, e.g. "20%, 52%"). Anchors inside the warm-up move to its last
     step (which is an anchor anyway); anchors past the end of the call are dropped; both are noted.
 
     Raises:
@@ -304,9 +308,8 @@ def resolve_schedule(settings: PatchSettings, num_steps: int) -> ResolvedSchedul
         else:
             warmup_steps = (anchors[0] + 1) if anchors else num_steps
         if anchors is None:
-            first = max(0, warmup_steps - 1)
-            second = max(0, math.ceil(_PAPER_SECOND_ANCHOR * num_steps) - 1)
-            anchors = tuple(sorted({a for a in (first, second) if a < num_steps}))
+            first = max(0, min(warmup_steps, num_steps) - 1)
+            anchors = (first,)
     warmup_steps = min(int(warmup_steps), num_steps)
     if anchors and warmup_steps > 0 and anchors[0] < warmup_steps - 1:
         moved = [a for a in anchors if a < warmup_steps - 1]
