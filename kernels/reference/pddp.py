@@ -87,3 +87,28 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8) -> to
 def _halves(start: int, n: int, group_size: int) -> list[tuple[int, int]]:
     left, right = split_sizes(n, group_size)
     return [(start, left), (start + left, right)]
+
+
+
+def within_group_variance(q: torch.Tensor, perm: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Mean within-group query variance of a grouping (lower is better): the grouping-quality measure.
+
+    Args:
+        q: ``[B, H, S, D]`` queries (any float dtype; computed in float64 on q's device).
+        perm: int32 ``[B, H, G*C]`` groups as ``pddp_groups`` returns them. group_size: C.
+    Returns:
+        float64 ``[B, H]``: per head, the mean over its S queries of the squared distance to their group's mean
+        (the -1 padding slots of the last group excluded).
+    """
+    B, H, S, D = q.shape
+    G = perm.shape[-1] // group_size
+    out = torch.empty(B, H, dtype=torch.float64, device=q.device)
+    for b in range(B):
+        for h in range(H):
+            slots = perm[b, h].long().reshape(G, group_size)
+            valid = (slots >= 0).unsqueeze(-1)
+            rows = q[b, h].double()[slots.clamp_min(0)] * valid  # [G, C, D]
+            n = valid.sum(1).clamp_min(1)
+            mean = rows.sum(1) / n
+            out[b, h] = (((rows - mean.unsqueeze(1)) * valid) ** 2).sum() / S
+    return out

@@ -10,10 +10,11 @@ reason. Capabilities (checked by ``refuse`` before any launch):
 - head dim: a power of two in [16, 256];
 - any group size C, any K_alloc, any S (ragged tails masked).
 
-Ops: ``sparse_attention`` (``sparse_attention.py``), ``group_prob_sums`` and ``select_kv`` (``selection.py``),
-``decode_bitmask`` (``bitmask.py``; any CUDA device, the uint8 bitmask in place of q in ``refuse``).
-Dense pass 1 is not here: it belongs to the SDPA and flash-attn-4 backends; the GPU query grouping
-(``pddp_groups``) is torch ops, in its own backend ``kernels/torch_gpu``.
+Ops: ``sparse_attention`` (``sparse_attention.py``), ``group_prob_sums`` and ``select_kv`` (``selection.py``: pass 2,
+then the radix top-K of ``topk.py``), ``decode_bitmask`` (``bitmask.py``; any CUDA device, the uint8 bitmask in place
+of q in ``refuse``), ``pddp_groups`` (``grouping.py``: Triton PDDP, directions from a subsample, one projection pass
+per tree level through the permutation, no host syncs; the torch-ops grouping is the separate backend
+``kernels/torch_gpu``). Dense pass 1 is not here: it belongs to the SDPA and flash-attn-4 backends.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import triton  # noqa: F401  (an ImportError here marks the backend unavailable)
 
 from ..registry import Backend, register
 from .bitmask import decode_bitmask
+from .grouping import pddp_groups
 from .selection import group_prob_sums, select_kv
 from .sparse_attention import sparse_attention
 
-__all__ = ["decode_bitmask", "group_prob_sums", "refuse", "select_kv", "sparse_attention"]
+__all__ = ["decode_bitmask", "group_prob_sums", "pddp_groups", "refuse", "select_kv", "sparse_attention"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 # triton picks the interpreter when a kernel is decorated, i.e. when this package is imported
@@ -73,6 +75,7 @@ register(
         ops={
             "sparse_attention": sparse_attention, "group_prob_sums": group_prob_sums, "select_kv": select_kv,
             "decode_bitmask": decode_bitmask,
+            "pddp_groups": pddp_groups,
         },
         refuse=refuse,
     )

@@ -10,8 +10,9 @@ LSE*log2(e))``, and the group sum is a row sum of ``p^T`` (in-thread and intra-w
 Keys are read un-permuted, so the K loads are plain contiguous tiles. Padded query slots get LSE = +inf, so they
 add exactly 0; key positions past Sk are masked on load and never stored.
 
-``select_kv`` runs this kernel on chunks of heads (bounded scratch: ``_SCRATCH_BYTES``) and keeps each group's
-top-K with ``torch.topk(sorted=False)`` + ``torch.sort`` (ties broken as torch.topk breaks them).
+``select_kv`` runs this kernel on chunks of heads (bounded scratch: ``_SCRATCH_BYTES``, sums stored in float16)
+and keeps each group's top-K with the radix select of ``topk.py``, which writes the sorted, -1-padded selection
+rows directly (ties: the lower token index wins; no global sort, no host sync).
 
 Expected agreement with ``kernels.reference.group_prob_sums``: relative error ~1e-3 for bf16/fp16 inputs against
 a float64 reference (the QK^T product is exact in fp32 accumulation; the error is exp2's and the inputs'), not
@@ -25,6 +26,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from .topk import top_k_rows
 
 _LOG2E = 1.4426950408889634
 _SCRATCH_BYTES = 1 << 30  # fp32 group-sum scratch per head chunk in select_kv: 1 GiB (14B 720p: 5 heads)
@@ -160,14 +163,15 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     return out
 
 
-def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=False):
+def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=False,
+              block_n=None, num_warps=None, num_stages=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
     kept in fp16 there (values in [0, C], relative precision 2^-11: enough to rank; halves the top-K traffic): at
-    Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. The top-K positions are marked in a boolean
-    mask and read back in ascending order with ``torch.nonzero_static`` (cheaper than sorting K indices per group,
-    and no host sync). ``heads_per_chunk`` overrides the chunk size.
+    Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. ``topk.top_k_rows`` then writes each group's
+    row of the selection in place: the K largest float16 sums (ties: lower token index first), ascending, then -1.
+    ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages`` tune pass 2.
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -177,20 +181,14 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     G = perm.shape[-1] // C
     SK = k.shape[2]
     k_alloc = -(-num_keys // kv_tile) * kv_tile
-    out = torch.full((B, H, G, k_alloc), -1, dtype=torch.int32, device=q.device)
-    per_head = G * SK * 3  # fp16 sums + bool mask
-    hc = heads_per_chunk or max(1, min(H, _SCRATCH_BYTES // per_head))
+    out = torch.empty((B, H, G, k_alloc), dtype=torch.int32, device=q.device)  # every slot written by top_k_rows
+    hc = heads_per_chunk or max(1, min(H, _SCRATCH_BYTES // (B * G * SK * 2)))
     scratch = torch.empty(B, hc, G, SK, dtype=torch.float16, device=q.device)
-    mask = torch.empty(B, hc, G, SK, dtype=torch.bool, device=q.device)
     for h0 in range(0, H, hc):
         h1 = min(H, h0 + hc)
         sums = group_prob_sums(
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
-            out=scratch[:, : h1 - h0], poly=poly,
+            out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
         )
-        top = torch.topk(sums, num_keys, dim=-1, sorted=False).indices  # [B, h, G, K] int64
-        m = mask[:, : h1 - h0]
-        m.zero_().scatter_(-1, top, True)
-        flat = torch.nonzero_static(m.reshape(-1), size=top.numel()).reshape(top.shape)  # row-major: ascending
-        out[:, h0:h1, :, :num_keys] = (flat % SK).to(torch.int32)
+        top_k_rows(sums, num_keys, k_alloc, out=out[:, h0:h1])
     return out
