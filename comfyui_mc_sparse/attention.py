@@ -20,7 +20,6 @@ from .config import HEAD_DIMS, MCSparseConfig
 from .selection import keys_for_density
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_PLAIN_RESIDUALS = ("bfloat16", "float16", "float32")
 
 
 class NonFiniteInputError(ValueError):
@@ -106,11 +105,10 @@ def anchor_attention(
     residual = None
     if config.residual:
         sparse = _sparse(q, k, v, perm, kv_idx, extra_kv, scale, backend)
-        # quantised storage (fp8, int4): float32 here, ``encoding.encode_residual`` quantises it (cache.py); 'auto'
-        # unresolved (no plan) is bf16
+        # 'auto' unresolved (no plan) is bf16; quantised storage (fp8, int4) gets R in the outputs' dtype and
+        # ``encoding.encode_residual`` quantises it in fp32 row chunks (cache.py)
         name = "bfloat16" if config.residual_dtype == "auto" else config.residual_dtype
-        store = getattr(torch, name) if name in _PLAIN_RESIDUALS else torch.float32
-        residual = (out.float() - sparse.float()).to(store)
+        residual = _residual(out, sparse, name)
     return out, CacheEntry(perm=perm, kv_idx=kv_idx, residual=residual, num_keys=num_keys, shape=tuple(q.shape))
 
 
@@ -173,6 +171,17 @@ def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2
     w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
     merged = (o1.float() * w1.unsqueeze(-1) + o2.float() * w2.unsqueeze(-1)) / (w1 + w2).unsqueeze(-1)
     return merged.to(o1.dtype)
+
+
+def _residual(dense: torch.Tensor, sparse: torch.Tensor, dtype_name: str) -> torch.Tensor:
+    """R = O_dense - O_sparse in one elementwise pass, written over ``sparse`` (the anchor's own buffer): no fp32
+    copy of either tensor. Stored as ``dtype_name`` when that is a plain float dtype (float32 computes in float32);
+    quantised forms (fp8, int4, 'auto') get R in the outputs' dtype and ``encoding`` quantises it (cache.py)."""
+    store = getattr(torch, dtype_name, None)
+    if store == torch.float32 and dense.dtype != torch.float32:
+        return torch.sub(dense.float(), sparse)
+    torch.sub(dense, sparse, out=sparse)
+    return sparse if store not in (torch.float16, torch.bfloat16) or store == sparse.dtype else sparse.to(store)
 
 
 def _sparse(q, k, v, perm, kv_idx, extra_kv, scale, backend):

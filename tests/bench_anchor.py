@@ -58,9 +58,10 @@ C = 128
 D = 128
 KV_TILE = 128
 DENSITIES = (0.1, 0.15, 0.25, 0.5)
-PASS2_CONFIGS = {  # (block_n, num_warps, num_stages)
-    "bn64 w4 st3": (64, 4, 3), "bn128 w8 st3": (128, 8, 3), "bn128 w8 st2": (128, 8, 2), "bn64 w8 st4": (64, 8, 4),
-    "bn128 w4 st3": (128, 4, 3),
+PASS2_CONFIGS = {  # (block_n, num_warps, num_stages, hand-pipelined kernel)
+    "bn64 w4 st3": (64, 4, 3, False), "bn128 w8 st3": (128, 8, 3, False), "bn64 w8 st4": (64, 8, 4, False),
+    "pipelined bn64 w4 st3": (64, 4, 3, True), "pipelined bn64 w8 st3": (64, 8, 3, True),
+    "pipelined bn128 w8 st2": (128, 8, 2, True),
 }
 
 
@@ -130,24 +131,27 @@ def run_shape(name, H, grid, rep, log):
     res["select_exact_vs_bruteforce_fp16_sums"] = exact
     log(f"{name} select_kv == brute-force top-K of its float16 sums: {exact}")
     hc = min(H, 4)
-    for cname, (bn, w, st) in PASS2_CONFIGS.items():
+    sums_ref = selection.group_prob_sums(q[:, :1], k[:, :1], lse[:, :1], perm[:, :1], group_size=C)
+    for cname, (bn, w, st, pipe) in PASS2_CONFIGS.items():
         try:
-            fn = (lambda bn, w, st: lambda: selection.group_prob_sums(
+            fn = (lambda bn, w, st, pipe: lambda: selection.group_prob_sums(
                 q[:, :hc], k[:, :hc], lse[:, :hc], perm[:, :hc], group_size=C, block_n=bn, num_warps=w,
-                num_stages=st))(bn, w, st)
-            fn()
+                num_stages=st, pipelined=pipe))(bn, w, st, pipe)
+            got = fn()[:, :1]
+            if float((got - sums_ref).norm() / sums_ref.norm()) > 1e-3:  # a config must compute the same sums
+                raise AssertionError(f"sums differ from the default config by {float((got - sums_ref).norm() / sums_ref.norm()):.2e}")
             res["pass2_sweep"][cname] = bench(fn, rep) * H / hc / best
         except Exception as err:  # out of resources for this config
             res["pass2_sweep"][cname] = f"{type(err).__name__}: {str(err)[:100]}"
         log(f"{name} pass 2 {cname}: {res['pass2_sweep'][cname]} of dense (extrapolated from {hc} heads)")
     timed = {c: r for c, r in res["pass2_sweep"].items() if isinstance(r, float)}
     pick = min(timed, key=timed.get)
-    bn, w, st = PASS2_CONFIGS[pick]
+    bn, w, st, pipe = PASS2_CONFIGS[pick]
     res["pass2_config"] = pick
     for s in DENSITIES:
         kq = int(s * S)
         fn = (lambda kq: lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, block_n=bn,
-                                                     num_warps=w, num_stages=st))(kq)
+                                                     num_warps=w, num_stages=st, pipelined=pipe))(kq)
         ms = bench(fn, rep)
         res["select"][str(s)] = dict(ms=ms, over_dense=ms / best)
         log(f"{name} pass 2 + top-K s={s} ({pick}): {ms:.2f} ms = {ms / best:.3f} of dense")

@@ -115,13 +115,60 @@ def _group_prob_sums_fwd(
         tl.store(s_base + keys.to(tl.int64) * stride_sn, col.to(SUMS.dtype.element_ty), mask=k_ok)
 
 
+@triton.jit
+def _group_prob_sums_pipelined(
+    Q, K, LSE, PERM, SUMS,
+    sm_scale_log2,
+    H, S, SK, n_slots, C,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_lb, stride_lh, stride_ls,
+    stride_sb, stride_sh, stride_sg, stride_sn,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``_group_prob_sums_fwd`` for C <= BLOCK_M, software-pipelined by hand: the QK^T product of key tile n+1 is
+    issued before the exponentials and column sums of tile n, so the (asynchronous) MMA can overlap them."""
+    group = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    perm_base = PERM + bh.to(tl.int64) * n_slots + group.to(tl.int64) * C
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    l_base = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    s_base = SUMS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + group.to(tl.int64) * stride_sg
+    q_idx = tl.load(perm_base + offs_m, mask=offs_m < C, other=-1)
+    q_valid = (q_idx >= 0) & (q_idx < S)
+    q_rows = tl.where(q_valid, q_idx, 0).to(tl.int64)
+    qt = tl.trans(tl.load(q_base + q_rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_valid[:, None],
+                          other=0.0))
+    lse2 = tl.load(l_base + q_rows * stride_ls, mask=q_valid, other=float("inf")) * 1.4426950408889634
+    k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                mask=(offs_n < SK)[:, None], other=0.0)
+    st = tl.dot(k, qt)
+    for n0 in range(BLOCK_N, SK + BLOCK_N, BLOCK_N):
+        keys = n0 + offs_n
+        k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                    mask=(keys < SK)[:, None], other=0.0)
+        st_next = tl.dot(k, qt)  # tile n+1 (all-masked past Sk: never stored)
+        col = tl.sum(tl.math.exp2(st * sm_scale_log2 - lse2[None, :]), 1)
+        prev = keys - BLOCK_N
+        tl.store(s_base + prev.to(tl.int64) * stride_sn, col.to(SUMS.dtype.element_ty), mask=prev < SK)
+        st = st_next
+
+
 def _config(head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages), tuned on an H200 at D = 128, C = 128 (docs/kernels.md)."""
     return (64, 4, 3)
 
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
-                    num_stages=None, exp_f16=False, poly=False):
+                    num_stages=None, exp_f16=False, poly=False, pipelined=False):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -129,7 +176,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         perm: int32 ``[B, H, G*C]``; group_size: C (any C >= 1); scale: None means 1/sqrt(D).
         out: optional ``[B, H, G, Sk]`` buffer to write into (any strides), fp32, or fp16 for select_kv's
         scratch; block_n, num_warps, num_stages: tuning overrides; exp_f16: packed half-precision exp2 (CUDA only);
-        poly: half the exponentials by polynomial on the FMA pipe (benchmarks).
+        poly: half the exponentials by polynomial on the FMA pipe (benchmarks); pipelined: the hand-pipelined
+        kernel (the next key tile's QK^T issued before this tile's exponentials; C <= 128, else ignored).
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
@@ -152,6 +200,14 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     block_m = min(128, max(16, triton.next_power_of_2(C)))
     bn, warps, stages = _config(D)
     perm = perm.contiguous()
+    if pipelined and C <= block_m:
+        _group_prob_sums_pipelined[(G, B * H)](
+            q, k, lse, perm, out, scale * _LOG2E, H, S, SK, n_slots, C,
+            *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
+            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, num_warps=num_warps or warps,
+            num_stages=num_stages or stages,
+        )
+        return out
     _group_prob_sums_fwd[(G, B * H)](
         q, k, lse, perm, out,
         scale * _LOG2E,
@@ -164,14 +220,15 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
 
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=False,
-              block_n=None, num_warps=None, num_stages=None):
+              block_n=None, num_warps=None, num_stages=None, pipelined=False):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
     kept in fp16 there (values in [0, C], relative precision 2^-11: enough to rank; halves the top-K traffic): at
     Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. ``topk.top_k_rows`` then writes each group's
     row of the selection in place: the K largest float16 sums (ties: lower token index first), ascending, then -1.
-    ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages`` tune pass 2.
+    ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined`` tune
+    pass 2 (see ``group_prob_sums``).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -189,6 +246,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
         sums = group_prob_sums(
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+            pipelined=pipelined,
         )
         top_k_rows(sums, num_keys, k_alloc, out=out[:, h0:h1])
     return out

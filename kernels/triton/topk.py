@@ -49,7 +49,7 @@ def _radix_topk_rows(
     offs0 = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
 
-    zero = num_keys * 0  # int32 scalar: loop-carried counters start as tensors
+    zero = tl.program_id(0) * 0  # int32 scalar tensor (num_keys may be specialised to a constexpr 1)
     prefix = zero  # the digits of the K-th largest key found so far, in place
     need = num_keys  # how many of the entries matching the prefix are still to be kept
     for p in tl.static_range(KEY_BITS // 8):
