@@ -20,6 +20,7 @@ Writes ``<out>/bench_anchor.json``, and the scoreboard keys ``pass2_topk_over_de
 back) and a copy of that file to ``<out>/scoreboard.json``.
 
 Usage (from the checkout root): python tests/bench_anchor.py --out OUT [--shapes 1.3b,14b] [--rep 300]
+``--smoke`` runs every code path once on a tiny shape on the CPU (Triton interpreter; no timing, no scoreboard).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from comfyui_mc_sparse_pack.kernels.reference.pddp import within_group_variance 
 from comfyui_mc_sparse_pack.kernels.reference.topk import top_k_rows as ref_top_k_rows  # noqa: E402
 from comfyui_mc_sparse_pack.kernels.triton import grouping, selection  # noqa: E402
 
-SHAPES = {"1.3b": dict(H=12, grid=(21, 30, 52)), "14b": dict(H=40, grid=(21, 45, 80))}
+SHAPES = {"1.3b": dict(H=12, grid=(21, 30, 52)), "14b": dict(H=40, grid=(21, 45, 80)), "smoke": dict(H=2, grid=(2, 4, 33))}
+DEVICE = "cuda"
 SCORE_SHAPE = {"1.3b": "wan13b_480p", "14b": "wan14b_720p"}
 C = 128
 D = 128
@@ -66,19 +68,23 @@ PASS2_CONFIGS = {  # (block_n, num_warps, num_stages, hand-pipelined kernel)
 
 
 def bench(fn, rep_ms):
+    if DEVICE == "cpu":  # --smoke: run once, time roughly
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1000
     return triton.testing.do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
 
 
 def structured_q(H, grid, gen):
     """[1, H, S, D] bf16 queries: per head a smooth random function of (frame, row, column) plus noise."""
     F, Y, X = grid
-    pos = torch.stack(torch.meshgrid(*(torch.arange(n, device="cuda", dtype=torch.float32) for n in grid),
-                                     indexing="ij"), -1).reshape(-1, 3) / torch.tensor([F, Y, X], device="cuda")
+    pos = torch.stack(torch.meshgrid(*(torch.arange(n, device=DEVICE, dtype=torch.float32) for n in grid),
+                                     indexing="ij"), -1).reshape(-1, 3) / torch.tensor([F, Y, X], device=DEVICE)
     heads = []
     for _ in range(H):
-        freqs = torch.randn(3, D, device="cuda", generator=gen) * 6.0
-        lin = torch.randn(3, D, device="cuda", generator=gen)
-        heads.append(torch.sin(pos @ freqs) + pos @ lin + 0.3 * torch.randn(pos.shape[0], D, device="cuda", generator=gen))
+        freqs = torch.randn(3, D, device=DEVICE, generator=gen) * 6.0
+        lin = torch.randn(3, D, device=DEVICE, generator=gen)
+        heads.append(torch.sin(pos @ freqs) + pos @ lin + 0.3 * torch.randn(pos.shape[0], D, device=DEVICE, generator=gen))
     return torch.stack(heads).unsqueeze(0).to(torch.bfloat16)
 
 
@@ -91,9 +97,9 @@ def dense_fns():
 def run_shape(name, H, grid, rep, log):
     S = math.prod(grid)
     G = -(-S // C)
-    gen = torch.Generator(device="cuda").manual_seed(20261201)
+    gen = torch.Generator(device=DEVICE).manual_seed(20261201)
     q = structured_q(H, grid, gen)
-    k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, H, S, D, device=DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(2))
     res = dict(S=S, H=H, dense={}, pddp={}, pass2_sweep={}, select={}, anchor={})
 
     for dname, fn in dense_fns().items():
@@ -116,11 +122,18 @@ def run_shape(name, H, grid, rep, log):
     for gname, fn in groupers.items():
         perm = fn(q)
         ok = bool((perm[..., S:] == -1).all()) and bool(torch.equal(
-            torch.sort(perm[..., :S], dim=-1).values, torch.arange(S, device="cuda", dtype=torch.int32).expand(1, H, S)))
+            torch.sort(perm[..., :S], dim=-1).values, torch.arange(S, device=DEVICE, dtype=torch.int32).expand(1, H, S)))
         ratio = float(within_group_variance(q, perm, C).sum() / ref_var.sum())
         ms = bench(lambda: fn(q), rep)
         res["pddp"][gname] = dict(ms=ms, variance_ratio=ratio, contract_ok=ok)
         log(f"{name} pddp {gname}: {ms:.3f} ms, within-group variance / reference {ratio:.4f}, contract {ok}")
+    res["pddp_phases_ms"] = pddp_phases(q) if DEVICE == "cuda" else {}
+    log(f"{name} pddp phases (ms, summed over levels, event-timed): {res['pddp_phases_ms']}")
+    for m in (128, 512):  # directions from fewer / more sampled rows per node
+        fn = (lambda m: lambda x: grouping.pddp_groups(x, C, samples=m))(m)
+        ratio = float(within_group_variance(q, fn(q), C).sum() / ref_var.sum())
+        res["pddp"][f"triton grouping samples={m}"] = dict(ms=bench(lambda: fn(q), rep), variance_ratio=ratio)
+        log(f"{name} pddp samples={m}: {res['pddp'][f'triton grouping samples={m}']}")
     perm = grouping.pddp_groups(q, C)
 
     # pass 2 + top-K: exactness on the GPU, config sweep on one head chunk, then all heads at each density
@@ -157,7 +170,7 @@ def run_shape(name, H, grid, rep, log):
         log(f"{name} pass 2 + top-K s={s} ({pick}): {ms:.2f} ms = {ms / best:.3f} of dense")
     from comfyui_mc_sparse_pack.kernels.triton import topk
 
-    sums = torch.empty(1, hc, G, S, dtype=torch.float16, device="cuda")
+    sums = torch.empty(1, hc, G, S, dtype=torch.float16, device=DEVICE)
     selection.group_prob_sums(q[:, :hc], k[:, :hc], lse[:, :hc], perm[:, :hc], group_size=C, out=sums)
     ms = bench(lambda: topk.top_k_rows(sums, int(0.25 * S), -(-int(0.25 * S) // KV_TILE) * KV_TILE), rep) * H / hc
     res["topk_only_ms_s0.25"] = ms
@@ -170,6 +183,44 @@ def run_shape(name, H, grid, rep, log):
     res["anchor"] = dict(ms=ms, over_dense=ms / best, backends={op: c.backend for op, c in registry.last_choices().items()})
     log(f"{name} anchor_attention (s=0.25): {ms:.2f} ms = {ms / best:.3f} of dense; kernels {res['anchor']['backends']}")
     return res
+
+
+def pddp_phases(q):
+    """Milliseconds per phase of the Triton grouping (direction, projection, sort, apply), summed over the tree's
+    levels, by CUDA events around each launch (a replica of ``grouping.pddp_groups``'s loop, for the breakdown)."""
+    B, H, S, _ = q.shape
+    G = -(-S // C)
+    BH = B * H
+    cur = torch.full((BH, G * C), -1, dtype=torch.int32, device=DEVICE)
+    cur[:, :S] = torch.arange(S, dtype=torch.int32, device=DEVICE)
+    nxt = torch.empty_like(cur)
+    levels = grouping._plan(S, C, q.device)
+    v = torch.empty(BH, max(n for n, *_ in levels), D, dtype=torch.float32, device=DEVICE)
+    times = dict(direction=0.0, projection=0.0, sort=0.0, apply=0.0)
+    for _ in range(2):  # first round compiles
+        for key in times:
+            times[key] = 0.0
+        for N, n_max, start, size, count in levels:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+            ev[0].record()
+            grouping._direction[(N, BH)](q, cur, start, count, v, H, G * C, *q.stride(), v.stride(0), v.stride(1),
+                                         ITERS=8, M=grouping.SAMPLES, D=D, CHUNK=64, num_warps=8)
+            ev[1].record()
+            proj = torch.empty(BH, N, n_max, dtype=torch.float32, device=DEVICE)
+            grid = (triton.cdiv(n_max, 64), N, BH)
+            grouping._project[grid](q, cur, start, size, v, proj, H, S, G * C, n_max, *q.stride(), v.stride(0),
+                                    v.stride(1), BLOCK=64, D=D, num_warps=4)
+            ev[2].record()
+            order = torch.sort(proj, dim=-1, stable=True).indices
+            ev[3].record()
+            nxt.copy_(cur)
+            grouping._apply[grid](cur, nxt, order, start, size, G * C, n_max, BLOCK=64, num_warps=4)
+            ev[4].record()
+            cur, nxt = nxt, cur
+            torch.cuda.synchronize()
+            for key, a, b in (("direction", 0, 1), ("projection", 1, 2), ("sort", 2, 3), ("apply", 3, 4)):
+                times[key] += ev[a].elapsed_time(ev[b])
+    return {k: round(t, 4) for k, t in times.items()}
 
 
 def commit() -> str:
@@ -209,12 +260,22 @@ def main():
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--shapes", default="1.3b,14b")
     ap.add_argument("--rep", type=int, default=300, help="do_bench budget per measurement, ms")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU under TRITON_INTERPRET=1 (code paths)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    global DEVICE
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")
+        DEVICE, args.shapes = "cpu", "smoke"
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from _triton_interp import patch_interpreter  # two Triton 3.6 interpreter fixes (tests/_triton_interp.py)
+
+        patch_interpreter()
+    elif not torch.cuda.is_available():
         sys.exit("bench_anchor.py needs a CUDA GPU")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    report = dict(gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)", torch=torch.__version__, triton=triton.__version__,
                   python=platform.python_version(), argv=sys.argv, commit=commit(), backends=registry.report(), shapes={})
     t0 = time.time()
 
@@ -225,7 +286,8 @@ def main():
         report["shapes"][name] = run_shape(name, SHAPES[name]["H"], SHAPES[name]["grid"], args.rep, log)
         (out_dir / "bench_anchor.json").write_text(json.dumps(report, indent=1))
         torch.cuda.empty_cache()
-    write_scoreboard(report, out_dir, "python tests/bench_anchor.py --out $OUT")
+    if not args.smoke:
+        write_scoreboard(report, out_dir, "python tests/bench_anchor.py --out $OUT")
     log("summary: " + json.dumps({n: dict(pass2_topk=[round(r["over_dense"], 3) for r in sh["select"].values()],
                                           pddp_ms=round(sh["pddp"]["triton grouping"]["ms"], 3),
                                           variance_ratio=round(sh["pddp"]["triton grouping"]["variance_ratio"], 4),
