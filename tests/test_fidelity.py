@@ -252,7 +252,7 @@ def test_probe_spec_and_auto_steps():
         with pytest.raises(ValueError):
             _spec(**bad)
     run = adapter_probe.ProbeRun(_spec(probe_step="auto", reuse_step="auto"), [1.0 - i / 50 for i in range(51)])
-    assert (run.anchor, run.reuse) == (9, 17)  # paper schedule at 50 steps: anchors 10 and 26 (1-based)
+    assert (run.anchor, run.reuse) == (9, 29)  # published schedule at 50 steps: one anchor at 10 (1-based), reuse midway to the end
     patch = SimpleNamespace(density=0.25, group_size=128, preset="quality", warmup=None, anchors=None)
     run = adapter_probe.ProbeRun(_spec(probe_step="auto"), [1.0 - i / 20 for i in range(21)], patch_settings=patch)
     assert run.settings.density == 0.25 and run.settings.group_size == 128 and run.anchor == 3
