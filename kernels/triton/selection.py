@@ -162,13 +162,72 @@ def _group_prob_sums_pipelined(
         st = st_next
 
 
+@triton.jit
+def _group_prob_sums_fp8(
+    Q8, K8, QS, KS, LSE, PERM, SUMS,
+    sm_scale_log2,
+    H, S, SK, n_slots, C,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_lb, stride_lh, stride_ls,
+    stride_sb, stride_sh, stride_sg, stride_sn,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Approximate pass 2 for C <= BLOCK_M on row-scaled float8_e4m3 q and k (twice the MMA rate on Hopper):
+    s = (q8 . k8) * scale_q * scale_k; otherwise ``_group_prob_sums_pipelined``. QS / KS: fp32 row scales laid
+    out like LSE ([B, H, S] with LSE's strides; k's with the same strides over Sk)."""
+    group = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    perm_base = PERM + bh.to(tl.int64) * n_slots + group.to(tl.int64) * C
+    q_base = Q8 + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    row_off = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
+    k_base = K8 + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    s_base = SUMS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + group.to(tl.int64) * stride_sg
+    q_idx = tl.load(perm_base + offs_m, mask=offs_m < C, other=-1)
+    q_valid = (q_idx >= 0) & (q_idx < S)
+    q_rows = tl.where(q_valid, q_idx, 0).to(tl.int64)
+    qt = tl.trans(tl.load(q_base + q_rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_valid[:, None],
+                          other=0.0))
+    lse2 = tl.load(LSE + row_off + q_rows * stride_ls, mask=q_valid, other=float("inf")) * 1.4426950408889634
+    qsc = tl.load(QS + row_off + q_rows * stride_ls, mask=q_valid, other=0.0) * sm_scale_log2
+    keys = offs_n
+    k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                mask=(keys < SK)[:, None], other=0.0)
+    ksc = tl.load(KS + row_off + keys.to(tl.int64) * stride_ls, mask=keys < SK, other=0.0)
+    st = tl.dot(k, qt)
+    for n0 in range(BLOCK_N, SK + BLOCK_N, BLOCK_N):
+        keys = n0 + offs_n
+        k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                    mask=(keys < SK)[:, None], other=0.0)
+        st_next = tl.dot(k, qt)
+        col = tl.sum(tl.math.exp2((st * ksc[:, None]) * qsc[None, :] - lse2[None, :]), 1)
+        prev = keys - BLOCK_N
+        tl.store(s_base + prev.to(tl.int64) * stride_sn, col.to(SUMS.dtype.element_ty), mask=prev < SK)
+        ksc = tl.load(KS + row_off + keys.to(tl.int64) * stride_ls, mask=keys < SK, other=0.0)
+        st = st_next
+
+
+def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-scaled float8_e4m3fn copy of ``x`` [B, H, S, D] and its fp32 scales [B, H, S] (amax -> 448)."""
+    amax = x.abs().amax(-1).float()
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (x / scale.unsqueeze(-1).to(x.dtype)).to(torch.float8_e4m3fn), scale
+
+
 def _config(head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages), tuned on an H200 at D = 128, C = 128 (docs/kernels.md)."""
     return (64, 4, 3)
 
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
-                    num_stages=None, exp_f16=False, poly=False, pipelined=False):
+                    num_stages=None, exp_f16=False, poly=False, pipelined=False, fp8=False):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -177,7 +236,9 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         out: optional ``[B, H, G, Sk]`` buffer to write into (any strides), fp32, or fp16 for select_kv's
         scratch; block_n, num_warps, num_stages: tuning overrides; exp_f16: packed half-precision exp2 (CUDA only);
         poly: half the exponentials by polynomial on the FMA pipe (benchmarks); pipelined: the hand-pipelined
-        kernel (the next key tile's QK^T issued before this tile's exponentials; C <= 128, else ignored).
+        kernel (the next key tile's QK^T issued before this tile's exponentials; C <= 128, else ignored); fp8:
+        APPROXIMATE sums from row-scaled float8_e4m3 copies of q and k (twice the MMA rate; C <= 128; benchmarks
+        measure the kept mass before any default uses it).
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
@@ -200,6 +261,20 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     block_m = min(128, max(16, triton.next_power_of_2(C)))
     bn, warps, stages = _config(D)
     perm = perm.contiguous()
+    if fp8 and C <= block_m:
+        q8, qs = _fp8_rows(q)
+        k8, ks = _fp8_rows(k)
+        lse_c = lse.contiguous()
+        qs, ks = qs.contiguous(), ks.contiguous()
+        if SK != S:
+            raise ValueError(f"fp8 pass 2 needs Sk == S (scales share LSE's layout), got {SK} and {S}")
+        _group_prob_sums_fp8[(G, B * H)](
+            q8, k8, qs, ks, lse_c, perm, out, scale * _LOG2E, H, S, SK, n_slots, C,
+            *q8.stride(), *k8.stride(), *lse_c.stride(), *out.stride(),
+            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, num_warps=num_warps or warps,
+            num_stages=num_stages or stages,
+        )
+        return out
     if pipelined and C <= block_m:
         _group_prob_sums_pipelined[(G, B * H)](
             q, k, lse, perm, out, scale * _LOG2E, H, S, SK, n_slots, C,
@@ -220,7 +295,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
 
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=False,
-              block_n=None, num_warps=None, num_stages=None, pipelined=False):
+              block_n=None, num_warps=None, num_stages=None, pipelined=False, fp8=False):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -246,7 +321,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
         sums = group_prob_sums(
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-            pipelined=pipelined,
+            pipelined=pipelined, fp8=fp8,
         )
         top_k_rows(sums, num_keys, k_alloc, out=out[:, h0:h1])
     return out
