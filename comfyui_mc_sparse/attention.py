@@ -105,8 +105,7 @@ def anchor_attention(
     residual = None
     if config.residual:
         sparse = _sparse(q, k, v, perm, kv_idx, extra_kv, scale, backend)
-        # 'auto' unresolved (no plan) is bf16; quantised storage (fp8, int4) gets R in the outputs' dtype and
-        # ``encoding.encode_residual`` quantises it in fp32 row chunks (cache.py)
+        # 'auto' unresolved (no plan) is bf16; quantised storage (fp8, int4) gets R in float32 (see ``_residual``)
         name = "bfloat16" if config.residual_dtype == "auto" else config.residual_dtype
         residual = _residual(out, sparse, name)
     return out, CacheEntry(perm=perm, kv_idx=kv_idx, residual=residual, num_keys=num_keys, shape=tuple(q.shape))
@@ -174,14 +173,18 @@ def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2
 
 
 def _residual(dense: torch.Tensor, sparse: torch.Tensor, dtype_name: str) -> torch.Tensor:
-    """R = O_dense - O_sparse in one elementwise pass, written over ``sparse`` (the anchor's own buffer): no fp32
-    copy of either tensor. Stored as ``dtype_name`` when that is a plain float dtype (float32 computes in float32);
-    quantised forms (fp8, int4, 'auto') get R in the outputs' dtype and ``encoding`` quantises it (cache.py)."""
+    """R = O_dense - O_sparse without fp32 copies of the outputs.
+
+    Plain half storage ("bfloat16" / "float16"): one elementwise pass written over ``sparse`` (the anchor's own
+    buffer), rounded once to the storage dtype. Otherwise (float32 storage, or fp8 / int4, which
+    ``encoding.encode_residual`` quantises from full precision, cache.py): the exact difference in float32, one
+    upcast of ``dense`` that becomes R in place (no float32 copy of ``sparse``, no extra temporaries).
+    """
     store = getattr(torch, dtype_name, None)
-    if store == torch.float32 and dense.dtype != torch.float32:
-        return torch.sub(dense.float(), sparse)
-    torch.sub(dense, sparse, out=sparse)
-    return sparse if store not in (torch.float16, torch.bfloat16) or store == sparse.dtype else sparse.to(store)
+    if store in (torch.float16, torch.bfloat16):
+        torch.sub(dense, sparse, out=sparse)
+        return sparse if store == sparse.dtype else sparse.to(store)
+    return dense.float().sub_(sparse)
 
 
 def _sparse(q, k, v, perm, kv_idx, extra_kv, scale, backend):
