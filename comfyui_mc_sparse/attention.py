@@ -108,7 +108,8 @@ def anchor_attention(
         # 'auto' unresolved (no plan) is bf16; quantised storage (fp8, int4) gets R in float32 (see ``_residual``)
         name = "bfloat16" if config.residual_dtype == "auto" else config.residual_dtype
         residual = _residual(out, sparse, name)
-    return out, CacheEntry(perm=perm, kv_idx=kv_idx, residual=residual, num_keys=num_keys, shape=tuple(q.shape))
+    return out, CacheEntry(perm=perm, kv_idx=kv_idx, residual=residual, num_keys=num_keys, shape=tuple(q.shape),
+                           checked=True)
 
 
 def reuse_attention(

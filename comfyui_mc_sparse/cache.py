@@ -69,6 +69,8 @@ class CacheEntry:
             decoded from storage, the ``kernels.Residual`` the sparse kernel takes (``encoding``).
         num_keys: K, the selected tokens per group.
         shape: the ``[B, H, S, D]`` shape of the q it was made for.
+        checked: perm and kv_idx come straight from ``kernels.pddp_groups`` / ``kernels.select_kv`` (their layout
+            contract holds), so ``encode_entry`` stores them without checking (no device-to-host sync).
     """
 
     perm: torch.Tensor
@@ -76,6 +78,7 @@ class CacheEntry:
     residual: torch.Tensor | None
     num_keys: int
     shape: tuple[int, ...]
+    checked: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -155,7 +158,8 @@ class StoredEntry:
 
 
 def encode_entry(entry: CacheEntry, *, index_encoding: str = "auto", residual_dtype: str = "bfloat16") -> StoredEntry:
-    """Compact ``entry`` on its own device (see ``encoding`` for the formats; one device sync to check rows).
+    """Compact ``entry`` on its own device (see ``encoding`` for the formats; one device sync to check rows, none
+    for an anchor's own ``checked`` entry).
 
     Args: index_encoding: as in ``MCSparseConfig``. residual_dtype: a storage name of
         ``encoding.RESIDUAL_FORMATS`` (already resolved: not "auto").
@@ -166,8 +170,8 @@ def encode_entry(entry: CacheEntry, *, index_encoding: str = "auto", residual_dt
     if entry.residual is not None:
         residual = encode_residual(entry.residual, residual_dtype)
     return StoredEntry(
-        groups=encode_groups(entry.perm, S),
-        selection=encode_selection(entry.kv_idx, S, entry.num_keys, index_encoding),
+        groups=encode_groups(entry.perm, S, checked=entry.checked),
+        selection=encode_selection(entry.kv_idx, S, entry.num_keys, index_encoding, checked=entry.checked),
         residual=residual,
         num_keys=entry.num_keys,
         shape=entry.shape,

@@ -148,16 +148,19 @@ def _rows_are_k_sorted(kv_idx: torch.Tensor, num_keys: int, num_tokens: int) -> 
     return bool(ok)
 
 
-def encode_selection(kv_idx: torch.Tensor, num_tokens: int, num_keys: int, requested: str = "auto") -> EncodedSelection:
+def encode_selection(kv_idx: torch.Tensor, num_tokens: int, num_keys: int, requested: str = "auto", *,
+                     checked: bool = False) -> EncodedSelection:
     """Encode ``kv_idx`` losslessly (see the module docstring for the choice).
 
     Args:
         kv_idx: int32 ``[B, H, G, K_alloc]``, rows sorted ascending, -1 past K (docs/architecture.md).
         num_tokens: S, the KV length (indices lie in [0, S)). num_keys: K <= K_alloc.
         requested: "auto", "bitmask", "uint16" or "int32".
+        checked: the rows are known to be "K sorted indices in [0, S) then -1" (they come from ``kernels.select_kv``,
+            whose every backend writes exactly that): skip the check, and its device-to-host sync.
     Returns:
         EncodedSelection on kv_idx's device. Rows that are not "K sorted indices then -1" are stored as int32
-        whatever was requested, so the round trip stays exact.
+        whatever was requested, so the round trip stays exact (unless ``checked`` vouched for them).
     Raises:
         ValueError: kv_idx is not int32 4-D, or K is outside [1, K_alloc].
     """
@@ -167,7 +170,7 @@ def encode_selection(kv_idx: torch.Tensor, num_tokens: int, num_keys: int, reque
     if not 1 <= num_keys <= width:
         raise ValueError(f"num_keys must be in [1, K_alloc={width}], got {num_keys}")
     kind = pick_selection_encoding(requested, num_tokens, num_keys, width)
-    if kind != "int32" and not _rows_are_k_sorted(kv_idx, num_keys, num_tokens):
+    if kind != "int32" and not checked and not _rows_are_k_sorted(kv_idx, num_keys, num_tokens):
         log.debug("selection rows are not K sorted indices; stored as int32")
         kind = "int32"
     if kind == "int32":
@@ -283,15 +286,16 @@ def groups_nbytes(batch: int, heads: int, num_tokens: int, group_size: int) -> i
     return batch * heads * (-(-num_tokens // group_size) * group_size) * 4
 
 
-def encode_groups(perm: torch.Tensor, num_tokens: int) -> EncodedGroups:
+def encode_groups(perm: torch.Tensor, num_tokens: int, *, checked: bool = False) -> EncodedGroups:
     """Encode int32 ``perm`` ``[B, H, G*C]`` (tail slots -1) losslessly: 16 or 17 bits per query when S <= 131072
-    and the layout is as documented (one device sync to check), else as given."""
+    and the layout is as documented (one device sync to check, skipped when ``checked``: perm comes from
+    ``kernels.pddp_groups``), else as given."""
     if perm.dtype != torch.int32 or perm.dim() != 3:
         raise ValueError(f"perm must be int32 [B, H, G*C], got {perm.dtype} {tuple(perm.shape)}")
     width = perm.shape[-1]
     kind = groups_kind(num_tokens)
     head, tail = perm[..., :num_tokens], perm[..., num_tokens:]
-    if kind == "int32" or not bool((tail == -1).all() & (head >= 0).all() & (head < num_tokens).all()):
+    if kind == "int32" or not (checked or bool((tail == -1).all() & (head >= 0).all() & (head < num_tokens).all())):
         return EncodedGroups("int32", perm.clone(), num_tokens, width)
     low = head.to(torch.int16)  # keeps the low 16 bits; decode masks them back
     if kind == "uint16":

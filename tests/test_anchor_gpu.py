@@ -85,3 +85,18 @@ def test_anchor_on_gpu_residual_restores_dense(cuda_gen):
     sparse = kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx)
     residual = entry.residual if isinstance(entry.residual, torch.Tensor) else entry.residual.dequantize(torch.float32)
     assert float((sparse.float() + residual.float() - out.float()).abs().max()) < 2e-2
+
+
+def test_anchor_entry_encodes_without_host_sync(cuda_gen):
+    """Encoding an anchor's entry (bitmask selection, bf16 residual) makes no device-to-host sync."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import encode_entry
+
+    q, k, v = (torch.randn(1, 2, 3000, 128, device="cuda", generator=cuda_gen).to(torch.bfloat16) for _ in range(3))
+    _, entry = anchor_attention(q, k, v, MCSparseConfig(density=0.25, group_size=128, kv_tile=128), check_finite=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stored = encode_entry(entry, index_encoding="bitmask", residual_dtype="bfloat16")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(stored.decode(q.device).kv_idx, entry.kv_idx)

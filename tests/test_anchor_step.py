@@ -68,3 +68,23 @@ def test_anchor_then_reuse_restores_dense_at_the_anchor_inputs(gen):
     again = attention.reuse_attention(q, k, v, entry)
     assert (again.float() - out.float()).abs().max() < 3e-2
     assert kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx).dtype == torch.bfloat16
+
+
+def test_anchor_entry_encodes_without_the_layout_check(gen, monkeypatch):
+    """The anchor's own entry is marked checked: encode_entry skips the row/group layout checks (each a device sync)
+    and still round-trips bit-exactly; an unmarked entry is still checked."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import cache, encoding
+
+    q, k, v = (torch.randn(1, 2, 300, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    _, entry = attention.anchor_attention(q, k, v, MCSparseConfig(density=0.2, group_size=64))
+    assert entry.checked
+    calls = []
+    real = encoding._rows_are_k_sorted
+    monkeypatch.setattr(encoding, "_rows_are_k_sorted", lambda *a: calls.append(1) or real(*a))
+    stored = cache.encode_entry(entry, index_encoding="bitmask")
+    assert calls == [] and stored.selection.kind == "bitmask"
+    back = stored.decode(q.device)
+    assert torch.equal(back.kv_idx, entry.kv_idx) and torch.equal(back.perm, entry.perm)
+    unmarked = cache.CacheEntry(entry.perm, entry.kv_idx, entry.residual, entry.num_keys, entry.shape)
+    cache.encode_entry(unmarked, index_encoding="bitmask")
+    assert calls == [1]
