@@ -189,3 +189,23 @@ def test_fp8_pass2_is_close_and_keeps_the_mass(gen):
     assert float((out.double() - ref).norm() / ref.norm()) < 5e-2
     kept = ref.gather(-1, out.topk(K, -1).indices).sum(-1)
     assert bool((kept >= 0.99 * ref.topk(K, -1).values.sum(-1)).all())
+
+
+def test_select_kv_falls_back_to_torch_topk_when_the_radix_kernel_fails(gen, monkeypatch, caplog):
+    """A radix top-K that cannot run (compiler/resource failure) costs neither the run nor its speed: torch.topk
+    answers with the same set (no ties here), and the failure is logged."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    q, k = (torch.randn(1, 1, 130, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    perm = _groups(gen, 1, 1, 130, 64)
+    want = selection.select_kv(q, k, lse, perm, 40, group_size=64, kv_tile=16)
+
+    def broken(*a, **kw):
+        raise RuntimeError("out of resources (simulated)")
+
+    monkeypatch.setattr(selection, "top_k_rows", broken)
+    monkeypatch.setattr(selection, "_RADIX_FAILED", [])
+    with caplog.at_level("WARNING"):
+        got = selection.select_kv(q, k, lse, perm, 40, group_size=64, kv_tile=16)
+    assert torch.equal(got, want) and "radix top-K failed" in caplog.text

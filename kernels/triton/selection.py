@@ -21,6 +21,7 @@ bitwise; the selected sets then agree except where group sums tie within that er
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -28,6 +29,9 @@ import triton
 import triton.language as tl
 
 from .topk import top_k_rows
+
+log = logging.getLogger(__name__)
+_RADIX_FAILED: list[str] = []  # the radix top-K's first error in this process (then torch.topk answers)
 
 _LOG2E = 1.4426950408889634
 _SCRATCH_BYTES = 1 << 30  # fp32 group-sum scratch per head chunk in select_kv: 1 GiB (14B 720p: 5 heads)
@@ -323,5 +327,22 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             pipelined=pipelined, fp8=fp8,
         )
-        top_k_rows(sums, num_keys, k_alloc, out=out[:, h0:h1])
+        _top_k(sums, num_keys, k_alloc, out[:, h0:h1])
+    return out
+
+
+def _top_k(sums, num_keys, k_alloc, out):
+    """The radix top-K; if it cannot run here (a compiler or resource failure), ``torch.topk`` + sort instead, so
+    the selection stays fast (ties then as torch.topk breaks them); the error is logged once per process."""
+    if not _RADIX_FAILED:
+        try:
+            return top_k_rows(sums, num_keys, k_alloc, out=out)
+        except (ValueError, TypeError):
+            raise
+        except Exception as err:  # noqa: BLE001 (any compile/launch failure: keep the run fast, say why once)
+            _RADIX_FAILED.append(f"{type(err).__name__}: {err}")
+            log.warning("MC-Sparse: radix top-K failed (%s); using torch.topk for the selection", _RADIX_FAILED[0])
+    top = torch.topk(sums, num_keys, dim=-1, sorted=False).indices
+    out[..., :num_keys] = torch.sort(top, dim=-1).values.to(torch.int32)
+    out[..., num_keys:] = -1
     return out
