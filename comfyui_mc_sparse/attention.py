@@ -185,6 +185,8 @@ def _residual(dense: torch.Tensor, sparse: torch.Tensor, dtype_name: str) -> tor
     if store in (torch.float16, torch.bfloat16):
         torch.sub(dense, sparse, out=sparse)
         return sparse if store == sparse.dtype else sparse.to(store)
+    if dense.dtype == torch.float32:
+        return dense - sparse  # never in place: ``dense`` is the output the caller returns
     return dense.float().sub_(sparse)
 
 
