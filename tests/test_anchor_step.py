@@ -43,7 +43,8 @@ def test_anchor_pass1_runs_once_on_the_fastest_dense_backend(gen, counting_dense
 
 
 @pytest.mark.parametrize("dtype,store", [(torch.bfloat16, "bfloat16"), (torch.float16, "bfloat16"),
-                                          (torch.bfloat16, "float32"), (torch.bfloat16, "float8_e4m3fn")])
+                                          (torch.bfloat16, "float32"), (torch.bfloat16, "float8_e4m3fn"),
+                                          (torch.float32, "float32"), (torch.float32, "int4")])
 def test_residual_is_dense_minus_sparse_without_fp32_copies(gen, dtype, store):
     """R = O_dense - O_sparse: rounded once to a half storage dtype, writing over the sparse output's buffer (no new
     full-size tensor); float32 and quantised storage (fp8, int4: quantised later from full precision) get it
@@ -51,7 +52,9 @@ def test_residual_is_dense_minus_sparse_without_fp32_copies(gen, dtype, store):
     dense, sparse = (torch.randn(1, 2, 50, 16, generator=gen).to(dtype) for _ in range(2))
     want = dense.double() - sparse.double()
     buf = sparse.data_ptr()
+    dense_before = dense.clone()
     r = attention._residual(dense, sparse.clone() if store == "float32" else sparse, store)
+    assert torch.equal(dense, dense_before)  # the dense output is the layer's output: never written
     expect_dtype = {"bfloat16": torch.bfloat16}.get(store, torch.float32)
     assert r.dtype == expect_dtype
     tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[r.dtype]
