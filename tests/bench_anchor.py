@@ -26,6 +26,7 @@ Usage (from the checkout root): python tests/bench_anchor.py --out OUT [--shapes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -34,6 +35,7 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -121,29 +123,35 @@ def run_shape(name, H, grid, rep, log):
             groupers[f"backend {b.name}"] = (lambda n: lambda x: kernels.pddp_groups(x, C, backend=n))(b.name)
     groupers["torch reference"] = lambda x: reference.pddp_groups(x, C)
     for gname, fn in groupers.items():
-        perm = fn(q)
-        ok = bool((perm[..., S:] == -1).all()) and bool(torch.equal(
-            torch.sort(perm[..., :S], dim=-1).values, torch.arange(S, device=DEVICE, dtype=torch.int32).expand(1, H, S)))
-        ratio = float(within_group_variance(q, perm, C).sum() / ref_var.sum())
-        ms = bench(lambda: fn(q), rep)
-        res["pddp"][gname] = dict(ms=ms, variance_ratio=ratio, contract_ok=ok)
-        log(f"{name} pddp {gname}: {ms:.3f} ms, within-group variance / reference {ratio:.4f}, contract {ok}")
-    res["pddp_phases_ms"] = pddp_phases(q) if DEVICE == "cuda" else {}
-    log(f"{name} pddp phases (ms, summed over levels, event-timed): {res['pddp_phases_ms']}")
+        with section(res, f"pddp {gname}", log):
+            perm = fn(q)
+            ok = bool((perm[..., S:] == -1).all()) and bool(torch.equal(torch.sort(perm[..., :S], dim=-1).values,
+                                                                        torch.arange(S, device=DEVICE, dtype=torch.int32).expand(1, H, S)))
+            ratio = float(within_group_variance(q, perm, C).sum() / ref_var.sum())
+            ms = bench(lambda: fn(q), rep)
+            res["pddp"][gname] = dict(ms=ms, variance_ratio=ratio, contract_ok=ok)
+            log(f"{name} pddp {gname}: {ms:.3f} ms, within-group variance / reference {ratio:.4f}, contract {ok}")
+    with section(res, "pddp phases", log):
+        res["pddp_phases_ms"] = pddp_phases(q) if DEVICE == "cuda" else {}
+        log(f"{name} pddp phases (ms, summed over levels, event-timed): {res['pddp_phases_ms']}")
     for m in (128, 512):  # directions from fewer / more sampled rows per node
-        fn = (lambda m: lambda x: grouping.pddp_groups(x, C, samples=m))(m)
-        ratio = float(within_group_variance(q, fn(q), C).sum() / ref_var.sum())
-        res["pddp"][f"triton grouping samples={m}"] = dict(ms=bench(lambda: fn(q), rep), variance_ratio=ratio)
-        log(f"{name} pddp samples={m}: {res['pddp'][f'triton grouping samples={m}']}")
-    perm = grouping.pddp_groups(q, C)
+        with section(res, f"pddp samples={m}", log):
+            fn = (lambda m: lambda x: grouping.pddp_groups(x, C, samples=m))(m)
+            ratio = float(within_group_variance(q, fn(q), C).sum() / ref_var.sum())
+            res["pddp"][f"triton grouping samples={m}"] = dict(ms=bench(lambda: fn(q), rep), variance_ratio=ratio)
+            log(f"{name} pddp samples={m}: {res['pddp'][f'triton grouping samples={m}']}")
+    perm = ref_perm
+    with section(res, "grouping for pass 2", log):
+        perm = grouping.pddp_groups(q, C)
 
     # pass 2 + top-K: exactness on the GPU, config sweep on one head chunk, then all heads at each density
     kq = int(0.25 * S)
-    sel = selection.select_kv(q[:, :2], k[:, :2], lse[:, :2], perm[:, :2], kq, group_size=C, kv_tile=KV_TILE)
-    sums16 = selection.group_prob_sums(q[:, :2], k[:, :2], lse[:, :2], perm[:, :2], group_size=C).half()
-    exact = bool(torch.equal(sel, ref_top_k_rows(sums16, kq, sel.shape[-1])))
-    res["select_exact_vs_bruteforce_fp16_sums"] = exact
-    log(f"{name} select_kv == brute-force top-K of its float16 sums: {exact}")
+    with section(res, "select exactness", log):
+        sel = selection.select_kv(q[:, :2], k[:, :2], lse[:, :2], perm[:, :2], kq, group_size=C, kv_tile=KV_TILE)
+        sums16 = selection.group_prob_sums(q[:, :2], k[:, :2], lse[:, :2], perm[:, :2], group_size=C).half()
+        exact = bool(torch.equal(sel, ref_top_k_rows(sums16, kq, sel.shape[-1])))
+        res["select_exact_vs_bruteforce_fp16_sums"] = exact
+        log(f"{name} select_kv == brute-force top-K of its float16 sums: {exact}")
     hc = min(H, 4)
     sums_ref = selection.group_prob_sums(q[:, :1], k[:, :1], lse[:, :1], perm[:, :1], group_size=C)
     for cname, (bn, w, st, pipe) in PASS2_CONFIGS.items():
@@ -174,31 +182,48 @@ def run_shape(name, H, grid, rep, log):
             res.setdefault("fp8_pass2", {})[cname] = f"{type(err).__name__}: {str(err)[:100]}"
         log(f"{name} pass 2 {cname} (approximate, not the default): {res['fp8_pass2'][cname]}")
     timed = {c: r for c, r in res["pass2_sweep"].items() if isinstance(r, float)}
-    pick = min(timed, key=timed.get)
+    pick = min(timed, key=timed.get) if timed else "bn64 w4 st3"
     bn, w, st, pipe = PASS2_CONFIGS[pick]
     res["pass2_config"] = pick
     for s in DENSITIES:
         kq = int(s * S)
         fn = (lambda kq: lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, block_n=bn,
                                                      num_warps=w, num_stages=st, pipelined=pipe))(kq)
-        ms = bench(fn, rep)
-        res["select"][str(s)] = dict(ms=ms, over_dense=ms / best)
-        log(f"{name} pass 2 + top-K s={s} ({pick}): {ms:.2f} ms = {ms / best:.3f} of dense")
+        with section(res, f"select s={s}", log):
+            ms = bench(fn, rep)
+            res["select"][str(s)] = dict(ms=ms, over_dense=ms / best)
+            log(f"{name} pass 2 + top-K s={s} ({pick}): {ms:.2f} ms = {ms / best:.3f} of dense")
+    res["radix_topk_failed"] = list(selection._RADIX_FAILED)  # non-empty: select_kv fell back to torch.topk
     from comfyui_mc_sparse_pack.kernels.triton import topk
 
-    sums = torch.empty(1, hc, G, S, dtype=torch.float16, device=DEVICE)
-    selection.group_prob_sums(q[:, :hc], k[:, :hc], lse[:, :hc], perm[:, :hc], group_size=C, out=sums)
-    ms = bench(lambda: topk.top_k_rows(sums, int(0.25 * S), -(-int(0.25 * S) // KV_TILE) * KV_TILE), rep) * H / hc
-    res["topk_only_ms_s0.25"] = ms
-    log(f"{name} radix top-K alone (s=0.25, all heads): {ms:.2f} ms = {ms / best:.3f} of dense")
-    del sums
+    with section(res, "radix top-K alone", log):
+        sums = torch.empty(1, hc, G, S, dtype=torch.float16, device=DEVICE)
+        selection.group_prob_sums(q[:, :hc], k[:, :hc], lse[:, :hc], perm[:, :hc], group_size=C, out=sums)
+        kq = int(0.25 * S)
+        ms = bench(lambda: topk.top_k_rows(sums, kq, -(-kq // KV_TILE) * KV_TILE), rep) * H / hc
+        res["topk_only_ms_s0.25"] = ms
+        log(f"{name} radix top-K alone (s=0.25, all heads): {ms:.2f} ms = {ms / best:.3f} of dense")
+        del sums
 
     # the whole anchor call
-    cfg = MCSparseConfig(density=0.25, group_size=C, kv_tile=KV_TILE)
-    ms = bench(lambda: attention.anchor_attention(q, k, v, cfg, check_finite=False), rep)
-    res["anchor"] = dict(ms=ms, over_dense=ms / best, backends={op: c.backend for op, c in registry.last_choices().items()})
-    log(f"{name} anchor_attention (s=0.25): {ms:.2f} ms = {ms / best:.3f} of dense; kernels {res['anchor']['backends']}")
+    with section(res, "anchor call", log):
+        cfg = MCSparseConfig(density=0.25, group_size=C, kv_tile=KV_TILE)
+        ms = bench(lambda: attention.anchor_attention(q, k, v, cfg, check_finite=False), rep)
+        res["anchor"] = dict(ms=ms, over_dense=ms / best,
+                             backends={op: c.backend for op, c in registry.last_choices().items()})
+        log(f"{name} anchor_attention (s=0.25): {ms:.2f} ms = {ms / best:.3f} of dense; kernels {res['anchor']['backends']}")
     return res
+
+
+@contextlib.contextmanager
+def section(res, what, log):
+    """Run one part of the benchmark; a failure is recorded under res['errors'] and logged, the rest still runs."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 (a benchmark reports every failure and goes on)
+        res.setdefault("errors", {})[what] = f"{type(err).__name__}: {str(err)[:300]}"
+        log(f"FAILED {what}: {res['errors'][what]}")
+        traceback.print_exc()
 
 
 def pddp_phases(q):
@@ -252,11 +277,13 @@ def write_scoreboard(report, out_dir, command):
     board = json.loads(path.read_text()) if path.exists() else {}
     common = dict(command=command, commit=commit(), gpu=report["gpu"], date=datetime.date.today().isoformat())
     shapes = report["shapes"]
-    if shapes:
+    if shapes and all(len(sh["select"]) == len(DENSITIES) for sh in shapes.values()):
         worst = max((r["over_dense"], n, s) for n, sh in shapes.items() for s, r in sh["select"].items())
         board["pass2_topk_over_dense_max"] = dict(value=round(worst[0], 4), unit="ratio", **common, note=(
-            f"worst of {', '.join(shapes)} x s in {list(DENSITIES)}: {worst[1]} s={worst[2]}; baseline "
+            f"worst of {', '.join(shapes)} x s in {list(DENSITIES)}: {worst[1]} s={worst[2]}; pass-2 config "
+            + "; ".join(f"{n}: {sh.get('pass2_config')}" for n, sh in shapes.items()) + "; baseline "
             + "; ".join(f"{n}: {sh['best_dense']['name']} {sh['best_dense']['ms']:.2f} ms" for n, sh in shapes.items())))
+    if shapes and all("triton grouping" in sh["pddp"] for sh in shapes.values()):
         ratios = []
         for n, sh in shapes.items():
             p = sh["pddp"]["triton grouping"]
@@ -305,9 +332,9 @@ def main():
     if not args.smoke:
         write_scoreboard(report, out_dir, "python tests/bench_anchor.py --out $OUT")
     log("summary: " + json.dumps({n: dict(pass2_topk=[round(r["over_dense"], 3) for r in sh["select"].values()],
-                                          pddp_ms=round(sh["pddp"]["triton grouping"]["ms"], 3),
-                                          variance_ratio=round(sh["pddp"]["triton grouping"]["variance_ratio"], 4),
-                                          anchor_over_dense=round(sh["anchor"]["over_dense"], 3))
+                                          pddp=sh["pddp"].get("triton grouping"),
+                                          anchor_over_dense=sh["anchor"].get("over_dense"),
+                                          errors=sh.get("errors", {}))
                                   for n, sh in report["shapes"].items()}))
 
 
