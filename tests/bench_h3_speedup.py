@@ -352,7 +352,9 @@ def prewarm(env: Env, geo: dict, plan: dict, device, dtype) -> float:
     t0 = now(device)
     heads, d = geo["num_attention_heads"], geo["attention_head_dim"]
     s, extra = plan["video_tokens"], plan["packed_tokens"] - plan["video_tokens"]
-    cfg = env.config.MCSparseConfig(density=0.15, group_size=128, warmup_steps=0, warmup_layers=0, anchor_steps=(0,))
+    residual = env.settings.RESIDUAL_PRECISIONS[plan.get("residual_precision", "auto")]  # the timed run's storage
+    cfg = env.config.MCSparseConfig(density=0.15, group_size=128, warmup_steps=0, warmup_layers=0, anchor_steps=(0,),
+                                    residual_dtype=residual)
     runner = env.engine.MCSparseRunner(cfg, backend="auto")
     g = torch.Generator(device=device).manual_seed(7)
     q, k, v = (torch.randn(1, heads, s, d, generator=g, device=device, dtype=dtype) for _ in range(3))
