@@ -53,7 +53,7 @@ def _radix_topk_rows(
     prefix = zero  # the digits of the K-th largest key found so far, in place
     need = num_keys  # how many of the entries matching the prefix are still to be kept
     for p in tl.static_range(KEY_BITS // 8):
-        shift: tl.constexpr = KEY_BITS - 8 * (p + 1)
+        shift = KEY_BITS - 8 * (p + 1)
         hist = tl.zeros([256], dtype=tl.int32)
         for c0 in range(0, SK, BLOCK):
             key = _keys(src, c0 + offs0, SK, KEY_BITS)
