@@ -10,8 +10,8 @@ One call serves a whole batch: ``keys`` names one cache entry per conditioning c
 batch holds uncond and cond), and at a reuse step the entries of all chunks are decoded into one stacked batch and
 one sparse-kernel launch serves them all, writing into the caller's ``out`` (a strided view of ComfyUI's output
 layout) with the residual added in the kernel's epilogue. Nothing on the reuse path reads a device value on the
-host: the step comes from the caller, finiteness is checked at anchor steps only, and timing (``measure_time``)
-is off unless asked for.
+host: the step comes from the caller, finiteness is checked at anchor steps only, and calls are timed by CUDA events
+read at the end of the run (``timing.CallTimer``).
 
 Cache (``cache``, ``encoding``): anchor entries are stored compactly and placed per ``config.cache_placement``.
 Prefetch (``prefetch``): the order in which calls arrive is learned from the calls themselves (``CallOrder``), and
@@ -24,7 +24,6 @@ the run dense.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -38,6 +37,7 @@ from .cache import CacheKey, FreeMemoryFn, MetadataCache, encode_entry
 from .config import MCSparseConfig
 from .prefetch import CallOrder, ReuseLoader
 from .schedule import StepKind, step_kind
+from .timing import CallTimer
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +52,12 @@ class RunStats:
         calls: StepKind -> calls that ran as that kind.
         dense_reasons: reason -> dense calls (warm-up, ineligible input, fallbacks).
         anchors: anchor steps taken (0-based step indices, in order of first use; the summary prints them 1-based).
-        time_ms: StepKind -> attention milliseconds measured (device-synchronised only when timing is on).
-        time_calls: StepKind -> calls included in time_ms.
         notes: one-off events worth a line in the summary (fallbacks, OOM).
     """
 
     calls: Counter = field(default_factory=Counter)
     dense_reasons: Counter = field(default_factory=Counter)
     anchors: list[int] = field(default_factory=list)
-    time_ms: Counter = field(default_factory=Counter)
-    time_calls: Counter = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -76,8 +72,6 @@ class MCSparseRunner:
     Args:
         config: the validated settings.
         backend: kernel backend name ("auto", "torch", "triton", ...), see ``kernels.registry``.
-        measure_time: synchronise around each call and record its time per step kind (for the summary's
-            "attention time saved"); costs one device sync per call on GPUs.
         free_memory_fn: ``torch.device -> int``, the GPU bytes the cache may still take on that device
             (called before storing each anchor entry on a GPU, and by ``plan``). None: free device memory
             (``torch.cuda.mem_get_info``). The ComfyUI adapter passes one built on
@@ -91,8 +85,7 @@ class MCSparseRunner:
             (the cache fits nowhere, or an out-of-memory error), else None.
     """
 
-    def __init__(self, config: MCSparseConfig, *, backend: str = "auto", measure_time: bool = False,
-                 free_memory_fn: FreeMemoryFn | None = None,
+    def __init__(self, config: MCSparseConfig, *, backend: str = "auto", free_memory_fn: FreeMemoryFn | None = None,
                  host_memory_fn: Callable[[], memory.HostMemory | None] = memory.host_memory):
         self.config = config
         self.host_memory_fn = host_memory_fn
@@ -100,7 +93,6 @@ class MCSparseRunner:
         self.residual_dtype = "bfloat16" if config.residual_dtype == "auto" else config.residual_dtype
         self._anchor_config = replace(config, residual_dtype=self.residual_dtype)
         self.backend = backend
-        self.measure_time = measure_time
         self.cache = MetadataCache(config.cache_placement, headroom_bytes=int(config.cache_headroom_gib * memory.GIB),
                                    free_memory_fn=free_memory_fn)
         self.stats = RunStats()
@@ -108,8 +100,9 @@ class MCSparseRunner:
         self.cache_plan: memory.CachePlan | None = None
         self.plan_line: str | None = None
         self._plan: memory.CacheEstimate | None = None
-        self._dense_ms_by_shape: dict[tuple, list[float]] = {}
-        self._reuse_ms_by_shape: dict[tuple, list[float]] = {}
+        self.speed: memory.SpeedupEstimate | None = None
+        self.timer = CallTimer()  # anchor, reuse and timed dense calls of this run
+        self.kernels = kernels.registry.Record()  # which backend ran each op in this run, and which failed
         self.order = CallOrder()  # the order calls arrive in, learned (prefetch)
         self.loader = ReuseLoader(self.cache)
         self._entry_step: dict[CacheKey, int] = {}  # step at which each entry was stored
@@ -161,6 +154,7 @@ class MCSparseRunner:
                                             attention_share=attention_share, kernel_efficiency=kernel_efficiency,
                                             overhead=memory.decode_overhead(est), calibrated=calibrated)
         self._plan = est
+        self.speed = speed
         placement = None if plan.dense or not on_gpu else self.config.cache_placement
         self.plan_line = memory.format_plan(est, speed, placement, plan if on_gpu else None)
         if plan.dense:
@@ -185,7 +179,11 @@ class MCSparseRunner:
         if step_kind(self.config, step, self.config.warmup_layers) is StepKind.REUSE:
             self._prefetch(first)
 
-    def attention(
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+        """``call(q, k, v, **kwargs)``'s output only (``[B, H, S, D]`` in q's dtype, ``out`` when given)."""
+        return self.call(q, k, v, **kwargs)[0]
+
+    def call(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -199,8 +197,8 @@ class MCSparseRunner:
         scale: float | None = None,
         extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Self-attention for one layer call at 0-based ``step``.
+    ) -> tuple[torch.Tensor, StepKind]:
+        """Self-attention for one layer call at 0-based ``step``, and the kind of call that ran.
 
         Args:
             q, k, v: ``[B, H, S, D]``, any strides (e.g. views of ComfyUI's ``[B, S, H*D]``).
@@ -215,11 +213,17 @@ class MCSparseRunner:
             out: optional ``[B, H, S, D]`` tensor in q's dtype, any strides (a view of the caller's output buffer):
                 the result is written there (by the sparse kernel itself at reuse steps) and returned.
         Returns:
-            ``[B, H, S, D]`` in q's dtype (``out`` when given).
+            (``[B, H, S, D]`` in q's dtype (``out`` when given), the ``StepKind`` that ran: DENSE for a dense call
+            (warm-up or fallback); when the conditioning chunks ran different kinds, ANCHOR if any chunk anchored,
+            else REUSE if any reused).
         Raises:
             ValueError: both or neither of key/keys, or a batch that does not split into the keys' chunks.
         """
-        group = _group(key, keys, q)
+        with kernels.registry.recording(self.kernels):
+            return self._call(q, k, v, step=step, layer=layer, group=_group(key, keys, q), dense_fn=dense_fn,
+                              scale=scale, extra_kv=extra_kv, out=out)
+
+    def _call(self, q, k, v, *, step, layer, group, dense_fn, scale, extra_kv, out) -> tuple[torch.Tensor, StepKind]:
         dense_call = dense_fn or (lambda q_, k_, v_: kernels.dense_attention(q_, k_, v_, scale=scale, backend=self.backend))
         if extra_kv is None:
             dense = dense_call
@@ -229,36 +233,37 @@ class MCSparseRunner:
                 return dense_call(q_, torch.cat([k_, x[0]], 2), torch.cat([v_, x[1]], 2))
 
         if self.disabled_reason is not None:
-            return _into(out, self._dense(dense, q, k, v, self.disabled_reason))
+            return _into(out, self._dense(dense, q, k, v, self.disabled_reason)), StepKind.DENSE
         reason = ineligible_reason(q, k, v)
         if reason is not None:
-            return _into(out, self._dense(dense, q, k, v, reason))
+            return _into(out, self._dense(dense, q, k, v, reason)), StepKind.DENSE
         kind = step_kind(self.config, step, layer)
         if kind is StepKind.DENSE:
             why = "dense warm-up layer" if layer < self.config.warmup_layers else "dense warm-up step"
-            return _into(out, self._dense(dense, q, k, v, why, timed_shape=tuple(q.shape)))
+            return _into(out, self._dense(dense, q, k, v, why, timed_shape=tuple(q.shape))), StepKind.DENSE
         b = q.shape[0] // len(group)
         chunk_shape = (b, *q.shape[1:])
         kinds = [self._chunk_kind(kind, key_, chunk_shape, step) for key_ in group]
         try:
-            start = self._tic()
+            start = self._tic(q.device)
             if all(k_ is StepKind.REUSE for k_ in kinds):
                 result = self._reuse(q, k, v, group, scale=scale, extra_kv=extra_kv, out=out)
                 self._toc(StepKind.REUSE, start, tuple(q.shape))
                 self.stats.calls[StepKind.REUSE] += len(group)
-                return result
+                return result, StepKind.REUSE
             result = self._per_chunk(q, k, v, group, kinds, step=step, dense=dense, scale=scale, extra_kv=extra_kv,
                                      out=out)
             if kind is StepKind.ANCHOR:
                 self.order.anchor_call(group, step)  # the anchor step's call order: the first guess for reuse steps
-            return result
+            ran = next((k_ for k_ in (StepKind.ANCHOR, StepKind.REUSE) if k_ in kinds), StepKind.DENSE)
+            return result, ran
         except NonFiniteInputError as err:
-            return _into(out, self._dense(dense, q, k, v, f"non-finite input ({err})"))
+            return _into(out, self._dense(dense, q, k, v, f"non-finite input ({err})")), StepKind.DENSE
         except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as err:
-            if not _is_out_of_memory(err):
+            if not kernels.registry.is_out_of_memory(err):
                 raise
             self._out_of_memory(err, step, layer, q)
-            return _into(out, self._dense(dense, q, k, v, self.disabled_reason))
+            return _into(out, self._dense(dense, q, k, v, self.disabled_reason)), StepKind.DENSE
 
     def _chunk_kind(self, kind: StepKind, key: CacheKey, shape: tuple, step: int) -> StepKind | str:
         """What one conditioning chunk runs at an anchor/reuse step: the step's kind, ANCHOR for a reuse chunk
@@ -300,7 +305,7 @@ class MCSparseRunner:
                 result[rows] = self._dense(dense if xc is None else _with_extra(dense, xc), qc, kc, vc, kind)
             elif kind is StepKind.ANCHOR:
                 self._device, self._dtype = q.device, q.dtype
-                start = self._tic()
+                start = self._tic(qc.device)
                 o, entry = anchor_attention(qc, kc, vc, self._anchor_config, scale=scale, backend=self.backend,
                                             extra_kv=xc)
                 self._store(key, entry, step)
@@ -310,7 +315,7 @@ class MCSparseRunner:
                 self._toc(kind, start, tuple(qc.shape))
                 self.stats.calls[kind] += 1
             else:
-                start = self._tic()
+                start = self._tic(qc.device)
                 self._reuse(qc, kc, vc, (key,), scale=scale, extra_kv=xc, out=result[rows])
                 self._toc(kind, start, tuple(qc.shape))
                 self.stats.calls[kind] += 1
@@ -354,8 +359,8 @@ class MCSparseRunner:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         self.disabled_reason = "out of memory; dense for the rest of the run"
         self._note(
-            f"out of memory at step {step}, layer {layer} ({first}); the cache was freed and the rest of this run is "
-            f"dense. This cache needs ~{est.total_bytes / memory.GIB:.2f} GiB for {entries} entries of q "
+            f"out of memory at step {step + 1} (1-based), block {layer} ({first}); the cache was freed and the rest of "
+            f"this run is dense. This cache needs ~{est.total_bytes / memory.GIB:.2f} GiB for {entries} entries of q "
             f"{list(q.shape)} (placement {c.cache_placement}, residual {self.residual_dtype})"
             + (f"; {free / memory.GIB:.2f} GiB of GPU memory free now" if free is not None else "")
             + ". Settings that would fit: " + "; ".join(fits) + "."
@@ -369,43 +374,54 @@ class MCSparseRunner:
         self._entry_step.clear()
         self.order.clear()
 
+    def dense_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None):
+        """Exact attention through this run's kernel backends (``kernels.dense_attention``), not counted as a call:
+        q ``[B, H, T, D]``, k and v ``[B, H, S, D]`` -> ``[B, H, T, D]`` in q's dtype (e.g. a joint model's text rows)."""
+        with kernels.registry.recording(self.kernels):
+            return kernels.dense_attention(q, k, v, scale=scale, backend=self.backend)
+
     def summary(self) -> str:
-        """The end-of-run summary: calls per kind, dense reasons, anchors, cache memory, time saved."""
+        """The end-of-run summary of a runner used on its own (the demo): a header with the call counts, then
+        ``summary_lines``. The ComfyUI adapter writes its own header (``adapter.summary``)."""
         s = self.stats
-        total = sum(s.calls.values())
-        lines = [
-            f"MC-Sparse run summary: {total} attention calls: {s.calls[StepKind.REUSE]} sparse (reuse), "
-            f"{s.calls[StepKind.ANCHOR]} anchor, {s.calls[StepKind.DENSE]} dense; density {self.config.density:g}, "
-            f"C={self.config.group_size}"
-        ]
-        for reason, n in s.dense_reasons.most_common():
-            lines.append(f"  dense x{n}: {reason}")
-        taken = ", ".join(str(step + 1) for step in s.anchors)  # 1-based, as ComfyUI's progress bar counts
-        lines.append(f"  anchor steps taken (1-based): {taken or 'none'}")
-        lines.append(self._cache_line())
-        if self.plan_line:
-            lines.append("  " + self.plan_line)
-        choices = kernels.registry.last_choices()
-        if choices:
-            lines.append("  kernels: " + ", ".join(f"{op}={c.backend}" for op, c in sorted(choices.items())))
-            missing = [f"{b.name} ({b.unavailable_reason})" for b in kernels.registry.backends() if b.unavailable_reason]
-            if missing:
-                lines.append("  kernel backends not available: " + "; ".join(missing))
-            lines.extend(f"  kernel fallback: {b} failed on {op}: {err}" for (b, op), err in kernels.registry.failures().items())
-        saved = self.time_saved_ms()
-        if saved is not None:
-            lines.append(f"  attention time saved (measured): {saved / 1000:.2f} s")
-        lines.extend(f"  note: {n}" for n in s.notes)
-        if total and not s.sparse_calls:
+        head = (f"MC-Sparse run summary: {s.calls[StepKind.REUSE]} sparse (reuse), {s.calls[StepKind.ANCHOR]} anchor, "
+                f"{s.calls[StepKind.DENSE]} dense attention calls; density {self.config.density:g}, "
+                f"C={self.config.group_size}")
+        lines = [head, *("  " + line for line in self.summary_lines())]
+        if sum(s.calls.values()) and not s.sparse_calls:
             lines.append("  WARNING: no attention call went sparse in this run: MC-Sparse gave no speedup")
         return "\n".join(lines)
 
-    def _cache_line(self) -> str:
+    def summary_lines(self) -> list[str]:
+        """Detail lines (no header, no indent): dense reasons, anchors taken, cache, kernels that ran and fallbacks,
+        measured attention time, notes. The plan line is logged once before sampling, not repeated here."""
+        s = self.stats
+        lines = [f"dense x{n}: {reason}" for reason, n in s.dense_reasons.most_common()]
+        taken = ", ".join(str(step + 1) for step in s.anchors)  # 1-based, as ComfyUI's progress bar counts
+        lines.append(f"anchor steps taken (1-based): {taken or 'none'}")
+        lines.extend(self._cache_lines())
+        choices = self.kernels.choices
+        if choices:
+            lines.append("kernels: " + ", ".join(f"{op}={c.backend}" for op, c in sorted(choices.items())))
+        lines.extend(f"kernel fallback: {b} failed on {op} in this run: {err}"
+                     for (b, op), err in self.kernels.failures.items())
+        timing = attention_time_line(self.timer)
+        if timing:
+            lines.append(timing)
+        lines.extend(f"note: {n}" for n in s.notes)
+        return lines
+
+    def cache_where(self) -> str:
+        """Where the cache lived at its peak, in a few words ("GPU 12.0 MiB", "CPU memory 1.20 GiB", ...)."""
+        c = self.cache
+        parts = [f"{name} {_size(n)}" for name, n in (("GPU", c.peak_gpu_bytes), ("CPU memory", c.peak_host_bytes)) if n]
+        return " + ".join(parts) if parts else "empty"
+
+    def _cache_lines(self) -> list[str]:
         c, cfg = self.cache, self.config
         res = "off" if not cfg.residual else self.residual_dtype + (
             " (row scale)" if self.residual_dtype in ("float8_e4m3fn", "int4") else "")
-        line = (f"  metadata cache: peak {c.peak_bytes / 2**20:.1f} MiB (GPU {c.peak_gpu_bytes / 2**20:.1f} MiB, "
-                f"CPU {c.peak_host_bytes / 2**20:.1f} MiB), placement {cfg.cache_placement}, selections "
+        line = (f"metadata cache: peak {self.cache_where()}, placement {cfg.cache_placement}, selections "
                 f"{cfg.index_encoding}, residual {res}")
         ld = self.loader
         if ld.hits or ld.misses:
@@ -413,14 +429,10 @@ class MCSparseRunner:
                      f"{ld.hit_rate:.1%})")
         if c.moved:
             line += f"; {c.moved} entries moved to CPU memory (GPU memory short)"
-        return line + "".join(f"\n  note: {n}" for n in c.notes)
-
-    def time_saved_ms(self) -> float | None:
-        """Measured attention time saved by the reuse calls (see ``time_saved_ms``); None if unmeasured."""
-        return time_saved_ms(self._dense_ms_by_shape, self._reuse_ms_by_shape)
+        return [line, *(f"note: {n}" for n in c.notes)]
 
     def _dense(self, dense: DenseFn, q, k, v, reason: str, timed_shape: tuple | None = None) -> torch.Tensor:
-        start = self._tic()
+        start = self._tic(q.device) if timed_shape is not None else None
         out = dense(q, k, v)
         if timed_shape is not None:
             self._toc(StepKind.DENSE, start, timed_shape)
@@ -431,25 +443,13 @@ class MCSparseRunner:
         if text not in self.stats.notes:
             self.stats.notes.append(text)
 
-    def _tic(self) -> float | None:
-        if not self.measure_time:
-            return None
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    def _tic(self, device: torch.device):
+        """A start mark of the run's timer (a CUDA event on ``device``, no sync; the wall clock elsewhere)."""
+        return self.timer.start(device)
 
-    def _toc(self, kind: StepKind, start: float | None, shape: tuple) -> None:
-        if start is None:
-            return
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        ms = (time.perf_counter() - start) * 1000
-        self.stats.time_ms[kind] += ms
-        self.stats.time_calls[kind] += 1
-        if kind is StepKind.DENSE:
-            self._dense_ms_by_shape.setdefault(shape, []).append(ms)
-        elif kind is StepKind.REUSE:
-            self._reuse_ms_by_shape.setdefault(shape, []).append(ms)
+    def _toc(self, kind: StepKind, start, shape: tuple) -> None:
+        """Record the call of ``shape`` ``(B, H, S, D)`` since ``start`` under ``kind`` (ms per batch item)."""
+        self.timer.stop(start, kind.value, tuple(shape[1:]), shape[0])
 
 
 def _group(key: CacheKey | None, keys: Sequence[CacheKey] | None, q: torch.Tensor) -> tuple[CacheKey, ...]:
@@ -473,18 +473,35 @@ def _with_extra(dense, chunk_extra):
     return lambda q_, k_, v_: dense(q_, k_, v_, chunk_extra)
 
 
-def _is_out_of_memory(err: BaseException) -> bool:
-    """True for a CUDA or CPU allocation failure (torch raises RuntimeError for the CPU allocator)."""
-    if isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(err)
-    return "out of memory" in text or "can't allocate memory" in text
+def _size(n: int) -> str:
+    return f"{n / memory.GIB:.2f} GiB" if n >= memory.GIB // 10 else f"{n / 2**20:.1f} MiB"
 
 
-def time_saved_ms(dense_ms: dict[tuple, list[float]], reuse_ms: dict[tuple, list[float]]) -> float | None:
-    """Attention milliseconds the reuse calls saved: per call shape, reuse calls x mean dense call time minus the
-    reuse calls' time, from calls measured in the same run. None when no shape has both kinds measured."""
-    pairs = [(dense_ms[shape], reuse) for shape, reuse in reuse_ms.items() if dense_ms.get(shape)]
-    if not pairs:
+MIN_DENSE_SAMPLES = 3
+"""Dense calls of a shape needed before the summary compares measured times with them."""
+
+
+def attention_time_line(timer: CallTimer) -> str | None:
+    """What the anchor and reuse calls cost against the same calls run dense, both as measured in this run.
+
+    Per call shape ``(H, S, D)`` with at least ``MIN_DENSE_SAMPLES`` timed dense calls (the dense warm-up): the
+    anchor + reuse calls' measured time, against their number x the mean dense call time of that shape. Anchors
+    count (they cost more than a dense call). None when nothing can be compared. Times are ms per batch item.
+    """
+    dense, anchor, reuse = timer.times("dense"), timer.times("anchor"), timer.times("reuse")
+    spent = replaced = 0.0
+    calls = samples = 0
+    for shape in set(anchor) | set(reuse):
+        base = dense.get(shape, [])
+        if len(base) < MIN_DENSE_SAMPLES:
+            continue
+        mine = anchor.get(shape, []) + reuse.get(shape, [])
+        spent += sum(mine)
+        replaced += len(mine) * sum(base) / len(base)
+        calls += len(mine)
+        samples += len(base)
+    if not calls:
         return None
-    return sum(len(reuse) * (sum(dense) / len(dense)) - sum(reuse) for dense, reuse in pairs)
+    return (f"attention time (measured): {calls} anchor + reuse calls took {spent / 1000:.3f} s; the same calls dense "
+            f"~{replaced / 1000:.3f} s (mean of {samples} dense warm-up calls of the same shape), "
+            f"{'saving' if replaced >= spent else 'costing'} {abs(replaced - spent) / 1000:.3f} s")

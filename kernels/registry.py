@@ -3,15 +3,21 @@
 A backend declares, as data, the ops it implements and a ``refuse(op, q) -> reason | None`` rule
 (device, architecture, dtype, head dim, installed libraries). ``call`` picks the highest-priority
 backend that accepts the call, or the one the user named, and falls back to the next one when the chosen
-backend fails at run time, logging that once. The torch reference accepts everything, so a call only
-fails when the inputs are invalid.
+backend fails at run time. The torch reference accepts everything, so a call only fails when the inputs are
+invalid or memory runs out.
+
+What is remembered is per run, not per process: inside ``with recording(record):`` (the engine enters it around
+each of its calls) the backend each op ran on and the backends that failed are kept in that ``Record``; a failed
+backend is skipped for the rest of that run (logged once) and tried again by the next run. Out of memory is never
+a backend failure: it propagates at once, to the caller's out-of-memory path (``is_out_of_memory``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -54,10 +60,39 @@ class Choice:
     reason: str
 
 
+@dataclass
+class Record:
+    """What the kernel calls of one run did (see ``recording``).
+
+    Attributes:
+        choices: op -> the backend that ran it most recently in this run, with the reason.
+        failures: (backend, op) -> the run-time error that made this run skip that backend for that op.
+    """
+
+    choices: dict[str, Choice] = field(default_factory=dict)
+    failures: dict[tuple[str, str], str] = field(default_factory=dict)
+
+
 _backends: dict[str, Backend] = {}
-_failed: dict[tuple[str, str], str] = {}  # (backend, op) -> first run-time error, never retried
-_lock = threading.Lock()
-_last: dict[str, Choice] = {}
+_RECORD: contextvars.ContextVar[Record | None] = contextvars.ContextVar("mc_sparse_kernel_record", default=None)
+
+
+@contextlib.contextmanager
+def recording(record: Record) -> Iterator[Record]:
+    """Within the block, kernel calls (this thread / task) note their choices and failures in ``record``."""
+    token = _RECORD.set(record)
+    try:
+        yield record
+    finally:
+        _RECORD.reset(token)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """True for a CUDA or CPU allocation failure (torch raises RuntimeError for the CPU allocator)."""
+    if isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 def register(backend: Backend) -> None:
@@ -80,8 +115,9 @@ def _refusal(b: Backend, op: str, q: torch.Tensor, requested: bool = False) -> s
         return f"unavailable ({b.unavailable_reason})"
     if op not in b.ops:
         return f"does not implement {op}"
-    if (b.name, op) in _failed:
-        return f"failed earlier in this process ({_failed[b.name, op]})"
+    record = _RECORD.get()
+    if record is not None and (b.name, op) in record.failures:
+        return f"failed earlier in this run ({record.failures[b.name, op]})"
     return b.refuse(op, q, requested)
 
 
@@ -119,36 +155,29 @@ def candidates(op: str, q: torch.Tensor, backend: str = "auto") -> list[tuple[Ba
 def call(op: str, q: torch.Tensor, *args, backend: str = "auto", **kwargs):
     """Run ``op(q, *args, **kwargs)`` on the best backend that accepts it (see ``candidates``).
 
-    A backend that raises anything but ValueError/TypeError (bad input is the caller's error, and
-    the same for every backend) is marked failed for that op in this process, logged once, and the next
-    candidate runs. The last candidate's error propagates unchanged (e.g. out of memory).
+    A backend that raises anything but ValueError/TypeError (bad input is the caller's error, and the same for
+    every backend) or out of memory (``is_out_of_memory``: propagates unchanged, the caller frees memory) is
+    logged, skipped for that op for the rest of the run (the active ``Record``; without one, only this call) and
+    the next candidate runs. The last candidate's error propagates unchanged.
     """
     chosen = candidates(op, q, backend)
+    record = _RECORD.get()
     for i, (b, reason) in enumerate(chosen):
         try:
             result = b.ops[op](q, *args, **kwargs)
         except (ValueError, TypeError):
             raise
         except Exception as err:  # a kernel that breaks at run time must not lose the user's run
-            if i == len(chosen) - 1:
-                raise  # the last resort failed: that is the inputs (or memory), not a backend to disable
-            with _lock:
-                _failed[b.name, op] = f"{type(err).__name__}: {err}"
+            if i == len(chosen) - 1 or is_out_of_memory(err):
+                raise  # the last resort failed (the inputs), or memory ran out: not a backend to skip
+            if record is not None:
+                record.failures[b.name, op] = f"{type(err).__name__}: {err}"
             log.warning("MC-Sparse: backend %s failed on %s (%s: %s); falling back", b.name, op, type(err).__name__, err)
             continue
-        _last[op] = Choice(b.name, reason)
+        if record is not None:
+            record.choices[op] = Choice(b.name, reason)
         return result
     raise AssertionError("unreachable: the last candidate re-raises")
-
-
-def last_choices() -> dict[str, Choice]:
-    """op -> the backend that ran it most recently in this process, with the reason."""
-    return dict(_last)
-
-
-def failures() -> dict[tuple[str, str], str]:
-    """(backend, op) -> the run-time error that disabled it in this process."""
-    return dict(_failed)
 
 
 def report() -> str:

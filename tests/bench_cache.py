@@ -219,10 +219,11 @@ def run_grid(name, grid, heads, args, dev):
     q0, k0, v0 = wl.qkv(ANCHOR_STEP, dtype=torch.bfloat16)
     sync()
     t0 = time.perf_counter()
-    _, entry = attention.anchor_attention(q0, k0, v0, quality_config())  # residual kept in float32
+    with kernels.registry.recording(kernels.registry.Record()) as record:
+        _, entry = attention.anchor_attention(q0, k0, v0, quality_config())  # residual kept in float32
     sync()
     rep["anchor_s"] = time.perf_counter() - t0
-    rep["kernels"] = {op: c.backend for op, c in kernels.registry.last_choices().items()}
+    rep["kernels"] = {op: c.backend for op, c in record.choices.items()}
     del q0, k0, v0
     print(f"{name} S={spec.tokens}: anchor {rep['anchor_s']:.2f} s, kernels {rep['kernels']}", flush=True)
     section(rep, "bytes", lambda: bytes_part(entry, heads, spec.tokens, dev))

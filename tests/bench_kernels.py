@@ -160,8 +160,9 @@ def run_shape(name, shp, densities, sweep, rep, log):
     same = sum(len(set(ref_p[0, 0, g * C:(g + 1) * C].tolist()) & set(got_p[0, 0, g * C:(g + 1) * C].tolist()))
                for g in range(G)) / S
     res["errors"]["pddp torch_gpu vs torch: queries in the same group"] = same
-    perms = [kernels.pddp_groups(st[0], C) for st in sets]
-    res["pddp"]["default backend"] = registry.last_choices()["pddp_groups"].backend
+    with registry.recording(registry.Record()) as record:
+        perms = [kernels.pddp_groups(st[0], C) for st in sets]
+    res["pddp"]["default backend"] = record.choices["pddp_groups"].backend
     log(f"{name} pddp same-group fraction vs torch {same:.4f}; default {res['pddp']['default backend']}")
     perm0 = perms[0]
 

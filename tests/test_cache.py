@@ -336,6 +336,6 @@ def test_out_of_memory_falls_back_to_dense_with_settings_that_fit(gen, monkeypat
     later = runner.attention(q, k, v, step=1, layer=0, key=CacheKey(0, "c", None, tuple(q.shape)))
     assert torch.allclose(later, kernels.dense_attention(q, k, v))
     text = runner.summary()
-    assert "out of memory at step 0, layer 1 (CUDA out of memory. Tried to allocate 2.00 GiB)" in text
+    assert "out of memory at step 1 (1-based), block 1 (CUDA out of memory. Tried to allocate 2.00 GiB)" in text
     assert "Settings that would fit: " in text
     assert "dense x2: out of memory; dense for the rest of the run" in text

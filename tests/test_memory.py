@@ -55,7 +55,7 @@ def test_runner_cache_bytes_match_the_plan(gen):
 
 
 def test_wan14b_480p_cfg_sizes_against_method_md():
-    """Naive layout ~54 GB (method.md); bitmask + bf16 residual ~30 GB; bitmask + fp8 residual <= 20 GB."""
+    """Naive layout ~54 GB (the paper's estimate, encoding.py); bitmask + bf16 residual ~30 GB; bitmask + fp8 residual <= 20 GB."""
     kw = dict(heads=40, head_dim=128, layers=40, tokens=32760, density=0.25, group_size=128, branches=2)
     bf16 = memory.estimate_cache(**kw)
     fp8 = memory.estimate_cache(**kw, residual_dtype="float8_e4m3fn")
@@ -211,7 +211,7 @@ def test_dense_run_says_why_before_it_starts_and_names_what_fits(gen):
     ],
 )
 def test_expected_speedup_reproduces_performance_md(heads, tokens, layers, density, eff, expected):
-    """The paper's 50-step schedule with the measured attention shares gives performance.md's ideal speedups."""
+    """The paper's 50-step schedule with the measured attention shares gives the ideal speedups of docs/speedup.md."""
     share, calibrated = memory.attention_share(heads, 128, tokens)
     cfg = MCSparseConfig(density=density, anchor_steps=(9, 25))  # performance.md: the paper's two anchors
     sp = memory.expected_speedup(cfg, num_steps=50, num_layers=layers, attention_share=share, kernel_efficiency=eff)

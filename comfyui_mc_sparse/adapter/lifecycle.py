@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections import Counter
 
 import torch
@@ -90,15 +89,9 @@ class RunState:
             self.schedule = resolve_schedule(settings, self.num_steps)
         self.notes: list[str] = list(self.schedule.notes)
         self.dense_reasons: Counter = Counter()  # used when there is no runner
-        self.sparse_calls_by_kind: Counter = Counter()
-        self._timer = CallTimer()
-        self._dense_ms: dict[tuple, list[float]] = {}  # per chunk shape: ms per batch item of each dense call
-        self._reuse_ms: dict[tuple, list[float]] = {}  # same for reuse calls
         self.displaced: list[str] = []
         self.cache_keys: set = set()  # every CacheKey used in this run (summary: entries per window / kind)
-        from ... import kernels
-
-        self._choices_at_start = kernels.registry.last_choices()
+        self.mask_memo = None  # (mask tensor, (S, latent start, stop), answer) of the latest joint call (override)
         self.closed = False
         self.last_step: int | None = None  # highest 0-based step a model evaluation reached so far
         self._sigma_step: tuple | None = None  # (sigmas tensor, its step): fallback without CALC_COND_BATCH
@@ -106,7 +99,9 @@ class RunState:
         self.config = None
         self.runner = None
         self.dense_run_reason = unsupported or "no anchor step in this sampler call"
-        if unsupported is None and self.schedule.anchor_steps and self.schedule.warmup_steps < self.num_steps:
+        if unsupported is None and settings.density >= 1.0:
+            self.dense_run_reason = "density 1 keeps every token: MC-Sparse is off (the model's own attention runs)"
+        elif unsupported is None and self.schedule.anchor_steps and self.schedule.warmup_steps < self.num_steps:
             from ..config import MCSparseConfig
 
             self.config = MCSparseConfig(
@@ -135,24 +130,27 @@ class RunState:
 
     @property
     def dense_ms(self) -> dict[tuple, list[float]]:
-        """Measured dense warm-up call times (ms per batch item) per chunk shape ``(H, S, D)``."""
-        self._timer.resolve()
-        return self._dense_ms
+        """Measured dense warm-up call times (ms per batch item) per chunk shape ``(H, S, D)`` (the runner's timer)."""
+        return self.runner.timer.times("dense") if self.runner is not None else {}
 
     @property
     def reuse_ms(self) -> dict[tuple, list[float]]:
-        """Measured reuse call times (ms per batch item) per chunk shape ``(H, S, D)``."""
-        self._timer.resolve()
-        return self._reuse_ms
+        """Measured reuse call times (ms per batch item) per call shape ``(H, S, D)`` (the runner's timer)."""
+        return self.runner.timer.times("reuse") if self.runner is not None else {}
+
+    def go_dense(self, reason: str) -> None:
+        """Decide, before the first step, that this whole sampler call runs dense (``reason`` says why, once)."""
+        if self.runner is not None:
+            self.runner.close()
+        self.runner = None
+        self.dense_run_reason = reason
 
     def backend_line(self) -> str | None:
-        """"backend: requested X; ran op=name (reason), ..." for the kernel ops this run called, from
-        ``kernels.registry.last_choices()`` (process-wide, so only choices made since this run started)."""
-        if self.runner is None:
+        """"backend: requested X; ran op=name (reason), ..." for the kernel ops this run called (the runner's
+        ``kernels.registry.Record``); None under "auto" (the runner's "kernels:" line says what ran)."""
+        if self.runner is None or self.settings.backend == "auto":
             return None
-        from ... import kernels
-
-        used = {op: c for op, c in kernels.registry.last_choices().items() if self._choices_at_start.get(op) is not c}
+        used = self.runner.kernels.choices
         if not used:
             return f"backend: requested {self.settings.backend}; no kernel op ran in this sampler call"
         by_backend: dict[str, list[str]] = {}
@@ -234,17 +232,23 @@ class RunState:
         else:
             self.dense_reasons[reason] += 1
 
-    def timed_dense(self, reason: str, shape: tuple, fn):
-        """Run a dense warm-up call ``fn()``, count it and record its time per conditioning chunk shape."""
-        start = self._timer.start()
+    def timed_dense(self, reason: str, shape: tuple, fn, *, device: torch.device | None = None):
+        """Run a dense warm-up call ``fn()`` of ``shape`` ``(B, H, S, D)`` on ``device`` (None: the current CUDA
+        device, else the CPU), count it and time it (the runner's timer)."""
+        if self.runner is None:
+            self.record_dense(reason)
+            return fn()
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        start = self.runner.timer.start(device)
         out = fn()
         self.record_dense(reason)
-        self._timer.stop(start, self._dense_ms, shape[1:], max(1, shape[0]))
+        self.runner.timer.stop(start, "dense", shape[1:], shape[0])
         return out
 
     def sparse_call(self, q, k, v, *, step: int, layer: int, branches, window, dense_fn, scale, kind: str = "self",
                     extra_kv=None, out=None):
-        """An anchor or reuse call for a whole batch through the runner, timed (CUDA events, read at the end).
+        """An anchor or reuse call for a whole batch through the runner (which times it: CUDA events, read at the end).
 
         Args:
             q, k, v: ``[B, H, S, D]`` (any strides), B = ``len(branches)`` conditioning chunks of equal size.
@@ -258,13 +262,13 @@ class RunState:
         chunk = (q.shape[0] // len(branches), *q.shape[1:])
         keys = [CacheKey(layer=layer, branch=b, window=window, shape=chunk, kind=kind) for b in branches]
         self.cache_keys.update(keys)
-        reuse_before = self.runner.stats.calls.get(_reuse_kind(), 0)
-        start = self._timer.start()
-        result = self.runner.attention(q, k, v, step=step, layer=layer, keys=keys, dense_fn=dense_fn, scale=scale,
-                                       extra_kv=extra_kv, out=out)
-        if self.runner.stats.calls.get(_reuse_kind(), 0) > reuse_before:
-            self._timer.stop(start, self._reuse_ms, tuple(q.shape[1:]), max(1, q.shape[0]))
+        result, _ = self.runner.call(q, k, v, step=step, layer=layer, keys=keys, dense_fn=dense_fn, scale=scale,
+                                     extra_kv=extra_kv, out=out)
         return result
+
+    def exact_attention(self, q, k, v, *, scale: float):
+        """Exact attention ``[b, H, T, D]`` over ``[b, H, S, D]`` keys through the run's dense kernels (not counted)."""
+        return self.runner.dense_attention(q, k, v, scale=scale)
 
     # -- end of run -------------------------------------------------------------------------------------------
     def note_displaced(self, what: str) -> None:
@@ -273,12 +277,6 @@ class RunState:
             self.displaced.append(what)
             logger.warning("MC-Sparse: another attention override (%s) was installed after the MC-Sparse Patch "
                            "node; MC-Sparse re-installed itself on top and calls it for dense attention", what)
-
-    def time_saved_ms(self) -> float | None:
-        """Measured: reuse calls x (mean dense time - mean reuse time) per chunk shape; None if no pair."""
-        from ..engine import time_saved_ms
-
-        return time_saved_ms(self.dense_ms, self.reuse_ms)
 
     def counts(self) -> dict[str, int]:
         """{"sparse": reuse calls, "anchor": anchor calls, "dense": dense calls} so far."""
@@ -297,41 +295,8 @@ class RunState:
         """Free the caches (idempotent)."""
         if self.runner is not None:
             self.runner.close()
+        self.mask_memo = None
         self.closed = True
-
-
-class CallTimer:
-    """Times attention calls without a device sync per call: on CUDA a pair of events per call, read once when
-    the times are asked for (end of run); on CPU the wall clock."""
-
-    def __init__(self):
-        self._pending: list[tuple] = []
-
-    def start(self):
-        """A start mark (a recorded CUDA event, or a perf_counter value)."""
-        if torch.cuda.is_available():
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def stop(self, start, bucket: dict, shape: tuple, per: int) -> None:
-        """Record the time since ``start`` divided by ``per`` under ``bucket[shape]`` (now or at ``resolve``)."""
-        if isinstance(start, float):
-            bucket.setdefault(shape, []).append((time.perf_counter() - start) * 1000.0 / per)
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._pending.append((start, end, bucket, shape, per))
-
-    def resolve(self) -> None:
-        """Wait for the recorded calls and move their times into their buckets."""
-        if not self._pending:
-            return
-        self._pending[-1][1].synchronize()
-        for start, end, bucket, shape, per in self._pending:
-            bucket.setdefault(shape, []).append(start.elapsed_time(end) / per)
-        self._pending.clear()
 
 
 def _default_runner(config, backend: str):
@@ -351,19 +316,36 @@ def _comfy_free_memory(device: torch.device) -> int:
 
 
 def _plan_before_sampling(run: RunState, guider, noise, latent_shapes=None) -> None:
-    """Log the runner's cache / speed estimate (``MCSparseRunner.plan``, when the engine has it) before the
-    first step, from the model's attention geometry and the latent (``noise``, the latent's shape; for a packed
-    multi-stream latent, v0.33.0 ``latent_shapes``, the first stream's shape: MiniMax-H3's video)."""
+    """Before the first step: decide whether this sampler call can pay off (``payoff.dense_reason``; if not, the
+    run goes dense and says why once), then log the runner's cache / speed estimate (``MCSparseRunner.plan``),
+    from the model's attention geometry, device and dtype and the latent (``noise``, the latent's shape; for a
+    packed multi-stream latent, v0.33.0 ``latent_shapes``, the first stream's shape: MiniMax-H3's video)."""
     runner = run.runner
-    if runner is None or not hasattr(runner, "plan") or not isinstance(noise, torch.Tensor):
+    if runner is None:
         return
     from .layouts import geometry
+    from .payoff import dense_reason
 
-    shape = tuple(noise.shape)
-    if latent_shapes is not None and len(latent_shapes) > 1:
-        shape = tuple(latent_shapes[0])
-    dm = guider.model_patcher.get_model_object("diffusion_model")
-    geo = geometry(dm, plan_for(dm), shape)
+    patcher = getattr(guider, "model_patcher", None)
+    geo = device = dtype = None
+    if patcher is not None:
+        dm = patcher.get_model_object("diffusion_model")
+        if isinstance(noise, torch.Tensor):
+            shape = tuple(noise.shape)
+            if latent_shapes is not None and len(latent_shapes) > 1:
+                shape = tuple(latent_shapes[0])
+            geo = geometry(dm, plan_for(dm), shape)
+        device = getattr(patcher, "load_device", None)
+        model = getattr(patcher, "model", None)
+        dtype = getattr(model, "manual_cast_dtype", None) or (patcher.model_dtype() if model is not None else None)
+    reason = dense_reason(run.config, num_steps=run.num_steps, layers=geo.layers if geo else 1,
+                          requested_backend=run.settings.backend, min_tokens=run.settings.min_tokens,
+                          device=device if isinstance(device, torch.device) else None, dtype=dtype,
+                          head_dim=geo.head_dim if geo else None, tokens=geo.tokens if geo else None)
+    if reason is not None:
+        run.go_dense(reason)
+        logger.warning("MC-Sparse: this sampler call runs dense: %s", reason)
+        return
     if geo is None:
         return
     conds = getattr(guider, "conds", {}) or {}
@@ -374,12 +356,6 @@ def _plan_before_sampling(run: RunState, guider, noise, latent_shapes=None) -> N
                            branches=branches, batch=int(noise.shape[0]), num_steps=run.num_steps)
     except (ValueError, TypeError) as err:  # an estimate must never stop sampling; say why it is missing
         logger.warning("MC-Sparse: no cache estimate for this run (%s)", err)
-
-
-def _reuse_kind():
-    from ..schedule import StepKind
-
-    return StepKind.REUSE
 
 
 # -- wrappers and callbacks (called by ComfyUI) ---------------------------------------------------------------
@@ -513,9 +489,12 @@ def apply_mc_sparse(
     """Return a clone of ``model`` (a ComfyUI ``ModelPatcher``) with MC-Sparse attention installed.
 
     Args: see ``settings.build_settings`` (same names; step numbers 1-based, percents of each sampler
-    call). The original ``model`` is not modified; bypassing the node leaves no trace.
+    call). The original ``model`` is not modified; bypassing the node leaves no trace. A second MC-Sparse node
+    later in the chain replaces this one (one set of wrappers, one run, one summary: the last node's settings).
+    Density 1 keeps every token: ``model`` itself is returned (an exact pass-through), or, after another MC-Sparse
+    node, a clone whose runs are all dense.
     Returns:
-        the patched clone.
+        the patched clone, or ``model``.
     Raises:
         ValueError / TypeError: a bad setting, naming the input.
     """
@@ -525,6 +504,10 @@ def apply_mc_sparse(
                               anchor_steps=anchor_steps, query_tile=query_tile, cache_placement=cache_placement,
                               backend=backend, min_tokens=min_tokens, verbose=verbose,
                               residual_precision=residual_precision, memory_headroom_gib=memory_headroom_gib)
+    options = getattr(model, "model_options", {}).get("transformer_options", {})
+    if settings.density >= 1.0 and HOLDER_KEY not in options:
+        logger.info("MC-Sparse: density 1 keeps every token; the model passes through unpatched")
+        return model
     patched = model.clone()
     plan = plan_for(patched.get_model_object("diffusion_model"))
     if plan.reason_unsupported:
@@ -533,6 +516,11 @@ def apply_mc_sparse(
     options[HOLDER_KEY] = MCSparsePatch(settings, plan.family, plan.reason_unsupported)
     install_override(options)
     installed = install_plan(patched, plan)
+    for wrapper_type in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.CALC_COND_BATCH, pe.WrappersMP.APPLY_MODEL,
+                         pe.WrappersMP.DIFFUSION_MODEL):
+        patched.remove_wrappers_with_key(wrapper_type, WRAPPER_KEY)  # an earlier MC-Sparse node's: the last one wins
+    for callback_type in (pe.CallbacksMP.ON_PREPARE_STATE, pe.CallbacksMP.ON_CLEANUP):
+        patched.remove_callbacks_with_key(callback_type, WRAPPER_KEY)
     patched.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, outer_sample_wrapper)
     patched.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, calc_cond_batch_wrapper)
     if plan.needs_context_publisher:

@@ -16,7 +16,8 @@ from comfy_api.latest import ComfyExtension, io
 
 from .fidelity_nodes import FIDELITY_NODES
 from .lifecycle import apply_mc_sparse
-from .settings import BACKENDS, CACHE_PLACEMENTS, MAX_HEADROOM_GIB, PRESET_NAMES, RESIDUAL_PRECISIONS, cache_size_note
+from .settings import (BACKENDS, BOX_DEFAULTS, CACHE_PLACEMENTS, MAX_HEADROOM_GIB, PRESET_NAMES, RESIDUAL_PRECISIONS,
+                       cache_size_note)
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +51,12 @@ class MCSparsePatch(io.ComfyNode):
                             "custom to use them (e.g. a second anchor).",
                 ),
                 io.Float.Input(
-                    "density", default=0.2, min=0.05, max=1.0, step=0.01, display_mode=io.NumberDisplay.slider,
+                    "density", default=BOX_DEFAULTS["density"], min=0.05, max=1.0, step=0.01, display_mode=io.NumberDisplay.slider,
                     tooltip="custom only: share of tokens each query group looks at on sparse steps. Lower is "
                             "faster but drifts further from the dense result; 1.0 = no sparsity.",
                 ),
                 io.String.Input(
-                    "dense_warmup", default="auto",
+                    "dense_warmup", default=BOX_DEFAULTS["dense_warmup"],
                     tooltip="custom only: how many first steps run normal attention: a step count ('10') or a "
                             "percent of the sampler's steps ('20%'). auto: with auto anchors, 20% of the steps "
                             "(published: 10 of 50); with your own anchors, every step up to and including the first "
@@ -68,7 +69,7 @@ class MCSparsePatch(io.ComfyNode):
                             "(they are the most sensitive). 1 is a good default.",
                 ),
                 io.String.Input(
-                    "anchor_steps", default="auto",
+                    "anchor_steps", default=BOX_DEFAULTS["anchor_steps"],
                     tooltip="custom only: steps (1-based, as in the progress bar) where MC-Sparse re-measures "
                             "which tokens matter, e.g. '10' for 50 steps, or percents '20%'. auto = one anchor on "
                             "the last dense warm-up step (10 of 50), which costs little since that step is dense "

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..config import HEAD_DIMS
 from .callsite import MARK_KEY, TEXT_LEN_KEY, CallSite
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ PROBE_RUN_KEY = "mc_sparse_probe_run"
 CURRENT_OPTIONS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mc_sparse_options", default=None)
 """transformer_options of the model evaluation in progress, published by the APPLY_MODEL wrapper for models
 whose attention sees none (Hunyuan3D 2.1). Set and reset around each evaluation; None outside."""
+
+NOT_SELF_ATTENTION = "not a marked self-attention call (cross-attention, token refiner, unsupported block)"
+"""The dense reason of calls MC-Sparse never considers (the summary's sparse share leaves them out)."""
 
 _MASK_NEG = -1e4  # additive mask entries at or below this count as "masked out" (ComfyUI uses -finfo.max)
 
@@ -194,13 +198,25 @@ def _window_key(window: Any) -> Any:
     return ("window", repr(window))
 
 
-def _keep_mask(mask: torch.Tensor | None, seq: int, latent: slice) -> tuple[torch.Tensor | None, str | None]:
+def _keep_mask(run, mask: torch.Tensor | None, seq: int, latent: slice) -> tuple[torch.Tensor | None, str | None]:
     """Indices of keys to keep for a joint call with an additive (or bool) key mask, or a reason to go dense.
 
-    Accepts masks that broadcast to ``(1, 1, [1,] S)`` (one mask for the whole batch, per key only).
+    Accepts masks that broadcast to ``(1, 1, [1,] S)`` (one mask for the whole batch, per key only). The blocks of
+    one model evaluation share one mask tensor, so the answer is kept for that tensor (``run.mask_memo``): one
+    host sync per evaluation, not per attention call.
     """
     if mask is None:
         return None, None
+    memo = getattr(run, "mask_memo", None)
+    if memo is not None and memo[0] is mask and memo[1] == (seq, latent.start, latent.stop):
+        return memo[2]
+    result = _analyse_mask(mask, seq, latent)
+    run.mask_memo = (mask, (seq, latent.start, latent.stop), result)
+    return result
+
+
+def _analyse_mask(mask: torch.Tensor, seq: int, latent: slice) -> tuple[torch.Tensor | None, str | None]:
+    """``_keep_mask`` without the memo: one host sync (the three checks and the kept count read at once)."""
     m = mask
     if m.dtype == torch.bool:
         m = torch.where(m, 0.0, float("-inf"))
@@ -208,13 +224,15 @@ def _keep_mask(mask: torch.Tensor | None, seq: int, latent: slice) -> tuple[torc
         return None, f"mask of shape {tuple(mask.shape)} is not one per-key mask for the batch"
     row = m.reshape(seq).float()
     masked = row <= _MASK_NEG
-    if bool(((row != 0) & ~masked).any()):
+    other, latent_masked, n_masked = torch.stack(
+        (((row != 0) & ~masked).any(), masked[latent].any(), masked.sum())).tolist()
+    if other:
         return None, "mask holds values other than 0 and masked-out"
-    if bool(masked[latent].any()):
+    if latent_masked:
         return None, "mask masks latent tokens"
-    if not bool(masked.any()):
+    if not n_masked:
         return None, None
-    return torch.nonzero(~masked).flatten(), None
+    return torch.nonzero_static(~masked, size=seq - int(n_masked)).flatten(), None
 
 
 def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_reshape: bool, skip_output_reshape: bool,
@@ -235,7 +253,7 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
         return call(q, k, v, mask, skip_reshape, skip_output_reshape)
 
     if site is None:
-        return dense("not a marked self-attention call (cross-attention, token refiner, unsupported block)")
+        return dense(NOT_SELF_ATTENTION)
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return dense(f"q/k/v arrive as {type(q).__name__}, not tensors (AttentionTensorContainer)")
     if q.shape != k.shape or q.shape != v.shape:
@@ -259,8 +277,8 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
     latent_tokens = seq - text_len - site.prefix
     if latent_tokens < run.settings.min_tokens:
         return dense(f"fewer latent tokens ({latent_tokens}) than min tokens ({run.settings.min_tokens})")
-    if head_dim not in (64, 128):
-        return dense(f"head dim {head_dim} not supported (64, 128)")
+    if head_dim not in HEAD_DIMS:
+        return dense(f"head dim {head_dim} not supported ({', '.join(map(str, HEAD_DIMS))})")
 
     step = run.step_of(options)  # resolved once per model evaluation (steps.STEP_KEY): no device read here
     if step is None:
@@ -269,7 +287,7 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
     if kind == "dense":
         reason = "dense warm-up layer" if site.layer < run.config.warmup_layers else "dense warm-up step"
         return run.timed_dense(reason, (batch, heads, seq, head_dim),
-                               lambda: call(q, k, v, mask, skip_reshape, skip_output_reshape))
+                               lambda: call(q, k, v, mask, skip_reshape, skip_output_reshape), device=q.device)
 
     cond_or_uncond = list(options.get("cond_or_uncond") or [0])
     uuids = list(options.get("uuids") or [])
@@ -289,7 +307,7 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
                         dense_fn=_dense_fn(call), scale=scale, kind=site.cache_kind, out=out_h)
         return out
     latent = slice(0, seq - text_len) if site.joint == "video_first" else slice(text_len, seq)
-    keep, why = _keep_mask(mask, seq, latent)
+    keep, why = _keep_mask(run, mask, seq, latent)
     if why is not None:
         return dense(why)
     outs = []
@@ -325,18 +343,11 @@ def _dense_fn(call: Callable) -> Callable:
     return dense_fn
 
 
-def _exact_rows(q_rows, k, v, scale: float, key_bias: torch.Tensor | None) -> torch.Tensor:
-    """Exact attention of a few query rows over all keys, fp32 accumulation. ``[B,H,T,D] -> [B,H,T,D]``."""
-    scores = torch.matmul(q_rows.float(), k.float().transpose(-1, -2)) * scale  # [B, H, T, S]
-    if key_bias is not None:
-        scores = scores + key_bias
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q_rows.dtype)
-
-
 def _joint_chunk(run, site: CallSite, q, k, v, *, text_len: int, keep, mask, step: int, branch, window, scale):
     """One conditioning chunk of a joint [video, text] / [text, latent] call, ``[B, H, S, D]`` in and out.
 
-    Text query rows are always exact (dense over every kept key). Latent query rows: MC-Sparse over the latent
+    Text query rows are always exact: dense over every kept key through the run's dense kernels (with no fp32 score
+    matrix nor fp32 copies of K/V). Latent query rows: MC-Sparse over the latent
     keys plus *all* kept text keys exactly (``extra_kv``, LSE merge in the engine); masked text keys are left
     out of ``extra_kv``. Without text tokens the call is MC-Sparse over the kept keys.
     """
@@ -357,16 +368,13 @@ def _joint_chunk(run, site: CallSite, q, k, v, *, text_len: int, keep, mask, ste
         out[:, :, latent] = run.sparse_call(q[:, :, latent], k[:, :, latent], v[:, :, latent], step=step,
                                             layer=site.layer, branches=[branch], window=window, dense_fn=None,
                                             scale=scale, kind=site.cache_kind, extra_kv=extra)
-        out[:, :, text] = _exact_rows(q[:, :, text], ks, vs, scale, None)
+        out[:, :, text] = run.exact_attention(q[:, :, text], ks, vs, scale=scale)
         return out
     qs = q[:, :, keep] if keep is not None else q
     out_kept = run.sparse_call(qs, ks, vs, step=step, layer=site.layer, branches=[branch], window=window,
                                dense_fn=None, scale=scale, kind=site.cache_kind)
-    if keep is not None:
-        out = torch.empty_like(q)
-        out[:, :, keep] = out_kept
-    else:
-        out = out_kept
-    if text_len:
-        out[:, :, text] = _exact_rows(q[:, :, text], ks, vs, scale, None)
+    if keep is None:
+        return out_kept
+    out = torch.empty_like(q)
+    out[:, :, keep] = out_kept
     return out

@@ -7,7 +7,7 @@ when a sampler starts, so warm-up and anchors given in percent (or left on ``aut
 Units used throughout:
 
 * step numbers typed by the user are **1-based**, as ComfyUI's progress bar counts them ("10, 26" = the
-  paper's video anchors, method.md "Schedule"); internally steps are 0-based within the sampler call;
+  paper's video anchors, MC-Sparse arXiv 2610.06801 sec. 4); internally steps are 0-based within the sampler call;
 * percentages are of the sampler call's step count (a Wan2.2 high-noise stage of 10 steps: "20%" = step 2);
 * density is the fraction of KV tokens each query group keeps, in (0, 1].
 """
@@ -18,10 +18,13 @@ import logging
 import math
 from dataclasses import dataclass
 
+from ..config import CACHE_PLACEMENTS, GROUP_SIZES
+
 logger = logging.getLogger(__name__)
 
 PRESETS: dict[str, float] = {"quality": 0.25, "balanced": 0.20, "fast": 0.15}
-"""Preset -> density. 25 % and 15 % are the paper's reported video settings (method.md results table). Every
+"""Preset -> density. 25 % and 15 % are the paper's reported video settings (its Wan2.1 and HunyuanVideo results, quoted
+in README.md). Every
 preset runs the authors' published schedule scaled to the sampler call (``schedule.paper_video_schedule``: dense
 warm-up 20 % of the steps, one anchor folded into its last step) with block 0 dense (``PRESET_WARMUP_LAYERS``)."""
 
@@ -29,16 +32,17 @@ PRESET_WARMUP_LAYERS = 1
 """Dense warm-up layers of every preset: block 0 always dense, as in the authors' published configuration."""
 
 PRESET_NAMES = ("quality", "balanced", "fast", "custom")
-CACHE_PLACEMENTS = ("auto", "gpu", "cpu")
 RESIDUAL_PRECISIONS = {"auto": "auto", "bf16": "bfloat16", "fp8": "float8_e4m3fn", "int4": "int4"}
 """The node's residual precision options -> ``MCSparseConfig.residual_dtype`` (``memory.plan_cache`` decides 'auto')."""
 MAX_HEADROOM_GIB = 256.0
+BOX_DEFAULTS = {"density": 0.2, "dense_warmup": "auto", "warmup_layers": 1, "anchor_steps": "auto"}
+"""Defaults of the node's density / dense warm-up / warm-up layers / anchor steps boxes (``nodes``): presets ignore the boxes and
+warn when one differs from its default."""
 BACKENDS = ("auto", "flash_attn4", "cuda_sdpa", "triton", "torch")
 """The node's backend combo: ``kernels.registry.backend_names()`` (auto, then the registered backends, highest
 priority first; an unavailable one is still listed and falls back with its reason in the summary), less
 "torch_gpu", which implements only the query grouping and is picked by every choice for that op.
 ``tests/test_adapter_inputs.py`` checks the two stay equal."""
-GROUP_SIZES = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -209,7 +213,15 @@ def build_settings(
         raise ValueError(f"memory headroom must be a number of GiB in [0, {MAX_HEADROOM_GIB:g}], got {memory_headroom_gib!r}")
     if preset != "custom":
         # A preset ignores the density / warm-up / warm-up layers / anchor boxes entirely (not even validated):
-        # its density and the published schedule scaled to each sampler call, block 0 dense.
+        # its density and the published schedule scaled to each sampler call, block 0 dense. Edited boxes are
+        # named in a warning.
+        edited = [f"{name} {value!r}" for name, value, default in (
+            ("density", density, BOX_DEFAULTS["density"]), ("dense warm-up", dense_warmup, BOX_DEFAULTS["dense_warmup"]),
+            ("warm-up layers", warmup_layers, BOX_DEFAULTS["warmup_layers"]),
+            ("anchor steps", anchor_steps, BOX_DEFAULTS["anchor_steps"])) if value != default]
+        if edited:
+            logger.warning("MC-Sparse: preset '%s' sets density %g and the published schedule; it ignores %s (choose "
+                           "preset 'custom' to use them)", preset, PRESETS[preset], ", ".join(edited))
         density, warmup, anchors = PRESETS[preset], None, None
         warmup_layers = PRESET_WARMUP_LAYERS
     else:

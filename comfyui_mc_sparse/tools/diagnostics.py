@@ -18,7 +18,7 @@ K = ``selection.keys_for_density(density, S, kv_tile)`` for all of them, so the 
 same budget; each result carries its *realized* density (kept (query, key) pairs / S^2, averaged over
 batch and heads), which is what a comparison must match.
 
-Metrics (``method.md``): attention recall = mean over queries of the kept exact mass ``sum_{j kept} P_ij``;
+Metrics (sec. 2): attention recall = mean over queries of the kept exact mass ``sum_{j kept} P_ij``;
 output relative L1 = ``||O_sparse - O_dense||_1 / ||O_dense||_1``. A method's sparse output is the softmax
 over its kept keys only (renormalized), plus an optional residual.
 

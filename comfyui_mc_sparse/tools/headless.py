@@ -400,7 +400,7 @@ def run_headless_demo(comfyui_dir: str) -> int:
         prompt = tinyfy_wan_prompt(
             load_api_workflow("wan21_t2v_1.3b_mc_sparse_api.json"), unet_name=unet, width=64, height=64, length=9,
             steps=8, patch_inputs={"preset": "custom", "density": 0.3, "query_tile": "64", "min_tokens": 0,
-                                   "warmup_layers": 0},
+                                   "warmup_layers": 0, "backend": "torch"},  # the reference, asked for: CPU
         )
         result = execute_prompt(prompt)
     finally:

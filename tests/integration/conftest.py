@@ -21,6 +21,7 @@ run on that version only. Run both (``tests/integration/run_both.sh`` does this)
 import importlib.util
 import logging
 import os
+import re
 
 import pytest
 
@@ -64,6 +65,7 @@ def _skip_reason(version: str) -> str | None:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "comfyui(version): run only against that ComfyUI checkout version")
+_COUNTS = re.compile(r"(\d+) sparse, (\d+) anchor, (\d+) dense")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -92,14 +94,12 @@ class SummaryCapture(logging.Handler):
 
     def emit(self, record):
         msg = record.getMessage()
-        if msg.startswith("MC-Sparse:") and "sparse," in msg.splitlines()[0]:
+        if msg.startswith("MC-Sparse:") and _COUNTS.search(msg):
             self.summaries.append(msg)
 
     def counts(self, i=-1):
-        import re
-
-        head = self.summaries[i].splitlines()[0]
-        m = re.match(r"MC-Sparse: (\d+) sparse, (\d+) anchor, (\d+) dense", head)
+        """Calls per kind of summary ``i``: its "calls: ..." line (or an interrupted run's first line)."""
+        m = _COUNTS.search(self.summaries[i])
         return {"sparse": int(m[1]), "anchor": int(m[2]), "dense": int(m[3])}
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 PATCH = {"preset": "custom", "density": 0.3, "dense_warmup": "auto", "warmup_layers": 0, "anchor_steps": "auto",
-         "query_tile": "64", "cache_placement": "auto", "backend": "auto", "min_tokens": 0, "verbose": False}
+         "query_tile": "64", "cache_placement": "auto", "backend": "torch", "min_tokens": 0, "verbose": False}
 
 
 def _patch(nodes, model, **over):
@@ -37,7 +37,7 @@ def _wan_sample(nodes, model, latent, *, steps=6, cfg=5.0, pos=None, neg=None):
 
 
 def _cache_line(text):
-    m = re.search(r"cache entries: (\d+) keys over (\d+) blocks, (\d+) conditioning branches, (\w+) context "
+    m = re.search(r"cache entries: (\d+) keys over (\d+) blocks?, (\d+) conditioning branch(?:es)?, (\w+) context "
                   r"windows, kinds ([\w#, ]+)", text)
     assert m, text
     return {"keys": int(m[1]), "blocks": int(m[2]), "branches": int(m[3]),
@@ -119,7 +119,8 @@ def _hunyuan_prompt(headless, unet, *, patch=True, density=0.3, steps=6):
 def test_hunyuan_video_shipped_workflow(comfy, summaries, joint_spy):
     """HunyuanVideo through the shipped API workflow (BasicGuider + SamplerCustomAdvanced, synthetic text with
     6 padded tokens): sparse at reuse steps, token-refiner calls passed through, text rows exact with the mask,
-    and density 1.0 equals the unpatched (bypassed) workflow."""
+    density 0.99 (every key kept) runs the machinery and matches the unpatched (bypassed) workflow, and density 1.0
+    is the unpatched workflow bit for bit."""
     headless, nodes = comfy
     unet = headless.write_tiny_checkpoint("hunyuan_video")
     result = headless.execute_prompt(_hunyuan_prompt(headless, unet))
@@ -134,18 +135,20 @@ def test_hunyuan_video_shipped_workflow(comfy, summaries, joint_spy):
     _check_joint_calls(joint_spy, padded=6)
 
     joint_spy.clear()
-    full = headless.execute_prompt(_hunyuan_prompt(headless, unet, density=1.0))
+    full = headless.execute_prompt(_hunyuan_prompt(headless, unet, density=0.99))
     assert summaries.counts()["sparse"] > 0
-    for call in joint_spy:  # every row (video too) equals masked dense attention at density 1
+    for call in joint_spy:  # every row (video too) equals masked dense attention when every key is kept
         ref = _masked_reference(call["q"], call["k"], call["v"], call["mask"])
         torch.testing.assert_close(call["out"].double(), ref, rtol=1e-3, atol=1e-3)
     plain = headless.execute_prompt(_hunyuan_prompt(headless, unet, patch=False))
     torch.testing.assert_close(full["latents"][0], plain["latents"][0], rtol=2e-3, atol=2e-3)
+    one = headless.execute_prompt(_hunyuan_prompt(headless, unet, density=1.0))
+    assert torch.equal(one["latents"][0], plain["latents"][0])
 
 
 def test_context_windows_keep_caches_per_window(comfy, summaries):
     """WanContextWindowsManual (2 windows of 3 latent frames): one cache entry per window x block x branch, the
-    step is not advanced per window (peers.md bug 9: state shared across windows), no late anchors; at
+    step is not advanced per window (state shared across windows would advance it once per window), no late anchors; at
     density 1.0 the windowed run equals the unpatched windowed run."""
     import comfy.context_windows as cw
 
@@ -175,7 +178,7 @@ def test_context_windows_keep_caches_per_window(comfy, summaries):
     z = torch.zeros(1, 16, 5, 16, 16)
     ref = _wan_sample(nodes, windowed(base), z)
     out = _wan_sample(nodes, windowed(_patch(nodes, base, density=1.0)), z)
-    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(out, ref)
 
 
 def test_vace_blocks_get_their_own_cache_entries(comfy, summaries):
@@ -198,7 +201,7 @@ def test_vace_blocks_get_their_own_cache_entries(comfy, summaries):
     assert "late anchor" not in text
     ref = _wan_sample(nodes, base, z, pos=pos, neg=neg)
     full = _wan_sample(nodes, _patch(nodes, base, density=1.0), z, pos=pos, neg=neg)
-    torch.testing.assert_close(full, ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(full, ref)
 
 
 def test_hunyuan3d_v20_joint_cond_latent(comfy, summaries, joint_spy):
@@ -221,7 +224,7 @@ def test_hunyuan3d_v20_joint_cond_latent(comfy, summaries, joint_spy):
     assert reuse[0]["q"].shape[-1] == 64 and reuse[0]["site"].joint == "text_first"
     ref = sample(base)
     full = sample(_patch(nodes, base, density=1.0))
-    torch.testing.assert_close(full, ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(full, ref)
 
 
 def test_real_lora_file_then_patch_clone_unload(comfy, summaries):

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-PATCH = {"preset": "custom", "density": 0.3, "query_tile": "64", "min_tokens": 0, "warmup_layers": 0}
+PATCH = {"preset": "custom", "density": 0.3, "query_tile": "64", "min_tokens": 0, "warmup_layers": 0, "backend": "torch"}
 
 
 def test_node_definitions_snapshot_is_current(comfy, comfy_version):
