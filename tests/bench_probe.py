@@ -44,6 +44,9 @@ from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools import probe  # noqa: E402
 SHAPES = {"14b-720p": dict(H=40, S=21 * 45 * 80, D=128), "tiny": dict(H=4, S=1024, D=128)}
 
 
+_RECORD = kernels.registry.Record()
+
+
 def _block_inputs(H, S, D, device, seed):
     g = torch.Generator(device=device).manual_seed(seed)
     qkv = [torch.randn(1, H, S, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(3)]
@@ -161,7 +164,7 @@ def main() -> int:
         "all_heads_one_block_s": all_heads_s,
         "all_heads_one_block_peak_gpu_gib_above_inputs": None if all_heads_peak is None else all_heads_peak / 2**30,
         "wall_s": time.perf_counter() - start_all,
-        "kernels": {op: c.backend for op, c in kernels.registry.last_choices().items()},
+        "kernels": {op: c.backend for op, c in _RECORD.choices.items()},
         "mean": {m: {"recall": report.mean(m, "recall"), "rel_l1": report.mean(m, "rel_l1")} for m in report.methods()},
     })
     print(report.table())
@@ -171,4 +174,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with kernels.registry.recording(_RECORD):  # which backend ran each op in this benchmark (kernels below)
+        sys.exit(main())

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 PATCH = {"preset": "custom", "density": 0.3, "dense_warmup": "auto", "warmup_layers": 0, "anchor_steps": "auto",
-         "query_tile": "64", "cache_placement": "auto", "backend": "auto", "min_tokens": 0, "verbose": False}
+         "query_tile": "64", "cache_placement": "auto", "backend": "torch", "min_tokens": 0, "verbose": False}
 PROBE = {"density": 0.2, "query_tile": "128", "probe_step": "auto", "reuse_step": "auto", "blocks": "all", "heads": 0,
          "per_head": True, "oracle_queries": 0, "capture_blocks": "all"}
 
