@@ -9,7 +9,6 @@ import math
 import re
 import types
 
-import pytest
 import torch
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import attention, engine
@@ -273,7 +272,8 @@ def test_joint_text_rows_use_the_dense_kernels_and_the_mask_is_read_once(gen, mo
     mask[..., -4:] = -torch.finfo(torch.float32).max
     dense_calls, analysed = [], []
     real_dense, real_analyse = kernels.dense_attention, override._analyse_mask
-    monkeypatch.setattr(kernels, "dense_attention", lambda q_, *a, **kw: dense_calls.append(q_.shape) or real_dense(q_, *a, **kw))
+    monkeypatch.setattr(kernels, "dense_attention",
+                        lambda q_, *a, **kw: dense_calls.append(q_.shape) or real_dense(q_, *a, **kw))
     monkeypatch.setattr(override, "_analyse_mask", lambda *a: analysed.append(1) or real_analyse(*a))
     ref = _func(q, k, v, H, mask=mask.unsqueeze(1), skip_reshape=True, skip_output_reshape=True)
     for layer in range(3):  # three blocks of one evaluation (the anchor step)

@@ -51,7 +51,8 @@ class MCSparsePatch(io.ComfyNode):
                             "custom to use them (e.g. a second anchor).",
                 ),
                 io.Float.Input(
-                    "density", default=BOX_DEFAULTS["density"], min=0.05, max=1.0, step=0.01, display_mode=io.NumberDisplay.slider,
+                    "density", default=BOX_DEFAULTS["density"], min=0.05, max=1.0, step=0.01,
+                    display_mode=io.NumberDisplay.slider,
                     tooltip="custom only: share of tokens each query group looks at on sparse steps. Lower is "
                             "faster but drifts further from the dense result; 1.0 = no sparsity.",
                 ),
