@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .config import CACHE_PLACEMENTS
 from .encoding import (
     EncodedGroups,
     EncodedResidual,
@@ -50,7 +51,7 @@ from .encoding import (
 
 log = logging.getLogger(__name__)
 
-PLACEMENTS = ("auto", "gpu", "cpu")
+PLACEMENTS = CACHE_PLACEMENTS  # one source: config
 _GPU_MARGIN = 256 << 20  # bytes 'gpu' placement always leaves free (decode temporaries, allocator slack)
 _ALIGN = 256  # byte alignment of each tensor inside a host buffer (any dtype's element size divides it)
 

@@ -41,7 +41,7 @@ import torch
 from ... import kernels
 from .. import schedule
 from ..cache import CacheEntry, CacheKey
-from ..config import MCSparseConfig
+from ..config import GROUP_SIZES, HEAD_DIMS, MCSparseConfig
 from ..engine import MCSparseRunner
 from ..schedule import StepKind
 from . import capture as probe_capture
@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, help=f"denoising steps (default {DEFAULTS['steps']})")
     demo.add_argument("--layers", type=int, help=f"attention layers per step (default {DEFAULTS['layers']})")
     demo.add_argument("--heads", type=int, help=f"attention heads (default {DEFAULTS['heads']})")
-    demo.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="head dim (default 128)")
-    demo.add_argument("--group-size", type=int, default=64, choices=(64, 128), help="query tile C (default 64)")
+    demo.add_argument("--head-dim", type=int, default=128, choices=HEAD_DIMS, help="head dim (default 128)")
+    demo.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES, help="query tile C (default 64)")
     demo.add_argument("--kv-tile", type=int, default=64, help="KV tile: K and BSA's KV blocks (default 64)")
     demo.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda, cuda:1, ...")
     demo.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
