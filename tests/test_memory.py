@@ -51,7 +51,8 @@ def test_runner_cache_bytes_match_the_plan(gen):
             runner.attention(q, k, v, step=0, layer=layer, key=CacheKey(layer, branch, None, tuple(q.shape)))
     est = memory.estimate_for_config(cfg, heads=2, head_dim=64, layers=3, tokens=192, branches=2)
     assert len(runner.cache) == est.entries == 4 and runner.cache.nbytes == est.total_bytes
-    assert line.startswith("MC-Sparse plan: cache") and "expected DiT speedup" in line and line in runner.summary()
+    assert line.startswith("MC-Sparse plan: cache") and "expected DiT speedup" in line and line == runner.plan_line
+    assert "MC-Sparse plan" not in runner.summary()  # logged once, before sampling; not repeated (issue 9, defect 8)
 
 
 def test_wan14b_480p_cfg_sizes_against_method_md():
