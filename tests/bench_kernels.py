@@ -379,10 +379,11 @@ def run_reuse_shape(name, shp, densities, rep, log):
 
             enc = encoding.encode_selection(idxs[0], S, kq, "bitmask")
             dec = torch.empty_like(idxs[0])
-            kernels.decode_bitmask(enc.data, num_tokens=S, out=dec)
+            with registry.recording(registry.Record()) as record:
+                kernels.decode_bitmask(enc.data, num_tokens=S, out=dec)
             ok = bool(torch.equal(dec, idxs[0]))
             ms = bench(lambda: kernels.decode_bitmask(enc.data, num_tokens=S, out=dec), [()], rep)
-            res["decode"] = dict(ms=ms, bit_exact=ok, backend=registry.last_choices()["decode_bitmask"].backend,
+            res["decode"] = dict(ms=ms, bit_exact=ok, backend=record.choices["decode_bitmask"].backend,
                                  frac_of_sparse=ms / res["sparse"]["triton contiguous"][str(s)]["ms"])
             log(f"{name} decode_bitmask s=0.25: {ms:.3f} ms ({res['decode']['backend']}), bit-exact {ok}, "
                 f"{res['decode']['frac_of_sparse']:.3f} of the sparse call")

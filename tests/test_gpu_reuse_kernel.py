@@ -51,8 +51,9 @@ def test_native_out_residual_vs_float64(kind, S, K):
         res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind)
     base = torch.full((B, S, H * D), float("nan"), dtype=torch.bfloat16, device="cuda")
     out = base.view(B, S, H, D).transpose(1, 2)
-    got, lse = kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, backend="triton")
-    assert got is out and registry.last_choices()["sparse_attention"].backend == "triton"
+    with registry.recording(registry.Record()) as record:
+        got, lse = kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, backend="triton")
+    assert got is out and record.choices["sparse_attention"].backend == "triton"
     ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, return_lse=True)
     if res is not None:
         ref = ref + res.dequantize(torch.float64)
@@ -89,7 +90,8 @@ def test_decode_bitmask_gpu_bit_exact(S, K):
     idx[..., :K] = keys.to(torch.int32)
     enc = encoding.encode_selection(idx, S, K, "bitmask")
     stacked = torch.full((2, 1, 2, rows, width), 5, dtype=torch.int32, device="cuda")
-    kernels.decode_bitmask(enc.data, num_tokens=S, out=stacked[1])
-    assert registry.last_choices()["decode_bitmask"].backend == "triton"
+    with registry.recording(registry.Record()) as record:
+        kernels.decode_bitmask(enc.data, num_tokens=S, out=stacked[1])
+    assert record.choices["decode_bitmask"].backend == "triton"
     assert torch.equal(stacked[1], idx) and (stacked[0] == 5).all()
     assert torch.equal(kernels.decode_bitmask(enc.data, num_tokens=S, width=width, backend="torch"), idx)

@@ -88,9 +88,10 @@ def test_native_layout_out_view_residual_b2(gen, monkeypatch, case, dtype, kind)
     for name in ("empty", "empty_like", "empty_strided", "zeros", "zeros_like", "full"):
         real = getattr(torch, name)
         monkeypatch.setattr(torch, name, lambda *a, _real=real, **kw: made.append(_real(*a, **kw)) or made[-1])
-    got, lse = kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, backend="triton")
+    with registry.recording(registry.Record()) as record:
+        got, lse = kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, backend="triton")
     monkeypatch.undo()
-    assert registry.last_choices()["sparse_attention"].backend == "triton"
+    assert record.choices["sparse_attention"].backend == "triton"
     assert got is out and len(spy.launches) == 1
     args = spy.launches[0]
     assert [a.data_ptr() for a in args[:3]] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]  # read in place
@@ -131,8 +132,9 @@ def test_decode_bitmask_kernel_bit_exact(gen, S, K, width):
         bits[..., -1] |= 0xFF << (S % 8) & 0xFF
     bits = bits.to(DEVICE)
     stacked = torch.full((2, 2, 3, width), 7, dtype=torch.int32, device=DEVICE)
-    got = kernels.decode_bitmask(bits, num_tokens=S, out=stacked[1], backend="triton")
-    assert registry.last_choices()["decode_bitmask"].backend == "triton"
+    with registry.recording(registry.Record()) as record:
+        got = kernels.decode_bitmask(bits, num_tokens=S, out=stacked[1], backend="triton")
+    assert record.choices["decode_bitmask"].backend == "triton"
     assert got.data_ptr() == stacked[1].data_ptr()
     assert torch.equal(stacked[1].cpu(), brute_decode(bits.cpu(), S, width))
     assert (stacked[0] == 7).all()
