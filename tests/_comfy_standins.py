@@ -100,7 +100,7 @@ def install_comfy_modules(monkeypatch):
     comfy = types.ModuleType("comfy")
     pe = types.ModuleType("comfy.patcher_extension")
     pe.WrappersMP = types.SimpleNamespace(OUTER_SAMPLE="outer_sample", CALC_COND_BATCH="calc_cond_batch",
-                                          APPLY_MODEL="apply_model")
+                                          APPLY_MODEL="apply_model", DIFFUSION_MODEL="diffusion_model")
     pe.CallbacksMP = types.SimpleNamespace(ON_PREPARE_STATE="on_prepare_state", ON_CLEANUP="on_cleanup")
     mp = types.ModuleType("comfy.model_patcher")
     mp.create_model_options_clone = lambda o: {**o, "transformer_options": copy.copy(o.get("transformer_options", {}))}
