@@ -123,14 +123,15 @@ def test_unsupported_head_dim_and_mask_are_reported_dense(gen):
 
 
 def test_summary_names_backend_and_reason(gen):
-    """After a sparse run the summary says which backend ran each kernel op and why."""
-    run = lifecycle.RunState(_settings(backend="torch"), SIGMAS)
+    """After a sparse run the summary says which backend ran each kernel op, and why not the requested one."""
+    run = lifecycle.RunState(_settings(backend="triton"), SIGMAS)  # float32 here: Triton refuses, torch runs
     over = override.make_override(None)
     q, k, v = (torch.randn(1, 2, 128, 64, generator=gen) for _ in range(3))
     for sigma in (1.0, 0.8):
         over(_func, q, k, v, 2, skip_reshape=True, transformer_options=_options(run, CallSite(0, "wan"), sigma=sigma))
     line = run.backend_line()
-    assert line.startswith("backend: requested torch; ran torch (") and "requested" in line.split("why:")[1]
+    assert line.startswith("backend: requested triton; ran torch (") and "flash_attn" not in line
+    assert "triton (requested): runs float16/bfloat16 only" in line.split("why:")[1], line
     assert line in run.summary()
 
 

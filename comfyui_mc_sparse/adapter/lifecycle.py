@@ -154,14 +154,16 @@ class RunState:
         if not used:
             return f"backend: requested {self.settings.backend}; no kernel op ran in this sampler call"
         by_backend: dict[str, list[str]] = {}
-        why: list[str] = []  # the registry's reason clauses, deduplicated across ops
+        why: list[str] = []  # the registry's reasons for the ops another backend ran, deduplicated across ops
         for op, c in sorted(used.items()):
             by_backend.setdefault(c.backend, []).append(op)
-            for clause in c.reason.split("; "):
+            if c.backend == self.settings.backend:
+                continue
+            for clause in c.reason.split("; ")[1:]:
                 if clause not in why and ": does not implement " not in clause:
                     why.append(clause)
         ran = ", ".join(f"{name} ({', '.join(ops)})" for name, ops in by_backend.items())
-        return f"backend: requested {self.settings.backend}; ran {ran}; why: {'; '.join(why)}"
+        return f"backend: requested {self.settings.backend}; ran {ran}" + (f"; why: {'; '.join(why)}" if why else "")
 
     def _backend_name(self, requested: str) -> str:
         if requested == "auto":
