@@ -159,8 +159,8 @@ class RunState:
             by_backend.setdefault(c.backend, []).append(op)
             if c.backend == self.settings.backend:
                 continue
-            for clause in c.reason.split("; ")[1:]:
-                if clause not in why and ": does not implement " not in clause:
+            for clause in c.reason.split("; ")[1:]:  # why the requested backend did not run it
+                if clause.startswith(self.settings.backend) and clause not in why and ": does not implement " not in clause:
                     why.append(clause)
         ran = ", ".join(f"{name} ({', '.join(ops)})" for name, ops in by_backend.items())
         return f"backend: requested {self.settings.backend}; ran {ran}" + (f"; why: {'; '.join(why)}" if why else "")
