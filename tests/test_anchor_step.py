@@ -38,7 +38,7 @@ def test_anchor_pass1_runs_once_on_the_fastest_dense_backend(gen, counting_dense
     out = runner.attention(q, k, v, step=0, layer=0, key=CacheKey(0, shape=tuple(q.shape)),
                            dense_fn=lambda *a: caller.append(1) or reference.dense_attention(*a))
     assert counting_dense_backend == [True] and caller == []
-    assert registry.last_choices()["dense_attention"].backend == "stub_fast_dense"
+    assert runner.kernels.choices["dense_attention"].backend == "stub_fast_dense"
     assert torch.allclose(out, reference.dense_attention(q, k, v), atol=1e-5)
 
 
