@@ -103,10 +103,19 @@ def setup(comfyui_dir: str, device: torch.device) -> Env:
     env.sample = comfy.sample
     sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
     import importlib
+    import importlib.util
 
     import _standalone
 
-    pack = _standalone.load_pack()
+    try:
+        pack = _standalone.load_pack()  # the checkout root as a package, as nodes.load_custom_node does
+    except Exception as err:  # e.g. comfy_api needs PyAV, absent here: the package without its root __init__
+        spec = importlib.util.spec_from_file_location(_standalone.PACK_NAME, ROOT / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT)])
+        pack = importlib.util.module_from_spec(spec)
+        sys.modules[_standalone.PACK_NAME] = pack
+        print(f"note: package shell without the root __init__ (load_pack failed: {type(err).__name__}: {err})",
+              flush=True)
     p = pack.__name__
     for name in ("lifecycle", "minimax", "settings"):
         setattr(env, name, importlib.import_module(f"{p}.comfyui_mc_sparse.adapter.{name}"))
