@@ -47,10 +47,11 @@ def format_summary(run) -> str:
     lines = [headline(run)]
     lines.append(f"  calls: {counts['sparse']} sparse, {counts['anchor']} anchor, {counts['dense']} dense over "
                  f"{_plural(run.num_steps, 'step')} (density {s.density:g}, preset {s.preset})")
-    if run.runner is not None:
+    if run.config is not None:  # a schedule was resolved (also when the run then stayed dense up front)
         lines.append(f"  schedule: dense warm-up {_plural(sched.warmup_steps, 'step')}, "
                      f"{_plural(s.warmup_layers, 'layer')}; anchors at steps "
                      f"{', '.join(str(a + 1) for a in sched.anchor_steps) or 'none'} (1-based)")
+    if run.runner is not None:
         lines.extend("  " + line for line in run.runner.summary_lines())
     else:
         for reason, n in run.dense_reasons.most_common():
