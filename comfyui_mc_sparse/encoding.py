@@ -1,7 +1,7 @@
 """Compact storage of a metadata-cache entry: query groups, KV selections and the residual.
 
 The paper's layout (int32 indices, bf16 residual) costs ``4 s H S^2 / C + 2 H S D`` bytes per layer and branch
-(MC-Sparse, arXiv 2610.06801, sec. 3.5; ``method.md`` "Memory the cache needs"): ~54 GB for Wan2.1-14B at
+(MC-Sparse, arXiv 2610.06801, sec. 3.5; docs/cache.md): ~54 GB for Wan2.1-14B at
 480p with CFG. This module stores the same information in fewer bytes and decodes it just in time, before the
 sparse kernel runs (on a side CUDA stream when the cache prefetches, ``cache.MetadataCache``).
 
@@ -21,7 +21,7 @@ first S slots when S <= 65536, as 16 bits + one high bit (a bit plane) when S <=
 the -1 tail implied; else as given.
 
 Residual R = O_dense - O_sparse ``[B, H, S, D]`` is stored in one of the forms the sparse kernel's epilogue reads
-(TEAM.md contract 2, ``kernels.Residual``): plain bf16/fp16/fp32; float8_e4m3fn with an fp32 scale per row (one
+(``kernels.Residual``, kernels/residual.py): plain bf16/fp16/fp32; float8_e4m3fn with an fp32 scale per row (one
 query of one head, D values: max |R| -> 448); or 4-bit with an fp32 scale per row (two values per byte, the
 scale picked per row to minimise the L1 error, ``encode_residual``). The reuse path hands the stored form to the
 kernel as is (``residual_for_kernel``); only the torch reference dequantises. This is the only lossy part: its
@@ -355,7 +355,7 @@ def residual_nbytes(batch: int, heads: int, num_tokens: int, head_dim: int, dtyp
 
 @dataclass
 class EncodedResidual:
-    """The residual ``[B, H, S, D]`` in one of the forms the sparse kernel's epilogue reads (TEAM.md contract 2;
+    """The residual ``[B, H, S, D]`` in one of the forms the sparse kernel's epilogue reads (kernels/residual.py;
     ``kernels.Residual``): kind "plain" (``data`` bf16/fp16/fp32 ``[B, H, S, D]``), "fp8_row" (``data``
     float8_e4m3fn ``[B, H, S, D]``, ``scale`` fp32 ``[B, H, S]``: R = data * scale) or "int4_row" (``data`` uint8
     ``[B, H, S, D//2]``, byte j = element 2j in the low nibble, 2j+1 in the high one, nibble = q + 8 with q in
@@ -428,7 +428,7 @@ def encode_residual(residual: torch.Tensor, dtype_name: str) -> EncodedResidual:
 
 def residual_for_kernel(enc: EncodedResidual, device: torch.device | str | None = None, *,
                         non_blocking: bool = False) -> kernels.Residual:
-    """The stored residual as the sparse kernel takes it (``kernels.Residual``, TEAM.md contract 2), on ``device``
+    """The stored residual as the sparse kernel takes it (``kernels.Residual``, kernels/residual.py), on ``device``
     (None: where it is), without dequantising: only a copy when the device differs. The result shares the stored
     tensors when no copy is needed (callers must not modify them)."""
     moved = enc if device is None else enc.with_tensors(iter([t.to(device, non_blocking=non_blocking)

@@ -14,12 +14,12 @@ step) plus the rest, and costs each step of the schedule:
 - anchor step: (1 - a) + a * (1 + 0.5 + s / e): dense pass 1, pass 2 of exact selection at ~half a dense
   attention in GEMM work (MC-Sparse sec. 3.3), one sparse evaluation for the residual; PDDP is negligible;
 - reuse step: (1 - a) + a * (s / e + d), with kernel efficiency e = (dense time x s) / sparse time (project
-  assumption 0.90: the flash-attn-4 paged route measured 0.87-0.90 at the 14B shape, docs/performance.md) and
+  assumption 0.90: the flash-attn-4 paged route measured 0.87-0.90 at the 14B shape, docs/kernels-benchmark.md) and
   d the cache's decode / transfer overhead as a fraction of a dense attention (0 when hidden by prefetch).
-Dense warm-up layers count as dense in every step. With a = 0.68 this reproduces performance.md's 1.57x (s =
+Dense warm-up layers count as dense in every step. With a = 0.68 this reproduces the 1.57x (s =
 0.25, e = 0.90) and 1.76x (s = 0.15, e = 0.97) for Wan2.1-14B 720p at the paper's 50-step schedule.
 
-Attention shares were measured on an H200 with ComfyUI's Wan2.1 code (docs/performance.md): 48 % of a
+Attention shares were measured on an H200 with ComfyUI's Wan2.1 code (docs/speedup.md): 48 % of a
 Wan2.1-14B 480p step (S = 32760), 68 % at 720p (S = 75600), 58 % for Wan2.1-1.3B at 480p. Attention grows as
 S^2 and the rest as S, so a share measured at S0 carries to S as r = a0/(1 - a0) * S/S0, a = r/(1 + r) (the
 14B 480p point predicts 0.68 at 720p, as measured). Other models use the 14B calibration, marked uncalibrated.

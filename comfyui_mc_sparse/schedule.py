@@ -12,7 +12,7 @@ from .config import MCSparseConfig
 
 WARMUP_FRACTION = 0.2
 """Dense warm-up share of the published schedule: the authors' public code (github dodododddo/mcsparse) runs 49
-steps, the first 10 dense, one anchor folded into the last dense step, block 0 dense (method.md "Schedule"; issue
+steps, the first 10 dense, one anchor folded into the last dense step, block 0 dense (MC-Sparse sec. 4; issue
 15). 20 % gives 10 steps at 49 and at 50."""
 
 

@@ -7,7 +7,7 @@ with the reason. Pass ``backend="torch"`` (or another name) to force one; ``regi
 
 Tensor conventions: q, k, v ``[B, H, S, D]`` (fp16, bf16, fp32 or fp64); ``perm`` int32 ``[B, H, G*C]``;
 ``kv_idx`` int32 ``[B, H, G, K_alloc]`` sorted with -1 padding; LSE fp32 ``[B, H, S]``. The reuse path's op
-(``sparse_attention`` with ``out=`` and ``residual=``, TEAM.md contract 2) takes q/k/v and writes ``out`` by strides,
+(``sparse_attention`` with ``out=`` and ``residual=``, kernels/residual.py) takes q/k/v and writes ``out`` by strides,
 so ``[B, H, S, D]`` views of ComfyUI's ``[B, S, H*D]`` tensors go in and out without copies.
 """
 

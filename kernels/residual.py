@@ -1,4 +1,4 @@
-"""The cached residual R = O_dense - O_sparse as the sparse kernels take it (TEAM.md contract 2).
+"""The cached residual R = O_dense - O_sparse as the sparse kernels take it (the formats are defined below).
 
 The reuse output is sparse attention + R, with R added in the kernel's epilogue in fp32 before the output is
 rounded to q's dtype (MC-Sparse, arXiv 2610.06801, sec. 3.4: the residual carries the dropped keys' contribution

@@ -71,7 +71,7 @@ RESOLUTIONS = {"720p": (1280, 720), "480p": (832, 480), "tiny": (128, 128)}  # w
 # Paper schedule (MC-Sparse video): 50 steps, 10 dense warm-up steps, anchors at 1-based 10 and 26 (main() rescales
 # it with schedule.paper_video_schedule when --schedule-steps is not 50).
 PAPER = {"steps": 50, "dense_warmup": "10", "anchor_steps": "10, 26"}
-# The issue's bars (docs/performance.md): Wan2.1-14B 720p speedup per density, and achieved / ideal.
+# The issue's bars (docs/kernels-benchmark.md): Wan2.1-14B 720p speedup per density, and achieved / ideal.
 BARS = {("wan14b", "720p"): {0.25: 1.55, 0.15: 1.70}}
 BAR_RATIO = 0.95
 
@@ -88,7 +88,7 @@ H720 = [{"model": "wan14b", "res": "720p", "densities": [], "presets": ["quality
          "peer": True, "cpu_split": 0.25}]
 H480 = [{"model": "wan14b", "res": "480p", "densities": [], "presets": ["quality"]},
         {"model": "wan1.3b", "res": "480p", "densities": [], "presets": [], "whole": ("fast", 50)}]
-# Rough H200 seconds per CFG step (dense) used only for the up-front time estimate (docs/performance.md).
+# Rough H200 seconds per CFG step (dense) used only for the up-front time estimate (docs/kernels-benchmark.md).
 EST_DENSE_STEP_S = {("wan14b", "720p"): 23.0, ("wan14b", "480p"): 6.0, ("wan1.3b", "480p"): 1.2}
 
 log = logging.getLogger("bench_comfyui_speedup")
@@ -113,7 +113,7 @@ def setup(comfyui_dir: str, device: str) -> Env:
     from comfy.cli_args import args
 
     if device == "cpu":
-        args.cpu = True  # before comfy.model_management is imported (shared/docs/comfyui.md 4.2)
+        args.cpu = True  # before comfy.model_management is imported (docs/comfyui.md)
     import comfy.latent_formats
     import comfy.model_base
     import comfy.model_management
@@ -841,7 +841,7 @@ def run_whole(env: Env, base, *, preset: str, args, shape, device, steps: int) -
     return out
 
 
-# --- scoreboard (shared/docs/scoreboard.md) -----------------------------------------------------------------------
+# --- scoreboard (docs/results/scoreboard.json) -----------------------------------------------------------------------
 
 def scoreboard_entries(report: dict, *, command: str, commit: str, gpu: str | None) -> dict:
     """The scoreboard keys this benchmark measured in ``report`` (true values, bars met or not)."""
@@ -1233,7 +1233,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip remaining runs after this many seconds (0: none)")
     ap.add_argument("--out", default="bench_comfyui_speedup.json")
     ap.add_argument("--scoreboard", default="", help="also update these scoreboard keys in this JSON file "
-                    "(shared/docs/scoreboard.md); the keys alone always go to <out>.scoreboard.json")
+                    "(docs/results/scoreboard.json); the keys alone always go to <out>.scoreboard.json")
     ap.add_argument("--commit", default="", help="commit measured (default: git rev-parse --short HEAD, if any)")
     ap.add_argument("--peer-fake", action="store_true", help="smoke runs: the peer with a dense stand-in kernel")
     ap.add_argument("--merge", nargs="+", metavar="KEYS_JSON", help="only merge these <out>.scoreboard.json files "

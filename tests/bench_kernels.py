@@ -272,7 +272,7 @@ def regs_of_new(before):
 
 
 def make_residuals(B, H, S, D, gen):
-    """A random residual in each stored form (the cache's formats; TEAM.md contract 2) and its float32 value."""
+    """A random residual in each stored form (the cache's formats; kernels/residual.py) and its float32 value."""
     r = torch.randn(B, H, S, D, device="cuda", generator=gen) * 0.05
     amax = r.abs().amax(-1)
     s8 = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
@@ -392,7 +392,7 @@ def run_reuse_shape(name, shp, densities, rep, log):
 
 
 def update_scoreboard(path, report, command):
-    """Write triton_sparse_eff_min (and fa4_route_eff_min) into the scoreboard (shared/docs/scoreboard.md format)."""
+    """Write triton_sparse_eff_min (and fa4_route_eff_min) into the scoreboard (docs/results/scoreboard.json's format)."""
     path = Path(path)
     board = json.loads(path.read_text()) if path.is_file() else {}
     root = Path(__file__).resolve().parent.parent

@@ -109,7 +109,7 @@ def test_residual_round_trip_error_bound(gen, name):
     """Each precision's round trip stays within its rounding bound, element by element, for rows of any size:
     bf16/fp16/fp32 one rounding; fp8 e4m3 (3 mantissa bits) 2^-4 of the value or half its subnormal step; int4
     half a step (s/2) for values inside the clip range, and exactly clipped to +-7 s outside it. Sizes and the
-    kernels.Residual fields follow TEAM.md contract 2."""
+    kernels.Residual fields follow kernels/residual.py."""
     r = _residual_like(gen)
     B, H, S, D = r.shape
     enc = encoding.encode_residual(r, name)

@@ -1,4 +1,4 @@
-"""The reuse-path op (TEAM.md contract 2) on the torch reference: ``sparse_attention(..., out=, residual=)``,
+"""The reuse-path op (kernels/residual.py) on the torch reference: ``sparse_attention(..., out=, residual=)``,
 ``kernels.Residual`` in its three stored forms, and ``decode_bitmask``; each against brute force in float64."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def native_views(gen, B, S, H, D, dtype):
 
 @pytest.mark.parametrize("kind", ["plain", "fp8_row", "int4_row"])
 def test_residual_dequantize_matches_format(gen, kind):
-    """Residual.dequantize reads each stored form as TEAM.md contract 2 defines it (nibble order, scales)."""
+    """Residual.dequantize reads each stored form as kernels/residual.py defines it (nibble order, scales)."""
     r = torch.randn(2, 3, 7, 16, generator=gen)
     res = make_residual(r, kind)
     assert torch.equal(res.dequantize(torch.float64), brute_residual(res))

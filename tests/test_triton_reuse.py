@@ -1,4 +1,4 @@
-"""The reuse-path Triton kernels (TEAM.md contract 2) against float64 brute force, under TRITON_INTERPRET=1 on CPU:
+"""The reuse-path Triton kernels (kernels/residual.py) against float64 brute force, under TRITON_INTERPRET=1 on CPU:
 the sparse kernel reading q/k/v in ComfyUI's native layout and writing ``out`` by strides with the residual epilogue
 (plain / fp8_row / int4_row), B = 2 (both CFG branches in one launch), ragged tails, fp16/bf16, NaN-poisoned
 outputs; and the bitmask decode kernel, bit-exact. Tolerances: see tests/test_triton_kernels.py."""

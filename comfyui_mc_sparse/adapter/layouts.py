@@ -1,7 +1,7 @@
 """Per-model rules: which modules run the self-attention MC-Sparse may replace, and their token layout.
 
 The override alone cannot tell self- from cross-attention (ComfyUI passes both the same
-transformer_options; ``shared/docs/comfyui.md`` 1.2), nor which block it is in (the Oct-2025 snapshot sets no
+transformer_options; docs/comfyui.md), nor which block it is in (the Oct-2025 snapshot sets no
 block index for DiTs). So every self-attention call site of a supported model is **marked**: its module's
 ``forward`` is object-patched (``ModelPatcher.add_object_patch``, ``comfy/model_patcher.py`` L453; applied in
 ``patch_model`` L744-749, restored in ``unpatch_model`` L794-798) with a wrapper that calls the original with

@@ -22,7 +22,7 @@ q/k/v reach the override as ``[1, H, S, D]`` views of the qkv buffer, ``skip_res
 The token refiner's blocks (``token_refiner.blocks.{j}.attn``) are not marked: they run dense (and run once
 per sampling in ``extra_conds``, outside the sampler).
 
-Published configuration (the authors' public scripts, ``shared/docs/landscape-2026-12.md``): 49 steps, the
+Published configuration (the authors' public scripts, github dodododddo/mcsparse): 49 steps, the
 first 10 dense, ONE anchor at the last dense step (0-based 9), block 0 dense, density 0.15, minimum sequence
 4096 tokens, head dim 128. ``h3_schedule`` scales it to a sampler call's step count.
 """

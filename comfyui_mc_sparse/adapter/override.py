@@ -24,7 +24,7 @@ rows: MC-Sparse over the latent keys plus all unmasked text keys exactly (``extr
 A mask with other values than 0 / large-negative, or one not shared by the batch, makes the call dense.
 
 The Python logic runs under ``torch.compiler.disable`` (dynamo would otherwise guard on it and recompile
-every call, ``shared/docs/comfyui.md`` 4.3).
+every call, docs/comfyui.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Run a shipped API workflow headless in a real ComfyUI checkout, with a tiny random checkpoint.
 
 ``run_headless_demo(comfyui_dir)`` is what ``python -m comfyui_mc_sparse comfyui-demo`` calls: it imports
-ComfyUI in-process (``shared/docs/comfyui.md`` 4.2 recipe: ``args.cpu`` on a CPU-only machine,
+ComfyUI in-process (docs/comfyui.md: ``args.cpu`` on a CPU-only machine,
 ``utils.extra_config`` before ``nodes``, ``init_extra_nodes``, ``load_custom_node`` on this checkout),
 writes a tiny Wan 2.1 T2V checkpoint with the real key names (random fp16 weights, 2 heads x 128, 3 blocks)
 into a temporary ``diffusion_models`` folder, adapts ``workflows/wan21_t2v_1.3b_mc_sparse_api.json``

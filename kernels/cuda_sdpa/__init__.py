@@ -6,7 +6,7 @@ flash-attn-4 (faster on Hopper when installed). Two torch ops, chosen by device:
 - compute capability >= 9.0 (Hopper, Blackwell): cuDNN, ``torch.ops.aten._scaled_dot_product_cudnn_attention``
   (torch 2.11 schema: ``(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0., is_causal=False,
   return_debug_mask=False, *, scale=None) -> (output, logsumexp, ...)``); on the H200, torch 2.11 + cu130 it ran
-  608-620 TFLOP/s at the Wan2.1 shapes (docs/performance.md), like SDPA's default pick;
+  608-620 TFLOP/s at the Wan2.1 shapes (docs/kernels-benchmark.md), like SDPA's default pick;
 - 8.x: the FA2-class flash op, ``torch.ops.aten._scaled_dot_product_flash_attention`` (same outputs).
 Both return the LSE in fp32, natural log, scale applied; it is reshaped to ``[B, H, S]``. Without LSE,
 ``torch.nn.functional.scaled_dot_product_attention`` picks its own kernel. Correctness of the cuDNN LSE at S not a

@@ -4,7 +4,7 @@ with LSE, and token-sparse attention through FA4's paged-KV route with one-token
 Importing this package imports ``flash_attn.cute``; without it (or with a broken CuTeDSL stack) the import error
 is recorded by ``kernels/_optional.py`` as the backend's unavailable reason. Registers
 ``Backend(name="flash_attn4", priority=30)``: on sm90+ it is the fastest dense kernel measured on the H200
-(669 / 649 TFLOP/s at the Wan2.1 shapes, docs/performance.md). FA4 compiles each kernel variant on its first call
+(669 / 649 TFLOP/s at the Wan2.1 shapes, docs/kernels-benchmark.md). FA4 compiles each kernel variant on its first call
 (seconds); ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`` keeps them on disk.
 
 Sparse mapping: K and V ``[B, H, S, D]`` (contiguous) are viewed as ``B*H*S`` pages of one token

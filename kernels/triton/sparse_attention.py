@@ -268,7 +268,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
 
 
 def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, **tuning):
-    """Token-sparse attention on the Triton kernel; contract of ``kernels.sparse_attention`` (TEAM.md contract 2).
+    """Token-sparse attention on the Triton kernel; contract of ``kernels.sparse_attention`` (the formats are defined below).
 
     Args:
         q, k, v: ``[B, H, S, D]`` / ``[B, H, Sk, D]``, fp16 or bf16, any strides (read in place; unit stride on D is
