@@ -43,9 +43,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import HEAD_DIMS
 from .lifecycle import HOLDER_KEY, MCSparsePatch, RunState
 from .override import RUN_KEY, _window_key
-from .steps import current_sigma
 
 logger = logging.getLogger(__name__)
 
@@ -151,10 +151,10 @@ class MCSparseInnerAttention:
         batch, seq, heads, head_dim = q.shape
         if seq < run.settings.min_tokens:
             return fallback(f"fewer latent tokens ({seq}) than min tokens ({run.settings.min_tokens})")
-        if head_dim not in (64, 128):
-            return fallback(f"head dim {head_dim} not supported (64, 128)")
-        sigma = current_sigma(options)
-        if sigma is None:
+        if head_dim not in HEAD_DIMS:
+            return fallback(f"head dim {head_dim} not supported ({', '.join(map(str, HEAD_DIMS))})")
+        step = run.step_of(options)  # once per model evaluation (steps.STEP_KEY / one read per sigmas tensor)
+        if step is None:
             return fallback("no current sigma in transformer_options")
         head_slice = self.head_slice_fn()
         if head_slice.ring > 1:  # raylight refuses first; never run a ring-split selection
@@ -162,7 +162,6 @@ class MCSparseInnerAttention:
         seen = options.setdefault(OCCURRENCE_KEY, {})
         occurrence = seen.get(layer, 0)
         seen[layer] = occurrence + 1
-        step = run.step_for(sigma)
         if run.kind(step, layer) == "dense":
             reason = "dense warm-up layer" if layer < run.config.warmup_layers else "dense warm-up step"
             return run.timed_dense(reason, (batch, heads, seq, head_dim), lambda: dense(q, k, v, **kwargs))
@@ -172,20 +171,15 @@ class MCSparseInnerAttention:
         chunks = len(cond_or_uncond)
         if batch % chunks:
             return fallback(f"batch {batch} does not split into {chunks} conditioning chunks")
-        per_chunk = batch // chunks
         window = _window_key(options.get("context_window"))
         kind = "self" + (f"#{occurrence}" if occurrence else "") + head_slice.tag
         dense_fn = _heads_first_dense(dense, kwargs)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [B, H_local, S, D] views
-        outs = []
-        for i in range(chunks):
-            rows = slice(i * per_chunk, (i + 1) * per_chunk)
-            branch = str(uuids[i]) if i < len(uuids) else f"cond_or_uncond={cond_or_uncond[i]}"
-            outs.append(run.sparse_call(qh[rows], kh[rows], vh[rows], step=step, layer=layer, branch=branch,
-                                        window=window, dense_fn=dense_fn, scale=kwargs.get("softmax_scale"),
-                                        kind=kind))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-        return out.transpose(1, 2).contiguous()
+        branches = [str(uuids[i]) if i < len(uuids) else f"cond_or_uncond={cond_or_uncond[i]}" for i in range(chunks)]
+        out = torch.empty_like(q)  # [B, S, H_local, D], the layout xDiT expects back; the kernel writes its view
+        run.sparse_call(qh, kh, vh, step=step, layer=layer, branches=branches, window=window, dense_fn=dense_fn,
+                        scale=kwargs.get("softmax_scale"), kind=kind, out=out.transpose(1, 2))
+        return out
 
 
 def _unsupported_call(q, k, v, kwargs: dict) -> str | None:
