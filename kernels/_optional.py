@@ -7,7 +7,7 @@ import importlib
 from .registry import Backend, register
 
 # (package inside kernels/, backend name, priority)
-_OPTIONAL = (("torch_gpu", "torch_gpu", 15), ("triton", "triton", 20), ("cuda_sdpa", "cuda_sdpa", 25), ("flash_attn4", "flash_attn4", 30))
+_OPTIONAL = (("torch_gpu", "torch_gpu", 15), ("triton", "triton", 20), ("cuda_sdpa", "cuda_sdpa", 25), ("flash_attn4", "flash_attn4", 30), ("cutedsl", "cutedsl", 40))
 
 for _module, _name, _priority in _OPTIONAL:
     try:

@@ -1,0 +1,108 @@
+"""Compiling the CuTeDSL sparse kernel once per (dtype, head dim, LSE) and keeping it on disk.
+
+``compiled(dtype, head_dim, with_lse)`` returns the compiled kernel; ``launch`` calls it with torch tensors (TVM-FFI
+calling convention, on the current CUDA stream). Shapes, strides and sizes are dynamic, so one compiled
+kernel serves every resolution, batch and density. The first call in a process compiles (tens of seconds; the
+benchmark prints it) unless a previous process left the compiled object in the disk cache: flash-attn-4's persistent
+JIT cache (``flash_attn.cute.cache_utils.JITPersistentCache``, used as a library) under
+``$MC_SPARSE_CUTEDSL_CACHE_DIR`` (default ``~/.cache/comfyui_mc_sparse/cutedsl``), keyed by the key below plus a
+hash of this package's kernel sources, so a changed kernel never loads a stale object.
+
+Offline compilation without a GPU (the CPU tests and ``tests/cutedsl_compile_check.py``): set
+``CUTE_DSL_ARCH=sm_90a`` before importing cutlass; ``compile_fake`` builds the same kernel from fake tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from flash_attn.cute.utils import AuxData
+from quack.compile_utils import make_fake_stream, make_fake_tensor
+
+from .sparse_fwd_sm90 import SparseFwdSm90
+
+_DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+_memory: dict = {}
+_lock = threading.Lock()
+
+
+def source_hash() -> str:
+    """sha256 (16 hex) of this package's kernel sources and the DSL version: part of every cache key."""
+    h = hashlib.sha256(f"cutlass={cutlass.__version__}".encode())
+    here = Path(__file__).resolve().parent
+    for src in sorted(here.glob("*.py")):
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels persist between ComfyUI starts."""
+    env = os.environ.get("MC_SPARSE_CUTEDSL_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "comfyui_mc_sparse" / "cutedsl"
+
+
+def _fake_args(dtype: str, head_dim: int, with_lse: bool):
+    """Fake tensors with the launch's ranks, dtypes, alignments and dynamic strides (symbolic sizes)."""
+    dt = _DTYPES[dtype]
+    n, s, b, h, k = (cute.sym_int() for _ in range(5))
+    q = make_fake_tensor(dt, (n, 128, 1, head_dim), divisibility=8)
+    kk = make_fake_tensor(dt, (b, s, h, head_dim), divisibility=8)
+    vv = make_fake_tensor(dt, (b, s, h, head_dim), divisibility=8)
+    o = make_fake_tensor(dt, (n, 128, 1, head_dim), divisibility=8)
+    lse = make_fake_tensor(Float32, (n, 1, 128), divisibility=4) if with_lse else None
+    counts = make_fake_tensor(Int32, (n,), divisibility=1)
+    idx = make_fake_tensor(Int32, (n, k), divisibility=1)
+    return q, kk, vv, o, lse, counts, idx
+
+
+def compile_fake(dtype: str, head_dim: int, with_lse: bool):
+    """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); returns the compiled object."""
+    q, k, v, o, lse, counts, idx = _fake_args(dtype, head_dim, with_lse)
+    kernel = SparseFwdSm90(_DTYPES[dtype], head_dim)
+    return cute.compile(
+        kernel, q, k, v, o, lse, Float32(1.0), None, None, None, counts, idx, None, None, None, None, AuxData(), None,
+        None, make_fake_stream(), options="--enable-tvm-ffi",
+    )
+
+
+def compiled(dtype: str, head_dim: int, with_lse: bool):
+    """The compiled kernel for these static parameters: from memory, the disk cache, or a fresh compile."""
+    key = ("mc_sparse_fwd_sm90", dtype, head_dim, with_lse, source_hash())
+    with _lock:
+        fn = _memory.get(key)
+        if fn is not None:
+            return fn
+        disk = _disk_cache()
+        if disk is not None and key in disk:
+            fn = disk[key]
+        else:
+            fn = compile_fake(dtype, head_dim, with_lse)
+            if disk is not None:
+                disk[key] = fn
+                fn = disk[key] if key in disk else fn
+        _memory[key] = fn
+        return fn
+
+
+def _disk_cache():
+    try:
+        from flash_attn.cute.cache_utils import JITPersistentCache
+
+        path = cache_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        return JITPersistentCache(path)
+    except Exception:  # no writable home, an older flash-attn-4: compile per process
+        return None
+
+
+def launch(fn, q_groups, k, v, out, lse, scale: float, counts, kv_idx) -> None:
+    """Run a compiled kernel: q_groups/out ``(N, 128, 1, D)``, k/v ``(B, S, H, D)``, lse ``(N, 1, 128)`` fp32 or None,
+    counts int32 ``(N,)``, kv_idx int32 ``(N, K_alloc)`` (see kernels/cutedsl/sparse_fwd_sm90.py)."""
+    fn(q_groups, k, v, out, lse, scale, None, None, None, counts, kv_idx, None, None, None, None, AuxData(), None, None)

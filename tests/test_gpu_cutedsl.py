@@ -1,0 +1,95 @@
+"""The CuTeDSL sparse kernel (kernels/cutedsl) on a Hopper GPU against the float64 torch reference (issue 16).
+
+Skipped unless CUDA compute capability 9.x and nvidia-cutlass-dsl + flash-attn-4 import. Covers both head dims and
+dtypes, ragged K (counts that differ per group, tails inside a tile), S not a multiple of 128, native [B, S, H*D]
+views in and out (a NaN-filled output buffer written in full), every residual kind and the LSE.
+Run: python3 -m pytest -q tests/test_gpu_cutedsl.py (about 1-2 minutes on an H200, mostly the first compile).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from comfyui_mc_sparse_pack import kernels
+from comfyui_mc_sparse_pack.kernels import reference, registry
+
+from .test_reuse_op import make_residual
+
+
+def _hopper_and_cutedsl() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return "needs an sm_90 (Hopper) GPU"
+    b = {x.name: x for x in registry.backends()}.get("cutedsl")
+    if b is None or b.unavailable_reason:
+        return f"the cutedsl backend is unavailable ({b.unavailable_reason if b else 'not registered'})"
+    return None
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_hopper_and_cutedsl() is not None, reason=str(_hopper_and_cutedsl()))]
+
+
+def _native(gen, B, S, H, D, dtype):
+    base = torch.randn(B, S, H * D, generator=gen, device="cuda").to(dtype)
+    return base.view(B, S, H, D).transpose(1, 2)
+
+
+def _inputs(gen, B, H, S, C, K, k_alloc, ragged):
+    G = -(-S // C)
+    perm = torch.full((B, H, G * C), -1, dtype=torch.int32, device="cuda")
+    perm[..., :S] = torch.argsort(torch.rand(B, H, S, generator=gen, device="cuda"), -1).to(torch.int32)
+    keys = torch.rand(B, H, G, S, generator=gen, device="cuda").topk(K, -1).indices.sort(-1).values
+    idx = torch.full((B, H, G, k_alloc), -1, dtype=torch.int32, device="cuda")
+    idx[..., :K] = keys.to(torch.int32)
+    if ragged:  # some groups keep fewer keys (trailing -1 over several tiles), one keeps a single key
+        cut = torch.randint(1, K + 1, (B, H, G), generator=gen, device="cuda")
+        cut.view(-1)[0] = 1
+        slot = torch.arange(k_alloc, device="cuda")
+        idx = torch.where(slot < cut[..., None], idx, torch.full_like(idx, -1))
+    return perm, idx
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize(("S", "K", "ragged"), [(4000, 1000, False), (3000 + 8, 777, True)], ids=["S4000", "S3008-ragged"])
+def test_cutedsl_vs_float64(dtype, D, S, K, ragged):
+    gen = torch.Generator(device="cuda").manual_seed(11 + D + S)
+    B, H, C = 2, 3, 128
+    q, k, v = (_native(gen, B, S, H, D, dtype) for _ in range(3))
+    perm, idx = _inputs(gen, B, H, S, C, K, -(-K // 128) * 128, ragged)
+    base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
+    out = base.view(B, S, H, D).transpose(1, 2)
+    with registry.recording(registry.Record()) as record:
+        got, lse = kernels.sparse_attention(q, k, v, perm, idx, out=out, return_lse=True, backend="cutedsl")
+    assert record.choices["sparse_attention"].backend == "cutedsl", record.choices
+    assert got is out and not base.isnan().any()
+    ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, return_lse=True)
+    err = float((got.double() - ref).norm() / ref.norm())
+    print(f"cutedsl {dtype} D={D} S={S} K={K} ragged={ragged}: rel err {err:.2e}")
+    assert err < 6e-3, err
+    assert float((lse.double() - ref_lse.double()).abs().max()) < 2e-3
+
+
+@pytest.mark.parametrize("kind", ["plain", "fp8_row", "int4_row"])
+def test_cutedsl_residual_epilogue(kind):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    B, H, S, D, C, K = 1, 2, 2050, 128, 128, 640
+    q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))
+    perm, idx = _inputs(gen, B, H, S, C, K, K, False)
+    res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind)
+    with registry.recording(registry.Record()) as record:
+        got = kernels.sparse_attention(q, k, v, perm, idx, residual=res, backend="cutedsl")
+    assert record.choices["sparse_attention"].backend == "cutedsl"
+    ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx) + res.dequantize(torch.float64)
+    err = float((got.double() - ref).norm() / ref.norm())
+    assert err < 6e-3, err
+
+
+def test_cutedsl_is_preferred_on_hopper():
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (_native(gen, 1, 512, 2, 128, torch.bfloat16) for _ in range(3))
+    perm, idx = _inputs(gen, 1, 2, 512, 128, 128, 128, False)
+    with registry.recording(registry.Record()) as record:
+        kernels.sparse_attention(q, k, v, perm, idx)
+    assert record.choices["sparse_attention"].backend == "cutedsl", record.choices
