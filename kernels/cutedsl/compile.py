@@ -28,6 +28,7 @@ from quack.compile_utils import make_fake_stream, make_fake_tensor
 from .sparse_fwd_sm90 import SparseFwdSm90
 
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+STAGES = 2  # measured on the H200: docs/results/scoreboard.json cutedsl_sparse_eff_min (bench_cutedsl.py)
 _memory: dict = {}
 _lock = threading.Lock()
 
@@ -62,19 +63,25 @@ def _fake_args(dtype: str, head_dim: int, with_lse: bool):
     return q, kk, vv, o, lse, counts, idx
 
 
-def compile_fake(dtype: str, head_dim: int, with_lse: bool):
+def default_stages() -> int:
+    """K/V pipeline stages: ``$MC_SPARSE_CUTEDSL_STAGES`` (2 or 3) or the measured default."""
+    return int(os.environ.get("MC_SPARSE_CUTEDSL_STAGES", STAGES))
+
+
+def compile_fake(dtype: str, head_dim: int, with_lse: bool, stages: int | None = None):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); returns the compiled object."""
     q, k, v, o, lse, counts, idx = _fake_args(dtype, head_dim, with_lse)
-    kernel = SparseFwdSm90(_DTYPES[dtype], head_dim)
+    kernel = SparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages())
     return cute.compile(
         kernel, q, k, v, o, lse, Float32(1.0), None, None, None, counts, idx, None, None, None, None, AuxData(), None,
         None, make_fake_stream(), options="--enable-tvm-ffi",
     )
 
 
-def compiled(dtype: str, head_dim: int, with_lse: bool):
+def compiled(dtype: str, head_dim: int, with_lse: bool, stages: int | None = None):
     """The compiled kernel for these static parameters: from memory, the disk cache, or a fresh compile."""
-    key = ("mc_sparse_fwd_sm90", dtype, head_dim, with_lse, source_hash())
+    stages = stages or default_stages()
+    key = ("mc_sparse_fwd_sm90", dtype, head_dim, with_lse, stages, source_hash())
     with _lock:
         fn = _memory.get(key)
         if fn is not None:
@@ -83,7 +90,7 @@ def compiled(dtype: str, head_dim: int, with_lse: bool):
         if disk is not None and key in disk:
             fn = disk[key]
         else:
-            fn = compile_fake(dtype, head_dim, with_lse)
+            fn = compile_fake(dtype, head_dim, with_lse, stages)
             if disk is not None:
                 disk[key] = fn
                 fn = disk[key] if key in disk else fn
@@ -106,3 +113,17 @@ def launch(fn, q_groups, k, v, out, lse, scale: float, counts, kv_idx) -> None:
     """Run a compiled kernel: q_groups/out ``(N, 128, 1, D)``, k/v ``(B, S, H, D)``, lse ``(N, 1, 128)`` fp32 or None,
     counts int32 ``(N,)``, kv_idx int32 ``(N, K_alloc)`` (see kernels/cutedsl/sparse_fwd_sm90.py)."""
     fn(q_groups, k, v, out, lse, scale, None, None, None, counts, kv_idx, None, None, None, None, AuxData(), None, None)
+
+
+def warm(stages: int | None = None) -> dict:
+    """Compile (or load from disk) every variant the backend can launch; returns seconds per variant."""
+    import time
+
+    took = {}
+    for dtype in _DTYPES:
+        for head_dim in (64, 128):
+            for with_lse in (False, True):
+                t = time.perf_counter()
+                compiled(dtype, head_dim, with_lse, stages)
+                took[f"{dtype} d{head_dim}{' lse' if with_lse else ''}"] = round(time.perf_counter() - t, 2)
+    return took

@@ -79,12 +79,13 @@ class _IndexRow:
 
 class SparseFwdSm90(FlashAttentionForwardSm90):
     """flash-attn-4's sm90 forward with a gather producer (see the module docstring). Head dim 64 or 128,
-    fp16/bf16, tile 128 x 128, 2 stages, 2 consumer warpgroups + 1 producer warpgroup."""
+    fp16/bf16, tile 128 x 128, ``stages`` K/V pipeline stages (2: 160 KiB of shared memory at D = 128; 3: 224 KiB,
+    more gather latency hidden), 2 consumer warpgroups + 1 producer warpgroup."""
 
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, dtype, head_dim: int, stages: int = 2):
         super().__init__(
             dtype, head_dim, head_dim, 1, is_causal=False, is_local=False, pack_gqa=False, tile_m=TILE, tile_n=TILE,
-            num_stages=2, num_threads=384, Q_in_regs=False, intra_wg_overlap=True, mma_pv_is_rs=True,
+            num_stages=stages, num_threads=384, Q_in_regs=False, intra_wg_overlap=True, mma_pv_is_rs=True,
             paged_kv_non_tma=True,
         )
 

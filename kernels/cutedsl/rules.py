@@ -1,0 +1,54 @@
+"""What the CuTeDSL backend runs, as data (no CUDA or cutlass import: the CPU tests read it).
+
+The kernel (``sparse_fwd_sm90.py``) is built for sm_90: wgmma, setmaxnreg and flash-attn-4's sm90 consumer. It runs
+fp16 / bf16, head dim 64 or 128, query groups of exactly 128 (one query tile), K/V rows copied 16 bytes at a time
+(unit stride on D, 16-byte aligned rows) and one batch element's groups on grid.z (at most 65535).
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+HEAD_DIMS = (64, 128)
+GROUP_SIZE = 128
+MAX_GROUPS = 65535
+
+
+def refusal(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the kernel cannot run on this device / dtype / head dim (None when it can)."""
+    if device_type != "cuda":
+        return f"runs on CUDA devices, got {device_type}"
+    if dtype not in DTYPE_NAMES:
+        return f"runs float16/bfloat16 only, got {dtype}"
+    if capability is None or capability[0] != 9:
+        return f"is built for sm_90 (Hopper), got compute capability {capability}"
+    if head_dim not in HEAD_DIMS:
+        return f"runs head dim 64 or 128, got {head_dim}"
+    return None
+
+
+def refuse(op: str, q: torch.Tensor, requested: bool) -> str | None:
+    """The registry's rule (``kernels/registry.py``): why this backend cannot run ``op`` on ``q``."""
+    if op != "sparse_attention":
+        return f"implements sparse_attention only, not {op}"
+    cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    return refusal(q.device.type, cap, q.dtype, q.shape[-1])
+
+
+def call_refusal(q, k, v, perm, kv_idx) -> str | None:
+    """Why one call cannot run on the kernel though the backend accepted q (None when it can): group size, grid,
+    K/V row layout. Checked on shapes and strides only (no device sync)."""
+    B, H, _, _ = q.shape
+    G = kv_idx.shape[2]
+    C = perm.shape[-1] // G
+    if C != GROUP_SIZE:
+        return f"needs group size {GROUP_SIZE} (one query tile), got {C}"
+    if H * G > MAX_GROUPS:
+        return f"runs at most {MAX_GROUPS} groups per batch element, got {H * G}"
+    for name, t in (("k", k), ("v", v)):
+        rows = t.transpose(1, 2)
+        if rows.stride(-1) != 1 or rows.data_ptr() % 16 or any(s % 8 for s in rows.stride()[:-1]):
+            return (f"reads {name} rows by 16-byte copies: unit stride on D and 16-byte aligned rows needed, got "
+                    f"strides {tuple(t.stride())}")
+    return None

@@ -1,0 +1,78 @@
+"""kernels/triton/regroup.py under the Triton interpreter (CPU): query rows to group order and back, the residual
+added on the way back (every stored format), the LSE, and each group's valid-slot count, against torch / float64
+references; outputs poisoned with NaN first, so every element the kernels must write is checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from comfyui_mc_sparse_pack.kernels.triton import regroup
+
+from .test_reuse_op import brute_residual, make_residual
+
+
+def _native(gen, B, S, H, D, dtype=torch.bfloat16):
+    return torch.randn(B, S, H * D, generator=gen).to(dtype).view(B, S, H, D).transpose(1, 2)
+
+
+def _perm(gen, B, H, S, C):
+    G = -(-S // C)
+    perm = torch.full((B, H, G * C), -1, dtype=torch.int32)
+    perm[..., :S] = torch.argsort(torch.rand(B, H, S, generator=gen), -1).to(torch.int32)
+    return perm
+
+
+@pytest.mark.parametrize(("S", "C", "D"), [(300, 128, 64), (257, 64, 128)])
+def test_gather_groups_is_the_permuted_rows(S, C, D):
+    gen = torch.Generator().manual_seed(S + C)
+    B, H = 2, 3
+    q = _native(gen, B, S, H, D)
+    perm = _perm(gen, B, H, S, C)
+    got = regroup.gather_groups(q, perm, C)
+    G = perm.shape[-1] // C
+    assert got.shape == (B * H * G, C, D) and got.is_contiguous()
+    want = torch.gather(q, 2, perm.long().clamp_min(0)[..., None].expand(-1, -1, -1, D)) * (perm >= 0)[..., None]
+    assert torch.equal(got.view(B, H, G * C, D), want)
+
+
+@pytest.mark.parametrize("kind", [None, "plain", "fp8_row", "int4_row"])
+def test_scatter_groups_restores_order_adds_residual_and_lse(kind):
+    gen = torch.Generator().manual_seed(17)
+    B, H, S, D, C = 2, 2, 300, 64, 128
+    G = -(-S // C)
+    perm = _perm(gen, B, H, S, C)
+    o_groups = torch.randn(B * H * G, C, D, generator=gen).to(torch.bfloat16)
+    lse_groups = torch.randn(B * H * G, C, generator=gen)
+    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen) * 0.1, kind)
+    base = torch.full((B, S, H * D), float("nan"), dtype=torch.bfloat16)
+    out = base.view(B, S, H, D).transpose(1, 2)  # a strided view, as the reuse path hands over
+    lse = torch.full((B, H, S), float("nan"))
+    regroup.scatter_groups(o_groups, perm, out, lse_groups=lse_groups, lse=lse, residual=res)
+    assert not base.isnan().any() and not lse.isnan().any()
+    rows = o_groups.view(B, H, G * C, D)[:, :, :S].double()
+    dest = perm[:, :, :S].long()
+    want = torch.empty(B, H, S, D, dtype=torch.float64).scatter_(2, dest[..., None].expand(-1, -1, -1, D), rows)
+    size = want.abs()
+    if res is not None:
+        r = brute_residual(res)
+        want, size = want + r, size + r.abs()
+    assert bool(((out.double() - want).abs() <= size * 2**-7 + 1e-6).all())  # one bf16 ulp (the interpreter truncates)
+    want_lse = torch.empty(B, H, S, dtype=torch.float32).scatter_(2, dest, lse_groups.view(B, H, G * C)[:, :, :S])
+    assert torch.equal(lse, want_lse)
+
+
+def test_valid_counts_finds_the_first_minus_one():
+    gen = torch.Generator().manual_seed(3)
+    B, H, G, K = 1, 3, 5, 384
+    counts = torch.randint(1, K + 1, (B, H, G), generator=gen)
+    counts.view(-1)[0], counts.view(-1)[1], counts.view(-1)[2] = 1, K, 128  # one slot, a full row, a tile boundary
+    slots = torch.arange(K)
+    keys = torch.randint(0, 10_000, (B, H, G, K), generator=gen, dtype=torch.int32).sort(-1).values
+    kv_idx = torch.where(slots < counts[..., None], keys, torch.full_like(keys, -1))
+    assert torch.equal(regroup.valid_counts(kv_idx), counts.view(-1).to(torch.int32))
+
+
+def test_malformed_perm_is_a_clear_error():
+    q = torch.zeros(1, 2, 300, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="perm must be int32"):
+        regroup.gather_groups(q, torch.zeros(1, 2, 300, dtype=torch.int32), 128)
