@@ -38,7 +38,7 @@ MAX_HEADROOM_GIB = 256.0
 BOX_DEFAULTS = {"density": 0.2, "dense_warmup": "auto", "warmup_layers": 1, "anchor_steps": "auto"}
 """Defaults of the node's density / dense warm-up / warm-up layers / anchor steps boxes (``nodes``): presets ignore the boxes and
 warn when one differs from its default."""
-BACKENDS = ("auto", "flash_attn4", "cuda_sdpa", "triton", "torch")
+BACKENDS = ("auto", "cutedsl", "flash_attn4", "cuda_sdpa", "triton", "torch")
 """The node's backend combo: ``kernels.registry.backend_names()`` (auto, then the registered backends, highest
 priority first; an unavailable one is still listed and falls back with its reason in the summary), less
 "torch_gpu", which implements only the query grouping and is picked by every choice for that op.
