@@ -19,7 +19,10 @@ Writes ``<out>/bench_anchor.json``, and the scoreboard keys ``pass2_topk_over_de
 ``pddp_ms_wan13b_480p``, ``pddp_variance_ratio_max`` into ``docs/results/scoreboard.json`` (read, update, write
 back) and a copy of that file to ``<out>/scoreboard.json``.
 
-Usage (from the checkout root): python tests/bench_anchor.py --out OUT [--shapes 1.3b,14b] [--rep 300]
+Usage (from the checkout root): python tests/bench_anchor.py --out OUT [--shapes 1.3b,14b] [--rep 300] [--only pddp]
+[--commit HASH]. ``--only pddp``: the PDDP part alone (~1 min on an H200): ms per call, as one CUDA graph (GPU time
+without launch overhead), phase breakdown, variants (samples / power-iteration steps / bins), variance ratio.
+The commit recorded on the scoreboard: --commit, else $MC_SPARSE_COMMIT, else git HEAD.
 ``--smoke`` runs every code path once on a tiny shape on the CPU (Triton interpreter; no timing, no scoreboard).
 """
 
@@ -97,11 +100,65 @@ def dense_fns():
             for n in ("flash_attn4", "cuda_sdpa") if n in names}
 
 
-def run_shape(name, H, grid, rep, log):
+PDDP_VARIANTS = {  # (samples, power_iters, bins): directions from fewer / more rows, fewer steps, other bin counts
+    "s64 i4": (64, 4, 512), "s128 i2": (128, 2, 512), "s128 i4": (128, 4, 512), "s128 i8": (128, 8, 512),
+    "s256 i4": (256, 4, 512), "s512 i8": (512, 8, 512), "s256 i8 b128": (256, 8, 128), "s256 i8 b2048": (256, 8, 2048),
+}
+
+
+def run_pddp(name, q, res, rep, log):
+    """PDDP: contract, determinism, quality against the torch reference, ms per call, CUDA-graph ms (GPU time only),
+    phase breakdown, and the variants of ``PDDP_VARIANTS``."""
+    _, H, S, _ = q.shape
+    ref_perm = reference.pddp_groups(q, C)
+    ref_var = within_group_variance(q, ref_perm, C)
+    groupers = {"triton grouping": lambda x: grouping.pddp_groups(x, C)}
+    for b in registry.backends():
+        if not b.unavailable_reason and "pddp_groups" in b.ops and b.name not in ("torch", "triton"):
+            groupers[f"backend {b.name}"] = (lambda n: lambda x: kernels.pddp_groups(x, C, backend=n))(b.name)
+    groupers["torch reference"] = lambda x: reference.pddp_groups(x, C)
+    arange = torch.arange(S, device=DEVICE, dtype=torch.int32).expand(1, H, S)
+    for gname, fn in groupers.items():
+        with section(res, f"pddp {gname}", log):
+            perm = fn(q)
+            ok = bool((perm[..., S:] == -1).all()) and bool(torch.equal(torch.sort(perm[..., :S], dim=-1).values, arange))
+            ratio = float(within_group_variance(q, perm, C).sum() / ref_var.sum())
+            ms = bench(lambda: fn(q), rep)
+            res["pddp"][gname] = dict(ms=ms, variance_ratio=ratio, contract_ok=ok,
+                                      deterministic=bool(torch.equal(perm, fn(q))))
+            log(f"{name} pddp {gname}: {ms:.3f} ms, within-group variance / reference {ratio:.4f}, contract {ok}, "
+                f"deterministic {res['pddp'][gname]['deterministic']}")
+    if DEVICE == "cuda":
+        with section(res, "pddp graph", log):
+            res["pddp_graph_ms"] = graph_ms(lambda: grouping.pddp_groups(q, C), rep)
+            log(f"{name} pddp triton grouping as one CUDA graph (GPU time, no launch overhead): {res['pddp_graph_ms']}")
+        with section(res, "pddp phases", log):
+            res["pddp_phases_ms"] = pddp_phases(q)
+            log(f"{name} pddp phases (ms, summed over levels, event-timed, launch gaps included): "
+                f"{res['pddp_phases_ms']}")
+    for vname, (m, iters, nb) in PDDP_VARIANTS.items():
+        with section(res, f"pddp {vname}", log):
+            fn = (lambda m, iters, nb: lambda x: grouping.pddp_groups(x, C, samples=m, power_iters=iters, bins=nb))(
+                m, iters, nb)
+            perm = fn(q)
+            ok = bool((perm[..., S:] == -1).all()) and bool(torch.equal(torch.sort(perm[..., :S], dim=-1).values, arange))
+            ratio = float(within_group_variance(q, perm, C).sum() / ref_var.sum())
+            res["pddp"][f"triton grouping {vname}"] = r = dict(ms=bench(lambda: fn(q), rep), variance_ratio=ratio,
+                                                               contract_ok=ok)
+            r["graph_ms"] = graph_ms(lambda: fn(q), rep) if DEVICE == "cuda" else None
+            log(f"{name} pddp {vname}: {r['ms']:.3f} ms (graph {r['graph_ms']}), variance ratio {ratio:.4f}, "
+                f"contract {ok}")
+
+
+def run_shape(name, H, grid, rep, log, only=None):
     S = math.prod(grid)
     G = -(-S // C)
     gen = torch.Generator(device=DEVICE).manual_seed(20261201)
     q = structured_q(H, grid, gen)
+    if only == "pddp":
+        res = dict(S=S, H=H, pddp={})
+        run_pddp(name, q, res, rep, log)
+        return res
     k, v = (torch.randn(1, H, S, D, device=DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(2))
     res = dict(S=S, H=H, dense={}, pddp={}, pass2_sweep={}, select={}, anchor={})
 
@@ -114,35 +171,12 @@ def run_shape(name, H, grid, rep, log):
     res["best_dense"] = dict(name=best_name, ms=best)
     _, lse = kernels.dense_attention(q, k, v, return_lse=True, backend=best_name)
 
-    # PDDP: contract, quality against the torch reference, time
-    ref_perm = reference.pddp_groups(q, C)
-    ref_var = within_group_variance(q, ref_perm, C)
-    groupers = {"triton grouping": lambda x: grouping.pddp_groups(x, C)}
-    for b in registry.backends():
-        if not b.unavailable_reason and "pddp_groups" in b.ops and b.name not in ("torch", "triton"):
-            groupers[f"backend {b.name}"] = (lambda n: lambda x: kernels.pddp_groups(x, C, backend=n))(b.name)
-    groupers["torch reference"] = lambda x: reference.pddp_groups(x, C)
-    for gname, fn in groupers.items():
-        with section(res, f"pddp {gname}", log):
-            perm = fn(q)
-            ok = bool((perm[..., S:] == -1).all()) and bool(torch.equal(torch.sort(perm[..., :S], dim=-1).values,
-                                                                        torch.arange(S, device=DEVICE, dtype=torch.int32).expand(1, H, S)))
-            ratio = float(within_group_variance(q, perm, C).sum() / ref_var.sum())
-            ms = bench(lambda: fn(q), rep)
-            res["pddp"][gname] = dict(ms=ms, variance_ratio=ratio, contract_ok=ok)
-            log(f"{name} pddp {gname}: {ms:.3f} ms, within-group variance / reference {ratio:.4f}, contract {ok}")
-    with section(res, "pddp phases", log):
-        res["pddp_phases_ms"] = pddp_phases(q) if DEVICE == "cuda" else {}
-        log(f"{name} pddp phases (ms, summed over levels, event-timed): {res['pddp_phases_ms']}")
-    for m in (128, 512):  # directions from fewer / more sampled rows per node
-        with section(res, f"pddp samples={m}", log):
-            fn = (lambda m: lambda x: grouping.pddp_groups(x, C, samples=m))(m)
-            ratio = float(within_group_variance(q, fn(q), C).sum() / ref_var.sum())
-            res["pddp"][f"triton grouping samples={m}"] = dict(ms=bench(lambda: fn(q), rep), variance_ratio=ratio)
-            log(f"{name} pddp samples={m}: {res['pddp'][f'triton grouping samples={m}']}")
-    perm = ref_perm
+    run_pddp(name, q, res, rep, log)
+    perm = None
     with section(res, "grouping for pass 2", log):
         perm = grouping.pddp_groups(q, C)
+    if perm is None:
+        perm = reference.pddp_groups(q, C)
 
     # pass 2 + top-K: exactness on the GPU, config sweep on one head chunk, then all heads at each density
     kq = int(0.25 * S)
@@ -226,50 +260,59 @@ def section(res, what, log):
         traceback.print_exc()
 
 
-def pddp_phases(q):
-    """Milliseconds per phase of the Triton grouping (direction, projection, sort, apply), summed over the tree's
-    levels, by CUDA events around each launch (a replica of ``grouping.pddp_groups``'s loop, for the breakdown)."""
-    B, H, S, _ = q.shape
-    G = -(-S // C)
-    BH = B * H
-    cur = torch.full((BH, G * C), -1, dtype=torch.int32, device=DEVICE)
-    cur[:, :S] = torch.arange(S, dtype=torch.int32, device=DEVICE)
-    nxt = torch.empty_like(cur)
-    levels = grouping._plan(S, C, q.device)
-    v = torch.empty(BH, max(n for n, *_ in levels), D, dtype=torch.float32, device=DEVICE)
-    times = dict(direction=0.0, projection=0.0, sort=0.0, apply=0.0)
-    for _ in range(2):  # first round compiles
-        for key in times:
-            times[key] = 0.0
-        for N, n_max, start, size, count in levels:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
-            ev[0].record()
-            grouping._direction[(N, BH)](q, cur, start, count, v, H, G * C, *q.stride(), v.stride(0), v.stride(1),
-                                         ITERS=8, M=grouping.SAMPLES, D=D, CHUNK=64, num_warps=8)
-            ev[1].record()
-            proj = torch.empty(BH, N, n_max, dtype=torch.float32, device=DEVICE)
-            grid = (triton.cdiv(n_max, 64), N, BH)
-            grouping._project[grid](q, cur, start, size, v, proj, H, S, G * C, n_max, *q.stride(), v.stride(0),
-                                    v.stride(1), BLOCK=64, D=D, num_warps=4)
-            ev[2].record()
-            order = torch.sort(proj, dim=-1, stable=True).indices
-            ev[3].record()
-            nxt.copy_(cur)
-            grouping._apply[grid](cur, nxt, order, start, size, G * C, n_max, BLOCK=64, num_warps=4)
-            ev[4].record()
-            cur, nxt = nxt, cur
-            torch.cuda.synchronize()
-            for key, a, b in (("direction", 0, 1), ("projection", 1, 2), ("sort", 2, 3), ("apply", 3, 4)):
-                times[key] += ev[a].elapsed_time(ev[b])
+def pddp_phases(q, **kw):
+    """Milliseconds per phase of the Triton grouping (direction, bin, count, apply), summed over the tree's levels,
+    by CUDA events recorded after each launch through ``grouping.pddp_groups``'s ``phase_hook`` (one warm-up call)."""
+    times = {}
+
+    def run():
+        times.clear()
+        marks = [(None, torch.cuda.Event(enable_timing=True))]
+        marks[0][1].record()
+
+        def hook(name):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append((name, ev))
+
+        grouping.pddp_groups(q, C, phase_hook=hook, **kw)
+        torch.cuda.synchronize()
+        for (_, a), (name, b) in zip(marks, marks[1:]):
+            times[name] = times.get(name, 0.0) + a.elapsed_time(b)
+
+    run()
+    run()
     return {k: round(t, 4) for k, t in times.items()}
 
 
+def graph_ms(fn, rep_ms):
+    """Median ms of ``fn`` replayed as one CUDA graph (GPU time without the host's launch overhead), or an error."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return bench(g.replay, rep_ms)
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {str(err)[:200]}"
+
+
+COMMIT = None  # --commit
+
+
 def commit() -> str:
+    """The commit measured: --commit, else $MC_SPARSE_COMMIT (the GPU copy's git HEAD may be stale), else git HEAD."""
+    if COMMIT or os.environ.get("MC_SPARSE_COMMIT"):
+        return COMMIT or os.environ["MC_SPARSE_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MC_SPARSE_COMMIT", "unknown")
+        return "unknown"
 
 
 def write_scoreboard(report, out_dir, command):
@@ -277,19 +320,20 @@ def write_scoreboard(report, out_dir, command):
     board = json.loads(path.read_text()) if path.exists() else {}
     common = dict(command=command, commit=commit(), gpu=report["gpu"], date=datetime.date.today().isoformat())
     shapes = report["shapes"]
-    if shapes and all(len(sh["select"]) == len(DENSITIES) for sh in shapes.values()):
+    if shapes and all(len(sh.get("select", {})) == len(DENSITIES) for sh in shapes.values()):
         worst = max((r["over_dense"], n, s) for n, sh in shapes.items() for s, r in sh["select"].items())
         board["pass2_topk_over_dense_max"] = dict(value=round(worst[0], 4), unit="ratio", **common, note=(
             f"worst of {', '.join(shapes)} x s in {list(DENSITIES)}: {worst[1]} s={worst[2]}; pass-2 config "
             + "; ".join(f"{n}: {sh.get('pass2_config')}" for n, sh in shapes.items()) + "; baseline "
             + "; ".join(f"{n}: {sh['best_dense']['name']} {sh['best_dense']['ms']:.2f} ms" for n, sh in shapes.items())))
-    if shapes and all("triton grouping" in sh["pddp"] for sh in shapes.values()):
+    if shapes and all(sh["pddp"].get("triton grouping", {}).get("contract_ok") for sh in shapes.values()):
         ratios = []
         for n, sh in shapes.items():
             p = sh["pddp"]["triton grouping"]
             ratios.append((p["variance_ratio"], n))
             board[f"pddp_ms_{SCORE_SHAPE[n]}"] = dict(value=round(p["ms"], 4), unit="ms", **common, note=(
-                "kernels/triton/grouping.py, all heads, structured synthetic queries"))
+                "kernels/triton/grouping.py, all heads, structured synthetic queries; one CUDA graph: "
+                f"{sh.get('pddp_graph_ms')} ms; phases {sh.get('pddp_phases_ms')}"))
         board["pddp_variance_ratio_max"] = dict(value=round(max(ratios)[0], 4), unit="ratio", **common, note=(
             f"mean within-group variance / torch reference's, structured synthetic queries; worst: {max(ratios)[1]}"))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -304,8 +348,11 @@ def main():
     ap.add_argument("--shapes", default="1.3b,14b")
     ap.add_argument("--rep", type=int, default=300, help="do_bench budget per measurement, ms")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU under TRITON_INTERPRET=1 (code paths)")
+    ap.add_argument("--only", choices=["pddp"], help="measure one part only (pddp: ~1 min on an H200)")
+    ap.add_argument("--commit", help="commit measured, recorded on the scoreboard (default $MC_SPARSE_COMMIT, git HEAD)")
     args = ap.parse_args()
-    global DEVICE
+    global DEVICE, COMMIT
+    COMMIT = args.commit
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")
@@ -326,14 +373,15 @@ def main():
         print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
 
     for name in args.shapes.split(","):
-        report["shapes"][name] = run_shape(name, SHAPES[name]["H"], SHAPES[name]["grid"], args.rep, log)
+        report["shapes"][name] = run_shape(name, SHAPES[name]["H"], SHAPES[name]["grid"], args.rep, log, args.only)
         (out_dir / "bench_anchor.json").write_text(json.dumps(report, indent=1))
         torch.cuda.empty_cache()
     if not args.smoke:
-        write_scoreboard(report, out_dir, "python tests/bench_anchor.py --out $OUT")
-    log("summary: " + json.dumps({n: dict(pass2_topk=[round(r["over_dense"], 3) for r in sh["select"].values()],
+        write_scoreboard(report, out_dir, "python tests/bench_anchor.py --out $OUT"
+                         + (f" --only {args.only}" if args.only else ""))
+    log("summary: " + json.dumps({n: dict(pass2_topk=[round(r["over_dense"], 3) for r in sh.get("select", {}).values()],
                                           pddp=sh["pddp"].get("triton grouping"),
-                                          anchor_over_dense=sh["anchor"].get("over_dense"),
+                                          anchor_over_dense=sh.get("anchor", {}).get("over_dense"),
                                           errors=sh.get("errors", {}))
                                   for n, sh in report["shapes"].items()}))
 

@@ -1,28 +1,32 @@
-"""Fast PDDP query grouping in Triton: directions from a subsample, one projection pass per tree level that reads Q
-through the permutation, and a sort of the projections only (MC-Sparse, arXiv 2610.06801, sec. 3.2).
+"""Fast PDDP query grouping in Triton: directions from a subsample, one binning pass per tree level that reads Q
+through the permutation, and a rank split by per-node histograms instead of a sort (MC-Sparse, arXiv 2610.06801,
+sec. 3.2).
 
 Same tree and contract as ``kernels.reference.pddp`` (a node of g groups splits by rank along its principal
-direction into ceil(g/2)*C and the rest, until every group holds C queries), restructured so that no copy of Q,
-no covariance matrix and no host sync exists:
+direction into ceil(g/2)*C queries and the rest, until every group holds C queries). Per tree level, four launches,
+no copy of Q, no covariance in memory, no sort and no host sync:
 
-- ``_direction`` (one program per node and head): gathers ``samples`` rows of the node, evenly spaced over its
-  current slots, through ``perm``, in chunks of 64; accumulates their covariance [D, D] in fp32 by ``tl.dot`` of
-  bf16 rows shifted by the first chunk's mean (cov = sum x x^T - s s^T / m), then power iteration on it in
-  registers (start: the axis of largest variance plus that column, as ``reference.principal_direction``). A node
-  with at most ``samples`` queries uses all of them (the reference's covariance, from bf16-rounded rows).
-- ``_project`` (one program per 64 slots of a node and head): p = q[perm[slot]] . v_node in fp32 (the node mean is a
-  constant shift of every projection within the node and is skipped: ranks do not change); slots past the node or
-  holding no query get +inf, so they sort last and the tail stays in the last group.
-- ``torch.sort`` of the projections within each node on a padded [B*H*N, n_max] view (ties keep the current order),
-  then ``_apply`` writes each node's slots in the sorted order into the other half of a double-buffered perm.
+- ``_direction`` (one program per node and head): gathers ``samples`` rows of the node, evenly spaced over its real
+  slots, through ``perm``, in chunks of 64; accumulates their covariance [D, D] in fp32 by ``tl.dot`` of bf16 rows
+  shifted by the first chunk's mean, then power iteration on it in registers (start: the axis of largest variance
+  plus that column, as ``reference.principal_direction``; the two reductions alternate between the matrix's axes,
+  which is the same product for a symmetric matrix, so no layout change is needed). From the sample it also takes
+  the mean m and the standard deviation s of the projections on the direction v and stores the node's binning
+  map: bin(x) = floor((x . v - (m - 4 s)) * NB / (8 s)), clamped to [0, NB). The split rank lies within 4 s of the
+  mean for any distribution (Cantelli), so the split falls in an interior bin. It also zeroes the node's histogram.
+- ``_bin`` (one program per BLOCK slots of a node): bin of every real query of the node (one read of its row),
+  stored per slot, and counted into the node's histogram (int32 atomics: exact, order-free).
+- ``_count`` (one program per TILE slots of a node): the threshold bin t (the bin holding the node's split rank L)
+  and k = L - (queries in bins below t), both from the histogram; per tile, the number of queries below t and in t.
+- ``_apply`` (same tiles): exclusive prefix of those counts over the node's earlier tiles, then a stable partition:
+  queries below t, then the first k queries of bin t in slot order, go left; the rest right; -1 padding slots keep
+  their place (the node's real queries are always its first slots). Writes the other half of a double-buffered perm.
 
-Per level: four launches (copy, direction, projection, sort, apply ~ five), one read of Q (256 B per query at D =
-128, through the permutation), sample reads (<= ``samples`` rows per node). The tree's node table depends only on
-(S, C) and lives on the device; tables are cached for at most ``_PLAN_CACHE`` shapes (least recently used first
-out), so the cache never grows with the shapes seen.
-Differences from the reference: the direction of a node larger than ``samples`` comes from a subsample (grouping
-quality measured against the reference by the mean within-group variance, tests/test_anchor_kernels.py and
-tests/bench_anchor.py); projections from the input dtype's values in fp32 (the reference: fp32 rows).
+Difference from the reference: the direction of a node larger than ``samples`` comes from a subsample, and queries
+whose projections share the threshold bin (width 8 s / NB, 0.016 s at NB = 512) are split by slot order instead of
+projection. Grouping quality is measured against the reference by the mean within-group variance
+(tests/test_anchor_kernels.py, tests/bench_anchor.py). The tree's node table depends only on (S, C) and lives on the
+device; tables are cached for at most ``_PLAN_CACHE`` shapes (least recently used first out).
 """
 
 from __future__ import annotations
@@ -35,20 +39,25 @@ import triton.language as tl
 
 _PLAN_CACHE = 8  # (S, C, device) node tables kept at once
 SAMPLES = 256  # rows per node for its principal direction
+BINS = 512  # histogram bins per node (the threshold bin spans 8 / BINS standard deviations of the projections)
+_BLOCK_BIN = 64  # slots per program of _bin (one gathered row each)
+_TILE = 1024  # slots per program of _count / _apply
+_PREFIX = 128  # tile counts summed per step of _apply's prefix loop
 
 
 @triton.jit
 def _direction(
-    Q, PERM, NODE_START, NODE_COUNT, V,
-    H, n_slots, stride_qb, stride_qh, stride_qs, stride_qd, stride_vb, stride_vn,
-    ITERS: tl.constexpr, M: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+    Q, PERM, NODE_START, NODE_COUNT, V, OFF, HIST,
+    H, N, n_slots, stride_qb, stride_qh, stride_qs, stride_qd,
+    PAIRS: tl.constexpr, M: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr,
+    FIRST: tl.constexpr,
 ):
     node = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     start = tl.load(NODE_START + node)
-    count = tl.load(NODE_COUNT + node)  # real queries in the node (its slots below S)
+    count = tl.load(NODE_COUNT + node)  # real queries in the node (its first slots)
     m = tl.minimum(count, M)  # rows sampled: evenly spaced over the node, all of it when count <= M
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, D)
@@ -56,7 +65,11 @@ def _direction(
     base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     # shift: the mean of the first chunk (covariance is shift-invariant; the shift keeps bf16 products small)
     take = offs_c < m
-    qi = tl.load(perm_row + start + (offs_c.to(tl.int64) * count) // m, mask=take, other=0)
+    slot = start + (offs_c.to(tl.int64) * count) // m
+    if FIRST:
+        qi = slot
+    else:
+        qi = tl.load(perm_row + slot, mask=take, other=0)
     x = tl.load(base + qi.to(tl.int64)[:, None] * stride_qs + offs_d[None, :] * stride_qd,
                 mask=take[:, None], other=0.0).to(tl.float32)
     mu = tl.sum(x, 0) / tl.minimum(m, CHUNK).to(tl.float32)
@@ -65,32 +78,46 @@ def _direction(
     for c0 in range(0, m, CHUNK):
         i = c0 + offs_c
         take = i < m
-        qi = tl.load(perm_row + start + (i.to(tl.int64) * count) // m, mask=take, other=0)
+        slot = start + (i.to(tl.int64) * count) // m
+        if FIRST:
+            qi = slot
+        else:
+            qi = tl.load(perm_row + slot, mask=take, other=0)
         x = tl.load(base + qi.to(tl.int64)[:, None] * stride_qs + offs_d[None, :] * stride_qd,
                     mask=take[:, None], other=0.0).to(tl.float32)
         x = tl.where(take[:, None], x - mu[None, :], 0.0)
         ssum += tl.sum(x, 0)
         xb = x.to(tl.bfloat16)
         cov += tl.dot(tl.trans(xb), xb)
-    cov = cov - ssum[:, None] * ssum[None, :] / tl.maximum(m, 1).to(tl.float32)
+    mf = tl.maximum(m, 1).to(tl.float32)
+    cov = cov - ssum[:, None] * ssum[None, :] / mf  # m times the sample covariance
     # power iteration from the axis of largest variance plus that column (as reference.principal_direction)
     diag = tl.sum(tl.where(offs_d[:, None] == offs_d[None, :], cov, 0.0), 1)
     best = tl.max(diag, 0)
     axis = tl.min(tl.where(diag == best, offs_d, D), 0)
-    e = (offs_d == axis).to(tl.float32)
-    v = e + tl.sum(cov * e[None, :], 1)
-    for _ in tl.static_range(ITERS):
-        v = v / tl.maximum(tl.sqrt(tl.sum(v * v, 0)), 1e-30)
-        v = tl.sum(cov * v[None, :], 1) + 1e-12 * v
-    v = v / tl.maximum(tl.sqrt(tl.sum(v * v, 0)), 1e-30)
-    tl.store(V + bh.to(tl.int64) * stride_vb + node.to(tl.int64) * stride_vn + offs_d, v)
+    u = (offs_d == axis).to(tl.float32) + tl.sum(tl.where(offs_d[None, :] == axis, cov, 0.0), 1)
+    for _ in tl.static_range(PAIRS):
+        u = u / tl.maximum(tl.sqrt(tl.sum(u * u, 0)), 1e-30)
+        w = tl.sum(cov * u[:, None], 0)  # cov u (cov symmetric: reduce over rows)
+        w = w / tl.maximum(tl.sqrt(tl.sum(w * w, 0)), 1e-30)
+        u = tl.sum(cov * w[None, :], 1)  # cov w
+    lam = tl.sqrt(tl.sum(u * u, 0))  # |cov v| for the unit v before it: m times the variance along v
+    v = u / tl.maximum(lam, 1e-30)
+    # binning map from the sample: mean and standard deviation of the projections on v
+    mean_p = tl.sum((mu + ssum / mf) * v, 0)
+    sd = tl.sqrt(lam / mf)
+    scale = tl.where(sd > 0, NB / (8.0 * tl.maximum(sd, 1e-30)), 0.0)
+    row = bh.to(tl.int64) * N + node
+    tl.store(V + row * D + offs_d, v * scale)
+    tl.store(OFF + row, (mean_p - 4.0 * sd) * scale)
+    tl.store(HIST + row * NB + tl.arange(0, NB), tl.zeros([NB], dtype=tl.int32))
 
 
 @triton.jit
-def _project(
-    Q, PERM, NODE_START, NODE_SIZE, V, P,
-    H, S, n_slots, n_max, stride_qb, stride_qh, stride_qs, stride_qd, stride_vb, stride_vn,
-    BLOCK: tl.constexpr, D: tl.constexpr,
+def _bin(
+    Q, PERM, NODE_START, NODE_COUNT, V, OFF, HIST, BINS_OUT,
+    H, N, n_slots, stride_qb, stride_qh, stride_qs, stride_qd,
+    BLOCK: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, FIRST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     node = tl.program_id(1)
@@ -98,44 +125,110 @@ def _project(
     b = bh // H
     h = bh % H
     start = tl.load(NODE_START + node)
-    size = tl.load(NODE_SIZE + node)
+    count = tl.load(NODE_COUNT + node)
     j = tile * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, D)
-    slot = start + j
-    inside = (j < size) & (slot < S)
-    qi = tl.load(PERM + bh.to(tl.int64) * n_slots + slot, mask=inside, other=-1)
-    real = inside & (qi >= 0)
+    real = j < count
+    slot = bh.to(tl.int64) * n_slots + start + j
+    if FIRST:
+        qi = start + j
+    else:
+        qi = tl.load(PERM + slot, mask=real, other=0)
     base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    x = tl.load(base + tl.where(real, qi, 0).to(tl.int64)[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+    x = tl.load(base + qi.to(tl.int64)[:, None] * stride_qs + offs_d[None, :] * stride_qd,
                 mask=real[:, None], other=0.0).to(tl.float32)
-    v = tl.load(V + bh.to(tl.int64) * stride_vb + node.to(tl.int64) * stride_vn + offs_d)
-    p = tl.sum(x * v[None, :], 1)
-    p = tl.where(real, p, float("inf"))
-    tl.store(P + (bh.to(tl.int64) * tl.num_programs(1) + node) * n_max + j, p, mask=j < n_max)
+    row = bh.to(tl.int64) * N + node
+    v = tl.load(V + row * D + offs_d)
+    p = tl.sum(x * v[None, :], 1) - tl.load(OFF + row)
+    p = tl.where(p == p, p, 0.0)  # a NaN query goes to bin 0
+    bins = tl.minimum(tl.maximum(p, 0.0), NB - 1.0).to(tl.int32)  # truncation = floor on [0, NB)
+    tl.store(BINS_OUT + slot, bins, mask=real)
+    tl.atomic_add(HIST + row * NB + bins, tl.full([BLOCK], 1, tl.int32), mask=real)
 
 
 @triton.jit
-def _apply(
-    PERM_IN, PERM_OUT, ORDER, NODE_START, NODE_SIZE,
-    n_slots, n_max,
-    BLOCK: tl.constexpr,
+def _threshold(HIST, row, left, NB: tl.constexpr):
+    """(t, k): the bin holding rank ``left`` of the node's histogram, and how many of its queries go left."""
+    hist = tl.load(HIST + row * NB + tl.arange(0, NB))
+    t = tl.sum((tl.cumsum(hist, 0) <= left).to(tl.int32), 0)
+    below = tl.sum(tl.where(tl.arange(0, NB) < t, hist, 0), 0)
+    return t, left - below
+
+
+@triton.jit
+def _count(
+    BINS_IN, HIST, NODE_START, NODE_SIZE, NODE_COUNT, CNT,
+    N, n_slots, n_tiles, C,
+    TILE: tl.constexpr, NB: tl.constexpr,
 ):
     tile = tl.program_id(0)
     node = tl.program_id(1)
     bh = tl.program_id(2)
     start = tl.load(NODE_START + node)
     size = tl.load(NODE_SIZE + node)
-    j = tile * BLOCK + tl.arange(0, BLOCK)
-    ok = j < size
-    src = tl.load(ORDER + (bh.to(tl.int64) * tl.num_programs(1) + node) * n_max + j, mask=ok, other=0)
-    row = bh.to(tl.int64) * n_slots
-    val = tl.load(PERM_IN + row + start + src, mask=ok, other=-1)
-    tl.store(PERM_OUT + row + start + j, val, mask=ok)
+    count = tl.load(NODE_COUNT + node)
+    left = ((size // C + 1) // 2) * C
+    row = bh.to(tl.int64) * N + node
+    t, k = _threshold(HIST, row, left, NB)
+    j = tile * TILE + tl.arange(0, TILE)
+    real = j < count
+    bins = tl.load(BINS_IN + bh.to(tl.int64) * n_slots + start + j, mask=real, other=NB)
+    cnt = CNT + (row * n_tiles + tile) * 2
+    tl.store(cnt, tl.sum((bins < t).to(tl.int32), 0))
+    tl.store(cnt + 1, tl.sum((bins == t).to(tl.int32), 0))
+
+
+@triton.jit
+def _apply(
+    PERM_IN, PERM_OUT, BINS_IN, HIST, NODE_START, NODE_SIZE, NODE_COUNT, CNT,
+    S, N, n_slots, n_tiles, C,
+    TILE: tl.constexpr, NB: tl.constexpr, PREFIX: tl.constexpr, FIRST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    node = tl.program_id(1)
+    bh = tl.program_id(2)
+    start = tl.load(NODE_START + node)
+    size = tl.load(NODE_SIZE + node)
+    count = tl.load(NODE_COUNT + node)
+    left = ((size // C + 1) // 2) * C
+    row = bh.to(tl.int64) * N + node
+    t, k = _threshold(HIST, row, left, NB)
+    # queries below t (a) and in t (e) in the node's tiles before this one
+    acc_a = tl.zeros([PREFIX], dtype=tl.int32)
+    acc_e = tl.zeros([PREFIX], dtype=tl.int32)
+    cnt = CNT + row * n_tiles * 2
+    for i0 in range(0, tile, PREFIX):
+        i = i0 + tl.arange(0, PREFIX)
+        acc_a += tl.load(cnt + i * 2, mask=i < tile, other=0)
+        acc_e += tl.load(cnt + i * 2 + 1, mask=i < tile, other=0)
+    a0 = tl.sum(acc_a, 0)
+    e0 = tl.sum(acc_e, 0)
+    r0 = tl.minimum(tile * TILE, count) - a0 - e0  # queries above t before this tile
+    j = tile * TILE + tl.arange(0, TILE)
+    inside = j < size
+    real = j < count
+    slot = bh.to(tl.int64) * n_slots + start + j
+    bins = tl.load(BINS_IN + slot, mask=real, other=NB)
+    lt = (real & (bins < t)).to(tl.int32)
+    eq = (real & (bins == t)).to(tl.int32)
+    gt = (real & (bins > t)).to(tl.int32)
+    a = a0 + tl.cumsum(lt, 0) - lt  # exclusive counts in slot order
+    e = e0 + tl.cumsum(eq, 0) - eq
+    r = r0 + tl.cumsum(gt, 0) - gt
+    dest = tl.where(lt > 0, a + tl.minimum(e, k),
+                    tl.where(eq > 0, tl.where(e < k, a + e, left + r + e - k),
+                             tl.where(gt > 0, left + r + tl.maximum(e - k, 0), j)))
+    if FIRST:
+        val = tl.where(j < S, start + j, -1)
+    else:
+        val = tl.load(PERM_IN + slot, mask=inside, other=-1)
+    tl.store(PERM_OUT + bh.to(tl.int64) * n_slots + start + dest, val, mask=inside)
 
 
 @functools.lru_cache(maxsize=_PLAN_CACHE)
 def _plan(S: int, C: int, device: torch.device) -> tuple:
-    """Per level: (N, n_max, node start slot, node size in slots, real queries per node) as int32 device tensors."""
+    """Per level: (N, n_max, copy, node start slot, node size in slots, real queries per node), the tables int32 device
+    tensors of the N splitting nodes; ``copy``: some node of the level no longer splits (its slots are carried)."""
     G = -(-S // C)
     nodes = [(0, G)]  # (first block, blocks)
     levels = []
@@ -145,51 +238,72 @@ def _plan(S: int, C: int, device: torch.device) -> tuple:
         size = [g * C for _, g in split]
         count = [max(0, min(s + n, S) - s) for s, n in zip(start, size)]
         table = torch.tensor([start, size, count], dtype=torch.int32).to(device)
-        levels.append((len(split), max(size), table[0], table[1], table[2]))
+        levels.append((len(split), max(size), len(split) < len(nodes), table[0], table[1], table[2]))
         nodes = [half for b, g in nodes for half in (((b, -(-g // 2)), (b + -(-g // 2), g // 2)) if g > 1 else ((b, g),))]
     return tuple(levels)
 
 
-def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, samples: int = SAMPLES) -> torch.Tensor:
+def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, samples: int = SAMPLES,
+                bins: int = BINS, phase_hook=None) -> torch.Tensor:
     """Query groups of exactly ``group_size`` queries by Fast PDDP; contract of ``kernels.reference.pddp_groups``.
 
     Args:
         q: ``[B, H, S, D]`` fp16/bf16 (any strides), D a power of two in [16, 256].
-        group_size: C >= 1. power_iters: power-iteration steps per node (>= 1).
+        group_size: C >= 1. power_iters: matrix-vector products of the power iteration per node (>= 1; rounded up
+            to an even count).
         samples: rows per node its direction is computed from (a power of two >= 16; default ``SAMPLES``).
+        bins: histogram bins per node for the rank split (a power of two >= 16; default ``BINS``).
+        phase_hook: benchmarks only: called with "direction", "bin", "count", "apply" after each launch.
     Returns:
         int32 ``[B, H, G*C]``, G = ceil(S / C): group g is ``perm[..., g*C:(g+1)*C]``; each query index in [0, S)
         appears once; the last G*C - S entries are -1.
     Raises:
-        ValueError: group_size < 1, power_iters < 1, or samples not a power of two >= 16.
+        ValueError: group_size < 1, power_iters < 1, or samples / bins not a power of two >= 16.
     """
     if group_size < 1 or power_iters < 1:
         raise ValueError(f"group_size and power_iters must be >= 1, got {group_size}, {power_iters}")
-    if samples < 16 or samples & (samples - 1):
-        raise ValueError(f"samples must be a power of two >= 16, got {samples}")
+    for name, val in (("samples", samples), ("bins", bins)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {val}")
     B, H, S, D = q.shape
     C = group_size
     G = -(-S // C)
     BH = B * H
     n_slots = G * C
-    cur = torch.full((BH, n_slots), -1, dtype=torch.int32, device=q.device)
-    cur[:, :S] = torch.arange(S, dtype=torch.int32, device=q.device)
-    nxt = torch.empty_like(cur)
     levels = _plan(S, C, q.device)
-    if levels:
-        v = torch.empty(BH, max(n for n, *_ in levels), D, dtype=torch.float32, device=q.device)
-    block = 64
-    for N, n_max, start, size, count in levels:
-        _direction[(N, BH)](
-            q, cur, start, count, v, H, n_slots, *q.stride(), v.stride(0), v.stride(1),
-            ITERS=power_iters, M=samples, D=D, CHUNK=64, num_warps=8,
-        )
-        proj = torch.empty(BH, N, n_max, dtype=torch.float32, device=q.device)
-        grid = (triton.cdiv(n_max, block), N, BH)
-        _project[grid](q, cur, start, size, v, proj, H, S, n_slots, n_max, *q.stride(), v.stride(0), v.stride(1),
-                       BLOCK=block, D=D, num_warps=4)
-        order = torch.sort(proj, dim=-1, stable=True).indices
-        nxt.copy_(cur)  # nodes that no longer split keep their slots
-        _apply[grid](cur, nxt, order, start, size, n_slots, n_max, BLOCK=block, num_warps=4)
+    if not levels:  # one group: the queries in order, then the padding
+        out = torch.full((BH, n_slots), -1, dtype=torch.int32, device=q.device)
+        out[:, :S] = torch.arange(S, dtype=torch.int32, device=q.device)
+        return out.reshape(B, H, n_slots)
+    hook = phase_hook or (lambda name: None)
+    n_alloc = max(n for n, *_ in levels)
+    cur = torch.empty(BH, n_slots, dtype=torch.int32, device=q.device)
+    nxt = torch.empty_like(cur)
+    bin_of = torch.empty(BH, n_slots, dtype=torch.int32, device=q.device)
+    v = torch.empty(BH * n_alloc * D, dtype=torch.float32, device=q.device)
+    off = torch.empty(BH * n_alloc, dtype=torch.float32, device=q.device)
+    hist = torch.empty(BH * n_alloc * bins, dtype=torch.int32, device=q.device)
+    n_cnt = max(n * -(-n_max // _TILE) for n, n_max, *_ in levels)
+    cnt = torch.empty(BH * n_cnt * 2, dtype=torch.int32, device=q.device)
+    strides = q.stride()
+    for level, (N, n_max, copy, start, size, count) in enumerate(levels):
+        first = level == 0
+        _direction[(N, BH)](q, cur, start, count, v, off, hist, H, N, n_slots, *strides,
+                            PAIRS=(power_iters + 1) // 2, M=samples, D=D, CHUNK=64, NB=bins, FIRST=first,
+                            num_warps=8)
+        hook("direction")
+        _bin[(triton.cdiv(n_max, _BLOCK_BIN), N, BH)](q, cur, start, count, v, off, hist, bin_of, H, N, n_slots,
+                                                        *strides, BLOCK=_BLOCK_BIN, D=D, NB=bins, FIRST=first,
+                                                        num_warps=4)
+        hook("bin")
+        n_tiles = triton.cdiv(n_max, _TILE)
+        _count[(n_tiles, N, BH)](bin_of, hist, start, size, count, cnt, N, n_slots, n_tiles, C, TILE=_TILE, NB=bins,
+                                 num_warps=4)
+        hook("count")
+        if copy:  # nodes that no longer split keep their slots
+            nxt.copy_(cur)
+        _apply[(n_tiles, N, BH)](cur, nxt, bin_of, hist, start, size, count, cnt, S, N, n_slots, n_tiles, C,
+                                 TILE=_TILE, NB=bins, PREFIX=_PREFIX, FIRST=first, num_warps=4)
+        hook("apply")
         cur, nxt = nxt, cur
     return cur.reshape(B, H, n_slots)

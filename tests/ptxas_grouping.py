@@ -1,0 +1,69 @@
+"""Offline compile of the Triton PDDP kernels (kernels/triton/grouping.py) for sm_90 / sm_80 with ``ptxas -v``: registers,
+spills, shared memory (no GPU needed; not collected by pytest). The interpreter misses GPU-only compile errors.
+
+Usage: python tests/ptxas_grouping.py [--samples 256] [--bins 512]. Exit status 1 when a kernel spills or does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("_ptxas_report", Path(__file__).resolve().parent / "ptxas_report.py")
+pr = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pr)  # pops TRITON_INTERPRET and loads the pack
+import torch  # noqa: E402
+
+grouping = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.grouping")
+
+
+def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128):
+    """(name, jit fn, args, meta) of every launch of one tree level at the Wan2.1-14B 720p shape."""
+    meta_t = dict(device="meta")
+    B = 1
+    q = torch.empty(B, S, H * D, dtype=torch.bfloat16, **meta_t).view(B, S, H, D).transpose(1, 2)
+    n_slots = -(-S // C) * C
+    i32 = dict(dtype=torch.int32, **meta_t)
+    perm, bins_t = torch.empty(B * H, n_slots, **i32), torch.empty(B * H, n_slots, **i32)
+    start, size, count = (torch.empty(N, **i32) for _ in range(3))
+    v = torch.empty(B * H * N * D, dtype=torch.float32, **meta_t)
+    off = torch.empty(B * H * N, dtype=torch.float32, **meta_t)
+    hist, cnt = torch.empty(B * H * N * bins, **i32), torch.empty(B * H * N * 2 * 80, **i32)
+    strides = q.stride()
+    return [
+        ("_direction", grouping._direction, [q, perm, start, count, v, off, hist, H, N, n_slots, *strides],
+         dict(PAIRS=pairs, M=samples, D=D, CHUNK=64, NB=bins, FIRST=first, num_warps=8)),
+        ("_bin", grouping._bin, [q, perm, start, count, v, off, hist, bins_t, H, N, n_slots, *strides],
+         dict(BLOCK=grouping._BLOCK_BIN, D=D, NB=bins, FIRST=first, num_warps=4)),
+        ("_count", grouping._count, [bins_t, hist, start, size, count, cnt, N, n_slots, 74, C],
+         dict(TILE=grouping._TILE, NB=bins, num_warps=4)),
+        ("_apply", grouping._apply, [perm, perm, bins_t, hist, start, size, count, cnt, S, N, n_slots, 74, C],
+         dict(TILE=grouping._TILE, NB=bins, PREFIX=grouping._PREFIX, FIRST=first, num_warps=4)),
+    ]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=grouping.SAMPLES)
+    ap.add_argument("--bins", type=int, default=grouping.BINS)
+    ap.add_argument("--pairs", type=int, default=4)
+    args = ap.parse_args()
+    bad = 0
+    for arch in (90, 80):
+        for first in (True, False):
+            for name, fn, a, meta in kernels(args.samples, args.bins, args.pairs, first):
+                ck = pr.compile_offline(fn, a, meta, arch)
+                regs, st, ld = pr.ptxas_usage(ck, arch)
+                smem = ck.metadata.shared
+                ok = st == 0 and smem <= pr.SMEM_LIMIT[arch]
+                bad += not ok
+                print(dict(arch=arch, kernel=name, first=first, regs=regs, spill_st=st, spill_ld=ld, smem=smem,
+                           ok=ok), flush=True)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The Triton PDDP kernels (kernels/triton/grouping.py) under TRITON_INTERPRET=1 (CPU) against float64 / torch models.
+
+- ``_direction``: the node's direction is the float64 top eigenvector of its sampled rows' covariance (the sample: the
+  evenly spaced real slots, read through the permutation), its binning map the float64 mean / standard deviation of
+  the sample's projections; every output written (poisoned first), the node's histogram zeroed.
+- ``_bin``: each real query's bin is floor(x . v - off) of the kernel's own map (float64), the histogram is exactly
+  the per-node count of those bins.
+- ``_count`` + ``_apply``: exactly the stable partition of each node (the L = ceil(g/2)*C smallest (bin, slot) go
+  left, both halves keep slot order, -1 padding stays last), multi-tile nodes and the prefix loop included, ragged
+  last node, every slot of a splitting node written and no other.
+- the whole grouping with small tiles: contract on ragged S (levels where some nodes no longer split), determinism.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from comfyui_mc_sparse_pack.kernels import reference, registry
+from comfyui_mc_sparse_pack.kernels.reference.pddp import within_group_variance
+from comfyui_mc_sparse_pack.kernels.triton import grouping
+
+triton_backend = next(b for b in registry.backends() if b.name == "triton")
+pytestmark = pytest.mark.skipif(
+    bool(triton_backend.unavailable_reason), reason=f"triton backend unavailable: {triton_backend.unavailable_reason}"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _level_tables(S, C):
+    return [(N, n_max, start.cpu(), size.cpu(), count.cpu(), (start, size, count))
+            for N, n_max, _, start, size, count in grouping._plan(S, C, torch.device(DEVICE))]
+
+
+def _perm_in(gen, BH, S, n_slots):
+    perm = torch.full((BH, n_slots), -1, dtype=torch.int32)
+    for bh in range(BH):
+        perm[bh, :S] = torch.randperm(S, generator=gen).to(torch.int32)
+    return perm
+
+
+@pytest.mark.parametrize("S,C,tile,prefix", [(75, 8, 8, 2), (130, 16, 16, 4)])
+def test_rank_split_is_the_stable_partition(gen, S, C, tile, prefix):
+    """Random bins with many ties: _count + _apply give exactly the stable partition by (bin, slot) of every node."""
+    BH, NB = 3, 16
+    G = -(-S // C)
+    n_slots = G * C
+    for level, (N, n_max, start, size, count, dev) in enumerate(_level_tables(S, C)):
+        first = level == 0
+        perm_in = torch.arange(n_slots, dtype=torch.int32).where(torch.arange(n_slots) < S, -1).expand(BH, -1).clone() \
+            if first else _perm_in(gen, BH, S, n_slots)
+        bins = torch.randint(0, 5, (BH, n_slots), generator=gen, dtype=torch.int32) * 3  # few values: ties
+        hist = torch.zeros(BH, N, NB, dtype=torch.int32)
+        for bh in range(BH):
+            for i in range(N):
+                s, c = int(start[i]), int(count[i])
+                hist[bh, i] = torch.bincount(bins[bh, s:s + c].long(), minlength=NB).to(torch.int32)
+        n_tiles = -(-n_max // tile)
+        cnt = torch.full((BH * N * n_tiles * 2,), -7, dtype=torch.int32)
+        out = torch.full((BH, n_slots), -7, dtype=torch.int32)
+        args = [t.to(DEVICE) for t in (perm_in, out, bins, hist.reshape(-1), *dev, cnt)]
+        grouping._count[(n_tiles, N, BH)](args[2], args[3], *dev, args[7], N, n_slots, n_tiles, C, TILE=tile, NB=NB)
+        grouping._apply[(n_tiles, N, BH)](*args, S, N, n_slots, n_tiles, C, TILE=tile, NB=NB, PREFIX=prefix,
+                                          FIRST=first)
+        got = args[1].cpu()
+        want = torch.full((BH, n_slots), -7, dtype=torch.int32)
+        for bh in range(BH):
+            for i in range(N):
+                s, n, c = int(start[i]), int(size[i]), int(count[i])
+                left = -(-(n // C) // 2) * C
+                order = torch.sort(bins[bh, s:s + c], stable=True).indices
+                goes_left = torch.zeros(c, dtype=torch.bool)
+                goes_left[order[:left]] = True
+                rows = perm_in[bh, s:s + c]
+                want[bh, s:s + n] = torch.cat([rows[goes_left], rows[~goes_left], perm_in[bh, s + c:s + n]])
+        assert torch.equal(got, want), f"level {level}"
+
+
+@pytest.mark.parametrize("first,samples", [(True, 256), (False, 32)])
+def test_direction_and_bins_match_float64(gen, first, samples):
+    """_direction: top eigenvector of the sampled rows' covariance, binning map from their projections; _bin: bins
+    and histogram of every real query from that map (float64), histogram zeroed first; outputs poisoned."""
+    B, H, S, D, C, NB = 1, 2, 150, 32, 16, 64
+    G = -(-S // C)
+    n_slots = G * C
+    axis = torch.randn(H, 1, D, generator=gen)
+    q = (torch.randn(B, H, S, 1, generator=gen) * 3.0 * axis + torch.randn(B, H, S, D, generator=gen) * 0.5
+         + torch.randn(H, 1, D, generator=gen)).to(torch.bfloat16)
+    level = 0 if first else 1
+    N, n_max, start, size, count, dev = _level_tables(S, C)[level]
+    perm = _perm_in(gen, B * H, S, n_slots)
+    v = torch.full((B * H * N * D,), float("nan"))
+    off = torch.full((B * H * N,), float("nan"))
+    hist = torch.full((B * H * N * NB,), 99, dtype=torch.int32)
+    bins = torch.full((B * H, n_slots), -7, dtype=torch.int32)
+    qd, perm_d, v_d, off_d, hist_d, bins_d = (t.to(DEVICE) for t in (q, perm, v, off, hist, bins))
+    grouping._direction[(N, B * H)](qd, perm_d, dev[0], dev[2], v_d, off_d, hist_d, H, N, n_slots, *qd.stride(),
+                                    PAIRS=8, M=samples, D=D, CHUNK=64, NB=NB, FIRST=first)
+    grouping._bin[(-(-n_max // 16), N, B * H)](qd, perm_d, dev[0], dev[2], v_d, off_d, hist_d, bins_d, H, N, n_slots,
+                                               *qd.stride(), BLOCK=16, D=D, NB=NB, FIRST=first)
+    v, off, hist, bins = (t.cpu() for t in (v_d, off_d, hist_d, bins_d))
+    v, off, hist = v.reshape(B * H, N, D), off.reshape(B * H, N), hist.reshape(B * H, N, NB)
+    assert torch.isfinite(v).all() and torch.isfinite(off).all()
+    x_all = q.reshape(B * H, S, D).double()
+    for bh in range(B * H):
+        ids = torch.arange(n_slots, dtype=torch.int32) if first else perm[bh]
+        for i in range(N):
+            s, c = int(start[i]), int(count[i])
+            m = min(c, samples)
+            sample = x_all[bh, ids[s + torch.arange(m) * c // m].long()]
+            centred = sample - sample.mean(0)
+            evals, evecs = torch.linalg.eigh(centred.T @ centred)
+            top = evecs[:, -1]
+            scale = float(v[bh, i].double().norm())
+            unit = v[bh, i].double() / scale
+            assert abs(float(unit @ top)) > 0.999
+            sd = (float(evals[-1]) / m) ** 0.5
+            assert scale == pytest.approx(NB / (8 * sd), rel=2e-2)
+            mean_p = float(sample.mean(0) @ unit)
+            assert float(off[bh, i]) == pytest.approx((mean_p - 4 * sd) * scale, abs=0.05 * NB)
+            rows = x_all[bh, ids[s:s + c].long()]
+            p = rows @ v[bh, i].double() - float(off[bh, i])
+            want = p.floor().clamp(0, NB - 1).long()
+            got = bins[bh, s:s + c].long()
+            near = (p - p.round()).abs() < 1e-3  # float32 rounding may land either side of an integer
+            assert torch.equal(got[~near], want[~near]) and bool(((got - want).abs() <= 1).all())
+            assert torch.equal(hist[bh, i], torch.bincount(got, minlength=NB).to(torch.int32))
+
+
+@pytest.mark.parametrize("S,C", [(200, 8), (93, 16)])
+def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, monkeypatch):
+    """The whole grouping with tiles smaller than the nodes (multi-tile prefix sums), ragged S and levels where some
+    nodes no longer split: every query once, -1 only in the tail, deterministic, better than a random grouping."""
+    monkeypatch.setattr(grouping, "_TILE", 16)
+    monkeypatch.setattr(grouping, "_PREFIX", 2)
+    monkeypatch.setattr(grouping, "_BLOCK_BIN", 16)
+    q = (torch.randn(1, 2, S, 1, generator=gen) * torch.randn(1, 2, 1, 16, generator=gen)
+         + 0.3 * torch.randn(1, 2, S, 16, generator=gen)).to(torch.bfloat16)
+    perm = grouping.pddp_groups(q.to(DEVICE), C, power_iters=4, samples=16).cpu()
+    G = -(-S // C)
+    assert perm.dtype == torch.int32 and perm.shape == (1, 2, G * C)
+    assert (perm[..., S:] == -1).all()
+    assert torch.equal(torch.sort(perm[..., :S], dim=-1).values, torch.arange(S, dtype=torch.int32).expand(1, 2, S))
+    assert torch.equal(perm, grouping.pddp_groups(q.to(DEVICE), C, power_iters=4, samples=16).cpu())
+    rnd = torch.stack([torch.randperm(S, generator=gen) for _ in range(2)]).to(torch.int32).reshape(1, 2, S)
+    pad = torch.full((1, 2, G * C - S), -1, dtype=torch.int32)
+    v_fast, v_ref, v_rnd = (float(within_group_variance(q, p, C).sum())
+                            for p in (perm, reference.pddp_groups(q, C), torch.cat([rnd, pad], -1)))
+    assert v_fast <= 1.05 * v_ref and v_fast < 0.5 * v_rnd
