@@ -12,14 +12,16 @@ At the Wan2.1-1.3B 480p (B=1, H=12, S=32760, D=128) and Wan2.1-14B 720p (H=40, S
 Timings are ``triton.testing.do_bench`` medians over rotating input sets (no cache-warm repeats of one input).
 
 With --reuse (issue 14) it times the reuse path instead of selection and grouping, at each density: the Triton
-kernel on contiguous [B, H, S, D] inputs (the scoreboard's ``triton_sparse_eff_min``), on the model's strided views
-of [B, S, H*D] tensors writing ``out=`` (a view too), and with the residual epilogue (plain bf16 / fp8_row /
-int4_row); flash-attn-4's paged route when present (``fa4_route_eff_min``); a few tile configs at s = 0.25; the
-bitmask decode kernel; and the compiled kernels' ``n_regs`` / ``n_spills``. It updates docs/results/scoreboard.json
-(and writes a copy next to --out).
+kernel's default config on contiguous [B, H, S, D] inputs and on the model's path (strided views of [B, S, H*D]
+tensors, ``out=`` a view too, plain residual epilogue); every REUSE_CONFIGS entry (three spill-free tiles x fp32 /
+packed f16x2 exponentials x eager / lazy rescale) side by side in the same run, with its error against the float32
+reference and (num_warps, n_regs, n_spills); flash-attn-4's paged route when present (``fa4_route_eff_min``); the
+bitmask decode kernel at s = 0.25. It prints f16x2 / fp32 and lazy / eager time ratios per point, writes
+``triton_sparse_eff_min`` = the min over the points of the best spill-free config (named in the note) into
+docs/results/scoreboard.json (commit: --commit, else $MC_SPARSE_COMMIT, else git HEAD), and a copy next to --out.
 
 Usage: python tests/bench_kernels.py --out bench.json [--shapes 1.3b,14b] [--densities 0.1,0.15,0.25,0.5] [--sweep]
-       python tests/bench_kernels.py --out $OUT/bench_reuse.json --reuse --rep 40
+       python tests/bench_kernels.py --out $OUT/bench_reuse.json --reuse --rep 40 --commit <hash>
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import datetime
 import importlib
 import itertools
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -88,7 +91,8 @@ def bench(fn_of_inputs, inputs, rep_ms=600, warmup_ms=100):
 
 def rel_err(a, b):
     a, b = a.float(), b.float()
-    return dict(rel_l2=float((a - b).norm() / b.norm().clamp_min(1e-30)), max_abs=float((a - b).abs().max()))
+    return dict(rel_l2=float((a - b).norm() / b.norm().clamp_min(1e-30)), max_abs=float((a - b).abs().max()),
+                mean_abs=float((a - b).abs().mean()))
 
 
 def random_kv_idx(B, H, G, S, num_keys, gen):
@@ -247,16 +251,23 @@ def run_shape(name, shp, densities, sweep, rep, log):
 
 # --- reuse path (issue 14) -------------------------------------------------------------------------------------
 
-REUSE_CONFIGS = {  # Triton sparse tile configs timed with --reuse at every density (the default is timed anyway)
-    "bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, maxnreg=0),
-    "bn64 w4 st2": dict(block_n=64, num_warps=4, num_stages=2, maxnreg=0),
-    "bn32 w4 st3": dict(block_n=32, num_warps=4, num_stages=3, maxnreg=0),
+REUSE_TILES = {  # spill-free Triton tile configs on sm_90 (tests/ptxas_report.py --variants)
     "bn32 w8 st3 r128": dict(block_n=32, num_warps=8, num_stages=3, maxnreg=128),
     "bn64 w8 st3": dict(block_n=64, num_warps=8, num_stages=3, maxnreg=0),
     "bn128 w8 st3": dict(block_n=128, num_warps=8, num_stages=3, maxnreg=0),
-    "bm64 bn64 w4 st3": dict(block_m=64, block_n=64, num_warps=4, num_stages=3, maxnreg=0),
-    "bm64 bn128 w4 st3": dict(block_m=64, block_n=128, num_warps=4, num_stages=3, maxnreg=0),
 }
+# with --reuse every tile config is timed at every point with fp32 / packed f16x2 exponentials, eager / lazy rescale,
+# side by side (kernels/triton/fastexp.py; RESCALE_LOG2 in kernels/triton/sparse_attention.py)
+REUSE_CONFIGS = {f"{t} {e}{' lazy' if lazy else ''}": dict(kw, exp=e, lazy_rescale=lazy)
+                 for t, kw in REUSE_TILES.items() for e in ("fp32", "f16x2") for lazy in (False, True)}
+
+
+def config_name(kw):
+    """The REUSE_CONFIGS name of a launch config dict (block_n, num_warps, num_stages, maxnreg, exp, lazy_rescale)."""
+    tile = f"bn{kw['block_n']} w{kw['num_warps']} st{kw['num_stages']}" + (f" r{kw['maxnreg']}" if kw["maxnreg"] else "")
+    return f"{tile} {kw['exp']}{' lazy' if kw['lazy_rescale'] else ''}"
+
+
 _tsa = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention")
 
 
@@ -319,18 +330,15 @@ def run_reuse_shape(name, shp, densities, rep, log):
     res["best_dense"] = dict(name=best_name, ms=best)
 
     fa4 = "flash_attn4" in {b.name for b in registry.backends() if not b.unavailable_reason}
-    variants = {
+    variants = {  # the default config through the op (the scoreboard's baseline) and on the model's path
         "triton contiguous": lambda st, p, i: kernels.sparse_attention(*st[0], p, i, backend="triton"),
-        "triton native views, out=": lambda st, p, i: kernels.sparse_attention(*st[1], p, i, out=out_v, backend="triton"),
+        "triton native, out=, residual plain": lambda st, p, i: kernels.sparse_attention(
+            *st[1], p, i, out=out_v, residual=residuals["plain"], backend="triton"),
     }
-    for kind, r in residuals.items():
-        variants[f"triton native, out=, residual {kind}"] = (
-            lambda st, p, i, r=r: kernels.sparse_attention(*st[1], p, i, out=out_v, residual=r, backend="triton"))
-    variants["triton native, out=, residual plain, LSE"] = (
-        lambda st, p, i: kernels.sparse_attention(*st[1], p, i, out=out_v, residual=residuals["plain"], return_lse=True,
-                                                  backend="triton"))
     if fa4:
         variants["flash_attn4 paged route"] = lambda st, p, i: kernels.sparse_attention(*st[0], p, i, backend="flash_attn4")
+    default_name = config_name(_tsa.config(D, torch.cuda.get_device_capability()))
+    res["default_config"] = default_name
     both = [(st, nt) for st, nt in zip(sets, native)]
     for s in densities:
         kq = int(s * S)
@@ -356,20 +364,23 @@ def run_reuse_shape(name, shp, densities, rep, log):
             eff = best * (kq / S) / ms
             res["sparse"].setdefault(vname, {})[str(s)] = dict(ms=ms, efficiency=eff, speedup=best / ms)
             log(f"{name} {vname} s={s}: {ms:.2f} ms, efficiency {eff:.3f}, err {res['errors'][f'{vname} s={s}']}")
-        for cname, kw in REUSE_CONFIGS.items():
+        for cname, kw in REUSE_CONFIGS.items():  # side by side: fp32 / packed exponentials, eager / lazy rescale
+            if cname == default_name:
+                res["sweep"][cname] = "the default config: 'triton contiguous'"
+                continue
             if isinstance(res["sweep"].get(cname), str):  # failed at an earlier density
                 continue
             try:
                 before = compiled_now()
-                err = rel_err(_tsa.sparse_attention(*sets[0], perms[0], idxs[0], **kw)[:, sub], ref)["rel_l2"]
+                err = rel_err(_tsa.sparse_attention(*sets[0], perms[0], idxs[0], **kw)[:, sub], ref)
                 new = regs_of_new(before) or res["sweep"].get(cname, {}).get("regs_spills")
                 ms = bench(lambda st, p, i, kw=kw: _tsa.sparse_attention(*st[0], p, i, **kw),
                            [(st, p, i) for st, p, i in zip(both, perms, idxs)], rep)
                 entry = res["sweep"].setdefault(cname, dict(efficiency={}, regs_spills=new))
                 entry["efficiency"][str(s)] = best * (kq / S) / ms
-                entry.setdefault("rel_l2", {})[str(s)] = err
+                entry.setdefault("errors", {})[str(s)] = err
                 log(f"{name} config {cname} s={s}: efficiency {entry['efficiency'][str(s)]:.3f}, {ms:.2f} ms, "
-                    f"rel_l2 {err:.2e}, (num_warps, n_regs, n_spills) {new}")
+                    f"err {err}, (num_warps, n_regs, n_spills) {new}")
             except Exception as e:  # out of resources on this GPU
                 res["sweep"][cname] = f"{type(e).__name__}: {str(e)[:120]}"
                 log(f"{name} config {cname} s={s}: {res['sweep'][cname]}")
@@ -391,25 +402,32 @@ def run_reuse_shape(name, shp, densities, rep, log):
     return res
 
 
-def update_scoreboard(path, report, command):
-    """Write triton_sparse_eff_min (and fa4_route_eff_min) into the scoreboard (docs/results/scoreboard.json's format)."""
+def update_scoreboard(path, report, command, commit):
+    """Write triton_sparse_eff_min (and fa4_route_eff_min) into the scoreboard (docs/results/scoreboard.json's format).
+
+    triton_sparse_eff_min is the min over the measured points of the best config that compiled without spills at every
+    point: the default ("triton contiguous") or a REUSE_CONFIGS entry (packed or fp32 exponentials, eager or lazy
+    rescale), named in the note with the other configs' minima and the winner's errors."""
     path = Path(path)
     board = json.loads(path.read_text()) if path.is_file() else {}
-    root = Path(__file__).resolve().parent.parent
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
 
     def effs(variant):
         return {(n, s): v["efficiency"] for n, r in report["shapes"].items() for s, v in r["sparse"].get(variant, {}).items()}
 
     dense = "; ".join(f"{n}: {r['best_dense']['name']} {r['best_dense']['ms']:.2f} ms" for n, r in report["shapes"].items())
     spills = sorted({x for r in report["shapes"].values() for v in r["kernels"].values() for x in v})
-    # the Triton figure: the best spill-free tile config measured at every point (the code's default among them)
-    cands = {"default config": effs("triton contiguous")}
+    default = next(iter(report["shapes"].values())).get("default_config", "default")
+    default_key = f"{default} (the default)"
+    # the Triton figure: the best spill-free config measured at every point (the code's default among them)
+    cands = {default_key: effs("triton contiguous")}
+    errs = {default_key: [e for r in report["shapes"].values() for k, e in r["errors"].items()
+                          if k.startswith("triton contiguous ")]}
     for cname in next(iter(report["shapes"].values()))["sweep"]:
         per = [r["sweep"].get(cname) for r in report["shapes"].values()]
         if all(isinstance(v, dict) and v.get("regs_spills") and all(x[2] == 0 for x in v["regs_spills"]) for v in per):
             cands[cname] = {(n, s): e for n, r in report["shapes"].items() for s, e in r["sweep"][cname]["efficiency"].items()}
-    full = {c: e for c, e in cands.items() if len(e) == len(cands["default config"])}
+            errs[cname] = [e for v in per for e in v.get("errors", {}).values()]
+    full = {c: e for c, e in cands.items() if e and len(e) == len(cands[default_key])}
     pick = max(full, key=lambda c: min(full[c].values()))
     for key, variant in (("triton_sparse_eff_min", pick), ("fa4_route_eff_min", "flash_attn4 paged route")):
         e = full[pick] if key.startswith("triton") else effs(variant)
@@ -420,8 +438,11 @@ def update_scoreboard(path, report, command):
         note = (f"min over shapes x s of best dense (with LSE) x s / sparse ms; worst at {worst[0]} s={worst[1]}; "
                 f"best dense {dense}")
         if key.startswith("triton"):
-            note += (f"; Triton tile config: {pick} (best spill-free config; per-config minima "
-                     f"{ {c: round(min(v.values()), 3) for c, v in full.items()} }); default config with native "
+            pe = errs.get(pick, [])
+            note += (f"; Triton config: {pick} (the fastest spill-free config at its worst point; per-config minima "
+                     f"{ {c: round(min(v.values()), 3) for c, v in full.items()} }); its error vs the float32 reference "
+                     f"(2 heads): max rel_l2 {max((x['rel_l2'] for x in pe), default=float('nan')):.2e}, max abs "
+                     f"{max((x['max_abs'] for x in pe), default=float('nan')):.2e}; default config with native "
                      f"[B, S, H*D] views + out= + plain residual epilogue: min {min(native.values()):.3f}; "
                      f"default config compiled (num_warps, n_regs, n_spills): {spills}")
         board[key] = dict(value=round(e[worst], 4), unit="ratio", command=command, commit=commit or "unknown",
@@ -429,6 +450,18 @@ def update_scoreboard(path, report, command):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(board, indent=2) + "\n")
     return board
+
+
+def measured_commit(arg):
+    """--commit, else $MC_SPARSE_COMMIT, else this checkout's git HEAD (stale or absent on the GPU machine's copy)."""
+    if arg or os.environ.get("MC_SPARSE_COMMIT"):
+        return arg or os.environ["MC_SPARSE_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def main():
@@ -439,6 +472,7 @@ def main():
     ap.add_argument("--rep", type=int, default=500, help="do_bench rep budget per measurement, ms")
     ap.add_argument("--sweep", action="store_true", help="also time Triton tile configs")
     ap.add_argument("--reuse", action="store_true", help="time the reuse path (issue 14) instead of selection/grouping")
+    ap.add_argument("--commit", default="", help="commit measured (default: $MC_SPARSE_COMMIT, else git HEAD)")
     ap.add_argument("--scoreboard", default=str(Path(__file__).resolve().parent.parent / "docs/results/scoreboard.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -473,7 +507,7 @@ def main():
     if args.reuse:
         command = "python3 tests/bench_kernels.py " + " ".join(a if a != args.out else "$OUT/" + Path(a).name
                                                                  for a in sys.argv[1:])
-        board = update_scoreboard(args.scoreboard, report, command)
+        board = update_scoreboard(args.scoreboard, report, command, measured_commit(args.commit))
         (Path(args.out).parent / "scoreboard.json").write_text(json.dumps(board, indent=2) + "\n")
         print_reuse_table(report, board)
         log("done")
@@ -497,6 +531,15 @@ def print_table(report):
 
 
 
+def config_effs(r, cname):
+    """{s: efficiency} of one REUSE_CONFIGS entry in one shape's result ({} when it failed); the default config's
+    entry is the 'triton contiguous' variant."""
+    v = r["sweep"].get(cname)
+    if cname == r.get("default_config"):
+        return {x: e["efficiency"] for x, e in r["sparse"].get("triton contiguous", {}).items()}
+    return dict(v["efficiency"]) if isinstance(v, dict) else {}
+
+
 def print_reuse_table(report, board):
     dens = list(next(iter(next(iter(report["shapes"].values()))["sparse"].values())).keys())
     print("\n| shape | variant | s=" + " | s=".join(dens) + " |")
@@ -510,7 +553,19 @@ def print_reuse_table(report, board):
                       + " | ".join(f"{e:.3f}" for e in v["efficiency"].values()) + " |")
             else:
                 print(f"| {name} | config {cname} | {v} |")
-        print(f"| {name} | decode_bitmask | {r['decode']} |")
+        for tile in REUSE_TILES:  # side by side, same run: packed / fp32 exponentials, lazy / eager rescale
+            for lazy in ("", " lazy"):
+                a, b = config_effs(r, f"{tile} f16x2{lazy}"), config_effs(r, f"{tile} fp32{lazy}")
+                if a and b:
+                    print(f"| {name} | {tile}{lazy}: f16x2 / fp32 time ratio | "
+                          + " | ".join(f"{b[x] / a[x]:.3f}" for x in dens if x in a and x in b) + " |")
+            for e in ("fp32", "f16x2"):
+                a, b = config_effs(r, f"{tile} {e} lazy"), config_effs(r, f"{tile} {e}")
+                if a and b:
+                    print(f"| {name} | {tile} {e}: lazy / eager time ratio | "
+                          + " | ".join(f"{b[x] / a[x]:.3f}" for x in dens if x in a and x in b) + " |")
+        if r.get("decode"):
+            print(f"| {name} | decode_bitmask | {r['decode']} |")
         print(f"| {name} | compiled (num_warps, n_regs, n_spills) | {r['kernels']} |")
     for key in ("triton_sparse_eff_min", "fa4_route_eff_min"):
         if key in board:

@@ -4,7 +4,8 @@ Compiles ``kernels/triton/sparse_attention.py``'s kernel for sm_80, sm_89 and sm
 runtime would apply to the model's call (pointers 16-byte aligned, integer arguments divisible by 16 marked so, unit
 strides turned into constants), at the Wan2.1 shapes (D = 128, C = 128, q/k/v/out as [B, H, S, D] views of
 [B, S, H*D] tensors), then runs the bundled ``ptxas -v`` on the PTX and prints registers, spill stores/loads and
-shared memory. Exit status 1 when a default config spills or does not fit.
+shared memory. Exit status 1 when a default config, or the packed-exponential / lazy-rescale path at the default
+tile, spills or does not fit.
 
 Usage: python tests/ptxas_report.py [--variants] (--variants also compiles a few tile configs on sm_90)
 """
@@ -105,7 +106,8 @@ def report(arch, residual_kind=None, return_lse=True, S=75600, H=40, **tuning):
     ck = compile_offline(tsa._sparse_attn_fwd, args, meta, arch)
     regs, st, ld = ptxas_usage(ck, arch)
     smem = ck.metadata.shared
-    cfg = f"BN {meta['BLOCK_N']} w{meta['num_warps']} st{meta['num_stages']}"
+    cfg = (f"BN {meta['BLOCK_N']} w{meta['num_warps']} st{meta['num_stages']} exp mode {meta['EXP_MODE']}"
+           + (" lazy" if meta["LAZY_RESCALE"] else ""))
     return dict(arch=arch, residual=residual_kind, cfg=cfg, regs=regs, spill_st=st, spill_ld=ld, smem=smem,
                 fits=smem <= SMEM_LIMIT[arch])
 
@@ -115,14 +117,19 @@ def main():
     ap.add_argument("--variants", action="store_true")
     args = ap.parse_args()
     bad = 0
-    for arch in (90, 80, 89):
-        for kind in (None, "plain", "fp8_row", "int4_row"):
-            r = report(arch, kind)
-            bad += r["spill_st"] > 0 or not r["fits"]
-            print(r, flush=True)
-    if args.variants:
-        for bn, w, st in ((64, 4, 2), (64, 4, 4), (32, 4, 3), (64, 8, 3), (128, 8, 2), (128, 8, 3)):
-            print(report(90, "plain", block_n=bn, num_warps=w, num_stages=st), flush=True)
+    # the default config, then the packed-exponential (fastexp "f16x2": inline ex2.approx.f16x2) and lazy-rescale
+    # paths at the default tile: every residual kind, every architecture
+    for exp, lazy in ((None, None), ("f16x2", False), ("f16x2", True), ("fp32", True)):
+        for arch in (90, 80, 89):
+            for kind in (None, "plain", "fp8_row", "int4_row"):
+                r = report(arch, kind, exp=exp, lazy_rescale=lazy)
+                bad += r["spill_st"] > 0 or not r["fits"]
+                print(r, flush=True)
+    if args.variants:  # bench_kernels.py --reuse's other tiles (REUSE_TILES) and a few more, on sm_90
+        for bn, w, st in ((64, 8, 3), (128, 8, 3), (64, 4, 2), (32, 4, 3)):
+            for exp, lazy in (("fp32", False), ("f16x2", False), ("fp32", True), ("f16x2", True)):
+                print(report(90, "plain", block_n=bn, num_warps=w, num_stages=st, maxnreg=0, exp=exp,
+                             lazy_rescale=lazy), flush=True)
     sys.exit(1 if bad else 0)
 
 

@@ -1,5 +1,6 @@
 """The reuse-path Triton kernels compiled for the GPU (issue 14): against the float64 torch reference, and the
-compiled sparse kernel's register spills (must be 0 at the default config). Marked ``gpu``; skipped without CUDA.
+compiled sparse kernel's register spills (must be 0 at the default config); the packed-exponential (inline PTX) and
+lazy-rescale paths likewise. Marked ``gpu``; skipped without CUDA.
 
 Run: python3 -m pytest -q tests/test_gpu_reuse_kernel.py (about 1 minute on an H200, mostly compiles).
 """
@@ -61,6 +62,58 @@ def test_native_out_residual_vs_float64(kind, S, K):
     err = float((got.double() - ref).norm() / ref.norm())
     assert err < 6e-3, err
     assert float((lse.double() - ref_lse.double()).abs().max()) < 1e-3
+
+
+# packed exponentials (kernels/triton/fastexp.py mode 1: inline ex2.approx.f16x2) and lazy rescale, every residual
+# kind, both dtypes, ragged K: (exp, lazy, kind, dtype, S, K)
+PACKED = [("f16x2", False, None, torch.bfloat16, 4000, 1000), ("f16x2", True, "plain", torch.bfloat16, 3008, 777),
+          ("f16x2", True, "fp8_row", torch.float16, 4000, 1000), ("f16x2", False, "int4_row", torch.float16, 3008, 777),
+          ("f16x2", True, None, torch.float16, 3008, 777), ("fp32", True, "int4_row", torch.bfloat16, 4000, 1000)]
+
+
+@pytest.mark.parametrize(("exp", "lazy", "kind", "dtype", "S", "K"), PACKED,
+                         ids=[f"{e}-{'lazy' if z else 'eager'}-{k}-{str(d)[6:]}-S{s}" for e, z, k, d, s, _ in PACKED])
+def test_packed_exp_lazy_rescale_vs_float64(exp, lazy, kind, dtype, S, K):
+    """Native views, an out view of a NaN-filled buffer written in full, O = sparse + R and LSE against float64; the
+    same call with fp32 exponentials, eager rescale beside it: prints both errors (max / mean abs, rel L2). Bounds:
+    O rel L2 < 6e-3 (bf16 rounding of P and O), LSE < 4e-3 for fp16 exponentials (argument rounded to fp16), 1e-3
+    otherwise."""
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    B, H, D, C = 2, 3, 128, 128
+    q, k, v = (_native(gen, B, S, H, D).to(dtype) for _ in range(3))
+    perm, idx = _inputs(gen, B, H, S, C, K, -(-K // 128) * 128)
+    res = None
+    if kind is not None:
+        res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind)
+    ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, return_lse=True)
+    if res is not None:
+        ref = ref + res.dequantize(torch.float64)
+    errs = {}
+    for name, kw in (("tested", dict(exp=exp, lazy_rescale=lazy)), ("fp32 eager", dict(exp="fp32", lazy_rescale=False))):
+        base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
+        out = base.view(B, S, H, D).transpose(1, 2)
+        got, lse = _tsa().sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, **kw)
+        assert got is out and not base.isnan().any()
+        d = got.double() - ref
+        errs[name] = dict(rel_l2=float(d.norm() / ref.norm()), max_abs=float(d.abs().max()),
+                          mean_abs=float(d.abs().mean()), lse_max=float((lse.double() - ref_lse).abs().max()))
+    print(f"{exp} lazy={lazy} {kind} {dtype}: {errs}")
+    assert errs["tested"]["rel_l2"] < 6e-3, errs
+    assert errs["tested"]["lse_max"] < (4e-3 if exp == "f16x2" else 1e-3), errs
+
+
+def test_packed_path_compiles_the_ptx_without_spills():
+    """exp="f16x2" on this GPU (sm_75+) compiles ex2.approx.f16x2 into the kernel (the dispatch did not fall back),
+    eager and lazy (two kernels at least; the test above compiles more), with no register spills at the default tile."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (_native(gen, 1, 512, 2, 128) for _ in range(3))
+    perm, idx = _inputs(gen, 1, 2, 512, 128, 100, 128)
+    for lazy in (False, True):
+        _tsa().sparse_attention(q, k, v, perm, idx, exp="f16x2", lazy_rescale=lazy)
+    packed = [ck for ck in _tsa().compiled_kernels() if "ex2.approx.f16x2" in ck.asm["ptx"]]
+    print("packed kernels (num_warps, n_regs, n_spills):", [(ck.metadata.num_warps, ck.n_regs, ck.n_spills) for ck in packed])
+    assert len(packed) >= 2, "exp='f16x2' did not compile the packed PTX (eager and lazy)"
+    assert all(ck.n_spills == 0 for ck in packed)
 
 
 def test_default_config_compiles_without_spills():

@@ -140,3 +140,98 @@ def test_decode_bitmask_kernel_bit_exact(gen, S, K, width):
     assert (stacked[0] == 7).all()
     ref = kernels.decode_bitmask(bits, num_tokens=S, width=width, backend="torch")
     assert torch.equal(ref, stacked[1])
+
+
+# exponential modes x rescale policies (kernels/triton/fastexp.py; sparse_attention.py RESCALE_LOG2): "f16_emulated"
+# has the packed PTX path's roundings (fp16 argument and P) and runs under the interpreter; the PTX itself runs on
+# the GPU (tests/test_gpu_reuse_kernel.py). Same bounds as the fp32 path: P is rounded to the input dtype anyway.
+# LSE bound (natural log): fp32 exponentials 1e-4; fp16 ones sum P rounded at argument |x| <= 16 (absolute error
+# <= 2^-8, so <= 0.27 % relative on 2^x) and result (2^-11; the PTX adds ~2^-10): <= 4e-3 on log(l)
+LSE_BOUND = {"fp32": 1e-4, "f16_emulated": 4e-3, "f16x2": 4e-3}
+EXP_COMBOS = [("f16_emulated", True, 0, torch.bfloat16, "plain"), ("f16_emulated", False, 1, torch.float16, None),
+              ("fp32", True, 1, torch.bfloat16, "int4_row"), ("f16_emulated", True, 2, torch.float16, "fp8_row")]
+
+
+@pytest.mark.parametrize(("exp", "lazy", "case", "dtype", "kind"), EXP_COMBOS,
+                         ids=[f"{e}-{'lazy' if z else 'eager'}-S{CASES[c][0]}-{str(d)[6:]}-{k}" for e, z, c, d, k in EXP_COMBOS])
+def test_exp_modes_and_lazy_rescale_vs_float64(gen, exp, lazy, case, dtype, kind):
+    """Native views in, a NaN-poisoned out view written in full, ragged S and K, O = sparse + R and LSE against
+    float64 brute force, for the emulated packed exponentials and the lazy rescale (BLOCK_N 16: several tiles)."""
+    S, D, C, K, k_alloc = CASES[case]
+    B, H = 2, 2
+    (q, _), (k, _), (v, _) = (_native(gen, B, S, H, D, dtype) for _ in range(3))
+    out, _ = _native(gen, B, S, H, D, dtype, fill=float("nan"))
+    perm = random_groups(gen, B, H, S, C).to(DEVICE)
+    idx = random_kv_idx(gen, B, H, perm.shape[-1] // C, S, K, k_alloc).to(DEVICE)
+    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen), kind)
+    if res is not None:
+        res = kernels.Residual(res.data.to(DEVICE), None if res.scale is None else res.scale.to(DEVICE), res.kind)
+    got, lse = tsa.sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, exp=exp,
+                                    lazy_rescale=lazy, block_n=16)
+    assert got is out and not out.isnan().any()
+    ref, ref_lse = brute_sparse(q.cpu(), k.cpu(), v.cpu(), perm.cpu(), idx.cpu())
+    if res is not None:
+        ref = ref + brute_residual(kernels.Residual(res.data.cpu(), None if res.scale is None else res.scale.cpu(), kind))
+    err = float((out.cpu().double() - ref).norm() / ref.norm())
+    assert err < BOUND[dtype], err
+    assert (lse.cpu().double() - ref_lse).abs().max() < LSE_BOUND[exp]
+
+
+@pytest.mark.parametrize("exp", ["fp32", "f16_emulated"])
+@pytest.mark.parametrize("lazy", [False, True])
+def test_rescale_when_the_row_max_jumps(gen, exp, lazy):
+    """Scores whose row max grows tile by tile by ~5 (kept stale under the lazy policy: P up to 2^5), then by ~17
+    (past RESCALE_LOG2: O and l must be rescaled, else the early tiles count 2^17 times too much; a stale max there
+    would give P = 2^22, past fp16's range), then by ~2: output and LSE match float64 brute force."""
+    B, H, S, D, C = 1, 1, 64, 16, 16
+    u = torch.ones(D)
+    jump = torch.tensor([0.0, 0.9, 3.9, 4.25]).repeat_interleave(16)  # per 16-key tile; score = 4 * c * log2(e) bits
+    k = (u * jump[:, None] + 0.3 * torch.randn(S, D, generator=gen)).to(torch.float16)
+    q = (u + 0.1 * torch.randn(S, D, generator=gen)).to(torch.float16)
+    v = torch.randn(S, D, generator=gen).to(torch.float16)
+    q, k, v = (t.view(B, H, S, D).to(DEVICE) for t in (q, k, v))
+    perm = random_groups(gen, B, H, S, C).to(DEVICE)
+    idx = torch.arange(S, dtype=torch.int32).expand(B, H, S // C, S).contiguous().to(DEVICE)
+    got, lse = tsa.sparse_attention(q, k, v, perm, idx, return_lse=True, exp=exp, lazy_rescale=lazy, block_n=16)
+    ref, ref_lse = brute_sparse(q.cpu(), k.cpu(), v.cpu(), perm.cpu(), idx.cpu())
+    s_log2 = (q.double() @ k.double().transpose(-1, -2) / 4 * 1.4426950408889634)[0, 0]
+    tile_max = s_log2.view(S, 4, 16).amax(-1).mean(0)
+    jumps = tile_max.diff()  # the premise, in log2 units: stale, rescale, stale
+    assert 3 < jumps[0] < 8 and jumps[1] > 12 and 0 < jumps[2] < 8, jumps
+    err = float((got.cpu().double() - ref).norm() / ref.norm())
+    assert err < BOUND[torch.float16], err
+    assert (lse.cpu().double() - ref_lse).abs().max() < LSE_BOUND[exp]
+
+
+@pytest.mark.parametrize(("exp", "capability", "mode"), [("f16x2", None, 0), ("f16x2", (7, 0), 0), ("f16x2", (8, 0), 1),
+                                                         ("f16x2", (9, 0), 1), ("fp32", (9, 0), 0), (None, (9, 0), None)])
+def test_launch_args_exp_dispatch(exp, capability, mode):
+    """The launch's EXP_MODE: packed PTX only on CUDA sm_75+ (the interpreter, capability None, runs fp32); exp=None
+    takes the architecture's config()."""
+    q = torch.empty(1, 1, 32, 16, dtype=torch.float16)
+    perm = torch.zeros(1, 1, 32, dtype=torch.int32)
+    idx = torch.zeros(1, 1, 2, 16, dtype=torch.int32)
+    _, _, meta, _ = tsa.launch_args(q, q, q, perm, idx, exp=exp, capability=capability)
+    cfg = tsa.config(16, capability)
+    want = mode if mode is not None else {"fp32": 0, "f16x2": 1}[cfg["exp"]]
+    assert meta["EXP_MODE"] == want
+    assert meta["LAZY_RESCALE"] == cfg["lazy_rescale"]
+
+
+def test_packed_request_runs_fp32_under_the_interpreter(gen, monkeypatch):
+    """exp="f16x2" through the op on the interpreter: launched with EXP_MODE 0 (inline PTX cannot run there)."""
+    if DEVICE == "cuda":
+        pytest.skip("interpreter only")
+    seen = []
+    real = tsa._sparse_attn_fwd
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **meta: seen.append(meta) or real[grid](*a, **meta)
+
+    monkeypatch.setattr(tsa, "_sparse_attn_fwd", Spy())
+    q, k, v = (torch.randn(1, 1, 32, 16, generator=gen).to(torch.float16) for _ in range(3))
+    perm = random_groups(gen, 1, 1, 32, 16)
+    idx = random_kv_idx(gen, 1, 1, 2, 32, 10, 16)
+    tsa.sparse_attention(q, k, v, perm, idx, exp="f16x2")
+    assert seen[0]["EXP_MODE"] == 0

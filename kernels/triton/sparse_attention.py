@@ -11,6 +11,13 @@ full tiles with no mask at all and gives only the last partial tile a -inf score
 when they cannot overflow (both measured on the H200: docs/kernels-benchmark.md). Padded query slots (-1 in
 ``perm``) are neither read nor written. The output rows are scattered back to the original query order; the optional LSE is fp32, natural log.
 
+Two softmax options (launch tuning ``exp`` / ``lazy_rescale``, defaults per architecture in ``config``): the
+exponentials through ``fastexp.exp2`` (fp32 MUFU; or packed ``ex2.approx.f16x2`` on CUDA, where ptxas on sm_80-sm_90
+still issues one MUFU.EX2.F16 per element: it saves no MUFU work there, only the benchmark can say whether it pays),
+and the lazy rescale (FA4): a row's running max moves only when the tile's max exceeds it by more than RESCALE_LOG2
+(8, log2 units), and the BLOCK_M x D accumulator is multiplied only when some row's max moved (a block-uniform
+branch); O / l and the LSE use the same stale max, so the result is exact, with P <= 2^8 before normalisation.
+
 Expected agreement with ``kernels.reference.sparse_attention``: within bf16/fp16 rounding of P before the P @ V
 product (relative error ~2e-3 for bf16 inputs against a float64 reference), not bitwise.
 """
@@ -23,8 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fastexp
+
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+# LAZY_RESCALE threshold in log2 units: P <= 2^8 before normalisation (fp16 holds 65504), O and l rescaled only when
+# some row's max grows by more (FA4's "conditional rescaling"; exact, since the final O / l and the LSE use the same m)
+RESCALE_LOG2 = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -81,6 +93,8 @@ def _sparse_attn_fwd(
     ROW64: tl.constexpr,  # int64 row offsets (needed when a (b, h) slice of q/k/v/out/residual spans >= 2^31 elements)
     CACHE: tl.constexpr,  # cache modifier of the K/V gathers ("" or ".cg")
     PERMUTE_Q: tl.constexpr,  # False: group g reads/writes query rows g*C.. directly (benchmark baseline only)
+    EXP_MODE: tl.constexpr,  # fastexp.exp2's MODE: 0 fp32 exp2, 1 packed ex2.approx.f16x2 (CUDA), 2 its emulation
+    LAZY_RESCALE: tl.constexpr,  # move a row's running max only when it grows by > RESCALE_LOG2 (FA4); see below
 ):
     pid_m = tl.program_id(0)  # group * M_BLOCKS + block inside the group
     bh = tl.program_id(1)
@@ -141,13 +155,24 @@ def _sparse_attn_fwd(
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
         if not MASK_FROM_COUNT:  # -1 anywhere: mask those scores; a tile may be all masked before any valid slot
             qk = tl.where(col_ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * sm_scale_log2)
+        m_tile = tl.max(qk, 1) * sm_scale_log2
+        if LAZY_RESCALE:  # a stale max is exact (O and l share it); scores stay <= 2^RESCALE_LOG2 (fits fp16)
+            m_new = tl.where(m_tile > m_i + RESCALE_LOG2, m_tile, m_i)
+        else:
+            m_new = tl.maximum(m_i, m_tile)
         if not MASK_FROM_COUNT:
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk * sm_scale_log2 - m_new[:, None])  # one FMA + exp2 per score
+        p = fastexp.exp2(qk * sm_scale_log2 - m_new[:, None], EXP_MODE)  # one FMA + exp2 per score
         alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        if EXP_MODE == 0:
+            l_i = l_i * alpha + tl.sum(p, 1)
+        else:  # fp16 P: summed in fp32
+            l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
+        if LAZY_RESCALE:  # block-uniform branch: skip the BLOCK_M x D multiply when no row's max moved
+            if tl.sum((m_new != m_i).to(tl.int32), 0) > 0:
+                acc = acc * alpha[:, None]
+        else:
+            acc = acc * alpha[:, None]
         v = tl.load(v_base + kv_rows[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=live[:, None],
                     other=0.0, cache_modifier=CACHE)
         acc = tl.dot(p.to(v.dtype), v, acc)
@@ -216,17 +241,23 @@ def config(head_dim: int, capability: tuple[int, int] | None) -> dict:
     shared memory; the GPU benchmark prints the loaded kernel's ``n_regs`` / ``n_spills``) and fits the architecture's
     shared memory (sm_86 / sm_89: 99 KiB per block). sm_90: BLOCK_N 32 with 8 warps capped at 128 registers, so two
     programs (16 warps) share an SM and one's softmax overlaps the other's wgmma; the previous default (BLOCK_N 64,
-    4 warps, 255 registers) spilled 160-260 bytes (docs/kernels-benchmark.md has the measured configs)."""
+    4 warps, 255 registers) spilled 160-260 bytes (docs/kernels-benchmark.md has the measured configs).
+    ``exp`` ("fp32" / "f16x2", kernels/triton/fastexp.py) and ``lazy_rescale``: the softmax options (module docstring);
+    ``tests/bench_kernels.py --reuse`` times every combination side by side."""
     major, _ = capability or (9, 0)
     if major >= 9:
-        return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=128)
-    return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=None)  # sm_80-89: ~200 registers, 48 KiB shared
+        return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=128, exp="fp32", lazy_rescale=False)
+    # sm_80-89: ~200 registers, 48 KiB shared
+    return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=None, exp="fp32", lazy_rescale=False)
 
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, block_n=None,
                 num_warps=None, num_stages=None, mask_from_count=True, cache="", block_m=None, row64=None,
-                permute_q=True, maxnreg=None, capability=None):
-    """(grid, positional args, meta) of one launch, and (out, lse); shared by the op and ``tests/ptxas_report.py``."""
+                permute_q=True, maxnreg=None, exp=None, lazy_rescale=None, capability=None):
+    """(grid, positional args, meta) of one launch, and (out, lse); shared by the op and ``tests/ptxas_report.py``.
+
+    ``exp`` (None: the config's) goes through ``fastexp.mode_for``: "f16x2" runs fp32 exponentials under the
+    interpreter (capability None) and below sm_75."""
     B, H, S, D = q.shape
     G, k_alloc = kv_idx.shape[2], kv_idx.shape[3]
     n_slots = perm.shape[-1]
@@ -239,6 +270,8 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     cfg = config(D, capability)
     bn, warps, stages = block_n or cfg["block_n"], num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
     maxnreg = cfg["maxnreg"] if maxnreg is None else maxnreg  # 0 lifts the cap
+    exp_mode = fastexp.mode_for(cfg["exp"] if exp is None else exp, capability)
+    lazy_rescale = cfg["lazy_rescale"] if lazy_rescale is None else bool(lazy_rescale)
     if row64 is None:  # int32 row offsets unless some (b, h) slice reaches past 2^31 elements
         views = [q, k, v, out] + ([] if residual is None else [residual.data])
         reach = max(sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], t.stride()[2:])) for t in views if t is not None)
@@ -261,7 +294,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *r_strides, *c_strides)
     meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=bn, RETURN_LSE=return_lse, RES_KIND=kind,
                 MASK_FROM_COUNT=mask_from_count, ROW64=bool(row64), CACHE=cache, PERMUTE_Q=permute_q,
-                num_warps=warps, num_stages=stages)
+                EXP_MODE=exp_mode, LAZY_RESCALE=lazy_rescale, num_warps=warps, num_stages=stages)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     return grid, args, meta, (out, lse)
@@ -283,7 +316,10 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             count; False masks -1 anywhere), ``block_n``, ``num_warps``, ``num_stages``, ``block_m``, ``cache``,
             ``row64`` (None: int64 row offsets only when some (b, h) slice of q/k/v/out/residual spans >= 2^31
             elements; the (b, h) base offsets are always 64-bit),
-            ``permute_q`` (False ignores perm: a benchmark baseline, not the contract).
+            ``permute_q`` (False ignores perm: a benchmark baseline, not the contract), ``exp`` ("fp32", "f16x2":
+            packed half-precision exponentials, fp32 under the interpreter and below sm_75; "f16_emulated": their
+            roundings in plain Triton, for tests), ``lazy_rescale`` (bool). With fp16 exponentials the LSE is within
+            4e-3 (the argument is rounded to fp16), O within the bf16/fp16 rounding of P as before.
     Returns:
         ``out`` (original query order; queries absent from ``perm`` are left as they were), or (out, LSE).
     Raises:
