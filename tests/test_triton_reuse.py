@@ -152,11 +152,13 @@ EXP_COMBOS = [("f16_emulated", True, 0, torch.bfloat16, "plain"), ("f16_emulated
               ("fp32", True, 1, torch.bfloat16, "int4_row"), ("f16_emulated", True, 2, torch.float16, "fp8_row")]
 
 
+@pytest.mark.parametrize("q_regs", [False, True], ids=["q-shared", "q-regs"])
 @pytest.mark.parametrize(("exp", "lazy", "case", "dtype", "kind"), EXP_COMBOS,
                          ids=[f"{e}-{'lazy' if z else 'eager'}-S{CASES[c][0]}-{str(d)[6:]}-{k}" for e, z, c, d, k in EXP_COMBOS])
-def test_exp_modes_and_lazy_rescale_vs_float64(gen, exp, lazy, case, dtype, kind):
+def test_exp_modes_and_lazy_rescale_vs_float64(gen, exp, lazy, case, dtype, kind, q_regs):
     """Native views in, a NaN-poisoned out view written in full, ragged S and K, O = sparse + R and LSE against
-    float64 brute force, for the emulated packed exponentials and the lazy rescale (BLOCK_N 16: several tiles)."""
+    float64 brute force, for the emulated packed exponentials, the lazy rescale (BLOCK_N 16: several tiles) and Q
+    held in registers."""
     S, D, C, K, k_alloc = CASES[case]
     B, H = 2, 2
     (q, _), (k, _), (v, _) = (_native(gen, B, S, H, D, dtype) for _ in range(3))
@@ -167,7 +169,7 @@ def test_exp_modes_and_lazy_rescale_vs_float64(gen, exp, lazy, case, dtype, kind
     if res is not None:
         res = kernels.Residual(res.data.to(DEVICE), None if res.scale is None else res.scale.to(DEVICE), res.kind)
     got, lse = tsa.sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, exp=exp,
-                                    lazy_rescale=lazy, block_n=16)
+                                    lazy_rescale=lazy, q_regs=q_regs, block_n=16)
     assert got is out and not out.isnan().any()
     ref, ref_lse = brute_sparse(q.cpu(), k.cpu(), v.cpu(), perm.cpu(), idx.cpu())
     if res is not None:
@@ -215,7 +217,7 @@ def test_launch_args_exp_dispatch(exp, capability, mode):
     cfg = tsa.config(16, capability)
     want = mode if mode is not None else {"fp32": 0, "f16x2": 1}[cfg["exp"]]
     assert meta["EXP_MODE"] == want
-    assert meta["LAZY_RESCALE"] == cfg["lazy_rescale"]
+    assert meta["LAZY_RESCALE"] == cfg["lazy_rescale"] and meta["Q_REGS"] == cfg["q_regs"]
 
 
 def test_packed_request_runs_fp32_under_the_interpreter(gen, monkeypatch):
@@ -235,3 +237,18 @@ def test_packed_request_runs_fp32_under_the_interpreter(gen, monkeypatch):
     idx = random_kv_idx(gen, 1, 1, 2, 32, 10, 16)
     tsa.sparse_attention(q, k, v, perm, idx, exp="f16x2")
     assert seen[0]["EXP_MODE"] == 0
+
+
+def test_q_regs_is_exact(gen):
+    """Q held in registers (times a runtime 1.0) gives the same output and LSE as Q read from shared memory, bit for
+    bit under the interpreter (bf16 -> fp32 -> bf16 of q * 1.0 is exact)."""
+    S, D, C, K, k_alloc = CASES[1]
+    q, k, v = (torch.randn(1, 2, S, D, generator=gen).to(torch.bfloat16).to(DEVICE) for _ in range(3))
+    perm = random_groups(gen, 1, 2, S, C).to(DEVICE)
+    idx = random_kv_idx(gen, 1, 2, perm.shape[-1] // C, S, K, k_alloc).to(DEVICE)
+    a = tsa.sparse_attention(q, k, v, perm, idx, return_lse=True, q_regs=False)
+    b = tsa.sparse_attention(q, k, v, perm, idx, return_lse=True, q_regs=True)
+    if DEVICE == "cpu":
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    else:  # another wgmma form on sm_90: the same sums, possibly in another order
+        assert (a[0].float() - b[0].float()).abs().max() < 1e-2

@@ -75,6 +75,7 @@ def _e4m3_to_f32_div256(byte):
 def _sparse_attn_fwd(
     Q, K, V, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE,
     sm_scale_log2,  # softmax scale * log2(e)
+    one,  # 1.0 (Q_REGS)
     H, S, SK, n_slots,  # n_slots: G*C entries of perm per (b, h); SK: KV length
     K_ALLOC, C,
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -95,6 +96,7 @@ def _sparse_attn_fwd(
     PERMUTE_Q: tl.constexpr,  # False: group g reads/writes query rows g*C.. directly (benchmark baseline only)
     EXP_MODE: tl.constexpr,  # fastexp.exp2's MODE: 0 fp32 exp2, 1 packed ex2.approx.f16x2 (CUDA), 2 its emulation
     LAZY_RESCALE: tl.constexpr,  # move a row's running max only when it grows by > RESCALE_LOG2 (FA4); see below
+    Q_REGS: tl.constexpr,  # sm_90: Q as the register operand of the QK^T wgmma (not re-read from shared memory)
 ):
     pid_m = tl.program_id(0)  # group * M_BLOCKS + block inside the group
     bh = tl.program_id(1)
@@ -120,6 +122,8 @@ def _sparse_attn_fwd(
 
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     q = tl.load(q_base + q_rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_valid[:, None], other=0.0)
+    if Q_REGS:  # times a runtime 1.0 (exact): a computed q stays in registers as the wgmma's A operand, so each tile's
+        q = (q.to(tl.float32) * one).to(q.dtype)  # QK^T reads only K from shared memory (Triton 3.6 on sm_90)
 
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
@@ -243,17 +247,20 @@ def config(head_dim: int, capability: tuple[int, int] | None) -> dict:
     programs (16 warps) share an SM and one's softmax overlaps the other's wgmma; the previous default (BLOCK_N 64,
     4 warps, 255 registers) spilled 160-260 bytes (docs/kernels-benchmark.md has the measured configs).
     ``exp`` ("fp32" / "f16x2", kernels/triton/fastexp.py) and ``lazy_rescale``: the softmax options (module docstring);
-    ``tests/bench_kernels.py --reuse`` times every combination side by side."""
+    ``q_regs``: Q held in registers for the QK^T wgmma (sm_90: the shared-memory reads per tile drop from Q + K to K;
+    32 more registers per thread at BLOCK_M 128 / 8 warps, so one program per SM).
+    ``tests/bench_kernels.py --reuse`` times the combinations side by side."""
     major, _ = capability or (9, 0)
     if major >= 9:
-        return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=128, exp="fp32", lazy_rescale=False)
+        return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=128, exp="fp32", lazy_rescale=False, q_regs=False)
     # sm_80-89: ~200 registers, 48 KiB shared
-    return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=None, exp="fp32", lazy_rescale=False)
+    return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=None, exp="fp32", lazy_rescale=False, q_regs=False)
 
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, block_n=None,
                 num_warps=None, num_stages=None, mask_from_count=True, cache="", block_m=None, row64=None,
-                permute_q=True, maxnreg=None, exp=None, lazy_rescale=None, capability=None):
+                permute_q=True, maxnreg=None, exp=None, lazy_rescale=None, q_regs=None,
+                capability=None):
     """(grid, positional args, meta) of one launch, and (out, lse); shared by the op and ``tests/ptxas_report.py``.
 
     ``exp`` (None: the config's) goes through ``fastexp.mode_for``: "f16x2" runs fp32 exponentials under the
@@ -272,6 +279,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     maxnreg = cfg["maxnreg"] if maxnreg is None else maxnreg  # 0 lifts the cap
     exp_mode = fastexp.mode_for(cfg["exp"] if exp is None else exp, capability)
     lazy_rescale = cfg["lazy_rescale"] if lazy_rescale is None else bool(lazy_rescale)
+    q_regs = cfg["q_regs"] if q_regs is None else bool(q_regs)
     if row64 is None:  # int32 row offsets unless some (b, h) slice reaches past 2^31 elements
         views = [q, k, v, out] + ([] if residual is None else [residual.data])
         reach = max(sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], t.stride()[2:])) for t in views if t is not None)
@@ -290,11 +298,11 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
         r_strides = res.stride()
         c_strides = residual.scale.stride() if residual.scale is not None else (0, 0, 0)
     grid = (G * m_blocks, B * H)
-    args = (q, k, v, perm, kv_idx, out, lse, res, res_scale, scale * _LOG2E, H, S, k.shape[2], n_slots, k_alloc, C,
+    args = (q, k, v, perm, kv_idx, out, lse, res, res_scale, scale * _LOG2E, 1.0, H, S, k.shape[2], n_slots, k_alloc, C,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *r_strides, *c_strides)
     meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=bn, RETURN_LSE=return_lse, RES_KIND=kind,
                 MASK_FROM_COUNT=mask_from_count, ROW64=bool(row64), CACHE=cache, PERMUTE_Q=permute_q,
-                EXP_MODE=exp_mode, LAZY_RESCALE=lazy_rescale, num_warps=warps, num_stages=stages)
+                EXP_MODE=exp_mode, LAZY_RESCALE=lazy_rescale, Q_REGS=bool(q_regs), num_warps=warps, num_stages=stages)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     return grid, args, meta, (out, lse)
@@ -318,7 +326,7 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             elements; the (b, h) base offsets are always 64-bit),
             ``permute_q`` (False ignores perm: a benchmark baseline, not the contract), ``exp`` ("fp32", "f16x2":
             packed half-precision exponentials, fp32 under the interpreter and below sm_75; "f16_emulated": their
-            roundings in plain Triton, for tests), ``lazy_rescale`` (bool). With fp16 exponentials the LSE is within
+            roundings in plain Triton, for tests), ``lazy_rescale`` (bool), ``q_regs`` (bool). With fp16 exponentials the LSE is within
             4e-3 (the argument is rounded to fp16), O within the bf16/fp16 rounding of P as before.
     Returns:
         ``out`` (original query order; queries absent from ``perm`` are left as they were), or (out, LSE).
