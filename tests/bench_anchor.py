@@ -100,10 +100,24 @@ def dense_fns():
             for n in ("flash_attn4", "cuda_sdpa") if n in names}
 
 
-PDDP_VARIANTS = {  # (samples, power_iters, bins): directions from fewer / more rows, fewer steps, other bin counts
-    "s64 i4": (64, 4, 512), "s128 i2": (128, 2, 512), "s128 i4": (128, 4, 512), "s128 i8": (128, 8, 512),
-    "s256 i4": (256, 4, 512), "s512 i8": (512, 8, 512), "s256 i8 b128": (256, 8, 128), "s256 i8 b2048": (256, 8, 2048),
+PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set for the call)
+    "no leaf": ({}, dict(LEAF=False)), "direction warps 4": ({}, dict(_DIR_WARPS=4)),
+    "s128 i4": (dict(samples=128, power_iters=4), {}), "s128 i8": (dict(samples=128), {}),
+    "s64 i4": (dict(samples=64, power_iters=4), {}), "s256 i4": (dict(power_iters=4), {}),
+    "s256 i2": (dict(power_iters=2), {}), "bins 2048": (dict(bins=2048), {}),
 }
+
+
+@contextlib.contextmanager
+def patched(module, values):
+    old = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
 
 
 def run_pddp(name, q, res, rep, log):
@@ -136,10 +150,9 @@ def run_pddp(name, q, res, rep, log):
             res["pddp_phases_ms"] = pddp_phases(q)
             log(f"{name} pddp phases (ms, summed over levels, event-timed, launch gaps included): "
                 f"{res['pddp_phases_ms']}")
-    for vname, (m, iters, nb) in PDDP_VARIANTS.items():
-        with section(res, f"pddp {vname}", log):
-            fn = (lambda m, iters, nb: lambda x: grouping.pddp_groups(x, C, samples=m, power_iters=iters, bins=nb))(
-                m, iters, nb)
+    for vname, (kw, consts) in PDDP_VARIANTS.items():
+        with section(res, f"pddp {vname}", log), patched(grouping, consts):
+            fn = (lambda kw: lambda x: grouping.pddp_groups(x, C, **kw))(kw)
             perm = fn(q)
             ok = bool((perm[..., S:] == -1).all()) and bool(torch.equal(torch.sort(perm[..., :S], dim=-1).values, arange))
             ratio = float(within_group_variance(q, perm, C).sum() / ref_var.sum())
@@ -261,7 +274,7 @@ def section(res, what, log):
 
 
 def pddp_phases(q, **kw):
-    """Milliseconds per phase of the Triton grouping (direction, bin, count, apply), summed over the tree's levels,
+    """Milliseconds per phase of the Triton grouping (direction, bin, count, apply, leaf), summed over the tree's levels,
     by CUDA events recorded after each launch through ``grouping.pddp_groups``'s ``phase_hook`` (one warm-up call)."""
     times = {}
 

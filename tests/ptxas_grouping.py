@@ -18,6 +18,7 @@ _spec.loader.exec_module(pr)  # pops TRITON_INTERPRET and loads the pack
 import torch  # noqa: E402
 
 grouping = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.grouping")
+pr._TYPES.setdefault(torch.int64, "i64")  # the leaf's sort keys
 
 
 def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128):
@@ -32,6 +33,7 @@ def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128):
     v = torch.empty(B * H * N * D, dtype=torch.float32, **meta_t)
     off = torch.empty(B * H * N, dtype=torch.float32, **meta_t)
     hist, cnt = torch.empty(B * H * N * bins, **i32), torch.empty(B * H * N * 2 * 80, **i32)
+    keys = torch.empty(B * H * N * 2 * C, dtype=torch.int64, **meta_t)
     strides = q.stride()
     return [
         ("_direction", grouping._direction, [q, perm, start, count, v, off, hist, H, N, n_slots, *strides],
@@ -42,6 +44,8 @@ def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128):
          dict(TILE=grouping._TILE, NB=bins, num_warps=4)),
         ("_apply", grouping._apply, [perm, perm, bins_t, hist, start, size, count, cnt, S, N, n_slots, 74, C],
          dict(TILE=grouping._TILE, NB=bins, PREFIX=grouping._PREFIX, FIRST=first, num_warps=4)),
+        ("_leaf", grouping._leaf, [q, perm, perm, keys, start, count, H, N, n_slots, C, *strides],
+         dict(PAIRS=pairs, D=D, CHUNK=64, NP=2 * C, FIRST=first, num_warps=8)),
     ]
 
 

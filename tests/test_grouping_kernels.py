@@ -8,6 +8,8 @@
 - ``_count`` + ``_apply``: exactly the stable partition of each node (the L = ceil(g/2)*C smallest (bin, slot) go
   left, both halves keep slot order, -1 padding stays last), multi-tile nodes and the prefix loop included, ragged
   last node, every slot of a splitting node written and no other.
+- ``_leaf``: a two-group node's C queries of smallest float64 projection on the top eigenvector of all its queries go
+  left (the sign of the direction is free), padding last, every slot of the node written and no other.
 - the whole grouping with small tiles: contract on ragged S (levels where some nodes no longer split), determinism.
 """
 
@@ -27,8 +29,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _level_tables(S, C):
+    """The histogram path's node tables of every level (leaves off): (N, n_max, start, size, count, device tables)."""
     return [(N, n_max, start.cpu(), size.cpu(), count.cpu(), (start, size, count))
-            for N, n_max, _, start, size, count in grouping._plan(S, C, torch.device(DEVICE))]
+            for _, (N, n_max, start, size, count), _ in grouping._plan(S, C, torch.device(DEVICE), False)]
 
 
 def _perm_in(gen, BH, S, n_slots):
@@ -126,13 +129,56 @@ def test_direction_and_bins_match_float64(gen, first, samples):
             assert torch.equal(hist[bh, i], torch.bincount(got, minlength=NB).to(torch.int32))
 
 
-@pytest.mark.parametrize("S,C", [(200, 8), (93, 16)])
-def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, monkeypatch):
+@pytest.mark.parametrize("S,C,first", [(90, 16, False), (28, 16, True), (40, 24, False)])
+def test_leaf_splits_by_the_float64_projection(gen, S, C, first):
+    """_leaf on two-group nodes (the ragged last one too; C not a power of two: NP > 2C): the C queries of smallest
+    float64 projection on the top eigenvector of all the node's queries go left, the rest right, padding -1 last;
+    every slot of the node written and no other (output poisoned)."""
+    B, H, D = 1, 2, 32
+    G = -(-S // C)
+    n_slots = G * C
+    axis = torch.randn(H, 1, D, generator=gen)
+    q = (torch.randn(B, H, S, 1, generator=gen) * 3.0 * axis + torch.randn(B, H, S, D, generator=gen) * 0.3
+         + torch.randn(H, 1, D, generator=gen)).to(torch.bfloat16)
+    levels = grouping._plan(S, C, torch.device(DEVICE), True)
+    level = 0 if first else len(levels) - 1
+    N, start, count = levels[level][2]
+    perm = torch.arange(n_slots, dtype=torch.int32).where(torch.arange(n_slots) < S, -1).expand(B * H, -1).clone() \
+        if first else _perm_in(gen, B * H, S, n_slots)
+    np2 = 1 << (2 * C - 1).bit_length()
+    out = torch.full((B * H, n_slots), -7, dtype=torch.int32, device=DEVICE)
+    keys = torch.full((B * H * N * np2,), -7, dtype=torch.int64, device=DEVICE)
+    qd = q.to(DEVICE)
+    grouping._leaf[(N, B * H)](qd, perm.to(DEVICE), out, keys, start, count, H, N, n_slots, C, *qd.stride(),
+                               PAIRS=8, D=D, CHUNK=64, NP=np2, FIRST=first)
+    out, start, count = out.cpu(), start.cpu(), count.cpu()
+    x_all = q.reshape(B * H, S, D).double()
+    inside = torch.zeros(n_slots, dtype=torch.bool)
+    for i in range(N):
+        s, c = int(start[i]), int(count[i])
+        inside[s:s + 2 * C] = True
+        for bh in range(B * H):
+            rows = perm[bh, s:s + c]
+            x = x_all[bh, rows.long()]
+            centred = x - x.mean(0)
+            p = centred @ torch.linalg.eigh(centred.T @ centred)[1][:, -1]
+            order = torch.sort(p).indices
+            got = out[bh, s:s + 2 * C]
+            assert (got[c:] == -1).all()
+            left = set(got[:C].tolist())
+            assert left in (set(rows[order[:C]].tolist()), set(rows[order[c - C:]].tolist()))  # sign of v arbitrary
+            assert sorted(got[:c].tolist()) == sorted(rows.tolist())
+    assert (out[:, ~inside] == -7).all()
+
+
+@pytest.mark.parametrize("S,C,leaf", [(120, 8, True), (120, 8, False), (93, 16, True)])
+def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, leaf, monkeypatch):
     """The whole grouping with tiles smaller than the nodes (multi-tile prefix sums), ragged S and levels where some
     nodes no longer split: every query once, -1 only in the tail, deterministic, better than a random grouping."""
     monkeypatch.setattr(grouping, "_TILE", 16)
     monkeypatch.setattr(grouping, "_PREFIX", 2)
     monkeypatch.setattr(grouping, "_BLOCK_BIN", 16)
+    monkeypatch.setattr(grouping, "LEAF", leaf)
     q = (torch.randn(1, 2, S, 1, generator=gen) * torch.randn(1, 2, 1, 16, generator=gen)
          + 0.3 * torch.randn(1, 2, S, 16, generator=gen)).to(torch.bfloat16)
     perm = grouping.pddp_groups(q.to(DEVICE), C, power_iters=4, samples=16).cpu()

@@ -21,9 +21,12 @@ no copy of Q, no covariance in memory, no sort and no host sync:
 - ``_apply`` (same tiles): exclusive prefix of those counts over the node's earlier tiles, then a stable partition:
   queries below t, then the first k queries of bin t in slot order, go left; the rest right; -1 padding slots keep
   their place (the node's real queries are always its first slots). Writes the other half of a double-buffered perm.
+- ``_leaf`` (one program per two-group node and head, the last split of every branch): direction from all the node's
+  queries, their projections sorted in the program (``tl.sort`` of int64 keys: projection bits, then slot), the C
+  smallest left. One launch and one read of the node instead of four launches and two reads.
 
-Difference from the reference: the direction of a node larger than ``samples`` comes from a subsample, and queries
-whose projections share the threshold bin (width 8 s / NB, 0.016 s at NB = 512) are split by slot order instead of
+Difference from the reference: the direction of a node larger than ``samples`` comes from a subsample (a two-group
+node's from all its queries, as the reference), and queries whose projections share the threshold bin (width 8 s / NB, 0.016 s at NB = 512) are split by slot order instead of
 projection. Grouping quality is measured against the reference by the mean within-group variance
 (tests/test_anchor_kernels.py, tests/bench_anchor.py). The tree's node table depends only on (S, C) and lives on the
 device; tables are cached for at most ``_PLAN_CACHE`` shapes (least recently used first out).
@@ -43,6 +46,63 @@ BINS = 512  # histogram bins per node (the threshold bin spans 8 / BINS standard
 _BLOCK_BIN = 64  # slots per program of _bin (one gathered row each)
 _TILE = 1024  # slots per program of _count / _apply
 _PREFIX = 128  # tile counts summed per step of _apply's prefix loop
+_DIR_WARPS = 8  # warps of _direction / _leaf
+LEAF = True  # two-group nodes split by _leaf in one program (False: every node by the histogram path)
+
+
+@triton.jit
+def _gather(base, perm_row, slot, take, stride_qs, stride_qd, D: tl.constexpr, FIRST: tl.constexpr):
+    """Rows [len(slot), D] fp32 of the queries in ``slot`` of the permutation (the identity when FIRST)."""
+    if FIRST:
+        qi = slot
+    else:
+        qi = tl.load(perm_row + slot, mask=take, other=0)
+    offs_d = tl.arange(0, D)
+    return tl.load(base + qi.to(tl.int64)[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                   mask=take[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sample_cov(base, perm_row, start, count, m, stride_qs, stride_qd,
+                D: tl.constexpr, CHUNK: tl.constexpr, FIRST: tl.constexpr):
+    """(cov, mean): m times the covariance [D, D] fp32 of ``m`` rows evenly spaced over the node's ``count`` real slots,
+    by ``tl.dot`` of bf16 rows shifted by the first chunk's mean (covariance is shift-invariant; the shift keeps the
+    bf16 products small), and their mean [D]."""
+    offs_c = tl.arange(0, CHUNK)
+    take = offs_c < m
+    x = _gather(base, perm_row, start + (offs_c.to(tl.int64) * count) // m, take, stride_qs, stride_qd, D, FIRST)
+    mu = tl.sum(x, 0) / tl.minimum(m, CHUNK).to(tl.float32)
+    cov = tl.zeros([D, D], dtype=tl.float32)
+    ssum = tl.zeros([D], dtype=tl.float32)
+    for c0 in range(0, m, CHUNK):
+        i = c0 + offs_c
+        take = i < m
+        x = _gather(base, perm_row, start + (i.to(tl.int64) * count) // m, take, stride_qs, stride_qd, D, FIRST)
+        x = tl.where(take[:, None], x - mu[None, :], 0.0)
+        ssum += tl.sum(x, 0)
+        xb = x.to(tl.bfloat16)
+        cov += tl.dot(tl.trans(xb), xb)
+    mf = tl.maximum(m, 1).to(tl.float32)
+    return cov - ssum[:, None] * ssum[None, :] / mf, mu + ssum / mf
+
+
+@triton.jit
+def _top_direction(cov, PAIRS: tl.constexpr, D: tl.constexpr):
+    """(v, lam): unit top eigenvector of the symmetric PSD ``cov`` by 2 * PAIRS power-iteration steps from the axis of
+    largest variance plus that column (as ``reference.principal_direction``), and |cov v| (its eigenvalue). The two
+    reductions alternate between the matrix's axes (the same product for a symmetric matrix): no layout change."""
+    offs_d = tl.arange(0, D)
+    diag = tl.sum(tl.where(offs_d[:, None] == offs_d[None, :], cov, 0.0), 1)
+    best = tl.max(diag, 0)
+    axis = tl.min(tl.where(diag == best, offs_d, D), 0)
+    u = (offs_d == axis).to(tl.float32) + tl.sum(tl.where(offs_d[None, :] == axis, cov, 0.0), 1)
+    for _ in tl.static_range(PAIRS):
+        u = u / tl.maximum(tl.sqrt(tl.sum(u * u, 0)), 1e-30)
+        w = tl.sum(cov * u[:, None], 0)  # cov u (cov symmetric: reduce over rows)
+        w = w / tl.maximum(tl.sqrt(tl.sum(w * w, 0)), 1e-30)
+        u = tl.sum(cov * w[None, :], 1)  # cov w
+    lam = tl.sqrt(tl.sum(u * u, 0))
+    return u / tl.maximum(lam, 1e-30), lam
 
 
 @triton.jit
@@ -59,58 +119,59 @@ def _direction(
     start = tl.load(NODE_START + node)
     count = tl.load(NODE_COUNT + node)  # real queries in the node (its first slots)
     m = tl.minimum(count, M)  # rows sampled: evenly spaced over the node, all of it when count <= M
-    offs_c = tl.arange(0, CHUNK)
-    offs_d = tl.arange(0, D)
     perm_row = PERM + bh.to(tl.int64) * n_slots
     base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    # shift: the mean of the first chunk (covariance is shift-invariant; the shift keeps bf16 products small)
-    take = offs_c < m
-    slot = start + (offs_c.to(tl.int64) * count) // m
-    if FIRST:
-        qi = slot
-    else:
-        qi = tl.load(perm_row + slot, mask=take, other=0)
-    x = tl.load(base + qi.to(tl.int64)[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                mask=take[:, None], other=0.0).to(tl.float32)
-    mu = tl.sum(x, 0) / tl.minimum(m, CHUNK).to(tl.float32)
-    cov = tl.zeros([D, D], dtype=tl.float32)
-    ssum = tl.zeros([D], dtype=tl.float32)
-    for c0 in range(0, m, CHUNK):
-        i = c0 + offs_c
-        take = i < m
-        slot = start + (i.to(tl.int64) * count) // m
-        if FIRST:
-            qi = slot
-        else:
-            qi = tl.load(perm_row + slot, mask=take, other=0)
-        x = tl.load(base + qi.to(tl.int64)[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                    mask=take[:, None], other=0.0).to(tl.float32)
-        x = tl.where(take[:, None], x - mu[None, :], 0.0)
-        ssum += tl.sum(x, 0)
-        xb = x.to(tl.bfloat16)
-        cov += tl.dot(tl.trans(xb), xb)
-    mf = tl.maximum(m, 1).to(tl.float32)
-    cov = cov - ssum[:, None] * ssum[None, :] / mf  # m times the sample covariance
-    # power iteration from the axis of largest variance plus that column (as reference.principal_direction)
-    diag = tl.sum(tl.where(offs_d[:, None] == offs_d[None, :], cov, 0.0), 1)
-    best = tl.max(diag, 0)
-    axis = tl.min(tl.where(diag == best, offs_d, D), 0)
-    u = (offs_d == axis).to(tl.float32) + tl.sum(tl.where(offs_d[None, :] == axis, cov, 0.0), 1)
-    for _ in tl.static_range(PAIRS):
-        u = u / tl.maximum(tl.sqrt(tl.sum(u * u, 0)), 1e-30)
-        w = tl.sum(cov * u[:, None], 0)  # cov u (cov symmetric: reduce over rows)
-        w = w / tl.maximum(tl.sqrt(tl.sum(w * w, 0)), 1e-30)
-        u = tl.sum(cov * w[None, :], 1)  # cov w
-    lam = tl.sqrt(tl.sum(u * u, 0))  # |cov v| for the unit v before it: m times the variance along v
-    v = u / tl.maximum(lam, 1e-30)
-    # binning map from the sample: mean and standard deviation of the projections on v
-    mean_p = tl.sum((mu + ssum / mf) * v, 0)
-    sd = tl.sqrt(lam / mf)
+    cov, mean = _sample_cov(base, perm_row, start, count, m, stride_qs, stride_qd, D, CHUNK, FIRST)
+    v, lam = _top_direction(cov, PAIRS, D)
+    # binning map from the sample: mean and standard deviation of the projections on v (lam = m * variance)
+    mean_p = tl.sum(mean * v, 0)
+    sd = tl.sqrt(lam / tl.maximum(m, 1).to(tl.float32))
     scale = tl.where(sd > 0, NB / (8.0 * tl.maximum(sd, 1e-30)), 0.0)
     row = bh.to(tl.int64) * N + node
-    tl.store(V + row * D + offs_d, v * scale)
+    tl.store(V + row * D + tl.arange(0, D), v * scale)
     tl.store(OFF + row, (mean_p - 4.0 * sd) * scale)
     tl.store(HIST + row * NB + tl.arange(0, NB), tl.zeros([NB], dtype=tl.int32))
+
+
+@triton.jit
+def _leaf(
+    Q, PERM_IN, PERM_OUT, KEYS, NODE_START, NODE_COUNT,
+    H, N, n_slots, C, stride_qb, stride_qh, stride_qs, stride_qd,
+    PAIRS: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, NP: tl.constexpr, FIRST: tl.constexpr,
+):
+    """A node of two groups (2C slots, NP >= 2C a power of two) split in one program: direction from all its real
+    queries, their projections as int64 keys (order-preserving bits of the fp32 projection, then the slot: ties by
+    slot), one ``tl.sort``, the C smallest left, the rest right, padding last."""
+    node = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    start = tl.load(NODE_START + node)
+    count = tl.load(NODE_COUNT + node)
+    perm_row = PERM_IN + bh.to(tl.int64) * n_slots
+    base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    cov, mean = _sample_cov(base, perm_row, start, count, count, stride_qs, stride_qd, D, CHUNK, FIRST)
+    v, lam = _top_direction(cov, PAIRS, D)
+    keys = KEYS + (bh.to(tl.int64) * N + node) * NP
+    for c0 in tl.static_range(0, NP, CHUNK):
+        i = c0 + tl.arange(0, CHUNK)
+        real = i < count
+        x = _gather(base, perm_row, start + i, real, stride_qs, stride_qd, D, FIRST)
+        p = tl.sum(x * v[None, :], 1)
+        bits = tl.where(p == p, p, 0.0).to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+        key = tl.where(real, key, 0x7FFFFFFF)  # padding after every real query
+        tl.store(keys + i, (key << 32) | i.to(tl.int64), mask=i < NP)
+    tl.debug_barrier()  # the keys were stored by other threads of this program
+    srt = tl.sort(tl.load(keys + tl.arange(0, NP)))
+    j = tl.arange(0, NP)
+    src = (srt & 0xFFFFFFFF).to(tl.int32)
+    real = j < count
+    if FIRST:
+        val = start + src
+    else:
+        val = tl.load(perm_row + start + src, mask=real, other=-1)
+    tl.store(PERM_OUT + bh.to(tl.int64) * n_slots + start + j, tl.where(real, val, -1), mask=j < 2 * C)
 
 
 @triton.jit
@@ -226,19 +287,28 @@ def _apply(
 
 
 @functools.lru_cache(maxsize=_PLAN_CACHE)
-def _plan(S: int, C: int, device: torch.device) -> tuple:
-    """Per level: (N, n_max, copy, node start slot, node size in slots, real queries per node), the tables int32 device
-    tensors of the N splitting nodes; ``copy``: some node of the level no longer splits (its slots are carried)."""
+def _plan(S: int, C: int, device: torch.device, leaf: bool) -> tuple:
+    """Per level: (copy, big, leaves). ``copy``: some node of the level no longer splits (its slots are carried over);
+    ``big``: None or (N, n_max, node start slot, node size in slots, real queries per node) of the nodes split by the
+    histogram path, the tables int32 device tensors; ``leaves``: None or (N, start, count) of the two-group nodes
+    split by ``_leaf`` (all nodes take the histogram path when ``leaf`` is False)."""
     G = -(-S // C)
     nodes = [(0, G)]  # (first block, blocks)
     levels = []
     while any(g > 1 for _, g in nodes):
-        split = [(b, g) for b, g in nodes if g > 1]
-        start = [b * C for b, _ in split]
-        size = [g * C for _, g in split]
-        count = [max(0, min(s + n, S) - s) for s, n in zip(start, size)]
-        table = torch.tensor([start, size, count], dtype=torch.int32).to(device)
-        levels.append((len(split), max(size), len(split) < len(nodes), table[0], table[1], table[2]))
+        parts = []
+        for big in (True, False):
+            split = [(b, g) for b, g in nodes if g > 1 and (g > 2 or not leaf) == big]
+            if not split:
+                parts.append(None)
+                continue
+            start = [b * C for b, _ in split]
+            size = [g * C for _, g in split]
+            count = [max(0, min(s + n, S) - s) for s, n in zip(start, size)]
+            table = torch.tensor([start, size, count], dtype=torch.int32).to(device)
+            parts.append((len(split), max(size), table[0], table[1], table[2]) if big
+                         else (len(split), table[0], table[2]))
+        levels.append((any(g == 1 for _, g in nodes), *parts))
         nodes = [half for b, g in nodes for half in (((b, -(-g // 2)), (b + -(-g // 2), g // 2)) if g > 1 else ((b, g),))]
     return tuple(levels)
 
@@ -251,9 +321,10 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
         q: ``[B, H, S, D]`` fp16/bf16 (any strides), D a power of two in [16, 256].
         group_size: C >= 1. power_iters: matrix-vector products of the power iteration per node (>= 1; rounded up
             to an even count).
-        samples: rows per node its direction is computed from (a power of two >= 16; default ``SAMPLES``).
+        samples: rows per node its direction is computed from (a power of two >= 16; default ``SAMPLES``); two-group
+            nodes use all their rows.
         bins: histogram bins per node for the rank split (a power of two >= 16; default ``BINS``).
-        phase_hook: benchmarks only: called with "direction", "bin", "count", "apply" after each launch.
+        phase_hook: benchmarks only: called with "direction", "bin", "count", "apply", "leaf" after each launch.
     Returns:
         int32 ``[B, H, G*C]``, G = ceil(S / C): group g is ``perm[..., g*C:(g+1)*C]``; each query index in [0, S)
         appears once; the last G*C - S entries are -1.
@@ -270,40 +341,53 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
     G = -(-S // C)
     BH = B * H
     n_slots = G * C
-    levels = _plan(S, C, q.device)
+    levels = _plan(S, C, q.device, LEAF)
     if not levels:  # one group: the queries in order, then the padding
         out = torch.full((BH, n_slots), -1, dtype=torch.int32, device=q.device)
         out[:, :S] = torch.arange(S, dtype=torch.int32, device=q.device)
         return out.reshape(B, H, n_slots)
     hook = phase_hook or (lambda name: None)
-    n_alloc = max(n for n, *_ in levels)
+    pairs = (power_iters + 1) // 2
+    bigs = [big for _, big, _ in levels if big]
+    leaves = [lf for _, _, lf in levels if lf]
     cur = torch.empty(BH, n_slots, dtype=torch.int32, device=q.device)
     nxt = torch.empty_like(cur)
-    bin_of = torch.empty(BH, n_slots, dtype=torch.int32, device=q.device)
-    v = torch.empty(BH * n_alloc * D, dtype=torch.float32, device=q.device)
-    off = torch.empty(BH * n_alloc, dtype=torch.float32, device=q.device)
-    hist = torch.empty(BH * n_alloc * bins, dtype=torch.int32, device=q.device)
-    n_cnt = max(n * -(-n_max // _TILE) for n, n_max, *_ in levels)
-    cnt = torch.empty(BH * n_cnt * 2, dtype=torch.int32, device=q.device)
+    if bigs:
+        n_alloc = max(n for n, *_ in bigs)
+        bin_of = torch.empty(BH, n_slots, dtype=torch.int32, device=q.device)
+        v = torch.empty(BH * n_alloc * D, dtype=torch.float32, device=q.device)
+        off = torch.empty(BH * n_alloc, dtype=torch.float32, device=q.device)
+        hist = torch.empty(BH * n_alloc * bins, dtype=torch.int32, device=q.device)
+        cnt = torch.empty(BH * max(n * -(-n_max // _TILE) for n, n_max, *_ in bigs) * 2, dtype=torch.int32,
+                          device=q.device)
+    if leaves:
+        np2 = triton.next_power_of_2(2 * C)
+        keys = torch.empty(BH * max(n for n, *_ in leaves) * np2, dtype=torch.int64, device=q.device)
     strides = q.stride()
-    for level, (N, n_max, copy, start, size, count) in enumerate(levels):
+    for level, (copy, big, leaf) in enumerate(levels):
         first = level == 0
-        _direction[(N, BH)](q, cur, start, count, v, off, hist, H, N, n_slots, *strides,
-                            PAIRS=(power_iters + 1) // 2, M=samples, D=D, CHUNK=64, NB=bins, FIRST=first,
-                            num_warps=8)
-        hook("direction")
-        _bin[(triton.cdiv(n_max, _BLOCK_BIN), N, BH)](q, cur, start, count, v, off, hist, bin_of, H, N, n_slots,
-                                                        *strides, BLOCK=_BLOCK_BIN, D=D, NB=bins, FIRST=first,
-                                                        num_warps=4)
-        hook("bin")
-        n_tiles = triton.cdiv(n_max, _TILE)
-        _count[(n_tiles, N, BH)](bin_of, hist, start, size, count, cnt, N, n_slots, n_tiles, C, TILE=_TILE, NB=bins,
-                                 num_warps=4)
-        hook("count")
         if copy:  # nodes that no longer split keep their slots
             nxt.copy_(cur)
-        _apply[(n_tiles, N, BH)](cur, nxt, bin_of, hist, start, size, count, cnt, S, N, n_slots, n_tiles, C,
-                                 TILE=_TILE, NB=bins, PREFIX=_PREFIX, FIRST=first, num_warps=4)
-        hook("apply")
+        if big:
+            N, n_max, start, size, count = big
+            _direction[(N, BH)](q, cur, start, count, v, off, hist, H, N, n_slots, *strides,
+                                PAIRS=pairs, M=samples, D=D, CHUNK=64, NB=bins, FIRST=first, num_warps=_DIR_WARPS)
+            hook("direction")
+            _bin[(triton.cdiv(n_max, _BLOCK_BIN), N, BH)](q, cur, start, count, v, off, hist, bin_of, H, N, n_slots,
+                                                            *strides, BLOCK=_BLOCK_BIN, D=D, NB=bins, FIRST=first,
+                                                            num_warps=4)
+            hook("bin")
+            n_tiles = triton.cdiv(n_max, _TILE)
+            _count[(n_tiles, N, BH)](bin_of, hist, start, size, count, cnt, N, n_slots, n_tiles, C, TILE=_TILE,
+                                     NB=bins, num_warps=4)
+            hook("count")
+            _apply[(n_tiles, N, BH)](cur, nxt, bin_of, hist, start, size, count, cnt, S, N, n_slots, n_tiles, C,
+                                     TILE=_TILE, NB=bins, PREFIX=_PREFIX, FIRST=first, num_warps=4)
+            hook("apply")
+        if leaf:
+            N, start, count = leaf
+            _leaf[(N, BH)](q, cur, nxt, keys, start, count, H, N, n_slots, C, *strides,
+                           PAIRS=pairs, D=D, CHUNK=64, NP=np2, FIRST=first, num_warps=_DIR_WARPS)
+            hook("leaf")
         cur, nxt = nxt, cur
     return cur.reshape(B, H, n_slots)
