@@ -5,9 +5,11 @@ attention shapes, bf16, C = 128, each figure measured side by side in one proces
 - dense: every dense kernel with LSE present (flash-attn-4 when importable, cuDNN through ``cuda_sdpa``); the best
   is the baseline of every ratio;
 - pass 2 + top-K (``kernels/triton/selection.select_kv``: fused QK^T / exp2 / group sums in float16, then the
-  radix top-K of ``kernels/triton/topk.py``) at s in {0.1, 0.15, 0.25, 0.5} / best dense; first a short sweep of
-  pass-2 tile configs on one head chunk, the fastest used for the timed calls; exactness checked on the GPU first
-  (the selection equals the brute-force top-K of the kernel's own float16 sums, ties to the lower index);
+  top-K of ``kernels/triton/topk.py``) at s in {0.1, 0.15, 0.25, 0.5} / best dense, with select_kv's defaults (the
+  scoreboard figure) and with the fastest exact config of a pass-2 sweep on one head chunk (tile configs, two
+  groups per program, packed f16x2 exponentials with their kept mass); the top-K alone, radix vs sample method, side
+  by side; exactness checked on the GPU first (the selection equals the brute-force top-K of the kernel's own
+  float16 sums, ties to the lower index) -- see ``select_part``;
 - PDDP: the Triton grouping (``kernels/triton/grouping.py``) and every other grouping backend present, in ms per
   layer call (all heads); grouping quality = mean within-group query variance / the torch reference's, on
   structured queries (a smooth function of the token's (frame, row, column) position plus noise, as DiT queries
@@ -19,9 +21,10 @@ Writes ``<out>/bench_anchor.json``, and the scoreboard keys ``pass2_topk_over_de
 ``pddp_ms_wan13b_480p``, ``pddp_variance_ratio_max`` into ``docs/results/scoreboard.json`` (read, update, write
 back) and a copy of that file to ``<out>/scoreboard.json``.
 
-Usage (from the checkout root): python tests/bench_anchor.py --out OUT [--shapes 1.3b,14b] [--rep 300] [--only pddp]
-[--commit HASH]. ``--only pddp``: the PDDP part alone (~1 min on an H200): ms per call, as one CUDA graph (GPU time
-without launch overhead), phase breakdown, variants (samples / power-iteration steps / bins), variance ratio.
+Usage (from the checkout root): python tests/bench_anchor.py --out OUT [--shapes 1.3b,14b] [--rep 300]
+[--only pddp|select] [--commit HASH]. ``--only pddp``: the PDDP part alone (~1 min on an H200): ms per call, as one
+CUDA graph (GPU time without launch overhead), phase breakdown, variants (samples / power-iteration steps / bins),
+variance ratio. ``--only select``: the dense baseline and pass 2 + top-K alone (~1.5 min on an H200).
 The commit recorded on the scoreboard: --commit, else $MC_SPARSE_COMMIT, else git HEAD.
 ``--smoke`` runs every code path once on a tiny shape on the CPU (Triton interpreter; no timing, no scoreboard).
 """
@@ -60,17 +63,25 @@ from comfyui_mc_sparse_pack.kernels.triton import grouping, selection  # noqa: E
 
 SHAPES = {"1.3b": dict(H=12, grid=(21, 30, 52)), "14b": dict(H=40, grid=(21, 45, 80)), "smoke": dict(H=2, grid=(2, 4, 33))}
 DEVICE = "cuda"
+ONLY = None  # --only: one part of the benchmark
 SCORE_SHAPE = {"1.3b": "wan13b_480p", "14b": "wan14b_720p"}
 C = 128
 D = 128
 KV_TILE = 128
 DENSITIES = (0.1, 0.15, 0.25, 0.5)
-PASS2_CONFIGS = {  # (block_n, num_warps, num_stages, hand-pipelined kernel)
-    "bn64 w4 st3": (64, 4, 3, False), "bn128 w8 st3": (128, 8, 3, False), "bn64 w8 st4": (64, 8, 4, False),
-    "pipelined bn64 w4 st3": (64, 4, 3, True), "pipelined bn64 w8 st3": (64, 8, 3, True),
-    "pipelined bn128 w8 st2": (128, 8, 2, True),
+PASS2_CONFIGS = {  # group_prob_sums tuning; "f16x2": packed half-precision exponentials (fastexp), not bitwise fp32
+    "bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3),
+    "bn64 w4 st4": dict(block_n=64, num_warps=4, num_stages=4),
+    "pipelined bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pipelined=True),
+    "f16x2 bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, exp="f16x2"),
+    "pair bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=True),
+    "pair bn64 w4 st2": dict(block_n=64, num_warps=4, num_stages=2, pair=True),
+    "pair bn64 w8 st3": dict(block_n=64, num_warps=8, num_stages=3, pair=True),
+    "pair bn32 w4 st3": dict(block_n=32, num_warps=4, num_stages=3, pair=True),
+    "pair f16x2 bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=True, exp="f16x2"),
 }
-FP8_CONFIGS = {"fp8 bn64 w4 st3": (64, 4, 3), "fp8 bn128 w8 st3": (128, 8, 3)}  # approximate: reported, not picked
+FP8_CONFIGS = {"fp8 bn64 w4 st3": (64, 4, 3)}  # approximate: reported, not picked (full run only)
+TOPK_METHODS = ("radix", "sample")
 
 
 def bench(fn, rep_ms):
@@ -183,6 +194,10 @@ def run_shape(name, H, grid, rep, log, only=None):
     best = res["dense"][best_name]
     res["best_dense"] = dict(name=best_name, ms=best)
     _, lse = kernels.dense_attention(q, k, v, return_lse=True, backend=best_name)
+    if only == "select":
+        with section(res, "grouping for pass 2", log):
+            perm = grouping.pddp_groups(q, C)
+        return select_part(name, q, k, lse, perm, res, best, rep, log)
 
     run_pddp(name, q, res, rep, log)
     perm = None
@@ -191,66 +206,7 @@ def run_shape(name, H, grid, rep, log, only=None):
     if perm is None:
         perm = reference.pddp_groups(q, C)
 
-    # pass 2 + top-K: exactness on the GPU, config sweep on one head chunk, then all heads at each density
-    kq = int(0.25 * S)
-    with section(res, "select exactness", log):
-        sel = selection.select_kv(q[:, :2], k[:, :2], lse[:, :2], perm[:, :2], kq, group_size=C, kv_tile=KV_TILE)
-        sums16 = selection.group_prob_sums(q[:, :2], k[:, :2], lse[:, :2], perm[:, :2], group_size=C).half()
-        exact = bool(torch.equal(sel, ref_top_k_rows(sums16, kq, sel.shape[-1])))
-        res["select_exact_vs_bruteforce_fp16_sums"] = exact
-        log(f"{name} select_kv == brute-force top-K of its float16 sums: {exact}")
-    hc = min(H, 4)
-    sums_ref = selection.group_prob_sums(q[:, :1], k[:, :1], lse[:, :1], perm[:, :1], group_size=C)
-    for cname, (bn, w, st, pipe) in PASS2_CONFIGS.items():
-        try:
-            fn = (lambda bn, w, st, pipe: lambda: selection.group_prob_sums(
-                q[:, :hc], k[:, :hc], lse[:, :hc], perm[:, :hc], group_size=C, block_n=bn, num_warps=w,
-                num_stages=st, pipelined=pipe))(bn, w, st, pipe)
-            got = fn()[:, :1]
-            if float((got - sums_ref).norm() / sums_ref.norm()) > 1e-3:  # a config must compute the same sums
-                raise AssertionError(f"sums differ from the default config by {float((got - sums_ref).norm() / sums_ref.norm()):.2e}")
-            res["pass2_sweep"][cname] = bench(fn, rep) * H / hc / best
-        except Exception as err:  # out of resources for this config
-            res["pass2_sweep"][cname] = f"{type(err).__name__}: {str(err)[:100]}"
-        log(f"{name} pass 2 {cname}: {res['pass2_sweep'][cname]} of dense (extrapolated from {hc} heads)")
-    kq = int(0.25 * S)
-    best_mass = sums_ref.topk(kq, -1).values.sum(-1)
-    for cname, (bn, w, st) in FP8_CONFIGS.items():
-        try:
-            fn = (lambda bn, w, st: lambda: selection.group_prob_sums(
-                q[:, :hc], k[:, :hc], lse[:, :hc], perm[:, :hc], group_size=C, block_n=bn, num_warps=w,
-                num_stages=st, fp8=True))(bn, w, st)
-            approx = fn()[:, :1]
-            kept = sums_ref.gather(-1, approx.topk(kq, -1).indices).sum(-1) / best_mass
-            res["fp8_pass2"] = res.get("fp8_pass2", {})
-            res["fp8_pass2"][cname] = dict(over_dense=bench(fn, rep) * H / hc / best,
-                                           kept_mass_min=float(kept.min()), kept_mass_mean=float(kept.mean()))
-        except Exception as err:
-            res.setdefault("fp8_pass2", {})[cname] = f"{type(err).__name__}: {str(err)[:100]}"
-        log(f"{name} pass 2 {cname} (approximate, not the default): {res['fp8_pass2'][cname]}")
-    timed = {c: r for c, r in res["pass2_sweep"].items() if isinstance(r, float)}
-    pick = min(timed, key=timed.get) if timed else "bn64 w4 st3"
-    bn, w, st, pipe = PASS2_CONFIGS[pick]
-    res["pass2_config"] = pick
-    for s in DENSITIES:
-        kq = int(s * S)
-        fn = (lambda kq: lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, block_n=bn,
-                                                     num_warps=w, num_stages=st, pipelined=pipe))(kq)
-        with section(res, f"select s={s}", log):
-            ms = bench(fn, rep)
-            res["select"][str(s)] = dict(ms=ms, over_dense=ms / best)
-            log(f"{name} pass 2 + top-K s={s} ({pick}): {ms:.2f} ms = {ms / best:.3f} of dense")
-    res["radix_topk_failed"] = list(selection._RADIX_FAILED)  # non-empty: select_kv fell back to torch.topk
-    from comfyui_mc_sparse_pack.kernels.triton import topk
-
-    with section(res, "radix top-K alone", log):
-        sums = torch.empty(1, hc, G, S, dtype=torch.float16, device=DEVICE)
-        selection.group_prob_sums(q[:, :hc], k[:, :hc], lse[:, :hc], perm[:, :hc], group_size=C, out=sums)
-        kq = int(0.25 * S)
-        ms = bench(lambda: topk.top_k_rows(sums, kq, -(-kq // KV_TILE) * KV_TILE), rep) * H / hc
-        res["topk_only_ms_s0.25"] = ms
-        log(f"{name} radix top-K alone (s=0.25, all heads): {ms:.2f} ms = {ms / best:.3f} of dense")
-        del sums
+    select_part(name, q, k, lse, perm, res, best, rep, log)
 
     # the whole anchor call
     with section(res, "anchor call", log):
@@ -259,6 +215,110 @@ def run_shape(name, H, grid, rep, log, only=None):
             ms = bench(lambda: attention.anchor_attention(q, k, v, cfg, check_finite=False), rep)
         res["anchor"] = dict(ms=ms, over_dense=ms / best, backends={op: c.backend for op, c in record.choices.items()})
         log(f"{name} anchor_attention (s=0.25): {ms:.2f} ms = {ms / best:.3f} of dense; kernels {res['anchor']['backends']}")
+    return res
+
+
+def select_part(name, q, k, lse, perm, res, best, rep, log):
+    """Pass 2 + top-K figures into ``res`` (see the module docstring); returns ``res``.
+
+    1. exactness on the GPU: select_kv (defaults) == brute-force top-K of its own float16 sums;
+    2. pass-2 sweep (PASS2_CONFIGS) on ``hc`` heads, extrapolated to all heads, / best dense; each config's sums
+       checked against the default's (rel. L2 <= 1e-5 for fp32 exponentials, <= 5e-3 for f16x2), and for f16x2 the
+       kept probability mass of its top-K (s = 0.25) against the fp32 top-K's and the share of the fp32 set kept;
+    3. top-K alone, all heads, radix vs sample at each s (ms, / dense, sample fallback rate, identical outputs);
+    4. select_kv at each s with its defaults (the scoreboard figure) and with the fastest exact sweep config.
+    """
+    from comfyui_mc_sparse_pack.kernels.triton import topk
+
+    H, S = q.shape[1], q.shape[2]
+    G = -(-S // C)
+    kq = int(0.25 * S)
+    with section(res, "select exactness", log):
+        sel = selection.select_kv(q[:, :2], k[:, :2], lse[:, :2], perm[:, :2], kq, group_size=C, kv_tile=KV_TILE)
+        sums16 = selection.group_prob_sums(q[:, :2], k[:, :2], lse[:, :2], perm[:, :2], group_size=C).half()
+        exact = bool(torch.equal(sel, ref_top_k_rows(sums16, kq, sel.shape[-1])))
+        res["select_exact_vs_bruteforce_fp16_sums"] = exact
+        log(f"{name} select_kv == brute-force top-K of its float16 sums: {exact}")
+    hc = min(H, 4)
+    sub = (q[:, :hc], k[:, :hc], lse[:, :hc], perm[:, :hc])
+    sums_ref = selection.group_prob_sums(*(t[:, :1] for t in sub), group_size=C)
+    ref_top = sums_ref.topk(kq, -1).indices
+    best_mass = sums_ref.gather(-1, ref_top).sum(-1)
+    res["pass2_sweep"], res["pass2_f16x2_quality"] = {}, {}
+    for cname, cfg in PASS2_CONFIGS.items():
+        try:
+            fn = (lambda cfg: lambda: selection.group_prob_sums(*sub, group_size=C, **cfg))(cfg)
+            got = fn()[:, :1]
+            err = float((got - sums_ref).norm() / sums_ref.norm())
+            if err > (5e-3 if cfg.get("exp") == "f16x2" else 1e-5):  # a config must compute the same sums
+                raise AssertionError(f"sums differ from the default config by {err:.2e}")
+            if cfg.get("exp") == "f16x2":
+                top = got.topk(kq, -1).indices
+                kept = sums_ref.gather(-1, top).sum(-1) / best_mass
+                same = (torch.zeros_like(sums_ref, dtype=torch.int32).scatter_(-1, top, 1)
+                        * torch.zeros_like(sums_ref, dtype=torch.int32).scatter_(-1, ref_top, 1)).sum(-1) / kq
+                res["pass2_f16x2_quality"][cname] = dict(rel_l2=err, kept_mass_min=float(kept.min()),
+                                                         kept_mass_mean=float(kept.mean()),
+                                                         set_overlap_min=float(same.min()),
+                                                         set_overlap_mean=float(same.mean()))
+                log(f"{name} pass 2 {cname} vs fp32 exponentials (s=0.25, 1 head): {res['pass2_f16x2_quality'][cname]}")
+            res["pass2_sweep"][cname] = bench(fn, rep) * H / hc / best
+        except Exception as err:  # out of resources for this config
+            res["pass2_sweep"][cname] = f"{type(err).__name__}: {str(err)[:100]}"
+        log(f"{name} pass 2 {cname}: {res['pass2_sweep'][cname]} of dense (extrapolated from {hc} heads)")
+    if ONLY != "select":
+        for cname, (bn, w, st) in FP8_CONFIGS.items():
+            try:
+                fn = (lambda bn, w, st: lambda: selection.group_prob_sums(
+                    *sub, group_size=C, block_n=bn, num_warps=w, num_stages=st, fp8=True))(bn, w, st)
+                approx = fn()[:, :1]
+                kept = sums_ref.gather(-1, approx.topk(kq, -1).indices).sum(-1) / best_mass
+                res.setdefault("fp8_pass2", {})[cname] = dict(over_dense=bench(fn, rep) * H / hc / best,
+                                                              kept_mass_min=float(kept.min()),
+                                                              kept_mass_mean=float(kept.mean()))
+            except Exception as err:
+                res.setdefault("fp8_pass2", {})[cname] = f"{type(err).__name__}: {str(err)[:100]}"
+            log(f"{name} pass 2 {cname} (approximate, not the default): {res['fp8_pass2'][cname]}")
+    del sums_ref
+
+    res["topk"] = {}
+    with section(res, "top-K alone", log):
+        sums = torch.empty(1, H, G, S, dtype=torch.float16, device=DEVICE)
+        for h0 in range(0, H, hc):
+            selection.group_prob_sums(q[:, h0:h0 + hc], k[:, h0:h0 + hc], lse[:, h0:h0 + hc], perm[:, h0:h0 + hc],
+                                      group_size=C, out=sums[:, h0:h0 + hc])
+        for s in DENSITIES:
+            kk = int(s * S)
+            width = -(-kk // KV_TILE) * KV_TILE
+            outs, row = {}, {}
+            for m in TOPK_METHODS:
+                outs[m], fb = topk.top_k_rows(sums, kk, width, method=m, return_fallbacks=True)
+                ms = bench(lambda m=m: topk.top_k_rows(sums, kk, width, method=m), rep)
+                row[m] = dict(ms=ms, over_dense=ms / best)
+                if m == "sample":
+                    row[m]["fallback_rows"] = float(fb.float().mean())
+            row["identical"] = bool(torch.equal(outs["radix"], outs["sample"]))
+            res["topk"][str(s)] = row
+            log(f"{name} top-K alone s={s}, all heads: " + ", ".join(
+                f"{m} {row[m]['ms']:.2f} ms = {row[m]['over_dense']:.4f}" for m in TOPK_METHODS)
+                + f"; sample fallback rows {row['sample']['fallback_rows']:.4f}; identical {row['identical']}")
+        del sums, outs
+
+    timed = {c: r for c, r in res["pass2_sweep"].items() if isinstance(r, float) and "f16x2" not in c}
+    pick = min(timed, key=timed.get) if timed else "bn64 w4 st3"
+    res["pass2_config"] = pick
+    res["select_best_config"] = {}
+    for s in DENSITIES:
+        kk = int(s * S)
+        with section(res, f"select s={s}", log):
+            ms = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE), rep)
+            res["select"][str(s)] = dict(ms=ms, over_dense=ms / best)
+            ms2 = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
+                                                    **PASS2_CONFIGS[pick]), rep)
+            res["select_best_config"][str(s)] = dict(ms=ms2, over_dense=ms2 / best)
+            log(f"{name} pass 2 + top-K s={s}: defaults {ms:.2f} ms = {ms / best:.3f} of dense; "
+                f"with {pick}: {ms2:.2f} ms = {ms2 / best:.3f}")
+    res["radix_topk_failed"] = list(selection._RADIX_FAILED)  # non-empty: select_kv fell back to torch.topk
     return res
 
 
@@ -336,8 +396,10 @@ def write_scoreboard(report, out_dir, command):
     if shapes and all(len(sh.get("select", {})) == len(DENSITIES) for sh in shapes.values()):
         worst = max((r["over_dense"], n, s) for n, sh in shapes.items() for s, r in sh["select"].items())
         board["pass2_topk_over_dense_max"] = dict(value=round(worst[0], 4), unit="ratio", **common, note=(
-            f"worst of {', '.join(shapes)} x s in {list(DENSITIES)}: {worst[1]} s={worst[2]}; pass-2 config "
-            + "; ".join(f"{n}: {sh.get('pass2_config')}" for n, sh in shapes.items()) + "; baseline "
+            f"worst of {', '.join(shapes)} x s in {list(DENSITIES)}: {worst[1]} s={worst[2]}; select_kv defaults "
+            "(kernels/triton/selection.py: pass 2 config of _config, topk.top_k_rows method 'sample'); fastest exact "
+            "pass-2 sweep config " + "; ".join(f"{n}: {sh.get('pass2_config')}" for n, sh in shapes.items())
+            + "; baseline "
             + "; ".join(f"{n}: {sh['best_dense']['name']} {sh['best_dense']['ms']:.2f} ms" for n, sh in shapes.items())))
     if shapes and all(sh["pddp"].get("triton grouping", {}).get("contract_ok") for sh in shapes.values()):
         ratios = []
@@ -361,11 +423,12 @@ def main():
     ap.add_argument("--shapes", default="1.3b,14b")
     ap.add_argument("--rep", type=int, default=300, help="do_bench budget per measurement, ms")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU under TRITON_INTERPRET=1 (code paths)")
-    ap.add_argument("--only", choices=["pddp"], help="measure one part only (pddp: ~1 min on an H200)")
+    ap.add_argument("--only", choices=["pddp", "select"],
+                    help="measure one part only (pddp: ~1 min on an H200; select: pass 2 + top-K, ~1.5 min)")
     ap.add_argument("--commit", help="commit measured, recorded on the scoreboard (default $MC_SPARSE_COMMIT, git HEAD)")
     args = ap.parse_args()
-    global DEVICE, COMMIT
-    COMMIT = args.commit
+    global DEVICE, COMMIT, ONLY
+    COMMIT, ONLY = args.commit, args.only
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")

@@ -78,7 +78,7 @@ PASS2_VARIANTS = {
     "bn64 w4 st2": dict(block_n=64, num_warps=4, num_stages=2),
     "bn128 w8 st2": dict(block_n=128, num_warps=8, num_stages=2),
     "bn128 w4 st2": dict(block_n=128, num_warps=4, num_stages=2),
-    "exp f16x2": dict(exp_f16=True),
+    "exp f16x2": dict(exp="f16x2"),
 }
 
 

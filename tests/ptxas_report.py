@@ -36,6 +36,7 @@ import importlib  # noqa: E402
 tsa = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention")
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.uint8: "u8",
+          torch.int8: "i8", torch.int16: "i16",
           torch.float8_e4m3fn: "fp8e4nv"}
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from comfyui_mc_sparse_pack import kernels
@@ -54,18 +56,61 @@ def test_reference_top_k_is_the_brute_force(gen):
 from comfyui_mc_sparse_pack.kernels.triton import topk as triton_topk  # noqa: E402  (after the skip marker)
 
 
+@pytest.mark.parametrize("method", ["sample", "radix"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("sk,k,width,levels", [(1500, 37, 64, 4), (1500, 1500, 1536, 3), (300, 1, 5, 300),
                                                 (2100, 700, 704, 40)])
-def test_radix_top_k_equals_brute_force_with_ties(gen, dtype, sk, k, width, levels):
-    """Exact: radix select + compaction == brute-force top-K of the same values; every slot written."""
+def test_radix_top_k_equals_brute_force_with_ties(gen, method, dtype, sk, k, width, levels):
+    """Exact: both methods (sample bracket / radix threshold, then compaction) == brute-force top-K of the same
+    values; every slot written."""
     sums = _tied_sums(gen, 5, sk, dtype, levels)
     sums[2] = sums[2].abs() * torch.rand(sk, generator=gen).to(dtype)  # a row of distinct values
     sums[3, ::7] = -0.0  # -0.0 ties with +0.0
     out = torch.full((5, width), POISON, dtype=torch.int32)
-    got = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE)).cpu()
+    got = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), method=method).cpu()
     assert torch.equal(got, _brute_force(sums, k, width))
     assert torch.equal(got, ref_top_k_rows(sums, k, width))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_sample_top_k_is_exact_on_every_path(gen, dtype):
+    """The sample method with few samples (strata of 4 keys) and a small candidate buffer: rows where the bracket
+    holds the K-th key (bisection among the candidates) and rows where it cannot (radix fallback), all exact:
+    - row 0: distinct random values -> bracket hit;
+    - row 1: the sampled positions hold 0, every other key is larger -> the bracket sits below the K-th key
+      (more than K keys above it) -> fallback;
+    - row 2: the sampled positions hold large values, every other key 0, K above their count -> the bracket sits
+      above the K-th key (too few keys at or above its low end) -> fallback;
+    - row 3: one value everywhere -> more candidates than the buffer holds -> fallback;
+    - row 4: ties at the threshold inside a hit (levels drawn from 300 values);
+    - row 5: 1000 consecutive bit patterns, shuffled: every key value inside the bracket occurs, so a bisection
+      that stops short of a single value picks a wrong threshold."""
+    sk, k, width, samples, cap = 1000, 300, 320, 256, 512
+    pos = triton_topk.sample_positions(sk, samples)
+    assert len(pos) == 250 and bool((pos < sk).all())
+    sums = torch.rand(6, sk, generator=gen, dtype=torch.float64) + 0.5
+    sums[1, pos] = 0.0
+    sums[2] = 0.0
+    sums[2, pos] = 3.0 + torch.rand(len(pos), generator=gen, dtype=torch.float64)
+    sums[3] = 0.75
+    sums[4] = _tied_sums(gen, 1, sk, torch.float64, levels=300)[0]
+    sums = sums.to(dtype)
+    codes = torch.randperm(sk, generator=gen) + (0x3C00 if dtype == torch.float16 else 0x3F800000)
+    sums[5] = codes.to(torch.int16 if dtype == torch.float16 else torch.int32).view(dtype)
+    out = torch.full((6, width), POISON, dtype=torch.int32)
+    got, fell_back = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), samples=samples, cap=cap,
+                                            return_fallbacks=True)
+    assert torch.equal(got.cpu(), _brute_force(sums, k, width))
+    assert fell_back.cpu().tolist() == [0, 1, 1, 1, 0, 0]
+
+
+def test_sample_bracket_ranks():
+    """The bracket: K * n_samp / Sk samples expected above the K-th key, +- (5 sigma + 2); whole rows sampled when
+    Sk <= samples; the Wan2.1-14B 720p row (75600 keys, 8192 samples) reads one key per 10."""
+    assert triton_topk.sample_bracket(1000, 300, 2048) == (1, 1000, 300 - 75, 300 + 75)  # sigma = sqrt(210)
+    stride, n, hi, lo = triton_topk.sample_bracket(75600, 18900, 8192)
+    assert (stride, n) == (10, 7560) and hi < 1890 < lo and lo - hi == 2 * (math.ceil(5 * (7560 * 0.1875) ** 0.5) + 2)
+    assert triton_topk.sample_bracket(100, 1, 64)[2] <= 0  # no upper bound: the bracket starts at the top
 
 
 def test_radix_top_k_rejects_bad_arguments():
@@ -77,6 +122,10 @@ def test_radix_top_k_rejects_bad_arguments():
         triton_topk.top_k_rows(sums, 5, 4)
     with pytest.raises(TypeError, match="float16 or float32"):
         triton_topk.top_k_rows(sums.double(), 5, 8)
+    with pytest.raises(ValueError, match="method must be"):
+        triton_topk.top_k_rows(sums, 5, 8, method="sort")
+    with pytest.raises(ValueError, match="powers of two"):
+        triton_topk.top_k_rows(sums, 5, 8, cap=100)
 
 
 def _groups(gen, B, H, S, C):
@@ -208,4 +257,45 @@ def test_select_kv_falls_back_to_torch_topk_when_the_radix_kernel_fails(gen, mon
     monkeypatch.setattr(selection, "_RADIX_FAILED", [])
     with caplog.at_level("WARNING"):
         got = selection.select_kv(q, k, lse, perm, 40, group_size=64, kv_tile=16)
-    assert torch.equal(got, want) and "radix top-K failed" in caplog.text
+    assert torch.equal(got, want) and "Triton top-K failed" in caplog.text
+
+
+@pytest.mark.parametrize("exp,tol", [("fp32", 2e-3), ("f16_emulated", 4e-3)])
+def test_pair_pass2_matches_float64(gen, exp, tol):
+    """Two query groups per program: group sums within ``tol`` relative (L2) of float64 with an odd group count
+    (the last program's second group is missing and must not be stored: its row of the output is a real group of
+    another program), ragged S, every entry written (NaN poison); the packed-exp roundings (emulated) stay close."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    S, C = 300, 64  # G = 5
+    q, k = (torch.randn(1, 2, S, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    perm = _groups(gen, 1, 2, S, C)
+    out = torch.full((1, 2, perm.shape[-1] // C, S), float("nan"))
+    selection.group_prob_sums(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(DEVICE), group_size=C, out=out,
+                              pair=True, exp=exp, block_n=64)
+    ref = reference.group_prob_sums(q.double(), k.double(), lse, perm, group_size=C)
+    assert not out.isnan().any()
+    one = selection.group_prob_sums(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(DEVICE), group_size=C,
+                                    exp=exp, block_n=64).cpu()  # one group per program, same exponentials
+    if DEVICE == "cpu":  # the interpreter sums in the same order: the same bits
+        assert torch.equal(out, one)
+    for g in range(ref.shape[2]):  # each group's row on its own (a swapped or shifted group fails here)
+        assert float((out[:, :, g].double() - ref[:, :, g]).norm() / ref[:, :, g].norm()) < tol
+
+
+def test_select_kv_pair_f16_is_exact_top_k_of_its_sums(gen):
+    """select_kv with the pair kernel and half-precision exponentials (emulated on the CPU): still exactly the
+    top-K of its own float16 sums, and >= 99.5 % of the float64 top-K's probability mass."""
+    S, D, C, K = 260, 32, 64, 77
+    q, k = (torch.randn(1, 2, S, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    perm = _groups(gen, 1, 2, S, C)
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    idx = selection.select_kv(q, k, lse, perm, K, group_size=C, kv_tile=16, pair=True, exp="f16_emulated")
+    sums16 = selection.group_prob_sums(q, k, lse, perm, group_size=C, pair=True, exp="f16_emulated").half()
+    assert torch.equal(idx, ref_top_k_rows(sums16, K, idx.shape[-1]))
+    exact = reference.group_prob_sums(q.double(), k.double(), lse, perm, group_size=C)
+    kept = exact.gather(-1, idx[..., :K].long()).sum(-1)
+    assert bool((kept >= 0.995 * exact.topk(K, -1).values.sum(-1)).all())

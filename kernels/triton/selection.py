@@ -11,8 +11,10 @@ Keys are read un-permuted, so the K loads are plain contiguous tiles. Padded que
 add exactly 0; key positions past Sk are masked on load and never stored.
 
 ``select_kv`` runs this kernel on chunks of heads (bounded scratch: ``_SCRATCH_BYTES``, sums stored in float16)
-and keeps each group's top-K with the radix select of ``topk.py``, which writes the sorted, -1-padded selection
-rows directly (ties: the lower token index wins; no global sort, no host sync).
+and keeps each group's top-K with ``topk.top_k_rows`` (sample bracket + bisection, radix fallback; exact), which
+writes the sorted, -1-padded selection rows directly (ties: the lower token index wins; no global sort, no host
+sync). ``pair=True`` runs two query groups per program (each K tile loaded once for both); ``exp="f16x2"`` takes
+the exponentials from ``fastexp`` (packed half precision).
 
 Expected agreement with ``kernels.reference.group_prob_sums``: relative error ~1e-3 for bf16/fp16 inputs against
 a float64 reference (the QK^T product is exact in fp32 accumulation; the error is exp2's and the inputs'), not
@@ -23,11 +25,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from . import fastexp
 from .topk import top_k_rows
 
 log = logging.getLogger(__name__)
@@ -64,7 +68,7 @@ def _group_prob_sums_fwd(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    EXP_F16: tl.constexpr,  # packed ex2.approx.f16x2 (twice the MUFU rate, ~1e-3 relative error; CUDA only)
+    EXP_MODE: tl.constexpr,  # fastexp mode: 0 fp32 ex2, 1 packed ex2.approx.f16x2 (CUDA), 2 its emulation
     POLY: tl.constexpr,  # every other key tile's exp2 on the FMA pipe (polynomial), the rest on MUFU
 ):
     group = tl.program_id(0)
@@ -99,13 +103,8 @@ def _group_prob_sums_fwd(
         x = st * sm_scale_log2 - lse2[None, :]  # log2 of the exact probability, <= ~0
         if use_poly:
             col = tl.sum(_exp2_fma(x), 1)
-        elif EXP_F16:
-            p = tl.inline_asm_elementwise(
-                "ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)], dtype=tl.float16, is_pure=True, pack=2
-            )
-            col = tl.sum(p.to(tl.float32), 1)  # [BLOCK_N]
         else:
-            col = tl.sum(tl.math.exp2(x), 1)  # [BLOCK_N]
+            col = tl.sum(fastexp.exp2(x, EXP_MODE).to(tl.float32), 1)  # [BLOCK_N]
         for mc in tl.static_range(1, M_CHUNKS):  # groups wider than 128 queries: further chunks, gathered again
             offs_c = mc * BLOCK_M + offs_m
             c_idx = tl.load(perm_base + offs_c, mask=offs_c < C, other=-1)
@@ -167,6 +166,64 @@ def _group_prob_sums_pipelined(
 
 
 @triton.jit
+def _group_prob_sums_pair(
+    Q, K, LSE, PERM, SUMS,
+    sm_scale_log2,
+    H, S, SK, n_slots, C, G,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_lb, stride_lh, stride_ls,
+    stride_sb, stride_sh, stride_sg, stride_sn,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EXP_MODE: tl.constexpr,
+):
+    """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
+    head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
+    products are independent, so one group's exponentials can overlap the other's MMA. A missing second group
+    (odd G) has no valid query: its products are computed on zeros and never stored."""
+    pair = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g0 = pair * 2
+    has_g1 = g0 + 1 < G
+    perm_base = PERM + bh.to(tl.int64) * n_slots + g0.to(tl.int64) * C
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    l_base = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    s_base = SUMS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + g0.to(tl.int64) * stride_sg
+
+    i0 = tl.load(perm_base + offs_m, mask=offs_m < C, other=-1)
+    i1 = tl.load(perm_base + C + offs_m, mask=(offs_m < C) & has_g1, other=-1)
+    v0 = (i0 >= 0) & (i0 < S)
+    v1 = (i1 >= 0) & (i1 < S)
+    r0 = tl.where(v0, i0, 0).to(tl.int64)
+    r1 = tl.where(v1, i1, 0).to(tl.int64)
+    q0 = tl.load(q_base + r0[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=v0[:, None], other=0.0)
+    q1 = tl.load(q_base + r1[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=v1[:, None], other=0.0)
+    l0 = tl.load(l_base + r0 * stride_ls, mask=v0, other=float("inf")) * 1.4426950408889634
+    l1 = tl.load(l_base + r1 * stride_ls, mask=v1, other=float("inf")) * 1.4426950408889634
+
+    for n0 in range(0, SK, BLOCK_N):
+        keys = n0 + offs_n
+        k_ok = keys < SK
+        k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                    mask=k_ok[:, None], other=0.0)
+        x0 = tl.dot(k, tl.trans(q0)) * sm_scale_log2 - l0[None, :]
+        x1 = tl.dot(k, tl.trans(q1)) * sm_scale_log2 - l1[None, :]
+        col0 = tl.sum(fastexp.exp2(x0, EXP_MODE).to(tl.float32), 1)
+        col1 = tl.sum(fastexp.exp2(x1, EXP_MODE).to(tl.float32), 1)
+        dst = s_base + keys.to(tl.int64) * stride_sn
+        tl.store(dst, col0.to(SUMS.dtype.element_ty), mask=k_ok)
+        tl.store(dst + stride_sg, col1.to(SUMS.dtype.element_ty), mask=k_ok & has_g1)
+
+
+@triton.jit
 def _group_prob_sums_fp8(
     Q8, K8, QS, KS, LSE, PERM, SUMS,
     sm_scale_log2,
@@ -225,20 +282,29 @@ def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale.unsqueeze(-1).to(x.dtype)).to(torch.float8_e4m3fn), scale
 
 
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability the kernels compile for; None on the Triton interpreter (no inline PTX)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
 def _config(head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages), tuned on an H200 at D = 128, C = 128 (docs/kernels.md)."""
     return (64, 4, 3)
 
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
-                    num_stages=None, exp_f16=False, poly=False, pipelined=False, fp8=False):
+                    num_stages=None, exp="fp32", poly=False, pipelined=False, fp8=False, pair=False):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
         q, k: ``[B, H, S, D]`` / ``[B, H, Sk, D]``, fp16 or bf16, any strides; lse: fp32 ``[B, H, S]`` (natural log);
         perm: int32 ``[B, H, G*C]``; group_size: C (any C >= 1); scale: None means 1/sqrt(D).
         out: optional ``[B, H, G, Sk]`` buffer to write into (any strides), fp32, or fp16 for select_kv's
-        scratch; block_n, num_warps, num_stages: tuning overrides; exp_f16: packed half-precision exp2 (CUDA only);
+        scratch; block_n, num_warps, num_stages: tuning overrides; exp: "fp32", "f16x2" (packed half-precision
+        exp2 of ``fastexp``: fp16 argument and result, ~1e-3 relative; fp32 where the PTX cannot run) or
+        "f16_emulated" (its roundings in plain Triton, for tests); pair: two query groups per program (C <= 128);
         poly: half the exponentials by polynomial on the FMA pipe (benchmarks); pipelined: the hand-pipelined
         kernel (the next key tile's QK^T issued before this tile's exponentials; C <= 128, else ignored); fp8:
         APPROXIMATE sums from row-scaled float8_e4m3 copies of q and k (twice the MMA rate; C <= 128; benchmarks
@@ -279,6 +345,15 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             num_stages=num_stages or stages,
         )
         return out
+    exp_mode = fastexp.mode_for(exp, _capability(q.device))
+    if pair and C <= block_m:
+        _group_prob_sums_pair[(triton.cdiv(G, 2), B * H)](
+            q, k, lse, perm, out, scale * _LOG2E, H, S, SK, n_slots, C, G,
+            *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
+            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, num_warps=num_warps or warps,
+            num_stages=num_stages or stages,
+        )
+        return out
     if pipelined and C <= block_m:
         _group_prob_sums_pipelined[(G, B * H)](
             q, k, lse, perm, out, scale * _LOG2E, H, S, SK, n_slots, C,
@@ -292,22 +367,24 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         scale * _LOG2E,
         H, S, SK, n_slots, C,
         *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
-        M_CHUNKS=triton.cdiv(C, block_m), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_F16=exp_f16, POLY=poly,
+        M_CHUNKS=triton.cdiv(C, block_m), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode,
+        POLY=poly,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )
     return out
 
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=False,
-              block_n=None, num_warps=None, num_stages=None, pipelined=False, fp8=False):
+              block_n=None, num_warps=None, num_stages=None, pipelined=False, fp8=False, exp="fp32", pair=False,
+              topk_method="sample"):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
     kept in fp16 there (values in [0, C], relative precision 2^-11: enough to rank; halves the top-K traffic): at
     Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. ``topk.top_k_rows`` then writes each group's
     row of the selection in place: the K largest float16 sums (ties: lower token index first), ascending, then -1.
-    ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined`` tune
-    pass 2 (see ``group_prob_sums``).
+    ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined``,
+    ``exp``, ``pair`` tune pass 2 (see ``group_prob_sums``); ``topk_method`` picks ``topk.top_k_rows``'s method.
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -325,23 +402,23 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
         sums = group_prob_sums(
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-            pipelined=pipelined, fp8=fp8,
+            pipelined=pipelined, fp8=fp8, exp=exp, pair=pair,
         )
-        _top_k(sums, num_keys, k_alloc, out[:, h0:h1])
+        _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method)
     return out
 
 
-def _top_k(sums, num_keys, k_alloc, out):
-    """The radix top-K; if it cannot run here (a compiler or resource failure), ``torch.topk`` + sort instead, so
+def _top_k(sums, num_keys, k_alloc, out, method="sample"):
+    """The Triton top-K; if it cannot run here (a compiler or resource failure), ``torch.topk`` + sort instead, so
     the selection stays fast (ties then as torch.topk breaks them); the error is logged once per process."""
     if not _RADIX_FAILED:
         try:
-            return top_k_rows(sums, num_keys, k_alloc, out=out)
+            return top_k_rows(sums, num_keys, k_alloc, out=out, method=method)
         except (ValueError, TypeError):
             raise
         except Exception as err:  # noqa: BLE001 (any compile/launch failure: keep the run fast, say why once)
             _RADIX_FAILED.append(f"{type(err).__name__}: {err}")
-            log.warning("MC-Sparse: radix top-K failed (%s); using torch.topk for the selection", _RADIX_FAILED[0])
+            log.warning("MC-Sparse: Triton top-K failed (%s); using torch.topk for the selection", _RADIX_FAILED[0])
     top = torch.topk(sums, num_keys, dim=-1, sorted=False).indices
     out[..., :num_keys] = torch.sort(top, dim=-1).values.to(torch.int32)
     out[..., num_keys:] = -1
