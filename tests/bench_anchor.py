@@ -71,11 +71,8 @@ KV_TILE = 128
 DENSITIES = (0.1, 0.15, 0.25, 0.5)
 PASS2_CONFIGS = {  # group_prob_sums tuning; "f16x2": packed half-precision exponentials (fastexp), not bitwise fp32
     "bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3),
-    "bn64 w4 st4": dict(block_n=64, num_warps=4, num_stages=4),
-    "pipelined bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pipelined=True),
     "f16x2 bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, exp="f16x2"),
     "pair bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=True),
-    "pair bn64 w4 st2": dict(block_n=64, num_warps=4, num_stages=2, pair=True),
     "pair bn64 w8 st3": dict(block_n=64, num_warps=8, num_stages=3, pair=True),
     "pair bn32 w4 st3": dict(block_n=32, num_warps=4, num_stages=3, pair=True),
     "pair f16x2 bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=True, exp="f16x2"),
