@@ -113,6 +113,7 @@ PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set 
     "s128 i4": (dict(samples=128, power_iters=4), {}), "s128 i8": (dict(samples=128), {}),
     "s64 i4": (dict(samples=64, power_iters=4), {}), "s256 i4": (dict(power_iters=4), {}),
     "s256 i2": (dict(power_iters=2), {}), "bins 2048": (dict(bins=2048), {}),
+    "direction warps 16": ({}, dict(_DIR_WARPS=16)),
 }
 
 
@@ -331,12 +332,14 @@ def section(res, what, log):
 
 
 def pddp_phases(q, **kw):
-    """Milliseconds per phase of the Triton grouping (direction, bin, count, apply, leaf), summed over the tree's levels,
-    by CUDA events recorded after each launch through ``grouping.pddp_groups``'s ``phase_hook`` (one warm-up call)."""
-    times = {}
+    """Milliseconds per phase of the Triton grouping (direction, bin, count, apply, leaf), summed over the tree's
+    levels, and per launch in order ("per_launch": [phase, ms] pairs, level by level), by CUDA events recorded after
+    each launch through ``grouping.pddp_groups``'s ``phase_hook`` (one warm-up call first)."""
+    times, launches = {}, []
 
     def run():
         times.clear()
+        launches.clear()
         marks = [(None, torch.cuda.Event(enable_timing=True))]
         marks[0][1].record()
 
@@ -349,10 +352,11 @@ def pddp_phases(q, **kw):
         torch.cuda.synchronize()
         for (_, a), (name, b) in zip(marks, marks[1:]):
             times[name] = times.get(name, 0.0) + a.elapsed_time(b)
+            launches.append([name, round(a.elapsed_time(b), 4)])
 
     run()
     run()
-    return {k: round(t, 4) for k, t in times.items()}
+    return dict({k: round(t, 4) for k, t in times.items()}, per_launch=launches)
 
 
 def graph_ms(fn, rep_ms):
@@ -405,7 +409,8 @@ def write_scoreboard(report, out_dir, command):
             ratios.append((p["variance_ratio"], n))
             board[f"pddp_ms_{SCORE_SHAPE[n]}"] = dict(value=round(p["ms"], 4), unit="ms", **common, note=(
                 "kernels/triton/grouping.py, all heads, structured synthetic queries; one CUDA graph: "
-                f"{sh.get('pddp_graph_ms')} ms; phases {sh.get('pddp_phases_ms')}"))
+                f"{sh.get('pddp_graph_ms')} ms; phases (ms, launch gaps included) "
+                f"{ {k: t for k, t in sh.get('pddp_phases_ms', {}).items() if k != 'per_launch'} }"))
         board["pddp_variance_ratio_max"] = dict(value=round(max(ratios)[0], 4), unit="ratio", **common, note=(
             f"mean within-group variance / torch reference's, structured synthetic queries; worst: {max(ratios)[1]}"))
     path.parent.mkdir(parents=True, exist_ok=True)
