@@ -103,10 +103,9 @@ def run_shape(name, shp, densities, rep, log):
         og = torch.empty_like(qg)
         kr, vr = k.transpose(1, 2), v.transpose(1, 2)
         idx_rows = idx.reshape(-1, idx.shape[-1])
-        default = (cc.default_stages(), cc.default_persistent())
-        for st, pers in [default] + [v for v in ((2, False), (3, False), (2, True)) if v != default]:
-            fn = cc.compiled("bfloat16", D, False, st, pers)
-            tag = "cutedsl kernel" if (st, pers) == default else f"cutedsl kernel {st} stages{' persistent' if pers else ''}"
+        for st in [cc.default_stages()] + [x for x in (2, 3) if x != cc.default_stages()]:
+            fn = cc.compiled("bfloat16", D, False, st)
+            tag = "cutedsl kernel" if st == cc.default_stages() else f"cutedsl kernel {st} stages"
             r[tag] = ms(lambda: cc.launch(fn, qg, kr, vr, og, None, 1 / math.sqrt(D), counts, idx_rows), rep)
             if tag != "cutedsl kernel":
                 og.fill_(float("nan"))

@@ -25,11 +25,10 @@ from cutlass import Float32, Int32
 from flash_attn.cute.utils import AuxData
 from quack.compile_utils import make_fake_stream, make_fake_tensor
 
-from .sparse_fwd_sm90 import SparseFwdSm90, persistent_scheduler
+from .sparse_fwd_sm90 import SparseFwdSm90
 
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
-PERSISTENT = False  # measured on the H200 (bench_cutedsl.py prints both)
-STAGES = 2  # measured on the H200: docs/results/scoreboard.json cutedsl_sparse_eff_min (bench_cutedsl.py)
+STAGES = 2  # 3 stages measured -1 to +2 % at 1.3B, up to -11 % at 14B on the H200 (bench_cutedsl.py prints both)
 _memory: dict = {}
 _lock = threading.Lock()
 
@@ -69,42 +68,20 @@ def default_stages() -> int:
     return int(os.environ.get("MC_SPARSE_CUTEDSL_STAGES", STAGES))
 
 
-def default_persistent() -> bool:
-    """One CTA per SM looping over groups (``$MC_SPARSE_CUTEDSL_PERSISTENT`` = 0/1, or the measured default)."""
-    return os.environ.get("MC_SPARSE_CUTEDSL_PERSISTENT", "1" if PERSISTENT else "0") == "1"
-
-
-def num_sms() -> int:
-    """SM count the persistent grid is sized for: the current CUDA device's, else 132 (H100 SXM / H200)."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    except Exception:
-        pass
-    return 132
-
-
-def compile_fake(dtype: str, head_dim: int, with_lse: bool, stages: int | None = None, persistent: bool | None = None):
+def compile_fake(dtype: str, head_dim: int, with_lse: bool, stages: int | None = None):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); returns the compiled object."""
     q, k, v, o, lse, counts, idx = _fake_args(dtype, head_dim, with_lse)
-    persistent = default_persistent() if persistent is None else persistent
-    kernel = SparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages(), persistent)
-    args = (kernel, q, k, v, o, lse, Float32(1.0), None, None, None, counts, idx, None, None, None, None, AuxData(), None,
-            None, make_fake_stream())
-    if persistent:
-        with persistent_scheduler(num_sms()):
-            return cute.compile(*args, options="--enable-tvm-ffi")
-    return cute.compile(*args, options="--enable-tvm-ffi")
+    kernel = SparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages())
+    return cute.compile(
+        kernel, q, k, v, o, lse, Float32(1.0), None, None, None, counts, idx, None, None, None, None, AuxData(), None,
+        None, make_fake_stream(), options="--enable-tvm-ffi",
+    )
 
 
-def compiled(dtype: str, head_dim: int, with_lse: bool, stages: int | None = None, persistent: bool | None = None):
+def compiled(dtype: str, head_dim: int, with_lse: bool, stages: int | None = None):
     """The compiled kernel for these static parameters: from memory, the disk cache, or a fresh compile."""
     stages = stages or default_stages()
-    persistent = default_persistent() if persistent is None else persistent
-    key = ("mc_sparse_fwd_sm90", dtype, head_dim, with_lse, stages, persistent, num_sms() if persistent else 0,
-           source_hash())
+    key = ("mc_sparse_fwd_sm90", dtype, head_dim, with_lse, stages, source_hash())
     with _lock:
         fn = _memory.get(key)
         if fn is not None:
@@ -113,7 +90,7 @@ def compiled(dtype: str, head_dim: int, with_lse: bool, stages: int | None = Non
         if disk is not None and key in disk:
             fn = disk[key]
         else:
-            fn = compile_fake(dtype, head_dim, with_lse, stages, persistent)
+            fn = compile_fake(dtype, head_dim, with_lse, stages)
             if disk is not None:
                 disk[key] = fn
                 fn = disk[key] if key in disk else fn
