@@ -74,7 +74,9 @@ PASS2_CONFIGS = {  # group_prob_sums tuning; "f16x2": packed half-precision expo
     "f16x2 bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, exp="f16x2"),
     "pair bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=True),
     "pair bn64 w8 st3": dict(block_n=64, num_warps=8, num_stages=3, pair=True),
-    "pair bn32 w4 st3": dict(block_n=32, num_warps=4, num_stages=3, pair=True),
+    "pair stagger bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=True, pipelined=True),
+    "pair stagger bn64 w8 st3": dict(block_n=64, num_warps=8, num_stages=3, pair=True, pipelined=True),
+    "qreg bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, qreg=True),
     "pair f16x2 bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=True, exp="f16x2"),
 }
 FP8_CONFIGS = {"fp8 bn64 w4 st3": (64, 4, 3)}  # approximate: reported, not picked (full run only)

@@ -61,9 +61,11 @@ def test_select_sample_top_k_on_real_group_sums(cuda_gen):
         assert float(fell_back.float().mean()) < 0.01
 
 
-@pytest.mark.parametrize("pair,exp", [(False, "f16x2"), (True, "fp32"), (True, "f16x2")])
-def test_select_pass2_variants_on_gpu_against_float64(cuda_gen, pair, exp):
-    """Pass 2 with two groups per program and/or the packed f16x2 exponentials (inline PTX on the GPU): group sums
+@pytest.mark.parametrize("pair,exp,extra", [(False, "f16x2", {}), (True, "fp32", {}), (True, "f16x2", {}),
+                                            (True, "fp32", {"pipelined": True}), (False, "fp32", {"qreg": True})])
+def test_select_pass2_variants_on_gpu_against_float64(cuda_gen, pair, exp, extra):
+    """Pass 2 with two groups per program (also staggered), Q in registers, and/or the packed f16x2 exponentials
+    (inline PTX on the GPU): group sums
     within 5e-3 (f16x2; 1e-4 for fp32) relative L2 of float64 per group, odd group count and ragged S, every entry
     written; select_kv on them is exactly the top-K of its float16 sums and keeps >= 99.5 % of the float64 top-K's
     probability mass."""
@@ -76,12 +78,12 @@ def test_select_pass2_variants_on_gpu_against_float64(cuda_gen, pair, exp):
         perm = kernels.pddp_groups(q, C, backend="triton")
         G = perm.shape[-1] // C
         out = torch.full((1, H, G, S), float("nan"), device="cuda")
-        selection.group_prob_sums(q, k, lse, perm, group_size=C, out=out, pair=pair, exp=exp)
+        selection.group_prob_sums(q, k, lse, perm, group_size=C, out=out, pair=pair, exp=exp, **extra)
         ref = reference.group_prob_sums(q.double(), k.double(), lse.double(), perm, group_size=C)
         assert not out.isnan().any()
         rel = (out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)
         assert float(rel.max()) < (5e-3 if exp == "f16x2" else 1e-4), float(rel.max())
-        idx = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=128, pair=pair, exp=exp)
+        idx = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=128, pair=pair, exp=exp, **extra)
         assert torch.equal(idx, ref_top_k_rows(out.half(), kq, idx.shape[-1]))
         kept = ref.gather(-1, idx[..., :kq].long()).sum(-1)
         assert bool((kept >= 0.995 * ref.topk(kq, -1).values.sum(-1)).all())

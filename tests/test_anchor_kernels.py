@@ -260,11 +260,13 @@ def test_select_kv_falls_back_to_torch_topk_when_the_radix_kernel_fails(gen, mon
     assert torch.equal(got, want) and "Triton top-K failed" in caplog.text
 
 
-@pytest.mark.parametrize("exp,tol", [("fp32", 2e-3), ("f16_emulated", 4e-3)])
-def test_pair_pass2_matches_float64(gen, exp, tol):
+@pytest.mark.parametrize("exp,tol,stagger", [("fp32", 2e-3, False), ("f16_emulated", 4e-3, False),
+                                             ("fp32", 2e-3, True)])
+def test_pair_pass2_matches_float64(gen, exp, tol, stagger):
     """Two query groups per program: group sums within ``tol`` relative (L2) of float64 with an odd group count
     (the last program's second group is missing and must not be stored: its row of the output is a real group of
-    another program), ragged S, every entry written (NaN poison); the packed-exp roundings (emulated) stay close."""
+    another program), ragged S, every entry written (NaN poison); the packed-exp roundings (emulated) stay close;
+    the staggered form (group 1 half a tile behind, its last tile after the loop) gives the same bits."""
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
     S, C = 300, 64  # G = 5
@@ -273,7 +275,7 @@ def test_pair_pass2_matches_float64(gen, exp, tol):
     perm = _groups(gen, 1, 2, S, C)
     out = torch.full((1, 2, perm.shape[-1] // C, S), float("nan"))
     selection.group_prob_sums(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(DEVICE), group_size=C, out=out,
-                              pair=True, exp=exp, block_n=64)
+                              pair=True, exp=exp, block_n=64, pipelined=stagger)
     ref = reference.group_prob_sums(q.double(), k.double(), lse, perm, group_size=C)
     assert not out.isnan().any()
     one = selection.group_prob_sums(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(DEVICE), group_size=C,
@@ -282,6 +284,24 @@ def test_pair_pass2_matches_float64(gen, exp, tol):
         assert torch.equal(out, one)
     for g in range(ref.shape[2]):  # each group's row on its own (a swapped or shifted group fails here)
         assert float((out[:, :, g].double() - ref[:, :, g]).norm() / ref[:, :, g].norm()) < tol
+
+
+def test_qreg_pass2_matches_float64(gen):
+    """The Q @ K^T orientation (Q as the register operand, group sums down the columns): within 2e-3 relative of
+    float64 per group, ragged S, every entry written."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    S, C = 300, 64
+    q, k = (torch.randn(1, 2, S, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    perm = _groups(gen, 1, 2, S, C)
+    out = torch.full((1, 2, perm.shape[-1] // C, S), float("nan"))
+    selection.group_prob_sums(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(DEVICE), group_size=C, out=out,
+                              qreg=True, block_n=64)
+    ref = reference.group_prob_sums(q.double(), k.double(), lse, perm, group_size=C)
+    assert not out.isnan().any()
+    rel = (out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert float(rel.max()) < 2e-3
 
 
 def test_select_kv_pair_f16_is_exact_top_k_of_its_sums(gen):

@@ -178,6 +178,7 @@ def _group_prob_sums_pair(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EXP_MODE: tl.constexpr,
+    STAGGER: tl.constexpr,  # group 1 runs half a step behind group 0 (see below)
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
@@ -209,18 +210,88 @@ def _group_prob_sums_pair(
     l0 = tl.load(l_base + r0 * stride_ls, mask=v0, other=float("inf")) * 1.4426950408889634
     l1 = tl.load(l_base + r1 * stride_ls, mask=v1, other=float("inf")) * 1.4426950408889634
 
+    if STAGGER:
+        # software pipeline across the two groups: per key tile, group 0's QK^T is issued before group 1's
+        # exponentials of the previous tile, and group 1's QK^T before group 0's exponentials of this tile, so the
+        # MUFU work can overlap an MMA in flight; group 1 lags half a step (its last tile is finished after the loop)
+        s1 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # "tile -1": computed on, never stored
+        for n0 in range(0, SK, BLOCK_N):
+            keys = n0 + offs_n
+            k_ok = keys < SK
+            k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                        mask=k_ok[:, None], other=0.0)
+            s0 = tl.dot(k, tl.trans(q0))
+            col1 = tl.sum(fastexp.exp2(s1 * sm_scale_log2 - l1[None, :], EXP_MODE).to(tl.float32), 1)
+            prev = keys - BLOCK_N
+            tl.store(s_base + stride_sg + prev.to(tl.int64) * stride_sn, col1.to(SUMS.dtype.element_ty),
+                     mask=(prev >= 0) & has_g1)
+            s1 = tl.dot(k, tl.trans(q1))
+            col0 = tl.sum(fastexp.exp2(s0 * sm_scale_log2 - l0[None, :], EXP_MODE).to(tl.float32), 1)
+            tl.store(s_base + keys.to(tl.int64) * stride_sn, col0.to(SUMS.dtype.element_ty), mask=k_ok)
+        last = ((SK - 1) // BLOCK_N) * BLOCK_N + offs_n
+        col1 = tl.sum(fastexp.exp2(s1 * sm_scale_log2 - l1[None, :], EXP_MODE).to(tl.float32), 1)
+        tl.store(s_base + stride_sg + last.to(tl.int64) * stride_sn, col1.to(SUMS.dtype.element_ty),
+                 mask=(last < SK) & has_g1)
+    else:
+        for n0 in range(0, SK, BLOCK_N):
+            keys = n0 + offs_n
+            k_ok = keys < SK
+            k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                        mask=k_ok[:, None], other=0.0)
+            x0 = tl.dot(k, tl.trans(q0)) * sm_scale_log2 - l0[None, :]
+            x1 = tl.dot(k, tl.trans(q1)) * sm_scale_log2 - l1[None, :]
+            col0 = tl.sum(fastexp.exp2(x0, EXP_MODE).to(tl.float32), 1)
+            col1 = tl.sum(fastexp.exp2(x1, EXP_MODE).to(tl.float32), 1)
+            dst = s_base + keys.to(tl.int64) * stride_sn
+            tl.store(dst, col0.to(SUMS.dtype.element_ty), mask=k_ok)
+            tl.store(dst + stride_sg, col1.to(SUMS.dtype.element_ty), mask=k_ok & has_g1)
+
+
+@triton.jit
+def _group_prob_sums_qreg(
+    Q, K, LSE, PERM, SUMS,
+    sm_scale_log2, one,
+    H, S, SK, n_slots, C,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_lb, stride_lh, stride_ls,
+    stride_sb, stride_sh, stride_sg, stride_sn,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EXP_MODE: tl.constexpr,
+):
+    """``_group_prob_sums_fwd`` for C <= BLOCK_M in the other orientation: ``s = Q @ K_tile^T`` ([BLOCK_M, BLOCK_N])
+    with the group's queries as the register (A) operand of the wgmma (a computed q, times a runtime 1.0, stays in
+    registers on sm_90 with Triton 3.6), so each tile reads only K from shared memory (the K @ Q^T form reads the
+    whole Q^T tile from shared memory for every wgmma: with the K tile's own writes that is about the shared-memory
+    bandwidth at the MMA's peak rate); the group sum is then a column sum across the warps."""
+    group = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    perm_base = PERM + bh.to(tl.int64) * n_slots + group.to(tl.int64) * C
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    l_base = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    s_base = SUMS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + group.to(tl.int64) * stride_sg
+    q_idx = tl.load(perm_base + offs_m, mask=offs_m < C, other=-1)
+    q_valid = (q_idx >= 0) & (q_idx < S)
+    q_rows = tl.where(q_valid, q_idx, 0).to(tl.int64)
+    q = tl.load(q_base + q_rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_valid[:, None], other=0.0)
+    q = (q.to(tl.float32) * one).to(q.dtype)  # exact; keeps q in registers as the A operand
+    lse2 = tl.load(l_base + q_rows * stride_ls, mask=q_valid, other=float("inf")) * 1.4426950408889634
     for n0 in range(0, SK, BLOCK_N):
         keys = n0 + offs_n
         k_ok = keys < SK
         k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                    mask=k_ok[:, None], other=0.0)
-        x0 = tl.dot(k, tl.trans(q0)) * sm_scale_log2 - l0[None, :]
-        x1 = tl.dot(k, tl.trans(q1)) * sm_scale_log2 - l1[None, :]
-        col0 = tl.sum(fastexp.exp2(x0, EXP_MODE).to(tl.float32), 1)
-        col1 = tl.sum(fastexp.exp2(x1, EXP_MODE).to(tl.float32), 1)
-        dst = s_base + keys.to(tl.int64) * stride_sn
-        tl.store(dst, col0.to(SUMS.dtype.element_ty), mask=k_ok)
-        tl.store(dst + stride_sg, col1.to(SUMS.dtype.element_ty), mask=k_ok & has_g1)
+                    mask=k_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        x = tl.dot(q, tl.trans(k)) * sm_scale_log2 - lse2[:, None]  # [BLOCK_M, BLOCK_N]
+        col = tl.sum(fastexp.exp2(x, EXP_MODE).to(tl.float32), 0)  # [BLOCK_N]
+        tl.store(s_base + keys.to(tl.int64) * stride_sn, col.to(SUMS.dtype.element_ty), mask=k_ok)
 
 
 @triton.jit
@@ -295,7 +366,7 @@ def _config(head_dim: int) -> tuple[int, int, int]:
 
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
-                    num_stages=None, exp="fp32", poly=False, pipelined=False, fp8=False, pair=False):
+                    num_stages=None, exp="fp32", poly=False, pipelined=False, fp8=False, pair=False, qreg=False):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -304,7 +375,9 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         out: optional ``[B, H, G, Sk]`` buffer to write into (any strides), fp32, or fp16 for select_kv's
         scratch; block_n, num_warps, num_stages: tuning overrides; exp: "fp32", "f16x2" (packed half-precision
         exp2 of ``fastexp``: fp16 argument and result, ~1e-3 relative; fp32 where the PTX cannot run) or
-        "f16_emulated" (its roundings in plain Triton, for tests); pair: two query groups per program (C <= 128);
+        "f16_emulated" (its roundings in plain Triton, for tests); pair: two query groups per program (C <= 128;
+        with pipelined, the two groups staggered by half a step so one's exponentials overlap the other's MMA);
+        qreg: the Q @ K^T orientation with Q in registers (C <= 128; ignored with pair);
         poly: half the exponentials by polynomial on the FMA pipe (benchmarks); pipelined: the hand-pipelined
         kernel (the next key tile's QK^T issued before this tile's exponentials; C <= 128, else ignored); fp8:
         APPROXIMATE sums from row-scaled float8_e4m3 copies of q and k (twice the MMA rate; C <= 128; benchmarks
@@ -350,6 +423,14 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         _group_prob_sums_pair[(triton.cdiv(G, 2), B * H)](
             q, k, lse, perm, out, scale * _LOG2E, H, S, SK, n_slots, C, G,
             *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
+            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined,
+            num_warps=num_warps or warps, num_stages=num_stages or stages,
+        )
+        return out
+    if qreg and C <= block_m:
+        _group_prob_sums_qreg[(G, B * H)](
+            q, k, lse, perm, out, scale * _LOG2E, 1.0, H, S, SK, n_slots, C,
+            *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, num_warps=num_warps or warps,
             num_stages=num_stages or stages,
         )
@@ -376,7 +457,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=False,
               block_n=None, num_warps=None, num_stages=None, pipelined=False, fp8=False, exp="fp32", pair=False,
-              topk_method="sample"):
+              qreg=False, topk_method="sample"):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -384,7 +465,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. ``topk.top_k_rows`` then writes each group's
     row of the selection in place: the K largest float16 sums (ties: lower token index first), ascending, then -1.
     ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined``,
-    ``exp``, ``pair`` tune pass 2 (see ``group_prob_sums``); ``topk_method`` picks ``topk.top_k_rows``'s method.
+    ``exp``, ``pair``, ``qreg`` tune pass 2 (see ``group_prob_sums``); ``topk_method`` picks ``topk.top_k_rows``'s method.
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -402,7 +483,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
         sums = group_prob_sums(
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-            pipelined=pipelined, fp8=fp8, exp=exp, pair=pair,
+            pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, qreg=qreg,
         )
         _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method)
     return out
