@@ -110,12 +110,12 @@ def dense_fns():
             for n in ("flash_attn4", "cuda_sdpa") if n in names}
 
 
-PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set for the call)
+PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set for the call); s64: Gram path
     "no leaf": ({}, dict(LEAF=False)), "direction warps 4": ({}, dict(_DIR_WARPS=4)),
-    "s128 i4": (dict(samples=128, power_iters=4), {}), "s128 i8": (dict(samples=128), {}),
-    "s64 i4": (dict(samples=64, power_iters=4), {}), "s256 i4": (dict(power_iters=4), {}),
-    "s256 i2": (dict(power_iters=2), {}), "bins 2048": (dict(bins=2048), {}),
     "direction warps 16": ({}, dict(_DIR_WARPS=16)),
+    "s64 i4": (dict(samples=64, power_iters=4), {}), "s64 i8": (dict(samples=64), {}),
+    "s128 i4": (dict(samples=128, power_iters=4), {}), "s128 i8": (dict(samples=128), {}),
+    "s256 i4": (dict(power_iters=4), {}),
 }
 
 

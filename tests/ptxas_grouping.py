@@ -37,7 +37,8 @@ def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128):
     strides = q.stride()
     return [
         ("_direction", grouping._direction, [q, perm, start, count, v, off, hist, H, N, n_slots, *strides],
-         dict(PAIRS=pairs, M=samples, D=D, CHUNK=64, NB=bins, FIRST=first, num_warps=8)),
+         dict(PAIRS=pairs, M=samples, D=D, SCHUNK=min(samples, 64), NB=bins, FIRST=first,
+              GRAM=samples <= grouping._GRAM_MAX, num_warps=grouping._DIR_WARPS)),
         ("_bin", grouping._bin, [q, perm, start, count, v, off, hist, bins_t, H, N, n_slots, *strides],
          dict(BLOCK=grouping._BLOCK_BIN, D=D, NB=bins, FIRST=first, num_warps=4)),
         ("_count", grouping._count, [bins_t, hist, start, size, count, cnt, N, n_slots, 74, C],
@@ -45,7 +46,8 @@ def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128):
         ("_apply", grouping._apply, [perm, perm, bins_t, hist, start, size, count, cnt, S, N, n_slots, 74, C],
          dict(TILE=grouping._TILE, NB=bins, PREFIX=grouping._PREFIX, FIRST=first, num_warps=4)),
         ("_leaf", grouping._leaf, [q, perm, perm, keys, start, count, H, N, n_slots, C, *strides],
-         dict(PAIRS=pairs, D=D, CHUNK=64, NP=2 * C, FIRST=first, num_warps=8)),
+         dict(PAIRS=pairs, M=samples, D=D, SCHUNK=min(samples, 64), CHUNK=64, NP=2 * C, FIRST=first,
+              GRAM=samples <= grouping._GRAM_MAX, num_warps=grouping._DIR_WARPS)),
     ]
 
 
@@ -54,7 +56,9 @@ def main():
     ap.add_argument("--samples", type=int, default=grouping.SAMPLES)
     ap.add_argument("--bins", type=int, default=grouping.BINS)
     ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--warps", type=int, default=grouping._DIR_WARPS, help="warps of _direction / _leaf")
     args = ap.parse_args()
+    grouping._DIR_WARPS = args.warps
     bad = 0
     for arch in (90, 80):
         for first in (True, False):

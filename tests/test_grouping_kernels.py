@@ -78,9 +78,10 @@ def test_rank_split_is_the_stable_partition(gen, S, C, tile, prefix):
         assert torch.equal(got, want), f"level {level}"
 
 
-@pytest.mark.parametrize("first,samples", [(True, 256), (False, 32)])
+@pytest.mark.parametrize("first,samples", [(True, 256), (False, 32), (True, 64)])
 def test_direction_and_bins_match_float64(gen, first, samples):
-    """_direction: top eigenvector of the sampled rows' covariance, binning map from their projections; _bin: bins
+    """_direction (covariance and Gram paths): top eigenvector of the sampled rows' covariance, binning map from their
+    projections; _bin: bins
     and histogram of every real query from that map (float64), histogram zeroed first; outputs poisoned."""
     B, H, S, D, C, NB = 1, 2, 150, 32, 16, 64
     G = -(-S // C)
@@ -97,7 +98,8 @@ def test_direction_and_bins_match_float64(gen, first, samples):
     bins = torch.full((B * H, n_slots), -7, dtype=torch.int32)
     qd, perm_d, v_d, off_d, hist_d, bins_d = (t.to(DEVICE) for t in (q, perm, v, off, hist, bins))
     grouping._direction[(N, B * H)](qd, perm_d, dev[0], dev[2], v_d, off_d, hist_d, H, N, n_slots, *qd.stride(),
-                                    PAIRS=8, M=samples, D=D, CHUNK=64, NB=NB, FIRST=first)
+                                    PAIRS=8, M=samples, D=D, SCHUNK=samples if samples <= 64 else 64, NB=NB,
+                                    FIRST=first, GRAM=samples <= 64)
     grouping._bin[(-(-n_max // 16), N, B * H)](qd, perm_d, dev[0], dev[2], v_d, off_d, hist_d, bins_d, H, N, n_slots,
                                                *qd.stride(), BLOCK=16, D=D, NB=NB, FIRST=first)
     v, off, hist, bins = (t.cpu() for t in (v_d, off_d, hist_d, bins_d))
@@ -129,10 +131,12 @@ def test_direction_and_bins_match_float64(gen, first, samples):
             assert torch.equal(hist[bh, i], torch.bincount(got, minlength=NB).to(torch.int32))
 
 
-@pytest.mark.parametrize("S,C,first", [(90, 16, False), (28, 16, True), (40, 24, False)])
-def test_leaf_splits_by_the_float64_projection(gen, S, C, first):
+@pytest.mark.parametrize("S,C,first,samples", [(90, 16, False, 256), (28, 16, True, 256), (40, 24, False, 256),
+                                               (90, 16, False, 16)])
+def test_leaf_splits_by_the_float64_projection(gen, S, C, first, samples):
     """_leaf on two-group nodes (the ragged last one too; C not a power of two: NP > 2C): the C queries of smallest
-    float64 projection on the top eigenvector of all the node's queries go left, the rest right, padding -1 last;
+    float64 projection on the top eigenvector of the node's sampled queries (all of them, or 16 by the Gram path)
+    go left, the rest right, padding -1 last;
     every slot of the node written and no other (output poisoned)."""
     B, H, D = 1, 2, 32
     G = -(-S // C)
@@ -150,7 +154,8 @@ def test_leaf_splits_by_the_float64_projection(gen, S, C, first):
     keys = torch.full((B * H * N * np2,), -7, dtype=torch.int64, device=DEVICE)
     qd = q.to(DEVICE)
     grouping._leaf[(N, B * H)](qd, perm.to(DEVICE), out, keys, start, count, H, N, n_slots, C, *qd.stride(),
-                               PAIRS=8, D=D, CHUNK=64, NP=np2, FIRST=first)
+                               PAIRS=8, M=samples, D=D, SCHUNK=min(samples, 64), CHUNK=64, NP=np2, FIRST=first,
+                               GRAM=samples <= 64)
     out, start, count = out.cpu(), start.cpu(), count.cpu()
     x_all = q.reshape(B * H, S, D).double()
     inside = torch.zeros(n_slots, dtype=torch.bool)
@@ -160,8 +165,10 @@ def test_leaf_splits_by_the_float64_projection(gen, S, C, first):
         for bh in range(B * H):
             rows = perm[bh, s:s + c]
             x = x_all[bh, rows.long()]
-            centred = x - x.mean(0)
-            p = centred @ torch.linalg.eigh(centred.T @ centred)[1][:, -1]
+            m = min(c, samples)
+            sample = x[torch.arange(m) * c // m]
+            centred = sample - sample.mean(0)
+            p = x @ torch.linalg.eigh(centred.T @ centred)[1][:, -1]
             order = torch.sort(p).indices
             got = out[bh, s:s + 2 * C]
             assert (got[c:] == -1).all()

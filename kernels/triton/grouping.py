@@ -47,6 +47,7 @@ _BLOCK_BIN = 64  # slots per program of _bin (one gathered row each)
 _TILE = 1024  # slots per program of _count / _apply
 _PREFIX = 128  # tile counts summed per step of _apply's prefix loop
 _DIR_WARPS = 8  # warps of _direction / _leaf
+_GRAM_MAX = 64  # samples up to which directions come from the samples' Gram matrix instead of the covariance
 LEAF = True  # two-group nodes split by _leaf in one program (False: every node by the histogram path)
 
 
@@ -106,11 +107,35 @@ def _top_direction(cov, PAIRS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _node_direction(base, perm_row, start, count, m, stride_qs, stride_qd,
+                    D: tl.constexpr, SCHUNK: tl.constexpr, PAIRS: tl.constexpr, FIRST: tl.constexpr,
+                    GRAM: tl.constexpr):
+    """(v, lam, mean): unit principal direction [D] of ``m`` rows evenly spaced over the node's ``count`` real slots,
+    m times their variance along it, their mean [D]. GRAM (m <= SCHUNK): power iteration on the rows' Gram matrix
+    [SCHUNK, SCHUNK] (same eigenvalues as the covariance; v = X^T u), far fewer registers than the [D, D]
+    covariance; else ``_sample_cov`` in chunks of SCHUNK rows."""
+    if GRAM:
+        offs_c = tl.arange(0, SCHUNK)
+        take = offs_c < m
+        x = _gather(base, perm_row, start + (offs_c.to(tl.int64) * count) // m, take, stride_qs, stride_qd, D, FIRST)
+        mean = tl.sum(x, 0) / m.to(tl.float32)
+        xc = tl.where(take[:, None], x - mean[None, :], 0.0)
+        xb = xc.to(tl.bfloat16)
+        u, lam = _top_direction(tl.dot(xb, tl.trans(xb)), PAIRS, SCHUNK)
+        v = tl.sum(xc * u[:, None], 0)
+        v = v / tl.maximum(tl.sqrt(tl.sum(v * v, 0)), 1e-30)
+    else:
+        cov, mean = _sample_cov(base, perm_row, start, count, m, stride_qs, stride_qd, D, SCHUNK, FIRST)
+        v, lam = _top_direction(cov, PAIRS, D)
+    return v, lam, mean
+
+
+@triton.jit
 def _direction(
     Q, PERM, NODE_START, NODE_COUNT, V, OFF, HIST,
     H, N, n_slots, stride_qb, stride_qh, stride_qs, stride_qd,
-    PAIRS: tl.constexpr, M: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr,
-    FIRST: tl.constexpr,
+    PAIRS: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SCHUNK: tl.constexpr, NB: tl.constexpr,
+    FIRST: tl.constexpr, GRAM: tl.constexpr,
 ):
     node = tl.program_id(0)
     bh = tl.program_id(1)
@@ -121,8 +146,8 @@ def _direction(
     m = tl.minimum(count, M)  # rows sampled: evenly spaced over the node, all of it when count <= M
     perm_row = PERM + bh.to(tl.int64) * n_slots
     base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    cov, mean = _sample_cov(base, perm_row, start, count, m, stride_qs, stride_qd, D, CHUNK, FIRST)
-    v, lam = _top_direction(cov, PAIRS, D)
+    v, lam, mean = _node_direction(base, perm_row, start, count, m, stride_qs, stride_qd, D, SCHUNK, PAIRS, FIRST,
+                                   GRAM)
     # binning map from the sample: mean and standard deviation of the projections on v (lam = m * variance)
     mean_p = tl.sum(mean * v, 0)
     sd = tl.sqrt(lam / tl.maximum(m, 1).to(tl.float32))
@@ -137,10 +162,11 @@ def _direction(
 def _leaf(
     Q, PERM_IN, PERM_OUT, KEYS, NODE_START, NODE_COUNT,
     H, N, n_slots, C, stride_qb, stride_qh, stride_qs, stride_qd,
-    PAIRS: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, NP: tl.constexpr, FIRST: tl.constexpr,
+    PAIRS: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SCHUNK: tl.constexpr, CHUNK: tl.constexpr,
+    NP: tl.constexpr, FIRST: tl.constexpr, GRAM: tl.constexpr,
 ):
-    """A node of two groups (2C slots, NP >= 2C a power of two) split in one program: direction from all its real
-    queries, their projections as int64 keys (order-preserving bits of the fp32 projection, then the slot: ties by
+    """A node of two groups (2C slots, NP >= 2C a power of two) split in one program: direction from min(M, count) of
+    its real queries (``_node_direction``), their projections as int64 keys (order-preserving bits of the fp32 projection, then the slot: ties by
     slot), one ``tl.sort``, the C smallest left, the rest right, padding last."""
     node = tl.program_id(0)
     bh = tl.program_id(1)
@@ -150,8 +176,8 @@ def _leaf(
     count = tl.load(NODE_COUNT + node)
     perm_row = PERM_IN + bh.to(tl.int64) * n_slots
     base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    cov, mean = _sample_cov(base, perm_row, start, count, count, stride_qs, stride_qd, D, CHUNK, FIRST)
-    v, lam = _top_direction(cov, PAIRS, D)
+    v, lam, mean = _node_direction(base, perm_row, start, count, tl.minimum(count, M), stride_qs, stride_qd, D, SCHUNK,
+                                   PAIRS, FIRST, GRAM)
     keys = KEYS + (bh.to(tl.int64) * N + node) * NP
     for c0 in tl.static_range(0, NP, CHUNK):
         i = c0 + tl.arange(0, CHUNK)
@@ -321,8 +347,8 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
         q: ``[B, H, S, D]`` fp16/bf16 (any strides), D a power of two in [16, 256].
         group_size: C >= 1. power_iters: matrix-vector products of the power iteration per node (>= 1; rounded up
             to an even count).
-        samples: rows per node its direction is computed from (a power of two >= 16; default ``SAMPLES``); two-group
-            nodes use all their rows.
+        samples: rows per node its direction is computed from (a power of two >= 16; default ``SAMPLES``; up to
+            ``_GRAM_MAX`` by the samples' Gram matrix).
         bins: histogram bins per node for the rank split (a power of two >= 16; default ``BINS``).
         phase_hook: benchmarks only: called with "direction", "bin", "count", "apply", "leaf" after each launch.
     Returns:
@@ -348,6 +374,8 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
         return out.reshape(B, H, n_slots)
     hook = phase_hook or (lambda name: None)
     pairs = (power_iters + 1) // 2
+    gram = samples <= _GRAM_MAX  # directions from the samples' Gram matrix
+    schunk = samples if gram else 64
     bigs = [big for _, big, _ in levels if big]
     leaves = [lf for _, _, lf in levels if lf]
     cur = torch.empty(BH, n_slots, dtype=torch.int32, device=q.device)
@@ -371,7 +399,8 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
         if big:
             N, n_max, start, size, count = big
             _direction[(N, BH)](q, cur, start, count, v, off, hist, H, N, n_slots, *strides,
-                                PAIRS=pairs, M=samples, D=D, CHUNK=64, NB=bins, FIRST=first, num_warps=_DIR_WARPS)
+                                PAIRS=pairs, M=samples, D=D, SCHUNK=schunk, NB=bins, FIRST=first, GRAM=gram,
+                                num_warps=_DIR_WARPS)
             hook("direction")
             _bin[(triton.cdiv(n_max, _BLOCK_BIN), N, BH)](q, cur, start, count, v, off, hist, bin_of, H, N, n_slots,
                                                             *strides, BLOCK=_BLOCK_BIN, D=D, NB=bins, FIRST=first,
@@ -387,7 +416,8 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
         if leaf:
             N, start, count = leaf
             _leaf[(N, BH)](q, cur, nxt, keys, start, count, H, N, n_slots, C, *strides,
-                           PAIRS=pairs, D=D, CHUNK=64, NP=np2, FIRST=first, num_warps=_DIR_WARPS)
+                           PAIRS=pairs, M=samples, D=D, SCHUNK=schunk, CHUNK=64, NP=np2, FIRST=first, GRAM=gram,
+                           num_warps=_DIR_WARPS)
             hook("leaf")
         cur, nxt = nxt, cur
     return cur.reshape(B, H, n_slots)
