@@ -81,6 +81,12 @@ PASS2_CONFIGS = {  # group_prob_sums tuning; "f16x2": packed half-precision expo
 }
 FP8_CONFIGS = {"fp8 bn64 w4 st3": (64, 4, 3)}  # approximate: reported, not picked (full run only)
 TOPK_METHODS = ("radix", "sample")
+TOPK_TUNING = {  # sample-method variants timed at s = 0.25 (the default is block 2048, 8 warps, 8192 samples / slots)
+    "sample b1024 w4": dict(block=1024, num_warps=4),
+    "sample b4096 w8": dict(block=4096, num_warps=8),
+    "sample b2048 w8 4096 samples": dict(samples=4096),
+    "sample b2048 w16": dict(block=2048, num_warps=16),
+}
 
 
 def bench(fn, rep_ms):
@@ -302,6 +308,18 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
             log(f"{name} top-K alone s={s}, all heads: " + ", ".join(
                 f"{m} {row[m]['ms']:.2f} ms = {row[m]['over_dense']:.4f}" for m in TOPK_METHODS)
                 + f"; sample fallback rows {row['sample']['fallback_rows']:.4f}; identical {row['identical']}")
+            if s != 0.25:
+                continue
+            for tname, tune in TOPK_TUNING.items():
+                try:
+                    got, fb = topk.top_k_rows(sums, kk, width, return_fallbacks=True, **tune)
+                    if not torch.equal(got, outs["radix"]):
+                        raise AssertionError("differs from the radix method")
+                    ms = bench(lambda tune=tune: topk.top_k_rows(sums, kk, width, **tune), rep)
+                    row[tname] = dict(ms=ms, over_dense=ms / best, fallback_rows=float(fb.float().mean()))
+                except Exception as err:  # noqa: BLE001 (a config that does not fit is reported)
+                    row[tname] = f"{type(err).__name__}: {str(err)[:100]}"
+                log(f"{name} top-K alone s={s} {tname}: {row[tname]}")
         del sums, outs
 
     timed = {c: r for c, r in res["pass2_sweep"].items() if isinstance(r, float) and "f16x2" not in c}
