@@ -16,7 +16,8 @@ kernel's default config on contiguous [B, H, S, D] inputs and on the model's pat
 tensors, ``out=`` a view too, plain residual epilogue); every REUSE_CONFIGS entry (spill-free tiles, Q in shared
 memory or registers, x fp32 / packed f16x2 exponentials x eager / lazy rescale) side by side in the same run, with its error against the float32
 reference and (num_warps, n_regs, n_spills); flash-attn-4's paged route when present (``fa4_route_eff_min``); the
-bitmask decode kernel at s = 0.25. It prints f16x2 / fp32, lazy / eager and qreg / shared time ratios per point, writes
+bitmask decode kernel at s = 0.25. It prints f16x2 / fp32, lazy / eager, qreg / shared and pipelined / not time
+ratios per point, writes
 ``triton_sparse_eff_min`` = the min over the points of the best spill-free config (named in the note) into
 docs/results/scoreboard.json (commit: --commit, else $MC_SPARSE_COMMIT, else git HEAD), and a copy next to --out.
 
@@ -251,27 +252,33 @@ def run_shape(name, shp, densities, sweep, rep, log):
 
 # --- reuse path (issue 14) -------------------------------------------------------------------------------------
 
-REUSE_TILES = {  # spill-free Triton tile configs on sm_90 (tests/ptxas_report.py --variants)
-    "bn32 w8 st3 r128": dict(block_n=32, num_warps=8, num_stages=3, maxnreg=128),
-    "bn64 w8 st3": dict(block_n=64, num_warps=8, num_stages=3, maxnreg=0),
-    "bn128 w8 st3": dict(block_n=128, num_warps=8, num_stages=3, maxnreg=0),
-    "bn64 w8 st3 qreg": dict(block_n=64, num_warps=8, num_stages=3, maxnreg=0, q_regs=True),
-    "bn128 w8 st3 qreg": dict(block_n=128, num_warps=8, num_stages=3, maxnreg=0, q_regs=True),
+_ALL = [("fp32", False), ("fp32", True), ("f16x2", False), ("f16x2", True)]  # (exponentials, lazy rescale)
+REUSE_TILES = {  # spill-free Triton tile configs on sm_90 (tests/ptxas_report.py --variants), and their softmax variants
+    "bn32 w8 st3 r128": (dict(block_n=32, num_warps=8, num_stages=3, maxnreg=128), _ALL),
+    "bn64 w8 st3": (dict(block_n=64, num_warps=8, num_stages=3, maxnreg=0), _ALL),
+    "bn128 w8 st3": (dict(block_n=128, num_warps=8, num_stages=3, maxnreg=0), _ALL),
+    "bn64 w8 st3 qreg": (dict(block_n=64, num_warps=8, num_stages=3, maxnreg=0, q_regs=True),
+                         [("fp32", False), ("fp32", True), ("f16x2", True)]),
+    "bn128 w8 st3 qreg": (dict(block_n=128, num_warps=8, num_stages=3, maxnreg=0, q_regs=True),
+                          [("fp32", False), ("fp32", True), ("f16x2", True)]),
+    "bn32 w8 st3 pipe": (dict(block_n=32, num_warps=8, num_stages=3, maxnreg=0, pipeline_qk=True), [("fp32", True)]),
+    "bn64 w8 st3 pipe": (dict(block_n=64, num_warps=8, num_stages=3, maxnreg=0, pipeline_qk=True), [("fp32", True)]),
+    "bn64 w8 st3 qreg pipe": (dict(block_n=64, num_warps=8, num_stages=3, maxnreg=0, q_regs=True, pipeline_qk=True),
+                              [("fp32", True)]),
 }
 # with --reuse each (tile, exponentials, rescale) below is timed at every point, side by side in one run: fp32 / packed
-# f16x2 exponentials (kernels/triton/fastexp.py), eager / lazy rescale (RESCALE_LOG2 in sparse_attention.py); every
-# combination on the first three tiles, the Q-in-registers tiles (q_regs) with three
-_SOFTMAX = [("fp32", False), ("fp32", True), ("f16x2", False), ("f16x2", True)]
+# f16x2 exponentials (kernels/triton/fastexp.py), eager / lazy rescale (RESCALE_LOG2 in sparse_attention.py), Q in
+# shared memory / registers (q_regs), the next tile's QK^T before this tile's softmax (pipeline_qk)
 REUSE_CONFIGS = {f"{t} {e}{' lazy' if lazy else ''}": dict(kw, exp=e, lazy_rescale=lazy)
-                 for t, kw in REUSE_TILES.items() for e, lazy in _SOFTMAX
-                 if "qreg" not in t or (e, lazy) in (("fp32", False), ("fp32", True), ("f16x2", True))}
+                 for t, (kw, softmax) in REUSE_TILES.items() for e, lazy in softmax}
 
 
 def config_name(kw):
     """The REUSE_CONFIGS name of a launch config dict (block_n, num_warps, num_stages, maxnreg, exp, lazy_rescale,
-    q_regs)."""
+    q_regs, pipeline_qk)."""
     tile = f"bn{kw['block_n']} w{kw['num_warps']} st{kw['num_stages']}" + (f" r{kw['maxnreg']}" if kw["maxnreg"] else "")
-    return f"{tile}{' qreg' if kw.get('q_regs') else ''} {kw['exp']}{' lazy' if kw['lazy_rescale'] else ''}"
+    tile += (" qreg" if kw.get("q_regs") else "") + (" pipe" if kw.get("pipeline_qk") else "")
+    return f"{tile} {kw['exp']}{' lazy' if kw['lazy_rescale'] else ''}"
 
 
 _tsa = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention")
@@ -560,6 +567,11 @@ def print_reuse_table(report, board):
             else:
                 print(f"| {name} | config {cname} | {v} |")
         for tile in REUSE_TILES:  # side by side, same run: packed / fp32 exponentials, lazy / eager rescale
+            if " pipe" in tile:
+                a, b = config_effs(r, f"{tile} fp32 lazy"), config_effs(r, f"{tile.replace(' pipe', '')} fp32 lazy")
+                if a and b:
+                    print(f"| {name} | {tile} fp32 lazy: pipelined / not time ratio | "
+                          + " | ".join(f"{b[x] / a[x]:.3f}" for x in dens if x in a and x in b) + " |")
             for lazy in ("", " lazy"):
                 a, b = config_effs(r, f"{tile} f16x2{lazy}"), config_effs(r, f"{tile} fp32{lazy}")
                 if a and b:
@@ -571,7 +583,7 @@ def print_reuse_table(report, board):
                     print(f"| {name} | {tile} {e}: lazy / eager time ratio | "
                           + " | ".join(f"{b[x] / a[x]:.3f}" for x in dens if x in a and x in b) + " |")
         for cname in REUSE_CONFIGS:  # Q in registers against Q in shared memory, same tile and softmax
-            if " qreg" in cname:
+            if " qreg" in cname and " pipe" not in cname:
                 a, b = config_effs(r, cname), config_effs(r, cname.replace(" qreg", ""))
                 if a and b:
                     print(f"| {name} | {cname}: qreg / shared time ratio | "

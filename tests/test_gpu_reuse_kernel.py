@@ -66,21 +66,25 @@ def test_native_out_residual_vs_float64(kind, S, K):
 
 # packed exponentials (kernels/triton/fastexp.py mode 1: inline ex2.approx.f16x2) and lazy rescale, every residual
 # kind, both dtypes, ragged K: (exp, lazy, kind, dtype, S, K)
-# (and Q in registers on the bench's BLOCK_N 64 tile: q_regs)
-PACKED = [("f16x2", False, None, torch.bfloat16, 4000, 1000, False),
-          ("f16x2", True, "plain", torch.bfloat16, 3008, 777, False),
-          ("f16x2", True, "fp8_row", torch.float16, 4000, 1000, False),
-          ("f16x2", False, "int4_row", torch.float16, 3008, 777, False),
-          ("f16x2", True, None, torch.float16, 3008, 777, False),
-          ("fp32", True, "int4_row", torch.bfloat16, 4000, 1000, False),
-          ("fp32", True, "plain", torch.bfloat16, 3008, 777, True),
-          ("f16x2", True, "fp8_row", torch.float16, 4000, 1000, True)]
+# (and on the bench's BLOCK_N 64 tile: Q in registers, the next tile's QK^T first)
+QREG = dict(q_regs=True, block_n=64, maxnreg=0)
+PIPE = dict(q_regs=True, pipeline_qk=True, block_n=64, maxnreg=0)
+PACKED = [("f16x2", False, None, torch.bfloat16, 4000, 1000, {}),
+          ("f16x2", True, "plain", torch.bfloat16, 3008, 777, {}),
+          ("f16x2", True, "fp8_row", torch.float16, 4000, 1000, {}),
+          ("f16x2", False, "int4_row", torch.float16, 3008, 777, {}),
+          ("f16x2", True, None, torch.float16, 3008, 777, {}),
+          ("fp32", True, "int4_row", torch.bfloat16, 4000, 1000, {}),
+          ("fp32", True, "plain", torch.bfloat16, 3008, 777, QREG),
+          ("f16x2", True, "fp8_row", torch.float16, 4000, 1000, QREG),
+          ("fp32", True, "int4_row", torch.bfloat16, 3008, 777, PIPE),
+          ("fp32", True, None, torch.float16, 4000, 1000, dict(pipeline_qk=True, block_n=32, maxnreg=0))]
 
 
-@pytest.mark.parametrize(("exp", "lazy", "kind", "dtype", "S", "K", "q_regs"), PACKED,
-                         ids=[f"{e}-{'lazy' if z else 'eager'}-{k}-{str(d)[6:]}-S{s}{'-qreg' if r else ''}"
-                              for e, z, k, d, s, _, r in PACKED])
-def test_packed_exp_lazy_rescale_vs_float64(exp, lazy, kind, dtype, S, K, q_regs):
+@pytest.mark.parametrize(("exp", "lazy", "kind", "dtype", "S", "K", "tile"), PACKED,
+                         ids=[f"{e}-{'lazy' if z else 'eager'}-{k}-{str(d)[6:]}-S{s}-{'-'.join(sorted(t)) or 'default'}"
+                              for e, z, k, d, s, _, t in PACKED])
+def test_packed_exp_lazy_rescale_vs_float64(exp, lazy, kind, dtype, S, K, tile):
     """Native views, an out view of a NaN-filled buffer written in full, O = sparse + R and LSE against float64; the
     same call with fp32 exponentials, eager rescale beside it: prints both errors (max / mean abs, rel L2). Bounds:
     O rel L2 < 6e-3 (bf16 rounding of P and O), LSE < 4e-3 for fp16 exponentials (argument rounded to fp16), 1e-3
@@ -96,7 +100,7 @@ def test_packed_exp_lazy_rescale_vs_float64(exp, lazy, kind, dtype, S, K, q_regs
     if res is not None:
         ref = ref + res.dequantize(torch.float64)
     errs = {}
-    tested = dict(exp=exp, lazy_rescale=lazy) | (dict(q_regs=True, block_n=64, maxnreg=0) if q_regs else {})
+    tested = dict(exp=exp, lazy_rescale=lazy) | tile
     for name, kw in (("tested", tested), ("fp32 eager", dict(exp="fp32", lazy_rescale=False))):
         base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
         out = base.view(B, S, H, D).transpose(1, 2)
@@ -105,7 +109,7 @@ def test_packed_exp_lazy_rescale_vs_float64(exp, lazy, kind, dtype, S, K, q_regs
         d = got.double() - ref
         errs[name] = dict(rel_l2=float(d.norm() / ref.norm()), max_abs=float(d.abs().max()),
                           mean_abs=float(d.abs().mean()), lse_max=float((lse.double() - ref_lse).abs().max()))
-    print(f"{exp} lazy={lazy} q_regs={q_regs} {kind} {dtype}: {errs}")
+    print(f"{exp} lazy={lazy} {tile} {kind} {dtype}: {errs}")
     assert errs["tested"]["rel_l2"] < 6e-3, errs
     assert errs["tested"]["lse_max"] < (4e-3 if exp == "f16x2" else 1e-3), errs
 

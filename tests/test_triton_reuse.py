@@ -152,13 +152,14 @@ EXP_COMBOS = [("f16_emulated", True, 0, torch.bfloat16, "plain"), ("f16_emulated
               ("fp32", True, 1, torch.bfloat16, "int4_row"), ("f16_emulated", True, 2, torch.float16, "fp8_row")]
 
 
-@pytest.mark.parametrize("q_regs", [False, True], ids=["q-shared", "q-regs"])
+@pytest.mark.parametrize(("q_regs", "pipeline_qk"), [(False, False), (True, False), (True, True)],
+                         ids=["q-shared", "q-regs", "q-regs-pipelined"])
 @pytest.mark.parametrize(("exp", "lazy", "case", "dtype", "kind"), EXP_COMBOS,
                          ids=[f"{e}-{'lazy' if z else 'eager'}-S{CASES[c][0]}-{str(d)[6:]}-{k}" for e, z, c, d, k in EXP_COMBOS])
-def test_exp_modes_and_lazy_rescale_vs_float64(gen, exp, lazy, case, dtype, kind, q_regs):
+def test_exp_modes_and_lazy_rescale_vs_float64(gen, exp, lazy, case, dtype, kind, q_regs, pipeline_qk):
     """Native views in, a NaN-poisoned out view written in full, ragged S and K, O = sparse + R and LSE against
-    float64 brute force, for the emulated packed exponentials, the lazy rescale (BLOCK_N 16: several tiles) and Q
-    held in registers."""
+    float64 brute force, for the emulated packed exponentials, the lazy rescale (BLOCK_N 16: several tiles), Q
+    held in registers and the next tile's QK^T issued before this tile's softmax."""
     S, D, C, K, k_alloc = CASES[case]
     B, H = 2, 2
     (q, _), (k, _), (v, _) = (_native(gen, B, S, H, D, dtype) for _ in range(3))
@@ -169,7 +170,7 @@ def test_exp_modes_and_lazy_rescale_vs_float64(gen, exp, lazy, case, dtype, kind
     if res is not None:
         res = kernels.Residual(res.data.to(DEVICE), None if res.scale is None else res.scale.to(DEVICE), res.kind)
     got, lse = tsa.sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, exp=exp,
-                                    lazy_rescale=lazy, q_regs=q_regs, block_n=16)
+                                    lazy_rescale=lazy, q_regs=q_regs, pipeline_qk=pipeline_qk, block_n=16)
     assert got is out and not out.isnan().any()
     ref, ref_lse = brute_sparse(q.cpu(), k.cpu(), v.cpu(), perm.cpu(), idx.cpu())
     if res is not None:
@@ -218,6 +219,7 @@ def test_launch_args_exp_dispatch(exp, capability, mode):
     want = mode if mode is not None else {"fp32": 0, "f16x2": 1}[cfg["exp"]]
     assert meta["EXP_MODE"] == want
     assert meta["LAZY_RESCALE"] == cfg["lazy_rescale"] and meta["Q_REGS"] == cfg["q_regs"]
+    assert meta["PIPELINE_QK"] == cfg["pipeline_qk"]
 
 
 def test_packed_request_runs_fp32_under_the_interpreter(gen, monkeypatch):
@@ -252,3 +254,23 @@ def test_q_regs_is_exact(gen):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     else:  # another wgmma form on sm_90: the same sums, possibly in another order
         assert (a[0].float() - b[0].float()).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_pipelined_qk_masking_by_the_loaded_indices(gen, lazy):
+    """pipeline_qk with mask_from_count=False (-1 slots anywhere, masked by the loaded index; a tile may be all -1
+    before any valid slot): O and LSE against float64 brute force."""
+    B, H, S, D, C, K = 1, 2, 40, 16, 8, 9
+    q, k, v = (torch.randn(B, H, S, D, generator=gen).to(torch.float16).to(DEVICE) for _ in range(3))
+    perm = random_groups(gen, B, H, S, C).to(DEVICE)
+    G = perm.shape[-1] // C
+    idx = torch.full((B, H, G, 64), -1, dtype=torch.int32)
+    for g in range(G):  # valid slots scattered from slot 20 on (tile 0 all -1 at BLOCK_N 16)
+        slots = torch.sort(torch.randperm(44, generator=gen)[:K]).values + 20
+        idx[0, :, g, slots] = torch.sort(torch.randperm(S, generator=gen)[:K]).values.to(torch.int32)
+    idx = idx.to(DEVICE)
+    got, lse = tsa.sparse_attention(q, k, v, perm, idx, return_lse=True, mask_from_count=False, pipeline_qk=True,
+                                    lazy_rescale=lazy, block_n=16)
+    ref, ref_lse = brute_sparse(q.cpu(), k.cpu(), v.cpu(), perm.cpu(), idx.cpu())
+    assert float((got.cpu().double() - ref).norm() / ref.norm()) < BOUND[torch.float16]
+    assert (lse.cpu().double() - ref_lse).abs().max() < 1e-4

@@ -60,6 +60,20 @@ def _valid_count(idx_base, K_ALLOC, PROBES: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(idx_base, n0, n_end, kv_first, SK, offs_n, ROW64: tl.constexpr):
+    """(K/V row of each slot, slot < n_end, index valid) for the BLOCK_N slots from n0 of one group's kv_idx row:
+    slots past n_end read ``kv_first``, out-of-range indices row 0 (in bounds; their scores are masked or unused)."""
+    slots = n0 + offs_n
+    live = slots < n_end
+    kv = tl.load(idx_base + slots, mask=live, other=kv_first)  # [BLOCK_N] int32
+    col_ok = (kv >= 0) & (kv < SK)
+    kv_rows = tl.where(col_ok, kv, 0)
+    if ROW64:
+        kv_rows = kv_rows.to(tl.int64)
+    return kv_rows, live, col_ok
+
+
+@triton.jit
 def _e4m3_to_f32_div256(byte):
     """float8_e4m3fn bit patterns (uint8) -> fp32 value / 256, exactly, in registers on any architecture.
 
@@ -97,6 +111,7 @@ def _sparse_attn_fwd(
     EXP_MODE: tl.constexpr,  # fastexp.exp2's MODE: 0 fp32 exp2, 1 packed ex2.approx.f16x2 (CUDA), 2 its emulation
     LAZY_RESCALE: tl.constexpr,  # move a row's running max only when it grows by > RESCALE_LOG2 (FA4); see below
     Q_REGS: tl.constexpr,  # sm_90: Q as the register operand of the QK^T wgmma (not re-read from shared memory)
+    PIPELINE_QK: tl.constexpr,  # issue tile n+1's QK^T before tile n's softmax (FA3's intra-warpgroup overlap)
 ):
     pid_m = tl.program_id(0)  # group * M_BLOCKS + block inside the group
     bh = tl.program_id(1)
@@ -147,16 +162,21 @@ def _sparse_attn_fwd(
         kv_first = -1
     # One tile body for every tile (for MASK_FROM_COUNT, full tiles and the last one alike: no per-score mask).
     # The first tile holds at least one valid slot (the contract), so the running max is finite from there on.
+    if PIPELINE_QK:  # tile 0's scores before the loop; each iteration issues the next tile's QK^T first
+        kv_rows_nx, live_nx, col_ok_nx = _kv_tile(idx_base, 0, n_end, kv_first, SK, offs_n, ROW64)
+        k = tl.load(k_base + kv_rows_nx[:, None] * stride_ks + offs_d[None, :] * stride_kd, cache_modifier=CACHE)
+        qk_nx = tl.dot(q, tl.trans(k))
     for n0 in range(0, n_end, BLOCK_N):
-        slots = n0 + offs_n
-        live = slots < n_end
-        kv = tl.load(idx_base + slots, mask=live, other=kv_first)  # [BLOCK_N] int32
-        col_ok = (kv >= 0) & (kv < SK)
-        kv_rows = tl.where(col_ok, kv, 0)  # out-of-range indices read row 0 (in bounds)
-        if ROW64:
-            kv_rows = kv_rows.to(tl.int64)
-        k = tl.load(k_base + kv_rows[:, None] * stride_ks + offs_d[None, :] * stride_kd, cache_modifier=CACHE)
-        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
+        if PIPELINE_QK:  # this tile's scores came from the previous iteration; tile n0 + BLOCK_N's product (past the
+            qk, kv_rows, live, col_ok = qk_nx, kv_rows_nx, live_nx, col_ok_nx  # end: all slots repeat kv_first,
+            kv_rows_nx, live_nx, col_ok_nx = _kv_tile(idx_base, n0 + BLOCK_N, n_end, kv_first, SK, offs_n, ROW64)
+            k = tl.load(k_base + kv_rows_nx[:, None] * stride_ks + offs_d[None, :] * stride_kd,  # never used)
+                        cache_modifier=CACHE)
+            qk_nx = tl.dot(q, tl.trans(k))  # asynchronous: overlaps this tile's softmax
+        else:
+            kv_rows, live, col_ok = _kv_tile(idx_base, n0, n_end, kv_first, SK, offs_n, ROW64)
+            k = tl.load(k_base + kv_rows[:, None] * stride_ks + offs_d[None, :] * stride_kd, cache_modifier=CACHE)
+            qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
         if not MASK_FROM_COUNT:  # -1 anywhere: mask those scores; a tile may be all masked before any valid slot
             qk = tl.where(col_ok[None, :], qk, float("-inf"))
         m_tile = tl.max(qk, 1) * sm_scale_log2
@@ -248,19 +268,23 @@ def config(head_dim: int, capability: tuple[int, int] | None) -> dict:
     4 warps, 255 registers) spilled 160-260 bytes (docs/kernels-benchmark.md has the measured configs).
     ``exp`` ("fp32" / "f16x2", kernels/triton/fastexp.py) and ``lazy_rescale``: the softmax options (module docstring);
     ``q_regs``: Q held in registers for the QK^T wgmma (sm_90: the shared-memory reads per tile drop from Q + K to K;
-    32 more registers per thread at BLOCK_M 128 / 8 warps, so one program per SM).
+    32 more registers per thread at BLOCK_M 128 / 8 warps, so one program per SM). ``pipeline_qk``: tile n+1's QK^T
+    issued before tile n's softmax (FA3's overlap; Triton 3.6 still waits for it before the P @ V product, so the
+    exponentials overlap it only partly; one BLOCK_M x BLOCK_N score tile more in registers).
     ``tests/bench_kernels.py --reuse`` times the combinations side by side."""
     major, _ = capability or (9, 0)
     if major >= 9:
-        return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=128, exp="fp32", lazy_rescale=False, q_regs=False)
+        return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=128, exp="fp32", lazy_rescale=False, q_regs=False,
+                    pipeline_qk=False)
     # sm_80-89: ~200 registers, 48 KiB shared
-    return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=None, exp="fp32", lazy_rescale=False, q_regs=False)
+    return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=None, exp="fp32", lazy_rescale=False, q_regs=False,
+                pipeline_qk=False)
 
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, block_n=None,
                 num_warps=None, num_stages=None, mask_from_count=True, cache="", block_m=None, row64=None,
                 permute_q=True, maxnreg=None, exp=None, lazy_rescale=None, q_regs=None,
-                capability=None):
+                pipeline_qk=None, capability=None):
     """(grid, positional args, meta) of one launch, and (out, lse); shared by the op and ``tests/ptxas_report.py``.
 
     ``exp`` (None: the config's) goes through ``fastexp.mode_for``: "f16x2" runs fp32 exponentials under the
@@ -280,6 +304,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     exp_mode = fastexp.mode_for(cfg["exp"] if exp is None else exp, capability)
     lazy_rescale = cfg["lazy_rescale"] if lazy_rescale is None else bool(lazy_rescale)
     q_regs = cfg["q_regs"] if q_regs is None else bool(q_regs)
+    pipeline_qk = cfg["pipeline_qk"] if pipeline_qk is None else bool(pipeline_qk)
     if row64 is None:  # int32 row offsets unless some (b, h) slice reaches past 2^31 elements
         views = [q, k, v, out] + ([] if residual is None else [residual.data])
         reach = max(sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], t.stride()[2:])) for t in views if t is not None)
@@ -302,7 +327,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *r_strides, *c_strides)
     meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=bn, RETURN_LSE=return_lse, RES_KIND=kind,
                 MASK_FROM_COUNT=mask_from_count, ROW64=bool(row64), CACHE=cache, PERMUTE_Q=permute_q,
-                EXP_MODE=exp_mode, LAZY_RESCALE=lazy_rescale, Q_REGS=bool(q_regs), num_warps=warps, num_stages=stages)
+                EXP_MODE=exp_mode, LAZY_RESCALE=lazy_rescale, Q_REGS=bool(q_regs), PIPELINE_QK=bool(pipeline_qk), num_warps=warps, num_stages=stages)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     return grid, args, meta, (out, lse)
@@ -326,7 +351,8 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             elements; the (b, h) base offsets are always 64-bit),
             ``permute_q`` (False ignores perm: a benchmark baseline, not the contract), ``exp`` ("fp32", "f16x2":
             packed half-precision exponentials, fp32 under the interpreter and below sm_75; "f16_emulated": their
-            roundings in plain Triton, for tests), ``lazy_rescale`` (bool), ``q_regs`` (bool). With fp16 exponentials the LSE is within
+            roundings in plain Triton, for tests), ``lazy_rescale`` (bool), ``q_regs`` (bool), ``pipeline_qk``
+            (bool: tile n+1's QK^T issued before tile n's softmax; one extra, unused product per program). With fp16 exponentials the LSE is within
             4e-3 (the argument is rounded to fp16), O within the bf16/fp16 rounding of P as before.
     Returns:
         ``out`` (original query order; queries absent from ``perm`` are left as they were), or (out, LSE).
