@@ -122,6 +122,8 @@ PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set 
     "s64 i4": (dict(samples=64, power_iters=4), {}), "s64 i8": (dict(samples=64), {}),
     "s128 i4": (dict(samples=128, power_iters=4), {}), "s128 i8": (dict(samples=128), {}),
     "s256 i4": (dict(power_iters=4), {}),
+    "compact": ({}, dict(COMPACT=True)), "compact s64 i4": (dict(samples=64, power_iters=4), dict(COMPACT=True)),
+    "compact s128 i4": (dict(samples=128, power_iters=4), dict(COMPACT=True)),
 }
 
 

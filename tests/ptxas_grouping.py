@@ -21,7 +21,7 @@ grouping = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.groupi
 pr._TYPES.setdefault(torch.int64, "i64")  # the leaf's sort keys
 
 
-def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128):
+def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, compact=False):
     """(name, jit fn, args, meta) of every launch of one tree level at the Wan2.1-14B 720p shape."""
     meta_t = dict(device="meta")
     B = 1
@@ -34,20 +34,24 @@ def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128):
     off = torch.empty(B * H * N, dtype=torch.float32, **meta_t)
     hist, cnt = torch.empty(B * H * N * bins, **i32), torch.empty(B * H * N * 2 * 80, **i32)
     keys = torch.empty(B * H * N * 2 * C, dtype=torch.int64, **meta_t)
+    q8 = torch.empty(B * H * S * D, dtype=torch.int8, **meta_t)
+    sc, mu = torch.empty(B * H * S, dtype=torch.float32, **meta_t), torch.empty(B * H * D, dtype=torch.float32, **meta_t)
+    r8, w8 = compact and not first, compact and first
     strides = q.stride()
     return [
-        ("_direction", grouping._direction, [q, perm, start, count, v, off, hist, H, N, n_slots, *strides],
+        ("_direction", grouping._direction,
+         [q, q8, sc, mu, perm, start, count, v, off, hist, H, N, S, n_slots, *strides],
          dict(PAIRS=pairs, M=samples, D=D, SCHUNK=min(samples, 64), NB=bins, FIRST=first,
-              GRAM=samples <= grouping._GRAM_MAX, num_warps=grouping._DIR_WARPS)),
-        ("_bin", grouping._bin, [q, perm, start, count, v, off, hist, bins_t, H, N, n_slots, *strides],
-         dict(BLOCK=grouping._BLOCK_BIN, D=D, NB=bins, FIRST=first, num_warps=4)),
+              GRAM=samples <= grouping._GRAM_MAX, READ8=r8, WRITE8=w8, num_warps=grouping._DIR_WARPS)),
+        ("_bin", grouping._bin, [q, q8, sc, mu, perm, start, count, v, off, hist, bins_t, H, N, S, n_slots, *strides],
+         dict(BLOCK=grouping._BLOCK_BIN, D=D, NB=bins, FIRST=first, READ8=r8, WRITE8=w8, num_warps=4)),
         ("_count", grouping._count, [bins_t, hist, start, size, count, cnt, N, n_slots, 74, C],
          dict(TILE=grouping._TILE, NB=bins, num_warps=4)),
         ("_apply", grouping._apply, [perm, perm, bins_t, hist, start, size, count, cnt, S, N, n_slots, 74, C],
          dict(TILE=grouping._TILE, NB=bins, PREFIX=grouping._PREFIX, FIRST=first, num_warps=4)),
-        ("_leaf", grouping._leaf, [q, perm, perm, keys, start, count, H, N, n_slots, C, *strides],
+        ("_leaf", grouping._leaf, [q, q8, sc, perm, perm, keys, start, count, H, N, S, n_slots, C, *strides],
          dict(PAIRS=pairs, M=samples, D=D, SCHUNK=min(samples, 64), CHUNK=64, NP=2 * C, FIRST=first,
-              GRAM=samples <= grouping._GRAM_MAX, num_warps=grouping._DIR_WARPS)),
+              GRAM=samples <= grouping._GRAM_MAX, READ8=r8, num_warps=grouping._DIR_WARPS)),
     ]
 
 
@@ -61,14 +65,14 @@ def main():
     grouping._DIR_WARPS = args.warps
     bad = 0
     for arch in (90, 80):
-        for first in (True, False):
-            for name, fn, a, meta in kernels(args.samples, args.bins, args.pairs, first):
+        for first, compact in ((True, False), (False, False), (True, True), (False, True)):
+            for name, fn, a, meta in kernels(args.samples, args.bins, args.pairs, first, compact=compact):
                 ck = pr.compile_offline(fn, a, meta, arch)
                 regs, st, ld = pr.ptxas_usage(ck, arch)
                 smem = ck.metadata.shared
                 ok = st == 0 and smem <= pr.SMEM_LIMIT[arch]
                 bad += not ok
-                print(dict(arch=arch, kernel=name, first=first, regs=regs, spill_st=st, spill_ld=ld, smem=smem,
+                print(dict(arch=arch, kernel=name, first=first, compact=compact, regs=regs, spill_st=st, spill_ld=ld, smem=smem,
                            ok=ok), flush=True)
     sys.exit(1 if bad else 0)
 

@@ -78,17 +78,30 @@ def test_rank_split_is_the_stable_partition(gen, S, C, tile, prefix):
         assert torch.equal(got, want), f"level {level}"
 
 
-@pytest.mark.parametrize("first,samples", [(True, 256), (False, 32), (True, 64)])
-def test_direction_and_bins_match_float64(gen, first, samples):
+@pytest.mark.parametrize("mode,samples", [("root", 256), ("below", 32), ("root", 64), ("root write8", 256),
+                                          ("below read8", 64), ("below read8", 256)])
+def test_direction_and_bins_match_float64(gen, mode, samples):
     """_direction (covariance and Gram paths): top eigenvector of the sampled rows' covariance, binning map from their
-    projections; _bin: bins
-    and histogram of every real query from that map (float64), histogram zeroed first; outputs poisoned."""
+    projections; _bin: bins and histogram of every real query from that map (float64), histogram zeroed first.
+    At the root with WRITE8: the int8 copy of every query (row scale, centred on the root's sample mean) dequantises
+    to q within half a step; below the root with READ8: the same from a given int8 copy. Outputs poisoned."""
     B, H, S, D, C, NB = 1, 2, 150, 32, 16, 64
     G = -(-S // C)
     n_slots = G * C
+    first, read8, write8 = mode.startswith("root"), "read8" in mode, "write8" in mode
     axis = torch.randn(H, 1, D, generator=gen)
     q = (torch.randn(B, H, S, 1, generator=gen) * 3.0 * axis + torch.randn(B, H, S, D, generator=gen) * 0.5
          + torch.randn(H, 1, D, generator=gen)).to(torch.bfloat16)
+    x_all = q.reshape(B * H, S, D).double()
+    q8 = torch.full((B * H * S * D,), -99, dtype=torch.int8)
+    sc = torch.full((B * H * S,), float("nan"))
+    mu = torch.full((B * H * D,), float("nan"))
+    if read8:  # a given int8 copy (any centre): the kernels must read it, not q
+        centre = x_all.mean(1, keepdim=True) + 0.1
+        scale = (x_all - centre).abs().amax(-1, keepdim=True) / 127
+        codes = ((x_all - centre) / scale).round().clamp(-127, 127)
+        q8, sc = codes.to(torch.int8).reshape(-1), scale.float().reshape(-1)
+        x_all = codes * sc.double().reshape(B * H, S, 1)
     level = 0 if first else 1
     N, n_max, start, size, count, dev = _level_tables(S, C)[level]
     perm = _perm_in(gen, B * H, S, n_slots)
@@ -96,16 +109,17 @@ def test_direction_and_bins_match_float64(gen, first, samples):
     off = torch.full((B * H * N,), float("nan"))
     hist = torch.full((B * H * N * NB,), 99, dtype=torch.int32)
     bins = torch.full((B * H, n_slots), -7, dtype=torch.int32)
-    qd, perm_d, v_d, off_d, hist_d, bins_d = (t.to(DEVICE) for t in (q, perm, v, off, hist, bins))
-    grouping._direction[(N, B * H)](qd, perm_d, dev[0], dev[2], v_d, off_d, hist_d, H, N, n_slots, *qd.stride(),
-                                    PAIRS=8, M=samples, D=D, SCHUNK=samples if samples <= 64 else 64, NB=NB,
-                                    FIRST=first, GRAM=samples <= 64)
-    grouping._bin[(-(-n_max // 16), N, B * H)](qd, perm_d, dev[0], dev[2], v_d, off_d, hist_d, bins_d, H, N, n_slots,
-                                               *qd.stride(), BLOCK=16, D=D, NB=NB, FIRST=first)
+    qd, q8_d, sc_d, mu_d, perm_d, v_d, off_d, hist_d, bins_d = (
+        t.to(DEVICE) for t in (q, q8, sc, mu, perm, v, off, hist, bins))
+    grouping._direction[(N, B * H)](qd, q8_d, sc_d, mu_d, perm_d, dev[0], dev[2], v_d, off_d, hist_d, H, N, S,
+                                    n_slots, *qd.stride(), PAIRS=8, M=samples, D=D, SCHUNK=min(samples, 64), NB=NB,
+                                    FIRST=first, GRAM=samples <= 64, READ8=read8, WRITE8=write8)
+    grouping._bin[(-(-n_max // 16), N, B * H)](qd, q8_d, sc_d, mu_d, perm_d, dev[0], dev[2], v_d, off_d, hist_d,
+                                               bins_d, H, N, S, n_slots, *qd.stride(), BLOCK=16, D=D, NB=NB,
+                                               FIRST=first, READ8=read8, WRITE8=write8)
     v, off, hist, bins = (t.cpu() for t in (v_d, off_d, hist_d, bins_d))
     v, off, hist = v.reshape(B * H, N, D), off.reshape(B * H, N), hist.reshape(B * H, N, NB)
     assert torch.isfinite(v).all() and torch.isfinite(off).all()
-    x_all = q.reshape(B * H, S, D).double()
     for bh in range(B * H):
         ids = torch.arange(n_slots, dtype=torch.int32) if first else perm[bh]
         for i in range(N):
@@ -129,6 +143,14 @@ def test_direction_and_bins_match_float64(gen, first, samples):
             near = (p - p.round()).abs() < 1e-3  # float32 rounding may land either side of an integer
             assert torch.equal(got[~near], want[~near]) and bool(((got - want).abs() <= 1).all())
             assert torch.equal(hist[bh, i], torch.bincount(got, minlength=NB).to(torch.int32))
+        if write8:
+            mean = mu_d.cpu().reshape(B * H, D)[bh].double()
+            sample = x_all[bh, torch.arange(min(S, samples)) * S // min(S, samples)]
+            assert torch.allclose(mean, sample.mean(0), atol=1e-4)
+            codes = q8_d.cpu().reshape(B * H, S, D)[bh].double()
+            step = sc_d.cpu().reshape(B * H, S)[bh].double()
+            assert torch.allclose(step, (x_all[bh] - mean).abs().amax(-1) / 127, rtol=1e-5)
+            assert bool(((codes * step[:, None] + mean - x_all[bh]).abs() <= step[:, None] * 0.5 + 1e-5).all())
 
 
 @pytest.mark.parametrize("S,C,first,samples", [(90, 16, False, 256), (28, 16, True, 256), (40, 24, False, 256),
@@ -153,9 +175,9 @@ def test_leaf_splits_by_the_float64_projection(gen, S, C, first, samples):
     out = torch.full((B * H, n_slots), -7, dtype=torch.int32, device=DEVICE)
     keys = torch.full((B * H * N * np2,), -7, dtype=torch.int64, device=DEVICE)
     qd = q.to(DEVICE)
-    grouping._leaf[(N, B * H)](qd, perm.to(DEVICE), out, keys, start, count, H, N, n_slots, C, *qd.stride(),
-                               PAIRS=8, M=samples, D=D, SCHUNK=min(samples, 64), CHUNK=64, NP=np2, FIRST=first,
-                               GRAM=samples <= 64)
+    grouping._leaf[(N, B * H)](qd, qd, keys, perm.to(DEVICE), out, keys, start, count, H, N, S, n_slots, C,
+                               *qd.stride(), PAIRS=8, M=samples, D=D, SCHUNK=min(samples, 64), CHUNK=64, NP=np2,
+                               FIRST=first, GRAM=samples <= 64, READ8=False)
     out, start, count = out.cpu(), start.cpu(), count.cpu()
     x_all = q.reshape(B * H, S, D).double()
     inside = torch.zeros(n_slots, dtype=torch.bool)
@@ -178,14 +200,15 @@ def test_leaf_splits_by_the_float64_projection(gen, S, C, first, samples):
     assert (out[:, ~inside] == -7).all()
 
 
-@pytest.mark.parametrize("S,C,leaf", [(120, 8, True), (120, 8, False), (93, 16, True)])
-def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, leaf, monkeypatch):
+@pytest.mark.parametrize("S,C,leaf,compact", [(120, 8, True, False), (120, 8, False, True), (93, 16, True, True)])
+def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, leaf, compact, monkeypatch):
     """The whole grouping with tiles smaller than the nodes (multi-tile prefix sums), ragged S and levels where some
-    nodes no longer split: every query once, -1 only in the tail, deterministic, better than a random grouping."""
+    nodes no longer split, with / without leaves and the int8 copy of q below the root: every query once, -1 only in the tail, deterministic, better than a random grouping."""
     monkeypatch.setattr(grouping, "_TILE", 16)
     monkeypatch.setattr(grouping, "_PREFIX", 2)
     monkeypatch.setattr(grouping, "_BLOCK_BIN", 16)
     monkeypatch.setattr(grouping, "LEAF", leaf)
+    monkeypatch.setattr(grouping, "COMPACT", compact)
     q = (torch.randn(1, 2, S, 1, generator=gen) * torch.randn(1, 2, 1, 16, generator=gen)
          + 0.3 * torch.randn(1, 2, S, 16, generator=gen)).to(torch.bfloat16)
     perm = grouping.pddp_groups(q.to(DEVICE), C, power_iters=4, samples=16).cpu()

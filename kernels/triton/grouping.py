@@ -24,6 +24,8 @@ no copy of Q, no covariance in memory, no sort and no host sync:
 - ``_leaf`` (one program per two-group node and head, the last split of every branch): direction from all the node's
   queries, their projections sorted in the program (``tl.sort`` of int64 keys: projection bits, then slot), the C
   smallest left. One launch and one read of the node instead of four launches and two reads.
+- ``COMPACT`` (option): the root's ``_bin`` also writes an int8 copy of q (each query centred on the root's sample
+  mean, one fp32 scale per query: 132 B a query instead of 256 B at D = 128) that every later level reads.
 
 Difference from the reference: the direction of a node larger than ``samples`` comes from a subsample (a two-group
 node's from all its queries, as the reference), and queries whose projections share the threshold bin (width 8 s / NB, 0.016 s at NB = 512) are split by slot order instead of
@@ -48,37 +50,54 @@ _TILE = 1024  # slots per program of _count / _apply
 _PREFIX = 128  # tile counts summed per step of _apply's prefix loop
 _DIR_WARPS = 8  # warps of _direction / _leaf
 _GRAM_MAX = 64  # samples up to which directions come from the samples' Gram matrix instead of the covariance
+COMPACT = False  # levels below the root read an int8 copy of q (per-query scale) written by the root's _bin
 LEAF = True  # two-group nodes split by _leaf in one program (False: every node by the histogram path)
 
 
 @triton.jit
-def _gather(base, perm_row, slot, take, stride_qs, stride_qd, D: tl.constexpr, FIRST: tl.constexpr):
-    """Rows [len(slot), D] fp32 of the queries in ``slot`` of the permutation (the identity when FIRST)."""
+def _gather(base, scb, perm_row, slot, take, stride_qs, stride_qd, D: tl.constexpr, FIRST: tl.constexpr,
+            READ8: tl.constexpr):
+    """Rows [len(slot), D] fp32 of the queries in ``slot`` of the permutation (the identity when FIRST); READ8: from
+    the int8 copy (row times its scale ``scb[query]``, centred on the head's mean)."""
     if FIRST:
         qi = slot
     else:
         qi = tl.load(perm_row + slot, mask=take, other=0)
     offs_d = tl.arange(0, D)
-    return tl.load(base + qi.to(tl.int64)[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                   mask=take[:, None], other=0.0).to(tl.float32)
+    x = tl.load(base + qi.to(tl.int64)[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                mask=take[:, None], other=0).to(tl.float32)
+    if READ8:
+        x = x * tl.load(scb + qi, mask=take, other=0.0)[:, None]
+    return x
 
 
 @triton.jit
-def _sample_cov(base, perm_row, start, count, m, stride_qs, stride_qd,
-                D: tl.constexpr, CHUNK: tl.constexpr, FIRST: tl.constexpr):
+def _rows(Q, Q8, SC, b, h, bh, S, stride_qb, stride_qh, stride_qs, stride_qd, D: tl.constexpr, READ8: tl.constexpr):
+    """(base, scale base, row stride, column stride) of one head's rows: q itself, or (READ8) its int8 copy."""
+    if READ8:
+        return Q8 + bh.to(tl.int64) * S * D, SC + bh.to(tl.int64) * S, D, 1
+    else:
+        return Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh, SC, stride_qs, stride_qd
+
+
+@triton.jit
+def _sample_cov(base, scb, perm_row, start, count, m, stride_qs, stride_qd,
+                D: tl.constexpr, CHUNK: tl.constexpr, FIRST: tl.constexpr, READ8: tl.constexpr):
     """(cov, mean): m times the covariance [D, D] fp32 of ``m`` rows evenly spaced over the node's ``count`` real slots,
     by ``tl.dot`` of bf16 rows shifted by the first chunk's mean (covariance is shift-invariant; the shift keeps the
     bf16 products small), and their mean [D]."""
     offs_c = tl.arange(0, CHUNK)
     take = offs_c < m
-    x = _gather(base, perm_row, start + (offs_c.to(tl.int64) * count) // m, take, stride_qs, stride_qd, D, FIRST)
+    x = _gather(base, scb, perm_row, start + (offs_c.to(tl.int64) * count) // m, take, stride_qs, stride_qd, D,
+                FIRST, READ8)
     mu = tl.sum(x, 0) / tl.minimum(m, CHUNK).to(tl.float32)
     cov = tl.zeros([D, D], dtype=tl.float32)
     ssum = tl.zeros([D], dtype=tl.float32)
     for c0 in range(0, m, CHUNK):
         i = c0 + offs_c
         take = i < m
-        x = _gather(base, perm_row, start + (i.to(tl.int64) * count) // m, take, stride_qs, stride_qd, D, FIRST)
+        x = _gather(base, scb, perm_row, start + (i.to(tl.int64) * count) // m, take, stride_qs, stride_qd, D,
+                    FIRST, READ8)
         x = tl.where(take[:, None], x - mu[None, :], 0.0)
         ssum += tl.sum(x, 0)
         xb = x.to(tl.bfloat16)
@@ -107,9 +126,9 @@ def _top_direction(cov, PAIRS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _node_direction(base, perm_row, start, count, m, stride_qs, stride_qd,
+def _node_direction(base, scb, perm_row, start, count, m, stride_qs, stride_qd,
                     D: tl.constexpr, SCHUNK: tl.constexpr, PAIRS: tl.constexpr, FIRST: tl.constexpr,
-                    GRAM: tl.constexpr):
+                    GRAM: tl.constexpr, READ8: tl.constexpr):
     """(v, lam, mean): unit principal direction [D] of ``m`` rows evenly spaced over the node's ``count`` real slots,
     m times their variance along it, their mean [D]. GRAM (m <= SCHUNK): power iteration on the rows' Gram matrix
     [SCHUNK, SCHUNK] (same eigenvalues as the covariance; v = X^T u), far fewer registers than the [D, D]
@@ -117,7 +136,8 @@ def _node_direction(base, perm_row, start, count, m, stride_qs, stride_qd,
     if GRAM:
         offs_c = tl.arange(0, SCHUNK)
         take = offs_c < m
-        x = _gather(base, perm_row, start + (offs_c.to(tl.int64) * count) // m, take, stride_qs, stride_qd, D, FIRST)
+        x = _gather(base, scb, perm_row, start + (offs_c.to(tl.int64) * count) // m, take, stride_qs, stride_qd, D,
+                FIRST, READ8)
         mean = tl.sum(x, 0) / m.to(tl.float32)
         xc = tl.where(take[:, None], x - mean[None, :], 0.0)
         xb = xc.to(tl.bfloat16)
@@ -125,17 +145,17 @@ def _node_direction(base, perm_row, start, count, m, stride_qs, stride_qd,
         v = tl.sum(xc * u[:, None], 0)
         v = v / tl.maximum(tl.sqrt(tl.sum(v * v, 0)), 1e-30)
     else:
-        cov, mean = _sample_cov(base, perm_row, start, count, m, stride_qs, stride_qd, D, SCHUNK, FIRST)
+        cov, mean = _sample_cov(base, scb, perm_row, start, count, m, stride_qs, stride_qd, D, SCHUNK, FIRST, READ8)
         v, lam = _top_direction(cov, PAIRS, D)
     return v, lam, mean
 
 
 @triton.jit
 def _direction(
-    Q, PERM, NODE_START, NODE_COUNT, V, OFF, HIST,
-    H, N, n_slots, stride_qb, stride_qh, stride_qs, stride_qd,
+    Q, Q8, SC, MU, PERM, NODE_START, NODE_COUNT, V, OFF, HIST,
+    H, N, S, n_slots, stride_qb, stride_qh, stride_qs, stride_qd,
     PAIRS: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SCHUNK: tl.constexpr, NB: tl.constexpr,
-    FIRST: tl.constexpr, GRAM: tl.constexpr,
+    FIRST: tl.constexpr, GRAM: tl.constexpr, READ8: tl.constexpr, WRITE8: tl.constexpr,
 ):
     node = tl.program_id(0)
     bh = tl.program_id(1)
@@ -145,9 +165,11 @@ def _direction(
     count = tl.load(NODE_COUNT + node)  # real queries in the node (its first slots)
     m = tl.minimum(count, M)  # rows sampled: evenly spaced over the node, all of it when count <= M
     perm_row = PERM + bh.to(tl.int64) * n_slots
-    base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    v, lam, mean = _node_direction(base, perm_row, start, count, m, stride_qs, stride_qd, D, SCHUNK, PAIRS, FIRST,
-                                   GRAM)
+    base, scb, sqs, sqd = _rows(Q, Q8, SC, b, h, bh, S, stride_qb, stride_qh, stride_qs, stride_qd, D, READ8)
+    v, lam, mean = _node_direction(base, scb, perm_row, start, count, m, sqs, sqd, D, SCHUNK, PAIRS, FIRST, GRAM,
+                                   READ8)
+    if WRITE8:  # the root's sample mean: the int8 copy is centred on it
+        tl.store(MU + bh.to(tl.int64) * D + tl.arange(0, D), mean)
     # binning map from the sample: mean and standard deviation of the projections on v (lam = m * variance)
     mean_p = tl.sum(mean * v, 0)
     sd = tl.sqrt(lam / tl.maximum(m, 1).to(tl.float32))
@@ -160,14 +182,14 @@ def _direction(
 
 @triton.jit
 def _leaf(
-    Q, PERM_IN, PERM_OUT, KEYS, NODE_START, NODE_COUNT,
-    H, N, n_slots, C, stride_qb, stride_qh, stride_qs, stride_qd,
+    Q, Q8, SC, PERM_IN, PERM_OUT, KEYS, NODE_START, NODE_COUNT,
+    H, N, S, n_slots, C, stride_qb, stride_qh, stride_qs, stride_qd,
     PAIRS: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SCHUNK: tl.constexpr, CHUNK: tl.constexpr,
-    NP: tl.constexpr, FIRST: tl.constexpr, GRAM: tl.constexpr,
+    NP: tl.constexpr, FIRST: tl.constexpr, GRAM: tl.constexpr, READ8: tl.constexpr,
 ):
     """A node of two groups (2C slots, NP >= 2C a power of two) split in one program: direction from min(M, count) of
-    its real queries (``_node_direction``), their projections as int64 keys (order-preserving bits of the fp32 projection, then the slot: ties by
-    slot), one ``tl.sort``, the C smallest left, the rest right, padding last."""
+    its real queries (``_node_direction``), their projections as int64 keys (order-preserving bits of the fp32
+    projection, then the slot: ties by slot), one ``tl.sort``, the C smallest left, the rest right, padding last."""
     node = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -175,14 +197,14 @@ def _leaf(
     start = tl.load(NODE_START + node)
     count = tl.load(NODE_COUNT + node)
     perm_row = PERM_IN + bh.to(tl.int64) * n_slots
-    base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    v, lam, mean = _node_direction(base, perm_row, start, count, tl.minimum(count, M), stride_qs, stride_qd, D, SCHUNK,
-                                   PAIRS, FIRST, GRAM)
+    base, scb, sqs, sqd = _rows(Q, Q8, SC, b, h, bh, S, stride_qb, stride_qh, stride_qs, stride_qd, D, READ8)
+    v, lam, mean = _node_direction(base, scb, perm_row, start, count, tl.minimum(count, M), sqs, sqd, D, SCHUNK,
+                                   PAIRS, FIRST, GRAM, READ8)
     keys = KEYS + (bh.to(tl.int64) * N + node) * NP
     for c0 in tl.static_range(0, NP, CHUNK):
         i = c0 + tl.arange(0, CHUNK)
         real = i < count
-        x = _gather(base, perm_row, start + i, real, stride_qs, stride_qd, D, FIRST)
+        x = _gather(base, scb, perm_row, start + i, real, sqs, sqd, D, FIRST, READ8)
         p = tl.sum(x * v[None, :], 1)
         bits = tl.where(p == p, p, 0.0).to(tl.int32, bitcast=True)
         key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
@@ -202,9 +224,10 @@ def _leaf(
 
 @triton.jit
 def _bin(
-    Q, PERM, NODE_START, NODE_COUNT, V, OFF, HIST, BINS_OUT,
-    H, N, n_slots, stride_qb, stride_qh, stride_qs, stride_qd,
-    BLOCK: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, FIRST: tl.constexpr,
+    Q, Q8, SC, MU, PERM, NODE_START, NODE_COUNT, V, OFF, HIST, BINS_OUT,
+    H, N, S, n_slots, stride_qb, stride_qh, stride_qs, stride_qd,
+    BLOCK: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, FIRST: tl.constexpr, READ8: tl.constexpr,
+    WRITE8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     node = tl.program_id(1)
@@ -217,13 +240,17 @@ def _bin(
     offs_d = tl.arange(0, D)
     real = j < count
     slot = bh.to(tl.int64) * n_slots + start + j
-    if FIRST:
-        qi = start + j
-    else:
-        qi = tl.load(PERM + slot, mask=real, other=0)
-    base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    x = tl.load(base + qi.to(tl.int64)[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                mask=real[:, None], other=0.0).to(tl.float32)
+    base, scb, sqs, sqd = _rows(Q, Q8, SC, b, h, bh, S, stride_qb, stride_qh, stride_qs, stride_qd, D, READ8)
+    x = _gather(base, scb, PERM + bh.to(tl.int64) * n_slots, start + j, real, sqs, sqd, D, FIRST, READ8)
+    if WRITE8:  # the int8 copy of each query, centred on the root's sample mean, one scale per query
+        qi = start + j  # the identity at the root
+        xc = x - tl.load(MU + bh.to(tl.int64) * D + offs_d)[None, :]
+        sc = tl.max(tl.abs(xc), 1) / 127.0
+        q8 = tl.floor(xc / tl.maximum(sc, 1e-30)[:, None] + 0.5)
+        q8 = tl.minimum(tl.maximum(q8, -127.0), 127.0).to(tl.int8)
+        row8 = bh.to(tl.int64) * S + qi
+        tl.store(Q8 + row8[:, None] * D + offs_d[None, :], q8, mask=real[:, None])
+        tl.store(SC + row8, sc, mask=real)
     row = bh.to(tl.int64) * N + node
     v = tl.load(V + row * D + offs_d)
     p = tl.sum(x * v[None, :], 1) - tl.load(OFF + row)
@@ -392,19 +419,27 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
         np2 = triton.next_power_of_2(2 * C)
         keys = torch.empty(BH * max(n for n, *_ in leaves) * np2, dtype=torch.int64, device=q.device)
     strides = q.stride()
+    compact = COMPACT and len(levels) > 1 and levels[0][1] is not None  # the root is split by the histogram path
+    if compact:
+        q8 = torch.empty(BH * S * D, dtype=torch.int8, device=q.device)
+        sc = torch.empty(BH * S, dtype=torch.float32, device=q.device)
+        mu = torch.empty(BH * D, dtype=torch.float32, device=q.device)
+    else:
+        q8 = sc = mu = cur  # unused
     for level, (copy, big, leaf) in enumerate(levels):
         first = level == 0
+        read8, write8 = compact and not first, compact and first
         if copy:  # nodes that no longer split keep their slots
             nxt.copy_(cur)
         if big:
             N, n_max, start, size, count = big
-            _direction[(N, BH)](q, cur, start, count, v, off, hist, H, N, n_slots, *strides,
+            _direction[(N, BH)](q, q8, sc, mu, cur, start, count, v, off, hist, H, N, S, n_slots, *strides,
                                 PAIRS=pairs, M=samples, D=D, SCHUNK=schunk, NB=bins, FIRST=first, GRAM=gram,
-                                num_warps=_DIR_WARPS)
+                                READ8=read8, WRITE8=write8, num_warps=_DIR_WARPS)
             hook("direction")
-            _bin[(triton.cdiv(n_max, _BLOCK_BIN), N, BH)](q, cur, start, count, v, off, hist, bin_of, H, N, n_slots,
-                                                            *strides, BLOCK=_BLOCK_BIN, D=D, NB=bins, FIRST=first,
-                                                            num_warps=4)
+            _bin[(triton.cdiv(n_max, _BLOCK_BIN), N, BH)](q, q8, sc, mu, cur, start, count, v, off, hist, bin_of, H, N,
+                                                            S, n_slots, *strides, BLOCK=_BLOCK_BIN, D=D, NB=bins,
+                                                            FIRST=first, READ8=read8, WRITE8=write8, num_warps=4)
             hook("bin")
             n_tiles = triton.cdiv(n_max, _TILE)
             _count[(n_tiles, N, BH)](bin_of, hist, start, size, count, cnt, N, n_slots, n_tiles, C, TILE=_TILE,
@@ -415,9 +450,9 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
             hook("apply")
         if leaf:
             N, start, count = leaf
-            _leaf[(N, BH)](q, cur, nxt, keys, start, count, H, N, n_slots, C, *strides,
+            _leaf[(N, BH)](q, q8, sc, cur, nxt, keys, start, count, H, N, S, n_slots, C, *strides,
                            PAIRS=pairs, M=samples, D=D, SCHUNK=schunk, CHUNK=64, NP=np2, FIRST=first, GRAM=gram,
-                           num_warps=_DIR_WARPS)
+                           READ8=read8, num_warps=_DIR_WARPS)
             hook("leaf")
         cur, nxt = nxt, cur
     return cur.reshape(B, H, n_slots)
