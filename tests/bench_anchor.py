@@ -70,14 +70,13 @@ D = 128
 KV_TILE = 128
 DENSITIES = (0.1, 0.15, 0.25, 0.5)
 PASS2_CONFIGS = {  # group_prob_sums tuning; "f16x2": packed half-precision exponentials (fastexp), not bitwise fp32
-    "bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3),
-    "f16x2 bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, exp="f16x2"),
-    "pair bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=True),
-    "pair bn64 w8 st3": dict(block_n=64, num_warps=8, num_stages=3, pair=True),
-    "pair stagger bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=True, pipelined=True),
-    "pair stagger bn64 w8 st3": dict(block_n=64, num_warps=8, num_stages=3, pair=True, pipelined=True),
-    "qreg bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, qreg=True),
-    "pair f16x2 bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=True, exp="f16x2"),
+    "single bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=False),
+    "f16x2 single bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=False, exp="f16x2"),
+    "pair bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=True, pipelined=False),
+    "pair stagger bn64 w4 st3 (default)": dict(block_n=64, num_warps=4, num_stages=3, pair=True, pipelined=True),
+    "pair stagger bn64 w4 st2": dict(block_n=64, num_warps=4, num_stages=2, pair=True, pipelined=True),
+    "pair stagger f16x2 bn64 w4 st3": dict(block_n=64, num_warps=4, num_stages=3, pair=True, pipelined=True,
+                                           exp="f16x2"),
 }
 FP8_CONFIGS = {"fp8 bn64 w4 st3": (64, 4, 3)}  # approximate: reported, not picked (full run only)
 TOPK_METHODS = ("radix", "sample")
@@ -325,7 +324,7 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
         del sums, outs
 
     timed = {c: r for c, r in res["pass2_sweep"].items() if isinstance(r, float) and "f16x2" not in c}
-    pick = min(timed, key=timed.get) if timed else "bn64 w4 st3"
+    pick = min(timed, key=timed.get) if timed else "pair stagger bn64 w4 st3 (default)"
     res["pass2_config"] = pick
     res["select_best_config"] = {}
     for s in DENSITIES:

@@ -365,8 +365,14 @@ def _config(head_dim: int) -> tuple[int, int, int]:
     return (64, 4, 3)
 
 
+# The default pass-2 kernel for C <= 128: two query groups per program, staggered by half a step. H200, D = C = 128,
+# bf16, bench_anchor --only select at ff921ff: pass 2 alone 0.522 / 0.497 of cuDNN dense (1.3B 480p / 14B 720p)
+# against 0.538 / 0.533 for one group per program (plain pair 0.546 / 0.532, f16x2 exponentials 0.610 / 0.571).
+_PAIR_DEFAULT = True
+
+
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
-                    num_stages=None, exp="fp32", poly=False, pipelined=False, fp8=False, pair=False, qreg=False):
+                    num_stages=None, exp="fp32", poly=False, pipelined=None, fp8=False, pair=None, qreg=False):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -377,6 +383,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         exp2 of ``fastexp``: fp16 argument and result, ~1e-3 relative; fp32 where the PTX cannot run) or
         "f16_emulated" (its roundings in plain Triton, for tests); pair: two query groups per program (C <= 128;
         with pipelined, the two groups staggered by half a step so one's exponentials overlap the other's MMA);
+        pair=None / pipelined=None mean the default: the staggered pair kernel for C <= 128 unless fp8, poly or
+        qreg asks for another kernel (pair=False: one group per program, pipelined then as below);
         qreg: the Q @ K^T orientation with Q in registers (C <= 128; ignored with pair);
         poly: half the exponentials by polynomial on the FMA pipe (benchmarks); pipelined: the hand-pipelined
         kernel (the next key tile's QK^T issued before this tile's exponentials; C <= 128, else ignored); fp8:
@@ -403,6 +411,10 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     block_m = min(128, max(16, triton.next_power_of_2(C)))
     bn, warps, stages = _config(D)
+    if pair is None:
+        pair = _PAIR_DEFAULT and not (fp8 or poly or qreg)
+        pipelined = True if pipelined is None else pipelined
+    pipelined = bool(pipelined)
     perm = perm.contiguous()
     if fp8 and C <= block_m:
         q8, qs = _fp8_rows(q)
@@ -456,8 +468,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
 
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=False,
-              block_n=None, num_warps=None, num_stages=None, pipelined=False, fp8=False, exp="fp32", pair=False,
-              qreg=False, topk_method="sample"):
+              block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=False, exp="fp32", pair=None,
+              qreg=False, topk_method=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -465,7 +477,8 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. ``topk.top_k_rows`` then writes each group's
     row of the selection in place: the K largest float16 sums (ties: lower token index first), ascending, then -1.
     ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined``,
-    ``exp``, ``pair``, ``qreg`` tune pass 2 (see ``group_prob_sums``); ``topk_method`` picks ``topk.top_k_rows``'s method.
+    ``exp``, ``pair``, ``qreg`` tune pass 2 (see ``group_prob_sums``; the defaults are its defaults: the staggered
+    two-group kernel); ``topk_method`` picks ``topk.top_k_rows``'s method (None: its default by row length).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -489,7 +502,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     return out
 
 
-def _top_k(sums, num_keys, k_alloc, out, method="sample"):
+def _top_k(sums, num_keys, k_alloc, out, method=None):
     """The Triton top-K; if it cannot run here (a compiler or resource failure), ``torch.topk`` + sort instead, so
     the selection stays fast (ties then as torch.topk breaks them); the error is logged once per process."""
     if not _RADIX_FAILED:

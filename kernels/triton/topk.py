@@ -10,7 +10,7 @@ comes out sorted with no sort at all; slots K..K_alloc-1 are written -1. No glob
   sums, 4 for float32), each pass a masked ``tl.histogram`` over the whole row. Exact, but a 256-bin
   ``tl.histogram`` costs ~2 warp instructions per entry (ballots and popcounts), so it is instruction-bound
   (~19 ms for the 23 640 rows of 75 600 sums at Wan2.1-14B 720p on an H200, 4x what its bytes need).
-- "sample" (default): read one key from each of ~8192 strata of the row (a scrambled offset in each) and take the
+- "sample" (the default for rows of at most 40 000 keys; "radix" above, measured faster there): read one key from each of ~8192 strata of the row (a scrambled offset in each) and take the
   two sample order statistics that bracket the K-th key's expected sample rank by +-(5 sigma + 2) (binomial sigma,
   ``sample_bracket``); one pass over the row counts the keys above the bracket and copies the keys inside it
   (about 2 x 5 sigma x Sk / samples of them, <= 8192) into a per-row scratch; if the counts prove the K-th key is
@@ -35,6 +35,10 @@ _SAMPLE_BLOCK = 2048  # entries per chunk of the row sweep (sample method, 8 war
 _SAMPLES = 8192  # sample keys per row (sample method)
 _CAP = 8192  # candidate slots per row (sample method): the bracket holds ~2 * 5 sigma * Sk / samples keys
 _Z = 5.0  # bracket half-width in binomial standard deviations (a miss only costs the radix fallback)
+# Default method by row length (H200, bench_anchor --only select at ff921ff, all heads, s = 0.1-0.5): rows of 32760
+# (Wan2.1-1.3B 480p) sample 1.17 ms vs radix 1.42-1.46 ms; rows of 75600 (14B 720p) sample 18.1-18.6 ms vs radix
+# 17.6 ms (the sample kernel's 8-warp programs run two per SM and wait on memory; the radix kernel's run many).
+_SAMPLE_MAX_SK = 40000
 
 
 @triton.jit
@@ -212,7 +216,7 @@ def sample_positions(sk: int, samples: int) -> torch.Tensor:
 
 
 def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tensor | None = None,
-               method: str = "sample", samples: int = _SAMPLES, cap: int = _CAP, block: int | None = None,
+               method: str | None = None, samples: int = _SAMPLES, cap: int = _CAP, block: int | None = None,
                num_warps: int | None = None, return_fallbacks: bool = False):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
@@ -223,7 +227,8 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         out: optional int32 ``[..., width]``, written in place: a contiguous last dim, and the leading dims after
             the first mergeable into one (e.g. a head slice ``[B, h, G, K_alloc]`` of the whole selection).
         method: "sample" (sample bracket + candidate bisection, radix fallback per row) or "radix" (histogram
-            passes only). Both are exact and give identical results.
+            passes only); None: "sample" for rows of at most 40000 keys, else "radix" (measured faster there).
+            Both are exact and give identical results.
         samples, cap: the sample method's sample count and candidate slots per row (powers of two; a scratch of
             rows x cap int32 is allocated per call). block, num_warps: chunk size and warps (tuning).
         return_fallbacks: also return int8 ``[rows]``, 1 where the sample method fell back to the radix threshold.
@@ -233,6 +238,8 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         TypeError: sums not float16/float32. ValueError: K or width out of range, a bad ``out``, an unknown method,
         samples / cap not powers of two.
     """
+    if method is None:
+        method = "sample" if sums.shape[-1] <= _SAMPLE_MAX_SK else "radix"
     if method not in ("sample", "radix"):
         raise ValueError(f"method must be 'sample' or 'radix', got {method!r}")
     if samples & (samples - 1) or cap & (cap - 1) or samples < 16 or cap < 16:
