@@ -435,7 +435,7 @@ def write_scoreboard(report, out_dir, command):
         board["pddp_variance_ratio_max"] = dict(value=round(max(ratios)[0], 4), unit="ratio", **common, note=(
             f"mean within-group variance / torch reference's, structured synthetic queries; worst: {max(ratios)[1]}"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(board, indent=1, sort_keys=True) + "\n"
+    text = json.dumps(board, indent=2) + "\n"
     path.write_text(text)
     (out_dir / "scoreboard.json").write_text(text)
 
