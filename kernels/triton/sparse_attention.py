@@ -13,8 +13,8 @@ when they cannot overflow (both measured on the H200: docs/kernels-benchmark.md)
 
 Two softmax options (launch tuning ``exp`` / ``lazy_rescale``, defaults per architecture in ``config``): the
 exponentials through ``fastexp.exp2`` (fp32 MUFU; or packed ``ex2.approx.f16x2`` on CUDA, where ptxas on sm_80-sm_90
-still issues one MUFU.EX2.F16 per element: it saves no MUFU work there, only the benchmark can say whether it pays),
-and the lazy rescale (FA4): a row's running max moves only when the tile's max exceeds it by more than RESCALE_LOG2
+still issues one MUFU.EX2.F16 per element: it saves no MUFU work there and measured 3-8 % slower on the H200),
+and the lazy rescale (FA4; on by default on sm_90): a row's running max moves only when the tile's max exceeds it by more than RESCALE_LOG2
 (8, log2 units), and the BLOCK_M x D accumulator is multiplied only when some row's max moved (a block-uniform
 branch); O / l and the LSE use the same stale max, so the result is exact, with P <= 2^8 before normalisation.
 
@@ -263,22 +263,23 @@ def config(head_dim: int, capability: tuple[int, int] | None) -> dict:
     Every default compiles without register spills at D = 128, BLOCK_M = 128 for every residual kind
     (``tests/ptxas_report.py`` compiles the kernel offline for sm_80 / sm_89 / sm_90 and prints registers, spills and
     shared memory; the GPU benchmark prints the loaded kernel's ``n_regs`` / ``n_spills``) and fits the architecture's
-    shared memory (sm_86 / sm_89: 99 KiB per block). sm_90: BLOCK_N 32 with 8 warps capped at 128 registers, so two
-    programs (16 warps) share an SM and one's softmax overlaps the other's wgmma; the previous default (BLOCK_N 64,
-    4 warps, 255 registers) spilled 160-260 bytes (docs/kernels-benchmark.md has the measured configs).
-    ``exp`` ("fp32" / "f16x2", kernels/triton/fastexp.py) and ``lazy_rescale``: the softmax options (module docstring);
-    ``q_regs``: Q held in registers for the QK^T wgmma (sm_90: the shared-memory reads per tile drop from Q + K to K;
-    32 more registers per thread at BLOCK_M 128 / 8 warps, so one program per SM). ``pipeline_qk``: tile n+1's QK^T
-    issued before tile n's softmax (FA3's overlap; Triton 3.6 still waits for it before the P @ V product, so the
-    exponentials overlap it only partly; one BLOCK_M x BLOCK_N score tile more in registers).
-    ``tests/bench_kernels.py --reuse`` times the combinations side by side."""
-    major, _ = capability or (9, 0)
-    if major >= 9:
-        return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=128, exp="fp32", lazy_rescale=False, q_regs=False,
-                    pipeline_qk=False)
-    # sm_80-89: ~200 registers, 48 KiB shared
-    return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=None, exp="fp32", lazy_rescale=False, q_regs=False,
-                pipeline_qk=False)
+    shared memory (sm_86 / sm_89: 99 KiB per block). sm_90 (H100/H200): BLOCK_N 128, 8 warps, lazy rescale, fp32
+    exponentials: the fastest spill-free config at the worst point of 18 timed side by side on the H200
+    (docs/kernels-benchmark.md, "Softmax options"): min efficiency 0.709 vs 0.683 for the previous default (BLOCK_N
+    32, 8 warps capped at 128 registers: two programs per SM), 14B 720p 0.750-0.807; the lazy rescale takes 6-11 %
+    off BLOCK_N 128's time. Measured slower and kept as options only: ``exp`` "f16x2" (packed exponentials,
+    kernels/triton/fastexp.py: +3-8 % time; ptxas issues one MUFU.EX2.F16 per element on sm_80-sm_90), ``q_regs`` (Q
+    held in registers for the QK^T wgmma: +4-22 %), ``pipeline_qk`` (tile n+1's QK^T issued before tile n's softmax:
+    Triton 3.6 still waits for it before the P @ V product; one more score tile in registers). ``lazy_rescale``: see
+    the module docstring. ``tests/bench_kernels.py --reuse`` times the combinations side by side."""
+    major, minor = capability or (9, 0)
+    softmax = dict(exp="fp32", q_regs=False, pipeline_qk=False)
+    if (major, minor) == (9, 0):  # H100/H200: 207-216 registers (one program per SM), 161 KiB shared
+        return dict(block_n=128, num_warps=8, num_stages=3, maxnreg=None, lazy_rescale=True, **softmax)
+    if major >= 9:  # other sm_9x+ (unmeasured; sm_120 has 99 KiB shared): the previous sm_90 tile
+        return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=128, lazy_rescale=False, **softmax)
+    # sm_80-89: ~200 registers, 64 KiB shared
+    return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=None, lazy_rescale=False, **softmax)
 
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, block_n=None,
