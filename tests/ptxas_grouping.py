@@ -21,7 +21,7 @@ grouping = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.groupi
 pr._TYPES.setdefault(torch.int64, "i64")  # the leaf's sort keys
 
 
-def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, compact=False):
+def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, compact=False, arch=90):
     """(name, jit fn, args, meta) of every launch of one tree level at the Wan2.1-14B 720p shape."""
     meta_t = dict(device="meta")
     B = 1
@@ -37,12 +37,13 @@ def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, com
     q8 = torch.empty(B * H * S * D, dtype=torch.int8, **meta_t)
     sc, mu = torch.empty(B * H * S, dtype=torch.float32, **meta_t), torch.empty(B * H * D, dtype=torch.float32, **meta_t)
     r8, w8 = compact and not first, compact and first
+    warps = grouping._DIR_WARPS or grouping.direction_warps(arch // 10, compact)
     strides = q.stride()
     return [
         ("_direction", grouping._direction,
          [q, q8, sc, mu, perm, start, count, v, off, hist, H, N, S, n_slots, *strides],
          dict(PAIRS=pairs, M=samples, D=D, SCHUNK=min(samples, 64), NB=bins, FIRST=first,
-              GRAM=samples <= grouping._GRAM_MAX, READ8=r8, WRITE8=w8, num_warps=grouping._DIR_WARPS)),
+              GRAM=samples <= grouping._GRAM_MAX, READ8=r8, WRITE8=w8, num_warps=warps)),
         ("_bin", grouping._bin, [q, q8, sc, mu, perm, start, count, v, off, hist, bins_t, H, N, S, n_slots, *strides],
          dict(BLOCK=grouping._BLOCK_BIN, D=D, NB=bins, FIRST=first, READ8=r8, WRITE8=w8, num_warps=4)),
         ("_count", grouping._count, [bins_t, hist, start, size, count, cnt, N, n_slots, 74, C],
@@ -51,7 +52,7 @@ def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, com
          dict(TILE=grouping._TILE, NB=bins, PREFIX=grouping._PREFIX, FIRST=first, num_warps=4)),
         ("_leaf", grouping._leaf, [q, q8, sc, perm, perm, keys, start, count, H, N, S, n_slots, C, *strides],
          dict(PAIRS=pairs, M=samples, D=D, SCHUNK=min(samples, 64), CHUNK=64, NP=2 * C, FIRST=first,
-              GRAM=samples <= grouping._GRAM_MAX, READ8=r8, num_warps=grouping._DIR_WARPS)),
+              GRAM=samples <= grouping._GRAM_MAX, READ8=r8, num_warps=warps)),
     ]
 
 
@@ -60,13 +61,13 @@ def main():
     ap.add_argument("--samples", type=int, default=grouping.SAMPLES)
     ap.add_argument("--bins", type=int, default=grouping.BINS)
     ap.add_argument("--pairs", type=int, default=4)
-    ap.add_argument("--warps", type=int, default=grouping._DIR_WARPS, help="warps of _direction / _leaf")
+    ap.add_argument("--warps", type=int, help="warps of _direction / _leaf (default: grouping.direction_warps)")
     args = ap.parse_args()
     grouping._DIR_WARPS = args.warps
     bad = 0
     for arch in (90, 80):
         for first, compact in ((True, False), (False, False), (True, True), (False, True)):
-            for name, fn, a, meta in kernels(args.samples, args.bins, args.pairs, first, compact=compact):
+            for name, fn, a, meta in kernels(args.samples, args.bins, args.pairs, first, compact=compact, arch=arch):
                 ck = pr.compile_offline(fn, a, meta, arch)
                 regs, st, ld = pr.ptxas_usage(ck, arch)
                 smem = ck.metadata.shared

@@ -222,3 +222,11 @@ def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, leaf, compact, 
     v_fast, v_ref, v_rnd = (float(within_group_variance(q, p, C).sum())
                             for p in (perm, reference.pddp_groups(q, C), torch.cat([rnd, pad], -1)))
     assert v_fast <= 1.05 * v_ref and v_fast < 0.5 * v_rnd
+
+
+def test_direction_warps_rule():
+    """4 warps only where measured faster and compiled spill-free (sm_90 without the int8 copy), else 8."""
+    assert grouping.direction_warps(9, False) == 4
+    assert grouping.direction_warps(10, False) == 4
+    assert grouping.direction_warps(8, False) == 8
+    assert grouping.direction_warps(9, True) == 8
