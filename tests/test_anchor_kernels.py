@@ -319,3 +319,37 @@ def test_select_kv_pair_f16_is_exact_top_k_of_its_sums(gen):
     exact = reference.group_prob_sums(q.double(), k.double(), lse, perm, group_size=C)
     kept = exact.gather(-1, idx[..., :K].long()).sum(-1)
     assert bool((kept >= 0.995 * exact.topk(K, -1).values.sum(-1)).all())
+
+
+@pytest.mark.parametrize("cap,kw,want", [
+    (None, {}, ("pair", True)), ((9, 0), {}, ("pair", True)), ((8, 9), {}, ("fwd", None)),
+    ((8, 0), {"pair": True}, ("pair", True)), ((9, 0), {"pair": True, "pipelined": False}, ("pair", False)),
+    ((9, 0), {"pair": False}, ("fwd", None)), ((9, 0), {"pair": False, "pipelined": True}, ("pipelined", None)),
+    ((9, 0), {"qreg": True}, ("qreg", None)), ((9, 0), {"poly": True}, ("fwd", None)),
+])
+def test_pass2_default_kernel_dispatch(gen, monkeypatch, cap, kw, want):
+    """group_prob_sums' default: the staggered two-group kernel on sm_90+ and under the interpreter; one group per
+    program below sm_90 (not measured there); explicit options win; poly / qreg pick their own kernels."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    ran = []
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                ran.append((self.name, meta.get("STAGGER")))
+                return self.kernel[grid](*args, **meta)
+            return launch
+
+    for name in ("pair", "fwd", "pipelined", "qreg"):
+        attr = f"_group_prob_sums_{name}"
+        monkeypatch.setattr(selection, attr, Spy(name, getattr(selection, attr)))
+    monkeypatch.setattr(selection, "_capability", lambda device: cap)
+    q, k = (torch.randn(1, 1, 70, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    perm = _groups(gen, 1, 1, 70, 64)
+    selection.group_prob_sums(q, k, lse, perm, group_size=64, block_n=32, **kw)
+    assert ran == [want]

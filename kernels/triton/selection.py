@@ -365,10 +365,12 @@ def _config(head_dim: int) -> tuple[int, int, int]:
     return (64, 4, 3)
 
 
-# The default pass-2 kernel for C <= 128: two query groups per program, staggered by half a step. H200, D = C = 128,
-# bf16, bench_anchor --only select at ff921ff: pass 2 alone 0.522 / 0.497 of cuDNN dense (1.3B 480p / 14B 720p)
-# against 0.538 / 0.533 for one group per program (plain pair 0.546 / 0.532, f16x2 exponentials 0.610 / 0.571).
-_PAIR_DEFAULT = True
+# The default pass-2 kernel for C <= 128 on sm_90+ (and the interpreter): two query groups per program, staggered by
+# half a step. H200, D = C = 128, bf16, bench_anchor --only select at ff921ff: pass 2 alone 0.522 / 0.497 of cuDNN
+# dense (1.3B 480p / 14B 720p) against 0.538 / 0.533 for one group per program (plain pair 0.546 / 0.532, f16x2
+# exponentials 0.610 / 0.571). Below sm_90 (not measured; 97 KiB of shared memory at D = 128, near sm_86/89's 99 KiB)
+# one group per program stays the default.
+_PAIR_MIN_CAPABILITY = (9, 0)
 
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
@@ -383,8 +385,9 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         exp2 of ``fastexp``: fp16 argument and result, ~1e-3 relative; fp32 where the PTX cannot run) or
         "f16_emulated" (its roundings in plain Triton, for tests); pair: two query groups per program (C <= 128;
         with pipelined, the two groups staggered by half a step so one's exponentials overlap the other's MMA);
-        pair=None / pipelined=None mean the default: the staggered pair kernel for C <= 128 unless fp8, poly or
-        qreg asks for another kernel (pair=False: one group per program, pipelined then as below);
+        pair=None / pipelined=None mean the default: the staggered pair kernel for C <= 128 on sm_90+ (and the
+        interpreter) unless fp8, poly or qreg asks for another kernel, else one group per program (pair=False:
+        one group per program, pipelined then as below);
         qreg: the Q @ K^T orientation with Q in registers (C <= 128; ignored with pair);
         poly: half the exponentials by polynomial on the FMA pipe (benchmarks); pipelined: the hand-pipelined
         kernel (the next key tile's QK^T issued before this tile's exponentials; C <= 128, else ignored); fp8:
@@ -411,10 +414,11 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     block_m = min(128, max(16, triton.next_power_of_2(C)))
     bn, warps, stages = _config(D)
+    exp_mode = fastexp.mode_for(exp, _capability(q.device))
     if pair is None:
-        pair = _PAIR_DEFAULT and not (fp8 or poly or qreg)
-        pipelined = True if pipelined is None else pipelined
-    pipelined = bool(pipelined)
+        cap = _capability(q.device)
+        pair = (cap is None or cap >= _PAIR_MIN_CAPABILITY) and not (fp8 or poly or qreg)
+    pipelined = bool(pair) if pipelined is None else bool(pipelined)
     perm = perm.contiguous()
     if fp8 and C <= block_m:
         q8, qs = _fp8_rows(q)
@@ -430,7 +434,6 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             num_stages=num_stages or stages,
         )
         return out
-    exp_mode = fastexp.mode_for(exp, _capability(q.device))
     if pair and C <= block_m:
         _group_prob_sums_pair[(triton.cdiv(G, 2), B * H)](
             q, k, lse, perm, out, scale * _LOG2E, H, S, SK, n_slots, C, G,
