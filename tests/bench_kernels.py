@@ -14,15 +14,16 @@ Timings are ``triton.testing.do_bench`` medians over rotating input sets (no cac
 With --reuse (issue 14) it times the reuse path instead of selection and grouping, at each density: the Triton
 kernel's default config on contiguous [B, H, S, D] inputs and on the model's path (strided views of [B, S, H*D]
 tensors, ``out=`` a view too, plain residual epilogue); every REUSE_CONFIGS entry (spill-free tiles, Q in shared
-memory or registers, x fp32 / packed f16x2 exponentials x eager / lazy rescale) side by side in the same run, with its error against the float32
-reference and (num_warps, n_regs, n_spills); flash-attn-4's paged route when present (``fa4_route_eff_min``); the
-bitmask decode kernel at s = 0.25. It prints f16x2 / fp32, lazy / eager, qreg / shared and pipelined / not time
-ratios per point, writes
-``triton_sparse_eff_min`` = the min over the points of the best spill-free config (named in the note) into
+memory or registers, x fp32 / packed f16x2 exponentials x eager / lazy rescale) side by side in the same run, with
+its error against the float32 reference and (num_warps, n_regs, n_spills); flash-attn-4's paged route when present
+(``fa4_route_eff_min``); the bitmask decode kernel at s = 0.25. ``--quick`` times QUICK_CONFIGS instead of
+REUSE_CONFIGS (deeper K/V prefetch and the short prologue beside the sm_90 default; about a minute). It prints
+f16x2 / fp32, lazy / eager, qreg / shared, pipelined / not (and --quick: default / config) time ratios per point,
+writes ``triton_sparse_eff_min`` = the min over the points of the best spill-free config (named in the note) into
 docs/results/scoreboard.json (commit: --commit, else $MC_SPARSE_COMMIT, else git HEAD), and a copy next to --out.
 
 Usage: python tests/bench_kernels.py --out bench.json [--shapes 1.3b,14b] [--densities 0.1,0.15,0.25,0.5] [--sweep]
-       python tests/bench_kernels.py --out $OUT/bench_reuse.json --reuse --rep 40 --commit <hash>
+       python tests/bench_kernels.py --out $OUT/bench_reuse.json --reuse --rep 40 --commit <hash> [--quick]
 """
 
 from __future__ import annotations
@@ -270,13 +271,22 @@ REUSE_TILES = {  # spill-free Triton tile configs on sm_90 (tests/ptxas_report.p
 # shared memory / registers (q_regs), the next tile's QK^T before this tile's softmax (pipeline_qk)
 REUSE_CONFIGS = {f"{t} {e}{' lazy' if lazy else ''}": dict(kw, exp=e, lazy_rescale=lazy)
                  for t, (kw, softmax) in REUSE_TILES.items() for e, lazy in softmax}
+_BN128_LAZY = dict(block_n=128, num_warps=8, maxnreg=0, exp="fp32", lazy_rescale=True)
+QUICK_CONFIGS = {  # --quick: the sm_90 default (BN 128 lazy, 3 stages) against 5 stages (K/V gathered two tiles ahead,
+    # 225 KiB shared) and the short prologue (fast_prologue), each alone and together
+    "bn128 w8 st3 fp32 lazy": dict(_BN128_LAZY, num_stages=3),
+    "bn128 w8 st5 fp32 lazy": dict(_BN128_LAZY, num_stages=5),
+    "bn128 w8 st3 fastpro fp32 lazy": dict(_BN128_LAZY, num_stages=3, fast_prologue=True),
+    "bn128 w8 st5 fastpro fp32 lazy": dict(_BN128_LAZY, num_stages=5, fast_prologue=True),
+}
 
 
 def config_name(kw):
     """The REUSE_CONFIGS name of a launch config dict (block_n, num_warps, num_stages, maxnreg, exp, lazy_rescale,
-    q_regs, pipeline_qk)."""
+    q_regs, pipeline_qk, fast_prologue)."""
     tile = f"bn{kw['block_n']} w{kw['num_warps']} st{kw['num_stages']}" + (f" r{kw['maxnreg']}" if kw["maxnreg"] else "")
     tile += (" qreg" if kw.get("q_regs") else "") + (" pipe" if kw.get("pipeline_qk") else "")
+    tile += " fastpro" if kw.get("fast_prologue") else ""
     return f"{tile} {kw['exp']}{' lazy' if kw['lazy_rescale'] else ''}"
 
 
@@ -317,7 +327,7 @@ def random_perm(B, H, S, gen):
     return perm
 
 
-def run_reuse_shape(name, shp, densities, rep, log):
+def run_reuse_shape(name, shp, densities, rep, log, configs=None):
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     G = -(-S // C)
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -376,7 +386,7 @@ def run_reuse_shape(name, shp, densities, rep, log):
             eff = best * (kq / S) / ms
             res["sparse"].setdefault(vname, {})[str(s)] = dict(ms=ms, efficiency=eff, speedup=best / ms)
             log(f"{name} {vname} s={s}: {ms:.2f} ms, efficiency {eff:.3f}, err {res['errors'][f'{vname} s={s}']}")
-        for cname, kw in REUSE_CONFIGS.items():  # side by side: fp32 / packed exponentials, eager / lazy rescale
+        for cname, kw in (configs or REUSE_CONFIGS).items():  # side by side, same inputs
             if cname == default_name:
                 res["sweep"][cname] = "the default config: 'triton contiguous'"
                 continue
@@ -484,6 +494,7 @@ def main():
     ap.add_argument("--rep", type=int, default=500, help="do_bench rep budget per measurement, ms")
     ap.add_argument("--sweep", action="store_true", help="also time Triton tile configs")
     ap.add_argument("--reuse", action="store_true", help="time the reuse path (issue 14) instead of selection/grouping")
+    ap.add_argument("--quick", action="store_true", help="with --reuse: QUICK_CONFIGS instead of REUSE_CONFIGS")
     ap.add_argument("--commit", default="", help="commit measured (default: $MC_SPARSE_COMMIT, else git HEAD)")
     ap.add_argument("--scoreboard", default=str(Path(__file__).resolve().parent.parent / "docs/results/scoreboard.json"))
     args = ap.parse_args()
@@ -511,7 +522,8 @@ def main():
     log(registry.report())
     for name in args.shapes.split(","):
         if args.reuse:
-            report["shapes"][name] = run_reuse_shape(name, SHAPES[name], densities, args.rep, log)
+            report["shapes"][name] = run_reuse_shape(name, SHAPES[name], densities, args.rep, log,
+                                                     QUICK_CONFIGS if args.quick else REUSE_CONFIGS)
         else:
             report["shapes"][name] = run_shape(name, SHAPES[name], densities, args.sweep, args.rep, log)
         Path(args.out).write_text(json.dumps(report, indent=1))
@@ -581,6 +593,11 @@ def print_reuse_table(report, board):
                 if a and b:
                     print(f"| {name} | {tile} {e}: lazy / eager time ratio | "
                           + " | ".join(f"{b[x] / a[x]:.3f}" for x in dens if x in a and x in b) + " |")
+        for cname in QUICK_CONFIGS:  # --quick: each against the default config, same run
+            a, b = config_effs(r, cname), config_effs(r, r.get("default_config"))
+            if a and b and cname != r.get("default_config"):
+                print(f"| {name} | {cname}: config / default time ratio | "
+                      + " | ".join(f"{b[x] / a[x]:.3f}" for x in dens if x in a and x in b) + " |")
         for cname in REUSE_CONFIGS:  # Q in registers against Q in shared memory, same tile and softmax
             if " qreg" in cname and " pipe" not in cname:
                 a, b = config_effs(r, cname), config_effs(r, cname.replace(" qreg", ""))

@@ -109,7 +109,7 @@ def report(arch, residual_kind=None, return_lse=True, S=75600, H=40, **tuning):
     smem = ck.metadata.shared
     cfg = (f"BN {meta['BLOCK_N']} w{meta['num_warps']} st{meta['num_stages']} r{meta.get('maxnreg', 0)} exp mode "
            f"{meta['EXP_MODE']}" + (" lazy" if meta["LAZY_RESCALE"] else "") + (" qreg" if meta["Q_REGS"] else "")
-           + (" pipe" if meta["PIPELINE_QK"] else ""))
+           + (" pipe" if meta["PIPELINE_QK"] else "") + (" fastpro" if meta["FAST_PROLOGUE"] else ""))
     return dict(arch=arch, residual=residual_kind, cfg=cfg, regs=regs, spill_st=st, spill_ld=ld, smem=smem,
                 fits=smem <= SMEM_LIMIT[arch])
 
@@ -132,6 +132,9 @@ def main():
             for exp, lazy in (("fp32", False), ("f16x2", False), ("fp32", True), ("f16x2", True)):
                 print(report(90, "plain", block_n=bn, num_warps=w, num_stages=st, maxnreg=0, exp=exp,
                              lazy_rescale=lazy), flush=True)
+        for st, fp in ((5, False), (3, True), (5, True)):  # bench_kernels --quick: 5 stages, short prologue
+            for kind in (None, "plain", "fp8_row", "int4_row"):
+                print(report(90, kind, num_stages=st, fast_prologue=fp), flush=True)
         for bn, qr in ((32, False), (64, False), (64, True)):  # next tile's QK^T first (pipeline_qk)
             for kind in ("plain", "int4_row"):
                 print(report(90, kind, block_n=bn, num_warps=8, num_stages=3, maxnreg=0, exp="fp32", lazy_rescale=True,

@@ -66,7 +66,7 @@ def test_native_out_residual_vs_float64(kind, S, K):
 
 # packed exponentials (kernels/triton/fastexp.py mode 1: inline ex2.approx.f16x2) and lazy rescale, every residual
 # kind, both dtypes, ragged K: (exp, lazy, kind, dtype, S, K)
-# (and on the bench's BLOCK_N 64 tile: Q in registers, the next tile's QK^T first)
+# (and on the bench's BLOCK_N 64 tile: Q in registers, the next tile's QK^T first; --quick's 5 stages / short prologue)
 QREG = dict(q_regs=True, block_n=64, maxnreg=0)
 PIPE = dict(q_regs=True, pipeline_qk=True, block_n=64, maxnreg=0)
 PACKED = [("f16x2", False, None, torch.bfloat16, 4000, 1000, {}),
@@ -78,7 +78,10 @@ PACKED = [("f16x2", False, None, torch.bfloat16, 4000, 1000, {}),
           ("fp32", True, "plain", torch.bfloat16, 3008, 777, QREG),
           ("f16x2", True, "fp8_row", torch.float16, 4000, 1000, QREG),
           ("fp32", True, "int4_row", torch.bfloat16, 3008, 777, PIPE),
-          ("fp32", True, None, torch.float16, 4000, 1000, dict(pipeline_qk=True, block_n=32, maxnreg=0))]
+          ("fp32", True, None, torch.float16, 4000, 1000, dict(pipeline_qk=True, block_n=32, maxnreg=0)),
+          ("fp32", True, "plain", torch.bfloat16, 3008, 777, dict(fast_prologue=True, num_stages=5)),
+          ("fp32", True, "int4_row", torch.float16, 4000, 1000, dict(fast_prologue=True)),
+          ("fp32", True, "fp8_row", torch.bfloat16, 4000, 1000, dict(num_stages=5))]
 
 
 @pytest.mark.parametrize(("exp", "lazy", "kind", "dtype", "S", "K", "tile"), PACKED,

@@ -155,7 +155,8 @@ EXP_COMBOS = [("f16_emulated", True, 0, torch.bfloat16, "plain"), ("f16_emulated
 @pytest.mark.parametrize(("q_regs", "pipeline_qk"), [(False, False), (True, False), (True, True)],
                          ids=["q-shared", "q-regs", "q-regs-pipelined"])
 @pytest.mark.parametrize(("exp", "lazy", "case", "dtype", "kind"), EXP_COMBOS,
-                         ids=[f"{e}-{'lazy' if z else 'eager'}-S{CASES[c][0]}-{str(d)[6:]}-{k}" for e, z, c, d, k in EXP_COMBOS])
+                         ids=[f"{e}-{'lazy' if z else 'eager'}-S{CASES[c][0]}-{str(d)[6:]}-{k}"
+                              for e, z, c, d, k in EXP_COMBOS])
 def test_exp_modes_and_lazy_rescale_vs_float64(gen, exp, lazy, case, dtype, kind, q_regs, pipeline_qk):
     """Native views in, a NaN-poisoned out view written in full, ragged S and K, O = sparse + R and LSE against
     float64 brute force, for the emulated packed exponentials, the lazy rescale (BLOCK_N 16: several tiles), Q
@@ -273,4 +274,21 @@ def test_pipelined_qk_masking_by_the_loaded_indices(gen, lazy):
                                     lazy_rescale=lazy, block_n=16)
     ref, ref_lse = brute_sparse(q.cpu(), k.cpu(), v.cpu(), perm.cpu(), idx.cpu())
     assert float((got.cpu().double() - ref).norm() / ref.norm()) < BOUND[torch.float16]
+    assert (lse.cpu().double() - ref_lse).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize(("K", "k_alloc", "lazy"), [(21, 32, True), (5, 300, True), (130, 160, False), (20, 200, True),
+                                                     (1, 1, True)])
+def test_fast_prologue_vs_float64(gen, K, k_alloc, lazy):
+    """fast_prologue: the valid count from the row's last 128 slots when the first of them is valid (K_alloc - K <
+    128: (21, 32), (130, 160), (1, 1)), else the two-level search ((5, 300), (20, 200): slots 172 / 72 are -1),
+    and the pad slots' score from tile 0's product: O and LSE against float64 brute force, ragged tails."""
+    B, H, S, D, C = 1, 1, 200, 16, 64
+    q, k, v = (torch.randn(B, H, S, D, generator=gen).to(torch.bfloat16).to(DEVICE) for _ in range(3))
+    perm = random_groups(gen, B, H, S, C).to(DEVICE)
+    idx = random_kv_idx(gen, B, H, perm.shape[-1] // C, S, K, k_alloc).to(DEVICE)
+    got, lse = tsa.sparse_attention(q, k, v, perm, idx, return_lse=True, fast_prologue=True, lazy_rescale=lazy,
+                                    block_n=32)
+    ref, ref_lse = brute_sparse(q.cpu(), k.cpu(), v.cpu(), perm.cpu(), idx.cpu())
+    assert float((got.cpu().double() - ref).norm() / ref.norm()) < BOUND[torch.bfloat16]
     assert (lse.cpu().double() - ref_lse).abs().max() < 1e-4

@@ -14,9 +14,10 @@ when they cannot overflow (both measured on the H200: docs/kernels-benchmark.md)
 Two softmax options (launch tuning ``exp`` / ``lazy_rescale``, defaults per architecture in ``config``): the
 exponentials through ``fastexp.exp2`` (fp32 MUFU; or packed ``ex2.approx.f16x2`` on CUDA, where ptxas on sm_80-sm_90
 still issues one MUFU.EX2.F16 per element: it saves no MUFU work there and measured 3-8 % slower on the H200),
-and the lazy rescale (FA4; on by default on sm_90): a row's running max moves only when the tile's max exceeds it by more than RESCALE_LOG2
-(8, log2 units), and the BLOCK_M x D accumulator is multiplied only when some row's max moved (a block-uniform
-branch); O / l and the LSE use the same stale max, so the result is exact, with P <= 2^8 before normalisation.
+and the lazy rescale (FA4; on by default on sm_90): a row's running max moves only when the tile's max exceeds it by
+more than RESCALE_LOG2 (8, log2 units), and the BLOCK_M x D accumulator is multiplied only when some row's max moved
+(a block-uniform branch); O / l and the LSE use the same stale max, so the result is exact, with P <= 2^8 before
+normalisation.
 
 Expected agreement with ``kernels.reference.sparse_attention``: within bf16/fp16 rounding of P before the P @ V
 product (relative error ~2e-3 for bf16 inputs against a float64 reference), not bitwise.
@@ -56,6 +57,24 @@ def _valid_count(idx_base, K_ALLOC, PROBES: tl.constexpr):
         p2 = lo + off + j
         v2 = tl.load(idx_base + p2, mask=(p2 < K_ALLOC) & (p2 < lo + step), other=-1)
         count += tl.sum((v2 >= 0).to(tl.int32))
+    return count
+
+
+@triton.jit
+def _valid_count_tail_first(idx_base, K_ALLOC, PROBES: tl.constexpr):
+    """``_valid_count`` with one round trip in the common case: the last PROBES slots are read first; when the first
+    of them is valid (fewer than PROBES trailing -1 slots, e.g. K_alloc = K rounded up to a multiple of 128) the
+    count is known from them, else the two-level search runs."""
+    j = tl.arange(0, PROBES)
+    tail0 = tl.maximum(K_ALLOC - PROBES, 0)
+    pos = tail0 + j
+    v = tl.load(idx_base + pos, mask=pos < K_ALLOC, other=-1)
+    ok = v >= 0
+    n_tail = tl.sum(ok.to(tl.int32))
+    first_ok = tl.sum(tl.where(j == 0, ok, False).to(tl.int32))
+    count = tail0 + n_tail
+    if (first_ok == 0) & (tail0 > 0):
+        count = _valid_count(idx_base, K_ALLOC, PROBES)
     return count
 
 
@@ -112,6 +131,7 @@ def _sparse_attn_fwd(
     LAZY_RESCALE: tl.constexpr,  # move a row's running max only when it grows by > RESCALE_LOG2 (FA4); see below
     Q_REGS: tl.constexpr,  # sm_90: Q as the register operand of the QK^T wgmma (not re-read from shared memory)
     PIPELINE_QK: tl.constexpr,  # issue tile n+1's QK^T before tile n's softmax (FA3's intra-warpgroup overlap)
+    FAST_PROLOGUE: tl.constexpr,  # valid count from the row's last 128 slots first; s_first from tile 0's product
 ):
     pid_m = tl.program_id(0)  # group * M_BLOCKS + block inside the group
     bh = tl.program_id(1)
@@ -149,14 +169,20 @@ def _sparse_attn_fwd(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     if MASK_FROM_COUNT:
-        n_end = _valid_count(idx_base, K_ALLOC, 128)
+        if FAST_PROLOGUE:
+            n_end = _valid_count_tail_first(idx_base, K_ALLOC, 128)
+        else:
+            n_end = _valid_count(idx_base, K_ALLOC, 128)
         # The tail slots of the group's last tile repeat the group's first key: its score is a real one, so the running
         # max stays exact and the scores need no mask; their V rows load as zeros (the load's mask: no work per
         # score), and their n_pad weights are taken out of l after the loop with this key's score, computed here.
         kv_first = tl.load(idx_base)
         kv_first = tl.where((kv_first >= 0) & (kv_first < SK), kv_first, 0)
-        k_first = tl.load(k_base + kv_first.to(tl.int64) * stride_ks + offs_d * stride_kd).to(tl.float32)
-        s_first = tl.sum(q.to(tl.float32) * k_first[None, :], 1) * sm_scale_log2  # [BLOCK_M], base-2 units
+        if FAST_PROLOGUE:  # the score is taken from tile 0's product (its slot 0) in the loop
+            s_first = tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            k_first = tl.load(k_base + kv_first.to(tl.int64) * stride_ks + offs_d * stride_kd).to(tl.float32)
+            s_first = tl.sum(q.to(tl.float32) * k_first[None, :], 1) * sm_scale_log2  # [BLOCK_M], base-2 units
     else:
         n_end = K_ALLOC
         kv_first = -1
@@ -179,6 +205,9 @@ def _sparse_attn_fwd(
             qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
         if not MASK_FROM_COUNT:  # -1 anywhere: mask those scores; a tile may be all masked before any valid slot
             qk = tl.where(col_ok[None, :], qk, float("-inf"))
+        if FAST_PROLOGUE and MASK_FROM_COUNT:
+            if n0 == 0:  # slot 0 = kv_first: the pad slots' score, as the same product computes it
+                s_first = tl.sum(tl.where(offs_n[None, :] == 0, qk, 0.0), 1) * sm_scale_log2
         m_tile = tl.max(qk, 1) * sm_scale_log2
         if LAZY_RESCALE:  # a stale max is exact (O and l share it); scores stay <= 2^RESCALE_LOG2 (fits fp16)
             m_new = tl.where(m_tile > m_i + RESCALE_LOG2, m_tile, m_i)
@@ -273,7 +302,7 @@ def config(head_dim: int, capability: tuple[int, int] | None) -> dict:
     Triton 3.6 still waits for it before the P @ V product; one more score tile in registers). ``lazy_rescale``: see
     the module docstring. ``tests/bench_kernels.py --reuse`` times the combinations side by side."""
     major, minor = capability or (9, 0)
-    softmax = dict(exp="fp32", q_regs=False, pipeline_qk=False)
+    softmax = dict(exp="fp32", q_regs=False, pipeline_qk=False, fast_prologue=False)
     if (major, minor) == (9, 0):  # H100/H200: 207-216 registers (one program per SM), 161 KiB shared
         return dict(block_n=128, num_warps=8, num_stages=3, maxnreg=None, lazy_rescale=True, **softmax)
     if major >= 9:  # other sm_9x+ (unmeasured; sm_120 has 99 KiB shared): the previous sm_90 tile
@@ -285,7 +314,7 @@ def config(head_dim: int, capability: tuple[int, int] | None) -> dict:
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, block_n=None,
                 num_warps=None, num_stages=None, mask_from_count=True, cache="", block_m=None, row64=None,
                 permute_q=True, maxnreg=None, exp=None, lazy_rescale=None, q_regs=None,
-                pipeline_qk=None, capability=None):
+                pipeline_qk=None, fast_prologue=None, capability=None):
     """(grid, positional args, meta) of one launch, and (out, lse); shared by the op and ``tests/ptxas_report.py``.
 
     ``exp`` (None: the config's) goes through ``fastexp.mode_for``: "f16x2" runs fp32 exponentials under the
@@ -306,6 +335,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     lazy_rescale = cfg["lazy_rescale"] if lazy_rescale is None else bool(lazy_rescale)
     q_regs = cfg["q_regs"] if q_regs is None else bool(q_regs)
     pipeline_qk = cfg["pipeline_qk"] if pipeline_qk is None else bool(pipeline_qk)
+    fast_prologue = cfg["fast_prologue"] if fast_prologue is None else bool(fast_prologue)
     if row64 is None:  # int32 row offsets unless some (b, h) slice reaches past 2^31 elements
         views = [q, k, v, out] + ([] if residual is None else [residual.data])
         reach = max(sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], t.stride()[2:])) for t in views if t is not None)
@@ -328,7 +358,8 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *r_strides, *c_strides)
     meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=bn, RETURN_LSE=return_lse, RES_KIND=kind,
                 MASK_FROM_COUNT=mask_from_count, ROW64=bool(row64), CACHE=cache, PERMUTE_Q=permute_q,
-                EXP_MODE=exp_mode, LAZY_RESCALE=lazy_rescale, Q_REGS=bool(q_regs), PIPELINE_QK=bool(pipeline_qk), num_warps=warps, num_stages=stages)
+                EXP_MODE=exp_mode, LAZY_RESCALE=lazy_rescale, Q_REGS=bool(q_regs), PIPELINE_QK=bool(pipeline_qk),
+                FAST_PROLOGUE=bool(fast_prologue), num_warps=warps, num_stages=stages)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     return grid, args, meta, (out, lse)
@@ -353,8 +384,11 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             ``permute_q`` (False ignores perm: a benchmark baseline, not the contract), ``exp`` ("fp32", "f16x2":
             packed half-precision exponentials, fp32 under the interpreter and below sm_75; "f16_emulated": their
             roundings in plain Triton, for tests), ``lazy_rescale`` (bool), ``q_regs`` (bool), ``pipeline_qk``
-            (bool: tile n+1's QK^T issued before tile n's softmax; one extra, unused product per program). With fp16 exponentials the LSE is within
-            4e-3 (the argument is rounded to fp16), O within the bf16/fp16 rounding of P as before.
+            (bool: tile n+1's QK^T issued before tile n's softmax; one extra, unused product per program),
+            ``fast_prologue`` (bool: the valid count from the row's last 128 slots first, one dependent load instead
+            of two, and the pad slots' score from tile 0's product instead of a separate K-row load and dot). With
+            fp16 exponentials the LSE is within 4e-3 (the argument is rounded to fp16), O within the bf16/fp16
+            rounding of P as before.
     Returns:
         ``out`` (original query order; queries absent from ``perm`` are left as they were), or (out, LSE).
     Raises:
