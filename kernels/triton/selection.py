@@ -119,53 +119,6 @@ def _group_prob_sums_fwd(
 
 
 @triton.jit
-def _group_prob_sums_pipelined(
-    Q, K, LSE, PERM, SUMS,
-    sm_scale_log2,
-    H, S, SK, n_slots, C,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_lb, stride_lh, stride_ls,
-    stride_sb, stride_sh, stride_sg, stride_sn,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """``_group_prob_sums_fwd`` for C <= BLOCK_M, software-pipelined by hand: the QK^T product of key tile n+1 is
-    issued before the exponentials and column sums of tile n, so the (asynchronous) MMA can overlap them."""
-    group = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    perm_base = PERM + bh.to(tl.int64) * n_slots + group.to(tl.int64) * C
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    l_base = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
-    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    s_base = SUMS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + group.to(tl.int64) * stride_sg
-    q_idx = tl.load(perm_base + offs_m, mask=offs_m < C, other=-1)
-    q_valid = (q_idx >= 0) & (q_idx < S)
-    q_rows = tl.where(q_valid, q_idx, 0).to(tl.int64)
-    qt = tl.trans(tl.load(q_base + q_rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_valid[:, None],
-                          other=0.0))
-    lse2 = tl.load(l_base + q_rows * stride_ls, mask=q_valid, other=float("inf")) * 1.4426950408889634
-    k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                mask=(offs_n < SK)[:, None], other=0.0)
-    st = tl.dot(k, qt)
-    for n0 in range(BLOCK_N, SK + BLOCK_N, BLOCK_N):
-        keys = n0 + offs_n
-        k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                    mask=(keys < SK)[:, None], other=0.0)
-        st_next = tl.dot(k, qt)  # tile n+1 (all-masked past Sk: never stored)
-        col = tl.sum(tl.math.exp2(st * sm_scale_log2 - lse2[None, :]), 1)
-        prev = keys - BLOCK_N
-        tl.store(s_base + prev.to(tl.int64) * stride_sn, col.to(SUMS.dtype.element_ty), mask=prev < SK)
-        st = st_next
-
-
-@triton.jit
 def _group_prob_sums_pair(
     Q, K, LSE, PERM, SUMS,
     sm_scale_log2,
@@ -248,53 +201,6 @@ def _group_prob_sums_pair(
 
 
 @triton.jit
-def _group_prob_sums_qreg(
-    Q, K, LSE, PERM, SUMS,
-    sm_scale_log2, one,
-    H, S, SK, n_slots, C,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_lb, stride_lh, stride_ls,
-    stride_sb, stride_sh, stride_sg, stride_sn,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    EXP_MODE: tl.constexpr,
-):
-    """``_group_prob_sums_fwd`` for C <= BLOCK_M in the other orientation: ``s = Q @ K_tile^T`` ([BLOCK_M, BLOCK_N])
-    with the group's queries as the register (A) operand of the wgmma (a computed q, times a runtime 1.0, stays in
-    registers on sm_90 with Triton 3.6), so each tile reads only K from shared memory (the K @ Q^T form reads the
-    whole Q^T tile from shared memory for every wgmma: with the K tile's own writes that is about the shared-memory
-    bandwidth at the MMA's peak rate); the group sum is then a column sum across the warps."""
-    group = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    perm_base = PERM + bh.to(tl.int64) * n_slots + group.to(tl.int64) * C
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    l_base = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
-    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    s_base = SUMS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + group.to(tl.int64) * stride_sg
-    q_idx = tl.load(perm_base + offs_m, mask=offs_m < C, other=-1)
-    q_valid = (q_idx >= 0) & (q_idx < S)
-    q_rows = tl.where(q_valid, q_idx, 0).to(tl.int64)
-    q = tl.load(q_base + q_rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_valid[:, None], other=0.0)
-    q = (q.to(tl.float32) * one).to(q.dtype)  # exact; keeps q in registers as the A operand
-    lse2 = tl.load(l_base + q_rows * stride_ls, mask=q_valid, other=float("inf")) * 1.4426950408889634
-    for n0 in range(0, SK, BLOCK_N):
-        keys = n0 + offs_n
-        k_ok = keys < SK
-        k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                    mask=k_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        x = tl.dot(q, tl.trans(k)) * sm_scale_log2 - lse2[:, None]  # [BLOCK_M, BLOCK_N]
-        col = tl.sum(fastexp.exp2(x, EXP_MODE).to(tl.float32), 0)  # [BLOCK_N]
-        tl.store(s_base + keys.to(tl.int64) * stride_sn, col.to(SUMS.dtype.element_ty), mask=k_ok)
-
-
-@triton.jit
 def _group_prob_sums_fp8(
     Q8, K8, QS, KS, LSE, PERM, SUMS,
     sm_scale_log2,
@@ -308,7 +214,7 @@ def _group_prob_sums_fp8(
     BLOCK_N: tl.constexpr,
 ):
     """Approximate pass 2 for C <= BLOCK_M on row-scaled float8_e4m3 q and k (twice the MMA rate on Hopper):
-    s = (q8 . k8) * scale_q * scale_k; otherwise ``_group_prob_sums_pipelined``. QS / KS: fp32 row scales laid
+    s = (q8 . k8) * scale_q * scale_k, the next tile's product issued before this tile's exponentials. QS / KS: fp32 row scales laid
     out like LSE ([B, H, S] with LSE's strides; k's with the same strides over Sk)."""
     group = tl.program_id(0)
     bh = tl.program_id(1)
@@ -374,7 +280,7 @@ _PAIR_MIN_CAPABILITY = (9, 0)
 
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
-                    num_stages=None, exp="fp32", poly=False, pipelined=None, fp8=False, pair=None, qreg=False):
+                    num_stages=None, exp="fp32", poly=False, pipelined=None, fp8=False, pair=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -383,14 +289,11 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         out: optional ``[B, H, G, Sk]`` buffer to write into (any strides), fp32, or fp16 for select_kv's
         scratch; block_n, num_warps, num_stages: tuning overrides; exp: "fp32", "f16x2" (packed half-precision
         exp2 of ``fastexp``: fp16 argument and result, ~1e-3 relative; fp32 where the PTX cannot run) or
-        "f16_emulated" (its roundings in plain Triton, for tests); pair: two query groups per program (C <= 128;
-        with pipelined, the two groups staggered by half a step so one's exponentials overlap the other's MMA);
-        pair=None / pipelined=None mean the default: the staggered pair kernel for C <= 128 on sm_90+ (and the
-        interpreter) unless fp8, poly or qreg asks for another kernel, else one group per program (pair=False:
-        one group per program, pipelined then as below);
-        qreg: the Q @ K^T orientation with Q in registers (C <= 128; ignored with pair);
-        poly: half the exponentials by polynomial on the FMA pipe (benchmarks); pipelined: the hand-pipelined
-        kernel (the next key tile's QK^T issued before this tile's exponentials; C <= 128, else ignored); fp8:
+        "f16_emulated" (its roundings in plain Triton, for tests); pair: two query groups per program (C <= 128),
+        pipelined: with pair, the two groups staggered by half a step so one's exponentials overlap the other's MMA
+        (ignored without pair); None / None: the staggered pair kernel for C <= 128 on sm_90+ (and the interpreter)
+        unless fp8 or poly is asked for, else one group per program; poly: half the exponentials by polynomial on
+        the FMA pipe (one group per program; benchmarks); fp8:
         APPROXIMATE sums from row-scaled float8_e4m3 copies of q and k (twice the MMA rate; C <= 128; benchmarks
         measure the kept mass before any default uses it).
     Returns:
@@ -417,7 +320,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     exp_mode = fastexp.mode_for(exp, _capability(q.device))
     if pair is None:
         cap = _capability(q.device)
-        pair = (cap is None or cap >= _PAIR_MIN_CAPABILITY) and not (fp8 or poly or qreg)
+        pair = (cap is None or cap >= _PAIR_MIN_CAPABILITY) and not (fp8 or poly)
     pipelined = bool(pair) if pipelined is None else bool(pipelined)
     perm = perm.contiguous()
     if fp8 and C <= block_m:
@@ -442,22 +345,6 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             num_warps=num_warps or warps, num_stages=num_stages or stages,
         )
         return out
-    if qreg and C <= block_m:
-        _group_prob_sums_qreg[(G, B * H)](
-            q, k, lse, perm, out, scale * _LOG2E, 1.0, H, S, SK, n_slots, C,
-            *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
-            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, num_warps=num_warps or warps,
-            num_stages=num_stages or stages,
-        )
-        return out
-    if pipelined and C <= block_m:
-        _group_prob_sums_pipelined[(G, B * H)](
-            q, k, lse, perm, out, scale * _LOG2E, H, S, SK, n_slots, C,
-            *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
-            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, num_warps=num_warps or warps,
-            num_stages=num_stages or stages,
-        )
-        return out
     _group_prob_sums_fwd[(G, B * H)](
         q, k, lse, perm, out,
         scale * _LOG2E,
@@ -472,7 +359,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=False,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=False, exp="fp32", pair=None,
-              qreg=False, topk_method=None):
+              topk_method=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -480,7 +367,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. ``topk.top_k_rows`` then writes each group's
     row of the selection in place: the K largest float16 sums (ties: lower token index first), ascending, then -1.
     ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined``,
-    ``exp``, ``pair``, ``qreg`` tune pass 2 (see ``group_prob_sums``; the defaults are its defaults: the staggered
+    ``exp``, ``pair`` tune pass 2 (see ``group_prob_sums``; the defaults are its defaults: the staggered
     two-group kernel); ``topk_method`` picks ``topk.top_k_rows``'s method (None: its default by row length).
 
     Returns:
@@ -499,7 +386,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
         sums = group_prob_sums(
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-            pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, qreg=qreg,
+            pipelined=pipelined, fp8=fp8, exp=exp, pair=pair,
         )
         _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method)
     return out
