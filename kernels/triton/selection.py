@@ -214,8 +214,8 @@ def _group_prob_sums_fp8(
     BLOCK_N: tl.constexpr,
 ):
     """Approximate pass 2 for C <= BLOCK_M on row-scaled float8_e4m3 q and k (twice the MMA rate on Hopper):
-    s = (q8 . k8) * scale_q * scale_k, the next tile's product issued before this tile's exponentials. QS / KS: fp32 row scales laid
-    out like LSE ([B, H, S] with LSE's strides; k's with the same strides over Sk)."""
+    s = (q8 . k8) * scale_q * scale_k, the next tile's product issued before this tile's exponentials. QS / KS:
+    fp32 row scales laid out like LSE ([B, H, S] with LSE's strides; k's with the same strides over Sk)."""
     group = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H

@@ -10,13 +10,14 @@ comes out sorted with no sort at all; slots K..K_alloc-1 are written -1. No glob
   sums, 4 for float32), each pass a masked ``tl.histogram`` over the whole row. Exact, but a 256-bin
   ``tl.histogram`` costs ~2 warp instructions per entry (ballots and popcounts), so it is instruction-bound
   (~19 ms for the 23 640 rows of 75 600 sums at Wan2.1-14B 720p on an H200, 4x what its bytes need).
-- "sample" (the default for rows of at most 40 000 keys; "radix" above, measured faster there): read one key from each of ~8192 strata of the row (a scrambled offset in each) and take the
-  two sample order statistics that bracket the K-th key's expected sample rank by +-(5 sigma + 2) (binomial sigma,
-  ``sample_bracket``); one pass over the row counts the keys above the bracket and copies the keys inside it
-  (about 2 x 5 sigma x Sk / samples of them, <= 8192) into a per-row scratch; if the counts prove the K-th key is
-  inside (above < K <= above + inside, nothing dropped), T is found among the copies by bisection on the key
-  (block-wide counts), else the row falls back to the radix threshold. Exact on both paths (the check is a
-  proof, the sample only decides the speed); per row: a sample read, one counting pass, the compaction pass.
+- "sample" (the default for rows of at most 40 000 keys; "radix" above, measured faster there): read one key from
+  each of ~8192 strata of the row (a scrambled offset in each) and take the two sample order statistics that
+  bracket the K-th key's expected sample rank by +-(5 sigma + 2) (binomial sigma, ``sample_bracket``); one pass
+  over the row counts the keys above the bracket and copies the keys inside it (about 2 x 5 sigma x Sk / samples
+  of them, <= 8192) into a per-row scratch; if the counts prove the K-th key is inside (above < K <= above +
+  inside, nothing dropped), T is found among the copies by bisection on the key (block-wide counts), else the row
+  falls back to the radix threshold. Exact on both paths (the check is a proof, the sample only decides the
+  speed); per row: a sample read, one counting pass, the compaction pass.
 
 Keys: non-negative floats order like their bits read as integers; negative values and -0.0 get key 0 (rank as
 +0.0, as the reference). The selection rule: MC-Sparse sec. 3.3 (top-K per query group); measurements: docs/kernels.md.
