@@ -286,15 +286,17 @@ def test_select_kv_pair_f16_is_exact_top_k_of_its_sums(gen):
     assert bool((kept >= 0.995 * exact.topk(K, -1).values.sum(-1)).all())
 
 
-@pytest.mark.parametrize("cap,kw,want", [
-    (None, {}, ("pair", True)), ((9, 0), {}, ("pair", True)), ((8, 9), {}, ("fwd", None)),
-    ((8, 0), {"pair": True}, ("pair", True)), ((9, 0), {"pair": True, "pipelined": False}, ("pair", False)),
-    ((9, 0), {"pair": False}, ("fwd", None)), ((9, 0), {"pair": False, "pipelined": True}, ("fwd", None)),
-    ((9, 0), {"poly": True}, ("fwd", None)), ((9, 0), {"fp8": True}, ("fp8", None)),
+@pytest.mark.parametrize("cap,C,kw,want", [
+    (None, 128, {}, ("pair", True)), ((9, 0), 128, {}, ("pair", True)), ((9, 0), 100, {}, ("pair", True)),
+    ((8, 9), 128, {}, ("fwd", None)), ((9, 0), 64, {}, ("fwd", None)), ((9, 0), 64, {"pair": True}, ("pair", True)),
+    ((8, 0), 128, {"pair": True}, ("pair", True)), ((9, 0), 128, {"pair": True, "pipelined": False}, ("pair", False)),
+    ((9, 0), 128, {"pair": False}, ("fwd", None)), ((9, 0), 128, {"pair": False, "pipelined": True}, ("fwd", None)),
+    ((9, 0), 128, {"poly": True}, ("fwd", None)), ((9, 0), 128, {"fp8": True}, ("fp8", None)),
 ])
-def test_pass2_default_kernel_dispatch(gen, monkeypatch, cap, kw, want):
-    """group_prob_sums' default: the staggered two-group kernel on sm_90+ and under the interpreter; one group per
-    program below sm_90 (not measured there); explicit options win; poly / fp8 pick their own kernels."""
+def test_pass2_default_kernel_dispatch(gen, monkeypatch, cap, C, kw, want):
+    """group_prob_sums' default: the staggered two-group kernel for 64 < C <= 128 on sm_90+ and under the
+    interpreter; one group per program below sm_90 and for C <= 64 (not measured there); explicit options win;
+    poly / fp8 pick their own kernels."""
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
     ran = []
@@ -315,6 +317,6 @@ def test_pass2_default_kernel_dispatch(gen, monkeypatch, cap, kw, want):
     monkeypatch.setattr(selection, "_capability", lambda device: cap)
     q, k = (torch.randn(1, 1, 70, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
     _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
-    perm = _groups(gen, 1, 1, 70, 64)
-    selection.group_prob_sums(q, k, lse, perm, group_size=64, block_n=32, **kw)
+    perm = _groups(gen, 1, 1, 70, C)
+    selection.group_prob_sums(q, k, lse, perm, group_size=C, block_n=32, **kw)
     assert ran == [want]

@@ -275,7 +275,7 @@ def _config(head_dim: int) -> tuple[int, int, int]:
 # half a step. H200, D = C = 128, bf16, bench_anchor --only select at ff921ff: pass 2 alone 0.522 / 0.497 of cuDNN
 # dense (1.3B 480p / 14B 720p) against 0.538 / 0.533 for one group per program (plain pair 0.546 / 0.532, f16x2
 # exponentials 0.610 / 0.571). Below sm_90 (not measured; 97 KiB of shared memory at D = 128, near sm_86/89's 99 KiB)
-# one group per program stays the default.
+# one group per program stays the default, and for C <= 64 too (measured at C = 128 only).
 _PAIR_MIN_CAPABILITY = (9, 0)
 
 
@@ -291,8 +291,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         exp2 of ``fastexp``: fp16 argument and result, ~1e-3 relative; fp32 where the PTX cannot run) or
         "f16_emulated" (its roundings in plain Triton, for tests); pair: two query groups per program (C <= 128),
         pipelined: with pair, the two groups staggered by half a step so one's exponentials overlap the other's MMA
-        (ignored without pair); None / None: the staggered pair kernel for C <= 128 on sm_90+ (and the interpreter)
-        unless fp8 or poly is asked for, else one group per program; poly: half the exponentials by polynomial on
+        (ignored without pair); None / None: the staggered pair kernel for 64 < C <= 128 on sm_90+ (and the
+        interpreter) unless fp8 or poly is asked for, else one group per program; poly: half the exponentials by polynomial on
         the FMA pipe (one group per program; benchmarks); fp8:
         APPROXIMATE sums from row-scaled float8_e4m3 copies of q and k (twice the MMA rate; C <= 128; benchmarks
         measure the kept mass before any default uses it).
@@ -320,7 +320,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     exp_mode = fastexp.mode_for(exp, _capability(q.device))
     if pair is None:
         cap = _capability(q.device)
-        pair = (cap is None or cap >= _PAIR_MIN_CAPABILITY) and not (fp8 or poly)
+        pair = (cap is None or cap >= _PAIR_MIN_CAPABILITY) and block_m == 128 and not (fp8 or poly)
     pipelined = bool(pair) if pipelined is None else bool(pipelined)
     perm = perm.contiguous()
     if fp8 and C <= block_m:
