@@ -9,12 +9,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
 import torch
 from comfyui_mc_sparse_pack import kernels
-from comfyui_mc_sparse_pack.kernels import registry
+from comfyui_mc_sparse_pack.kernels import reference, registry
 from comfyui_mc_sparse_pack.kernels.cutedsl import rules
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,8 +91,7 @@ def _call(C=128, H=2, S=300, D=128, kv_strided=False):
     (dict(), None),
     (dict(C=64), "group size 128"),
     (dict(kv_strided=True), "unit stride on D"),
-    (dict(H=40, S=128 * 1700), "at most 65535 groups"),
-])
+])  # the group limit: test_call_refusal_group_limit_is_exact (without allocating 2 GiB tensors)
 def test_call_refusals(kwargs, why):
     """Calls the kernel cannot take raise RuntimeError in the op (the registry then falls back, once per run, with
     this reason in the summary); shapes and strides only, no device sync."""
@@ -99,8 +99,63 @@ def test_call_refusals(kwargs, why):
     assert (got is None) if why is None else (why in got), got
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("flash_attn") is None,
-                    reason="nvidia-cutlass-dsl and flash-attn-4 not installed (optional; CI has neither)")
+def _kv_rows(S=300, H=2, D=128, row_pad=0, offset=0):
+    """k or v as the model hands it over: ``[B, S, H*D]`` (rows padded by row_pad elements, the view starting offset
+    elements in) viewed ``[B, H, S, D]``."""
+    flat = torch.zeros(S * (H * D + row_pad) + offset, dtype=torch.bfloat16)
+    return flat[offset:].view(1, S, H * D + row_pad)[..., :H * D].reshape(1, S, H, D).transpose(1, 2)
+
+
+@pytest.mark.parametrize(("name", "bad", "why"), [
+    ("v", dict(row_pad=4), "16-byte aligned rows"),  # row stride H*D + 4 elements: rows 8 bytes off
+    ("k", dict(offset=4), "16-byte aligned rows"),  # the view starts 8 bytes into its storage
+    ("v", dict(offset=8), None),  # 16 bytes in: aligned
+    ("k", dict(row_pad=8), None),  # padded rows that stay 16-byte aligned
+])
+def test_call_refusals_check_each_of_k_and_v(name, bad, why):
+    """k and v are checked separately (a caller may hand over one aligned and one not), on the row stride and the
+    view's start address as well as the unit stride on D."""
+    q, k, v, perm, idx = _call()
+    k, v = (_kv_rows(**bad), v) if name == "k" else (k, _kv_rows(**bad))
+    got = rules.call_refusal(q, k, v, perm, idx)
+    assert (got is None) if why is None else (why in got and f"reads {name} rows" in got), got
+
+
+@pytest.mark.parametrize(("groups", "refused"), [(65535, False), (65536, True)])
+def test_call_refusal_group_limit_is_exact(groups, refused):
+    """At most 65535 groups of one batch element (grid.z): the limit itself runs, one more falls back. Shapes only
+    (zero-stride expanded tensors: nothing of that size is allocated)."""
+    H, C, D = 5, 128, 64
+    G = -(-groups // H)
+    if groups % H:  # 65536 = 5 * 13107 + 1: one head more would overshoot, so take H = 1 for the odd count
+        H, G = 1, groups
+    q = torch.zeros(1, 1, 1, D, dtype=torch.bfloat16).expand(2, H, G * C, D)
+    kv = _kv_rows(S=4, H=H, D=D)
+    perm = torch.zeros(1, 1, 1, dtype=torch.int32).expand(2, H, G * C)
+    idx = torch.zeros(1, 1, 1, 128, dtype=torch.int32).expand(2, H, G, 128)
+    got = rules.call_refusal(q, kv.expand(2, -1, -1, -1), kv.expand(2, -1, -1, -1), perm, idx)
+    assert (got is not None and "at most 65535 groups" in got) if refused else got is None, got
+
+
+_NEEDS_CUTE = pytest.mark.skipif(
+    importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("flash_attn") is None,
+    reason="nvidia-cutlass-dsl and flash-attn-4 not installed (optional; CI has neither)")
+
+
+@_NEEDS_CUTE
+def test_stages_setting_is_checked(monkeypatch):
+    """MC_SPARSE_CUTEDSL_STAGES other than 2 / 3 is a clear ValueError (the op turns it into a fallback)."""
+    from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
+
+    for bad in ("4", "abc", ""):
+        monkeypatch.setenv("MC_SPARSE_CUTEDSL_STAGES", bad)
+        with pytest.raises(ValueError, match="must be 2 or 3"):
+            cc.default_stages()
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_STAGES", "3")
+    assert cc.default_stages() == 3
+
+
+@_NEEDS_CUTE
 def test_offline_sm90_compile():
     """The kernel compiles for sm_90a from fake tensors without a GPU (CUTE_DSL_ARCH): catches DSL errors on CPU."""
     code = textwrap.dedent(f"""
@@ -115,3 +170,149 @@ def test_offline_sm90_compile():
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert "COMPILED" in p.stdout, p.stderr[-3000:]
+
+
+def _fake_launch(fn, q_groups, k, v, out, lse, scale, counts, kv_idx):
+    """A float64 torch model of one kernel launch, on the contract of ``kernels/cutedsl/sparse_fwd_sm90.py`` (and
+    the compiled kernel's argument checks: layouts, dtypes, unit strides), for the op's glue on the CPU."""
+    _, dtype, head_dim, with_lse = fn
+    N = q_groups.shape[0]
+    assert q_groups.shape == (N, 128, 1, head_dim) and out.shape == q_groups.shape and q_groups.is_contiguous()
+    assert q_groups.dtype == out.dtype == k.dtype == v.dtype == rules_dtype(dtype) and (lse is not None) == with_lse
+    assert k.shape[0] == 1 and k.shape == v.shape and k.stride(-1) == v.stride(-1) == 1
+    assert counts.dtype == kv_idx.dtype == torch.int32 and counts.shape == (N,) and kv_idx.shape[0] == N
+    assert kv_idx.stride(-1) == 1 and counts.is_contiguous()
+    H = k.shape[2]
+    G = N // H  # the kernel's (batch, head) of entry n: n // G, one batch element per launch
+    for n in range(N):
+        keys = kv_idx[n, : int(counts[n])].long()
+        s = q_groups[n, :, 0].double() @ k[0, keys, n // G].double().T * scale
+        out[n, :, 0] = (s.softmax(-1) @ v[0, keys, n // G].double()).to(out.dtype)
+        if lse is not None:
+            lse[n, 0] = s.logsumexp(-1).float()
+
+
+def rules_dtype(name):
+    return {v: k for k, v in rules.DTYPE_NAMES.items()}[name]
+
+
+@pytest.fixture
+def fake_op(monkeypatch):
+    """kernels/cutedsl/op.py imported with its compiled kernel replaced by ``_fake_launch`` (no cutlass needed: CI
+    runs it); ``fake_op.calls`` lists the static parameters each launch was compiled for."""
+    pkg = importlib.import_module("comfyui_mc_sparse_pack.kernels.cutedsl")
+    fake = types.ModuleType(f"{pkg.__name__}.compile")
+    fake.calls = []
+    fake.compiled = lambda dtype, head_dim, with_lse, stages=None: fake.calls.append(
+        (dtype, head_dim, with_lse)) or ("fake", dtype, head_dim, with_lse)
+    fake.launch = _fake_launch
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setattr(pkg, "compile", fake, raising=False)
+    monkeypatch.setattr(pkg, "op", None, raising=False)
+    monkeypatch.delitem(sys.modules, f"{pkg.__name__}.op", raising=False)
+    op = importlib.import_module(f"{pkg.__name__}.op")
+    assert op._compile is fake
+    op.calls = fake.calls
+    return op
+
+
+def _op_inputs(gen, B, H, S, D, K, dtype=torch.bfloat16):
+    """Native [B, S, H*D] views, random groups, ragged sorted indices (one group with a single key)."""
+    q, k, v = (torch.randn(B, S, H * D, generator=gen).to(dtype).view(B, S, H, D).transpose(1, 2) for _ in range(3))
+    G = -(-S // 128)
+    perm = torch.full((B, H, G * 128), -1, dtype=torch.int32)
+    perm[..., :S] = torch.argsort(torch.rand(B, H, S, generator=gen), -1).to(torch.int32)
+    idx = torch.full((B, H, G, K), -1, dtype=torch.int32)
+    cut = torch.randint(1, K + 1, (B, H, G), generator=gen)
+    cut.view(-1)[0] = 1
+    for i, n in enumerate(cut.view(-1).tolist()):
+        idx.view(-1, K)[i, :n] = torch.randperm(S, generator=gen)[:n].sort().values.to(torch.int32)
+    return q, k, v, perm, idx
+
+
+@pytest.mark.parametrize(("kind", "idx_strided"), [(None, False), ("fp8_row", True)])
+def test_op_glue_against_float64(fake_op, kind, idx_strided):
+    """The op around the kernel (Q gather, valid counts, one launch per batch element, scatter + residual + LSE)
+    on the CPU with the kernel modelled in float64: B = 2 (two launches), S not a multiple of 128, ragged counts,
+    native views in, a NaN-poisoned strided out view written in full; kv_idx also as a strided view (the kernel
+    reads index rows with unit stride)."""
+    from .test_reuse_op import brute_residual, make_residual
+
+    gen = torch.Generator().manual_seed(41)
+    B, H, S, D, K = 2, 3, 300, 64, 160
+    q, k, v, perm, idx = _op_inputs(gen, B, H, S, D, K)
+    if idx_strided:
+        wide = torch.full((B, H, idx.shape[2], 2 * K), -1, dtype=torch.int32)
+        wide[..., ::2] = idx
+        idx = wide[..., ::2]
+    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen) * 0.1, kind)
+    base = torch.full((B, S, H * D), float("nan"), dtype=torch.bfloat16)
+    out = base.view(B, S, H, D).transpose(1, 2)
+    got, lse = fake_op.sparse_attention(q, k, v, perm, idx, scale=0.2, return_lse=True, out=out, residual=res)
+    assert got is out and not base.isnan().any() and not lse.isnan().any()
+    assert fake_op.calls == [("bfloat16", D, True)]
+    ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, scale=0.2,
+                                              return_lse=True)
+    if res is not None:
+        ref = ref + brute_residual(res)
+    assert float((got.double() - ref).abs().max()) <= 2**-7 * float(ref.abs().max()), "output"
+    assert float((lse.double() - ref_lse.double()).abs().max()) < 1e-5, "LSE"
+
+
+def _as_cutedsl(monkeypatch, op):
+    """Register the op (fake kernel) as the cutedsl backend, accepting CPU tensors."""
+    monkeypatch.setitem(registry._backends, "cutedsl", registry.Backend(
+        name="cutedsl", priority=40, ops={"sparse_attention": op.sparse_attention}))
+
+
+@pytest.mark.parametrize(("failure", "why"), [
+    ("group64", "RuntimeError: the CuTeDSL kernel needs group size 128"),
+    ("ffi_value", "ValueError: Mismatched Tensor on argument #0"),
+    ("dsl_type", "TypeError: the DSL rejected an argument"),
+])
+def test_op_failures_fall_back_with_the_reason(fake_op, monkeypatch, failure, why):
+    """Whatever the kernel cannot run (a refused call, or the compiled kernel's own argument check raising
+    ValueError / TypeError, as TVM-FFI and the DSL do) falls back to the next backend once per run with the reason
+    in the run's Record: never the caller's error, never a lost run."""
+    gen = torch.Generator().manual_seed(43)
+    B, H, S, D, K = 1, 2, 200, 64, 128
+    q, k, v, perm, idx = _op_inputs(gen, B, H, S, D, K)
+    if failure == "group64":
+        idx = torch.cat([idx, idx], 2)  # the same rows, as G = 4 groups of C = 64 (perm's 256 slots)
+    else:
+        err = ValueError if failure == "ffi_value" else TypeError
+        msg = "Mismatched Tensor on argument #0" if failure == "ffi_value" else "the DSL rejected an argument"
+
+        def broken(*a, **kw):
+            raise err(msg)
+
+        monkeypatch.setattr(fake_op._compile, "launch", broken)
+    _as_cutedsl(monkeypatch, fake_op)
+    with registry.recording(registry.Record()) as rec:
+        got = kernels.sparse_attention(q, k, v, perm, idx)
+        again = kernels.sparse_attention(q, k, v, perm, idx)
+    assert rec.choices["sparse_attention"].backend != "cutedsl"
+    assert why in rec.failures["cutedsl", "sparse_attention"], rec.failures
+    assert "failed earlier in this run" in rec.choices["sparse_attention"].reason
+    want = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
+    for o in (got, again):
+        assert float((o.double() - want).abs().max()) <= 2**-7 * float(want.abs().max())
+
+
+def test_registered_with_its_rules_when_the_op_imports(fake_op, monkeypatch):
+    """Where the op imports (here with the fake kernel), the package registers it at priority 40 with rules.refuse:
+    a CPU call is refused with the rule's reason (never run on the kernel), other ops are not its own."""
+    pkg = importlib.import_module("comfyui_mc_sparse_pack.kernels.cutedsl")
+    monkeypatch.setitem(registry._backends, "cutedsl", registry._backends["cutedsl"])  # restored after the test
+    monkeypatch.setattr(pkg, "sparse_attention", None, raising=False)
+    importlib.reload(pkg)
+    b = registry._backends["cutedsl"]
+    assert b.unavailable_reason is None and b.priority == 40
+    assert b.ops == {"sparse_attention": fake_op.sparse_attention}
+    gen = torch.Generator().manual_seed(47)
+    q, k, v, perm, idx = _op_inputs(gen, 1, 2, 200, 64, 128)
+    with registry.recording(registry.Record()) as rec:
+        kernels.sparse_attention(q, k, v, perm, idx)
+    assert rec.choices["sparse_attention"].backend != "cutedsl" and not fake_op.calls
+    assert "cutedsl: runs on CUDA devices, got cpu" in rec.choices["sparse_attention"].reason
+    assert "implements sparse_attention only" in rules.refuse("dense_attention", q, False)

@@ -1,13 +1,15 @@
 """The CuTeDSL backend: our warp-specialised token-sparse attention kernel for Hopper (``sparse_fwd_sm90.py``).
 
-Optional: it needs ``nvidia-cutlass-dsl`` (4.8.1) and ``flash-attn-4`` (4.0.0b36, whose sm90 consumer warpgroups,
-pipelines and epilogue the kernel uses as a library); README "Optional: the Hopper kernel" says how to install them.
+Optional: it needs ``nvidia-cutlass-dsl`` (4.8.1), ``flash-attn-4`` (4.0.0b36, whose sm90 consumer warpgroups,
+pipelines and epilogue the kernel uses as a library) and ``quack-kernels`` (0.6.5, its copy and fake-tensor helpers);
+README "Optional: the Hopper kernel" says how to install them.
 Without them this import fails and ``kernels/_optional.py`` records the reason: the pack runs on Triton.
 
 Registers ``Backend(name="cutedsl", priority=40)`` for ``sparse_attention`` only, preferred over Triton where it runs:
 a CUDA device of compute capability 9.x (sm_90: wgmma, setmaxnreg), fp16/bf16, head dim 64 or 128, group size
 C = 128 (one query tile per group), at most 65535 groups per batch element (grid.z). A failure at compile or run
-time makes the registry fall back to Triton for the rest of the run, with the reason in the run summary.
+time (the op raises RuntimeError for all of them, ``op.py``) makes the registry fall back to the next backend for
+the rest of the run, with the reason in the run summary.
 
 One call: the group's query rows are gathered to group order and the valid slots counted (two small Triton launches,
 ``kernels/triton/regroup.py``), the kernel runs on the model's own K/V (``[B, S, H, D]`` with unit stride on D, read

@@ -22,10 +22,20 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
     Extra requirements (``rules.call_refusal``; a RuntimeError makes the registry fall back for the rest of the run):
     group size C = 128; k and v with unit stride on D and 16-byte aligned rows; at most 65535 groups per batch element.
     Returns: ``out`` (or a new ``[B, H, S, D]`` tensor) in the original query order, or (out, LSE fp32 ``[B, H, S]``).
+    Raises: RuntimeError for every failure, including the ValueError / TypeError that the compiled kernel's argument
+    checks (TVM-FFI) and the DSL raise: the public op has validated the inputs, so those are this backend's failures,
+    and the registry treats ValueError / TypeError as the caller's error (it would lose the run instead of falling back).
     """
     why = call_refusal(q, k, v, perm, kv_idx)
     if why:
         raise RuntimeError(f"the CuTeDSL kernel {why}")
+    try:
+        return _run(q, k, v, perm, kv_idx, scale, return_lse, out, residual)
+    except (ValueError, TypeError) as err:
+        raise RuntimeError(f"the CuTeDSL kernel failed: {type(err).__name__}: {err}") from err
+
+
+def _run(q, k, v, perm, kv_idx, scale, return_lse, out, residual):
     B, H, S, D = q.shape
     G, k_alloc = kv_idx.shape[2], kv_idx.shape[3]
     C = perm.shape[-1] // G
@@ -36,7 +46,7 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
     counts = regroup.valid_counts(kv_idx)
     o_groups = torch.empty_like(q_groups)
     lse_groups = torch.empty(B * H * G, 1, C, dtype=torch.float32, device=q.device) if return_lse else None
-    idx_rows = kv_idx.reshape(B * H * G, k_alloc)
+    idx_rows = kv_idx.reshape(B * H * G, k_alloc).contiguous()  # the kernel reads index rows with unit stride
     per_b = H * G
     for b in range(B):  # grid.z holds one batch element's groups
         sl = slice(b * per_b, (b + 1) * per_b)
