@@ -61,6 +61,25 @@ def test_scatter_groups_restores_order_adds_residual_and_lse(kind):
     assert torch.equal(lse, want_lse)
 
 
+def test_scatter_groups_without_lse_writes_only_the_output():
+    """No LSE asked for: the output rows land in place (NaN-poisoned buffer), and nothing else in the buffer (the
+    padding columns between heads) is touched: a kernel that still stored the LSE would write it through the output
+    pointer."""
+    gen = torch.Generator().manual_seed(29)
+    B, H, S, D, C = 2, 2, 300, 64, 128
+    G = -(-S // C)
+    perm = _perm(gen, B, H, S, C)
+    o_groups = torch.randn(B * H * G, C, D, generator=gen).to(torch.bfloat16)
+    base = torch.full((B, S, H, D + 8), float("nan"), dtype=torch.bfloat16)  # 8 pad columns per head row
+    out = base[..., :D].transpose(1, 2)
+    regroup.scatter_groups(o_groups, perm, out)
+    assert not out.isnan().any() and base[..., D:].isnan().all()
+    rows = o_groups.view(B, H, G * C, D)[:, :, :S]
+    dest = perm[:, :, :S].long()
+    want = torch.empty(B, H, S, D, dtype=torch.bfloat16).scatter_(2, dest[..., None].expand(-1, -1, -1, D), rows)
+    assert torch.equal(out, want)
+
+
 def test_valid_counts_finds_the_first_minus_one():
     gen = torch.Generator().manual_seed(3)
     B, H, G, K = 1, 3, 5, 384
@@ -72,7 +91,22 @@ def test_valid_counts_finds_the_first_minus_one():
     assert torch.equal(regroup.valid_counts(kv_idx), counts.view(-1).to(torch.int32))
 
 
+@pytest.mark.parametrize("K", [1, 129])
+def test_valid_counts_token_zero_and_odd_widths(K):
+    """Token 0 is a valid index (an attention sink is often selected): rows starting at 0, and K_alloc 1 / 129."""
+    gen = torch.Generator().manual_seed(7 + K)
+    rows = 6
+    counts = torch.randint(1, K + 1, (rows,), generator=gen)
+    counts[:2] = torch.tensor([1, K])
+    keys = torch.arange(K, dtype=torch.int32).expand(rows, K) * 3  # every row's first index is token 0
+    kv_idx = torch.where(torch.arange(K) < counts[:, None], keys, torch.full_like(keys, -1)).view(1, 2, 3, K)
+    assert torch.equal(regroup.valid_counts(kv_idx), counts.to(torch.int32))
+
+
 def test_malformed_perm_is_a_clear_error():
     q = torch.zeros(1, 2, 300, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="perm must be int32"):
         regroup.gather_groups(q, torch.zeros(1, 2, 300, dtype=torch.int32), 128)
+    for c in (0, 129):  # one program holds a group's rows: at most 128 (BLOCK_M)
+        with pytest.raises(ValueError, match="group size must be in"):
+            regroup.gather_groups(q, torch.zeros(1, 2, 387, dtype=torch.int32), c)
