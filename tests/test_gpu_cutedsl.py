@@ -52,12 +52,16 @@ def _inputs(gen, B, H, S, C, K, k_alloc, ragged):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("D", [128, 64])
-@pytest.mark.parametrize(("S", "K", "ragged"), [(4000, 1000, False), (3000 + 8, 777, True)], ids=["S4000", "S3008-ragged"])
-def test_cutedsl_vs_float64(dtype, D, S, K, ragged):
-    gen = torch.Generator(device="cuda").manual_seed(11 + D + S)
+@pytest.mark.parametrize(("S", "K", "ragged", "kv_tile"), [
+    (4000, 1000, False, 128), (3000 + 8, 777, True, 128), (2500, 704, False, 64), (2500, 650, True, 64),
+], ids=["S4000", "S3008-ragged", "S2500-kalloc704", "S2500-ragged-kalloc704"])
+def test_cutedsl_vs_float64(dtype, D, S, K, ragged, kv_tile):
+    """kv_tile 64 (the engine's default rounding of K): K_alloc 704 is 5.5 key tiles, so the last tile's slots past
+    the row's end are clamped to its last slot by the producer and masked."""
+    gen = torch.Generator(device="cuda").manual_seed(11 + D + S + K)
     B, H, C = 2, 3, 128
     q, k, v = (_native(gen, B, S, H, D, dtype) for _ in range(3))
-    perm, idx = _inputs(gen, B, H, S, C, K, -(-K // 128) * 128, ragged)
+    perm, idx = _inputs(gen, B, H, S, C, K, -(-K // kv_tile) * kv_tile, ragged)
     base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
     out = base.view(B, S, H, D).transpose(1, 2)
     with registry.recording(registry.Record()) as record:
