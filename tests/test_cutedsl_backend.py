@@ -107,10 +107,10 @@ def _kv_rows(S=300, H=2, D=128, row_pad=0, offset=0):
 
 
 @pytest.mark.parametrize(("name", "bad", "why"), [
-    ("v", dict(row_pad=4), "16-byte aligned rows"),  # row stride H*D + 4 elements: rows 8 bytes off
-    ("k", dict(offset=4), "16-byte aligned rows"),  # the view starts 8 bytes into its storage
-    ("v", dict(offset=8), None),  # 16 bytes in: aligned
-    ("k", dict(row_pad=8), None),  # padded rows that stay 16-byte aligned
+    ("v", {"row_pad": 4}, "16-byte aligned rows"),  # row stride H*D + 4 elements: rows 8 bytes off
+    ("k", {"offset": 4}, "16-byte aligned rows"),  # the view starts 8 bytes into its storage
+    ("v", {"offset": 8}, None),  # 16 bytes in: aligned
+    ("k", {"row_pad": 8}, None),  # padded rows that stay 16-byte aligned
 ])
 def test_call_refusals_check_each_of_k_and_v(name, bad, why):
     """k and v are checked separately (a caller may hand over one aligned and one not), on the row stride and the
