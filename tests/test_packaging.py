@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import comfyui_mc_sparse_pack as pack
-import tomllib
+import pytest
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import engine  # noqa: F401  (imports kernels the way the pack does)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +38,7 @@ def test_kernels_is_never_imported_as_a_top_level_module():
 
 def test_pyproject_has_registry_metadata_and_requirements_no_torch():
     """Comfy Registry fields are present; torch is never a runtime requirement (ComfyUI provides it)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+ (the README's quick start takes 3.10+)")
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert meta["project"]["name"] and re.fullmatch(r"\d+\.\d+\.\d+", meta["project"]["version"])
     assert meta["tool"]["comfy"]["PublisherId"] and meta["project"]["urls"]["Repository"]
