@@ -156,6 +156,26 @@ def test_stages_setting_is_checked(monkeypatch):
 
 
 @_NEEDS_CUTE
+def test_an_unusable_disk_cache_still_compiles(monkeypatch):
+    """A cache directory that takes no lock files (read-only file system) or a lock timeout: the kernel is compiled
+    in this process (a warning says why), never an error that would keep the backend off every run."""
+    from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
+
+    class Broken:
+        def __contains__(self, key):
+            raise FileNotFoundError("no lock file")
+
+        def __setitem__(self, key, fn):
+            raise RuntimeError("lock timeout")
+
+    monkeypatch.setattr(cc, "_memory", {})
+    monkeypatch.setattr(cc, "_disk_cache", Broken)
+    monkeypatch.setattr(cc, "compile_fake", lambda *a: ("compiled", *a))
+    assert cc.compiled("bfloat16", 128, False, 2) == ("compiled", "bfloat16", 128, False, 2)
+    assert cc.compiled("bfloat16", 128, False, 2) is cc.compiled("bfloat16", 128, False, 2)  # kept in memory
+
+
+@_NEEDS_CUTE
 def test_offline_sm90_compile():
     """The kernel compiles for sm_90a from fake tensors without a GPU (CUTE_DSL_ARCH): catches DSL errors on CPU."""
     code = textwrap.dedent(f"""

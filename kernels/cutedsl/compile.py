@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import logging
 import os
 import sys
 import threading
@@ -35,6 +36,7 @@ _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 STAGES = 2  # 3 stages measured -1 to +2 % at 1.3B, up to -11 % at 14B on the H200 (bench_cutedsl.py prints both)
 _memory: dict = {}
 _lock = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1)
@@ -105,13 +107,10 @@ def compiled(dtype: str, head_dim: int, with_lse: bool, stages: int | None = Non
         if fn is not None:
             return fn
         disk = _disk_cache()
-        if disk is not None and key in disk:
-            fn = disk[key]
-        else:
+        fn = _from_disk(disk, key)
+        if fn is None:
             fn = compile_fake(dtype, head_dim, with_lse, stages)
-            if disk is not None:
-                disk[key] = fn
-                fn = disk[key] if key in disk else fn
+            fn = _to_disk(disk, key, fn)
         _memory[key] = fn
         return fn
 
@@ -125,6 +124,32 @@ def _disk_cache():
         return JITPersistentCache(path)
     except Exception:  # no writable home, an older flash-attn-4: compile per process
         return None
+
+
+def _from_disk(disk, key):
+    """The cached kernel, or None on a miss or an unusable cache (a directory that exists but takes no lock files,
+    e.g. a read-only file system, or a lock held past flash-attn-4's timeout): then this process compiles it."""
+    if disk is None:
+        return None
+    try:
+        return disk[key] if key in disk else None
+    except Exception as err:
+        log.warning("MC-Sparse: CuTeDSL disk cache %s unusable (%s: %s); compiling in this process",
+                    cache_dir(), type(err).__name__, err)
+        return None
+
+
+def _to_disk(disk, key, fn):
+    """Store a fresh compile (returns the object the cache hands back, or fn itself when the cache cannot store)."""
+    if disk is None:
+        return fn
+    try:
+        disk[key] = fn
+        return disk[key] if key in disk else fn
+    except Exception as err:
+        log.warning("MC-Sparse: CuTeDSL disk cache %s cannot store (%s: %s); the next start compiles again",
+                    cache_dir(), type(err).__name__, err)
+        return fn
 
 
 def launch(fn, q_groups, k, v, out, lse, scale: float, counts, kv_idx) -> None:
