@@ -80,6 +80,23 @@ def test_scatter_groups_without_lse_writes_only_the_output():
     assert torch.equal(out, want)
 
 
+def test_scatter_groups_refuses_layouts_it_would_misread():
+    """o_groups / lse / lse_groups are read and written by flat offsets: a strided or misshapen one is a clear
+    error, not silently wrong rows."""
+    B, H, S, D, C = 1, 2, 300, 64, 128
+    perm = torch.zeros(B, H, 384, dtype=torch.int32)
+    out = torch.empty(B, H, S, D, dtype=torch.bfloat16)
+    og = torch.empty(B * H * 3, C, 2 * D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="o_groups must be contiguous"):
+        regroup.scatter_groups(og[..., :D], perm, out)
+    og = og[..., :D].contiguous()
+    lse_g = torch.empty(B * H * 3, C)
+    for lse_groups, lse in ((None, torch.empty(B, H, S)), (lse_g, torch.empty(B, H, S, dtype=torch.bfloat16)),
+                            (lse_g, torch.empty(B, H, 2 * S)[..., :S]), (lse_g[:, :64], torch.empty(B, H, S))):
+        with pytest.raises(ValueError, match="must be contiguous float32"):
+            regroup.scatter_groups(og, perm, out, lse_groups=lse_groups, lse=lse)
+
+
 def test_valid_counts_finds_the_first_minus_one():
     gen = torch.Generator().manual_seed(3)
     B, H, G, K = 1, 3, 5, 384

@@ -103,11 +103,21 @@ def scatter_groups(o_groups: torch.Tensor, perm: torch.Tensor, out: torch.Tensor
     """Group-order rows ``[B*H*G, C, D]`` -> ``out[b, h, perm[...]]`` ``[B, H, S, D]`` (any strides) + residual.
 
     Args: lse_groups fp32 ``[B*H*G, C]`` and lse fp32 ``[B, H, S]`` (contiguous) to scatter the LSE too; residual a
-    ``kernels.Residual`` (plain / fp8_row / int4_row) added in fp32 before rounding. Rows of padded slots are skipped."""
+    ``kernels.Residual`` (plain / fp8_row / int4_row) added in fp32 before rounding. Rows of padded slots are skipped.
+    Raises: ValueError when o_groups is not contiguous ``[B*H*G, C, D]``, or lse / lse_groups not contiguous fp32 of
+    those shapes (the kernel reads and writes them by flat offsets), or perm as in ``gather_groups``."""
     B, H, S, D = out.shape
     C = o_groups.shape[-2]
     _check(perm, out, C)
     n_slots = perm.shape[-1]
+    if tuple(o_groups.shape) != (B * H * (n_slots // C), C, D) or not o_groups.is_contiguous():
+        raise ValueError(f"o_groups must be contiguous [B*H*G, C, D] = {(B * H * (n_slots // C), C, D)}, got "
+                         f"{tuple(o_groups.shape)} with strides {o_groups.stride()}")
+    for name, t, shape in (("lse", lse, (B, H, S)), ("lse_groups", lse_groups, (B * H * (n_slots // C), C))):
+        if lse is not None and (t is None or t.dtype != torch.float32 or tuple(t.shape) != shape
+                                or not t.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous float32 {shape} (lse and lse_groups come together), got "
+                             f"{None if t is None else (t.dtype, tuple(t.shape), t.stride())}")
     kind = _RES_KINDS[None if residual is None else residual.kind]
     if residual is None:
         res, res_scale, r_strides, c_strides = out, out, (0, 0, 0, 0), (0, 0, 0)
