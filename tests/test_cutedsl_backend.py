@@ -176,8 +176,10 @@ def test_an_unusable_disk_cache_still_compiles(monkeypatch):
 
 
 @_NEEDS_CUTE
-def test_offline_sm90_compile():
-    """The kernel compiles for sm_90a from fake tensors without a GPU (CUTE_DSL_ARCH): catches DSL errors on CPU."""
+def test_offline_sm90_compile(tmp_path):
+    """The kernel compiles for sm_90a from fake tensors without a GPU (CUTE_DSL_ARCH): catches DSL errors on CPU.
+    The compiled object lands in the disk cache, and a second process (a second ComfyUI start) loads it from there
+    without compiling (its compile_fake raises)."""
     code = textwrap.dedent(f"""
         import os, sys
         os.environ['CUTE_DSL_ARCH'] = 'sm_90a'
@@ -185,11 +187,19 @@ def test_offline_sm90_compile():
         import _standalone
         _standalone.load_pack()
         from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
-        cc.compile_fake('bfloat16', 128, True)
-        print('COMPILED')
+        if sys.argv[1] == 'again':
+            def no_compile(*a):
+                raise AssertionError('compiled again instead of loading from the disk cache')
+            cc.compile_fake = no_compile
+        cc.compiled('bfloat16', 128, True)
+        print('COMPILED' if sys.argv[1] == 'first' else 'LOADED')
     """)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    env = dict(os.environ, MC_SPARSE_CUTEDSL_CACHE_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", code, "first"], capture_output=True, text=True, env=env)
     assert "COMPILED" in p.stdout, p.stderr[-3000:]
+    assert any(tmp_path.glob("*.o")), list(tmp_path.iterdir())
+    p = subprocess.run([sys.executable, "-c", code, "again"], capture_output=True, text=True, env=env)
+    assert "LOADED" in p.stdout, p.stderr[-3000:]
 
 
 def _fake_launch(fn, q_groups, k, v, out, lse, scale, counts, kv_idx):
