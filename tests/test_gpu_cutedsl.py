@@ -13,6 +13,7 @@ import torch
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.kernels import reference, registry
 
+from .test_gpu_reuse_kernel import _inputs as _reuse_inputs
 from .test_reuse_op import make_residual
 
 
@@ -36,12 +37,9 @@ def _native(gen, B, S, H, D, dtype):
 
 
 def _inputs(gen, B, H, S, C, K, k_alloc, ragged):
-    G = -(-S // C)
-    perm = torch.full((B, H, G * C), -1, dtype=torch.int32, device="cuda")
-    perm[..., :S] = torch.argsort(torch.rand(B, H, S, generator=gen, device="cuda"), -1).to(torch.int32)
-    keys = torch.rand(B, H, G, S, generator=gen, device="cuda").topk(K, -1).indices.sort(-1).values
-    idx = torch.full((B, H, G, k_alloc), -1, dtype=torch.int32, device="cuda")
-    idx[..., :K] = keys.to(torch.int32)
+    """tests/test_gpu_reuse_kernel.py's random groups and sorted selections, optionally with ragged counts."""
+    perm, idx = _reuse_inputs(gen, B, H, S, C, K, k_alloc)
+    G = idx.shape[2]
     if ragged:  # some groups keep fewer keys (trailing -1 over several tiles), one keeps a single key
         cut = torch.randint(1, K + 1, (B, H, G), generator=gen, device="cuda")
         cut.view(-1)[0] = 1

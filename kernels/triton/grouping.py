@@ -270,20 +270,28 @@ def _threshold(HIST, row, left, NB: tl.constexpr):
 
 
 @triton.jit
-def _count(
-    BINS_IN, HIST, NODE_START, NODE_SIZE, NODE_COUNT, CNT,
-    N, n_slots, n_tiles, C,
-    TILE: tl.constexpr, NB: tl.constexpr,
-):
-    tile = tl.program_id(0)
+def _node_split(HIST, NODE_START, NODE_SIZE, NODE_COUNT, bh, N, C, NB: tl.constexpr):
+    """This program's node (grid axis 1): (first slot, size in slots, query count, slots going left = the node's first
+    half of whole groups, histogram row, threshold bin t, how many of bin t go left)."""
     node = tl.program_id(1)
-    bh = tl.program_id(2)
     start = tl.load(NODE_START + node)
     size = tl.load(NODE_SIZE + node)
     count = tl.load(NODE_COUNT + node)
     left = ((size // C + 1) // 2) * C
     row = bh.to(tl.int64) * N + node
     t, k = _threshold(HIST, row, left, NB)
+    return start, size, count, left, row, t, k
+
+
+@triton.jit
+def _count(
+    BINS_IN, HIST, NODE_START, NODE_SIZE, NODE_COUNT, CNT,
+    N, n_slots, n_tiles, C,
+    TILE: tl.constexpr, NB: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    bh = tl.program_id(2)
+    start, size, count, left, row, t, k = _node_split(HIST, NODE_START, NODE_SIZE, NODE_COUNT, bh, N, C, NB)
     j = tile * TILE + tl.arange(0, TILE)
     real = j < count
     bins = tl.load(BINS_IN + bh.to(tl.int64) * n_slots + start + j, mask=real, other=NB)
@@ -299,14 +307,8 @@ def _apply(
     TILE: tl.constexpr, NB: tl.constexpr, PREFIX: tl.constexpr, FIRST: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    node = tl.program_id(1)
     bh = tl.program_id(2)
-    start = tl.load(NODE_START + node)
-    size = tl.load(NODE_SIZE + node)
-    count = tl.load(NODE_COUNT + node)
-    left = ((size // C + 1) // 2) * C
-    row = bh.to(tl.int64) * N + node
-    t, k = _threshold(HIST, row, left, NB)
+    start, size, count, left, row, t, k = _node_split(HIST, NODE_START, NODE_SIZE, NODE_COUNT, bh, N, C, NB)
     # queries below t (a) and in t (e) in the node's tiles before this one
     acc_a = tl.zeros([PREFIX], dtype=tl.int32)
     acc_e = tl.zeros([PREFIX], dtype=tl.int32)
