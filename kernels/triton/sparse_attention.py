@@ -93,6 +93,22 @@ def _kv_tile(idx_base, n0, n_end, kv_first, SK, offs_n, ROW64: tl.constexpr):
 
 
 @triton.jit
+def _query_rows(PERM, bh, group, n_slots, C, S, offs_m, PERMUTE_Q: tl.constexpr, ROW64: tl.constexpr):
+    """(valid, row) of the block's queries: rows ``perm[b, h, group*C + offs_m]`` (or ``group*C + offs_m`` without
+    PERMUTE_Q); slots past C, -1 padding and rows >= S are invalid and read row 0."""
+    if PERMUTE_Q:
+        perm_base = PERM + bh.to(tl.int64) * n_slots + group.to(tl.int64) * C
+        q_idx = tl.load(perm_base + offs_m, mask=offs_m < C, other=-1)  # [BLOCK_M] int32
+    else:
+        q_idx = tl.where(offs_m < C, group * C + offs_m, -1)
+    q_valid = (q_idx >= 0) & (q_idx < S)
+    q_rows = tl.where(q_valid, q_idx, 0)
+    if ROW64:
+        q_rows = q_rows.to(tl.int64)
+    return q_valid, q_rows
+
+
+@triton.jit
 def _e4m3_to_f32_div256(byte):
     """float8_e4m3fn bit patterns (uint8) -> fp32 value / 256, exactly, in registers on any architecture.
 
@@ -145,15 +161,7 @@ def _sparse_attn_fwd(
     offs_n = tl.arange(0, BLOCK_N)
 
     # query indices of this block; rows past C or past the padded tail read -1
-    if PERMUTE_Q:
-        perm_base = PERM + bh.to(tl.int64) * n_slots + group.to(tl.int64) * C
-        q_idx = tl.load(perm_base + offs_m, mask=offs_m < C, other=-1)  # [BLOCK_M] int32
-    else:
-        q_idx = tl.where(offs_m < C, group * C + offs_m, -1)
-    q_valid = (q_idx >= 0) & (q_idx < S)
-    q_rows = tl.where(q_valid, q_idx, 0)
-    if ROW64:
-        q_rows = q_rows.to(tl.int64)
+    q_valid, q_rows = _query_rows(PERM, bh, group, n_slots, C, S, offs_m, PERMUTE_Q, ROW64)
 
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     q = tl.load(q_base + q_rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_valid[:, None], other=0.0)
@@ -236,14 +244,7 @@ def _sparse_attn_fwd(
 
     out = acc / l_i[:, None]
     # the rows again (L1/L2 hits), so their 64-bit offsets are not kept in registers through the loop
-    if PERMUTE_Q:
-        q_idx = tl.load(perm_base + offs_m, mask=offs_m < C, other=-1)
-    else:
-        q_idx = tl.where(offs_m < C, group * C + offs_m, -1)
-    q_valid = (q_idx >= 0) & (q_idx < S)
-    q_rows = tl.where(q_valid, q_idx, 0)
-    if ROW64:
-        q_rows = q_rows.to(tl.int64)
+    q_valid, q_rows = _query_rows(PERM, bh, group, n_slots, C, S, offs_m, PERMUTE_Q, ROW64)
     if RETURN_LSE:
         lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # natural log
         tl.store(LSE + bh.to(tl.int64) * S + q_rows, lse, mask=q_valid)
