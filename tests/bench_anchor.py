@@ -115,14 +115,17 @@ def dense_fns():
             for n in ("flash_attn4", "cuda_sdpa") if n in names}
 
 
-PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set for the call); s64: Gram path
-    "no leaf": ({}, dict(LEAF=False)), "direction warps 4": ({}, dict(_DIR_WARPS=4)),
-    "direction warps 16": ({}, dict(_DIR_WARPS=16)),
-    "s64 i4": (dict(samples=64, power_iters=4), {}), "s64 i8": (dict(samples=64), {}),
-    "s128 i4": (dict(samples=128, power_iters=4), {}), "s128 i8": (dict(samples=128), {}),
-    "s256 i4": (dict(power_iters=4), {}),
-    "compact": ({}, dict(COMPACT=True)), "compact s64 i4": (dict(samples=64, power_iters=4), dict(COMPACT=True)),
-    "compact s128 i4": (dict(samples=128, power_iters=4), dict(COMPACT=True)),
+PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set for the call); s64: Gram path;
+    # sq: directions by repeated squaring (SQUARE; i8 -> 3 squarings, i16 -> 4); w: warps of _direction / _leaf
+    "s64 i4": (dict(samples=64, power_iters=4), {}), "s64 i2": (dict(samples=64, power_iters=2), {}),
+    "s32 i4": (dict(samples=32, power_iters=4), {}),
+    "s64 sq16": (dict(samples=64, power_iters=16), dict(SQUARE=True)),
+    "s64 sq8": (dict(samples=64, power_iters=8), dict(SQUARE=True)),
+    "s256 sq8 w8": ({}, dict(SQUARE=True, _DIR_WARPS=8)),
+    "s128 sq8 w8": (dict(samples=128), dict(SQUARE=True, _DIR_WARPS=8)),
+    "compact w8": ({}, dict(COMPACT=True)),
+    "compact s64 i4 w4": (dict(samples=64, power_iters=4), dict(COMPACT=True, _DIR_WARPS=4)),
+    "compact s64 sq16 w4": (dict(samples=64, power_iters=16), dict(COMPACT=True, SQUARE=True, _DIR_WARPS=4)),
 }
 
 
@@ -177,8 +180,9 @@ def run_pddp(name, q, res, rep, log):
             res["pddp"][f"triton grouping {vname}"] = r = dict(ms=bench(lambda: fn(q), rep), variance_ratio=ratio,
                                                                contract_ok=ok)
             r["graph_ms"] = graph_ms(lambda: fn(q), rep) if DEVICE == "cuda" else None
+            r["phases_ms"] = pddp_phases(q, **kw) if DEVICE == "cuda" else None
             log(f"{name} pddp {vname}: {r['ms']:.3f} ms (graph {r['graph_ms']}), variance ratio {ratio:.4f}, "
-                f"contract {ok}")
+                f"contract {ok}, GPU phases {r['phases_ms'] and {k: t for k, t in r['phases_ms'].items() if k != 'per_launch'} }")
 
 
 def run_shape(name, H, grid, rep, log, only=None):
@@ -353,14 +357,18 @@ def section(res, what, log):
 
 
 def pddp_phases(q, **kw):
-    """Milliseconds per phase of the Triton grouping (direction, bin, count, apply, leaf), summed over the tree's
-    levels, and per launch in order ("per_launch": [phase, ms] pairs, level by level), by CUDA events recorded after
-    each launch through ``grouping.pddp_groups``'s ``phase_hook`` (one warm-up call first)."""
+    """GPU milliseconds per phase of the Triton grouping (direction, bin, count, apply, leaf, copy), summed over the
+    tree's levels, plus "total" and "per_launch" ([phase, ms] pairs, level by level): CUDA events recorded after each
+    launch through ``grouping.pddp_groups``'s ``phase_hook``, with the stream held by a ~20 ms ``torch.cuda._sleep``
+    first so the host queues every launch before the GPU starts (event gaps are GPU time, not host launch time; one
+    warm-up call first)."""
     times, launches = {}, []
 
     def run():
         times.clear()
         launches.clear()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e7))  # ~10-20 ms at H200 clocks: longer than the host needs to queue the tree
         marks = [(None, torch.cuda.Event(enable_timing=True))]
         marks[0][1].record()
 
@@ -374,6 +382,7 @@ def pddp_phases(q, **kw):
         for (_, a), (name, b) in zip(marks, marks[1:]):
             times[name] = times.get(name, 0.0) + a.elapsed_time(b)
             launches.append([name, round(a.elapsed_time(b), 4)])
+        times["total"] = marks[0][1].elapsed_time(marks[-1][1])
 
     run()
     run()

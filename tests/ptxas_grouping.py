@@ -1,7 +1,7 @@
 """Offline compile of the Triton PDDP kernels (kernels/triton/grouping.py) for sm_90 / sm_80 with ``ptxas -v``: registers,
 spills, shared memory (no GPU needed; not collected by pytest). The interpreter misses GPU-only compile errors.
 
-Usage: python tests/ptxas_grouping.py [--samples 256] [--bins 512]. Exit status 1 when a kernel spills or does not fit.
+Usage: python tests/ptxas_grouping.py [--samples 256] [--bins 512] [--sq 3] [--warps 4] [--arch 90]. Exit status 1 when a kernel spills or does not fit.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ grouping = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.groupi
 pr._TYPES.setdefault(torch.int64, "i64")  # the leaf's sort keys
 
 
-def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, compact=False, arch=90):
+def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, compact=False, arch=90, sq=0):
     """(name, jit fn, args, meta) of every launch of one tree level at the Wan2.1-14B 720p shape."""
     meta_t = dict(device="meta")
     B = 1
@@ -43,7 +43,7 @@ def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, com
         ("_direction", grouping._direction,
          [q, q8, sc, mu, perm, start, count, v, off, hist, H, N, S, n_slots, *strides],
          dict(PAIRS=pairs, M=samples, D=D, SCHUNK=min(samples, 64), NB=bins, FIRST=first,
-              GRAM=samples <= grouping._GRAM_MAX, READ8=r8, WRITE8=w8, num_warps=warps)),
+              GRAM=samples <= grouping._GRAM_MAX, READ8=r8, WRITE8=w8, SQ=sq, num_warps=warps)),
         ("_bin", grouping._bin, [q, q8, sc, mu, perm, start, count, v, off, hist, bins_t, H, N, S, n_slots, *strides],
          dict(BLOCK=grouping._BLOCK_BIN, D=D, NB=bins, FIRST=first, READ8=r8, WRITE8=w8, num_warps=4)),
         ("_count", grouping._count, [bins_t, hist, start, size, count, cnt, N, n_slots, 74, C],
@@ -52,7 +52,7 @@ def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, com
          dict(TILE=grouping._TILE, NB=bins, PREFIX=grouping._PREFIX, FIRST=first, num_warps=4)),
         ("_leaf", grouping._leaf, [q, q8, sc, perm, perm, keys, start, count, H, N, S, n_slots, C, *strides],
          dict(PAIRS=pairs, M=samples, D=D, SCHUNK=min(samples, 64), CHUNK=64, NP=2 * C, FIRST=first,
-              GRAM=samples <= grouping._GRAM_MAX, READ8=r8, num_warps=warps)),
+              GRAM=samples <= grouping._GRAM_MAX, READ8=r8, SQ=sq, num_warps=warps)),
     ]
 
 
@@ -61,13 +61,15 @@ def main():
     ap.add_argument("--samples", type=int, default=grouping.SAMPLES)
     ap.add_argument("--bins", type=int, default=grouping.BINS)
     ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--sq", type=int, default=0, help="squarings of the direction kernels (0: power iteration)")
+    ap.add_argument("--arch", type=int, nargs="+", default=[90, 80])
     ap.add_argument("--warps", type=int, help="warps of _direction / _leaf (default: grouping.direction_warps)")
     args = ap.parse_args()
     grouping._DIR_WARPS = args.warps
     bad = 0
-    for arch in (90, 80):
+    for arch in args.arch:
         for first, compact in ((True, False), (False, False), (True, True), (False, True)):
-            for name, fn, a, meta in kernels(args.samples, args.bins, args.pairs, first, compact=compact, arch=arch):
+            for name, fn, a, meta in kernels(args.samples, args.bins, args.pairs, first, compact=compact, arch=arch, sq=args.sq):
                 ck = pr.compile_offline(fn, a, meta, arch)
                 regs, st, ld = pr.ptxas_usage(ck, arch)
                 smem = ck.metadata.shared

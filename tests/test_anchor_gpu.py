@@ -105,9 +105,13 @@ def test_select_kv_on_gpu_is_the_top_k_of_its_sums(cuda_gen):
     assert bool((kept >= 0.995 * best).all())
 
 
-def test_grouping_on_gpu_contract_and_quality(cuda_gen):
+@pytest.mark.parametrize("variant", ["default", "s64 sq16", "s256 sq8 w8", "compact s64 sq16 w4"])
+def test_grouping_on_gpu_contract_and_quality(cuda_gen, variant, monkeypatch):
     """Triton PDDP at the 1.3B 480p token count on structured queries: contract, and mean within-group variance
-    within 5 % of the torch reference's."""
+    within 5 % of the torch reference's; the default through the op, the benchmark's variants (repeated squaring,
+    int8 copy, warps) through ``grouping.pddp_groups``."""
+    from comfyui_mc_sparse_pack.kernels.triton import grouping
+
     grid, D, C, H = (21, 30, 52), 128, 128, 2
     pos = torch.stack(torch.meshgrid(*(torch.arange(n, device="cuda", dtype=torch.float32) for n in grid),
                                      indexing="ij"), -1).reshape(-1, 3) / torch.tensor(grid, device="cuda")
@@ -116,7 +120,16 @@ def test_grouping_on_gpu_contract_and_quality(cuda_gen):
                      + 0.3 * torch.randn(pos.shape[0], D, device="cuda", generator=cuda_gen) for _ in range(H)])
     q = q.unsqueeze(0).to(torch.bfloat16)
     S = q.shape[2]
-    perm = kernels.pddp_groups(q, C, backend="triton")
+    if variant == "default":
+        perm = kernels.pddp_groups(q, C, backend="triton")
+    else:
+        words = variant.split()
+        samples = int(next(w for w in words if w.startswith("s") and w[1:].isdigit())[1:])
+        sq = next((int(w[2:]) for w in words if w.startswith("sq")), None)
+        monkeypatch.setattr(grouping, "SQUARE", sq is not None)
+        monkeypatch.setattr(grouping, "COMPACT", "compact" in words)
+        monkeypatch.setattr(grouping, "_DIR_WARPS", next((int(w[1:]) for w in words if w.startswith("w")), None))
+        perm = grouping.pddp_groups(q, C, samples=samples, power_iters=sq or 8)
     assert (perm[..., S:] == -1).all()
     assert torch.equal(torch.sort(perm[..., :S], -1).values, torch.arange(S, device="cuda", dtype=torch.int32).expand(1, H, S))
     ratio = within_group_variance(q, perm, C).sum() / within_group_variance(q, reference.pddp_groups(q, C), C).sum()

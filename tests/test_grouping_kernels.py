@@ -78,11 +78,13 @@ def test_rank_split_is_the_stable_partition(gen, S, C, tile, prefix):
         assert torch.equal(got, want), f"level {level}"
 
 
-@pytest.mark.parametrize("mode,samples", [("root", 256), ("below", 32), ("root", 64), ("root write8", 256),
-                                          ("below read8", 64), ("below read8", 256)])
-def test_direction_and_bins_match_float64(gen, mode, samples):
+@pytest.mark.parametrize("mode,samples,sq", [("root", 256, 0), ("below", 32, 0), ("root", 64, 0), ("root write8", 256, 0),
+                                             ("below read8", 64, 0), ("below read8", 256, 0), ("root", 256, 3),
+                                             ("below", 32, 4), ("below read8", 64, 2)])
+def test_direction_and_bins_match_float64(gen, mode, samples, sq):
     """_direction (covariance and Gram paths): top eigenvector of the sampled rows' covariance, binning map from their
-    projections; _bin: bins and histogram of every real query from that map (float64), histogram zeroed first.
+    projections (power iteration, or sq > 0: repeated squaring by tl.dot); _bin: bins and histogram of every real
+    query from that map (float64), histogram zeroed first.
     At the root with WRITE8: the int8 copy of every query (row scale, centred on the root's sample mean) dequantises
     to q within half a step; below the root with READ8: the same from a given int8 copy. Outputs poisoned."""
     B, H, S, D, C, NB = 1, 2, 150, 32, 16, 64
@@ -113,7 +115,7 @@ def test_direction_and_bins_match_float64(gen, mode, samples):
         t.to(DEVICE) for t in (q, q8, sc, mu, perm, v, off, hist, bins))
     grouping._direction[(N, B * H)](qd, q8_d, sc_d, mu_d, perm_d, dev[0], dev[2], v_d, off_d, hist_d, H, N, S,
                                     n_slots, *qd.stride(), PAIRS=8, M=samples, D=D, SCHUNK=min(samples, 64), NB=NB,
-                                    FIRST=first, GRAM=samples <= 64, READ8=read8, WRITE8=write8)
+                                    FIRST=first, GRAM=samples <= 64, READ8=read8, WRITE8=write8, SQ=sq)
     grouping._bin[(-(-n_max // 16), N, B * H)](qd, q8_d, sc_d, mu_d, perm_d, dev[0], dev[2], v_d, off_d, hist_d,
                                                bins_d, H, N, S, n_slots, *qd.stride(), BLOCK=16, D=D, NB=NB,
                                                FIRST=first, READ8=read8, WRITE8=write8)
@@ -153,9 +155,10 @@ def test_direction_and_bins_match_float64(gen, mode, samples):
             assert bool(((codes * step[:, None] + mean - x_all[bh]).abs() <= step[:, None] * 0.5 + 1e-5).all())
 
 
-@pytest.mark.parametrize("S,C,first,samples", [(90, 16, False, 256), (28, 16, True, 256), (40, 24, False, 256),
-                                               (90, 16, False, 16)])
-def test_leaf_splits_by_the_float64_projection(gen, S, C, first, samples):
+@pytest.mark.parametrize("S,C,first,samples,sq", [(90, 16, False, 256, 0), (28, 16, True, 256, 0),
+                                                  (40, 24, False, 256, 0), (90, 16, False, 16, 0),
+                                                  (90, 16, False, 256, 3), (40, 24, True, 16, 4)])
+def test_leaf_splits_by_the_float64_projection(gen, S, C, first, samples, sq):
     """_leaf on two-group nodes (the ragged last one too; C not a power of two: NP > 2C): the C queries of smallest
     float64 projection on the top eigenvector of the node's sampled queries (all of them, or 16 by the Gram path)
     go left, the rest right, padding -1 last;
@@ -177,7 +180,7 @@ def test_leaf_splits_by_the_float64_projection(gen, S, C, first, samples):
     qd = q.to(DEVICE)
     grouping._leaf[(N, B * H)](qd, qd, keys, perm.to(DEVICE), out, keys, start, count, H, N, S, n_slots, C,
                                *qd.stride(), PAIRS=8, M=samples, D=D, SCHUNK=min(samples, 64), CHUNK=64, NP=np2,
-                               FIRST=first, GRAM=samples <= 64, READ8=False)
+                               FIRST=first, GRAM=samples <= 64, READ8=False, SQ=sq)
     out, start, count = out.cpu(), start.cpu(), count.cpu()
     x_all = q.reshape(B * H, S, D).double()
     inside = torch.zeros(n_slots, dtype=torch.bool)
@@ -200,8 +203,9 @@ def test_leaf_splits_by_the_float64_projection(gen, S, C, first, samples):
     assert (out[:, ~inside] == -7).all()
 
 
-@pytest.mark.parametrize("S,C,leaf,compact", [(120, 8, True, False), (120, 8, False, True), (93, 16, True, True)])
-def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, leaf, compact, monkeypatch):
+@pytest.mark.parametrize("S,C,leaf,compact,square", [(120, 8, True, False, False), (120, 8, False, True, False),
+                                                     (93, 16, True, True, False), (93, 16, True, False, True)])
+def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, leaf, compact, square, monkeypatch):
     """The whole grouping with tiles smaller than the nodes (multi-tile prefix sums), ragged S and levels where some
     nodes no longer split, with / without leaves and the int8 copy of q below the root: every query once, -1 only in the tail, deterministic, better than a random grouping."""
     monkeypatch.setattr(grouping, "_TILE", 16)
@@ -209,6 +213,7 @@ def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, leaf, compact, 
     monkeypatch.setattr(grouping, "_BLOCK_BIN", 16)
     monkeypatch.setattr(grouping, "LEAF", leaf)
     monkeypatch.setattr(grouping, "COMPACT", compact)
+    monkeypatch.setattr(grouping, "SQUARE", square)
     q = (torch.randn(1, 2, S, 1, generator=gen) * torch.randn(1, 2, 1, 16, generator=gen)
          + 0.3 * torch.randn(1, 2, S, 16, generator=gen)).to(torch.bfloat16)
     perm = grouping.pddp_groups(q.to(DEVICE), C, power_iters=4, samples=16).cpu()

@@ -51,6 +51,7 @@ _PREFIX = 128  # tile counts summed per step of _apply's prefix loop
 _DIR_WARPS = None  # warps of _direction / _leaf; None: ``direction_warps``
 _GRAM_MAX = 64  # samples up to which directions come from the samples' Gram matrix instead of the covariance
 COMPACT = False  # levels below the root read an int8 copy of q (per-query scale) written by the root's _bin
+SQUARE = False  # directions by repeated squaring of the covariance / Gram matrix (tl.dot) instead of power iteration
 LEAF = True  # two-group nodes split by _leaf in one program (False: every node by the histogram path)
 
 
@@ -107,20 +108,39 @@ def _sample_cov(base, scb, perm_row, start, count, m, stride_qs, stride_qd,
 
 
 @triton.jit
-def _top_direction(cov, PAIRS: tl.constexpr, D: tl.constexpr):
-    """(v, lam): unit top eigenvector of the symmetric PSD ``cov`` by 2 * PAIRS power-iteration steps from the axis of
-    largest variance plus that column (as ``reference.principal_direction``), and |cov v| (its eigenvalue). The two
-    reductions alternate between the matrix's axes (the same product for a symmetric matrix): no layout change."""
+def _top_direction(cov, PAIRS: tl.constexpr, D: tl.constexpr, SQ: tl.constexpr = 0):
+    """(v, lam): unit top eigenvector of the symmetric PSD ``cov`` and |cov v| (its eigenvalue).
+
+    SQ == 0: 2 * PAIRS power-iteration steps from the axis of largest variance plus that column (as
+    ``reference.principal_direction``); the two reductions alternate between the matrix's axes (the same product for
+    a symmetric matrix): no layout change. SQ > 0: the matrix squared SQ times by ``tl.dot`` (bf16 operands, fp32
+    accumulation, divided by its trace before each product: eigenvalues <= 1, no overflow), i.e. cov^(2^SQ) in SQ
+    tensor-core products instead of 2^SQ dependent matrix-vector reductions; its column of largest diagonal entry,
+    then one product with ``cov`` itself (v and lam from the unrounded matrix)."""
     offs_d = tl.arange(0, D)
-    diag = tl.sum(tl.where(offs_d[:, None] == offs_d[None, :], cov, 0.0), 1)
-    best = tl.max(diag, 0)
-    axis = tl.min(tl.where(diag == best, offs_d, D), 0)
-    u = (offs_d == axis).to(tl.float32) + tl.sum(tl.where(offs_d[None, :] == axis, cov, 0.0), 1)
-    for _ in tl.static_range(PAIRS):
+    eye = offs_d[:, None] == offs_d[None, :]
+    if SQ > 0:
+        a = cov
+        for _ in tl.static_range(SQ):
+            tr = tl.sum(tl.sum(tl.where(eye, a, 0.0), 1), 0)
+            ab = (a / tl.maximum(tr, 1e-30)).to(tl.bfloat16)
+            a = tl.dot(ab, ab)
+        diag = tl.sum(tl.where(eye, a, 0.0), 1)
+        best = tl.max(diag, 0)
+        axis = tl.min(tl.where(diag == best, offs_d, D), 0)
+        u = (offs_d == axis).to(tl.float32) * 1e-6 + tl.sum(tl.where(offs_d[None, :] == axis, a, 0.0), 1)
         u = u / tl.maximum(tl.sqrt(tl.sum(u * u, 0)), 1e-30)
-        w = tl.sum(cov * u[:, None], 0)  # cov u (cov symmetric: reduce over rows)
-        w = w / tl.maximum(tl.sqrt(tl.sum(w * w, 0)), 1e-30)
-        u = tl.sum(cov * w[None, :], 1)  # cov w
+        u = tl.sum(cov * u[:, None], 0)  # cov u
+    else:
+        diag = tl.sum(tl.where(eye, cov, 0.0), 1)
+        best = tl.max(diag, 0)
+        axis = tl.min(tl.where(diag == best, offs_d, D), 0)
+        u = (offs_d == axis).to(tl.float32) + tl.sum(tl.where(offs_d[None, :] == axis, cov, 0.0), 1)
+        for _ in tl.static_range(PAIRS):
+            u = u / tl.maximum(tl.sqrt(tl.sum(u * u, 0)), 1e-30)
+            w = tl.sum(cov * u[:, None], 0)  # cov u (cov symmetric: reduce over rows)
+            w = w / tl.maximum(tl.sqrt(tl.sum(w * w, 0)), 1e-30)
+            u = tl.sum(cov * w[None, :], 1)  # cov w
     lam = tl.sqrt(tl.sum(u * u, 0))
     return u / tl.maximum(lam, 1e-30), lam
 
@@ -128,7 +148,7 @@ def _top_direction(cov, PAIRS: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _node_direction(base, scb, perm_row, start, count, m, stride_qs, stride_qd,
                     D: tl.constexpr, SCHUNK: tl.constexpr, PAIRS: tl.constexpr, FIRST: tl.constexpr,
-                    GRAM: tl.constexpr, READ8: tl.constexpr):
+                    GRAM: tl.constexpr, READ8: tl.constexpr, SQ: tl.constexpr = 0):
     """(v, lam, mean): unit principal direction [D] of ``m`` rows evenly spaced over the node's ``count`` real slots,
     m times their variance along it, their mean [D]. GRAM (m <= SCHUNK): power iteration on the rows' Gram matrix
     [SCHUNK, SCHUNK] (same eigenvalues as the covariance; v = X^T u), far fewer registers than the [D, D]
@@ -141,12 +161,12 @@ def _node_direction(base, scb, perm_row, start, count, m, stride_qs, stride_qd,
         mean = tl.sum(x, 0) / m.to(tl.float32)
         xc = tl.where(take[:, None], x - mean[None, :], 0.0)
         xb = xc.to(tl.bfloat16)
-        u, lam = _top_direction(tl.dot(xb, tl.trans(xb)), PAIRS, SCHUNK)
+        u, lam = _top_direction(tl.dot(xb, tl.trans(xb)), PAIRS, SCHUNK, SQ)
         v = tl.sum(xc * u[:, None], 0)
         v = v / tl.maximum(tl.sqrt(tl.sum(v * v, 0)), 1e-30)
     else:
         cov, mean = _sample_cov(base, scb, perm_row, start, count, m, stride_qs, stride_qd, D, SCHUNK, FIRST, READ8)
-        v, lam = _top_direction(cov, PAIRS, D)
+        v, lam = _top_direction(cov, PAIRS, D, SQ)
     return v, lam, mean
 
 
@@ -155,7 +175,7 @@ def _direction(
     Q, Q8, SC, MU, PERM, NODE_START, NODE_COUNT, V, OFF, HIST,
     H, N, S, n_slots, stride_qb, stride_qh, stride_qs, stride_qd,
     PAIRS: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SCHUNK: tl.constexpr, NB: tl.constexpr,
-    FIRST: tl.constexpr, GRAM: tl.constexpr, READ8: tl.constexpr, WRITE8: tl.constexpr,
+    FIRST: tl.constexpr, GRAM: tl.constexpr, READ8: tl.constexpr, WRITE8: tl.constexpr, SQ: tl.constexpr = 0,
 ):
     node = tl.program_id(0)
     bh = tl.program_id(1)
@@ -167,7 +187,7 @@ def _direction(
     perm_row = PERM + bh.to(tl.int64) * n_slots
     base, scb, sqs, sqd = _rows(Q, Q8, SC, b, h, bh, S, stride_qb, stride_qh, stride_qs, stride_qd, D, READ8)
     v, lam, mean = _node_direction(base, scb, perm_row, start, count, m, sqs, sqd, D, SCHUNK, PAIRS, FIRST, GRAM,
-                                   READ8)
+                                   READ8, SQ)
     if WRITE8:  # the root's sample mean: the int8 copy is centred on it
         tl.store(MU + bh.to(tl.int64) * D + tl.arange(0, D), mean)
     # binning map from the sample: mean and standard deviation of the projections on v (lam = m * variance)
@@ -185,7 +205,7 @@ def _leaf(
     Q, Q8, SC, PERM_IN, PERM_OUT, KEYS, NODE_START, NODE_COUNT,
     H, N, S, n_slots, C, stride_qb, stride_qh, stride_qs, stride_qd,
     PAIRS: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SCHUNK: tl.constexpr, CHUNK: tl.constexpr,
-    NP: tl.constexpr, FIRST: tl.constexpr, GRAM: tl.constexpr, READ8: tl.constexpr,
+    NP: tl.constexpr, FIRST: tl.constexpr, GRAM: tl.constexpr, READ8: tl.constexpr, SQ: tl.constexpr = 0,
 ):
     """A node of two groups (2C slots, NP >= 2C a power of two) split in one program: direction from min(M, count) of
     its real queries (``_node_direction``), their projections as int64 keys (order-preserving bits of the fp32
@@ -199,7 +219,7 @@ def _leaf(
     perm_row = PERM_IN + bh.to(tl.int64) * n_slots
     base, scb, sqs, sqd = _rows(Q, Q8, SC, b, h, bh, S, stride_qb, stride_qh, stride_qs, stride_qd, D, READ8)
     v, lam, mean = _node_direction(base, scb, perm_row, start, count, tl.minimum(count, M), sqs, sqd, D, SCHUNK,
-                                   PAIRS, FIRST, GRAM, READ8)
+                                   PAIRS, FIRST, GRAM, READ8, SQ)
     keys = KEYS + (bh.to(tl.int64) * N + node) * NP
     for c0 in tl.static_range(0, NP, CHUNK):
         i = c0 + tl.arange(0, CHUNK)
@@ -387,11 +407,13 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
     Args:
         q: ``[B, H, S, D]`` fp16/bf16 (any strides), D a power of two in [16, 256].
         group_size: C >= 1. power_iters: matrix-vector products of the power iteration per node (>= 1; rounded up
-            to an even count).
+            to an even count); with ``SQUARE``: the matrix is raised to the power 2^ceil(log2(power_iters)) by that
+            many squarings.
         samples: rows per node its direction is computed from (a power of two >= 16; default ``SAMPLES``; up to
             ``_GRAM_MAX`` by the samples' Gram matrix).
         bins: histogram bins per node for the rank split (a power of two >= 16; default ``BINS``).
-        phase_hook: benchmarks only: called with "direction", "bin", "count", "apply", "leaf" after each launch.
+        phase_hook: benchmarks only: called with "copy", "direction", "bin", "count", "apply", "leaf" after each
+            launch.
     Returns:
         int32 ``[B, H, G*C]``, G = ceil(S / C): group g is ``perm[..., g*C:(g+1)*C]``; each query index in [0, S)
         appears once; the last G*C - S entries are -1.
@@ -415,6 +437,7 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
         return out.reshape(B, H, n_slots)
     hook = phase_hook or (lambda name: None)
     pairs = (power_iters + 1) // 2
+    sq = max(1, (power_iters - 1).bit_length()) if SQUARE else 0  # squarings: cov^(2^sq), 2^sq >= power_iters
     gram = samples <= _GRAM_MAX  # directions from the samples' Gram matrix
     schunk = samples if gram else 64
     bigs = [big for _, big, _ in levels if big]
@@ -446,11 +469,12 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
         read8, write8 = compact and not first, compact and first
         if copy:  # nodes that no longer split keep their slots
             nxt.copy_(cur)
+            hook("copy")
         if big:
             N, n_max, start, size, count = big
             _direction[(N, BH)](q, q8, sc, mu, cur, start, count, v, off, hist, H, N, S, n_slots, *strides,
                                 PAIRS=pairs, M=samples, D=D, SCHUNK=schunk, NB=bins, FIRST=first, GRAM=gram,
-                                READ8=read8, WRITE8=write8, num_warps=warps)
+                                READ8=read8, WRITE8=write8, SQ=sq, num_warps=warps)
             hook("direction")
             _bin[(triton.cdiv(n_max, _BLOCK_BIN), N, BH)](q, q8, sc, mu, cur, start, count, v, off, hist, bin_of, H, N,
                                                             S, n_slots, *strides, BLOCK=_BLOCK_BIN, D=D, NB=bins,
@@ -467,7 +491,7 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
             N, start, count = leaf
             _leaf[(N, BH)](q, q8, sc, cur, nxt, keys, start, count, H, N, S, n_slots, C, *strides,
                            PAIRS=pairs, M=samples, D=D, SCHUNK=schunk, CHUNK=64, NP=np2, FIRST=first, GRAM=gram,
-                           READ8=read8, num_warps=warps)
+                           READ8=read8, SQ=sq, num_warps=warps)
             hook("leaf")
         cur, nxt = nxt, cur
     return cur.reshape(B, H, n_slots)
