@@ -152,7 +152,7 @@ def reuse_attention(
     _check_extra(q, extra_kv, check_finite=False)
     merged = _sparse(q, k, v, entry.perm, entry.kv_idx, extra_kv, scale, backend)
     if residual is not None:
-        merged = (merged.float() + residual.dequantize(torch.float32)).to(q.dtype)
+        merged = (merged.float() + residual.dequantize(torch.float32, entry.perm)).to(q.dtype)
     if out is None:
         return merged
     return out.copy_(merged)

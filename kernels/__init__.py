@@ -134,8 +134,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
         return_lse: also return the fp32 LSE ``[B, H, S]`` (natural log, scale applied) of the sparse part.
         out: optional ``[B, H, S, D]`` tensor in q's dtype on q's device, any strides (e.g. a view of a
             ``[B, S, H*D]`` buffer); written in place (every element of the view, nothing outside it) and returned.
-        residual: optional ``kernels.Residual`` ("plain", "fp8_row" or "int4_row"); the result is sparse + R,
-            R added in fp32 before rounding (in the kernel's epilogue on the Triton backend).
+        residual: optional ``kernels.Residual`` ("plain", "fp8_row", "int4_row" or "int4_group": then its ``mean``
+            has one row per group of ``kv_idx``); the result is sparse + R, R added in fp32 before rounding (in the
+            kernel's epilogue on the Triton backend, in the regroup scatter on the CuTeDSL one).
         backend: "auto" or a backend name (``registry.backend_names()``).
     perm and kv_idx must come from ``pddp_groups`` and ``select_kv`` / ``decode_bitmask`` (or keep their contract: each
     query once, indices in [0, Sk) sorted with trailing -1, at least one per group): their values are not checked
@@ -168,6 +169,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
         if not isinstance(residual, Residual):
             raise TypeError(f"residual must be a kernels.Residual (or None), got {type(residual).__name__}")
         residual.check(q)
+        if residual.mean is not None and residual.mean.shape[2] != G:
+            raise ValueError(f"int4_group residual mean must have kv_idx's G = {G} rows per head, got "
+                             f"{tuple(residual.mean.shape)}")
     return registry.call(
         "sparse_attention", q, k, v, perm, kv_idx, scale=_scale(q, scale), return_lse=return_lse, out=out,
         residual=residual, backend=backend,

@@ -102,6 +102,11 @@ def report(arch, residual_kind=None, return_lse=True, S=75600, H=40, **tuning):
         data = (torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn, device="meta") if residual_kind == "fp8_row"
                 else torch.empty(B, H, S, D // 2, dtype=torch.uint8, device="meta"))
         res = Residual(data, torch.empty(B, H, S, dtype=torch.float32, device="meta"), residual_kind)
+    elif residual_kind == "int4_group":
+        res = Residual(torch.empty(B, H, S, D // 2, dtype=torch.uint8, device="meta"),
+                       torch.empty(B, H, S, dtype=torch.bfloat16, device="meta"), residual_kind,
+                       torch.empty(B, H, S, dtype=torch.float8_e4m3fn, device="meta"),
+                       torch.empty(B, H, G, D, dtype=torch.bfloat16, device="meta"))
     _, args, meta, _ = tsa.launch_args(q, k, v, perm, kv_idx, return_lse=return_lse, out=out, residual=res,
                                        capability=(arch // 10, arch % 10), **tuning)
     ck = compile_offline(tsa._sparse_attn_fwd, args, meta, arch)
@@ -123,7 +128,7 @@ def main():
     # paths at the default tile: every residual kind, every architecture
     for exp, lazy in ((None, None), ("f16x2", False), ("f16x2", True), ("fp32", True)):
         for arch in (90, 80, 89):
-            for kind in (None, "plain", "fp8_row", "int4_row"):
+            for kind in (None, "plain", "fp8_row", "int4_row", "int4_group"):
                 r = report(arch, kind, exp=exp, lazy_rescale=lazy)
                 bad += r["spill_st"] > 0 or not r["fits"]
                 print(r, flush=True)

@@ -145,7 +145,7 @@ def test_anchor_on_gpu_residual_restores_dense(cuda_gen):
     dense = reference.dense_attention(q.float(), k.float(), v.float())
     assert float((out.float() - dense).norm() / dense.norm()) < 1e-2
     sparse = kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx)
-    residual = entry.residual if isinstance(entry.residual, torch.Tensor) else entry.residual.dequantize(torch.float32)
+    residual = entry.residual if isinstance(entry.residual, torch.Tensor) else entry.residual.dequantize(torch.float32, entry.perm)
     assert float((sparse.float() + residual.float() - out.float()).abs().max()) < 2e-2
 
 

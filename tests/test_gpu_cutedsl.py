@@ -73,17 +73,17 @@ def test_cutedsl_vs_float64(dtype, D, S, K, ragged, kv_tile):
     assert float((lse.double() - ref_lse.double()).abs().max()) < 2e-3
 
 
-@pytest.mark.parametrize("kind", ["plain", "fp8_row", "int4_row"])
+@pytest.mark.parametrize("kind", ["plain", "fp8_row", "int4_row", "int4_group"])
 def test_cutedsl_residual_epilogue(kind):
     gen = torch.Generator(device="cuda").manual_seed(5)
     B, H, S, D, C, K = 1, 2, 2050, 128, 128, 640
     q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))
     perm, idx = _inputs(gen, B, H, S, C, K, K, False)
-    res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind)
+    res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind, perm, idx.shape[2])
     with registry.recording(registry.Record()) as record:
         got = kernels.sparse_attention(q, k, v, perm, idx, residual=res, backend="cutedsl")
     assert record.choices["sparse_attention"].backend == "cutedsl"
-    ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx) + res.dequantize(torch.float64)
+    ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx) + res.dequantize(torch.float64, perm)
     err = float((got.double() - ref).norm() / ref.norm())
     assert err < 6e-3, err
 

@@ -38,7 +38,7 @@ def _inputs(gen, B, H, S, C, K, k_alloc):
     return perm, idx
 
 
-@pytest.mark.parametrize("kind", [None, "plain", "fp8_row", "int4_row"])
+@pytest.mark.parametrize("kind", [None, "plain", "fp8_row", "int4_row", "int4_group"])
 @pytest.mark.parametrize(("S", "K"), [(4000, 1000), (3000 + 8, 777)], ids=["S4000", "S3008-ragged"])
 def test_native_out_residual_vs_float64(kind, S, K):
     """B = 2 (CFG branches in one launch), D = 128, C = 128: native [B, S, H*D] views in, an out view of a NaN-filled
@@ -49,7 +49,7 @@ def test_native_out_residual_vs_float64(kind, S, K):
     perm, idx = _inputs(gen, B, H, S, C, K, -(-K // 128) * 128)
     res = None
     if kind is not None:
-        res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind)
+        res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind, perm, idx.shape[2])
     base = torch.full((B, S, H * D), float("nan"), dtype=torch.bfloat16, device="cuda")
     out = base.view(B, S, H, D).transpose(1, 2)
     with registry.recording(registry.Record()) as record:
@@ -57,7 +57,7 @@ def test_native_out_residual_vs_float64(kind, S, K):
     assert got is out and record.choices["sparse_attention"].backend == "triton"
     ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, return_lse=True)
     if res is not None:
-        ref = ref + res.dequantize(torch.float64)
+        ref = ref + res.dequantize(torch.float64, perm)
     assert not base.isnan().any()
     err = float((got.double() - ref).norm() / ref.norm())
     assert err < 6e-3, err
@@ -81,7 +81,9 @@ PACKED = [("f16x2", False, None, torch.bfloat16, 4000, 1000, {}),
           ("fp32", True, None, torch.float16, 4000, 1000, dict(pipeline_qk=True, block_n=32, maxnreg=0)),
           ("fp32", True, "plain", torch.bfloat16, 3008, 777, dict(fast_prologue=True, num_stages=5)),
           ("fp32", True, "int4_row", torch.float16, 4000, 1000, dict(fast_prologue=True)),
-          ("fp32", True, "fp8_row", torch.bfloat16, 4000, 1000, dict(num_stages=5))]
+          ("fp32", True, "fp8_row", torch.bfloat16, 4000, 1000, dict(num_stages=5)),
+          ("fp32", True, "int4_group", torch.bfloat16, 3008, 777, {}),
+          ("f16x2", True, "int4_group", torch.float16, 4000, 1000, QREG)]
 
 
 @pytest.mark.parametrize(("exp", "lazy", "kind", "dtype", "S", "K", "tile"), PACKED,
@@ -98,10 +100,10 @@ def test_packed_exp_lazy_rescale_vs_float64(exp, lazy, kind, dtype, S, K, tile):
     perm, idx = _inputs(gen, B, H, S, C, K, -(-K // 128) * 128)
     res = None
     if kind is not None:
-        res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind)
+        res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind, perm, idx.shape[2])
     ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, return_lse=True)
     if res is not None:
-        ref = ref + res.dequantize(torch.float64)
+        ref = ref + res.dequantize(torch.float64, perm)
     errs = {}
     tested = dict(exp=exp, lazy_rescale=lazy) | tile
     for name, kw in (("tested", tested), ("fp32 eager", dict(exp="fp32", lazy_rescale=False))):

@@ -35,7 +35,7 @@ def test_gather_groups_is_the_permuted_rows(S, C, D):
     assert torch.equal(got.view(B, H, G * C, D), want)
 
 
-@pytest.mark.parametrize("kind", [None, "plain", "fp8_row", "int4_row"])
+@pytest.mark.parametrize("kind", [None, "plain", "fp8_row", "int4_row", "int4_group"])
 def test_scatter_groups_restores_order_adds_residual_and_lse(kind):
     gen = torch.Generator().manual_seed(17)
     B, H, S, D, C = 2, 2, 300, 64, 128
@@ -43,7 +43,7 @@ def test_scatter_groups_restores_order_adds_residual_and_lse(kind):
     perm = _perm(gen, B, H, S, C)
     o_groups = torch.randn(B * H * G, C, D, generator=gen).to(torch.bfloat16)
     lse_groups = torch.randn(B * H * G, C, generator=gen)
-    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen) * 0.1, kind)
+    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen) * 0.1, kind, perm, G)
     base = torch.full((B, S, H * D), float("nan"), dtype=torch.bfloat16)
     out = base.view(B, S, H, D).transpose(1, 2)  # a strided view, as the reuse path hands over
     lse = torch.full((B, H, S), float("nan"))
@@ -54,7 +54,7 @@ def test_scatter_groups_restores_order_adds_residual_and_lse(kind):
     want = torch.empty(B, H, S, D, dtype=torch.float64).scatter_(2, dest[..., None].expand(-1, -1, -1, D), rows)
     size = want.abs()
     if res is not None:
-        r = brute_residual(res)
+        r = brute_residual(res, perm)
         want, size = want + r, size + r.abs()
     assert bool(((out.double() - want).abs() <= size * 2**-7 + 1e-6).all())  # one bf16 ulp (the interpreter truncates)
     want_lse = torch.empty(B, H, S, dtype=torch.float32).scatter_(2, dest, lse_groups.view(B, H, G * C)[:, :, :S])
@@ -95,6 +95,9 @@ def test_scatter_groups_refuses_layouts_it_would_misread():
                             (lse_g, torch.empty(B, H, 2 * S)[..., :S]), (lse_g[:, :64], torch.empty(B, H, S))):
         with pytest.raises(ValueError, match="must be contiguous float32"):
             regroup.scatter_groups(og, perm, out, lse_groups=lse_groups, lse=lse)
+    bad = make_residual(torch.zeros(B, H, S, D), "int4_group", torch.zeros(B, H, 4 * 96, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="mean must have G = 3 rows"):  # 4 mean rows for 3 groups of C = 128
+        regroup.scatter_groups(og, perm, out, residual=bad)
 
 
 def test_valid_counts_finds_the_first_minus_one():

@@ -1,5 +1,5 @@
 """The reuse-path op (kernels/residual.py) on the torch reference: ``sparse_attention(..., out=, residual=)``,
-``kernels.Residual`` in its three stored forms, and ``decode_bitmask``; each against brute force in float64."""
+``kernels.Residual`` in its four stored forms, and ``decode_bitmask``; each against brute force in float64."""
 
 from __future__ import annotations
 
@@ -11,10 +11,25 @@ from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.kernels import Residual
 
 
-def make_residual(r: torch.Tensor, kind: str) -> Residual:
-    """A residual of ``kind`` encoding the float tensor r ``[B, H, S, D]`` (the cache's formats)."""
+def make_residual(r: torch.Tensor, kind: str, perm: torch.Tensor | None = None, num_groups: int | None = None) -> Residual:
+    """A residual of ``kind`` encoding the float tensor r ``[B, H, S, D]`` (the cache's formats; round to nearest).
+
+    "int4_group" needs the query groups ``perm`` ``[B, H, G*C]`` and G: each group's mean row is the row of its first
+    query, each row's coef one of -2 .. 2 (steps of 0.5, exact in e4m3), the rest 4-bit with a bf16 row scale."""
     if kind == "plain":
         return Residual(r.to(torch.bfloat16))
+    if kind == "int4_group":
+        B, H, S, D = r.shape
+        C = perm.shape[-1] // num_groups
+        first = perm[..., ::C].long().to(r.device)  # slot g*C holds a query for every g (padding is at the tail)
+        mean = torch.gather(r, 2, first[..., None].expand(-1, -1, -1, D)).to(torch.bfloat16)
+        coef = ((torch.arange(S, device=r.device) % 9 - 4) / 2).expand(B, H, S).to(torch.float8_e4m3fn)
+        dev = r - coef.float()[..., None] * brute_group_rows(mean, perm.to(r.device), S)
+        scale = torch.where(dev.abs().amax(-1) > 0, dev.abs().amax(-1) / 7.0, torch.ones_like(dev[..., 0]))
+        scale = scale.to(torch.bfloat16)
+        q = torch.round(dev / scale.float()[..., None]).clamp(-7, 7).to(torch.int16) + 8
+        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+        return Residual(packed, scale, "int4_group", coef, mean)
     amax = r.abs().amax(-1).float()
     if kind == "fp8_row":
         scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
@@ -25,19 +40,36 @@ def make_residual(r: torch.Tensor, kind: str) -> Residual:
     return Residual(packed, scale, "int4_row")
 
 
-def brute_residual(res: Residual) -> torch.Tensor:
-    """R in float64, element by element from the documented format (independent of Residual.dequantize)."""
+def brute_group_rows(mean: torch.Tensor, perm: torch.Tensor, S: int) -> torch.Tensor:
+    """``[B, H, S, D]``: row s = mean[b, h, slot // C] for the slot of perm holding query s (a loop over slots)."""
+    B, H, G, D = mean.shape
+    C = perm.shape[-1] // G
+    out = torch.full((B, H, S, D), float("nan"), dtype=mean.dtype, device=mean.device)
+    for b in range(B):
+        for h in range(H):
+            valid = perm[b, h] >= 0
+            slots = torch.arange(perm.shape[-1], device=perm.device)[valid]
+            out[b, h, perm[b, h][valid].long()] = mean[b, h, slots // C]
+    return out
+
+
+def brute_residual(res: Residual, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """R in float64, element by element from the documented format (independent of Residual.dequantize); perm for
+    "int4_group"."""
     if res.kind == "plain":
         return res.data.double()
     if res.kind == "fp8_row":
         return res.data.double() * res.scale.double()[..., None]
     B, H, S, half = res.data.shape
-    out = torch.empty(B, H, S, 2 * half, dtype=torch.float64)
+    out = torch.empty(B, H, S, 2 * half, dtype=torch.float64, device=res.data.device)
     for j in range(half):
         byte = res.data[..., j].long()
         out[..., 2 * j] = (byte % 16 - 8).double()
         out[..., 2 * j + 1] = (byte // 16 - 8).double()
-    return out * res.scale.double()[..., None]
+    out = out * res.scale.double()[..., None]
+    if res.kind == "int4_group":
+        out += res.coef.double()[..., None] * brute_group_rows(res.mean.double(), perm.to(res.data.device), S)
+    return out
 
 
 def brute_sparse(q, k, v, perm, kv_idx, scale=None):
@@ -85,14 +117,19 @@ def native_views(gen, B, S, H, D, dtype):
     return views
 
 
-@pytest.mark.parametrize("kind", ["plain", "fp8_row", "int4_row"])
+@pytest.mark.parametrize("kind", ["plain", "fp8_row", "int4_row", "int4_group"])
 def test_residual_dequantize_matches_format(gen, kind):
-    """Residual.dequantize reads each stored form as kernels/residual.py defines it (nibble order, scales)."""
+    """Residual.dequantize reads each stored form as kernels/residual.py defines it (nibble order, scales; each
+    query adds its own group's mean row, ragged last group)."""
     r = torch.randn(2, 3, 7, 16, generator=gen)
-    res = make_residual(r, kind)
-    assert torch.equal(res.dequantize(torch.float64), brute_residual(res))
-    bound = {"plain": 1e-2, "fp8_row": 7e-2, "int4_row": 0.1}[kind]  # the format's own rounding
-    assert (res.dequantize() - r).norm() / r.norm() < bound
+    perm = random_groups(gen, 2, 3, 7, 3)  # G = 3 groups of C = 3, two padding slots
+    res = make_residual(r, kind, perm, 3)
+    assert torch.equal(res.dequantize(torch.float64, perm), brute_residual(res, perm))
+    bound = {"plain": 1e-2, "fp8_row": 7e-2, "int4_row": 0.1, "int4_group": 0.15}[kind]  # the format's own rounding
+    assert (res.dequantize(perm=perm) - r).norm() / r.norm() < bound
+    if kind == "int4_group":
+        with pytest.raises(ValueError, match="needs perm"):
+            res.dequantize()
 
 
 def test_residual_rejects_malformed():
@@ -113,6 +150,26 @@ def test_residual_rejects_malformed():
     q = torch.zeros(1, 2, 5, 8, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"\(1, 2, 5, 4\)"):
         Residual(torch.zeros(1, 2, 5, 8, dtype=torch.uint8), torch.ones(1, 2, 5), "int4_row").check(q)
+    packed, bf = torch.full((1, 2, 5, 4), 0x88, dtype=torch.uint8), torch.ones(1, 2, 5, dtype=torch.bfloat16)
+    coef, mean = torch.zeros(1, 2, 5).to(torch.float8_e4m3fn), torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16 scale"):
+        Residual(packed, torch.ones(1, 2, 5), "int4_group", coef, mean)
+    with pytest.raises(TypeError, match="float8_e4m3fn coef"):
+        Residual(packed, bf, "int4_group", None, mean)
+    with pytest.raises(TypeError, match="bfloat16 mean"):
+        Residual(packed, bf, "int4_group", coef, mean.float())
+    with pytest.raises(ValueError, match=r"mean \[B, H, G, D\]"):
+        Residual(packed, bf, "int4_group", coef, torch.zeros(1, 2, 3, 6, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"coef \[B, H, S\]"):
+        Residual(packed, bf, "int4_group", coef[..., :4], mean)
+    with pytest.raises(ValueError, match="int4_group only"):
+        Residual(packed, torch.ones(1, 2, 5), "int4_row", coef, mean)
+    group = Residual(packed, bf, "int4_group", coef, mean)
+    group.check(q)
+    perm5 = torch.arange(5, dtype=torch.int32).view(1, 1, 5).expand(1, 2, 5).contiguous()
+    idx1 = torch.arange(5, dtype=torch.int32).view(1, 1, 1, 5).expand(1, 2, 1, 5).contiguous()
+    with pytest.raises(ValueError, match="mean must have kv_idx's G = 1"):
+        kernels.sparse_attention(q, q, q, perm5, idx1, residual=group)
     perm = torch.arange(5, dtype=torch.int32).view(1, 1, 5).expand(1, 2, 5).contiguous()
     idx = torch.arange(5, dtype=torch.int32).view(1, 1, 1, 5).expand(1, 2, 1, 5).contiguous()
     with pytest.raises(TypeError, match="kernels.Residual"):
@@ -125,7 +182,7 @@ def test_residual_rejects_malformed():
         kernels.sparse_attention(q, q.clone(), q.clone(), perm, idx, out=q)
 
 
-@pytest.mark.parametrize("kind", [None, "plain", "fp8_row", "int4_row"])
+@pytest.mark.parametrize("kind", [None, "plain", "fp8_row", "int4_row", "int4_group"])
 def test_reference_writes_native_out_view_with_residual(gen, kind):
     """Native-layout views in, an out view of a wider [B, S, H*D + 8] buffer written in place (every element of the
     view, nothing else), result = float64 sparse attention + R, B = 2."""
@@ -133,14 +190,14 @@ def test_reference_writes_native_out_view_with_residual(gen, kind):
     q, k, v = native_views(gen, B, S, H, D, torch.bfloat16)
     perm = random_groups(gen, B, H, S, C)
     idx = random_kv_idx(gen, B, H, perm.shape[-1] // C, S, K, 16)
-    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen), kind)
+    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen), kind, perm, idx.shape[2])
     base = torch.full((B, S, H * D + 8), float("nan"), dtype=torch.bfloat16)
     out = base[..., :H * D].view(B, S, H, D).transpose(1, 2)
     got, lse = kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, backend="torch")
     assert got is out
     ref, ref_lse = brute_sparse(q, k, v, perm, idx)
     if res is not None:
-        ref = ref + brute_residual(res)
+        ref = ref + brute_residual(res, perm)
     assert not got.isnan().any() and base[..., H * D:].isnan().all()
     assert (got.double() - ref).norm() / ref.norm() < 8e-3
     assert (lse.double() - ref_lse).abs().max() < 1e-4

@@ -1,6 +1,6 @@
 """The reuse-path Triton kernels (kernels/residual.py) against float64 brute force, under TRITON_INTERPRET=1 on CPU:
 the sparse kernel reading q/k/v in ComfyUI's native layout and writing ``out`` by strides with the residual epilogue
-(plain / fp8_row / int4_row), B = 2 (both CFG branches in one launch), ragged tails, fp16/bf16, NaN-poisoned
+(plain / fp8_row / int4_row / int4_group), B = 2 (both CFG branches in one launch), ragged tails, fp16/bf16, NaN-poisoned
 outputs; and the bitmask decode kernel, bit-exact. Tolerances: see tests/test_triton_kernels.py."""
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ CASES = [(45, 16, 16, 21, 32), (70, 32, 32, 64, 80), (33, 16, 8, 5, 5)]
 # every residual kind in both dtypes, every case at least twice
 COMBOS = [(0, torch.float16, None), (0, torch.bfloat16, "int4_row"), (1, torch.bfloat16, "plain"),
           (1, torch.float16, "fp8_row"), (2, torch.bfloat16, "fp8_row"), (2, torch.float16, "int4_row"),
-          (0, torch.float16, "plain"), (1, torch.bfloat16, None)]
+          (0, torch.float16, "plain"), (1, torch.bfloat16, None), (0, torch.bfloat16, "int4_group"),
+          (1, torch.float16, "int4_group"), (2, torch.bfloat16, "int4_group")]
 
 
 @pytest.mark.parametrize(("case", "dtype", "kind"), COMBOS,
@@ -79,9 +80,10 @@ def test_native_layout_out_view_residual_b2(gen, monkeypatch, case, dtype, kind)
     out, base = _native(gen, B, S, H, D, dtype, pad=8, fill=float("nan"))
     perm = random_groups(gen, B, H, S, C).to(DEVICE)
     idx = random_kv_idx(gen, B, H, perm.shape[-1] // C, S, K, k_alloc).to(DEVICE)
-    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen), kind)
+    G = perm.shape[-1] // C
+    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen), kind, perm.cpu(), G)
     if res is not None:
-        res = kernels.Residual(res.data.to(DEVICE), None if res.scale is None else res.scale.to(DEVICE), res.kind)
+        res = res.with_tensors(t.to(DEVICE) for t in res.tensors())
     spy = LaunchSpy(tsa._sparse_attn_fwd)
     monkeypatch.setattr(tsa, "_sparse_attn_fwd", spy)
     made = []
@@ -100,7 +102,7 @@ def test_native_layout_out_view_residual_b2(gen, monkeypatch, case, dtype, kind)
     assert not out.isnan().any() and base[..., H * D:].isnan().all()
     ref, ref_lse = brute_sparse(q.cpu(), k.cpu(), v.cpu(), perm.cpu(), idx.cpu())
     if res is not None:
-        ref = ref + brute_residual(kernels.Residual(res.data.cpu(), None if res.scale is None else res.scale.cpu(), kind))
+        ref = ref + brute_residual(res.with_tensors(t.cpu() for t in res.tensors()), perm.cpu())
     err = float((out.cpu().double() - ref).norm() / ref.norm())
     assert err < BOUND[dtype], err
     assert (lse.cpu().double() - ref_lse).abs().max() < 1e-4
@@ -167,15 +169,16 @@ def test_exp_modes_and_lazy_rescale_vs_float64(gen, exp, lazy, case, dtype, kind
     out, _ = _native(gen, B, S, H, D, dtype, fill=float("nan"))
     perm = random_groups(gen, B, H, S, C).to(DEVICE)
     idx = random_kv_idx(gen, B, H, perm.shape[-1] // C, S, K, k_alloc).to(DEVICE)
-    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen), kind)
+    G = perm.shape[-1] // C
+    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen), kind, perm.cpu(), G)
     if res is not None:
-        res = kernels.Residual(res.data.to(DEVICE), None if res.scale is None else res.scale.to(DEVICE), res.kind)
+        res = res.with_tensors(t.to(DEVICE) for t in res.tensors())
     got, lse = tsa.sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, exp=exp,
                                     lazy_rescale=lazy, q_regs=q_regs, pipeline_qk=pipeline_qk, block_n=16)
     assert got is out and not out.isnan().any()
     ref, ref_lse = brute_sparse(q.cpu(), k.cpu(), v.cpu(), perm.cpu(), idx.cpu())
     if res is not None:
-        ref = ref + brute_residual(kernels.Residual(res.data.cpu(), None if res.scale is None else res.scale.cpu(), kind))
+        ref = ref + brute_residual(res.with_tensors(t.cpu() for t in res.tensors()), perm.cpu())
     err = float((out.cpu().double() - ref).norm() / ref.norm())
     assert err < BOUND[dtype], err
     assert (lse.cpu().double() - ref_lse).abs().max() < LSE_BOUND[exp]

@@ -92,7 +92,7 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
     dest = perm[:, :, :S].long()  # the -1 padding slots are the last G*C - S entries
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     o.scatter_(2, dest.unsqueeze(-1).expand(-1, -1, -1, D), out_g.reshape(B, H, G * C, D)[:, :, :S])
-    out = finish_unfused(o, out, residual)
+    out = finish_unfused(o, out, residual, perm)
     if not return_lse:
         return out
     lse_out = torch.empty(B, H, S, dtype=torch.float32, device=q.device)

@@ -152,7 +152,7 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
     full = torch.empty(B, H, S, D, dtype=acc, device=q.device)
     full.scatter_(2, dest.unsqueeze(-1).expand(-1, -1, -1, D), out_sorted.reshape(B, H, G * C, D)[:, :, :S])
     if residual is not None:
-        full += residual.dequantize(acc)
+        full += residual.dequantize(acc, perm)
     if out is None:
         out = torch.empty_like(q)
     out.copy_(full)

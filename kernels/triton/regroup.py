@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparse_attention import _RES_KINDS, _store_half
+from .sparse_attention import _store_half, residual_args
 
 
 @triton.jit
@@ -41,10 +41,12 @@ def _gather_groups(Q, PERM, QG, H, S, n_slots, C,
 
 
 @triton.jit
-def _scatter_groups(OG, LSEG, PERM, OUT, LSE, RES, RES_SCALE, H, S, n_slots, C,
+def _scatter_groups(OG, LSEG, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, H, S, n_slots, C,
                     stride_ob, stride_oh, stride_os, stride_od,
                     stride_rb, stride_rh, stride_rs, stride_rd,
                     stride_cb, stride_ch, stride_cs,
+                    stride_eb, stride_eh, stride_es,
+                    stride_mb, stride_mh, stride_mg, stride_md,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, RES_KIND: tl.constexpr, WITH_LSE: tl.constexpr):
     g = tl.program_id(0)
     bh = tl.program_id(1)
@@ -62,11 +64,14 @@ def _scatter_groups(OG, LSEG, PERM, OUT, LSE, RES, RES_SCALE, H, S, n_slots, C,
         lse = tl.load(LSEG + src, mask=ok, other=0.0)
         tl.store(LSE + bh.to(tl.int64) * S + q_rows, lse, mask=ok)
     halves = tl.split(tl.permute(tl.reshape(o, [BLOCK_M, 2, HEAD_DIM // 2]), (0, 2, 1)))
-    _store_half(halves[0], 0, OUT, RES, RES_SCALE, b, h, q_rows, ok, stride_ob, stride_oh, stride_os, stride_od,
-                stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, HEAD_DIM // 2, RES_KIND)
-    _store_half(halves[1], HEAD_DIM // 2, OUT, RES, RES_SCALE, b, h, q_rows, ok, stride_ob, stride_oh, stride_os,
-                stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
-                HEAD_DIM // 2, RES_KIND)
+    _store_half(halves[0], 0, OUT, b, h, q_rows, ok, stride_ob, stride_oh, stride_os, stride_od,
+                RES, RES_SCALE, RES_COEF, RES_MEAN, g, stride_rb, stride_rh, stride_rs, stride_rd,
+                stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg,
+                stride_md, HEAD_DIM // 2, RES_KIND)
+    _store_half(halves[1], HEAD_DIM // 2, OUT, b, h, q_rows, ok, stride_ob, stride_oh, stride_os, stride_od,
+                RES, RES_SCALE, RES_COEF, RES_MEAN, g, stride_rb, stride_rh, stride_rs, stride_rd,
+                stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg,
+                stride_md, HEAD_DIM // 2, RES_KIND)
 
 
 @triton.jit
@@ -103,7 +108,8 @@ def scatter_groups(o_groups: torch.Tensor, perm: torch.Tensor, out: torch.Tensor
     """Group-order rows ``[B*H*G, C, D]`` -> ``out[b, h, perm[...]]`` ``[B, H, S, D]`` (any strides) + residual.
 
     Args: lse_groups fp32 ``[B*H*G, C]`` and lse fp32 ``[B, H, S]`` (contiguous) to scatter the LSE too; residual a
-    ``kernels.Residual`` (plain / fp8_row / int4_row) added in fp32 before rounding. Rows of padded slots are skipped.
+    ``kernels.Residual`` (plain / fp8_row / int4_row / int4_group: each program is one group, so it reads the
+    group's mean row once) added in fp32 before rounding. Rows of padded slots are skipped.
     Raises: ValueError when o_groups is not contiguous ``[B*H*G, C, D]``, or lse / lse_groups not contiguous fp32 of
     those shapes (the kernel reads and writes them by flat offsets), or perm as in ``gather_groups``."""
     B, H, S, D = out.shape
@@ -118,18 +124,14 @@ def scatter_groups(o_groups: torch.Tensor, perm: torch.Tensor, out: torch.Tensor
                                 or not t.is_contiguous()):
             raise ValueError(f"{name} must be contiguous float32 {shape} (lse and lse_groups come together), got "
                              f"{None if t is None else (t.dtype, tuple(t.shape), t.stride())}")
-    kind = _RES_KINDS[None if residual is None else residual.kind]
-    if residual is None:
-        res, res_scale, r_strides, c_strides = out, out, (0, 0, 0, 0), (0, 0, 0)
-    else:
-        res = residual.data.view(torch.uint8) if kind == 2 else residual.data
-        res_scale = residual.scale if residual.scale is not None else out
-        r_strides = res.stride()
-        c_strides = residual.scale.stride() if residual.scale is not None else (0, 0, 0)
+    if residual is not None and residual.mean is not None and residual.mean.shape[2] != n_slots // C:
+        raise ValueError(f"int4_group residual mean must have G = {n_slots // C} rows per head (perm's width / C), "
+                         f"got {tuple(residual.mean.shape)}")
+    kind, res_ptrs, res_strides = residual_args(residual, out)
     with_lse = lse is not None
     _scatter_groups[(n_slots // C, B * H)](
-        o_groups, lse_groups if with_lse else o_groups, perm.contiguous(), out, lse if with_lse else out, res, res_scale,
-        H, S, n_slots, C, *out.stride(), *r_strides, *c_strides,
+        o_groups, lse_groups if with_lse else o_groups, perm.contiguous(), out, lse if with_lse else out, *res_ptrs,
+        H, S, n_slots, C, *out.stride(), *res_strides,
         HEAD_DIM=D, BLOCK_M=_block_m(C), RES_KIND=kind, WITH_LSE=with_lse)
 
 

@@ -122,7 +122,7 @@ def _e4m3_to_f32_div256(byte):
 
 @triton.jit
 def _sparse_attn_fwd(
-    Q, K, V, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE,
+    Q, K, V, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN,
     sm_scale_log2,  # softmax scale * log2(e)
     one,  # 1.0 (Q_REGS)
     H, S, SK, n_slots,  # n_slots: G*C entries of perm per (b, h); SK: KV length
@@ -133,12 +133,14 @@ def _sparse_attn_fwd(
     stride_ob, stride_oh, stride_os, stride_od,
     stride_rb, stride_rh, stride_rs, stride_rd,
     stride_cb, stride_ch, stride_cs,  # residual scale [B, H, S]
+    stride_eb, stride_eh, stride_es,  # residual coef [B, H, S] (int4_group)
+    stride_mb, stride_mh, stride_mg, stride_md,  # residual group mean rows [B, H, G, D] (int4_group)
     M_BLOCKS: tl.constexpr,  # programs per group: ceil(C / BLOCK_M)
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RETURN_LSE: tl.constexpr,
-    RES_KIND: tl.constexpr,  # 0 none, 1 plain, 2 fp8_row (uint8 bit patterns), 3 int4_row
+    RES_KIND: tl.constexpr,  # 0 none, 1 plain, 2 fp8_row (uint8 bit patterns), 3 int4_row, 4 int4_group
     MASK_FROM_COUNT: tl.constexpr,  # trailing -1 slots: loop to the group's valid count, mask by slot < count
     ROW64: tl.constexpr,  # int64 row offsets (needed when a (b, h) slice of q/k/v/out/residual spans >= 2^31 elements)
     CACHE: tl.constexpr,  # cache modifier of the K/V gathers ("" or ".cg")
@@ -250,22 +252,28 @@ def _sparse_attn_fwd(
         tl.store(LSE + bh.to(tl.int64) * S + q_rows, lse, mask=q_valid)
     # epilogue in two column halves (halves the live registers: out, R and their row addresses)
     halves = tl.split(tl.permute(tl.reshape(out, [BLOCK_M, 2, HEAD_DIM // 2]), (0, 2, 1)))
-    _store_half(halves[0], 0, OUT, RES, RES_SCALE, b, h, q_rows, q_valid, stride_ob, stride_oh, stride_os, stride_od,
-                stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, HEAD_DIM // 2, RES_KIND)
-    _store_half(halves[1], HEAD_DIM // 2, OUT, RES, RES_SCALE, b, h, q_rows, q_valid, stride_ob, stride_oh, stride_os,
-                stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, HEAD_DIM // 2,
-                RES_KIND)
+    _store_half(halves[0], 0, OUT, b, h, q_rows, q_valid, stride_ob, stride_oh, stride_os, stride_od,
+                RES, RES_SCALE, RES_COEF, RES_MEAN, group, stride_rb, stride_rh, stride_rs, stride_rd,
+                stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg,
+                stride_md, HEAD_DIM // 2, RES_KIND)
+    _store_half(halves[1], HEAD_DIM // 2, OUT, b, h, q_rows, q_valid, stride_ob, stride_oh, stride_os, stride_od,
+                RES, RES_SCALE, RES_COEF, RES_MEAN, group, stride_rb, stride_rh, stride_rs, stride_rd,
+                stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg,
+                stride_md, HEAD_DIM // 2, RES_KIND)
 
 
 @triton.jit
-def _store_half(out, col0, OUT, RES, RES_SCALE, b, h, q_rows, q_valid, stride_ob, stride_oh, stride_os, stride_od,
-                stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
-                WIDTH: tl.constexpr, RES_KIND: tl.constexpr):
-    """Columns col0 .. col0 + WIDTH of the output rows: + residual (original query order, dequantised here), store."""
+def _store_half(out, col0, OUT, b, h, q_rows, q_valid, stride_ob, stride_oh, stride_os, stride_od,
+                RES, RES_SCALE, RES_COEF, RES_MEAN, group, stride_rb, stride_rh, stride_rs, stride_rd,
+                stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg,
+                stride_md, WIDTH: tl.constexpr, RES_KIND: tl.constexpr):
+    """Columns col0 .. col0 + WIDTH of the output rows: + residual (original query order, dequantised here), store.
+
+    ``group`` is the query group all these rows belong to (int4_group reads that group's mean row once)."""
     offs_d = col0 + tl.arange(0, WIDTH)
     if RES_KIND != 0:
         r_base = RES + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh + q_rows[:, None] * stride_rs
-        if RES_KIND == 3:  # int4_row: byte j holds element 2j in its low nibble, 2j + 1 in its high nibble
+        if RES_KIND >= 3:  # int4_row / int4_group: byte j holds element 2j in its low nibble, 2j + 1 in its high one
             offs_j = col0 // 2 + tl.arange(0, WIDTH // 2)
             byte = tl.load(r_base + offs_j[None, :] * stride_rd, mask=q_valid[:, None], other=0x88).to(tl.int32)
             r = tl.reshape(tl.join((byte & 0xF) - 8, (byte >> 4) - 8), [out.shape[0], WIDTH]).to(tl.float32)
@@ -274,17 +282,39 @@ def _store_half(out, col0, OUT, RES, RES_SCALE, b, h, q_rows, q_valid, stride_ob
             r = _e4m3_to_f32_div256(r) if RES_KIND == 2 else r.to(tl.float32)
         if RES_KIND >= 2:
             c_base = RES_SCALE + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
-            row_scale = tl.load(c_base + q_rows * stride_cs, mask=q_valid, other=0.0)
+            row_scale = tl.load(c_base + q_rows * stride_cs, mask=q_valid, other=0.0).to(tl.float32)  # bf16 for kind 4
             if RES_KIND == 2:
                 row_scale = row_scale * 256.0
             r = r * row_scale[:, None]
+        if RES_KIND == 4:  # int4_group: + coef (e4m3 bits) x the group's mean row (bf16)
+            e_base = RES_COEF + b.to(tl.int64) * stride_eb + h.to(tl.int64) * stride_eh
+            coef = _e4m3_to_f32_div256(tl.load(e_base + q_rows * stride_es, mask=q_valid, other=0)) * 256.0
+            m_base = RES_MEAN + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh + group.to(tl.int64) * stride_mg
+            mean = tl.load(m_base + offs_d * stride_md).to(tl.float32)  # [WIDTH], once per program
+            r = r + coef[:, None] * mean[None, :]
         out = out + r
     o_base = OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     tl.store(o_base + q_rows[:, None] * stride_os + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty),
              mask=q_valid[:, None])
 
 
-_RES_KINDS = {None: 0, "plain": 1, "fp8_row": 2, "int4_row": 3}
+_RES_KINDS = {None: 0, "plain": 1, "fp8_row": 2, "int4_row": 3, "int4_group": 4}
+
+
+def residual_args(residual, dummy: torch.Tensor) -> tuple[int, tuple, tuple]:
+    """(RES_KIND, the 4 residual pointers, their 14 strides) of a ``kernels.Residual`` or None, as ``_store_half``
+    takes them (fp8 data and coef as uint8 bits; unused pointers are ``dummy``, unused strides 0)."""
+    kind = _RES_KINDS[None if residual is None else residual.kind]
+    if residual is None:
+        return kind, (dummy,) * 4, (0,) * 14
+    data = residual.data.view(torch.uint8) if kind == 2 else residual.data  # fp8 read as bits: any architecture
+    scale = residual.scale if residual.scale is not None else dummy
+    coef = residual.coef.view(torch.uint8) if residual.coef is not None else dummy
+    mean = residual.mean if residual.mean is not None else dummy
+    strides = (*data.stride(), *(residual.scale.stride() if residual.scale is not None else (0, 0, 0)),
+               *(residual.coef.stride() if residual.coef is not None else (0, 0, 0)),
+               *(residual.mean.stride() if residual.mean is not None else (0, 0, 0, 0)))
+    return kind, (data, scale, coef, mean), strides
 
 
 def config(head_dim: int, capability: tuple[int, int] | None) -> dict:
@@ -346,17 +376,10 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else out  # dummy when unused
-    kind = _RES_KINDS[None if residual is None else residual.kind]
-    if residual is None:
-        res, res_scale, r_strides, c_strides = out, out, (0, 0, 0, 0), (0, 0, 0)
-    else:
-        res = residual.data.view(torch.uint8) if kind == 2 else residual.data  # fp8 read as bits: any architecture
-        res_scale = residual.scale if residual.scale is not None else out
-        r_strides = res.stride()
-        c_strides = residual.scale.stride() if residual.scale is not None else (0, 0, 0)
+    kind, res_ptrs, res_strides = residual_args(residual, out)
     grid = (G * m_blocks, B * H)
-    args = (q, k, v, perm, kv_idx, out, lse, res, res_scale, scale * _LOG2E, 1.0, H, S, k.shape[2], n_slots, k_alloc, C,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *r_strides, *c_strides)
+    args = (q, k, v, perm, kv_idx, out, lse, *res_ptrs, scale * _LOG2E, 1.0, H, S, k.shape[2], n_slots, k_alloc, C,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *res_strides)
     meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=bn, RETURN_LSE=return_lse, RES_KIND=kind,
                 MASK_FROM_COUNT=mask_from_count, ROW64=bool(row64), CACHE=cache, PERMUTE_Q=permute_q,
                 EXP_MODE=exp_mode, LAZY_RESCALE=lazy_rescale, Q_REGS=bool(q_regs), PIPELINE_QK=bool(pipeline_qk),
