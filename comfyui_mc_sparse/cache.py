@@ -92,8 +92,8 @@ class CacheEntry:
 
     def tensors(self) -> list[torch.Tensor]:
         r = self.residual
-        parts = [r] if isinstance(r, torch.Tensor) else [] if r is None else [r.data, r.scale]
-        return [t for t in (self.perm, self.kv_idx, *parts) if t is not None]
+        parts = [r] if isinstance(r, torch.Tensor) else [] if r is None else r.tensors()
+        return [self.perm, self.kv_idx, *parts]
 
 
 @dataclass
@@ -169,7 +169,7 @@ def encode_entry(entry: CacheEntry, *, index_encoding: str = "auto", residual_dt
     S = entry.shape[2]
     residual = None
     if entry.residual is not None:
-        residual = encode_residual(entry.residual, residual_dtype)
+        residual = encode_residual(entry.residual, residual_dtype, entry.perm, entry.kv_idx.shape[2])
     return StoredEntry(
         groups=encode_groups(entry.perm, S, checked=entry.checked),
         selection=encode_selection(entry.kv_idx, S, entry.num_keys, index_encoding, checked=entry.checked),

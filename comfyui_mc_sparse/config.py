@@ -17,9 +17,10 @@ GROUP_SIZES = (64, 128)
 HEAD_DIMS = (64, 128)
 """Head dims the sparse path supports (Wan/HunyuanVideo 128, Hunyuan3D 64); other calls stay dense."""
 
-RESIDUAL_DTYPES = ("auto", "bfloat16", "float16", "float32", "float8_e4m3fn", "int4")
-"""Residual storage: "auto" (chosen before sampling from free memory: ``memory.plan_cache``), a plain dtype, or
-float8_e4m3fn / int4 with a float32 scale per row (``encoding.encode_residual``)."""
+RESIDUAL_DTYPES = ("auto", "bfloat16", "float16", "float32", "float8_e4m3fn", "int4_group", "int4")
+"""Residual storage: "auto" (chosen before sampling from free memory: ``memory.plan_cache``), a plain dtype,
+float8_e4m3fn / int4 with a float32 scale per row, or int4_group (4-bit deviations from each query group's weighted
+mean row) (``encoding.encode_residual``)."""
 
 INDEX_ENCODINGS = ("auto", "bitmask", "uint16", "int32")
 """KV selection storage (``encoding``): "auto" picks the smallest lossless form for the density and S."""
@@ -48,9 +49,10 @@ class MCSparseConfig:
         residual: add the cached residual O_dense - O_sparse at reuse steps (sec. 3.4). False gives
             "MC-Sparse without residual" (an ablation).
         residual_dtype: storage of the residual: "auto" (default: bf16 when the cache fits the memory free
-            before sampling, else fp8, else int4: ``memory.plan_cache``; bf16 when no plan is made),
-            "bfloat16", "float16", "float32", "float8_e4m3fn" (half the bytes of bf16) or "int4" (a quarter);
-            the last two keep a float32 scale per row; their fidelity cost is measured in docs/cache.md.
+            before sampling, else fp8, else int4_group, else int4: ``memory.plan_cache``; bf16 when no plan is
+            made), "bfloat16", "float16", "float32", "float8_e4m3fn" (half the bytes of bf16, fp32 row scale),
+            "int4_group" (4-bit deviations from each query group's mean row: ~0.27 of bf16's bytes) or "int4" (4-bit,
+            fp32 row scale: a quarter); their fidelity cost is measured in docs/cache.md.
         index_encoding: KV selection storage, lossless: "auto" (default: smallest of bitmask, 16-bit and
             32-bit indices for the density and S), "bitmask", "uint16" or "int32" (see ``encoding``).
         cache_placement: "auto" (default), "gpu" or "cpu" (see ``CACHE_PLACEMENTS``).

@@ -44,9 +44,11 @@ SELECTION_ENCODINGS = ("auto", "bitmask", "uint16", "int32")
 
 FP8_DTYPE_NAME = "float8_e4m3fn"
 INT4_NAME = "int4"
+INT4_GROUP_NAME = "int4_group"
 _PLAIN = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-RESIDUAL_FORMATS = (*_PLAIN, FP8_DTYPE_NAME, INT4_NAME)
-"""Residual storage names: plain dtypes, fp8 e4m3 with a row scale, 4-bit with a row scale (``encode_residual``)."""
+RESIDUAL_FORMATS = (*_PLAIN, FP8_DTYPE_NAME, INT4_NAME, INT4_GROUP_NAME)
+"""Residual storage names: plain dtypes, fp8 e4m3 with a row scale, 4-bit with a row scale, 4-bit deviations from
+each query group's weighted mean row (``encode_residual``)."""
 INT4_CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6)
 """Candidate clip ratios of the int4 row scale (``encode_residual``); 1.0 is round-to-nearest with max|R| / 7."""
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn value
@@ -97,21 +99,6 @@ def pick_selection_encoding(requested: str, num_tokens: int, num_keys: int, widt
         return requested
     options = (["uint16"] if num_tokens <= _UINT16_LIMIT else []) + ["int32", "bitmask"]  # ties: first wins
     return min(options, key=lambda kind: selection_nbytes(kind, 1, num_tokens, num_keys, width))
-
-
-def groups_nbytes(batch: int, heads: int, num_tokens: int, group_size: int) -> int:
-    """Bytes of encoded query groups: 2 per query when S <= 65536, else 4 per slot of the G*C-wide rows."""
-    if num_tokens <= _UINT16_LIMIT:
-        return batch * heads * num_tokens * 2
-    return batch * heads * (-(-num_tokens // group_size) * group_size) * 4
-
-
-def residual_nbytes(batch: int, heads: int, num_tokens: int, head_dim: int, dtype_name: str, scale: str = "row") -> int:
-    """Bytes of an encoded residual ``[B, H, S, D]`` in ``dtype_name`` (+ fp32 scales for fp8)."""
-    n = batch * heads * num_tokens * head_dim
-    if dtype_name == FP8_DTYPE_NAME:
-        return n + (batch * heads * num_tokens * 4 if scale == "row" else 4)
-    return n * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
 
 
 # --- selections -----------------------------------------------------------------------------------------------
@@ -337,17 +324,23 @@ def _unpack_flags(packed: torch.Tensor, n: int) -> torch.Tensor:
 # --- residual -------------------------------------------------------------------------------------------------
 
 
-def residual_nbytes(batch: int, heads: int, num_tokens: int, head_dim: int, dtype_name: str) -> int:
+def residual_nbytes(batch: int, heads: int, num_tokens: int, head_dim: int, dtype_name: str,
+                    num_groups: int | None = None) -> int:
     """Bytes of an encoded residual ``[B, H, S, D]`` stored as ``dtype_name`` (``RESIDUAL_FORMATS``).
 
-    bf16/fp16: 2 per element, fp32: 4, fp8: 1 + a 4-byte scale per row, int4: 1/2 + a 4-byte scale per row.
-    Raises ValueError for an unknown name.
+    bf16/fp16: 2 per element, fp32: 4, fp8: 1 + a 4-byte scale per row, int4: 1/2 + a 4-byte scale per row,
+    int4_group: 1/2 + a 2-byte scale + a 1-byte coef per row, + a bf16 mean row (2 D bytes) per query group
+    (``num_groups`` G = ceil(S / C) per head, required for it). Raises ValueError for an unknown name or a missing G.
     """
     rows = batch * heads * num_tokens
     if dtype_name == FP8_DTYPE_NAME:
         return rows * head_dim + rows * 4
     if dtype_name == INT4_NAME:
         return rows * -(-head_dim // 2) + rows * 4
+    if dtype_name == INT4_GROUP_NAME:
+        if num_groups is None:
+            raise ValueError("int4_group residual bytes need the number of query groups per head")
+        return rows * (-(-head_dim // 2) + 3) + batch * heads * num_groups * head_dim * 2
     if dtype_name in _PLAIN:
         return rows * head_dim * _PLAIN[dtype_name].itemsize
     raise ValueError(f"residual dtype must be one of {RESIDUAL_FORMATS}, got {dtype_name!r}")
@@ -356,28 +349,53 @@ def residual_nbytes(batch: int, heads: int, num_tokens: int, head_dim: int, dtyp
 @dataclass
 class EncodedResidual:
     """The residual ``[B, H, S, D]`` in one of the forms the sparse kernel's epilogue reads (kernels/residual.py;
-    ``kernels.Residual``): kind "plain" (``data`` bf16/fp16/fp32 ``[B, H, S, D]``), "fp8_row" (``data``
-    float8_e4m3fn ``[B, H, S, D]``, ``scale`` fp32 ``[B, H, S]``: R = data * scale) or "int4_row" (``data`` uint8
-    ``[B, H, S, D//2]``, byte j = element 2j in the low nibble, 2j+1 in the high one, nibble = q + 8 with q in
-    [-7, 7]; ``scale`` fp32 ``[B, H, S]``: R = q * scale)."""
+    ``kernels.Residual``, which defines each): kind "plain" (``data`` bf16/fp16/fp32), "fp8_row" (``data``
+    float8_e4m3fn, ``scale`` fp32 ``[B, H, S]``), "int4_row" (``data`` uint8 ``[B, H, S, D//2]``, ``scale`` fp32) or
+    "int4_group" (``data`` as int4_row, ``scale`` bf16 ``[B, H, S]``, ``coef`` float8_e4m3fn ``[B, H, S]``, ``mean``
+    bf16 ``[B, H, G, D]``: R = coef * mean[group of the query] + q * scale)."""
 
     kind: str
     data: torch.Tensor
     scale: torch.Tensor | None = None
+    coef: torch.Tensor | None = None
+    mean: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return _tensor_bytes(self.data) + _tensor_bytes(self.scale)
+        return sum(_tensor_bytes(t) for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.data] + ([self.scale] if self.scale is not None else [])
+        return [t for t in (self.data, self.scale, self.coef, self.mean) if t is not None]
 
     def with_tensors(self, it) -> EncodedResidual:
         data = next(it)
-        return EncodedResidual(self.kind, data, next(it) if self.scale is not None else None)
+        rest = [None if t is None else next(it) for t in (self.scale, self.coef, self.mean)]
+        return EncodedResidual(self.kind, data, *rest)
 
 
-def encode_residual(residual: torch.Tensor, dtype_name: str) -> EncodedResidual:
+def _int4_rows(rows: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``[N, D]`` -> (uint8 ``[N, D // 2]`` packed nibbles q + 8, scale ``[N, 1]`` in ``scale_dtype``).
+
+    q = round(x / s) clamped to [-7, 7], s chosen per row among ``clip * max|x| / 7`` for ``clip`` in ``INT4_CLIPS``
+    (each candidate rounded to ``scale_dtype`` first, so q is computed with the scale the kernel will read) as the one
+    with the least L1 error of q * s; zero rows get s = 1, q = 0."""
+    amax = rows.abs().amax(-1, keepdim=True)
+    base = torch.where(amax > 0, amax / _INT4_MAX, torch.ones_like(amax))
+    best_s, best_err = None, None
+    for clip in INT4_CLIPS:
+        s = (base * clip).to(scale_dtype).float()
+        err = (torch.round(rows / s).clamp_(-_INT4_MAX, _INT4_MAX).mul_(s) - rows).abs_().sum(-1, keepdim=True)
+        if best_err is None:
+            best_s, best_err = s, err
+        else:
+            better = err < best_err
+            best_s, best_err = torch.where(better, s, best_s), torch.where(better, err, best_err)
+    nib = torch.round(rows / best_s).clamp_(-_INT4_MAX, _INT4_MAX).add_(8).to(torch.uint8)
+    return nib[:, 0::2] | (nib[:, 1::2] << 4), best_s.to(scale_dtype)
+
+
+def encode_residual(residual: torch.Tensor, dtype_name: str, perm: torch.Tensor | None = None,
+                    num_groups: int | None = None) -> EncodedResidual:
     """Store ``residual`` ``[B, H, S, D]`` (any float dtype; fp32 keeps the quantisers exact) as ``dtype_name``.
 
     - "bfloat16" / "float16" / "float32": a cast.
@@ -386,16 +404,22 @@ def encode_residual(residual: torch.Tensor, dtype_name: str) -> EncodedResidual:
       ``s = clip * max|R| / 7`` for ``clip`` in ``INT4_CLIPS`` as the one with the least L1 error of q * s (the
       round-to-nearest absmax scale is clip 1.0; clipping the largest values buys finer steps for the rest:
       measured in docs/cache.md, residual L1 error 0.128 -> 0.103 on the synthetic workload).
-    Zero rows get scale 1 (q = 0). Raises ValueError for an unknown name, or an odd D for int4.
+    - "int4_group" (needs ``perm``, the entry's int32 ``[B, H, G*C]`` query groups, and ``num_groups`` G): per query group the mean of its
+      rows, rounded to bf16 (M); per row the least-squares weight a = <R, M> / <M, M> rounded to e4m3 (0 when M = 0);
+      the deviation R - a M stored as "int4" does, with a bf16 scale. The queries of a group are similar and share
+      one selection, so their residual rows are correlated: this halves the error of "int4" for 1/64 more bytes
+      (docs/cache.md).
+    Zero rows get scale 1 (q = 0). Raises ValueError for an unknown name, an odd D for the 4-bit forms, or a missing
+    or misshapen perm for "int4_group".
     """
     if dtype_name in _PLAIN:
         return EncodedResidual("plain", residual.to(_PLAIN[dtype_name]))
-    if dtype_name not in (FP8_DTYPE_NAME, INT4_NAME):
+    if dtype_name not in (FP8_DTYPE_NAME, INT4_NAME, INT4_GROUP_NAME):
         raise ValueError(f"residual dtype must be one of {RESIDUAL_FORMATS}, got {dtype_name!r}")
     B, H, S, D = residual.shape
     rows = residual.reshape(B * H * S, D)
-    scales = torch.empty(B * H * S, 1, dtype=torch.float32, device=residual.device)
     if dtype_name == FP8_DTYPE_NAME:
+        scales = torch.empty(B * H * S, 1, dtype=torch.float32, device=residual.device)
         data = torch.empty(B * H * S, D, dtype=torch.float8_e4m3fn, device=residual.device)
         for r0, r1 in _row_chunks(rows.shape[0], D):
             chunk = rows[r0:r1].float()
@@ -405,25 +429,56 @@ def encode_residual(residual: torch.Tensor, dtype_name: str) -> EncodedResidual:
             data[r0:r1] = (chunk / s).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
         return EncodedResidual("fp8_row", data.view(B, H, S, D), scales.view(B, H, S))
     if D % 2:
-        raise ValueError(f"int4 residual needs an even head dim, got D = {D}")
+        raise ValueError(f"{dtype_name} residual needs an even head dim, got D = {D}")
+    if dtype_name == INT4_GROUP_NAME:
+        return _encode_int4_group(residual, perm, num_groups)
+    scales = torch.empty(B * H * S, 1, dtype=torch.float32, device=residual.device)
     data = torch.empty(B * H * S, D // 2, dtype=torch.uint8, device=residual.device)
     for r0, r1 in _row_chunks(rows.shape[0], 4 * D):  # ~4 row-sized temporaries per candidate
-        chunk = rows[r0:r1].float()
-        amax = chunk.abs().amax(-1, keepdim=True)
-        base = torch.where(amax > 0, amax / _INT4_MAX, torch.ones_like(amax))
-        best_s, best_err = base, None
-        for clip in INT4_CLIPS:
-            s = base * clip
-            err = (torch.round(chunk / s).clamp_(-_INT4_MAX, _INT4_MAX).mul_(s) - chunk).abs_().sum(-1, keepdim=True)
-            if best_err is None:
-                best_s, best_err = s, err
-            else:
-                better = err < best_err
-                best_s, best_err = torch.where(better, s, best_s), torch.where(better, err, best_err)
-        scales[r0:r1] = best_s
-        nib = torch.round(chunk / best_s).clamp_(-_INT4_MAX, _INT4_MAX).add_(8).to(torch.uint8)
-        data[r0:r1] = nib[:, 0::2] | (nib[:, 1::2] << 4)
+        data[r0:r1], scales[r0:r1] = _int4_rows(rows[r0:r1].float(), torch.float32)
     return EncodedResidual("int4_row", data.view(B, H, S, D // 2), scales.view(B, H, S))
+
+
+def _encode_int4_group(residual: torch.Tensor, perm: torch.Tensor | None, num_groups: int | None) -> EncodedResidual:
+    """The "int4_group" form (``encode_residual``), worked in group order a few heads at a time."""
+    B, H, S, D = residual.shape
+    if perm is None or num_groups is None or perm.dtype != torch.int32 or perm.dim() != 3 \
+            or tuple(perm.shape[:2]) != (B, H) or perm.shape[-1] < S or perm.shape[-1] % num_groups:
+        raise ValueError(f"int4_group needs the entry's int32 perm [B, H, G*C] (G*C >= S = {S}) and G, got "
+                         f"{None if perm is None else (perm.dtype, tuple(perm.shape))} and G = {num_groups}")
+    dev = residual.device
+    n_slots, G = perm.shape[-1], num_groups
+    C = n_slots // G
+    data = torch.empty(B * H, S, D // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(B * H, S, dtype=torch.bfloat16, device=dev)
+    coef = torch.empty(B * H, S, dtype=torch.float8_e4m3fn, device=dev)
+    mean = torch.empty(B * H, G, D, dtype=torch.bfloat16, device=dev)
+    flat, slots = residual.reshape(B * H, S, D), perm.to(dev).reshape(B * H, n_slots)
+    for h0, h1 in _row_chunks(B * H, 6 * n_slots * D):  # ~6 group-order temporaries of one head
+        n = h1 - h0
+        valid = slots[h0:h1] >= 0
+        src = slots[h0:h1].clamp_min(0).long()
+        rows = torch.gather(flat[h0:h1], 1, src.unsqueeze(-1).expand(-1, -1, D)).float()  # [n, G*C, D]
+        rows = rows.mul_(valid.unsqueeze(-1)).view(n, G, C, D)
+        count = valid.view(n, G, C).sum(-1, keepdim=True).clamp_min(1)
+        m = (rows.sum(2) / count).to(torch.bfloat16)  # [n, G, D]
+        mean[h0:h1] = m
+        mf = m.float().unsqueeze(2)  # [n, G, 1, D]
+        norm = mf.pow(2).sum(-1)
+        a = torch.where(norm > 0, (rows * mf).sum(-1) / norm.clamp_min(1e-30), torch.zeros_like(norm))
+        a = a.clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)  # [n, G, C]
+        rows.sub_(a.float().unsqueeze(-1) * mf)
+        packed, s = _int4_rows(rows.view(-1, D), torch.bfloat16)
+        # back to query order: each query sits in one slot; the padding slots land in a spare row S, dropped
+        dest = torch.where(valid, src, S).unsqueeze(-1)
+        for part, out in ((packed.view(n, -1, D // 2), data), (s.view(n, -1, 1), scale.unsqueeze(-1)),
+                          (a.view(n, -1, 1).view(torch.uint8), coef.view(torch.uint8).unsqueeze(-1))):
+            w = part.shape[-1]
+            spare = torch.zeros(n, S + 1, w, dtype=part.dtype, device=dev)
+            spare.scatter_(1, dest.expand(-1, -1, w), part)
+            out[h0:h1] = spare[:, :S]
+    return EncodedResidual("int4_group", data.view(B, H, S, D // 2), scale.view(B, H, S), coef.view(B, H, S),
+                           mean.view(B, H, G, D))
 
 
 def residual_for_kernel(enc: EncodedResidual, device: torch.device | str | None = None, *,
@@ -433,11 +488,12 @@ def residual_for_kernel(enc: EncodedResidual, device: torch.device | str | None 
     tensors when no copy is needed (callers must not modify them)."""
     moved = enc if device is None else enc.with_tensors(iter([t.to(device, non_blocking=non_blocking)
                                                                 for t in enc.tensors()]))
-    return kernels.Residual(data=moved.data, scale=moved.scale, kind=moved.kind)
+    return kernels.Residual(data=moved.data, scale=moved.scale, kind=moved.kind, coef=moved.coef, mean=moved.mean)
 
 
 def decode_residual(enc: EncodedResidual, dtype: torch.dtype, device: torch.device | str | None = None, *,
-                    non_blocking: bool = False) -> torch.Tensor:
+                    non_blocking: bool = False, perm: torch.Tensor | None = None) -> torch.Tensor:
     """The residual dequantised to a ``[B, H, S, D]`` tensor in ``dtype`` (tests and benchmarks only: the reuse
-    path hands ``residual_for_kernel`` to the kernel)."""
-    return residual_for_kernel(enc, device, non_blocking=non_blocking).dequantize(dtype)
+    path hands ``residual_for_kernel`` to the kernel). ``perm``: the entry's query groups, needed for "int4_group"."""
+    res = residual_for_kernel(enc, device, non_blocking=non_blocking)
+    return res.dequantize(dtype, None if perm is None else perm.to(res.data.device))

@@ -420,7 +420,8 @@ class MCSparseRunner:
     def _cache_lines(self) -> list[str]:
         c, cfg = self.cache, self.config
         res = "off" if not cfg.residual else self.residual_dtype + (
-            " (row scale)" if self.residual_dtype in ("float8_e4m3fn", "int4") else "")
+            " (row scale)" if self.residual_dtype in ("float8_e4m3fn", "int4") else
+            " (group mean + row scale)" if self.residual_dtype == "int4_group" else "")
         line = (f"metadata cache: peak {self.cache_where()}, placement {cfg.cache_placement}, selections "
                 f"{cfg.index_encoding}, residual {res}")
         ld = self.loader

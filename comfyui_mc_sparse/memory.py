@@ -1,7 +1,7 @@
 """What the metadata cache will cost, where it goes and in which precision, and what the schedule will buy,
 before sampling.
 
-``plan_cache`` picks the residual precision ('auto': bf16, else fp8, else int4) and the placement (GPU, else pinned
+``plan_cache`` picks the residual precision ('auto': bf16, else fp8, else int4-group, else int4) and the placement (GPU, else pinned
 host memory within ``pin_budget``) from the free memory, or keeps the run dense with the settings that would fit.
 
 ``estimate_cache`` gives the bytes of the encoded cache (``encoding``) per (layer, branch) entry and in total,
@@ -135,7 +135,7 @@ def estimate_cache(
     sel = encoding.selection_nbytes(kind, rows, tokens, num_keys, width)
     grp = encoding.groups_nbytes(batch, heads, tokens, group_size)
     residual_dtype = "bfloat16" if residual_dtype == "auto" else residual_dtype
-    res = encoding.residual_nbytes(batch, heads, tokens, head_dim, residual_dtype) if residual else 0
+    res = encoding.residual_nbytes(batch, heads, tokens, head_dim, residual_dtype, groups) if residual else 0
     naive = rows * width * 4 + batch * heads * groups * group_size * 4
     naive += 2 * batch * heads * tokens * head_dim if residual else 0
     # in flight at a reuse call: int32 groups and indices, the residual in its stored form (the kernel reads it)
@@ -241,7 +241,7 @@ def expected_speedup(
 
 def decode_overhead(est: CacheEstimate) -> float:
     """The reuse call's decode cost for ``est``'s formats, as a fraction of a dense attention call (measured)."""
-    quantised = est.residual_dtype in (encoding.FP8_DTYPE_NAME, encoding.INT4_NAME)
+    quantised = est.residual_dtype in (encoding.FP8_DTYPE_NAME, encoding.INT4_NAME, encoding.INT4_GROUP_NAME)
     return DECODE_OVERHEAD[est.selection_encoding] + (FP8_DECODE_OVERHEAD if quantised else 0.0)
 
 
@@ -280,10 +280,11 @@ def format_plan(est: CacheEstimate, speed: SpeedupEstimate | None = None, placem
 
 # --- placement and precision before sampling ------------------------------------------------------------------
 
-AUTO_PRECISIONS = ("bfloat16", encoding.FP8_DTYPE_NAME, encoding.INT4_NAME)
-"""What residual precision 'auto' tries, in order: the first whose cache fits (GPU or pinned host memory) wins."""
+AUTO_PRECISIONS = ("bfloat16", encoding.FP8_DTYPE_NAME, encoding.INT4_GROUP_NAME, encoding.INT4_NAME)
+"""What residual precision 'auto' tries, in order: the first whose cache fits (GPU or pinned host memory) wins.
+int4-group before int4: half the error for 1/64 more bytes (docs/cache.md); int4 only where that margin decides."""
 PRECISION_LABELS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", encoding.FP8_DTYPE_NAME: "fp8",
-                    encoding.INT4_NAME: "int4"}
+                    encoding.INT4_GROUP_NAME: "int4-group", encoding.INT4_NAME: "int4"}
 HOST_PIN_SHARE = 0.75
 """Share of the host's *available* memory (psutil ``virtual_memory().available``) the cache may pin. Pinned pages
 cannot be swapped or reclaimed, so pinning all of it would push ComfyUI's own later allocations (VAE decode,
@@ -398,8 +399,8 @@ class CachePlan:
             fits = "; ".join(self.fits) or "no single setting change (free GPU or host memory first)"
             return (f"cache does not fit: residual {dtype}, placement {placement} ({sizes}; {figures}): this run "
                     f"stays dense. Would fit: {fits}")
-        cost = ("; int4 costs some fidelity in the steps right after the anchor, docs/cache.md"
-                if self.residual_dtype == encoding.INT4_NAME else "")
+        cost = (f"; {PRECISION_LABELS[self.residual_dtype]} costs some fidelity in the steps right after the anchor, "
+                f"docs/cache.md" if self.residual_dtype in (encoding.INT4_NAME, encoding.INT4_GROUP_NAME) else "")
         return (f"residual {dtype} -> {PRECISION_LABELS.get(self.residual_dtype, self.residual_dtype)}, placement "
                 f"{placement} -> {self.placement} ({sizes}; {figures}{cost})")
 
@@ -419,7 +420,7 @@ def plan_cache(config: MCSparseConfig, *, heads: int, head_dim: int, layers: int
                suggest: bool = True) -> CachePlan:
     """Choose the residual precision and the placement before sampling, from the free memory.
 
-    Precisions tried: ``AUTO_PRECISIONS`` for "auto" (bf16, then fp8, then int4), else only the configured one;
+    Precisions tried: ``AUTO_PRECISIONS`` for "auto" (bf16, then fp8, int4-group, int4), else only the configured one;
     for each, placements "gpu" then "cpu" ('auto'), or the configured one; the first that fits wins:
     - gpu: cache + working set + headroom <= ``gpu_free``;
     - cpu: working set + headroom <= ``gpu_free`` and cache <= ``pin_budget(host, headroom)`` (never pins more).

@@ -165,7 +165,7 @@ class ReuseBatch:
 
     def tensors(self) -> list[torch.Tensor]:
         r = self.residual
-        return [self.perm, self.kv_idx] + ([] if r is None else [r.data] + ([r.scale] if r.scale is not None else []))
+        return [self.perm, self.kv_idx] + ([] if r is None else r.tensors())
 
 
 @dataclass
@@ -288,17 +288,14 @@ def _decode_group(stored: list, device: torch.device, dtype: torch.dtype) -> Reu
     n = len(stored)
     perm = torch.empty(n * b, *first["perm"], dtype=torch.int32, device=device)
     kv_idx = torch.empty(n * b, *first["kv"], dtype=torch.int32, device=device)
-    res = None
-    if first["res"] is not None:
-        kind, data_dtype, data_shape, has_scale = first["res"]
-        data = torch.empty(n * b, *data_shape, dtype=data_dtype, device=device)
-        scale = torch.empty(n * b, *data_shape[:2], dtype=torch.float32, device=device) if has_scale else None
-        res = (kind, data, scale)
+    residual = None
+    if first["res"] is not None:  # the first entry's residual form, each of its tensors stacked n times
+        like, parts = first["res"]
+        residual = like.with_tensors(torch.empty(n * b, *shape, dtype=dt, device=device) for dt, shape in parts)
     for i, s in enumerate(stored):
         rows = slice(i * b, (i + 1) * b)
         _decode_one(s, device, dtype, perm[rows], kv_idx[rows],
-                    None if res is None else (res[1][rows], None if res[2] is None else res[2][rows]))
-    residual = None if res is None else kernels.Residual(data=res[1], scale=res[2], kind=res[0])
+                    None if residual is None else [t[rows] for t in residual.tensors()])
     return ReuseBatch(perm, kv_idx, residual)
 
 
@@ -312,7 +309,7 @@ def _decode_shapes(s) -> dict:
     r = _residual_of(s)
     res = None
     if r is not None:
-        res = (r.kind, r.data.dtype, tuple(r.data.shape[1:]), r.scale is not None)
+        res = (r, [(t.dtype, tuple(t.shape[1:])) for t in r.tensors()])
     return {"b": B, "perm": perm_shape, "kv": kv_shape, "res": res}
 
 
@@ -360,9 +357,8 @@ def _decode_one(s, device: torch.device, dtype: torch.dtype, perm_out, kv_out, r
         kv_out.copy_(kv_idx)
         kv_idx = kv_out
     if res_out is not None and residual is not None:
-        res_out[0].copy_(residual.data)
-        if res_out[1] is not None:
-            res_out[1].copy_(residual.scale)
+        for dst, src in zip(res_out, residual.tensors(), strict=True):
+            dst.copy_(src)
     return ReuseBatch(perm, kv_idx, residual)
 
 

@@ -53,7 +53,7 @@ def test_bad_node_values_name_the_input(field, value, match):
 
 
 @pytest.mark.parametrize("precision,dtype", [("auto", "auto"), ("bf16", "bfloat16"), ("fp8", "float8_e4m3fn"),
-                                             ("int4", "int4")])
+                                             ("int4", "int4_group")])
 def test_residual_precision_and_headroom_reach_the_runner(precision, dtype):
     """The node's residual precision and memory headroom become the run's config (plan_cache decides 'auto')."""
     run = lifecycle.RunState(_settings(residual_precision=precision, memory_headroom_gib=2.5), SIGMAS)
@@ -62,9 +62,10 @@ def test_residual_precision_and_headroom_reach_the_runner(precision, dtype):
 
 
 def test_cache_size_tooltip_is_computed():
-    """The tooltip's sizes are memory.py's estimates (quality preset, 720p int4 31.6 GiB, 480p int4 9.7 GiB)."""
+    """The tooltip's sizes are memory.py's estimates per node option (quality preset; the node's int4 is the group
+    form: 720p 31.9 GiB, 480p 9.8 GiB)."""
     note = settings.cache_size_note()
-    assert "720p: bf16 72.9 / fp8 45.7 / int4 31.6 GiB" in note and "480p: bf16 27.6 / fp8 15.8 / int4 9.7 GiB" in note
+    assert "720p: bf16 72.9 / fp8 45.7 / int4 31.9 GiB" in note and "480p: bf16 27.6 / fp8 15.8 / int4 9.8 GiB" in note
 
 
 def test_unknown_model_is_exact_pass_through_and_counted(gen):

@@ -21,6 +21,8 @@ GB = 1e9
         (200, 64, 0.3, "int32", "float32", True),
         (190, 64, 1.0, "bitmask", "bfloat16", False),
         (300, 64, 0.25, "auto", "int4", True),
+        (300, 64, 0.25, "auto", "int4_group", True),  # ragged: 5 groups of 64 for 300 tokens
+        (257, 128, 0.2, "uint16", "int4_group", True),
         (257, 128, 0.2, "auto", "auto", True),
     ],
 )
@@ -85,7 +87,7 @@ def test_estimate_equals_stored_bytes_past_16_bit_tokens(gen):
     cfg = MCSparseConfig(density=density, warmup_layers=1)
     K = keys_for_density(density, S, cfg.kv_tile)
     entry = _entry_of(gen, 1, 1, S, 128, C, K, K)
-    for res in ("bfloat16", "float8_e4m3fn", "int4"):
+    for res in ("bfloat16", "float8_e4m3fn", "int4_group", "int4"):
         stored = encode_entry(entry, residual_dtype=res)
         est = memory.estimate_for_config(cfg, heads=1, head_dim=128, layers=40, tokens=S, branches=2, residual_dtype=res)
         assert stored.groups.kind == "uint17" and stored.selection.kind == "bitmask"
@@ -95,17 +97,18 @@ def test_estimate_equals_stored_bytes_past_16_bit_tokens(gen):
 
 
 def test_wan14b_quality_cfg_sizes_meet_the_bars():
-    """Issue 10's bars at the quality preset (s = 0.25, block 0 dense, C = 128, CFG): int4 (what 'auto' stores when
-    bf16 and fp8 fit nowhere) <= 32 GiB at 720p and <= 12 GiB at 480p; the other precisions for the record."""
+    """Issue 10's bars at the quality preset (s = 0.25, block 0 dense, C = 128, CFG): int4-group (what 'auto' stores
+    when bf16 and fp8 fit nowhere) and int4 <= 32 GiB at 720p and <= 12 GiB at 480p; the others for the record."""
     cfg = MCSparseConfig(density=0.25, warmup_layers=1)
     sizes = {}
     for name, S in (("720p", 75600), ("480p", 32760)):
-        for res in ("bfloat16", "float8_e4m3fn", "int4"):
+        for res in ("bfloat16", "float8_e4m3fn", "int4_group", "int4"):
             est = memory.estimate_for_config(cfg, heads=40, head_dim=128, layers=40, tokens=S, residual_dtype=res)
             sizes[name, res] = est.total_bytes / 2**30
     print({k: round(v, 2) for k, v in sizes.items()})
-    assert sizes["720p", "int4"] <= 32 and sizes["480p", "int4"] <= 12
-    assert sizes["720p", "bfloat16"] > sizes["720p", "float8_e4m3fn"] > sizes["720p", "int4"]
+    for res in ("int4_group", "int4"):
+        assert sizes["720p", res] <= 32 and sizes["480p", res] <= 12
+    assert sizes["720p", "bfloat16"] > sizes["720p", "float8_e4m3fn"] > sizes["720p", "int4_group"] > sizes["720p", "int4"]
 
 
 GIB = 2**30
@@ -118,8 +121,8 @@ _720P = dict(heads=40, head_dim=128, layers=40, tokens=75600, branches=2)
         (100, 200, "auto", "auto", ("bfloat16", "gpu")),  # H200: all on the GPU
         (20, 128, "auto", "auto", ("bfloat16", "cpu")),  # 24 GB card, 128 GB host: bf16 pinned (73 <= 96)
         (20, 64, "auto", "auto", ("float8_e4m3fn", "cpu")),  # 64 GB host: 46 GiB fp8 <= 48
-        (20, 48, "auto", "auto", ("int4", "cpu")),  # 48 GB host: 32 GiB int4 <= 36
-        (40, 40, "auto", "auto", ("int4", "gpu")),  # a 48 GB card: int4 on the GPU (31.6 + 3.7 + 4 <= 40)
+        (20, 48, "auto", "auto", ("int4_group", "cpu")),  # 48 GB host: 31.9 GiB int4-group <= 36
+        (40, 40, "auto", "auto", ("int4_group", "gpu")),  # 48 GB card: int4-group on the GPU (31.9 + 3.7 + 4 <= 40)
         (20, 32, "auto", "auto", (None, None)),  # 32 GB host: pin budget 24 < 31.6: dense
         (20, 128, "auto", "gpu", (None, None)),  # forced GPU, too small
         (100, 200, "int4", "cpu", ("int4", "cpu")),  # forced precision and placement
@@ -129,7 +132,7 @@ _720P = dict(heads=40, head_dim=128, layers=40, tokens=75600, branches=2)
     ],
 )
 def test_plan_decisions_from_free_memory_figures(gpu_free, available, residual, placement, expected):
-    """bf16 when it fits, else fp8, else int4; GPU before pinned host memory; never more pinned than the budget."""
+    """bf16 when it fits, else fp8, else int4-group, else int4; GPU before pinned host memory; never more pinned than the budget."""
     cfg = MCSparseConfig(density=0.25, warmup_layers=1, residual_dtype=residual, cache_placement=placement)
     host = memory.HostMemory(available * GIB, available * GIB)
     plan = memory.plan_cache(cfg, gpu_free=gpu_free * GIB, host=host, windows=False, **_720P)
@@ -144,11 +147,11 @@ def test_plan_decisions_from_free_memory_figures(gpu_free, available, residual, 
 
 def test_plan_line_says_why_each_better_precision_does_not_fit():
     """24 GB card (8 GiB free) with 110 GiB of RAM at 720p: bf16 and fp8 fit the pin budget but their GPU working
-    sets (two decoded entries: 4.80 / 4.10 GiB) do not fit the 4 GiB left after the headroom, so auto takes int4;
-    the line says so."""
+    sets (two decoded entries: 4.80 / 4.10 GiB) do not fit the 4 GiB left after the headroom, so auto takes
+    int4-group; the line says so."""
     cfg = MCSparseConfig(density=0.25, warmup_layers=1)
     plan = memory.plan_cache(cfg, gpu_free=8 * GIB, host=memory.HostMemory(110 * GIB, 128 * GIB), windows=False, **_720P)
-    assert (plan.residual_dtype, plan.placement) == ("int4", "cpu")
+    assert (plan.residual_dtype, plan.placement) == ("int4_group", "cpu")
     line = plan.describe()
     assert "bf16 72.93 GiB (cache + working set" in line and "in RAM: its GPU working set 4.80 GiB > 4.00 GiB" in line
     assert "in RAM: its GPU working set 4.10 GiB > 4.00 GiB" in line
@@ -169,7 +172,8 @@ def test_pin_budget_rule():
 
 def test_refuses_to_pin_past_the_budget():
     """A plan never puts the cache in host memory past the pin budget, whichever precision it tries: with 41.4 GiB
-    available (budget 31.05 GiB) int4's 31.63 GiB is refused, with 42.2 GiB (budget 31.65 GiB) it is taken."""
+    available (budget 31.05 GiB) int4's 31.63 GiB is refused, with 42.2 GiB (budget 31.65 GiB) int4-group's 31.85 GiB
+    is refused and int4 is taken (the row-scaled form stays in the 'auto' ladder for this margin)."""
     cfg = MCSparseConfig(density=0.25, warmup_layers=1)
     refused = memory.plan_cache(cfg, gpu_free=20 * GIB, host=memory.HostMemory(int(41.4 * GIB), 64 * GIB),
                                 windows=False, **_720P)

@@ -32,8 +32,9 @@ PRESET_WARMUP_LAYERS = 1
 """Dense warm-up layers of every preset: block 0 always dense, as in the authors' published configuration."""
 
 PRESET_NAMES = ("quality", "balanced", "fast", "custom")
-RESIDUAL_PRECISIONS = {"auto": "auto", "bf16": "bfloat16", "fp8": "float8_e4m3fn", "int4": "int4"}
-"""The node's residual precision options -> ``MCSparseConfig.residual_dtype`` (``memory.plan_cache`` decides 'auto')."""
+RESIDUAL_PRECISIONS = {"auto": "auto", "bf16": "bfloat16", "fp8": "float8_e4m3fn", "int4": "int4_group"}
+"""The node's residual precision options -> ``MCSparseConfig.residual_dtype`` (``memory.plan_cache`` decides 'auto').
+The node's 'int4' is the group form (half the error of the row-scaled "int4" for 1/64 more bytes, docs/cache.md)."""
 MAX_HEADROOM_GIB = 256.0
 BOX_DEFAULTS = {"density": 0.2, "dense_warmup": "auto", "warmup_layers": 1, "anchor_steps": "auto"}
 """Defaults of the node's density / dense warm-up / warm-up layers / anchor steps boxes (``nodes``): presets ignore the boxes and
@@ -338,17 +339,19 @@ def resolve_schedule(settings: PatchSettings, num_steps: int) -> ResolvedSchedul
 
 
 def cache_size_note(preset: str = "quality") -> str:
-    """The cache sizes per residual precision of Wan2.1-14B, 81 frames, CFG, at 720p and 480p under ``preset``
-    (block 0 dense), computed by ``memory.estimate_cache`` (for the node's tooltips)."""
+    """The cache sizes per residual precision option of the node (``RESIDUAL_PRECISIONS``) for Wan2.1-14B, 81 frames,
+    CFG, at 720p and 480p under ``preset`` (block 0 dense), computed by ``memory.estimate_cache`` (for the node's
+    tooltips)."""
     from ..config import MCSparseConfig
-    from ..memory import AUTO_PRECISIONS, GIB, PRECISION_LABELS, estimate_for_config
+    from ..memory import GIB, estimate_for_config
 
     cfg = MCSparseConfig(density=PRESETS[preset], warmup_layers=1)
     parts = []
     for label, tokens in (("720p", 21 * 45 * 80), ("480p", 21 * 30 * 52)):
         sizes = []
-        for p in AUTO_PRECISIONS:
-            est = estimate_for_config(cfg, heads=40, head_dim=128, layers=40, tokens=tokens, residual_dtype=p)
-            sizes.append(f"{PRECISION_LABELS[p]} {est.total_bytes / GIB:.1f}")
+        for option, p in RESIDUAL_PRECISIONS.items():
+            if p != "auto":
+                est = estimate_for_config(cfg, heads=40, head_dim=128, layers=40, tokens=tokens, residual_dtype=p)
+                sizes.append(f"{option} {est.total_bytes / GIB:.1f}")
         parts.append(f"{label}: {' / '.join(sizes)} GiB")
     return f"Wan2.1-14B, 81 frames, CFG, preset {preset}: " + "; ".join(parts)
