@@ -3,20 +3,24 @@
 For Wan2.1-14B self-attention (H=40, D=128, bf16) at 720p (81 frames: 21 x 45 x 80 = 75600 tokens) and 480p
 (21 x 30 x 52 = 32760), preset 'quality' (s = 0.25, C = 128, block 0 dense: 39 blocks x 2 CFG branches = 78
 entries), on synthetic DiT-like q/k/v (``tools/workload.py``, anchor at step 9 of 50 as the preset's schedule):
-1. bytes: one real anchor entry is encoded with each residual precision (bf16, fp8 row, int4 row); its selections and
+1. bytes: one real anchor entry is encoded with each residual precision (bf16, fp8 row, int4 group, int4 row); its
+   selections and
    groups are decoded on the device (``kernels.decode_bitmask`` on CUDA) and compared bit for bit; the run's cache
    is that entry's bytes x 78 (every entry of a run has the same shape, so the same bytes), next to
    ``memory.estimate_for_config`` (must be equal, to the byte) and the naive int32 + bf16 layout; what 'auto' picks
    (``memory.plan_cache``) on this machine and on reference machines (figures stated below);
 2. fidelity: relative L1 of the reuse output (``kernels.sparse_attention(residual=kernels.Residual)``, the reuse
    path) against dense attention, at the anchor step and 1, 3, 15 and 40 steps after it, per precision, side by side
-   with bf16 (and without residual); optionally on captured q/k/v (``--captured``, a probe capture: safetensors with
+   with bf16 (and without residual), and whether each meets the issue's bar (at most +0.002 over bf16 at every reuse
+   step; the anchor step's row is reported, but the runner outputs O_dense there, never sparse + R); fidelity is
+   device-independent to the digits shown (the CPU and the H200 agree to ~1e-5); optionally on captured q/k/v (``--captured``, a probe capture: safetensors with
    ``block{b}.anchor.{q,k,v}`` and ``block{b}.reuse.{q,k,v}``);
 3. (``--speed``) a reuse step over 40 layers through ``MCSparseRunner.attention``, cache on the GPU vs in pinned CPU
    memory (the in-model offload measurement is tests/bench_comfyui_speedup.py's).
 Writes ``<out>/bench_cache.json`` and the keys ``cache_gib_wan14b_{720p,480p}_quality_cfg`` to ``--scoreboard``
 (and a copy to ``<out>/scoreboard.json``). The scoreboard value is the cache the preset's default ('auto'
-precision) stores when bf16 and fp8 do not fit the machine: int4 (the note gives every precision's size).
+precision) stores when bf16 and fp8 do not fit the machine: int4-group (the note gives every precision's size and
+fidelity).
 
 Usage (GPU, ~1-2 min on an H200): python tests/bench_cache.py --out $OUT
 CPU fidelity table on a small grid: python tests/bench_cache.py --out /tmp/bc --grid 8,16,24 --heads 8 --no-scoreboard
@@ -51,7 +55,9 @@ from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools.workload import SyntheticWor
 GRIDS = {"720p": (21, 45, 80), "480p": (21, 30, 52)}  # Wan2.1 81 frames: 75600 and 32760 tokens
 LAYERS, D, DENSITY, C = 40, 128, 0.25, 128  # Wan2.1-14B, preset 'quality'
 ANCHOR_STEP, AFTER = 9, (1, 3, 15, 40)  # the preset's anchor of a 50-step run; reuse steps after it
-PRECISIONS = ("bfloat16", "float8_e4m3fn", "int4")
+PRECISIONS = ("bfloat16", "float8_e4m3fn", "int4_group", "int4")
+AUTO_4BIT = "int4_group"  # what 'auto' stores when bf16 and fp8 fit nowhere (memory.AUTO_PRECISIONS)
+BAR = 0.002  # issue 10: reuse output rel L1 at most this much above the bf16 residual's
 LABEL = memory.PRECISION_LABELS
 GIB = 2**30
 # Machines 'auto' is shown for: GPU bytes free for the cache with the model loaded, host memory available
@@ -113,7 +119,7 @@ def bytes_part(entry, heads, tokens, dev):
             "bit_exact_groups": bool(torch.equal(back.perm, entry.perm)),
         }
         del stored, back
-    out["naive_total_GiB"] = out["naive_entry_bytes"] * out["int4"]["entries"] / GIB
+    out["naive_total_GiB"] = out["naive_entry_bytes"] * out[AUTO_4BIT]["entries"] / GIB
     here = memory.host_memory()
     gpu_free = torch.cuda.mem_get_info()[0] if dev.type == "cuda" else None
     machines = {"this machine (nothing else loaded)": (gpu_free, here)}
@@ -178,7 +184,7 @@ def speed_part(entry, wl, layers, budget_s, smoke, dev):
     keys = [CacheKey(layer, "cond", None, tuple(q.shape)) for layer in range(layers)]
     runners = {}
     for name, placement, dtype in (("bf16 gpu", "gpu", "bfloat16"), ("bf16 cpu", "cpu", "bfloat16"),
-                                   ("int4 gpu", "gpu", "int4"), ("int4 cpu", "cpu", "int4")):
+                                   ("int4-group gpu", "gpu", "int4_group"), ("int4-group cpu", "cpu", "int4_group")):
         r = engine.MCSparseRunner(quality_config(cache_placement=placement, residual_dtype=dtype))
         for key in keys:
             r._store(key, entry, 0)  # what an anchor call stores: encode, place, remember the layer order
@@ -204,7 +210,7 @@ def speed_part(entry, wl, layers, budget_s, smoke, dev):
     for n, ms in times.items():
         ld = runners[n].loader
         out[n] = {"median_ms": statistics.median(ms), "hits": ld.hits, "misses": ld.misses}
-    for p in ("bf16", "int4"):
+    for p in ("bf16", "int4-group"):
         out[f"{p} cpu/gpu"] = out[f"{p} cpu"]["median_ms"] / out[f"{p} gpu"]["median_ms"]
         out[f"{p} outputs equal cpu vs gpu"] = bool(torch.equal(outs[f"{p} cpu"], outs[f"{p} gpu"]))
     for r in runners.values():
@@ -246,6 +252,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks the script runs")
     ap.add_argument("--scoreboard", default=str(ROOT / "docs" / "results" / "scoreboard.json"))
     ap.add_argument("--no-scoreboard", action="store_true")
+    ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse of the checkout)")
     args = ap.parse_args()
     grids = dict(GRIDS)
     if args.smoke:
@@ -270,7 +277,7 @@ def main():
     (out_dir / "bench_cache.json").write_text(json.dumps(report, indent=1))
     print_table(report, grids)
     if not args.no_scoreboard:
-        write_scoreboard(report, Path(args.scoreboard), out_dir)
+        write_scoreboard(report, Path(args.scoreboard), out_dir, args.commit)
     print(f"wall {report['wall_s']:.1f} s", flush=True)
 
 
@@ -278,9 +285,9 @@ def print_table(rep, grids):
     for name in grids:
         r = rep.get(name, {})
         b = r.get("bytes", {})
-        if "int4" in b:
+        if AUTO_4BIT in b:
             print(f"\ncache, Wan2.1-14B {name} 81f (S={r['shape'][2]}), s={DENSITY}, CFG, block 0 dense "
-                  f"({b['int4']['entries']} entries); naive int32 + bf16 layout {b['naive_total_GiB']:.2f} GiB")
+                  f"({b[AUTO_4BIT]['entries']} entries); naive int32 + bf16 layout {b['naive_total_GiB']:.2f} GiB")
             print("| residual | per entry: selections / groups / residual (MB) | cache GiB as stored | estimate equal "
                   "| bit-exact | GPU working set GiB |")
             for p in PRECISIONS:
@@ -298,31 +305,46 @@ def print_table(rep, grids):
             print("| step | " + " | ".join(cols) + " |")
             for step, row in f.items():
                 print(f"| {step} | " + " | ".join(f"{row[c]:+.5f}" if " - " in c else f"{row[c]:.5f}" for c in cols) + " |")
+            print(f"within +{BAR} of bf16 at every reuse step (+1 onwards; the runner outputs O_dense at the anchor): "
+                  + ", ".join(f"{LABEL[p]} {'yes' if bar_met(f, p) else 'no'}" for p in PRECISIONS[1:]))
     cap = rep.get("captured")
     if cap:
         print(f"\ncaptured q/k/v: {json.dumps(cap, indent=1)}")
 
 
-def write_scoreboard(rep, path: Path, out_dir: Path) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+def bar_met(fid: dict, precision: str) -> bool:
+    """True when ``precision``'s reuse output is within ``BAR`` of bf16's at every reuse step (the rows after the
+    anchor: at the anchor step itself the runner outputs O_dense, pass 1, never sparse + R)."""
+    col = f"{LABEL[precision]} - bf16"
+    rows = [row for step, row in fid.items() if step != "anchor" and isinstance(row, dict) and col in row]
+    return bool(rows) and all(row[col] <= BAR for row in rows)
+
+
+def write_scoreboard(rep, path: Path, out_dir: Path, commit: str | None = None) -> None:
+    commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                      text=True).stdout.strip()
     board = json.loads(path.read_text()) if path.is_file() else {}
     gpu = rep["env"]["gpu"] if rep["env"]["gpu"].startswith("NVIDIA") else None
     mine = {}
     for name in GRIDS:
         b, f = rep.get(name, {}).get("bytes", {}), rep.get(name, {}).get("fidelity", {})
-        if "int4" not in b:
+        if AUTO_4BIT not in b:
             continue
         sizes = ", ".join(f"{LABEL[p]} {b[p]['total_GiB']:.2f}" for p in PRECISIONS)
-        fid = "; ".join(f"{step}: bf16 {row['bf16']:.5f}, fp8 {row['fp8 - bf16']:+.5f}, int4 {row['int4 - bf16']:+.5f}"
-                        for step, row in f.items() if isinstance(row, dict) and "bf16" in row)
+        fid = "; ".join(f"{step}: bf16 {row['bf16']:.5f}, " + ", ".join(
+            f"{LABEL[p]} {row[f'{LABEL[p]} - bf16']:+.5f}" for p in PRECISIONS[1:])
+            for step, row in f.items() if isinstance(row, dict) and "bf16" in row)
+        meets = ", ".join(f"{LABEL[p]} {'yes' if bar_met(f, p) else 'no'}" for p in PRECISIONS[1:])
         mine[f"cache_gib_wan14b_{name}_quality_cfg"] = {
-            "value": round(b["int4"]["total_GiB"], 3), "unit": "GiB",
-            "command": "python tests/bench_cache.py --out $OUT", "commit": commit, "gpu": gpu,
+            "value": round(b[AUTO_4BIT]["total_GiB"], 3), "unit": "GiB",
+            "command": "python tests/bench_cache.py --out $OUT --commit <hash>", "commit": commit, "gpu": gpu,
             "date": datetime.date.today().isoformat(),
-            "note": (f"preset quality (s=0.25, block 0 dense, CFG, {b['int4']['entries']} entries), residual precision "
-                     f"'auto' = int4 where bf16 and fp8 do not fit (bf16 when it fits); stored bytes of a real entry x "
-                     f"entries, estimate equal: {all(b[p]['estimate_equal'] for p in PRECISIONS)}; every precision "
-                     f"(GiB): {sizes}. Reuse output rel L1 vs dense on the synthetic workload (precision - bf16): {fid}"),
+            "note": (f"preset quality (s=0.25, block 0 dense, CFG, {b[AUTO_4BIT]['entries']} entries), residual "
+                     f"precision 'auto' = int4-group where bf16 and fp8 do not fit (bf16 when it fits); stored bytes of "
+                     f"a real entry x entries, estimate equal: {all(b[p]['estimate_equal'] for p in PRECISIONS)}; every "
+                     f"precision (GiB): {sizes}. Reuse output rel L1 vs dense on the synthetic workload (precision - "
+                     f"bf16; the anchor row is sparse + R although the runner outputs O_dense there): {fid}. Within "
+                     f"+{BAR} of bf16 at every reuse step: {meets}"),
         }
     board.update(mine)
     text = json.dumps(board, indent=2) + "\n"
