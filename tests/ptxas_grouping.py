@@ -21,7 +21,8 @@ grouping = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.groupi
 pr._TYPES.setdefault(torch.int64, "i64")  # the leaf's sort keys
 
 
-def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, compact=False, arch=90, sq=0):
+def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, compact=False, arch=90, sq=0,
+            subtree_np=1024, subtree_levels=3):
     """(name, jit fn, args, meta) of every launch of one tree level at the Wan2.1-14B 720p shape."""
     meta_t = dict(device="meta")
     B = 1
@@ -53,6 +54,10 @@ def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, com
         ("_leaf", grouping._leaf, [q, q8, sc, perm, perm, keys, start, count, H, N, S, n_slots, C, *strides],
          dict(PAIRS=pairs, M=samples, D=D, SCHUNK=min(samples, 64), CHUNK=64, NP=2 * C, FIRST=first,
               GRAM=samples <= grouping._GRAM_MAX, READ8=r8, SQ=sq, num_warps=warps)),
+        ("_subtree", grouping._subtree,
+         [q, q8, sc, perm, perm, perm, keys, v, start, size, count, H, N, S, n_slots, C, *strides],
+         dict(PAIRS=pairs, M=samples, D=D, SCHUNK=min(samples, 64), CHUNK=64, NP=subtree_np, LEVELS=subtree_levels,
+              FIRST=first, GRAM=samples <= grouping._GRAM_MAX, READ8=r8, SQ=sq, num_warps=warps)),
     ]
 
 
@@ -63,6 +68,7 @@ def main():
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--sq", type=int, default=0, help="squarings of the direction kernels (0: power iteration)")
     ap.add_argument("--arch", type=int, nargs="+", default=[90, 80])
+    ap.add_argument("--only", nargs="+", help="kernel names to compile (default: all)")
     ap.add_argument("--warps", type=int, help="warps of _direction / _leaf (default: grouping.direction_warps)")
     args = ap.parse_args()
     grouping._DIR_WARPS = args.warps
@@ -70,6 +76,8 @@ def main():
     for arch in args.arch:
         for first, compact in ((True, False), (False, False), (True, True), (False, True)):
             for name, fn, a, meta in kernels(args.samples, args.bins, args.pairs, first, compact=compact, arch=arch, sq=args.sq):
+                if args.only and name not in args.only:
+                    continue
                 ck = pr.compile_offline(fn, a, meta, arch)
                 regs, st, ld = pr.ptxas_usage(ck, arch)
                 smem = ck.metadata.shared

@@ -31,7 +31,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _level_tables(S, C):
     """The histogram path's node tables of every level (leaves off): (N, n_max, start, size, count, device tables)."""
     return [(N, n_max, start.cpu(), size.cpu(), count.cpu(), (start, size, count))
-            for _, (N, n_max, start, size, count), _ in grouping._plan(S, C, torch.device(DEVICE), False)]
+            for _, (N, n_max, start, size, count), _ in grouping._plan(S, C, torch.device(DEVICE), 0)]
 
 
 def _perm_in(gen, BH, S, n_slots):
@@ -169,9 +169,9 @@ def test_leaf_splits_by_the_float64_projection(gen, S, C, first, samples, sq):
     axis = torch.randn(H, 1, D, generator=gen)
     q = (torch.randn(B, H, S, 1, generator=gen) * 3.0 * axis + torch.randn(B, H, S, D, generator=gen) * 0.3
          + torch.randn(H, 1, D, generator=gen)).to(torch.bfloat16)
-    levels = grouping._plan(S, C, torch.device(DEVICE), True)
+    levels = grouping._plan(S, C, torch.device(DEVICE), 2)
     level = 0 if first else len(levels) - 1
-    N, start, count = levels[level][2]
+    N, start, count = levels[level][2][:3]
     perm = torch.arange(n_slots, dtype=torch.int32).where(torch.arange(n_slots) < S, -1).expand(B * H, -1).clone() \
         if first else _perm_in(gen, B * H, S, n_slots)
     np2 = 1 << (2 * C - 1).bit_length()
@@ -203,17 +203,22 @@ def test_leaf_splits_by_the_float64_projection(gen, S, C, first, samples, sq):
     assert (out[:, ~inside] == -7).all()
 
 
-@pytest.mark.parametrize("S,C,leaf,compact,square", [(120, 8, True, False, False), (120, 8, False, True, False),
-                                                     (93, 16, True, True, False), (93, 16, True, False, True)])
-def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, leaf, compact, square, monkeypatch):
+@pytest.mark.parametrize("S,C,leaf,compact,square,subtree", [
+    (120, 8, True, False, False, 2), (120, 8, False, True, False, 2), (93, 16, True, True, False, 2),
+    (93, 16, True, False, True, 2), (120, 8, True, False, False, 4), (93, 8, True, True, False, 8),
+    (200, 8, True, False, True, 5), (40, 8, True, False, False, 8)])
+def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, leaf, compact, square, subtree, monkeypatch):
     """The whole grouping with tiles smaller than the nodes (multi-tile prefix sums), ragged S and levels where some
-    nodes no longer split, with / without leaves and the int8 copy of q below the root: every query once, -1 only in the tail, deterministic, better than a random grouping."""
+    nodes no longer split, with / without leaves, subtrees of up to 4, 5, 8 groups (the root one when S <= 8C), the
+    int8 copy of q below the root and repeated squaring: every query once, -1 only in the tail, deterministic,
+    within 5 % of the torch reference's within-group variance and better than a random grouping."""
     monkeypatch.setattr(grouping, "_TILE", 16)
     monkeypatch.setattr(grouping, "_PREFIX", 2)
     monkeypatch.setattr(grouping, "_BLOCK_BIN", 16)
     monkeypatch.setattr(grouping, "LEAF", leaf)
     monkeypatch.setattr(grouping, "COMPACT", compact)
     monkeypatch.setattr(grouping, "SQUARE", square)
+    monkeypatch.setattr(grouping, "SUBTREE", subtree)
     q = (torch.randn(1, 2, S, 1, generator=gen) * torch.randn(1, 2, 1, 16, generator=gen)
          + 0.3 * torch.randn(1, 2, S, 16, generator=gen)).to(torch.bfloat16)
     perm = grouping.pddp_groups(q.to(DEVICE), C, power_iters=4, samples=16).cpu()
@@ -235,3 +240,85 @@ def test_direction_warps_rule():
     assert grouping.direction_warps(10, False) == 4
     assert grouping.direction_warps(8, False) == 8
     assert grouping.direction_warps(9, True) == 8
+
+
+def _model_subtree(x, ids, lo, gs, cnt, C, samples, out, tally, path=""):
+    """Check ``out`` (the kernel's final ids of one node, int32 [size]) against float64 recursive splitting of the
+    sub-node at groups [lo, lo + gs) whose real queries are ``ids`` in the kernel's current order: its direction is
+    the top eigenvector of the covariance of min(cnt, samples) of them sampled evenly over that order, its first
+    ceil(gs/2)*C positions (left child) the queries of smallest projection (either sign of the direction; the
+    children's order is the projection order). A sub-node whose direction or split is ill-determined in float64
+    (second eigenvalue > 0.6 of the first, or the two projections at the cut within 1e-3 of the spread) is only
+    checked to hold its queries. ``tally``: [checked splits, ill-determined ones]."""
+    got = out[lo * C:lo * C + cnt]
+    assert sorted(got.tolist()) == sorted(ids.tolist()), path
+    if gs < 2 or cnt == 0:
+        return
+    m = min(cnt, samples)
+    sample = x[ids[torch.arange(m) * cnt // m].long()]
+    centred = sample - sample.mean(0)
+    evals, evecs = torch.linalg.eigh(centred.T @ centred)
+    p = x[ids.long()] @ evecs[:, -1]
+    half = (gs + 1) // 2
+    left = half * C
+    srt = torch.sort(p).values
+    if left < cnt and (evals[-2] > 0.6 * evals[-1] or min(abs(srt[left] - srt[left - 1]), abs(srt[cnt - left] -
+                                                          srt[cnt - left - 1])) < 1e-3 * (srt[-1] - srt[0])):
+        tally[1] += 1
+        return
+    got_left = set(out[lo * C:lo * C + min(left, cnt)].tolist())
+    for sign in (1.0, -1.0):
+        order = ids[torch.sort(sign * p, stable=True).indices]
+        if set(order[:left].tolist()) == got_left:
+            break
+    else:
+        raise AssertionError(f"sub-node {path or 'root'}: left child is neither side of the float64 split")
+    tally[0] += 1
+    _model_subtree(x, order[:left], lo, half, min(left, cnt), C, samples, out, tally, path + "L")
+    _model_subtree(x, order[left:], lo + half, gs - half, max(cnt - left, 0), C, samples, out, tally, path + "R")
+
+
+@pytest.mark.parametrize("S,C,gmax,first,samples", [(120, 8, 4, False, 16), (93, 8, 8, False, 16), (40, 8, 8, True, 16),
+                                                    (75, 8, 5, False, 64)])
+def test_subtree_splits_by_the_float64_projection(gen, S, C, gmax, first, samples):
+    """_subtree on nodes of up to ``gmax`` groups (ragged last node, nodes of 3 and 5 groups, the root as one node):
+    every round splits each sub-node of >= 2 groups at ceil(g/2)*C by the float64 projection on the top eigenvector
+    of its evenly sampled queries (recursive model, either sign), padding -1 last; every slot of the nodes written
+    and no other (output poisoned)."""
+    B, H, D = 1, 2, 16
+    G = -(-S // C)
+    n_slots = G * C
+    scales = torch.tensor([3.0 ** -i for i in range(D)]) * 8.0  # well-separated variances: a clear top direction
+    basis = torch.linalg.qr(torch.randn(H, D, D, generator=gen))[0]
+    q = (torch.randn(B, H, S, D, generator=gen) * scales) @ basis.transpose(-1, -2)
+    q = q.to(torch.bfloat16)
+    levels = grouping._plan(S, C, torch.device(DEVICE), gmax)
+    level = 0 if first else next(i for i, lv in enumerate(levels) if lv[2] is not None)
+    assert (level == 0) == first
+    N, start, count, size, n_max, rounds = levels[level][2]
+    np2 = 1 << (n_max - 1).bit_length()
+    perm = torch.arange(n_slots, dtype=torch.int32).where(torch.arange(n_slots) < S, -1).expand(B * H, -1).clone() \
+        if first else _perm_in(gen, B * H, S, n_slots)
+    out = torch.full((B * H, n_slots), -7, dtype=torch.int32, device=DEVICE)
+    ids = torch.full((B * H * N * np2,), -7, dtype=torch.int32, device=DEVICE)
+    keys = torch.full((B * H * N * np2,), -7, dtype=torch.int64, device=DEVICE)
+    vs = torch.full((B * H * N * (1 << (rounds - 1)) * D,), float("nan"), device=DEVICE)
+    qd = q.to(DEVICE)
+    grouping._subtree[(N, B * H)](qd, qd, vs, perm.to(DEVICE), out, ids, keys, vs, start, size, count, H, N, S,
+                                  n_slots, C, *qd.stride(), PAIRS=16, M=samples, D=D, SCHUNK=min(samples, 64),
+                                  CHUNK=min(64, np2), NP=np2, LEVELS=rounds, FIRST=first, GRAM=samples <= 64,
+                                  READ8=False)
+    out, start, count, size = out.cpu(), start.cpu(), count.cpu(), size.cpu()
+    x_all = q.reshape(B * H, S, D).double()
+    inside = torch.zeros(n_slots, dtype=torch.bool)
+    tally = [0, 0]
+    for i in range(N):
+        s, c, n = int(start[i]), int(count[i]), int(size[i])
+        inside[s:s + n] = True
+        for bh in range(B * H):
+            got = out[bh, s:s + n]
+            assert (got[c:] == -1).all()
+            _model_subtree(x_all[bh], perm[bh, s:s + c], 0, n // C, c, C, samples, got, tally)
+    assert (out[:, ~inside] == -7).all()
+    print("splits checked exactly, ill-determined:", tally)
+    assert tally[0] >= 3 * tally[1], tally  # most splits checked exactly

@@ -51,6 +51,8 @@ _PREFIX = 128  # tile counts summed per step of _apply's prefix loop
 _DIR_WARPS = None  # warps of _direction / _leaf; None: ``direction_warps``
 _GRAM_MAX = 64  # samples up to which directions come from the samples' Gram matrix instead of the covariance
 COMPACT = False  # levels below the root read an int8 copy of q (per-query scale) written by the root's _bin
+_SUB_SLOTS = 2048  # most slots of a _subtree node (its sort keys hold the position in 11 bits)
+SUBTREE = 2  # nodes of up to this many groups split to the end in one program (2: ``_leaf``; 0: none)
 SQUARE = False  # directions by repeated squaring of the covariance / Gram matrix (tl.dot) instead of power iteration
 LEAF = True  # two-group nodes split by _leaf in one program (False: every node by the histogram path)
 
@@ -243,6 +245,107 @@ def _leaf(
 
 
 @triton.jit
+def _sub_node(g, k, lvl):
+    """(first group, groups) of sub-node ``k`` (0-based, left to right) ``lvl`` splits below a node of ``g`` groups
+    (each split: ceil(g/2) groups left, the rest right; a sub-node of 1 group has an empty right child). Scalars or
+    int32 tensors."""
+    lo = g * 0
+    gs = g + lo
+    for step in range(0, lvl):
+        half = (gs + 1) // 2
+        right = ((k >> (lvl - 1 - step)) & 1) == 1
+        lo = tl.where(right, lo + half, lo)
+        gs = tl.where(right, gs - half, half)
+    return lo, gs
+
+
+@triton.jit
+def _sub_of(gi, g, lvl):
+    """(sub-node index, its groups) at ``lvl`` splits below a node of ``g`` groups, of the nodes' group ``gi``
+    (int32 tensor, gi < g)."""
+    lo = gi * 0
+    gs = lo + g
+    k = lo
+    for _ in range(0, lvl):
+        half = (gs + 1) // 2
+        right = gi >= lo + half
+        lo = tl.where(right, lo + half, lo)
+        gs = tl.where(right, gs - half, half)
+        k = k * 2 + right.to(tl.int32)
+    return k, gs
+
+
+@triton.jit
+def _subtree(
+    Q, Q8, SC, PERM_IN, PERM_OUT, IDS, KEYS, VS, NODE_START, NODE_SIZE, NODE_COUNT,
+    H, N, S, n_slots, C, stride_qb, stride_qh, stride_qs, stride_qd,
+    PAIRS: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SCHUNK: tl.constexpr, CHUNK: tl.constexpr,
+    NP: tl.constexpr, LEVELS: tl.constexpr, FIRST: tl.constexpr, GRAM: tl.constexpr, READ8: tl.constexpr,
+    SQ: tl.constexpr = 0,
+):
+    """A node of g <= 2^LEVELS groups (size g*C <= NP slots, NP a power of two <= 2048) split down to single groups in
+    one program: LEVELS rounds; in round l every sub-node of >= 2 groups takes its direction from min(M, count) of
+    its real queries (``_node_direction``, sampled evenly over its current order), then one ``tl.sort`` of int64
+    keys (sub-node, order-preserving bits of the fp32 projection, position) orders every sub-node by projection at
+    once: its first ceil(gs/2)*C positions are its left child (ties by position, padding last, sub-nodes of one
+    group keep their order). The node's current query ids live in ``IDS`` (NP int32 per program), the round's
+    directions in ``VS`` (2^(LEVELS-1) x D fp32 per program), the keys in ``KEYS`` (NP int64 per program)."""
+    node = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    start = tl.load(NODE_START + node)
+    size = tl.load(NODE_SIZE + node)
+    count = tl.load(NODE_COUNT + node)
+    g = size // C
+    row = bh.to(tl.int64) * N + node
+    ids_row = IDS + row * NP
+    keys = KEYS + row * NP
+    vs = VS + row * ((1 << (LEVELS - 1)) * D)
+    base, scb, sqs, sqd = _rows(Q, Q8, SC, b, h, bh, S, stride_qb, stride_qh, stride_qs, stride_qd, D, READ8)
+    offs_d = tl.arange(0, D)
+    j = tl.arange(0, NP)
+    if FIRST:
+        ids = tl.where(j < count, start + j, -1)
+    else:
+        ids = tl.load(PERM_IN + bh.to(tl.int64) * n_slots + start + j, mask=j < count, other=-1)
+    tl.store(ids_row + j, ids)
+    tl.debug_barrier()
+    for lvl in range(0, LEVELS):
+        for k in range(0, 1 << lvl):
+            lo, gs = _sub_node(g, k, lvl)
+            cnt = tl.minimum(tl.maximum(count - lo * C, 0), gs * C)
+            if (gs >= 2) & (cnt > 0):
+                v, lam, mean = _node_direction(base, scb, ids_row, lo * C, cnt, tl.minimum(cnt, M), sqs, sqd, D,
+                                               SCHUNK, PAIRS, False, GRAM, READ8, SQ)
+                tl.store(vs + k * D + offs_d, v)
+        tl.debug_barrier()  # the directions were stored by other threads of this program
+        for c0 in tl.static_range(0, NP, CHUNK):
+            i = c0 + tl.arange(0, CHUNK)
+            qi = tl.load(ids_row + i, mask=i < NP, other=-1)
+            real = qi >= 0
+            inside = i < size
+            ksub, gs_i = _sub_of(tl.minimum(i // C, g - 1), g, lvl)
+            splits = real & (gs_i >= 2)
+            x = _gather(base, scb, ids_row, qi, real, sqs, sqd, D, True, READ8)
+            vv = tl.load(vs + ksub[:, None] * D + offs_d[None, :], mask=splits[:, None], other=0.0)
+            p = tl.sum(x * vv, 1)
+            bits = tl.where(p == p, p, 0.0).to(tl.int32, bitcast=True)
+            pk = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + tl.full([CHUNK], 2147483648, tl.int64)
+            pk = tl.where(splits, pk, tl.zeros([CHUNK], tl.int64))  # order-preserving in [0, 2^32); one group: kept
+            pk = tl.where(real, pk, tl.full([CHUNK], 4294967295, tl.int64))  # padding after the sub-node's queries
+            sub = tl.where(inside, ksub, 1 << LEVELS).to(tl.int64)  # slots past the node last
+            tl.store(keys + i, (sub << 43) | (pk << 11) | i.to(tl.int64), mask=i < NP)
+        tl.debug_barrier()
+        srt = tl.sort(tl.load(keys + j))
+        ids = tl.load(ids_row + (srt & 0x7FF).to(tl.int32))
+        tl.debug_barrier()  # every thread read the old order
+        tl.store(ids_row + j, ids)
+        tl.debug_barrier()
+    tl.store(PERM_OUT + bh.to(tl.int64) * n_slots + start + j, ids, mask=j < size)
+
+
+@triton.jit
 def _bin(
     Q, Q8, SC, MU, PERM, NODE_START, NODE_COUNT, V, OFF, HIST, BINS_OUT,
     H, N, S, n_slots, stride_qb, stride_qh, stride_qs, stride_qd,
@@ -374,18 +477,19 @@ def _major(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=_PLAN_CACHE)
-def _plan(S: int, C: int, device: torch.device, leaf: bool) -> tuple:
-    """Per level: (copy, big, leaves). ``copy``: some node of the level no longer splits (its slots are carried over);
-    ``big``: None or (N, n_max, node start slot, node size in slots, real queries per node) of the nodes split by the
-    histogram path, the tables int32 device tensors; ``leaves``: None or (N, start, count) of the two-group nodes
-    split by ``_leaf`` (all nodes take the histogram path when ``leaf`` is False)."""
+def _plan(S: int, C: int, device: torch.device, gmax: int) -> tuple:
+    """Per level: (copy, big, small). ``copy``: some node of the level no longer splits or was finished by an earlier
+    level (its slots are carried over); ``big``: None or (N, n_max, node start slot, node size in slots, real queries
+    per node) of the nodes split by the histogram path, the tables int32 device tensors; ``small``: None or (N, start,
+    count, size, n_max, rounds) of the nodes of 2..``gmax`` groups finished in one program (``_leaf`` when gmax is
+    2, else ``_subtree`` with ``rounds`` = ceil(log2(most groups))); gmax 0: every node by the histogram path."""
     G = -(-S // C)
-    nodes = [(0, G)]  # (first block, blocks)
+    nodes = [(0, G, False)]  # (first block, blocks, finished)
     levels = []
-    while any(g > 1 for _, g in nodes):
+    while any(g > 1 and not done for _, g, done in nodes):
         parts = []
         for big in (True, False):
-            split = [(b, g) for b, g in nodes if g > 1 and (g > 2 or not leaf) == big]
+            split = [(b, g) for b, g, done in nodes if g > 1 and not done and (g > gmax) == big]
             if not split:
                 parts.append(None)
                 continue
@@ -394,9 +498,12 @@ def _plan(S: int, C: int, device: torch.device, leaf: bool) -> tuple:
             count = [max(0, min(s + n, S) - s) for s, n in zip(start, size)]
             table = torch.tensor([start, size, count], dtype=torch.int32).to(device)
             parts.append((len(split), max(size), table[0], table[1], table[2]) if big
-                         else (len(split), table[0], table[2]))
-        levels.append((any(g == 1 for _, g in nodes), *parts))
-        nodes = [half for b, g in nodes for half in (((b, -(-g // 2)), (b + -(-g // 2), g // 2)) if g > 1 else ((b, g),))]
+                         else (len(split), table[0], table[2], table[1], max(size),
+                               (max(g for _, g in split) - 1).bit_length()))
+        levels.append((any(g == 1 or done for _, g, done in nodes), *parts))
+        nodes = [half for b, g, done in nodes for half in (
+            ((b, -(-g // 2), False), (b + -(-g // 2), g // 2, False)) if g > gmax and not done
+            else ((b, g, g > 1),))]
     return tuple(levels)
 
 
@@ -430,7 +537,10 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
     G = -(-S // C)
     BH = B * H
     n_slots = G * C
-    levels = _plan(S, C, q.device, LEAF)
+    gmax = max(2, SUBTREE) if LEAF else 0
+    while gmax > 2 and triton.next_power_of_2(gmax * C) > _SUB_SLOTS:  # _subtree's keys hold 11 position bits
+        gmax -= 1
+    levels = _plan(S, C, q.device, gmax)
     if not levels:  # one group: the queries in order, then the padding
         out = torch.full((BH, n_slots), -1, dtype=torch.int32, device=q.device)
         out[:, :S] = torch.arange(S, dtype=torch.int32, device=q.device)
@@ -453,8 +563,13 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
         cnt = torch.empty(BH * max(n * -(-n_max // _TILE) for n, n_max, *_ in bigs) * 2, dtype=torch.int32,
                           device=q.device)
     if leaves:
-        np2 = triton.next_power_of_2(2 * C)
-        keys = torch.empty(BH * max(n for n, *_ in leaves) * np2, dtype=torch.int64, device=q.device)
+        np2 = max(triton.next_power_of_2(n_max) for *_, n_max, _ in leaves)
+        n_leaf = max(n for n, *_ in leaves)
+        keys = torch.empty(BH * n_leaf * np2, dtype=torch.int64, device=q.device)
+        if gmax > 2:
+            ids = torch.empty(BH * n_leaf * np2, dtype=torch.int32, device=q.device)
+            vs = torch.empty(BH * n_leaf * (1 << (max(r for *_, r in leaves) - 1)) * D, dtype=torch.float32,
+                             device=q.device)
     strides = q.stride()
     compact = COMPACT and len(levels) > 1 and levels[0][1] is not None  # the root is split by the histogram path
     warps = _DIR_WARPS or direction_warps(_major(q.device), compact)
@@ -487,11 +602,17 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
             _apply[(n_tiles, N, BH)](cur, nxt, bin_of, hist, start, size, count, cnt, S, N, n_slots, n_tiles, C,
                                      TILE=_TILE, NB=bins, PREFIX=_PREFIX, FIRST=first, num_warps=4)
             hook("apply")
-        if leaf:
-            N, start, count = leaf
+        if leaf and gmax == 2:
+            N, start, count, _, n_max, _ = leaf
             _leaf[(N, BH)](q, q8, sc, cur, nxt, keys, start, count, H, N, S, n_slots, C, *strides,
-                           PAIRS=pairs, M=samples, D=D, SCHUNK=schunk, CHUNK=64, NP=np2, FIRST=first, GRAM=gram,
-                           READ8=read8, SQ=sq, num_warps=warps)
+                           PAIRS=pairs, M=samples, D=D, SCHUNK=schunk, CHUNK=64, NP=triton.next_power_of_2(n_max),
+                           FIRST=first, GRAM=gram, READ8=read8, SQ=sq, num_warps=warps)
+            hook("leaf")
+        elif leaf:
+            N, start, count, size, n_max, rounds = leaf
+            _subtree[(N, BH)](q, q8, sc, cur, nxt, ids, keys, vs, start, size, count, H, N, S, n_slots, C, *strides,
+                              PAIRS=pairs, M=samples, D=D, SCHUNK=schunk, CHUNK=min(64, triton.next_power_of_2(n_max)),
+                              NP=triton.next_power_of_2(n_max), LEVELS=rounds, FIRST=first, GRAM=gram, READ8=read8, SQ=sq, num_warps=warps)
             hook("leaf")
         cur, nxt = nxt, cur
     return cur.reshape(B, H, n_slots)
