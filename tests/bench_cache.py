@@ -16,7 +16,7 @@ entries), on synthetic DiT-like q/k/v (``tools/workload.py``, anchor at step 9 o
    device-independent to the digits shown (the CPU and the H200 agree to ~1e-5); optionally on captured q/k/v (``--captured``, a probe capture: safetensors with
    ``block{b}.anchor.{q,k,v}`` and ``block{b}.reuse.{q,k,v}``);
 3. (``--speed``) a reuse step over 40 layers through ``MCSparseRunner.attention``, cache on the GPU vs in pinned CPU
-   memory (the in-model offload measurement is tests/bench_comfyui_speedup.py's).
+   memory (bf16, int4-group), and int4-group vs int4 row on the GPU (the group mean's epilogue cost) (the in-model offload measurement is tests/bench_comfyui_speedup.py's).
 Writes ``<out>/bench_cache.json`` and the keys ``cache_gib_wan14b_{720p,480p}_quality_cfg`` to ``--scoreboard``
 (and a copy to ``<out>/scoreboard.json``). The scoreboard value is the cache the preset's default ('auto'
 precision) stores when bf16 and fp8 do not fit the machine: int4-group (the note gives every precision's size and
@@ -184,7 +184,8 @@ def speed_part(entry, wl, layers, budget_s, smoke, dev):
     keys = [CacheKey(layer, "cond", None, tuple(q.shape)) for layer in range(layers)]
     runners = {}
     for name, placement, dtype in (("bf16 gpu", "gpu", "bfloat16"), ("bf16 cpu", "cpu", "bfloat16"),
-                                   ("int4-group gpu", "gpu", "int4_group"), ("int4-group cpu", "cpu", "int4_group")):
+                                   ("int4 gpu", "gpu", "int4"), ("int4-group gpu", "gpu", "int4_group"),
+                                   ("int4-group cpu", "cpu", "int4_group")):
         r = engine.MCSparseRunner(quality_config(cache_placement=placement, residual_dtype=dtype))
         for key in keys:
             r._store(key, entry, 0)  # what an anchor call stores: encode, place, remember the layer order
@@ -213,6 +214,11 @@ def speed_part(entry, wl, layers, budget_s, smoke, dev):
     for p in ("bf16", "int4-group"):
         out[f"{p} cpu/gpu"] = out[f"{p} cpu"]["median_ms"] / out[f"{p} gpu"]["median_ms"]
         out[f"{p} outputs equal cpu vs gpu"] = bool(torch.equal(outs[f"{p} cpu"], outs[f"{p} gpu"]))
+    # the group mean's cost in the epilogue (one mean row per program, one coef byte per row) against int4 row
+    out["int4-group gpu / int4 gpu"] = out["int4-group gpu"]["median_ms"] / out["int4 gpu"]["median_ms"]
+    print(f"  reuse step, {layers} layers: " + ", ".join(f"{n} {out[n]['median_ms']:.1f} ms" for n in runners)
+          + f"; bf16 cpu/gpu {out['bf16 cpu/gpu']:.3f}, int4-group cpu/gpu {out['int4-group cpu/gpu']:.3f}, "
+          f"int4-group / int4 (gpu) {out['int4-group gpu / int4 gpu']:.3f}", flush=True)
     for r in runners.values():
         r.close()
     return out
