@@ -1,8 +1,9 @@
 """What the metadata cache will cost, where it goes and in which precision, and what the schedule will buy,
 before sampling.
 
-``plan_cache`` picks the residual precision ('auto': bf16, else fp8, else int4-group, else int4) and the placement (GPU, else pinned
-host memory within ``pin_budget``) from the free memory, or keeps the run dense with the settings that would fit.
+``plan_cache`` picks the residual precision ('auto': bf16, else fp8, else int4-group, else int4) and the placement
+(GPU, else pinned host memory within ``pin_budget``) from the free memory, or keeps the run dense with the settings
+that would fit.
 
 ``estimate_cache`` gives the bytes of the encoded cache (``encoding``) per (layer, branch) entry and in total,
 for model dims, tokens, density, C, CFG branches, selection encoding and residual dtype; the byte formulas are
@@ -282,7 +283,7 @@ def format_plan(est: CacheEstimate, speed: SpeedupEstimate | None = None, placem
 
 AUTO_PRECISIONS = ("bfloat16", encoding.FP8_DTYPE_NAME, encoding.INT4_GROUP_NAME, encoding.INT4_NAME)
 """What residual precision 'auto' tries, in order: the first whose cache fits (GPU or pinned host memory) wins.
-int4-group before int4: half the error for 1/64 more bytes (docs/cache.md); int4 only where that margin decides."""
+int4-group before int4: 0.4 of the error for 1.5 % more bytes (docs/cache.md); int4 only where that margin decides."""
 PRECISION_LABELS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", encoding.FP8_DTYPE_NAME: "fp8",
                     encoding.INT4_GROUP_NAME: "int4-group", encoding.INT4_NAME: "int4"}
 HOST_PIN_SHARE = 0.75

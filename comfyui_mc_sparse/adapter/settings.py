@@ -34,7 +34,7 @@ PRESET_WARMUP_LAYERS = 1
 PRESET_NAMES = ("quality", "balanced", "fast", "custom")
 RESIDUAL_PRECISIONS = {"auto": "auto", "bf16": "bfloat16", "fp8": "float8_e4m3fn", "int4": "int4_group"}
 """The node's residual precision options -> ``MCSparseConfig.residual_dtype`` (``memory.plan_cache`` decides 'auto').
-The node's 'int4' is the group form (half the error of the row-scaled "int4" for 1/64 more bytes, docs/cache.md)."""
+The node's 'int4' is the group form (0.4 of the row-scaled "int4"'s error for 1.5 % more bytes, docs/cache.md)."""
 MAX_HEADROOM_GIB = 256.0
 BOX_DEFAULTS = {"density": 0.2, "dense_warmup": "auto", "warmup_layers": 1, "anchor_steps": "auto"}
 """Defaults of the node's density / dense warm-up / warm-up layers / anchor steps boxes (``nodes``): presets ignore the boxes and
