@@ -17,13 +17,15 @@ tensors, ``out=`` a view too, plain residual epilogue); every REUSE_CONFIGS entr
 memory or registers, x fp32 / packed f16x2 exponentials x eager / lazy rescale) side by side in the same run, with
 its error against the float32 reference and (num_warps, n_regs, n_spills); flash-attn-4's paged route when present
 (``fa4_route_eff_min``); the bitmask decode kernel at s = 0.25. ``--quick`` times QUICK_CONFIGS instead of
-REUSE_CONFIGS (deeper K/V prefetch and the short prologue beside the sm_90 default; about a minute). It prints
+REUSE_CONFIGS (deeper K/V prefetch and the short prologue beside the sm_90 default; about a minute); ``--gluon`` times
+no configs: the op (on sm_90 the warp-specialised Gluon kernel, kernels/triton/sparse_attention_sm90.py) beside the
+Triton kernel's default config called directly, same inputs, and prints their time ratio per point. It prints
 f16x2 / fp32, lazy / eager, qreg / shared, pipelined / not (and --quick: default / config) time ratios per point,
 writes ``triton_sparse_eff_min`` = the min over the points of the best spill-free config (named in the note) into
 docs/results/scoreboard.json (commit: --commit, else $MC_SPARSE_COMMIT, else git HEAD), and a copy next to --out.
 
 Usage: python tests/bench_kernels.py --out bench.json [--shapes 1.3b,14b] [--densities 0.1,0.15,0.25,0.5] [--sweep]
-       python tests/bench_kernels.py --out $OUT/bench_reuse.json --reuse --rep 40 --commit <hash> [--quick]
+       python tests/bench_kernels.py --out $OUT/bench_reuse.json --reuse --rep 40 --commit <hash> [--quick | --gluon]
 """
 
 from __future__ import annotations
@@ -291,6 +293,7 @@ def config_name(kw):
 
 
 _tsa = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention")
+TRITON_KERNEL = "triton kernel, default config"  # the Triton kernel called directly (never the Gluon one)
 
 
 def compiled_now():
@@ -352,8 +355,10 @@ def run_reuse_shape(name, shp, densities, rep, log, configs=None):
     res["best_dense"] = dict(name=best_name, ms=best)
 
     fa4 = "flash_attn4" in {b.name for b in registry.backends() if not b.unavailable_reason}
-    variants = {  # the default config through the op (the scoreboard's baseline) and on the model's path
+    variants = {  # the Triton backend's op (on sm_90: the Gluon kernel, kernels/triton/sparse_dispatch.py), the
+        # Triton kernel's default config called directly (side by side, same inputs), and the op on the model's path
         "triton contiguous": lambda st, p, i: kernels.sparse_attention(*st[0], p, i, backend="triton"),
+        TRITON_KERNEL: lambda st, p, i: _tsa.sparse_attention(*st[0], p, i),
         "triton native, out=, residual plain": lambda st, p, i: kernels.sparse_attention(
             *st[1], p, i, out=out_v, residual=residuals["plain"], backend="triton"),
     }
@@ -371,7 +376,7 @@ def run_reuse_shape(name, shp, densities, rep, log, configs=None):
             before = compiled_now()
             got = fn(both[0], perms[0], idxs[0])
             got = got[0] if isinstance(got, tuple) else got
-            want = ref if "contiguous" in vname or "flash" in vname else ref_n
+            want = ref_n if "native" in vname else ref
             for kind, r in residuals.items():
                 if f"residual {kind}" in vname:
                     part = kernels.Residual(r.data[:, sub], None if r.scale is None else r.scale[:, sub], r.kind)
@@ -386,9 +391,9 @@ def run_reuse_shape(name, shp, densities, rep, log, configs=None):
             eff = best * (kq / S) / ms
             res["sparse"].setdefault(vname, {})[str(s)] = dict(ms=ms, efficiency=eff, speedup=best / ms)
             log(f"{name} {vname} s={s}: {ms:.2f} ms, efficiency {eff:.3f}, err {res['errors'][f'{vname} s={s}']}")
-        for cname, kw in (configs or REUSE_CONFIGS).items():  # side by side, same inputs
+        for cname, kw in (REUSE_CONFIGS if configs is None else configs).items():  # side by side, same inputs
             if cname == default_name:
-                res["sweep"][cname] = "the default config: 'triton contiguous'"
+                res["sweep"][cname] = f"the default config: '{TRITON_KERNEL}'"
                 continue
             if isinstance(res["sweep"].get(cname), str):  # failed at an earlier density
                 continue
@@ -421,14 +426,28 @@ def run_reuse_shape(name, shp, densities, rep, log, configs=None):
             log(f"{name} decode_bitmask s=0.25: {ms:.3f} ms ({res['decode']['backend']}), bit-exact {ok}, "
                 f"{res['decode']['frac_of_sparse']:.3f} of the sparse call")
         del idxs
+    res["gluon"] = gluon_state()
+    log(f"{name} sparse op on this GPU: {res['gluon']}")
     return res
+
+
+def gluon_state():
+    """Which kernel the Triton backend's op ran here: the sm_90 Gluon kernel (its compiled variants' (n_regs,
+    n_spills)) or the Triton kernel, with the Gluon refusal or fallback reason."""
+    d = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_dispatch")
+    g = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention_sm90")
+    probe = torch.empty(1, 1, 128, 128, device="cuda", dtype=DTYPE)
+    compiled = [(int(ck.n_regs), int(ck.n_spills)) for ck in g.compiled_kernels()]
+    return dict(gluon_ran=bool(compiled) and d.fallback_reason() is None, gluon_kernels=compiled,
+                fallback=d.fallback_reason(), refusal=d.gluon_refusal(probe, probe, probe))
 
 
 def update_scoreboard(path, report, command, commit):
     """Write triton_sparse_eff_min (and fa4_route_eff_min) into the scoreboard (docs/results/scoreboard.json's format).
 
     triton_sparse_eff_min is the min over the measured points of the best config that compiled without spills at every
-    point: the default ("triton contiguous") or a REUSE_CONFIGS entry (packed or fp32 exponentials, eager or lazy
+    point: the op ("triton contiguous": the sm_90 Gluon kernel where it ran), the Triton kernel's default config or a
+    REUSE_CONFIGS entry (packed or fp32 exponentials, eager or lazy
     rescale), named in the note with the other configs' minima and the winner's errors."""
     path = Path(path)
     board = json.loads(path.read_text()) if path.is_file() else {}
@@ -439,17 +458,24 @@ def update_scoreboard(path, report, command, commit):
     dense = "; ".join(f"{n}: {r['best_dense']['name']} {r['best_dense']['ms']:.2f} ms" for n, r in report["shapes"].items())
     spills = sorted({x for r in report["shapes"].values() for v in r["kernels"].values() for x in v})
     default = next(iter(report["shapes"].values())).get("default_config", "default")
-    default_key = f"{default} (the default)"
-    # the Triton figure: the best spill-free config measured at every point (the code's default among them)
-    cands = {default_key: effs("triton contiguous")}
-    errs = {default_key: [e for r in report["shapes"].values() for k, e in r["errors"].items()
-                          if k.startswith("triton contiguous ")]}
+    gluon = [r.get("gluon", {}) for r in report["shapes"].values()]
+    op_key = ("the op: sm_90 Gluon kernel (default)" if gluon and all(g.get("gluon_ran") for g in gluon)
+              else "the op: Triton kernel (default)")
+    default_key = f"{default} (Triton kernel)"
+    # the Triton figure: the best spill-free config measured at every point (the op's default among them)
+    cands = {op_key: effs("triton contiguous"), default_key: effs(TRITON_KERNEL)}
+    errs = {key: [e for r in report["shapes"].values() for k, e in r["errors"].items() if k.startswith(v + " ")]
+            for key, v in ((op_key, "triton contiguous"), (default_key, TRITON_KERNEL))}
+    bad = [c for c in (op_key, default_key) if any(e["rel_l2"] > 2e-2 for e in errs[c])]
+    for c in bad:  # wrong results are no figure
+        cands.pop(c)
     for cname in next(iter(report["shapes"].values()))["sweep"]:
         per = [r["sweep"].get(cname) for r in report["shapes"].values()]
         if all(isinstance(v, dict) and v.get("regs_spills") and all(x[2] == 0 for x in v["regs_spills"]) for v in per):
             cands[cname] = {(n, s): e for n, r in report["shapes"].items() for s, e in r["sweep"][cname]["efficiency"].items()}
             errs[cname] = [e for v in per for e in v.get("errors", {}).values()]
-    full = {c: e for c, e in cands.items() if e and len(e) == len(cands[default_key])}
+    n_points = max(len(e) for e in cands.values())
+    full = {c: e for c, e in cands.items() if e and len(e) == n_points}
     pick = max(full, key=lambda c: min(full[c].values()))
     for key, variant in (("triton_sparse_eff_min", pick), ("fa4_route_eff_min", "flash_attn4 paged route")):
         e = full[pick] if key.startswith("triton") else effs(variant)
@@ -466,7 +492,8 @@ def update_scoreboard(path, report, command, commit):
                      f"(2 heads): max rel_l2 {max((x['rel_l2'] for x in pe), default=float('nan')):.2e}, max abs "
                      f"{max((x['max_abs'] for x in pe), default=float('nan')):.2e}; default config with native "
                      f"[B, S, H*D] views + out= + plain residual epilogue: min {min(native.values()):.3f}; "
-                     f"default config compiled (num_warps, n_regs, n_spills): {spills}")
+                     f"default config compiled (num_warps, n_regs, n_spills): {spills}; the op per shape: {gluon}"
+                     + (f"; excluded for rel_l2 > 2e-2: {bad}" if bad else ""))
         board[key] = dict(value=round(e[worst], 4), unit="ratio", command=command, commit=commit or "unknown",
                           gpu=report["gpu"], date=datetime.date.today().isoformat(), note=note)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -495,6 +522,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time Triton tile configs")
     ap.add_argument("--reuse", action="store_true", help="time the reuse path (issue 14) instead of selection/grouping")
     ap.add_argument("--quick", action="store_true", help="with --reuse: QUICK_CONFIGS instead of REUSE_CONFIGS")
+    ap.add_argument("--gluon", action="store_true", help="with --reuse: no config sweep (the op = Gluon on sm_90, the "
+                                                         "Triton kernel's default, the routes; about a minute)")
     ap.add_argument("--commit", default="", help="commit measured (default: $MC_SPARSE_COMMIT, else git HEAD)")
     ap.add_argument("--scoreboard", default=str(Path(__file__).resolve().parent.parent / "docs/results/scoreboard.json"))
     args = ap.parse_args()
@@ -522,8 +551,8 @@ def main():
     log(registry.report())
     for name in args.shapes.split(","):
         if args.reuse:
-            report["shapes"][name] = run_reuse_shape(name, SHAPES[name], densities, args.rep, log,
-                                                     QUICK_CONFIGS if args.quick else REUSE_CONFIGS)
+            configs = {} if args.gluon else QUICK_CONFIGS if args.quick else REUSE_CONFIGS
+            report["shapes"][name] = run_reuse_shape(name, SHAPES[name], densities, args.rep, log, configs)
         else:
             report["shapes"][name] = run_shape(name, SHAPES[name], densities, args.sweep, args.rep, log)
         Path(args.out).write_text(json.dumps(report, indent=1))
@@ -557,10 +586,10 @@ def print_table(report):
 
 def config_effs(r, cname):
     """{s: efficiency} of one REUSE_CONFIGS entry in one shape's result ({} when it failed); the default config's
-    entry is the 'triton contiguous' variant."""
+    entry is the TRITON_KERNEL variant (the Triton kernel called directly)."""
     v = r["sweep"].get(cname)
     if cname == r.get("default_config"):
-        return {x: e["efficiency"] for x, e in r["sparse"].get("triton contiguous", {}).items()}
+        return {x: e["efficiency"] for x, e in r["sparse"].get(TRITON_KERNEL, {}).items()}
     return dict(v["efficiency"]) if isinstance(v, dict) else {}
 
 
@@ -571,6 +600,10 @@ def print_reuse_table(report, board):
         print(f"| {name} | best dense: {r['best_dense']['name']} {r['best_dense']['ms']:.2f} ms |")
         for vname, per in r["sparse"].items():
             print(f"| {name} | {vname} efficiency | " + " | ".join(f"{v['efficiency']:.3f}" for v in per.values()) + " |")
+        a, b = r["sparse"].get("triton contiguous", {}), r["sparse"].get(TRITON_KERNEL, {})
+        if a and b:  # side by side, same inputs: the op (Gluon on sm_90) against the Triton kernel
+            print(f"| {name} | the op / Triton kernel time ratio ({r.get('gluon')}) | "
+                  + " | ".join(f"{a[x]['ms'] / b[x]['ms']:.3f}" for x in dens if x in a and x in b) + " |")
         for cname, v in r["sweep"].items():
             if isinstance(v, dict):
                 print(f"| {name} | config {cname} {v['regs_spills']} | "

@@ -41,12 +41,15 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 
-def compile_offline(fn, args, meta, arch):
-    """CompiledKernel of the JIT ``fn`` for (args, meta) on sm_<arch>, specialised as the runtime would."""
+def compile_offline(fn, args, meta, arch, source=ASTSource):
+    """CompiledKernel of the JIT ``fn`` for (args, meta) on sm_<arch>, specialised as the runtime would.
+
+    ``source``: the AST source class (Gluon kernels: ``triton.experimental.gluon._runtime.GluonASTSource``; their
+    ``num_warps`` is a constexpr parameter, taken from meta like the others)."""
     names = fn.arg_names
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, val) in enumerate(zip(names, list(args) + [meta.get(n) for n in names[len(args):]])):
-        if name in meta and name != "maxnreg":
+        if name in meta and name not in ("maxnreg", "num_stages"):
             signature[name], constexprs[name] = "constexpr", meta[name]
         elif isinstance(val, torch.Tensor):
             signature[name] = "*" + _TYPES[val.dtype]
@@ -62,7 +65,7 @@ def compile_offline(fn, args, meta, arch):
                     attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32"
-    src = ASTSource(fn, signature, constexprs, attrs)
+    src = source(fn, signature, constexprs, attrs)
     target = GPUTarget("cuda", arch, 32)
     opts = {k: meta[k] for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
     return triton.compile(src, target=target, options=opts)

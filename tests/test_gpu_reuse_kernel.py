@@ -139,7 +139,7 @@ def test_default_config_compiles_without_spills():
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (_native(gen, 1, 512, 2, 128) for _ in range(3))
     perm, idx = _inputs(gen, 1, 2, 512, 128, 100, 128)
-    kernels.sparse_attention(q, k, v, perm, idx, backend="triton")
+    _tsa().sparse_attention(q, k, v, perm, idx)  # the Triton kernel itself (the op runs the Gluon kernel on sm_90)
     cfg = _tsa().config(128, torch.cuda.get_device_capability())
     seen = [(ck.metadata.num_warps, ck.n_regs, ck.n_spills) for ck in _tsa().compiled_kernels()
             if ck.metadata.num_warps == cfg["num_warps"]]

@@ -1,0 +1,386 @@
+"""Warp-specialised token-sparse attention forward for Hopper (sm_90) in Gluon (Triton 3.6's explicit-layout dialect).
+
+Same contract and arithmetic as ``sparse_attention.py`` (MC-Sparse, arXiv 2610.06801, sec. 3.1), with the work of
+one program split over three partitions of 4 warps each (``gl.warp_specialize``), so the row gathers, the tensor-core
+products and the softmax of one program overlap (Triton 3.6 does not warp-specialise a gathered-load loop itself):
+
+- a producer warpgroup (few registers) gathers the group's K and V rows by index: each 128-key tile's ``kv_idx``
+  slots are read, and every row (D contiguous elements) is copied with 16-byte ``cp.async`` into a
+  ``NUM_STAGES``-deep shared-memory ring; ``cp.async.mbarrier.arrive`` signals a stage's K (then its V) ready, so the
+  consumers wait on mbarriers, never on the copies. Slots past the group's valid count copy nothing (zero fill);
+- two consumer warpgroups (64 of the program's 128 query rows each, the default partition and one worker) gather
+  their Q rows through ``perm`` into shared memory once, then per tile: S = Q K^T (wgmma), release the K stage,
+  online softmax in base 2 with the lazy rescale (max moves only by > ``RESCALE_LOG2``; exact), O += P V (wgmma, P
+  from registers), release the V stage. The two warpgroups run independently, so one's softmax overlaps the
+  other's products (FA3's ping-pong, here left to the warp schedulers);
+- the epilogue of each consumer: O / l, + the residual (plain / fp8_row / int4_row, dequantised in registers,
+  fp32), stored through ``perm`` into ``out``'s strides; optional LSE (fp32, natural log).
+
+Shared memory: Q 128 x D + NUM_STAGES x (K + V) tiles of 128 x D (D = 128, 2 stages: 160 KiB). Registers: consumers
+take ``CONSUMER_REGS`` each, the producer ``PRODUCER_REGS`` (``setmaxnreg``), under ``maxnreg`` for the whole CTA.
+
+Runs on CUDA sm_90 only (wgmma, ``setmaxnreg``); not under Triton's interpreter (Gluon has no interpreter mode in
+3.6). ``kernels/triton/__init__.py`` dispatches to it and falls back to the Triton kernel on any failure.
+Agreement with ``kernels.reference.sparse_attention``: as the Triton kernel (P rounded to q's dtype before P V).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+_LOG2E = 1.4426950408889634
+_RES_KINDS = {None: 0, "plain": 1, "fp8_row": 2, "int4_row": 3}
+
+# What this kernel runs (checked by ``refusal`` before a launch); everything else goes to the Triton kernel.
+CAPABILITIES = ((9, 0),)
+DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128)
+BLOCK_M = 128  # query rows per program (two consumer warpgroups of 64)
+BLOCK_N = 128  # keys per tile
+RESCALE_LOG2 = gl.constexpr(8.0)  # lazy rescale threshold, log2 units (as sparse_attention.RESCALE_LOG2)
+
+
+def config(head_dim: int) -> dict:
+    """Launch config at ``head_dim``: pipeline depth and register split (12 warps: 2 consumer + 1 producer groups)."""
+    return dict(num_stages=2, consumer_regs=232, producer_regs=40, maxnreg=168)
+
+
+def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why this kernel cannot run the call (None when it can): device, capability, dtype, head dim, and K/V rows
+    that the 16-byte copies cannot read (unit stride on D, 16-byte aligned rows)."""
+    if q.device.type != "cuda":
+        return f"needs a CUDA device, got {q.device.type}"
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap not in CAPABILITIES:
+        return f"runs on sm_90 only, got sm_{cap[0]}{cap[1]}"
+    if q.dtype not in DTYPES:
+        return f"runs float16/bfloat16 only, got {q.dtype}"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}"
+    for name, t in (("k", k), ("v", v)):
+        if t.stride(-1) != 1 or any(st * t.element_size() % 16 for st in t.stride()[:3]) or t.data_ptr() % 16:
+            return f"{name} rows must be 16-byte aligned with unit stride on D (strides {tuple(t.stride())})"
+    return None
+
+
+@gluon.jit
+def _valid_count(idx_base, K_ALLOC, PROBES: gl.constexpr, num_warps: gl.constexpr):
+    """Slots before the first -1 of one group's kv_idx row (trailing -1): the last PROBES slots first (one round trip
+    when fewer than PROBES slots are padding), else PROBES evenly spaced probes locate the boundary's chunk, which is
+    then counted PROBES slots at a time."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    j = gl.arange(0, PROBES, layout=lay)
+    tail0 = gl.maximum(K_ALLOC - PROBES, 0)
+    v = gl.load(idx_base + tail0 + j, mask=tail0 + j < K_ALLOC, other=-1)
+    ok = v >= 0
+    count = tail0 + gl.sum(ok.to(gl.int32), 0)
+    first_ok = gl.sum(gl.where(j == 0, ok, False).to(gl.int32), 0)
+    if (first_ok == 0) & (tail0 > 0):
+        step = gl.cdiv(K_ALLOC, PROBES)
+        pos = j * step
+        probe = gl.load(idx_base + pos, mask=pos < K_ALLOC, other=-1)
+        n_ok = gl.sum((probe >= 0).to(gl.int32), 0)
+        lo = gl.maximum(n_ok - 1, 0) * step
+        count = lo
+        for off in range(0, step, PROBES):
+            p2 = lo + off + j
+            v2 = gl.load(idx_base + p2, mask=(p2 < K_ALLOC) & (p2 < lo + step), other=-1)
+            count += gl.sum((v2 >= 0).to(gl.int32), 0)
+    return count
+
+
+@gluon.jit
+def _producer(K, V, KV_IDX, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, SK, idx_off, kv_off_k,
+              kv_off_v, stride_ks, stride_kd, stride_vs, stride_vd,
+              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, ROWS: gl.constexpr,
+              ROW64: gl.constexpr):
+    """Producer warpgroup: gathers K then V rows of each key tile into the stage ring, ROWS rows per copy chunk."""
+    VEC: gl.constexpr = 8  # 16 bytes of fp16/bf16
+    TPR: gl.constexpr = HEAD_DIM // VEC  # threads per row
+    lay: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPR, TPR], [4, 1], [1, 0])
+    offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, lay))
+    idx_base = KV_IDX + idx_off
+    k_base = K + kv_off_k
+    v_base = V + kv_off_v
+    n_tiles = gl.cdiv(n_end, BLOCK_N)
+    for t in range(n_tiles):
+        s = t % NUM_STAGES
+        ph = (t // NUM_STAGES) & 1
+        mbarrier.wait(k_empty.index(s), ph ^ 1)
+        for c in gl.static_range(BLOCK_N // ROWS):
+            slots = t * BLOCK_N + c * ROWS + offs_r
+            live = slots < n_end
+            kv = gl.load(idx_base + slots, mask=live, other=0)
+            kv = gl.where((kv >= 0) & (kv < SK), kv, 0)
+            if ROW64:
+                kv = kv.to(gl.int64)
+            ptr = k_base + kv[:, None] * stride_ks + offs_d[None, :] * stride_kd
+            async_copy.async_copy_global_to_shared(k_smem.index(s).slice(c * ROWS, ROWS), ptr, mask=live[:, None])
+        async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
+        mbarrier.wait(v_empty.index(s), ph ^ 1)
+        for c in gl.static_range(BLOCK_N // ROWS):
+            slots = t * BLOCK_N + c * ROWS + offs_r
+            live = slots < n_end
+            kv = gl.load(idx_base + slots, mask=live, other=0)
+            kv = gl.where((kv >= 0) & (kv < SK), kv, 0)
+            if ROW64:
+                kv = kv.to(gl.int64)
+            ptr = v_base + kv[:, None] * stride_vs + offs_d[None, :] * stride_vd
+            async_copy.async_copy_global_to_shared(v_smem.index(s).slice(c * ROWS, ROWS), ptr, mask=live[:, None])
+        async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
+
+
+@gluon.jit
+def _e4m3_to_f32_div256(byte):
+    """float8_e4m3fn bit patterns (int32 0..255) -> fp32 value / 256, exactly (as sparse_attention's helper)."""
+    bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
+    return bits.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+
+
+@gluon.jit
+def _consumer(Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end,
+              sm_scale_log2, S, C, perm_off, row0, q_off, o_off, r_off, c_off, lse_off,
+              stride_qs, stride_qd, stride_os, stride_od, stride_rs, stride_rd, stride_cs,
+              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr):
+    """One consumer warpgroup: rows row0 + HALF*64 .. +64 of the program's query block (group order)."""
+    M: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+
+    # Q rows of this half through perm, into this warpgroup's shared-memory tile
+    offs_m = row0 + HALF * M + gl.arange(0, M, layout=gl.SliceLayout(1, q_lay))
+    q_idx = gl.load(PERM + perm_off + offs_m, mask=offs_m < C, other=-1)
+    q_ok = (q_idx >= 0) & (q_idx < S)
+    q_rows = gl.where(q_ok, q_idx, 0)
+    if ROW64:
+        q_rows = q_rows.to(gl.int64)
+    offs_dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_lay))
+    q = gl.load(Q + q_off + q_rows[:, None] * stride_qs + offs_dq[None, :] * stride_qd, mask=q_ok[:, None], other=0.0)
+    q_tile = q_smem.index(HALF)
+    q_tile.store(q)
+    fence_async_shared()
+
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([M], gl.float32, layout=row_s)
+    acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
+    n_tiles = gl.cdiv(n_end, BLOCK_N)
+    for t in range(n_tiles):
+        s = t % NUM_STAGES
+        ph = (t // NUM_STAGES) & 1
+        k_tile = k_smem.index(s)
+        mbarrier.wait(k_ready.index(s), ph)
+        fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads through the async proxy
+        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_tile, k_tile))
+        mbarrier.arrive(k_empty.index(s), count=1)
+        if (t + 1) * BLOCK_N > n_end:  # the last, partial tile: its slots past the count weigh nothing
+            qk = gl.where((t * BLOCK_N + offs_n < n_end)[None, :], qk, float("-inf"))
+        m_tile = gl.max(qk, 1) * sm_scale_log2
+        m_new = gl.where(m_tile > m_i + RESCALE_LOG2, m_tile, m_i)
+        p = gl.exp2(qk * sm_scale_log2 - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        m_i = m_new
+        p16 = gl.convert_layout(p.to(Q.dtype.element_ty), p_layout)
+        v_tile = v_smem.index(s)
+        mbarrier.wait(v_ready.index(s), ph)
+        fence_async_shared()
+        acc = warpgroup_mma(p16, v_tile, acc, is_async=True)
+        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
+        mbarrier.arrive(v_empty.index(s), count=1)
+
+    l_o = gl.convert_layout(l_i, row_o)
+    out = acc / l_o[:, None]
+    offs_mo = row0 + HALF * M + gl.arange(0, M, layout=row_o)
+    q_idx = gl.load(PERM + perm_off + offs_mo, mask=offs_mo < C, other=-1)
+    ok = (q_idx >= 0) & (q_idx < S)
+    rows = gl.where(ok, q_idx, 0)
+    if ROW64:
+        rows = rows.to(gl.int64)
+    if RETURN_LSE:
+        lse = (gl.convert_layout(m_i, row_o) + gl.log2(l_o)) * 0.6931471805599453
+        gl.store(LSE + lse_off + rows, lse, mask=ok)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    if RES_KIND != 0:
+        if RES_KIND == 3:  # int4_row: byte j holds element 2j (low nibble) and 2j + 1 (high nibble)
+            byte = gl.load(RES + r_off + rows[:, None] * stride_rs + (offs_d // 2)[None, :] * stride_rd,
+                           mask=ok[:, None], other=0x88).to(gl.int32)
+            r = (((byte >> ((offs_d % 2) * 4)[None, :]) & 0xF) - 8).to(gl.float32)
+        elif RES_KIND == 2:  # fp8_row, read as uint8 bit patterns
+            byte = gl.load(RES + r_off + rows[:, None] * stride_rs + offs_d[None, :] * stride_rd,
+                           mask=ok[:, None], other=0).to(gl.int32)
+            r = _e4m3_to_f32_div256(byte)
+        else:
+            r = gl.load(RES + r_off + rows[:, None] * stride_rs + offs_d[None, :] * stride_rd,
+                        mask=ok[:, None], other=0.0).to(gl.float32)
+        if RES_KIND >= 2:
+            row_scale = gl.load(RES_SCALE + c_off + rows * stride_cs, mask=ok, other=0.0)
+            if RES_KIND == 2:
+                row_scale = row_scale * 256.0
+            r = r * row_scale[:, None]
+        out = out + r
+    gl.store(OUT + o_off + rows[:, None] * stride_os + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty),
+             mask=ok[:, None])
+
+
+@gluon.jit
+def _sparse_fwd_sm90(
+    Q, K, V, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE,
+    sm_scale_log2, H, S, SK, n_slots, K_ALLOC, C,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_rb, stride_rh, stride_rs, stride_rd,
+    stride_cb, stride_ch, stride_cs,
+    M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, GATHER_ROWS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    group = pid_m // M_BLOCKS
+    row0 = (pid_m % M_BLOCKS) * 128
+    idx_off = (bh.to(gl.int64) * (n_slots // C) + group) * K_ALLOC
+    n_end = _valid_count(KV_IDX + idx_off, K_ALLOC, 128, num_warps)
+    perm_off = bh.to(gl.int64) * n_slots + group.to(gl.int64) * C
+    q_off = b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
+    kv_off_k = b.to(gl.int64) * stride_kb + h.to(gl.int64) * stride_kh
+    kv_off_v = b.to(gl.int64) * stride_vb + h.to(gl.int64) * stride_vh
+    o_off = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    r_off = b.to(gl.int64) * stride_rb + h.to(gl.int64) * stride_rh
+    c_off = b.to(gl.int64) * stride_cb + h.to(gl.int64) * stride_ch
+    lse_off = bh.to(gl.int64) * S
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], tile_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], tile_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=128)  # one cp.async arrive per producer thread
+        mbarrier.init(v_ready.index(i), count=128)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+
+    # worker arguments are spelled out (a tuple built with + loses its constexpr wrappers in Triton 3.6)
+    gl.warp_specialize([
+        (_consumer, (Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                     n_end, sm_scale_log2, S, C, perm_off, row0, q_off, o_off, r_off, c_off, lse_off,
+                     stride_qs, stride_qd, stride_os, stride_od, stride_rs, stride_rd, stride_cs,
+                     0, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64)),
+        (_consumer, (Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                     n_end, sm_scale_log2, S, C, perm_off, row0, q_off, o_off, r_off, c_off, lse_off,
+                     stride_qs, stride_qd, stride_os, stride_od, stride_rs, stride_rd, stride_cs,
+                     1, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64)),
+        (_producer, (K, V, KV_IDX, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, SK, idx_off, kv_off_k,
+                     kv_off_v, stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_N, NUM_STAGES,
+                     GATHER_ROWS, ROW64)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
+                gather_rows=32, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None):
+    """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
+
+    Raises:
+        ValueError: a group width C that does not divide ``perm``'s width, or a head dim / dtype this kernel lacks.
+    """
+    B, H, S, D = q.shape
+    if D not in HEAD_DIMS or q.dtype not in DTYPES:
+        raise ValueError(f"the sm_90 Gluon kernel runs D in {HEAD_DIMS}, fp16/bf16; got D = {D}, {q.dtype}")
+    G, k_alloc = kv_idx.shape[2], kv_idx.shape[3]
+    n_slots = perm.shape[-1]
+    if n_slots % G:
+        raise ValueError(f"perm width must be a multiple of kv_idx's G = {G}, got {n_slots}")
+    C = n_slots // G
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    cfg = config(D)
+    m_blocks = triton.cdiv(C, BLOCK_M)
+    if row64 is None:
+        views = [q, k, v, out] + ([] if residual is None else [residual.data])
+        reach = max(sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], t.stride()[2:])) for t in views if t is not None)
+        row64 = reach >= 2**31
+    perm = perm.contiguous()
+    kv_idx = kv_idx.contiguous()
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else out
+    kind = _RES_KINDS[None if residual is None else residual.kind]
+    if residual is None:
+        res, res_scale, r_strides, c_strides = out, out, (0, 0, 0, 0), (0, 0, 0)
+    else:
+        res = residual.data.view(torch.uint8) if kind == 2 else residual.data
+        res_scale = residual.scale if residual.scale is not None else out
+        r_strides = res.stride()
+        c_strides = residual.scale.stride() if residual.scale is not None else (0, 0, 0)
+    grid = (G * m_blocks, B * H)
+    args = (q, k, v, perm, kv_idx, out, lse, res, res_scale, scale * _LOG2E, H, S, k.shape[2], n_slots, k_alloc, C,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *r_strides, *c_strides)
+    meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_N=BLOCK_N, NUM_STAGES=num_stages or cfg["num_stages"],
+                RETURN_LSE=bool(return_lse), RES_KIND=kind, ROW64=bool(row64), GATHER_ROWS=gather_rows,
+                CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
+                num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
+    return grid, args, meta, (out, lse)
+
+
+def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, **tuning):
+    """Token-sparse attention on the sm_90 Gluon kernel; the contract of ``sparse_attention.sparse_attention``.
+
+    Args:
+        q, k, v: ``[B, H, S, D]`` / ``[B, H, Sk, D]`` fp16/bf16 on an sm_90 GPU, any strides (unit stride on D and
+            16-byte aligned rows for the 16-byte copies), D in ``HEAD_DIMS``.
+        perm: int32 ``[B, H, G*C]`` query groups, -1 padding at the tail (any C; C > 128 runs several programs).
+        kv_idx: int32 ``[B, H, G, K_alloc]``, each row sorted with trailing -1, at least one valid slot.
+        scale, return_lse, out, residual: as the Triton kernel's.
+        tuning: ``num_stages``, ``gather_rows``, ``consumer_regs``, ``producer_regs``, ``maxnreg``, ``row64``.
+    Returns:
+        ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
+    Raises:
+        ValueError: see ``launch_args``. Any compile or launch error of Triton propagates (the dispatch falls back).
+    """
+    grid, args, meta, (out, lse) = launch_args(q, k, v, perm, kv_idx, scale=scale, return_lse=return_lse, out=out,
+                                               residual=residual, **tuning)
+    _sparse_fwd_sm90[grid](*args, **meta)
+    return (out, lse) if return_lse else out
+
+
+def compiled_kernels() -> list:
+    """Every compiled variant of the Gluon kernel in this process (triton ``CompiledKernel``, loaded), for the GPU
+    benchmark and tests to read ``n_regs`` / ``n_spills`` (triton 3.x internals)."""
+    out = []
+    for caches in getattr(_sparse_fwd_sm90, "device_caches", {}).values():
+        for ck in caches[0].values():
+            ck._init_handles()
+            out.append(ck)
+    return out

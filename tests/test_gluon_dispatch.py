@@ -1,0 +1,161 @@
+"""The Triton backend's sparse-attention dispatch (kernels/triton/sparse_dispatch.py) on CPU: when the sm_90 Gluon
+kernel is tried, its capability refusals, and the fallback to the Triton kernel (interpreter) on a Gluon failure,
+remembered once per run (registry Record) or per process; and the Gluon kernel compiled offline for sm_90a (no GPU):
+no spills, the register split of the warp specialisation in the PTX. The Gluon kernel itself runs only on an sm_90
+GPU (Gluon has no interpreter mode): tests/test_gpu_gluon_sparse.py."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from comfyui_mc_sparse_pack import kernels
+from comfyui_mc_sparse_pack.kernels import reference, registry
+
+from .test_reuse_op import random_groups, random_kv_idx
+
+triton_backend = next(b for b in registry.backends() if b.name == "triton")
+pytestmark = pytest.mark.skipif(
+    bool(triton_backend.unavailable_reason), reason=f"triton backend unavailable: {triton_backend.unavailable_reason}"
+)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _dispatch():
+    return importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_dispatch")
+
+
+def _g90():
+    return importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention_sm90")
+
+
+def _fake(shape=(1, 2, 256, 128), dtype=torch.bfloat16, strides=None, ptr=0):
+    """Stands in for a CUDA tensor in ``refusal`` (device, dtype, shape, strides, element size, data pointer)."""
+    B, H, S, D = shape
+    st = strides or (S * H * D, D, H * D, 1)
+    return SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=dtype,
+                           shape=shape, stride=lambda i=None: st if i is None else st[i],
+                           element_size=lambda: torch.tensor([], dtype=dtype).element_size(), data_ptr=lambda: ptr)
+
+
+@pytest.mark.parametrize(("cap", "q_kw", "k_kw", "want"), [
+    ((9, 0), {}, {}, None),
+    ((8, 9), {}, {}, "sm_90 only"),
+    ((10, 0), {}, {}, "sm_90 only"),
+    ((9, 0), dict(dtype=torch.float32), {}, "float16/bfloat16"),
+    ((9, 0), dict(shape=(1, 2, 256, 96)), {}, "head dim"),
+    ((9, 0), {}, dict(strides=(256 * 2 * 128, 128, 2 * 128 + 4, 1)), "16-byte aligned"),  # rows 8 bytes apart
+    ((9, 0), {}, dict(strides=(256 * 2 * 128, 1, 2 * 128, 2)), "16-byte aligned"),  # D not unit stride
+    ((9, 0), {}, dict(ptr=8), "16-byte aligned"),
+])
+def test_gluon_refusal(monkeypatch, cap, q_kw, k_kw, want):
+    """Capability data as the refusal reads them: sm_90 only, fp16/bf16, D 64/128, K/V rows 16-byte aligned."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    q = _fake(**q_kw)
+    k = _fake(dtype=q.dtype, shape=q.shape, **k_kw)
+    why = _g90().refusal(q, k, _fake(dtype=q.dtype, shape=q.shape))
+    assert (why is None) if want is None else (want in why), why
+
+
+def test_gluon_refusal_cpu_and_env(monkeypatch):
+    q = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
+    assert "CUDA" in _g90().refusal(q, q, q)
+    monkeypatch.setenv("MC_SPARSE_GLUON", "0")
+    assert "MC_SPARSE_GLUON=0" in _dispatch().gluon_refusal(q, q, q)
+    monkeypatch.setenv("MC_SPARSE_GLUON", "1")
+    assert "CUDA" in _dispatch().gluon_refusal(q, q, q)  # on: the kernel's own refusal speaks
+    monkeypatch.delenv("MC_SPARSE_GLUON")
+    monkeypatch.setattr(_dispatch(), "GLUON_DEFAULT", False)
+    assert "MC_SPARSE_GLUON=1" in _dispatch().gluon_refusal(q, q, q)
+
+
+def _inputs(gen, S=200, D=64, C=32, K=40):
+    q, k, v = (torch.randn(1, 2, S, D, generator=gen).to(torch.float16) for _ in range(3))
+    perm = random_groups(gen, 1, 2, S, C)
+    idx = random_kv_idx(gen, 1, 2, perm.shape[-1] // C, S, K, 64)
+    return q, k, v, perm, idx
+
+
+class _Boom:
+    """A Gluon kernel that fails (compile or launch): counts its calls."""
+
+    def __init__(self, err):
+        self.err, self.calls = err, 0
+
+    def sparse_attention(self, *a, **kw):
+        self.calls += 1
+        raise self.err
+
+
+@pytest.fixture
+def failing_gluon(monkeypatch):
+    d = _dispatch()
+    d.reset()
+    monkeypatch.setenv("MC_SPARSE_GLUON", "1")
+    boom = _Boom(RuntimeError("PTX compile boom"))
+    refusal = lambda q, k, v: None  # noqa: E731  (as on sm_90)
+    monkeypatch.setattr(d, "_gluon_module", lambda: SimpleNamespace(refusal=refusal,
+                                                                   sparse_attention=boom.sparse_attention))
+    yield boom
+    d.reset()
+
+
+def test_gluon_failure_falls_back_once_per_run(gen, failing_gluon):
+    """A failing Gluon kernel: the call returns the Triton kernel's result (= the reference), the reason is in the
+    run's Record (the run summary's 'kernel fallback' line), and the rest of the run does not try Gluon again."""
+    q, k, v, perm, idx = _inputs(gen)
+    ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
+    with registry.recording(registry.Record()) as record:
+        for _ in range(3):
+            out = kernels.sparse_attention(q, k, v, perm, idx, backend="triton")
+            assert float((out.double() - ref).norm() / ref.norm()) < 4e-3
+    assert failing_gluon.calls == 1
+    assert "PTX compile boom" in record.failures[_dispatch().GLUON_KEY]
+    assert record.choices["sparse_attention"].backend == "triton"
+    with registry.recording(registry.Record()):  # a new run tries again
+        kernels.sparse_attention(q, k, v, perm, idx, backend="triton")
+    assert failing_gluon.calls == 2
+
+
+def test_gluon_failure_without_record_is_remembered_for_the_process(gen, failing_gluon):
+    q, k, v, perm, idx = _inputs(gen)
+    out = torch.full_like(q, float("nan"))
+    for _ in range(2):
+        got = _dispatch().sparse_attention(q, k, v, perm, idx, out=out)
+        assert got is out and not out.isnan().any()
+    assert failing_gluon.calls == 1 and "boom" in _dispatch().fallback_reason()
+
+
+def test_gluon_out_of_memory_propagates(gen, failing_gluon):
+    """Out of memory is not a kernel failure: it reaches the caller's out-of-memory path, nothing is remembered."""
+    failing_gluon.err = torch.cuda.OutOfMemoryError("CUDA out of memory")
+    q, k, v, perm, idx = _inputs(gen)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _dispatch().sparse_attention(q, k, v, perm, idx)
+    assert _dispatch().fallback_reason() is None
+
+
+def test_tuning_goes_to_the_triton_kernel(gen, failing_gluon):
+    """Launch tuning belongs to the Triton kernel: with it the Gluon kernel is not tried."""
+    q, k, v, perm, idx = _inputs(gen)
+    _dispatch().sparse_attention(q, k, v, perm, idx, block_n=32)
+    assert failing_gluon.calls == 0
+
+
+def test_gluon_compiles_offline_for_sm90_without_spills():
+    """tests/ptxas_gluon.py --quick: the kernel compiles for sm_90a on a machine without a GPU, ptxas reports no
+    spills, and the PTX holds the partitions' register budgets (setmaxnreg to the config's consumer / producer
+    counts): a Gluon API or layout error, a register budget that spills, or a lost warp specialisation fails here."""
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "ptxas_gluon.py"), "--quick"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    line = p.stdout.strip().splitlines()[-1]
+    print(line)
+    cfg = _g90().config(128)
+    assert "'spill_st': 0" in line
+    assert f"('dec', '{cfg['producer_regs']}')" in line and f"('inc', '{cfg['consumer_regs']}')" in line

@@ -1,0 +1,111 @@
+"""The sm_90 Gluon sparse kernel (kernels/triton/sparse_attention_sm90.py) on the GPU, against the float64 reference.
+
+Called directly (a failure is a test failure, not a silent fallback) and through the op (the Triton backend's
+dispatch must pick it on sm_90 with no fallback recorded). Every output element is checked written (out views of
+NaN-filled buffers), every residual kind, LSE, ragged S and K, B = 2, fp16 and bf16, D = 128 and 64, group sizes
+other than 128, rows with many trailing -1 slots. Marked ``gpu``; skipped without an sm_90 GPU.
+
+Run: python3 -m pytest -q tests/test_gpu_gluon_sparse.py (about a minute on an H200, mostly compiles).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from comfyui_mc_sparse_pack import kernels
+from comfyui_mc_sparse_pack.kernels import reference, registry
+
+from .test_reuse_op import make_residual
+
+_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _SM90, reason="needs an sm_90 (Hopper) CUDA GPU")]
+
+
+def _g90():
+    return importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention_sm90")
+
+
+def _dispatch():
+    return importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_dispatch")
+
+
+def _native(gen, B, S, H, D, dtype):
+    base = torch.randn(B, S, H * D, generator=gen, device="cuda").to(dtype)
+    return base.view(B, S, H, D).transpose(1, 2)
+
+
+def _inputs(gen, B, H, S, C, K, k_alloc):
+    """perm: a random permutation per (b, h), -1 tail; kv_idx: K random sorted keys per group, -1 up to k_alloc."""
+    G = -(-S // C)
+    perm = torch.full((B, H, G * C), -1, dtype=torch.int32, device="cuda")
+    perm[..., :S] = torch.argsort(torch.rand(B, H, S, generator=gen, device="cuda"), -1).to(torch.int32)
+    keys = torch.rand(B, H, G, S, generator=gen, device="cuda").topk(K, -1).indices.sort(-1).values
+    idx = torch.full((B, H, G, k_alloc), -1, dtype=torch.int32, device="cuda")
+    idx[..., :K] = keys.to(torch.int32)
+    return perm, idx
+
+
+def _check(B, H, S, D, C, K, k_alloc, kind, dtype, seed, ragged_counts=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (_native(gen, B, S, H, D, dtype) for _ in range(3))
+    perm, idx = _inputs(gen, B, H, S, C, K, k_alloc)
+    if ragged_counts:  # each group keeps its own count in [1, K]: the valid-count search on every row
+        counts = torch.randint(1, K + 1, idx.shape[:3], generator=gen, device="cuda")
+        idx = torch.where(torch.arange(k_alloc, device="cuda") < counts[..., None], idx, -1)
+    res = None
+    if kind is not None:
+        res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind)
+    base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
+    out = base.view(B, S, H, D).transpose(1, 2)
+    got, lse = _g90().sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True)
+    assert got is out
+    assert not base.isnan().any(), "some output element was not written"
+    ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, return_lse=True)
+    if res is not None:
+        ref = ref + res.dequantize(torch.float64)
+    err = float((got.double() - ref).norm() / ref.norm())
+    lse_err = float((lse.double() - ref_lse.double()).abs().max())
+    print(f"seed {seed} B{B} H{H} S{S} D{D} C{C} K{K}/{k_alloc} {kind} {dtype}: rel_l2 {err:.2e}, lse {lse_err:.2e}")
+    assert err < 6e-3, err
+    assert lse_err < 1e-3, lse_err
+
+
+@pytest.mark.parametrize("kind", [None, "plain", "fp8_row", "int4_row"])
+@pytest.mark.parametrize(("S", "K"), [(4000, 1000), (3000 + 8, 777)], ids=["S4000", "S3008-ragged"])
+def test_gluon_vs_float64(kind, S, K):
+    """B = 2, D = 128, C = 128, bf16: native views, NaN-poisoned out view, O = sparse + R and LSE vs float64."""
+    _check(2, 3, S, 128, 128, K, -(-K // 128) * 128, kind, torch.bfloat16, seed=7)
+
+
+@pytest.mark.parametrize(("D", "C", "K", "k_alloc", "dtype", "ragged"), [
+    (128, 128, 300, 2048, torch.float16, True),  # many trailing -1: the probe search, counts 1..K
+    (64, 128, 500, 512, torch.bfloat16, False),  # D = 64
+    (128, 64, 200, 256, torch.bfloat16, False),  # C = 64: half a program's rows are past C
+    (128, 192, 129, 256, torch.float16, True),  # C = 192: two programs per group, counts crossing one tile
+], ids=["many-pad-fp16", "D64", "C64", "C192"])
+def test_gluon_shapes_vs_float64(D, C, K, k_alloc, dtype, ragged):
+    _check(2, 2, 1500 + 3, D, C, K, k_alloc, "plain", dtype, seed=11, ragged_counts=ragged)
+
+
+def test_op_dispatches_to_gluon_without_fallback(monkeypatch):
+    """kernels.sparse_attention on sm_90 runs the Gluon kernel when it is on (compiled, no fallback recorded, no
+    spills) and matches the Triton kernel on the same call."""
+    monkeypatch.setenv("MC_SPARSE_GLUON", "1")
+    _dispatch().reset()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (_native(gen, 1, 2000, 2, 128, torch.bfloat16) for _ in range(3))
+    perm, idx = _inputs(gen, 1, 2, 2000, 128, 400, 512)
+    before = len(_g90().compiled_kernels())
+    with registry.recording(registry.Record()) as record:
+        got = kernels.sparse_attention(q, k, v, perm, idx, backend="triton")
+    assert record.failures == {}, record.failures
+    assert _dispatch().fallback_reason() is None
+    assert len(_g90().compiled_kernels()) >= max(before, 1)
+    tri = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention")
+    want = tri.sparse_attention(q, k, v, perm, idx)
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 6e-3
+    stats = [(ck.n_regs, ck.n_spills) for ck in _g90().compiled_kernels()]
+    print("gluon kernels (n_regs, n_spills):", stats)
+    assert all(s == 0 for _, s in stats), stats
