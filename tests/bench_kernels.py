@@ -18,8 +18,9 @@ memory or registers, x fp32 / packed f16x2 exponentials x eager / lazy rescale) 
 its error against the float32 reference and (num_warps, n_regs, n_spills); flash-attn-4's paged route when present
 (``fa4_route_eff_min``); the bitmask decode kernel at s = 0.25. ``--quick`` times QUICK_CONFIGS instead of
 REUSE_CONFIGS (deeper K/V prefetch and the short prologue beside the sm_90 default; about a minute); ``--gluon`` times
-no configs: the op (on sm_90 the warp-specialised Gluon kernel, kernels/triton/sparse_attention_sm90.py) beside the
-Triton kernel's default config called directly, same inputs, and prints their time ratio per point. It prints
+GLUON_CONFIGS instead: the op (on sm_90 the warp-specialised Gluon kernel, kernels/triton/sparse_attention_sm90.py,
+when on) beside the Triton kernel's default config called directly and the Gluon kernel's tunings, same inputs, and
+prints the op / Triton kernel time ratio per point. It prints
 f16x2 / fp32, lazy / eager, qreg / shared, pipelined / not (and --quick: default / config) time ratios per point,
 writes ``triton_sparse_eff_min`` = the min over the points of the best spill-free config (named in the note) into
 docs/results/scoreboard.json (commit: --commit, else $MC_SPARSE_COMMIT, else git HEAD), and a copy next to --out.
@@ -283,6 +284,13 @@ QUICK_CONFIGS = {  # --quick: the sm_90 default (BN 128 lazy, 3 stages) against 
 }
 
 
+GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside its default (the op), same inputs
+    "gluon pipeline": dict(_gluon=True, pipeline=True),
+    "gluon 3 stages": dict(_gluon=True, num_stages=3),
+    "gluon pipeline 3 stages": dict(_gluon=True, pipeline=True, num_stages=3),
+}
+
+
 def config_name(kw):
     """The REUSE_CONFIGS name of a launch config dict (block_n, num_warps, num_stages, maxnreg, exp, lazy_rescale,
     q_regs, pipeline_qk, fast_prologue)."""
@@ -399,9 +407,11 @@ def run_reuse_shape(name, shp, densities, rep, log, configs=None):
                 continue
             try:
                 before = compiled_now()
-                err = rel_err(_tsa.sparse_attention(*sets[0], perms[0], idxs[0], **kw)[:, sub], ref)
+                kw = dict(kw)
+                kern = _gluon_kernel() if kw.pop("_gluon", False) else _tsa
+                err = rel_err(kern.sparse_attention(*sets[0], perms[0], idxs[0], **kw)[:, sub], ref)
                 new = regs_of_new(before) or res["sweep"].get(cname, {}).get("regs_spills")
-                ms = bench(lambda st, p, i, kw=kw: _tsa.sparse_attention(*st[0], p, i, **kw),
+                ms = bench(lambda st, p, i, kw=kw: kern.sparse_attention(*st[0], p, i, **kw),
                            [(st, p, i) for st, p, i in zip(both, perms, idxs)], rep)
                 entry = res["sweep"].setdefault(cname, dict(efficiency={}, regs_spills=new))
                 entry["efficiency"][str(s)] = best * (kq / S) / ms
@@ -429,6 +439,10 @@ def run_reuse_shape(name, shp, densities, rep, log, configs=None):
     res["gluon"] = gluon_state()
     log(f"{name} sparse op on this GPU: {res['gluon']}")
     return res
+
+
+def _gluon_kernel():
+    return importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention_sm90")
 
 
 def gluon_state():
@@ -522,8 +536,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time Triton tile configs")
     ap.add_argument("--reuse", action="store_true", help="time the reuse path (issue 14) instead of selection/grouping")
     ap.add_argument("--quick", action="store_true", help="with --reuse: QUICK_CONFIGS instead of REUSE_CONFIGS")
-    ap.add_argument("--gluon", action="store_true", help="with --reuse: no config sweep (the op = Gluon on sm_90, the "
-                                                         "Triton kernel's default, the routes; about a minute)")
+    ap.add_argument("--gluon", action="store_true", help="with --reuse: GLUON_CONFIGS instead of a Triton sweep (the "
+                                                         "op = Gluon on sm_90, the Triton kernel's default, the routes)")
     ap.add_argument("--commit", default="", help="commit measured (default: $MC_SPARSE_COMMIT, else git HEAD)")
     ap.add_argument("--scoreboard", default=str(Path(__file__).resolve().parent.parent / "docs/results/scoreboard.json"))
     args = ap.parse_args()
@@ -551,7 +565,8 @@ def main():
     log(registry.report())
     for name in args.shapes.split(","):
         if args.reuse:
-            configs = {} if args.gluon else QUICK_CONFIGS if args.quick else REUSE_CONFIGS
+            configs = ((GLUON_CONFIGS if torch.cuda.get_device_capability() == (9, 0) else {}) if args.gluon
+                       else QUICK_CONFIGS if args.quick else REUSE_CONFIGS)
             report["shapes"][name] = run_reuse_shape(name, SHAPES[name], densities, args.rep, log, configs)
         else:
             report["shapes"][name] = run_shape(name, SHAPES[name], densities, args.sweep, args.rep, log)

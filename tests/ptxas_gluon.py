@@ -6,7 +6,8 @@ specialisations (``ptxas_report.compile_offline`` with Gluon's AST source), then
 shared memory and the ``setmaxnreg`` counts found in the PTX. Exit status 1 when a default config spills or does
 not fit in shared memory.
 
-Usage: python tests/ptxas_gluon.py [--ptx DIR] (DIR: also write each PTX there)
+Usage: python tests/ptxas_gluon.py [--quick] [--ptx DIR] (--quick: D = 128, plain residual only; DIR: also write each
+PTX and cubin there)
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def report(residual_kind=None, return_lse=True, D=128, S=75600, H=40, ptx_dir=No
         (Path(ptx_dir) / f"g90_d{D}_{residual_kind}_{int(return_lse)}.cubin").write_bytes(ck.asm["cubin"])
     setmax = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
     smem = ck.metadata.shared
-    return dict(D=D, residual=residual_kind, lse=return_lse, regs=regs, spill_st=st, spill_ld=ld, smem=smem,
+    return dict(D=D, residual=residual_kind, lse=return_lse, tuning=tuning, regs=regs, spill_st=st, spill_ld=ld, smem=smem,
                 fits=smem <= pr.SMEM_LIMIT[90], setmaxnreg=setmax,
                 cfg={k: meta[k] for k in ("NUM_STAGES", "GATHER_ROWS", "CONSUMER_REGS", "PRODUCER_REGS", "maxnreg")})
 
@@ -60,10 +61,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="D = 128, plain residual only")
     args = ap.parse_args()
     bad = 0
-    cases = [(128, "plain")] if args.quick else [(D, kind) for D in (128, 64)
-                                                  for kind in (None, "plain", "fp8_row", "int4_row")]
-    for D, kind in cases:
-        r = report(kind, D=D, ptx_dir=args.ptx)
+    cases = [(128, "plain", {})] if args.quick else (
+        [(D, kind, {}) for D in (128, 64) for kind in (None, "plain", "fp8_row", "int4_row")]
+        + [(128, kind, tune) for kind in ("plain", "int4_row")  # the bench's GLUON_CONFIGS
+           for tune in (dict(pipeline=True), dict(num_stages=3), dict(pipeline=True, num_stages=3))])
+    for D, kind, tune in cases:
+        r = report(kind, D=D, ptx_dir=args.ptx, **tune)
         bad += r["spill_st"] > 0 or not r["fits"]
         print(r, flush=True)
     sys.exit(1 if bad else 0)

@@ -47,7 +47,7 @@ def _inputs(gen, B, H, S, C, K, k_alloc):
     return perm, idx
 
 
-def _check(B, H, S, D, C, K, k_alloc, kind, dtype, seed, ragged_counts=False):
+def _check(B, H, S, D, C, K, k_alloc, kind, dtype, seed, ragged_counts=False, **tuning):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (_native(gen, B, S, H, D, dtype) for _ in range(3))
     perm, idx = _inputs(gen, B, H, S, C, K, k_alloc)
@@ -59,7 +59,7 @@ def _check(B, H, S, D, C, K, k_alloc, kind, dtype, seed, ragged_counts=False):
         res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind)
     base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
     out = base.view(B, S, H, D).transpose(1, 2)
-    got, lse = _g90().sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True)
+    got, lse = _g90().sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, **tuning)
     assert got is out
     assert not base.isnan().any(), "some output element was not written"
     ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, return_lse=True)
@@ -67,7 +67,8 @@ def _check(B, H, S, D, C, K, k_alloc, kind, dtype, seed, ragged_counts=False):
         ref = ref + res.dequantize(torch.float64)
     err = float((got.double() - ref).norm() / ref.norm())
     lse_err = float((lse.double() - ref_lse.double()).abs().max())
-    print(f"seed {seed} B{B} H{H} S{S} D{D} C{C} K{K}/{k_alloc} {kind} {dtype}: rel_l2 {err:.2e}, lse {lse_err:.2e}")
+    print(f"seed {seed} B{B} H{H} S{S} D{D} C{C} K{K}/{k_alloc} {kind} {dtype} {tuning}: rel_l2 {err:.2e}, "
+          f"lse {lse_err:.2e}")
     assert err < 6e-3, err
     assert lse_err < 1e-3, lse_err
 
@@ -87,6 +88,14 @@ def test_gluon_vs_float64(kind, S, K):
 ], ids=["many-pad-fp16", "D64", "C64", "C192"])
 def test_gluon_shapes_vs_float64(D, C, K, k_alloc, dtype, ragged):
     _check(2, 2, 1500 + 3, D, C, K, k_alloc, "plain", dtype, seed=11, ragged_counts=ragged)
+
+
+@pytest.mark.parametrize("tuning", [dict(pipeline=True), dict(num_stages=3), dict(pipeline=True, num_stages=3)],
+                         ids=["pipeline", "3-stages", "pipeline-3-stages"])
+@pytest.mark.parametrize("kind", ["int4_row", None])
+def test_gluon_tunings_vs_float64(tuning, kind):
+    """The bench's Gluon variants (next QK^T behind P V; a 3-deep K/V ring), ragged counts, fp16."""
+    _check(2, 2, 3000 + 8, 128, 128, 777, 1024, kind, torch.float16, seed=13, ragged_counts=True, **tuning)
 
 
 def test_op_dispatches_to_gluon_without_fallback(monkeypatch):

@@ -54,7 +54,7 @@ RESCALE_LOG2 = gl.constexpr(8.0)  # lazy rescale threshold, log2 units (as spars
 
 def config(head_dim: int) -> dict:
     """Launch config at ``head_dim``: pipeline depth and register split (12 warps: 2 consumer + 1 producer groups)."""
-    return dict(num_stages=2, consumer_regs=232, producer_regs=40, maxnreg=168)
+    return dict(num_stages=2, consumer_regs=232, producer_regs=40, maxnreg=168, pipeline=False)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -151,11 +151,24 @@ def _e4m3_to_f32_div256(byte):
 
 
 @gluon.jit
+def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, t, NUM_STAGES: gl.constexpr):
+    """S = Q K^T of key tile t (fp32, the wgmma accumulator layout of s_zero), then its K stage released."""
+    s = t % NUM_STAGES
+    k_tile = k_smem.index(s)
+    mbarrier.wait(k_ready.index(s), (t // NUM_STAGES) & 1)
+    fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads through the async proxy
+    qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, q_tile, k_tile))
+    mbarrier.arrive(k_empty.index(s), count=1)
+    return qk
+
+
+@gluon.jit
 def _consumer(Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end,
               sm_scale_log2, S, C, perm_off, row0, q_off, o_off, r_off, c_off, lse_off,
               stride_qs, stride_qd, stride_os, stride_od, stride_rs, stride_rd, stride_cs,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr):
+              RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, PIPELINE: gl.constexpr):
     """One consumer warpgroup: rows row0 + HALF*64 .. +64 of the program's query block (group order)."""
     M: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -186,15 +199,10 @@ def _consumer(Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready
     acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
     n_tiles = gl.cdiv(n_end, BLOCK_N)
+    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, 0, NUM_STAGES)
     for t in range(n_tiles):
         s = t % NUM_STAGES
         ph = (t // NUM_STAGES) & 1
-        k_tile = k_smem.index(s)
-        mbarrier.wait(k_ready.index(s), ph)
-        fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads through the async proxy
-        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_tile, k_tile))
-        mbarrier.arrive(k_empty.index(s), count=1)
         if (t + 1) * BLOCK_N > n_end:  # the last, partial tile: its slots past the count weigh nothing
             qk = gl.where((t * BLOCK_N + offs_n < n_end)[None, :], qk, float("-inf"))
         m_tile = gl.max(qk, 1) * sm_scale_log2
@@ -208,9 +216,24 @@ def _consumer(Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready
         v_tile = v_smem.index(s)
         mbarrier.wait(v_ready.index(s), ph)
         fence_async_shared()
-        acc = warpgroup_mma(p16, v_tile, acc, is_async=True)
-        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
-        mbarrier.arrive(v_empty.index(s), count=1)
+        acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
+        if PIPELINE:  # the next tile's QK^T issued behind this P V: the two products run back to back
+            if t + 1 < n_tiles:
+                s1 = (t + 1) % NUM_STAGES
+                k_tile = k_smem.index(s1)
+                mbarrier.wait(k_ready.index(s1), ((t + 1) // NUM_STAGES) & 1)
+                fence_async_shared()
+                qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                qk, acc, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, acc_t, q_tile, k_tile, v_tile))
+                mbarrier.arrive(k_empty.index(s1), count=1)
+            else:
+                acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, v_tile))
+            mbarrier.arrive(v_empty.index(s), count=1)
+        else:
+            acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, v_tile))
+            mbarrier.arrive(v_empty.index(s), count=1)
+            if t + 1 < n_tiles:
+                qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, t + 1, NUM_STAGES)
 
     l_o = gl.convert_layout(l_i, row_o)
     out = acc / l_o[:, None]
@@ -258,7 +281,7 @@ def _sparse_fwd_sm90(
     stride_cb, stride_ch, stride_cs,
     M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, GATHER_ROWS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
@@ -298,11 +321,11 @@ def _sparse_fwd_sm90(
         (_consumer, (Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                      n_end, sm_scale_log2, S, C, perm_off, row0, q_off, o_off, r_off, c_off, lse_off,
                      stride_qs, stride_qd, stride_os, stride_od, stride_rs, stride_rd, stride_cs,
-                     0, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64)),
+                     0, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE)),
         (_consumer, (Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                      n_end, sm_scale_log2, S, C, perm_off, row0, q_off, o_off, r_off, c_off, lse_off,
                      stride_qs, stride_qd, stride_os, stride_od, stride_rs, stride_rd, stride_cs,
-                     1, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64)),
+                     1, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE)),
         (_producer, (K, V, KV_IDX, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, SK, idx_off, kv_off_k,
                      kv_off_v, stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_N, NUM_STAGES,
                      GATHER_ROWS, ROW64)),
@@ -310,7 +333,7 @@ def _sparse_fwd_sm90(
 
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
-                gather_rows=32, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None):
+                gather_rows=32, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -350,6 +373,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_N=BLOCK_N, NUM_STAGES=num_stages or cfg["num_stages"],
                 RETURN_LSE=bool(return_lse), RES_KIND=kind, ROW64=bool(row64), GATHER_ROWS=gather_rows,
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
+                PIPELINE=bool(cfg["pipeline"] if pipeline is None else pipeline),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
 
@@ -363,7 +387,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
         perm: int32 ``[B, H, G*C]`` query groups, -1 padding at the tail (any C; C > 128 runs several programs).
         kv_idx: int32 ``[B, H, G, K_alloc]``, each row sorted with trailing -1, at least one valid slot.
         scale, return_lse, out, residual: as the Triton kernel's.
-        tuning: ``num_stages``, ``gather_rows``, ``consumer_regs``, ``producer_regs``, ``maxnreg``, ``row64``.
+        tuning: ``num_stages`` (K/V ring depth: 2, or 3 = 225 KiB shared), ``gather_rows`` (rows per copy chunk),
+            ``consumer_regs``, ``producer_regs``, ``maxnreg`` (the register split), ``row64``, ``pipeline`` (issue the
+            next tile's QK^T right behind this tile's P V, one wait for both).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:
