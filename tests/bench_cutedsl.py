@@ -5,13 +5,17 @@ s in {0.1, 0.15, 0.25, 0.5} (each group's indices a random sorted set of floor(s
 128), measured side by side in one process:
 - dense with LSE: flash-attn-4 (the baseline of every ratio: "flash-attn-4 dense x s") and cuDNN SDPA;
 - ``cutedsl op``: ``kernels.sparse_attention(..., backend="cutedsl")`` on the model's native [B, S, H*D] views
-  writing an ``out=`` view (what the reuse path calls: Q gather, counts, kernel, scatter), and with a plain bf16
-  residual; ``cutedsl kernel``: the compiled kernel alone on pre-gathered groups; ``triton op``: the Triton kernel on
-  the same call; efficiency = FA4 dense ms * s / sparse ms;
+  writing an ``out=`` view (what the reuse path calls: the default variant), and with a plain bf16 residual;
+  ``cutedsl <variant> op`` (+ residual): each variant of kernels/cutedsl/op.py side by side ("regroup": Q gather,
+  counts, kernel, scatter; "fused": queries gathered and output + residual scattered in-kernel, one CTA per group;
+  "persistent": the fused kernel with one CTA per SM); ``cutedsl kernel``: the regroup variant's compiled kernel
+  alone on pre-gathered groups; ``triton op``: the Triton kernel on the same call; efficiency = FA4 dense ms * s /
+  sparse ms;
 - the compile time (a compile from fake tensors, never the disk cache) and the disk-cache load time (a fresh
   process).
 The error of every variant against the torch reference (float32, a sub-sample of heads) is checked before timing.
-It writes --out JSON and the scoreboard key ``cutedsl_sparse_eff_min`` (the op's minimum; command and --commit).
+It writes --out JSON and the scoreboard key ``cutedsl_sparse_eff_min`` (the default variant's op minimum; command
+and --commit), and prints every variant's minimum.
 
 Usage: python tests/bench_cutedsl.py --out $OUT/bench_cutedsl.json --commit <hash> [--shapes 1.3b,14b] [--rep 200]
 """
@@ -88,6 +92,7 @@ def run_shape(name, shp, densities, rep, log):
     base = dense[base_name]
     rows = {}
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
+    from comfyui_mc_sparse_pack.kernels.cutedsl import op as cop
     from comfyui_mc_sparse_pack.kernels.triton import regroup
     for s in densities:
         perm, idx = inputs(gen, B, H, S, s)
@@ -99,24 +104,21 @@ def run_shape(name, shp, densities, rep, log):
         r["cutedsl op"] = ms(lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl"), rep)
         r["cutedsl op + plain residual"] = ms(
             lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, backend="cutedsl"), rep)
+        for var in cop.VARIANTS:
+            out.fill_(float("nan"))
+            cop.sparse_attention(q, k, v, perm, idx, out=out, variant=var)
+            r[f"cutedsl {var} op_err"] = check(out, q, k, v, perm, idx)
+            r[f"cutedsl {var} op"] = ms(lambda: cop.sparse_attention(q, k, v, perm, idx, out=out, variant=var), rep)
+            r[f"cutedsl {var} op + plain residual"] = ms(
+                lambda: cop.sparse_attention(q, k, v, perm, idx, out=out, residual=res, variant=var), rep)
         qg = regroup.gather_groups(q, perm, C).unsqueeze(2)
         counts = regroup.valid_counts(idx)
         og = torch.empty_like(qg)
         kr, vr = k.transpose(1, 2), v.transpose(1, 2)
         idx_rows = idx.reshape(-1, idx.shape[-1])
-        for st in [cc.default_stages()] + [x for x in (2, 3) if x != cc.default_stages()]:
-            fn = cc.compiled("bfloat16", D, False, st)
-            tag = "cutedsl kernel" if st == cc.default_stages() else f"cutedsl kernel {st} stages"
-            r[tag] = ms(lambda: cc.launch(fn, qg, kr, vr, og, None, 1 / math.sqrt(D), counts, idx_rows), rep)
-            if tag != "cutedsl kernel":
-                og.fill_(float("nan"))
-                cc.launch(fn, qg, kr, vr, og, None, 1 / math.sqrt(D), counts, idx_rows)
-                o2 = torch.empty_like(q)
-                regroup.scatter_groups(og.squeeze(2), perm, o2)
-                r[f"{tag}_err"] = check(o2, q, k, v, perm, idx)
+        fn = cc.compiled("bfloat16", D, False)
+        r["cutedsl kernel"] = ms(lambda: cc.launch(fn, qg, kr, vr, og, None, 1 / math.sqrt(D), counts, idx_rows), rep)
         r["triton op"] = ms(lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="triton"), rep)
-        if "flash_attn4" in avail:
-            r["fa4 paged route"] = ms(lambda: kernels.sparse_attention(qc, kc, vc, perm, idx, backend="flash_attn4"), rep)
         eff = {kk: base * s / vv for kk, vv in r.items() if not kk.endswith("_err")}
         log(f"{name} s={s}: " + ", ".join(f"{kk} {vv:.2f} ms (eff {eff[kk]:.3f})" for kk, vv in r.items()
                                            if not kk.endswith("_err"))
@@ -132,15 +134,20 @@ def compile_times(log):
     t = time.perf_counter()
     cc.compile_fake("bfloat16", 64, True)  # compiled() would load a cache left by an earlier run: not a compile
     cold = time.perf_counter() - t
+    t = time.perf_counter()
+    cc.compile_fake_fused("bfloat16", 128, True, "plain_bfloat16")
+    cold_fused = time.perf_counter() - t
     cc.compiled("bfloat16", 64, True)  # now on disk (a compile or a load) for the fresh process below
     code = ("import sys,time; sys.path.insert(0, %r); import _standalone; _standalone.load_pack(); "
             "from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc; t=time.perf_counter(); "
             "cc.compiled('bfloat16', 64, True); print(time.perf_counter()-t)") % str(ROOT / "comfyui_mc_sparse")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
     warm = float(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 and p.stdout.strip() else None
-    log(f"compile: {cold:.1f} s; from the disk cache ({cc.cache_dir()}) in a fresh process: {warm} s "
+    log(f"compile: {cold:.1f} s (fused kernel with a residual: {cold_fused:.1f} s); from the disk cache "
+        f"({cc.cache_dir()}) in a fresh process: {warm} s "
         f"({p.stderr.strip()[-300:]})")
-    return dict(first_compile_s=cold, disk_cache_load_s=warm, cache_dir=str(cc.cache_dir()))
+    return dict(first_compile_s=cold, fused_compile_s=cold_fused, disk_cache_load_s=warm,
+                cache_dir=str(cc.cache_dir()))
 
 
 def main():
@@ -169,7 +176,12 @@ def main():
     worst = min(effs, key=effs.get)
     report["cutedsl_sparse_eff_min"] = effs[worst]
     kern = min(r["efficiency"]["cutedsl kernel"] for sh in report["shapes"].values() for r in sh["densities"].values())
-    log(f"cutedsl_sparse_eff_min {effs[worst]:.3f} at {worst} (kernel alone: min {kern:.3f})")
+    from comfyui_mc_sparse_pack.kernels.cutedsl import op as cop
+    per_variant = {var: min(r["efficiency"][f"cutedsl {var} op"] for sh in report["shapes"].values()
+                            for r in sh["densities"].values()) for var in cop.VARIANTS}
+    report["eff_min_per_variant"] = per_variant
+    log(f"cutedsl_sparse_eff_min {effs[worst]:.3f} at {worst} (default variant {cop.default_variant()}; kernel "
+        f"alone: min {kern:.3f}); per variant: " + ", ".join(f"{k} {v:.3f}" for k, v in per_variant.items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(report, log=lines), indent=1, default=str))
     board_path = Path(args.scoreboard)
@@ -179,9 +191,10 @@ def main():
         value=round(effs[worst], 4), unit="ratio",
         command="python tests/bench_cutedsl.py --out $OUT/bench_cutedsl.json --commit <hash>", commit=args.commit,
         gpu=report["gpu"], date=datetime.date.today().isoformat(),
-        note=(f"min over shapes x s of dense with LSE x s / CuTeDSL op (native views, out=, Q gather + counts + "
-              f"kernel + scatter); worst at {worst[0]} s={worst[1]}; dense baseline {bases}; kernel alone min "
-              f"{kern:.3f}; compile {report['compile']}"),
+        note=(f"min over shapes x s of dense with LSE x s / CuTeDSL op (native views, out=, default variant "
+              f"{cop.default_variant()}); worst at {worst[0]} s={worst[1]}; dense baseline {bases}; per variant "
+              f"{ {k: round(v, 4) for k, v in per_variant.items()} }; regroup kernel alone min {kern:.3f}; compile "
+              f"{report['compile']}"),
     )
     board_path.write_text(json.dumps(board, indent=2) + "\n")
     Path(args.out).with_name("scoreboard.json").write_text(json.dumps(board, indent=2) + "\n")

@@ -202,6 +202,28 @@ def test_offline_sm90_compile(tmp_path):
     assert "LOADED" in p.stdout, p.stderr[-3000:]
 
 
+@_NEEDS_CUTE
+def test_offline_sm90_compile_fused(tmp_path):
+    """The fused kernel (kernels/cutedsl/fused_fwd_sm90.py) compiles for sm_90a without a GPU for every residual form
+    (bf16, D 128, LSE) and for fp16 / D 64 without the LSE; about 5 s per compile."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        os.environ['CUTE_DSL_ARCH'] = 'sm_90a'
+        sys.path.insert(0, {str(ROOT / 'comfyui_mc_sparse')!r})
+        import _standalone
+        _standalone.load_pack()
+        from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
+        for res in cc.RESIDUALS:
+            cc.compile_fake_fused('bfloat16', 128, True, res)
+            print('COMPILED', res)
+        cc.compile_fake_fused('float16', 64, False, 'none')
+        print('COMPILED fp16')
+    """)
+    env = dict(os.environ, MC_SPARSE_CUTEDSL_CACHE_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert p.stdout.count("COMPILED") == 8, p.stdout + p.stderr[-3000:]
+
+
 def _fake_launch(fn, q_groups, k, v, out, lse, scale, counts, kv_idx):
     """A float64 torch model of one kernel launch, on the contract of ``kernels/cutedsl/sparse_fwd_sm90.py`` (and
     the compiled kernel's argument checks: layouts, dtypes, unit strides), for the op's glue on the CPU."""
@@ -222,6 +244,53 @@ def _fake_launch(fn, q_groups, k, v, out, lse, scale, counts, kv_idx):
             lse[n, 0] = s.logsumexp(-1).float()
 
 
+def _fake_fused_launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean,
+                       scale, num_ctas):
+    """A float64 torch model of one fused launch, on the contract of ``kernels/cutedsl/fused_fwd_sm90.py`` (with
+    the compiled kernel's argument checks: ranks, dtypes, unit strides, the residual form it was compiled for)."""
+    _, dtype, head_dim, with_lse, residual = fn
+    B, S, H, D = q.shape
+    N = perm_rows.shape[0]
+    G = N // (B * H)
+    assert D == head_dim and q.dtype == out.dtype == k.dtype == v.dtype == rules_dtype(dtype)
+    assert out.shape == q.shape and k.shape == v.shape and k.shape[0] == B and k.shape[2] == H and num_ctas >= 1
+    assert all(t.stride(-1) == 1 for t in (q, k, v, out, kv_rows)) and (lse is not None) == with_lse
+    assert perm_rows.shape == (N, 128) and perm_rows.is_contiguous() and N == B * H * G
+    assert counts.shape == (N,) and kv_rows.shape[0] == N and kv_rows.dtype == counts.dtype == torch.int32
+    if lse is not None:
+        assert lse.shape == (B, H, S) and lse.dtype == torch.float32 and lse.stride(-1) == 1
+    kind = residual.split("_")[0] if residual != "none" else None
+    if kind == "plain":
+        assert res_data.shape == q.shape and str(res_data.dtype) == "torch." + residual[len("plain_"):]
+    elif kind is not None:
+        assert res_data.dtype == torch.uint8 and res_scale.shape == (B, H, S) and res_scale.stride(-1) == 1
+        assert res_data.shape == ((B, S, H, D // 2) if residual.startswith("int4") else q.shape)
+    assert (res_mean is not None) == (res_coef is not None) == (residual == "int4_group")
+    if residual == "int4_group":
+        assert res_coef.dtype == torch.uint8 and res_coef.shape == (B, H, S) and res_scale.dtype == torch.bfloat16
+        assert res_mean.dtype == torch.bfloat16 and res_mean.shape == (B, H, G, D) and res_mean.stride(-1) == 1
+    for n in range(N):
+        b, h = divmod(n // G, H)
+        rows = perm_rows[n][perm_rows[n] >= 0].long()
+        keys = kv_rows[n, : int(counts[n])].long()
+        s = q[b, rows, h].double() @ k[b, keys, h].double().T * scale
+        o = s.softmax(-1) @ v[b, keys, h].double()
+        if kind == "plain":
+            o = o + res_data[b, rows, h].double()
+        elif residual == "fp8_row":
+            o = o + res_data[b, rows, h].view(torch.float8_e4m3fn).double() * res_scale[b, h, rows, None].double()
+        elif residual.startswith("int4"):
+            byte = res_data[b, rows, h].long()
+            nib = torch.stack((byte % 16 - 8, byte // 16 - 8), -1).flatten(-2).double()
+            o = o + nib * res_scale[b, h, rows, None].double()
+            if residual == "int4_group":
+                coef = res_coef[b, h, rows].view(torch.float8_e4m3fn).double()
+                o = o + coef[:, None] * res_mean[b, h, n % G].double()
+        out[b, rows, h] = o.to(out.dtype)
+        if lse is not None:
+            lse[b, h, rows] = s.logsumexp(-1).float()
+
+
 def rules_dtype(name):
     return {v: k for k, v in rules.DTYPE_NAMES.items()}[name]
 
@@ -236,12 +305,16 @@ def fake_op(monkeypatch):
     fake.compiled = lambda dtype, head_dim, with_lse, stages=None: fake.calls.append(
         (dtype, head_dim, with_lse)) or ("fake", dtype, head_dim, with_lse)
     fake.launch = _fake_launch
+    fake.compiled_fused = lambda dtype, head_dim, with_lse, residual="none", stages=None: fake.calls.append(
+        (dtype, head_dim, with_lse, residual)) or ("fake", dtype, head_dim, with_lse, residual)
+    fake.launch_fused = _fake_fused_launch
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     monkeypatch.setattr(pkg, "compile", fake, raising=False)
     monkeypatch.setattr(pkg, "op", None, raising=False)
     monkeypatch.delitem(sys.modules, f"{pkg.__name__}.op", raising=False)
     op = importlib.import_module(f"{pkg.__name__}.op")
     assert op._compile is fake
+    monkeypatch.setattr(op, "_sm_count", lambda device: 3)  # the persistent grid on a CPU tensor
     op.calls = fake.calls
     return op
 
@@ -287,6 +360,80 @@ def test_op_glue_against_float64(fake_op, kind, idx_strided):
         ref = ref + brute_residual(res)
     assert float((got.double() - ref).abs().max()) <= 2**-7 * float(ref.abs().max()), "output"
     assert float((lse.double() - ref_lse.double()).abs().max()) < 1e-5, "LSE"
+
+
+@pytest.mark.parametrize(("variant", "kind"), [
+    ("fused", None), ("persistent", "fp8_row"), ("fused", "int4_row"), ("persistent", "plain-fp32"),
+    ("fused", "int4_group"),
+])
+def test_fused_op_glue_against_float64(fake_op, variant, kind):
+    """The fused variants' glue (views handed to the kernel, one launch for B = 2, residual forms, LSE in query
+    order) on the CPU with the fused kernel modelled in float64: S not a multiple of 128, ragged counts, a
+    NaN-poisoned out view with padded rows written in full (the padding left alone)."""
+    from .test_reuse_op import brute_residual, make_residual
+
+    gen = torch.Generator().manual_seed(53)
+    B, H, S, D, K = 2, 3, 300, 64, 160
+    q, k, v, perm, idx = _op_inputs(gen, B, H, S, D, K)
+    r = torch.randn(B, H, S, D, generator=gen) * 0.1
+    res = None if kind is None else kernels.Residual(r) if kind == "plain-fp32" else make_residual(r, kind, perm,
+                                                                                                   idx.shape[2])
+    base = torch.full((B, S, H * D + 8), float("nan"), dtype=torch.bfloat16)
+    out = base[..., :H * D].view(B, S, H, D).transpose(1, 2)
+    got, lse = fake_op.sparse_attention(q, k, v, perm, idx, scale=0.2, return_lse=True, out=out, residual=res,
+                                        variant=variant)
+    assert got is out and not out.isnan().any() and base[..., H * D:].isnan().all() and not lse.isnan().any()
+    res_name = {None: "none", "plain-fp32": "plain_float32"}.get(kind, kind)
+    assert fake_op.calls == [("bfloat16", D, True, res_name)]  # one launch for both batch elements
+    ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, scale=0.2,
+                                              return_lse=True)
+    if res is not None:
+        ref = ref + brute_residual(res, perm)
+    assert float((got.double() - ref).abs().max()) <= 2**-7 * float(ref.abs().max()), "output"
+    assert float((lse.double() - ref_lse.double()).abs().max()) < 1e-5, "LSE"
+
+
+@pytest.mark.parametrize(("variant", "why"), [("bogus", "MC_SPARSE_CUTEDSL_VARIANT must be one of"),
+                                              ("fused", "reads q rows by 16-byte copies")])
+def test_fused_refusals_fall_back(fake_op, monkeypatch, variant, why):
+    """An unknown variant name in the environment, or a q the fused kernel cannot read (rows 8 bytes off), falls
+    back to the next backend with the reason; the fused variants check q, out and the residual like k and v."""
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_VARIANT", variant)
+    gen = torch.Generator().manual_seed(59)
+    q, k, v, perm, idx = _op_inputs(gen, 1, 2, 200, 64, 128)
+    if variant == "fused":
+        q = _kv_rows(S=200, D=64, offset=4)  # rows 8 bytes off a 16-byte boundary
+        q.copy_(torch.randn(q.shape, generator=gen))
+    _as_cutedsl(monkeypatch, fake_op)
+    with registry.recording(registry.Record()) as rec:
+        got = kernels.sparse_attention(q, k, v, perm, idx)
+    assert rec.choices["sparse_attention"].backend != "cutedsl"
+    assert why in rec.failures["cutedsl", "sparse_attention"], rec.failures
+    want = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
+    assert float((got.double() - want).abs().max()) <= 2**-7 * float(want.abs().max())
+
+
+@pytest.mark.parametrize(("what", "why"), [
+    ("out", "writes out rows 4 bytes at a time"), ("residual", "reads residual rows in pairs"),
+    ("scale", "residual scale with unit stride"), (None, None),
+])
+def test_fused_call_refusals(what, why):
+    """The fused variants' extra per-call checks: an out view with rows 2 bytes off, a plain fp32 residual whose
+    rows are 4 bytes off (pairs are 8-byte loads), a row scale with a non-unit stride on S; the regroup variant
+    accepts all three (its Triton scatter reads and writes by strides)."""
+    q, k, v, perm, idx = _call(H=2, S=300, D=64)
+    B, H, S, D = q.shape
+    out = res = None
+    if what == "out":
+        out = torch.zeros(B * S * H * D + 1, dtype=torch.bfloat16)[1:].view(B, S, H, D).transpose(1, 2)
+    elif what == "residual":
+        res = kernels.Residual(torch.zeros(B * S * H * D + 1)[1:].view(B, S, H, D).transpose(1, 2))
+    elif what == "scale":
+        res = kernels.Residual(torch.zeros(B, H, S, D // 2, dtype=torch.uint8), torch.zeros(B, H, 2 * S)[..., ::2],
+                               "int4_row")
+    got = rules.call_refusal(q, k, v, perm, idx, variant="fused", out=out, residual=res)
+    assert (got is None) if why is None else (why in got), got
+    assert rules.call_refusal(q, k, v, perm, idx, variant="regroup", out=out, residual=res) is None
 
 
 def _as_cutedsl(monkeypatch, op):

@@ -1,9 +1,11 @@
 """The CuTeDSL sparse kernel (kernels/cutedsl) on a Hopper GPU against the float64 torch reference (issue 16).
 
-Skipped unless CUDA compute capability 9.x and nvidia-cutlass-dsl + flash-attn-4 import. Covers both head dims and
-dtypes, ragged K (counts that differ per group, tails inside a tile), S not a multiple of 128, native [B, S, H*D]
-views in and out (a NaN-filled output buffer written in full), every residual kind and the LSE.
-Run: python3 -m pytest -q tests/test_gpu_cutedsl.py (about 1-2 minutes on an H200, mostly the first compile).
+Skipped unless CUDA compute capability 9.x and nvidia-cutlass-dsl + flash-attn-4 import. Every variant of the op
+(``kernels/cutedsl/op.py``: regroup, fused, persistent) on both head dims and dtypes, ragged K (counts that differ
+per group, tails inside a tile), S not a multiple of 128, B = 2, native [B, S, H*D] views in and out (a NaN-filled
+output buffer written in full, padding between rows left alone), every residual kind (plain in bf16 / fp16 / fp32,
+fp8_row, int4_row) and the LSE; more and fewer groups than SMs.
+Run: python3 -m pytest -q tests/test_gpu_cutedsl.py (about 2 minutes on an H200, mostly compiles: ~3-5 s each).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pytest
 import torch
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.kernels import reference, registry
+from comfyui_mc_sparse_pack.kernels.cutedsl import rules
 
 from .test_gpu_reuse_kernel import _inputs as _reuse_inputs
 from .test_reuse_op import make_residual
@@ -48,66 +51,89 @@ def _inputs(gen, B, H, S, C, K, k_alloc, ragged):
     return perm, idx
 
 
+def _op():
+    from comfyui_mc_sparse_pack.kernels.cutedsl import op
+
+    return op
+
+
+def _check(got, lse, q, k, v, perm, idx, res=None, tol=6e-3):
+    ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, return_lse=True)
+    if res is not None:
+        ref = ref + res.dequantize(torch.float64, perm)
+    err = float((got.double() - ref).norm() / ref.norm())
+    assert err < tol, err
+    if lse is not None:
+        assert float((lse.double() - ref_lse.double()).abs().max()) < 2e-3
+    return err
+
+
+@pytest.mark.parametrize("variant", rules.VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize(("S", "K", "ragged", "kv_tile"), [
     (4000, 1000, False, 128), (3000 + 8, 777, True, 128), (2500, 704, False, 64), (2500, 650, True, 64),
 ], ids=["S4000", "S3008-ragged", "S2500-kalloc704", "S2500-ragged-kalloc704"])
-def test_cutedsl_vs_float64(dtype, D, S, K, ragged, kv_tile):
-    """kv_tile 64 (the engine's default rounding of K): K_alloc 704 is 5.5 key tiles, so the last tile's slots past
-    the row's end are clamped to its last slot by the producer and masked."""
+def test_cutedsl_vs_float64(variant, dtype, D, S, K, ragged, kv_tile):
+    """B = 2, native views in, a NaN-filled out view written in full, LSE. kv_tile 64 (the engine's default rounding
+    of K): K_alloc 704 is 5.5 key tiles, so the last tile's slots past the row's end are clamped to its last slot by
+    the producer and masked."""
     gen = torch.Generator(device="cuda").manual_seed(11 + D + S + K)
     B, H, C = 2, 3, 128
     q, k, v = (_native(gen, B, S, H, D, dtype) for _ in range(3))
     perm, idx = _inputs(gen, B, H, S, C, K, -(-K // kv_tile) * kv_tile, ragged)
     base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
     out = base.view(B, S, H, D).transpose(1, 2)
-    with registry.recording(registry.Record()) as record:
-        got, lse = kernels.sparse_attention(q, k, v, perm, idx, out=out, return_lse=True, backend="cutedsl")
-    assert record.choices["sparse_attention"].backend == "cutedsl", record.choices
-    assert got is out and not base.isnan().any()
-    ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, return_lse=True)
-    err = float((got.double() - ref).norm() / ref.norm())
-    print(f"cutedsl {dtype} D={D} S={S} K={K} ragged={ragged}: rel err {err:.2e}")
-    assert err < 6e-3, err
-    assert float((lse.double() - ref_lse.double()).abs().max()) < 2e-3
+    got, lse = _op().sparse_attention(q, k, v, perm, idx, out=out, return_lse=True, variant=variant)
+    assert got is out and not base.isnan().any() and not lse.isnan().any()
+    err = _check(got, lse, q, k, v, perm, idx)
+    print(f"cutedsl {variant} {dtype} D={D} S={S} K={K} ragged={ragged}: rel err {err:.2e}")
 
 
-@pytest.mark.parametrize("kind", ["plain", "fp8_row", "int4_row", "int4_group"])
-def test_cutedsl_residual_epilogue(kind):
+@pytest.mark.parametrize("variant", rules.VARIANTS)
+@pytest.mark.parametrize("kind", ["plain", "plain-fp16", "plain-fp32", "fp8_row", "int4_row", "int4_group"])
+def test_cutedsl_residual_epilogue(variant, kind):
+    """O = sparse + R for every residual form, B = 2, S not a multiple of 128, ragged counts, LSE; the out view's rows
+    are padded (a [B, S, H*D + 8] buffer): the padding stays NaN, every element of the view is written. R is as large
+    as O, so a residual read from the wrong row or dequantised wrong fails the tolerance."""
     gen = torch.Generator(device="cuda").manual_seed(5)
-    B, H, S, D, C, K = 1, 2, 2050, 128, 128, 640
+    B, H, S, D, C, K = 2, 2, 2050, 128, 128, 640
     q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))
-    perm, idx = _inputs(gen, B, H, S, C, K, K, False)
-    res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind, perm, idx.shape[2])
-    with registry.recording(registry.Record()) as record:
-        got = kernels.sparse_attention(q, k, v, perm, idx, residual=res, backend="cutedsl")
-    assert record.choices["sparse_attention"].backend == "cutedsl"
-    ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx) + res.dequantize(torch.float64, perm)
-    err = float((got.double() - ref).norm() / ref.norm())
-    assert err < 6e-3, err
+    perm, idx = _inputs(gen, B, H, S, C, K, K, True)
+    r = torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05
+    if kind.startswith("plain-"):
+        res = kernels.Residual(r.to(torch.float16 if kind == "plain-fp16" else torch.float32))
+    else:
+        res = make_residual(r, kind, perm, idx.shape[2])
+    base = torch.full((B, S, H * D + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = base[..., :H * D].view(B, S, H, D).transpose(1, 2)
+    got, lse = _op().sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, variant=variant)
+    assert got is out and not out.isnan().any() and base[..., H * D:].isnan().all()
+    _check(got, lse, q, k, v, perm, idx, res)
+
+
+@pytest.mark.parametrize("variant", rules.VARIANTS)
+@pytest.mark.parametrize(("B", "H", "S"), [(2, 8, 5000), (1, 1, 300)], ids=["640-groups", "3-groups"])
+def test_cutedsl_groups_vs_sms(variant, B, H, S):
+    """More groups than SMs (several waves, or several groups per persistent CTA) and fewer (a grid smaller than
+    the SM count), ragged counts, no out (a new tensor), LSE, against float64."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    D, C, K = 128, 128, 300
+    q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))
+    perm, idx = _inputs(gen, B, H, S, C, K, -(-K // 128) * 128, True)
+    got, lse = _op().sparse_attention(q, k, v, perm, idx, return_lse=True, variant=variant)
+    assert not got.isnan().any()
+    err = _check(got, lse, q, k, v, perm, idx)
+    print(f"cutedsl {variant} {B * H * (-(-S // C))} groups: rel err {err:.2e}")
 
 
 def test_cutedsl_is_preferred_on_hopper():
+    """Through the registry (the default variant), with a residual and the LSE."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     q, k, v = (_native(gen, 1, 512, 2, 128, torch.bfloat16) for _ in range(3))
     perm, idx = _inputs(gen, 1, 2, 512, 128, 128, 128, False)
+    res = make_residual(torch.randn(1, 2, 512, 128, generator=gen, device="cuda") * 0.05, "fp8_row")
     with registry.recording(registry.Record()) as record:
-        kernels.sparse_attention(q, k, v, perm, idx)
+        got, lse = kernels.sparse_attention(q, k, v, perm, idx, residual=res, return_lse=True)
     assert record.choices["sparse_attention"].backend == "cutedsl", record.choices
-
-
-def test_cutedsl_more_groups_than_sms():
-    """More groups than SMs (several waves of CTAs), ragged counts, LSE, against float64."""
-    gen = torch.Generator(device="cuda").manual_seed(23)
-    B, H, S, D, C, K = 1, 8, 5000, 128, 128, 900
-    q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))
-    perm, idx = _inputs(gen, B, H, S, C, K, -(-K // 128) * 128, True)
-    with registry.recording(registry.Record()) as record:
-        got, lse = kernels.sparse_attention(q, k, v, perm, idx, return_lse=True, backend="cutedsl")
-    assert record.choices["sparse_attention"].backend == "cutedsl", record.choices
-    ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, return_lse=True)
-    err = float((got.double() - ref).norm() / ref.norm())
-    print(f"cutedsl {B * H * (-(-S // C))} groups: rel err {err:.2e}")
-    assert err < 6e-3, err
-    assert float((lse.double() - ref_lse.double()).abs().max()) < 2e-3
+    _check(got, lse, q, k, v, perm, idx, res)

@@ -30,9 +30,15 @@ from cutlass import Float32, Int32
 from flash_attn.cute.utils import AuxData
 from quack.compile_utils import make_fake_stream, make_fake_tensor
 
+from .fused_fwd_sm90 import FusedSparseFwdSm90
 from .sparse_fwd_sm90 import SparseFwdSm90
 
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+# the fused kernel's residual forms (compile-time): none, plain in one of three dtypes, or a row-scaled byte form
+RESIDUALS = {"none": (None, None), "plain_bfloat16": ("plain", cutlass.BFloat16),
+             "plain_float16": ("plain", cutlass.Float16), "plain_float32": ("plain", cutlass.Float32),
+             "fp8_row": ("fp8_row", cutlass.Uint8), "int4_row": ("int4_row", cutlass.Uint8),
+             "int4_group": ("int4_group", cutlass.Uint8)}
 STAGES = 2  # 3 stages measured -1 to +2 % at 1.3B, up to -11 % at 14B on the H200 (bench_cutedsl.py prints both)
 _memory: dict = {}
 _lock = threading.Lock()
@@ -102,6 +108,51 @@ def compiled(dtype: str, head_dim: int, with_lse: bool, stages: int | None = Non
     """The compiled kernel for these static parameters: from memory, the disk cache, or a fresh compile."""
     stages = stages or default_stages()
     key = ("mc_sparse_fwd_sm90", dtype, head_dim, with_lse, stages, source_hash())
+    return _cached(key, lambda: compile_fake(dtype, head_dim, with_lse, stages))
+
+
+def _fused_fake_args(dtype: str, head_dim: int, with_lse: bool, residual: str):
+    """Fake tensors of one fused launch (``fused_fwd_sm90.py``'s contract): q/out share (B, S, H) with the
+    residual and LSE; k/v have their own length; alignments as ``rules.fused_refusal`` checks them."""
+    dt = _DTYPES[dtype]
+    b, s, sk, h, n, k = (cute.sym_int() for _ in range(6))
+    q = make_fake_tensor(dt, (b, s, h, head_dim), divisibility=8)
+    kk, vv = (make_fake_tensor(dt, (b, sk, h, head_dim), divisibility=8) for _ in range(2))
+    o = make_fake_tensor(dt, (b, s, h, head_dim), divisibility=2)
+    lse = make_fake_tensor(Float32, (b, h, s), divisibility=1) if with_lse else None
+    perm = make_fake_tensor(Int32, (n, 128), divisibility=1)
+    idx = make_fake_tensor(Int32, (n, k), divisibility=1)
+    counts = make_fake_tensor(Int32, (n,), divisibility=1)
+    kind, rdt = RESIDUALS[residual]
+    res = scale = coef = mean = None
+    packed = kind in ("int4_row", "int4_group")
+    if kind is not None:
+        res = make_fake_tensor(rdt, (b, s, h, head_dim // 2 if packed else head_dim), divisibility=1 if packed else 2)
+    if kind in ("fp8_row", "int4_row"):
+        scale = make_fake_tensor(Float32, (b, h, s), divisibility=1)
+    if kind == "int4_group":
+        scale = make_fake_tensor(cutlass.BFloat16, (b, h, s), divisibility=1)
+        coef = make_fake_tensor(cutlass.Uint8, (b, h, s), divisibility=1)
+        mean = make_fake_tensor(cutlass.BFloat16, (b, h, cute.sym_int(), head_dim), divisibility=2)
+    return q, kk, vv, o, lse, perm, idx, counts, res, scale, coef, mean
+
+
+def compile_fake_fused(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None):
+    """Compile the fused kernel (``fused_fwd_sm90.py``) from fake tensors; ``residual`` a key of ``RESIDUALS``.
+    Needs no GPU with CUTE_DSL_ARCH=sm_90a. Raises KeyError for an unknown residual form."""
+    args = _fused_fake_args(dtype, head_dim, with_lse, residual)
+    kernel = FusedSparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages(), RESIDUALS[residual][0])
+    return cute.compile(kernel, *args, Float32(1.0), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
+
+
+def compiled_fused(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None):
+    """The compiled fused kernel for these static parameters: from memory, the disk cache, or a fresh compile."""
+    stages = stages or default_stages()
+    key = ("mc_sparse_fused_fwd_sm90", dtype, head_dim, with_lse, residual, stages, source_hash())
+    return _cached(key, lambda: compile_fake_fused(dtype, head_dim, with_lse, residual, stages))
+
+
+def _cached(key, build):
     with _lock:
         fn = _memory.get(key)
         if fn is not None:
@@ -109,8 +160,7 @@ def compiled(dtype: str, head_dim: int, with_lse: bool, stages: int | None = Non
         disk = _disk_cache()
         fn = _from_disk(disk, key)
         if fn is None:
-            fn = compile_fake(dtype, head_dim, with_lse, stages)
-            fn = _to_disk(disk, key, fn)
+            fn = _to_disk(disk, key, build())
         _memory[key] = fn
         return fn
 
@@ -158,8 +208,17 @@ def launch(fn, q_groups, k, v, out, lse, scale: float, counts, kv_idx) -> None:
     fn(q_groups, k, v, out, lse, scale, None, None, None, counts, kv_idx, None, None, None, None, AuxData(), None, None)
 
 
+def launch_fused(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean,
+                 scale: float, num_ctas: int) -> None:
+    """Run a compiled fused kernel (``fused_fwd_sm90.py``'s contract): q/out ``(B, S, H, D)``, k/v ``(B, Sk, H, D)``,
+    lse fp32 ``(B, H, S)`` or None, perm_rows int32 ``(N, 128)``, kv_rows int32 ``(N, K_alloc)``, counts ``(N,)``,
+    res_data ``(B, S, H, D or D//2)``, res_scale ``(B, H, S)``, res_coef uint8 ``(B, H, S)``, res_mean bf16
+    ``(B, H, G, D)``, each or None as the residual form has them; ``num_ctas`` CTAs (at most N run)."""
+    fn(q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean, scale, num_ctas)
+
+
 def warm(stages: int | None = None) -> dict:
-    """Compile (or load from disk) every variant the backend can launch; returns seconds per variant."""
+    """Compile (or load from disk) every kernel the backend launches without a residual; seconds per variant."""
     import time
 
     took = {}
@@ -168,5 +227,6 @@ def warm(stages: int | None = None) -> dict:
             for with_lse in (False, True):
                 t = time.perf_counter()
                 compiled(dtype, head_dim, with_lse, stages)
+                compiled_fused(dtype, head_dim, with_lse, "none", stages)
                 took[f"{dtype} d{head_dim}{' lse' if with_lse else ''}"] = round(time.perf_counter() - t, 2)
     return took

@@ -12,7 +12,8 @@ import torch
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 HEAD_DIMS = (64, 128)
 GROUP_SIZE = 128
-MAX_GROUPS = 65535
+MAX_GROUPS = 65535  # per batch element, the "regroup" variant's grid.z
+VARIANTS = ("regroup", "fused", "persistent")  # kernels/cutedsl/op.py
 
 
 def refusal(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -36,19 +37,47 @@ def refuse(op: str, q: torch.Tensor, requested: bool) -> str | None:
     return refusal(q.device.type, cap, q.dtype, q.shape[-1])
 
 
-def call_refusal(q, k, v, perm, kv_idx) -> str | None:
+def call_refusal(q, k, v, perm, kv_idx, *, variant: str = "regroup", out=None, residual=None) -> str | None:
     """Why one call cannot run on the kernel though the backend accepted q (None when it can): group size, grid,
-    K/V row layout. Checked on shapes and strides only (no device sync)."""
+    K/V row layout; for the fused variants also q's rows (read like K/V), ``out``'s rows (written 4 bytes at a
+    time), the residual's rows (read 2 elements at a time) and its scale (unit stride on S). Checked on shapes and
+    strides only (no device sync)."""
     B, H, _, _ = q.shape
     G = kv_idx.shape[2]
     C = perm.shape[-1] // G
     if C != GROUP_SIZE:
         return f"needs group size {GROUP_SIZE} (one query tile), got {C}"
-    if H * G > MAX_GROUPS:
+    fused = variant != "regroup"
+    if not fused and H * G > MAX_GROUPS:
         return f"runs at most {MAX_GROUPS} groups per batch element, got {H * G}"
-    for name, t in (("k", k), ("v", v)):
-        rows = t.transpose(1, 2)
-        if rows.stride(-1) != 1 or rows.data_ptr() % 16 or any(s % 8 for s in rows.stride()[:-1]):
-            return (f"reads {name} rows by 16-byte copies: unit stride on D and 16-byte aligned rows needed, got "
-                    f"strides {tuple(t.stride())}")
+    if fused and B * H * G >= 2**31:
+        return f"runs fewer than 2^31 groups, got {B * H * G}"
+    for name, t in (("q", q), ("k", k), ("v", v)) if fused else (("k", k), ("v", v)):
+        why = _rows(t.transpose(1, 2), 16)
+        if why:
+            return f"reads {name} rows by 16-byte copies: {why}"
+    if fused and out is not None:
+        why = _rows(out.transpose(1, 2), 4)
+        if why:
+            return f"writes out rows 4 bytes at a time: {why}"
+    if fused and residual is not None:
+        data = residual.data.view(torch.uint8) if residual.kind == "fp8_row" else residual.data
+        why = _rows(data.transpose(1, 2), 1 if residual.kind == "int4_row" else 2 * data.element_size())
+        if why:
+            return f"reads residual rows in pairs: {why}"
+        for name, t in (("scale", residual.scale), ("coef", residual.coef)):
+            if t is not None and t.stride(-1) != 1:
+                return f"reads the residual {name} with unit stride on S, got strides {tuple(t.stride())}"
+        if residual.mean is not None:
+            why = _rows(residual.mean, 4)
+            if why:
+                return f"reads the residual's group mean rows in pairs: {why}"
+    return None
+
+
+def _rows(t: torch.Tensor, align: int) -> str | None:
+    """Why rows of t (``(B, S, H, D)``; the last dim must have unit stride) are not ``align``-byte aligned."""
+    step = max(1, align // t.element_size())
+    if t.stride(-1) != 1 or t.data_ptr() % align or any(s % step for s in t.stride()[:-1]):
+        return f"unit stride on D and {align}-byte aligned rows needed, got strides {tuple(t.stride())}"
     return None
