@@ -18,6 +18,7 @@ It writes --out JSON and the scoreboard key ``cutedsl_sparse_eff_min`` (the defa
 and --commit), and prints every variant's minimum.
 
 Usage: python tests/bench_cutedsl.py --out $OUT/bench_cutedsl.json --commit <hash> [--shapes 1.3b,14b] [--rep 200]
+       [--variants regroup,fused,persistent]
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def check(got, q, k, v, perm, idx, heads=2):
     return float((g - ref).norm() / ref.norm())
 
 
-def run_shape(name, shp, densities, rep, log):
+def run_shape(name, shp, densities, rep, log, variants):
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (native(gen, B, S, H, D) for _ in range(3))
@@ -104,7 +105,7 @@ def run_shape(name, shp, densities, rep, log):
         r["cutedsl op"] = ms(lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl"), rep)
         r["cutedsl op + plain residual"] = ms(
             lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, backend="cutedsl"), rep)
-        for var in cop.VARIANTS:
+        for var in variants:
             out.fill_(float("nan"))
             cop.sparse_attention(q, k, v, perm, idx, out=out, variant=var)
             r[f"cutedsl {var} op_err"] = check(out, q, k, v, perm, idx)
@@ -156,6 +157,7 @@ def main():
     ap.add_argument("--shapes", default="1.3b,14b")
     ap.add_argument("--densities", default="0.1,0.15,0.25,0.5")
     ap.add_argument("--rep", type=int, default=200)
+    ap.add_argument("--variants", default="regroup,fused,persistent", help="op variants timed side by side")
     ap.add_argument("--commit", default=os.environ.get("MC_SPARSE_COMMIT", "unknown"))
     ap.add_argument("--scoreboard", default=str(ROOT / "docs/results/scoreboard.json"))
     args = ap.parse_args()
@@ -168,9 +170,10 @@ def main():
     log(f"GPU {torch.cuda.get_device_name()}; backends:\n{registry.report()}")
     report = dict(gpu=torch.cuda.get_device_name(), commit=args.commit, shapes={})
     report["compile"] = compile_times(log)
+    variants = args.variants.split(",")
     for name in args.shapes.split(","):
         report["shapes"][name] = run_shape(name, SHAPES[name], [float(x) for x in args.densities.split(",")], args.rep,
-                                           log)
+                                           log, variants)
     effs = {(n, s): r["efficiency"]["cutedsl op"] for n, sh in report["shapes"].items()
             for s, r in sh["densities"].items()}
     worst = min(effs, key=effs.get)
@@ -178,7 +181,7 @@ def main():
     kern = min(r["efficiency"]["cutedsl kernel"] for sh in report["shapes"].values() for r in sh["densities"].values())
     from comfyui_mc_sparse_pack.kernels.cutedsl import op as cop
     per_variant = {var: min(r["efficiency"][f"cutedsl {var} op"] for sh in report["shapes"].values()
-                            for r in sh["densities"].values()) for var in cop.VARIANTS}
+                            for r in sh["densities"].values()) for var in variants}
     report["eff_min_per_variant"] = per_variant
     log(f"cutedsl_sparse_eff_min {effs[worst]:.3f} at {worst} (default variant {cop.default_variant()}; kernel "
         f"alone: min {kern:.3f}); per variant: " + ", ".join(f"{k} {v:.3f}" for k, v in per_variant.items()))
