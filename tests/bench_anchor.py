@@ -117,7 +117,7 @@ def dense_fns():
 
 PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set for the call); s64: Gram path;
     # sq: directions by repeated squaring (SQUARE; i8 -> 3 squarings, i16 -> 4); w: warps of _direction / _leaf
-    "s64 i4": (dict(samples=64, power_iters=4), {}), "s64 i2": (dict(samples=64, power_iters=2), {}),
+    "s64 i4": (dict(samples=64, power_iters=4), {}),
     "s64 sq16": (dict(samples=64, power_iters=16), dict(SQUARE=True)),
     "s256 sq8 w8": ({}, dict(SQUARE=True, _DIR_WARPS=8)),
     "compact s64 i4 w4": (dict(samples=64, power_iters=4), dict(COMPACT=True, _DIR_WARPS=4)),
@@ -126,6 +126,9 @@ PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set 
     "s64 sq16 sub8": (dict(samples=64, power_iters=16), dict(SQUARE=True, SUBTREE=8)),
     "s64 i4 sub16": (dict(samples=64, power_iters=4), dict(SUBTREE=16)),
     "compact s64 i4 sub8 w4": (dict(samples=64, power_iters=4), dict(COMPACT=True, SUBTREE=8, _DIR_WARPS=4)),
+    # sortN: nodes of up to N groups split once per level by a one-round _subtree program (sort, no histogram)
+    "s64 i4 sort16": (dict(samples=64, power_iters=4), dict(SORTSPLIT=16)),
+    "compact s64 i4 sort16 w4": (dict(samples=64, power_iters=4), dict(COMPACT=True, SORTSPLIT=16, _DIR_WARPS=4)),
 }
 
 

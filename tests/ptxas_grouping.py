@@ -69,13 +69,16 @@ def main():
     ap.add_argument("--sq", type=int, default=0, help="squarings of the direction kernels (0: power iteration)")
     ap.add_argument("--arch", type=int, nargs="+", default=[90, 80])
     ap.add_argument("--only", nargs="+", help="kernel names to compile (default: all)")
+    ap.add_argument("--subtree", type=int, nargs=2, default=[1024, 3], metavar=("NP", "LEVELS"),
+                    help="_subtree's slots per program and rounds")
     ap.add_argument("--warps", type=int, help="warps of _direction / _leaf (default: grouping.direction_warps)")
     args = ap.parse_args()
     grouping._DIR_WARPS = args.warps
     bad = 0
     for arch in args.arch:
         for first, compact in ((True, False), (False, False), (True, True), (False, True)):
-            for name, fn, a, meta in kernels(args.samples, args.bins, args.pairs, first, compact=compact, arch=arch, sq=args.sq):
+            for name, fn, a, meta in kernels(args.samples, args.bins, args.pairs, first, compact=compact, arch=arch, sq=args.sq,
+                                             subtree_np=args.subtree[0], subtree_levels=args.subtree[1]):
                 if args.only and name not in args.only:
                     continue
                 ck = pr.compile_offline(fn, a, meta, arch)

@@ -106,11 +106,11 @@ def test_select_kv_on_gpu_is_the_top_k_of_its_sums(cuda_gen):
 
 
 @pytest.mark.parametrize("variant", ["default", "s64 sq16", "s256 sq8 w8", "compact s64 sq16 w4", "s64 i4 sub8",
-                                     "compact s64 i4 sub16 w4"])
+                                     "compact s64 i4 sub16 w4", "s64 i4 sort16"])
 def test_grouping_on_gpu_contract_and_quality(cuda_gen, variant, monkeypatch):
     """Triton PDDP at the 1.3B 480p token count on structured queries: contract, and mean within-group variance
     within 5 % of the torch reference's; the default through the op, the benchmark's variants (repeated squaring,
-    int8 copy, warps, subtree programs of up to 8 / 16 groups) through ``grouping.pddp_groups``."""
+    int8 copy, warps, subtree programs of up to 8 / 16 groups, one-round sort splits) through ``grouping.pddp_groups``."""
     from comfyui_mc_sparse_pack.kernels.triton import grouping
 
     grid, D, C, H = (21, 30, 52), 128, 128, 2
@@ -129,6 +129,7 @@ def test_grouping_on_gpu_contract_and_quality(cuda_gen, variant, monkeypatch):
         sq = next((int(w[2:]) for w in words if w.startswith("sq")), None)
         iters = next((int(w[1:]) for w in words if w.startswith("i") and w[1:].isdigit()), None)
         monkeypatch.setattr(grouping, "SUBTREE", next((int(w[3:]) for w in words if w.startswith("sub")), 2))
+        monkeypatch.setattr(grouping, "SORTSPLIT", next((int(w[4:]) for w in words if w.startswith("sort")), 0))
         monkeypatch.setattr(grouping, "SQUARE", sq is not None)
         monkeypatch.setattr(grouping, "COMPACT", "compact" in words)
         monkeypatch.setattr(grouping, "_DIR_WARPS", next((int(w[1:]) for w in words if w.startswith("w")), None))

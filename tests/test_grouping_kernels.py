@@ -206,10 +206,11 @@ def test_leaf_splits_by_the_float64_projection(gen, S, C, first, samples, sq):
 @pytest.mark.parametrize("S,C,leaf,compact,square,subtree", [
     (120, 8, True, False, False, 2), (120, 8, False, True, False, 2), (93, 16, True, True, False, 2),
     (93, 16, True, False, True, 2), (93, 8, True, True, False, 8), (120, 8, True, False, True, 5),
-    (40, 8, True, False, False, 8)])
+    (40, 8, True, False, False, 8), (93, 8, True, False, False, -8)])
 def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, leaf, compact, square, subtree, monkeypatch):
     """The whole grouping with tiles smaller than the nodes (multi-tile prefix sums), ragged S and levels where some
-    nodes no longer split, with / without leaves, subtrees of up to 5 and 8 groups (the root one when S <= 8C), the
+    nodes no longer split, with / without leaves, subtrees of up to 5 and 8 groups (the root one when S <= 8C) or
+    (subtree -8) nodes of up to 8 groups split once per level by the sort program (SORTSPLIT), the
     int8 copy of q below the root and repeated squaring: every query once, -1 only in the tail, deterministic,
     within 5 % of the torch reference's within-group variance and better than a random grouping."""
     monkeypatch.setattr(grouping, "_TILE", 16)
@@ -218,7 +219,8 @@ def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, leaf, compact, 
     monkeypatch.setattr(grouping, "LEAF", leaf)
     monkeypatch.setattr(grouping, "COMPACT", compact)
     monkeypatch.setattr(grouping, "SQUARE", square)
-    monkeypatch.setattr(grouping, "SUBTREE", subtree)
+    monkeypatch.setattr(grouping, "SUBTREE", max(subtree, 0))
+    monkeypatch.setattr(grouping, "SORTSPLIT", max(-subtree, 0))
     q = (torch.randn(1, 2, S, 1, generator=gen) * torch.randn(1, 2, 1, 16, generator=gen)
          + 0.3 * torch.randn(1, 2, S, 16, generator=gen)).to(torch.bfloat16)
     perm = grouping.pddp_groups(q.to(DEVICE), C, power_iters=4, samples=16).cpu()
@@ -242,7 +244,7 @@ def test_direction_warps_rule():
     assert grouping.direction_warps(9, True) == 8
 
 
-def _model_subtree(x, ids, lo, gs, cnt, C, samples, out, tally, path=""):
+def _model_subtree(x, ids, lo, gs, cnt, C, samples, out, tally, path="", depth=99):
     """Check ``out`` (the kernel's final ids of one node, int32 [size]) against float64 recursive splitting of the
     sub-node at groups [lo, lo + gs) whose real queries are ``ids`` in the kernel's current order: its direction is
     the top eigenvector of the covariance of min(cnt, samples) of them sampled evenly over that order, its first
@@ -252,7 +254,7 @@ def _model_subtree(x, ids, lo, gs, cnt, C, samples, out, tally, path=""):
     checked to hold its queries. ``tally``: [checked splits, ill-determined ones]."""
     got = out[lo * C:lo * C + cnt]
     assert sorted(got.tolist()) == sorted(ids.tolist()), path
-    if gs < 2 or cnt == 0:
+    if gs < 2 or cnt == 0 or depth == 0:
         return
     m = min(cnt, samples)
     sample = x[ids[torch.arange(m) * cnt // m].long()]
@@ -274,17 +276,19 @@ def _model_subtree(x, ids, lo, gs, cnt, C, samples, out, tally, path=""):
     else:
         raise AssertionError(f"sub-node {path or 'root'}: left child is neither side of the float64 split")
     tally[0] += 1
-    _model_subtree(x, order[:left], lo, half, min(left, cnt), C, samples, out, tally, path + "L")
-    _model_subtree(x, order[left:], lo + half, gs - half, max(cnt - left, 0), C, samples, out, tally, path + "R")
+    _model_subtree(x, order[:left], lo, half, min(left, cnt), C, samples, out, tally, path + "L", depth - 1)
+    _model_subtree(x, order[left:], lo + half, gs - half, max(cnt - left, 0), C, samples, out, tally, path + "R",
+                   depth - 1)
 
 
-@pytest.mark.parametrize("S,C,gmax,first,samples", [(120, 8, 4, False, 16), (93, 8, 8, False, 16), (40, 8, 8, True, 16),
-                                                    (75, 8, 5, False, 64)])
-def test_subtree_splits_by_the_float64_projection(gen, S, C, gmax, first, samples):
-    """_subtree on nodes of up to ``gmax`` groups (ragged last node, nodes of 3 and 5 groups, the root as one node):
-    every round splits each sub-node of >= 2 groups at ceil(g/2)*C by the float64 projection on the top eigenvector
-    of its evenly sampled queries (recursive model, either sign), padding -1 last; every slot of the nodes written
-    and no other (output poisoned)."""
+@pytest.mark.parametrize("S,C,gmax,first,samples,finish", [(120, 8, 4, False, 16, True), (93, 8, 8, False, 16, True),
+                                                           (40, 8, 8, True, 16, True), (75, 8, 5, False, 64, True),
+                                                           (93, 8, 8, False, 16, False)])
+def test_subtree_splits_by_the_float64_projection(gen, S, C, gmax, first, samples, finish):
+    """_subtree on nodes of up to ``gmax`` groups (ragged last node, nodes of 3 and 5 groups, the root as one node;
+    finish False: one round, as SORTSPLIT launches it): every round splits each sub-node of >= 2 groups at
+    ceil(g/2)*C by the float64 projection on the top eigenvector of its evenly sampled queries (recursive model,
+    either sign), padding -1 last; every slot of the nodes written and no other (output poisoned)."""
     B, H, D = 1, 2, 16
     G = -(-S // C)
     n_slots = G * C
@@ -292,7 +296,7 @@ def test_subtree_splits_by_the_float64_projection(gen, S, C, gmax, first, sample
     basis = torch.linalg.qr(torch.randn(H, D, D, generator=gen))[0]
     q = (torch.randn(B, H, S, D, generator=gen) * scales) @ basis.transpose(-1, -2)
     q = q.to(torch.bfloat16)
-    levels = grouping._plan(S, C, torch.device(DEVICE), gmax)
+    levels = grouping._plan(S, C, torch.device(DEVICE), gmax, finish)
     level = 0 if first else next(i for i, lv in enumerate(levels) if lv[2] is not None)
     assert (level == 0) == first
     N, start, count, size, n_max, rounds = levels[level][2]
@@ -318,7 +322,7 @@ def test_subtree_splits_by_the_float64_projection(gen, S, C, gmax, first, sample
         for bh in range(B * H):
             got = out[bh, s:s + n]
             assert (got[c:] == -1).all()
-            _model_subtree(x_all[bh], perm[bh, s:s + c], 0, n // C, c, C, samples, got, tally)
+            _model_subtree(x_all[bh], perm[bh, s:s + c], 0, n // C, c, C, samples, got, tally, depth=rounds)
     assert (out[:, ~inside] == -7).all()
     print("splits checked exactly, ill-determined:", tally)
-    assert tally[0] >= 3 * tally[1], tally  # most splits checked exactly
+    assert tally[0] >= max(4, 2 * tally[1]), tally  # most splits checked exactly

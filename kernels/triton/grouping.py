@@ -52,6 +52,8 @@ _DIR_WARPS = None  # warps of _direction / _leaf; None: ``direction_warps``
 _GRAM_MAX = 64  # samples up to which directions come from the samples' Gram matrix instead of the covariance
 COMPACT = False  # levels below the root read an int8 copy of q (per-query scale) written by the root's _bin
 _SUB_SLOTS = 2048  # most slots of a _subtree node (its sort keys hold the position in 11 bits)
+SORTSPLIT = 0  # nodes of 3 to this many groups split once per level by a one-round _subtree program (sort), not
+# by the histogram path (0: off; takes precedence over SUBTREE)
 SUBTREE = 2  # nodes of up to this many groups split to the end in one program (2: ``_leaf``; 0: none)
 SQUARE = False  # directions by repeated squaring of the covariance / Gram matrix (tl.dot) instead of power iteration
 LEAF = True  # two-group nodes split by _leaf in one program (False: every node by the histogram path)
@@ -164,7 +166,7 @@ def _node_direction(base, scb, perm_row, start, count, m, stride_qs, stride_qd,
         xc = tl.where(take[:, None], x - mean[None, :], 0.0)
         xb = xc.to(tl.bfloat16)
         u, lam = _top_direction(tl.dot(xb, tl.trans(xb)), PAIRS, SCHUNK, SQ)
-        v = tl.sum(xc * u[:, None], 0)
+        v = tl.sum(xb.to(tl.float32) * u[:, None], 0)  # from the bf16 rows: the fp32 ones need not stay live
         v = v / tl.maximum(tl.sqrt(tl.sum(v * v, 0)), 1e-30)
     else:
         cov, mean = _sample_cov(base, scb, perm_row, start, count, m, stride_qs, stride_qd, D, SCHUNK, FIRST, READ8)
@@ -477,12 +479,13 @@ def _major(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=_PLAN_CACHE)
-def _plan(S: int, C: int, device: torch.device, gmax: int) -> tuple:
+def _plan(S: int, C: int, device: torch.device, gmax: int, finish: bool = True) -> tuple:
     """Per level: (copy, big, small). ``copy``: some node of the level no longer splits or was finished by an earlier
     level (its slots are carried over); ``big``: None or (N, n_max, node start slot, node size in slots, real queries
     per node) of the nodes split by the histogram path, the tables int32 device tensors; ``small``: None or (N, start,
-    count, size, n_max, rounds) of the nodes of 2..``gmax`` groups finished in one program (``_leaf`` when gmax is
-    2, else ``_subtree`` with ``rounds`` = ceil(log2(most groups))); gmax 0: every node by the histogram path."""
+    count, size, n_max, rounds) of the nodes of 2..``gmax`` groups split in one program each (``_leaf`` when gmax
+    is 2, else ``_subtree``): ``finish``: to single groups (``rounds`` = ceil(log2(most groups))), else split once
+    (rounds 1; their halves go on at the next level); gmax 0: every node by the histogram path."""
     G = -(-S // C)
     nodes = [(0, G, False)]  # (first block, blocks, finished)
     levels = []
@@ -499,10 +502,10 @@ def _plan(S: int, C: int, device: torch.device, gmax: int) -> tuple:
             table = torch.tensor([start, size, count], dtype=torch.int32).to(device)
             parts.append((len(split), max(size), table[0], table[1], table[2]) if big
                          else (len(split), table[0], table[2], table[1], max(size),
-                               (max(g for _, g in split) - 1).bit_length()))
+                               (max(g for _, g in split) - 1).bit_length() if finish else 1))
         levels.append((any(g == 1 or done for _, g, done in nodes), *parts))
         nodes = [half for b, g, done in nodes for half in (
-            ((b, -(-g // 2), False), (b + -(-g // 2), g // 2, False)) if g > gmax and not done
+            ((b, -(-g // 2), False), (b + -(-g // 2), g // 2, False)) if (g > gmax or not finish) and g > 1 and not done
             else ((b, g, g > 1),))]
     return tuple(levels)
 
@@ -537,10 +540,11 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
     G = -(-S // C)
     BH = B * H
     n_slots = G * C
-    gmax = max(2, SUBTREE) if LEAF else 0
+    gmax = max(2, SUBTREE, SORTSPLIT) if LEAF else 0
     while gmax > 2 and triton.next_power_of_2(gmax * C) > _SUB_SLOTS:  # _subtree's keys hold 11 position bits
         gmax -= 1
-    levels = _plan(S, C, q.device, gmax)
+    finish = SORTSPLIT < 2
+    levels = _plan(S, C, q.device, gmax, finish)
     if not levels:  # one group: the queries in order, then the padding
         out = torch.full((BH, n_slots), -1, dtype=torch.int32, device=q.device)
         out[:, :S] = torch.arange(S, dtype=torch.int32, device=q.device)
@@ -566,7 +570,7 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
         np2 = max(triton.next_power_of_2(n_max) for *_, n_max, _ in leaves)
         n_leaf = max(n for n, *_ in leaves)
         keys = torch.empty(BH * n_leaf * np2, dtype=torch.int64, device=q.device)
-        if gmax > 2:
+        if gmax > 2 or not finish:
             ids = torch.empty(BH * n_leaf * np2, dtype=torch.int32, device=q.device)
             vs = torch.empty(BH * n_leaf * (1 << (max(r for *_, r in leaves) - 1)) * D, dtype=torch.float32,
                              device=q.device)
@@ -602,7 +606,7 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
             _apply[(n_tiles, N, BH)](cur, nxt, bin_of, hist, start, size, count, cnt, S, N, n_slots, n_tiles, C,
                                      TILE=_TILE, NB=bins, PREFIX=_PREFIX, FIRST=first, num_warps=4)
             hook("apply")
-        if leaf and gmax == 2:
+        if leaf and gmax == 2 and finish:
             N, start, count, _, n_max, _ = leaf
             _leaf[(N, BH)](q, q8, sc, cur, nxt, keys, start, count, H, N, S, n_slots, C, *strides,
                            PAIRS=pairs, M=samples, D=D, SCHUNK=schunk, CHUNK=64, NP=triton.next_power_of_2(n_max),
