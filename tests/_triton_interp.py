@@ -4,6 +4,9 @@
    NumPy >= 2.4 rejects ``int()`` of an array with ndim > 0, so ``__index__`` is made to read the single element.
 2. bfloat16 tensors are stored as their uint16 bit patterns, and ``tl.dot`` multiplied those integers; bf16
    operands are widened to float32 first (exact: every bf16 value is a float32 value).
+3. Casts to float8e4nv truncated the mantissa and added the cut-off bit without a carry into the exponent (x in
+   (120, 128) became 64) nor ties to even; they go through torch's float8_e4m3fn cast (round to nearest even, as
+   the GPU's ``cvt.rn.satfinite.e4m3x2.f32`` for finite values in range).
 Test-only: compiled kernels never use the interpreter.
 """
 
@@ -42,3 +45,20 @@ def patch_interpreter() -> None:
         return original_dot(self, widen(a), widen(b), d, *args, **kwargs)
 
     builder.create_dot = create_dot
+
+    import torch
+
+    original_convert = interpreter._convert_float
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        if output_dtype != tl.float8e4nv or input_dtype not in (tl.float32, tl.float16, tl.bfloat16):
+            return original_convert(input, input_dtype, output_dtype, rounding_mode)
+        raw = np.ascontiguousarray(input)
+        if input_dtype == tl.bfloat16:
+            wide = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            wide = raw.astype(np.float32)
+        out = torch.from_numpy(np.ascontiguousarray(wide)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return out.reshape(input.shape)
+
+    interpreter._convert_float = convert_float

@@ -89,6 +89,42 @@ def test_select_pass2_variants_on_gpu_against_float64(cuda_gen, pair, exp, extra
         assert bool((kept >= 0.995 * ref.topk(kq, -1).values.sum(-1)).all())
 
 
+@pytest.mark.parametrize("extra", [{}, {"poly": 1}, {"poly": 2}, {"pipelined": False}, {"block_n": 128, "num_warps": 8}])
+def test_select_fp8_pass2_on_gpu_is_exact_on_its_operands(cuda_gen, extra):
+    """Float8 pass 2 compiled (wgmma e4m3 on sm_90): the group sums of its own smoothed float8 operands
+    (``fp8_operands``, dequantised, in float64) within 2e-5 relative L2 per group (2e-4 with polynomial exponentials),
+    keys with a shared component, odd group count and ragged S, every entry written; select_kv with fp8 is exactly
+    the top-K of its float16 sums and keeps >= 99.5 % of the float64 top-K's probability mass."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 products need sm_89+")
+    D, C, H, kq = 128, 128, 2, 1234
+    for S in (5000, 4900):
+        q = (torch.randn(1, H, S, D, device="cuda", generator=cuda_gen)
+             + torch.randn(1, H, 1, D, device="cuda", generator=cuda_gen)).to(torch.bfloat16)
+        k = (torch.randn(1, H, S, D, device="cuda", generator=cuda_gen)
+             + 2 * torch.randn(1, H, 1, D, device="cuda", generator=cuda_gen)).to(torch.bfloat16)
+        _, lse = kernels.dense_attention(q, k, k, return_lse=True)
+        perm = kernels.pddp_groups(q, C, backend="triton")
+        G = perm.shape[-1] // C
+        out = torch.full((1, H, G, S), float("nan"), device="cuda")
+        selection.group_prob_sums(q, k, lse, perm, group_size=C, out=out, fp8=True, **extra)
+        assert not out.isnan().any()
+        q8, k8, _, lse_s, kb = selection.fp8_operands(q, k, lse, D**-0.5)
+        qs, ks = selection.fp8_stats(q)[1], selection.fp8_stats(k)[1]
+        deq = reference.group_prob_sums(q8.double() * qs.double()[..., None, None],
+                                        k8.double() * ks.double()[..., None, None], lse_s.double(), perm, group_size=C)
+        deq = deq * torch.exp2(kb.double())[:, :, None, :]
+        rel = (out.double() - deq).norm(dim=-1) / deq.norm(dim=-1)
+        assert float(rel.max()) < (2e-4 if extra.get("poly") else 2e-5), float(rel.max())
+        idx = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=128, fp8=True, **extra)
+        assert torch.equal(idx, ref_top_k_rows(out.half(), kq, idx.shape[-1]))
+        ref = reference.group_prob_sums(q.double(), k.double(), lse.double(), perm, group_size=C)
+        kept = ref.gather(-1, idx[..., :kq].long()).sum(-1)
+        assert bool((kept >= 0.995 * ref.topk(kq, -1).values.sum(-1)).all())
+
+
 def test_select_kv_on_gpu_is_the_top_k_of_its_sums(cuda_gen):
     """Triton select_kv at a ragged S: the exact top-K of its float16 group sums; >= 99.5 % of the float32 top-K mass."""
     S, D, C, H = 5000, 128, 128, 2

@@ -287,16 +287,25 @@ def test_select_kv_pair_f16_is_exact_top_k_of_its_sums(gen):
 
 
 @pytest.mark.parametrize("cap,C,kw,want", [
-    (None, 128, {}, ("pair", True)), ((9, 0), 128, {}, ("pair", True)), ((9, 0), 100, {}, ("pair", True)),
-    ((8, 9), 128, {}, ("fwd", None)), ((9, 0), 64, {}, ("fwd", None)), ((9, 0), 64, {"pair": True}, ("pair", True)),
-    ((8, 0), 128, {"pair": True}, ("pair", True)), ((9, 0), 128, {"pair": True, "pipelined": False}, ("pair", False)),
-    ((9, 0), 128, {"pair": False}, ("fwd", None)), ((9, 0), 128, {"pair": False, "pipelined": True}, ("fwd", None)),
-    ((9, 0), 128, {"poly": True}, ("fwd", None)), ((9, 0), 128, {"fp8": True}, ("fp8", None)),
+    (None, 128, {}, ("pair", True, False, 0)), ((9, 0), 128, {}, ("pair", True, False, 0)),
+    ((9, 0), 100, {}, ("pair", True, False, 0)), ((8, 9), 128, {}, ("fwd", None, None, False)),
+    ((9, 0), 64, {}, ("fwd", None, None, False)), ((9, 0), 64, {"pair": True}, ("pair", True, False, 0)),
+    ((8, 0), 128, {"pair": True}, ("pair", True, False, 0)),
+    ((9, 0), 128, {"pair": True, "pipelined": False}, ("pair", False, False, 0)),
+    ((9, 0), 128, {"pair": False}, ("fwd", None, None, False)),
+    ((9, 0), 128, {"pair": False, "pipelined": True}, ("fwd", None, None, False)),
+    ((9, 0), 128, {"poly": True}, ("pair", True, False, 2)), ((9, 0), 128, {"poly": 1}, ("pair", True, False, 1)),
+    ((9, 0), 128, {"poly": 2, "pair": False}, ("fwd", None, None, True)),
+    ((9, 0), 128, {"fp8": True}, ("pair", True, True, 0)), ((8, 9), 128, {"fp8": True}, ("pair", True, True, 0)),
+    ((9, 0), 128, {"fp8": True, "pair": False}, ("pair", True, True, 0)),
+    ((8, 6), 128, {"fp8": True}, ("fwd", None, None, False)), ((9, 0), 200, {"fp8": True}, ("fwd", None, None, False)),
+    ((9, 0), 128, {"fp8": True, "poly": 1}, ("pair", True, True, 1)),
 ])
 def test_pass2_default_kernel_dispatch(gen, monkeypatch, cap, C, kw, want):
     """group_prob_sums' default: the staggered two-group kernel for 64 < C <= 128 on sm_90+ and under the
     interpreter; one group per program below sm_90 and for C <= 64 (not measured there); explicit options win;
-    poly / fp8 pick their own kernels."""
+    poly runs on the kernel picked (its share with the pair kernel); fp8 forces the pair kernel, and is ignored
+    below sm_89 and for C > 128."""
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
     ran = []
@@ -307,16 +316,132 @@ def test_pass2_default_kernel_dispatch(gen, monkeypatch, cap, C, kw, want):
 
         def __getitem__(self, grid):
             def launch(*args, **meta):
-                ran.append((self.name, meta.get("STAGGER")))
+                ran.append((self.name, meta.get("STAGGER"), meta.get("FP8"), meta["POLY"]))
                 return self.kernel[grid](*args, **meta)
             return launch
 
-    for name in ("pair", "fwd", "fp8"):
+    for name in ("pair", "fwd"):
         attr = f"_group_prob_sums_{name}"
         monkeypatch.setattr(selection, attr, Spy(name, getattr(selection, attr)))
     monkeypatch.setattr(selection, "_capability", lambda device: cap)
+    monkeypatch.delenv("MC_SPARSE_PASS2_FP8", raising=False)
     q, k = (torch.randn(1, 1, 70, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
     _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
     perm = _groups(gen, 1, 1, 70, C)
     selection.group_prob_sums(q, k, lse, perm, group_size=C, block_n=32, **kw)
     assert ran == [want]
+
+
+def _fp8_dequantised_sums(selection, q, k, lse, perm, C, scale):
+    """float64 group sums of what the float8 kernel multiplies: fp8_operands' copies dequantised, its shifted LSE and
+    its per-key factor 2^kb (the smoothing of fp8_operands' docstring)."""
+    q8, k8, _, lse_s, kb = selection.fp8_operands(q, k, lse, scale)
+    _, qs = selection.fp8_stats(q)
+    _, ks = selection.fp8_stats(k)
+    deq = reference.group_prob_sums(q8.double() * qs.double()[..., None, None], k8.double() * ks.double()[..., None, None],
+                                    lse_s.double(), perm, group_size=C, scale=scale)
+    return deq * torch.exp2(kb.double())[:, :, None, :]
+
+
+def test_fp8_operands_are_the_smoothed_rounded_copies(gen):
+    """fp8_operands on strided [B, S, H*D] views (keys with a large shared component, as DiT keys have): q8 / k8 are
+    (x - head mean) / head scale rounded to nearest even (bitwise torch's float8_e4m3fn cast of the same fp32
+    quotient), every element written; the scale is amax|x - mean| / 448 (nothing saturates, no range wasted by a
+    large constant column); an all-zero head gets scale 1 (no NaN); lse_s = lse - scale q . mean_k and kb = scale log2(e) mean_q . (k - mean_k), clamped
+    to [-100, 100]; qf = q scale x k scale x softmax scale x log2(e)."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    B, H, S, SK, D = 2, 3, 70, 90, 32
+    q = (torch.randn(B, S, H * D, generator=gen) * 3).to(torch.bfloat16).view(B, S, H, D).transpose(1, 2)
+    k = (torch.randn(B, SK, H * D, generator=gen) + 4 * torch.randn(B, 1, H * D, generator=gen))
+    k = k.to(torch.bfloat16).view(B, SK, H, D).transpose(1, 2)
+    k[1, 2] = 0.0  # an all-zero head
+    q[0, 1, :, 0] = 300.0  # a mean query that gives keys logits beyond the clamp
+    lse = torch.randn(B, H, S, generator=gen)
+    scale = 0.125
+    q8, k8, qf, lse_s, kb = (t.cpu() for t in selection.fp8_operands(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), scale))
+    mq, qs = selection.fp8_stats(q)
+    mk, ks = selection.fp8_stats(k)
+    assert torch.allclose(mq.double(), q.double().mean(2), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(mk.double(), k.double().mean(2), rtol=1e-5, atol=1e-5)
+    for x, m, sc in ((q, mq, qs), (k, mk, ks)):
+        amax = (x.float() - m[:, :, None]).abs().amax((-2, -1))
+        assert torch.equal(sc, torch.where(amax > 0, amax / 448, torch.ones_like(amax)))
+    assert float(ks[1, 2]) == 1.0
+    assert q8.dtype == torch.float8_e4m3fn and q8.shape == (B, H, S, D) and k8.shape == (B, H, SK, D)
+    want_q8 = ((q.float() - mq[:, :, None]) / qs[..., None, None]).to(torch.float8_e4m3fn)
+    want_k8 = ((k.float() - mk[:, :, None]) / ks[..., None, None]).to(torch.float8_e4m3fn)
+    assert torch.equal(q8.view(torch.uint8), want_q8.view(torch.uint8))
+    assert torch.equal(k8.view(torch.uint8), want_k8.view(torch.uint8))
+    assert not k8.float().isnan().any()
+    assert torch.allclose(qf, qs * ks * scale * math.log2(math.e), rtol=1e-6, atol=0)
+    want_lse = lse.double() - scale * (q.double() @ mk.double()[..., None]).squeeze(-1)
+    assert torch.allclose(lse_s.double(), want_lse, rtol=1e-5, atol=1e-4)
+    want_kb = scale * math.log2(math.e) * ((k.double() - mk.double()[:, :, None]) @ mq.double()[..., None]).squeeze(-1)
+    assert float(want_kb.abs().max()) > 100  # the clamp is exercised
+    assert torch.allclose(kb.double(), want_kb.clamp(-100, 100), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("stagger,poly", [(True, 0), (False, 0), (True, 1), (True, 2), (False, 1)])
+def test_fp8_pair_pass2_is_exact_on_its_float8_operands(gen, stagger, poly):
+    """The float8 pass 2 computes the exact group sums of its own smoothed float8 operands (fp32 accumulation of
+    exact fp8 x fp8 products; relative error <= 2e-5 per group without the polynomial exponentials, 2e-4 with them),
+    with B = 2 (the per-head factor is read at b * H + h), keys with a shared component (the per-key factor
+    matters), an odd group count, ragged S, every entry written (NaN poison); and its top-K (K = 30 % of S) keeps
+    >= 99.5 % of the exact top-K's probability mass."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    B, H, S, D, C = 2, 2, 300, 32, 64  # G = 5
+    q = (torch.randn(B, H, S, D, generator=gen) + torch.randn(B, H, 1, D, generator=gen)).to(torch.bfloat16)
+    k = torch.randn(B, H, S, D, generator=gen) * torch.rand(B, H, 1, 1, generator=gen) * 3
+    k = (k + 2 * torch.randn(B, H, 1, D, generator=gen)).to(torch.bfloat16)
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    lse = lse.float()
+    perm = _groups(gen, B, H, S, C)
+    out = torch.full((B, H, perm.shape[-1] // C, S), float("nan")).to(DEVICE)
+    selection.group_prob_sums(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(DEVICE), group_size=C, out=out,
+                              fp8=True, pipelined=stagger, poly=poly, block_n=64)
+    out = out.cpu()
+    assert not out.isnan().any()
+    deq = _fp8_dequantised_sums(selection, q, k, lse, perm, C, D**-0.5)
+    tol = 2e-4 if poly else 2e-5
+    for g in range(deq.shape[2]):  # each group's row on its own
+        assert float((out[:, :, g].double() - deq[:, :, g]).norm() / deq[:, :, g].norm()) < tol
+    exact = reference.group_prob_sums(q.double(), k.double(), lse.double(), perm, group_size=C)
+    kept = exact.gather(-1, out.topk(90, -1).indices).sum(-1)
+    assert bool((kept >= 0.995 * exact.topk(90, -1).values.sum(-1)).all())
+
+
+@pytest.mark.parametrize("poly", [1, 2])
+def test_pair_pass2_polynomial_share_matches_float64(gen, poly):
+    """The pair kernel with a quarter (group 1's odd query columns) or half (all of group 1) of the exponentials on
+    the FMA pipe: each group's sums within 1e-4 of float64 (the polynomial's 4e-5), odd G, every entry written."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    S, C = 300, 64
+    q, k = (torch.randn(1, 2, S, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    perm = _groups(gen, 1, 2, S, C)
+    out = torch.full((1, 2, perm.shape[-1] // C, S), float("nan")).to(DEVICE)
+    selection.group_prob_sums(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(DEVICE), group_size=C, out=out,
+                              pair=True, poly=poly, block_n=64)
+    out = out.cpu()
+    ref = reference.group_prob_sums(q.double(), k.double(), lse, perm, group_size=C)
+    assert not out.isnan().any()
+    for g in range(ref.shape[2]):
+        assert float((out[:, :, g].double() - ref[:, :, g]).norm() / ref[:, :, g].norm()) < 1e-4
+
+
+def test_fp8_default_switch(monkeypatch):
+    """MC_SPARSE_PASS2_FP8 = 1 / 0 overrides the measured default; never below sm_89; other values are errors."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    monkeypatch.setenv("MC_SPARSE_PASS2_FP8", "1")
+    assert selection.fp8_default((9, 0)) and selection.fp8_default(None) and not selection.fp8_default((8, 0))
+    monkeypatch.setenv("MC_SPARSE_PASS2_FP8", "0")
+    assert not selection.fp8_default((9, 0))
+    monkeypatch.setenv("MC_SPARSE_PASS2_FP8", "yes")
+    with pytest.raises(ValueError, match="MC_SPARSE_PASS2_FP8"):
+        selection.fp8_default((9, 0))
+    monkeypatch.delenv("MC_SPARSE_PASS2_FP8")
+    assert selection.fp8_default((9, 0)) == selection._FP8_DEFAULT

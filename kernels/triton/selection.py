@@ -119,8 +119,32 @@ def _group_prob_sums_fwd(
 
 
 @triton.jit
+def _row_sums(x, EXP_MODE: tl.constexpr, POLY: tl.constexpr):
+    """Row sums of 2^x for a [BLOCK_N, BLOCK_M] tile (fp32 [BLOCK_N]): POLY 0 all exponentials on MUFU (``fastexp``
+    mode EXP_MODE), 1 the odd columns on the FMA pipe (``_exp2_fma``; the accumulator holds column pairs in one
+    thread, so the split moves no data), 2 all on the FMA pipe."""
+    if POLY == 2:
+        col = tl.sum(_exp2_fma(x), 1)
+    elif POLY == 1:
+        even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+        col = tl.sum(fastexp.exp2(even, EXP_MODE).to(tl.float32), 1) + tl.sum(_exp2_fma(odd), 1)
+    else:
+        col = tl.sum(fastexp.exp2(x, EXP_MODE).to(tl.float32), 1)
+    return col
+
+
+@triton.jit
+def _key_scaled(col, kb_base, keys, SK, FP8: tl.constexpr):
+    """``col`` ([BLOCK_N] group sums of the keys ``keys``) times 2^KB[key] (FP8's per-key smoothing term; keys
+    outside [0, Sk) x 1), or ``col`` itself without FP8."""
+    if FP8:
+        col = col * tl.math.exp2(tl.load(kb_base + keys, mask=(keys >= 0) & (keys < SK), other=0.0))
+    return col
+
+
+@triton.jit
 def _group_prob_sums_pair(
-    Q, K, LSE, PERM, SUMS,
+    Q, K, LSE, PERM, SUMS, QF, KB,
     sm_scale_log2,
     H, S, SK, n_slots, C, G,
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -132,11 +156,21 @@ def _group_prob_sums_pair(
     BLOCK_N: tl.constexpr,
     EXP_MODE: tl.constexpr,
     STAGGER: tl.constexpr,  # group 1 runs half a step behind group 0 (see below)
+    FP8: tl.constexpr,  # Q, K are float8_e4m3 copies; QF holds each head's factor (see below)
+    POLY: tl.constexpr,  # group 1's exponentials on the FMA pipe: 0 none, 1 its odd columns, 2 all (``_row_sums``)
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
     products are independent, so one group's exponentials can overlap the other's MMA. A missing second group
-    (odd G) has no valid query: its products are computed on zeros and never stored."""
+    (odd G) has no valid query: its products are computed on zeros and never stored.
+
+    FP8: Q / K are the smoothed float8_e4m3 copies of ``fp8_operands``, LSE its shifted LSE, and the log2 probability
+    is ``(q8 . k8) * QF[b * H + h] - LSE[q] * log2(e) + KB[b, h, key]``, QF (fp32, [B * H]) = the head's q scale x
+    k scale x softmax scale x log2(e): one FMA per score with a scalar factor, as in bf16 (where the factor is
+    ``sm_scale_log2``); the per-key term KB (fp32, [B, H, Sk] contiguous) multiplies each key's sum (2^KB, one
+    exponential per key and group). A per-query factor would hold 64 more registers per thread (ptxas: 255 and
+    spills; tests/ptxas_select.py).
+    POLY > 0: POLY / 4 of the exponentials (group 1's odd query columns, or all of group 1's) on the FMA pipe."""
     pair = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -162,6 +196,11 @@ def _group_prob_sums_pair(
     q1 = tl.load(q_base + r1[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=v1[:, None], other=0.0)
     l0 = tl.load(l_base + r0 * stride_ls, mask=v0, other=float("inf")) * 1.4426950408889634
     l1 = tl.load(l_base + r1 * stride_ls, mask=v1, other=float("inf")) * 1.4426950408889634
+    if FP8:
+        f = tl.load(QF + bh)  # the head's q scale x k scale x softmax scale x log2(e)
+    else:
+        f = sm_scale_log2
+    kb_base = KB + bh.to(tl.int64) * SK
 
     if STAGGER:
         # software pipeline across the two groups: per key tile, group 0's QK^T is issued before group 1's
@@ -174,15 +213,17 @@ def _group_prob_sums_pair(
             k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                         mask=k_ok[:, None], other=0.0)
             s0 = tl.dot(k, tl.trans(q0))
-            col1 = tl.sum(fastexp.exp2(s1 * sm_scale_log2 - l1[None, :], EXP_MODE).to(tl.float32), 1)
             prev = keys - BLOCK_N
+            col1 = _key_scaled(_row_sums(s1 * f - l1[None, :], EXP_MODE, POLY), kb_base, prev, SK, FP8)
             tl.store(s_base + stride_sg + prev.to(tl.int64) * stride_sn, col1.to(SUMS.dtype.element_ty),
                      mask=(prev >= 0) & has_g1)
             s1 = tl.dot(k, tl.trans(q1))
-            col0 = tl.sum(fastexp.exp2(s0 * sm_scale_log2 - l0[None, :], EXP_MODE).to(tl.float32), 1)
+            col0 = _key_scaled(tl.sum(fastexp.exp2(s0 * f - l0[None, :], EXP_MODE).to(tl.float32), 1), kb_base, keys,
+                               SK, FP8)
             tl.store(s_base + keys.to(tl.int64) * stride_sn, col0.to(SUMS.dtype.element_ty), mask=k_ok)
-        last = ((SK - 1) // BLOCK_N) * BLOCK_N + offs_n
-        col1 = tl.sum(fastexp.exp2(s1 * sm_scale_log2 - l1[None, :], EXP_MODE).to(tl.float32), 1)
+        last_tile = (SK - 1) // BLOCK_N
+        last = last_tile * BLOCK_N + offs_n
+        col1 = _key_scaled(_row_sums(s1 * f - l1[None, :], EXP_MODE, POLY), kb_base, last, SK, FP8)
         tl.store(s_base + stride_sg + last.to(tl.int64) * stride_sn, col1.to(SUMS.dtype.element_ty),
                  mask=(last < SK) & has_g1)
     else:
@@ -191,72 +232,105 @@ def _group_prob_sums_pair(
             k_ok = keys < SK
             k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                         mask=k_ok[:, None], other=0.0)
-            x0 = tl.dot(k, tl.trans(q0)) * sm_scale_log2 - l0[None, :]
-            x1 = tl.dot(k, tl.trans(q1)) * sm_scale_log2 - l1[None, :]
-            col0 = tl.sum(fastexp.exp2(x0, EXP_MODE).to(tl.float32), 1)
-            col1 = tl.sum(fastexp.exp2(x1, EXP_MODE).to(tl.float32), 1)
+            x0 = tl.dot(k, tl.trans(q0)) * f - l0[None, :]
+            x1 = tl.dot(k, tl.trans(q1)) * f - l1[None, :]
+            col0 = _key_scaled(tl.sum(fastexp.exp2(x0, EXP_MODE).to(tl.float32), 1), kb_base, keys, SK, FP8)
+            col1 = _key_scaled(_row_sums(x1, EXP_MODE, POLY), kb_base, keys, SK, FP8)
             dst = s_base + keys.to(tl.int64) * stride_sn
             tl.store(dst, col0.to(SUMS.dtype.element_ty), mask=k_ok)
             tl.store(dst + stride_sg, col1.to(SUMS.dtype.element_ty), mask=k_ok & has_g1)
 
 
 @triton.jit
-def _group_prob_sums_fp8(
-    Q8, K8, QS, KS, LSE, PERM, SUMS,
-    sm_scale_log2,
-    H, S, SK, n_slots, C,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_lb, stride_lh, stride_ls,
-    stride_sb, stride_sh, stride_sg, stride_sn,
+def _fp8_quantize(
+    X, OUT, MEAN, OTHER_MEAN, DIV, IN_ROW, OUT_ROW,
+    H, S,
+    stride_xb, stride_xh, stride_xs, stride_xd,
+    stride_rb, stride_rh, stride_rs,
+    row_mul,
     HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    IS_Q: tl.constexpr,
 ):
-    """Approximate pass 2 for C <= BLOCK_M on row-scaled float8_e4m3 q and k (twice the MMA rate on Hopper):
-    s = (q8 . k8) * scale_q * scale_k, the next tile's product issued before this tile's exponentials. QS / KS:
-    fp32 row scales laid out like LSE ([B, H, S] with LSE's strides; k's with the same strides over Sk)."""
-    group = tl.program_id(0)
+    """One head's BLOCK_S rows x of q (IS_Q) or k ([B, H, S, D] by strides): OUT (float8_e4m3, contiguous
+    [B, H, S, D]) = (x - MEAN[bh]) / DIV[bh] rounded to nearest even, and a per-row term t = x . OTHER_MEAN[bh]
+    (q: x . mean(k)) or (x - MEAN[bh]) . OTHER_MEAN[bh] (k: (k - mean(k)) . mean(q)) written as
+    OUT_ROW[bh * S + row] = IN_ROW[row] + row_mul * t for q (IN_ROW: the LSE by its strides), and
+    clamp(row_mul * t, -100, 100) for k (IN_ROW unused). MEAN / OTHER_MEAN: fp32 [B * H, D]; DIV: fp32 [B * H]."""
+    pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    offs_m = tl.arange(0, BLOCK_M)
+    rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    perm_base = PERM + bh.to(tl.int64) * n_slots + group.to(tl.int64) * C
-    q_base = Q8 + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    row_off = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
-    k_base = K8 + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    s_base = SUMS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + group.to(tl.int64) * stride_sg
-    q_idx = tl.load(perm_base + offs_m, mask=offs_m < C, other=-1)
-    q_valid = (q_idx >= 0) & (q_idx < S)
-    q_rows = tl.where(q_valid, q_idx, 0).to(tl.int64)
-    qt = tl.trans(tl.load(q_base + q_rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_valid[:, None],
-                          other=0.0))
-    lse2 = tl.load(LSE + row_off + q_rows * stride_ls, mask=q_valid, other=float("inf")) * 1.4426950408889634
-    qsc = tl.load(QS + row_off + q_rows * stride_ls, mask=q_valid, other=0.0) * sm_scale_log2
-    keys = offs_n
-    k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                mask=(keys < SK)[:, None], other=0.0)
-    ksc = tl.load(KS + row_off + keys.to(tl.int64) * stride_ls, mask=keys < SK, other=0.0)
-    st = tl.dot(k, qt)
-    for n0 in range(BLOCK_N, SK + BLOCK_N, BLOCK_N):
-        keys = n0 + offs_n
-        k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                    mask=(keys < SK)[:, None], other=0.0)
-        st_next = tl.dot(k, qt)
-        col = tl.sum(tl.math.exp2((st * ksc[:, None]) * qsc[None, :] - lse2[None, :]), 1)
-        prev = keys - BLOCK_N
-        tl.store(s_base + prev.to(tl.int64) * stride_sn, col.to(SUMS.dtype.element_ty), mask=prev < SK)
-        ksc = tl.load(KS + row_off + keys.to(tl.int64) * stride_ls, mask=keys < SK, other=0.0)
-        st = st_next
+    ok = rows < S
+    x = tl.load(X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + rows.to(tl.int64)[:, None] * stride_xs
+                + offs_d[None, :] * stride_xd, mask=ok[:, None], other=0.0).to(tl.float32)
+    mean = tl.load(MEAN + bh * HEAD_DIM + offs_d)
+    other = tl.load(OTHER_MEAN + bh * HEAD_DIM + offs_d)
+    xc = x - mean[None, :]
+    out_rows = bh.to(tl.int64) * S + rows
+    if IS_Q:
+        t = tl.sum(x * other[None, :], 1)
+        lse = tl.load(IN_ROW + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh + rows.to(tl.int64) * stride_rs,
+                      mask=ok, other=0.0)
+        tl.store(OUT_ROW + out_rows, lse + row_mul * t, mask=ok)
+    else:
+        t = tl.sum(xc * other[None, :], 1)
+        tl.store(OUT_ROW + out_rows, tl.minimum(tl.maximum(row_mul * t, -100.0), 100.0), mask=ok)
+    y = tl.div_rn(xc, tl.load(DIV + bh))  # IEEE division: the same bits as torch's (x - mean) / scale
+    tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None])
 
 
-def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-scaled float8_e4m3fn copy of ``x`` [B, H, S, D] and its fp32 scales [B, H, S] (amax -> 448)."""
-    amax = x.abs().amax(-1).float()
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    return (x / scale.unsqueeze(-1).to(x.dtype)).to(torch.float8_e4m3fn), scale
+def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, scale) of ``x`` ``[B, H, S, D]`` per head: mean fp32 ``[B, H, D]`` over the S rows, and the float8
+    scale fp32 ``[B, H]`` = amax|x - mean| / 448 (from each column's min and max; 1 when it is 0; 448: e4m3's largest
+    finite value). Two reductions over x (mean; aminmax)."""
+    mean = x.mean(dim=2, dtype=torch.float32)
+    lo, hi = torch.aminmax(x, dim=2)
+    amax = torch.maximum(hi.float() - mean, mean - lo.float()).amax(-1)
+    return mean.contiguous(), torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).contiguous()
+
+
+def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float):
+    """The float8 operands of pass 2's FP8 mode, smoothed: (q8, k8, qf, lse_s, kb).
+
+    The products are taken on mean-free rows (q' = q - mean_q, k' = k - mean_k per head, SageAttention's smoothing of
+    K, extended to Q): ``q . k = q' . k' + q . mean_k + mean_q . k'``; the per-query term moves into the LSE, the
+    per-key term into a factor on each key's group sum, so float8's relative error applies only to q' . k'. On the
+    synthetic workload (tests/measure_fp8_selection.py) this cut the mass lost to the selection at s = 0.1 from
+    ~1e-3 (plain float8) to ~1e-4 of the exact top-K's.
+
+    Args:
+        q: ``[B, H, S, D]``, k: ``[B, H, Sk, D]``, fp16 / bf16 / fp32, any strides; lse: fp32 ``[B, H, S]`` (natural
+        log, any strides); scale: the softmax scale.
+    Returns:
+        q8, k8: float8_e4m3fn ``[B, H, S, D]`` / ``[B, H, Sk, D]``, contiguous: (x - mean) / head scale (``fp8_stats``)
+        rounded to nearest even (e4m3 is a float format: one scale per head keeps each element's 3-bit relative
+        precision down to amax * 2^-15);
+        qf: fp32 ``[B, H]``: q's scale x k's scale x ``scale`` x log2(e): ``(q8 . k8) * qf`` = ``q' . k' * scale *
+        log2(e)`` up to the float8 roundings;
+        lse_s: fp32 ``[B, H, S]``: ``lse - scale * q . mean_k`` (natural log);
+        kb: fp32 ``[B, H, Sk]``: ``scale * log2(e) * mean_q . k'``, clamped to [-100, 100] (a mean query alone giving a
+        key a logit beyond +-69 is outside what this is built for): the group sum of key j is 2^kb[j] x the sum over
+        the group of 2^(q8 . k8 * qf - lse_s * log2(e)).
+    Cost: a mean and an amax reduction of q and of k (torch), one Triton launch each (read; write 1 byte per element
+    and 4 per row). Source: docs/kernels.md ("select_kv"); e4m3: torch.float8_e4m3fn (OCP FP8, max 448).
+    """
+    B, H, S, D = q.shape
+    SK = k.shape[2]
+    mq, qs = fp8_stats(q)
+    mk, ks = fp8_stats(k)
+    q8 = torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn, device=q.device)
+    k8 = torch.empty(B, H, SK, D, dtype=torch.float8_e4m3fn, device=q.device)
+    lse_s = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    kb = torch.empty(B, H, SK, dtype=torch.float32, device=q.device)
+    bs = 64
+    _fp8_quantize[(triton.cdiv(S, bs), B * H)](q, q8, mq, mk, qs, lse, lse_s, H, S, *q.stride(), *lse.stride(), -scale,
+                                               HEAD_DIM=D, BLOCK_S=bs, IS_Q=True, num_warps=4)
+    _fp8_quantize[(triton.cdiv(SK, bs), B * H)](k, k8, mk, mq, ks, lse, kb, H, SK, *k.stride(), *lse.stride(),
+                                                scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, IS_Q=False, num_warps=4)
+    return q8, k8, qs * ks * (scale * _LOG2E), lse_s, kb
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
@@ -277,10 +351,24 @@ def _config(head_dim: int) -> tuple[int, int, int]:
 # exponentials 0.610 / 0.571). Below sm_90 (not measured; 97 KiB of shared memory at D = 128, near sm_86/89's 99 KiB)
 # one group per program stays the default, and for C <= 64 too (measured at C = 128 only).
 _PAIR_MIN_CAPABILITY = (9, 0)
+# float8 QK^T (wgmma / mma e4m3): sm_89+. Default off until the H200 measurement (docs/kernels.md, "select_kv").
+_FP8_MIN_CAPABILITY = (8, 9)
+_FP8_DEFAULT = False
+
+
+def fp8_default(capability: tuple[int, int] | None) -> bool:
+    """Whether pass 2 takes its QK^T in float8 when the caller does not say: ``MC_SPARSE_PASS2_FP8`` = "1" / "0"
+    decides when set (any other value is a ValueError), else ``_FP8_DEFAULT``; never below sm_89 (capability None,
+    the interpreter, counts as able)."""
+    env = os.environ.get("MC_SPARSE_PASS2_FP8")
+    if env not in (None, "", "0", "1"):
+        raise ValueError(f"MC_SPARSE_PASS2_FP8 must be 0 or 1, got {env!r}")
+    want = _FP8_DEFAULT if env in (None, "") else env == "1"
+    return want and (capability is None or tuple(capability) >= _FP8_MIN_CAPABILITY)
 
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
-                    num_stages=None, exp="fp32", poly=False, pipelined=None, fp8=False, pair=None):
+                    num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -292,14 +380,15 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         "f16_emulated" (its roundings in plain Triton, for tests); pair: two query groups per program (C <= 128),
         pipelined: with pair, the two groups staggered by half a step so one's exponentials overlap the other's MMA
         (ignored without pair); None / None: the staggered pair kernel for 64 < C <= 128 on sm_90+ (and the
-        interpreter) unless fp8 or poly is asked for, else one group per program; poly: half the exponentials by polynomial on
-        the FMA pipe (one group per program; benchmarks); fp8:
-        APPROXIMATE sums from row-scaled float8_e4m3 copies of q and k (twice the MMA rate; C <= 128; benchmarks
-        measure the kept mass before any default uses it).
+        interpreter), else one group per program; poly: exponentials on the FMA pipe (polynomial, ~4e-5 relative):
+        with the pair kernel poly / 4 of them (1: group 1's odd query columns, 2 or True: all of group 1's), with one
+        group per program every other key tile for any nonzero value; fp8: QK^T on float8_e4m3 copies of q and k
+        (``fp8_operands``; twice the bf16 MMA rate on sm_89+), APPROXIMATE sums (~1e-2 relative) for ranking; forces
+        the pair kernel; ignored (bf16/fp16 products) for C > 128 and below sm_89; None: ``fp8_default``.
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
-        TypeError: lse not float32. ValueError: lse or out of the wrong shape.
+        TypeError: lse not float32. ValueError: lse or out of the wrong shape, poly out of range.
     """
     B, H, S, D = q.shape
     C = group_size
@@ -314,35 +403,31 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         out = torch.empty(B, H, G, SK, dtype=torch.float32, device=q.device)
     elif out.dtype not in (torch.float32, torch.float16) or tuple(out.shape) != (B, H, G, SK):
         raise ValueError(f"out must be float32/16 [B, H, G, Sk] = {(B, H, G, SK)}, got {out.dtype} {tuple(out.shape)}")
+    poly = 2 if poly is True else int(poly)
+    if not 0 <= poly <= 2:
+        raise ValueError(f"poly must be a bool or 0, 1, 2, got {poly}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     block_m = min(128, max(16, triton.next_power_of_2(C)))
     bn, warps, stages = _config(D)
-    exp_mode = fastexp.mode_for(exp, _capability(q.device))
-    if pair is None:
-        cap = _capability(q.device)
-        pair = (cap is None or cap >= _PAIR_MIN_CAPABILITY) and block_m == 128 and not (fp8 or poly)
+    cap = _capability(q.device)
+    exp_mode = fastexp.mode_for(exp, cap)
+    fp8 = fp8_default(cap) if fp8 is None else bool(fp8)
+    fp8 = fp8 and C <= block_m and (cap is None or cap >= _FP8_MIN_CAPABILITY)  # else bf16/fp16 products
+    if fp8:
+        pair = True
+    elif pair is None:
+        pair = (cap is None or cap >= _PAIR_MIN_CAPABILITY) and block_m == 128
     pipelined = bool(pair) if pipelined is None else bool(pipelined)
     perm = perm.contiguous()
-    if fp8 and C <= block_m:
-        q8, qs = _fp8_rows(q)
-        k8, ks = _fp8_rows(k)
-        lse_c = lse.contiguous()
-        qs, ks = qs.contiguous(), ks.contiguous()
-        if SK != S:
-            raise ValueError(f"fp8 pass 2 needs Sk == S (scales share LSE's layout), got {SK} and {S}")
-        _group_prob_sums_fp8[(G, B * H)](
-            q8, k8, qs, ks, lse_c, perm, out, scale * _LOG2E, H, S, SK, n_slots, C,
-            *q8.stride(), *k8.stride(), *lse_c.stride(), *out.stride(),
-            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, num_warps=num_warps or warps,
-            num_stages=num_stages or stages,
-        )
-        return out
     if pair and C <= block_m:
+        qf = kb = lse  # placeholders, not read without FP8
+        if fp8:
+            q, k, qf, lse, kb = fp8_operands(q, k, lse, scale)
         _group_prob_sums_pair[(triton.cdiv(G, 2), B * H)](
-            q, k, lse, perm, out, scale * _LOG2E, H, S, SK, n_slots, C, G,
+            q, k, lse, perm, out, qf, kb, scale * _LOG2E, H, S, SK, n_slots, C, G,
             *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
-            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined,
-            num_warps=num_warps or warps, num_stages=num_stages or stages,
+            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
+            POLY=poly, num_warps=num_warps or warps, num_stages=num_stages or stages,
         )
         return out
     _group_prob_sums_fwd[(G, B * H)](
@@ -351,14 +436,14 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         H, S, SK, n_slots, C,
         *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
         M_CHUNKS=triton.cdiv(C, block_m), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode,
-        POLY=poly,
+        POLY=poly > 0,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )
     return out
 
 
-def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=False,
-              block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=False, exp="fp32", pair=None,
+def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
+              block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
               topk_method=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
@@ -367,8 +452,9 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. ``topk.top_k_rows`` then writes each group's
     row of the selection in place: the K largest float16 sums (ties: lower token index first), ascending, then -1.
     ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined``,
-    ``exp``, ``pair`` tune pass 2 (see ``group_prob_sums``; the defaults are its defaults: the staggered
-    two-group kernel); ``topk_method`` picks ``topk.top_k_rows``'s method (None: its default by row length).
+    ``exp``, ``pair``, ``poly``, ``fp8`` tune pass 2 (see ``group_prob_sums``; the defaults are its defaults: the
+    staggered two-group kernel, float8 products per ``fp8_default``); ``topk_method`` picks ``topk.top_k_rows``'s
+    method (None: its default by row length).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.

@@ -1,0 +1,92 @@
+"""Offline compile of pass 2 (kernels/triton/selection.py) for sm_90 with ``ptxas -v`` and a SASS census (no GPU
+needed; not collected by pytest): registers, spills, shared memory, and per kernel the count of MUFU.EX2, HGMMA /
+QGMMA (bf16 / fp8 wgmma), FFMA and warp-specialisation markers (setmaxnreg) in the SASS, so a variant that does
+not compile, spills, or loses its wgmma / software pipeline shows up before the GPU run.
+
+Usage: python tests/ptxas_select.py. Exit status 1 when a listed variant spills or does not fit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("_ptxas_report", Path(__file__).resolve().parent / "ptxas_report.py")
+pr = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pr)  # pops TRITON_INTERPRET and loads the pack
+import torch  # noqa: E402
+
+selection = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.selection")
+
+VARIANTS = {  # name: pair-kernel constexprs (BLOCK_N 64, 4 warps, 3 stages unless given)
+    "bf16 stagger (default)": dict(FP8=False, POLY=0),
+    "bf16 stagger poly 1/4": dict(FP8=False, POLY=1),
+    "bf16 stagger poly 1/2": dict(FP8=False, POLY=2),
+    "fp8 stagger": dict(FP8=True, POLY=0),
+    "fp8 stagger poly 1/4": dict(FP8=True, POLY=1),
+    "fp8 stagger poly 1/2": dict(FP8=True, POLY=2),
+    "fp8 stagger st2": dict(FP8=True, POLY=0, num_stages=2),
+    "fp8 stagger st4": dict(FP8=True, POLY=0, num_stages=4),
+    "fp8 stagger bn128 w8": dict(FP8=True, POLY=0, BLOCK_N=128, num_warps=8),
+    "fp8 stagger poly 1/4 bn128 w8": dict(FP8=True, POLY=1, BLOCK_N=128, num_warps=8),
+}
+
+
+def sass_census(ck):
+    """Counts of a few SASS opcodes in the compiled cubin (cuobjdump -sass of the bundled tools)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    tool = Path(get_ptxas(90).path).with_name("cuobjdump")
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"mc_sparse_sel_{os.getpid()}.cubin"
+    tmp.write_bytes(ck.asm["cubin"])
+    sass = subprocess.run([str(tool), "-sass", str(tmp)], capture_output=True, text=True).stdout
+    tmp.unlink()
+    ops = ("MUFU.EX2", "HGMMA", "QGMMA", "FFMA", "FADD", "SETMAXNREG", "LDGSTS", "UTMALDG", "BAR.SYNC", "WARPGROUP")
+    return {op: len(re.findall(r"\b" + re.escape(op), sass)) for op in ops}
+
+
+def compile_variant(name, cfg, S=75600, H=40, D=128, C=128, arch=90):
+    B = 1
+    fp8 = cfg.get("FP8", False)
+    dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    if fp8:
+        q = torch.empty(B, H, S, D, dtype=dt, device="meta")
+        k = torch.empty(B, H, S, D, dtype=dt, device="meta")
+    else:
+        q, k = pr.model_views(B, H, S, D)[:2]
+    G = -(-S // C)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device="meta")
+    perm = torch.empty(B, H, G * C, dtype=torch.int32, device="meta")
+    sums = torch.empty(B, 5, G, S, dtype=torch.float16, device="meta")
+    qf = torch.empty(B * H, dtype=torch.float32, device="meta")
+    kb = torch.empty(B, H, S, dtype=torch.float32, device="meta")
+    args = [q, k, lse, perm, sums, qf, kb, 0.1275, H, S, S, G * C, C, G, *q.stride(), *k.stride(), *lse.stride(),
+            *sums.stride()]
+    meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=cfg.get("BLOCK_N", 64), EXP_MODE=0, STAGGER=cfg.get("STAGGER", True),
+                FP8=fp8, POLY=cfg.get("POLY", 0), num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+    ck = pr.compile_offline(selection._group_prob_sums_pair, args, meta, arch)
+    regs, st, ld = pr.ptxas_usage(ck, arch)
+    return dict(variant=name, regs=regs, spill_st=st, spill_ld=ld, smem=ck.metadata.shared,
+                fits=ck.metadata.shared <= pr.SMEM_LIMIT[arch], sass=sass_census(ck))
+
+
+def main():
+    bad = 0
+    for name, cfg in VARIANTS.items():
+        try:
+            r = compile_variant(name, cfg)
+            bad += r["spill_st"] > 0 or not r["fits"]
+        except Exception as err:  # noqa: BLE001 (report every variant)
+            r = dict(variant=name, error=f"{type(err).__name__}: {str(err)[:300]}")
+            bad += 1
+        print(r, flush=True)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
