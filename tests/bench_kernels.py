@@ -288,6 +288,8 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside its defaul
     "gluon pipeline": dict(_gluon=True, pipeline=True),
     "gluon 3 stages": dict(_gluon=True, num_stages=3),
     "gluon pipeline 3 stages": dict(_gluon=True, pipeline=True, num_stages=3),
+    "gluon persistent": dict(_gluon=True, persistent=True),
+    "gluon persistent pipeline": dict(_gluon=True, persistent=True, pipeline=True),
 }
 
 

@@ -3,8 +3,10 @@
 Compiles ``kernels/triton/sparse_attention_sm90.py``'s kernel for sm_90a at the Wan2.1 shapes (D = 128 and 64,
 C = 128, q/k/v/out as [B, H, S, D] views of [B, S, H*D] tensors), for every residual kind, with the runtime's
 specialisations (``ptxas_report.compile_offline`` with Gluon's AST source), then prints ptxas registers, spills,
-shared memory and the ``setmaxnreg`` counts found in the PTX. Exit status 1 when a default config spills or does
-not fit in shared memory.
+shared memory, the ``setmaxnreg`` counts found in the PTX and the local-memory (spill) instructions inside the
+consumer partitions' MMA loop and the producer's copy loop (SASS by cuobjdump). Exit status 1 when a config spills
+in a consumer's hot loop, spills more than 64 bytes in all (the producer's 40 registers: a few spills outside the
+consumers' loop), or does not fit in shared memory.
 
 Usage: python tests/ptxas_gluon.py [--quick] [--ptx DIR] (--quick: D = 128, plain residual only; DIR: also write each
 PTX and cubin there)
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,31 +31,63 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 g90 = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention_sm90")
 
 
+def hot_loop_spills(cubin: bytes, consumer_regs: int, producer_regs: int) -> tuple[int, int]:
+    """(local-memory ops between the first and last HGMMA of the consumer partitions, between the first and last
+    LDGSTS of the producer) in the SASS (cuobjdump): spills inside the hot loops. A partition's code is the SASS
+    after its ``USETMAXREG`` to its register count."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    cuobjdump = Path(get_ptxas(90).path).with_name("cuobjdump")
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"mc_sparse_gluon_{os.getpid()}.cubin"
+    tmp.write_bytes(cubin)
+    sass = subprocess.run([str(cuobjdump), "-sass", str(tmp)], capture_output=True, text=True).stdout
+    tmp.unlink()
+    regions, cur = [], []
+    for line in sass.splitlines():
+        if not re.search(r"/\*[0-9a-f]{4,}\*/", line):
+            continue
+        if "USETMAXREG" in line:
+            regions.append(cur)
+            cur = []
+        cur.append(line)
+    regions.append(cur)
+    hot = {consumer_regs: 0, producer_regs: 0}
+    for r in regions:
+        m = re.search(r"USETMAXREG\.\S+ (?:\S+, )?(0x[0-9a-f]+)", r[0]) if r else None
+        regs = int(m.group(1), 16) if m else None
+        if regs not in hot:
+            continue
+        marks = [i for i, line in enumerate(r) if ("HGMMA" if regs == consumer_regs else "LDGSTS") in line]
+        if marks:
+            hot[regs] += sum(1 for line in r[min(marks):max(marks) + 1] if re.search(r"\b(STL|LDL)", line))
+    return hot[consumer_regs], hot[producer_regs]
+
+
+def _tag(tuning):
+    return "".join(f"_{k}{int(v) if isinstance(v, bool) else v}" for k, v in sorted(tuning.items()))
+
+
 def report(residual_kind=None, return_lse=True, D=128, S=75600, H=40, ptx_dir=None, **tuning):
     B, C = 1, 128
     q, k, v, out = pr.model_views(B, H, S, D)
     G = -(-S // C)
     perm = torch.empty(B, H, G * C, dtype=torch.int32, device="meta")
     kv_idx = torch.empty(B, H, G, 19200, dtype=torch.int32, device="meta")
-    res = None
-    if residual_kind == "plain":
-        res = pr.Residual(torch.empty(B, H, S, D, dtype=torch.bfloat16, device="meta"))
-    elif residual_kind in ("fp8_row", "int4_row"):
-        data = (torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn, device="meta") if residual_kind == "fp8_row"
-                else torch.empty(B, H, S, D // 2, dtype=torch.uint8, device="meta"))
-        res = pr.Residual(data, torch.empty(B, H, S, dtype=torch.float32, device="meta"), residual_kind)
+    res = pr.meta_residual(residual_kind, B, H, S, D, G)
     _, args, meta, _ = g90.launch_args(q, k, v, perm, kv_idx, return_lse=return_lse, out=out, residual=res, **tuning)
     ck = pr.compile_offline(g90._sparse_fwd_sm90, args, meta, 90, source=GluonASTSource)
     regs, st, ld = pr.ptxas_usage(ck, 90)
     ptx = ck.asm["ptx"]
     if ptx_dir:
         Path(ptx_dir).mkdir(parents=True, exist_ok=True)
-        (Path(ptx_dir) / f"g90_d{D}_{residual_kind}_{int(return_lse)}.ptx").write_text(ptx)
-        (Path(ptx_dir) / f"g90_d{D}_{residual_kind}_{int(return_lse)}.cubin").write_bytes(ck.asm["cubin"])
+        (Path(ptx_dir) / f"g90_d{D}_{residual_kind}_{int(return_lse)}{_tag(tuning)}.ptx").write_text(ptx)
+        (Path(ptx_dir) / f"g90_d{D}_{residual_kind}_{int(return_lse)}{_tag(tuning)}.cubin").write_bytes(ck.asm["cubin"])
+    consumer_hot, producer_hot = hot_loop_spills(ck.asm["cubin"], meta["CONSUMER_REGS"], meta["PRODUCER_REGS"])
     setmax = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
     smem = ck.metadata.shared
     return dict(D=D, residual=residual_kind, lse=return_lse, tuning=tuning, regs=regs, spill_st=st, spill_ld=ld, smem=smem,
-                fits=smem <= pr.SMEM_LIMIT[90], setmaxnreg=setmax,
+                fits=smem <= pr.SMEM_LIMIT[90], setmaxnreg=setmax, consumer_hot_spills=consumer_hot,
+                producer_hot_spills=producer_hot,
                 cfg={k: meta[k] for k in ("NUM_STAGES", "GATHER_ROWS", "CONSUMER_REGS", "PRODUCER_REGS", "maxnreg")})
 
 
@@ -62,12 +98,13 @@ def main():
     args = ap.parse_args()
     bad = 0
     cases = [(128, "plain", {})] if args.quick else (
-        [(D, kind, {}) for D in (128, 64) for kind in (None, "plain", "fp8_row", "int4_row")]
-        + [(128, kind, tune) for kind in ("plain", "int4_row")  # the bench's GLUON_CONFIGS
-           for tune in (dict(pipeline=True), dict(num_stages=3), dict(pipeline=True, num_stages=3))])
+        [(D, kind, {}) for D in (128, 64) for kind in (None, "plain", "fp8_row", "int4_row", "int4_group")]
+        + [(128, kind, tune) for kind in ("plain", "int4_group")  # the bench's GLUON_CONFIGS
+           for tune in (dict(pipeline=True), dict(num_stages=3), dict(pipeline=True, num_stages=3),
+                        dict(persistent=True, num_sms=132), dict(persistent=True, num_sms=132, pipeline=True))])
     for D, kind, tune in cases:
         r = report(kind, D=D, ptx_dir=args.ptx, **tune)
-        bad += r["spill_st"] > 0 or not r["fits"]
+        bad += r["consumer_hot_spills"] > 0 or not r["fits"] or (not tune and r["spill_st"] > 64)
         print(r, flush=True)
     sys.exit(1 if bad else 0)
 

@@ -92,24 +92,29 @@ def model_views(B, H, S, D, dtype=torch.bfloat16):
     return [t.view(B, S, H, D).transpose(1, 2) for t in base]
 
 
+def meta_residual(kind, B, H, S, D, G):
+    """A ``Residual`` of ``kind`` (None: no residual) on the meta device, the cache's shapes and dtypes."""
+    if kind == "plain":
+        return Residual(torch.empty(B, H, S, D, dtype=torch.bfloat16, device="meta"))
+    if kind in ("fp8_row", "int4_row"):
+        data = (torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn, device="meta") if kind == "fp8_row"
+                else torch.empty(B, H, S, D // 2, dtype=torch.uint8, device="meta"))
+        return Residual(data, torch.empty(B, H, S, dtype=torch.float32, device="meta"), kind)
+    if kind == "int4_group":
+        return Residual(torch.empty(B, H, S, D // 2, dtype=torch.uint8, device="meta"),
+                        torch.empty(B, H, S, dtype=torch.bfloat16, device="meta"), kind,
+                        torch.empty(B, H, S, dtype=torch.float8_e4m3fn, device="meta"),
+                        torch.empty(B, H, G, D, dtype=torch.bfloat16, device="meta"))
+    return None
+
+
 def report(arch, residual_kind=None, return_lse=True, S=75600, H=40, **tuning):
     B, D, C = 1, 128, 128
     q, k, v, out = model_views(B, H, S, D)
     G = -(-S // C)
     perm = torch.empty(B, H, G * C, dtype=torch.int32, device="meta")
     kv_idx = torch.empty(B, H, G, 19200, dtype=torch.int32, device="meta")
-    res = None
-    if residual_kind == "plain":
-        res = Residual(torch.empty(B, H, S, D, dtype=torch.bfloat16, device="meta"))
-    elif residual_kind in ("fp8_row", "int4_row"):
-        data = (torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn, device="meta") if residual_kind == "fp8_row"
-                else torch.empty(B, H, S, D // 2, dtype=torch.uint8, device="meta"))
-        res = Residual(data, torch.empty(B, H, S, dtype=torch.float32, device="meta"), residual_kind)
-    elif residual_kind == "int4_group":
-        res = Residual(torch.empty(B, H, S, D // 2, dtype=torch.uint8, device="meta"),
-                       torch.empty(B, H, S, dtype=torch.bfloat16, device="meta"), residual_kind,
-                       torch.empty(B, H, S, dtype=torch.float8_e4m3fn, device="meta"),
-                       torch.empty(B, H, G, D, dtype=torch.bfloat16, device="meta"))
+    res = meta_residual(residual_kind, B, H, S, D, G)
     _, args, meta, _ = tsa.launch_args(q, k, v, perm, kv_idx, return_lse=return_lse, out=out, residual=res,
                                        capability=(arch // 10, arch % 10), **tuning)
     ck = compile_offline(tsa._sparse_attn_fwd, args, meta, arch)

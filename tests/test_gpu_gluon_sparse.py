@@ -56,7 +56,8 @@ def _check(B, H, S, D, C, K, k_alloc, kind, dtype, seed, ragged_counts=False, **
         idx = torch.where(torch.arange(k_alloc, device="cuda") < counts[..., None], idx, -1)
     res = None
     if kind is not None:
-        res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind)
+        res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind, perm,
+                            perm.shape[-1] // C)
     base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
     out = base.view(B, S, H, D).transpose(1, 2)
     got, lse = _g90().sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, **tuning)
@@ -73,7 +74,7 @@ def _check(B, H, S, D, C, K, k_alloc, kind, dtype, seed, ragged_counts=False, **
     assert lse_err < 1e-3, lse_err
 
 
-@pytest.mark.parametrize("kind", [None, "plain", "fp8_row", "int4_row"])
+@pytest.mark.parametrize("kind", [None, "plain", "fp8_row", "int4_row", "int4_group"])
 @pytest.mark.parametrize(("S", "K"), [(4000, 1000), (3000 + 8, 777)], ids=["S4000", "S3008-ragged"])
 def test_gluon_vs_float64(kind, S, K):
     """B = 2, D = 128, C = 128, bf16: native views, NaN-poisoned out view, O = sparse + R and LSE vs float64."""
@@ -90,12 +91,24 @@ def test_gluon_shapes_vs_float64(D, C, K, k_alloc, dtype, ragged):
     _check(2, 2, 1500 + 3, D, C, K, k_alloc, "plain", dtype, seed=11, ragged_counts=ragged)
 
 
-@pytest.mark.parametrize("tuning", [dict(pipeline=True), dict(num_stages=3), dict(pipeline=True, num_stages=3)],
-                         ids=["pipeline", "3-stages", "pipeline-3-stages"])
-@pytest.mark.parametrize("kind", ["int4_row", None])
+TUNINGS = {"pipeline": dict(pipeline=True), "3-stages": dict(num_stages=3),
+           "pipeline-3-stages": dict(pipeline=True, num_stages=3),
+           "persistent": dict(persistent=True), "persistent-pipeline": dict(persistent=True, pipeline=True),
+           "persistent-7-programs": dict(persistent=True, num_sms=7)}  # 36 items over 7 programs: 5 or 6 each
+
+
+@pytest.mark.parametrize("tuning", list(TUNINGS.values()), ids=list(TUNINGS))
+@pytest.mark.parametrize("kind", ["int4_group", None])
 def test_gluon_tunings_vs_float64(tuning, kind):
-    """The bench's Gluon variants (next QK^T behind P V; a 3-deep K/V ring), ragged counts, fp16."""
-    _check(2, 2, 3000 + 8, 128, 128, 777, 1024, kind, torch.float16, seed=13, ragged_counts=True, **tuning)
+    """The bench's Gluon variants (next QK^T behind P V; a 3-deep K/V ring; persistent programs walking several
+    groups: the ring's phases and the Q slots carried across items), ragged counts, fp16."""
+    _check(2, 2, 1100 + 8, 128, 128, 300, 1024, kind, torch.float16, seed=13, ragged_counts=True, **tuning)
+
+
+def test_gluon_persistent_c192_vs_float64():
+    """Persistent with two programs' worth of rows per group (C = 192: items of 128 and 64 rows)."""
+    _check(2, 2, 1500 + 3, 128, 192, 129, 256, "plain", torch.bfloat16, seed=19, ragged_counts=True, persistent=True,
+           num_sms=5)
 
 
 def test_op_dispatches_to_gluon_without_fallback(monkeypatch):

@@ -13,10 +13,17 @@ products and the softmax of one program overlap (Triton 3.6 does not warp-specia
   online softmax in base 2 with the lazy rescale (max moves only by > ``RESCALE_LOG2``; exact), O += P V (wgmma, P
   from registers), release the V stage. The two warpgroups run independently, so one's softmax overlaps the
   other's products (FA3's ping-pong, here left to the warp schedulers);
-- the epilogue of each consumer: O / l, + the residual (plain / fp8_row / int4_row, dequantised in registers,
+- the epilogue of each consumer: O / l, + the residual (plain / fp8_row / int4_row / int4_group, dequantised in registers,
   fp32), stored through ``perm`` into ``out``'s strides; optional LSE (fp32, natural log).
 
-Shared memory: Q 128 x D + NUM_STAGES x (K + V) tiles of 128 x D (D = 128, 2 stages: 160 KiB). Registers: consumers
+Work items (one group's 128 query rows) walk the groups of one (b, h) back to back. Default: one item per program.
+``persistent``: one program per SM walks items pid, pid + programs, ...; the producer then also gathers each item's
+Q rows (cp.async, 2 slots with their own mbarriers) and runs ahead into the next item's Q and K/V tiles while the
+consumers run the epilogue (the ring's stage / phase follow a tile counter kept across items; every partition counts
+each item's valid slots itself).
+
+Shared memory: Q 128 x D (x 2 slots persistent) + NUM_STAGES x (K + V) tiles of 128 x D (D = 128, 2 stages:
+160 KiB; persistent 192 KiB). Registers: consumers
 take ``CONSUMER_REGS`` each, the producer ``PRODUCER_REGS`` (``setmaxnreg``), under ``maxnreg`` for the whole CTA.
 
 Runs on CUDA sm_90 only (wgmma, ``setmaxnreg``); not under Triton's interpreter (Gluon has no interpreter mode in
@@ -40,8 +47,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .sparse_attention import residual_args
+
 _LOG2E = 1.4426950408889634
-_RES_KINDS = {None: 0, "plain": 1, "fp8_row": 2, "int4_row": 3}
 
 # What this kernel runs (checked by ``refusal`` before a launch); everything else goes to the Triton kernel.
 CAPABILITIES = ((9, 0),)
@@ -54,7 +62,7 @@ RESCALE_LOG2 = gl.constexpr(8.0)  # lazy rescale threshold, log2 units (as spars
 
 def config(head_dim: int) -> dict:
     """Launch config at ``head_dim``: pipeline depth and register split (12 warps: 2 consumer + 1 producer groups)."""
-    return dict(num_stages=2, consumer_regs=232, producer_regs=40, maxnreg=168, pipeline=False)
+    return dict(num_stages=2, consumer_regs=232, producer_regs=40, maxnreg=168, pipeline=False, persistent=False)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -102,45 +110,90 @@ def _valid_count(idx_base, K_ALLOC, PROBES: gl.constexpr, num_warps: gl.constexp
 
 
 @gluon.jit
-def _producer(K, V, KV_IDX, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, SK, idx_off, kv_off_k,
-              kv_off_v, stride_ks, stride_kd, stride_vs, stride_vd,
-              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, ROWS: gl.constexpr,
-              ROW64: gl.constexpr):
-    """Producer warpgroup: gathers K then V rows of each key tile into the stage ring, ROWS rows per copy chunk."""
+def _work_item(w, H, G_MB, M_BLOCKS: gl.constexpr, n_slots, C, K_ALLOC):
+    """Work item w -> (b, h, first query row inside the group, kv_idx row offset, perm offset); items walk the
+    groups of one (b, h) back to back (L2 reuse of the head's K/V)."""
+    bh = w // G_MB
+    pid_m = w % G_MB
+    group = pid_m // M_BLOCKS
+    row0 = (pid_m % M_BLOCKS) * 128
+    idx_off = (bh.to(gl.int64) * (n_slots // C) + group) * K_ALLOC
+    perm_off = bh.to(gl.int64) * n_slots + group.to(gl.int64) * C
+    return bh // H, bh % H, group, row0, idx_off, perm_off
+
+
+@gluon.jit
+def _gather_rows(dst, base, rows, ok, stride_s, stride_d, offs_d):
+    """16-byte cp.async copies of the given rows (D contiguous elements each) into ``dst``; rows not ok: zeros."""
+    ptr = base + rows[:, None] * stride_s + offs_d[None, :] * stride_d
+    async_copy.async_copy_global_to_shared(dst, ptr, mask=ok[:, None])
+
+
+@gluon.jit
+def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              w0, n_work, w_step, n_end0, H, G_MB, n_slots, C, K_ALLOC, S, SK,
+              stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
+              stride_vb, stride_vh, stride_vs, stride_vd,
+              M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              ROWS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the Q slot of the
+    item) then K then V rows of each key tile into the stage ring, ROWS rows per copy chunk; the ring's stage and
+    phase follow a tile counter kept across items."""
     VEC: gl.constexpr = 8  # 16 bytes of fp16/bf16
     TPR: gl.constexpr = HEAD_DIM // VEC  # threads per row
     lay: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPR, TPR], [4, 1], [1, 0])
     offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, lay))
-    idx_base = KV_IDX + idx_off
-    k_base = K + kv_off_k
-    v_base = V + kv_off_v
-    n_tiles = gl.cdiv(n_end, BLOCK_N)
-    for t in range(n_tiles):
-        s = t % NUM_STAGES
-        ph = (t // NUM_STAGES) & 1
-        mbarrier.wait(k_empty.index(s), ph ^ 1)
-        for c in gl.static_range(BLOCK_N // ROWS):
-            slots = t * BLOCK_N + c * ROWS + offs_r
-            live = slots < n_end
-            kv = gl.load(idx_base + slots, mask=live, other=0)
-            kv = gl.where((kv >= 0) & (kv < SK), kv, 0)
-            if ROW64:
-                kv = kv.to(gl.int64)
-            ptr = k_base + kv[:, None] * stride_ks + offs_d[None, :] * stride_kd
-            async_copy.async_copy_global_to_shared(k_smem.index(s).slice(c * ROWS, ROWS), ptr, mask=live[:, None])
-        async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
-        mbarrier.wait(v_empty.index(s), ph ^ 1)
-        for c in gl.static_range(BLOCK_N // ROWS):
-            slots = t * BLOCK_N + c * ROWS + offs_r
-            live = slots < n_end
-            kv = gl.load(idx_base + slots, mask=live, other=0)
-            kv = gl.where((kv >= 0) & (kv < SK), kv, 0)
-            if ROW64:
-                kv = kv.to(gl.int64)
-            ptr = v_base + kv[:, None] * stride_vs + offs_d[None, :] * stride_vd
-            async_copy.async_copy_global_to_shared(v_smem.index(s).slice(c * ROWS, ROWS), ptr, mask=live[:, None])
-        async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
+    c = 0  # tiles produced so far (all items)
+    i = 0  # items so far
+    for w in range(w0, n_work, w_step):
+        b, h, group, row0, idx_off, perm_off = _work_item(w, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)
+        idx_base = KV_IDX + idx_off
+        n_end = n_end0
+        if PERSISTENT:
+            n_end = _valid_count(idx_base, K_ALLOC, 128, 4)
+        if PERSISTENT:  # this item's queries, while the consumers may still run the previous item's epilogue
+            qs = i % 2
+            mbarrier.wait(q_empty.index(qs), ((i // 2) & 1) ^ 1)
+            q_base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
+            for half in gl.static_range(2):
+                for ch in gl.static_range(64 // ROWS):
+                    offs_m = row0 + half * 64 + ch * ROWS + offs_r
+                    q_idx = gl.load(PERM + perm_off + offs_m, mask=offs_m < C, other=-1)
+                    ok = (q_idx >= 0) & (q_idx < S)
+                    rows = gl.where(ok, q_idx, 0)
+                    if ROW64:
+                        rows = rows.to(gl.int64)
+                    _gather_rows(q_smem.index(qs * 2 + half).slice(ch * ROWS, ROWS), q_base, rows, ok, stride_qs,
+                                 stride_qd, offs_d)
+            async_copy.mbarrier_arrive(q_ready.index(qs), increment_count=False)
+        k_base = K + b.to(gl.int64) * stride_kb + h.to(gl.int64) * stride_kh
+        v_base = V + b.to(gl.int64) * stride_vb + h.to(gl.int64) * stride_vh
+        for t in range(gl.cdiv(n_end, BLOCK_N)):
+            s = c % NUM_STAGES
+            ph = (c // NUM_STAGES) & 1
+            mbarrier.wait(k_empty.index(s), ph ^ 1)
+            for ch in gl.static_range(BLOCK_N // ROWS):
+                slots = t * BLOCK_N + ch * ROWS + offs_r
+                live = slots < n_end
+                kv = gl.load(idx_base + slots, mask=live, other=0)
+                kv = gl.where((kv >= 0) & (kv < SK), kv, 0)
+                if ROW64:
+                    kv = kv.to(gl.int64)
+                _gather_rows(k_smem.index(s).slice(ch * ROWS, ROWS), k_base, kv, live, stride_ks, stride_kd, offs_d)
+            async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
+            mbarrier.wait(v_empty.index(s), ph ^ 1)
+            for ch in gl.static_range(BLOCK_N // ROWS):
+                slots = t * BLOCK_N + ch * ROWS + offs_r
+                live = slots < n_end
+                kv = gl.load(idx_base + slots, mask=live, other=0)
+                kv = gl.where((kv >= 0) & (kv < SK), kv, 0)
+                if ROW64:
+                    kv = kv.to(gl.int64)
+                _gather_rows(v_smem.index(s).slice(ch * ROWS, ROWS), v_base, kv, live, stride_vs, stride_vd, offs_d)
+            async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
+            c += 1
+        i += 1
 
 
 @gluon.jit
@@ -151,11 +204,11 @@ def _e4m3_to_f32_div256(byte):
 
 
 @gluon.jit
-def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, t, NUM_STAGES: gl.constexpr):
-    """S = Q K^T of key tile t (fp32, the wgmma accumulator layout of s_zero), then its K stage released."""
-    s = t % NUM_STAGES
+def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c, NUM_STAGES: gl.constexpr):
+    """S = Q K^T of the ring's tile c (fp32, the wgmma accumulator layout of s_zero), then its K stage released."""
+    s = c % NUM_STAGES
     k_tile = k_smem.index(s)
-    mbarrier.wait(k_ready.index(s), (t // NUM_STAGES) & 1)
+    mbarrier.wait(k_ready.index(s), (c // NUM_STAGES) & 1)
     fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads through the async proxy
     qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, q_tile, k_tile))
@@ -164,13 +217,11 @@ def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, t, NUM_STAGES: gl.constexp
 
 
 @gluon.jit
-def _consumer(Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end,
-              sm_scale_log2, S, C, perm_off, row0, q_off, o_off, r_off, c_off, lse_off,
-              stride_qs, stride_qd, stride_os, stride_od, stride_rs, stride_rd, stride_cs,
-              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, PIPELINE: gl.constexpr):
-    """One consumer warpgroup: rows row0 + HALF*64 .. +64 of the program's query block (group order)."""
-    M: gl.constexpr = 64
+def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, c0, sm_scale_log2,
+              dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, PIPELINE: gl.constexpr):
+    """One group's key tiles (ring tiles c0 ..): online softmax in base 2 with the lazy rescale, O = P V accumulated
+    in fp32. Returns (O unnormalised, running max (log2 units), row sum)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -178,31 +229,17 @@ def _consumer(Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
-
-    # Q rows of this half through perm, into this warpgroup's shared-memory tile
-    offs_m = row0 + HALF * M + gl.arange(0, M, layout=gl.SliceLayout(1, q_lay))
-    q_idx = gl.load(PERM + perm_off + offs_m, mask=offs_m < C, other=-1)
-    q_ok = (q_idx >= 0) & (q_idx < S)
-    q_rows = gl.where(q_ok, q_idx, 0)
-    if ROW64:
-        q_rows = q_rows.to(gl.int64)
-    offs_dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_lay))
-    q = gl.load(Q + q_off + q_rows[:, None] * stride_qs + offs_dq[None, :] * stride_qd, mask=q_ok[:, None], other=0.0)
-    q_tile = q_smem.index(HALF)
-    q_tile.store(q)
-    fence_async_shared()
-
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([M], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([M], gl.float32, layout=row_s)
     acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
     n_tiles = gl.cdiv(n_end, BLOCK_N)
-    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, 0, NUM_STAGES)
+    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, NUM_STAGES)
     for t in range(n_tiles):
-        s = t % NUM_STAGES
-        ph = (t // NUM_STAGES) & 1
+        c = c0 + t
+        s = c % NUM_STAGES
+        ph = (c // NUM_STAGES) & 1
         if (t + 1) * BLOCK_N > n_end:  # the last, partial tile: its slots past the count weigh nothing
             qk = gl.where((t * BLOCK_N + offs_n < n_end)[None, :], qk, float("-inf"))
         m_tile = gl.max(qk, 1) * sm_scale_log2
@@ -212,16 +249,16 @@ def _consumer(Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         m_i = m_new
-        p16 = gl.convert_layout(p.to(Q.dtype.element_ty), p_layout)
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
         v_tile = v_smem.index(s)
         mbarrier.wait(v_ready.index(s), ph)
         fence_async_shared()
         acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
         if PIPELINE:  # the next tile's QK^T issued behind this P V: the two products run back to back
             if t + 1 < n_tiles:
-                s1 = (t + 1) % NUM_STAGES
+                s1 = (c + 1) % NUM_STAGES
                 k_tile = k_smem.index(s1)
-                mbarrier.wait(k_ready.index(s1), ((t + 1) // NUM_STAGES) & 1)
+                mbarrier.wait(k_ready.index(s1), ((c + 1) // NUM_STAGES) & 1)
                 fence_async_shared()
                 qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 qk, acc, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, acc_t, q_tile, k_tile, v_tile))
@@ -233,11 +270,26 @@ def _consumer(Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready
             acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, v_tile))
             mbarrier.arrive(v_empty.index(s), count=1)
             if t + 1 < n_tiles:
-                qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, t + 1, NUM_STAGES)
+                qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c + 1, NUM_STAGES)
+    return acc, m_i, l_i
 
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h, group,
+              lse_base, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh, stride_rs, stride_rd,
+              stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg,
+              stride_md, M: gl.constexpr, HEAD_DIM: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr,
+              ROW64: gl.constexpr):
+    """O / l (+ the residual, dequantised in fp32) stored to the rows perm[rowh ..] of ``out`` by strides; the LSE.
+    Residual kinds as ``sparse_attention._store_half``: 1 plain, 2 fp8_row, 3 int4_row, 4 int4_group (+ coef x the
+    group's mean row)."""
+    b64 = b.to(gl.int64)
+    h64 = h.to(gl.int64)
+    o_layout: gl.constexpr = acc.type.layout
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_o = gl.convert_layout(l_i, row_o)
     out = acc / l_o[:, None]
-    offs_mo = row0 + HALF * M + gl.arange(0, M, layout=row_o)
+    offs_mo = rowh + gl.arange(0, M, layout=row_o)
     q_idx = gl.load(PERM + perm_off + offs_mo, mask=offs_mo < C, other=-1)
     ok = (q_idx >= 0) & (q_idx < S)
     rows = gl.where(ok, q_idx, 0)
@@ -245,95 +297,167 @@ def _consumer(Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready
         rows = rows.to(gl.int64)
     if RETURN_LSE:
         lse = (gl.convert_layout(m_i, row_o) + gl.log2(l_o)) * 0.6931471805599453
-        gl.store(LSE + lse_off + rows, lse, mask=ok)
+        gl.store(LSE + lse_base + rows, lse, mask=ok)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     if RES_KIND != 0:
-        if RES_KIND == 3:  # int4_row: byte j holds element 2j (low nibble) and 2j + 1 (high nibble)
-            byte = gl.load(RES + r_off + rows[:, None] * stride_rs + (offs_d // 2)[None, :] * stride_rd,
+        r_base = b64 * stride_rb + h64 * stride_rh
+        if RES_KIND >= 3:  # int4_row / int4_group: byte j holds element 2j (low nibble) and 2j + 1 (high nibble)
+            byte = gl.load(RES + r_base + rows[:, None] * stride_rs + (offs_d // 2)[None, :] * stride_rd,
                            mask=ok[:, None], other=0x88).to(gl.int32)
             r = (((byte >> ((offs_d % 2) * 4)[None, :]) & 0xF) - 8).to(gl.float32)
         elif RES_KIND == 2:  # fp8_row, read as uint8 bit patterns
-            byte = gl.load(RES + r_off + rows[:, None] * stride_rs + offs_d[None, :] * stride_rd,
+            byte = gl.load(RES + r_base + rows[:, None] * stride_rs + offs_d[None, :] * stride_rd,
                            mask=ok[:, None], other=0).to(gl.int32)
             r = _e4m3_to_f32_div256(byte)
         else:
-            r = gl.load(RES + r_off + rows[:, None] * stride_rs + offs_d[None, :] * stride_rd,
+            r = gl.load(RES + r_base + rows[:, None] * stride_rs + offs_d[None, :] * stride_rd,
                         mask=ok[:, None], other=0.0).to(gl.float32)
         if RES_KIND >= 2:
-            row_scale = gl.load(RES_SCALE + c_off + rows * stride_cs, mask=ok, other=0.0)
+            row_scale = gl.load(RES_SCALE + b64 * stride_cb + h64 * stride_ch + rows * stride_cs, mask=ok,
+                                other=0.0).to(gl.float32)  # bf16 for int4_group
             if RES_KIND == 2:
                 row_scale = row_scale * 256.0
             r = r * row_scale[:, None]
+        if RES_KIND == 4:  # int4_group: + coef (e4m3 bits) x the group's mean row (bf16)
+            coef = gl.load(RES_COEF + b64 * stride_eb + h64 * stride_eh + rows * stride_es, mask=ok,
+                           other=0).to(gl.int32)
+            coef = _e4m3_to_f32_div256(coef) * 256.0
+            mean = gl.load(RES_MEAN + b64 * stride_mb + h64 * stride_mh + group.to(gl.int64) * stride_mg
+                           + offs_d * stride_md).to(gl.float32)
+            r = r + coef[:, None] * mean[None, :]
         out = out + r
-    gl.store(OUT + o_off + rows[:, None] * stride_os + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty),
-             mask=ok[:, None])
+    o_ptr = OUT + b64 * stride_ob + h64 * stride_oh + rows[:, None] * stride_os + offs_d[None, :] * stride_od
+    gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=ok[:, None])
+
+
+@gluon.jit
+def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready, q_empty,
+              k_ready, v_ready, k_empty, v_empty, w0, n_work, w_step, n_end0, H, G_MB, n_slots, C, K_ALLOC, S, sm_scale_log2,
+              stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
+              stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
+              stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
+              HALF: gl.constexpr, M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr,
+              PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order)."""
+    M: gl.constexpr = 64
+    q_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+    c = 0  # ring tiles consumed so far (all items)
+    i = 0
+    for w in range(w0, n_work, w_step):
+        b, h, group, row0, idx_off, perm_off = _work_item(w, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)
+        n_end = n_end0
+        if PERSISTENT:  # (one item per program: the count came from the parent, computed once)
+            n_end = _valid_count(KV_IDX + idx_off, K_ALLOC, 128, 4)
+        rowh = row0 + HALF * M
+        if PERSISTENT:  # the producer gathered this item's Q
+            qs = i % 2
+            q_tile = q_smem.index(qs * 2 + HALF)
+            mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
+            fence_async_shared()
+        else:  # one item per program: this half's Q rows through perm, into its own tile
+            offs_m = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, q_lay))
+            q_idx = gl.load(PERM + perm_off + offs_m, mask=offs_m < C, other=-1)
+            q_ok = (q_idx >= 0) & (q_idx < S)
+            q_rows = gl.where(q_ok, q_idx, 0)
+            if ROW64:
+                q_rows = q_rows.to(gl.int64)
+            offs_dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_lay))
+            q_base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
+            q = gl.load(q_base + q_rows[:, None] * stride_qs + offs_dq[None, :] * stride_qd, mask=q_ok[:, None],
+                        other=0.0)
+            q_tile = q_smem.index(HALF)
+            q_tile.store(q)
+            fence_async_shared()
+        acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, c,
+                                  sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, PIPELINE)
+        c += gl.cdiv(n_end, BLOCK_N)
+        if PERSISTENT:  # every QK^T of the item is done: its Q slot is free for item i + 2
+            mbarrier.arrive(q_empty.index(i % 2), count=1)
+        _epilogue(acc, m_i, l_i, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h, group,
+                  (b * H + h).to(gl.int64) * S, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh,
+                  stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb,
+                  stride_mh, stride_mg, stride_md, M, HEAD_DIM, RETURN_LSE, RES_KIND, ROW64)
+        i += 1
 
 
 @gluon.jit
 def _sparse_fwd_sm90(
-    Q, K, V, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE,
-    sm_scale_log2, H, S, SK, n_slots, K_ALLOC, C,
+    Q, K, V, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN,
+    sm_scale_log2, H, S, SK, n_slots, K_ALLOC, C, n_work,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_rb, stride_rh, stride_rs, stride_rd,
     stride_cb, stride_ch, stride_cs,
+    stride_eb, stride_eh, stride_es,
+    stride_mb, stride_mh, stride_mg, stride_md,
     M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, GATHER_ROWS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    group = pid_m // M_BLOCKS
-    row0 = (pid_m % M_BLOCKS) * 128
-    idx_off = (bh.to(gl.int64) * (n_slots // C) + group) * K_ALLOC
-    n_end = _valid_count(KV_IDX + idx_off, K_ALLOC, 128, num_warps)
-    perm_off = bh.to(gl.int64) * n_slots + group.to(gl.int64) * C
-    q_off = b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
-    kv_off_k = b.to(gl.int64) * stride_kb + h.to(gl.int64) * stride_kh
-    kv_off_v = b.to(gl.int64) * stride_vb + h.to(gl.int64) * stride_vh
-    o_off = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-    r_off = b.to(gl.int64) * stride_rb + h.to(gl.int64) * stride_rh
-    c_off = b.to(gl.int64) * stride_cb + h.to(gl.int64) * stride_ch
-    lse_off = bh.to(gl.int64) * S
+    G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
+    if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
+        w0 = gl.program_id(0)
+        w_step = gl.num_programs(0)
+        w_end = n_work
+        n_end0 = 0  # each partition counts per item
+    else:  # one item per program; its group's valid count once, here
+        w0 = gl.program_id(1) * G_MB + gl.program_id(0)
+        w_step = 1
+        w_end = w0 + 1
+        idx_off0 = (gl.program_id(1).to(gl.int64) * (n_slots // C) + gl.program_id(0) // M_BLOCKS) * K_ALLOC
+        n_end0 = _valid_count(KV_IDX + idx_off0, K_ALLOC, 128, num_warps)
 
     dtype: gl.constexpr = Q.dtype.element_ty
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
+    Q_TILES: gl.constexpr = 4 if PERSISTENT else 2  # (2 slots x) 2 halves of 64 rows
+    q_smem = gl.allocate_shared_memory(dtype, [Q_TILES, 64, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], tile_layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], tile_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=128)  # one cp.async arrive per producer thread
-        mbarrier.init(v_ready.index(i), count=128)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(j), count=128)  # one cp.async arrive per producer thread
+        mbarrier.init(v_ready.index(j), count=128)
+        mbarrier.init(k_empty.index(j), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(j), count=2)
+    for j in gl.static_range(2):
+        mbarrier.init(q_ready.index(j), count=128)
+        mbarrier.init(q_empty.index(j), count=2)
 
     # worker arguments are spelled out (a tuple built with + loses its constexpr wrappers in Triton 3.6)
     gl.warp_specialize([
-        (_consumer, (Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                     n_end, sm_scale_log2, S, C, perm_off, row0, q_off, o_off, r_off, c_off, lse_off,
-                     stride_qs, stride_qd, stride_os, stride_od, stride_rs, stride_rd, stride_cs,
-                     0, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE)),
-        (_consumer, (Q, PERM, OUT, LSE, RES, RES_SCALE, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                     n_end, sm_scale_log2, S, C, perm_off, row0, q_off, o_off, r_off, c_off, lse_off,
-                     stride_qs, stride_qd, stride_os, stride_od, stride_rs, stride_rd, stride_cs,
-                     1, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE)),
-        (_producer, (K, V, KV_IDX, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, SK, idx_off, kv_off_k,
-                     kv_off_v, stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                     GATHER_ROWS, ROW64)),
+        (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
+                     q_empty, k_ready, v_ready, k_empty, v_empty, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C,
+                     K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
+                     stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
+                     stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
+                     0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT)),
+        (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
+                     q_empty, k_ready, v_ready, k_empty, v_empty, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C,
+                     K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
+                     stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
+                     stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
+                     1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT)),
+        (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C, K_ALLOC, S, SK,
+                     stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
+                     stride_vb, stride_vh, stride_vs, stride_vd,
+                     M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, GATHER_ROWS, ROW64, PERSISTENT)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
-                gather_rows=32, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None):
+                gather_rows=32, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
+                persistent=None, num_sms=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -359,21 +483,21 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else out
-    kind = _RES_KINDS[None if residual is None else residual.kind]
-    if residual is None:
-        res, res_scale, r_strides, c_strides = out, out, (0, 0, 0, 0), (0, 0, 0)
+    kind, res_ptrs, res_strides = residual_args(residual, out)  # the Triton kernel's residual kinds
+    persistent = bool(cfg["persistent"] if persistent is None else persistent)
+    n_work = G * m_blocks * B * H
+    if persistent:
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        grid = (max(1, min(n_work, num_sms)),)
     else:
-        res = residual.data.view(torch.uint8) if kind == 2 else residual.data
-        res_scale = residual.scale if residual.scale is not None else out
-        r_strides = res.stride()
-        c_strides = residual.scale.stride() if residual.scale is not None else (0, 0, 0)
-    grid = (G * m_blocks, B * H)
-    args = (q, k, v, perm, kv_idx, out, lse, res, res_scale, scale * _LOG2E, H, S, k.shape[2], n_slots, k_alloc, C,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *r_strides, *c_strides)
+        grid = (G * m_blocks, B * H)
+    args = (q, k, v, perm, kv_idx, out, lse, *res_ptrs, scale * _LOG2E, H, S, k.shape[2], n_slots, k_alloc, C,
+            n_work, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *res_strides)
     meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_N=BLOCK_N, NUM_STAGES=num_stages or cfg["num_stages"],
                 RETURN_LSE=bool(return_lse), RES_KIND=kind, ROW64=bool(row64), GATHER_ROWS=gather_rows,
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
-                PIPELINE=bool(cfg["pipeline"] if pipeline is None else pipeline),
+                PIPELINE=bool(cfg["pipeline"] if pipeline is None else pipeline), PERSISTENT=persistent,
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
 
@@ -389,7 +513,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
         scale, return_lse, out, residual: as the Triton kernel's.
         tuning: ``num_stages`` (K/V ring depth: 2, or 3 = 225 KiB shared), ``gather_rows`` (rows per copy chunk),
             ``consumer_regs``, ``producer_regs``, ``maxnreg`` (the register split), ``row64``, ``pipeline`` (issue the
-            next tile's QK^T right behind this tile's P V, one wait for both).
+            next tile's QK^T right behind this tile's P V, one wait for both), ``persistent`` (one program per SM
+            walking the work items; the producer gathers the next item's Q (2 slots) and K/V tiles while the consumers
+            run the epilogue; ``num_sms``: programs, default the device's SM count).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:
