@@ -6,12 +6,12 @@
 # 2. tests/bench_kernels.py --reuse --gluon with the Gluon kernel on (MC_SPARSE_GLUON=1): the op (Gluon) beside the
 #    Triton kernel's default config and the Gluon tunings, both shapes, s = 0.1/0.15/0.25/0.5; writes
 #    $OUT/bench_reuse.json and $OUT/scoreboard.json (triton_sparse_eff_min; a Gluon result with rel_l2 > 2e-2 is
-#    excluded from it). Expected: ~1.5 min + ~2 min; capped at 3 + 4 min.
+#    excluded from it). Expected: ~1.5 min + ~2.5 min; capped at 5 + 4 min.
 set -u
 OUT=${1:?usage: gpu_round_gluon.sh OUT_DIR [commit]}
 COMMIT=${2:-}
 mkdir -p "$OUT"
-timeout 180 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_gluon_sparse.py > "$OUT/gluon_gpu_tests.log" 2>&1
+timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_gluon_sparse.py > "$OUT/gluon_gpu_tests.log" 2>&1
 rc=$?
 grep -E "rel_l2|passed|failed|error|Error" "$OUT/gluon_gpu_tests.log" | tail -40
 echo "gluon gpu tests: rc=$rc"

@@ -91,14 +91,14 @@ def test_gluon_shapes_vs_float64(D, C, K, k_alloc, dtype, ragged):
     _check(2, 2, 1500 + 3, D, C, K, k_alloc, "plain", dtype, seed=11, ragged_counts=ragged)
 
 
-TUNINGS = {"pipeline": dict(pipeline=True), "3-stages": dict(num_stages=3),
-           "pipeline-3-stages": dict(pipeline=True, num_stages=3),
-           "persistent": dict(persistent=True), "persistent-pipeline": dict(persistent=True, pipeline=True),
-           "persistent-7-programs": dict(persistent=True, num_sms=7)}  # 36 items over 7 programs: 5 or 6 each
+TUNINGS = {"pipeline": (dict(pipeline=True), None), "3-stages": (dict(num_stages=3), "int4_group"),
+           "pipeline-3-stages": (dict(pipeline=True, num_stages=3), "int4_row"),
+           "persistent": (dict(persistent=True), "int4_group"),
+           "persistent-pipeline": (dict(persistent=True, pipeline=True), None),
+           "persistent-7-programs": (dict(persistent=True, num_sms=7), "int4_group")}  # 36 items / 7 programs
 
 
-@pytest.mark.parametrize("tuning", list(TUNINGS.values()), ids=list(TUNINGS))
-@pytest.mark.parametrize("kind", ["int4_group", None])
+@pytest.mark.parametrize(("tuning", "kind"), list(TUNINGS.values()), ids=list(TUNINGS))
 def test_gluon_tunings_vs_float64(tuning, kind):
     """The bench's Gluon variants (next QK^T behind P V; a 3-deep K/V ring; persistent programs walking several
     groups: the ring's phases and the Q slots carried across items), ragged counts, fp16."""
