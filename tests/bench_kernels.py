@@ -290,6 +290,9 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside its defaul
     "gluon pipeline 3 stages": dict(_gluon=True, pipeline=True, num_stages=3),
     "gluon persistent": dict(_gluon=True, persistent=True),
     "gluon persistent pipeline": dict(_gluon=True, persistent=True, pipeline=True),
+    "gluon overlap": dict(_gluon=True, overlap=True),
+    "gluon overlap 3 stages": dict(_gluon=True, overlap=True, num_stages=3),
+    "gluon overlap persistent": dict(_gluon=True, overlap=True, persistent=True),
 }
 
 

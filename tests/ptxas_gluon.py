@@ -101,7 +101,9 @@ def main():
         [(D, kind, {}) for D in (128, 64) for kind in (None, "plain", "fp8_row", "int4_row", "int4_group")]
         + [(128, kind, tune) for kind in ("plain", "int4_group")  # the bench's GLUON_CONFIGS
            for tune in (dict(pipeline=True), dict(num_stages=3), dict(pipeline=True, num_stages=3),
-                        dict(persistent=True, num_sms=132), dict(persistent=True, num_sms=132, pipeline=True))])
+                        dict(persistent=True, num_sms=132), dict(persistent=True, num_sms=132, pipeline=True),
+                        dict(overlap=True), dict(overlap=True, num_stages=3),
+                        dict(overlap=True, persistent=True, num_sms=132))])
     for D, kind, tune in cases:
         r = report(kind, D=D, ptx_dir=args.ptx, **tune)
         bad += r["consumer_hot_spills"] > 0 or not r["fits"] or (not tune and r["spill_st"] > 64)

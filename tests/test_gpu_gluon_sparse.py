@@ -95,13 +95,16 @@ TUNINGS = {"pipeline": (dict(pipeline=True), None), "3-stages": (dict(num_stages
            "pipeline-3-stages": (dict(pipeline=True, num_stages=3), "int4_row"),
            "persistent": (dict(persistent=True), "int4_group"),
            "persistent-pipeline": (dict(persistent=True, pipeline=True), None),
-           "persistent-7-programs": (dict(persistent=True, num_sms=7), "int4_group")}  # 36 items / 7 programs
+           "persistent-7-programs": (dict(persistent=True, num_sms=7), "int4_group"),  # 36 items / 7 programs
+           "overlap": (dict(overlap=True), "plain"), "overlap-3-stages": (dict(overlap=True, num_stages=3), None),
+           "overlap-persistent": (dict(overlap=True, persistent=True, num_sms=7), "fp8_row")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(TUNINGS.values()), ids=list(TUNINGS))
 def test_gluon_tunings_vs_float64(tuning, kind):
     """The bench's Gluon variants (next QK^T behind P V; a 3-deep K/V ring; persistent programs walking several
-    groups: the ring's phases and the Q slots carried across items), ragged counts, fp16."""
+    groups: the ring's phases and the Q slots carried across items; FA3's overlap of softmax and P V), ragged counts
+    (single-tile groups included), fp16."""
     _check(2, 2, 1100 + 8, 128, 128, 300, 1024, kind, torch.float16, seed=13, ragged_counts=True, **tuning)
 
 

@@ -62,7 +62,8 @@ RESCALE_LOG2 = gl.constexpr(8.0)  # lazy rescale threshold, log2 units (as spars
 
 def config(head_dim: int) -> dict:
     """Launch config at ``head_dim``: pipeline depth and register split (12 warps: 2 consumer + 1 producer groups)."""
-    return dict(num_stages=2, consumer_regs=232, producer_regs=40, maxnreg=168, pipeline=False, persistent=False)
+    return dict(num_stages=2, consumer_regs=232, producer_regs=40, maxnreg=168, pipeline=False, persistent=False,
+                overlap=False)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -275,6 +276,75 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end,
 
 
 @gluon.jit
+def _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype: gl.constexpr, BLOCK_N: gl.constexpr,
+                  p_layout: gl.constexpr, row_o: gl.constexpr):
+    """Key tile t's scores -> (P in q's dtype as the P V wgmma's register operand, new running max, new row sum,
+    the accumulator's rescale factor per row); base 2, lazy rescale; slots past n_end (last tile) weigh nothing."""
+    if (t + 1) * BLOCK_N > n_end:
+        qk = gl.where((t * BLOCK_N + offs_n < n_end)[None, :], qk, float("-inf"))
+    m_tile = gl.max(qk, 1) * sm_scale_log2
+    m_new = gl.where(m_tile > m_i + RESCALE_LOG2, m_tile, m_i)
+    p = gl.exp2(qk * sm_scale_log2 - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return gl.convert_layout(p.to(dtype), p_layout), m_new, l_new, gl.convert_layout(alpha, row_o)
+
+
+@gluon.jit
+def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, c0, sm_scale_log2,
+                      dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NUM_STAGES: gl.constexpr):
+    """``_mainloop`` with FA3's intra-warpgroup overlap: tile t's QK^T and tile t-1's P V are issued back to back,
+    tile t's softmax runs while the P V product is still on the tensor cores (one wait for the QK^T only), and the
+    accumulator is rescaled after that product completes. Same arithmetic as ``_mainloop``."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([M], gl.float32, layout=row_s)
+    acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
+    n_tiles = gl.cdiv(n_end, BLOCK_N)
+    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, NUM_STAGES)
+    p16, m_i, l_i, alpha = _softmax_tile(qk, 0, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
+                                         row_o)  # acc is 0: no rescale
+    for t in range(1, n_tiles):
+        c = c0 + t
+        sk = c % NUM_STAGES
+        k_tile = k_smem.index(sk)
+        mbarrier.wait(k_ready.index(sk), (c // NUM_STAGES) & 1)
+        fence_async_shared()
+        qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sv = (c - 1) % NUM_STAGES
+        v_tile = v_smem.index(sv)
+        mbarrier.wait(v_ready.index(sv), ((c - 1) // NUM_STAGES) & 1)
+        fence_async_shared()
+        acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
+        qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, q_tile, k_tile))  # QK^T done, P V in flight
+        mbarrier.arrive(k_empty.index(sk), count=1)
+        p16_next, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N,
+                                                  p_layout, row_o)
+        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, v_tile, p16))
+        mbarrier.arrive(v_empty.index(sv), count=1)
+        acc = acc * alpha[:, None]
+        p16 = p16_next
+    c = c0 + n_tiles - 1  # the last tile's P V
+    sv = c % NUM_STAGES
+    v_tile = v_smem.index(sv)
+    mbarrier.wait(v_ready.index(sv), (c // NUM_STAGES) & 1)
+    fence_async_shared()
+    acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, v_tile, p16))
+    mbarrier.arrive(v_empty.index(sv), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _epilogue(acc, m_i, l_i, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h, group,
               lse_base, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh, stride_rs, stride_rd,
               stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg,
@@ -338,7 +408,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
               stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
               HALF: gl.constexpr, M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr,
-              PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr):
+              PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order)."""
     M: gl.constexpr = 64
     q_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
@@ -369,8 +439,12 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
             q_tile = q_smem.index(HALF)
             q_tile.store(q)
             fence_async_shared()
-        acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, c,
-                                  sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, PIPELINE)
+        if OVERLAP:
+            acc, m_i, l_i = _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, c,
+                                              sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES)
+        else:
+            acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, c,
+                                      sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, PIPELINE)
         c += gl.cdiv(n_end, BLOCK_N)
         if PERSISTENT:  # every QK^T of the item is done: its Q slot is free for item i + 2
             mbarrier.arrive(q_empty.index(i % 2), count=1)
@@ -396,7 +470,7 @@ def _sparse_fwd_sm90(
     M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, GATHER_ROWS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
-    num_warps: gl.constexpr,
+    OVERLAP: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
@@ -440,13 +514,13 @@ def _sparse_fwd_sm90(
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
-                     0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT)),
+                     0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
-                     1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT)),
+                     1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C, K_ALLOC, S, SK,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -457,7 +531,7 @@ def _sparse_fwd_sm90(
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
                 gather_rows=32, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
-                persistent=None, num_sms=None):
+                persistent=None, num_sms=None, overlap=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -498,6 +572,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 RETURN_LSE=bool(return_lse), RES_KIND=kind, ROW64=bool(row64), GATHER_ROWS=gather_rows,
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
                 PIPELINE=bool(cfg["pipeline"] if pipeline is None else pipeline), PERSISTENT=persistent,
+                OVERLAP=bool(cfg["overlap"] if overlap is None else overlap),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
 
@@ -515,7 +590,8 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             ``consumer_regs``, ``producer_regs``, ``maxnreg`` (the register split), ``row64``, ``pipeline`` (issue the
             next tile's QK^T right behind this tile's P V, one wait for both), ``persistent`` (one program per SM
             walking the work items; the producer gathers the next item's Q (2 slots) and K/V tiles while the consumers
-            run the epilogue; ``num_sms``: programs, default the device's SM count).
+            run the epilogue; ``num_sms``: programs, default the device's SM count), ``overlap`` (FA3's schedule: tile t's
+            softmax while tile t-1's P V runs; ``_mainloop_overlap``).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:
