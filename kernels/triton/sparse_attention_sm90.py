@@ -195,6 +195,8 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
             async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
             c += 1
         i += 1
+    async_copy.commit_group()  # no copy of this warpgroup outlives it
+    async_copy.wait_group(0)
 
 
 @gluon.jit
