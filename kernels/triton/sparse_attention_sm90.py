@@ -137,13 +137,15 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
               stride_vb, stride_vh, stride_vs, stride_vd,
               M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               ROWS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the Q slot of the
-    item) then K then V rows of each key tile into the stage ring, ROWS rows per copy chunk; the ring's stage and
-    phase follow a tile counter kept across items."""
-    VEC: gl.constexpr = 8  # 16 bytes of fp16/bf16
-    TPR: gl.constexpr = HEAD_DIM // VEC  # threads per row
-    lay: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPR, TPR], [4, 1], [1, 0])
-    offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
+    """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the item's Q slot)
+    then K then V rows of each key tile into the stage ring; the ring's stage and phase follow a tile counter kept
+    across items. Each tile is ONE copy per operand (no chunks: chunk copies into one buffer get a warpgroup barrier
+    between them). 4 threads per row: each 16-byte cp.async of a warp covers 8 rows x 64 contiguous bytes (every
+    32-byte sector read once; the copies bypass L1), a thread's 4 rows take 4 row addresses; the tile's indices are
+    loaded once for K and V, one tile ahead (ROWS: unused, kept for launch compatibility)."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
+    offs_m = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, lay))
     c = 0  # tiles produced so far (all items)
     i = 0  # items so far
@@ -153,45 +155,37 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
         n_end = n_end0
         if PERSISTENT:
             n_end = _valid_count(idx_base, K_ALLOC, 128, 4)
+        kv_next = gl.load(idx_base + offs_n, mask=offs_n < n_end, other=0)  # tile 0's indices
         if PERSISTENT:  # this item's queries, while the consumers may still run the previous item's epilogue
             qs = i % 2
             mbarrier.wait(q_empty.index(qs), ((i // 2) & 1) ^ 1)
             q_base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
             for half in gl.static_range(2):
-                for ch in gl.static_range(64 // ROWS):
-                    offs_m = row0 + half * 64 + ch * ROWS + offs_r
-                    q_idx = gl.load(PERM + perm_off + offs_m, mask=offs_m < C, other=-1)
-                    ok = (q_idx >= 0) & (q_idx < S)
-                    rows = gl.where(ok, q_idx, 0)
-                    if ROW64:
-                        rows = rows.to(gl.int64)
-                    _gather_rows(q_smem.index(qs * 2 + half).slice(ch * ROWS, ROWS), q_base, rows, ok, stride_qs,
-                                 stride_qd, offs_d)
+                rows_m = row0 + half * 64 + offs_m
+                q_idx = gl.load(PERM + perm_off + rows_m, mask=rows_m < C, other=-1)
+                ok = (q_idx >= 0) & (q_idx < S)
+                rows = gl.where(ok, q_idx, 0)
+                if ROW64:
+                    rows = rows.to(gl.int64)
+                _gather_rows(q_smem.index(qs * 2 + half), q_base, rows, ok, stride_qs, stride_qd, offs_d)
             async_copy.mbarrier_arrive(q_ready.index(qs), increment_count=False)
         k_base = K + b.to(gl.int64) * stride_kb + h.to(gl.int64) * stride_kh
         v_base = V + b.to(gl.int64) * stride_vb + h.to(gl.int64) * stride_vh
         for t in range(gl.cdiv(n_end, BLOCK_N)):
             s = c % NUM_STAGES
             ph = (c // NUM_STAGES) & 1
+            slots = t * BLOCK_N + offs_n
+            live = slots < n_end
+            kv = gl.where((kv_next >= 0) & (kv_next < SK), kv_next, 0)
+            if ROW64:
+                kv = kv.to(gl.int64)
+            nxt = slots + BLOCK_N  # the next tile's indices, in flight while this tile's rows are copied
+            kv_next = gl.load(idx_base + nxt, mask=nxt < n_end, other=0)
             mbarrier.wait(k_empty.index(s), ph ^ 1)
-            for ch in gl.static_range(BLOCK_N // ROWS):
-                slots = t * BLOCK_N + ch * ROWS + offs_r
-                live = slots < n_end
-                kv = gl.load(idx_base + slots, mask=live, other=0)
-                kv = gl.where((kv >= 0) & (kv < SK), kv, 0)
-                if ROW64:
-                    kv = kv.to(gl.int64)
-                _gather_rows(k_smem.index(s).slice(ch * ROWS, ROWS), k_base, kv, live, stride_ks, stride_kd, offs_d)
+            _gather_rows(k_smem.index(s), k_base, kv, live, stride_ks, stride_kd, offs_d)
             async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
             mbarrier.wait(v_empty.index(s), ph ^ 1)
-            for ch in gl.static_range(BLOCK_N // ROWS):
-                slots = t * BLOCK_N + ch * ROWS + offs_r
-                live = slots < n_end
-                kv = gl.load(idx_base + slots, mask=live, other=0)
-                kv = gl.where((kv >= 0) & (kv < SK), kv, 0)
-                if ROW64:
-                    kv = kv.to(gl.int64)
-                _gather_rows(v_smem.index(s).slice(ch * ROWS, ROWS), v_base, kv, live, stride_vs, stride_vd, offs_d)
+            _gather_rows(v_smem.index(s), v_base, kv, live, stride_vs, stride_vd, offs_d)
             async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
             c += 1
         i += 1
