@@ -105,7 +105,7 @@ def anchor_attention(
     residual = None
     if config.residual:
         sparse = _sparse(q, k, v, perm, kv_idx, extra_kv, scale, backend)
-        # 'auto' unresolved (no plan) is bf16; quantised storage (fp8, int4) gets R in float32 (see ``_residual``)
+        # 'auto' unresolved (no plan) is bf16; quantised storage (fp8, int4, int4_group) gets R in float32 (``_residual``)
         name = "bfloat16" if config.residual_dtype == "auto" else config.residual_dtype
         residual = _residual(out, sparse, name)
     return out, CacheEntry(perm=perm, kv_idx=kv_idx, residual=residual, num_keys=num_keys, shape=tuple(q.shape),
