@@ -218,7 +218,8 @@ def speed_part(entry, wl, layers, budget_s, smoke, dev):
     out["int4-group gpu / int4 gpu"] = out["int4-group gpu"]["median_ms"] / out["int4 gpu"]["median_ms"]
     print(f"  reuse step, {layers} layers: " + ", ".join(f"{n} {out[n]['median_ms']:.1f} ms" for n in runners)
           + f"; bf16 cpu/gpu {out['bf16 cpu/gpu']:.3f}, int4-group cpu/gpu {out['int4-group cpu/gpu']:.3f}, "
-          f"int4-group / int4 (gpu) {out['int4-group gpu / int4 gpu']:.3f}", flush=True)
+          f"int4-group / int4 (gpu) {out['int4-group gpu / int4 gpu']:.3f}; prefetch hits / misses (cpu): "
+          + ", ".join(f"{n} {out[n]['hits']}/{out[n]['misses']}" for n in runners if n.endswith("cpu")), flush=True)
     for r in runners.values():
         r.close()
     return out
