@@ -8,7 +8,8 @@ s in {0.1, 0.15, 0.25, 0.5} (each group's indices a random sorted set of floor(s
   writing an ``out=`` view (what the reuse path calls: the default variant), and with a plain bf16 residual;
   ``cutedsl <variant> op`` (+ residual): each variant of kernels/cutedsl/op.py side by side ("regroup": Q gather,
   counts, kernel, scatter; "fused": queries gathered and output + residual scattered in-kernel, one CTA per group;
-  "persistent": the fused kernel with one CTA per SM); ``cutedsl kernel``: the regroup variant's compiled kernel
+  "persistent": the fused kernel with one CTA per SM; "*_kahead": with K issued before the previous tile's V);
+  ``cutedsl kernel``: the regroup variant's compiled kernel
   alone on pre-gathered groups; ``triton op``: the Triton kernel on the same call; efficiency = FA4 dense ms * s /
   sparse ms;
 - the compile time (a compile from fake tensors, never the disk cache) and the disk-cache load time (a fresh
@@ -18,7 +19,7 @@ It writes --out JSON and the scoreboard key ``cutedsl_sparse_eff_min`` (the defa
 and --commit), and prints every variant's minimum.
 
 Usage: python tests/bench_cutedsl.py --out $OUT/bench_cutedsl.json --commit <hash> [--shapes 1.3b,14b] [--rep 200]
-       [--variants regroup,fused,persistent]
+       [--variants regroup,fused,persistent,fused_kahead,persistent_kahead]
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def main():
     ap.add_argument("--shapes", default="1.3b,14b")
     ap.add_argument("--densities", default="0.1,0.15,0.25,0.5")
     ap.add_argument("--rep", type=int, default=200)
-    ap.add_argument("--variants", default="regroup,fused,persistent", help="op variants timed side by side")
+    ap.add_argument("--variants", default=None, help="op variants timed side by side (default: all of them)")
     ap.add_argument("--commit", default=os.environ.get("MC_SPARSE_COMMIT", "unknown"))
     ap.add_argument("--scoreboard", default=str(ROOT / "docs/results/scoreboard.json"))
     args = ap.parse_args()
@@ -170,7 +171,9 @@ def main():
     log(f"GPU {torch.cuda.get_device_name()}; backends:\n{registry.report()}")
     report = dict(gpu=torch.cuda.get_device_name(), commit=args.commit, shapes={})
     report["compile"] = compile_times(log)
-    variants = args.variants.split(",")
+    from comfyui_mc_sparse_pack.kernels.cutedsl import rules
+
+    variants = args.variants.split(",") if args.variants else list(rules.VARIANTS)
     for name in args.shapes.split(","):
         report["shapes"][name] = run_shape(name, SHAPES[name], [float(x) for x in args.densities.split(",")], args.rep,
                                            log, variants)

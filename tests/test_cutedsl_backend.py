@@ -205,7 +205,7 @@ def test_offline_sm90_compile(tmp_path):
 @_NEEDS_CUTE
 def test_offline_sm90_compile_fused(tmp_path):
     """The fused kernel (kernels/cutedsl/fused_fwd_sm90.py) compiles for sm_90a without a GPU for every residual form
-    (bf16, D 128, LSE) and for fp16 / D 64 without the LSE; about 5 s per compile."""
+    (bf16, D 128, LSE), for fp16 / D 64 without the LSE and with the K-ahead producer; about 5 s per compile."""
     code = textwrap.dedent(f"""
         import os, sys
         os.environ['CUTE_DSL_ARCH'] = 'sm_90a'
@@ -218,10 +218,12 @@ def test_offline_sm90_compile_fused(tmp_path):
             print('COMPILED', res)
         cc.compile_fake_fused('float16', 64, False, 'none')
         print('COMPILED fp16')
+        cc.compile_fake_fused('bfloat16', 128, True, 'int4_group', k_ahead=True)
+        print('COMPILED k_ahead')
     """)
     env = dict(os.environ, MC_SPARSE_CUTEDSL_CACHE_DIR=str(tmp_path))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert p.stdout.count("COMPILED") == 8, p.stdout + p.stderr[-3000:]
+    assert p.stdout.count("COMPILED") == 9, p.stdout + p.stderr[-3000:]
 
 
 def _fake_launch(fn, q_groups, k, v, out, lse, scale, counts, kv_idx):
@@ -305,8 +307,8 @@ def fake_op(monkeypatch):
     fake.compiled = lambda dtype, head_dim, with_lse, stages=None: fake.calls.append(
         (dtype, head_dim, with_lse)) or ("fake", dtype, head_dim, with_lse)
     fake.launch = _fake_launch
-    fake.compiled_fused = lambda dtype, head_dim, with_lse, residual="none", stages=None: fake.calls.append(
-        (dtype, head_dim, with_lse, residual)) or ("fake", dtype, head_dim, with_lse, residual)
+    fake.compiled_fused = lambda dtype, head_dim, with_lse, residual="none", stages=None, k_ahead=False: (
+        fake.calls.append((dtype, head_dim, with_lse, residual)) or ("fake", dtype, head_dim, with_lse, residual))
     fake.launch_fused = _fake_fused_launch
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     monkeypatch.setattr(pkg, "compile", fake, raising=False)
@@ -364,7 +366,7 @@ def test_op_glue_against_float64(fake_op, kind, idx_strided):
 
 @pytest.mark.parametrize(("variant", "kind"), [
     ("fused", None), ("persistent", "fp8_row"), ("fused", "int4_row"), ("persistent", "plain-fp32"),
-    ("fused", "int4_group"),
+    ("fused", "int4_group"), ("persistent_kahead", "int4_row"), ("fused_kahead", None),
 ])
 def test_fused_op_glue_against_float64(fake_op, variant, kind):
     """The fused variants' glue (views handed to the kernel, one launch for B = 2, residual forms, LSE in query

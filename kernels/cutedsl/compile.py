@@ -137,19 +137,23 @@ def _fused_fake_args(dtype: str, head_dim: int, with_lse: bool, residual: str):
     return q, kk, vv, o, lse, perm, idx, counts, res, scale, coef, mean
 
 
-def compile_fake_fused(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None):
-    """Compile the fused kernel (``fused_fwd_sm90.py``) from fake tensors; ``residual`` a key of ``RESIDUALS``.
-    Needs no GPU with CUTE_DSL_ARCH=sm_90a. Raises KeyError for an unknown residual form."""
+def compile_fake_fused(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None,
+                       k_ahead: bool = False):
+    """Compile the fused kernel (``fused_fwd_sm90.py``) from fake tensors; ``residual`` a key of ``RESIDUALS``,
+    ``k_ahead`` the producer's K-before-V order. Needs no GPU with CUTE_DSL_ARCH=sm_90a. Raises KeyError for an
+    unknown residual form."""
     args = _fused_fake_args(dtype, head_dim, with_lse, residual)
-    kernel = FusedSparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages(), RESIDUALS[residual][0])
+    kernel = FusedSparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages(), RESIDUALS[residual][0],
+                                k_ahead)
     return cute.compile(kernel, *args, Float32(1.0), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
-def compiled_fused(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None):
+def compiled_fused(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None,
+                   k_ahead: bool = False):
     """The compiled fused kernel for these static parameters: from memory, the disk cache, or a fresh compile."""
     stages = stages or default_stages()
-    key = ("mc_sparse_fused_fwd_sm90", dtype, head_dim, with_lse, residual, stages, source_hash())
-    return _cached(key, lambda: compile_fake_fused(dtype, head_dim, with_lse, residual, stages))
+    key = ("mc_sparse_fused_fwd_sm90", dtype, head_dim, with_lse, residual, stages, k_ahead, source_hash())
+    return _cached(key, lambda: compile_fake_fused(dtype, head_dim, with_lse, residual, stages, k_ahead))
 
 
 def _cached(key, build):

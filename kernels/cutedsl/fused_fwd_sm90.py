@@ -102,12 +102,17 @@ class FusedSparseFwdSm90(SparseFwdSm90):
     """The fused kernel: head dim 64 or 128, fp16/bf16, tile 128 x 128, ``stages`` K/V stages, 384 threads.
 
     ``res_kind``: None, "plain", "fp8_row", "int4_row" or "int4_group" (compile-time: one compiled kernel per kind and plain
-    dtype). Raises AssertionError at trace time for a residual tensor that does not match ``res_kind``."""
+    dtype). Raises AssertionError at trace time for a residual tensor that does not match ``res_kind``.
 
-    def __init__(self, dtype, head_dim: int, stages: int = 2, res_kind: str | None = None):
+    ``k_ahead``: the producer issues each key tile's K before the previous tile's V, the order the consumers need
+    them in (with the intra-warpgroup overlap they run tile j's QK^T before tile j-1's P V); otherwise K and V of a
+    tile go together."""
+
+    def __init__(self, dtype, head_dim: int, stages: int = 2, res_kind: str | None = None, k_ahead: bool = False):
         assert res_kind in RES_KINDS, res_kind
         super().__init__(dtype, head_dim, stages)
         self.res_kind = res_kind
+        self.k_ahead = k_ahead
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -242,23 +247,59 @@ class FusedSparseFwdSm90(SparseFwdSm90):
             cute.arch.cp_async_commit_group()
             pipeline_q.producer_commit_w_index(0)
             q_phase ^= 1
-            pipeline_v.producer_acquire(kv_state)
-            self.load_KV(None, rows, sV, block=n_block, pipeline_kv=pipeline_v, producer_state=kv_state, K_or_V="V")
-            kv_state.advance()
-            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                n_block = n_block_max - 2 - i
-                index.advance()
-                index.fetch(n_block - 1)
-                pipeline_k.producer_acquire(kv_state)
-                self.load_KV(None, rows, sK, block=n_block, pipeline_kv=pipeline_k, producer_state=kv_state,
-                             K_or_V="K")
-                pipeline_v.producer_acquire(kv_state)
-                self.load_KV(None, rows, sV, block=n_block, pipeline_kv=pipeline_v, producer_state=kv_state,
-                             K_or_V="V")
-                kv_state.advance()
+            if const_expr(self.k_ahead):
+                kv_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min,
+                                              n_block_max)
+            else:
+                kv_state = self._load_k_with_v(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min,
+                                               n_block_max)
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
         pipeline_v.producer_tail(kv_state)
+
+    @cute.jit
+    def _load_k_with_v(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min, n_block_max):
+        """The group's K/V tiles after the first K: V of the first tile, then K and V of each next tile together.
+        Returns the advanced producer state."""
+        n_block = n_block_max - 1
+        pipeline_v.producer_acquire(kv_state)
+        self.load_KV(None, rows, sV, block=n_block, pipeline_kv=pipeline_v, producer_state=kv_state, K_or_V="V")
+        kv_state.advance()
+        for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+            n_block = n_block_max - 2 - i
+            index.advance()
+            index.fetch(n_block - 1)
+            pipeline_k.producer_acquire(kv_state)
+            self.load_KV(None, rows, sK, block=n_block, pipeline_kv=pipeline_k, producer_state=kv_state, K_or_V="K")
+            pipeline_v.producer_acquire(kv_state)
+            self.load_KV(None, rows, sV, block=n_block, pipeline_kv=pipeline_v, producer_state=kv_state, K_or_V="V")
+            kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min, n_block_max):
+        """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1 (its
+        stage is the previous one), V of the last tile at the end. The row addresses of tile j-1 are kept in a
+        register while tile j's are loaded. Returns the advanced producer state."""
+        for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+            n_block = n_block_max - 2 - i
+            prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
+            index.advance()
+            index.fetch(n_block - 1)
+            v_state = kv_state.clone()
+            kv_state.advance()
+            pipeline_k.producer_acquire(kv_state)
+            self.load_KV(None, rows, sK, block=n_block, pipeline_kv=pipeline_k, producer_state=kv_state, K_or_V="K")
+            cur_row = rows.tPrPageOffset[0]
+            rows.tPrPageOffset[0] = prev_row
+            pipeline_v.producer_acquire(v_state)
+            self.load_KV(None, rows, sV, block=n_block + 1, pipeline_kv=pipeline_v, producer_state=v_state,
+                         K_or_V="V")
+            rows.tPrPageOffset[0] = cur_row
+        pipeline_v.producer_acquire(kv_state)
+        self.load_KV(None, rows, sV, block=n_block_min, pipeline_kv=pipeline_v, producer_state=kv_state, K_or_V="V")
+        kv_state.advance()
+        return kv_state
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx, m_block,

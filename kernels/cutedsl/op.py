@@ -4,7 +4,9 @@
 - "regroup": group-order regroup (Triton) around the kernel of ``sparse_fwd_sm90.py`` (three extra launches);
 - "fused": the kernel of ``fused_fwd_sm90.py`` gathers the queries and scatters the output + residual + LSE itself,
   one CTA per group (one Triton launch counts the valid slots);
-- "persistent": the fused kernel with one CTA per SM looping over the groups.
+- "persistent": the fused kernel with one CTA per SM looping over the groups;
+- "fused_kahead" / "persistent_kahead": the same with the producer issuing each key tile's K before the previous
+  tile's V (the consumers' order).
 
 Importing this module imports nvidia-cutlass-dsl and flash-attn-4 (``compile.py``).
 """
@@ -36,7 +38,7 @@ def default_variant() -> str:
 def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, variant=None):
     """Token-sparse attention on the CuTeDSL kernel; contract of ``kernels.sparse_attention``.
 
-    ``variant``: "regroup", "fused" or "persistent" (module docstring); None: ``default_variant()``.
+    ``variant``: one of ``VARIANTS`` (module docstring); None: ``default_variant()``.
     Extra requirements (``rules.call_refusal``; a RuntimeError makes the registry fall back for the rest of the run):
     group size C = 128; k and v with unit stride on D and 16-byte aligned rows; "regroup": at most 65535 groups per
     batch element; the fused variants: q like k, ``out`` with unit stride on D and 4-byte aligned rows, the residual
@@ -56,7 +58,8 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
     try:
         if variant == "regroup":
             return _run(q, k, v, perm, kv_idx, scale, return_lse, out, residual)
-        return _run_fused(q, k, v, perm, kv_idx, scale, return_lse, out, residual, variant == "persistent")
+        return _run_fused(q, k, v, perm, kv_idx, scale, return_lse, out, residual, variant.startswith("persistent"),
+                          variant.endswith("_kahead"))
     except (ValueError, TypeError) as err:
         raise RuntimeError(f"the CuTeDSL kernel failed: {type(err).__name__}: {err}") from err
 
@@ -88,12 +91,12 @@ def _run(q, k, v, perm, kv_idx, scale, return_lse, out, residual):
     return (out, lse) if return_lse else out
 
 
-def _run_fused(q, k, v, perm, kv_idx, scale, return_lse, out, residual, persistent):
+def _run_fused(q, k, v, perm, kv_idx, scale, return_lse, out, residual, persistent, k_ahead):
     B, H, S, D = q.shape
     G, k_alloc = kv_idx.shape[2], kv_idx.shape[3]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     res_name, *res_args = _residual_args(residual)
-    fn = _compile.compiled_fused(DTYPE_NAMES[q.dtype], D, return_lse, res_name)
+    fn = _compile.compiled_fused(DTYPE_NAMES[q.dtype], D, return_lse, res_name, k_ahead=k_ahead)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else None

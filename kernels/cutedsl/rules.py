@@ -13,7 +13,7 @@ DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 HEAD_DIMS = (64, 128)
 GROUP_SIZE = 128
 MAX_GROUPS = 65535  # per batch element, the "regroup" variant's grid.z
-VARIANTS = ("regroup", "fused", "persistent")  # kernels/cutedsl/op.py
+VARIANTS = ("regroup", "fused", "persistent", "fused_kahead", "persistent_kahead")  # kernels/cutedsl/op.py
 
 
 def refusal(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int) -> str | None:
