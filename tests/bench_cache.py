@@ -225,6 +225,38 @@ def speed_part(entry, wl, layers, budget_s, smoke, dev):
     return out
 
 
+def residual_part(entry, dev):
+    """How much of R its query group explains, and each precision's stored-residual error (relative L1).
+
+    ``within_group_var``: sum |R - its group's mean row|^2 / sum |R - its head's mean row|^2 (the structure
+    int4_group uses); ``dev_l1``: sum |R - group mean| / sum |R|; ``encode_s``: seconds to encode the entry (the
+    anchor pays it per layer and branch)."""
+    r, perm = entry.residual.float(), entry.perm
+    B, H, S, D = r.shape
+    G = entry.kv_idx.shape[2]
+    C = perm.shape[-1] // G
+    valid = perm >= 0
+    rows = torch.gather(r, 2, perm.clamp_min(0).long().unsqueeze(-1).expand(-1, -1, -1, D)) * valid.unsqueeze(-1)
+    mean = rows.view(B, H, G, C, D).sum(3) / valid.view(B, H, G, C).sum(3, keepdim=True).clamp_min(1)
+    del rows
+    group_of = torch.zeros(B, H, S, dtype=torch.long, device=r.device)  # every query sits in one valid slot
+    slots = torch.arange(perm.shape[-1], device=r.device).div(C, rounding_mode="floor").expand(B, H, -1)
+    group_of.scatter_(2, perm[..., :S].long(), slots[..., :S])  # the -1 slots are the last G*C - S
+    per_row = torch.gather(mean, 2, group_of.unsqueeze(-1).expand(-1, -1, -1, D))
+    out = {"within_group_var": ((r - per_row).pow(2).sum() / (r - r.mean(2, keepdim=True)).pow(2).sum()).item(),
+           "dev_l1": rel_l1(r - per_row, r)}
+    for p in PRECISIONS:
+        sync()
+        t0 = time.perf_counter()
+        enc = encoding.encode_residual(r, p, perm, G)
+        sync()
+        out[f"{LABEL[p]} encode_s"] = time.perf_counter() - t0
+        out[f"{LABEL[p]} residual_l1"] = rel_l1(encoding.decode_residual(enc, torch.float32, perm=perm), r)
+        del enc
+    print("  residual: " + ", ".join(f"{k} {v:.4f}" for k, v in out.items()), flush=True)
+    return out
+
+
 def run_grid(name, grid, heads, args, dev):
     spec = WorkloadSpec(frames=grid[0], height=grid[1], width=grid[2], heads=heads, head_dim=D, num_steps=50, seed=0)
     wl = SyntheticWorkload(spec, device=dev)
@@ -240,6 +272,7 @@ def run_grid(name, grid, heads, args, dev):
     del q0, k0, v0
     print(f"{name} S={spec.tokens}: anchor {rep['anchor_s']:.2f} s, kernels {rep['kernels']}", flush=True)
     section(rep, "bytes", lambda: bytes_part(entry, heads, spec.tokens, dev))
+    section(rep, "residual", lambda: residual_part(entry, dev))
     steps = [("anchor", ANCHOR_STEP)] + [(f"+{a} steps", ANCHOR_STEP + a) for a in AFTER if ANCHOR_STEP + a < 50]
     section(rep, "fidelity", lambda: fidelity_rows(entry, lambda s: wl.qkv(s, dtype=torch.bfloat16), steps, dev))
     if args.speed:
