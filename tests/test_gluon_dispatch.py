@@ -52,6 +52,7 @@ def _fake(shape=(1, 2, 256, 128), dtype=torch.bfloat16, strides=None, ptr=0):
     ((9, 0), {}, dict(strides=(256 * 2 * 128, 128, 2 * 128 + 4, 1)), "16-byte aligned"),  # rows 8 bytes apart
     ((9, 0), {}, dict(strides=(256 * 2 * 128, 1, 2 * 128, 2)), "16-byte aligned"),  # D not unit stride
     ((9, 0), {}, dict(ptr=8), "16-byte aligned"),
+    ((9, 0), dict(ptr=4), {}, "q rows"),
 ])
 def test_gluon_refusal(monkeypatch, cap, q_kw, k_kw, want):
     """Capability data as the refusal reads them: sm_90 only, fp16/bf16, D 64/128, K/V rows 16-byte aligned."""

@@ -67,7 +67,7 @@ def config(head_dim: int) -> dict:
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why this kernel cannot run the call (None when it can): device, capability, dtype, head dim, and K/V rows
+    """Why this kernel cannot run the call (None when it can): device, capability, dtype, head dim, and Q/K/V rows
     that the 16-byte copies cannot read (unit stride on D, 16-byte aligned rows)."""
     if q.device.type != "cuda":
         return f"needs a CUDA device, got {q.device.type}"
@@ -78,7 +78,7 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
         return f"runs float16/bfloat16 only, got {q.dtype}"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}"
-    for name, t in (("k", k), ("v", v)):
+    for name, t in (("q", q), ("k", k), ("v", v)):  # rows copied by 16-byte cp.async (q: the persistent variant)
         if t.stride(-1) != 1 or any(st * t.element_size() % 16 for st in t.stride()[:3]) or t.data_ptr() % 16:
             return f"{name} rows must be 16-byte aligned with unit stride on D (strides {tuple(t.stride())})"
     return None
