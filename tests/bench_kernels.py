@@ -293,6 +293,8 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside its defaul
     "gluon overlap": dict(_gluon=True, overlap=True),
     "gluon overlap 3 stages": dict(_gluon=True, overlap=True, num_stages=3),
     "gluon overlap persistent": dict(_gluon=True, overlap=True, persistent=True),
+    "gluon pingpong": dict(_gluon=True, pingpong=True),
+    "gluon pingpong persistent": dict(_gluon=True, pingpong=True, persistent=True),
 }
 
 

@@ -98,6 +98,8 @@ TUNINGS = {"pipeline": (dict(pipeline=True), None), "3-stages": (dict(num_stages
            "persistent-7-programs": (dict(persistent=True, num_sms=7), "int4_group"),  # 36 items / 7 programs
            "overlap": (dict(overlap=True), "plain"), "overlap-3-stages": (dict(overlap=True, num_stages=3), None),
            "overlap-persistent": (dict(overlap=True, persistent=True, num_sms=7), "fp8_row"),
+           "pingpong": (dict(pingpong=True), "int4_group"),
+           "pingpong-persistent": (dict(pingpong=True, persistent=True, num_sms=7), "plain"),
            "row64": (dict(row64=True), "int4_row")}  # int64 row offsets (slices past 2^31 elements)
 
 

@@ -63,7 +63,7 @@ RESCALE_LOG2 = gl.constexpr(8.0)  # lazy rescale threshold, log2 units (as spars
 def config(head_dim: int) -> dict:
     """Launch config at ``head_dim``: pipeline depth and register split (12 warps: 2 consumer + 1 producer groups)."""
     return dict(num_stages=2, consumer_regs=232, producer_regs=40, maxnreg=168, pipeline=False, persistent=False,
-                overlap=False)
+                overlap=False, pingpong=False)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -287,12 +287,16 @@ def _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype: gl.const
 
 
 @gluon.jit
-def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, c0, sm_scale_log2,
+def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, n_end, c0, j0, sm_scale_log2,
                       dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_STAGES: gl.constexpr):
+                      NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr):
     """``_mainloop`` with FA3's intra-warpgroup overlap: tile t's QK^T and tile t-1's P V are issued back to back,
     tile t's softmax runs while the P V product is still on the tensor cores (one wait for the QK^T only), and the
-    accumulator is rescaled after that product completes. Same arithmetic as ``_mainloop``."""
+    accumulator is rescaled after that product completes. Same arithmetic as ``_mainloop``.
+
+    PINGPONG (FA3's inter-warpgroup schedule): the two consumer warpgroups take turns issuing their products (mbarriers
+    ``turn[0]``, ``turn[1]``, one arrive each), so one's softmax runs while the other's products use the tensor cores;
+    ``j0`` counts this warpgroup's earlier loop iterations (all items) for the turn barriers' phases."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -314,13 +318,17 @@ def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
         sk = c % NUM_STAGES
         k_tile = k_smem.index(sk)
         mbarrier.wait(k_ready.index(sk), (c // NUM_STAGES) & 1)
-        fence_async_shared()
-        qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sv = (c - 1) % NUM_STAGES
         v_tile = v_smem.index(sv)
         mbarrier.wait(v_ready.index(sv), ((c - 1) // NUM_STAGES) & 1)
         fence_async_shared()
+        if PINGPONG:  # my turn: the other warpgroup has issued its products of its previous iteration
+            j = j0 + t - 1
+            mbarrier.wait(turn.index(HALF), ((j & 1) ^ 1) if HALF == 0 else (j & 1))
+        qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - HALF), count=1)
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, q_tile, k_tile))  # QK^T done, P V in flight
         mbarrier.arrive(k_empty.index(sk), count=1)
         p16_next, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N,
@@ -398,13 +406,13 @@ def _epilogue(acc, m_i, l_i, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN,
 
 @gluon.jit
 def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready, q_empty,
-              k_ready, v_ready, k_empty, v_empty, w0, n_work, w_step, n_end0, H, G_MB, n_slots, C, K_ALLOC, S, sm_scale_log2,
+              k_ready, v_ready, k_empty, v_empty, turn, w0, n_work, w_step, n_end0, H, G_MB, n_slots, C, K_ALLOC, S, sm_scale_log2,
               stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
               stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
               stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
               HALF: gl.constexpr, M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr,
-              PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr):
+              PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order)."""
     M: gl.constexpr = 64
     q_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
@@ -436,8 +444,9 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
             q_tile.store(q)
             fence_async_shared()
         if OVERLAP:
-            acc, m_i, l_i = _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, c,
-                                              sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES)
+            acc, m_i, l_i = _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, n_end,
+                                              c, c - i, sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N,
+                                              NUM_STAGES, HALF, PINGPONG)
         else:
             acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, c,
                                       sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, PIPELINE)
@@ -466,7 +475,7 @@ def _sparse_fwd_sm90(
     M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, GATHER_ROWS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
-    OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
@@ -499,24 +508,28 @@ def _sparse_fwd_sm90(
         mbarrier.init(v_ready.index(j), count=128)
         mbarrier.init(k_empty.index(j), count=2)  # one arrive per consumer warpgroup
         mbarrier.init(v_empty.index(j), count=2)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(2):
         mbarrier.init(q_ready.index(j), count=128)
         mbarrier.init(q_empty.index(j), count=2)
+        mbarrier.init(turn.index(j), count=1)  # PINGPONG: one arrive by the other consumer warpgroup
 
     # worker arguments are spelled out (a tuple built with + loses its constexpr wrappers in Triton 3.6)
     gl.warp_specialize([
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
-                     q_empty, k_ready, v_ready, k_empty, v_empty, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C,
+                     q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
-                     0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP)),
+                     0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
+                     PINGPONG)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
-                     q_empty, k_ready, v_ready, k_empty, v_empty, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C,
+                     q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
-                     1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP)),
+                     1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
+                     PINGPONG)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C, K_ALLOC, S, SK,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -527,7 +540,7 @@ def _sparse_fwd_sm90(
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
                 gather_rows=32, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
-                persistent=None, num_sms=None, overlap=None):
+                persistent=None, num_sms=None, overlap=None, pingpong=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -568,7 +581,8 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 RETURN_LSE=bool(return_lse), RES_KIND=kind, ROW64=bool(row64), GATHER_ROWS=gather_rows,
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
                 PIPELINE=bool(cfg["pipeline"] if pipeline is None else pipeline), PERSISTENT=persistent,
-                OVERLAP=bool(cfg["overlap"] if overlap is None else overlap),
+                OVERLAP=bool(cfg["overlap"] if overlap is None else overlap) or bool(pingpong),
+                PINGPONG=bool(cfg["pingpong"] if pingpong is None else pingpong),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
 
@@ -587,7 +601,8 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             next tile's QK^T right behind this tile's P V, one wait for both), ``persistent`` (one program per SM
             walking the work items; the producer gathers the next item's Q (2 slots) and K/V tiles while the consumers
             run the epilogue; ``num_sms``: programs, default the device's SM count), ``overlap`` (FA3's schedule: tile t's
-            softmax while tile t-1's P V runs; ``_mainloop_overlap``).
+            softmax while tile t-1's P V runs; ``_mainloop_overlap``), ``pingpong`` (implies overlap: the two consumer
+            warpgroups take turns issuing their products).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:
