@@ -285,11 +285,8 @@ QUICK_CONFIGS = {  # --quick: the sm_90 default (BN 128 lazy, 3 stages) against 
 
 
 GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside its default (the op), same inputs
-    "gluon pipeline": dict(_gluon=True, pipeline=True),
-    "gluon 3 stages": dict(_gluon=True, num_stages=3),
-    "gluon pipeline 3 stages": dict(_gluon=True, pipeline=True, num_stages=3),
+    # (round 1: pipeline and 3 stages changed nothing while the producer was the bottleneck)
     "gluon persistent": dict(_gluon=True, persistent=True),
-    "gluon persistent pipeline": dict(_gluon=True, persistent=True, pipeline=True),
     "gluon overlap": dict(_gluon=True, overlap=True),
     "gluon overlap 3 stages": dict(_gluon=True, overlap=True, num_stages=3),
     "gluon overlap persistent": dict(_gluon=True, overlap=True, persistent=True),
