@@ -31,10 +31,10 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 g90 = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention_sm90")
 
 
-def hot_loop_spills(cubin: bytes, consumer_regs: int, producer_regs: int) -> tuple[int, int]:
+def hot_loop_spills(cubin: bytes) -> tuple[int, int]:
     """(local-memory ops between the first and last HGMMA of the consumer partitions, between the first and last
-    LDGSTS of the producer) in the SASS (cuobjdump): spills inside the hot loops. A partition's code is the SASS
-    after its ``USETMAXREG`` to its register count."""
+    LDGSTS of the producer) in the SASS (cuobjdump): spills inside the hot loops. The SASS is split at each
+    ``USETMAXREG``; a part with HGMMA is a consumer's, a part with LDGSTS and no HGMMA the producer's."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     cuobjdump = Path(get_ptxas(90).path).with_name("cuobjdump")
@@ -51,16 +51,18 @@ def hot_loop_spills(cubin: bytes, consumer_regs: int, producer_regs: int) -> tup
             cur = []
         cur.append(line)
     regions.append(cur)
-    hot = {consumer_regs: 0, producer_regs: 0}
+    consumer = producer = 0
     for r in regions:
-        m = re.search(r"USETMAXREG\.\S+ (?:\S+, )?(0x[0-9a-f]+)", r[0]) if r else None
-        regs = int(m.group(1), 16) if m else None
-        if regs not in hot:
+        hg = [i for i, line in enumerate(r) if "HGMMA" in line]
+        marks = hg or [i for i, line in enumerate(r) if "LDGSTS" in line]
+        if not marks:
             continue
-        marks = [i for i, line in enumerate(r) if ("HGMMA" if regs == consumer_regs else "LDGSTS") in line]
-        if marks:
-            hot[regs] += sum(1 for line in r[min(marks):max(marks) + 1] if re.search(r"\b(STL|LDL)", line))
-    return hot[consumer_regs], hot[producer_regs]
+        n = sum(1 for line in r[min(marks):max(marks) + 1] if re.search(r"\b(STL|LDL)", line))
+        if hg:
+            consumer += n
+        else:
+            producer += n
+    return consumer, producer
 
 
 def _tag(tuning):
@@ -82,7 +84,7 @@ def report(residual_kind=None, return_lse=True, D=128, S=75600, H=40, ptx_dir=No
         Path(ptx_dir).mkdir(parents=True, exist_ok=True)
         (Path(ptx_dir) / f"g90_d{D}_{residual_kind}_{int(return_lse)}{_tag(tuning)}.ptx").write_text(ptx)
         (Path(ptx_dir) / f"g90_d{D}_{residual_kind}_{int(return_lse)}{_tag(tuning)}.cubin").write_bytes(ck.asm["cubin"])
-    consumer_hot, producer_hot = hot_loop_spills(ck.asm["cubin"], meta["CONSUMER_REGS"], meta["PRODUCER_REGS"])
+    consumer_hot, producer_hot = hot_loop_spills(ck.asm["cubin"])
     setmax = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
     smem = ck.metadata.shared
     return dict(D=D, residual=residual_kind, lse=return_lse, tuning=tuning, regs=regs, spill_st=st, spill_ld=ld, smem=smem,
