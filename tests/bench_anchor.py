@@ -113,20 +113,19 @@ def dense_fns():
             for n in ("flash_attn4", "cuda_sdpa") if n in names}
 
 
-PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set for the call); s64: Gram path;
-    # sq: directions by repeated squaring (SQUARE; i8 -> 3 squarings, i16 -> 4); w: warps of _direction / _leaf
-    "s64 i4": (dict(samples=64, power_iters=4), {}),
-    "s64 sq16": (dict(samples=64, power_iters=16), dict(SQUARE=True)),
-    "s256 sq8 w8": ({}, dict(SQUARE=True, _DIR_WARPS=8)),
-    "compact s64 i4 w4": (dict(samples=64, power_iters=4), dict(COMPACT=True, _DIR_WARPS=4)),
-    # subN: nodes of up to N groups split to the end in one _subtree program
-    "s64 i4 sub8": (dict(samples=64, power_iters=4), dict(SUBTREE=8)),
-    "s64 sq16 sub8": (dict(samples=64, power_iters=16), dict(SQUARE=True, SUBTREE=8)),
-    "s64 i4 sub16": (dict(samples=64, power_iters=4), dict(SUBTREE=16)),
-    "compact s64 i4 sub8 w4": (dict(samples=64, power_iters=4), dict(COMPACT=True, SUBTREE=8, _DIR_WARPS=4)),
+PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set for the call), each against the
+    # default (64 samples by their Gram matrix, <= 4 power steps, int8 copy of q below the root, CUDA graph for small q)
+    "graph off": ({}, dict(GRAPH=False)),
+    "old default (256 samples, 8 steps, bf16 q)": (dict(samples=256, power_iters=8),
+                                                   dict(COMPACT=False, POWER_ITERS_MAX=8)),
+    "bf16 q (no int8 copy)": ({}, dict(COMPACT=False)),
+    "i2": (dict(power_iters=2), {}),
+    "i8": (dict(power_iters=8), dict(POWER_ITERS_MAX=8)),
+    "sq8 (3 squarings)": (dict(power_iters=8), dict(SQUARE=True, POWER_ITERS_MAX=8)),
     # sortN: nodes of up to N groups split once per level by a one-round _subtree program (sort, no histogram)
-    "s64 i4 sort16": (dict(samples=64, power_iters=4), dict(SORTSPLIT=16)),
-    "compact s64 i4 sort16 w4": (dict(samples=64, power_iters=4), dict(COMPACT=True, SORTSPLIT=16, _DIR_WARPS=4)),
+    "sort3": ({}, dict(SORTSPLIT=3)),
+    "sort4": ({}, dict(SORTSPLIT=4)),
+    "sort16": ({}, dict(SORTSPLIT=16)),
 }
 
 

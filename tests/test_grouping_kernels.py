@@ -237,92 +237,18 @@ def test_grouping_with_small_tiles_keeps_the_contract(gen, S, C, leaf, compact, 
 
 
 def test_direction_warps_rule():
-    """4 warps only where measured faster and compiled spill-free (sm_90 without the int8 copy), else 8."""
-    assert grouping.direction_warps(9, False) == 4
-    assert grouping.direction_warps(10, False) == 4
-    assert grouping.direction_warps(8, False) == 8
-    assert grouping.direction_warps(9, True) == 8
+    """4 warps only where measured faster and compiled spill-free (sm_90; with the int8 copy only at <= 64 samples),
+    else 8."""
+    assert grouping.direction_warps(9, False, 256) == 4
+    assert grouping.direction_warps(10, False, 256) == 4
+    assert grouping.direction_warps(8, False, 64) == 8
+    assert grouping.direction_warps(9, True, 256) == 8
+    assert grouping.direction_warps(9, True, 64) == 4
 
 
-def _model_subtree(x, ids, lo, gs, cnt, C, samples, out, tally, path="", depth=99):
-    """Check ``out`` (the kernel's final ids of one node, int32 [size]) against float64 recursive splitting of the
-    sub-node at groups [lo, lo + gs) whose real queries are ``ids`` in the kernel's current order: its direction is
-    the top eigenvector of the covariance of min(cnt, samples) of them sampled evenly over that order, its first
-    ceil(gs/2)*C positions (left child) the queries of smallest projection (either sign of the direction; the
-    children's order is the projection order). A sub-node whose direction or split is ill-determined in float64
-    (second eigenvalue > 0.6 of the first, or the two projections at the cut within 1e-3 of the spread) is only
-    checked to hold its queries. ``tally``: [checked splits, ill-determined ones]."""
-    got = out[lo * C:lo * C + cnt]
-    assert sorted(got.tolist()) == sorted(ids.tolist()), path
-    if gs < 2 or cnt == 0 or depth == 0:
-        return
-    m = min(cnt, samples)
-    sample = x[ids[torch.arange(m) * cnt // m].long()]
-    centred = sample - sample.mean(0)
-    evals, evecs = torch.linalg.eigh(centred.T @ centred)
-    p = x[ids.long()] @ evecs[:, -1]
-    half = (gs + 1) // 2
-    left = half * C
-    srt = torch.sort(p).values
-    if left < cnt and (evals[-2] > 0.6 * evals[-1] or min(abs(srt[left] - srt[left - 1]), abs(srt[cnt - left] -
-                                                          srt[cnt - left - 1])) < 1e-3 * (srt[-1] - srt[0])):
-        tally[1] += 1
-        return
-    got_left = set(out[lo * C:lo * C + min(left, cnt)].tolist())
-    for sign in (1.0, -1.0):
-        order = ids[torch.sort(sign * p, stable=True).indices]
-        if set(order[:left].tolist()) == got_left:
-            break
-    else:
-        raise AssertionError(f"sub-node {path or 'root'}: left child is neither side of the float64 split")
-    tally[0] += 1
-    _model_subtree(x, order[:left], lo, half, min(left, cnt), C, samples, out, tally, path + "L", depth - 1)
-    _model_subtree(x, order[left:], lo + half, gs - half, max(cnt - left, 0), C, samples, out, tally, path + "R",
-                   depth - 1)
-
-
-@pytest.mark.parametrize("S,C,gmax,first,samples,finish", [(120, 8, 4, False, 16, True), (93, 8, 8, False, 16, True),
-                                                           (40, 8, 8, True, 16, True), (75, 8, 5, False, 64, True),
-                                                           (93, 8, 8, False, 16, False)])
-def test_subtree_splits_by_the_float64_projection(gen, S, C, gmax, first, samples, finish):
-    """_subtree on nodes of up to ``gmax`` groups (ragged last node, nodes of 3 and 5 groups, the root as one node;
-    finish False: one round, as SORTSPLIT launches it): every round splits each sub-node of >= 2 groups at
-    ceil(g/2)*C by the float64 projection on the top eigenvector of its evenly sampled queries (recursive model,
-    either sign), padding -1 last; every slot of the nodes written and no other (output poisoned)."""
-    B, H, D = 1, 2, 16
-    G = -(-S // C)
-    n_slots = G * C
-    scales = torch.tensor([3.0 ** -i for i in range(D)]) * 8.0  # well-separated variances: a clear top direction
-    basis = torch.linalg.qr(torch.randn(H, D, D, generator=gen))[0]
-    q = (torch.randn(B, H, S, D, generator=gen) * scales) @ basis.transpose(-1, -2)
-    q = q.to(torch.bfloat16)
-    levels = grouping._plan(S, C, torch.device(DEVICE), gmax, finish)
-    level = 0 if first else next(i for i, lv in enumerate(levels) if lv[2] is not None)
-    assert (level == 0) == first
-    N, start, count, size, n_max, rounds = levels[level][2]
-    np2 = 1 << (n_max - 1).bit_length()
-    perm = torch.arange(n_slots, dtype=torch.int32).where(torch.arange(n_slots) < S, -1).expand(B * H, -1).clone() \
-        if first else _perm_in(gen, B * H, S, n_slots)
-    out = torch.full((B * H, n_slots), -7, dtype=torch.int32, device=DEVICE)
-    ids = torch.full((B * H * N * np2,), -7, dtype=torch.int32, device=DEVICE)
-    keys = torch.full((B * H * N * np2,), -7, dtype=torch.int64, device=DEVICE)
-    vs = torch.full((B * H * N * (1 << (rounds - 1)) * D,), float("nan"), device=DEVICE)
-    qd = q.to(DEVICE)
-    grouping._subtree[(N, B * H)](qd, qd, vs, perm.to(DEVICE), out, ids, keys, vs, start, size, count, H, N, S,
-                                  n_slots, C, *qd.stride(), PAIRS=16, M=samples, D=D, SCHUNK=min(samples, 64),
-                                  CHUNK=min(64, np2), NP=np2, LEVELS=rounds, FIRST=first, GRAM=samples <= 64,
-                                  READ8=False)
-    out, start, count, size = out.cpu(), start.cpu(), count.cpu(), size.cpu()
-    x_all = q.reshape(B * H, S, D).double()
-    inside = torch.zeros(n_slots, dtype=torch.bool)
-    tally = [0, 0]
-    for i in range(N):
-        s, c, n = int(start[i]), int(count[i]), int(size[i])
-        inside[s:s + n] = True
-        for bh in range(B * H):
-            got = out[bh, s:s + n]
-            assert (got[c:] == -1).all()
-            _model_subtree(x_all[bh], perm[bh, s:s + c], 0, n // C, c, C, samples, got, tally, depth=rounds)
-    assert (out[:, ~inside] == -7).all()
-    print("splits checked exactly, ill-determined:", tally)
-    assert tally[0] >= max(4, 2 * tally[1]), tally  # most splits checked exactly
+def test_graph_path_only_for_small_cuda_q(monkeypatch):
+    """The CUDA-graph path is never taken on the CPU, for q above _GRAPH_MAX_BYTES, or with GRAPH off."""
+    q = torch.zeros(1, 2, 64, 16, dtype=torch.bfloat16)
+    assert not grouping._graph_eligible(q)
+    monkeypatch.setattr(grouping, "GRAPH", False)
+    assert not grouping._graph_eligible(q)

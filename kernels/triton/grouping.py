@@ -24,6 +24,13 @@ no copy of Q, no covariance in memory, no sort and no host sync:
 - ``_leaf`` (one program per two-group node and head, the last split of every branch): direction from all the node's
   queries, their projections sorted in the program (``tl.sort`` of int64 keys: projection bits, then slot), the C
   smallest left. One launch and one read of the node instead of four launches and two reads.
+- ``_subtree`` (option ``SUBTREE`` = N: one program per node of 3..N groups and head, in place of every histogram
+  level and leaf below it): the node's query ids in a scratch row; per round, the direction of every sub-node of
+  >= 2 groups (in turn), then one ``tl.sort`` of int64 keys (sub-node, projection bits, position) orders all
+  sub-nodes at once, each cut at ceil(g/2)*C. Option ``SORTSPLIT`` = N: the same program with one round, one launch
+  per level for every node of <= N groups (directions in parallel, no histogram / count / apply).
+- ``SQUARE`` (option): directions by repeated squaring of the covariance / Gram matrix (``tl.dot``, trace-normalised)
+  instead of power-iteration matrix-vector products.
 - ``COMPACT`` (option): the root's ``_bin`` also writes an int8 copy of q (each query centred on the root's sample
   mean, one fp32 scale per query: 132 B a query instead of 256 B at D = 128) that every later level reads.
 
@@ -43,14 +50,20 @@ import triton
 import triton.language as tl
 
 _PLAN_CACHE = 8  # (S, C, device) node tables kept at once
-SAMPLES = 256  # rows per node for its principal direction
+SAMPLES = 64  # rows per node for its principal direction (<= _GRAM_MAX: by the samples' Gram matrix)
+POWER_ITERS_MAX = 4  # power-iteration steps per node at most (H200, 64 samples: 14B 720p 3.45 ms at variance ratio
+# 1.011 with 4 steps; 2 steps 3.38 ms at 1.023)
 BINS = 512  # histogram bins per node (the threshold bin spans 8 / BINS standard deviations of the projections)
 _BLOCK_BIN = 64  # slots per program of _bin (one gathered row each)
 _TILE = 1024  # slots per program of _count / _apply
 _PREFIX = 128  # tile counts summed per step of _apply's prefix loop
 _DIR_WARPS = None  # warps of _direction / _leaf; None: ``direction_warps``
 _GRAM_MAX = 64  # samples up to which directions come from the samples' Gram matrix instead of the covariance
-COMPACT = False  # levels below the root read an int8 copy of q (per-query scale) written by the root's _bin
+COMPACT = True  # levels below the root read an int8 copy of q (per-query scale) written by the root's _bin (H200,
+# 64 samples: 14B 720p 3.02 ms against 3.45 ms reading q, variance ratio 1.012)
+GRAPH = True  # run the tree as one CUDA graph where q is small (see _graph_eligible)
+_GRAPH_MAX_BYTES = 256 << 20  # q bytes up to which the graph path is taken (1.3B 480p: 100 MB; 14B 720p: 774 MB)
+_GRAPH_CACHE = 2  # graphs kept at once (each holds a copy of q and the tree's buffers)
 _SUB_SLOTS = 2048  # most slots of a _subtree node (its sort keys hold the position in 11 bits)
 SORTSPLIT = 0  # nodes of 3 to this many groups split once per level by a one-round _subtree program (sort), not
 # by the histogram path (0: off; takes precedence over SUBTREE)
@@ -466,11 +479,11 @@ def _apply(
     tl.store(PERM_OUT + bh.to(tl.int64) * n_slots + start + dest, val, mask=inside)
 
 
-def direction_warps(major: int, compact: bool) -> int:
-    """Warps of ``_direction`` / ``_leaf`` on a device of compute capability ``major``.x: 4 on sm_90 (H200, 14B 720p:
-    5.39 ms against 7.21 ms with 8 warps, the same grouping; spill-free by tests/ptxas_grouping.py), else 8 (4 spill
-    on sm_80, and with the int8 copy on sm_90)."""
-    return 4 if major >= 9 and not compact else 8
+def direction_warps(major: int, compact: bool, samples: int = 64) -> int:
+    """Warps of ``_direction`` / ``_leaf`` / ``_subtree`` on a device of compute capability ``major``.x: 4 on sm_90
+    (H200, 14B 720p: 5.39 ms against 7.21 ms with 8 warps at 256 samples, the same grouping; spill-free by
+    tests/ptxas_grouping.py), else 8 (4 spill on sm_80, and with the int8 copy and > 64 samples on sm_90)."""
+    return 4 if major >= 9 and (not compact or samples <= _GRAM_MAX) else 8
 
 
 @functools.lru_cache(maxsize=16)
@@ -516,14 +529,17 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
 
     Args:
         q: ``[B, H, S, D]`` fp16/bf16 (any strides), D a power of two in [16, 256].
-        group_size: C >= 1. power_iters: matrix-vector products of the power iteration per node (>= 1; rounded up
-            to an even count); with ``SQUARE``: the matrix is raised to the power 2^ceil(log2(power_iters)) by that
-            many squarings.
+        group_size: C >= 1. power_iters: matrix-vector products of the power iteration per node (>= 1; at most
+            ``POWER_ITERS_MAX`` are run; rounded up to an even count); with ``SQUARE``: the matrix is raised to the
+            power 2^ceil(log2(power_iters)) by that many squarings.
         samples: rows per node its direction is computed from (a power of two >= 16; default ``SAMPLES``; up to
             ``_GRAM_MAX`` by the samples' Gram matrix).
         bins: histogram bins per node for the rank split (a power of two >= 16; default ``BINS``).
         phase_hook: benchmarks only: called with "copy", "direction", "bin", "count", "apply", "leaf" after each
-            launch.
+            launch (the tree then runs eagerly, never as the CUDA graph).
+    Small q on CUDA (``_graph_eligible``) runs as a CUDA graph from the second call of a shape on (``_graph_replay``:
+    the same kernels, the same output; host launch overhead is most of the time at 1.3B 480p: 1.31 ms eager against
+    0.42 ms as one graph, H200).
     Returns:
         int32 ``[B, H, G*C]``, G = ceil(S / C): group g is ``perm[..., g*C:(g+1)*C]``; each query index in [0, S)
         appears once; the last G*C - S entries are -1.
@@ -549,6 +565,71 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
         out = torch.full((BH, n_slots), -1, dtype=torch.int32, device=q.device)
         out[:, :S] = torch.arange(S, dtype=torch.int32, device=q.device)
         return out.reshape(B, H, n_slots)
+    power_iters = min(power_iters, POWER_ITERS_MAX)
+    args = (C, levels, gmax, finish, power_iters, samples, bins)
+    if phase_hook is None and _graph_eligible(q):
+        key = (tuple(q.shape), q.stride(), q.dtype, q.device, args[:1] + args[2:], COMPACT, SQUARE, _DIR_WARPS,
+               _BLOCK_BIN, _TILE, _PREFIX)
+        out = _graph_replay(key, q, args)
+        if out is not None:
+            return out
+    return _tree(q, *args, phase_hook)
+
+
+def _graph_eligible(q: torch.Tensor) -> bool:
+    """Whether to run the tree as a CUDA graph: on CUDA, ``GRAPH`` on, q at most ``_GRAPH_MAX_BYTES`` (where the
+    host's ~30 launches cost more than the GPU's work; larger q would pay its copy into the graph's input for
+    nothing), and the stream not being captured already."""
+    return (GRAPH and q.is_cuda and q.numel() * q.element_size() <= _GRAPH_MAX_BYTES
+            and not torch.cuda.is_current_stream_capturing())
+
+
+_GRAPHS: dict = {}  # key -> (graph, static q, static output, plan levels kept alive) or None (capture failed)
+
+
+def _graph_replay(key, q: torch.Tensor, args: tuple):
+    """The tree as a CUDA graph captured once per ``key`` (shape, strides, dtype, device, options): q copied into
+    the graph's own input buffer, one replay, the output cloned. The first call of a key returns None (the caller
+    runs the tree eagerly, which compiles every kernel); the second captures. A capture that fails is not retried for
+    that key (None: the eager path). At most ``_GRAPH_CACHE`` graphs are kept (oldest out)."""
+    if key not in _GRAPHS:
+        _GRAPHS[key] = "seen"
+        return None
+    entry = _GRAPHS[key]
+    if entry is None:
+        return None
+    if entry == "seen":
+        try:
+            with torch.cuda.device(q.device):
+                static_q = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device)
+                static_q.copy_(q)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_out = _tree(static_q, *args, None)
+        except Exception as err:  # noqa: BLE001 (any capture failure: run eagerly from now on)
+            import warnings
+
+            warnings.warn(f"PDDP CUDA graph capture failed ({type(err).__name__}: {err}); running eagerly")
+            _GRAPHS[key] = None
+            return None
+        while sum(isinstance(e, tuple) for e in _GRAPHS.values()) >= _GRAPH_CACHE:
+            del _GRAPHS[next(k for k, e in _GRAPHS.items() if isinstance(e, tuple))]
+        _GRAPHS.pop(key)
+        _GRAPHS[key] = entry = (graph, static_q, static_out, args[1])
+    graph, static_q, static_out, _ = entry
+    with torch.cuda.device(q.device):
+        static_q.copy_(q)
+        graph.replay()
+        return static_out.clone()
+
+
+def _tree(q: torch.Tensor, C: int, levels: tuple, gmax: int, finish: bool, power_iters: int, samples: int, bins: int,
+          phase_hook) -> torch.Tensor:
+    """The launches of ``pddp_groups`` (arguments validated there): int32 [B, H, G*C]."""
+    B, H, S, D = q.shape
+    G = -(-S // C)
+    BH = B * H
+    n_slots = G * C
     hook = phase_hook or (lambda name: None)
     pairs = (power_iters + 1) // 2
     sq = max(1, (power_iters - 1).bit_length()) if SQUARE else 0  # squarings: cov^(2^sq), 2^sq >= power_iters
@@ -576,7 +657,7 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
                              device=q.device)
     strides = q.stride()
     compact = COMPACT and len(levels) > 1 and levels[0][1] is not None  # the root is split by the histogram path
-    warps = _DIR_WARPS or direction_warps(_major(q.device), compact)
+    warps = _DIR_WARPS or direction_warps(_major(q.device), compact, samples)
     if compact:
         q8 = torch.empty(BH * S * D, dtype=torch.int8, device=q.device)
         sc = torch.empty(BH * S, dtype=torch.float32, device=q.device)
