@@ -126,6 +126,8 @@ PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set 
     "sort3": ({}, dict(SORTSPLIT=3)),
     "sort4": ({}, dict(SORTSPLIT=4)),
     "sort16": ({}, dict(SORTSPLIT=16)),
+    "tile 2048": ({}, dict(_TILE=2048)),  # slots per program of _count / _apply
+    "sort3 i2": (dict(power_iters=2), dict(SORTSPLIT=3)),
 }
 
 
