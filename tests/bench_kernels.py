@@ -288,10 +288,12 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside its defaul
     # (round 1: pipeline and 3 stages changed nothing while the producer was the bottleneck)
     "gluon persistent": dict(_gluon=True, persistent=True),
     "gluon overlap": dict(_gluon=True, overlap=True),
-    "gluon overlap 3 stages": dict(_gluon=True, overlap=True, num_stages=3),
     "gluon overlap persistent": dict(_gluon=True, overlap=True, persistent=True),
     "gluon pingpong": dict(_gluon=True, pingpong=True),
     "gluon pingpong persistent": dict(_gluon=True, pingpong=True, persistent=True),
+    "gluon stage_out": dict(_gluon=True, stage_out=True),
+    "gluon overlap stage_out": dict(_gluon=True, overlap=True, stage_out=True),
+    "gluon pingpong persistent stage_out": dict(_gluon=True, pingpong=True, persistent=True, stage_out=True),
 }
 
 

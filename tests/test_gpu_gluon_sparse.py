@@ -100,6 +100,8 @@ TUNINGS = {"pipeline": (dict(pipeline=True), None), "3-stages": (dict(num_stages
            "overlap-persistent": (dict(overlap=True, persistent=True, num_sms=7), "fp8_row"),
            "pingpong": (dict(pingpong=True), "int4_group"),
            "pingpong-persistent": (dict(pingpong=True, persistent=True, num_sms=7), "plain"),
+           "stage-out": (dict(stage_out=True), "int4_group"),
+           "stage-out-pingpong-persistent": (dict(stage_out=True, pingpong=True, persistent=True, num_sms=7), "plain"),
            "row64": (dict(row64=True), "int4_row")}  # int64 row offsets (slices past 2^31 elements)
 
 

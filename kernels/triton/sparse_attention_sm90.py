@@ -63,7 +63,7 @@ RESCALE_LOG2 = gl.constexpr(8.0)  # lazy rescale threshold, log2 units (as spars
 def config(head_dim: int) -> dict:
     """Launch config at ``head_dim``: pipeline depth and register split (12 warps: 2 consumer + 1 producer groups)."""
     return dict(num_stages=2, consumer_regs=232, producer_regs=40, maxnreg=168, pipeline=False, persistent=False,
-                overlap=False, pingpong=False)
+                overlap=False, pingpong=False, stage_out=False)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -352,11 +352,13 @@ def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
 def _epilogue(acc, m_i, l_i, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h, group,
               lse_base, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh, stride_rs, stride_rd,
               stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg,
-              stride_md, M: gl.constexpr, HEAD_DIM: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr,
-              ROW64: gl.constexpr):
+              stride_md, stage, M: gl.constexpr, HEAD_DIM: gl.constexpr, RETURN_LSE: gl.constexpr,
+              RES_KIND: gl.constexpr, ROW64: gl.constexpr, STAGE_OUT: gl.constexpr):
     """O / l (+ the residual, dequantised in fp32) stored to the rows perm[rowh ..] of ``out`` by strides; the LSE.
     Residual kinds as ``sparse_attention._store_half``: 1 plain, 2 fp8_row, 3 int4_row, 4 int4_group (+ coef x the
-    group's mean row)."""
+    group's mean row). STAGE_OUT: the rounded rows go through ``stage`` (this warpgroup's Q tile, free once its
+    products are done) into a row-major layout, so each warp store writes whole 256-byte rows (the wgmma layout
+    writes 4 bytes per thread)."""
     b64 = b.to(gl.int64)
     h64 = h.to(gl.int64)
     o_layout: gl.constexpr = acc.type.layout
@@ -400,8 +402,22 @@ def _epilogue(acc, m_i, l_i, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN,
                            + offs_d * stride_md).to(gl.float32)
             r = r + coef[:, None] * mean[None, :]
         out = out + r
-    o_ptr = OUT + b64 * stride_ob + h64 * stride_oh + rows[:, None] * stride_os + offs_d[None, :] * stride_od
-    gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=ok[:, None])
+    if STAGE_OUT:
+        st_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+        stage.store(out.to(OUT.dtype.element_ty))
+        o2 = stage.load(st_lay)
+        offs_m2 = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, st_lay))
+        q_idx2 = gl.load(PERM + perm_off + offs_m2, mask=offs_m2 < C, other=-1)
+        ok2 = (q_idx2 >= 0) & (q_idx2 < S)
+        rows2 = gl.where(ok2, q_idx2, 0)
+        if ROW64:
+            rows2 = rows2.to(gl.int64)
+        offs_d2 = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_lay))
+        o_ptr = OUT + b64 * stride_ob + h64 * stride_oh + rows2[:, None] * stride_os + offs_d2[None, :] * stride_od
+        gl.store(o_ptr, o2, mask=ok2[:, None])
+    else:
+        o_ptr = OUT + b64 * stride_ob + h64 * stride_oh + rows[:, None] * stride_os + offs_d[None, :] * stride_od
+        gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=ok[:, None])
 
 
 @gluon.jit
@@ -412,7 +428,8 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
               stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
               HALF: gl.constexpr, M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr,
-              PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+              PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+              STAGE_OUT: gl.constexpr):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order)."""
     M: gl.constexpr = 64
     q_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
@@ -451,12 +468,14 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
             acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, c,
                                       sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, PIPELINE)
         c += gl.cdiv(n_end, BLOCK_N)
-        if PERSISTENT:  # every QK^T of the item is done: its Q slot is free for item i + 2
+        if PERSISTENT and not STAGE_OUT:  # every QK^T of the item is done: its Q slot is free for item i + 2
             mbarrier.arrive(q_empty.index(i % 2), count=1)
         _epilogue(acc, m_i, l_i, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h, group,
                   (b * H + h).to(gl.int64) * S, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh,
                   stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb,
-                  stride_mh, stride_mg, stride_md, M, HEAD_DIM, RETURN_LSE, RES_KIND, ROW64)
+                  stride_mh, stride_mg, stride_md, q_tile, M, HEAD_DIM, RETURN_LSE, RES_KIND, ROW64, STAGE_OUT)
+        if PERSISTENT and STAGE_OUT:  # the Q tile staged the output rows: free it now
+            mbarrier.arrive(q_empty.index(i % 2), count=1)
         i += 1
 
 
@@ -475,7 +494,7 @@ def _sparse_fwd_sm90(
     M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, GATHER_ROWS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
-    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr,
+    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
@@ -522,14 +541,14 @@ def _sparse_fwd_sm90(
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG)),
+                     PINGPONG, STAGE_OUT)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG)),
+                     PINGPONG, STAGE_OUT)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C, K_ALLOC, S, SK,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -540,7 +559,7 @@ def _sparse_fwd_sm90(
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
                 gather_rows=32, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
-                persistent=None, num_sms=None, overlap=None, pingpong=None):
+                persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -583,6 +602,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 PIPELINE=bool(cfg["pipeline"] if pipeline is None else pipeline), PERSISTENT=persistent,
                 OVERLAP=bool(cfg["overlap"] if overlap is None else overlap) or bool(pingpong),
                 PINGPONG=bool(cfg["pingpong"] if pingpong is None else pingpong),
+                STAGE_OUT=bool(cfg["stage_out"] if stage_out is None else stage_out),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
 
@@ -602,7 +622,8 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             walking the work items; the producer gathers the next item's Q (2 slots) and K/V tiles while the consumers
             run the epilogue; ``num_sms``: programs, default the device's SM count), ``overlap`` (FA3's schedule: tile t's
             softmax while tile t-1's P V runs; ``_mainloop_overlap``), ``pingpong`` (implies overlap: the two consumer
-            warpgroups take turns issuing their products).
+            warpgroups take turns issuing their products), ``stage_out`` (output rows through shared memory into a
+            row-major layout: whole-row stores).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:
