@@ -114,11 +114,13 @@ def dense_fns():
 
 
 PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set for the call), each against the
-    # default (64 samples by their Gram matrix, <= 4 power steps, int8 copy of q below the root, CUDA graph for small q)
+    # default (64 samples by their Gram matrix, <= 4 power steps, int8 copy of q below the root with one scale per
+    # head, CUDA graph for small q)
     "graph off": ({}, dict(GRAPH=False)),
     "old default (256 samples, 8 steps, bf16 q)": (dict(samples=256, power_iters=8),
                                                    dict(COMPACT=False, POWER_ITERS_MAX=8)),
     "bf16 q (no int8 copy)": ({}, dict(COMPACT=False)),
+    "int8 copy with a scale per query": ({}, dict(HEAD_SCALE=False)),
     "i2": (dict(power_iters=2), {}),
     "i8": (dict(power_iters=8), dict(POWER_ITERS_MAX=8)),
     "sq8 (3 squarings)": (dict(power_iters=8), dict(SQUARE=True, POWER_ITERS_MAX=8)),

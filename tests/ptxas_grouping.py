@@ -37,7 +37,8 @@ def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, com
     keys = torch.empty(B * H * N * 2 * C, dtype=torch.int64, **meta_t)
     q8 = torch.empty(B * H * S * D, dtype=torch.int8, **meta_t)
     sc, mu = torch.empty(B * H * S, dtype=torch.float32, **meta_t), torch.empty(B * H * D, dtype=torch.float32, **meta_t)
-    r8, w8 = compact and not first, compact and first
+    code8 = 2 if grouping.HEAD_SCALE else 1  # int8 copy with one scale per head / per query
+    r8, w8 = code8 * (compact and not first), code8 * (compact and first)
     warps = grouping._DIR_WARPS or grouping.direction_warps(arch // 10, compact)
     strides = q.stride()
     return [

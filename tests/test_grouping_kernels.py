@@ -80,17 +80,20 @@ def test_rank_split_is_the_stable_partition(gen, S, C, tile, prefix):
 
 @pytest.mark.parametrize("mode,samples,sq", [("root", 256, 0), ("below", 32, 0), ("root", 64, 0), ("root write8", 256, 0),
                                              ("below read8", 64, 0), ("below read8", 256, 0), ("root", 256, 3),
-                                             ("below", 32, 4), ("below read8", 64, 2)])
+                                             ("below", 32, 4), ("below read8", 64, 2), ("root write8 head", 64, 0),
+                                             ("root write8 head", 256, 0), ("below read8 head", 64, 0)])
 def test_direction_and_bins_match_float64(gen, mode, samples, sq):
     """_direction (covariance and Gram paths): top eigenvector of the sampled rows' covariance, binning map from their
     projections (power iteration, or sq > 0: repeated squaring by tl.dot); _bin: bins and histogram of every real
     query from that map (float64), histogram zeroed first.
-    At the root with WRITE8: the int8 copy of every query (row scale, centred on the root's sample mean) dequantises
+    At the root with WRITE8: the int8 copy of every query (row scale, or "head": one scale per head, twice the root
+    sample's largest centred entry / 127, entries beyond it clipped; centred on the root's sample mean) dequantises
     to q within half a step; below the root with READ8: the same from a given int8 copy. Outputs poisoned."""
     B, H, S, D, C, NB = 1, 2, 150, 32, 16, 64
     G = -(-S // C)
     n_slots = G * C
-    first, read8, write8 = mode.startswith("root"), "read8" in mode, "write8" in mode
+    first, code8 = mode.startswith("root"), 2 if "head" in mode else 1
+    read8, write8 = code8 * ("read8" in mode), code8 * ("write8" in mode)
     axis = torch.randn(H, 1, D, generator=gen)
     q = (torch.randn(B, H, S, 1, generator=gen) * 3.0 * axis + torch.randn(B, H, S, D, generator=gen) * 0.5
          + torch.randn(H, 1, D, generator=gen)).to(torch.bfloat16)
@@ -101,9 +104,12 @@ def test_direction_and_bins_match_float64(gen, mode, samples, sq):
     if read8:  # a given int8 copy (any centre): the kernels must read it, not q
         centre = x_all.mean(1, keepdim=True) + 0.1
         scale = (x_all - centre).abs().amax(-1, keepdim=True) / 127
+        if code8 == 2:  # one scale per head, smaller than the largest entry: some codes clip
+            scale = scale.amax(1, keepdim=True) * 0.6
         codes = ((x_all - centre) / scale).round().clamp(-127, 127)
         q8, sc = codes.to(torch.int8).reshape(-1), scale.float().reshape(-1)
-        x_all = codes * sc.double().reshape(B * H, S, 1)
+        x_all = codes * scale.float().double()
+        sc = torch.cat([sc, torch.full((B * H * S - sc.numel(),), float("nan"))])  # past the head scales: unused
     level = 0 if first else 1
     N, n_max, start, size, count, dev = _level_tables(S, C)[level]
     perm = _perm_in(gen, B * H, S, n_slots)
@@ -150,9 +156,17 @@ def test_direction_and_bins_match_float64(gen, mode, samples, sq):
             sample = x_all[bh, torch.arange(min(S, samples)) * S // min(S, samples)]
             assert torch.allclose(mean, sample.mean(0), atol=1e-4)
             codes = q8_d.cpu().reshape(B * H, S, D)[bh].double()
-            step = sc_d.cpu().reshape(B * H, S)[bh].double()
-            assert torch.allclose(step, (x_all[bh] - mean).abs().amax(-1) / 127, rtol=1e-5)
-            assert bool(((codes * step[:, None] + mean - x_all[bh]).abs() <= step[:, None] * 0.5 + 1e-5).all())
+            if code8 == 2:
+                m = min(S, samples, 64)
+                head_sample = x_all[bh, torch.arange(m) * S // m]
+                step = sc_d.cpu()[bh].double().expand(S)
+                assert float(step[0]) == pytest.approx(2 * float((head_sample - mean).abs().max()) / 127, rel=1e-5)
+                assert bool(torch.isnan(sc_d.cpu()[B * H:]).all())  # no per-query scales written
+            else:
+                step = sc_d.cpu().reshape(B * H, S)[bh].double()
+                assert torch.allclose(step, (x_all[bh] - mean).abs().amax(-1) / 127, rtol=1e-5)
+            want = ((x_all[bh] - mean) / step[:, None]).clamp(-127, 127)  # clipped entries: the largest code
+            assert bool(((codes - want).abs() <= 0.5 + 1e-4).all())
 
 
 @pytest.mark.parametrize("S,C,first,samples,sq", [(90, 16, False, 256, 0), (28, 16, True, 256, 0),

@@ -31,8 +31,9 @@ no copy of Q, no covariance in memory, no sort and no host sync:
   per level for every node of <= N groups (directions in parallel, no histogram / count / apply).
 - ``SQUARE`` (option): directions by repeated squaring of the covariance / Gram matrix (``tl.dot``, trace-normalised)
   instead of power-iteration matrix-vector products.
-- ``COMPACT`` (option): the root's ``_bin`` also writes an int8 copy of q (each query centred on the root's sample
-  mean, one fp32 scale per query: 132 B a query instead of 256 B at D = 128) that every later level reads.
+- ``COMPACT`` (default on): the root's ``_bin`` also writes an int8 copy of q (each query centred on the root's sample
+  mean; ``HEAD_SCALE``: one fp32 scale per head, twice the root sample's largest centred entry over 127, larger
+  entries clip; else one per query) that every later level reads: 128 B a query instead of 256 B at D = 128.
 
 Difference from the reference: the direction of a node larger than ``samples`` comes from a subsample (a two-group
 node's from all its queries, as the reference), and queries whose projections share the threshold bin (width 8 s / NB, 0.016 s at NB = 512) are split by slot order instead of
@@ -59,8 +60,10 @@ _TILE = 1024  # slots per program of _count / _apply
 _PREFIX = 128  # tile counts summed per step of _apply's prefix loop
 _DIR_WARPS = None  # warps of _direction / _leaf; None: ``direction_warps``
 _GRAM_MAX = 64  # samples up to which directions come from the samples' Gram matrix instead of the covariance
-COMPACT = True  # levels below the root read an int8 copy of q (per-query scale) written by the root's _bin (H200,
+COMPACT = True  # levels below the root read an int8 copy of q written by the root's _bin (per-query scale: H200,
 # 64 samples: 14B 720p 3.02 ms against 3.45 ms reading q, variance ratio 1.012)
+HEAD_SCALE = True  # the int8 copy has one scale per head (twice the root sample's largest entry / 127; rows of q have
+# similar magnitudes: Wan2.1 RMS-normalises q) instead of one per query: no 4-byte scale gather per row and level
 GRAPH = True  # run the tree as one CUDA graph where q is small (see _graph_eligible)
 _GRAPH_MAX_BYTES = 256 << 20  # q bytes up to which the graph path is taken (1.3B 480p: 100 MB; 14B 720p: 774 MB)
 _GRAPH_CACHE = 2  # graphs kept at once (each holds a copy of q and the tree's buffers)
@@ -76,7 +79,8 @@ LEAF = True  # two-group nodes split by _leaf in one program (False: every node 
 def _gather(base, scb, perm_row, slot, take, stride_qs, stride_qd, D: tl.constexpr, FIRST: tl.constexpr,
             READ8: tl.constexpr):
     """Rows [len(slot), D] fp32 of the queries in ``slot`` of the permutation (the identity when FIRST); READ8: from
-    the int8 copy (row times its scale ``scb[query]``, centred on the head's mean)."""
+    the int8 copy, centred on the head's mean, times the row's scale ``scb[query]`` (READ8 == 1) or the head's one
+    scale ``scb[0]`` (READ8 == 2)."""
     if FIRST:
         qi = slot
     else:
@@ -84,16 +88,19 @@ def _gather(base, scb, perm_row, slot, take, stride_qs, stride_qd, D: tl.constex
     offs_d = tl.arange(0, D)
     x = tl.load(base + qi.to(tl.int64)[:, None] * stride_qs + offs_d[None, :] * stride_qd,
                 mask=take[:, None], other=0).to(tl.float32)
-    if READ8:
+    if READ8 == 2:
+        x = x * tl.load(scb)
+    elif READ8:
         x = x * tl.load(scb + qi, mask=take, other=0.0)[:, None]
     return x
 
 
 @triton.jit
 def _rows(Q, Q8, SC, b, h, bh, S, stride_qb, stride_qh, stride_qs, stride_qd, D: tl.constexpr, READ8: tl.constexpr):
-    """(base, scale base, row stride, column stride) of one head's rows: q itself, or (READ8) its int8 copy."""
+    """(base, scale base, row stride, column stride) of one head's rows: q itself, or (READ8) its int8 copy (scales:
+    one per query, READ8 == 2: one per head)."""
     if READ8:
-        return Q8 + bh.to(tl.int64) * S * D, SC + bh.to(tl.int64) * S, D, 1
+        return Q8 + bh.to(tl.int64) * S * D, SC + bh.to(tl.int64) * (1 if READ8 == 2 else S), D, 1
     else:
         return Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh, SC, stride_qs, stride_qd
 
@@ -207,6 +214,13 @@ def _direction(
                                    READ8, SQ)
     if WRITE8:  # the root's sample mean: the int8 copy is centred on it
         tl.store(MU + bh.to(tl.int64) * D + tl.arange(0, D), mean)
+    if WRITE8 == 2:  # one scale for the head: twice the sample's largest centred entry over 127
+        offs_c = tl.arange(0, SCHUNK)
+        m2 = tl.minimum(m, SCHUNK)
+        take = offs_c < m2
+        xs = _gather(base, scb, perm_row, start + (offs_c.to(tl.int64) * count) // m2, take, sqs, sqd, D, FIRST, 0)
+        amax = tl.max(tl.max(tl.where(take[:, None], tl.abs(xs - mean[None, :]), 0.0), 1), 0)
+        tl.store(SC + bh, 2.0 * amax / 127.0)
     # binning map from the sample: mean and standard deviation of the projections on v (lam = m * variance)
     mean_p = tl.sum(mean * v, 0)
     sd = tl.sqrt(lam / tl.maximum(m, 1).to(tl.float32))
@@ -380,15 +394,18 @@ def _bin(
     slot = bh.to(tl.int64) * n_slots + start + j
     base, scb, sqs, sqd = _rows(Q, Q8, SC, b, h, bh, S, stride_qb, stride_qh, stride_qs, stride_qd, D, READ8)
     x = _gather(base, scb, PERM + bh.to(tl.int64) * n_slots, start + j, real, sqs, sqd, D, FIRST, READ8)
-    if WRITE8:  # the int8 copy of each query, centred on the root's sample mean, one scale per query
+    if WRITE8:  # the int8 copy of each query, centred on the root's sample mean, one scale per query or per head
         qi = start + j  # the identity at the root
         xc = x - tl.load(MU + bh.to(tl.int64) * D + offs_d)[None, :]
-        sc = tl.max(tl.abs(xc), 1) / 127.0
-        q8 = tl.floor(xc / tl.maximum(sc, 1e-30)[:, None] + 0.5)
-        q8 = tl.minimum(tl.maximum(q8, -127.0), 127.0).to(tl.int8)
         row8 = bh.to(tl.int64) * S + qi
+        if WRITE8 == 2:  # the head's scale (from the root's sample, _direction): entries beyond 127 steps clip
+            q8 = tl.floor(xc / tl.maximum(tl.load(SC + bh), 1e-30) + 0.5)
+        else:
+            sc = tl.max(tl.abs(xc), 1) / 127.0
+            q8 = tl.floor(xc / tl.maximum(sc, 1e-30)[:, None] + 0.5)
+            tl.store(SC + row8, sc, mask=real)
+        q8 = tl.minimum(tl.maximum(q8, -127.0), 127.0).to(tl.int8)
         tl.store(Q8 + row8[:, None] * D + offs_d[None, :], q8, mask=real[:, None])
-        tl.store(SC + row8, sc, mask=real)
     row = bh.to(tl.int64) * N + node
     v = tl.load(V + row * D + offs_d)
     p = tl.sum(x * v[None, :], 1) - tl.load(OFF + row)
@@ -568,8 +585,8 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
     power_iters = min(power_iters, POWER_ITERS_MAX)
     args = (C, levels, gmax, finish, power_iters, samples, bins)
     if phase_hook is None and _graph_eligible(q):
-        key = (tuple(q.shape), q.stride(), q.dtype, q.device, args[:1] + args[2:], COMPACT, SQUARE, _DIR_WARPS,
-               _BLOCK_BIN, _TILE, _PREFIX)
+        key = (tuple(q.shape), q.stride(), q.dtype, q.device, args[:1] + args[2:], COMPACT, HEAD_SCALE, SQUARE,
+               _DIR_WARPS, _BLOCK_BIN, _TILE, _PREFIX)
         out = _graph_replay(key, q, args)
         if out is not None:
             return out
@@ -666,7 +683,8 @@ def _tree(q: torch.Tensor, C: int, levels: tuple, gmax: int, finish: bool, power
         q8 = sc = mu = cur  # unused
     for level, (copy, big, leaf) in enumerate(levels):
         first = level == 0
-        read8, write8 = compact and not first, compact and first
+        code8 = 2 if HEAD_SCALE else 1  # READ8 / WRITE8: int8 copy with a scale per head (2) or per query (1)
+        read8, write8 = code8 if compact and not first else 0, code8 if compact and first else 0
         if copy:  # nodes that no longer split keep their slots
             nxt.copy_(cur)
             hook("copy")
