@@ -286,6 +286,10 @@ AUTO_PRECISIONS = ("bfloat16", encoding.FP8_DTYPE_NAME, encoding.INT4_GROUP_NAME
 int4-group before int4: 0.4 of the error for 1.5 % more bytes (docs/cache.md); int4 only where that margin decides."""
 PRECISION_LABELS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", encoding.FP8_DTYPE_NAME: "fp8",
                     encoding.INT4_GROUP_NAME: "int4-group", encoding.INT4_NAME: "int4"}
+_FIDELITY_NOTES = {  # H200, Wan2.1-14B 720p shape, synthetic workload (docs/cache.md): reuse output rel L1 over bf16's
+    encoding.INT4_GROUP_NAME: "; int4-group: reuse output within 0.001 rel L1 of bf16's (measured, docs/cache.md)",
+    encoding.INT4_NAME: "; int4 costs some fidelity in the steps right after the anchor (+0.005 rel L1, docs/cache.md)",
+}
 HOST_PIN_SHARE = 0.75
 """Share of the host's *available* memory (psutil ``virtual_memory().available``) the cache may pin. Pinned pages
 cannot be swapped or reclaimed, so pinning all of it would push ComfyUI's own later allocations (VAE decode,
@@ -400,8 +404,7 @@ class CachePlan:
             fits = "; ".join(self.fits) or "no single setting change (free GPU or host memory first)"
             return (f"cache does not fit: residual {dtype}, placement {placement} ({sizes}; {figures}): this run "
                     f"stays dense. Would fit: {fits}")
-        cost = (f"; {PRECISION_LABELS[self.residual_dtype]} costs some fidelity in the steps right after the anchor, "
-                f"docs/cache.md" if self.residual_dtype in (encoding.INT4_NAME, encoding.INT4_GROUP_NAME) else "")
+        cost = _FIDELITY_NOTES.get(self.residual_dtype, "")
         return (f"residual {dtype} -> {PRECISION_LABELS.get(self.residual_dtype, self.residual_dtype)}, placement "
                 f"{placement} -> {self.placement} ({sizes}; {figures}{cost})")
 

@@ -153,6 +153,7 @@ def test_plan_line_says_why_each_better_precision_does_not_fit():
     plan = memory.plan_cache(cfg, gpu_free=8 * GIB, host=memory.HostMemory(110 * GIB, 128 * GIB), windows=False, **_720P)
     assert (plan.residual_dtype, plan.placement) == ("int4_group", "cpu")
     line = plan.describe()
+    assert "int4-group: reuse output within 0.001 rel L1 of bf16's" in line
     assert "bf16 72.93 GiB (cache + working set" in line and "in RAM: its GPU working set 4.80 GiB > 4.00 GiB" in line
     assert "in RAM: its GPU working set 4.10 GiB > 4.00 GiB" in line
     small = memory.plan_cache(cfg, gpu_free=8 * GIB, host=memory.HostMemory(48 * GIB, 64 * GIB), windows=False, **_720P)
