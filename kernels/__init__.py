@@ -136,7 +136,7 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             ``[B, S, H*D]`` buffer); written in place (every element of the view, nothing outside it) and returned.
         residual: optional ``kernels.Residual`` ("plain", "fp8_row", "int4_row" or "int4_group": then its ``mean``
             has one row per group of ``kv_idx``); the result is sparse + R, R added in fp32 before rounding (in the
-            kernel's epilogue on the Triton backend, in the regroup scatter on the CuTeDSL one).
+            kernel's epilogue on the Triton and CuTeDSL backends).
         backend: "auto" or a backend name (``registry.backend_names()``).
     perm and kv_idx must come from ``pddp_groups`` and ``select_kv`` / ``decode_bitmask`` (or keep their contract: each
     query once, indices in [0, Sk) sorted with trailing -1, at least one per group): their values are not checked

@@ -5,21 +5,17 @@ s in {0.1, 0.15, 0.25, 0.5} (each group's indices a random sorted set of floor(s
 128), measured side by side in one process:
 - dense with LSE: flash-attn-4 (the baseline of every ratio: "flash-attn-4 dense x s") and cuDNN SDPA;
 - ``cutedsl op``: ``kernels.sparse_attention(..., backend="cutedsl")`` on the model's native [B, S, H*D] views
-  writing an ``out=`` view (what the reuse path calls: the default variant), and with a plain bf16 residual;
-  ``cutedsl <variant> op`` (+ residual): each variant of kernels/cutedsl/op.py side by side ("regroup": Q gather,
-  counts, kernel, scatter; "fused": queries gathered and output + residual scattered in-kernel, one CTA per group;
-  "persistent": the fused kernel with one CTA per SM; "*_kahead": with K issued before the previous tile's V);
-  ``cutedsl kernel``: the regroup variant's compiled kernel
-  alone on pre-gathered groups; ``triton op``: the Triton kernel on the same call; efficiency = FA4 dense ms * s /
-  sparse ms;
+  writing an ``out=`` view (what the reuse path calls: counts launch + kernel), and with a plain bf16 residual;
+  ``cutedsl kernel``: the compiled kernel's launch alone (counts computed before), also with the other K/V stage
+  count (2 / 3: the kernel stages no output in shared memory, so 3 stages fit at D = 128); ``triton op``: the Triton kernel
+  on the same call; efficiency = FA4 dense ms * s / sparse ms;
 - the compile time (a compile from fake tensors, never the disk cache) and the disk-cache load time (a fresh
   process).
-The error of every variant against the torch reference (float32, a sub-sample of heads) is checked before timing.
-It writes --out JSON and the scoreboard key ``cutedsl_sparse_eff_min`` (the default variant's op minimum; command
-and --commit), and prints every variant's minimum.
+The error of the CuTeDSL op (into a NaN-filled out) and of the Triton op against the torch reference (float32, a
+sub-sample of heads) is checked before timing.
+It writes --out JSON and the scoreboard key ``cutedsl_sparse_eff_min`` (the op's minimum; command and --commit).
 
 Usage: python tests/bench_cutedsl.py --out $OUT/bench_cutedsl.json --commit <hash> [--shapes 1.3b,14b] [--rep 200]
-       [--variants regroup,fused,persistent,fused_kahead,persistent_kahead]
 """
 
 from __future__ import annotations
@@ -77,7 +73,7 @@ def check(got, q, k, v, perm, idx, heads=2):
     return float((g - ref).norm() / ref.norm())
 
 
-def run_shape(name, shp, densities, rep, log, variants):
+def run_shape(name, shp, densities, rep, log):
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (native(gen, B, S, H, D) for _ in range(3))
@@ -94,32 +90,27 @@ def run_shape(name, shp, densities, rep, log, variants):
     base = dense[base_name]
     rows = {}
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
-    from comfyui_mc_sparse_pack.kernels.cutedsl import op as cop
-    from comfyui_mc_sparse_pack.kernels.triton import regroup
+    from comfyui_mc_sparse_pack.kernels.triton.counts import valid_counts
     for s in densities:
         perm, idx = inputs(gen, B, H, S, s)
         r = {}
+        out.fill_(float("nan"))
         got = kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl")
         r["cutedsl_err"] = check(got, q, k, v, perm, idx)
+        r["cutedsl_nan_outputs_err"] = float(out.isnan().sum())
         got_t = kernels.sparse_attention(q, k, v, perm, idx, backend="triton")
         r["triton_err"] = check(got_t, q, k, v, perm, idx)
         r["cutedsl op"] = ms(lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl"), rep)
         r["cutedsl op + plain residual"] = ms(
             lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, backend="cutedsl"), rep)
-        for var in variants:
-            out.fill_(float("nan"))
-            cop.sparse_attention(q, k, v, perm, idx, out=out, variant=var)
-            r[f"cutedsl {var} op_err"] = check(out, q, k, v, perm, idx)
-            r[f"cutedsl {var} op"] = ms(lambda: cop.sparse_attention(q, k, v, perm, idx, out=out, variant=var), rep)
-            r[f"cutedsl {var} op + plain residual"] = ms(
-                lambda: cop.sparse_attention(q, k, v, perm, idx, out=out, residual=res, variant=var), rep)
-        qg = regroup.gather_groups(q, perm, C).unsqueeze(2)
-        counts = regroup.valid_counts(idx)
-        og = torch.empty_like(qg)
-        kr, vr = k.transpose(1, 2), v.transpose(1, 2)
-        idx_rows = idx.reshape(-1, idx.shape[-1])
-        fn = cc.compiled("bfloat16", D, False)
-        r["cutedsl kernel"] = ms(lambda: cc.launch(fn, qg, kr, vr, og, None, 1 / math.sqrt(D), counts, idx_rows), rep)
+        counts = valid_counts(idx)
+        n = counts.shape[0]
+        views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), None, perm.view(n, C),
+                 idx.view(n, -1), counts, None, None, None, None, 1 / math.sqrt(D), n)
+        for st in (cc.default_stages(), 5 - cc.default_stages()):  # 2 and 3 K/V stages
+            fn = cc.compiled("bfloat16", D, False, "none", st)
+            tag = "cutedsl kernel" if st == cc.default_stages() else f"cutedsl kernel {st} stages"
+            r[tag] = ms(lambda: cc.launch(fn, *views), rep)
         r["triton op"] = ms(lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="triton"), rep)
         eff = {kk: base * s / vv for kk, vv in r.items() if not kk.endswith("_err")}
         log(f"{name} s={s}: " + ", ".join(f"{kk} {vv:.2f} ms (eff {eff[kk]:.3f})" for kk, vv in r.items()
@@ -137,18 +128,18 @@ def compile_times(log):
     cc.compile_fake("bfloat16", 64, True)  # compiled() would load a cache left by an earlier run: not a compile
     cold = time.perf_counter() - t
     t = time.perf_counter()
-    cc.compile_fake_fused("bfloat16", 128, True, "plain_bfloat16")
-    cold_fused = time.perf_counter() - t
+    cc.compile_fake("bfloat16", 128, True, "plain_bfloat16")
+    cold_res = time.perf_counter() - t
     cc.compiled("bfloat16", 64, True)  # now on disk (a compile or a load) for the fresh process below
     code = ("import sys,time; sys.path.insert(0, %r); import _standalone; _standalone.load_pack(); "
             "from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc; t=time.perf_counter(); "
             "cc.compiled('bfloat16', 64, True); print(time.perf_counter()-t)") % str(ROOT / "comfyui_mc_sparse")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
     warm = float(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 and p.stdout.strip() else None
-    log(f"compile: {cold:.1f} s (fused kernel with a residual: {cold_fused:.1f} s); from the disk cache "
+    log(f"compile: {cold:.1f} s (with a residual: {cold_res:.1f} s); from the disk cache "
         f"({cc.cache_dir()}) in a fresh process: {warm} s "
         f"({p.stderr.strip()[-300:]})")
-    return dict(first_compile_s=cold, fused_compile_s=cold_fused, disk_cache_load_s=warm,
+    return dict(first_compile_s=cold, residual_compile_s=cold_res, disk_cache_load_s=warm,
                 cache_dir=str(cc.cache_dir()))
 
 
@@ -158,7 +149,6 @@ def main():
     ap.add_argument("--shapes", default="1.3b,14b")
     ap.add_argument("--densities", default="0.1,0.15,0.25,0.5")
     ap.add_argument("--rep", type=int, default=200)
-    ap.add_argument("--variants", default=None, help="op variants timed side by side (default: all of them)")
     ap.add_argument("--commit", default=os.environ.get("MC_SPARSE_COMMIT", "unknown"))
     ap.add_argument("--scoreboard", default=str(ROOT / "docs/results/scoreboard.json"))
     args = ap.parse_args()
@@ -171,23 +161,15 @@ def main():
     log(f"GPU {torch.cuda.get_device_name()}; backends:\n{registry.report()}")
     report = dict(gpu=torch.cuda.get_device_name(), commit=args.commit, shapes={})
     report["compile"] = compile_times(log)
-    from comfyui_mc_sparse_pack.kernels.cutedsl import rules
-
-    variants = args.variants.split(",") if args.variants else list(rules.VARIANTS)
     for name in args.shapes.split(","):
         report["shapes"][name] = run_shape(name, SHAPES[name], [float(x) for x in args.densities.split(",")], args.rep,
-                                           log, variants)
+                                           log)
     effs = {(n, s): r["efficiency"]["cutedsl op"] for n, sh in report["shapes"].items()
             for s, r in sh["densities"].items()}
     worst = min(effs, key=effs.get)
     report["cutedsl_sparse_eff_min"] = effs[worst]
     kern = min(r["efficiency"]["cutedsl kernel"] for sh in report["shapes"].values() for r in sh["densities"].values())
-    from comfyui_mc_sparse_pack.kernels.cutedsl import op as cop
-    per_variant = {var: min(r["efficiency"][f"cutedsl {var} op"] for sh in report["shapes"].values()
-                            for r in sh["densities"].values()) for var in variants}
-    report["eff_min_per_variant"] = per_variant
-    log(f"cutedsl_sparse_eff_min {effs[worst]:.3f} at {worst} (default variant {cop.default_variant()}; kernel "
-        f"alone: min {kern:.3f}); per variant: " + ", ".join(f"{k} {v:.3f}" for k, v in per_variant.items()))
+    log(f"cutedsl_sparse_eff_min {effs[worst]:.3f} at {worst} (kernel alone: min {kern:.3f})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(report, log=lines), indent=1, default=str))
     board_path = Path(args.scoreboard)
@@ -197,9 +179,8 @@ def main():
         value=round(effs[worst], 4), unit="ratio",
         command="python tests/bench_cutedsl.py --out $OUT/bench_cutedsl.json --commit <hash>", commit=args.commit,
         gpu=report["gpu"], date=datetime.date.today().isoformat(),
-        note=(f"min over shapes x s of dense with LSE x s / CuTeDSL op (native views, out=, default variant "
-              f"{cop.default_variant()}); worst at {worst[0]} s={worst[1]}; dense baseline {bases}; per variant "
-              f"{ {k: round(v, 4) for k, v in per_variant.items()} }; regroup kernel alone min {kern:.3f}; compile "
+        note=(f"min over shapes x s of dense with LSE x s / CuTeDSL op (native views, out=, counts launch + kernel); "
+              f"worst at {worst[0]} s={worst[1]}; dense baseline {bases}; kernel alone min {kern:.3f}; compile "
               f"{report['compile']}"),
     )
     board_path.write_text(json.dumps(board, indent=2) + "\n")

@@ -91,7 +91,7 @@ def _call(C=128, H=2, S=300, D=128, kv_strided=False):
     (dict(), None),
     (dict(C=64), "group size 128"),
     (dict(kv_strided=True), "unit stride on D"),
-])  # the group limit: test_call_refusal_group_limit_is_exact (without allocating 2 GiB tensors)
+])  # the group limit: test_call_refusal_group_limit_is_exact (without allocating huge tensors)
 def test_call_refusals(kwargs, why):
     """Calls the kernel cannot take raise RuntimeError in the op (the registry then falls back, once per run, with
     this reason in the summary); shapes and strides only, no device sync."""
@@ -121,20 +121,17 @@ def test_call_refusals_check_each_of_k_and_v(name, bad, why):
     assert (got is None) if why is None else (why in got and f"reads {name} rows" in got), got
 
 
-@pytest.mark.parametrize(("groups", "refused"), [(65535, False), (65536, True)])
+@pytest.mark.parametrize(("groups", "refused"), [(2**31 - 1, False), (2**31, True)])
 def test_call_refusal_group_limit_is_exact(groups, refused):
-    """At most 65535 groups of one batch element (grid.z): the limit itself runs, one more falls back. Shapes only
-    (zero-stride expanded tensors: nothing of that size is allocated)."""
-    H, C, D = 5, 128, 64
-    G = -(-groups // H)
-    if groups % H:  # 65536 = 5 * 13107 + 1: one head more would overshoot, so take H = 1 for the odd count
-        H, G = 1, groups
-    q = torch.zeros(1, 1, 1, D, dtype=torch.bfloat16).expand(2, H, G * C, D)
-    kv = _kv_rows(S=4, H=H, D=D)
-    perm = torch.zeros(1, 1, 1, dtype=torch.int32).expand(2, H, G * C)
-    idx = torch.zeros(1, 1, 1, 128, dtype=torch.int32).expand(2, H, G, 128)
-    got = rules.call_refusal(q, kv.expand(2, -1, -1, -1), kv.expand(2, -1, -1, -1), perm, idx)
-    assert (got is not None and "at most 65535 groups" in got) if refused else got is None, got
+    """Fewer than 2^31 groups in all (the kernel's int32 group index): the limit itself runs, one more falls back.
+    Shapes only (zero-stride expanded tensors: nothing of that size is allocated)."""
+    C, D = 128, 64
+    q = torch.zeros(1, 1, 1, D, dtype=torch.bfloat16).expand(1, 1, groups * C, D)
+    kv = _kv_rows(S=4, H=1, D=D)
+    perm = torch.zeros(1, 1, 1, dtype=torch.int32).expand(1, 1, groups * C)
+    idx = torch.zeros(1, 1, 1, 128, dtype=torch.int32).expand(1, 1, groups, 128)
+    got = rules.call_refusal(q, kv, kv, perm, idx)
+    assert (got is not None and "fewer than 2^31 groups" in got) if refused else got is None, got
 
 
 _NEEDS_CUTE = pytest.mark.skipif(
@@ -171,8 +168,8 @@ def test_an_unusable_disk_cache_still_compiles(monkeypatch):
     monkeypatch.setattr(cc, "_memory", {})
     monkeypatch.setattr(cc, "_disk_cache", Broken)
     monkeypatch.setattr(cc, "compile_fake", lambda *a: ("compiled", *a))
-    assert cc.compiled("bfloat16", 128, False, 2) == ("compiled", "bfloat16", 128, False, 2)
-    assert cc.compiled("bfloat16", 128, False, 2) is cc.compiled("bfloat16", 128, False, 2)  # kept in memory
+    assert cc.compiled("bfloat16", 128, False, stages=2) == ("compiled", "bfloat16", 128, False, "none", 2)
+    assert cc.compiled("bfloat16", 128, False, stages=2) is cc.compiled("bfloat16", 128, False, stages=2)
 
 
 @_NEEDS_CUTE
@@ -203,9 +200,9 @@ def test_offline_sm90_compile(tmp_path):
 
 
 @_NEEDS_CUTE
-def test_offline_sm90_compile_fused(tmp_path):
-    """The fused kernel (kernels/cutedsl/fused_fwd_sm90.py) compiles for sm_90a without a GPU for every residual form
-    (bf16, D 128, LSE), for fp16 / D 64 without the LSE and with the K-ahead producer; about 5 s per compile."""
+def test_offline_sm90_compile_every_residual(tmp_path):
+    """The kernel compiles for sm_90a without a GPU for every residual form (bf16, D 128, LSE) and for fp16 / D 64
+    without the LSE; about 5 s per compile."""
     code = textwrap.dedent(f"""
         import os, sys
         os.environ['CUTE_DSL_ARCH'] = 'sm_90a'
@@ -214,41 +211,19 @@ def test_offline_sm90_compile_fused(tmp_path):
         _standalone.load_pack()
         from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
         for res in cc.RESIDUALS:
-            cc.compile_fake_fused('bfloat16', 128, True, res)
+            cc.compile_fake('bfloat16', 128, True, res)
             print('COMPILED', res)
-        cc.compile_fake_fused('float16', 64, False, 'none')
+        cc.compile_fake('float16', 64, False, 'none')
         print('COMPILED fp16')
-        cc.compile_fake_fused('bfloat16', 128, True, 'int4_group', k_ahead=True)
-        print('COMPILED k_ahead')
     """)
     env = dict(os.environ, MC_SPARSE_CUTEDSL_CACHE_DIR=str(tmp_path))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert p.stdout.count("COMPILED") == 9, p.stdout + p.stderr[-3000:]
+    assert p.stdout.count("COMPILED") == 8, p.stdout + p.stderr[-3000:]
 
 
-def _fake_launch(fn, q_groups, k, v, out, lse, scale, counts, kv_idx):
-    """A float64 torch model of one kernel launch, on the contract of ``kernels/cutedsl/sparse_fwd_sm90.py`` (and
-    the compiled kernel's argument checks: layouts, dtypes, unit strides), for the op's glue on the CPU."""
-    _, dtype, head_dim, with_lse = fn
-    N = q_groups.shape[0]
-    assert q_groups.shape == (N, 128, 1, head_dim) and out.shape == q_groups.shape and q_groups.is_contiguous()
-    assert q_groups.dtype == out.dtype == k.dtype == v.dtype == rules_dtype(dtype) and (lse is not None) == with_lse
-    assert k.shape[0] == 1 and k.shape == v.shape and k.stride(-1) == v.stride(-1) == 1
-    assert counts.dtype == kv_idx.dtype == torch.int32 and counts.shape == (N,) and kv_idx.shape[0] == N
-    assert kv_idx.stride(-1) == 1 and counts.is_contiguous()
-    H = k.shape[2]
-    G = N // H  # the kernel's (batch, head) of entry n: n // G, one batch element per launch
-    for n in range(N):
-        keys = kv_idx[n, : int(counts[n])].long()
-        s = q_groups[n, :, 0].double() @ k[0, keys, n // G].double().T * scale
-        out[n, :, 0] = (s.softmax(-1) @ v[0, keys, n // G].double()).to(out.dtype)
-        if lse is not None:
-            lse[n, 0] = s.logsumexp(-1).float()
-
-
-def _fake_fused_launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean,
-                       scale, num_ctas):
-    """A float64 torch model of one fused launch, on the contract of ``kernels/cutedsl/fused_fwd_sm90.py`` (with
+def _fake_launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean, scale,
+                 num_ctas):
+    """A float64 torch model of one launch, on the contract of ``kernels/cutedsl/sparse_fwd_sm90.py`` (with
     the compiled kernel's argument checks: ranks, dtypes, unit strides, the residual form it was compiled for)."""
     _, dtype, head_dim, with_lse, residual = fn
     B, S, H, D = q.shape
@@ -304,19 +279,15 @@ def fake_op(monkeypatch):
     pkg = importlib.import_module("comfyui_mc_sparse_pack.kernels.cutedsl")
     fake = types.ModuleType(f"{pkg.__name__}.compile")
     fake.calls = []
-    fake.compiled = lambda dtype, head_dim, with_lse, stages=None: fake.calls.append(
-        (dtype, head_dim, with_lse)) or ("fake", dtype, head_dim, with_lse)
-    fake.launch = _fake_launch
-    fake.compiled_fused = lambda dtype, head_dim, with_lse, residual="none", stages=None, k_ahead=False: (
+    fake.compiled = lambda dtype, head_dim, with_lse, residual="none", stages=None: (
         fake.calls.append((dtype, head_dim, with_lse, residual)) or ("fake", dtype, head_dim, with_lse, residual))
-    fake.launch_fused = _fake_fused_launch
+    fake.launch = _fake_launch
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     monkeypatch.setattr(pkg, "compile", fake, raising=False)
     monkeypatch.setattr(pkg, "op", None, raising=False)
     monkeypatch.delitem(sys.modules, f"{pkg.__name__}.op", raising=False)
     op = importlib.import_module(f"{pkg.__name__}.op")
     assert op._compile is fake
-    monkeypatch.setattr(op, "_sm_count", lambda device: 3)  # the persistent grid on a CPU tensor
     op.calls = fake.calls
     return op
 
@@ -335,55 +306,29 @@ def _op_inputs(gen, B, H, S, D, K, dtype=torch.bfloat16):
     return q, k, v, perm, idx
 
 
-@pytest.mark.parametrize(("kind", "idx_strided"), [(None, False), ("fp8_row", True)])
+@pytest.mark.parametrize(("kind", "idx_strided"), [
+    (None, False), ("fp8_row", True), ("int4_row", False), ("plain-fp32", False), ("int4_group", True),
+])
 def test_op_glue_against_float64(fake_op, kind, idx_strided):
-    """The op around the kernel (Q gather, valid counts, one launch per batch element, scatter + residual + LSE)
-    on the CPU with the kernel modelled in float64: B = 2 (two launches), S not a multiple of 128, ragged counts,
-    native views in, a NaN-poisoned strided out view written in full; kv_idx also as a strided view (the kernel
+    """The op around the kernel (views handed to it, valid counts, one launch for B = 2, residual forms, LSE in query
+    order) on the CPU with the kernel modelled in float64: S not a multiple of 128, ragged counts, a NaN-poisoned
+    out view with padded rows written in full (the padding left alone), kv_idx also as a strided view (the kernel
     reads index rows with unit stride)."""
     from .test_reuse_op import brute_residual, make_residual
 
-    gen = torch.Generator().manual_seed(41)
+    gen = torch.Generator().manual_seed(53)
     B, H, S, D, K = 2, 3, 300, 64, 160
     q, k, v, perm, idx = _op_inputs(gen, B, H, S, D, K)
     if idx_strided:
         wide = torch.full((B, H, idx.shape[2], 2 * K), -1, dtype=torch.int32)
         wide[..., ::2] = idx
         idx = wide[..., ::2]
-    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen) * 0.1, kind)
-    base = torch.full((B, S, H * D), float("nan"), dtype=torch.bfloat16)
-    out = base.view(B, S, H, D).transpose(1, 2)
-    got, lse = fake_op.sparse_attention(q, k, v, perm, idx, scale=0.2, return_lse=True, out=out, residual=res)
-    assert got is out and not base.isnan().any() and not lse.isnan().any()
-    assert fake_op.calls == [("bfloat16", D, True)]
-    ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, scale=0.2,
-                                              return_lse=True)
-    if res is not None:
-        ref = ref + brute_residual(res)
-    assert float((got.double() - ref).abs().max()) <= 2**-7 * float(ref.abs().max()), "output"
-    assert float((lse.double() - ref_lse.double()).abs().max()) < 1e-5, "LSE"
-
-
-@pytest.mark.parametrize(("variant", "kind"), [
-    ("fused", None), ("persistent", "fp8_row"), ("fused", "int4_row"), ("persistent", "plain-fp32"),
-    ("fused", "int4_group"), ("persistent_kahead", "int4_row"), ("fused_kahead", None),
-])
-def test_fused_op_glue_against_float64(fake_op, variant, kind):
-    """The fused variants' glue (views handed to the kernel, one launch for B = 2, residual forms, LSE in query
-    order) on the CPU with the fused kernel modelled in float64: S not a multiple of 128, ragged counts, a
-    NaN-poisoned out view with padded rows written in full (the padding left alone)."""
-    from .test_reuse_op import brute_residual, make_residual
-
-    gen = torch.Generator().manual_seed(53)
-    B, H, S, D, K = 2, 3, 300, 64, 160
-    q, k, v, perm, idx = _op_inputs(gen, B, H, S, D, K)
     r = torch.randn(B, H, S, D, generator=gen) * 0.1
     res = None if kind is None else kernels.Residual(r) if kind == "plain-fp32" else make_residual(r, kind, perm,
                                                                                                    idx.shape[2])
     base = torch.full((B, S, H * D + 8), float("nan"), dtype=torch.bfloat16)
     out = base[..., :H * D].view(B, S, H, D).transpose(1, 2)
-    got, lse = fake_op.sparse_attention(q, k, v, perm, idx, scale=0.2, return_lse=True, out=out, residual=res,
-                                        variant=variant)
+    got, lse = fake_op.sparse_attention(q, k, v, perm, idx, scale=0.2, return_lse=True, out=out, residual=res)
     assert got is out and not out.isnan().any() and base[..., H * D:].isnan().all() and not lse.isnan().any()
     res_name = {None: "none", "plain-fp32": "plain_float32"}.get(kind, kind)
     assert fake_op.calls == [("bfloat16", D, True, res_name)]  # one launch for both batch elements
@@ -395,17 +340,14 @@ def test_fused_op_glue_against_float64(fake_op, variant, kind):
     assert float((lse.double() - ref_lse.double()).abs().max()) < 1e-5, "LSE"
 
 
-@pytest.mark.parametrize(("variant", "why"), [("bogus", "MC_SPARSE_CUTEDSL_VARIANT must be one of"),
-                                              ("fused", "reads q rows by 16-byte copies")])
-def test_fused_refusals_fall_back(fake_op, monkeypatch, variant, why):
-    """An unknown variant name in the environment, or a q the fused kernel cannot read (rows 8 bytes off), falls
-    back to the next backend with the reason; the fused variants check q, out and the residual like k and v."""
-    monkeypatch.setenv("MC_SPARSE_CUTEDSL_VARIANT", variant)
+def test_a_misaligned_q_falls_back(fake_op, monkeypatch):
+    """A q the kernel cannot read (rows 8 bytes off a 16-byte boundary) falls back to the next backend with the
+    reason; q, out and the residual are checked like k and v."""
+    why = "reads q rows by 16-byte copies"
     gen = torch.Generator().manual_seed(59)
     q, k, v, perm, idx = _op_inputs(gen, 1, 2, 200, 64, 128)
-    if variant == "fused":
-        q = _kv_rows(S=200, D=64, offset=4)  # rows 8 bytes off a 16-byte boundary
-        q.copy_(torch.randn(q.shape, generator=gen))
+    q = _kv_rows(S=200, D=64, offset=4)
+    q.copy_(torch.randn(q.shape, generator=gen))
     _as_cutedsl(monkeypatch, fake_op)
     with registry.recording(registry.Record()) as rec:
         got = kernels.sparse_attention(q, k, v, perm, idx)
@@ -419,10 +361,9 @@ def test_fused_refusals_fall_back(fake_op, monkeypatch, variant, why):
     ("out", "writes out rows 4 bytes at a time"), ("residual", "reads residual rows in pairs"),
     ("scale", "residual scale with unit stride"), (None, None),
 ])
-def test_fused_call_refusals(what, why):
-    """The fused variants' extra per-call checks: an out view with rows 2 bytes off, a plain fp32 residual whose
-    rows are 4 bytes off (pairs are 8-byte loads), a row scale with a non-unit stride on S; the regroup variant
-    accepts all three (its Triton scatter reads and writes by strides)."""
+def test_call_refusals_of_out_and_residual(what, why):
+    """The per-call checks of the outputs and the residual: an out view with rows 2 bytes off, a plain fp32 residual
+    whose rows are 4 bytes off (pairs are 8-byte loads), a row scale with a non-unit stride on S."""
     q, k, v, perm, idx = _call(H=2, S=300, D=64)
     B, H, S, D = q.shape
     out = res = None
@@ -433,9 +374,8 @@ def test_fused_call_refusals(what, why):
     elif what == "scale":
         res = kernels.Residual(torch.zeros(B, H, S, D // 2, dtype=torch.uint8), torch.zeros(B, H, 2 * S)[..., ::2],
                                "int4_row")
-    got = rules.call_refusal(q, k, v, perm, idx, variant="fused", out=out, residual=res)
+    got = rules.call_refusal(q, k, v, perm, idx, out=out, residual=res)
     assert (got is None) if why is None else (why in got), got
-    assert rules.call_refusal(q, k, v, perm, idx, variant="regroup", out=out, residual=res) is None
 
 
 def _as_cutedsl(monkeypatch, op):

@@ -1,11 +1,11 @@
 """The CuTeDSL sparse kernel (kernels/cutedsl) on a Hopper GPU against the float64 torch reference (issue 16).
 
-Skipped unless CUDA compute capability 9.x and nvidia-cutlass-dsl + flash-attn-4 import. Every variant of the op
-(``kernels/cutedsl/op.py``: regroup, fused, persistent) on both head dims and dtypes, ragged K (counts that differ
+Skipped unless CUDA compute capability 9.x and nvidia-cutlass-dsl + flash-attn-4 import. The op (through the
+registry, asserting it ran on the kernel) on both head dims and dtypes, ragged K (counts that differ
 per group, tails inside a tile), S not a multiple of 128, B = 2, native [B, S, H*D] views in and out (a NaN-filled
 output buffer written in full, padding between rows left alone), every residual kind (plain in bf16 / fp16 / fp32,
-fp8_row, int4_row) and the LSE; more and fewer groups than SMs.
-Run: python3 -m pytest -q tests/test_gpu_cutedsl.py (about 2 minutes on an H200, mostly compiles: ~3-5 s each).
+fp8_row, int4_row, int4_group) and the LSE; more and fewer groups than SMs.
+Run: python3 -m pytest -q tests/test_gpu_cutedsl.py (about 1 minute on an H200, mostly compiles: ~3-7 s each).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import pytest
 import torch
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.kernels import reference, registry
-from comfyui_mc_sparse_pack.kernels.cutedsl import rules
 
 from .test_gpu_reuse_kernel import _inputs as _reuse_inputs
 from .test_reuse_op import make_residual
@@ -51,10 +50,12 @@ def _inputs(gen, B, H, S, C, K, k_alloc, ragged):
     return perm, idx
 
 
-def _op():
-    from comfyui_mc_sparse_pack.kernels.cutedsl import op
-
-    return op
+def _cutedsl(*args, **kwargs):
+    """kernels.sparse_attention on the cutedsl backend; fails unless the kernel itself ran (no fallback)."""
+    with registry.recording(registry.Record()) as record:
+        got = kernels.sparse_attention(*args, backend="cutedsl", **kwargs)
+    assert record.choices["sparse_attention"].backend == "cutedsl", (record.choices, record.failures)
+    return got
 
 
 def _check(got, lse, q, k, v, perm, idx, res=None, tol=6e-3):
@@ -68,15 +69,12 @@ def _check(got, lse, q, k, v, perm, idx, res=None, tol=6e-3):
     return err
 
 
-@pytest.mark.parametrize(("variant", "dtype"), [  # the K-ahead producers in bf16 only (fewer compiles)
-    (var, dt) for var in rules.VARIANTS for dt in (torch.bfloat16, torch.float16)
-    if dt == torch.bfloat16 or not var.endswith("_kahead")
-], ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize(("S", "K", "ragged", "kv_tile"), [
     (4000, 1000, False, 128), (3000 + 8, 777, True, 128), (2500, 704, False, 64), (2500, 650, True, 64),
 ], ids=["S4000", "S3008-ragged", "S2500-kalloc704", "S2500-ragged-kalloc704"])
-def test_cutedsl_vs_float64(variant, dtype, D, S, K, ragged, kv_tile):
+def test_cutedsl_vs_float64(dtype, D, S, K, ragged, kv_tile):
     """B = 2, native views in, a NaN-filled out view written in full, LSE. kv_tile 64 (the engine's default rounding
     of K): K_alloc 704 is 5.5 key tiles, so the last tile's slots past the row's end are clamped to its last slot by
     the producer and masked."""
@@ -86,17 +84,14 @@ def test_cutedsl_vs_float64(variant, dtype, D, S, K, ragged, kv_tile):
     perm, idx = _inputs(gen, B, H, S, C, K, -(-K // kv_tile) * kv_tile, ragged)
     base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
     out = base.view(B, S, H, D).transpose(1, 2)
-    got, lse = _op().sparse_attention(q, k, v, perm, idx, out=out, return_lse=True, variant=variant)
+    got, lse = _cutedsl(q, k, v, perm, idx, out=out, return_lse=True)
     assert got is out and not base.isnan().any() and not lse.isnan().any()
     err = _check(got, lse, q, k, v, perm, idx)
-    print(f"cutedsl {variant} {dtype} D={D} S={S} K={K} ragged={ragged}: rel err {err:.2e}")
+    print(f"cutedsl {dtype} D={D} S={S} K={K} ragged={ragged}: rel err {err:.2e}")
 
 
-@pytest.mark.parametrize(("variant", "kind"), [
-    (var, kind) for var in ("regroup", "fused", "persistent")
-    for kind in ("plain", "plain-fp16", "plain-fp32", "fp8_row", "int4_row", "int4_group")
-] + [("persistent_kahead", "int4_group"), ("fused_kahead", "plain")])
-def test_cutedsl_residual_epilogue(variant, kind):
+@pytest.mark.parametrize("kind", ["plain", "plain-fp16", "plain-fp32", "fp8_row", "int4_row", "int4_group"])
+def test_cutedsl_residual_epilogue(kind):
     """O = sparse + R for every residual form, B = 2, S not a multiple of 128, ragged counts, LSE; the out view's rows
     are padded (a [B, S, H*D + 8] buffer): the padding stays NaN, every element of the view is written. R is as large
     as O, so a residual read from the wrong row or dequantised wrong fails the tolerance."""
@@ -111,28 +106,26 @@ def test_cutedsl_residual_epilogue(variant, kind):
         res = make_residual(r, kind, perm, idx.shape[2])
     base = torch.full((B, S, H * D + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
     out = base[..., :H * D].view(B, S, H, D).transpose(1, 2)
-    got, lse = _op().sparse_attention(q, k, v, perm, idx, out=out, residual=res, return_lse=True, variant=variant)
+    got, lse = _cutedsl(q, k, v, perm, idx, out=out, residual=res, return_lse=True)
     assert got is out and not out.isnan().any() and base[..., H * D:].isnan().all()
     _check(got, lse, q, k, v, perm, idx, res)
 
 
-@pytest.mark.parametrize("variant", rules.VARIANTS)
 @pytest.mark.parametrize(("B", "H", "S"), [(2, 8, 5000), (1, 1, 300)], ids=["640-groups", "3-groups"])
-def test_cutedsl_groups_vs_sms(variant, B, H, S):
-    """More groups than SMs (several waves, or several groups per persistent CTA) and fewer (a grid smaller than
-    the SM count), ragged counts, no out (a new tensor), LSE, against float64."""
+def test_cutedsl_groups_vs_sms(B, H, S):
+    """More groups than SMs (several waves of CTAs) and fewer (a grid smaller than the SM count), ragged counts, no out (a new tensor), LSE, against float64."""
     gen = torch.Generator(device="cuda").manual_seed(23)
     D, C, K = 128, 128, 300
     q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))
     perm, idx = _inputs(gen, B, H, S, C, K, -(-K // 128) * 128, True)
-    got, lse = _op().sparse_attention(q, k, v, perm, idx, return_lse=True, variant=variant)
+    got, lse = _cutedsl(q, k, v, perm, idx, return_lse=True)
     assert not got.isnan().any()
     err = _check(got, lse, q, k, v, perm, idx)
-    print(f"cutedsl {variant} {B * H * (-(-S // C))} groups: rel err {err:.2e}")
+    print(f"cutedsl {B * H * (-(-S // C))} groups: rel err {err:.2e}")
 
 
 def test_cutedsl_is_preferred_on_hopper():
-    """Through the registry (the default variant), with a residual and the LSE."""
+    """Picked by the registry without a backend name, with a residual and the LSE."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     q, k, v = (_native(gen, 1, 512, 2, 128, torch.bfloat16) for _ in range(3))
     perm, idx = _inputs(gen, 1, 2, 512, 128, 128, 128, False)

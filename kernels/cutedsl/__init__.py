@@ -7,14 +7,15 @@ Without them this import fails and ``kernels/_optional.py`` records the reason: 
 
 Registers ``Backend(name="cutedsl", priority=40)`` for ``sparse_attention`` only, preferred over Triton where it runs:
 a CUDA device of compute capability 9.x (sm_90: wgmma, setmaxnreg), fp16/bf16, head dim 64 or 128, group size
-C = 128 (one query tile per group), at most 65535 groups per batch element (grid.z). A failure at compile or run
-time (the op raises RuntimeError for all of them, ``op.py``) makes the registry fall back to the next backend for
-the rest of the run, with the reason in the run summary.
+C = 128 (one query tile per group). A failure at compile or run time (the op raises RuntimeError for all of them,
+``op.py``) makes the registry fall back to the next backend for the rest of the run, with the reason in the run
+summary.
 
-One call: the group's query rows are gathered to group order and the valid slots counted (two small Triton launches,
-``kernels/triton/regroup.py``), the kernel runs on the model's own K/V (``[B, S, H, D]`` with unit stride on D, read
-by index: no copies), and the output rows go back to the original query order with the residual added in fp32
-(one Triton launch). Compiled kernels persist on disk (``compile.py``).
+One call: the valid slots of each group's ``kv_idx`` row are counted (one small Triton launch,
+``kernels/triton/counts.py``), then one kernel launch for every batch element gathers the group's query rows and
+selected K/V rows from the model's own tensors (``[B, S, H, D]`` views with unit stride on D, read by index: no
+copies) and writes each output row, + the residual added in fp32, and the LSE to the original query positions.
+Compiled kernels persist on disk (``compile.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Compiling the CuTeDSL sparse kernel once per (dtype, head dim, LSE) and keeping it on disk.
+"""Compiling the CuTeDSL sparse kernel once per (dtype, head dim, LSE, residual form) and keeping it on disk.
 
-``compiled(dtype, head_dim, with_lse)`` returns the compiled kernel; ``launch`` calls it with torch tensors (TVM-FFI
+``compiled(dtype, head_dim, with_lse, residual)`` returns the compiled kernel; ``launch`` calls it with torch tensors (TVM-FFI
 calling convention, on the current CUDA stream). Shapes, strides and sizes are dynamic, so one compiled
 kernel serves every resolution, batch and density. The first call in a process compiles (tens of seconds; the
 benchmark prints it) unless a previous process left the compiled object in the disk cache: flash-attn-4's persistent
@@ -27,19 +27,17 @@ from pathlib import Path
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from flash_attn.cute.utils import AuxData
 from quack.compile_utils import make_fake_stream, make_fake_tensor
 
-from .fused_fwd_sm90 import FusedSparseFwdSm90
 from .sparse_fwd_sm90 import SparseFwdSm90
 
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
-# the fused kernel's residual forms (compile-time): none, plain in one of three dtypes, or a row-scaled byte form
+# the kernel's residual forms (compile-time): none, plain in one of three dtypes, or a row-scaled byte form
 RESIDUALS = {"none": (None, None), "plain_bfloat16": ("plain", cutlass.BFloat16),
              "plain_float16": ("plain", cutlass.Float16), "plain_float32": ("plain", cutlass.Float32),
              "fp8_row": ("fp8_row", cutlass.Uint8), "int4_row": ("int4_row", cutlass.Uint8),
              "int4_group": ("int4_group", cutlass.Uint8)}
-STAGES = 2  # 3 stages measured -1 to +2 % at 1.3B, up to -11 % at 14B on the H200 (bench_cutedsl.py prints both)
+STAGES = 2  # 3 stages measured -1 to +2 % at 1.3B, up to -11 % at 14B on the H200 (the regroup kernel, 2026-12-01)
 _memory: dict = {}
 _lock = threading.Lock()
 log = logging.getLogger(__name__)
@@ -70,20 +68,6 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "comfyui_mc_sparse" / "cutedsl"
 
 
-def _fake_args(dtype: str, head_dim: int, with_lse: bool):
-    """Fake tensors with the launch's ranks, dtypes, alignments and dynamic strides (symbolic sizes)."""
-    dt = _DTYPES[dtype]
-    n, s, b, h, k = (cute.sym_int() for _ in range(5))
-    q = make_fake_tensor(dt, (n, 128, 1, head_dim), divisibility=8)
-    kk = make_fake_tensor(dt, (b, s, h, head_dim), divisibility=8)
-    vv = make_fake_tensor(dt, (b, s, h, head_dim), divisibility=8)
-    o = make_fake_tensor(dt, (n, 128, 1, head_dim), divisibility=8)
-    lse = make_fake_tensor(Float32, (n, 1, 128), divisibility=4) if with_lse else None
-    counts = make_fake_tensor(Int32, (n,), divisibility=1)
-    idx = make_fake_tensor(Int32, (n, k), divisibility=1)
-    return q, kk, vv, o, lse, counts, idx
-
-
 def default_stages() -> int:
     """K/V pipeline stages: ``$MC_SPARSE_CUTEDSL_STAGES`` (2 or 3) or the measured default.
 
@@ -94,26 +78,9 @@ def default_stages() -> int:
     return int(raw)
 
 
-def compile_fake(dtype: str, head_dim: int, with_lse: bool, stages: int | None = None):
-    """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); returns the compiled object."""
-    q, k, v, o, lse, counts, idx = _fake_args(dtype, head_dim, with_lse)
-    kernel = SparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages())
-    return cute.compile(
-        kernel, q, k, v, o, lse, Float32(1.0), None, None, None, counts, idx, None, None, None, None, AuxData(), None,
-        None, make_fake_stream(), options="--enable-tvm-ffi",
-    )
-
-
-def compiled(dtype: str, head_dim: int, with_lse: bool, stages: int | None = None):
-    """The compiled kernel for these static parameters: from memory, the disk cache, or a fresh compile."""
-    stages = stages or default_stages()
-    key = ("mc_sparse_fwd_sm90", dtype, head_dim, with_lse, stages, source_hash())
-    return _cached(key, lambda: compile_fake(dtype, head_dim, with_lse, stages))
-
-
-def _fused_fake_args(dtype: str, head_dim: int, with_lse: bool, residual: str):
-    """Fake tensors of one fused launch (``fused_fwd_sm90.py``'s contract): q/out share (B, S, H) with the
-    residual and LSE; k/v have their own length; alignments as ``rules.fused_refusal`` checks them."""
+def _fake_args(dtype: str, head_dim: int, with_lse: bool, residual: str):
+    """Fake tensors of one launch (``sparse_fwd_sm90.py``'s contract): q/out share (B, S, H) with the residual and
+    LSE; k/v have their own length; alignments as ``rules.call_refusal`` checks them."""
     dt = _DTYPES[dtype]
     b, s, sk, h, n, k = (cute.sym_int() for _ in range(6))
     q = make_fake_tensor(dt, (b, s, h, head_dim), divisibility=8)
@@ -137,23 +104,20 @@ def _fused_fake_args(dtype: str, head_dim: int, with_lse: bool, residual: str):
     return q, kk, vv, o, lse, perm, idx, counts, res, scale, coef, mean
 
 
-def compile_fake_fused(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None,
-                       k_ahead: bool = False):
-    """Compile the fused kernel (``fused_fwd_sm90.py``) from fake tensors; ``residual`` a key of ``RESIDUALS``,
-    ``k_ahead`` the producer's K-before-V order. Needs no GPU with CUTE_DSL_ARCH=sm_90a. Raises KeyError for an
+def compile_fake(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None):
+    """Compile the kernel (``sparse_fwd_sm90.py``) from fake tensors; ``residual`` a key of ``RESIDUALS``.
+    Needs no GPU with CUTE_DSL_ARCH=sm_90a. Raises KeyError for an
     unknown residual form."""
-    args = _fused_fake_args(dtype, head_dim, with_lse, residual)
-    kernel = FusedSparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages(), RESIDUALS[residual][0],
-                                k_ahead)
+    args = _fake_args(dtype, head_dim, with_lse, residual)
+    kernel = SparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages(), RESIDUALS[residual][0])
     return cute.compile(kernel, *args, Float32(1.0), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
-def compiled_fused(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None,
-                   k_ahead: bool = False):
-    """The compiled fused kernel for these static parameters: from memory, the disk cache, or a fresh compile."""
+def compiled(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None):
+    """The compiled kernel for these static parameters: from memory, the disk cache, or a fresh compile."""
     stages = stages or default_stages()
-    key = ("mc_sparse_fused_fwd_sm90", dtype, head_dim, with_lse, residual, stages, k_ahead, source_hash())
-    return _cached(key, lambda: compile_fake_fused(dtype, head_dim, with_lse, residual, stages, k_ahead))
+    key = ("mc_sparse_fwd_sm90", dtype, head_dim, with_lse, residual, stages, source_hash())
+    return _cached(key, lambda: compile_fake(dtype, head_dim, with_lse, residual, stages))
 
 
 def _cached(key, build):
@@ -206,15 +170,9 @@ def _to_disk(disk, key, fn):
         return fn
 
 
-def launch(fn, q_groups, k, v, out, lse, scale: float, counts, kv_idx) -> None:
-    """Run a compiled kernel: q_groups/out ``(N, 128, 1, D)``, k/v ``(B, S, H, D)``, lse ``(N, 1, 128)`` fp32 or None,
-    counts int32 ``(N,)``, kv_idx int32 ``(N, K_alloc)`` (see kernels/cutedsl/sparse_fwd_sm90.py)."""
-    fn(q_groups, k, v, out, lse, scale, None, None, None, counts, kv_idx, None, None, None, None, AuxData(), None, None)
-
-
-def launch_fused(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean,
-                 scale: float, num_ctas: int) -> None:
-    """Run a compiled fused kernel (``fused_fwd_sm90.py``'s contract): q/out ``(B, S, H, D)``, k/v ``(B, Sk, H, D)``,
+def launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean,
+           scale: float, num_ctas: int) -> None:
+    """Run a compiled kernel (``sparse_fwd_sm90.py``'s contract): q/out ``(B, S, H, D)``, k/v ``(B, Sk, H, D)``,
     lse fp32 ``(B, H, S)`` or None, perm_rows int32 ``(N, 128)``, kv_rows int32 ``(N, K_alloc)``, counts ``(N,)``,
     res_data ``(B, S, H, D or D//2)``, res_scale ``(B, H, S)``, res_coef uint8 ``(B, H, S)``, res_mean bf16
     ``(B, H, G, D)``, each or None as the residual form has them; ``num_ctas`` CTAs (at most N run)."""
@@ -230,7 +188,6 @@ def warm(stages: int | None = None) -> dict:
         for head_dim in (64, 128):
             for with_lse in (False, True):
                 t = time.perf_counter()
-                compiled(dtype, head_dim, with_lse, stages)
-                compiled_fused(dtype, head_dim, with_lse, "none", stages)
+                compiled(dtype, head_dim, with_lse, "none", stages)
                 took[f"{dtype} d{head_dim}{' lse' if with_lse else ''}"] = round(time.perf_counter() - t, 2)
     return took

@@ -1,8 +1,9 @@
 """What the CuTeDSL backend runs, as data (no CUDA or cutlass import: the CPU tests read it).
 
 The kernel (``sparse_fwd_sm90.py``) is built for sm_90: wgmma, setmaxnreg and flash-attn-4's sm90 consumer. It runs
-fp16 / bf16, head dim 64 or 128, query groups of exactly 128 (one query tile), K/V rows copied 16 bytes at a time
-(unit stride on D, 16-byte aligned rows) and one batch element's groups on grid.z (at most 65535).
+fp16 / bf16, head dim 64 or 128, query groups of exactly 128 (one query tile), Q/K/V rows copied 16 bytes at a time
+(unit stride on D, 16-byte aligned rows), output rows written 4 bytes at a time, residual rows read in pairs of
+elements, fewer than 2^31 groups in all.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import torch
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 HEAD_DIMS = (64, 128)
 GROUP_SIZE = 128
-MAX_GROUPS = 65535  # per batch element, the "regroup" variant's grid.z
-VARIANTS = ("regroup", "fused", "persistent", "fused_kahead", "persistent_kahead")  # kernels/cutedsl/op.py
 
 
 def refusal(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -37,32 +36,28 @@ def refuse(op: str, q: torch.Tensor, requested: bool) -> str | None:
     return refusal(q.device.type, cap, q.dtype, q.shape[-1])
 
 
-def call_refusal(q, k, v, perm, kv_idx, *, variant: str = "regroup", out=None, residual=None) -> str | None:
-    """Why one call cannot run on the kernel though the backend accepted q (None when it can): group size, grid,
-    K/V row layout; for the fused variants also q's rows (read like K/V), ``out``'s rows (written 4 bytes at a
-    time), the residual's rows (read 2 elements at a time) and its scale (unit stride on S). Checked on shapes and
-    strides only (no device sync)."""
+def call_refusal(q, k, v, perm, kv_idx, *, out=None, residual=None) -> str | None:
+    """Why one call cannot run on the kernel though the backend accepted q (None when it can): group size, group
+    count, the rows of q / k / v (16-byte copies), of ``out`` (4-byte stores), of the residual (pairs of elements)
+    and its per-row tensors (unit stride on S). Checked on shapes and strides only (no device sync)."""
     B, H, _, _ = q.shape
     G = kv_idx.shape[2]
     C = perm.shape[-1] // G
     if C != GROUP_SIZE:
         return f"needs group size {GROUP_SIZE} (one query tile), got {C}"
-    fused = variant != "regroup"
-    if not fused and H * G > MAX_GROUPS:
-        return f"runs at most {MAX_GROUPS} groups per batch element, got {H * G}"
-    if fused and B * H * G >= 2**31:
+    if B * H * G >= 2**31:
         return f"runs fewer than 2^31 groups, got {B * H * G}"
-    for name, t in (("q", q), ("k", k), ("v", v)) if fused else (("k", k), ("v", v)):
+    for name, t in (("q", q), ("k", k), ("v", v)):
         why = _rows(t.transpose(1, 2), 16)
         if why:
             return f"reads {name} rows by 16-byte copies: {why}"
-    if fused and out is not None:
+    if out is not None:
         why = _rows(out.transpose(1, 2), 4)
         if why:
             return f"writes out rows 4 bytes at a time: {why}"
-    if fused and residual is not None:
+    if residual is not None:
         data = residual.data.view(torch.uint8) if residual.kind == "fp8_row" else residual.data
-        why = _rows(data.transpose(1, 2), 1 if residual.kind == "int4_row" else 2 * data.element_size())
+        why = _rows(data.transpose(1, 2), 1 if residual.kind.startswith("int4") else 2 * data.element_size())
         if why:
             return f"reads residual rows in pairs: {why}"
         for name, t in (("scale", residual.scale), ("coef", residual.coef)):

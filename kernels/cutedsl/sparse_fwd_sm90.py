@@ -1,53 +1,75 @@
-"""Token-sparse attention forward for Hopper (sm_90) in the CUTLASS Python DSL (CuTeDSL).
+"""Token-sparse attention forward for Hopper (sm_90) in the CUTLASS Python DSL (CuTeDSL), query regroup fused in.
 
-MC-Sparse's reuse-step kernel (arXiv 2610.06801, sec. 3.1 and 4): one CTA per query group (C = 128 queries of one
-(batch, head)), warp-specialised as in FA3/FA4:
+MC-Sparse's reuse-step kernel (arXiv 2610.06801, sec. 3.1 and 4), warp-specialised as in FA3/FA4:
 
-- one producer warpgroup (128 threads, few registers) that *gathers* the group's selected K and V rows by index with
-  16-byte ``cp.async`` copies into a 2-stage shared-memory pipeline (Hopper has no TMA gather: docs/kernels.md,
-  sec. 0 and 3). Each thread reads one index of the next 128-key tile from the group's ``kv_idx`` row *one tile
-  ahead* (the load is in flight while the current tile's rows are issued), turns it into a row address of the
-  model's own ``[B, S, H, D]`` K/V layout (no page table, no copy of K or V), and the 16 threads that copy one
-  256-byte row receive its address by warp shuffle. The query tile (the group's rows, gathered to group order once
-  per call by ``kernels/triton/regroup.py``) arrives by TMA;
-- two consumer warpgroups (64 query rows each) that run wgmma for S = Q K^T and O += P V with the online softmax
-  overlapped with the MMAs (intra-warpgroup overlap, P kept in registers) and write O and the LSE by TMA.
+- one producer warpgroup (128 threads, few registers) *gathers*, per query group, the group's 128 query rows through
+  ``perm`` and its selected K and V rows through ``kv_idx`` with 16-byte ``cp.async`` copies (Hopper has no TMA
+  gather: docs/kernels.md) into the query tile and a 2-stage K/V pipeline. Each thread reads one index of the next
+  128-row tile *one tile ahead* (the load is in flight while the current tile's rows are issued), turns it into a
+  row address of the model's own ``[B, S, H, D]`` layout (no copy of Q, K or V), and the threads that copy one row
+  receive its address by warp shuffle (flash-attn-4's row-copy helper, ``flash_attn.cute.paged_kv.PagedKVManager``,
+  used as a library with our addresses);
+- two consumer warpgroups (64 query rows each): flash-attn-4's sm90 consumers (``FlashAttentionForwardSm90.mma``,
+  flash-attn-4 4.0.0b36, BSD-3, used as a library: wgmma for S = Q K^T and O += P V, the online softmax overlapped
+  with the MMAs, P in registers), ending in our epilogue: each output row goes straight from the registers to its
+  original query position in the caller's ``out`` view (by strides), with the residual (``kernels.Residual``: plain
+  bf16/fp16/fp32, fp8_row, int4_row, int4_group) dequantised and added in fp32 before rounding, and the LSE in query
+  order. Nothing is staged in shared memory, so the query tile is free for the next group as soon as the consumers
+  have run their last QK^T.
 
-The consumer warpgroups, the pipelines, the softmax and the epilogue are flash-attn-4's sm90 forward
-(``flash_attn.cute.flash_fwd_sm90.FlashAttentionForwardSm90``, flash-attn-4 4.0.0b36, BSD-3), used as a library:
-this module replaces its producer (``load``) and reads the index rows through flash-attn-4's row-copy helper
-(``flash_attn.cute.paged_kv.PagedKVManager.load_KV``) with our own addresses.
+Work is distributed by our own grid-stride scheduler (``GroupScheduler``) over the B*H*G groups of one launch
+(every batch element: both CFG branches). ``op.py`` launches one CTA per group (``num_ctas`` = the group count);
+fewer CTAs (the SM count) make the launch persistent, a CTA's producer then gathering the next group's queries and
+first K/V tile while its consumers finish the previous group: measured on the H200 no better at 1.3B 480p and up
+to 0.06 of dense worse at 14B 720p, s = 0.5 (docs/kernels.md).
 
-Contract of one launch (``SparseFwdSm90.__call__`` via ``compile_sparse_fwd``):
-    q_groups ``(N, C, 1, D)`` fp16/bf16 contiguous, N = B*H*G (one entry per (batch, head, group), group-major inside
-    a head); k, v ``(B, S, H, D)`` any strides with unit stride on D and 16-byte aligned rows; out ``(N, C, 1, D)``;
-    lse ``(N, 1, C)`` fp32 or None; kv_idx ``(N, K_alloc)`` int32, each row sorted with trailing -1; counts ``(N,)``
-    int32, each row's number of valid slots (>= 1). Slots past a row's count are loaded from row 0 of that
-    (batch, head) (finite data) and masked to -inf by flash-attn-4's sequence-length mask, so they weigh exactly 0.
+Contract of one launch (``SparseFwdSm90.__call__``; ``op.py`` builds the views):
+    q, k, v ``(B, S, H, D)`` fp16/bf16 views with unit stride on D and 16-byte aligned rows (the model's
+    ``[B, S, H*D]`` tensors; k/v may have their own length); out ``(B, S, H, D)`` the same dtype, unit stride on D,
+    4-byte aligned rows (written only at the rows ``perm`` names); lse fp32 ``(B, H, S)`` unit stride on S, or None;
+    perm int32 ``(N, 128)`` contiguous, N = B*H*G (group-major inside a head, heads inside a batch element), -1 for
+    padded slots; kv_idx int32 ``(N, K_alloc)`` unit stride, each row sorted with trailing -1; counts int32 ``(N,)``,
+    each row's valid slot count (>= 1); residual data ``(B, S, H, D)`` (plain: bf16/fp16/fp32; fp8_row: the e4m3
+    bytes as uint8) or ``(B, S, H, D//2)`` uint8 (int4_row, int4_group), unit stride on the last dim, with scale
+    ``(B, H, S)`` (unit stride on S; fp32, bf16 for int4_group) for the row kinds; for int4_group also coef (the e4m3
+    bytes as uint8) ``(B, H, S)`` and mean bf16 ``(B, H, G, D)`` (unit stride on D, 4-byte aligned rows); or None.
+    Slots past a row's count load finite rows and are masked to -inf by flash-attn-4's sequence-length mask, so they
+    weigh exactly 0; padded query slots load query row 0 (finite) and are never written back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute import FastDivmodDivisorV2
-from cutlass.pipeline import PipelineUserType, make_pipeline_state
+from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
+from cutlass.utils import LayoutEnum
+from flash_attn.cute import pipeline as fa_pipeline
+from flash_attn.cute import utils as fa_utils
+from flash_attn.cute.block_info import BlockInfo
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.paged_kv import PagedKVManager
-from quack import copy_utils
+from flash_attn.cute.seqlen_info import SeqlenInfoQK
+from flash_attn.cute.tile_scheduler import WorkTileInfo
+from flash_attn.cute.utils import AuxData
+from quack import layout_utils, sm90_utils
 
 TILE = 128  # query tile (= group size C) and key tile
+RES_KINDS = (None, "plain", "fp8_row", "int4_row", "int4_group")
 
 
 @dataclass
 class _IndexRow:
-    """One query group's ``kv_idx`` row as the producer reads it: this thread's slot of the next key tile.
+    """One query group's ``kv_idx`` row (or ``perm`` row) as the producer reads it: this thread's slot of the next
+    128-row tile.
 
     ``rows`` is flash-attn-4's row-copy helper; its page / page-offset registers are set to (batch, token index),
-    so its row address is ``&K[b, idx, h, 0]`` of the ``(S, D, H, B)``-ordered view. ``nxt`` holds the index of
+    so its row address is ``&X[b, idx, h, 0]`` of the ``(S, D, H, B)``-ordered view. ``nxt`` holds the index of
     the tile after the one being copied (loaded one tile ahead)."""
 
     rows: PagedKVManager
@@ -77,77 +99,338 @@ class _IndexRow:
             self.rows.tPrPageOffset[i] = self.nxt[i]
 
 
+class GroupScheduler:
+    """Grid-stride walk over the ``total`` groups: CTA c runs groups c, c + gridDim.x, ... Each work tile is
+    ``(0, 0, group, 0)`` in flash-attn-4's (m_block, head, batch, split) order, so the consumers' per-"batch" lookups
+    (the valid count of ``kv_idx`` row ``group``) are per group. Neighbouring CTAs run neighbouring groups of one
+    head, whose K/V stays in L2."""
+
+    def __init__(self, total: Int32, tile: Int32):
+        self.total = total
+        self.tile = tile
+
+    @staticmethod
+    def create(total: Int32) -> "GroupScheduler":
+        return GroupScheduler(total, Int32(cute.arch.block_idx()[0]))
+
+    def get_current_work(self) -> WorkTileInfo:
+        return WorkTileInfo((Int32(0), Int32(0), self.tile, Int32(0)), self.tile < self.total)
+
+    def initial_work_tile_info(self) -> WorkTileInfo:
+        return self.get_current_work()
+
+    def prefetch_next_work(self):
+        pass
+
+    def advance_to_next_work(self) -> WorkTileInfo:
+        self.tile += Int32(cute.arch.grid_dim()[0])
+        return self.get_current_work()
+
+    def __extract_mlir_values__(self):
+        return cutlass.extract_mlir_values(self.total) + cutlass.extract_mlir_values(self.tile)
+
+    def __new_from_mlir_values__(self, values):
+        return GroupScheduler(cutlass.new_from_mlir_values(self.total, values[:1]),
+                              cutlass.new_from_mlir_values(self.tile, values[1:]))
+
+
+class _Outputs:
+    """What the epilogue writes to, bundled at trace time (a Python object, not a kernel argument)."""
+
+    def __init__(self, mO, mLSE, mPerm, mRes, mScale, mCoef, mMean, n_heads, groups_per_head):
+        self.mO, self.mLSE, self.mPerm, self.mRes, self.mScale = mO, mLSE, mPerm, mRes, mScale
+        self.mCoef, self.mMean = mCoef, mMean
+        self.n_heads, self.groups_per_head = n_heads, groups_per_head
+
+
 class SparseFwdSm90(FlashAttentionForwardSm90):
-    """flash-attn-4's sm90 forward with a gather producer (see the module docstring). Head dim 64 or 128,
-    fp16/bf16, tile 128 x 128, ``stages`` K/V pipeline stages (2: 160 KiB of shared memory at D = 128; 3: 224 KiB,
-    more gather latency hidden), 2 consumer warpgroups + 1 producer warpgroup.
+    """The kernel (module docstring): head dim 64 or 128, fp16/bf16, tile 128 x 128, ``stages`` K/V stages (2: 160
+    KiB of shared memory at D = 128), 2 consumer warpgroups + 1 producer warpgroup (384 threads).
 
-    One CTA per group (flash-attn-4's single-tile scheduler): a persistent variant (one CTA per SM looping over groups,
-    the next group's gathers overlapping the previous epilogue) measured no faster on the H200 (1.3B s = 0.1: 1.20
-    vs 1.21 ms; 14B s = 0.1: 22.0 vs 21.0 ms) and was removed."""
+    ``res_kind``: None, "plain", "fp8_row", "int4_row" or "int4_group" (compile-time: one compiled kernel per kind and plain
+    dtype). Raises AssertionError at trace time for a residual tensor that does not match ``res_kind``.
 
-    def __init__(self, dtype, head_dim: int, stages: int = 2):
+    The producer issues each key tile's K before the previous tile's V, the order the consumers need them in (with
+    the intra-warpgroup overlap they run tile j's QK^T before tile j-1's P V; flash-attn-4's TMA producer does the
+    same): measured on the H200 against K and V of a tile together, +0.01 at the worst point and up to +0.026 of
+    dense at 14B 720p (docs/kernels.md)."""
+
+    def __init__(self, dtype, head_dim: int, stages: int = 2, res_kind: str | None = None):
+        assert res_kind in RES_KINDS, res_kind
         super().__init__(
             dtype, head_dim, head_dim, 1, is_causal=False, is_local=False, pack_gqa=False, tile_m=TILE, tile_n=TILE,
             num_stages=stages, num_threads=384, Q_in_regs=False, intra_wg_overlap=True, mma_pv_is_rs=True,
             paged_kv_non_tma=True,
         )
+        self.res_kind = res_kind
 
     @cute.jit
-    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipeline_k, pipeline_v, pipeline_q,
-             gmem_tiled_copy_Q, mPageTable, blocksparse_tensors, block_info, SeqlenInfoCls, TileSchedulerCls):
-        # mQ: (C, D, 1, N) after the base class's transpose; mK/mV: (S, D, H, B); mPageTable: kv_idx (N, K_alloc)
-        warp_idx_in_wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
+                 mIdx: cute.Tensor, mCounts: cute.Tensor, mRes, mScale, mCoef, mMean, softmax_scale: Float32,
+                 num_ctas: Int32, stream=None):
+        assert (mRes is None) == (self.res_kind is None), "residual tensor and res_kind disagree"
+        if const_expr(self.res_kind in ("fp8_row", "int4_row", "int4_group")):
+            assert mRes.element_type == cutlass.Uint8 and mScale is not None
+        assert (mMean is not None) == (self.res_kind == "int4_group") and (mCoef is None) == (mMean is None)
+        tiled_mma_qk, tiled_mma_pv = self._get_tiled_mma()
+        self.num_mma_threads = tiled_mma_qk.size
+        self.num_threads_per_warp_group = 128
+        self.num_wg_mma = self.num_mma_threads // 128
+        assert self.num_wg_mma == 2
+        self.num_threads = 128 * (self.num_wg_mma + 1)
+        self.num_producer_threads = 32
+        self.num_Q_load_threads = 128
+        self.num_epilogue_threads = self.num_mma_threads
+        self.num_mma_regs, self.num_producer_regs = 224, 40  # flash-attn-4's split for a cp.async producer
+        self.use_block_sparsity = False
+        self.use_scheduler_barrier = self.tile_hdim <= 128
+        self.use_tma_Q = False
+        self.use_tma_O = False
+        self.rescale_O_before_gemm = False
+        self._setup_attributes()
+        self.sQ_layout, self.sK_layout, self.sV_layout = [
+            sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, shape, stage)
+            for shape, stage in [((self.tile_m, self.tile_hdim), None), ((self.tile_n, self.tile_hdim), self.num_stages),
+                                 ((self.tile_n, self.tile_hdimv), self.num_stages)]
+        ]
+        self.sP_layout = None
+        SharedStorage = self._get_shared_storage_cls()
+        # (B, S, H, D) -> (S, D, H, B): the row-copy helper's (row, d, head, batch) order
+        mQ, mK, mV = [layout_utils.select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV)]
+        softmax_scale_log2, softmax_scale = fa_utils.compute_softmax_scale_log2(softmax_scale, None)
+        total = mPerm.shape[0]
+        grid_x = cutlass.min(num_ctas, total)
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, mPerm, mIdx, mCounts, mRes, mScale, mCoef, mMean, softmax_scale_log2, softmax_scale,
+            total,
+            tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout, SharedStorage,
+        ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
+               mIdx: cute.Tensor, mCounts: cute.Tensor, mRes, mScale, mCoef, mMean, softmax_scale_log2: Float32,
+               softmax_scale, total: Int32, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               SharedStorage: cutlass.Constexpr):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        Threads = partial(cutlass.pipeline.CooperativeGroup, cutlass.pipeline.Agent.Thread)
+        load_threads = Threads(self.num_threads_per_warp_group)
+        mma_warps = Threads(self.num_mma_threads // cute.arch.WARP_SIZE)
+        pipes = [
+            fa_pipeline.PipelineCpAsync.create(
+                barrier_storage=bar, num_stages=n, producer_group=load_threads, consumer_group=mma_warps,
+                defer_sync=True, elect_one_release=True, syncwarp_before_release=False,
+            )
+            for bar, n in ((storage.mbar_ptr_Q.data_ptr(), 1), (storage.mbar_ptr_K.data_ptr(), self.num_stages),
+                           (storage.mbar_ptr_V.data_ptr(), self.num_stages))
+        ]
+        pipeline_q, pipeline_k, pipeline_v = pipes
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        block_info = BlockInfo(self.tile_m, self.tile_n, False, False, False, None, None, qhead_per_kvhead_packgqa=1)
+        SeqlenInfoCls = partial(SeqlenInfoQK.create, seqlen_q_static=self.tile_m, seqlen_k_static=mIdx.shape[1],
+                                mSeqUsedK=mCounts)
+        AttentionMaskCls = partial(AttentionMask, self.tile_m, self.tile_n, window_size_left=None,
+                                   window_size_right=None, qhead_per_kvhead_packgqa=1)
+        TileSchedulerCls = partial(GroupScheduler.create, total)
+        n_heads = mQ.shape[2]
+        groups_per_head = total // (n_heads * mQ.shape[3])
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        if warp_idx < 4:  # producer warpgroup
+            cute.arch.setmaxregister_decrease(self.num_producer_regs)
+            self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
+                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head)
+        else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
+            cute.arch.setmaxregister_increase(self.num_mma_regs)
+            tidx, _, _ = cute.arch.thread_idx()
+            outputs = _Outputs(mO, mLSE, mPerm, mRes, mScale, mCoef, mMean, n_heads, groups_per_head)
+            self.mma(
+                tiled_mma_qk, tiled_mma_pv, outputs, mLSE, sQ, sK, layout_utils.transpose_view(sV), None, None, None,
+                pipeline_k, pipeline_v, pipeline_q, None, None, tidx - 128, softmax_scale_log2, softmax_scale,
+                block_info, SeqlenInfoCls, AttentionMaskCls, TileSchedulerCls, None, AuxData(), None,
+            )
+
+    @cute.jit
+    def load_fused(self, mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
+                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head):
+        """Producer: per group, its query rows through ``perm`` and its K/V rows through ``kv_idx``, all by cp.async
+        (mQ/mK/mV ``(S, D, H, B)``; mPerm ``(N, 128)``, mIdx ``(N, K_alloc)``)."""
         tidx, _, _ = cute.arch.thread_idx()
-        n_heads = mK.shape[2]
-        groups_per_head = mPageTable.shape[0] // (n_heads * mK.shape[3])
-        k_alloc = mPageTable.shape[1]
-        q_producer_phase = Int32(1)
+        k_alloc = mIdx.shape[1]
+        q_phase = Int32(1)
         kv_state = make_pipeline_state(PipelineUserType.Producer, self.num_stages)
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
         while work_tile.is_valid_tile:
-            m_block, head_idx, entry, _ = work_tile.tile_idx
-            seqlen = SeqlenInfoCls(entry)
-            mQ_cur = mQ[None, None, head_idx, entry]
-            gQ = cute.local_tile(mQ_cur, (self.tile_m, self.tile_hdim), (m_block, 0))
-            load_Q, _, _ = copy_utils.tma_get_copy_fn(tma_atom_Q, 0, cute.make_layout(1), gQ, sQ, single_stage=True)
-            bh = entry // groups_per_head
+            _, _, group, _ = work_tile.tile_idx
+            seqlen = SeqlenInfoCls(group)
+            bh = group // groups_per_head
             b = bh // n_heads
             h = bh - b * n_heads
-            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
+            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
             rows = PagedKVManager.create(
-                mPageTable, mK, mV, FastDivmodDivisorV2(mK.shape[0]), entry, h, tidx,
-                n_block_max * self.tile_n,  # every slot of the loaded tiles is copied (finite data); the mask drops them
-                0, self.tile_n, self.tile_hdim, self.tile_hdimv, self.num_threads_per_warp_group, mK.element_type,
+                mIdx, mK, mV, FastDivmodDivisorV2(mK.shape[0]), group, h, tidx, n_block_max * self.tile_n, 0,
+                self.tile_n, self.tile_hdim, self.tile_hdimv, self.num_threads_per_warp_group, mK.element_type,
                 arch=90,
             )
+            q_rows = PagedKVManager.create(
+                mPerm, mQ, mQ, FastDivmodDivisorV2(mQ.shape[0]), group, h, tidx, self.tile_m, 0, self.tile_m,
+                self.tile_hdim, self.tile_hdim, self.num_threads_per_warp_group, mQ.element_type, arch=90,
+            )
             index = _IndexRow(rows, rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, k_alloc, tidx)
+            q_index = _IndexRow(q_rows, q_rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, Int32(self.tile_m),
+                                tidx)
+            q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
             n_block = n_block_max - 1
             index.fetch(n_block)
             index.advance()
             index.fetch(n_block - 1)
             pipeline_k.producer_acquire(kv_state)
             self.load_KV(None, rows, sK, block=n_block, pipeline_kv=pipeline_k, producer_state=kv_state, K_or_V="K")
-            if warp_idx_in_wg == 0:
-                pipeline_q.producer_acquire_w_index_phase(0, q_producer_phase)
-                load_Q(tma_bar_ptr=pipeline_q.sync_object_full.get_barrier(0))
-            q_producer_phase ^= 1
-            pipeline_v.producer_acquire(kv_state)
-            self.load_KV(None, rows, sV, block=n_block, pipeline_kv=pipeline_v, producer_state=kv_state, K_or_V="V")
-            kv_state.advance()
-            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                n_block = n_block_max - 2 - i
-                index.advance()
-                index.fetch(n_block - 1)
-                pipeline_k.producer_acquire(kv_state)
-                self.load_KV(None, rows, sK, block=n_block, pipeline_kv=pipeline_k, producer_state=kv_state,
-                             K_or_V="K")
-                pipeline_v.producer_acquire(kv_state)
-                self.load_KV(None, rows, sV, block=n_block, pipeline_kv=pipeline_v, producer_state=kv_state,
-                             K_or_V="V")
-                kv_state.advance()
-            tile_scheduler.prefetch_next_work()
+            pipeline_q.producer_acquire_w_index_phase(0, q_phase)
+            q_index.advance()
+            q_rows.load_KV(0, sQ, "K")
+            cute.arch.cp_async_commit_group()
+            pipeline_q.producer_commit_w_index(0)
+            q_phase ^= 1
+            kv_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min,
+                                          n_block_max)
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
         pipeline_v.producer_tail(kv_state)
+
+    @cute.jit
+    def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min, n_block_max):
+        """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1 (its
+        stage is the previous one), V of the last tile at the end. The row addresses of tile j-1 are kept in a
+        register while tile j's are loaded. Returns the advanced producer state."""
+        for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+            n_block = n_block_max - 2 - i
+            prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
+            index.advance()
+            index.fetch(n_block - 1)
+            v_state = kv_state.clone()
+            kv_state.advance()
+            pipeline_k.producer_acquire(kv_state)
+            self.load_KV(None, rows, sK, block=n_block, pipeline_kv=pipeline_k, producer_state=kv_state, K_or_V="K")
+            cur_row = rows.tPrPageOffset[0]
+            rows.tPrPageOffset[0] = prev_row
+            pipeline_v.producer_acquire(v_state)
+            self.load_KV(None, rows, sV, block=n_block + 1, pipeline_kv=pipeline_v, producer_state=v_state,
+                         K_or_V="V")
+            rows.tPrPageOffset[0] = cur_row
+        pipeline_v.producer_acquire(kv_state)
+        self.load_KV(None, rows, sV, block=n_block_min, pipeline_kv=pipeline_v, producer_state=kv_state, K_or_V="V")
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx, m_block,
+                 head_idx, batch_idx):
+        """Each consumer thread's rows of O (already divided by the row sums, fp32 in registers) + residual, rounded
+        once, stored 2 columns (4 bytes) at a time at ``out[b, perm[row], h, :]``; the LSE at ``lse[b, h, perm[row]]``
+        by the thread holding column 0. ``mO`` is the ``_Outputs`` bundle; ``batch_idx`` the group."""
+        outs = mO
+        group = batch_idx
+        bh = group // outs.groups_per_head
+        b = bh // outs.n_heads
+        h = bh - b * outs.n_heads
+        thr_mma = tiled_mma.get_slice(tidx)
+        tOcO = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m,
+                                                                                               self.tile_hdimv))))
+        acc = layout_utils.reshape_acc_to_mn(acc_O)
+        for m in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+            q_row = outs.mPerm[group, tOcO[m, 0][0]]
+            self._store_row(acc, lse, tOcO, m, b, h, group - bh * outs.groups_per_head, q_row, outs.mO, outs.mLSE,
+                            outs.mRes, outs.mScale, outs.mCoef, outs.mMean)
+
+    @cute.jit
+    def _store_row(self, acc, lse, tOcO, m: cutlass.Constexpr[int], b, h, g, q_row, mO, mLSE, mRes, mScale, mCoef,
+                   mMean):
+        """Row m of this thread's accumulator (fp32) + residual -> ``out[b, q_row, h, :]`` (skipped for q_row < 0),
+        2 columns (4 bytes) per store; the LSE by the thread holding column 0."""
+        n_cols = cute.size(acc, mode=[1])
+        elem_bytes = self.dtype.width // 8
+        if q_row >= 0:
+            row = cute.make_rmem_tensor((n_cols,), Float32)
+            for c in cutlass.range_constexpr(n_cols):
+                row[c] = acc[m, c]
+            if const_expr(self.res_kind is not None):
+                self._add_residual(row, mRes, mScale, mCoef, mMean, tOcO, m, b, h, g, q_row)
+            out16 = cute.make_rmem_tensor((n_cols,), self.dtype)
+            fa_utils.cvt_f16(row, out16)
+            o_row = fa_utils.elem_pointer(mO, (b, q_row, h, 0)).toint()
+            for j in cutlass.range_constexpr(n_cols // 2):
+                ptr = cute.make_ptr(self.dtype, o_row + Int64(tOcO[m, 2 * j][1] * elem_bytes),
+                                    cute.AddressSpace.gmem, assumed_align=2 * elem_bytes)
+                pair = cute.make_rmem_tensor((2,), self.dtype)
+                pair[0] = out16[2 * j]
+                pair[1] = out16[2 * j + 1]
+                cute.autovec_copy(pair, cute.make_tensor(ptr, cute.make_layout((2,))))
+            if const_expr(mLSE is not None):
+                if tOcO[0, 0][1] == 0:
+                    mLSE[b, h, q_row] = lse[m]
+
+    @cute.jit
+    def _add_residual(self, row, mRes, mScale, mCoef, mMean, tOcO, m: cutlass.Constexpr[int], b, h, g, q_row):
+        """row[c] += R[b, q_row, h, col(c)] for this thread's columns (pairs of adjacent columns), dequantised;
+        ``g`` the group's index in its head (int4_group's mean row)."""
+        n_cols = cute.size(row)
+        scale = Float32(1.0)
+        if const_expr(self.res_kind != "plain"):
+            scale = Float32(mScale[b, h, q_row])
+        coef = Float32(0.0)
+        m_row = Int64(0)
+        if const_expr(self.res_kind == "int4_group"):
+            coef = _e4m3_pair(Int32(mCoef[b, h, q_row]))[0]
+            m_row = fa_utils.elem_pointer(mMean, (b, h, g, 0)).toint()
+        r_row = fa_utils.elem_pointer(mRes, (b, q_row, h, 0)).toint()
+        r_bytes = mRes.element_type.width // 8
+        for j in cutlass.range_constexpr(n_cols // 2):
+            col = tOcO[m, 2 * j][1]  # even
+            if const_expr(self.res_kind == "plain"):
+                ptr = cute.make_ptr(mRes.element_type, r_row + Int64(col * r_bytes), cute.AddressSpace.gmem,
+                                    assumed_align=2 * r_bytes)
+                pair = cute.make_rmem_tensor((2,), mRes.element_type)
+                cute.autovec_copy(cute.make_tensor(ptr, cute.make_layout((2,))), pair)
+                row[2 * j] = row[2 * j] + Float32(pair[0])
+                row[2 * j + 1] = row[2 * j + 1] + Float32(pair[1])
+            elif const_expr(self.res_kind in ("int4_row", "int4_group")):
+                # byte col/2 holds element col in its low nibble and col + 1 in its high nibble, each q + 8
+                byte = Int32(mRes[b, q_row, h, col // 2])
+                r0 = Float32((byte & 15) - 8) * scale
+                r1 = Float32((byte >> 4) - 8) * scale
+                if const_expr(self.res_kind == "int4_group"):  # + coef x the group's mean row (bf16 pairs)
+                    ptr = cute.make_ptr(cutlass.BFloat16, m_row + Int64(col * 2), cute.AddressSpace.gmem,
+                                        assumed_align=4)
+                    mean = cute.make_rmem_tensor((2,), cutlass.BFloat16)
+                    cute.autovec_copy(cute.make_tensor(ptr, cute.make_layout((2,))), mean)
+                    r0 = r0 + coef * Float32(mean[0])
+                    r1 = r1 + coef * Float32(mean[1])
+                row[2 * j] = row[2 * j] + r0
+                row[2 * j + 1] = row[2 * j + 1] + r1
+            else:  # fp8_row: two e4m3 bytes -> two fp16 bit patterns (2^-8 times the value), as kernels/triton
+                ptr = cute.make_ptr(cutlass.Uint16, r_row + Int64(col), cute.AddressSpace.gmem, assumed_align=2)
+                pair = _e4m3_pair(Int32(cute.make_tensor(ptr, cute.make_layout((1,)))[0]))
+                row[2 * j] = row[2 * j] + pair[0] * scale
+                row[2 * j + 1] = row[2 * j + 1] + pair[1] * scale
+
+
+@cute.jit
+def _e4m3_pair(w: Int32):
+    """Two float8_e4m3fn bit patterns (low byte first, in the low 16 bits of w) -> their values as two fp32.
+
+    Moving e4m3's sign and 7 exponent/mantissa bits into an fp16's (s eeee mmm -> s 0eeee mmm0000000) gives 2^-8
+    times the value, normals and subnormals alike, as kernels/triton/sparse_attention.py's ``_e4m3_to_f32_div256``;
+    NaN patterns are not special-cased (the cache clamps to +-448)."""
+    bits = cute.make_rmem_tensor(cute.make_layout((1,), stride=(1,)), Int32)
+    bits[0] = ((w & 0x80) << 8) | ((w & 0x7F) << 7) | ((w & 0x8000) << 16) | ((w & 0x7F00) << 15)
+    halves = cute.recast_tensor(bits, cutlass.Float16)
+    out = cute.make_rmem_tensor((2,), Float32)
+    out[0] = Float32(halves[0]) * 256.0
+    out[1] = Float32(halves[1]) * 256.0
+    return out
