@@ -11,8 +11,8 @@ s in {0.1, 0.15, 0.25, 0.5} (each group's indices a random sorted set of floor(s
   on the same call; efficiency = FA4 dense ms * s / sparse ms;
 - the compile time (a compile from fake tensors, never the disk cache) and the disk-cache load time (a fresh
   process).
-The error of the CuTeDSL op (into a NaN-filled out) and of the Triton op against the torch reference (float32, a
-sub-sample of heads) is checked before timing.
+The error of the CuTeDSL op (into a NaN-filled out: the count of NaN left is printed too; and with the plain
+residual) and of the Triton op against the torch reference (float32, a sub-sample of heads) is printed before timing.
 It writes --out JSON and the scoreboard key ``cutedsl_sparse_eff_min`` (the op's minimum; command and --commit).
 
 Usage: python tests/bench_cutedsl.py --out $OUT/bench_cutedsl.json --commit <hash> [--shapes 1.3b,14b] [--rep 200]
@@ -66,9 +66,11 @@ def inputs(gen, B, H, S, s):
     return perm, idx
 
 
-def check(got, q, k, v, perm, idx, heads=2):
+def check(got, q, k, v, perm, idx, heads=2, res=None):
     ref = reference.sparse_attention(q[:, :heads].float(), k[:, :heads].float(), v[:, :heads].float(), perm[:, :heads],
                                      idx[:, :heads])
+    if res is not None:  # a plain residual
+        ref = ref + res.data[:, :heads].float()
     g = got[:, :heads].float()
     return float((g - ref).norm() / ref.norm())
 
@@ -98,6 +100,8 @@ def run_shape(name, shp, densities, rep, log):
         got = kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl")
         r["cutedsl_err"] = check(got, q, k, v, perm, idx)
         r["cutedsl_nan_outputs_err"] = float(out.isnan().sum())
+        got = kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, backend="cutedsl")
+        r["cutedsl + residual_err"] = check(got, q, k, v, perm, idx, res=res)
         got_t = kernels.sparse_attention(q, k, v, perm, idx, backend="triton")
         r["triton_err"] = check(got_t, q, k, v, perm, idx)
         r["cutedsl op"] = ms(lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl"), rep)
