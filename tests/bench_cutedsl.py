@@ -97,7 +97,10 @@ def run_shape(name, shp, densities, rep, log):
         perm, idx = inputs(gen, B, H, S, s)
         r = {}
         out.fill_(float("nan"))
-        got = kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl")
+        with registry.recording(registry.Record()) as rec:
+            got = kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl")
+        if rec.choices["sparse_attention"].backend != "cutedsl":  # a fallback would be timed instead of the kernel
+            raise SystemExit(f"the cutedsl kernel did not run: {rec.choices} {rec.failures}")
         r["cutedsl_err"] = check(got, q, k, v, perm, idx)
         r["cutedsl_nan_outputs_err"] = float(out.isnan().sum())
         got = kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, backend="cutedsl")
