@@ -286,13 +286,12 @@ QUICK_CONFIGS = {  # --quick: the sm_90 default (BN 128 lazy, 3 stages) against 
 
 GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside its default (the op), same inputs
     # (round 1: pipeline and 3 stages changed nothing while the producer was the bottleneck)
-    "gluon persistent": dict(_gluon=True, persistent=True),
-    "gluon overlap": dict(_gluon=True, overlap=True),
+    "gluon no overlap": dict(_gluon=True, overlap=False),  # (overlap is the default)
+    "gluon persistent": dict(_gluon=True, persistent=True, overlap=False),
     "gluon overlap persistent": dict(_gluon=True, overlap=True, persistent=True),
     "gluon pingpong": dict(_gluon=True, pingpong=True),
     "gluon pingpong persistent": dict(_gluon=True, pingpong=True, persistent=True),
     "gluon stage_out": dict(_gluon=True, stage_out=True),
-    "gluon overlap stage_out": dict(_gluon=True, overlap=True, stage_out=True),
     "gluon pingpong persistent stage_out": dict(_gluon=True, pingpong=True, persistent=True, stage_out=True),
 }
 
@@ -458,8 +457,10 @@ def gluon_state():
     g = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention_sm90")
     probe = torch.empty(1, 1, 128, 128, device="cuda", dtype=DTYPE)
     compiled = [(int(ck.n_regs), int(ck.n_spills)) for ck in g.compiled_kernels()]
-    return dict(gluon_ran=bool(compiled) and d.fallback_reason() is None, gluon_kernels=compiled,
-                fallback=d.fallback_reason(), refusal=d.gluon_refusal(probe, probe, probe))
+    return dict(gluon_ran=bool(compiled) and d.fallback_reason() is None, gluon_kernels=compiled, mode=d.gluon_mode(),
+                fallback=d.fallback_reason(), refusal=d.gluon_refusal(probe, probe, probe),
+                auto_choices=[dict(k_alloc=k[4][-1], residual=k[6], lse=k[7], choice=c, gluon_ms=round(d._times[k][0], 3),
+                                   triton_ms=round(d._times[k][1], 3)) for k, c in d.choices.items()])
 
 
 def update_scoreboard(path, report, command, commit):
@@ -544,6 +545,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="with --reuse: QUICK_CONFIGS instead of REUSE_CONFIGS")
     ap.add_argument("--gluon", action="store_true", help="with --reuse: GLUON_CONFIGS instead of a Triton sweep (the "
                                                          "op = Gluon on sm_90, the Triton kernel's default, the routes)")
+    ap.add_argument("--gluon-configs", default="", help="with --gluon: comma-separated GLUON_CONFIGS names (default all)")
     ap.add_argument("--commit", default="", help="commit measured (default: $MC_SPARSE_COMMIT, else git HEAD)")
     ap.add_argument("--scoreboard", default=str(Path(__file__).resolve().parent.parent / "docs/results/scoreboard.json"))
     args = ap.parse_args()
@@ -571,7 +573,9 @@ def main():
     log(registry.report())
     for name in args.shapes.split(","):
         if args.reuse:
-            configs = ((GLUON_CONFIGS if torch.cuda.get_device_capability() == (9, 0) else {}) if args.gluon
+            gluon_cfgs = {n: c for n, c in GLUON_CONFIGS.items()
+                          if not args.gluon_configs or n in args.gluon_configs.split(",")}
+            configs = ((gluon_cfgs if torch.cuda.get_device_capability() == (9, 0) else {}) if args.gluon
                        else QUICK_CONFIGS if args.quick else REUSE_CONFIGS)
             report["shapes"][name] = run_reuse_shape(name, SHAPES[name], densities, args.rep, log, configs)
         else:

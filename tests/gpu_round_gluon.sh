@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
 # One GPU round for the sm_90 Gluon sparse kernel (issue 14), from the checkout root on an H200:
-#   bash tests/gpu_round_gluon.sh "$OUT" <commit>
+#   bash tests/gpu_round_gluon.sh "$OUT" <commit> [final]
 # 1. tests/test_gpu_gluon_sparse.py (correctness vs float64; log in $OUT/gluon_gpu_tests.log), under a timeout: an
-#    mbarrier deadlock ends there (rc 124) and the benchmark is skipped;
-# 2. tests/bench_kernels.py --reuse --gluon with the Gluon kernel on (MC_SPARSE_GLUON=1): the op (Gluon) beside the
-#    Triton kernel's default config and the Gluon tunings, both shapes, s = 0.1/0.15/0.25/0.5; writes
-#    $OUT/bench_reuse.json and $OUT/scoreboard.json (triton_sparse_eff_min; a Gluon result with rel_l2 > 2e-2 is
-#    excluded from it). Expected: ~1.5 min + ~2.5 min; capped at 5 + 4 min.
+#    mbarrier deadlock ends there (rc 124) and the benchmark is skipped; "final": the default path's cases only;
+# 2. tests/bench_kernels.py --reuse --gluon: the op as users get it (the dispatch's auto mode: on its first call per
+#    shape it times the Gluon and the Triton kernel and keeps the faster; the bench's JSON lists the choices) beside
+#    the Triton kernel's default config and the Gluon tunings (final: 3 of them), both shapes, s = 0.1/0.15/0.25/0.5;
+#    writes $OUT/bench_reuse.json and $OUT/scoreboard.json (triton_sparse_eff_min; a Gluon result with
+#    rel_l2 > 2e-2 is excluded from it). Expected: full ~1.2 + ~2 min (cap 5 + 4 min); final ~40 s + ~60 s.
 set -u
-OUT=${1:?usage: gpu_round_gluon.sh OUT_DIR [commit]}
+OUT=${1:?usage: gpu_round_gluon.sh OUT_DIR [commit] [final]}
 COMMIT=${2:-}
+MODE=${3:-full}
 mkdir -p "$OUT"
-timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_gluon_sparse.py > "$OUT/gluon_gpu_tests.log" 2>&1
+SELECT=()
+CONFIGS=()
+if [ "$MODE" = final ]; then
+    SELECT=(-k "S4000 or shapes or overlap or pingpong-persistent or stage-out or dispatches")
+    CONFIGS=(--gluon-configs "gluon no overlap,gluon pingpong,gluon pingpong persistent stage_out")
+fi
+timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_gluon_sparse.py "${SELECT[@]}" \
+    > "$OUT/gluon_gpu_tests.log" 2>&1
 rc=$?
 grep -E "rel_l2|passed|failed|error|Error" "$OUT/gluon_gpu_tests.log" | tail -40
 echo "gluon gpu tests: rc=$rc"
@@ -19,7 +28,7 @@ if [ "$rc" -eq 124 ]; then
     echo "timed out (deadlock?): benchmark skipped"
     exit 124
 fi
-MC_SPARSE_GLUON=1 timeout 240 python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --rep 40 \
+timeout 240 python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --rep 40 "${CONFIGS[@]}" \
     ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
 echo "bench: rc=$?"
 grep -E "op / Triton|efficiency|config gluon|scoreboard|sparse op on|Error" "$OUT/bench.log" | tail -50

@@ -66,13 +66,15 @@ def test_gluon_refusal(monkeypatch, cap, q_kw, k_kw, want):
 def test_gluon_refusal_cpu_and_env(monkeypatch):
     q = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
     assert "CUDA" in _g90().refusal(q, q, q)
+    d = _dispatch()
     monkeypatch.setenv("MC_SPARSE_GLUON", "0")
-    assert "MC_SPARSE_GLUON=0" in _dispatch().gluon_refusal(q, q, q)
+    assert d.gluon_mode() == "off" and "MC_SPARSE_GLUON=0" in d.gluon_refusal(q, q, q)
     monkeypatch.setenv("MC_SPARSE_GLUON", "1")
-    assert "CUDA" in _dispatch().gluon_refusal(q, q, q)  # on: the kernel's own refusal speaks
+    assert d.gluon_mode() == "on" and "CUDA" in d.gluon_refusal(q, q, q)  # on: the kernel's own refusal speaks
     monkeypatch.delenv("MC_SPARSE_GLUON")
-    monkeypatch.setattr(_dispatch(), "GLUON_DEFAULT", False)
-    assert "MC_SPARSE_GLUON=1" in _dispatch().gluon_refusal(q, q, q)
+    assert d.gluon_mode() == "auto" == d.GLUON_DEFAULT
+    monkeypatch.setattr(d, "GLUON_DEFAULT", "off")
+    assert "off (GLUON_DEFAULT)" in d.gluon_refusal(q, q, q)
 
 
 def _inputs(gen, S=200, D=64, C=32, K=40):
@@ -139,6 +141,81 @@ def test_gluon_out_of_memory_propagates(gen, failing_gluon):
     with pytest.raises(torch.cuda.OutOfMemoryError):
         _dispatch().sparse_attention(q, k, v, perm, idx)
     assert _dispatch().fallback_reason() is None
+
+
+class _Fake:
+    """A Gluon kernel that works (the Triton kernel's result) and counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def sparse_attention(self, *a, **kw):
+        self.calls += 1
+        return _dispatch()._triton_kernel.sparse_attention(*a, **kw)
+
+
+@pytest.fixture
+def auto_gluon(monkeypatch):
+    """Auto mode on a CPU: a working fake Gluon kernel, and a timer that runs the function once and answers the next
+    of ``timer.times`` (Gluon's time first, then the Triton kernel's)."""
+    d = _dispatch()
+    d.reset()
+    monkeypatch.delenv("MC_SPARSE_GLUON", raising=False)
+    fake = _Fake()
+    monkeypatch.setattr(d, "_gluon_module", lambda: SimpleNamespace(refusal=lambda q, k, v: None,
+                                                                   sparse_attention=fake.sparse_attention))
+    timer = SimpleNamespace(times=[], timed=0)
+
+    def elapsed(fn, reps):
+        fn()
+        timer.timed += 1
+        return timer.times.pop(0)
+
+    monkeypatch.setattr(d, "_elapsed_ms", elapsed)
+    yield fake, timer
+    d.reset()
+
+
+@pytest.mark.parametrize(("t_gluon", "t_triton", "want"), [(1.0, 2.0, "gluon"), (3.0, 2.0, "triton")])
+def test_auto_mode_times_once_per_shape_and_keeps_the_faster(gen, auto_gluon, t_gluon, t_triton, want):
+    """The first call of a shape times both kernels (Gluon first), keeps the faster for that shape, returns the chosen
+    kernel's result; later calls of the shape run the choice without timing; another K_alloc is timed anew."""
+    fake, timer = auto_gluon
+    q, k, v, perm, idx = _inputs(gen)
+    ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
+    timer.times = [t_gluon, t_triton]
+    out = torch.full_like(q, float("nan"))
+    got = _dispatch().sparse_attention(q, k, v, perm, idx, out=out)
+    assert got is out and float((out.double() - ref).norm() / ref.norm()) < 4e-3
+    assert timer.timed == 2 and list(_dispatch().choices.values()) == [want]
+    calls = fake.calls
+    for _ in range(2):
+        _dispatch().sparse_attention(q, k, v, perm, idx)
+    assert timer.timed == 2 and fake.calls == calls + (2 if want == "gluon" else 0)
+    timer.times = [1.0, 2.0]
+    wider = torch.cat([idx, torch.full_like(idx[..., :64], -1)], -1)  # K_alloc 128: a new shape key
+    _dispatch().sparse_attention(q, k, v, perm, wider)
+    assert timer.timed == 4 and len(_dispatch().choices) == 2
+
+
+def test_auto_mode_runs_the_triton_kernel_under_graph_capture(gen, auto_gluon, monkeypatch):
+    fake, timer = auto_gluon
+    monkeypatch.setattr(_dispatch(), "_capturing", lambda: True)
+    q, k, v, perm, idx = _inputs(gen)
+    _dispatch().sparse_attention(q, k, v, perm, idx)
+    assert timer.timed == 0 and fake.calls == 0 and not _dispatch().choices
+
+
+def test_auto_mode_gluon_failure_while_timing_falls_back(gen, failing_gluon, monkeypatch):
+    """A Gluon kernel that fails on its first (timed) launch: the Triton kernel's result, the reason remembered, no
+    choice stored; the next call does not try Gluon again."""
+    monkeypatch.delenv("MC_SPARSE_GLUON")
+    q, k, v, perm, idx = _inputs(gen)
+    ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
+    for _ in range(2):
+        out = _dispatch().sparse_attention(q, k, v, perm, idx)
+        assert float((out.double() - ref).norm() / ref.norm()) < 4e-3
+    assert failing_gluon.calls == 1 and "boom" in _dispatch().fallback_reason() and not _dispatch().choices
 
 
 def test_tuning_goes_to_the_triton_kernel(gen, failing_gluon):

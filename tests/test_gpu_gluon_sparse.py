@@ -91,11 +91,13 @@ def test_gluon_shapes_vs_float64(D, C, K, k_alloc, dtype, ragged):
     _check(2, 2, 1500 + 3, D, C, K, k_alloc, "plain", dtype, seed=11, ragged_counts=ragged)
 
 
-TUNINGS = {"pipeline": (dict(pipeline=True), None), "3-stages": (dict(num_stages=3), "int4_group"),
-           "pipeline-3-stages": (dict(pipeline=True, num_stages=3), "int4_row"),
-           "persistent": (dict(persistent=True), "int4_group"),
-           "persistent-pipeline": (dict(persistent=True, pipeline=True), None),
-           "persistent-7-programs": (dict(persistent=True, num_sms=7), "int4_group"),  # 36 items / 7 programs
+TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(pipeline=True, overlap=False), None),
+           "3-stages": (dict(num_stages=3, overlap=False), "int4_group"),
+           "pipeline-3-stages": (dict(pipeline=True, num_stages=3, overlap=False), "int4_row"),
+           "persistent": (dict(persistent=True, overlap=False), "int4_group"),
+           "persistent-pipeline": (dict(persistent=True, pipeline=True, overlap=False), None),
+           # 36 items over 7 programs: 5 or 6 each
+           "persistent-7-programs": (dict(persistent=True, num_sms=7, overlap=False), "int4_group"),
            "overlap": (dict(overlap=True), "plain"), "overlap-3-stages": (dict(overlap=True, num_stages=3), None),
            "overlap-persistent": (dict(overlap=True, persistent=True, num_sms=7), "fp8_row"),
            "pingpong": (dict(pingpong=True), "int4_group"),

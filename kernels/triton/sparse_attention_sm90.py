@@ -61,9 +61,12 @@ RESCALE_LOG2 = gl.constexpr(8.0)  # lazy rescale threshold, log2 units (as spars
 
 
 def config(head_dim: int) -> dict:
-    """Launch config at ``head_dim``: pipeline depth and register split (12 warps: 2 consumer + 1 producer groups)."""
+    """Launch config at ``head_dim``: pipeline depth, register split (12 warps: 2 consumer + 1 producer groups) and
+    the consumers' schedule: ``overlap`` (FA3's intra-warpgroup overlap of the softmax with the P V product) by
+    default; ``pingpong``, ``persistent`` and ``stage_out`` are options (compiled without spills in the consumers'
+    loop except persistent with overlap; unmeasured as defaults: tests/bench_kernels.py --reuse --gluon times them)."""
     return dict(num_stages=2, consumer_regs=232, producer_regs=40, maxnreg=168, pipeline=False, persistent=False,
-                overlap=False, pingpong=False, stage_out=False)
+                overlap=True, pingpong=False, stage_out=False)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -422,7 +425,8 @@ def _epilogue(acc, m_i, l_i, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN,
 
 @gluon.jit
 def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready, q_empty,
-              k_ready, v_ready, k_empty, v_empty, turn, w0, n_work, w_step, n_end0, H, G_MB, n_slots, C, K_ALLOC, S, sm_scale_log2,
+              k_ready, v_ready, k_empty, v_empty, turn, w0, n_work, w_step, n_end0, H, G_MB, n_slots, C, K_ALLOC, S,
+              sm_scale_log2,
               stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
               stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
               stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,

@@ -1,12 +1,19 @@
-"""The Triton backend's ``sparse_attention`` op: the sm_90 Gluon kernel where it runs, else the Triton kernel.
+"""The Triton backend's ``sparse_attention`` op: the sm_90 Gluon kernel where it runs and is faster, else the Triton
+kernel.
 
 Which kernel runs one call (the capability data are in ``sparse_attention_sm90``: ``CAPABILITIES``, ``DTYPES``,
 ``HEAD_DIMS``, ``refusal``):
 
-- the warp-specialised Gluon kernel (``sparse_attention_sm90.py``) on sm_90 for fp16/bf16, D in {64, 128}, K/V rows
-  16-byte aligned, when it is on (``MC_SPARSE_GLUON=1``, or ``GLUON_DEFAULT`` with the variable unset; ``0`` turns
-  it off) and no launch tuning is passed (tuning is the Triton kernel's);
-- the Triton kernel (``sparse_attention.py``) everywhere else, under the interpreter included.
+- the Triton kernel (``sparse_attention.py``) everywhere the Gluon kernel refuses (not sm_90, dtype, head dim,
+  unaligned rows; the interpreter included), when launch tuning is passed (tuning is the Triton kernel's), and
+  with ``MC_SPARSE_GLUON=0``;
+- the warp-specialised Gluon kernel (``sparse_attention_sm90.py``) with ``MC_SPARSE_GLUON=1``;
+- otherwise ``GLUON_DEFAULT``: "auto" (the default) times both kernels once per call shape (``_shape_key``: device,
+  dtype, q / k shapes, groups, K_alloc, residual kind, LSE) on the first such call (CUDA events on the current
+  stream, ``TIMING_REPS`` launches each after one warm launch; one host synchronisation per shape per process, on
+  the first call: in a denoising run that is the first anchor step) and keeps the faster for that shape
+  (``choices``); the call's result is the chosen kernel's, launched last. While a CUDA graph is being captured
+  nothing is timed and the Triton kernel runs. "on" / "off" force one kernel.
 
 A Gluon compile or launch failure (anything but out of memory) falls back to the Triton kernel for the same call,
 is logged once, and is remembered as the registry remembers a failed backend: in the active ``registry.Record``
@@ -19,15 +26,20 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
 from .. import registry
 from . import sparse_attention as _triton_kernel
 
 log = logging.getLogger(__name__)
 
 GLUON_KEY = ("triton.gluon_sm90", "sparse_attention")
-# off by default until the kernel has passed tests/test_gpu_gluon_sparse.py on an H200 (a wrong result is not an
-# exception: no fallback would catch it)
-GLUON_DEFAULT = False
+# "auto": per call shape, the faster of the two kernels measured once (a wrong result is not an exception, so the
+# Gluon kernel's correctness rests on tests/test_gpu_gluon_sparse.py; its speed is measured where it runs)
+GLUON_DEFAULT = "auto"
+TIMING_REPS = 3
+choices: dict[tuple, str] = {}  # shape key -> "gluon" | "triton" (auto mode), with the measured times in _times
+_times: dict[tuple, tuple[float, float]] = {}
 _process_failure: str | None = None
 
 
@@ -37,11 +49,18 @@ def _gluon_module():
     return sparse_attention_sm90
 
 
-def gluon_refusal(q, k, v) -> str | None:
-    """Why the Gluon kernel is not tried for this call (None: it is)."""
+def gluon_mode() -> str:
+    """"on", "off" or "auto": ``MC_SPARSE_GLUON`` (1 / 0), else ``GLUON_DEFAULT``."""
     setting = os.environ.get("MC_SPARSE_GLUON", "")
-    if setting == "0" or (setting != "1" and not GLUON_DEFAULT):
-        return "off (MC_SPARSE_GLUON=1 turns it on)" if setting != "0" else "off (MC_SPARSE_GLUON=0)"
+    if setting in ("0", "1"):
+        return "on" if setting == "1" else "off"
+    return GLUON_DEFAULT if GLUON_DEFAULT in ("on", "off", "auto") else "off"
+
+
+def gluon_refusal(q, k, v) -> str | None:
+    """Why the Gluon kernel is not tried for this call (None: it is, or it is timed against the Triton kernel)."""
+    if gluon_mode() == "off":
+        return "off (MC_SPARSE_GLUON=0)" if os.environ.get("MC_SPARSE_GLUON") == "0" else "off (GLUON_DEFAULT)"
     failed = fallback_reason()
     if failed is not None:
         return f"failed earlier ({failed})"
@@ -70,27 +89,81 @@ def _remember(reason: str) -> None:
 
 
 def reset() -> None:
-    """Forget a process-level Gluon failure (tests; a new record starts clean by itself)."""
+    """Forget a process-level Gluon failure and the auto mode's choices (tests; a new record starts clean itself)."""
     global _process_failure
     _process_failure = None
+    choices.clear()
+    _times.clear()
+
+
+def _shape_key(q, k, perm, kv_idx, residual, return_lse) -> tuple:
+    return (str(q.device), q.dtype, tuple(q.shape), k.shape[2], tuple(kv_idx.shape[2:]), perm.shape[-1],
+            None if residual is None else residual.kind, bool(return_lse))
+
+
+def _elapsed_ms(fn, reps: int) -> float:
+    """Median ms of ``reps`` launches of fn (one warm launch first), CUDA events on the current stream."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in times)[len(times) // 2]
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, **tuning):
     """``kernels.sparse_attention`` on the Triton backend (contract: ``sparse_attention.sparse_attention``).
 
-    Tries the sm_90 Gluon kernel when ``gluon_refusal`` allows it and no tuning is given; on its failure runs the
-    Triton kernel (same arguments, same ``out``) and remembers the reason (module docstring).
-    Raises: what the Triton kernel raises; out of memory from either kernel propagates.
+    Picks the kernel as the module docstring says; on a Gluon failure runs the Triton kernel (same arguments, same
+    ``out``) and remembers the reason. Raises: what the Triton kernel raises; out of memory propagates.
     """
-    if not tuning and gluon_refusal(q, k, v) is None:
-        try:
-            return _gluon_module().sparse_attention(q, k, v, perm, kv_idx, scale=scale, return_lse=return_lse,
-                                                    out=out, residual=residual)
-        except Exception as err:
-            if registry.is_out_of_memory(err):
-                raise
-            reason = f"{type(err).__name__}: {str(err)[:500]}"
-            _remember(reason)
-            log.warning("MC-Sparse: the sm_90 Gluon sparse kernel failed (%s); using the Triton kernel", reason)
-    return _triton_kernel.sparse_attention(q, k, v, perm, kv_idx, scale=scale, return_lse=return_lse, out=out,
-                                           residual=residual, **tuning)
+    kw = dict(scale=scale, return_lse=return_lse, out=out, residual=residual)
+
+    def triton_call():
+        return _triton_kernel.sparse_attention(q, k, v, perm, kv_idx, **kw, **tuning)
+
+    if tuning or gluon_refusal(q, k, v) is not None:
+        return triton_call()
+    gluon = _gluon_module()
+
+    def gluon_call():
+        return gluon.sparse_attention(q, k, v, perm, kv_idx, **kw)
+
+    if gluon_mode() == "auto":
+        if _capturing():
+            return triton_call()
+        key = _shape_key(q, k, perm, kv_idx, residual, return_lse)
+        if key not in choices:
+            try:
+                t_gluon = _elapsed_ms(gluon_call, TIMING_REPS)
+            except Exception as err:
+                return _fall_back(err, triton_call)
+            t_triton = _elapsed_ms(triton_call, TIMING_REPS)
+            choices[key] = "gluon" if t_gluon < t_triton else "triton"
+            _times[key] = (t_gluon, t_triton)
+            log.info("MC-Sparse: sparse kernel for %s: Gluon %.3f ms, Triton %.3f ms -> %s", key, t_gluon, t_triton,
+                     choices[key])
+        if choices[key] == "triton":
+            return triton_call()
+    try:
+        return gluon_call()
+    except Exception as err:
+        return _fall_back(err, triton_call)
+
+
+def _fall_back(err, triton_call):
+    """A Gluon failure: out of memory re-raised; else remembered (``_remember``), logged, and the Triton kernel run."""
+    if registry.is_out_of_memory(err):
+        raise err
+    reason = f"{type(err).__name__}: {str(err)[:500]}"
+    _remember(reason)
+    log.warning("MC-Sparse: the sm_90 Gluon sparse kernel failed (%s); using the Triton kernel", reason)
+    return triton_call()
