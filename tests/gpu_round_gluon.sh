@@ -7,7 +7,7 @@
 #    shape it times the Gluon and the Triton kernel and keeps the faster; the bench's JSON lists the choices) beside
 #    the Triton kernel's default config and the Gluon tunings (final: 3 of them), both shapes, s = 0.1/0.15/0.25/0.5;
 #    writes $OUT/bench_reuse.json and $OUT/scoreboard.json (triton_sparse_eff_min; a Gluon result with
-#    rel_l2 > 2e-2 is excluded from it). Expected: full ~1.2 + ~2 min (cap 5 + 4 min); final ~40 s + ~60 s.
+#    rel_l2 > 2e-2 is excluded from it). Expected: full ~1.2 + ~2 min (cap 5 + 4 min); final ~35 + ~65 s (cap 75 + 105 s).
 set -u
 OUT=${1:?usage: gpu_round_gluon.sh OUT_DIR [commit] [final]}
 COMMIT=${2:-}
@@ -15,11 +15,15 @@ MODE=${3:-full}
 mkdir -p "$OUT"
 SELECT=()
 CONFIGS=()
-if [ "$MODE" = final ]; then
-    SELECT=(-k "S4000 or shapes or overlap or pingpong-persistent or stage-out or dispatches")
-    CONFIGS=(--gluon-configs "gluon no overlap,gluon pingpong,gluon pingpong persistent stage_out")
+T_TESTS=300
+T_BENCH=240
+if [ "$MODE" = final ]; then  # ~100 s: the default path's cases, 2 tunings
+    SELECT=(-k "S4000 or C192 or no-overlap or overlap-persistent or stage-out-pingpong or dispatches")
+    CONFIGS=(--gluon-configs "gluon no overlap,gluon pingpong persistent stage_out")
+    T_TESTS=75
+    T_BENCH=105
 fi
-timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_gluon_sparse.py "${SELECT[@]}" \
+timeout $T_TESTS python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_gluon_sparse.py "${SELECT[@]}" \
     > "$OUT/gluon_gpu_tests.log" 2>&1
 rc=$?
 grep -E "rel_l2|passed|failed|error|Error" "$OUT/gluon_gpu_tests.log" | tail -40
@@ -28,7 +32,7 @@ if [ "$rc" -eq 124 ]; then
     echo "timed out (deadlock?): benchmark skipped"
     exit 124
 fi
-timeout 240 python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --rep 40 "${CONFIGS[@]}" \
+timeout $T_BENCH python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --rep 40 "${CONFIGS[@]}" \
     ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
 echo "bench: rc=$?"
 grep -E "op / Triton|efficiency|config gluon|scoreboard|sparse op on|Error" "$OUT/bench.log" | tail -50
