@@ -129,6 +129,7 @@ PDDP_VARIANTS = {  # name: (pddp_groups keywords, grouping module constants set 
     "sort4": ({}, dict(SORTSPLIT=4)),
     "sort16": ({}, dict(SORTSPLIT=16)),
     "tile 2048": ({}, dict(_TILE=2048)),  # slots per program of _count / _apply
+    "local histogram": ({}, dict(LOCAL_HIST=True)),  # _bin: one atomic per distinct bin of its block
     "sort3 i2": (dict(power_iters=2), dict(SORTSPLIT=3)),
 }
 

@@ -47,7 +47,8 @@ def kernels(samples, bins, pairs, first, H=40, S=75600, N=296, D=128, C=128, com
          dict(PAIRS=pairs, M=samples, D=D, SCHUNK=min(samples, 64), NB=bins, FIRST=first,
               GRAM=samples <= grouping._GRAM_MAX, READ8=r8, WRITE8=w8, SQ=sq, num_warps=warps)),
         ("_bin", grouping._bin, [q, q8, sc, mu, perm, start, count, v, off, hist, bins_t, H, N, S, n_slots, *strides],
-         dict(BLOCK=grouping._BLOCK_BIN, D=D, NB=bins, FIRST=first, READ8=r8, WRITE8=w8, num_warps=4)),
+         dict(BLOCK=grouping._BLOCK_BIN, D=D, NB=bins, FIRST=first, READ8=r8, WRITE8=w8, LOCAL=grouping.LOCAL_HIST,
+              num_warps=4)),
         ("_count", grouping._count, [bins_t, hist, start, size, count, cnt, N, n_slots, 74, C],
          dict(TILE=grouping._TILE, NB=bins, num_warps=4)),
         ("_apply", grouping._apply, [perm, perm, bins_t, hist, start, size, count, cnt, S, N, n_slots, 74, C],
@@ -70,11 +71,13 @@ def main():
     ap.add_argument("--sq", type=int, default=0, help="squarings of the direction kernels (0: power iteration)")
     ap.add_argument("--arch", type=int, nargs="+", default=[90, 80])
     ap.add_argument("--only", nargs="+", help="kernel names to compile (default: all)")
+    ap.add_argument("--local", action="store_true", help="_bin with its block's histogram (LOCAL_HIST)")
     ap.add_argument("--subtree", type=int, nargs=2, default=[1024, 3], metavar=("NP", "LEVELS"),
                     help="_subtree's slots per program and rounds")
     ap.add_argument("--warps", type=int, help="warps of _direction / _leaf (default: grouping.direction_warps)")
     args = ap.parse_args()
     grouping._DIR_WARPS = args.warps
+    grouping.LOCAL_HIST = args.local or grouping.LOCAL_HIST
     bad = 0
     for arch in args.arch:
         for first, compact in ((True, False), (False, False), (True, True), (False, True)):

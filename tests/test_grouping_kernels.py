@@ -81,11 +81,13 @@ def test_rank_split_is_the_stable_partition(gen, S, C, tile, prefix):
 @pytest.mark.parametrize("mode,samples,sq", [("root", 256, 0), ("below", 32, 0), ("root", 64, 0), ("root write8", 256, 0),
                                              ("below read8", 64, 0), ("below read8", 256, 0), ("root", 256, 3),
                                              ("below", 32, 4), ("below read8", 64, 2), ("root write8 head", 64, 0),
-                                             ("root write8 head", 256, 0), ("below read8 head", 64, 0)])
+                                             ("root write8 head", 256, 0), ("below read8 head", 64, 0),
+                                             ("root local", 64, 0), ("below local", 64, 0)])
 def test_direction_and_bins_match_float64(gen, mode, samples, sq):
     """_direction (covariance and Gram paths): top eigenvector of the sampled rows' covariance, binning map from their
     projections (power iteration, or sq > 0: repeated squaring by tl.dot); _bin: bins and histogram of every real
-    query from that map (float64), histogram zeroed first.
+    query from that map (float64), histogram zeroed first (one atomic per query, or "local": per distinct bin of
+    the block).
     At the root with WRITE8: the int8 copy of every query (row scale, or "head": one scale per head, twice the root
     sample's largest centred entry / 127, entries beyond it clipped; centred on the root's sample mean) dequantises
     to q within half a step; below the root with READ8: the same from a given int8 copy. Outputs poisoned."""
@@ -124,7 +126,7 @@ def test_direction_and_bins_match_float64(gen, mode, samples, sq):
                                     FIRST=first, GRAM=samples <= 64, READ8=read8, WRITE8=write8, SQ=sq)
     grouping._bin[(-(-n_max // 16), N, B * H)](qd, q8_d, sc_d, mu_d, perm_d, dev[0], dev[2], v_d, off_d, hist_d,
                                                bins_d, H, N, S, n_slots, *qd.stride(), BLOCK=16, D=D, NB=NB,
-                                               FIRST=first, READ8=read8, WRITE8=write8)
+                                               FIRST=first, READ8=read8, WRITE8=write8, LOCAL="local" in mode)
     v, off, hist, bins = (t.cpu() for t in (v_d, off_d, hist_d, bins_d))
     v, off, hist = v.reshape(B * H, N, D), off.reshape(B * H, N), hist.reshape(B * H, N, NB)
     assert torch.isfinite(v).all() and torch.isfinite(off).all()

@@ -68,6 +68,7 @@ GRAPH = True  # run the tree as one CUDA graph where q is small (see _graph_elig
 _GRAPH_MAX_BYTES = 256 << 20  # q bytes up to which the graph path is taken (1.3B 480p: 100 MB; 14B 720p: 774 MB)
 _GRAPH_CACHE = 2  # graphs kept at once (each holds a copy of q and the tree's buffers)
 _SUB_SLOTS = 2048  # most slots of a _subtree node (its sort keys hold the position in 11 bits)
+LOCAL_HIST = False  # _bin adds its block's histogram (one atomic per distinct bin) instead of one atomic per query
 SORTSPLIT = 0  # nodes of 3 to this many groups split once per level by a one-round _subtree program (sort), not
 # by the histogram path (0: off; takes precedence over SUBTREE)
 SUBTREE = 2  # nodes of up to this many groups split to the end in one program (2: ``_leaf``; 0: none)
@@ -379,7 +380,7 @@ def _bin(
     Q, Q8, SC, MU, PERM, NODE_START, NODE_COUNT, V, OFF, HIST, BINS_OUT,
     H, N, S, n_slots, stride_qb, stride_qh, stride_qs, stride_qd,
     BLOCK: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, FIRST: tl.constexpr, READ8: tl.constexpr,
-    WRITE8: tl.constexpr,
+    WRITE8: tl.constexpr, LOCAL: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     node = tl.program_id(1)
@@ -412,7 +413,11 @@ def _bin(
     p = tl.where(p == p, p, 0.0)  # a NaN query goes to bin 0
     bins = tl.minimum(tl.maximum(p, 0.0), NB - 1.0).to(tl.int32)  # truncation = floor on [0, NB)
     tl.store(BINS_OUT + slot, bins, mask=real)
-    tl.atomic_add(HIST + row * NB + bins, tl.full([BLOCK], 1, tl.int32), mask=real)
+    if LOCAL:  # the block's own histogram first: one atomic per distinct bin (neighbouring queries share bins)
+        h = tl.histogram(bins, NB, mask=real)
+        tl.atomic_add(HIST + row * NB + tl.arange(0, NB), h, mask=h > 0)
+    else:
+        tl.atomic_add(HIST + row * NB + bins, tl.full([BLOCK], 1, tl.int32), mask=real)
 
 
 @triton.jit
@@ -586,7 +591,7 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8, sampl
     args = (C, levels, gmax, finish, power_iters, samples, bins)
     if phase_hook is None and _graph_eligible(q):
         key = (tuple(q.shape), q.stride(), q.dtype, q.device, args[:1] + args[2:], COMPACT, HEAD_SCALE, SQUARE,
-               _DIR_WARPS, _BLOCK_BIN, _TILE, _PREFIX)
+               LOCAL_HIST, _DIR_WARPS, _BLOCK_BIN, _TILE, _PREFIX)
         out = _graph_replay(key, q, args)
         if out is not None:
             return out
@@ -621,7 +626,7 @@ def _graph_replay(key, q: torch.Tensor, args: tuple):
                 static_q = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device)
                 static_q.copy_(q)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads' CUDA calls go on
                     static_out = _tree(static_q, *args, None)
         except Exception as err:  # noqa: BLE001 (any capture failure: run eagerly from now on)
             import warnings
@@ -696,7 +701,8 @@ def _tree(q: torch.Tensor, C: int, levels: tuple, gmax: int, finish: bool, power
             hook("direction")
             _bin[(triton.cdiv(n_max, _BLOCK_BIN), N, BH)](q, q8, sc, mu, cur, start, count, v, off, hist, bin_of, H, N,
                                                             S, n_slots, *strides, BLOCK=_BLOCK_BIN, D=D, NB=bins,
-                                                            FIRST=first, READ8=read8, WRITE8=write8, num_warps=4)
+                                                            FIRST=first, READ8=read8, WRITE8=write8,
+                                                            LOCAL=LOCAL_HIST, num_warps=4)
             hook("bin")
             n_tiles = triton.cdiv(n_max, _TILE)
             _count[(n_tiles, N, BH)](bin_of, hist, start, size, count, cnt, N, n_slots, n_tiles, C, TILE=_TILE,
