@@ -81,8 +81,13 @@ PASS2_CONFIGS = {  # group_prob_sums tuning; "fp8": float8 QK^T (approximate sum
     "fp8 pair stagger bn128 w8": dict(block_n=128, num_warps=8, num_stages=3, fp8=True),
     "fp8 pair stagger poly 1/4 bn128 w8": dict(block_n=128, num_warps=8, num_stages=3, fp8=True, poly=1),
     "fp8 pair unstaggered": dict(block_n=64, num_warps=4, num_stages=3, fp8=True, pipelined=False),
+    "pair stagger + hist": dict(block_n=64, num_warps=4, num_stages=3, pair=True, fp8=False, hist=True),
+    "fp8 pair unstaggered + hist": dict(block_n=64, num_warps=4, num_stages=3, fp8=True, pipelined=False, hist=True),
 }
-TOPK_METHODS = ("radix", "sample")
+# --quick: the sweep's configs (round 1's other figures: docs/kernels.md), no workload quality, the fp8 + hist select
+QUICK_CONFIGS = ("pair stagger bn64 w4 st3 (bf16 default)", "fp8 pair unstaggered", "fp8 pair unstaggered + hist")
+QUICK = False
+TOPK_METHODS = ("radix", "sample", "radix + pass-2 hist")
 TOPK_TUNING = {}  # sample-method variants timed at s = 0.25 (measured at ff921ff: docs/kernels.md; none faster)
 
 
@@ -260,9 +265,15 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
     sub = (q[:, :hc], k[:, :hc], lse[:, :hc], perm[:, :hc])
     sums_ref = selection.group_prob_sums(*(t[:, :1] for t in sub), group_size=C, fp8=False, pair=True)
     res["pass2_sweep"], res["pass2_quality"] = {}, {}
+    hist_buf = torch.empty(1, hc, G, 128, dtype=torch.int32, device=DEVICE)
     for cname, cfg in PASS2_CONFIGS.items():
+        if QUICK and cname not in QUICK_CONFIGS:
+            continue
         try:
-            fn = (lambda cfg: lambda: selection.group_prob_sums(*sub, group_size=C, **cfg))(cfg)
+            kw = {k_: v_ for k_, v_ in cfg.items() if k_ != "hist"}
+            if cfg.get("hist"):
+                kw["hist"] = hist_buf
+            fn = (lambda kw: lambda: selection.group_prob_sums(*sub, group_size=C, **kw))(kw)
             got = fn()[:, :1]
             err = float((got - sums_ref).norm() / sums_ref.norm())
             bound = 0.3 if cfg.get("fp8") else (2e-4 if cfg.get("poly") else 1e-5)
@@ -281,28 +292,31 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
         log(f"{name} fp8_operands alone (smoothing + quantisation, in the fp8 figures above): "
             f"{res['fp8_operands_over_dense']:.4f} of dense")
     del sums_ref
-    with section(res, "fp8 quality on the synthetic workload", log):
-        res["fp8_workload_quality"] = workload_quality(S)
-        log(f"{name} fp8 selection quality on the synthetic workload (kept mass / bf16 top-K's, set overlap): "
-            f"{res['fp8_workload_quality']}")
+    if not QUICK:
+        with section(res, "fp8 quality on the synthetic workload", log):
+            res["fp8_workload_quality"] = workload_quality(S)
+            log(f"{name} fp8 selection quality on the synthetic workload (kept mass / bf16 top-K's, set overlap): "
+                f"{res['fp8_workload_quality']}")
 
     res["topk"] = {}
     with section(res, "top-K alone", log):
         sums = torch.empty(1, H, G, S, dtype=torch.float16, device=DEVICE)
+        hist = torch.empty(1, H, G, 128, dtype=torch.int32, device=DEVICE)
         for h0 in range(0, H, hc):
             selection.group_prob_sums(q[:, h0:h0 + hc], k[:, h0:h0 + hc], lse[:, h0:h0 + hc], perm[:, h0:h0 + hc],
-                                      group_size=C, out=sums[:, h0:h0 + hc])
+                                      group_size=C, out=sums[:, h0:h0 + hc], hist=hist[:, h0:h0 + hc], pair=True)
         for s in DENSITIES:
             kk = int(s * S)
             width = -(-kk // KV_TILE) * KV_TILE
             outs, row = {}, {}
             for m in TOPK_METHODS:
-                outs[m], fb = topk.top_k_rows(sums, kk, width, method=m, return_fallbacks=True)
-                ms = bench(lambda m=m: topk.top_k_rows(sums, kk, width, method=m), rep)
+                kw = dict(method="radix", hist=hist) if "hist" in m else dict(method=m)
+                outs[m], fb = topk.top_k_rows(sums, kk, width, return_fallbacks=True, **kw)
+                ms = bench(lambda kw=kw: topk.top_k_rows(sums, kk, width, **kw), rep)
                 row[m] = dict(ms=ms, over_dense=ms / best)
                 if m == "sample":
                     row[m]["fallback_rows"] = float(fb.float().mean())
-            row["identical"] = bool(torch.equal(outs["radix"], outs["sample"]))
+            row["identical"] = all(torch.equal(outs["radix"], o) for o in outs.values())
             res["topk"][str(s)] = row
             log(f"{name} top-K alone s={s}, all heads: " + ", ".join(
                 f"{m} {row[m]['ms']:.2f} ms = {row[m]['over_dense']:.4f}" for m in TOPK_METHODS)
@@ -319,12 +333,14 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
                 except Exception as err:  # noqa: BLE001 (a config that does not fit is reported)
                     row[tname] = f"{type(err).__name__}: {str(err)[:100]}"
                 log(f"{name} top-K alone s={s} {tname}: {row[tname]}")
-        del sums, outs
+        del sums, outs, hist
 
     timed = {c: r for c, r in res["pass2_sweep"].items() if isinstance(r, float) and "fp8" not in c}
     pick = min(timed, key=timed.get) if timed else "pair stagger bn64 w4 st3 (bf16 default)"
     timed8 = {c: r for c, r in res["pass2_sweep"].items() if isinstance(r, float) and "fp8" in c}
     pick8 = min(timed8, key=timed8.get) if timed8 else "fp8 pair stagger bn64 w4 st3"
+    if QUICK:  # the top-K's gain from the pass-2 histogram shows only in select_kv
+        pick8 = "fp8 pair unstaggered + hist"
     res["pass2_config"], res["pass2_config_fp8"] = pick, pick8
     res["select_best_config"], res["select_best_fp8"] = {}, {}
     for s in DENSITIES:
@@ -333,10 +349,10 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
             ms = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE), rep)
             res["select"][str(s)] = dict(ms=ms, over_dense=ms / best)
             ms2 = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
-                                                    **PASS2_CONFIGS[pick]), rep)
+                                                    **select_kw(PASS2_CONFIGS[pick])), rep)
             res["select_best_config"][str(s)] = dict(ms=ms2, over_dense=ms2 / best)
             ms3 = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
-                                                    **PASS2_CONFIGS[pick8]), rep)
+                                                    **select_kw(PASS2_CONFIGS[pick8])), rep)
             res["select_best_fp8"][str(s)] = dict(ms=ms3, over_dense=ms3 / best)
             others = "; ".join(f"{n} {ms / t:.3f}" for n, t in res["dense"].items())
             log(f"{name} pass 2 + top-K s={s}: defaults {ms:.2f} ms = {ms / best:.3f} of {res['best_dense']['name']} "
@@ -344,6 +360,14 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
                 f"{ms3 / best:.3f}")
     res["radix_topk_failed"] = list(selection._RADIX_FAILED)  # non-empty: select_kv fell back to torch.topk
     return res
+
+
+def select_kw(cfg):
+    """select_kv keywords of a PASS2_CONFIGS entry ("hist": the pass-2 histogram for the radix top-K)."""
+    kw = {k: v for k, v in cfg.items() if k != "hist"}
+    if cfg.get("hist"):
+        kw["topk_hist"] = True
+    return kw
 
 
 def selection_quality(exact, approx, S):
@@ -495,10 +519,12 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU under TRITON_INTERPRET=1 (code paths)")
     ap.add_argument("--only", choices=["pddp", "select"],
                     help="measure one part only (pddp: ~1 min on an H200; select: pass 2 + top-K, ~1.5 min)")
+    ap.add_argument("--quick", action="store_true",
+                    help="with --only select: QUICK_CONFIGS only, no workload quality (~45 s per run on an H200)")
     ap.add_argument("--commit", help="commit measured, recorded on the scoreboard (default $MC_SPARSE_COMMIT, git HEAD)")
     args = ap.parse_args()
-    global DEVICE, COMMIT, ONLY
-    COMMIT, ONLY = args.commit, args.only
+    global DEVICE, COMMIT, ONLY, QUICK
+    COMMIT, ONLY, QUICK = args.commit, args.only, args.quick
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")
@@ -524,7 +550,7 @@ def main():
         torch.cuda.empty_cache()
     if not args.smoke:
         write_scoreboard(report, out_dir, "python tests/bench_anchor.py --out $OUT"
-                         + (f" --only {args.only}" if args.only else ""))
+                         + (f" --only {args.only}" if args.only else "") + (" --quick" if args.quick else ""))
     log("summary: " + json.dumps({n: dict(pass2_topk=[round(r["over_dense"], 3) for r in sh.get("select", {}).values()],
                                           pddp=sh["pddp"].get("triton grouping"),
                                           anchor_over_dense=sh.get("anchor", {}).get("over_dense"),

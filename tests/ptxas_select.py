@@ -34,6 +34,9 @@ VARIANTS = {  # name: pair-kernel constexprs (BLOCK_N 64, 4 warps, 3 stages unle
     "fp8 stagger st4": dict(FP8=True, POLY=0, num_stages=4),
     "fp8 stagger bn128 w8": dict(FP8=True, POLY=0, BLOCK_N=128, num_warps=8),
     "fp8 stagger poly 1/4 bn128 w8": dict(FP8=True, POLY=1, BLOCK_N=128, num_warps=8),
+    "bf16 stagger + hist": dict(FP8=False, POLY=0, WITH_HIST=True),
+    "fp8 stagger + hist": dict(FP8=True, POLY=0, WITH_HIST=True),
+    "fp8 stagger poly 1/4 + hist": dict(FP8=True, POLY=1, WITH_HIST=True),
 }
 
 
@@ -65,10 +68,11 @@ def compile_variant(name, cfg, S=75600, H=40, D=128, C=128, arch=90):
     sums = torch.empty(B, 5, G, S, dtype=torch.float16, device="meta")
     qf = torch.empty(B * H, dtype=torch.float32, device="meta")
     kb = torch.empty(B, H, S, dtype=torch.float32, device="meta")
-    args = [q, k, lse, perm, sums, qf, kb, 0.1275, H, S, S, G * C, C, G, *q.stride(), *k.stride(), *lse.stride(),
+    hist = torch.empty(B, 5, G, 128, dtype=torch.int32, device="meta")
+    args = [q, k, lse, perm, sums, qf, kb, hist, 0.1275, H, S, S, G * C, C, G, *q.stride(), *k.stride(), *lse.stride(),
             *sums.stride()]
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=cfg.get("BLOCK_N", 64), EXP_MODE=0, STAGGER=cfg.get("STAGGER", True),
-                FP8=fp8, POLY=cfg.get("POLY", 0), num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+                FP8=fp8, POLY=cfg.get("POLY", 0), KEY_BITS=16, WITH_HIST=cfg.get("WITH_HIST", False), num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
     ck = pr.compile_offline(selection._group_prob_sums_pair, args, meta, arch)
     regs, st, ld = pr.ptxas_usage(ck, arch)
     return dict(variant=name, regs=regs, spill_st=st, spill_ld=ld, smem=ck.metadata.shared,

@@ -287,25 +287,31 @@ def test_select_kv_pair_f16_is_exact_top_k_of_its_sums(gen):
 
 
 @pytest.mark.parametrize("cap,C,kw,want", [
-    (None, 128, {}, ("pair", True, False, 0)), ((9, 0), 128, {}, ("pair", True, False, 0)),
-    ((9, 0), 100, {}, ("pair", True, False, 0)), ((8, 9), 128, {}, ("fwd", None, None, False)),
-    ((9, 0), 64, {}, ("fwd", None, None, False)), ((9, 0), 64, {"pair": True}, ("pair", True, False, 0)),
+    (None, 128, {}, ("pair", True, False, 0)), ((9, 0), 128, {}, ("pair", False, True, 0)),
+    ((9, 0), 100, {}, ("pair", False, True, 0)), ((8, 9), 128, {}, ("fwd", None, None, False)),
+    ((9, 0), 64, {"fp8": False}, ("fwd", None, None, False)),
+    ((9, 0), 64, {"pair": True, "fp8": False}, ("pair", True, False, 0)),
     ((8, 0), 128, {"pair": True}, ("pair", True, False, 0)),
-    ((9, 0), 128, {"pair": True, "pipelined": False}, ("pair", False, False, 0)),
-    ((9, 0), 128, {"pair": False}, ("fwd", None, None, False)),
-    ((9, 0), 128, {"pair": False, "pipelined": True}, ("fwd", None, None, False)),
-    ((9, 0), 128, {"poly": True}, ("pair", True, False, 2)), ((9, 0), 128, {"poly": 1}, ("pair", True, False, 1)),
-    ((9, 0), 128, {"poly": 2, "pair": False}, ("fwd", None, None, True)),
-    ((9, 0), 128, {"fp8": True}, ("pair", True, True, 0)), ((8, 9), 128, {"fp8": True}, ("pair", True, True, 0)),
-    ((9, 0), 128, {"fp8": True, "pair": False}, ("pair", True, True, 0)),
+    ((9, 0), 128, {"pair": True, "pipelined": False, "fp8": False}, ("pair", False, False, 0)),
+    ((9, 0), 128, {"pair": False, "fp8": False}, ("fwd", None, None, False)),
+    ((9, 0), 128, {"pair": False, "pipelined": True, "fp8": False}, ("fwd", None, None, False)),
+    ((9, 0), 128, {"poly": True, "fp8": False}, ("pair", True, False, 2)),
+    ((9, 0), 128, {"poly": 1, "fp8": False}, ("pair", True, False, 1)),
+    ((9, 0), 128, {"poly": 2, "pair": False, "fp8": False}, ("fwd", None, None, True)),
+    ((9, 0), 128, {"fp8": True}, ("pair", False, True, 0)), ((8, 9), 128, {"fp8": True}, ("pair", False, True, 0)),
+    ((9, 0), 128, {"fp8": True, "pair": False}, ("pair", False, True, 0)),
+    ((9, 0), 128, {"fp8": True, "pipelined": True}, ("pair", True, True, 0)),
+    ((9, 0), 128, {"fp8": None}, ("pair", False, True, 0)), ((8, 9), 128, {"fp8": None}, ("fwd", None, None, False)),
+    (None, 128, {"fp8": None}, ("pair", True, False, 0)),
     ((8, 6), 128, {"fp8": True}, ("fwd", None, None, False)), ((9, 0), 200, {"fp8": True}, ("fwd", None, None, False)),
-    ((9, 0), 128, {"fp8": True, "poly": 1}, ("pair", True, True, 1)),
+    ((9, 0), 128, {"fp8": True, "poly": 1}, ("pair", False, True, 1)),
 ])
 def test_pass2_default_kernel_dispatch(gen, monkeypatch, cap, C, kw, want):
-    """group_prob_sums' default: the staggered two-group kernel for 64 < C <= 128 on sm_90+ and under the
-    interpreter; one group per program below sm_90 and for C <= 64 (not measured there); explicit options win;
-    poly runs on the kernel picked (its share with the pair kernel); fp8 forces the pair kernel, and is ignored
-    below sm_89 and for C > 128."""
+    """group_prob_sums' default: on sm_90+ the float8 two-group kernel unstaggered (C <= 128), under the
+    interpreter and on sm_89 (fp8 not the default there) the staggered bf16 two-group kernel for 64 < C <= 128; one
+    group per program below sm_90 and for C <= 64 (not measured there); explicit options win; poly runs on the
+    kernel picked (its share with the pair kernel); fp8 forces the pair kernel, and is ignored below sm_89 and for
+    C > 128."""
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
     ran = []
@@ -433,15 +439,94 @@ def test_pair_pass2_polynomial_share_matches_float64(gen, poly):
 
 
 def test_fp8_default_switch(monkeypatch):
-    """MC_SPARSE_PASS2_FP8 = 1 / 0 overrides the measured default; never below sm_89; other values are errors."""
+    """MC_SPARSE_PASS2_FP8 = 1 / 0 overrides the measured default (float8 on sm_90+, not on sm_89 nor under the
+    interpreter); never below sm_89; other values are errors."""
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
     monkeypatch.setenv("MC_SPARSE_PASS2_FP8", "1")
-    assert selection.fp8_default((9, 0)) and selection.fp8_default(None) and not selection.fp8_default((8, 0))
+    assert selection.fp8_default((9, 0)) and selection.fp8_default((8, 9)) and selection.fp8_default(None)
+    assert not selection.fp8_default((8, 0))
     monkeypatch.setenv("MC_SPARSE_PASS2_FP8", "0")
     assert not selection.fp8_default((9, 0))
     monkeypatch.setenv("MC_SPARSE_PASS2_FP8", "yes")
     with pytest.raises(ValueError, match="MC_SPARSE_PASS2_FP8"):
         selection.fp8_default((9, 0))
     monkeypatch.delenv("MC_SPARSE_PASS2_FP8")
-    assert selection.fp8_default((9, 0)) == selection._FP8_DEFAULT
+    assert selection.fp8_default((9, 0)) == selection._FP8_DEFAULT and selection.fp8_default((10, 0))
+    assert not selection.fp8_default((8, 9)) and not selection.fp8_default(None)
+
+
+def _digit_hist_reference(sums16):
+    """int32 [..., HIST_BINS] histogram of the top 8 bits of float16 sums' order keys (negatives as key 0)."""
+    key = sums16.view(torch.int16).to(torch.int32).clamp_min(0) >> 8
+    return torch.nn.functional.one_hot(key.long(), 128).sum(-2).to(torch.int32)
+
+
+@pytest.mark.parametrize("stagger,fp8", [(True, False), (False, False), (True, True)])
+def test_pass2_counts_the_first_digit_histogram(gen, stagger, fp8):
+    """The pair kernel's first-digit histogram (hist=) is exactly the histogram of the top 8 bits of the float16
+    sums it stored, per group (odd G: the missing group's row untouched; ragged S: keys past Sk not counted); the
+    one-group kernel writes zeros."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    S, C = 300, 64  # G = 5
+    q, k = (torch.randn(1, 2, S, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    lse = lse.float()
+    perm = _groups(gen, 1, 2, S, C)
+    G = perm.shape[-1] // C
+    sums = torch.full((1, 2, G, S), float("nan"), dtype=torch.float16).to(DEVICE)
+    hist = torch.full((1, 2, G, 128), -7, dtype=torch.int32).to(DEVICE)
+    selection.group_prob_sums(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(DEVICE), group_size=C, out=sums,
+                              hist=hist, pair=True, pipelined=stagger, fp8=fp8, block_n=64)
+    sums, hist = sums.cpu(), hist.cpu()
+    assert not sums.isnan().any()
+    assert torch.equal(hist, _digit_hist_reference(sums))
+    one = torch.full((1, 2, G, 128), -7, dtype=torch.int32)
+    selection.group_prob_sums(q, k, lse, perm, group_size=C, hist=one, pair=False, fp8=False, block_n=64)
+    assert bool((one == 0).all())
+
+
+def test_radix_top_k_with_a_given_first_digit_histogram(gen):
+    """top_k_rows(hist=...): with the true first-digit histogram the radix method skips its first pass and is still
+    the brute-force top-K (ties included); with a histogram whose counts do not add up to Sk (zeros, doubled) it
+    recounts and stays exact; a wrong histogram that adds up to Sk is believed (the pass is really skipped) and
+    still writes nothing past K; a misshapen hist is a ValueError."""
+    sums = _tied_sums(gen, 6, 1500, torch.float16, levels=40)
+    sums[2] = sums[2].abs() * torch.rand(1500, generator=gen).to(torch.float16)
+    true = _digit_hist_reference(sums)
+    want = _brute_force(sums, 300, 320)
+    for hist in (true, torch.zeros_like(true), 2 * true):
+        out = torch.full((6, 320), POISON, dtype=torch.int32)
+        got = triton_topk.top_k_rows(sums.to(DEVICE), 300, 320, out=out.to(DEVICE), method="radix",
+                                     hist=hist.contiguous().to(DEVICE)).cpu()
+        assert torch.equal(got, want)
+    # a histogram that adds up to Sk but is wrong is believed (proof that the pass is skipped): a wrong threshold,
+    # yet no write past K (the compaction's guard) and no crash
+    wrong = torch.zeros_like(true)
+    wrong[:, 0] = 1500
+    out = torch.full((6, 320), POISON, dtype=torch.int32)
+    got = triton_topk.top_k_rows(sums.to(DEVICE), 300, 320, out=out.to(DEVICE), method="radix",
+                                 hist=wrong.to(DEVICE)).cpu()
+    assert not torch.equal(got, want) and bool((got[:, 300:] == -1).all())
+    with pytest.raises(ValueError, match="hist must be"):
+        triton_topk.top_k_rows(sums, 300, 320, method="radix", hist=true[:, :64])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_select_kv_with_the_pass2_histogram_is_unchanged(gen, fp8):
+    """select_kv(topk_hist=True) gives exactly the selection of select_kv(topk_hist=False) (both the exact top-K of
+    the same float16 sums), with head chunks (a partial last chunk) and B = 2."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    B, H, S, C, K = 2, 3, 260, 64, 77
+    q, k = (torch.randn(B, H, S, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    lse = lse.float()
+    perm = _groups(gen, B, H, S, C)
+    kw = dict(group_size=C, kv_tile=16, heads_per_chunk=2, fp8=fp8, pair=True)
+    with_hist = selection.select_kv(q, k, lse, perm, K, topk_hist=True, **kw)
+    without = selection.select_kv(q, k, lse, perm, K, topk_hist=False, topk_method="radix", **kw)
+    assert torch.equal(with_hist, without)
+    sums16 = selection.group_prob_sums(q, k, lse, perm, group_size=C, fp8=fp8, pair=True).half()
+    assert torch.equal(with_hist, ref_top_k_rows(sums16, K, with_hist.shape[-1]))

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import fastexp
-from .topk import top_k_rows
+from .topk import HIST_BINS, top_k_rows
 
 log = logging.getLogger(__name__)
 _RADIX_FAILED: list[str] = []  # the radix top-K's first error in this process (then torch.topk answers)
@@ -134,6 +134,18 @@ def _row_sums(x, EXP_MODE: tl.constexpr, POLY: tl.constexpr):
 
 
 @triton.jit
+def _digit_hist(col, mask, KEY_BITS: tl.constexpr):
+    """int32 [HIST_BINS] histogram of the top 8 bits of the order keys of ``col`` (stored sums, fp16 or fp32 by
+    KEY_BITS; negative values count as key 0, as ``topk._keys``) where ``mask``: the top-K's first radix digit."""
+    if KEY_BITS == 16:
+        key = col.to(tl.int16, bitcast=True).to(tl.int32)
+    else:
+        key = col.to(tl.int32, bitcast=True)
+    key = tl.where(key < 0, 0, key)
+    return tl.histogram(key >> (KEY_BITS - 8), HIST_BINS, mask=mask)
+
+
+@triton.jit
 def _key_scaled(col, kb_base, keys, SK, FP8: tl.constexpr):
     """``col`` ([BLOCK_N] group sums of the keys ``keys``) times 2^KB[key] (FP8's per-key smoothing term; keys
     outside [0, Sk) x 1), or ``col`` itself without FP8."""
@@ -144,7 +156,7 @@ def _key_scaled(col, kb_base, keys, SK, FP8: tl.constexpr):
 
 @triton.jit
 def _group_prob_sums_pair(
-    Q, K, LSE, PERM, SUMS, QF, KB,
+    Q, K, LSE, PERM, SUMS, QF, KB, HIST,
     sm_scale_log2,
     H, S, SK, n_slots, C, G,
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -158,6 +170,8 @@ def _group_prob_sums_pair(
     STAGGER: tl.constexpr,  # group 1 runs half a step behind group 0 (see below)
     FP8: tl.constexpr,  # Q, K are float8_e4m3 copies; QF holds each head's factor (see below)
     POLY: tl.constexpr,  # group 1's exponentials on the FMA pipe: 0 none, 1 its odd columns, 2 all (``_row_sums``)
+    KEY_BITS: tl.constexpr,  # 16 for float16 SUMS, 32 for float32
+    WITH_HIST: tl.constexpr,  # count each group's first-digit histogram into HIST (int32 [B, H, G, HIST_BINS])
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
@@ -170,7 +184,10 @@ def _group_prob_sums_pair(
     ``sm_scale_log2``); the per-key term KB (fp32, [B, H, Sk] contiguous) multiplies each key's sum (2^KB, one
     exponential per key and group). A per-query factor would hold 64 more registers per thread (ptxas: 255 and
     spills; tests/ptxas_select.py).
-    POLY > 0: POLY / 4 of the exponentials (group 1's odd query columns, or all of group 1's) on the FMA pipe."""
+    POLY > 0: POLY / 4 of the exponentials (group 1's odd query columns, or all of group 1's) on the FMA pipe.
+    WITH_HIST: each group's histogram of the top 8 bits of its stored sums (``_digit_hist``), so the radix top-K
+    skips its first pass over the row (one histogram of BLOCK_N entries per tile, against BLOCK_N x BLOCK_M
+    exponentials)."""
     pair = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -207,6 +224,8 @@ def _group_prob_sums_pair(
         # exponentials of the previous tile, and group 1's QK^T before group 0's exponentials of this tile, so the
         # MUFU work can overlap an MMA in flight; group 1 lags half a step (its last tile is finished after the loop)
         s1 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # "tile -1": computed on, never stored
+        h0 = tl.zeros([HIST_BINS], dtype=tl.int32)
+        h1 = tl.zeros([HIST_BINS], dtype=tl.int32)
         for n0 in range(0, SK, BLOCK_N):
             keys = n0 + offs_n
             k_ok = keys < SK
@@ -215,18 +234,27 @@ def _group_prob_sums_pair(
             s0 = tl.dot(k, tl.trans(q0))
             prev = keys - BLOCK_N
             col1 = _key_scaled(_row_sums(s1 * f - l1[None, :], EXP_MODE, POLY), kb_base, prev, SK, FP8)
-            tl.store(s_base + stride_sg + prev.to(tl.int64) * stride_sn, col1.to(SUMS.dtype.element_ty),
-                     mask=(prev >= 0) & has_g1)
+            c1 = col1.to(SUMS.dtype.element_ty)
+            tl.store(s_base + stride_sg + prev.to(tl.int64) * stride_sn, c1, mask=(prev >= 0) & has_g1)
+            if WITH_HIST:
+                h1 += _digit_hist(c1, prev >= 0, KEY_BITS)
             s1 = tl.dot(k, tl.trans(q1))
             col0 = _key_scaled(tl.sum(fastexp.exp2(s0 * f - l0[None, :], EXP_MODE).to(tl.float32), 1), kb_base, keys,
                                SK, FP8)
-            tl.store(s_base + keys.to(tl.int64) * stride_sn, col0.to(SUMS.dtype.element_ty), mask=k_ok)
+            c0 = col0.to(SUMS.dtype.element_ty)
+            tl.store(s_base + keys.to(tl.int64) * stride_sn, c0, mask=k_ok)
+            if WITH_HIST:
+                h0 += _digit_hist(c0, k_ok, KEY_BITS)
         last_tile = (SK - 1) // BLOCK_N
         last = last_tile * BLOCK_N + offs_n
         col1 = _key_scaled(_row_sums(s1 * f - l1[None, :], EXP_MODE, POLY), kb_base, last, SK, FP8)
-        tl.store(s_base + stride_sg + last.to(tl.int64) * stride_sn, col1.to(SUMS.dtype.element_ty),
-                 mask=(last < SK) & has_g1)
+        c1 = col1.to(SUMS.dtype.element_ty)
+        tl.store(s_base + stride_sg + last.to(tl.int64) * stride_sn, c1, mask=(last < SK) & has_g1)
+        if WITH_HIST:
+            h1 += _digit_hist(c1, last < SK, KEY_BITS)
     else:
+        h0 = tl.zeros([HIST_BINS], dtype=tl.int32)
+        h1 = tl.zeros([HIST_BINS], dtype=tl.int32)
         for n0 in range(0, SK, BLOCK_N):
             keys = n0 + offs_n
             k_ok = keys < SK
@@ -237,8 +265,18 @@ def _group_prob_sums_pair(
             col0 = _key_scaled(tl.sum(fastexp.exp2(x0, EXP_MODE).to(tl.float32), 1), kb_base, keys, SK, FP8)
             col1 = _key_scaled(_row_sums(x1, EXP_MODE, POLY), kb_base, keys, SK, FP8)
             dst = s_base + keys.to(tl.int64) * stride_sn
-            tl.store(dst, col0.to(SUMS.dtype.element_ty), mask=k_ok)
-            tl.store(dst + stride_sg, col1.to(SUMS.dtype.element_ty), mask=k_ok & has_g1)
+            c0 = col0.to(SUMS.dtype.element_ty)
+            c1 = col1.to(SUMS.dtype.element_ty)
+            tl.store(dst, c0, mask=k_ok)
+            tl.store(dst + stride_sg, c1, mask=k_ok & has_g1)
+            if WITH_HIST:
+                h0 += _digit_hist(c0, k_ok, KEY_BITS)
+                h1 += _digit_hist(c1, k_ok, KEY_BITS)
+    if WITH_HIST:
+        bins = tl.arange(0, HIST_BINS)
+        h_base = HIST + (bh.to(tl.int64) * G + g0) * HIST_BINS
+        tl.store(h_base + bins, h0)
+        tl.store(h_base + HIST_BINS + bins, h1, mask=(bins >= 0) & has_g1)
 
 
 @triton.jit
@@ -351,24 +389,34 @@ def _config(head_dim: int) -> tuple[int, int, int]:
 # exponentials 0.610 / 0.571). Below sm_90 (not measured; 97 KiB of shared memory at D = 128, near sm_86/89's 99 KiB)
 # one group per program stays the default, and for C <= 64 too (measured at C = 128 only).
 _PAIR_MIN_CAPABILITY = (9, 0)
-# float8 QK^T (wgmma / mma e4m3): sm_89+. Default off until the H200 measurement (docs/kernels.md, "select_kv").
+# float8 QK^T (wgmma / mma e4m3): sm_89+; the default on sm_90+ (measured there only). H200, bench_anchor --only select
+# at 82bf982, vs flash-attn-4 dense: pass 2 alone 0.487 / 0.603 (14B 720p / 1.3B 480p, unstaggered, operand pass
+# included) against 0.608 / 0.625 for bf16; pass 2 + top-K 0.565 / 0.627-0.635 against 0.712-0.725; kept mass of its
+# selection on the synthetic DiT workload >= 0.99974 of the exact one's (s = 0.1-0.5, docs/kernels.md).
 _FP8_MIN_CAPABILITY = (8, 9)
-_FP8_DEFAULT = False
+_FP8_DEFAULT_MIN_CAPABILITY = (9, 0)
+_FP8_DEFAULT = True
+# select_kv: pass 2 counts the radix top-K's first-digit histogram (topk_hist). Off until the H200 measurement.
+_TOPK_HIST_DEFAULT = False
 
 
 def fp8_default(capability: tuple[int, int] | None) -> bool:
-    """Whether pass 2 takes its QK^T in float8 when the caller does not say: ``MC_SPARSE_PASS2_FP8`` = "1" / "0"
-    decides when set (any other value is a ValueError), else ``_FP8_DEFAULT``; never below sm_89 (capability None,
-    the interpreter, counts as able)."""
+    """Whether pass 2 takes its QK^T in float8 when the caller does not say: ``MC_SPARSE_PASS2_FP8`` = "1" forces it
+    wherever it can run (sm_89+ and the interpreter, capability None), "0" turns it off (any other value is a
+    ValueError); unset: ``_FP8_DEFAULT`` on sm_90+ (the measured GPUs), off on sm_89 and under the interpreter (the
+    CPU tests' default path stays the exact bf16 one; the float8 path has its own tests)."""
     env = os.environ.get("MC_SPARSE_PASS2_FP8")
     if env not in (None, "", "0", "1"):
         raise ValueError(f"MC_SPARSE_PASS2_FP8 must be 0 or 1, got {env!r}")
-    want = _FP8_DEFAULT if env in (None, "") else env == "1"
-    return want and (capability is None or tuple(capability) >= _FP8_MIN_CAPABILITY)
+    if env == "1":
+        return capability is None or tuple(capability) >= _FP8_MIN_CAPABILITY
+    if env == "0":
+        return False
+    return _FP8_DEFAULT and capability is not None and tuple(capability) >= _FP8_DEFAULT_MIN_CAPABILITY
 
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
-                    num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None):
+                    num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -380,15 +428,18 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         "f16_emulated" (its roundings in plain Triton, for tests); pair: two query groups per program (C <= 128),
         pipelined: with pair, the two groups staggered by half a step so one's exponentials overlap the other's MMA
         (ignored without pair); None / None: the staggered pair kernel for 64 < C <= 128 on sm_90+ (and the
-        interpreter), else one group per program; poly: exponentials on the FMA pipe (polynomial, ~4e-5 relative):
+        interpreter; unstaggered with fp8), else one group per program; poly: exponentials on the FMA pipe (polynomial, ~4e-5 relative):
         with the pair kernel poly / 4 of them (1: group 1's odd query columns, 2 or True: all of group 1's), with one
         group per program every other key tile for any nonzero value; fp8: QK^T on float8_e4m3 copies of q and k
         (``fp8_operands``; twice the bf16 MMA rate on sm_89+), APPROXIMATE sums (~1e-2 relative) for ranking; forces
         the pair kernel; ignored (bf16/fp16 products) for C > 128 and below sm_89; None: ``fp8_default``.
+        hist: optional contiguous int32 ``[B, H, G, topk.HIST_BINS]``, written with each group's histogram of the top
+        8 bits of its stored sums (``topk.top_k_rows(hist=...)``: the radix top-K's first pass); the one-group kernel
+        does not count it and writes zeros (the top-K then counts itself).
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
-        TypeError: lse not float32. ValueError: lse or out of the wrong shape, poly out of range.
+        TypeError: lse not float32. ValueError: lse, out or hist of the wrong shape, poly out of range.
     """
     B, H, S, D = q.shape
     C = group_size
@@ -417,17 +468,26 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         pair = True
     elif pair is None:
         pair = (cap is None or cap >= _PAIR_MIN_CAPABILITY) and block_m == 128
-    pipelined = bool(pair) if pipelined is None else bool(pipelined)
+    if pipelined is None:  # float8: unstaggered (H200: 0.487 / 0.603 of dense against 0.514 / 0.611 staggered)
+        pipelined = bool(pair) and not fp8
+    pipelined = bool(pipelined)
     perm = perm.contiguous()
+    if hist is not None:
+        if hist.dtype != torch.int32 or tuple(hist.shape) != (B, H, G, HIST_BINS.value) or not hist.is_contiguous():
+            raise ValueError(f"hist must be contiguous int32 {(B, H, G, HIST_BINS.value)}, got {hist.dtype} "
+                             f"{tuple(hist.shape)}")
+        if not (pair and C <= block_m):
+            hist.zero_()  # not counted by the one-group kernel: the top-K's check sees 0 != Sk and counts itself
     if pair and C <= block_m:
         qf = kb = lse  # placeholders, not read without FP8
         if fp8:
             q, k, qf, lse, kb = fp8_operands(q, k, lse, scale)
         _group_prob_sums_pair[(triton.cdiv(G, 2), B * H)](
-            q, k, lse, perm, out, qf, kb, scale * _LOG2E, H, S, SK, n_slots, C, G,
+            q, k, lse, perm, out, qf, kb, qf if hist is None else hist, scale * _LOG2E, H, S, SK, n_slots, C, G,
             *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
-            POLY=poly, num_warps=num_warps or warps, num_stages=num_stages or stages,
+            POLY=poly, KEY_BITS=16 if out.dtype == torch.float16 else 32, WITH_HIST=hist is not None,
+            num_warps=num_warps or warps, num_stages=num_stages or stages,
         )
         return out
     _group_prob_sums_fwd[(G, B * H)](
@@ -444,7 +504,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
-              topk_method=None):
+              topk_method=None, topk_hist=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -454,7 +514,9 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined``,
     ``exp``, ``pair``, ``poly``, ``fp8`` tune pass 2 (see ``group_prob_sums``; the defaults are its defaults: the
     staggered two-group kernel, float8 products per ``fp8_default``); ``topk_method`` picks ``topk.top_k_rows``'s
-    method (None: its default by row length).
+    method (None: its default by row length, or "radix" with ``topk_hist``); ``topk_hist``: pass 2 counts each
+    group's first radix digit while it writes the sums, and the radix top-K skips that pass (None:
+    ``_TOPK_HIST_DEFAULT``).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -467,23 +529,27 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     out = torch.empty((B, H, G, k_alloc), dtype=torch.int32, device=q.device)  # every slot written by top_k_rows
     hc = heads_per_chunk or max(1, min(H, _SCRATCH_BYTES // (B * G * SK * 2)))
     scratch = torch.empty(B, hc, G, SK, dtype=torch.float16, device=q.device)
+    use_hist = _TOPK_HIST_DEFAULT if topk_hist is None else bool(topk_hist)
+    hist_buf = torch.empty(B * hc * G * HIST_BINS.value, dtype=torch.int32, device=q.device) if use_hist else None
     for h0 in range(0, H, hc):
         h1 = min(H, h0 + hc)
+        hist = None if hist_buf is None else hist_buf[: B * (h1 - h0) * G * HIST_BINS.value].view(
+            B, h1 - h0, G, HIST_BINS.value)
         sums = group_prob_sums(
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-            pipelined=pipelined, fp8=fp8, exp=exp, pair=pair,
+            pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist,
         )
-        _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method)
+        _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method or ("radix" if use_hist else None), hist)
     return out
 
 
-def _top_k(sums, num_keys, k_alloc, out, method=None):
+def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None):
     """The Triton top-K; if it cannot run here (a compiler or resource failure), ``torch.topk`` + sort instead, so
     the selection stays fast (ties then as torch.topk breaks them); the error is logged once per process."""
     if not _RADIX_FAILED:
         try:
-            return top_k_rows(sums, num_keys, k_alloc, out=out, method=method)
+            return top_k_rows(sums, num_keys, k_alloc, out=out, method=method, hist=hist)
         except (ValueError, TypeError):
             raise
         except Exception as err:  # noqa: BLE001 (any compile/launch failure: keep the run fast, say why once)

@@ -40,6 +40,7 @@ _Z = 5.0  # bracket half-width in binomial standard deviations (a miss only cost
 # (Wan2.1-1.3B 480p) sample 1.17 ms vs radix 1.42-1.46 ms; rows of 75600 (14B 720p) sample 18.1-18.6 ms vs radix
 # 17.6 ms (the sample kernel's 8-warp programs run two per SM and wait on memory; the radix kernel's run many).
 _SAMPLE_MAX_SK = 40000
+HIST_BINS = tl.constexpr(128)  # bins of a first-digit histogram given by pass 2: the top 8 key bits of sums >= 0
 
 
 @triton.jit
@@ -55,9 +56,12 @@ def _keys(SUMS_ROW, offs, SK, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _radix_threshold(src, SK, num_keys, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+def _radix_threshold(src, SK, num_keys, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, hist_row=None,
+                     HAS_HIST: tl.constexpr = False):
     """(T, need): the K-th largest key T of the row by MSD radix select (8-bit digits, ``tl.histogram`` per pass),
-    and how many of the entries equal to T are kept (K minus the entries above T)."""
+    and how many of the entries equal to T are kept (K minus the entries above T). HAS_HIST: the first digit's
+    histogram is read from ``hist_row`` (int32, ``HIST_BINS`` bins: pass 2 counted it) instead of a pass over the row
+    (unless its counts do not add up to Sk: then the pass runs)."""
     offs0 = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
     zero = tl.program_id(0) * 0  # int32 scalar tensor (num_keys may be specialised to a constexpr 1)
@@ -66,13 +70,19 @@ def _radix_threshold(src, SK, num_keys, KEY_BITS: tl.constexpr, BLOCK: tl.conste
     for p in tl.static_range(KEY_BITS // 8):
         shift = KEY_BITS - 8 * (p + 1)
         hist = tl.zeros([256], dtype=tl.int32)
-        for c0 in range(0, SK, BLOCK):
-            key = _keys(src, c0 + offs0, SK, KEY_BITS)
-            if p == 0:
-                match = key >= 0
-            else:
-                match = (key >= 0) & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-            hist += tl.histogram((key >> shift) & 255, 256, mask=match)
+        counted = zero > 0
+        if HAS_HIST and p == 0:
+            hist = tl.load(hist_row + bins, mask=bins < HIST_BINS, other=0)
+            counted = tl.sum(hist, 0) == SK  # a histogram that does not count every key once is recounted
+        if not counted:
+            hist = tl.zeros([256], dtype=tl.int32)
+            for c0 in range(0, SK, BLOCK):
+                key = _keys(src, c0 + offs0, SK, KEY_BITS)
+                if p == 0:
+                    match = key >= 0
+                else:
+                    match = (key >= 0) & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+                hist += tl.histogram((key >> shift) & 255, 256, mask=match)
         # count_ge[b]: matching entries whose digit is >= b; the K-th largest lies in the highest bin with
         # count_ge >= need
         incl = tl.cumsum(hist, 0)
@@ -112,7 +122,7 @@ def _compact(src, dst, SK, num_keys, width, prefix, need, KEY_BITS: tl.constexpr
         tie_rank = tl.cumsum(eq, 0) - eq + ties
         sel = ((key > prefix) | ((eq > 0) & (tie_rank < need))).to(tl.int32)
         pos = tl.cumsum(sel, 0) - sel + kept
-        tl.store(dst + pos, offs, mask=sel > 0)
+        tl.store(dst + pos, offs, mask=(sel > 0) & (pos < num_keys))  # never past K, whatever the threshold
         kept += tl.sum(sel, 0)
         ties += tl.sum(eq, 0)
     for c0 in range(num_keys, width, BLOCK):
@@ -122,19 +132,22 @@ def _compact(src, dst, SK, num_keys, width, prefix, need, KEY_BITS: tl.constexpr
 
 @triton.jit
 def _radix_topk_rows(
-    SUMS, OUT,
+    SUMS, OUT, HIST,
     SK, num_keys, width, inner,
     stride_so, stride_si, stride_oo, stride_oi,
     KEY_BITS: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_HIST: tl.constexpr,  # HIST: int32 [rows, HIST_BINS], the first digit's histogram of each row
 ):
-    """One program per row: radix threshold (KEY_BITS // 8 histogram passes over the row), then compaction."""
+    """One program per row: radix threshold (KEY_BITS // 8 histogram passes over the row, the first one read from
+    HIST when given), then compaction."""
     row = tl.program_id(0)
     outer = (row // inner).to(tl.int64)
     row_in = (row % inner).to(tl.int64)
     src = SUMS + outer * stride_so + row_in * stride_si
     dst = OUT + outer * stride_oo + row_in * stride_oi
-    prefix, need = _radix_threshold(src, SK, num_keys, KEY_BITS, BLOCK)
+    hist_row = HIST + row.to(tl.int64) * HIST_BINS
+    prefix, need = _radix_threshold(src, SK, num_keys, KEY_BITS, BLOCK, hist_row, HAS_HIST)
     _compact(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, BLOCK)
 
 
@@ -218,7 +231,7 @@ def sample_positions(sk: int, samples: int) -> torch.Tensor:
 
 def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tensor | None = None,
                method: str | None = None, samples: int = _SAMPLES, cap: int = _CAP, block: int | None = None,
-               num_warps: int | None = None, return_fallbacks: bool = False):
+               num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
 
@@ -233,11 +246,14 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         samples, cap: the sample method's sample count and candidate slots per row (powers of two; a scratch of
             rows x cap int32 is allocated per call). block, num_warps: chunk size and warps (tuning).
         return_fallbacks: also return int8 ``[rows]``, 1 where the sample method fell back to the radix threshold.
+        hist: optional int32 ``[..., HIST_BINS]`` contiguous: each row's histogram of its keys' top 8 bits (pass 2
+            counts it while writing the sums, ``selection.group_prob_sums(hist=...)``); the radix method then skips
+            its first pass (a row whose counts do not add up to Sk is recounted). Ignored by the sample method.
     Returns:
         ``out`` (or a new tensor): int32 ``[..., width]``; with ``return_fallbacks``, (out, fallbacks).
     Raises:
-        TypeError: sums not float16/float32. ValueError: K or width out of range, a bad ``out``, an unknown method,
-        samples / cap not powers of two.
+        TypeError: sums not float16/float32. ValueError: K or width out of range, a bad ``out`` or ``hist``, an unknown
+        method, samples / cap not powers of two.
     """
     if method is None:
         method = "sample" if sums.shape[-1] <= _SAMPLE_MAX_SK else "radix"
@@ -269,8 +285,12 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
     fell_back = torch.zeros(n, dtype=torch.int8, device=sums.device)
     key_bits = 16 if sums.dtype == torch.float16 else 32
     rows = (src, dst, sk, num_keys, width, src.shape[1], src.stride(0), src.stride(1), dst.stride(0), dst.stride(1))
+    if hist is not None and (hist.dtype != torch.int32 or tuple(hist.shape) != (*lead, HIST_BINS.value)
+                             or not hist.is_contiguous()):
+        raise ValueError(f"hist must be contiguous int32 {(*lead, HIST_BINS.value)}, got {hist.dtype} {tuple(hist.shape)}")
     if n and method == "radix":
-        _radix_topk_rows[(n,)](*rows, KEY_BITS=key_bits, BLOCK=block or _BLOCK, num_warps=num_warps or 4)
+        _radix_topk_rows[(n,)](rows[0], rows[1], fell_back if hist is None else hist, *rows[2:], KEY_BITS=key_bits,
+                               BLOCK=block or _BLOCK, HAS_HIST=hist is not None, num_warps=num_warps or 4)
     elif n:
         cand = torch.empty(n, cap, dtype=torch.int32, device=sums.device)
         stride, n_samp, hi_rank, lo_rank = sample_bracket(sk, num_keys, samples)
