@@ -79,8 +79,21 @@ def compile_variant(name, cfg, S=75600, H=40, D=128, C=128, arch=90):
                 fits=ck.metadata.shared <= pr.SMEM_LIMIT[arch], sass=sass_census(ck))
 
 
+def compile_stats(S=75600, H=40, D=128, arch=90):
+    """The float8 operand pass's column-statistics kernel at the Wan2.1-14B 720p q view."""
+    q = pr.model_views(1, H, S, D)[0]
+    part = torch.empty(H, 2, 3, D, dtype=torch.float32, device="meta")
+    ck = pr.compile_offline(selection._fp8_partial_stats, [q, part, H, S, 37800, *q.stride()],
+                            dict(HEAD_DIM=D, BLOCK_S=64, num_warps=4), arch)
+    regs, st, ld = pr.ptxas_usage(ck, arch)
+    return dict(variant="_fp8_partial_stats", regs=regs, spill_st=st, spill_ld=ld, smem=ck.metadata.shared)
+
+
 def main():
     bad = 0
+    r = compile_stats()
+    bad += r["spill_st"] > 0
+    print(r, flush=True)
     for name, cfg in VARIANTS.items():
         try:
             r = compile_variant(name, cfg)

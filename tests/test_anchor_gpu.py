@@ -114,7 +114,11 @@ def test_select_fp8_pass2_on_gpu_is_exact_on_its_operands(cuda_gen, extra):
         selection.group_prob_sums(q, k, lse, perm, group_size=C, out=out, fp8=True, **extra)
         assert not out.isnan().any()
         q8, k8, _, lse_s, kb = selection.fp8_operands(q, k, lse, D**-0.5)
-        qs, ks = selection.fp8_stats(q)[1], selection.fp8_stats(k)[1]
+        (mq, qs), (mk, ks) = selection.fp8_stats(q), selection.fp8_stats(k)
+        for x, m, sc in ((q, mq, qs), (k, mk, ks)):  # the compiled statistics pass against torch
+            assert torch.allclose(m.double(), x.double().mean(2), rtol=1e-5, atol=1e-5)
+            amax = (x.float() - m[:, :, None]).abs().amax((-2, -1))
+            assert torch.equal(sc, torch.where(amax > 0, amax / 448, torch.ones_like(amax)))
         deq = reference.group_prob_sums(q8.double() * qs.double()[..., None, None],
                                         k8.double() * ks.double()[..., None, None], lse_s.double(), perm, group_size=C)
         deq = deq * torch.exp2(kb.double())[:, :, None, :]

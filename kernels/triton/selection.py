@@ -320,13 +320,57 @@ def _fp8_quantize(
     tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None])
 
 
+@triton.jit
+def _fp8_partial_stats(
+    X, PART,
+    H, S, rows_per_split,
+    stride_xb, stride_xh, stride_xs, stride_xd,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Per (b * H + h, split): the column sums, maxima and minima (fp32 [3, HEAD_DIM] at PART[(bh * n_split + split)
+    * 3 * HEAD_DIM]) of X's rows [split * rows_per_split, (split + 1) * rows_per_split) of head (b, h); rows past S
+    add 0 / -inf / +inf."""
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_s = tl.arange(0, BLOCK_S)
+    r0 = split * rows_per_split
+    r1 = tl.minimum(r0 + rows_per_split, S)
+    base = X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    hi = tl.full([HEAD_DIM], float("-inf"), tl.float32)
+    lo = tl.full([HEAD_DIM], float("inf"), tl.float32)
+    for s0 in range(r0, r1, BLOCK_S):
+        rows = s0 + offs_s
+        ok = rows < r1
+        x = tl.load(base + rows.to(tl.int64)[:, None] * stride_xs + offs_d[None, :] * stride_xd, mask=ok[:, None],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x, 0)
+        hi = tl.maximum(hi, tl.max(tl.where(ok[:, None], x, float("-inf")), 0))
+        lo = tl.minimum(lo, tl.min(tl.where(ok[:, None], x, float("inf")), 0))
+    out = PART + (bh.to(tl.int64) * tl.num_programs(1) + split) * (3 * HEAD_DIM) + offs_d
+    tl.store(out, acc)
+    tl.store(out + HEAD_DIM, hi)
+    tl.store(out + 2 * HEAD_DIM, lo)
+
+
 def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, scale) of ``x`` ``[B, H, S, D]`` per head: mean fp32 ``[B, H, D]`` over the S rows, and the float8
-    scale fp32 ``[B, H]`` = amax|x - mean| / 448 (from each column's min and max; 1 when it is 0; 448: e4m3's largest
-    finite value). Two reductions over x (mean; aminmax)."""
-    mean = x.mean(dim=2, dtype=torch.float32)
-    lo, hi = torch.aminmax(x, dim=2)
-    amax = torch.maximum(hi.float() - mean, mean - lo.float()).amax(-1)
+    """(mean, scale) of ``x`` ``[B, H, S, D]`` (any strides) per head: mean fp32 ``[B, H, D]`` over the S rows, and the
+    float8 scale fp32 ``[B, H]`` = amax|x - mean| / 448 (from each column's min and max; 1 when it is 0; 448: e4m3's
+    largest finite value). One Triton pass over x (column sums / max / min per split of the rows, about two
+    programs per SM in all), combined by a few small torch reductions."""
+    B, H, S, D = x.shape
+    n_split = max(1, min(64, -(-264 // (B * H)), -(-S // 64)))
+    rows = -(-S // n_split)
+    part = torch.empty(B * H, n_split, 3, D, dtype=torch.float32, device=x.device)
+    _fp8_partial_stats[(B * H, n_split)](x, part, H, S, rows, *x.stride(), HEAD_DIM=D, BLOCK_S=64, num_warps=4)
+    mean = (part[:, :, 0].sum(1) / S).view(B, H, D)
+    hi = part[:, :, 1].amax(1).view(B, H, D)
+    lo = part[:, :, 2].amin(1).view(B, H, D)
+    amax = torch.maximum(hi - mean, mean - lo).amax(-1)
     return mean.contiguous(), torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).contiguous()
 
 
@@ -352,8 +396,8 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         kb: fp32 ``[B, H, Sk]``: ``scale * log2(e) * mean_q . k'``, clamped to [-100, 100] (a mean query alone giving a
         key a logit beyond +-69 is outside what this is built for): the group sum of key j is 2^kb[j] x the sum over
         the group of 2^(q8 . k8 * qf - lse_s * log2(e)).
-    Cost: a mean and an amax reduction of q and of k (torch), one Triton launch each (read; write 1 byte per element
-    and 4 per row). Source: docs/kernels.md ("select_kv"); e4m3: torch.float8_e4m3fn (OCP FP8, max 448).
+    Cost: ``fp8_stats`` of q and of k (one Triton pass each), one quantising Triton launch each (read; write 1 byte
+    per element and 4 per row). Source: docs/kernels.md ("select_kv"); e4m3: torch.float8_e4m3fn (OCP FP8, max 448).
     """
     B, H, S, D = q.shape
     SK = k.shape[2]
