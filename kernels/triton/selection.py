@@ -14,7 +14,9 @@ add exactly 0; key positions past Sk are masked on load and never stored.
 and keeps each group's top-K with ``topk.top_k_rows`` (sample bracket + bisection, radix fallback; exact), which
 writes the sorted, -1-padded selection rows directly (ties: the lower token index wins; no global sort, no host
 sync). ``pair=True`` runs two query groups per program (each K tile loaded once for both); ``exp="f16x2"`` takes
-the exponentials from ``fastexp`` (packed half precision).
+the exponentials from ``fastexp`` (packed half precision); ``fp8=True`` (the default on sm_90+, ``fp8_default``)
+takes QK^T in float8_e4m3 on smoothed copies of q and k (``fp8_operands``): approximate sums, measured to keep
+>= 0.9997 of the exact selection's probability mass (docs/kernels.md, "select_kv").
 
 Expected agreement with ``kernels.reference.group_prob_sums``: relative error ~1e-3 for bf16/fp16 inputs against
 a float64 reference (the QK^T product is exact in fp32 accumulation; the error is exp2's and the inputs'), not
