@@ -305,13 +305,14 @@ def test_select_kv_pair_f16_is_exact_top_k_of_its_sums(gen):
     (None, 128, {"fp8": None}, ("pair", True, False, 0)),
     ((8, 6), 128, {"fp8": True}, ("fwd", None, None, False)), ((9, 0), 200, {"fp8": True}, ("fwd", None, None, False)),
     ((9, 0), 128, {"fp8": True, "poly": 1}, ("pair", False, True, 1)),
+    ((9, 0), 128, {"fp8": True, "D": 16}, ("pair", True, False, 0)),
 ])
 def test_pass2_default_kernel_dispatch(gen, monkeypatch, cap, C, kw, want):
     """group_prob_sums' default: on sm_90+ the float8 two-group kernel unstaggered (C <= 128), under the
     interpreter and on sm_89 (fp8 not the default there) the staggered bf16 two-group kernel for 64 < C <= 128; one
     group per program below sm_90 and for C <= 64 (not measured there); explicit options win; poly runs on the
-    kernel picked (its share with the pair kernel); fp8 forces the pair kernel, and is ignored below sm_89 and for
-    C > 128."""
+    kernel picked (its share with the pair kernel); fp8 forces the pair kernel, and is ignored below sm_89, for
+    C > 128 and for a head dim the e4m3 MMA cannot take (16)."""
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
     ran = []
@@ -331,7 +332,8 @@ def test_pass2_default_kernel_dispatch(gen, monkeypatch, cap, C, kw, want):
         monkeypatch.setattr(selection, attr, Spy(name, getattr(selection, attr)))
     monkeypatch.setattr(selection, "_capability", lambda device: cap)
     monkeypatch.delenv("MC_SPARSE_PASS2_FP8", raising=False)
-    q, k = (torch.randn(1, 1, 70, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    D = kw.pop("D", 32)
+    q, k = (torch.randn(1, 1, 70, D, generator=gen).to(torch.bfloat16) for _ in range(2))
     _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
     perm = _groups(gen, 1, 1, 70, C)
     selection.group_prob_sums(q, k, lse, perm, group_size=C, block_n=32, **kw)

@@ -478,7 +478,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         with the pair kernel poly / 4 of them (1: group 1's odd query columns, 2 or True: all of group 1's), with one
         group per program every other key tile for any nonzero value; fp8: QK^T on float8_e4m3 copies of q and k
         (``fp8_operands``; twice the bf16 MMA rate on sm_89+), APPROXIMATE sums (~1e-2 relative) for ranking; forces
-        the pair kernel; ignored (bf16/fp16 products) for C > 128 and below sm_89; None: ``fp8_default``.
+        the pair kernel; ignored (bf16/fp16 products) for C > 128, D not a multiple of 32 and below sm_89; None:
+        ``fp8_default``.
         hist: optional contiguous int32 ``[B, H, G, topk.HIST_BINS]``, written with each group's histogram of the top
         8 bits of its stored sums (``topk.top_k_rows(hist=...)``: the radix top-K's first pass); the one-group kernel
         does not count it and writes zeros (the top-K then counts itself).
@@ -509,7 +510,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     cap = _capability(q.device)
     exp_mode = fastexp.mode_for(exp, cap)
     fp8 = fp8_default(cap) if fp8 is None else bool(fp8)
-    fp8 = fp8 and C <= block_m and (cap is None or cap >= _FP8_MIN_CAPABILITY)  # else bf16/fp16 products
+    # else bf16/fp16 products: groups wider than one tile, before sm_89, a head dim the e4m3 MMA cannot take (K % 32)
+    fp8 = fp8 and C <= block_m and D % 32 == 0 and (cap is None or cap >= _FP8_MIN_CAPABILITY)
     if fp8:
         pair = True
     elif pair is None:
