@@ -87,6 +87,7 @@ PASS2_CONFIGS = {  # group_prob_sums tuning; "fp8": float8 QK^T (approximate sum
 # --quick: the sweep's configs (round 1's other figures: docs/kernels.md), no workload quality, the fp8 + hist select
 QUICK_CONFIGS = ("pair stagger bn64 w4 st3 (bf16 default)", "fp8 pair unstaggered", "fp8 pair unstaggered + hist")
 QUICK = False
+VARIANTS = None  # --variants: the PDDP variants timed (None: all)
 TOPK_METHODS = ("radix", "sample", "radix + pass-2 hist")
 TOPK_TUNING = {}  # sample-method variants timed at s = 0.25 (measured at ff921ff: docs/kernels.md; none faster)
 
@@ -182,6 +183,8 @@ def run_pddp(name, q, res, rep, log):
             log(f"{name} pddp phases (ms, summed over levels, event-timed, launch gaps included): "
                 f"{res['pddp_phases_ms']}")
     for vname, (kw, consts) in PDDP_VARIANTS.items():
+        if VARIANTS is not None and vname not in VARIANTS:
+            continue
         with section(res, f"pddp {vname}", log), patched(grouping, consts):
             fn = (lambda kw: lambda x: grouping.pddp_groups(x, C, **kw))(kw)
             perm = fn(q)
@@ -519,12 +522,19 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU under TRITON_INTERPRET=1 (code paths)")
     ap.add_argument("--only", choices=["pddp", "select"],
                     help="measure one part only (pddp: ~1 min on an H200; select: pass 2 + top-K, ~1.5 min)")
+    ap.add_argument("--variants", help="PDDP variants to time, comma-separated names of PDDP_VARIANTS (default: all; "
+                    "'none': the default only)")
     ap.add_argument("--quick", action="store_true",
                     help="with --only select: QUICK_CONFIGS only, no workload quality (~45 s per run on an H200)")
     ap.add_argument("--commit", help="commit measured, recorded on the scoreboard (default $MC_SPARSE_COMMIT, git HEAD)")
     args = ap.parse_args()
-    global DEVICE, COMMIT, ONLY, QUICK
+    global DEVICE, COMMIT, ONLY, QUICK, VARIANTS
     COMMIT, ONLY, QUICK = args.commit, args.only, args.quick
+    if args.variants is not None:
+        VARIANTS = set() if args.variants == "none" else set(args.variants.split(","))
+        unknown = VARIANTS - set(PDDP_VARIANTS)
+        if unknown:
+            sys.exit(f"unknown --variants {sorted(unknown)}; known: {list(PDDP_VARIANTS)}")
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")
