@@ -268,3 +268,22 @@ def test_graph_path_only_for_small_cuda_q(monkeypatch):
     assert not grouping._graph_eligible(q)
     monkeypatch.setattr(grouping, "GRAPH", False)
     assert not grouping._graph_eligible(q)
+
+
+def test_graph_capture_failure_runs_eagerly(gen, monkeypatch):
+    """A shape whose CUDA-graph capture fails (no CUDAGraph; on the CPU also the device) warns once, returns the eager tree's groups on
+    every call, and is not captured again."""
+    def no_graph():
+        raise RuntimeError("no CUDA graphs here")
+
+    monkeypatch.setattr(grouping, "_graph_eligible", lambda q: True)
+    monkeypatch.setattr(grouping, "_GRAPHS", {})
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", no_graph)
+    q = torch.randn(1, 1, 40, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    eager = grouping._tree(q, 8, grouping._plan(40, 8, q.device, 2), 2, True, 4, 16, 64, None)
+    first = grouping.pddp_groups(q, 8, samples=16, bins=64)  # first call of the shape: eager
+    with pytest.warns(UserWarning, match="capture failed"):
+        second = grouping.pddp_groups(q, 8, samples=16, bins=64)
+    third = grouping.pddp_groups(q, 8, samples=16, bins=64)
+    assert list(grouping._GRAPHS.values()) == [None]
+    assert all(torch.equal(p, eager) for p in (first, second, third))

@@ -612,8 +612,9 @@ _GRAPHS: dict = {}  # key -> (graph, static q, static output, plan levels kept a
 def _graph_replay(key, q: torch.Tensor, args: tuple):
     """The tree as a CUDA graph captured once per ``key`` (shape, strides, dtype, device, options): q copied into
     the graph's own input buffer, one replay, the output cloned. The first call of a key returns None (the caller
-    runs the tree eagerly, which compiles every kernel); the second captures. A capture that fails is not retried for
-    that key (None: the eager path). At most ``_GRAPH_CACHE`` graphs are kept (oldest out)."""
+    runs the tree eagerly, which compiles every kernel); the second captures. A capture or replay that fails warns
+    and is not retried for that key (None: the eager path). At most ``_GRAPH_CACHE`` graphs are kept (oldest
+    out)."""
     if key not in _GRAPHS:
         _GRAPHS[key] = "seen"
         return None
@@ -639,10 +640,17 @@ def _graph_replay(key, q: torch.Tensor, args: tuple):
         _GRAPHS.pop(key)
         _GRAPHS[key] = entry = (graph, static_q, static_out, args[1])
     graph, static_q, static_out, _ = entry
-    with torch.cuda.device(q.device):
-        static_q.copy_(q)
-        graph.replay()
-        return static_out.clone()
+    try:
+        with torch.cuda.device(q.device):
+            static_q.copy_(q)
+            graph.replay()
+            return static_out.clone()
+    except RuntimeError as err:  # e.g. the input buffer made under inference mode, written outside it: run eagerly
+        import warnings
+
+        warnings.warn(f"PDDP CUDA graph replay failed ({err}); running eagerly")
+        _GRAPHS[key] = None
+        return None
 
 
 def _tree(q: torch.Tensor, C: int, levels: tuple, gmax: int, finish: bool, power_iters: int, samples: int, bins: int,
