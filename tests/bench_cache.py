@@ -189,13 +189,15 @@ def speed_part(entry, wl, layers, budget_s, smoke, dev):
                                    ("int4-group cpu", "cpu", "int4_group")):
         r = engine.MCSparseRunner(quality_config(cache_placement=placement, residual_dtype=dtype))
         for key in keys:
-            r._store(key, entry, 0)  # what an anchor call stores: encode, place, remember the layer order
+            r._store(key, entry, 0)  # what an anchor call stores: encode, place
+            r.order.anchor_call((key,), 0)  # and the call order it teaches the prefetch (the first reuse call hits)
         runners[name] = r
     outs, times = {}, {n: [] for n in runners}
 
     def timed(name):
         sync()
         t = time.perf_counter()
+        runners[name].begin_evaluation(1)  # what the adapter calls once per model evaluation
         for layer, key in enumerate(keys):
             outs[name] = runners[name].attention(q, k, v, step=1, layer=layer, key=key)
         sync()
@@ -245,7 +247,7 @@ def residual_part(entry, dev):
     group_of.scatter_(2, perm[..., :S].long(), slots[..., :S])  # the -1 slots are the last G*C - S
     per_row = torch.gather(mean, 2, group_of.unsqueeze(-1).expand(-1, -1, -1, D))
     out = {"within_group_var": ((r - per_row).pow(2).sum() / (r - r.mean(2, keepdim=True)).pow(2).sum()).item(),
-           "dev_l1": rel_l1(r - per_row, r)}
+           "dev_l1": rel_l1(per_row, r)}  # |R - M| / |R|
     for p in PRECISIONS:
         sync()
         t0 = time.perf_counter()
