@@ -63,6 +63,14 @@ def test_gluon_refusal(monkeypatch, cap, q_kw, k_kw, want):
     assert (why is None) if want is None else (want in why), why
 
 
+def test_gluon_refuses_int4_group(monkeypatch):
+    """int4_group residuals go to the Triton kernel (the Gluon epilogue's int4_group path is not GPU-verified)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    q = _fake()
+    assert "int4_group" in _g90().refusal(q, q, q, SimpleNamespace(kind="int4_group"))
+    assert _g90().refusal(q, q, q, SimpleNamespace(kind="int4_row")) is None
+
+
 def test_gluon_refusal_cpu_and_env(monkeypatch):
     q = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
     assert "CUDA" in _g90().refusal(q, q, q)
@@ -101,7 +109,7 @@ def failing_gluon(monkeypatch):
     d.reset()
     monkeypatch.setenv("MC_SPARSE_GLUON", "1")
     boom = _Boom(RuntimeError("PTX compile boom"))
-    refusal = lambda q, k, v: None  # noqa: E731  (as on sm_90)
+    refusal = lambda q, k, v, residual=None: None  # noqa: E731  (as on sm_90)
     monkeypatch.setattr(d, "_gluon_module", lambda: SimpleNamespace(refusal=refusal,
                                                                    sparse_attention=boom.sparse_attention))
     yield boom
@@ -162,7 +170,7 @@ def auto_gluon(monkeypatch):
     d.reset()
     monkeypatch.delenv("MC_SPARSE_GLUON", raising=False)
     fake = _Fake()
-    monkeypatch.setattr(d, "_gluon_module", lambda: SimpleNamespace(refusal=lambda q, k, v: None,
+    monkeypatch.setattr(d, "_gluon_module", lambda: SimpleNamespace(refusal=lambda q, k, v, residual=None: None,
                                                                    sparse_attention=fake.sparse_attention))
     timer = SimpleNamespace(times=[], timed=0)
 

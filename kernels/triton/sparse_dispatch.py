@@ -57,7 +57,7 @@ def gluon_mode() -> str:
     return GLUON_DEFAULT if GLUON_DEFAULT in ("on", "off", "auto") else "off"
 
 
-def gluon_refusal(q, k, v) -> str | None:
+def gluon_refusal(q, k, v, residual=None) -> str | None:
     """Why the Gluon kernel is not tried for this call (None: it is, or it is timed against the Triton kernel)."""
     if gluon_mode() == "off":
         return "off (MC_SPARSE_GLUON=0)" if os.environ.get("MC_SPARSE_GLUON") == "0" else "off (GLUON_DEFAULT)"
@@ -68,7 +68,7 @@ def gluon_refusal(q, k, v) -> str | None:
         mod = _gluon_module()
     except Exception as err:  # a Triton without Gluon's Hopper module
         return f"unavailable ({type(err).__name__}: {err})"
-    return mod.refusal(q, k, v)
+    return mod.refusal(q, k, v, residual)
 
 
 def fallback_reason() -> str | None:
@@ -130,7 +130,7 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
     def triton_call():
         return _triton_kernel.sparse_attention(q, k, v, perm, kv_idx, **kw, **tuning)
 
-    if tuning or gluon_refusal(q, k, v) is not None:
+    if tuning or gluon_refusal(q, k, v, residual) is not None:
         return triton_call()
     gluon = _gluon_module()
 
