@@ -18,6 +18,7 @@ from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.kernels import reference, registry
 
 from .test_reuse_op import make_residual
+from .test_gpu_reuse_kernel import _inputs  # random groups (perm, -1 tail) and sorted selections
 
 _SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _SM90, reason="needs an sm_90 (Hopper) CUDA GPU")]
@@ -34,17 +35,6 @@ def _dispatch():
 def _native(gen, B, S, H, D, dtype):
     base = torch.randn(B, S, H * D, generator=gen, device="cuda").to(dtype)
     return base.view(B, S, H, D).transpose(1, 2)
-
-
-def _inputs(gen, B, H, S, C, K, k_alloc):
-    """perm: a random permutation per (b, h), -1 tail; kv_idx: K random sorted keys per group, -1 up to k_alloc."""
-    G = -(-S // C)
-    perm = torch.full((B, H, G * C), -1, dtype=torch.int32, device="cuda")
-    perm[..., :S] = torch.argsort(torch.rand(B, H, S, generator=gen, device="cuda"), -1).to(torch.int32)
-    keys = torch.rand(B, H, G, S, generator=gen, device="cuda").topk(K, -1).indices.sort(-1).values
-    idx = torch.full((B, H, G, k_alloc), -1, dtype=torch.int32, device="cuda")
-    idx[..., :K] = keys.to(torch.int32)
-    return perm, idx
 
 
 def _check(B, H, S, D, C, K, k_alloc, kind, dtype, seed, ragged_counts=False, **tuning):

@@ -342,6 +342,26 @@ def config(head_dim: int, capability: tuple[int, int] | None) -> dict:
     return dict(block_n=32, num_warps=8, num_stages=3, maxnreg=None, lazy_rescale=False, **softmax)
 
 
+def group_shape(perm, kv_idx):
+    """(G, K_alloc, G*C, C) of a launch from ``perm`` int32 [B, H, G*C] and ``kv_idx`` int32 [B, H, G, K_alloc].
+
+    Raises:
+        ValueError: ``perm``'s width is not a multiple of G."""
+    G, k_alloc = kv_idx.shape[2], kv_idx.shape[3]
+    n_slots = perm.shape[-1]
+    if n_slots % G:
+        raise ValueError(f"perm width must be a multiple of kv_idx's G = {G}, got {n_slots}")
+    return G, k_alloc, n_slots, n_slots // G
+
+
+def needs_row64(q, k, v, out, residual):
+    """True when some (b, h) slice of q / k / v / out / the residual's data reaches past 2^31 elements (the kernels'
+    row offsets are int32 otherwise). All are [B, H, S, D]-shaped views (the residual's last dim may be D/2)."""
+    views = [q, k, v, out] + ([] if residual is None else [residual.data])
+    reach = max(sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], t.stride()[2:])) for t in views if t is not None)
+    return reach >= 2**31
+
+
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, block_n=None,
                 num_warps=None, num_stages=None, mask_from_count=True, cache="", block_m=None, row64=None,
                 permute_q=True, maxnreg=None, exp=None, lazy_rescale=None, q_regs=None,
@@ -351,11 +371,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     ``exp`` (None: the config's) goes through ``fastexp.mode_for``: "f16x2" runs fp32 exponentials under the
     interpreter (capability None) and below sm_75."""
     B, H, S, D = q.shape
-    G, k_alloc = kv_idx.shape[2], kv_idx.shape[3]
-    n_slots = perm.shape[-1]
-    if n_slots % G:
-        raise ValueError(f"perm width must be a multiple of kv_idx's G = {G}, got {n_slots}")
-    C = n_slots // G
+    G, k_alloc, n_slots, C = group_shape(perm, kv_idx)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     block_m = block_m or min(128, max(16, triton.next_power_of_2(C)))
     m_blocks = triton.cdiv(C, block_m)
@@ -367,10 +383,8 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     q_regs = cfg["q_regs"] if q_regs is None else bool(q_regs)
     pipeline_qk = cfg["pipeline_qk"] if pipeline_qk is None else bool(pipeline_qk)
     fast_prologue = cfg["fast_prologue"] if fast_prologue is None else bool(fast_prologue)
-    if row64 is None:  # int32 row offsets unless some (b, h) slice reaches past 2^31 elements
-        views = [q, k, v, out] + ([] if residual is None else [residual.data])
-        reach = max(sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], t.stride()[2:])) for t in views if t is not None)
-        row64 = reach >= 2**31
+    if row64 is None:
+        row64 = needs_row64(q, k, v, out, residual)
     perm = perm.contiguous()  # no-ops for the cache's arrays (always contiguous)
     kv_idx = kv_idx.contiguous()
     if out is None:

@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .sparse_attention import residual_args
+from .sparse_attention import group_shape, needs_row64, residual_args
 
 _LOG2E = 1.4426950408889634
 
@@ -575,18 +575,12 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     B, H, S, D = q.shape
     if D not in HEAD_DIMS or q.dtype not in DTYPES:
         raise ValueError(f"the sm_90 Gluon kernel runs D in {HEAD_DIMS}, fp16/bf16; got D = {D}, {q.dtype}")
-    G, k_alloc = kv_idx.shape[2], kv_idx.shape[3]
-    n_slots = perm.shape[-1]
-    if n_slots % G:
-        raise ValueError(f"perm width must be a multiple of kv_idx's G = {G}, got {n_slots}")
-    C = n_slots // G
+    G, k_alloc, n_slots, C = group_shape(perm, kv_idx)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     cfg = config(D)
     m_blocks = triton.cdiv(C, BLOCK_M)
     if row64 is None:
-        views = [q, k, v, out] + ([] if residual is None else [residual.data])
-        reach = max(sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], t.stride()[2:])) for t in views if t is not None)
-        row64 = reach >= 2**31
+        row64 = needs_row64(q, k, v, out, residual)
     perm = perm.contiguous()
     kv_idx = kv_idx.contiguous()
     if out is None:
