@@ -249,7 +249,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             tidx, _, _ = cute.arch.thread_idx()
             outputs = _Outputs(mO, mLSE, mPerm, mRes, mScale, mCoef, mMean, n_heads, groups_per_head)
             self.mma(
-                tiled_mma_qk, tiled_mma_pv, outputs, mLSE, sQ, sK, layout_utils.transpose_view(sV), None, None, None,
+                tiled_mma_qk, tiled_mma_pv, outputs, mLSE, sQ, sK, layout_utils.transpose_view(sV), None, sQ, None,
                 pipeline_k, pipeline_v, pipeline_q, None, None, tidx - 128, softmax_scale_log2, softmax_scale,
                 block_info, SeqlenInfoCls, AttentionMaskCls, TileSchedulerCls, None, AuxData(), None,
             )
