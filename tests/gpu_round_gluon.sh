@@ -7,7 +7,8 @@
 #    shape it times the Gluon and the Triton kernel and keeps the faster; the bench's JSON lists the choices) beside
 #    the Triton kernel's default config and the Gluon tunings (final: 3 of them), both shapes, s = 0.1/0.15/0.25/0.5;
 #    writes $OUT/bench_reuse.json and $OUT/scoreboard.json (triton_sparse_eff_min; a Gluon result with
-#    rel_l2 > 2e-2 is excluded from it). Expected: full ~1.2 + ~2 min (cap 5 + 4 min); final ~35 + ~65 s (cap 75 + 105 s).
+#    rel_l2 > 2e-2 is excluded from it; with --gluon the figure is the op's). Expected: full ~1.2 + ~2 min (cap 5 + 4
+#    min); final ~50 + ~65 s (cap 75 + 105 s).
 set -u
 OUT=${1:?usage: gpu_round_gluon.sh OUT_DIR [commit] [final]}
 COMMIT=${2:-}
@@ -17,9 +18,10 @@ SELECT=()
 CONFIGS=()
 T_TESTS=300
 T_BENCH=240
-if [ "$MODE" = final ]; then  # ~100 s: the default path's cases, 2 tunings
-    SELECT=(-k "S4000 or C192 or no-overlap or overlap-persistent or stage-out-pingpong or dispatches")
-    CONFIGS=(--gluon-configs "gluon no overlap,gluon pingpong persistent stage_out")
+if [ "$MODE" = final ]; then  # ~110 s: the default path's cases (int4_group included), the plain schedule's
+    # pingpong / pipeline / persistent variants; 4 tunings
+    SELECT=(-k "S4000 or C192 or pingpong-persistent] or tunings and pingpong] or tunings and pipeline] or persistent-7 or dispatches or auto_mode")
+    CONFIGS=(--gluon-configs "gluon pingpong,gluon persistent,gluon pingpong persistent")
     T_TESTS=75
     T_BENCH=105
 fi

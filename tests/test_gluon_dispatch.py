@@ -152,20 +152,24 @@ def test_gluon_out_of_memory_propagates(gen, failing_gluon):
 
 
 class _Fake:
-    """A Gluon kernel that works (the Triton kernel's result) and counts its calls."""
+    """A Gluon kernel that works (the Triton kernel's result), counts its calls and keeps each call's schedule
+    options (``GLUON_SCHEDULES`` values)."""
 
     def __init__(self):
         self.calls = 0
+        self.options = []
 
     def sparse_attention(self, *a, **kw):
         self.calls += 1
+        sched = {n: kw.pop(n) for n in ("pingpong", "persistent", "overlap", "pipeline") if n in kw}
+        self.options.append(sched)
         return _dispatch()._triton_kernel.sparse_attention(*a, **kw)
 
 
 @pytest.fixture
 def auto_gluon(monkeypatch):
     """Auto mode on a CPU: a working fake Gluon kernel, and a timer that runs the function once and answers the next
-    of ``timer.times`` (Gluon's time first, then the Triton kernel's)."""
+    of ``timer.times`` (each Gluon schedule's time in ``GLUON_SCHEDULES`` order, then the Triton kernel's)."""
     d = _dispatch()
     d.reset()
     monkeypatch.delenv("MC_SPARSE_GLUON", raising=False)
@@ -184,26 +188,34 @@ def auto_gluon(monkeypatch):
     d.reset()
 
 
-@pytest.mark.parametrize(("t_gluon", "t_triton", "want"), [(1.0, 2.0, "gluon"), (3.0, 2.0, "triton")])
-def test_auto_mode_times_once_per_shape_and_keeps_the_faster(gen, auto_gluon, t_gluon, t_triton, want):
-    """The first call of a shape times both kernels (Gluon first), keeps the faster for that shape, returns the chosen
-    kernel's result; later calls of the shape run the choice without timing; another K_alloc is timed anew."""
+@pytest.mark.parametrize(("times", "want"), [((1.0, 1.5, 1.2, 2.0), "plain"), ((3.0, 1.0, 1.5, 2.0), "pingpong"),
+                                             ((3.0, 2.5, 1.0, 2.0), "pingpong persistent"),
+                                             ((3.0, 2.5, 2.2, 2.0), "triton")])
+def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, times, want):
+    """The first call of a shape times each Gluon schedule and the Triton kernel, keeps the fastest for that shape,
+    returns the chosen kernel's result; later calls of the shape run the choice (its schedule's options) without
+    timing; another K_alloc is timed anew."""
     fake, timer = auto_gluon
+    d = _dispatch()
+    assert list(d.GLUON_SCHEDULES) == ["plain", "pingpong", "pingpong persistent"]
     q, k, v, perm, idx = _inputs(gen)
     ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
-    timer.times = [t_gluon, t_triton]
+    timer.times = list(times)
     out = torch.full_like(q, float("nan"))
-    got = _dispatch().sparse_attention(q, k, v, perm, idx, out=out)
+    got = d.sparse_attention(q, k, v, perm, idx, out=out)
     assert got is out and float((out.double() - ref).norm() / ref.norm()) < 4e-3
-    assert timer.timed == 2 and list(_dispatch().choices.values()) == [want]
+    assert timer.timed == 4 and list(d.choices.values()) == [want]
+    assert fake.options[:3] == [{}, dict(pingpong=True), dict(pingpong=True, persistent=True)]
     calls = fake.calls
     for _ in range(2):
-        _dispatch().sparse_attention(q, k, v, perm, idx)
-    assert timer.timed == 2 and fake.calls == calls + (2 if want == "gluon" else 0)
-    timer.times = [1.0, 2.0]
+        d.sparse_attention(q, k, v, perm, idx)
+    assert timer.timed == 4 and fake.calls == calls + (2 if want != "triton" else 0)
+    if want != "triton":
+        assert fake.options[-1] == d.GLUON_SCHEDULES[want]
+    timer.times = [1.0, 2.0, 2.0, 2.0]
     wider = torch.cat([idx, torch.full_like(idx[..., :64], -1)], -1)  # K_alloc 128: a new shape key
-    _dispatch().sparse_attention(q, k, v, perm, wider)
-    assert timer.timed == 4 and len(_dispatch().choices) == 2
+    d.sparse_attention(q, k, v, perm, wider)
+    assert timer.timed == 8 and len(d.choices) == 2
 
 
 def test_auto_mode_runs_the_triton_kernel_under_graph_capture(gen, auto_gluon, monkeypatch):

@@ -90,10 +90,12 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
            "persistent-7-programs": (dict(persistent=True, num_sms=7, overlap=False), "int4_group"),
            "overlap": (dict(overlap=True), "plain"), "overlap-3-stages": (dict(overlap=True, num_stages=3), None),
            "overlap-persistent": (dict(overlap=True, persistent=True, num_sms=7), "fp8_row"),
-           "pingpong": (dict(pingpong=True), "int4_group"),
+           "pingpong": (dict(pingpong=True), "int4_group"),  # the plain schedule's blocks, turns between warpgroups
            "pingpong-persistent": (dict(pingpong=True, persistent=True, num_sms=7), "plain"),
+           "overlap-pingpong": (dict(overlap=True, pingpong=True), "fp8_row"),
            "stage-out": (dict(stage_out=True), "int4_group"),
-           "stage-out-pingpong-persistent": (dict(stage_out=True, pingpong=True, persistent=True, num_sms=7), "plain"),
+           "stage-out-overlap-pingpong-persistent": (dict(stage_out=True, overlap=True, pingpong=True, persistent=True,
+                                                          num_sms=7), "plain"),
            "row64": (dict(row64=True), "int4_row")}  # int64 row offsets (slices past 2^31 elements)
 
 
@@ -131,3 +133,29 @@ def test_op_dispatches_to_gluon_without_fallback(monkeypatch):
     stats = [(ck.n_regs, ck.n_spills) for ck in _g90().compiled_kernels()[before:]]  # this call's (default) kernel
     print("gluon default-config kernels compiled here (n_regs, n_spills):", stats)  # (persistent variants spill a bit)
     assert all(s == 0 for _, s in stats), stats
+
+
+def test_op_auto_mode_times_every_schedule_and_matches_float64(monkeypatch):
+    """The op in auto mode (the default): the first call of a shape times every GLUON_SCHEDULES entry and the Triton
+    kernel (all compiled, no fallback), keeps the fastest, and every later call of the shape (the chosen kernel)
+    matches float64, with an int4_row residual."""
+    monkeypatch.delenv("MC_SPARSE_GLUON", raising=False)
+    d = _dispatch()
+    d.reset()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    B, H, S, C = 2, 2, 3000 + 5, 128
+    q, k, v = (_native(gen, B, S, H, 128, torch.bfloat16) for _ in range(3))
+    perm, idx = _inputs(gen, B, H, S, C, 700, 768)
+    res = make_residual(torch.randn(B, H, S, 128, generator=gen, device="cuda") * 0.05, "int4_row", perm,
+                        perm.shape[-1] // C)
+    ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx) + res.dequantize(torch.float64, perm)
+    with registry.recording(registry.Record()) as record:
+        for _ in range(2):
+            got = kernels.sparse_attention(q, k, v, perm, idx, residual=res, backend="triton")
+            err = float((got.double() - ref).norm() / ref.norm())
+            assert err < 6e-3, err
+    assert record.failures == {}, record.failures
+    (key, choice), = d.choices.items()
+    print("auto mode:", choice, d._times[key], f"rel_l2 {err:.2e}")
+    assert set(d._times[key]) == set(d.GLUON_SCHEDULES) | {"triton"}
+    d.reset()

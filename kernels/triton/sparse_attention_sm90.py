@@ -11,8 +11,12 @@ products and the softmax of one program overlap (Triton 3.6 does not warp-specia
 - two consumer warpgroups (64 of the program's 128 query rows each, the default partition and one worker) gather
   their Q rows through ``perm`` into shared memory once, then per tile: S = Q K^T (wgmma), release the K stage,
   online softmax in base 2 with the lazy rescale (max moves only by > ``RESCALE_LOG2``; exact), O += P V (wgmma, P
-  from registers), release the V stage. The two warpgroups run independently, so one's softmax overlaps the
-  other's products (FA3's ping-pong, here left to the warp schedulers);
+  from registers), release the V stage; only the last tile masks slots past the count. By default the two
+  warpgroups run independently; ``pingpong`` makes them take turns issuing their products (FA3's inter-warpgroup
+  schedule: one's softmax under the other's products). A stage's rows are written by ``cp.async``, which the PTX
+  memory model counts as generic-proxy writes, and wgmma reads shared memory through the async proxy, so each
+  consumer runs ``fence.proxy.async`` after observing a stage ready (mbarrier wait) and before its wgmma reads it;
+
 - the epilogue of each consumer: O / l, + the residual (plain / fp8_row / int4_row / int4_group, dequantised in registers,
   fp32), stored through ``perm`` into ``out``'s strides; optional LSE (fp32, natural log).
 
@@ -20,7 +24,8 @@ Work items (one group's 128 query rows) walk the groups of one (b, h) back to ba
 ``persistent``: one program per SM walks items pid, pid + programs, ...; the producer then also gathers each item's
 Q rows (cp.async, 2 slots with their own mbarriers) and runs ahead into the next item's Q and K/V tiles while the
 consumers run the epilogue (the ring's stage / phase follow a tile counter kept across items; every partition counts
-each item's valid slots itself).
+each item's valid slots itself: the producer with its other first loads in flight, the consumers from the tail
+loaded an item earlier; the epilogue's perm rows are loaded before the mainloop).
 
 Shared memory: Q 128 x D (x 2 slots persistent) + NUM_STAGES x (K + V) tiles of 128 x D (D = 128, 2 stages:
 160 KiB; persistent 192 KiB). Registers: consumers
@@ -63,10 +68,11 @@ RESCALE_LOG2 = gl.constexpr(8.0)  # lazy rescale threshold, log2 units (as spars
 def config(head_dim: int) -> dict:
     """Launch config at ``head_dim``: pipeline depth, register split (12 warps: 2 consumer + 1 producer groups) and
     the consumers' schedule. Default: the plain schedule (QK^T, softmax, P V per tile), measured on the H200 (final
-    round, vs flash-attn-4 dense x s): 1.3B 0.690-0.767, 14B 0.761-0.808, faster than ``overlap`` (FA3's
-    intra-warpgroup overlap: 0.654-0.704) at every point; ``pingpong`` + ``persistent`` + ``stage_out``: 1.3B
-    0.719-0.755, 14B 0.776-0.804 (better at s <= 0.25 on 1.3B, worse at 0.5)."""
-    return dict(num_stages=2, consumer_regs=232, producer_regs=40, maxnreg=168, pipeline=False, persistent=False,
+    round of the previous session, vs flash-attn-4 dense x s): 1.3B 0.690-0.767, 14B 0.761-0.808, faster than
+    ``overlap`` (FA3's intra-warpgroup overlap: 0.654-0.704) at every point; ``overlap`` + ``pingpong`` +
+    ``persistent`` + ``stage_out``: 1.3B 0.719-0.755, 14B 0.776-0.804. Registers 224 / 56 (consumers / producer):
+    the producer issues each item's count, index and query loads together (232 / 40 spilled 32 bytes there)."""
+    return dict(num_stages=2, consumer_regs=224, producer_regs=56, maxnreg=168, pipeline=False, persistent=False,
                 overlap=False, pingpong=False, stage_out=False)
 
 
@@ -91,15 +97,24 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual=None) ->
 
 
 @gluon.jit
-def _valid_count(idx_base, K_ALLOC, PROBES: gl.constexpr, num_warps: gl.constexpr):
-    """Slots before the first -1 of one group's kv_idx row (trailing -1): the last PROBES slots first (one round trip
-    when fewer than PROBES slots are padding), else PROBES evenly spaced probes locate the boundary's chunk, which is
-    then counted PROBES slots at a time."""
+def _tail_probe(idx_base, K_ALLOC, valid, PROBES: gl.constexpr, num_warps: gl.constexpr):
+    """The last PROBES slots of one group's kv_idx row (int32, -1 past K_ALLOC or when not ``valid``): loaded here,
+    counted by ``_count_from_tail`` once other loads are in flight (or an item later)."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     j = gl.arange(0, PROBES, layout=lay)
     tail0 = gl.maximum(K_ALLOC - PROBES, 0)
-    v = gl.load(idx_base + tail0 + j, mask=tail0 + j < K_ALLOC, other=-1)
-    ok = v >= 0
+    return gl.load(idx_base + tail0 + j, mask=(tail0 + j < K_ALLOC) & valid, other=-1)
+
+
+@gluon.jit
+def _count_from_tail(tail, idx_base, K_ALLOC, PROBES: gl.constexpr, num_warps: gl.constexpr):
+    """Slots before the first -1 of one group's kv_idx row (trailing -1) from its last PROBES slots (``_tail_probe``):
+    no further load when fewer than PROBES slots are padding, else PROBES evenly spaced probes locate the boundary's
+    chunk, which is then counted PROBES slots at a time."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    j = gl.arange(0, PROBES, layout=lay)
+    tail0 = gl.maximum(K_ALLOC - PROBES, 0)
+    ok = tail >= 0
     count = tail0 + gl.sum(ok.to(gl.int32), 0)
     first_ok = gl.sum(gl.where(j == 0, ok, False).to(gl.int32), 0)
     if (first_ok == 0) & (tail0 > 0):
@@ -137,8 +152,18 @@ def _gather_rows(dst, base, rows, ok, stride_s, stride_d, offs_d):
 
 
 @gluon.jit
+def _gather_q(dst, q_base, q_idx, S, stride_qs, stride_qd, offs_d, ROW64: gl.constexpr):
+    """cp.async of 64 query rows q_idx (perm entries; -1 or out of range: zeros) into one Q tile."""
+    ok = (q_idx >= 0) & (q_idx < S)
+    rows = gl.where(ok, q_idx, 0)
+    if ROW64:
+        rows = rows.to(gl.int64)
+    _gather_rows(dst, q_base, rows, ok, stride_qs, stride_qd, offs_d)
+
+
+@gluon.jit
 def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              w0, n_work, w_step, n_end0, H, G_MB, n_slots, C, K_ALLOC, S, SK,
+              w0, n_work, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK,
               stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
               stride_vb, stride_vh, stride_vs, stride_vd,
               M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -158,22 +183,22 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
     for w in range(w0, n_work, w_step):
         b, h, group, row0, idx_off, perm_off = _work_item(w, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)
         idx_base = KV_IDX + idx_off
-        n_end = n_end0
+        # the item's independent loads first (one round trip for all): the count's tail, tile 0's indices (slots
+        # past the count are -1 there: no count needed), the query rows (PERSISTENT)
+        tail = _tail_probe(idx_base, K_ALLOC, True, 128, 4)
+        kv_next = gl.load(idx_base + offs_n, mask=offs_n < K_ALLOC, other=-1)  # tile 0's indices
         if PERSISTENT:
-            n_end = _valid_count(idx_base, K_ALLOC, 128, 4)
-        kv_next = gl.load(idx_base + offs_n, mask=offs_n < n_end, other=0)  # tile 0's indices
+            rows_a = row0 + offs_m
+            rows_b = row0 + 64 + offs_m
+            q_idx_a = gl.load(PERM + perm_off + rows_a, mask=rows_a < C, other=-1)
+            q_idx_b = gl.load(PERM + perm_off + rows_b, mask=rows_b < C, other=-1)
+        n_end = _count_from_tail(tail, idx_base, K_ALLOC, 128, 4)
         if PERSISTENT:  # this item's queries, while the consumers may still run the previous item's epilogue
             qs = i % 2
             mbarrier.wait(q_empty.index(qs), ((i // 2) & 1) ^ 1)
             q_base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
-            for half in gl.static_range(2):
-                rows_m = row0 + half * 64 + offs_m
-                q_idx = gl.load(PERM + perm_off + rows_m, mask=rows_m < C, other=-1)
-                ok = (q_idx >= 0) & (q_idx < S)
-                rows = gl.where(ok, q_idx, 0)
-                if ROW64:
-                    rows = rows.to(gl.int64)
-                _gather_rows(q_smem.index(qs * 2 + half), q_base, rows, ok, stride_qs, stride_qd, offs_d)
+            _gather_q(q_smem.index(qs * 2), q_base, q_idx_a, S, stride_qs, stride_qd, offs_d, ROW64)
+            _gather_q(q_smem.index(qs * 2 + 1), q_base, q_idx_b, S, stride_qs, stride_qd, offs_d, ROW64)
             async_copy.mbarrier_arrive(q_ready.index(qs), increment_count=False)
         k_base = K + b.to(gl.int64) * stride_kb + h.to(gl.int64) * stride_kh
         v_base = V + b.to(gl.int64) * stride_vb + h.to(gl.int64) * stride_vh
@@ -207,24 +232,87 @@ def _e4m3_to_f32_div256(byte):
 
 
 @gluon.jit
-def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c, NUM_STAGES: gl.constexpr):
-    """S = Q K^T of the ring's tile c (fp32, the wgmma accumulator layout of s_zero), then its K stage released."""
+def _turn_wait(turn, j, HALF: gl.constexpr):
+    """PINGPONG: wait until this consumer warpgroup may issue its j-th block of products (block j of warpgroup 0
+    follows block j - 1 of warpgroup 1; block j of warpgroup 1 follows block j of warpgroup 0)."""
+    if HALF == 0:
+        mbarrier.wait(turn.index(0), (j & 1) ^ 1)
+    else:
+        mbarrier.wait(turn.index(1), j & 1)
+
+
+@gluon.jit
+def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c, turn, j, NUM_STAGES: gl.constexpr, HALF: gl.constexpr,
+            PINGPONG: gl.constexpr):
+    """S = Q K^T of the ring's tile c (fp32, the wgmma accumulator layout of s_zero), then its K stage released.
+    PINGPONG: issued as this warpgroup's product block j (``_turn_wait``), the other warpgroup's turn passed on."""
     s = c % NUM_STAGES
     k_tile = k_smem.index(s)
     mbarrier.wait(k_ready.index(s), (c // NUM_STAGES) & 1)
     fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads through the async proxy
+    if PINGPONG:
+        _turn_wait(turn, j, HALF)
     qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
     qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, q_tile, k_tile))
     mbarrier.arrive(k_empty.index(s), count=1)
     return qk
 
 
 @gluon.jit
-def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, c0, sm_scale_log2,
+def _values(p16, acc, v_smem, v_ready, v_empty, c, turn, j, NUM_STAGES: gl.constexpr, HALF: gl.constexpr,
+            PINGPONG: gl.constexpr):
+    """O += P V of the ring's tile c (P from registers), then its V stage released; PINGPONG as ``_scores``."""
+    s = c % NUM_STAGES
+    v_tile = v_smem.index(s)
+    mbarrier.wait(v_ready.index(s), (c // NUM_STAGES) & 1)
+    fence_async_shared()
+    if PINGPONG:
+        _turn_wait(turn, j, HALF)
+    acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+    acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, v_tile, p16))
+    mbarrier.arrive(v_empty.index(s), count=1)
+    return acc
+
+
+@gluon.jit
+def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero, c, turn, j,
+                        NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """One product block: O += P V of tile c and S = Q K^T of tile c + 1 issued back to back (one proxy fence for
+    both stages, one wait for both products), then both stages released. Returns (O, S of tile c + 1)."""
+    sv = c % NUM_STAGES
+    sk = (c + 1) % NUM_STAGES
+    v_tile = v_smem.index(sv)
+    k_tile = k_smem.index(sk)
+    mbarrier.wait(v_ready.index(sv), (c // NUM_STAGES) & 1)
+    mbarrier.wait(k_ready.index(sk), ((c + 1) // NUM_STAGES) & 1)
+    fence_async_shared()
+    if PINGPONG:
+        _turn_wait(turn, j, HALF)
+    acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
+    qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+    acc, qk, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, qk_t, p16, v_tile, q_tile, k_tile))
+    mbarrier.arrive(v_empty.index(sv), count=1)
+    mbarrier.arrive(k_empty.index(sk), count=1)
+    return acc, qk
+
+
+@gluon.jit
+def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, n_end, c0, j0, sm_scale_log2,
               dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, PIPELINE: gl.constexpr):
-    """One group's key tiles (ring tiles c0 ..): online softmax in base 2 with the lazy rescale, O = P V accumulated
-    in fp32. Returns (O unnormalised, running max (log2 units), row sum)."""
+              NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr):
+    """One group's key tiles (ring tiles c0 ..): per tile S = Q K^T, the online softmax in base 2 with the lazy
+    rescale, O += P V accumulated in fp32. Only the last tile masks the slots past the count (the loop body runs
+    unmasked: no select per score). PIPELINE: tile t's P V and tile t + 1's QK^T issued as one block (one fence, one
+    wait). PINGPONG (implies PIPELINE's blocks; FA3's inter-warpgroup schedule): the two consumer warpgroups take
+    turns issuing their blocks (mbarriers ``turn``), so one's softmax runs under the other's products; ``j0`` counts
+    this warpgroup's earlier blocks (all items: n_tiles + 1 per item). Returns (O unnormalised, running max (log2
+    units), row sum)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -238,51 +326,33 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end,
     acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
     n_tiles = gl.cdiv(n_end, BLOCK_N)
-    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, NUM_STAGES)
-    for t in range(n_tiles):
+    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn, j0, NUM_STAGES, HALF, PINGPONG)
+    for t in range(n_tiles - 1):  # every tile but the last: all slots valid
         c = c0 + t
-        s = c % NUM_STAGES
-        ph = (c // NUM_STAGES) & 1
-        if (t + 1) * BLOCK_N > n_end:  # the last, partial tile: its slots past the count weigh nothing
-            qk = gl.where((t * BLOCK_N + offs_n < n_end)[None, :], qk, float("-inf"))
-        m_tile = gl.max(qk, 1) * sm_scale_log2
-        m_new = gl.where(m_tile > m_i + RESCALE_LOG2, m_tile, m_i)
-        p = gl.exp2(qk * sm_scale_log2 - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        m_i = m_new
-        p16 = gl.convert_layout(p.to(dtype), p_layout)
-        v_tile = v_smem.index(s)
-        mbarrier.wait(v_ready.index(s), ph)
-        fence_async_shared()
-        acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
-        if PIPELINE:  # the next tile's QK^T issued behind this P V: the two products run back to back
-            if t + 1 < n_tiles:
-                s1 = (c + 1) % NUM_STAGES
-                k_tile = k_smem.index(s1)
-                mbarrier.wait(k_ready.index(s1), ((c + 1) // NUM_STAGES) & 1)
-                fence_async_shared()
-                qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                qk, acc, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, acc_t, q_tile, k_tile, v_tile))
-                mbarrier.arrive(k_empty.index(s1), count=1)
-            else:
-                acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, v_tile))
-            mbarrier.arrive(v_empty.index(s), count=1)
+        p16, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
+                                             row_o, False)
+        acc = acc * alpha[:, None]
+        if PIPELINE or PINGPONG:
+            acc, qk = _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
+                                          c, turn, j0 + 1 + t, NUM_STAGES, HALF, PINGPONG)
         else:
-            acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, v_tile))
-            mbarrier.arrive(v_empty.index(s), count=1)
-            if t + 1 < n_tiles:
-                qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c + 1, NUM_STAGES)
+            acc = _values(p16, acc, v_smem, v_ready, v_empty, c, turn, 0, NUM_STAGES, HALF, False)
+            qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c + 1, turn, 0, NUM_STAGES, HALF, False)
+    t = n_tiles - 1  # the last tile: its slots past the count weigh nothing
+    p16, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
+                                         row_o, True)
+    acc = acc * alpha[:, None]
+    acc = _values(p16, acc, v_smem, v_ready, v_empty, c0 + t, turn, j0 + n_tiles, NUM_STAGES, HALF, PINGPONG)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype: gl.constexpr, BLOCK_N: gl.constexpr,
-                  p_layout: gl.constexpr, row_o: gl.constexpr):
+                  p_layout: gl.constexpr, row_o: gl.constexpr, MASK: gl.constexpr = True):
     """Key tile t's scores -> (P in q's dtype as the P V wgmma's register operand, new running max, new row sum,
-    the accumulator's rescale factor per row); base 2, lazy rescale; slots past n_end (last tile) weigh nothing."""
-    if (t + 1) * BLOCK_N > n_end:
+    the accumulator's rescale factor per row); base 2, lazy rescale; MASK (the last tile): slots past n_end weigh
+    nothing."""
+    if MASK:
         qk = gl.where((t * BLOCK_N + offs_n < n_end)[None, :], qk, float("-inf"))
     m_tile = gl.max(qk, 1) * sm_scale_log2
     m_new = gl.where(m_tile > m_i + RESCALE_LOG2, m_tile, m_i)
@@ -316,7 +386,7 @@ def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
     acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
     n_tiles = gl.cdiv(n_end, BLOCK_N)
-    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, NUM_STAGES)
+    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn, 0, NUM_STAGES, HALF, False)
     p16, m_i, l_i, alpha = _softmax_tile(qk, 0, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
                                          row_o)  # acc is 0: no rescale
     for t in range(1, n_tiles):
@@ -355,12 +425,14 @@ def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h, group,
+def _epilogue(acc, m_i, l_i, q_idx, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h,
+              group,
               lse_base, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh, stride_rs, stride_rd,
               stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg,
               stride_md, stage, M: gl.constexpr, HEAD_DIM: gl.constexpr, RETURN_LSE: gl.constexpr,
               RES_KIND: gl.constexpr, ROW64: gl.constexpr, STAGE_OUT: gl.constexpr):
-    """O / l (+ the residual, dequantised in fp32) stored to the rows perm[rowh ..] of ``out`` by strides; the LSE.
+    """O / l (+ the residual, dequantised in fp32) stored to the rows q_idx = perm[rowh ..] (loaded by the caller
+    before its mainloop, in the accumulator's row layout) of ``out`` by strides; the LSE.
     Residual kinds as ``sparse_attention._store_half``: 1 plain, 2 fp8_row, 3 int4_row, 4 int4_group (+ coef x the
     group's mean row). STAGE_OUT: the rounded rows go through ``stage`` (this warpgroup's Q tile, free once its
     products are done) into a row-major layout, so each warp store writes whole 256-byte rows (the wgmma layout
@@ -371,8 +443,6 @@ def _epilogue(acc, m_i, l_i, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN,
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_o = gl.convert_layout(l_i, row_o)
     out = acc / l_o[:, None]
-    offs_mo = rowh + gl.arange(0, M, layout=row_o)
-    q_idx = gl.load(PERM + perm_off + offs_mo, mask=offs_mo < C, other=-1)
     ok = (q_idx >= 0) & (q_idx < S)
     rows = gl.where(ok, q_idx, 0)
     if ROW64:
@@ -428,7 +498,7 @@ def _epilogue(acc, m_i, l_i, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN,
 
 @gluon.jit
 def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready, q_empty,
-              k_ready, v_ready, k_empty, v_empty, turn, w0, n_work, w_step, n_end0, H, G_MB, n_slots, C, K_ALLOC, S,
+              k_ready, v_ready, k_empty, v_empty, turn, w0, n_work, w_step, H, G_MB, n_slots, C, K_ALLOC, S,
               sm_scale_log2,
               stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
               stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
@@ -437,18 +507,31 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
               NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr,
               PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               STAGE_OUT: gl.constexpr):
-    """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order)."""
+    """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
+    loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
+    later) and the epilogue's perm rows, both in flight under the mainloop."""
     M: gl.constexpr = 64
     q_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     c = 0  # ring tiles consumed so far (all items)
     i = 0
+    if PERSISTENT:  # the first item's count tail (the loop loads each next item's)
+        tail = _tail_probe(KV_IDX + _work_item(w0, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4], K_ALLOC, w0 < n_work,
+                           128, 4)
     for w in range(w0, n_work, w_step):
         b, h, group, row0, idx_off, perm_off = _work_item(w, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)
-        n_end = n_end0
-        if PERSISTENT:  # (one item per program: the count came from the parent, computed once)
-            n_end = _valid_count(KV_IDX + idx_off, K_ALLOC, 128, 4)
         rowh = row0 + HALF * M
-        if PERSISTENT:  # the producer gathered this item's Q
+        if not PERSISTENT:
+            tail = _tail_probe(KV_IDX + idx_off, K_ALLOC, True, 128, 4)
+        offs_mo = rowh + gl.arange(0, M, layout=row_o)
+        epi_idx = gl.load(PERM + perm_off + offs_mo, mask=offs_mo < C, other=-1)  # used by the epilogue
+        if PERSISTENT:  # the queries came from the producer; the count from the tail loaded an item ago
+            n_end = _count_from_tail(tail, KV_IDX + idx_off, K_ALLOC, 128, 4)
+            w_next = w + w_step
+            tail = _tail_probe(KV_IDX + _work_item(w_next, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4], K_ALLOC,
+                               w_next < n_work, 128, 4)
             qs = i % 2
             q_tile = q_smem.index(qs * 2 + HALF)
             mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
@@ -456,6 +539,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
         else:  # one item per program: this half's Q rows through perm, into its own tile
             offs_m = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, q_lay))
             q_idx = gl.load(PERM + perm_off + offs_m, mask=offs_m < C, other=-1)
+            n_end = _count_from_tail(tail, KV_IDX + idx_off, K_ALLOC, 128, 4)
             q_ok = (q_idx >= 0) & (q_idx < S)
             q_rows = gl.where(q_ok, q_idx, 0)
             if ROW64:
@@ -472,12 +556,13 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
                                               c, c - i, sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N,
                                               NUM_STAGES, HALF, PINGPONG)
         else:
-            acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_end, c,
-                                      sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, PIPELINE)
+            acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, n_end, c,
+                                      c + i, sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF,
+                                      PIPELINE, PINGPONG)
         c += gl.cdiv(n_end, BLOCK_N)
         if PERSISTENT and not STAGE_OUT:  # every QK^T of the item is done: its Q slot is free for item i + 2
             mbarrier.arrive(q_empty.index(i % 2), count=1)
-        _epilogue(acc, m_i, l_i, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h, group,
+        _epilogue(acc, m_i, l_i, epi_idx, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h, group,
                   (b * H + h).to(gl.int64) * S, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh,
                   stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb,
                   stride_mh, stride_mg, stride_md, q_tile, M, HEAD_DIM, RETURN_LSE, RES_KIND, ROW64, STAGE_OUT)
@@ -508,13 +593,11 @@ def _sparse_fwd_sm90(
         w0 = gl.program_id(0)
         w_step = gl.num_programs(0)
         w_end = n_work
-        n_end0 = 0  # each partition counts per item
-    else:  # one item per program; its group's valid count once, here
+    else:  # one item per program
         w0 = gl.program_id(1) * G_MB + gl.program_id(0)
         w_step = 1
         w_end = w0 + 1
-        idx_off0 = (gl.program_id(1).to(gl.int64) * (n_slots // C) + gl.program_id(0) // M_BLOCKS) * K_ALLOC
-        n_end0 = _valid_count(KV_IDX + idx_off0, K_ALLOC, 128, num_warps)
+    # (each partition counts its items' valid slots itself, its other first loads in flight meanwhile)
 
     dtype: gl.constexpr = Q.dtype.element_ty
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -543,21 +626,21 @@ def _sparse_fwd_sm90(
     # worker arguments are spelled out (a tuple built with + loses its constexpr wrappers in Triton 3.6)
     gl.warp_specialize([
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
-                     q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C,
+                     q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
-                     q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C,
+                     q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, w0, w_end, w_step, n_end0, H, G_MB, n_slots, C, K_ALLOC, S, SK,
+                     v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, GATHER_ROWS, ROW64, PERSISTENT)),
@@ -601,7 +684,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 RETURN_LSE=bool(return_lse), RES_KIND=kind, ROW64=bool(row64), GATHER_ROWS=gather_rows,
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
                 PIPELINE=bool(cfg["pipeline"] if pipeline is None else pipeline), PERSISTENT=persistent,
-                OVERLAP=bool(cfg["overlap"] if overlap is None else overlap) or bool(pingpong),
+                OVERLAP=bool(cfg["overlap"] if overlap is None else overlap),
                 PINGPONG=bool(cfg["pingpong"] if pingpong is None else pingpong),
                 STAGE_OUT=bool(cfg["stage_out"] if stage_out is None else stage_out),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
@@ -622,9 +705,10 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             next tile's QK^T right behind this tile's P V, one wait for both), ``persistent`` (one program per SM
             walking the work items; the producer gathers the next item's Q (2 slots) and K/V tiles while the consumers
             run the epilogue; ``num_sms``: programs, default the device's SM count), ``overlap`` (FA3's schedule: tile t's
-            softmax while tile t-1's P V runs; ``_mainloop_overlap``), ``pingpong`` (implies overlap: the two consumer
-            warpgroups take turns issuing their products), ``stage_out`` (output rows through shared memory into a
-            row-major layout: whole-row stores).
+            softmax while tile t-1's P V runs; ``_mainloop_overlap``), ``pingpong`` (the two consumer warpgroups take
+            turns issuing their products: with the plain schedule, blocks of tile t's P V + tile t + 1's QK^T, FA3's
+            inter-warpgroup schedule; with ``overlap``, that schedule's pairs), ``stage_out`` (output rows through
+            shared memory into a row-major layout: whole-row stores).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:

@@ -8,12 +8,13 @@ Which kernel runs one call (the capability data are in ``sparse_attention_sm90``
   unaligned rows; the interpreter included), when launch tuning is passed (tuning is the Triton kernel's), and
   with ``MC_SPARSE_GLUON=0``;
 - the warp-specialised Gluon kernel (``sparse_attention_sm90.py``) with ``MC_SPARSE_GLUON=1``;
-- otherwise ``GLUON_DEFAULT``: "auto" (the default) times both kernels once per call shape (``_shape_key``: device,
-  dtype, q / k shapes, groups, K_alloc, residual kind, LSE) on the first such call (CUDA events on the current
-  stream, ``TIMING_REPS`` launches each after one warm launch; one host synchronisation per shape per process, on
-  the first call: in a denoising run that is the first anchor step) and keeps the faster for that shape
-  (``choices``); the call's result is the chosen kernel's, launched last. While a CUDA graph is being captured
-  nothing is timed and the Triton kernel runs. "on" / "off" force one kernel.
+- otherwise ``GLUON_DEFAULT``: "auto" (the default) times the Gluon kernel's schedules (``GLUON_SCHEDULES``) and
+  the Triton kernel once per call shape (``_shape_key``: device, dtype, q / k shapes, groups, K_alloc, residual kind,
+  LSE) on the first such call (CUDA events on the current stream, ``TIMING_REPS`` launches each after one warm launch;
+  one host synchronisation per shape per process, on the first call: in a denoising run that is the first anchor
+  step) and keeps the fastest for that shape (``choices``: a schedule name or "triton"); the call's result is the
+  chosen kernel's, launched last. While a CUDA graph is being captured nothing is timed and the Triton kernel runs.
+  "on" (the first schedule) / "off" force one kernel.
 
 A Gluon compile or launch failure (anything but out of memory) falls back to the Triton kernel for the same call,
 is logged once, and is remembered as the registry remembers a failed backend: in the active ``registry.Record``
@@ -38,8 +39,12 @@ GLUON_KEY = ("triton.gluon_sm90", "sparse_attention")
 # Gluon kernel's correctness rests on tests/test_gpu_gluon_sparse.py; its speed is measured where it runs)
 GLUON_DEFAULT = "auto"
 TIMING_REPS = 3
-choices: dict[tuple, str] = {}  # shape key -> "gluon" | "triton" (auto mode), with the measured times in _times
-_times: dict[tuple, tuple[float, float]] = {}
+# The Gluon kernel's schedules the auto mode times per shape (name -> launch options of sparse_attention_sm90); the
+# first is what "on" runs. Each is checked against float64 on the GPU (tests/test_gpu_gluon_sparse.py).
+GLUON_SCHEDULES = {"plain": {}, "pingpong": dict(pingpong=True), "pingpong persistent": dict(pingpong=True,
+                                                                                          persistent=True)}
+choices: dict[tuple, str] = {}  # shape key -> a GLUON_SCHEDULES name | "triton" (auto mode); times in _times
+_times: dict[tuple, dict[str, float]] = {}
 _process_failure: str | None = None
 
 
@@ -134,27 +139,33 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
         return triton_call()
     gluon = _gluon_module()
 
-    def gluon_call():
-        return gluon.sparse_attention(q, k, v, perm, kv_idx, **kw)
+    def gluon_call(name=next(iter(GLUON_SCHEDULES))):
+        return gluon.sparse_attention(q, k, v, perm, kv_idx, **kw, **GLUON_SCHEDULES[name])
 
-    if gluon_mode() == "auto":
-        if _capturing():
-            return triton_call()
-        key = _shape_key(q, k, perm, kv_idx, residual, return_lse)
-        if key not in choices:
-            try:
-                t_gluon = _elapsed_ms(gluon_call, TIMING_REPS)
-            except Exception as err:
-                return _fall_back(err, triton_call)
-            t_triton = _elapsed_ms(triton_call, TIMING_REPS)
-            choices[key] = "gluon" if t_gluon < t_triton else "triton"
-            _times[key] = (t_gluon, t_triton)
-            log.info("MC-Sparse: sparse kernel for %s: Gluon %.3f ms, Triton %.3f ms -> %s", key, t_gluon, t_triton,
-                     choices[key])
-        if choices[key] == "triton":
-            return triton_call()
+    if gluon_mode() == "on":
+        try:
+            return gluon_call()
+        except Exception as err:
+            return _fall_back(err, triton_call)
+    if _capturing():
+        return triton_call()
+    key = _shape_key(q, k, perm, kv_idx, residual, return_lse)
+    if key not in choices:
+        times = {}
+        try:
+            for name in GLUON_SCHEDULES:
+                times[name] = _elapsed_ms(lambda name=name: gluon_call(name), TIMING_REPS)
+        except Exception as err:
+            return _fall_back(err, triton_call)
+        times["triton"] = _elapsed_ms(triton_call, TIMING_REPS)
+        choices[key] = min(times, key=times.get)
+        _times[key] = times
+        log.info("MC-Sparse: sparse kernel for %s: %s -> %s", key,
+                 ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()), choices[key])
+    if choices[key] == "triton":
+        return triton_call()
     try:
-        return gluon_call()
+        return gluon_call(choices[key])
     except Exception as err:
         return _fall_back(err, triton_call)
 
