@@ -60,7 +60,7 @@ from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig  # no
 from comfyui_mc_sparse_pack.kernels import reference, registry  # noqa: E402
 from comfyui_mc_sparse_pack.kernels.reference.pddp import within_group_variance  # noqa: E402
 from comfyui_mc_sparse_pack.kernels.reference.topk import top_k_rows as ref_top_k_rows  # noqa: E402
-from comfyui_mc_sparse_pack.kernels.triton import grouping, selection  # noqa: E402
+from comfyui_mc_sparse_pack.kernels.triton import grouping, pass2_dispatch, selection  # noqa: E402
 
 SHAPES = {"1.3b": dict(H=12, grid=(21, 30, 52)), "14b": dict(H=40, grid=(21, 45, 80)), "smoke": dict(H=2, grid=(2, 4, 33))}
 DEVICE = "cuda"
@@ -80,12 +80,18 @@ PASS2_CONFIGS = {  # group_prob_sums tuning; "fp8": float8 QK^T (approximate sum
     "fp8 pair stagger poly 1/2": dict(block_n=64, num_warps=4, num_stages=3, fp8=True, poly=2),
     "fp8 pair stagger bn128 w8": dict(block_n=128, num_warps=8, num_stages=3, fp8=True),
     "fp8 pair stagger poly 1/4 bn128 w8": dict(block_n=128, num_warps=8, num_stages=3, fp8=True, poly=1),
-    "fp8 pair unstaggered": dict(block_n=64, num_warps=4, num_stages=3, fp8=True, pipelined=False),
+    "fp8 pair unstaggered": dict(fp8=True, pipelined=False, gluon=False),  # the Triton pair kernel, its defaults
+    "fp8 gluon ws": dict(fp8=True, gluon=True),  # the warp-specialised sm_90 kernel (selection_sm90.py)
     "pair stagger + hist": dict(block_n=64, num_warps=4, num_stages=3, pair=True, fp8=False, hist=True),
     "fp8 pair unstaggered + hist": dict(block_n=64, num_warps=4, num_stages=3, fp8=True, pipelined=False, hist=True),
 }
 # --quick: the sweep's configs (round 1's other figures: docs/kernels.md), no workload quality, the fp8 + hist select
-QUICK_CONFIGS = ("pair stagger bn64 w4 st3 (bf16 default)", "fp8 pair unstaggered", "fp8 pair unstaggered + hist")
+QUICK_CONFIGS = ("pair stagger bn64 w4 st3 (bf16 default)", "fp8 pair unstaggered", "fp8 pair unstaggered + hist",
+                 "fp8 gluon ws")
+# the Gluon pass-2 kernel alone on precomputed float8 operands (selection_sm90.group_prob_sums_fp8 tuning), each
+# beside the Triton pair kernel alone (its pass 2 minus the operand pass)
+GLUON_TUNINGS = {"default": {}, "unroll 4": dict(unroll=4), "stages 4": dict(num_stages=4),
+                 "stages 12": dict(num_stages=12), "unroll 4 stages 12": dict(unroll=4, num_stages=12)}
 QUICK = False
 VARIANTS = None  # --variants: the PDDP variants timed (None: all)
 TOPK_METHODS = ("radix", "sample", "radix + pass-2 hist")
@@ -278,6 +284,8 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
                 kw["hist"] = hist_buf
             fn = (lambda kw: lambda: selection.group_prob_sums(*sub, group_size=C, **kw))(kw)
             got = fn()[:, :1]
+            if cfg.get("gluon") and pass2_dispatch.fallback_reason() is not None:
+                raise AssertionError(f"the Gluon kernel fell back: {pass2_dispatch.fallback_reason()}")
             err = float((got - sums_ref).norm() / sums_ref.norm())
             bound = 0.3 if cfg.get("fp8") else (2e-4 if cfg.get("poly") else 1e-5)
             if not err <= bound:  # a config must compute the same sums (fp8: approximately)
@@ -295,6 +303,7 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
         log(f"{name} fp8_operands alone (smoothing + quantisation, in the fp8 figures above): "
             f"{res['fp8_operands_over_dense']:.4f} of dense")
     del sums_ref
+    gluon_part(name, sub, res, best, rep, log)
     if not QUICK:
         with section(res, "fp8 quality on the synthetic workload", log):
             res["fp8_workload_quality"] = workload_quality(S)
@@ -357,12 +366,67 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
             ms3 = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
                                                     **select_kw(PASS2_CONFIGS[pick8])), rep)
             res["select_best_fp8"][str(s)] = dict(ms=ms3, over_dense=ms3 / best)
+            for gname, gkw in (("gluon", dict(gluon=True)), ("triton", dict(gluon=False))):  # pass 2 kernel forced
+                msg = bench(lambda gkw=gkw: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
+                                                                **gkw), rep)
+                res.setdefault(f"select_{gname}", {})[str(s)] = dict(ms=msg, over_dense=msg / best)
+            log(f"{name} pass 2 + top-K s={s} (defaults otherwise): with the Gluon pass-2 kernel "
+                f"{res['select_gluon'][str(s)]['over_dense']:.3f}, with the Triton pass-2 kernel "
+                f"{res['select_triton'][str(s)]['over_dense']:.3f} of {res['best_dense']['name']}"
+                + ("" if pass2_dispatch.fallback_reason() is None else
+                   f" (GLUON FELL BACK: {pass2_dispatch.fallback_reason()})"))
             others = "; ".join(f"{n} {ms / t:.3f}" for n, t in res["dense"].items())
             log(f"{name} pass 2 + top-K s={s}: defaults {ms:.2f} ms = {ms / best:.3f} of {res['best_dense']['name']} "
                 f"({others}); with {pick}: {ms2:.2f} ms = {ms2 / best:.3f}; with {pick8}: {ms3:.2f} ms = "
                 f"{ms3 / best:.3f}")
     res["radix_topk_failed"] = list(selection._RADIX_FAILED)  # non-empty: select_kv fell back to torch.topk
     return res
+
+
+def gluon_part(name, sub, res, best, rep, log):
+    """The warp-specialised Gluon pass 2 (``selection_sm90``) on ``sub`` (q, k, lse, perm of the sweep's head chunk):
+    refusal, its float16 sums against the Triton pair kernel's on the same float8 operands (must agree to one fp16
+    rounding), and the kernel alone per ``GLUON_TUNINGS`` (ms extrapolated to all heads / best dense) beside the
+    Triton pair kernel alone (its sweep figure minus the operand pass). Results in ``res["gluon"]``."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection_sm90
+
+    H = res["H"]
+    hc = sub[0].shape[1]
+    out = res["gluon"] = {}
+    with section(res, "gluon pass 2", log):
+        q8, k8, qf, lse_s, kb = selection.fp8_operands(sub[0], sub[1], sub[2], D**-0.5)
+        perm = sub[3].contiguous()
+        G = perm.shape[-1] // C
+        want = torch.empty(1, hc, G, k8.shape[2], dtype=torch.float16, device=DEVICE)
+        selection.group_prob_sums(*sub, group_size=C, fp8=True, gluon=False, out=want)
+        why = pass2_dispatch.gluon_refusal(q8, k8, C, want, requested=True)
+        out["refusal"] = why
+        log(f"{name} Gluon pass 2 refusal: {why}")
+        if why is not None:
+            return
+        t_op = res["fp8_operands_over_dense"]
+        t_tri = res["pass2_sweep"].get("fp8 pair unstaggered")
+        if isinstance(t_tri, float):
+            out["triton_kernel_alone_over_dense"] = t_tri - t_op
+        for tname, tune in GLUON_TUNINGS.items():
+            try:
+                got = torch.full_like(want, float("nan"))
+                selection_sm90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, got, group_size=C, **tune)
+                torch.cuda.synchronize()
+                bad = int((~torch.isclose(got.float(), want.float(), rtol=2**-10, atol=1e-7)).sum())
+                if bad:
+                    raise AssertionError(f"{bad} of {got.numel()} sums differ from the Triton kernel's by more than "
+                                         f"one fp16 rounding (max abs {float((got.float() - want.float()).abs().max()):.3e})")
+                ms = bench(lambda tune=tune: selection_sm90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, got,
+                                                                                group_size=C, **tune), rep)
+                out[tname] = ms * H / hc / best
+            except Exception as err:  # noqa: BLE001 (a variant that fails is reported, the others still run)
+                out[tname] = f"{type(err).__name__}: {str(err)[:300]}"
+            log(f"{name} Gluon pass-2 kernel alone {tname}: {out[tname]} of dense (Triton pair kernel alone "
+                f"{out.get('triton_kernel_alone_over_dense')}, operand pass {t_op:.4f}; extrapolated from {hc} heads)")
+        stats = [(ck.n_regs, ck.n_spills) for ck in selection_sm90.compiled_kernels()]
+        out["regs_spills"] = stats
+        log(f"{name} Gluon pass-2 kernels compiled (n_regs, n_spills): {stats}")
 
 
 def select_kw(cfg):
@@ -495,6 +559,9 @@ def write_scoreboard(report, out_dir, command):
             + "; worst with the fastest fp8 config: " + "; ".join(
                 f"{n} {sh.get('pass2_config_fp8')} {max(r['over_dense'] for r in sh.get('select_best_fp8', {}).values()):.4f}"
                 for n, sh in shapes.items() if sh.get("select_best_fp8"))
+            + "; worst with the Gluon pass-2 kernel forced: " + "; ".join(
+                f"{n} {max(r['over_dense'] for r in sh['select_gluon'].values()):.4f}"
+                for n, sh in shapes.items() if sh.get("select_gluon"))
             + "; baseline "
             + "; ".join(f"{n}: {sh['best_dense']['name']} {sh['best_dense']['ms']:.2f} ms" for n, sh in shapes.items())))
     if shapes and all(sh["pddp"].get("triton grouping", {}).get("contract_ok") for sh in shapes.values()):
@@ -562,6 +629,10 @@ def main():
         write_scoreboard(report, out_dir, "python tests/bench_anchor.py --out $OUT"
                          + (f" --only {args.only}" if args.only else "") + (" --quick" if args.quick else ""))
     log("summary: " + json.dumps({n: dict(pass2_topk=[round(r["over_dense"], 3) for r in sh.get("select", {}).values()],
+                                          pass2_topk_gluon=[round(r["over_dense"], 3)
+                                                            for r in sh.get("select_gluon", {}).values()],
+                                          gluon_alone={t: (round(v, 4) if isinstance(v, float) else v)
+                                                       for t, v in sh.get("gluon", {}).items() if t != "regs_spills"},
                                           pddp=sh["pddp"].get("triton grouping"),
                                           anchor_over_dense=sh.get("anchor", {}).get("over_dense"),
                                           errors=sh.get("errors", {}))

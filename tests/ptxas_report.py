@@ -54,6 +54,9 @@ def compile_offline(fn, args, meta, arch, source=ASTSource):
         elif isinstance(val, torch.Tensor):
             signature[name] = "*" + _TYPES[val.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif hasattr(val, "block_shape") and hasattr(val, "layout"):  # a Gluon host TensorDescriptor (TMA)
+            signature[name] = (f"tensordesc<{_TYPES[val.base.dtype]}[{', '.join(map(str, val.block_shape))}],"
+                               f"{val.layout!r}>")
         elif isinstance(val, bool) or val is None:
             signature[name], constexprs[name] = "constexpr", val
         elif isinstance(val, int):

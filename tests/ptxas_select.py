@@ -3,7 +3,9 @@ needed; not collected by pytest): registers, spills, shared memory, and per kern
 QGMMA (bf16 / fp8 wgmma), FFMA and warp-specialisation markers (setmaxnreg) in the SASS, so a variant that does
 not compile, spills, or loses its wgmma / software pipeline shows up before the GPU run.
 
-Usage: python tests/ptxas_select.py. Exit status 1 when a listed variant spills or does not fit.
+Usage: python tests/ptxas_select.py [--gluon [--quick]]. Exit status 1 when a listed variant spills or does not fit. ``--gluon``:
+the warp-specialised Gluon kernel (``kernels/triton/selection_sm90.py``) alone, its variants (``GLUON_VARIANTS``;
+``--quick``: the default only).
 """
 
 from __future__ import annotations
@@ -89,8 +91,46 @@ def compile_stats(S=75600, H=40, D=128, arch=90):
     return dict(variant="_fp8_partial_stats", regs=regs, spill_st=st, spill_ld=ld, smem=ck.metadata.shared)
 
 
+def compile_gluon(D=128, S=75600, H=5, C=128, arch=90, **tuning):
+    """The warp-specialised Gluon pass 2 (``selection_sm90``) at one head chunk of Wan2.1-14B 720p: ptxas registers /
+    spills, shared memory, the SASS census (QGMMA, MUFU.EX2, UTMALDG, SETMAXNREG) and the local-memory instructions
+    inside the consumers' MMA loop (``ptxas_gluon.hot_loop_spills``)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    import ptxas_gluon
+
+    g = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.selection_sm90")
+    B = 1
+    G = -(-S // C)
+    q8 = torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn, device="meta")
+    k8 = torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn, device="meta")
+    lse = torch.empty(B, H, S, dtype=torch.float32, device="meta")
+    kb = torch.empty(B, H, S, dtype=torch.float32, device="meta")
+    qf = torch.empty(B * H, dtype=torch.float32, device="meta")
+    perm = torch.empty(B, H, G * C, dtype=torch.int32, device="meta")
+    sums = torch.empty(B, H, G, S, dtype=torch.float16, device="meta")
+    desc = TensorDescriptor.from_tensor(k8.view(B * H * S, D), [g.BLOCK_N, D], g.k_layout(D))
+    _, args, meta = g.launch_args(q8, k8, qf, lse, kb, perm, sums, group_size=C, k_desc=desc, **tuning)
+    ck = pr.compile_offline(g._pass2_fwd_sm90, args, meta, arch, source=GluonASTSource)
+    regs, st, ld = pr.ptxas_usage(ck, arch)
+    hot, _ = ptxas_gluon.hot_loop_spills(ck.asm["cubin"])
+    setmax = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ck.asm["ptx"])))
+    return dict(variant=f"gluon ws D{D} {tuning or 'default'}", regs=regs, spill_st=st, spill_ld=ld,
+                smem=ck.metadata.shared, fits=ck.metadata.shared <= pr.SMEM_LIMIT[arch], consumer_hot_spills=hot,
+                setmaxnreg=setmax, sass=sass_census(ck))
+
+
+GLUON_VARIANTS = ({}, dict(D=64), dict(num_stages=4), dict(num_stages=12))
+
+
 def main():
     bad = 0
+    if "--gluon" in sys.argv:  # the Gluon kernel only
+        for tune in GLUON_VARIANTS[:1] if "--quick" in sys.argv else GLUON_VARIANTS:
+            r = compile_gluon(**tune)
+            bad += r["spill_st"] > 0 or r["consumer_hot_spills"] > 0 or not r["fits"]
+            print(r, flush=True)
+        sys.exit(1 if bad else 0)
     r = compile_stats()
     bad += r["spill_st"] > 0
     print(r, flush=True)

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fastexp
+from . import fastexp, pass2_dispatch
 from .topk import HIST_BINS, top_k_rows
 
 log = logging.getLogger(__name__)
@@ -463,7 +463,7 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
-                    num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None):
+                    num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -484,6 +484,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         hist: optional contiguous int32 ``[B, H, G, topk.HIST_BINS]``, written with each group's histogram of the top
         8 bits of its stored sums (``topk.top_k_rows(hist=...)``: the radix top-K's first pass); the one-group kernel
         does not count it and writes zeros (the top-K then counts itself).
+        gluon: the float8 path on the warp-specialised sm_90 Gluon kernel (``selection_sm90``; same sums) where it
+        runs, else (or on its failure, remembered) the Triton kernel: ``pass2_dispatch``; None: its default.
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
@@ -531,6 +533,11 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         qf = kb = lse  # placeholders, not read without FP8
         if fp8:
             q, k, qf, lse, kb = fp8_operands(q, k, lse, scale)
+            only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly, exp_mode=exp_mode,
+                                                     tuned=any(x is not None for x in (block_n, num_warps, num_stages)))
+            if pass2_dispatch.try_gluon(q, k, qf, lse, kb, perm, out, group_size=C, requested=gluon,
+                                        only_triton=only_triton):
+                return out
         _group_prob_sums_pair[(triton.cdiv(G, 2), B * H)](
             q, k, lse, perm, out, qf, kb, qf if hist is None else hist, scale * _LOG2E, H, S, SK, n_slots, C, G,
             *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
@@ -553,7 +560,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
-              topk_method=None, topk_hist=None):
+              topk_method=None, topk_hist=None, gluon=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -561,7 +568,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. ``topk.top_k_rows`` then writes each group's
     row of the selection in place: the K largest float16 sums (ties: lower token index first), ascending, then -1.
     ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined``,
-    ``exp``, ``pair``, ``poly``, ``fp8`` tune pass 2 (see ``group_prob_sums``; the defaults are its defaults: the
+    ``exp``, ``pair``, ``poly``, ``fp8``, ``gluon`` tune pass 2 (see ``group_prob_sums``; the defaults are its defaults: the
     staggered two-group kernel, float8 products per ``fp8_default``); ``topk_method`` picks ``topk.top_k_rows``'s
     method (None: its default by row length, or "radix" with ``topk_hist``); ``topk_hist``: pass 2 counts each
     group's first radix digit while it writes the sums, and the radix top-K skips that pass (None:
@@ -587,7 +594,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
         sums = group_prob_sums(
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-            pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist,
+            pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon,
         )
         _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method or ("radix" if use_hist else None), hist)
     return out

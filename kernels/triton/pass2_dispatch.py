@@ -1,0 +1,117 @@
+"""Which kernel runs the float8 pass 2 of ``selection.group_prob_sums``: the warp-specialised sm_90 Gluon kernel
+(``selection_sm90.py``) where it can, else the Triton pair kernel (``selection._group_prob_sums_pair``).
+
+- The Triton kernel runs everywhere the Gluon kernel refuses (``selection_sm90.refusal``: not sm_90, the interpreter,
+  head dim, group width, operand layout), whenever the caller asks for something only the Triton kernel has (the
+  first-digit histogram, polynomial or packed exponentials, launch tuning: ``triton_only``), and when the Gluon
+  kernel is off: ``gluon=False`` from the caller, else ``MC_SPARSE_PASS2_GLUON=0``, else ``GLUON_DEFAULT``.
+- A Gluon compile or launch failure (anything but out of memory) runs the Triton kernel for the same call, is logged
+  once, and is remembered as the registry remembers a failed backend: in the active ``registry.Record`` (key
+  ``GLUON_KEY``: the run summary shows the reason, the rest of that run skips the Gluon kernel) or, without a
+  record, for the process (``fallback_reason``). Both kernels write the same sums (the same float8 operands and
+  arithmetic; only the order of a key's fp32 row-sum additions differs), so a fallback changes speed, not results.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .. import registry
+
+log = logging.getLogger(__name__)
+
+GLUON_KEY = ("triton.gluon_sm90", "group_prob_sums")
+# off until an H200 round has measured it against the Triton pair kernel (tests/bench_anchor.py --only select)
+GLUON_DEFAULT = False
+_process_failure: str | None = None
+
+
+def _gluon_module():
+    from . import selection_sm90  # imported lazily: an import error is a refusal reason, not a broken backend
+
+    return selection_sm90
+
+
+def gluon_mode(requested: bool | None = None) -> bool:
+    """Whether the Gluon kernel is wanted: ``requested`` when not None, else ``MC_SPARSE_PASS2_GLUON`` ("1" on, "0"
+    off; any other value is a ValueError), else ``GLUON_DEFAULT``."""
+    if requested is not None:
+        return bool(requested)
+    env = os.environ.get("MC_SPARSE_PASS2_GLUON", "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"MC_SPARSE_PASS2_GLUON must be 0 or 1, got {env!r}")
+    return env == "1" if env else bool(GLUON_DEFAULT)
+
+
+def triton_only(*, hist=None, poly=0, exp_mode=0, tuned=False) -> str | None:
+    """The reason a call needs the Triton kernel whatever the GPU (None: the Gluon kernel may take it)."""
+    if hist is not None:
+        return "first-digit histogram requested (Triton kernel only)"
+    if poly:
+        return "polynomial exponentials requested (Triton kernel only)"
+    if exp_mode:
+        return "packed exponentials requested (Triton kernel only)"
+    if tuned:
+        return "launch tuning given (the Triton kernel's)"
+    return None
+
+
+def fallback_reason() -> str | None:
+    """The Gluon failure this run (active record) or this process (no record) remembers, if any."""
+    record = registry._RECORD.get()
+    if record is not None:
+        return record.failures.get(GLUON_KEY)
+    return _process_failure
+
+
+def _remember(reason: str) -> None:
+    global _process_failure
+    record = registry._RECORD.get()
+    if record is not None:
+        record.failures[GLUON_KEY] = reason
+    else:
+        _process_failure = reason
+
+
+def reset() -> None:
+    """Forget a process-level Gluon failure (tests; a new record starts clean itself)."""
+    global _process_failure
+    _process_failure = None
+
+
+def gluon_refusal(q8, k8, group_size, out, *, requested=None, only_triton=None) -> str | None:
+    """Why the Gluon kernel does not run this float8 pass 2 call (None: it runs)."""
+    if not gluon_mode(requested):
+        if requested is False:
+            return "off (gluon=False)"
+        return "off (MC_SPARSE_PASS2_GLUON=0)" if os.environ.get("MC_SPARSE_PASS2_GLUON") == "0" else \
+            "off (GLUON_DEFAULT)"
+    if only_triton is not None:
+        return only_triton
+    failed = fallback_reason()
+    if failed is not None:
+        return f"failed earlier ({failed})"
+    try:
+        mod = _gluon_module()
+    except Exception as err:  # a Triton without Gluon's Hopper modules
+        return f"unavailable ({type(err).__name__}: {err})"
+    return mod.refusal(q8, k8, group_size, out)
+
+
+def try_gluon(q8, k8, qf, lse_s, kb, perm, out, *, group_size, requested=None, only_triton=None) -> bool:
+    """Run the float8 pass 2 on the Gluon kernel into ``out`` if it may (``gluon_refusal``): True when it wrote
+    ``out``; False when the caller must run the Triton kernel (refused, or failed: then remembered and logged).
+    Arguments as ``selection_sm90.group_prob_sums_fp8``. Raises: out of memory."""
+    if gluon_refusal(q8, k8, group_size, out, requested=requested, only_triton=only_triton) is not None:
+        return False
+    try:
+        _gluon_module().group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, group_size=group_size)
+        return True
+    except Exception as err:  # noqa: BLE001 (any compile / launch failure: the Triton kernel answers)
+        if registry.is_out_of_memory(err):
+            raise
+        reason = f"{type(err).__name__}: {str(err)[:500]}"
+        _remember(reason)
+        log.warning("MC-Sparse: the sm_90 Gluon pass-2 kernel failed (%s); using the Triton kernel", reason)
+        return False

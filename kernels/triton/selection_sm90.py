@@ -1,0 +1,275 @@
+"""Warp-specialised pass 2 for Hopper (sm_90) in Gluon: the float8 group sums of ``selection._group_prob_sums_pair``.
+
+Same contract, operands and arithmetic as the Triton pair kernel with ``FP8=True`` (MC-Sparse sec. 3.3; the float8
+operands of ``selection.fp8_operands``): for two query groups of one (b, h) per program,
+``sums[b, h, g, j] = 2^KB[b, h, j] x sum over the group's queries i of 2^((q8_i . k8_j) * QF[b*H + h] - LSE_s[i] *
+log2(e))``, stored in the output's dtype (float16 in ``select_kv``'s scratch). Each score is one FFMA, one MUFU ex2
+and one FADD as in the Triton kernel (the same fp32 accumulator from the same e4m3 wgmma, the same ex2.approx);
+only the order of the fp32 additions of a key's row sum may differ.
+
+What is different is the schedule. The Triton kernel runs one warpgroup that issues the wgmma, waits for it, then
+takes the exponentials, so the tensor cores and the MUFU units mostly take turns (docs/kernels.md, "select_kv").
+Here one program is three warpgroups (``gl.warp_specialize``):
+
+- a producer warpgroup (few registers; one thread issues) streams the head's keys with TMA, ``BLOCK_N`` = 64 keys x
+  D float8 per stage, into a ``NUM_STAGES``-deep shared-memory ring (mbarriers ``k_ready`` with the TMA transaction
+  count, ``k_empty`` released by both consumers). Keys are contiguous rows of the float8 copy, so a stage is one
+  TMA tile; the ring always holds a whole number of consumer steps (tiles past Sk are read, computed, not stored);
+- two consumer warpgroups, one per query group (the default partition takes group 2i, a worker group 2i + 1): each
+  gathers its 128 query rows through ``perm`` into shared memory and its queries' LSE into registers once, then per
+  pair of key tiles issues both ``S^T = K_tile Q^T`` wgmmas (64 keys x 128 queries, fp32), waits for the first,
+  releases its stage and takes its exponentials and row sums while the second is still on the tensor cores, then
+  the second. The two warpgroups run independently, so one's exponentials also overlap the other's products.
+
+Shared memory: 2 x 128 x D (queries) + NUM_STAGES x 64 x D (keys) bytes: D = 128, 8 stages: 96 KiB.
+Runs on CUDA sm_90 only (wgmma, TMA, ``setmaxnreg``); Gluon has no interpreter mode in Triton 3.6, so CPU tests cover
+the dispatch, refusals and fallback in ``selection.group_prob_sums`` and the offline compile
+(``tests/ptxas_select.py --gluon``); ``tests/test_gpu_pass2_gluon.py`` checks it against float64 and the Triton
+kernel on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+CAPABILITIES = ((9, 0),)
+HEAD_DIMS = (64, 128)
+BLOCK_M = 128  # queries per group (one consumer warpgroup's wgmma N)
+BLOCK_N = 64  # keys per ring stage (one wgmma's M)
+_LOG2E = 1.4426950408889634
+
+
+def config(head_dim: int) -> dict:
+    """Launch config: ring depth and the register split (12 warps: 2 consumer warpgroups + 1 producer warpgroup)."""
+    return dict(num_stages=8, consumer_regs=232, producer_regs=40, maxnreg=168, unroll=2)
+
+
+def refusal(q8: torch.Tensor, k8: torch.Tensor, group_size: int, out: torch.Tensor) -> str | None:
+    """Why this kernel cannot run a float8 pass 2 call (None when it can): device, capability, operand dtype and
+    layout (the contiguous float8 copies of ``fp8_operands``), head dim, group width, output dtype."""
+    if q8.device.type != "cuda":
+        return f"needs a CUDA device, got {q8.device.type}"
+    cap = torch.cuda.get_device_capability(q8.device)
+    if cap not in CAPABILITIES:
+        return f"runs on sm_90 only, got sm_{cap[0]}{cap[1]}"
+    if q8.dtype != torch.float8_e4m3fn or k8.dtype != torch.float8_e4m3fn:
+        return f"takes float8_e4m3fn operands, got {q8.dtype} / {k8.dtype}"
+    if q8.shape[-1] not in HEAD_DIMS:
+        return f"head dim must be one of {HEAD_DIMS}, got {q8.shape[-1]}"
+    if not 64 < group_size <= BLOCK_M:
+        return f"group size must be in (64, {BLOCK_M}], got {group_size}"
+    if not (q8.is_contiguous() and k8.is_contiguous()) or q8.data_ptr() % 16 or k8.data_ptr() % 16:
+        return "q8 / k8 must be contiguous and 16-byte aligned (fp8_operands' copies)"
+    if out.dtype not in (torch.float16, torch.float32):
+        return f"sums must be float16 or float32, got {out.dtype}"
+    return None
+
+
+@gluon.jit
+def _producer(k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """TMA loads of key tiles row0 + t * BLOCK_N (t < n_tiles) into the ring (stage t % NUM_STAGES)."""
+    for t in range(n_tiles):
+        s = t % NUM_STAGES
+        mbarrier.wait(k_empty.index(s), ((t // NUM_STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row0 + t * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+
+
+@gluon.jit
+def _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, keys, SK, has_g):
+    """One tile's group sums: row sums of 2^(acc * f - l2) (acc: S^T, keys x queries), x 2^KB[key], stored."""
+    p = gl.exp2(acc * f - l2[None, :])
+    col = gl.sum(p, 1)
+    ok = keys < SK
+    col = col * gl.exp2(gl.load(kb_base + keys, mask=(keys >= 0) & ok, other=0.0))
+    gl.store(s_ptr + keys.to(gl.int64) * stride_sn, col.to(s_ptr.dtype.element_ty), mask=ok & has_g)
+
+
+@gluon.jit
+def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G, n_tiles,
+              stride_sb, stride_sh, stride_sg, stride_sn, H,
+              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, UNROLL: gl.constexpr):
+    """One consumer warpgroup: query group g0 + HALF against every key tile of the ring, two tiles per step."""
+    g = g0 + HALF
+    has_g = g < G  # odd G: the last program's second group computes on padding and stores nothing
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 32])
+    ld: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (HEAD_DIM // 16), HEAD_DIM // 16], [4, 1], [1, 0])
+    bh64 = bh.to(gl.int64)
+    perm_base = PERM + bh64 * n_slots + g.to(gl.int64) * C
+
+    # the group's query rows (float8) through perm into this warpgroup's Q tile; invalid slots are zero rows
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    qi = gl.load(perm_base + offs_m, mask=(offs_m < C) & has_g, other=-1)
+    q_ok = (qi >= 0) & (qi < S)
+    q_rows = gl.where(q_ok, qi, 0).to(gl.int64)
+    q = gl.load(Q + bh64 * S * HEAD_DIM + q_rows[:, None] * HEAD_DIM + offs_d[None, :], mask=q_ok[:, None],
+                other=0.0)
+    q_tile = q_smem.index(HALF)
+    q_tile.store(q)
+    fence_async_shared()  # generic-proxy stores, read by wgmma through the async proxy
+    q_t = q_tile.permute((1, 0))  # [D, BLOCK_M]: the wgmma's B operand, K-major
+
+    # the queries' LSE in base 2, one per accumulator column; padded / missing queries +inf (they add exactly 0)
+    offs_c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    ci = gl.load(perm_base + offs_c, mask=(offs_c < C) & has_g, other=-1)
+    c_ok = (ci >= 0) & (ci < S)
+    l2 = gl.load(LSE + bh64 * S + gl.where(c_ok, ci, 0), mask=c_ok, other=float("inf")) * 1.4426950408889634
+    f = gl.load(QF + bh)  # the head's q scale x k scale x softmax scale x log2(e)
+    kb_base = KB + bh64 * SK
+    s_ptr = SUMS + (bh // H).to(gl.int64) * stride_sb + (bh % H).to(gl.int64) * stride_sh + g.to(gl.int64) * stride_sg
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+
+    if UNROLL == 4:
+        # four tiles per step, each product issued one tile ahead of its exponentials: tile t + 2's QK^T is issued
+        # before tile t + 1's exponentials (at most two accumulators live), the pipeline drains once per 4 tiles
+        for t in range(0, n_tiles, 4):
+            ka = k_smem.index(t % NUM_STAGES)
+            kb_ = k_smem.index((t + 1) % NUM_STAGES)
+            kc = k_smem.index((t + 2) % NUM_STAGES)
+            kd = k_smem.index((t + 3) % NUM_STAGES)
+            mbarrier.wait(k_ready.index(t % NUM_STAGES), (t // NUM_STAGES) & 1)
+            tok_a = warpgroup_mma(ka, q_t, zero, use_acc=False, is_async=True)
+            mbarrier.wait(k_ready.index((t + 1) % NUM_STAGES), ((t + 1) // NUM_STAGES) & 1)
+            tok_b = warpgroup_mma(kb_, q_t, zero, use_acc=False, is_async=True)
+            acc, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok_a, ka))
+            mbarrier.arrive(k_empty.index(t % NUM_STAGES), count=1)
+            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g)
+            mbarrier.wait(k_ready.index((t + 2) % NUM_STAGES), ((t + 2) // NUM_STAGES) & 1)
+            tok_c = warpgroup_mma(kc, q_t, zero, use_acc=False, is_async=True)
+            acc, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok_b, kb_))
+            mbarrier.arrive(k_empty.index((t + 1) % NUM_STAGES), count=1)
+            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, (t + 1) * BLOCK_N + offs_n, SK, has_g)
+            mbarrier.wait(k_ready.index((t + 3) % NUM_STAGES), ((t + 3) // NUM_STAGES) & 1)
+            tok_d = warpgroup_mma(kd, q_t, zero, use_acc=False, is_async=True)
+            acc, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok_c, kc))
+            mbarrier.arrive(k_empty.index((t + 2) % NUM_STAGES), count=1)
+            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, (t + 2) * BLOCK_N + offs_n, SK, has_g)
+            acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok_d, kd, q_tile))
+            mbarrier.arrive(k_empty.index((t + 3) % NUM_STAGES), count=1)
+            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, (t + 3) * BLOCK_N + offs_n, SK, has_g)
+    else:
+        for t in range(0, n_tiles, 2):  # two tiles per step: tile t's exponentials under tile t + 1's product
+            s0 = t % NUM_STAGES
+            s1 = (t + 1) % NUM_STAGES
+            k0 = k_smem.index(s0)
+            k1 = k_smem.index(s1)
+            mbarrier.wait(k_ready.index(s0), (t // NUM_STAGES) & 1)
+            tok0 = warpgroup_mma(k0, q_t, zero, use_acc=False, is_async=True)
+            mbarrier.wait(k_ready.index(s1), ((t + 1) // NUM_STAGES) & 1)
+            tok1 = warpgroup_mma(k1, q_t, zero, use_acc=False, is_async=True)
+            acc0, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok0, k0))  # tile t done, tile t + 1 in flight
+            mbarrier.arrive(k_empty.index(s0), count=1)
+            _tile_sums(acc0, f, l2, kb_base, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g)
+            acc1, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, k1, q_tile))
+            mbarrier.arrive(k_empty.index(s1), count=1)
+            _tile_sums(acc1, f, l2, kb_base, s_ptr, stride_sn, (t + 1) * BLOCK_N + offs_n, SK, has_g)
+
+
+@gluon.jit
+def _pass2_fwd_sm90(
+    k_desc, Q, LSE, PERM, SUMS, QF, KB,
+    H, S, SK, n_slots, C, G,
+    stride_sb, stride_sh, stride_sg, stride_sn,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr, num_warps: gl.constexpr,
+):
+    g0 = gl.program_id(0) * 2
+    bh = gl.program_id(1)
+    n_tiles = gl.cdiv(SK, UNROLL * BLOCK_N) * UNROLL  # whole steps; tiles past Sk are read, computed, not stored
+    row0 = bh * SK  # first key row of this (b, h) in the [B * H * Sk, D] view of k8
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(j), count=1)  # the producer's expect; TMA completes the transaction
+        mbarrier.init(k_empty.index(j), count=2)  # one arrive per consumer warpgroup
+
+    # worker arguments are spelled out (a tuple built with + loses its constexpr wrappers in Triton 3.6)
+    gl.warp_specialize([
+        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+                     n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
+                     NUM_STAGES, UNROLL)),
+        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+                     n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
+                     NUM_STAGES, UNROLL)),
+        (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def k_layout(head_dim: int):
+    """The shared-memory layout of a key tile (and of the TMA descriptor that fills it)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], gl.float8e4nv)
+
+
+def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None, consumer_regs=None,
+                producer_regs=None, maxnreg=None, unroll=None, k_desc=None):
+    """(grid, positional args, meta) of one launch; the op and the offline compile share it. ``k_desc``: a prebuilt
+    descriptor (the offline compile passes one on the meta device)."""
+    B, H, S, D = q8.shape
+    SK = k8.shape[2]
+    C = group_size
+    n_slots = perm.shape[-1]
+    G = n_slots // C
+    cfg = config(D)
+    stages = num_stages or cfg["num_stages"]
+    unroll = int(unroll or cfg["unroll"])
+    if unroll not in (2, 4):
+        raise ValueError(f"unroll must be 2 or 4, got {unroll}")
+    if k_desc is None:
+        k_desc = TensorDescriptor.from_tensor(k8.view(B * H * SK, D), [BLOCK_N, D], k_layout(D))
+    grid = (triton.cdiv(G, 2), B * H)
+    args = (k_desc, q8, lse_s, perm, out, qf, kb, H, S, SK, n_slots, C, G, *out.stride())
+    meta = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
+                CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
+                UNROLL=unroll, num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
+    return grid, args, meta
+
+
+def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size, **tuning):
+    """The float8 pass 2 on the warp-specialised kernel, writing ``out`` (``selection.group_prob_sums``' contract for
+    the float8 path).
+
+    Args:
+        q8, k8: float8_e4m3fn ``[B, H, S, D]`` / ``[B, H, Sk, D]``, contiguous (``selection.fp8_operands``), D in
+            ``HEAD_DIMS``; qf: fp32 ``[B * H]``; lse_s: fp32 ``[B, H, S]`` contiguous (natural log); kb: fp32
+            ``[B, H, Sk]`` contiguous; perm: int32 ``[B, H, G * C]`` contiguous; out: fp16 / fp32 ``[B, H, G, Sk]``,
+            any strides; group_size: C in (64, 128].
+        tuning: ``num_stages``, ``unroll`` (2 or 4 key tiles per consumer step), ``consumer_regs``, ``producer_regs``,
+            ``maxnreg``.
+    Returns:
+        ``out``.
+    Raises:
+        ValueError: an odd ``num_stages``. Compile / launch errors of Triton propagate (the caller falls back).
+    """
+    grid, args, meta = launch_args(q8, k8, qf, lse_s, kb, perm, out, group_size=group_size, **tuning)
+    _pass2_fwd_sm90[grid](*args, **meta)
+    return out
+
+
+def compiled_kernels() -> list:
+    """Every compiled variant of the kernel in this process (triton ``CompiledKernel``), for the GPU test and the
+    benchmark to read ``n_regs`` / ``n_spills`` (triton 3.x internals)."""
+    out = []
+    for caches in getattr(_pass2_fwd_sm90, "device_caches", {}).values():
+        for ck in caches[0].values():
+            ck._init_handles()
+            out.append(ck)
+    return out

@@ -1,0 +1,195 @@
+"""The float8 pass-2 dispatch (kernels/triton/pass2_dispatch.py, hooked into selection.group_prob_sums) on CPU: when
+the warp-specialised sm_90 Gluon kernel (kernels/triton/selection_sm90.py) is tried, its refusals, what it is handed
+(the float8 operands of fp8_operands), and the fallback to the Triton pair kernel (interpreter) on a Gluon failure,
+remembered once per run (registry Record) or per process; and the Gluon kernel compiled offline for sm_90a (no GPU).
+The Gluon kernel itself runs only on an sm_90 GPU (Gluon has no interpreter mode): tests/test_gpu_pass2_gluon.py."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from comfyui_mc_sparse_pack.kernels import reference, registry
+
+from .test_reuse_op import random_groups
+
+triton_backend = next(b for b in registry.backends() if b.name == "triton")
+pytestmark = pytest.mark.skipif(
+    bool(triton_backend.unavailable_reason), reason=f"triton backend unavailable: {triton_backend.unavailable_reason}"
+)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _mod(name):
+    return importlib.import_module(f"comfyui_mc_sparse_pack.kernels.triton.{name}")
+
+
+def _fake(shape=(1, 2, 256, 128), dtype=torch.float8_e4m3fn, contiguous=True, ptr=0, device="cuda"):
+    """Stands in for a CUDA tensor in ``selection_sm90.refusal``."""
+    return SimpleNamespace(device=SimpleNamespace(type=device), dtype=dtype, shape=shape, data_ptr=lambda: ptr,
+                           is_contiguous=lambda: contiguous)
+
+
+@pytest.mark.parametrize(("cap", "q_kw", "C", "out_dtype", "want"), [
+    ((9, 0), {}, 128, torch.float16, None),
+    ((9, 0), {}, 100, torch.float32, None),
+    ((9, 0), dict(shape=(1, 2, 256, 64)), 128, torch.float16, None),
+    ((8, 9), {}, 128, torch.float16, "sm_90 only"),
+    ((10, 0), {}, 128, torch.float16, "sm_90 only"),
+    ((9, 0), dict(dtype=torch.bfloat16), 128, torch.float16, "float8_e4m3fn"),
+    ((9, 0), dict(shape=(1, 2, 256, 96)), 128, torch.float16, "head dim"),
+    ((9, 0), {}, 64, torch.float16, "group size"),
+    ((9, 0), {}, 192, torch.float16, "group size"),
+    ((9, 0), dict(contiguous=False), 128, torch.float16, "contiguous"),
+    ((9, 0), dict(ptr=8), 128, torch.float16, "16-byte aligned"),
+    ((9, 0), {}, 128, torch.bfloat16, "float16 or float32"),
+    ((9, 0), dict(device="cpu"), 128, torch.float16, "CUDA"),
+])
+def test_gluon_pass2_refusal(monkeypatch, cap, q_kw, C, out_dtype, want):
+    """sm_90 only, float8 operands as fp8_operands makes them (contiguous, aligned), D 64 / 128, 64 < C <= 128,
+    float16 / float32 sums."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    q8 = _fake(**q_kw)
+    why = _mod("selection_sm90").refusal(q8, _fake(), C, SimpleNamespace(dtype=out_dtype))
+    assert (why is None) if want is None else (want in why), why
+
+
+def test_gluon_pass2_mode(monkeypatch):
+    d = _mod("pass2_dispatch")
+    monkeypatch.delenv("MC_SPARSE_PASS2_GLUON", raising=False)
+    assert d.gluon_mode() == d.GLUON_DEFAULT
+    assert d.gluon_mode(True) and not d.gluon_mode(False)
+    monkeypatch.setenv("MC_SPARSE_PASS2_GLUON", "0")
+    assert not d.gluon_mode() and d.gluon_mode(True)
+    assert "MC_SPARSE_PASS2_GLUON=0" in d.gluon_refusal(None, None, 128, None)
+    monkeypatch.setenv("MC_SPARSE_PASS2_GLUON", "1")
+    assert d.gluon_mode() and not d.gluon_mode(False)
+    assert "gluon=False" in d.gluon_refusal(None, None, 128, None, requested=False)
+    monkeypatch.setenv("MC_SPARSE_PASS2_GLUON", "yes")
+    with pytest.raises(ValueError, match="MC_SPARSE_PASS2_GLUON"):
+        d.gluon_mode()
+
+
+class _Gluon:
+    """A stand-in Gluon kernel: records what it is handed; ``err`` set: fails (compile or launch)."""
+
+    def __init__(self, err=None):
+        self.err, self.calls = err, []
+
+    def refusal(self, q8, k8, group_size, out):
+        return None  # as on sm_90
+
+    def group_prob_sums_fp8(self, q8, k8, qf, lse_s, kb, perm, out, *, group_size):
+        self.calls.append(dict(q8=q8, k8=k8, qf=qf, lse_s=lse_s, kb=kb, perm=perm, out=out, C=group_size))
+        if self.err is not None:
+            raise self.err
+        out.fill_(7.0)
+        return out
+
+
+@pytest.fixture
+def gluon(monkeypatch):
+    d = _mod("pass2_dispatch")
+    d.reset()
+    monkeypatch.delenv("MC_SPARSE_PASS2_GLUON", raising=False)
+    fake = _Gluon()
+    monkeypatch.setattr(d, "_gluon_module", lambda: fake)
+    yield fake
+    d.reset()
+
+
+def _inputs(gen, S=150, D=32, C=32, H=2):
+    q, k = (torch.randn(1, H, S, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    return q, k, lse.float(), random_groups(gen, 1, H, S, C), C
+
+
+def test_gluon_is_handed_the_float8_operands(gen, gluon):
+    """gluon=True on the float8 path: the Gluon kernel gets fp8_operands' outputs (the same the Triton kernel would
+    read), perm contiguous, the caller's ``out``, and its result is returned without a Triton launch."""
+    sel = _mod("selection")
+    q, k, lse, perm, C = _inputs(gen)
+    out = torch.full((1, 2, perm.shape[-1] // C, q.shape[2]), float("nan"), dtype=torch.float16)
+    got = sel.group_prob_sums(q, k, lse, perm[..., :], group_size=C, out=out, fp8=True, gluon=True)
+    assert got is out and bool((out == 7.0).all()) and len(gluon.calls) == 1
+    call = gluon.calls[0]
+    q8, k8, qf, lse_s, kb = sel.fp8_operands(q, k, lse, q.shape[-1] ** -0.5)
+    for name, want in (("q8", q8), ("k8", k8), ("qf", qf), ("lse_s", lse_s), ("kb", kb)):
+        assert torch.equal(call[name].float(), want.float()), name
+    assert call["perm"].is_contiguous() and torch.equal(call["perm"], perm) and call["out"] is out and call["C"] == C
+
+
+@pytest.mark.parametrize("kw", [dict(gluon=False), dict(fp8=False), dict(hist=True), dict(poly=1), dict(block_n=64),
+                                dict(exp="f16_emulated")])
+def test_gluon_is_not_tried(gen, gluon, kw):
+    """Not tried: turned off, the bf16 path, or an option only the Triton kernel has (histogram, polynomial or packed
+    exponentials, launch tuning); the Triton kernel's sums come back."""
+    sel = _mod("selection")
+    q, k, lse, perm, C = _inputs(gen)
+    kw = dict(fp8=True, gluon=True) | kw
+    if kw.get("hist"):
+        kw["hist"] = torch.zeros(1, 2, perm.shape[-1] // C, 128, dtype=torch.int32)
+    out = sel.group_prob_sums(q, k, lse, perm, group_size=C, **kw)
+    assert not gluon.calls and not bool((out == 7.0).any())
+
+
+def test_gluon_failure_falls_back_once_per_run(gen, gluon):
+    """A failing Gluon kernel: the call returns the Triton kernel's sums (bitwise those of gluon=False), the reason is
+    in the run's Record, the rest of the run does not try it again; a new run does."""
+    sel = _mod("selection")
+    gluon.err = RuntimeError("PTX compile boom")
+    q, k, lse, perm, C = _inputs(gen, S=64)
+    want = sel.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, gluon=False)
+    with registry.recording(registry.Record()) as record:
+        sel.select_kv(q, k, lse, perm, 20, group_size=C, kv_tile=16, fp8=True, gluon=True)  # select_kv passes it on
+        assert len(gluon.calls) == 1
+        for _ in range(2):
+            assert torch.equal(sel.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, gluon=True), want)
+    assert len(gluon.calls) == 1
+    assert "PTX compile boom" in record.failures[_mod("pass2_dispatch").GLUON_KEY]
+    with registry.recording(registry.Record()):  # a new run tries again
+        sel.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, gluon=True)
+    assert len(gluon.calls) == 2
+
+
+def test_gluon_failure_without_record_is_remembered_for_the_process(gen, gluon):
+    sel = _mod("selection")
+    gluon.err = RuntimeError("launch boom")
+    q, k, lse, perm, C = _inputs(gen)
+    for _ in range(2):
+        out = torch.full((1, 2, perm.shape[-1] // C, q.shape[2]), float("nan"))
+        sel.group_prob_sums(q, k, lse, perm, group_size=C, out=out, fp8=True, gluon=True)
+        assert not out.isnan().any()
+    d = _mod("pass2_dispatch")
+    assert len(gluon.calls) == 1 and "boom" in d.fallback_reason()
+    assert "failed earlier" in d.gluon_refusal(None, None, C, None, requested=True)
+
+
+def test_gluon_out_of_memory_propagates(gen, gluon):
+    """Out of memory is not a kernel failure: it reaches the caller, nothing is remembered."""
+    sel = _mod("selection")
+    gluon.err = torch.cuda.OutOfMemoryError("CUDA out of memory")
+    q, k, lse, perm, C = _inputs(gen)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        sel.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, gluon=True)
+    assert _mod("pass2_dispatch").fallback_reason() is None
+
+
+def test_gluon_pass2_compiles_offline_for_sm90_without_spills():
+    """tests/ptxas_select.py --gluon --quick: the kernel compiles for sm_90a without a GPU, no spills (ptxas and the
+    consumers' MMA loop in the SASS), the warp specialisation's register split in the PTX, e4m3 wgmma and TMA in the
+    SASS: a Gluon API or layout error, a register budget that spills, or a lost producer fails here."""
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "ptxas_select.py"), "--gluon", "--quick"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    line = p.stdout.strip().splitlines()[-1]
+    print(line)
+    cfg = _mod("selection_sm90").config(128)
+    assert "'spill_st': 0" in line and "'consumer_hot_spills': 0" in line
+    assert f"('dec', '{cfg['producer_regs']}')" in line and f"('inc', '{cfg['consumer_regs']}')" in line
+    assert "'QGMMA': 16" in line and "'UTMALDG': 0" not in line
