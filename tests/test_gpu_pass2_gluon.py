@@ -56,16 +56,21 @@ CASES = [  # B, H, S, Sk, D, C: G = 40 (even) / 39 (odd), Sk != S with a ragged 
 ]
 
 
-@pytest.mark.parametrize("unroll", [2, 4])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}H{}S{}Sk{}D{}C{}".format(*c))
-def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, unroll):
+# (case, unroll, poly): the default schedule on every case, the options on the odd-G and the B = 2 / Sk != S cases
+VARIANTS = ([(c, 2, 0) for c in CASES] + [(CASES[i], u, p) for u, p in ((4, 0), (2, 1), (4, 2)) for i in (1, 2)])
+
+
+@pytest.mark.parametrize(("case", "unroll", "poly"), VARIANTS,
+                         ids=lambda v: "B{}H{}S{}Sk{}D{}C{}".format(*v) if isinstance(v, tuple) else str(v))
+def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, unroll, poly):
     """Every entry written (NaN-poisoned outputs); fp32 sums within 5e-4 relative L2 per group of the float64 sums of
     the same float8 operands (H200: the e4m3 wgmma's accumulation, as the Triton kernel's 5e-5 - 1.4e-4) and within
-    1e-4 relative of the Triton pair kernel's (the same products and exponentials; only the row-sum order differs);
-    fp16 sums within one fp16 rounding of the Triton kernel's."""
+    1e-4 relative of the Triton pair kernel's (the same products and exponentials; only the row-sum order differs;
+    ``poly``: some exponentials by the FMA-pipe polynomial, < 5e-5 relative); fp16 sums within one fp16 rounding of
+    the Triton kernel's."""
     selection, g90, _ = _mods()
     B, H, S, SK, D, C = case
-    q, k, lse, perm = _case(*case, seed=SEED + 7 * unroll + S)
+    q, k, lse, perm = _case(*case, seed=SEED + 7 * unroll + 3 * poly + S)
     q8, k8, qf, lse_s, kb = selection.fp8_operands(q, k, lse, D**-0.5)
     G = perm.shape[-1] // C
     want32 = selection.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, gluon=False)
@@ -73,7 +78,7 @@ def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, unroll):
     selection.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, gluon=False, out=want16)
     for dtype, want in ((torch.float32, want32), (torch.float16, want16)):
         out = torch.full((B, H, G, SK), float("nan"), dtype=dtype, device="cuda")
-        g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, unroll=unroll)
+        g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, unroll=unroll, poly=poly)
         torch.cuda.synchronize()
         assert not out.isnan().any(), f"{int(out.isnan().sum())} entries not written ({dtype})"
         if dtype == torch.float32:
@@ -89,7 +94,7 @@ def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, unroll):
                                     k8.double() * ks.double()[..., None, None], lse_s.double(), perm, group_size=C)
     deq = deq * torch.exp2(kb.double())[:, :, None, :]
     out = torch.full((B, H, G, SK), float("nan"), dtype=torch.float32, device="cuda")
-    g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, unroll=unroll)
+    g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, unroll=unroll, poly=poly)
     rel = (out.double() - deq).norm(dim=-1) / deq.norm(dim=-1)
     print(f"float64: max relative L2 per group {float(rel.max()):.2e}")
     assert float(rel.max()) < 5e-4, float(rel.max())

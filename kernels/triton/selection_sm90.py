@@ -52,7 +52,7 @@ _LOG2E = 1.4426950408889634
 
 def config(head_dim: int) -> dict:
     """Launch config: ring depth and the register split (12 warps: 2 consumer warpgroups + 1 producer warpgroup)."""
-    return dict(num_stages=8, consumer_regs=232, producer_regs=40, maxnreg=168, unroll=2)
+    return dict(num_stages=8, consumer_regs=232, producer_regs=40, maxnreg=168, unroll=2, poly=0)
 
 
 def refusal(q8: torch.Tensor, k8: torch.Tensor, group_size: int, out: torch.Tensor) -> str | None:
@@ -87,10 +87,37 @@ def _producer(k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N: gl.const
 
 
 @gluon.jit
-def _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, keys, SK, has_g):
-    """One tile's group sums: row sums of 2^(acc * f - l2) (acc: S^T, keys x queries), x 2^KB[key], stored."""
-    p = gl.exp2(acc * f - l2[None, :])
-    col = gl.sum(p, 1)
+def _exp2_fma(x):
+    """2^x on the FMA/ALU pipes (no MUFU), as ``selection._exp2_fma`` (the same operations, so the same bits):
+    relative error < 5e-5 for x in [-125, 0.5]; smaller x gives ~0."""
+    x = gl.maximum(x, -125.0)
+    t = x + 12582912.0  # 1.5 * 2^23: the add rounds x to an integer n held in t's low mantissa bits
+    f = x - (t - 12582912.0)  # [-0.5, 0.5]
+    p = 0.009618129 * f + 0.05550411  # Taylor series of 2^f to degree 4
+    p = p * f + 0.2402265
+    p = p * f + 0.6931472
+    p = p * f + 1.0
+    return (p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.constexpr = 0):
+    """One tile's group sums: row sums of 2^(acc * f - l2) (acc: S^T, keys x queries), x 2^KB[key], stored.
+    POLY: 0 every exponential on MUFU; 1 a quarter of them on the FMA pipe (``_exp2_fma``: one of the 4 columns a
+    thread holds per 16, so each warp interleaves both kinds); 2 all of them on the FMA pipe."""
+    x = acc * f - l2[None, :]
+    if POLY == 1:
+        # accumulator column c = 16 * m + 8 * n + 2 * (lane % 4) + r: n and r are this thread's registers
+        x5 = gl.permute(gl.reshape(x, [x.shape[0], x.shape[1] // 16, 2, 4, 2]), (0, 1, 3, 4, 2))
+        a, b = gl.split(x5)  # n = 0 / 1: [rows, m, lane, r]
+        b0, b1 = gl.split(b)  # r = 0 / 1: [rows, m, lane]
+        p = gl.sum(gl.exp2(a), 3) + gl.exp2(b0) + _exp2_fma(b1)
+        col = gl.sum(gl.sum(p, 1), 1)  # registers first, then the 4 lanes of a row
+        col = gl.convert_layout(col, gl.SliceLayout(1, acc.type.layout))
+    elif POLY == 2:
+        col = gl.sum(_exp2_fma(x), 1)
+    else:
+        col = gl.sum(gl.exp2(x), 1)
     ok = keys < SK
     col = col * gl.exp2(gl.load(kb_base + keys, mask=(keys >= 0) & ok, other=0.0))
     gl.store(s_ptr + keys.to(gl.int64) * stride_sn, col.to(s_ptr.dtype.element_ty), mask=ok & has_g)
@@ -100,7 +127,8 @@ def _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, keys, SK, has_g):
 def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G, n_tiles,
               stride_sb, stride_sh, stride_sg, stride_sn, H,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, UNROLL: gl.constexpr):
+              NUM_STAGES: gl.constexpr, UNROLL: gl.constexpr,
+              POLY: gl.constexpr):
     """One consumer warpgroup: query group g0 + HALF against every key tile of the ring, two tiles per step."""
     g = g0 + HALF
     has_g = g < G  # odd G: the last program's second group computes on padding and stores nothing
@@ -148,20 +176,24 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, 
             tok_b = warpgroup_mma(kb_, q_t, zero, use_acc=False, is_async=True)
             acc, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok_a, ka))
             mbarrier.arrive(k_empty.index(t % NUM_STAGES), count=1)
-            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g)
+            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g,
+                       1 if POLY == 1 else 0)
             mbarrier.wait(k_ready.index((t + 2) % NUM_STAGES), ((t + 2) // NUM_STAGES) & 1)
             tok_c = warpgroup_mma(kc, q_t, zero, use_acc=False, is_async=True)
             acc, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok_b, kb_))
             mbarrier.arrive(k_empty.index((t + 1) % NUM_STAGES), count=1)
-            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, (t + 1) * BLOCK_N + offs_n, SK, has_g)
+            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, (t + 1) * BLOCK_N + offs_n, SK, has_g,
+                       2 if POLY == 3 else (1 if POLY == 1 else 0))
             mbarrier.wait(k_ready.index((t + 3) % NUM_STAGES), ((t + 3) // NUM_STAGES) & 1)
             tok_d = warpgroup_mma(kd, q_t, zero, use_acc=False, is_async=True)
             acc, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok_c, kc))
             mbarrier.arrive(k_empty.index((t + 2) % NUM_STAGES), count=1)
-            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, (t + 2) * BLOCK_N + offs_n, SK, has_g)
+            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, (t + 2) * BLOCK_N + offs_n, SK, has_g,
+                       1 if POLY == 1 else 0)
             acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok_d, kd, q_tile))
             mbarrier.arrive(k_empty.index((t + 3) % NUM_STAGES), count=1)
-            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, (t + 3) * BLOCK_N + offs_n, SK, has_g)
+            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, (t + 3) * BLOCK_N + offs_n, SK, has_g,
+                       2 if POLY >= 2 else POLY)
     else:
         for t in range(0, n_tiles, 2):  # two tiles per step: tile t's exponentials under tile t + 1's product
             s0 = t % NUM_STAGES
@@ -174,10 +206,10 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, 
             tok1 = warpgroup_mma(k1, q_t, zero, use_acc=False, is_async=True)
             acc0, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok0, k0))  # tile t done, tile t + 1 in flight
             mbarrier.arrive(k_empty.index(s0), count=1)
-            _tile_sums(acc0, f, l2, kb_base, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g)
+            _tile_sums(acc0, f, l2, kb_base, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g, POLY)
             acc1, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, k1, q_tile))
             mbarrier.arrive(k_empty.index(s1), count=1)
-            _tile_sums(acc1, f, l2, kb_base, s_ptr, stride_sn, (t + 1) * BLOCK_N + offs_n, SK, has_g)
+            _tile_sums(acc1, f, l2, kb_base, s_ptr, stride_sn, (t + 1) * BLOCK_N + offs_n, SK, has_g, POLY)
 
 
 @gluon.jit
@@ -186,7 +218,8 @@ def _pass2_fwd_sm90(
     H, S, SK, n_slots, C, G,
     stride_sb, stride_sh, stride_sg, stride_sn,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr,
+    POLY: gl.constexpr, num_warps: gl.constexpr,
 ):
     g0 = gl.program_id(0) * 2
     bh = gl.program_id(1)
@@ -206,10 +239,10 @@ def _pass2_fwd_sm90(
     gl.warp_specialize([
         (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                      n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                     NUM_STAGES, UNROLL)),
+                     NUM_STAGES, UNROLL, POLY)),
         (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                      n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
-                     NUM_STAGES, UNROLL)),
+                     NUM_STAGES, UNROLL, POLY)),
         (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -220,7 +253,7 @@ def k_layout(head_dim: int):
 
 
 def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None, consumer_regs=None,
-                producer_regs=None, maxnreg=None, unroll=None, k_desc=None):
+                producer_regs=None, maxnreg=None, unroll=None, poly=None, k_desc=None):
     """(grid, positional args, meta) of one launch; the op and the offline compile share it. ``k_desc``: a prebuilt
     descriptor (the offline compile passes one on the meta device)."""
     B, H, S, D = q8.shape
@@ -233,13 +266,16 @@ def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None
     unroll = int(unroll or cfg["unroll"])
     if unroll not in (2, 4):
         raise ValueError(f"unroll must be 2 or 4, got {unroll}")
+    poly = int(cfg["poly"] if poly is None else poly)
+    if poly not in (0, 1, 2, 3) or (poly >= 2 and unroll != 4):
+        raise ValueError(f"poly must be 0, 1, or 2 / 3 with unroll 4, got {poly} (unroll {unroll})")
     if k_desc is None:
         k_desc = TensorDescriptor.from_tensor(k8.view(B * H * SK, D), [BLOCK_N, D], k_layout(D))
     grid = (triton.cdiv(G, 2), B * H)
     args = (k_desc, q8, lse_s, perm, out, qf, kb, H, S, SK, n_slots, C, G, *out.stride())
     meta = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
-                UNROLL=unroll, num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
+                UNROLL=unroll, POLY=poly, num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta
 
 
@@ -252,8 +288,9 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size, **tunin
             ``HEAD_DIMS``; qf: fp32 ``[B * H]``; lse_s: fp32 ``[B, H, S]`` contiguous (natural log); kb: fp32
             ``[B, H, Sk]`` contiguous; perm: int32 ``[B, H, G * C]`` contiguous; out: fp16 / fp32 ``[B, H, G, Sk]``,
             any strides; group_size: C in (64, 128].
-        tuning: ``num_stages``, ``unroll`` (2 or 4 key tiles per consumer step), ``consumer_regs``, ``producer_regs``,
-            ``maxnreg``.
+        tuning: ``num_stages``, ``unroll`` (2 or 4 key tiles per consumer step), ``poly`` (exponentials on the FMA pipe,
+            ``_exp2_fma``, relative error < 5e-5, so sums within ~5e-5 of the MUFU ones: 1 a quarter of every tile's,
+            with unroll 4 also 2 all of one tile in 4, 3 all of two tiles in 4), ``consumer_regs``, ``producer_regs``, ``maxnreg``.
     Returns:
         ``out``.
     Raises:
