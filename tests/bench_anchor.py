@@ -91,9 +91,8 @@ QUICK_CONFIGS = ("pair stagger bn64 w4 st3 (bf16 default)", "fp8 pair unstaggere
 # the Gluon pass-2 kernel alone on precomputed float8 operands (selection_sm90.group_prob_sums_fp8 tuning), each
 # beside the Triton pair kernel alone (its pass 2 minus the operand pass)
 GLUON_TUNINGS = {"default": {}, "unroll 4": dict(unroll=4), "poly 1/4": dict(poly=1),
-                 "unroll 4 poly 1/4": dict(unroll=4, poly=1), "unroll 4 poly tile 1/4": dict(unroll=4, poly=2),
-                 "unroll 4 poly tiles 1/2": dict(unroll=4, poly=3), "stages 4": dict(num_stages=4),
-                 "stages 12": dict(num_stages=12)}
+                 "unroll 4 poly tile 1/4": dict(unroll=4, poly=2), "unroll 4 poly tiles 1/2": dict(unroll=4, poly=3),
+                 "stages 4": dict(num_stages=4)}
 QUICK = False
 VARIANTS = None  # --variants: the PDDP variants timed (None: all)
 TOPK_METHODS = ("radix", "sample", "radix + pass-2 hist")
