@@ -9,7 +9,10 @@ efficiency = dense ms x s / ms, and per key tile: us per CTA wave per key tile):
 - ``contiguous keys``: every group's keys are tokens 0 .. n-1 (best-case locality, same code path);
 - ``kv bhsd``: random keys read from [B, H, S, D]-contiguous K/V (rows of a head 256 bytes apart, not H*256);
 - ``no store``: the epilogue writes nothing (a never-true test keeps the math): the epilogue's cost;
-- ``smem epilogue``: O staged in the query tile's shared memory, rows written 16 bytes per thread (a candidate);
+- ``smem epilogue``: O staged in the query tile's shared memory, rows written 16 bytes per thread (the kernel's
+  ``epilogue="smem"``);
+- ``tma rows`` / ``tma + smem epi``: the producer on the TMA unit (``producer="tma"``: boxes of 1 row x 64 columns),
+  after a smoke test in a subprocess (a bad variant may crash or hang the process);
 - ``persistent``: the production kernel on one CTA per SM (grid-stride over the groups);
 - ``no load``: the producer issues no K/V copies (Q still gathered; stages signalled at once): the consumers alone;
 - ``fa4 Sk=n``: flash-attn-4 dense on the first n keys (contiguous, TMA), n = the sparse key count: the same work
@@ -50,11 +53,6 @@ def variant_kernels(with_tma=False):
     from quack.compile_utils import make_fake_stream
 
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
-    from cutlass import const_expr
-    from flash_attn.cute import utils as fa_utils
-    from flash_attn.cute.named_barrier import NamedBarrierFwd
-    from quack import layout_utils
-
     from comfyui_mc_sparse_pack.kernels.cutedsl.sparse_fwd_sm90 import SparseFwdSm90
 
     class NoStore(SparseFwdSm90):
@@ -71,64 +69,18 @@ def variant_kernels(with_tma=False):
             cute.arch.cp_async_commit_group()
             pipeline_kv.producer_commit(producer_state)
 
-    class SmemEpilogue(SparseFwdSm90):
-        """O rounded, staged in the query tile's shared memory (stmatrix), then written 16 bytes per thread, a warp
-        covering 4 half-rows (flash-attn-4's epilogue copies, rows sent to perm's positions); one CTA per group only
-        (a persistent CTA's producer would overwrite the query tile)."""
-
-        @cute.jit
-        def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx, m_block,
-                     head_idx, batch_idx):
-            outs = mO
-            group = batch_idx
-            bh = group // outs.groups_per_head
-            b = bh // outs.n_heads
-            h = bh - b * outs.n_heads
-            rO = cute.make_fragment_like(acc_O, self.dtype)
-            fa_utils.cvt_f16(acc_O, rO)
-            cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads)
-            smem_copy_atom_O = fa_utils.get_smem_store_atom(90, self.dtype)
-            smem_thr_copy_O = cute.make_tiled_copy_C(smem_copy_atom_O, tiled_mma).get_slice(tidx)
-            cute.copy(smem_copy_atom_O, smem_thr_copy_O.retile(rO), smem_thr_copy_O.partition_D(sO))
-            cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
-            if const_expr(outs.mLSE is not None):
-                tOcO_mma = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(tidx).partition_C(cO))
-                if tOcO_mma[0, 0][1] == 0:
-                    for m in cutlass.range_constexpr(cute.size(lse)):
-                        q_row = outs.mPerm[group, tOcO_mma[m, 0][0]]
-                        if q_row >= 0:
-                            outs.mLSE[b, h, q_row] = lse[m]
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads)
-            copy_o = cute.make_tiled_copy_tv(
-                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
-                cute.make_ordered_layout((self.num_epilogue_threads // 8, 8), order=(1, 0)), cute.make_layout((1, 8)))
-            gmem_thr_copy_O = copy_o.get_slice(tidx)
-            tOsO = gmem_thr_copy_O.partition_S(sO)
-            tOrO = cute.make_fragment_like(tOsO, self.dtype)
-            cute.autovec_copy(tOsO, tOrO)
-            tOcO = gmem_thr_copy_O.partition_S(cO)
-            for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
-                q_row = outs.mPerm[group, tOcO[0, rest_m, 0][0]]
-                if q_row >= 0:
-                    for kk in cutlass.range_constexpr(cute.size(tOrO.shape[2])):
-                        src = tOrO[None, rest_m, kk]
-                        ptr = cute.make_ptr(self.dtype, fa_utils.elem_pointer(
-                            outs.mO, (b, q_row, h, tOcO[0, rest_m, kk][1])).toint(), cute.AddressSpace.gmem,
-                            assumed_align=16)
-                        cute.autovec_copy(src, cute.make_tensor(ptr, src.layout))
-
     out = {}
-    classes = [("kernel", SparseFwdSm90), ("no store", NoStore), ("no load", NoLoad), ("smem epilogue", SmemEpilogue)]
+    classes = [("kernel", SparseFwdSm90, {}), ("no store", NoStore, {}), ("no load", NoLoad, {}),
+               ("smem epilogue", SparseFwdSm90, dict(epilogue="smem"))]
     if with_tma:
-        from cutedsl_tma_rows import TmaRows
-
-        classes.append(("tma rows", TmaRows))
-    for name, cls in classes:
+        classes += [("tma rows", SparseFwdSm90, dict(producer="tma")),
+                    ("tma + smem epi", SparseFwdSm90, dict(producer="tma", epilogue="smem"))]
+    for name, cls, kw in classes:
         t = time.perf_counter()
-        obj = cls(cutlass.BFloat16, 128, cc.default_stages(), None)
-        out[name] = cute.compile(obj, *cc._fake_args("bfloat16", 128, False, "none"), Float32(1.0), Int32(1),
-                                 make_fake_stream(), options="--enable-tvm-ffi")
+        obj = cls(cutlass.BFloat16, 128, cc.default_stages(), None, **kw)
+        out_align = 16 if kw.get("epilogue") == "smem" else 4
+        out[name] = cute.compile(obj, *cc._fake_args("bfloat16", 128, False, "none", out_align), Float32(1.0),
+                                 Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
         print(f"compiled {name} in {time.perf_counter() - t:.1f} s", flush=True)
     return out
 
@@ -211,6 +163,7 @@ def run_shape(name, shp, densities, rep, fns, log, sweep):
         row("smem epilogue", s, num, launch(fns["smem epilogue"], perm, idx), lambda: err(perm, idx))
         if "tma rows" in fns:
             row("tma rows", s, num, launch(fns["tma rows"], perm, idx), lambda: err(perm, idx))
+            row("tma + smem epi", s, num, launch(fns["tma + smem epi"], perm, idx), lambda: err(perm, idx))
         row("persistent", s, num, launch(fns["kernel"], perm, idx, ctas=sms), lambda: err(perm, idx))
         row("kv bhsd", s, num, launch(fns["kernel"], perm, idx, kc, vc), lambda: err(perm, idx, kc, vc))
         for how in ("perm identity", "shared", "contiguous"):
@@ -240,15 +193,7 @@ def tma_smoke():
     caller runs it in a subprocess with a timeout); exit 0 when it matches the reference."""
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
     from comfyui_mc_sparse_pack.kernels.triton.counts import valid_counts
-    from cutedsl_tma_rows import TmaRows
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32
-    from quack.compile_utils import make_fake_stream
-
-    fn = cute.compile(TmaRows(cutlass.BFloat16, 128, cc.default_stages(), None),
-                      *cc._fake_args("bfloat16", 128, False, "none"), Float32(1.0), Int32(1), make_fake_stream(),
-                      options="--enable-tvm-ffi")
+    fn = cc.compile_fake("bfloat16", 128, False, "none", producer="tma")
     gen = torch.Generator(device="cuda").manual_seed(1)
     B, H, S, D = 2, 3, 1000, 128
     q, k, v = (bc.native(gen, B, S, H, D) for _ in range(3))

@@ -168,7 +168,8 @@ def test_an_unusable_disk_cache_still_compiles(monkeypatch):
     monkeypatch.setattr(cc, "_memory", {})
     monkeypatch.setattr(cc, "_disk_cache", Broken)
     monkeypatch.setattr(cc, "compile_fake", lambda *a: ("compiled", *a))
-    assert cc.compiled("bfloat16", 128, False, stages=2) == ("compiled", "bfloat16", 128, False, "none", 2)
+    assert cc.compiled("bfloat16", 128, False, stages=2) == ("compiled", "bfloat16", 128, False, "none", 2,
+                                                             cc.PRODUCER, "registers")
     assert cc.compiled("bfloat16", 128, False, stages=2) is cc.compiled("bfloat16", 128, False, stages=2)
 
 
@@ -201,8 +202,9 @@ def test_offline_sm90_compile(tmp_path):
 
 @_NEEDS_CUTE
 def test_offline_sm90_compile_every_residual(tmp_path):
-    """The kernel compiles for sm_90a without a GPU for every residual form (bf16, D 128, LSE) and for fp16 / D 64
-    without the LSE; about 5 s per compile."""
+    """The kernel compiles for sm_90a without a GPU for every residual form (bf16, D 128, LSE), for fp16 / D 64
+    without the LSE, and with the TMA producer and the staged epilogue (bf16 D 128 LSE, fp16 D 64); about 5 s per
+    compile."""
     code = textwrap.dedent(f"""
         import os, sys
         os.environ['CUTE_DSL_ARCH'] = 'sm_90a'
@@ -215,18 +217,23 @@ def test_offline_sm90_compile_every_residual(tmp_path):
             print('COMPILED', res)
         cc.compile_fake('float16', 64, False, 'none')
         print('COMPILED fp16')
+        cc.compile_fake('bfloat16', 128, True, 'none', producer='tma', epilogue='smem')
+        cc.compile_fake('float16', 64, False, 'fp8_row', producer='tma')
+        print('COMPILED tma')
     """)
     env = dict(os.environ, MC_SPARSE_CUTEDSL_CACHE_DIR=str(tmp_path))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert p.stdout.count("COMPILED") == 8, p.stdout + p.stderr[-3000:]
+    assert p.stdout.count("COMPILED") == 9, p.stdout + p.stderr[-3000:]
 
 
 def _fake_launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean, scale,
                  num_ctas):
     """A float64 torch model of one launch, on the contract of ``kernels/cutedsl/sparse_fwd_sm90.py`` (with
     the compiled kernel's argument checks: ranks, dtypes, unit strides, the residual form it was compiled for)."""
-    _, dtype, head_dim, with_lse, residual = fn
+    _, dtype, head_dim, with_lse, residual, epilogue = fn
     B, S, H, D = q.shape
+    if epilogue == "smem":  # 16-byte stores of rounded O: no residual, 16-byte aligned out rows
+        assert residual == "none" and out.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in out.stride()[:3])
     N = perm_rows.shape[0]
     G = N // (B * H)
     assert D == head_dim and q.dtype == out.dtype == k.dtype == v.dtype == rules_dtype(dtype)
@@ -278,9 +285,10 @@ def fake_op(monkeypatch):
     runs it); ``fake_op.calls`` lists the static parameters each launch was compiled for."""
     pkg = importlib.import_module("comfyui_mc_sparse_pack.kernels.cutedsl")
     fake = types.ModuleType(f"{pkg.__name__}.compile")
-    fake.calls = []
-    fake.compiled = lambda dtype, head_dim, with_lse, residual="none", stages=None: (
-        fake.calls.append((dtype, head_dim, with_lse, residual)) or ("fake", dtype, head_dim, with_lse, residual))
+    fake.calls, fake.epilogues = [], []
+    fake.compiled = lambda dtype, head_dim, with_lse, residual="none", stages=None, producer=None, epilogue="registers": (
+        fake.calls.append((dtype, head_dim, with_lse, residual)) or fake.epilogues.append(epilogue)
+        or ("fake", dtype, head_dim, with_lse, residual, epilogue))
     fake.launch = _fake_launch
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     monkeypatch.setattr(pkg, "compile", fake, raising=False)
@@ -288,8 +296,32 @@ def fake_op(monkeypatch):
     monkeypatch.delitem(sys.modules, f"{pkg.__name__}.op", raising=False)
     op = importlib.import_module(f"{pkg.__name__}.op")
     assert op._compile is fake
-    op.calls = fake.calls
+    op.calls, op.epilogues = fake.calls, fake.epilogues
     return op
+
+
+@pytest.mark.parametrize(("pad", "kind", "want"), [(0, None, "smem"), (8, None, "smem"), (4, None, "registers"),
+                                                    (0, "fp8_row", "registers")])
+def test_staged_epilogue_only_without_residual_on_16_byte_rows(fake_op, monkeypatch, pad, kind, want):
+    """With the staged (16-byte store) epilogue as the default, a call gets it only without a residual and with
+    16-byte aligned out rows (a [B, S, H*D + pad] buffer: pad 4 bf16 elements misaligns every row but the first);
+    the fake launch asserts the same, and the output is right either way."""
+    from .test_reuse_op import brute_residual, make_residual
+
+    monkeypatch.setattr(rules, "EPILOGUE", "smem")
+    gen = torch.Generator().manual_seed(7)
+    B, H, S, D, K = 1, 2, 200, 64, 130
+    q, k, v, perm, idx = _op_inputs(gen, B, H, S, D, K)
+    res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen) * 0.1, kind, perm,
+                                                  idx.shape[2])
+    base = torch.full((B, S, H * D + pad), float("nan"), dtype=torch.bfloat16)
+    out = base[..., :H * D].view(B, S, H, D).transpose(1, 2)
+    got = fake_op.sparse_attention(q, k, v, perm, idx, out=out, residual=res)
+    assert fake_op.epilogues == [want]
+    ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
+    if res is not None:
+        ref = ref + brute_residual(res, perm)
+    assert float((got.double() - ref).abs().max()) <= 2**-7 * float(ref.abs().max())
 
 
 def _op_inputs(gen, B, H, S, D, K, dtype=torch.bfloat16):

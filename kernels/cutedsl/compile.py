@@ -29,7 +29,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from quack.compile_utils import make_fake_stream, make_fake_tensor
 
-from .sparse_fwd_sm90 import SparseFwdSm90
+from .sparse_fwd_sm90 import EPILOGUES, PRODUCERS, SparseFwdSm90
 
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 # the kernel's residual forms (compile-time): none, plain in one of three dtypes, or a row-scaled byte form
@@ -38,6 +38,7 @@ RESIDUALS = {"none": (None, None), "plain_bfloat16": ("plain", cutlass.BFloat16)
              "fp8_row": ("fp8_row", cutlass.Uint8), "int4_row": ("int4_row", cutlass.Uint8),
              "int4_group": ("int4_group", cutlass.Uint8)}
 STAGES = 2  # 3 stages measured -1 to +2 % at 1.3B, up to -11 % at 14B on the H200 (the regroup kernel, 2026-12-01)
+PRODUCER = "cp.async"  # or "tma": K/V/Q rows by TMA boxes of one row (sparse_fwd_sm90.py), being measured
 _memory: dict = {}
 _lock = threading.Lock()
 log = logging.getLogger(__name__)
@@ -78,14 +79,15 @@ def default_stages() -> int:
     return int(raw)
 
 
-def _fake_args(dtype: str, head_dim: int, with_lse: bool, residual: str):
+def _fake_args(dtype: str, head_dim: int, with_lse: bool, residual: str, out_align: int = 4):
     """Fake tensors of one launch (``sparse_fwd_sm90.py``'s contract): q/out share (B, S, H) with the residual and
-    LSE; k/v have their own length; alignments as ``rules.call_refusal`` checks them."""
+    LSE; k/v have their own length; alignments as ``rules.call_refusal`` checks them, out rows ``out_align`` bytes
+    (16 for the staged epilogue's 16-byte stores)."""
     dt = _DTYPES[dtype]
     b, s, sk, h, n, k = (cute.sym_int() for _ in range(6))
     q = make_fake_tensor(dt, (b, s, h, head_dim), divisibility=8)
     kk, vv = (make_fake_tensor(dt, (b, sk, h, head_dim), divisibility=8) for _ in range(2))
-    o = make_fake_tensor(dt, (b, s, h, head_dim), divisibility=2)
+    o = make_fake_tensor(dt, (b, s, h, head_dim), divisibility=out_align // 2)
     lse = make_fake_tensor(Float32, (b, h, s), divisibility=1) if with_lse else None
     perm = make_fake_tensor(Int32, (n, 128), divisibility=1)
     idx = make_fake_tensor(Int32, (n, k), divisibility=1)
@@ -104,20 +106,28 @@ def _fake_args(dtype: str, head_dim: int, with_lse: bool, residual: str):
     return q, kk, vv, o, lse, perm, idx, counts, res, scale, coef, mean
 
 
-def compile_fake(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None):
-    """Compile the kernel (``sparse_fwd_sm90.py``) from fake tensors; ``residual`` a key of ``RESIDUALS``.
-    Needs no GPU with CUTE_DSL_ARCH=sm_90a. Raises KeyError for an
-    unknown residual form."""
-    args = _fake_args(dtype, head_dim, with_lse, residual)
-    kernel = SparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages(), RESIDUALS[residual][0])
+def compile_fake(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None,
+                 producer: str | None = None, epilogue: str = "registers"):
+    """Compile the kernel (``sparse_fwd_sm90.py``) from fake tensors; ``residual`` a key of ``RESIDUALS``, ``producer``
+    one of ``PRODUCERS`` (None: ``PRODUCER``), ``epilogue`` one of ``EPILOGUES`` (the staged one wants 16-byte
+    aligned out rows). Needs no GPU with CUTE_DSL_ARCH=sm_90a. Raises KeyError for an unknown residual form,
+    ValueError for an unknown producer or epilogue."""
+    producer = producer or PRODUCER
+    if producer not in PRODUCERS or epilogue not in EPILOGUES:
+        raise ValueError(f"unknown producer {producer!r} or epilogue {epilogue!r}")
+    args = _fake_args(dtype, head_dim, with_lse, residual, 16 if epilogue == "smem" else 4)
+    kernel = SparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages(), RESIDUALS[residual][0], producer,
+                           epilogue)
     return cute.compile(kernel, *args, Float32(1.0), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
-def compiled(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None):
+def compiled(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None,
+             producer: str | None = None, epilogue: str = "registers"):
     """The compiled kernel for these static parameters: from memory, the disk cache, or a fresh compile."""
     stages = stages or default_stages()
-    key = ("mc_sparse_fwd_sm90", dtype, head_dim, with_lse, residual, stages, source_hash())
-    return _cached(key, lambda: compile_fake(dtype, head_dim, with_lse, residual, stages))
+    producer = producer or PRODUCER
+    key = ("mc_sparse_fwd_sm90", dtype, head_dim, with_lse, residual, stages, producer, epilogue, source_hash())
+    return _cached(key, lambda: compile_fake(dtype, head_dim, with_lse, residual, stages, producer, epilogue))
 
 
 def _cached(key, build):

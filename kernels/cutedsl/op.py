@@ -13,7 +13,7 @@ import torch
 
 from ..triton.counts import valid_counts
 from . import compile as _compile
-from .rules import DTYPE_NAMES, call_refusal
+from .rules import DTYPE_NAMES, call_refusal, epilogue_for
 
 __all__ = ["sparse_attention"]
 
@@ -44,9 +44,9 @@ def _run(q, k, v, perm, kv_idx, scale, return_lse, out, residual):
     G, k_alloc = kv_idx.shape[2], kv_idx.shape[3]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     res_name, *res_args = _residual_args(residual)
-    fn = _compile.compiled(DTYPE_NAMES[q.dtype], D, return_lse, res_name)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    fn = _compile.compiled(DTYPE_NAMES[q.dtype], D, return_lse, res_name, epilogue=epilogue_for(res_name, out))
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else None
     counts = valid_counts(kv_idx)
     n = B * H * G

@@ -46,6 +46,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute import FastDivmodDivisorV2
+from cutlass.cute.nvgpu import cpasync
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
 from flash_attn.cute import pipeline as fa_pipeline
@@ -53,6 +54,7 @@ from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.block_info import BlockInfo
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.mask import AttentionMask
+from flash_attn.cute.named_barrier import NamedBarrierFwd
 from flash_attn.cute.paged_kv import PagedKVManager
 from flash_attn.cute.seqlen_info import SeqlenInfoQK
 from flash_attn.cute.tile_scheduler import WorkTileInfo
@@ -61,6 +63,9 @@ from quack import layout_utils, sm90_utils
 
 TILE = 128  # query tile (= group size C) and key tile
 RES_KINDS = (None, "plain", "fp8_row", "int4_row", "int4_group")
+PRODUCERS = ("cp.async", "tma")
+EPILOGUES = ("registers", "smem")
+TMA_WARPS = 4  # producer warps issuing TMA row copies, 32 rows of a tile each
 
 
 @dataclass
@@ -155,14 +160,18 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     same): measured on the H200 against K and V of a tile together, +0.01 at the worst point and up to +0.026 of
     dense at 14B 720p (docs/kernels.md)."""
 
-    def __init__(self, dtype, head_dim: int, stages: int = 2, res_kind: str | None = None):
-        assert res_kind in RES_KINDS, res_kind
+    def __init__(self, dtype, head_dim: int, stages: int = 2, res_kind: str | None = None, producer: str = "cp.async",
+                 epilogue: str = "registers"):
+        assert res_kind in RES_KINDS and producer in PRODUCERS and epilogue in EPILOGUES, (res_kind, producer, epilogue)
         super().__init__(
             dtype, head_dim, head_dim, 1, is_causal=False, is_local=False, pack_gqa=False, tile_m=TILE, tile_n=TILE,
             num_stages=stages, num_threads=384, Q_in_regs=False, intra_wg_overlap=True, mma_pv_is_rs=True,
             paged_kv_non_tma=True,
         )
         self.res_kind = res_kind
+        self.producer = producer
+        # the staged epilogue writes rounded O; with a residual the sum is rounded once, from the registers
+        self.smem_epilogue = epilogue == "smem" and res_kind is None
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -199,33 +208,58 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         mQ, mK, mV = [layout_utils.select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV)]
         softmax_scale_log2, softmax_scale = fa_utils.compute_softmax_scale_log2(softmax_scale, None)
         total = mPerm.shape[0]
-        grid_x = cutlass.min(num_ctas, total)
+        # the staged epilogue writes through the query tile, which a persistent CTA's producer refills: one group per CTA
+        grid_x = total if const_expr(self.smem_epilogue) else cutlass.min(num_ctas, total)
+        row_layout = atom_q = tma_q = atom_k = tma_k = atom_v = tma_v = None
+        if const_expr(self.producer == "tma"):
+            # one row x 64 columns (128 bytes) per copy, swizzled as the K/V tiles (the unit swizzles by address)
+            row_layout = cute.make_composed_layout(self.sK_layout.inner, 0, cute.make_layout((1, 64), stride=(64, 1)))
+            op = cpasync.CopyBulkTensorTileG2SOp()
+            atom_q, tma_q = cpasync.make_tiled_tma_atom(op, mQ, row_layout, (1, 64))
+            atom_k, tma_k = cpasync.make_tiled_tma_atom(op, mK, row_layout, (1, 64))
+            atom_v, tma_v = cpasync.make_tiled_tma_atom(op, mV, row_layout, (1, 64))
         self.kernel(
             mQ, mK, mV, mO, mLSE, mPerm, mIdx, mCounts, mRes, mScale, mCoef, mMean, softmax_scale_log2, softmax_scale,
-            total,
+            total, atom_q, tma_q, atom_k, tma_k, atom_v, tma_v, row_layout,
             tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout, SharedStorage,
         ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
                mIdx: cute.Tensor, mCounts: cute.Tensor, mRes, mScale, mCoef, mMean, softmax_scale_log2: Float32,
-               softmax_scale, total: Int32, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+               softmax_scale, total: Int32, atom_q, tma_q, atom_k, tma_k, atom_v, tma_v, row_layout,
+               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if const_expr(self.producer == "tma"):
+            if warp_idx == 0:
+                for a in (atom_q, atom_k, atom_v):
+                    cpasync.prefetch_descriptor(a)
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         Threads = partial(cutlass.pipeline.CooperativeGroup, cutlass.pipeline.Agent.Thread)
         load_threads = Threads(self.num_threads_per_warp_group)
         mma_warps = Threads(self.num_mma_threads // cute.arch.WARP_SIZE)
-        pipes = [
-            fa_pipeline.PipelineCpAsync.create(
-                barrier_storage=bar, num_stages=n, producer_group=load_threads, consumer_group=mma_warps,
-                defer_sync=True, elect_one_release=True, syncwarp_before_release=False,
-            )
-            for bar, n in ((storage.mbar_ptr_Q.data_ptr(), 1), (storage.mbar_ptr_K.data_ptr(), self.num_stages),
-                           (storage.mbar_ptr_V.data_ptr(), self.num_stages))
-        ]
+        tile_bytes = TILE * self.tile_hdim * (self.dtype.width // 8)
+        bars = ((storage.mbar_ptr_Q.data_ptr(), 1), (storage.mbar_ptr_K.data_ptr(), self.num_stages),
+                (storage.mbar_ptr_V.data_ptr(), self.num_stages))
+        if const_expr(self.producer == "tma"):  # each producer warp's elected lane expects its rows' bytes
+            pipes = [
+                fa_pipeline.PipelineTmaAsync.create(
+                    barrier_storage=bar, num_stages=n, producer_group=Threads(TMA_WARPS), consumer_group=mma_warps,
+                    tx_count=tile_bytes // TMA_WARPS, defer_sync=True,
+                )
+                for bar, n in bars
+            ]
+        else:
+            pipes = [
+                fa_pipeline.PipelineCpAsync.create(
+                    barrier_storage=bar, num_stages=n, producer_group=load_threads, consumer_group=mma_warps,
+                    defer_sync=True, elect_one_release=True, syncwarp_before_release=False,
+                )
+                for bar, n in bars
+            ]
         pipeline_q, pipeline_k, pipeline_v = pipes
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -242,8 +276,14 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         pipeline_init_wait(cluster_shape_mn=(1, 1))
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
-            self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head)
+            if const_expr(self.producer == "tma"):
+                self.load_rows_tma(mPerm, mIdx, (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v), row_layout,
+                                   (storage.sQ.data_ptr(), storage.sK.data_ptr(), storage.sV.data_ptr()),
+                                   pipeline_q, pipeline_k, pipeline_v, block_info, SeqlenInfoCls, TileSchedulerCls,
+                                   n_heads, groups_per_head, warp_idx)
+            else:
+                self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
+                                SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head)
         else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
@@ -329,6 +369,85 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         return kv_state
 
     @cute.jit
+    def _row_index(self, idx_row: cute.Tensor, n_block: Int32, limit: Int32, row: Int32) -> Int32:
+        """Index of row ``row`` of tile n_block of an index row (slot clamped to the row's end: its last slot, a -1
+        or a real index; -1 -> 0: finite data the sequence-length mask drops)."""
+        slot = cutlass.min(cutlass.max(n_block, 0) * TILE + row, limit - 1)
+        return cutlass.max(idx_row[slot], 0)
+
+    @cute.jit
+    def _issue_rows(self, atom, tma_x, idx: Int32, base, stage: Int32, bar, b: Int32, h: Int32, warp: Int32,
+                    row_layout: cute.ComposedLayout):
+        """TMA copies of this warp's 32 rows of a tile (lane l holds the token index of row 32*warp + l; each row
+        D/64 boxes of 1 x 64; the copy is issued by one elected lane, so the warp walks its rows with a shuffle each)
+        into stage ``stage`` of the buffer at ``base``: element (r, 64c) of a stage sits at r*64 + c*TILE*64 before
+        the swizzle."""
+        gX = tma_x[None, None, h, b]
+        for i in cutlass.range(TILE // TMA_WARPS, unroll=8):
+            r = warp * (TILE // TMA_WARPS) + i
+            row_idx = cute.arch.shuffle_sync(idx, i)
+            for c in cutlass.range_constexpr(self.tile_hdim // 64):
+                g = cute.local_tile(gX, (1, 64), (row_idx, c))
+                s = cute.make_tensor(base + (stage * TILE * self.tile_hdim + c * TILE * 64 + r * 64), row_layout)
+                sp, gp = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                               cute.group_modes(g, 0, 2))
+                cute.copy(atom, gp, sp, tma_bar_ptr=bar)
+
+    @cute.jit
+    def load_rows_tma(self, mPerm, mIdx, atoms, tmas, row_layout, bases, pipeline_q, pipeline_k, pipeline_v,
+                      block_info, SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, warp):
+        """Producer on the TMA unit: per group its query rows through ``perm`` and its K/V rows through ``kv_idx``,
+        one 1 x 64 box per copy, by the 4 producer warps (32 rows of each tile each), each lane's index of the next
+        tile loaded one tile ahead; K of tile j before V of tile j-1 (the consumers' order), as ``load_fused``."""
+        atom_q, atom_k, atom_v = atoms
+        tma_q, tma_k, tma_v = tmas
+        sQb, sKb, sVb = bases
+        row = warp * (TILE // TMA_WARPS) + cute.arch.lane_idx()
+        k_alloc = mIdx.shape[1]
+        q_phase = Int32(1)
+        kv_state = make_pipeline_state(PipelineUserType.Producer, self.num_stages)
+        tile_scheduler = TileSchedulerCls()
+        work_tile = tile_scheduler.initial_work_tile_info()
+        while work_tile.is_valid_tile:
+            _, _, group, _ = work_tile.tile_idx
+            seqlen = SeqlenInfoCls(group)
+            bh = group // groups_per_head
+            b = bh // n_heads
+            h = bh - b * n_heads
+            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
+            idx_row = mIdx[group, None]
+            cur = self._row_index(idx_row, n_block_max - 1, k_alloc, row)
+            q_idx = self._row_index(mPerm[group, None], 0, Int32(TILE), row)  # padded slots load query row 0
+            nxt = self._row_index(idx_row, n_block_max - 2, k_alloc, row)
+            pipeline_k.producer_acquire(kv_state)
+            self._issue_rows(atom_k, tma_k, cur, sKb, kv_state.index, pipeline_k.producer_get_barrier(kv_state), b,
+                             h, warp, row_layout)
+            pipeline_q.producer_acquire_w_index_phase(0, q_phase)
+            self._issue_rows(atom_q, tma_q, q_idx, sQb, Int32(0), pipeline_q.sync_object_full.get_barrier(0), b, h,
+                             warp, row_layout)
+            q_phase ^= 1
+            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                n_block = n_block_max - 2 - i
+                prev = cur  # tile n_block + 1, whose V is next
+                cur = nxt
+                nxt = self._row_index(idx_row, n_block - 1, k_alloc, row)
+                v_state = kv_state.clone()
+                kv_state.advance()
+                pipeline_k.producer_acquire(kv_state)
+                self._issue_rows(atom_k, tma_k, cur, sKb, kv_state.index, pipeline_k.producer_get_barrier(kv_state),
+                                 b, h, warp, row_layout)
+                pipeline_v.producer_acquire(v_state)
+                self._issue_rows(atom_v, tma_v, prev, sVb, v_state.index, pipeline_v.producer_get_barrier(v_state),
+                                 b, h, warp, row_layout)
+            pipeline_v.producer_acquire(kv_state)
+            self._issue_rows(atom_v, tma_v, cur, sVb, kv_state.index, pipeline_v.producer_get_barrier(kv_state), b,
+                             h, warp, row_layout)
+            kv_state.advance()
+            tile_scheduler.advance_to_next_work()
+            work_tile = tile_scheduler.get_current_work()
+        pipeline_v.producer_tail(kv_state)
+
+    @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx, m_block,
                  head_idx, batch_idx):
         """Each consumer thread's rows of O (already divided by the row sums, fp32 in registers) + residual, rounded
@@ -339,6 +458,52 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         bh = group // outs.groups_per_head
         b = bh // outs.n_heads
         h = bh - b * outs.n_heads
+        if const_expr(self.smem_epilogue):
+            self._epilogue_smem(acc_O, lse, outs.mO, outs.mLSE, outs.mPerm, sO, tiled_mma, tidx, group, b, h)
+        else:
+            self._epilogue_registers(acc_O, lse, outs, tiled_mma, tidx, group, bh, b, h)
+
+    @cute.jit
+    def _epilogue_smem(self, acc_O, lse, mO, mLSE, mPerm, sO, tiled_mma, tidx, group, b, h):
+        """O rounded and staged in the query tile (``sO``: both consumer warpgroups have run their last QK^T when
+        they pass the first barrier), then each thread stores 16-byte pieces of rows: a warp writes 4 half rows
+        (128 contiguous bytes each) per store, to ``out[b, perm[row], h, :]``; the LSE from the registers."""
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        fa_utils.cvt_f16(acc_O, rO)
+        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads)
+        smem_copy_atom = fa_utils.get_smem_store_atom(90, self.dtype)
+        smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma).get_slice(tidx)
+        cute.copy(smem_copy_atom, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
+        cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+        if const_expr(mLSE is not None):
+            tOcO_mma = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(tidx).partition_C(cO))
+            if tOcO_mma[0, 0][1] == 0:
+                for m in cutlass.range_constexpr(cute.size(lse)):
+                    q_row = mPerm[group, tOcO_mma[m, 0][0]]
+                    if q_row >= 0:
+                        mLSE[b, h, q_row] = lse[m]
+        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads)
+        copy_o = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_ordered_layout((self.num_epilogue_threads // 8, 8), order=(1, 0)), cute.make_layout((1, 8)))
+        thr_copy = copy_o.get_slice(tidx)
+        tOsO = thr_copy.partition_S(sO)
+        tOrO = cute.make_fragment_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        tOcO = thr_copy.partition_S(cO)
+        for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            q_row = mPerm[group, tOcO[0, rest_m, 0][0]]
+            if q_row >= 0:
+                for kk in cutlass.range_constexpr(cute.size(tOrO.shape[2])):
+                    src = tOrO[None, rest_m, kk]
+                    ptr = cute.make_ptr(self.dtype, fa_utils.elem_pointer(
+                        mO, (b, q_row, h, tOcO[0, rest_m, kk][1])).toint(), cute.AddressSpace.gmem,
+                        assumed_align=16)
+                    cute.autovec_copy(src, cute.make_tensor(ptr, src.layout))
+
+    @cute.jit
+    def _epilogue_registers(self, acc_O, lse, outs, tiled_mma, tidx, group, bh, b, h):
+        """Each thread's rows straight from the registers (+ residual in fp32), 4-byte stores."""
         thr_mma = tiled_mma.get_slice(tidx)
         tOcO = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m,
                                                                                                self.tile_hdimv))))
