@@ -22,6 +22,7 @@ _spec = importlib.util.spec_from_file_location("_ptxas_report", Path(__file__).r
 pr = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pr)  # pops TRITON_INTERPRET and loads the pack
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 selection = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.selection")
 
@@ -81,14 +82,32 @@ def compile_variant(name, cfg, S=75600, H=40, D=128, C=128, arch=90):
                 fits=ck.metadata.shared <= pr.SMEM_LIMIT[arch], sass=sass_census(ck))
 
 
-def compile_stats(S=75600, H=40, D=128, arch=90):
-    """The float8 operand pass's column-statistics kernel at the Wan2.1-14B 720p q view."""
-    q = pr.model_views(1, H, S, D)[0]
-    part = torch.empty(H, 2, 3, D, dtype=torch.float32, device="meta")
-    ck = pr.compile_offline(selection._fp8_partial_stats, [q, part, H, S, 37800, *q.stride()],
-                            dict(HEAD_DIM=D, BLOCK_S=64, num_warps=4), arch)
-    regs, st, ld = pr.ptxas_usage(ck, arch)
-    return dict(variant="_fp8_partial_stats", regs=regs, spill_st=st, spill_ld=ld, smem=ck.metadata.shared)
+def compile_operand_pass(S=75600, H=40, D=128, arch=90):
+    """The float8 operand pass's three kernels (column statistics, per-head reduction, quantisation) at the
+    Wan2.1-14B 720p q / k views, with the launch parameters ``fp8_operands`` uses."""
+    q, k = pr.model_views(1, H, S, D)[:2]
+    n, per = selection._stat_splits(H, S)
+    part = torch.empty(H, 2 * n, 3, D, dtype=torch.float32, device="meta")
+    m = torch.empty(H, D, dtype=torch.float32, device="meta")
+    sc = torch.empty(H, dtype=torch.float32, device="meta")
+    q8 = torch.empty(1, H, S, D, dtype=torch.float8_e4m3fn, device="meta")
+    lse = torch.empty(1, H, S, dtype=torch.float32, device="meta")
+    kernels = {
+        "_fp8_partial_stats": (selection._fp8_partial_stats, [q, k, part, H, S, S, per, per, n, n, *q.stride(),
+                                                               *k.stride()],
+                               dict(HEAD_DIM=D, BLOCK_S=selection._STATS_BLOCK_S, num_warps=4)),
+        "_fp8_stats_final": (selection._fp8_stats_final, [part, m, m, sc, sc, sc, S, S, n, n, 0.18],
+                             dict(HEAD_DIM=D, NP=triton.next_power_of_2(n), TWO=True, num_warps=4)),
+        "_fp8_quantize": (selection._fp8_quantize, [q, k, q8, q8, m, m, sc, sc, lse, lse, lse, H, S, S, 1182,
+                                                     *q.stride(), *k.stride(), *lse.stride(), -0.09, 0.13],
+                          dict(HEAD_DIM=D, BLOCK_S=selection._QUANT_BLOCK_S, num_warps=4)),
+    }
+    out = []
+    for name, (fn, args, meta) in kernels.items():
+        ck = pr.compile_offline(fn, args, meta, arch)
+        regs, st, ld = pr.ptxas_usage(ck, arch)
+        out.append(dict(variant=name, regs=regs, spill_st=st, spill_ld=ld, smem=ck.metadata.shared))
+    return out
 
 
 def compile_gluon(D=128, S=75600, H=5, C=128, arch=90, **tuning):
@@ -132,9 +151,9 @@ def main():
             bad += r["spill_st"] > 0 or r["consumer_hot_spills"] > 0 or not r["fits"]
             print(r, flush=True)
         sys.exit(1 if bad else 0)
-    r = compile_stats()
-    bad += r["spill_st"] > 0
-    print(r, flush=True)
+    for r in compile_operand_pass():
+        bad += r["spill_st"] > 0
+        print(r, flush=True)
     for name, cfg in VARIANTS.items():
         try:
             r = compile_variant(name, cfg)

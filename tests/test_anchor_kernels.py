@@ -351,11 +351,35 @@ def _fp8_dequantised_sums(selection, q, k, lse, perm, C, scale):
     return deq * torch.exp2(kb.double())[:, :, None, :]
 
 
+def _assert_pow2_scale(sc, amax):
+    """The float8 scale rule: a power of two with amax / scale in (224, 448] (nothing saturates, at most one binade of
+    e4m3's range unused), 1 where amax is 0."""
+    mant, _ = torch.frexp(sc)
+    assert bool((mant == 0.5).all()), sc  # powers of two
+    ratio = torch.where(amax > 0, amax / sc, torch.full_like(amax, 448.0))
+    assert bool(((ratio > 224) & (ratio <= 448)).all()), ratio
+    assert bool((sc[amax == 0] == 1).all())
+
+
+def test_fp8_scale_is_the_largest_power_of_two_that_fits():
+    """fp8_stats' scale at the rule's edges: amax with mantissa 1.75 (exactly 448 after scaling), just above it (the
+    next power of two: 224 < ratio), a power of two, a tiny head (amax < 2^-111: scale 1), all-equal rows (amax 0)."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    amax = torch.tensor([1.75, 1.75 * (1 + 2**-20), 1.0, 3.0 * 2.0**-30, 2.0**-120, 0.0, 448.0 * 2.0**40])
+    x = torch.zeros(1, len(amax), 2, 32)
+    x[0, :, 0, 0] = amax  # column 0 holds amax and -amax: mean 0, largest |x - mean| amax
+    x[0, :, 1, 0] = -amax
+    mean, sc = selection.fp8_stats(x.to(DEVICE))
+    assert torch.equal(mean.cpu(), torch.zeros(1, len(amax), 32))
+    assert sc.cpu()[0].tolist() == [2.0**-8, 2.0**-7, 2.0**-8, 2.0**-37, 1.0, 1.0, 2.0**40]
+
+
 def test_fp8_operands_are_the_smoothed_rounded_copies(gen):
     """fp8_operands on strided [B, S, H*D] views (keys with a large shared component, as DiT keys have): q8 / k8 are
     (x - head mean) / head scale rounded to nearest even (bitwise torch's float8_e4m3fn cast of the same fp32
-    quotient), every element written; the scale is amax|x - mean| / 448 (nothing saturates, no range wasted by a
-    large constant column); an all-zero head gets scale 1 (no NaN); lse_s = lse - scale q . mean_k and kb = scale log2(e) mean_q . (k - mean_k), clamped
+    quotient), every element written; the scale is the power of two that puts amax|x - mean| in (224, 448] (nothing
+    saturates, no range wasted by a large constant column); an all-zero head gets scale 1 (no NaN); lse_s = lse - scale q . mean_k and kb = scale log2(e) mean_q . (k - mean_k), clamped
     to [-100, 100]; qf = q scale x k scale x softmax scale x log2(e)."""
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
@@ -374,7 +398,7 @@ def test_fp8_operands_are_the_smoothed_rounded_copies(gen):
     assert torch.allclose(mk.double(), k.double().mean(2), rtol=1e-5, atol=1e-5)
     for x, m, sc in ((q, mq, qs), (k, mk, ks)):
         amax = (x.float() - m[:, :, None]).abs().amax((-2, -1))
-        assert torch.equal(sc, torch.where(amax > 0, amax / 448, torch.ones_like(amax)))
+        _assert_pow2_scale(sc, amax)
     assert float(ks[1, 2]) == 1.0
     assert q8.dtype == torch.float8_e4m3fn and q8.shape == (B, H, S, D) and k8.shape == (B, H, SK, D)
     want_q8 = ((q.float() - mq[:, :, None]) / qs[..., None, None]).to(torch.float8_e4m3fn)

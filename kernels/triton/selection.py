@@ -282,26 +282,16 @@ def _group_prob_sums_pair(
 
 
 @triton.jit
-def _fp8_quantize(
-    X, OUT, MEAN, OTHER_MEAN, DIV, IN_ROW, OUT_ROW,
-    H, S,
-    stride_xb, stride_xh, stride_xs, stride_xd,
-    stride_rb, stride_rh, stride_rs,
-    row_mul,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    IS_Q: tl.constexpr,
-):
-    """One head's BLOCK_S rows x of q (IS_Q) or k ([B, H, S, D] by strides): OUT (float8_e4m3, contiguous
-    [B, H, S, D]) = (x - MEAN[bh]) / DIV[bh] rounded to nearest even, and a per-row term t = x . OTHER_MEAN[bh]
-    (q: x . mean(k)) or (x - MEAN[bh]) . OTHER_MEAN[bh] (k: (k - mean(k)) . mean(q)) written as
-    OUT_ROW[bh * S + row] = IN_ROW[row] + row_mul * t for q (IN_ROW: the LSE by its strides), and
-    clamp(row_mul * t, -100, 100) for k (IN_ROW unused). MEAN / OTHER_MEAN: fp32 [B * H, D]; DIV: fp32 [B * H]."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
+def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, bh, S,
+                   stride_xb, stride_xh, stride_xs, stride_xd, stride_rb, stride_rh, stride_rs, row_mul,
+                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, IS_Q: tl.constexpr):
+    """Rows [blk * BLOCK_S, +BLOCK_S) of head (b, h) of q (IS_Q) or k ([B, H, S, D] by strides): OUT (float8_e4m3,
+    contiguous [B, H, S, D]) = (x - MEAN[bh]) / SCALE[bh] rounded to nearest even (SCALE is a power of two: the
+    quotient is exact, taken as a product by 1 / SCALE), and a per-row term t = x . OTHER_MEAN[bh] (q: x . mean(k))
+    or (x - MEAN[bh]) . OTHER_MEAN[bh] (k: (k - mean(k)) . mean(q)) written as OUT_ROW[bh * S + row] = IN_ROW[row] +
+    row_mul * t for q (IN_ROW: the LSE by its strides), and clamp(row_mul * t, -100, 100) for k (IN_ROW unused).
+    MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]."""
+    rows = blk * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = rows < S
     x = tl.load(X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + rows.to(tl.int64)[:, None] * stride_xs
@@ -318,62 +308,171 @@ def _fp8_quantize(
     else:
         t = tl.sum(xc * other[None, :], 1)
         tl.store(OUT_ROW + out_rows, tl.minimum(tl.maximum(row_mul * t, -100.0), 100.0), mask=ok)
-    y = tl.div_rn(xc, tl.load(DIV + bh))  # IEEE division: the same bits as torch's (x - mean) / scale
+    inv = tl.div_rn(1.0, tl.load(SCALE + bh))  # exact: SCALE is a power of two
+    y = xc * inv
     tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None])
 
 
 @triton.jit
-def _fp8_partial_stats(
-    X, PART,
-    H, S, rows_per_split,
-    stride_xb, stride_xh, stride_xs, stride_xd,
+def _fp8_quantize(
+    Q, K, Q8, K8, MQ, MK, QS, KS, LSE, LSE_S, KB,
+    H, S, SK, nbq,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_lb, stride_lh, stride_ls,
+    lse_mul, kb_mul,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Per (b * H + h, split): the column sums, maxima and minima (fp32 [3, HEAD_DIM] at PART[(bh * n_split + split)
-    * 3 * HEAD_DIM]) of X's rows [split * rows_per_split, (split + 1) * rows_per_split) of head (b, h); rows past S
-    add 0 / -inf / +inf."""
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
+    """q's and k's float8 copies in one launch: programs [0, nbq) of axis 0 take q's row blocks (``_quantize_rows``
+    with IS_Q: Q8, LSE_S = LSE + lse_mul * q . mean_k), the rest k's (K8, KB = clamp(kb_mul * (k - mean_k) . mean_q));
+    axis 1 is b * H + h."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
     b = bh // H
     h = bh % H
+    if pid < nbq:
+        _quantize_rows(Q, Q8, MQ, MK, QS, LSE, LSE_S, pid, b, h, bh, S, stride_qb, stride_qh, stride_qs, stride_qd,
+                       stride_lb, stride_lh, stride_ls, lse_mul, HEAD_DIM, BLOCK_S, True)
+    else:
+        _quantize_rows(K, K8, MK, MQ, KS, LSE, KB, pid - nbq, b, h, bh, SK, stride_kb, stride_kh, stride_ks,
+                       stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, BLOCK_S, False)
+
+
+@triton.jit
+def _column_stats(base, stride_s, stride_d, r0, r1, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """(sum, max, min) per column (fp32 [HEAD_DIM] each) of rows [r0, r1) of one head (``base`` by strides; r1 > r0):
+    accumulated elementwise in registers over BLOCK_S-row tiles and reduced across rows once."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_s = tl.arange(0, BLOCK_S)
-    r0 = split * rows_per_split
-    r1 = tl.minimum(r0 + rows_per_split, S)
-    base = X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    hi = tl.full([HEAD_DIM], float("-inf"), tl.float32)
-    lo = tl.full([HEAD_DIM], float("inf"), tl.float32)
-    for s0 in range(r0, r1, BLOCK_S):
-        rows = s0 + offs_s
-        ok = rows < r1
-        x = tl.load(base + rows.to(tl.int64)[:, None] * stride_xs + offs_d[None, :] * stride_xd, mask=ok[:, None],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(x, 0)
-        hi = tl.maximum(hi, tl.max(tl.where(ok[:, None], x, float("-inf")), 0))
-        lo = tl.minimum(lo, tl.min(tl.where(ok[:, None], x, float("inf")), 0))
-    out = PART + (bh.to(tl.int64) * tl.num_programs(1) + split) * (3 * HEAD_DIM) + offs_d
-    tl.store(out, acc)
-    tl.store(out + HEAD_DIM, hi)
-    tl.store(out + 2 * HEAD_DIM, lo)
+    acc = tl.zeros([BLOCK_S, HEAD_DIM], dtype=tl.float32)
+    hi = tl.full([BLOCK_S, HEAD_DIM], float("-inf"), tl.float32)
+    lo = tl.full([BLOCK_S, HEAD_DIM], float("inf"), tl.float32)
+    n_full = tl.maximum(r1 - r0, 0) // BLOCK_S
+    for i in range(0, n_full):  # whole tiles: no masks
+        rows = r0 + i * BLOCK_S + offs_s
+        x = tl.load(base + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d).to(tl.float32)
+        acc += x
+        hi = tl.maximum(hi, x)
+        lo = tl.minimum(lo, x)
+    rows = r0 + n_full * BLOCK_S + offs_s  # the last partial tile (maybe empty): rows past r1 read row r1 - 1
+    ok = rows < r1  # again (max / min unchanged) and add 0 (r1 > r0: every split has a row)
+    rows = tl.minimum(rows, r1 - 1)
+    x = tl.load(base + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d).to(tl.float32)
+    acc += tl.where(ok[:, None], x, 0.0)
+    hi = tl.maximum(hi, x)
+    lo = tl.minimum(lo, x)
+    return tl.sum(acc, 0), tl.max(hi, 0), tl.min(lo, 0)
+
+
+@triton.jit
+def _fp8_partial_stats(
+    X0, X1, PART,
+    H, S0, S1, rows0, rows1, n0, n1,
+    stride_0b, stride_0h, stride_0s, stride_0d,
+    stride_1b, stride_1h, stride_1s, stride_1d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Column sums, maxima and minima of two tensors' heads in one launch: program (p, b * H + h) with p < n0 takes
+    rows [p * rows0, (p + 1) * rows0) of X0's head (b, h), else rows [(p - n0) * rows1, ...) of X1's; writes fp32
+    [3, HEAD_DIM] at PART[((b * H + h) * (n0 + n1) + p) * 3 * HEAD_DIM] (sum, max, min; no split is empty)."""
+    p = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    if p < n0:
+        r0 = p * rows0
+        col_sum, col_max, col_min = _column_stats(
+            X0 + b.to(tl.int64) * stride_0b + h.to(tl.int64) * stride_0h, stride_0s, stride_0d, r0,
+            tl.minimum(r0 + rows0, S0), HEAD_DIM, BLOCK_S)
+    else:
+        r0 = (p - n0) * rows1
+        col_sum, col_max, col_min = _column_stats(
+            X1 + b.to(tl.int64) * stride_1b + h.to(tl.int64) * stride_1h, stride_1s, stride_1d, r0,
+            tl.minimum(r0 + rows1, S1), HEAD_DIM, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    out = PART + (bh.to(tl.int64) * (n0 + n1) + p) * (3 * HEAD_DIM) + offs_d
+    tl.store(out, col_sum)
+    tl.store(out + HEAD_DIM, col_max)
+    tl.store(out + 2 * HEAD_DIM, col_min)
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """The float8 scale of a head whose largest |x - mean| is ``amax`` (fp32 scalar >= 0): the power of two 2^e with
+    amax / 2^e in (224, 448] (448: e4m3's largest finite value), so quantising is an exact product and nothing
+    saturates; 1 when amax < 2^-111 (nothing to resolve; 0 included)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    expo = (bits >> 23) & 255
+    e = expo - tl.where((bits & 0x7FFFFF) <= 0x600000, 8, 7)  # mantissa 1.f <= 1.75: 1.f * 2^8 <= 448
+    e = tl.where(expo >= 16, e, 127)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_stats_final(
+    PART, M0, M1, SC0, SC1, QF,
+    S0, S1, n0, n1, qf_mul,
+    HEAD_DIM: tl.constexpr,
+    NP: tl.constexpr,  # power of two >= max(n0, n1)
+    TWO: tl.constexpr,  # the second tensor's statistics too (and QF)
+):
+    """One program per head b * H + h: reduces ``_fp8_partial_stats``' splits to each tensor's mean (M0 / M1, fp32
+    [B * H, HEAD_DIM]) and float8 scale (SC0 / SC1, fp32 [B * H], ``_pow2_scale`` of max over columns of
+    max(max - mean, mean - min)); with TWO also QF[bh] = SC0 * SC1 * qf_mul."""
+    bh = tl.program_id(0)
+    sp = tl.arange(0, NP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = PART + bh.to(tl.int64) * (n0 + n1) * (3 * HEAD_DIM) + sp[:, None] * (3 * HEAD_DIM) + offs_d[None, :]
+    ok = (sp < n0)[:, None]
+    mean0 = tl.div_rn(tl.sum(tl.load(base, mask=ok, other=0.0), 0), S0.to(tl.float32))
+    hi = tl.max(tl.load(base + HEAD_DIM, mask=ok, other=float("-inf")), 0)
+    lo = tl.min(tl.load(base + 2 * HEAD_DIM, mask=ok, other=float("inf")), 0)
+    sc0 = _pow2_scale(tl.max(tl.maximum(hi - mean0, mean0 - lo), 0))
+    tl.store(M0 + bh * HEAD_DIM + offs_d, mean0)
+    tl.store(SC0 + bh, sc0)
+    if TWO:
+        base1 = base + n0 * (3 * HEAD_DIM)
+        ok1 = (sp < n1)[:, None]
+        mean1 = tl.div_rn(tl.sum(tl.load(base1, mask=ok1, other=0.0), 0), S1.to(tl.float32))
+        hi1 = tl.max(tl.load(base1 + HEAD_DIM, mask=ok1, other=float("-inf")), 0)
+        lo1 = tl.min(tl.load(base1 + 2 * HEAD_DIM, mask=ok1, other=float("inf")), 0)
+        sc1 = _pow2_scale(tl.max(tl.maximum(hi1 - mean1, mean1 - lo1), 0))
+        tl.store(M1 + bh * HEAD_DIM + offs_d, mean1)
+        tl.store(SC1 + bh, sc1)
+        tl.store(QF + bh, sc0 * sc1 * qf_mul)
+
+
+_STATS_BLOCK_S = 32  # rows per register tile of the statistics pass (4 warps: 32 fp32 accumulators x 3 per thread)
+_STATS_PROGRAMS = 528  # statistics programs per tensor (~4 per H200 SM): enough loads in flight for HBM speed
+_QUANT_BLOCK_S = 64  # rows per program of the quantising pass
+
+
+def _stat_splits(heads: int, rows: int) -> tuple[int, int]:
+    """(splits per head, rows per split) of the statistics pass for one tensor: a function of its own shape only, so
+    the same tensor always gets the same summation order (``fp8_stats`` alone == inside ``fp8_operands``)."""
+    n = max(1, min(-(-_STATS_PROGRAMS // heads), -(-rows // _STATS_BLOCK_S)))
+    per = -(-rows // n)
+    return -(-rows // per), per
 
 
 def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, scale) of ``x`` ``[B, H, S, D]`` (any strides) per head: mean fp32 ``[B, H, D]`` over the S rows, and the
-    float8 scale fp32 ``[B, H]`` = amax|x - mean| / 448 (from each column's min and max; 1 when it is 0; 448: e4m3's
-    largest finite value). One Triton pass over x (column sums / max / min per split of the rows, about two
-    programs per SM in all), combined by a few small torch reductions."""
+    float8 scale fp32 ``[B, H]``: the power of two 2^e with amax|x - mean| / 2^e in (224, 448] (448: e4m3's largest
+    finite value; a power of two makes quantising an exact product), 1 when amax < 2^-111. Two Triton launches
+    (column sums / max / min per split of the rows, accumulated in registers, ~4 programs per SM; one program per
+    head reduces the splits); ``fp8_operands`` runs the same passes for q and k together."""
     B, H, S, D = x.shape
-    n_split = max(1, min(64, -(-264 // (B * H)), -(-S // 64)))
-    rows = -(-S // n_split)
-    part = torch.empty(B * H, n_split, 3, D, dtype=torch.float32, device=x.device)
-    _fp8_partial_stats[(B * H, n_split)](x, part, H, S, rows, *x.stride(), HEAD_DIM=D, BLOCK_S=64, num_warps=4)
-    mean = (part[:, :, 0].sum(1) / S).view(B, H, D)
-    hi = part[:, :, 1].amax(1).view(B, H, D)
-    lo = part[:, :, 2].amin(1).view(B, H, D)
-    amax = torch.maximum(hi - mean, mean - lo).amax(-1)
-    return mean.contiguous(), torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).contiguous()
+    n, per = _stat_splits(B * H, S)
+    part = torch.empty(B * H, n, 3, D, dtype=torch.float32, device=x.device)
+    _fp8_partial_stats[(n, B * H)](x, x, part, H, S, S, per, per, n, 0, *x.stride(), *x.stride(), HEAD_DIM=D,
+                                   BLOCK_S=_STATS_BLOCK_S, num_warps=4)
+    mean = torch.empty(B, H, D, dtype=torch.float32, device=x.device)
+    scale = torch.empty(B, H, dtype=torch.float32, device=x.device)
+    _fp8_stats_final[(B * H,)](part, mean, mean, scale, scale, scale, S, S, n, 0, 1.0, HEAD_DIM=D,
+                               NP=triton.next_power_of_2(n), TWO=False, num_warps=4)
+    return mean, scale
 
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float):
@@ -389,32 +488,42 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         q: ``[B, H, S, D]``, k: ``[B, H, Sk, D]``, fp16 / bf16 / fp32, any strides; lse: fp32 ``[B, H, S]`` (natural
         log, any strides); scale: the softmax scale.
     Returns:
-        q8, k8: float8_e4m3fn ``[B, H, S, D]`` / ``[B, H, Sk, D]``, contiguous: (x - mean) / head scale (``fp8_stats``)
-        rounded to nearest even (e4m3 is a float format: one scale per head keeps each element's 3-bit relative
-        precision down to amax * 2^-15);
+        q8, k8: float8_e4m3fn ``[B, H, S, D]`` / ``[B, H, Sk, D]``, contiguous: (x - mean) / head scale (``fp8_stats``:
+        a power of two, so the quotient is exact) rounded to nearest even (e4m3 is a float format: one scale per head
+        keeps each element's 3-bit relative precision down to amax * 2^-14);
         qf: fp32 ``[B, H]``: q's scale x k's scale x ``scale`` x log2(e): ``(q8 . k8) * qf`` = ``q' . k' * scale *
         log2(e)`` up to the float8 roundings;
         lse_s: fp32 ``[B, H, S]``: ``lse - scale * q . mean_k`` (natural log);
         kb: fp32 ``[B, H, Sk]``: ``scale * log2(e) * mean_q . k'``, clamped to [-100, 100] (a mean query alone giving a
         key a logit beyond +-69 is outside what this is built for): the group sum of key j is 2^kb[j] x the sum over
         the group of 2^(q8 . k8 * qf - lse_s * log2(e)).
-    Cost: ``fp8_stats`` of q and of k (one Triton pass each), one quantising Triton launch each (read; write 1 byte
-    per element and 4 per row). Source: docs/kernels.md ("select_kv"); e4m3: torch.float8_e4m3fn (OCP FP8, max 448).
+    Cost: three Triton launches for q and k together: the statistics (one read of each, ``fp8_stats``' passes), the
+    per-head reduction, the quantising pass (a second read; 1 byte written per element and 4 per row): about 2.5x
+    the bytes of q and k. Source: docs/kernels.md ("select_kv"); e4m3: torch.float8_e4m3fn (OCP FP8, max 448).
     """
     B, H, S, D = q.shape
     SK = k.shape[2]
-    mq, qs = fp8_stats(q)
-    mk, ks = fp8_stats(k)
-    q8 = torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn, device=q.device)
-    k8 = torch.empty(B, H, SK, D, dtype=torch.float8_e4m3fn, device=q.device)
-    lse_s = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    kb = torch.empty(B, H, SK, dtype=torch.float32, device=q.device)
-    bs = 64
-    _fp8_quantize[(triton.cdiv(S, bs), B * H)](q, q8, mq, mk, qs, lse, lse_s, H, S, *q.stride(), *lse.stride(), -scale,
-                                               HEAD_DIM=D, BLOCK_S=bs, IS_Q=True, num_warps=4)
-    _fp8_quantize[(triton.cdiv(SK, bs), B * H)](k, k8, mk, mq, ks, lse, kb, H, SK, *k.stride(), *lse.stride(),
-                                                scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, IS_Q=False, num_warps=4)
-    return q8, k8, qs * ks * (scale * _LOG2E), lse_s, kb
+    dev = q.device
+    nq, per_q = _stat_splits(B * H, S)
+    nk, per_k = _stat_splits(B * H, SK)
+    part = torch.empty(B * H, nq + nk, 3, D, dtype=torch.float32, device=dev)
+    _fp8_partial_stats[(nq + nk, B * H)](q, k, part, H, S, SK, per_q, per_k, nq, nk, *q.stride(), *k.stride(),
+                                         HEAD_DIM=D, BLOCK_S=_STATS_BLOCK_S, num_warps=4)
+    mq = torch.empty(B * H, D, dtype=torch.float32, device=dev)
+    mk = torch.empty(B * H, D, dtype=torch.float32, device=dev)
+    stats = torch.empty(3, B, H, dtype=torch.float32, device=dev)  # q scale, k scale, qf
+    _fp8_stats_final[(B * H,)](part, mq, mk, stats[0], stats[1], stats[2], S, SK, nq, nk, scale * _LOG2E,
+                               HEAD_DIM=D, NP=triton.next_power_of_2(max(nq, nk)), TWO=True, num_warps=4)
+    q8 = torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn, device=dev)
+    k8 = torch.empty(B, H, SK, D, dtype=torch.float8_e4m3fn, device=dev)
+    lse_s = torch.empty(B, H, S, dtype=torch.float32, device=dev)
+    kb = torch.empty(B, H, SK, dtype=torch.float32, device=dev)
+    bs = _QUANT_BLOCK_S
+    nbq = triton.cdiv(S, bs)
+    _fp8_quantize[(nbq + triton.cdiv(SK, bs), B * H)](
+        q, k, q8, k8, mq, mk, stats[0], stats[1], lse, lse_s, kb, H, S, SK, nbq, *q.stride(), *k.stride(),
+        *lse.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, num_warps=4)
+    return q8, k8, stats[2], lse_s, kb
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
@@ -558,6 +667,12 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     return out
 
 
+def head_chunk(B: int, H: int, G: int, SK: int) -> int:
+    """Heads per pass-2 launch in ``select_kv``: as many as keep the float16 group-sum scratch (B x heads x G x Sk)
+    under ``_SCRATCH_BYTES``, at least one."""
+    return max(1, min(H, _SCRATCH_BYTES // (B * G * SK * 2)))
+
+
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
               topk_method=None, topk_hist=None, gluon=None):
@@ -583,7 +698,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     SK = k.shape[2]
     k_alloc = -(-num_keys // kv_tile) * kv_tile
     out = torch.empty((B, H, G, k_alloc), dtype=torch.int32, device=q.device)  # every slot written by top_k_rows
-    hc = heads_per_chunk or max(1, min(H, _SCRATCH_BYTES // (B * G * SK * 2)))
+    hc = heads_per_chunk or head_chunk(B, H, G, SK)
     scratch = torch.empty(B, hc, G, SK, dtype=torch.float16, device=q.device)
     use_hist = _TOPK_HIST_DEFAULT if topk_hist is None else bool(topk_hist)
     hist_buf = torch.empty(B * hc * G * HIST_BINS.value, dtype=torch.int32, device=q.device) if use_hist else None
