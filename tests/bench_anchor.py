@@ -96,7 +96,14 @@ GLUON_TUNINGS = {"default": {}, "unroll 4": dict(unroll=4), "poly 1/4": dict(pol
 QUICK = False
 VARIANTS = None  # --variants: the PDDP variants timed (None: all)
 TOPK_METHODS = ("radix", "sample", "radix + pass-2 hist")
-TOPK_TUNING = {}  # sample-method variants timed at s = 0.25 (measured at ff921ff: docs/kernels.md; none faster)
+TOPK_TUNING = {  # top_k_rows variants timed at s = 0.25 beside the methods' defaults (radix 4 warps x 1024, sample
+    # 8 warps x 2048 with 8192 samples): one warp per row (warp shuffles instead of block barriers, more rows per SM)
+    "radix w1 b1024": dict(method="radix", num_warps=1, block=1024),
+    "radix w2 b2048": dict(method="radix", num_warps=2, block=2048),
+    "sample w4 b2048": dict(method="sample", num_warps=4, block=2048),
+    "sample w2 b1024": dict(method="sample", num_warps=2, block=1024),
+    "sample w4 b1024 2048 samples": dict(method="sample", num_warps=4, block=1024, samples=2048, cap=16384),
+}
 
 
 def bench(fn, rep_ms):
@@ -348,6 +355,9 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
                 log(f"{name} top-K alone s={s} {tname}: {row[tname]}")
         del sums, outs, hist
 
+    with section(res, "select parts", log):
+        res["select_parts"] = select_parts(name, q, k, lse, perm, best, rep, log)
+
     timed = {c: r for c, r in res["pass2_sweep"].items() if isinstance(r, float) and "fp8" not in c}
     pick = min(timed, key=timed.get) if timed else "pair stagger bn64 w4 st3 (bf16 default)"
     timed8 = {c: r for c, r in res["pass2_sweep"].items() if isinstance(r, float) and "fp8" in c}
@@ -428,6 +438,70 @@ def gluon_part(name, sub, res, best, rep, log):
         stats = [(ck.n_regs, ck.n_spills) for ck in selection_sm90.compiled_kernels()]
         out["regs_spills"] = stats
         log(f"{name} Gluon pass-2 kernels compiled (n_regs, n_spills): {stats}")
+
+
+def select_parts(name, q, k, lse, perm, best, rep, log, s=0.25):
+    """select_kv at its defaults, part by part, each / the best dense call, side by side in one process: the float8
+    operand pass (``fp8_operands`` per head chunk as select_kv runs it), pass 2 with it (``group_prob_sums`` per
+    chunk into the float16 scratch), the pass-2 kernel alone (the difference), the top-K (``top_k_rows`` per chunk at
+    its default method), their sum, and the whole ``select_kv`` timed three ways: back to back (``do_bench``),
+    isolated (a host sync before each call, CUDA events around it: what one anchor call sees, host launch gaps
+    included) and the host's own time to issue one call (perf_counter, no sync)."""
+    from comfyui_mc_sparse_pack.kernels.triton import topk
+
+    B, H, S = q.shape[0], q.shape[1], q.shape[2]
+    G = perm.shape[-1] // C
+    kk = int(s * S)
+    width = -(-kk // KV_TILE) * KV_TILE
+    hc = selection.head_chunk(B, H, G, S)
+    chunks = [(h0, min(H, h0 + hc)) for h0 in range(0, H, hc)]
+    scratch = torch.empty(B, hc, G, S, dtype=torch.float16, device=DEVICE)
+    out = torch.empty(B, H, G, width, dtype=torch.int32, device=DEVICE)
+    fp8 = selection.fp8_default(selection._capability(q.device))
+
+    def operands():
+        for h0, h1 in chunks:
+            selection.fp8_operands(q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], D**-0.5)
+
+    def pass2():
+        for h0, h1 in chunks:
+            selection.group_prob_sums(q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C,
+                                      out=scratch[:, : h1 - h0])
+
+    def top_k():
+        for h0, h1 in chunks:
+            topk.top_k_rows(scratch[:, : h1 - h0], kk, width, out=out[:, h0:h1])
+
+    def select():
+        return selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE)
+
+    pass2()
+    r = dict(s=s, heads_per_chunk=hc, fp8=fp8)
+    r["operands"] = bench(operands, rep) / best if fp8 else 0.0
+    r["pass2"] = bench(pass2, rep) / best
+    r["pass2_kernel"] = r["pass2"] - r["operands"]
+    r["topk"] = bench(top_k, rep) / best
+    r["sum_of_parts"] = r["pass2"] + r["topk"]
+    r["select_back_to_back"] = bench(select, rep) / best
+    iso, host = [], []
+    for _ in range(1 if DEVICE == "cpu" else 15):
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t = time.perf_counter()
+        select()
+        host.append((time.perf_counter() - t) * 1000)
+        if DEVICE == "cuda":
+            b.record()
+            torch.cuda.synchronize()
+            iso.append(a.elapsed_time(b))
+    r["select_isolated"] = (sorted(iso)[len(iso) // 2] / best) if iso else None
+    r["host_ms_per_call"] = sorted(host)[len(host) // 2]
+    log(f"{name} select_kv parts at s={s} (/ dense, {hc} heads per chunk): operand pass {r['operands']:.4f} | pass-2 "
+        f"kernel {r['pass2_kernel']:.4f} | top-K {r['topk']:.4f} | sum {r['sum_of_parts']:.4f} | select_kv back to "
+        f"back {r['select_back_to_back']:.4f}, isolated {r['select_isolated']}, host issue {r['host_ms_per_call']:.3f} ms")
+    return r
 
 
 def select_kw(cfg):
