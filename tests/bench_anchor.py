@@ -95,14 +95,16 @@ GLUON_TUNINGS = {"default": {}, "unroll 4": dict(unroll=4), "poly 1/4": dict(pol
                  "stages 4": dict(num_stages=4)}
 QUICK = False
 VARIANTS = None  # --variants: the PDDP variants timed (None: all)
-TOPK_METHODS = ("radix", "sample", "radix + pass-2 hist")
+TOPK_METHODS = ("radix", "sample", "bracket", "radix + pass-2 hist")
 TOPK_TUNING = {  # top_k_rows variants timed at s = 0.25 beside the methods' defaults (radix 4 warps x 1024, sample
-    # 8 warps x 2048 with 8192 samples): one warp per row (warp shuffles instead of block barriers, more rows per SM)
+    # 8 warps x 2048 with 8192 samples, bracket 1 warp x 512-key tiles)
     "radix w1 b1024": dict(method="radix", num_warps=1, block=1024),
-    "radix w2 b2048": dict(method="radix", num_warps=2, block=2048),
     "sample w4 b2048": dict(method="sample", num_warps=4, block=2048),
-    "sample w2 b1024": dict(method="sample", num_warps=2, block=1024),
-    "sample w4 b1024 2048 samples": dict(method="sample", num_warps=4, block=1024, samples=2048, cap=16384),
+    "bracket w1 b1024": dict(method="bracket", num_warps=1, block=1024),
+    "bracket w2 b1024": dict(method="bracket", num_warps=2, block=1024),
+    "bracket w2 b2048": dict(method="bracket", num_warps=2, block=2048),
+    "bracket w4 b2048": dict(method="bracket", num_warps=4, block=2048),
+    "bracket stride 32": dict(method="bracket", sample_stride=32),
 }
 
 
@@ -334,13 +336,14 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
                 outs[m], fb = topk.top_k_rows(sums, kk, width, return_fallbacks=True, **kw)
                 ms = bench(lambda kw=kw: topk.top_k_rows(sums, kk, width, **kw), rep)
                 row[m] = dict(ms=ms, over_dense=ms / best)
-                if m == "sample":
+                if m in ("sample", "bracket"):
                     row[m]["fallback_rows"] = float(fb.float().mean())
             row["identical"] = all(torch.equal(outs["radix"], o) for o in outs.values())
             res["topk"][str(s)] = row
             log(f"{name} top-K alone s={s}, all heads: " + ", ".join(
                 f"{m} {row[m]['ms']:.2f} ms = {row[m]['over_dense']:.4f}" for m in TOPK_METHODS)
-                + f"; sample fallback rows {row['sample']['fallback_rows']:.4f}; identical {row['identical']}")
+                + f"; fallback rows sample {row['sample']['fallback_rows']:.4f} bracket "
+                f"{row['bracket']['fallback_rows']:.4f}; identical {row['identical']}")
             if s != 0.25:
                 continue
             for tname, tune in TOPK_TUNING.items():
@@ -386,10 +389,13 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
                 f"{res['select_triton'][str(s)]['over_dense']:.3f} of {res['best_dense']['name']}"
                 + ("" if pass2_dispatch.fallback_reason() is None else
                    f" (GLUON FELL BACK: {pass2_dispatch.fallback_reason()})"))
+            ms4 = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
+                                                    topk_method="bracket"), rep)
+            res.setdefault("select_bracket", {})[str(s)] = dict(ms=ms4, over_dense=ms4 / best)
             others = "; ".join(f"{n} {ms / t:.3f}" for n, t in res["dense"].items())
             log(f"{name} pass 2 + top-K s={s}: defaults {ms:.2f} ms = {ms / best:.3f} of {res['best_dense']['name']} "
                 f"({others}); with {pick}: {ms2:.2f} ms = {ms2 / best:.3f}; with {pick8}: {ms3:.2f} ms = "
-                f"{ms3 / best:.3f}")
+                f"{ms3 / best:.3f}; defaults with the bracket top-K: {ms4:.2f} ms = {ms4 / best:.3f}")
     res["radix_topk_failed"] = list(selection._RADIX_FAILED)  # non-empty: select_kv fell back to torch.topk
     return res
 

@@ -28,22 +28,25 @@ def cuda_gen():
     return torch.Generator(device="cuda").manual_seed(SEED)
 
 
-@pytest.mark.parametrize("method", ["sample", "radix"])
+@pytest.mark.parametrize("method", ["sample", "radix", "bracket"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_select_top_k_on_gpu_equals_the_reference(cuda_gen, dtype, method):
-    """Long rows (S = 32760) with ties at the threshold: exactly the reference top-K, every slot written."""
+@pytest.mark.parametrize("S", [32760, 75600, 4099])
+def test_select_top_k_on_gpu_equals_the_reference(cuda_gen, dtype, method, S):
+    """Long rows (S = 32760: not a multiple of 16; 75600; 4099: unaligned rows) with ties at the threshold (200
+    levels) and a row of distinct values: exactly the reference top-K, every slot written."""
     from comfyui_mc_sparse_pack.kernels.triton import topk
 
-    sums = (torch.randint(0, 200, (1, 3, 64, 32760), device="cuda", generator=cuda_gen).to(dtype) / 64)
-    for k, width in ((8190, 8192), (1, 128), (32760, 32768)):
+    sums = (torch.randint(0, 200, (1, 3, 64, S), device="cuda", generator=cuda_gen).to(dtype) / 64)
+    sums[0, 1, 5] = torch.rand(S, device="cuda", generator=cuda_gen).to(dtype)
+    for k, width in ((S // 4, -(-S // 4 // 128) * 128), (1, 128), (S, -(-S // 128) * 128)):
         out = torch.full((1, 3, 64, width), -7, dtype=torch.int32, device="cuda")
         topk.top_k_rows(sums, k, width, out=out, method=method)
         assert torch.equal(out, ref_top_k_rows(sums, k, width))
 
 
 def test_select_sample_top_k_on_real_group_sums(cuda_gen):
-    """Wan2.1-14B 720p row length (75600), the float16 group sums pass 2 computes for one head: the sample method
-    equals the radix method and the reference at every density, and it rarely needs the radix fallback."""
+    """Wan2.1-14B 720p row length (75600), the float16 group sums pass 2 computes for one head: the sample and bracket
+    methods equal the radix method and the reference at every density, and rarely need the radix fallback."""
     from comfyui_mc_sparse_pack.kernels.triton import selection, topk
 
     S, D, C = 75600, 128, 128
@@ -54,11 +57,12 @@ def test_select_sample_top_k_on_real_group_sums(cuda_gen):
     for s in (0.1, 0.15, 0.25, 0.5):
         kk = int(s * S)
         width = -(-kk // 128) * 128
-        got, fell_back = topk.top_k_rows(sums, kk, width, return_fallbacks=True)
-        assert torch.equal(got, ref_top_k_rows(sums, kk, width))
-        assert torch.equal(got, topk.top_k_rows(sums, kk, width, method="radix"))
-        print(f"s={s}: fallback rows {float(fell_back.float().mean()):.4f}")
-        assert float(fell_back.float().mean()) < 0.01
+        for method in ("sample", "bracket"):
+            got, fell_back = topk.top_k_rows(sums, kk, width, return_fallbacks=True, method=method)
+            assert torch.equal(got, ref_top_k_rows(sums, kk, width))
+            assert torch.equal(got, topk.top_k_rows(sums, kk, width, method="radix"))
+            print(f"s={s} {method}: fallback rows {float(fell_back.float().mean()):.4f}")
+            assert float(fell_back.float().mean()) < 0.01
 
 
 @pytest.mark.parametrize("pair,exp,extra", [(False, "f16x2", {}), (True, "fp32", {"pipelined": False}),

@@ -56,13 +56,19 @@ def test_reference_top_k_is_the_brute_force(gen):
 from comfyui_mc_sparse_pack.kernels.triton import topk as triton_topk  # noqa: E402  (after the skip marker)
 
 
-@pytest.mark.parametrize("method", ["sample", "radix"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("sk,k,width,levels", [(1500, 37, 64, 4), (1500, 1500, 1536, 3), (300, 1, 5, 300),
-                                                (2100, 700, 704, 40)])
+_TOPK_CASES = [(1500, 37, 64, 4), (1500, 1500, 1536, 3), (300, 1, 5, 300), (2100, 700, 704, 40)]
+_F16, _F32 = torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("method,dtype,sk,k,width,levels", [
+    *((m, dt, *case) for m in ("sample", "radix") for dt in (_F16, _F32) for case in _TOPK_CASES),
+    # the tiled bracket method (slow under the interpreter: a subset; rows of 4104 keys load whole 16-byte tiles)
+    *(("bracket", _F16, *case) for case in _TOPK_CASES), ("bracket", _F32, 2100, 700, 704, 40),
+    ("bracket", _F16, 4104, 1000, 1008, 3000)])
 def test_radix_top_k_equals_brute_force_with_ties(gen, method, dtype, sk, k, width, levels):
-    """Exact: both methods (sample bracket / radix threshold, then compaction) == brute-force top-K of the same
-    values; every slot written."""
+    """Exact: every method (sample bracket / radix threshold / the tiled bracket, then compaction) == brute-force
+    top-K of the same values; every slot written; rows whose length is not a multiple of 8 (unaligned: masked
+    loads) and one that is (16-byte loads of whole tiles, then a partial tile)."""
     sums = _tied_sums(gen, 5, sk, dtype, levels)
     sums[2] = sums[2].abs() * torch.rand(sk, generator=gen).to(dtype)  # a row of distinct values
     sums[3, ::7] = -0.0  # -0.0 ties with +0.0
@@ -72,10 +78,12 @@ def test_radix_top_k_equals_brute_force_with_ties(gen, method, dtype, sk, k, wid
     assert torch.equal(got, ref_top_k_rows(sums, k, width))
 
 
+@pytest.mark.parametrize("method", ["sample", "bracket"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_sample_top_k_is_exact_on_every_path(gen, dtype):
-    """The sample method with few samples (strata of 4 keys) and a small candidate buffer: rows where the bracket
-    holds the K-th key (bisection among the candidates) and rows where it cannot (radix fallback), all exact:
+def test_sample_top_k_is_exact_on_every_path(gen, dtype, method):
+    """Both sample methods ("sample", and "bracket" on tiles) with few samples (strata of 4 keys) and a small candidate
+    buffer: rows where the bracket holds the K-th key (bisection among the candidates) and rows where it cannot
+    (radix fallback), all exact:
     - row 0: distinct random values -> bracket hit;
     - row 1: the sampled positions hold 0, every other key is larger -> the bracket sits below the K-th key
       (more than K keys above it) -> fallback;
@@ -98,8 +106,9 @@ def test_sample_top_k_is_exact_on_every_path(gen, dtype):
     codes = torch.randperm(sk, generator=gen) + (0x3C00 if dtype == torch.float16 else 0x3F800000)
     sums[5] = codes.to(torch.int16 if dtype == torch.float16 else torch.int32).view(dtype)
     out = torch.full((6, width), POISON, dtype=torch.int32)
-    got, fell_back = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), samples=samples, cap=cap,
-                                            return_fallbacks=True)
+    kw = dict(samples=samples) if method == "sample" else dict(sample_stride=4)  # the same 250 sampled positions
+    got, fell_back = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), cap=cap, method=method,
+                                            return_fallbacks=True, **kw)
     assert torch.equal(got.cpu(), _brute_force(sums, k, width))
     assert fell_back.cpu().tolist() == [0, 1, 1, 1, 0, 0]
 

@@ -40,6 +40,10 @@ _Z = 5.0  # bracket half-width in binomial standard deviations (a miss only cost
 # (Wan2.1-1.3B 480p) sample 1.17 ms vs radix 1.42-1.46 ms; rows of 75600 (14B 720p) sample 18.1-18.6 ms vs radix
 # 17.6 ms (the sample kernel's 8-warp programs run two per SM and wait on memory; the radix kernel's run many).
 _SAMPLE_MAX_SK = 40000
+_BRACKET_LINE = 128  # bracket method: one sample per this many bytes of the row (one DRAM sector in four)
+_BRACKET_MIN_SAMPLES = 512
+_BRACKET_MAX_SAMPLES = 1024  # (a power of two: the sample is held in registers, [NS] with NS = 2^k >= n_samp)
+_BRACKET_ROWS_PER_THREAD = 2  # tile rows (16-byte vectors) per thread per sweep step
 HIST_BINS = tl.constexpr(128)  # bins of a first-digit histogram given by pass 2: the top 8 key bits of sums >= 0
 
 
@@ -208,6 +212,163 @@ def _sample_topk_rows(
     _compact(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, BLOCK)
 
 
+@triton.jit
+def _tile_offsets(ROWS: tl.constexpr, VEC: tl.constexpr):
+    """[ROWS, VEC] offsets r * VEC + v of one sweep step: each tile row is VEC consecutive keys (one 16-byte load),
+    held by one thread, so sums and prefix sums along a row stay in the thread and only the ROWS row totals are
+    scanned across the warp(s)."""
+    return tl.arange(0, ROWS)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+
+
+@triton.jit
+def _excl_scan(x2, base):
+    """Exclusive prefix sums of the int32 tile ``x2`` ([ROWS, VEC]) in row-major order, plus ``base``: in-thread along
+    the row, one scan of the ROWS row totals across threads. Returns (prefix [ROWS, VEC], total scalar)."""
+    row = tl.sum(x2, 1)
+    start = tl.cumsum(row, 0) - row + base
+    return start[:, None] + tl.cumsum(x2, 1) - x2, tl.sum(row, 0)
+
+
+@triton.jit
+def _tile_keys(src, offs, SK, KEY_BITS: tl.constexpr, MASKED: tl.constexpr):
+    """``_keys`` of a tile; MASKED False: every offset is < Sk (a whole tile: no mask, 16-byte loads)."""
+    if MASKED:
+        return _keys(src, offs, SK, KEY_BITS)
+    if KEY_BITS == 16:
+        x = tl.load(src + offs).to(tl.int16, bitcast=True).to(tl.int32)
+    else:
+        x = tl.load(src + offs).to(tl.int32, bitcast=True)
+    return tl.where(x < 0, 0, x)
+
+
+@triton.jit
+def _compact_step(src, dst, offs, SK, num_keys, prefix, need, kept, ties, KEY_BITS: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """One tile of ``_compact_tiles``; returns the updated (kept, ties) counts."""
+    key = _tile_keys(src, offs, SK, KEY_BITS, MASKED)
+    eq = (key == prefix).to(tl.int32)
+    tie_rank, n_eq = _excl_scan(eq, ties)
+    sel = ((key > prefix) | ((eq > 0) & (tie_rank < need))).to(tl.int32)
+    pos, n_sel = _excl_scan(sel, kept)
+    tl.store(dst + pos, offs, mask=(sel > 0) & (pos < num_keys))  # never past K, whatever the threshold
+    return kept + n_sel, ties + n_eq
+
+
+@triton.jit
+def _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS: tl.constexpr, ROWS: tl.constexpr,
+                   VEC: tl.constexpr):
+    """``_compact`` on [ROWS, VEC] tiles (``_excl_scan``): in ascending token order every index whose key is > T and
+    the first ``need`` whose key == T, at positions from the running prefix count (never past K); then -1 to width.
+    Whole tiles load unmasked (``src`` 16-byte aligned by the caller), the last partial tile masked."""
+    tile = _tile_offsets(ROWS, VEC)
+    step: tl.constexpr = ROWS * VEC
+    kept = tl.program_id(0) * 0
+    ties = kept
+    n_full = SK // step
+    for i in range(0, n_full):
+        kept, ties = _compact_step(src, dst, i * step + tile, SK, num_keys, prefix, need, kept, ties, KEY_BITS, False)
+    kept, ties = _compact_step(src, dst, n_full * step + tile, SK, num_keys, prefix, need, kept, ties, KEY_BITS, True)
+    offs1 = tl.arange(0, step)
+    for c0 in range(num_keys, width, step):
+        offs = c0 + offs1
+        tl.store(dst + offs, tl.full([step], -1, tl.int32), mask=offs < width)
+
+
+@triton.jit
+def _count_step(src, cand_row, offs, SK, lo, hi, above_rows, n_cand, CAP: tl.constexpr, KEY_BITS: tl.constexpr,
+                MASKED: tl.constexpr):
+    """One tile of the bracket sweep: per-row counts of keys above ``hi`` added to ``above_rows``, keys in [lo, hi]
+    copied to ``cand_row`` (first CAP); returns (above_rows, n_cand)."""
+    key = _tile_keys(src, offs, SK, KEY_BITS, MASKED)
+    above_rows += tl.sum((key > hi).to(tl.int32), 1)
+    inside = ((key >= lo) & (key <= hi)).to(tl.int32)
+    slot, n_in = _excl_scan(inside, n_cand)
+    tl.store(cand_row + slot, key.to(cand_row.dtype.element_ty), mask=(inside > 0) & (slot < CAP))
+    return above_rows, n_cand + n_in
+
+
+@triton.jit
+def _count_ge(cand_row, n_cand, t, ROWS: tl.constexpr, VEC: tl.constexpr, STRICT: tl.constexpr):
+    """How many of the n_cand copies are >= t (STRICT: > t)."""
+    tile = _tile_offsets(ROWS, VEC)
+    step: tl.constexpr = ROWS * VEC
+    cnt = tl.zeros([ROWS], dtype=tl.int32)
+    n_full = n_cand // step
+    for i in range(0, n_full):  # whole tiles: unmasked 16-byte loads (CAND rows are CAP-aligned)
+        cv = tl.load(cand_row + i * step + tile).to(tl.int32)
+        cnt += tl.sum(((cv > t) | ((cv == t) & (not STRICT))).to(tl.int32), 1)
+    offs = n_full * step + tile
+    cv = tl.load(cand_row + offs, mask=offs < n_cand, other=-1).to(tl.int32)
+    cnt += tl.sum(((cv > t) | ((cv == t) & (not STRICT))).to(tl.int32), 1)
+    return tl.sum(cnt, 0)
+
+
+@triton.jit
+def _bracket_topk_rows(
+    SUMS, OUT, CAND, FELL_BACK,
+    SK, num_keys, width, inner,
+    stride_so, stride_si, stride_oo, stride_oi,
+    stride_samp, n_samp, hi_rank, lo_rank,
+    KEY_BITS: tl.constexpr,
+    ALIGN: tl.constexpr,  # the row strides (in keys) are multiples of ALIGN (passed divided by it)
+    ROWS: tl.constexpr,
+    VEC: tl.constexpr,  # keys per tile row: 16 bytes
+    NS: tl.constexpr,  # sample slots (power of two >= n_samp)
+    CAP: tl.constexpr,  # candidate slots per row in CAND
+    BLOCK: tl.constexpr,  # entries per chunk of the radix fallback
+):
+    """The sample method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row: a stratified sample of
+    n_samp keys (one per ``stride_samp`` positions, a scrambled offset in each) brackets the K-th largest key between
+    two sample order statistics; one sweep counts the keys above the bracket (per-thread counters, reduced once) and
+    copies the keys inside it to CAND (at most CAP); bisection over the copies on the key value gives the threshold;
+    a bracket the counts disprove (or that overflows CAP) falls back to the radix threshold, so the result is exact
+    either way (FELL_BACK[row] = 1 then); then ``_compact_tiles``."""
+    row = tl.program_id(0)
+    outer = (row // inner).to(tl.int64)
+    row_in = (row % inner).to(tl.int64)
+    src = SUMS + outer * (stride_so * ALIGN) + row_in * (stride_si * ALIGN)
+    dst = OUT + outer * stride_oo + row_in * stride_oi
+    cand_row = CAND + row.to(tl.int64) * CAP
+    zero = tl.program_id(0) * 0
+    top = zero + (0x7C01 if KEY_BITS == 16 else 0x7F800001)  # one above +inf's key: above every key
+
+    j = tl.arange(0, NS)
+    pos = j * stride_samp + (j * 97 + (j >> 3) * 13) % stride_samp
+    samp = tl.where(j < n_samp, _keys(src, pos, SK, KEY_BITS), -1)
+    hi = _kth_largest(samp, hi_rank, zero, top)  # hi_rank <= 0: top (no key above the bracket)
+    lo = _kth_largest(samp, lo_rank, zero, top)  # lo_rank > n_samp: 0 (every key inside)
+
+    tile = _tile_offsets(ROWS, VEC)
+    step: tl.constexpr = ROWS * VEC
+    above_rows = tl.zeros([ROWS], dtype=tl.int32)
+    n_cand = zero
+    n_full = SK // step
+    for i in range(0, n_full):
+        above_rows, n_cand = _count_step(src, cand_row, i * step + tile, SK, lo, hi, above_rows, n_cand, CAP,
+                                         KEY_BITS, False)
+    above_rows, n_cand = _count_step(src, cand_row, n_full * step + tile, SK, lo, hi, above_rows, n_cand, CAP,
+                                     KEY_BITS, True)
+    above = tl.sum(above_rows, 0)
+
+    hit = (above < num_keys) & (above + n_cand >= num_keys) & (n_cand <= CAP)
+    if hit:
+        kk = num_keys - above  # the threshold is the kk-th largest copy (every copy is >= lo, n_cand >= kk)
+        a = lo
+        b = hi
+        n_iter = tl.log2((hi - lo + 1).to(tl.float32)).to(tl.int32) + 2  # >= ceil(log2(range)): extra steps no-ops
+        for _ in range(n_iter):
+            mid = a + (b - a + 1) // 2
+            ok = _count_ge(cand_row, n_cand, mid, ROWS, VEC, False) >= kk
+            a = tl.where(ok, mid, a)
+            b = tl.where(ok, b, mid - 1)
+        prefix = a
+        need = kk - _count_ge(cand_row, n_cand, prefix, ROWS, VEC, True)
+    else:
+        prefix, need = _radix_threshold(src, SK, num_keys, KEY_BITS, BLOCK)
+    tl.store(FELL_BACK + row, (1 - hit.to(tl.int32)).to(tl.int8))
+    _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, ROWS, VEC)
+
+
 def sample_bracket(sk: int, num_keys: int, samples: int, z: float = _Z) -> tuple[int, int, int, int]:
     """(stride, n_samp, hi_rank, lo_rank) of the sample select for rows of ``sk`` keys: one sample per stratum of
     ``stride`` positions (n_samp full strata), and the sample ranks (1 = largest) whose keys bracket the K-th
@@ -221,6 +382,26 @@ def sample_bracket(sk: int, num_keys: int, samples: int, z: float = _Z) -> tuple
     return stride, n_samp, math.floor(rank) - margin, math.ceil(rank) + margin
 
 
+def bracket_plan(sk: int, num_keys: int, key_bytes: int, *, stride: int | None = None, cap: int | None = None,
+                 z: float = _Z) -> tuple[int, int, int, int, int]:
+    """(stride, n_samp, hi_rank, lo_rank, cap) of the "bracket" method for rows of ``sk`` keys of ``key_bytes``
+    bytes: one sample per ``stride`` keys (default one per 128-byte line, i.e. a quarter of the row's DRAM sectors,
+    but at least ``_BRACKET_MIN_SAMPLES`` and at most ``_BRACKET_MAX_SAMPLES`` samples), the bracket's sample ranks
+    as ``sample_bracket``, and the candidate slots per row: the power of two >= 1.3 x the keys the bracket is expected
+    to hold (its sample ranks x stride), at least 256 (``cap`` overrides it)."""
+    if stride is None:
+        stride = max(1, min(_BRACKET_LINE // key_bytes, sk // _BRACKET_MIN_SAMPLES))
+    stride = max(stride, -(-sk // _BRACKET_MAX_SAMPLES))
+    n_samp = sk // stride
+    p = num_keys / sk
+    rank = num_keys * n_samp / sk
+    margin = math.ceil(z * math.sqrt(n_samp * p * (1.0 - p))) + 2
+    hi_rank, lo_rank = math.floor(rank) - margin, math.ceil(rank) + margin
+    if cap is None:
+        cap = max(256, triton.next_power_of_2(math.ceil(1.3 * (lo_rank - max(hi_rank, 0)) * stride)))
+    return stride, n_samp, hi_rank, lo_rank, cap
+
+
 def sample_positions(sk: int, samples: int) -> torch.Tensor:
     """The positions the sample method reads in a row of ``sk`` keys (int64 [n_samp]; the kernel computes the
     same ones): position j * stride + a scrambled offset in [0, stride) for each full stratum j."""
@@ -230,8 +411,9 @@ def sample_positions(sk: int, samples: int) -> torch.Tensor:
 
 
 def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tensor | None = None,
-               method: str | None = None, samples: int = _SAMPLES, cap: int = _CAP, block: int | None = None,
-               num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None):
+               method: str | None = None, samples: int = _SAMPLES, cap: int | None = None, block: int | None = None,
+               num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None,
+               sample_stride: int | None = None):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
 
@@ -257,9 +439,9 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
     """
     if method is None:
         method = "sample" if sums.shape[-1] <= _SAMPLE_MAX_SK else "radix"
-    if method not in ("sample", "radix"):
-        raise ValueError(f"method must be 'sample' or 'radix', got {method!r}")
-    if samples & (samples - 1) or cap & (cap - 1) or samples < 16 or cap < 16:
+    if method not in ("sample", "radix", "bracket"):
+        raise ValueError(f"method must be 'sample', 'radix' or 'bracket', got {method!r}")
+    if samples & (samples - 1) or samples < 16 or (cap is not None and (cap & (cap - 1) or cap < 16)):
         raise ValueError(f"samples and cap must be powers of two >= 16, got {samples}, {cap}")
     if sums.dtype not in (torch.float16, torch.float32):
         raise TypeError(f"sums must be float16 or float32, got {sums.dtype}")
@@ -291,7 +473,22 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
     if n and method == "radix":
         _radix_topk_rows[(n,)](rows[0], rows[1], fell_back if hist is None else hist, *rows[2:], KEY_BITS=key_bits,
                                BLOCK=block or _BLOCK, HAS_HIST=hist is not None, num_warps=num_warps or 4)
+    elif n and method == "bracket":
+        stride, n_samp, hi_rank, lo_rank, cap_b = bracket_plan(sk, num_keys, key_bits // 8, stride=sample_stride,
+                                                               cap=cap)
+        vec = 128 // key_bits  # keys per 16-byte load
+        align = vec if src.stride(0) % vec == 0 and src.stride(1) % vec == 0 else 1
+        warps = num_warps or 1
+        tile_rows = (block // vec) if block else 32 * warps * _BRACKET_ROWS_PER_THREAD
+        cand = torch.empty(n, cap_b, dtype=torch.int16 if key_bits == 16 else torch.int32, device=sums.device)
+        _bracket_topk_rows[(n,)](
+            src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // align,
+            src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank,
+            KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
+            BLOCK=_BLOCK, num_warps=warps,
+        )
     elif n:
+        cap = cap or _CAP
         cand = torch.empty(n, cap, dtype=torch.int32, device=sums.device)
         stride, n_samp, hi_rank, lo_rank = sample_bracket(sk, num_keys, samples)
         _sample_topk_rows[(n,)](
