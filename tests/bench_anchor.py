@@ -98,11 +98,8 @@ VARIANTS = None  # --variants: the PDDP variants timed (None: all)
 TOPK_METHODS = ("radix", "sample", "bracket", "radix + pass-2 hist")
 TOPK_TUNING = {  # top_k_rows variants timed at s = 0.25 beside the methods' defaults (radix 4 warps x 1024, sample
     # 8 warps x 2048 with 8192 samples, bracket 1 warp x 512-key tiles)
-    "radix w1 b1024": dict(method="radix", num_warps=1, block=1024),
-    "sample w4 b2048": dict(method="sample", num_warps=4, block=2048),
     "bracket w1 b1024": dict(method="bracket", num_warps=1, block=1024),
     "bracket w2 b1024": dict(method="bracket", num_warps=2, block=1024),
-    "bracket w2 b2048": dict(method="bracket", num_warps=2, block=2048),
     "bracket w4 b2048": dict(method="bracket", num_warps=4, block=2048),
     "bracket stride 32": dict(method="bracket", sample_stride=32),
 }

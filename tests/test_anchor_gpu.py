@@ -30,10 +30,10 @@ def cuda_gen():
 
 @pytest.mark.parametrize("method", ["sample", "radix", "bracket"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("S", [32760, 75600, 4099])
+@pytest.mark.parametrize("S", [32760, 4099])
 def test_select_top_k_on_gpu_equals_the_reference(cuda_gen, dtype, method, S):
-    """Long rows (S = 32760: not a multiple of 16; 75600; 4099: unaligned rows) with ties at the threshold (200
-    levels) and a row of distinct values: exactly the reference top-K, every slot written."""
+    """Long rows (S = 32760: not a multiple of 16; 4099: unaligned rows; 75600 in the real-sums test below) with ties
+    at the threshold (200 levels) and a row of distinct values: exactly the reference top-K, every slot written."""
     from comfyui_mc_sparse_pack.kernels.triton import topk
 
     sums = (torch.randint(0, 200, (1, 3, 64, S), device="cuda", generator=cuda_gen).to(dtype) / 64)
