@@ -97,10 +97,11 @@ QUICK = False
 VARIANTS = None  # --variants: the PDDP variants timed (None: all)
 TOPK_METHODS = ("radix", "sample", "bracket", "radix + pass-2 hist")
 TOPK_TUNING = {  # top_k_rows variants timed at s = 0.25 beside the methods' defaults (radix 4 warps x 1024, sample
-    # 8 warps x 2048 with 8192 samples, bracket 1 warp x 512-key tiles)
-    "bracket w1 b1024": dict(method="bracket", num_warps=1, block=1024),
-    "bracket w2 b1024": dict(method="bracket", num_warps=2, block=1024),
-    "bracket w4 b2048": dict(method="bracket", num_warps=4, block=2048),
+    # 8 warps x 2048 with 8192 samples, bracket 1 warp x 512-key tiles: 2 rows of 8 keys per thread)
+    "bracket w1 r1": dict(method="bracket", num_warps=1, block=256),
+    "bracket w2 r1": dict(method="bracket", num_warps=2, block=512),
+    "bracket w2 r2": dict(method="bracket", num_warps=2, block=1024),
+    "bracket w4 r1": dict(method="bracket", num_warps=4, block=1024),
     "bracket stride 32": dict(method="bracket", sample_stride=32),
 }
 

@@ -242,16 +242,21 @@ def _tile_keys(src, offs, SK, KEY_BITS: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _compact_step(src, dst, offs, SK, num_keys, prefix, need, kept, ties, KEY_BITS: tl.constexpr,
+def _compact_step(src, dst, offs, SK, num_keys, prefix, need, n_gt, n_eq, KEY_BITS: tl.constexpr,
                   MASKED: tl.constexpr):
-    """One tile of ``_compact_tiles``; returns the updated (kept, ties) counts."""
+    """One tile of ``_compact_tiles``. A key's slot is (keys > T before it) + min(keys == T before it, need), and a key
+    == T is kept while fewer than ``need`` came before it, so one prefix sum of (key > T) + (key == T) << 16 (a tile
+    holds < 2^16 keys) gives both counts; returns the running (n_gt, n_eq)."""
     key = _tile_keys(src, offs, SK, KEY_BITS, MASKED)
+    gt = (key > prefix).to(tl.int32)
     eq = (key == prefix).to(tl.int32)
-    tie_rank, n_eq = _excl_scan(eq, ties)
-    sel = ((key > prefix) | ((eq > 0) & (tie_rank < need))).to(tl.int32)
-    pos, n_sel = _excl_scan(sel, kept)
-    tl.store(dst + pos, offs, mask=(sel > 0) & (pos < num_keys))  # never past K, whatever the threshold
-    return kept + n_sel, ties + n_eq
+    before, total = _excl_scan(gt + (eq << 16), 0)
+    gt_b = n_gt + (before & 0xFFFF)
+    eq_b = n_eq + (before >> 16)
+    pos = gt_b + tl.minimum(eq_b, need)
+    sel = (gt > 0) | ((eq > 0) & (eq_b < need))
+    tl.store(dst + pos, offs, mask=sel & (pos < num_keys))  # never past K, whatever the threshold
+    return n_gt + (total & 0xFFFF), n_eq + (total >> 16)
 
 
 @triton.jit
@@ -259,15 +264,17 @@ def _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS: tl.con
                    VEC: tl.constexpr):
     """``_compact`` on [ROWS, VEC] tiles (``_excl_scan``): in ascending token order every index whose key is > T and
     the first ``need`` whose key == T, at positions from the running prefix count (never past K); then -1 to width.
-    Whole tiles load unmasked (``src`` 16-byte aligned by the caller), the last partial tile masked."""
+    Whole tiles load unmasked (``src`` 16-byte aligned by the caller), the last partial tile masked. ROWS * VEC <
+    2^16 (``_compact_step``'s packed counts)."""
     tile = _tile_offsets(ROWS, VEC)
     step: tl.constexpr = ROWS * VEC
-    kept = tl.program_id(0) * 0
-    ties = kept
+    tl.static_assert(step < 65536)
+    n_gt = tl.program_id(0) * 0
+    n_eq = n_gt
     n_full = SK // step
     for i in range(0, n_full):
-        kept, ties = _compact_step(src, dst, i * step + tile, SK, num_keys, prefix, need, kept, ties, KEY_BITS, False)
-    kept, ties = _compact_step(src, dst, n_full * step + tile, SK, num_keys, prefix, need, kept, ties, KEY_BITS, True)
+        n_gt, n_eq = _compact_step(src, dst, i * step + tile, SK, num_keys, prefix, need, n_gt, n_eq, KEY_BITS, False)
+    n_gt, n_eq = _compact_step(src, dst, n_full * step + tile, SK, num_keys, prefix, need, n_gt, n_eq, KEY_BITS, True)
     offs1 = tl.arange(0, step)
     for c0 in range(num_keys, width, step):
         offs = c0 + offs1
@@ -485,7 +492,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // align,
             src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank,
             KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
-            BLOCK=_BLOCK, num_warps=warps,
+            BLOCK=256 * warps, num_warps=warps,  # the fallback's chunk: 8 keys per thread (registers)
         )
     elif n:
         cap = cap or _CAP
