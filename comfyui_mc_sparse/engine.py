@@ -106,6 +106,7 @@ class MCSparseRunner:
         self.order = CallOrder()  # the order calls arrive in, learned (prefetch)
         self.loader = ReuseLoader(self.cache)
         self._entry_step: dict[CacheKey, int] = {}  # step at which each entry was stored
+        self.sparse_shapes: set[tuple] = set()  # q shapes of this run's sparse kernel calls (summary: kernel per shape)
         self._device: torch.device | None = None  # of the latest reuse call (begin_evaluation prefetches there)
         self._dtype: torch.dtype | None = None
 
@@ -287,6 +288,7 @@ class MCSparseRunner:
         check_inputs(q, k, v, check_finite=False)
         self.order.observe(group)
         self._device, self._dtype = q.device, q.dtype
+        self.sparse_shapes.add(tuple(q.shape))
         batch = self.loader.load(group, q.device, q.dtype)
         result = reuse_attention(q, k, v, batch, scale=scale, backend=self.backend, extra_kv=extra_kv, out=out)
         del batch
@@ -305,6 +307,7 @@ class MCSparseRunner:
                 result[rows] = self._dense(dense if xc is None else _with_extra(dense, xc), qc, kc, vc, kind)
             elif kind is StepKind.ANCHOR:
                 self._device, self._dtype = q.device, q.dtype
+                self.sparse_shapes.add(tuple(qc.shape))
                 start = self._tic(qc.device)
                 o, entry = anchor_attention(qc, kc, vc, self._anchor_config, scale=scale, backend=self.backend,
                                             extra_kv=xc)
@@ -403,6 +406,10 @@ class MCSparseRunner:
         choices = self.kernels.choices
         if choices:
             lines.append("kernels: " + ", ".join(f"{op}={c.backend}" for op, c in sorted(choices.items())))
+        if getattr(choices.get("sparse_attention"), "backend", None) == "triton":
+            per_shape = triton_sparse_choices(self)
+            if per_shape:
+                lines.append("sparse kernel (triton backend) per call shape: " + "; ".join(per_shape))
         lines.extend(f"kernel fallback: {b} failed on {op} in this run: {err}"
                      for (b, op), err in self.kernels.failures.items())
         timing = attention_time_line(self.timer)
@@ -476,6 +483,40 @@ def _with_extra(dense, chunk_extra):
 
 def _size(n: int) -> str:
     return f"{n / memory.GIB:.2f} GiB" if n >= memory.GIB // 10 else f"{n / 2**20:.1f} MiB"
+
+
+def triton_sparse_choices(runner: MCSparseRunner) -> list[str]:
+    """Which kernel the Triton backend's sparse op ran for each q shape of ``runner``'s sparse calls: "[B, H, S, D]
+    gluon (gluon 1.234 ms, triton 1.456 ms)" as its auto mode measured it (``kernels/triton/sparse_dispatch.py``),
+    "gluon (forced)", "triton (forced)", or "triton (Gluon not timed: refused or not sm_90)". Empty when that module
+    was never imported (no Triton sparse call in this process). Reads the dispatch module's state, never imports it."""
+    import sys
+
+    dispatch = sys.modules.get(f"{kernels.__name__}.triton.sparse_dispatch")
+    if dispatch is None:
+        return []
+    mode = dispatch.gluon_mode()
+    choices = getattr(dispatch, "choices", {})
+    times = getattr(dispatch, "_times", {})
+    failed = runner.kernels.failures.get(getattr(dispatch, "GLUON_KEY", None))
+    lines = []
+    for shape in sorted(runner.sparse_shapes):
+        name = "[" + ", ".join(map(str, shape)) + "]"
+        if failed is not None:
+            lines.append(f"{name} triton (the Gluon kernel failed in this run)")
+        elif mode != "auto":
+            lines.append(f"{name} {'gluon' if mode == 'on' else 'triton'} (forced: MC_SPARSE_GLUON)")
+        else:
+            keys = [key for key in choices if tuple(key[2]) == shape]
+            if not keys:
+                lines.append(f"{name} triton (Gluon not timed: refused or not sm_90)")
+            for key in keys:
+                t = times.get(key)
+                extra = f" (gluon {t[0]:.3f} ms, triton {t[1]:.3f} ms)" if t else ""
+                lse = ", LSE" if key[-1] else ""
+                res = f", residual {key[-2]}" if key[-2] else ""
+                lines.append(f"{name}{res}{lse} {choices[key]}{extra}")
+    return lines
 
 
 MIN_DENSE_SAMPLES = 3

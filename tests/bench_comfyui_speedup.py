@@ -88,6 +88,8 @@ H720 = [{"model": "wan14b", "res": "720p", "densities": [], "presets": ["quality
          "peer": True, "cpu_split": 0.25}]
 H480 = [{"model": "wan14b", "res": "480p", "densities": [], "presets": ["quality"]},
         {"model": "wan1.3b", "res": "480p", "densities": [], "presets": [], "whole": ("fast", 50)}]
+# --plan w13: only the 1.3B 480p whole-run 'fast' (its bar), ~110 s on an H200.
+W13 = [H480[1]]
 # Rough H200 seconds per CFG step (dense) used only for the up-front time estimate (docs/kernels-benchmark.md).
 EST_DENSE_STEP_S = {("wan14b", "720p"): 23.0, ("wan14b", "480p"): 6.0, ("wan1.3b", "480p"): 1.2}
 
@@ -171,6 +173,22 @@ def setup(comfyui_dir: str, device: str) -> Env:
     env.kernels = importlib.import_module(f"{p}.kernels")
     env.override = importlib.import_module(f"{p}.comfyui_mc_sparse.adapter.override")
     return env
+
+
+TRITON_ONLY_OFF = ("cutedsl", "flash_attn4")
+"""Backends ``--kernels triton-only`` turns off: the ones that need packages beyond the pack's requirements."""
+
+
+def triton_only(env: Env) -> None:
+    """Turn off the backends of ``TRITON_ONLY_OFF`` for this process (registered again as unavailable, with the
+    reason), leaving what a user's default install runs: Triton, cuDNN / SDPA through torch, torch."""
+    import dataclasses
+
+    reg = env.kernels.registry
+    for b in reg.backends():
+        if b.name in TRITON_ONLY_OFF:
+            reg.register(dataclasses.replace(b, unavailable_reason="turned off by --kernels triton-only"
+                                             + (f" (was: {b.unavailable_reason})" if b.unavailable_reason else "")))
 
 
 def _stub_if_missing(name: str, why: str) -> list[str]:
@@ -439,19 +457,22 @@ def warm_step(values: list[float]) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 def prewarm_kernels(env: Env, *, heads: int, head_dim: int, tokens: int, density: float, group_size: int,
-                    device: torch.device, dtype: torch.dtype, backend: str = "auto") -> float:
-    """One anchor and one reuse call of one layer at the exact per-chunk shape through the pack's runner (the
-    same modules the adapter uses), so kernel compilation is not inside the timed steps. Returns seconds."""
+                    device: torch.device, dtype: torch.dtype, backend: str = "auto", batch: int = 1) -> float:
+    """One anchor and one reuse call of one layer at the exact call shape through the pack's runner (the same
+    modules the adapter uses), so kernel compilation (and the Triton sparse op's one-time kernel timing per shape)
+    is not inside the timed steps: ``batch`` conditioning chunks of one row each (2 = a CFG batch: the anchor runs
+    per chunk, the reuse call on both). Returns seconds."""
     t0 = now(device)
     cfg = env.config.MCSparseConfig(density=density, group_size=group_size, warmup_steps=0, warmup_layers=0,
                                     anchor_steps=(0,))
     runner = env.engine.MCSparseRunner(cfg, backend=backend)
     g = torch.Generator(device=device).manual_seed(7)
-    q, k, v = (torch.randn(1, tokens, heads * head_dim, generator=g, device=device, dtype=dtype)
-               .view(1, tokens, heads, head_dim).transpose(1, 2) for _ in range(3))
-    key = env.cache.CacheKey(layer=0, branch="prewarm", window=None, shape=tuple(q.shape), kind="self")
-    runner.attention(q, k, v, step=0, layer=0, key=key)
-    runner.attention(q, k, v, step=1, layer=0, key=key)
+    q, k, v = (torch.randn(batch, tokens, heads * head_dim, generator=g, device=device, dtype=dtype)
+               .view(batch, tokens, heads, head_dim).transpose(1, 2) for _ in range(3))
+    keys = [env.cache.CacheKey(layer=0, branch=f"prewarm{i}", window=None, shape=(1, *q.shape[1:]), kind="self")
+            for i in range(batch)]
+    runner.attention(q, k, v, step=0, layer=0, keys=keys)
+    runner.attention(q, k, v, step=1, layer=0, keys=keys)
     runner.close()
     del q, k, v, runner
     return now(device) - t0
@@ -521,6 +542,7 @@ def run_patched(env: Env, base, *, label: str, apply_kwargs: dict, steps: int, a
         result["error_note"] = "no MC-Sparse run state seen (the patch did not engage)"
         return result
     result["run_summary"] = run.summary()
+    result["run_kernels"] = run_kernels(env, run)
     result["counts"] = run.counts()
     runner = run.runner
     if runner is not None:
@@ -817,11 +839,28 @@ def run_cpu_split(env: Env, base, *, args, shape, device, dtype, spec, density: 
     return r
 
 
-def run_whole(env: Env, base, *, preset: str, args, shape, device, steps: int) -> dict:
+def run_whole(env: Env, base, *, preset: str, args, shape, device, steps: int, dense: dict | None = None,
+              spec: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Whole sampler calls, no extrapolation: ``steps`` steps unpatched, then the node's ``preset`` (all other inputs
-    at the node defaults), each the wall time of one ``comfy.sample.sample`` call (model already on the GPU)."""
+    at the node defaults), each the wall time of one ``comfy.sample.sample`` call (model already on the GPU).
+
+    Also where the patched run's time goes (``whole_breakdown``): per step kind (dense / anchor / reuse, from the
+    sampler callback's synchronised wall times and the MC-Sparse call counts of each step), the attention calls the
+    runner timed by CUDA events, the kernels that ran (``run_kernels``), and the ideal of the same schedule from the
+    unpatched whole run's step and ``dense``'s self-attention time (the attention-timed unpatched run). With ``spec``
+    (the model's) the kernels are compiled first (``prewarm_kernels`` at the CFG batch, ``prewarm_s``), as before the
+    extrapolated runs: the figure is a run on a machine whose Triton cache is warm, in a process that ran before."""
     out: dict = {"label": f"whole run, {steps} steps, preset {preset}", "steps": steps}
     kwargs = {"preset": preset, "min_tokens": args.min_tokens}
+    if args.backend != "auto":  # e.g. a CPU smoke run through Triton's interpreter (--backend triton)
+        kwargs["backend"] = args.backend
+    if spec is not None:  # compile the kernels (and time the Triton sparse op's choice) before the timed calls
+        settings = env.settings.build_settings(**{**_node_defaults(), **kwargs})
+        out["prewarm_s"] = prewarm_kernels(env, heads=spec["num_heads"], head_dim=spec["dim"] // spec["num_heads"],
+                                           tokens=tokens_of(shape), density=settings.density,
+                                           group_size=settings.group_size, device=device, dtype=dtype,
+                                           backend=settings.backend, batch=2 if args.cfg != 1.0 else 1)
+    recs = {}
     for name, model in (("dense", base), ("patched", None)):
         if model is None:
             model = env.lifecycle.apply_mc_sparse(base, **kwargs)
@@ -833,11 +872,155 @@ def run_whole(env: Env, base, *, preset: str, args, shape, device, steps: int) -
         out[f"{name}_finite"] = rec["finite"]
         if rec["run"] is not None:
             out["run_summary"] = rec["run"].summary()
+        recs[name] = rec
         del model
     out["speedup"] = out["dense_s"] / out["patched_s"]
     out["sampling_speedup"] = out["dense_sampling_s"] / out["patched_sampling_s"]
     print(f"[whole run] {steps} steps: dense {out['dense_s']:.1f} s, preset {preset} {out['patched_s']:.1f} s -> "
           f"{out['speedup']:.3f}x", flush=True)
+    run = recs["patched"]["run"]
+    out["run_kernels"] = run_kernels(env, run)
+    print(f"  kernels: {out['run_kernels']['line']}", flush=True)
+    try:
+        b = whole_breakdown(recs["dense"], recs["patched"], run, dense=dense,
+                            layers=spec["num_layers"] if spec else 1, totals=out)
+        out["breakdown"] = b
+        for line in b["lines"]:
+            print(f"  {line}", flush=True)
+    except Exception as err:  # the breakdown explains the figure; it must not lose it
+        out["breakdown_error"] = f"{type(err).__name__}: {err}"
+        traceback.print_exc()
+    return out
+
+
+def run_kernels(env: Env, run) -> dict:
+    """The kernels the patched run's ops ran on (the runner's ``kernels.registry.Record``) and, for the Triton
+    backend's sparse op, which kernel it chose per call shape (the run summary's "sparse kernel" line)."""
+    runner = getattr(run, "runner", None)
+    if runner is None:
+        return {"ops": {}, "sparse_per_shape": [], "line": "no runner (the run stayed dense)"}
+    ops = {op: c.backend for op, c in sorted(runner.kernels.choices.items())}
+    per_shape = env.engine.triton_sparse_choices(runner)
+    failures = {f"{b}/{op}": err for (b, op), err in runner.kernels.failures.items()}
+    line = ", ".join(f"{op}={b}" for op, b in ops.items()) or "no kernel op ran"
+    if per_shape:
+        line += "; triton sparse op per shape: " + "; ".join(per_shape)
+    if failures:
+        line += "; FAILED: " + "; ".join(f"{k}: {v[:120]}" for k, v in failures.items())
+    return {"ops": ops, "sparse_per_shape": per_shape, "failures": failures, "line": line}
+
+
+def whole_breakdown(dense_rec: dict, patched_rec: dict, run, *, dense: dict | None, layers: int,
+                    totals: dict | None = None) -> dict:
+    """Where a whole patched run's time goes, against the ideal of the same schedule.
+
+    Args:
+        dense_rec, patched_rec: ``timed_sample`` records of the unpatched and the patched whole run.
+        run: the patched run's ``lifecycle.RunState`` (its runner's ``CallTimer`` holds the CUDA-event times of
+            its anchor, reuse and timed dense calls, ms per batch item per call).
+        dense: the attention-timed unpatched run of the same config (``self_attn_s``: self-attention per dense step);
+            None: no ideal.
+        layers: transformer blocks.
+        totals: ``run_whole``'s dict (whole-call walls ``dense_s`` / ``patched_s``), for the time outside the steps.
+    Returns:
+        dict: ``kinds`` (per kind: steps, total / mean wall s, ideal s per step, loss s), ``ideal`` (per-step ideals and
+        the ideal total / speedup), ``attention`` (timer sums), ``lines`` (what to print).
+
+    Ideal (the extrapolation's, per step, with D = the unpatched whole run's warm step, A = self-attention per dense
+    step, N = D - A, f = sparse blocks / blocks, s = the keys' share): dense D; anchor D + A f (0.5 + s); reuse
+    N + A (1 - f) + A f s. "At the measured kernels": reuse N + A (1 - f) + the measured sparse calls of a reuse
+    step, anchor D + the measured anchor calls - A f (their dense part is the step's own attention): what the run
+    would take with no pack cost besides its kernels.
+    """
+    rows = [r for r in classify(patched_rec) if "kind" in r]
+    d_steps = dense_rec["step_s"]
+    D = warm_step(d_steps) if d_steps else float("nan")
+    kinds: dict[str, dict] = {}
+    for kind in ("dense", "anchor", "reuse"):
+        walls = [r["wall_s"] for r in rows if r["kind"] == kind]
+        kinds[kind] = {"steps": len(walls), "total_s": sum(walls), "mean_s": statistics.mean(walls) if walls else None,
+                       "median_s": statistics.median(walls) if walls else None,
+                       "first_s": walls[0] if walls else None}
+    batches = [b for r in rows for b in (r.get("forward_batches") or [])]
+    batch = max(batches) if batches else 1
+    runner = getattr(run, "runner", None)
+    config = getattr(runner, "config", None)
+    timer = getattr(runner, "timer", None)
+    att = {}
+    if timer is not None:  # ms per batch item per call, summed per kind -> seconds of whole calls
+        for kind in ("dense", "anchor", "reuse"):
+            per = [ms for v in timer.times(kind).values() for ms in v]
+            att[kind] = {"calls": len(per), "total_s": sum(per) * (batch if kind != "anchor" else 1) / 1000.0,
+                         "mean_call_ms": statistics.mean(per) * (batch if kind != "anchor" else 1) if per else None}
+        # anchor calls run per conditioning chunk (batch 1 each); dense and reuse calls take the whole batch
+    out: dict = {"kinds": kinds, "attention": att, "batch": batch, "unpatched_step_s": D,
+                 "unpatched_first_step_s": d_steps[0] if d_steps else None,
+                 "patched_first_step_s": rows[0]["wall_s"] if rows else None}
+    lines = []
+    if totals:
+        out["outside_steps_s"] = {"dense": totals["dense_s"] - sum(d_steps),
+                                  "patched": totals["patched_s"] - sum(r["wall_s"] for r in rows)}
+    ideal = None
+    if dense and config is not None and dense.get("self_attn_s") == dense.get("self_attn_s"):
+        A = float(dense["self_attn_s"])
+        N = D - A
+        s = float(config.density)
+        f = (layers - config.warmup_layers) / layers
+        ideal = {"dense": D, "anchor": D + A * f * (0.5 + s), "reuse": N + A * (1 - f) + A * f * s}
+        n_reuse, n_anchor = kinds["reuse"]["steps"], kinds["anchor"]["steps"]
+        at_kernels = dict(ideal)
+        if att.get("reuse", {}).get("calls") and n_reuse:
+            sparse_step = att["reuse"]["total_s"] / n_reuse
+            at_kernels["reuse"] = N + A * (1 - f) + sparse_step
+            out["reuse_sparse_s_per_step"] = sparse_step
+            out["reuse_sparse_ideal_s_per_step"] = A * f * s
+            out["sparse_kernel_efficiency_vs_callers_attention"] = A * f * s / sparse_step if sparse_step else None
+        if att.get("anchor", {}).get("calls") and n_anchor:
+            at_kernels["anchor"] = D + att["anchor"]["total_s"] / n_anchor - A * f
+            out["anchor_calls_s_per_step"] = att["anchor"]["total_s"] / n_anchor
+        n_total = sum(k["steps"] for k in kinds.values())
+        t_ideal = sum(kinds[k]["steps"] * ideal[k] for k in kinds)
+        t_kern = sum(kinds[k]["steps"] * at_kernels[k] for k in kinds)
+        t_meas = sum(k["total_s"] for k in kinds.values())
+        t_dense = n_total * D
+        for k in kinds:
+            kinds[k]["ideal_s"] = ideal[k]
+            kinds[k]["at_kernels_s"] = at_kernels[k]
+            kinds[k]["loss_vs_ideal_s"] = kinds[k]["total_s"] - kinds[k]["steps"] * ideal[k]
+            kinds[k]["pack_overhead_s"] = kinds[k]["total_s"] - kinds[k]["steps"] * at_kernels[k]
+        out["ideal"] = {"A_self_attn_s": A, "N_rest_s": N, "f_sparse_blocks": f, "density": s, "per_step": ideal,
+                        "at_measured_kernels_per_step": at_kernels, "total_s": t_ideal,
+                        "total_at_measured_kernels_s": t_kern, "measured_steps_s": t_meas,
+                        "speedup_ideal": t_dense / t_ideal, "speedup_at_measured_kernels": t_dense / t_kern,
+                        "speedup_steps": t_dense / t_meas if t_meas else None,
+                        "speedup_needed": {"1.55": t_dense / 1.55}}
+        lines.append(f"schedule {''.join(r['kind'][0].upper() for r in rows)}; unpatched step D {D:.4f} s, "
+                     f"self-attention A {A:.4f} s, rest N {N:.4f} s; f {f:.3f}, s {s:g}")
+    for k, v in kinds.items():
+        if not v["steps"]:
+            continue
+        line = f"{k}: {v['steps']} x {v['mean_s']:.4f} s (median {v['median_s']:.4f}, first {v['first_s']:.4f}) = " \
+               f"{v['total_s']:.2f} s"
+        if ideal is not None:
+            line += (f"; ideal {ideal[k]:.4f}/step (loss {v['loss_vs_ideal_s']:+.2f} s), at the measured kernels "
+                     f"{v['at_kernels_s']:.4f}/step (pack overhead {v['pack_overhead_s']:+.2f} s)")
+        if att.get(k, {}).get("calls"):
+            line += f"; {att[k]['calls']} timed {k} calls {att[k]['total_s']:.2f} s (mean {att[k]['mean_call_ms']:.3f} ms)"
+        lines.append(line)
+    if ideal is not None:
+        i = out["ideal"]
+        lines.append(f"steps: measured {i['measured_steps_s']:.2f} s, at the measured kernels "
+                     f"{i['total_at_measured_kernels_s']:.2f} s, "
+                     f"ideal {i['total_s']:.2f} s; unpatched steps {n_total * D:.2f} s -> {i['speedup_steps']:.3f}x "
+                     f"measured, {i['speedup_at_measured_kernels']:.3f}x at the kernels, {i['speedup_ideal']:.3f}x ideal")
+        if "reuse_sparse_s_per_step" in out:
+            lines.append(f"reuse sparse calls {out['reuse_sparse_s_per_step']:.4f} s/step vs ideal "
+                         f"{out['reuse_sparse_ideal_s_per_step']:.4f} (kernel efficiency vs the caller's attention "
+                         f"{out['sparse_kernel_efficiency_vs_callers_attention']:.3f})")
+    if "outside_steps_s" in out:
+        o = out["outside_steps_s"]
+        lines.append(f"outside the steps (call wall - steps): unpatched {o['dense']:.3f} s, patched {o['patched']:.3f} s")
+    out["lines"] = lines
     return out
 
 
@@ -876,7 +1059,9 @@ def scoreboard_entries(report: dict, *, command: str, commit: str, gpu: str | No
             if preset in ("quality", "fast") and not r.get("apply_kwargs", {}).get("_split_cfg"):
                 put(f"e2e_{tag}_{preset}_speedup", x["speedup"], "x",
                     f"node preset '{preset}' vs unpatched (ComfyUI default attention); {x['method']}; cfg "
-                    f"{report['args']['cfg']}, {report['args']['sampler']}/{report['args']['scheduler']}")
+                    f"{report['args']['cfg']}, {report['args']['sampler']}/{report['args']['scheduler']}; "
+                    f"--kernels {report['args'].get('kernels', 'installed')}: "
+                    f"{(r.get('run_kernels') or {}).get('line', '?')}")
                 if preset == "quality" and tag == "wan14b_720p":
                     put("anchor_over_dense_step_wan14b_720p", x["anchor_step_s"] / x["dense_step_s"], "ratio",
                         f"mean anchor step {x['anchor_step_s']:.3f} s / unpatched dense step {x['dense_step_s']:.3f} s, "
@@ -897,7 +1082,9 @@ def scoreboard_entries(report: dict, *, command: str, commit: str, gpu: str | No
         if whole and tag == "wan13b_480p":
             put("e2e_wan13b_480p_fast_speedup_whole_run", whole["speedup"], "x",
                 f"whole comfy.sample.sample calls, {whole['steps']} steps each, no extrapolation: unpatched "
-                f"{whole['dense_s']:.1f} s vs preset 'fast' {whole['patched_s']:.1f} s; cfg {report['args']['cfg']}")
+                f"{whole['dense_s']:.1f} s vs preset 'fast' {whole['patched_s']:.1f} s; cfg {report['args']['cfg']}; "
+                f"--kernels {report['args'].get('kernels', 'installed')}: "
+                f"{(whole.get('run_kernels') or {}).get('line', '?')}")
     return out
 
 
@@ -1087,7 +1274,8 @@ def run_config(env: Env, cfg: dict, args, device: torch.device, dtype: torch.dty
     if cfg.get("whole"):
         preset, n = cfg["whole"]
         extras.append(("whole", "whole run", lambda: run_whole(env, base, preset=preset, args=args, shape=shape,
-                                                               device=device, steps=n)))
+                                                               device=device, steps=n, dense=dense, spec=spec,
+                                                               dtype=dtype)))
     for slot, label, fn in extras:
         if args.budget_s and time.perf_counter() - T0 > args.budget_s:
             entry["errors"].append({"stage": label, "error": f"skipped: time budget {args.budget_s:.0f} s spent"})
@@ -1145,6 +1333,8 @@ def _print_run(r: dict) -> None:
     first = (r.get("run_summary") or "").splitlines()[:1]
     if first:
         print(f"  {first[0]}", flush=True)
+    if r.get("run_kernels"):
+        print(f"  kernels: {r['run_kernels']['line']}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1204,11 +1394,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--comfyui", default=os.environ.get("COMFYUI_DIR", ""), help="ComfyUI checkout ($COMFYUI_DIR)")
     ap.add_argument("--plan", choices=["single", "headline", "headline-smoke", "h720", "h480", "h720-smoke",
-                                       "h480-smoke"], default="single",
+                                       "h480-smoke", "w13", "w13-smoke"], default="single",
                     help="single: --model/--res/--densities; headline: wan14b 720p (0.25, 0.15, fast preset), "
                          "wan14b 480p and wan1.3b 480p (0.25); h720: wan14b 720p presets quality and fast, glue "
                          "ratio, the Sol-Attn peer, prefetch hit rate (CPU cache, CFG split); h480: wan14b 480p "
-                         "quality, wan1.3b 480p 'fast' whole 50-step runs; *-smoke: the same with tiny models")
+                         "quality, wan1.3b 480p 'fast' whole 50-step runs; w13: the wan1.3b 480p whole runs only; "
+                         "*-smoke: the same with tiny models")
     ap.add_argument("--model", choices=list(MODELS), default="tiny")
     ap.add_argument("--res", choices=list(RESOLUTIONS), default="tiny")
     ap.add_argument("--frames", type=int, default=81)
@@ -1223,6 +1414,10 @@ def main() -> int:
     ap.add_argument("--query-tile", type=int, default=128)
     ap.add_argument("--cache-placement", default="auto", choices=["auto", "gpu", "cpu"])
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--kernels", choices=["installed", "triton-only"], default="installed",
+                    help="installed: every kernel backend this Python can import; triton-only: the default kernels "
+                         "a user has (no CUTLASS DSL / flash-attn-4): the cutedsl and flash_attn4 backends are "
+                         "turned off even when importable, so the figure is repeatable whatever is installed")
     ap.add_argument("--min-tokens", type=int, default=None, help="node input (default 2048; 0 for --res tiny)")
     ap.add_argument("--sampler", default="euler", choices=["euler", "uni_pc"])
     ap.add_argument("--scheduler", default="simple")
@@ -1259,8 +1454,11 @@ def main() -> int:
         plan = [dict(c, model="tiny", res="tiny") for c in HEADLINE]
     elif args.plan in ("h720", "h480"):
         plan = [dict(c) for c in (H720 if args.plan == "h720" else H480)]
-    elif args.plan in ("h720-smoke", "h480-smoke"):
-        plan = [dict(c, model="tiny", res="tiny") for c in (H720 if args.plan == "h720-smoke" else H480)]
+    elif args.plan == "w13":
+        plan = [dict(c) for c in W13]
+    elif args.plan in ("h720-smoke", "h480-smoke", "w13-smoke"):
+        plan = [dict(c, model="tiny", res="tiny") for c in
+                {"h720-smoke": H720, "h480-smoke": H480, "w13-smoke": W13}[args.plan]]
         plan = [dict(c, whole=(c["whole"][0], 4)) if c.get("whole") else c for c in plan]
     else:
         plan = [{"model": args.model, "res": args.res, "densities": args.densities, "presets": args.presets}]
@@ -1269,6 +1467,8 @@ def main() -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     env = setup(args.comfyui, device.type)
+    if args.kernels == "triton-only":
+        triton_only(env)
     if device.type == "cuda" and device.index is None:
         device = env.mm.get_torch_device()  # cuda:N, the device object ComfyUI compares against
     if args.schedule_steps != 50:

@@ -1,0 +1,132 @@
+"""The whole-run breakdown of ``tests/bench_comfyui_speedup.py`` (per step kind against the schedule's ideal) and the
+run summary's line naming the Triton backend's sparse kernel per call shape (``engine.triton_sparse_choices``)."""
+
+import importlib.util
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from comfyui_mc_sparse_pack import kernels
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import MCSparseRunner, triton_sparse_choices
+from comfyui_mc_sparse_pack.kernels import registry
+
+
+def _bench():
+    path = Path(__file__).resolve().parent / "bench_comfyui_speedup.py"
+    spec = importlib.util.spec_from_file_location("bench_comfyui_speedup_t", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Timer:
+    def __init__(self, ms):
+        self.ms = ms
+
+    def times(self, kind):
+        return {(12, 4096, 128): list(self.ms[kind])}
+
+
+def _records():
+    """Unpatched 6 steps; patched D D A R R R (3 blocks, block 0 dense), CFG batch 2."""
+    dense_rec = {"step_s": [1.5, 1.2, 1.21, 1.19, 1.2, 1.2], "evals": []}
+    kinds = ["dense", "dense", "anchor", "reuse", "reuse", "reuse"]
+    walls = [1.21, 1.2, 1.9, 0.8, 0.7, 0.72]
+    evals = []
+    for kind in kinds:
+        calls = {"anchor": 4 if kind == "anchor" else 0, "reuse": 4 if kind == "reuse" else 0}
+        evals.append({"calls": calls, "eval_s": 0.0, "forward_batches": [2], "attn_s": None, "attn_calls": None})
+    patched_rec = {"step_s": walls, "evals": evals}
+    timer = _Timer({"dense": [10.0] * 9, "anchor": [100.0, 110.0, 90.0, 100.0], "reuse": [4.0] * 6})
+    runner = types.SimpleNamespace(config=types.SimpleNamespace(density=0.15, warmup_layers=1), timer=timer)
+    return dense_rec, patched_rec, types.SimpleNamespace(runner=runner)
+
+
+def test_whole_breakdown_per_kind_against_the_ideal():
+    bench = _bench()
+    dense_rec, patched_rec, run = _records()
+    b = bench.whole_breakdown(dense_rec, patched_rec, run, dense={"self_attn_s": 0.6}, layers=3,
+                              totals={"dense_s": 7.6, "patched_s": 6.5})
+    D = 1.2  # median of the unpatched steps after the first
+    A, N, f, s = 0.6, 0.6, 2 / 3, 0.15
+    k = b["kinds"]
+    assert (k["dense"]["steps"], k["anchor"]["steps"], k["reuse"]["steps"]) == (2, 1, 3)
+    assert k["reuse"]["total_s"] == pytest.approx(2.22)
+    ideal = b["ideal"]["per_step"]
+    assert ideal["dense"] == pytest.approx(D)
+    assert ideal["anchor"] == pytest.approx(D + A * f * (0.5 + s))
+    assert ideal["reuse"] == pytest.approx(N + A * (1 - f) + A * f * s)
+    # reuse calls are timed per batch item: 6 calls x 4 ms x batch 2 over 3 reuse steps
+    assert b["reuse_sparse_s_per_step"] == pytest.approx(6 * 4.0 * 2 / 1000 / 3)
+    # anchor calls run per conditioning chunk (batch 1): their sum is the step's anchor time
+    assert b["anchor_calls_s_per_step"] == pytest.approx(0.4)
+    at = b["ideal"]["at_measured_kernels_per_step"]
+    assert at["reuse"] == pytest.approx(N + A * (1 - f) + 0.016)
+    assert at["anchor"] == pytest.approx(D + 0.4 - A * f)
+    assert k["reuse"]["pack_overhead_s"] == pytest.approx(2.22 - 3 * at["reuse"])
+    assert k["anchor"]["loss_vs_ideal_s"] == pytest.approx(1.9 - ideal["anchor"])
+    t_ideal = 2 * ideal["dense"] + ideal["anchor"] + 3 * ideal["reuse"]
+    assert b["ideal"]["speedup_ideal"] == pytest.approx(6 * D / t_ideal)
+    assert b["ideal"]["speedup_steps"] == pytest.approx(6 * D / sum(patched_rec["step_s"]))
+    assert b["outside_steps_s"]["patched"] == pytest.approx(6.5 - sum(patched_rec["step_s"]))
+    assert b["attention"]["dense"]["total_s"] == pytest.approx(9 * 10.0 * 2 / 1000)
+    assert any(line.startswith("reuse: 3 x") for line in b["lines"])
+
+
+def test_whole_breakdown_without_the_attention_timing_has_no_ideal():
+    bench = _bench()
+    dense_rec, patched_rec, run = _records()
+    b = bench.whole_breakdown(dense_rec, patched_rec, run, dense=None, layers=3)
+    assert "ideal" not in b and b["kinds"]["reuse"]["steps"] == 3
+    assert math.isfinite(b["kinds"]["anchor"]["total_s"])
+
+
+def _fake_dispatch(monkeypatch, mode="auto", choices=None, times=None):
+    fake = types.SimpleNamespace(gluon_mode=lambda: mode, choices=choices or {}, _times=times or {},
+                                 GLUON_KEY=("triton.gluon_sm90", "sparse_attention"))
+    monkeypatch.setitem(sys.modules, f"{kernels.__name__}.triton.sparse_dispatch", fake)
+    return fake
+
+
+def _runner(shapes):
+    runner = MCSparseRunner(MCSparseConfig(density=0.15, warmup_steps=1, anchor_steps=(1,)))
+    runner.sparse_shapes.update(shapes)
+    return runner
+
+
+def test_summary_names_the_sparse_kernel_per_shape(monkeypatch):
+    reuse = (2, 12, 32760, 128)
+    anchor = (1, 12, 32760, 128)
+    key_reuse = ("cuda:0", "bf16", reuse, 32760, (256, 4992), 32760, "plain", False)
+    key_anchor = ("cuda:0", "bf16", anchor, 32760, (256, 4992), 32760, None, False)
+    other = ("cuda:0", "bf16", (2, 40, 75600, 128), 75600, (590, 11392), 75600, "plain", False)
+    _fake_dispatch(monkeypatch, choices={key_reuse: "gluon", key_anchor: "triton", other: "gluon"},
+                   times={key_reuse: (3.1, 3.5), key_anchor: (2.0, 1.9)})
+    runner = _runner([reuse, anchor])
+    lines = triton_sparse_choices(runner)
+    assert lines == ["[1, 12, 32760, 128] triton (gluon 2.000 ms, triton 1.900 ms)",
+                     "[2, 12, 32760, 128], residual plain gluon (gluon 3.100 ms, triton 3.500 ms)"]
+    runner.kernels.choices["sparse_attention"] = registry.Choice("triton", "auto")
+    summary = runner.summary()
+    assert "sparse kernel (triton backend) per call shape: [1, 12, 32760, 128] triton" in summary
+    assert "75600" not in summary  # another run's shape is not this run's
+    runner.kernels.choices["sparse_attention"] = registry.Choice("cutedsl", "auto")
+    assert "sparse kernel (triton backend)" not in runner.summary()
+
+
+def test_summary_sparse_kernel_forced_failed_or_refused(monkeypatch):
+    shape = (2, 12, 32760, 128)
+    _fake_dispatch(monkeypatch, mode="on")
+    assert triton_sparse_choices(_runner([shape])) == ["[2, 12, 32760, 128] gluon (forced: MC_SPARSE_GLUON)"]
+    _fake_dispatch(monkeypatch, mode="auto")
+    assert triton_sparse_choices(_runner([shape])) == [
+        "[2, 12, 32760, 128] triton (Gluon not timed: refused or not sm_90)"]
+    runner = _runner([shape])
+    runner.kernels.failures[("triton.gluon_sm90", "sparse_attention")] = "RuntimeError: boom"
+    assert triton_sparse_choices(runner) == ["[2, 12, 32760, 128] triton (the Gluon kernel failed in this run)"]
+    monkeypatch.delitem(sys.modules, f"{kernels.__name__}.triton.sparse_dispatch")
+    assert triton_sparse_choices(_runner([shape])) == []
