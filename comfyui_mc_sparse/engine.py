@@ -486,10 +486,12 @@ def _size(n: int) -> str:
 
 
 def triton_sparse_choices(runner: MCSparseRunner) -> list[str]:
-    """Which kernel the Triton backend's sparse op ran for each q shape of ``runner``'s sparse calls: "[B, H, S, D]
-    gluon (gluon 1.234 ms, triton 1.456 ms)" as its auto mode measured it (``kernels/triton/sparse_dispatch.py``),
-    "gluon (forced)", "triton (forced)", or "triton (Gluon not timed: refused or not sm_90)". Empty when that module
-    was never imported (no Triton sparse call in this process). Reads the dispatch module's state, never imports it."""
+    """Which kernel the Triton backend's sparse op ran for each q shape of ``runner``'s sparse calls, as its auto mode
+    measured it (``kernels/triton/sparse_dispatch.py``: ``choices`` a Gluon schedule name or "triton", ``_times`` ms
+    per candidate): "[B, H, S, D], residual plain gluon plain (plain 3.100, pingpong 3.000, triton 3.500 ms)";
+    "gluon (forced: MC_SPARSE_GLUON)", "triton (forced: ...)", "triton (the Gluon kernel failed in this run)" or
+    "triton (Gluon not timed: refused or not sm_90)". Empty when that module was never imported (no Triton sparse
+    call in this process). Reads the dispatch module's state; never imports it."""
     import sys
 
     dispatch = sys.modules.get(f"{kernels.__name__}.triton.sparse_dispatch")
@@ -512,10 +514,11 @@ def triton_sparse_choices(runner: MCSparseRunner) -> list[str]:
                 lines.append(f"{name} triton (Gluon not timed: refused or not sm_90)")
             for key in keys:
                 t = times.get(key)
-                extra = f" (gluon {t[0]:.3f} ms, triton {t[1]:.3f} ms)" if t else ""
+                extra = (" (" + ", ".join(f"{n} {ms:.3f}" for n, ms in t.items()) + " ms)") if isinstance(t, dict) else ""
                 lse = ", LSE" if key[-1] else ""
                 res = f", residual {key[-2]}" if key[-2] else ""
-                lines.append(f"{name}{res}{lse} {choices[key]}{extra}")
+                chosen = choices[key] if choices[key] == "triton" else f"gluon {choices[key]}"
+                lines.append(f"{name}{res}{lse} {chosen}{extra}")
     return lines
 
 

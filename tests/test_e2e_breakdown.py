@@ -104,12 +104,13 @@ def test_summary_names_the_sparse_kernel_per_shape(monkeypatch):
     key_reuse = ("cuda:0", "bf16", reuse, 32760, (256, 4992), 32760, "plain", False)
     key_anchor = ("cuda:0", "bf16", anchor, 32760, (256, 4992), 32760, None, False)
     other = ("cuda:0", "bf16", (2, 40, 75600, 128), 75600, (590, 11392), 75600, "plain", False)
-    _fake_dispatch(monkeypatch, choices={key_reuse: "gluon", key_anchor: "triton", other: "gluon"},
-                   times={key_reuse: (3.1, 3.5), key_anchor: (2.0, 1.9)})
+    _fake_dispatch(monkeypatch, choices={key_reuse: "pingpong", key_anchor: "triton", other: "plain"},
+                   times={key_reuse: {"plain": 3.1, "pingpong": 3.0, "triton": 3.5},
+                          key_anchor: {"plain": 2.0, "triton": 1.9}})
     runner = _runner([reuse, anchor])
     lines = triton_sparse_choices(runner)
-    assert lines == ["[1, 12, 32760, 128] triton (gluon 2.000 ms, triton 1.900 ms)",
-                     "[2, 12, 32760, 128], residual plain gluon (gluon 3.100 ms, triton 3.500 ms)"]
+    assert lines == ["[1, 12, 32760, 128] triton (plain 2.000, triton 1.900 ms)",
+                     "[2, 12, 32760, 128], residual plain gluon pingpong (plain 3.100, pingpong 3.000, triton 3.500 ms)"]
     runner.kernels.choices["sparse_attention"] = registry.Choice("triton", "auto")
     summary = runner.summary()
     assert "sparse kernel (triton backend) per call shape: [1, 12, 32760, 128] triton" in summary
