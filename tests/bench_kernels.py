@@ -19,8 +19,9 @@ its error against the float32 reference and (num_warps, n_regs, n_spills); flash
 (``fa4_route_eff_min``); the bitmask decode kernel at s = 0.25. ``--quick`` times QUICK_CONFIGS instead of
 REUSE_CONFIGS (deeper K/V prefetch and the short prologue beside the sm_90 default; about a minute); ``--gluon`` times
 GLUON_CONFIGS instead: the op (on sm_90 the warp-specialised Gluon kernel, kernels/triton/sparse_attention_sm90.py,
-when on) beside the Triton kernel's default config called directly and the Gluon kernel's tunings, same inputs, and
-prints the op / Triton kernel time ratio per point. It prints
+in auto mode) beside the Triton kernel's default config called directly and the Gluon kernel's tunings, same inputs,
+all timed interleaved with flash-attn-4 dense (``run_gluon_shape``), and prints the op / Triton kernel time ratio per
+point; its ``triton_sparse_eff_min`` is the op's. It prints
 f16x2 / fp32, lazy / eager, qreg / shared, pipelined / not (and --quick: default / config) time ratios per point,
 writes ``triton_sparse_eff_min`` = the min over the points of the best spill-free config (named in the note) into
 docs/results/scoreboard.json (commit: --commit, else $MC_SPARSE_COMMIT, else git HEAD), and a copy next to --out.
@@ -284,14 +285,17 @@ QUICK_CONFIGS = {  # --quick: the sm_90 default (BN 128 lazy, 3 stages) against 
 }
 
 
-GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside its default (the op), same inputs
-    # (round 1: pipeline and 3 stages changed nothing while the producer was the bottleneck; final round of the
-    # previous session: overlap 0.654-0.704 < plain 0.690-0.808; overlap + pingpong + persistent + stage_out 0.719-0.804)
+GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (auto mode), same inputs
+    # (final round of the previous session: overlap 0.654-0.704 < plain 0.690-0.808; this session's round 1 (auto
+    # timings, warm): pingpong persistent 0.778-0.833 except 1.3B s=0.5, plain 0.727-0.816, plain persistent no better)
     "gluon plain": dict(_gluon=True),  # the default config called directly
     "gluon pingpong": dict(_gluon=True, pingpong=True),  # plain schedule, turns between the consumer warpgroups
     "gluon persistent": dict(_gluon=True, persistent=True),
     "gluon pingpong persistent": dict(_gluon=True, pingpong=True, persistent=True),
     "gluon pipeline": dict(_gluon=True, pipeline=True),
+    "gluon plain l2": dict(_gluon=True, l2_hints=True),  # streams evict_first (the K/V rows stay in L2)
+    "gluon pingpong l2": dict(_gluon=True, pingpong=True, l2_hints=True),
+    "gluon pingpong persistent l2": dict(_gluon=True, pingpong=True, persistent=True, l2_hints=True),
     "gluon overlap pingpong persistent stage_out": dict(_gluon=True, overlap=True, pingpong=True, persistent=True,
                                                         stage_out=True),
 }
@@ -344,7 +348,7 @@ def random_perm(B, H, S, gen):
     return perm
 
 
-def run_reuse_shape(name, shp, densities, rep, log, configs=None, gluon=False):
+def run_reuse_shape(name, shp, densities, rep, log, configs=None):
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     G = -(-S // C)
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -376,9 +380,7 @@ def run_reuse_shape(name, shp, densities, rep, log, configs=None, gluon=False):
         "triton native, out=, residual plain": lambda st, p, i: kernels.sparse_attention(
             *st[1], p, i, out=out_v, residual=residuals["plain"], backend="triton"),
     }
-    if gluon:  # --gluon: the op and the Triton kernel beside the Gluon tunings only (the round's time goes there)
-        variants.pop("triton native, out=, residual plain")
-    if fa4 and not gluon:
+    if fa4:
         variants["flash_attn4 paged route"] = lambda st, p, i: kernels.sparse_attention(*st[0], p, i, backend="flash_attn4")
     default_name = config_name(_tsa.config(D, torch.cuda.get_device_capability()))
     res["default_config"] = default_name
@@ -429,7 +431,7 @@ def run_reuse_shape(name, shp, densities, rep, log, configs=None, gluon=False):
             except Exception as e:  # out of resources on this GPU
                 res["sweep"][cname] = f"{type(e).__name__}: {str(e)[:120]}"
                 log(f"{name} config {cname} s={s}: {res['sweep'][cname]}")
-        if s == 0.25 and not gluon:
+        if s == 0.25:
             # the bitmask decode kernel on this selection (what the cache's decode runs on CUDA)
             from comfyui_mc_sparse_pack.comfyui_mc_sparse import encoding
 
@@ -444,6 +446,106 @@ def run_reuse_shape(name, shp, densities, rep, log, configs=None, gluon=False):
             log(f"{name} decode_bitmask s=0.25: {ms:.3f} ms ({res['decode']['backend']}), bit-exact {ok}, "
                 f"{res['decode']['frac_of_sparse']:.3f} of the sparse call")
         del idxs
+    res["gluon"] = gluon_state()
+    log(f"{name} sparse op on this GPU: {res['gluon']}")
+    return res
+
+
+def time_interleaved(fns, reps):
+    """{name: median ms} of each fn() over ``reps`` rounds; each round calls every fn once, in an order rotated by one
+    per round, with the L2 cache cleared before each call (as ``triton.testing.do_bench``) and CUDA events around it,
+    so slow clocks or a busy L2 weigh on every variant alike and the ratios are side by side."""
+    drv = triton.runtime.driver.active
+    cache = drv.get_empty_cache_for_benchmark()
+    names = list(fns)
+    for n in names:
+        fns[n]()
+    torch.cuda.synchronize()
+    events = {n: [] for n in names}
+    for r in range(reps):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            drv.clear_cache(cache)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[n]()
+            end.record()
+            events[n].append((start, end))
+    torch.cuda.synchronize()
+    return {n: sorted(a.elapsed_time(b) for a, b in ev)[len(ev) // 2] for n, ev in events.items()}
+
+
+def time_warm(fn, calls=3):
+    """ms per call of ``calls`` back-to-back calls (no cache clear, the GPU never idles): the auto mode's view."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def run_gluon_shape(name, shp, densities, reps, log, configs):
+    """--reuse --gluon: per density, flash-attn-4 dense (and cuDNN) with LSE, the op (auto mode), the Triton kernel and
+    each GLUON_CONFIGS tuning timed interleaved (``time_interleaved``: ``reps`` rounds, L2 cleared before each call),
+    efficiency = that round's flash-attn-4 dense ms x s / ms; each checked against the float32 reference (2 heads)
+    first; the warm back-to-back ms beside it (``time_warm``). Same result layout as ``run_reuse_shape``."""
+    B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
+    G = -(-S // C)
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    res = dict(shape=shp, dense={}, sparse={}, errors={}, sweep={}, kernels={}, decode={}, warm={}, dense_per_s={})
+    sets = [tuple(torch.randn(B, H, S, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(3)) for _ in range(2)]
+    perms = [random_perm(B, H, S, gen) for _ in range(2)]
+    sub = slice(0, 2)
+    dense = {n: f for n, f in dense_kernels().items() if "(LSE)" in n}
+    res["default_config"] = config_name(_tsa.config(D, torch.cuda.get_device_capability()))
+    g90 = _gluon_kernel()
+    for s in densities:
+        kq = int(s * S)
+        idxs = [random_kv_idx(B, H, G, S, kq, gen) for _ in sets]
+        ref = reference.sparse_attention(*(t[:, sub].float() for t in sets[0]), perms[0][:, sub], idxs[0][:, sub])
+        calls = {"triton contiguous": lambda st, p, i: kernels.sparse_attention(*st, p, i, backend="triton"),
+                 TRITON_KERNEL: lambda st, p, i: _tsa.sparse_attention(*st, p, i)}
+        for cname, kw in configs.items():
+            kw = {k: v for k, v in kw.items() if k != "_gluon"}
+            calls[cname] = lambda st, p, i, kw=kw: g90.sparse_attention(*st, p, i, **kw)
+        fns = {}
+        for vname, call in calls.items():
+            got = call(sets[0], perms[0], idxs[0])
+            err = rel_err(got[:, sub], ref)
+            if vname in configs:
+                res["sweep"].setdefault(vname, dict(efficiency={}, errors={}, regs_spills=None))["errors"][str(s)] = err
+            else:
+                res["errors"][f"{vname} s={s}"] = err
+            cyc = itertools.cycle(range(len(sets)))
+            fns[vname] = lambda call=call, cyc=cyc: (lambda j: call(sets[j], perms[j], idxs[j]))(next(cyc))
+        for dname, f in dense.items():
+            if dname.startswith("flash_attn4") or s == densities[0]:  # cuDNN once per shape
+                cyc = itertools.cycle(range(len(sets)))
+                fns[dname] = lambda f=f, cyc=cyc: f(*sets[next(cyc)])
+        ms = time_interleaved(fns, reps)
+        base_name = "flash_attn4 (LSE)" if "flash_attn4 (LSE)" in ms else "cudnn sdpa (LSE)"
+        base = ms[base_name]
+        res["dense_per_s"][str(s)] = {n: ms[n] for n in dense if n in ms}
+        for dname in dense:
+            if dname in ms:
+                res["dense"].setdefault(dname, dict(ms=ms[dname], tflops=4 * S * S * D * H * B / ms[dname] / 1e9))
+        for vname in calls:
+            eff = base * (kq / S) / ms[vname]
+            warm = time_warm(fns[vname])
+            res["warm"].setdefault(vname, {})[str(s)] = dict(ms=warm, efficiency=base * (kq / S) / warm)
+            if vname in configs:
+                res["sweep"][vname]["efficiency"][str(s)] = eff
+            else:
+                res["sparse"].setdefault(vname, {})[str(s)] = dict(ms=ms[vname], efficiency=eff, speedup=base / ms[vname])
+            log(f"{name} s={s} {vname}: {ms[vname]:.3f} ms, efficiency {eff:.3f} (warm back-to-back {warm:.3f} ms, "
+                f"{base * (kq / S) / warm:.3f}); vs {base_name} {base:.2f} ms same rounds")
+        log(f"{name} s={s} dense: " + ", ".join(f"{n} {ms[n]:.2f} ms" for n in dense if n in ms))
+        del idxs
+    best_name = "flash_attn4 (LSE)" if "flash_attn4 (LSE)" in res["dense"] else "cudnn sdpa (LSE)"
+    res["best_dense"] = dict(name=best_name, ms=sorted(v[best_name] for v in res["dense_per_s"].values())[
+        len(densities) // 2])
     res["gluon"] = gluon_state()
     log(f"{name} sparse op on this GPU: {res['gluon']}")
     return res
@@ -551,6 +653,8 @@ def main():
     ap.add_argument("--gluon", action="store_true", help="with --reuse: GLUON_CONFIGS instead of a Triton sweep (the "
                                                          "op = Gluon on sm_90, the Triton kernel's default, the routes)")
     ap.add_argument("--gluon-configs", default="", help="with --gluon: comma-separated GLUON_CONFIGS names (default all)")
+    ap.add_argument("--reps", type=int, default=0, help="with --gluon: interleaved rounds per density (default 15 at "
+                    "1.3b, 5 at 14b)")
     ap.add_argument("--commit", default="", help="commit measured (default: $MC_SPARSE_COMMIT, else git HEAD)")
     ap.add_argument("--scoreboard", default=str(Path(__file__).resolve().parent.parent / "docs/results/scoreboard.json"))
     args = ap.parse_args()
@@ -582,8 +686,11 @@ def main():
                           if not args.gluon_configs or n in args.gluon_configs.split(",")}
             configs = ((gluon_cfgs if torch.cuda.get_device_capability() == (9, 0) else {}) if args.gluon
                        else QUICK_CONFIGS if args.quick else REUSE_CONFIGS)
-            report["shapes"][name] = run_reuse_shape(name, SHAPES[name], densities, args.rep, log, configs,
-                                                     gluon=args.gluon)
+            if args.gluon:
+                report["shapes"][name] = run_gluon_shape(name, SHAPES[name], densities,
+                                                         args.reps or (15 if name == "1.3b" else 5), log, configs)
+            else:
+                report["shapes"][name] = run_reuse_shape(name, SHAPES[name], densities, args.rep, log, configs)
             report["op_only"] = bool(args.gluon)
         else:
             report["shapes"][name] = run_shape(name, SHAPES[name], densities, args.sweep, args.rep, log)
@@ -669,6 +776,9 @@ def print_reuse_table(report, board):
                 if a and b:
                     print(f"| {name} | {cname}: qreg / shared time ratio | "
                           + " | ".join(f"{b[x] / a[x]:.3f}" for x in dens if x in a and x in b) + " |")
+        for vname, per in r.get("warm", {}).items():  # --gluon: back-to-back calls, no cache clear
+            print(f"| {name} | {vname} warm efficiency | " + " | ".join(f"{v['efficiency']:.3f}" for v in per.values())
+                  + " |")
         if r.get("decode"):
             print(f"| {name} | decode_bitmask | {r['decode']} |")
         print(f"| {name} | compiled (num_warps, n_regs, n_spills) | {r['kernels']} |")

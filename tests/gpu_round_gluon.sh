@@ -20,8 +20,8 @@ T_TESTS=300
 T_BENCH=240
 if [ "$MODE" = final ]; then  # ~110 s: the default path's cases (int4_group included), the plain schedule's
     # pingpong / pipeline / persistent variants; 4 tunings
-    SELECT=(-k "S4000 or C192 or pingpong-persistent] or tunings and pingpong] or tunings and pipeline] or persistent-7 or dispatches or auto_mode")
-    CONFIGS=(--gluon-configs "gluon pingpong,gluon persistent,gluon pingpong persistent")
+    SELECT=(-k "S4000 or C192 or tunings and pingpong] or pingpong-persistent] or l2-hints or dispatches or auto_mode")
+    CONFIGS=(--gluon-configs "gluon plain,gluon pingpong,gluon pingpong persistent,gluon plain l2,gluon pingpong persistent l2")
     T_TESTS=75
     T_BENCH=105
 fi

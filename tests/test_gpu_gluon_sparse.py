@@ -96,6 +96,8 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
            "stage-out": (dict(stage_out=True), "int4_group"),
            "stage-out-overlap-pingpong-persistent": (dict(stage_out=True, overlap=True, pingpong=True, persistent=True,
                                                           num_sms=7), "plain"),
+           "l2-hints": (dict(l2_hints=True), "int4_group"),
+           "pingpong-persistent-l2-hints": (dict(pingpong=True, persistent=True, num_sms=7, l2_hints=True), "fp8_row"),
            "row64": (dict(row64=True), "int4_row")}  # int64 row offsets (slices past 2^31 elements)
 
 
@@ -138,7 +140,7 @@ def test_op_dispatches_to_gluon_without_fallback(monkeypatch):
 def test_op_auto_mode_times_every_schedule_and_matches_float64(monkeypatch):
     """The op in auto mode (the default): the first call of a shape times every GLUON_SCHEDULES entry and the Triton
     kernel (all compiled, no fallback), keeps the fastest, and every later call of the shape (the chosen kernel)
-    matches float64, with an int4_row residual."""
+    matches float64, with an int4_group residual (the cache's smallest form)."""
     monkeypatch.delenv("MC_SPARSE_GLUON", raising=False)
     d = _dispatch()
     d.reset()
@@ -146,7 +148,7 @@ def test_op_auto_mode_times_every_schedule_and_matches_float64(monkeypatch):
     B, H, S, C = 2, 2, 3000 + 5, 128
     q, k, v = (_native(gen, B, S, H, 128, torch.bfloat16) for _ in range(3))
     perm, idx = _inputs(gen, B, H, S, C, 700, 768)
-    res = make_residual(torch.randn(B, H, S, 128, generator=gen, device="cuda") * 0.05, "int4_row", perm,
+    res = make_residual(torch.randn(B, H, S, 128, generator=gen, device="cuda") * 0.05, "int4_group", perm,
                         perm.shape[-1] // C)
     ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx) + res.dequantize(torch.float64, perm)
     with registry.recording(registry.Record()) as record:

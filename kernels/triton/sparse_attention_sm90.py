@@ -63,6 +63,7 @@ HEAD_DIMS = (64, 128)
 BLOCK_M = 128  # query rows per program (two consumer warpgroups of 64)
 BLOCK_N = 128  # keys per tile
 RESCALE_LOG2 = gl.constexpr(8.0)  # lazy rescale threshold, log2 units (as sparse_attention.RESCALE_LOG2)
+_DEFAULT_POLICY = gl.constexpr("")  # the K/V gathers' L2 eviction policy (Triton 3.6 drops one on cp.async anyway)
 
 
 def config(head_dim: int) -> dict:
@@ -73,12 +74,22 @@ def config(head_dim: int) -> dict:
     ``persistent`` + ``stage_out``: 1.3B 0.719-0.755, 14B 0.776-0.804. Registers 224 / 56 (consumers / producer):
     the producer issues each item's count, index and query loads together (232 / 40 spilled 32 bytes there)."""
     return dict(num_stages=2, consumer_regs=224, producer_regs=56, maxnreg=168, pipeline=False, persistent=False,
-                overlap=False, pingpong=False, stage_out=False)
+                overlap=False, pingpong=False, stage_out=False, l2_hints=False)
+
+
+def _l2_policies(l2_hints: bool) -> dict:
+    """The kernel's L2 eviction policy for the data read or written once per call (indices, perm, Q rows, residual,
+    output): with ``l2_hints`` evict_first (``.L2::cache_hint``), so these streams do not push the gathered K/V rows,
+    which every group of their head reads, out of L2 (Wan2.1-14B 720p: 38.7 MB of K + V per head against the H200's
+    50 MB L2; Triton 3.6 drops an eviction policy on cp.async, so K/V cannot be marked evict_last); without: the
+    default policy everywhere."""
+    return dict(STREAM="evict_first" if l2_hints else "")
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual=None) -> str | None:
     """Why this kernel cannot run the call (None when it can): device, capability, dtype, head dim, and Q/K/V rows
-    that the 16-byte copies cannot read (unit stride on D, 16-byte aligned rows)."""
+    that the 16-byte copies cannot read (unit stride on D, 16-byte aligned rows). Every residual kind runs
+    (``residual`` is accepted for the dispatch's uniform call)."""
     if q.device.type != "cuda":
         return f"needs a CUDA device, got {q.device.type}"
     cap = torch.cuda.get_device_capability(q.device)
@@ -88,8 +99,6 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual=None) ->
         return f"runs float16/bfloat16 only, got {q.dtype}"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}"
-    if residual is not None and residual.kind == "int4_group":  # its GPU test had a test bug in the only GPU round
-        return "int4_group residuals go to the Triton kernel (the Gluon epilogue's int4_group path is not GPU-verified)"
     for name, t in (("q", q), ("k", k), ("v", v)):  # rows copied by 16-byte cp.async (q: the persistent variant)
         if t.stride(-1) != 1 or any(st * t.element_size() % 16 for st in t.stride()[:3]) or t.data_ptr() % 16:
             return f"{name} rows must be 16-byte aligned with unit stride on D (strides {tuple(t.stride())})"
@@ -97,13 +106,13 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual=None) ->
 
 
 @gluon.jit
-def _tail_probe(idx_base, K_ALLOC, valid, PROBES: gl.constexpr, num_warps: gl.constexpr):
+def _tail_probe(idx_base, K_ALLOC, valid, PROBES: gl.constexpr, num_warps: gl.constexpr, STREAM: gl.constexpr):
     """The last PROBES slots of one group's kv_idx row (int32, -1 past K_ALLOC or when not ``valid``): loaded here,
     counted by ``_count_from_tail`` once other loads are in flight (or an item later)."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     j = gl.arange(0, PROBES, layout=lay)
     tail0 = gl.maximum(K_ALLOC - PROBES, 0)
-    return gl.load(idx_base + tail0 + j, mask=(tail0 + j < K_ALLOC) & valid, other=-1)
+    return gl.load(idx_base + tail0 + j, mask=(tail0 + j < K_ALLOC) & valid, other=-1, eviction_policy=STREAM)
 
 
 @gluon.jit
@@ -145,20 +154,21 @@ def _work_item(w, H, G_MB, M_BLOCKS: gl.constexpr, n_slots, C, K_ALLOC):
 
 
 @gluon.jit
-def _gather_rows(dst, base, rows, ok, stride_s, stride_d, offs_d):
-    """16-byte cp.async copies of the given rows (D contiguous elements each) into ``dst``; rows not ok: zeros."""
+def _gather_rows(dst, base, rows, ok, stride_s, stride_d, offs_d, EVICT: gl.constexpr):
+    """16-byte cp.async copies of the given rows (D contiguous elements each) into ``dst``; rows not ok: zeros.
+    EVICT: the copies' L2 eviction policy ("" default, "evict_first", "evict_last")."""
     ptr = base + rows[:, None] * stride_s + offs_d[None, :] * stride_d
-    async_copy.async_copy_global_to_shared(dst, ptr, mask=ok[:, None])
+    async_copy.async_copy_global_to_shared(dst, ptr, mask=ok[:, None], eviction_policy=EVICT)
 
 
 @gluon.jit
-def _gather_q(dst, q_base, q_idx, S, stride_qs, stride_qd, offs_d, ROW64: gl.constexpr):
+def _gather_q(dst, q_base, q_idx, S, stride_qs, stride_qd, offs_d, ROW64: gl.constexpr, STREAM: gl.constexpr):
     """cp.async of 64 query rows q_idx (perm entries; -1 or out of range: zeros) into one Q tile."""
     ok = (q_idx >= 0) & (q_idx < S)
     rows = gl.where(ok, q_idx, 0)
     if ROW64:
         rows = rows.to(gl.int64)
-    _gather_rows(dst, q_base, rows, ok, stride_qs, stride_qd, offs_d)
+    _gather_rows(dst, q_base, rows, ok, stride_qs, stride_qd, offs_d, STREAM)
 
 
 @gluon.jit
@@ -167,7 +177,7 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
               stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
               stride_vb, stride_vh, stride_vs, stride_vd,
               M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              ROWS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr):
+              ROWS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, STREAM: gl.constexpr):
     """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the item's Q slot)
     then K then V rows of each key tile into the stage ring; the ring's stage and phase follow a tile counter kept
     across items. Each tile is ONE copy per operand (no chunks: chunk copies into one buffer get a warpgroup barrier
@@ -185,20 +195,20 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
         idx_base = KV_IDX + idx_off
         # the item's independent loads first (one round trip for all): the count's tail, tile 0's indices (slots
         # past the count are -1 there: no count needed), the query rows (PERSISTENT)
-        tail = _tail_probe(idx_base, K_ALLOC, True, 128, 4)
-        kv_next = gl.load(idx_base + offs_n, mask=offs_n < K_ALLOC, other=-1)  # tile 0's indices
+        tail = _tail_probe(idx_base, K_ALLOC, True, 128, 4, STREAM)
+        kv_next = gl.load(idx_base + offs_n, mask=offs_n < K_ALLOC, other=-1, eviction_policy=STREAM)  # tile 0's
         if PERSISTENT:
             rows_a = row0 + offs_m
             rows_b = row0 + 64 + offs_m
-            q_idx_a = gl.load(PERM + perm_off + rows_a, mask=rows_a < C, other=-1)
-            q_idx_b = gl.load(PERM + perm_off + rows_b, mask=rows_b < C, other=-1)
+            q_idx_a = gl.load(PERM + perm_off + rows_a, mask=rows_a < C, other=-1, eviction_policy=STREAM)
+            q_idx_b = gl.load(PERM + perm_off + rows_b, mask=rows_b < C, other=-1, eviction_policy=STREAM)
         n_end = _count_from_tail(tail, idx_base, K_ALLOC, 128, 4)
         if PERSISTENT:  # this item's queries, while the consumers may still run the previous item's epilogue
             qs = i % 2
             mbarrier.wait(q_empty.index(qs), ((i // 2) & 1) ^ 1)
             q_base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
-            _gather_q(q_smem.index(qs * 2), q_base, q_idx_a, S, stride_qs, stride_qd, offs_d, ROW64)
-            _gather_q(q_smem.index(qs * 2 + 1), q_base, q_idx_b, S, stride_qs, stride_qd, offs_d, ROW64)
+            _gather_q(q_smem.index(qs * 2), q_base, q_idx_a, S, stride_qs, stride_qd, offs_d, ROW64, STREAM)
+            _gather_q(q_smem.index(qs * 2 + 1), q_base, q_idx_b, S, stride_qs, stride_qd, offs_d, ROW64, STREAM)
             async_copy.mbarrier_arrive(q_ready.index(qs), increment_count=False)
         k_base = K + b.to(gl.int64) * stride_kb + h.to(gl.int64) * stride_kh
         v_base = V + b.to(gl.int64) * stride_vb + h.to(gl.int64) * stride_vh
@@ -211,12 +221,12 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
             if ROW64:
                 kv = kv.to(gl.int64)
             nxt = slots + BLOCK_N  # the next tile's indices, in flight while this tile's rows are copied
-            kv_next = gl.load(idx_base + nxt, mask=nxt < n_end, other=0)
+            kv_next = gl.load(idx_base + nxt, mask=nxt < n_end, other=0, eviction_policy=STREAM)
             mbarrier.wait(k_empty.index(s), ph ^ 1)
-            _gather_rows(k_smem.index(s), k_base, kv, live, stride_ks, stride_kd, offs_d)
+            _gather_rows(k_smem.index(s), k_base, kv, live, stride_ks, stride_kd, offs_d, _DEFAULT_POLICY)
             async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
             mbarrier.wait(v_empty.index(s), ph ^ 1)
-            _gather_rows(v_smem.index(s), v_base, kv, live, stride_vs, stride_vd, offs_d)
+            _gather_rows(v_smem.index(s), v_base, kv, live, stride_vs, stride_vd, offs_d, _DEFAULT_POLICY)
             async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
             c += 1
         i += 1
@@ -430,7 +440,7 @@ def _epilogue(acc, m_i, l_i, q_idx, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RE
               lse_base, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh, stride_rs, stride_rd,
               stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg,
               stride_md, stage, M: gl.constexpr, HEAD_DIM: gl.constexpr, RETURN_LSE: gl.constexpr,
-              RES_KIND: gl.constexpr, ROW64: gl.constexpr, STAGE_OUT: gl.constexpr):
+              RES_KIND: gl.constexpr, ROW64: gl.constexpr, STAGE_OUT: gl.constexpr, STREAM: gl.constexpr):
     """O / l (+ the residual, dequantised in fp32) stored to the rows q_idx = perm[rowh ..] (loaded by the caller
     before its mainloop, in the accumulator's row layout) of ``out`` by strides; the LSE.
     Residual kinds as ``sparse_attention._store_half``: 1 plain, 2 fp8_row, 3 int4_row, 4 int4_group (+ coef x the
@@ -455,15 +465,15 @@ def _epilogue(acc, m_i, l_i, q_idx, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RE
         r_base = b64 * stride_rb + h64 * stride_rh
         if RES_KIND >= 3:  # int4_row / int4_group: byte j holds element 2j (low nibble) and 2j + 1 (high nibble)
             byte = gl.load(RES + r_base + rows[:, None] * stride_rs + (offs_d // 2)[None, :] * stride_rd,
-                           mask=ok[:, None], other=0x88).to(gl.int32)
+                           mask=ok[:, None], other=0x88, eviction_policy=STREAM).to(gl.int32)
             r = (((byte >> ((offs_d % 2) * 4)[None, :]) & 0xF) - 8).to(gl.float32)
         elif RES_KIND == 2:  # fp8_row, read as uint8 bit patterns
             byte = gl.load(RES + r_base + rows[:, None] * stride_rs + offs_d[None, :] * stride_rd,
-                           mask=ok[:, None], other=0).to(gl.int32)
+                           mask=ok[:, None], other=0, eviction_policy=STREAM).to(gl.int32)
             r = _e4m3_to_f32_div256(byte)
         else:
             r = gl.load(RES + r_base + rows[:, None] * stride_rs + offs_d[None, :] * stride_rd,
-                        mask=ok[:, None], other=0.0).to(gl.float32)
+                        mask=ok[:, None], other=0.0, eviction_policy=STREAM).to(gl.float32)
         if RES_KIND >= 2:
             row_scale = gl.load(RES_SCALE + b64 * stride_cb + h64 * stride_ch + rows * stride_cs, mask=ok,
                                 other=0.0).to(gl.float32)  # bf16 for int4_group
@@ -490,10 +500,10 @@ def _epilogue(acc, m_i, l_i, q_idx, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RE
             rows2 = rows2.to(gl.int64)
         offs_d2 = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_lay))
         o_ptr = OUT + b64 * stride_ob + h64 * stride_oh + rows2[:, None] * stride_os + offs_d2[None, :] * stride_od
-        gl.store(o_ptr, o2, mask=ok2[:, None])
+        gl.store(o_ptr, o2, mask=ok2[:, None], eviction_policy=STREAM)
     else:
         o_ptr = OUT + b64 * stride_ob + h64 * stride_oh + rows[:, None] * stride_os + offs_d[None, :] * stride_od
-        gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=ok[:, None])
+        gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=ok[:, None], eviction_policy=STREAM)
 
 
 @gluon.jit
@@ -506,7 +516,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
               HALF: gl.constexpr, M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr,
               PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              STAGE_OUT: gl.constexpr):
+              STAGE_OUT: gl.constexpr, STREAM: gl.constexpr):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
     loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
     later) and the epilogue's perm rows, both in flight under the mainloop."""
@@ -519,26 +529,27 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
     i = 0
     if PERSISTENT:  # the first item's count tail (the loop loads each next item's)
         tail = _tail_probe(KV_IDX + _work_item(w0, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4], K_ALLOC, w0 < n_work,
-                           128, 4)
+                           128, 4, STREAM)
     for w in range(w0, n_work, w_step):
         b, h, group, row0, idx_off, perm_off = _work_item(w, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)
         rowh = row0 + HALF * M
         if not PERSISTENT:
-            tail = _tail_probe(KV_IDX + idx_off, K_ALLOC, True, 128, 4)
+            tail = _tail_probe(KV_IDX + idx_off, K_ALLOC, True, 128, 4, STREAM)
         offs_mo = rowh + gl.arange(0, M, layout=row_o)
-        epi_idx = gl.load(PERM + perm_off + offs_mo, mask=offs_mo < C, other=-1)  # used by the epilogue
+        epi_idx = gl.load(PERM + perm_off + offs_mo, mask=offs_mo < C, other=-1,
+                          eviction_policy=STREAM)  # used by the epilogue
         if PERSISTENT:  # the queries came from the producer; the count from the tail loaded an item ago
             n_end = _count_from_tail(tail, KV_IDX + idx_off, K_ALLOC, 128, 4)
             w_next = w + w_step
             tail = _tail_probe(KV_IDX + _work_item(w_next, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4], K_ALLOC,
-                               w_next < n_work, 128, 4)
+                               w_next < n_work, 128, 4, STREAM)
             qs = i % 2
             q_tile = q_smem.index(qs * 2 + HALF)
             mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
             fence_async_shared()
         else:  # one item per program: this half's Q rows through perm, into its own tile
             offs_m = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, q_lay))
-            q_idx = gl.load(PERM + perm_off + offs_m, mask=offs_m < C, other=-1)
+            q_idx = gl.load(PERM + perm_off + offs_m, mask=offs_m < C, other=-1, eviction_policy=STREAM)
             n_end = _count_from_tail(tail, KV_IDX + idx_off, K_ALLOC, 128, 4)
             q_ok = (q_idx >= 0) & (q_idx < S)
             q_rows = gl.where(q_ok, q_idx, 0)
@@ -547,7 +558,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
             offs_dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_lay))
             q_base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
             q = gl.load(q_base + q_rows[:, None] * stride_qs + offs_dq[None, :] * stride_qd, mask=q_ok[:, None],
-                        other=0.0)
+                        other=0.0, eviction_policy=STREAM)
             q_tile = q_smem.index(HALF)
             q_tile.store(q)
             fence_async_shared()
@@ -565,7 +576,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
         _epilogue(acc, m_i, l_i, epi_idx, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h, group,
                   (b * H + h).to(gl.int64) * S, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh,
                   stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb,
-                  stride_mh, stride_mg, stride_md, q_tile, M, HEAD_DIM, RETURN_LSE, RES_KIND, ROW64, STAGE_OUT)
+                  stride_mh, stride_mg, stride_md, q_tile, M, HEAD_DIM, RETURN_LSE, RES_KIND, ROW64, STAGE_OUT, STREAM)
         if PERSISTENT and STAGE_OUT:  # the Q tile staged the output rows: free it now
             mbarrier.arrive(q_empty.index(i % 2), count=1)
         i += 1
@@ -586,7 +597,7 @@ def _sparse_fwd_sm90(
     M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, GATHER_ROWS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
-    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, num_warps: gl.constexpr,
+    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, STREAM: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
@@ -631,25 +642,25 @@ def _sparse_fwd_sm90(
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG, STAGE_OUT)),
+                     PINGPONG, STAGE_OUT, STREAM)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG, STAGE_OUT)),
+                     PINGPONG, STAGE_OUT, STREAM)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
-                     M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, GATHER_ROWS, ROW64, PERSISTENT)),
+                     M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, GATHER_ROWS, ROW64, PERSISTENT, STREAM)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
                 gather_rows=32, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
-                persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None):
+                persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -687,6 +698,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 OVERLAP=bool(cfg["overlap"] if overlap is None else overlap),
                 PINGPONG=bool(cfg["pingpong"] if pingpong is None else pingpong),
                 STAGE_OUT=bool(cfg["stage_out"] if stage_out is None else stage_out),
+                **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
 
@@ -708,7 +720,7 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             softmax while tile t-1's P V runs; ``_mainloop_overlap``), ``pingpong`` (the two consumer warpgroups take
             turns issuing their products: with the plain schedule, blocks of tile t's P V + tile t + 1's QK^T, FA3's
             inter-warpgroup schedule; with ``overlap``, that schedule's pairs), ``stage_out`` (output rows through
-            shared memory into a row-major layout: whole-row stores).
+            shared memory into a row-major layout: whole-row stores), ``l2_hints`` (``_l2_policies``).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:

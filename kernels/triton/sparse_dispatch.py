@@ -38,7 +38,7 @@ GLUON_KEY = ("triton.gluon_sm90", "sparse_attention")
 # "auto": per call shape, the faster of the two kernels measured once (a wrong result is not an exception, so the
 # Gluon kernel's correctness rests on tests/test_gpu_gluon_sparse.py; its speed is measured where it runs)
 GLUON_DEFAULT = "auto"
-TIMING_REPS = 3
+TIMING_REPS = 5
 # The Gluon kernel's schedules the auto mode times per shape (name -> launch options of sparse_attention_sm90); the
 # first is what "on" runs. Each is checked against float64 on the GPU (tests/test_gpu_gluon_sparse.py).
 GLUON_SCHEDULES = {"plain": {}, "pingpong": dict(pingpong=True), "pingpong persistent": dict(pingpong=True,
