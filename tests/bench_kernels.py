@@ -296,6 +296,7 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon plain l2": dict(_gluon=True, l2_hints=True),  # streams evict_first (the K/V rows stay in L2)
     "gluon pingpong l2": dict(_gluon=True, pingpong=True, l2_hints=True),
     "gluon pingpong persistent l2": dict(_gluon=True, pingpong=True, persistent=True, l2_hints=True),
+    "gluon pingpong 3 stages": dict(_gluon=True, pingpong=True, num_stages=3),  # 224 KiB: a deeper K/V ring
     "gluon overlap pingpong persistent stage_out": dict(_gluon=True, overlap=True, pingpong=True, persistent=True,
                                                         stage_out=True),
 }
@@ -474,7 +475,7 @@ def time_interleaved(fns, reps):
     return {n: sorted(a.elapsed_time(b) for a, b in ev)[len(ev) // 2] for n, ev in events.items()}
 
 
-def time_warm(fn, calls=3):
+def time_warm(fn, calls=2):
     """ms per call of ``calls`` back-to-back calls (no cache clear, the GPU never idles): the auto mode's view."""
     fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -541,6 +542,9 @@ def run_gluon_shape(name, shp, densities, reps, log, configs):
                 res["sparse"].setdefault(vname, {})[str(s)] = dict(ms=ms[vname], efficiency=eff, speedup=base / ms[vname])
             log(f"{name} s={s} {vname}: {ms[vname]:.3f} ms, efficiency {eff:.3f} (warm back-to-back {warm:.3f} ms, "
                 f"{base * (kq / S) / warm:.3f}); vs {base_name} {base:.2f} ms same rounds")
+        if s == densities[0]:  # the dense kernels back-to-back too (the warm figures' own baseline)
+            res["dense_warm"] = {n: time_warm(fns[n]) for n in dense if n in fns}
+            log(f"{name} dense warm back-to-back: {res['dense_warm']}")
         log(f"{name} s={s} dense: " + ", ".join(f"{n} {ms[n]:.2f} ms" for n in dense if n in ms))
         del idxs
     best_name = "flash_attn4 (LSE)" if "flash_attn4 (LSE)" in res["dense"] else "cudnn sdpa (LSE)"

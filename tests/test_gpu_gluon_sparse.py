@@ -97,6 +97,7 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
            "stage-out-overlap-pingpong-persistent": (dict(stage_out=True, overlap=True, pingpong=True, persistent=True,
                                                           num_sms=7), "plain"),
            "l2-hints": (dict(l2_hints=True), "int4_group"),
+           "pingpong-3-stages": (dict(pingpong=True, num_stages=3), "plain"),
            "pingpong-persistent-l2-hints": (dict(pingpong=True, persistent=True, num_sms=7, l2_hints=True), "fp8_row"),
            "row64": (dict(row64=True), "int4_row")}  # int64 row offsets (slices past 2^31 elements)
 
