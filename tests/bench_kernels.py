@@ -532,19 +532,20 @@ def run_gluon_shape(name, shp, densities, reps, log, configs):
         for dname in dense:
             if dname in ms:
                 res["dense"].setdefault(dname, dict(ms=ms[dname], tflops=4 * S * S * D * H * B / ms[dname] / 1e9))
+        if s == densities[0]:  # the dense kernels back-to-back too: the warm figures' baseline
+            res["dense_warm"] = {n: time_warm(fns[n]) for n in dense if n in fns}
+            log(f"{name} dense warm back-to-back: {res['dense_warm']}")
+        warm_base = res["dense_warm"].get(base_name, base)
         for vname in calls:
             eff = base * (kq / S) / ms[vname]
             warm = time_warm(fns[vname])
-            res["warm"].setdefault(vname, {})[str(s)] = dict(ms=warm, efficiency=base * (kq / S) / warm)
+            res["warm"].setdefault(vname, {})[str(s)] = dict(ms=warm, efficiency=warm_base * (kq / S) / warm)
             if vname in configs:
                 res["sweep"][vname]["efficiency"][str(s)] = eff
             else:
                 res["sparse"].setdefault(vname, {})[str(s)] = dict(ms=ms[vname], efficiency=eff, speedup=base / ms[vname])
             log(f"{name} s={s} {vname}: {ms[vname]:.3f} ms, efficiency {eff:.3f} (warm back-to-back {warm:.3f} ms, "
-                f"{base * (kq / S) / warm:.3f}); vs {base_name} {base:.2f} ms same rounds")
-        if s == densities[0]:  # the dense kernels back-to-back too (the warm figures' own baseline)
-            res["dense_warm"] = {n: time_warm(fns[n]) for n in dense if n in fns}
-            log(f"{name} dense warm back-to-back: {res['dense_warm']}")
+                f"{warm_base * (kq / S) / warm:.3f} of warm dense); vs {base_name} {base:.2f} ms same rounds")
         log(f"{name} s={s} dense: " + ", ".join(f"{n} {ms[n]:.2f} ms" for n in dense if n in ms))
         del idxs
     best_name = "flash_attn4 (LSE)" if "flash_attn4 (LSE)" in res["dense"] else "cudnn sdpa (LSE)"
