@@ -169,8 +169,8 @@ class _Fake:
 
 @pytest.fixture
 def auto_gluon(monkeypatch):
-    """Auto mode on a CPU: a working fake Gluon kernel, and a timer that runs the function once and answers the next
-    of ``timer.times`` (each Gluon schedule's time in ``GLUON_SCHEDULES`` order, then the Triton kernel's)."""
+    """Auto mode on a CPU: a working fake Gluon kernel, and a timer that runs each candidate once and answers the next
+    of ``timer.times`` for it (each Gluon schedule's time in ``GLUON_SCHEDULES`` order, then the Triton kernel's)."""
     d = _dispatch()
     d.reset()
     monkeypatch.delenv("MC_SPARSE_GLUON", raising=False)
@@ -179,12 +179,15 @@ def auto_gluon(monkeypatch):
                                                                    sparse_attention=fake.sparse_attention))
     timer = SimpleNamespace(times=[], timed=0)
 
-    def elapsed(fn, reps):
-        fn()
-        timer.timed += 1
-        return timer.times.pop(0)
+    def time_candidates(fns, reps):
+        out = {}
+        for name, fn in fns.items():
+            fn()
+            timer.timed += 1
+            out[name] = timer.times.pop(0)
+        return out
 
-    monkeypatch.setattr(d, "_elapsed_ms", elapsed)
+    monkeypatch.setattr(d, "_time_candidates", time_candidates)
     yield fake, timer
     d.reset()
 

@@ -10,7 +10,8 @@ Which kernel runs one call (the capability data are in ``sparse_attention_sm90``
 - the warp-specialised Gluon kernel (``sparse_attention_sm90.py``) with ``MC_SPARSE_GLUON=1``;
 - otherwise ``GLUON_DEFAULT``: "auto" (the default) times the Gluon kernel's schedules (``GLUON_SCHEDULES``) and
   the Triton kernel once per call shape (``_shape_key``: device, dtype, q / k shapes, groups, K_alloc, residual kind,
-  LSE) on the first such call (CUDA events on the current stream, ``TIMING_REPS`` launches each after one warm launch;
+  LSE) on the first such call (CUDA events on the current stream, ``TIMING_REPS`` launches each, interleaved, after
+  one warm launch;
   one host synchronisation per shape per process, on the first call: in a denoising run that is the first anchor
   step) and keeps the fastest for that shape (``choices``: a schedule name or "triton"); the call's result is the
   chosen kernel's, launched last. While a CUDA graph is being captured nothing is timed and the Triton kernel runs.
@@ -106,18 +107,22 @@ def _shape_key(q, k, perm, kv_idx, residual, return_lse) -> tuple:
             None if residual is None else residual.kind, bool(return_lse))
 
 
-def _elapsed_ms(fn, reps: int) -> float:
-    """Median ms of ``reps`` launches of fn (one warm launch first), CUDA events on the current stream."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+def _time_candidates(fns: dict, reps: int) -> dict[str, float]:
+    """{name: median ms} of ``reps`` launches of each fn, interleaved (one launch of each per round, so a clock or
+    cache drift during the timing weighs on every candidate alike) after one warm launch each; CUDA events on the
+    current stream, one synchronisation."""
+    for fn in fns.values():
         fn()
-        end.record()
-        times.append((start, end))
+    events = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events[name].append((start, end))
     torch.cuda.synchronize()
-    return sorted(s.elapsed_time(e) for s, e in times)[len(times) // 2]
+    return {name: sorted(s.elapsed_time(e) for s, e in ev)[len(ev) // 2] for name, ev in events.items()}
 
 
 def _capturing() -> bool:
@@ -151,13 +156,13 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
         return triton_call()
     key = _shape_key(q, k, perm, kv_idx, residual, return_lse)
     if key not in choices:
-        times = {}
-        try:
+        try:  # each schedule compiled and launched once: a Gluon failure is caught here, not in the timing
             for name in GLUON_SCHEDULES:
-                times[name] = _elapsed_ms(lambda name=name: gluon_call(name), TIMING_REPS)
+                gluon_call(name)
         except Exception as err:
             return _fall_back(err, triton_call)
-        times["triton"] = _elapsed_ms(triton_call, TIMING_REPS)
+        fns = {name: (lambda name=name: gluon_call(name)) for name in GLUON_SCHEDULES}
+        times = _time_candidates({**fns, "triton": triton_call}, TIMING_REPS)
         choices[key] = min(times, key=times.get)
         _times[key] = times
         log.info("MC-Sparse: sparse kernel for %s: %s -> %s", key,
