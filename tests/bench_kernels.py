@@ -297,6 +297,7 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong l2": dict(_gluon=True, pingpong=True, l2_hints=True),
     "gluon pingpong persistent l2": dict(_gluon=True, pingpong=True, persistent=True, l2_hints=True),
     "gluon pingpong 3 stages": dict(_gluon=True, pingpong=True, num_stages=3),  # 224 KiB: a deeper K/V ring
+    "gluon pingpong persistent rt8": dict(_gluon=True, pingpong=True, persistent=True, row_threads=8),  # whole lines
     "gluon overlap pingpong persistent stage_out": dict(_gluon=True, overlap=True, pingpong=True, persistent=True,
                                                         stage_out=True),
 }

@@ -19,9 +19,9 @@ CONFIGS=()
 T_TESTS=300
 T_BENCH=240
 if [ "$MODE" = final ]; then  # ~120 s: the default path's cases (int4_group included), the auto mode's schedules and
-    # the new options (l2_hints, 3 stages); 6 tunings
+    # the new options (l2_hints, 3 stages, 8 producer threads per row); 6 tunings
     SELECT=(-k "(S4000 or C192 or tunings and pingpong or l2-hints or dispatches or auto_mode) and not overlap")
-    CONFIGS=(--gluon-configs "gluon plain,gluon pingpong,gluon pingpong persistent,gluon plain l2,gluon pingpong persistent l2,gluon pingpong 3 stages")
+    CONFIGS=(--gluon-configs "gluon plain,gluon pingpong,gluon pingpong persistent,gluon pingpong persistent l2,gluon pingpong 3 stages,gluon pingpong persistent rt8")
     T_TESTS=75
     T_BENCH=105
 fi

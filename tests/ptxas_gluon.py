@@ -90,7 +90,7 @@ def report(residual_kind=None, return_lse=True, D=128, S=75600, H=40, ptx_dir=No
     return dict(D=D, residual=residual_kind, lse=return_lse, tuning=tuning, regs=regs, spill_st=st, spill_ld=ld, smem=smem,
                 fits=smem <= pr.SMEM_LIMIT[90], setmaxnreg=setmax, consumer_hot_spills=consumer_hot,
                 producer_hot_spills=producer_hot,
-                cfg={k: meta[k] for k in ("NUM_STAGES", "GATHER_ROWS", "CONSUMER_REGS", "PRODUCER_REGS", "maxnreg")})
+                cfg={k: meta[k] for k in ("NUM_STAGES", "ROW_THREADS", "CONSUMER_REGS", "PRODUCER_REGS", "maxnreg")})
 
 
 def main():

@@ -98,6 +98,7 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
                                                           num_sms=7), "plain"),
            "l2-hints": (dict(l2_hints=True), "int4_group"),
            "pingpong-3-stages": (dict(pingpong=True, num_stages=3), "plain"),
+           "pingpong-persistent-rt8": (dict(pingpong=True, persistent=True, num_sms=7, row_threads=8), "int4_row"),
            "pingpong-persistent-l2-hints": (dict(pingpong=True, persistent=True, num_sms=7, l2_hints=True), "fp8_row"),
            "row64": (dict(row64=True), "int4_row")}  # int64 row offsets (slices past 2^31 elements)
 

@@ -74,7 +74,7 @@ def config(head_dim: int) -> dict:
     ``persistent`` + ``stage_out``: 1.3B 0.719-0.755, 14B 0.776-0.804. Registers 224 / 56 (consumers / producer):
     the producer issues each item's count, index and query loads together (232 / 40 spilled 32 bytes there)."""
     return dict(num_stages=2, consumer_regs=224, producer_regs=56, maxnreg=168, pipeline=False, persistent=False,
-                overlap=False, pingpong=False, stage_out=False, l2_hints=False)
+                overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -177,14 +177,15 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
               stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
               stride_vb, stride_vh, stride_vs, stride_vd,
               M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              ROWS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, STREAM: gl.constexpr):
+              ROW_THREADS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, STREAM: gl.constexpr):
     """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the item's Q slot)
     then K then V rows of each key tile into the stage ring; the ring's stage and phase follow a tile counter kept
     across items. Each tile is ONE copy per operand (no chunks: chunk copies into one buffer get a warpgroup barrier
-    between them). 4 threads per row: each 16-byte cp.async of a warp covers 8 rows x 64 contiguous bytes (every
-    32-byte sector read once; the copies bypass L1), a thread's 4 rows take 4 row addresses; the tile's indices are
-    loaded once for K and V, one tile ahead (ROWS: unused, kept for launch compatibility)."""
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    between them). ROW_THREADS threads per row, 16 bytes each: 4 (default): each cp.async of a warp covers 8 rows x
+    64 contiguous bytes, a thread's 4 rows take 4 row addresses; 8: 4 rows x 128 bytes (one whole 128-byte line per
+    row and request), 8 row addresses per thread. Every 32-byte sector is read once; the copies bypass L1. The tile's
+    indices are loaded once for K and V, one tile ahead."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ROW_THREADS, ROW_THREADS], [4, 1], [1, 0])
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
     offs_m = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, lay))
@@ -595,7 +596,7 @@ def _sparse_fwd_sm90(
     stride_eb, stride_eh, stride_es,
     stride_mb, stride_mh, stride_mg, stride_md,
     M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, GATHER_ROWS: gl.constexpr,
+    RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, ROW_THREADS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, STREAM: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -654,12 +655,12 @@ def _sparse_fwd_sm90(
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
-                     M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, GATHER_ROWS, ROW64, PERSISTENT, STREAM)),
+                     M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, ROW_THREADS, ROW64, PERSISTENT, STREAM)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
-                gather_rows=32, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
+                row_threads=None, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
@@ -692,7 +693,8 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     args = (q, k, v, perm, kv_idx, out, lse, *res_ptrs, scale * _LOG2E, H, S, k.shape[2], n_slots, k_alloc, C,
             n_work, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *res_strides)
     meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_N=BLOCK_N, NUM_STAGES=num_stages or cfg["num_stages"],
-                RETURN_LSE=bool(return_lse), RES_KIND=kind, ROW64=bool(row64), GATHER_ROWS=gather_rows,
+                RETURN_LSE=bool(return_lse), RES_KIND=kind, ROW64=bool(row64),
+                ROW_THREADS=row_threads or cfg["row_threads"],
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
                 PIPELINE=bool(cfg["pipeline"] if pipeline is None else pipeline), PERSISTENT=persistent,
                 OVERLAP=bool(cfg["overlap"] if overlap is None else overlap),
@@ -712,7 +714,8 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
         perm: int32 ``[B, H, G*C]`` query groups, -1 padding at the tail (any C; C > 128 runs several programs).
         kv_idx: int32 ``[B, H, G, K_alloc]``, each row sorted with trailing -1, at least one valid slot.
         scale, return_lse, out, residual: as the Triton kernel's.
-        tuning: ``num_stages`` (K/V ring depth: 2, or 3 = 225 KiB shared), ``gather_rows`` (rows per copy chunk),
+        tuning: ``num_stages`` (K/V ring depth: 2, or 3 = 225 KiB shared), ``row_threads`` (producer threads per copied row: 4, each warp copy
+            8 rows x 64 bytes; 8: 4 rows x 128 bytes, whole 128-byte lines per request; 16: 2 rows x 256 bytes),
             ``consumer_regs``, ``producer_regs``, ``maxnreg`` (the register split), ``row64``, ``pipeline`` (issue the
             next tile's QK^T right behind this tile's P V, one wait for both), ``persistent`` (one program per SM
             walking the work items; the producer gathers the next item's Q (2 slots) and K/V tiles while the consumers
