@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.kernels import reference
 from comfyui_mc_sparse_pack.kernels.reference.topk import top_k_rows as ref_top_k_rows
 
@@ -32,8 +31,8 @@ def _mods():
 
 
 def _case(B, H, S, SK, D, C, seed):
-    """q, k (bf16, a shared component per head as real q / k have), the exact LSE of softmax(q k^T), and groups:
-    PDDP's for C = 128 (real group structure), random ones otherwise (-1 padding in the last group)."""
+    """q, k (bf16, a shared component per head as real q / k have), the exact LSE of softmax(q k^T), and random
+    groups (-1 padding in the last group; no PDDP compile in this file's time budget)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     print(f"seed {seed}: B {B} H {H} S {S} Sk {SK} D {D} C {C}")
     q = (torch.randn(B, H, S, D, device="cuda", generator=gen)
@@ -41,36 +40,33 @@ def _case(B, H, S, SK, D, C, seed):
     k = (torch.randn(B, H, SK, D, device="cuda", generator=gen)
          + 2 * torch.randn(B, H, 1, D, device="cuda", generator=gen)).to(torch.bfloat16)
     _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
-    if C == 128 and B == 1:
-        perm = kernels.pddp_groups(q, C, backend="triton")
-    else:
-        perm = random_groups(torch.Generator().manual_seed(seed), B, H, S, C).cuda()
+    perm = random_groups(torch.Generator().manual_seed(seed), B, H, S, C).cuda()
     return q, k, lse.float(), perm
 
 
-CASES = [  # B, H, S, Sk, D, C: G = 40 (even) / 39 (odd), Sk != S with a ragged last group, D 64
-    (1, 2, 5000, 5000, 128, 128),
-    (1, 2, 4900, 4900, 128, 128),
-    (2, 3, 2950, 2000, 128, 100),
-    (1, 2, 3000, 3000, 64, 128),
+CASES = [  # B, H, S, Sk, D, C: G = 32 (even, ragged last group); B = 2, Sk != S, C = 100, G = 29 (odd, ragged); D 64
+    (1, 2, 4000, 4000, 128, 128),
+    (2, 3, 2850, 2000, 128, 100),
+    (1, 2, 2900, 2900, 64, 128),
 ]
 
 
-# (case, unroll, poly): the default schedule on every case, the options on the odd-G and the B = 2 / Sk != S cases
-VARIANTS = ([(c, 2, 0) for c in CASES] + [(CASES[i], u, p) for u, p in ((4, 0), (2, 1), (4, 2)) for i in (1, 2)])
+# (case, tuning): the default on every case, the options on the B = 2 / Sk != S / odd-G case (time budget: < 45 s)
+VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], t) for t in (dict(kb_poly=True), dict(groups=3),
+                                                               dict(groups=3, kb_poly=True))]
 
 
-@pytest.mark.parametrize(("case", "unroll", "poly"), VARIANTS,
+@pytest.mark.parametrize(("case", "tuning"), VARIANTS,
                          ids=lambda v: "B{}H{}S{}Sk{}D{}C{}".format(*v) if isinstance(v, tuple) else str(v))
-def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, unroll, poly):
+def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, tuning):
     """Every entry written (NaN-poisoned outputs); fp32 sums within 5e-4 relative L2 per group of the float64 sums of
     the same float8 operands (H200: the e4m3 wgmma's accumulation, as the Triton kernel's 5e-5 - 1.4e-4) and within
     1e-4 relative of the Triton pair kernel's (the same products and exponentials; only the row-sum order differs;
-    ``poly``: some exponentials by the FMA-pipe polynomial, < 5e-5 relative); fp16 sums within one fp16 rounding of
+    ``poly`` / ``kb_poly``: some exponentials by the FMA-pipe polynomial, < 5e-5 relative); fp16 sums within one fp16 rounding of
     the Triton kernel's."""
     selection, g90, _ = _mods()
     B, H, S, SK, D, C = case
-    q, k, lse, perm = _case(*case, seed=SEED + 7 * unroll + 3 * poly + S)
+    q, k, lse, perm = _case(*case, seed=SEED + S + len(str(tuning)))
     q8, k8, qf, lse_s, kb = selection.fp8_operands(q, k, lse, D**-0.5)
     G = perm.shape[-1] // C
     want32 = selection.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, gluon=False)
@@ -78,7 +74,7 @@ def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, unroll, poly):
     selection.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, gluon=False, out=want16)
     for dtype, want in ((torch.float32, want32), (torch.float16, want16)):
         out = torch.full((B, H, G, SK), float("nan"), dtype=dtype, device="cuda")
-        g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, unroll=unroll, poly=poly)
+        g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, **tuning)
         torch.cuda.synchronize()
         assert not out.isnan().any(), f"{int(out.isnan().sum())} entries not written ({dtype})"
         if dtype == torch.float32:
@@ -94,7 +90,7 @@ def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, unroll, poly):
                                     k8.double() * ks.double()[..., None, None], lse_s.double(), perm, group_size=C)
     deq = deq * torch.exp2(kb.double())[:, :, None, :]
     out = torch.full((B, H, G, SK), float("nan"), dtype=torch.float32, device="cuda")
-    g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, unroll=unroll, poly=poly)
+    g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, **tuning)
     rel = (out.double() - deq).norm(dim=-1) / deq.norm(dim=-1)
     print(f"float64: max relative L2 per group {float(rel.max()):.2e}")
     assert float(rel.max()) < 5e-4, float(rel.max())
@@ -106,7 +102,7 @@ def test_gluon_pass2_through_the_dispatch_and_select_kv():
     float64 top-K's probability mass; no register spills in any compiled variant."""
     selection, g90, dispatch = _mods()
     dispatch.reset()
-    S, D, C, H, kq = 4900, 128, 128, 2, 1234
+    S, D, C, H, kq = 2900, 128, 128, 2, 734
     q, k, lse, perm = _case(1, H, S, S, D, C, seed=SEED)
     G = perm.shape[-1] // C
     q8, k8, qf, lse_s, kb = selection.fp8_operands(q, k, lse, D**-0.5)

@@ -52,8 +52,13 @@ def _fake(shape=(1, 2, 256, 128), dtype=torch.float8_e4m3fn, contiguous=True, pt
 ])
 def test_gluon_pass2_refusal(monkeypatch, cap, q_kw, C, out_dtype, want):
     """sm_90 only, float8 operands as fp8_operands makes them (contiguous, aligned), D 64 / 128, 64 < C <= 128,
-    float16 / float32 sums."""
+    float16 / float32 sums; never under the Triton interpreter."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if q_kw.get("device") != "cpu":
+        assert "interpreter" in _mod("selection_sm90").refusal(_fake(**q_kw), _fake(), C,
+                                                                SimpleNamespace(dtype=out_dtype))
+    monkeypatch.delenv("TRITON_INTERPRET")
     q8 = _fake(**q_kw)
     why = _mod("selection_sm90").refusal(q8, _fake(), C, SimpleNamespace(dtype=out_dtype))
     assert (why is None) if want is None else (want in why), why

@@ -30,6 +30,8 @@ kernel on the GPU.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -52,14 +54,16 @@ _LOG2E = 1.4426950408889634
 
 def config(head_dim: int) -> dict:
     """Launch config: ring depth and the register split (12 warps: 2 consumer warpgroups + 1 producer warpgroup)."""
-    return dict(num_stages=8, consumer_regs=232, producer_regs=40, maxnreg=168, unroll=2, poly=0)
+    return dict(num_stages=8, consumer_regs=232, producer_regs=40, maxnreg=168, unroll=2, poly=0, kb_poly=False, groups=2)
 
 
 def refusal(q8: torch.Tensor, k8: torch.Tensor, group_size: int, out: torch.Tensor) -> str | None:
-    """Why this kernel cannot run a float8 pass 2 call (None when it can): device, capability, operand dtype and
-    layout (the contiguous float8 copies of ``fp8_operands``), head dim, group width, output dtype."""
+    """Why this kernel cannot run a float8 pass 2 call (None when it can): device, the interpreter, capability,
+    operand dtype and layout (the contiguous float8 copies of ``fp8_operands``), head dim, group width, output dtype."""
     if q8.device.type != "cuda":
         return f"needs a CUDA device, got {q8.device.type}"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "not under the Triton interpreter (Gluon has no interpreter mode)"
     cap = torch.cuda.get_device_capability(q8.device)
     if cap not in CAPABILITIES:
         return f"runs on sm_90 only, got sm_{cap[0]}{cap[1]}"
@@ -101,10 +105,18 @@ def _exp2_fma(x):
 
 
 @gluon.jit
-def _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.constexpr = 0):
-    """One tile's group sums: row sums of 2^(acc * f - l2) (acc: S^T, keys x queries), x 2^KB[key], stored.
-    POLY: 0 every exponential on MUFU; 1 a quarter of them on the FMA pipe (``_exp2_fma``: one of the 4 columns a
-    thread holds per 16, so each warp interleaves both kinds); 2 all of them on the FMA pipe."""
+def _kb(kb_base, keys, SK):
+    """The keys' KB terms (0 past Sk), loaded a step before their tile is summed (off the tile's critical path)."""
+    return gl.load(kb_base + keys, mask=keys < SK, other=0.0)
+
+
+@gluon.jit
+def _tile_sums(acc, f, l2, kbv, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.constexpr = 0,
+               KB_POLY: gl.constexpr = False):
+    """One tile's group sums: row sums of 2^(acc * f - l2) (acc: S^T, keys x queries), x 2^kbv (the keys' KB),
+    stored. POLY: 0 every exponential on MUFU; 1 a quarter of them on the FMA pipe (``_exp2_fma``: one of the 4
+    columns a thread holds per 16, so each warp interleaves both kinds); 2 all of them on the FMA pipe. KB_POLY: the
+    per-key factor 2^kbv on the FMA pipe too (each of the 4 threads of a row computes it: 3 % of the MUFU work)."""
     x = acc * f - l2[None, :]
     if POLY == 1:
         # accumulator column c = 16 * m + 8 * n + 2 * (lane % 4) + r: n and r are this thread's registers
@@ -119,7 +131,10 @@ def _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.
     else:
         col = gl.sum(gl.exp2(x), 1)
     ok = keys < SK
-    col = col * gl.exp2(gl.load(kb_base + keys, mask=(keys >= 0) & ok, other=0.0))
+    if KB_POLY:
+        col = col * _exp2_fma(kbv)
+    else:
+        col = col * gl.exp2(kbv)
     gl.store(s_ptr + keys.to(gl.int64) * stride_sn, col.to(s_ptr.dtype.element_ty), mask=ok & has_g)
 
 
@@ -128,7 +143,7 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, 
               stride_sb, stride_sh, stride_sg, stride_sn, H,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, UNROLL: gl.constexpr,
-              POLY: gl.constexpr):
+              POLY: gl.constexpr, KB_POLY: gl.constexpr):
     """One consumer warpgroup: query group g0 + HALF against every key tile of the ring, two tiles per step."""
     g = g0 + HALF
     has_g = g < G  # odd G: the last program's second group computes on padding and stores nothing
@@ -162,10 +177,24 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, 
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
 
-    if UNROLL == 4:
+    if UNROLL == 1:  # one tile per step (GROUPS = 3: the other warpgroups' exponentials overlap this product)
+        for t in range(0, n_tiles):
+            kv = _kb(kb_base, t * BLOCK_N + offs_n, SK)
+            sk = t % NUM_STAGES
+            k0 = k_smem.index(sk)
+            mbarrier.wait(k_ready.index(sk), (t // NUM_STAGES) & 1)
+            tok0 = warpgroup_mma(k0, q_t, zero, use_acc=False, is_async=True)
+            acc0, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok0, k0, q_tile))
+            mbarrier.arrive(k_empty.index(sk), count=1)
+            _tile_sums(acc0, f, l2, kv, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g, POLY, KB_POLY)
+    elif UNROLL == 4:
         # four tiles per step, each product issued one tile ahead of its exponentials: tile t + 2's QK^T is issued
         # before tile t + 1's exponentials (at most two accumulators live), the pipeline drains once per 4 tiles
         for t in range(0, n_tiles, 4):
+            kva = _kb(kb_base, t * BLOCK_N + offs_n, SK)
+            kvb = _kb(kb_base, (t + 1) * BLOCK_N + offs_n, SK)
+            kvc = _kb(kb_base, (t + 2) * BLOCK_N + offs_n, SK)
+            kvd = _kb(kb_base, (t + 3) * BLOCK_N + offs_n, SK)
             ka = k_smem.index(t % NUM_STAGES)
             kb_ = k_smem.index((t + 1) % NUM_STAGES)
             kc = k_smem.index((t + 2) % NUM_STAGES)
@@ -176,26 +205,30 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, 
             tok_b = warpgroup_mma(kb_, q_t, zero, use_acc=False, is_async=True)
             acc, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok_a, ka))
             mbarrier.arrive(k_empty.index(t % NUM_STAGES), count=1)
-            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g,
-                       1 if POLY == 1 else 0)
+            _tile_sums(acc, f, l2, kva, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g,
+                       1 if POLY == 1 else 0, KB_POLY)
             mbarrier.wait(k_ready.index((t + 2) % NUM_STAGES), ((t + 2) // NUM_STAGES) & 1)
             tok_c = warpgroup_mma(kc, q_t, zero, use_acc=False, is_async=True)
             acc, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok_b, kb_))
             mbarrier.arrive(k_empty.index((t + 1) % NUM_STAGES), count=1)
-            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, (t + 1) * BLOCK_N + offs_n, SK, has_g,
-                       2 if POLY == 3 else (1 if POLY == 1 else 0))
+            _tile_sums(acc, f, l2, kvb, s_ptr, stride_sn, (t + 1) * BLOCK_N + offs_n, SK, has_g,
+                       2 if POLY == 3 else (1 if POLY == 1 else 0), KB_POLY)
             mbarrier.wait(k_ready.index((t + 3) % NUM_STAGES), ((t + 3) // NUM_STAGES) & 1)
             tok_d = warpgroup_mma(kd, q_t, zero, use_acc=False, is_async=True)
             acc, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok_c, kc))
             mbarrier.arrive(k_empty.index((t + 2) % NUM_STAGES), count=1)
-            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, (t + 2) * BLOCK_N + offs_n, SK, has_g,
-                       1 if POLY == 1 else 0)
+            _tile_sums(acc, f, l2, kvc, s_ptr, stride_sn, (t + 2) * BLOCK_N + offs_n, SK, has_g,
+                       1 if POLY == 1 else 0, KB_POLY)
             acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok_d, kd, q_tile))
             mbarrier.arrive(k_empty.index((t + 3) % NUM_STAGES), count=1)
-            _tile_sums(acc, f, l2, kb_base, s_ptr, stride_sn, (t + 3) * BLOCK_N + offs_n, SK, has_g,
-                       2 if POLY >= 2 else POLY)
+            _tile_sums(acc, f, l2, kvd, s_ptr, stride_sn, (t + 3) * BLOCK_N + offs_n, SK, has_g,
+                       2 if POLY >= 2 else POLY, KB_POLY)
     else:
+        kv0 = _kb(kb_base, offs_n, SK)
+        kv1 = _kb(kb_base, BLOCK_N + offs_n, SK)
         for t in range(0, n_tiles, 2):  # two tiles per step: tile t's exponentials under tile t + 1's product
+            nv0 = _kb(kb_base, (t + 2) * BLOCK_N + offs_n, SK)  # the next step's KB, in flight during this step
+            nv1 = _kb(kb_base, (t + 3) * BLOCK_N + offs_n, SK)
             s0 = t % NUM_STAGES
             s1 = (t + 1) % NUM_STAGES
             k0 = k_smem.index(s0)
@@ -206,10 +239,12 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, 
             tok1 = warpgroup_mma(k1, q_t, zero, use_acc=False, is_async=True)
             acc0, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok0, k0))  # tile t done, tile t + 1 in flight
             mbarrier.arrive(k_empty.index(s0), count=1)
-            _tile_sums(acc0, f, l2, kb_base, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g, POLY)
+            _tile_sums(acc0, f, l2, kv0, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g, POLY, KB_POLY)
             acc1, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, k1, q_tile))
             mbarrier.arrive(k_empty.index(s1), count=1)
-            _tile_sums(acc1, f, l2, kb_base, s_ptr, stride_sn, (t + 1) * BLOCK_N + offs_n, SK, has_g, POLY)
+            _tile_sums(acc1, f, l2, kv1, s_ptr, stride_sn, (t + 1) * BLOCK_N + offs_n, SK, has_g, POLY, KB_POLY)
+            kv0 = nv0
+            kv1 = nv1
 
 
 @gluon.jit
@@ -219,30 +254,44 @@ def _pass2_fwd_sm90(
     stride_sb, stride_sh, stride_sg, stride_sn,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr,
-    POLY: gl.constexpr, num_warps: gl.constexpr,
+    POLY: gl.constexpr, KB_POLY: gl.constexpr, GROUPS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    g0 = gl.program_id(0) * 2
+    g0 = gl.program_id(0) * GROUPS
     bh = gl.program_id(1)
     n_tiles = gl.cdiv(SK, UNROLL * BLOCK_N) * UNROLL  # whole steps; tiles past Sk are read, computed, not stored
     row0 = bh * SK  # first key row of this (b, h) in the [B * H * Sk, D] view of k8
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, HEAD_DIM], q_layout)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [GROUPS, BLOCK_M, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(j), count=1)  # the producer's expect; TMA completes the transaction
-        mbarrier.init(k_empty.index(j), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(k_empty.index(j), count=GROUPS)  # one arrive per consumer warpgroup
 
     # worker arguments are spelled out (a tuple built with + loses its constexpr wrappers in Triton 3.6)
+    if GROUPS == 3:
+        gl.warp_specialize([
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+                         n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, UNROLL, POLY, KB_POLY)),
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+                         n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, UNROLL, POLY, KB_POLY)),
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+                         n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 2, HEAD_DIM, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, UNROLL, POLY, KB_POLY)),
+            (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
+        ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        return
     gl.warp_specialize([
         (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                      n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                     NUM_STAGES, UNROLL, POLY)),
+                     NUM_STAGES, UNROLL, POLY, KB_POLY)),
         (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                      n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
-                     NUM_STAGES, UNROLL, POLY)),
+                     NUM_STAGES, UNROLL, POLY, KB_POLY)),
         (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -253,7 +302,8 @@ def k_layout(head_dim: int):
 
 
 def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None, consumer_regs=None,
-                producer_regs=None, maxnreg=None, unroll=None, poly=None, k_desc=None):
+                producer_regs=None, maxnreg=None, unroll=None, poly=None, kb_poly=None,
+                groups=None, k_desc=None):
     """(grid, positional args, meta) of one launch; the op and the offline compile share it. ``k_desc``: a prebuilt
     descriptor (the offline compile passes one on the meta device)."""
     B, H, S, D = q8.shape
@@ -263,19 +313,28 @@ def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None
     G = n_slots // C
     cfg = config(D)
     stages = num_stages or cfg["num_stages"]
+    groups = int(groups or cfg["groups"])
+    if groups not in (2, 3):
+        raise ValueError(f"groups must be 2 or 3, got {groups}")
+    if groups == 3:  # 16 warps: 3 consumer warpgroups of 160 registers, a producer of 24 (65 536 in all)
+        unroll = unroll or 1
+        consumer_regs = consumer_regs or 160
+        producer_regs = producer_regs or 24
+        maxnreg = maxnreg or 128
     unroll = int(unroll or cfg["unroll"])
-    if unroll not in (2, 4):
-        raise ValueError(f"unroll must be 2 or 4, got {unroll}")
+    if unroll not in (1, 2, 4):
+        raise ValueError(f"unroll must be 1, 2 or 4, got {unroll}")
     poly = int(cfg["poly"] if poly is None else poly)
     if poly not in (0, 1, 2, 3) or (poly >= 2 and unroll != 4):
         raise ValueError(f"poly must be 0, 1, or 2 / 3 with unroll 4, got {poly} (unroll {unroll})")
     if k_desc is None:
         k_desc = TensorDescriptor.from_tensor(k8.view(B * H * SK, D), [BLOCK_N, D], k_layout(D))
-    grid = (triton.cdiv(G, 2), B * H)
+    grid = (triton.cdiv(G, groups), B * H)
     args = (k_desc, q8, lse_s, perm, out, qf, kb, H, S, SK, n_slots, C, G, *out.stride())
     meta = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
-                UNROLL=unroll, POLY=poly, num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
+                UNROLL=unroll, POLY=poly,
+                KB_POLY=bool(cfg["kb_poly"] if kb_poly is None else kb_poly), GROUPS=groups, num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta
 
 
@@ -288,7 +347,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size, **tunin
             ``HEAD_DIMS``; qf: fp32 ``[B * H]``; lse_s: fp32 ``[B, H, S]`` contiguous (natural log); kb: fp32
             ``[B, H, Sk]`` contiguous; perm: int32 ``[B, H, G * C]`` contiguous; out: fp16 / fp32 ``[B, H, G, Sk]``,
             any strides; group_size: C in (64, 128].
-        tuning: ``num_stages``, ``unroll`` (2 or 4 key tiles per consumer step), ``poly`` (exponentials on the FMA pipe,
+        tuning: ``groups`` (query groups per program = consumer warpgroups: 2, or 3 with one tile per step and
+            160 registers each), ``num_stages``, ``unroll`` (1, 2 or 4 key tiles per consumer step), ``poly`` (exponentials on the FMA pipe,
             ``_exp2_fma``, relative error < 5e-5, so sums within ~5e-5 of the MUFU ones: 1 a quarter of every tile's,
             with unroll 4 also 2 all of one tile in 4, 3 all of two tiles in 4), ``consumer_regs``, ``producer_regs``, ``maxnreg``.
     Returns:
