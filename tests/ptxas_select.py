@@ -3,8 +3,8 @@ needed; not collected by pytest): registers, spills, shared memory, and per kern
 QGMMA (bf16 / fp8 wgmma), FFMA and warp-specialisation markers (setmaxnreg) in the SASS, so a variant that does
 not compile, spills, or loses its wgmma / software pipeline shows up before the GPU run.
 
-Usage: python tests/ptxas_select.py [--gluon [--quick]]. Exit status 1 when a listed variant spills or does not fit. ``--gluon``:
-the warp-specialised Gluon kernel (``kernels/triton/selection_sm90.py``) alone, its variants (``GLUON_VARIANTS``;
+Usage: python tests/ptxas_select.py [--gluon [--quick]]. Exit status 1 when a listed variant spills or does not fit.
+``--gluon``: the warp-specialised Gluon kernel (``kernels/triton/selection_sm90.py``) alone, its variants (``GLUON_VARIANTS``;
 ``--quick``: the default only).
 """
 

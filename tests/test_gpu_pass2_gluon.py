@@ -62,8 +62,8 @@ def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, tuning):
     """Every entry written (NaN-poisoned outputs); fp32 sums within 5e-4 relative L2 per group of the float64 sums of
     the same float8 operands (H200: the e4m3 wgmma's accumulation, as the Triton kernel's 5e-5 - 1.4e-4) and within
     1e-4 relative of the Triton pair kernel's (the same products and exponentials; only the row-sum order differs;
-    ``poly`` / ``kb_poly``: some exponentials by the FMA-pipe polynomial, < 5e-5 relative); fp16 sums within one fp16 rounding of
-    the Triton kernel's."""
+    ``kb_poly``: the per-key factor by the FMA-pipe polynomial, < 5e-5 relative); fp16 sums within one fp16
+    rounding of the Triton kernel's."""
     selection, g90, _ = _mods()
     B, H, S, SK, D, C = case
     q, k, lse, perm = _case(*case, seed=SEED + S + len(str(tuning)))

@@ -333,8 +333,8 @@ def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None
     args = (k_desc, q8, lse_s, perm, out, qf, kb, H, S, SK, n_slots, C, G, *out.stride())
     meta = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
-                UNROLL=unroll, POLY=poly,
-                KB_POLY=bool(cfg["kb_poly"] if kb_poly is None else kb_poly), GROUPS=groups, num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
+                UNROLL=unroll, POLY=poly, KB_POLY=bool(cfg["kb_poly"] if kb_poly is None else kb_poly), GROUPS=groups,
+                num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta
 
 
@@ -348,9 +348,10 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size, **tunin
             ``[B, H, Sk]`` contiguous; perm: int32 ``[B, H, G * C]`` contiguous; out: fp16 / fp32 ``[B, H, G, Sk]``,
             any strides; group_size: C in (64, 128].
         tuning: ``groups`` (query groups per program = consumer warpgroups: 2, or 3 with one tile per step and
-            160 registers each), ``num_stages``, ``unroll`` (1, 2 or 4 key tiles per consumer step), ``poly`` (exponentials on the FMA pipe,
-            ``_exp2_fma``, relative error < 5e-5, so sums within ~5e-5 of the MUFU ones: 1 a quarter of every tile's,
-            with unroll 4 also 2 all of one tile in 4, 3 all of two tiles in 4), ``consumer_regs``, ``producer_regs``, ``maxnreg``.
+            160 registers each), ``num_stages``, ``unroll`` (1, 2 or 4 key tiles per consumer step), ``poly``
+            (exponentials on the FMA pipe, ``_exp2_fma``, relative error < 5e-5, so sums within ~5e-5 of the MUFU
+            ones: 1 a quarter of every tile's, with unroll 4 also 2 all of one tile in 4, 3 all of two tiles in 4),
+            ``kb_poly`` (the per-key factor on the FMA pipe), ``consumer_regs``, ``producer_regs``, ``maxnreg``.
     Returns:
         ``out``.
     Raises:
