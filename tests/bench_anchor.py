@@ -25,7 +25,9 @@ back) and a copy of that file to ``<out>/scoreboard.json``.
 Usage (from the checkout root): python tests/bench_anchor.py --out OUT [--shapes 1.3b,14b] [--rep 300]
 [--only pddp|select] [--commit HASH]. ``--only pddp``: the PDDP part alone (~1 min on an H200): ms per call, as one
 CUDA graph (GPU time without launch overhead), phase breakdown, variants (samples / power-iteration steps / bins),
-variance ratio. ``--only select``: the dense baseline and pass 2 + top-K alone (~1.5 min on an H200).
+variance ratio. ``--only select``: the dense baseline and pass 2 + top-K alone (~1.5 min on an H200). ``--only gluon``:
+the Gluon pass-2 kernel (``kernels/triton/selection_sm90.py``) beside the Triton pair kernel: in the pass-2 sweep, alone
+per ``GLUON_TUNINGS``, in select_kv at s = 0.1 / 0.25 (no scoreboard key).
 The commit recorded on the scoreboard: --commit, else $MC_SPARSE_COMMIT, else git HEAD.
 ``--smoke`` runs every code path once on a tiny shape on the CPU (Triton interpreter; no timing, no scoreboard).
 """
@@ -90,6 +92,7 @@ QUICK_CONFIGS = ("pair stagger bn64 w4 st3 (bf16 default)", "fp8 pair unstaggere
                  "fp8 gluon ws")
 # the Gluon pass-2 kernel alone on precomputed float8 operands (selection_sm90.group_prob_sums_fp8 tuning), each
 # beside the Triton pair kernel alone (its pass 2 minus the operand pass)
+GLUON_ONLY_CONFIGS = ("fp8 pair unstaggered", "fp8 gluon ws")  # --only gluon: the pass-2 sweep's two float8 kernels
 GLUON_TUNINGS = {"default": {}, "kb poly": dict(kb_poly=True), "3 groups": dict(groups=3),
                  "3 groups kb poly": dict(groups=3, kb_poly=True)}
 QUICK = False
@@ -231,7 +234,7 @@ def run_shape(name, H, grid, rep, log, only=None):
     best = res["dense"][best_name]
     res["best_dense"] = dict(name=best_name, ms=best)
     _, lse = kernels.dense_attention(q, k, v, return_lse=True, backend=best_name)
-    if only == "select":
+    if only in ("select", "gluon"):
         with section(res, "grouping for pass 2", log):
             perm = grouping.pddp_groups(q, C)
         return select_part(name, q, k, lse, perm, res, best, rep, log)
@@ -283,7 +286,7 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
     res["pass2_sweep"], res["pass2_quality"] = {}, {}
     hist_buf = torch.empty(1, hc, G, 128, dtype=torch.int32, device=DEVICE)
     for cname, cfg in PASS2_CONFIGS.items():
-        if QUICK and cname not in QUICK_CONFIGS:
+        if (QUICK and cname not in QUICK_CONFIGS) or (ONLY == "gluon" and cname not in GLUON_ONLY_CONFIGS):
             continue
         try:
             kw = {k_: v_ for k_, v_ in cfg.items() if k_ != "hist"}
@@ -311,6 +314,20 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
             f"{res['fp8_operands_over_dense']:.4f} of dense")
     del sums_ref
     gluon_part(name, sub, res, best, rep, log)
+    if ONLY == "gluon":  # select_kv with each pass-2 kernel at two densities, then done
+        for s in (0.1, 0.25):
+            kk = int(s * S)
+            with section(res, f"select s={s}", log):
+                for gname, gkw in (("defaults", {}), ("gluon", dict(gluon=True)), ("triton", dict(gluon=False))):
+                    ms = bench(lambda gkw=gkw: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
+                                                                   **gkw), rep)
+                    res.setdefault(f"select_{gname}", {})[str(s)] = dict(ms=ms, over_dense=ms / best)
+                log(f"{name} pass 2 + top-K s={s}: " + ", ".join(
+                    f"{g} {res[f'select_{g}'][str(s)]['over_dense']:.4f}" for g in ("defaults", "gluon", "triton"))
+                    + f" of {res['best_dense']['name']} (pass-2 kernel forced; select_kv defaults otherwise)"
+                    + ("" if pass2_dispatch.fallback_reason() is None else
+                       f" (GLUON FELL BACK: {pass2_dispatch.fallback_reason()})"))
+        return res
     if not QUICK:
         with section(res, "fp8 quality on the synthetic workload", log):
             res["fp8_workload_quality"] = workload_quality(S)
@@ -668,8 +685,9 @@ def main():
     ap.add_argument("--shapes", default="1.3b,14b")
     ap.add_argument("--rep", type=int, default=300, help="do_bench budget per measurement, ms")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU under TRITON_INTERPRET=1 (code paths)")
-    ap.add_argument("--only", choices=["pddp", "select"],
-                    help="measure one part only (pddp: ~1 min on an H200; select: pass 2 + top-K, ~1.5 min)")
+    ap.add_argument("--only", choices=["pddp", "select", "gluon"],
+                    help="measure one part only (pddp: ~1 min on an H200; select: pass 2 + top-K, ~1.5 min; gluon: the "
+                    "Gluon pass-2 kernel beside the Triton one, alone per GLUON_TUNINGS and in select_kv, ~40 s)")
     ap.add_argument("--variants", help="PDDP variants to time, comma-separated names of PDDP_VARIANTS (default: all; "
                     "'none': the default only)")
     ap.add_argument("--quick", action="store_true",

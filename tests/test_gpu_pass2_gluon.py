@@ -52,8 +52,7 @@ CASES = [  # B, H, S, Sk, D, C: G = 32 (even, ragged last group); B = 2, Sk != S
 
 
 # (case, tuning): the default on every case, the options on the B = 2 / Sk != S / odd-G case (time budget: < 45 s)
-VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], t) for t in (dict(kb_poly=True), dict(groups=3),
-                                                               dict(groups=3, kb_poly=True))]
+VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], t) for t in (dict(kb_poly=True), dict(groups=3))]
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,
