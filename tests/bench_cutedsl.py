@@ -2,20 +2,22 @@
 
 At the Wan2.1-1.3B 480p (B=1, H=12, S=32760) and 14B 720p (H=40, S=75600) shapes, D = 128, bf16, C = 128, for
 s in {0.1, 0.15, 0.25, 0.5} (each group's indices a random sorted set of floor(s*S) tokens, -1-padded to a multiple of
-128), measured side by side in one process:
-- dense with LSE: flash-attn-4 (the baseline of every ratio: "flash-attn-4 dense x s") and cuDNN SDPA;
+128), measured side by side in one process, interleaved (``race``: every row in turn, ``--rounds`` rounds of about
+``--target-ms`` each, median; the dense baseline moves ~10 % between runs, so it is timed in the same race at every
+point):
+- dense with LSE: flash-attn-4 (the baseline of every ratio: "flash-attn-4 dense x s"; cuDNN SDPA without it);
 - ``cutedsl op``: ``kernels.sparse_attention(..., backend="cutedsl")`` on the model's native [B, S, H*D] views
   writing an ``out=`` view (what the reuse path calls: counts launch + kernel), and with a plain bf16 residual;
-  ``cutedsl kernel``: the compiled kernel's launch alone (counts computed before), also with the other K/V stage
-  count (2 / 3: the kernel stages no output in shared memory, so 3 stages fit at D = 128); ``triton op``: the Triton kernel
-  on the same call; efficiency = FA4 dense ms * s / sparse ms;
+- the compiled kernel's launch alone (counts computed before) in the ``VARIANTS`` named by ``--variants``
+  (producer L2 hints, the staged epilogue, 3 K/V stages); efficiency = FA4 dense ms * s / sparse ms;
 - the compile time (a compile from fake tensors, never the disk cache) and the disk-cache load time (a fresh
   process).
-The error of the CuTeDSL op (into a NaN-filled out: the count of NaN left is printed too; and with the plain
-residual) and of the Triton op against the torch reference (float32, a sub-sample of heads) is printed before timing.
+Every row's output is checked before timing (into a NaN-filled out: relative error against the float32 torch
+reference on a sub-sample of heads and the count of NaN left); a wrong kernel variant is reported and not timed.
 It writes --out JSON and the scoreboard key ``cutedsl_sparse_eff_min`` (the op's minimum; command and --commit).
 
-Usage: python tests/bench_cutedsl.py --out $OUT/bench_cutedsl.json --commit <hash> [--shapes 1.3b,14b] [--rep 200]
+Usage: python tests/bench_cutedsl.py --out $OUT/bench_cutedsl.json --commit <hash> [--shapes 1.3b,14b]
+       [--variants kernel,...] [--rounds 3] [--target-ms 30]
 """
 
 from __future__ import annotations
@@ -37,16 +39,11 @@ sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
 import _standalone  # noqa: E402
 
 _standalone.load_pack()
-import triton.testing  # noqa: E402
 from comfyui_mc_sparse_pack import kernels  # noqa: E402
 from comfyui_mc_sparse_pack.kernels import reference, registry  # noqa: E402
 
 SHAPES = {"1.3b": dict(B=1, H=12, S=32760, D=128), "14b": dict(B=1, H=40, S=75600, D=128)}
 C = 128
-
-
-def ms(fn, rep):
-    return triton.testing.do_bench(fn, warmup=min(100, rep), rep=rep, return_mode="median")
 
 
 def native(gen, B, S, H, D):
@@ -66,65 +63,105 @@ def inputs(gen, B, H, S, s):
     return perm, idx
 
 
-def check(got, q, k, v, perm, idx, heads=2, res=None):
-    ref = reference.sparse_attention(q[:, :heads].float(), k[:, :heads].float(), v[:, :heads].float(), perm[:, :heads],
-                                     idx[:, :heads])
-    if res is not None:  # a plain residual
-        ref = ref + res.data[:, :heads].float()
-    g = got[:, :heads].float()
-    return float((g - ref).norm() / ref.norm())
+VARIANTS = {  # name -> (producer, epilogue, stages) of the compiled kernel timed alone (counts computed before)
+    "kernel": ("cp.async", "registers", 2),
+    "kernel smem epi": ("cp.async", "smem", 2),
+    "kernel l2 256B": ("cp.async+l2", "registers", 2),
+    "kernel evict": ("cp.async+evict", "registers", 2),
+    "kernel evict + smem epi": ("cp.async+evict", "smem", 2),
+    "kernel 3 stages": ("cp.async", "registers", 3),
+}
 
 
-def run_shape(name, shp, densities, rep, log):
+def race(fns, rounds, target_ms):
+    """Median ms per call of each fn, timed interleaved: ``rounds`` rounds, each running every fn back to back
+    for about ``target_ms`` (CUDA events), so a clock or thermal drift hits every fn alike."""
+    import statistics
+
+    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    est, times = {}, {k: [] for k in fns}
+    for k, fn in fns.items():
+        fn()
+        a, b = ev(), ev()
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        est[k] = max(a.elapsed_time(b), 1e-3)
+    reps = {k: max(1, round(target_ms / est[k])) for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            a, b = ev(), ev()
+            a.record()
+            for _ in range(reps[k]):
+                fn()
+            b.record()
+            torch.cuda.synchronize()
+            times[k].append(a.elapsed_time(b) / reps[k])
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def run_shape(name, shp, densities, rounds, target_ms, variants, log):
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (native(gen, B, S, H, D) for _ in range(3))
     res = kernels.Residual(torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) * 0.01)
     out = torch.empty(B, S, H * D, device="cuda", dtype=torch.bfloat16).view(B, S, H, D).transpose(1, 2)
     qc, kc, vc = (t.contiguous() for t in (q, k, v))
-    dense = {}
     avail = {b.name for b in registry.backends() if not b.unavailable_reason}
-    for nm, be in (("flash_attn4", "flash_attn4"), ("cudnn", "cuda_sdpa")):
-        if be in avail:
-            dense[nm] = ms(lambda: kernels.dense_attention(qc, kc, vc, return_lse=True, backend=be), rep)
-            log(f"{name} dense {nm} (LSE): {dense[nm]:.2f} ms")
-    base_name = "flash_attn4" if "flash_attn4" in dense else min(dense, key=dense.get)
-    base = dense[base_name]
+    dense_fns = {f"dense {nm}": (lambda be=be: kernels.dense_attention(qc, kc, vc, return_lse=True, backend=be))
+                 for nm, be in (("flash_attn4", "flash_attn4"), ("cudnn", "cuda_sdpa")) if be in avail}
+    if "dense flash_attn4" in dense_fns:
+        dense_fns.pop("dense cudnn", None)  # the baseline only: cuDNN's 200 ms per call at 14B cost the race time
+    base_name = "dense flash_attn4" if "dense flash_attn4" in dense_fns else next(iter(dense_fns))
     rows = {}
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
     from comfyui_mc_sparse_pack.kernels.triton.counts import valid_counts
     for s in densities:
         perm, idx = inputs(gen, B, H, S, s)
-        r = {}
+        heads = 2 if S < 50000 else 1
+        ref = reference.sparse_attention(q[:, :heads].float(), k[:, :heads].float(), v[:, :heads].float(),
+                                         perm[:, :heads], idx[:, :heads])
+
+        def err(got, plus=None):
+            want = ref if plus is None else ref + plus[:, :heads].float()
+            return float((got[:, :heads].float() - want).norm() / want.norm())
+
+        r_err = {}
         out.fill_(float("nan"))
         with registry.recording(registry.Record()) as rec:
             got = kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl")
         if rec.choices["sparse_attention"].backend != "cutedsl":  # a fallback would be timed instead of the kernel
             raise SystemExit(f"the cutedsl kernel did not run: {rec.choices} {rec.failures}")
-        r["cutedsl_err"] = check(got, q, k, v, perm, idx)
-        r["cutedsl_nan_outputs_err"] = float(out.isnan().sum())
+        r_err["cutedsl op"] = (err(got), int(out.isnan().sum()))
         got = kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, backend="cutedsl")
-        r["cutedsl + residual_err"] = check(got, q, k, v, perm, idx, res=res)
-        got_t = kernels.sparse_attention(q, k, v, perm, idx, backend="triton")
-        r["triton_err"] = check(got_t, q, k, v, perm, idx)
-        r["cutedsl op"] = ms(lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl"), rep)
-        r["cutedsl op + plain residual"] = ms(
-            lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, backend="cutedsl"), rep)
+        r_err["cutedsl op + plain residual"] = (err(got, res.data), 0)
+        fns = dict(dense_fns)
+        fns["cutedsl op"] = lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl")
+        fns["cutedsl op + plain residual"] = lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
+                                                                              residual=res, backend="cutedsl")
         counts = valid_counts(idx)
         n = counts.shape[0]
         views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), None, perm.view(n, C),
                  idx.view(n, -1), counts, None, None, None, None, 1 / math.sqrt(D), n)
-        for st in (cc.default_stages(), 5 - cc.default_stages()):  # 2 and 3 K/V stages
-            fn = cc.compiled("bfloat16", D, False, "none", st)
-            tag = "cutedsl kernel" if st == cc.default_stages() else f"cutedsl kernel {st} stages"
-            r[tag] = ms(lambda: cc.launch(fn, *views), rep)
-        r["triton op"] = ms(lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="triton"), rep)
-        eff = {kk: base * s / vv for kk, vv in r.items() if not kk.endswith("_err")}
-        log(f"{name} s={s}: " + ", ".join(f"{kk} {vv:.2f} ms (eff {eff[kk]:.3f})" for kk, vv in r.items()
-                                           if not kk.endswith("_err"))
-            + "; rel err " + ", ".join(f"{kk[:-4]} {vv:.2e}" for kk, vv in r.items() if kk.endswith("_err")))
-        rows[s] = dict(ms=r, efficiency=eff)
-    return dict(dense_ms=dense, baseline=base_name, densities=rows)
+        for tag in variants:
+            producer, epilogue, stages = VARIANTS[tag]
+            fn = cc.compiled("bfloat16", D, False, "none", stages, producer, epilogue)
+            out.fill_(float("nan"))
+            cc.launch(fn, *views)
+            r_err[tag] = (err(out), int(out.isnan().sum()))
+            if r_err[tag][0] > 1e-2 or r_err[tag][1]:
+                log(f"{name} s={s}: {tag} WRONG (rel err {r_err[tag][0]:.2e}, NaN left {r_err[tag][1]}): not timed")
+                continue
+            fns[tag] = lambda fn=fn: cc.launch(fn, *views)
+        r = race(fns, rounds, target_ms)
+        base = r[base_name]
+        eff = {kk: base * s / vv for kk, vv in r.items() if not kk.startswith("dense")}
+        log(f"{name} s={s}: " + ", ".join(f"{kk} {vv:.3f} ms" + (f" (eff {eff[kk]:.3f})" if kk in eff else "")
+                                           for kk, vv in r.items())
+            + "; rel err / NaN left " + ", ".join(f"{kk} {e:.2e}/{nn}" for kk, (e, nn) in r_err.items()))
+        rows[s] = dict(ms=r, efficiency=eff, err=r_err)
+    return dict(baseline=base_name, densities=rows)
 
 
 def compile_times(log):
@@ -155,7 +192,9 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="1.3b,14b")
     ap.add_argument("--densities", default="0.1,0.15,0.25,0.5")
-    ap.add_argument("--rep", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
+    ap.add_argument("--target-ms", type=float, default=30.0, help="time per fn per round")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="kernel variants timed alone: " + ", ".join(VARIANTS))
     ap.add_argument("--commit", default=os.environ.get("MC_SPARSE_COMMIT", "unknown"))
     ap.add_argument("--scoreboard", default=str(ROOT / "docs/results/scoreboard.json"))
     args = ap.parse_args()
@@ -169,24 +208,32 @@ def main():
     report = dict(gpu=torch.cuda.get_device_name(), commit=args.commit, shapes={})
     report["compile"] = compile_times(log)
     for name in args.shapes.split(","):
-        report["shapes"][name] = run_shape(name, SHAPES[name], [float(x) for x in args.densities.split(",")], args.rep,
-                                           log)
+        report["shapes"][name] = run_shape(name, SHAPES[name], [float(x) for x in args.densities.split(",")],
+                                           args.rounds, args.target_ms, [x for x in args.variants.split(",") if x], log)
     effs = {(n, s): r["efficiency"]["cutedsl op"] for n, sh in report["shapes"].items()
             for s, r in sh["densities"].items()}
     worst = min(effs, key=effs.get)
     report["cutedsl_sparse_eff_min"] = effs[worst]
-    kern = min(r["efficiency"]["cutedsl kernel"] for sh in report["shapes"].values() for r in sh["densities"].values())
-    log(f"cutedsl_sparse_eff_min {effs[worst]:.3f} at {worst} (kernel alone: min {kern:.3f})")
+    kerns = {}
+    for sh in report["shapes"].values():
+        for r in sh["densities"].values():
+            for kk, e in r["efficiency"].items():
+                kerns[kk] = min(kerns.get(kk, e), e)
+    kern = kerns.get("kernel", float("nan"))
+    log(f"cutedsl_sparse_eff_min {effs[worst]:.3f} at {worst}; minimum over the points per row: "
+        + ", ".join(f"{kk} {e:.3f}" for kk, e in kerns.items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(report, log=lines), indent=1, default=str))
     board_path = Path(args.scoreboard)
     board = json.loads(board_path.read_text()) if board_path.is_file() else {}
-    bases = "; ".join(f"{n}: {sh['baseline']} {sh['dense_ms'][sh['baseline']]:.2f} ms" for n, sh in report["shapes"].items())
+    bases = "; ".join(f"{n}: {sh['baseline']} " + "/".join(f"{r['ms'][sh['baseline']]:.2f}" for r in sh["densities"].values())
+                      + " ms" for n, sh in report["shapes"].items())
     board["cutedsl_sparse_eff_min"] = dict(
         value=round(effs[worst], 4), unit="ratio",
         command="python tests/bench_cutedsl.py --out $OUT/bench_cutedsl.json --commit <hash>", commit=args.commit,
         gpu=report["gpu"], date=datetime.date.today().isoformat(),
-        note=(f"min over shapes x s of dense with LSE x s / CuTeDSL op (native views, out=, counts launch + kernel); "
+        note=(f"min over shapes x s of dense with LSE x s / CuTeDSL op (native views, out=, counts launch + kernel; "
+              f"dense timed interleaved with it at each point, median of {args.rounds} rounds); "
               f"worst at {worst[0]} s={worst[1]}; dense baseline {bases}; kernel alone min {kern:.3f}; compile "
               f"{report['compile']}"),
     )

@@ -203,8 +203,8 @@ def test_offline_sm90_compile(tmp_path):
 @_NEEDS_CUTE
 def test_offline_sm90_compile_every_residual(tmp_path):
     """The kernel compiles for sm_90a without a GPU for every residual form (bf16, D 128, LSE), for fp16 / D 64
-    without the LSE, and with the TMA producer and the staged epilogue (bf16 D 128 LSE, fp16 D 64); about 5 s per
-    compile."""
+    without the LSE, and with the L2-hinted producers and the staged epilogue (bf16 D 128 LSE, fp16 D 64); about
+    5 s per compile."""
     code = textwrap.dedent(f"""
         import os, sys
         os.environ['CUTE_DSL_ARCH'] = 'sm_90a'
@@ -217,9 +217,9 @@ def test_offline_sm90_compile_every_residual(tmp_path):
             print('COMPILED', res)
         cc.compile_fake('float16', 64, False, 'none')
         print('COMPILED fp16')
-        cc.compile_fake('bfloat16', 128, True, 'none', producer='tma', epilogue='smem')
-        cc.compile_fake('float16', 64, False, 'fp8_row', producer='tma')
-        print('COMPILED tma')
+        cc.compile_fake('bfloat16', 128, True, 'none', producer='cp.async+evict', epilogue='smem')
+        cc.compile_fake('float16', 64, False, 'fp8_row', producer='cp.async+l2')
+        print('COMPILED hinted')
     """)
     env = dict(os.environ, MC_SPARSE_CUTEDSL_CACHE_DIR=str(tmp_path))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

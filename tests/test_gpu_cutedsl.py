@@ -134,3 +134,35 @@ def test_cutedsl_is_preferred_on_hopper():
         got, lse = kernels.sparse_attention(q, k, v, perm, idx, residual=res, return_lse=True)
     assert record.choices["sparse_attention"].backend == "cutedsl", record.choices
     _check(got, lse, q, k, v, perm, idx, res)
+
+
+@pytest.mark.parametrize(("dtype", "D", "lse", "producer", "epilogue"), [
+    (torch.bfloat16, 128, True, "cp.async+evict", "smem"), (torch.float16, 64, True, "cp.async+l2", "smem"),
+    (torch.bfloat16, 64, False, "cp.async+evict", "registers"), (torch.float16, 128, True, "cp.async", "smem"),
+])
+def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue):
+    """The kernel's producer (L2-hinted copies) and epilogue (staged in shared memory) options, launched directly:
+    B = 2, S not a multiple of 128, ragged counts (one group with a single key), K_alloc not a multiple of 128,
+    native views, a NaN-filled out written in full (every row of the view: the staged epilogue stores 16-byte pieces
+    of rows), LSE in query order, against float64."""
+    import math
+
+    from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
+    from comfyui_mc_sparse_pack.kernels.triton.counts import valid_counts
+
+    gen = torch.Generator(device="cuda").manual_seed(31 + D)
+    B, H, S, C, K = 2, 3, 2900, 128, 700
+    q, k, v = (_native(gen, B, S, H, D, dtype) for _ in range(3))
+    perm, idx = _inputs(gen, B, H, S, C, K, 704, True)
+    base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
+    out = base.view(B, S, H, D).transpose(1, 2)
+    lse_t = torch.full((B, H, S), float("nan"), device="cuda") if lse else None
+    fn = cc.compiled({torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], D, lse, "none", 2, producer,
+                     epilogue)
+    n = B * H * idx.shape[2]
+    cc.launch(fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse_t,
+              perm.reshape(n, C).contiguous(), idx.reshape(n, -1).contiguous(), valid_counts(idx), None, None, None,
+              None, 1 / math.sqrt(D), n)
+    assert not base.isnan().any() and (lse_t is None or not lse_t.isnan().any())
+    err = _check(out, lse_t, q, k, v, perm, idx)
+    print(f"cutedsl {producer} {epilogue} {dtype} D={D}: rel err {err:.2e}")

@@ -38,7 +38,9 @@ RESIDUALS = {"none": (None, None), "plain_bfloat16": ("plain", cutlass.BFloat16)
              "fp8_row": ("fp8_row", cutlass.Uint8), "int4_row": ("int4_row", cutlass.Uint8),
              "int4_group": ("int4_group", cutlass.Uint8)}
 STAGES = 2  # 3 stages measured -1 to +2 % at 1.3B, up to -11 % at 14B on the H200 (the regroup kernel, 2026-12-01)
-PRODUCER = "cp.async"  # or "tma": K/V/Q rows by TMA boxes of one row (sparse_fwd_sm90.py), being measured
+# "cp.async+l2" / "cp.async+evict": the same copies with L2 hints (sparse_fwd_sm90.py), being measured; a TMA
+# producer (one 1 x 64 box per row) measured 0.53-0.60 of dense x s on the H200 (docs/kernels.md): removed
+PRODUCER = "cp.async"
 _memory: dict = {}
 _lock = threading.Lock()
 log = logging.getLogger(__name__)

@@ -45,8 +45,9 @@ from functools import partial
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute import FastDivmodDivisorV2
-from cutlass.cute.nvgpu import cpasync
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
 from flash_attn.cute import pipeline as fa_pipeline
@@ -54,7 +55,6 @@ from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.block_info import BlockInfo
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.mask import AttentionMask
-from flash_attn.cute.named_barrier import NamedBarrierFwd
 from flash_attn.cute.paged_kv import PagedKVManager
 from flash_attn.cute.seqlen_info import SeqlenInfoQK
 from flash_attn.cute.tile_scheduler import WorkTileInfo
@@ -63,9 +63,9 @@ from quack import layout_utils, sm90_utils
 
 TILE = 128  # query tile (= group size C) and key tile
 RES_KINDS = (None, "plain", "fp8_row", "int4_row", "int4_group")
-PRODUCERS = ("cp.async", "tma")
+PRODUCERS = ("cp.async", "cp.async+l2", "cp.async+evict")
 EPILOGUES = ("registers", "smem")
-TMA_WARPS = 4  # producer warps issuing TMA row copies, 32 rows of a tile each
+EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
 @dataclass
@@ -154,6 +154,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     ``res_kind``: None, "plain", "fp8_row", "int4_row" or "int4_group" (compile-time: one compiled kernel per kind and plain
     dtype). Raises AssertionError at trace time for a residual tensor that does not match ``res_kind``.
+    ``producer``: "cp.async" (flash-attn-4's row copy) or the same copies with L2 hints, "cp.async+l2" (256-byte
+    prefetch) or "cp.async+evict" (also evict-last). ``epilogue``: "registers" (4-byte stores from the registers) or
+    "smem" (staged through the query tile, 16-byte stores; out rows 16-byte aligned; taken only without a
+    residual; one CTA per group, the grid is not persistent then).
 
     The producer issues each key tile's K before the previous tile's V, the order the consumers need them in (with
     the intra-warpgroup overlap they run tile j's QK^T before tile j-1's P V; flash-attn-4's TMA producer does the
@@ -210,56 +214,31 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         total = mPerm.shape[0]
         # the staged epilogue writes through the query tile, which a persistent CTA's producer refills: one group per CTA
         grid_x = total if const_expr(self.smem_epilogue) else cutlass.min(num_ctas, total)
-        row_layout = atom_q = tma_q = atom_k = tma_k = atom_v = tma_v = None
-        if const_expr(self.producer == "tma"):
-            # one row x 64 columns (128 bytes) per copy, swizzled as the K/V tiles (the unit swizzles by address)
-            row_layout = cute.make_composed_layout(self.sK_layout.inner, 0, cute.make_layout((1, 64), stride=(64, 1)))
-            op = cpasync.CopyBulkTensorTileG2SOp()
-            atom_q, tma_q = cpasync.make_tiled_tma_atom(op, mQ, row_layout, (1, 64))
-            atom_k, tma_k = cpasync.make_tiled_tma_atom(op, mK, row_layout, (1, 64))
-            atom_v, tma_v = cpasync.make_tiled_tma_atom(op, mV, row_layout, (1, 64))
         self.kernel(
             mQ, mK, mV, mO, mLSE, mPerm, mIdx, mCounts, mRes, mScale, mCoef, mMean, softmax_scale_log2, softmax_scale,
-            total, atom_q, tma_q, atom_k, tma_k, atom_v, tma_v, row_layout,
-            tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout, SharedStorage,
+            total, tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout, SharedStorage,
         ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
                mIdx: cute.Tensor, mCounts: cute.Tensor, mRes, mScale, mCoef, mMean, softmax_scale_log2: Float32,
-               softmax_scale, total: Int32, atom_q, tma_q, atom_k, tma_k, atom_v, tma_v, row_layout,
-               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+               softmax_scale, total: Int32, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if const_expr(self.producer == "tma"):
-            if warp_idx == 0:
-                for a in (atom_q, atom_k, atom_v):
-                    cpasync.prefetch_descriptor(a)
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         Threads = partial(cutlass.pipeline.CooperativeGroup, cutlass.pipeline.Agent.Thread)
         load_threads = Threads(self.num_threads_per_warp_group)
         mma_warps = Threads(self.num_mma_threads // cute.arch.WARP_SIZE)
-        tile_bytes = TILE * self.tile_hdim * (self.dtype.width // 8)
-        bars = ((storage.mbar_ptr_Q.data_ptr(), 1), (storage.mbar_ptr_K.data_ptr(), self.num_stages),
-                (storage.mbar_ptr_V.data_ptr(), self.num_stages))
-        if const_expr(self.producer == "tma"):  # each producer warp's elected lane expects its rows' bytes
-            pipes = [
-                fa_pipeline.PipelineTmaAsync.create(
-                    barrier_storage=bar, num_stages=n, producer_group=Threads(TMA_WARPS), consumer_group=mma_warps,
-                    tx_count=tile_bytes // TMA_WARPS, defer_sync=True,
-                )
-                for bar, n in bars
-            ]
-        else:
-            pipes = [
-                fa_pipeline.PipelineCpAsync.create(
-                    barrier_storage=bar, num_stages=n, producer_group=load_threads, consumer_group=mma_warps,
-                    defer_sync=True, elect_one_release=True, syncwarp_before_release=False,
-                )
-                for bar, n in bars
-            ]
+        pipes = [
+            fa_pipeline.PipelineCpAsync.create(
+                barrier_storage=bar, num_stages=n, producer_group=load_threads, consumer_group=mma_warps,
+                defer_sync=True, elect_one_release=True, syncwarp_before_release=False,
+            )
+            for bar, n in ((storage.mbar_ptr_Q.data_ptr(), 1), (storage.mbar_ptr_K.data_ptr(), self.num_stages),
+                           (storage.mbar_ptr_V.data_ptr(), self.num_stages))
+        ]
         pipeline_q, pipeline_k, pipeline_v = pipes
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -276,14 +255,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         pipeline_init_wait(cluster_shape_mn=(1, 1))
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
-            if const_expr(self.producer == "tma"):
-                self.load_rows_tma(mPerm, mIdx, (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v), row_layout,
-                                   (storage.sQ.data_ptr(), storage.sK.data_ptr(), storage.sV.data_ptr()),
-                                   pipeline_q, pipeline_k, pipeline_v, block_info, SeqlenInfoCls, TileSchedulerCls,
-                                   n_heads, groups_per_head, warp_idx)
-            else:
-                self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                                SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head)
+            self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
+                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head)
         else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
@@ -330,7 +303,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             index.advance()
             index.fetch(n_block - 1)
             pipeline_k.producer_acquire(kv_state)
-            self.load_KV(None, rows, sK, block=n_block, pipeline_kv=pipeline_k, producer_state=kv_state, K_or_V="K")
+            self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
             pipeline_q.producer_acquire_w_index_phase(0, q_phase)
             q_index.advance()
             q_rows.load_KV(0, sQ, "K")
@@ -356,96 +329,49 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             v_state = kv_state.clone()
             kv_state.advance()
             pipeline_k.producer_acquire(kv_state)
-            self.load_KV(None, rows, sK, block=n_block, pipeline_kv=pipeline_k, producer_state=kv_state, K_or_V="K")
+            self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
             cur_row = rows.tPrPageOffset[0]
             rows.tPrPageOffset[0] = prev_row
             pipeline_v.producer_acquire(v_state)
-            self.load_KV(None, rows, sV, block=n_block + 1, pipeline_kv=pipeline_v, producer_state=v_state,
-                         K_or_V="V")
+            self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block + 1)
             rows.tPrPageOffset[0] = cur_row
         pipeline_v.producer_acquire(kv_state)
-        self.load_KV(None, rows, sV, block=n_block_min, pipeline_kv=pipeline_v, producer_state=kv_state, K_or_V="V")
+        self._load_tile(rows, sV, pipeline_v, kv_state, "V", n_block_min)
         kv_state.advance()
         return kv_state
 
     @cute.jit
-    def _row_index(self, idx_row: cute.Tensor, n_block: Int32, limit: Int32, row: Int32) -> Int32:
-        """Index of row ``row`` of tile n_block of an index row (slot clamped to the row's end: its last slot, a -1
-        or a real index; -1 -> 0: finite data the sequence-length mask drops)."""
-        slot = cutlass.min(cutlass.max(n_block, 0) * TILE + row, limit - 1)
-        return cutlass.max(idx_row[slot], 0)
+    def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32):
+        """One K or V tile into stage ``state.index``: flash-attn-4's row copy (``cp.async``), or for the
+        "cp.async+l2" / "cp.async+evict" producers the same copies with L2 hints (``_copy_rows_hinted``)."""
+        if const_expr(self.producer == "cp.async"):
+            self.load_KV(None, rows, sX, block=block, pipeline_kv=pipeline_kv, producer_state=state, K_or_V=K_or_V)
+        else:
+            stage_bytes = TILE * self.tile_hdim * (self.dtype.width // 8)
+            base = sX[None, None, 0].iterator.toint() + state.index * stage_bytes
+            self._copy_rows_hinted(rows, base, K_or_V)
+            cute.arch.cp_async_commit_group()
+            pipeline_kv.producer_commit(state)
 
     @cute.jit
-    def _issue_rows(self, atom, tma_x, idx: Int32, base, stage: Int32, bar, b: Int32, h: Int32, warp: Int32,
-                    row_layout: cute.ComposedLayout):
-        """TMA copies of this warp's 32 rows of a tile (lane l holds the token index of row 32*warp + l; each row
-        D/64 boxes of 1 x 64; the copy is issued by one elected lane, so the warp walks its rows with a shuffle each)
-        into stage ``stage`` of the buffer at ``base``: element (r, 64c) of a stage sits at r*64 + c*TILE*64 before
-        the swizzle."""
-        gX = tma_x[None, None, h, b]
-        for i in cutlass.range(TILE // TMA_WARPS, unroll=8):
-            r = warp * (TILE // TMA_WARPS) + i
-            row_idx = cute.arch.shuffle_sync(idx, i)
-            for c in cutlass.range_constexpr(self.tile_hdim // 64):
-                g = cute.local_tile(gX, (1, 64), (row_idx, c))
-                s = cute.make_tensor(base + (stage * TILE * self.tile_hdim + c * TILE * 64 + r * 64), row_layout)
-                sp, gp = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                               cute.group_modes(g, 0, 2))
-                cute.copy(atom, gp, sp, tma_bar_ptr=bar)
-
-    @cute.jit
-    def load_rows_tma(self, mPerm, mIdx, atoms, tmas, row_layout, bases, pipeline_q, pipeline_k, pipeline_v,
-                      block_info, SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, warp):
-        """Producer on the TMA unit: per group its query rows through ``perm`` and its K/V rows through ``kv_idx``,
-        one 1 x 64 box per copy, by the 4 producer warps (32 rows of each tile each), each lane's index of the next
-        tile loaded one tile ahead; K of tile j before V of tile j-1 (the consumers' order), as ``load_fused``."""
-        atom_q, atom_k, atom_v = atoms
-        tma_q, tma_k, tma_v = tmas
-        sQb, sKb, sVb = bases
-        row = warp * (TILE // TMA_WARPS) + cute.arch.lane_idx()
-        k_alloc = mIdx.shape[1]
-        q_phase = Int32(1)
-        kv_state = make_pipeline_state(PipelineUserType.Producer, self.num_stages)
-        tile_scheduler = TileSchedulerCls()
-        work_tile = tile_scheduler.initial_work_tile_info()
-        while work_tile.is_valid_tile:
-            _, _, group, _ = work_tile.tile_idx
-            seqlen = SeqlenInfoCls(group)
-            bh = group // groups_per_head
-            b = bh // n_heads
-            h = bh - b * n_heads
-            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
-            idx_row = mIdx[group, None]
-            cur = self._row_index(idx_row, n_block_max - 1, k_alloc, row)
-            q_idx = self._row_index(mPerm[group, None], 0, Int32(TILE), row)  # padded slots load query row 0
-            nxt = self._row_index(idx_row, n_block_max - 2, k_alloc, row)
-            pipeline_k.producer_acquire(kv_state)
-            self._issue_rows(atom_k, tma_k, cur, sKb, kv_state.index, pipeline_k.producer_get_barrier(kv_state), b,
-                             h, warp, row_layout)
-            pipeline_q.producer_acquire_w_index_phase(0, q_phase)
-            self._issue_rows(atom_q, tma_q, q_idx, sQb, Int32(0), pipeline_q.sync_object_full.get_barrier(0), b, h,
-                             warp, row_layout)
-            q_phase ^= 1
-            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                n_block = n_block_max - 2 - i
-                prev = cur  # tile n_block + 1, whose V is next
-                cur = nxt
-                nxt = self._row_index(idx_row, n_block - 1, k_alloc, row)
-                v_state = kv_state.clone()
-                kv_state.advance()
-                pipeline_k.producer_acquire(kv_state)
-                self._issue_rows(atom_k, tma_k, cur, sKb, kv_state.index, pipeline_k.producer_get_barrier(kv_state),
-                                 b, h, warp, row_layout)
-                pipeline_v.producer_acquire(v_state)
-                self._issue_rows(atom_v, tma_v, prev, sVb, v_state.index, pipeline_v.producer_get_barrier(v_state),
-                                 b, h, warp, row_layout)
-            pipeline_v.producer_acquire(kv_state)
-            self._issue_rows(atom_v, tma_v, cur, sVb, kv_state.index, pipeline_v.producer_get_barrier(kv_state), b,
-                             h, warp, row_layout)
-            kv_state.advance()
-            tile_scheduler.advance_to_next_work()
-            work_tile = tile_scheduler.get_current_work()
-        pipeline_v.producer_tail(kv_state)
+    def _copy_rows_hinted(self, rows: PagedKVManager, base: Int32, K_or_V: str):
+        """This thread's 16-byte ``cp.async`` copies of a tile (the row-copy helper's thread layout: 8 threads per
+        128-byte half row, 16 rows per pass; the row address from the thread that loaded its index, by shuffle)
+        with L2 hints: a 256-byte L2 prefetch (a row of D = 128) and, for "cp.async+evict", an evict-last policy
+        (the head's K/V rows are read by many groups). ``base``: the stage's shared address; the 128-byte swizzle
+        of the K/V tiles computed here (16-byte chunk j of row r at r*128 + (j ^ r%8)*16 within a 64-column
+        block; blocks of TILE*128 bytes)."""
+        t = rows.thread_idx
+        lane8 = t % 8
+        r0 = t // 8
+        x_ptr = rows.compute_X_ptr(K_or_V)[0]
+        dst0 = base + r0 * 128 + ((lane8 ^ (r0 % 8)) << 4)
+        policy = _evict_last_policy() if const_expr(self.producer == "cp.async+evict") else Int64(0)
+        for m in cutlass.range_constexpr(TILE // 16):
+            src = fa_utils.shuffle_sync(x_ptr, m % 8, width=8) + Int64(lane8 * 16)
+            for k in cutlass.range_constexpr(self.tile_hdim // 64):
+                _cp_async_16_hinted(dst0 + (m * 16 * 128 + k * TILE * 128), src + Int64(k * 128), policy,
+                                    self.producer == "cp.async+evict")
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx, m_block,
@@ -465,12 +391,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _epilogue_smem(self, acc_O, lse, mO, mLSE, mPerm, sO, tiled_mma, tidx, group, b, h):
-        """O rounded and staged in the query tile (``sO``: both consumer warpgroups have run their last QK^T when
-        they pass the first barrier), then each thread stores 16-byte pieces of rows: a warp writes 4 half rows
-        (128 contiguous bytes each) per store, to ``out[b, perm[row], h, :]``; the LSE from the registers."""
+        """O rounded and staged in the query tile (``sO``), each consumer warpgroup on its own 64 rows (which only
+        its own QK^T read, finished by now: no barrier with the other warpgroup, which may still be computing), then
+        each of its threads stores 16-byte pieces of rows, a warp writing 4 half rows (128 contiguous bytes each)
+        per store, to ``out[b, perm[row], h, :]``; the LSE from the registers."""
         rO = cute.make_fragment_like(acc_O, self.dtype)
         fa_utils.cvt_f16(acc_O, rO)
-        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads)
         smem_copy_atom = fa_utils.get_smem_store_atom(90, self.dtype)
         smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma).get_slice(tidx)
         cute.copy(smem_copy_atom, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
@@ -482,15 +408,17 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     q_row = mPerm[group, tOcO_mma[m, 0][0]]
                     if q_row >= 0:
                         mLSE[b, h, q_row] = lse[m]
-        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads)
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_rows = self.tile_m // self.num_wg_mma
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=128)
         copy_o = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
-            cute.make_ordered_layout((self.num_epilogue_threads // 8, 8), order=(1, 0)), cute.make_layout((1, 8)))
-        thr_copy = copy_o.get_slice(tidx)
-        tOsO = thr_copy.partition_S(sO)
+            cute.make_ordered_layout((128 // 8, 8), order=(1, 0)), cute.make_layout((1, 8)))
+        thr_copy = copy_o.get_slice(tidx % 128)
+        tOsO = thr_copy.partition_S(cute.local_tile(sO, (wg_rows, self.tile_hdimv), (wg, 0)))
+        tOcO = thr_copy.partition_S(cute.local_tile(cO, (wg_rows, self.tile_hdimv), (wg, 0)))
         tOrO = cute.make_fragment_like(tOsO, self.dtype)
         cute.autovec_copy(tOsO, tOrO)
-        tOcO = thr_copy.partition_S(cO)
         for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
             q_row = mPerm[group, tOcO[0, rest_m, 0][0]]
             if q_row >= 0:
@@ -599,3 +527,25 @@ def _e4m3_pair(w: Int32):
     out[0] = Float32(halves[0]) * 256.0
     out[1] = Float32(halves[1]) * 256.0
     return out
+
+
+@dsl_user_op
+def _evict_last_policy(*, loc=None, ip=None) -> Int64:
+    """An L2 cache policy (createpolicy) that marks lines evict-last."""
+    return Int64(llvm.inline_asm(T.i64(), [], "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", "=l",
+                                 has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _cp_async_16_hinted(dst: Int32, src: Int64, policy: Int64, with_policy: bool, *, loc=None, ip=None):
+    """cp.async.cg of 16 bytes from global ``src`` to shared ``dst`` with a 256-byte L2 prefetch, and the cache
+    ``policy`` when ``with_policy``."""
+    if with_policy:
+        llvm.inline_asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
+                               Int64(policy).ir_value(loc=loc, ip=ip)],
+                        "cp.async.cg.shared.global.L2::cache_hint.L2::256B [$0], [$1], 16, $2;", "r,l,l",
+                        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    else:
+        llvm.inline_asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)],
+                        "cp.async.cg.shared.global.L2::256B [$0], [$1], 16;", "r,l",
+                        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
