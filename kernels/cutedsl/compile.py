@@ -111,13 +111,13 @@ def _fake_args(dtype: str, head_dim: int, with_lse: bool, residual: str, out_ali
 def compile_fake(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None,
                  producer: str | None = None, epilogue: str = "registers"):
     """Compile the kernel (``sparse_fwd_sm90.py``) from fake tensors; ``residual`` a key of ``RESIDUALS``, ``producer``
-    one of ``PRODUCERS`` (None: ``PRODUCER``), ``epilogue`` one of ``EPILOGUES`` (the staged one wants 16-byte
+    one of ``PRODUCERS`` (None: ``PRODUCER``), ``epilogue`` one of ``EPILOGUES`` ("quad" and "smem" want 16-byte
     aligned out rows). Needs no GPU with CUTE_DSL_ARCH=sm_90a. Raises KeyError for an unknown residual form,
     ValueError for an unknown producer or epilogue."""
     producer = producer or PRODUCER
     if producer not in PRODUCERS or epilogue not in EPILOGUES:
         raise ValueError(f"unknown producer {producer!r} or epilogue {epilogue!r}")
-    args = _fake_args(dtype, head_dim, with_lse, residual, 16 if epilogue == "smem" else 4)
+    args = _fake_args(dtype, head_dim, with_lse, residual, 4 if epilogue == "registers" else 16)
     kernel = SparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages(), RESIDUALS[residual][0], producer,
                            epilogue)
     return cute.compile(kernel, *args, Float32(1.0), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")

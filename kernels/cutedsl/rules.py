@@ -13,7 +13,9 @@ import torch
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 HEAD_DIMS = (64, 128)
 GROUP_SIZE = 128
-EPILOGUE = "registers"  # or "smem" (sparse_fwd_sm90.py: O staged in the query tile, 16-byte row stores), being measured
+# or "quad" (16-byte stores after a transpose in each quad of lanes) or "smem" (O staged in the query tile, 16-byte
+# stores, no residual): sparse_fwd_sm90.py, being measured
+EPILOGUE = "registers"
 
 
 def refusal(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -80,8 +82,10 @@ def _rows(t: torch.Tensor, align: int) -> str | None:
 
 
 def epilogue_for(residual: str, out: torch.Tensor) -> str:
-    """The kernel epilogue a call runs (a compile-time choice): ``EPILOGUE`` when it is the staged one only without a
-    residual (``residual`` is compile.py's residual key, "none") and with out's base and row strides 16-byte
-    aligned (its 16-byte stores), else "registers" (4-byte stores, residual added before rounding)."""
+    """The kernel epilogue a call runs (a compile-time choice): ``EPILOGUE`` when out's base and row strides are
+    16-byte aligned (its 16-byte stores) and, for the staged one ("smem"), there is no residual (``residual`` is
+    compile.py's residual key, "none"); else "registers" (4-byte stores)."""
     aligned = out.data_ptr() % 16 == 0 and all(st * out.element_size() % 16 == 0 for st in out.stride()[:3])
-    return EPILOGUE if residual == "none" and aligned else "registers"
+    if not aligned or (EPILOGUE == "smem" and residual != "none"):
+        return "registers"
+    return EPILOGUE
