@@ -105,6 +105,7 @@ TOPK_TUNING = {  # top_k_rows variants timed at s = 0.25 beside the methods' def
     "bracket w2 r2": dict(method="bracket", num_warps=2, block=1024),
     "bracket w4 r1": dict(method="bracket", num_warps=4, block=1024),
     "bracket stride 32": dict(method="bracket", sample_stride=32),
+    "bracket no prefetch": dict(method="bracket", prefetch=False),
 }
 
 

@@ -78,6 +78,17 @@ def test_radix_top_k_equals_brute_force_with_ties(gen, method, dtype, sk, k, wid
     assert torch.equal(got, ref_top_k_rows(sums, k, width))
 
 
+@pytest.mark.parametrize("rows_per_step,prefetch", [(16, False), (64, True)])
+def test_bracket_top_k_tilings(gen, rows_per_step, prefetch):
+    """The bracket method with small tiles (16 rows of 8 keys), without the prefetch, on an aligned row of 4104
+    keys (many whole tiles, a partial one) with ties at the threshold: the brute-force top-K, every slot written."""
+    sums = _tied_sums(gen, 3, 4104, torch.float16, levels=2000)
+    out = torch.full((3, 1024), POISON, dtype=torch.int32)
+    got = triton_topk.top_k_rows(sums.to(DEVICE), 1000, 1024, out=out.to(DEVICE), method="bracket",
+                                 block=rows_per_step * 8, prefetch=prefetch).cpu()
+    assert torch.equal(got, _brute_force(sums, 1000, 1024))
+
+
 @pytest.mark.parametrize("method", ["sample", "bracket"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_sample_top_k_is_exact_on_every_path(gen, dtype, method):

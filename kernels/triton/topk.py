@@ -230,24 +230,31 @@ def _excl_scan(x2, base):
 
 
 @triton.jit
-def _tile_keys(src, offs, SK, KEY_BITS: tl.constexpr, MASKED: tl.constexpr):
-    """``_keys`` of a tile; MASKED False: every offset is < Sk (a whole tile: no mask, 16-byte loads)."""
+def _load_tile(src, offs, SK, MASKED: tl.constexpr):
+    """The raw sums at ``offs``; MASKED False: every offset is < Sk (a whole tile: no mask, 16-byte loads)."""
     if MASKED:
-        return _keys(src, offs, SK, KEY_BITS)
-    if KEY_BITS == 16:
-        x = tl.load(src + offs).to(tl.int16, bitcast=True).to(tl.int32)
-    else:
-        x = tl.load(src + offs).to(tl.int32, bitcast=True)
-    return tl.where(x < 0, 0, x)
+        return tl.load(src + offs, mask=offs < SK, other=0.0)
+    return tl.load(src + offs)
 
 
 @triton.jit
-def _compact_step(src, dst, offs, SK, num_keys, prefix, need, n_gt, n_eq, KEY_BITS: tl.constexpr,
-                  MASKED: tl.constexpr):
+def _raw_keys(x, offs, SK, KEY_BITS: tl.constexpr, MASKED: tl.constexpr):
+    """``_keys`` of already loaded sums ``x`` (-1 past Sk when MASKED)."""
+    if KEY_BITS == 16:
+        key = x.to(tl.int16, bitcast=True).to(tl.int32)
+    else:
+        key = x.to(tl.int32, bitcast=True)
+    key = tl.where(key < 0, 0, key)
+    if MASKED:
+        key = tl.where(offs < SK, key, -1)
+    return key
+
+
+@triton.jit
+def _compact_step(key, dst, offs, num_keys, prefix, need, n_gt, n_eq):
     """One tile of ``_compact_tiles``. A key's slot is (keys > T before it) + min(keys == T before it, need), and a key
     == T is kept while fewer than ``need`` came before it, so one prefix sum of (key > T) + (key == T) << 16 (a tile
     holds < 2^16 keys) gives both counts; returns the running (n_gt, n_eq)."""
-    key = _tile_keys(src, offs, SK, KEY_BITS, MASKED)
     gt = (key > prefix).to(tl.int32)
     eq = (key == prefix).to(tl.int32)
     before, total = _excl_scan(gt + (eq << 16), 0)
@@ -261,32 +268,43 @@ def _compact_step(src, dst, offs, SK, num_keys, prefix, need, n_gt, n_eq, KEY_BI
 
 @triton.jit
 def _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS: tl.constexpr, ROWS: tl.constexpr,
-                   VEC: tl.constexpr):
+                   VEC: tl.constexpr, PREFETCH: tl.constexpr):
     """``_compact`` on [ROWS, VEC] tiles (``_excl_scan``): in ascending token order every index whose key is > T and
     the first ``need`` whose key == T, at positions from the running prefix count (never past K); then -1 to width.
-    Whole tiles load unmasked (``src`` 16-byte aligned by the caller), the last partial tile masked. ROWS * VEC <
-    2^16 (``_compact_step``'s packed counts)."""
+    Whole tiles load unmasked (``src`` 16-byte aligned by the caller; PREFETCH: the next tile's load issued before
+    this tile's work), the last partial tile masked. ROWS * VEC < 2^16 (``_compact_step``'s packed counts)."""
     tile = _tile_offsets(ROWS, VEC)
     step: tl.constexpr = ROWS * VEC
     tl.static_assert(step < 65536)
     n_gt = tl.program_id(0) * 0
     n_eq = n_gt
     n_full = SK // step
-    for i in range(0, n_full):
-        n_gt, n_eq = _compact_step(src, dst, i * step + tile, SK, num_keys, prefix, need, n_gt, n_eq, KEY_BITS, False)
-    n_gt, n_eq = _compact_step(src, dst, n_full * step + tile, SK, num_keys, prefix, need, n_gt, n_eq, KEY_BITS, True)
+    if PREFETCH:
+        x = _load_tile(src, tile, SK, True)  # tile 0 (whole when the loop runs)
+        for i in range(0, n_full):
+            x_next = _load_tile(src, tl.minimum(i + 1, n_full - 1) * step + tile, SK, False)
+            offs = i * step + tile
+            n_gt, n_eq = _compact_step(_raw_keys(x, offs, SK, KEY_BITS, False), dst, offs, num_keys, prefix, need,
+                                       n_gt, n_eq)
+            x = x_next
+    else:
+        for i in range(0, n_full):
+            offs = i * step + tile
+            n_gt, n_eq = _compact_step(_raw_keys(_load_tile(src, offs, SK, False), offs, SK, KEY_BITS, False), dst,
+                                       offs, num_keys, prefix, need, n_gt, n_eq)
+    offs = n_full * step + tile
+    n_gt, n_eq = _compact_step(_raw_keys(_load_tile(src, offs, SK, True), offs, SK, KEY_BITS, True), dst, offs,
+                               num_keys, prefix, need, n_gt, n_eq)
     offs1 = tl.arange(0, step)
     for c0 in range(num_keys, width, step):
-        offs = c0 + offs1
-        tl.store(dst + offs, tl.full([step], -1, tl.int32), mask=offs < width)
+        fill = c0 + offs1
+        tl.store(dst + fill, tl.full([step], -1, tl.int32), mask=fill < width)
 
 
 @triton.jit
-def _count_step(src, cand_row, offs, SK, lo, hi, above_rows, n_cand, CAP: tl.constexpr, KEY_BITS: tl.constexpr,
-                MASKED: tl.constexpr):
-    """One tile of the bracket sweep: per-row counts of keys above ``hi`` added to ``above_rows``, keys in [lo, hi]
-    copied to ``cand_row`` (first CAP); returns (above_rows, n_cand)."""
-    key = _tile_keys(src, offs, SK, KEY_BITS, MASKED)
+def _count_step(key, cand_row, lo, hi, above_rows, n_cand, CAP: tl.constexpr):
+    """One tile of the bracket sweep (``key``: its keys): per-row counts of keys above ``hi`` added to
+    ``above_rows``, keys in [lo, hi] copied to ``cand_row`` (first CAP); returns (above_rows, n_cand)."""
     above_rows += tl.sum((key > hi).to(tl.int32), 1)
     inside = ((key >= lo) & (key <= hi)).to(tl.int32)
     slot, n_in = _excl_scan(inside, n_cand)
@@ -323,6 +341,7 @@ def _bracket_topk_rows(
     NS: tl.constexpr,  # sample slots (power of two >= n_samp)
     CAP: tl.constexpr,  # candidate slots per row in CAND
     BLOCK: tl.constexpr,  # entries per chunk of the radix fallback
+    PREFETCH: tl.constexpr,  # each sweep issues the next tile's load before this tile's work
 ):
     """The sample method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row: a stratified sample of
     n_samp keys (one per ``stride_samp`` positions, a scrambled offset in each) brackets the K-th largest key between
@@ -350,11 +369,21 @@ def _bracket_topk_rows(
     above_rows = tl.zeros([ROWS], dtype=tl.int32)
     n_cand = zero
     n_full = SK // step
-    for i in range(0, n_full):
-        above_rows, n_cand = _count_step(src, cand_row, i * step + tile, SK, lo, hi, above_rows, n_cand, CAP,
-                                         KEY_BITS, False)
-    above_rows, n_cand = _count_step(src, cand_row, n_full * step + tile, SK, lo, hi, above_rows, n_cand, CAP,
-                                     KEY_BITS, True)
+    if PREFETCH:
+        x = _load_tile(src, tile, SK, True)
+        for i in range(0, n_full):
+            x_next = _load_tile(src, tl.minimum(i + 1, n_full - 1) * step + tile, SK, False)
+            above_rows, n_cand = _count_step(_raw_keys(x, tile, SK, KEY_BITS, False), cand_row, lo, hi, above_rows,
+                                             n_cand, CAP)
+            x = x_next
+    else:
+        for i in range(0, n_full):
+            x = _load_tile(src, i * step + tile, SK, False)
+            above_rows, n_cand = _count_step(_raw_keys(x, tile, SK, KEY_BITS, False), cand_row, lo, hi, above_rows,
+                                             n_cand, CAP)
+    offs = n_full * step + tile
+    above_rows, n_cand = _count_step(_raw_keys(_load_tile(src, offs, SK, True), offs, SK, KEY_BITS, True), cand_row,
+                                     lo, hi, above_rows, n_cand, CAP)
     above = tl.sum(above_rows, 0)
 
     hit = (above < num_keys) & (above + n_cand >= num_keys) & (n_cand <= CAP)
@@ -373,7 +402,7 @@ def _bracket_topk_rows(
     else:
         prefix, need = _radix_threshold(src, SK, num_keys, KEY_BITS, BLOCK)
     tl.store(FELL_BACK + row, (1 - hit.to(tl.int32)).to(tl.int8))
-    _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, ROWS, VEC)
+    _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, ROWS, VEC, PREFETCH)
 
 
 def sample_bracket(sk: int, num_keys: int, samples: int, z: float = _Z) -> tuple[int, int, int, int]:
@@ -420,7 +449,7 @@ def sample_positions(sk: int, samples: int) -> torch.Tensor:
 def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tensor | None = None,
                method: str | None = None, samples: int = _SAMPLES, cap: int | None = None, block: int | None = None,
                num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None,
-               sample_stride: int | None = None):
+               sample_stride: int | None = None, prefetch: bool = True):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
 
@@ -429,15 +458,19 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         num_keys: K in [1, Sk]. width: K_alloc >= K.
         out: optional int32 ``[..., width]``, written in place: a contiguous last dim, and the leading dims after
             the first mergeable into one (e.g. a head slice ``[B, h, G, K_alloc]`` of the whole selection).
-        method: "sample" (sample bracket + candidate bisection, radix fallback per row) or "radix" (histogram
-            passes only); None: "sample" for rows of at most 40000 keys, else "radix" (measured faster there).
-            Both are exact and give identical results.
+        method: "sample" (sample bracket + candidate bisection, radix fallback per row), "radix" (histogram
+            passes only) or "bracket" (the sample method on [rows, 16-byte] tiles, ``_bracket_topk_rows``);
+            None: "sample" for rows of at most 40000 keys, else "radix" (measured faster there). All are exact and
+            give identical results.
         samples, cap: the sample method's sample count and candidate slots per row (powers of two; a scratch of
-            rows x cap int32 is allocated per call). block, num_warps: chunk size and warps (tuning).
-        return_fallbacks: also return int8 ``[rows]``, 1 where the sample method fell back to the radix threshold.
+            rows x cap int32 is allocated per call; the bracket method: ``cap`` overrides ``bracket_plan``'s, its
+            scratch int16 for float16 sums). block, num_warps: chunk size (bracket: keys per sweep step) and warps.
+        sample_stride: the bracket method's keys per sample (None: ``bracket_plan``'s); prefetch: its sweeps issue
+            the next tile's load before this tile's work.
+        return_fallbacks: also return int8 ``[rows]``, 1 where a sample method fell back to the radix threshold.
         hist: optional int32 ``[..., HIST_BINS]`` contiguous: each row's histogram of its keys' top 8 bits (pass 2
             counts it while writing the sums, ``selection.group_prob_sums(hist=...)``); the radix method then skips
-            its first pass (a row whose counts do not add up to Sk is recounted). Ignored by the sample method.
+            its first pass (a row whose counts do not add up to Sk is recounted). Ignored by the other methods.
     Returns:
         ``out`` (or a new tensor): int32 ``[..., width]``; with ``return_fallbacks``, (out, fallbacks).
     Raises:
@@ -492,7 +525,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // align,
             src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank,
             KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
-            BLOCK=256 * warps, num_warps=warps,  # the fallback's chunk: 8 keys per thread (registers)
+            BLOCK=256 * warps, PREFETCH=prefetch, num_warps=warps,  # fallback chunk: 8 keys per thread (registers)
         )
     elif n:
         cap = cap or _CAP
