@@ -504,7 +504,8 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         src = sums.contiguous().view(*two, sk)
     dst = out.view(*two, width)  # a view, never a copy: raises when the dims after the first cannot merge
     n = src.shape[0] * src.shape[1]
-    fell_back = torch.zeros(n, dtype=torch.int8, device=sums.device)
+    # every row's flag written by the sample methods; radix leaves its zeros
+    fell_back = (torch.zeros if method == "radix" else torch.empty)(n, dtype=torch.int8, device=sums.device)
     key_bits = 16 if sums.dtype == torch.float16 else 32
     rows = (src, dst, sk, num_keys, width, src.shape[1], src.stride(0), src.stride(1), dst.stride(0), dst.stride(1))
     if hist is not None and (hist.dtype != torch.int32 or tuple(hist.shape) != (*lead, HIST_BINS.value)
