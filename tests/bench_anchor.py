@@ -98,14 +98,14 @@ GLUON_TUNINGS = {"default": {}, "kb poly": dict(kb_poly=True), "3 groups": dict(
 QUICK = False
 VARIANTS = None  # --variants: the PDDP variants timed (None: all)
 TOPK_METHODS = ("radix", "sample", "bracket", "radix + pass-2 hist")
+QUICK_TOPK_METHODS = ("radix", "bracket")  # --quick (round 1b: sample 18.4 / 1.18 ms, radix + hist 11.7 / 1.01 ms)
 TOPK_TUNING = {  # top_k_rows variants timed at s = 0.25 beside the methods' defaults (radix 4 warps x 1024, sample
-    # 8 warps x 2048 with 8192 samples, bracket 1 warp x 512-key tiles: 2 rows of 8 keys per thread)
-    "bracket w1 r1": dict(method="bracket", num_warps=1, block=256),
-    "bracket w2 r1": dict(method="bracket", num_warps=2, block=512),
+    # 8 warps x 2048 with 8192 samples, bracket 2 warps x one 16-byte row per thread, prefetch)
+    "bracket no prefetch": dict(method="bracket", prefetch=False),
+    "bracket w1 r2 (904c5fd's default)": dict(method="bracket", num_warps=1, block=512),
+    "bracket w1 r2 no prefetch (904c5fd)": dict(method="bracket", num_warps=1, block=512, prefetch=False),
     "bracket w2 r2": dict(method="bracket", num_warps=2, block=1024),
     "bracket w4 r1": dict(method="bracket", num_warps=4, block=1024),
-    "bracket stride 32": dict(method="bracket", sample_stride=32),
-    "bracket no prefetch": dict(method="bracket", prefetch=False),
 }
 
 
@@ -346,7 +346,8 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
             kk = int(s * S)
             width = -(-kk // KV_TILE) * KV_TILE
             outs, row = {}, {}
-            for m in TOPK_METHODS:
+            methods = QUICK_TOPK_METHODS if QUICK else TOPK_METHODS
+            for m in methods:
                 kw = dict(method="radix", hist=hist) if "hist" in m else dict(method=m)
                 outs[m], fb = topk.top_k_rows(sums, kk, width, return_fallbacks=True, **kw)
                 ms = bench(lambda kw=kw: topk.top_k_rows(sums, kk, width, **kw), rep)
@@ -356,9 +357,9 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
             row["identical"] = all(torch.equal(outs["radix"], o) for o in outs.values())
             res["topk"][str(s)] = row
             log(f"{name} top-K alone s={s}, all heads: " + ", ".join(
-                f"{m} {row[m]['ms']:.2f} ms = {row[m]['over_dense']:.4f}" for m in TOPK_METHODS)
-                + f"; fallback rows sample {row['sample']['fallback_rows']:.4f} bracket "
-                f"{row['bracket']['fallback_rows']:.4f}; identical {row['identical']}")
+                f"{m} {row[m]['ms']:.2f} ms = {row[m]['over_dense']:.4f}" for m in methods)
+                + "; fallback rows " + ", ".join(f"{m} {row[m]['fallback_rows']:.4f}" for m in methods
+                                                 if "fallback_rows" in row[m]) + f"; identical {row['identical']}")
             if s != 0.25:
                 continue
             for tname, tune in TOPK_TUNING.items():
@@ -389,12 +390,14 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
         with section(res, f"select s={s}", log):
             ms = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE), rep)
             res["select"][str(s)] = dict(ms=ms, over_dense=ms / best)
-            ms2 = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
-                                                    **select_kw(PASS2_CONFIGS[pick])), rep)
-            res["select_best_config"][str(s)] = dict(ms=ms2, over_dense=ms2 / best)
-            ms3 = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
-                                                    **select_kw(PASS2_CONFIGS[pick8])), rep)
-            res["select_best_fp8"][str(s)] = dict(ms=ms3, over_dense=ms3 / best)
+            ms2 = ms3 = float("nan")  # --quick: not timed (round 1b: bf16 0.716-0.752, fp8 + hist 0.628-0.701)
+            if not QUICK:
+                ms2 = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
+                                                        **select_kw(PASS2_CONFIGS[pick])), rep)
+                res["select_best_config"][str(s)] = dict(ms=ms2, over_dense=ms2 / best)
+                ms3 = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
+                                                        **select_kw(PASS2_CONFIGS[pick8])), rep)
+                res["select_best_fp8"][str(s)] = dict(ms=ms3, over_dense=ms3 / best)
             for gname, gkw in (("gluon", dict(gluon=True)), ("triton", dict(gluon=False))):  # pass 2 kernel forced
                 if s != 0.25 and gname == "triton":  # (the round's time budget: the Triton pass 2 at s = 0.25 only)
                     continue
@@ -407,13 +410,10 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
                 f"{res['best_dense']['name']}"
                 + ("" if pass2_dispatch.fallback_reason() is None else
                    f" (GLUON FELL BACK: {pass2_dispatch.fallback_reason()})"))
-            ms4 = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
-                                                    topk_method="bracket"), rep)
-            res.setdefault("select_bracket", {})[str(s)] = dict(ms=ms4, over_dense=ms4 / best)
             others = "; ".join(f"{n} {ms / t:.3f}" for n, t in res["dense"].items())
             log(f"{name} pass 2 + top-K s={s}: defaults {ms:.2f} ms = {ms / best:.3f} of {res['best_dense']['name']} "
                 f"({others}); with {pick}: {ms2:.2f} ms = {ms2 / best:.3f}; with {pick8}: {ms3:.2f} ms = "
-                f"{ms3 / best:.3f}; defaults with the bracket top-K: {ms4:.2f} ms = {ms4 / best:.3f}")
+                f"{ms3 / best:.3f}")
     res["radix_topk_failed"] = list(selection._RADIX_FAILED)  # non-empty: select_kv fell back to torch.topk
     return res
 

@@ -10,14 +10,21 @@ comes out sorted with no sort at all; slots K..K_alloc-1 are written -1. No glob
   sums, 4 for float32), each pass a masked ``tl.histogram`` over the whole row. Exact, but a 256-bin
   ``tl.histogram`` costs ~2 warp instructions per entry (ballots and popcounts), so it is instruction-bound
   (~19 ms for the 23 640 rows of 75 600 sums at Wan2.1-14B 720p on an H200, 4x what its bytes need).
-- "sample" (the default for rows of at most 40 000 keys; "radix" above, measured faster there): read one key from
-  each of ~8192 strata of the row (a scrambled offset in each) and take the two sample order statistics that
-  bracket the K-th key's expected sample rank by +-(5 sigma + 2) (binomial sigma, ``sample_bracket``); one pass
-  over the row counts the keys above the bracket and copies the keys inside it (about 2 x 5 sigma x Sk / samples
-  of them, <= 8192) into a per-row scratch; if the counts prove the K-th key is inside (above < K <= above +
-  inside, nothing dropped), T is found among the copies by bisection on the key (block-wide counts), else the row
-  falls back to the radix threshold. Exact on both paths (the check is a proof, the sample only decides the
-  speed); per row: a sample read, one counting pass, the compaction pass.
+- "sample": read one key from each of ~8192 strata of the row (a scrambled offset in each) and take the two sample
+  order statistics that bracket the K-th key's expected sample rank by +-(5 sigma + 2) (binomial sigma,
+  ``sample_bracket``); one pass over the row counts the keys above the bracket and copies the keys inside it
+  (about 2 x 5 sigma x Sk / samples of them, <= 8192) into a per-row scratch; if the counts prove the K-th key is
+  inside (above < K <= above + inside, nothing dropped), T is found among the copies by bisection on the key
+  (block-wide counts), else the row falls back to the radix threshold. Exact on both paths (the check is a proof,
+  the sample only decides the speed); per row: a sample read, one counting pass, the compaction pass.
+- "bracket" (the default): the sample method rebuilt for instruction count and latency (``_bracket_topk_rows``): the
+  row is swept in [rows, 8] tiles (one 16-byte load per tile row), each tile row held by one thread, so the per-key
+  work (key decode, compares, in-row prefix sums) stays in the thread and only one scan of the row totals crosses
+  threads per step; one key per 128-byte line is sampled (<= 1024 samples, held in registers); candidates are
+  stored as int16 keys; the compaction takes slot and tie rank from one packed prefix sum; whole tiles load
+  unmasked and the next tile's load is issued before this tile's work. Offline SASS (sm_90): ~0.6 / 0.75 warp
+  instructions per key for the count / compaction sweeps against ~2 per histogram pass and ~2 for the compaction of
+  the other two methods.
 
 Keys: non-negative floats order like their bits read as integers; negative values and -0.0 get key 0 (rank as
 +0.0, as the reference). The selection rule: MC-Sparse sec. 3.3 (top-K per query group); measurements: docs/kernels.md.
@@ -36,14 +43,15 @@ _SAMPLE_BLOCK = 2048  # entries per chunk of the row sweep (sample method, 8 war
 _SAMPLES = 8192  # sample keys per row (sample method)
 _CAP = 8192  # candidate slots per row (sample method): the bracket holds ~2 * 5 sigma * Sk / samples keys
 _Z = 5.0  # bracket half-width in binomial standard deviations (a miss only costs the radix fallback)
-# Default method by row length (H200, bench_anchor --only select at ff921ff, all heads, s = 0.1-0.5): rows of 32760
-# (Wan2.1-1.3B 480p) sample 1.17 ms vs radix 1.42-1.46 ms; rows of 75600 (14B 720p) sample 18.1-18.6 ms vs radix
-# 17.6 ms (the sample kernel's 8-warp programs run two per SM and wait on memory; the radix kernel's run many).
-_SAMPLE_MAX_SK = 40000
 _BRACKET_LINE = 128  # bracket method: one sample per this many bytes of the row (one DRAM sector in four)
 _BRACKET_MIN_SAMPLES = 512
 _BRACKET_MAX_SAMPLES = 1024  # (a power of two: the sample is held in registers, [NS] with NS = 2^k >= n_samp)
-_BRACKET_ROWS_PER_THREAD = 2  # tile rows (16-byte vectors) per thread per sweep step
+# bracket launch defaults, H200 (bench_anchor --only select at 904c5fd, s = 0.25, all heads): 2 warps per row with one
+# 16-byte row of keys per thread per sweep step: 5.98 ms at 14B 720p / 0.520 ms at 1.3B 480p, against 7.79 / 0.55 for
+# 1 warp x 2 rows, 7.42 / 0.60 for 1 x 1, 6.49 / 0.58 for 2 x 2, 6.56 / 0.54 for 4 x 1 (radix 17.6 / 1.43, sample
+# 18.4 / 1.18 ms)
+_BRACKET_WARPS = 2
+_BRACKET_ROWS_PER_THREAD = 1  # tile rows (16-byte vectors) per thread per sweep step
 HIST_BINS = tl.constexpr(128)  # bins of a first-digit histogram given by pass 2: the top 8 key bits of sums >= 0
 
 
@@ -460,8 +468,8 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             the first mergeable into one (e.g. a head slice ``[B, h, G, K_alloc]`` of the whole selection).
         method: "sample" (sample bracket + candidate bisection, radix fallback per row), "radix" (histogram
             passes only) or "bracket" (the sample method on [rows, 16-byte] tiles, ``_bracket_topk_rows``);
-            None: "sample" for rows of at most 40000 keys, else "radix" (measured faster there). All are exact and
-            give identical results.
+            None: "bracket" (H200: 2.4-3x faster than the others at 32760 and 75600 keys, docs/kernels.md). All are
+            exact and give identical results.
         samples, cap: the sample method's sample count and candidate slots per row (powers of two; a scratch of
             rows x cap int32 is allocated per call; the bracket method: ``cap`` overrides ``bracket_plan``'s, its
             scratch int16 for float16 sums). block, num_warps: chunk size (bracket: keys per sweep step) and warps.
@@ -478,7 +486,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         method, samples / cap not powers of two.
     """
     if method is None:
-        method = "sample" if sums.shape[-1] <= _SAMPLE_MAX_SK else "radix"
+        method = "bracket"
     if method not in ("sample", "radix", "bracket"):
         raise ValueError(f"method must be 'sample', 'radix' or 'bracket', got {method!r}")
     if samples & (samples - 1) or samples < 16 or (cap is not None and (cap & (cap - 1) or cap < 16)):
@@ -519,7 +527,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
                                                                cap=cap)
         vec = 128 // key_bits  # keys per 16-byte load
         align = vec if src.stride(0) % vec == 0 and src.stride(1) % vec == 0 else 1
-        warps = num_warps or 1
+        warps = num_warps or _BRACKET_WARPS
         tile_rows = (block // vec) if block else 32 * warps * _BRACKET_ROWS_PER_THREAD
         cand = torch.empty(n, cap_b, dtype=torch.int16 if key_bits == 16 else torch.int32, device=sums.device)
         _bracket_topk_rows[(n,)](
