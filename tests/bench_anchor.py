@@ -314,7 +314,8 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
         log(f"{name} fp8_operands alone (smoothing + quantisation, in the fp8 figures above): "
             f"{res['fp8_operands_over_dense']:.4f} of dense")
     del sums_ref
-    gluon_part(name, sub, res, best, rep, log)
+    if not (QUICK and ONLY == "select"):  # --only select --quick: the Gluon kernel's tunings are --only gluon's job
+        gluon_part(name, sub, res, best, rep, log)
     if ONLY == "gluon":  # select_kv with each pass-2 kernel at two densities, then done
         for s in (0.1, 0.25):
             kk = int(s * S)
@@ -398,14 +399,16 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
                 ms3 = bench(lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
                                                         **select_kw(PASS2_CONFIGS[pick8])), rep)
                 res["select_best_fp8"][str(s)] = dict(ms=ms3, over_dense=ms3 / best)
-            for gname, gkw in (("gluon", dict(gluon=True)), ("triton", dict(gluon=False))):  # pass 2 kernel forced
+            forced = (("gluon", dict(gluon=True)), ("triton", dict(gluon=False)))[QUICK:]  # --quick: gluon = defaults
+            for gname, gkw in forced:  # pass 2 kernel forced
                 if s != 0.25 and gname == "triton":  # (the round's time budget: the Triton pass 2 at s = 0.25 only)
                     continue
                 msg = bench(lambda gkw=gkw: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
                                                                 **gkw), rep)
                 res.setdefault(f"select_{gname}", {})[str(s)] = dict(ms=msg, over_dense=msg / best)
             log(f"{name} pass 2 + top-K s={s} (defaults otherwise): with the Gluon pass-2 kernel "
-                f"{res['select_gluon'][str(s)]['over_dense']:.3f}, with the Triton pass-2 kernel "
+                f"{res.get('select_gluon', {}).get(str(s), {}).get('over_dense', float('nan')):.3f}, with the Triton "
+                "pass-2 kernel "
                 f"{res.get('select_triton', {}).get(str(s), {}).get('over_dense', float('nan')):.3f} of "
                 f"{res['best_dense']['name']}"
                 + ("" if pass2_dispatch.fallback_reason() is None else
