@@ -88,8 +88,7 @@ PASS2_CONFIGS = {  # group_prob_sums tuning; "fp8": float8 QK^T (approximate sum
     "fp8 pair unstaggered + hist": dict(block_n=64, num_warps=4, num_stages=3, fp8=True, pipelined=False, hist=True),
 }
 # --quick: the sweep's configs (round 1's other figures: docs/kernels.md), no workload quality, the fp8 + hist select
-QUICK_CONFIGS = ("pair stagger bn64 w4 st3 (bf16 default)", "fp8 pair unstaggered", "fp8 pair unstaggered + hist",
-                 "fp8 gluon ws")
+QUICK_CONFIGS = ("fp8 pair unstaggered", "fp8 gluon ws")  # (6d7451e, 14B / 1.3B: bf16 0.610 / 0.627, fp8 + hist 0.601 / 0.704)
 # the Gluon pass-2 kernel alone on precomputed float8 operands (selection_sm90.group_prob_sums_fp8 tuning), each
 # beside the Triton pair kernel alone (its pass 2 minus the operand pass)
 GLUON_ONLY_CONFIGS = ("fp8 pair unstaggered", "fp8 gluon ws")  # --only gluon: the pass-2 sweep's two float8 kernels
@@ -103,9 +102,7 @@ TOPK_TUNING = {  # top_k_rows variants timed at s = 0.25 beside the methods' def
     # 8 warps x 2048 with 8192 samples, bracket 2 warps x one 16-byte row per thread, prefetch)
     "bracket no prefetch": dict(method="bracket", prefetch=False),
     "bracket w1 r2 (904c5fd's default)": dict(method="bracket", num_warps=1, block=512),
-    "bracket w1 r2 no prefetch (904c5fd)": dict(method="bracket", num_warps=1, block=512, prefetch=False),
     "bracket w2 r2": dict(method="bracket", num_warps=2, block=1024),
-    "bracket w4 r1": dict(method="bracket", num_warps=4, block=1024),
 }
 
 
