@@ -216,6 +216,13 @@ def main():
             for s, r in sh["densities"].items()}
     worst = min(effs, key=effs.get)
     report["cutedsl_sparse_eff_min"] = effs[worst]
+    wrong = [(n, s) for n, sh in report["shapes"].items() for s, r in sh["densities"].items()
+             if r["err"]["cutedsl op"][0] > 1e-2 or r["err"]["cutedsl op"][1]]
+    if wrong:  # a wrong op's speed is no figure
+        log(f"the cutedsl op is WRONG at {wrong}: scoreboard not written")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(report, log=lines), indent=1, default=str))
+        sys.exit(1)
     kerns = {}
     for sh in report["shapes"].values():
         for r in sh["densities"].values():

@@ -13,9 +13,10 @@ import torch
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 HEAD_DIMS = (64, 128)
 GROUP_SIZE = 128
-# or "quad" (16-byte stores after a transpose in each quad of lanes) or "smem" (O staged in the query tile, 16-byte
-# stores, no residual): sparse_fwd_sm90.py, being measured
-EPILOGUE = "registers"
+# "smem": O staged in the query tile, 16-byte stores, taken without a residual (the H200 key-tile sweep: the 4-byte
+# scattered stores cost ~3 us per query group, the staged ones ~1.1 us; docs/kernels.md); "quad" (16-byte stores
+# after a transpose in each quad of lanes) and "registers" are the alternatives (sparse_fwd_sm90.py)
+EPILOGUE = "smem"
 
 
 def refusal(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int) -> str | None:
