@@ -194,8 +194,8 @@ def main():
     ap.add_argument("--shapes", default="1.3b,14b")
     ap.add_argument("--densities", default="0.1,0.15,0.25,0.5")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
-    ap.add_argument("--target-ms", type=float, default=25.0, help="time per fn per round")
-    ap.add_argument("--variants", default="kernel,kernel smem epi,kernel quad epi,kernel l2 256B,kernel evict",
+    ap.add_argument("--target-ms", type=float, default=15.0, help="time per fn per round")
+    ap.add_argument("--variants", default="kernel,kernel smem epi,kernel quad epi,kernel evict",
                     help="kernel variants timed alone: " + ", ".join(VARIANTS))
     ap.add_argument("--commit", default=os.environ.get("MC_SPARSE_COMMIT", "unknown"))
     ap.add_argument("--scoreboard", default=str(ROOT / "docs/results/scoreboard.json"))
