@@ -61,9 +61,18 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_fin
     if reason is not None:
         raise ValueError(f"q, k, v must be self-attention [B, H, S, D] inputs MC-Sparse supports: {reason}")
     if check_finite:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not bool(torch.isfinite(t).all()):
-                raise NonFiniteInputError(f"{name} must be finite, got NaN or inf values")
+        _raise_if_not_finite((("q", q), ("k", k), ("v", v)))
+
+
+def _raise_if_not_finite(named) -> None:
+    """Raise NonFiniteInputError naming the first of ``named`` ((name, tensor) pairs) that holds NaN or inf: one min/max
+    reduction per tensor (NaN propagates through both; no tensor-sized temporary) and ONE device-to-host read for all
+    of them (an anchor call checks q, k and v with a single sync)."""
+    extremes = torch.stack([torch.stack(torch.aminmax(t)).float() for _, t in named])
+    finite = torch.isfinite(extremes).all(dim=1).tolist()
+    for (name, _), ok in zip(named, finite):
+        if not ok:
+            raise NonFiniteInputError(f"{name} must be finite, got NaN or inf values")
 
 
 def anchor_attention(
@@ -210,7 +219,7 @@ def _check_extra(q: torch.Tensor, extra_kv, *, check_finite: bool) -> None:
             raise ValueError(f"{name} must be [B, H, T, D] with q's B, H, D {(B, H, D)}, got {getattr(t, 'shape', t)}")
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name} must match q's dtype and device, got {t.dtype} on {t.device}")
-        if check_finite and not bool(torch.isfinite(t).all()):
-            raise NonFiniteInputError(f"{name} must be finite, got NaN or inf values")
     if extra_kv[0].shape != extra_kv[1].shape:
         raise ValueError(f"extra_kv k and v must have one shape, got {tuple(extra_kv[0].shape)} and {tuple(extra_kv[1].shape)}")
+    if check_finite and extra_kv[0].numel():
+        _raise_if_not_finite((("extra_kv k", extra_kv[0]), ("extra_kv v", extra_kv[1])))

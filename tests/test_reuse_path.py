@@ -264,3 +264,67 @@ def test_runner_prefetches_only_the_next_call_cpu_cache(anchor_orders, reuse_ord
     not_next = [log[i][1] for i in decodes[:-1] if next(g for w, g in log[i + 1:] if w == "load") != log[i][1]]
     assert len(not_next) == misses and loader.dropped == 2 * misses  # a switch wastes the one group guessed
     assert f"prefetch hit rate {loader.hit_rate:.1%}" in run.summary()
+
+
+# --- decoded groups kept across reuse steps ----------------------------------------------------------------------
+
+def _kept_run(keep_limit, monkeypatch, steps=4, layers=3):
+    """A batched-CFG run (anchor at step 0, reuse 1..steps-1) with the loader's ``keep_limit`` replaced; returns the
+    run, the last evaluation's outputs and the number of group decodes per evaluation."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import prefetch
+
+    g = torch.Generator().manual_seed(SEED)
+    heads, seq, dim = 2, 192, 64
+    qkv = [[torch.randn(1, seq, heads * dim, generator=g) for _ in range(2)] for _ in range(3)]
+    sigmas = torch.linspace(1.0, 0.0, steps + 1)
+    run = lifecycle.RunState(_settings(cache_placement="gpu"), sigmas)
+    run.runner.loader.keep_limit = keep_limit
+    decodes: dict[int, int] = {}
+    real = getattr(prefetch._decode_group, "real", prefetch._decode_group)  # not an earlier call's counter
+
+    def counting(stored, device, dtype):
+        step = run.last_step
+        decodes[step] = decodes.get(step, 0) + 1
+        return real(stored, device, dtype)
+
+    counting.real = real
+    monkeypatch.setattr(prefetch, "_decode_group", counting)
+    outs, _ = _fake_sampler_run(run, layers=layers, steps=steps, batch_orders=_BATCHED, qkv=qkv, heads=heads,
+                                guard_from_step=1)
+    return run, outs, decodes
+
+
+def test_kept_groups_are_decoded_once_and_give_the_same_output(monkeypatch):
+    """With room to keep them, each call group is decoded at the first reuse step only (later steps read the kept
+    batch: no decode, no prefetch, no host read), the entries' residuals become rows of the kept stacked residual (no
+    second copy), and the output equals a run that decodes every step."""
+    layers, steps = 3, 4
+    run, outs, decodes = _kept_run(lambda device: 1 << 40, monkeypatch, steps=steps, layers=layers)
+    _, outs_ref, decodes_ref = _kept_run(lambda device: None, monkeypatch, steps=steps, layers=layers)
+    loader = run.runner.loader
+    assert sum(decodes_ref.values()) >= layers * (steps - 1)  # every reuse step decodes each group (ahead, by prefetch)
+    assert decodes == {1: layers}  # only the first reuse step
+    assert loader.kept_loads == 2 * layers * (steps - 2) and len(loader._kept) == layers
+    assert all(torch.equal(a, b) for a, b in zip(outs, outs_ref))
+    for group, (_, batch) in loader._kept.items():
+        for i, key in enumerate(group):
+            stored = run.runner.cache.get(key)
+            assert stored.residual.data.data_ptr() == batch.residual.data[i].data_ptr()  # the rows, not a copy
+    assert loader.kept_bytes == sum(b.perm.nbytes + b.kv_idx.nbytes for _, b in loader._kept.values())
+    assert "from decoded batches kept on the GPU" in run.summary()
+    loader.clear()  # a new anchor entry or the end of the run
+    assert not loader._kept and loader.kept_bytes == 0
+
+
+def test_groups_past_the_keep_limit_are_decoded_every_step(monkeypatch):
+    """A limit below one group's int32 groups and indices keeps nothing: every reuse step decodes (and the limit is
+    asked once, not per call)."""
+    asked = []
+
+    def tiny(device):
+        asked.append(device)
+        return 1
+
+    run, _, decodes = _kept_run(tiny, monkeypatch)
+    assert sum(decodes.values()) >= 3 * 3 and run.runner.loader.kept_loads == 0
+    assert len(asked) == 1
