@@ -1017,6 +1017,20 @@ def whole_breakdown(dense_rec: dict, patched_rec: dict, run, *, dense: dict | No
             lines.append(f"reuse sparse calls {out['reuse_sparse_s_per_step']:.4f} s/step vs ideal "
                          f"{out['reuse_sparse_ideal_s_per_step']:.4f} (kernel efficiency vs the caller's attention "
                          f"{out['sparse_kernel_efficiency_vs_callers_attention']:.3f})")
+        limits = {  # seconds of the run each part costs beyond the ideal (or, block 0, what it keeps dense)
+            "sparse kernel below the caller's attention x s (reuse steps)":
+                n_reuse * (out["reuse_sparse_s_per_step"] - A * f * s) if "reuse_sparse_s_per_step" in out else None,
+            "pack overhead in reuse steps (beyond the measured kernels)": kinds["reuse"].get("pack_overhead_s"),
+            "anchor steps beyond the ideal": kinds["anchor"].get("loss_vs_ideal_s"),
+            "dense warm-up steps beyond the unpatched step": kinds["dense"].get("loss_vs_ideal_s"),
+            "block 0 kept dense at reuse steps (the published schedule; sparse at the measured kernel would save)":
+                n_reuse * (A * (1 - f) - out["reuse_sparse_s_per_step"] * (1 - f) / f)
+                if "reuse_sparse_s_per_step" in out and f > 0 else None,
+        }
+        out["limits_s"] = {k: v for k, v in limits.items() if v is not None}
+        need = t_dense / 1.55 - t_meas
+        lines.append(f"to 1.55x from these steps: {need:+.2f} s; " + "; ".join(
+            f"{k}: {v:+.2f} s" for k, v in out["limits_s"].items()))
     if "outside_steps_s" in out:
         o = out["outside_steps_s"]
         lines.append(f"outside the steps (call wall - steps): unpatched {o['dense']:.3f} s, patched {o['patched']:.3f} s")

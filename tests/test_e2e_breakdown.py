@@ -75,6 +75,11 @@ def test_whole_breakdown_per_kind_against_the_ideal():
     assert b["outside_steps_s"]["patched"] == pytest.approx(6.5 - sum(patched_rec["step_s"]))
     assert b["attention"]["dense"]["total_s"] == pytest.approx(9 * 10.0 * 2 / 1000)
     assert any(line.startswith("reuse: 3 x") for line in b["lines"])
+    limits = b["limits_s"]
+    block0 = next(v for k, v in limits.items() if k.startswith("block 0"))
+    assert block0 == pytest.approx(3 * (A * (1 - f) - 0.016 * (1 - f) / f))
+    kernel = next(v for k, v in limits.items() if k.startswith("sparse kernel"))
+    assert kernel == pytest.approx(3 * (0.016 - A * f * s))
 
 
 def test_whole_breakdown_without_the_attention_timing_has_no_ideal():
