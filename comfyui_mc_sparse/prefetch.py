@@ -307,23 +307,20 @@ class ReuseLoader:
         return self.kept_bytes + max(0, free - self.cache.headroom_bytes - _KEEP_MARGIN) // 2
 
     def _keep(self, group: Group, batch: ReuseBatch, device: torch.device) -> None:
-        """Keep ``group``'s decoded batch for later steps when all its entries are stored on ``device`` and its int32
-        groups and indices fit ``keep_limit``; the entries' residuals are rebound to the batch's stacked rows."""
-        if self._keep_full:
-            return
+        """After a decode of ``group`` whose entries are all stored on ``device``: rebind the entries' residuals to the
+        batch's stacked rows (``_rebind``), and keep the batch for later steps when its int32 groups and indices fit
+        ``keep_limit``."""
         stored = [self.cache.get(key) for key in group]
         if not all(isinstance(s, StoredEntry) and s.host is None and s.device == device for s in stored):
+            return
+        _rebind(stored, batch)
+        if self._keep_full:
             return
         extra = sum(t.numel() * t.element_size() for t in (batch.perm, batch.kv_idx))
         limit = self.keep_limit(device)
         if limit is None or self.kept_bytes + extra > limit:
             self._keep_full = True
             return
-        if len(stored) > 1 and batch.residual is not None:
-            b = batch.perm.shape[0] // len(stored)
-            for i, s in enumerate(stored):
-                rows = [t[i * b:(i + 1) * b] for t in batch.residual.tensors()]
-                s.residual = s.residual.with_tensors(iter(rows))  # same bytes, now rows of the stacked batch
         self._kept[group] = (device, batch)
         self.kept_bytes += extra
         self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
@@ -336,6 +333,31 @@ class ReuseLoader:
         return stored
 
 
+def _rebind(stored: list[StoredEntry], batch: ReuseBatch) -> None:
+    """Make each entry's stored residual its rows of ``batch``'s stacked residual (same bytes: the separate tensors are
+    freed), so the next stacked decode of the same group in the same order is a view, not a copy (``_adjacent``)."""
+    if len(stored) < 2 or batch.residual is None:
+        return
+    b = batch.perm.shape[0] // len(stored)
+    for i, s in enumerate(stored):
+        if s.residual is not None:
+            s.residual = s.residual.with_tensors(iter([t[i * b:(i + 1) * b] for t in batch.residual.tensors()]))
+
+
+def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor over ``parts`` (equal shapes, dtype) when they are consecutive contiguous blocks of one storage, in
+    order (rows of an earlier stacked decode, ``_rebind``): a view, no copy. None otherwise."""
+    first = parts[0]
+    if not all(t.is_contiguous() and t.dtype == first.dtype and t.shape == first.shape for t in parts):
+        return None
+    base = first.untyped_storage().data_ptr()
+    step = first.numel() * first.element_size()
+    for i, t in enumerate(parts):
+        if t.untyped_storage().data_ptr() != base or t.data_ptr() != first.data_ptr() + i * step:
+            return None
+    return first.as_strided((len(parts) * first.shape[0], *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 def _decode_group(stored: list, device: torch.device, dtype: torch.dtype) -> ReuseBatch:
     """Decode entries (``StoredEntry`` or raw ``CacheEntry``) into one stacked ``ReuseBatch`` on the current stream:
     a single entry without any copy; several into preallocated stacked buffers, each decoded into its rows."""
@@ -346,14 +368,21 @@ def _decode_group(stored: list, device: torch.device, dtype: torch.dtype) -> Reu
     n = len(stored)
     perm = torch.empty(n * b, *first["perm"], dtype=torch.int32, device=device)
     kv_idx = torch.empty(n * b, *first["kv"], dtype=torch.int32, device=device)
-    residual = None
+    residual, copy_residual = None, True
     if first["res"] is not None:  # the first entry's residual form, each of its tensors stacked n times
         like, parts = first["res"]
-        residual = like.with_tensors(torch.empty(n * b, *shape, dtype=dt, device=device) for dt, shape in parts)
+        here = [_residual_of(x) for x in stored]
+        views = None
+        if all(r is not None and r.data.device == device and r.kind == like.kind for r in here):
+            views = [_adjacent([r.tensors()[j] for r in here]) for j in range(len(parts))]
+        if views is not None and all(v is not None for v in views):
+            residual, copy_residual = like.with_tensors(views), False  # rows of one earlier stacked decode
+        else:
+            residual = like.with_tensors(torch.empty(n * b, *shape, dtype=dt, device=device) for dt, shape in parts)
     for i, s in enumerate(stored):
         rows = slice(i * b, (i + 1) * b)
         _decode_one(s, device, dtype, perm[rows], kv_idx[rows],
-                    None if residual is None else [t[rows] for t in residual.tensors()])
+                    None if residual is None or not copy_residual else [t[rows] for t in residual.tensors()])
     return ReuseBatch(perm, kv_idx, residual)
 
 

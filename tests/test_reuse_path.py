@@ -328,3 +328,21 @@ def test_groups_past_the_keep_limit_are_decoded_every_step(monkeypatch):
     run, _, decodes = _kept_run(tiny, monkeypatch)
     assert sum(decodes.values()) >= 3 * 3 and run.runner.loader.kept_loads == 0
     assert len(asked) == 1
+
+
+def test_stacked_residual_is_a_view_after_the_first_decode(monkeypatch):
+    """Not kept or kept, the first stacked decode of a group makes the entries' residuals its rows: a later decode of
+    the same group stacks them as a view of that tensor (no copy), a decode in the other order copies."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import prefetch
+
+    run, _, _ = _kept_run(lambda device: None, monkeypatch)
+    cache = run.runner.cache
+    group = (CacheKey(0, "uuid1", None, (1, 2, 192, 64)), CacheKey(0, "uuid0", None, (1, 2, 192, 64)))
+    stored = [cache.get(key) for key in group]
+    r0, r1 = (s.residual.data for s in stored)
+    assert r1.data_ptr() == r0.data_ptr() + r0.numel() * r0.element_size()
+    again = prefetch._decode_group(stored, r0.device, torch.float32)
+    assert again.residual.data.data_ptr() == r0.data_ptr() and again.residual.data.shape[0] == 2
+    swapped = prefetch._decode_group(stored[::-1], r0.device, torch.float32)
+    assert swapped.residual.data.data_ptr() not in (r0.data_ptr(), r1.data_ptr())
+    assert torch.equal(swapped.residual.data[0], r1[0]) and torch.equal(again.residual.data[1], r1[0])
