@@ -9,7 +9,7 @@ attention shapes, bf16, C = 128, each figure measured side by side in one proces
   select_kv's defaults (the scoreboard figure), with the fastest bf16 config and with the fastest float8 config of a
   pass-2 sweep on one head chunk (tile configs, two groups per program, polynomial exp2 shares, float8 QK^T with its
   selection quality against the bf16 sums, on the bench data and on the synthetic DiT workload); the top-K alone,
-  radix vs sample method, side by side; exactness checked on the GPU first (the selection equals the brute-force
+  radix vs bracket method, side by side; exactness checked on the GPU first (the selection equals the brute-force
   top-K of the kernel's own float16 sums, ties to the lower index) -- see ``select_part``;
 - PDDP: the Triton grouping (``kernels/triton/grouping.py``) and every other grouping backend present, in ms per
   layer call (all heads); grouping quality = mean within-group query variance / the torch reference's, on
@@ -96,10 +96,10 @@ GLUON_TUNINGS = {"default": {}, "kb poly": dict(kb_poly=True), "3 groups": dict(
                  "3 groups kb poly": dict(groups=3, kb_poly=True)}
 QUICK = False
 VARIANTS = None  # --variants: the PDDP variants timed (None: all)
-TOPK_METHODS = ("radix", "sample", "bracket", "radix + pass-2 hist")
-QUICK_TOPK_METHODS = ("radix", "bracket")  # --quick (round 1b: sample 18.4 / 1.18 ms, radix + hist 11.7 / 1.01 ms)
-TOPK_TUNING = {  # top_k_rows variants timed at s = 0.25 beside the methods' defaults (radix 4 warps x 1024, sample
-    # 8 warps x 2048 with 8192 samples, bracket 2 warps x one 16-byte row per thread, prefetch)
+TOPK_METHODS = ("radix", "bracket", "radix + pass-2 hist")
+QUICK_TOPK_METHODS = ("radix", "bracket")  # --quick (round 1b: radix + hist 11.7 / 1.01 ms)
+TOPK_TUNING = {  # top_k_rows variants timed at s = 0.25 beside the methods' defaults (radix 4 warps x 1024,
+    # bracket 2 warps x one 16-byte row per thread, prefetch)
     "bracket no prefetch": dict(method="bracket", prefetch=False),
     "bracket w1 r2 (904c5fd's default)": dict(method="bracket", num_warps=1, block=512),
     "bracket w2 r2": dict(method="bracket", num_warps=2, block=1024),
@@ -264,7 +264,7 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
        checked against the bf16 default's (rel. L2 <= 1e-5 for MUFU exponentials, 2e-4 with the polynomial share,
        0.3 for float8), and for float8 ``selection_quality`` against the bf16 sums (bench data, 1 head) and on the
        synthetic DiT workload (``workload_quality``); ``fp8_operands`` timed alone;
-    3. top-K alone, all heads, radix vs sample at each s (ms, / dense, sample fallback rate, identical outputs);
+    3. top-K alone, all heads, radix vs bracket at each s (ms, / dense, bracket fallback rate, identical outputs);
     4. select_kv at each s with its defaults (the scoreboard figure), the fastest bf16 and the fastest fp8 config.
     """
     from comfyui_mc_sparse_pack.kernels.triton import topk
@@ -350,7 +350,7 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
                 outs[m], fb = topk.top_k_rows(sums, kk, width, return_fallbacks=True, **kw)
                 ms = bench(lambda kw=kw: topk.top_k_rows(sums, kk, width, **kw), rep)
                 row[m] = dict(ms=ms, over_dense=ms / best)
-                if m in ("sample", "bracket"):
+                if m == "bracket":
                     row[m]["fallback_rows"] = float(fb.float().mean())
             row["identical"] = all(torch.equal(outs["radix"], o) for o in outs.values())
             res["topk"][str(s)] = row

@@ -61,13 +61,13 @@ _F16, _F32 = torch.float16, torch.float32
 
 
 @pytest.mark.parametrize("method,dtype,sk,k,width,levels", [
-    *((m, dt, *case) for m in ("sample", "radix") for dt in (_F16, _F32) for case in _TOPK_CASES),
-    # the tiled bracket method (slow under the interpreter: a subset; rows of 4104 keys load whole 16-byte tiles)
+    *(("radix", dt, *case) for dt in (_F16, _F32) for case in _TOPK_CASES),
+    # the bracket method (slower under the interpreter: a subset; rows of 4104 keys load whole 16-byte tiles)
     *(("bracket", _F16, *case) for case in _TOPK_CASES), ("bracket", _F32, 2100, 700, 704, 40),
     ("bracket", _F16, 4104, 1000, 1008, 3000)])
 def test_radix_top_k_equals_brute_force_with_ties(gen, method, dtype, sk, k, width, levels):
-    """Exact: every method (sample bracket / radix threshold / the tiled bracket, then compaction) == brute-force
-    top-K of the same values; every slot written; rows whose length is not a multiple of 8 (unaligned: masked
+    """Exact: both methods (radix threshold / sample bracket on tiles, then compaction) == brute-force top-K of the
+    same values; every slot written; rows whose length is not a multiple of 8 (unaligned: masked
     loads) and one that is (16-byte loads of whole tiles, then a partial tile)."""
     sums = _tied_sums(gen, 5, sk, dtype, levels)
     sums[2] = sums[2].abs() * torch.rand(sk, generator=gen).to(dtype)  # a row of distinct values
@@ -89,12 +89,10 @@ def test_bracket_top_k_tilings(gen, rows_per_step, prefetch):
     assert torch.equal(got, _brute_force(sums, 1000, 1024))
 
 
-@pytest.mark.parametrize("method", ["sample", "bracket"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_sample_top_k_is_exact_on_every_path(gen, dtype, method):
-    """Both sample methods ("sample", and "bracket" on tiles) with few samples (strata of 4 keys) and a small candidate
-    buffer: rows where the bracket holds the K-th key (bisection among the candidates) and rows where it cannot
-    (radix fallback), all exact:
+def test_bracket_top_k_is_exact_on_every_path(gen, dtype):
+    """The bracket method with few samples (strata of 4 keys) and a small candidate buffer: rows where the bracket
+    holds the K-th key (bisection among the candidates) and rows where it cannot (radix fallback), all exact:
     - row 0: distinct random values -> bracket hit;
     - row 1: the sampled positions hold 0, every other key is larger -> the bracket sits below the K-th key
       (more than K keys above it) -> fallback;
@@ -104,9 +102,9 @@ def test_sample_top_k_is_exact_on_every_path(gen, dtype, method):
     - row 4: ties at the threshold inside a hit (levels drawn from 300 values);
     - row 5: 1000 consecutive bit patterns, shuffled: every key value inside the bracket occurs, so a bisection
       that stops short of a single value picks a wrong threshold."""
-    sk, k, width, samples, cap = 1000, 300, 320, 256, 512
-    pos = triton_topk.sample_positions(sk, samples)
-    assert len(pos) == 250 and bool((pos < sk).all())
+    sk, k, width, stride, cap = 1000, 300, 320, 4, 512
+    pos = triton_topk.sample_positions(sk, stride)
+    assert len(pos) == 250 and bool((pos < sk).all()) and len(set(pos.tolist())) == 250
     sums = torch.rand(6, sk, generator=gen, dtype=torch.float64) + 0.5
     sums[1, pos] = 0.0
     sums[2] = 0.0
@@ -117,20 +115,25 @@ def test_sample_top_k_is_exact_on_every_path(gen, dtype, method):
     codes = torch.randperm(sk, generator=gen) + (0x3C00 if dtype == torch.float16 else 0x3F800000)
     sums[5] = codes.to(torch.int16 if dtype == torch.float16 else torch.int32).view(dtype)
     out = torch.full((6, width), POISON, dtype=torch.int32)
-    kw = dict(samples=samples) if method == "sample" else dict(sample_stride=4)  # the same 250 sampled positions
-    got, fell_back = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), cap=cap, method=method,
-                                            return_fallbacks=True, **kw)
+    got, fell_back = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), cap=cap, method="bracket",
+                                            sample_stride=stride, return_fallbacks=True)
     assert torch.equal(got.cpu(), _brute_force(sums, k, width))
     assert fell_back.cpu().tolist() == [0, 1, 1, 1, 0, 0]
 
 
-def test_sample_bracket_ranks():
+def test_bracket_plan_ranks():
     """The bracket: K * n_samp / Sk samples expected above the K-th key, +- (5 sigma + 2); whole rows sampled when
-    Sk <= samples; the Wan2.1-14B 720p row (75600 keys, 8192 samples) reads one key per 10."""
-    assert triton_topk.sample_bracket(1000, 300, 2048) == (1, 1000, 300 - 75, 300 + 75)  # sigma = sqrt(210)
-    stride, n, hi, lo = triton_topk.sample_bracket(75600, 18900, 8192)
-    assert (stride, n) == (10, 7560) and hi < 1890 < lo and lo - hi == 2 * (math.ceil(5 * (7560 * 0.1875) ** 0.5) + 2)
-    assert triton_topk.sample_bracket(100, 1, 64)[2] <= 0  # no upper bound: the bracket starts at the top
+    Sk < 1024; the Wan2.1-14B 720p row (75600 float16 keys) reads one key per 74 (1021 samples, <= 1024 in
+    registers), the 1.3B 480p row (32760) one per 63 (one per 128-byte line: 64, but >= 512 samples); the candidate
+    slots cover 1.3x the bracket's expected keys."""
+    assert triton_topk.bracket_plan(1000, 300, 2) == (1, 1000, 300 - 75, 300 + 75, 256)  # sigma = sqrt(210)
+    stride, n, hi, lo, cap = triton_topk.bracket_plan(75600, 18900, 2)
+    margin = math.ceil(5 * (1021 * 0.1875) ** 0.5) + 2
+    assert (stride, n, hi, lo, cap) == (74, 1021, 255 - margin, 256 + margin, 16384)
+    assert triton_topk.bracket_plan(32760, 8190, 2)[:2] == (63, 520)
+    assert triton_topk.bracket_plan(32760, 8190, 4)[:2] == (32, 1023)  # float32 sums: one key per 128 bytes
+    assert triton_topk.bracket_plan(100, 1, 2)[2] <= 0  # no upper bound: the bracket starts at the top
+    assert triton_topk.bracket_plan(75600, 18900, 2, stride=4, cap=64)[::4] == (74, 64)  # <= 1024 samples; cap given
 
 
 def test_radix_top_k_rejects_bad_arguments():
@@ -144,7 +147,7 @@ def test_radix_top_k_rejects_bad_arguments():
         triton_topk.top_k_rows(sums.double(), 5, 8)
     with pytest.raises(ValueError, match="method must be"):
         triton_topk.top_k_rows(sums, 5, 8, method="sort")
-    with pytest.raises(ValueError, match="powers of two"):
+    with pytest.raises(ValueError, match="power of two"):
         triton_topk.top_k_rows(sums, 5, 8, cap=100)
 
 

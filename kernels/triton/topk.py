@@ -10,21 +10,19 @@ comes out sorted with no sort at all; slots K..K_alloc-1 are written -1. No glob
   sums, 4 for float32), each pass a masked ``tl.histogram`` over the whole row. Exact, but a 256-bin
   ``tl.histogram`` costs ~2 warp instructions per entry (ballots and popcounts), so it is instruction-bound
   (~19 ms for the 23 640 rows of 75 600 sums at Wan2.1-14B 720p on an H200, 4x what its bytes need).
-- "sample": read one key from each of ~8192 strata of the row (a scrambled offset in each) and take the two sample
-  order statistics that bracket the K-th key's expected sample rank by +-(5 sigma + 2) (binomial sigma,
-  ``sample_bracket``); one pass over the row counts the keys above the bracket and copies the keys inside it
-  (about 2 x 5 sigma x Sk / samples of them, <= 8192) into a per-row scratch; if the counts prove the K-th key is
-  inside (above < K <= above + inside, nothing dropped), T is found among the copies by bisection on the key
-  (block-wide counts), else the row falls back to the radix threshold. Exact on both paths (the check is a proof,
-  the sample only decides the speed); per row: a sample read, one counting pass, the compaction pass.
-- "bracket" (the default): the sample method rebuilt for instruction count and latency (``_bracket_topk_rows``): the
-  row is swept in [rows, 8] tiles (one 16-byte load per tile row), each tile row held by one thread, so the per-key
-  work (key decode, compares, in-row prefix sums) stays in the thread and only one scan of the row totals crosses
-  threads per step; one key per 128-byte line is sampled (<= 1024 samples, held in registers); candidates are
-  stored as int16 keys; the compaction takes slot and tie rank from one packed prefix sum; whole tiles load
-  unmasked and the next tile's load is issued before this tile's work. Offline SASS (sm_90): ~0.6 / 0.75 warp
-  instructions per key for the count / compaction sweeps against ~2 per histogram pass and ~2 for the compaction of
-  the other two methods.
+- "bracket" (the default): one key per 128-byte line of the row (<= 1024 samples, in registers; a scrambled offset
+  in each stratum) brackets the K-th largest key between two sample order statistics at its expected sample rank
+  +-(5 sigma + 2) (binomial sigma, ``bracket_plan``); one sweep counts the keys above the bracket and copies the
+  keys inside it (int16 keys) to a per-row scratch; if the counts prove the K-th key is inside (above < K <= above
+  + inside, nothing dropped), T is found among the copies by bisection on the key, else the row falls back to the
+  radix threshold: exact on both paths (the check is a proof, the sample only decides the speed). Both sweeps run
+  on [rows, 8] tiles (one 16-byte load per tile row), each tile row held by one thread, so key decode, compares and
+  prefix sums stay in the thread and one scan of the row totals crosses threads per step; the compaction takes slot
+  and tie rank from one packed prefix sum; whole tiles load unmasked and the next tile's load is issued before this
+  tile's work. Offline SASS (sm_90): ~0.6 / 0.75 warp instructions per key for the count / compaction sweeps
+  against ~2 per histogram pass and ~2 for the radix compaction. (An earlier "sample" method, the same bracket on
+  1D 2048-key chunks scanned across 8 warps, measured 1.18 / 18.4 ms at 1.3B / 14B against the bracket's 0.52 /
+  6.0 ms, and was removed.)
 
 Keys: non-negative floats order like their bits read as integers; negative values and -0.0 get key 0 (rank as
 +0.0, as the reference). The selection rule: MC-Sparse sec. 3.3 (top-K per query group); measurements: docs/kernels.md.
@@ -39,17 +37,13 @@ import triton
 import triton.language as tl
 
 _BLOCK = 1024  # entries per chunk of the row sweep (radix method)
-_SAMPLE_BLOCK = 2048  # entries per chunk of the row sweep (sample method, 8 warps)
-_SAMPLES = 8192  # sample keys per row (sample method)
-_CAP = 8192  # candidate slots per row (sample method): the bracket holds ~2 * 5 sigma * Sk / samples keys
 _Z = 5.0  # bracket half-width in binomial standard deviations (a miss only costs the radix fallback)
 _BRACKET_LINE = 128  # bracket method: one sample per this many bytes of the row (one DRAM sector in four)
 _BRACKET_MIN_SAMPLES = 512
 _BRACKET_MAX_SAMPLES = 1024  # (a power of two: the sample is held in registers, [NS] with NS = 2^k >= n_samp)
 # bracket launch defaults, H200 (bench_anchor --only select at 904c5fd, s = 0.25, all heads): 2 warps per row with one
 # 16-byte row of keys per thread per sweep step: 5.98 ms at 14B 720p / 0.520 ms at 1.3B 480p, against 7.79 / 0.55 for
-# 1 warp x 2 rows, 7.42 / 0.60 for 1 x 1, 6.49 / 0.58 for 2 x 2, 6.56 / 0.54 for 4 x 1 (radix 17.6 / 1.43, sample
-# 18.4 / 1.18 ms)
+# 1 warp x 2 rows, 7.42 / 0.60 for 1 x 1, 6.49 / 0.58 for 2 x 2, 6.56 / 0.54 for 4 x 1 (radix 17.6 / 1.43 ms)
 _BRACKET_WARPS = 2
 _BRACKET_ROWS_PER_THREAD = 1  # tile rows (16-byte vectors) per thread per sweep step
 HIST_BINS = tl.constexpr(128)  # bins of a first-digit histogram given by pass 2: the top 8 key bits of sums >= 0
@@ -160,63 +154,6 @@ def _radix_topk_rows(
     dst = OUT + outer * stride_oo + row_in * stride_oi
     hist_row = HIST + row.to(tl.int64) * HIST_BINS
     prefix, need = _radix_threshold(src, SK, num_keys, KEY_BITS, BLOCK, hist_row, HAS_HIST)
-    _compact(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, BLOCK)
-
-
-@triton.jit
-def _sample_topk_rows(
-    SUMS, OUT, CAND, FELL_BACK,
-    SK, num_keys, width, inner,
-    stride_so, stride_si, stride_oo, stride_oi,
-    stride_samp, n_samp, hi_rank, lo_rank,
-    KEY_BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    NS: tl.constexpr,  # sample slots (power of two >= n_samp)
-    CAP: tl.constexpr,  # candidate slots per row in CAND
-):
-    """One program per row: bracket the K-th largest key between two order statistics of a stratified sample,
-    count the keys above the bracket and copy the keys inside it (at most CAP) in one pass, find the threshold
-    among those by bisection, then compaction. A bracket that misses (the count check fails) or overflows CAP
-    falls back to the radix threshold, so the result is exact either way; FELL_BACK[row] says which ran."""
-    row = tl.program_id(0)
-    outer = (row // inner).to(tl.int64)
-    row_in = (row % inner).to(tl.int64)
-    src = SUMS + outer * stride_so + row_in * stride_si
-    dst = OUT + outer * stride_oo + row_in * stride_oi
-    cand_row = CAND + row.to(tl.int64) * CAP
-    zero = tl.program_id(0) * 0
-    top = zero + (0x7C01 if KEY_BITS == 16 else 0x7F800001)  # one above +inf's key: above every key
-
-    # 1. stratified sample: one key from each stratum of stride_samp positions, at a scrambled offset
-    j = tl.arange(0, NS)
-    pos = j * stride_samp + (j * 97 + (j >> 3) * 13) % stride_samp
-    samp = _keys(src, pos, SK, KEY_BITS)
-    samp = tl.where(j < n_samp, samp, -1)
-    hi = _kth_largest(samp, hi_rank, zero, top)  # hi_rank <= 0: top (no key above the bracket)
-    lo = _kth_largest(samp, lo_rank, zero, top)  # lo_rank > n_samp: 0 (every key inside)
-
-    # 2. one pass: keys above the bracket are counted, keys inside it copied to CAND (first CAP of them)
-    offs0 = tl.arange(0, BLOCK)
-    above = zero
-    n_cand = zero
-    for c0 in range(0, SK, BLOCK):
-        key = _keys(src, c0 + offs0, SK, KEY_BITS)
-        above += tl.sum((key > hi).to(tl.int32), 0)
-        inside = ((key >= lo) & (key <= hi)).to(tl.int32)
-        slot = tl.cumsum(inside, 0) - inside + n_cand
-        tl.store(cand_row + slot, key, mask=(inside > 0) & (slot < CAP))
-        n_cand += tl.sum(inside, 0)
-
-    # 3. the threshold: inside the bracket when the counts say so (exactly K - above keys to rank among CAND)
-    hit = (above < num_keys) & (above + n_cand >= num_keys) & (n_cand <= CAP)
-    if hit:
-        c = tl.arange(0, CAP)
-        cv = tl.load(cand_row + c, mask=c < n_cand, other=-1)
-        prefix = _kth_largest(cv, num_keys - above, lo, hi)
-        need = num_keys - above - tl.sum((cv > prefix).to(tl.int32), 0)
-    else:
-        prefix, need = _radix_threshold(src, SK, num_keys, KEY_BITS, BLOCK)
-    tl.store(FELL_BACK + row, (1 - hit.to(tl.int32)).to(tl.int8))
     _compact(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, BLOCK)
 
 
@@ -351,7 +288,7 @@ def _bracket_topk_rows(
     BLOCK: tl.constexpr,  # entries per chunk of the radix fallback
     PREFETCH: tl.constexpr,  # each sweep issues the next tile's load before this tile's work
 ):
-    """The sample method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row: a stratified sample of
+    """The bracket method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row: a stratified sample of
     n_samp keys (one per ``stride_samp`` positions, a scrambled offset in each) brackets the K-th largest key between
     two sample order statistics; one sweep counts the keys above the bracket (per-thread counters, reduced once) and
     copies the keys inside it to CAND (at most CAP); bisection over the copies on the key value gives the threshold;
@@ -413,26 +350,15 @@ def _bracket_topk_rows(
     _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, ROWS, VEC, PREFETCH)
 
 
-def sample_bracket(sk: int, num_keys: int, samples: int, z: float = _Z) -> tuple[int, int, int, int]:
-    """(stride, n_samp, hi_rank, lo_rank) of the sample select for rows of ``sk`` keys: one sample per stratum of
-    ``stride`` positions (n_samp full strata), and the sample ranks (1 = largest) whose keys bracket the K-th
-    largest key: about K * n_samp / sk of the samples lie above it, with a binomial spread sigma; the bracket is
-    that rank -/+ (z * sigma + 2). hi_rank may be <= 0 (no upper bound), lo_rank > n_samp (no lower bound)."""
-    stride = max(1, -(-sk // samples))
-    n_samp = sk // stride
-    p = num_keys / sk
-    rank = num_keys * n_samp / sk
-    margin = math.ceil(z * math.sqrt(n_samp * p * (1.0 - p))) + 2
-    return stride, n_samp, math.floor(rank) - margin, math.ceil(rank) + margin
-
-
 def bracket_plan(sk: int, num_keys: int, key_bytes: int, *, stride: int | None = None, cap: int | None = None,
                  z: float = _Z) -> tuple[int, int, int, int, int]:
     """(stride, n_samp, hi_rank, lo_rank, cap) of the "bracket" method for rows of ``sk`` keys of ``key_bytes``
     bytes: one sample per ``stride`` keys (default one per 128-byte line, i.e. a quarter of the row's DRAM sectors,
-    but at least ``_BRACKET_MIN_SAMPLES`` and at most ``_BRACKET_MAX_SAMPLES`` samples), the bracket's sample ranks
-    as ``sample_bracket``, and the candidate slots per row: the power of two >= 1.3 x the keys the bracket is expected
-    to hold (its sample ranks x stride), at least 256 (``cap`` overrides it)."""
+    but at least ``_BRACKET_MIN_SAMPLES`` and at most ``_BRACKET_MAX_SAMPLES`` samples); the sample ranks (1 =
+    largest) whose keys bracket the K-th largest key: about K * n_samp / sk of the samples lie above it, with a
+    binomial spread sigma, and the bracket is that rank -/+ (z * sigma + 2) (hi_rank may be <= 0: no upper bound;
+    lo_rank > n_samp: no lower bound); the candidate slots per row: the power of two >= 1.3 x the keys the bracket
+    is expected to hold (its sample ranks x stride), at least 256 (``cap`` overrides it)."""
     if stride is None:
         stride = max(1, min(_BRACKET_LINE // key_bytes, sk // _BRACKET_MIN_SAMPLES))
     stride = max(stride, -(-sk // _BRACKET_MAX_SAMPLES))
@@ -446,16 +372,15 @@ def bracket_plan(sk: int, num_keys: int, key_bytes: int, *, stride: int | None =
     return stride, n_samp, hi_rank, lo_rank, cap
 
 
-def sample_positions(sk: int, samples: int) -> torch.Tensor:
-    """The positions the sample method reads in a row of ``sk`` keys (int64 [n_samp]; the kernel computes the
-    same ones): position j * stride + a scrambled offset in [0, stride) for each full stratum j."""
-    stride, n_samp, _, _ = sample_bracket(sk, 1, samples)
-    j = torch.arange(n_samp)
+def sample_positions(sk: int, stride: int) -> torch.Tensor:
+    """The positions the bracket method samples in a row of ``sk`` keys at one sample per ``stride`` keys (int64
+    [sk // stride]; the kernel computes the same ones): j * stride + a scrambled offset in [0, stride)."""
+    j = torch.arange(sk // stride)
     return j * stride + (j * 97 + (j >> 3) * 13) % stride
 
 
 def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tensor | None = None,
-               method: str | None = None, samples: int = _SAMPLES, cap: int | None = None, block: int | None = None,
+               method: str | None = None, cap: int | None = None, block: int | None = None,
                num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None,
                sample_stride: int | None = None, prefetch: bool = True):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
@@ -466,16 +391,15 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         num_keys: K in [1, Sk]. width: K_alloc >= K.
         out: optional int32 ``[..., width]``, written in place: a contiguous last dim, and the leading dims after
             the first mergeable into one (e.g. a head slice ``[B, h, G, K_alloc]`` of the whole selection).
-        method: "sample" (sample bracket + candidate bisection, radix fallback per row), "radix" (histogram
-            passes only) or "bracket" (the sample method on [rows, 16-byte] tiles, ``_bracket_topk_rows``);
-            None: "bracket" (H200: 2.4-3x faster than the others at 32760 and 75600 keys, docs/kernels.md). All are
-            exact and give identical results.
-        samples, cap: the sample method's sample count and candidate slots per row (powers of two; a scratch of
-            rows x cap int32 is allocated per call; the bracket method: ``cap`` overrides ``bracket_plan``'s, its
-            scratch int16 for float16 sums). block, num_warps: chunk size (bracket: keys per sweep step) and warps.
+        method: "bracket" (sample bracket + candidate bisection on [rows, 16-byte] tiles, radix fallback per row,
+            ``_bracket_topk_rows``) or "radix" (histogram passes only); None: "bracket" (H200: 2.4-3x faster than
+            radix at 32760 and 75600 keys, docs/kernels.md). Both are exact and give identical results.
+        cap: the bracket method's candidate slots per row (a power of two; default ``bracket_plan``'s; a scratch of
+            rows x cap int16 keys for float16 sums, int32 for float32, per call).
+        block, num_warps: keys per sweep step (bracket) or chunk size (radix), and warps per row (tuning).
         sample_stride: the bracket method's keys per sample (None: ``bracket_plan``'s); prefetch: its sweeps issue
             the next tile's load before this tile's work.
-        return_fallbacks: also return int8 ``[rows]``, 1 where a sample method fell back to the radix threshold.
+        return_fallbacks: also return int8 ``[rows]``, 1 where the bracket method fell back to the radix threshold.
         hist: optional int32 ``[..., HIST_BINS]`` contiguous: each row's histogram of its keys' top 8 bits (pass 2
             counts it while writing the sums, ``selection.group_prob_sums(hist=...)``); the radix method then skips
             its first pass (a row whose counts do not add up to Sk is recounted). Ignored by the other methods.
@@ -483,14 +407,14 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         ``out`` (or a new tensor): int32 ``[..., width]``; with ``return_fallbacks``, (out, fallbacks).
     Raises:
         TypeError: sums not float16/float32. ValueError: K or width out of range, a bad ``out`` or ``hist``, an unknown
-        method, samples / cap not powers of two.
+        method, cap not a power of two >= 16.
     """
     if method is None:
         method = "bracket"
-    if method not in ("sample", "radix", "bracket"):
-        raise ValueError(f"method must be 'sample', 'radix' or 'bracket', got {method!r}")
-    if samples & (samples - 1) or samples < 16 or (cap is not None and (cap & (cap - 1) or cap < 16)):
-        raise ValueError(f"samples and cap must be powers of two >= 16, got {samples}, {cap}")
+    if method not in ("radix", "bracket"):
+        raise ValueError(f"method must be 'radix' or 'bracket', got {method!r}")
+    if cap is not None and (cap & (cap - 1) or cap < 16):
+        raise ValueError(f"cap must be a power of two >= 16, got {cap}")
     if sums.dtype not in (torch.float16, torch.float32):
         raise TypeError(f"sums must be float16 or float32, got {sums.dtype}")
     sk = sums.shape[-1]
@@ -512,7 +436,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         src = sums.contiguous().view(*two, sk)
     dst = out.view(*two, width)  # a view, never a copy: raises when the dims after the first cannot merge
     n = src.shape[0] * src.shape[1]
-    # every row's flag written by the sample methods; radix leaves its zeros
+    # every row's flag written by the bracket method; radix leaves its zeros
     fell_back = (torch.zeros if method == "radix" else torch.empty)(n, dtype=torch.int8, device=sums.device)
     key_bits = 16 if sums.dtype == torch.float16 else 32
     rows = (src, dst, sk, num_keys, width, src.shape[1], src.stride(0), src.stride(1), dst.stride(0), dst.stride(1))
@@ -535,13 +459,5 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank,
             KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
             BLOCK=256 * warps, PREFETCH=prefetch, num_warps=warps,  # fallback chunk: 8 keys per thread (registers)
-        )
-    elif n:
-        cap = cap or _CAP
-        cand = torch.empty(n, cap, dtype=torch.int32, device=sums.device)
-        stride, n_samp, hi_rank, lo_rank = sample_bracket(sk, num_keys, samples)
-        _sample_topk_rows[(n,)](
-            rows[0], rows[1], cand, fell_back, *rows[2:], stride, n_samp, hi_rank, lo_rank,
-            KEY_BITS=key_bits, BLOCK=block or _SAMPLE_BLOCK, NS=samples, CAP=cap, num_warps=num_warps or 8,
         )
     return (out, fell_back) if return_fallbacks else out
