@@ -545,6 +545,9 @@ def run_gluon_shape(name, shp, densities, reps, log, configs):
                 res["sweep"][vname]["efficiency"][str(s)] = eff
             else:
                 res["sparse"].setdefault(vname, {})[str(s)] = dict(ms=ms[vname], efficiency=eff, speedup=base / ms[vname])
+            cudnn = res["dense"].get("cudnn sdpa (LSE)", {}).get("ms")
+            if cudnn:  # against cuDNN too (timed in the first density's rounds)
+                res.setdefault("vs_cudnn", {}).setdefault(vname, {})[str(s)] = cudnn * (kq / S) / ms[vname]
             log(f"{name} s={s} {vname}: {ms[vname]:.3f} ms, efficiency {eff:.3f} (warm back-to-back {warm:.3f} ms, "
                 f"{warm_base * (kq / S) / warm:.3f} of warm dense); vs {base_name} {base:.2f} ms same rounds")
         log(f"{name} s={s} dense: " + ", ".join(f"{n} {ms[n]:.2f} ms" for n in dense if n in ms))
@@ -782,6 +785,8 @@ def print_reuse_table(report, board):
                 if a and b:
                     print(f"| {name} | {cname}: qreg / shared time ratio | "
                           + " | ".join(f"{b[x] / a[x]:.3f}" for x in dens if x in a and x in b) + " |")
+        for vname, per in r.get("vs_cudnn", {}).items():  # --gluon: against cuDNN dense with LSE
+            print(f"| {name} | {vname} efficiency vs cuDNN | " + " | ".join(f"{v:.3f}" for v in per.values()) + " |")
         for vname, per in r.get("warm", {}).items():  # --gluon: back-to-back calls, no cache clear
             print(f"| {name} | {vname} warm efficiency | " + " | ".join(f"{v['efficiency']:.3f}" for v in per.values())
                   + " |")
