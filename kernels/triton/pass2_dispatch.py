@@ -22,9 +22,11 @@ from .. import registry
 log = logging.getLogger(__name__)
 
 GLUON_KEY = ("triton.gluon_sm90", "group_prob_sums")
-# on: H200 round 1b (6b752e9, bench_anchor --only select, / flash-attn-4 dense): the kernel alone 0.4665 against the
-# Triton pair kernel's 0.5016 at 1.3B 480p, 0.4607 against 0.4592 at 14B 720p; GPU tests against float64 passed
-GLUON_DEFAULT = True
+# off: the Triton pair kernel is never slower at 14B 720p in the H200 measurements and equal at 1.3B 480p. Round 1b
+# (6b752e9, / flash-attn-4 dense): the kernel alone 0.4665 vs 0.5016 (1.3B), 0.4607 vs 0.4592 (14B); select_kv 0.597 vs
+# 0.599 (1.3B), 0.572 vs 0.563 (14B). Round 2 (3d95386, pass 2 with the operand pass, 4 heads): 0.537 vs 0.540 (1.3B),
+# 0.527 vs 0.468 (14B). MC_SPARSE_PASS2_GLUON=1 or gluon=True turns it on (GPU tests passed in both rounds).
+GLUON_DEFAULT = False
 _process_failure: str | None = None
 
 
