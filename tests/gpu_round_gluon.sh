@@ -2,7 +2,8 @@
 # One GPU round for the sm_90 Gluon sparse kernel (issue 14), from the checkout root on an H200:
 #   bash tests/gpu_round_gluon.sh "$OUT" <commit> [final]
 # 1. tests/test_gpu_gluon_sparse.py (correctness vs float64; log in $OUT/gluon_gpu_tests.log), under a timeout: an
-#    mbarrier deadlock ends there (rc 124) and the benchmark is skipped; "final": the default path's cases only;
+#    mbarrier deadlock or a slow exit ends there (rc 124, reported; the benchmark still runs under its own cap);
+#    "final": the default path's cases only;
 # 2. tests/bench_kernels.py --reuse --gluon: the op as users get it (the dispatch's auto mode: on its first call per
 #    shape it times the Gluon and the Triton kernel and keeps the faster; the bench's JSON lists the choices) beside
 #    the Triton kernel's default config and the Gluon tunings (final: 3 of them), both shapes, s = 0.1/0.15/0.25/0.5;
@@ -34,16 +35,20 @@ if [ "$MODE" = bench ]; then
     grep -E "op / Triton|efficiency|scoreboard|sparse op on|dense|Error" "$OUT/bench.log" | tail -60
     exit 0
 fi
-timeout $T_TESTS python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_gluon_sparse.py "${SELECT[@]}" \
+# -u: unbuffered, so a run killed by the timeout still shows how far it got (round 2 lost its "passed" line: every
+# case had printed its result, then the cap hit while pytest finished and the process exited)
+timeout $T_TESTS python3 -u -m pytest -q -s -p no:cacheprovider tests/test_gpu_gluon_sparse.py "${SELECT[@]}" \
     > "$OUT/gluon_gpu_tests.log" 2>&1
 rc=$?
 grep -E "rel_l2|passed|failed|error|Error" "$OUT/gluon_gpu_tests.log" | tail -40
 echo "gluon gpu tests: rc=$rc"
-if [ "$rc" -eq 124 ]; then
-    echo "timed out (deadlock?): benchmark skipped"
-    exit 124
+if [ "$rc" -eq 124 ]; then  # a slow exit or a deadlock: the benchmark still runs (its own cap), both reported
+    echo "gluon gpu tests TIMED OUT after $T_TESTS s (cases printed: $(grep -c rel_l2 "$OUT/gluon_gpu_tests.log")); running the benchmark anyway"
 fi
 timeout $T_BENCH python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --rep 40 "${CONFIGS[@]}" \
     ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
-echo "bench: rc=$?"
+brc=$?
+echo "bench: rc=$brc"
 grep -E "op / Triton|efficiency|config gluon|scoreboard|sparse op on|Error" "$OUT/bench.log" | tail -50
+echo "summary: gluon gpu tests rc=$rc, bench rc=$brc"
+[ "$rc" -eq 0 ] && exit $brc || exit $rc
