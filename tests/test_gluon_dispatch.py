@@ -209,7 +209,9 @@ def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, t
     got = d.sparse_attention(q, k, v, perm, idx, out=out)
     assert got is out and float((out.double() - ref).norm() / ref.norm()) < 4e-3
     assert timer.timed == 4 and list(d.choices.values()) == [want]
-    assert fake.options[:3] == [{}, dict(pingpong=True), dict(pingpong=True, persistent=True)]
+    schedules = [{}, dict(pingpong=True), dict(pingpong=True, persistent=True)]
+    assert fake.options[:3] == schedules  # each compiled and launched once
+    assert fake.options[3:6] == schedules  # each timed with its own options
     calls = fake.calls
     for _ in range(2):
         d.sparse_attention(q, k, v, perm, idx)
