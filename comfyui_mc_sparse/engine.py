@@ -435,9 +435,6 @@ class MCSparseRunner:
         if ld.hits or ld.misses:
             line += (f"; reuse loads: {ld.hits} prefetched, {ld.misses} in line (prefetch hit rate "
                      f"{ld.hit_rate:.1%})")
-        if ld.kept_loads:
-            line += (f", {ld.kept_loads} from decoded batches kept on the GPU (peak {_size(ld.peak_kept_bytes)} of "
-                     "int32 groups and indices)")
         if c.moved:
             line += f"; {c.moved} entries moved to CPU memory (GPU memory short)"
         return [line, *(f"note: {n}" for n in c.notes)]

@@ -20,13 +20,6 @@ is not the one asked for is dropped, never decoded further); ``load`` takes the 
 asked for (a hit) or decodes in line (a miss). Hits and misses are counted per entry for the run summary.
 No host-device sync anywhere: events order the two streams, ``record_stream`` keeps the side stream's tensors
 alive until the compute stream is done with them.
-
-Decoded groups kept: every later reuse step reads the same entries (they change only at an anchor step), so a group
-whose entries live on the compute device is decoded once and its ``ReuseBatch`` kept for the rest of the run when the
-memory allows (``keep_limit``: at most half of what the cache may still take on that device beyond its headroom);
-a kept group costs no decode, copy or prefetch at later steps. Its stacked residual becomes the entries' storage
-(each entry's residual is rebound to its rows of the stacked tensors, the separate copies are freed), so keeping
-adds only the int32 query groups and KV indices. ``clear`` (a new anchor entry, the end of the run) drops them.
 """
 
 from __future__ import annotations
@@ -40,8 +33,6 @@ from .. import kernels
 from . import encoding
 from .cache import CacheEntry, CacheKey, MetadataCache, StoredEntry
 from .encoding import decode_groups, decode_selection
-
-_KEEP_MARGIN = 1 << 30  # bytes of the cache's free memory never given to kept batches
 
 Group = tuple[CacheKey, ...]
 """The cache keys one attention call reads, in the order of its batch's conditioning chunks."""
@@ -198,12 +189,6 @@ class ReuseLoader:
         self._pending: _Pending | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.hits = self.misses = self.dropped = 0
-        self._kept: dict[Group, tuple[torch.device, ReuseBatch]] = {}
-        self.kept_bytes = 0  # int32 groups + indices of the kept batches (their residuals are the entries' own)
-        self.kept_loads = 0  # entries served from a kept batch (neither prefetched nor decoded in line)
-        self.peak_kept_bytes = 0
-        self.keep_limit = self._default_keep_limit  # device -> bytes kept batches may take in all (None: never)
-        self._keep_full = False  # a batch did not fit: no more are tried until ``clear`` (no memory query per call)
 
     @property
     def hit_rate(self) -> float | None:
@@ -219,10 +204,6 @@ class ReuseLoader:
         Raises: KeyError when an entry is missing (callers check ``MetadataCache.get`` first).
         """
         group = tuple(group)
-        kept = self._kept.get(group)
-        if kept is not None and kept[0] == device:
-            self.kept_loads += len(group)
-            return kept[1]
         pending, self._pending = self._pending, None
         if pending is not None and pending.group == group and pending.device == device:
             if pending.event is not None:
@@ -231,7 +212,6 @@ class ReuseLoader:
                 for t in pending.batch.tensors():
                     t.record_stream(current)  # made on the side stream, used (and freed) on this one
             self.hits += len(group)
-            self._keep(group, pending.batch, device)
             return pending.batch
         if pending is not None:
             self.dropped += len(pending.group)
@@ -248,7 +228,6 @@ class ReuseLoader:
             for s in stored:
                 if isinstance(s, StoredEntry) and s.host is not None:
                     s.host.used(event)
-        self._keep(group, batch, device)
         return batch
 
     def prefetch(self, group: Sequence[CacheKey] | None, device: torch.device, dtype: torch.dtype) -> None:
@@ -258,9 +237,6 @@ class ReuseLoader:
             return
         group = tuple(group)
         if self._pending is not None and self._pending.group == group and self._pending.device == device:
-            return
-        kept = self._kept.get(group)
-        if kept is not None and kept[0] == device:
             return
         stored = [self.cache.get(key) for key in group]
         if any(s is None for s in stored):
@@ -291,39 +267,8 @@ class ReuseLoader:
         self._pending = _Pending(group, batch, event, device)
 
     def clear(self) -> None:
-        """Drop the pending group and the kept batches (the cache is being freed or replaced)."""
+        """Drop the pending group (the cache is being freed or replaced)."""
         self._pending = None
-        self._kept.clear()
-        self.kept_bytes = 0
-        self._keep_full = False
-
-    def _default_keep_limit(self, device: torch.device) -> int | None:
-        """Bytes the kept batches may take in all on ``device``: half of what the cache may still take there
-        (``MetadataCache.free_bytes``, e.g. ComfyUI's free memory less its inference reserve) beyond the cache's
-        headroom, plus what is kept already; None off CUDA (nothing is kept)."""
-        free = self.cache.free_bytes(device)
-        if free is None:
-            return None
-        return self.kept_bytes + max(0, free - self.cache.headroom_bytes - _KEEP_MARGIN) // 2
-
-    def _keep(self, group: Group, batch: ReuseBatch, device: torch.device) -> None:
-        """After a decode of ``group`` whose entries are all stored on ``device``: rebind the entries' residuals to the
-        batch's stacked rows (``_rebind``), and keep the batch for later steps when its int32 groups and indices fit
-        ``keep_limit``."""
-        stored = [self.cache.get(key) for key in group]
-        if not all(isinstance(s, StoredEntry) and s.host is None and s.device == device for s in stored):
-            return
-        _rebind(stored, batch)
-        if self._keep_full:
-            return
-        extra = sum(t.numel() * t.element_size() for t in (batch.perm, batch.kv_idx))
-        limit = self.keep_limit(device)
-        if limit is None or self.kept_bytes + extra > limit:
-            self._keep_full = True
-            return
-        self._kept[group] = (device, batch)
-        self.kept_bytes += extra
-        self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
 
     def _stored(self, group: Group) -> list:
         stored = [self.cache.get(key) for key in group]
@@ -331,31 +276,6 @@ class ReuseLoader:
         if missing:
             raise KeyError(f"no cache entry for {missing}")
         return stored
-
-
-def _rebind(stored: list[StoredEntry], batch: ReuseBatch) -> None:
-    """Make each entry's stored residual its rows of ``batch``'s stacked residual (same bytes: the separate tensors are
-    freed), so the next stacked decode of the same group in the same order is a view, not a copy (``_adjacent``)."""
-    if len(stored) < 2 or batch.residual is None:
-        return
-    b = batch.perm.shape[0] // len(stored)
-    for i, s in enumerate(stored):
-        if s.residual is not None:
-            s.residual = s.residual.with_tensors(iter([t[i * b:(i + 1) * b] for t in batch.residual.tensors()]))
-
-
-def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """One tensor over ``parts`` (equal shapes, dtype) when they are consecutive contiguous blocks of one storage, in
-    order (rows of an earlier stacked decode, ``_rebind``): a view, no copy. None otherwise."""
-    first = parts[0]
-    if not all(t.is_contiguous() and t.dtype == first.dtype and t.shape == first.shape for t in parts):
-        return None
-    base = first.untyped_storage().data_ptr()
-    step = first.numel() * first.element_size()
-    for i, t in enumerate(parts):
-        if t.untyped_storage().data_ptr() != base or t.data_ptr() != first.data_ptr() + i * step:
-            return None
-    return first.as_strided((len(parts) * first.shape[0], *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def _decode_group(stored: list, device: torch.device, dtype: torch.dtype) -> ReuseBatch:
@@ -368,21 +288,14 @@ def _decode_group(stored: list, device: torch.device, dtype: torch.dtype) -> Reu
     n = len(stored)
     perm = torch.empty(n * b, *first["perm"], dtype=torch.int32, device=device)
     kv_idx = torch.empty(n * b, *first["kv"], dtype=torch.int32, device=device)
-    residual, copy_residual = None, True
+    residual = None
     if first["res"] is not None:  # the first entry's residual form, each of its tensors stacked n times
         like, parts = first["res"]
-        here = [_residual_of(x) for x in stored]
-        views = None
-        if all(r is not None and r.data.device == device and r.kind == like.kind for r in here):
-            views = [_adjacent([r.tensors()[j] for r in here]) for j in range(len(parts))]
-        if views is not None and all(v is not None for v in views):
-            residual, copy_residual = like.with_tensors(views), False  # rows of one earlier stacked decode
-        else:
-            residual = like.with_tensors(torch.empty(n * b, *shape, dtype=dt, device=device) for dt, shape in parts)
+        residual = like.with_tensors(torch.empty(n * b, *shape, dtype=dt, device=device) for dt, shape in parts)
     for i, s in enumerate(stored):
         rows = slice(i * b, (i + 1) * b)
         _decode_one(s, device, dtype, perm[rows], kv_idx[rows],
-                    None if residual is None or not copy_residual else [t[rows] for t in residual.tensors()])
+                    None if residual is None else [t[rows] for t in residual.tensors()])
     return ReuseBatch(perm, kv_idx, residual)
 
 
