@@ -218,7 +218,6 @@ def test_offline_sm90_compile_every_residual(tmp_path):
         cc.compile_fake('float16', 64, False, 'none')
         print('COMPILED fp16')
         cc.compile_fake('bfloat16', 128, True, 'none', producer='cp.async+evict', epilogue='smem')
-        cc.compile_fake('bfloat16', 128, True, 'int4_group', epilogue='quad')
         cc.compile_fake('float16', 64, False, 'fp8_row', producer='cp.async+l2')
         print('COMPILED hinted')
     """)
@@ -233,9 +232,8 @@ def _fake_launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, re
     the compiled kernel's argument checks: ranks, dtypes, unit strides, the residual form it was compiled for)."""
     _, dtype, head_dim, with_lse, residual, epilogue = fn
     B, S, H, D = q.shape
-    if epilogue != "registers":  # 16-byte stores: 16-byte aligned out rows; the staged one without a residual
-        assert out.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in out.stride()[:3])
-        assert epilogue == "quad" or residual == "none"
+    if epilogue == "smem":  # 16-byte stores of rounded O: no residual, 16-byte aligned out rows
+        assert residual == "none" and out.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in out.stride()[:3])
     N = perm_rows.shape[0]
     G = N // (B * H)
     assert D == head_dim and q.dtype == out.dtype == k.dtype == v.dtype == rules_dtype(dtype)
@@ -304,12 +302,12 @@ def fake_op(monkeypatch):
 
 @pytest.mark.parametrize(("default", "pad", "kind", "want"), [
     ("smem", 0, None, "smem"), ("smem", 8, None, "smem"), ("smem", 4, None, "registers"),
-    ("smem", 0, "fp8_row", "registers"), ("quad", 0, "fp8_row", "quad"), ("quad", 4, None, "registers"),
+    ("smem", 0, "fp8_row", "registers"), ("registers", 0, None, "registers"),
 ])
-def test_16_byte_store_epilogues_only_where_they_apply(fake_op, monkeypatch, default, pad, kind, want):
-    """With a 16-byte store epilogue as the default, a call gets it only with 16-byte aligned out rows (a
-    [B, S, H*D + pad] buffer: pad 4 bf16 elements misaligns every row but the first), the staged one only without
-    a residual; the fake launch asserts the same, and the output is right either way."""
+def test_staged_epilogue_only_where_it_applies(fake_op, monkeypatch, default, pad, kind, want):
+    """With the staged (16-byte store) epilogue as the default, a call gets it only without a residual and with
+    16-byte aligned out rows (a [B, S, H*D + pad] buffer: pad 4 bf16 elements misaligns every row but the first);
+    the fake launch asserts the same, and the output is right either way."""
     from .test_reuse_op import brute_residual, make_residual
 
     monkeypatch.setattr(rules, "EPILOGUE", default)

@@ -139,11 +139,9 @@ def test_cutedsl_is_preferred_on_hopper():
 @pytest.mark.parametrize(("dtype", "D", "lse", "producer", "epilogue"), [
     (torch.bfloat16, 128, True, "cp.async+evict", "smem"), (torch.float16, 64, True, "cp.async+l2", "smem"),
     (torch.bfloat16, 64, False, "cp.async+evict", "registers"), (torch.float16, 128, True, "cp.async", "smem"),
-    (torch.bfloat16, 128, True, "cp.async", "quad"), (torch.float16, 64, False, "cp.async+l2", "quad"),
 ])
 def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue):
-    """The kernel's producer (L2-hinted copies) and epilogue (quad-transposed 16-byte stores, staged in shared
-    memory) options, launched directly:
+    """The kernel's producer (L2-hinted copies) and epilogue (staged in shared memory) options, launched directly:
     B = 2, S not a multiple of 128, ragged counts (one group with a single key), K_alloc not a multiple of 128,
     native views, a NaN-filled out written in full (every row of the view: the staged epilogue stores 16-byte pieces
     of rows), LSE in query order, against float64."""
@@ -168,22 +166,3 @@ def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue):
     assert not base.isnan().any() and (lse_t is None or not lse_t.isnan().any())
     err = _check(out, lse_t, q, k, v, perm, idx)
     print(f"cutedsl {producer} {epilogue} {dtype} D={D}: rel err {err:.2e}")
-
-
-@pytest.mark.parametrize("kind", ["plain", "fp8_row", "int4_group"])
-def test_cutedsl_quad_epilogue_with_residual(kind, monkeypatch):
-    """The op with the quad-transposed epilogue as the default and a residual: O = sparse + R, ragged counts, LSE,
-    S not a multiple of 128, a NaN-filled out view written in full."""
-    from comfyui_mc_sparse_pack.kernels.cutedsl import rules
-
-    monkeypatch.setattr(rules, "EPILOGUE", "quad")
-    gen = torch.Generator(device="cuda").manual_seed(8)
-    B, H, S, D, C, K = 2, 2, 2050, 128, 128, 640
-    q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))
-    perm, idx = _inputs(gen, B, H, S, C, K, K, True)
-    res = make_residual(torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05, kind, perm, idx.shape[2])
-    base = torch.full((B, S, H * D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out = base.view(B, S, H, D).transpose(1, 2)
-    got, lse = _cutedsl(q, k, v, perm, idx, out=out, residual=res, return_lse=True)
-    assert got is out and not base.isnan().any()
-    _check(got, lse, q, k, v, perm, idx, res)

@@ -38,8 +38,10 @@ RESIDUALS = {"none": (None, None), "plain_bfloat16": ("plain", cutlass.BFloat16)
              "fp8_row": ("fp8_row", cutlass.Uint8), "int4_row": ("int4_row", cutlass.Uint8),
              "int4_group": ("int4_group", cutlass.Uint8)}
 STAGES = 2  # 3 stages measured -1 to +2 % at 1.3B, up to -11 % at 14B on the H200 (the regroup kernel, 2026-12-01)
-# "cp.async+l2" / "cp.async+evict": the same copies with L2 hints (sparse_fwd_sm90.py), being measured; a TMA
-# producer (one 1 x 64 box per row) measured 0.53-0.60 of dense x s on the H200 (docs/kernels.md): removed
+# "cp.async+evict" (the same copies with a 256-byte L2 prefetch and evict-last; sparse_fwd_sm90.py) measured faster
+# on the H200 (+0.02-0.04 of dense x s at 7 of 8 points, side by side, 2026-12-01 round 2) after the round that
+# measured the default: the next default once the op is measured with it. "cp.async+l2" (prefetch only) is unmeasured.
+# A TMA producer (one 1 x 64 box per row) measured 0.53-0.60 of dense x s: removed.
 PRODUCER = "cp.async"
 _memory: dict = {}
 _lock = threading.Lock()
@@ -111,13 +113,13 @@ def _fake_args(dtype: str, head_dim: int, with_lse: bool, residual: str, out_ali
 def compile_fake(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None,
                  producer: str | None = None, epilogue: str = "registers"):
     """Compile the kernel (``sparse_fwd_sm90.py``) from fake tensors; ``residual`` a key of ``RESIDUALS``, ``producer``
-    one of ``PRODUCERS`` (None: ``PRODUCER``), ``epilogue`` one of ``EPILOGUES`` ("quad" and "smem" want 16-byte
+    one of ``PRODUCERS`` (None: ``PRODUCER``), ``epilogue`` one of ``EPILOGUES`` (the staged one wants 16-byte
     aligned out rows). Needs no GPU with CUTE_DSL_ARCH=sm_90a. Raises KeyError for an unknown residual form,
     ValueError for an unknown producer or epilogue."""
     producer = producer or PRODUCER
     if producer not in PRODUCERS or epilogue not in EPILOGUES:
         raise ValueError(f"unknown producer {producer!r} or epilogue {epilogue!r}")
-    args = _fake_args(dtype, head_dim, with_lse, residual, 4 if epilogue == "registers" else 16)
+    args = _fake_args(dtype, head_dim, with_lse, residual, 16 if epilogue == "smem" else 4)
     kernel = SparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages(), RESIDUALS[residual][0], producer,
                            epilogue)
     return cute.compile(kernel, *args, Float32(1.0), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")

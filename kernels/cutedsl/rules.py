@@ -14,8 +14,8 @@ DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 HEAD_DIMS = (64, 128)
 GROUP_SIZE = 128
 # "smem": O staged in the query tile, 16-byte stores, taken without a residual (the H200 key-tile sweep: the 4-byte
-# scattered stores cost ~3 us per query group, the staged ones ~1.1 us; docs/kernels.md); "quad" (16-byte stores
-# after a transpose in each quad of lanes) and "registers" are the alternatives (sparse_fwd_sm90.py)
+# scattered stores cost ~3 us per query group, the staged ones ~1.1 us; side by side +0.026 / +0.013 of dense x s at
+# 1.3B / 14B s = 0.1; docs/kernels.md); "registers" the alternative (sparse_fwd_sm90.py)
 EPILOGUE = "smem"
 
 
@@ -83,10 +83,8 @@ def _rows(t: torch.Tensor, align: int) -> str | None:
 
 
 def epilogue_for(residual: str, out: torch.Tensor) -> str:
-    """The kernel epilogue a call runs (a compile-time choice): ``EPILOGUE`` when out's base and row strides are
-    16-byte aligned (its 16-byte stores) and, for the staged one ("smem"), there is no residual (``residual`` is
-    compile.py's residual key, "none"); else "registers" (4-byte stores)."""
+    """The kernel epilogue a call runs (a compile-time choice): ``EPILOGUE`` when it is the staged one ("smem") only
+    without a residual (``residual`` is compile.py's residual key, "none") and with out's base and row strides
+    16-byte aligned (its 16-byte stores), else "registers" (4-byte stores, residual added before rounding)."""
     aligned = out.data_ptr() % 16 == 0 and all(st * out.element_size() % 16 == 0 for st in out.stride()[:3])
-    if not aligned or (EPILOGUE == "smem" and residual != "none"):
-        return "registers"
-    return EPILOGUE
+    return EPILOGUE if residual == "none" and aligned else "registers"
