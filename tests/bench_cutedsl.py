@@ -76,8 +76,9 @@ VARIANTS = {  # name -> (producer, epilogue, stages) of the compiled kernel time
 def race(fns, rounds, target_ms):
     """Median ms per call of each fn, timed interleaved: ``rounds`` rounds, each running every fn back to back
     for about ``target_ms`` (CUDA events), so a clock or thermal drift hits every fn alike; the order rotates by one
-    each round (in the H200 round of 2026-12-01 10:49 the row timed right after the dense kernel ran 1-3 % slower
-    than the same kernel later in the round: the clock after a full-power kernel)."""
+    each round (in the H200 round of 2026-12-01 10:49 the op, timed right after the dense kernel in every round,
+    ran 1-3 % slower than the same compiled kernel timed later in the round, more than its counts launch can
+    cost; presumably the clock after a full-power kernel: no row follows the dense one every time now)."""
     import statistics
 
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
