@@ -138,3 +138,22 @@ def test_summary_sparse_kernel_forced_failed_or_refused(monkeypatch):
     assert triton_sparse_choices(runner) == ["[2, 12, 32760, 128] triton (the Gluon kernel failed in this run)"]
     monkeypatch.delitem(sys.modules, f"{kernels.__name__}.triton.sparse_dispatch")
     assert triton_sparse_choices(_runner([shape])) == []
+
+
+def test_run_report_never_imports_comfyuis_server(monkeypatch):
+    """The end-of-run progress text uses ComfyUI's server only when it is already loaded (a running ComfyUI): no import
+    of ``server`` (its whole node stack) at the end of a sampler call; with it loaded, the headline goes to the node."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle
+
+    monkeypatch.delitem(sys.modules, "server", raising=False)
+    assert lifecycle.running_server() == (None, None)
+    assert "server" not in sys.modules
+    sent = []
+    instance = types.SimpleNamespace(send_progress_text=lambda text, node: sent.append((text, node)))
+    monkeypatch.setitem(sys.modules, "server", types.SimpleNamespace(PromptServer=types.SimpleNamespace(instance=instance)))
+    monkeypatch.setitem(sys.modules, "comfy_execution.utils",
+                        types.SimpleNamespace(get_executing_context=lambda: types.SimpleNamespace(node_id="7")))
+    run = types.SimpleNamespace(summary=lambda: "MC-Sparse: headline\n  detail", interrupted_by=None,
+                                counts=lambda: {"sparse": 1, "anchor": 1, "dense": 0})
+    lifecycle._report(run)
+    assert sent == [("MC-Sparse: headline", "7")]

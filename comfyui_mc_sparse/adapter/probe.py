@@ -357,11 +357,9 @@ def _write_outputs(run: ProbeRun, report, text: str) -> list[str]:
 
 def _progress_text(text: str) -> None:
     try:  # progress text under the sampler node in the UI (server.py L1008), when a server is running
-        from comfy_execution.utils import get_executing_context
-        from server import PromptServer
+        from .lifecycle import running_server
 
-        context = get_executing_context()
-        server = getattr(PromptServer, "instance", None)
+        server, context = running_server()
         if context is not None and server is not None and hasattr(server, "send_progress_text"):
             server.send_progress_text(text, context.node_id)
     except Exception as err:
