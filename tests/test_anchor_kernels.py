@@ -266,6 +266,39 @@ def test_select_kv_falls_back_to_torch_topk_when_the_radix_kernel_fails(gen, mon
     assert torch.equal(got, want) and "Triton top-K failed" in caplog.text
 
 
+def test_select_kv_retries_the_radix_top_k_when_the_bracket_scratch_runs_out_of_memory(gen, monkeypatch, caplog):
+    """Out of memory in the default (bracket) top-K: the call is answered by the radix method (the same exact
+    selection), logged once, and the Triton top-K stays on; out of memory in the radix method itself is raised."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    q, k = (torch.randn(1, 1, 130, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    perm = _groups(gen, 1, 1, 130, 64)
+    want = selection.select_kv(q, k, lse, perm, 40, group_size=64, kv_tile=16)
+    real, methods = selection.top_k_rows, []
+
+    def tight(*a, method=None, **kw):
+        methods.append(method)
+        if method != "radix":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*a, method=method, **kw)
+
+    monkeypatch.setattr(selection, "top_k_rows", tight)
+    monkeypatch.setattr(selection, "_RADIX_FAILED", [])
+    monkeypatch.setattr(selection, "_BRACKET_OOM", [])
+    with caplog.at_level("WARNING"):
+        got = selection.select_kv(q, k, lse, perm, 40, group_size=64, kv_tile=16)
+        again = selection.select_kv(q, k, lse, perm, 40, group_size=64, kv_tile=16)
+    assert torch.equal(got, want) and torch.equal(again, want)
+    assert methods == [None, "radix", None, "radix"] and selection._RADIX_FAILED == []
+    assert caplog.text.count("out of memory for the bracket") == 1
+    methods.clear()
+    monkeypatch.setattr(selection, "top_k_rows", lambda *a, **kw: tight(*a, **{**kw, "method": "bracket"}))
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # out of memory in the radix call itself
+        selection.select_kv(q, k, lse, perm, 40, group_size=64, kv_tile=16, topk_method="radix")
+    assert methods == ["bracket"] and selection._RADIX_FAILED == []
+
+
 @pytest.mark.parametrize("exp,tol,stagger", [("fp32", 2e-3, False), ("f16_emulated", 4e-3, False),
                                              ("fp32", 2e-3, True)])
 def test_pair_pass2_matches_float64(gen, exp, tol, stagger):

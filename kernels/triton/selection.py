@@ -38,6 +38,7 @@ from .topk import HIST_BINS, top_k_rows
 
 log = logging.getLogger(__name__)
 _RADIX_FAILED: list[str] = []  # the radix top-K's first error in this process (then torch.topk answers)
+_BRACKET_OOM: list[bool] = []  # set once the bracket top-K ran out of memory (logged once; radix answers such calls)
 
 _LOG2E = 1.4426950408889634
 _SCRATCH_BYTES = 1 << 30  # fp32 group-sum scratch per head chunk in select_kv: 1 GiB (14B 720p: 5 heads)
@@ -717,12 +718,23 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
 
 def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None):
     """The Triton top-K; if it cannot run here (a compiler or resource failure), ``torch.topk`` + sort instead, so
-    the selection stays fast (ties then as torch.topk breaks them); the error is logged once per process."""
+    the selection stays fast (ties then as torch.topk breaks them); the error is logged once per process. Out of
+    memory in the bracket method (its per-call candidate scratch, rows x cap int16: ~230 MB for a 14B 720p head
+    chunk) retries that call with the radix method (no scratch; same result), logged once; out of memory there is
+    raised (the caller's out-of-memory handling), and neither disables the Triton top-K."""
     if not _RADIX_FAILED:
         try:
             return top_k_rows(sums, num_keys, k_alloc, out=out, method=method, hist=hist)
         except (ValueError, TypeError):
             raise
+        except torch.cuda.OutOfMemoryError:
+            if method == "radix" or hist is not None:
+                raise
+            if not _BRACKET_OOM:
+                _BRACKET_OOM.append(True)
+                log.warning("MC-Sparse: out of memory for the bracket top-K's candidate scratch; using the radix "
+                            "top-K for such calls")
+            return top_k_rows(sums, num_keys, k_alloc, out=out, method="radix")
         except Exception as err:  # noqa: BLE001 (any compile/launch failure: keep the run fast, say why once)
             _RADIX_FAILED.append(f"{type(err).__name__}: {err}")
             log.warning("MC-Sparse: Triton top-K failed (%s); using torch.topk for the selection", _RADIX_FAILED[0])
