@@ -87,6 +87,33 @@ def recording(record: Record) -> Iterator[Record]:
         _RECORD.reset(token)
 
 
+class FailureMemo:
+    """A run-time failure of one kernel (``key``: (kernel, op), as in ``Record.failures``) remembered where its caller
+    falls back to another kernel: in the active run's record inside ``recording`` (the next run tries again), else for
+    the rest of the process. Used by the Triton backend's Gluon dispatches (kernels/triton/sparse_dispatch.py,
+    kernels/triton/pass2_dispatch.py)."""
+
+    def __init__(self, key: tuple[str, str]):
+        self.key = key
+        self._process: str | None = None
+
+    def reason(self) -> str | None:
+        """The remembered failure (a message), or None."""
+        record = _RECORD.get()
+        return record.failures.get(self.key) if record is not None else self._process
+
+    def remember(self, reason: str) -> None:
+        record = _RECORD.get()
+        if record is not None:
+            record.failures[self.key] = reason
+        else:
+            self._process = reason
+
+    def reset(self) -> None:
+        """Forget the process-level failure (tests; a new record starts clean itself)."""
+        self._process = None
+
+
 def is_out_of_memory(err: BaseException) -> bool:
     """True for a CUDA or CPU allocation failure (torch raises RuntimeError for the CPU allocator)."""
     if isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError)):

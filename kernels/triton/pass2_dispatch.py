@@ -27,7 +27,7 @@ GLUON_KEY = ("triton.gluon_sm90", "group_prob_sums")
 # 0.599 (1.3B), 0.572 vs 0.563 (14B). Round 2 (3d95386, pass 2 with the operand pass, 4 heads): 0.537 vs 0.540 (1.3B),
 # 0.527 vs 0.468 (14B). MC_SPARSE_PASS2_GLUON=1 or gluon=True turns it on (GPU tests passed in both rounds).
 GLUON_DEFAULT = False
-_process_failure: str | None = None
+_failures = registry.FailureMemo(GLUON_KEY)
 
 
 def _gluon_module():
@@ -62,25 +62,12 @@ def triton_only(*, hist=None, poly=0, exp_mode=0, tuned=False) -> str | None:
 
 def fallback_reason() -> str | None:
     """The Gluon failure this run (active record) or this process (no record) remembers, if any."""
-    record = registry._RECORD.get()
-    if record is not None:
-        return record.failures.get(GLUON_KEY)
-    return _process_failure
-
-
-def _remember(reason: str) -> None:
-    global _process_failure
-    record = registry._RECORD.get()
-    if record is not None:
-        record.failures[GLUON_KEY] = reason
-    else:
-        _process_failure = reason
+    return _failures.reason()
 
 
 def reset() -> None:
     """Forget a process-level Gluon failure (tests; a new record starts clean itself)."""
-    global _process_failure
-    _process_failure = None
+    _failures.reset()
 
 
 def gluon_refusal(q8, k8, group_size, out, *, requested=None, only_triton=None) -> str | None:
@@ -115,6 +102,6 @@ def try_gluon(q8, k8, qf, lse_s, kb, perm, out, *, group_size, requested=None, o
         if registry.is_out_of_memory(err):
             raise
         reason = f"{type(err).__name__}: {str(err)[:500]}"
-        _remember(reason)
+        _failures.remember(reason)
         log.warning("MC-Sparse: the sm_90 Gluon pass-2 kernel failed (%s); using the Triton kernel", reason)
         return False

@@ -46,7 +46,7 @@ GLUON_SCHEDULES = {"plain": {}, "pingpong": dict(pingpong=True), "pingpong persi
                                                                                           persistent=True)}
 choices: dict[tuple, str] = {}  # shape key -> a GLUON_SCHEDULES name | "triton" (auto mode); times in _times
 _times: dict[tuple, dict[str, float]] = {}
-_process_failure: str | None = None
+_failures = registry.FailureMemo(GLUON_KEY)
 
 
 def _gluon_module():
@@ -79,25 +79,12 @@ def gluon_refusal(q, k, v, residual=None) -> str | None:
 
 def fallback_reason() -> str | None:
     """The Gluon failure this run (active record) or this process (no record) remembers, if any."""
-    record = registry._RECORD.get()
-    if record is not None:
-        return record.failures.get(GLUON_KEY)
-    return _process_failure
-
-
-def _remember(reason: str) -> None:
-    global _process_failure
-    record = registry._RECORD.get()
-    if record is not None:
-        record.failures[GLUON_KEY] = reason
-    else:
-        _process_failure = reason
+    return _failures.reason()
 
 
 def reset() -> None:
     """Forget a process-level Gluon failure and the auto mode's choices (tests; a new record starts clean itself)."""
-    global _process_failure
-    _process_failure = None
+    _failures.reset()
     choices.clear()
     _times.clear()
 
@@ -176,10 +163,11 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
 
 
 def _fall_back(err, triton_call):
-    """A Gluon failure: out of memory re-raised; else remembered (``_remember``), logged, and the Triton kernel run."""
+    """A Gluon failure: out of memory re-raised; else remembered for the run or the process
+    (``registry.FailureMemo``), logged, and the Triton kernel run."""
     if registry.is_out_of_memory(err):
         raise err
     reason = f"{type(err).__name__}: {str(err)[:500]}"
-    _remember(reason)
+    _failures.remember(reason)
     log.warning("MC-Sparse: the sm_90 Gluon sparse kernel failed (%s); using the Triton kernel", reason)
     return triton_call()
