@@ -412,6 +412,22 @@ def _pow2_scale(amax):
 
 
 @triton.jit
+def _head_stats(base, ok, S, MEAN_OUT, SCALE_OUT, HEAD_DIM: tl.constexpr):
+    """One tensor's head statistics from its ``_fp8_partial_stats`` splits at ``base`` ([NP, HEAD_DIM] pointers to
+    each split's column sums; maxima and minima HEAD_DIM and 2 * HEAD_DIM further; splits with ``ok`` false are
+    ignored): stores the column means over the S rows (fp32 [HEAD_DIM]) at MEAN_OUT and the float8 scale
+    (``_pow2_scale`` of the largest |x - mean|) at SCALE_OUT, and returns the scale."""
+    ok = ok[:, None]
+    mean = tl.div_rn(tl.sum(tl.load(base, mask=ok, other=0.0), 0), S.to(tl.float32))
+    hi = tl.max(tl.load(base + HEAD_DIM, mask=ok, other=float("-inf")), 0)
+    lo = tl.min(tl.load(base + 2 * HEAD_DIM, mask=ok, other=float("inf")), 0)
+    scale = _pow2_scale(tl.max(tl.maximum(hi - mean, mean - lo), 0))
+    tl.store(MEAN_OUT, mean)
+    tl.store(SCALE_OUT, scale)
+    return scale
+
+
+@triton.jit
 def _fp8_stats_final(
     PART, M0, M1, SC0, SC1, QF,
     S0, S1, n0, n1, qf_mul,
@@ -426,22 +442,9 @@ def _fp8_stats_final(
     sp = tl.arange(0, NP)
     offs_d = tl.arange(0, HEAD_DIM)
     base = PART + bh.to(tl.int64) * (n0 + n1) * (3 * HEAD_DIM) + sp[:, None] * (3 * HEAD_DIM) + offs_d[None, :]
-    ok = (sp < n0)[:, None]
-    mean0 = tl.div_rn(tl.sum(tl.load(base, mask=ok, other=0.0), 0), S0.to(tl.float32))
-    hi = tl.max(tl.load(base + HEAD_DIM, mask=ok, other=float("-inf")), 0)
-    lo = tl.min(tl.load(base + 2 * HEAD_DIM, mask=ok, other=float("inf")), 0)
-    sc0 = _pow2_scale(tl.max(tl.maximum(hi - mean0, mean0 - lo), 0))
-    tl.store(M0 + bh * HEAD_DIM + offs_d, mean0)
-    tl.store(SC0 + bh, sc0)
+    sc0 = _head_stats(base, sp < n0, S0, M0 + bh * HEAD_DIM + offs_d, SC0 + bh, HEAD_DIM)
     if TWO:
-        base1 = base + n0 * (3 * HEAD_DIM)
-        ok1 = (sp < n1)[:, None]
-        mean1 = tl.div_rn(tl.sum(tl.load(base1, mask=ok1, other=0.0), 0), S1.to(tl.float32))
-        hi1 = tl.max(tl.load(base1 + HEAD_DIM, mask=ok1, other=float("-inf")), 0)
-        lo1 = tl.min(tl.load(base1 + 2 * HEAD_DIM, mask=ok1, other=float("inf")), 0)
-        sc1 = _pow2_scale(tl.max(tl.maximum(hi1 - mean1, mean1 - lo1), 0))
-        tl.store(M1 + bh * HEAD_DIM + offs_d, mean1)
-        tl.store(SC1 + bh, sc1)
+        sc1 = _head_stats(base + n0 * (3 * HEAD_DIM), sp < n1, S1, M1 + bh * HEAD_DIM + offs_d, SC1 + bh, HEAD_DIM)
         tl.store(QF + bh, sc0 * sc1 * qf_mul)
 
 
