@@ -9,7 +9,9 @@ point):
 - ``cutedsl op``: ``kernels.sparse_attention(..., backend="cutedsl")`` on the model's native [B, S, H*D] views
   writing an ``out=`` view (what the reuse path calls: counts launch + kernel), and with a plain bf16 residual;
 - the compiled kernel's launch alone (counts computed before) in the ``VARIANTS`` named by ``--variants``
-  (producer L2 hints, the staged epilogue, 3 K/V stages); efficiency = FA4 dense ms * s / sparse ms;
+  (producer L2 hints, the staged epilogue, 3 K/V stages, the index-row prefetch, evict-first Q / O, a persistent
+  grid of one CTA per SM); efficiency = FA4 dense ms * s / sparse ms;
+- the op's counts launch alone (``counts launch``: ms only);
 - the compile time (a compile from fake tensors, never the disk cache) and the disk-cache load time (a fresh
   process).
 Every row's output is checked before timing (into a NaN-filled out: relative error against the float32 torch
@@ -63,13 +65,20 @@ def inputs(gen, B, H, S, s):
     return perm, idx
 
 
-VARIANTS = {  # name -> (producer, epilogue, stages) of the compiled kernel timed alone (counts computed before)
-    "kernel": ("cp.async", "registers", 2),
-    "kernel smem epi": ("cp.async", "smem", 2),
-    "kernel l2 256B": ("cp.async+l2", "registers", 2),
-    "kernel evict": ("cp.async+evict", "registers", 2),
-    "kernel evict + smem epi": ("cp.async+evict", "smem", 2),
-    "kernel 3 stages": ("cp.async", "registers", 3),
+VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled kernel timed alone (counts computed
+    # before); "persistent" variants run one CTA per SM (grid stride over the groups)
+    "kernel": ("cp.async", "registers", 2, ()),
+    "kernel smem epi": ("cp.async", "smem", 2, ()),
+    "kernel l2 256B": ("cp.async+l2", "registers", 2, ()),
+    "kernel evict": ("cp.async+evict", "registers", 2, ()),
+    "kernel evict + smem epi": ("cp.async+evict", "smem", 2, ()),
+    "kernel 3 stages": ("cp.async", "registers", 3, ()),
+    "evict smem + idx prefetch": ("cp.async+evict", "smem", 2, ("idx_prefetch",)),
+    "evict smem + qo evict-first": ("cp.async+evict", "smem", 2, ("qo_evict_first",)),
+    "evict smem 3 stages": ("cp.async+evict", "smem", 3, ()),
+    "evict smem persistent": ("cp.async+evict", "smem", 2, ("persistent",)),
+    "evict smem persistent + idx + qo": ("cp.async+evict", "smem", 2, ("persistent", "idx_prefetch",
+                                                                        "qo_evict_first")),
 }
 
 
@@ -149,19 +158,22 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log):
         n = counts.shape[0]
         views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), None, perm.view(n, C),
                  idx.view(n, -1), counts, None, None, None, None, 1 / math.sqrt(D), n)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         for tag in variants:
-            producer, epilogue, stages = VARIANTS[tag]
-            fn = cc.compiled("bfloat16", D, False, "none", stages, producer, epilogue)
+            producer, epilogue, stages, options = VARIANTS[tag]
+            fn = cc.compiled("bfloat16", D, False, "none", stages, producer, epilogue, options)
+            args = views[:-1] + ((sms if "persistent" in options else n),)
             out.fill_(float("nan"))
-            cc.launch(fn, *views)
+            cc.launch(fn, *args)
             r_err[tag] = (err(out), int(out.isnan().sum()))
             if r_err[tag][0] > 1e-2 or r_err[tag][1]:
                 log(f"{name} s={s}: {tag} WRONG (rel err {r_err[tag][0]:.2e}, NaN left {r_err[tag][1]}): not timed")
                 continue
-            fns[tag] = lambda fn=fn: cc.launch(fn, *views)
+            fns[tag] = lambda fn=fn, args=args: cc.launch(fn, *args)
+        fns["counts launch"] = lambda: valid_counts(idx)  # the op's launch before the kernel, timed alone
         r = race(fns, rounds, target_ms)
         base = r[base_name]
-        eff = {kk: base * s / vv for kk, vv in r.items() if not kk.startswith("dense")}
+        eff = {kk: base * s / vv for kk, vv in r.items() if not kk.startswith(("dense", "counts"))}
         log(f"{name} s={s}: " + ", ".join(f"{kk} {vv:.3f} ms" + (f" (eff {eff[kk]:.3f})" if kk in eff else "")
                                            for kk, vv in r.items())
             + "; rel err / NaN left " + ", ".join(f"{kk} {e:.2e}/{nn}" for kk, (e, nn) in r_err.items()))
@@ -199,7 +211,8 @@ def main():
     ap.add_argument("--densities", default="0.1,0.15,0.25,0.5")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
     ap.add_argument("--target-ms", type=float, default=15.0, help="time per fn per round")
-    ap.add_argument("--variants", default="kernel,kernel smem epi,kernel evict,kernel evict + smem epi",
+    ap.add_argument("--variants", default="kernel evict + smem epi,evict smem + idx prefetch,evict smem + qo evict-first,"
+                    "evict smem 3 stages,evict smem persistent,evict smem persistent + idx + qo",
                     help="kernel variants timed alone: " + ", ".join(VARIANTS))
     ap.add_argument("--commit", default=os.environ.get("MC_SPARSE_COMMIT", "unknown"))
     ap.add_argument("--scoreboard", default=str(ROOT / "docs/results/scoreboard.json"))
@@ -232,7 +245,7 @@ def main():
         for r in sh["densities"].values():
             for kk, e in r["efficiency"].items():
                 kerns[kk] = min(kerns.get(kk, e), e)
-    kern = kerns.get("kernel", float("nan"))
+    kern = kerns.get("kernel evict + smem epi", float("nan"))
     log(f"cutedsl_sparse_eff_min {effs[worst]:.3f} at {worst}; minimum over the points per row: "
         + ", ".join(f"{kk} {e:.3f}" for kk, e in kerns.items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

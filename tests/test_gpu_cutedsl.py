@@ -136,15 +136,23 @@ def test_cutedsl_is_preferred_on_hopper():
     _check(got, lse, q, k, v, perm, idx, res)
 
 
-@pytest.mark.parametrize(("dtype", "D", "lse", "producer", "epilogue"), [
-    (torch.bfloat16, 128, True, "cp.async+evict", "smem"), (torch.float16, 64, True, "cp.async+l2", "smem"),
-    (torch.bfloat16, 64, False, "cp.async+evict", "registers"), (torch.float16, 128, True, "cp.async", "smem"),
-])
-def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue):
-    """The kernel's producer (L2-hinted copies) and epilogue (staged in shared memory) options, launched directly:
-    B = 2, S not a multiple of 128, ragged counts (one group with a single key), K_alloc not a multiple of 128,
-    native views, a NaN-filled out written in full (every row of the view: the staged epilogue stores 16-byte pieces
-    of rows), LSE in query order, against float64."""
+@pytest.mark.parametrize(("dtype", "D", "lse", "producer", "epilogue", "options", "ctas"), [
+    (torch.bfloat16, 128, True, "cp.async+evict", "smem", (), None),
+    (torch.float16, 64, True, "cp.async+l2", "smem", (), None),
+    (torch.bfloat16, 64, False, "cp.async+evict", "registers", (), None),
+    (torch.float16, 128, True, "cp.async", "smem", (), None),
+    (torch.bfloat16, 128, True, "cp.async+evict", "smem", ("idx_prefetch", "qo_evict_first"), None),
+    (torch.bfloat16, 128, False, "cp.async+evict", "smem", ("persistent",), 7),
+    (torch.bfloat16, 128, False, "cp.async+evict", "smem", ("persistent", "idx_prefetch", "qo_evict_first"), 5),
+    (torch.float16, 64, True, "cp.async+evict", "registers", ("persistent", "idx_prefetch"), 3),
+], ids=lambda x: ("-".join(x) or "plain") if isinstance(x, tuple) else None)
+def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, ctas):
+    """The kernel's producer (L2-hinted copies), epilogue (staged in shared memory) and options (index-row prefetch,
+    evict-first Q / O, the staged epilogue in its own tile for a persistent grid), launched directly: B = 2, S not a
+    multiple of 128, ragged counts (one group with a single key), K_alloc not a multiple of 128, native views, a
+    NaN-filled out written in full (every row of the view: the staged epilogue stores 16-byte pieces of rows), LSE in
+    query order, against float64. ``ctas``: a persistent grid of that many CTAs (138 groups: each CTA runs 20-46 of
+    them, its staged output tile and query tile reused), None one CTA per group."""
     import math
 
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
@@ -158,11 +166,11 @@ def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue):
     out = base.view(B, S, H, D).transpose(1, 2)
     lse_t = torch.full((B, H, S), float("nan"), device="cuda") if lse else None
     fn = cc.compiled({torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], D, lse, "none", 2, producer,
-                     epilogue)
+                     epilogue, options)
     n = B * H * idx.shape[2]
     cc.launch(fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse_t,
               perm.reshape(n, C).contiguous(), idx.reshape(n, -1).contiguous(), valid_counts(idx), None, None, None,
-              None, 1 / math.sqrt(D), n)
+              None, 1 / math.sqrt(D), ctas or n)
     assert not base.isnan().any() and (lse_t is None or not lse_t.isnan().any())
     err = _check(out, lse_t, q, k, v, perm, idx)
-    print(f"cutedsl {producer} {epilogue} {dtype} D={D}: rel err {err:.2e}")
+    print(f"cutedsl {producer} {epilogue} {options} ctas={ctas} {dtype} D={D}: rel err {err:.2e}")

@@ -29,7 +29,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from quack.compile_utils import make_fake_stream, make_fake_tensor
 
-from .sparse_fwd_sm90 import EPILOGUES, PRODUCERS, SparseFwdSm90
+from .sparse_fwd_sm90 import EPILOGUES, OPTIONS, PRODUCERS, SparseFwdSm90
 
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 # the kernel's residual forms (compile-time): none, plain in one of three dtypes, or a row-scaled byte form
@@ -38,11 +38,11 @@ RESIDUALS = {"none": (None, None), "plain_bfloat16": ("plain", cutlass.BFloat16)
              "fp8_row": ("fp8_row", cutlass.Uint8), "int4_row": ("int4_row", cutlass.Uint8),
              "int4_group": ("int4_group", cutlass.Uint8)}
 STAGES = 2  # 3 stages measured -1 to +2 % at 1.3B, up to -11 % at 14B on the H200 (the regroup kernel, 2026-12-01)
-# "cp.async+evict" (the same copies with a 256-byte L2 prefetch and evict-last; sparse_fwd_sm90.py) measured faster
-# on the H200 (+0.02-0.04 of dense x s at 7 of 8 points, side by side, 2026-12-01 round 2) after the round that
-# measured the default: the next default once the op is measured with it. "cp.async+l2" (prefetch only) is unmeasured.
-# A TMA producer (one 1 x 64 box per row) measured 0.53-0.60 of dense x s: removed.
-PRODUCER = "cp.async"
+# "cp.async+evict" (flash-attn-4's row copies with a 256-byte L2 prefetch and evict-last; sparse_fwd_sm90.py): the
+# best row at 7 of 8 points on the H200 (+0.02-0.04 of dense x s over plain "cp.async", side by side, 2026-12-01
+# round 2 at 3d95386); "cp.async+l2" (prefetch only) is unmeasured. A TMA producer (one 1 x 64 box per row) measured
+# 0.53-0.60 of dense x s: removed.
+PRODUCER = "cp.async+evict"
 _memory: dict = {}
 _lock = threading.Lock()
 log = logging.getLogger(__name__)
@@ -111,27 +111,30 @@ def _fake_args(dtype: str, head_dim: int, with_lse: bool, residual: str, out_ali
 
 
 def compile_fake(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None,
-                 producer: str | None = None, epilogue: str = "registers"):
+                 producer: str | None = None, epilogue: str = "registers", options: tuple = ()):
     """Compile the kernel (``sparse_fwd_sm90.py``) from fake tensors; ``residual`` a key of ``RESIDUALS``, ``producer``
     one of ``PRODUCERS`` (None: ``PRODUCER``), ``epilogue`` one of ``EPILOGUES`` (the staged one wants 16-byte
-    aligned out rows). Needs no GPU with CUTE_DSL_ARCH=sm_90a. Raises KeyError for an unknown residual form,
-    ValueError for an unknown producer or epilogue."""
+    aligned out rows), ``options`` a tuple of ``OPTIONS``. Needs no GPU with CUTE_DSL_ARCH=sm_90a. Raises KeyError
+    for an unknown residual form, ValueError for an unknown producer, epilogue or option."""
     producer = producer or PRODUCER
-    if producer not in PRODUCERS or epilogue not in EPILOGUES:
-        raise ValueError(f"unknown producer {producer!r} or epilogue {epilogue!r}")
+    if producer not in PRODUCERS or epilogue not in EPILOGUES or any(o not in OPTIONS for o in options):
+        raise ValueError(f"unknown producer {producer!r}, epilogue {epilogue!r} or options {options!r}")
     args = _fake_args(dtype, head_dim, with_lse, residual, 16 if epilogue == "smem" else 4)
     kernel = SparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages(), RESIDUALS[residual][0], producer,
-                           epilogue)
+                           epilogue, tuple(options))
     return cute.compile(kernel, *args, Float32(1.0), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
 def compiled(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None,
-             producer: str | None = None, epilogue: str = "registers"):
+             producer: str | None = None, epilogue: str = "registers", options: tuple = ()):
     """The compiled kernel for these static parameters: from memory, the disk cache, or a fresh compile."""
     stages = stages or default_stages()
     producer = producer or PRODUCER
-    key = ("mc_sparse_fwd_sm90", dtype, head_dim, with_lse, residual, stages, producer, epilogue, source_hash())
-    return _cached(key, lambda: compile_fake(dtype, head_dim, with_lse, residual, stages, producer, epilogue))
+    options = tuple(sorted(options))
+    key = ("mc_sparse_fwd_sm90", dtype, head_dim, with_lse, residual, stages, producer, epilogue, options,
+           source_hash())
+    return _cached(key, lambda: compile_fake(dtype, head_dim, with_lse, residual, stages, producer, epilogue,
+                                             options))
 
 
 def _cached(key, build):
