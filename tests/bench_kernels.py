@@ -298,6 +298,8 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent l2": dict(_gluon=True, pingpong=True, persistent=True, l2_hints=True),
     "gluon pingpong 3 stages": dict(_gluon=True, pingpong=True, num_stages=3),  # 224 KiB: a deeper K/V ring
     "gluon pingpong persistent rt8": dict(_gluon=True, pingpong=True, persistent=True, row_threads=8),  # whole lines
+    "gluon pingpong persistent stage_out": dict(_gluon=True, pingpong=True, persistent=True, stage_out=True),  # 16-byte
+    # output stores through the Q tile (the CuTeDSL kernel's staged epilogue: +2-3 % at small s)
     "gluon overlap pingpong persistent stage_out": dict(_gluon=True, overlap=True, pingpong=True, persistent=True,
                                                         stage_out=True),
 }
@@ -453,10 +455,17 @@ def run_reuse_shape(name, shp, densities, rep, log, configs=None):
     return res
 
 
-def time_interleaved(fns, reps):
+HIDE_HOST_CYCLES = 2_000_000  # ~1 ms of GPU clock: a busy wait queued before each timed call (time_interleaved)
+
+
+def time_interleaved(fns, reps, hide_host=True):
     """{name: median ms} of each fn() over ``reps`` rounds; each round calls every fn once, in an order rotated by one
     per round, with the L2 cache cleared before each call (as ``triton.testing.do_bench``) and CUDA events around it,
-    so slow clocks or a busy L2 weigh on every variant alike and the ratios are side by side."""
+    so slow clocks or a busy L2 weigh on every variant alike and the ratios are side by side. ``hide_host``: a GPU busy
+    wait (``torch.cuda._sleep``, ~1 ms) is queued between the cache clear and the start event, so the host's Python and
+    launch work for the call (tens to hundreds of us: ``time_host``) is done while the GPU is still busy and the events
+    time the kernels, as in a model run where the host is ahead of the GPU (without it, an event-bracketed call on an
+    idle GPU also times the host's launch path: 1-2 % of a 10 ms dense call, up to ~10 % of a 1.2 ms sparse one)."""
     drv = triton.runtime.driver.active
     cache = drv.get_empty_cache_for_benchmark()
     names = list(fns)
@@ -467,6 +476,8 @@ def time_interleaved(fns, reps):
     for r in range(reps):
         for n in names[r % len(names):] + names[:r % len(names)]:
             drv.clear_cache(cache)
+            if hide_host:
+                torch.cuda._sleep(HIDE_HOST_CYCLES)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fns[n]()
@@ -488,11 +499,26 @@ def time_warm(fn, calls=2):
     return start.elapsed_time(end) / calls
 
 
-def run_gluon_shape(name, shp, densities, reps, log, configs):
+def time_host(fn, calls=5):
+    """Host microseconds per call of fn (Python + launch, measured with the GPU idle before the first call, so the
+    launches are never held by a full queue): what an L2-cleared, event-bracketed timing adds when the GPU waits."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None):
     """--reuse --gluon: per density, flash-attn-4 dense (and cuDNN) with LSE, the op (auto mode), the Triton kernel and
     each GLUON_CONFIGS tuning timed interleaved (``time_interleaved``: ``reps`` rounds, L2 cleared before each call),
     efficiency = that round's flash-attn-4 dense ms x s / ms; each checked against the float32 reference (2 heads)
-    first; the warm back-to-back ms beside it (``time_warm``). Same result layout as ``run_reuse_shape``."""
+    first; the warm back-to-back ms beside it (``time_warm``), and each variant's host us per call at the first
+    density (``time_host``). A tuning that raises is reported and dropped (the op and the dense kernels are not);
+    past ``deadline`` (time.time()) the tunings are dropped, so the op's figure is written within the caller's cap.
+    Same result layout as ``run_reuse_shape``."""
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     G = -(-S // C)
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -509,12 +535,24 @@ def run_gluon_shape(name, shp, densities, reps, log, configs):
         ref = reference.sparse_attention(*(t[:, sub].float() for t in sets[0]), perms[0][:, sub], idxs[0][:, sub])
         calls = {"triton contiguous": lambda st, p, i: kernels.sparse_attention(*st, p, i, backend="triton"),
                  TRITON_KERNEL: lambda st, p, i: _tsa.sparse_attention(*st, p, i)}
+        late = deadline is not None and time.time() > deadline
         for cname, kw in configs.items():
+            if late or isinstance(res["sweep"].get(cname), str):  # past the deadline, or failed at an earlier s
+                res["sweep"].setdefault(cname, "skipped: past the bench's time budget" if late else None)
+                continue
             kw = {k: v for k, v in kw.items() if k != "_gluon"}
             calls[cname] = lambda st, p, i, kw=kw: g90.sparse_attention(*st, p, i, **kw)
         fns = {}
-        for vname, call in calls.items():
-            got = call(sets[0], perms[0], idxs[0])
+        for vname, call in list(calls.items()):
+            try:
+                got = call(sets[0], perms[0], idxs[0])
+            except Exception as e:  # a tuning that does not compile or launch here: reported, not fatal
+                if vname not in configs:
+                    raise
+                res["sweep"][vname] = f"{type(e).__name__}: {str(e)[:200]}"
+                log(f"{name} s={s} {vname}: FAILED {res['sweep'][vname]}")
+                del calls[vname]
+                continue
             err = rel_err(got[:, sub], ref)
             if vname in configs:
                 res["sweep"].setdefault(vname, dict(efficiency={}, errors={}, regs_spills=None))["errors"][str(s)] = err
@@ -537,6 +575,9 @@ def run_gluon_shape(name, shp, densities, reps, log, configs):
             res["dense_warm"] = {n: time_warm(fns[n]) for n in dense if n in fns}
             log(f"{name} dense warm back-to-back: {res['dense_warm']}")
         warm_base = res["dense_warm"].get(base_name, base)
+        if s == densities[0]:  # host cost per call (an event-bracketed timing with the GPU idle includes it)
+            res["host_us"] = {n: round(time_host(fns[n]), 1) for n in calls}
+            log(f"{name} host us per call (Python + launch): {res['host_us']}")
         for vname in calls:
             eff = base * (kq / S) / ms[vname]
             warm = time_warm(fns[vname])
@@ -664,6 +705,8 @@ def main():
     ap.add_argument("--gluon-configs", default="", help="with --gluon: comma-separated GLUON_CONFIGS names (default all)")
     ap.add_argument("--reps", type=int, default=0, help="with --gluon: interleaved rounds per density (default 15 at "
                     "1.3b, 5 at 14b)")
+    ap.add_argument("--budget", type=float, default=0, help="with --gluon: seconds the whole run may take; the "
+                    "tunings are dropped 25 s before it (the op and dense are always timed)")
     ap.add_argument("--commit", default="", help="commit measured (default: $MC_SPARSE_COMMIT, else git HEAD)")
     ap.add_argument("--scoreboard", default=str(Path(__file__).resolve().parent.parent / "docs/results/scoreboard.json"))
     args = ap.parse_args()
@@ -697,7 +740,8 @@ def main():
                        else QUICK_CONFIGS if args.quick else REUSE_CONFIGS)
             if args.gluon:
                 report["shapes"][name] = run_gluon_shape(name, SHAPES[name], densities,
-                                                         args.reps or (15 if name == "1.3b" else 5), log, configs)
+                                                         args.reps or (15 if name == "1.3b" else 5), log, configs,
+                                                         deadline=t0 + args.budget - 25 if args.budget else None)
             else:
                 report["shapes"][name] = run_reuse_shape(name, SHAPES[name], densities, args.rep, log, configs)
             report["op_only"] = bool(args.gluon)
