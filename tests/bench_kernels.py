@@ -298,6 +298,7 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent l2": dict(_gluon=True, pingpong=True, persistent=True, l2_hints=True),
     "gluon pingpong 3 stages": dict(_gluon=True, pingpong=True, num_stages=3),  # 224 KiB: a deeper K/V ring
     "gluon pingpong persistent rt8": dict(_gluon=True, pingpong=True, persistent=True, row_threads=8),  # whole lines
+    "gluon pingpong persistent 3 stages": dict(_gluon=True, pingpong=True, persistent=True, num_stages=3),  # 1 Q slot
     "gluon pingpong persistent stage_out": dict(_gluon=True, pingpong=True, persistent=True, stage_out=True),  # 16-byte
     # output stores through the Q tile (the CuTeDSL kernel's staged epilogue: +2-3 % at small s)
     "gluon overlap pingpong persistent stage_out": dict(_gluon=True, overlap=True, pingpong=True, persistent=True,

@@ -100,7 +100,11 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
            "pingpong-3-stages": (dict(pingpong=True, num_stages=3), "plain"),
            "pingpong-persistent-rt8": (dict(pingpong=True, persistent=True, num_sms=7, row_threads=8), "int4_row"),
            "pingpong-persistent-l2-hints": (dict(pingpong=True, persistent=True, num_sms=7, l2_hints=True), "fp8_row"),
-           "row64": (dict(row64=True), "int4_row")}  # int64 row offsets (slices past 2^31 elements)
+           "row64": (dict(row64=True), "int4_row"),  # int64 row offsets (slices past 2^31 elements)
+           # one Q slot and a 3-deep ring (224 KiB): each item's first tiles go out before its queries; counts 1..300
+           # of 1024 slots: 1-3 tiles per item, so the queries follow tile 0, 1 or 2
+           "pingpong-persistent-3-stages": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3), "int4_group"),
+           "pingpong-persistent-stage-out": (dict(pingpong=True, persistent=True, num_sms=7, stage_out=True), "plain")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(TUNINGS.values()), ids=list(TUNINGS))

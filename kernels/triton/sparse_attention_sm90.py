@@ -172,15 +172,30 @@ def _gather_q(dst, q_base, q_idx, S, stride_qs, stride_qd, offs_d, ROW64: gl.con
 
 
 @gluon.jit
+def _load_q_item(q_smem, q_ready, q_empty, i, q_base, q_idx_a, q_idx_b, S, stride_qs, stride_qd, offs_d,
+                 Q_SLOTS: gl.constexpr, ROW64: gl.constexpr, STREAM: gl.constexpr):
+    """PERSISTENT: item i's 128 query rows (perm entries q_idx_a, q_idx_b: two halves of 64) into its Q slot
+    (i % Q_SLOTS) once the consumers have freed it; q_ready arrives when the copies land."""
+    qs = i % Q_SLOTS
+    mbarrier.wait(q_empty.index(qs), ((i // Q_SLOTS) & 1) ^ 1)
+    _gather_q(q_smem.index(qs * 2), q_base, q_idx_a, S, stride_qs, stride_qd, offs_d, ROW64, STREAM)
+    _gather_q(q_smem.index(qs * 2 + 1), q_base, q_idx_b, S, stride_qs, stride_qd, offs_d, ROW64, STREAM)
+    async_copy.mbarrier_arrive(q_ready.index(qs), increment_count=False)
+
+
+@gluon.jit
 def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               w0, n_work, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK,
               stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
               stride_vb, stride_vh, stride_vs, stride_vd,
               M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              ROW_THREADS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, STREAM: gl.constexpr):
+              ROW_THREADS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
+              STREAM: gl.constexpr):
     """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the item's Q slot)
     then K then V rows of each key tile into the stage ring; the ring's stage and phase follow a tile counter kept
-    across items. Each tile is ONE copy per operand (no chunks: chunk copies into one buffer get a warpgroup barrier
+    across items. PERSISTENT with one Q slot (``Q_SLOTS`` 1: a 3-deep ring leaves room for one): the item's first
+    min(tiles, NUM_STAGES) K/V tiles go out before its Q rows, so they do not wait behind the previous item's
+    mainloop (which frees the slot). Each tile is ONE copy per operand (no chunks: chunk copies into one buffer get a warpgroup barrier
     between them). ROW_THREADS threads per row, 16 bytes each: 4 (default): each cp.async of a warp covers 8 rows x
     64 contiguous bytes, a thread's 4 rows take 4 row addresses; 8: 4 rows x 128 bytes (one whole 128-byte line per
     row and request), 8 row addresses per thread. Every 32-byte sector is read once; the copies bypass L1. The tile's
@@ -204,16 +219,16 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
             q_idx_a = gl.load(PERM + perm_off + rows_a, mask=rows_a < C, other=-1, eviction_policy=STREAM)
             q_idx_b = gl.load(PERM + perm_off + rows_b, mask=rows_b < C, other=-1, eviction_policy=STREAM)
         n_end = _count_from_tail(tail, idx_base, K_ALLOC, 128, 4)
-        if PERSISTENT:  # this item's queries, while the consumers may still run the previous item's epilogue
-            qs = i % 2
-            mbarrier.wait(q_empty.index(qs), ((i // 2) & 1) ^ 1)
+        if PERSISTENT:
             q_base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
-            _gather_q(q_smem.index(qs * 2), q_base, q_idx_a, S, stride_qs, stride_qd, offs_d, ROW64, STREAM)
-            _gather_q(q_smem.index(qs * 2 + 1), q_base, q_idx_b, S, stride_qs, stride_qd, offs_d, ROW64, STREAM)
-            async_copy.mbarrier_arrive(q_ready.index(qs), increment_count=False)
+            if Q_SLOTS == 2:  # this item's queries, while the consumers may still run the previous item's epilogue
+                _load_q_item(q_smem, q_ready, q_empty, i, q_base, q_idx_a, q_idx_b, S, stride_qs, stride_qd, offs_d,
+                             Q_SLOTS, ROW64, STREAM)
+        n_tiles = gl.cdiv(n_end, BLOCK_N)
+        q_at = gl.minimum(n_tiles, NUM_STAGES) - 1  # Q_SLOTS 1: the queries go out after this tile
         k_base = K + b.to(gl.int64) * stride_kb + h.to(gl.int64) * stride_kh
         v_base = V + b.to(gl.int64) * stride_vb + h.to(gl.int64) * stride_vh
-        for t in range(gl.cdiv(n_end, BLOCK_N)):
+        for t in range(n_tiles):
             s = c % NUM_STAGES
             ph = (c // NUM_STAGES) & 1
             slots = t * BLOCK_N + offs_n
@@ -229,6 +244,10 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
             mbarrier.wait(v_empty.index(s), ph ^ 1)
             _gather_rows(v_smem.index(s), v_base, kv, live, stride_vs, stride_vd, offs_d, _DEFAULT_POLICY)
             async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
+            if PERSISTENT and Q_SLOTS == 1:
+                if t == q_at:
+                    _load_q_item(q_smem, q_ready, q_empty, i, q_base, q_idx_a, q_idx_b, S, stride_qs, stride_qd,
+                                 offs_d, Q_SLOTS, ROW64, STREAM)
             c += 1
         i += 1
     async_copy.commit_group()  # no copy of this warpgroup outlives it
@@ -436,14 +455,15 @@ def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, q_idx, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h,
+def _epilogue(acc, m_i, l_i, q_idx, q_idx2, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h,
               group,
               lse_base, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh, stride_rs, stride_rd,
               stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg,
               stride_md, stage, M: gl.constexpr, HEAD_DIM: gl.constexpr, RETURN_LSE: gl.constexpr,
               RES_KIND: gl.constexpr, ROW64: gl.constexpr, STAGE_OUT: gl.constexpr, STREAM: gl.constexpr):
     """O / l (+ the residual, dequantised in fp32) stored to the rows q_idx = perm[rowh ..] (loaded by the caller
-    before its mainloop, in the accumulator's row layout) of ``out`` by strides; the LSE.
+    before its mainloop, in the accumulator's row layout; STAGE_OUT: q_idx2, the same rows in the staged layout's
+    row slice, also loaded before the mainloop) of ``out`` by strides; the LSE.
     Residual kinds as ``sparse_attention._store_half``: 1 plain, 2 fp8_row, 3 int4_row, 4 int4_group (+ coef x the
     group's mean row). STAGE_OUT: the rounded rows go through ``stage`` (this warpgroup's Q tile, free once its
     products are done) into a row-major layout, so each warp store writes whole 256-byte rows (the wgmma layout
@@ -493,8 +513,6 @@ def _epilogue(acc, m_i, l_i, q_idx, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RE
         st_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
         stage.store(out.to(OUT.dtype.element_ty))
         o2 = stage.load(st_lay)
-        offs_m2 = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, st_lay))
-        q_idx2 = gl.load(PERM + perm_off + offs_m2, mask=offs_m2 < C, other=-1)
         ok2 = (q_idx2 >= 0) & (q_idx2 < S)
         rows2 = gl.where(ok2, q_idx2, 0)
         if ROW64:
@@ -517,12 +535,13 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
               HALF: gl.constexpr, M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr,
               PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              STAGE_OUT: gl.constexpr, STREAM: gl.constexpr):
+              STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, STREAM: gl.constexpr):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
     loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
     later) and the epilogue's perm rows, both in flight under the mainloop."""
     M: gl.constexpr = 64
     q_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+    st_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -539,14 +558,19 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
         offs_mo = rowh + gl.arange(0, M, layout=row_o)
         epi_idx = gl.load(PERM + perm_off + offs_mo, mask=offs_mo < C, other=-1,
                           eviction_policy=STREAM)  # used by the epilogue
+        if STAGE_OUT:  # the staged epilogue's rows too, in its store layout's row slice
+            offs_m2 = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, st_lay))
+            epi_idx2 = gl.load(PERM + perm_off + offs_m2, mask=offs_m2 < C, other=-1, eviction_policy=STREAM)
+        else:
+            epi_idx2 = epi_idx
         if PERSISTENT:  # the queries came from the producer; the count from the tail loaded an item ago
             n_end = _count_from_tail(tail, KV_IDX + idx_off, K_ALLOC, 128, 4)
             w_next = w + w_step
             tail = _tail_probe(KV_IDX + _work_item(w_next, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4], K_ALLOC,
                                w_next < n_work, 128, 4, STREAM)
-            qs = i % 2
+            qs = i % Q_SLOTS
             q_tile = q_smem.index(qs * 2 + HALF)
-            mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
+            mbarrier.wait(q_ready.index(qs), (i // Q_SLOTS) & 1)
             fence_async_shared()
         else:  # one item per program: this half's Q rows through perm, into its own tile
             offs_m = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, q_lay))
@@ -572,14 +596,14 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
                                       c + i, sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF,
                                       PIPELINE, PINGPONG)
         c += gl.cdiv(n_end, BLOCK_N)
-        if PERSISTENT and not STAGE_OUT:  # every QK^T of the item is done: its Q slot is free for item i + 2
-            mbarrier.arrive(q_empty.index(i % 2), count=1)
-        _epilogue(acc, m_i, l_i, epi_idx, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h, group,
+        if PERSISTENT and not STAGE_OUT:  # every QK^T of the item is done: its Q slot is free for item i + Q_SLOTS
+            mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
+        _epilogue(acc, m_i, l_i, epi_idx, epi_idx2, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h, group,
                   (b * H + h).to(gl.int64) * S, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh,
                   stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb,
                   stride_mh, stride_mg, stride_md, q_tile, M, HEAD_DIM, RETURN_LSE, RES_KIND, ROW64, STAGE_OUT, STREAM)
         if PERSISTENT and STAGE_OUT:  # the Q tile staged the output rows: free it now
-            mbarrier.arrive(q_empty.index(i % 2), count=1)
+            mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
         i += 1
 
 
@@ -598,7 +622,8 @@ def _sparse_fwd_sm90(
     M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, ROW_THREADS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
-    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, STREAM: gl.constexpr, num_warps: gl.constexpr,
+    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, STREAM: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
@@ -614,7 +639,7 @@ def _sparse_fwd_sm90(
     dtype: gl.constexpr = Q.dtype.element_ty
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
-    Q_TILES: gl.constexpr = 4 if PERSISTENT else 2  # (2 slots x) 2 halves of 64 rows
+    Q_TILES: gl.constexpr = 2 * Q_SLOTS if PERSISTENT else 2  # (Q_SLOTS slots x) 2 halves of 64 rows
     q_smem = gl.allocate_shared_memory(dtype, [Q_TILES, 64, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], tile_layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], tile_layout)
@@ -643,25 +668,26 @@ def _sparse_fwd_sm90(
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG, STAGE_OUT, STREAM)),
+                     PINGPONG, STAGE_OUT, Q_SLOTS, STREAM)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG, STAGE_OUT, STREAM)),
+                     PINGPONG, STAGE_OUT, Q_SLOTS, STREAM)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
-                     M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, ROW_THREADS, ROW64, PERSISTENT, STREAM)),
+                     M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, ROW_THREADS, ROW64, PERSISTENT, Q_SLOTS, STREAM)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
                 row_threads=None, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
-                persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None):
+                persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
+                q_slots=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -690,9 +716,14 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
         grid = (max(1, min(n_work, num_sms)),)
     else:
         grid = (G * m_blocks, B * H)
+    num_stages = num_stages or cfg["num_stages"]
+    if q_slots is None:  # persistent: two Q slots unless the ring is 3 deep (224 KiB: room for one)
+        q_slots = 1 if num_stages >= 3 else 2
+    if q_slots not in (1, 2):
+        raise ValueError(f"q_slots must be 1 or 2, got {q_slots}")
     args = (q, k, v, perm, kv_idx, out, lse, *res_ptrs, scale * _LOG2E, H, S, k.shape[2], n_slots, k_alloc, C,
             n_work, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *res_strides)
-    meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_N=BLOCK_N, NUM_STAGES=num_stages or cfg["num_stages"],
+    meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_N=BLOCK_N, NUM_STAGES=num_stages,
                 RETURN_LSE=bool(return_lse), RES_KIND=kind, ROW64=bool(row64),
                 ROW_THREADS=row_threads or cfg["row_threads"],
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
@@ -700,6 +731,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 OVERLAP=bool(cfg["overlap"] if overlap is None else overlap),
                 PINGPONG=bool(cfg["pingpong"] if pingpong is None else pingpong),
                 STAGE_OUT=bool(cfg["stage_out"] if stage_out is None else stage_out),
+                Q_SLOTS=q_slots if persistent else 1,
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
