@@ -22,7 +22,7 @@ products and the softmax of one program overlap (Triton 3.6 does not warp-specia
 
 Work items (one group's 128 query rows) walk the groups of one (b, h) back to back. Default: one item per program.
 ``persistent``: one program per SM walks items pid, pid + programs, ...; the producer then also gathers each item's
-Q rows (cp.async, 2 slots with their own mbarriers) and runs ahead into the next item's Q and K/V tiles while the
+Q rows (cp.async, 2 slots with their own mbarriers; with a 3-deep ring 1 slot, after the item's first tiles) and runs ahead into the next item's Q and K/V tiles while the
 consumers run the epilogue (the ring's stage / phase follow a tile counter kept across items; every partition counts
 each item's valid slots itself: the producer with its other first loads in flight, the consumers from the tail
 loaded an item earlier; the epilogue's perm rows are loaded before the mainloop).
@@ -751,7 +751,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             ``consumer_regs``, ``producer_regs``, ``maxnreg`` (the register split), ``row64``, ``pipeline`` (issue the
             next tile's QK^T right behind this tile's P V, one wait for both), ``persistent`` (one program per SM
             walking the work items; the producer gathers the next item's Q (2 slots) and K/V tiles while the consumers
-            run the epilogue; ``num_sms``: programs, default the device's SM count), ``overlap`` (FA3's schedule: tile t's
+            run the epilogue; ``num_sms``: programs, default the device's SM count; ``q_slots``: 2 Q slots,
+            or 1, the default with ``num_stages=3`` (224 KiB): the item's first K/V tiles then go out before its
+            queries), ``overlap`` (FA3's schedule: tile t's
             softmax while tile t-1's P V runs; ``_mainloop_overlap``), ``pingpong`` (the two consumer warpgroups take
             turns issuing their products: with the plain schedule, blocks of tile t's P V + tile t + 1's QK^T, FA3's
             inter-warpgroup schedule; with ``overlap``, that schedule's pairs), ``stage_out`` (output rows through
