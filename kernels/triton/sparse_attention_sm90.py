@@ -23,9 +23,10 @@ products and the softmax of one program overlap (Triton 3.6 does not warp-specia
 Work items (one group's 128 query rows) walk the groups of one (b, h) back to back. Default: one item per program.
 ``persistent``: one program per SM walks items pid, pid + programs, ...; the producer then also gathers each item's
 Q rows (cp.async, 2 slots with their own mbarriers; with a 3-deep ring 1 slot, after the item's first tiles) and
-runs ahead into the next item's Q and K/V tiles while the consumers run the epilogue (the ring's stage / phase follow a tile counter kept across items; every partition counts
-each item's valid slots itself: the producer with its other first loads in flight, the consumers from the tail
-loaded an item earlier; the epilogue's perm rows are loaded before the mainloop).
+runs ahead into the next item's Q and K/V tiles while the consumers run the epilogue (the ring's stage / phase
+follow a tile counter kept across items; every partition counts each item's valid slots itself: the producer with
+its other first loads in flight, the consumers from the tail loaded an item earlier; the epilogue's perm rows are
+loaded before the mainloop).
 
 Shared memory: Q 128 x D (x 2 slots persistent) + NUM_STAGES x (K + V) tiles of 128 x D (D = 128, 2 stages:
 160 KiB; persistent 192 KiB). Registers: consumers
