@@ -104,7 +104,9 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
            # one Q slot and a 3-deep ring (224 KiB): each item's first tiles go out before its queries; counts 1..300
            # of 1024 slots: 1-3 tiles per item, so the queries follow tile 0, 1 or 2
            "pingpong-persistent-3-stages": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3), "int4_group"),
-           "pingpong-persistent-stage-out": (dict(pingpong=True, persistent=True, num_sms=7, stage_out=True), "plain")}
+           "pingpong-persistent-stage-out": (dict(pingpong=True, persistent=True, num_sms=7, stage_out=True), "plain"),
+           "pingpong-persistent-l2-prefetch": (dict(pingpong=True, persistent=True, num_sms=7, l2_prefetch=True),
+                                               "fp8_row")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(TUNINGS.values()), ids=list(TUNINGS))

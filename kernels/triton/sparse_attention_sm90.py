@@ -75,7 +75,7 @@ def config(head_dim: int) -> dict:
     ``persistent`` + ``stage_out``: 1.3B 0.719-0.755, 14B 0.776-0.804. Registers 224 / 56 (consumers / producer):
     the producer issues each item's count, index and query loads together (232 / 40 spilled 32 bytes there)."""
     return dict(num_stages=2, consumer_regs=224, producer_regs=56, maxnreg=168, pipeline=False, persistent=False,
-                overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4)
+                overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -163,6 +163,20 @@ def _gather_rows(dst, base, rows, ok, stride_s, stride_d, offs_d, EVICT: gl.cons
 
 
 @gluon.jit
+def _prefetch_rows_l2(base, rows, stride_s, stride_d, HEAD_DIM: gl.constexpr, ROW_THREADS: gl.constexpr):
+    """``prefetch.global.L2::evict_last`` of the given rows (D contiguous elements each; ``rows`` in the producer's row
+    slice layout, ROW_THREADS threads per row): each thread prefetches the line holding its 1 / ROW_THREADS of each
+    of its rows, so the rows are in L2 (and kept there, evict_last: every group of the head reads them) when the
+    cp.async copies them. A hint: no effect on results."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 1], [32 // ROW_THREADS, ROW_THREADS], [4, 1], [1, 0])
+    r = gl.convert_layout(rows, gl.SliceLayout(1, lay))
+    col = gl.arange(0, ROW_THREADS, layout=gl.SliceLayout(0, lay)) * (HEAD_DIM // ROW_THREADS)
+    ptr = base + r[:, None] * stride_s + col[None, :] * stride_d
+    gl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _gather_q(dst, q_base, q_idx, S, stride_qs, stride_qd, offs_d, ROW64: gl.constexpr, STREAM: gl.constexpr):
     """cp.async of 64 query rows q_idx (perm entries; -1 or out of range: zeros) into one Q tile."""
     ok = (q_idx >= 0) & (q_idx < S)
@@ -191,7 +205,7 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
               stride_vb, stride_vh, stride_vs, stride_vd,
               M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               ROW_THREADS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
-              STREAM: gl.constexpr):
+              L2_PREFETCH: gl.constexpr, STREAM: gl.constexpr):
     """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the item's Q slot)
     then K then V rows of each key tile into the stage ring; the ring's stage and phase follow a tile counter kept
     across items. PERSISTENT with one Q slot (``Q_SLOTS`` 1: a 3-deep ring leaves room for one): the item's first
@@ -239,6 +253,9 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
                 kv = kv.to(gl.int64)
             nxt = slots + BLOCK_N  # the next tile's indices, in flight while this tile's rows are copied
             kv_next = gl.load(idx_base + nxt, mask=nxt < n_end, other=0, eviction_policy=STREAM)
+            if L2_PREFETCH:  # this tile's rows towards L2 while the ring slots are still busy
+                _prefetch_rows_l2(k_base, kv, stride_ks, stride_kd, HEAD_DIM, ROW_THREADS)
+                _prefetch_rows_l2(v_base, kv, stride_vs, stride_vd, HEAD_DIM, ROW_THREADS)
             mbarrier.wait(k_empty.index(s), ph ^ 1)
             _gather_rows(k_smem.index(s), k_base, kv, live, stride_ks, stride_kd, offs_d, _DEFAULT_POLICY)
             async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
@@ -623,8 +640,8 @@ def _sparse_fwd_sm90(
     M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, ROW_THREADS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
-    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, STREAM: gl.constexpr,
-    num_warps: gl.constexpr,
+    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr,
+    L2_PREFETCH: gl.constexpr, STREAM: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
@@ -681,14 +698,15 @@ def _sparse_fwd_sm90(
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
-                     M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, ROW_THREADS, ROW64, PERSISTENT, Q_SLOTS, STREAM)),
+                     M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, ROW_THREADS, ROW64, PERSISTENT, Q_SLOTS, L2_PREFETCH,
+                     STREAM)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
                 row_threads=None, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
-                q_slots=None):
+                q_slots=None, l2_prefetch=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -733,6 +751,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 PINGPONG=bool(cfg["pingpong"] if pingpong is None else pingpong),
                 STAGE_OUT=bool(cfg["stage_out"] if stage_out is None else stage_out),
                 Q_SLOTS=q_slots if persistent else 1,
+                L2_PREFETCH=bool(cfg["l2_prefetch"] if l2_prefetch is None else l2_prefetch),
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
@@ -758,7 +777,8 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             softmax while tile t-1's P V runs; ``_mainloop_overlap``), ``pingpong`` (the two consumer warpgroups take
             turns issuing their products: with the plain schedule, blocks of tile t's P V + tile t + 1's QK^T, FA3's
             inter-warpgroup schedule; with ``overlap``, that schedule's pairs), ``stage_out`` (output rows through
-            shared memory into a row-major layout: whole-row stores), ``l2_hints`` (``_l2_policies``).
+            shared memory into a row-major layout: whole-row stores), ``l2_hints`` (``_l2_policies``), ``l2_prefetch``
+            (each K/V tile's rows prefetched to L2 with evict_last before the producer waits for their ring slots).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:
