@@ -223,6 +223,7 @@ class ReuseLoader:
                 if isinstance(s, StoredEntry) and s.ready is not None:
                     current.wait_event(s.ready)
         batch = _decode_group(stored, device, dtype)
+        _rebind(stored, batch, device)
         if device.type == "cuda":
             event = _record(device)
             for s in stored:
@@ -245,7 +246,9 @@ class ReuseLoader:
             self.dropped += len(self._pending.group)
             self._pending = None
         if device.type != "cuda":
-            self._pending = _Pending(group, _decode_group(stored, device, dtype), None, device)
+            batch = _decode_group(stored, device, dtype)
+            _rebind(stored, batch, device)
+            self._pending = _Pending(group, batch, None, device)
             return
         side = self._streams.get(device)
         if side is None:
@@ -261,6 +264,7 @@ class ReuseLoader:
                             t.record_stream(side)  # read here: not to be reused before this stream is past it
             batch = _decode_group(stored, device, dtype)
             event = _record(device)
+        _rebind(stored, batch, device)
         for s in stored:
             if isinstance(s, StoredEntry) and s.host is not None:
                 s.host.used(event)
@@ -278,9 +282,62 @@ class ReuseLoader:
         return stored
 
 
+STACK_VIEWS = True
+"""Stacked residuals as views (``_rebind``): after the first stacked decode of a call group whose entries are stored
+on the compute device, the entries' residuals are that batch's rows, so later decodes of the group take a view instead
+of copying 2 x residual bytes per reuse call (at Wan2.1-1.3B 480p ~200 MB read + written on the side stream per call,
+competing with the layer's kernels for memory bandwidth). Memory-neutral: the separate residual tensors are freed when
+their rows take over (the per-call stacked copy today's decode allocates is the same size). False: copy every call
+(the benchmark's ``--profile-reuse`` times both side by side)."""
+
+
+def _rebind(stored: list, batch: ReuseBatch, device: torch.device) -> None:
+    """After a stacked decode of ``stored`` (two or more entries, all ``StoredEntry`` kept on ``device``, residual
+    tensors passed to the kernel as stored): make each entry's stored residual its rows of ``batch``'s stacked
+    residual, so the next decode of the same group in the same order is a view (``_adjacent``), not a copy. No-op when
+    ``STACK_VIEWS`` is off, when the batch already is such a view, or for any other entry form."""
+    r = batch.residual
+    if not STACK_VIEWS or r is None or len(stored) < 2:
+        return
+    if not all(isinstance(s, StoredEntry) and s.host is None and s.device == device and s.residual is not None
+               for s in stored):
+        return
+    stacked = r.tensors()
+    b = batch.perm.shape[0] // len(stored)
+    for i, s in enumerate(stored):
+        own = s.residual.tensors()
+        if len(own) != len(stacked) or any(t.shape[1:] != u.shape[1:] or t.dtype != u.dtype or t.shape[0] != b
+                                           for t, u in zip(own, stacked)):
+            return  # the kernel's form is not the stored tensors one for one: leave the entries alone
+        if any(t.data_ptr() == u[i * b:(i + 1) * b].data_ptr() for t, u in zip(own, stacked)):
+            return  # already rows of this batch
+    if device.type == "cuda":
+        current = torch.cuda.current_stream(device)
+        for t in stacked:
+            t.record_stream(current)  # made on the prefetch stream, read by later calls on the compute stream
+    for i, s in enumerate(stored):
+        s.residual = s.residual.with_tensors(iter([u[i * b:(i + 1) * b] for u in stacked]))
+
+
+def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor over ``parts`` (equal shapes and dtypes) when they are consecutive contiguous blocks of one storage,
+    in order (rows of an earlier stacked decode, ``_rebind``): a view, no copy. None otherwise."""
+    first = parts[0]
+    if not all(t.is_contiguous() and t.dtype == first.dtype and t.shape == first.shape and t.device == first.device
+               for t in parts):
+        return None
+    base = first.untyped_storage().data_ptr()
+    step = first.numel() * first.element_size()
+    for i, t in enumerate(parts):
+        if t.untyped_storage().data_ptr() != base or t.data_ptr() != first.data_ptr() + i * step:
+            return None
+    return first.as_strided((len(parts) * first.shape[0], *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 def _decode_group(stored: list, device: torch.device, dtype: torch.dtype) -> ReuseBatch:
     """Decode entries (``StoredEntry`` or raw ``CacheEntry``) into one stacked ``ReuseBatch`` on the current stream:
-    a single entry without any copy; several into preallocated stacked buffers, each decoded into its rows."""
+    a single entry without any copy; several into preallocated stacked buffers, each decoded into its rows (the
+    residual as a view when the entries' residuals already are consecutive rows of one tensor, ``_rebind``)."""
     if len(stored) == 1:
         return _decode_one(stored[0], device, dtype, None, None, None)
     first = _decode_shapes(stored[0])
@@ -288,14 +345,23 @@ def _decode_group(stored: list, device: torch.device, dtype: torch.dtype) -> Reu
     n = len(stored)
     perm = torch.empty(n * b, *first["perm"], dtype=torch.int32, device=device)
     kv_idx = torch.empty(n * b, *first["kv"], dtype=torch.int32, device=device)
-    residual = None
+    residual, copy_residual = None, True
     if first["res"] is not None:  # the first entry's residual form, each of its tensors stacked n times
         like, parts = first["res"]
-        residual = like.with_tensors(torch.empty(n * b, *shape, dtype=dt, device=device) for dt, shape in parts)
+        views = None
+        if STACK_VIEWS:
+            here = [_residual_of(x) for x in stored]
+            if all(r is not None and r.kind == like.kind and r.data.device == device and len(r.tensors()) == len(parts)
+                   for r in here):
+                views = [_adjacent([r.tensors()[j] for r in here]) for j in range(len(parts))]
+        if views is not None and all(v is not None for v in views):
+            residual, copy_residual = like.with_tensors(views), False
+        else:
+            residual = like.with_tensors(torch.empty(n * b, *shape, dtype=dt, device=device) for dt, shape in parts)
     for i, s in enumerate(stored):
         rows = slice(i * b, (i + 1) * b)
         _decode_one(s, device, dtype, perm[rows], kv_idx[rows],
-                    None if residual is None else [t[rows] for t in residual.tensors()])
+                    None if residual is None or not copy_residual else [t[rows] for t in residual.tensors()])
     return ReuseBatch(perm, kv_idx, residual)
 
 

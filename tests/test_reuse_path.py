@@ -264,3 +264,55 @@ def test_runner_prefetches_only_the_next_call_cpu_cache(anchor_orders, reuse_ord
     not_next = [log[i][1] for i in decodes[:-1] if next(g for w, g in log[i + 1:] if w == "load") != log[i][1]]
     assert len(not_next) == misses and loader.dropped == 2 * misses  # a switch wastes the one group guessed
     assert f"prefetch hit rate {loader.hit_rate:.1%}" in run.summary()
+
+
+def _batched_reuse_run(monkeypatch, stack_views: bool):
+    """Anchor step then 3 reuse steps of 2 layers with batched CFG; per reuse launch: (step, residual data, output)."""
+    from comfyui_mc_sparse_pack import kernels
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import prefetch
+
+    monkeypatch.setattr(prefetch, "STACK_VIEWS", stack_views)
+    launches = []
+    real = kernels.sparse_attention
+
+    def recording(q, k, v, perm, kv_idx, **kw):
+        out = real(q, k, v, perm, kv_idx, **kw)
+        if kw.get("residual") is not None:  # reuse launches (the anchor's own sparse evaluation has none)
+            launches.append((kw["residual"].data, out.clone()))
+        return out
+
+    monkeypatch.setattr(kernels, "sparse_attention", recording)
+    g = torch.Generator().manual_seed(SEED)
+    heads, seq, dim = 2, 192, 64
+    qkv = [[torch.randn(1, seq, heads * dim, generator=g) for _ in range(2)] for _ in range(3)]
+    run = lifecycle.RunState(_settings(), torch.tensor([1.0, 0.8, 0.6, 0.4, 0.0]))
+    _fake_sampler_run(run, layers=2, steps=4, batch_orders=[[1, 0]], qkv=qkv, heads=heads, guard_from_step=1)
+    return run, launches
+
+
+def test_stacked_residual_is_a_view_of_the_cache_after_the_first_decode(monkeypatch):
+    """A batched CFG group's first stacked decode makes the two entries' residuals its rows (no extra memory); every
+    later decode of the group hands the kernel a view of those rows (no 2 x residual copy per call), and the outputs
+    equal, bit for bit, a run that copies the residuals every call. A decode of the group in the other order copies."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import prefetch
+
+    print(f"seed {SEED}")
+    with monkeypatch.context() as m:
+        run, views = _batched_reuse_run(m, True)
+    with monkeypatch.context() as m:
+        _, copies = _batched_reuse_run(m, False)
+    assert len(views) == len(copies) == 3 * 2
+    for (r_v, o_v), (r_c, o_c) in zip(views, copies):
+        assert torch.equal(o_v, o_c) and torch.equal(r_v, r_c)
+    cache = run.runner.cache
+    shape = (1, 2, 192, 64)
+    for layer in range(2):
+        group = [cache.get(CacheKey(layer, f"uuid{i}", None, shape)) for i in (1, 0)]
+        r1, r0 = (s.residual.data for s in group)
+        assert r0.data_ptr() == r1.data_ptr() + r1.numel() * r1.element_size()  # rows of one tensor, in call order
+        # the later steps' launches read the cache's own rows
+        later = [r for r, _ in views[2:] if r.data_ptr() == r1.data_ptr()]
+        assert len(later) == 2 and later[0].shape[0] == 2
+        swapped = prefetch._decode_group(group[::-1], r0.device, torch.float32)
+        assert swapped.residual.data.data_ptr() not in (r0.data_ptr(), r1.data_ptr())
+        assert torch.equal(swapped.residual.data[0], r0[0]) and torch.equal(swapped.residual.data[1], r1[0])
