@@ -177,6 +177,9 @@ def setup(comfyui_dir: str, device: str) -> Env:
 
 TRITON_ONLY_OFF = ("cutedsl", "flash_attn4")
 """Backends ``--kernels triton-only`` turns off: the ones that need packages beyond the pack's requirements."""
+TRITON_ONLY_SUFFIX = "_triton_only"
+"""Appended to the e2e speedup and anchor-over-dense scoreboard keys of a ``--kernels triton-only`` run (TEAM.md item
+6); not to ``e2e_wan13b_480p_fast_speedup_whole_run`` (Triton-only by definition, issue 15)."""
 
 
 def triton_only(env: Env) -> None:
@@ -326,14 +329,15 @@ def attention_timer(rec: dict, device: torch.device):
 
 def timed_sample(env: Env, patcher, *, steps: int, shape, cfg: float, sampler: str, scheduler: str, seed: int,
                  device: torch.device, time_attention: bool = False, split_cfg: bool = False,
-                 override=None) -> dict:
+                 override=None, profiler: StepProfiler | None = None) -> dict:
     """One ``comfy.sample.sample`` call with per-step timing. Returns the record (steps, evals, run state).
 
     split_cfg: make ComfyUI run cond and uncond as separate forwards, the way it does when memory is short: during
     the sampling loop only (after model loading), the model's memory estimate for a batch of more than one is made
     larger than any free memory, so ``_calc_cond_batch``'s rule (``comfy/samplers.py`` L262-276: batch only while
     ``memory_required(batch) * 1.5 < free memory``) picks batches of one. override: an attention override to install
-    on the clone (the peer)."""
+    on the clone (the peer). profiler: profiles the steps it names (``StepProfiler``; those steps' walls include
+    the profiler's start and stop)."""
     rec: dict = {"evals": [], "step_ends": [], "t_start": None, "run": None,
                  "attn_current": {"self": 0.0, "cross": 0.0}, "attn_calls_current": {"self": 0, "cross": 0},
                  "forwards_current": []}
@@ -354,6 +358,8 @@ def timed_sample(env: Env, patcher, *, steps: int, shape, cfg: float, sampler: s
 
             base_model.memory_required = memory_required  # instance attribute, removed below
         rec["t_start"] = now(device)
+        if profiler is not None:
+            profiler.step_done(-1)
         try:
             return executor(*args, **kwargs)
         finally:
@@ -392,6 +398,8 @@ def timed_sample(env: Env, patcher, *, steps: int, shape, cfg: float, sampler: s
 
     def callback(step, x0, x, total_steps):
         rec["step_ends"].append((int(step), now(device)))
+        if profiler is not None:
+            profiler.step_done(int(step))
 
     g = torch.Generator().manual_seed(seed)
     latent = torch.zeros(shape)
@@ -405,6 +413,7 @@ def timed_sample(env: Env, patcher, *, steps: int, shape, cfg: float, sampler: s
     rec["call_s"] = time.perf_counter() - t_call
     rec["finite"] = bool(torch.isfinite(out).all())
     rec["latent_std"] = float(out.float().std())
+    rec["latent"] = out.detach().to("cpu", torch.float32)  # the sampled latent (--profile-reuse compares runs)
     prev = rec["t_start"]
     step_s = []
     for _, t in rec["step_ends"]:
@@ -894,6 +903,270 @@ def run_whole(env: Env, base, *, preset: str, args, shape, device, steps: int, d
     return out
 
 
+# --- --profile-reuse: where a reuse step's time goes (torch.profiler), stacked residual copies vs views --------------
+
+class StepProfiler:
+    """``torch.profiler`` over chosen sampler steps: ``steps`` maps a 0-based step to a name; each named step gets its
+    own profile (started at the end of the step before it, after the sampler callback's device sync, stopped at its
+    own callback). ``timed_sample`` calls ``step_done``. Profiles are analysed after the call (``trace_summary``)."""
+
+    def __init__(self, steps: dict[int, str], device: torch.device):
+        self.want = dict(steps)
+        self.device = device
+        self.active = None  # (step, profile, name)
+        self.done: dict[str, object] = {}
+
+    def step_done(self, step: int) -> None:
+        """Step ``step`` (0-based; -1: sampling starts) is complete and the device synchronised."""
+        if self.active is not None and self.active[0] == step:
+            self.active[1].stop()
+            self.done[self.active[2]] = self.active[1]
+            self.active = None
+        if step + 1 in self.want:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False)
+            prof.start()
+            self.active = (step + 1, prof, self.want[step + 1])
+
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+DISPATCH_LABEL = "mc_sparse.dispatch"
+"""``record_function`` label around the MC-Sparse override's dispatch in profiled runs (host time per call)."""
+
+
+def trace_summary(events: list[dict], top: int = 15) -> dict:
+    """What one profiled step did, from its Chrome-trace events (``ts`` / ``dur`` in us).
+
+    Returns: ``span_ms`` (first GPU start to last GPU end), ``busy_ms`` (union of every stream's GPU work), ``idle_ms``
+    (span - busy: the device waiting for the host or a dependency), ``streams`` (per stream: ops, busy ms), ``kernels``
+    (name -> [count, total ms], names cut at 100 characters), ``top`` (the ``top`` heaviest), ``gaps`` (idle gaps over
+    5 us: count, total ms, the largest with the kernels around them), ``syncs`` (host runtime calls that wait for the
+    device: count, ms), ``dispatch`` (``DISPATCH_LABEL`` host spans: count, total ms)."""
+    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS and "dur" in e),
+                 key=lambda e: float(e["ts"]))
+    out: dict = {"gpu_ops": len(gpu)}
+    kernels: dict[str, list] = {}
+    streams: dict[str, list] = {}
+    for e in gpu:
+        name = str(e.get("name", "?"))[:100]
+        k = kernels.setdefault(name, [0, 0.0])
+        k[0] += 1
+        k[1] += float(e["dur"]) / 1000.0
+        st = streams.setdefault(str((e.get("args") or {}).get("stream", "?")), [0, 0.0])
+        st[0] += 1
+        st[1] += float(e["dur"]) / 1000.0
+    out["kernels"] = {n: [c, round(ms, 4)] for n, (c, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])}
+    out["top"] = list(out["kernels"].items())[:top]
+    out["streams"] = {k: {"ops": c, "busy_ms": round(ms, 3)} for k, (c, ms) in streams.items()}
+    busy, gaps = 0.0, []
+    if gpu:
+        cur_s, cur_e, cur_name = float(gpu[0]["ts"]), float(gpu[0]["ts"]) + float(gpu[0]["dur"]), gpu[0]["name"]
+        for e in gpu[1:]:
+            s0, e0 = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+            if s0 > cur_e:
+                busy += cur_e - cur_s
+                gaps.append((s0 - cur_e, str(cur_name)[:60], str(e.get("name", "?"))[:60]))
+                cur_s, cur_e = s0, e0
+            elif e0 > cur_e:
+                cur_e = e0
+            if e0 >= cur_e:
+                cur_name = e.get("name", "?")
+        busy += cur_e - cur_s
+        span = max(float(e["ts"]) + float(e["dur"]) for e in gpu) - float(gpu[0]["ts"])
+        out.update(span_ms=span / 1000.0, busy_ms=busy / 1000.0, idle_ms=(span - busy) / 1000.0)
+    big = sorted((g for g in gaps if g[0] > 5.0), reverse=True)
+    out["gaps"] = {"over_5us": len(big), "over_5us_ms": sum(g[0] for g in big) / 1000.0,
+                   "largest": [{"us": round(g[0], 1), "after": g[1], "before": g[2]} for g in big[:8]]}
+    syncs: dict[str, list] = {}
+    dispatch = [0, 0.0]
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        name = str(e.get("name", ""))
+        if "Synchronize" in name or name in ("aten::_local_scalar_dense", "cudaMemcpy"):
+            v = syncs.setdefault(name, [0, 0.0])
+            v[0] += 1
+            v[1] += float(e["dur"]) / 1000.0
+        elif name == DISPATCH_LABEL:
+            dispatch[0] += 1
+            dispatch[1] += float(e["dur"]) / 1000.0
+    out["syncs"] = {k: {"count": c, "ms": round(ms, 3)} for k, (c, ms) in syncs.items()}
+    out["dispatch"] = {"calls": dispatch[0], "host_ms": round(dispatch[1], 3),
+                       "host_ms_per_call": round(dispatch[1] / dispatch[0], 4) if dispatch[0] else None}
+    return out
+
+
+def kernel_delta(a: dict, b: dict, top: int = 12) -> list[tuple[str, float, int, int]]:
+    """Kernels whose total time differs most between two ``trace_summary`` results: (name, b - a ms, count a, count b),
+    largest difference first."""
+    names = set(a["kernels"]) | set(b["kernels"])
+    rows = [(n, round(b["kernels"].get(n, [0, 0.0])[1] - a["kernels"].get(n, [0, 0.0])[1], 4),
+             a["kernels"].get(n, [0, 0.0])[0], b["kernels"].get(n, [0, 0.0])[0]) for n in names]
+    return sorted(rows, key=lambda r: -abs(r[1]))[:top]
+
+
+def _profile_file(prof, path: Path) -> dict:
+    """Export ``prof``'s Chrome trace gzipped to ``path`` and summarise it (``trace_summary``)."""
+    import gzip
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        data = raw.read_bytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(data, compresslevel=3))
+    events = json.loads(data).get("traceEvents", [])
+    return trace_summary(events)
+
+
+def _print_profile(name: str, t: dict, wall: float | None) -> None:
+    print(f"  [{name}] wall {wall if wall is None else round(wall, 4)} s; GPU span {t.get('span_ms', 0):.2f} ms, busy "
+          f"{t.get('busy_ms', 0):.2f}, idle {t.get('idle_ms', 0):.2f} (gaps > 5 us: {t['gaps']['over_5us']}, "
+          f"{t['gaps']['over_5us_ms']:.2f} ms); streams "
+          + ", ".join(f"{k}: {v['ops']} ops {v['busy_ms']:.2f} ms" for k, v in t["streams"].items())
+          + f"; host syncs {t['syncs'] or 'none'}; dispatch {t['dispatch']}", flush=True)
+    for n, (c, ms) in t["top"][:10]:
+        print(f"      {ms:9.3f} ms  x{c:<5d} {n}", flush=True)
+    for g in t["gaps"]["largest"][:4]:
+        print(f"      gap {g['us']:.0f} us after {g['after']} before {g['before']}", flush=True)
+
+
+def run_profile(env: Env, base, *, preset: str, args, shape, device, steps: int, dense: dict, spec: dict,
+                dtype: torch.dtype) -> dict:
+    """``--profile-reuse``: where a reuse step's time goes beyond the kernels, and stacked residual copies against
+    views (``prefetch.STACK_VIEWS``) side by side, in one process.
+
+    1. the kernels prewarmed at the CFG batch (as ``run_whole``);
+    2. unpatched, 4 steps: D = median of steps 2-3, step 4 profiled (``torch.profiler``, trace gzipped next to --out);
+    3. the node's ``preset`` on ``steps`` steps, 4 runs alternating residual copies / views (copy, views, copy,
+       views); the first run profiles its anchor step and each variant's first run its last reuse step; per run the
+       reuse steps' median wall (the first reuse step and profiled steps left out), the runner's reuse-call time per
+       step (CUDA events: median call x calls) and the pack overhead per call against the step at those kernels
+       (N + A (1 - f) + the calls, with A = ``dense``'s self-attention and N = D - A, as ``whole_breakdown``).
+    Printed: per profiled step the GPU busy / idle time, streams, host syncs, the override's host time per call, the
+    heaviest kernels and the largest idle gaps; the kernels whose time differs most between the unpatched step and
+    each variant's reuse step; reuse step copy vs views."""
+    import importlib
+
+    prefetch = importlib.import_module(env.engine.__name__.rsplit(".", 1)[0] + ".prefetch")
+    out: dict = {"label": f"profile, preset {preset}, {steps} steps", "steps": steps}
+    kwargs = {"preset": preset, "min_tokens": args.min_tokens}
+    if args.backend != "auto":
+        kwargs["backend"] = args.backend
+    settings = env.settings.build_settings(**{**_node_defaults(), **kwargs})
+    out["prewarm_s"] = prewarm_kernels(env, heads=spec["num_heads"], head_dim=spec["dim"] // spec["num_heads"],
+                                       tokens=tokens_of(shape), density=settings.density,
+                                       group_size=settings.group_size, device=device, dtype=dtype,
+                                       backend=settings.backend, batch=2 if args.cfg != 1.0 else 1)
+    print(f"[profile] kernels prewarmed: {out['prewarm_s']:.1f} s", flush=True)
+    stem = Path(args.out)
+    traces = stem.parent / f"{stem.stem}_traces"
+    common = dict(shape=shape, cfg=args.cfg, sampler=args.sampler, scheduler=args.scheduler, seed=args.seed,
+                  device=device)
+    prof = StepProfiler({3: "unpatched"}, device)
+    rec = timed_sample(env, base, steps=4, profiler=prof, **common)
+    D = statistics.median(rec["step_s"][1:3])
+    summaries = {"unpatched": _profile_file(prof.done["unpatched"], traces / "unpatched.json.gz")}
+    walls = {"unpatched": rec["step_s"][3]}
+    out["unpatched"] = {"step_s": rec["step_s"], "D": D}
+    A = float(dense["self_attn_s"])
+    N = D - A
+    real_dispatch = env.override.dispatch
+
+    def annotated(*a, **kw):
+        with torch.profiler.record_function(DISPATCH_LABEL):
+            return real_dispatch(*a, **kw)
+
+    runs, latents = [], []
+    env.override.dispatch = annotated
+    try:
+        for i, variant in enumerate(("copy", "views", "copy", "views")):
+            prefetch.STACK_VIEWS = variant == "views"
+            sc = schedule_counts(env, settings, steps, 1)
+            kinds = sc["kinds"]
+            want = {}
+            if i == 0 and "A" in kinds:
+                want[kinds.index("A")] = "anchor"
+            if i < 2 and kinds.endswith("R"):
+                want[steps - 1] = f"reuse ({variant})"
+            prof = StepProfiler(want, device)
+            model = env.lifecycle.apply_mc_sparse(base, **kwargs)
+            rec = timed_sample(env, model, steps=steps, profiler=prof, **common)
+            del model
+            rows = [r for r in classify(rec) if "kind" in r]
+            reuse_rows = [r for r in rows if r["kind"] == "reuse"]
+            timed = [r["wall_s"] for r in reuse_rows[1:] if r["step"] - 1 not in want]
+            run = rec["run"]
+            runner = getattr(run, "runner", None)
+            if runner is None:
+                raise RuntimeError(f"the patched run stayed dense: {getattr(run, 'dense_run_reason', 'no run state')}")
+            layers = spec["num_layers"]
+            f = (layers - runner.config.warmup_layers) / layers
+            per = [ms for v in runner.timer.times("reuse").values() for ms in v]
+            batch = max((b for r in rows for b in (r.get("forward_batches") or [])), default=1)
+            call_ms = statistics.median(per) * batch if per else float("nan")
+            calls_per_step = runner.stats.calls[env.schedule.StepKind.REUSE] / max(len(reuse_rows), 1) / batch
+            sparse_step = call_ms * calls_per_step / 1000.0
+            reuse = statistics.median(timed) if timed else float("nan")
+            at_kernels = N + A * (1 - f) + sparse_step
+            r = {"variant": variant, "schedule": kinds, "reuse_steps_timed": timed, "reuse_step_s": reuse,
+                 "reuse_call_ms": call_ms, "calls_per_step": calls_per_step, "at_kernels_s": at_kernels,
+                 "pack_overhead_ms_per_step": (reuse - at_kernels) * 1000.0,
+                 "pack_overhead_ms_per_call": (reuse - at_kernels) * 1000.0 / calls_per_step if calls_per_step else None,
+                 "anchor_step_s": next((q["wall_s"] for q in rows if q["kind"] == "anchor"), None),
+                 "loads": {"prefetched": runner.loader.hits, "inline": runner.loader.misses},
+                 "finite": rec["finite"]}
+            latents.append(rec.pop("latent"))
+            r["max_abs_diff_vs_run1"] = float((latents[-1] - latents[0]).abs().max())
+            runs.append(r)
+            print(f"[profile] run {i + 1} residual {variant}: {kinds}; reuse step median {reuse:.4f} s over "
+                  f"{len(timed)}; reuse call {call_ms:.3f} ms x {calls_per_step:.0f}/step; at the kernels "
+                  f"{at_kernels:.4f} s -> pack overhead {r['pack_overhead_ms_per_step']:+.2f} ms/step "
+                  f"({r['pack_overhead_ms_per_call']:+.3f} ms/call); loads {r['loads']}; finite {rec['finite']}; "
+                  f"latent max |diff| vs run 1 {r['max_abs_diff_vs_run1']:.3g}", flush=True)
+            for step, name in want.items():
+                if name in prof.done:
+                    tag = name.split(" ")[0] + ("_" + variant if name.startswith("reuse") else "")
+                    summaries[name] = _profile_file(prof.done[name], traces / f"{tag}.json.gz")
+                    walls[name] = rec["step_s"][step]
+    finally:
+        env.override.dispatch = real_dispatch
+        prefetch.STACK_VIEWS = True
+    out["runs"] = runs
+    out["profiles"] = {k: {kk: vv for kk, vv in v.items() if kk != "kernels"} for k, v in summaries.items()}
+    out["kernels"] = {k: v["kernels"] for k, v in summaries.items()}
+    out["traces"] = str(traces)
+    print(f"[profile] unpatched D {D:.4f} s (A {A:.4f}, N {N:.4f}); profiled steps (walls include the profiler):",
+          flush=True)
+    for name, t in summaries.items():
+        _print_profile(name, t, walls.get(name))
+    for name in summaries:
+        if name.startswith("reuse"):
+            out.setdefault("delta_vs_unpatched", {})[name] = d = kernel_delta(summaries["unpatched"], summaries[name])
+            print(f"  kernels {name} - unpatched (ms, count unpatched -> reuse):", flush=True)
+            for n, ms, ca, cb in d:
+                print(f"      {ms:+9.3f} ms  {ca} -> {cb}  {n}", flush=True)
+    # correctness on the device: a views run must sample the latent a copy run does (runs 1 and 3 give the noise floor)
+    floor = runs[2]["max_abs_diff_vs_run1"] if len(runs) > 2 else 0.0
+    views_diff = max((r["max_abs_diff_vs_run1"] for r in runs if r["variant"] == "views"), default=float("nan"))
+    out["views_check"] = {"views_vs_copy_max_abs_diff": views_diff, "copy_vs_copy_max_abs_diff": floor,
+                          "ok": views_diff <= floor}
+    print(f"[profile] CHECK views vs copy: latent max |diff| {views_diff:.3g} (copy vs copy {floor:.3g}) -> "
+          f"{'OK' if views_diff <= floor else 'FAILED'}", flush=True)
+    by = {v: [r["reuse_step_s"] for r in runs if r["variant"] == v] for v in ("copy", "views")}
+    if all(by.values()):
+        c, w = statistics.mean(by["copy"]), statistics.mean(by["views"])
+        out["reuse_copy_s"], out["reuse_views_s"], out["views_over_copy"] = c, w, w / c
+        print(f"[profile] reuse step, side by side: residual copies {c:.4f} s ({', '.join(f'{x:.4f}' for x in by['copy'])})"
+              f" vs views {w:.4f} s ({', '.join(f'{x:.4f}' for x in by['views'])}) -> views/copy {w / c:.4f}, "
+              f"{(c - w) * 1000:+.2f} ms per step, x40 reuse steps of the 50-step run: {(c - w) * 40:+.3f} s",
+              flush=True)
+    return out
+
+
 def run_kernels(env: Env, run) -> dict:
     """The kernels the patched run's ops ran on (the runner's ``kernels.registry.Record``) and, for the Triton
     backend's sparse op, which kernel it chose per call shape (the run summary's "sparse kernel" line)."""
@@ -1053,8 +1326,13 @@ def scoreboard_entries(report: dict, *, command: str, commit: str, gpu: str | No
     """The scoreboard keys this benchmark measured in ``report`` (true values, bars met or not)."""
     date = time.strftime("%Y-%m-%d")
     out = {}
+    kernels = report["args"].get("kernels", "installed")
 
-    def put(key, value, unit, note):
+    def put(key, value, unit, note, suffixed=False):
+        # TEAM.md item 6: e2e / anchor keys measured with --kernels triton-only go under key + "_triton_only" (the
+        # plain key holds the figure with the full Hopper install); the 1.3B whole-run key is Triton-only by definition
+        if suffixed and kernels == "triton-only":
+            key += TRITON_ONLY_SUFFIX
         if value is not None and value == value:
             out[key] = {"value": round(float(value), 4), "unit": unit, "command": command, "commit": commit,
                         "gpu": gpu, "date": date, "note": note}
@@ -1083,12 +1361,11 @@ def scoreboard_entries(report: dict, *, command: str, commit: str, gpu: str | No
                 put(f"e2e_{tag}_{preset}_speedup", x["speedup"], "x",
                     f"node preset '{preset}' vs unpatched (ComfyUI default attention); {x['method']}; cfg "
                     f"{report['args']['cfg']}, {report['args']['sampler']}/{report['args']['scheduler']}; "
-                    f"--kernels {report['args'].get('kernels', 'installed')}: "
-                    f"{(r.get('run_kernels') or {}).get('line', '?')}")
+                    f"--kernels {kernels}: {(r.get('run_kernels') or {}).get('line', '?')}", suffixed=True)
                 if preset == "quality" and tag == "wan14b_720p":
                     put("anchor_over_dense_step_wan14b_720p", x["anchor_step_s"] / x["dense_step_s"], "ratio",
                         f"mean anchor step {x['anchor_step_s']:.3f} s / unpatched dense step {x['dense_step_s']:.3f} s, "
-                        "preset 'quality' (s = 0.25)")
+                        f"preset 'quality' (s = 0.25); --kernels {kernels}", suffixed=True)
                     g = r.get("glue")
                     if g:
                         put("reuse_glue_ratio_wan14b_720p", g["ratio"], "ratio",
@@ -1102,14 +1379,14 @@ def scoreboard_entries(report: dict, *, command: str, commit: str, gpu: str | No
                     f"our override calling {peer['kernel']} as core's Model Sparse Attention does by default (tau "
                     f"1.3, dense before 20 %, extra_tokens 256); {peer['method']}")
         whole = c.get("whole")
-        if whole and tag == "wan13b_480p":
+        ops = set(((whole or {}).get("run_kernels") or {}).get("ops", {}).values())
+        if whole and tag == "wan13b_480p" and not ops & set(TRITON_ONLY_OFF):  # Triton-only by definition
             put("e2e_wan13b_480p_fast_speedup_whole_run", whole["speedup"], "x",
                 f"whole comfy.sample.sample calls, {whole['steps']} steps each, no extrapolation: unpatched "
                 f"{whole['dense_s']:.1f} s vs preset 'fast' {whole['patched_s']:.1f} s; cfg {report['args']['cfg']}; "
                 + (f"kernels compiled and the sparse op's per-shape choice timed before the timed calls "
                    f"({whole['prewarm_s']:.1f} s, as in any later run of a process); " if "prewarm_s" in whole else "")
-                + f"--kernels {report['args'].get('kernels', 'installed')}: "
-                f"{(whole.get('run_kernels') or {}).get('line', '?')}")
+                + f"--kernels {kernels}: {(whole.get('run_kernels') or {}).get('line', '?')}")
     return out
 
 
@@ -1119,6 +1396,17 @@ def write_scoreboard(path: Path, entries: dict) -> None:
     board.update(entries)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(sorted(board.items())), indent=1) + "\n")
+
+
+PRESETS = ("quality", "balanced", "fast")
+"""The node's presets (adapter/settings.py)."""
+
+
+def only_presets(plan: list[dict], presets: list[str]) -> list[dict]:
+    """``plan`` reduced to timing ``presets`` in each configuration: no density runs, glue ratio, peer, CPU split or
+    whole runs (``--plan h720 --presets fast``: the 720p 'fast' bar alone, ~200 s on an H200)."""
+    keep = ("model", "res")
+    return [{**{k: c[k] for k in keep}, "densities": [], "presets": list(presets)} for c in plan]
 
 
 def _node_defaults() -> dict:
@@ -1301,6 +1589,11 @@ def run_config(env: Env, cfg: dict, args, device: torch.device, dtype: torch.dty
         extras.append(("whole", "whole run", lambda: run_whole(env, base, preset=preset, args=args, shape=shape,
                                                                device=device, steps=n, dense=dense, spec=spec,
                                                                dtype=dtype)))
+    if cfg.get("profile"):
+        preset, n = cfg["profile"]
+        extras.append(("profile", "profile", lambda: run_profile(env, base, preset=preset, args=args, shape=shape,
+                                                                 device=device, steps=n, dense=dense, spec=spec,
+                                                                 dtype=dtype)))
     for slot, label, fn in extras:
         if args.budget_s and time.perf_counter() - T0 > args.budget_s:
             entry["errors"].append({"stage": label, "error": f"skipped: time budget {args.budget_s:.0f} s spent"})
@@ -1433,7 +1726,10 @@ def main() -> int:
     ap.add_argument("--patched-warmup", type=int, default=1, help="dense warm-up steps of the timed patched run")
     ap.add_argument("--dense-steps", type=int, default=2, help="timed steps of the unpatched run")
     ap.add_argument("--schedule-steps", type=int, default=50, help="the paper's schedule length (extrapolation)")
-    ap.add_argument("--presets", action="store_true", help="also time the node's 'fast' preset")
+    ap.add_argument("--presets", nargs="*", choices=list(PRESETS), default=None,
+                    help="--plan single: also time these node presets (no name: 'fast'); another --plan: time only "
+                         "these presets in each of its configurations (no density runs, glue ratio, peer, CPU split "
+                         "or whole runs), e.g. --plan h720 --presets fast")
     ap.add_argument("--preset-steps", type=int, default=4, help="steps of the fast-preset run (4: A A R R)")
     ap.add_argument("--warmup-layers", type=int, default=0, help="dense blocks in the density runs (paper: 0)")
     ap.add_argument("--query-tile", type=int, default=128)
@@ -1443,6 +1739,10 @@ def main() -> int:
                     help="installed: every kernel backend this Python can import; triton-only: the default kernels "
                          "a user has (no CUTLASS DSL / flash-attn-4): the cutedsl and flash_attn4 backends are "
                          "turned off even when importable, so the figure is repeatable whatever is installed")
+    ap.add_argument("--profile-reuse", action="store_true",
+                    help="per configuration of the plan only run_profile: the 'fast' preset on 10 steps, 4 runs "
+                         "alternating stacked residual copies / views, torch.profiler traces of an unpatched, the "
+                         "anchor and a reuse step (gzipped next to --out), e.g. --plan w13 --profile-reuse (~100 s)")
     ap.add_argument("--min-tokens", type=int, default=None, help="node input (default 2048; 0 for --res tiny)")
     ap.add_argument("--sampler", default="euler", choices=["euler", "uni_pc"])
     ap.add_argument("--scheduler", default="simple")
@@ -1486,7 +1786,14 @@ def main() -> int:
                 {"h720-smoke": H720, "h480-smoke": H480, "w13-smoke": W13}[args.plan]]
         plan = [dict(c, whole=(c["whole"][0], 4)) if c.get("whole") else c for c in plan]
     else:
-        plan = [{"model": args.model, "res": args.res, "densities": args.densities, "presets": args.presets}]
+        plan = [{"model": args.model, "res": args.res, "densities": args.densities,
+                 "presets": (args.presets or ["fast"]) if args.presets is not None else []}]
+    if args.presets is not None and args.plan != "single":
+        plan = only_presets(plan, args.presets or ["fast"])
+    if args.profile_reuse:  # each configuration: the profile of the 'fast' preset's reuse steps only
+        smoke = all(c["res"] == "tiny" for c in plan)
+        plan = [{"model": c["model"], "res": c["res"], "densities": [], "presets": [],
+                 "profile": ("fast", 6 if smoke else 10)} for c in plan]
     if args.min_tokens is None:
         args.min_tokens = 0 if all(c["res"] == "tiny" for c in plan) else 2048
 
@@ -1588,7 +1895,7 @@ def _estimate(env: Env, plan: list[dict], args) -> float:
                          {"preset": "custom", "density": s, "dense_warmup": str(w), "anchor_steps": str(w + 1)}))
         presets = c["presets"] if isinstance(c["presets"], list) else (["fast"] if c["presets"] else [])
         for preset in presets:
-            runs.append((0.25 if preset == "quality" else 0.15, args.preset_steps, {"preset": preset}))
+            runs.append(({"quality": 0.25, "balanced": 0.2}.get(preset, 0.15), args.preset_steps, {"preset": preset}))
         for s, steps, kw in runs:
             sc = schedule_counts(env, env.settings.build_settings(**{**_node_defaults(), **kw}), steps, 1)
             total += sc["dense"] * d + sc["anchor"] * d * (1 + att * (0.5 + s / 0.9)) + \

@@ -157,3 +157,67 @@ def test_run_report_never_imports_comfyuis_server(monkeypatch):
                                 counts=lambda: {"sparse": 1, "anchor": 1, "dense": 0})
     lifecycle._report(run)
     assert sent == [("MC-Sparse: headline", "7")]
+
+
+def _report(kernels_arg: str, whole_ops: dict) -> dict:
+    x = {"speedup": 1.6, "anchor_step_s": 36.0, "dense_step_s": 24.0, "method": "extrapolated"}
+    runs = [{"apply_kwargs": {"preset": p}, "extrapolation": dict(x), "run_kernels": {"line": "l"}}
+            for p in ("quality", "fast")]
+    whole = {"speedup": 1.55, "steps": 50, "dense_s": 60.0, "patched_s": 38.7,
+             "run_kernels": {"ops": whole_ops, "line": "l"}}
+    return {"args": {"kernels": kernels_arg, "cfg": 5.0, "sampler": "euler", "scheduler": "simple"},
+            "configs": [{"model": "wan14b", "res": "720p", "runs": runs},
+                        {"model": "wan1.3b", "res": "480p", "runs": [], "whole": whole}]}
+
+
+def test_scoreboard_keys_of_a_triton_only_run_carry_the_suffix():
+    """TEAM.md item 6: --kernels triton-only writes the e2e and anchor keys + '_triton_only' (never the plain keys,
+    which hold the Hopper-install figures); the 1.3B whole-run key is Triton-only by definition (no suffix), and an
+    installed run that ran a cutedsl / flash_attn4 op does not write it."""
+    bench = _bench()
+    triton = {"sparse_attention": "triton", "dense_attention": "cuda_sdpa"}
+    keys = set(bench.scoreboard_entries(_report("triton-only", triton), command="c", commit="h", gpu=None))
+    assert keys == {"e2e_wan14b_720p_quality_speedup_triton_only", "e2e_wan14b_720p_fast_speedup_triton_only",
+                    "anchor_over_dense_step_wan14b_720p_triton_only", "e2e_wan13b_480p_fast_speedup_whole_run"}
+    hopper = {"sparse_attention": "cutedsl", "dense_attention": "flash_attn4"}
+    keys = set(bench.scoreboard_entries(_report("installed", hopper), command="c", commit="h", gpu=None))
+    assert keys == {"e2e_wan14b_720p_quality_speedup", "e2e_wan14b_720p_fast_speedup",
+                    "anchor_over_dense_step_wan14b_720p"}
+    keys = set(bench.scoreboard_entries(_report("installed", triton), command="c", commit="h", gpu=None))
+    assert "e2e_wan13b_480p_fast_speedup_whole_run" in keys
+
+
+def test_presets_option_reduces_a_plan_to_those_presets():
+    bench = _bench()
+    plan = bench.only_presets([dict(c) for c in bench.H720], ["fast"])
+    assert plan == [{"model": "wan14b", "res": "720p", "densities": [], "presets": ["fast"]}]
+    assert bench.H720[0]["presets"] == ["quality", "fast"] and bench.H720[0]["peer"]  # the plan itself unchanged
+
+
+def test_trace_summary_busy_idle_gaps_and_host_syncs():
+    """--profile-reuse's reading of a Chrome trace: the union of every stream's GPU work (overlap counted once), the
+    idle gaps with the kernels around them, per-stream and per-kernel totals, host syncs and the dispatch spans."""
+    bench = _bench()
+    ev = [  # compute stream 7: gemm 0-100, sparse 110-200; side stream 9: decode 150-230 (overlaps); gemm 300-400
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 100, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "sparse", "ts": 110, "dur": 90, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "decode", "ts": 150, "dur": 80, "args": {"stream": 9}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 230, "dur": 2, "args": {"stream": 9}},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 300, "dur": 100, "args": {"stream": 7}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 240, "dur": 50},
+        {"ph": "X", "cat": "user_annotation", "name": bench.DISPATCH_LABEL, "ts": 100, "dur": 30},
+        {"ph": "X", "cat": "user_annotation", "name": bench.DISPATCH_LABEL, "ts": 260, "dur": 10},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 5},
+    ]
+    t = bench.trace_summary(ev)
+    assert t["span_ms"] == pytest.approx(0.4)
+    assert t["busy_ms"] == pytest.approx((100 + 122 + 100) / 1000)
+    assert t["idle_ms"] == pytest.approx((10 + 68) / 1000)
+    assert t["gaps"]["over_5us"] == 2 and t["gaps"]["largest"][0] == {"us": 68.0, "after": "Memcpy DtoD", "before": "gemm"}
+    assert t["gaps"]["largest"][1]["after"] == "gemm" and t["gaps"]["largest"][1]["before"] == "sparse"
+    assert t["kernels"]["gemm"] == [2, pytest.approx(0.2)]
+    assert t["streams"]["9"] == {"ops": 2, "busy_ms": pytest.approx(0.082)}
+    assert t["syncs"] == {"cudaStreamSynchronize": {"count": 1, "ms": 0.05}}
+    assert t["dispatch"]["calls"] == 2 and t["dispatch"]["host_ms_per_call"] == pytest.approx(0.02)
+    other = bench.trace_summary([dict(e, dur=e["dur"] * 2) if e.get("name") == "decode" else e for e in ev])
+    assert bench.kernel_delta(t, other)[0] == ("decode", pytest.approx(0.08), 1, 1)
