@@ -1740,7 +1740,7 @@ def main() -> int:
                          "a user has (no CUTLASS DSL / flash-attn-4): the cutedsl and flash_attn4 backends are "
                          "turned off even when importable, so the figure is repeatable whatever is installed")
     ap.add_argument("--profile-reuse", action="store_true",
-                    help="per configuration of the plan only run_profile: the 'fast' preset on 10 steps, 4 runs "
+                    help="per configuration of the plan only run_profile: the 'fast' preset on 8 steps, 4 runs "
                          "alternating stacked residual copies / views, torch.profiler traces of an unpatched, the "
                          "anchor and a reuse step (gzipped next to --out), e.g. --plan w13 --profile-reuse (~100 s)")
     ap.add_argument("--min-tokens", type=int, default=None, help="node input (default 2048; 0 for --res tiny)")
@@ -1793,7 +1793,7 @@ def main() -> int:
     if args.profile_reuse:  # each configuration: the profile of the 'fast' preset's reuse steps only
         smoke = all(c["res"] == "tiny" for c in plan)
         plan = [{"model": c["model"], "res": c["res"], "densities": [], "presets": [],
-                 "profile": ("fast", 6 if smoke else 10)} for c in plan]
+                 "profile": ("fast", 6 if smoke else 8)} for c in plan]
     if args.min_tokens is None:
         args.min_tokens = 0 if all(c["res"] == "tiny" for c in plan) else 2048
 
