@@ -75,7 +75,8 @@ def compile_variant(name, cfg, S=75600, H=40, D=128, C=128, arch=90):
     args = [q, k, lse, perm, sums, qf, kb, hist, 0.1275, H, S, S, G * C, C, G, *q.stride(), *k.stride(), *lse.stride(),
             *sums.stride()]
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=cfg.get("BLOCK_N", 64), EXP_MODE=0, STAGGER=cfg.get("STAGGER", True),
-                FP8=fp8, POLY=cfg.get("POLY", 0), KEY_BITS=16, WITH_HIST=cfg.get("WITH_HIST", False), num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+                FP8=fp8, POLY=cfg.get("POLY", 0), P3_G0=cfg.get("P3_G0", 0),
+                P3_G1=cfg.get("P3_G1", 0), KEY_BITS=16, WITH_HIST=cfg.get("WITH_HIST", False), num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
     ck = pr.compile_offline(selection._group_prob_sums_pair, args, meta, arch)
     regs, st, ld = pr.ptxas_usage(ck, arch)
     return dict(variant=name, regs=regs, spill_st=st, spill_ld=ld, smem=ck.metadata.shared,

@@ -121,18 +121,75 @@ def _group_prob_sums_fwd(
         tl.store(s_base + keys.to(tl.int64) * stride_sn, col.to(SUMS.dtype.element_ty), mask=k_ok)
 
 
+# Degree-3 minimax polynomial of 2^f on [-0.5, 0.5] (relative error 7.5e-5, fp32 Horner evaluation included;
+# fitted by iteratively reweighted least squares on 4001 Chebyshev nodes: tests/test_pass2_poly3.py checks the bound)
+_P3_C0 = tl.constexpr(0.9999280571937561)
+_P3_C1 = tl.constexpr(0.6932609677314758)
+_P3_C2 = tl.constexpr(0.2426111400127411)
+_P3_C3 = tl.constexpr(0.0551716685295105)
+
+
 @triton.jit
-def _row_sums(x, EXP_MODE: tl.constexpr, POLY: tl.constexpr):
+def _exp2_poly3(x):
+    """2^x on the FMA/ALU pipes (no MUFU): 8 instructions (FMNMX, 3 FADD, 3 FFMA, LEA; offline SASS), relative error
+    < 7.6e-5 for x in [-125, 127]; x < -125 gives 2^-125 (absolute error < 2^-125 where ``ex2.approx.ftz`` gives
+    0 or a value below 2^-125). The clamp keeps 2^n a normal number: n = round(x) >= -125."""
+    x = tl.maximum(x, -125.0)
+    t = x + 12582912.0  # 1.5 * 2^23: the add rounds x to the integer n held in t's low mantissa bits
+    f = x - (t - 12582912.0)  # [-0.5, 0.5]
+    p = _P3_C3 * f + _P3_C2
+    p = p * f + _P3_C1
+    p = p * f + _P3_C0
+    # 2^n * p: n added to p's exponent field; t's bits are 0x4B400000 + n and 0x4B400000 << 23 wraps to 0
+    return (p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mufu_exp2(x, EXP_MODE: tl.constexpr):
+    """2^x on MUFU (``fastexp`` mode EXP_MODE) as fp32; EXP_MODE 3: x itself (no exponential: a timing floor for
+    the benchmark, not a probability)."""
+    if EXP_MODE == 3:
+        return x
+    else:
+        return fastexp.exp2(x, EXP_MODE).to(tl.float32)
+
+
+@triton.jit
+def _mixed_sums(x, EXP_MODE: tl.constexpr, EIGHTHS: tl.constexpr, tile, PARITY: tl.constexpr):
+    """Row sums of 2^x ([BLOCK_N, BLOCK_M] -> fp32 [BLOCK_N]) with EIGHTHS / 8 of the exponentials on the FMA pipe
+    (``_exp2_poly3``), the rest on MUFU (``_mufu_exp2``): EIGHTHS 4 the odd columns of every key tile, 2 the odd
+    columns of the key tiles whose index ``tile`` has parity PARITY, 0 none. The odd columns are the second of each
+    column pair a thread holds in the wgmma accumulator, so the split moves no data (offline SASS); the two parts
+    are added elementwise before the one row reduction."""
+    if EIGHTHS == 4:
+        even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+        col = tl.sum(_mufu_exp2(even, EXP_MODE) + _exp2_poly3(odd), 1)
+    elif EIGHTHS == 2:
+        if tile % 2 == PARITY:
+            even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+            col = tl.sum(_mufu_exp2(even, EXP_MODE) + _exp2_poly3(odd), 1)
+        else:
+            col = tl.sum(_mufu_exp2(x, EXP_MODE), 1)
+    else:
+        tl.static_assert(EIGHTHS == 0, "EIGHTHS must be 0, 2 or 4")
+        col = tl.sum(_mufu_exp2(x, EXP_MODE), 1)
+    return col
+
+
+@triton.jit
+def _row_sums(x, EXP_MODE: tl.constexpr, POLY: tl.constexpr, EIGHTHS: tl.constexpr = 0, tile=0):
     """Row sums of 2^x for a [BLOCK_N, BLOCK_M] tile (fp32 [BLOCK_N]): POLY 0 all exponentials on MUFU (``fastexp``
-    mode EXP_MODE), 1 the odd columns on the FMA pipe (``_exp2_fma``; the accumulator holds column pairs in one
-    thread, so the split moves no data), 2 all on the FMA pipe."""
+    mode EXP_MODE) except EIGHTHS / 8 of them on the degree-3 polynomial (``_mixed_sums``, group 1's parity: odd
+    key tiles ``tile``), 1 the odd columns on
+    the FMA pipe (``_exp2_fma``; the accumulator holds column pairs in one thread, so the split moves no data), 2
+    all on the FMA pipe."""
     if POLY == 2:
         col = tl.sum(_exp2_fma(x), 1)
     elif POLY == 1:
         even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-        col = tl.sum(fastexp.exp2(even, EXP_MODE).to(tl.float32), 1) + tl.sum(_exp2_fma(odd), 1)
+        col = tl.sum(_mufu_exp2(even, EXP_MODE), 1) + tl.sum(_exp2_fma(odd), 1)
     else:
-        col = tl.sum(fastexp.exp2(x, EXP_MODE).to(tl.float32), 1)
+        col = _mixed_sums(x, EXP_MODE, EIGHTHS, tile, 1)
     return col
 
 
@@ -149,11 +206,14 @@ def _digit_hist(col, mask, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _key_scaled(col, kb_base, keys, SK, FP8: tl.constexpr):
+def _key_scaled(col, kb_base, keys, SK, FP8: tl.constexpr, KB_POW2: tl.constexpr = False):
     """``col`` ([BLOCK_N] group sums of the keys ``keys``) times 2^KB[key] (FP8's per-key smoothing term; keys
-    outside [0, Sk) x 1), or ``col`` itself without FP8."""
+    outside [0, Sk) x 1), or ``col`` itself without FP8. KB_POW2: the KB buffer holds 2^KB (no exponential here)."""
     if FP8:
-        col = col * tl.math.exp2(tl.load(kb_base + keys, mask=(keys >= 0) & (keys < SK), other=0.0))
+        if KB_POW2:
+            col = col * tl.load(kb_base + keys, mask=(keys >= 0) & (keys < SK), other=1.0)
+        else:
+            col = col * tl.math.exp2(tl.load(kb_base + keys, mask=(keys >= 0) & (keys < SK), other=0.0))
     return col
 
 
@@ -173,8 +233,11 @@ def _group_prob_sums_pair(
     STAGGER: tl.constexpr,  # group 1 runs half a step behind group 0 (see below)
     FP8: tl.constexpr,  # Q, K are float8_e4m3 copies; QF holds each head's factor (see below)
     POLY: tl.constexpr,  # group 1's exponentials on the FMA pipe: 0 none, 1 its odd columns, 2 all (``_row_sums``)
+    P3_G0: tl.constexpr,  # eighths (0, 2, 4) of group 0's / 1's exponentials on the degree-3 polynomial (``_mixed_sums``)
+    P3_G1: tl.constexpr,
     KEY_BITS: tl.constexpr,  # 16 for float16 SUMS, 32 for float32
     WITH_HIST: tl.constexpr,  # count each group's first-digit histogram into HIST (int32 [B, H, G, HIST_BINS])
+    KB_POW2: tl.constexpr = False,  # FP8: KB holds 2^KB (precomputed; no MUFU per key here)
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
@@ -236,21 +299,20 @@ def _group_prob_sums_pair(
                         mask=k_ok[:, None], other=0.0)
             s0 = tl.dot(k, tl.trans(q0))
             prev = keys - BLOCK_N
-            col1 = _key_scaled(_row_sums(s1 * f - l1[None, :], EXP_MODE, POLY), kb_base, prev, SK, FP8)
+            col1 = _key_scaled(_row_sums(s1 * f - l1[None, :], EXP_MODE, POLY, P3_G1, n0 // BLOCK_N - 1), kb_base, prev, SK, FP8, KB_POW2)
             c1 = col1.to(SUMS.dtype.element_ty)
             tl.store(s_base + stride_sg + prev.to(tl.int64) * stride_sn, c1, mask=(prev >= 0) & has_g1)
             if WITH_HIST:
                 h1 += _digit_hist(c1, prev >= 0, KEY_BITS)
             s1 = tl.dot(k, tl.trans(q1))
-            col0 = _key_scaled(tl.sum(fastexp.exp2(s0 * f - l0[None, :], EXP_MODE).to(tl.float32), 1), kb_base, keys,
-                               SK, FP8)
+            col0 = _key_scaled(_mixed_sums(s0 * f - l0[None, :], EXP_MODE, P3_G0, n0 // BLOCK_N, 0), kb_base, keys, SK, FP8, KB_POW2)
             c0 = col0.to(SUMS.dtype.element_ty)
             tl.store(s_base + keys.to(tl.int64) * stride_sn, c0, mask=k_ok)
             if WITH_HIST:
                 h0 += _digit_hist(c0, k_ok, KEY_BITS)
         last_tile = (SK - 1) // BLOCK_N
         last = last_tile * BLOCK_N + offs_n
-        col1 = _key_scaled(_row_sums(s1 * f - l1[None, :], EXP_MODE, POLY), kb_base, last, SK, FP8)
+        col1 = _key_scaled(_row_sums(s1 * f - l1[None, :], EXP_MODE, POLY, P3_G1, last_tile), kb_base, last, SK, FP8, KB_POW2)
         c1 = col1.to(SUMS.dtype.element_ty)
         tl.store(s_base + stride_sg + last.to(tl.int64) * stride_sn, c1, mask=(last < SK) & has_g1)
         if WITH_HIST:
@@ -265,8 +327,8 @@ def _group_prob_sums_pair(
                         mask=k_ok[:, None], other=0.0)
             x0 = tl.dot(k, tl.trans(q0)) * f - l0[None, :]
             x1 = tl.dot(k, tl.trans(q1)) * f - l1[None, :]
-            col0 = _key_scaled(tl.sum(fastexp.exp2(x0, EXP_MODE).to(tl.float32), 1), kb_base, keys, SK, FP8)
-            col1 = _key_scaled(_row_sums(x1, EXP_MODE, POLY), kb_base, keys, SK, FP8)
+            col0 = _key_scaled(_mixed_sums(x0, EXP_MODE, P3_G0, n0 // BLOCK_N, 0), kb_base, keys, SK, FP8, KB_POW2)
+            col1 = _key_scaled(_row_sums(x1, EXP_MODE, POLY, P3_G1, n0 // BLOCK_N), kb_base, keys, SK, FP8, KB_POW2)
             dst = s_base + keys.to(tl.int64) * stride_sn
             c0 = col0.to(SUMS.dtype.element_ty)
             c1 = col1.to(SUMS.dtype.element_ty)
@@ -576,7 +638,8 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
-                    num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None):
+                    num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None,
+                    poly3=(0, 0)):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -599,6 +662,11 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         does not count it and writes zeros (the top-K then counts itself).
         gluon: the float8 path on the warp-specialised sm_90 Gluon kernel (``selection_sm90``; same sums) where it
         runs, else (or on its failure, remembered) the Triton kernel: ``pass2_dispatch``; None: its default.
+        poly3: (g0, g1), eighths (0, 2 or 4) of each of the pair kernel's two groups' exponentials taken by the
+        degree-3 polynomial on the FMA pipe (``_exp2_poly3``: relative error < 7.6e-5) instead of MUFU (4: the odd
+        query columns of every key tile; 2: of every other key tile, group 0's even tiles, group 1's odd); pair kernel
+        only (the Triton one: a nonzero value skips the Gluon kernel). ``exp="none"``: no exponential at all (the
+        sums are sums of log2 probabilities: a timing floor for the benchmark, pair kernel only).
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
@@ -620,11 +688,14 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     poly = 2 if poly is True else int(poly)
     if not 0 <= poly <= 2:
         raise ValueError(f"poly must be a bool or 0, 1, 2, got {poly}")
+    poly3 = tuple(int(e) for e in poly3)
+    if len(poly3) != 2 or any(e not in (0, 2, 4) for e in poly3) or (poly and poly3[1]):
+        raise ValueError(f"poly3 must be two of 0, 2, 4 (and poly3[1] = 0 with poly), got {poly3}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     block_m = min(128, max(16, triton.next_power_of_2(C)))
     bn, warps, stages = _config(D)
     cap = _capability(q.device)
-    exp_mode = fastexp.mode_for(exp, cap)
+    exp_mode = 3 if exp == "none" else fastexp.mode_for(exp, cap)
     fp8 = fp8_default(cap) if fp8 is None else bool(fp8)
     # else bf16/fp16 products: groups wider than one tile, before sm_89, a head dim the e4m3 MMA cannot take (K % 32)
     fp8 = fp8 and C <= block_m and D % 32 == 0 and (cap is None or cap >= _FP8_MIN_CAPABILITY)
@@ -642,11 +713,13 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
                              f"{tuple(hist.shape)}")
         if not (pair and C <= block_m):
             hist.zero_()  # not counted by the one-group kernel: the top-K's check sees 0 != Sk and counts itself
+    if (exp_mode == 3 or any(poly3)) and not (pair and C <= block_m):
+        raise ValueError("exp='none' and poly3 need the pair kernel (C <= 128, pair not False)")
     if pair and C <= block_m:
         qf = kb = lse  # placeholders, not read without FP8
         if fp8:
             q, k, qf, lse, kb = fp8_operands(q, k, lse, scale)
-            only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly, exp_mode=exp_mode,
+            only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode,
                                                      tuned=any(x is not None for x in (block_n, num_warps, num_stages)))
             if pass2_dispatch.try_gluon(q, k, qf, lse, kb, perm, out, group_size=C, requested=gluon,
                                         only_triton=only_triton):
@@ -655,7 +728,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             q, k, lse, perm, out, qf, kb, qf if hist is None else hist, scale * _LOG2E, H, S, SK, n_slots, C, G,
             *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
-            POLY=poly, KEY_BITS=16 if out.dtype == torch.float16 else 32, WITH_HIST=hist is not None,
+            POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32, WITH_HIST=hist is not None,
             num_warps=num_warps or warps, num_stages=num_stages or stages,
         )
         return out
