@@ -1,0 +1,133 @@
+"""kernels/triton/paged_route.py (the flash_attn4 sparse route's page table, query gather and output scatter) under
+the Triton interpreter (CPU) against their torch references, on fresh random inputs (fixed seeds, in the ids)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from comfyui_mc_sparse_pack.kernels import Residual
+from comfyui_mc_sparse_pack.kernels.triton import paged_route
+
+
+def _selection(B, H, G, K_alloc, S, gen):
+    """Sorted distinct indices per group, a random count in [1, K_alloc] (incl. 1 and K_alloc), -1 after it."""
+    counts = torch.randint(1, K_alloc + 1, (B, H, G), generator=gen)
+    counts.view(-1)[0], counts.view(-1)[-1] = 1, K_alloc
+    keys = torch.stack([torch.randperm(S, generator=gen)[:K_alloc].sort().values for _ in range(B * H * G)])
+    keys = keys.view(B, H, G, K_alloc).to(torch.int32)
+    return torch.where(torch.arange(K_alloc) < counts[..., None], keys, torch.full_like(keys, -1)), counts
+
+
+def _perm(B, H, S, C, gen):
+    G = -(-S // C)
+    perm = torch.full((B, H, G * C), -1, dtype=torch.int32)
+    perm[..., :S] = torch.stack([torch.randperm(S, generator=gen) for _ in range(B * H)]).view(B, H, S).to(torch.int32)
+    return perm
+
+
+@pytest.mark.parametrize("seed,K_alloc,strides", [(1, 1100, (12 * 200, 200, 1)), (2, 7, (200 * 12, 1, 12))])
+def test_page_table_matches_reference(seed, K_alloc, strides):
+    """Page ids for the [B, H, S, D] and the [B, S, H*D] page strides, a row of one slot and a full row, a K_alloc past
+    one 1024-slot step: kills a wrong (b, h) base, a missing page_s factor and a count that stops at the first step."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, S = 2, 12, 200
+    G = 3
+    kv_idx, counts = _selection(B, H, G, min(K_alloc, S), S, gen)
+    if K_alloc > S:  # pad with -1 past S slots so the row spans two steps of the kernel
+        kv_idx = torch.cat([kv_idx, torch.full((B, H, G, K_alloc - S), -1, dtype=torch.int32)], -1)
+    table, used = paged_route.page_table(kv_idx, strides)
+    want_t, want_u = paged_route.page_table_reference(kv_idx, strides)
+    assert torch.equal(used, counts.view(-1).to(torch.int32))
+    assert torch.equal(used, want_u)
+    assert torch.equal(table, want_t)
+    assert int(table.max()) < B * H * S  # every page inside the pool
+
+
+@pytest.mark.parametrize("dtype,C,layout", [(torch.bfloat16, 128, "native"), (torch.float16, 48, "contiguous")])
+def test_gather_queries_matches_reference(dtype, C, layout):
+    """Strided [B, S, H*D] views and contiguous q, a C that is not a power of two, ragged last group (zero rows):
+    kills reading q's rows by the wrong stride, skipping the zero fill and misplacing groups."""
+    gen = torch.Generator().manual_seed(11 + C)
+    B, H, S, D = 2, 3, 300, 64
+    if layout == "native":
+        q = torch.randn(B, S, H * D, generator=gen).to(dtype).view(B, S, H, D).transpose(1, 2)
+    else:
+        q = torch.randn(B, H, S, D, generator=gen).to(dtype)
+    perm = _perm(B, H, S, C, gen)
+    got = paged_route.gather_queries(q, perm, C)
+    assert got.shape == (B * H * perm.shape[-1] // C, C, 1, D) and got.is_contiguous()
+    assert torch.equal(got, paged_route.gather_queries_reference(q, perm, C))
+
+
+def _residuals(B, H, S, D, G, gen):
+    r = torch.randn(B, H, S, D, generator=gen) * 0.05
+    amax = r.abs().amax(-1)
+    s8, s4 = amax / 448.0, amax / 7.0
+    q4 = (torch.round(r / s4[..., None]).clamp(-7, 7) + 8).to(torch.uint8)
+    packed = q4[..., 0::2] | (q4[..., 1::2] << 4)
+    return {
+        "none": None,
+        "plain": Residual(r.to(torch.bfloat16)),
+        "fp8_row": Residual((r / s8[..., None]).to(torch.float8_e4m3fn), s8.float(), "fp8_row"),
+        "int4_row": Residual(packed, s4.float(), "int4_row"),
+        "int4_group": Residual(packed, s4.to(torch.bfloat16), "int4_group",
+                               (torch.rand(B, H, S, generator=gen) + 0.5).to(torch.float8_e4m3fn),
+                               (torch.randn(B, H, G, D, generator=gen) * 0.02).to(torch.bfloat16)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["none", "plain", "fp8_row", "int4_row", "int4_group"])
+def test_scatter_output_with_residual_matches_reference(kind):
+    """Every residual kind added before the rounding, out a strided [B, S, H*D] view poisoned with NaN, the LSE
+    scattered with it: kills a missing residual, a residual of the wrong row (group order instead of query order),
+    unwritten rows and a wrong LSE slot."""
+    gen = torch.Generator().manual_seed(21 + len(kind))
+    B, H, S, D, C = 2, 2, 200, 64, 32
+    perm = _perm(B, H, S, C, gen)
+    G = perm.shape[-1] // C
+    o_groups = torch.randn(B * H * G, C, 1, D, generator=gen).to(torch.bfloat16)
+    lse_groups = torch.randn(B * H * G, 1, C, generator=gen)
+    res = _residuals(B, H, S, D, G, gen)[kind]
+    buf = torch.full((B, S, H * D), float("nan"), dtype=torch.bfloat16)
+    out = buf.view(B, S, H, D).transpose(1, 2)
+    got, lse = paged_route.scatter_output(o_groups, lse_groups, perm, out, res)
+    assert got.data_ptr() == buf.data_ptr() and not torch.isnan(buf).any()
+    want, want_lse = paged_route.scatter_output_reference(o_groups, lse_groups, perm, torch.empty(B, H, S, D,
+                                                          dtype=torch.bfloat16), res)
+    assert torch.equal(lse, want_lse)
+    # fp32 sum then one bf16 rounding vs float64 sum then one rounding: at most one bf16 ulp apart
+    diff = (got.float() - want.float()).abs()
+    assert float((diff / want.float().abs().clamp_min(1e-3)).max()) <= 2 ** -7, kind
+    if res is not None:  # the residual moved the output: a kernel that dropped it fails above
+        plain, _ = paged_route.scatter_output_reference(o_groups, lse_groups, perm, torch.empty_like(want), None)
+        assert not torch.equal(plain, want)
+
+
+def test_route_pieces_compose_to_the_reference_attention():
+    """Gather -> (a torch stand-in for FA4's paged kernel reading the page table) -> scatter equals
+    kernels.reference.sparse_attention: the three launches agree with each other on the layout."""
+    from comfyui_mc_sparse_pack.kernels import reference
+
+    gen = torch.Generator().manual_seed(5)
+    B, H, S, D, C = 1, 2, 160, 32, 32
+    q, k, v = (torch.randn(B, S, H * D, generator=gen).to(torch.bfloat16).view(B, S, H, D).transpose(1, 2)
+               for _ in range(3))
+    perm = _perm(B, H, S, C, gen)
+    G = perm.shape[-1] // C
+    kv_idx, _ = _selection(B, H, G, 40, S, gen)
+    strides = tuple(x // D for x in k.stride()[:3])
+    table, used = paged_route.page_table(kv_idx, strides)
+    pool_k = torch.as_strided(k, (B * S * H, D), (D, 1), k.storage_offset()).double()
+    pool_v = torch.as_strided(v, (B * S * H, D), (D, 1), v.storage_offset()).double()
+    qg = paged_route.gather_queries(q, perm, C).double()
+    og = torch.empty(B * H * G, C, 1, D, dtype=torch.float64)
+    lg = torch.empty(B * H * G, 1, C)
+    for n in range(B * H * G):
+        pages = table[n, : used[n]].long()
+        s = qg[n, :, 0] @ pool_k[pages].T / D**0.5
+        og[n, :, 0] = torch.softmax(s, -1) @ pool_v[pages]
+        lg[n, 0] = torch.logsumexp(s, -1).float()
+    out, lse = paged_route.scatter_output(og, lg, perm, torch.empty(B, H, S, D, dtype=torch.float64))
+    want, want_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, kv_idx, return_lse=True)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)  # the scatter adds in fp32
+    torch.testing.assert_close(lse, want_lse.float(), rtol=1e-5, atol=1e-5)
