@@ -57,15 +57,21 @@ VARIANTS = {  # name: keywords of launch()
     "poly3 1/2 maxnreg 232": dict(poly3=(4, 4), maxnreg=232),
     "poly3 1/4 maxnreg 200": dict(poly3=(0, 4), maxnreg=200),
     "kb pow2": dict(kb_pow2=True),
+    "gluon ws": dict(gluon={}),  # the warp-specialised sm_90 kernel (selection_sm90), its defaults
+    "gluon ws poly3 1/4": dict(gluon=dict(poly=5)),  # a quarter of its exponentials on _exp2_poly3
     "poly3 1/4 kb pow2": dict(poly3=(0, 4), kb_pow2=True),
 }
 
 
-def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=False):
+def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=False, gluon=None):
     """The pair kernel alone on precomputed float8 operands ``ops`` = (q8, k8, qf, lse_s, kb), as
     ``selection.group_prob_sums`` launches it with fp8 (unstaggered, BLOCK_N 64, 4 warps, 3 stages). ``kb_pow2``:
-    ``ops`` carries 2^KB in place of KB (``pow2_ops``)."""
+    ``ops`` carries 2^KB in place of KB. ``gluon``: the Gluon kernel instead, with these tuning keywords."""
     q8, k8, qf, lse_s, kb = ops
+    if gluon is not None:
+        from comfyui_mc_sparse_pack.kernels.triton import selection_sm90
+
+        return selection_sm90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, group_size=C, **gluon)
     B, H, S, _ = q8.shape
     SK = k8.shape[2]
     n_slots = perm.shape[-1]

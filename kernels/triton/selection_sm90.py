@@ -105,6 +105,28 @@ def _exp2_fma(x):
 
 
 @gluon.jit
+def _exp2_poly3(x):
+    """2^x on the FMA/ALU pipes by ``selection._exp2_poly3``'s degree-3 minimax polynomial (the same operations, so
+    the same bits): relative error < 7.6e-5 for x in [-125, 127]; x < -125 gives 2^-125."""
+    x = gl.maximum(x, -125.0)
+    t = x + 12582912.0
+    f = x - (t - 12582912.0)
+    p = 0.0551716685295105 * f + 0.2426111400127411
+    p = p * f + 0.6932609677314758
+    p = p * f + 0.9999280571937561
+    return (p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _exp2_soft(x, DEG3: gl.constexpr):
+    """``_exp2_poly3`` (DEG3) or ``_exp2_fma``."""
+    if DEG3:
+        return _exp2_poly3(x)
+    else:
+        return _exp2_fma(x)
+
+
+@gluon.jit
 def _kb(kb_base, keys, SK):
     """The keys' KB terms (0 past Sk)."""
     return gl.load(kb_base + keys, mask=keys < SK, other=0.0)
@@ -115,19 +137,21 @@ def _tile_sums(acc, f, l2, kbv, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.cons
                KB_POLY: gl.constexpr = False):
     """One tile's group sums: row sums of 2^(acc * f - l2) (acc: S^T, keys x queries), x 2^kbv (the keys' KB),
     stored. POLY: 0 every exponential on MUFU; 1 a quarter of them on the FMA pipe (``_exp2_fma``: one of the 4
-    columns a thread holds per 16, so each warp interleaves both kinds); 2 all of them on the FMA pipe. KB_POLY: the
+    columns a thread holds per 16, so each warp interleaves both kinds); 2 all of them on the FMA pipe; 5 / 6 as
+    1 / 2 with the degree-3 ``_exp2_poly3``. KB_POLY: the
     per-key factor 2^kbv on the FMA pipe too (each of the 4 threads of a row computes it: 3 % of the MUFU work)."""
     x = acc * f - l2[None, :]
-    if POLY == 1:
+    DEG3: gl.constexpr = POLY >= 4  # POLY 5 / 6: POLY 1 / 2 with the degree-3 polynomial (``_exp2_poly3``)
+    if POLY % 4 == 1:
         # accumulator column c = 16 * m + 8 * n + 2 * (lane % 4) + r: n and r are this thread's registers
         x5 = gl.permute(gl.reshape(x, [x.shape[0], x.shape[1] // 16, 2, 4, 2]), (0, 1, 3, 4, 2))
         a, b = gl.split(x5)  # n = 0 / 1: [rows, m, lane, r]
         b0, b1 = gl.split(b)  # r = 0 / 1: [rows, m, lane]
-        p = gl.sum(gl.exp2(a), 3) + gl.exp2(b0) + _exp2_fma(b1)
+        p = gl.sum(gl.exp2(a), 3) + gl.exp2(b0) + _exp2_soft(b1, DEG3)
         col = gl.sum(gl.sum(p, 1), 1)  # registers first, then the 4 lanes of a row
         col = gl.convert_layout(col, gl.SliceLayout(1, acc.type.layout))
-    elif POLY == 2:
-        col = gl.sum(_exp2_fma(x), 1)
+    elif POLY % 4 == 2:
+        col = gl.sum(_exp2_soft(x, DEG3), 1)
     else:
         col = gl.sum(gl.exp2(x), 1)
     ok = keys < SK
@@ -323,8 +347,8 @@ def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None
     if unroll not in (1, 2, 4):
         raise ValueError(f"unroll must be 1, 2 or 4, got {unroll}")
     poly = int(cfg["poly"] if poly is None else poly)
-    if poly not in (0, 1, 2, 3) or (poly >= 2 and unroll != 4):
-        raise ValueError(f"poly must be 0, 1, or 2 / 3 with unroll 4, got {poly} (unroll {unroll})")
+    if poly not in (0, 1, 2, 3, 5) or (poly in (2, 3) and unroll != 4) or (poly == 5 and unroll == 4):
+        raise ValueError(f"poly must be 0, 1, 2 / 3 with unroll 4, or 5 without, got {poly} (unroll {unroll})")
     if k_desc is None:
         k_desc = TensorDescriptor.from_tensor(k8.view(B * H * SK, D), [BLOCK_N, D], k_layout(D))
     grid = (triton.cdiv(G, groups), B * H)
@@ -348,7 +372,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size, **tunin
         tuning: ``groups`` (query groups per program = consumer warpgroups: 2, or 3 with one tile per step and
             160 registers each), ``num_stages``, ``unroll`` (1, 2 or 4 key tiles per consumer step), ``poly``
             (exponentials on the FMA pipe, ``_exp2_fma``, relative error < 5e-5, so sums within ~5e-5 of the MUFU
-            ones: 1 a quarter of every tile's, with unroll 4 also 2 all of one tile in 4, 3 all of two tiles in 4),
+            ones: 1 a quarter of every tile's, with unroll 4 also 2 all of one tile in 4, 3 all of two tiles in 4;
+            5 as 1 with the degree-3 ``_exp2_poly3``, 7.6e-5, unroll 1 or 2),
             ``kb_poly`` (the per-key factor on the FMA pipe), ``consumer_regs``, ``producer_regs``, ``maxnreg``.
     Returns:
         ``out``.
