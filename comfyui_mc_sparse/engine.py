@@ -146,6 +146,7 @@ class MCSparseRunner:
                 self.cache.pin_budget_bytes = plan.host_budget
                 if self.config.cache_placement == "auto":
                     self.cache.fix_placement(plan.placement)
+                self.loader.keep_budget_bytes = keep_budget(plan)
         speed = None
         if num_steps is not None and not plan.dense:
             calibrated = True
@@ -435,6 +436,9 @@ class MCSparseRunner:
         if ld.hits or ld.misses:
             line += (f"; reuse loads: {ld.hits} prefetched, {ld.misses} in line (prefetch hit rate "
                      f"{ld.hit_rate:.1%})")
+        if ld.kept_loads:
+            line += (f", {ld.kept_loads} from decoded batches kept on the GPU (peak {_size(ld.peak_kept_bytes)} of int32 "
+                     "groups and indices, within the plan's budget)")
         if c.moved:
             line += f"; {c.moved} entries moved to CPU memory (GPU memory short)"
         return [line, *(f"note: {n}" for n in c.notes)]
@@ -458,6 +462,19 @@ class MCSparseRunner:
     def _toc(self, kind: StepKind, start, shape: tuple) -> None:
         """Record the call of ``shape`` ``(B, H, S, D)`` since ``start`` under ``kind`` (ms per batch item)."""
         self.timer.stop(start, kind.value, tuple(shape[1:]), shape[0])
+
+
+def keep_budget(plan: memory.CachePlan) -> int:
+    """int32 bytes the reuse loader may keep decoded on the GPU for the run (``prefetch`` module docstring): every
+    entry's decoded groups and indices when the cache is on the GPU and cache + working set + those bytes take at most
+    half of the plan's GPU budget beyond the headroom (the other half stays for the model's activations); else 0."""
+    est = plan.estimate
+    if plan.dense or est is None or plan.placement != "gpu" or plan.gpu_budget is None:
+        return 0
+    kept = est.entries * max(0, est.working_bytes // 2 - est.residual_bytes)
+    if est.total_bytes + est.working_bytes + kept > (plan.gpu_budget - plan.headroom) // 2:
+        return 0
+    return kept
 
 
 def _group(key: CacheKey | None, keys: Sequence[CacheKey] | None, q: torch.Tensor) -> tuple[CacheKey, ...]:

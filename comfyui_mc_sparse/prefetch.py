@@ -20,6 +20,14 @@ is not the one asked for is dropped, never decoded further); ``load`` takes the 
 asked for (a hit) or decodes in line (a miss). Hits and misses are counted per entry for the run summary.
 No host-device sync anywhere: events order the two streams, ``record_stream`` keeps the side stream's tensors
 alive until the compute stream is done with them.
+
+Decoded groups kept (``keep_budget_bytes``, set before sampling by ``MCSparseRunner.plan`` from the memory plan, 0 =
+off): every reuse step reads the same entries (they change only at an anchor step), so when the plan's GPU budget
+holds the cache, its working set AND the int32 groups and indices of every entry with half of it to spare (the rest
+stays for the model's activations), a group whose entries live on the compute device is decoded once and its
+``ReuseBatch`` kept until ``clear``: later reuse calls of it do no decode and no prefetch. Decided once from the plan,
+never from the free memory read mid-run (8258d10 did that; the 14B 720p run then ran out of memory). With a view-
+stacked residual (``_rebind``) keeping adds only the int32 tensors, which the budget counts.
 """
 
 from __future__ import annotations
@@ -189,6 +197,10 @@ class ReuseLoader:
         self._pending: _Pending | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.hits = self.misses = self.dropped = 0
+        self.keep_budget_bytes = 0  # int32 bytes decoded batches may keep on the GPU in all (0: none; runner.plan)
+        self._kept: dict[Group, tuple[torch.device, ReuseBatch]] = {}
+        self.kept_bytes = self.peak_kept_bytes = 0
+        self.kept_loads = 0  # entries served from a kept batch (neither prefetched nor decoded)
 
     @property
     def hit_rate(self) -> float | None:
@@ -204,6 +216,10 @@ class ReuseLoader:
         Raises: KeyError when an entry is missing (callers check ``MetadataCache.get`` first).
         """
         group = tuple(group)
+        kept = self._kept.get(group)
+        if kept is not None and kept[0] == device:
+            self.kept_loads += len(group)
+            return kept[1]
         pending, self._pending = self._pending, None
         if pending is not None and pending.group == group and pending.device == device:
             if pending.event is not None:
@@ -212,6 +228,7 @@ class ReuseLoader:
                 for t in pending.batch.tensors():
                     t.record_stream(current)  # made on the side stream, used (and freed) on this one
             self.hits += len(group)
+            self._keep(group, pending.batch, device)
             return pending.batch
         if pending is not None:
             self.dropped += len(pending.group)
@@ -229,6 +246,7 @@ class ReuseLoader:
             for s in stored:
                 if isinstance(s, StoredEntry) and s.host is not None:
                     s.host.used(event)
+        self._keep(group, batch, device)
         return batch
 
     def prefetch(self, group: Sequence[CacheKey] | None, device: torch.device, dtype: torch.dtype) -> None:
@@ -238,6 +256,9 @@ class ReuseLoader:
             return
         group = tuple(group)
         if self._pending is not None and self._pending.group == group and self._pending.device == device:
+            return
+        kept = self._kept.get(group)
+        if kept is not None and kept[0] == device:
             return
         stored = [self.cache.get(key) for key in group]
         if any(s is None for s in stored):
@@ -271,8 +292,28 @@ class ReuseLoader:
         self._pending = _Pending(group, batch, event, device)
 
     def clear(self) -> None:
-        """Drop the pending group (the cache is being freed or replaced)."""
+        """Drop the pending group and the kept batches (the cache is being freed or replaced)."""
         self._pending = None
+        self._kept.clear()
+        self.kept_bytes = 0
+
+    def _keep(self, group: Group, batch: ReuseBatch, device: torch.device) -> None:
+        """Keep ``group``'s decoded batch for later reuse steps when every entry is stored on ``device`` and its int32
+        groups and indices fit what is left of ``keep_budget_bytes``."""
+        if not self.keep_budget_bytes or group in self._kept:
+            return
+        stored = [self.cache.get(key) for key in group]
+        if not all(isinstance(s, StoredEntry) and s.host is None and s.device == device for s in stored):
+            return
+        if len(stored) > 1 and batch.residual is not None and \
+                _adjacent([t for s in stored for t in s.residual.tensors()[:1]]) is None:
+            return  # the residual is a per-call copy (not the entries' rows): keeping it would double its bytes
+        extra = sum(t.numel() * t.element_size() for t in (batch.perm, batch.kv_idx))
+        if self.kept_bytes + extra > self.keep_budget_bytes:
+            return
+        self._kept[group] = (device, batch)
+        self.kept_bytes += extra
+        self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
 
     def _stored(self, group: Group) -> list:
         stored = [self.cache.get(key) for key in group]

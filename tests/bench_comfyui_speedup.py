@@ -1037,12 +1037,13 @@ def _print_profile(name: str, t: dict, wall: float | None) -> None:
 def run_profile(env: Env, base, *, preset: str, args, shape, device, steps: int, dense: dict, spec: dict,
                 dtype: torch.dtype) -> dict:
     """``--profile-reuse``: where a reuse step's time goes beyond the kernels, and stacked residual copies against
-    views (``prefetch.STACK_VIEWS``) side by side, in one process.
+    views (``prefetch.STACK_VIEWS``) and kept decoded groups (``engine.keep_budget``) side by side, in one process.
 
     1. the kernels prewarmed at the CFG batch (as ``run_whole``);
     2. unpatched, 4 steps: D = median of steps 2-3, step 4 profiled (``torch.profiler``, trace gzipped next to --out);
-    3. the node's ``preset`` on ``steps`` steps, 4 runs alternating residual copies / views (copy, views, copy,
-       views); the first run profiles its anchor step and each variant's first run its last reuse step; per run the
+    3. the node's ``preset`` on ``steps`` steps, 4 runs: residual copies, views, views + decoded groups kept (the plan's
+       ``engine.keep_budget``; the other runs keep nothing), copies again; the first run profiles its anchor step and
+       each of the first three its last reuse step; per run the
        reuse steps' median wall (the first reuse step and profiled steps left out), the runner's reuse-call time per
        step (CUDA events: median call x calls) and the pack overhead per call against the step at those kernels
        (N + A (1 - f) + the calls, with A = ``dense``'s self-attention and N = D - A, as ``whole_breakdown``).
@@ -1081,16 +1082,18 @@ def run_profile(env: Env, base, *, preset: str, args, shape, device, steps: int,
             return real_dispatch(*a, **kw)
 
     runs, latents = [], []
+    real_keep = env.engine.keep_budget
     env.override.dispatch = annotated
     try:
-        for i, variant in enumerate(("copy", "views", "copy", "views")):
-            prefetch.STACK_VIEWS = variant == "views"
+        for i, variant in enumerate(("copy", "views", "keep", "copy")):
+            prefetch.STACK_VIEWS = variant != "copy"
+            env.engine.keep_budget = real_keep if variant == "keep" else (lambda plan: 0)
             sc = schedule_counts(env, settings, steps, 1)
             kinds = sc["kinds"]
             want = {}
             if i == 0 and "A" in kinds:
                 want[kinds.index("A")] = "anchor"
-            if i < 2 and kinds.endswith("R"):
+            if i < 3 and kinds.endswith("R"):
                 want[steps - 1] = f"reuse ({variant})"
             prof = StepProfiler(want, device)
             model = env.lifecycle.apply_mc_sparse(base, **kwargs)
@@ -1117,7 +1120,9 @@ def run_profile(env: Env, base, *, preset: str, args, shape, device, steps: int,
                  "pack_overhead_ms_per_step": (reuse - at_kernels) * 1000.0,
                  "pack_overhead_ms_per_call": (reuse - at_kernels) * 1000.0 / calls_per_step if calls_per_step else None,
                  "anchor_step_s": next((q["wall_s"] for q in rows if q["kind"] == "anchor"), None),
-                 "loads": {"prefetched": runner.loader.hits, "inline": runner.loader.misses},
+                 "loads": {"prefetched": runner.loader.hits, "inline": runner.loader.misses,
+                           "kept": runner.loader.kept_loads, "kept_bytes": runner.loader.peak_kept_bytes,
+                           "keep_budget": runner.loader.keep_budget_bytes},
                  "finite": rec["finite"]}
             latents.append(rec.pop("latent"))
             r["max_abs_diff_vs_run1"] = float((latents[-1] - latents[0]).abs().max())
@@ -1134,6 +1139,7 @@ def run_profile(env: Env, base, *, preset: str, args, shape, device, steps: int,
                     walls[name] = rec["step_s"][step]
     finally:
         env.override.dispatch = real_dispatch
+        env.engine.keep_budget = real_keep
         prefetch.STACK_VIEWS = True
     out["runs"] = runs
     out["profiles"] = {k: {kk: vv for kk, vv in v.items() if kk != "kernels"} for k, v in summaries.items()}
@@ -1149,21 +1155,24 @@ def run_profile(env: Env, base, *, preset: str, args, shape, device, steps: int,
             print(f"  kernels {name} - unpatched (ms, count unpatched -> reuse):", flush=True)
             for n, ms, ca, cb in d:
                 print(f"      {ms:+9.3f} ms  {ca} -> {cb}  {n}", flush=True)
-    # correctness on the device: a views run must sample the latent a copy run does (runs 1 and 3 give the noise floor)
-    floor = runs[2]["max_abs_diff_vs_run1"] if len(runs) > 2 else 0.0
-    views_diff = max((r["max_abs_diff_vs_run1"] for r in runs if r["variant"] == "views"), default=float("nan"))
-    out["views_check"] = {"views_vs_copy_max_abs_diff": views_diff, "copy_vs_copy_max_abs_diff": floor,
-                          "ok": views_diff <= floor}
-    print(f"[profile] CHECK views vs copy: latent max |diff| {views_diff:.3g} (copy vs copy {floor:.3g}) -> "
-          f"{'OK' if views_diff <= floor else 'FAILED'}", flush=True)
-    by = {v: [r["reuse_step_s"] for r in runs if r["variant"] == v] for v in ("copy", "views")}
+    # correctness on the device: views and kept runs must sample the latent a copy run does (runs 1 and 4, both copy,
+    # give the noise floor)
+    floor = runs[-1]["max_abs_diff_vs_run1"] if runs[-1]["variant"] == "copy" else 0.0
+    checks = {}
+    for v in ("views", "keep"):
+        diff = max((r["max_abs_diff_vs_run1"] for r in runs if r["variant"] == v), default=float("nan"))
+        checks[v] = {"max_abs_diff_vs_copy": diff, "copy_vs_copy": floor, "ok": diff <= floor}
+        print(f"[profile] CHECK {v} vs copy: latent max |diff| {diff:.3g} (copy vs copy {floor:.3g}) -> "
+              f"{'OK' if diff <= floor else 'FAILED'}", flush=True)
+    out["checks"] = checks
+    by = {v: [r["reuse_step_s"] for r in runs if r["variant"] == v] for v in ("copy", "views", "keep")}
     if all(by.values()):
-        c, w = statistics.mean(by["copy"]), statistics.mean(by["views"])
-        out["reuse_copy_s"], out["reuse_views_s"], out["views_over_copy"] = c, w, w / c
+        c = statistics.mean(by["copy"])
+        out["reuse_step_s"] = {v: statistics.mean(x) for v, x in by.items()}
         print(f"[profile] reuse step, side by side: residual copies {c:.4f} s ({', '.join(f'{x:.4f}' for x in by['copy'])})"
-              f" vs views {w:.4f} s ({', '.join(f'{x:.4f}' for x in by['views'])}) -> views/copy {w / c:.4f}, "
-              f"{(c - w) * 1000:+.2f} ms per step, x40 reuse steps of the 50-step run: {(c - w) * 40:+.3f} s",
-              flush=True)
+              + "".join(f"; {v} {statistics.mean(by[v]):.4f} s ({statistics.mean(by[v]) / c:.4f} of copies, "
+                        f"{(c - statistics.mean(by[v])) * 1000:+.2f} ms per step, x40 reuse steps of the 50-step run: "
+                        f"{(c - statistics.mean(by[v])) * 40:+.3f} s)" for v in ("views", "keep")), flush=True)
     return out
 
 
@@ -1741,7 +1750,7 @@ def main() -> int:
                          "turned off even when importable, so the figure is repeatable whatever is installed")
     ap.add_argument("--profile-reuse", action="store_true",
                     help="per configuration of the plan only run_profile: the 'fast' preset on 8 steps, 4 runs "
-                         "alternating stacked residual copies / views, torch.profiler traces of an unpatched, the "
+                         "(stacked residual copies, views, views + kept decoded groups, copies), torch.profiler traces of an unpatched, the "
                          "anchor and a reuse step (gzipped next to --out), e.g. --plan w13 --profile-reuse (~100 s)")
     ap.add_argument("--min-tokens", type=int, default=None, help="node input (default 2048; 0 for --res tiny)")
     ap.add_argument("--sampler", default="euler", choices=["euler", "uni_pc"])

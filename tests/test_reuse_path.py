@@ -316,3 +316,73 @@ def test_stacked_residual_is_a_view_of_the_cache_after_the_first_decode(monkeypa
         swapped = prefetch._decode_group(group[::-1], r0.device, torch.float32)
         assert swapped.residual.data.data_ptr() not in (r0.data_ptr(), r1.data_ptr())
         assert torch.equal(swapped.residual.data[0], r0[0]) and torch.equal(swapped.residual.data[1], r1[0])
+
+
+def _kept_run(monkeypatch, budget: int):
+    """The batched CFG run of ``_batched_reuse_run`` with ``keep_budget_bytes`` = ``budget`` set before the first
+    reuse step; returns (run, launches, decodes of the group stacks)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import prefetch
+
+    decodes = []
+    real_decode = prefetch._decode_group
+
+    def counting(stored, device, dtype):
+        decodes.append(len(stored))
+        return real_decode(stored, device, dtype)
+
+    monkeypatch.setattr(prefetch, "_decode_group", counting)
+    real_init = prefetch.ReuseLoader.__init__
+
+    def init(self, cache):
+        real_init(self, cache)
+        self.keep_budget_bytes = budget
+
+    monkeypatch.setattr(prefetch.ReuseLoader, "__init__", init)
+    run, launches = _batched_reuse_run(monkeypatch, True)
+    return run, launches, decodes
+
+
+def test_decoded_groups_kept_within_the_plan_budget(monkeypatch):
+    """With a keep budget, each call group is decoded once (its first reuse step) and served from the kept batch at
+    every later reuse step (no decode, no prefetch), outputs bit-identical to decoding every step; a budget one byte
+    short of a group keeps nothing."""
+    print(f"seed {SEED}")
+    with monkeypatch.context() as m:
+        _, plain, plain_decodes = _kept_run(m, 0)
+    with monkeypatch.context() as m:
+        run, kept, decodes = _kept_run(m, 1 << 30)
+    loader = run.runner.loader
+    assert len(decodes) == 2 and len(plain_decodes) >= 3 * 2  # 2 layers decoded once vs every reuse step
+    assert loader.kept_loads == 2 * 2 * 2 and loader.kept_bytes > 0  # steps 2-3, 2 layers, 2 entries
+    assert "from decoded batches kept on the GPU" in run.summary()
+    for (r_k, o_k), (r_p, o_p) in zip(kept, plain):
+        assert torch.equal(o_k, o_p)
+    one = loader.kept_bytes // 2
+    with monkeypatch.context() as m:
+        run, _, decodes = _kept_run(m, one - 1)
+    assert run.runner.loader.kept_loads == 0 and len(decodes) >= 3 * 2
+
+
+def test_keep_budget_from_the_plan():
+    """Kept only for a GPU cache whose bytes + working set + every entry's int32 groups and indices take at most half of
+    the plan's GPU budget beyond the headroom; never for a CPU cache, a dense plan or an unknown budget."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import memory
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import keep_budget
+
+    est = memory.estimate_cache(heads=12, head_dim=128, layers=30, tokens=32760, density=0.15, group_size=128,
+                                kv_tile=64, branches=2, batch=1, warmup_layers=1, index_encoding="auto",
+                                residual_dtype="bfloat16", residual=True)
+    kept = est.entries * (est.working_bytes // 2 - est.residual_bytes)
+    assert kept == est.entries * (est.naive_entry_bytes - 2 * 12 * 32760 * 128) > 0  # the paper layout less its residual
+    need = est.total_bytes + est.working_bytes + kept
+    headroom = 4 << 30
+
+    def plan(placement, budget, dense=False):
+        return memory.CachePlan(None if dense else "bfloat16", None if dense else placement, None if dense else est,
+                                {}, budget, 0, headroom, None, ("auto", "auto"))
+
+    assert keep_budget(plan("gpu", 2 * need + headroom)) == kept
+    assert keep_budget(plan("gpu", 2 * need + headroom - 2)) == 0
+    assert keep_budget(plan("cpu", 10 * need)) == 0
+    assert keep_budget(plan("gpu", None)) == 0
+    assert keep_budget(plan("gpu", 10 * need, dense=True)) == 0
