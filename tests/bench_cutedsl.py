@@ -39,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
 import _standalone  # noqa: E402
+from _timing import race  # noqa: E402
 
 _standalone.load_pack()
 from comfyui_mc_sparse_pack import kernels  # noqa: E402
@@ -80,39 +81,6 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
     "evict smem persistent + idx + qo": ("cp.async+evict", "smem", 2, ("persistent", "idx_prefetch",
                                                                         "qo_evict_first")),
 }
-
-
-def race(fns, rounds, target_ms):
-    """Median ms per call of each fn, timed interleaved: ``rounds`` rounds, each running every fn back to back
-    for about ``target_ms`` (CUDA events), so a clock or thermal drift hits every fn alike; the order rotates by one
-    each round (in the H200 round of 2026-12-01 10:49 the op, timed right after the dense kernel in every round,
-    ran 1-3 % slower than the same compiled kernel timed later in the round, more than its counts launch can
-    cost; presumably the clock after a full-power kernel: no row follows the dense one every time now)."""
-    import statistics
-
-    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
-    est, times = {}, {k: [] for k in fns}
-    for k, fn in fns.items():
-        fn()
-        a, b = ev(), ev()
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        est[k] = max(a.elapsed_time(b), 1e-3)
-    reps = {k: max(1, round(target_ms / est[k])) for k in fns}
-    order = list(fns)
-    for i in range(rounds):
-        for k in order[i % len(order):] + order[:i % len(order)]:
-            fn = fns[k]
-            a, b = ev(), ev()
-            a.record()
-            for _ in range(reps[k]):
-                fn()
-            b.record()
-            torch.cuda.synchronize()
-            times[k].append(a.elapsed_time(b) / reps[k])
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def run_shape(name, shp, densities, rounds, target_ms, variants, log):
