@@ -386,3 +386,22 @@ def test_keep_budget_from_the_plan():
     assert keep_budget(plan("cpu", 10 * need)) == 0
     assert keep_budget(plan("gpu", None)) == 0
     assert keep_budget(plan("gpu", 10 * need, dense=True)) == 0
+
+
+@pytest.mark.parametrize("preset, density", [("quality", 0.25), ("balanced", 0.2), ("fast", 0.15)])
+def test_no_groups_kept_at_14b_720p_whatever_the_free_memory(preset, density):
+    """The 14B 720p run that ran out of memory with kept groups (8258d10) keeps none under the plan's rule, even with
+    a whole H200 (141 GB) free for the cache: cache (~73 GB) + int32 indices (~87-140 GB) exceed half of it. At 1.3B
+    480p with the memory an H200 has left after the 1.3B model, the groups (~3.6 GB) are kept."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import memory
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import keep_budget
+
+    host = memory.HostMemory(available=512 << 30, total=1024 << 30)
+    config = MCSparseConfig(density=density, warmup_steps=10, anchor_steps=(9,), warmup_layers=1)
+    plan = memory.plan_cache(config, heads=40, head_dim=128, layers=40, tokens=75600, branches=2, batch=1,
+                             gpu_free=141 * 10**9, host=host)
+    assert not plan.dense and keep_budget(plan) == 0
+    small = memory.plan_cache(config, heads=12, head_dim=128, layers=30, tokens=32760, branches=2, batch=1,
+                              gpu_free=130 * 10**9, host=host)
+    assert small.placement == "gpu" and 2 << 30 < keep_budget(small) < 8 << 30
