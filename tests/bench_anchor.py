@@ -99,10 +99,11 @@ VARIANTS = None  # --variants: the PDDP variants timed (None: all)
 TOPK_METHODS = ("radix", "bracket", "radix + pass-2 hist")
 QUICK_TOPK_METHODS = ("radix", "bracket")  # --quick (round 1b: radix + hist 11.7 / 1.01 ms)
 TOPK_TUNING = {  # top_k_rows variants timed at s = 0.25 beside the methods' defaults (radix 4 warps x 1024,
-    # bracket 2 warps x one 16-byte row per thread, prefetch)
-    "bracket no prefetch": dict(method="bracket", prefetch=False),
-    "bracket w1 r2 (904c5fd's default)": dict(method="bracket", num_warps=1, block=512),
-    "bracket w2 r2": dict(method="bracket", num_warps=2, block=1024),
+    # bracket 2 warps x one 16-byte row per thread, prefetch, 72 registers: topk._BRACKET_MAXNREG)
+    "bracket uncapped (95 regs)": dict(method="bracket", maxnreg=0),
+    "bracket w1": dict(method="bracket", num_warps=1),
+    "bracket w1 no prefetch": dict(method="bracket", num_warps=1, prefetch=False),
+    "bracket w4 96 regs": dict(method="bracket", num_warps=4, maxnreg=96),
 }
 
 
@@ -278,6 +279,30 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
         exact = bool(torch.equal(sel, ref_top_k_rows(sums16, kq, sel.shape[-1])))
         res["select_exact_vs_bruteforce_fp16_sums"] = exact
         log(f"{name} select_kv == brute-force top-K of its float16 sums: {exact}")
+        fused_sel = selection.select_kv(q[:, :2], k[:, :2], lse[:, :2], perm[:, :2], kq, group_size=C, kv_tile=KV_TILE,
+                                        topk_fused=True)
+        # the fused top-K's radix launch on every row (8 candidate slots: each bracket overflows), and the standalone
+        # bracket kernel's (the same), against the brute force on the same sums
+        width = sel.shape[-1]
+        plan = topk.bracket_plan(S, kq, 2, cap=16)
+        rows = 2 * G
+        forced = topk.FusedRows(torch.full_like(sel, -7), kq, width, plan,
+                                torch.empty(rows, 16, dtype=torch.int16, device=DEVICE),
+                                torch.empty(rows, dtype=torch.int8, device=DEVICE))
+        sums_f = torch.full_like(sums16, float("nan"))
+        selection.group_prob_sums(q[:, :2], k[:, :2], lse[:, :2], perm[:, :2], group_size=C, out=sums_f, select=forced)
+        ran = forced.done
+        forced.finish(sums_f)
+        checks = dict(
+            fused_equal=bool(torch.equal(fused_sel, sel)),
+            fused_forced_fallback_exact=bool(torch.equal(forced.out, ref_top_k_rows(sums_f, kq, width))),
+            fused_forced_fallback_rows=float(forced.flags.float().mean()), fused_ran=ran,
+            bracket_forced_fallback_exact=bool(torch.equal(topk.top_k_rows(sums16, kq, width, method="bracket", cap=16),
+                                                           ref_top_k_rows(sums16, kq, width))))
+        res["select_checks"] = checks
+        log(f"{name} CHECKS select_kv fused == unfused, forced fallback (fused, standalone) == brute force: {checks}")
+        if not (exact and all(v for k_, v in checks.items() if k_ != "fused_forced_fallback_rows")):
+            log(f"{name} CHECK FAILED")
     hc = min(H, 4)
     sub = (q[:, :hc], k[:, :hc], lse[:, :hc], perm[:, :hc])
     sums_ref = selection.group_prob_sums(*(t[:, :1] for t in sub), group_size=C, fp8=False, pair=True)
@@ -397,12 +422,17 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
                                                         **select_kw(PASS2_CONFIGS[pick8])), rep)
                 res["select_best_fp8"][str(s)] = dict(ms=ms3, over_dense=ms3 / best)
             forced = (("gluon", dict(gluon=True)), ("triton", dict(gluon=False)))[QUICK:]  # --quick: gluon = defaults
+            forced += (("fused", dict(topk_fused=True)), ("unfused", dict(topk_fused=False)))
             for gname, gkw in forced:  # pass 2 kernel forced
                 if s != 0.25 and gname == "triton":  # (the round's time budget: the Triton pass 2 at s = 0.25 only)
                     continue
                 msg = bench(lambda gkw=gkw: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE,
                                                                 **gkw), rep)
                 res.setdefault(f"select_{gname}", {})[str(s)] = dict(ms=msg, over_dense=msg / best)
+            log(f"{name} pass 2 + top-K s={s}: top-K fused into pass 2 "
+                f"{res['select_fused'][str(s)]['over_dense']:.4f}, separate "
+                f"{res['select_unfused'][str(s)]['over_dense']:.4f} (defaults: {ms / best:.4f}) of "
+                f"{res['best_dense']['name']}")
             log(f"{name} pass 2 + top-K s={s} (defaults otherwise): with the Gluon pass-2 kernel "
                 f"{res.get('select_gluon', {}).get(str(s), {}).get('over_dense', float('nan')):.3f}, with the Triton "
                 "pass-2 kernel "
@@ -496,8 +526,8 @@ def select_parts(name, q, k, lse, perm, best, rep, log, s=0.25):
         for h0, h1 in chunks:
             topk.top_k_rows(scratch[:, : h1 - h0], kk, width, out=out[:, h0:h1])
 
-    def select():
-        return selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE)
+    def select(**kw):
+        return selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE, **kw)
 
     pass2()
     r = dict(s=s, heads_per_chunk=hc, fp8=fp8)
@@ -507,24 +537,28 @@ def select_parts(name, q, k, lse, perm, best, rep, log, s=0.25):
     r["topk"] = bench(top_k, rep) / best
     r["sum_of_parts"] = r["pass2"] + r["topk"]
     r["select_back_to_back"] = bench(select, rep) / best
-    iso, host = [], []
-    for _ in range(1 if DEVICE == "cpu" else 15):
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-        t = time.perf_counter()
-        select()
-        host.append((time.perf_counter() - t) * 1000)
-        if DEVICE == "cuda":
-            b.record()
-            torch.cuda.synchronize()
-            iso.append(a.elapsed_time(b))
-    r["select_isolated"] = (sorted(iso)[len(iso) // 2] / best) if iso else None
-    r["host_ms_per_call"] = sorted(host)[len(host) // 2]
+    r["select_fused_back_to_back"] = bench(lambda: select(topk_fused=True), rep) / best
+    for tag, kw in (("", {}), ("_fused", dict(topk_fused=True))):
+        iso, host = [], []
+        for _ in range(1 if DEVICE == "cpu" else 15):
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+            t = time.perf_counter()
+            select(**kw)
+            host.append((time.perf_counter() - t) * 1000)
+            if DEVICE == "cuda":
+                b.record()
+                torch.cuda.synchronize()
+                iso.append(a.elapsed_time(b))
+        r[f"select{tag}_isolated"] = (sorted(iso)[len(iso) // 2] / best) if iso else None
+        r[f"host{tag}_ms_per_call"] = sorted(host)[len(host) // 2]
     log(f"{name} select_kv parts at s={s} (/ dense, {hc} heads per chunk): operand pass {r['operands']:.4f} | pass-2 "
         f"kernel {r['pass2_kernel']:.4f} | top-K {r['topk']:.4f} | sum {r['sum_of_parts']:.4f} | select_kv back to "
-        f"back {r['select_back_to_back']:.4f}, isolated {r['select_isolated']}, host issue {r['host_ms_per_call']:.3f} ms")
+        f"back {r['select_back_to_back']:.4f}, isolated {r['select_isolated']}, host issue {r['host_ms_per_call']:.3f} ms"
+        f" | top-K fused into pass 2: back to back {r['select_fused_back_to_back']:.4f}, isolated "
+        f"{r['select_fused_isolated']}, host issue {r['host_fused_ms_per_call']:.3f} ms")
     return r
 
 

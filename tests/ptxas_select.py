@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 selection = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.selection")
+topk = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.topk")
 
 VARIANTS = {  # name: pair-kernel constexprs (BLOCK_N 64, 4 warps, 3 stages unless given)
     "bf16 stagger (default)": dict(FP8=False, POLY=0),
@@ -40,6 +41,8 @@ VARIANTS = {  # name: pair-kernel constexprs (BLOCK_N 64, 4 warps, 3 stages unle
     "bf16 stagger + hist": dict(FP8=False, POLY=0, WITH_HIST=True),
     "fp8 stagger + hist": dict(FP8=True, POLY=0, WITH_HIST=True),
     "fp8 stagger poly 1/4 + hist": dict(FP8=True, POLY=1, WITH_HIST=True),
+    "fp8 unstaggered (default)": dict(FP8=True, POLY=0, STAGGER=False),
+    "fp8 unstaggered + fused top-K": dict(FP8=True, POLY=0, STAGGER=False, TOPK=True, maxnreg=168),
 }
 
 
@@ -74,9 +77,21 @@ def compile_variant(name, cfg, S=75600, H=40, D=128, C=128, arch=90):
     hist = torch.empty(B, 5, G, 128, dtype=torch.int32, device="meta")
     args = [q, k, lse, perm, sums, qf, kb, hist, 0.1275, H, S, S, G * C, C, G, *q.stride(), *k.stride(), *lse.stride(),
             *sums.stride()]
+    warps = cfg.get("num_warps", 4)
+    select = None
+    if cfg.get("TOPK"):  # the fused top-K epilogue (topk.FusedRows) at s = 0.25
+        kk = S // 4
+        width = -(-kk // 128) * 128
+        plan = topk.bracket_plan(S, kk, 2)
+        select = topk.FusedRows(torch.empty(B, 5, G, width, dtype=torch.int32, device="meta"), kk, width, plan,
+                                torch.empty(B * 5 * G, plan[4], dtype=torch.int16, device="meta"),
+                                torch.empty(B * 5 * G, dtype=torch.int8, device="meta"))
+    sel_args, sel_meta = selection._fused_topk_args(select, sums, warps, lse)
+    args += list(sel_args)
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=cfg.get("BLOCK_N", 64), EXP_MODE=0, STAGGER=cfg.get("STAGGER", True),
-                FP8=fp8, POLY=cfg.get("POLY", 0), P3_G0=cfg.get("P3_G0", 0),
-                P3_G1=cfg.get("P3_G1", 0), KEY_BITS=16, WITH_HIST=cfg.get("WITH_HIST", False), num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+                FP8=fp8, POLY=cfg.get("POLY", 0), P3_G0=cfg.get("P3_G0", 0), P3_G1=cfg.get("P3_G1", 0), KEY_BITS=16,
+                WITH_HIST=cfg.get("WITH_HIST", False), num_warps=warps, num_stages=cfg.get("num_stages", 3), **sel_meta,
+                **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
     ck = pr.compile_offline(selection._group_prob_sums_pair, args, meta, arch)
     regs, st, ld = pr.ptxas_usage(ck, arch)
     return dict(variant=name, regs=regs, spill_st=st, spill_ld=ld, smem=ck.metadata.shared,

@@ -612,3 +612,33 @@ def test_select_kv_with_the_pass2_histogram_is_unchanged(gen, fp8):
     assert torch.equal(with_hist, without)
     sums16 = selection.group_prob_sums(q, k, lse, perm, group_size=C, fp8=fp8, pair=True).half()
     assert torch.equal(with_hist, ref_top_k_rows(sums16, K, with_hist.shape[-1]))
+
+
+@pytest.mark.parametrize("fp8,cap", [(False, None), (True, 16)])
+def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap):
+    """group_prob_sums(select=topk.FusedRows): the pair kernel's epilogue writes each group's top-K of the float16 sums
+    it stored (B = 2, 9 groups: the last pair has one group; 16-byte rows, one whole 1024-key tile and a partial one),
+    and ``finish`` the rows whose bracket missed (cap 16: every row overflows its candidate slots and goes to the radix
+    launch; default cap: none does): the brute-force top-K of the same sums, every slot written (poisoned first);
+    select_kv(topk_fused=True) == select_kv(topk_fused=False)."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection, topk
+
+    B, H, S, C, K, width = 2, 1, 1096, 128, 300, 320
+    G = -(-S // C)
+    q, k = (torch.randn(B, H, S, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    lse = lse.float()
+    perm = _groups(gen, B, H, S, C)
+    sums = torch.full((B, H, G, S), float("nan"), dtype=torch.float16)
+    plan = topk.bracket_plan(S, K, 2, cap=cap)
+    fused = topk.FusedRows(torch.full((B, H, G, width), POISON, dtype=torch.int32), K, width, plan,
+                           torch.empty(B * H * G, plan[4], dtype=torch.int16), torch.empty(B * H * G, dtype=torch.int8))
+    selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums, fp8=fp8, pair=True, select=fused)
+    assert fused.done
+    assert fused.flags.tolist() == [int(cap is not None)] * (B * H * G)
+    fused.finish(sums)
+    assert torch.equal(fused.out, _brute_force(sums, K, width))
+    if not fp8:
+        kw = dict(group_size=C, kv_tile=64, fp8=fp8, pair=True)
+        assert torch.equal(selection.select_kv(q, k, lse, perm, K, topk_fused=True, **kw),
+                           selection.select_kv(q, k, lse, perm, K, topk_fused=False, **kw))

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import fastexp, pass2_dispatch
-from .topk import HIST_BINS, top_k_rows
+from .topk import HIST_BINS, FusedRows, _bracket_row, top_k_rows
 
 log = logging.getLogger(__name__)
 _RADIX_FAILED: list[str] = []  # the radix top-K's first error in this process (then torch.topk answers)
@@ -217,7 +217,8 @@ def _key_scaled(col, kb_base, keys, SK, FP8: tl.constexpr, KB_POW2: tl.constexpr
     return col
 
 
-@triton.jit
+# (the fused top-K's per-density integers are not specialised: one compile serves every density)
+@triton.jit(do_not_specialize=["num_keys", "stride_samp", "n_samp", "hi_rank", "lo_rank"])
 def _group_prob_sums_pair(
     Q, K, LSE, PERM, SUMS, QF, KB, HIST,
     sm_scale_log2,
@@ -226,6 +227,8 @@ def _group_prob_sums_pair(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_lb, stride_lh, stride_ls,
     stride_sb, stride_sh, stride_sg, stride_sn,
+    SEL, CAND, FLAGS,  # TOPK: the selection [B, H, G, width] (int32), candidate scratch, fallback flags (topk.FusedRows)
+    num_keys, width, t_sb, t_sh, t_sg, stride_ob, stride_oh, stride_og, stride_samp, n_samp, hi_rank, lo_rank,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -238,6 +241,11 @@ def _group_prob_sums_pair(
     KEY_BITS: tl.constexpr,  # 16 for float16 SUMS, 32 for float32
     WITH_HIST: tl.constexpr,  # count each group's first-digit histogram into HIST (int32 [B, H, G, HIST_BINS])
     KB_POW2: tl.constexpr = False,  # FP8: KB holds 2^KB (precomputed; no MUFU per key here)
+    TOPK: tl.constexpr = False,  # then each group's top-K (``topk._bracket_row``) from the sums just stored
+    T_ALIGN: tl.constexpr = 1,  # the sums' b / h / g strides are t_sb / t_sh / t_sg times T_ALIGN (16-byte rows)
+    T_ROWS: tl.constexpr = 128,  # top-K tile rows (16-byte vectors) per sweep step
+    T_NS: tl.constexpr = 1024,  # top-K sample slots (a power of two >= n_samp)
+    T_CAP: tl.constexpr = 256,  # candidate slots per row in CAND
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
@@ -253,7 +261,11 @@ def _group_prob_sums_pair(
     POLY > 0: POLY / 4 of the exponentials (group 1's odd query columns, or all of group 1's) on the FMA pipe.
     WITH_HIST: each group's histogram of the top 8 bits of its stored sums (``_digit_hist``), so the radix top-K
     skips its first pass over the row (one histogram of BLOCK_N entries per tile, against BLOCK_N x BLOCK_M
-    exponentials)."""
+    exponentials).
+    TOPK: after its key sweep the program selects each of its groups' K keys from the float16 sums it stored (still
+    in L2; ``topk._bracket_row``: sample bracket, candidate bisection, compaction into SEL, FLAGS[row] = 1 where the
+    bracket missed and ``topk.FusedRows.finish`` must write the row), so the selection needs no launch and no sweep of
+    the sums from DRAM of its own, and its integer work runs beside other programs' exponentials."""
     pair = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -342,6 +354,17 @@ def _group_prob_sums_pair(
         h_base = HIST + (bh.to(tl.int64) * G + g0) * HIST_BINS
         tl.store(h_base + bins, h0)
         tl.store(h_base + HIST_BINS + bins, h1, mask=(bins >= 0) & has_g1)
+    if TOPK:
+        tl.debug_barrier()  # the sums stored above by every thread of the program are read back by others
+        src = SUMS + (b.to(tl.int64) * t_sb + h.to(tl.int64) * t_sh + g0.to(tl.int64) * t_sg) * T_ALIGN
+        dst = SEL + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + g0.to(tl.int64) * stride_og
+        row = bh.to(tl.int64) * G + g0
+        _bracket_row(src, dst, CAND + row * T_CAP, FLAGS + row, SK, num_keys, width, stride_samp, n_samp, hi_rank,
+                     lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS, T_NS, T_CAP, True)
+        if has_g1:
+            _bracket_row(src + t_sg * T_ALIGN, dst + stride_og, CAND + (row + 1) * T_CAP, FLAGS + row + 1, SK,
+                         num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS,
+                         T_NS, T_CAP, True)
 
 
 @triton.jit
@@ -592,6 +615,27 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     return q8, k8, stats[2], lse_s, kb
 
 
+def _fused_topk_args(select, out, num_warps, placeholder):
+    """The pair kernel's TOPK arguments (runtime args, constexprs) for ``select`` (a ``topk.FusedRows`` or None)."""
+    if select is None:
+        return (placeholder,) * 3 + (0,) * 12, {}
+    if out.dtype != torch.float16 or out.stride(-1) != 1:
+        raise ValueError("the fused top-K needs float16 sums with a contiguous last dim")
+    stride, n_samp, hi_rank, lo_rank, cap = select.plan
+    sel = select.out
+    B, H, G, _ = out.shape
+    if tuple(sel.shape) != (B, H, G, select.width) or sel.dtype != torch.int32 or sel.stride(-1) != 1:
+        raise ValueError(f"select.out must be int32 {(B, H, G, select.width)} with a contiguous last dim")
+    if select.cand.shape[0] < B * H * G or select.flags.shape[0] < B * H * G:
+        raise ValueError("select's scratch holds fewer rows than the chunk")
+    sb, sh, sg = out.stride(0), out.stride(1), out.stride(2)
+    align = 8 if sb % 8 == 0 and sh % 8 == 0 and sg % 8 == 0 else 1
+    args = (sel, select.cand, select.flags, select.num_keys, select.width, sb // align, sh // align, sg // align,
+            sel.stride(0), sel.stride(1), sel.stride(2), stride, n_samp, hi_rank, lo_rank)
+    meta = dict(TOPK=True, T_ALIGN=align, T_ROWS=32 * num_warps, T_NS=triton.next_power_of_2(n_samp), T_CAP=cap)
+    return args, meta
+
+
 def _capability(device: torch.device) -> tuple[int, int] | None:
     """The CUDA compute capability the kernels compile for; None on the Triton interpreter (no inline PTX)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
@@ -620,6 +664,12 @@ _FP8_DEFAULT = True
 # select_kv: pass 2 counts the radix top-K's first-digit histogram (topk_hist). Off: H200 final round, the top-K alone
 # 17.6 -> 11.7 ms at 14B but pass 2 0.494 -> 0.601 of dense (shared-memory atomics + barriers in the loop).
 _TOPK_HIST_DEFAULT = False
+# select_kv: the top-K run by the pair pass-2 kernel after its key sweep (topk_fused). Off until measured on the H200.
+_TOPK_FUSED_DEFAULT = False
+# the float8 pair kernel with the fused top-K: ptxas gives it 170 registers uncapped (2 programs of 4 warps per SM)
+# against the plain kernel's 166 (3 programs); capped at 168 it keeps 3, no spill, its key loop 554 instead of 532
+# SASS instructions per tile pair (tests/ptxas_select.py), under a loop bound 2:1 by MUFU over issue
+_TOPK_FUSED_MAXNREG = 168
 
 
 def fp8_default(capability: tuple[int, int] | None) -> bool:
@@ -639,7 +689,7 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
                     num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None,
-                    poly3=(0, 0)):
+                    poly3=(0, 0), select=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -667,6 +717,9 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         query columns of every key tile; 2: of every other key tile, group 0's even tiles, group 1's odd); pair kernel
         only (the Triton one: a nonzero value skips the Gluon kernel). ``exp="none"``: no exponential at all (the
         sums are sums of log2 probabilities: a timing floor for the benchmark, pair kernel only).
+        select: optional ``topk.FusedRows``: the pair kernel also writes each group's top-K of the float16 sums into
+        ``select.out`` and sets ``select.done`` (then the caller runs ``select.finish(out)``); other kernels leave it
+        unset (the caller runs ``topk.top_k_rows``). Needs float16 ``out``.
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
@@ -724,13 +777,18 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             if pass2_dispatch.try_gluon(q, k, qf, lse, kb, perm, out, group_size=C, requested=gluon,
                                         only_triton=only_triton):
                 return out
+        warps_ = num_warps or warps
+        sel_args, sel_meta = _fused_topk_args(select, out, warps_, lse)
         _group_prob_sums_pair[(triton.cdiv(G, 2), B * H)](
             q, k, lse, perm, out, qf, kb, qf if hist is None else hist, scale * _LOG2E, H, S, SK, n_slots, C, G,
-            *q.stride(), *k.stride(), *lse.stride(), *out.stride(),
+            *q.stride(), *k.stride(), *lse.stride(), *out.stride(), *sel_args,
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
-            POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32, WITH_HIST=hist is not None,
-            num_warps=num_warps or warps, num_stages=num_stages or stages,
+            POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32,
+            WITH_HIST=hist is not None, **sel_meta, num_warps=warps_, num_stages=num_stages or stages,
+            **({"maxnreg": _TOPK_FUSED_MAXNREG} if select is not None and fp8 and cap is not None else {}),
         )
+        if select is not None:
+            select.done = True
         return out
     _group_prob_sums_fwd[(G, B * H)](
         q, k, lse, perm, out,
@@ -752,7 +810,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
-              topk_method=None, topk_hist=None, gluon=None):
+              topk_method=None, topk_hist=None, gluon=None, topk_fused=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -764,7 +822,9 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     staggered two-group kernel, float8 products per ``fp8_default``); ``topk_method`` picks ``topk.top_k_rows``'s
     method (None: its default by row length, or "radix" with ``topk_hist``); ``topk_hist``: pass 2 counts each
     group's first radix digit while it writes the sums, and the radix top-K skips that pass (None:
-    ``_TOPK_HIST_DEFAULT``).
+    ``_TOPK_HIST_DEFAULT``); ``topk_fused``: the pair kernel runs the bracket top-K on its own groups' sums after
+    its key sweep (``topk.FusedRows``; same selection; None: ``_TOPK_FUSED_DEFAULT``; ignored with ``topk_method``,
+    ``topk_hist`` or when another pass-2 kernel runs).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -779,16 +839,26 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     scratch = torch.empty(B, hc, G, SK, dtype=torch.float16, device=q.device)
     use_hist = _TOPK_HIST_DEFAULT if topk_hist is None else bool(topk_hist)
     hist_buf = torch.empty(B * hc * G * HIST_BINS.value, dtype=torch.int32, device=q.device) if use_hist else None
+    fused = None
+    if (_TOPK_FUSED_DEFAULT if topk_fused is None else topk_fused) and not use_hist and topk_method is None:
+        try:
+            fused = FusedRows.allocate(B * hc * G, SK, num_keys, k_alloc, q.device)
+        except torch.cuda.OutOfMemoryError:
+            fused = None  # the unfused top-K (its own out-of-memory handling)
     for h0 in range(0, H, hc):
         h1 = min(H, h0 + hc)
         hist = None if hist_buf is None else hist_buf[: B * (h1 - h0) * G * HIST_BINS.value].view(
             B, h1 - h0, G, HIST_BINS.value)
+        select = None if fused is None else fused.for_chunk(out[:, h0:h1])
         sums = group_prob_sums(
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-            pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon,
+            pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon, select=select,
         )
-        _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method or ("radix" if use_hist else None), hist)
+        if select is not None and select.done:
+            select.finish(sums)
+        else:
+            _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method or ("radix" if use_hist else None), hist)
     return out
 
 

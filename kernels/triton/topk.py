@@ -14,8 +14,9 @@ comes out sorted with no sort at all; slots K..K_alloc-1 are written -1. No glob
   in each stratum) brackets the K-th largest key between two sample order statistics at its expected sample rank
   +-(5 sigma + 2) (binomial sigma, ``bracket_plan``); one sweep counts the keys above the bracket and copies the
   keys inside it (int16 keys) to a per-row scratch; if the counts prove the K-th key is inside (above < K <= above
-  + inside, nothing dropped), T is found among the copies by bisection on the key, else the row falls back to the
-  radix threshold: exact on both paths (the check is a proof, the sample only decides the speed). Both sweeps run
+  + inside, nothing dropped), T is found among the copies by bisection on the key, else the row is flagged and a
+  second launch (``_radix_topk_rows``, flagged rows only) writes it by radix select: exact on both paths (the check
+  is a proof, the sample only decides the speed). The same row routine runs as pass 2's epilogue (``FusedRows``). Both sweeps run
   on [rows, 8] tiles (one 16-byte load per tile row), each tile row held by one thread, so key decode, compares and
   prefix sums stay in the thread and one scan of the row totals crosses threads per step; the compaction takes slot
   and tie rank from one packed prefix sum; whole tiles load unmasked and the next tile's load is issued before this
@@ -30,6 +31,7 @@ Keys: non-negative floats order like their bits read as integers; negative value
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -46,6 +48,10 @@ _BRACKET_MAX_SAMPLES = 1024  # (a power of two: the sample is held in registers,
 # 1 warp x 2 rows, 7.42 / 0.60 for 1 x 1, 6.49 / 0.58 for 2 x 2, 6.56 / 0.54 for 4 x 1 (radix 17.6 / 1.43 ms)
 _BRACKET_WARPS = 2
 _BRACKET_ROWS_PER_THREAD = 1  # tile rows (16-byte vectors) per thread per sweep step
+# registers per thread of the bracket kernel (its radix fallback runs in a second launch): ptxas sm_90 at 2 warps with
+# the prefetch needs 96 uncapped, 72 with no spill (tests/ptxas_select.py --topk): 14 programs (28 warps) per SM
+# instead of 10 (the fallback inlined: 140 registers, 7 programs; every tuning of round 1b ran at ~14 warps per SM)
+_BRACKET_MAXNREG = 72
 HIST_BINS = tl.constexpr(128)  # bins of a first-digit histogram given by pass 2: the top 8 key bits of sums >= 0
 
 
@@ -138,23 +144,29 @@ def _compact(src, dst, SK, num_keys, width, prefix, need, KEY_BITS: tl.constexpr
 
 @triton.jit
 def _radix_topk_rows(
-    SUMS, OUT, HIST,
+    SUMS, OUT, HIST, FLAGS,
     SK, num_keys, width, inner,
     stride_so, stride_si, stride_oo, stride_oi,
     KEY_BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_HIST: tl.constexpr,  # HIST: int32 [rows, HIST_BINS], the first digit's histogram of each row
+    ONLY_FLAGGED: tl.constexpr = False,  # only rows with FLAGS[row] != 0 (int8 [rows])
 ):
     """One program per row: radix threshold (KEY_BITS // 8 histogram passes over the row, the first one read from
-    HIST when given), then compaction."""
+    HIST when given), then compaction. ONLY_FLAGGED: the bracket method's fallback, only the rows whose int8 flag
+    FLAGS[row] is nonzero (the others return at once)."""
     row = tl.program_id(0)
-    outer = (row // inner).to(tl.int64)
-    row_in = (row % inner).to(tl.int64)
-    src = SUMS + outer * stride_so + row_in * stride_si
-    dst = OUT + outer * stride_oo + row_in * stride_oi
-    hist_row = HIST + row.to(tl.int64) * HIST_BINS
-    prefix, need = _radix_threshold(src, SK, num_keys, KEY_BITS, BLOCK, hist_row, HAS_HIST)
-    _compact(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, BLOCK)
+    run = True
+    if ONLY_FLAGGED:
+        run = tl.load(FLAGS + row) != 0
+    if run:
+        outer = (row // inner).to(tl.int64)
+        row_in = (row % inner).to(tl.int64)
+        src = SUMS + outer * stride_so + row_in * stride_si
+        dst = OUT + outer * stride_oo + row_in * stride_oi
+        hist_row = HIST + row.to(tl.int64) * HIST_BINS
+        prefix, need = _radix_threshold(src, SK, num_keys, KEY_BITS, BLOCK, hist_row, HAS_HIST)
+        _compact(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, BLOCK)
 
 
 @triton.jit
@@ -285,21 +297,32 @@ def _bracket_topk_rows(
     VEC: tl.constexpr,  # keys per tile row: 16 bytes
     NS: tl.constexpr,  # sample slots (power of two >= n_samp)
     CAP: tl.constexpr,  # candidate slots per row in CAND
-    BLOCK: tl.constexpr,  # entries per chunk of the radix fallback
     PREFETCH: tl.constexpr,  # each sweep issues the next tile's load before this tile's work
 ):
     """The bracket method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row: a stratified sample of
     n_samp keys (one per ``stride_samp`` positions, a scrambled offset in each) brackets the K-th largest key between
     two sample order statistics; one sweep counts the keys above the bracket (per-thread counters, reduced once) and
-    copies the keys inside it to CAND (at most CAP); bisection over the copies on the key value gives the threshold;
-    a bracket the counts disprove (or that overflows CAP) falls back to the radix threshold, so the result is exact
-    either way (FELL_BACK[row] = 1 then); then ``_compact_tiles``."""
+    copies the keys inside it to CAND (at most CAP); bisection over the copies on the key value gives the threshold,
+    then ``_compact_tiles`` writes the row. A bracket the counts disprove (or that overflows CAP) leaves the row
+    unwritten with FELL_BACK[row] = 1: ``_radix_topk_rows`` (ONLY_FLAGGED, the next launch) writes it, so the result
+    is exact either way. (The radix passes are not inlined here: they held the kernel at 140 registers, 7 programs
+    of 2 warps per SM; without them 72 fit with no spill.)"""
     row = tl.program_id(0)
     outer = (row // inner).to(tl.int64)
     row_in = (row % inner).to(tl.int64)
-    src = SUMS + outer * (stride_so * ALIGN) + row_in * (stride_si * ALIGN)
-    dst = OUT + outer * stride_oo + row_in * stride_oi
-    cand_row = CAND + row.to(tl.int64) * CAP
+    _bracket_row(SUMS + outer * (stride_so * ALIGN) + row_in * (stride_si * ALIGN),
+                 OUT + outer * stride_oo + row_in * stride_oi, CAND + row.to(tl.int64) * CAP, FELL_BACK + row,
+                 SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, ROWS, VEC, NS, CAP, PREFETCH)
+
+
+@triton.jit
+def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank,
+                 KEY_BITS: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, NS: tl.constexpr, CAP: tl.constexpr,
+                 PREFETCH: tl.constexpr):
+    """The bracket method for one row of Sk keys at ``src`` (16-byte aligned when Sk >= ROWS * VEC: whole tiles load
+    unmasked) into the selection row ``dst`` (``width`` slots), with the candidate scratch ``cand_row`` (CAP slots)
+    and the row's int8 fallback flag at ``flag`` (written 1 when the row is left to the radix launch, else 0);
+    ``_bracket_topk_rows`` per program, or pass 2's epilogue (``selection._group_prob_sums_pair`` TOPK)."""
     zero = tl.program_id(0) * 0
     top = zero + (0x7C01 if KEY_BITS == 16 else 0x7F800001)  # one above +inf's key: above every key
 
@@ -332,6 +355,7 @@ def _bracket_topk_rows(
     above = tl.sum(above_rows, 0)
 
     hit = (above < num_keys) & (above + n_cand >= num_keys) & (n_cand <= CAP)
+    tl.store(flag, (1 - hit.to(tl.int32)).to(tl.int8))
     if hit:
         kk = num_keys - above  # the threshold is the kk-th largest copy (every copy is >= lo, n_cand >= kk)
         a = lo
@@ -344,10 +368,7 @@ def _bracket_topk_rows(
             b = tl.where(ok, b, mid - 1)
         prefix = a
         need = kk - _count_ge(cand_row, n_cand, prefix, ROWS, VEC, True)
-    else:
-        prefix, need = _radix_threshold(src, SK, num_keys, KEY_BITS, BLOCK)
-    tl.store(FELL_BACK + row, (1 - hit.to(tl.int32)).to(tl.int8))
-    _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, ROWS, VEC, PREFETCH)
+        _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, ROWS, VEC, PREFETCH)
 
 
 def bracket_plan(sk: int, num_keys: int, key_bytes: int, *, stride: int | None = None, cap: int | None = None,
@@ -382,7 +403,7 @@ def sample_positions(sk: int, stride: int) -> torch.Tensor:
 def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tensor | None = None,
                method: str | None = None, cap: int | None = None, block: int | None = None,
                num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None,
-               sample_stride: int | None = None, prefetch: bool = True):
+               sample_stride: int | None = None, prefetch: bool = True, maxnreg: int | None = None):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
 
@@ -398,7 +419,8 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             rows x cap int16 keys for float16 sums, int32 for float32, per call).
         block, num_warps: keys per sweep step (bracket) or chunk size (radix), and warps per row (tuning).
         sample_stride: the bracket method's keys per sample (None: ``bracket_plan``'s); prefetch: its sweeps issue
-            the next tile's load before this tile's work.
+            the next tile's load before this tile's work; maxnreg: the bracket kernel's register cap per thread on
+            CUDA (None: ``_BRACKET_MAXNREG``; 0: none).
         return_fallbacks: also return int8 ``[rows]``, 1 where the bracket method fell back to the radix threshold.
         hist: optional int32 ``[..., HIST_BINS]`` contiguous: each row's histogram of its keys' top 8 bits (pass 2
             counts it while writing the sums, ``selection.group_prob_sums(hist=...)``); the radix method then skips
@@ -444,8 +466,9 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
                              or not hist.is_contiguous()):
         raise ValueError(f"hist must be contiguous int32 {(*lead, HIST_BINS.value)}, got {hist.dtype} {tuple(hist.shape)}")
     if n and method == "radix":
-        _radix_topk_rows[(n,)](rows[0], rows[1], fell_back if hist is None else hist, *rows[2:], KEY_BITS=key_bits,
-                               BLOCK=block or _BLOCK, HAS_HIST=hist is not None, num_warps=num_warps or 4)
+        _radix_topk_rows[(n,)](rows[0], rows[1], fell_back if hist is None else hist, fell_back, *rows[2:],
+                               KEY_BITS=key_bits, BLOCK=block or _BLOCK, HAS_HIST=hist is not None,
+                               num_warps=num_warps or 4)
     elif n and method == "bracket":
         stride, n_samp, hi_rank, lo_rank, cap_b = bracket_plan(sk, num_keys, key_bits // 8, stride=sample_stride,
                                                                cap=cap)
@@ -454,10 +477,60 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         warps = num_warps or _BRACKET_WARPS
         tile_rows = (block // vec) if block else 32 * warps * _BRACKET_ROWS_PER_THREAD
         cand = torch.empty(n, cap_b, dtype=torch.int16 if key_bits == 16 else torch.int32, device=sums.device)
+        regs = _BRACKET_MAXNREG if maxnreg is None else maxnreg
+        launch = dict(maxnreg=regs) if regs and sums.device.type == "cuda" else {}
         _bracket_topk_rows[(n,)](
             src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // align,
             src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank,
             KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
-            BLOCK=256 * warps, PREFETCH=prefetch, num_warps=warps,  # fallback chunk: 8 keys per thread (registers)
-        )
+            PREFETCH=prefetch, num_warps=warps, **launch)
+        # the rows whose bracket missed (flagged): radix threshold + compaction; every other program returns at once
+        _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,
+                               HAS_HIST=False, ONLY_FLAGGED=True, num_warps=4)
     return (out, fell_back) if return_fallbacks else out
+
+
+@dataclasses.dataclass
+class FusedRows:
+    """The top-K as the epilogue of pass 2 (``selection.group_prob_sums(select=...)``): each pair program, once its
+    two groups' float16 sums are stored, runs the bracket method (``_bracket_row``) on them (still in L2) and writes
+    their selection rows; the rows it leaves (a disproved bracket) are flagged, and ``finish`` writes them with the
+    radix method (one launch; unflagged programs return at once). The result equals ``top_k_rows(sums, ...)``.
+
+    Fields: out, int32 ``[B, h, G, width]`` (the selection of the head chunk, contiguous last dim); num_keys, width;
+    plan, ``bracket_plan``'s (stride, n_samp, hi_rank, lo_rank, cap); cand, the candidate scratch (int16
+    ``[>= B*h*G, cap]``); flags, int8 ``[>= B*h*G]``; done: set by pass 2 when its kernel ran the top-K (the Gluon
+    pass-2 kernel does not: then the caller runs ``top_k_rows``)."""
+    out: torch.Tensor
+    num_keys: int
+    width: int
+    plan: tuple[int, int, int, int, int]
+    cand: torch.Tensor
+    flags: torch.Tensor
+    done: bool = False
+
+    @classmethod
+    def allocate(cls, rows: int, sk: int, num_keys: int, width: int, device) -> "FusedRows":
+        """A plan for float16 sums of ``rows`` rows of ``sk`` keys (``out`` set per head chunk by ``for_chunk``).
+        Raises torch.cuda.OutOfMemoryError for the candidate scratch (rows x cap int16)."""
+        plan = bracket_plan(sk, num_keys, 2)
+        return cls(torch.empty(0, dtype=torch.int32, device=device), num_keys, width, plan,
+                   torch.empty(rows, plan[4], dtype=torch.int16, device=device),
+                   torch.empty(rows, dtype=torch.int8, device=device))
+
+    def for_chunk(self, out: torch.Tensor) -> "FusedRows":
+        """This plan (same scratch) for the head chunk's selection ``out`` ([B, h, G, width]), ``done`` cleared."""
+        return dataclasses.replace(self, out=out, done=False)
+
+    def finish(self, sums: torch.Tensor) -> torch.Tensor:
+        """After pass 2 ran the fused top-K on ``sums`` ([B, h, G, Sk] float16, contiguous rows): the radix method on
+        the flagged rows; returns ``out``."""
+        B = sums.shape[0]
+        sk = sums.shape[-1]
+        src = sums.view(B, -1, sk)
+        dst = self.out.view(B, -1, self.width)
+        n = src.shape[0] * src.shape[1]
+        _radix_topk_rows[(n,)](src, dst, self.flags, self.flags, sk, self.num_keys, self.width, src.shape[1],
+                               src.stride(0), src.stride(1), dst.stride(0), dst.stride(1), KEY_BITS=16, BLOCK=_BLOCK,
+                               HAS_HIST=False, ONLY_FLAGGED=True, num_warps=4)
+        return self.out
