@@ -228,7 +228,7 @@ def _group_prob_sums_pair(
     stride_lb, stride_lh, stride_ls,
     stride_sb, stride_sh, stride_sg, stride_sn,
     SEL, CAND, FLAGS,  # TOPK: the selection [B, H, G, width] (int32), candidate scratch, fallback flags (topk.FusedRows)
-    num_keys, width, t_sb, t_sh, t_sg, stride_ob, stride_oh, stride_og, stride_samp, n_samp, hi_rank, lo_rank,
+    num_keys, width, t_sb, t_sh, t_sg, stride_ob, stride_oh, stride_og, stride_samp, n_samp, hi_rank, lo_rank, t_cap,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -245,7 +245,6 @@ def _group_prob_sums_pair(
     T_ALIGN: tl.constexpr = 1,  # the sums' b / h / g strides are t_sb / t_sh / t_sg times T_ALIGN (16-byte rows)
     T_ROWS: tl.constexpr = 128,  # top-K tile rows (16-byte vectors) per sweep step
     T_NS: tl.constexpr = 1024,  # top-K sample slots (a power of two >= n_samp)
-    T_CAP: tl.constexpr = 256,  # candidate slots per row in CAND
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
@@ -359,12 +358,12 @@ def _group_prob_sums_pair(
         src = SUMS + (b.to(tl.int64) * t_sb + h.to(tl.int64) * t_sh + g0.to(tl.int64) * t_sg) * T_ALIGN
         dst = SEL + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + g0.to(tl.int64) * stride_og
         row = bh.to(tl.int64) * G + g0
-        _bracket_row(src, dst, CAND + row * T_CAP, FLAGS + row, SK, num_keys, width, stride_samp, n_samp, hi_rank,
-                     lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS, T_NS, T_CAP, True)
+        _bracket_row(src, dst, CAND + row * t_cap, FLAGS + row, SK, num_keys, width, stride_samp, n_samp, hi_rank,
+                     lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS, T_NS, t_cap, True)
         if has_g1:
-            _bracket_row(src + t_sg * T_ALIGN, dst + stride_og, CAND + (row + 1) * T_CAP, FLAGS + row + 1, SK,
+            _bracket_row(src + t_sg * T_ALIGN, dst + stride_og, CAND + (row + 1) * t_cap, FLAGS + row + 1, SK,
                          num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS,
-                         T_NS, T_CAP, True)
+                         T_NS, t_cap, True)
 
 
 @triton.jit
@@ -618,7 +617,7 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
 def _fused_topk_args(select, out, num_warps, placeholder):
     """The pair kernel's TOPK arguments (runtime args, constexprs) for ``select`` (a ``topk.FusedRows`` or None)."""
     if select is None:
-        return (placeholder,) * 3 + (0,) * 12, {}
+        return (placeholder,) * 3 + (0,) * 13, {}
     if out.dtype != torch.float16 or out.stride(-1) != 1:
         raise ValueError("the fused top-K needs float16 sums with a contiguous last dim")
     stride, n_samp, hi_rank, lo_rank, cap = select.plan
@@ -631,8 +630,8 @@ def _fused_topk_args(select, out, num_warps, placeholder):
     sb, sh, sg = out.stride(0), out.stride(1), out.stride(2)
     align = 8 if sb % 8 == 0 and sh % 8 == 0 and sg % 8 == 0 else 1
     args = (sel, select.cand, select.flags, select.num_keys, select.width, sb // align, sh // align, sg // align,
-            sel.stride(0), sel.stride(1), sel.stride(2), stride, n_samp, hi_rank, lo_rank)
-    meta = dict(TOPK=True, T_ALIGN=align, T_ROWS=32 * num_warps, T_NS=triton.next_power_of_2(n_samp), T_CAP=cap)
+            sel.stride(0), sel.stride(1), sel.stride(2), stride, n_samp, hi_rank, lo_rank, cap)
+    meta = dict(TOPK=True, T_ALIGN=align, T_ROWS=32 * num_warps, T_NS=triton.next_power_of_2(n_samp))
     return args, meta
 
 

@@ -259,13 +259,13 @@ def _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS: tl.con
 
 
 @triton.jit
-def _count_step(key, cand_row, lo, hi, above_rows, n_cand, CAP: tl.constexpr):
+def _count_step(key, cand_row, lo, hi, above_rows, n_cand, cap):
     """One tile of the bracket sweep (``key``: its keys): per-row counts of keys above ``hi`` added to
-    ``above_rows``, keys in [lo, hi] copied to ``cand_row`` (first CAP); returns (above_rows, n_cand)."""
+    ``above_rows``, keys in [lo, hi] copied to ``cand_row`` (the first ``cap``); returns (above_rows, n_cand)."""
     above_rows += tl.sum((key > hi).to(tl.int32), 1)
     inside = ((key >= lo) & (key <= hi)).to(tl.int32)
     slot, n_in = _excl_scan(inside, n_cand)
-    tl.store(cand_row + slot, key.to(cand_row.dtype.element_ty), mask=(inside > 0) & (slot < CAP))
+    tl.store(cand_row + slot, key.to(cand_row.dtype.element_ty), mask=(inside > 0) & (slot < cap))
     return above_rows, n_cand + n_in
 
 
@@ -317,10 +317,10 @@ def _bracket_topk_rows(
 
 @triton.jit
 def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank,
-                 KEY_BITS: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, NS: tl.constexpr, CAP: tl.constexpr,
+                 KEY_BITS: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, NS: tl.constexpr, cap,
                  PREFETCH: tl.constexpr):
     """The bracket method for one row of Sk keys at ``src`` (16-byte aligned when Sk >= ROWS * VEC: whole tiles load
-    unmasked) into the selection row ``dst`` (``width`` slots), with the candidate scratch ``cand_row`` (CAP slots)
+    unmasked) into the selection row ``dst`` (``width`` slots), with the candidate scratch ``cand_row`` (``cap`` slots)
     and the row's int8 fallback flag at ``flag`` (written 1 when the row is left to the radix launch, else 0);
     ``_bracket_topk_rows`` per program, or pass 2's epilogue (``selection._group_prob_sums_pair`` TOPK)."""
     zero = tl.program_id(0) * 0
@@ -342,19 +342,19 @@ def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_s
         for i in range(0, n_full):
             x_next = _load_tile(src, tl.minimum(i + 1, n_full - 1) * step + tile, SK, False)
             above_rows, n_cand = _count_step(_raw_keys(x, tile, SK, KEY_BITS, False), cand_row, lo, hi, above_rows,
-                                             n_cand, CAP)
+                                             n_cand, cap)
             x = x_next
     else:
         for i in range(0, n_full):
             x = _load_tile(src, i * step + tile, SK, False)
             above_rows, n_cand = _count_step(_raw_keys(x, tile, SK, KEY_BITS, False), cand_row, lo, hi, above_rows,
-                                             n_cand, CAP)
+                                             n_cand, cap)
     offs = n_full * step + tile
     above_rows, n_cand = _count_step(_raw_keys(_load_tile(src, offs, SK, True), offs, SK, KEY_BITS, True), cand_row,
-                                     lo, hi, above_rows, n_cand, CAP)
+                                     lo, hi, above_rows, n_cand, cap)
     above = tl.sum(above_rows, 0)
 
-    hit = (above < num_keys) & (above + n_cand >= num_keys) & (n_cand <= CAP)
+    hit = (above < num_keys) & (above + n_cand >= num_keys) & (n_cand <= cap)
     tl.store(flag, (1 - hit.to(tl.int32)).to(tl.int8))
     if hit:
         kk = num_keys - above  # the threshold is the kk-th largest copy (every copy is >= lo, n_cand >= kk)
