@@ -98,6 +98,14 @@ QUICK = False
 VARIANTS = None  # --variants: the PDDP variants timed (None: all)
 TOPK_METHODS = ("radix", "bracket", "radix + pass-2 hist")
 QUICK_TOPK_METHODS = ("radix", "bracket")  # --quick (round 1b: radix + hist 11.7 / 1.01 ms)
+OPERAND_TUNING = {  # selection.fp8_operands launch tunings timed beside its default (528 statistics programs per
+    # tensor, 64 rows x 4 warps per quantising program)
+    "default again": {},
+    "quant 128 rows": dict(quant_block=128),
+    "quant 128 rows 8 warps": dict(quant_block=128, quant_warps=8),
+    "quant 32 rows": dict(quant_block=32),
+    "stats 1056 programs": dict(stats_programs=1056),
+}
 TOPK_TUNING = {  # top_k_rows variants timed at s = 0.25 beside the methods' defaults (radix 4 warps x 1024,
     # bracket 2 warps x one 16-byte row per thread, prefetch, 72 registers: topk._BRACKET_MAXNREG)
     "bracket uncapped (95 regs)": dict(method="bracket", maxnreg=0),
@@ -336,6 +344,21 @@ def select_part(name, q, k, lse, perm, res, best, rep, log):
                                                rep) * H / hc / best
         log(f"{name} fp8_operands alone (smoothing + quantisation, in the fp8 figures above): "
             f"{res['fp8_operands_over_dense']:.4f} of dense")
+        res["fp8_operands_tuning"] = tuned = {}
+        want = selection.fp8_operands(sub[0], sub[1], sub[2], D**-0.5)
+        for tname, tune in OPERAND_TUNING.items():  # beside the default, all heads as select_kv's chunks run it
+            try:
+                got = selection.fp8_operands(sub[0], sub[1], sub[2], D**-0.5, **tune)
+                same = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                       b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                           for a, b in zip(got, want))
+                if not same and "stats_programs" not in tune:
+                    raise AssertionError("differs from the default")
+                tuned[tname] = round(bench(lambda tune=tune: selection.fp8_operands(
+                    sub[0], sub[1], sub[2], D**-0.5, **tune), rep) * H / hc / best, 5)
+            except Exception as err:  # noqa: BLE001 (a tuning that fails is reported)
+                tuned[tname] = f"{type(err).__name__}: {str(err)[:100]}"
+        log(f"{name} fp8_operands tunings (/ dense, 4 heads extrapolated): {tuned}")
     del sums_ref
     if not (QUICK and ONLY == "select"):  # --only select --quick: the Gluon kernel's tunings are --only gluon's job
         gluon_part(name, sub, res, best, rep, log)

@@ -537,10 +537,11 @@ _STATS_PROGRAMS = 528  # statistics programs per tensor (~4 per H200 SM): enough
 _QUANT_BLOCK_S = 64  # rows per program of the quantising pass
 
 
-def _stat_splits(heads: int, rows: int) -> tuple[int, int]:
-    """(splits per head, rows per split) of the statistics pass for one tensor: a function of its own shape only, so
-    the same tensor always gets the same summation order (``fp8_stats`` alone == inside ``fp8_operands``)."""
-    n = max(1, min(-(-_STATS_PROGRAMS // heads), -(-rows // _STATS_BLOCK_S)))
+def _stat_splits(heads: int, rows: int, programs: int = _STATS_PROGRAMS) -> tuple[int, int]:
+    """(splits per head, rows per split) of the statistics pass for one tensor: a function of its own shape (and the
+    ``programs`` tuning) only, so the same tensor always gets the same summation order (``fp8_stats`` alone ==
+    inside ``fp8_operands``)."""
+    n = max(1, min(-(-programs // heads), -(-rows // _STATS_BLOCK_S)))
     per = -(-rows // n)
     return -(-rows // per), per
 
@@ -563,7 +564,8 @@ def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, scale
 
 
-def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float):
+def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, *, stats_programs: int | None = None,
+                 quant_block: int | None = None, quant_warps: int | None = None):
     """The float8 operands of pass 2's FP8 mode, smoothed: (q8, k8, qf, lse_s, kb).
 
     The products are taken on mean-free rows (q' = q - mean_q, k' = k - mean_k per head, SageAttention's smoothing of
@@ -574,7 +576,9 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
 
     Args:
         q: ``[B, H, S, D]``, k: ``[B, H, Sk, D]``, fp16 / bf16 / fp32, any strides; lse: fp32 ``[B, H, S]`` (natural
-        log, any strides); scale: the softmax scale.
+        log, any strides); scale: the softmax scale. stats_programs, quant_block, quant_warps: launch tuning (the
+        statistics programs per tensor, default ``_STATS_PROGRAMS``; rows per program and warps of the quantising
+        pass, default ``_QUANT_BLOCK_S``, 4); the results do not depend on the quantising pass's tuning.
     Returns:
         q8, k8: float8_e4m3fn ``[B, H, S, D]`` / ``[B, H, Sk, D]``, contiguous: (x - mean) / head scale (``fp8_stats``:
         a power of two, so the quotient is exact) rounded to nearest even (e4m3 is a float format: one scale per head
@@ -592,8 +596,9 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     B, H, S, D = q.shape
     SK = k.shape[2]
     dev = q.device
-    nq, per_q = _stat_splits(B * H, S)
-    nk, per_k = _stat_splits(B * H, SK)
+    programs = stats_programs or _STATS_PROGRAMS
+    nq, per_q = _stat_splits(B * H, S, programs)
+    nk, per_k = _stat_splits(B * H, SK, programs)
     part = torch.empty(B * H, nq + nk, 3, D, dtype=torch.float32, device=dev)
     _fp8_partial_stats[(nq + nk, B * H)](q, k, part, H, S, SK, per_q, per_k, nq, nk, *q.stride(), *k.stride(),
                                          HEAD_DIM=D, BLOCK_S=_STATS_BLOCK_S, num_warps=4)
@@ -606,11 +611,11 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     k8 = torch.empty(B, H, SK, D, dtype=torch.float8_e4m3fn, device=dev)
     lse_s = torch.empty(B, H, S, dtype=torch.float32, device=dev)
     kb = torch.empty(B, H, SK, dtype=torch.float32, device=dev)
-    bs = _QUANT_BLOCK_S
+    bs = quant_block or _QUANT_BLOCK_S
     nbq = triton.cdiv(S, bs)
     _fp8_quantize[(nbq + triton.cdiv(SK, bs), B * H)](
         q, k, q8, k8, mq, mk, stats[0], stats[1], lse, lse_s, kb, H, S, SK, nbq, *q.stride(), *k.stride(),
-        *lse.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, num_warps=4)
+        *lse.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, num_warps=quant_warps or 4)
     return q8, k8, stats[2], lse_s, kb
 
 
