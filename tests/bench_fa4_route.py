@@ -1,24 +1,28 @@
 """flash-attn-4 paged-KV sparse route on a CUDA GPU (not collected by pytest): the route / the bare paged kernel /
 flash-attn-4 dense with LSE, side by side; prints a table, writes JSON and ``fa4_route_eff_min`` to --out.
 
-At the Wan2.1-1.3B 480p (B=1, H=12, S=32760) and 14B 720p (H=40, S=75600) shapes, D=128, bf16, C=128, q/k/v strided
-``[B, H, S, D]`` views of the model's ``[B, S, H*D]`` tensors, each group's indices a random sorted set of
-floor(s*S) tokens (-1-padded to a multiple of 128), s in {0.1, 0.15, 0.25, 0.5}. Every row is timed interleaved with
-the dense kernel (``bench_kernels.time_interleaved``: L2 cleared before each call, rounds rotated, medians), so the
-ratios are side by side; efficiency = dense ms * (floor(s*S)/S) / row ms. Rows:
-- ``route``: ``kernels.sparse_attention(..., backend="flash_attn4")`` (page table + counts, Q gather, FA4, O scatter:
-  kernels/flash_attn4) -> ``fa4_route_eff_min`` (min over the points);
-- ``route out= res``: the same with ``out=`` a ``[B, S, H*D]`` view and a plain bf16 residual (the reuse path);
-- ``bare``: FA4's paged kernel alone on pre-built inputs (group-order Q, page table, seqused_k), the route's limit;
-- ``bare const``: the same with no ``seqused_k``: the page table cut to the K valid slots (every group has K here);
-- ``bare <tuning>``: FA4 tunables the interface takes (``tile_mn``, ``intra_wg_overlap``, ``mma_pv_is_rs``), same
-  inputs; one that fails to compile is reported and dropped.
-Correctness in the same run before any timing: the route (and the residual row) on 2 heads against the float32
-reference (``kernels.reference.sparse_attention``), relative L2 <= 2e-2 or the point is marked failed; the bare
-kernel's output against the route's groups. Warm back-to-back ms of route and bare are printed beside.
-Stops adding tunables past --budget-s (the scoreboard is always written).
+At the Wan2.1-1.3B 480p (B=1, H=12, S=32760) and 14B 720p (H=40, S=75600) shapes, D=128, bf16, C=128, each group's
+indices a random sorted set of floor(s*S) tokens (-1-padded to a multiple of 128), s in {0.1, 0.15, 0.25, 0.5}.
+Timing: the method of record (TEAM.md item 7, ``tests/_timing.race``): every row in turn, back-to-back calls for
+about --target-ms per sample, --rounds rounds in a rotating order, medians, dense in the same race at every point;
+efficiency = dense ms * (floor(s*S)/S) / row ms; dense = ``kernels.dense_attention(q, k, v, return_lse=True,
+backend="flash_attn4")`` on ``[B, H, S, D]`` contiguous randn inputs. Rows:
+- ``route``: ``kernels.sparse_attention(..., backend="flash_attn4")`` on those inputs (page table + counts, Q gather,
+  FA4, O scatter: kernels/flash_attn4) -> ``fa4_route_eff_min`` (min over the points);
+- ``route native`` / ``route native out= res``: on strided views of the model's ``[B, S, H*D]`` tensors, and with
+  ``out=`` such a view and a plain bf16 residual (the reuse path's call);
+- ``route <tuning>``: the backend with an FA4 tunable (``TUNINGS``: ``intra_wg_overlap``, ``mma_pv_is_rs``,
+  ``tile_mn``);
+- ``bare``: FA4's paged kernel alone on pre-built inputs (group-order Q, page table, seqused_k) as the route launches
+  it (the compiled kernel directly): the route's ceiling; ``bare via interface``: through ``_flash_attn_fwd`` (host
+  work per call); ``bare <tuning>``.
+Correctness in the same run before any timing: every route row against the float32 reference on 2 heads
+(``kernels.reference.sparse_attention``; the first call through FA4's interface and the second, direct, launch), the
+residual row into a NaN-poisoned out; the bare rows against the route's group-order output. A point with a relative
+L2 error above 2e-2 or a NaN left is marked WRONG and gives no scoreboard figure.
 
-Usage: python tests/bench_fa4_route.py --out $OUT --commit <hash> [--shapes 1.3b,14b] [--reps 12,4] [--budget-s 80]
+Usage: python tests/bench_fa4_route.py --out $OUT --commit <hash> [--shapes 1.3b,14b] [--rounds 3] [--target-ms 20]
+       [--tunings "no overlap"]
 """
 
 from __future__ import annotations
@@ -35,21 +39,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402  (loads the pack)
+from _timing import race  # noqa: E402
 
 from comfyui_mc_sparse_pack import kernels  # noqa: E402
 from comfyui_mc_sparse_pack.kernels import reference  # noqa: E402
 
-TUNINGS = {  # each compiles offline for sm_90a (5-13 s each: FakeTensorMode + CUTE_DSL_ARCH=sm_90a)
-    "bare tile 128x176": dict(tile_mn=(128, 176)),
-    "bare no intra-wg overlap": dict(intra_wg_overlap=False),
-    "bare P from smem": dict(mma_pv_is_rs=False),
-    "bare tile 128x64": dict(tile_mn=(128, 64)),
-    "bare tile 128x192": dict(tile_mn=(128, 192)),
+T0 = time.time()
+TUNINGS = {  # each compiles offline for sm_90a (5-13 s: FakeTensorMode + CUTE_DSL_ARCH=sm_90a + FLASH_ATTENTION_NUM_SMS)
+    "no overlap": dict(intra_wg_overlap=False),  # round 1 (gapped timing): bare +0.003-0.022 at 14B, -0.016-0 at 1.3B
+    "P from smem": dict(mma_pv_is_rs=False),
+    "tile 128x176": dict(tile_mn=(128, 176)),  # round 1: 0.04-0.09 below the default tile everywhere
 }
-DEFAULT_TUNINGS = "bare tile 128x176,bare no intra-wg overlap"  # two compiles fit the ~100 s round
 
 
-def run_shape(name, shp, densities, reps, budget_s, t0, log, tunings):
+def run_shape(name, shp, densities, rounds, target_ms, log, tunings):
     from comfyui_mc_sparse_pack.kernels import flash_attn4 as fa4
     from comfyui_mc_sparse_pack.kernels.triton import paged_route
     from flash_attn.cute.interface import _flash_attn_fwd
@@ -60,139 +63,106 @@ def run_shape(name, shp, densities, reps, budget_s, t0, log, tunings):
     scale = 1.0 / math.sqrt(D)
     gen = torch.Generator(device="cuda").manual_seed(1234)
 
-    def native():
-        return torch.randn(B, S, H * D, device="cuda", dtype=torch.bfloat16, generator=gen).view(B, S, H, D).transpose(1, 2)
+    def randn(*size):
+        return torch.randn(*size, device="cuda", dtype=torch.bfloat16, generator=gen)
 
-    sets = [tuple(native() for _ in range(3)) for _ in range(2)]
+    cont = [tuple(randn(B, H, S, D) for _ in range(3)) for _ in range(2)]  # TEAM.md item 7: the baseline's inputs
+    nat = [tuple(randn(B, S, H * D).view(B, S, H, D).transpose(1, 2) for _ in range(3)) for _ in range(2)]
     perms = [bk.random_perm(B, H, S, gen) for _ in range(2)]
     res_plain = kernels.Residual((torch.randn(B, H, S, D, device="cuda", generator=gen) * 0.05).to(torch.bfloat16))
     out_buf = torch.empty(B, S, H * D, device="cuda", dtype=torch.bfloat16)
     out_v = out_buf.view(B, S, H, D).transpose(1, 2)
     sub = slice(0, 2)
-    r = dict(shape=shp, points={}, failed_tunings={})
-    alive = dict(tunings)
+    r = dict(shape=shp, points={})
     for s in densities:
         kq = int(s * S)
-        idxs = [bk.random_kv_idx(B, H, G, S, kq, gen) for _ in sets]
-        pt = dict(num_keys=kq, ms={}, eff={}, err={}, warm_ms={})
-        # correctness first
-        got = kernels.sparse_attention(*sets[0], perms[0], idxs[0], backend="flash_attn4")
-        ref = reference.sparse_attention(*(t[:, sub].float() for t in sets[0]), perms[0][:, sub], idxs[0][:, sub])
-        pt["err"]["route"] = bk.rel_err(got[:, sub], ref)
+        idxs = [bk.random_kv_idx(B, H, G, S, kq, gen) for _ in range(2)]
+        pt = dict(num_keys=kq, ms={}, eff={}, err={})
+
+        def route(j, inputs=cont, out=None, residual=None, **tun):
+            if tun:  # FA4 tunables: the backend's function directly
+                return fa4.sparse_attention(*inputs[j], perms[j], idxs[j], out=out, residual=residual, **tun)
+            return kernels.sparse_attention(*inputs[j], perms[j], idxs[j], out=out, residual=residual,
+                                            backend="flash_attn4")
+
+        # correctness first: every route row against the float32 reference on 2 heads (first call: through
+        # flash-attn-4's interface; second: the direct launch), the residual row into a NaN-poisoned out
+        ref = reference.sparse_attention(*(t[:, sub].float() for t in cont[0]), perms[0][:, sub], idxs[0][:, sub])
+        ref_n = reference.sparse_attention(*(t[:, sub].float() for t in nat[0]), perms[0][:, sub], idxs[0][:, sub])
+        checks = {"route first call": lambda: route(0), "route": lambda: route(0)}
+        for tname, tun in tunings.items():
+            checks[f"route {tname}"] = lambda tun=tun: route(0, **tun)
+        for cname, fn in checks.items():
+            pt["err"][cname] = bk.rel_err(fn()[:, sub], ref)
         out_buf.fill_(float("nan"))
-        got = kernels.sparse_attention(*sets[0], perms[0], idxs[0], out=out_v, residual=res_plain, backend="flash_attn4")
-        pt["err"]["route out= res"] = bk.rel_err(got[:, sub], ref + res_plain.data[:, sub].float())
-        pt["err"]["route out= res"]["nan_left"] = bool(torch.isnan(out_buf).any())
+        got = route(0, nat, out=out_v, residual=res_plain)
+        pt["err"]["route native out= res"] = bk.rel_err(got[:, sub], ref_n + res_plain.data[:, sub].float())
+        pt["err"]["route native out= res"]["nan_left"] = bool(torch.isnan(out_buf).any())
         # pre-built inputs of the bare kernel, per input set
         bare_in = []
-        for (q, k, v), p, i in zip(sets, perms, idxs):
+        for (q, k, v), p, i in zip(cont, perms, idxs):
             kp, vp, strides = fa4.kv_pages(k, v)
             table, used = paged_route.page_table(i, strides)
             qg = paged_route.gather_queries(q, p, C)
             bare_in.append(dict(q=qg, k=kp, v=vp, table=table, used=used, o=torch.empty_like(qg)))
 
-        def bare(j, const=False, **tun):
+        def bare(j, via="direct", **tun):
             x = bare_in[j]
-            if const:  # every group has kq valid slots here: no seqused_k, the table cut to them (row stride K_alloc)
-                return _flash_attn_fwd(x["q"], x["k"], x["v"], page_table=x["table"][:, :kq], softmax_scale=scale,
-                                       out=x["o"], **tun)[0]
+            if via == "direct":  # what the route launches (the compiled kernel, after its first call)
+                fa4._paged_call(x["q"], x["k"], x["v"], x["used"], x["table"], x["o"], None, scale, tun)
+                return x["o"]
             return _flash_attn_fwd(x["q"], x["k"], x["v"], seqused_k=x["used"], page_table=x["table"],
                                    softmax_scale=scale, out=x["o"], **tun)[0]
 
-        want_g = paged_route.gather_queries(kernels.sparse_attention(*sets[0], perms[0], idxs[0],
-                                                                     backend="flash_attn4"), perms[0], C)
-        rows = {"bare": lambda j: bare(j), "bare const": lambda j: bare(j, const=True)}
-        for tname, tun in list(alive.items()):
-            if time.time() - t0 > budget_s:
-                log(f"{name} s={s}: budget {budget_s} s reached, tunable {tname} not timed")
-                continue
-            rows[tname] = lambda j, tun=tun: bare(j, **tun)
+        want_g = paged_route.gather_queries(route(0), perms[0], C)
+        valid = (perms[0].view(-1, C) >= 0)[:, :, None, None]
+        rows = {"bare": lambda j: bare(j), "bare via interface": lambda j: bare(j, via="interface")}
+        for tname, tun in tunings.items():
+            rows[f"bare {tname}"] = lambda j, tun=tun: bare(j, **tun)
         for rname in list(rows):
-            try:
-                o = rows[rname](0)
-                valid = perms[0].view(-1, C)[:, :, None, None].expand(-1, -1, 1, D).reshape(o.shape) >= 0
-                e = bk.rel_err(torch.where(valid, o, 0), torch.where(valid, want_g, 0))
-                pt["err"][rname] = e
-                if e["rel_l2"] > 1e-2:
-                    raise RuntimeError(f"output differs from the route's: {e}")
-            except Exception as err:  # a tunable this kernel does not take
-                msg = f"{type(err).__name__}: {str(err)[:200]}"
-                log(f"{name} s={s} {rname}: dropped ({msg})")
-                rows.pop(rname)
-                if rname in alive:
-                    r["failed_tunings"][rname] = msg
-                    alive.pop(rname)
-        fns = {"dense": None, "route": None, "route out= res": None, **{n: None for n in rows}}
-        cyc = {n: [0] for n in fns}
+            rows[rname](0)  # a first call goes through flash-attn-4's interface
+            o = rows[rname](0)  # the direct launch
+            pt["err"][rname] = bk.rel_err(torch.where(valid, o, 0), torch.where(valid, want_g, 0))
+        ok = all(e["rel_l2"] <= 2e-2 for e in pt["err"].values()) and not pt["err"]["route native out= res"]["nan_left"]
+        pt["correct"] = ok
+        fns = {
+            "dense": lambda j: kernels.dense_attention(*cont[j], return_lse=True, backend="flash_attn4"),
+            "route": lambda j: route(j),
+            "route native": lambda j: route(j, nat),
+            "route native out= res": lambda j: route(j, nat, out=out_v, residual=res_plain),
+            **{f"route {tname}": (lambda j, tun=tun: route(j, **tun)) for tname, tun in tunings.items()},
+            **rows,
+        }
+        turn = {n: [0] for n in fns}
 
         def rot(n, f):
-            def call():
-                j = cyc[n][0] = (cyc[n][0] + 1) % 2
+            def call():  # alternate the two input sets (no cache-warm repeats of one input)
+                j = turn[n][0] = 1 - turn[n][0]
                 return f(j)
             return call
 
-        fns["dense"] = rot("dense", lambda j: kernels.dense_attention(*sets[j], return_lse=True, backend="flash_attn4"))
-        fns["route"] = rot("route", lambda j: kernels.sparse_attention(*sets[j], perms[j], idxs[j], backend="flash_attn4"))
-        fns["route out= res"] = rot("route out= res", lambda j: kernels.sparse_attention(
-            *sets[j], perms[j], idxs[j], out=out_v, residual=res_plain, backend="flash_attn4"))
-        for n, f in rows.items():
-            fns[n] = rot(n, f)
-        pt["ms"] = bk.time_interleaved(fns, reps)
+        pt["ms"] = race({n: rot(n, f) for n, f in fns.items()}, rounds, target_ms)
         dense = pt["ms"]["dense"]
         for n, ms in pt["ms"].items():
             if n != "dense":
                 pt["eff"][n] = dense * (kq / S) / ms
-        for n in ("route", "bare"):
-            pt["warm_ms"][n] = bk.time_warm(fns[n], calls=3)
-        pt["warm_ms"]["dense"] = bk.time_warm(fns["dense"], calls=2)
-        ok = pt["err"]["route"]["rel_l2"] <= 2e-2 and pt["err"]["route out= res"]["rel_l2"] <= 2e-2 \
-            and not pt["err"]["route out= res"]["nan_left"]
-        pt["correct"] = ok
         r["points"][str(s)] = pt
-        log(f"{name} s={s} [{time.time() - t0:.0f}s] dense {dense:.3f} ms | "
+        log(f"{name} s={s} [{time.time() - T0:.0f}s] dense {dense:.3f} ms | "
             + " | ".join(f"{n} {pt['ms'][n]:.3f} ms eff {pt['eff'][n]:.3f}" for n in pt["eff"])
-            + f" | warm route/bare/dense {pt['warm_ms']['route']:.3f}/{pt['warm_ms']['bare']:.3f}/"
-              f"{pt['warm_ms']['dense']:.3f} ms | route/bare {pt['ms']['route'] / pt['ms']['bare']:.3f}"
-            + f" | err route {pt['err']['route']['rel_l2']:.2e}, res {pt['err']['route out= res']['rel_l2']:.2e}"
-            + ("" if ok else "  <-- WRONG"))
+            + f" | route/bare {pt['ms']['route'] / pt['ms']['bare']:.3f}"
+            + f" | max rel_l2 {max(e['rel_l2'] for e in pt['err'].values()):.2e}" + ("" if ok else "  <-- WRONG"))
+        if not ok:
+            log(f"{name} s={s} errors: {pt['err']}")
         del idxs, bare_in
     return r
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--shapes", default="1.3b,14b")
-    ap.add_argument("--densities", default="0.1,0.15,0.25,0.5")
-    ap.add_argument("--reps", default="12,4", help="interleaved rounds per shape (in --shapes order)")
-    ap.add_argument("--budget-s", type=float, default=70.0, help="no new tunables timed past this many seconds")
-    ap.add_argument("--tunings", default=DEFAULT_TUNINGS, help="comma-separated names of TUNINGS to time")
-    ap.add_argument("--commit", default=None)
-    args = ap.parse_args()
-    t0 = time.time()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    logf = (out / "bench_fa4_route.log").open("w")
-
-    def log(msg):
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
-
-    shapes = args.shapes.split(",")
-    reps = [int(x) for x in args.reps.split(",")]
-    densities = [float(x) for x in args.densities.split(",")]
-    tunings = {n: TUNINGS[n] for n in args.tunings.split(",") if n}
-    report = dict(gpu=torch.cuda.get_device_name(), commit=bk.measured_commit(args.commit), shapes={},
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"))
-    for n, name in enumerate(shapes):
-        report["shapes"][name] = run_shape(name, bk.SHAPES[name], densities, reps[min(n, len(reps) - 1)],
-                                           args.budget_s, t0, log, tunings)
-        (out / "bench_fa4_route.json").write_text(json.dumps(report, indent=1) + "\n")
-    # table
+def report_and_board(report, out, log):
+    """Print the tables and write out/scoreboard.json (fa4_route_eff_min over the points measured so far)."""
     for name, r in report["shapes"].items():
         rows = sorted({k for pt in r["points"].values() for k in pt["eff"]}, key=lambda k: (k != "route", k))
-        log(f"\n{name}: efficiency vs flash-attn-4 dense with LSE x s (s = {', '.join(r['points'])})")
+        dense = " / ".join(f"{pt['ms']['dense']:.2f}" for pt in r["points"].values())
+        log(f"\n{name}: efficiency vs flash-attn-4 dense with LSE x s (s = {', '.join(r['points'])}; dense ms {dense})")
         for row in rows:
             log(f"  {row:28s} " + " ".join(f"{r['points'][s]['eff'].get(row, float('nan')):.3f}" for s in r["points"]))
         log(f"  {'route / bare (time)':28s} " + " ".join(
@@ -205,8 +175,8 @@ def main():
         worst = min(effs, key=effs.get)
         best_bare = {k: max(v for n2, v in report["shapes"][k[0]]["points"][k[1]]["eff"].items() if n2.startswith("bare"))
                      for k in effs}
-        note = (f"the route (kernels.sparse_attention backend flash_attn4, model-layout [B, S, H*D] views, no residual) "
-                f"timed interleaved with flash-attn-4 dense with LSE (L2 cleared per call, medians); min over shapes x s "
+        note = (f"the route (kernels.sparse_attention backend flash_attn4, [B, H, S, D] contiguous bf16, no residual) "
+                f"raced with flash-attn-4 dense with LSE ({report['method']}, TEAM.md item 7); min over shapes x s "
                 f"of dense ms x s / route ms; worst at {worst[0]} s={worst[1]}; route "
                 f"{ {f'{n} {s}': round(v, 3) for (n, s), v in effs.items()} }; bare paged kernel "
                 f"{ {f'{n} {s}': round(v, 3) for (n, s), v in bare.items()} }; best bare row per point "
@@ -220,7 +190,37 @@ def main():
     else:
         log(f"\nno scoreboard figure: wrong results at {wrong}" if wrong else "\nno points measured")
     (out / "scoreboard.json").write_text(json.dumps(board, indent=2) + "\n")
-    log(f"done in {time.time() - t0:.0f} s")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--shapes", default="1.3b,14b")
+    ap.add_argument("--densities", default="0.1,0.15,0.25,0.5")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--target-ms", type=float, default=20.0)
+    ap.add_argument("--tunings", default="no overlap", help="comma-separated names of TUNINGS to time")
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logf = (out / "bench_fa4_route.log").open("w")
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    densities = [float(x) for x in args.densities.split(",")]
+    tunings = {n: TUNINGS[n] for n in args.tunings.split(",") if n}
+    report = dict(gpu=torch.cuda.get_device_name(), commit=bk.measured_commit(args.commit), shapes={},
+                  method=f"tests/_timing.race, {args.rounds} rounds x ~{args.target_ms} ms",
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"))
+    for name in args.shapes.split(","):
+        report["shapes"][name] = run_shape(name, bk.SHAPES[name], densities, args.rounds, args.target_ms, log, tunings)
+        (out / "bench_fa4_route.json").write_text(json.dumps(report, indent=1) + "\n")
+        report_and_board(report, out, log)  # after each shape: a run cut by its time cap keeps a figure
+    log(f"done in {time.time() - T0:.0f} s")
 
 
 if __name__ == "__main__":
