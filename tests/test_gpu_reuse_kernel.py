@@ -148,10 +148,15 @@ def test_default_config_compiles_without_spills():
     assert all(s == 0 for _, _, s in seen), f"register spills at the default config {cfg}: {seen}"
 
 
+@pytest.mark.parametrize("variant", ["bits", "bytes"])
 @pytest.mark.parametrize(("S", "K"), [(75600, 18900), (32760 + 3, 5000)], ids=["S75600", "S32763-ragged"])
-def test_decode_bitmask_gpu_bit_exact(S, K):
-    """The decode kernel on the GPU equals the reference bit for bit, into half of a stacked CFG buffer."""
+def test_decode_bitmask_gpu_bit_exact(S, K, variant, monkeypatch):
+    """The decode kernel (each variant) on the GPU equals the reference bit for bit, into half of a stacked CFG buffer."""
+    import importlib
+
     from comfyui_mc_sparse_pack.comfyui_mc_sparse import encoding
+
+    monkeypatch.setattr(importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.bitmask"), "VARIANT", variant)
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     rows, width = 40, -(-K // 128) * 128

@@ -125,10 +125,15 @@ def test_epilogue_adds_residual_in_original_query_order(gen):
     assert ((with_r[0, 0, target].float() - base[0, 0, target].float() - 1.0).abs() <= 2.0**-9).all()
 
 
-@pytest.mark.parametrize(("S", "K", "width"), [(37, 9, 16), (64, 64, 64), (3001, 700, 768), (13, 1, 5), (2100, 2100, 2100)])
-def test_decode_bitmask_kernel_bit_exact(gen, S, K, width):
+@pytest.mark.parametrize("variant", ["bits", "bytes"])
+@pytest.mark.parametrize(("S", "K", "width"), [(37, 9, 16), (64, 64, 64), (3001, 700, 768), (13, 1, 5), (2100, 2100, 2100),
+                                              (9001, 4000, 4096)])
+def test_decode_bitmask_kernel_bit_exact(gen, S, K, width, variant, monkeypatch):
     """The Triton decode equals the reference and brute force bit for bit, ragged S (stray bits past S ignored),
     rows longer than one step, into half of a stacked [2, ...] buffer (the other half untouched), -1 tails written."""
+    from comfyui_mc_sparse_pack.kernels.triton import bitmask
+
+    monkeypatch.setattr(bitmask, "VARIANT", variant)
     bits = random_bitmask(gen, (2, 3), S, K)
     if S % 8:
         bits[..., -1] |= 0xFF << (S % 8) & 0xFF

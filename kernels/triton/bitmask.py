@@ -44,17 +44,54 @@ def _decode_bitmask_fwd(
         tl.store(out_base + slots, tl.full([BLOCK_W], -1, tl.int32), mask=(slots >= count) & (slots < width))
 
 
-def decode_bitmask(bits, out, *, num_tokens):
+@triton.jit
+def _decode_bitmask_bytes_fwd(
+    BITS, OUT, n_bytes, num_tokens, width, stride_bits_row, stride_out_row,
+    BLOCK_BYTES: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    # Same result as _decode_bitmask_fwd with the prefix sum per BYTE (BLOCK_BYTES wide, of the bytes' set-bit counts)
+    # instead of per bit (8 x wider), and each bit's rank inside its byte from an 8-wide prefix sum; larger steps.
+    row = tl.program_id(0)
+    bits_base = BITS + row.to(tl.int64) * stride_bits_row
+    out_base = OUT + row.to(tl.int64) * stride_out_row
+    offs_b = tl.arange(0, BLOCK_BYTES)
+    offs_j = tl.arange(0, 8)
+    count = tl.zeros((), dtype=tl.int32)
+    for b0 in range(0, n_bytes, BLOCK_BYTES):
+        byte = tl.load(bits_base + b0 + offs_b, mask=b0 + offs_b < n_bytes, other=0).to(tl.int32)
+        token = (b0 + offs_b)[:, None] * 8 + offs_j[None, :]  # [BLOCK_BYTES, 8]: ascending tokens, row-major
+        bit = tl.where(token < num_tokens, (byte[:, None] >> offs_j[None, :]) & 1, 0)
+        per_byte = tl.sum(bit, 1)
+        before = tl.cumsum(per_byte, 0) - per_byte  # set bits in the step's earlier bytes
+        within = tl.cumsum(bit, 1) - bit  # set bits below this one in its byte
+        rank = count + before[:, None] + within
+        tl.store(out_base + rank, token, mask=(bit != 0) & (rank < width))
+        count += tl.sum(per_byte, 0)
+    for w0 in range((tl.minimum(count, width) // BLOCK_W) * BLOCK_W, width, BLOCK_W):
+        slots = w0 + tl.arange(0, BLOCK_W)
+        tl.store(out_base + slots, tl.full([BLOCK_W], -1, tl.int32), mask=(slots >= count) & (slots < width))
+
+
+VARIANTS = {"bits": (_decode_bitmask_fwd, _BLOCK_BYTES, 4), "bytes": (_decode_bitmask_bytes_fwd, 1024, 8)}
+"""Decode kernels: name -> (kernel, bytes per step, warps). "bits": one 2048-wide prefix sum per 256 bytes; "bytes":
+a 1024-wide prefix sum of byte counts per 1024 bytes (tests/bench_decode.py times both)."""
+VARIANT = "bits"
+"""The variant ``decode_bitmask`` launches (both bit-exact with the reference)."""
+
+
+def decode_bitmask(bits, out, *, num_tokens, variant=None):
     """Contract of ``kernels.decode_bitmask`` (validated there): uint8 ``[..., ceil(S/8)]`` -> ``out`` int32
-    ``[..., width]`` (unit last stride, leading dims flattening to rows), one launch, no host sync."""
+    ``[..., width]`` (unit last stride, leading dims flattening to rows), one launch, no host sync. ``variant``: a
+    ``VARIANTS`` name (None: ``VARIANT``)."""
     rows_bits = bits.reshape(-1, bits.shape[-1])  # a view for the cache's contiguous rows
     width = out.shape[-1]
     rows_out = out.view(-1, width)
     n = rows_bits.shape[0]
     if n == 0:
         return out
-    _decode_bitmask_fwd[(n,)](
+    kernel, block_bytes, warps = VARIANTS[variant or VARIANT]
+    kernel[(n,)](
         rows_bits, rows_out, rows_bits.shape[1], num_tokens, width, rows_bits.stride(0), rows_out.stride(0),
-        BLOCK_BYTES=_BLOCK_BYTES, BLOCK_W=_BLOCK_W, num_warps=4,
+        BLOCK_BYTES=block_bytes, BLOCK_W=_BLOCK_W, num_warps=warps,
     )
     return out
