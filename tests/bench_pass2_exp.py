@@ -79,7 +79,7 @@ def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=Fa
     extra = {} if maxnreg is None else dict(maxnreg=maxnreg)
     selection._group_prob_sums_pair[(triton.cdiv(G, 2), B * H)](
         q8, k8, lse_s, perm, out, qf, kb, qf, 1.0, H, S, SK, n_slots, C, G,
-        *q8.stride(), *k8.stride(), *lse_s.stride(), *out.stride(),
+        *q8.stride(), *k8.stride(), *lse_s.stride(), *out.stride(), *selection._fused_topk_args(None, out, 4, qf)[0],
         HEAD_DIM=D, BLOCK_M=128, BLOCK_N=64, EXP_MODE=3 if exp == "none" else 0, STAGGER=False, FP8=True, POLY=0,
         P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32, WITH_HIST=False,
         KB_POW2=kb_pow2, num_warps=4, num_stages=3, **extra)
