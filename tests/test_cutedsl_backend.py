@@ -288,7 +288,7 @@ def fake_op(monkeypatch):
     pkg = importlib.import_module("comfyui_mc_sparse_pack.kernels.cutedsl")
     fake = types.ModuleType(f"{pkg.__name__}.compile")
     fake.calls, fake.epilogues = [], []
-    fake.compiled = lambda dtype, head_dim, with_lse, residual="none", stages=None, producer=None, epilogue="registers": (
+    fake.compiled = lambda dtype, head_dim, with_lse, residual="none", stages=None, producer=None, epilogue="registers", options=(): (
         fake.calls.append((dtype, head_dim, with_lse, residual)) or fake.epilogues.append(epilogue)
         or ("fake", dtype, head_dim, with_lse, residual, epilogue))
     fake.launch = _fake_launch
@@ -471,3 +471,15 @@ def test_registered_with_its_rules_when_the_op_imports(fake_op, monkeypatch):
     assert rec.choices["sparse_attention"].backend != "cutedsl" and not fake_op.calls
     assert "cutedsl: runs on CUDA devices, got cpu" in rec.choices["sparse_attention"].reason
     assert "implements sparse_attention only" in rules.refuse("dense_attention", q, False)
+
+
+@pytest.mark.parametrize(("options", "epilogue", "want"), [
+    ((), "smem", ((), 3000)), (("persistent",), "smem", (("persistent",), 132)),
+    (("persistent", "idx_prefetch"), "registers", ((), 3000)), (("idx_prefetch",), "smem", (("idx_prefetch",), 3000)),
+])
+def test_launch_plan(monkeypatch, options, epilogue, want):
+    """The staged-epilogue kernel takes the configured options and a persistent grid of min(SMs, groups) CTAs only
+    with "persistent"; the register epilogue (residual calls) always one CTA per group and no options."""
+    monkeypatch.setattr(rules, "STAGED_OPTIONS", options)
+    assert rules.launch_plan(epilogue, 3000, 132) == want
+    assert rules.launch_plan(epilogue, 100, 132)[1] == 100

@@ -7,13 +7,14 @@ Importing this module imports nvidia-cutlass-dsl and flash-attn-4 (``compile.py`
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from ..triton.counts import valid_counts
 from . import compile as _compile
-from .rules import DTYPE_NAMES, call_refusal, epilogue_for
+from .rules import DTYPE_NAMES, call_refusal, epilogue_for, launch_plan
 
 __all__ = ["sparse_attention"]
 
@@ -46,16 +47,24 @@ def _run(q, k, v, perm, kv_idx, scale, return_lse, out, residual):
     res_name, *res_args = _residual_args(residual)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    fn = _compile.compiled(DTYPE_NAMES[q.dtype], D, return_lse, res_name, epilogue=epilogue_for(res_name, out))
+    n = B * H * G
+    epilogue = epilogue_for(res_name, out)
+    options, num_ctas = launch_plan(epilogue, n, _sm_count(q.device))
+    fn = _compile.compiled(DTYPE_NAMES[q.dtype], D, return_lse, res_name, epilogue=epilogue, options=options)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else None
     counts = valid_counts(kv_idx)
-    n = B * H * G
     _compile.launch(
         fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse,
         perm.contiguous().view(n, perm.shape[-1] // G), kv_idx.reshape(n, k_alloc).contiguous(), counts, *res_args,
-        scale, n,  # one CTA per group (a persistent grid measured slower: sparse_fwd_sm90.py)
+        scale, num_ctas,
     )
     return (out, lse) if return_lse else out
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    """The device's SM count (a persistent grid's CTA count); 1 off CUDA (the CPU tests' fake launch)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _residual_args(residual):

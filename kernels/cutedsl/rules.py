@@ -17,6 +17,9 @@ GROUP_SIZE = 128
 # scattered stores cost ~3 us per query group, the staged ones ~1.1 us; side by side +0.026 / +0.013 of dense x s at
 # 1.3B / 14B s = 0.1; docs/kernels.md); "registers" the alternative (sparse_fwd_sm90.py)
 EPILOGUE = "smem"
+# compile options (sparse_fwd_sm90.OPTIONS) of the staged-epilogue kernel; with "persistent" the op launches one CTA
+# per SM instead of one per group (``launch_plan``)
+STAGED_OPTIONS: tuple = ()
 
 
 def refusal(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -88,3 +91,12 @@ def epilogue_for(residual: str, out: torch.Tensor) -> str:
     16-byte aligned (its 16-byte stores), else "registers" (4-byte stores, residual added before rounding)."""
     aligned = out.data_ptr() % 16 == 0 and all(st * out.element_size() % 16 == 0 for st in out.stride()[:3])
     return EPILOGUE if residual == "none" and aligned else "registers"
+
+
+def launch_plan(epilogue: str, groups: int, sms: int) -> tuple[tuple, int]:
+    """(compile options, CTA count) of a call whose kernel runs ``epilogue`` over ``groups`` query groups on a device
+    of ``sms`` SMs: the staged epilogue takes ``STAGED_OPTIONS`` and, with "persistent" among them, a grid of
+    min(sms, groups) CTAs walking the groups; otherwise no options and one CTA per group."""
+    if epilogue == "smem" and STAGED_OPTIONS:
+        return tuple(STAGED_OPTIONS), min(sms, groups) if "persistent" in STAGED_OPTIONS else groups
+    return (), groups
