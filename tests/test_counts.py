@@ -29,3 +29,18 @@ def test_valid_counts_token_zero_and_odd_widths(K):
     keys = torch.arange(K, dtype=torch.int32).expand(rows, K) * 3  # every row's first index is token 0
     kv_idx = torch.where(torch.arange(K) < counts[:, None], keys, torch.full_like(keys, -1)).view(1, 2, 3, K)
     assert torch.equal(valid_counts(kv_idx), counts.to(torch.int32))
+
+
+@pytest.mark.parametrize("K", [31, 32, 33, 1024, 1025, 3328, 37888])
+def test_valid_counts_at_every_search_level(K):
+    """Widths around the search's fan-out (32 probes per level: 1, 2, 3 and 4 levels) with counts at the level
+    boundaries (1, 31, 32, 33, a multiple of 32 and of 1024, K - 1, K) and random ones; one row with no valid slot."""
+    from comfyui_mc_sparse_pack.kernels.triton.counts import levels
+
+    gen = torch.Generator().manual_seed(K)
+    want = [c for c in (1, 31, 32, 33, 64, 1023, 1024, 1025, K - 1, K) if 1 <= c <= K]
+    want += torch.randint(1, K + 1, (6,), generator=gen).tolist() + [0]
+    counts = torch.tensor(want)
+    kv_idx = torch.where(torch.arange(K) < counts[:, None], torch.arange(K, dtype=torch.int32) * 2,
+                         torch.full((K,), -1, dtype=torch.int32)).view(1, 1, len(want), K)
+    assert torch.equal(valid_counts(kv_idx), counts.to(torch.int32)), levels(K)
