@@ -131,3 +131,123 @@ def test_route_pieces_compose_to_the_reference_attention():
     want, want_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, kv_idx, return_lse=True)
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)  # the scatter adds in fp32
     torch.testing.assert_close(lse, want_lse.float(), rtol=1e-5, atol=1e-5)
+
+
+# ---- the flash_attn4 backend module with a stand-in flash_attn.cute (CPU: registration, K/V pages, direct launch) ----
+
+_FA4 = "comfyui_mc_sparse_pack.kernels.flash_attn4"
+
+
+@pytest.fixture
+def fa4_stub(monkeypatch):
+    """kernels/flash_attn4 imported against a stand-in ``flash_attn.cute`` whose ``_flash_attn_fwd`` calls a
+    "compiled kernel" from its compile cache with FA4's sm90 argument list (interface.py); the registry entry and
+    sys.modules are restored afterwards."""
+    import importlib
+    import sys
+    import types
+
+    from comfyui_mc_sparse_pack import kernels as kernels_pkg
+    from comfyui_mc_sparse_pack.kernels import registry
+
+    launches = []  # (how, args) of every kernel launch
+
+    def compiled(*args):
+        launches.append(args)
+
+    def fwd(q, k, v, seqused_k=None, page_table=None, softmax_scale=None, return_lse=False, out=None, lse=None, **kw):
+        fwd.interface_calls += 1
+        cache = fwd.compile_cache
+        if "key" not in cache:
+            cache["key"] = compiled
+        args = [q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale, None, None, None, seqused_k,
+                page_table, None, None, None, None, object(), None, None]
+        if fwd.swap:  # a build whose argument list differs from ours
+            args[9], args[10] = args[10], args[9]
+        cache["key"](*args)
+        return out, lse, None, None, None
+
+    fwd.compile_cache, fwd.interface_calls, fwd.swap = {}, 0, False
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd = fwd
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func = lambda *a, **k: None
+    cute.interface = interface
+    pkg = types.ModuleType("flash_attn")
+    pkg.cute = cute
+    for name, mod in (("flash_attn", pkg), ("flash_attn.cute", cute), ("flash_attn.cute.interface", interface)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setitem(registry._backends, "flash_attn4", registry._backends["flash_attn4"])
+    sys.modules.pop(_FA4, None)
+    try:
+        mod = importlib.import_module(_FA4)
+        yield mod, fwd, launches
+    finally:
+        sys.modules.pop(_FA4, None)
+        if hasattr(kernels_pkg, "flash_attn4"):
+            delattr(kernels_pkg, "flash_attn4")  # the import set it on the package
+
+
+def test_flash_attn4_registers_and_refuses_cpu(fa4_stub):
+    from comfyui_mc_sparse_pack.kernels import registry
+
+    mod, _, _ = fa4_stub
+    b = {x.name: x for x in registry.backends()}["flash_attn4"]
+    assert b.unavailable_reason is None and b.priority == 30
+    assert "CUDA" in mod.refuse("sparse_attention", torch.zeros(1, 1, 8, 64), False)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "native", "fused_qkv"])
+def test_kv_pages_are_views_and_address_every_token(fa4_stub, layout):
+    """Every token (b, h, t) is page b*page_b + h*page_h + t*page_s of both pools, without a copy for the
+    [B, H, S, D], [B, S, H*D] and fused [B, S, 3*H*D] layouts: kills wrong page strides or a pool off k's first row."""
+    mod, _, _ = fa4_stub
+    gen = torch.Generator().manual_seed(31)
+    B, H, S, D = 2, 3, 10, 16
+    if layout == "contiguous":
+        k, v = (torch.randn(B, H, S, D, generator=gen) for _ in range(2))
+    elif layout == "native":
+        k, v = (torch.randn(B, S, H * D, generator=gen).view(B, S, H, D).transpose(1, 2) for _ in range(2))
+    else:
+        qkv = torch.randn(B, S, 3, H, D, generator=gen)
+        k, v = qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
+    kp, vp, (pb, ph, ps) = mod.kv_pages(k, v)
+    assert kp.shape[1:] == (1, 1, D) and kp.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    page = (torch.arange(B).view(B, 1, 1) * pb + torch.arange(H).view(1, H, 1) * ph + torch.arange(S) * ps).long()
+    assert torch.equal(kp[:, 0, 0][page], k) and torch.equal(vp[:, 0, 0][page], v)
+
+
+def test_kv_pages_copy_when_strides_differ(fa4_stub):
+    mod, _, _ = fa4_stub
+    B, H, S, D = 1, 2, 6, 8
+    k = torch.randn(B, H, S, D)
+    v = torch.randn(B, S, H * D).view(B, S, H, D).transpose(1, 2)
+    kp, vp, (pb, ph, ps) = mod.kv_pages(k, v)
+    assert (pb, ph, ps) == (H * S, S, 1)
+    assert torch.equal(vp.view(B, H, S, D), v) and torch.equal(kp.view(B, H, S, D), k)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_paged_call_launches_the_recorded_kernel_directly(fa4_stub, swap):
+    """The first call goes through the interface and records its compiled kernel; later calls launch it with their
+    own tensors in the same slots. A build whose argument list is not the expected one (swap) is never launched
+    directly: kills recording without checking, and stale tensors / scale in a direct launch."""
+    mod, fwd, launches = fa4_stub
+    fwd.swap = swap
+    mod._DIRECT.clear()
+    t = lambda *s: torch.zeros(*s)  # noqa: E731
+    pools = (t(50, 1, 1, 16), t(50, 1, 1, 16))
+    calls = []
+    for scale in (0.25, 0.5, 0.125):
+        q, out = t(4, 8, 1, 16), t(4, 8, 1, 16)
+        used, table = torch.zeros(4, dtype=torch.int32), torch.zeros(4, 8, dtype=torch.int32)
+        mod._paged_call(q, *pools, used, table, out, None, scale, {})
+        calls.append((q, out, used, table, scale))
+    assert fwd.compile_cache and "key" in fwd.compile_cache  # the interface's cache is back in place
+    assert fwd.interface_calls == (3 if swap else 1)
+    assert len(launches) == 3
+    for args, (q, out, used, table, scale) in zip(launches, calls):
+        got = dict(q=args[0], out=args[3], used=args[10 if swap else 9], table=args[9 if swap else 10])
+        for name, want in dict(q=q, out=out, used=used, table=table).items():
+            assert got[name].data_ptr() == want.data_ptr(), name
+        assert args[5] == scale and args[1].data_ptr() == pools[0].data_ptr()
