@@ -301,6 +301,7 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent 3 stages": dict(_gluon=True, pingpong=True, persistent=True, num_stages=3),  # 1 Q slot
     "gluon pingpong persistent prefetch": dict(_gluon=True, pingpong=True, persistent=True, l2_prefetch=True),  # K/V
     # rows prefetched to L2 (evict_last) before the ring-slot wait (the CuTeDSL producer's cp.async+evict: +2-3 % at 14B)
+    "gluon pingpong persistent thread_arrive": dict(_gluon=True, pingpong=True, persistent=True, thread_arrive=True),
     "gluon pingpong persistent stage_out": dict(_gluon=True, pingpong=True, persistent=True, stage_out=True),  # 16-byte
     # output stores through the Q tile (the CuTeDSL kernel's staged epilogue: +2-3 % at small s)
     "gluon overlap pingpong persistent stage_out": dict(_gluon=True, overlap=True, pingpong=True, persistent=True,

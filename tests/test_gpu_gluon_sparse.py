@@ -106,7 +106,11 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
            "pingpong-persistent-3-stages": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3), "int4_group"),
            "pingpong-persistent-stage-out": (dict(pingpong=True, persistent=True, num_sms=7, stage_out=True), "plain"),
            "pingpong-persistent-l2-prefetch": (dict(pingpong=True, persistent=True, num_sms=7, l2_prefetch=True),
-                                               "fp8_row")}
+                                               "fp8_row"),
+           # stages released and turns passed by one arrive per consumer thread (barrier counts 256 / 128)
+           "thread-arrive": (dict(thread_arrive=True), "int4_row"),
+           "pingpong-persistent-thread-arrive": (dict(pingpong=True, persistent=True, num_sms=7, thread_arrive=True),
+                                                 "plain")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(TUNINGS.values()), ids=list(TUNINGS))

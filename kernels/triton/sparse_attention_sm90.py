@@ -75,7 +75,8 @@ def config(head_dim: int) -> dict:
     ``persistent`` + ``stage_out``: 1.3B 0.719-0.755, 14B 0.776-0.804. Registers 224 / 56 (consumers / producer):
     the producer issues each item's count, index and query loads together (232 / 40 spilled 32 bytes there)."""
     return dict(num_stages=2, consumer_regs=224, producer_regs=56, maxnreg=168, pipeline=False, persistent=False,
-                overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False)
+                overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
+                thread_arrive=False)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -290,8 +291,21 @@ def _turn_wait(turn, j, HALF: gl.constexpr):
 
 
 @gluon.jit
+def _release(bar, THREAD_ARRIVE: gl.constexpr):
+    """One consumer warpgroup's arrive on ``bar``: by one elected thread after a warpgroup barrier (``mbarrier.arrive``,
+    barrier count 1 per warpgroup), or THREAD_ARRIVE: by every thread on its own, no warpgroup barrier
+    (``cp.async.mbarrier.arrive.noinc``: the consumer threads have no cp.async in flight, so it arrives at once;
+    barrier count 128 per warpgroup). Each thread arrives after its own ``warpgroup_mma_wait``, so the stage's reads
+    are complete either way."""
+    if THREAD_ARRIVE:
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+    else:
+        mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
 def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c, turn, j, NUM_STAGES: gl.constexpr, HALF: gl.constexpr,
-            PINGPONG: gl.constexpr):
+            PINGPONG: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False):
     """S = Q K^T of the ring's tile c (fp32, the wgmma accumulator layout of s_zero), then its K stage released.
     PINGPONG: issued as this warpgroup's product block j (``_turn_wait``), the other warpgroup's turn passed on."""
     s = c % NUM_STAGES
@@ -302,15 +316,15 @@ def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c, turn, j, NUM_STAGES: gl
         _turn_wait(turn, j, HALF)
     qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if PINGPONG:
-        mbarrier.arrive(turn.index(1 - HALF), count=1)
+        _release(turn.index(1 - HALF), THREAD_ARRIVE)
     qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, q_tile, k_tile))
-    mbarrier.arrive(k_empty.index(s), count=1)
+    _release(k_empty.index(s), THREAD_ARRIVE)
     return qk
 
 
 @gluon.jit
 def _values(p16, acc, v_smem, v_ready, v_empty, c, turn, j, NUM_STAGES: gl.constexpr, HALF: gl.constexpr,
-            PINGPONG: gl.constexpr):
+            PINGPONG: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False):
     """O += P V of the ring's tile c (P from registers), then its V stage released; PINGPONG as ``_scores``."""
     s = c % NUM_STAGES
     v_tile = v_smem.index(s)
@@ -320,15 +334,16 @@ def _values(p16, acc, v_smem, v_ready, v_empty, c, turn, j, NUM_STAGES: gl.const
         _turn_wait(turn, j, HALF)
     acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
     if PINGPONG:
-        mbarrier.arrive(turn.index(1 - HALF), count=1)
+        _release(turn.index(1 - HALF), THREAD_ARRIVE)
     acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, v_tile, p16))
-    mbarrier.arrive(v_empty.index(s), count=1)
+    _release(v_empty.index(s), THREAD_ARRIVE)
     return acc
 
 
 @gluon.jit
 def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero, c, turn, j,
-                        NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+                        NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
+                        THREAD_ARRIVE: gl.constexpr = False):
     """One product block: O += P V of tile c and S = Q K^T of tile c + 1 issued back to back (one proxy fence for
     both stages, one wait for both products), then both stages released. Returns (O, S of tile c + 1)."""
     sv = c % NUM_STAGES
@@ -343,17 +358,18 @@ def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_em
     acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
     qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if PINGPONG:
-        mbarrier.arrive(turn.index(1 - HALF), count=1)
+        _release(turn.index(1 - HALF), THREAD_ARRIVE)
     acc, qk, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, qk_t, p16, v_tile, q_tile, k_tile))
-    mbarrier.arrive(v_empty.index(sv), count=1)
-    mbarrier.arrive(k_empty.index(sk), count=1)
+    _release(v_empty.index(sv), THREAD_ARRIVE)
+    _release(k_empty.index(sk), THREAD_ARRIVE)
     return acc, qk
 
 
 @gluon.jit
 def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, n_end, c0, j0, sm_scale_log2,
               dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr):
+              NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
+              THREAD_ARRIVE: gl.constexpr):
     """One group's key tiles (ring tiles c0 ..): per tile S = Q K^T, the online softmax in base 2 with the lazy
     rescale, O += P V accumulated in fp32. Only the last tile masks the slots past the count (the loop body runs
     unmasked: no select per score). PIPELINE: tile t's P V and tile t + 1's QK^T issued as one block (one fence, one
@@ -374,7 +390,7 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, 
     acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
     n_tiles = gl.cdiv(n_end, BLOCK_N)
-    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn, j0, NUM_STAGES, HALF, PINGPONG)
+    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn, j0, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE)
     for t in range(n_tiles - 1):  # every tile but the last: all slots valid
         c = c0 + t
         p16, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
@@ -382,15 +398,17 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, 
         acc = acc * alpha[:, None]
         if PIPELINE or PINGPONG:
             acc, qk = _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
-                                          c, turn, j0 + 1 + t, NUM_STAGES, HALF, PINGPONG)
+                                          c, turn, j0 + 1 + t, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE)
         else:
-            acc = _values(p16, acc, v_smem, v_ready, v_empty, c, turn, 0, NUM_STAGES, HALF, False)
-            qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c + 1, turn, 0, NUM_STAGES, HALF, False)
+            acc = _values(p16, acc, v_smem, v_ready, v_empty, c, turn, 0, NUM_STAGES, HALF, False, THREAD_ARRIVE)
+            qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c + 1, turn, 0, NUM_STAGES, HALF, False,
+                         THREAD_ARRIVE)
     t = n_tiles - 1  # the last tile: its slots past the count weigh nothing
     p16, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
                                          row_o, True)
     acc = acc * alpha[:, None]
-    acc = _values(p16, acc, v_smem, v_ready, v_empty, c0 + t, turn, j0 + n_tiles, NUM_STAGES, HALF, PINGPONG)
+    acc = _values(p16, acc, v_smem, v_ready, v_empty, c0 + t, turn, j0 + n_tiles, NUM_STAGES, HALF, PINGPONG,
+                  THREAD_ARRIVE)
     return acc, m_i, l_i
 
 
@@ -553,7 +571,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
               HALF: gl.constexpr, M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr,
               PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, STREAM: gl.constexpr):
+              STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, STREAM: gl.constexpr):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
     loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
     later) and the epilogue's perm rows, both in flight under the mainloop."""
@@ -612,7 +630,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
         else:
             acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, n_end, c,
                                       c + i, sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF,
-                                      PIPELINE, PINGPONG)
+                                      PIPELINE, PINGPONG, THREAD_ARRIVE)
         c += gl.cdiv(n_end, BLOCK_N)
         if PERSISTENT and not STAGE_OUT:  # every QK^T of the item is done: its Q slot is free for item i + Q_SLOTS
             mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
@@ -641,7 +659,7 @@ def _sparse_fwd_sm90(
     RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, ROW_THREADS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr,
-    L2_PREFETCH: gl.constexpr, STREAM: gl.constexpr, num_warps: gl.constexpr,
+    L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, STREAM: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
@@ -670,13 +688,13 @@ def _sparse_fwd_sm90(
     for j in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(j), count=128)  # one cp.async arrive per producer thread
         mbarrier.init(v_ready.index(j), count=128)
-        mbarrier.init(k_empty.index(j), count=2)  # one arrive per consumer warpgroup
-        mbarrier.init(v_empty.index(j), count=2)
+        mbarrier.init(k_empty.index(j), count=256 if THREAD_ARRIVE else 2)  # per consumer thread / warpgroup
+        mbarrier.init(v_empty.index(j), count=256 if THREAD_ARRIVE else 2)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(2):
         mbarrier.init(q_ready.index(j), count=128)
         mbarrier.init(q_empty.index(j), count=2)
-        mbarrier.init(turn.index(j), count=1)  # PINGPONG: one arrive by the other consumer warpgroup
+        mbarrier.init(turn.index(j), count=128 if THREAD_ARRIVE else 1)  # PINGPONG: arrives by the other warpgroup
 
     # worker arguments are spelled out (a tuple built with + loses its constexpr wrappers in Triton 3.6)
     gl.warp_specialize([
@@ -686,14 +704,14 @@ def _sparse_fwd_sm90(
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG, STAGE_OUT, Q_SLOTS, STREAM)),
+                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, STREAM)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG, STAGE_OUT, Q_SLOTS, STREAM)),
+                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, STREAM)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -706,7 +724,7 @@ def _sparse_fwd_sm90(
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
                 row_threads=None, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
-                q_slots=None, l2_prefetch=None):
+                q_slots=None, l2_prefetch=None, thread_arrive=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -740,6 +758,10 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
         q_slots = 1 if num_stages >= 3 else 2
     if q_slots not in (1, 2):
         raise ValueError(f"q_slots must be 1 or 2, got {q_slots}")
+    overlap = bool(cfg["overlap"] if overlap is None else overlap)
+    thread_arrive = bool(cfg["thread_arrive"] if thread_arrive is None else thread_arrive)
+    if thread_arrive and overlap:
+        raise ValueError("thread_arrive runs with the plain, pipeline and pingpong schedules, not overlap")
     args = (q, k, v, perm, kv_idx, out, lse, *res_ptrs, scale * _LOG2E, H, S, k.shape[2], n_slots, k_alloc, C,
             n_work, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *res_strides)
     meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_N=BLOCK_N, NUM_STAGES=num_stages,
@@ -747,11 +769,12 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 ROW_THREADS=row_threads or cfg["row_threads"],
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
                 PIPELINE=bool(cfg["pipeline"] if pipeline is None else pipeline), PERSISTENT=persistent,
-                OVERLAP=bool(cfg["overlap"] if overlap is None else overlap),
+                OVERLAP=overlap,
                 PINGPONG=bool(cfg["pingpong"] if pingpong is None else pingpong),
                 STAGE_OUT=bool(cfg["stage_out"] if stage_out is None else stage_out),
                 Q_SLOTS=q_slots if persistent else 1,
                 L2_PREFETCH=bool(cfg["l2_prefetch"] if l2_prefetch is None else l2_prefetch),
+                THREAD_ARRIVE=thread_arrive,
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
@@ -778,7 +801,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             turns issuing their products: with the plain schedule, blocks of tile t's P V + tile t + 1's QK^T, FA3's
             inter-warpgroup schedule; with ``overlap``, that schedule's pairs), ``stage_out`` (output rows through
             shared memory into a row-major layout: whole-row stores), ``l2_hints`` (``_l2_policies``), ``l2_prefetch``
-            (each K/V tile's rows prefetched to L2 with evict_last before the producer waits for their ring slots).
+            (each K/V tile's rows prefetched to L2 with evict_last before the producer waits for their ring slots),
+            ``thread_arrive`` (the consumers release K/V stages and pass pingpong turns with one arrive per thread, no
+            warpgroup barrier per arrive: ``_release``; not with ``overlap``).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:
