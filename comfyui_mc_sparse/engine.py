@@ -504,8 +504,8 @@ def _size(n: int) -> str:
 
 def triton_sparse_choices(runner: MCSparseRunner) -> list[str]:
     """Which kernel the Triton backend's sparse op ran for each q shape of ``runner``'s sparse calls, as its auto mode
-    measured it (``kernels/triton/sparse_dispatch.py``: ``choices`` a Gluon schedule name or "triton", ``_times`` ms
-    per candidate): "[B, H, S, D], residual plain gluon plain (plain 3.100, pingpong 3.000, triton 3.500 ms)";
+    measured it (``kernels/triton/sparse_dispatch.py``: ``choices`` a Gluon schedule name, ``_times`` ms per
+    candidate): "[B, H, S, D], residual plain gluon plain (plain 3.100, pingpong 3.000, triton 3.500 ms)";
     "gluon (forced: MC_SPARSE_GLUON)", "triton (forced: ...)", "triton (the Gluon kernel failed in this run)" or
     "triton (Gluon not timed: refused or not sm_90)". Empty when that module was never imported (no Triton sparse
     call in this process). Reads the dispatch module's state; never imports it."""

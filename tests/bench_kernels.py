@@ -52,6 +52,8 @@ import _standalone
 _standalone.load_pack()
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
+
+import _timing  # noqa: E402  (tests/_timing.py: the method of record for kernel ratios)
 from comfyui_mc_sparse_pack import kernels  # noqa: E402
 from comfyui_mc_sparse_pack.kernels import reference, registry  # noqa: E402
 
@@ -302,6 +304,8 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent prefetch": dict(_gluon=True, pingpong=True, persistent=True, l2_prefetch=True),  # K/V
     # rows prefetched to L2 (evict_last) before the ring-slot wait (the CuTeDSL producer's cp.async+evict: +2-3 % at 14B)
     "gluon pingpong persistent thread_arrive": dict(_gluon=True, pingpong=True, persistent=True, thread_arrive=True),
+    "gluon pingpong persistent 3 stages thread_arrive": dict(_gluon=True, pingpong=True, persistent=True, num_stages=3,
+                                                             thread_arrive=True),
     "gluon pingpong persistent stage_out": dict(_gluon=True, pingpong=True, persistent=True, stage_out=True),  # 16-byte
     # output stores through the Q tile (the CuTeDSL kernel's staged epilogue: +2-3 % at small s)
     "gluon overlap pingpong persistent stage_out": dict(_gluon=True, overlap=True, pingpong=True, persistent=True,
@@ -459,6 +463,7 @@ def run_reuse_shape(name, shp, densities, rep, log, configs=None):
     return res
 
 
+RACE_MS = 20  # --gluon: ms of back-to-back calls per race sample (_timing.race)
 HIDE_HOST_CYCLES = 2_000_000  # ~1 ms of GPU clock: a busy wait queued before each timed call (time_interleaved)
 
 
@@ -515,21 +520,24 @@ def time_host(fn, calls=5):
     return host
 
 
-def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None):
-    """--reuse --gluon: per density, flash-attn-4 dense (and cuDNN) with LSE, the op (auto mode), the Triton kernel and
-    each GLUON_CONFIGS tuning timed interleaved (``time_interleaved``: ``reps`` rounds, L2 cleared before each call),
-    efficiency = that round's flash-attn-4 dense ms x s / ms; each checked against the float32 reference (2 heads)
-    first; the warm back-to-back ms beside it (``time_warm``), and each variant's host us per call at the first
-    density (``time_host``). A tuning that raises is reported and dropped (the op and the dense kernels are not);
-    past ``deadline`` (time.time()) the tunings are dropped, so the op's figure is written within the caller's cap.
-    Same result layout as ``run_reuse_shape``."""
+def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None, with_triton=False):
+    """--reuse --gluon: per density, flash-attn-4 dense with LSE (cuDNN too at the first density), the op (auto mode),
+    each GLUON_CONFIGS tuning (and with ``with_triton`` the Triton kernel called directly), timed by the method of
+    record (``_timing.race``: ``reps`` rounds, each sample back-to-back calls for ~20 ms of GPU time, rotating order,
+    medians; dense in the same rounds), efficiency = that race's flash-attn-4 dense ms x s / ms; each checked against
+    the float32 reference (2 heads) first; each variant's host us per call at the first density (``time_host``). A
+    tuning that raises is reported and dropped (the op and the dense kernels are not); past ``deadline``
+    (time.time()) the tunings are dropped, so the op's figure is written within the caller's cap. Same result layout
+    as ``run_reuse_shape``."""
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     G = -(-S // C)
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    res = dict(shape=shp, dense={}, sparse={}, errors={}, sweep={}, kernels={}, decode={}, warm={}, dense_per_s={})
+    res = dict(shape=shp, dense={}, sparse={}, errors={}, sweep={}, kernels={}, decode={}, dense_per_s={},
+               timing="tests/_timing.race: %d rounds, ~%d ms of back-to-back calls per sample" % (reps, RACE_MS))
     sets = [tuple(torch.randn(B, H, S, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(3)) for _ in range(2)]
     perms = [random_perm(B, H, S, gen) for _ in range(2)]
     sub = slice(0, 2)
+    sub = slice(0, 2 if S * H < 1_000_000 else 1)  # heads checked against the float32 reference (1 at 14B: time)
     dense = {n: f for n, f in dense_kernels().items() if "(LSE)" in n}
     res["default_config"] = config_name(_tsa.config(D, torch.cuda.get_device_capability()))
     g90 = _gluon_kernel()
@@ -537,8 +545,10 @@ def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None):
         kq = int(s * S)
         idxs = [random_kv_idx(B, H, G, S, kq, gen) for _ in sets]
         ref = reference.sparse_attention(*(t[:, sub].float() for t in sets[0]), perms[0][:, sub], idxs[0][:, sub])
-        calls = {"triton contiguous": lambda st, p, i: kernels.sparse_attention(*st, p, i, backend="triton"),
-                 TRITON_KERNEL: lambda st, p, i: _tsa.sparse_attention(*st, p, i)}
+        calls = {"triton contiguous": lambda st, p, i: kernels.sparse_attention(*st, p, i, backend="triton")}
+        # (the op first: its figure is the scoreboard's)
+        if with_triton:
+            calls[TRITON_KERNEL] = lambda st, p, i: _tsa.sparse_attention(*st, p, i)
         late = deadline is not None and time.time() > deadline
         for cname, kw in configs.items():
             if late or isinstance(res["sweep"].get(cname), str):  # past the deadline, or failed at an earlier s
@@ -564,37 +574,32 @@ def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None):
                 res["errors"][f"{vname} s={s}"] = err
             cyc = itertools.cycle(range(len(sets)))
             fns[vname] = lambda call=call, cyc=cyc: (lambda j: call(sets[j], perms[j], idxs[j]))(next(cyc))
+        del ref
         for dname, f in dense.items():
             if dname.startswith("flash_attn4") or s == densities[0]:  # cuDNN once per shape
                 cyc = itertools.cycle(range(len(sets)))
                 fns[dname] = lambda f=f, cyc=cyc: f(*sets[next(cyc)])
-        ms = time_interleaved(fns, reps)
+        if s == densities[0]:  # host cost per call, with the GPU idle before the first call
+            res["host_us"] = {n: round(time_host(fns[n], calls=2), 1) for n in calls}
+            log(f"{name} host us per call (Python + launch): {res['host_us']}")
+        ms = _timing.race(fns, reps, RACE_MS)
         base_name = "flash_attn4 (LSE)" if "flash_attn4 (LSE)" in ms else "cudnn sdpa (LSE)"
         base = ms[base_name]
         res["dense_per_s"][str(s)] = {n: ms[n] for n in dense if n in ms}
         for dname in dense:
             if dname in ms:
                 res["dense"].setdefault(dname, dict(ms=ms[dname], tflops=4 * S * S * D * H * B / ms[dname] / 1e9))
-        if s == densities[0]:  # the dense kernels back-to-back too: the warm figures' baseline
-            res["dense_warm"] = {n: time_warm(fns[n]) for n in dense if n in fns}
-            log(f"{name} dense warm back-to-back: {res['dense_warm']}")
-        warm_base = res["dense_warm"].get(base_name, base)
-        if s == densities[0]:  # host cost per call (an event-bracketed timing with the GPU idle includes it)
-            res["host_us"] = {n: round(time_host(fns[n]), 1) for n in calls}
-            log(f"{name} host us per call (Python + launch): {res['host_us']}")
         for vname in calls:
             eff = base * (kq / S) / ms[vname]
-            warm = time_warm(fns[vname])
-            res["warm"].setdefault(vname, {})[str(s)] = dict(ms=warm, efficiency=warm_base * (kq / S) / warm)
             if vname in configs:
                 res["sweep"][vname]["efficiency"][str(s)] = eff
             else:
                 res["sparse"].setdefault(vname, {})[str(s)] = dict(ms=ms[vname], efficiency=eff, speedup=base / ms[vname])
             cudnn = res["dense"].get("cudnn sdpa (LSE)", {}).get("ms")
-            if cudnn:  # against cuDNN too (timed in the first density's rounds)
+            if cudnn:  # against cuDNN too (timed in the first density's race)
                 res.setdefault("vs_cudnn", {}).setdefault(vname, {})[str(s)] = cudnn * (kq / S) / ms[vname]
-            log(f"{name} s={s} {vname}: {ms[vname]:.3f} ms, efficiency {eff:.3f} (warm back-to-back {warm:.3f} ms, "
-                f"{warm_base * (kq / S) / warm:.3f} of warm dense); vs {base_name} {base:.2f} ms same rounds")
+            log(f"{name} s={s} {vname}: {ms[vname]:.3f} ms, efficiency {eff:.3f} vs {base_name} {base:.2f} ms "
+                f"(same race)")
         log(f"{name} s={s} dense: " + ", ".join(f"{n} {ms[n]:.2f} ms" for n in dense if n in ms))
         del idxs
     best_name = "flash_attn4 (LSE)" if "flash_attn4 (LSE)" in res["dense"] else "cudnn sdpa (LSE)"
@@ -707,11 +712,12 @@ def main():
     ap.add_argument("--gluon", action="store_true", help="with --reuse: GLUON_CONFIGS instead of a Triton sweep (the "
                                                          "op = Gluon on sm_90, the Triton kernel's default, the routes)")
     ap.add_argument("--gluon-configs", default="", help="with --gluon: comma-separated GLUON_CONFIGS names (default all)")
-    ap.add_argument("--reps", type=int, default=0, help="with --gluon: interleaved rounds per density (default 15 at "
-                    "1.3b, 5 at 14b)")
-    ap.add_argument("--reps-14b", type=int, default=5, help="with --gluon, without --reps: rounds at 14b")
+    ap.add_argument("--reps", type=int, default=0, help="with --gluon: race rounds per density (default 5 at 1.3b, "
+                    "--reps-14b at 14b)")
+    ap.add_argument("--reps-14b", type=int, default=3, help="with --gluon, without --reps: rounds at 14b")
+    ap.add_argument("--with-triton", action="store_true", help="with --gluon: also the Triton kernel called directly")
     ap.add_argument("--budget", type=float, default=0, help="with --gluon: seconds the whole run may take; the "
-                    "tunings are dropped 15 s before it, 30 s more per shape still to come (the op and dense are "
+                    "tunings are dropped 12 s before it, 22 s more per shape still to come (the op and dense are "
                     "always timed)")
     ap.add_argument("--commit", default="", help="commit measured (default: $MC_SPARSE_COMMIT, else git HEAD)")
     ap.add_argument("--scoreboard", default=str(Path(__file__).resolve().parent.parent / "docs/results/scoreboard.json"))
@@ -747,10 +753,10 @@ def main():
                        else QUICK_CONFIGS if args.quick else REUSE_CONFIGS)
             if args.gluon:
                 report["shapes"][name] = run_gluon_shape(name, SHAPES[name], densities,
-                                                         args.reps or (15 if name == "1.3b" else args.reps_14b),
+                                                         args.reps or (5 if name == "1.3b" else args.reps_14b),
                                                          log, configs,
-                                                         deadline=t0 + args.budget - 15 - 30 * (len(shapes) - 1 - j)
-                                                         if args.budget else None)
+                                                         deadline=t0 + args.budget - 12 - 22 * (len(shapes) - 1 - j)
+                                                         if args.budget else None, with_triton=args.with_triton)
             else:
                 report["shapes"][name] = run_reuse_shape(name, SHAPES[name], densities, args.rep, log, configs)
             report["op_only"] = bool(args.gluon)

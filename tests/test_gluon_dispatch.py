@@ -162,7 +162,8 @@ class _Fake:
 
     def sparse_attention(self, *a, **kw):
         self.calls += 1
-        sched = {n: kw.pop(n) for n in ("pingpong", "persistent", "overlap", "pipeline") if n in kw}
+        sched = {n: kw.pop(n) for n in ("pingpong", "persistent", "overlap", "pipeline", "num_stages", "stage_out")
+                 if n in kw}
         self.options.append(sched)
         return _dispatch()._triton_kernel.sparse_attention(*a, **kw)
 
@@ -170,7 +171,7 @@ class _Fake:
 @pytest.fixture
 def auto_gluon(monkeypatch):
     """Auto mode on a CPU: a working fake Gluon kernel, and a timer that runs each candidate once and answers the next
-    of ``timer.times`` for it (each Gluon schedule's time in ``GLUON_SCHEDULES`` order, then the Triton kernel's)."""
+    of ``timer.times`` for it (each Gluon schedule's time in ``AUTO_SCHEDULES`` order)."""
     d = _dispatch()
     d.reset()
     monkeypatch.delenv("MC_SPARSE_GLUON", raising=False)
@@ -192,36 +193,58 @@ def auto_gluon(monkeypatch):
     d.reset()
 
 
-@pytest.mark.parametrize(("times", "want"), [((1.0, 1.5, 1.2, 2.0), "plain"), ((3.0, 1.0, 1.5, 2.0), "pingpong"),
-                                             ((3.0, 2.5, 1.0, 2.0), "pingpong persistent"),
-                                             ((3.0, 2.5, 2.2, 2.0), "triton")])
+@pytest.mark.parametrize(("times", "want"), [((1.0, 1.5, 1.2), "pingpong persistent"),
+                                             ((3.0, 1.0, 1.5), "pingpong persistent 3 stages"),
+                                             ((3.0, 2.5, 1.0), "pingpong persistent stage_out")])
 def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, times, want):
-    """The first call of a shape times each Gluon schedule and the Triton kernel, keeps the fastest for that shape,
-    returns the chosen kernel's result; later calls of the shape run the choice (its schedule's options) without
-    timing; another K_alloc is timed anew."""
+    """The first call of a shape times each AUTO_SCHEDULES entry (each with its own launch options; the Triton kernel
+    is not a candidate), keeps the fastest for that shape, returns the chosen kernel's result; later calls of the
+    shape run the choice (its schedule's options) without timing; another K_alloc is timed anew."""
     fake, timer = auto_gluon
     d = _dispatch()
-    assert list(d.GLUON_SCHEDULES) == ["plain", "pingpong", "pingpong persistent"]
+    assert d.AUTO_SCHEDULES == ("pingpong persistent", "pingpong persistent 3 stages", "pingpong persistent stage_out")
+    assert list(d.GLUON_SCHEDULES)[0] == "plain"  # what "on" runs
     q, k, v, perm, idx = _inputs(gen)
     ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
     timer.times = list(times)
     out = torch.full_like(q, float("nan"))
     got = d.sparse_attention(q, k, v, perm, idx, out=out)
     assert got is out and float((out.double() - ref).norm() / ref.norm()) < 4e-3
-    assert timer.timed == 4 and list(d.choices.values()) == [want]
-    schedules = [{}, dict(pingpong=True), dict(pingpong=True, persistent=True)]
+    assert timer.timed == 3 and list(d.choices.values()) == [want]
+    schedules = [dict(pingpong=True, persistent=True), dict(pingpong=True, persistent=True, num_stages=3),
+                 dict(pingpong=True, persistent=True, stage_out=True)]
     assert fake.options[:3] == schedules  # each compiled and launched once
     assert fake.options[3:6] == schedules  # each timed with its own options
     calls = fake.calls
     for _ in range(2):
         d.sparse_attention(q, k, v, perm, idx)
-    assert timer.timed == 4 and fake.calls == calls + (2 if want != "triton" else 0)
-    if want != "triton":
-        assert fake.options[-1] == d.GLUON_SCHEDULES[want]
-    timer.times = [1.0, 2.0, 2.0, 2.0]
+    assert timer.timed == 3 and fake.calls == calls + 2
+    assert fake.options[-1] == d.GLUON_SCHEDULES[want]
+    timer.times = [1.0, 2.0, 2.0]
     wider = torch.cat([idx, torch.full_like(idx[..., :64], -1)], -1)  # K_alloc 128: a new shape key
     d.sparse_attention(q, k, v, perm, wider)
-    assert timer.timed == 8 and len(d.choices) == 2
+    assert timer.timed == 6 and len(d.choices) == 2
+
+
+def test_auto_mode_leaves_out_a_failing_schedule(gen, auto_gluon, monkeypatch):
+    """A schedule that fails to compile or launch is left out of that shape's timing (no fallback recorded); the
+    others are timed and the fastest runs."""
+    fake, timer = auto_gluon
+    d = _dispatch()
+    works = fake.sparse_attention
+
+    def flaky(*a, **kw):
+        if kw.get("num_stages") == 3:
+            raise RuntimeError("out of resource: shared memory")
+        return works(*a, **kw)
+
+    monkeypatch.setattr(d, "_gluon_module", lambda: SimpleNamespace(refusal=lambda q, k, v, residual=None: None,
+                                                                   sparse_attention=flaky))
+    q, k, v, perm, idx = _inputs(gen)
+    timer.times = [2.0, 1.0]
+    d.sparse_attention(q, k, v, perm, idx)
+    assert timer.timed == 2 and list(d.choices.values()) == ["pingpong persistent stage_out"]
+    assert d.fallback_reason() is None
 
 
 def test_auto_mode_runs_the_triton_kernel_under_graph_capture(gen, auto_gluon, monkeypatch):
@@ -241,7 +264,8 @@ def test_auto_mode_gluon_failure_while_timing_falls_back(gen, failing_gluon, mon
     for _ in range(2):
         out = _dispatch().sparse_attention(q, k, v, perm, idx)
         assert float((out.double() - ref).norm() / ref.norm()) < 4e-3
-    assert failing_gluon.calls == 1 and "boom" in _dispatch().fallback_reason() and not _dispatch().choices
+    n = len(_dispatch().AUTO_SCHEDULES)  # each schedule tried once, then the failure remembered
+    assert failing_gluon.calls == n and "boom" in _dispatch().fallback_reason() and not _dispatch().choices
 
 
 def test_tuning_goes_to_the_triton_kernel(gen, failing_gluon):

@@ -108,7 +108,8 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
            "pingpong-persistent-l2-prefetch": (dict(pingpong=True, persistent=True, num_sms=7, l2_prefetch=True),
                                                "fp8_row"),
            # stages released and turns passed by one arrive per consumer thread (barrier counts 256 / 128)
-           "thread-arrive": (dict(thread_arrive=True), "int4_row"),
+           "pingpong-persistent-3-stages-thread-arrive": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3,
+                                                               thread_arrive=True), "int4_group"),
            "pingpong-persistent-thread-arrive": (dict(pingpong=True, persistent=True, num_sms=7, thread_arrive=True),
                                                  "plain")}
 

@@ -10,13 +10,14 @@ reason. Capabilities (checked by ``refuse`` before any launch):
 - head dim: a power of two in [16, 256];
 - any group size C, any K_alloc, any S (ragged tails masked).
 
-Ops: ``sparse_attention`` (``sparse_dispatch.py``: on sm_90, fp16/bf16, D 64 or 128, the faster of the warp-specialised
-Gluon kernel ``sparse_attention_sm90.py`` and the Triton kernel ``sparse_attention.py``, timed once per call shape;
-the Triton kernel elsewhere and after a Gluon failure), ``group_prob_sums`` and ``select_kv`` (``selection.py``: pass 2,
-then the radix top-K of ``topk.py``), ``decode_bitmask`` (``bitmask.py``; any CUDA device, the uint8 bitmask in place
-of q in ``refuse``), ``pddp_groups`` (``grouping.py``: Triton PDDP, directions from a subsample, one projection pass
-per tree level through the permutation, no host syncs; the torch-ops grouping is the separate backend
-``kernels/torch_gpu``). Dense pass 1 is not here: it belongs to the SDPA and flash-attn-4 backends.
+Ops: ``sparse_attention`` (``sparse_dispatch.py``: on sm_90, fp16/bf16, D 64 or 128, the fastest of the
+warp-specialised Gluon kernel's persistent schedules (``sparse_attention_sm90.py``), timed once per call shape; the
+Triton kernel ``sparse_attention.py`` elsewhere and after a Gluon failure), ``group_prob_sums`` and ``select_kv``
+(``selection.py``: pass 2, then the radix top-K of ``topk.py``), ``decode_bitmask`` (``bitmask.py``; any CUDA
+device, the uint8 bitmask in place of q in ``refuse``), ``pddp_groups`` (``grouping.py``: Triton PDDP, directions
+from a subsample, one projection pass per tree level through the permutation, no host syncs; the torch-ops grouping
+is the separate backend ``kernels/torch_gpu``). Dense pass 1 is not here: it belongs to the SDPA and flash-attn-4
+backends.
 """
 
 from __future__ import annotations

@@ -8,14 +8,16 @@ Which kernel runs one call (the capability data are in ``sparse_attention_sm90``
   unaligned rows; the interpreter included), when launch tuning is passed (tuning is the Triton kernel's), and
   with ``MC_SPARSE_GLUON=0``;
 - the warp-specialised Gluon kernel (``sparse_attention_sm90.py``) with ``MC_SPARSE_GLUON=1``;
-- otherwise ``GLUON_DEFAULT``: "auto" (the default) times the Gluon kernel's schedules (``GLUON_SCHEDULES``) and
-  the Triton kernel once per call shape (``_shape_key``: device, dtype, q / k shapes, groups, K_alloc, residual kind,
-  LSE) on the first such call (CUDA events on the current stream, ``TIMING_REPS`` launches each, interleaved, after
-  one warm launch;
+- otherwise ``GLUON_DEFAULT``: "auto" (the default) times the Gluon kernel's schedules named in ``AUTO_SCHEDULES``
+  once per call shape (``_shape_key``: device, dtype, q / k shapes, groups, K_alloc, residual kind, LSE) on the first
+  such call (CUDA events on the current stream, ``TIMING_REPS`` launches each, interleaved, after one warm launch;
   one host synchronisation per shape per process, on the first call: in a denoising run that is the first anchor
-  step) and keeps the fastest for that shape (``choices``: a schedule name or "triton"); the call's result is the
-  chosen kernel's, launched last. While a CUDA graph is being captured nothing is timed and the Triton kernel runs.
-  "on" (the first schedule) / "off" force one kernel.
+  step) and keeps the fastest for that shape (``choices``: a schedule name); the call's result is the chosen
+  kernel's, launched last. A schedule that fails to compile or launch is left out for that shape (logged); when all
+  fail, the Triton kernel runs (below). The Triton kernel is not a candidate: on the H200 it was the slowest at every
+  measured point (2026-12-01 rounds: 0.50-0.63 of flash-attn-4 dense x s against the persistent pingpong schedules'
+  0.65-0.82), and timing it cost a second compile (~8 s) per shape. While a CUDA graph is being captured nothing is
+  timed and the Triton kernel runs. "on" (the first schedule) / "off" force one kernel.
 
 A Gluon compile or launch failure (anything but out of memory) falls back to the Triton kernel for the same call,
 is logged once, and is remembered as the registry remembers a failed backend: in the active ``registry.Record``
@@ -40,11 +42,20 @@ GLUON_KEY = ("triton.gluon_sm90", "sparse_attention")
 # Gluon kernel's correctness rests on tests/test_gpu_gluon_sparse.py; its speed is measured where it runs)
 GLUON_DEFAULT = "auto"
 TIMING_REPS = 5
-# The Gluon kernel's schedules the auto mode times per shape (name -> launch options of sparse_attention_sm90); the
-# first is what "on" runs. Each is checked against float64 on the GPU (tests/test_gpu_gluon_sparse.py).
-GLUON_SCHEDULES = {"plain": {}, "pingpong": dict(pingpong=True), "pingpong persistent": dict(pingpong=True,
-                                                                                          persistent=True)}
-choices: dict[tuple, str] = {}  # shape key -> a GLUON_SCHEDULES name | "triton" (auto mode); times in _times
+# The Gluon kernel's schedules (name -> launch options of sparse_attention_sm90); the first is what "on" runs. Each
+# is checked against float64 on the GPU (tests/test_gpu_gluon_sparse.py).
+GLUON_SCHEDULES = {
+    "plain": {},
+    "pingpong": dict(pingpong=True),
+    "pingpong persistent": dict(pingpong=True, persistent=True),
+    "pingpong persistent 3 stages": dict(pingpong=True, persistent=True, num_stages=3),  # one Q slot, 224 KiB
+    "pingpong persistent stage_out": dict(pingpong=True, persistent=True, stage_out=True),  # 16-byte output stores
+}
+# What the auto mode times per shape. H200, 2026-12-01 round 1 (vs flash-attn-4 dense x s, L2-cleared calls): the
+# persistent pingpong schedule beat plain and pingpong at every point (1.3B 480p by 4.5-6 %); with a 3-deep ring
+# +1.5-2 % at 1.3B s = 0.1 and 14B s = 0.1 / 0.15; the staged epilogue +2.5 % at 1.3B s = 0.1, -2 to -4 % at 14B.
+AUTO_SCHEDULES = ("pingpong persistent", "pingpong persistent 3 stages", "pingpong persistent stage_out")
+choices: dict[tuple, str] = {}  # shape key -> an AUTO_SCHEDULES name (auto mode); times in _times
 _times: dict[tuple, dict[str, float]] = {}
 _failures = registry.FailureMemo(GLUON_KEY)
 
@@ -143,19 +154,24 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
         return triton_call()
     key = _shape_key(q, k, perm, kv_idx, residual, return_lse)
     if key not in choices:
-        try:  # each schedule compiled and launched once: a Gluon failure is caught here, not in the timing
-            for name in GLUON_SCHEDULES:
+        working, first_err = [], None
+        for name in AUTO_SCHEDULES:  # each compiled and launched once: a failure is caught here, not in the timing
+            try:
                 gluon_call(name)
-        except Exception as err:
-            return _fall_back(err, triton_call)
-        fns = {name: (lambda name=name: gluon_call(name)) for name in GLUON_SCHEDULES}
-        times = _time_candidates({**fns, "triton": triton_call}, TIMING_REPS)
+                working.append(name)
+            except Exception as err:
+                if registry.is_out_of_memory(err):
+                    raise
+                first_err = first_err or err
+                log.warning("MC-Sparse: Gluon sparse schedule %r failed for %s (%s: %s); left out", name, key,
+                            type(err).__name__, str(err)[:300])
+        if not working:
+            return _fall_back(first_err, triton_call)
+        times = _time_candidates({name: (lambda name=name: gluon_call(name)) for name in working}, TIMING_REPS)
         choices[key] = min(times, key=times.get)
         _times[key] = times
         log.info("MC-Sparse: sparse kernel for %s: %s -> %s", key,
                  ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()), choices[key])
-    if choices[key] == "triton":
-        return triton_call()
     try:
         return gluon_call(choices[key])
     except Exception as err:
