@@ -39,6 +39,7 @@ import itertools
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -520,7 +521,7 @@ def time_host(fn, calls=5):
     return host
 
 
-def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None, with_triton=False):
+def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None, with_triton=False, res=None):
     """--reuse --gluon: per density, flash-attn-4 dense with LSE (cuDNN too at the first density), the op (auto mode),
     each GLUON_CONFIGS tuning (and with ``with_triton`` the Triton kernel called directly), timed by the method of
     record (``_timing.race``: ``reps`` rounds, each sample back-to-back calls for ~20 ms of GPU time, rotating order,
@@ -528,11 +529,13 @@ def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None, wit
     the float32 reference (2 heads) first; each variant's host us per call at the first density (``time_host``). A
     tuning that raises is reported and dropped (the op and the dense kernels are not); past ``deadline``
     (time.time()) the tunings are dropped, so the op's figure is written within the caller's cap. Same result layout
-    as ``run_reuse_shape``."""
+    as ``run_reuse_shape``, filled into ``res`` density by density (a run stopped by its time cap keeps the
+    densities it finished)."""
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     G = -(-S // C)
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    res = dict(shape=shp, dense={}, sparse={}, errors={}, sweep={}, kernels={}, decode={}, dense_per_s={},
+    res = {} if res is None else res
+    res.update(shape=shp, dense={}, sparse={}, errors={}, sweep={}, kernels={}, decode={}, dense_per_s={},
                timing="tests/_timing.race: %d rounds, ~%d ms of back-to-back calls per sample" % (reps, RACE_MS))
     sets = [tuple(torch.randn(B, H, S, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(3)) for _ in range(2)]
     perms = [random_perm(B, H, S, gen) for _ in range(2)]
@@ -602,9 +605,9 @@ def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None, wit
                 f"(same race)")
         log(f"{name} s={s} dense: " + ", ".join(f"{n} {ms[n]:.2f} ms" for n in dense if n in ms))
         del idxs
-    best_name = "flash_attn4 (LSE)" if "flash_attn4 (LSE)" in res["dense"] else "cudnn sdpa (LSE)"
-    res["best_dense"] = dict(name=best_name, ms=sorted(v[best_name] for v in res["dense_per_s"].values())[
-        len(densities) // 2])
+        best_name = "flash_attn4 (LSE)" if "flash_attn4 (LSE)" in res["dense"] else "cudnn sdpa (LSE)"
+        done = sorted(v[best_name] for v in res["dense_per_s"].values())
+        res["best_dense"] = dict(name=best_name, ms=done[len(done) // 2])
     res["gluon"] = gluon_state()
     log(f"{name} sparse op on this GPU: {res['gluon']}")
     return res
@@ -669,7 +672,8 @@ def update_scoreboard(path, report, command, commit):
             continue
         worst = min(e, key=e.get)
         native = effs("triton native, out=, residual plain")
-        note = (f"min over shapes x s of best dense (with LSE) x s / sparse ms; worst at {worst[0]} s={worst[1]}; "
+        note = ((f"PARTIAL (stopped by the time cap; measured: {sorted(e)}); " if report.get("partial") else "")
+                + f"min over shapes x s of best dense (with LSE) x s / sparse ms; worst at {worst[0]} s={worst[1]}; "
                 f"best dense {dense}")
         if key.startswith("triton"):
             pe = errs.get(pick, [])
@@ -745,25 +749,29 @@ def main():
 
     log(registry.report())
     shapes = args.shapes.split(",")
-    for j, name in enumerate(shapes):
-        if args.reuse:
-            gluon_cfgs = {n: c for n, c in GLUON_CONFIGS.items()
-                          if not args.gluon_configs or n in args.gluon_configs.split(",")}
-            configs = ((gluon_cfgs if torch.cuda.get_device_capability() == (9, 0) else {}) if args.gluon
-                       else QUICK_CONFIGS if args.quick else REUSE_CONFIGS)
-            if args.gluon:
-                report["shapes"][name] = run_gluon_shape(name, SHAPES[name], densities,
-                                                         args.reps or (5 if name == "1.3b" else args.reps_14b),
-                                                         log, configs,
-                                                         deadline=t0 + args.budget - 12 - 22 * (len(shapes) - 1 - j)
-                                                         if args.budget else None, with_triton=args.with_triton)
-            else:
-                report["shapes"][name] = run_reuse_shape(name, SHAPES[name], densities, args.rep, log, configs)
-            report["op_only"] = bool(args.gluon)
-        else:
-            report["shapes"][name] = run_shape(name, SHAPES[name], densities, args.sweep, args.rep, log)
+
+    class _TimeCap(Exception):
+        pass
+
+    def on_term(signum, frame):  # `timeout` sends SIGTERM: keep what was measured (--reuse --gluon)
+        raise _TimeCap()
+
+    if args.reuse and args.gluon:
+        signal.signal(signal.SIGTERM, on_term)
+    try:
+        _run_shapes(args, shapes, densities, report, log, t0)
+    except _TimeCap:
+        log("stopped by the time cap (SIGTERM): writing what was measured")
+        report["partial"] = True
+        for name in list(report["shapes"]):  # a shape with no finished density is no figure
+            if not report["shapes"][name].get("dense_per_s"):
+                del report["shapes"][name]
+        for r in report["shapes"].values():
+            r.setdefault("gluon", {})
         Path(args.out).write_text(json.dumps(report, indent=1))
-        torch.cuda.empty_cache()
+    if args.reuse and not report["shapes"]:
+        log("nothing measured: no scoreboard")
+        return
     if args.reuse:
         command = "python3 tests/bench_kernels.py " + " ".join(a if a != args.out else "$OUT/" + Path(a).name
                                                                  for a in sys.argv[1:])
@@ -773,6 +781,30 @@ def main():
         log("done")
         return
     print_table(report)
+
+
+def _run_shapes(args, shapes, densities, report, log, t0):
+    for j, name in enumerate(shapes):
+        if args.reuse:
+            gluon_cfgs = {n: c for n, c in GLUON_CONFIGS.items()
+                          if not args.gluon_configs or n in args.gluon_configs.split(",")}
+            configs = ((gluon_cfgs if torch.cuda.get_device_capability() == (9, 0) else {}) if args.gluon
+                       else QUICK_CONFIGS if args.quick else REUSE_CONFIGS)
+            if args.gluon:
+                report["shapes"][name] = {}
+                run_gluon_shape(name, SHAPES[name], densities,
+                                                         args.reps or (5 if name == "1.3b" else args.reps_14b),
+                                                         log, configs,
+                                                         deadline=t0 + args.budget - 12 - 22 * (len(shapes) - 1 - j)
+                                                         if args.budget else None, with_triton=args.with_triton,
+                                                         res=report["shapes"][name])
+            else:
+                report["shapes"][name] = run_reuse_shape(name, SHAPES[name], densities, args.rep, log, configs)
+            report["op_only"] = bool(args.gluon)
+        else:
+            report["shapes"][name] = run_shape(name, SHAPES[name], densities, args.sweep, args.rep, log)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        torch.cuda.empty_cache()
 
 
 def print_table(report):
