@@ -46,7 +46,7 @@ HEADS_14B = 5
 C = D = 128
 POLY_RTOL = 3e-4
 VARIANTS = {  # name: keywords of launch()
-    "default": {},
+    "default": {},  # as select_kv ran it before s5r1: 2^KB by MUFU in the kernel (now: "kb pow2")
     "no exp (floor)": dict(exp="none"),
     "poly3 1/8": dict(poly3=(0, 2)),
     "poly3 1/4": dict(poly3=(0, 4)),
@@ -59,11 +59,17 @@ VARIANTS = {  # name: keywords of launch()
     "kb pow2": dict(kb_pow2=True),
     "gluon ws": dict(gluon={}),  # the warp-specialised sm_90 kernel (selection_sm90), its defaults
     "gluon ws poly3 1/4": dict(gluon=dict(poly=5)),  # a quarter of its exponentials on _exp2_poly3
+    "gluon ws kb poly": dict(gluon=dict(kb_poly=True)),  # its per-key factor on the FMA pipe
+    "gluon ws unroll 4": dict(gluon=dict(unroll=4)),
+    "kb pow2 st2": dict(kb_pow2=True, num_stages=2),
+    "kb pow2 st4": dict(kb_pow2=True, num_stages=4),
+    "kb pow2 stagger": dict(kb_pow2=True, stagger=True),
     "poly3 1/4 kb pow2": dict(poly3=(0, 4), kb_pow2=True),
 }
 
 
-def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=False, gluon=None):
+def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=False, gluon=None, num_stages=3,
+           stagger=False):
     """The pair kernel alone on precomputed float8 operands ``ops`` = (q8, k8, qf, lse_s, kb), as
     ``selection.group_prob_sums`` launches it with fp8 (unstaggered, BLOCK_N 64, 4 warps, 3 stages). ``kb_pow2``:
     ``ops`` carries 2^KB in place of KB. ``gluon``: the Gluon kernel instead, with these tuning keywords."""
@@ -80,9 +86,9 @@ def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=Fa
     selection._group_prob_sums_pair[(triton.cdiv(G, 2), B * H)](
         q8, k8, lse_s, perm, out, qf, kb, qf, 1.0, H, S, SK, n_slots, C, G,
         *q8.stride(), *k8.stride(), *lse_s.stride(), *out.stride(), *selection._fused_topk_args(None, out, 4, qf)[0],
-        HEAD_DIM=D, BLOCK_M=128, BLOCK_N=64, EXP_MODE=3 if exp == "none" else 0, STAGGER=False, FP8=True, POLY=0,
+        HEAD_DIM=D, BLOCK_M=128, BLOCK_N=64, EXP_MODE=3 if exp == "none" else 0, STAGGER=stagger, FP8=True, POLY=0,
         P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32, WITH_HIST=False,
-        KB_POW2=kb_pow2, num_warps=4, num_stages=3, **extra)
+        KB_POW2=kb_pow2, num_warps=4, num_stages=num_stages, **extra)
     return out
 
 

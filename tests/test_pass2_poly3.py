@@ -104,3 +104,19 @@ def test_poly3_rejects_bad_shares(gen):
             sel.group_prob_sums(q, q, lse, perm, group_size=40, poly3=bad)
     with pytest.raises(ValueError, match="pair kernel"):
         sel.group_prob_sums(q, q, lse, perm, group_size=40, poly3=(0, 4), pair=False, fp8=False)
+
+
+def test_fp8_operands_kb_pow2(gen):
+    """``fp8_operands(kb_pow2=True)``: the same operands with 2^kb in place of kb (what the Triton pair kernel reads
+    by default, KB_POW2); the pair kernel on either form gives the same sums."""
+    sel = _selection()
+    S, C, D = 200, 128, 32
+    q = (torch.randn(1, 2, S, D, generator=gen) + torch.randn(1, 2, 1, D, generator=gen)).to(torch.bfloat16)
+    k = (torch.randn(1, 2, S, D, generator=gen) + 3 * torch.randn(1, 2, 1, D, generator=gen)).to(torch.bfloat16)
+    lse = torch.randn(1, 2, S, generator=gen) + 6.0
+    a = sel.fp8_operands(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), D**-0.5)
+    b = sel.fp8_operands(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), D**-0.5, kb_pow2=True)
+    for x, y in zip(a[:4], b[:4]):
+        assert torch.equal(x.float(), y.float())
+    assert float(a[4].abs().max()) > 0.5  # a real per-key term
+    assert torch.allclose(b[4].double(), torch.exp2(a[4].double()), rtol=1e-6, atol=0)

@@ -369,13 +369,13 @@ def _group_prob_sums_pair(
 @triton.jit
 def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, bh, S,
                    stride_xb, stride_xh, stride_xs, stride_xd, stride_rb, stride_rh, stride_rs, row_mul,
-                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, IS_Q: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, IS_Q: tl.constexpr, POW2: tl.constexpr = False):
     """Rows [blk * BLOCK_S, +BLOCK_S) of head (b, h) of q (IS_Q) or k ([B, H, S, D] by strides): OUT (float8_e4m3,
     contiguous [B, H, S, D]) = (x - MEAN[bh]) / SCALE[bh] rounded to nearest even (SCALE is a power of two: the
     quotient is exact, taken as a product by 1 / SCALE), and a per-row term t = x . OTHER_MEAN[bh] (q: x . mean(k))
     or (x - MEAN[bh]) . OTHER_MEAN[bh] (k: (k - mean(k)) . mean(q)) written as OUT_ROW[bh * S + row] = IN_ROW[row] +
-    row_mul * t for q (IN_ROW: the LSE by its strides), and clamp(row_mul * t, -100, 100) for k (IN_ROW unused).
-    MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]."""
+    row_mul * t for q (IN_ROW: the LSE by its strides), and clamp(row_mul * t, -100, 100) for k (IN_ROW unused;
+    POW2: 2 to that power). MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]."""
     rows = blk * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = rows < S
@@ -392,7 +392,10 @@ def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, 
         tl.store(OUT_ROW + out_rows, lse + row_mul * t, mask=ok)
     else:
         t = tl.sum(xc * other[None, :], 1)
-        tl.store(OUT_ROW + out_rows, tl.minimum(tl.maximum(row_mul * t, -100.0), 100.0), mask=ok)
+        kb = tl.minimum(tl.maximum(row_mul * t, -100.0), 100.0)
+        if POW2:
+            kb = tl.math.exp2(kb)
+        tl.store(OUT_ROW + out_rows, kb, mask=ok)
     inv = tl.div_rn(1.0, tl.load(SCALE + bh))  # exact: SCALE is a power of two
     y = xc * inv
     tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None])
@@ -408,10 +411,11 @@ def _fp8_quantize(
     lse_mul, kb_mul,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    KB_POW2: tl.constexpr = False,
 ):
     """q's and k's float8 copies in one launch: programs [0, nbq) of axis 0 take q's row blocks (``_quantize_rows``
-    with IS_Q: Q8, LSE_S = LSE + lse_mul * q . mean_k), the rest k's (K8, KB = clamp(kb_mul * (k - mean_k) . mean_q));
-    axis 1 is b * H + h."""
+    with IS_Q: Q8, LSE_S = LSE + lse_mul * q . mean_k), the rest k's (K8, KB = clamp(kb_mul * (k - mean_k) . mean_q),
+    or 2^that with KB_POW2); axis 1 is b * H + h."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -421,7 +425,7 @@ def _fp8_quantize(
                        stride_lb, stride_lh, stride_ls, lse_mul, HEAD_DIM, BLOCK_S, True)
     else:
         _quantize_rows(K, K8, MK, MQ, KS, LSE, KB, pid - nbq, b, h, bh, SK, stride_kb, stride_kh, stride_ks,
-                       stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, BLOCK_S, False)
+                       stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, BLOCK_S, False, KB_POW2)
 
 
 @triton.jit
@@ -565,7 +569,7 @@ def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, *, stats_programs: int | None = None,
-                 quant_block: int | None = None, quant_warps: int | None = None):
+                 quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False):
     """The float8 operands of pass 2's FP8 mode, smoothed: (q8, k8, qf, lse_s, kb).
 
     The products are taken on mean-free rows (q' = q - mean_q, k' = k - mean_k per head, SageAttention's smoothing of
@@ -579,6 +583,9 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         log, any strides); scale: the softmax scale. stats_programs, quant_block, quant_warps: launch tuning (the
         statistics programs per tensor, default ``_STATS_PROGRAMS``; rows per program and warps of the quantising
         pass, default ``_QUANT_BLOCK_S``, 4); the results do not depend on the quantising pass's tuning.
+        kb_pow2: return 2^kb in place of kb (what the Triton pair kernel reads with KB_POW2: no exponential per key
+        and group there; H200: pass-2 kernel 0.445 against 0.455 of dense at 1.3B 480p, tests/bench_pass2_exp.py
+        round s5r1).
     Returns:
         q8, k8: float8_e4m3fn ``[B, H, S, D]`` / ``[B, H, Sk, D]``, contiguous: (x - mean) / head scale (``fp8_stats``:
         a power of two, so the quotient is exact) rounded to nearest even (e4m3 is a float format: one scale per head
@@ -615,7 +622,8 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     nbq = triton.cdiv(S, bs)
     _fp8_quantize[(nbq + triton.cdiv(SK, bs), B * H)](
         q, k, q8, k8, mq, mk, stats[0], stats[1], lse, lse_s, kb, H, S, SK, nbq, *q.stride(), *k.stride(),
-        *lse.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, num_warps=quant_warps or 4)
+        *lse.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, KB_POW2=bool(kb_pow2),
+        num_warps=quant_warps or 4)
     return q8, k8, stats[2], lse_s, kb
 
 
@@ -774,8 +782,10 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         raise ValueError("exp='none' and poly3 need the pair kernel (C <= 128, pair not False)")
     if pair and C <= block_m:
         qf = kb = lse  # placeholders, not read without FP8
+        pow2 = False  # the Triton kernel reads 2^KB (KB_POW2) where the Gluon kernel will not be tried
         if fp8:
-            q, k, qf, lse, kb = fp8_operands(q, k, lse, scale)
+            pow2 = not pass2_dispatch.gluon_mode(gluon)
+            q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2)
             only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode,
                                                      tuned=any(x is not None for x in (block_n, num_warps, num_stages)))
             if pass2_dispatch.try_gluon(q, k, qf, lse, kb, perm, out, group_size=C, requested=gluon,
@@ -788,7 +798,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             *q.stride(), *k.stride(), *lse.stride(), *out.stride(), *sel_args,
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
             POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32,
-            WITH_HIST=hist is not None, **sel_meta, num_warps=warps_, num_stages=num_stages or stages,
+            WITH_HIST=hist is not None, KB_POW2=pow2, **sel_meta, num_warps=warps_, num_stages=num_stages or stages,
             **({"maxnreg": _TOPK_FUSED_MAXNREG} if select is not None and fp8 and cap is not None else {}),
         )
         if select is not None:
