@@ -108,7 +108,12 @@ def main():
                         dict(overlap=True, persistent=True, num_sms=132), dict(pingpong=True),
                         dict(pingpong=True, persistent=True, num_sms=132), dict(stage_out=True),
                         dict(stage_out=True, overlap=True, pingpong=True, persistent=True, num_sms=132),
-                        dict(l2_hints=True), dict(pingpong=True, persistent=True, num_sms=132, l2_hints=True))])
+                        dict(l2_hints=True), dict(pingpong=True, persistent=True, num_sms=132, l2_hints=True),
+                        # the auto mode's schedules (sparse_dispatch.AUTO_SCHEDULES) and the per-thread arrives
+                        dict(pingpong=True, persistent=True, num_sms=132, num_stages=3),
+                        dict(pingpong=True, persistent=True, num_sms=132, stage_out=True),
+                        dict(pingpong=True, persistent=True, num_sms=132, thread_arrive=True),
+                        dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True))])
     for D, kind, tune in cases:
         r = report(kind, D=D, ptx_dir=args.ptx, **tune)
         bad += r["consumer_hot_spills"] > 0 or not r["fits"] or (not tune and r["spill_st"] > 64)
