@@ -60,6 +60,7 @@ VARIANTS = {  # name: keywords of launch()
     "gluon ws": dict(gluon={}),  # the warp-specialised sm_90 kernel (selection_sm90), its defaults
     "gluon ws poly3 1/4": dict(gluon=dict(poly=5)),  # a quarter of its exponentials on _exp2_poly3
     "gluon ws kb poly": dict(gluon=dict(kb_poly=True)),  # its per-key factor on the FMA pipe
+    "gluon ws kb pow2": dict(gluon=dict(kb_poly=2), kb_pow2=True),  # 2^KB precomputed, as the Triton default
     "gluon ws unroll 4": dict(gluon=dict(unroll=4)),
     "kb pow2 st2": dict(kb_pow2=True, num_stages=2),
     "kb pow2 st4": dict(kb_pow2=True, num_stages=4),

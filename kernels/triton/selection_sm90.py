@@ -155,7 +155,9 @@ def _tile_sums(acc, f, l2, kbv, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.cons
     else:
         col = gl.sum(gl.exp2(x), 1)
     ok = keys < SK
-    if KB_POLY:
+    if KB_POLY == 2:  # KB holds 2^KB already (``selection.fp8_operands(kb_pow2=True)``)
+        col = col * kbv
+    elif KB_POLY:
         col = col * _exp2_fma(kbv)
     else:
         col = col * gl.exp2(kbv)
@@ -355,7 +357,7 @@ def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None
     args = (k_desc, q8, lse_s, perm, out, qf, kb, H, S, SK, n_slots, C, G, *out.stride())
     meta = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
-                UNROLL=unroll, POLY=poly, KB_POLY=bool(cfg["kb_poly"] if kb_poly is None else kb_poly), GROUPS=groups,
+                UNROLL=unroll, POLY=poly, KB_POLY=int(cfg["kb_poly"] if kb_poly is None else kb_poly), GROUPS=groups,
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta
 
@@ -374,7 +376,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size, **tunin
             (exponentials on the FMA pipe, ``_exp2_fma``, relative error < 5e-5, so sums within ~5e-5 of the MUFU
             ones: 1 a quarter of every tile's, with unroll 4 also 2 all of one tile in 4, 3 all of two tiles in 4;
             5 as 1 with the degree-3 ``_exp2_poly3``, 7.6e-5, unroll 1 or 2),
-            ``kb_poly`` (the per-key factor on the FMA pipe), ``consumer_regs``, ``producer_regs``, ``maxnreg``.
+            ``kb_poly`` (the per-key factor on the FMA pipe; 2: ``kb`` holds 2^KB, ``fp8_operands(kb_pow2=True)``),
+            ``consumer_regs``, ``producer_regs``, ``maxnreg``.
     Returns:
         ``out``.
     Raises:
