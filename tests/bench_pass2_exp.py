@@ -93,6 +93,17 @@ def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=Fa
     return out
 
 
+def variant_ops(ops):
+    """{kb_pow2: operands}: ``ops`` from ``fp8_operands`` as they are (False) and with 2^KB in place of KB (True)."""
+    return {False: ops, True: (*ops[:4], torch.exp2(ops[4]))}
+
+
+def launch_variant(name, ops_by_pow2, perm, out):
+    """VARIANTS[name] launched on the operands it reads (``variant_ops``): what the race in another process calls."""
+    kw = VARIANTS[name]
+    return launch(ops_by_pow2[bool(kw.get("kb_pow2"))], perm, out, **kw)
+
+
 def float64_check(q, k, lse, perm, ops, sums, groups=4):
     """Relative L2 of the kernel's sums (fp32 [1, H, G, S]) against float64 sums of its dequantised operands on the
     first ``groups`` groups of head 0."""
@@ -129,7 +140,7 @@ def run_shape(name, H, grid, rep, names, log):
     del v
     perm = grouping.pddp_groups(q, C).contiguous()
     ops = selection.fp8_operands(q, k, lse, D**-0.5)
-    ops2 = (*ops[:4], torch.exp2(ops[4]))  # 2^KB precomputed (the kb pow2 variants)
+    by_pow2 = variant_ops(ops)
     G = perm.shape[-1] // C
     want = launch(ops, perm, torch.full((1, hc, G, S), float("nan"), device="cuda"))
     res["default_vs_float64"] = float64_check(q, k, lse, perm, ops, want)
@@ -140,7 +151,7 @@ def run_shape(name, H, grid, rep, names, log):
         kw = VARIANTS[vname]
         r = res["variants"][vname] = {}
         try:
-            vops = ops2 if kw.get("kb_pow2") else ops
+            vops = by_pow2[bool(kw.get("kb_pow2"))]
             got = launch(vops, perm, torch.full((1, hc, G, S), float("nan"), device="cuda"), **kw)
             torch.cuda.synchronize()
             if bool(got.isnan().any()):
