@@ -1,0 +1,294 @@
+"""select_kv (pass 2 + top-K) / flash-attn-4 dense by the timing method of record, both shapes, one process (issue 15).
+
+Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wan2.1-14B 720p: S = 75600, H = 40; D = C
+= 128, bf16; the inputs of tests/bench_anchor.py: structured queries, random keys, PDDP groups):
+
+1. CHECKS on the GPU before any timing (a line with "CHECKS"; "CHECK FAILED" when one fails): select_kv at its
+   defaults == the brute-force top-K (kernels/reference/topk.py) of its own float16 sums; the top-K fused into the
+   pass-2 kernel == the separate one; both radix fallback paths forced (16 candidate slots: every row overflows) ==
+   the brute force, on 2 heads at s = 0.25.
+2. RACE 1 (tests/_timing.race: sustained back-to-back samples, rotating order, median; TEAM.md item 7): flash-attn-4
+   dense with LSE, select_kv defaults and select_kv with the top-K fused into pass 2, each at s = 0.1 / 0.15 / 0.25 /
+   0.5: ratios / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes needed).
+3. RACE 2 (1.3B only, after both shapes' race 1): the parts on all heads in the same rounds as dense: the float8
+   operand pass (default and ``OPERAND_TUNING``), the top-K alone at s = 0.25 (default and ``TOPK_TUNING``; outputs
+   checked equal to the default's first), and issue 15's pass-2 kernel variants of tests/bench_pass2_exp.py
+   (``--p2ws-variants``; each checked against the default kernel as there).
+
+Writes OUT/bench_select_race.json after each step and OUT/scoreboard.json (the key above, with command and commit).
+Usage (checkout root, H200): python tests/bench_select_race.py --out OUT [--shapes 1.3b,14b] [--commit HASH]
+[--p2ws-variants "default,kb pow2"] [--budget 100]; ``--budget`` (s since start) drops race 2's remaining items once
+passed. Expected: ~15 s start-up, ~35 s at 1.3B, ~25 s at 14B, race 2 ~20 s (compiles dominate).
+``--smoke`` (TRITON_INTERPRET=1, CPU): every code path once on a tiny shape, single calls instead of races.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
+sys.path.insert(0, str(ROOT / "tests"))
+import _standalone  # noqa: E402
+
+_standalone.load_pack()
+from comfyui_mc_sparse_pack import kernels  # noqa: E402
+from comfyui_mc_sparse_pack.kernels import registry  # noqa: E402
+from comfyui_mc_sparse_pack.kernels.reference.topk import top_k_rows as ref_top_k_rows  # noqa: E402
+from comfyui_mc_sparse_pack.kernels.triton import grouping, selection, topk  # noqa: E402
+
+SHAPES = {"1.3b": dict(H=12, grid=(21, 30, 52)), "14b": dict(H=40, grid=(21, 45, 80)), "smoke": dict(H=2, grid=(2, 4, 33))}
+SCORE_NAME = {"1.3b": "wan13b_480p", "14b": "wan14b_720p"}
+DENSITIES = (0.1, 0.15, 0.25, 0.5)
+C = D = KV_TILE = 128
+OPERAND_TUNING = {"quant 128 rows": dict(quant_block=128), "quant 128 rows 8 warps": dict(quant_block=128, quant_warps=8),
+                  "quant 32 rows": dict(quant_block=32), "stats 1056 programs": dict(stats_programs=1056)}
+TOPK_TUNING = {"uncapped (95 regs)": dict(maxnreg=0), "w1": dict(num_warps=1), "w1 no prefetch": dict(num_warps=1, prefetch=False),
+               "w4 96 regs": dict(num_warps=4, maxnreg=96), "1 sample per 32 keys": dict(sample_stride=32)}
+SMOKE = False
+
+
+def race(fns, rounds=3, target_ms=20.0):
+    """tests/_timing.race (the method of record); under --smoke one call each, timed on the host."""
+    if not SMOKE:
+        from _timing import race as _race
+
+        return _race(fns, rounds, target_ms)
+    out = {}
+    for k, fn in fns.items():
+        t = time.perf_counter()
+        fn()
+        out[k] = (time.perf_counter() - t) * 1000
+    return out
+
+
+def dense_fn(q, k, v):
+    names = {b.name for b in registry.backends() if not b.unavailable_reason}
+    name = "flash_attn4" if "flash_attn4" in names else ("cuda_sdpa" if "cuda_sdpa" in names else "torch")
+    return name, (lambda: kernels.dense_attention(q, k, v, return_lse=True, backend=name))
+
+
+def checks(q, k, lse, perm, S, log):
+    """GPU correctness of every select path (docstring, item 1) on 2 heads at s = 0.25; returns the dict."""
+    kq = int(0.25 * S)
+    sub = (q[:, :2], k[:, :2], lse[:, :2], perm[:, :2])
+    G = perm.shape[-1] // C
+    sel = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE)
+    width = sel.shape[-1]
+    sums16 = selection.group_prob_sums(*sub, group_size=C).half()
+    want = ref_top_k_rows(sums16, kq, width)
+    fused = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_fused=True)
+    plan = topk.bracket_plan(S, kq, 2, cap=16)
+    forced = topk.FusedRows(torch.full_like(sel, -7), kq, width, plan,
+                            torch.empty(2 * G, 16, dtype=torch.int16, device=q.device),
+                            torch.empty(2 * G, dtype=torch.int8, device=q.device))
+    sums_f = torch.full_like(sums16, float("nan"))
+    selection.group_prob_sums(*sub, group_size=C, out=sums_f, select=forced)
+    ran = forced.done
+    forced.finish(sums_f)
+    r = dict(default_exact=bool(torch.equal(sel, want)), fused_equal=bool(torch.equal(fused, sel)), fused_ran=ran,
+             fused_forced_fallback_exact=bool(torch.equal(forced.out, ref_top_k_rows(sums_f, kq, width))),
+             fused_forced_fallback_rows=float(forced.flags.float().mean()),
+             bracket_forced_fallback_exact=bool(torch.equal(
+                 topk.top_k_rows(sums16, kq, width, method="bracket", cap=16), want)))
+    ok = all(v for n, v in r.items() if n != "fused_forced_fallback_rows") and r["fused_forced_fallback_rows"] == 1.0
+    log(f"CHECKS {r}" + ("" if ok else "  CHECK FAILED"))
+    r["ok"] = ok
+    return r
+
+
+def race1(name, q, k, v, lse, perm, log):
+    """Dense, select_kv defaults and fused at every density, in the same rounds (docstring, item 2)."""
+    S = q.shape[2]
+    dname, dense = dense_fn(q, k, v)
+    fns = {"dense": dense}
+    for s in DENSITIES:
+        kk = int(s * S)
+        fns[f"defaults s={s}"] = (lambda kk: lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C,
+                                                                         kv_tile=KV_TILE))(kk)
+        fns[f"fused s={s}"] = (lambda kk: lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C,
+                                                                      kv_tile=KV_TILE, topk_fused=True))(kk)
+    ms = race(fns, rounds=3, target_ms=20.0)
+    r = dict(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
+             over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
+    log(f"{name} RACE 1 (dense {dname} {ms['dense']:.3f} ms): " + " | ".join(
+        f"s={s}: defaults {r['over_dense'][f'defaults s={s}']:.4f}, fused {r['over_dense'][f'fused s={s}']:.4f}"
+        for s in DENSITIES))
+    return r
+
+
+def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log):
+    """1.3B parts and variants in the same rounds as dense (docstring, item 3)."""
+    S, H = q.shape[2], q.shape[1]
+    G = perm.shape[-1] // C
+    kq = int(0.25 * S)
+    width = -(-kq // KV_TILE) * KV_TILE
+    dname, dense = dense_fn(q, k, v)
+    res = dict(errors={})
+    fns = {"dense": dense, "operands default": lambda: selection.fp8_operands(q, k, lse, D**-0.5)}
+    for tname, tune in OPERAND_TUNING.items():
+        if time.time() - t0 > budget:
+            break
+        try:
+            selection.fp8_operands(q, k, lse, D**-0.5, **tune)
+            fns[f"operands {tname}"] = (lambda tune: lambda: selection.fp8_operands(q, k, lse, D**-0.5, **tune))(tune)
+        except Exception as err:  # noqa: BLE001 (a tuning that fails is reported)
+            res["errors"][f"operands {tname}"] = f"{type(err).__name__}: {str(err)[:200]}"
+    sums = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
+    selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums)
+    want = topk.top_k_rows(sums, kq, width)
+    fns["top-K default"] = lambda: topk.top_k_rows(sums, kq, width)
+    for tname, tune in TOPK_TUNING.items():
+        if time.time() - t0 > budget:
+            break
+        try:
+            if not torch.equal(topk.top_k_rows(sums, kq, width, method="bracket", **tune), want):
+                raise AssertionError("differs from the default top-K")
+            fns[f"top-K {tname}"] = (lambda tune: lambda: topk.top_k_rows(sums, kq, width, method="bracket", **tune))(tune)
+        except Exception as err:  # noqa: BLE001
+            res["errors"][f"top-K {tname}"] = f"{type(err).__name__}: {str(err)[:200]}"
+    if p2ws_variants:
+        import bench_pass2_exp as p2
+
+        ops = selection.fp8_operands(q, k, lse, D**-0.5)
+        ops2 = (*ops[:4], torch.exp2(ops[4]))
+        out16 = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
+        ref = p2.launch(ops, perm, torch.full((1, H, G, S), float("nan"), device=q.device))
+        for vname in p2ws_variants:
+            if time.time() - t0 > budget:
+                break
+            try:
+                kw = p2.VARIANTS[vname]
+                vops = ops2 if kw.get("kb_pow2") else ops
+                got = p2.launch(vops, perm, torch.full((1, H, G, S), float("nan"), device=q.device), **kw)
+                if bool(got.isnan().any()):
+                    raise AssertionError("NaN left in the output (an entry not written)")
+                if kw.get("exp") != "none":
+                    rel = float(((got.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max())
+                    if rel > p2.POLY_RTOL:
+                        raise AssertionError(f"sums differ from the default kernel's by {rel:.2e}")
+                del got
+                fns[f"pass-2 kernel {vname}"] = (lambda kw, vops: lambda: p2.launch(vops, perm, out16, **kw))(kw, vops)
+            except Exception as err:  # noqa: BLE001
+                res["errors"][f"pass-2 kernel {vname}"] = f"{type(err).__name__}: {str(err)[:300]}"
+    ms = race(fns, rounds=3, target_ms=20.0)
+    res.update(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
+               over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
+    log(f"{name} RACE 2 (dense {dname} {ms['dense']:.3f} ms, all heads, s = 0.25 for the top-K): " + " | ".join(
+        f"{n} {v:.4f}" for n, v in res["over_dense"].items()) + (f" | errors {res['errors']}" if res["errors"] else ""))
+    return res
+
+
+def make_inputs(name):
+    from bench_anchor import structured_q  # the inputs of bench_anchor (same generator and seed)
+    import bench_anchor
+
+    bench_anchor.DEVICE = "cuda" if not SMOKE else "cpu"
+    H, grid = SHAPES[name]["H"], SHAPES[name]["grid"]
+    S = math.prod(grid)
+    gen = torch.Generator(device=bench_anchor.DEVICE).manual_seed(20261201)
+    q = structured_q(H, grid, gen)
+    k, v = (torch.randn(1, H, S, D, device=bench_anchor.DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    _, dense = dense_fn(q, k, v)
+    _, lse = dense()
+    perm = grouping.pddp_groups(q, C) if not SMOKE else kernels.pddp_groups(q, C)
+    return q, k, v, lse, perm
+
+
+def write_scoreboard(report, out_dir, command):
+    shapes = report["shapes"]
+    if SMOKE or not all(sh.get("race1") for sh in shapes.values()) or set(shapes) != {"1.3b", "14b"}:
+        return
+    worst = max((r, n, key) for n, sh in shapes.items() for key, r in sh["race1"]["over_dense"].items()
+                if key.startswith("defaults"))
+    worst_f = max((r, n, key) for n, sh in shapes.items() for key, r in sh["race1"]["over_dense"].items()
+                  if key.startswith("fused"))
+    path = ROOT / "docs" / "results" / "scoreboard.json"
+    board = json.loads(path.read_text()) if path.exists() else {}
+    board["pass2_topk_over_dense_max"] = dict(
+        value=round(worst[0], 4), unit="ratio", command=command, commit=report["commit"], gpu=report["gpu"],
+        date=datetime.date.today().isoformat(), note=(
+            f"select_kv defaults / flash-attn-4 dense with LSE, tests/_timing.race (sustained, interleaved, same "
+            f"rounds), worst of 1.3b, 14b x s in {list(DENSITIES)}: {worst[1]} {worst[2]}; with the top-K fused into "
+            f"pass 2 the worst is {worst_f[0]:.4f} ({worst_f[1]} {worst_f[2]}); dense ms "
+            + ", ".join(f"{n} {sh['race1']['dense_ms']:.3f}" for n, sh in shapes.items())))
+    text = json.dumps(board, indent=2) + "\n"
+    path.write_text(text)
+    (out_dir / "scoreboard.json").write_text(text)
+
+
+def main():
+    global SMOKE
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="1.3b,14b")
+    ap.add_argument("--commit", default=os.environ.get("MC_SPARSE_COMMIT", ""))
+    ap.add_argument("--p2ws-variants", default="", help="comma-separated tests/bench_pass2_exp.py VARIANTS to race")
+    ap.add_argument("--budget", type=float, default=100.0, help="s since start after which race 2 adds no more items")
+    ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: code paths on a tiny shape")
+    args = ap.parse_args()
+    SMOKE = args.smoke
+    if SMOKE:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")
+        from _triton_interp import patch_interpreter  # two Triton 3.6 interpreter fixes (tests/_triton_interp.py)
+
+        patch_interpreter()
+    shapes = ["smoke"] if SMOKE else args.shapes.split(",")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f} s] {msg}", flush=True)
+
+    report = dict(commit=args.commit, argv=sys.argv, gpu=torch.cuda.get_device_name() if not SMOKE else "cpu", shapes={})
+    command = "python tests/bench_select_race.py --out $OUT " + " ".join(a for a in sys.argv[1:] if "$" not in a)
+
+    def save():
+        (out_dir / "bench_select_race.json").write_text(json.dumps(report, indent=1, default=str))
+
+    kept = {}
+    for name in shapes:
+        res = report["shapes"][name] = {}
+        try:
+            q, k, v, lse, perm = make_inputs(name)
+            log(f"{name} inputs ready (S {q.shape[2]}, H {q.shape[1]})")
+            res["checks"] = checks(q, k, lse, perm, q.shape[2], log)
+            save()
+            res["race1"] = race1(name, q, k, v, lse, perm, log)
+            save()
+            if name in ("1.3b", "smoke"):
+                kept[name] = (q, k, v, lse, perm)
+            else:
+                del q, k, v, lse, perm
+                torch.cuda.empty_cache()
+        except Exception as err:  # noqa: BLE001 (a failing shape is reported; the others still run)
+            res["error"] = f"{type(err).__name__}: {str(err)[:500]}"
+            log(f"{name} FAILED: {res['error']}")
+            traceback.print_exc()
+    write_scoreboard(report, out_dir, command)
+    variants = [n.strip() for n in args.p2ws_variants.split(",") if n.strip()]
+    for name, inputs in kept.items():
+        try:
+            report["shapes"][name]["race2"] = race2(name, *inputs, variants, args.budget, t0, log)
+        except Exception as err:  # noqa: BLE001
+            report["shapes"][name]["race2_error"] = f"{type(err).__name__}: {str(err)[:500]}"
+            log(f"{name} race 2 FAILED: {report['shapes'][name]['race2_error']}")
+            traceback.print_exc()
+        save()
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
