@@ -11,9 +11,9 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
    dense with LSE, select_kv defaults and select_kv with the top-K fused into pass 2, each at s = 0.1 / 0.15 / 0.25 /
    0.5: ratios / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes needed).
 3. RACE 2 (1.3B only, after both shapes' race 1): the parts on all heads in the same rounds as dense: the float8
-   operand pass (default and ``OPERAND_TUNING``), the top-K alone at s = 0.25 (default and ``TOPK_TUNING``; outputs
-   checked equal to the default's first), and issue 15's pass-2 kernel variants of tests/bench_pass2_exp.py
-   (``--p2ws-variants``; each checked against the default kernel as there).
+   operand pass and the top-K alone at s = 0.25 (defaults), then, while the budget lasts, issue 15's pass-2 kernel
+   variants of tests/bench_pass2_exp.py (``--p2ws-variants``; each checked against that bench's reference kernel as
+   there), ``TOPK_TUNING`` (outputs checked equal to the default's first) and ``OPERAND_TUNING``.
 
 Writes OUT/bench_select_race.json after each step and OUT/scoreboard.json (the key above, with command and commit).
 Usage (checkout root, H200): python tests/bench_select_race.py --out OUT [--shapes 1.3b,14b] [--commit HASH]
@@ -135,28 +135,11 @@ def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log):
     width = -(-kq // KV_TILE) * KV_TILE
     dname, dense = dense_fn(q, k, v)
     res = dict(errors={})
-    fns = {"dense": dense, "operands default": lambda: selection.fp8_operands(q, k, lse, D**-0.5)}
-    for tname, tune in OPERAND_TUNING.items():
-        if time.time() - t0 > budget:
-            break
-        try:
-            selection.fp8_operands(q, k, lse, D**-0.5, **tune)
-            fns[f"operands {tname}"] = (lambda tune: lambda: selection.fp8_operands(q, k, lse, D**-0.5, **tune))(tune)
-        except Exception as err:  # noqa: BLE001 (a tuning that fails is reported)
-            res["errors"][f"operands {tname}"] = f"{type(err).__name__}: {str(err)[:200]}"
+    fns = {"dense": dense, "operands default": lambda: selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)}
     sums = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
     selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums)
     want = topk.top_k_rows(sums, kq, width)
     fns["top-K default"] = lambda: topk.top_k_rows(sums, kq, width)
-    for tname, tune in TOPK_TUNING.items():
-        if time.time() - t0 > budget:
-            break
-        try:
-            if not torch.equal(topk.top_k_rows(sums, kq, width, method="bracket", **tune), want):
-                raise AssertionError("differs from the default top-K")
-            fns[f"top-K {tname}"] = (lambda tune: lambda: topk.top_k_rows(sums, kq, width, method="bracket", **tune))(tune)
-        except Exception as err:  # noqa: BLE001
-            res["errors"][f"top-K {tname}"] = f"{type(err).__name__}: {str(err)[:200]}"
     if p2ws_variants:
         import bench_pass2_exp as p2
 
@@ -181,6 +164,23 @@ def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log):
                 fns[f"pass-2 kernel {vname}"] = (lambda kw, vops: lambda: p2.launch(vops, perm, out16, **kw))(kw, vops)
             except Exception as err:  # noqa: BLE001
                 res["errors"][f"pass-2 kernel {vname}"] = f"{type(err).__name__}: {str(err)[:300]}"
+    for tname, tune in TOPK_TUNING.items():
+        if time.time() - t0 > budget:
+            break
+        try:
+            if not torch.equal(topk.top_k_rows(sums, kq, width, method="bracket", **tune), want):
+                raise AssertionError("differs from the default top-K")
+            fns[f"top-K {tname}"] = (lambda tune: lambda: topk.top_k_rows(sums, kq, width, method="bracket", **tune))(tune)
+        except Exception as err:  # noqa: BLE001
+            res["errors"][f"top-K {tname}"] = f"{type(err).__name__}: {str(err)[:200]}"
+    for tname, tune in OPERAND_TUNING.items():
+        if time.time() - t0 > budget:
+            break
+        try:
+            selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, **tune)
+            fns[f"operands {tname}"] = (lambda tune: lambda: selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, **tune))(tune)
+        except Exception as err:  # noqa: BLE001 (a tuning that fails is reported)
+            res["errors"][f"operands {tname}"] = f"{type(err).__name__}: {str(err)[:200]}"
     ms = race(fns, rounds=3, target_ms=20.0)
     res.update(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
                over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
