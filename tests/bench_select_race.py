@@ -143,25 +143,24 @@ def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log):
     if p2ws_variants:
         import bench_pass2_exp as p2
 
-        ops = selection.fp8_operands(q, k, lse, D**-0.5)
-        ops2 = (*ops[:4], torch.exp2(ops[4]))
+        by_pow2 = p2.variant_ops(selection.fp8_operands(q, k, lse, D**-0.5))  # {kb_pow2: operands it reads}
         out16 = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
-        ref = p2.launch(ops, perm, torch.full((1, H, G, S), float("nan"), device=q.device))
+        # the reference: "kb pow2", the pass-2 kernel select_kv runs (p2ws, 13:30)
+        ref = p2.launch_variant("kb pow2", by_pow2, perm, torch.full((1, H, G, S), float("nan"), device=q.device))
         for vname in p2ws_variants:
             if time.time() - t0 > budget:
                 break
             try:
                 kw = p2.VARIANTS[vname]
-                vops = ops2 if kw.get("kb_pow2") else ops
-                got = p2.launch(vops, perm, torch.full((1, H, G, S), float("nan"), device=q.device), **kw)
+                got = p2.launch_variant(vname, by_pow2, perm, torch.full((1, H, G, S), float("nan"), device=q.device))
                 if bool(got.isnan().any()):
                     raise AssertionError("NaN left in the output (an entry not written)")
                 if kw.get("exp") != "none":
                     rel = float(((got.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max())
                     if rel > p2.POLY_RTOL:
-                        raise AssertionError(f"sums differ from the default kernel's by {rel:.2e}")
+                        raise AssertionError(f"sums differ from the reference kernel's by {rel:.2e}")
                 del got
-                fns[f"pass-2 kernel {vname}"] = (lambda kw, vops: lambda: p2.launch(vops, perm, out16, **kw))(kw, vops)
+                fns[f"pass-2 kernel {vname}"] = (lambda vname: lambda: p2.launch_variant(vname, by_pow2, perm, out16))(vname)
             except Exception as err:  # noqa: BLE001
                 res["errors"][f"pass-2 kernel {vname}"] = f"{type(err).__name__}: {str(err)[:300]}"
     for tname, tune in TOPK_TUNING.items():

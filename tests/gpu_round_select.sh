@@ -11,7 +11,7 @@ OUT=${1:?usage: gpu_round_select.sh OUT_DIR [commit] [shapes]}
 COMMIT=${2:-}
 SHAPES=${3:-1.3b,14b}
 T_BENCH=${T_BENCH:-105}
-P2WS_VARIANTS=${P2WS_VARIANTS:-default,kb pow2}
+P2WS_VARIANTS=${P2WS_VARIANTS:-kb pow2,gluon ws kb pow2,gluon ws,kb pow2 stagger,kb pow2 st4,gluon ws unroll 4,gluon ws poly3 1/4}
 mkdir -p "$OUT"
 timeout "$T_BENCH" python3 tests/bench_select_race.py --out "$OUT" --shapes "$SHAPES" ${COMMIT:+--commit "$COMMIT"} \
     --p2ws-variants "$P2WS_VARIANTS" --budget $((T_BENCH - 20)) > "$OUT/bench.log" 2>&1
