@@ -65,12 +65,15 @@ VARIANTS = {  # name: keywords of launch()
     "kb pow2 st2": dict(kb_pow2=True, num_stages=2),
     "kb pow2 st4": dict(kb_pow2=True, num_stages=4),
     "kb pow2 stagger": dict(kb_pow2=True, stagger=True),
+    # one query group per program: 4 CTAs per SM if <= 128 registers (each K tile read by 1 group instead of 2)
+    "kb pow2 1grp": dict(kb_pow2=True, one_group=True),
+    "kb pow2 1grp maxnreg 128": dict(kb_pow2=True, one_group=True, maxnreg=128),
     "poly3 1/4 kb pow2": dict(poly3=(0, 4), kb_pow2=True),
 }
 
 
 def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=False, gluon=None, num_stages=3,
-           stagger=False):
+           stagger=False, one_group=False):
     """The pair kernel alone on precomputed float8 operands ``ops`` = (q8, k8, qf, lse_s, kb), as
     ``selection.group_prob_sums`` launches it with fp8 (unstaggered, BLOCK_N 64, 4 warps, 3 stages). ``kb_pow2``:
     ``ops`` carries 2^KB in place of KB. ``gluon``: the Gluon kernel instead, with these tuning keywords."""
@@ -84,12 +87,12 @@ def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=Fa
     n_slots = perm.shape[-1]
     G = n_slots // C
     extra = {} if maxnreg is None else dict(maxnreg=maxnreg)
-    selection._group_prob_sums_pair[(triton.cdiv(G, 2), B * H)](
+    selection._group_prob_sums_pair[(G if one_group else triton.cdiv(G, 2), B * H)](
         q8, k8, lse_s, perm, out, qf, kb, qf, 1.0, H, S, SK, n_slots, C, G,
         *q8.stride(), *k8.stride(), *lse_s.stride(), *out.stride(), *selection._fused_topk_args(None, out, 4, qf)[0],
         HEAD_DIM=D, BLOCK_M=128, BLOCK_N=64, EXP_MODE=3 if exp == "none" else 0, STAGGER=stagger, FP8=True, POLY=0,
         P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32, WITH_HIST=False,
-        KB_POW2=kb_pow2, num_warps=4, num_stages=num_stages, **extra)
+        KB_POW2=kb_pow2, ONE_GROUP=one_group, num_warps=4, num_stages=num_stages, **extra)
     return out
 
 

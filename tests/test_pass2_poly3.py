@@ -120,3 +120,22 @@ def test_fp8_operands_kb_pow2(gen):
         assert torch.equal(x.float(), y.float())
     assert float(a[4].abs().max()) > 0.5  # a real per-key term
     assert torch.allclose(b[4].double(), torch.exp2(a[4].double()), rtol=1e-6, atol=0)
+
+
+def test_one_group_kernel_equals_the_pair_kernel(gen):
+    """``one_group=True`` (one query group per program, the pair kernel's ONE_GROUP): the same bits as the pair kernel
+    (the same per-group arithmetic), odd group count, every entry written; refused with the pair-only options."""
+    sel = _selection()
+    S, C, D = 330, 128, 32  # G = 3
+    q = (torch.randn(1, 2, S, D, generator=gen) + torch.randn(1, 2, 1, D, generator=gen)).to(torch.bfloat16)
+    k = torch.randn(1, 2, S, D, generator=gen).to(torch.bfloat16)
+    lse = (torch.randn(1, 2, S, generator=gen) + 7.0).float()
+    perm = torch.stack([torch.cat([torch.randperm(S, generator=gen), torch.full((3 * C - S,), -1)]) for _ in range(2)])
+    args = (q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(torch.int32)[None].to(DEVICE))
+    want = torch.full((1, 2, 3, S), float("nan"), device=DEVICE)
+    sel.group_prob_sums(*args, group_size=C, out=want, fp8=True, pipelined=False)
+    got = torch.full_like(want, float("nan"))
+    sel.group_prob_sums(*args, group_size=C, out=got, fp8=True, pipelined=False, one_group=True)
+    assert not got.isnan().any() and torch.equal(got, want)
+    with pytest.raises(ValueError, match="one_group"):
+        sel.group_prob_sums(*args, group_size=C, fp8=True, pipelined=True, one_group=True)

@@ -241,6 +241,7 @@ def _group_prob_sums_pair(
     KEY_BITS: tl.constexpr,  # 16 for float16 SUMS, 32 for float32
     WITH_HIST: tl.constexpr,  # count each group's first-digit histogram into HIST (int32 [B, H, G, HIST_BINS])
     KB_POW2: tl.constexpr = False,  # FP8: KB holds 2^KB (precomputed; no MUFU per key here)
+    ONE_GROUP: tl.constexpr = False,  # one query group per program (unstaggered, no histogram / top-K): fewer registers
     TOPK: tl.constexpr = False,  # then each group's top-K (``topk._bracket_row``) from the sums just stored
     T_ALIGN: tl.constexpr = 1,  # the sums' b / h / g strides are t_sb / t_sh / t_sg times T_ALIGN (16-byte rows)
     T_ROWS: tl.constexpr = 128,  # top-K tile rows (16-byte vectors) per sweep step
@@ -272,8 +273,13 @@ def _group_prob_sums_pair(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    g0 = pair * 2
-    has_g1 = g0 + 1 < G
+    if ONE_GROUP:
+        tl.static_assert(not (STAGGER or WITH_HIST or TOPK), "ONE_GROUP: unstaggered, no histogram, no top-K")
+        g0 = pair
+        has_g1 = False
+    else:
+        g0 = pair * 2
+        has_g1 = g0 + 1 < G
     perm_base = PERM + bh.to(tl.int64) * n_slots + g0.to(tl.int64) * C
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     l_base = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
@@ -281,15 +287,16 @@ def _group_prob_sums_pair(
     s_base = SUMS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + g0.to(tl.int64) * stride_sg
 
     i0 = tl.load(perm_base + offs_m, mask=offs_m < C, other=-1)
-    i1 = tl.load(perm_base + C + offs_m, mask=(offs_m < C) & has_g1, other=-1)
     v0 = (i0 >= 0) & (i0 < S)
-    v1 = (i1 >= 0) & (i1 < S)
     r0 = tl.where(v0, i0, 0).to(tl.int64)
-    r1 = tl.where(v1, i1, 0).to(tl.int64)
     q0 = tl.load(q_base + r0[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=v0[:, None], other=0.0)
-    q1 = tl.load(q_base + r1[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=v1[:, None], other=0.0)
     l0 = tl.load(l_base + r0 * stride_ls, mask=v0, other=float("inf")) * 1.4426950408889634
-    l1 = tl.load(l_base + r1 * stride_ls, mask=v1, other=float("inf")) * 1.4426950408889634
+    if not ONE_GROUP:
+        i1 = tl.load(perm_base + C + offs_m, mask=(offs_m < C) & has_g1, other=-1)
+        v1 = (i1 >= 0) & (i1 < S)
+        r1 = tl.where(v1, i1, 0).to(tl.int64)
+        q1 = tl.load(q_base + r1[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=v1[:, None], other=0.0)
+        l1 = tl.load(l_base + r1 * stride_ls, mask=v1, other=float("inf")) * 1.4426950408889634
     if FP8:
         f = tl.load(QF + bh)  # the head's q scale x k scale x softmax scale x log2(e)
     else:
@@ -337,14 +344,15 @@ def _group_prob_sums_pair(
             k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                         mask=k_ok[:, None], other=0.0)
             x0 = tl.dot(k, tl.trans(q0)) * f - l0[None, :]
-            x1 = tl.dot(k, tl.trans(q1)) * f - l1[None, :]
             col0 = _key_scaled(_mixed_sums(x0, EXP_MODE, P3_G0, n0 // BLOCK_N, 0), kb_base, keys, SK, FP8, KB_POW2)
-            col1 = _key_scaled(_row_sums(x1, EXP_MODE, POLY, P3_G1, n0 // BLOCK_N), kb_base, keys, SK, FP8, KB_POW2)
             dst = s_base + keys.to(tl.int64) * stride_sn
             c0 = col0.to(SUMS.dtype.element_ty)
-            c1 = col1.to(SUMS.dtype.element_ty)
             tl.store(dst, c0, mask=k_ok)
-            tl.store(dst + stride_sg, c1, mask=k_ok & has_g1)
+            if not ONE_GROUP:
+                x1 = tl.dot(k, tl.trans(q1)) * f - l1[None, :]
+                col1 = _key_scaled(_row_sums(x1, EXP_MODE, POLY, P3_G1, n0 // BLOCK_N), kb_base, keys, SK, FP8, KB_POW2)
+                c1 = col1.to(SUMS.dtype.element_ty)
+                tl.store(dst + stride_sg, c1, mask=k_ok & has_g1)
             if WITH_HIST:
                 h0 += _digit_hist(c0, k_ok, KEY_BITS)
                 h1 += _digit_hist(c1, k_ok, KEY_BITS)
@@ -701,7 +709,7 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
                     num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None,
-                    poly3=(0, 0), select=None):
+                    poly3=(0, 0), select=None, one_group=False):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -724,6 +732,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         does not count it and writes zeros (the top-K then counts itself).
         gluon: the float8 path on the warp-specialised sm_90 Gluon kernel (``selection_sm90``; same sums) where it
         runs, else (or on its failure, remembered) the Triton kernel: ``pass2_dispatch``; None: its default.
+        one_group: the pair kernel with ONE query group per program (unstaggered; no hist, no select): 119
+        registers instead of 166 (offline), so 4 programs per SM instead of 3, each key tile read once per group.
         poly3: (g0, g1), eighths (0, 2 or 4) of each of the pair kernel's two groups' exponentials taken by the
         degree-3 polynomial on the FMA pipe (``_exp2_poly3``: relative error < 7.6e-5) instead of MUFU (4: the odd
         query columns of every key tile; 2: of every other key tile, group 0's even tiles, group 1's odd); pair kernel
@@ -778,7 +788,9 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
                              f"{tuple(hist.shape)}")
         if not (pair and C <= block_m):
             hist.zero_()  # not counted by the one-group kernel: the top-K's check sees 0 != Sk and counts itself
-    if (exp_mode == 3 or any(poly3)) and not (pair and C <= block_m):
+    if one_group and (hist is not None or select is not None or pipelined or poly or poly3[1]):
+        raise ValueError("one_group: unstaggered, without hist / select / poly / poly3[1]")
+    if (exp_mode == 3 or any(poly3) or one_group) and not (pair and C <= block_m):
         raise ValueError("exp='none' and poly3 need the pair kernel (C <= 128, pair not False)")
     if pair and C <= block_m:
         qf = kb = lse  # placeholders, not read without FP8
@@ -787,18 +799,19 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             pow2 = not pass2_dispatch.gluon_mode(gluon)
             q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2)
             only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode,
-                                                     tuned=any(x is not None for x in (block_n, num_warps, num_stages)))
+                                                     tuned=one_group or any(x is not None for x in (block_n, num_warps,
+                                                                                                    num_stages)))
             if pass2_dispatch.try_gluon(q, k, qf, lse, kb, perm, out, group_size=C, requested=gluon,
                                         only_triton=only_triton):
                 return out
         warps_ = num_warps or warps
         sel_args, sel_meta = _fused_topk_args(select, out, warps_, lse)
-        _group_prob_sums_pair[(triton.cdiv(G, 2), B * H)](
+        _group_prob_sums_pair[(G if one_group else triton.cdiv(G, 2), B * H)](
             q, k, lse, perm, out, qf, kb, qf if hist is None else hist, scale * _LOG2E, H, S, SK, n_slots, C, G,
             *q.stride(), *k.stride(), *lse.stride(), *out.stride(), *sel_args,
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
             POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32,
-            WITH_HIST=hist is not None, KB_POW2=pow2, **sel_meta, num_warps=warps_, num_stages=num_stages or stages,
+            WITH_HIST=hist is not None, KB_POW2=pow2, ONE_GROUP=bool(one_group), **sel_meta, num_warps=warps_, num_stages=num_stages or stages,
             **({"maxnreg": _TOPK_FUSED_MAXNREG} if select is not None and fp8 and cap is not None else {}),
         )
         if select is not None:
