@@ -43,6 +43,8 @@ VARIANTS = {  # name: pair-kernel constexprs (BLOCK_N 64, 4 warps, 3 stages unle
     "fp8 stagger poly 1/4 + hist": dict(FP8=True, POLY=1, WITH_HIST=True),
     "fp8 unstaggered (default)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True),
     "fp8 unstaggered + fused top-K": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True, maxnreg=168),
+    "fp8 one group + fused top-K": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True, ONE_GROUP=True),
+    "fp8 one group": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, ONE_GROUP=True),
 }
 
 
@@ -91,7 +93,7 @@ def compile_variant(name, cfg, S=75600, H=40, D=128, C=128, arch=90):
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=cfg.get("BLOCK_N", 64), EXP_MODE=0, STAGGER=cfg.get("STAGGER", True),
                 FP8=fp8, POLY=cfg.get("POLY", 0), P3_G0=cfg.get("P3_G0", 0), P3_G1=cfg.get("P3_G1", 0), KEY_BITS=16,
                 WITH_HIST=cfg.get("WITH_HIST", False), num_warps=warps, num_stages=cfg.get("num_stages", 3), **sel_meta,
-                KB_POW2=cfg.get("KB_POW2", False), **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
+                KB_POW2=cfg.get("KB_POW2", False), ONE_GROUP=cfg.get("ONE_GROUP", False), **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
     ck = pr.compile_offline(selection._group_prob_sums_pair, args, meta, arch)
     regs, st, ld = pr.ptxas_usage(ck, arch)
     return dict(variant=name, regs=regs, spill_st=st, spill_ld=ld, smem=ck.metadata.shared,

@@ -139,3 +139,7 @@ def test_one_group_kernel_equals_the_pair_kernel(gen):
     assert not got.isnan().any() and torch.equal(got, want)
     with pytest.raises(ValueError, match="one_group"):
         sel.group_prob_sums(*args, group_size=C, fp8=True, pipelined=True, one_group=True)
+    # with the top-K fused into the kernel's epilogue: the same selection as the pair kernel + separate top-K
+    kw = dict(group_size=C, kv_tile=16, fp8=True, pipelined=False)
+    assert torch.equal(sel.select_kv(*args, 100, topk_fused=True, one_group=True, **kw),
+                       sel.select_kv(*args, 100, topk_fused=False, one_group=False, **kw))

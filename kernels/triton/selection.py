@@ -241,7 +241,7 @@ def _group_prob_sums_pair(
     KEY_BITS: tl.constexpr,  # 16 for float16 SUMS, 32 for float32
     WITH_HIST: tl.constexpr,  # count each group's first-digit histogram into HIST (int32 [B, H, G, HIST_BINS])
     KB_POW2: tl.constexpr = False,  # FP8: KB holds 2^KB (precomputed; no MUFU per key here)
-    ONE_GROUP: tl.constexpr = False,  # one query group per program (unstaggered, no histogram / top-K): fewer registers
+    ONE_GROUP: tl.constexpr = False,  # one query group per program (unstaggered, no histogram): fewer registers
     TOPK: tl.constexpr = False,  # then each group's top-K (``topk._bracket_row``) from the sums just stored
     T_ALIGN: tl.constexpr = 1,  # the sums' b / h / g strides are t_sb / t_sh / t_sg times T_ALIGN (16-byte rows)
     T_ROWS: tl.constexpr = 128,  # top-K tile rows (16-byte vectors) per sweep step
@@ -274,7 +274,7 @@ def _group_prob_sums_pair(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     if ONE_GROUP:
-        tl.static_assert(not (STAGGER or WITH_HIST or TOPK), "ONE_GROUP: unstaggered, no histogram, no top-K")
+        tl.static_assert(not (STAGGER or WITH_HIST), "ONE_GROUP: unstaggered, no histogram")
         g0 = pair
         has_g1 = False
     else:
@@ -317,20 +317,23 @@ def _group_prob_sums_pair(
                         mask=k_ok[:, None], other=0.0)
             s0 = tl.dot(k, tl.trans(q0))
             prev = keys - BLOCK_N
-            col1 = _key_scaled(_row_sums(s1 * f - l1[None, :], EXP_MODE, POLY, P3_G1, n0 // BLOCK_N - 1), kb_base, prev, SK, FP8, KB_POW2)
+            col1 = _key_scaled(_row_sums(s1 * f - l1[None, :], EXP_MODE, POLY, P3_G1, n0 // BLOCK_N - 1), kb_base, prev,
+                               SK, FP8, KB_POW2)
             c1 = col1.to(SUMS.dtype.element_ty)
             tl.store(s_base + stride_sg + prev.to(tl.int64) * stride_sn, c1, mask=(prev >= 0) & has_g1)
             if WITH_HIST:
                 h1 += _digit_hist(c1, prev >= 0, KEY_BITS)
             s1 = tl.dot(k, tl.trans(q1))
-            col0 = _key_scaled(_mixed_sums(s0 * f - l0[None, :], EXP_MODE, P3_G0, n0 // BLOCK_N, 0), kb_base, keys, SK, FP8, KB_POW2)
+            col0 = _key_scaled(_mixed_sums(s0 * f - l0[None, :], EXP_MODE, P3_G0, n0 // BLOCK_N, 0), kb_base, keys,
+                               SK, FP8, KB_POW2)
             c0 = col0.to(SUMS.dtype.element_ty)
             tl.store(s_base + keys.to(tl.int64) * stride_sn, c0, mask=k_ok)
             if WITH_HIST:
                 h0 += _digit_hist(c0, k_ok, KEY_BITS)
         last_tile = (SK - 1) // BLOCK_N
         last = last_tile * BLOCK_N + offs_n
-        col1 = _key_scaled(_row_sums(s1 * f - l1[None, :], EXP_MODE, POLY, P3_G1, last_tile), kb_base, last, SK, FP8, KB_POW2)
+        col1 = _key_scaled(_row_sums(s1 * f - l1[None, :], EXP_MODE, POLY, P3_G1, last_tile), kb_base, last, SK, FP8,
+                           KB_POW2)
         c1 = col1.to(SUMS.dtype.element_ty)
         tl.store(s_base + stride_sg + last.to(tl.int64) * stride_sn, c1, mask=(last < SK) & has_g1)
         if WITH_HIST:
@@ -686,6 +689,9 @@ _FP8_DEFAULT = True
 _TOPK_HIST_DEFAULT = False
 # select_kv: the top-K run by the pair pass-2 kernel after its key sweep (topk_fused). Off until measured on the H200.
 _TOPK_FUSED_DEFAULT = False
+# group_prob_sums / select_kv: the float8 pair kernel with one query group per program (one_group; 119 registers, 4
+# programs per SM instead of 3). Off until measured on the H200 (tests/bench_pass2_exp.py "kb pow2 1grp").
+_ONE_GROUP_DEFAULT = False
 # the float8 pair kernel with the fused top-K: ptxas gives it 170 registers uncapped (2 programs of 4 warps per SM)
 # against the plain kernel's 166 (3 programs); capped at 168 it keeps 3, no spill, its key loop 554 instead of 532
 # SASS instructions per tile pair (tests/ptxas_select.py), under a loop bound 2:1 by MUFU over issue
@@ -709,7 +715,7 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
                     num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None,
-                    poly3=(0, 0), select=None, one_group=False):
+                    poly3=(0, 0), select=None, one_group=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -732,8 +738,9 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         does not count it and writes zeros (the top-K then counts itself).
         gluon: the float8 path on the warp-specialised sm_90 Gluon kernel (``selection_sm90``; same sums) where it
         runs, else (or on its failure, remembered) the Triton kernel: ``pass2_dispatch``; None: its default.
-        one_group: the pair kernel with ONE query group per program (unstaggered; no hist, no select): 119
-        registers instead of 166 (offline), so 4 programs per SM instead of 3, each key tile read once per group.
+        one_group: the pair kernel with ONE query group per program (unstaggered; no hist, no poly): 119
+        registers instead of 166 (offline), so 4 programs per SM instead of 3, each key tile read once per group;
+        None: ``_ONE_GROUP_DEFAULT`` where it applies (float8, unstaggered, no hist / poly).
         poly3: (g0, g1), eighths (0, 2 or 4) of each of the pair kernel's two groups' exponentials taken by the
         degree-3 polynomial on the FMA pipe (``_exp2_poly3``: relative error < 7.6e-5) instead of MUFU (4: the odd
         query columns of every key tile; 2: of every other key tile, group 0's even tiles, group 1's odd); pair kernel
@@ -788,8 +795,10 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
                              f"{tuple(hist.shape)}")
         if not (pair and C <= block_m):
             hist.zero_()  # not counted by the one-group kernel: the top-K's check sees 0 != Sk and counts itself
-    if one_group and (hist is not None or select is not None or pipelined or poly or poly3[1]):
-        raise ValueError("one_group: unstaggered, without hist / select / poly / poly3[1]")
+    if one_group is None:
+        one_group = _ONE_GROUP_DEFAULT and fp8 and not pipelined and hist is None and not poly and not poly3[1]
+    if one_group and (hist is not None or pipelined or poly or poly3[1]):
+        raise ValueError("one_group: unstaggered, without hist / poly / poly3[1]")
     if (exp_mode == 3 or any(poly3) or one_group) and not (pair and C <= block_m):
         raise ValueError("exp='none' and poly3 need the pair kernel (C <= 128, pair not False)")
     if pair and C <= block_m:
@@ -811,7 +820,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             *q.stride(), *k.stride(), *lse.stride(), *out.stride(), *sel_args,
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
             POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32,
-            WITH_HIST=hist is not None, KB_POW2=pow2, ONE_GROUP=bool(one_group), **sel_meta, num_warps=warps_, num_stages=num_stages or stages,
+            WITH_HIST=hist is not None, KB_POW2=pow2, ONE_GROUP=bool(one_group), **sel_meta, num_warps=warps_,
+            num_stages=num_stages or stages,
             **({"maxnreg": _TOPK_FUSED_MAXNREG} if select is not None and fp8 and cap is not None else {}),
         )
         if select is not None:
@@ -837,7 +847,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
-              topk_method=None, topk_hist=None, gluon=None, topk_fused=None):
+              topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -845,8 +855,8 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. ``topk.top_k_rows`` then writes each group's
     row of the selection in place: the K largest float16 sums (ties: lower token index first), ascending, then -1.
     ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined``,
-    ``exp``, ``pair``, ``poly``, ``fp8``, ``gluon`` tune pass 2 (see ``group_prob_sums``; the defaults are its defaults: the
-    staggered two-group kernel, float8 products per ``fp8_default``); ``topk_method`` picks ``topk.top_k_rows``'s
+    ``exp``, ``pair``, ``poly``, ``fp8``, ``gluon``, ``one_group`` tune pass 2 (see ``group_prob_sums``; the defaults are
+    its defaults: the staggered two-group kernel, float8 products per ``fp8_default``); ``topk_method`` picks ``topk.top_k_rows``'s
     method (None: its default by row length, or "radix" with ``topk_hist``); ``topk_hist``: pass 2 counts each
     group's first radix digit while it writes the sums, and the radix top-K skips that pass (None:
     ``_TOPK_HIST_DEFAULT``); ``topk_fused``: the pair kernel runs the bracket top-K on its own groups' sums after
@@ -881,6 +891,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon, select=select,
+            one_group=one_group,
         )
         if select is not None and select.done:
             select.finish(sums)
