@@ -15,7 +15,9 @@ backend="flash_attn4")`` on ``[B, H, S, D]`` contiguous randn inputs. Rows:
   ``tile_mn``);
 - ``bare``: FA4's paged kernel alone on pre-built inputs (group-order Q, page table, seqused_k) as the route launches
   it (the compiled kernel directly): the route's ceiling; ``bare via interface``: through ``_flash_attn_fwd`` (host
-  work per call); ``bare <tuning>``.
+  work per call); ``bare <tuning>``;
+- ``pass table`` / ``pass gather`` / ``pass scatter`` (``+ res``): the route's Triton launches alone (ms and GB/s of
+  their own reads and writes; not in the efficiency table; ``--no-passes`` leaves them out).
 Correctness in the same run before any timing: every route row against the float32 reference on 2 heads
 (``kernels.reference.sparse_attention``; the first call through FA4's interface and the second, direct, launch), the
 residual row into a NaN-poisoned out; the bare rows against the route's group-order output. A point with a relative
@@ -52,7 +54,7 @@ TUNINGS = {  # each compiles offline for sm_90a (5-13 s: FakeTensorMode + CUTE_D
 }
 
 
-def run_shape(name, shp, densities, rounds, target_ms, log, tunings):
+def run_shape(name, shp, densities, rounds, target_ms, log, tunings, passes=True):
     from comfyui_mc_sparse_pack.kernels import flash_attn4 as fa4
     from comfyui_mc_sparse_pack.kernels.triton import paged_route
     from flash_attn.cute.interface import _flash_attn_fwd
@@ -72,6 +74,7 @@ def run_shape(name, shp, densities, rounds, target_ms, log, tunings):
     res_plain = kernels.Residual((torch.randn(B, H, S, D, device="cuda", generator=gen) * 0.05).to(torch.bfloat16))
     out_buf = torch.empty(B, S, H * D, device="cuda", dtype=torch.bfloat16)
     out_v = out_buf.view(B, S, H, D).transpose(1, 2)
+    out_c = torch.empty(B, H, S, D, device="cuda", dtype=torch.bfloat16)  # the "pass scatter" rows' target
     sub = slice(0, 2)
     r = dict(shape=shp, points={})
     for s in densities:
@@ -104,7 +107,7 @@ def run_shape(name, shp, densities, rounds, target_ms, log, tunings):
             kp, vp, strides = fa4.kv_pages(k, v)
             table, used = paged_route.page_table(i, strides)
             qg = paged_route.gather_queries(q, p, C)
-            bare_in.append(dict(q=qg, k=kp, v=vp, table=table, used=used, o=torch.empty_like(qg)))
+            bare_in.append(dict(q=qg, k=kp, v=vp, table=table, used=used, o=torch.empty_like(qg), strides=strides))
 
         def bare(j, via="direct", **tun):
             x = bare_in[j]
@@ -133,6 +136,17 @@ def run_shape(name, shp, densities, rounds, target_ms, log, tunings):
             **{f"route {tname}": (lambda j, tun=tun: route(j, **tun)) for tname, tun in tunings.items()},
             **rows,
         }
+        if passes:  # the route's three Triton launches alone (ms and GB/s of their own reads + writes)
+            n_rows = B * H * G * C * D * 2  # bytes of one [B*H*G, C, 1, D] bf16 tensor
+            pass_bytes = {"pass table": idxs[0].numel() * 8 + B * H * G * 4, "pass gather": 2 * n_rows,
+                          "pass scatter": 2 * n_rows, "pass scatter + res": 2 * n_rows + B * H * S * D * 2}
+            fns.update({
+                "pass table": lambda j: paged_route.page_table(idxs[j], bare_in[j]["strides"]),
+                "pass gather": lambda j: paged_route.gather_queries(cont[j][0], perms[j], C),
+                "pass scatter": lambda j: paged_route.scatter_output(bare_in[j]["o"], None, perms[j], out_c),
+                "pass scatter + res": lambda j: paged_route.scatter_output(bare_in[j]["o"], None, perms[j], out_c,
+                                                                           res_plain),
+            })
         turn = {n: [0] for n in fns}
 
         def rot(n, f):
@@ -144,13 +158,16 @@ def run_shape(name, shp, densities, rounds, target_ms, log, tunings):
         pt["ms"] = race({n: rot(n, f) for n, f in fns.items()}, rounds, target_ms)
         dense = pt["ms"]["dense"]
         for n, ms in pt["ms"].items():
-            if n != "dense":
+            if n.startswith("pass "):
+                pt.setdefault("pass_gb_s", {})[n] = pass_bytes[n] / ms / 1e6
+            elif n != "dense":
                 pt["eff"][n] = dense * (kq / S) / ms
         r["points"][str(s)] = pt
         log(f"{name} s={s} [{time.time() - T0:.0f}s] dense {dense:.3f} ms | "
             + " | ".join(f"{n} {pt['ms'][n]:.3f} ms eff {pt['eff'][n]:.3f}" for n in pt["eff"])
             + f" | route/bare {pt['ms']['route'] / pt['ms']['bare']:.3f}"
-            + f" | max rel_l2 {max(e['rel_l2'] for e in pt['err'].values()):.2e}" + ("" if ok else "  <-- WRONG"))
+            + f" | max rel_l2 {max(e['rel_l2'] for e in pt['err'].values()):.2e}" + ("" if ok else "  <-- WRONG")
+            + "".join(f" | {n} {pt['ms'][n]:.3f} ms {g:.0f} GB/s" for n, g in pt.get("pass_gb_s", {}).items()))
         if not ok:
             log(f"{name} s={s} errors: {pt['err']}")
         del idxs, bare_in
@@ -200,6 +217,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--target-ms", type=float, default=20.0)
     ap.add_argument("--tunings", default="no overlap", help="comma-separated names of TUNINGS to time")
+    ap.add_argument("--no-passes", action="store_true", help="do not time the route's Triton launches alone")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
     out = Path(args.out)
@@ -217,7 +235,8 @@ def main():
                   method=f"tests/_timing.race, {args.rounds} rounds x ~{args.target_ms} ms",
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"))
     for name in args.shapes.split(","):
-        report["shapes"][name] = run_shape(name, bk.SHAPES[name], densities, args.rounds, args.target_ms, log, tunings)
+        report["shapes"][name] = run_shape(name, bk.SHAPES[name], densities, args.rounds, args.target_ms, log, tunings,
+                                           passes=not args.no_passes)
         (out / "bench_fa4_route.json").write_text(json.dumps(report, indent=1) + "\n")
         report_and_board(report, out, log)  # after each shape: a run cut by its time cap keeps a figure
     log(f"done in {time.time() - T0:.0f} s")
