@@ -14,14 +14,15 @@ MC-Sparse's reuse-step kernel (arXiv 2610.06801, sec. 3.1 and 4), warp-specialis
   with the MMAs, P in registers), ending in our epilogue: each output row goes straight from the registers to its
   original query position in the caller's ``out`` view (by strides), with the residual (``kernels.Residual``: plain
   bf16/fp16/fp32, fp8_row, int4_row, int4_group) dequantised and added in fp32 before rounding, and the LSE in query
-  order. Nothing is staged in shared memory, so the query tile is free for the next group as soon as the consumers
-  have run their last QK^T.
+  order; or, without a residual (``epilogue="smem"``, the op's default there), O rounded and staged in shared memory
+  (the query tile, or its own tile with the "persistent" option) and written 16 bytes per thread.
 
 Work is distributed by our own grid-stride scheduler (``GroupScheduler``) over the B*H*G groups of one launch
-(every batch element: both CFG branches). ``op.py`` launches one CTA per group (``num_ctas`` = the group count);
-fewer CTAs (the SM count) make the launch persistent, a CTA's producer then gathering the next group's queries and
-first K/V tile while its consumers finish the previous group: measured on the H200 no better at 1.3B 480p and up
-to 0.06 of dense worse at 14B 720p, s = 0.5 (docs/kernels.md).
+(every batch element: both CFG branches). ``op.py`` launches one CTA per group (``num_ctas`` = the group count,
+``rules.launch_plan``); fewer CTAs (the SM count) make the launch persistent, a CTA's producer then gathering the next
+group's queries and first K/V tile while its consumers finish the previous group (the staged epilogue needs the
+"persistent" option for it). Measured on the H200 with the staged epilogue (2026-12-01, side by side): -0.021 to
++0.028 of dense x s in one round, +0.007 to +0.021 at 7 of 8 points in the next; not the op's default (docs/kernels.md).
 
 Contract of one launch (``SparseFwdSm90.__call__``; ``op.py`` builds the views):
     q, k, v ``(B, S, H, D)`` fp16/bf16 views with unit stride on D and 16-byte aligned rows (the model's
@@ -163,8 +164,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     dtype). Raises AssertionError at trace time for a residual tensor that does not match ``res_kind``.
     ``producer``: "cp.async" (flash-attn-4's row copy) or the same copies with L2 hints, "cp.async+l2" (256-byte
     prefetch) or "cp.async+evict" (also evict-last). ``epilogue``: "registers" (4-byte stores from the registers) or
-    "smem" (staged through the query tile, 16-byte stores; out rows 16-byte aligned; taken only without a residual;
-    one CTA per group, the grid is not persistent then).
+    "smem" (staged through the query tile, or its own tile with the "persistent" option, 16-byte stores; out rows
+    16-byte aligned; taken only without a residual; without "persistent" one CTA per group). ``options``: a tuple of
+    ``OPTIONS``.
 
     The producer issues each key tile's K before the previous tile's V, the order the consumers need them in (with
     the intra-warpgroup overlap they run tile j's QK^T before tile j-1's P V; flash-attn-4's TMA producer does the
