@@ -9,8 +9,8 @@ point):
 - ``cutedsl op``: ``kernels.sparse_attention(..., backend="cutedsl")`` on the model's native [B, S, H*D] views
   writing an ``out=`` view (what the reuse path calls: counts launch + kernel), and with a plain bf16 residual;
 - the compiled kernel's launch alone (counts computed before) in the ``VARIANTS`` named by ``--variants``
-  (producer L2 hints, the staged epilogue, 3 K/V stages, the index-row prefetch, evict-first Q / O, a persistent
-  grid of one CTA per SM); efficiency = FA4 dense ms * s / sparse ms;
+  (producer L2 hints, the staged epilogue, 3 K/V stages, a persistent grid of one CTA per SM); efficiency = FA4
+  dense ms * s / sparse ms;
 - the op's counts launch alone (``counts launch``: ms only);
 - the compile time (a compile from fake tensors, never the disk cache) and the disk-cache load time (a fresh
   process).
@@ -74,12 +74,8 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
     "kernel evict": ("cp.async+evict", "registers", 2, ()),
     "kernel evict + smem epi": ("cp.async+evict", "smem", 2, ()),
     "kernel 3 stages": ("cp.async", "registers", 3, ()),
-    "evict smem + idx prefetch": ("cp.async+evict", "smem", 2, ("idx_prefetch",)),
-    "evict smem + qo evict-first": ("cp.async+evict", "smem", 2, ("qo_evict_first",)),
     "evict smem 3 stages": ("cp.async+evict", "smem", 3, ()),
     "evict smem persistent": ("cp.async+evict", "smem", 2, ("persistent",)),
-    "evict smem persistent + idx + qo": ("cp.async+evict", "smem", 2, ("persistent", "idx_prefetch",
-                                                                        "qo_evict_first")),
 }
 
 

@@ -204,7 +204,7 @@ def test_offline_sm90_compile(tmp_path):
 def test_offline_sm90_compile_every_residual(tmp_path):
     """The kernel compiles for sm_90a without a GPU for every residual form (bf16, D 128, LSE), for fp16 / D 64
     without the LSE, with the L2-hinted producers and the staged epilogue (bf16 D 128 LSE, fp16 D 64), and with
-    every option (index prefetch, evict-first Q / O, the persistent staged epilogue); about 5 s per compile."""
+    every option (the persistent staged epilogue); about 5 s per compile."""
     code = textwrap.dedent(f"""
         import os, sys
         os.environ['CUTE_DSL_ARCH'] = 'sm_90a'
@@ -475,7 +475,7 @@ def test_registered_with_its_rules_when_the_op_imports(fake_op, monkeypatch):
 
 @pytest.mark.parametrize(("options", "epilogue", "want"), [
     ((), "smem", ((), 3000)), (("persistent",), "smem", (("persistent",), 132)),
-    (("persistent", "idx_prefetch"), "registers", ((), 3000)), (("idx_prefetch",), "smem", (("idx_prefetch",), 3000)),
+    (("persistent",), "registers", ((), 3000)),
 ])
 def test_launch_plan(monkeypatch, options, epilogue, want):
     """The staged-epilogue kernel takes the configured options and a persistent grid of min(SMs, groups) CTAs only

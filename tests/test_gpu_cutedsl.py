@@ -141,14 +141,13 @@ def test_cutedsl_is_preferred_on_hopper():
     (torch.float16, 64, True, "cp.async+l2", "smem", (), None),
     (torch.bfloat16, 64, False, "cp.async+evict", "registers", (), None),
     (torch.float16, 128, True, "cp.async", "smem", (), None),
-    (torch.bfloat16, 128, True, "cp.async+evict", "smem", ("idx_prefetch", "qo_evict_first"), None),
     (torch.bfloat16, 128, False, "cp.async+evict", "smem", ("persistent",), 7),
-    (torch.bfloat16, 128, False, "cp.async+evict", "smem", ("persistent", "idx_prefetch", "qo_evict_first"), 5),
-    (torch.float16, 64, True, "cp.async+evict", "registers", ("persistent", "idx_prefetch"), 3),
+    (torch.float16, 64, True, "cp.async+evict", "smem", ("persistent",), 5),
+    (torch.float16, 64, True, "cp.async+evict", "registers", ("persistent",), 3),
 ], ids=lambda x: ("-".join(x) or "plain") if isinstance(x, tuple) else None)
 def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, ctas):
-    """The kernel's producer (L2-hinted copies), epilogue (staged in shared memory) and options (index-row prefetch,
-    evict-first Q / O, the staged epilogue in its own tile for a persistent grid), launched directly: B = 2, S not a
+    """The kernel's producer (L2-hinted copies), epilogue (staged in shared memory) and options (the staged epilogue
+    in its own tile for a persistent grid), launched directly: B = 2, S not a
     multiple of 128, ragged counts (one group with a single key), K_alloc not a multiple of 128, native views, a
     NaN-filled out written in full (every row of the view: the staged epilogue stores 16-byte pieces of rows), LSE in
     query order, against float64. ``ctas``: a persistent grid of that many CTAs (138 groups: each CTA runs 20-46 of

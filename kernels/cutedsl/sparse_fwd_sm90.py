@@ -66,13 +66,12 @@ TILE = 128  # query tile (= group size C) and key tile
 RES_KINDS = (None, "plain", "fp8_row", "int4_row", "int4_group")
 PRODUCERS = ("cp.async", "cp.async+l2", "cp.async+evict")
 EPILOGUES = ("registers", "smem")
-# compile-time options (``SparseFwdSm90(options=...)``): "idx_prefetch" (an L2 prefetch of the group's whole kv_idx
-# row when the group starts, so the one-tile-ahead index loads hit L2), "qo_evict_first" (the query gather and the
-# staged epilogue's output stores with an evict-first L2 policy, so the streamed Q / O lines leave L2 before the
-# head's K/V), "persistent" (the staged epilogue through its own shared-memory tile instead of the query tile: 32 KiB
-# more, 192 KiB at D = 128, so a CTA walking several groups (``num_ctas`` < groups) can gather the next group's
-# queries while its consumers store the previous output)
-OPTIONS = ("idx_prefetch", "qo_evict_first", "persistent")
+# compile-time options (``SparseFwdSm90(options=...)``): "persistent" (the staged epilogue through its own
+# shared-memory tile instead of the query tile: 32 KiB more, 192 KiB at D = 128, so a CTA walking several groups
+# (``num_ctas`` < groups) can gather the next group's queries while its consumers store the previous output).
+# Measured slower on the H200 at most points and removed (2026-12-01 13:05, docs/kernels.md): an L2 prefetch of the
+# group's whole kv_idx row at its start, evict-first L2 hints on the query gather and the output stores.
+OPTIONS = ("persistent",)
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -186,8 +185,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.producer = producer
         # the staged epilogue writes rounded O; with a residual the sum is rounded once, from the registers
         self.smem_epilogue = epilogue == "smem" and res_kind is None
-        self.idx_prefetch = "idx_prefetch" in options
-        self.qo_evict_first = "qo_evict_first" in options
         # the staged epilogue in its own tile: the grid may be persistent with it
         self.persistent = "persistent" in options
         self.own_sO = self.persistent and self.smem_epilogue
@@ -330,8 +327,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             q_index = _IndexRow(q_rows, q_rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, Int32(self.tile_m),
                                 tidx)
             q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
-            if const_expr(self.idx_prefetch):
-                self._prefetch_rows(mIdx, mPerm, group, seqlen.seqlen_k, tidx)
             n_block = n_block_max - 1
             index.fetch(n_block)
             index.advance()
@@ -340,10 +335,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
             pipeline_q.producer_acquire_w_index_phase(0, q_phase)
             q_index.advance()
-            if const_expr(self.qo_evict_first):
-                self._copy_rows_hinted(q_rows, sQ.iterator.toint(), "K", "evict_first")
-            else:
-                q_rows.load_KV(0, sQ, "K")
+            q_rows.load_KV(0, sQ, "K")
             cute.arch.cp_async_commit_group()
             pipeline_q.producer_commit_w_index(0)
             q_phase ^= 1
@@ -395,9 +387,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     def _copy_rows_hinted(self, rows: PagedKVManager, base: Int32, K_or_V: str, policy_kind):
         """This thread's 16-byte ``cp.async`` copies of a tile (the row-copy helper's thread layout: 8 threads per
         128-byte half row, 16 rows per pass; the row address from the thread that loaded its index, by shuffle)
-        with L2 hints: a 256-byte L2 prefetch (a row of D = 128) and the L2 policy ``policy_kind``: None,
-        "evict_last" (K/V of "cp.async+evict": the head's K/V rows are read by many groups) or "evict_first" (the
-        query rows of "qo_evict_first": read once). ``base``: the stage's shared address; the 128-byte swizzle
+        with L2 hints: a 256-byte L2 prefetch (a row of D = 128) and the L2 policy ``policy_kind``: None or
+        "evict_last" (K/V of "cp.async+evict": the head's K/V rows are read by many groups). ``base``: the stage's shared address; the 128-byte swizzle
         of the K/V tiles computed here (16-byte chunk j of row r at r*128 + (j ^ r%8)*16 within a 64-column
         block; blocks of TILE*128 bytes)."""
         t = rows.thread_idx
@@ -411,25 +402,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             for k in cutlass.range_constexpr(self.tile_hdim // 64):
                 _cp_async_16_hinted(dst0 + (m * 16 * 128 + k * TILE * 128), src + Int64(k * 128), policy,
                                     policy_kind is not None)
-
-    @cute.jit
-    def _prefetch_rows(self, mIdx: cute.Tensor, mPerm: cute.Tensor, group: Int32, count: Int32, tidx: Int32):
-        """L2 prefetch (evict-last) of the group's ``count`` valid ``kv_idx`` slots, one 128-byte line per thread
-        per pass, so the producer's one-tile-ahead index loads hit L2; with the "persistent" option also the first
-        key tile of the next group this CTA runs (grid stride) and its ``perm`` row, which its first loads wait for."""
-        row = fa_utils.elem_pointer(mIdx, (group, 0)).toint()
-        for i in cutlass.range((count + 4095) // 4096, unroll=1):
-            slot = i * 4096 + tidx * 32
-            if slot < count:
-                _prefetch_l2(row + Int64(slot * 4))
-        if const_expr(self.persistent):
-            nxt = group + Int32(cute.arch.grid_dim()[0])
-            if nxt < mIdx.shape[0]:
-                if tidx < 4:
-                    slot = cutlass.min(tidx * 32, mIdx.shape[1] - 1)
-                    _prefetch_l2(fa_utils.elem_pointer(mIdx, (nxt, slot)).toint())
-                elif tidx < 8:
-                    _prefetch_l2(fa_utils.elem_pointer(mPerm, (nxt, (tidx - 4) * 32)).toint())
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx, m_block,
@@ -479,21 +451,15 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         tOcO = thr_copy.partition_S(cute.local_tile(cO, (wg_rows, self.tile_hdimv), (wg, 0)))
         tOrO = cute.make_fragment_like(tOsO, self.dtype)
         cute.autovec_copy(tOsO, tOrO)
-        policy = _l2_policy("evict_first") if const_expr(self.qo_evict_first) else Int64(0)
         for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
             q_row = mPerm[group, tOcO[0, rest_m, 0][0]]
             if q_row >= 0:
                 for kk in cutlass.range_constexpr(cute.size(tOrO.shape[2])):
                     src = tOrO[None, rest_m, kk]
-                    addr = fa_utils.elem_pointer(mO, (b, q_row, h, tOcO[0, rest_m, kk][1])).toint()
-                    if const_expr(self.qo_evict_first):
-                        piece = cute.make_rmem_tensor((8,), self.dtype)
-                        cute.autovec_copy(src, piece)
-                        w = cute.recast_tensor(piece, Int32)
-                        _st_global_16_hinted(addr, w[0], w[1], w[2], w[3], policy)
-                    else:
-                        ptr = cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
-                        cute.autovec_copy(src, cute.make_tensor(ptr, src.layout))
+                    ptr = cute.make_ptr(self.dtype, fa_utils.elem_pointer(
+                        mO, (b, q_row, h, tOcO[0, rest_m, kk][1])).toint(), cute.AddressSpace.gmem,
+                        assumed_align=16)
+                    cute.autovec_copy(src, cute.make_tensor(ptr, src.layout))
 
     @cute.jit
     def _epilogue_registers(self, acc_O, lse, outs, tiled_mma, tidx, group, bh, b, h):
@@ -599,28 +565,10 @@ def _e4m3_pair(w: Int32):
 
 @dsl_user_op
 def _l2_policy(kind: str, *, loc=None, ip=None) -> Int64:
-    """An L2 cache policy (createpolicy) that marks lines ``kind``: "evict_last" or "evict_first"."""
-    assert kind in ("evict_last", "evict_first"), kind
+    """An L2 cache policy (createpolicy) that marks lines ``kind`` ("evict_last")."""
+    assert kind == "evict_last", kind
     return Int64(llvm.inline_asm(T.i64(), [], f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l",
                                  has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _prefetch_l2(addr: Int64, *, loc=None, ip=None):
-    """Prefetch the global line holding ``addr`` into L2 with the evict-last priority."""
-    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2::evict_last [$0];", "l",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def _st_global_16_hinted(addr: Int64, w0: Int32, w1: Int32, w2: Int32, w3: Int32, policy: Int64, *, loc=None,
-                         ip=None):
-    """A 16-byte global store of four words with the L2 cache ``policy``."""
-    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip)
-                                                                     for w in (w0, w1, w2, w3)]
-                    + [Int64(policy).ir_value(loc=loc, ip=ip)],
-                    "st.global.L2::cache_hint.v4.b32 [$0], {$1, $2, $3, $4}, $5;", "l,r,r,r,r,l",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op
