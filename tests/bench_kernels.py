@@ -325,6 +325,8 @@ def config_name(kw):
 
 _tsa = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_attention")
 TRITON_KERNEL = "triton kernel, default config"  # the Triton kernel called directly (never the Gluon one)
+OP_LABEL = "the op (Triton backend, auto)"  # --gluon: kernels.sparse_attention(backend="triton") (run_reuse_shape's
+# "triton contiguous")
 
 
 def compiled_now():
@@ -548,7 +550,7 @@ def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None, wit
         kq = int(s * S)
         idxs = [random_kv_idx(B, H, G, S, kq, gen) for _ in sets]
         ref = reference.sparse_attention(*(t[:, sub].float() for t in sets[0]), perms[0][:, sub], idxs[0][:, sub])
-        calls = {"triton contiguous": lambda st, p, i: kernels.sparse_attention(*st, p, i, backend="triton")}
+        calls = {OP_LABEL: lambda st, p, i: kernels.sparse_attention(*st, p, i, backend="triton")}
         # (the op first: its figure is the scoreboard's)
         if with_triton:
             calls[TRITON_KERNEL] = lambda st, p, i: _tsa.sparse_attention(*st, p, i)
@@ -651,9 +653,10 @@ def update_scoreboard(path, report, command, commit):
               else "the op: Triton kernel (default)")
     default_key = f"{default} (Triton kernel)"
     # the Triton figure: the best spill-free config measured at every point (the op's default among them)
-    cands = {op_key: effs("triton contiguous"), default_key: effs(TRITON_KERNEL)}
+    op_name = OP_LABEL if report.get("op_only") else "triton contiguous"
+    cands = {op_key: effs(op_name), default_key: effs(TRITON_KERNEL)}
     errs = {key: [e for r in report["shapes"].values() for k, e in r["errors"].items() if k.startswith(v + " ")]
-            for key, v in ((op_key, "triton contiguous"), (default_key, TRITON_KERNEL))}
+            for key, v in ((op_key, op_name), (default_key, TRITON_KERNEL))}
     bad = [c for c in (op_key, default_key) if any(e["rel_l2"] > 2e-2 for e in errs[c])]
     for c in bad:  # wrong results are no figure
         cands.pop(c)

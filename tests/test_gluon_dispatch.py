@@ -162,8 +162,8 @@ class _Fake:
 
     def sparse_attention(self, *a, **kw):
         self.calls += 1
-        sched = {n: kw.pop(n) for n in ("pingpong", "persistent", "overlap", "pipeline", "num_stages", "stage_out")
-                 if n in kw}
+        sched = {n: kw.pop(n) for n in ("pingpong", "persistent", "overlap", "pipeline", "num_stages", "stage_out",
+                                        "thread_arrive") if n in kw}
         self.options.append(sched)
         return _dispatch()._triton_kernel.sparse_attention(*a, **kw)
 
@@ -193,16 +193,15 @@ def auto_gluon(monkeypatch):
     d.reset()
 
 
-@pytest.mark.parametrize(("times", "want"), [((1.0, 1.5, 1.2), "pingpong persistent"),
-                                             ((3.0, 1.0, 1.5), "pingpong persistent 3 stages"),
-                                             ((3.0, 2.5, 1.0), "pingpong persistent stage_out")])
+@pytest.mark.parametrize(("times", "want"), [((1.0, 1.5), "pingpong persistent 3 stages thread_arrive"),
+                                             ((3.0, 1.0), "pingpong persistent stage_out")])
 def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, times, want):
     """The first call of a shape times each AUTO_SCHEDULES entry (each with its own launch options; the Triton kernel
     is not a candidate), keeps the fastest for that shape, returns the chosen kernel's result; later calls of the
     shape run the choice (its schedule's options) without timing; another K_alloc is timed anew."""
     fake, timer = auto_gluon
     d = _dispatch()
-    assert d.AUTO_SCHEDULES == ("pingpong persistent", "pingpong persistent 3 stages", "pingpong persistent stage_out")
+    assert d.AUTO_SCHEDULES == ("pingpong persistent 3 stages thread_arrive", "pingpong persistent stage_out")
     assert list(d.GLUON_SCHEDULES)[0] == "plain"  # what "on" runs
     q, k, v, perm, idx = _inputs(gen)
     ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
@@ -210,20 +209,20 @@ def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, t
     out = torch.full_like(q, float("nan"))
     got = d.sparse_attention(q, k, v, perm, idx, out=out)
     assert got is out and float((out.double() - ref).norm() / ref.norm()) < 4e-3
-    assert timer.timed == 3 and list(d.choices.values()) == [want]
-    schedules = [dict(pingpong=True, persistent=True), dict(pingpong=True, persistent=True, num_stages=3),
+    assert timer.timed == 2 and list(d.choices.values()) == [want]
+    schedules = [dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True),
                  dict(pingpong=True, persistent=True, stage_out=True)]
-    assert fake.options[:3] == schedules  # each compiled and launched once
-    assert fake.options[3:6] == schedules  # each timed with its own options
+    assert fake.options[:2] == schedules  # each compiled and launched once
+    assert fake.options[2:4] == schedules  # each timed with its own options
     calls = fake.calls
     for _ in range(2):
         d.sparse_attention(q, k, v, perm, idx)
-    assert timer.timed == 3 and fake.calls == calls + 2
+    assert timer.timed == 2 and fake.calls == calls + 2
     assert fake.options[-1] == d.GLUON_SCHEDULES[want]
-    timer.times = [1.0, 2.0, 2.0]
+    timer.times = [1.0, 2.0]
     wider = torch.cat([idx, torch.full_like(idx[..., :64], -1)], -1)  # K_alloc 128: a new shape key
     d.sparse_attention(q, k, v, perm, wider)
-    assert timer.timed == 6 and len(d.choices) == 2
+    assert timer.timed == 4 and len(d.choices) == 2
 
 
 def test_auto_mode_leaves_out_a_failing_schedule(gen, auto_gluon, monkeypatch):
@@ -234,16 +233,16 @@ def test_auto_mode_leaves_out_a_failing_schedule(gen, auto_gluon, monkeypatch):
     works = fake.sparse_attention
 
     def flaky(*a, **kw):
-        if kw.get("num_stages") == 3:
+        if kw.get("stage_out"):
             raise RuntimeError("out of resource: shared memory")
         return works(*a, **kw)
 
     monkeypatch.setattr(d, "_gluon_module", lambda: SimpleNamespace(refusal=lambda q, k, v, residual=None: None,
                                                                    sparse_attention=flaky))
     q, k, v, perm, idx = _inputs(gen)
-    timer.times = [2.0, 1.0]
+    timer.times = [2.0]
     d.sparse_attention(q, k, v, perm, idx)
-    assert timer.timed == 2 and list(d.choices.values()) == ["pingpong persistent stage_out"]
+    assert timer.timed == 1 and list(d.choices.values()) == ["pingpong persistent 3 stages thread_arrive"]
     assert d.fallback_reason() is None
 
 

@@ -111,7 +111,9 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
            "pingpong-persistent-3-stages-thread-arrive": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3,
                                                                thread_arrive=True), "int4_group"),
            "pingpong-persistent-thread-arrive": (dict(pingpong=True, persistent=True, num_sms=7, thread_arrive=True),
-                                                 "plain")}
+                                                 "plain"),
+           "pingpong-persistent-3-stages-thread-arrive-fp8": (dict(pingpong=True, persistent=True, num_sms=7,
+                                                                   num_stages=3, thread_arrive=True), "fp8_row")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(TUNINGS.values()), ids=list(TUNINGS))

@@ -50,11 +50,16 @@ GLUON_SCHEDULES = {
     "pingpong persistent": dict(pingpong=True, persistent=True),
     "pingpong persistent 3 stages": dict(pingpong=True, persistent=True, num_stages=3),  # one Q slot, 224 KiB
     "pingpong persistent stage_out": dict(pingpong=True, persistent=True, stage_out=True),  # 16-byte output stores
+    # + the consumers' per-thread arrives (no warpgroup bar.sync per stage release / turn)
+    "pingpong persistent 3 stages thread_arrive": dict(pingpong=True, persistent=True, num_stages=3,
+                                                       thread_arrive=True),
 }
-# What the auto mode times per shape. H200, 2026-12-01 round 1 (vs flash-attn-4 dense x s, L2-cleared calls): the
-# persistent pingpong schedule beat plain and pingpong at every point (1.3B 480p by 4.5-6 %); with a 3-deep ring
-# +1.5-2 % at 1.3B s = 0.1 and 14B s = 0.1 / 0.15; the staged epilogue +2.5 % at 1.3B s = 0.1, -2 to -4 % at 14B.
-AUTO_SCHEDULES = ("pingpong persistent", "pingpong persistent 3 stages", "pingpong persistent stage_out")
+# What the auto mode times per shape. H200, 2026-12-01 13:42 (tests/_timing.race, vs flash-attn-4 dense with LSE x s,
+# 1.3B 480p / 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5): pingpong persistent with the 3-deep ring and per-thread
+# arrives 0.698 / 0.742 / 0.773 / 0.790 and 0.784 / 0.822 / 0.837 / 0.838, the best at every point (+5-12 % over the
+# op as it was: the 2-stage ring, the 3-deep ring alone or the staged epilogue, 0.654 / 0.713 / 0.718 / 0.745 and
+# 0.748 / 0.730 / 0.765 / 0.781); the staged epilogue (2-stage ring, two Q slots) stays as the other candidate.
+AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive", "pingpong persistent stage_out")
 choices: dict[tuple, str] = {}  # shape key -> an AUTO_SCHEDULES name (auto mode); times in _times
 _times: dict[tuple, dict[str, float]] = {}
 _failures = registry.FailureMemo(GLUON_KEY)
