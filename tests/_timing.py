@@ -4,8 +4,8 @@ Sustained interleaved timing: each sample is back-to-back calls of one function 
 the functions in a new random order each round, several rounds, the median per function. A model run never leaves
 the GPU idle between attention calls (they sit between GEMMs at full power), so idle gaps before a timed call (a
 sleep, an L2 clear) let the clocks boost and flatter short calls: on the H200 of 2026-12-01 flash-attn-4 dense at
-Wan2.1-1.3B 480p took 9.8-10.2 ms this way and 8.7-8.9 ms with 1 ms GPU sleeps before each call, in the same machine session.
-Ratios taken with different methods are not comparable; a benchmark may print a gapped figure beside this one.
+Wan2.1-1.3B 480p took 9.8-10.2 ms this way and 8.7-8.9 ms with 1 ms GPU sleeps before each call, in the same machine
+session. Ratios taken with different methods are not comparable; a benchmark may print a gapped figure beside this one.
 """
 from __future__ import annotations
 
