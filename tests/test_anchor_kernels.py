@@ -614,13 +614,13 @@ def test_select_kv_with_the_pass2_histogram_is_unchanged(gen, fp8):
     assert torch.equal(with_hist, ref_top_k_rows(sums16, K, with_hist.shape[-1]))
 
 
-@pytest.mark.parametrize("fp8,cap", [(False, None), (True, 16)])
-def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap):
+@pytest.mark.parametrize("fp8,cap,one_group", [(False, None, False), (True, 16, False), (True, None, True)])
+def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group):
     """group_prob_sums(select=topk.FusedRows): the pair kernel's epilogue writes each group's top-K of the float16 sums
     it stored (B = 2, 9 groups: the last pair has one group; 16-byte rows, one whole 1024-key tile and a partial one),
     and ``finish`` the rows whose bracket missed (cap 16: every row overflows its candidate slots and goes to the radix
-    launch; default cap: none does): the brute-force top-K of the same sums, every slot written (poisoned first);
-    select_kv(topk_fused=True) == select_kv(topk_fused=False)."""
+    launch; default cap: none does), also with one group per program (one_group): the brute-force top-K of the same
+    sums, every slot written (poisoned first); select_kv(topk_fused=True) == select_kv(topk_fused=False)."""
     from comfyui_mc_sparse_pack.kernels.triton import selection, topk
 
     B, H, S, C, K, width = 2, 1, 1096, 128, 300, 320
@@ -633,7 +633,8 @@ def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap):
     plan = topk.bracket_plan(S, K, 2, cap=cap)
     fused = topk.FusedRows(torch.full((B, H, G, width), POISON, dtype=torch.int32), K, width, plan,
                            torch.empty(B * H * G, plan[4], dtype=torch.int16), torch.empty(B * H * G, dtype=torch.int8))
-    selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums, fp8=fp8, pair=True, select=fused)
+    selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums, fp8=fp8, pair=True, select=fused,
+                              one_group=one_group)
     assert fused.done
     assert fused.flags.tolist() == [int(cap is not None)] * (B * H * G)
     fused.finish(sums)
@@ -642,3 +643,28 @@ def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap):
         kw = dict(group_size=C, kv_tile=64, fp8=fp8, pair=True)
         assert torch.equal(selection.select_kv(q, k, lse, perm, K, topk_fused=True, **kw),
                            selection.select_kv(q, k, lse, perm, K, topk_fused=False, **kw))
+
+
+@pytest.mark.parametrize("cap,want", [((9, 0), True), ((8, 9), False), (None, False)])
+def test_select_kv_fuses_the_top_k_by_default_on_sm90(gen, monkeypatch, cap, want):
+    """select_kv's default: the top-K fused into the pair pass-2 kernel on sm_90+ (measured there), the separate
+    top-K under the interpreter and below sm_90; topk_fused=False always separate; the selection is the same."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    calls, real = [], selection.group_prob_sums
+
+    def spy(*args, **kw):
+        calls.append(kw.get("select") is not None)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(selection, "group_prob_sums", spy)
+    monkeypatch.setattr(selection, "_capability", lambda device: cap)
+    B, H, S, C, K = 1, 1, 300, 128, 70
+    q, k = (torch.randn(B, H, S, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    perm = _groups(gen, B, H, S, C)
+    kw = dict(group_size=C, kv_tile=64, fp8=False)
+    got = selection.select_kv(q, k, lse.float(), perm, K, **kw)
+    off = selection.select_kv(q, k, lse.float(), perm, K, topk_fused=False, **kw)
+    assert calls == [want, False]
+    assert torch.equal(got, off)

@@ -687,14 +687,21 @@ _FP8_DEFAULT = True
 # select_kv: pass 2 counts the radix top-K's first-digit histogram (topk_hist). Off: H200 final round, the top-K alone
 # 17.6 -> 11.7 ms at 14B but pass 2 0.494 -> 0.601 of dense (shared-memory atomics + barriers in the loop).
 _TOPK_HIST_DEFAULT = False
-# select_kv: the top-K run by the pair pass-2 kernel after its key sweep (topk_fused). Off until measured on the H200.
-_TOPK_FUSED_DEFAULT = False
+# select_kv: the top-K run by the pair pass-2 kernel after its key sweep (topk_fused), the default on sm_90+ (the
+# measured GPU; the interpreter and older GPUs run the separate top-K). H200 round 2 of 2026-12-01 (fd5c72f,
+# tests/bench_select_race.py, tests/_timing.race vs flash-attn-4 dense, s = 0.1 / 0.15 / 0.25 / 0.5): fused 0.600 /
+# 0.594 / 0.588 / 0.591 against 0.605 / 0.610 / 0.604 / 0.612 separate at 1.3B 480p, 0.509 / 0.504 / 0.506 / 0.508
+# against 0.571 / 0.512 / 0.515 / 0.520 at 14B 720p: better at every point; selection identical (GPU-checked)
+_TOPK_FUSED_DEFAULT = True
+_TOPK_FUSED_MIN_CAPABILITY = (9, 0)
 # group_prob_sums / select_kv: the float8 pair kernel with one query group per program (one_group; 119 registers, 4
 # programs per SM instead of 3). Off until measured on the H200 (tests/bench_pass2_exp.py "kb pow2 1grp").
 _ONE_GROUP_DEFAULT = False
 # the float8 pair kernel with the fused top-K: ptxas gives it 170 registers uncapped (2 programs of 4 warps per SM)
 # against the plain kernel's 166 (3 programs); capped at 168 it keeps 3, no spill, its key loop 554 instead of 532
-# SASS instructions per tile pair (tests/ptxas_select.py), under a loop bound 2:1 by MUFU over issue
+# SASS instructions per tile pair (tests/ptxas_select.py), under a loop bound 2:1 by MUFU over issue. With one_group
+# the cap is 128 (4 programs per SM as without the top-K: ptxas 119 without, 122 uncapped / 119 capped with it, 0
+# spills; capped at 168 it would take 139 and lose a program)
 _TOPK_FUSED_MAXNREG = 168
 
 
@@ -822,7 +829,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32,
             WITH_HIST=hist is not None, KB_POW2=pow2, ONE_GROUP=bool(one_group), **sel_meta, num_warps=warps_,
             num_stages=num_stages or stages,
-            **({"maxnreg": _TOPK_FUSED_MAXNREG} if select is not None and fp8 and cap is not None else {}),
+            **({"maxnreg": 128 if one_group else _TOPK_FUSED_MAXNREG} if select is not None and fp8 and cap is not None
+               else {}),
         )
         if select is not None:
             select.done = True
@@ -860,7 +868,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     method (None: its default by row length, or "radix" with ``topk_hist``); ``topk_hist``: pass 2 counts each
     group's first radix digit while it writes the sums, and the radix top-K skips that pass (None:
     ``_TOPK_HIST_DEFAULT``); ``topk_fused``: the pair kernel runs the bracket top-K on its own groups' sums after
-    its key sweep (``topk.FusedRows``; same selection; None: ``_TOPK_FUSED_DEFAULT``; ignored with ``topk_method``,
+    its key sweep (``topk.FusedRows``; same selection; None: ``_TOPK_FUSED_DEFAULT`` on sm_90+; ignored with ``topk_method``,
     ``topk_hist`` or when another pass-2 kernel runs).
 
     Returns:
@@ -877,7 +885,10 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     use_hist = _TOPK_HIST_DEFAULT if topk_hist is None else bool(topk_hist)
     hist_buf = torch.empty(B * hc * G * HIST_BINS.value, dtype=torch.int32, device=q.device) if use_hist else None
     fused = None
-    if (_TOPK_FUSED_DEFAULT if topk_fused is None else topk_fused) and not use_hist and topk_method is None:
+    if topk_fused is None:
+        cap = _capability(q.device)
+        topk_fused = _TOPK_FUSED_DEFAULT and cap is not None and tuple(cap) >= _TOPK_FUSED_MIN_CAPABILITY
+    if topk_fused and not use_hist and topk_method is None:
         try:
             fused = FusedRows.allocate(B * hc * G, SK, num_keys, k_alloc, q.device)
         except torch.cuda.OutOfMemoryError:
