@@ -175,4 +175,18 @@ def test_op_auto_mode_times_every_schedule_and_matches_float64(monkeypatch):
     (key, choice), = d.choices.items()
     print("auto mode:", choice, d._times[key], f"rel_l2 {err:.2e}")
     assert set(d._times[key]) == set(d.AUTO_SCHEDULES)
+    for name in d.AUTO_SCHEDULES:  # every candidate, not only the one chosen here (same compiled kernels as the op's)
+        got = _g90().sparse_attention(q, k, v, perm, idx, residual=res, **d.GLUON_SCHEDULES[name])
+        err = float((got.double() - ref).norm() / ref.norm())
+        print(f"auto candidate {name}: rel_l2 {err:.2e}")
+        assert err < 6e-3, (name, err)
     d.reset()
+
+
+def test_auto_first_schedule_bf16_plain_residual_cfg_batch():
+    """The auto mode's first schedule (AUTO_SCHEDULES[0]) as the 1.3B whole run calls it: bf16, B = 2 (both CFG
+    branches in one launch), a plain bf16 residual, native views, out written by strides; 7 persistent programs walk
+    72 items (ring phases and the one Q slot carried across items), ragged counts."""
+    d = _dispatch()
+    _check(2, 3, 1500 + 3, 128, 128, 400, 512, "plain", torch.bfloat16, seed=23, ragged_counts=True, num_sms=7,
+           **d.GLUON_SCHEDULES[d.AUTO_SCHEDULES[0]])
