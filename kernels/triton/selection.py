@@ -11,8 +11,9 @@ Keys are read un-permuted, so the K loads are plain contiguous tiles. Padded que
 add exactly 0; key positions past Sk are masked on load and never stored.
 
 ``select_kv`` runs this kernel on chunks of heads (bounded scratch: ``_SCRATCH_BYTES``, sums stored in float16)
-and keeps each group's top-K with ``topk.top_k_rows`` (sample bracket + bisection, radix fallback; exact), which
-writes the sorted, -1-padded selection rows directly (ties: the lower token index wins; no global sort, no host
+and keeps each group's top-K with the bracket method of ``topk`` (sample bracket + bisection, radix fallback;
+exact): on sm_90+ run by the pair kernel itself after its key sweep (``topk_fused``, ``topk.FusedRows``), elsewhere
+by ``topk.top_k_rows``; either writes the sorted, -1-padded selection rows directly (ties: the lower token index wins; no global sort, no host
 sync). ``pair=True`` runs two query groups per program (each K tile loaded once for both); ``exp="f16x2"`` takes
 the exponentials from ``fastexp`` (packed half precision); ``fp8=True`` (the default on sm_90+, ``fp8_default``)
 takes QK^T in float8_e4m3 on smoothed copies of q and k (``fp8_operands``): approximate sums, measured to keep
