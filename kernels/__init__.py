@@ -14,6 +14,7 @@ so ``[B, H, S, D]`` views of ComfyUI's ``[B, S, H*D]`` tensors go in and out wit
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -76,13 +77,33 @@ def _check_qkv(q, k, v=None):
 
 def _check_perm(perm, q, group_size):
     B, H, S, _ = q.shape
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
     width = -(-S // group_size) * group_size
+    if not isinstance(perm, torch.Tensor):
+        raise TypeError(f"perm must be an int32 tensor [B, H, ceil(S/C)*C], got {type(perm).__name__}")
+    if perm.device != q.device:
+        raise ValueError(f"perm must be on q's device {q.device}, got {perm.device}")
     if perm.dtype != torch.int32 or tuple(perm.shape) != (B, H, width):
         raise ValueError(f"perm must be int32 [B, H, ceil(S/C)*C] = {(B, H, width)}, got {perm.dtype} {tuple(perm.shape)}")
 
 
+def _check_lse(lse, q):
+    B, H, S, _ = q.shape
+    if not isinstance(lse, torch.Tensor) or not lse.dtype.is_floating_point:
+        raise TypeError(f"lse must be a float32 tensor [B, H, S] from dense_attention(..., return_lse=True), got "
+                        f"{_desc(lse)}")
+    if tuple(lse.shape) != (B, H, S) or lse.device != q.device:
+        raise ValueError(f"lse must be [B, H, S] = {(B, H, S)} on q's device {q.device}, got {tuple(lse.shape)} on "
+                         f"{lse.device}")
+
+
 def _scale(q, scale):
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if scale is None:
+        return 1.0 / math.sqrt(q.shape[-1])
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be a finite number (None = 1/sqrt(D)), got {scale!r}")
+    return float(scale)
 
 
 def dense_attention(q, k, v, *, scale=None, return_lse=False, backend="auto"):
@@ -100,19 +121,23 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, backend="auto"):
     """Pass 2: exact probabilities summed over each query group -> fp32 ``[B, H, G, Sk]``.
 
     See ``kernels.reference.attention.group_prob_sums`` for the definition.
+    Raises: TypeError / ValueError on malformed q, k, perm, lse (``[B, H, S]`` on q's device) or group_size < 1.
     """
     _check_qkv(q, k)
     _check_perm(perm, q, group_size)
+    _check_lse(lse, q)
     return registry.call("group_prob_sums", q, k, lse, perm, group_size=group_size, scale=_scale(q, scale), backend=backend)
 
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, backend="auto"):
     """Pass 2 + top-K: int32 ``[B, H, G, ceil(K/kv_tile)*kv_tile]`` sorted indices, -1 padding.
 
-    Raises: ValueError when num_keys is outside [1, Sk] or kv_tile < 1.
+    Raises: TypeError / ValueError on malformed q, k, perm or lse (lse must be ``[B, H, S]`` on q's device), when
+    num_keys is outside [1, Sk], group_size < 1 or kv_tile < 1.
     """
     _check_qkv(q, k)
     _check_perm(perm, q, group_size)
+    _check_lse(lse, q)
     if not 1 <= num_keys <= k.shape[2]:
         raise ValueError(f"num_keys must be in [1, {k.shape[2]}] (the KV length), got {num_keys}")
     if kv_tile < 1:
@@ -149,8 +174,10 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
     """
     _check_qkv(q, k, v)
     if (not isinstance(kv_idx, torch.Tensor) or kv_idx.dtype != torch.int32 or kv_idx.dim() != 4
-            or kv_idx.shape[:2] != q.shape[:2]):
+            or kv_idx.shape[:2] != q.shape[:2] or kv_idx.shape[2] < 1 or kv_idx.shape[3] < 1):
         raise ValueError(f"kv_idx must be int32 [B, H, G, K] with q's B, H, got {_desc(kv_idx)}")
+    if not isinstance(perm, torch.Tensor):
+        raise TypeError(f"perm must be an int32 tensor [B, H, G*C], got {type(perm).__name__}")
     if kv_idx.device != q.device or perm.device != q.device:
         raise ValueError(f"perm and kv_idx must be on q's device {q.device}, got {perm.device}, {kv_idx.device}")
     G = kv_idx.shape[2]
