@@ -3,8 +3,8 @@
 ``MCSparseRunner.attention`` is the single entry the ComfyUI adapter and the demo call for each
 self-attention call: it picks dense / anchor / reuse from the schedule (``schedule.step_kind``), keeps
 the cache, and counts what ran and why, for the end-of-run summary. Nothing is lost on a bad call:
-non-finite inputs, a missing cache entry, or an out-of-memory error fall back to dense attention and the
-summary says so.
+non-finite inputs, a missing cache entry, an out-of-memory error or an unexpected error in the sparse path (a bug:
+logged with its traceback) fall back to dense attention and the summary says so.
 
 One call serves a whole batch: ``keys`` names one cache entry per conditioning chunk of the batch (ComfyUI's CFG
 batch holds uncond and cond), and at a reuse step the entries of all chunks are decoded into one stacked batch and
@@ -24,6 +24,7 @@ the run dense.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -261,10 +262,13 @@ class MCSparseRunner:
             return result, ran
         except NonFiniteInputError as err:
             return _into(out, self._dense(dense, q, k, v, f"non-finite input ({err})")), StepKind.DENSE
-        except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as err:
-            if not kernels.registry.is_out_of_memory(err):
+        except (Exception, MemoryError) as err:  # MemoryError is an Exception; named for the reader
+            if kernels.registry.is_out_of_memory(err):
+                self._out_of_memory(err, step, layer, q)
+            elif raise_internal_errors() or type(err).__name__ == "InterruptProcessingException":
                 raise
-            self._out_of_memory(err, step, layer, q)
+            else:  # a bug in the sparse path must not lose the user's run
+                self._internal_error(err, step, layer)
             return _into(out, self._dense(dense, q, k, v, self.disabled_reason)), StepKind.DENSE
 
     def _chunk_kind(self, kind: StepKind, key: CacheKey, shape: tuple, step: int) -> StepKind | str:
@@ -371,6 +375,20 @@ class MCSparseRunner:
         )
         log.warning("MC-Sparse: %s", self.stats.notes[-1])
 
+    def _internal_error(self, err: BaseException, step: int, layer: int) -> None:
+        """An unexpected error in the sparse path (a bug, not the user's input): log it with its traceback, free the
+        cache and turn the rest of the run dense; the summary says so."""
+        log.error("MC-Sparse: internal error at step %d (1-based), block %d; the rest of this run is dense",
+                  step + 1, layer, exc_info=err)
+        self.loader.clear()
+        self.cache.clear()
+        self._entry_step.clear()
+        self.order.clear()
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+        self.disabled_reason = "internal error; dense for the rest of the run"
+        self._note(f"internal error at step {step + 1} (1-based), block {layer} ({type(err).__name__}: {first}); the "
+                   f"cache was freed and the rest of this run is dense (please report it with the console log)")
+
     def close(self) -> None:
         """Free the cache (the run is over): GPU tensors, pinned CPU buffers, prefetches."""
         self.loader.clear()
@@ -475,6 +493,16 @@ def keep_budget(plan: memory.CachePlan) -> int:
     if est.total_bytes + est.working_bytes + kept > (plan.gpu_budget - plan.headroom) // 2:
         return 0
     return kept
+
+
+RAISE_ERRORS_ENV = "MC_SPARSE_RAISE_ERRORS"
+"""Environment variable: "1" makes an unexpected error in the sparse path propagate instead of turning the run dense
+(tests/conftest.py sets it, so a bug fails its test instead of hiding behind the dense fallback)."""
+
+
+def raise_internal_errors() -> bool:
+    """True when ``RAISE_ERRORS_ENV`` is "1"."""
+    return os.environ.get(RAISE_ERRORS_ENV) == "1"
 
 
 def _group(key: CacheKey | None, keys: Sequence[CacheKey] | None, q: torch.Tensor) -> tuple[CacheKey, ...]:

@@ -56,3 +56,57 @@ def test_sparse_attention_rejects_missing_perm_empty_selection_and_bad_scale(gen
     out = kernels.sparse_attention(q, k, v, perm, kv_idx, scale=0.5, backend="torch")  # a finite scale still runs
     assert torch.isfinite(out).all()
 
+
+def _runner():
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import MCSparseRunner
+
+    return MCSparseRunner(MCSparseConfig(density=0.5, group_size=64, warmup_steps=1, anchor_steps=(0,)), backend="torch")
+
+
+@pytest.mark.parametrize("where, error", [("kernel", ValueError("simulated bug: bad stride")),
+                                          ("loader", KeyError("simulated bug: lost entry"))])
+def test_a_bug_in_the_reuse_path_turns_the_run_dense_and_is_reported(gen, monkeypatch, where, error):
+    """The node never loses a run: an unexpected error in the sparse path (here the reuse kernel raising what the
+    registry does not fall back on) gives the exact dense output for that call and every later one, frees the cache
+    and puts the error in the summary. With MC_SPARSE_RAISE_ERRORS=1 (the test suite's setting) it propagates."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.schedule import StepKind
+    from comfyui_mc_sparse_pack.kernels import reference
+
+    q, k, v = (torch.randn(2, 2, 128, 64, generator=gen) for _ in range(3))
+    keys = [CacheKey(1, branch="uncond"), CacheKey(1, branch="cond")]
+
+    def broken(*args, **kwargs):
+        raise error
+
+    if where == "kernel":
+        registry.register(registry.Backend(name="bug_test", priority=99, ops={"sparse_attention": broken}))
+    else:
+        from comfyui_mc_sparse_pack.comfyui_mc_sparse.prefetch import ReuseLoader
+
+        monkeypatch.setattr(ReuseLoader, "load", broken)
+    try:
+        monkeypatch.setenv("MC_SPARSE_RAISE_ERRORS", "1")
+        strict = _runner()
+        strict.call(q, k, v, step=0, layer=1, keys=keys)  # anchor (its sparse pass runs on the named torch backend)
+        strict.backend = "auto"
+        with pytest.raises(type(error), match="simulated bug"):
+            strict.call(q, k, v, step=1, layer=1, keys=keys)
+
+        monkeypatch.setenv("MC_SPARSE_RAISE_ERRORS", "0")
+        runner = _runner()
+        runner.call(q, k, v, step=0, layer=1, keys=keys)
+        assert len(runner.cache) == 2
+        runner.backend = "auto"
+        out = torch.full_like(q, float("nan"))
+        result, kind = runner.call(q, k, v, step=1, layer=1, keys=keys, out=out)
+        assert kind is StepKind.DENSE and result is out
+        torch.testing.assert_close(out, reference.dense_attention(q, k, v))
+        assert len(runner.cache) == 0 and runner.disabled_reason.startswith("internal error")
+        text = runner.summary()
+        assert "internal error at step 2 (1-based), block 1" in text and "simulated bug" in text
+        _, kind = runner.call(q, k, v, step=2, layer=1, keys=keys)
+        assert kind is StepKind.DENSE and runner.stats.dense_reasons[runner.disabled_reason] == 2
+    finally:
+        registry._backends.pop("bug_test", None)
