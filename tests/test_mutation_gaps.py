@@ -1,0 +1,33 @@
+"""Properties of the reuse path that no other test pinned: each test here was written after breaking that property
+in a scratch copy (the mutation named in its docstring) left the whole CPU suite green."""
+
+from __future__ import annotations
+
+import torch
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.attention import anchor_attention
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey, MetadataCache, encode_entry
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.prefetch import ReuseLoader
+
+
+def _stored_entry(gen):
+    q, k, v = (torch.randn(1, 2, 128, 64, generator=gen) for _ in range(3))
+    _, entry = anchor_attention(q, k, v, MCSparseConfig(density=0.5, group_size=64), backend="torch")
+    return encode_entry(entry)
+
+
+def test_a_prefetch_for_another_device_is_never_served(gen):
+    """Mutation: ``ReuseLoader.load`` serving the pending group without comparing its device. A group prefetched for
+    one device and asked for on another (e.g. the model moved between evaluations) is decoded again on the asked
+    device (a miss; the stale prefetch counts as dropped), never handed over on the wrong device."""
+    cache = MetadataCache("gpu")
+    key = CacheKey(1)
+    cache.put(key, _stored_entry(gen))
+    loader = ReuseLoader(cache)
+    loader.prefetch((key,), torch.device("cpu"), torch.float32)
+    batch = loader.load((key,), torch.device("meta"), torch.float32)  # meta: a second device on a CPU-only machine
+    assert all(t.device.type == "meta" for t in batch.tensors())
+    assert (loader.hits, loader.misses, loader.dropped) == (0, 1, 1)
+    loader.prefetch((key,), torch.device("cpu"), torch.float32)
+    batch = loader.load((key,), torch.device("cpu"), torch.float32)  # same device: the prefetch is served
+    assert all(t.device.type == "cpu" for t in batch.tensors()) and loader.hits == 1
