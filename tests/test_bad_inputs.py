@@ -110,3 +110,57 @@ def test_a_bug_in_the_reuse_path_turns_the_run_dense_and_is_reported(gen, monkey
         assert kind is StepKind.DENSE and runner.stats.dense_reasons[runner.disabled_reason] == 2
     finally:
         registry._backends.pop("bug_test", None)
+
+
+_SIGMAS = torch.tensor([1.0, 0.8, 0.6, 0.0])  # anchor at step 0, reuse at steps 1 and 2
+
+
+def _adapter_run():
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, settings
+
+    s = settings.build_settings(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1",
+                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+    return lifecycle.RunState(s, _SIGMAS)
+
+
+def _case(name, gen):
+    """(q, k, v, heads, mask, site, options edits, the summary's dense reason) of one call the adapter must run dense."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import TEXT_LEN_KEY, CallSite
+
+    x = torch.randn(3 if name == "batch" else 2, 160, 128, generator=gen)  # [B, S, H*D], 2 heads x 64
+    wan, joint = CallSite(0, "wan"), CallSite(0, "hunyuan_video", joint="video_first")
+    neg = torch.finfo(torch.float32).min
+    half = torch.zeros(1, 1, 160)
+    half[..., 150:] = 0.5
+    latent_masked = torch.zeros(1, 1, 160)
+    latent_masked[..., 3] = neg
+    return {
+        "batch": (x, x, x, 2, None, wan, {}, "batch 3 does not split into 2 conditioning chunks"),
+        "shapes": (x, x[:, :100], x[:, :100], 2, None, wan, {}, "q/k/v shapes differ"),
+        "no text length": (x, x, x, 2, None, joint, {}, "joint sequence without a known text length"),
+        "text too long": (x, x, x, 2, None, joint, {TEXT_LEN_KEY: 160}, "joint text length 160 does not fit"),
+        "no sigma": (x, x, x, 2, None, wan, {"sigmas": None}, "no current sigma in transformer_options"),
+        "mask values": (x, x, x, 2, half, joint, {TEXT_LEN_KEY: 10}, "mask holds values other than 0 and masked-out"),
+        "latent masked": (x, x, x, 2, latent_masked, joint, {TEXT_LEN_KEY: 10}, "mask masks latent tokens"),
+        "mask per query": (x, x, x, 2, torch.zeros(1, 160, 160), joint, {TEXT_LEN_KEY: 10},
+                           "is not one per-key mask for the batch"),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["batch", "shapes", "no text length", "text too long", "no sigma", "mask values",
+                                  "latent masked", "mask per query"])
+def test_calls_the_adapter_cannot_take_run_dense_exactly_and_say_why(gen, name):
+    """Each call the override cannot run sparse (a batch that does not split into its conditioning chunks, a marked
+    call whose q/k/v differ, a joint call without a usable text length or with a mask that is not a per-key 0 /
+    masked-out mask over text keys only, no sigma to place the step) is the caller's own attention, bit for bit,
+    with the reason counted in the run summary."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import override
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    q, k, v, heads, mask, site, edits, reason = _case(name, gen)
+    run = _adapter_run()
+    options = {**transformer_options(run, site, chunks=2, sigma=1.0), **edits}
+    out = override.make_override(None)(raw_attention, q, k, v, heads, mask=mask, transformer_options=options)
+    assert torch.equal(out, raw_attention(q, k, v, heads, mask=mask))
+    assert run.counts()["anchor"] == 0 and reason in run.summary(), run.summary()
