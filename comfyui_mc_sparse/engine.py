@@ -265,10 +265,10 @@ class MCSparseRunner:
         except (Exception, MemoryError) as err:  # MemoryError is an Exception; named for the reader
             if kernels.registry.is_out_of_memory(err):
                 self._out_of_memory(err, step, layer, q)
-            elif raise_internal_errors() or type(err).__name__ == "InterruptProcessingException":
+            elif not contains(err):
                 raise
             else:  # a bug in the sparse path must not lose the user's run
-                self._internal_error(err, step, layer)
+                self.internal_error(err, f"step {step + 1} (1-based), block {layer}")
             return _into(out, self._dense(dense, q, k, v, self.disabled_reason)), StepKind.DENSE
 
     def _chunk_kind(self, kind: StepKind, key: CacheKey, shape: tuple, step: int) -> StepKind | str:
@@ -375,19 +375,19 @@ class MCSparseRunner:
         )
         log.warning("MC-Sparse: %s", self.stats.notes[-1])
 
-    def _internal_error(self, err: BaseException, step: int, layer: int) -> None:
-        """An unexpected error in the sparse path (a bug, not the user's input): log it with its traceback, free the
-        cache and turn the rest of the run dense; the summary says so."""
-        log.error("MC-Sparse: internal error at step %d (1-based), block %d; the rest of this run is dense",
-                  step + 1, layer, exc_info=err)
+    def internal_error(self, err: BaseException, where: str) -> None:
+        """An unexpected error in the pack's attention path (a bug, not the user's input) at ``where`` (e.g. "step 3
+        (1-based), block 5"): log it with its traceback, free the cache and turn the rest of the run dense; the
+        summary says so. The caller then runs the call dense."""
+        log.error("MC-Sparse: internal error at %s; the rest of this run is dense", where, exc_info=err)
         self.loader.clear()
         self.cache.clear()
         self._entry_step.clear()
         self.order.clear()
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
         self.disabled_reason = "internal error; dense for the rest of the run"
-        self._note(f"internal error at step {step + 1} (1-based), block {layer} ({type(err).__name__}: {first}); the "
-                   f"cache was freed and the rest of this run is dense (please report it with the console log)")
+        self._note(f"internal error at {where} ({type(err).__name__}: {first}); the cache was freed and the rest of "
+                   f"this run is dense (please report it with the console log)")
 
     def close(self) -> None:
         """Free the cache (the run is over): GPU tensors, pinned CPU buffers, prefetches."""
@@ -500,9 +500,17 @@ RAISE_ERRORS_ENV = "MC_SPARSE_RAISE_ERRORS"
 (tests/conftest.py sets it, so a bug fails its test instead of hiding behind the dense fallback)."""
 
 
-def raise_internal_errors() -> bool:
-    """True when ``RAISE_ERRORS_ENV`` is "1"."""
-    return os.environ.get(RAISE_ERRORS_ENV) == "1"
+CALLER_ERROR_ATTR = "mc_sparse_caller_error"
+"""Attribute the adapter sets on an exception raised by the caller's own attention (ComfyUI's): never contained,
+since running that attention again would only fail again."""
+
+
+def contains(err: BaseException) -> bool:
+    """Whether an unexpected error in the pack's attention path is turned into a dense fallback (True) or propagates:
+    it propagates with ``RAISE_ERRORS_ENV`` = "1", for ComfyUI's interrupt, and when the caller's own attention
+    raised it (``CALLER_ERROR_ATTR``)."""
+    return not (os.environ.get(RAISE_ERRORS_ENV) == "1" or type(err).__name__ == "InterruptProcessingException"
+                or getattr(err, CALLER_ERROR_ATTR, False))
 
 
 def _group(key: CacheKey | None, keys: Sequence[CacheKey] | None, q: torch.Tensor) -> tuple[CacheKey, ...]:

@@ -164,3 +164,41 @@ def test_calls_the_adapter_cannot_take_run_dense_exactly_and_say_why(gen, name):
     out = override.make_override(None)(raw_attention, q, k, v, heads, mask=mask, transformer_options=options)
     assert torch.equal(out, raw_attention(q, k, v, heads, mask=mask))
     assert run.counts()["anchor"] == 0 and reason in run.summary(), run.summary()
+
+
+def test_a_bug_in_the_override_turns_the_run_dense_and_the_callers_errors_propagate(gen, monkeypatch):
+    """An unexpected error in the override's own code (here the joint-sequence split) gives the caller's attention
+    for that call and every later sparse candidate, with the error in the summary; an error of the caller's own
+    attention (ComfyUI's) propagates at once, never retried or blamed on the pack."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import override
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import TEXT_LEN_KEY, CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    monkeypatch.setenv("MC_SPARSE_RAISE_ERRORS", "0")
+
+    def broken(*args, **kwargs):
+        raise IndexError("simulated bug in the joint split")
+
+    monkeypatch.setattr(override, "_joint_chunk", broken)
+    run = _adapter_run()
+    over = override.make_override(None)
+    x = torch.randn(2, 160, 128, generator=gen)
+    site = CallSite(0, "hunyuan_video", joint="video_first")
+    for sigma in (1.0, 0.8):  # the anchor step, then a reuse step
+        options = {**transformer_options(run, site, chunks=2, sigma=sigma), TEXT_LEN_KEY: 10}
+        assert torch.equal(over(raw_attention, x, x, x, 2, transformer_options=options), raw_attention(x, x, x, 2))
+    text = run.summary()
+    assert "internal error at block 0 (IndexError: simulated bug in the joint split)" in text, text
+    assert run.counts() == {"sparse": 0, "anchor": 0, "dense": 2}
+
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("the caller's attention failed")
+
+    with pytest.raises(RuntimeError, match="the caller's attention failed"):
+        over(failing, x, x, x, 2, mask=torch.zeros(1, 1, 160),
+             transformer_options=transformer_options(_adapter_run(), CallSite(0, "wan"), chunks=2, sigma=1.0))
+    assert len(calls) == 1

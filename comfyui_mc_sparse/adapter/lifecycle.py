@@ -234,6 +234,17 @@ class RunState:
         else:
             self.dense_reasons[reason] += 1
 
+    def internal_error(self, err: BaseException, where: str) -> None:
+        """An unexpected error in the pack's attention path at ``where`` (a bug): logged with its traceback, the
+        rest of the run dense, the summary's note names it (``engine.MCSparseRunner.internal_error``)."""
+        if self.runner is not None:
+            self.runner.internal_error(err, where)
+            return
+        logger.error("MC-Sparse: internal error at %s; the rest of this run is dense", where, exc_info=err)
+        note = f"internal error at {where} ({type(err).__name__}: {str(err).strip()[:300]}); this call ran dense"
+        if note not in self.notes:
+            self.notes.append(note)
+
     def timed_dense(self, reason: str, shape: tuple, fn, *, device: torch.device | None = None):
         """Run a dense warm-up call ``fn()`` of ``shape`` ``(B, H, S, D)`` on ``device`` (None: the current CUDA
         device, else the CPU), count it and time it (the runner's timer)."""

@@ -29,6 +29,7 @@ every call, docs/comfyui.md).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import math
@@ -39,6 +40,7 @@ import torch
 
 from ..config import HEAD_DIMS
 from .callsite import MARK_KEY, TEXT_LEN_KEY, CallSite
+from .steps import STEP_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ def make_override(previous: Callable | None) -> Callable:
     @torch.compiler.disable
     def mc_sparse_attention_override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                                      skip_output_reshape=False, **kwargs):
+        @_callers
         def call(q_, k_, v_, mask_, skip_reshape_, skip_output_reshape_):
             if previous is not None:
                 return previous(func, q_, k_, v_, heads, mask=mask_, attn_precision=attn_precision,
@@ -83,9 +86,10 @@ def make_override(previous: Callable | None) -> Callable:
         run = options.get(RUN_KEY)
         if run is None:
             return call(q, k, v, mask, skip_reshape, skip_output_reshape)
-        return dispatch(run, options.get(MARK_KEY), q, k, v, heads, mask=mask, skip_reshape=skip_reshape,
-                        skip_output_reshape=skip_output_reshape, options=options, call=call,
-                        scale=kwargs.get("scale"))
+        return _contained(run, options, lambda: dispatch(
+            run, options.get(MARK_KEY), q, k, v, heads, mask=mask, skip_reshape=skip_reshape,
+            skip_output_reshape=skip_output_reshape, options=options, call=call, scale=kwargs.get("scale")),
+            lambda: call(q, k, v, mask, skip_reshape, skip_output_reshape))
 
     mc_sparse_attention_override.mc_sparse_override = True
     mc_sparse_attention_override.previous = previous
@@ -132,6 +136,7 @@ def make_container_function(previous: Callable | None) -> Callable:
             return dense_containers()
         qt, kt, vt = (c.peek() for c in containers)
 
+        @_callers
         def call(q_, k_, v_, mask_, skip_reshape_, skip_output_reshape_):
             same = q_ is qt and k_ is kt and v_ is vt and mask_ is mask
             if same and (skip_reshape_, skip_output_reshape_) == (skip_reshape, skip_output_reshape):
@@ -143,15 +148,51 @@ def make_container_function(previous: Callable | None) -> Callable:
                              skip_output_reshape=skip_output_reshape_, **kwargs)
 
         try:
-            return dispatch(run, options.get(MARK_KEY), qt, kt, vt, heads, mask=mask, skip_reshape=skip_reshape,
-                            skip_output_reshape=skip_output_reshape, options=options, call=call,
-                            scale=kwargs.get("scale"))
+            return _contained(run, options, lambda: dispatch(
+                run, options.get(MARK_KEY), qt, kt, vt, heads, mask=mask, skip_reshape=skip_reshape,
+                skip_output_reshape=skip_output_reshape, options=options, call=call, scale=kwargs.get("scale")),
+                lambda: call(qt, kt, vt, mask, skip_reshape, skip_output_reshape))
         finally:
             for c in containers:  # single owner: drop our hold on the inputs as a consuming backend would
                 if getattr(c, "tensor", None) is not None:
                     c.take()
 
     return container_function
+
+
+def _callers(call: Callable) -> Callable:
+    """``call`` (the caller's own attention: previous override or ComfyUI's backend) with its exceptions marked
+    (``engine.CALLER_ERROR_ATTR``), so the pack's error containment lets them propagate instead of retrying them."""
+    from ..engine import CALLER_ERROR_ATTR
+
+    def marked(*args):
+        try:
+            return call(*args)
+        except Exception as err:
+            with contextlib.suppress(AttributeError):  # an exception type without a __dict__ stays unmarked
+                setattr(err, CALLER_ERROR_ATTR, True)
+            raise
+
+    return marked
+
+
+def _contained(run, options: dict, sparse: Callable, dense: Callable):
+    """``sparse()`` (the pack's dispatch of one call); an unexpected error in it (a bug, ``engine.contains``) turns
+    the rest of the run dense (logged with its traceback, noted in the summary) and this call runs ``dense()``."""
+    from ..engine import contains
+
+    try:
+        return sparse()
+    except Exception as err:
+        if not contains(err):
+            raise
+        site = options.get(MARK_KEY)
+        step = options.get(STEP_KEY)
+        where = (f"step {step + 1} (1-based), " if isinstance(step, int) else "") + \
+            (f"block {site.layer}" if site is not None else "an unmarked call")
+        run.internal_error(err, where)
+    run.record_dense("internal error; dense for the rest of the run")
+    return dense()
 
 
 def is_ours(fn: Any) -> bool:
@@ -260,6 +301,8 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
         return dense(f"q/k/v shapes differ ({tuple(q.shape)} / {tuple(k.shape)} / {tuple(v.shape)})")
     if run.runner is None:
         return dense(run.dense_run_reason)
+    if run.runner.disabled_reason is not None and run.runner.disabled_reason.startswith("internal error"):
+        return dense(run.runner.disabled_reason)
     seq = q.shape[2] if skip_reshape else q.shape[1]
     batch = q.shape[0]
     head_dim = q.shape[-1] if skip_reshape else q.shape[-1] // heads
