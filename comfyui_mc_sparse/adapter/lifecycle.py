@@ -237,7 +237,7 @@ class RunState:
     def internal_error(self, err: BaseException, where: str) -> None:
         """An unexpected error in the pack's attention path at ``where`` (a bug): logged with its traceback, the
         rest of the run dense, the summary's note names it (``engine.MCSparseRunner.internal_error``)."""
-        if self.runner is not None:
+        if getattr(self.runner, "internal_error", None) is not None:
             self.runner.internal_error(err, where)
             return
         logger.error("MC-Sparse: internal error at %s; the rest of this run is dense", where, exc_info=err)

@@ -301,8 +301,9 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
         return dense(f"q/k/v shapes differ ({tuple(q.shape)} / {tuple(k.shape)} / {tuple(v.shape)})")
     if run.runner is None:
         return dense(run.dense_run_reason)
-    if run.runner.disabled_reason is not None and run.runner.disabled_reason.startswith("internal error"):
-        return dense(run.runner.disabled_reason)
+    disabled = getattr(run.runner, "disabled_reason", None)
+    if disabled is not None and disabled.startswith("internal error"):  # a bug turned the run dense (``_contained``)
+        return dense(disabled)
     seq = q.shape[2] if skip_reshape else q.shape[1]
     batch = q.shape[0]
     head_dim = q.shape[-1] if skip_reshape else q.shape[-1] // heads
