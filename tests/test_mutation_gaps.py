@@ -31,3 +31,27 @@ def test_a_prefetch_for_another_device_is_never_served(gen):
     loader.prefetch((key,), torch.device("cpu"), torch.float32)
     batch = loader.load((key,), torch.device("cpu"), torch.float32)  # same device: the prefetch is served
     assert all(t.device.type == "cpu" for t in batch.tensors()) and loader.hits == 1
+
+
+def test_the_summary_names_a_kernel_that_failed_in_the_run(gen):
+    """Mutation: the runner's summary without its "kernel fallback:" lines. A backend that fails at run time is
+    skipped for the rest of the run (registry) and the summary says which one failed on which op, and why."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import MCSparseRunner
+    from comfyui_mc_sparse_pack.kernels import reference, registry
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated launch failure")
+
+    registry.register(registry.Backend(name="broken_sum", priority=99, ops={"sparse_attention": broken}))
+    try:
+        runner = MCSparseRunner(MCSparseConfig(density=0.5, group_size=64, warmup_steps=1, anchor_steps=(0,)))
+        q, k, v = (torch.randn(1, 2, 128, 64, generator=gen) for _ in range(3))
+        runner.attention(q, k, v, step=0, layer=0, key=CacheKey(0))
+        out = runner.attention(q, k, v, step=1, layer=0, key=CacheKey(0))
+        assert torch.isfinite(out).all() and runner.stats.sparse_calls == 1
+        text = runner.summary()
+        assert ("kernel fallback: broken_sum failed on sparse_attention in this run: RuntimeError: simulated launch "
+                "failure") in text, text
+        assert "sparse_attention=torch" in text
+    finally:
+        registry._backends.pop("broken_sum", None)
