@@ -55,3 +55,37 @@ def test_the_summary_names_a_kernel_that_failed_in_the_run(gen):
         assert "sparse_attention=torch" in text
     finally:
         registry._backends.pop("broken_sum", None)
+
+
+def test_each_cfg_branch_reuses_its_own_entry_when_the_batching_changes(gen):
+    """Mutation: the override naming the conditioning chunks in reverse batch order (uncond's entry stored under
+    cond's uuid). Consistent within one batching, so only a change of batching shows it: the anchor step batched
+    [uncond, cond], the reuse step split into one call per branch (ComfyUI does this when memory is short) must give
+    each branch exactly what the batched reuse call gives it."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    s = settings.build_settings(preset="custom", density=0.3, dense_warmup="1", warmup_layers=0, anchor_steps="1",
+                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+    anchor_x = torch.randn(2, 192, 128, generator=gen)  # [uncond; cond], [B, S, H*D] with 2 heads x 64
+    reuse_x = anchor_x + 0.3 * torch.randn(2, 192, 128, generator=gen)
+    site = CallSite(0, "wan")
+    outs = {}
+    for batching in ("batched", "split"):
+        run = lifecycle.RunState(s, torch.tensor([1.0, 0.8, 0.0]))
+        over = override.make_override(None)
+        over(raw_attention, anchor_x, anchor_x, anchor_x, 2, transformer_options=transformer_options(run, site, sigma=1.0))
+        if batching == "batched":
+            outs[batching] = over(raw_attention, reuse_x, reuse_x, reuse_x, 2,
+                                  transformer_options=transformer_options(run, site, sigma=0.8))
+        else:
+            rows = []
+            for i, (c, uuid) in enumerate(((1, "u0"), (0, "u1"))):
+                x = reuse_x[i:i + 1]
+                opts = {**transformer_options(run, site, chunks=1, sigma=0.8), "cond_or_uncond": [c], "uuids": [uuid]}
+                rows.append(over(raw_attention, x, x, x, 2, transformer_options=opts))
+            outs[batching] = torch.cat(rows)
+        assert run.counts()["sparse"] == 2, run.summary()
+    torch.testing.assert_close(outs["split"], outs["batched"], rtol=1e-5, atol=1e-5)
