@@ -89,3 +89,39 @@ def test_each_cfg_branch_reuses_its_own_entry_when_the_batching_changes(gen):
             outs[batching] = torch.cat(rows)
         assert run.counts()["sparse"] == 2, run.summary()
     torch.testing.assert_close(outs["split"], outs["batched"], rtol=1e-5, atol=1e-5)
+
+
+def test_context_windows_keep_their_own_entries_through_the_override(gen):
+    """Mutation: the override ignoring ``transformer_options["context_window"]`` (every window under one cache key).
+    With ComfyUI's context windows each window's anchor entry is its own: a reuse call of window A gives what a run
+    that only ever saw window A gives, and a window the anchor step never saw runs dense with the reason."""
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    s = settings.build_settings(preset="custom", density=0.3, dense_warmup="1", warmup_layers=0, anchor_steps="1",
+                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+    windows = [types.SimpleNamespace(index_list=list(range(i, i + 8))) for i in (0, 4, 8)]
+    anchor_x = [torch.randn(1, 192, 128, generator=gen) for _ in range(2)]
+    reuse_x = anchor_x[0] + 0.3 * torch.randn(1, 192, 128, generator=gen)
+    site = CallSite(0, "wan")
+
+    def call(run, over, x, window, sigma):
+        opts = {**transformer_options(run, site, chunks=1, sigma=sigma), "context_window": window}
+        return over(raw_attention, x, x, x, 2, transformer_options=opts)
+
+    outs = []
+    for seen in ((0, 1), (0,)):
+        run = lifecycle.RunState(s, torch.tensor([1.0, 0.8, 0.0]))
+        over = override.make_override(None)
+        for w in seen:
+            call(run, over, anchor_x[w], windows[w], 1.0)
+        outs.append(call(run, over, reuse_x, windows[0], 0.8))
+        assert run.counts()["sparse"] == 1
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    out = call(run, over, reuse_x, windows[2], 0.8)  # never seen at the anchor step
+    assert torch.equal(out, raw_attention(reuse_x, reuse_x, reuse_x, 2))
+    assert "context window not seen at the anchor step" in run.summary()
