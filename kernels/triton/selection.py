@@ -696,8 +696,10 @@ _TOPK_HIST_DEFAULT = False
 _TOPK_FUSED_DEFAULT = True
 _TOPK_FUSED_MIN_CAPABILITY = (9, 0)
 # group_prob_sums / select_kv: the float8 pair kernel with one query group per program (one_group; 119 registers, 4
-# programs per SM instead of 3). Off until measured on the H200 (tests/bench_pass2_exp.py "kb pow2 1grp").
-_ONE_GROUP_DEFAULT = False
+# programs per SM instead of 3). H200 round s5r2 (tests/bench_select_race.py race 2, sustained interleaved, 1.3B 480p,
+# all heads): pass-2 kernel 0.5139 of flash-attn-4 dense against 0.5272 for two groups per program (14B 720p not
+# timed). On where measured: without the fused top-K (its epilogue was timed with two groups per program only).
+_ONE_GROUP_DEFAULT = True
 # the float8 pair kernel with the fused top-K: ptxas gives it 170 registers uncapped (2 programs of 4 warps per SM)
 # against the plain kernel's 166 (3 programs); capped at 168 it keeps 3, no spill, its key loop 554 instead of 532
 # SASS instructions per tile pair (tests/ptxas_select.py), under a loop bound 2:1 by MUFU over issue. With one_group
@@ -748,7 +750,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         runs, else (or on its failure, remembered) the Triton kernel: ``pass2_dispatch``; None: its default.
         one_group: the pair kernel with ONE query group per program (unstaggered; no hist, no poly): 119
         registers instead of 166 (offline), so 4 programs per SM instead of 3, each key tile read once per group;
-        None: ``_ONE_GROUP_DEFAULT`` where it applies (float8, unstaggered, no hist / poly).
+        None: ``_ONE_GROUP_DEFAULT`` where it applies (float8, unstaggered, no hist / select / poly).
         poly3: (g0, g1), eighths (0, 2 or 4) of each of the pair kernel's two groups' exponentials taken by the
         degree-3 polynomial on the FMA pipe (``_exp2_poly3``: relative error < 7.6e-5) instead of MUFU (4: the odd
         query columns of every key tile; 2: of every other key tile, group 0's even tiles, group 1's odd); pair kernel
@@ -803,8 +805,10 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
                              f"{tuple(hist.shape)}")
         if not (pair and C <= block_m):
             hist.zero_()  # not counted by the one-group kernel: the top-K's check sees 0 != Sk and counts itself
+    one_group_asked = bool(one_group)  # an explicit one_group=True is the Triton kernel's option (no Gluon)
     if one_group is None:
-        one_group = _ONE_GROUP_DEFAULT and fp8 and not pipelined and hist is None and not poly and not poly3[1]
+        one_group = (_ONE_GROUP_DEFAULT and fp8 and not pipelined and hist is None and select is None and not poly
+                     and not any(poly3))
     if one_group and (hist is not None or pipelined or poly or poly3[1]):
         raise ValueError("one_group: unstaggered, without hist / poly / poly3[1]")
     if (exp_mode == 3 or any(poly3) or one_group) and not (pair and C <= block_m):
@@ -815,9 +819,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         if fp8:
             pow2 = not pass2_dispatch.gluon_mode(gluon)
             q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2)
-            only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode,
-                                                     tuned=one_group or any(x is not None for x in (block_n, num_warps,
-                                                                                                    num_stages)))
+            tuned = one_group_asked or any(x is not None for x in (block_n, num_warps, num_stages))
+            only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode, tuned=tuned)
             if pass2_dispatch.try_gluon(q, k, qf, lse, kb, perm, out, group_size=C, requested=gluon,
                                         only_triton=only_triton):
                 return out
@@ -865,7 +868,8 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     row of the selection in place: the K largest float16 sums (ties: lower token index first), ascending, then -1.
     ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined``,
     ``exp``, ``pair``, ``poly``, ``fp8``, ``gluon``, ``one_group`` tune pass 2 (see ``group_prob_sums``; the defaults are
-    its defaults: the staggered two-group kernel, float8 products per ``fp8_default``); ``topk_method`` picks ``topk.top_k_rows``'s
+    its defaults: the staggered two-group kernel, float8 products per ``fp8_default``); ``topk_method`` picks
+    ``topk.top_k_rows``'s
     method (None: its default by row length, or "radix" with ``topk_hist``); ``topk_hist``: pass 2 counts each
     group's first radix digit while it writes the sums, and the radix top-K skips that pass (None:
     ``_TOPK_HIST_DEFAULT``); ``topk_fused``: the pair kernel runs the bracket top-K on its own groups' sums after
