@@ -3,6 +3,7 @@ in a scratch copy (the mutation named in its docstring) left the whole CPU suite
 
 from __future__ import annotations
 
+import pytest
 import torch
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.attention import anchor_attention
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey, MetadataCache, encode_entry
@@ -125,3 +126,14 @@ def test_context_windows_keep_their_own_entries_through_the_override(gen):
     out = call(run, over, reuse_x, windows[2], 0.8)  # never seen at the anchor step
     assert torch.equal(out, raw_attention(reuse_x, reuse_x, reuse_x, 2))
     assert "context window not seen at the anchor step" in run.summary()
+
+
+def test_a_batch_with_several_sigmas_is_placed_at_its_largest_sigma():
+    """Mutation: ``steps.current_sigma`` taking the batch's smallest sigma. A model evaluation whose batch carries
+    different sigmas is placed at the step of its largest (the earliest step it belongs to), never a later one."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.steps import current_sigma, step_index
+
+    schedule = [1.0, 0.8, 0.6, 0.0]
+    sigma = current_sigma({"sigmas": torch.tensor([0.6, 0.8])})
+    assert sigma == pytest.approx(0.8) and step_index(sigma, schedule) == 1
+    assert current_sigma({"sigmas": [0.6, 0.8]}) == pytest.approx(0.8) and current_sigma({}) is None
