@@ -137,3 +137,32 @@ def test_a_batch_with_several_sigmas_is_placed_at_its_largest_sigma():
     sigma = current_sigma({"sigmas": torch.tensor([0.6, 0.8])})
     assert sigma == pytest.approx(0.8) and step_index(sigma, schedule) == 1
     assert current_sigma({"sigmas": [0.6, 0.8]}) == pytest.approx(0.8) and current_sigma({}) is None
+
+
+def test_an_override_installed_after_ours_is_chained_and_reported(caplog):
+    """Mutation: the CALC_COND_BATCH wrapper re-asserting our override without noting what displaced it. Another
+    node's override found on top is chained below ours, the evaluation gets its step, and the summary names it."""
+    import logging
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.steps import STEP_KEY
+
+    s = settings.build_settings(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1",
+                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+    run = lifecycle.RunState(s, torch.tensor([1.0, 0.8, 0.6, 0.0]))
+
+    def foreign_override(func, *args, **kwargs):
+        return func(*args, **kwargs)
+
+    model_options = {"transformer_options": {override.RUN_KEY: run, "optimized_attention_override": foreign_override}}
+    seen = {}
+
+    def executor(model, conds, x_in, timestep, options):
+        seen.update(options["transformer_options"])
+        return "evaluated"
+
+    with caplog.at_level(logging.WARNING):
+        assert lifecycle.calc_cond_batch_wrapper(executor, None, [], None, torch.tensor([0.8]), model_options) == "evaluated"
+    top = model_options["transformer_options"]["optimized_attention_override"]
+    assert override.is_ours(top) and top.previous is foreign_override and seen[STEP_KEY] == 1
+    assert "foreign_override" in run.summary() and any("foreign_override" in r.getMessage() for r in caplog.records)
