@@ -166,3 +166,33 @@ def test_an_override_installed_after_ours_is_chained_and_reported(caplog):
     top = model_options["transformer_options"]["optimized_attention_override"]
     assert override.is_ours(top) and top.previous is foreign_override and seen[STEP_KEY] == 1
     assert "foreign_override" in run.summary() and any("foreign_override" in r.getMessage() for r in caplog.records)
+
+
+def test_a_vace_call_and_its_main_block_keep_separate_entries(gen):
+    """Mutation: the run's cache keys without the call site's kind. A VACE block attached after main block 0 has the
+    same block index and shape as block 0's self-attention; both anchor (neither is taken for a sampler's second
+    evaluation of the step), and a reuse call of the VACE block gives what a run without block 0 gives."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    s = settings.build_settings(preset="custom", density=0.3, dense_warmup="1", warmup_layers=0, anchor_steps="1",
+                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+    main, vace = CallSite(0, "wan"), CallSite(0, "wan", kind="vace")
+    anchor_x = {main: torch.randn(1, 192, 128, generator=gen), vace: torch.randn(1, 192, 128, generator=gen)}
+    reuse_x = anchor_x[vace] + 0.3 * torch.randn(1, 192, 128, generator=gen)
+
+    def call(run, over, x, site, sigma):
+        return over(raw_attention, x, x, x, 2, transformer_options=transformer_options(run, site, chunks=1, sigma=sigma))
+
+    outs = []
+    for sites in ((main, vace), (vace,)):
+        run = lifecycle.RunState(s, torch.tensor([1.0, 0.8, 0.0]))
+        over = override.make_override(None)
+        for site in sites:
+            call(run, over, anchor_x[site], site, 1.0)
+        assert run.counts()["anchor"] == len(sites), run.summary()
+        outs.append(call(run, over, reuse_x, vace, 0.8))
+        assert run.counts()["sparse"] == 1
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
