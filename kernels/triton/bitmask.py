@@ -20,6 +20,26 @@ _BLOCK_W = 1024  # slots per -1 fill step
 
 
 @triton.jit
+def _step_bits(bits_base, b0, n_bytes, num_tokens, BLOCK_BYTES: tl.constexpr):
+    """Bytes [b0, b0 + BLOCK_BYTES) of one bitmask row as (token, bit), both int32 [BLOCK_BYTES, 8]; row-major order
+    is ascending token order; bits past ``num_tokens`` or ``n_bytes`` are 0."""
+    offs_b = tl.arange(0, BLOCK_BYTES)
+    offs_j = tl.arange(0, 8)
+    byte = tl.load(bits_base + b0 + offs_b, mask=b0 + offs_b < n_bytes, other=0).to(tl.int32)
+    token = (b0 + offs_b)[:, None] * 8 + offs_j[None, :]
+    bit = tl.where(token < num_tokens, (byte[:, None] >> offs_j[None, :]) & 1, 0)
+    return token, bit
+
+
+@triton.jit
+def _fill_tail(out_base, count, width, BLOCK_W: tl.constexpr):
+    """-1 into slots [count, width) of one output row."""
+    for w0 in range((tl.minimum(count, width) // BLOCK_W) * BLOCK_W, width, BLOCK_W):
+        slots = w0 + tl.arange(0, BLOCK_W)
+        tl.store(out_base + slots, tl.full([BLOCK_W], -1, tl.int32), mask=(slots >= count) & (slots < width))
+
+
+@triton.jit
 def _decode_bitmask_fwd(
     BITS, OUT, n_bytes, num_tokens, width, stride_bits_row, stride_out_row,
     BLOCK_BYTES: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -27,21 +47,15 @@ def _decode_bitmask_fwd(
     row = tl.program_id(0)
     bits_base = BITS + row.to(tl.int64) * stride_bits_row
     out_base = OUT + row.to(tl.int64) * stride_out_row
-    offs_b = tl.arange(0, BLOCK_BYTES)
-    offs_j = tl.arange(0, 8)
     count = tl.zeros((), dtype=tl.int32)
     for b0 in range(0, n_bytes, BLOCK_BYTES):
-        byte = tl.load(bits_base + b0 + offs_b, mask=b0 + offs_b < n_bytes, other=0).to(tl.int32)
-        token = (b0 + offs_b)[:, None] * 8 + offs_j[None, :]  # [BLOCK_BYTES, 8], row-major = ascending tokens
-        bit = tl.where(token < num_tokens, (byte[:, None] >> offs_j[None, :]) & 1, 0)
+        token, bit = _step_bits(bits_base, b0, n_bytes, num_tokens, BLOCK_BYTES)
         bit = tl.reshape(bit, [BLOCK_BYTES * 8])
         token = tl.reshape(token, [BLOCK_BYTES * 8])
         rank = count + tl.cumsum(bit, 0) - bit  # exclusive prefix: slot of each set token
         tl.store(out_base + rank, token, mask=(bit != 0) & (rank < width))
         count += tl.sum(bit, 0)
-    for w0 in range((tl.minimum(count, width) // BLOCK_W) * BLOCK_W, width, BLOCK_W):
-        slots = w0 + tl.arange(0, BLOCK_W)
-        tl.store(out_base + slots, tl.full([BLOCK_W], -1, tl.int32), mask=(slots >= count) & (slots < width))
+    _fill_tail(out_base, count, width, BLOCK_W)
 
 
 @triton.jit
@@ -54,22 +68,16 @@ def _decode_bitmask_bytes_fwd(
     row = tl.program_id(0)
     bits_base = BITS + row.to(tl.int64) * stride_bits_row
     out_base = OUT + row.to(tl.int64) * stride_out_row
-    offs_b = tl.arange(0, BLOCK_BYTES)
-    offs_j = tl.arange(0, 8)
     count = tl.zeros((), dtype=tl.int32)
     for b0 in range(0, n_bytes, BLOCK_BYTES):
-        byte = tl.load(bits_base + b0 + offs_b, mask=b0 + offs_b < n_bytes, other=0).to(tl.int32)
-        token = (b0 + offs_b)[:, None] * 8 + offs_j[None, :]  # [BLOCK_BYTES, 8]: ascending tokens, row-major
-        bit = tl.where(token < num_tokens, (byte[:, None] >> offs_j[None, :]) & 1, 0)
+        token, bit = _step_bits(bits_base, b0, n_bytes, num_tokens, BLOCK_BYTES)
         per_byte = tl.sum(bit, 1)
         before = tl.cumsum(per_byte, 0) - per_byte  # set bits in the step's earlier bytes
         within = tl.cumsum(bit, 1) - bit  # set bits below this one in its byte
         rank = count + before[:, None] + within
         tl.store(out_base + rank, token, mask=(bit != 0) & (rank < width))
         count += tl.sum(per_byte, 0)
-    for w0 in range((tl.minimum(count, width) // BLOCK_W) * BLOCK_W, width, BLOCK_W):
-        slots = w0 + tl.arange(0, BLOCK_W)
-        tl.store(out_base + slots, tl.full([BLOCK_W], -1, tl.int32), mask=(slots >= count) & (slots < width))
+    _fill_tail(out_base, count, width, BLOCK_W)
 
 
 VARIANTS = {"bits": (_decode_bitmask_fwd, _BLOCK_BYTES, 4), "bytes": (_decode_bitmask_bytes_fwd, 1024, 8)}
