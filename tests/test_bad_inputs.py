@@ -202,3 +202,18 @@ def test_a_bug_in_the_override_turns_the_run_dense_and_the_callers_errors_propag
         over(failing, x, x, x, 2, mask=torch.zeros(1, 1, 160),
              transformer_options=transformer_options(_adapter_run(), CallSite(0, "wan"), chunks=2, sigma=1.0))
     assert len(calls) == 1
+
+
+def test_percent_steps_are_exact_where_floats_round_up():
+    """'28%' of 50 steps is step 14 and a 14-step warm-up, '7%' of 100 is 7 (in floats 0.28 * 50 and 0.07 * 100 exceed
+    the integer and ceil took one step more); every integer percent of 1-200 steps equals the exact ceil(p * n / 100)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.settings import StepSpec
+
+    assert StepSpec(28.0, True).to_index(50) == 13 and StepSpec(28.0, True).to_count(50) == 14
+    assert StepSpec(7.0, True).to_count(100) == 7 and StepSpec(55.0, True).to_index(100) == 54
+    assert StepSpec(12.5, True).to_count(8) == 1 and StepSpec(12.5, True).to_count(9) == 2
+    for p in range(1, 101):
+        for n in range(1, 201):
+            exact = -(-p * n // 100)
+            assert StepSpec(float(p), True).to_count(n) == min(n, exact), (p, n)
+            assert StepSpec(float(p), True).to_index(n) == max(0, exact - 1), (p, n)

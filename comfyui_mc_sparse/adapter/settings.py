@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 from ..config import CACHE_PLACEMENTS, GROUP_SIZES
 
@@ -56,14 +57,19 @@ class StepSpec:
     def to_index(self, num_steps: int) -> int:
         """0-based step index within a sampler call of ``num_steps`` steps (may be >= num_steps)."""
         if self.percent:
-            return max(0, math.ceil(self.value / 100.0 * num_steps) - 1)
+            return max(0, self._steps(num_steps) - 1)
         return int(self.value) - 1
 
     def to_count(self, num_steps: int) -> int:
         """Number of steps this spec covers from the start of a call of ``num_steps`` steps."""
         if self.percent:
-            return min(num_steps, math.ceil(self.value / 100.0 * num_steps))
+            return min(num_steps, self._steps(num_steps))
         return int(self.value)
+
+    def _steps(self, num_steps: int) -> int:
+        """ceil(value % of ``num_steps``), exact: "28%" of 50 steps is 14 (in floats 0.28 * 50 = 14.000000000000002
+        rounds up to 15)."""
+        return math.ceil(Fraction(repr(self.value)) * num_steps / 100)
 
     def __str__(self) -> str:
         return f"{self.value:g}%" if self.percent else f"{int(self.value)}"
