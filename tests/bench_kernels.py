@@ -307,6 +307,8 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent thread_arrive": dict(_gluon=True, pingpong=True, persistent=True, thread_arrive=True),
     "gluon pingpong persistent 3 stages thread_arrive": dict(_gluon=True, pingpong=True, persistent=True, num_stages=3,
                                                              thread_arrive=True),
+    "gluon pingpong persistent 3 stages thread_arrive early_q": dict(_gluon=True, pingpong=True, persistent=True,
+                                                                     num_stages=3, thread_arrive=True, early_q=True),
     "gluon pingpong persistent stage_out": dict(_gluon=True, pingpong=True, persistent=True, stage_out=True),  # 16-byte
     # output stores through the Q tile (the CuTeDSL kernel's staged epilogue: +2-3 % at small s)
     "gluon overlap pingpong persistent stage_out": dict(_gluon=True, overlap=True, pingpong=True, persistent=True,

@@ -267,6 +267,22 @@ def test_auto_mode_gluon_failure_while_timing_falls_back(gen, failing_gluon, mon
     assert failing_gluon.calls == n and "boom" in _dispatch().fallback_reason() and not _dispatch().choices
 
 
+def test_early_q_only_where_the_q_slot_is_free_after_the_last_qk():
+    """``early_q`` (the Q slot freed at an item's last QK^T) runs persistent with the plain / pingpong schedules; with
+    the staged epilogue (which writes the output rows into that Q tile), FA3's overlap or one item per program it is
+    refused before a launch, never run (the producer would refill a Q tile still in use)."""
+    g = _g90()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 256, 128, generator=gen).to(torch.bfloat16)
+    perm, idx = random_groups(gen, 1, 2, 256, 128), random_kv_idx(gen, 1, 2, 2, 256, 100, 128)
+    base = dict(pingpong=True, persistent=True, num_sms=4, num_stages=3, thread_arrive=True)
+    _, _, meta, _ = g.launch_args(q, q, q, perm, idx, early_q=True, **base)
+    assert meta["EARLY_Q"] and meta["Q_SLOTS"] == 1 and not g.launch_args(q, q, q, perm, idx, **base)[2]["EARLY_Q"]
+    for bad in (dict(stage_out=True), dict(persistent=False), dict(overlap=True, thread_arrive=False)):
+        with pytest.raises(ValueError, match="early_q"):
+            g.launch_args(q, q, q, perm, idx, early_q=True, **{**base, **bad})
+
+
 def test_tuning_goes_to_the_triton_kernel(gen, failing_gluon):
     """Launch tuning belongs to the Triton kernel: with it the Gluon kernel is not tried."""
     q, k, v, perm, idx = _inputs(gen)

@@ -113,7 +113,13 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
            "pingpong-persistent-thread-arrive": (dict(pingpong=True, persistent=True, num_sms=7, thread_arrive=True),
                                                  "plain"),
            "pingpong-persistent-3-stages-thread-arrive-fp8": (dict(pingpong=True, persistent=True, num_sms=7,
-                                                                   num_stages=3, thread_arrive=True), "fp8_row")}
+                                                                   num_stages=3, thread_arrive=True), "fp8_row"),
+           # the Q slot freed at each item's last QK^T, the next item's queries right behind its tile 0 (1-3 tiles per
+           # item: the slot's release and the queries' gather at every position); with 2 Q slots too
+           "early-q-3-stages": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3, thread_arrive=True,
+                                     early_q=True), "int4_group"),
+           "early-q-2-slots": (dict(pingpong=True, persistent=True, num_sms=7, thread_arrive=True, early_q=True),
+                               "plain")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(TUNINGS.values()), ids=list(TUNINGS))

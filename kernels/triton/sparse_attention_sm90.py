@@ -76,7 +76,7 @@ def config(head_dim: int) -> dict:
     the producer issues each item's count, index and query loads together (232 / 40 spilled 32 bytes there)."""
     return dict(num_stages=2, consumer_regs=224, producer_regs=56, maxnreg=168, pipeline=False, persistent=False,
                 overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
-                thread_arrive=False)
+                thread_arrive=False, early_q=False)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -206,7 +206,7 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
               stride_vb, stride_vh, stride_vs, stride_vd,
               M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               ROW_THREADS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
-              L2_PREFETCH: gl.constexpr, STREAM: gl.constexpr):
+              L2_PREFETCH: gl.constexpr, EARLY_Q: gl.constexpr, STREAM: gl.constexpr):
     """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the item's Q slot)
     then K then V rows of each key tile into the stage ring; the ring's stage and phase follow a tile counter kept
     across items. PERSISTENT with one Q slot (``Q_SLOTS`` 1: a 3-deep ring leaves room for one): the item's first
@@ -215,7 +215,9 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
     between them). ROW_THREADS threads per row, 16 bytes each: 4 (default): each cp.async of a warp covers 8 rows x
     64 contiguous bytes, a thread's 4 rows take 4 row addresses; 8: 4 rows x 128 bytes (one whole 128-byte line per
     row and request), 8 row addresses per thread. Every 32-byte sector is read once; the copies bypass L1. The tile's
-    indices are loaded once for K and V, one tile ahead."""
+    indices are loaded once for K and V, one tile ahead. EARLY_Q (one Q slot): the consumers free the slot at their
+    item's last QK^T, so the next item's queries go out right behind its tile 0 (before its tiles 1 ..), landing
+    while the consumers still run the last tile's softmax, P V and the epilogue."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ROW_THREADS, ROW_THREADS], [4, 1], [1, 0])
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
     offs_m = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
@@ -241,7 +243,10 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
                 _load_q_item(q_smem, q_ready, q_empty, i, q_base, q_idx_a, q_idx_b, S, stride_qs, stride_qd, offs_d,
                              Q_SLOTS, ROW64, STREAM)
         n_tiles = gl.cdiv(n_end, BLOCK_N)
-        q_at = gl.minimum(n_tiles, NUM_STAGES) - 1  # Q_SLOTS 1: the queries go out after this tile
+        if EARLY_Q:  # the consumers free the slot at their last QK^T: the queries right behind tile 0
+            q_at = 0
+        else:  # Q_SLOTS 1: the queries go out after this tile
+            q_at = gl.minimum(n_tiles, NUM_STAGES) - 1
         k_base = K + b.to(gl.int64) * stride_kb + h.to(gl.int64) * stride_kh
         v_base = V + b.to(gl.int64) * stride_vb + h.to(gl.int64) * stride_vh
         for t in range(n_tiles):
@@ -366,17 +371,18 @@ def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_em
 
 
 @gluon.jit
-def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, n_end, c0, j0, sm_scale_log2,
-              dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_free, n_end, c0, j0,
+              sm_scale_log2, dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
-              THREAD_ARRIVE: gl.constexpr):
+              THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr = False):
     """One group's key tiles (ring tiles c0 ..): per tile S = Q K^T, the online softmax in base 2 with the lazy
     rescale, O += P V accumulated in fp32. Only the last tile masks the slots past the count (the loop body runs
     unmasked: no select per score). PIPELINE: tile t's P V and tile t + 1's QK^T issued as one block (one fence, one
     wait). PINGPONG (implies PIPELINE's blocks; FA3's inter-warpgroup schedule): the two consumer warpgroups take
     turns issuing their blocks (mbarriers ``turn``), so one's softmax runs under the other's products; ``j0`` counts
-    this warpgroup's earlier blocks (all items: n_tiles + 1 per item). Returns (O unnormalised, running max (log2
-    units), row sum)."""
+    this warpgroup's earlier blocks (all items: n_tiles + 1 per item). EARLY_Q: this warpgroup's arrive on ``q_free``
+    (the item's Q slot) once its last QK^T has completed, before the last tile's softmax and P V. Returns (O
+    unnormalised, running max (log2 units), row sum)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -403,6 +409,8 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, 
             acc = _values(p16, acc, v_smem, v_ready, v_empty, c, turn, 0, NUM_STAGES, HALF, False, THREAD_ARRIVE)
             qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c + 1, turn, 0, NUM_STAGES, HALF, False,
                          THREAD_ARRIVE)
+    if EARLY_Q:  # every QK^T of this warpgroup has completed (each waited for): the Q tile is free
+        mbarrier.arrive(q_free, count=1)
     t = n_tiles - 1  # the last tile: its slots past the count weigh nothing
     p16, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
                                          row_o, True)
@@ -571,7 +579,8 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
               HALF: gl.constexpr, M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr,
               PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, STREAM: gl.constexpr):
+              STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr,
+              STREAM: gl.constexpr):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
     loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
     later) and the epilogue's perm rows, both in flight under the mainloop."""
@@ -628,11 +637,12 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
                                               c, c - i, sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N,
                                               NUM_STAGES, HALF, PINGPONG)
         else:
-            acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, n_end, c,
-                                      c + i, sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF,
-                                      PIPELINE, PINGPONG, THREAD_ARRIVE)
+            acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                      q_empty.index(i % Q_SLOTS), n_end, c, c + i, sm_scale_log2, Q.dtype.element_ty,
+                                      M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF, PIPELINE, PINGPONG, THREAD_ARRIVE,
+                                      EARLY_Q)
         c += gl.cdiv(n_end, BLOCK_N)
-        if PERSISTENT and not STAGE_OUT:  # every QK^T of the item is done: its Q slot is free for item i + Q_SLOTS
+        if PERSISTENT and not STAGE_OUT and not EARLY_Q:  # every QK^T of the item is done: its Q slot is free
             mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
         _epilogue(acc, m_i, l_i, epi_idx, epi_idx2, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off, rowh, C, S, b, h, group,
                   (b * H + h).to(gl.int64) * S, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh,
@@ -659,7 +669,8 @@ def _sparse_fwd_sm90(
     RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, ROW_THREADS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr,
-    L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, STREAM: gl.constexpr, num_warps: gl.constexpr,
+    L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr, STREAM: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
@@ -704,27 +715,27 @@ def _sparse_fwd_sm90(
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, STREAM)),
+                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, STREAM)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, STREAM)),
+                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, STREAM)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, ROW_THREADS, ROW64, PERSISTENT, Q_SLOTS, L2_PREFETCH,
-                     STREAM)),
+                     EARLY_Q, STREAM)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
                 row_threads=None, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
-                q_slots=None, l2_prefetch=None, thread_arrive=None):
+                q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -762,6 +773,11 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     thread_arrive = bool(cfg["thread_arrive"] if thread_arrive is None else thread_arrive)
     if thread_arrive and overlap:
         raise ValueError("thread_arrive runs with the plain, pipeline and pingpong schedules, not overlap")
+    stage_out = bool(cfg["stage_out"] if stage_out is None else stage_out)
+    early_q = bool(cfg["early_q"] if early_q is None else early_q)
+    if early_q and (overlap or stage_out or not persistent):
+        raise ValueError("early_q runs persistent with the plain, pipeline and pingpong schedules (not overlap, not "
+                         "stage_out: its epilogue stages the output rows in the Q tile)")
     args = (q, k, v, perm, kv_idx, out, lse, *res_ptrs, scale * _LOG2E, H, S, k.shape[2], n_slots, k_alloc, C,
             n_work, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *res_strides)
     meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_N=BLOCK_N, NUM_STAGES=num_stages,
@@ -771,10 +787,11 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 PIPELINE=bool(cfg["pipeline"] if pipeline is None else pipeline), PERSISTENT=persistent,
                 OVERLAP=overlap,
                 PINGPONG=bool(cfg["pingpong"] if pingpong is None else pingpong),
-                STAGE_OUT=bool(cfg["stage_out"] if stage_out is None else stage_out),
+                STAGE_OUT=stage_out,
                 Q_SLOTS=q_slots if persistent else 1,
                 L2_PREFETCH=bool(cfg["l2_prefetch"] if l2_prefetch is None else l2_prefetch),
                 THREAD_ARRIVE=thread_arrive,
+                EARLY_Q=early_q,
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
@@ -803,7 +820,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             shared memory into a row-major layout: whole-row stores), ``l2_hints`` (``_l2_policies``), ``l2_prefetch``
             (each K/V tile's rows prefetched to L2 with evict_last before the producer waits for their ring slots),
             ``thread_arrive`` (the consumers release K/V stages and pass pingpong turns with one arrive per thread, no
-            warpgroup barrier per arrive: ``_release``; not with ``overlap``).
+            warpgroup barrier per arrive: ``_release``; not with ``overlap``), ``early_q`` (persistent, not with
+            ``overlap`` / ``stage_out``: each item's Q slot freed at its last QK^T and the next item's queries
+            gathered right behind its first K/V tile; ``_producer``).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:

@@ -53,6 +53,9 @@ GLUON_SCHEDULES = {
     # + the consumers' per-thread arrives (no warpgroup bar.sync per stage release / turn)
     "pingpong persistent 3 stages thread_arrive": dict(pingpong=True, persistent=True, num_stages=3,
                                                        thread_arrive=True),
+    # + each item's Q slot freed at its last QK^T, the next item's queries gathered right behind its first K/V tile
+    "pingpong persistent 3 stages thread_arrive early_q": dict(pingpong=True, persistent=True, num_stages=3,
+                                                               thread_arrive=True, early_q=True),
 }
 # What the auto mode times per shape. H200, 2026-12-01 13:42 (tests/_timing.race, vs flash-attn-4 dense with LSE x s,
 # 1.3B 480p / 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5): pingpong persistent with the 3-deep ring and per-thread
