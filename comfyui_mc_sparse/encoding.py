@@ -169,8 +169,17 @@ def encode_selection(kv_idx: torch.Tensor, num_tokens: int, num_keys: int, reque
     return EncodedSelection(kind, data, num_tokens, num_keys, width)
 
 
+PACK_BITS = "bytes"
+"""How ``encode_selection`` builds a bitmask (both bit-exact, tests/test_cache.py): "bytes", a zeroed byte per token,
+each key's byte set by ``scatter_``, then the 8 bytes of each output byte shifted and summed; "words", one zeroed int32
+word per 32 tokens, each key's bit added by ``scatter_add_`` (the keys of a row are distinct, so the sum is their OR),
+the words read as their little-endian bytes: 1/8 of the zeroed bytes and no shift pass."""
+
+
 def _pack_bits(idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Sorted indices ``[..., K]`` -> uint8 bitmask ``[..., ceil(S/8)]``."""
+    """Sorted indices ``[..., K]`` -> uint8 bitmask ``[..., ceil(S/8)]`` (``PACK_BITS`` says how)."""
+    if PACK_BITS == "words":
+        return _pack_bits_words(idx, num_tokens)
     lead = idx.shape[:-1]
     nbytes = -(-num_tokens // 8)
     rows = idx.reshape(-1, idx.shape[-1])
@@ -180,6 +189,24 @@ def _pack_bits(idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
         bits = torch.zeros(r1 - r0, nbytes * 8, dtype=torch.uint8, device=idx.device)
         bits.scatter_(1, rows[r0:r1].long(), 1)
         out[r0:r1] = (bits.view(r1 - r0, nbytes, 8) << shifts).sum(-1, dtype=torch.uint8)
+    return out.reshape(*lead, nbytes)
+
+
+def _pack_bits_words(idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``_pack_bits`` by int32 words: word w holds tokens 32w .. 32w + 31 (bit t % 32; bit 31 is the sign bit), so its
+    little-endian bytes are bitmask bytes 4w .. 4w + 3; distinct keys set distinct bits, so ``scatter_add_`` is their
+    OR (no carries, no overflow)."""
+    lead = idx.shape[:-1]
+    nbytes = -(-num_tokens // 8)
+    rows = idx.reshape(-1, idx.shape[-1])
+    words = torch.zeros(rows.shape[0], -(-nbytes // 4), dtype=torch.int32, device=idx.device)
+    for r0, r1 in _row_chunks(rows.shape[0], 4 * rows.shape[1]):  # int64 word index + int32 bit per key
+        chunk = rows[r0:r1]
+        bit = torch.bitwise_left_shift(torch.ones_like(chunk), chunk & 31)
+        words[r0:r1].scatter_add_(1, (chunk >> 5).long(), bit)
+    out = words.view(torch.uint8)
+    if out.shape[1] != nbytes:
+        out = out[:, :nbytes].contiguous()
     return out.reshape(*lead, nbytes)
 
 

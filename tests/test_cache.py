@@ -41,6 +41,25 @@ def test_selection_round_trip_is_bit_exact(gen, kind, S, K, width):
         assert enc.kind == ("int32" if kind == "uint16" and S > 65536 else kind)
 
 
+@pytest.mark.parametrize("S,K", [(1000, 256), (77, 77), (9, 1), (32760, 4992), (75600, 11392)])
+def test_bitmask_by_words_equals_bitmask_by_bytes(gen, monkeypatch, S, K):
+    """encoding.PACK_BITS "words" (int32 words, scatter_add) writes the same bytes as "bytes", including each word's
+    sign bit (tokens 32w + 31) and a last word cut short (S not a multiple of 32), and decodes to the selection."""
+    kv = _selection(gen, 1, 2, 3, S, K, K)
+    last = torch.arange(31, max(S, 31), 32, dtype=torch.int32)[:K]  # every token that is bit 31 of its word
+    kv[0, 1, 2, : last.numel()] = last
+    kv[0, 1, 2, last.numel():] = torch.tensor(sorted(set(range(S)) - set(last.tolist())), dtype=torch.int32)[
+        : K - last.numel()]
+    kv[0, 1, 2] = kv[0, 1, 2].sort().values
+    got = {}
+    for how in ("bytes", "words"):
+        monkeypatch.setattr(encoding, "PACK_BITS", how)
+        got[how] = encoding.encode_selection(kv, S, K, "bitmask", checked=True)
+        assert got[how].kind == "bitmask" and got[how].data.shape == (1, 2, 3, -(-S // 8))
+        assert got[how].data.is_contiguous() and torch.equal(encoding.decode_selection(got[how]), kv)
+    assert torch.equal(got["words"].data, got["bytes"].data)
+
+
 def test_selection_from_a_real_anchor_round_trips(gen):
     """Selections made by select_kv (ragged S, K = S at density 1) survive the bitmask exactly."""
     for S, density in ((300, 0.2), (130, 1.0)):
