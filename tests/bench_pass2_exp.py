@@ -69,6 +69,15 @@ VARIANTS = {  # name: keywords of launch()
     "kb pow2 1grp": dict(kb_pow2=True, one_group=True),
     "kb pow2 1grp maxnreg 128": dict(kb_pow2=True, one_group=True, maxnreg=128),
     "poly3 1/4 kb pow2": dict(poly3=(0, 4), kb_pow2=True),
+    # session 6: the Gluon kernel with 2^KB precomputed; per-thread stage releases (no warpgroup barrier per tile);
+    # three consumer warpgroups (3 warps per SM sub-partition instead of 2); its two timing floors ("exp": "none"
+    # skips the sums check): no exponential, and no product (the MUFU / FMA work and stores alone)
+    "gluon ws kb pow2 ta": dict(gluon=dict(kb_poly=2, thread_arrive=True), kb_pow2=True),
+    "gluon ws g3 kb pow2": dict(gluon=dict(groups=3, kb_poly=2), kb_pow2=True),
+    "gluon ws g3 kb pow2 ta": dict(gluon=dict(groups=3, kb_poly=2, thread_arrive=True), kb_pow2=True),
+    "gluon ws u4 kb pow2": dict(gluon=dict(unroll=4, kb_poly=2), kb_pow2=True),
+    "gluon ws no exp (floor)": dict(gluon=dict(poly=8, kb_poly=2), kb_pow2=True, exp="none"),
+    "gluon ws no mma (floor)": dict(gluon=dict(poly=9, kb_poly=2), kb_pow2=True, exp="none"),
 }
 
 

@@ -52,7 +52,9 @@ CASES = [  # B, H, S, Sk, D, C: G = 32 (even, ragged last group); B = 2, Sk != S
 
 
 # (case, tuning): the default on every case, the options on the B = 2 / Sk != S / odd-G case (time budget: < 45 s)
-VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], t) for t in (dict(kb_poly=True), dict(groups=3))]
+VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], t) for t in (dict(kb_poly=True), dict(groups=3),
+                                                               dict(thread_arrive=True),
+                                                               dict(groups=3, thread_arrive=True))]
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,

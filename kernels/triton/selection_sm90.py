@@ -37,6 +37,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
     fence_async_shared,
     mbarrier,
     tma,
@@ -54,7 +55,8 @@ _LOG2E = 1.4426950408889634
 
 def config(head_dim: int) -> dict:
     """Launch config: ring depth and the register split (12 warps: 2 consumer warpgroups + 1 producer warpgroup)."""
-    return dict(num_stages=8, consumer_regs=232, producer_regs=40, maxnreg=168, unroll=2, poly=0, kb_poly=False, groups=2)
+    return dict(num_stages=8, consumer_regs=232, producer_regs=40, maxnreg=168, unroll=2, poly=0, kb_poly=False, groups=2,
+                thread_arrive=False)
 
 
 def refusal(q8: torch.Tensor, k8: torch.Tensor, group_size: int, out: torch.Tensor) -> str | None:
@@ -88,6 +90,17 @@ def _producer(k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N: gl.const
         mbarrier.wait(k_empty.index(s), ((t // NUM_STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [row0 + t * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+
+
+@gluon.jit
+def _release(bar, THREAD_ARRIVE: gl.constexpr):
+    """A consumer warpgroup's release of a key stage: one elected thread after a warpgroup barrier (barrier count 1
+    per warpgroup), or THREAD_ARRIVE: every thread on its own after its own wgmma wait, no warpgroup barrier (count
+    128 per warpgroup; ``cp.async.mbarrier.arrive.noinc`` arrives at once: these threads have no cp.async in flight)."""
+    if THREAD_ARRIVE:
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+    else:
+        mbarrier.arrive(bar, count=1)
 
 
 @gluon.jit
@@ -152,6 +165,8 @@ def _tile_sums(acc, f, l2, kbv, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.cons
         col = gl.convert_layout(col, gl.SliceLayout(1, acc.type.layout))
     elif POLY % 4 == 2:
         col = gl.sum(_exp2_soft(x, DEG3), 1)
+    elif POLY == 8:  # no exponential at all: the timing floor of everything else (wrong sums; benchmarks only)
+        col = gl.sum(x, 1)
     else:
         col = gl.sum(gl.exp2(x), 1)
     ok = keys < SK
@@ -169,7 +184,7 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, 
               stride_sb, stride_sh, stride_sg, stride_sn, H,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, UNROLL: gl.constexpr,
-              POLY: gl.constexpr, KB_POLY: gl.constexpr):
+              POLY: gl.constexpr, KB_POLY: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
     """One consumer warpgroup: query group g0 + HALF against every key tile of the ring, two tiles per step."""
     g = g0 + HALF
     has_g = g < G  # odd G: the last program's second group computes on padding and stores nothing
@@ -211,7 +226,7 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, 
             mbarrier.wait(k_ready.index(sk), (t // NUM_STAGES) & 1)
             tok0 = warpgroup_mma(k0, q_t, zero, use_acc=False, is_async=True)
             acc0, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok0, k0, q_tile))
-            mbarrier.arrive(k_empty.index(sk), count=1)
+            _release(k_empty.index(sk), THREAD_ARRIVE)
             _tile_sums(acc0, f, l2, kv, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g, POLY, KB_POLY)
     elif UNROLL == 4:
         # four tiles per step, each product issued one tile ahead of its exponentials: tile t + 2's QK^T is issued
@@ -258,17 +273,22 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, 
             k0 = k_smem.index(s0)
             k1 = k_smem.index(s1)
             mbarrier.wait(k_ready.index(s0), (t // NUM_STAGES) & 1)
-            tok0 = warpgroup_mma(k0, q_t, zero, use_acc=False, is_async=True)
             mbarrier.wait(k_ready.index(s1), ((t + 1) // NUM_STAGES) & 1)
-            tok1 = warpgroup_mma(k1, q_t, zero, use_acc=False, is_async=True)
-            acc0, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok0, k0))  # tile t done, tile t + 1 in flight
-            mbarrier.arrive(k_empty.index(s0), count=1)
+            if POLY == 9:  # no product: the exponentials of a made-up tile (the timing floor of the MUFU work alone)
+                acc0 = zero + (offs_n - t % 7).to(gl.float32)[:, None]
+                acc1 = zero + (offs_n - t % 5).to(gl.float32)[:, None]
+            else:
+                tok0 = warpgroup_mma(k0, q_t, zero, use_acc=False, is_async=True)
+                tok1 = warpgroup_mma(k1, q_t, zero, use_acc=False, is_async=True)
+                acc0, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok0, k0))  # tile t done, tile t + 1 in flight
+            _release(k_empty.index(s0), THREAD_ARRIVE)
             _tile_sums(acc0, f, l2, _kb(kb_base, t * BLOCK_N + offs_n, SK), s_ptr, stride_sn, t * BLOCK_N + offs_n, SK,
-                       has_g, POLY, KB_POLY)
-            acc1, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, k1, q_tile))
-            mbarrier.arrive(k_empty.index(s1), count=1)
+                       has_g, 0 if POLY == 9 else POLY, KB_POLY)
+            if POLY != 9:
+                acc1, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, k1, q_tile))
+            _release(k_empty.index(s1), THREAD_ARRIVE)
             _tile_sums(acc1, f, l2, _kb(kb_base, (t + 1) * BLOCK_N + offs_n, SK), s_ptr, stride_sn,
-                       (t + 1) * BLOCK_N + offs_n, SK, has_g, POLY, KB_POLY)
+                       (t + 1) * BLOCK_N + offs_n, SK, has_g, 0 if POLY == 9 else POLY, KB_POLY)
 
 
 @gluon.jit
@@ -278,7 +298,8 @@ def _pass2_fwd_sm90(
     stride_sb, stride_sh, stride_sg, stride_sn,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr,
-    POLY: gl.constexpr, KB_POLY: gl.constexpr, GROUPS: gl.constexpr, num_warps: gl.constexpr,
+    POLY: gl.constexpr, KB_POLY: gl.constexpr, GROUPS: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     g0 = gl.program_id(0) * GROUPS
     bh = gl.program_id(1)
@@ -292,30 +313,30 @@ def _pass2_fwd_sm90(
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(j), count=1)  # the producer's expect; TMA completes the transaction
-        mbarrier.init(k_empty.index(j), count=GROUPS)  # one arrive per consumer warpgroup
+        mbarrier.init(k_empty.index(j), count=GROUPS * (128 if THREAD_ARRIVE else 1))  # per warpgroup / thread
 
     # worker arguments are spelled out (a tuple built with + loses its constexpr wrappers in Triton 3.6)
     if GROUPS == 3:
         gl.warp_specialize([
             (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                          n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, UNROLL, POLY, KB_POLY)),
+                         NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
             (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                          n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, UNROLL, POLY, KB_POLY)),
+                         NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
             (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                          n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 2, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, UNROLL, POLY, KB_POLY)),
+                         NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
             (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
         return
     gl.warp_specialize([
         (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                      n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                     NUM_STAGES, UNROLL, POLY, KB_POLY)),
+                     NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
         (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                      n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
-                     NUM_STAGES, UNROLL, POLY, KB_POLY)),
+                     NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
         (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -327,7 +348,7 @@ def k_layout(head_dim: int):
 
 def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None, consumer_regs=None,
                 producer_regs=None, maxnreg=None, unroll=None, poly=None, kb_poly=None,
-                groups=None, k_desc=None):
+                groups=None, thread_arrive=None, k_desc=None):
     """(grid, positional args, meta) of one launch; the op and the offline compile share it. ``k_desc``: a prebuilt
     descriptor (the offline compile passes one on the meta device)."""
     B, H, S, D = q8.shape
@@ -349,8 +370,13 @@ def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None
     if unroll not in (1, 2, 4):
         raise ValueError(f"unroll must be 1, 2 or 4, got {unroll}")
     poly = int(cfg["poly"] if poly is None else poly)
-    if poly not in (0, 1, 2, 3, 5) or (poly in (2, 3) and unroll != 4) or (poly == 5 and unroll == 4):
-        raise ValueError(f"poly must be 0, 1, 2 / 3 with unroll 4, or 5 without, got {poly} (unroll {unroll})")
+    if poly not in (0, 1, 2, 3, 5, 8, 9) or (poly in (2, 3) and unroll != 4) or (poly == 5 and unroll == 4):
+        raise ValueError(f"poly must be 0, 1, 2 / 3 with unroll 4, 5 without, or 8, got {poly} (unroll {unroll})")
+    thread_arrive = bool(cfg["thread_arrive"] if thread_arrive is None else thread_arrive)
+    if thread_arrive and unroll == 4:
+        raise ValueError("thread_arrive runs with unroll 1 or 2, not 4")
+    if poly == 9 and unroll != 2:
+        raise ValueError("poly 9 (no product: timing floor) runs with unroll 2 only")
     if k_desc is None:
         k_desc = TensorDescriptor.from_tensor(k8.view(B * H * SK, D), [BLOCK_N, D], k_layout(D))
     grid = (triton.cdiv(G, groups), B * H)
@@ -358,6 +384,7 @@ def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None
     meta = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
                 UNROLL=unroll, POLY=poly, KB_POLY=int(cfg["kb_poly"] if kb_poly is None else kb_poly), GROUPS=groups,
+                THREAD_ARRIVE=thread_arrive,
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta
 
@@ -377,6 +404,9 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size, **tunin
             ones: 1 a quarter of every tile's, with unroll 4 also 2 all of one tile in 4, 3 all of two tiles in 4;
             5 as 1 with the degree-3 ``_exp2_poly3``, 7.6e-5, unroll 1 or 2),
             ``kb_poly`` (the per-key factor on the FMA pipe; 2: ``kb`` holds 2^KB, ``fp8_operands(kb_pow2=True)``),
+            ``thread_arrive`` (each consumer thread releases a key stage itself: no warpgroup barrier per tile;
+            unroll 1 or 2), timing floors that write wrong sums (benchmarks only): ``poly=8`` no exponential,
+            ``poly=9`` no product (unroll 2),
             ``consumer_regs``, ``producer_regs``, ``maxnreg``.
     Returns:
         ``out``.
