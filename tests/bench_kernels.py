@@ -309,6 +309,14 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
                                                              thread_arrive=True),
     "gluon pingpong persistent 3 stages thread_arrive early_q": dict(_gluon=True, pingpong=True, persistent=True,
                                                                      num_stages=3, thread_arrive=True, early_q=True),
+    # no proxy fence between a stage's ready wait and its wgmma (flash-attn-4's sm90 cp.async pipelines): alone, + early_q
+    "gluon pingpong persistent 3 stages thread_arrive no_fence": dict(_gluon=True, pingpong=True, persistent=True,
+                                                                      num_stages=3, thread_arrive=True,
+                                                                      cp_async_fence=False),
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence": dict(_gluon=True, pingpong=True,
+                                                                              persistent=True, num_stages=3,
+                                                                              thread_arrive=True, early_q=True,
+                                                                              cp_async_fence=False),
     "gluon pingpong persistent stage_out": dict(_gluon=True, pingpong=True, persistent=True, stage_out=True),  # 16-byte
     # output stores through the Q tile (the CuTeDSL kernel's staged epilogue: +2-3 % at small s)
     "gluon overlap pingpong persistent stage_out": dict(_gluon=True, overlap=True, pingpong=True, persistent=True,

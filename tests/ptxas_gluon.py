@@ -115,7 +115,9 @@ def main():
                         dict(pingpong=True, persistent=True, num_sms=132, thread_arrive=True),
                         dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True),
                         dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
-                             early_q=True))])
+                             early_q=True),
+                        dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
+                             early_q=True, cp_async_fence=False))])
     for D, kind, tune in cases:
         r = report(kind, D=D, ptx_dir=args.ptx, **tune)
         bad += r["consumer_hot_spills"] > 0 or not r["fits"] or (not tune and r["spill_st"] > 64)

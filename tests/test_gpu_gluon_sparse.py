@@ -119,7 +119,10 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
            "early-q-3-stages": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3, thread_arrive=True,
                                      early_q=True), "int4_group"),
            "early-q-2-slots": (dict(pingpong=True, persistent=True, num_sms=7, thread_arrive=True, early_q=True),
-                               "plain")}
+                               "plain"),
+           # no proxy fence between a stage's ready wait and its wgmma (flash-attn-4's sm90 cp.async pipelines)
+           "no-fence-early-q": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3, thread_arrive=True,
+                                     early_q=True, cp_async_fence=False), "int4_group")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(TUNINGS.values()), ids=list(TUNINGS))
@@ -128,6 +131,20 @@ def test_gluon_tunings_vs_float64(tuning, kind):
     groups: the ring's phases and the Q slots carried across items; FA3's overlap of softmax and P V), ragged counts
     (single-tile groups included), fp16."""
     _check(2, 2, 1100 + 8, 128, 128, 300, 1024, kind, torch.float16, seed=13, ragged_counts=True, **tuning)
+
+
+NO_FENCE = {"no-fence": (dict(cp_async_fence=False), "plain"),
+            "no-fence-early-q": (dict(cp_async_fence=False, early_q=True), "fp8_row")}
+
+
+@pytest.mark.parametrize(("tuning", "kind"), list(NO_FENCE.values()), ids=list(NO_FENCE))
+def test_gluon_no_fence_long_rows_vs_float64(tuning, kind):
+    """The schedules without the consumers' proxy fence (``cp_async_fence=False``) on long rows: 12 key tiles per
+    group (1500 of 1536 slots), 16 persistent programs walking 12 items each, so every ring stage is refilled many
+    times while the other warpgroup reads its neighbour (a stage read before its copies landed shows as an error);
+    bf16, B = 2, native views, NaN-poisoned out, LSE."""
+    _check(2, 3, 4000, 128, 128, 1500, 1536, kind, torch.bfloat16, seed=29, ragged_counts=False, pingpong=True,
+           persistent=True, num_sms=16, num_stages=3, thread_arrive=True, **tuning)
 
 
 def test_gluon_persistent_c192_vs_float64():

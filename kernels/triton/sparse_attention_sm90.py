@@ -15,7 +15,8 @@ products and the softmax of one program overlap (Triton 3.6 does not warp-specia
   warpgroups run independently; ``pingpong`` makes them take turns issuing their products (FA3's inter-warpgroup
   schedule: one's softmax under the other's products). A stage's rows are written by ``cp.async``, which the PTX
   memory model counts as generic-proxy writes, and wgmma reads shared memory through the async proxy, so each
-  consumer runs ``fence.proxy.async`` after observing a stage ready (mbarrier wait) and before its wgmma reads it;
+  consumer runs ``fence.proxy.async`` after observing a stage ready (mbarrier wait) and before its wgmma reads it
+  (``cp_async_fence=False`` leaves it out, as flash-attn-4's sm90 forward and CUTLASS's cp.async GMMA mainloops do);
 
 - the epilogue of each consumer: O / l, + the residual (plain / fp8_row / int4_row / int4_group, dequantised in registers,
   fp32), stored through ``perm`` into ``out``'s strides; optional LSE (fp32, natural log).
@@ -76,7 +77,7 @@ def config(head_dim: int) -> dict:
     the producer issues each item's count, index and query loads together (232 / 40 spilled 32 bytes there)."""
     return dict(num_stages=2, consumer_regs=224, producer_regs=56, maxnreg=168, pipeline=False, persistent=False,
                 overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
-                thread_arrive=False, early_q=False)
+                thread_arrive=False, early_q=False, cp_async_fence=True)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -310,13 +311,15 @@ def _release(bar, THREAD_ARRIVE: gl.constexpr):
 
 @gluon.jit
 def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c, turn, j, NUM_STAGES: gl.constexpr, HALF: gl.constexpr,
-            PINGPONG: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False):
+            PINGPONG: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False, FENCE: gl.constexpr = True):
     """S = Q K^T of the ring's tile c (fp32, the wgmma accumulator layout of s_zero), then its K stage released.
-    PINGPONG: issued as this warpgroup's product block j (``_turn_wait``), the other warpgroup's turn passed on."""
+    PINGPONG: issued as this warpgroup's product block j (``_turn_wait``), the other warpgroup's turn passed on.
+    FENCE: a proxy fence between the stage's ready wait and the wgmma (without: ``_mainloop``'s ``FENCE``)."""
     s = c % NUM_STAGES
     k_tile = k_smem.index(s)
     mbarrier.wait(k_ready.index(s), (c // NUM_STAGES) & 1)
-    fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads through the async proxy
+    if FENCE:
+        fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads through the async proxy
     if PINGPONG:
         _turn_wait(turn, j, HALF)
     qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -329,12 +332,14 @@ def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c, turn, j, NUM_STAGES: gl
 
 @gluon.jit
 def _values(p16, acc, v_smem, v_ready, v_empty, c, turn, j, NUM_STAGES: gl.constexpr, HALF: gl.constexpr,
-            PINGPONG: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False):
-    """O += P V of the ring's tile c (P from registers), then its V stage released; PINGPONG as ``_scores``."""
+            PINGPONG: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False, FENCE: gl.constexpr = True):
+    """O += P V of the ring's tile c (P from registers), then its V stage released; PINGPONG, FENCE as
+    ``_scores``."""
     s = c % NUM_STAGES
     v_tile = v_smem.index(s)
     mbarrier.wait(v_ready.index(s), (c // NUM_STAGES) & 1)
-    fence_async_shared()
+    if FENCE:
+        fence_async_shared()
     if PINGPONG:
         _turn_wait(turn, j, HALF)
     acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
@@ -348,7 +353,7 @@ def _values(p16, acc, v_smem, v_ready, v_empty, c, turn, j, NUM_STAGES: gl.const
 @gluon.jit
 def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero, c, turn, j,
                         NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
-                        THREAD_ARRIVE: gl.constexpr = False):
+                        THREAD_ARRIVE: gl.constexpr = False, FENCE: gl.constexpr = True):
     """One product block: O += P V of tile c and S = Q K^T of tile c + 1 issued back to back (one proxy fence for
     both stages, one wait for both products), then both stages released. Returns (O, S of tile c + 1)."""
     sv = c % NUM_STAGES
@@ -357,7 +362,8 @@ def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_em
     k_tile = k_smem.index(sk)
     mbarrier.wait(v_ready.index(sv), (c // NUM_STAGES) & 1)
     mbarrier.wait(k_ready.index(sk), ((c + 1) // NUM_STAGES) & 1)
-    fence_async_shared()
+    if FENCE:
+        fence_async_shared()
     if PINGPONG:
         _turn_wait(turn, j, HALF)
     acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
@@ -374,7 +380,7 @@ def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_em
 def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_free, n_end, c0, j0,
               sm_scale_log2, dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
-              THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr = False):
+              THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr = False, FENCE: gl.constexpr = True):
     """One group's key tiles (ring tiles c0 ..): per tile S = Q K^T, the online softmax in base 2 with the lazy
     rescale, O += P V accumulated in fp32. Only the last tile masks the slots past the count (the loop body runs
     unmasked: no select per score). PIPELINE: tile t's P V and tile t + 1's QK^T issued as one block (one fence, one
@@ -382,7 +388,9 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, 
     turns issuing their blocks (mbarriers ``turn``), so one's softmax runs under the other's products; ``j0`` counts
     this warpgroup's earlier blocks (all items: n_tiles + 1 per item). EARLY_Q: this warpgroup's arrive on ``q_free``
     (the item's Q slot) once its last QK^T has completed, before the last tile's softmax and P V. Returns (O
-    unnormalised, running max (log2 units), row sum)."""
+    unnormalised, running max (log2 units), row sum). FENCE=False: no proxy fence between a stage's ready wait
+    and its wgmma (flash-attn-4's sm90 forward and CUTLASS's cp.async GMMA mainloops issue the wgmma right after the
+    cp.async pipeline's wait; ptxas makes each fence a MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -396,7 +404,8 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, 
     acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
     n_tiles = gl.cdiv(n_end, BLOCK_N)
-    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn, j0, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE)
+    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn, j0, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE,
+                 FENCE)
     for t in range(n_tiles - 1):  # every tile but the last: all slots valid
         c = c0 + t
         p16, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
@@ -404,11 +413,12 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, 
         acc = acc * alpha[:, None]
         if PIPELINE or PINGPONG:
             acc, qk = _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
-                                          c, turn, j0 + 1 + t, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE)
+                                          c, turn, j0 + 1 + t, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE, FENCE)
         else:
-            acc = _values(p16, acc, v_smem, v_ready, v_empty, c, turn, 0, NUM_STAGES, HALF, False, THREAD_ARRIVE)
+            acc = _values(p16, acc, v_smem, v_ready, v_empty, c, turn, 0, NUM_STAGES, HALF, False, THREAD_ARRIVE,
+                          FENCE)
             qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c + 1, turn, 0, NUM_STAGES, HALF, False,
-                         THREAD_ARRIVE)
+                         THREAD_ARRIVE, FENCE)
     if EARLY_Q:  # every QK^T of this warpgroup has completed (each waited for): the Q tile is free
         mbarrier.arrive(q_free, count=1)
     t = n_tiles - 1  # the last tile: its slots past the count weigh nothing
@@ -416,7 +426,7 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, 
                                          row_o, True)
     acc = acc * alpha[:, None]
     acc = _values(p16, acc, v_smem, v_ready, v_empty, c0 + t, turn, j0 + n_tiles, NUM_STAGES, HALF, PINGPONG,
-                  THREAD_ARRIVE)
+                  THREAD_ARRIVE, FENCE)
     return acc, m_i, l_i
 
 
@@ -580,7 +590,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
               NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr,
               PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr,
-              STREAM: gl.constexpr):
+              CP_ASYNC_FENCE: gl.constexpr, STREAM: gl.constexpr):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
     loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
     later) and the epilogue's perm rows, both in flight under the mainloop."""
@@ -616,7 +626,8 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
             qs = i % Q_SLOTS
             q_tile = q_smem.index(qs * 2 + HALF)
             mbarrier.wait(q_ready.index(qs), (i // Q_SLOTS) & 1)
-            fence_async_shared()
+            if CP_ASYNC_FENCE:  # the queries came by cp.async too
+                fence_async_shared()
         else:  # one item per program: this half's Q rows through perm, into its own tile
             offs_m = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, q_lay))
             q_idx = gl.load(PERM + perm_off + offs_m, mask=offs_m < C, other=-1, eviction_policy=STREAM)
@@ -640,7 +651,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
             acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                       q_empty.index(i % Q_SLOTS), n_end, c, c + i, sm_scale_log2, Q.dtype.element_ty,
                                       M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF, PIPELINE, PINGPONG, THREAD_ARRIVE,
-                                      EARLY_Q)
+                                      EARLY_Q, CP_ASYNC_FENCE)
         c += gl.cdiv(n_end, BLOCK_N)
         if PERSISTENT and not STAGE_OUT and not EARLY_Q:  # every QK^T of the item is done: its Q slot is free
             mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
@@ -669,8 +680,8 @@ def _sparse_fwd_sm90(
     RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr, ROW_THREADS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr,
-    L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr, STREAM: gl.constexpr,
-    num_warps: gl.constexpr,
+    L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr, CP_ASYNC_FENCE: gl.constexpr,
+    STREAM: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
@@ -715,14 +726,14 @@ def _sparse_fwd_sm90(
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, STREAM)),
+                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, STREAM)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, STREAM)),
+                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, STREAM)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -735,7 +746,7 @@ def _sparse_fwd_sm90(
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
                 row_threads=None, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
-                q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None):
+                q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -775,6 +786,9 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
         raise ValueError("thread_arrive runs with the plain, pipeline and pingpong schedules, not overlap")
     stage_out = bool(cfg["stage_out"] if stage_out is None else stage_out)
     early_q = bool(cfg["early_q"] if early_q is None else early_q)
+    cp_async_fence = bool(cfg["cp_async_fence"] if cp_async_fence is None else cp_async_fence)
+    if not cp_async_fence and overlap:
+        raise ValueError("cp_async_fence=False runs with the plain, pipeline and pingpong schedules, not overlap")
     if early_q and (overlap or stage_out or not persistent):
         raise ValueError("early_q runs persistent with the plain, pipeline and pingpong schedules (not overlap, not "
                          "stage_out: its epilogue stages the output rows in the Q tile)")
@@ -792,6 +806,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 L2_PREFETCH=bool(cfg["l2_prefetch"] if l2_prefetch is None else l2_prefetch),
                 THREAD_ARRIVE=thread_arrive,
                 EARLY_Q=early_q,
+                CP_ASYNC_FENCE=cp_async_fence,
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
@@ -822,7 +837,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             ``thread_arrive`` (the consumers release K/V stages and pass pingpong turns with one arrive per thread, no
             warpgroup barrier per arrive: ``_release``; not with ``overlap``), ``early_q`` (persistent, not with
             ``overlap`` / ``stage_out``: each item's Q slot freed at its last QK^T and the next item's queries
-            gathered right behind its first K/V tile; ``_producer``).
+            gathered right behind its first K/V tile; ``_producer``), ``cp_async_fence`` (False: no proxy fence
+            between a K/V stage's (persistent: the Q slot's) ready wait and the wgmma reading it, as flash-attn-4's
+            sm90 forward and CUTLASS's cp.async GMMA mainloops; ``_mainloop``; not with ``overlap``).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:

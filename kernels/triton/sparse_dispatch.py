@@ -56,6 +56,12 @@ GLUON_SCHEDULES = {
     # + each item's Q slot freed at its last QK^T, the next item's queries gathered right behind its first K/V tile
     "pingpong persistent 3 stages thread_arrive early_q": dict(pingpong=True, persistent=True, num_stages=3,
                                                                thread_arrive=True, early_q=True),
+    # + no proxy fence between a stage's ready wait and its wgmma (flash-attn-4's sm90 cp.async pipelines)
+    "pingpong persistent 3 stages thread_arrive no_fence": dict(pingpong=True, persistent=True, num_stages=3,
+                                                                thread_arrive=True, cp_async_fence=False),
+    "pingpong persistent 3 stages thread_arrive early_q no_fence": dict(pingpong=True, persistent=True, num_stages=3,
+                                                                        thread_arrive=True, early_q=True,
+                                                                        cp_async_fence=False),
 }
 # What the auto mode times per shape. H200, 2026-12-01 13:42 (tests/_timing.race, vs flash-attn-4 dense with LSE x s,
 # 1.3B 480p / 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5): pingpong persistent with the 3-deep ring and per-thread
