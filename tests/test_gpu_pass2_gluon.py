@@ -54,7 +54,10 @@ CASES = [  # B, H, S, Sk, D, C: G = 32 (even, ragged last group); B = 2, Sk != S
 # (case, tuning): the default on every case, the options on the B = 2 / Sk != S / odd-G case (time budget: < 45 s)
 VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], t) for t in (dict(kb_poly=True), dict(groups=3),
                                                                dict(thread_arrive=True),
-                                                               dict(groups=3, thread_arrive=True))]
+                                                               dict(groups=3, thread_arrive=True),
+                                                               dict(poly=10), dict(poly=10, thread_arrive=True),
+                                                               dict(groups=3, poly=10))]
+BF16_P_RTOL = 2e-3  # poly=10: the exponentials rounded to bfloat16 (2^-9) before the tensor cores sum them
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,
@@ -64,7 +67,8 @@ def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, tuning):
     the same float8 operands (H200: the e4m3 wgmma's accumulation, as the Triton kernel's 5e-5 - 1.4e-4) and within
     1e-4 relative of the Triton pair kernel's (the same products and exponentials; only the row-sum order differs;
     ``kb_poly``: the per-key factor by the FMA-pipe polynomial, < 5e-5 relative); fp16 sums within one fp16
-    rounding of the Triton kernel's."""
+    rounding of the Triton kernel's. ``poly=10`` (row sums on the tensor cores from bfloat16 exponentials): within
+    ``BF16_P_RTOL`` relative L2 per group of both, 1e-2 per entry of the Triton kernel's."""
     selection, g90, _ = _mods()
     B, H, S, SK, D, C = case
     q, k, lse, perm = _case(*case, seed=SEED + S + len(str(tuning)))
@@ -78,10 +82,17 @@ def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, tuning):
         g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, **tuning)
         torch.cuda.synchronize()
         assert not out.isnan().any(), f"{int(out.isnan().sum())} entries not written ({dtype})"
+        bf16_p = tuning.get("poly") == 10
         if dtype == torch.float32:
             rel_t = float(((out - want).abs() / want.abs().clamp_min(1e-30)).max())
             print(f"fp32: max relative difference to the Triton kernel {rel_t:.2e}")
-            assert rel_t < 1e-4, rel_t
+            assert rel_t < (1e-2 if bf16_p else 1e-4), rel_t
+            if bf16_p:
+                rel_l2 = float(((out.double() - want.double()).norm(dim=-1) / want.double().norm(dim=-1)).max())
+                assert rel_l2 < BF16_P_RTOL, rel_l2
+        elif bf16_p:
+            assert torch.allclose(out.float(), want.float(), rtol=1e-2, atol=1e-7), \
+                float((out.float() - want.float()).abs().max())
         else:
             assert torch.allclose(out.float(), want.float(), rtol=2**-10, atol=1e-7), \
                 float((out.float() - want.float()).abs().max())
@@ -94,7 +105,7 @@ def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, tuning):
     g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, **tuning)
     rel = (out.double() - deq).norm(dim=-1) / deq.norm(dim=-1)
     print(f"float64: max relative L2 per group {float(rel.max()):.2e}")
-    assert float(rel.max()) < 5e-4, float(rel.max())
+    assert float(rel.max()) < (BF16_P_RTOL if tuning.get("poly") == 10 else 5e-4), float(rel.max())
 
 
 def test_gluon_pass2_through_the_dispatch_and_select_kv():

@@ -147,15 +147,27 @@ def _kb(kb_base, keys, SK):
 
 @gluon.jit
 def _tile_sums(acc, f, l2, kbv, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.constexpr = 0,
-               KB_POLY: gl.constexpr = False):
+               KB_POLY: gl.constexpr = False, ones=None):
     """One tile's group sums: row sums of 2^(acc * f - l2) (acc: S^T, keys x queries), x 2^kbv (the keys' KB),
     stored. POLY: 0 every exponential on MUFU; 1 a quarter of them on the FMA pipe (``_exp2_fma``: one of the 4
     columns a thread holds per 16, so each warp interleaves both kinds); 2 all of them on the FMA pipe; 5 / 6 as
-    1 / 2 with the degree-3 ``_exp2_poly3``. KB_POLY: the
+    1 / 2 with the degree-3 ``_exp2_poly3``; 10: the row sums on the tensor cores (the exponentials rounded to
+    bfloat16, times ``ones``, a [queries, 8] bfloat16 tile of ones in column 0, by a wgmma into fp32). KB_POLY: the
     per-key factor 2^kbv on the FMA pipe too (each of the 4 threads of a row computes it: 3 % of the MUFU work)."""
     x = acc * f - l2[None, :]
     DEG3: gl.constexpr = POLY >= 4  # POLY 5 / 6: POLY 1 / 2 with the degree-3 polynomial (``_exp2_poly3``)
-    if POLY % 4 == 1:
+    if POLY == 8:  # no exponential at all: the timing floor of everything else (wrong sums; benchmarks only)
+        col = gl.sum(x, 1)
+    elif POLY == 10:  # row sums by a wgmma: P (bf16, registers) x a column of ones (no FADD per score)
+        sum_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, 8, 16])
+        p16 = gl.convert_layout(gl.exp2(x).to(gl.bfloat16),
+                                gl.DotOperandLayout(operand_index=0, parent=sum_layout, k_width=2))
+        tok = warpgroup_mma(p16, ones, gl.zeros([x.shape[0], 8], gl.float32, layout=sum_layout), use_acc=False,
+                            is_async=True)
+        rs, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok, p16, ones))
+        col = gl.convert_layout(gl.sum(rs, 1), gl.SliceLayout(1, acc.type.layout))
+    elif POLY % 4 == 1:
         # accumulator column c = 16 * m + 8 * n + 2 * (lane % 4) + r: n and r are this thread's registers
         x5 = gl.permute(gl.reshape(x, [x.shape[0], x.shape[1] // 16, 2, 4, 2]), (0, 1, 3, 4, 2))
         a, b = gl.split(x5)  # n = 0 / 1: [rows, m, lane, r]
@@ -165,8 +177,6 @@ def _tile_sums(acc, f, l2, kbv, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.cons
         col = gl.convert_layout(col, gl.SliceLayout(1, acc.type.layout))
     elif POLY % 4 == 2:
         col = gl.sum(_exp2_soft(x, DEG3), 1)
-    elif POLY == 8:  # no exponential at all: the timing floor of everything else (wrong sums; benchmarks only)
-        col = gl.sum(x, 1)
     else:
         col = gl.sum(gl.exp2(x), 1)
     ok = keys < SK
@@ -180,7 +190,7 @@ def _tile_sums(acc, f, l2, kbv, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.cons
 
 
 @gluon.jit
-def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G, n_tiles,
+def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G, n_tiles,
               stride_sb, stride_sh, stride_sg, stride_sn, H,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, UNROLL: gl.constexpr,
@@ -206,6 +216,13 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, 
     q_tile.store(q)
     fence_async_shared()  # generic-proxy stores, read by wgmma through the async proxy
     q_t = q_tile.permute((1, 0))  # [D, BLOCK_M]: the wgmma's B operand, K-major
+    ones = ones_smem.index(HALF if POLY == 10 else 0)
+    if POLY == 10:  # the row-sum wgmma's B operand: [queries, 8] bfloat16, ones in column 0, zeros elsewhere
+        lo: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
+        oc = gl.arange(0, 8, layout=gl.SliceLayout(0, lo))
+        om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lo))
+        ones.store(gl.where((oc[None, :] == 0) & (om[:, None] >= 0), 1.0, 0.0).to(gl.bfloat16))
+        fence_async_shared()
 
     # the queries' LSE in base 2, one per accumulator column; padded / missing queries +inf (they add exactly 0)
     offs_c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -227,7 +244,7 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, 
             tok0 = warpgroup_mma(k0, q_t, zero, use_acc=False, is_async=True)
             acc0, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok0, k0, q_tile))
             _release(k_empty.index(sk), THREAD_ARRIVE)
-            _tile_sums(acc0, f, l2, kv, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g, POLY, KB_POLY)
+            _tile_sums(acc0, f, l2, kv, s_ptr, stride_sn, t * BLOCK_N + offs_n, SK, has_g, POLY, KB_POLY, ones)
     elif UNROLL == 4:
         # four tiles per step, each product issued one tile ahead of its exponentials: tile t + 2's QK^T is issued
         # before tile t + 1's exponentials (at most two accumulators live), the pipeline drains once per 4 tiles
@@ -283,12 +300,12 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, 
                 acc0, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok0, k0))  # tile t done, tile t + 1 in flight
             _release(k_empty.index(s0), THREAD_ARRIVE)
             _tile_sums(acc0, f, l2, _kb(kb_base, t * BLOCK_N + offs_n, SK), s_ptr, stride_sn, t * BLOCK_N + offs_n, SK,
-                       has_g, 0 if POLY == 9 else POLY, KB_POLY)
+                       has_g, 0 if POLY == 9 else POLY, KB_POLY, ones)
             if POLY != 9:
                 acc1, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, k1, q_tile))
             _release(k_empty.index(s1), THREAD_ARRIVE)
             _tile_sums(acc1, f, l2, _kb(kb_base, (t + 1) * BLOCK_N + offs_n, SK), s_ptr, stride_sn,
-                       (t + 1) * BLOCK_N + offs_n, SK, has_g, 0 if POLY == 9 else POLY, KB_POLY)
+                       (t + 1) * BLOCK_N + offs_n, SK, has_g, 0 if POLY == 9 else POLY, KB_POLY, ones)
 
 
 @gluon.jit
@@ -309,6 +326,8 @@ def _pass2_fwd_sm90(
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [GROUPS, BLOCK_M, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 8], gl.bfloat16)
+    ones_smem = gl.allocate_shared_memory(gl.bfloat16, [GROUPS if POLY == 10 else 1, BLOCK_M, 8], ones_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(NUM_STAGES):
@@ -318,23 +337,23 @@ def _pass2_fwd_sm90(
     # worker arguments are spelled out (a tuple built with + loses its constexpr wrappers in Triton 3.6)
     if GROUPS == 3:
         gl.warp_specialize([
-            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                          n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                          NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
-            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                          n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
                          NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
-            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                          n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 2, HEAD_DIM, BLOCK_M, BLOCK_N,
                          NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
             (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
         return
     gl.warp_specialize([
-        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                      n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                      NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
-        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
                      n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
                      NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
         (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
@@ -370,7 +389,9 @@ def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None
     if unroll not in (1, 2, 4):
         raise ValueError(f"unroll must be 1, 2 or 4, got {unroll}")
     poly = int(cfg["poly"] if poly is None else poly)
-    if poly not in (0, 1, 2, 3, 5, 8, 9) or (poly in (2, 3) and unroll != 4) or (poly == 5 and unroll == 4):
+    if poly == 10 and unroll == 4:
+        raise ValueError("poly 10 (row sums on the tensor cores) runs with unroll 1 or 2")
+    if poly not in (0, 1, 2, 3, 5, 8, 9, 10) or (poly in (2, 3) and unroll != 4) or (poly == 5 and unroll == 4):
         raise ValueError(f"poly must be 0, 1, 2 / 3 with unroll 4, 5 without, or 8, got {poly} (unroll {unroll})")
     thread_arrive = bool(cfg["thread_arrive"] if thread_arrive is None else thread_arrive)
     if thread_arrive and unroll == 4:
