@@ -7,7 +7,10 @@ s in {0.1, 0.15, 0.25, 0.5} (each group's indices a random sorted set of floor(s
 point):
 - dense with LSE: flash-attn-4 (the baseline of every ratio: "flash-attn-4 dense x s"; cuDNN SDPA without it);
 - ``cutedsl op``: ``kernels.sparse_attention(..., backend="cutedsl")`` on the model's native [B, S, H*D] views
-  writing an ``out=`` view (what the reuse path calls: counts launch + kernel), and with a plain bf16 residual;
+  writing an ``out=`` view (what the reuse path calls: counts launch + kernel), twice (``cutedsl op (again)``: the
+  same call in another place of the race's order), and with a plain bf16 residual;
+- ``counts + op kernel``: the op's counts launch and its compiled kernel (``rules``' epilogue, options and grid)
+  launched directly: the op without its host work (the host microseconds per op call are printed too);
 - the compiled kernel's launch alone (counts computed before) in the ``VARIANTS`` named by ``--variants``
   (producer L2 hints, the staged epilogue, 3 K/V stages, a persistent grid of one CTA per SM); efficiency = FA4
   dense ms * s / sparse ms;
@@ -77,6 +80,8 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
     "kernel 3 stages": ("cp.async", "registers", 3, ()),
     "evict smem 3 stages": ("cp.async+evict", "smem", 3, ()),
     "evict smem persistent": ("cp.async+evict", "smem", 2, ("persistent",)),
+    # two groups in flight per CTA (query ring, next group's first Q K^T with this group's last P V)
+    "evict smem overlap": ("cp.async+evict", "smem", 2, ("overlap", "persistent")),
 }
 
 
@@ -205,7 +210,7 @@ def main():
     ap.add_argument("--densities", default="0.1,0.15,0.25,0.5")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
     ap.add_argument("--target-ms", type=float, default=15.0, help="time per fn per round")
-    ap.add_argument("--variants", default="kernel evict + smem epi,evict smem persistent",
+    ap.add_argument("--variants", default="evict smem persistent,evict smem overlap",
                     help="kernel variants timed alone: " + ", ".join(VARIANTS))
     ap.add_argument("--commit", default=os.environ.get("MC_SPARSE_COMMIT", "unknown"))
     ap.add_argument("--scoreboard", default=str(ROOT / "docs/results/scoreboard.json"))

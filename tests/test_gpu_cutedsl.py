@@ -173,3 +173,36 @@ def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, cta
     assert not base.isnan().any() and (lse_t is None or not lse_t.isnan().any())
     err = _check(out, lse_t, q, k, v, perm, idx)
     print(f"cutedsl {producer} {epilogue} {options} ctas={ctas} {dtype} D={D}: rel err {err:.2e}")
+
+
+@pytest.mark.parametrize(("dtype", "D", "lse"), [(torch.bfloat16, 128, True), (torch.float16, 64, False)],
+                         ids=["bf16-d128-lse", "fp16-d64"])
+def test_cutedsl_overlap_grids(dtype, D, lse):
+    """The "overlap" option (two groups in flight per CTA: 2-slot query ring, the next group's first Q K^T issued
+    with this group's last P V, O staged in the finished group's query slot) against float64 on persistent grids of
+    1, 2, 7 and 500 CTAs over 138 groups (one CTA walking all of them through the ring; CTAs with one group only,
+    which never take the cross-group step), ragged counts (one group with a single key: a group of one tile, whose
+    last P V is its first), K_alloc not a multiple of 128, B = 2, a NaN-filled out written in full each time, the
+    LSE in query order."""
+    import math
+
+    from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
+    from comfyui_mc_sparse_pack.kernels.triton.counts import valid_counts
+
+    gen = torch.Generator(device="cuda").manual_seed(47 + D)
+    B, H, S, C, K = 2, 3, 2900, 128, 700
+    q, k, v = (_native(gen, B, S, H, D, dtype) for _ in range(3))
+    perm, idx = _inputs(gen, B, H, S, C, K, 704, True)
+    fn = cc.compiled({torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], D, lse, "none", 2,
+                     "cp.async+evict", "smem", ("overlap", "persistent"))
+    n = B * H * idx.shape[2]
+    for ctas in (1, 2, 7, 500):
+        base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
+        out = base.view(B, S, H, D).transpose(1, 2)
+        lse_t = torch.full((B, H, S), float("nan"), device="cuda") if lse else None
+        cc.launch(fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse_t,
+                  perm.reshape(n, C).contiguous(), idx.reshape(n, -1).contiguous(), valid_counts(idx), None, None,
+                  None, None, 1 / math.sqrt(D), ctas)
+        assert not base.isnan().any() and (lse_t is None or not lse_t.isnan().any()), ctas
+        err = _check(out, lse_t, q, k, v, perm, idx)
+        print(f"cutedsl overlap ctas={ctas} {dtype} D={D}: rel err {err:.2e}")

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
@@ -50,6 +51,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute import FastDivmodDivisorV2
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
 from flash_attn.cute import pipeline as fa_pipeline
@@ -59,6 +61,7 @@ from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.paged_kv import PagedKVManager
 from flash_attn.cute.seqlen_info import SeqlenInfoQK
+from flash_attn.cute.softmax import Softmax
 from flash_attn.cute.tile_scheduler import WorkTileInfo
 from flash_attn.cute.utils import AuxData
 from quack import layout_utils, sm90_utils
@@ -72,7 +75,11 @@ EPILOGUES = ("registers", "smem")
 # (``num_ctas`` < groups) can gather the next group's queries while its consumers store the previous output).
 # Measured slower on the H200 at most points and removed (2026-12-01 13:05, docs/kernels.md): an L2 prefetch of the
 # group's whole kv_idx row at its start, evict-first L2 hints on the query gather and the output stores.
-OPTIONS = ("persistent",)
+# "overlap" (with "persistent"): two query groups in flight per CTA: a 2-slot query ring (the producer gathers group
+# g+1's queries while the consumers still compute g), the next group's first Q K^T issued together with this group's
+# last P V and its softmax done while that runs, the output staged in the finished group's query slot
+# (``SparseFwdSm90.mma_overlap``); 192 KiB of shared memory at D = 128.
+OPTIONS = ("persistent", "overlap")
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -188,7 +195,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.smem_epilogue = epilogue == "smem" and res_kind is None
         # the staged epilogue in its own tile: the grid may be persistent with it
         self.persistent = "persistent" in options
-        self.own_sO = self.persistent and self.smem_epilogue
+        # two groups in flight: a 2-slot query ring, O staged in the finished group's slot (staged epilogue only)
+        self.overlap = "overlap" in options
+        assert not self.overlap or (self.smem_epilogue and self.persistent), "overlap needs the staged epilogue"
+        self.own_sO = self.persistent and self.smem_epilogue and not self.overlap
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -216,7 +226,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self._setup_attributes()
         self.sQ_layout, self.sK_layout, self.sV_layout = [
             sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, shape, stage)
-            for shape, stage in [((self.tile_m, self.tile_hdim), None), ((self.tile_n, self.tile_hdim), self.num_stages),
+            for shape, stage in [((self.tile_m, self.tile_hdim), 2 if const_expr(self.overlap) else None),
+                                 ((self.tile_n, self.tile_hdim), self.num_stages),
                                  ((self.tile_n, self.tile_hdimv), self.num_stages)]
         ]
         self.sP_layout = None
@@ -226,7 +237,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         softmax_scale_log2, softmax_scale = fa_utils.compute_softmax_scale_log2(softmax_scale, None)
         total = mPerm.shape[0]
         # the staged epilogue through the query tile, which a persistent CTA's producer refills: one group per CTA
-        grid_x = total if const_expr(self.smem_epilogue and not self.own_sO) else cutlass.min(num_ctas, total)
+        one_per_group = self.smem_epilogue and not (self.own_sO or self.overlap)
+        grid_x = total if const_expr(one_per_group) else cutlass.min(num_ctas, total)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mPerm, mIdx, mCounts, mRes, mScale, mCoef, mMean, softmax_scale_log2, softmax_scale,
             total, tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout, SharedStorage,
@@ -235,6 +247,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     def _get_shared_storage_cls(self):
         """flash-attn-4's storage (barriers, Q, K/V stages), plus an output tile for the staged epilogue of a
         persistent CTA ("persistent" option)."""
+        if const_expr(self.overlap):
+            return self._overlap_storage_cls()
         if const_expr(not self.own_sO):
             return super()._get_shared_storage_cls()
         sQ_struct, sK_struct, sV_struct, sO_struct = [
@@ -247,6 +261,18 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         fields = dict(mbar_ptr_Q=mbar_q, mbar_ptr_K=mbar_k, mbar_ptr_V=mbar_v, sV=sV_struct, sQ=sQ_struct,
                       sK=sK_struct, sO=sO_struct)  # types, not the strings this module's annotations would be
         return cute.struct(type("SharedStorageQKVO", (), {"__annotations__": fields}))
+
+    def _overlap_storage_cls(self):
+        """Barriers, the 2-slot query ring (``self.sQ_layout`` has a stage mode) and the K/V stages."""
+        sQ_struct, sK_struct, sV_struct = [
+            cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], self.buffer_align_bytes]
+            for layout in (self.sQ_layout, self.sK_layout, self.sV_layout)
+        ]
+        mbar_q = cute.struct.MemRange[cutlass.Int64, 2 * 2]
+        mbar_k, mbar_v = (cute.struct.MemRange[cutlass.Int64, self.num_stages * 2] for _ in range(2))
+        fields = dict(mbar_ptr_Q=mbar_q, mbar_ptr_K=mbar_k, mbar_ptr_V=mbar_v, sV=sV_struct, sQ=sQ_struct,
+                      sK=sK_struct)
+        return cute.struct(type("SharedStorageQ2KV", (), {"__annotations__": fields}))
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -265,7 +291,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 barrier_storage=bar, num_stages=n, producer_group=load_threads, consumer_group=mma_warps,
                 defer_sync=True, elect_one_release=True, syncwarp_before_release=False,
             )
-            for bar, n in ((storage.mbar_ptr_Q.data_ptr(), 1), (storage.mbar_ptr_K.data_ptr(), self.num_stages),
+            for bar, n in ((storage.mbar_ptr_Q.data_ptr(), 2 if const_expr(self.overlap) else 1),
+                           (storage.mbar_ptr_K.data_ptr(), self.num_stages),
                            (storage.mbar_ptr_V.data_ptr(), self.num_stages))
         ]
         pipeline_q, pipeline_k, pipeline_v = pipes
@@ -291,11 +318,19 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
             outputs = _Outputs(mO, mLSE, mPerm, mRes, mScale, mCoef, mMean, n_heads, groups_per_head)
-            self.mma(
-                tiled_mma_qk, tiled_mma_pv, outputs, mLSE, sQ, sK, layout_utils.transpose_view(sV), None, sO, None,
-                pipeline_k, pipeline_v, pipeline_q, None, None, tidx - 128, softmax_scale_log2, softmax_scale,
-                block_info, SeqlenInfoCls, AttentionMaskCls, TileSchedulerCls, None, AuxData(), None,
-            )
+            if const_expr(self.overlap):
+                self.mma_overlap(
+                    tiled_mma_qk, tiled_mma_pv, outputs, sQ, sK, layout_utils.transpose_view(sV), pipeline_k,
+                    pipeline_v, pipeline_q, tidx - 128, softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls,
+                    AttentionMaskCls, TileSchedulerCls,
+                )
+            else:
+                self.mma(
+                    tiled_mma_qk, tiled_mma_pv, outputs, mLSE, sQ, sK, layout_utils.transpose_view(sV), None, sO,
+                    None, pipeline_k, pipeline_v, pipeline_q, None, None, tidx - 128, softmax_scale_log2,
+                    softmax_scale, block_info, SeqlenInfoCls, AttentionMaskCls, TileSchedulerCls, None, AuxData(),
+                    None,
+                )
 
     @cute.jit
     def load_fused(self, mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
@@ -305,6 +340,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         tidx, _, _ = cute.arch.thread_idx()
         k_alloc = mIdx.shape[1]
         q_phase = Int32(1)
+        q_state = make_pipeline_state(PipelineUserType.Producer, 2)  # the "overlap" query ring
         kv_state = make_pipeline_state(PipelineUserType.Producer, self.num_stages)
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
@@ -330,21 +366,139 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
             n_block = n_block_max - 1
             index.fetch(n_block)
+            if const_expr(self.overlap):
+                # the queries first: their slot was freed a group ago, the K stage only when the consumers finish
+                # this group's second-to-last Q K^T
+                pipeline_q.producer_acquire(q_state)
+                q_index.advance()
+                q_rows.load_KV(0, sQ[None, None, q_state.index], "K")
+                cute.arch.cp_async_commit_group()
+                pipeline_q.producer_commit(q_state)
+                q_state.advance()
             index.advance()
             index.fetch(n_block - 1)
             pipeline_k.producer_acquire(kv_state)
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
-            pipeline_q.producer_acquire_w_index_phase(0, q_phase)
-            q_index.advance()
-            q_rows.load_KV(0, sQ, "K")
-            cute.arch.cp_async_commit_group()
-            pipeline_q.producer_commit_w_index(0)
-            q_phase ^= 1
+            if const_expr(not self.overlap):
+                pipeline_q.producer_acquire_w_index_phase(0, q_phase)
+                q_index.advance()
+                q_rows.load_KV(0, sQ, "K")
+                cute.arch.cp_async_commit_group()
+                pipeline_q.producer_commit_w_index(0)
+                q_phase ^= 1
             kv_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min,
                                           n_block_max)
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
         pipeline_v.producer_tail(kv_state)
+
+    @cute.jit
+    def mma_overlap(self, tiled_mma_qk, tiled_mma_pv, outs, sQ, sK, sVt, pipeline_k, pipeline_v, pipeline_q, tidx,
+                    softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls, AttentionMaskCls,
+                    TileSchedulerCls):
+        """Consumers of the "overlap" option: flash-attn-4's per-tile step (``mma_one_n_block_intrawg_overlap``:
+        tile j's Q K^T and tile j+1's P V in flight while tile j's softmax runs) continued across the groups of
+        this CTA. At a group's end the next group's first Q K^T (its queries already in the other slot of the
+        query ring, ``sQ`` ``(128, D, 2)``) is issued with this group's last P V, the next group's first softmax
+        runs while that P V is on the tensor cores, then this group's output is normalised, staged in its own
+        query slot (each consumer warpgroup its 64 rows) and stored (``_epilogue_smem``), and the slot released to
+        the producer. ``tidx`` 0..255."""
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.num_threads_per_warp_group)
+        wg_layout = cute.make_layout(self.num_wg_mma, stride=self.num_threads_per_warp_group)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(warp_group_idx))
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(warp_group_idx))
+        _, tSrQ, tSrK = sm90_utils.partition_fragment_ABC(wg_mma_qk, (self.tile_m, self.tile_n, self.tile_hdim), sQ,
+                                                          sK)
+        acc_O, tOrP, tOrVt = sm90_utils.partition_fragment_ABC(wg_mma_pv, (self.tile_m, self.tile_hdimv, self.tile_n),
+                                                               None, sVt)
+        mma_pv_fn = partial(sm90_utils.gemm_w_idx, tiled_mma_pv, acc_O, tOrP, tOrVt)
+        smem_copy_params = SimpleNamespace(smem_thr_copy_P=None, tPsP=None)  # P stays in registers
+        self.mma_init()
+        q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
+        kv_state = make_pipeline_state(PipelineUserType.Consumer, self.num_stages)
+        softmax = Softmax.create(softmax_scale_log2, num_rows=acc_O.shape[0][0] * acc_O.shape[1],
+                                 softmax_scale=softmax_scale)
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
+        tile_scheduler = TileSchedulerCls()
+        work_tile = tile_scheduler.initial_work_tile_info()
+        if work_tile.is_valid_tile:  # the CTA's first group: its first Q K^T alone
+            _, _, group, _ = work_tile.tile_idx
+            seqlen = SeqlenInfoCls(group)
+            _, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
+            pipeline_q.consumer_wait(q_state, pipeline_q.consumer_try_wait(q_state))
+            kv_state = self.first_half_block_overlap(
+                n_block=n_block_max - 1,
+                mma_qk_fn=partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ, tSrK,
+                                  A_idx=q_state.index),
+                kv_consumer_state=kv_state, pipeline_k=pipeline_k, tOrP=tOrP, smem_copy_params=smem_copy_params,
+                softmax=softmax, seqlen=seqlen,
+                mask_fn=partial(self._mask_fn(AttentionMaskCls, seqlen, thr_mma_qk, group), mask_mod=None),
+                is_first_block=True,
+            )
+        while work_tile.is_valid_tile:
+            _, _, group, _ = work_tile.tile_idx
+            seqlen = SeqlenInfoCls(group)
+            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
+            O_should_accumulate = False
+            for n_tile in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                kv_state = self.mma_one_n_block_intrawg_overlap(
+                    kv_state, n_block=n_block_max - 2 - n_tile,
+                    mma_qk_fn=partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ,
+                                      tSrK, A_idx=q_state.index),
+                    mma_pv_fn=partial(mma_pv_fn, zero_init=not O_should_accumulate), pipeline_k=pipeline_k,
+                    pipeline_v=pipeline_v, acc_O=acc_O, tOrP=tOrP, smem_copy_params=smem_copy_params,
+                    softmax=softmax, seqlen=seqlen, mask_fn=None,
+                )
+                O_should_accumulate = True
+            tile_scheduler.advance_to_next_work()
+            next_tile = tile_scheduler.get_current_work()
+            row_scale = softmax.finalize()  # this group's 1 / row sum; row_sum now holds its LSE
+            lse.store(softmax.row_sum.load())
+            v_state = kv_state.clone()  # this group's last tile: its P V is left
+            kv_state.advance()  # the next group's first tile
+            if next_tile.is_valid_tile:
+                _, _, next_group, _ = next_tile.tile_idx
+                next_seqlen = SeqlenInfoCls(next_group)
+                _, next_max = block_info.get_n_block_min_max(next_seqlen, 0)
+                q_next = q_state.clone()
+                q_next.advance()
+                pipeline_q.consumer_wait(q_next, pipeline_q.consumer_try_wait(q_next))
+                pipeline_k.consumer_wait(kv_state, pipeline_k.consumer_try_wait(kv_state))
+                self.warp_scheduler_barrier_sync()
+                sm90_utils.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, None, q_next.index],
+                                tSrK[None, None, None, kv_state.index], zero_init=True, wg_wait=-1)
+                pipeline_v.consumer_wait(v_state, pipeline_v.consumer_try_wait(v_state))
+                mma_pv_fn(B_idx=v_state.index, zero_init=not O_should_accumulate, wg_wait=-1)
+                self.warp_scheduler_barrier_arrive()
+                warpgroup.wait_group(1)
+                pipeline_k.consumer_release(kv_state)
+                self._mask_fn(AttentionMaskCls, next_seqlen, thr_mma_qk, next_group)(
+                    acc_S, n_block=next_max - 1, mask_seqlen=True, mask_mod=None)
+                softmax.online_softmax(acc_S, is_first=True)
+                warpgroup.wait_group(0)
+                pipeline_v.consumer_release(v_state)
+                fa_utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_S), tOrP)
+            else:
+                pipeline_v.consumer_wait(v_state, pipeline_v.consumer_try_wait(v_state))
+                mma_pv_fn(B_idx=v_state.index, zero_init=not O_should_accumulate, wg_wait=0)
+                pipeline_v.consumer_release(v_state)
+            softmax.rescale_O(acc_O, row_scale)
+            bh = group // outs.groups_per_head
+            b = bh // outs.n_heads
+            self._epilogue_smem(acc_O, lse, outs.mO, outs.mLSE, outs.mPerm, sQ[None, None, q_state.index],
+                                tiled_mma_pv, tidx, group, b, bh - b * outs.n_heads)
+            cute.arch.sync_warp()  # every lane of this warp has read its staged rows back: the slot is free
+            pipeline_q.consumer_release(q_state)
+            q_state.advance()
+            work_tile = next_tile
+
+    def _mask_fn(self, AttentionMaskCls, seqlen, thr_mma_qk, group):
+        """flash-attn-4's mask of a group's last (partial) key tile: slots past its valid count to -inf."""
+        return partial(AttentionMaskCls(seqlen).apply_mask, batch_idx=group, head_idx=Int32(0), m_block=Int32(0),
+                       thr_mma=thr_mma_qk, mask_causal=False, mask_local=False, aux_data=AuxData(),
+                       fastdiv_mods=None)
 
     @cute.jit
     def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min, n_block_max):
