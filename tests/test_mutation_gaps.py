@@ -196,3 +196,38 @@ def test_a_vace_call_and_its_main_block_keep_separate_entries(gen):
         outs.append(call(run, over, reuse_x, vace, 0.8))
         assert run.counts()["sparse"] == 1
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_schedule_boundaries_of_the_warmup_and_anchors():
+    """The edges of the schedule no other test pinned (mutations that left the suite green, one per line below):
+    step_kind without 'before the first anchor' (steps between a short warm-up and a later anchor ran REUSE with no
+    cache); the node's same-unit check at 'anchor < warm-up' off by one; the mixed-unit move at 'anchor < last
+    warm-up step' off by one; a warm-up longer than the call not clamped; the 'runs dense' note never written."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import schedule
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import settings
+
+    def custom(warmup, anchors):
+        return settings.build_settings(preset="custom", density=0.5, dense_warmup=warmup, warmup_layers=0,
+                                       anchor_steps=anchors, query_tile=64, cache_placement="auto", backend="auto",
+                                       min_tokens=0, verbose=False)
+
+    cfg = MCSparseConfig(warmup_steps=2, anchor_steps=(5,))
+    assert [schedule.step_kind(cfg, s, 1).value for s in range(8)] == ["dense"] * 5 + ["anchor", "reuse", "reuse"]
+    r = settings.resolve_schedule(custom("2", "6"), 10)
+    assert (r.warmup_steps, r.anchor_steps, r.notes) == (2, (5,), ())
+
+    with pytest.raises(ValueError, match="anchor steps must not come before the last dense warm-up step"):
+        custom("10", "9")
+    custom("10", "10")
+
+    r = settings.resolve_schedule(custom("10", "18%"), 50)  # 18 % of 50 = step 9, one before the warm-up's last
+    assert (r.warmup_steps, r.anchor_steps) == (10, (9,))
+    assert any("anchor steps 9 fall inside the dense warm-up" in n for n in r.notes), r.notes
+
+    r = settings.resolve_schedule(custom("60", "auto"), 50)
+    assert (r.warmup_steps, r.anchor_steps) == (50, (49,))
+    assert r.notes == ("the dense warm-up covers all 50 steps of this sampler call",)
+
+    r = settings.resolve_schedule(custom("auto", "60"), 50)
+    assert (r.warmup_steps, r.anchor_steps) == (50, ())
+    assert "no anchor step falls inside this sampler call: it runs dense" in r.notes, r.notes
