@@ -83,6 +83,9 @@ VARIANTS = {  # name: keywords of launch()
     "gluon ws sum mma": dict(gluon=dict(poly=10, kb_poly=2), kb_pow2=True, rtol=2e-3),
     "gluon ws sum mma ta": dict(gluon=dict(poly=10, kb_poly=2, thread_arrive=True), kb_pow2=True, rtol=2e-3),
     "gluon ws g3 sum mma": dict(gluon=dict(groups=3, poly=10, kb_poly=2), kb_pow2=True, rtol=2e-3),
+    # + 1/8 / 1/4 of the exponentials on the degree-3 FMA polynomial (the FADDs' issue slots are free now)
+    "gluon ws sum mma poly 1/8": dict(gluon=dict(poly=11, kb_poly=2), kb_pow2=True, rtol=2e-3),
+    "gluon ws sum mma poly 1/4": dict(gluon=dict(poly=12, kb_poly=2), kb_pow2=True, rtol=2e-3),
 }
 
 

@@ -56,8 +56,8 @@ VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], t) for t in (dict(kb_poly=True
                                                                dict(thread_arrive=True),
                                                                dict(groups=3, thread_arrive=True),
                                                                dict(poly=10), dict(poly=10, thread_arrive=True),
-                                                               dict(groups=3, poly=10))]
-BF16_P_RTOL = 2e-3  # poly=10: the exponentials rounded to bfloat16 (2^-9) before the tensor cores sum them
+                                                               dict(groups=3, poly=10), dict(poly=11), dict(poly=12))]
+BF16_P_RTOL = 2e-3  # poly >= 10: the exponentials rounded to bfloat16 (2^-9) before the tensor cores sum them
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,
@@ -82,7 +82,7 @@ def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, tuning):
         g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, **tuning)
         torch.cuda.synchronize()
         assert not out.isnan().any(), f"{int(out.isnan().sum())} entries not written ({dtype})"
-        bf16_p = tuning.get("poly") == 10
+        bf16_p = tuning.get("poly", 0) >= 10
         if dtype == torch.float32:
             rel_t = float(((out - want).abs() / want.abs().clamp_min(1e-30)).max())
             print(f"fp32: max relative difference to the Triton kernel {rel_t:.2e}")
@@ -105,7 +105,7 @@ def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, tuning):
     g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, **tuning)
     rel = (out.double() - deq).norm(dim=-1) / deq.norm(dim=-1)
     print(f"float64: max relative L2 per group {float(rel.max()):.2e}")
-    assert float(rel.max()) < (BF16_P_RTOL if tuning.get("poly") == 10 else 5e-4), float(rel.max())
+    assert float(rel.max()) < (BF16_P_RTOL if tuning.get("poly", 0) >= 10 else 5e-4), float(rel.max())
 
 
 def test_gluon_pass2_through_the_dispatch_and_select_kv():
