@@ -83,8 +83,11 @@ def test_gluon_pass2_mode(monkeypatch):
 class _Gluon:
     """A stand-in Gluon kernel: records what it is handed; ``err`` set: fails (compile or launch)."""
 
-    def __init__(self, err=None):
-        self.err, self.calls = err, []
+    def __init__(self, err=None, kb_poly=False):
+        self.err, self.calls, self.kb_poly = err, [], kb_poly
+
+    def config(self, head_dim):
+        return dict(kb_poly=self.kb_poly)
 
     def refusal(self, q8, k8, group_size, out):
         return None  # as on sm_90
@@ -114,16 +117,19 @@ def _inputs(gen, S=150, D=32, C=32, H=2):
     return q, k, lse.float(), random_groups(gen, 1, H, S, C), C
 
 
-def test_gluon_is_handed_the_float8_operands(gen, gluon):
+@pytest.mark.parametrize("kb_poly", [False, 2])
+def test_gluon_is_handed_the_float8_operands(gen, gluon, kb_poly):
     """gluon=True on the float8 path: the Gluon kernel gets fp8_operands' outputs (the same the Triton kernel would
-    read), perm contiguous, the caller's ``out``, and its result is returned without a Triton launch."""
+    read), perm contiguous, the caller's ``out``, and its result is returned without a Triton launch; 2^KB in place
+    of KB exactly when its config reads that (``kb_poly=2``)."""
     sel = _mod("selection")
+    gluon.kb_poly = kb_poly
     q, k, lse, perm, C = _inputs(gen)
     out = torch.full((1, 2, perm.shape[-1] // C, q.shape[2]), float("nan"), dtype=torch.float16)
     got = sel.group_prob_sums(q, k, lse, perm[..., :], group_size=C, out=out, fp8=True, gluon=True)
     assert got is out and bool((out == 7.0).all()) and len(gluon.calls) == 1
     call = gluon.calls[0]
-    q8, k8, qf, lse_s, kb = sel.fp8_operands(q, k, lse, q.shape[-1] ** -0.5)
+    q8, k8, qf, lse_s, kb = sel.fp8_operands(q, k, lse, q.shape[-1] ** -0.5, kb_pow2=kb_poly == 2)
     for name, want in (("q8", q8), ("k8", k8), ("qf", qf), ("lse_s", lse_s), ("kb", kb)):
         assert torch.equal(call[name].float(), want.float()), name
     assert call["perm"].is_contiguous() and torch.equal(call["perm"], perm) and call["out"] is out and call["C"] == C
@@ -143,11 +149,13 @@ def test_gluon_is_not_tried(gen, gluon, kw):
     assert not gluon.calls and not bool((out == 7.0).any())
 
 
-def test_gluon_failure_falls_back_once_per_run(gen, gluon):
-    """A failing Gluon kernel: the call returns the Triton kernel's sums (bitwise those of gluon=False), the reason is
-    in the run's Record, the rest of the run does not try it again; a new run does."""
+@pytest.mark.parametrize("kb_poly", [False, 2])
+def test_gluon_failure_falls_back_once_per_run(gen, gluon, kb_poly):
+    """A failing Gluon kernel: the call returns the Triton kernel's sums (bitwise those of gluon=False, whichever KB
+    form the Gluon config reads), the reason is in the run's Record, the rest of the run does not try it again; a new
+    run does."""
     sel = _mod("selection")
-    gluon.err = RuntimeError("PTX compile boom")
+    gluon.err, gluon.kb_poly = RuntimeError("PTX compile boom"), kb_poly
     q, k, lse, perm, C = _inputs(gen, S=64)
     want = sel.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, gluon=False)
     with registry.recording(registry.Record()) as record:

@@ -47,6 +47,16 @@ def gluon_mode(requested: bool | None = None) -> bool:
     return env == "1" if env else bool(GLUON_DEFAULT)
 
 
+def gluon_kb_pow2(head_dim: int) -> bool:
+    """Whether the Gluon kernel's launch config for ``head_dim`` reads 2^KB (``kb_poly=2``: the operands of
+    ``selection.fp8_operands(kb_pow2=True)``, as the Triton kernel's KB_POW2); False when it reads KB itself or
+    cannot be imported (then it never runs)."""
+    try:
+        return _gluon_module().config(head_dim).get("kb_poly") == 2
+    except Exception:  # noqa: BLE001 (import failure: a refusal elsewhere)
+        return False
+
+
 def triton_only(*, hist=None, poly=0, exp_mode=0, tuned=False) -> str | None:
     """The reason a call needs the Triton kernel whatever the GPU (None: the Gluon kernel may take it)."""
     if hist is not None:

@@ -817,7 +817,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         qf = kb = lse  # placeholders, not read without FP8
         pow2 = False  # the Triton kernel reads 2^KB (KB_POW2) where the Gluon kernel will not be tried
         if fp8:
-            pow2 = not pass2_dispatch.gluon_mode(gluon)
+            # 2^KB precomputed unless the Gluon kernel will be tried with a config that reads KB itself
+            pow2 = not pass2_dispatch.gluon_mode(gluon) or pass2_dispatch.gluon_kb_pow2(D)
             q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2)
             tuned = one_group_asked or any(x is not None for x in (block_n, num_warps, num_stages))
             only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode, tuned=tuned)
