@@ -441,6 +441,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             _, _, group, _ = work_tile.tile_idx
             seqlen = SeqlenInfoCls(group)
             n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
+            out_rows = self._epilogue_perm(outs.mPerm, group, tiled_mma_pv, tidx)  # used at the group's end
             O_should_accumulate = False
             for n_tile in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                 kv_state = self.mma_one_n_block_intrawg_overlap(
@@ -488,7 +489,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             bh = group // outs.groups_per_head
             b = bh // outs.n_heads
             self._epilogue_smem(acc_O, lse, outs.mO, outs.mLSE, outs.mPerm, sQ[None, None, q_state.index],
-                                tiled_mma_pv, tidx, group, b, bh - b * outs.n_heads)
+                                tiled_mma_pv, tidx, group, b, bh - b * outs.n_heads, rows=out_rows)
             cute.arch.sync_warp()  # every lane of this warp has read its staged rows back: the slot is free
             pipeline_q.consumer_release(q_state)
             q_state.advance()
@@ -575,11 +576,42 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             self._epilogue_registers(acc_O, lse, outs, tiled_mma, tidx, group, bh, b, h)
 
     @cute.jit
-    def _epilogue_smem(self, acc_O, lse, mO, mLSE, mPerm, sO, tiled_mma, tidx, group, b, h):
+    def _epilogue_perm(self, mPerm, group, tiled_mma, tidx):
+        """The ``perm`` entries ``_epilogue_smem`` needs, loaded ahead (the "overlap" consumers at a group's start,
+        so the loads' latency hides behind the group's tiles): (the rows of this thread's LSE values, the rows of
+        its 16-byte output pieces), int32 register tensors."""
+        cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+        tOcO_mma = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(tidx).partition_C(cO))
+        lse_rows = cute.make_rmem_tensor((cute.size(tOcO_mma, mode=[0]),), Int32)
+        for m in cutlass.range_constexpr(cute.size(lse_rows)):
+            lse_rows[m] = mPerm[group, tOcO_mma[m, 0][0]]
+        tOcO = self._epilogue_copy_coords(tidx)
+        out_rows = cute.make_rmem_tensor((cute.size(tOcO.shape[1]),), Int32)
+        for rest_m in cutlass.range_constexpr(cute.size(out_rows)):
+            out_rows[rest_m] = mPerm[group, tOcO[0, rest_m, 0][0]]
+        return lse_rows, out_rows
+
+    def _epilogue_copy(self):
+        """The staged epilogue's copy of one warpgroup's 64 rows: 16 threads x 8 threads, 16 bytes each."""
+        return cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_ordered_layout((128 // 8, 8), order=(1, 0)), cute.make_layout((1, 8)))
+
+    def _epilogue_copy_coords(self, tidx):
+        """(row, column) in the query tile of each of this thread's 16-byte pieces (``_epilogue_copy``)."""
+        wg = tidx // 128
+        wg_rows = self.tile_m // self.num_wg_mma
+        cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+        return self._epilogue_copy().get_slice(tidx % 128).partition_S(
+            cute.local_tile(cO, (wg_rows, self.tile_hdimv), (wg, 0)))
+
+    @cute.jit
+    def _epilogue_smem(self, acc_O, lse, mO, mLSE, mPerm, sO, tiled_mma, tidx, group, b, h, rows=None):
         """O rounded and staged in the query tile (``sO``), each consumer warpgroup on its own 64 rows (which only
         its own QK^T read, finished by now: no barrier with the other warpgroup, which may still be computing), then
         each of its threads stores 16-byte pieces of rows, a warp writing 4 half rows (128 contiguous bytes each)
-        per store, to ``out[b, perm[row], h, :]``; the LSE from the registers."""
+        per store, to ``out[b, perm[row], h, :]``; the LSE from the registers. ``rows``: the ``perm`` entries
+        loaded ahead (``_epilogue_perm``), or None to load them here."""
         rO = cute.make_fragment_like(acc_O, self.dtype)
         fa_utils.cvt_f16(acc_O, rO)
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -593,21 +625,18 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             tOcO_mma = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(tidx).partition_C(cO))
             if tOcO_mma[0, 0][1] == 0:
                 for m in cutlass.range_constexpr(cute.size(lse)):
-                    q_row = mPerm[group, tOcO_mma[m, 0][0]]
+                    q_row = mPerm[group, tOcO_mma[m, 0][0]] if const_expr(rows is None) else rows[0][m]
                     if q_row >= 0:
                         mLSE[b, h, q_row] = lse[m]
         wg_rows = self.tile_m // self.num_wg_mma
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=128)
-        copy_o = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
-            cute.make_ordered_layout((128 // 8, 8), order=(1, 0)), cute.make_layout((1, 8)))
-        thr_copy = copy_o.get_slice(tidx % 128)
+        thr_copy = self._epilogue_copy().get_slice(tidx % 128)
         tOsO = thr_copy.partition_S(cute.local_tile(sO, (wg_rows, self.tile_hdimv), (wg, 0)))
         tOcO = thr_copy.partition_S(cute.local_tile(cO, (wg_rows, self.tile_hdimv), (wg, 0)))
         tOrO = cute.make_fragment_like(tOsO, self.dtype)
         cute.autovec_copy(tOsO, tOrO)
         for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
-            q_row = mPerm[group, tOcO[0, rest_m, 0][0]]
+            q_row = mPerm[group, tOcO[0, rest_m, 0][0]] if const_expr(rows is None) else rows[1][rest_m]
             if q_row >= 0:
                 for kk in cutlass.range_constexpr(cute.size(tOrO.shape[2])):
                     src = tOrO[None, rest_m, kk]
