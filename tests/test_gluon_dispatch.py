@@ -268,10 +268,9 @@ def test_auto_mode_gluon_failure_while_timing_falls_back(gen, failing_gluon, mon
 
 
 def test_early_q_only_where_the_q_slot_is_free_after_the_last_qk():
-    """``early_q`` (the Q slot freed at an item's last QK^T) runs persistent with the plain / pingpong schedules; with
-    the staged epilogue (which writes the output rows into that Q tile), FA3's overlap or one item per program it is
-    refused before a launch, never run (the producer would refill a Q tile still in use); ``cp_async_fence=False``
-    likewise with FA3's overlap schedule (which keeps its fences)."""
+    """``early_q`` (the Q slot freed at an item's last QK^T) runs persistent; with the staged epilogue (which writes
+    the output rows into that Q tile) or one item per program it is
+    refused before a launch, never run (the producer would refill a Q tile still in use)."""
     g = _g90()
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 256, 128, generator=gen).to(torch.bfloat16)
@@ -279,12 +278,10 @@ def test_early_q_only_where_the_q_slot_is_free_after_the_last_qk():
     base = dict(pingpong=True, persistent=True, num_sms=4, num_stages=3, thread_arrive=True)
     _, _, meta, _ = g.launch_args(q, q, q, perm, idx, early_q=True, **base)
     assert meta["EARLY_Q"] and meta["Q_SLOTS"] == 1 and not g.launch_args(q, q, q, perm, idx, **base)[2]["EARLY_Q"]
-    for bad in (dict(stage_out=True), dict(persistent=False), dict(overlap=True, thread_arrive=False)):
+    for bad in (dict(stage_out=True), dict(persistent=False)):
         with pytest.raises(ValueError, match="early_q"):
             g.launch_args(q, q, q, perm, idx, early_q=True, **{**base, **bad})
     assert not g.launch_args(q, q, q, perm, idx, cp_async_fence=False, **base)[2]["CP_ASYNC_FENCE"]
-    with pytest.raises(ValueError, match="cp_async_fence"):  # FA3's overlap keeps its fences
-        g.launch_args(q, q, q, perm, idx, cp_async_fence=False, overlap=True, pingpong=True)
 
 
 def test_tuning_goes_to_the_triton_kernel(gen, failing_gluon):

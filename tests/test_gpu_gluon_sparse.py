@@ -122,7 +122,10 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
                                "plain"),
            # no proxy fence between a stage's ready wait and its wgmma (flash-attn-4's sm90 cp.async pipelines)
            "no-fence-early-q": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3, thread_arrive=True,
-                                     early_q=True, cp_async_fence=False), "int4_group")}
+                                     early_q=True, cp_async_fence=False), "int4_group"),
+           # FA3's overlap (softmax of tile t under tile t-1's P V) with the same per-thread arrives, early Q, no fence
+           "overlap-no-fence-early-q": (dict(overlap=True, pingpong=True, persistent=True, num_sms=7, num_stages=3,
+                                             thread_arrive=True, early_q=True, cp_async_fence=False), "fp8_row")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(TUNINGS.values()), ids=list(TUNINGS))
@@ -134,7 +137,8 @@ def test_gluon_tunings_vs_float64(tuning, kind):
 
 
 NO_FENCE = {"no-fence": (dict(cp_async_fence=False), "plain"),
-            "no-fence-early-q": (dict(cp_async_fence=False, early_q=True), "fp8_row")}
+            "no-fence-early-q": (dict(cp_async_fence=False, early_q=True), "fp8_row"),
+            "overlap-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, overlap=True), "int4_row")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(NO_FENCE.values()), ids=list(NO_FENCE))

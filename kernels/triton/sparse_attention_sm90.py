@@ -447,16 +447,19 @@ def _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype: gl.const
 
 
 @gluon.jit
-def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, n_end, c0, j0, sm_scale_log2,
-                      dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_free, n_end, c0, j0,
+                      sm_scale_log2, dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
+                      THREAD_ARRIVE: gl.constexpr = False, EARLY_Q: gl.constexpr = False,
+                      FENCE: gl.constexpr = True):
     """``_mainloop`` with FA3's intra-warpgroup overlap: tile t's QK^T and tile t-1's P V are issued back to back,
     tile t's softmax runs while the P V product is still on the tensor cores (one wait for the QK^T only), and the
     accumulator is rescaled after that product completes. Same arithmetic as ``_mainloop``.
 
     PINGPONG (FA3's inter-warpgroup schedule): the two consumer warpgroups take turns issuing their products (mbarriers
     ``turn[0]``, ``turn[1]``, one arrive each), so one's softmax runs while the other's products use the tensor cores;
-    ``j0`` counts this warpgroup's earlier loop iterations (all items) for the turn barriers' phases."""
+    ``j0`` counts this warpgroup's earlier loop iterations (all items) for the turn barriers' phases.
+    THREAD_ARRIVE, EARLY_Q, FENCE as ``_mainloop``'s."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -470,7 +473,7 @@ def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
     acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
     n_tiles = gl.cdiv(n_end, BLOCK_N)
-    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn, 0, NUM_STAGES, HALF, False)
+    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn, 0, NUM_STAGES, HALF, False, THREAD_ARRIVE, FENCE)
     p16, m_i, l_i, alpha = _softmax_tile(qk, 0, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
                                          row_o)  # acc is 0: no rescale
     for t in range(1, n_tiles):
@@ -481,30 +484,34 @@ def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
         sv = (c - 1) % NUM_STAGES
         v_tile = v_smem.index(sv)
         mbarrier.wait(v_ready.index(sv), ((c - 1) // NUM_STAGES) & 1)
-        fence_async_shared()
+        if FENCE:
+            fence_async_shared()
         if PINGPONG:  # my turn: the other warpgroup has issued its products of its previous iteration
             j = j0 + t - 1
             mbarrier.wait(turn.index(HALF), ((j & 1) ^ 1) if HALF == 0 else (j & 1))
         qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
         if PINGPONG:
-            mbarrier.arrive(turn.index(1 - HALF), count=1)
+            _release(turn.index(1 - HALF), THREAD_ARRIVE)
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, q_tile, k_tile))  # QK^T done, P V in flight
-        mbarrier.arrive(k_empty.index(sk), count=1)
+        _release(k_empty.index(sk), THREAD_ARRIVE)
         p16_next, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N,
                                                   p_layout, row_o)
         acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, v_tile, p16))
-        mbarrier.arrive(v_empty.index(sv), count=1)
+        _release(v_empty.index(sv), THREAD_ARRIVE)
         acc = acc * alpha[:, None]
         p16 = p16_next
+    if EARLY_Q:  # every QK^T of this warpgroup has completed: the Q tile is free
+        mbarrier.arrive(q_free, count=1)
     c = c0 + n_tiles - 1  # the last tile's P V
     sv = c % NUM_STAGES
     v_tile = v_smem.index(sv)
     mbarrier.wait(v_ready.index(sv), (c // NUM_STAGES) & 1)
-    fence_async_shared()
+    if FENCE:
+        fence_async_shared()
     acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
     acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, v_tile, p16))
-    mbarrier.arrive(v_empty.index(sv), count=1)
+    _release(v_empty.index(sv), THREAD_ARRIVE)
     return acc, m_i, l_i
 
 
@@ -644,9 +651,10 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
             q_tile.store(q)
             fence_async_shared()
         if OVERLAP:
-            acc, m_i, l_i = _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, n_end,
-                                              c, c - i, sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N,
-                                              NUM_STAGES, HALF, PINGPONG)
+            acc, m_i, l_i = _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                              q_empty.index(i % Q_SLOTS), n_end, c, c - i, sm_scale_log2,
+                                              Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF, PINGPONG,
+                                              THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE)
         else:
             acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                       q_empty.index(i % Q_SLOTS), n_end, c, c + i, sm_scale_log2, Q.dtype.element_ty,
@@ -782,16 +790,12 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
         raise ValueError(f"q_slots must be 1 or 2, got {q_slots}")
     overlap = bool(cfg["overlap"] if overlap is None else overlap)
     thread_arrive = bool(cfg["thread_arrive"] if thread_arrive is None else thread_arrive)
-    if thread_arrive and overlap:
-        raise ValueError("thread_arrive runs with the plain, pipeline and pingpong schedules, not overlap")
     stage_out = bool(cfg["stage_out"] if stage_out is None else stage_out)
     early_q = bool(cfg["early_q"] if early_q is None else early_q)
     cp_async_fence = bool(cfg["cp_async_fence"] if cp_async_fence is None else cp_async_fence)
-    if not cp_async_fence and overlap:
-        raise ValueError("cp_async_fence=False runs with the plain, pipeline and pingpong schedules, not overlap")
-    if early_q and (overlap or stage_out or not persistent):
-        raise ValueError("early_q runs persistent with the plain, pipeline and pingpong schedules (not overlap, not "
-                         "stage_out: its epilogue stages the output rows in the Q tile)")
+    if early_q and (stage_out or not persistent):
+        raise ValueError("early_q runs persistent, not with stage_out (its epilogue stages the output rows in the Q "
+                         "tile)")
     args = (q, k, v, perm, kv_idx, out, lse, *res_ptrs, scale * _LOG2E, H, S, k.shape[2], n_slots, k_alloc, C,
             n_work, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *res_strides)
     meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_N=BLOCK_N, NUM_STAGES=num_stages,
@@ -835,11 +839,11 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             shared memory into a row-major layout: whole-row stores), ``l2_hints`` (``_l2_policies``), ``l2_prefetch``
             (each K/V tile's rows prefetched to L2 with evict_last before the producer waits for their ring slots),
             ``thread_arrive`` (the consumers release K/V stages and pass pingpong turns with one arrive per thread, no
-            warpgroup barrier per arrive: ``_release``; not with ``overlap``), ``early_q`` (persistent, not with
-            ``overlap`` / ``stage_out``: each item's Q slot freed at its last QK^T and the next item's queries
+            warpgroup barrier per arrive: ``_release``), ``early_q`` (persistent, not with ``stage_out``: each item's
+            Q slot freed at its last QK^T and the next item's queries
             gathered right behind its first K/V tile; ``_producer``), ``cp_async_fence`` (False: no proxy fence
             between a K/V stage's (persistent: the Q slot's) ready wait and the wgmma reading it, as flash-attn-4's
-            sm90 forward and CUTLASS's cp.async GMMA mainloops; ``_mainloop``; not with ``overlap``).
+            sm90 forward and CUTLASS's cp.async GMMA mainloops; ``_mainloop``).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:

@@ -62,6 +62,10 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence": dict(pingpong=True, persistent=True, num_stages=3,
                                                                         thread_arrive=True, early_q=True,
                                                                         cp_async_fence=False),
+    # FA3's intra-warpgroup overlap (tile t's softmax under tile t-1's P V) with all of the above
+    "overlap pingpong persistent 3 stages thread_arrive early_q no_fence": dict(
+        overlap=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+        cp_async_fence=False),
 }
 # What the auto mode times per shape. H200, 2026-12-01 13:42 (tests/_timing.race, vs flash-attn-4 dense with LSE x s,
 # 1.3B 480p / 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5): pingpong persistent with the 3-deep ring and per-thread
