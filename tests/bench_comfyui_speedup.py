@@ -410,7 +410,9 @@ def timed_sample(env: Env, patcher, *, steps: int, shape, cfg: float, sampler: s
     t_call = time.perf_counter()
     out = env.sample.sample(m, noise, steps, cfg, sampler, scheduler, positive, negative, latent, denoise=1.0,
                             callback=callback, disable_pbar=True, seed=seed)
-    rec["call_s"] = time.perf_counter() - t_call
+    t_return = time.perf_counter()
+    rec["call_s"] = t_return - t_call
+    rec["t_call"], rec["t_return"] = t_call, t_return
     rec["finite"] = bool(torch.isfinite(out).all())
     rec["latent_std"] = float(out.float().std())
     rec["latent"] = out.detach().to("cpu", torch.float32)  # the sampled latent (--profile-reuse compares runs)
@@ -424,7 +426,61 @@ def timed_sample(env: Env, patcher, *, steps: int, shape, cfg: float, sampler: s
     lm = getattr(m.model, "model_lowvram", None)
     rec["model_lowvram"] = bool(lm) if lm is not None else None
     del m
+    rec["t_done"] = time.perf_counter()
     return rec
+
+
+def host_phases(rec: dict, pack: dict | None = None) -> dict:
+    """Where a ``timed_sample`` call's time outside its steps went (host wall clock, s): ``before_first_step`` (the
+    call until the sampler loop starts: model load, the wrappers' set-up, MC-Sparse's plan), ``after_last_step``
+    (the last step's callback, device synchronised, until ``comfy.sample.sample`` returns: MC-Sparse's summary and
+    freeing its cache, ComfyUI's clean-up, the latent's copy out) and ``bench_after`` (this script's own checks of the
+    latent, not in any run's cost). ``pack``: the MC-Sparse phases timed by ``pack_phase_timer`` (s)."""
+    ends = rec.get("step_ends") or []
+    out = {"before_first_step": (rec["t_start"] - rec["t_call"]) if rec.get("t_start") else None,
+           "after_last_step": (rec["t_return"] - ends[-1][1]) if ends and "t_return" in rec else None,
+           "bench_after": (rec["t_done"] - rec["t_return"]) if "t_done" in rec and "t_return" in rec else None}
+    if pack:
+        out.update({f"pack_{k}": v for k, v in pack.items()})
+    return out
+
+
+class pack_phase_timer:  # noqa: N801  (a context manager used as a function)
+    """Host wall time of the MC-Sparse adapter's own work around the sampler loop (``lifecycle``): the plan before
+    sampling (``_plan_before_sampling``), the end-of-run summary and its log line (``_report``: reads the run's
+    CUDA-event pairs) and freeing the cache (``RunState.close``). Patches the module functions for the ``with`` body
+    (the OUTER_SAMPLE wrapper looks them up at call time); no device sync added. ``.s``: seconds per phase."""
+
+    NAMES = {"_plan_before_sampling": "plan", "_report": "summary"}
+
+    def __init__(self, env: Env):
+        self.env = env
+        self.s: dict[str, float] = {}
+
+    def _wrap(self, fn, name):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def __enter__(self) -> pack_phase_timer:
+        lc = self.env.lifecycle
+        self.saved = {attr: getattr(lc, attr) for attr in self.NAMES}
+        for attr, name in self.NAMES.items():
+            setattr(lc, attr, self._wrap(self.saved[attr], name))
+        self.close = lc.RunState.close
+        lc.RunState.close = self._wrap(self.close, "close")
+        return self
+
+    def __exit__(self, *exc):
+        lc = self.env.lifecycle
+        for attr, fn in self.saved.items():
+            setattr(lc, attr, fn)
+        lc.RunState.close = self.close
+        return False
 
 
 def _run_counts(run) -> dict:
@@ -869,31 +925,59 @@ def run_whole(env: Env, base, *, preset: str, args, shape, device, steps: int, d
                                            tokens=tokens_of(shape), density=settings.density,
                                            group_size=settings.group_size, device=device, dtype=dtype,
                                            backend=settings.backend, batch=2 if args.cfg != 1.0 else 1)
-    recs = {}
-    for name, model in (("dense", base), ("patched", None)):
-        if model is None:
-            model = env.lifecycle.apply_mc_sparse(base, **kwargs)
-        t0 = now(device)
-        rec = timed_sample(env, model, steps=steps, shape=shape, cfg=args.cfg, sampler=args.sampler,
-                           scheduler=args.scheduler, seed=args.seed, device=device)
-        out[f"{name}_s"] = now(device) - t0
-        out[f"{name}_sampling_s"] = sum(rec["step_s"])
-        out[f"{name}_finite"] = rec["finite"]
-        if rec["run"] is not None:
-            out["run_summary"] = rec["run"].summary()
-        recs[name] = rec
-        del model
+    recs, reps = {}, []
+    for rep in range(max(1, getattr(args, "whole_repeat", 1))):
+        walls, order = {}, ("dense", "patched") if rep % 2 == 0 else ("patched", "dense")  # every other pair reversed
+        for name in order:
+            model = base if name == "dense" else env.lifecycle.apply_mc_sparse(base, **kwargs)
+            with pack_phase_timer(env) as pack:
+                t0 = now(device)
+                rec = timed_sample(env, model, steps=steps, shape=shape, cfg=args.cfg, sampler=args.sampler,
+                                   scheduler=args.scheduler, seed=args.seed, device=device)
+                walls[name] = now(device) - t0
+            rec["host_phases"] = h = host_phases(rec, pack.s if name == "patched" else None)
+            if None not in (h["before_first_step"], h["after_last_step"], h["bench_after"]):
+                h["rest"] = (walls[name] - sum(rec["step_s"]) - h["before_first_step"] - h["after_last_step"]
+                             - h["bench_after"])  # the model clone and wrappers, the device syncs around the call
+            if not rep:
+                out[f"{name}_finite"] = rec["finite"]
+                if rec["run"] is not None:
+                    out["run_summary"] = rec["run"].summary()
+                recs[name] = rec
+            walls[f"{name}_sampling"] = sum(rec["step_s"])
+            walls[f"{name}_outside"] = rec["host_phases"]
+            del model
+        reps.append({"order": list(order), "dense_s": walls["dense"], "patched_s": walls["patched"],
+                     "speedup": walls["dense"] / walls["patched"],
+                     "sampling_speedup": walls["dense_sampling"] / walls["patched_sampling"],
+                     "dense_sampling_s": walls["dense_sampling"], "patched_sampling_s": walls["patched_sampling"],
+                     "host_phases": {"dense": walls["dense_outside"], "patched": walls["patched_outside"]}})
+    for key in ("dense_s", "patched_s", "dense_sampling_s", "patched_sampling_s"):  # means over the repetitions
+        out[key] = statistics.mean(r[key] for r in reps)
     out["speedup"] = out["dense_s"] / out["patched_s"]
     out["sampling_speedup"] = out["dense_sampling_s"] / out["patched_sampling_s"]
+    out["repetitions"] = reps
     print(f"[whole run] {steps} steps: dense {out['dense_s']:.1f} s, preset {preset} {out['patched_s']:.1f} s -> "
           f"{out['speedup']:.3f}x" + (f" (kernels prewarmed before: {out['prewarm_s']:.1f} s)" if "prewarm_s" in out
                                       else ""), flush=True)
+    if len(reps) > 1:
+        sp = [r["speedup"] for r in reps]
+        out["speedup_spread"] = {"min": min(sp), "max": max(sp), "n": len(sp)}
+        print(f"  {len(reps)} repetitions (pairs alternate their order): " + "; ".join(
+            f"{'/'.join(o[0].upper() for o in r['order'])} {r['dense_s']:.2f} vs {r['patched_s']:.2f} s -> "
+            f"{r['speedup']:.4f}x (steps {r['sampling_speedup']:.4f}x)" for r in reps)
+            + f"; figure = mean dense / mean patched {out['speedup']:.4f}x, per-pair spread {min(sp):.4f}-{max(sp):.4f}x",
+            flush=True)
+    for name in ("dense", "patched"):
+        h = reps[0]["host_phases"][name]
+        print(f"  outside the steps, {'unpatched' if name == 'dense' else 'patched'} (host s, first pair): " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.4f}" for k, v in h.items() if v is not None), flush=True)
     run = recs["patched"]["run"]
     out["run_kernels"] = run_kernels(env, run)
     print(f"  kernels: {out['run_kernels']['line']}", flush=True)
     try:
         b = whole_breakdown(recs["dense"], recs["patched"], run, dense=dense,
-                            layers=spec["num_layers"] if spec else 1, totals=out)
+                            layers=spec["num_layers"] if spec else 1, totals=reps[0])  # the pair of ``recs``
         out["breakdown"] = b
         for line in b["lines"]:
             print(f"  {line}", flush=True)
@@ -1759,6 +1843,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--whole-repeat", type=int, default=1,
+                    help="whole-run pairs (unpatched + patched) to time; pairs after the first alternate their order; "
+                         "the figure is mean unpatched / mean patched and the per-pair spread is printed (each pair "
+                         "adds ~100 s at 1.3B 480p)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip remaining runs after this many seconds (0: none)")
     ap.add_argument("--out", default="bench_comfyui_speedup.json")
     ap.add_argument("--scoreboard", default="", help="also update these scoreboard keys in this JSON file "

@@ -221,3 +221,28 @@ def test_trace_summary_busy_idle_gaps_and_host_syncs():
     assert t["dispatch"]["calls"] == 2 and t["dispatch"]["host_ms_per_call"] == pytest.approx(0.02)
     other = bench.trace_summary([dict(e, dur=e["dur"] * 2) if e.get("name") == "decode" else e for e in ev])
     assert bench.kernel_delta(t, other)[0] == ("decode", pytest.approx(0.08), 1, 1)
+
+
+def test_host_phases_split_the_time_outside_the_steps(monkeypatch):
+    """Before the first step, after the last one, the bench's own checks; the adapter's plan / summary / close timed
+    through the module functions the OUTER_SAMPLE wrapper looks up, restored afterwards (mutation: a phase measured
+    from the wrong mark, or a patched function left in place, fails here)."""
+    bench = _bench()
+    rec = {"t_call": 10.0, "t_start": 10.25, "step_ends": [(0, 11.0), (1, 12.0)], "t_return": 12.5, "t_done": 12.75}
+    h = bench.host_phases(rec, {"plan": 0.125})
+    assert h == {"before_first_step": 0.25, "after_last_step": 0.5, "bench_after": 0.25, "pack_plan": 0.125}
+    clock = iter([1.0, 1.5, 2.0, 2.25, 3.0, 4.0])
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+
+    class RunState:
+        def close(self):
+            return "closed"
+
+    lc = types.SimpleNamespace(_plan_before_sampling=lambda *a: "planned", _report=lambda run: "reported",
+                               RunState=RunState)
+    saved = (lc._plan_before_sampling, lc._report, RunState.close)
+    with bench.pack_phase_timer(types.SimpleNamespace(lifecycle=lc)) as pack:
+        assert lc._plan_before_sampling(1, 2) == "planned" and lc._report(None) == "reported"
+        assert RunState().close() == "closed"
+    assert pack.s == {"plan": 0.5, "summary": 0.25, "close": 1.0}
+    assert (lc._plan_before_sampling, lc._report, RunState.close) == saved
