@@ -86,6 +86,9 @@ VARIANTS = {  # name: keywords of launch()
     # + 1/8 / 1/4 of the exponentials on the degree-3 FMA polynomial (the FADDs' issue slots are free now)
     "gluon ws sum mma poly 1/8": dict(gluon=dict(poly=11, kb_poly=2), kb_pow2=True, rtol=2e-3),
     "gluon ws sum mma poly 1/4": dict(gluon=dict(poly=12, kb_poly=2), kb_pow2=True, rtol=2e-3),
+    # the two consumer warpgroups take turns issuing their products (FA3's pingpong)
+    "gluon ws sum mma pp": dict(gluon=dict(poly=10, kb_poly=2, pingpong=True), kb_pow2=True, rtol=2e-3),
+    "gluon ws kb pow2 pp": dict(gluon=dict(kb_poly=2, pingpong=True), kb_pow2=True),
 }
 
 

@@ -56,7 +56,7 @@ _LOG2E = 1.4426950408889634
 def config(head_dim: int) -> dict:
     """Launch config: ring depth and the register split (12 warps: 2 consumer warpgroups + 1 producer warpgroup)."""
     return dict(num_stages=8, consumer_regs=232, producer_regs=40, maxnreg=168, unroll=2, poly=0, kb_poly=False, groups=2,
-                thread_arrive=False)
+                thread_arrive=False, pingpong=False)
 
 
 def refusal(q8: torch.Tensor, k8: torch.Tensor, group_size: int, out: torch.Tensor) -> str | None:
@@ -214,12 +214,15 @@ def _tile_sums(acc, f, l2, kbv, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.cons
 
 
 @gluon.jit
-def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G, n_tiles,
+def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, n_slots, C, G, n_tiles,
               stride_sb, stride_sh, stride_sg, stride_sn, H,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, UNROLL: gl.constexpr,
-              POLY: gl.constexpr, KB_POLY: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
-    """One consumer warpgroup: query group g0 + HALF against every key tile of the ring, two tiles per step."""
+              POLY: gl.constexpr, KB_POLY: gl.constexpr, THREAD_ARRIVE: gl.constexpr, PINGPONG: gl.constexpr):
+    """One consumer warpgroup: query group g0 + HALF against every key tile of the ring, two tiles per step.
+    PINGPONG (two groups, unroll 2): the two warpgroups take turns issuing their step's products (mbarriers ``turn``:
+    step j of warpgroup 0 after step j - 1 of warpgroup 1, step j of warpgroup 1 after step j of warpgroup 0), so
+    the tensor cores take the products in alternation and each warpgroup's exponentials run under the other's."""
     g = g0 + HALF
     has_g = g < G  # odd G: the last program's second group computes on padding and stores nothing
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -315,12 +318,19 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_
             k1 = k_smem.index(s1)
             mbarrier.wait(k_ready.index(s0), (t // NUM_STAGES) & 1)
             mbarrier.wait(k_ready.index(s1), ((t + 1) // NUM_STAGES) & 1)
+            if PINGPONG:  # my turn to issue (block t // 2)
+                if HALF == 0:
+                    mbarrier.wait(turn.index(0), ((t // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
+                else:
+                    mbarrier.wait(turn.index(1), (t // 2) & 1)
             if POLY == 9:  # no product: the exponentials of a made-up tile (the timing floor of the MUFU work alone)
                 acc0 = zero + (offs_n - t % 7).to(gl.float32)[:, None]
                 acc1 = zero + (offs_n - t % 5).to(gl.float32)[:, None]
             else:
                 tok0 = warpgroup_mma(k0, q_t, zero, use_acc=False, is_async=True)
                 tok1 = warpgroup_mma(k1, q_t, zero, use_acc=False, is_async=True)
+                if PINGPONG:
+                    _release(turn.index(1 - HALF), THREAD_ARRIVE)
                 acc0, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok0, k0))  # tile t done, tile t + 1 in flight
             _release(k_empty.index(s0), THREAD_ARRIVE)
             _tile_sums(acc0, f, l2, _kb(kb_base, t * BLOCK_N + offs_n, SK), s_ptr, stride_sn, t * BLOCK_N + offs_n, SK,
@@ -340,6 +350,7 @@ def _pass2_fwd_sm90(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr,
     POLY: gl.constexpr, KB_POLY: gl.constexpr, GROUPS: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
+    PINGPONG: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     g0 = gl.program_id(0) * GROUPS
@@ -357,29 +368,32 @@ def _pass2_fwd_sm90(
     for j in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(j), count=1)  # the producer's expect; TMA completes the transaction
         mbarrier.init(k_empty.index(j), count=GROUPS * (128 if THREAD_ARRIVE else 1))  # per warpgroup / thread
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(2):
+        mbarrier.init(turn.index(j), count=128 if THREAD_ARRIVE else 1)  # PINGPONG: arrives by the other warpgroup
 
     # worker arguments are spelled out (a tuple built with + loses its constexpr wrappers in Triton 3.6)
     if GROUPS == 3:
         gl.warp_specialize([
-            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, n_slots, C, G,
                          n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
-            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+                         NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, n_slots, C, G,
                          n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
-            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+                         NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, n_slots, C, G,
                          n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 2, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
+                         NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
             (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
         return
     gl.warp_specialize([
-        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, n_slots, C, G,
                      n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                     NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
-        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, bh, g0, S, SK, n_slots, C, G,
+                     NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
+        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, n_slots, C, G,
                      n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
-                     NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE)),
+                     NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
         (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -391,7 +405,7 @@ def k_layout(head_dim: int):
 
 def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None, consumer_regs=None,
                 producer_regs=None, maxnreg=None, unroll=None, poly=None, kb_poly=None,
-                groups=None, thread_arrive=None, k_desc=None):
+                groups=None, thread_arrive=None, pingpong=None, k_desc=None):
     """(grid, positional args, meta) of one launch; the op and the offline compile share it. ``k_desc``: a prebuilt
     descriptor (the offline compile passes one on the meta device)."""
     B, H, S, D = q8.shape
@@ -418,6 +432,9 @@ def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None
     if poly not in (0, 1, 2, 3, 5, 8, 9, 10, 11, 12) or (poly in (2, 3) and unroll != 4) or (poly == 5 and unroll == 4):
         raise ValueError(f"poly must be 0, 1, 2 / 3 with unroll 4, 5 / 10-12 without, or 8 / 9, got {poly} (unroll {unroll})")
     thread_arrive = bool(cfg["thread_arrive"] if thread_arrive is None else thread_arrive)
+    pingpong = bool(cfg["pingpong"] if pingpong is None else pingpong)
+    if pingpong and (unroll != 2 or groups != 2 or poly == 9):
+        raise ValueError("pingpong runs with two groups, unroll 2 and the products (not poly 9)")
     if thread_arrive and unroll == 4:
         raise ValueError("thread_arrive runs with unroll 1 or 2, not 4")
     if poly == 9 and unroll != 2:
@@ -429,7 +446,7 @@ def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None
     meta = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
                 UNROLL=unroll, POLY=poly, KB_POLY=int(cfg["kb_poly"] if kb_poly is None else kb_poly), GROUPS=groups,
-                THREAD_ARRIVE=thread_arrive,
+                THREAD_ARRIVE=thread_arrive, PINGPONG=pingpong,
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta
 
@@ -451,7 +468,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size, **tunin
             ``kb_poly`` (the per-key factor on the FMA pipe; 2: ``kb`` holds 2^KB, ``fp8_operands(kb_pow2=True)``),
             ``thread_arrive`` (each consumer thread releases a key stage itself: no warpgroup barrier per tile;
             unroll 1 or 2), timing floors that write wrong sums (benchmarks only): ``poly=8`` no exponential,
-            ``poly=9`` no product (unroll 2); ``poly=10``: the row sums on the tensor cores from bfloat16
+            ``poly=9`` no product (unroll 2); ``pingpong`` (the two consumer warpgroups take turns issuing
+            their products; two groups, unroll 2); ``poly=10``: the row sums on the tensor cores from bfloat16
             exponentials (relative L2 of the sums ~2e-4 - 8e-4), 11 / 12 with 1/8 / 1/4 of them on ``_exp2_poly3``,
             ``consumer_regs``, ``producer_regs``, ``maxnreg``.
     Returns:
