@@ -5,15 +5,18 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 
 1. CHECKS on the GPU before any timing (a line with "CHECKS"; "CHECK FAILED" when one fails): select_kv at its
    defaults == the brute-force top-K (kernels/reference/topk.py) of its own float16 sums; the top-K fused into the
-   pass-2 kernel == the separate one; both radix fallback paths forced (16 candidate slots: every row overflows) ==
-   the brute force, on 2 heads at s = 0.25.
-2. RACE 1 (tests/_timing.race: sustained back-to-back samples, rotating order, median; TEAM.md item 7): flash-attn-4
-   dense with LSE, select_kv defaults and select_kv with the top-K fused into pass 2, each at s = 0.1 / 0.15 / 0.25 /
-   0.5: ratios / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes needed).
-3. RACE 2 (1.3B only, after both shapes' race 1): the parts on all heads in the same rounds as dense: the float8
-   operand pass and the top-K alone at s = 0.25 (defaults), then, while the budget lasts, issue 15's pass-2 kernel
-   variants of tests/bench_pass2_exp.py (``--p2ws-variants``; each checked against that bench's reference kernel as
-   there), ``TOPK_TUNING`` (outputs checked equal to the default's first) and ``OPERAND_TUNING``.
+   pass-2 kernel (two groups and one group per program) == the separate one; both radix fallback paths forced (16
+   candidate slots: every row overflows) == the brute force, on 2 heads at s = 0.25.
+2. RACE 1 (tests/_timing.race: sustained back-to-back samples, shuffled order, median; TEAM.md item 7): flash-attn-4
+   dense with LSE, select_kv defaults, with the top-K fused into pass 2 and fused with one query group per program,
+   each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the
+   defaults; both shapes needed).
+3. RACE 2 (per shape after both shapes' race 1, while ``--budget`` lasts; 14B only with 20 s left): the parts on all
+   heads at s = 0.25 in the same rounds as dense: the float8 operand pass, the separate top-K, the pass-2 kernel
+   alone and with its fused top-K epilogue (two groups / one group per program, on precomputed operands; sums
+   checked against select_kv's, the fused selection against the brute force of its sums), at 1.3B issue 15's
+   pass-2 kernel variants of tests/bench_pass2_exp.py (``--p2ws-variants``; each checked against that bench's
+   reference kernel as there); then the host time of one select_kv call enqueued behind busy GPU work.
 
 Writes OUT/bench_select_race.json after each step and OUT/scoreboard.json (the key above, with command and commit).
 Usage (checkout root, H200): python tests/bench_select_race.py --out OUT [--shapes 1.3b,14b] [--commit HASH]
@@ -51,10 +54,6 @@ SHAPES = {"1.3b": dict(H=12, grid=(21, 30, 52)), "14b": dict(H=40, grid=(21, 45,
 SCORE_NAME = {"1.3b": "wan13b_480p", "14b": "wan14b_720p"}
 DENSITIES = (0.1, 0.15, 0.25, 0.5)
 C = D = KV_TILE = 128
-OPERAND_TUNING = {"quant 128 rows": dict(quant_block=128), "quant 128 rows 8 warps": dict(quant_block=128, quant_warps=8),
-                  "quant 32 rows": dict(quant_block=32), "stats 1056 programs": dict(stats_programs=1056)}
-TOPK_TUNING = {"uncapped (95 regs)": dict(maxnreg=0), "w1": dict(num_warps=1), "w1 no prefetch": dict(num_warps=1, prefetch=False),
-               "w4 96 regs": dict(num_warps=4, maxnreg=96), "1 sample per 32 keys": dict(sample_stride=32)}
 SMOKE = False
 
 
@@ -88,6 +87,7 @@ def checks(q, k, lse, perm, S, log):
     sums16 = selection.group_prob_sums(*sub, group_size=C).half()
     want = ref_top_k_rows(sums16, kq, width)
     fused = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_fused=True)
+    fused1 = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_fused=True, one_group=True)
     plan = topk.bracket_plan(S, kq, 2, cap=16)
     forced = topk.FusedRows(torch.full_like(sel, -7), kq, width, plan,
                             torch.empty(2 * G, 16, dtype=torch.int16, device=q.device),
@@ -96,7 +96,8 @@ def checks(q, k, lse, perm, S, log):
     selection.group_prob_sums(*sub, group_size=C, out=sums_f, select=forced)
     ran = forced.done
     forced.finish(sums_f)
-    r = dict(default_exact=bool(torch.equal(sel, want)), fused_equal=bool(torch.equal(fused, sel)), fused_ran=ran,
+    r = dict(default_exact=bool(torch.equal(sel, want)), fused_equal=bool(torch.equal(fused, sel)),
+             fused_1grp_equal=bool(torch.equal(fused1, sel)), fused_ran=ran,
              fused_forced_fallback_exact=bool(torch.equal(forced.out, ref_top_k_rows(sums_f, kq, width))),
              fused_forced_fallback_rows=float(forced.flags.float().mean()),
              bracket_forced_fallback_exact=bool(torch.equal(
@@ -118,17 +119,56 @@ def race1(name, q, k, v, lse, perm, log):
                                                                          kv_tile=KV_TILE))(kk)
         fns[f"fused s={s}"] = (lambda kk: lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C,
                                                                       kv_tile=KV_TILE, topk_fused=True))(kk)
+        fns[f"fused 1grp s={s}"] = (lambda kk: lambda: selection.select_kv(
+            q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE, topk_fused=True, one_group=True))(kk)
     ms = race(fns, rounds=3, target_ms=20.0)
     r = dict(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
              over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
     log(f"{name} RACE 1 (dense {dname} {ms['dense']:.3f} ms): " + " | ".join(
-        f"s={s}: defaults {r['over_dense'][f'defaults s={s}']:.4f}, fused {r['over_dense'][f'fused s={s}']:.4f}"
-        for s in DENSITIES))
+        f"s={s}: defaults {r['over_dense'][f'defaults s={s}']:.4f}, fused {r['over_dense'][f'fused s={s}']:.4f}, "
+        f"fused 1grp {r['over_dense'][f'fused 1grp s={s}']:.4f}" for s in DENSITIES))
     return r
 
 
+def launch_pair(ops, perm, out, *, one_group=False, select=None):
+    """The float8 pair pass-2 kernel alone on precomputed operands ``ops`` (``fp8_operands(kb_pow2=True)``), launched
+    as ``selection.group_prob_sums`` launches it (unstaggered, BLOCK_N 64, 4 warps, 3 stages; with ``select`` the
+    fused top-K epilogue and its register cap, then ``select.finish``)."""
+    q8, k8, qf, lse_s, kb = ops
+    B, H, S, _ = q8.shape
+    SK = k8.shape[2]
+    n_slots = perm.shape[-1]
+    G = n_slots // C
+    sel_args, sel_meta = selection._fused_topk_args(select, out, 4, lse_s)
+    extra = {}
+    if select is not None and not SMOKE:
+        extra = dict(maxnreg=128 if one_group else selection._TOPK_FUSED_MAXNREG)
+    selection._group_prob_sums_pair[(G if one_group else -(-G // 2), B * H)](
+        q8, k8, lse_s, perm, out, qf, kb, qf, 1.0, H, S, SK, n_slots, C, G,
+        *q8.stride(), *k8.stride(), *lse_s.stride(), *out.stride(), *sel_args,
+        HEAD_DIM=D, BLOCK_M=128, BLOCK_N=64, EXP_MODE=0, STAGGER=False, FP8=True, POLY=0, P3_G0=0, P3_G1=0,
+        KEY_BITS=16, WITH_HIST=False, KB_POW2=True, ONE_GROUP=one_group, **sel_meta, num_warps=4, num_stages=3, **extra)
+    if select is not None:
+        select.finish(out)
+    return out
+
+
+def host_ms(fn, busy, n=5):
+    """Median host time (ms) of one call of ``fn`` made while the GPU is busy with ``busy`` queued twice before it:
+    the enqueue cost alone (launches, allocations, Python), none of it waiting on the GPU."""
+    ts = []
+    for _ in range(n):
+        busy()
+        busy()
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1000)
+        torch.cuda.synchronize() if not SMOKE else None
+    return sorted(ts)[len(ts) // 2]
+
+
 def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log):
-    """1.3B parts and variants in the same rounds as dense (docstring, item 3)."""
+    """The parts at s = 0.25 in the same rounds as dense (docstring, item 3)."""
     S, H = q.shape[2], q.shape[1]
     G = perm.shape[-1] // C
     kq = int(0.25 * S)
@@ -138,13 +178,34 @@ def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log):
     fns = {"dense": dense, "operands default": lambda: selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)}
     sums = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
     selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums)
-    want = topk.top_k_rows(sums, kq, width)
     fns["top-K default"] = lambda: topk.top_k_rows(sums, kq, width)
-    if p2ws_variants:
+    ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)
+    out16 = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
+    for one in (False, True):
+        tag = "1grp" if one else "2grp"
+        try:
+            plain = launch_pair(ops, perm, torch.full_like(out16, float("nan")), one_group=one)
+            rel = float(((plain.double() - sums.double()).norm(dim=-1) / sums.double().norm(dim=-1)).max())
+            if rel > 1e-3:  # (nan included: an entry not written)
+                raise AssertionError(f"sums differ from select_kv's pass 2 by {rel:.2e}")
+            fused = topk.FusedRows.allocate(H * G, S, kq, width, q.device)
+            sel = fused.for_chunk(torch.full((1, H, G, width), -7, dtype=torch.int32, device=q.device))
+            got = launch_pair(ops, perm, torch.full_like(out16, float("nan")), one_group=one, select=sel)
+            hc = min(H, 12)  # the brute force on the first 12 heads (at 14B all 40 would sort 1.8e9 sums)
+            if not torch.equal(sel.out[:, :hc], ref_top_k_rows(got[:, :hc], kq, width)):
+                raise AssertionError("the fused top-K differs from the brute-force top-K of its sums")
+            res[f"sums equal {tag}"] = bool(torch.equal(got, plain))
+            del plain, got
+            res[f"fallback rows {tag}"] = float(fused.flags.float().mean())
+            fns[f"pass-2 kernel {tag}"] = (lambda one: lambda: launch_pair(ops, perm, out16, one_group=one))(one)
+            fns[f"pass-2 kernel + fused top-K {tag}"] = (lambda one, sel: lambda: launch_pair(
+                ops, perm, out16, one_group=one, select=sel))(one, sel)
+        except Exception as err:  # noqa: BLE001
+            res["errors"][f"pass-2 kernel {tag}"] = f"{type(err).__name__}: {str(err)[:300]}"
+    if p2ws_variants and name == "1.3b":
         import bench_pass2_exp as p2
 
         by_pow2 = p2.variant_ops(selection.fp8_operands(q, k, lse, D**-0.5))  # {kb_pow2: operands it reads}
-        out16 = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
         # the reference: "kb pow2", the pass-2 kernel select_kv runs (p2ws, 13:30)
         ref = p2.launch_variant("kb pow2", by_pow2, perm, torch.full((1, H, G, S), float("nan"), device=q.device))
         for vname in p2ws_variants:
@@ -160,31 +221,20 @@ def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log):
                     if rel > kw.get("rtol", p2.POLY_RTOL):
                         raise AssertionError(f"sums differ from the reference kernel's by {rel:.2e}")
                 del got
-                fns[f"pass-2 kernel {vname}"] = (lambda vname: lambda: p2.launch_variant(vname, by_pow2, perm, out16))(vname)
+                fns[f"p2ws {vname}"] = (lambda vname: lambda: p2.launch_variant(vname, by_pow2, perm, out16))(vname)
             except Exception as err:  # noqa: BLE001
-                res["errors"][f"pass-2 kernel {vname}"] = f"{type(err).__name__}: {str(err)[:300]}"
-    for tname, tune in TOPK_TUNING.items():
-        if time.time() - t0 > budget:
-            break
-        try:
-            if not torch.equal(topk.top_k_rows(sums, kq, width, method="bracket", **tune), want):
-                raise AssertionError("differs from the default top-K")
-            fns[f"top-K {tname}"] = (lambda tune: lambda: topk.top_k_rows(sums, kq, width, method="bracket", **tune))(tune)
-        except Exception as err:  # noqa: BLE001
-            res["errors"][f"top-K {tname}"] = f"{type(err).__name__}: {str(err)[:200]}"
-    for tname, tune in OPERAND_TUNING.items():
-        if time.time() - t0 > budget:
-            break
-        try:
-            selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, **tune)
-            fns[f"operands {tname}"] = (lambda tune: lambda: selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, **tune))(tune)
-        except Exception as err:  # noqa: BLE001 (a tuning that fails is reported)
-            res["errors"][f"operands {tname}"] = f"{type(err).__name__}: {str(err)[:200]}"
+                res["errors"][f"p2ws {vname}"] = f"{type(err).__name__}: {str(err)[:300]}"
     ms = race(fns, rounds=3, target_ms=20.0)
     res.update(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
                over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
-    log(f"{name} RACE 2 (dense {dname} {ms['dense']:.3f} ms, all heads, s = 0.25 for the top-K): " + " | ".join(
-        f"{n} {v:.4f}" for n, v in res["over_dense"].items()) + (f" | errors {res['errors']}" if res["errors"] else ""))
+    for one in (False, True):
+        res["host_ms " + ("1grp" if one else "defaults")] = host_ms(
+            lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, one_group=one or None),
+            dense)
+    log(f"{name} RACE 2 (dense {dname} {ms['dense']:.3f} ms, all heads, s = 0.25): " + " | ".join(
+        f"{n} {v:.4f}" for n, v in res["over_dense"].items()) + " | " + " | ".join(
+        f"{n} {v:.3f}" for n, v in res.items() if n.startswith(("host", "fallback", "sums")))
+        + (f" | errors {res['errors']}" if res["errors"] else ""))
     return res
 
 
@@ -208,18 +258,20 @@ def write_scoreboard(report, out_dir, command):
     shapes = report["shapes"]
     if SMOKE or not all(sh.get("race1") for sh in shapes.values()) or set(shapes) != {"1.3b", "14b"}:
         return
-    worst = max((r, n, key) for n, sh in shapes.items() for key, r in sh["race1"]["over_dense"].items()
-                if key.startswith("defaults"))
-    worst_f = max((r, n, key) for n, sh in shapes.items() for key, r in sh["race1"]["over_dense"].items()
-                  if key.startswith("fused"))
+    def worst_of(prefix):
+        return max((r, n, key) for n, sh in shapes.items() for key, r in sh["race1"]["over_dense"].items()
+                   if key.rsplit(" s=", 1)[0] == prefix)
+
+    worst = worst_of("defaults")
+    others = "; ".join(f"{p}: {w[0]:.4f} ({w[1]} {w[2]})" for p in ("fused", "fused 1grp") for w in [worst_of(p)])
     path = ROOT / "docs" / "results" / "scoreboard.json"
     board = json.loads(path.read_text()) if path.exists() else {}
     board["pass2_topk_over_dense_max"] = dict(
         value=round(worst[0], 4), unit="ratio", command=command, commit=report["commit"], gpu=report["gpu"],
         date=datetime.date.today().isoformat(), note=(
             f"select_kv defaults / flash-attn-4 dense with LSE, tests/_timing.race (sustained, interleaved, same "
-            f"rounds), worst of 1.3b, 14b x s in {list(DENSITIES)}: {worst[1]} {worst[2]}; with the top-K fused into "
-            f"pass 2 the worst is {worst_f[0]:.4f} ({worst_f[1]} {worst_f[2]}); dense ms "
+            f"rounds), worst of 1.3b, 14b x s in {list(DENSITIES)}: {worst[1]} {worst[2]}; worst of the explicit "
+            f"variants in the same run: {others}; dense ms "
             + ", ".join(f"{n} {sh['race1']['dense_ms']:.3f}" for n, sh in shapes.items())))
     text = json.dumps(board, indent=2) + "\n"
     path.write_text(text)
@@ -240,6 +292,7 @@ def main():
     if SMOKE:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")
+        os.environ["MC_SPARSE_PASS2_FP8"] = "1"  # the float8 pass 2 of the GPU (one_group needs it)
         from _triton_interp import patch_interpreter  # two Triton 3.6 interpreter fixes (tests/_triton_interp.py)
 
         patch_interpreter()
@@ -267,11 +320,7 @@ def main():
             save()
             res["race1"] = race1(name, q, k, v, lse, perm, log)
             save()
-            if name in ("1.3b", "smoke"):
-                kept[name] = (q, k, v, lse, perm)
-            else:
-                del q, k, v, lse, perm
-                torch.cuda.empty_cache()
+            kept[name] = (q, k, v, lse, perm)
         except Exception as err:  # noqa: BLE001 (a failing shape is reported; the others still run)
             res["error"] = f"{type(err).__name__}: {str(err)[:500]}"
             log(f"{name} FAILED: {res['error']}")
@@ -279,6 +328,9 @@ def main():
     write_scoreboard(report, out_dir, command)
     variants = [n.strip() for n in args.p2ws_variants.split(",") if n.strip()]
     for name, inputs in kept.items():
+        if time.time() - t0 > args.budget - (0 if name in ("1.3b", "smoke") else 20):
+            log(f"{name} race 2 skipped (budget)")
+            continue
         try:
             report["shapes"][name]["race2"] = race2(name, *inputs, variants, args.budget, t0, log)
         except Exception as err:  # noqa: BLE001
