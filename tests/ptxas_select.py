@@ -3,7 +3,8 @@ needed; not collected by pytest): registers, spills, shared memory, and per kern
 QGMMA (bf16 / fp8 wgmma), FFMA and warp-specialisation markers (setmaxnreg) in the SASS, so a variant that does
 not compile, spills, or loses its wgmma / software pipeline shows up before the GPU run.
 
-Usage: python tests/ptxas_select.py [--gluon [--quick]]. Exit status 1 when a listed variant spills or does not fit.
+Usage: python tests/ptxas_select.py [--gluon [--quick]] [--only SUBSTRING] (``--only``: the pair-kernel variants
+whose name contains it, no operand pass). Exit status 1 when a listed variant spills or does not fit.
 ``--gluon``: the warp-specialised Gluon kernel (``kernels/triton/selection_sm90.py``) alone, its variants (``GLUON_VARIANTS``;
 ``--quick``: the default only).
 """
@@ -45,6 +46,17 @@ VARIANTS = {  # name: pair-kernel constexprs (BLOCK_N 64, 4 warps, 3 stages unle
     "fp8 unstaggered + fused top-K": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True, maxnreg=168),
     "fp8 one group + fused top-K": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True, ONE_GROUP=True),
     "fp8 one group": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, ONE_GROUP=True),
+    # the fused top-K's sweeps with 2 / 4 tile rows per thread per step (topk.FusedRows.rows_per_thread)
+    "fp8 unstaggered + fused top-K x2": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True, maxnreg=168,
+                                             T_RPT=2),
+    "fp8 unstaggered + fused top-K x4": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True, maxnreg=168,
+                                             T_RPT=4),
+    "fp8 one group + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
+                                                   ONE_GROUP=True, maxnreg=128),
+    "fp8 one group + fused top-K x2 (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
+                                                      ONE_GROUP=True, maxnreg=128, T_RPT=2),
+    "fp8 one group + fused top-K x4 (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
+                                                      ONE_GROUP=True, maxnreg=128, T_RPT=4),
 }
 
 
@@ -87,7 +99,8 @@ def compile_variant(name, cfg, S=75600, H=40, D=128, C=128, arch=90):
         plan = topk.bracket_plan(S, kk, 2)
         select = topk.FusedRows(torch.empty(B, 5, G, width, dtype=torch.int32, device="meta"), kk, width, plan,
                                 torch.empty(B * 5 * G, plan[4], dtype=torch.int16, device="meta"),
-                                torch.empty(B * 5 * G, dtype=torch.int8, device="meta"))
+                                torch.empty(B * 5 * G, dtype=torch.int8, device="meta"),
+                                rows_per_thread=cfg.get("T_RPT", 1))
     sel_args, sel_meta = selection._fused_topk_args(select, sums, warps, lse)
     args += list(sel_args)
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=cfg.get("BLOCK_N", 64), EXP_MODE=0, STAGGER=cfg.get("STAGGER", True),
@@ -174,10 +187,13 @@ def main():
             bad += r["spill_st"] > 0 or r["consumer_hot_spills"] > 0 or not r["fits"]
             print(r, flush=True)
         sys.exit(1 if bad else 0)
-    for r in compile_operand_pass():
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    for r in [] if only else compile_operand_pass():
         bad += r["spill_st"] > 0
         print(r, flush=True)
     for name, cfg in VARIANTS.items():
+        if only and only not in name:
+            continue
         try:
             r = compile_variant(name, cfg)
             bad += r["spill_st"] > 0 or not r["fits"]

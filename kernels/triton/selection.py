@@ -656,7 +656,8 @@ def _fused_topk_args(select, out, num_warps, placeholder):
     align = 8 if sb % 8 == 0 and sh % 8 == 0 and sg % 8 == 0 else 1
     args = (sel, select.cand, select.flags, select.num_keys, select.width, sb // align, sh // align, sg // align,
             sel.stride(0), sel.stride(1), sel.stride(2), stride, n_samp, hi_rank, lo_rank, cap)
-    meta = dict(TOPK=True, T_ALIGN=align, T_ROWS=32 * num_warps, T_NS=triton.next_power_of_2(n_samp))
+    meta = dict(TOPK=True, T_ALIGN=align, T_ROWS=32 * num_warps * select.rows_per_thread,
+                T_NS=triton.next_power_of_2(n_samp))
     return args, meta
 
 

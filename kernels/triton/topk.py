@@ -500,7 +500,8 @@ class FusedRows:
     Fields: out, int32 ``[B, h, G, width]`` (the selection of the head chunk, contiguous last dim); num_keys, width;
     plan, ``bracket_plan``'s (stride, n_samp, hi_rank, lo_rank, cap); cand, the candidate scratch (int16
     ``[>= B*h*G, cap]``); flags, int8 ``[>= B*h*G]``; done: set by pass 2 when its kernel ran the top-K (the Gluon
-    pass-2 kernel does not: then the caller runs ``top_k_rows``)."""
+    pass-2 kernel does not: then the caller runs ``top_k_rows``); rows_per_thread: 16-byte tile rows each thread
+    holds per sweep step (a power of two; tuning: fewer, longer steps)."""
     out: torch.Tensor
     num_keys: int
     width: int
@@ -508,6 +509,7 @@ class FusedRows:
     cand: torch.Tensor
     flags: torch.Tensor
     done: bool = False
+    rows_per_thread: int = 1
 
     @classmethod
     def allocate(cls, rows: int, sk: int, num_keys: int, width: int, device) -> "FusedRows":
