@@ -16,10 +16,11 @@ them), H = 12, S = 32760, D = 128, preset 'fast' (s = 0.15, C = 128, kv_tile 64)
    (``kernels/triton/bitmask.py`` variants "bits" / "bytes");
 2. ``[anchor step]``: 29 runner calls at batch 2 (two keys each, ``out=`` a view of a [2, S, H*D] buffer), a fresh
    ``engine.MCSparseRunner`` planned as the adapter plans it, as the model's anchor step makes them, wall clock and
-   the runner's own CUDA-event spans, variants interleaved (as is / no finite check / bitmask by words), 3 rounds,
+   the runner's own CUDA-event spans, variants interleaved (as is / no finite check / bitmask by words), 2 rounds,
    beside 29 caller dense calls at batch 2;
-3. ``[host]``: the pack's host work outside the steps: ``runner.plan``, the end-of-run read of a run's worth of
-   CUDA-event pairs (``timing.CallTimer.times``), the summary lines, ``runner.close`` with a full anchor step's cache.
+3. ``[host]``: the pack's host work outside the steps: ``runner.plan``, the summary lines and ``runner.close`` with a
+   full anchor step's cache (part 2), the end-of-run read of a run's worth of CUDA-event pairs
+   (``timing.CallTimer.times``) with the pairs read as the run goes (``CallTimer.DRAIN``) and all at the end.
 CHECKs (GPU): the "words" bitmask equals the "bytes" one bit for bit on the anchor's real selection; both decode
 variants equal the selection; the anchor step's outputs and stored selections are identical across variants.
 
@@ -198,7 +199,7 @@ def anchor_step(H: int, S: int, layers: int, device, log) -> dict:
     res = {name: {"wall_ms": [], "span_ms": [], "plan_ms": [], "summary_ms": [], "close_ms": []} for name in variants}
     res["caller dense"] = {"wall_ms": []}
     outputs, selections = {}, {}
-    rounds = 3 if device.type == "cuda" else 1
+    rounds = 2 if device.type == "cuda" else 1
     for r in range(rounds + 1):  # round 0 warms up (compiles, grows the allocator's pools); not counted
         for name, var in variants.items():
             saved_pack, saved_anchor = encoding.PACK_BITS, engine.anchor_attention
@@ -267,27 +268,43 @@ def anchor_step(H: int, S: int, layers: int, device, log) -> dict:
     return res
 
 
-def host_phases(device, log, pairs: int = 2700) -> dict:
-    """The end-of-run read of a whole run's CUDA-event pairs (``CallTimer.times``; the 1.3B whole run records ~2700:
-    311 dense + 58 anchor + 2320 reuse calls ... per chunk/call), and the cost of recording them."""
-    timer = timing.CallTimer()
+def host_phases(device, log, pairs: int = 1530, kernel_us: float = 1000.0) -> dict:
+    """The end-of-run read of a whole run's CUDA-event pairs (``CallTimer.times``; the 1.3B whole run records 1529:
+    311 timed dense + 58 anchor + 1160 reuse calls), with the pairs read as the run goes (``CallTimer.DRAIN``) and all
+    at the end (drain 0), side by side: host time of the recording loop around a kernel of ~``kernel_us`` (a busy
+    device, as in a run), and of the read at the end."""
+    out = {}
     x = torch.zeros(1024, device=device)
-    t0 = now(device)
-    for i in range(pairs):
-        start = timer.start(device)
-        x.add_(1.0)
-        timer.stop(start, ("dense", "anchor", "reuse")[i % 3], (12, 32760, 128), 2)
-    record_ms = (now(device) - t0) * 1000.0
-    t0 = time.perf_counter()
-    n = sum(len(v) for kind in ("dense", "anchor", "reuse") for v in timer.times(kind).values())
-    read_ms = (time.perf_counter() - t0) * 1000.0
-    t0 = time.perf_counter()
-    line = engine.attention_time_line(timer)
-    line_ms = (time.perf_counter() - t0) * 1000.0
-    log(f"[host] {pairs} CUDA-event pairs around tiny kernels: record loop {record_ms:.1f} ms ({record_ms * 1000 / pairs:.1f} "
-        f"us per call incl. the kernel); read at the end (CallTimer.times, {n} values) {read_ms:.2f} ms; "
-        f"attention_time_line after that {line_ms:.2f} ms ({'a line' if line else 'none'})")
-    return {"pairs": pairs, "record_ms": record_ms, "read_ms": read_ms, "line_ms": line_ms}
+    spin = None
+    if device.type == "cuda":  # a kernel that keeps the device busy ~kernel_us, like an attention call
+        spin = lambda: torch.cuda._sleep(int(kernel_us * 1000 * 1.4))  # noqa: E731  (cycles at ~1.4-2 GHz)
+    for drain in (0, timing.CallTimer.DRAIN, 0, timing.CallTimer.DRAIN):
+        timer = timing.CallTimer(drain=drain)
+        t0 = now(device)
+        host = 0.0
+        for i in range(pairs):
+            h0 = time.perf_counter()
+            start = timer.start(device)
+            if spin is not None:
+                spin()
+            x.add_(1.0)
+            timer.stop(start, ("dense", "anchor", "reuse")[i % 3], (12, 32760, 128), 2)
+            host += time.perf_counter() - h0
+            if device.type == "cuda" and i % 64 == 63:
+                torch.cuda.synchronize()  # keep the launch queue short (a step syncs at its end)
+        loop_ms = (now(device) - t0) * 1000.0
+        left = timer.pending
+        t0 = time.perf_counter()
+        n = sum(len(v) for kind in ("dense", "anchor", "reuse") for v in timer.times(kind).values())
+        read_ms = (time.perf_counter() - t0) * 1000.0
+        out.setdefault(f"drain {drain}", []).append({"loop_ms": loop_ms, "host_ms_per_call": host * 1000 / pairs,
+                                                     "pending_at_end": left, "read_ms": read_ms, "values": n})
+    for name, runs in out.items():
+        r = runs[-1]
+        log(f"[host] {pairs} CUDA-event pairs, {name}: host per call {r['host_ms_per_call'] * 1000:.1f} us (loop "
+            f"{r['loop_ms']:.0f} ms on a busy device), pending at the end {r['pending_at_end']}, read at the end "
+            f"{r['read_ms']:.2f} ms (first run {runs[0]['read_ms']:.2f} ms)")
+    return out
 
 
 def main() -> int:
@@ -319,7 +336,7 @@ def main() -> int:
               "density": DENSITY, "backends": kernels.registry.report()}
     for key, fn in (("anchor_parts", lambda: anchor_parts(shape["H"], shape["S"], device, log)),
                     ("anchor_step", lambda: anchor_step(shape["H"], shape["S"], shape["layers"], device, log)),
-                    ("host", lambda: host_phases(device, log, pairs=2700 if device.type == "cuda" else 30))):
+                    ("host", lambda: host_phases(device, log, pairs=1530 if device.type == "cuda" else 30))):
         try:
             report[key] = fn()
         except Exception as err:  # one part failing must not lose the others

@@ -359,3 +359,58 @@ def test_each_run_reports_its_own_kernels(gen):
     assert set(busy.kernels.choices) >= {"dense_attention", "pddp_groups", "select_kv", "sparse_attention"}
     assert set(idle.kernels.choices) == {"dense_attention"}
     assert reference  # the torch backend answered both (CPU)
+
+
+class _FakeEvent:
+    """A CUDA timing event stand-in: ``done`` says whether the device has passed it; times in ms on a fake clock."""
+
+    clock = 0.0
+    reads = 0
+    made: list = []
+
+    def __init__(self):
+        _FakeEvent.clock += 1.0
+        self.t, self.done = _FakeEvent.clock, False
+        _FakeEvent.made.append(self)
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):  # the device has passed this event, hence every one recorded before it (one stream)
+        for e in _FakeEvent.made[: _FakeEvent.made.index(self) + 1]:
+            e.done = True
+
+    def elapsed_time(self, end):
+        _FakeEvent.reads += 1
+        assert self.done and end.done, "read before the device finished the pair"
+        return end.t - self.t
+
+
+def test_call_timer_reads_finished_pairs_during_the_run(monkeypatch):
+    """CallTimer reads the pairs the device has finished at later calls (never an unfinished one, oldest first, at most
+    ``drain`` per call), so the end-of-run read has only the last few left; the times are the same either way
+    (mutations: reading without the query, or popping the newest pair, fail here)."""
+    events = []
+
+    def event(device):
+        events.append(_FakeEvent())
+        return events[-1]
+
+    monkeypatch.setattr(CallTimer, "_event", staticmethod(event))
+    cuda = torch.device("cuda")
+    timers = {n: CallTimer(drain=n) for n in (0, 2)}
+    for t in timers.values():
+        events.clear()
+        _FakeEvent.made.clear()
+        _FakeEvent.reads = 0
+        for i in range(6):
+            t.stop(t.start(cuda), "reuse", (2, 8, 4), per=2)
+            for e in events[:-4]:  # the device is two calls behind the host
+                e.done = True
+        left = t.pending
+        assert t.times("reuse") == {(2, 8, 4): [0.5] * 6}
+        assert t.pending == 0 and _FakeEvent.reads == 6
+        if t.drain:
+            assert left == 3  # the two the device has not reached and one it finished after the last call
+        else:
+            assert left == 6
