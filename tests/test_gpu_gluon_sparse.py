@@ -138,7 +138,9 @@ def test_gluon_tunings_vs_float64(tuning, kind):
 
 NO_FENCE = {"no-fence": (dict(cp_async_fence=False), "plain"),
             "no-fence-early-q": (dict(cp_async_fence=False, early_q=True), "fp8_row"),
-            "overlap-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, overlap=True), "int4_row")}
+            "overlap-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, overlap=True), "int4_row"),
+            # the queries as the QK^T's register operand, the Q slot freed at each item's start
+            "q-regs-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, q_regs=True), "plain")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(NO_FENCE.values()), ids=list(NO_FENCE))

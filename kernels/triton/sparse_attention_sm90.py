@@ -77,7 +77,7 @@ def config(head_dim: int) -> dict:
     the producer issues each item's count, index and query loads together (232 / 40 spilled 32 bytes there)."""
     return dict(num_stages=2, consumer_regs=224, producer_regs=56, maxnreg=168, pipeline=False, persistent=False,
                 overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
-                thread_arrive=False, early_q=False, cp_async_fence=True)
+                thread_arrive=False, early_q=False, cp_async_fence=True, q_regs=False)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -597,7 +597,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
               NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr, ROW64: gl.constexpr,
               PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr,
-              CP_ASYNC_FENCE: gl.constexpr, STREAM: gl.constexpr):
+              CP_ASYNC_FENCE: gl.constexpr, Q_REGS: gl.constexpr, STREAM: gl.constexpr):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
     loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
     later) and the epilogue's perm rows, both in flight under the mainloop."""
@@ -607,6 +607,9 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    q_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     c = 0  # ring tiles consumed so far (all items)
     i = 0
     if PERSISTENT:  # the first item's count tail (the loop loads each next item's)
@@ -635,6 +638,9 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
             mbarrier.wait(q_ready.index(qs), (i // Q_SLOTS) & 1)
             if CP_ASYNC_FENCE:  # the queries came by cp.async too
                 fence_async_shared()
+            if Q_REGS:  # this half's queries into registers (the QK^T's A operand): the slot is free at once
+                q_tile = q_tile.load(q_dot)
+                mbarrier.arrive(q_empty.index(qs), count=1)
         else:  # one item per program: this half's Q rows through perm, into its own tile
             offs_m = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, q_lay))
             q_idx = gl.load(PERM + perm_off + offs_m, mask=offs_m < C, other=-1, eviction_policy=STREAM)
@@ -654,12 +660,12 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
             acc, m_i, l_i = _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                               q_empty.index(i % Q_SLOTS), n_end, c, c - i, sm_scale_log2,
                                               Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF, PINGPONG,
-                                              THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE)
+                                              THREAD_ARRIVE, EARLY_Q if not Q_REGS else False, CP_ASYNC_FENCE)
         else:
             acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                       q_empty.index(i % Q_SLOTS), n_end, c, c + i, sm_scale_log2, Q.dtype.element_ty,
                                       M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF, PIPELINE, PINGPONG, THREAD_ARRIVE,
-                                      EARLY_Q, CP_ASYNC_FENCE)
+                                      EARLY_Q if not Q_REGS else False, CP_ASYNC_FENCE)
         c += gl.cdiv(n_end, BLOCK_N)
         if PERSISTENT and not STAGE_OUT and not EARLY_Q:  # every QK^T of the item is done: its Q slot is free
             mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
@@ -689,7 +695,7 @@ def _sparse_fwd_sm90(
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr,
     L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr, CP_ASYNC_FENCE: gl.constexpr,
-    STREAM: gl.constexpr, num_warps: gl.constexpr,
+    Q_REGS: gl.constexpr, STREAM: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
@@ -734,14 +740,14 @@ def _sparse_fwd_sm90(
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, STREAM)),
+                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, STREAM)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
-                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, STREAM)),
+                     PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, STREAM)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -754,7 +760,7 @@ def _sparse_fwd_sm90(
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
                 row_threads=None, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
-                q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None):
+                q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -793,6 +799,9 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     stage_out = bool(cfg["stage_out"] if stage_out is None else stage_out)
     early_q = bool(cfg["early_q"] if early_q is None else early_q)
     cp_async_fence = bool(cfg["cp_async_fence"] if cp_async_fence is None else cp_async_fence)
+    q_regs = bool(cfg["q_regs"] if q_regs is None else q_regs)
+    if q_regs and not early_q:
+        raise ValueError("q_regs frees the Q slot at the item's start: it needs early_q (the producer's order)")
     if early_q and (stage_out or not persistent):
         raise ValueError("early_q runs persistent, not with stage_out (its epilogue stages the output rows in the Q "
                          "tile)")
@@ -811,6 +820,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 THREAD_ARRIVE=thread_arrive,
                 EARLY_Q=early_q,
                 CP_ASYNC_FENCE=cp_async_fence,
+                Q_REGS=q_regs,
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
@@ -843,7 +853,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             Q slot freed at its last QK^T and the next item's queries
             gathered right behind its first K/V tile; ``_producer``), ``cp_async_fence`` (False: no proxy fence
             between a K/V stage's (persistent: the Q slot's) ready wait and the wgmma reading it, as flash-attn-4's
-            sm90 forward and CUTLASS's cp.async GMMA mainloops; ``_mainloop``).
+            sm90 forward and CUTLASS's cp.async GMMA mainloops; ``_mainloop``), ``q_regs`` (with ``early_q``: each
+            consumer warpgroup loads its 64 query rows into registers at the item's start (the QK^T's A operand) and
+            frees the Q slot at once, so the next item's queries load during this item's whole mainloop).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:
