@@ -1392,6 +1392,22 @@ def whole_breakdown(dense_rec: dict, patched_rec: dict, run, *, dense: dict | No
             lines.append(f"reuse sparse calls {out['reuse_sparse_s_per_step']:.4f} s/step vs ideal "
                          f"{out['reuse_sparse_ideal_s_per_step']:.4f} (kernel efficiency vs the caller's attention "
                          f"{out['sparse_kernel_efficiency_vs_callers_attention']:.3f})")
+        if att.get("dense", {}).get("calls") and "reuse_sparse_s_per_step" in out:
+            # A on the clock of the sparse spans: the synchronised per-call timing of the unpatched run adds each
+            # call's launch and sync latency to A (so N = D - A comes out low, and with it the step at the kernels)
+            a_ev = att["dense"]["mean_call_ms"] * layers / 1000.0
+            ev = {"A_s": a_ev, "reuse_at_kernels_s": D - a_ev + a_ev * (1 - f) + out["reuse_sparse_s_per_step"]}
+            ev["reuse_pack_overhead_s_per_step"] = kinds["reuse"]["median_s"] - ev["reuse_at_kernels_s"]
+            if "anchor_calls_s_per_step" in out:
+                ev["anchor_at_kernels_s"] = D + out["anchor_calls_s_per_step"] - a_ev * f
+                ev["anchor_pack_overhead_s"] = kinds["anchor"]["median_s"] - ev["anchor_at_kernels_s"]
+            out["event_basis"] = ev
+            lines.append(f"on the spans' clock (A from this run's {att['dense']['calls']} event-timed dense calls: "
+                         f"{a_ev:.4f} s/step, vs {A:.4f} synchronised): reuse at the kernels "
+                         f"{ev['reuse_at_kernels_s']:.4f} s/step, pack overhead "
+                         f"{ev['reuse_pack_overhead_s_per_step'] * 1000:+.1f} ms per (median) reuse step"
+                         + (f"; anchor at the kernels {ev['anchor_at_kernels_s']:.4f} s, pack overhead "
+                            f"{ev['anchor_pack_overhead_s'] * 1000:+.1f} ms" if "anchor_at_kernels_s" in ev else ""))
         limits = {  # seconds of the run each part costs beyond the ideal (or, block 0, what it keeps dense)
             "sparse kernel below the caller's attention x s (reuse steps)":
                 n_reuse * (out["reuse_sparse_s_per_step"] - A * f * s) if "reuse_sparse_s_per_step" in out else None,

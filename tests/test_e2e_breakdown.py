@@ -82,6 +82,14 @@ def test_whole_breakdown_per_kind_against_the_ideal():
     assert block0 == pytest.approx(3 * (A * (1 - f) - 0.016 * (1 - f) / f))
     kernel = next(v for k, v in limits.items() if k.startswith("sparse kernel"))
     assert kernel == pytest.approx(3 * (0.016 - A * f * s))
+    # on the spans' clock: A from the run's event-timed dense calls (10 ms per item x batch 2 x 3 blocks)
+    ev = b["event_basis"]
+    a_ev = 0.06
+    assert ev["A_s"] == pytest.approx(a_ev)
+    assert ev["reuse_at_kernels_s"] == pytest.approx(D - a_ev + a_ev * (1 - f) + 0.016)
+    assert ev["reuse_pack_overhead_s_per_step"] == pytest.approx(0.72 - ev["reuse_at_kernels_s"])
+    assert ev["anchor_at_kernels_s"] == pytest.approx(D + 0.4 - a_ev * f)
+    assert ev["anchor_pack_overhead_s"] == pytest.approx(1.9 - ev["anchor_at_kernels_s"])
 
 
 def test_whole_breakdown_without_the_attention_timing_has_no_ideal():
