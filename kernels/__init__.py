@@ -75,10 +75,14 @@ def _check_qkv(q, k, v=None):
         raise ValueError(f"v must have k's shape [B, H, Sk, D] {tuple(k.shape)}, got {tuple(v.shape)}")
 
 
+def _check_int(name, value, low=1):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name} must be >= {low} (an int), got {value!r}")
+
+
 def _check_perm(perm, q, group_size):
     B, H, S, _ = q.shape
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
-        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    _check_int("group_size", group_size)
     width = -(-S // group_size) * group_size
     if not isinstance(perm, torch.Tensor):
         raise TypeError(f"perm must be an int32 tensor [B, H, ceil(S/C)*C], got {type(perm).__name__}")
@@ -133,15 +137,14 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, bac
     """Pass 2 + top-K: int32 ``[B, H, G, ceil(K/kv_tile)*kv_tile]`` sorted indices, -1 padding.
 
     Raises: TypeError / ValueError on malformed q, k, perm or lse (lse must be ``[B, H, S]`` on q's device), when
-    num_keys is outside [1, Sk], group_size < 1 or kv_tile < 1.
+    num_keys is not an int in [1, Sk], or group_size or kv_tile is not an int >= 1.
     """
     _check_qkv(q, k)
     _check_perm(perm, q, group_size)
     _check_lse(lse, q)
-    if not 1 <= num_keys <= k.shape[2]:
-        raise ValueError(f"num_keys must be in [1, {k.shape[2]}] (the KV length), got {num_keys}")
-    if kv_tile < 1:
-        raise ValueError(f"kv_tile must be >= 1, got {kv_tile}")
+    if isinstance(num_keys, bool) or not isinstance(num_keys, numbers.Integral) or not 1 <= num_keys <= k.shape[2]:
+        raise ValueError(f"num_keys must be in [1, {k.shape[2]}] (an int; Sk, the KV length, at most), got {num_keys!r}")
+    _check_int("kv_tile", kv_tile)
     return registry.call(
         "select_kv", q, k, lse, perm, num_keys, group_size=group_size, kv_tile=kv_tile, scale=_scale(q, scale), backend=backend
     )
@@ -271,8 +274,12 @@ def _desc(t) -> str:
 
 
 def pddp_groups(q, group_size, *, power_iters=8, backend="auto"):
-    """Fast PDDP query groups: int32 ``[B, H, ceil(S/C)*C]`` (see ``kernels.reference.pddp``)."""
+    """Fast PDDP query groups: int32 ``[B, H, ceil(S/C)*C]`` (see ``kernels.reference.pddp``); every query once, also
+    for non-finite q (the anchor path never passes one: it checks q first).
+
+    Raises: TypeError / ValueError on a malformed q, or group_size or power_iters not an int >= 1.
+    """
     _check_qkv(q, q)
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    _check_int("group_size", group_size)
+    _check_int("power_iters", power_iters)
     return registry.call("pddp_groups", q, group_size, power_iters=power_iters, backend=backend)

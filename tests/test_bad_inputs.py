@@ -217,3 +217,40 @@ def test_percent_steps_are_exact_where_floats_round_up():
             exact = -(-p * n // 100)
             assert StepSpec(float(p), True).to_count(n) == min(n, exact), (p, n)
             assert StepSpec(float(p), True).to_index(n) == max(0, exact - 1), (p, n)
+
+
+def test_integer_arguments_of_the_anchor_ops_are_checked(gen):
+    """num_keys, kv_tile, group_size and power_iters that are not ints >= 1 (a float, a bool, None, 0; num_keys also
+    past Sk) raise a ValueError naming the argument (before: TypeErrors from torch.full / topk, an IndexError, or True taken as 1)."""
+    q, k, _, perm, lse = _inputs(gen)
+    for num_keys in (8.5, True, 0, 41):
+        with pytest.raises(ValueError, match=r"num_keys must be in \[1, 40\] \(an int"):
+            kernels.select_kv(q, k, lse, perm, num_keys, group_size=16, kv_tile=8)
+    for kv_tile in (8.0, None, 0):
+        with pytest.raises(ValueError, match=r"kv_tile must be >= 1 \(an int\)"):
+            kernels.select_kv(q, k, lse, perm, 8, group_size=16, kv_tile=kv_tile)
+    for group_size in (16.0, True, 0):
+        with pytest.raises(ValueError, match=r"group_size must be >= 1 \(an int\)"):
+            kernels.pddp_groups(q, group_size)
+    for iters in (0, -1, 2.0):
+        with pytest.raises(ValueError, match=r"power_iters must be >= 1 \(an int\)"):
+            kernels.pddp_groups(q, 16, power_iters=iters)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the Triton interpreter on NaN rows
+@pytest.mark.parametrize("backend", [b.name for b in registry.backends()
+                                     if "pddp_groups" in b.ops and not b.unavailable_reason])
+def test_pddp_groups_keep_every_query_for_non_finite_q(gen, backend):
+    """The grouping's contract (each query once, -1 only in the tail) holds for a q with a NaN row and an inf entry
+    (mutation: the torch-ops GPU grouping sorted NaN projections after the padding, so -1 slots moved into the first
+    group and tail queries fell out of the permutation)."""
+    S, C = 40, 16
+    q = torch.randn(1, 2, S, 32, generator=gen).to(torch.float16)
+    q[0, 0, 5] = float("nan")
+    q[0, 1, 7, 3] = float("inf")
+    if backend != "torch" and torch.cuda.is_available():
+        q = q.cuda()
+    perm = kernels.pddp_groups(q, C, backend=backend).cpu()
+    for h in range(2):
+        assert sorted(perm[0, h, :S].tolist()) == list(range(S)), (h, perm[0, h].tolist())
+        assert (perm[0, h, S:] == -1).all()

@@ -123,7 +123,9 @@ def pddp_groups(q: torch.Tensor, group_size: int, *, power_iters: int = 8) -> to
         cov = gram - s[:, :, None] * s[:, None, :] / cnt.clamp_min(1.0)
         v = principal_direction(cov, power_iters)  # [BH*N, D] fp32
         proj = _bmm_f32(rows, v.to(torch.bfloat16).unsqueeze(-1)).reshape(BH, N, n_max)
-        proj = proj.masked_fill(lv["pad"], float("inf"))
+        # a non-finite q gives NaN projections, which sort after the padding's +inf: keep them finite so the padding
+        # (and the tail's missing queries) still sort last and every query stays in the permutation
+        proj = torch.nan_to_num(proj, nan=0.0).masked_fill(lv["pad"], float("inf"))
         order = torch.sort(proj, dim=-1, stable=True).indices
         new = torch.gather(qi, 2, order).reshape(BH, -1)
         perm[:, lv["dst"]] = new[:, lv["src"]]
