@@ -51,7 +51,7 @@ PY
     #    dense in the same rounds; --budget: the tunings are dropped late, so the op's figure and the scoreboard are
     #    written in time
     NAMES="gluon pingpong persistent 3 stages thread_arrive"  # (the op's first schedule called directly: no compile)
-    [ "$trc" -eq 0 ] && NAMES="gluon pingpong persistent 3 stages thread_arrive no_fence,gluon pingpong persistent 3 stages thread_arrive early_q no_fence,gluon overlap pingpong persistent 3 stages thread_arrive early_q no_fence,gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs"
+    [ "$trc" -eq 0 ] && NAMES="gluon pingpong persistent 3 stages thread_arrive early_q no_fence,gluon overlap pingpong persistent 3 stages thread_arrive early_q no_fence,gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs"
     LEFT=$(( 86 - ($(date +%s) - T0) ))  # SIGTERM at the cap: the bench writes what it measured (~1 s)
     timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \
         --gluon-configs "$NAMES" ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
