@@ -82,6 +82,9 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
     "evict smem persistent": ("cp.async+evict", "smem", 2, ("persistent",)),
     # two groups in flight per CTA (query ring, next group's first Q K^T with this group's last P V)
     "evict smem overlap": ("cp.async+evict", "smem", 2, ("overlap", "persistent")),
+    # key tiles in a clock-phased cyclic order (all CTAs on about the same token range of a head at a time)
+    "evict smem persistent phased": ("cp.async+evict", "smem", 2, ("persistent", "phased")),
+    "evict smem overlap phased": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "phased")),
 }
 
 

@@ -144,6 +144,7 @@ def test_cutedsl_is_preferred_on_hopper():
     (torch.bfloat16, 128, False, "cp.async+evict", "smem", ("persistent",), 7),
     (torch.float16, 64, True, "cp.async+evict", "smem", ("persistent",), 5),
     (torch.float16, 64, True, "cp.async+evict", "registers", ("persistent",), 3),
+    (torch.bfloat16, 128, True, "cp.async+evict", "smem", ("persistent", "phased"), 7),
 ], ids=lambda x: ("-".join(x) or "plain") if isinstance(x, tuple) else None)
 def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, ctas):
     """The kernel's producer (L2-hinted copies), epilogue (staged in shared memory) and options (the staged epilogue
@@ -175,15 +176,18 @@ def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, cta
     print(f"cutedsl {producer} {epilogue} {options} ctas={ctas} {dtype} D={D}: rel err {err:.2e}")
 
 
-@pytest.mark.parametrize(("dtype", "D", "lse"), [(torch.bfloat16, 128, True), (torch.float16, 64, False)],
-                         ids=["bf16-d128-lse", "fp16-d64"])
-def test_cutedsl_overlap_grids(dtype, D, lse):
+@pytest.mark.parametrize(("dtype", "D", "lse", "options"), [
+    (torch.bfloat16, 128, True, ("overlap", "persistent")), (torch.float16, 64, False, ("overlap", "persistent")),
+    (torch.bfloat16, 128, True, ("overlap", "persistent", "phased")),
+], ids=["bf16-d128-lse", "fp16-d64", "bf16-d128-lse-phased"])
+def test_cutedsl_overlap_grids(dtype, D, lse, options):
     """The "overlap" option (two groups in flight per CTA: 2-slot query ring, the next group's first Q K^T issued
     with this group's last P V, O staged in the finished group's query slot) against float64 on persistent grids of
     1, 2, 7 and 500 CTAs over 138 groups (one CTA walking all of them through the ring; CTAs with one group only,
     which never take the cross-group step), ragged counts (one group with a single key: a group of one tile, whose
     last P V is its first), K_alloc not a multiple of 128, B = 2, a NaN-filled out written in full each time, the
-    LSE in query order."""
+    LSE in query order. With "phased" the key tiles after each group's first load in a clock-dependent cyclic
+    order."""
     import math
 
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
@@ -194,7 +198,7 @@ def test_cutedsl_overlap_grids(dtype, D, lse):
     q, k, v = (_native(gen, B, S, H, D, dtype) for _ in range(3))
     perm, idx = _inputs(gen, B, H, S, C, K, 704, True)
     fn = cc.compiled({torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], D, lse, "none", 2,
-                     "cp.async+evict", "smem", ("overlap", "persistent"))
+                     "cp.async+evict", "smem", options)
     n = B * H * idx.shape[2]
     for ctas in (1, 2, 7, 500):
         base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
@@ -205,4 +209,4 @@ def test_cutedsl_overlap_grids(dtype, D, lse):
                   None, None, 1 / math.sqrt(D), ctas)
         assert not base.isnan().any() and (lse_t is None or not lse_t.isnan().any()), ctas
         err = _check(out, lse_t, q, k, v, perm, idx)
-        print(f"cutedsl overlap ctas={ctas} {dtype} D={D}: rel err {err:.2e}")
+        print(f"cutedsl {options} ctas={ctas} {dtype} D={D}: rel err {err:.2e}")

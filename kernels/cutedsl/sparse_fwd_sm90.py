@@ -79,7 +79,14 @@ EPILOGUES = ("registers", "smem")
 # g+1's queries while the consumers still compute g), the next group's first Q K^T issued together with this group's
 # last P V and its softmax done while that runs, the output staged in the finished group's query slot
 # (``SparseFwdSm90.mma_overlap``); 192 KiB of shared memory at D = 128.
-OPTIONS = ("persistent", "overlap")
+# "phased": the producer loads a group's key tiles after its first (partial) one in a cyclic order that starts at
+# the tile the global clock points to (``_phase``): every CTA then reads the same token range of its head at about
+# the same time (sorted indices: tile j of every group covers about the same token quantiles), so the K/V rows in
+# flight on the GPU are a window of a head instead of all of it (38.7 MB of K/V per head at Wan2.1-14B 720p, more
+# than the H200's L2 holds; the CTAs of a persistent grid drift out of step within a few groups). The consumers do
+# not depend on the order (online softmax; only the first tile is masked).
+OPTIONS = ("persistent", "overlap", "phased")
+PHASE_NS = 1800  # "phased": the clock's tile period, about one key tile's time per CTA on the H200 (1.7-1.9 us)
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -199,6 +206,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.overlap = "overlap" in options
         assert not self.overlap or (self.smem_epilogue and self.persistent), "overlap needs the staged epilogue"
         self.own_sO = self.persistent and self.smem_epilogue and not self.overlap
+        self.phased = "phased" in options
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -375,8 +383,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 cute.arch.cp_async_commit_group()
                 pipeline_q.producer_commit(q_state)
                 q_state.advance()
+            phase = self._phase(n_block_max - 1 - n_block_min)
             index.advance()
-            index.fetch(n_block - 1)
+            index.fetch(self._tile_order(0, phase, n_block_min, n_block_max))
             pipeline_k.producer_acquire(kv_state)
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
             if const_expr(not self.overlap):
@@ -387,7 +396,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 pipeline_q.producer_commit_w_index(0)
                 q_phase ^= 1
             kv_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min,
-                                          n_block_max)
+                                          n_block_max, phase)
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
         pipeline_v.producer_tail(kv_state)
@@ -502,15 +511,18 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                        fastdiv_mods=None)
 
     @cute.jit
-    def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min, n_block_max):
-        """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1 (its
-        stage is the previous one), V of the last tile at the end. The row addresses of tile j-1 are kept in a
-        register while tile j's are loaded. Returns the advanced producer state."""
+    def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min, n_block_max,
+                      phase):
+        """The group's K/V tiles after the first K (tile ``n_block_max - 1``, the partial one), in the consumers'
+        order: K of a tile, then V of the previous one (its stage is the previous one), V of the last tile at the
+        end; the tiles in ``_tile_order``. The row addresses of the previous tile are kept in a register while the
+        next one's are loaded. Returns the advanced producer state."""
+        prev_block = n_block_max - 1
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-            n_block = n_block_max - 2 - i
-            prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
+            n_block = self._tile_order(i, phase, n_block_min, n_block_max)
+            prev_row = rows.tPrPageOffset[0]  # tile prev_block, whose V is next
             index.advance()
-            index.fetch(n_block - 1)
+            index.fetch(self._tile_order(i + 1, phase, n_block_min, n_block_max))
             v_state = kv_state.clone()
             kv_state.advance()
             pipeline_k.producer_acquire(kv_state)
@@ -518,12 +530,32 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             cur_row = rows.tPrPageOffset[0]
             rows.tPrPageOffset[0] = prev_row
             pipeline_v.producer_acquire(v_state)
-            self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block + 1)
+            self._load_tile(rows, sV, pipeline_v, v_state, "V", prev_block)
             rows.tPrPageOffset[0] = cur_row
+            prev_block = n_block
         pipeline_v.producer_acquire(kv_state)
-        self._load_tile(rows, sV, pipeline_v, kv_state, "V", n_block_min)
+        self._load_tile(rows, sV, pipeline_v, kv_state, "V", prev_block)
         kv_state.advance()
         return kv_state
+
+    @cute.jit
+    def _phase(self, m: Int32) -> Int32:
+        """The "phased" order's first tile among the ``m`` tiles after a group's first: the global clock in
+        ``PHASE_NS`` periods, modulo m (0 without the option or when m == 0)."""
+        phase = Int32(0)
+        if const_expr(self.phased):
+            ticks = _global_timer_ns() // Int64(PHASE_NS)
+            phase = Int32(ticks % Int64(cutlass.max(m, 1)))
+        return phase
+
+    @cute.jit
+    def _tile_order(self, i, phase: Int32, n_block_min: Int32, n_block_max: Int32) -> Int32:
+        """The key tile loaded i-th after the group's first tile (i = m: a harmless prefetch past the end):
+        tiles n_block_max - 2 down to n_block_min, or with "phased" n_block_min + (phase + i) mod m."""
+        nxt = n_block_max - 2 - i
+        if const_expr(self.phased):
+            nxt = n_block_min + (phase + i) % cutlass.max(n_block_max - 1 - n_block_min, 1)
+        return nxt
 
     @cute.jit
     def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32):
@@ -745,6 +777,13 @@ def _e4m3_pair(w: Int32):
     out[0] = Float32(halves[0]) * 256.0
     out[1] = Float32(halves[1]) * 256.0
     return out
+
+
+@dsl_user_op
+def _global_timer_ns(*, loc=None, ip=None) -> Int64:
+    """The GPU's global nanosecond timer (%globaltimer: the same clock on every SM)."""
+    return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op
