@@ -21,6 +21,13 @@ from .selection import keys_for_density
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+OVERLAP_GROUPING = False
+"""Anchor step on CUDA: run PDDP (``kernels.pddp_groups``, which reads only q) on a high-priority side stream beside
+pass 1 instead of after it, so the grouping's small, latency-bound launches take the SMs pass 1 frees between its
+blocks. Same kernels, same result. Off until an H200 round measures it (tests/bench_anchor_step.py)."""
+
+_SIDE_STREAMS: dict = {}  # device -> the side stream of OVERLAP_GROUPING
+
 
 class NonFiniteInputError(ValueError):
     """q, k or v holds NaN or inf (raised before any kernel runs)."""
@@ -104,9 +111,20 @@ def anchor_attention(
     _check_extra(q, extra_kv, check_finite=check_finite)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     k_all, v_all = (k, v) if extra_kv is None else (torch.cat([k, extra_kv[0]], 2), torch.cat([v, extra_kv[1]], 2))
+    side = _side_stream(q.device) if OVERLAP_GROUPING and q.is_cuda else None
+    if side is not None:  # PDDP beside pass 1 (OVERLAP_GROUPING)
+        main = torch.cuda.current_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            perm = kernels.pddp_groups(q, config.group_size, power_iters=config.power_iters, backend=backend)
+        q.record_stream(side)  # read there: its memory is not reused before the side stream is past it
     out, lse = kernels.dense_attention(q, k_all, v_all, scale=scale, return_lse=True, backend=backend)
     del k_all, v_all
-    perm = kernels.pddp_groups(q, config.group_size, power_iters=config.power_iters, backend=backend)
+    if side is None:
+        perm = kernels.pddp_groups(q, config.group_size, power_iters=config.power_iters, backend=backend)
+    else:
+        main.wait_stream(side)
+        perm.record_stream(main)  # made on the side stream, used (and freed) on this one
     num_keys = keys_for_density(config.density, k.shape[2], config.kv_tile)
     kv_idx = kernels.select_kv(
         q, k, lse, perm, num_keys, group_size=config.group_size, kv_tile=config.kv_tile, scale=scale, backend=backend
@@ -206,6 +224,13 @@ def _sparse(q, k, v, perm, kv_idx, extra_kv, scale, backend):
     o_sel, lse_sel = kernels.sparse_attention(q, k, v, perm, kv_idx, scale=scale, return_lse=True, backend=backend)
     o_x, lse_x = kernels.dense_attention(q, extra_kv[0], extra_kv[1], scale=scale, return_lse=True, backend=backend)
     return merge_attention(o_sel, lse_sel, o_x, lse_x)
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+    return stream
 
 
 def _check_extra(q: torch.Tensor, extra_kv, *, check_finite: bool) -> None:

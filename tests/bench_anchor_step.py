@@ -16,7 +16,8 @@ them), H = 12, S = 32760, D = 128, preset 'fast' (s = 0.15, C = 128, kv_tile 64)
    (``kernels/triton/bitmask.py`` variants "bits" / "bytes");
 2. ``[anchor step]``: 29 runner calls at batch 2 (two keys each, ``out=`` a view of a [2, S, H*D] buffer), a fresh
    ``engine.MCSparseRunner`` planned as the adapter plans it, as the model's anchor step makes them, wall clock and
-   the runner's own CUDA-event spans, variants interleaved (as is / no finite check / bitmask by words), 2 rounds,
+   the runner's own CUDA-event spans, variants interleaved (as is / no finite check / bitmask by words / PDDP on a
+   side stream beside pass 1, ``attention.OVERLAP_GROUPING``), 2 rounds,
    beside 29 caller dense calls at batch 2;
 3. ``[host]``: the pack's host work outside the steps: ``runner.plan``, the summary lines and ``runner.close`` with a
    full anchor step's cache (part 2), the end-of-run read of a run's worth of CUDA-event pairs
@@ -126,6 +127,27 @@ def anchor_parts(H: int, S: int, device, log) -> dict:
         bitmask.decode_bitmask(a.data, dec_out, num_tokens=S, variant=name)
         checks[f"decode {name} == selection"] = bool(torch.equal(dec_out, kv_idx))
 
+    def overlapped(fn):
+        def run():
+            saved_ = attention.OVERLAP_GROUPING
+            attention.OVERLAP_GROUPING = True
+            try:
+                fn()
+            finally:
+                attention.OVERLAP_GROUPING = saved_
+        return run
+
+    o_ov, entry_ov = None, None
+    saved_ov = attention.OVERLAP_GROUPING
+    attention.OVERLAP_GROUPING = True
+    try:
+        o_ov, entry_ov = attention.anchor_attention(q, k, v, cfg, scale=scale)
+    finally:
+        attention.OVERLAP_GROUPING = saved_ov
+    checks["PDDP beside pass 1: same output, groups, selection"] = bool(
+        torch.equal(o_ov, o) and torch.equal(entry_ov.perm, entry.perm) and torch.equal(entry_ov.kv_idx, entry.kv_idx))
+    del o_ov, entry_ov
+
     def encode_bits(how):
         def fn():
             saved_ = encoding.PACK_BITS
@@ -153,6 +175,8 @@ def anchor_parts(H: int, S: int, device, log) -> dict:
         "anchor_attention": lambda: attention.anchor_attention(q, k, v, cfg, scale=scale),
         "anchor_attention, no finite check": lambda: attention.anchor_attention(q, k, v, cfg, scale=scale,
                                                                                 check_finite=False),
+        "anchor_attention, PDDP beside pass 1": overlapped(lambda: attention.anchor_attention(q, k, v, cfg,
+                                                                                               scale=scale)),
     }
     for name in variants:
         fns[f"decode bitmask {name}"] = (lambda n: lambda: bitmask.decode_bitmask(a.data, dec_out, num_tokens=S,
@@ -195,6 +219,7 @@ def anchor_step(H: int, S: int, layers: int, device, log) -> dict:
         "as is": {},
         "no finite check": {"finite": False},
         "bitmask by words": {"pack": "words"},
+        "PDDP beside pass 1": {"overlap": True},
     }
     res = {name: {"wall_ms": [], "span_ms": [], "plan_ms": [], "summary_ms": [], "close_ms": []} for name in variants}
     res["caller dense"] = {"wall_ms": []}
@@ -202,8 +227,9 @@ def anchor_step(H: int, S: int, layers: int, device, log) -> dict:
     rounds = 2 if device.type == "cuda" else 1
     for r in range(rounds + 1):  # round 0 warms up (compiles, grows the allocator's pools); not counted
         for name, var in variants.items():
-            saved_pack, saved_anchor = encoding.PACK_BITS, engine.anchor_attention
+            saved_pack, saved_anchor, saved_ov = encoding.PACK_BITS, engine.anchor_attention, attention.OVERLAP_GROUPING
             encoding.PACK_BITS = var.get("pack", saved_pack)
+            attention.OVERLAP_GROUPING = var.get("overlap", saved_ov)
             if var.get("finite") is False:
                 engine.anchor_attention = functools.partial(attention.anchor_attention, check_finite=False)
             try:
@@ -216,6 +242,7 @@ def anchor_step(H: int, S: int, layers: int, device, log) -> dict:
                 wall = (now(device) - t0) * 1000.0
             finally:
                 encoding.PACK_BITS, engine.anchor_attention = saved_pack, saved_anchor
+                attention.OVERLAP_GROUPING = saved_ov
             t0 = time.perf_counter()
             lines = runner.summary_lines()
             summary_ms = (time.perf_counter() - t0) * 1000.0

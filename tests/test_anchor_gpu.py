@@ -215,9 +215,29 @@ def test_anchor_on_gpu_residual_restores_dense(cuda_gen):
     assert float((sparse.float() + residual.float() - out.float()).abs().max()) < 2e-2
 
 
-def test_anchor_entry_encodes_without_host_sync(cuda_gen):
-    """Encoding an anchor's entry (bitmask selection, bf16 residual) makes no device-to-host sync."""
+def test_anchor_with_grouping_beside_pass_1_is_the_same(cuda_gen, monkeypatch):
+    """attention.OVERLAP_GROUPING (PDDP on a side stream beside pass 1): the same output, groups, selection and
+    residual as in order, eagerly and when PDDP replays its CUDA graph on the side stream (second call)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import attention
+
+    cfg = MCSparseConfig(density=0.15, group_size=128, kv_tile=64)
+    q, k, v = (torch.randn(1, 12, 32760, 128, device="cuda", generator=cuda_gen).to(torch.bfloat16) for _ in range(3))
+    want = anchor_attention(q, k, v, cfg)
+    monkeypatch.setattr(attention, "OVERLAP_GROUPING", True)
+    for _ in range(2):
+        got = anchor_attention(q.clone(), k, v, cfg)
+        assert torch.equal(got[0], want[0])
+        for name in ("perm", "kv_idx", "residual"):
+            assert torch.equal(getattr(got[1], name), getattr(want[1], name)), name
+
+
+@pytest.mark.parametrize("pack", ["bytes", "words"])
+def test_anchor_entry_encodes_without_host_sync(cuda_gen, pack, monkeypatch):
+    """Encoding an anchor's entry (bitmask selection either way, bf16 residual) makes no device-to-host sync."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import encoding
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import encode_entry
+
+    monkeypatch.setattr(encoding, "PACK_BITS", pack)
 
     q, k, v = (torch.randn(1, 2, 3000, 128, device="cuda", generator=cuda_gen).to(torch.bfloat16) for _ in range(3))
     _, entry = anchor_attention(q, k, v, MCSparseConfig(density=0.25, group_size=128, kv_tile=128), check_finite=False)
