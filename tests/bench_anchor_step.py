@@ -305,7 +305,7 @@ def host_phases(device, log, pairs: int = 1530, kernel_us: float = 1000.0) -> di
     spin = None
     if device.type == "cuda":  # a kernel that keeps the device busy ~kernel_us, like an attention call
         spin = lambda: torch.cuda._sleep(int(kernel_us * 1000 * 1.4))  # noqa: E731  (cycles at ~1.4-2 GHz)
-    for drain in (0, timing.CallTimer.DRAIN, 0, timing.CallTimer.DRAIN):
+    for drain in (0, timing.CallTimer.DRAIN):
         timer = timing.CallTimer(drain=drain)
         t0 = now(device)
         host = 0.0
@@ -330,7 +330,7 @@ def host_phases(device, log, pairs: int = 1530, kernel_us: float = 1000.0) -> di
         r = runs[-1]
         log(f"[host] {pairs} CUDA-event pairs, {name}: host per call {r['host_ms_per_call'] * 1000:.1f} us (loop "
             f"{r['loop_ms']:.0f} ms on a busy device), pending at the end {r['pending_at_end']}, read at the end "
-            f"{r['read_ms']:.2f} ms (first run {runs[0]['read_ms']:.2f} ms)")
+            f"{r['read_ms']:.2f} ms")
     return out
 
 
