@@ -12,8 +12,9 @@ point):
 - ``counts + op kernel``: the op's counts launch and its compiled kernel (``rules``' epilogue, options and grid)
   launched directly: the op without its host work (the host microseconds per op call are printed too);
 - the compiled kernel's launch alone (counts computed before) in the ``VARIANTS`` named by ``--variants``
-  (producer L2 hints, the staged epilogue, 3 K/V stages, a persistent grid of one CTA per SM); efficiency = FA4
-  dense ms * s / sparse ms;
+  (producer L2 hints, the staged epilogue, 3 K/V stages, a persistent grid of one CTA per SM, two groups in flight
+  per CTA, the clock-phased key-tile order; "res ..." with the plain bf16 residual); efficiency = FA4 dense ms * s /
+  sparse ms;
 - the op's counts launch alone (``counts launch``: ms only);
 - the compile time (a compile from fake tensors, never the disk cache) and the disk-cache load time (a fresh
   process).
@@ -85,6 +86,10 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
     # key tiles in a clock-phased cyclic order (all CTAs on about the same token range of a head at a time)
     "evict smem persistent phased": ("cp.async+evict", "smem", 2, ("persistent", "phased")),
     "evict smem overlap phased": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "phased")),
+    # with the plain bf16 residual (the reuse path's call: the register epilogue): the op's kernel, then overlap
+    "res kernel": ("cp.async+evict", "registers", 2, (), "plain"),
+    "res overlap": ("cp.async+evict", "registers", 2, ("overlap", "persistent"), "plain"),
+    "res overlap phased": ("cp.async+evict", "registers", 2, ("overlap", "persistent", "phased"), "plain"),
 }
 
 
@@ -147,12 +152,15 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log):
         fns["counts + op kernel"] = lambda: cc.launch(op_fn, *views[:7], valid_counts(idx), *views[8:-1], op_ctas)
         r_host = host_us(lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl"), dense_fns)
         for tag in variants:
-            producer, epilogue, stages, options = VARIANTS[tag]
-            fn = cc.compiled("bfloat16", D, False, "none", stages, producer, epilogue, options)
-            args = views[:-1] + ((sms if "persistent" in options else n),)
+            producer, epilogue, stages, options, *res_mode = VARIANTS[tag]
+            plain = res_mode == ["plain"]
+            fn = cc.compiled("bfloat16", D, False, "plain_bfloat16" if plain else "none", stages, producer, epilogue,
+                             options)
+            args = (views[:8] + ((res.data.transpose(1, 2),) if plain else (None,)) + views[9:-1]
+                    + ((sms if "persistent" in options else n),))
             out.fill_(float("nan"))
             cc.launch(fn, *args)
-            r_err[tag] = (err(out), int(out.isnan().sum()))
+            r_err[tag] = (err(out, res.data if plain else None), int(out.isnan().sum()))
             if r_err[tag][0] > 1e-2 or r_err[tag][1]:
                 log(f"{name} s={s}: {tag} WRONG (rel err {r_err[tag][0]:.2e}, NaN left {r_err[tag][1]}): not timed")
                 continue

@@ -210,3 +210,34 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
         assert not base.isnan().any() and (lse_t is None or not lse_t.isnan().any()), ctas
         err = _check(out, lse_t, q, k, v, perm, idx)
         print(f"cutedsl {options} ctas={ctas} {dtype} D={D}: rel err {err:.2e}")
+
+
+@pytest.mark.parametrize("kind", ["plain", "int4_group"])
+def test_cutedsl_overlap_residual(kind):
+    """The "overlap" option with the register epilogue and a residual (the reuse path's call) against float64 on
+    persistent grids of 1, 7 and 500 CTAs: ragged counts, B = 2, S not a multiple of 128, padded out rows (the
+    padding stays NaN), LSE."""
+    import math
+
+    from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
+    from comfyui_mc_sparse_pack.kernels.cutedsl.op import _residual_args
+    from comfyui_mc_sparse_pack.kernels.triton.counts import valid_counts
+
+    gen = torch.Generator(device="cuda").manual_seed(61)
+    B, H, S, D, C, K = 2, 2, 2050, 128, 128, 640
+    q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))
+    perm, idx = _inputs(gen, B, H, S, C, K, K, True)
+    r = torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05
+    res = kernels.Residual(r.to(torch.bfloat16)) if kind == "plain" else make_residual(r, kind, perm, idx.shape[2])
+    res_name, *res_args = _residual_args(res)
+    fn = cc.compiled("bfloat16", D, True, res_name, 2, "cp.async+evict", "registers", ("overlap", "persistent"))
+    n = B * H * idx.shape[2]
+    for ctas in (1, 7, 500):
+        base = torch.full((B, S, H * D + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = base[..., :H * D].view(B, S, H, D).transpose(1, 2)
+        lse_t = torch.full((B, H, S), float("nan"), device="cuda")
+        cc.launch(fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse_t,
+                  perm.reshape(n, C).contiguous(), idx.reshape(n, -1).contiguous(), valid_counts(idx), *res_args,
+                  1 / math.sqrt(D), ctas)
+        assert not out.isnan().any() and base[..., H * D:].isnan().all() and not lse_t.isnan().any(), ctas
+        _check(out, lse_t, q, k, v, perm, idx, res)

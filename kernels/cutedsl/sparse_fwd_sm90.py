@@ -202,9 +202,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.smem_epilogue = epilogue == "smem" and res_kind is None
         # the staged epilogue in its own tile: the grid may be persistent with it
         self.persistent = "persistent" in options
-        # two groups in flight: a 2-slot query ring, O staged in the finished group's slot (staged epilogue only)
+        # two groups in flight: a 2-slot query ring, O staged in the finished group's slot (staged epilogue) or
+        # written from the registers (+ residual)
         self.overlap = "overlap" in options
-        assert not self.overlap or (self.smem_epilogue and self.persistent), "overlap needs the staged epilogue"
+        assert not self.overlap or self.persistent, "overlap is a persistent-grid option"
         self.own_sO = self.persistent and self.smem_epilogue and not self.overlap
         self.phased = "phased" in options
 
@@ -410,8 +411,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         this CTA. At a group's end the next group's first Q K^T (its queries already in the other slot of the
         query ring, ``sQ`` ``(128, D, 2)``) is issued with this group's last P V, the next group's first softmax
         runs while that P V is on the tensor cores, then this group's output is normalised, staged in its own
-        query slot (each consumer warpgroup its 64 rows) and stored (``_epilogue_smem``), and the slot released to
-        the producer. ``tidx`` 0..255."""
+        query slot (each consumer warpgroup its 64 rows) and stored (``_epilogue_smem``), or written from the
+        registers with the residual (``_epilogue_registers``), and the slot released to the producer. ``tidx``
+        0..255."""
         warp_group_idx = cute.arch.make_warp_uniform(tidx // self.num_threads_per_warp_group)
         wg_layout = cute.make_layout(self.num_wg_mma, stride=self.num_threads_per_warp_group)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
@@ -497,8 +499,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             softmax.rescale_O(acc_O, row_scale)
             bh = group // outs.groups_per_head
             b = bh // outs.n_heads
-            self._epilogue_smem(acc_O, lse, outs.mO, outs.mLSE, outs.mPerm, sQ[None, None, q_state.index],
-                                tiled_mma_pv, tidx, group, b, bh - b * outs.n_heads, rows=out_rows)
+            if const_expr(self.smem_epilogue):
+                self._epilogue_smem(acc_O, lse, outs.mO, outs.mLSE, outs.mPerm, sQ[None, None, q_state.index],
+                                    tiled_mma_pv, tidx, group, b, bh - b * outs.n_heads, rows=out_rows)
+            else:
+                self._epilogue_registers(acc_O, lse, outs, tiled_mma_pv, tidx, group, bh, b, bh - b * outs.n_heads,
+                                         rows=out_rows)
             cute.arch.sync_warp()  # every lane of this warp has read its staged rows back: the slot is free
             pipeline_q.consumer_release(q_state)
             q_state.advance()
@@ -610,17 +616,20 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     @cute.jit
     def _epilogue_perm(self, mPerm, group, tiled_mma, tidx):
         """The ``perm`` entries ``_epilogue_smem`` needs, loaded ahead (the "overlap" consumers at a group's start,
-        so the loads' latency hides behind the group's tiles): (the rows of this thread's LSE values, the rows of
-        its 16-byte output pieces), int32 register tensors."""
+        so the loads' latency hides behind the group's tiles): (the rows of this thread's LSE values, which are
+        also the rows it holds in its accumulator, the rows of its 16-byte output pieces or None without the staged
+        epilogue), int32 register tensors."""
         cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
         tOcO_mma = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(tidx).partition_C(cO))
         lse_rows = cute.make_rmem_tensor((cute.size(tOcO_mma, mode=[0]),), Int32)
         for m in cutlass.range_constexpr(cute.size(lse_rows)):
             lse_rows[m] = mPerm[group, tOcO_mma[m, 0][0]]
-        tOcO = self._epilogue_copy_coords(tidx)
-        out_rows = cute.make_rmem_tensor((cute.size(tOcO.shape[1]),), Int32)
-        for rest_m in cutlass.range_constexpr(cute.size(out_rows)):
-            out_rows[rest_m] = mPerm[group, tOcO[0, rest_m, 0][0]]
+        out_rows = None
+        if const_expr(self.smem_epilogue):
+            tOcO = self._epilogue_copy_coords(tidx)
+            out_rows = cute.make_rmem_tensor((cute.size(tOcO.shape[1]),), Int32)
+            for rest_m in cutlass.range_constexpr(cute.size(out_rows)):
+                out_rows[rest_m] = mPerm[group, tOcO[0, rest_m, 0][0]]
         return lse_rows, out_rows
 
     def _epilogue_copy(self):
@@ -678,14 +687,15 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     cute.autovec_copy(src, cute.make_tensor(ptr, src.layout))
 
     @cute.jit
-    def _epilogue_registers(self, acc_O, lse, outs, tiled_mma, tidx, group, bh, b, h):
-        """Each thread's rows straight from the registers (+ residual in fp32), 4-byte stores."""
+    def _epilogue_registers(self, acc_O, lse, outs, tiled_mma, tidx, group, bh, b, h, rows=None):
+        """Each thread's rows straight from the registers (+ residual in fp32), 4-byte stores. ``rows``: the
+        ``perm`` entries loaded ahead (``_epilogue_perm``), or None to load them here."""
         thr_mma = tiled_mma.get_slice(tidx)
         tOcO = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m,
                                                                                                self.tile_hdimv))))
         acc = layout_utils.reshape_acc_to_mn(acc_O)
         for m in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-            q_row = outs.mPerm[group, tOcO[m, 0][0]]
+            q_row = outs.mPerm[group, tOcO[m, 0][0]] if const_expr(rows is None) else rows[0][m]
             self._store_row(acc, lse, tOcO, m, b, h, group - bh * outs.groups_per_head, q_row, outs.mO, outs.mLSE,
                             outs.mRes, outs.mScale, outs.mCoef, outs.mMean)
 
