@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
 import time
 import traceback
@@ -117,6 +118,47 @@ def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=Fa
     return out
 
 
+def spawn_precompile(names, shape="1.3b"):
+    """One process per Gluon variant among ``names`` that compiles it for ``shape`` (float32 and float16 sums, the
+    race's check and timing launches) into Triton's disk cache, so the race's first launches load it instead of
+    compiling one variant after another (~5 s each). The children only compile (``warmup``: no kernel runs).
+    Returns the processes (``wait_precompile``); a child that fails leaves the compile to the first launch."""
+    procs = []
+    for name in names:
+        if VARIANTS.get(name, {}).get("gluon") is not None:
+            procs.append(subprocess.Popen([sys.executable, __file__, "--precompile", name, "--shapes", shape,
+                                           "--out", "unused"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return procs
+
+
+def wait_precompile(procs, seconds):
+    """Wait at most ``seconds`` in all for ``spawn_precompile``'s children; kill the ones still running."""
+    end = time.time() + seconds
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _precompile_one(name, shape):
+    """``spawn_precompile``'s child: the variant's Gluon kernel compiled for the race's launches at ``shape``."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection_sm90
+
+    H, S = SHAPES[shape]["H"], math.prod(SHAPES[shape]["grid"])
+    G = -(-S // C)
+    q8 = torch.empty(1, H, S, D, dtype=torch.float8_e4m3fn, device="cuda")
+    k8 = torch.empty(1, H, S, D, dtype=torch.float8_e4m3fn, device="cuda")
+    qf, lse_s, kb = (torch.empty(*s, dtype=torch.float32, device="cuda") for s in ((H,), (1, H, S), (1, H, S)))
+    perm = torch.empty(1, H, G * C, dtype=torch.int32, device="cuda")
+    for dtype in (torch.float32, torch.float16):
+        out = torch.empty(1, H, G, S, dtype=dtype, device="cuda")
+        grid, args, meta = selection_sm90.launch_args(q8, k8, qf, lse_s, kb, perm, out, group_size=C,
+                                                      **VARIANTS[name]["gluon"])
+        selection_sm90._pass2_fwd_sm90.warmup(*args, grid=grid, **meta)
+        del out
+
+
 def variant_ops(ops):
     """{kb_pow2: operands}: ``ops`` from ``fp8_operands`` as they are (False) and with 2^KB in place of KB (True)."""
     return {False: ops, True: (*ops[:4], torch.exp2(ops[4]))}
@@ -208,7 +250,11 @@ def main():
     ap.add_argument("--variants", help="comma-separated VARIANTS names (default: all)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench budget per measurement, ms")
     ap.add_argument("--commit", default="")
+    ap.add_argument("--precompile", help="(spawn_precompile's children) compile this Gluon variant and exit")
     args = ap.parse_args()
+    if args.precompile:
+        _precompile_one(args.precompile, args.shapes.split(",")[0])
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = list(VARIANTS) if not args.variants else [n.strip() for n in args.variants.split(",")]
