@@ -86,6 +86,9 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
     # key tiles in a clock-phased cyclic order (all CTAs on about the same token range of a head at a time)
     "evict smem persistent phased": ("cp.async+evict", "smem", 2, ("persistent", "phased")),
     "evict smem overlap phased": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "phased")),
+    # the producer writes the staged output (the consumers go on to the next group at once)
+    "evict smem overlap pstore": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "pstore")),
+    "evict smem overlap pstore phased": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "pstore", "phased")),
     # with the plain bf16 residual (the reuse path's call: the register epilogue): the op's kernel, then overlap
     "res kernel": ("cp.async+evict", "registers", 2, (), "plain"),
     "res overlap": ("cp.async+evict", "registers", 2, ("overlap", "persistent"), "plain"),
@@ -93,7 +96,10 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
 }
 
 
-def run_shape(name, shp, densities, rounds, target_ms, variants, log):
+OP_ROWS = ("again", "residual", "counts + kernel")  # the op's extra rows (``--op-rows``)
+
+
+def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP_ROWS):
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (native(gen, B, S, H, D) for _ in range(3))
@@ -134,10 +140,12 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log):
         # which keeps every row's predecessor): the counts launch (ms only, no ratio) takes that place
         fns["counts launch"] = lambda: valid_counts(idx)  # the op's launch before the kernel, timed alone
         fns["cutedsl op"] = lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl")
-        fns["cutedsl op + plain residual"] = lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
-                                                                              residual=res, backend="cutedsl")
+        if "residual" in op_rows:
+            fns["cutedsl op + plain residual"] = lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
+                                                                                  residual=res, backend="cutedsl")
         # the op's rows twice: two rows of the same call differ only by their place in the race's order
-        fns["cutedsl op (again)"] = fns["cutedsl op"]
+        if "again" in op_rows:
+            fns["cutedsl op (again)"] = fns["cutedsl op"]
         counts = valid_counts(idx)
         if not torch.equal(counts, (idx >= 0).sum(-1, dtype=torch.int32).view(-1)):  # sorted rows, trailing -1
             raise SystemExit(f"{name} s={s}: valid_counts WRONG")
@@ -149,7 +157,8 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log):
         epi = rules.epilogue_for("none", out)
         op_options, op_ctas = rules.launch_plan(epi, n, sms)
         op_fn = cc.compiled("bfloat16", D, False, "none", epilogue=epi, options=op_options)
-        fns["counts + op kernel"] = lambda: cc.launch(op_fn, *views[:7], valid_counts(idx), *views[8:-1], op_ctas)
+        if "counts + kernel" in op_rows:
+            fns["counts + op kernel"] = lambda: cc.launch(op_fn, *views[:7], valid_counts(idx), *views[8:-1], op_ctas)
         r_host = host_us(lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl"), dense_fns)
         for tag in variants:
             producer, epilogue, stages, options, *res_mode = VARIANTS[tag]
@@ -223,6 +232,7 @@ def main():
     ap.add_argument("--target-ms", type=float, default=15.0, help="time per fn per round")
     ap.add_argument("--variants", default="evict smem persistent,evict smem overlap",
                     help="kernel variants timed alone: " + ", ".join(VARIANTS))
+    ap.add_argument("--op-rows", default=",".join(OP_ROWS), help="the op's extra rows: " + ", ".join(OP_ROWS))
     ap.add_argument("--commit", default=os.environ.get("MC_SPARSE_COMMIT", "unknown"))
     ap.add_argument("--scoreboard", default=str(ROOT / "docs/results/scoreboard.json"))
     args = ap.parse_args()
@@ -237,7 +247,8 @@ def main():
     report["compile"] = compile_times(log)
     for name in args.shapes.split(","):
         report["shapes"][name] = run_shape(name, SHAPES[name], [float(x) for x in args.densities.split(",")],
-                                           args.rounds, args.target_ms, [x for x in args.variants.split(",") if x], log)
+                                           args.rounds, args.target_ms, [x for x in args.variants.split(",") if x], log,
+                                           [x for x in args.op_rows.split(",") if x])
     effs = {(n, s): r["efficiency"]["cutedsl op"] for n, sh in report["shapes"].items()
             for s, r in sh["densities"].items()}
     worst = min(effs, key=effs.get)

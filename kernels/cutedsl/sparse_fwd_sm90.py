@@ -85,7 +85,11 @@ EPILOGUES = ("registers", "smem")
 # flight on the GPU are a window of a head instead of all of it (38.7 MB of K/V per head at Wan2.1-14B 720p, more
 # than the H200's L2 holds; the CTAs of a persistent grid drift out of step within a few groups). The consumers do
 # not depend on the order (online softmax; only the first tile is masked).
-OPTIONS = ("persistent", "overlap", "phased")
+# "pstore" (with "overlap" and the staged epilogue): the consumers only stage O (and write the LSE) and go on to
+# the next group; the producer warpgroup writes the staged rows out (16-byte loads and stores) when it takes the
+# slot back for the queries of the group after next, and the last two groups' after its loop.
+OPTIONS = ("persistent", "overlap", "phased", "pstore")
+PSTORE_BARRIER = 9  # named barrier of the producer warpgroup: the staged rows read before the slot is refilled
 PHASE_NS = 1800  # "phased": the clock's tile period, about one key tile's time per CTA on the H200 (1.7-1.9 us)
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
@@ -208,6 +212,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         assert not self.overlap or self.persistent, "overlap is a persistent-grid option"
         self.own_sO = self.persistent and self.smem_epilogue and not self.overlap
         self.phased = "phased" in options
+        self.pstore = "pstore" in options
+        assert not self.pstore or (self.overlap and self.smem_epilogue), "pstore needs overlap, staged epilogue"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -322,7 +328,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head)
+                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, mO)
         else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
@@ -343,7 +349,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def load_fused(self, mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head):
+                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, mO):
         """Producer: per group, its query rows through ``perm`` and its K/V rows through ``kv_idx``, all by cp.async
         (mQ/mK/mV ``(S, D, H, B)``; mPerm ``(N, 128)``, mIdx ``(N, K_alloc)``)."""
         tidx, _, _ = cute.arch.thread_idx()
@@ -353,6 +359,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         kv_state = make_pipeline_state(PipelineUserType.Producer, self.num_stages)
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
+        # "pstore": the groups of the previous two walk steps (-1: none) and this thread's perm entry of each
+        group1, perm1, group2, perm2 = Int32(-1), Int32(-1), Int32(-1), Int32(-1)
         while work_tile.is_valid_tile:
             _, _, group, _ = work_tile.tile_idx
             seqlen = SeqlenInfoCls(group)
@@ -379,6 +387,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 # the queries first: their slot was freed a group ago, the K stage only when the consumers finish
                 # this group's second-to-last Q K^T
                 pipeline_q.producer_acquire(q_state)
+                if const_expr(self.pstore):  # the slot holds the output of the group two steps back
+                    perm_mine = mPerm[group, (tidx % 8) * 16 + tidx // 8]  # q_index's row of this thread
+                    if group2 >= 0:
+                        self._store_staged(mO, sQ[None, None, q_state.index], group2, perm2, tidx, n_heads,
+                                           groups_per_head)
+                    cute.arch.barrier(barrier_id=PSTORE_BARRIER, number_of_threads=128)
+                    group2, perm2, group1, perm1 = group1, perm1, group, perm_mine
                 q_index.advance()
                 q_rows.load_KV(0, sQ[None, None, q_state.index], "K")
                 cute.arch.cp_async_commit_group()
@@ -400,7 +415,40 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                                           n_block_max, phase)
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
+        if const_expr(self.pstore):  # the last two groups' outputs, staged in their slots (step i in slot i % 2)
+            if group2 >= 0:
+                pipeline_q.producer_acquire(q_state)
+                self._store_staged(mO, sQ[None, None, q_state.index], group2, perm2, tidx, n_heads, groups_per_head)
+            q_state.advance()  # the last step's slot (also when the CTA ran a single group)
+            if group1 >= 0:
+                pipeline_q.producer_acquire(q_state)
+                self._store_staged(mO, sQ[None, None, q_state.index], group1, perm1, tidx, n_heads, groups_per_head)
         pipeline_v.producer_tail(kv_state)
+
+    @cute.jit
+    def _store_staged(self, mO, sO, group, perm_mine, tidx, n_heads, groups_per_head):
+        """Producer ("pstore"): write one group's staged output rows (``sO``, the query slot's swizzled layout) to
+        ``out[b, perm[row], h, :]``, 16 bytes per load and store, the threads' row layout of the query gather (a
+        row's address from the thread that holds its perm entry, by warp shuffle); padded rows (perm -1) skipped.
+        ``perm_mine``: this thread's perm entry, row (tidx % 8) * 16 + tidx // 8."""
+        bh = group // groups_per_head
+        b = bh // n_heads
+        h = bh - b * n_heads
+        row_ptr = fa_utils.elem_pointer(mO, (b, cutlass.max(perm_mine, 0), h, 0)).toint()
+        thr_copy = self._epilogue_copy().get_slice(tidx)
+        tOsO = thr_copy.partition_S(sO)  # rows tidx // 8 + 16 m, columns (tidx % 8) * 8 + 64 k
+        tOcO = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_hdimv)))
+        for m in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
+            ptr = fa_utils.shuffle_sync(row_ptr, m, width=8)
+            ok = fa_utils.shuffle_sync(perm_mine, m, width=8)
+            piece = cute.make_fragment_like(tOsO[None, m, None], self.dtype)
+            cute.autovec_copy(tOsO[None, m, None], piece)
+            if ok >= 0:
+                for kk in cutlass.range_constexpr(cute.size(tOsO.shape[2])):
+                    src = piece[None, kk]
+                    dst = cute.make_ptr(self.dtype, ptr + Int64(tOcO[0, m, kk][1] * (self.dtype.width // 8)),
+                                        cute.AddressSpace.gmem, assumed_align=16)
+                    cute.autovec_copy(src, cute.make_tensor(dst, src.layout))
 
     @cute.jit
     def mma_overlap(self, tiled_mma_qk, tiled_mma_pv, outs, sQ, sK, sVt, pipeline_k, pipeline_v, pipeline_q, tidx,
@@ -499,7 +547,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             softmax.rescale_O(acc_O, row_scale)
             bh = group // outs.groups_per_head
             b = bh // outs.n_heads
-            if const_expr(self.smem_epilogue):
+            if const_expr(self.pstore):
+                self._epilogue_stage(acc_O, lse, outs.mLSE, sQ[None, None, q_state.index], tiled_mma_pv, tidx, b,
+                                     bh - b * outs.n_heads, out_rows)
+            elif const_expr(self.smem_epilogue):
                 self._epilogue_smem(acc_O, lse, outs.mO, outs.mLSE, outs.mPerm, sQ[None, None, q_state.index],
                                     tiled_mma_pv, tidx, group, b, bh - b * outs.n_heads, rows=out_rows)
             else:
@@ -625,7 +676,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         for m in cutlass.range_constexpr(cute.size(lse_rows)):
             lse_rows[m] = mPerm[group, tOcO_mma[m, 0][0]]
         out_rows = None
-        if const_expr(self.smem_epilogue):
+        if const_expr(self.smem_epilogue and not self.pstore):
             tOcO = self._epilogue_copy_coords(tidx)
             out_rows = cute.make_rmem_tensor((cute.size(tOcO.shape[1]),), Int32)
             for rest_m in cutlass.range_constexpr(cute.size(out_rows)):
@@ -685,6 +736,23 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                         mO, (b, q_row, h, tOcO[0, rest_m, kk][1])).toint(), cute.AddressSpace.gmem,
                         assumed_align=16)
                     cute.autovec_copy(src, cute.make_tensor(ptr, src.layout))
+
+    @cute.jit
+    def _epilogue_stage(self, acc_O, lse, mLSE, sO, tiled_mma, tidx, b, h, rows):
+        """"pstore": O rounded and staged in the finished group's query slot (``sO``), each consumer warpgroup its
+        own 64 rows; the LSE from the registers (``rows``: ``_epilogue_perm``). The producer writes the rows out."""
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        fa_utils.cvt_f16(acc_O, rO)
+        smem_copy_atom = fa_utils.get_smem_store_atom(90, self.dtype)
+        smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma).get_slice(tidx)
+        cute.copy(smem_copy_atom, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
+        if const_expr(mLSE is not None):
+            cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+            tOcO_mma = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(tidx).partition_C(cO))
+            if tOcO_mma[0, 0][1] == 0:
+                for m in cutlass.range_constexpr(cute.size(lse)):
+                    if rows[0][m] >= 0:
+                        mLSE[b, h, rows[0][m]] = lse[m]
 
     @cute.jit
     def _epilogue_registers(self, acc_O, lse, outs, tiled_mma, tidx, group, bh, b, h, rows=None):
