@@ -58,7 +58,8 @@ VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], t) for t in (dict(kb_poly=True
                                                                dict(poly=10), dict(poly=10, thread_arrive=True),
                                                                dict(groups=3, poly=10), dict(poly=11), dict(poly=12),
                                                                dict(poly=10, pingpong=True),
-                                                               dict(pingpong=True, thread_arrive=True))]
+                                                               dict(pingpong=True, thread_arrive=True),
+                                                               dict(poly=10, ksplit=3), dict(ksplit=5))]
 BF16_P_RTOL = 2e-3  # poly >= 10: the exponentials rounded to bfloat16 (2^-9) before the tensor cores sum them
 
 

@@ -56,7 +56,7 @@ _LOG2E = 1.4426950408889634
 def config(head_dim: int) -> dict:
     """Launch config: ring depth and the register split (12 warps: 2 consumer warpgroups + 1 producer warpgroup)."""
     return dict(num_stages=8, consumer_regs=232, producer_regs=40, maxnreg=168, unroll=2, poly=0, kb_poly=False, groups=2,
-                thread_arrive=False, pingpong=False)
+                thread_arrive=False, pingpong=False, ksplit=1)
 
 
 def refusal(q8: torch.Tensor, k8: torch.Tensor, group_size: int, out: torch.Tensor) -> str | None:
@@ -214,7 +214,7 @@ def _tile_sums(acc, f, l2, kbv, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.cons
 
 
 @gluon.jit
-def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, n_slots, C, G, n_tiles,
+def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots, C, G, n_tiles,
               stride_sb, stride_sh, stride_sg, stride_sn, H,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, UNROLL: gl.constexpr,
@@ -257,8 +257,10 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_
     c_ok = (ci >= 0) & (ci < S)
     l2 = gl.load(LSE + bh64 * S + gl.where(c_ok, ci, 0), mask=c_ok, other=float("inf")) * 1.4426950408889634
     f = gl.load(QF + bh)  # the head's q scale x k scale x softmax scale x log2(e)
-    kb_base = KB + bh64 * SK
+    kb_base = KB + bh64 * SK + K0
     s_ptr = SUMS + (bh // H).to(gl.int64) * stride_sb + (bh % H).to(gl.int64) * stride_sh + g.to(gl.int64) * stride_sg
+    s_ptr += K0.to(gl.int64) * stride_sn
+    SK = SK - K0  # this program's keys from K0 on (a key split), counted from 0 below
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
 
@@ -345,7 +347,7 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_
 @gluon.jit
 def _pass2_fwd_sm90(
     k_desc, Q, LSE, PERM, SUMS, QF, KB,
-    H, S, SK, n_slots, C, G,
+    H, S, SK, n_slots, C, G, TILES_PER_SPLIT,
     stride_sb, stride_sh, stride_sg, stride_sn,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr,
@@ -355,8 +357,11 @@ def _pass2_fwd_sm90(
 ):
     g0 = gl.program_id(0) * GROUPS
     bh = gl.program_id(1)
-    n_tiles = gl.cdiv(SK, UNROLL * BLOCK_N) * UNROLL  # whole steps; tiles past Sk are read, computed, not stored
-    row0 = bh * SK  # first key row of this (b, h) in the [B * H * Sk, D] view of k8
+    # keys [K0, K0 + n_tiles * BLOCK_N) of the head (program_id 2: the key split; a group's sum over its queries is
+    # complete for each key, so splits need no merge): whole steps; tiles past Sk are read, computed, not stored
+    K0 = gl.program_id(2) * TILES_PER_SPLIT * BLOCK_N
+    n_tiles = gl.minimum(gl.cdiv(gl.maximum(SK - K0, 0), UNROLL * BLOCK_N) * UNROLL, TILES_PER_SPLIT)
+    row0 = bh * SK + K0  # first key row of this program in the [B * H * Sk, D] view of k8
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [GROUPS, BLOCK_M, HEAD_DIM], q_layout)
@@ -375,23 +380,23 @@ def _pass2_fwd_sm90(
     # worker arguments are spelled out (a tuple built with + loses its constexpr wrappers in Triton 3.6)
     if GROUPS == 3:
         gl.warp_specialize([
-            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, n_slots, C, G,
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots, C, G,
                          n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                          NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
-            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, n_slots, C, G,
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots, C, G,
                          n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
                          NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
-            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, n_slots, C, G,
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots, C, G,
                          n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 2, HEAD_DIM, BLOCK_M, BLOCK_N,
                          NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
             (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
         return
     gl.warp_specialize([
-        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, n_slots, C, G,
+        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots, C, G,
                      n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                      NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
-        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, n_slots, C, G,
+        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots, C, G,
                      n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
                      NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
         (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
@@ -405,7 +410,7 @@ def k_layout(head_dim: int):
 
 def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None, consumer_regs=None,
                 producer_regs=None, maxnreg=None, unroll=None, poly=None, kb_poly=None,
-                groups=None, thread_arrive=None, pingpong=None, k_desc=None):
+                groups=None, thread_arrive=None, pingpong=None, ksplit=None, k_desc=None):
     """(grid, positional args, meta) of one launch; the op and the offline compile share it. ``k_desc``: a prebuilt
     descriptor (the offline compile passes one on the meta device)."""
     B, H, S, D = q8.shape
@@ -441,8 +446,12 @@ def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None
         raise ValueError("poly 9 (no product: timing floor) runs with unroll 2 only")
     if k_desc is None:
         k_desc = TensorDescriptor.from_tensor(k8.view(B * H * SK, D), [BLOCK_N, D], k_layout(D))
-    grid = (triton.cdiv(G, groups), B * H)
-    args = (k_desc, q8, lse_s, perm, out, qf, kb, H, S, SK, n_slots, C, G, *out.stride())
+    ksplit = int(cfg["ksplit"] if ksplit is None else ksplit)
+    if not 1 <= ksplit <= 64:
+        raise ValueError(f"ksplit must be in [1, 64], got {ksplit}")
+    tiles_per_split = triton.cdiv(triton.cdiv(triton.cdiv(SK, BLOCK_N), ksplit), unroll) * unroll
+    grid = (triton.cdiv(G, groups), B * H, ksplit)
+    args = (k_desc, q8, lse_s, perm, out, qf, kb, H, S, SK, n_slots, C, G, tiles_per_split, *out.stride())
     meta = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
                 UNROLL=unroll, POLY=poly, KB_POLY=int(cfg["kb_poly"] if kb_poly is None else kb_poly), GROUPS=groups,
@@ -469,7 +478,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size, **tunin
             ``thread_arrive`` (each consumer thread releases a key stage itself: no warpgroup barrier per tile;
             unroll 1 or 2), timing floors that write wrong sums (benchmarks only): ``poly=8`` no exponential,
             ``poly=9`` no product (unroll 2); ``pingpong`` (the two consumer warpgroups take turns issuing
-            their products; two groups, unroll 2); ``poly=10``: the row sums on the tensor cores from bfloat16
+            their products; two groups, unroll 2), ``ksplit`` (each program takes 1/ksplit of the keys: more,
+            shorter programs, a smaller last partial wave); ``poly=10``: the row sums on the tensor cores from bfloat16
             exponentials (relative L2 of the sums ~2e-4 - 8e-4), 11 / 12 with 1/8 / 1/4 of them on ``_exp2_poly3``,
             ``consumer_regs``, ``producer_regs``, ``maxnreg``.
     Returns:
