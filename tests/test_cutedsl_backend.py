@@ -473,13 +473,16 @@ def test_registered_with_its_rules_when_the_op_imports(fake_op, monkeypatch):
     assert "implements sparse_attention only" in rules.refuse("dense_attention", q, False)
 
 
-@pytest.mark.parametrize(("options", "epilogue", "want"), [
-    ((), "smem", ((), 3000)), (("persistent",), "smem", (("persistent",), 132)),
-    (("persistent",), "registers", ((), 3000)),
+@pytest.mark.parametrize(("options", "reg_options", "epilogue", "want"), [
+    ((), (), "smem", ((), 3000)), (("persistent",), (), "smem", (("persistent",), 132)),
+    (("persistent",), (), "registers", ((), 3000)),
+    (("persistent", "overlap"), ("persistent", "overlap"), "registers", (("persistent", "overlap"), 132)),
+    ((), ("persistent", "overlap"), "smem", ((), 3000)),
 ])
-def test_launch_plan(monkeypatch, options, epilogue, want):
-    """The staged-epilogue kernel takes the configured options and a persistent grid of min(SMs, groups) CTAs only
-    with "persistent"; the register epilogue (residual calls) always one CTA per group and no options."""
+def test_launch_plan(monkeypatch, options, reg_options, epilogue, want):
+    """Each epilogue's kernel takes its configured options (STAGED_OPTIONS, REGISTERS_OPTIONS) and a persistent grid
+    of min(SMs, groups) CTAs only with "persistent", else one CTA per group."""
     monkeypatch.setattr(rules, "STAGED_OPTIONS", options)
+    monkeypatch.setattr(rules, "REGISTERS_OPTIONS", reg_options)
     assert rules.launch_plan(epilogue, 3000, 132) == want
     assert rules.launch_plan(epilogue, 100, 132)[1] == 100

@@ -24,6 +24,8 @@ EPILOGUE = "smem"
 # then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5): above it at 7 of 8 points; GPU-tested through the op
 # (tests/test_gpu_cutedsl.py: LSE, fp16, D 64, ragged counts, more and fewer groups than SMs)
 STAGED_OPTIONS: tuple = ("persistent",)
+# compile options of the register-epilogue kernel (calls with a residual: the reuse path's), as STAGED_OPTIONS
+REGISTERS_OPTIONS: tuple = ()
 
 
 def refusal(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -99,8 +101,7 @@ def epilogue_for(residual: str, out: torch.Tensor) -> str:
 
 def launch_plan(epilogue: str, groups: int, sms: int) -> tuple[tuple, int]:
     """(compile options, CTA count) of a call whose kernel runs ``epilogue`` over ``groups`` query groups on a device
-    of ``sms`` SMs: the staged epilogue takes ``STAGED_OPTIONS`` and, with "persistent" among them, a grid of
-    min(sms, groups) CTAs walking the groups; otherwise no options and one CTA per group."""
-    if epilogue == "smem" and STAGED_OPTIONS:
-        return tuple(STAGED_OPTIONS), min(sms, groups) if "persistent" in STAGED_OPTIONS else groups
-    return (), groups
+    of ``sms`` SMs: the staged epilogue takes ``STAGED_OPTIONS``, the register epilogue ``REGISTERS_OPTIONS``; with
+    "persistent" among them a grid of min(sms, groups) CTAs walks the groups, otherwise one CTA per group."""
+    options = tuple(STAGED_OPTIONS if epilogue == "smem" else REGISTERS_OPTIONS)
+    return options, min(sms, groups) if "persistent" in options else groups
