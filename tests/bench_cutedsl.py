@@ -89,6 +89,11 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
     # the producer writes the staged output (the consumers go on to the next group at once)
     "evict smem overlap pstore": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "pstore")),
     "evict smem overlap pstore phased": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "pstore", "phased")),
+    # + the next group's count / perm / first index entries loaded during this group
+    "evict smem overlap pstore prefetch": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "pstore",
+                                                                         "prefetch")),
+    "evict smem overlap all": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "pstore", "prefetch",
+                                                             "phased")),
     # with the plain bf16 residual (the reuse path's call: the register epilogue): the op's kernel, then overlap
     "res kernel": ("cp.async+evict", "registers", 2, (), "plain"),
     "res overlap": ("cp.async+evict", "registers", 2, ("overlap", "persistent"), "plain"),

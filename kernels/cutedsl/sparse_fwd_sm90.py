@@ -88,7 +88,10 @@ EPILOGUES = ("registers", "smem")
 # "pstore" (with "overlap" and the staged epilogue): the consumers only stage O (and write the LSE) and go on to
 # the next group; the producer warpgroup writes the staged rows out (16-byte loads and stores) when it takes the
 # slot back for the queries of the group after next, and the last two groups' after its loop.
-OPTIONS = ("persistent", "overlap", "phased", "pstore")
+# "prefetch" (persistent grids): the producer loads the next group's valid count and this thread's perm entry at a
+# group's start and its first key-tile index after this group's first tile, instead of the dependent chain count ->
+# index -> row address at the next group's start, which delays its queries and first K tile.
+OPTIONS = ("persistent", "overlap", "phased", "pstore", "prefetch")
 PSTORE_BARRIER = 9  # named barrier of the producer warpgroup: the staged rows read before the slot is refilled
 PHASE_NS = 1800  # "phased": the clock's tile period, about one key tile's time per CTA on the H200 (1.7-1.9 us)
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
@@ -213,6 +216,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.own_sO = self.persistent and self.smem_epilogue and not self.overlap
         self.phased = "phased" in options
         self.pstore = "pstore" in options
+        self.prefetch = "prefetch" in options
         assert not self.pstore or (self.overlap and self.smem_epilogue), "pstore needs overlap, staged epilogue"
 
     @cute.jit
@@ -328,7 +332,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, mO)
+                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, mO, mCounts, total)
         else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
@@ -349,7 +353,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def load_fused(self, mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, mO):
+                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, mO, mCounts, total):
         """Producer: per group, its query rows through ``perm`` and its K/V rows through ``kv_idx``, all by cp.async
         (mQ/mK/mV ``(S, D, H, B)``; mPerm ``(N, 128)``, mIdx ``(N, K_alloc)``)."""
         tidx, _, _ = cute.arch.thread_idx()
@@ -361,13 +365,26 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         work_tile = tile_scheduler.initial_work_tile_info()
         # "pstore": the groups of the previous two walk steps (-1: none) and this thread's perm entry of each
         group1, perm1, group2, perm2 = Int32(-1), Int32(-1), Int32(-1), Int32(-1)
+        # "prefetch": the group's valid count, this thread's perm entry and index of its first key tile, loaded
+        # during the previous group (the first group's here)
+        row_t = (tidx % 8) * 16 + tidx // 8  # the row whose perm / kv_idx entry this thread loads (_IndexRow.fetch)
+        pf_count, pf_perm, pf_idx = Int32(1), Int32(0), Int32(0)
+        if const_expr(self.prefetch):
+            if work_tile.is_valid_tile:
+                _, _, group0, _ = work_tile.tile_idx
+                pf_count = mCounts[group0]
+                pf_perm = mPerm[group0, row_t]
+                pf_idx = self._first_index(mIdx, group0, pf_count, row_t)
         while work_tile.is_valid_tile:
             _, _, group, _ = work_tile.tile_idx
-            seqlen = SeqlenInfoCls(group)
             bh = group // groups_per_head
             b = bh // n_heads
             h = bh - b * n_heads
-            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
+            next_group = group + Int32(cute.arch.grid_dim()[0])
+            if const_expr(self.prefetch):
+                n_block_min, n_block_max = Int32(0), (pf_count + (self.tile_n - 1)) // self.tile_n
+            else:
+                n_block_min, n_block_max = block_info.get_n_block_min_max(SeqlenInfoCls(group), 0)
             rows = PagedKVManager.create(
                 mIdx, mK, mV, FastDivmodDivisorV2(mK.shape[0]), group, h, tidx, n_block_max * self.tile_n, 0,
                 self.tile_n, self.tile_hdim, self.tile_hdimv, self.num_threads_per_warp_group, mK.element_type,
@@ -380,9 +397,16 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             index = _IndexRow(rows, rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, k_alloc, tidx)
             q_index = _IndexRow(q_rows, q_rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, Int32(self.tile_m),
                                 tidx)
-            q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
             n_block = n_block_max - 1
-            index.fetch(n_block)
+            if const_expr(self.prefetch):
+                q_index.nxt[0] = cutlass.max(pf_perm, 0)  # padded slots (-1) load query row 0 (as fetch)
+                index.nxt[0] = cutlass.max(pf_idx, 0)
+                if next_group < total:  # the next group's count and perm entry: in flight during this group
+                    pf_count = mCounts[next_group]
+                    pf_perm = mPerm[next_group, row_t]
+            else:
+                q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
+                index.fetch(n_block)
             if const_expr(self.overlap):
                 # the queries first: their slot was freed a group ago, the K stage only when the consumers finish
                 # this group's second-to-last Q K^T
@@ -411,6 +435,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 cute.arch.cp_async_commit_group()
                 pipeline_q.producer_commit_w_index(0)
                 q_phase ^= 1
+            if const_expr(self.prefetch):
+                if next_group < total:
+                    pf_idx = self._first_index(mIdx, next_group, pf_count, row_t)
             kv_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min,
                                           n_block_max, phase)
             tile_scheduler.advance_to_next_work()
@@ -424,6 +451,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 pipeline_q.producer_acquire(q_state)
                 self._store_staged(mO, sQ[None, None, q_state.index], group1, perm1, tidx, n_heads, groups_per_head)
         pipeline_v.producer_tail(kv_state)
+
+    @cute.jit
+    def _first_index(self, mIdx, group, count, row_t):
+        """kv_idx[group, slot] of this thread's row of the group's first (last-numbered) key tile, the slot clamped
+        to the row as ``_IndexRow.fetch`` does (raw: -1 stays -1)."""
+        n_max = (count + (self.tile_n - 1)) // self.tile_n
+        return mIdx[group, cutlass.min((n_max - 1) * self.tile_n + row_t, mIdx.shape[1] - 1)]
 
     @cute.jit
     def _store_staged(self, mO, sO, group, perm_mine, tidx, n_heads, groups_per_head):
