@@ -614,14 +614,16 @@ def test_select_kv_with_the_pass2_histogram_is_unchanged(gen, fp8):
     assert torch.equal(with_hist, ref_top_k_rows(sums16, K, with_hist.shape[-1]))
 
 
-@pytest.mark.parametrize("fp8,cap,one_group,rpt", [(False, None, False, 1), (True, 16, False, 1), (True, None, True, 1),
-                                                   (True, None, True, 2)])
-def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rpt):
+@pytest.mark.parametrize("fp8,cap,one_group,rpt,bisect", [
+    (False, None, False, 1, False), (True, 16, False, 1, False), (True, None, True, 1, False), (True, None, True, 2, False),
+    (True, None, False, 1, True)])
+def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rpt, bisect):
     """group_prob_sums(select=topk.FusedRows): the pair kernel's epilogue writes each group's top-K of the float16 sums
     it stored (B = 2, 9 groups: the last pair has one group; 16-byte rows, one whole 1024-key tile and a partial one),
     and ``finish`` the rows whose bracket missed (cap 16: every row overflows its candidate slots and goes to the radix
-    launch; default cap: none does), also with one group per program (one_group) and two tile rows per thread (rpt:
-    one masked 2048-key step): the brute-force top-K of the same sums, every slot written (poisoned first);
+    launch; default cap: none does), also with one group per program (one_group), two tile rows per thread (rpt:
+    one masked 2048-key step) and the threshold among the candidates by bisection (bisect, the previous form): the
+    brute-force top-K of the same sums, every slot written (poisoned first);
     select_kv(topk_fused=True) == select_kv(topk_fused=False)."""
     from comfyui_mc_sparse_pack.kernels.triton import selection, topk
 
@@ -635,7 +637,7 @@ def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rp
     plan = topk.bracket_plan(S, K, 2, cap=cap)
     fused = topk.FusedRows(torch.full((B, H, G, width), POISON, dtype=torch.int32), K, width, plan,
                            torch.empty(B * H * G, plan[4], dtype=torch.int16), torch.empty(B * H * G, dtype=torch.int8),
-                           rows_per_thread=rpt)
+                           rows_per_thread=rpt, bisect=bisect)
     selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums, fp8=fp8, pair=True, select=fused,
                               one_group=one_group)
     assert fused.done

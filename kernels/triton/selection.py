@@ -247,6 +247,7 @@ def _group_prob_sums_pair(
     T_ALIGN: tl.constexpr = 1,  # the sums' b / h / g strides are t_sb / t_sh / t_sg times T_ALIGN (16-byte rows)
     T_ROWS: tl.constexpr = 128,  # top-K tile rows (16-byte vectors) per sweep step
     T_NS: tl.constexpr = 1024,  # top-K sample slots (a power of two >= n_samp)
+    T_BISECT: tl.constexpr = False,  # the top-K's threshold among its candidates by bisection (topk.FusedRows.bisect)
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
@@ -371,11 +372,11 @@ def _group_prob_sums_pair(
         dst = SEL + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + g0.to(tl.int64) * stride_og
         row = bh.to(tl.int64) * G + g0
         _bracket_row(src, dst, CAND + row * t_cap, FLAGS + row, SK, num_keys, width, stride_samp, n_samp, hi_rank,
-                     lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS, T_NS, t_cap, True)
+                     lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS, T_NS, t_cap, True, T_BISECT)
         if has_g1:
             _bracket_row(src + t_sg * T_ALIGN, dst + stride_og, CAND + (row + 1) * t_cap, FLAGS + row + 1, SK,
                          num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS,
-                         T_NS, t_cap, True)
+                         T_NS, t_cap, True, T_BISECT)
 
 
 @triton.jit
@@ -657,7 +658,7 @@ def _fused_topk_args(select, out, num_warps, placeholder):
     args = (sel, select.cand, select.flags, select.num_keys, select.width, sb // align, sh // align, sg // align,
             sel.stride(0), sel.stride(1), sel.stride(2), stride, n_samp, hi_rank, lo_rank, cap)
     meta = dict(TOPK=True, T_ALIGN=align, T_ROWS=32 * num_warps * select.rows_per_thread,
-                T_NS=triton.next_power_of_2(n_samp))
+                T_NS=triton.next_power_of_2(n_samp), T_BISECT=bool(select.bisect))
     return args, meta
 
 

@@ -14,16 +14,16 @@ comes out sorted with no sort at all; slots K..K_alloc-1 are written -1. No glob
   in each stratum) brackets the K-th largest key between two sample order statistics at its expected sample rank
   +-(5 sigma + 2) (binomial sigma, ``bracket_plan``); one sweep counts the keys above the bracket and copies the
   keys inside it (int16 keys) to a per-row scratch; if the counts prove the K-th key is inside (above < K <= above
-  + inside, nothing dropped), T is found among the copies by bisection on the key, else the row is flagged and a
-  second launch (``_radix_topk_rows``, flagged rows only) writes it by radix select: exact on both paths (the check
-  is a proof, the sample only decides the speed). The same row routine runs as pass 2's epilogue (``FusedRows``). Both sweeps run
-  on [rows, 8] tiles (one 16-byte load per tile row), each tile row held by one thread, so key decode, compares and
-  prefix sums stay in the thread and one scan of the row totals crosses threads per step; the compaction takes slot
-  and tie rank from one packed prefix sum; whole tiles load unmasked and the next tile's load is issued before this
-  tile's work. Offline SASS (sm_90): ~0.6 / 0.75 warp instructions per key for the count / compaction sweeps
-  against ~2 per histogram pass and ~2 for the radix compaction. (An earlier "sample" method, the same bracket on
-  1D 2048-key chunks scanned across 8 warps, measured 1.18 / 18.4 ms at 1.3B / 14B against the bracket's 0.52 /
-  6.0 ms, and was removed.)
+  + inside, nothing dropped), T is found among the copies by radix select (at most two 256-bin histogram passes over
+  them, ``_cand_threshold``), else the row is flagged and a second launch (``_radix_topk_rows``, flagged rows only)
+  writes it by radix select: exact on both paths (the check is a proof, the sample only decides the speed). The same
+  row routine runs as pass 2's epilogue (``FusedRows``). Both sweeps run on [rows, 8] tiles (one 16-byte load per
+  tile row), each tile row held by one thread, so key decode, compares and prefix sums stay in the thread and one
+  scan of the row totals crosses threads per step; the compaction takes slot and tie rank from one packed prefix sum;
+  whole tiles load unmasked and the next tile's load is issued before this tile's work. Offline SASS (sm_90): ~0.6 /
+  0.75 warp instructions per key for the count / compaction sweeps against ~2 per histogram pass and ~2 for the
+  radix compaction. (An earlier "sample" method, the same bracket on 1D 2048-key chunks scanned across 8 warps,
+  measured 1.18 / 18.4 ms at 1.3B / 14B against the bracket's 0.52 / 6.0 ms, and was removed.)
 
 Keys: non-negative floats order like their bits read as integers; negative values and -0.0 get key 0 (rank as
 +0.0, as the reference). The selection rule: MC-Sparse sec. 3.3 (top-K per query group); measurements: docs/kernels.md.
@@ -271,7 +271,7 @@ def _count_step(key, cand_row, lo, hi, above_rows, n_cand, cap):
 
 @triton.jit
 def _count_ge(cand_row, n_cand, t, ROWS: tl.constexpr, VEC: tl.constexpr, STRICT: tl.constexpr):
-    """How many of the n_cand copies are >= t (STRICT: > t)."""
+    """How many of the n_cand copies are >= t (STRICT: > t). (``_bracket_row``'s BISECT form only.)"""
     tile = _tile_offsets(ROWS, VEC)
     step: tl.constexpr = ROWS * VEC
     cnt = tl.zeros([ROWS], dtype=tl.int32)
@@ -283,6 +283,46 @@ def _count_ge(cand_row, n_cand, t, ROWS: tl.constexpr, VEC: tl.constexpr, STRICT
     cv = tl.load(cand_row + offs, mask=offs < n_cand, other=-1).to(tl.int32)
     cnt += tl.sum(((cv > t) | ((cv == t) & (not STRICT))).to(tl.int32), 1)
     return tl.sum(cnt, 0)
+
+
+@triton.jit
+def _top_bin(h, kk, bins):
+    """(b, kk - above): the highest bin b of the histogram ``h`` ([NB] int32, ``bins`` its arange) whose count with
+    the bins above it reaches ``kk`` (1 <= kk <= sum(h)), i.e. the bin of the kk-th largest entry, and kk minus the
+    entries in the bins above b (its rank inside bin b)."""
+    incl = tl.cumsum(h, 0)
+    ge = tl.sum(h, 0) - incl + h  # entries in bins >= b
+    b = tl.sum((ge >= kk).to(tl.int32), 0) - 1  # ge is non-increasing and ge[0] >= kk
+    return b, kk - tl.sum(tl.where(bins > b, h, 0), 0)
+
+
+@triton.jit
+def _cand_threshold(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr):
+    """(T, need) from the bracket's copies: T the kk-th largest of the ``n_cand`` keys at ``cand_row`` (every one in
+    [lo, hi], 1 <= kk <= n_cand) and need = kk minus the copies above T, by MSD radix select on d = key - lo: 8-bit
+    digits from the top of hi - lo's bit length, one 256-bin ``tl.histogram`` pass over the copies per digit (the
+    copies whose higher digits match the prefix found): 1 pass when hi - lo < 256, 2 for any 16-bit key range (a
+    bisection took ~log2(hi - lo) passes, each a dependent chain of loads)."""
+    offs0 = tl.arange(0, STEP)
+    bins = tl.arange(0, 256)
+    rng = hi - lo
+    top = lo * 0  # the bit length of hi - lo: d >> top == 0 for every copy
+    for i in tl.static_range(32):
+        top = tl.where((rng >> i) > 0, i + 1, top)
+    t = lo * 0  # the digits of T - lo found so far, in place
+    for _ in range((top + 7) // 8):
+        low = tl.maximum(top - 8, 0)
+        digit_mask = (1 << (top - low)) - 1
+        h = tl.zeros([256], dtype=tl.int32)
+        for c0 in range(0, n_cand, STEP):
+            offs = c0 + offs0
+            ok = offs < n_cand
+            d = tl.load(cand_row + offs, mask=ok, other=0).to(tl.int32) - lo
+            h += tl.histogram((d >> low) & digit_mask, 256, mask=ok & ((d >> top) == (t >> top)))
+        b, kk = _top_bin(h, kk, bins)
+        t += b << low
+        top = low
+    return lo + t, kk
 
 
 @triton.jit
@@ -302,7 +342,8 @@ def _bracket_topk_rows(
     """The bracket method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row: a stratified sample of
     n_samp keys (one per ``stride_samp`` positions, a scrambled offset in each) brackets the K-th largest key between
     two sample order statistics; one sweep counts the keys above the bracket (per-thread counters, reduced once) and
-    copies the keys inside it to CAND (at most CAP); bisection over the copies on the key value gives the threshold,
+    copies the keys inside it to CAND (at most CAP); radix select over the copies (``_cand_threshold``) gives the
+    threshold,
     then ``_compact_tiles`` writes the row. A bracket the counts disprove (or that overflows CAP) leaves the row
     unwritten with FELL_BACK[row] = 1: ``_radix_topk_rows`` (ONLY_FLAGGED, the next launch) writes it, so the result
     is exact either way. (The radix passes are not inlined here: they held the kernel at 140 registers, 7 programs
@@ -318,11 +359,13 @@ def _bracket_topk_rows(
 @triton.jit
 def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank,
                  KEY_BITS: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, NS: tl.constexpr, cap,
-                 PREFETCH: tl.constexpr):
+                 PREFETCH: tl.constexpr, BISECT: tl.constexpr = False):
     """The bracket method for one row of Sk keys at ``src`` (16-byte aligned when Sk >= ROWS * VEC: whole tiles load
     unmasked) into the selection row ``dst`` (``width`` slots), with the candidate scratch ``cand_row`` (``cap`` slots)
     and the row's int8 fallback flag at ``flag`` (written 1 when the row is left to the radix launch, else 0);
-    ``_bracket_topk_rows`` per program, or pass 2's epilogue (``selection._group_prob_sums_pair`` TOPK)."""
+    ``_bracket_topk_rows`` per program, or pass 2's epilogue (``selection._group_prob_sums_pair`` TOPK). The threshold
+    among the copies: ``_cand_threshold`` (radix select), or with BISECT the previous bisection on the key value (one
+    pass over the copies per bit of hi - lo; same result)."""
     zero = tl.program_id(0) * 0
     top = zero + (0x7C01 if KEY_BITS == 16 else 0x7F800001)  # one above +inf's key: above every key
 
@@ -358,16 +401,19 @@ def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_s
     tl.store(flag, (1 - hit.to(tl.int32)).to(tl.int8))
     if hit:
         kk = num_keys - above  # the threshold is the kk-th largest copy (every copy is >= lo, n_cand >= kk)
-        a = lo
-        b = hi
-        n_iter = tl.log2((hi - lo + 1).to(tl.float32)).to(tl.int32) + 2  # >= ceil(log2(range)): extra steps no-ops
-        for _ in range(n_iter):
-            mid = a + (b - a + 1) // 2
-            ok = _count_ge(cand_row, n_cand, mid, ROWS, VEC, False) >= kk
-            a = tl.where(ok, mid, a)
-            b = tl.where(ok, b, mid - 1)
-        prefix = a
-        need = kk - _count_ge(cand_row, n_cand, prefix, ROWS, VEC, True)
+        if BISECT:  # the previous form (kept for the H200 round's side-by-side timing): bisection on the key value
+            a = lo
+            b = hi
+            n_iter = tl.log2((hi - lo + 1).to(tl.float32)).to(tl.int32) + 2  # >= ceil(log2(range)): extra steps no-ops
+            for _ in range(n_iter):
+                mid = a + (b - a + 1) // 2
+                ok = _count_ge(cand_row, n_cand, mid, ROWS, VEC, False) >= kk
+                a = tl.where(ok, mid, a)
+                b = tl.where(ok, b, mid - 1)
+            prefix = a
+            need = kk - _count_ge(cand_row, n_cand, prefix, ROWS, VEC, True)
+        else:
+            prefix, need = _cand_threshold(cand_row, n_cand, kk, lo, hi, ROWS * VEC // 2)
         _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, ROWS, VEC, PREFETCH)
 
 
@@ -412,8 +458,8 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         num_keys: K in [1, Sk]. width: K_alloc >= K.
         out: optional int32 ``[..., width]``, written in place: a contiguous last dim, and the leading dims after
             the first mergeable into one (e.g. a head slice ``[B, h, G, K_alloc]`` of the whole selection).
-        method: "bracket" (sample bracket + candidate bisection on [rows, 16-byte] tiles, radix fallback per row,
-            ``_bracket_topk_rows``) or "radix" (histogram passes only); None: "bracket" (H200: 2.4-3x faster than
+        method: "bracket" (sample bracket + radix select among the candidates on [rows, 16-byte] tiles, radix fallback
+            per row, ``_bracket_topk_rows``) or "radix" (histogram passes only); None: "bracket" (H200: 2.4-3x faster than
             radix at 32760 and 75600 keys, docs/kernels.md). Both are exact and give identical results.
         cap: the bracket method's candidate slots per row (a power of two; default ``bracket_plan``'s; a scratch of
             rows x cap int16 keys for float16 sums, int32 for float32, per call).
@@ -501,7 +547,8 @@ class FusedRows:
     plan, ``bracket_plan``'s (stride, n_samp, hi_rank, lo_rank, cap); cand, the candidate scratch (int16
     ``[>= B*h*G, cap]``); flags, int8 ``[>= B*h*G]``; done: set by pass 2 when its kernel ran the top-K (the Gluon
     pass-2 kernel does not: then the caller runs ``top_k_rows``); rows_per_thread: 16-byte tile rows each thread
-    holds per sweep step (a power of two; tuning: fewer, longer steps)."""
+    holds per sweep step (a power of two; tuning: fewer, longer steps); bisect: the threshold among the candidates by
+    the previous bisection instead of radix select (``_bracket_row`` BISECT; same selection, for side-by-side timing)."""
     out: torch.Tensor
     num_keys: int
     width: int
@@ -510,6 +557,7 @@ class FusedRows:
     flags: torch.Tensor
     done: bool = False
     rows_per_thread: int = 1
+    bisect: bool = False
 
     @classmethod
     def allocate(cls, rows: int, sk: int, num_keys: int, width: int, device) -> "FusedRows":
