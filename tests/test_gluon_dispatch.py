@@ -284,6 +284,9 @@ def test_early_q_only_where_the_q_slot_is_free_after_the_last_qk():
     assert not g.launch_args(q, q, q, perm, idx, cp_async_fence=False, **base)[2]["CP_ASYNC_FENCE"]
     with pytest.raises(ValueError, match="q_regs"):  # the producer must send the queries right behind tile 0
         g.launch_args(q, q, q, perm, idx, q_regs=True, **base)
+    assert g.launch_args(q, q, q, perm, idx, idx_ahead=2, **base)[2]["IDX_AHEAD"] == 2
+    with pytest.raises(ValueError, match="idx_ahead"):
+        g.launch_args(q, q, q, perm, idx, idx_ahead=3, **base)
 
 
 def test_tuning_goes_to_the_triton_kernel(gen, failing_gluon):

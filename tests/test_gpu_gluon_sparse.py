@@ -125,7 +125,10 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
                                      early_q=True, cp_async_fence=False), "int4_group"),
            # FA3's overlap (softmax of tile t under tile t-1's P V) with the same per-thread arrives, early Q, no fence
            "overlap-no-fence-early-q": (dict(overlap=True, pingpong=True, persistent=True, num_sms=7, num_stages=3,
-                                             thread_arrive=True, early_q=True, cp_async_fence=False), "fp8_row")}
+                                             thread_arrive=True, early_q=True, cp_async_fence=False), "fp8_row"),
+           # each tile's indices loaded two tiles ahead (single-tile items: tile 1's preload is past the count)
+           "idx-ahead-2": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3, thread_arrive=True,
+                                early_q=True, cp_async_fence=False, idx_ahead=2), "int4_group")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(TUNINGS.values()), ids=list(TUNINGS))
@@ -140,7 +143,8 @@ NO_FENCE = {"no-fence": (dict(cp_async_fence=False), "plain"),
             "no-fence-early-q": (dict(cp_async_fence=False, early_q=True), "fp8_row"),
             "overlap-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, overlap=True), "int4_row"),
             # the queries as the QK^T's register operand, the Q slot freed at each item's start
-            "q-regs-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, q_regs=True), "plain")}
+            "q-regs-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, q_regs=True), "plain"),
+            "idx-ahead-2-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, idx_ahead=2), "plain")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(NO_FENCE.values()), ids=list(NO_FENCE))

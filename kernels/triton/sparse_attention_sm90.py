@@ -77,7 +77,7 @@ def config(head_dim: int) -> dict:
     the producer issues each item's count, index and query loads together (232 / 40 spilled 32 bytes there)."""
     return dict(num_stages=2, consumer_regs=224, producer_regs=56, maxnreg=168, pipeline=False, persistent=False,
                 overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
-                thread_arrive=False, early_q=False, cp_async_fence=True, q_regs=False)
+                thread_arrive=False, early_q=False, cp_async_fence=True, q_regs=False, idx_ahead=1)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -207,7 +207,7 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
               stride_vb, stride_vh, stride_vs, stride_vd,
               M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               ROW_THREADS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
-              L2_PREFETCH: gl.constexpr, EARLY_Q: gl.constexpr, STREAM: gl.constexpr):
+              L2_PREFETCH: gl.constexpr, EARLY_Q: gl.constexpr, IDX_AHEAD: gl.constexpr, STREAM: gl.constexpr):
     """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the item's Q slot)
     then K then V rows of each key tile into the stage ring; the ring's stage and phase follow a tile counter kept
     across items. PERSISTENT with one Q slot (``Q_SLOTS`` 1: a 3-deep ring leaves room for one): the item's first
@@ -218,7 +218,9 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
     row and request), 8 row addresses per thread. Every 32-byte sector is read once; the copies bypass L1. The tile's
     indices are loaded once for K and V, one tile ahead. EARLY_Q (one Q slot): the consumers free the slot at their
     item's last QK^T, so the next item's queries go out right behind its tile 0 (before its tiles 1 ..), landing
-    while the consumers still run the last tile's softmax, P V and the epilogue."""
+    while the consumers still run the last tile's softmax, P V and the epilogue. IDX_AHEAD 2: each tile's indices are
+    loaded two tiles ahead (two index loads in flight: a tile's copies wait for an index load issued two tiles
+    earlier, not one: the producer's chain of dependent index loads is one round trip per two tiles)."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ROW_THREADS, ROW_THREADS], [4, 1], [1, 0])
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
     offs_m = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
@@ -232,6 +234,9 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
         # past the count are -1 there: no count needed), the query rows (PERSISTENT)
         tail = _tail_probe(idx_base, K_ALLOC, True, 128, 4, STREAM)
         kv_next = gl.load(idx_base + offs_n, mask=offs_n < K_ALLOC, other=-1, eviction_policy=STREAM)  # tile 0's
+        if IDX_AHEAD == 2:  # and tile 1's
+            kv_next2 = gl.load(idx_base + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < K_ALLOC, other=-1,
+                               eviction_policy=STREAM)
         if PERSISTENT:
             rows_a = row0 + offs_m
             rows_b = row0 + 64 + offs_m
@@ -258,8 +263,13 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
             kv = gl.where((kv_next >= 0) & (kv_next < SK), kv_next, 0)
             if ROW64:
                 kv = kv.to(gl.int64)
-            nxt = slots + BLOCK_N  # the next tile's indices, in flight while this tile's rows are copied
-            kv_next = gl.load(idx_base + nxt, mask=nxt < n_end, other=0, eviction_policy=STREAM)
+            if IDX_AHEAD == 2:  # tile t + 2's indices: two loads in flight
+                nxt = slots + 2 * BLOCK_N
+                kv_next = kv_next2
+                kv_next2 = gl.load(idx_base + nxt, mask=nxt < n_end, other=0, eviction_policy=STREAM)
+            else:
+                nxt = slots + BLOCK_N  # the next tile's indices, in flight while this tile's rows are copied
+                kv_next = gl.load(idx_base + nxt, mask=nxt < n_end, other=0, eviction_policy=STREAM)
             if L2_PREFETCH:  # this tile's rows towards L2 while the ring slots are still busy
                 _prefetch_rows_l2(k_base, kv, stride_ks, stride_kd, HEAD_DIM, ROW_THREADS)
                 _prefetch_rows_l2(v_base, kv, stride_vs, stride_vd, HEAD_DIM, ROW_THREADS)
@@ -695,7 +705,7 @@ def _sparse_fwd_sm90(
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr,
     L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr, CP_ASYNC_FENCE: gl.constexpr,
-    Q_REGS: gl.constexpr, STREAM: gl.constexpr, num_warps: gl.constexpr,
+    Q_REGS: gl.constexpr, IDX_AHEAD: gl.constexpr, STREAM: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
@@ -753,14 +763,15 @@ def _sparse_fwd_sm90(
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, ROW_THREADS, ROW64, PERSISTENT, Q_SLOTS, L2_PREFETCH,
-                     EARLY_Q, STREAM)),
+                     EARLY_Q, IDX_AHEAD, STREAM)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None, residual=None, num_stages=None,
                 row_threads=None, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
-                q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None):
+                q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None,
+                idx_ahead=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -800,6 +811,8 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     early_q = bool(cfg["early_q"] if early_q is None else early_q)
     cp_async_fence = bool(cfg["cp_async_fence"] if cp_async_fence is None else cp_async_fence)
     q_regs = bool(cfg["q_regs"] if q_regs is None else q_regs)
+    if (cfg["idx_ahead"] if idx_ahead is None else idx_ahead) not in (1, 2):
+        raise ValueError(f"idx_ahead must be 1 or 2, got {idx_ahead}")
     if q_regs and not early_q:
         raise ValueError("q_regs frees the Q slot at the item's start: it needs early_q (the producer's order)")
     if early_q and (stage_out or not persistent):
@@ -821,6 +834,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 EARLY_Q=early_q,
                 CP_ASYNC_FENCE=cp_async_fence,
                 Q_REGS=q_regs,
+                IDX_AHEAD=int(cfg["idx_ahead"] if idx_ahead is None else idx_ahead),
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
@@ -855,7 +869,8 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             between a K/V stage's (persistent: the Q slot's) ready wait and the wgmma reading it, as flash-attn-4's
             sm90 forward and CUTLASS's cp.async GMMA mainloops; ``_mainloop``), ``q_regs`` (with ``early_q``: each
             consumer warpgroup loads its 64 query rows into registers at the item's start (the QK^T's A operand) and
-            frees the Q slot at once, so the next item's queries load during this item's whole mainloop).
+            frees the Q slot at once, so the next item's queries load during this item's whole mainloop),
+            ``idx_ahead`` (1 or 2: the producer loads each tile's kv_idx slots that many tiles ahead).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:

@@ -66,6 +66,10 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         q_regs=True),
+    # + each tile's kv_idx slots loaded two tiles ahead by the producer
+    "pingpong persistent 3 stages thread_arrive early_q no_fence idx2": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        idx_ahead=2),
     # FA3's intra-warpgroup overlap (tile t's softmax under tile t-1's P V) with all of the above
     "overlap pingpong persistent 3 stages thread_arrive early_q no_fence": dict(
         overlap=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
