@@ -180,7 +180,12 @@ class MCSparseRunner:
         if self.disabled_reason is not None or self._device is None:
             return
         if step_kind(self.config, step, self.config.warmup_layers) is StepKind.REUSE:
-            self._prefetch(first)
+            try:  # outside any attention call: a bug here must not lose the run either
+                self._prefetch(first)
+            except Exception as err:
+                if not contains(err):
+                    raise
+                self.internal_error(err, f"the prefetch starting step {step + 1} (1-based)")
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
         """``call(q, k, v, **kwargs)``'s output only (``[B, H, S, D]`` in q's dtype, ``out`` when given)."""

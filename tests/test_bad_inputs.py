@@ -254,3 +254,50 @@ def test_pddp_groups_keep_every_query_for_non_finite_q(gen, backend):
     for h in range(2):
         assert sorted(perm[0, h, :S].tolist()) == list(range(S)), (h, perm[0, h].tolist())
         assert (perm[0, h, S:] == -1).all()
+
+
+def test_a_bug_while_planning_a_sampler_call_turns_it_dense(monkeypatch):
+    """An unexpected error before the first step (in the pay-off check / cache plan the sampler wrapper runs) gives a
+    finished dense run whose summary names the error, instead of a lost one (mutation: the wrapper calling
+    ``_plan_before_sampling`` unguarded); with MC_SPARSE_RAISE_ERRORS=1 it propagates."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import payoff
+
+    from .test_adapter_inputs import _outer_sample
+
+    def broken(*args, **kwargs):
+        raise AttributeError("simulated bug: no attribute 'num_heads'")
+
+    monkeypatch.setattr(payoff, "dense_reason", broken)
+    monkeypatch.setenv("MC_SPARSE_RAISE_ERRORS", "0")
+    result, text, _ = _outer_sample(monkeypatch, 4, None)
+    assert result == "done", result
+    assert "internal error while planning this sampler call (AttributeError: simulated bug" in text, text
+    assert "0 sparse" in text and "interrupted" not in text, text
+    monkeypatch.setenv("MC_SPARSE_RAISE_ERRORS", "1")
+    err, _, _ = _outer_sample(monkeypatch, 4, None)
+    assert isinstance(err, AttributeError)
+
+
+def test_a_bug_in_the_prefetch_at_an_evaluations_start_turns_the_run_dense(gen, monkeypatch):
+    """The prefetch a model evaluation starts with (``begin_evaluation``, outside any attention call): an unexpected
+    error there frees the cache and turns the rest of the run dense with a note, instead of escaping ComfyUI's
+    CALC_COND_BATCH wrapper (mutation: begin_evaluation calling the prefetch unguarded)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.prefetch import ReuseLoader
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.schedule import StepKind
+
+    q, k, v = (torch.randn(2, 2, 128, 64, generator=gen) for _ in range(3))
+    keys = [CacheKey(1, branch="uncond"), CacheKey(1, branch="cond")]
+    monkeypatch.setenv("MC_SPARSE_RAISE_ERRORS", "0")
+    runner = _runner()
+    runner.call(q, k, v, step=0, layer=1, keys=keys)
+    assert runner.call(q, k, v, step=1, layer=1, keys=keys)[1] is StepKind.REUSE
+
+    def broken(*args, **kwargs):
+        raise KeyError("simulated bug: lost entry")
+
+    monkeypatch.setattr(ReuseLoader, "prefetch", broken)
+    runner.begin_evaluation(2)
+    assert runner.disabled_reason.startswith("internal error") and len(runner.cache) == 0
+    assert "internal error at the prefetch starting step 3 (1-based) (KeyError" in runner.summary()
+    assert runner.call(q, k, v, step=2, layer=1, keys=keys)[1] is StepKind.DENSE

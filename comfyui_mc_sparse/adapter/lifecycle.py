@@ -371,6 +371,24 @@ def _plan_before_sampling(run: RunState, guider, noise, latent_shapes=None) -> N
         logger.warning("MC-Sparse: no cache estimate for this run (%s)", err)
 
 
+def _plan_or_dense(run: RunState, guider, noise, latent_shapes=None) -> None:
+    """``_plan_before_sampling``; an unexpected error there (a bug: a model variant without an attribute the
+    geometry reads, a failing memory query) turns this sampler call dense instead of losing it: logged with its
+    traceback, named in the summary. It propagates with MC_SPARSE_RAISE_ERRORS=1 and for an interrupt
+    (``engine.contains``)."""
+    try:
+        _plan_before_sampling(run, guider, noise, latent_shapes)
+    except Exception as err:
+        from ..engine import contains
+
+        if not contains(err):
+            raise
+        logger.error("MC-Sparse: internal error while planning this sampler call; it runs dense", exc_info=err)
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+        run.go_dense(f"internal error while planning this sampler call ({type(err).__name__}: {first}); it runs "
+                     "dense (please report it with the console log)")
+
+
 # -- wrappers and callbacks (called by ComfyUI) ---------------------------------------------------------------
 
 def outer_sample_wrapper(executor, *args, **kwargs):
@@ -393,7 +411,7 @@ def outer_sample_wrapper(executor, *args, **kwargs):
         if displaced:
             run.note_displaced(displaced)
         holder.active_runs.append(run)
-        _plan_before_sampling(run, guider, args[0] if args else kwargs.get("noise"), kwargs.get("latent_shapes"))
+        _plan_or_dense(run, guider, args[0] if args else kwargs.get("noise"), kwargs.get("latent_shapes"))
         return executor(*args, **kwargs)
     except BaseException as err:  # ComfyUI's interrupt (InterruptProcessingException), OOM, Ctrl-C, ...
         if run is not None:
