@@ -231,3 +231,24 @@ def test_schedule_boundaries_of_the_warmup_and_anchors():
     r = settings.resolve_schedule(custom("auto", "60"), 50)
     assert (r.warmup_steps, r.anchor_steps) == (50, ())
     assert "no anchor step falls inside this sampler call: it runs dense" in r.notes, r.notes
+
+
+@pytest.mark.parametrize("S", [65536, 65537, 131072, 131073])
+def test_encodings_round_trip_at_the_16_and_17_bit_boundaries(S):
+    """Selections and query groups that hold the last token S - 1 round-trip bit-exactly on both sides of the 16-bit
+    (65536) and 17-bit (131072) limits, and take the bytes the estimate counts (mutations that left the suite green:
+    a requested 'uint16' kept at S = 65537, 17-bit groups at S = 131073: token 65536 / 131072 decoded as 0 / 65536)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import encoding
+
+    kv = torch.full((1, 1, 1, 8), -1, dtype=torch.int32)
+    kv[..., :3] = torch.tensor([0, S // 2, S - 1], dtype=torch.int32)
+    for requested in ("auto", "bitmask", "uint16", "int32"):
+        enc = encoding.encode_selection(kv, S, 3, requested)
+        assert torch.equal(encoding.decode_selection(enc), kv), (requested, enc.kind)
+        assert enc.nbytes == encoding.selection_nbytes(enc.kind, 1, S, 3, 8)
+    C = 128
+    perm = torch.full((1, 1, -(-S // C) * C), -1, dtype=torch.int32)
+    perm[0, 0, :S] = torch.arange(S - 1, -1, -1, dtype=torch.int32)
+    enc = encoding.encode_groups(perm, S)
+    assert torch.equal(encoding.decode_groups(enc), perm), enc.kind
+    assert enc.nbytes == encoding.groups_nbytes(1, 1, S, C)
