@@ -252,3 +252,24 @@ def test_encodings_round_trip_at_the_16_and_17_bit_boundaries(S):
     enc = encoding.encode_groups(perm, S)
     assert torch.equal(encoding.decode_groups(enc), perm), enc.kind
     assert enc.nbytes == encoding.groups_nbytes(1, 1, S, C)
+
+
+def test_the_cache_peak_in_the_summary_is_the_stored_bytes_across_anchors(gen):
+    """The summary's cache peak (``cache_where``: where the cache lived, how much) is the estimate's bytes, also after a
+    second anchor step replaced every entry (mutation: the host peak never updated left the suite green; the
+    summary then said the cache was 'empty')."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import engine, memory
+
+    S = 192
+    cfg = MCSparseConfig(density=0.25, group_size=64, warmup_steps=1, anchor_steps=(0, 2))
+    runner = engine.MCSparseRunner(cfg, backend="torch")
+    keys = [CacheKey(0, branch="uncond"), CacheKey(0, branch="cond")]
+    est = memory.estimate_for_config(cfg, heads=2, head_dim=64, layers=2, tokens=S, branches=2)
+    for step in (0, 1, 2):  # anchor, reuse, a second anchor
+        for layer in (0, 1):
+            q, k, v = (torch.randn(2, 2, S, 64, generator=gen) for _ in range(3))
+            runner.call(q, k, v, step=step, layer=layer, keys=[CacheKey(layer, key.branch) for key in keys])
+        c = runner.cache
+        assert c.nbytes == c.peak_bytes == c.host_bytes == c.peak_host_bytes == est.total_bytes, step
+    assert runner.cache_where() == f"CPU memory {engine._size(est.total_bytes)}"
+    assert f"metadata cache: peak CPU memory {engine._size(est.total_bytes)}" in runner.summary()
