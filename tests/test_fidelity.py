@@ -165,6 +165,8 @@ def test_side_by_side_and_shape_errors(gen):
         image_metrics.compare(a, b[:1])
     with pytest.raises(ValueError, match="at least 11"):
         image_metrics.compare(a[:, :8], b[:, :8])
+    with pytest.raises(ValueError, match="at least one frame"):  # before: ZeroDivisionError
+        image_metrics.compare(a[:0], b[:0])
 
 
 # --- capture files and the CLI ------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def _db(value: float) -> str:
 
 
 def check_images(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Raise ValueError unless a and b are IMAGE batches ``[B, H, W, C]`` of one shape, C >= 3, H, W >= 11.
+    """Raise ValueError unless a and b are IMAGE batches ``[B, H, W, C]`` of one shape, B >= 1, C >= 3, H, W >= 11.
 
     Raises: TypeError for non-tensors; ValueError naming both shapes otherwise.
     """
@@ -72,6 +72,8 @@ def check_images(a: torch.Tensor, b: torch.Tensor) -> None:
             raise TypeError(f"{name} must be a torch.Tensor IMAGE [B, H, W, C], got {type(t).__name__}")
         if t.dim() != 4 or t.shape[-1] < 3 or not t.is_floating_point():
             raise ValueError(f"{name} must be a float IMAGE [B, H, W, C] with C >= 3, got {t.dtype} {tuple(t.shape)}")
+    if a.shape[0] < 1:
+        raise ValueError(f"image_a and image_b must hold at least one frame, got {tuple(a.shape)}")
     if a.shape != b.shape:
         raise ValueError(f"image_a and image_b must have the same [frames, height, width, channels], got "
                          f"{tuple(a.shape)} and {tuple(b.shape)} (run both with the same size and length)")
@@ -104,7 +106,7 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> Comparison:
     psnr, ssim, sq_sum = [], [], 0.0
     for f0 in range(0, a.shape[0], _FRAMES_PER_CHUNK):
         x = a[f0 : f0 + _FRAMES_PER_CHUNK, ..., :3].double()
-        y = b[f0 : f0 + _FRAMES_PER_CHUNK, ..., :3].double()
+        y = b[f0 : f0 + _FRAMES_PER_CHUNK, ..., :3].to(a.device).double()
         mse = ((x - y) ** 2).mean(dim=(1, 2, 3))  # [f]
         sq_sum += float(mse.sum())
         psnr += [float("inf") if m == 0 else 10 * math.log10(1.0 / m) for m in mse.tolist()]
@@ -128,7 +130,7 @@ def side_by_side(a: torch.Tensor, b: torch.Tensor, *, gap: int = 4) -> torch.Ten
     Raises: as ``check_images`` (shapes must match).
     """
     check_images(a, b)
-    x, y = a[..., :3].float().clamp(0, 1), b[..., :3].float().clamp(0, 1)
+    x, y = a[..., :3].float().clamp(0, 1), b[..., :3].to(a.device).float().clamp(0, 1)
     diff = ((x - y).abs().mean(dim=-1, keepdim=True) * DIFF_GAIN).clamp(0, 1).expand_as(x)
     white = torch.ones(x.shape[0], x.shape[1], gap, 3, dtype=torch.float32, device=x.device)
     return torch.cat([x, white, y, white, diff], dim=2).contiguous()
