@@ -90,6 +90,10 @@ VARIANTS = {  # name: keywords of launch()
     # the two consumer warpgroups take turns issuing their products (FA3's pingpong)
     "gluon ws sum mma pp": dict(gluon=dict(poly=10, kb_poly=2, pingpong=True), kb_pow2=True, rtol=2e-3),
     "gluon ws kb pow2 pp": dict(gluon=dict(kb_poly=2, pingpong=True), kb_pow2=True),
+    # each tile's row-sum wgmma waited for after the next tile's exponentials (+ a quarter on the FMA pipe, pingpong)
+    "gluon ws sum mma defer": dict(gluon=dict(poly=20, kb_poly=2), kb_pow2=True, rtol=2e-3),
+    "gluon ws sum mma defer poly 1/4": dict(gluon=dict(poly=22, kb_poly=2), kb_pow2=True, rtol=2e-3),
+    "gluon ws sum mma defer pp": dict(gluon=dict(poly=20, kb_poly=2, pingpong=True), kb_pow2=True, rtol=2e-3),
     # each program takes a quarter of the keys (4x the programs: 1.3B 6144 instead of 1536, a smaller last wave)
     "gluon ws sum mma ks4": dict(gluon=dict(poly=10, kb_poly=2, ksplit=4), kb_pow2=True, rtol=2e-3),
     "gluon ws kb pow2 ks4": dict(gluon=dict(kb_poly=2, ksplit=4), kb_pow2=True),

@@ -176,7 +176,8 @@ GLUON_VARIANTS = ({}, dict(poly=5), dict(kb_poly=2), dict(D=64), dict(kb_poly=Tr
                   dict(groups=3, kb_poly=2, thread_arrive=True), dict(poly=8, kb_poly=2), dict(poly=9, kb_poly=2),
                   dict(poly=10, kb_poly=2), dict(groups=3, poly=10, kb_poly=2), dict(poly=11, kb_poly=2),
                   dict(poly=12, kb_poly=2), dict(poly=10, kb_poly=2, pingpong=True),
-                  dict(kb_poly=2, pingpong=True, thread_arrive=True), dict(poly=10, kb_poly=2, ksplit=4))
+                  dict(kb_poly=2, pingpong=True, thread_arrive=True), dict(poly=10, kb_poly=2, ksplit=4),
+                  dict(poly=20, kb_poly=2), dict(poly=22, kb_poly=2, pingpong=True))
 
 
 def main():

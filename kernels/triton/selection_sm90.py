@@ -214,6 +214,28 @@ def _tile_sums(acc, f, l2, kbv, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.cons
 
 
 @gluon.jit
+def _tile_p16(acc, f, l2, SHARE: gl.constexpr):
+    """2^(acc * f - l2) of one tile (``_exp2_share``) in bfloat16 as the row-sum wgmma's register A operand."""
+    sum_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    return gl.convert_layout(_exp2_share(acc * f - l2[None, :], SHARE).to(gl.bfloat16),
+                             gl.DotOperandLayout(operand_index=0, parent=sum_layout, k_width=2))
+
+
+@gluon.jit
+def _store_rows(rs, kbv, s_ptr, stride_sn, keys, SK, has_g, KB_POLY: gl.constexpr):
+    """One tile's sums from the row-sum wgmma's accumulator ``rs`` ([keys, 8], the sum in column 0) x the keys'
+    KB factor (``_tile_sums``' KB_POLY), stored."""
+    col = gl.convert_layout(gl.sum(rs, 1), keys.type.layout)
+    if KB_POLY == 2:
+        col = col * kbv
+    elif KB_POLY:
+        col = col * _exp2_fma(kbv)
+    else:
+        col = col * gl.exp2(kbv)
+    gl.store(s_ptr + keys.to(gl.int64) * stride_sn, col.to(s_ptr.dtype.element_ty), mask=(keys < SK) & has_g)
+
+
+@gluon.jit
 def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots, C, G, n_tiles,
               stride_sb, stride_sh, stride_sg, stride_sn, H,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -263,6 +285,8 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_
     SK = SK - K0  # this program's keys from K0 on (a key split), counted from 0 below
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    zero8 = gl.zeros([BLOCK_N, 8], gl.float32,
+                     layout=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16]))
 
     if UNROLL == 1:  # one tile per step (GROUPS = 3: the other warpgroups' exponentials overlap this product)
         for t in range(0, n_tiles):
@@ -325,23 +349,45 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_
                     mbarrier.wait(turn.index(0), ((t // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
                 else:
                     mbarrier.wait(turn.index(1), (t // 2) & 1)
-            if POLY == 9:  # no product: the exponentials of a made-up tile (the timing floor of the MUFU work alone)
-                acc0 = zero + (offs_n - t % 7).to(gl.float32)[:, None]
-                acc1 = zero + (offs_n - t % 5).to(gl.float32)[:, None]
-            else:
+            if POLY >= 20:
+                # the row sums' wgmmas deferred: tile t's waited for after tile t + 1's exponentials (POLY - 20:
+                # ``_exp2_share``'s eighths on the FMA pipe)
                 tok0 = warpgroup_mma(k0, q_t, zero, use_acc=False, is_async=True)
                 tok1 = warpgroup_mma(k1, q_t, zero, use_acc=False, is_async=True)
                 if PINGPONG:
                     _release(turn.index(1 - HALF), THREAD_ARRIVE)
-                acc0, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok0, k0))  # tile t done, tile t + 1 in flight
-            _release(k_empty.index(s0), THREAD_ARRIVE)
-            _tile_sums(acc0, f, l2, _kb(kb_base, t * BLOCK_N + offs_n, SK), s_ptr, stride_sn, t * BLOCK_N + offs_n, SK,
-                       has_g, 0 if POLY == 9 else POLY, KB_POLY, ones)
-            if POLY != 9:
-                acc1, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, k1, q_tile))
-            _release(k_empty.index(s1), THREAD_ARRIVE)
-            _tile_sums(acc1, f, l2, _kb(kb_base, (t + 1) * BLOCK_N + offs_n, SK), s_ptr, stride_sn,
-                       (t + 1) * BLOCK_N + offs_n, SK, has_g, 0 if POLY == 9 else POLY, KB_POLY, ones)
+                acc0, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok0, k0))
+                _release(k_empty.index(s0), THREAD_ARRIVE)
+                p0 = _tile_p16(acc0, f, l2, POLY - 20)
+                ts0 = warpgroup_mma(p0, ones, zero8, use_acc=False, is_async=True)
+                acc1, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok1, k1))  # QK^T of t + 1 done
+                _release(k_empty.index(s1), THREAD_ARRIVE)
+                p1 = _tile_p16(acc1, f, l2, POLY - 20)
+                ts1 = warpgroup_mma(p1, ones, zero8, use_acc=False, is_async=True)
+                rs0, _ = warpgroup_mma_wait(num_outstanding=1, deps=(ts0, p0))
+                _store_rows(rs0, _kb(kb_base, t * BLOCK_N + offs_n, SK), s_ptr, stride_sn, t * BLOCK_N + offs_n, SK,
+                            has_g, KB_POLY)
+                rs1, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(ts1, p1, ones, q_tile))
+                _store_rows(rs1, _kb(kb_base, (t + 1) * BLOCK_N + offs_n, SK), s_ptr, stride_sn,
+                            (t + 1) * BLOCK_N + offs_n, SK, has_g, KB_POLY)
+            else:
+                if POLY == 9:  # no product: the exponentials of a made-up tile (the timing floor of the MUFU work alone)
+                    acc0 = zero + (offs_n - t % 7).to(gl.float32)[:, None]
+                    acc1 = zero + (offs_n - t % 5).to(gl.float32)[:, None]
+                else:
+                    tok0 = warpgroup_mma(k0, q_t, zero, use_acc=False, is_async=True)
+                    tok1 = warpgroup_mma(k1, q_t, zero, use_acc=False, is_async=True)
+                    if PINGPONG:
+                        _release(turn.index(1 - HALF), THREAD_ARRIVE)
+                    acc0, _ = warpgroup_mma_wait(num_outstanding=1, deps=(tok0, k0))  # tile t done, tile t + 1 in flight
+                _release(k_empty.index(s0), THREAD_ARRIVE)
+                _tile_sums(acc0, f, l2, _kb(kb_base, t * BLOCK_N + offs_n, SK), s_ptr, stride_sn, t * BLOCK_N + offs_n, SK,
+                           has_g, 0 if POLY == 9 else POLY, KB_POLY, ones)
+                if POLY != 9:
+                    acc1, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, k1, q_tile))
+                _release(k_empty.index(s1), THREAD_ARRIVE)
+                _tile_sums(acc1, f, l2, _kb(kb_base, (t + 1) * BLOCK_N + offs_n, SK), s_ptr, stride_sn,
+                           (t + 1) * BLOCK_N + offs_n, SK, has_g, 0 if POLY == 9 else POLY, KB_POLY, ones)
 
 
 @gluon.jit
@@ -434,7 +480,9 @@ def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None
     poly = int(cfg["poly"] if poly is None else poly)
     if poly >= 10 and unroll == 4:
         raise ValueError("poly 10 (row sums on the tensor cores) runs with unroll 1 or 2")
-    if poly not in (0, 1, 2, 3, 5, 8, 9, 10, 11, 12) or (poly in (2, 3) and unroll != 4) or (poly == 5 and unroll == 4):
+    if poly >= 20 and unroll != 2:
+        raise ValueError("poly 20-22 (deferred row-sum wgmmas) runs with unroll 2")
+    if poly not in (0, 1, 2, 3, 5, 8, 9, 10, 11, 12, 20, 21, 22) or (poly in (2, 3) and unroll != 4) or (poly == 5 and unroll == 4):
         raise ValueError(f"poly must be 0, 1, 2 / 3 with unroll 4, 5 / 10-12 without, or 8 / 9, got {poly} (unroll {unroll})")
     thread_arrive = bool(cfg["thread_arrive"] if thread_arrive is None else thread_arrive)
     pingpong = bool(cfg["pingpong"] if pingpong is None else pingpong)
@@ -481,6 +529,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size, **tunin
             their products; two groups, unroll 2), ``ksplit`` (each program takes 1/ksplit of the keys: more,
             shorter programs, a smaller last partial wave); ``poly=10``: the row sums on the tensor cores from bfloat16
             exponentials (relative L2 of the sums ~2e-4 - 8e-4), 11 / 12 with 1/8 / 1/4 of them on ``_exp2_poly3``,
+            20 / 21 / 22 as 10 / 11 / 12 with each tile's row-sum wgmma waited for after the next tile's exponentials
+            (unroll 2),
             ``consumer_regs``, ``producer_regs``, ``maxnreg``.
     Returns:
         ``out``.
