@@ -5,16 +5,18 @@
 set -u
 OUT=$1
 COMMIT=$2
-ROUNDS=${3:-5}
+ROUNDS=${3:-4}
 mkdir -p "$OUT"
-timeout -k 5 60 python3 -m pytest -q -rA tests/test_gpu_cutedsl.py \
-  -k 'vs_float64 or groups_vs_sms or overlap_grids' > "$OUT/tests.log" 2>&1
-tail -n 40 "$OUT/tests.log" | grep -E "passed|failed|PASSED .*overlap|FAILED|Timeout|error" | tail -n 12
-passed() { grep -q "PASSED tests/test_gpu_cutedsl.py::test_cutedsl_overlap_grids\[$1\]" "$OUT/tests.log"; }
-V="evict smem persistent"
-passed bf16-d128-lse && V="$V,evict smem overlap"
-passed bf16-d128-lse-phased && V="$V,evict smem overlap phased"
-passed bf16-d128-lse-pstore && V="$V,evict smem overlap pstore"
+# the op (staged epilogue: persistent + overlap since s6r1) in every dtype / head dim / LSE form; the variants' kernels
+timeout -k 3 45 python3 -m pytest -q -rA -p no:cacheprovider tests/test_gpu_cutedsl.py \
+  -k 'vs_float64 or groups_vs_sms or (overlap_grids and prefetch) or overlap_residual' > "$OUT/tests.log" 2>&1
+grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Timeout" "$OUT/tests.log" | grep -v "vs_float64" | tail -n 12
+grep -cE "^PASSED.*vs_float64" "$OUT/tests.log" | sed 's/^/op vs float64 passed: /'
+passed() { grep -q "^PASSED tests/test_gpu_cutedsl.py::$1" "$OUT/tests.log"; }
+V="evict smem overlap"
+passed "test_cutedsl_overlap_grids\[bf16-d128-lse-prefetch\]" && V="$V,evict smem overlap prefetch"
+V="$V,res kernel"
+passed "test_cutedsl_overlap_residual\[plain\]" && V="$V,res overlap"
 echo "variants timed: $V"
-python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
-  --op-rows "counts + kernel" --variants "$V"
+timeout -k 3 62 python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
+  --no-compile-times --op-rows "" --variants "$V"

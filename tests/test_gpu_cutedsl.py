@@ -182,9 +182,9 @@ def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, cta
     (torch.bfloat16, 128, True, ("overlap", "persistent", "phased")),
     (torch.bfloat16, 128, True, ("overlap", "persistent", "pstore")),
     (torch.float16, 64, False, ("overlap", "persistent", "pstore", "phased")),
-    (torch.bfloat16, 128, True, ("overlap", "persistent", "pstore", "prefetch")),
+    (torch.bfloat16, 128, True, ("overlap", "persistent", "prefetch")),
 ], ids=["bf16-d128-lse", "fp16-d64", "bf16-d128-lse-phased", "bf16-d128-lse-pstore", "fp16-d64-pstore-phased",
-        "bf16-d128-lse-pstore-prefetch"])
+        "bf16-d128-lse-prefetch"])
 def test_cutedsl_overlap_grids(dtype, D, lse, options):
     """The "overlap" option (two groups in flight per CTA: 2-slot query ring, the next group's first Q K^T issued
     with this group's last P V, O staged in the finished group's query slot) against float64 on persistent grids of

@@ -18,12 +18,13 @@ GROUP_SIZE = 128
 # 1.3B / 14B s = 0.1; docs/kernels.md); "registers" the alternative (sparse_fwd_sm90.py)
 EPILOGUE = "smem"
 # compile options (sparse_fwd_sm90.OPTIONS) of the staged-epilogue kernel; with "persistent" the op launches one CTA
-# per SM instead of one per group (``launch_plan``). "persistent" since 2026-12-01 15:10: side by side with the
-# one-CTA-per-group kernel in the H200 round of 13:42 (method of record, 5 rounds) 0.881 / 0.883 / 0.911 / 0.939 and
-# 0.865 / 0.904 / 0.909 / 0.892 against 0.860 / 0.864 / 0.896 / 0.925 and 0.851 / 0.897 / 0.910 / 0.884 (1.3B 480p,
-# then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5): above it at 7 of 8 points; GPU-tested through the op
-# (tests/test_gpu_cutedsl.py: LSE, fp16, D 64, ragged counts, more and fewer groups than SMs)
-STAGED_OPTIONS: tuple = ("persistent",)
+# per SM instead of one per group (``launch_plan``). "persistent" since 2026-12-01 15:10 (above the one-CTA-per-group
+# kernel at 7 of 8 points in the H200 round of 13:42); + "overlap" (two query groups in flight per CTA) since 15:35:
+# H200 round s6r1 (method of record, 5 rounds, side by side; 1.3B 480p s = 0.1 / 0.15 / 0.25 / 0.5) 0.874 / 0.888 /
+# 0.918 / 0.925 against the persistent kernel's 0.863 / 0.877 / 0.906 / 0.915; 14B 720p s = 0.1 / 0.15: 0.849 / 0.896
+# against 0.862 / 0.883 (single-call samples there: ~+-2 %). GPU-tested through the op (tests/test_gpu_cutedsl.py:
+# LSE, fp16, D 64, ragged counts, more and fewer groups than SMs) and on grids of 1-500 CTAs.
+STAGED_OPTIONS: tuple = ("persistent", "overlap")
 # compile options of the register-epilogue kernel (calls with a residual: the reuse path's), as STAGED_OPTIONS
 REGISTERS_OPTIONS: tuple = ()
 
