@@ -21,12 +21,15 @@ from .selection import keys_for_density
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-OVERLAP_GROUPING = False
-"""Anchor step on CUDA: run PDDP (``kernels.pddp_groups``, which reads only q) on a high-priority side stream beside
-pass 1 instead of after it, so the grouping's small, latency-bound launches take the SMs pass 1 frees between its
-blocks. Same kernels, same result. Off until an H200 round measures it (tests/bench_anchor_step.py)."""
+FINITE_BESIDE = True
+"""Anchor step on CUDA: the finite check of q, k, v (and ``extra_kv``) runs on a high-priority side stream while pass 1
+starts, and the host waits for the check alone (its flags copied to pinned memory), not for the whole queue: no drain
+of the device and no idle gap before pass 1 (H200 round s6r1, 1.3B 480p: the synchronous check cost 0.9 ms of a 19.2
+ms anchor call). Pass 1 may then run on non-finite inputs (harmless: dense attention only carries them into its
+output, which the caller then discards); PDDP, the selection and the sparse pass never see them. False: the check
+drains the device before pass 1, as before."""
 
-_SIDE_STREAMS: dict = {}  # device -> the side stream of OVERLAP_GROUPING
+_SIDE_STREAMS: dict = {}  # device -> the side stream of FINITE_BESIDE
 
 
 class NonFiniteInputError(ValueError):
@@ -62,24 +65,52 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_fin
 
     Raises:
         ValueError: wrong shapes, dtype or head dim (message names the input and the accepted range).
-        NonFiniteInputError: NaN or inf in q, k or v (one device sync).
+        NonFiniteInputError: NaN or inf in q, k or v (waits for the check: ``_FiniteCheck``).
     """
     reason = ineligible_reason(q, k, v)
     if reason is not None:
         raise ValueError(f"q, k, v must be self-attention [B, H, S, D] inputs MC-Sparse supports: {reason}")
     if check_finite:
-        _raise_if_not_finite((("q", q), ("k", k), ("v", v)))
+        _FiniteCheck((("q", q), ("k", k), ("v", v))).result()
 
 
-def _raise_if_not_finite(named) -> None:
-    """Raise NonFiniteInputError naming the first of ``named`` ((name, tensor) pairs) that holds NaN or inf: one min/max
-    reduction per tensor (NaN propagates through both; no tensor-sized temporary) and ONE device-to-host read for all
-    of them (an anchor call checks q, k and v with a single sync)."""
-    extremes = torch.stack([torch.stack(torch.aminmax(t)).float() for _, t in named])
-    finite = torch.isfinite(extremes).all(dim=1).tolist()
-    for (name, _), ok in zip(named, finite):
-        if not ok:
-            raise NonFiniteInputError(f"{name} must be finite, got NaN or inf values")
+class _FiniteCheck:
+    """Whether each of ``named`` ((name, tensor) pairs) is finite: one float32 sum per tensor over its memory in
+    order (NaN and inf carry through a sum, so the sum is finite when every element is; a finite tensor whose values
+    sum past float32's range, ~3e38, counts as non-finite: that call then runs dense), one read for all. On CUDA with
+    ``FINITE_BESIDE`` the sums run on a side stream and ``result`` waits for them alone; elsewhere at once."""
+
+    def __init__(self, named):
+        self.names = [name for name, _ in named]
+        tensors = [t for _, t in named]
+        device = tensors[0].device
+        self.event = None
+        if FINITE_BESIDE and device.type == "cuda":
+            side = _side_stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                flags = torch.isfinite(torch.stack([_in_order(t).sum(dtype=torch.float32) for t in tensors]))
+                self.flags = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+                self.flags.copy_(flags, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(side)
+        else:
+            self.flags = torch.isfinite(torch.stack([_in_order(t).sum(dtype=torch.float32) for t in tensors])).cpu()
+
+    def result(self) -> None:
+        """Raise NonFiniteInputError naming the first non-finite tensor (after waiting for the check, on CUDA)."""
+        if self.event is not None:
+            self.event.synchronize()
+        for name, ok in zip(self.names, self.flags.tolist()):
+            if not ok:
+                raise NonFiniteInputError(f"{name} must be finite, got NaN or inf values")
+
+
+def _in_order(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 1-D view of its memory when its dims permute to a contiguous tensor (e.g. the [B, H, S, D] view of
+    a [B, S, H*D] tensor), so a reduction reads it in order; else ``t``."""
+    p = t.permute(sorted(range(t.dim()), key=lambda i: -t.stride(i)))
+    return p.view(-1) if p.is_contiguous() else t
 
 
 def anchor_attention(
@@ -98,7 +129,8 @@ def anchor_attention(
     Args:
         q, k, v: ``[B, H, S, D]`` self-attention inputs. config: density, C, KV tile, residual settings.
         scale: softmax scale, None = 1/sqrt(D). backend: kernel backend name or "auto".
-        check_finite: raise NonFiniteInputError on NaN/inf inputs (one device sync).
+        check_finite: raise NonFiniteInputError on NaN/inf inputs, before PDDP or the selection see them (on CUDA
+            the check runs beside pass 1, ``FINITE_BESIDE``, and the host waits for it alone).
         extra_kv: optional (k_x, v_x) ``[B, H, T, D]``: keys every query attends exactly, besides its selected
             ones (e.g. the text tokens of a joint video+text sequence); merged by LSE. Selection probabilities
             are normalised over all S + T keys.
@@ -107,24 +139,21 @@ def anchor_attention(
     Raises:
         ValueError / NonFiniteInputError: see ``check_inputs``; extra_kv of the wrong shape.
     """
-    check_inputs(q, k, v, check_finite=check_finite)
-    _check_extra(q, extra_kv, check_finite=check_finite)
+    check_inputs(q, k, v, check_finite=False)
+    _check_extra(q, extra_kv, check_finite=False)
+    finite = None
+    if check_finite:  # started here, waited for after pass 1 is queued (FINITE_BESIDE)
+        named = [("q", q), ("k", k), ("v", v)]
+        if extra_kv is not None and extra_kv[0].numel():
+            named += [("extra_kv k", extra_kv[0]), ("extra_kv v", extra_kv[1])]
+        finite = _FiniteCheck(named)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     k_all, v_all = (k, v) if extra_kv is None else (torch.cat([k, extra_kv[0]], 2), torch.cat([v, extra_kv[1]], 2))
-    side = _side_stream(q.device) if OVERLAP_GROUPING and q.is_cuda else None
-    if side is not None:  # PDDP beside pass 1 (OVERLAP_GROUPING)
-        main = torch.cuda.current_stream(q.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            perm = kernels.pddp_groups(q, config.group_size, power_iters=config.power_iters, backend=backend)
-        q.record_stream(side)  # read there: its memory is not reused before the side stream is past it
     out, lse = kernels.dense_attention(q, k_all, v_all, scale=scale, return_lse=True, backend=backend)
     del k_all, v_all
-    if side is None:
-        perm = kernels.pddp_groups(q, config.group_size, power_iters=config.power_iters, backend=backend)
-    else:
-        main.wait_stream(side)
-        perm.record_stream(main)  # made on the side stream, used (and freed) on this one
+    if finite is not None:
+        finite.result()
+    perm = kernels.pddp_groups(q, config.group_size, power_iters=config.power_iters, backend=backend)
     num_keys = keys_for_density(config.density, k.shape[2], config.kv_tile)
     kv_idx = kernels.select_kv(
         q, k, lse, perm, num_keys, group_size=config.group_size, kv_tile=config.kv_tile, scale=scale, backend=backend
@@ -247,4 +276,4 @@ def _check_extra(q: torch.Tensor, extra_kv, *, check_finite: bool) -> None:
     if extra_kv[0].shape != extra_kv[1].shape:
         raise ValueError(f"extra_kv k and v must have one shape, got {tuple(extra_kv[0].shape)} and {tuple(extra_kv[1].shape)}")
     if check_finite and extra_kv[0].numel():
-        _raise_if_not_finite((("extra_kv k", extra_kv[0]), ("extra_kv v", extra_kv[1])))
+        _FiniteCheck((("extra_kv k", extra_kv[0]), ("extra_kv v", extra_kv[1]))).result()

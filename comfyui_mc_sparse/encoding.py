@@ -169,11 +169,12 @@ def encode_selection(kv_idx: torch.Tensor, num_tokens: int, num_keys: int, reque
     return EncodedSelection(kind, data, num_tokens, num_keys, width)
 
 
-PACK_BITS = "bytes"
-"""How ``encode_selection`` builds a bitmask (both bit-exact, tests/test_cache.py): "bytes", a zeroed byte per token,
-each key's byte set by ``scatter_``, then the 8 bytes of each output byte shifted and summed; "words", one zeroed int32
-word per 32 tokens, each key's bit added by ``scatter_add_`` (the keys of a row are distinct, so the sum is their OR),
-the words read as their little-endian bytes: 1/8 of the zeroed bytes and no shift pass."""
+PACK_BITS = "words"
+"""How ``encode_selection`` builds a bitmask (both bit-exact, tests/test_cache.py): "words", one zeroed int32 word per
+32 tokens, each key's bit added by ``scatter_add_`` (the keys of a row are distinct, so the sum is their OR), the words
+read as their little-endian bytes; "bytes", a zeroed byte per token, each key's byte set by ``scatter_``, then the 8
+bytes of each output byte shifted and summed. H200 round s6r1, one 1.3B 480p anchor entry (3072 rows, K 4928): 0.31 ms
+by words against 1.12 ms by bytes (method of record); the 58 anchor calls of a run 41 ms faster."""
 
 
 def _pack_bits(idx: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -9,15 +9,16 @@ them), H = 12, S = 32760, D = 128, preset 'fast' (s = 0.15, C = 128, kv_tile 64)
 
 1. ``[anchor parts]``: each part of one anchor call on one CFG chunk (B = 1), sustained interleaved timing
    (``tests/_timing.race``, TEAM.md item 7), beside the caller's dense attention (SDPA without LSE on the views, then
-   ComfyUI's reshape to [B, S, H*D]): pass 1 (``kernels.dense_attention`` with LSE), the finite check (3 min/max
-   reductions + one device read), PDDP, select_kv, the sparse pass of the residual, R = O - O_sparse, the cache entry's
+   ComfyUI's reshape to [B, S, H*D]): pass 1 (``kernels.dense_attention`` with LSE), the finite check (before
+   session 6: 3 min/max reductions + one device read; now 3 sums, in line or on a side stream), PDDP, select_kv, the sparse pass of the residual, R = O - O_sparse, the cache entry's
    encoding (and the bitmask alone, ``encoding.PACK_BITS`` "bytes" vs "words"), the copy into the caller's buffer,
-   ``attention.anchor_attention`` whole (with and without the finite check), the reuse path's bitmask decode
+   ``attention.anchor_attention`` whole (with the check beside pass 1, in line, none), the reuse path's bitmask decode
    (``kernels/triton/bitmask.py`` variants "bits" / "bytes");
 2. ``[anchor step]``: 29 runner calls at batch 2 (two keys each, ``out=`` a view of a [2, S, H*D] buffer), a fresh
    ``engine.MCSparseRunner`` planned as the adapter plans it, as the model's anchor step makes them, wall clock and
-   the runner's own CUDA-event spans, variants interleaved (as is / no finite check / bitmask by words / PDDP on a
-   side stream beside pass 1, ``attention.OVERLAP_GROUPING``), 2 rounds,
+   the runner's own CUDA-event spans, variants interleaved (as is = the finite check beside pass 1 on a side stream,
+   ``attention.FINITE_BESIDE``, and the bitmask by words; the check in line; by bytes; both as before session 6; no
+   finite check), 2 rounds,
    beside 29 caller dense calls at batch 2;
 3. ``[host]``: the pack's host work outside the steps: ``runner.plan``, the summary lines and ``runner.close`` with a
    full anchor step's cache (part 2), the end-of-run read of a run's worth of CUDA-event pairs
@@ -127,26 +128,19 @@ def anchor_parts(H: int, S: int, device, log) -> dict:
         bitmask.decode_bitmask(a.data, dec_out, num_tokens=S, variant=name)
         checks[f"decode {name} == selection"] = bool(torch.equal(dec_out, kv_idx))
 
-    def overlapped(fn):
+    def flagged(module, name, value, fn):
         def run():
-            saved_ = attention.OVERLAP_GROUPING
-            attention.OVERLAP_GROUPING = True
+            saved_ = getattr(module, name)
+            setattr(module, name, value)
             try:
                 fn()
             finally:
-                attention.OVERLAP_GROUPING = saved_
+                setattr(module, name, saved_)
         return run
 
-    o_ov, entry_ov = None, None
-    saved_ov = attention.OVERLAP_GROUPING
-    attention.OVERLAP_GROUPING = True
-    try:
-        o_ov, entry_ov = attention.anchor_attention(q, k, v, cfg, scale=scale)
-    finally:
-        attention.OVERLAP_GROUPING = saved_ov
-    checks["PDDP beside pass 1: same output, groups, selection"] = bool(
-        torch.equal(o_ov, o) and torch.equal(entry_ov.perm, entry.perm) and torch.equal(entry_ov.kv_idx, entry.kv_idx))
-    del o_ov, entry_ov
+    def aminmax_check():  # the finite check before session 6: one aminmax per tensor on the views, one read
+        extremes = torch.stack([torch.stack(torch.aminmax(t)).float() for t in (q, k, v)])
+        torch.isfinite(extremes).all(dim=1).tolist()
 
     def encode_bits(how):
         def fn():
@@ -161,7 +155,11 @@ def anchor_parts(H: int, S: int, device, log) -> dict:
     fns = {
         "caller dense (SDPA no LSE + reshape)": lambda: caller_dense(q, k, v),
         "pass 1 dense + LSE (kernels auto)": lambda: kernels.dense_attention(q, k, v, scale=scale, return_lse=True),
-        "finite check (3 aminmax + 1 read)": lambda: attention._raise_if_not_finite((("q", q), ("k", k), ("v", v))),
+        "finite check before s6 (3 aminmax + 1 read)": aminmax_check,
+        "finite check, sums, in line": flagged(attention, "FINITE_BESIDE", False, lambda: attention._FiniteCheck(
+            (("q", q), ("k", k), ("v", v))).result()),
+        "finite check, sums, side stream": flagged(attention, "FINITE_BESIDE", True, lambda: attention._FiniteCheck(
+            (("q", q), ("k", k), ("v", v))).result()),
         "PDDP": lambda: kernels.pddp_groups(q, cfg.group_size, power_iters=cfg.power_iters),
         "select_kv (pass 2 + top-K)": lambda: kernels.select_kv(q, k, lse, perm, K, group_size=cfg.group_size,
                                                                 kv_tile=cfg.kv_tile, scale=scale),
@@ -175,15 +173,15 @@ def anchor_parts(H: int, S: int, device, log) -> dict:
         "anchor_attention": lambda: attention.anchor_attention(q, k, v, cfg, scale=scale),
         "anchor_attention, no finite check": lambda: attention.anchor_attention(q, k, v, cfg, scale=scale,
                                                                                 check_finite=False),
-        "anchor_attention, PDDP beside pass 1": overlapped(lambda: attention.anchor_attention(q, k, v, cfg,
-                                                                                               scale=scale)),
+        "anchor_attention, finite check in line": flagged(attention, "FINITE_BESIDE", False, lambda:
+                                                          attention.anchor_attention(q, k, v, cfg, scale=scale)),
     }
     for name in variants:
         fns[f"decode bitmask {name}"] = (lambda n: lambda: bitmask.decode_bitmask(a.data, dec_out, num_tokens=S,
                                                                                 variant=n))(name)
     ms = timed(fns, device)
     base = ms["caller dense (SDPA no LSE + reshape)"]
-    parts = ("pass 1 dense + LSE (kernels auto)", "finite check (3 aminmax + 1 read)", "PDDP",
+    parts = ("pass 1 dense + LSE (kernels auto)", "finite check, sums, side stream", "PDDP",
              "select_kv (pass 2 + top-K)", "sparse (residual pass)", "R = O - O_sparse",
              "encode_entry (groups, bitmask, R)", "copy into the caller's buffer")
     total = sum(ms[p] for p in parts)
@@ -215,11 +213,12 @@ def anchor_step(H: int, S: int, layers: int, device, log) -> dict:
     q, k, v = qkv(2, H, S, device, seed=2)
     buf = torch.empty(2, S, H * D, device=device, dtype=torch.bfloat16)
     out = buf.view(2, S, H, D).transpose(1, 2)
-    variants = {
+    variants = {  # "as is": the defaults (finite check beside pass 1, bitmask by words)
         "as is": {},
+        "check in line": {"beside": False},
+        "bitmask by bytes": {"pack": "bytes"},
+        "before s6 (both)": {"beside": False, "pack": "bytes"},
         "no finite check": {"finite": False},
-        "bitmask by words": {"pack": "words"},
-        "PDDP beside pass 1": {"overlap": True},
     }
     res = {name: {"wall_ms": [], "span_ms": [], "plan_ms": [], "summary_ms": [], "close_ms": []} for name in variants}
     res["caller dense"] = {"wall_ms": []}
@@ -227,9 +226,9 @@ def anchor_step(H: int, S: int, layers: int, device, log) -> dict:
     rounds = 2 if device.type == "cuda" else 1
     for r in range(rounds + 1):  # round 0 warms up (compiles, grows the allocator's pools); not counted
         for name, var in variants.items():
-            saved_pack, saved_anchor, saved_ov = encoding.PACK_BITS, engine.anchor_attention, attention.OVERLAP_GROUPING
+            saved_pack, saved_anchor, saved_ov = encoding.PACK_BITS, engine.anchor_attention, attention.FINITE_BESIDE
             encoding.PACK_BITS = var.get("pack", saved_pack)
-            attention.OVERLAP_GROUPING = var.get("overlap", saved_ov)
+            attention.FINITE_BESIDE = var.get("beside", saved_ov)
             if var.get("finite") is False:
                 engine.anchor_attention = functools.partial(attention.anchor_attention, check_finite=False)
             try:
@@ -242,7 +241,7 @@ def anchor_step(H: int, S: int, layers: int, device, log) -> dict:
                 wall = (now(device) - t0) * 1000.0
             finally:
                 encoding.PACK_BITS, engine.anchor_attention = saved_pack, saved_anchor
-                attention.OVERLAP_GROUPING = saved_ov
+                attention.FINITE_BESIDE = saved_ov
             t0 = time.perf_counter()
             lines = runner.summary_lines()
             summary_ms = (time.perf_counter() - t0) * 1000.0

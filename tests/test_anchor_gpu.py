@@ -215,20 +215,30 @@ def test_anchor_on_gpu_residual_restores_dense(cuda_gen):
     assert float((sparse.float() + residual.float() - out.float()).abs().max()) < 2e-2
 
 
-def test_anchor_with_grouping_beside_pass_1_is_the_same(cuda_gen, monkeypatch):
-    """attention.OVERLAP_GROUPING (PDDP on a side stream beside pass 1): the same output, groups, selection and
-    residual as in order, eagerly and when PDDP replays its CUDA graph on the side stream (second call)."""
+def test_anchor_finite_check_beside_pass_1(cuda_gen, monkeypatch):
+    """attention.FINITE_BESIDE (the finite check on a side stream, pass 1 queued before the host waits for it): the
+    same output, groups, selection and residual as the check in line; a NaN or inf in q, k, v or extra_kv (as strided
+    [B, H, S, D] views of [B, S, H*D], ComfyUI's layout) still raises NonFiniteInputError naming it."""
     from comfyui_mc_sparse_pack.comfyui_mc_sparse import attention
 
     cfg = MCSparseConfig(density=0.15, group_size=128, kv_tile=64)
-    q, k, v = (torch.randn(1, 12, 32760, 128, device="cuda", generator=cuda_gen).to(torch.bfloat16) for _ in range(3))
+    B, S, H, D = 1, 32760, 12, 128
+    q, k, v = (torch.randn(B, S, H * D, device="cuda", generator=cuda_gen).to(torch.bfloat16)
+               .view(B, S, H, D).transpose(1, 2) for _ in range(3))
+    monkeypatch.setattr(attention, "FINITE_BESIDE", False)
     want = anchor_attention(q, k, v, cfg)
-    monkeypatch.setattr(attention, "OVERLAP_GROUPING", True)
-    for _ in range(2):
-        got = anchor_attention(q.clone(), k, v, cfg)
-        assert torch.equal(got[0], want[0])
-        for name in ("perm", "kv_idx", "residual"):
-            assert torch.equal(getattr(got[1], name), getattr(want[1], name)), name
+    monkeypatch.setattr(attention, "FINITE_BESIDE", True)
+    got = anchor_attention(q, k, v, cfg)
+    assert torch.equal(got[0], want[0])
+    for name in ("perm", "kv_idx", "residual"):
+        assert torch.equal(getattr(got[1], name), getattr(want[1], name)), name
+    x = torch.randn(B, H, 77, D, device="cuda", generator=cuda_gen).to(torch.bfloat16)
+    for which, bad in (("q", float("nan")), ("v", float("inf")), ("extra_kv v", float("-inf"))):
+        tensors = {"q": q.clone(), "k": k, "v": v.clone(), "extra_kv k": x, "extra_kv v": x.clone()}
+        tensors[which][0, 3, 1000 % tensors[which].shape[2], 5] = bad
+        with pytest.raises(attention.NonFiniteInputError, match=f"{which} must be finite"):
+            anchor_attention(tensors["q"], tensors["k"], tensors["v"], cfg,
+                             extra_kv=(tensors["extra_kv k"], tensors["extra_kv v"]))
 
 
 @pytest.mark.parametrize("pack", ["bytes", "words"])

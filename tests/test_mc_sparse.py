@@ -172,6 +172,26 @@ def test_anchor_rejects_non_finite_inputs(gen, bad):
         attention.anchor_attention(q, k, v, cfg)
 
 
+def test_finite_check_reads_comfyui_views_in_memory_order_and_names_the_tensor(gen):
+    """The anchor's finite check sums each tensor over its memory in order: the [B, H, S, D] view of a [B, S, H*D]
+    tensor is read as that tensor's 1-D view (no copy); a NaN or inf anywhere, in any of the named tensors, is found
+    and named (mutation: a check over the first head only, or naming by position, fails here)."""
+    B, S, H, D = 1, 40, 3, 8
+    flat = torch.randn(B, S, H * D, generator=gen)
+    view = flat.view(B, S, H, D).transpose(1, 2)
+    line = attention._in_order(view)
+    assert line.dim() == 1 and line.data_ptr() == flat.data_ptr() and torch.equal(line, flat.view(-1))
+    odd = torch.randn(B, H, S, 2 * D, generator=gen)[..., ::2]  # not a permutation of a contiguous tensor: as is
+    assert attention._in_order(odd) is odd
+    attention._FiniteCheck((("q", view), ("odd", odd))).result()
+    for name, pos in (("q", (0, 2, 39, 7)), ("odd", (0, 1, 0, 0))):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            tensors = {"q": view.clone(), "odd": odd.clone()}
+            tensors[name][pos] = bad
+            with pytest.raises(attention.NonFiniteInputError, match=f"^{name} must be finite"):
+                attention._FiniteCheck(tuple(tensors.items())).result()
+
+
 def test_reuse_rejects_an_entry_of_another_shape(gen):
     """A cache entry is never applied to a different shape."""
     q, k, v = _qkv(gen, S=128)
