@@ -27,7 +27,8 @@ CHECKs (GPU): the "words" bitmask equals the "bytes" one bit for bit on the anch
 variants equal the selection; the anchor step's outputs and stored selections are identical across variants.
 
 Writes ``<out>/anchor_step.json`` and ``<out>/scoreboard.json`` (no scoreboard key: a profile). H200: ~45 s.
-Usage (checkout root): python tests/bench_anchor_step.py --out $OUT [--commit HASH]; ``--smoke`` runs every code path
+Usage (checkout root): python tests/bench_anchor_step.py --out $OUT [--commit HASH] [--kernels triton-only] (pass 1 on
+cuDNN as in the 1.3B whole-run bar; by default the fastest dense kernel installed); ``--smoke`` runs every code path
 once on a tiny shape on the CPU (TRITON_INTERPRET=1).
 """
 
@@ -104,10 +105,13 @@ def anchor_parts(H: int, S: int, device, log) -> dict:
     q, k, v = qkv(1, H, S, device, seed=1)
     scale = 1.0 / math.sqrt(D)
     K = keys_for_density(cfg.density, S, cfg.kv_tile)
-    out_d, lse = kernels.dense_attention(q, k, v, scale=scale, return_lse=True)
-    perm = kernels.pddp_groups(q, cfg.group_size, power_iters=cfg.power_iters)
-    kv_idx = kernels.select_kv(q, k, lse, perm, K, group_size=cfg.group_size, kv_tile=cfg.kv_tile, scale=scale)
-    sparse = kernels.sparse_attention(q, k, v, perm, kv_idx, scale=scale)
+    record = kernels.registry.Record()
+    with kernels.registry.recording(record):
+        out_d, lse = kernels.dense_attention(q, k, v, scale=scale, return_lse=True)
+        perm = kernels.pddp_groups(q, cfg.group_size, power_iters=cfg.power_iters)
+        kv_idx = kernels.select_kv(q, k, lse, perm, K, group_size=cfg.group_size, kv_tile=cfg.kv_tile, scale=scale)
+        sparse = kernels.sparse_attention(q, k, v, perm, kv_idx, scale=scale)
+    ran = {op: c.backend for op, c in sorted(record.choices.items())}
     o, entry = attention.anchor_attention(q, k, v, cfg, scale=scale)
     dst = torch.empty(1, S, H * D, device=device, dtype=torch.bfloat16).view(1, S, H, D).transpose(1, 2)
     checks = {}
@@ -187,7 +191,7 @@ def anchor_parts(H: int, S: int, device, log) -> dict:
     total = sum(ms[p] for p in parts)
     ideal = base * (1 + 0.5 + DENSITY)
     log(f"[anchor parts] one chunk [1, {H}, {S}, {D}] bf16, K {K}, method of record (race, median of 5 rounds); "
-        f"caller dense {base:.3f} ms; ideal anchor call dense x (1.5 + s) = {ideal:.3f} ms")
+        f"caller dense {base:.3f} ms; ideal anchor call dense x (1.5 + s) = {ideal:.3f} ms; backends {ran}")
     for name, t in ms.items():
         log(f"  {t:9.3f} ms  {t / base:6.3f} x caller dense  {name}")
     log(f"  parts of an anchor call + the copy: {total:.3f} ms ({total / base:.3f} x caller dense); whole "
@@ -195,7 +199,7 @@ def anchor_parts(H: int, S: int, device, log) -> dict:
     for name, ok in checks.items():
         log(f"[anchor parts] CHECK {name}: {'OK' if ok else 'FAILED'}")
     del q, k, v, out_d, lse, sparse, o, entry, dst, dec_out
-    return {"ms": ms, "caller_dense_ms": base, "ideal_anchor_call_ms": ideal, "parts_total_ms": total,
+    return {"ms": ms, "backends": ran, "caller_dense_ms": base, "ideal_anchor_call_ms": ideal, "parts_total_ms": total,
             "num_keys": K, "checks": checks}
 
 
@@ -338,7 +342,17 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--commit", help="the commit measured (recorded in the JSON)")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU under TRITON_INTERPRET=1 (code paths)")
+    ap.add_argument("--kernels", choices=["installed", "triton-only"], default="installed",
+                    help="triton-only: turn off cutedsl and flash_attn4 (the 1.3B whole-run bar's kernels: pass 1 on "
+                         "cuDNN through SDPA), as bench_comfyui_speedup.py --kernels triton-only")
     args = ap.parse_args()
+    if args.kernels == "triton-only":
+        import dataclasses
+
+        reg = kernels.registry
+        for b in reg.backends():
+            if b.name in ("cutedsl", "flash_attn4"):
+                reg.register(dataclasses.replace(b, unavailable_reason="turned off by --kernels triton-only"))
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")
@@ -357,7 +371,7 @@ def main() -> int:
     def log(msg):
         print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
 
-    report = {"argv": sys.argv, "commit": args.commit, "torch": torch.__version__,
+    report = {"argv": sys.argv, "commit": args.commit, "kernels": args.kernels, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)", "shape": shape,
               "density": DENSITY, "backends": kernels.registry.report()}
     for key, fn in (("anchor_parts", lambda: anchor_parts(shape["H"], shape["S"], device, log)),
