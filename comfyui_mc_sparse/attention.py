@@ -23,7 +23,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 FINITE_BESIDE = True
 """Anchor step on CUDA: the finite check of q, k, v (and ``extra_kv``) runs on a high-priority side stream while pass 1
-starts, and the host waits for the check alone (its flags copied to pinned memory), not for the whole queue: no drain
+starts, and the host waits for the check alone (its flags read on the side stream), not for the whole queue: no drain
 of the device and no idle gap before pass 1 (H200 round s6r1, 1.3B 480p: the synchronous check cost 0.9 ms of a 19.2
 ms anchor call). Pass 1 may then run on non-finite inputs (harmless: dense attention only carries them into its
 output, which the caller then discards); PDDP, the selection and the sparse pass never see them. False: the check
@@ -78,30 +78,28 @@ class _FiniteCheck:
     """Whether each of ``named`` ((name, tensor) pairs) is finite: one float32 sum per tensor over its memory in
     order (NaN and inf carry through a sum, so the sum is finite when every element is; a finite tensor whose values
     sum past float32's range, ~3e38, counts as non-finite: that call then runs dense), one read for all. On CUDA with
-    ``FINITE_BESIDE`` the sums run on a side stream and ``result`` waits for them alone; elsewhere at once."""
+    ``FINITE_BESIDE`` the sums run on a side stream and ``result`` reads them there, waiting for that stream alone;
+    elsewhere everything runs at once."""
 
     def __init__(self, named):
         self.names = [name for name, _ in named]
         tensors = [t for _, t in named]
         device = tensors[0].device
-        self.event = None
-        if FINITE_BESIDE and device.type == "cuda":
-            side = _side_stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                flags = torch.isfinite(torch.stack([_in_order(t).sum(dtype=torch.float32) for t in tensors]))
-                self.flags = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
-                self.flags.copy_(flags, non_blocking=True)
-                self.event = torch.cuda.Event()
-                self.event.record(side)
-        else:
-            self.flags = torch.isfinite(torch.stack([_in_order(t).sum(dtype=torch.float32) for t in tensors])).cpu()
+        self.side = _side_stream(device) if FINITE_BESIDE and device.type == "cuda" else None
+        if self.side is None:
+            self.flags = torch.isfinite(torch.stack([_in_order(t).sum(dtype=torch.float32) for t in tensors])).tolist()
+            return
+        self.side.wait_stream(torch.cuda.current_stream(device))  # the inputs are written on the current stream
+        with torch.cuda.stream(self.side):
+            self.flags = torch.isfinite(torch.stack([_in_order(t).sum(dtype=torch.float32) for t in tensors]))
 
     def result(self) -> None:
-        """Raise NonFiniteInputError naming the first non-finite tensor (after waiting for the check, on CUDA)."""
-        if self.event is not None:
-            self.event.synchronize()
-        for name, ok in zip(self.names, self.flags.tolist()):
+        """Raise NonFiniteInputError naming the first non-finite tensor (on CUDA: after the side stream's sums)."""
+        flags = self.flags
+        if self.side is not None:
+            with torch.cuda.stream(self.side):  # the copy and its wait are the side stream's, not the whole queue's
+                flags = flags.tolist()
+        for name, ok in zip(self.names, flags):
             if not ok:
                 raise NonFiniteInputError(f"{name} must be finite, got NaN or inf values")
 
