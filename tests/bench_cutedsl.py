@@ -13,7 +13,7 @@ point):
   launched directly: the op without its host work (the host microseconds per op call are printed too);
 - the compiled kernel's launch alone (counts computed before) in the ``VARIANTS`` named by ``--variants``
   (producer L2 hints, the staged epilogue, 3 K/V stages, a persistent grid of one CTA per SM, two groups in flight
-  per CTA, the clock-phased key-tile order; "res ..." with the plain bf16 residual); efficiency = FA4 dense ms * s /
+  per CTA, the next group's metadata prefetched; "res ..." with the plain bf16 residual); efficiency = FA4 dense ms * s /
   sparse ms;
 - the op's counts launch alone (``counts launch``: ms only);
 - the compile time (a compile from fake tensors, never the disk cache) and the disk-cache load time (a fresh
@@ -83,26 +83,32 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
     "evict smem persistent": ("cp.async+evict", "smem", 2, ("persistent",)),
     # two groups in flight per CTA (query ring, next group's first Q K^T with this group's last P V)
     "evict smem overlap": ("cp.async+evict", "smem", 2, ("overlap", "persistent")),
-    # key tiles in a clock-phased cyclic order (all CTAs on about the same token range of a head at a time)
-    "evict smem persistent phased": ("cp.async+evict", "smem", 2, ("persistent", "phased")),
-    "evict smem overlap phased": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "phased")),
-    # the producer writes the staged output (the consumers go on to the next group at once)
-    "evict smem overlap pstore": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "pstore")),
-    "evict smem overlap pstore phased": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "pstore", "phased")),
     # + the next group's count / perm / first index entries loaded during this group
     "evict smem overlap prefetch": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "prefetch")),
-    "evict smem overlap pstore prefetch": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "pstore",
-                                                                         "prefetch")),
-    "evict smem overlap all": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "pstore", "prefetch",
-                                                             "phased")),
     # with the plain bf16 residual (the reuse path's call: the register epilogue): the op's kernel, then overlap
     "res kernel": ("cp.async+evict", "registers", 2, (), "plain"),
     "res overlap": ("cp.async+evict", "registers", 2, ("overlap", "persistent"), "plain"),
-    "res overlap phased": ("cp.async+evict", "registers", 2, ("overlap", "persistent", "phased"), "plain"),
 }
 
 
-OP_ROWS = ("again", "residual", "counts + kernel")  # the op's extra rows (``--op-rows``)
+OP_ROWS = ("again", "residual", "counts + kernel", "prefetch")  # the op's extra rows (``--op-rows``)
+# "prefetch": the op with these staged-epilogue options ($MC_SPARSE_CUTEDSL_OPTIONS, rules.staged_options)
+OP_PREFETCH = "persistent,overlap,prefetch"
+
+
+def with_options(raw, fn):
+    """fn run with $MC_SPARSE_CUTEDSL_OPTIONS = raw (restored after)."""
+    def run():
+        old = os.environ.get("MC_SPARSE_CUTEDSL_OPTIONS")
+        os.environ["MC_SPARSE_CUTEDSL_OPTIONS"] = raw
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["MC_SPARSE_CUTEDSL_OPTIONS"]
+            else:
+                os.environ["MC_SPARSE_CUTEDSL_OPTIONS"] = old
+    return run
 
 
 def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP_ROWS):
@@ -149,6 +155,18 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
         if "residual" in op_rows:
             fns["cutedsl op + plain residual"] = lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
                                                                                   residual=res, backend="cutedsl")
+        if "prefetch" in op_rows:  # checked first like the op: its output, no fallback
+            op_pf = with_options(OP_PREFETCH, lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
+                                                                               backend="cutedsl"))
+            out.fill_(float("nan"))
+            with registry.recording(registry.Record()) as rec:
+                got = op_pf()
+            tag = "cutedsl op + prefetch"
+            r_err[tag] = (err(got), int(out.isnan().sum()))
+            if rec.choices["sparse_attention"].backend != "cutedsl" or r_err[tag][0] > 1e-2 or r_err[tag][1]:
+                log(f"{name} s={s}: {tag} WRONG or fell back ({r_err[tag]}, {rec.failures}): not timed")
+            else:
+                fns[tag] = op_pf
         # the op's rows twice: two rows of the same call differ only by their place in the race's order
         if "again" in op_rows:
             fns["cutedsl op (again)"] = fns["cutedsl op"]
@@ -283,7 +301,6 @@ def main():
         for r in sh["densities"].values():
             for kk, e in r["efficiency"].items():
                 kerns[kk] = min(kerns.get(kk, e), e)
-    kern = kerns.get("evict smem overlap", float("nan"))  # the op's kernel (rules.STAGED_OPTIONS) launched alone
     log(f"cutedsl_sparse_eff_min {effs[worst]:.3f} at {worst}; minimum over the points per row: "
         + ", ".join(f"{kk} {e:.3f}" for kk, e in kerns.items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -294,12 +311,13 @@ def main():
                       + " ms" for n, sh in report["shapes"].items())
     board["cutedsl_sparse_eff_min"] = dict(
         value=round(effs[worst], 4), unit="ratio",
-        command="python tests/bench_cutedsl.py --out $OUT/bench_cutedsl.json --commit <hash>", commit=args.commit,
+        command=" ".join(["python tests/bench_cutedsl.py"] + sys.argv[1:]), commit=args.commit,
         gpu=report["gpu"], date=datetime.date.today().isoformat(),
         note=(f"min over shapes x s of dense with LSE x s / CuTeDSL op (native views, out=, counts launch + kernel; "
               f"dense timed interleaved with it at each point, median of {args.rounds} rounds); "
-              f"worst at {worst[0]} s={worst[1]}; dense baseline {bases}; the op's kernel (persistent, overlap) alone min {kern:.3f}; compile "
-              f"{report['compile']}"),
+              f"worst at {worst[0]} s={worst[1]}; staged-epilogue options {rules.staged_options()}; dense baseline "
+              f"{bases}; minimum per row: " + ", ".join(f"{kk} {e:.3f}" for kk, e in kerns.items())
+              + f"; compile {report['compile']}"),
     )
     board_path.write_text(json.dumps(board, indent=2) + "\n")
     Path(args.out).with_name("scoreboard.json").write_text(json.dumps(board, indent=2) + "\n")

@@ -8,6 +8,8 @@ elements, fewer than 2^31 groups in all.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -104,5 +106,15 @@ def launch_plan(epilogue: str, groups: int, sms: int) -> tuple[tuple, int]:
     """(compile options, CTA count) of a call whose kernel runs ``epilogue`` over ``groups`` query groups on a device
     of ``sms`` SMs: the staged epilogue takes ``STAGED_OPTIONS``, the register epilogue ``REGISTERS_OPTIONS``; with
     "persistent" among them a grid of min(sms, groups) CTAs walks the groups, otherwise one CTA per group."""
-    options = tuple(STAGED_OPTIONS if epilogue == "smem" else REGISTERS_OPTIONS)
+    options = staged_options() if epilogue == "smem" else tuple(REGISTERS_OPTIONS)
     return options, min(sms, groups) if "persistent" in options else groups
+
+
+def staged_options() -> tuple:
+    """The staged-epilogue kernel's compile options: ``STAGED_OPTIONS``, or ``$MC_SPARSE_CUTEDSL_OPTIONS`` (comma-
+    separated ``sparse_fwd_sm90.OPTIONS``, e.g. "persistent,overlap,prefetch"; "none" for none) to time or try
+    another set. An unknown name fails the call's compile with a ValueError (the op's fallback, with the reason)."""
+    raw = os.environ.get("MC_SPARSE_CUTEDSL_OPTIONS")
+    if raw is None:
+        return tuple(STAGED_OPTIONS)
+    return tuple(o for o in (x.strip() for x in raw.split(",")) if o and o != "none")

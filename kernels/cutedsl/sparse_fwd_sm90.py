@@ -79,21 +79,13 @@ EPILOGUES = ("registers", "smem")
 # g+1's queries while the consumers still compute g), the next group's first Q K^T issued together with this group's
 # last P V and its softmax done while that runs, the output staged in the finished group's query slot
 # (``SparseFwdSm90.mma_overlap``); 192 KiB of shared memory at D = 128.
-# "phased": the producer loads a group's key tiles after its first (partial) one in a cyclic order that starts at
-# the tile the global clock points to (``_phase``): every CTA then reads the same token range of its head at about
-# the same time (sorted indices: tile j of every group covers about the same token quantiles), so the K/V rows in
-# flight on the GPU are a window of a head instead of all of it (38.7 MB of K/V per head at Wan2.1-14B 720p, more
-# than the H200's L2 holds; the CTAs of a persistent grid drift out of step within a few groups). The consumers do
-# not depend on the order (online softmax; only the first tile is masked).
-# "pstore" (with "overlap" and the staged epilogue): the consumers only stage O (and write the LSE) and go on to
-# the next group; the producer warpgroup writes the staged rows out (16-byte loads and stores) when it takes the
-# slot back for the queries of the group after next, and the last two groups' after its loop.
 # "prefetch" (persistent grids): the producer loads the next group's valid count and this thread's perm entry at a
 # group's start and its first key-tile index after this group's first tile, instead of the dependent chain count ->
 # index -> row address at the next group's start, which delays its queries and first K tile.
-OPTIONS = ("persistent", "overlap", "phased", "pstore", "prefetch")
-PSTORE_BARRIER = 9  # named barrier of the producer warpgroup: the staged rows read before the slot is refilled
-PHASE_NS = 1800  # "phased": the clock's tile period, about one key tile's time per CTA on the H200 (1.7-1.9 us)
+# Measured slower on the H200 and removed (round s6r1, 2026-12-01 15:25, docs/kernels.md): "phased" (the key tiles
+# after a group's first in a cyclic order starting at the global clock's tile, so all CTAs read about the same token
+# range of a head at a time) and "pstore" (the producer warpgroup writing the staged output instead of the consumers).
+OPTIONS = ("persistent", "overlap", "prefetch")
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -214,10 +206,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.overlap = "overlap" in options
         assert not self.overlap or self.persistent, "overlap is a persistent-grid option"
         self.own_sO = self.persistent and self.smem_epilogue and not self.overlap
-        self.phased = "phased" in options
-        self.pstore = "pstore" in options
         self.prefetch = "prefetch" in options
-        assert not self.pstore or (self.overlap and self.smem_epilogue), "pstore needs overlap, staged epilogue"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -332,7 +321,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, mO, mCounts, total)
+                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, mCounts, total)
         else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
@@ -353,7 +342,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def load_fused(self, mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, mO, mCounts, total):
+                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, mCounts, total):
         """Producer: per group, its query rows through ``perm`` and its K/V rows through ``kv_idx``, all by cp.async
         (mQ/mK/mV ``(S, D, H, B)``; mPerm ``(N, 128)``, mIdx ``(N, K_alloc)``)."""
         tidx, _, _ = cute.arch.thread_idx()
@@ -363,8 +352,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         kv_state = make_pipeline_state(PipelineUserType.Producer, self.num_stages)
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
-        # "pstore": the groups of the previous two walk steps (-1: none) and this thread's perm entry of each
-        group1, perm1, group2, perm2 = Int32(-1), Int32(-1), Int32(-1), Int32(-1)
         # "prefetch": the group's valid count, this thread's perm entry and index of its first key tile, loaded
         # during the previous group (the first group's here)
         row_t = (tidx % 8) * 16 + tidx // 8  # the row whose perm / kv_idx entry this thread loads (_IndexRow.fetch)
@@ -411,21 +398,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 # the queries first: their slot was freed a group ago, the K stage only when the consumers finish
                 # this group's second-to-last Q K^T
                 pipeline_q.producer_acquire(q_state)
-                if const_expr(self.pstore):  # the slot holds the output of the group two steps back
-                    perm_mine = mPerm[group, (tidx % 8) * 16 + tidx // 8]  # q_index's row of this thread
-                    if group2 >= 0:
-                        self._store_staged(mO, sQ[None, None, q_state.index], group2, perm2, tidx, n_heads,
-                                           groups_per_head)
-                    cute.arch.barrier(barrier_id=PSTORE_BARRIER, number_of_threads=128)
-                    group2, perm2, group1, perm1 = group1, perm1, group, perm_mine
                 q_index.advance()
                 q_rows.load_KV(0, sQ[None, None, q_state.index], "K")
                 cute.arch.cp_async_commit_group()
                 pipeline_q.producer_commit(q_state)
                 q_state.advance()
-            phase = self._phase(n_block_max - 1 - n_block_min)
             index.advance()
-            index.fetch(self._tile_order(0, phase, n_block_min, n_block_max))
+            index.fetch(n_block - 1)
             pipeline_k.producer_acquire(kv_state)
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
             if const_expr(not self.overlap):
@@ -439,17 +418,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 if next_group < total:
                     pf_idx = self._first_index(mIdx, next_group, pf_count, row_t)
             kv_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min,
-                                          n_block_max, phase)
+                                          n_block_max)
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
-        if const_expr(self.pstore):  # the last two groups' outputs, staged in their slots (step i in slot i % 2)
-            if group2 >= 0:
-                pipeline_q.producer_acquire(q_state)
-                self._store_staged(mO, sQ[None, None, q_state.index], group2, perm2, tidx, n_heads, groups_per_head)
-            q_state.advance()  # the last step's slot (also when the CTA ran a single group)
-            if group1 >= 0:
-                pipeline_q.producer_acquire(q_state)
-                self._store_staged(mO, sQ[None, None, q_state.index], group1, perm1, tidx, n_heads, groups_per_head)
         pipeline_v.producer_tail(kv_state)
 
     @cute.jit
@@ -458,31 +429,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         to the row as ``_IndexRow.fetch`` does (raw: -1 stays -1)."""
         n_max = (count + (self.tile_n - 1)) // self.tile_n
         return mIdx[group, cutlass.min((n_max - 1) * self.tile_n + row_t, mIdx.shape[1] - 1)]
-
-    @cute.jit
-    def _store_staged(self, mO, sO, group, perm_mine, tidx, n_heads, groups_per_head):
-        """Producer ("pstore"): write one group's staged output rows (``sO``, the query slot's swizzled layout) to
-        ``out[b, perm[row], h, :]``, 16 bytes per load and store, the threads' row layout of the query gather (a
-        row's address from the thread that holds its perm entry, by warp shuffle); padded rows (perm -1) skipped.
-        ``perm_mine``: this thread's perm entry, row (tidx % 8) * 16 + tidx // 8."""
-        bh = group // groups_per_head
-        b = bh // n_heads
-        h = bh - b * n_heads
-        row_ptr = fa_utils.elem_pointer(mO, (b, cutlass.max(perm_mine, 0), h, 0)).toint()
-        thr_copy = self._epilogue_copy().get_slice(tidx)
-        tOsO = thr_copy.partition_S(sO)  # rows tidx // 8 + 16 m, columns (tidx % 8) * 8 + 64 k
-        tOcO = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_hdimv)))
-        for m in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
-            ptr = fa_utils.shuffle_sync(row_ptr, m, width=8)
-            ok = fa_utils.shuffle_sync(perm_mine, m, width=8)
-            piece = cute.make_fragment_like(tOsO[None, m, None], self.dtype)
-            cute.autovec_copy(tOsO[None, m, None], piece)
-            if ok >= 0:
-                for kk in cutlass.range_constexpr(cute.size(tOsO.shape[2])):
-                    src = piece[None, kk]
-                    dst = cute.make_ptr(self.dtype, ptr + Int64(tOcO[0, m, kk][1] * (self.dtype.width // 8)),
-                                        cute.AddressSpace.gmem, assumed_align=16)
-                    cute.autovec_copy(src, cute.make_tensor(dst, src.layout))
 
     @cute.jit
     def mma_overlap(self, tiled_mma_qk, tiled_mma_pv, outs, sQ, sK, sVt, pipeline_k, pipeline_v, pipeline_q, tidx,
@@ -581,10 +527,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             softmax.rescale_O(acc_O, row_scale)
             bh = group // outs.groups_per_head
             b = bh // outs.n_heads
-            if const_expr(self.pstore):
-                self._epilogue_stage(acc_O, lse, outs.mLSE, sQ[None, None, q_state.index], tiled_mma_pv, tidx, b,
-                                     bh - b * outs.n_heads, out_rows)
-            elif const_expr(self.smem_epilogue):
+            if const_expr(self.smem_epilogue):
                 self._epilogue_smem(acc_O, lse, outs.mO, outs.mLSE, outs.mPerm, sQ[None, None, q_state.index],
                                     tiled_mma_pv, tidx, group, b, bh - b * outs.n_heads, rows=out_rows)
             else:
@@ -602,18 +545,15 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                        fastdiv_mods=None)
 
     @cute.jit
-    def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min, n_block_max,
-                      phase):
-        """The group's K/V tiles after the first K (tile ``n_block_max - 1``, the partial one), in the consumers'
-        order: K of a tile, then V of the previous one (its stage is the previous one), V of the last tile at the
-        end; the tiles in ``_tile_order``. The row addresses of the previous tile are kept in a register while the
-        next one's are loaded. Returns the advanced producer state."""
-        prev_block = n_block_max - 1
+    def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min, n_block_max):
+        """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1 (its
+        stage is the previous one), V of the last tile at the end. The row addresses of tile j-1 are kept in a
+        register while tile j's are loaded. Returns the advanced producer state."""
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-            n_block = self._tile_order(i, phase, n_block_min, n_block_max)
-            prev_row = rows.tPrPageOffset[0]  # tile prev_block, whose V is next
+            n_block = n_block_max - 2 - i
+            prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
             index.advance()
-            index.fetch(self._tile_order(i + 1, phase, n_block_min, n_block_max))
+            index.fetch(n_block - 1)
             v_state = kv_state.clone()
             kv_state.advance()
             pipeline_k.producer_acquire(kv_state)
@@ -621,32 +561,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             cur_row = rows.tPrPageOffset[0]
             rows.tPrPageOffset[0] = prev_row
             pipeline_v.producer_acquire(v_state)
-            self._load_tile(rows, sV, pipeline_v, v_state, "V", prev_block)
+            self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block + 1)
             rows.tPrPageOffset[0] = cur_row
-            prev_block = n_block
         pipeline_v.producer_acquire(kv_state)
-        self._load_tile(rows, sV, pipeline_v, kv_state, "V", prev_block)
+        self._load_tile(rows, sV, pipeline_v, kv_state, "V", n_block_min)
         kv_state.advance()
         return kv_state
-
-    @cute.jit
-    def _phase(self, m: Int32) -> Int32:
-        """The "phased" order's first tile among the ``m`` tiles after a group's first: the global clock in
-        ``PHASE_NS`` periods, modulo m (0 without the option or when m == 0)."""
-        phase = Int32(0)
-        if const_expr(self.phased):
-            ticks = _global_timer_ns() // Int64(PHASE_NS)
-            phase = Int32(ticks % Int64(cutlass.max(m, 1)))
-        return phase
-
-    @cute.jit
-    def _tile_order(self, i, phase: Int32, n_block_min: Int32, n_block_max: Int32) -> Int32:
-        """The key tile loaded i-th after the group's first tile (i = m: a harmless prefetch past the end):
-        tiles n_block_max - 2 down to n_block_min, or with "phased" n_block_min + (phase + i) mod m."""
-        nxt = n_block_max - 2 - i
-        if const_expr(self.phased):
-            nxt = n_block_min + (phase + i) % cutlass.max(n_block_max - 1 - n_block_min, 1)
-        return nxt
 
     @cute.jit
     def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32):
@@ -710,7 +630,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         for m in cutlass.range_constexpr(cute.size(lse_rows)):
             lse_rows[m] = mPerm[group, tOcO_mma[m, 0][0]]
         out_rows = None
-        if const_expr(self.smem_epilogue and not self.pstore):
+        if const_expr(self.smem_epilogue):
             tOcO = self._epilogue_copy_coords(tidx)
             out_rows = cute.make_rmem_tensor((cute.size(tOcO.shape[1]),), Int32)
             for rest_m in cutlass.range_constexpr(cute.size(out_rows)):
@@ -770,23 +690,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                         mO, (b, q_row, h, tOcO[0, rest_m, kk][1])).toint(), cute.AddressSpace.gmem,
                         assumed_align=16)
                     cute.autovec_copy(src, cute.make_tensor(ptr, src.layout))
-
-    @cute.jit
-    def _epilogue_stage(self, acc_O, lse, mLSE, sO, tiled_mma, tidx, b, h, rows):
-        """"pstore": O rounded and staged in the finished group's query slot (``sO``), each consumer warpgroup its
-        own 64 rows; the LSE from the registers (``rows``: ``_epilogue_perm``). The producer writes the rows out."""
-        rO = cute.make_fragment_like(acc_O, self.dtype)
-        fa_utils.cvt_f16(acc_O, rO)
-        smem_copy_atom = fa_utils.get_smem_store_atom(90, self.dtype)
-        smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma).get_slice(tidx)
-        cute.copy(smem_copy_atom, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
-        if const_expr(mLSE is not None):
-            cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
-            tOcO_mma = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(tidx).partition_C(cO))
-            if tOcO_mma[0, 0][1] == 0:
-                for m in cutlass.range_constexpr(cute.size(lse)):
-                    if rows[0][m] >= 0:
-                        mLSE[b, h, rows[0][m]] = lse[m]
 
     @cute.jit
     def _epilogue_registers(self, acc_O, lse, outs, tiled_mma, tidx, group, bh, b, h, rows=None):
@@ -889,13 +792,6 @@ def _e4m3_pair(w: Int32):
     out[0] = Float32(halves[0]) * 256.0
     out[1] = Float32(halves[1]) * 256.0
     return out
-
-
-@dsl_user_op
-def _global_timer_ns(*, loc=None, ip=None) -> Int64:
-    """The GPU's global nanosecond timer (%globaltimer: the same clock on every SM)."""
-    return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op
