@@ -125,31 +125,67 @@ def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=Fa
     return out
 
 
-def spawn_precompile(names, shape="1.3b"):
+def spawn_precompile(names, shape="1.3b", go_file=None, log_dir=None):
     """One process per Gluon variant among ``names`` that compiles it for ``shape`` (float32 and float16 sums, the
     race's check and timing launches) into Triton's disk cache, so the race's first launches load it instead of
-    compiling one variant after another (~5 s each). The children only compile (``warmup``: no kernel runs).
-    Returns the processes (``wait_precompile``); a child that fails leaves the compile to the first launch."""
-    procs = []
+    compiling one variant after another (~5 s each); only compiles (``warmup``: no kernel runs) until ``go_file``
+    exists, then (``go_file`` given) checks the variant on random operands at ``shape`` against the Triton kernel
+    in its own process (``_check_one``: an illegal address there cannot poison the caller's CUDA context).
+    Returns {name: process} (``wait_precompile``); logs in ``log_dir`` (None: discarded)."""
+    procs = {}
     for name in names:
         if VARIANTS.get(name, {}).get("gluon") is not None:
-            procs.append(subprocess.Popen([sys.executable, __file__, "--precompile", name, "--shapes", shape,
-                                           "--out", "unused"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            log = subprocess.DEVNULL if log_dir is None else open(Path(log_dir) / f"p2ws_child_{len(procs)}.log", "w")
+            procs[name] = subprocess.Popen(
+                [sys.executable, __file__, "--precompile", name, "--shapes", shape, "--out", "unused"]
+                + ([] if go_file is None else ["--go", str(go_file)]), stdout=log, stderr=subprocess.STDOUT)
     return procs
 
 
 def wait_precompile(procs, seconds):
-    """Wait at most ``seconds`` in all for ``spawn_precompile``'s children; kill the ones still running."""
+    """Wait at most ``seconds`` in all for ``spawn_precompile``'s children (killing the ones still running);
+    {name: exit status} (0: compiled and, with a go file, checked; None: killed)."""
     end = time.time() + seconds
-    for p in procs:
+    rcs = {}
+    for name, p in procs.items():
         try:
-            p.wait(timeout=max(0.1, end - time.time()))
+            rcs[name] = p.wait(timeout=max(0.1, end - time.time()))
         except subprocess.TimeoutExpired:
             p.kill()
+            rcs[name] = None
+    return rcs
 
 
-def _precompile_one(name, shape):
-    """``spawn_precompile``'s child: the variant's Gluon kernel compiled for the race's launches at ``shape``."""
+def _check_one(name, shape):
+    """The variant on random operands at ``shape`` (bf16 q / k with a shared component per head, their exact LSE
+    from the dense backend, random groups with -1 padding) against the Triton kernel (\"kb pow2\"): exit status 0
+    when every entry is written and the sums are within the variant's bound; 3 otherwise."""
+    H, S = SHAPES[shape]["H"], math.prod(SHAPES[shape]["grid"])
+    G = -(-S // C)
+    gen = torch.Generator(device="cuda").manual_seed(20261201)
+    q = (torch.randn(1, H, S, D, device="cuda", generator=gen)
+         + torch.randn(1, H, 1, D, device="cuda", generator=gen)).to(torch.bfloat16)
+    k = (torch.randn(1, H, S, D, device="cuda", generator=gen)
+         + 2 * torch.randn(1, H, 1, D, device="cuda", generator=gen)).to(torch.bfloat16)
+    _, lse = kernels.dense_attention(q, k, k, return_lse=True)
+    perm = torch.full((1, H, G * C), -1, dtype=torch.int32, device="cuda")
+    for h in range(H):
+        perm[0, h, :S] = torch.randperm(S, device="cuda", generator=gen).to(torch.int32)
+    by_pow2 = variant_ops(selection.fp8_operands(q, k, lse.float(), D**-0.5))
+    ref = launch_variant("kb pow2", by_pow2, perm, torch.full((1, H, G, S), float("nan"), device="cuda"))
+    got = launch_variant(name, by_pow2, perm, torch.full((1, H, G, S), float("nan"), device="cuda"))
+    torch.cuda.synchronize()
+    nan = int(got.isnan().sum())
+    rel = float(((got.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max())
+    bound = VARIANTS[name].get("rtol", POLY_RTOL)
+    ok = nan == 0 and (VARIANTS[name].get("exp") == "none" or rel <= bound)
+    print(f"{name}: NaN left {nan}, rel L2 vs kb pow2 {rel:.2e} (bound {bound}) -> {'ok' if ok else 'FAILED'}", flush=True)
+    sys.exit(0 if ok else 3)
+
+
+def _precompile_one(name, shape, go_file=None):
+    """``spawn_precompile``'s child: the variant's Gluon kernel compiled for the race's launches at ``shape``;
+    then, once ``go_file`` exists (at most 300 s), ``_check_one``."""
     from comfyui_mc_sparse_pack.kernels.triton import selection_sm90
 
     H, S = SHAPES[shape]["H"], math.prod(SHAPES[shape]["grid"])
@@ -164,6 +200,13 @@ def _precompile_one(name, shape):
                                                       **VARIANTS[name]["gluon"])
         selection_sm90._pass2_fwd_sm90.warmup(*args, grid=grid, **meta)
         del out
+    print(f"{name}: compiled", flush=True)
+    if go_file:
+        end = time.time() + 300
+        while not Path(go_file).exists() and time.time() < end:
+            time.sleep(0.2)
+        del q8, k8, qf, lse_s, kb, perm
+        _check_one(name, shape)
 
 
 def variant_ops(ops):
@@ -258,9 +301,10 @@ def main():
     ap.add_argument("--rep", type=int, default=100, help="do_bench budget per measurement, ms")
     ap.add_argument("--commit", default="")
     ap.add_argument("--precompile", help="(spawn_precompile's children) compile this Gluon variant and exit")
+    ap.add_argument("--go", help="(spawn_precompile's children) then check it once this file exists")
     args = ap.parse_args()
     if args.precompile:
-        _precompile_one(args.precompile, args.shapes.split(",")[0])
+        _precompile_one(args.precompile, args.shapes.split(",")[0], args.go)
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -168,7 +168,7 @@ def host_ms(fn, busy, n=5):
     return sorted(ts)[len(ts) // 2]
 
 
-def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log):
+def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_rc=None):
     """The parts at s = 0.25 in the same rounds as dense (docstring, item 3)."""
     S, H = q.shape[2], q.shape[1]
     G = perm.shape[-1] // C
@@ -222,6 +222,8 @@ def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log):
                 break
             try:
                 kw = p2.VARIANTS[vname]
+                if p2ws_child_rc is not None and kw.get("gluon") is not None and p2ws_child_rc.get(vname) != 0:
+                    raise AssertionError(f"not run: its check in a child process ended with {p2ws_child_rc.get(vname)}")
                 got = p2.launch_variant(vname, by_pow2, perm, torch.full((1, H, G, S), float("nan"), device=q.device))
                 if bool(got.isnan().any()):
                     raise AssertionError("NaN left in the output (an entry not written)")
@@ -296,6 +298,8 @@ def main():
     ap.add_argument("--p2ws-variants", default="", help="comma-separated tests/bench_pass2_exp.py VARIANTS to race")
     ap.add_argument("--budget", type=float, default=100.0, help="s since start after which race 2 adds no more items")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: code paths on a tiny shape")
+    ap.add_argument("--race2-only", action="store_true", help="no checks, no race 1, no scoreboard: race 2 alone "
+                    "(p2ws's pass-2 variants beside dense)")
     args = ap.parse_args()
     SMOKE = args.smoke
     if SMOKE:
@@ -325,30 +329,37 @@ def main():
     if variants and "1.3b" in shapes and not SMOKE:  # p2ws's Gluon variants compile in child processes meanwhile
         import bench_pass2_exp as p2
 
-        precompiling = p2.spawn_precompile(variants, "1.3b")
+        go_file = out_dir / "p2ws_children_go"
+        go_file.unlink(missing_ok=True)
+        precompiling = p2.spawn_precompile(variants, "1.3b", go_file=go_file, log_dir=out_dir)
     for name in shapes:
         res = report["shapes"][name] = {}
         try:
             q, k, v, lse, perm = make_inputs(name)
             log(f"{name} inputs ready (S {q.shape[2]}, H {q.shape[1]})")
-            res["checks"] = checks(q, k, lse, perm, q.shape[2], log, full=name != "14b")
-            save()
-            res["race1"] = race1(name, q, k, v, lse, perm, log)
-            save()
+            if not args.race2_only:
+                res["checks"] = checks(q, k, lse, perm, q.shape[2], log, full=name != "14b")
+                save()
+                res["race1"] = race1(name, q, k, v, lse, perm, log)
+                save()
             kept[name] = (q, k, v, lse, perm)
         except Exception as err:  # noqa: BLE001 (a failing shape is reported; the others still run)
             res["error"] = f"{type(err).__name__}: {str(err)[:500]}"
             log(f"{name} FAILED: {res['error']}")
             traceback.print_exc()
-    write_scoreboard(report, out_dir, command)
-    if precompiling:
-        p2.wait_precompile(precompiling, 15)  # normally done by now (race 1 took longer)
+    if not args.race2_only:
+        write_scoreboard(report, out_dir, command)
+    child_rc = None
+    if precompiling:  # compiled meanwhile; now each checks its variant in its own process (an illegal address there
+        go_file.touch()  # cannot poison this one); race 2 takes only the variants whose child passed
+        child_rc = p2.wait_precompile(precompiling, 40)
+        log("p2ws children (0 = compiled and checked): " + ", ".join(f"{n} {rc}" for n, rc in child_rc.items()))
     for name, inputs in kept.items():
         if time.time() - t0 > args.budget - (0 if name in ("1.3b", "smoke") else 20):
             log(f"{name} race 2 skipped (budget)")
             continue
         try:
-            report["shapes"][name]["race2"] = race2(name, *inputs, variants, args.budget, t0, log)
+            report["shapes"][name]["race2"] = race2(name, *inputs, variants, args.budget, t0, log, child_rc)
         except Exception as err:  # noqa: BLE001
             report["shapes"][name]["race2_error"] = f"{type(err).__name__}: {str(err)[:500]}"
             log(f"{name} race 2 FAILED: {report['shapes'][name]['race2_error']}")

@@ -189,7 +189,7 @@ def _tile_sums(acc, f, l2, kbv, s_ptr, stride_sn, keys, SK, has_g, POLY: gl.cons
                                 gl.DotOperandLayout(operand_index=0, parent=sum_layout, k_width=2))
         tok = warpgroup_mma(p16, ones, gl.zeros([x.shape[0], 8], gl.float32, layout=sum_layout), use_acc=False,
                             is_async=True)
-        rs, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok, p16, ones))
+        rs, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok, p16))
         col = gl.convert_layout(gl.sum(rs, 1), gl.SliceLayout(1, acc.type.layout))
     elif POLY % 4 == 1:
         # accumulator column c = 16 * m + 8 * n + 2 * (lane % 4) + r: n and r are this thread's registers
@@ -265,13 +265,14 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_
     q_tile.store(q)
     fence_async_shared()  # generic-proxy stores, read by wgmma through the async proxy
     q_t = q_tile.permute((1, 0))  # [D, BLOCK_M]: the wgmma's B operand, K-major
-    ones = ones_smem.index(HALF if POLY >= 10 else 0)
-    if POLY >= 10:  # the row-sum wgmma's B operand: [queries, 8] bfloat16, ones in column 0, zeros elsewhere
-        lo: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
-        oc = gl.arange(0, 8, layout=gl.SliceLayout(0, lo))
-        om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lo))
-        ones.store(gl.where((oc[None, :] == 0) & (om[:, None] >= 0), 1.0, 0.0).to(gl.bfloat16))
+    ones_k = ones_smem.index(HALF if POLY >= 10 else 0)
+    if POLY >= 10:  # the row-sum wgmma's B operand, stored K-major as [8, queries]: ones in row 0, zeros elsewhere
+        lo: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, 4], [1, 0])
+        orow = gl.arange(0, 8, layout=gl.SliceLayout(1, lo))
+        ocol = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, lo))
+        ones_k.store(gl.where((orow[:, None] == 0) & (ocol[None, :] >= 0), 1.0, 0.0).to(gl.bfloat16))
         fence_async_shared()
+    ones = ones_k.permute((1, 0))  # [queries, 8], K-major (as q_t)
 
     # the queries' LSE in base 2, one per accumulator column; padded / missing queries +inf (they add exactly 0)
     offs_c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -367,7 +368,7 @@ def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_
                 rs0, _ = warpgroup_mma_wait(num_outstanding=1, deps=(ts0, p0))
                 _store_rows(rs0, _kb(kb_base, t * BLOCK_N + offs_n, SK), s_ptr, stride_sn, t * BLOCK_N + offs_n, SK,
                             has_g, KB_POLY)
-                rs1, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(ts1, p1, ones, q_tile))
+                rs1, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(ts1, p1, ones_k, q_tile))
                 _store_rows(rs1, _kb(kb_base, (t + 1) * BLOCK_N + offs_n, SK), s_ptr, stride_sn,
                             (t + 1) * BLOCK_N + offs_n, SK, has_g, KB_POLY)
             else:
@@ -412,8 +413,8 @@ def _pass2_fwd_sm90(
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [GROUPS, BLOCK_M, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 8], gl.bfloat16)
-    ones_smem = gl.allocate_shared_memory(gl.bfloat16, [GROUPS if POLY >= 10 else 1, BLOCK_M, 8], ones_layout)
+    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_M], gl.bfloat16)
+    ones_smem = gl.allocate_shared_memory(gl.bfloat16, [GROUPS if POLY >= 10 else 1, 8, BLOCK_M], ones_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(NUM_STAGES):
