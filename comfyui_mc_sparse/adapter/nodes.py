@@ -91,9 +91,10 @@ class MCSparsePatch(io.ComfyNode):
                 ),
                 io.Combo.Input(
                     "backend", options=list(BACKENDS), default="auto",
-                    tooltip="Kernel backend. auto picks the fastest available (flash_attn4 or cuda_sdpa for dense "
-                            "passes, triton for the sparse ones); torch always works (slow). A backend that cannot "
-                            "run here falls back, and the run summary says which ran and why.",
+                    tooltip="Kernel backend. auto picks the fastest available: flash_attn4 or cuda_sdpa for the "
+                            "dense passes; for the sparse ones cutedsl or flash_attn4's paged route (the optional "
+                            "Hopper install, README), else triton; torch always works (slow). A backend that "
+                            "cannot run here falls back, and the run summary says which ran and why.",
                 ),
                 io.Int.Input(
                     "min_tokens", default=2048, min=0, max=1_000_000, step=256,
