@@ -273,3 +273,45 @@ def test_the_cache_peak_in_the_summary_is_the_stored_bytes_across_anchors(gen):
         assert c.nbytes == c.peak_bytes == c.host_bytes == c.peak_host_bytes == est.total_bytes, step
     assert runner.cache_where() == f"CPU memory {engine._size(est.total_bytes)}"
     assert f"metadata cache: peak CPU memory {engine._size(est.total_bytes)}" in runner.summary()
+
+
+def test_the_summary_headline_share_and_dense_runs(gen, monkeypatch):
+    """The headline's sparse share counts self-attention calls only (cross-attention's dense calls are not in it); a run
+    the pack turned dense before any sparse call says 'stayed dense' and why; a run interrupted before any sparse
+    call gets no 'no speedup' WARNING (mutations that left the suite green: the share over every call, the
+    'stayed dense' headline dropped, the WARNING without the interrupted check)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import engine
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+    from .test_adapter_inputs import _outer_sample
+
+    def run_three_steps():
+        s = settings.build_settings(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1",
+                                    query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+        run = lifecycle.RunState(s, torch.tensor([1.0, 0.8, 0.6, 0.0]))
+        x = torch.randn(2, 160, 128, generator=gen)
+        for sigma in (1.0, 0.8, 0.6):
+            for site in (CallSite(0, "wan"), None, None):  # one self-attention call, two cross-attention calls
+                opts = transformer_options(run, site, chunks=2, sigma=sigma)
+                override.make_override(None)(raw_attention, x, x, x, 2, transformer_options=opts)
+        return run
+
+    run = run_three_steps()
+    assert run.counts() == {"sparse": 4, "anchor": 2, "dense": 6}  # per CFG chunk
+    assert run.summary().startswith("MC-Sparse: 67% of self-attention sparse"), run.summary()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated bug in the anchor")
+
+    monkeypatch.setenv("MC_SPARSE_RAISE_ERRORS", "0")
+    monkeypatch.setattr(engine, "anchor_attention", broken)
+    run = run_three_steps()
+    assert run.counts()["sparse"] == 0
+    assert run.summary().startswith("MC-Sparse: stayed dense: internal error; dense for the rest of the run"), \
+        run.summary()
+
+    monkeypatch.undo()
+    _, text, _ = _outer_sample(monkeypatch, 0, RuntimeError("CUDA out of memory"))
+    assert "run interrupted before its first step" in text and "WARNING: no attention call went sparse" not in text
