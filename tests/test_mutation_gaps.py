@@ -315,3 +315,21 @@ def test_the_summary_headline_share_and_dense_runs(gen, monkeypatch):
     monkeypatch.undo()
     _, text, _ = _outer_sample(monkeypatch, 0, RuntimeError("CUDA out of memory"))
     assert "run interrupted before its first step" in text and "WARNING: no attention call went sparse" not in text
+
+
+def test_the_summary_says_when_the_cache_spilled_or_noted_something(gen):
+    """Entries the cache moved to CPU memory (GPU memory short) and the cache's own notes (pin budget used up, pinning
+    failed) reach the run summary (mutations: either line dropped left the suite green; the spill needs a GPU, so the
+    counters are set here as ``MetadataCache.put`` sets them)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import engine
+
+    runner = engine.MCSparseRunner(MCSparseConfig(density=0.5, group_size=64, warmup_steps=1, anchor_steps=(0,)),
+                                   backend="torch")
+    q, k, v = (torch.randn(1, 2, 128, 64, generator=gen) for _ in range(3))
+    runner.call(q, k, v, step=0, layer=0, key=CacheKey(0, "c"))
+    runner.cache._spill("cache placement gpu: GPU memory short (0.10 GiB free), entries moved to CPU memory")
+    runner.cache._once("CPU cache memory could not be pinned: copies are synchronous (slower)")
+    text = runner.summary()
+    assert "; 1 entries moved to CPU memory (GPU memory short)" in text, text
+    assert "note: cache placement gpu: GPU memory short (0.10 GiB free)" in text, text
+    assert "note: CPU cache memory could not be pinned" in text, text
