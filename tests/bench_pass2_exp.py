@@ -58,11 +58,11 @@ VARIANTS = {  # name: keywords of launch()
     "poly3 1/2 maxnreg 232": dict(poly3=(4, 4), maxnreg=232),
     "poly3 1/4 maxnreg 200": dict(poly3=(0, 4), maxnreg=200),
     "kb pow2": dict(kb_pow2=True),
-    "gluon ws": dict(gluon={}),  # the warp-specialised sm_90 kernel (selection_sm90), its defaults
-    "gluon ws poly3 1/4": dict(gluon=dict(poly=5)),  # a quarter of its exponentials on _exp2_poly3
-    "gluon ws kb poly": dict(gluon=dict(kb_poly=True)),  # its per-key factor on the FMA pipe
-    "gluon ws kb pow2": dict(gluon=dict(kb_poly=2), kb_pow2=True),  # 2^KB precomputed, as the Triton default
-    "gluon ws unroll 4": dict(gluon=dict(unroll=4)),
+    "gluon ws": dict(gluon=dict(poly=0, kb_poly=False)),  # the warp-specialised sm_90 kernel (selection_sm90), as in s5
+    "gluon ws poly3 1/4": dict(gluon=dict(poly=5, kb_poly=False)),  # a quarter of its exponentials on _exp2_poly3
+    "gluon ws kb poly": dict(gluon=dict(kb_poly=True, poly=0)),  # its per-key factor on the FMA pipe
+    "gluon ws kb pow2": dict(gluon=dict(kb_poly=2, poly=0), kb_pow2=True),  # 2^KB precomputed, as the Triton default
+    "gluon ws unroll 4": dict(gluon=dict(unroll=4, poly=0, kb_poly=False)),
     "kb pow2 st2": dict(kb_pow2=True, num_stages=2),
     "kb pow2 st4": dict(kb_pow2=True, num_stages=4),
     "kb pow2 stagger": dict(kb_pow2=True, stagger=True),
@@ -73,10 +73,10 @@ VARIANTS = {  # name: keywords of launch()
     # session 6: the Gluon kernel with 2^KB precomputed; per-thread stage releases (no warpgroup barrier per tile);
     # three consumer warpgroups (3 warps per SM sub-partition instead of 2); its two timing floors ("exp": "none"
     # skips the sums check): no exponential, and no product (the MUFU / FMA work and stores alone)
-    "gluon ws kb pow2 ta": dict(gluon=dict(kb_poly=2, thread_arrive=True), kb_pow2=True),
-    "gluon ws g3 kb pow2": dict(gluon=dict(groups=3, kb_poly=2), kb_pow2=True),
-    "gluon ws g3 kb pow2 ta": dict(gluon=dict(groups=3, kb_poly=2, thread_arrive=True), kb_pow2=True),
-    "gluon ws u4 kb pow2": dict(gluon=dict(unroll=4, kb_poly=2), kb_pow2=True),
+    "gluon ws kb pow2 ta": dict(gluon=dict(kb_poly=2, thread_arrive=True, poly=0), kb_pow2=True),
+    "gluon ws g3 kb pow2": dict(gluon=dict(groups=3, kb_poly=2, poly=0), kb_pow2=True),
+    "gluon ws g3 kb pow2 ta": dict(gluon=dict(groups=3, kb_poly=2, thread_arrive=True, poly=0), kb_pow2=True),
+    "gluon ws u4 kb pow2": dict(gluon=dict(unroll=4, kb_poly=2, poly=0), kb_pow2=True),
     "gluon ws no exp (floor)": dict(gluon=dict(poly=8, kb_poly=2), kb_pow2=True, exp="none"),
     "gluon ws no mma (floor)": dict(gluon=dict(poly=9, kb_poly=2), kb_pow2=True, exp="none"),
     # the row sums on the tensor cores (exponentials rounded to bfloat16, times a column of ones by a wgmma): no FADD
@@ -89,14 +89,16 @@ VARIANTS = {  # name: keywords of launch()
     "gluon ws sum mma poly 1/4": dict(gluon=dict(poly=12, kb_poly=2), kb_pow2=True, rtol=2e-3),
     # the two consumer warpgroups take turns issuing their products (FA3's pingpong)
     "gluon ws sum mma pp": dict(gluon=dict(poly=10, kb_poly=2, pingpong=True), kb_pow2=True, rtol=2e-3),
-    "gluon ws kb pow2 pp": dict(gluon=dict(kb_poly=2, pingpong=True), kb_pow2=True),
+    "gluon ws kb pow2 pp": dict(gluon=dict(kb_poly=2, pingpong=True, poly=0), kb_pow2=True),
     # each tile's row-sum wgmma waited for after the next tile's exponentials (+ a quarter on the FMA pipe, pingpong)
     "gluon ws sum mma defer": dict(gluon=dict(poly=20, kb_poly=2), kb_pow2=True, rtol=2e-3),
     "gluon ws sum mma defer poly 1/4": dict(gluon=dict(poly=22, kb_poly=2), kb_pow2=True, rtol=2e-3),
     "gluon ws sum mma defer pp": dict(gluon=dict(poly=20, kb_poly=2, pingpong=True), kb_pow2=True, rtol=2e-3),
     # each program takes a quarter of the keys (4x the programs: 1.3B 6144 instead of 1536, a smaller last wave)
     "gluon ws sum mma ks4": dict(gluon=dict(poly=10, kb_poly=2, ksplit=4), kb_pow2=True, rtol=2e-3),
-    "gluon ws kb pow2 ks4": dict(gluon=dict(kb_poly=2, ksplit=4), kb_pow2=True),
+    "gluon ws kb pow2 ks4": dict(gluon=dict(kb_poly=2, ksplit=4, poly=0), kb_pow2=True),
+    # the Gluon kernel at its default config (selection_sm90.config), as select_kv(gluon=True) runs it
+    "gluon ws default": dict(gluon={}, kb_pow2=True, rtol=2e-3),
 }
 
 
@@ -125,6 +127,9 @@ def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=Fa
     return out
 
 
+GLUON_DEFAULT_VARIANT = "gluon ws default"
+
+
 def spawn_precompile(names, shape="1.3b", go_file=None, log_dir=None):
     """One process per Gluon variant among ``names`` that compiles it for ``shape`` (float32 and float16 sums, the
     race's check and timing launches) into Triton's disk cache, so the race's first launches load it instead of
@@ -136,8 +141,9 @@ def spawn_precompile(names, shape="1.3b", go_file=None, log_dir=None):
     for name in names:
         if VARIANTS.get(name, {}).get("gluon") is not None:
             log = subprocess.DEVNULL if log_dir is None else open(Path(log_dir) / f"p2ws_child_{len(procs)}.log", "w")
-            procs[name] = subprocess.Popen(
-                [sys.executable, __file__, "--precompile", name, "--shapes", shape, "--out", "unused"]
+            shapes = f"{shape},14b" if name == GLUON_DEFAULT_VARIANT and shape != "14b" else shape  # select_kv's
+            procs[name] = subprocess.Popen(  # Gluon rows run at both shapes: its child checks both (14B on 5 heads)
+                [sys.executable, __file__, "--precompile", name, "--shapes", shapes, "--out", "unused"]
                 + ([] if go_file is None else ["--go", str(go_file)]), stdout=log, stderr=subprocess.STDOUT)
     return procs
 
@@ -156,11 +162,11 @@ def wait_precompile(procs, seconds):
     return rcs
 
 
-def _check_one(name, shape):
+def _check_one(name, shape, heads=None):
     """The variant on random operands at ``shape`` (bf16 q / k with a shared component per head, their exact LSE
     from the dense backend, random groups with -1 padding) against the Triton kernel (\"kb pow2\"): exit status 0
     when every entry is written and the sums are within the variant's bound; 3 otherwise."""
-    H, S = SHAPES[shape]["H"], math.prod(SHAPES[shape]["grid"])
+    H, S = heads or SHAPES[shape]["H"], math.prod(SHAPES[shape]["grid"])
     G = -(-S // C)
     gen = torch.Generator(device="cuda").manual_seed(20261201)
     q = (torch.randn(1, H, S, D, device="cuda", generator=gen)
@@ -179,13 +185,27 @@ def _check_one(name, shape):
     rel = float(((got.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max())
     bound = VARIANTS[name].get("rtol", POLY_RTOL)
     ok = nan == 0 and (VARIANTS[name].get("exp") == "none" or rel <= bound)
-    print(f"{name}: NaN left {nan}, rel L2 vs kb pow2 {rel:.2e} (bound {bound}) -> {'ok' if ok else 'FAILED'}", flush=True)
-    sys.exit(0 if ok else 3)
+    print(f"{name} {shape} H {H}: NaN left {nan}, rel L2 vs kb pow2 {rel:.2e} (bound {bound}) -> "
+          f"{'ok' if ok else 'FAILED'}", flush=True)
+    return ok
 
 
-def _precompile_one(name, shape, go_file=None):
-    """``spawn_precompile``'s child: the variant's Gluon kernel compiled for the race's launches at ``shape``;
-    then, once ``go_file`` exists (at most 300 s), ``_check_one``."""
+def _precompile_one(name, shapes, go_file=None):
+    """``spawn_precompile``'s child: the variant's Gluon kernel compiled for the race's launches at each shape;
+    then, once ``go_file`` exists (at most 300 s), ``_check_one`` at each (14B on 5 heads); exit status 3 if one
+    fails."""
+    for shape in shapes:
+        _compile_one(name, shape)
+    if go_file:
+        end = time.time() + 300
+        while not Path(go_file).exists() and time.time() < end:
+            time.sleep(0.2)
+        ok = [_check_one(name, shape, HEADS_14B if shape == "14b" else None) for shape in shapes]
+        sys.exit(0 if all(ok) else 3)
+
+
+def _compile_one(name, shape):
+    """The variant's Gluon kernel compiled (``warmup``) for float32 and float16 sums at ``shape``."""
     from comfyui_mc_sparse_pack.kernels.triton import selection_sm90
 
     H, S = SHAPES[shape]["H"], math.prod(SHAPES[shape]["grid"])
@@ -200,13 +220,7 @@ def _precompile_one(name, shape, go_file=None):
                                                       **VARIANTS[name]["gluon"])
         selection_sm90._pass2_fwd_sm90.warmup(*args, grid=grid, **meta)
         del out
-    print(f"{name}: compiled", flush=True)
-    if go_file:
-        end = time.time() + 300
-        while not Path(go_file).exists() and time.time() < end:
-            time.sleep(0.2)
-        del q8, k8, qf, lse_s, kb, perm
-        _check_one(name, shape)
+    print(f"{name} {shape}: compiled", flush=True)
 
 
 def variant_ops(ops):
@@ -304,7 +318,7 @@ def main():
     ap.add_argument("--go", help="(spawn_precompile's children) then check it once this file exists")
     args = ap.parse_args()
     if args.precompile:
-        _precompile_one(args.precompile, args.shapes.split(",")[0], args.go)
+        _precompile_one(args.precompile, args.shapes.split(","), args.go)
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -111,8 +111,9 @@ def checks(q, k, lse, perm, S, log, full=True):
     return r
 
 
-def race1(name, q, k, v, lse, perm, log):
-    """Dense, select_kv defaults and fused at every density, in the same rounds (docstring, item 2)."""
+def race1(name, q, k, v, lse, perm, log, gluon_row=False):
+    """Dense, select_kv defaults and fused at every density, in the same rounds (docstring, item 2); ``gluon_row``:
+    also select_kv(gluon=True) (p2ws's Gluon pass 2 at its default config, the separate top-K)."""
     S = q.shape[2]
     dname, dense = dense_fn(q, k, v)
     fns = {"dense": dense}
@@ -122,12 +123,15 @@ def race1(name, q, k, v, lse, perm, log):
                                                                          kv_tile=KV_TILE))(kk)
         fns[f"fused 1grp s={s}"] = (lambda kk: lambda: selection.select_kv(
             q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE, topk_fused=True, one_group=True))(kk)
+        if gluon_row:
+            fns[f"gluon s={s}"] = (lambda kk: lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C,
+                                                                          kv_tile=KV_TILE, gluon=True))(kk)
     ms = race(fns, rounds=3, target_ms=20.0)
     r = dict(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
              over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
     log(f"{name} RACE 1 (dense {dname} {ms['dense']:.3f} ms): " + " | ".join(
         f"s={s}: defaults {r['over_dense'][f'defaults s={s}']:.4f}, fused 1grp {r['over_dense'][f'fused 1grp s={s}']:.4f}"
-        for s in DENSITIES))
+        + (f", gluon {r['over_dense'][f'gluon s={s}']:.4f}" if gluon_row else "") for s in DENSITIES))
     return r
 
 
@@ -298,6 +302,8 @@ def main():
     ap.add_argument("--p2ws-variants", default="", help="comma-separated tests/bench_pass2_exp.py VARIANTS to race")
     ap.add_argument("--budget", type=float, default=100.0, help="s since start after which race 2 adds no more items")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: code paths on a tiny shape")
+    ap.add_argument("--p2ws-gluon-row", action="store_true", help="race 1 also times select_kv(gluon=True) (the Gluon "
+                    "pass 2 at its default config + the separate top-K) if that config passed its child check")
     ap.add_argument("--race2-only", action="store_true", help="no checks, no race 1, no scoreboard: race 2 alone "
                     "(p2ws's pass-2 variants beside dense)")
     args = ap.parse_args()
@@ -326,21 +332,28 @@ def main():
     kept = {}
     variants = [n.strip() for n in args.p2ws_variants.split(",") if n.strip()]
     precompiling = []
+    child_rc = None
     if variants and "1.3b" in shapes and not SMOKE:  # p2ws's Gluon variants compile in child processes meanwhile
         import bench_pass2_exp as p2
 
         go_file = out_dir / "p2ws_children_go"
-        go_file.unlink(missing_ok=True)
+        go_file.touch()  # each child checks its variant right after compiling, before race 1 (waited for there)
+        if args.p2ws_gluon_row and p2.GLUON_DEFAULT_VARIANT not in variants:
+            variants.insert(0, p2.GLUON_DEFAULT_VARIANT)
         precompiling = p2.spawn_precompile(variants, "1.3b", go_file=go_file, log_dir=out_dir)
     for name in shapes:
         res = report["shapes"][name] = {}
         try:
             q, k, v, lse, perm = make_inputs(name)
             log(f"{name} inputs ready (S {q.shape[2]}, H {q.shape[1]})")
+            if precompiling and child_rc is None:  # the children's checks end before anything is timed
+                child_rc = p2.wait_precompile(precompiling, 35)
+                log("p2ws children (0 = compiled and checked): " + ", ".join(f"{n} {rc}" for n, rc in child_rc.items()))
             if not args.race2_only:
                 res["checks"] = checks(q, k, lse, perm, q.shape[2], log, full=name != "14b")
                 save()
-                res["race1"] = race1(name, q, k, v, lse, perm, log)
+                gluon_row = bool(args.p2ws_gluon_row and child_rc and child_rc.get(p2.GLUON_DEFAULT_VARIANT) == 0)
+                res["race1"] = race1(name, q, k, v, lse, perm, log, gluon_row)
                 save()
             kept[name] = (q, k, v, lse, perm)
         except Exception as err:  # noqa: BLE001 (a failing shape is reported; the others still run)
@@ -349,11 +362,6 @@ def main():
             traceback.print_exc()
     if not args.race2_only:
         write_scoreboard(report, out_dir, command)
-    child_rc = None
-    if precompiling:  # compiled meanwhile; now each checks its variant in its own process (an illegal address there
-        go_file.touch()  # cannot poison this one); race 2 takes only the variants whose child passed
-        child_rc = p2.wait_precompile(precompiling, 40)
-        log("p2ws children (0 = compiled and checked): " + ", ".join(f"{n} {rc}" for n, rc in child_rc.items()))
     for name, inputs in kept.items():
         if time.time() - t0 > args.budget - (0 if name in ("1.3b", "smoke") else 20):
             log(f"{name} race 2 skipped (budget)")

@@ -170,13 +170,13 @@ def compile_gluon(D=128, S=75600, H=5, C=128, arch=90, **tuning):
                 setmaxnreg=setmax, sass=sass_census(ck))
 
 
-GLUON_VARIANTS = ({}, dict(poly=5), dict(kb_poly=2), dict(D=64), dict(kb_poly=True), dict(unroll=4), dict(poly=1), dict(unroll=4, poly=1),
-                  dict(unroll=4, poly=2), dict(unroll=4, poly=3), dict(num_stages=4), dict(groups=3),
-                  dict(groups=3, kb_poly=True), dict(kb_poly=2, thread_arrive=True),
-                  dict(groups=3, kb_poly=2, thread_arrive=True), dict(poly=8, kb_poly=2), dict(poly=9, kb_poly=2),
+GLUON_VARIANTS = ({}, dict(poly=5, kb_poly=False), dict(kb_poly=2, poly=0), dict(D=64), dict(kb_poly=True, poly=0), dict(unroll=4, poly=0), dict(poly=1), dict(unroll=4, poly=1),
+                  dict(unroll=4, poly=2), dict(unroll=4, poly=3), dict(num_stages=4, poly=0), dict(groups=3, poly=0),
+                  dict(groups=3, kb_poly=True, poly=0), dict(kb_poly=2, thread_arrive=True, poly=0),
+                  dict(groups=3, kb_poly=2, thread_arrive=True, poly=0), dict(poly=8, kb_poly=2), dict(poly=9, kb_poly=2),
                   dict(poly=10, kb_poly=2), dict(groups=3, poly=10, kb_poly=2), dict(poly=11, kb_poly=2),
                   dict(poly=12, kb_poly=2), dict(poly=10, kb_poly=2, pingpong=True),
-                  dict(kb_poly=2, pingpong=True, thread_arrive=True), dict(poly=10, kb_poly=2, ksplit=4),
+                  dict(kb_poly=2, pingpong=True, thread_arrive=True, poly=0), dict(poly=10, kb_poly=2, ksplit=4),
                   dict(poly=20, kb_poly=2), dict(poly=22, kb_poly=2, pingpong=True))
 
 

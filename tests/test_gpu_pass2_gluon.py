@@ -55,7 +55,8 @@ CASES = [  # B, H, S, Sk, D, C: G = 32 (even, ragged last group); B = 2, Sk != S
 VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], t) for t in (  # the newest first (a round's time cap cuts the tail)
     dict(poly=20), dict(poly=22, pingpong=True, ksplit=3), dict(poly=10), dict(poly=10, ksplit=3), dict(ksplit=5), dict(poly=10, pingpong=True), dict(poly=12), dict(poly=11),
     dict(poly=10, thread_arrive=True), dict(groups=3, poly=10), dict(pingpong=True, thread_arrive=True),
-    dict(thread_arrive=True), dict(groups=3, thread_arrive=True), dict(kb_poly=True), dict(groups=3))]
+    dict(thread_arrive=True), dict(groups=3, thread_arrive=True, poly=0), dict(kb_poly=True), dict(groups=3, poly=0),
+    dict(poly=0, kb_poly=False))]  # the last: the configuration of session 5 (FADD row sums, 2^KB in the kernel)
 BF16_P_RTOL = 2e-3  # poly >= 10: the exponentials rounded to bfloat16 (2^-9) before the tensor cores sum them
 
 
@@ -70,8 +71,10 @@ def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, tuning):
     ``BF16_P_RTOL`` relative L2 per group of both, 1e-2 per entry of the Triton kernel's."""
     selection, g90, _ = _mods()
     B, H, S, SK, D, C = case
+    eff = {**g90.config(D), **tuning}  # the launch's configuration
+    pow2 = eff["kb_poly"] == 2  # the operands carry 2^KB
     q, k, lse, perm = _case(*case, seed=SEED + S + len(str(tuning)))
-    q8, k8, qf, lse_s, kb = selection.fp8_operands(q, k, lse, D**-0.5)
+    q8, k8, qf, lse_s, kb = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=pow2)
     G = perm.shape[-1] // C
     want32 = selection.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, gluon=False)
     want16 = torch.empty(B, H, G, SK, dtype=torch.float16, device="cuda")
@@ -81,7 +84,7 @@ def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, tuning):
         g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, **tuning)
         torch.cuda.synchronize()
         assert not out.isnan().any(), f"{int(out.isnan().sum())} entries not written ({dtype})"
-        bf16_p = tuning.get("poly", 0) >= 10
+        bf16_p = eff["poly"] >= 10
         if dtype == torch.float32:
             rel_t = float(((out - want).abs() / want.abs().clamp_min(1e-30)).max())
             print(f"fp32: max relative difference to the Triton kernel {rel_t:.2e}")
@@ -99,12 +102,12 @@ def test_gluon_pass2_equals_float64_and_the_triton_kernel(case, tuning):
     (_, qs), (_, ks) = selection.fp8_stats(q), selection.fp8_stats(k)
     deq = reference.group_prob_sums(q8.double() * qs.double()[..., None, None],
                                     k8.double() * ks.double()[..., None, None], lse_s.double(), perm, group_size=C)
-    deq = deq * torch.exp2(kb.double())[:, :, None, :]
+    deq = deq * (kb.double() if pow2 else torch.exp2(kb.double()))[:, :, None, :]
     out = torch.full((B, H, G, SK), float("nan"), dtype=torch.float32, device="cuda")
     g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, **tuning)
     rel = (out.double() - deq).norm(dim=-1) / deq.norm(dim=-1)
     print(f"float64: max relative L2 per group {float(rel.max()):.2e}")
-    assert float(rel.max()) < (BF16_P_RTOL if tuning.get("poly", 0) >= 10 else 5e-4), float(rel.max())
+    assert float(rel.max()) < (BF16_P_RTOL if eff["poly"] >= 10 else 5e-4), float(rel.max())
 
 
 def test_gluon_pass2_through_the_dispatch_and_select_kv():
@@ -116,7 +119,7 @@ def test_gluon_pass2_through_the_dispatch_and_select_kv():
     S, D, C, H, kq = 2900, 128, 128, 2, 734
     q, k, lse, perm = _case(1, H, S, S, D, C, seed=SEED)
     G = perm.shape[-1] // C
-    q8, k8, qf, lse_s, kb = selection.fp8_operands(q, k, lse, D**-0.5)
+    q8, k8, qf, lse_s, kb = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=dispatch.gluon_kb_pow2(D))
     direct = torch.full((1, H, G, S), float("nan"), device="cuda")
     g90.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, direct, group_size=C)
     out = selection.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, gluon=True)

@@ -55,7 +55,10 @@ _LOG2E = 1.4426950408889634
 
 def config(head_dim: int) -> dict:
     """Launch config: ring depth and the register split (12 warps: 2 consumer warpgroups + 1 producer warpgroup)."""
-    return dict(num_stages=8, consumer_regs=232, producer_regs=40, maxnreg=168, unroll=2, poly=0, kb_poly=False, groups=2,
+    # poly 20: the row sums on the tensor cores, deferred; kb_poly 2: the operands carry 2^KB (select_kv hands them
+    # when this config says so: pass2_dispatch.gluon_kb_pow2). The kernel runs only with gluon=True /
+    # MC_SPARSE_PASS2_GLUON=1 (pass2_dispatch.GLUON_DEFAULT is off).
+    return dict(num_stages=8, consumer_regs=232, producer_regs=40, maxnreg=168, unroll=2, poly=20, kb_poly=2, groups=2,
                 thread_arrive=False, pingpong=False, ksplit=1)
 
 
