@@ -18,13 +18,16 @@ T_TEST=${T_TEST:-25}
 P2WS_VARIANTS=${P2WS_VARIANTS:-}
 P2WS_TEST=${P2WS_TEST:-}
 mkdir -p "$OUT"
-if [ -n "$P2WS_TEST" ]; then
+if [ "$P2WS_TEST" = isolated ]; then  # p2ws: each Gluon GPU test case in its own process, all at once
+    bash tests/gpu_p2ws_tests.sh "$OUT" "$T_TEST"
+elif [ -n "$P2WS_TEST" ]; then
     timeout "$T_TEST" python3 -m pytest -q -m gpu tests/test_gpu_pass2_gluon.py -k "$P2WS_TEST" -p no:cacheprovider \
         > "$OUT/p2ws_gpu_tests.log" 2>&1
     echo "p2ws gpu tests: rc=$?"
     tail -3 "$OUT/p2ws_gpu_tests.log"
 fi
 timeout "$T_BENCH" python3 tests/bench_select_race.py --out "$OUT" --shapes "$SHAPES" ${COMMIT:+--commit "$COMMIT"} \
-    --p2ws-variants "$P2WS_VARIANTS" --budget $((T_BENCH - 10)) > "$OUT/bench.log" 2>&1
+    --p2ws-variants "$P2WS_VARIANTS" ${P2WS_GLUON_ROW:+--p2ws-gluon-row} --budget $((T_BENCH - 10)) \
+    > "$OUT/bench.log" 2>&1
 echo "bench: rc=$?"
-grep -E "CHECK|RACE|FAILED|Error|skipped|done" "$OUT/bench.log" | tail -30
+grep -E "CHECK|RACE|FAILED|Error|skipped|children|done" "$OUT/bench.log" | tail -30
