@@ -3,9 +3,15 @@
 Same contract, operands and arithmetic as the Triton pair kernel with ``FP8=True`` (MC-Sparse sec. 3.3; the float8
 operands of ``selection.fp8_operands``): for two query groups of one (b, h) per program,
 ``sums[b, h, g, j] = 2^KB[b, h, j] x sum over the group's queries i of 2^((q8_i . k8_j) * QF[b*H + h] - LSE_s[i] *
-log2(e))``, stored in the output's dtype (float16 in ``select_kv``'s scratch). Each score is one FFMA, one MUFU ex2
-and one FADD as in the Triton kernel (the same fp32 accumulator from the same e4m3 wgmma, the same ex2.approx);
-only the order of the fp32 additions of a key's row sum may differ.
+log2(e))``, stored in the output's dtype (float16 in ``select_kv``'s scratch). With ``poly`` 0 each score is one
+FFMA, one MUFU ex2 and one FADD as in the Triton kernel (the same fp32 accumulator from the same e4m3 wgmma, the same
+ex2.approx; only the order of the fp32 additions of a key's row sum may differ). The default config (``poly`` 20)
+sums the rows on the tensor cores instead: the tile's exponentials are rounded to bfloat16 (the register A operand)
+and multiplied by a [queries, 8] bfloat16 tile with ones in column 0 (m64n8k16 wgmmas into fp32), one F2FP per two
+scores instead of one FADD per score and no reduction chains; each tile's row-sum wgmma is waited for after the
+next tile's exponentials. Its sums differ from the fp32 ones by the bfloat16 rounding of each term (2^-9 relative;
+relative L2 per group ~2e-4 - 8e-4), far below the float8 products' own error; the top-K contract (the exact top-K of
+the sums it wrote) is unchanged.
 
 What is different is the schedule. The Triton kernel runs one warpgroup that issues the wgmma, waits for it, then
 takes the exponentials, so the tensor cores and the MUFU units mostly take turns (docs/kernels.md, "select_kv").
@@ -21,7 +27,13 @@ Here one program is three warpgroups (``gl.warp_specialize``):
   releases its stage and takes its exponentials and row sums while the second is still on the tensor cores, then
   the second. The two warpgroups run independently, so one's exponentials also overlap the other's products.
 
-Shared memory: 2 x 128 x D (queries) + NUM_STAGES x 64 x D (keys) bytes: D = 128, 8 stages: 96 KiB.
+Options (``launch_args``): ``pingpong`` (the consumers take turns issuing their products, FA3's schedule),
+``thread_arrive`` (stage releases per thread, no warpgroup barrier per tile), ``ksplit`` (a program takes 1/ksplit
+of the keys: the sums over a group's queries are complete per key, so splits need no merge), ``poly`` shares of the
+exponentials on the FMA pipe, ``groups`` 3, ``unroll`` 1 / 4, and two timing floors (no exponential; no product).
+
+Shared memory: 2 x 128 x D (queries) + NUM_STAGES x 64 x D (keys) bytes + 2 x 2 KiB (the ones tiles): D = 128,
+8 stages: ~100 KiB.
 Runs on CUDA sm_90 only (wgmma, TMA, ``setmaxnreg``); Gluon has no interpreter mode in Triton 3.6, so CPU tests cover
 the dispatch, refusals and fallback in ``selection.group_prob_sums`` and the offline compile
 (``tests/ptxas_select.py --gluon``); ``tests/test_gpu_pass2_gluon.py`` checks it against float64 and the Triton
