@@ -317,10 +317,6 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
                                                                               persistent=True, num_stages=3,
                                                                               thread_arrive=True, early_q=True,
                                                                               cp_async_fence=False),
-    # FA3's intra-warpgroup overlap with the same (flash-attn-4's sm90 consumer schedule: softmax under the P V)
-    "gluon overlap pingpong persistent 3 stages thread_arrive early_q no_fence": dict(
-        _gluon=True, overlap=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
-        cp_async_fence=False),
     # the queries in registers (QK^T's A operand), the Q slot freed at each item's start
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
@@ -329,6 +325,9 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence idx2": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
         cp_async_fence=False, idx_ahead=2),
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs idx2": dict(
+        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+        cp_async_fence=False, q_regs=True, idx_ahead=2),
     "gluon pingpong persistent stage_out": dict(_gluon=True, pingpong=True, persistent=True, stage_out=True),  # 16-byte
     # output stores through the Q tile (the CuTeDSL kernel's staged epilogue: +2-3 % at small s)
     "gluon overlap pingpong persistent stage_out": dict(_gluon=True, overlap=True, pingpong=True, persistent=True,
@@ -820,7 +819,7 @@ def _run_shapes(args, shapes, densities, report, log, t0):
                 run_gluon_shape(name, SHAPES[name], densities,
                                                          args.reps or (5 if name == "1.3b" else args.reps_14b),
                                                          log, configs,
-                                                         deadline=t0 + args.budget - 12 - 22 * (len(shapes) - 1 - j)
+                                                         deadline=t0 + args.budget - 8 - 18 * (len(shapes) - 1 - j)
                                                          if args.budget else None, with_triton=args.with_triton,
                                                          res=report["shapes"][name])
             else:

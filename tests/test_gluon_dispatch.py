@@ -163,7 +163,8 @@ class _Fake:
     def sparse_attention(self, *a, **kw):
         self.calls += 1
         sched = {n: kw.pop(n) for n in ("pingpong", "persistent", "overlap", "pipeline", "num_stages", "stage_out",
-                                        "thread_arrive") if n in kw}
+                                        "thread_arrive", "early_q", "cp_async_fence", "q_regs", "idx_ahead")
+                 if n in kw}
         self.options.append(sched)
         return _dispatch()._triton_kernel.sparse_attention(*a, **kw)
 
@@ -193,15 +194,15 @@ def auto_gluon(monkeypatch):
     d.reset()
 
 
-@pytest.mark.parametrize(("times", "want"), [((1.0, 1.5), "pingpong persistent 3 stages thread_arrive"),
-                                             ((3.0, 1.0), "pingpong persistent stage_out")])
+@pytest.mark.parametrize(("times", "want"), [((1.0, 1.5), "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs"),
+                                             ((3.0, 1.0), "pingpong persistent 3 stages thread_arrive early_q no_fence idx2")])
 def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, times, want):
     """The first call of a shape times each AUTO_SCHEDULES entry (each with its own launch options; the Triton kernel
     is not a candidate), keeps the fastest for that shape, returns the chosen kernel's result; later calls of the
     shape run the choice (its schedule's options) without timing; another K_alloc is timed anew."""
     fake, timer = auto_gluon
     d = _dispatch()
-    assert d.AUTO_SCHEDULES == ("pingpong persistent 3 stages thread_arrive", "pingpong persistent stage_out")
+    assert d.AUTO_SCHEDULES == ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs", "pingpong persistent 3 stages thread_arrive early_q no_fence idx2")
     assert list(d.GLUON_SCHEDULES)[0] == "plain"  # what "on" runs
     q, k, v, perm, idx = _inputs(gen)
     ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
@@ -210,8 +211,8 @@ def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, t
     got = d.sparse_attention(q, k, v, perm, idx, out=out)
     assert got is out and float((out.double() - ref).norm() / ref.norm()) < 4e-3
     assert timer.timed == 2 and list(d.choices.values()) == [want]
-    schedules = [dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True),
-                 dict(pingpong=True, persistent=True, stage_out=True)]
+    base = dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False)
+    schedules = [dict(base, q_regs=True), dict(base, idx_ahead=2)]
     assert fake.options[:2] == schedules  # each compiled and launched once
     assert fake.options[2:4] == schedules  # each timed with its own options
     calls = fake.calls
@@ -233,7 +234,7 @@ def test_auto_mode_leaves_out_a_failing_schedule(gen, auto_gluon, monkeypatch):
     works = fake.sparse_attention
 
     def flaky(*a, **kw):
-        if kw.get("stage_out"):
+        if kw.get("idx_ahead") == 2:
             raise RuntimeError("out of resource: shared memory")
         return works(*a, **kw)
 
@@ -242,7 +243,7 @@ def test_auto_mode_leaves_out_a_failing_schedule(gen, auto_gluon, monkeypatch):
     q, k, v, perm, idx = _inputs(gen)
     timer.times = [2.0]
     d.sparse_attention(q, k, v, perm, idx)
-    assert timer.timed == 1 and list(d.choices.values()) == ["pingpong persistent 3 stages thread_arrive"]
+    assert timer.timed == 1 and list(d.choices.values()) == [d.AUTO_SCHEDULES[0]]
     assert d.fallback_reason() is None
 
 

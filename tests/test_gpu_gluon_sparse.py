@@ -144,7 +144,8 @@ NO_FENCE = {"no-fence": (dict(cp_async_fence=False), "plain"),
             "overlap-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, overlap=True), "int4_row"),
             # the queries as the QK^T's register operand, the Q slot freed at each item's start
             "q-regs-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, q_regs=True), "plain"),
-            "idx-ahead-2-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, idx_ahead=2), "plain")}
+            "idx-ahead-2-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, idx_ahead=2), "plain"),
+            "q-regs-idx-ahead-2": (dict(cp_async_fence=False, early_q=True, q_regs=True, idx_ahead=2), "int4_group")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(NO_FENCE.values()), ids=list(NO_FENCE))

@@ -70,17 +70,18 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence idx2": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         idx_ahead=2),
-    # FA3's intra-warpgroup overlap (tile t's softmax under tile t-1's P V) with all of the above
-    "overlap pingpong persistent 3 stages thread_arrive early_q no_fence": dict(
-        overlap=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
-        cp_async_fence=False),
 }
 # What the auto mode times per shape. H200, 2026-12-01 13:42 (tests/_timing.race, vs flash-attn-4 dense with LSE x s,
 # 1.3B 480p / 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5): pingpong persistent with the 3-deep ring and per-thread
 # arrives 0.698 / 0.742 / 0.773 / 0.790 and 0.784 / 0.822 / 0.837 / 0.838, the best at every point (+5-12 % over the
 # op as it was: the 2-stage ring, the 3-deep ring alone or the staged epilogue, 0.654 / 0.713 / 0.718 / 0.745 and
-# 0.748 / 0.730 / 0.765 / 0.781); the staged epilogue (2-stage ring, two Q slots) stays as the other candidate.
-AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive", "pingpong persistent stage_out")
+# 0.748 / 0.730 / 0.765 / 0.781). Round of 2026-12-01 15:25 (same method, s = 0.1 only for the variants): that
+# schedule (the op) 1.398 / 24.87 ms at 1.3B / 14B; without the proxy fence and with the Q slot freed at each item's
+# last QK^T (early_q no_fence) 1.325 / 23.63 ms (+5.5 / +5 %); + the queries in registers (q_regs) 1.330 / 23.28 ms;
+# FA3's overlap with both 1.639 ms (-17 %). The auto mode times the q_regs schedule and early_q no_fence with the
+# producer's indices two tiles ahead (idx2).
+AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs",
+                  "pingpong persistent 3 stages thread_arrive early_q no_fence idx2")
 choices: dict[tuple, str] = {}  # shape key -> an AUTO_SCHEDULES name (auto mode); times in _times
 _times: dict[tuple, dict[str, float]] = {}
 _failures = registry.FailureMemo(GLUON_KEY)
