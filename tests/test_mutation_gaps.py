@@ -333,3 +333,26 @@ def test_the_summary_says_when_the_cache_spilled_or_noted_something(gen):
     assert "; 1 entries moved to CPU memory (GPU memory short)" in text, text
     assert "note: cache placement gpu: GPU memory short (0.10 GiB free)" in text, text
     assert "note: CPU cache memory could not be pinned" in text, text
+
+
+def test_the_token_count_suggested_after_an_out_of_memory_fits_exactly():
+    """After an out of memory error the 'fewer latent tokens: at most T' suggestion is exact for a cache of that many
+    entries (warm-up layers hold none): T tokens fit, T + 1 do not; with no GPU memory at all nothing is suggested
+    (mutations that left the suite green: the suggestion's layers without the warm-up layers, i.e. fewer entries
+    than the run's; 'at most 0 tokens' suggested)."""
+    import re
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import memory
+
+    cfg = MCSparseConfig(density=0.25, warmup_layers=2, residual_dtype="bfloat16", cache_placement="gpu",
+                         cache_headroom_gib=0.0)
+    entries, free = 28, 3 << 30
+    tips = memory.suggest_settings(cfg, (1, 12, 32760, 128), entries, free)
+    tokens = int(re.search(r"fewer latent tokens: at most (\d+)", " ".join(tips)).group(1))
+
+    def plan(t):
+        return memory.plan_cache(cfg, heads=12, head_dim=128, layers=entries + cfg.warmup_layers, tokens=t, branches=1,
+                                 gpu_free=free, host=None, suggest=False)
+
+    assert not plan(tokens).dense and plan(tokens).estimate.entries == entries and plan(tokens + 1).dense
+    assert not any("fewer latent tokens" in t for t in memory.suggest_settings(cfg, (1, 12, 32760, 128), entries, 0))
