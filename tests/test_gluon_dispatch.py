@@ -287,7 +287,7 @@ def test_early_q_only_where_the_q_slot_is_free_after_the_last_qk():
         g.launch_args(q, q, q, perm, idx, q_regs=True, **base)
     assert g.launch_args(q, q, q, perm, idx, idx_ahead=2, **base)[2]["IDX_AHEAD"] == 2
     with pytest.raises(ValueError, match="idx_ahead"):
-        g.launch_args(q, q, q, perm, idx, idx_ahead=3, **base)
+        g.launch_args(q, q, q, perm, idx, idx_ahead=4, **base)
 
 
 def test_tuning_goes_to_the_triton_kernel(gen, failing_gluon):

@@ -128,7 +128,9 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
                                              thread_arrive=True, early_q=True, cp_async_fence=False), "fp8_row"),
            # each tile's indices loaded two tiles ahead (single-tile items: tile 1's preload is past the count)
            "idx-ahead-2": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3, thread_arrive=True,
-                                early_q=True, cp_async_fence=False, idx_ahead=2), "int4_group")}
+                                early_q=True, cp_async_fence=False, idx_ahead=2), "int4_group"),
+           "q-regs-idx-ahead-3": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3, thread_arrive=True,
+                                       early_q=True, cp_async_fence=False, q_regs=True, idx_ahead=3), "fp8_row")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(TUNINGS.values()), ids=list(TUNINGS))
@@ -145,7 +147,7 @@ NO_FENCE = {"no-fence": (dict(cp_async_fence=False), "plain"),
             # the queries as the QK^T's register operand, the Q slot freed at each item's start
             "q-regs-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, q_regs=True), "plain"),
             "idx-ahead-2-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, idx_ahead=2), "plain"),
-            "q-regs-idx-ahead-2": (dict(cp_async_fence=False, early_q=True, q_regs=True, idx_ahead=2), "int4_group")}
+            "q-regs-idx-ahead-3": (dict(cp_async_fence=False, early_q=True, q_regs=True, idx_ahead=3), "int4_group")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(NO_FENCE.values()), ids=list(NO_FENCE))

@@ -218,9 +218,10 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
     row and request), 8 row addresses per thread. Every 32-byte sector is read once; the copies bypass L1. The tile's
     indices are loaded once for K and V, one tile ahead. EARLY_Q (one Q slot): the consumers free the slot at their
     item's last QK^T, so the next item's queries go out right behind its tile 0 (before its tiles 1 ..), landing
-    while the consumers still run the last tile's softmax, P V and the epilogue. IDX_AHEAD 2: each tile's indices are
-    loaded two tiles ahead (two index loads in flight: a tile's copies wait for an index load issued two tiles
-    earlier, not one: the producer's chain of dependent index loads is one round trip per two tiles)."""
+    while the consumers still run the last tile's softmax, P V and the epilogue. IDX_AHEAD 2 (3): each tile's indices are
+    loaded two (three) tiles ahead (that many index loads in flight: a tile's copies wait for an index load issued
+    two (three) tiles earlier, not one: the producer's chain of dependent index loads is one round trip per two
+    (three) tiles)."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ROW_THREADS, ROW_THREADS], [4, 1], [1, 0])
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
     offs_m = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
@@ -234,8 +235,11 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
         # past the count are -1 there: no count needed), the query rows (PERSISTENT)
         tail = _tail_probe(idx_base, K_ALLOC, True, 128, 4, STREAM)
         kv_next = gl.load(idx_base + offs_n, mask=offs_n < K_ALLOC, other=-1, eviction_policy=STREAM)  # tile 0's
-        if IDX_AHEAD == 2:  # and tile 1's
+        if IDX_AHEAD >= 2:  # and tile 1's
             kv_next2 = gl.load(idx_base + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < K_ALLOC, other=-1,
+                               eviction_policy=STREAM)
+        if IDX_AHEAD == 3:  # and tile 2's
+            kv_next3 = gl.load(idx_base + 2 * BLOCK_N + offs_n, mask=2 * BLOCK_N + offs_n < K_ALLOC, other=-1,
                                eviction_policy=STREAM)
         if PERSISTENT:
             rows_a = row0 + offs_m
@@ -263,7 +267,12 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
             kv = gl.where((kv_next >= 0) & (kv_next < SK), kv_next, 0)
             if ROW64:
                 kv = kv.to(gl.int64)
-            if IDX_AHEAD == 2:  # tile t + 2's indices: two loads in flight
+            if IDX_AHEAD == 3:  # tile t + 3's indices: three loads in flight
+                nxt = slots + 3 * BLOCK_N
+                kv_next = kv_next2
+                kv_next2 = kv_next3
+                kv_next3 = gl.load(idx_base + nxt, mask=nxt < n_end, other=0, eviction_policy=STREAM)
+            elif IDX_AHEAD == 2:  # tile t + 2's indices: two loads in flight
                 nxt = slots + 2 * BLOCK_N
                 kv_next = kv_next2
                 kv_next2 = gl.load(idx_base + nxt, mask=nxt < n_end, other=0, eviction_policy=STREAM)
@@ -811,8 +820,8 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     early_q = bool(cfg["early_q"] if early_q is None else early_q)
     cp_async_fence = bool(cfg["cp_async_fence"] if cp_async_fence is None else cp_async_fence)
     q_regs = bool(cfg["q_regs"] if q_regs is None else q_regs)
-    if (cfg["idx_ahead"] if idx_ahead is None else idx_ahead) not in (1, 2):
-        raise ValueError(f"idx_ahead must be 1 or 2, got {idx_ahead}")
+    if (cfg["idx_ahead"] if idx_ahead is None else idx_ahead) not in (1, 2, 3):
+        raise ValueError(f"idx_ahead must be 1, 2 or 3, got {idx_ahead}")
     if q_regs and not early_q:
         raise ValueError("q_regs frees the Q slot at the item's start: it needs early_q (the producer's order)")
     if early_q and (stage_out or not persistent):
@@ -870,7 +879,7 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             sm90 forward and CUTLASS's cp.async GMMA mainloops; ``_mainloop``), ``q_regs`` (with ``early_q``: each
             consumer warpgroup loads its 64 query rows into registers at the item's start (the QK^T's A operand) and
             frees the Q slot at once, so the next item's queries load during this item's whole mainloop),
-            ``idx_ahead`` (1 or 2: the producer loads each tile's kv_idx slots that many tiles ahead).
+            ``idx_ahead`` (1, 2 or 3: the producer loads each tile's kv_idx slots that many tiles ahead).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:
