@@ -219,6 +219,14 @@ def test_op_auto_mode_times_every_schedule_and_matches_float64(monkeypatch):
     d.reset()
 
 
+def test_auto_first_schedule_head_dim_64():
+    """The auto mode's first schedule (queries in registers since 2026-12-01 15:45: the A operand's layout depends on
+    D) at D = 64, fp16, a plain residual, 7 persistent programs, ragged counts, LSE."""
+    d = _dispatch()
+    _check(2, 2, 1500 + 3, 64, 128, 300, 512, "plain", torch.float16, seed=31, ragged_counts=True, num_sms=7,
+           **d.GLUON_SCHEDULES[d.AUTO_SCHEDULES[0]])
+
+
 def test_auto_first_schedule_bf16_plain_residual_cfg_batch():
     """The auto mode's first schedule (AUTO_SCHEDULES[0]) as the 1.3B whole run calls it: bf16, B = 2 (both CFG
     branches in one launch), a plain bf16 residual, native views, out written by strides; 7 persistent programs walk
