@@ -356,3 +356,26 @@ def test_the_token_count_suggested_after_an_out_of_memory_fits_exactly():
 
     assert not plan(tokens).dense and plan(tokens).estimate.entries == entries and plan(tokens + 1).dense
     assert not any("fewer latent tokens" in t for t in memory.suggest_settings(cfg, (1, 12, 32760, 128), entries, 0))
+
+
+def test_an_entry_of_another_shape_is_never_reused(gen):
+    """A reuse call whose stored entry was made for another q shape (same key: here keys without a shape, as the demo
+    and raylight build them) anchors again ('late anchor', noted) instead of reusing the stale groups, and the summary's
+    'anchor steps taken' lists only the scheduled anchors (mutations that left the suite green: the freshness check
+    without the shape; every anchor call listed as a scheduled anchor)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import engine
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.schedule import StepKind
+    from comfyui_mc_sparse_pack.kernels import reference
+
+    runner = engine.MCSparseRunner(MCSparseConfig(density=0.5, group_size=64, warmup_steps=1, anchor_steps=(0,)),
+                                   backend="torch")
+    key = CacheKey(1, "c")
+    small = [torch.randn(1, 2, 128, 64, generator=gen) for _ in range(3)]
+    large = [torch.randn(1, 2, 192, 64, generator=gen) for _ in range(3)]
+    assert runner.call(*small, step=0, layer=1, key=key)[1] is StepKind.ANCHOR
+    out, kind = runner.call(*large, step=1, layer=1, key=key)
+    assert kind is StepKind.ANCHOR and tuple(runner.cache.get(key).shape) == (1, 2, 192, 64)
+    torch.testing.assert_close(out, reference.dense_attention(*large), rtol=2e-2, atol=2e-2)  # an anchor is dense + R
+    assert runner.call(*large, step=2, layer=1, key=key)[1] is StepKind.REUSE
+    text = runner.summary()
+    assert "late anchor at step 2 (1-based)" in text and "anchor steps taken (1-based): 1\n" in text + "\n", text
