@@ -195,7 +195,7 @@ def _precompile_one(name, shapes, go_file=None):
     then, once ``go_file`` exists (at most 300 s), ``_check_one`` at each (14B on 5 heads); exit status 3 if one
     fails."""
     for shape in shapes:
-        _compile_one(name, shape)
+        _compile_one(name, shape, HEADS_14B if shape == "14b" else None)
     if go_file:
         end = time.time() + 300
         while not Path(go_file).exists() and time.time() < end:
@@ -204,11 +204,12 @@ def _precompile_one(name, shapes, go_file=None):
         sys.exit(0 if all(ok) else 3)
 
 
-def _compile_one(name, shape):
-    """The variant's Gluon kernel compiled (``warmup``) for float32 and float16 sums at ``shape``."""
+def _compile_one(name, shape, heads=None):
+    """The variant's Gluon kernel compiled (``warmup``) for float32 and float16 sums at ``shape`` (``heads``: fewer
+    heads, the same specialisation)."""
     from comfyui_mc_sparse_pack.kernels.triton import selection_sm90
 
-    H, S = SHAPES[shape]["H"], math.prod(SHAPES[shape]["grid"])
+    H, S = heads or SHAPES[shape]["H"], math.prod(SHAPES[shape]["grid"])
     G = -(-S // C)
     q8 = torch.empty(1, H, S, D, dtype=torch.float8_e4m3fn, device="cuda")
     k8 = torch.empty(1, H, S, D, dtype=torch.float8_e4m3fn, device="cuda")
