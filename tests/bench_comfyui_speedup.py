@@ -407,9 +407,22 @@ def timed_sample(env: Env, patcher, *, steps: int, shape, cfg: float, sampler: s
     cg = torch.Generator().manual_seed(seed + 1)
     positive = [[torch.randn(1, 512, 4096, generator=cg), {}]]
     negative = [[torch.randn(1, 512, 4096, generator=cg), {}]]
+    gc_pauses = rec["gc_pauses"] = []  # (start, end, generation) of every garbage collection during the call
+    gc_open = {}
+
+    def gc_watch(phase, info):
+        if phase == "start":
+            gc_open["t"] = time.perf_counter()
+        elif "t" in gc_open:
+            gc_pauses.append((gc_open.pop("t"), time.perf_counter(), info.get("generation")))
+
+    gc.callbacks.append(gc_watch)
     t_call = time.perf_counter()
-    out = env.sample.sample(m, noise, steps, cfg, sampler, scheduler, positive, negative, latent, denoise=1.0,
-                            callback=callback, disable_pbar=True, seed=seed)
+    try:
+        out = env.sample.sample(m, noise, steps, cfg, sampler, scheduler, positive, negative, latent, denoise=1.0,
+                                callback=callback, disable_pbar=True, seed=seed)
+    finally:
+        gc.callbacks.remove(gc_watch)
     t_return = time.perf_counter()
     rec["call_s"] = t_return - t_call
     rec["t_call"], rec["t_return"] = t_call, t_return
@@ -440,6 +453,12 @@ def host_phases(rec: dict, pack: dict | None = None) -> dict:
     out = {"before_first_step": (rec["t_start"] - rec["t_call"]) if rec.get("t_start") else None,
            "after_last_step": (rec["t_return"] - ends[-1][1]) if ends and "t_return" in rec else None,
            "bench_after": (rec["t_done"] - rec["t_return"]) if "t_done" in rec and "t_return" in rec else None}
+    pauses = rec.get("gc_pauses")
+    if pauses is not None:  # Python's garbage collector: all its pauses in the call, and those after the last step
+        out["gc_in_call"] = sum(b - a for a, b, _ in pauses)
+        out["gc_full_collections"] = sum(1 for *_, g in pauses if g == 2)
+        if ends:
+            out["gc_after_last_step"] = sum(b - max(a, ends[-1][1]) for a, b, _ in pauses if b > ends[-1][1])
     if pack:
         out.update({f"pack_{k}": v for k, v in pack.items()})
     return out

@@ -239,6 +239,9 @@ def test_host_phases_split_the_time_outside_the_steps(monkeypatch):
     rec = {"t_call": 10.0, "t_start": 10.25, "step_ends": [(0, 11.0), (1, 12.0)], "t_return": 12.5, "t_done": 12.75}
     h = bench.host_phases(rec, {"plan": 0.125})
     assert h == {"before_first_step": 0.25, "after_last_step": 0.5, "bench_after": 0.25, "pack_plan": 0.125}
+    rec["gc_pauses"] = [(10.0, 10.125, 0), (11.75, 12.25, 2)]  # the second one spans the last step's end
+    h = bench.host_phases(rec)
+    assert (h["gc_in_call"], h["gc_full_collections"], h["gc_after_last_step"]) == (0.625, 1, 0.25)
     clock = iter([1.0, 1.5, 2.0, 2.25, 3.0, 4.0])
     monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
 
