@@ -379,3 +379,29 @@ def test_an_entry_of_another_shape_is_never_reused(gen):
     assert runner.call(*large, step=2, layer=1, key=key)[1] is StepKind.REUSE
     text = runner.summary()
     assert "late anchor at step 2 (1-based)" in text and "anchor steps taken (1-based): 1\n" in text + "\n", text
+
+
+def test_a_batch_whose_chunks_run_different_kinds(gen):
+    """A CFG batch at a reuse step where only one branch has an entry (the other was not seen at the anchor step):
+    that branch anchors late (its output is the dense one) while the other reuses, each as it would alone, and the call
+    reports ANCHOR (mutation that left the suite green: the whole batch sent down the reuse path when any chunk
+    reuses, which then fails on the missing entry)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import engine
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.schedule import StepKind
+    from comfyui_mc_sparse_pack.kernels import reference
+
+    def runner():
+        return engine.MCSparseRunner(MCSparseConfig(density=0.5, group_size=64, warmup_steps=1, anchor_steps=(0,)),
+                                     backend="torch")
+
+    keys = [CacheKey(1, "uncond"), CacheKey(1, "cond")]
+    anchor = [torch.randn(1, 2, 128, 64, generator=gen) for _ in range(3)]
+    q, k, v = (torch.randn(2, 2, 128, 64, generator=gen) for _ in range(3))
+    mixed = runner()
+    mixed.call(*anchor, step=0, layer=1, key=keys[1])  # only the cond branch anchors
+    out, kind = mixed.call(q, k, v, step=1, layer=1, keys=keys)
+    assert kind is StepKind.ANCHOR and mixed.stats.calls[StepKind.REUSE] == 1
+    torch.testing.assert_close(out[:1], reference.dense_attention(q[:1], k[:1], v[:1]), rtol=2e-2, atol=2e-2)
+    alone = runner()
+    alone.call(*anchor, step=0, layer=1, key=keys[1])
+    torch.testing.assert_close(out[1:], alone.call(q[1:], k[1:], v[1:], step=1, layer=1, key=keys[1])[0])
