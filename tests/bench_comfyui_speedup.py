@@ -990,7 +990,8 @@ def run_whole(env: Env, base, *, preset: str, args, shape, device, steps: int, d
     for name in ("dense", "patched"):
         h = reps[0]["host_phases"][name]
         print(f"  outside the steps, {'unpatched' if name == 'dense' else 'patched'} (host s, first pair): " + ", ".join(
-            f"{k.replace('_', ' ')} {v:.4f}" for k, v in h.items() if v is not None), flush=True)
+            f"{k.replace('_', ' ')} {v if isinstance(v, int) else f'{v:.4f}'}" for k, v in h.items() if v is not None),
+            flush=True)
     run = recs["patched"]["run"]
     out["run_kernels"] = run_kernels(env, run)
     print(f"  kernels: {out['run_kernels']['line']}", flush=True)
