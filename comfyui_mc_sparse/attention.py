@@ -33,7 +33,8 @@ _SIDE_STREAMS: dict = {}  # device -> the side stream of FINITE_BESIDE
 
 
 class NonFiniteInputError(ValueError):
-    """q, k or v holds NaN or inf (raised before any kernel runs)."""
+    """q, k or v holds NaN or inf (raised before PDDP, the selection or the sparse pass run; on CUDA pass 1 may have
+    run on them, ``FINITE_BESIDE``)."""
 
 
 def ineligible_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
