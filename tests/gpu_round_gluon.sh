@@ -45,7 +45,9 @@ if [ "$MODE" = bench ]; then  # <= 90 s in all: the GPU tests of the auto mode's
     # 2. the op (auto mode: the scoreboard figure) + the previous default and q_regs + idx3, timed by the
     #    method of record (tests/_timing.race) with flash-attn-4 dense in the same rounds; --budget: the tunings are
     #    dropped late, so the op's figure and the scoreboard are written in time
-    NAMES="gluon pingpong persistent 3 stages thread_arrive"  # the previous default (round s5r2's kernel)
+    # the previous default (round s5r2's kernel) and the auto mode's first schedule called directly (the op's own
+    # compiled kernel: no compile; op vs kernel in the same race)
+    NAMES="gluon pingpong persistent 3 stages thread_arrive,gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs"
     [ "$trc" -eq 0 ] && NAMES="$NAMES,gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs idx3"
     LEFT=$(( 88 - ($(date +%s) - T0) ))  # SIGTERM at the cap: the bench writes what it measured (~1 s)
     timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \
