@@ -405,3 +405,32 @@ def test_a_batch_whose_chunks_run_different_kinds(gen):
     alone = runner()
     alone.call(*anchor, step=0, layer=1, key=keys[1])
     torch.testing.assert_close(out[1:], alone.call(q[1:], k[1:], v[1:], step=1, layer=1, key=keys[1])[0])
+
+
+@pytest.mark.parametrize("joint", ["video_first", "text_first"])
+def test_joint_calls_with_their_own_text_masks_are_exact_at_the_anchor(gen, joint):
+    """Two joint [video, text] / [text, video] calls with different text masks (split CFG: the negative prompt pads
+    more text tokens) are each exact at the anchor step under their own mask (mutations that left the suite green: the
+    mask memo answering for another mask tensor of the same length; with text first, the first video key also passed
+    as a text key)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import TEXT_LEN_KEY, CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    s = settings.build_settings(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1",
+                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+    run = lifecycle.RunState(s, torch.tensor([1.0, 0.8, 0.0]), family="hunyuan_video")
+    sv, st, h = 192, 16, 2
+    text = slice(sv, sv + st) if joint == "video_first" else slice(0, st)
+    for layer, pad in ((0, 4), (1, 9)):
+        q, k, v = (torch.randn(1, h, sv + st, 64, generator=gen) for _ in range(3))
+        mask = torch.zeros(1, 1, sv + st)
+        mask[..., text.stop - pad:text.stop] = -torch.finfo(torch.float32).max  # the last `pad` text tokens
+        opts = {**transformer_options(run, CallSite(layer, "hunyuan_video", joint), chunks=1, sigma=1.0),
+                TEXT_LEN_KEY: st}
+        out = override.make_override(None)(raw_attention, q, k, v, h, mask=mask, skip_reshape=True,
+                                           skip_output_reshape=True, transformer_options=opts)
+        ref = raw_attention(q, k, v, h, mask=mask.unsqueeze(1), skip_reshape=True, skip_output_reshape=True)
+        torch.testing.assert_close(out, ref.to(out.dtype), rtol=1e-4, atol=1e-4)
+    assert run.counts() == {"sparse": 0, "anchor": 2, "dense": 0}
