@@ -5,20 +5,21 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 
 1. CHECKS on the GPU before any timing (a line with "CHECKS"; "CHECK FAILED" when one fails), on 2 heads at s =
    0.25: select_kv at its defaults == the brute-force top-K (kernels/reference/topk.py) of its own float16 sums;
-   with one query group per program == the defaults; at 1.3B also the fused top-K with every row forced to the radix
-   fallback (16 candidate slots) == the brute force.
+   with two query groups per program == the defaults; at 1.3B also the fused top-K with every row forced to the
+   radix fallback (16 candidate slots) == the brute force.
 2. RACE 1 (tests/_timing.race: sustained back-to-back samples, shuffled order, median; TEAM.md item 7): flash-attn-4
-   dense with LSE, select_kv defaults (on sm_90: the top-K fused into the two-group pass-2 kernel) and fused with one
-   query group per program, each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios / dense from the same rounds ->
-   ``pass2_topk_over_dense_max`` (the defaults; both shapes needed).
+   dense with LSE, select_kv defaults (on sm_90: the top-K fused into the pass-2 kernel, one query group per
+   program) and ``RACE1_ROWS`` (two groups per program; ``--p2ws-gluon-row``: the Gluon pass 2 where its child
+   check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios / dense from the same rounds ->
+   ``pass2_topk_over_dense_max`` (the defaults; both shapes).
 3. RACE 2 (per shape after both shapes' race 1; 14B only with 20 s of ``--budget`` left): the parts on all heads at
    s = 0.25 in the same rounds as dense: the float8 operand pass, the pass-2 kernel alone and with its fused top-K
    epilogue (two groups / one group per program, on precomputed operands; sums checked against select_kv's, the
    fused selection against the brute force of its sums; then, while the budget lasts, the threshold among the
-   top-K's candidates by the previous bisection, and two tile rows per thread in its sweeps), at 1.3B issue 15's
+   top-K's candidates by the previous bisection, and two tile rows per thread in its sweeps); then the host time of
+   one select_kv call enqueued behind busy GPU work. RACE 2b, last (a faulting kernel ends the process): issue 15's
    pass-2 kernel variants of tests/bench_pass2_exp.py (``--p2ws-variants``; each checked against that bench's
-   reference kernel as there); then the host time of one select_kv call enqueued
-   behind busy GPU work.
+   reference kernel as there) with dense in their own race.
 
 Writes OUT/bench_select_race.json after each step and OUT/scoreboard.json (the key above, with command and commit).
 Usage (checkout root, H200): python tests/bench_select_race.py --out OUT [--shapes 1.3b,14b] [--commit HASH]
@@ -82,8 +83,8 @@ def dense_fn(q, k, v):
 
 def checks(q, k, lse, perm, S, log, full=True):
     """GPU correctness of the select paths (docstring, item 1) on 2 heads at s = 0.25; returns the dict. ``full``: also
-    the fused top-K with every row forced to the radix fallback (16 candidate slots); else (14B) the defaults and one
-    group per program only (the code is shared, its shape-specific compiles are the race's)."""
+    the fused top-K with every row forced to the radix fallback (16 candidate slots); else (14B) the defaults and two
+    groups per program only (the code is shared, its shape-specific compiles are the race's)."""
     kq = int(0.25 * S)
     sub = (q[:, :2], k[:, :2], lse[:, :2], perm[:, :2])
     G = perm.shape[-1] // C
@@ -91,8 +92,8 @@ def checks(q, k, lse, perm, S, log, full=True):
     width = sel.shape[-1]
     sums16 = selection.group_prob_sums(*sub, group_size=C).half()
     want = ref_top_k_rows(sums16, kq, width)
-    fused1 = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_fused=True, one_group=True)
-    r = dict(default_exact=bool(torch.equal(sel, want)), fused_1grp_equal=bool(torch.equal(fused1, sel)))
+    two = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, one_group=False)
+    r = dict(default_exact=bool(torch.equal(sel, want)), two_groups_equal=bool(torch.equal(two, sel)))
     if full:
         plan = topk.bracket_plan(S, kq, 2, cap=16)
         forced = topk.FusedRows(torch.full_like(sel, -7), kq, width, plan,
@@ -111,27 +112,25 @@ def checks(q, k, lse, perm, S, log, full=True):
     return r
 
 
-def race1(name, q, k, v, lse, perm, log, gluon_row=False):
-    """Dense, select_kv defaults and fused at every density, in the same rounds (docstring, item 2); ``gluon_row``:
-    also select_kv(gluon=True) (p2ws's Gluon pass 2 at its default config, the separate top-K)."""
+RACE1_ROWS = {"2grp": dict(one_group=False)}  # select_kv variants beside its defaults (+ "gluon": --p2ws-gluon-row)
+
+
+def race1(name, q, k, v, lse, perm, log, rows):
+    """Dense, select_kv defaults and the ``rows`` variants at every density, in the same rounds (docstring, item 2)."""
     S = q.shape[2]
     dname, dense = dense_fn(q, k, v)
     fns = {"dense": dense}
     for s in DENSITIES:
         kk = int(s * S)
-        fns[f"defaults s={s}"] = (lambda kk: lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C,
-                                                                         kv_tile=KV_TILE))(kk)
-        fns[f"fused 1grp s={s}"] = (lambda kk: lambda: selection.select_kv(
-            q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE, topk_fused=True, one_group=True))(kk)
-        if gluon_row:
-            fns[f"gluon s={s}"] = (lambda kk: lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C,
-                                                                          kv_tile=KV_TILE, gluon=True))(kk)
+        for row, kw in {"defaults": {}, **rows}.items():
+            fns[f"{row} s={s}"] = (lambda kk, kw: lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C,
+                                                                              kv_tile=KV_TILE, **kw))(kk, kw)
     ms = race(fns, rounds=3, target_ms=20.0)
     r = dict(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
              over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
     log(f"{name} RACE 1 (dense {dname} {ms['dense']:.3f} ms): " + " | ".join(
-        f"s={s}: defaults {r['over_dense'][f'defaults s={s}']:.4f}, fused 1grp {r['over_dense'][f'fused 1grp s={s}']:.4f}"
-        + (f", gluon {r['over_dense'][f'gluon s={s}']:.4f}" if gluon_row else "") for s in DENSITIES))
+        f"s={s}: " + ", ".join(f"{row} {r['over_dense'][f'{row} s={s}']:.4f}" for row in ("defaults", *rows))
+        for s in DENSITIES))
     return r
 
 
@@ -172,8 +171,8 @@ def host_ms(fn, busy, n=5):
     return sorted(ts)[len(ts) // 2]
 
 
-def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_rc=None):
-    """The parts at s = 0.25 in the same rounds as dense (docstring, item 3)."""
+def race2(name, q, k, v, lse, perm, budget, t0, log):
+    """The parts at s = 0.25 in the same rounds as dense (docstring, item 3; p2ws's variants: ``race2b``)."""
     S, H = q.shape[2], q.shape[1]
     G = perm.shape[-1] // C
     kq = int(0.25 * S)
@@ -189,7 +188,7 @@ def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_r
     # (tag, one group per program, tile rows per thread, the candidates' threshold by the previous bisection)
     mine = (("2grp", False, 1, False), ("1grp", True, 1, False), ("2grp bisect", False, 1, True),
             ("1grp bisect", True, 1, True), ("1grp x2", True, 2, False))
-    for tag, one, rpt, bis in mine + ((("2grp x2", False, 2, False),) if not p2ws_variants or name != "1.3b" else ()):
+    for tag, one, rpt, bis in mine:
         if (rpt > 1 or bis) and time.time() - t0 > budget:
             break
         try:
@@ -215,30 +214,6 @@ def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_r
         except Exception as err:  # noqa: BLE001
             res["errors"][f"pass-2 kernel {tag}"] = f"{type(err).__name__}: {str(err)[:300]}"
     del plains
-    if p2ws_variants and name == "1.3b":
-        import bench_pass2_exp as p2
-
-        by_pow2 = p2.variant_ops(selection.fp8_operands(q, k, lse, D**-0.5))  # {kb_pow2: operands it reads}
-        # the reference: "kb pow2", the pass-2 kernel select_kv runs (p2ws, 13:30)
-        ref = p2.launch_variant("kb pow2", by_pow2, perm, torch.full((1, H, G, S), float("nan"), device=q.device))
-        for vname in p2ws_variants:
-            if time.time() - t0 > budget:
-                break
-            try:
-                kw = p2.VARIANTS[vname]
-                if p2ws_child_rc is not None and kw.get("gluon") is not None and p2ws_child_rc.get(vname) != 0:
-                    raise AssertionError(f"not run: its check in a child process ended with {p2ws_child_rc.get(vname)}")
-                got = p2.launch_variant(vname, by_pow2, perm, torch.full((1, H, G, S), float("nan"), device=q.device))
-                if bool(got.isnan().any()):
-                    raise AssertionError("NaN left in the output (an entry not written)")
-                if kw.get("exp") != "none":
-                    rel = float(((got.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max())
-                    if rel > kw.get("rtol", p2.POLY_RTOL):
-                        raise AssertionError(f"sums differ from the reference kernel's by {rel:.2e}")
-                del got
-                fns[f"p2ws {vname}"] = (lambda vname: lambda: p2.launch_variant(vname, by_pow2, perm, out16))(vname)
-            except Exception as err:  # noqa: BLE001
-                res["errors"][f"p2ws {vname}"] = f"{type(err).__name__}: {str(err)[:300]}"
     ms = race(fns, rounds=3, target_ms=20.0)
     res.update(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
                over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
@@ -250,6 +225,46 @@ def race2(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_r
         f"{n} {v:.4f}" for n, v in res["over_dense"].items()) + " | " + " | ".join(
         f"{n} {v:.3f}" for n, v in res.items() if n.startswith(("host", "fallback", "sums")))
         + (f" | errors {res['errors']}" if res["errors"] else ""))
+    return res
+
+
+def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_rc=None):
+    """p2ws's pass-2 kernel variants (tests/bench_pass2_exp.py, ``--p2ws-variants``) at s = 0.25 in their own race with
+    dense, after every other measurement (a variant that faults poisons the CUDA context: nothing runs after it)."""
+    import bench_pass2_exp as p2
+
+    S, H = q.shape[2], q.shape[1]
+    G = perm.shape[-1] // C
+    dname, dense = dense_fn(q, k, v)
+    res = dict(errors={})
+    fns = {"dense": dense}
+    out16 = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
+    by_pow2 = p2.variant_ops(selection.fp8_operands(q, k, lse, D**-0.5))  # {kb_pow2: operands it reads}
+    # the reference: "kb pow2", the pass-2 kernel select_kv runs (p2ws, 13:30)
+    ref = p2.launch_variant("kb pow2", by_pow2, perm, torch.full((1, H, G, S), float("nan"), device=q.device))
+    for vname in p2ws_variants:
+        if time.time() - t0 > budget:
+            break
+        try:
+            kw = p2.VARIANTS[vname]
+            if p2ws_child_rc is not None and kw.get("gluon") is not None and p2ws_child_rc.get(vname) != 0:
+                raise AssertionError(f"not run: its check in a child process ended with {p2ws_child_rc.get(vname)}")
+            got = p2.launch_variant(vname, by_pow2, perm, torch.full((1, H, G, S), float("nan"), device=q.device))
+            if bool(got.isnan().any()):
+                raise AssertionError("NaN left in the output (an entry not written)")
+            if kw.get("exp") != "none":
+                rel = float(((got.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max())
+                if rel > kw.get("rtol", p2.POLY_RTOL):
+                    raise AssertionError(f"sums differ from the reference kernel's by {rel:.2e}")
+            del got
+            fns[f"p2ws {vname}"] = (lambda vname: lambda: p2.launch_variant(vname, by_pow2, perm, out16))(vname)
+        except Exception as err:  # noqa: BLE001
+            res["errors"][f"p2ws {vname}"] = f"{type(err).__name__}: {str(err)[:300]}"
+    ms = race(fns, rounds=3, target_ms=20.0)
+    res.update(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
+               over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
+    log(f"{name} RACE 2b (p2ws; dense {dname} {ms['dense']:.3f} ms, all heads): " + " | ".join(
+        f"{n} {v:.4f}" for n, v in res["over_dense"].items()) + (f" | errors {res['errors']}" if res["errors"] else ""))
     return res
 
 
@@ -278,7 +293,8 @@ def write_scoreboard(report, out_dir, command):
                    if key.rsplit(" s=", 1)[0] == prefix)
 
     worst = worst_of("defaults")
-    others = "; ".join(f"{p}: {w[0]:.4f} ({w[1]} {w[2]})" for p in ("fused 1grp",) for w in [worst_of(p)])
+    rows = sorted({key.rsplit(" s=", 1)[0] for sh in shapes.values() for key in sh["race1"]["over_dense"]} - {"defaults"})
+    others = "; ".join(f"{p}: {w[0]:.4f} ({w[1]} {w[2]})" for p in rows for w in [worst_of(p)])
     path = ROOT / "docs" / "results" / "scoreboard.json"
     board = json.loads(path.read_text()) if path.exists() else {}
     board["pass2_topk_over_dense_max"] = dict(
@@ -304,8 +320,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: code paths on a tiny shape")
     ap.add_argument("--p2ws-gluon-row", action="store_true", help="race 1 also times select_kv(gluon=True) (the Gluon "
                     "pass 2 at its default config + the separate top-K) if that config passed its child check")
-    ap.add_argument("--race2-only", action="store_true", help="no checks, no race 1, no scoreboard: race 2 alone "
-                    "(p2ws's pass-2 variants beside dense)")
+    ap.add_argument("--race2-only", action="store_true", help="no checks, no race 1, no scoreboard: race 2b "
+                    "alone (p2ws's pass-2 variants beside dense)")
     args = ap.parse_args()
     SMOKE = args.smoke
     if SMOKE:
@@ -353,7 +369,8 @@ def main():
                 res["checks"] = checks(q, k, lse, perm, q.shape[2], log, full=name != "14b")
                 save()
                 gluon_row = bool(args.p2ws_gluon_row and child_rc and child_rc.get(p2.GLUON_DEFAULT_VARIANT) == 0)
-                res["race1"] = race1(name, q, k, v, lse, perm, log, gluon_row)
+                res["race1"] = race1(name, q, k, v, lse, perm, log,
+                                     {**RACE1_ROWS, **({"gluon": dict(gluon=True)} if gluon_row else {})})
                 save()
             kept[name] = (q, k, v, lse, perm)
         except Exception as err:  # noqa: BLE001 (a failing shape is reported; the others still run)
@@ -362,15 +379,24 @@ def main():
             traceback.print_exc()
     if not args.race2_only:
         write_scoreboard(report, out_dir, command)
-    for name, inputs in kept.items():
+    for name, inputs in ({} if args.race2_only else kept).items():
         if time.time() - t0 > args.budget - (0 if name in ("1.3b", "smoke") else 20):
             log(f"{name} race 2 skipped (budget)")
             continue
         try:
-            report["shapes"][name]["race2"] = race2(name, *inputs, variants, args.budget, t0, log, child_rc)
+            report["shapes"][name]["race2"] = race2(name, *inputs, args.budget, t0, log)
         except Exception as err:  # noqa: BLE001
             report["shapes"][name]["race2_error"] = f"{type(err).__name__}: {str(err)[:500]}"
             log(f"{name} race 2 FAILED: {report['shapes'][name]['race2_error']}")
+            traceback.print_exc()
+        save()
+    if variants and "1.3b" in kept and time.time() - t0 < args.budget:  # last: a faulting variant ends the process
+        try:
+            report["shapes"]["1.3b"]["race2b"] = race2b("1.3b", *kept["1.3b"], variants, args.budget, t0, log,
+                                                        child_rc)
+        except Exception as err:  # noqa: BLE001
+            report["shapes"]["1.3b"]["race2b_error"] = f"{type(err).__name__}: {str(err)[:500]}"
+            log(f"1.3b race 2b FAILED: {report['shapes']['1.3b']['race2b_error']}")
             traceback.print_exc()
         save()
     log("done")

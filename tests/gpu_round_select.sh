@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The select_kv GPU round for issue 15 (p2ops + p2ws, one command), from the checkout root on an H200:
 #   bash tests/gpu_round_select.sh "$OUT" <commit> [shapes]     (shapes: 1.3b,14b (default), or one of them)
-# tests/bench_select_race.py: GPU checks first (lines "CHECKS"), then race 1 per shape (flash-attn-4 dense, select_kv
-# defaults (on sm_90: the top-K fused into pass 2, two query groups per program) and fused with one query group per
-# program, at s = 0.1 / 0.15 / 0.25 / 0.5; tests/_timing.race, the method of record) -> $OUT/scoreboard.json (pass2_topk_over_dense_max), then race 2 per
-# shape at s = 0.25 (operand pass, the pass-2 kernel with and without its fused top-K epilogue, the
-# host enqueue time of select_kv; at 1.3B the tests/bench_pass2_exp.py variants named in $P2WS_VARIANTS) until
-# --budget. Logs: $OUT/bench.log, $OUT/bench_select_race.json. Hard cap $T_BENCH s (default 85). Before it, when
-# $P2WS_TEST is set: p2ws's GPU test, python -m pytest -q -m gpu tests/test_gpu_pass2_gluon.py -k "$P2WS_TEST" (hard cap
-# $T_TEST s, default 25; log $OUT/p2ws_gpu_tests.log). The two caps together stay within the round's 110 s.
+# tests/bench_select_race.py (its docstring says what each line measures): GPU checks first (lines "CHECKS"), then
+# race 1 per shape (flash-attn-4 dense, select_kv defaults (on sm_90: the top-K fused into pass 2, one query group per
+# program) and with two groups per program (+ select_kv(gluon=True) with $P2WS_GLUON_ROW), at s = 0.1 / 0.15 / 0.25 /
+# 0.5; tests/_timing.race, the method of record) -> $OUT/scoreboard.json (pass2_topk_over_dense_max), then race 2 per
+# shape at s = 0.25 (operand pass, the pass-2 kernel with and without its fused top-K epilogue and its variants, the
+# host enqueue time of select_kv), last race 2b at 1.3B (the tests/bench_pass2_exp.py variants named in
+# $P2WS_VARIANTS, checked in child processes first) until --budget. Logs: $OUT/bench.log, $OUT/bench_select_race.json.
+# Hard cap $T_BENCH s (default 85). Before it, when $P2WS_TEST is set: p2ws's GPU tests ("isolated":
+# tests/gpu_p2ws_tests.sh, one process per case; else python -m pytest -q -m gpu tests/test_gpu_pass2_gluon.py -k
+# "$P2WS_TEST"; hard cap $T_TEST s, default 25). The two caps together stay within the round's 110 s.
 set -u
 OUT=${1:?usage: gpu_round_select.sh OUT_DIR [commit] [shapes]}
 COMMIT=${2:-}

@@ -143,3 +143,33 @@ def test_one_group_kernel_equals_the_pair_kernel(gen):
     kw = dict(group_size=C, kv_tile=16, fp8=True, pipelined=False)
     assert torch.equal(sel.select_kv(*args, 100, topk_fused=True, one_group=True, **kw),
                        sel.select_kv(*args, 100, topk_fused=False, one_group=False, **kw))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_group_is_the_default_with_and_without_the_fused_top_k(gen, monkeypatch, fused):
+    """The float8 pair kernel runs one query group per program by default (``_ONE_GROUP_DEFAULT``) whether or not the
+    top-K is fused into its epilogue (H200 round s6r1: select_kv fused 0.565-0.576 with one group per program against
+    0.589-0.596 with two at 1.3B 480p, 0.471-0.478 against 0.485-0.497 at 14B 720p): the launch has G programs per
+    head and ONE_GROUP set, and the selection equals the two-group kernel's."""
+    sel = _selection()
+    S, C, D = 330, 128, 32  # G = 3
+    q = (torch.randn(1, 2, S, D, generator=gen) + torch.randn(1, 2, 1, D, generator=gen)).to(torch.bfloat16)
+    k = torch.randn(1, 2, S, D, generator=gen).to(torch.bfloat16)
+    lse = (torch.randn(1, 2, S, generator=gen) + 7.0).float()
+    perm = torch.stack([torch.cat([torch.randperm(S, generator=gen), torch.full((3 * C - S,), -1)]) for _ in range(2)])
+    args = (q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(torch.int32)[None].to(DEVICE))
+    launches, kernel = [], sel._group_prob_sums_pair
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launches.append((grid, kw["ONE_GROUP"], kw.get("TOPK", False)))
+                return kernel[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(sel, "_group_prob_sums_pair", Spy())
+    kw = dict(group_size=C, kv_tile=16, fp8=True, pipelined=False, topk_fused=fused)
+    got = sel.select_kv(*args, 100, **kw)
+    assert launches == [((3, 2), True, fused)]
+    assert torch.equal(got, sel.select_kv(*args, 100, one_group=False, **kw))
+    assert launches[1] == ((2, 2), False, fused)

@@ -248,6 +248,7 @@ def _group_prob_sums_pair(
     T_ROWS: tl.constexpr = 128,  # top-K tile rows (16-byte vectors) per sweep step
     T_NS: tl.constexpr = 1024,  # top-K sample slots (a power of two >= n_samp)
     T_BISECT: tl.constexpr = False,  # the top-K's threshold among its candidates by bisection (topk.FusedRows.bisect)
+    T_TWO_BITS: tl.constexpr = False,  # its sample order statistics two bits per reduction (T_NS <= 8 per thread)
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
@@ -372,11 +373,11 @@ def _group_prob_sums_pair(
         dst = SEL + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + g0.to(tl.int64) * stride_og
         row = bh.to(tl.int64) * G + g0
         _bracket_row(src, dst, CAND + row * t_cap, FLAGS + row, SK, num_keys, width, stride_samp, n_samp, hi_rank,
-                     lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS, T_NS, t_cap, True, T_BISECT)
+                     lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS, T_NS, t_cap, True, T_BISECT, T_TWO_BITS)
         if has_g1:
             _bracket_row(src + t_sg * T_ALIGN, dst + stride_og, CAND + (row + 1) * t_cap, FLAGS + row + 1, SK,
                          num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS,
-                         T_NS, t_cap, True, T_BISECT)
+                         T_NS, t_cap, True, T_BISECT, T_TWO_BITS)
 
 
 @triton.jit
@@ -658,7 +659,8 @@ def _fused_topk_args(select, out, num_warps, placeholder):
     args = (sel, select.cand, select.flags, select.num_keys, select.width, sb // align, sh // align, sg // align,
             sel.stride(0), sel.stride(1), sel.stride(2), stride, n_samp, hi_rank, lo_rank, cap)
     meta = dict(TOPK=True, T_ALIGN=align, T_ROWS=32 * num_warps * select.rows_per_thread,
-                T_NS=triton.next_power_of_2(n_samp), T_BISECT=bool(select.bisect))
+                T_NS=triton.next_power_of_2(n_samp), T_BISECT=bool(select.bisect),
+                T_TWO_BITS=triton.next_power_of_2(n_samp) <= 8 * 32 * num_warps)
     return args, meta
 
 
@@ -700,7 +702,10 @@ _TOPK_FUSED_MIN_CAPABILITY = (9, 0)
 # group_prob_sums / select_kv: the float8 pair kernel with one query group per program (one_group; 119 registers, 4
 # programs per SM instead of 3). H200 round s5r2 (tests/bench_select_race.py race 2, sustained interleaved, 1.3B 480p,
 # all heads): pass-2 kernel 0.5139 of flash-attn-4 dense against 0.5272 for two groups per program (14B 720p not
-# timed). On where measured: without the fused top-K (its epilogue was timed with two groups per program only).
+# timed). With the fused top-K too since H200 round s6r1 (bench_select_race race 1, method of record, s = 0.1 / 0.15 /
+# 0.25 / 0.5): select_kv 0.569 / 0.565 / 0.576 / 0.575 of flash-attn-4 dense at 1.3B 480p and 0.471 / 0.471 / 0.471 /
+# 0.478 at 14B 720p, against 0.589 / 0.590 / 0.596 / 0.593 and 0.485 / 0.486 / 0.490 / 0.497 with two groups per
+# program: better at every point (selection identical, GPU-checked).
 _ONE_GROUP_DEFAULT = True
 # the float8 pair kernel with the fused top-K: ptxas gives it 170 registers uncapped (2 programs of 4 warps per SM)
 # against the plain kernel's 166 (3 programs); capped at 168 it keeps 3, no spill, its key loop 554 instead of 532
@@ -752,7 +757,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         runs, else (or on its failure, remembered) the Triton kernel: ``pass2_dispatch``; None: its default.
         one_group: the pair kernel with ONE query group per program (unstaggered; no hist, no poly): 119
         registers instead of 166 (offline), so 4 programs per SM instead of 3, each key tile read once per group;
-        None: ``_ONE_GROUP_DEFAULT`` where it applies (float8, unstaggered, no hist / select / poly).
+        None: ``_ONE_GROUP_DEFAULT`` where it applies (float8, unstaggered, no hist / poly; with or without select).
         poly3: (g0, g1), eighths (0, 2 or 4) of each of the pair kernel's two groups' exponentials taken by the
         degree-3 polynomial on the FMA pipe (``_exp2_poly3``: relative error < 7.6e-5) instead of MUFU (4: the odd
         query columns of every key tile; 2: of every other key tile, group 0's even tiles, group 1's odd); pair kernel
@@ -809,7 +814,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             hist.zero_()  # not counted by the one-group kernel: the top-K's check sees 0 != Sk and counts itself
     one_group_asked = bool(one_group)  # an explicit one_group=True is the Triton kernel's option (no Gluon)
     if one_group is None:
-        one_group = (_ONE_GROUP_DEFAULT and fp8 and not pipelined and hist is None and select is None and not poly
+        one_group = (_ONE_GROUP_DEFAULT and fp8 and not pipelined and hist is None and not poly
                      and not any(poly3))
     if one_group and (hist is not None or pipelined or poly or poly3[1]):
         raise ValueError("one_group: unstaggered, without hist / poly / poly3[1]")

@@ -108,16 +108,61 @@ def _radix_threshold(src, SK, num_keys, KEY_BITS: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _kth_largest(vals, kk, lo, hi):
-    """Largest t in [lo, hi] with at least ``kk`` entries of ``vals`` >= t, by bisection (one block-wide count per
-    step); ``lo`` when even lo has fewer, ``hi`` when kk <= 0. int32 scalars in, int32 scalar out."""
-    n_iter = tl.log2((hi - lo + 1).to(tl.float32)).to(tl.int32) + 2  # >= ceil(log2(range)): extra steps are no-ops
-    for _ in range(n_iter):
-        mid = lo + (hi - lo + 1) // 2
-        ok = tl.sum((vals >= mid).to(tl.int32), 0) >= kk
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    return lo
+def _add6(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5
+
+
+@triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _kth_bit(vals, k1, k2, t1, t2, S: tl.constexpr):
+    """One step of ``_kth_largest2`` with one bit per step: bit S of t1 and t2 (one trial each)."""
+    a = t1 | (1 << S)
+    b = t2 | (1 << S)
+    na, nb = tl.reduce(((vals >= a).to(tl.int32), (vals >= b).to(tl.int32)), 0, _add2)
+    return tl.where(na >= k1, a, t1), tl.where(nb >= k2, b, t2)
+
+
+@triton.jit
+def _kth_step(vals, k1, k2, t1, t2, HI: tl.constexpr):
+    """One step of ``_kth_largest2`` with two bits per step: bits [HI - 2, HI) of t1 and t2 (bit 0 alone when HI ==
+    1)."""
+    S: tl.constexpr = HI - 2 if HI >= 2 else 0
+    M2: tl.constexpr = 2 if HI >= 2 else 1  # one bit: the three trials coincide
+    M3: tl.constexpr = 3 if HI >= 2 else 1
+    a1 = t1 | (1 << S)
+    a2 = t1 | (M2 << S)
+    a3 = t1 | (M3 << S)
+    b1 = t2 | (1 << S)
+    b2 = t2 | (M2 << S)
+    b3 = t2 | (M3 << S)
+    na1, na2, na3, nb1, nb2, nb3 = tl.reduce(
+        ((vals >= a1).to(tl.int32), (vals >= a2).to(tl.int32), (vals >= a3).to(tl.int32),
+         (vals >= b1).to(tl.int32), (vals >= b2).to(tl.int32), (vals >= b3).to(tl.int32)), 0, _add6)
+    t1 = tl.where(na3 >= k1, a3, tl.where(na2 >= k1, a2, tl.where(na1 >= k1, a1, t1)))
+    t2 = tl.where(nb3 >= k2, b3, tl.where(nb2 >= k2, b2, tl.where(nb1 >= k2, b1, t2)))
+    return t1, t2
+
+
+@triton.jit
+def _kth_largest2(vals, k1, k2, top, BITS: tl.constexpr, TWO_BITS: tl.constexpr):
+    """(t1, t2): for kk = k1 and k2, the largest t in [0, top] with at least kk entries of ``vals`` (int32, invalid
+    entries -1) >= t: 0 when even 0 has fewer, ``top`` when kk <= 0 (top < 2^BITS). The bits of t from the top, both
+    searches' counts in one block-wide reduction per step: TWO_BITS, two bits per step (three trial values per search:
+    ceil(BITS / 2) reductions; 6 compares per entry held at once, for 8 or fewer entries per thread), else one
+    (BITS reductions; a bisection per search took ~2 x BITS in all)."""
+    t1 = top * 0
+    t2 = t1
+    if TWO_BITS:
+        for i in tl.static_range((BITS + 1) // 2):
+            t1, t2 = _kth_step(vals, k1, k2, t1, t2, BITS - 2 * i)
+    else:
+        for i in tl.static_range(BITS):
+            t1, t2 = _kth_bit(vals, k1, k2, t1, t2, BITS - 1 - i)
+    return tl.minimum(t1, top), tl.minimum(t2, top)
 
 
 @triton.jit
@@ -359,21 +404,22 @@ def _bracket_topk_rows(
 @triton.jit
 def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank,
                  KEY_BITS: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, NS: tl.constexpr, cap,
-                 PREFETCH: tl.constexpr, BISECT: tl.constexpr = False):
+                 PREFETCH: tl.constexpr, BISECT: tl.constexpr = False, SAMPLE_TWO_BITS: tl.constexpr = False):
     """The bracket method for one row of Sk keys at ``src`` (16-byte aligned when Sk >= ROWS * VEC: whole tiles load
     unmasked) into the selection row ``dst`` (``width`` slots), with the candidate scratch ``cand_row`` (``cap`` slots)
     and the row's int8 fallback flag at ``flag`` (written 1 when the row is left to the radix launch, else 0);
     ``_bracket_topk_rows`` per program, or pass 2's epilogue (``selection._group_prob_sums_pair`` TOPK). The threshold
     among the copies: ``_cand_threshold`` (radix select), or with BISECT the previous bisection on the key value (one
-    pass over the copies per bit of hi - lo; same result)."""
+    pass over the copies per bit of hi - lo; same result). SAMPLE_TWO_BITS: the bracket's two sample order statistics
+    two bits per reduction (``_kth_largest2``; for NS / threads <= 8: the fused epilogue's 4 warps)."""
     zero = tl.program_id(0) * 0
     top = zero + (0x7C01 if KEY_BITS == 16 else 0x7F800001)  # one above +inf's key: above every key
 
     j = tl.arange(0, NS)
     pos = j * stride_samp + (j * 97 + (j >> 3) * 13) % stride_samp
     samp = tl.where(j < n_samp, _keys(src, pos, SK, KEY_BITS), -1)
-    hi = _kth_largest(samp, hi_rank, zero, top)  # hi_rank <= 0: top (no key above the bracket)
-    lo = _kth_largest(samp, lo_rank, zero, top)  # lo_rank > n_samp: 0 (every key inside)
+    # hi_rank <= 0: hi = top (no key above the bracket); lo_rank > n_samp: lo = 0 (every key inside)
+    hi, lo = _kth_largest2(samp, hi_rank, lo_rank, top, KEY_BITS - 1, SAMPLE_TWO_BITS)
 
     tile = _tile_offsets(ROWS, VEC)
     step: tl.constexpr = ROWS * VEC
