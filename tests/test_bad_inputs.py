@@ -301,3 +301,29 @@ def test_a_bug_in_the_prefetch_at_an_evaluations_start_turns_the_run_dense(gen, 
     assert runner.disabled_reason.startswith("internal error") and len(runner.cache) == 0
     assert "internal error at the prefetch starting step 3 (1-based) (KeyError" in runner.summary()
     assert runner.call(q, k, v, step=2, layer=1, keys=keys)[1] is StepKind.DENSE
+
+
+def test_an_unreadable_h3_layout_runs_dense_and_says_why(gen, monkeypatch):
+    """MiniMax-H3: when the forward's packed layout cannot be read (here: no ComfyUI v0.33.0 to build it), its joint
+    calls are the caller's attention and the summary gives the layout's reason, not only 'without a known text
+    length' (before: the reason was recorded in transformer_options and never read)."""
+    import sys
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import minimax, override
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))  # a ComfyUI without comfy.ldm
+    run = _adapter_run()
+    x = torch.randn(1, 160, 128, generator=gen)
+    opts = transformer_options(run, CallSite(0, "minimax_h3", joint="text_first"), chunks=1, sigma=1.0)
+
+    def forward(x_, timestep, context, transformer_options):
+        return override.make_override(None)(raw_attention, x, x, x, 2, transformer_options=transformer_options)
+
+    forward.class_obj = types.SimpleNamespace(patch_size=(1, 2, 2))
+    out = minimax.layout_wrapper(forward, [x, x], None, x, opts)
+    assert torch.equal(out, raw_attention(x, x, x, 2))
+    assert "dense x1: no packed layout (ModuleNotFoundError" in run.summary(), run.summary()

@@ -19,6 +19,11 @@ TEXT_LEN_KEY = "mc_sparse_text_len"
 """transformer_options key where a joint model's double block records the text length for its single blocks
 (the dict is the per-forward one built in ``comfy/samplers.py`` L302-323, so the value lives one forward)."""
 
+LAYOUT_MISSING_KEY = "mc_sparse_h3_layout_problem"
+"""transformer_options key (per forward) with the reason a joint model's text length could not be established
+(MiniMax-H3: no readable packed layout, ``minimax.layout_wrapper``); the override's dense reason for that forward's
+joint calls."""
+
 
 @dataclass(frozen=True)
 class CallSite:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .callsite import TEXT_LEN_KEY, CallSite
+from .callsite import LAYOUT_MISSING_KEY, TEXT_LEN_KEY, CallSite
 from .layouts import _mark
 
 logger = logging.getLogger(__name__)
@@ -49,10 +49,6 @@ H3_DENSITY_FAST = 0.15
 SEGMENTS_KEY = "mc_sparse_h3_segments"
 """transformer_options key (per forward) with this forward's ``PackedLayout.segments`` as a tuple of
 ``(start, stop, kind)``, for the run summary and tests."""
-
-LAYOUT_MISSING_KEY = "mc_sparse_h3_layout_problem"
-"""transformer_options key (per forward) with the reason no video rows could be established, when so."""
-
 
 def h3_schedule(num_steps: int) -> tuple[int, tuple[int, ...]]:
     """The published H3 schedule scaled to ``num_steps``: ``(dense warm-up steps, 0-based anchor steps)``.

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ..config import HEAD_DIMS
-from .callsite import MARK_KEY, TEXT_LEN_KEY, CallSite
+from .callsite import LAYOUT_MISSING_KEY, MARK_KEY, TEXT_LEN_KEY, CallSite
 from .steps import STEP_KEY
 
 logger = logging.getLogger(__name__)
@@ -312,7 +312,7 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
     if site.joint is not None:
         text_len = site.text_len if site.text_len is not None else options.get(TEXT_LEN_KEY)
         if text_len is None:
-            return dense("joint sequence without a known text length")
+            return dense(options.get(LAYOUT_MISSING_KEY) or "joint sequence without a known text length")
         text_len = int(text_len)
         if not 0 <= text_len < seq:
             return dense(f"joint text length {text_len} does not fit a sequence of {seq}")
