@@ -446,3 +446,36 @@ def test_the_unfused_residual_add_rounds_once(gen):
     out = torch.empty_like(o)
     assert finish_unfused(o, out, Residual(r)) is out
     assert torch.equal(out, (o.float() + r).to(torch.bfloat16))
+
+
+def test_a_prebuilt_h3_layout_is_used_only_for_its_own_shapes(monkeypatch):
+    """MiniMax-H3: the payload's prebuilt packed layout serves a forward only when its signature (text length, padded
+    video T/H/W, audio length) matches; otherwise one is built for this forward's shapes, as the model's own _forward
+    does (mutation that left the suite green: the prebuilt layout taken whatever its shapes, e.g. a second resolution
+    with a stale payload). ComfyUI v0.33.0's modules are stand-ins here."""
+    import sys
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import minimax
+
+    class PackedLayout:
+        def __init__(self, *signature, keyframes=None, refs=None):
+            self.signature = signature
+
+    mods = {name: types.ModuleType(name) for name in
+            ("comfy", "comfy.ldm", "comfy.ldm.common_dit", "comfy.ldm.minimax", "comfy.ldm.minimax.model")}
+    mods["comfy.ldm.common_dit"].pad_to_patch_size = lambda x, patch: x
+    mods["comfy.ldm.minimax.model"].PackedLayout = PackedLayout
+    mods["comfy"].ldm = mods["comfy.ldm"]
+    mods["comfy.ldm"].common_dit, mods["comfy.ldm"].minimax = mods["comfy.ldm.common_dit"], mods["comfy.ldm.minimax"]
+    mods["comfy.ldm.minimax"].model = mods["comfy.ldm.minimax.model"]
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    dm = types.SimpleNamespace(patch_size=(1, 2, 2))
+    x = [torch.zeros(1, 24, 5, 8, 12), torch.zeros(1, 32, 2, 7)]
+    context = torch.zeros(1, 9, 16)
+    own = PackedLayout(9, 5, 8, 12, 7)
+    assert minimax.packed_layout(dm, x, context, {"layout": own}) is own
+    stale = PackedLayout(9, 5, 16, 24, 7)
+    built = minimax.packed_layout(dm, x, context, {"layout": stale})
+    assert built is not stale and built.signature == (9, 5, 8, 12, 7)
