@@ -479,3 +479,38 @@ def test_a_prebuilt_h3_layout_is_used_only_for_its_own_shapes(monkeypatch):
     stale = PackedLayout(9, 5, 16, 24, 7)
     built = minimax.packed_layout(dm, x, context, {"layout": stale})
     assert built is not stale and built.signature == (9, 5, 8, 12, 7)
+
+
+@pytest.mark.parametrize("cfg, branches", [(1.0, 1), (5.0, 2)])
+def test_the_plan_counts_a_cache_branch_per_evaluated_conditioning(cfg, branches):
+    """Before sampling the cache is planned for 2 branches only when the uncond branch is evaluated (a negative and
+    cfg != 1: at cfg 1 ComfyUI skips it), with the latent's tokens and the model's geometry (mutation that left the
+    suite green: a negative prompt counted at cfg 1, doubling the planned cache)."""
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, settings
+
+    from ._comfy_standins import ModelPatcher
+
+    planned = []
+
+    class Runner:
+        def plan(self, **kwargs):
+            planned.append(kwargs)
+
+        def close(self):
+            pass
+
+    WanModel = type("WanModel", (torch.nn.Module,), {})  # noqa: N806  (ComfyUI's class name)
+    dm = WanModel()
+    dm.blocks = torch.nn.ModuleList(torch.nn.Module() for _ in range(3))
+    for block in dm.blocks:
+        block.self_attn = torch.nn.Identity()
+    dm.patch_size, dm.num_heads, dm.dim = (1, 2, 2), 12, 1536
+    s = settings.build_settings(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1",
+                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+    run = lifecycle.RunState(s, torch.linspace(1, 0, 11), family="wan", runner_factory=lambda c, b: Runner())
+    guider = types.SimpleNamespace(model_patcher=ModelPatcher(dm), conds={"positive": [], "negative": []}, cfg=cfg)
+    lifecycle._plan_or_dense(run, guider, torch.zeros(1, 16, 21, 60, 104))
+    assert planned == [dict(heads=12, head_dim=128, layers=3, tokens=21 * 30 * 52, branches=branches, batch=1,
+                            num_steps=10)]
