@@ -327,3 +327,24 @@ def test_an_unreadable_h3_layout_runs_dense_and_says_why(gen, monkeypatch):
     out = minimax.layout_wrapper(forward, [x, x], None, x, opts)
     assert torch.equal(out, raw_attention(x, x, x, 2))
     assert "dense x1: no packed layout (ModuleNotFoundError" in run.summary(), run.summary()
+
+
+def test_the_node_rejects_edge_values_naming_the_input():
+    """Values just outside each box's range stop the node with a message naming the input; ';' separates steps like
+    ',' (mutations that left the suite green: an anchor at 0 %, a warm-up of -1 steps, a headroom above the maximum
+    and min tokens = True accepted; ';' not splitting)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import settings
+
+    def build(**over):
+        base = dict(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1", query_tile=64,
+                    cache_placement="auto", backend="auto", min_tokens=0, verbose=False)
+        return settings.build_settings(**{**base, **over})
+
+    for over, words in ((dict(anchor_steps="0%"), "anchor steps percents must be in"),
+                        (dict(dense_warmup="-1"), "dense warm-up must be >= 0 steps"),
+                        (dict(memory_headroom_gib=settings.MAX_HEADROOM_GIB + 0.5), "memory headroom must be"),
+                        (dict(min_tokens=True), "min tokens must be a whole number")):
+        with pytest.raises(ValueError, match=words):
+            build(**over)
+    assert build(dense_warmup="10", anchor_steps="10; 26").anchors == build(dense_warmup="10", anchor_steps="10, 26").anchors
+    assert len(build(dense_warmup="10", anchor_steps="10; 26").anchors) == 2
