@@ -496,6 +496,7 @@ def test_options_from_the_environment(monkeypatch, raw, want):
     """$MC_SPARSE_CUTEDSL_OPTIONS replaces STAGED_OPTIONS for the staged epilogue only (the register epilogue keeps
     REGISTERS_OPTIONS); "none" means none."""
     monkeypatch.setattr(rules, "STAGED_OPTIONS", ("persistent",))
+    monkeypatch.setattr(rules, "REGISTERS_OPTIONS", ("persistent", "prefetch"))
     monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", raw)
     assert rules.launch_plan("smem", 3000, 132) == want
-    assert rules.launch_plan("registers", 3000, 132) == ((), 3000)
+    assert rules.launch_plan("registers", 3000, 132) == (("persistent", "prefetch"), 132)

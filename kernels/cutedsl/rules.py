@@ -25,10 +25,16 @@ EPILOGUE = "smem"
 # H200 round s6r1 (method of record, 5 rounds, side by side; 1.3B 480p s = 0.1 / 0.15 / 0.25 / 0.5) 0.874 / 0.888 /
 # 0.918 / 0.925 against the persistent kernel's 0.863 / 0.877 / 0.906 / 0.915; 14B 720p s = 0.1 / 0.15: 0.849 / 0.896
 # against 0.862 / 0.883 (single-call samples there: ~+-2 %). GPU-tested through the op (tests/test_gpu_cutedsl.py:
-# LSE, fp16, D 64, ragged counts, more and fewer groups than SMs) and on grids of 1-500 CTAs.
+# LSE, fp16, D 64, ragged counts, more and fewer groups than SMs) and on grids of 1-500 CTAs. "prefetch" in round
+# s6r2 (the op with it, side by side): a tie (0.807 / 0.795 / 0.866 / 0.872 and 0.833 / 0.857 / 0.870 / 0.918 against
+# 0.823 / 0.789 / 0.881 / 0.871 and 0.825 / 0.865 / 0.870 / 0.915): not taken.
 STAGED_OPTIONS: tuple = ("persistent", "overlap")
-# compile options of the register-epilogue kernel (calls with a residual: the reuse path's), as STAGED_OPTIONS
-REGISTERS_OPTIONS: tuple = ()
+# compile options of the register-epilogue kernel (calls with a residual: the reuse path's), as STAGED_OPTIONS:
+# persistent + overlap since 2026-12-01 16:40: H200 round s6r2 (method of record, 4 rounds, side by side, plain bf16
+# residual, no LSE; 1.3B 480p then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5) 0.772 / 0.757 / 0.856 / 0.878 and 0.834 /
+# 0.843 / 0.863 / 0.901 against one CTA per group 0.728 / 0.736 / 0.840 / 0.854 and 0.792 / 0.838 / 0.846 / 0.904;
+# each checked in the same run; GPU tests with plain and int4_group residuals on grids of 1, 7 and 500 CTAs.
+REGISTERS_OPTIONS: tuple = ("persistent", "overlap")
 
 
 def refusal(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int) -> str | None:
