@@ -514,3 +514,30 @@ def test_the_plan_counts_a_cache_branch_per_evaluated_conditioning(cfg, branches
     lifecycle._plan_or_dense(run, guider, torch.zeros(1, 16, 21, 60, 104))
     assert planned == [dict(heads=12, head_dim=128, layers=3, tokens=21 * 30 * 52, branches=branches, batch=1,
                             num_steps=10)]
+
+
+@pytest.mark.parametrize("stack_views", [True, False])
+def test_kept_batches_count_their_int32_bytes_and_never_keep_a_residual_copy(monkeypatch, stack_views):
+    """Decoded groups kept for later reuse steps are charged their int32 groups and indices (both), and a group whose
+    stacked residual is a per-call copy (stacked views off) is never kept: keeping it would hold a second copy of its
+    residual outside the plan (mutations that left the suite green: only the groups' bytes charged; the per-call copy
+    kept)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import prefetch
+
+    from .test_reuse_path import _batched_reuse_run
+
+    real_init = prefetch.ReuseLoader.__init__
+
+    def init(self, cache):
+        real_init(self, cache)
+        self.keep_budget_bytes = 1 << 30
+
+    monkeypatch.setattr(prefetch.ReuseLoader, "__init__", init)
+    run, _ = _batched_reuse_run(monkeypatch, stack_views)
+    loader = run.runner.loader
+    if not stack_views:
+        assert loader.kept_loads == 0 and loader.kept_bytes == 0
+        return
+    kept = [batch for _, batch in loader._kept.values()]
+    assert len(kept) == 2 and loader.kept_loads == 2 * 2 * 2  # 2 layers, reuse steps 3-4, 2 entries each
+    assert loader.kept_bytes == sum(b.perm.numel() * 4 + b.kv_idx.numel() * 4 for b in kept)
