@@ -13,7 +13,7 @@ point):
   launched directly: the op without its host work (the host microseconds per op call are printed too);
 - the compiled kernel's launch alone (counts computed before) in the ``VARIANTS`` named by ``--variants``
   (producer L2 hints, the staged epilogue, 3 K/V stages, a persistent grid of one CTA per SM, two groups in flight
-  per CTA, the next group's metadata prefetched; "res ..." with the plain bf16 residual); efficiency = FA4 dense ms * s /
+  per CTA; "res ..." with the plain bf16 residual); efficiency = FA4 dense ms * s /
   sparse ms;
 - the op's counts launch alone (``counts launch``: ms only);
 - the compile time (a compile from fake tensors, never the disk cache) and the disk-cache load time (a fresh
@@ -84,16 +84,15 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
     # two groups in flight per CTA (query ring, next group's first Q K^T with this group's last P V)
     "evict smem overlap": ("cp.async+evict", "smem", 2, ("overlap", "persistent")),
     # + the next group's count / perm / first index entries loaded during this group
-    "evict smem overlap prefetch": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "prefetch")),
     # with the plain bf16 residual (the reuse path's call: the register epilogue): the op's kernel, then overlap
     "res kernel": ("cp.async+evict", "registers", 2, (), "plain"),
     "res overlap": ("cp.async+evict", "registers", 2, ("overlap", "persistent"), "plain"),
 }
 
 
-OP_ROWS = ("again", "residual", "counts + kernel", "prefetch")  # the op's extra rows (``--op-rows``)
-# "prefetch": the op with these staged-epilogue options ($MC_SPARSE_CUTEDSL_OPTIONS, rules.staged_options)
-OP_PREFETCH = "persistent,overlap,prefetch"
+OP_ROWS = ("again", "residual", "counts + kernel", "persistent")  # the op's extra rows (``--op-rows``)
+# "persistent": the op with these staged-epilogue options ($MC_SPARSE_CUTEDSL_OPTIONS, rules.staged_options)
+OP_OTHER_OPTIONS = "persistent"
 
 
 def with_options(raw, fn):
@@ -155,13 +154,13 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
         if "residual" in op_rows:
             fns["cutedsl op + plain residual"] = lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
                                                                                   residual=res, backend="cutedsl")
-        if "prefetch" in op_rows:  # checked first like the op: its output, no fallback
-            op_pf = with_options(OP_PREFETCH, lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
+        if "persistent" in op_rows:  # checked first like the op: its output, no fallback
+            op_pf = with_options(OP_OTHER_OPTIONS, lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
                                                                                backend="cutedsl"))
             out.fill_(float("nan"))
             with registry.recording(registry.Record()) as rec:
                 got = op_pf()
-            tag = "cutedsl op + prefetch"
+            tag = f"cutedsl op ({OP_OTHER_OPTIONS})"
             r_err[tag] = (err(got), int(out.isnan().sum()))
             if rec.choices["sparse_attention"].backend != "cutedsl" or r_err[tag][0] > 1e-2 or r_err[tag][1]:
                 log(f"{name} s={s}: {tag} WRONG or fell back ({r_err[tag]}, {rec.failures}): not timed")

@@ -489,14 +489,14 @@ def test_launch_plan(monkeypatch, options, reg_options, epilogue, want):
 
 
 @pytest.mark.parametrize(("raw", "want"), [
-    ("persistent, overlap,prefetch", (("persistent", "overlap", "prefetch"), 132)), ("none", ((), 3000)),
+    ("persistent, overlap,x", (("persistent", "overlap", "x"), 132)), ("none", ((), 3000)),
     ("overlap", (("overlap",), 3000)),
 ])
 def test_options_from_the_environment(monkeypatch, raw, want):
     """$MC_SPARSE_CUTEDSL_OPTIONS replaces STAGED_OPTIONS for the staged epilogue only (the register epilogue keeps
     REGISTERS_OPTIONS); "none" means none."""
     monkeypatch.setattr(rules, "STAGED_OPTIONS", ("persistent",))
-    monkeypatch.setattr(rules, "REGISTERS_OPTIONS", ("persistent", "prefetch"))
+    monkeypatch.setattr(rules, "REGISTERS_OPTIONS", ("persistent", "y"))
     monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", raw)
     assert rules.launch_plan("smem", 3000, 132) == want
-    assert rules.launch_plan("registers", 3000, 132) == (("persistent", "prefetch"), 132)
+    assert rules.launch_plan("registers", 3000, 132) == (("persistent", "y"), 132)

@@ -144,7 +144,6 @@ def test_cutedsl_is_preferred_on_hopper():
     (torch.bfloat16, 128, False, "cp.async+evict", "smem", ("persistent",), 7),
     (torch.float16, 64, True, "cp.async+evict", "smem", ("persistent",), 5),
     (torch.float16, 64, True, "cp.async+evict", "registers", ("persistent",), 3),
-    (torch.float16, 64, True, "cp.async+evict", "smem", ("persistent", "prefetch"), 5),
 ], ids=lambda x: ("-".join(x) or "plain") if isinstance(x, tuple) else None)
 def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, ctas):
     """The kernel's producer (L2-hinted copies), epilogue (staged in shared memory) and options (the staged epilogue
@@ -178,16 +177,14 @@ def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, cta
 
 @pytest.mark.parametrize(("dtype", "D", "lse", "options"), [
     (torch.bfloat16, 128, True, ("overlap", "persistent")), (torch.float16, 64, False, ("overlap", "persistent")),
-    (torch.bfloat16, 128, True, ("overlap", "persistent", "prefetch")),
-], ids=["bf16-d128-lse", "fp16-d64", "bf16-d128-lse-prefetch"])
+], ids=["bf16-d128-lse", "fp16-d64"])
 def test_cutedsl_overlap_grids(dtype, D, lse, options):
     """The "overlap" option (two groups in flight per CTA: 2-slot query ring, the next group's first Q K^T issued
     with this group's last P V, O staged in the finished group's query slot) against float64 on persistent grids of
     1, 2, 7 and 500 CTAs over 138 groups (one CTA walking all of them through the ring; CTAs with one group only,
     which never take the cross-group step), ragged counts (one group with a single key: a group of one tile, whose
     last P V is its first), K_alloc not a multiple of 128, B = 2, a NaN-filled out written in full each time, the
-    LSE in query order. With "prefetch" the producer loads each group's count, perm and first index entries
-    during the previous group."""
+    LSE in query order."""
     import math
 
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc

@@ -118,7 +118,7 @@ def launch_plan(epilogue: str, groups: int, sms: int) -> tuple[tuple, int]:
 
 def staged_options() -> tuple:
     """The staged-epilogue kernel's compile options: ``STAGED_OPTIONS``, or ``$MC_SPARSE_CUTEDSL_OPTIONS`` (comma-
-    separated ``sparse_fwd_sm90.OPTIONS``, e.g. "persistent,overlap,prefetch"; "none" for none) to time or try
+    separated ``sparse_fwd_sm90.OPTIONS``, e.g. "persistent"; "none" for none) to time or try
     another set. An unknown name fails the call's compile with a ValueError (the op's fallback, with the reason)."""
     raw = os.environ.get("MC_SPARSE_CUTEDSL_OPTIONS")
     if raw is None:

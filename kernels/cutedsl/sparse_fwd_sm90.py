@@ -79,13 +79,12 @@ EPILOGUES = ("registers", "smem")
 # g+1's queries while the consumers still compute g), the next group's first Q K^T issued together with this group's
 # last P V and its softmax done while that runs, the output staged in the finished group's query slot
 # (``SparseFwdSm90.mma_overlap``); 192 KiB of shared memory at D = 128.
-# "prefetch" (persistent grids): the producer loads the next group's valid count and this thread's perm entry at a
-# group's start and its first key-tile index after this group's first tile, instead of the dependent chain count ->
-# index -> row address at the next group's start, which delays its queries and first K tile.
-# Measured slower on the H200 and removed (round s6r1, 2026-12-01 15:25, docs/kernels.md): "phased" (the key tiles
-# after a group's first in a cyclic order starting at the global clock's tile, so all CTAs read about the same token
-# range of a head at a time) and "pstore" (the producer warpgroup writing the staged output instead of the consumers).
-OPTIONS = ("persistent", "overlap", "prefetch")
+# Measured on the H200 and removed (2026-12-01, docs/kernels.md): "phased" (the key tiles after a group's first in a
+# cyclic order starting at the global clock's tile, so all CTAs read about the same token range of a head at a time)
+# and "pstore" (the producer warpgroup writing the staged output instead of the consumers), both slower in round
+# s6r1; "prefetch" (the producer loading the next group's count, perm entry and first key-tile index a group ahead),
+# a tie in round s6r2.
+OPTIONS = ("persistent", "overlap")
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -206,7 +205,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.overlap = "overlap" in options
         assert not self.overlap or self.persistent, "overlap is a persistent-grid option"
         self.own_sO = self.persistent and self.smem_epilogue and not self.overlap
-        self.prefetch = "prefetch" in options
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -321,7 +319,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, mCounts, total)
+                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head)
         else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
@@ -342,7 +340,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def load_fused(self, mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, mCounts, total):
+                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head):
         """Producer: per group, its query rows through ``perm`` and its K/V rows through ``kv_idx``, all by cp.async
         (mQ/mK/mV ``(S, D, H, B)``; mPerm ``(N, 128)``, mIdx ``(N, K_alloc)``)."""
         tidx, _, _ = cute.arch.thread_idx()
@@ -352,26 +350,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         kv_state = make_pipeline_state(PipelineUserType.Producer, self.num_stages)
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
-        # "prefetch": the group's valid count, this thread's perm entry and index of its first key tile, loaded
-        # during the previous group (the first group's here)
-        row_t = (tidx % 8) * 16 + tidx // 8  # the row whose perm / kv_idx entry this thread loads (_IndexRow.fetch)
-        pf_count, pf_perm, pf_idx = Int32(1), Int32(0), Int32(0)
-        if const_expr(self.prefetch):
-            if work_tile.is_valid_tile:
-                _, _, group0, _ = work_tile.tile_idx
-                pf_count = mCounts[group0]
-                pf_perm = mPerm[group0, row_t]
-                pf_idx = self._first_index(mIdx, group0, pf_count, row_t)
         while work_tile.is_valid_tile:
             _, _, group, _ = work_tile.tile_idx
+            seqlen = SeqlenInfoCls(group)
             bh = group // groups_per_head
             b = bh // n_heads
             h = bh - b * n_heads
-            next_group = group + Int32(cute.arch.grid_dim()[0])
-            if const_expr(self.prefetch):
-                n_block_min, n_block_max = Int32(0), (pf_count + (self.tile_n - 1)) // self.tile_n
-            else:
-                n_block_min, n_block_max = block_info.get_n_block_min_max(SeqlenInfoCls(group), 0)
+            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
             rows = PagedKVManager.create(
                 mIdx, mK, mV, FastDivmodDivisorV2(mK.shape[0]), group, h, tidx, n_block_max * self.tile_n, 0,
                 self.tile_n, self.tile_hdim, self.tile_hdimv, self.num_threads_per_warp_group, mK.element_type,
@@ -384,16 +369,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             index = _IndexRow(rows, rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, k_alloc, tidx)
             q_index = _IndexRow(q_rows, q_rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, Int32(self.tile_m),
                                 tidx)
+            q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
             n_block = n_block_max - 1
-            if const_expr(self.prefetch):
-                q_index.nxt[0] = cutlass.max(pf_perm, 0)  # padded slots (-1) load query row 0 (as fetch)
-                index.nxt[0] = cutlass.max(pf_idx, 0)
-                if next_group < total:  # the next group's count and perm entry: in flight during this group
-                    pf_count = mCounts[next_group]
-                    pf_perm = mPerm[next_group, row_t]
-            else:
-                q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
-                index.fetch(n_block)
+            index.fetch(n_block)
             if const_expr(self.overlap):
                 # the queries first: their slot was freed a group ago, the K stage only when the consumers finish
                 # this group's second-to-last Q K^T
@@ -414,21 +392,11 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 cute.arch.cp_async_commit_group()
                 pipeline_q.producer_commit_w_index(0)
                 q_phase ^= 1
-            if const_expr(self.prefetch):
-                if next_group < total:
-                    pf_idx = self._first_index(mIdx, next_group, pf_count, row_t)
             kv_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min,
                                           n_block_max)
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
         pipeline_v.producer_tail(kv_state)
-
-    @cute.jit
-    def _first_index(self, mIdx, group, count, row_t):
-        """kv_idx[group, slot] of this thread's row of the group's first (last-numbered) key tile, the slot clamped
-        to the row as ``_IndexRow.fetch`` does (raw: -1 stays -1)."""
-        n_max = (count + (self.tile_n - 1)) // self.tile_n
-        return mIdx[group, cutlass.min((n_max - 1) * self.tile_n + row_t, mIdx.shape[1] - 1)]
 
     @cute.jit
     def mma_overlap(self, tiled_mma_qk, tiled_mma_pv, outs, sQ, sK, sVt, pipeline_k, pipeline_v, pipeline_q, tidx,
