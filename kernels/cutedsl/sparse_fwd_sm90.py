@@ -20,10 +20,9 @@ MC-Sparse's reuse-step kernel (arXiv 2610.06801, sec. 3.1 and 4), warp-specialis
 Work is distributed by our own grid-stride scheduler (``GroupScheduler``) over the B*H*G groups of one launch
 (every batch element: both CFG branches). ``num_ctas`` below the group count makes the launch persistent, a CTA's
 producer then gathering the next group's queries and first K/V tile while its consumers finish the previous group
-(the staged epilogue needs the "persistent" option for it). ``op.py`` launches the staged-epilogue kernel persistent,
-one CTA per SM, and the register-epilogue kernel (residual calls) one CTA per group (``rules.launch_plan``). Measured
-on the H200 with the staged epilogue (2026-12-01, side by side): -0.021 to +0.028 of dense x s in one round, +0.007
-to +0.021 at 7 of 8 points in the next (docs/kernels.md).
+(the staged epilogue needs the "persistent" option for it); with the "overlap" option two groups are in flight per
+CTA (``mma_overlap``). ``op.py`` launches both epilogues' kernels persistent (one CTA per SM) with "overlap"
+(``rules.STAGED_OPTIONS`` / ``REGISTERS_OPTIONS``, ``rules.launch_plan``; the H200 figures: docs/kernels.md).
 
 Contract of one launch (``SparseFwdSm90.__call__``; ``op.py`` builds the views):
     q, k, v ``(B, S, H, D)`` fp16/bf16 views with unit stride on D and 16-byte aligned rows (the model's
