@@ -4,8 +4,11 @@ Skipped unless CUDA compute capability 9.x and nvidia-cutlass-dsl + flash-attn-4
 registry, asserting it ran on the kernel) on both head dims and dtypes, ragged K (counts that differ
 per group, tails inside a tile), S not a multiple of 128, B = 2, native [B, S, H*D] views in and out (a NaN-filled
 output buffer written in full, padding between rows left alone), every residual kind (plain in bf16 / fp16 / fp32,
-fp8_row, int4_row, int4_group) and the LSE; more and fewer groups than SMs.
-Run: python3 -m pytest -q tests/test_gpu_cutedsl.py (about 1 minute on an H200, mostly compiles: ~3-7 s each).
+fp8_row, int4_row, int4_group) and the LSE; more and fewer groups than SMs (the op's kernels run persistent with
+two query groups in flight per CTA, ``rules``); the kernel options launched directly, the "overlap" kernel on grids
+of 1 to 500 CTAs, with and without a residual.
+Run: python3 -m pytest -q tests/test_gpu_cutedsl.py (about 1-2 minutes on an H200, mostly compiles: ~3-7 s each);
+one round's selection: tests/gpu_round_cute.sh.
 """
 
 from __future__ import annotations
