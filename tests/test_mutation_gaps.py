@@ -541,3 +541,32 @@ def test_kept_batches_count_their_int32_bytes_and_never_keep_a_residual_copy(mon
     kept = [batch for _, batch in loader._kept.values()]
     assert len(kept) == 2 and loader.kept_loads == 2 * 2 * 2  # 2 layers, reuse steps 3-4, 2 entries each
     assert loader.kept_bytes == sum(b.perm.numel() * 4 + b.kv_idx.numel() * 4 for b in kept)
+
+
+def test_the_registry_classifies_and_records_what_ran(gen):
+    """The CPU allocator's failure counts as out of memory (never a backend failure to skip); a backend picked after
+    the requested one refused says 'fallback' and why; the run's record names the backend that ran an op last
+    (mutations that left the suite green: only CUDA's 'out of memory' text recognised; 'best available' for a
+    fallback; the first backend kept in the record)."""
+    from comfyui_mc_sparse_pack import kernels
+    from comfyui_mc_sparse_pack.kernels import registry
+
+    assert registry.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                                                  "1099511627776 bytes"))
+    assert not registry.is_out_of_memory(RuntimeError("an unrelated failure"))
+    q = torch.randn(1, 2, 40, 32, generator=gen)  # float32: the Triton backend refuses it even when requested
+    chosen = registry.candidates("sparse_attention", q, "triton")
+    assert chosen[0][1].startswith("fallback; triton (requested): runs float16/bfloat16 only"), chosen[0][1]
+    perm = kernels.pddp_groups(q, 16, backend="torch")
+    kv = torch.arange(8, dtype=torch.int32).expand(1, 2, 3, 8).contiguous()
+    registry.register(registry.Backend(name="record_test", priority=-1,
+                                       ops={"sparse_attention": kernels.reference.sparse_attention}))
+    try:
+        record = registry.Record()
+        with registry.recording(record):
+            kernels.sparse_attention(q, q, q, perm, kv, backend="record_test")
+            assert record.choices["sparse_attention"].backend == "record_test"
+            kernels.sparse_attention(q, q, q, perm, kv, backend="torch")
+        assert record.choices["sparse_attention"].backend == "torch"
+    finally:
+        registry._backends.pop("record_test", None)
