@@ -53,7 +53,8 @@ CASES = [  # B, H, S, Sk, D, C: G = 32 (even, ragged last group); B = 2, Sk != S
 
 # (case, tuning): the default on every case, the options on the B = 2 / Sk != S / odd-G case (time budget: < 45 s)
 VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], t) for t in (  # the newest first (a round's time cap cuts the tail)
-    dict(poly=20), dict(poly=22, pingpong=True, ksplit=3), dict(poly=10), dict(poly=10, ksplit=3), dict(ksplit=5), dict(poly=10, pingpong=True), dict(poly=12), dict(poly=11),
+    dict(poly=20), dict(poly=22, pingpong=True, ksplit=3), dict(poly=10), dict(poly=10, ksplit=3), dict(ksplit=5),
+    dict(poly=10, pingpong=True), dict(poly=12), dict(poly=11),
     dict(poly=10, thread_arrive=True), dict(groups=3, poly=10), dict(pingpong=True, thread_arrive=True),
     dict(thread_arrive=True), dict(groups=3, thread_arrive=True, poly=0), dict(kb_poly=True), dict(groups=3, poly=0),
     dict(poly=0, kb_poly=False))]  # the last: the configuration of session 5 (FADD row sums, 2^KB in the kernel)

@@ -5,13 +5,12 @@ operands of ``selection.fp8_operands``): for two query groups of one (b, h) per 
 ``sums[b, h, g, j] = 2^KB[b, h, j] x sum over the group's queries i of 2^((q8_i . k8_j) * QF[b*H + h] - LSE_s[i] *
 log2(e))``, stored in the output's dtype (float16 in ``select_kv``'s scratch). With ``poly`` 0 each score is one
 FFMA, one MUFU ex2 and one FADD as in the Triton kernel (the same fp32 accumulator from the same e4m3 wgmma, the same
-ex2.approx; only the order of the fp32 additions of a key's row sum may differ). The default config (``poly`` 20)
-sums the rows on the tensor cores instead: the tile's exponentials are rounded to bfloat16 (the register A operand)
-and multiplied by a [queries, 8] bfloat16 tile with ones in column 0 (m64n8k16 wgmmas into fp32), one F2FP per two
-scores instead of one FADD per score and no reduction chains; each tile's row-sum wgmma is waited for after the
-next tile's exponentials. Its sums differ from the fp32 ones by the bfloat16 rounding of each term (2^-9 relative;
-relative L2 per group ~2e-4 - 8e-4), far below the float8 products' own error; the top-K contract (the exact top-K of
-the sums it wrote) is unchanged.
+ex2.approx; only the order of the fp32 additions of a key's row sum may differ). ``poly`` 10-22 sum the rows on
+the tensor cores instead: the tile's exponentials rounded to bfloat16 (the register A operand) times a [queries, 8]
+bfloat16 tile with ones in column 0 (m64n8k16 wgmmas into fp32), one F2FP per two scores instead of one FADD per
+score and no reduction chains (20-22: each tile's row-sum wgmma waited for after the next tile's exponentials). Their
+sums differ from the fp32 ones by the bfloat16 rounding of each term (relative L2 per group ~3.5e-4 on the H200);
+they measured far slower there (round s6r2, see ``config``): every such wgmma is a warpgroup-wide operation.
 
 What is different is the schedule. The Triton kernel runs one warpgroup that issues the wgmma, waits for it, then
 takes the exponentials, so the tensor cores and the MUFU units mostly take turns (docs/kernels.md, "select_kv").
@@ -67,10 +66,12 @@ _LOG2E = 1.4426950408889634
 
 def config(head_dim: int) -> dict:
     """Launch config: ring depth and the register split (12 warps: 2 consumer warpgroups + 1 producer warpgroup)."""
-    # poly 20: the row sums on the tensor cores, deferred; kb_poly 2: the operands carry 2^KB (select_kv hands them
-    # when this config says so: pass2_dispatch.gluon_kb_pow2). The kernel runs only with gluon=True /
-    # MC_SPARSE_PASS2_GLUON=1 (pass2_dispatch.GLUON_DEFAULT is off).
-    return dict(num_stages=8, consumer_regs=232, producer_regs=40, maxnreg=168, unroll=2, poly=20, kb_poly=2, groups=2,
+    # poly 0 (FADD row sums), kb_poly False (2^KB by MUFU): the configuration measured in session 5 (kernel alone
+    # 0.5225 of flash-attn-4 dense at 1.3B 480p, s5r2). The tensor-core row sums (poly 20, with 2^KB precomputed) were
+    # this config for round s6r2 and measured far slower there: select_kv(gluon=True) 0.752-0.779 of dense at 1.3B
+    # 480p against 0.559-0.568 for the Triton default (race 1, the method of record; correct: within 3.5e-4 of the
+    # Triton kernel's sums). The kernel runs only with gluon=True / MC_SPARSE_PASS2_GLUON=1 (GLUON_DEFAULT is off).
+    return dict(num_stages=8, consumer_regs=232, producer_regs=40, maxnreg=168, unroll=2, poly=0, kb_poly=False, groups=2,
                 thread_arrive=False, pingpong=False, ksplit=1)
 
 
@@ -251,8 +252,8 @@ def _store_rows(rs, kbv, s_ptr, stride_sn, keys, SK, has_g, KB_POLY: gl.constexp
 
 
 @gluon.jit
-def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots, C, G, n_tiles,
-              stride_sb, stride_sh, stride_sg, stride_sn, H,
+def _consumer(Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots,
+              C, G, n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, UNROLL: gl.constexpr,
               POLY: gl.constexpr, KB_POLY: gl.constexpr, THREAD_ARRIVE: gl.constexpr, PINGPONG: gl.constexpr):
@@ -442,24 +443,27 @@ def _pass2_fwd_sm90(
     # worker arguments are spelled out (a tuple built with + loses its constexpr wrappers in Triton 3.6)
     if GROUPS == 3:
         gl.warp_specialize([
-            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots, C, G,
-                         n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK,
+                         K0, n_slots, C, G, n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM,
+                         BLOCK_M, BLOCK_N,
                          NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
-            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots, C, G,
-                         n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK,
+                         K0, n_slots, C, G, n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM,
+                         BLOCK_M, BLOCK_N,
                          NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
-            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots, C, G,
-                         n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 2, HEAD_DIM, BLOCK_M, BLOCK_N,
+            (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK,
+                         K0, n_slots, C, G, n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 2, HEAD_DIM,
+                         BLOCK_M, BLOCK_N,
                          NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
             (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
         return
     gl.warp_specialize([
-        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots, C, G,
-                     n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
+        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0,
+                     n_slots, C, G, n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                      NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
-        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0, n_slots, C, G,
-                     n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
+        (_consumer, (Q, LSE, PERM, SUMS, QF, KB, q_smem, ones_smem, k_smem, k_ready, k_empty, turn, bh, g0, S, SK, K0,
+                     n_slots, C, G, n_tiles, stride_sb, stride_sh, stride_sg, stride_sn, H, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
                      NUM_STAGES, UNROLL, POLY, KB_POLY, THREAD_ARRIVE, PINGPONG)),
         (_producer, (k_desc, k_smem, k_ready, k_empty, row0, n_tiles, BLOCK_N, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -498,7 +502,8 @@ def launch_args(q8, k8, qf, lse_s, kb, perm, out, *, group_size, num_stages=None
         raise ValueError("poly 10 (row sums on the tensor cores) runs with unroll 1 or 2")
     if poly >= 20 and unroll != 2:
         raise ValueError("poly 20-22 (deferred row-sum wgmmas) runs with unroll 2")
-    if poly not in (0, 1, 2, 3, 5, 8, 9, 10, 11, 12, 20, 21, 22) or (poly in (2, 3) and unroll != 4) or (poly == 5 and unroll == 4):
+    if (poly not in (0, 1, 2, 3, 5, 8, 9, 10, 11, 12, 20, 21, 22) or (poly in (2, 3) and unroll != 4)
+            or (poly == 5 and unroll == 4)):
         raise ValueError(f"poly must be 0, 1, 2 / 3 with unroll 4, 5 / 10-12 without, or 8 / 9, got {poly} (unroll {unroll})")
     thread_arrive = bool(cfg["thread_arrive"] if thread_arrive is None else thread_arrive)
     pingpong = bool(cfg["pingpong"] if pingpong is None else pingpong)
