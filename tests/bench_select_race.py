@@ -320,6 +320,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: code paths on a tiny shape")
     ap.add_argument("--p2ws-gluon-row", action="store_true", help="race 1 also times select_kv(gluon=True) (the Gluon "
                     "pass 2 at its default config + the separate top-K) if that config passed its child check")
+    ap.add_argument("--race1-only", action="store_true", help="checks and race 1 only (no race 2 / 2b)")
     ap.add_argument("--race2-only", action="store_true", help="no checks, no race 1, no scoreboard: race 2b "
                     "alone (p2ws's pass-2 variants beside dense)")
     args = ap.parse_args()
@@ -379,7 +380,7 @@ def main():
             traceback.print_exc()
     if not args.race2_only:
         write_scoreboard(report, out_dir, command)
-    for name, inputs in ({} if args.race2_only else kept).items():
+    for name, inputs in ({} if args.race2_only or args.race1_only else kept).items():
         if time.time() - t0 > args.budget - (0 if name in ("1.3b", "smoke") else 20):
             log(f"{name} race 2 skipped (budget)")
             continue
@@ -390,7 +391,8 @@ def main():
             log(f"{name} race 2 FAILED: {report['shapes'][name]['race2_error']}")
             traceback.print_exc()
         save()
-    if variants and "1.3b" in kept and time.time() - t0 < args.budget:  # last: a faulting variant ends the process
+    if variants and "1.3b" in kept and time.time() - t0 < args.budget and not args.race1_only:  # last: a faulting
+        # variant ends the process
         try:
             report["shapes"]["1.3b"]["race2b"] = race2b("1.3b", *kept["1.3b"], variants, args.budget, t0, log,
                                                         child_rc)

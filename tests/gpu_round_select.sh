@@ -10,7 +10,8 @@
 # $P2WS_VARIANTS, checked in child processes first) until --budget. Logs: $OUT/bench.log, $OUT/bench_select_race.json.
 # Hard cap $T_BENCH s (default 85). Before it, when $P2WS_TEST is set: p2ws's GPU tests ("isolated":
 # tests/gpu_p2ws_tests.sh, one process per case; else python -m pytest -q -m gpu tests/test_gpu_pass2_gluon.py -k
-# "$P2WS_TEST"; hard cap $T_TEST s, default 25). The two caps together stay within the round's 110 s.
+# "$P2WS_TEST"; hard cap $T_TEST s, default 25). The two caps together stay within the round's 110 s. RACE1_ONLY=1:
+# checks and race 1 only (e.g. one shape: RACE1_ONLY=1 T_BENCH=60 bash tests/gpu_round_select.sh $OUT <commit> 14b).
 set -u
 OUT=${1:?usage: gpu_round_select.sh OUT_DIR [commit] [shapes]}
 COMMIT=${2:-}
@@ -29,7 +30,8 @@ elif [ -n "$P2WS_TEST" ]; then
     tail -3 "$OUT/p2ws_gpu_tests.log"
 fi
 timeout "$T_BENCH" python3 tests/bench_select_race.py --out "$OUT" --shapes "$SHAPES" ${COMMIT:+--commit "$COMMIT"} \
-    --p2ws-variants "$P2WS_VARIANTS" ${P2WS_GLUON_ROW:+--p2ws-gluon-row} --budget $((T_BENCH - 10)) \
+    --p2ws-variants "$P2WS_VARIANTS" ${P2WS_GLUON_ROW:+--p2ws-gluon-row} ${RACE1_ONLY:+--race1-only} \
+    --budget $((T_BENCH - 10)) \
     > "$OUT/bench.log" 2>&1
 echo "bench: rc=$?"
 grep -E "CHECK|RACE|FAILED|Error|skipped|children|done" "$OUT/bench.log" | tail -30
