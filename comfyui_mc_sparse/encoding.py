@@ -52,6 +52,7 @@ each query group's weighted mean row (``encode_residual``)."""
 INT4_CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6)
 """Candidate clip ratios of the int4 row scale (``encode_residual``); 1.0 is round-to-nearest with max|R| / 7."""
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+_FP8_MIN_AMAX = _FP8_MAX * torch.finfo(torch.float32).tiny  # below it max|R| / 448 is no normal fp32
 _INT4_MAX = 7.0  # q in [-7, 7]: nibble q + 8 in [1, 15]
 _CHUNK_ELEMENTS = 1 << 26  # temporaries per decode/encode chunk (64 Mi elements: 64-512 MiB)
 _UINT16_LIMIT = 1 << 16  # 16-bit indices address tokens 0 .. 65535
@@ -453,7 +454,9 @@ def encode_residual(residual: torch.Tensor, dtype_name: str, perm: torch.Tensor 
             chunk = rows[r0:r1].float()
             amax = chunk.abs().amax(-1, keepdim=True)
             s = scales[r0:r1]
-            torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax), out=s)
+            # rows whose scale would underflow fp32 (max |R| < ~5e-36, zero rows included) keep scale 1: their values
+            # round to 0 in e4m3 (an error below 1e-35) instead of 0 / 0 = NaN
+            torch.where(amax > _FP8_MIN_AMAX, amax / _FP8_MAX, torch.ones_like(amax), out=s)
             data[r0:r1] = (chunk / s).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
         return EncodedResidual("fp8_row", data.view(B, H, S, D), scales.view(B, H, S))
     if D % 2:

@@ -570,3 +570,24 @@ def test_the_registry_classifies_and_records_what_ran(gen):
         assert record.choices["sparse_attention"].backend == "torch"
     finally:
         registry._backends.pop("record_test", None)
+
+
+def test_quantised_residuals_stay_finite_at_extreme_rows(gen):
+    """fp8, int4 and int4-group storage of rows at the edges of fp32 (a row of subnormal values, whose fp8 scale
+    max|R| / 448 underflows to 0; a group whose rows cancel, so its mean row is tiny and the rows' weights on it are
+    huge) decode to finite values within the format's error (before: the fp8 row stored 0 / 0 = NaN, and a NaN
+    residual row turns that query's output NaN at every reuse step)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import encoding
+
+    S, D, C = 128, 64, 64
+    r = torch.randn(1, 1, S, D, generator=gen)
+    r[0, 0, 3] = torch.randn(D, generator=gen) * 1e-44  # subnormal row (some entries exactly 0)
+    v, e = torch.randn(D, generator=gen), torch.randn(D, generator=gen) * 1e-6
+    r[0, 0, 64:128:2], r[0, 0, 65:128:2] = v + e, -v + e  # group 1: rows cancel, its mean row is ~1e-6
+    perm = torch.arange(S, dtype=torch.int32).view(1, 1, S)
+    for name in ("float8_e4m3fn", "int4", "int4_group"):
+        enc = encoding.encode_residual(r, name, perm=perm, num_groups=S // C)
+        back = encoding.decode_residual(enc, torch.float32, perm=perm)
+        assert torch.isfinite(back).all(), name
+        rel = float((back - r).abs().sum() / r.abs().sum())
+        assert rel < (0.05 if name == "float8_e4m3fn" else 0.2), (name, rel)
