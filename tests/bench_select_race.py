@@ -15,8 +15,8 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 3. RACE 2 (per shape after both shapes' race 1; 14B only with 20 s of ``--budget`` left): the parts on all heads at
    s = 0.25 in the same rounds as dense: the float8 operand pass, the pass-2 kernel alone and with its fused top-K
    epilogue (two groups / one group per program, on precomputed operands; sums checked against select_kv's, the
-   fused selection against the brute force of its sums; then, while the budget lasts, the threshold among the
-   top-K's candidates by the previous bisection, and two tile rows per thread in its sweeps); then the host time of
+   fused selection against the brute force of its sums; then, while the budget lasts, two tile rows per thread in
+   the top-K's sweeps); then the host time of
    one select_kv call enqueued behind busy GPU work. RACE 2b, last (a faulting kernel ends the process): issue 15's
    pass-2 kernel variants of tests/bench_pass2_exp.py (``--p2ws-variants``; each checked against that bench's
    reference kernel as there) with dense in their own race.
@@ -185,11 +185,9 @@ def race2(name, q, k, v, lse, perm, budget, t0, log):
     ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)
     out16 = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
     plains = {}
-    # (tag, one group per program, tile rows per thread, the candidates' threshold by the previous bisection)
-    mine = (("2grp", False, 1, False), ("1grp", True, 1, False), ("2grp bisect", False, 1, True),
-            ("1grp bisect", True, 1, True), ("1grp x2", True, 2, False))
-    for tag, one, rpt, bis in mine:
-        if (rpt > 1 or bis) and time.time() - t0 > budget:
+    # (tag, one group per program, tile rows per thread)
+    for tag, one, rpt in (("2grp", False, 1), ("1grp", True, 1), ("1grp x2", True, 2)):
+        if rpt > 1 and time.time() - t0 > budget:
             break
         try:
             if one not in plains:  # the kernel without the top-K epilogue
@@ -199,8 +197,7 @@ def race2(name, q, k, v, lse, perm, budget, t0, log):
                     raise AssertionError(f"sums differ from select_kv's pass 2 by {rel:.2e}")
                 plains[one] = plain
                 fns[f"pass-2 kernel {tag}"] = (lambda one: lambda: launch_pair(ops, perm, out16, one_group=one))(one)
-            fused = dataclasses.replace(topk.FusedRows.allocate(H * G, S, kq, width, q.device), rows_per_thread=rpt,
-                                        bisect=bis)
+            fused = dataclasses.replace(topk.FusedRows.allocate(H * G, S, kq, width, q.device), rows_per_thread=rpt)
             sel = fused.for_chunk(torch.full((1, H, G, width), -7, dtype=torch.int32, device=q.device))
             got = launch_pair(ops, perm, torch.full_like(out16, float("nan")), one_group=one, select=sel)
             hc = min(H, 12)  # the brute force on the first 12 heads (at 14B all 40 would sort 1.8e9 sums)

@@ -92,7 +92,7 @@ def test_bracket_top_k_tilings(gen, rows_per_step, prefetch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_bracket_top_k_is_exact_on_every_path(gen, dtype):
     """The bracket method with few samples (strata of 4 keys) and a small candidate buffer: rows where the bracket
-    holds the K-th key (bisection among the candidates) and rows where it cannot (radix fallback), all exact:
+    holds the K-th key (radix select among the candidates) and rows where it cannot (radix fallback), all exact:
     - row 0: distinct random values -> bracket hit;
     - row 1: the sampled positions hold 0, every other key is larger -> the bracket sits below the K-th key
       (more than K keys above it) -> fallback;
@@ -100,7 +100,7 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype):
       above the K-th key (too few keys at or above its low end) -> fallback;
     - row 3: one value everywhere -> more candidates than the buffer holds -> fallback;
     - row 4: ties at the threshold inside a hit (levels drawn from 300 values);
-    - row 5: 1000 consecutive bit patterns, shuffled: every key value inside the bracket occurs, so a bisection
+    - row 5: 1000 consecutive bit patterns, shuffled: every key value inside the bracket occurs, so a search
       that stops short of a single value picks a wrong threshold."""
     sk, k, width, stride, cap = 1000, 300, 320, 4, 512
     pos = triton_topk.sample_positions(sk, stride)
@@ -614,16 +614,14 @@ def test_select_kv_with_the_pass2_histogram_is_unchanged(gen, fp8):
     assert torch.equal(with_hist, ref_top_k_rows(sums16, K, with_hist.shape[-1]))
 
 
-@pytest.mark.parametrize("fp8,cap,one_group,rpt,bisect", [
-    (False, None, False, 1, False), (True, 16, False, 1, False), (True, None, True, 1, False), (True, None, True, 2, False),
-    (True, None, False, 1, True)])
-def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rpt, bisect):
+@pytest.mark.parametrize("fp8,cap,one_group,rpt", [(False, None, False, 1), (True, 16, False, 1), (True, None, True, 1),
+                                                   (True, None, True, 2)])
+def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rpt):
     """group_prob_sums(select=topk.FusedRows): the pair kernel's epilogue writes each group's top-K of the float16 sums
     it stored (B = 2, 9 groups: the last pair has one group; 16-byte rows, one whole 1024-key tile and a partial one),
     and ``finish`` the rows whose bracket missed (cap 16: every row overflows its candidate slots and goes to the radix
-    launch; default cap: none does), also with one group per program (one_group), two tile rows per thread (rpt:
-    one masked 2048-key step) and the threshold among the candidates by bisection (bisect, the previous form): the
-    brute-force top-K of the same sums, every slot written (poisoned first);
+    launch; default cap: none does), also with one group per program (one_group) and two tile rows per thread (rpt:
+    one masked 2048-key step): the brute-force top-K of the same sums, every slot written (poisoned first);
     select_kv(topk_fused=True) == select_kv(topk_fused=False)."""
     from comfyui_mc_sparse_pack.kernels.triton import selection, topk
 
@@ -637,7 +635,7 @@ def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rp
     plan = topk.bracket_plan(S, K, 2, cap=cap)
     fused = topk.FusedRows(torch.full((B, H, G, width), POISON, dtype=torch.int32), K, width, plan,
                            torch.empty(B * H * G, plan[4], dtype=torch.int16), torch.empty(B * H * G, dtype=torch.int8),
-                           rows_per_thread=rpt, bisect=bisect)
+                           rows_per_thread=rpt)
     selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums, fp8=fp8, pair=True, select=fused,
                               one_group=one_group)
     assert fused.done

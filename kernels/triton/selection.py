@@ -11,7 +11,7 @@ Keys are read un-permuted, so the K loads are plain contiguous tiles. Padded que
 add exactly 0; key positions past Sk are masked on load and never stored.
 
 ``select_kv`` runs this kernel on chunks of heads (bounded scratch: ``_SCRATCH_BYTES``, sums stored in float16)
-and keeps each group's top-K with the bracket method of ``topk`` (sample bracket + bisection, radix fallback;
+and keeps each group's top-K with the bracket method of ``topk`` (sample bracket + radix select, radix fallback;
 exact): on sm_90+ run by the pair kernel itself after its key sweep (``topk_fused``, ``topk.FusedRows``), elsewhere
 by ``topk.top_k_rows``; either writes the sorted, -1-padded selection rows directly (ties: the lower token index wins; no global sort, no host
 sync). ``pair=True`` runs two query groups per program (each K tile loaded once for both); ``exp="f16x2"`` takes
@@ -247,7 +247,6 @@ def _group_prob_sums_pair(
     T_ALIGN: tl.constexpr = 1,  # the sums' b / h / g strides are t_sb / t_sh / t_sg times T_ALIGN (16-byte rows)
     T_ROWS: tl.constexpr = 128,  # top-K tile rows (16-byte vectors) per sweep step
     T_NS: tl.constexpr = 1024,  # top-K sample slots (a power of two >= n_samp)
-    T_BISECT: tl.constexpr = False,  # the top-K's threshold among its candidates by bisection (topk.FusedRows.bisect)
     T_TWO_BITS: tl.constexpr = False,  # its sample order statistics two bits per reduction (T_NS <= 8 per thread)
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
@@ -266,7 +265,7 @@ def _group_prob_sums_pair(
     skips its first pass over the row (one histogram of BLOCK_N entries per tile, against BLOCK_N x BLOCK_M
     exponentials).
     TOPK: after its key sweep the program selects each of its groups' K keys from the float16 sums it stored (still
-    in L2; ``topk._bracket_row``: sample bracket, candidate bisection, compaction into SEL, FLAGS[row] = 1 where the
+    in L2; ``topk._bracket_row``: sample bracket, candidate radix select, compaction into SEL, FLAGS[row] = 1 where the
     bracket missed and ``topk.FusedRows.finish`` must write the row), so the selection needs no launch and no sweep of
     the sums from DRAM of its own, and its integer work runs beside other programs' exponentials."""
     pair = tl.program_id(0)
@@ -373,11 +372,11 @@ def _group_prob_sums_pair(
         dst = SEL + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + g0.to(tl.int64) * stride_og
         row = bh.to(tl.int64) * G + g0
         _bracket_row(src, dst, CAND + row * t_cap, FLAGS + row, SK, num_keys, width, stride_samp, n_samp, hi_rank,
-                     lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS, T_NS, t_cap, True, T_BISECT, T_TWO_BITS)
+                     lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS, T_NS, t_cap, True, T_TWO_BITS)
         if has_g1:
             _bracket_row(src + t_sg * T_ALIGN, dst + stride_og, CAND + (row + 1) * t_cap, FLAGS + row + 1, SK,
                          num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS,
-                         T_NS, t_cap, True, T_BISECT, T_TWO_BITS)
+                         T_NS, t_cap, True, T_TWO_BITS)
 
 
 @triton.jit
@@ -659,7 +658,7 @@ def _fused_topk_args(select, out, num_warps, placeholder):
     args = (sel, select.cand, select.flags, select.num_keys, select.width, sb // align, sh // align, sg // align,
             sel.stride(0), sel.stride(1), sel.stride(2), stride, n_samp, hi_rank, lo_rank, cap)
     meta = dict(TOPK=True, T_ALIGN=align, T_ROWS=32 * num_warps * select.rows_per_thread,
-                T_NS=triton.next_power_of_2(n_samp), T_BISECT=bool(select.bisect),
+                T_NS=triton.next_power_of_2(n_samp),
                 T_TWO_BITS=triton.next_power_of_2(n_samp) <= 8 * 32 * num_warps)
     return args, meta
 

@@ -315,22 +315,6 @@ def _count_step(key, cand_row, lo, hi, above_rows, n_cand, cap):
 
 
 @triton.jit
-def _count_ge(cand_row, n_cand, t, ROWS: tl.constexpr, VEC: tl.constexpr, STRICT: tl.constexpr):
-    """How many of the n_cand copies are >= t (STRICT: > t). (``_bracket_row``'s BISECT form only.)"""
-    tile = _tile_offsets(ROWS, VEC)
-    step: tl.constexpr = ROWS * VEC
-    cnt = tl.zeros([ROWS], dtype=tl.int32)
-    n_full = n_cand // step
-    for i in range(0, n_full):  # whole tiles: unmasked 16-byte loads (CAND rows are CAP-aligned)
-        cv = tl.load(cand_row + i * step + tile).to(tl.int32)
-        cnt += tl.sum(((cv > t) | ((cv == t) & (not STRICT))).to(tl.int32), 1)
-    offs = n_full * step + tile
-    cv = tl.load(cand_row + offs, mask=offs < n_cand, other=-1).to(tl.int32)
-    cnt += tl.sum(((cv > t) | ((cv == t) & (not STRICT))).to(tl.int32), 1)
-    return tl.sum(cnt, 0)
-
-
-@triton.jit
 def _top_bin(h, kk, bins):
     """(b, kk - above): the highest bin b of the histogram ``h`` ([NB] int32, ``bins`` its arange) whose count with
     the bins above it reaches ``kk`` (1 <= kk <= sum(h)), i.e. the bin of the kk-th largest entry, and kk minus the
@@ -404,13 +388,12 @@ def _bracket_topk_rows(
 @triton.jit
 def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank,
                  KEY_BITS: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, NS: tl.constexpr, cap,
-                 PREFETCH: tl.constexpr, BISECT: tl.constexpr = False, SAMPLE_TWO_BITS: tl.constexpr = False):
+                 PREFETCH: tl.constexpr, SAMPLE_TWO_BITS: tl.constexpr = False):
     """The bracket method for one row of Sk keys at ``src`` (16-byte aligned when Sk >= ROWS * VEC: whole tiles load
     unmasked) into the selection row ``dst`` (``width`` slots), with the candidate scratch ``cand_row`` (``cap`` slots)
     and the row's int8 fallback flag at ``flag`` (written 1 when the row is left to the radix launch, else 0);
     ``_bracket_topk_rows`` per program, or pass 2's epilogue (``selection._group_prob_sums_pair`` TOPK). The threshold
-    among the copies: ``_cand_threshold`` (radix select), or with BISECT the previous bisection on the key value (one
-    pass over the copies per bit of hi - lo; same result). SAMPLE_TWO_BITS: the bracket's two sample order statistics
+    among the copies: ``_cand_threshold`` (radix select). SAMPLE_TWO_BITS: the bracket's two sample order statistics
     two bits per reduction (``_kth_largest2``; for NS / threads <= 8: the fused epilogue's 4 warps)."""
     zero = tl.program_id(0) * 0
     top = zero + (0x7C01 if KEY_BITS == 16 else 0x7F800001)  # one above +inf's key: above every key
@@ -446,20 +429,8 @@ def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_s
     hit = (above < num_keys) & (above + n_cand >= num_keys) & (n_cand <= cap)
     tl.store(flag, (1 - hit.to(tl.int32)).to(tl.int8))
     if hit:
-        kk = num_keys - above  # the threshold is the kk-th largest copy (every copy is >= lo, n_cand >= kk)
-        if BISECT:  # the previous form (kept for the H200 round's side-by-side timing): bisection on the key value
-            a = lo
-            b = hi
-            n_iter = tl.log2((hi - lo + 1).to(tl.float32)).to(tl.int32) + 2  # >= ceil(log2(range)): extra steps no-ops
-            for _ in range(n_iter):
-                mid = a + (b - a + 1) // 2
-                ok = _count_ge(cand_row, n_cand, mid, ROWS, VEC, False) >= kk
-                a = tl.where(ok, mid, a)
-                b = tl.where(ok, b, mid - 1)
-            prefix = a
-            need = kk - _count_ge(cand_row, n_cand, prefix, ROWS, VEC, True)
-        else:
-            prefix, need = _cand_threshold(cand_row, n_cand, kk, lo, hi, ROWS * VEC // 2)
+        # the threshold is the (num_keys - above)-th largest copy (every copy is >= lo, n_cand >= that)
+        prefix, need = _cand_threshold(cand_row, n_cand, num_keys - above, lo, hi, ROWS * VEC // 2)
         _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, ROWS, VEC, PREFETCH)
 
 
@@ -593,8 +564,7 @@ class FusedRows:
     plan, ``bracket_plan``'s (stride, n_samp, hi_rank, lo_rank, cap); cand, the candidate scratch (int16
     ``[>= B*h*G, cap]``); flags, int8 ``[>= B*h*G]``; done: set by pass 2 when its kernel ran the top-K (the Gluon
     pass-2 kernel does not: then the caller runs ``top_k_rows``); rows_per_thread: 16-byte tile rows each thread
-    holds per sweep step (a power of two; tuning: fewer, longer steps); bisect: the threshold among the candidates by
-    the previous bisection instead of radix select (``_bracket_row`` BISECT; same selection, for side-by-side timing)."""
+    holds per sweep step (a power of two; tuning: fewer, longer steps)."""
     out: torch.Tensor
     num_keys: int
     width: int
@@ -603,7 +573,6 @@ class FusedRows:
     flags: torch.Tensor
     done: bool = False
     rows_per_thread: int = 1
-    bisect: bool = False
 
     @classmethod
     def allocate(cls, rows: int, sk: int, num_keys: int, width: int, device) -> "FusedRows":
