@@ -53,16 +53,9 @@ GLUON_SCHEDULES = {
     # + the consumers' per-thread arrives (no warpgroup bar.sync per stage release / turn)
     "pingpong persistent 3 stages thread_arrive": dict(pingpong=True, persistent=True, num_stages=3,
                                                        thread_arrive=True),
-    # + each item's Q slot freed at its last QK^T, the next item's queries gathered right behind its first K/V tile
-    "pingpong persistent 3 stages thread_arrive early_q": dict(pingpong=True, persistent=True, num_stages=3,
-                                                               thread_arrive=True, early_q=True),
-    # + no proxy fence between a stage's ready wait and its wgmma (flash-attn-4's sm90 cp.async pipelines)
-    "pingpong persistent 3 stages thread_arrive no_fence": dict(pingpong=True, persistent=True, num_stages=3,
-                                                                thread_arrive=True, cp_async_fence=False),
-    "pingpong persistent 3 stages thread_arrive early_q no_fence": dict(pingpong=True, persistent=True, num_stages=3,
-                                                                        thread_arrive=True, early_q=True,
-                                                                        cp_async_fence=False),
-    # + the queries as the QK^T's register operand (the Q slot freed at each item's start)
+    # + each item's Q slot freed at its last QK^T and the next item's queries gathered right behind its first K/V
+    # tile (early_q), no proxy fence between a stage's ready wait and its wgmma (no_fence: flash-attn-4's sm90
+    # cp.async pipelines), and the queries as the QK^T's register operand (the Q slot freed at each item's start)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         q_regs=True),
@@ -79,7 +72,9 @@ GLUON_SCHEDULES = {
 # schedule (the op) 1.398 / 24.87 ms at 1.3B / 14B; without the proxy fence and with the Q slot freed at each item's
 # last QK^T (early_q no_fence) 1.325 / 23.63 ms (+5.5 / +5 %); + the queries in registers (q_regs) 1.330 / 23.28 ms;
 # FA3's overlap with both 1.639 ms (-17 %). The auto mode times the q_regs schedule and early_q no_fence with the
-# producer's indices two tiles ahead (idx2).
+# producer's indices two tiles ahead (idx2). Round 16:31 (the op = this auto mode; 14B cut after s = 0.15): the op
+# 0.701 / 0.718 / 0.775 / 0.775 | 0.773 / 0.784, the previous first schedule 0.694 / 0.723 / 0.783 / 0.772 | 0.749 /
+# 0.776, q_regs called directly 0.714 / 0.736 / 0.780 / 0.776 | 0.739 / 0.765 (docs/kernels.md).
 AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs",
                   "pingpong persistent 3 stages thread_arrive early_q no_fence idx2")
 choices: dict[tuple, str] = {}  # shape key -> an AUTO_SCHEDULES name (auto mode); times in _times
