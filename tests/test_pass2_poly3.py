@@ -122,16 +122,21 @@ def test_fp8_operands_kb_pow2(gen):
     assert torch.allclose(b[4].double(), torch.exp2(a[4].double()), rtol=1e-6, atol=0)
 
 
-def test_one_group_kernel_equals_the_pair_kernel(gen):
-    """``one_group=True`` (one query group per program, the pair kernel's ONE_GROUP): the same bits as the pair kernel
-    (the same per-group arithmetic), odd group count, every entry written; refused with the pair-only options."""
-    sel = _selection()
-    S, C, D = 330, 128, 32  # G = 3
+def _three_group_inputs(gen, S=330, C=128, D=32):
+    """(q, k, lse, perm) on DEVICE for pass 2: 2 heads, G = 3 query groups of C (the last one ragged, -1 padded)."""
     q = (torch.randn(1, 2, S, D, generator=gen) + torch.randn(1, 2, 1, D, generator=gen)).to(torch.bfloat16)
     k = torch.randn(1, 2, S, D, generator=gen).to(torch.bfloat16)
     lse = (torch.randn(1, 2, S, generator=gen) + 7.0).float()
     perm = torch.stack([torch.cat([torch.randperm(S, generator=gen), torch.full((3 * C - S,), -1)]) for _ in range(2)])
-    args = (q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(torch.int32)[None].to(DEVICE))
+    return q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(torch.int32)[None].to(DEVICE)
+
+
+def test_one_group_kernel_equals_the_pair_kernel(gen):
+    """``one_group=True`` (one query group per program, the pair kernel's ONE_GROUP): the same bits as the pair kernel
+    (the same per-group arithmetic), odd group count, every entry written; refused with the pair-only options."""
+    sel = _selection()
+    S, C = 330, 128  # G = 3
+    args = _three_group_inputs(gen, S, C)
     want = torch.full((1, 2, 3, S), float("nan"), device=DEVICE)
     sel.group_prob_sums(*args, group_size=C, out=want, fp8=True, pipelined=False)
     got = torch.full_like(want, float("nan"))
@@ -152,12 +157,8 @@ def test_one_group_is_the_default_with_and_without_the_fused_top_k(gen, monkeypa
     0.589-0.596 with two at 1.3B 480p, 0.471-0.478 against 0.485-0.497 at 14B 720p): the launch has G programs per
     head and ONE_GROUP set, and the selection equals the two-group kernel's."""
     sel = _selection()
-    S, C, D = 330, 128, 32  # G = 3
-    q = (torch.randn(1, 2, S, D, generator=gen) + torch.randn(1, 2, 1, D, generator=gen)).to(torch.bfloat16)
-    k = torch.randn(1, 2, S, D, generator=gen).to(torch.bfloat16)
-    lse = (torch.randn(1, 2, S, generator=gen) + 7.0).float()
-    perm = torch.stack([torch.cat([torch.randperm(S, generator=gen), torch.full((3 * C - S,), -1)]) for _ in range(2)])
-    args = (q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(torch.int32)[None].to(DEVICE))
+    S, C = 330, 128  # G = 3
+    args = _three_group_inputs(gen, S, C)
     launches, kernel = [], sel._group_prob_sums_pair
 
     class Spy:
