@@ -27,29 +27,29 @@ if [ "$MODE" = final ]; then  # <= 155 s: the default path's cases, the auto mod
     T_TESTS=45
     T_BENCH=110
 fi
-if [ "$MODE" = bench ]; then  # <= 90 s in all: the GPU tests of the auto mode's schedules (cap 40 s), then the benchmark
+if [ "$MODE" = bench ]; then  # <= 96 s in all: the GPU tests of the new variants (cap 40 s), then the benchmark
     T0=$(date +%s)
-    # 1. the auto mode's two schedules against float64 (through the op: every candidate, int4_group, B = 2; the first
-    #    with a plain bf16 residual over 7 persistent programs, ragged; indices two tiles ahead on short ragged items;
-    #    the first at D = 64; the queries in registers with indices three tiles ahead on long rows); pytest's own exit has hung after the last case in every round, so the
-    #    process ends by os._exit with pytest's status
+    # 1. the new variants against float64 (session 7 round 1: the auto mode's two schedules with the producer at 8
+    #    threads per row: queries in registers on long rows (int4_group, bf16, 16 programs, every ring stage refilled
+    #    many times) and at D = 64 (fp16, plain residual, 7 programs, ragged), indices two tiles ahead on short ragged
+    #    items (fp8_row); 3 compiles); pytest's own exit has hung after the last case in every round, so the process
+    #    ends by os._exit with pytest's status
     timeout 40 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
         -q -s -p no:cacheprovider tests/test_gpu_gluon_sparse.py \
-        -k "auto_first or auto_mode or idx-ahead-2 and tunings or q-regs-idx-ahead-3 and long" > "$OUT/gluon_gpu_tests.log" 2>&1
+        -k "rt8-q-regs or rt8-idx-ahead-2 or rt8_q_regs" > "$OUT/gluon_gpu_tests.log" 2>&1
     trc=$?
     grep -E "rel_l2|passed|failed|error|Error" "$OUT/gluon_gpu_tests.log" | tail -10
     echo "gluon gpu tests: rc=$trc"
-    if [ "$trc" -eq 124 ] && grep -q "5 passed" "$OUT/gluon_gpu_tests.log" && ! grep -qE "failed|FAILED" "$OUT/gluon_gpu_tests.log"; then
+    if [ "$trc" -eq 124 ] && grep -q "3 passed" "$OUT/gluon_gpu_tests.log" && ! grep -qE "failed|FAILED" "$OUT/gluon_gpu_tests.log"; then
         trc=0  # every case passed, then the exit hung
     fi
-    # 2. the op (auto mode: the scoreboard figure) + the previous default and q_regs + idx3, timed by the
-    #    method of record (tests/_timing.race) with flash-attn-4 dense in the same rounds; --budget: the tunings are
-    #    dropped late, so the op's figure and the scoreboard are written in time
-    # the previous default (round s5r2's kernel) and the auto mode's first schedule called directly (the op's own
-    # compiled kernel: no compile; op vs kernel in the same race)
-    NAMES="gluon pingpong persistent 3 stages thread_arrive,gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs"
-    [ "$trc" -eq 0 ] && NAMES="$NAMES,gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs idx3"
-    LEFT=$(( 88 - ($(date +%s) - T0) ))  # SIGTERM at the cap: the bench writes what it measured (~1 s)
+    # 2. the op (auto mode: the scoreboard figure), its first schedule called directly (the op's own compiled kernel:
+    #    no compile; op vs kernel in the same race) and, only if (1) passed, both auto schedules with the producer at
+    #    8 threads per row; timed by the method of record (tests/_timing.race) with flash-attn-4 dense in the same
+    #    rounds; --budget: the tunings are dropped late, so the op's figure and the scoreboard are written in time
+    NAMES="gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs"
+    [ "$trc" -eq 0 ] && NAMES="$NAMES,gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs rt8,gluon pingpong persistent 3 stages thread_arrive early_q no_fence idx2 rt8"
+    LEFT=$(( 96 - ($(date +%s) - T0) ))  # SIGTERM at the cap: the bench writes what it measured (~1 s)
     timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \
         --gluon-configs "$NAMES" ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
     echo "bench: rc=$? (cap $LEFT s)"

@@ -117,7 +117,12 @@ def main():
                         dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
                              early_q=True),
                         dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
-                             early_q=True, cp_async_fence=False))])
+                             early_q=True, cp_async_fence=False),
+                        # the auto mode's schedules with the producer at 8 threads per row
+                        dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
+                             early_q=True, cp_async_fence=False, q_regs=True, row_threads=8),
+                        dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
+                             early_q=True, cp_async_fence=False, idx_ahead=2, row_threads=8))])
     for D, kind, tune in cases:
         r = report(kind, D=D, ptx_dir=args.ptx, **tune)
         bad += r["consumer_hot_spills"] > 0 or not r["fits"] or (not tune and r["spill_st"] > 64)

@@ -163,7 +163,7 @@ class _Fake:
     def sparse_attention(self, *a, **kw):
         self.calls += 1
         sched = {n: kw.pop(n) for n in ("pingpong", "persistent", "overlap", "pipeline", "num_stages", "stage_out",
-                                        "thread_arrive", "early_q", "cp_async_fence", "q_regs", "idx_ahead")
+                                        "thread_arrive", "early_q", "cp_async_fence", "q_regs", "idx_ahead", "row_threads")
                  if n in kw}
         self.options.append(sched)
         return _dispatch()._triton_kernel.sparse_attention(*a, **kw)
