@@ -99,11 +99,17 @@ VARIANTS = {  # name: keywords of launch()
     "gluon ws kb pow2 ks4": dict(gluon=dict(kb_poly=2, ksplit=4, poly=0), kb_pow2=True),
     # the Gluon kernel at its default config (selection_sm90.config), as select_kv(gluon=True) runs it
     "gluon ws default": dict(gluon={}, kb_pow2=False, rtol=2e-3),  # kb_pow2: what config()'s kb_poly reads
+    # session 7: the one-group kernel (select_kv's pass 2) with its row sums as two partial sums per thread; its
+    # timing floor without exponentials; its pipeline depth
+    "kb pow2 1grp row pairs": dict(kb_pow2=True, one_group=True, row_pairs=True),
+    "kb pow2 1grp no exp (floor)": dict(kb_pow2=True, one_group=True, exp="none"),
+    "kb pow2 1grp st2": dict(kb_pow2=True, one_group=True, num_stages=2),
+    "kb pow2 1grp st4": dict(kb_pow2=True, one_group=True, num_stages=4),
 }
 
 
 def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=False, gluon=None, num_stages=3,
-           stagger=False, one_group=False, rtol=None):
+           stagger=False, one_group=False, rtol=None, row_pairs=False):
     """The pair kernel alone on precomputed float8 operands ``ops`` = (q8, k8, qf, lse_s, kb), as
     ``selection.group_prob_sums`` launches it with fp8 (unstaggered, BLOCK_N 64, 4 warps, 3 stages). ``kb_pow2``:
     ``ops`` carries 2^KB in place of KB. ``gluon``: the Gluon kernel instead, with these tuning keywords. ``rtol``:
@@ -123,7 +129,7 @@ def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=Fa
         *q8.stride(), *k8.stride(), *lse_s.stride(), *out.stride(), *selection._fused_topk_args(None, out, 4, qf)[0],
         HEAD_DIM=D, BLOCK_M=128, BLOCK_N=64, EXP_MODE=3 if exp == "none" else 0, STAGGER=stagger, FP8=True, POLY=0,
         P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32, WITH_HIST=False,
-        KB_POW2=kb_pow2, ONE_GROUP=one_group, num_warps=4, num_stages=num_stages, **extra)
+        KB_POW2=kb_pow2, ONE_GROUP=one_group, ROW_PAIRS=row_pairs, num_warps=4, num_stages=num_stages, **extra)
     return out
 
 

@@ -46,17 +46,9 @@ VARIANTS = {  # name: pair-kernel constexprs (BLOCK_N 64, 4 warps, 3 stages unle
     "fp8 unstaggered + fused top-K": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True, maxnreg=168),
     "fp8 one group + fused top-K": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True, ONE_GROUP=True),
     "fp8 one group": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, ONE_GROUP=True),
-    # the fused top-K's sweeps with 2 / 4 tile rows per thread per step (topk.FusedRows.rows_per_thread)
-    "fp8 unstaggered + fused top-K x2": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True, maxnreg=168,
-                                             T_RPT=2),
-    "fp8 unstaggered + fused top-K x4": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True, maxnreg=168,
-                                             T_RPT=4),
-    "fp8 one group + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
-                                                   ONE_GROUP=True, maxnreg=128),
-    "fp8 one group + fused top-K x2 (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
-                                                      ONE_GROUP=True, maxnreg=128, T_RPT=2),
-    "fp8 one group + fused top-K x4 (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
-                                                      ONE_GROUP=True, maxnreg=128, T_RPT=4),
+    # session 7: each thread's row sums as 2 independent partial sums (ROW_PAIRS)
+    "fp8 one group row pairs + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True,
+                                                             TOPK=True, ONE_GROUP=True, maxnreg=128, ROW_PAIRS=True),
 }
 
 
@@ -106,10 +98,16 @@ def compile_variant(name, cfg, S=75600, H=40, D=128, C=128, arch=90):
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=cfg.get("BLOCK_N", 64), EXP_MODE=0, STAGGER=cfg.get("STAGGER", True),
                 FP8=fp8, POLY=cfg.get("POLY", 0), P3_G0=cfg.get("P3_G0", 0), P3_G1=cfg.get("P3_G1", 0), KEY_BITS=16,
                 WITH_HIST=cfg.get("WITH_HIST", False), num_warps=warps, num_stages=cfg.get("num_stages", 3), **sel_meta,
-                KB_POW2=cfg.get("KB_POW2", False), ONE_GROUP=cfg.get("ONE_GROUP", False), **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
+                KB_POW2=cfg.get("KB_POW2", False), ONE_GROUP=cfg.get("ONE_GROUP", False), ROW_PAIRS=cfg.get("ROW_PAIRS", False), **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
     ck = pr.compile_offline(selection._group_prob_sums_pair, args, meta, arch)
     regs, st, ld = pr.ptxas_usage(ck, arch)
-    return dict(variant=name, regs=regs, spill_st=st, spill_ld=ld, smem=ck.metadata.shared,
+    if os.environ.get("PTXAS_SELECT_DUMP"):  # PTX and SASS of each variant into that folder
+        dump = Path(os.environ["PTXAS_SELECT_DUMP"])
+        dump.mkdir(parents=True, exist_ok=True)
+        stem = re.sub(r"[^A-Za-z0-9]+", "_", name)
+        (dump / f"{stem}.ptx").write_text(ck.asm["ptx"])
+    waits = sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ck.asm["ptx"])))
+    return dict(variant=name, wgmma_waits=waits, regs=regs, spill_st=st, spill_ld=ld, smem=ck.metadata.shared,
                 fits=ck.metadata.shared <= pr.SMEM_LIMIT[arch], sass=sass_census(ck))
 
 

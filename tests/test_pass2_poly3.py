@@ -150,6 +150,34 @@ def test_one_group_kernel_equals_the_pair_kernel(gen):
                        sel.select_kv(*args, 100, topk_fused=False, one_group=False, **kw))
 
 
+def test_one_group_row_pairs_match_float64(gen):
+    """``row_pairs=True`` (the one-group kernel's row sums as two partial sums per thread, ``_pair_row_sums``): sums
+    within 1e-6 relative L2 per group of the plain one-group kernel and within 2e-4 of float64 sums of its own
+    dequantised operands, not the same bits everywhere (the other addition order ran), every entry written, odd group
+    count and ragged S; the top-K fused into it selects what the separate top-K selects from its sums."""
+    sel = _selection()
+    S, C, D = 330, 128, 32  # G = 3
+    args = _three_group_inputs(gen, S, C, D)
+    base = torch.full((1, 2, 3, S), float("nan"), device=DEVICE)
+    sel.group_prob_sums(*args, group_size=C, out=base, fp8=True, pipelined=False, one_group=True, row_pairs=False)
+    got = torch.full_like(base, float("nan"))
+    sel.group_prob_sums(*args, group_size=C, out=got, fp8=True, pipelined=False, one_group=True, row_pairs=True)
+    assert not got.isnan().any() and not base.isnan().any()
+    rel = (got.double() - base.double()).norm(dim=-1) / base.double().norm(dim=-1)
+    assert float(rel.max()) < 1e-6, float(rel.max())
+    assert bool((got != base).any())
+    q8, k8, _, lse_s, kb = sel.fp8_operands(*args[:3], D**-0.5)
+    (_, qs), (_, ks) = sel.fp8_stats(args[0]), sel.fp8_stats(args[1])
+    deq = reference.group_prob_sums(q8.double() * qs.double()[..., None, None],
+                                    k8.double() * ks.double()[..., None, None], lse_s.double(), args[3], group_size=C)
+    deq = deq * torch.exp2(kb.double())[:, :, None, :]
+    rel = (got.double() - deq).norm(dim=-1) / deq.norm(dim=-1)
+    assert float(rel.max()) < 2e-4, float(rel.max())
+    kw = dict(group_size=C, kv_tile=16, fp8=True, pipelined=False, one_group=True, row_pairs=True)
+    assert torch.equal(sel.select_kv(*args, 100, topk_fused=True, **kw),
+                       sel.select_kv(*args, 100, topk_fused=False, **kw))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_one_group_is_the_default_with_and_without_the_fused_top_k(gen, monkeypatch, fused):
     """The float8 pair kernel runs one query group per program by default (``_ONE_GROUP_DEFAULT``) whether or not the

@@ -218,6 +218,17 @@ def _key_scaled(col, kb_base, keys, SK, FP8: tl.constexpr, KB_POW2: tl.constexpr
     return col
 
 
+@triton.jit
+def _pair_row_sums(p):
+    """Row sums of p ([BLOCK_N, BLOCK_M] fp32 -> [BLOCK_N]) as two independent partial sums per thread (its even and
+    odd query columns) added at the end: ``tl.sum`` adds a thread's 32 values of a row in one dependent chain
+    (offline PTX), this runs two chains of 16 (the wgmma accumulator holds column pairs in one thread, so the split
+    moves no data). The same FADD count; the addition order differs (fp32 rounding). A further split by nested
+    reshapes costs a shared-memory layout conversion (offline: 368 FADD, 16 KiB more shared memory)."""
+    a, b = tl.split(tl.reshape(p, [p.shape[0], p.shape[1] // 2, 2]))
+    return tl.sum(a, 1) + tl.sum(b, 1)
+
+
 # (the fused top-K's per-density integers are not specialised: one compile serves every density)
 @triton.jit(do_not_specialize=["num_keys", "stride_samp", "n_samp", "hi_rank", "lo_rank"])
 def _group_prob_sums_pair(
@@ -248,6 +259,7 @@ def _group_prob_sums_pair(
     T_ROWS: tl.constexpr = 128,  # top-K tile rows (16-byte vectors) per sweep step
     T_NS: tl.constexpr = 1024,  # top-K sample slots (a power of two >= n_samp)
     T_TWO_BITS: tl.constexpr = False,  # its sample order statistics two bits per reduction (T_NS <= 8 per thread)
+    ROW_PAIRS: tl.constexpr = False,  # ONE_GROUP: two independent partial row sums per thread (``_pair_row_sums``)
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
@@ -349,7 +361,12 @@ def _group_prob_sums_pair(
             k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                         mask=k_ok[:, None], other=0.0)
             x0 = tl.dot(k, tl.trans(q0)) * f - l0[None, :]
-            col0 = _key_scaled(_mixed_sums(x0, EXP_MODE, P3_G0, n0 // BLOCK_N, 0), kb_base, keys, SK, FP8, KB_POW2)
+            if ROW_PAIRS:
+                tl.static_assert(ONE_GROUP and P3_G0 == 0, "ROW_PAIRS: one group, no poly3")
+                col0 = _key_scaled(_pair_row_sums(_mufu_exp2(x0, EXP_MODE)), kb_base, keys, SK, FP8, KB_POW2)
+            else:
+                col0 = _key_scaled(_mixed_sums(x0, EXP_MODE, P3_G0, n0 // BLOCK_N, 0), kb_base, keys, SK, FP8,
+                                   KB_POW2)
             dst = s_base + keys.to(tl.int64) * stride_sn
             c0 = col0.to(SUMS.dtype.element_ty)
             tl.store(dst, c0, mask=k_ok)
@@ -712,6 +729,9 @@ _ONE_GROUP_DEFAULT = True
 # the cap is 128 (4 programs per SM as without the top-K: ptxas 119 without, 122 uncapped / 119 capped with it, 0
 # spills; capped at 168 it would take 139 and lose a program)
 _TOPK_FUSED_MAXNREG = 168
+# the one-group kernel's row sums as two partial sums per thread (row_pairs; offline: 124 registers with the fused
+# top-K under the 128 cap, 0 spills, 4 FADD chains of 16 instead of 2 of 32 per tile). Not measured yet: off.
+_ROW_PAIRS_DEFAULT = False
 
 
 def fp8_default(capability: tuple[int, int] | None) -> bool:
@@ -731,7 +751,7 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
                     num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None,
-                    poly3=(0, 0), select=None, one_group=None):
+                    poly3=(0, 0), select=None, one_group=None, row_pairs=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -757,6 +777,9 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         one_group: the pair kernel with ONE query group per program (unstaggered; no hist, no poly): 119
         registers instead of 166 (offline), so 4 programs per SM instead of 3, each key tile read once per group;
         None: ``_ONE_GROUP_DEFAULT`` where it applies (float8, unstaggered, no hist / poly; with or without select).
+        row_pairs: with one group per program, each thread's row sums as two independent partial sums
+        (``_pair_row_sums``: shorter FADD chains, fp32 rounding order differs); ignored otherwise; None:
+        ``_ROW_PAIRS_DEFAULT``.
         poly3: (g0, g1), eighths (0, 2 or 4) of each of the pair kernel's two groups' exponentials taken by the
         degree-3 polynomial on the FMA pipe (``_exp2_poly3``: relative error < 7.6e-5) instead of MUFU (4: the odd
         query columns of every key tile; 2: of every other key tile, group 0's even tiles, group 1's odd); pair kernel
@@ -839,6 +862,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
             POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32,
             WITH_HIST=hist is not None, KB_POW2=pow2, ONE_GROUP=bool(one_group), **sel_meta, num_warps=warps_,
+            ROW_PAIRS=bool(one_group) and not any(poly3) and (_ROW_PAIRS_DEFAULT if row_pairs is None
+                                                              else bool(row_pairs)),
             num_stages=num_stages or stages,
             **({"maxnreg": 128 if one_group else _TOPK_FUSED_MAXNREG} if select is not None and fp8 and cap is not None
                else {}),
@@ -866,7 +891,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
-              topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None):
+              topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None, row_pairs=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -914,7 +939,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon, select=select,
-            one_group=one_group,
+            one_group=one_group, row_pairs=row_pairs,
         )
         if select is not None and select.done:
             select.finish(sums)
