@@ -83,6 +83,8 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
     "evict smem persistent": ("cp.async+evict", "smem", 2, ("persistent",)),
     # two groups in flight per CTA (query ring, next group's first Q K^T with this group's last P V)
     "evict smem overlap": ("cp.async+evict", "smem", 2, ("overlap", "persistent")),
+    # + the staged output's global stores under the next group's second Q K^T and first P V
+    "evict smem hide": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "hide_epi")),
     # + the next group's count / perm / first index entries loaded during this group
     # with the plain bf16 residual (the reuse path's call: the register epilogue): the op's kernel, then overlap
     "res kernel": ("cp.async+evict", "registers", 2, (), "plain"),
@@ -90,9 +92,10 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
 }
 
 
-OP_ROWS = ("again", "residual", "counts + kernel", "persistent")  # the op's extra rows (``--op-rows``)
-# "persistent": the op with these staged-epilogue options ($MC_SPARSE_CUTEDSL_OPTIONS, rules.staged_options)
-OP_OTHER_OPTIONS = "persistent"
+OP_ROWS = ("again", "residual", "counts + kernel", "options")  # the op's extra rows (``--op-rows``)
+# "options": the op with these staged-epilogue options ($MC_SPARSE_CUTEDSL_OPTIONS, rules.staged_options): the
+# candidate default beside the op's
+OP_OTHER_OPTIONS = "persistent,overlap,hide_epi"
 
 
 def with_options(raw, fn):
@@ -154,7 +157,7 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
         if "residual" in op_rows:
             fns["cutedsl op + plain residual"] = lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
                                                                                   residual=res, backend="cutedsl")
-        if "persistent" in op_rows:  # checked first like the op: its output, no fallback
+        if "options" in op_rows:  # checked first like the op: its output, no fallback
             op_pf = with_options(OP_OTHER_OPTIONS, lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
                                                                                backend="cutedsl"))
             out.fill_(float("nan"))

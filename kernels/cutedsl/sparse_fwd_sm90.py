@@ -83,7 +83,10 @@ EPILOGUES = ("registers", "smem")
 # and "pstore" (the producer warpgroup writing the staged output instead of the consumers), both slower in round
 # s6r1; "prefetch" (the producer loading the next group's count, perm entry and first key-tile index a group ahead),
 # a tie in round s6r2.
-OPTIONS = ("persistent", "overlap")
+# "hide_epi" (with "overlap", staged epilogue only): at a group boundary the finished group's output is staged in its
+# query slot, then the next group's second Q K^T and first P V are issued and the staged rows are written to global
+# memory while those run (``SparseFwdSm90._step_hiding``), instead of the tensor cores idling through the stores.
+OPTIONS = ("persistent", "overlap", "hide_epi")
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -204,6 +207,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.overlap = "overlap" in options
         assert not self.overlap or self.persistent, "overlap is a persistent-grid option"
         self.own_sO = self.persistent and self.smem_epilogue and not self.overlap
+        # the staged epilogue's global stores under the next group's first MMAs (needs O staged: no residual)
+        self.hide_epi = "hide_epi" in options and self.smem_epilogue
+        assert "hide_epi" not in options or self.overlap, "hide_epi is an overlap option"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -429,6 +435,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
+        skip = Int32(0)  # "hide_epi": 1 when the previous group's boundary ran this group's second key tile
         if work_tile.is_valid_tile:  # the CTA's first group: its first Q K^T alone
             _, _, group, _ = work_tile.tile_idx
             seqlen = SeqlenInfoCls(group)
@@ -449,7 +456,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
             out_rows = self._epilogue_perm(outs.mPerm, group, tiled_mma_pv, tidx)  # used at the group's end
             O_should_accumulate = False
-            for n_tile in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+            if const_expr(self.hide_epi):
+                O_should_accumulate = skip > 0  # the boundary's step issued this group's first P V
+            for n_tile in cutlass.range(skip, n_block_max - 1 - n_block_min, unroll=1):
                 kv_state = self.mma_one_n_block_intrawg_overlap(
                     kv_state, n_block=n_block_max - 2 - n_tile,
                     mma_qk_fn=partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ,
@@ -494,7 +503,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             softmax.rescale_O(acc_O, row_scale)
             bh = group // outs.groups_per_head
             b = bh // outs.n_heads
-            if const_expr(self.smem_epilogue):
+            if const_expr(self.hide_epi):
+                skip, kv_state = self._boundary_hiding(
+                    acc_O, lse, outs, sQ[None, None, q_state.index], tiled_mma_pv, tidx, group, b,
+                    bh - b * outs.n_heads, out_rows, next_tile, kv_state, q_state, tSrQ, tSrK, tiled_mma_qk,
+                    mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax, block_info, SeqlenInfoCls)
+            elif const_expr(self.smem_epilogue):
                 self._epilogue_smem(acc_O, lse, outs.mO, outs.mLSE, outs.mPerm, sQ[None, None, q_state.index],
                                     tiled_mma_pv, tidx, group, b, bh - b * outs.n_heads, rows=out_rows)
             else:
@@ -504,6 +518,58 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             pipeline_q.consumer_release(q_state)
             q_state.advance()
             work_tile = next_tile
+
+    @cute.jit
+    def _boundary_hiding(self, acc_O, lse, outs, sO, tiled_mma_pv, tidx, group, b, h, out_rows, next_tile, kv_state,
+                         q_state, tSrQ, tSrK, tiled_mma_qk, mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax,
+                         block_info, SeqlenInfoCls):
+        """The "hide_epi" group boundary (``acc_O`` this group's normalised output, ``tOrP`` the next group's first
+        P): O rounded and staged in this group's query slot ``sO``, the LSE written; then, if the next group has
+        two key tiles or more, its second Q K^T and first P V are issued (``_step_hiding``) and the staged rows are
+        stored while they run; else the rows are stored at once. Returns (1 if it ran the next group's second tile
+        (its loop then starts one tile later) else 0, the consumers' K/V state after it)."""
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        fa_utils.cvt_f16(acc_O, rO)
+        self._stage_o(rO, lse, outs.mLSE, outs.mPerm, sO, tiled_mma_pv, tidx, group, b, h, rows=out_rows)
+        store = partial(self._store_staged, outs.mO, outs.mPerm, sO, tidx, group, b, h, out_rows)
+        stepped = Int32(0)
+        if next_tile.is_valid_tile:
+            _, _, next_group, _ = next_tile.tile_idx
+            next_min, next_max = block_info.get_n_block_min_max(SeqlenInfoCls(next_group), 0)
+            if next_max - next_min > 1:
+                q_next = q_state.clone()
+                q_next.advance()
+                kv_state = self._step_hiding(
+                    kv_state, partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ, tSrK,
+                                      A_idx=q_next.index),
+                    mma_pv_fn, pipeline_k, pipeline_v, acc_O, tOrP, softmax, store)
+                stepped = Int32(1)
+        if stepped == 0:
+            store()
+        return stepped, kv_state
+
+    @cute.jit
+    def _step_hiding(self, kv_state, mma_qk_fn, mma_pv_fn, pipeline_k, pipeline_v, acc_O, tOrP, softmax, during):
+        """flash-attn-4's per-tile step (``mma_one_n_block_intrawg_overlap``, RS P V, no score mod or mask) for a
+        group's second key tile and first P V (zero-initialised), with ``during()`` run while both are on the tensor
+        cores. Returns the advanced ``kv_state``."""
+        v_state = kv_state.clone()
+        kv_state.advance()
+        pipeline_k.consumer_wait(kv_state, pipeline_k.consumer_try_wait(kv_state))
+        self.warp_scheduler_barrier_sync()
+        acc_S = mma_qk_fn(B_idx=kv_state.index, wg_wait=-1)
+        pipeline_v.consumer_wait(v_state, pipeline_v.consumer_try_wait(v_state))
+        mma_pv_fn(B_idx=v_state.index, zero_init=True, wg_wait=-1)
+        self.warp_scheduler_barrier_arrive()
+        during()
+        warpgroup.wait_group(1)
+        pipeline_k.consumer_release(kv_state)
+        row_scale = softmax.online_softmax(acc_S, check_inf=True)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(v_state)
+        fa_utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_S), tOrP)
+        softmax.rescale_O(acc_O, row_scale)
+        return kv_state
 
     def _mask_fn(self, AttentionMaskCls, seqlen, thr_mma_qk, group):
         """flash-attn-4's mask of a group's last (partial) key tile: slots past its valid count to -inf."""
@@ -627,6 +693,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         loaded ahead (``_epilogue_perm``), or None to load them here."""
         rO = cute.make_fragment_like(acc_O, self.dtype)
         fa_utils.cvt_f16(acc_O, rO)
+        self._stage_o(rO, lse, mLSE, mPerm, sO, tiled_mma, tidx, group, b, h, rows)
+        self._store_staged(mO, mPerm, sO, tidx, group, b, h, rows)
+
+    @cute.jit
+    def _stage_o(self, rO, lse, mLSE, mPerm, sO, tiled_mma, tidx, group, b, h, rows=None):
+        """The first half of ``_epilogue_smem``: the rounded output ``rO`` (this thread's accumulator fragment) into
+        the query tile ``sO`` and the LSE to ``mLSE`` (query order)."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if const_expr(self.own_sO):  # this warpgroup's threads have read back the previous group's output
             cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=128)
@@ -641,6 +714,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     q_row = mPerm[group, tOcO_mma[m, 0][0]] if const_expr(rows is None) else rows[0][m]
                     if q_row >= 0:
                         mLSE[b, h, q_row] = lse[m]
+
+    @cute.jit
+    def _store_staged(self, mO, mPerm, sO, tidx, group, b, h, rows=None):
+        """The second half of ``_epilogue_smem``: once this warpgroup's 64 staged rows are all in ``sO`` (a
+        128-thread barrier), each thread reads back its 16-byte pieces and stores them at ``out[b, perm[row], h, :]``."""
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
         wg_rows = self.tile_m // self.num_wg_mma
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=128)
         thr_copy = self._epilogue_copy().get_slice(tidx % 128)
