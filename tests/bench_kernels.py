@@ -335,6 +335,13 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence idx2 rt8": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
         cp_async_fence=False, idx_ahead=2, row_threads=8),
+    # + each item's first loads issued by the producer an item early (no round trip at an item boundary)
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs rt8 next_item": dict(
+        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+        cp_async_fence=False, q_regs=True, row_threads=8, next_item=True),
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence idx2 rt8 next_item": dict(
+        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+        cp_async_fence=False, idx_ahead=2, row_threads=8, next_item=True),
     "gluon pingpong persistent stage_out": dict(_gluon=True, pingpong=True, persistent=True, stage_out=True),  # 16-byte
     # output stores through the Q tile (the CuTeDSL kernel's staged epilogue: +2-3 % at small s)
     "gluon overlap pingpong persistent stage_out": dict(_gluon=True, overlap=True, pingpong=True, persistent=True,

@@ -163,7 +163,8 @@ class _Fake:
     def sparse_attention(self, *a, **kw):
         self.calls += 1
         sched = {n: kw.pop(n) for n in ("pingpong", "persistent", "overlap", "pipeline", "num_stages", "stage_out",
-                                        "thread_arrive", "early_q", "cp_async_fence", "q_regs", "idx_ahead", "row_threads")
+                                        "thread_arrive", "early_q", "cp_async_fence", "q_regs", "idx_ahead", "row_threads",
+                                        "next_item")
                  if n in kw}
         self.options.append(sched)
         return _dispatch()._triton_kernel.sparse_attention(*a, **kw)
@@ -288,6 +289,11 @@ def test_early_q_only_where_the_q_slot_is_free_after_the_last_qk():
     assert g.launch_args(q, q, q, perm, idx, idx_ahead=2, **base)[2]["IDX_AHEAD"] == 2
     with pytest.raises(ValueError, match="idx_ahead"):
         g.launch_args(q, q, q, perm, idx, idx_ahead=4, **base)
+    assert g.launch_args(q, q, q, perm, idx, next_item=True, idx_ahead=2, **base)[2]["NEXT_ITEM"]
+    assert not g.launch_args(q, q, q, perm, idx, **base)[2]["NEXT_ITEM"]
+    for bad in (dict(persistent=False), dict(idx_ahead=3)):  # the producer's next-item loads: persistent, 1-2 ahead
+        with pytest.raises(ValueError, match="next_item"):
+            g.launch_args(q, q, q, perm, idx, next_item=True, **{**base, **bad})
 
 
 def test_tuning_goes_to_the_triton_kernel(gen, failing_gluon):

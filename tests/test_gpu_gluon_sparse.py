@@ -133,7 +133,15 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
                                        early_q=True, cp_async_fence=False, q_regs=True, idx_ahead=3), "fp8_row"),
            # the producer at 8 threads per row (4 rows x 128 bytes per warp copy) with the indices two tiles ahead
            "rt8-idx-ahead-2": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3, thread_arrive=True,
-                                    early_q=True, cp_async_fence=False, idx_ahead=2, row_threads=8), "fp8_row")}
+                                    early_q=True, cp_async_fence=False, idx_ahead=2, row_threads=8), "fp8_row"),
+           # + each item's first loads (count tail, first tiles' indices, perm entries) issued an item early by the
+           # producer (1-3 tiles per item, 5-6 items per program: the last item's next loads masked off)
+           "rt8-idx-ahead-2-next-item": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3,
+                                              thread_arrive=True, early_q=True, cp_async_fence=False, idx_ahead=2,
+                                              row_threads=8, next_item=True), "fp8_row"),
+           "rt8-q-regs-next-item": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3, thread_arrive=True,
+                                         early_q=True, cp_async_fence=False, q_regs=True, row_threads=8,
+                                         next_item=True), "int4_group")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(TUNINGS.values()), ids=list(TUNINGS))
@@ -152,7 +160,10 @@ NO_FENCE = {"no-fence": (dict(cp_async_fence=False), "plain"),
             "idx-ahead-2-no-fence-early-q": (dict(cp_async_fence=False, early_q=True, idx_ahead=2), "plain"),
             "q-regs-idx-ahead-3": (dict(cp_async_fence=False, early_q=True, q_regs=True, idx_ahead=3), "int4_group"),
             # the producer at 8 threads per row (4 rows x 128 bytes per warp copy)
-            "rt8-q-regs": (dict(cp_async_fence=False, early_q=True, q_regs=True, row_threads=8), "int4_group")}
+            "rt8-q-regs": (dict(cp_async_fence=False, early_q=True, q_regs=True, row_threads=8), "int4_group"),
+            # + each item's first loads issued an item early by the producer
+            "rt8-q-regs-next-item": (dict(cp_async_fence=False, early_q=True, q_regs=True, row_threads=8,
+                                          next_item=True), "plain")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(NO_FENCE.values()), ids=list(NO_FENCE))
@@ -165,12 +176,13 @@ def test_gluon_no_fence_long_rows_vs_float64(tuning, kind):
            persistent=True, num_sms=16, num_stages=3, thread_arrive=True, **tuning)
 
 
-def test_gluon_rt8_q_regs_head_dim_64():
-    """The queries in registers with the producer at 8 threads per row at D = 64 (each row one 128-byte copy by 8
-    threads, 4 rows per warp copy), fp16, a plain residual, 7 persistent programs, ragged counts, LSE."""
+def test_gluon_rt8_q_regs_next_item_head_dim_64():
+    """The queries in registers with the producer at 8 threads per row and each item's first loads an item early at
+    D = 64 (each row one 128-byte copy by 8 threads, 4 rows per warp copy), fp16, a plain residual, 7 persistent
+    programs, ragged counts, LSE."""
     _check(2, 2, 1500 + 3, 64, 128, 300, 512, "plain", torch.float16, seed=37, ragged_counts=True, pingpong=True,
            persistent=True, num_sms=7, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-           q_regs=True, row_threads=8)
+           q_regs=True, row_threads=8, next_item=True)
 
 
 def test_gluon_persistent_c192_vs_float64():

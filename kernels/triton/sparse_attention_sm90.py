@@ -77,7 +77,7 @@ def config(head_dim: int) -> dict:
     the producer issues each item's count, index and query loads together (232 / 40 spilled 32 bytes there)."""
     return dict(num_stages=2, consumer_regs=224, producer_regs=56, maxnreg=168, pipeline=False, persistent=False,
                 overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
-                thread_arrive=False, early_q=False, cp_async_fence=True, q_regs=False, idx_ahead=1)
+                thread_arrive=False, early_q=False, cp_async_fence=True, q_regs=False, idx_ahead=1, next_item=False)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -201,13 +201,41 @@ def _load_q_item(q_smem, q_ready, q_empty, i, q_base, q_idx_a, q_idx_b, S, strid
 
 
 @gluon.jit
+def _item_first_loads(KV_IDX, PERM, w, n_work, H, G_MB, M_BLOCKS: gl.constexpr, n_slots, C, K_ALLOC,
+                      BLOCK_N: gl.constexpr, IDX_AHEAD: gl.constexpr, STREAM: gl.constexpr):
+    """NEXT_ITEM: work item w's first loads in compact layouts (one register per thread each): the count's tail,
+    tile 0's (and with IDX_AHEAD >= 2 tile 1's) kv_idx slots, the perm entries of its two halves of 64 query rows;
+    all masked off (tail and slots -1, perm -1) when w is past n_work. The producer issues them an item early and
+    converts them to its copy layout when the item starts."""
+    lin: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    valid = w < n_work
+    _, _, _, row0, idx_off, perm_off = _work_item(w, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)
+    idx_base = KV_IDX + idx_off
+    tail = _tail_probe(idx_base, K_ALLOC, valid, 128, 4, STREAM)
+    offs_n = gl.arange(0, BLOCK_N, layout=lin)
+    kv0 = gl.load(idx_base + offs_n, mask=(offs_n < K_ALLOC) & valid, other=-1, eviction_policy=STREAM)
+    if IDX_AHEAD >= 2:
+        kv1 = gl.load(idx_base + BLOCK_N + offs_n, mask=(BLOCK_N + offs_n < K_ALLOC) & valid, other=-1,
+                      eviction_policy=STREAM)
+    else:
+        kv1 = kv0
+    offs_m = gl.arange(0, 64, layout=lin)
+    qa = gl.load(PERM + perm_off + row0 + offs_m, mask=(row0 + offs_m < C) & valid, other=-1,
+                 eviction_policy=STREAM)
+    qb = gl.load(PERM + perm_off + row0 + 64 + offs_m, mask=(row0 + 64 + offs_m < C) & valid, other=-1,
+                 eviction_policy=STREAM)
+    return tail, kv0, kv1, qa, qb
+
+
+@gluon.jit
 def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               w0, n_work, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK,
               stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
               stride_vb, stride_vh, stride_vs, stride_vd,
               M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               ROW_THREADS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
-              L2_PREFETCH: gl.constexpr, EARLY_Q: gl.constexpr, IDX_AHEAD: gl.constexpr, STREAM: gl.constexpr):
+              L2_PREFETCH: gl.constexpr, EARLY_Q: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr,
+              STREAM: gl.constexpr):
     """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the item's Q slot)
     then K then V rows of each key tile into the stage ring; the ring's stage and phase follow a tile counter kept
     across items. PERSISTENT with one Q slot (``Q_SLOTS`` 1: a 3-deep ring leaves room for one): the item's first
@@ -221,31 +249,48 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
     while the consumers still run the last tile's softmax, P V and the epilogue. IDX_AHEAD 2 (3): each tile's indices are
     loaded two (three) tiles ahead (that many index loads in flight: a tile's copies wait for an index load issued
     two (three) tiles earlier, not one: the producer's chain of dependent index loads is one round trip per two
-    (three) tiles)."""
+    (three) tiles). NEXT_ITEM (PERSISTENT, IDX_AHEAD 1 or 2): each item's first loads (the count's tail, its first
+    tiles' indices, its query rows' perm entries: ``_item_first_loads``) are issued when the previous item starts, so
+    at an item boundary the copies go on without a round trip to memory (without: the producer waits for the tail
+    and tile 0's indices before its first copy of every item, while the ring drains)."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ROW_THREADS, ROW_THREADS], [4, 1], [1, 0])
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
     offs_m = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, lay))
     c = 0  # tiles produced so far (all items)
     i = 0  # items so far
+    if NEXT_ITEM:  # the first item's first loads (the loop issues each next item's)
+        tail_n, kv0_n, kv1_n, qa_n, qb_n = _item_first_loads(KV_IDX, PERM, w0, n_work, H, G_MB, M_BLOCKS, n_slots,
+                                                             C, K_ALLOC, BLOCK_N, IDX_AHEAD, STREAM)
     for w in range(w0, n_work, w_step):
         b, h, group, row0, idx_off, perm_off = _work_item(w, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)
         idx_base = KV_IDX + idx_off
-        # the item's independent loads first (one round trip for all): the count's tail, tile 0's indices (slots
-        # past the count are -1 there: no count needed), the query rows (PERSISTENT)
-        tail = _tail_probe(idx_base, K_ALLOC, True, 128, 4, STREAM)
-        kv_next = gl.load(idx_base + offs_n, mask=offs_n < K_ALLOC, other=-1, eviction_policy=STREAM)  # tile 0's
-        if IDX_AHEAD >= 2:  # and tile 1's
-            kv_next2 = gl.load(idx_base + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < K_ALLOC, other=-1,
-                               eviction_policy=STREAM)
-        if IDX_AHEAD == 3:  # and tile 2's
-            kv_next3 = gl.load(idx_base + 2 * BLOCK_N + offs_n, mask=2 * BLOCK_N + offs_n < K_ALLOC, other=-1,
-                               eviction_policy=STREAM)
-        if PERSISTENT:
-            rows_a = row0 + offs_m
-            rows_b = row0 + 64 + offs_m
-            q_idx_a = gl.load(PERM + perm_off + rows_a, mask=rows_a < C, other=-1, eviction_policy=STREAM)
-            q_idx_b = gl.load(PERM + perm_off + rows_b, mask=rows_b < C, other=-1, eviction_policy=STREAM)
+        if NEXT_ITEM:  # loaded an item ago: into the copy layout; then the next item's, in flight under this one
+            tail = tail_n
+            kv_next = gl.convert_layout(kv0_n, gl.SliceLayout(1, lay))
+            if IDX_AHEAD >= 2:
+                kv_next2 = gl.convert_layout(kv1_n, gl.SliceLayout(1, lay))
+            q_idx_a = gl.convert_layout(qa_n, gl.SliceLayout(1, lay))
+            q_idx_b = gl.convert_layout(qb_n, gl.SliceLayout(1, lay))
+            tail_n, kv0_n, kv1_n, qa_n, qb_n = _item_first_loads(KV_IDX, PERM, w + w_step, n_work, H, G_MB,
+                                                                 M_BLOCKS, n_slots, C, K_ALLOC, BLOCK_N, IDX_AHEAD,
+                                                                 STREAM)
+        else:
+            # the item's independent loads first (one round trip for all): the count's tail, tile 0's indices
+            # (slots past the count are -1 there: no count needed), the query rows (PERSISTENT)
+            tail = _tail_probe(idx_base, K_ALLOC, True, 128, 4, STREAM)
+            kv_next = gl.load(idx_base + offs_n, mask=offs_n < K_ALLOC, other=-1, eviction_policy=STREAM)  # tile 0's
+            if IDX_AHEAD >= 2:  # and tile 1's
+                kv_next2 = gl.load(idx_base + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < K_ALLOC, other=-1,
+                                   eviction_policy=STREAM)
+            if IDX_AHEAD == 3:  # and tile 2's
+                kv_next3 = gl.load(idx_base + 2 * BLOCK_N + offs_n, mask=2 * BLOCK_N + offs_n < K_ALLOC, other=-1,
+                                   eviction_policy=STREAM)
+            if PERSISTENT:
+                rows_a = row0 + offs_m
+                rows_b = row0 + 64 + offs_m
+                q_idx_a = gl.load(PERM + perm_off + rows_a, mask=rows_a < C, other=-1, eviction_policy=STREAM)
+                q_idx_b = gl.load(PERM + perm_off + rows_b, mask=rows_b < C, other=-1, eviction_policy=STREAM)
         n_end = _count_from_tail(tail, idx_base, K_ALLOC, 128, 4)
         if PERSISTENT:
             q_base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
@@ -714,7 +759,8 @@ def _sparse_fwd_sm90(
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr,
     L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr, CP_ASYNC_FENCE: gl.constexpr,
-    Q_REGS: gl.constexpr, IDX_AHEAD: gl.constexpr, STREAM: gl.constexpr, num_warps: gl.constexpr,
+    Q_REGS: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr, STREAM: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
@@ -772,7 +818,7 @@ def _sparse_fwd_sm90(
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, ROW_THREADS, ROW64, PERSISTENT, Q_SLOTS, L2_PREFETCH,
-                     EARLY_Q, IDX_AHEAD, STREAM)),
+                     EARLY_Q, IDX_AHEAD, NEXT_ITEM, STREAM)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -780,7 +826,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 row_threads=None, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
                 q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None,
-                idx_ahead=None):
+                idx_ahead=None, next_item=None):
     """(grid, positional args, meta) of one launch, and (out, lse); the op and the offline compile share it.
 
     Raises:
@@ -822,6 +868,9 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     q_regs = bool(cfg["q_regs"] if q_regs is None else q_regs)
     if (cfg["idx_ahead"] if idx_ahead is None else idx_ahead) not in (1, 2, 3):
         raise ValueError(f"idx_ahead must be 1, 2 or 3, got {idx_ahead}")
+    next_item = bool(cfg["next_item"] if next_item is None else next_item)
+    if next_item and (not persistent or int(cfg["idx_ahead"] if idx_ahead is None else idx_ahead) == 3):
+        raise ValueError("next_item runs persistent with idx_ahead 1 or 2 (each item's first loads an item early)")
     if q_regs and not early_q:
         raise ValueError("q_regs frees the Q slot at the item's start: it needs early_q (the producer's order)")
     if early_q and (stage_out or not persistent):
@@ -844,6 +893,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 CP_ASYNC_FENCE=cp_async_fence,
                 Q_REGS=q_regs,
                 IDX_AHEAD=int(cfg["idx_ahead"] if idx_ahead is None else idx_ahead),
+                NEXT_ITEM=next_item,
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse)
@@ -879,7 +929,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             sm90 forward and CUTLASS's cp.async GMMA mainloops; ``_mainloop``), ``q_regs`` (with ``early_q``: each
             consumer warpgroup loads its 64 query rows into registers at the item's start (the QK^T's A operand) and
             frees the Q slot at once, so the next item's queries load during this item's whole mainloop),
-            ``idx_ahead`` (1, 2 or 3: the producer loads each tile's kv_idx slots that many tiles ahead).
+            ``idx_ahead`` (1, 2 or 3: the producer loads each tile's kv_idx slots that many tiles ahead),
+            ``next_item`` (persistent, idx_ahead 1 or 2: the producer issues each item's first loads (count tail,
+            first tiles' indices, perm entries) when the previous item starts: ``_producer``).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:

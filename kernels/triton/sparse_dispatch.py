@@ -72,6 +72,14 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence idx2 rt8": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         idx_ahead=2, row_threads=8),
+    # + each item's first loads (count tail, first tiles' indices, perm entries) issued by the producer when the
+    # previous item starts: no round trip to memory at an item boundary
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs rt8 next_item": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        q_regs=True, row_threads=8, next_item=True),
+    "pingpong persistent 3 stages thread_arrive early_q no_fence idx2 rt8 next_item": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        idx_ahead=2, row_threads=8, next_item=True),
 }
 # What the auto mode times per shape. H200, 2026-12-01 13:42 (tests/_timing.race, vs flash-attn-4 dense with LSE x s,
 # 1.3B 480p / 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5): pingpong persistent with the 3-deep ring and per-thread
