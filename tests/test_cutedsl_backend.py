@@ -395,11 +395,15 @@ def test_a_misaligned_q_falls_back(fake_op, monkeypatch):
 
 @pytest.mark.parametrize(("what", "why"), [
     ("out", "writes out rows 4 bytes at a time"), ("residual", "reads residual rows in pairs"),
-    ("scale", "residual scale with unit stride"), (None, None),
+    ("scale", "residual scale with unit stride"), ("mean", "group mean rows in pairs"), ("int4_odd", None),
+    (None, None),
 ])
 def test_call_refusals_of_out_and_residual(what, why):
     """The per-call checks of the outputs and the residual: an out view with rows 2 bytes off, a plain fp32 residual
-    whose rows are 4 bytes off (pairs are 8-byte loads), a row scale with a non-unit stride on S."""
+    whose rows are 4 bytes off (pairs are 8-byte loads), a row scale with a non-unit stride on S, an int4_group mean
+    whose rows are 2 bytes off (bf16 pairs are 4-byte loads). An int4 residual at an odd byte offset runs (the kernel
+    reads one byte, a pair of elements, at a time). Mutations: the mean check dropped; int4 rows checked as 2-byte
+    pairs (a needless fallback)."""
     q, k, v, perm, idx = _call(H=2, S=300, D=64)
     B, H, S, D = q.shape
     out = res = None
@@ -410,6 +414,14 @@ def test_call_refusals_of_out_and_residual(what, why):
     elif what == "scale":
         res = kernels.Residual(torch.zeros(B, H, S, D // 2, dtype=torch.uint8), torch.zeros(B, H, 2 * S)[..., ::2],
                                "int4_row")
+    elif what == "mean":
+        G = idx.shape[2]
+        mean = torch.zeros(B * H * G * D + 1, dtype=torch.bfloat16)[1:].view(B, H, G, D)
+        res = kernels.Residual(torch.zeros(B, H, S, D // 2, dtype=torch.uint8), torch.zeros(B, H, S, dtype=torch.bfloat16),
+                               "int4_group", torch.zeros(B, H, S, dtype=torch.uint8).view(torch.float8_e4m3fn), mean)
+    elif what == "int4_odd":
+        data = torch.zeros(B * S * H * D // 2 + 1, dtype=torch.uint8)[1:].view(B, S, H, D // 2).transpose(1, 2)
+        res = kernels.Residual(data, torch.zeros(B, H, S), "int4_row")
     got = rules.call_refusal(q, k, v, perm, idx, out=out, residual=res)
     assert (got is None) if why is None else (why in got), got
 

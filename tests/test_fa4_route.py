@@ -217,6 +217,21 @@ def test_kv_pages_are_views_and_address_every_token(fa4_stub, layout):
     assert torch.equal(kp[:, 0, 0][page], k) and torch.equal(vp[:, 0, 0][page], v)
 
 
+@pytest.mark.parametrize("S", [2**30 - 1, 2**30])
+def test_kv_pages_refuse_page_ids_past_int32(fa4_stub, S):
+    """K/V of 2 heads x S tokens (meta tensors): 2^31 - 1 rows are pages in place; 2^31 rows fit no int32 page id, in
+    place or copied, and the route raises RuntimeError (the registry falls back to the next backend; a ValueError
+    would lose the run). Mutations: the in-place bound dropped or off by one, the copy bound off by one."""
+    mod, _, _ = fa4_stub
+    k = torch.empty(1, 2, S, 64, device="meta", dtype=torch.bfloat16)
+    if S < 2**30:
+        kp, _, strides = mod.kv_pages(k, k)
+        assert kp.shape[0] == 2 * S and strides == (2 * S, S, 1)
+    else:
+        with pytest.raises(RuntimeError, match="int32 page ids"):
+            mod.kv_pages(k, k)
+
+
 def test_kv_pages_copy_when_strides_differ(fa4_stub):
     mod, _, _ = fa4_stub
     B, H, S, D = 1, 2, 6, 8
@@ -251,3 +266,74 @@ def test_paged_call_launches_the_recorded_kernel_directly(fa4_stub, swap):
         for name, want in dict(q=q, out=out, used=used, table=table).items():
             assert got[name].data_ptr() == want.data_ptr(), name
         assert args[5] == scale and args[1].data_ptr() == pools[0].data_ptr()
+
+
+def _paged_in_torch(calls):
+    """A torch stand-in for ``_paged_call`` (FA4's paged kernel): float64 attention of each group over the pages its
+    table names (the first ``used`` slots); notes each call's group count in ``calls``."""
+
+    def paged(q, k, v, used, table, out, lse, scale, tuning):
+        calls.append(q.shape[0])
+        for n in range(q.shape[0]):
+            pages = table[n, : used[n]].long()
+            s = q[n, :, 0].double() @ k[pages, 0, 0].double().T * scale
+            out[n, :, 0] = (torch.softmax(s, -1) @ v[pages, 0, 0].double()).to(out.dtype)
+            if lse is not None:
+                lse[n, 0] = torch.logsumexp(s, -1).float()
+    return paged
+
+
+@pytest.mark.parametrize("kind", ["plain", "int4_group"])
+def test_sparse_route_chunks_the_groups_and_equals_the_reference(fa4_stub, monkeypatch, kind):
+    """The backend's ``sparse_attention`` (pages, table, gather, FA4 in chunks of at most ``_MAX_BATCH`` groups,
+    scatter + residual + LSE) on native [B, S, H*D] views equals kernels.reference in float64, with FA4's kernel
+    replaced by torch and the grid.z limit lowered to 3 groups (10 groups: chunks 3, 3, 3, 1). Mutations: one chunk
+    only, every chunk sized to all groups."""
+    from comfyui_mc_sparse_pack.kernels import reference
+
+    mod, _, _ = fa4_stub
+    calls = []
+    monkeypatch.setattr(mod, "_paged_call", _paged_in_torch(calls))
+    monkeypatch.setattr(mod, "_MAX_BATCH", 3)
+    gen = torch.Generator().manual_seed(83)
+    B, H, S, D, C = 1, 2, 150, 64, 32
+    q, k, v = (torch.randn(B, S, H * D, generator=gen).to(torch.bfloat16).view(B, S, H, D).transpose(1, 2)
+               for _ in range(3))
+    perm = _perm(B, H, S, C, gen)
+    G = perm.shape[-1] // C
+    kv_idx, _ = _selection(B, H, G, 24, S, gen)
+    if kind == "plain":
+        res = Residual(torch.randn(B, H, S, D, generator=gen).to(torch.bfloat16))
+    else:
+        res = Residual(torch.randint(0, 256, (B, H, S, D // 2), generator=gen, dtype=torch.uint8),
+                       torch.rand(B, H, S, generator=gen).to(torch.bfloat16), "int4_group",
+                       torch.rand(B, H, S, generator=gen).to(torch.float8_e4m3fn),
+                       torch.randn(B, H, G, D, generator=gen).to(torch.bfloat16))
+    out, lse = mod.sparse_attention(q, k, v, perm, kv_idx, return_lse=True, residual=res)
+    assert calls == [3, 3, 3, 1]
+    want, want_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, kv_idx, return_lse=True,
+                                                residual=res)
+    torch.testing.assert_close(out.double(), want, rtol=2**-7, atol=2**-7 * float(want.abs().max()))
+    torch.testing.assert_close(lse, want_lse.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("op", "cap", "dtype", "d", "why"), [
+    ("sparse_attention", (9, 0), torch.bfloat16, 128, None),
+    ("sparse_attention", (10, 0), torch.float16, 64, None),
+    ("sparse_attention", (8, 0), torch.bfloat16, 128, "compute capability >= 9.0"),
+    ("sparse_attention", (9, 0), torch.float32, 128, "float16/bfloat16 only"),
+    ("sparse_attention", (9, 0), torch.bfloat16, 96, "paged-KV route runs head dim 64 or 128"),
+    ("dense_attention", (9, 0), torch.bfloat16, 96, None),
+    ("dense_attention", (9, 0), torch.bfloat16, 100, "multiple of 8"),
+    ("dense_attention", (9, 0), torch.bfloat16, 264, "at most 256"),
+])
+def test_flash_attn4_refusals_on_a_cuda_q(fa4_stub, monkeypatch, op, cap, dtype, d, why):
+    """The backend's rule on a CUDA q (a stand-in: device, dtype and shape are all ``refuse`` reads) per capability,
+    dtype and head dim. Mutations: the capability or head-dim bounds moved, the multiple-of-8 check dropped."""
+    import types
+
+    mod, _, _ = fa4_stub
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    q = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=(1, 2, 256, d))
+    got = mod.refuse(op, q, False)
+    assert (got is None) if why is None else (why in (got or "")), got

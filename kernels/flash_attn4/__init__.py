@@ -72,7 +72,7 @@ def kv_pages(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     aligned storage and an int32 largest page id (``[B, H, S, D]`` contiguous tensors and the model's ``[B, S, H*D]``
     views alike): the pool is the storage from the tensor's first element seen as rows of D. Otherwise contiguous
     copies. Returns (k pool, v pool, (page_b, page_h, page_s)): token t of (b, h) is page b*page_b + h*page_h +
-    t*page_s of both pools."""
+    t*page_s of both pools. Raises RuntimeError when even the copies' B*H*S rows do not fit int32 page ids."""
     B, H, S, D = k.shape
     st = k.stride()
     if (st == v.stride() and st[3] == 1 and all(x >= 0 and x % D == 0 for x in st[:3])
@@ -84,7 +84,8 @@ def kv_pages(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
                 return torch.as_strided(x, (rows, 1, 1, D), (D, D, D, 1), x.storage_offset())
             return pool(k), pool(v), (pb, ph, ps)
     if B * H * S >= 2**31:
-        raise ValueError(f"flash_attn4 paged route: {B * H * S} K/V rows do not fit int32 page ids")
+        # RuntimeError, not ValueError: the call is valid, this route cannot take it (the registry falls back)
+        raise RuntimeError(f"flash_attn4 paged route: {B * H * S} K/V rows do not fit int32 page ids")
     kc = k.contiguous().reshape(B * H * S, 1, 1, D)
     vc = v.contiguous().reshape(B * H * S, 1, 1, D)
     return kc, vc, (H * S, S, 1)
