@@ -1,4 +1,4 @@
-"""Test helper: two fixes to Triton 3.6's interpreter (TRITON_INTERPRET=1) so CPU tests run the real kernels.
+"""Test helper: fixes to Triton 3.6's interpreter (TRITON_INTERPRET=1) so CPU tests run the real kernels.
 
 1. Kernel scalars are 1-element arrays converted with ``int(array)`` (loop bounds, ``range(0, N, BLOCK)``);
    NumPy >= 2.4 rejects ``int()`` of an array with ndim > 0, so ``__index__`` is made to read the single element.
@@ -7,6 +7,9 @@
 3. Casts to float8e4nv truncated the mantissa and added the cut-off bit without a carry into the exponent (x in
    (120, 128) became 64) nor ties to even; they go through torch's float8_e4m3fn cast (round to nearest even, as
    the GPU's ``cvt.rn.satfinite.e4m3x2.f32`` for finite values in range).
+4. ``tl.reduce`` with a user combine function called it once per element from Python (and flattened only the first
+   operand for axis=None): the fused top-K's interpreter tests took > 400 s in ``topk._kth_largest2``'s tuple sums.
+   It is evaluated pairwise on whole arrays instead (log2(n) vectorised calls, adjacent pairs in index order).
 Test-only: compiled kernels never use the interpreter.
 """
 
@@ -62,3 +65,41 @@ def patch_interpreter() -> None:
         return out.reshape(input.shape)
 
     interpreter._convert_float = convert_float
+
+    reduce_ops = interpreter.ReduceOps
+    original_reduce = reduce_ops.generic_reduce
+
+    def tree_reduce(self, input):
+        """``tl.reduce`` with a user combine function (e.g. topk's tuple sums): pairwise over whole arrays, log2(n)
+        vectorised calls of the combine function in index order (adjacent pairs: associativity is all it needs, as
+        on the GPU), instead of one Python-level call per element (~1e3x slower: the fused top-K's interpreter tests
+        spent minutes in ``topk._kth_largest2``'s reductions)."""
+        original_axis = self.axis
+        dtypes = [t.dtype for t in input]
+        data = [t.handle.data.reshape(-1) if original_axis is None else t.handle.data for t in input]
+        axis = 0 if original_axis is None else original_axis
+        n = data[0].shape[axis]
+        if n & (n - 1):  # (Triton blocks are powers of two)
+            return original_reduce(self, input)
+        while n > 1:
+            even, odd = np.arange(0, n - 1, 2), np.arange(1, n, 2)
+            left = [self.to_tensor(np.take(d, even, axis=axis), dt) for d, dt in zip(data, dtypes)]
+            right = [self.to_tensor(np.take(d, odd, axis=axis), dt) for d, dt in zip(data, dtypes)]
+            ret = self.combine_fn.fn(*left, *right)
+            ret = ret if isinstance(ret, tuple) else (ret,)
+            new = [np.asarray(r.handle.data).astype(_np_dtype(dt)).reshape(left[0].handle.data.shape)
+                   for r, dt in zip(ret, dtypes)]
+            data, n = new, new[0].shape[axis]
+        out = []
+        for d, dt in zip(data, dtypes):
+            d = np.take(d, 0, axis=axis)
+            if self.keep_dims:
+                d = np.expand_dims(d, axis) if original_axis is not None else d.reshape((1,) * input[0].handle.data.ndim)
+            elif original_axis is None:
+                d = d.item()
+            out.append(self.to_tensor(d, dt))
+        return out
+
+    _np_dtype = interpreter._get_np_dtype
+    tree_reduce.original = original_reduce  # (tests/test_anchor_kernels.py compares the two)
+    reduce_ops.generic_reduce = tree_reduce

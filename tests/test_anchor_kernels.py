@@ -13,6 +13,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.kernels import reference, registry
 from comfyui_mc_sparse_pack.kernels.reference.topk import top_k_rows as ref_top_k_rows
@@ -149,6 +151,57 @@ def test_radix_top_k_rejects_bad_arguments():
         triton_topk.top_k_rows(sums, 5, 8, method="sort")
     with pytest.raises(ValueError, match="power of two"):
         triton_topk.top_k_rows(sums, 5, 8, cap=100)
+
+
+@triton.jit
+def _sum_first_nonzero(a0, a1, b0, b1):
+    return a0 + b0, tl.where(a1 != 0, a1, b1)
+
+
+@triton.jit
+def _tuple_reduce_kernel(X, O, R: tl.constexpr, N: tl.constexpr, FLAT: tl.constexpr):
+    x = tl.load(X + tl.arange(0, R)[:, None] * N + tl.arange(0, N)[None, :])
+    nz = tl.where(x % 3 == 0, 0, x)
+    if FLAT:
+        s, f = tl.reduce((x, nz), None, _sum_first_nonzero)
+        tl.store(O, s)
+        tl.store(O + 1, f)
+    else:
+        s0, f0 = tl.reduce((x, nz), 0, _sum_first_nonzero)
+        s1, f1 = tl.reduce((x, nz), 1, _sum_first_nonzero)
+        tl.store(O + tl.arange(0, N), s0)
+        tl.store(O + N + tl.arange(0, N), f0)
+        tl.store(O + 2 * N + tl.arange(0, R), s1)
+        tl.store(O + 2 * N + R + tl.arange(0, R), f1)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's reduction (tests/_triton_interp.py fix 4)")
+@pytest.mark.parametrize("rows,cols", [(8, 4), (2, 16)])
+def test_interpreter_tuple_reduce_equals_the_per_element_one(gen, rows, cols):
+    """The interpreter's pairwise ``tl.reduce`` (tests/_triton_interp.py, which the top-K's ``_kth_largest2`` runs on)
+    gives what the per-element original gives, along either axis, with a combine function that is
+    associative but not commutative (the first nonzero entry: a swapped or reordered pair changes it) beside a sum;
+    axis=None (the original mishandles a tuple there) equals the flattened row-major result."""
+    from triton.runtime import interpreter
+
+    x = torch.randint(1, 40, (rows, cols), generator=gen, dtype=torch.int32)
+    x[torch.rand(rows, cols, generator=gen) < 0.4] *= 3  # zeros of the second operand, also leading ones
+    x[0, 0] = 3
+    patched = interpreter.ReduceOps.generic_reduce
+    outs = []
+    for impl in (patched.original, patched):
+        interpreter.ReduceOps.generic_reduce = impl
+        try:
+            out = torch.full((2 * (rows + cols),), POISON, dtype=torch.int32)
+            _tuple_reduce_kernel[(1,)](x, out, rows, cols, False)
+            outs.append(out)
+        finally:
+            interpreter.ReduceOps.generic_reduce = patched
+    assert torch.equal(outs[0], outs[1])
+    flat = torch.full((2,), POISON, dtype=torch.int32)
+    _tuple_reduce_kernel[(1,)](x, flat, rows, cols, True)
+    nz = x.flatten()[x.flatten() % 3 != 0]
+    assert flat.tolist() == [int(x.sum()), int(nz[0])]
 
 
 def _groups(gen, B, H, S, C):
