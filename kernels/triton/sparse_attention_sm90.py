@@ -351,13 +351,14 @@ def _e4m3_to_f32_div256(byte):
 
 
 @gluon.jit
-def _turn_wait(turn, j, HALF: gl.constexpr):
-    """PINGPONG: wait until this consumer warpgroup may issue its j-th block of products (block j of warpgroup 0
-    follows block j - 1 of warpgroup 1; block j of warpgroup 1 follows block j of warpgroup 0)."""
+def _turn_wait(turn_w, j, HALF: gl.constexpr):
+    """PINGPONG: wait on ``turn_w`` (this warpgroup's turn barrier, the other warpgroup arrives on it) until this
+    consumer warpgroup may issue its j-th block of products (block j of warpgroup 0 follows block j - 1 of warpgroup
+    1; block j of warpgroup 1 follows block j of warpgroup 0)."""
     if HALF == 0:
-        mbarrier.wait(turn.index(0), (j & 1) ^ 1)
+        mbarrier.wait(turn_w.index(0), (j & 1) ^ 1)
     else:
-        mbarrier.wait(turn.index(1), j & 1)
+        mbarrier.wait(turn_w.index(0), j & 1)
 
 
 @gluon.jit
@@ -374,10 +375,11 @@ def _release(bar, THREAD_ARRIVE: gl.constexpr):
 
 
 @gluon.jit
-def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c, turn, j, NUM_STAGES: gl.constexpr, HALF: gl.constexpr,
+def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c, turn_w, turn_o, j, NUM_STAGES: gl.constexpr, HALF: gl.constexpr,
             PINGPONG: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False, FENCE: gl.constexpr = True):
     """S = Q K^T of the ring's tile c (fp32, the wgmma accumulator layout of s_zero), then its K stage released.
-    PINGPONG: issued as this warpgroup's product block j (``_turn_wait``), the other warpgroup's turn passed on.
+    PINGPONG: issued as this warpgroup's product block j (``_turn_wait`` on ``turn_w``), the other warpgroup's turn
+    passed on (an arrive on ``turn_o``).
     FENCE: a proxy fence between the stage's ready wait and the wgmma (without: ``_mainloop``'s ``FENCE``)."""
     s = c % NUM_STAGES
     k_tile = k_smem.index(s)
@@ -385,17 +387,17 @@ def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c, turn, j, NUM_STAGES: gl
     if FENCE:
         fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads through the async proxy
     if PINGPONG:
-        _turn_wait(turn, j, HALF)
+        _turn_wait(turn_w, j, HALF)
     qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if PINGPONG:
-        _release(turn.index(1 - HALF), THREAD_ARRIVE)
+        _release(turn_o.index(0), THREAD_ARRIVE)
     qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, q_tile, k_tile))
     _release(k_empty.index(s), THREAD_ARRIVE)
     return qk
 
 
 @gluon.jit
-def _values(p16, acc, v_smem, v_ready, v_empty, c, turn, j, NUM_STAGES: gl.constexpr, HALF: gl.constexpr,
+def _values(p16, acc, v_smem, v_ready, v_empty, c, turn_w, turn_o, j, NUM_STAGES: gl.constexpr, HALF: gl.constexpr,
             PINGPONG: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False, FENCE: gl.constexpr = True):
     """O += P V of the ring's tile c (P from registers), then its V stage released; PINGPONG, FENCE as
     ``_scores``."""
@@ -405,17 +407,17 @@ def _values(p16, acc, v_smem, v_ready, v_empty, c, turn, j, NUM_STAGES: gl.const
     if FENCE:
         fence_async_shared()
     if PINGPONG:
-        _turn_wait(turn, j, HALF)
+        _turn_wait(turn_w, j, HALF)
     acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
     if PINGPONG:
-        _release(turn.index(1 - HALF), THREAD_ARRIVE)
+        _release(turn_o.index(0), THREAD_ARRIVE)
     acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, v_tile, p16))
     _release(v_empty.index(s), THREAD_ARRIVE)
     return acc
 
 
 @gluon.jit
-def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero, c, turn, j,
+def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero, c, turn_w, turn_o, j,
                         NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
                         THREAD_ARRIVE: gl.constexpr = False, FENCE: gl.constexpr = True):
     """One product block: O += P V of tile c and S = Q K^T of tile c + 1 issued back to back (one proxy fence for
@@ -429,11 +431,11 @@ def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_em
     if FENCE:
         fence_async_shared()
     if PINGPONG:
-        _turn_wait(turn, j, HALF)
+        _turn_wait(turn_w, j, HALF)
     acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
     qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if PINGPONG:
-        _release(turn.index(1 - HALF), THREAD_ARRIVE)
+        _release(turn_o.index(0), THREAD_ARRIVE)
     acc, qk, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, qk_t, p16, v_tile, q_tile, k_tile))
     _release(v_empty.index(sv), THREAD_ARRIVE)
     _release(k_empty.index(sk), THREAD_ARRIVE)
@@ -441,7 +443,7 @@ def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_em
 
 
 @gluon.jit
-def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_free, n_end, c0, j0,
+def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w, turn_o, q_free, n_end, c0, j0,
               sm_scale_log2, dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
               THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr = False, FENCE: gl.constexpr = True):
@@ -449,9 +451,9 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, 
     rescale, O += P V accumulated in fp32. Only the last tile masks the slots past the count (the loop body runs
     unmasked: no select per score). PIPELINE: tile t's P V and tile t + 1's QK^T issued as one block (one fence, one
     wait). PINGPONG (implies PIPELINE's blocks; FA3's inter-warpgroup schedule): the two consumer warpgroups take
-    turns issuing their blocks (mbarriers ``turn``), so one's softmax runs under the other's products; ``j0`` counts
-    this warpgroup's earlier blocks (all items: n_tiles + 1 per item). EARLY_Q: this warpgroup's arrive on ``q_free``
-    (the item's Q slot) once its last QK^T has completed, before the last tile's softmax and P V. Returns (O
+    turns issuing their blocks (mbarriers ``turn_w`` / ``turn_o``), so one's softmax runs under the other's products;
+    ``j0`` counts this warpgroup's earlier blocks (all items: n_tiles + 1 per item). EARLY_Q: this warpgroup's arrive
+    on ``q_free`` (the item's Q slot) once its last QK^T has completed, before the last tile's softmax and P V. Returns (O
     unnormalised, running max (log2 units), row sum). FENCE=False: no proxy fence between a stage's ready wait
     and its wgmma (flash-attn-4's sm90 forward and CUTLASS's cp.async GMMA mainloops issue the wgmma right after the
     cp.async pipeline's wait; ptxas makes each fence a MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S)."""
@@ -468,7 +470,7 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, 
     acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
     n_tiles = gl.cdiv(n_end, BLOCK_N)
-    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn, j0, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE,
+    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn_w, turn_o, j0, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE,
                  FENCE)
     for t in range(n_tiles - 1):  # every tile but the last: all slots valid
         c = c0 + t
@@ -477,11 +479,11 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, 
         acc = acc * alpha[:, None]
         if PIPELINE or PINGPONG:
             acc, qk = _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
-                                          c, turn, j0 + 1 + t, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE, FENCE)
+                                          c, turn_w, turn_o, j0 + 1 + t, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE, FENCE)
         else:
-            acc = _values(p16, acc, v_smem, v_ready, v_empty, c, turn, 0, NUM_STAGES, HALF, False, THREAD_ARRIVE,
+            acc = _values(p16, acc, v_smem, v_ready, v_empty, c, turn_w, turn_o, 0, NUM_STAGES, HALF, False, THREAD_ARRIVE,
                           FENCE)
-            qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c + 1, turn, 0, NUM_STAGES, HALF, False,
+            qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c + 1, turn_w, turn_o, 0, NUM_STAGES, HALF, False,
                          THREAD_ARRIVE, FENCE)
     if EARLY_Q:  # every QK^T of this warpgroup has completed (each waited for): the Q tile is free
         mbarrier.arrive(q_free, count=1)
@@ -489,7 +491,7 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, 
     p16, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
                                          row_o, True)
     acc = acc * alpha[:, None]
-    acc = _values(p16, acc, v_smem, v_ready, v_empty, c0 + t, turn, j0 + n_tiles, NUM_STAGES, HALF, PINGPONG,
+    acc = _values(p16, acc, v_smem, v_ready, v_empty, c0 + t, turn_w, turn_o, j0 + n_tiles, NUM_STAGES, HALF, PINGPONG,
                   THREAD_ARRIVE, FENCE)
     return acc, m_i, l_i
 
@@ -511,7 +513,7 @@ def _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype: gl.const
 
 
 @gluon.jit
-def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_free, n_end, c0, j0,
+def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w, turn_o, q_free, n_end, c0, j0,
                       sm_scale_log2, dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
                       THREAD_ARRIVE: gl.constexpr = False, EARLY_Q: gl.constexpr = False,
@@ -521,7 +523,7 @@ def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
     accumulator is rescaled after that product completes. Same arithmetic as ``_mainloop``.
 
     PINGPONG (FA3's inter-warpgroup schedule): the two consumer warpgroups take turns issuing their products (mbarriers
-    ``turn[0]``, ``turn[1]``, one arrive each), so one's softmax runs while the other's products use the tensor cores;
+    ``turn_w``, ``turn_o``, one arrive each), so one's softmax runs while the other's products use the tensor cores;
     ``j0`` counts this warpgroup's earlier loop iterations (all items) for the turn barriers' phases.
     THREAD_ARRIVE, EARLY_Q, FENCE as ``_mainloop``'s."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -537,7 +539,8 @@ def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
     acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
     n_tiles = gl.cdiv(n_end, BLOCK_N)
-    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn, 0, NUM_STAGES, HALF, False, THREAD_ARRIVE, FENCE)
+    qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn_w, turn_o, 0, NUM_STAGES, HALF, False, THREAD_ARRIVE,
+                 FENCE)
     p16, m_i, l_i, alpha = _softmax_tile(qk, 0, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
                                          row_o)  # acc is 0: no rescale
     for t in range(1, n_tiles):
@@ -552,11 +555,11 @@ def _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
             fence_async_shared()
         if PINGPONG:  # my turn: the other warpgroup has issued its products of its previous iteration
             j = j0 + t - 1
-            mbarrier.wait(turn.index(HALF), ((j & 1) ^ 1) if HALF == 0 else (j & 1))
+            mbarrier.wait(turn_w.index(0), ((j & 1) ^ 1) if HALF == 0 else (j & 1))
         qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
         if PINGPONG:
-            _release(turn.index(1 - HALF), THREAD_ARRIVE)
+            _release(turn_o.index(0), THREAD_ARRIVE)
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, q_tile, k_tile))  # QK^T done, P V in flight
         _release(k_empty.index(sk), THREAD_ARRIVE)
         p16_next, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N,
@@ -652,7 +655,7 @@ def _epilogue(acc, m_i, l_i, q_idx, q_idx2, PERM, OUT, LSE, RES, RES_SCALE, RES_
 
 @gluon.jit
 def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready, q_empty,
-              k_ready, v_ready, k_empty, v_empty, turn, w0, n_work, w_step, H, G_MB, n_slots, C, K_ALLOC, S,
+              k_ready, v_ready, k_empty, v_empty, turn_w, turn_o, w0, n_work, w_step, H, G_MB, n_slots, C, K_ALLOC, S,
               sm_scale_log2,
               stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
               stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
@@ -721,12 +724,12 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_s
             q_tile.store(q)
             fence_async_shared()
         if OVERLAP:
-            acc, m_i, l_i = _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                                              q_empty.index(i % Q_SLOTS), n_end, c, c - i, sm_scale_log2,
+            acc, m_i, l_i = _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w,
+                                              turn_o, q_empty.index(i % Q_SLOTS), n_end, c, c - i, sm_scale_log2,
                                               Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF, PINGPONG,
                                               THREAD_ARRIVE, EARLY_Q if not Q_REGS else False, CP_ASYNC_FENCE)
         else:
-            acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+            acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w, turn_o,
                                       q_empty.index(i % Q_SLOTS), n_end, c, c + i, sm_scale_log2, Q.dtype.element_ty,
                                       M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF, PIPELINE, PINGPONG, THREAD_ARRIVE,
                                       EARLY_Q if not Q_REGS else False, CP_ASYNC_FENCE)
@@ -791,23 +794,27 @@ def _sparse_fwd_sm90(
         mbarrier.init(v_ready.index(j), count=128)
         mbarrier.init(k_empty.index(j), count=256 if THREAD_ARRIVE else 2)  # per consumer thread / warpgroup
         mbarrier.init(v_empty.index(j), count=256 if THREAD_ARRIVE else 2)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # PINGPONG: the barrier each consumer warpgroup waits on before issuing its products (the other arrives on it),
+    # one allocation each: a wait and an arrive on one allocation made Triton put a warpgroup bar.sync between them
+    turn_0 = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    turn_1 = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn_0.index(0), count=128 if THREAD_ARRIVE else 1)
+    mbarrier.init(turn_1.index(0), count=128 if THREAD_ARRIVE else 1)
     for j in gl.static_range(2):
         mbarrier.init(q_ready.index(j), count=128)
         mbarrier.init(q_empty.index(j), count=2)
-        mbarrier.init(turn.index(j), count=128 if THREAD_ARRIVE else 1)  # PINGPONG: arrives by the other warpgroup
 
     # worker arguments are spelled out (a tuple built with + loses its constexpr wrappers in Triton 3.6)
     gl.warp_specialize([
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
-                     q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, H, G_MB, n_slots, C,
+                     q_empty, k_ready, v_ready, k_empty, v_empty, turn_0, turn_1, w0, w_end, w_step, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, STREAM)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
-                     q_empty, k_ready, v_ready, k_empty, v_empty, turn, w0, w_end, w_step, H, G_MB, n_slots, C,
+                     q_empty, k_ready, v_ready, k_empty, v_empty, turn_1, turn_0, w0, w_end, w_step, H, G_MB, n_slots, C,
                      K_ALLOC, S, sm_scale_log2, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os,
                      stride_od, stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs,
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
