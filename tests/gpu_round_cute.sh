@@ -7,19 +7,21 @@ OUT=$1
 COMMIT=$2
 ROUNDS=${3:-4}
 mkdir -p "$OUT"
-# the op (staged epilogue: persistent + overlap) in every dtype / head dim / LSE form; the "hide_epi" kernel on grids
-timeout -k 3 45 python3 -m pytest -q -rA -p no:cacheprovider tests/test_gpu_cutedsl.py \
-  -k 'vs_float64 or groups_vs_sms or overlap_grids' > "$OUT/tests.log" 2>&1
-grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Timeout" "$OUT/tests.log" | grep -v "vs_float64" | tail -n 12
-grep -cE "^PASSED.*vs_float64" "$OUT/tests.log" | sed 's/^/op vs float64 passed: /'
+# the op (staged epilogue: persistent + overlap; its kernel's SASS unchanged since round s6r2) at D 128 in both dtypes,
+# more / fewer groups than SMs; the new options on persistent grids of 1-500 CTAs (compiles ~5 s each)
+timeout -k 3 50 python3 -m pytest -q -rA -p no:cacheprovider tests/test_gpu_cutedsl.py \
+  -k '(vs_float64 and ragged-kalloc704 and 128) or groups_vs_sms or (overlap_grids and (hide or tma))' \
+  > "$OUT/tests.log" 2>&1
+grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Timeout" "$OUT/tests.log" | tail -n 14
 passed() { grep -q "^PASSED tests/test_gpu_cutedsl.py::$1" "$OUT/tests.log"; }
 ROWS=""  # the op with "hide_epi" (bench_cutedsl.OP_OTHER_OPTIONS) beside the default, if its GPU tests passed
-V="evict smem overlap"  # the op's kernel launched directly
-if passed "test_cutedsl_overlap_grids\[hide-bf16-d128-lse\]" && passed "test_cutedsl_overlap_grids\[hide-fp16-d64\]"
+V=""
+if passed "test_cutedsl_overlap_grids\[hide-bf16-d128\]" && passed "test_cutedsl_overlap_grids\[hide-fp16-d64-lse\]"
 then
   ROWS="options"
-  V="$V,evict smem hide"
+  passed "test_cutedsl_overlap_grids\[hide-tma1-bf16-d128\]" && V="hide tma1"
+  passed "test_cutedsl_overlap_grids\[hide-tma2-bf16-d128\]" && V="${V:+$V,}hide tma2"
 fi
-echo "op rows: op${ROWS:+, op + $ROWS}; variants timed: $V"
-timeout -k 3 62 python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
+echo "op rows: op${ROWS:+, op + $ROWS}; variants timed: ${V:-none}"
+timeout -k 3 57 python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
   --no-compile-times --op-rows "$ROWS" --variants "$V"
