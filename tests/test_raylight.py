@@ -235,3 +235,66 @@ def test_forward_options_shim_passes_published_options_only_when_missing():
     module.xfuser_optimized_attention(1, 2, 3, heads=2)  # outside an evaluation
     assert seen == [run_options, explicit, None]
     assert run_options[ray_mc.OCCURRENCE_KEY] == {}
+
+
+def _xdit_dense(calls):
+    """xDiT's attention as the processor's ``dense``: float64 SDPA on ``[B, S, H, D]`` with its softmax_scale."""
+
+    def dense(q, k, v, softmax_scale=None, **kwargs):
+        calls.append(softmax_scale)
+        qh, kh, vh = (t.transpose(1, 2).double() for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, scale=softmax_scale)
+        return out.transpose(1, 2).to(q.dtype)
+    return dense
+
+
+@pytest.mark.parametrize(("what", "why"), [
+    ("cross", "not self-attention"), ("dropout", "causal, dropout or ALiBi"), ("alibi", "causal, dropout or ALiBi"),
+    ("window", "windowed (local) attention"), ("probs", "attention probabilities requested"),
+    ("short", "fewer latent tokens (128) than min tokens (256)"), ("head_dim", "head dim 48 not supported"),
+    ("batch", "batch 3 does not split into 2 conditioning chunks"),
+])
+def test_processor_calls_that_stay_dense_say_why(gen, what, why):
+    """Each xDiT call MC-Sparse cannot run exactly (cross-attention, dropout, ALiBi, a window, probabilities asked
+    for, too few tokens, an unsupported head dim, a batch that is not whole conditioning chunks) runs xDiT's own
+    attention with the caller's arguments, and the summary's dense reasons name it (no raylight needed: the
+    processor called as raylight's dispatcher calls it). Mutations: any one of these checks dropped."""
+    run = lifecycle.RunState(_settings(min_tokens=256 if what == "short" else 0), torch.tensor([1.0, 0.5, 0.0]),
+                             family="wan")
+    calls = []
+    dense = _xdit_dense(calls)
+    B, S, D = (3 if what == "batch" else 2), (128 if what == "short" else 320), (48 if what == "head_dim" else 64)
+    q, k, v = (torch.randn(B, S, 2, D, generator=gen) for _ in range(3))
+    if what == "cross":
+        k, v = k[:, :16], v[:, :16]
+    more = {"dropout": {"dropout_p": 0.1}, "alibi": {"alibi_slopes": torch.ones(2)}, "window": {"window_size": (64, 64)},
+            "probs": {"return_attn_probs": True}}.get(what, {})
+    kwargs = _xdit_kwargs(softmax_scale=0.3, **more)
+    processor = ray_mc.MCSparseInnerAttention(lambda: ray_mc.HeadSlice(0, 2, 1))
+    out = processor(dense, q, k, v, transformer_options=_options(run, 1, 0.5), **kwargs)
+    torch.testing.assert_close(out, dense(q, k, v, **kwargs))
+    assert calls == [0.3, 0.3]
+    assert run.counts()["sparse"] == 0
+    assert any(why in reason for reason in run.runner.stats.dense_reasons), run.runner.stats.dense_reasons
+
+
+def test_processor_reuse_steps_use_xdit_scale_and_count_repeated_blocks(gen):
+    """xDiT's ``softmax_scale`` reaches the sparse kernel: a run at scale 0.3 equals a run at the default 1/sqrt(D)
+    on q x 0.3 sqrt(D) (the same logits) at warm-up, anchor and reuse steps. A block called twice in one evaluation
+    (VACE) gets a second cache entry ("self#1@u0/2"). Mutations: the sparse call without the caller's scale (the
+    reuse steps then mix 1/sqrt(D) with the anchor's 0.3 residual); the occurrence count not advanced."""
+    sig = torch.tensor([1.0, 0.6, 0.3, 0.0])
+    runs = [lifecycle.RunState(_settings(density=0.5), sig, family="wan") for _ in range(2)]
+    dense = _xdit_dense([])
+    processor = ray_mc.MCSparseInnerAttention(lambda: ray_mc.HeadSlice(0, 2, 1))
+    base = [torch.randn(2, 320, 2, 64, generator=gen) for _ in range(3)]
+    for sigma in sig[:-1].tolist():
+        options = [_options(run, 1, sigma) for run in runs]
+        for _ in range(2):  # the block and its repeat in the same evaluation
+            q, k, v = (t + 0.3 * torch.randn(t.shape, generator=gen) for t in base)
+            got = processor(dense, q, k, v, transformer_options=options[0], **_xdit_kwargs(softmax_scale=0.3))
+            want = processor(dense, q * (0.3 * 64**0.5), k, v, transformer_options=options[1], **_xdit_kwargs())
+            assert float((got - want).abs().sum() / want.abs().sum()) < 1e-4  # ~1e-6 (rounding); 0.8 at scale 1/8
+    for run in runs:
+        assert run.counts()["sparse"] == 8  # step 3: 2 calls x 2 conditioning chunks x 2 ranks' worth of entries
+        assert {key.kind for key in run.cache_keys} == {"self@u0/2", "self#1@u0/2"}
