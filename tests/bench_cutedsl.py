@@ -85,9 +85,9 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
     "evict smem overlap": ("cp.async+evict", "smem", 2, ("overlap", "persistent")),
     # + the staged output's global stores under the next group's second Q K^T and first P V
     "evict smem hide": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "hide_epi")),
-    # + the K/V rows of the last 1 / 2 producer warps by TMA boxes
-    "hide tma1": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "hide_epi", "tma1")),
-    "hide tma2": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "hide_epi", "tma2")),
+    # + a quarter / half of the K/V rows by TMA boxes
+    "hide tma_q": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "hide_epi", "tma_q")),
+    "hide tma_h": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "hide_epi", "tma_h")),
     # + the next group's count / perm / first index entries loaded during this group
     # with the plain bf16 residual (the reuse path's call: the register epilogue): the op's kernel, then overlap
     "res kernel": ("cp.async+evict", "registers", 2, (), "plain"),

@@ -19,8 +19,8 @@ V=""
 if passed "test_cutedsl_overlap_grids\[hide-bf16-d128\]" && passed "test_cutedsl_overlap_grids\[hide-fp16-d64-lse\]"
 then
   ROWS="options"
-  passed "test_cutedsl_overlap_grids\[hide-tma1-bf16-d128\]" && V="hide tma1"
-  passed "test_cutedsl_overlap_grids\[hide-tma2-bf16-d128\]" && V="${V:+$V,}hide tma2"
+  passed "test_cutedsl_overlap_grids\[hide-tmaq-bf16-d128\]" && V="hide tma_q"
+  passed "test_cutedsl_overlap_grids\[hide-tmah-bf16-d128\]" && V="${V:+$V,}hide tma_h"
 fi
 echo "op rows: op${ROWS:+, op + $ROWS}; variants timed: ${V:-none}"
 timeout -k 3 57 python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \

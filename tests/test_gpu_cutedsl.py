@@ -182,11 +182,11 @@ def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, cta
     (torch.bfloat16, 128, True, ("overlap", "persistent")), (torch.float16, 64, False, ("overlap", "persistent")),
     (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi")),
     (torch.float16, 64, True, ("overlap", "persistent", "hide_epi")),
-    (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "tma1")),
-    (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "tma2")),
-    (torch.float16, 64, True, ("overlap", "persistent", "tma2")),
-], ids=["bf16-d128-lse", "fp16-d64", "hide-bf16-d128", "hide-fp16-d64-lse", "hide-tma1-bf16-d128",
-        "hide-tma2-bf16-d128", "tma2-fp16-d64-lse"])
+    (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "tma_q")),
+    (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "tma_h")),
+    (torch.float16, 64, True, ("overlap", "persistent", "tma_h")),
+], ids=["bf16-d128-lse", "fp16-d64", "hide-bf16-d128", "hide-fp16-d64-lse", "hide-tmaq-bf16-d128",
+        "hide-tmah-bf16-d128", "tmah-fp16-d64-lse"])
 def test_cutedsl_overlap_grids(dtype, D, lse, options):
     """The "overlap" option (two groups in flight per CTA: 2-slot query ring, the next group's first Q K^T issued
     with this group's last P V, O staged in the finished group's query slot) against float64 on persistent grids of
@@ -194,8 +194,8 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
     which never take the cross-group step), ragged counts (one group with a single key: a group of one tile, whose
     last P V is its first), K_alloc not a multiple of 128, B = 2, a NaN-filled out written in full each time, the
     LSE in query order. With "hide_epi" the boundary also runs the next group's second key tile while the output
-    is stored (groups of one tile take the plain boundary); with "tma1" / "tma2" the last 1 / 2 producer warps'
-    K/V rows arrive by TMA boxes (the unit's 128-byte swizzle by shared address)."""
+    is stored (groups of one tile take the plain boundary); with "tma_q" / "tma_h" a quarter / half of the K/V
+    rows arrive by TMA boxes (the unit's 128-byte swizzle by shared address)."""
     import math
 
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc

@@ -87,14 +87,15 @@ EPILOGUES = ("registers", "smem")
 # "hide_epi" (with "overlap", staged epilogue only): at a group boundary the finished group's output is staged in its
 # query slot, then the next group's second Q K^T and first P V are issued and the staged rows are written to global
 # memory while those run (``SparseFwdSm90._step_hiding``), instead of the tensor cores idling through the stores.
-# "tma1" / "tma2" (with the "cp.async+evict" producer): the K/V rows of the last 1 / 2 producer warps (32 rows of a
-# tile each) copied by the TMA unit instead of cp.async: each lane issues its own row's 1 x 64 boxes (one
-# ``cp.async.bulk.tensor`` per box with the lane's own coordinates; ptxas serialises them over the lanes, the unit
-# swizzles by shared address), completing on the stage's barrier (the warp's byte count expected by its lane 0
-# before its lanes' cp.async arrivals); the other warps' rows by cp.async as before. (All rows by TMA measured
-# 0.53-0.60 of dense x s on the H200 in session 5: the unit's box rate.)
-OPTIONS = ("persistent", "overlap", "hide_epi", "tma1", "tma2")
-TMA_WARPS = {"tma1": 1, "tma2": 2}
+# "tma_q" / "tma_h" (with the "cp.async+evict" producer): a quarter / half of each K/V tile's rows (the last 2 / 4 of
+# the 8 row passes of every producer warp: 32 / 64 rows) copied by the TMA unit instead of cp.async: the lane that
+# loaded a row's index issues that row's 1 x 64 boxes (one ``cp.async.bulk.tensor`` per box with the lane's own
+# coordinates; ptxas serialises them over the lanes, 4 / 8 lanes per warp; the unit swizzles by shared address),
+# completing on the stage's barrier (each warp's byte count expected by its lane 0 before its lanes' cp.async
+# arrivals); the other rows by cp.async as before. (All rows by TMA, one elected lane per warp walking its 32 rows,
+# measured 0.53-0.60 of dense x s on the H200 in session 5.)
+OPTIONS = ("persistent", "overlap", "hide_epi", "tma_q", "tma_h")
+TMA_PASSES = {"tma_q": 2, "tma_h": 4}  # of the 8 row passes (TILE // 16) per tile
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -218,9 +219,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         # the staged epilogue's global stores under the next group's first MMAs (needs O staged: no residual)
         self.hide_epi = "hide_epi" in options and self.smem_epilogue
         assert "hide_epi" not in options or self.overlap, "hide_epi is an overlap option"
-        # producer warps (the last ones) whose K/V rows go by TMA boxes
-        self.tma_warps = max([TMA_WARPS[o] for o in options if o in TMA_WARPS] + [0])
-        assert not self.tma_warps or producer == "cp.async+evict", "the TMA rows need the hinted producer"
+        # row passes (the last ones of every producer warp) whose K/V rows go by TMA boxes
+        self.tma_passes = max([TMA_PASSES[o] for o in options if o in TMA_PASSES] + [0])
+        assert not self.tma_passes or producer == "cp.async+evict", "the TMA rows need the hinted producer"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -257,7 +258,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         # (B, S, H, D) -> (S, D, H, B): the row-copy helper's (row, d, head, batch) order
         mQ, mK, mV = [layout_utils.select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV)]
         atom_k = atom_v = None
-        if const_expr(self.tma_warps):
+        if const_expr(self.tma_passes):
             # one row x 64 columns (128 bytes) per box, 128-byte swizzle as the K/V stages; coordinates (d, s, h, b)
             row_layout = cute.make_composed_layout(self.sK_layout.inner, 0, cute.make_layout((1, 64), stride=(64, 1)))
             op = cpasync.CopyBulkTensorTileG2SOp()
@@ -310,7 +311,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if const_expr(self.tma_warps):
+        if const_expr(self.tma_passes):
             if warp_idx == 0:
                 cpasync.prefetch_descriptor(atom_k)
                 cpasync.prefetch_descriptor(atom_v)
@@ -370,7 +371,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                    SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, atom_k=None, atom_v=None):
         """Producer: per group, its query rows through ``perm`` and its K/V rows through ``kv_idx``, all by cp.async
         (mQ/mK/mV ``(S, D, H, B)``; mPerm ``(N, 128)``, mIdx ``(N, K_alloc)``), or the K/V rows of the last
-        ``tma_warps`` warps by TMA boxes (``atom_k`` / ``atom_v``: the tiled TMA atoms, "tma1" / "tma2" / "tma4")."""
+        ``tma_passes`` row passes by TMA boxes (``atom_k`` / ``atom_v``: the tiled TMA atoms, "tma_q" / "tma_h")."""
         tidx, _, _ = cute.arch.thread_idx()
         k_alloc = mIdx.shape[1]
         q_phase = Int32(1)
@@ -396,7 +397,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             )
             index = _IndexRow(rows, rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, k_alloc, tidx)
             tma = None
-            if const_expr(self.tma_warps):  # descriptors and head for the TMA rows (trace-time bundle)
+            if const_expr(self.tma_passes):  # descriptors and head for the TMA rows (trace-time bundle)
                 tma = SimpleNamespace(K=get_tma_desc_addr(atom_k).toint(), V=get_tma_desc_addr(atom_v).toint(), h=h)
             q_index = _IndexRow(q_rows, q_rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, Int32(self.tile_m),
                                 tidx)
@@ -633,21 +634,16 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                    tma=None):
         """One K or V tile into stage ``state.index``: flash-attn-4's row copy (``cp.async``), or for the
         "cp.async+l2" / "cp.async+evict" producers the same copies with L2 hints (``_copy_rows_hinted``), the last
-        ``tma_warps`` warps' rows by TMA (``_tma_rows``; ``tma``: load_fused's bundle)."""
+        ``tma_passes`` row passes by TMA (``_tma_rows``; ``tma``: load_fused's bundle)."""
         if const_expr(self.producer == "cp.async"):
             self.load_KV(None, rows, sX, block=block, pipeline_kv=pipeline_kv, producer_state=state, K_or_V=K_or_V)
         else:
             stage_bytes = TILE * self.tile_hdim * (self.dtype.width // 8)
             base = sX[None, None, 0].iterator.toint() + state.index * stage_bytes
             policy_kind = "evict_last" if const_expr(self.producer == "cp.async+evict") else None
-            if const_expr(self.tma_warps):
-                warp = cute.arch.make_warp_uniform(rows.thread_idx // 32)
-                if warp >= 4 - self.tma_warps:
-                    self._tma_rows(rows, base, K_or_V, tma, pipeline_kv.producer_get_barrier(state))
-                else:
-                    self._copy_rows_hinted(rows, base, K_or_V, policy_kind)
-            else:
-                self._copy_rows_hinted(rows, base, K_or_V, policy_kind)
+            if const_expr(self.tma_passes):
+                self._tma_rows(rows, base, K_or_V, tma, pipeline_kv.producer_get_barrier(state))
+            self._copy_rows_hinted(rows, base, K_or_V, policy_kind)
             cute.arch.cp_async_commit_group()
             pipeline_kv.producer_commit(state)
 
@@ -665,7 +661,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         x_ptr = rows.compute_X_ptr(K_or_V)[0]
         dst0 = base + r0 * 128 + ((lane8 ^ (r0 % 8)) << 4)
         policy = _l2_policy(policy_kind) if const_expr(policy_kind is not None) else Int64(0)
-        for m in cutlass.range_constexpr(TILE // 16):
+        for m in cutlass.range_constexpr(TILE // 16 - self.tma_passes):  # the rest by TMA (``_tma_rows``)
             src = fa_utils.shuffle_sync(x_ptr, m % 8, width=8) + Int64(lane8 * 16)
             for k in cutlass.range_constexpr(self.tile_hdim // 64):
                 _cp_async_16_hinted(dst0 + (m * 16 * 128 + k * TILE * 128), src + Int64(k * 128), policy,
@@ -673,24 +669,24 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _tma_rows(self, rows: PagedKVManager, base: Int32, K_or_V: str, tma, bar):
-        """This warp's 32 rows of the tile by TMA: lane l holds the token index of row ``(t % 8) * 16 + t // 8``
-        (t its producer thread index, ``_IndexRow.fetch``; the rows this warp's cp.async would copy) and issues
-        that row's D/64 boxes of 1 x 64 into ``base + c*TILE*128 + row*128`` (the unit applies the 128-byte swizzle
-        by shared address: 1024-byte aligned stages); lane 0 first adds the warp's bytes to the stage's barrier
-        ``bar`` (its cp.async arrival after that keeps the phase open until they land)."""
+        """The last ``tma_passes`` row passes of this warp by TMA: lane l holds the token index of row
+        ``(t % 8) * 16 + t // 8`` (t its producer thread index, ``_IndexRow.fetch``), copied in pass ``t % 8``;
+        the lanes of the TMA passes issue their row's D/64 boxes of 1 x 64 into ``base + c*TILE*128 + row*128``
+        (the unit applies the 128-byte swizzle by shared address: 1024-byte aligned stages); lane 0 first adds the
+        warp's bytes to the stage's barrier ``bar`` (its cp.async arrival after that keeps the phase open until
+        they land)."""
         t = rows.thread_idx
         row = (t % 8) * (TILE // 8) + t // 8
-        token = rows.tPrPageOffset[0]
-        batch = rows.tPrPage[0]
-        desc = tma.K if const_expr(K_or_V == "K") else tma.V
-        if cute.arch.lane_idx() == 0:
-            cute.arch.mbarrier_expect_tx(bar, 32 * self.tile_hdim * (self.dtype.width // 8))
+        if cute.arch.lane_idx() == 0:  # 4 lanes per pass in a warp
+            cute.arch.mbarrier_expect_tx(bar, 4 * self.tma_passes * self.tile_hdim * (self.dtype.width // 8))
         cute.arch.sync_warp()
-        policy = _l2_policy("evict_last")
-        bar_addr = Int32(bar.toint())
-        for c in cutlass.range_constexpr(self.tile_hdim // 64):
-            _tma_row_box(base + (c * TILE * 128) + row * 128, desc, Int32(c * 64), token, tma.h, batch, bar_addr,
-                         policy)
+        if t % 8 >= 8 - self.tma_passes:
+            desc = tma.K if const_expr(K_or_V == "K") else tma.V
+            policy = _l2_policy("evict_last")
+            bar_addr = Int32(bar.toint())
+            for c in cutlass.range_constexpr(self.tile_hdim // 64):
+                _tma_row_box(base + (c * TILE * 128) + row * 128, desc, Int32(c * 64), rows.tPrPageOffset[0],
+                             tma.h, rows.tPrPage[0], bar_addr, policy)
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx, m_block,
