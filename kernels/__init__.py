@@ -67,6 +67,8 @@ def _check_qkv(q, k, v=None):
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
         if t.dtype != q.dtype or t.device != q.device:
             raise TypeError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
+    if q.shape[0] < 1 or q.shape[1] < 1 or q.shape[3] < 1:
+        raise ValueError(f"q must have B, H and D >= 1, got shape {tuple(q.shape)}")
     if k.shape[2] < 1:
         raise ValueError(f"k must hold at least one key (Sk >= 1), got shape {tuple(k.shape)}")
     if k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1]:

@@ -57,6 +57,19 @@ def test_sparse_attention_rejects_missing_perm_empty_selection_and_bad_scale(gen
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("shape", [(0, 2, 40, 32), (1, 0, 40, 32), (1, 2, 40, 0)])
+def test_empty_batch_heads_or_head_dim_are_named(shape):
+    """A q with no batch element, no head or head dim 0 is a clear ValueError naming q (before: a reshape error deep
+    in the reference, or ZeroDivisionError from the default scale 1/sqrt(D))."""
+    q = torch.randn(shape)
+    perm = torch.zeros(shape[0], shape[1], 48, dtype=torch.int32)
+    kv_idx = torch.zeros(shape[0], shape[1], 3, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must have B, H and D >= 1"):
+        kernels.dense_attention(q, q, q)
+    with pytest.raises(ValueError, match="q must have B, H and D >= 1"):
+        kernels.sparse_attention(q, q, q, perm, kv_idx)
+
+
 def _runner():
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import MCSparseRunner
