@@ -179,3 +179,17 @@ def test_ui_workflow_matches_node_definitions(path):
                     assert want == ltype or WILDCARDS & {want, ltype} or want in PY_TYPES, (
                         f"{path.name}: {dst['type']}.{name} ({want}) fed a {ltype}")
     assert patches >= 1, f"{path.name}: no MCSparsePatch node"
+
+
+@pytest.mark.parametrize("path", UI, ids=lambda p: p.name)
+def test_ui_and_api_twins_set_the_pack_nodes_alike(path):
+    """A UI workflow and its API twin give the pack's nodes (MC-Sparse Patch, MC-Sparse Probe) the same settings, in
+    the same order of appearance: a user gets the same run from either file. Mutation: one twin's preset, density
+    or probe widget edited alone (both files still valid on their own)."""
+    ui = json.loads(path.read_text(encoding="utf-8"))
+    api = json.loads(path.with_name(path.stem + "_api.json").read_text(encoding="utf-8"))
+    for node_type, skip in (("MCSparsePatch", "model"), ("MCSparseProbe", "model")):
+        ui_values = [n["widgets_values"] for graph in _graphs(ui) for n in graph["nodes"] if n["type"] == node_type]
+        api_values = [[v for k, v in n["inputs"].items() if k != skip] for n in api.values()
+                      if n["class_type"] == node_type]
+        assert ui_values == api_values, f"{path.name}: {node_type} widgets {ui_values} vs the API twin's {api_values}"
