@@ -88,6 +88,8 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
     # + a quarter / half of the K/V rows by TMA boxes
     "hide tma_q": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "hide_epi", "tma_q")),
     "hide tma_h": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "hide_epi", "tma_h")),
+    # + the K/V rows two tiles ahead prefetched into L2
+    "hide l2_ahead": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "hide_epi", "l2_ahead")),
     # + the next group's count / perm / first index entries loaded during this group
     # with the plain bf16 residual (the reuse path's call: the register epilogue): the op's kernel, then overlap
     "res kernel": ("cp.async+evict", "registers", 2, (), "plain"),

@@ -185,8 +185,9 @@ def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, cta
     (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "tma_q")),
     (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "tma_h")),
     (torch.float16, 64, True, ("overlap", "persistent", "tma_h")),
+    (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "l2_ahead")),
 ], ids=["bf16-d128-lse", "fp16-d64", "hide-bf16-d128", "hide-fp16-d64-lse", "hide-tmaq-bf16-d128",
-        "hide-tmah-bf16-d128", "tmah-fp16-d64-lse"])
+        "hide-tmah-bf16-d128", "tmah-fp16-d64-lse", "hide-l2ahead-bf16-d128"])
 def test_cutedsl_overlap_grids(dtype, D, lse, options):
     """The "overlap" option (two groups in flight per CTA: 2-slot query ring, the next group's first Q K^T issued
     with this group's last P V, O staged in the finished group's query slot) against float64 on persistent grids of
@@ -195,7 +196,8 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
     last P V is its first), K_alloc not a multiple of 128, B = 2, a NaN-filled out written in full each time, the
     LSE in query order. With "hide_epi" the boundary also runs the next group's second key tile while the output
     is stored (groups of one tile take the plain boundary); with "tma_q" / "tma_h" a quarter / half of the K/V
-    rows arrive by TMA boxes (the unit's 128-byte swizzle by shared address)."""
+    rows arrive by TMA boxes (the unit's 128-byte swizzle by shared address); "l2_ahead" prefetches rows into L2
+    two tiles ahead (no effect on the result: tested for hangs and that nothing else moved)."""
     import math
 
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc

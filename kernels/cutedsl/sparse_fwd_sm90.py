@@ -94,7 +94,11 @@ EPILOGUES = ("registers", "smem")
 # completing on the stage's barrier (each warp's byte count expected by its lane 0 before its lanes' cp.async
 # arrivals); the other rows by cp.async as before. (All rows by TMA, one elected lane per warp walking its 32 rows,
 # measured 0.53-0.60 of dense x s on the H200 in session 5.)
-OPTIONS = ("persistent", "overlap", "hide_epi", "tma_q", "tma_h")
+# "l2_ahead" (with the "cp.async+evict" producer): while a tile's rows are copied, each producer thread prefetches
+# into L2 (``prefetch.global.L2::evict_last`` per 128-byte line: a per-thread instruction, where the bulk prefetch is
+# a uniform one that ptxas loops over the lanes) the K and V rows of its slot two tiles further on, its index loaded
+# a tile before that: the gather then finds rows the L2 lacked (14B 720p: a head's K/V is 38.7 MB) on chip.
+OPTIONS = ("persistent", "overlap", "hide_epi", "tma_q", "tma_h", "l2_ahead")
 TMA_PASSES = {"tma_q": 2, "tma_h": 4}  # of the 8 row passes (TILE // 16) per tile
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
@@ -126,6 +130,16 @@ class _IndexRow:
             # past the row's end: its last slot (a -1, or a real index); either way finite data the mask drops
             slot = cutlass.min(cutlass.max(n_block, 0) * rows.n_block_size + row, self.k_alloc - 1)
             self.nxt[i] = cutlass.max(self.idx_row[slot], 0)
+
+    @cute.jit
+    def peek(self, n_block: Int32) -> Int32:
+        """This thread's index of key tile ``n_block`` (as ``fetch``), returned."""
+        rows = self.rows
+        row = (self.thread_idx % rows.gmem_threads_per_row) * (rows.num_threads // rows.gmem_threads_per_row) + (
+            self.thread_idx // rows.gmem_threads_per_row
+        )
+        slot = cutlass.min(cutlass.max(n_block, 0) * rows.n_block_size + row, self.k_alloc - 1)
+        return cutlass.max(self.idx_row[slot], 0)
 
     @cute.jit
     def advance(self):
@@ -222,6 +236,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         # row passes (the last ones of every producer warp) whose K/V rows go by TMA boxes
         self.tma_passes = max([TMA_PASSES[o] for o in options if o in TMA_PASSES] + [0])
         assert not self.tma_passes or producer == "cp.async+evict", "the TMA rows need the hinted producer"
+        self.l2_ahead = "l2_ahead" in options
+        assert not self.l2_ahead or producer == "cp.async+evict", "l2_ahead needs the hinted producer"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -609,9 +625,17 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                       tma=None):
         """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1 (its
         stage is the previous one), V of the last tile at the end. The row addresses of tile j-1 are kept in a
-        register while tile j's are loaded. Returns the advanced producer state."""
+        register while tile j's are loaded. With "l2_ahead" the rows of tile j-2 are prefetched into L2 before tile
+        j's copies (``_prefetch_rows``). Returns the advanced producer state."""
+        pf = cute.make_rmem_tensor((1,), Int32)  # "l2_ahead": this thread's index of the tile to prefetch next
+        if const_expr(self.l2_ahead):
+            pf[0] = index.peek(n_block_max - 4)
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
+            if const_expr(self.l2_ahead):
+                if n_block - 2 >= n_block_min:
+                    self._prefetch_rows(rows, pf[0])
+                pf[0] = index.peek(n_block - 3)
             prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
             index.advance()
             index.fetch(n_block - 1)
@@ -666,6 +690,15 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             for k in cutlass.range_constexpr(self.tile_hdim // 64):
                 _cp_async_16_hinted(dst0 + (m * 16 * 128 + k * TILE * 128), src + Int64(k * 128), policy,
                                     policy_kind is not None)
+
+    @cute.jit
+    def _prefetch_rows(self, rows: PagedKVManager, token: Int32):
+        """L2 prefetch (evict-last) of this thread's K and V rows at ``token`` of its group's batch and head."""
+        row_bytes = self.tile_hdim * (self.dtype.width // 8)
+        for mX in (rows.mK_paged, rows.mV_paged):
+            src = fa_utils.elem_pointer(mX, (token, 0, rows.tPrPage[0])).toint()
+            for line in cutlass.range_constexpr(row_bytes // 128):
+                _prefetch_l2(src + Int64(line * 128))
 
     @cute.jit
     def _tma_rows(self, rows: PagedKVManager, base: Int32, K_or_V: str, tma, bar):
@@ -900,6 +933,13 @@ def _l2_policy(kind: str, *, loc=None, ip=None) -> Int64:
     assert kind == "evict_last", kind
     return Int64(llvm.inline_asm(T.i64(), [], f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l",
                                  has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _prefetch_l2(src: Int64, *, loc=None, ip=None):
+    """``prefetch.global.L2::evict_last`` of the line at global ``src``."""
+    llvm.inline_asm(None, [Int64(src).ir_value(loc=loc, ip=ip)], "prefetch.global.L2::evict_last [$0];", "l",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op
