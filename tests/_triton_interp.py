@@ -10,6 +10,10 @@
 4. ``tl.reduce`` with a user combine function called it once per element from Python (and flattened only the first
    operand for axis=None): the fused top-K's interpreter tests took > 400 s in ``topk._kth_largest2``'s tuple sums.
    It is evaluated pairwise on whole arrays instead (log2(n) vectorised calls, adjacent pairs in index order).
+5. Casts from float32 to bfloat16 by ``.to()`` truncated the mantissa (the compiled fptrunc rounds to nearest
+   even, ``cvt.rn.bf16x2.f32``), and with rounding="rtne" rounded the cut-off bit up without a carry or ties to
+   even (a systematic bias: P rounded to bfloat16 for a tensor-core row sum came out ~0.2 % low); both go through
+   torch's bfloat16 cast (round to nearest even).
 Test-only: compiled kernels never use the interpreter.
 """
 
@@ -54,6 +58,10 @@ def patch_interpreter() -> None:
     original_convert = interpreter._convert_float
 
     def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        if (output_dtype == tl.bfloat16 and input_dtype == tl.float32
+                and rounding_mode in (None, interpreter._ir.ROUNDING_MODE.RTNE)):  # None: ``.to()``'s fptrunc
+            wide = torch.from_numpy(np.ascontiguousarray(input).astype(np.float32))
+            return wide.to(torch.bfloat16).view(torch.uint16).numpy().reshape(input.shape)
         if output_dtype != tl.float8e4nv or input_dtype not in (tl.float32, tl.float16, tl.bfloat16):
             return original_convert(input, input_dtype, output_dtype, rounding_mode)
         raw = np.ascontiguousarray(input)

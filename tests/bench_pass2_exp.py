@@ -101,7 +101,10 @@ VARIANTS = {  # name: keywords of launch()
     "gluon ws default": dict(gluon={}, kb_pow2=False, rtol=2e-3),  # kb_pow2: what config()'s kb_poly reads
     # session 7: the one-group kernel (select_kv's pass 2) with its row sums as two partial sums per thread; its
     # timing floor without exponentials; its pipeline depth
-    "kb pow2 1grp row pairs": dict(kb_pow2=True, one_group=True, row_pairs=True),
+    "kb pow2 1grp row pairs": dict(kb_pow2=True, one_group=True, row_sums=1),
+    "kb pow2 1grp mma sums": dict(kb_pow2=True, one_group=True, row_sums=2, rtol=2e-3),
+    "kb pow2 1grp poly3 1/8": dict(kb_pow2=True, one_group=True, poly3=(2, 0)),
+    "kb pow2 1grp poly3 1/4": dict(kb_pow2=True, one_group=True, poly3=(4, 0)),
     "kb pow2 1grp no exp (floor)": dict(kb_pow2=True, one_group=True, exp="none"),
     "kb pow2 1grp st2": dict(kb_pow2=True, one_group=True, num_stages=2),
     "kb pow2 1grp st4": dict(kb_pow2=True, one_group=True, num_stages=4),
@@ -109,7 +112,7 @@ VARIANTS = {  # name: keywords of launch()
 
 
 def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=False, gluon=None, num_stages=3,
-           stagger=False, one_group=False, rtol=None, row_pairs=False):
+           stagger=False, one_group=False, rtol=None, row_sums=0):
     """The pair kernel alone on precomputed float8 operands ``ops`` = (q8, k8, qf, lse_s, kb), as
     ``selection.group_prob_sums`` launches it with fp8 (unstaggered, BLOCK_N 64, 4 warps, 3 stages). ``kb_pow2``:
     ``ops`` carries 2^KB in place of KB. ``gluon``: the Gluon kernel instead, with these tuning keywords. ``rtol``:
@@ -129,7 +132,7 @@ def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=Fa
         *q8.stride(), *k8.stride(), *lse_s.stride(), *out.stride(), *selection._fused_topk_args(None, out, 4, qf)[0],
         HEAD_DIM=D, BLOCK_M=128, BLOCK_N=64, EXP_MODE=3 if exp == "none" else 0, STAGGER=stagger, FP8=True, POLY=0,
         P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32, WITH_HIST=False,
-        KB_POW2=kb_pow2, ONE_GROUP=one_group, ROW_PAIRS=row_pairs, num_warps=4, num_stages=num_stages, **extra)
+        KB_POW2=kb_pow2, ONE_GROUP=one_group, ROW_SUMS=row_sums, num_warps=4, num_stages=num_stages, **extra)
     return out
 
 
@@ -137,15 +140,16 @@ GLUON_DEFAULT_VARIANT = "gluon ws default"
 
 
 def spawn_precompile(names, shape="1.3b", go_file=None, log_dir=None):
-    """One process per Gluon variant among ``names`` that compiles it for ``shape`` (float32 and float16 sums, the
-    race's check and timing launches) into Triton's disk cache, so the race's first launches load it instead of
-    compiling one variant after another (~5 s each); only compiles (``warmup``: no kernel runs) until ``go_file``
-    exists, then (``go_file`` given) checks the variant on random operands at ``shape`` against the Triton kernel
-    in its own process (``_check_one``: an illegal address there cannot poison the caller's CUDA context).
-    Returns {name: process} (``wait_precompile``); logs in ``log_dir`` (None: discarded)."""
+    """One process per variant among ``names`` that compiles it for ``shape`` (float32 and float16 sums, the race's
+    check and timing launches) into Triton's disk cache, so the race's first launches load it instead of compiling
+    one variant after another (~5 s each): a Gluon variant only compiles (``warmup``: no kernel runs) until
+    ``go_file`` exists, then (``go_file`` given) every variant is checked on random operands at ``shape`` against
+    the Triton kernel in its own process (``_check_one``: an illegal address there cannot poison the caller's CUDA
+    context; a Triton variant compiles there, at its first launches). Returns {name: process}
+    (``wait_precompile``); logs in ``log_dir`` (None: discarded)."""
     procs = {}
     for name in names:
-        if VARIANTS.get(name, {}).get("gluon") is not None:
+        if name in VARIANTS and (go_file is not None or VARIANTS[name].get("gluon") is not None):
             log = subprocess.DEVNULL if log_dir is None else open(Path(log_dir) / f"p2ws_child_{len(procs)}.log", "w")
             shapes = f"{shape},14b" if name == GLUON_DEFAULT_VARIANT and shape != "14b" else shape  # select_kv's
             procs[name] = subprocess.Popen(  # Gluon rows run at both shapes: its child checks both (14B on 5 heads)
@@ -186,7 +190,8 @@ def _check_one(name, shape, heads=None):
     by_pow2 = variant_ops(selection.fp8_operands(q, k, lse.float(), D**-0.5))
     ref = launch_variant("kb pow2", by_pow2, perm, torch.full((1, H, G, S), float("nan"), device="cuda"))
     got = launch_variant(name, by_pow2, perm, torch.full((1, H, G, S), float("nan"), device="cuda"))
-    torch.cuda.synchronize()
+    launch_variant(name, by_pow2, perm, torch.empty(1, H, G, S, dtype=torch.float16, device="cuda"))  # the race's
+    torch.cuda.synchronize()  # timing launch (float16 sums) compiled into the cache too
     nan = int(got.isnan().sum())
     rel = float(((got.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max())
     bound = VARIANTS[name].get("rtol", POLY_RTOL)
@@ -200,7 +205,7 @@ def _precompile_one(name, shapes, go_file=None):
     """``spawn_precompile``'s child: the variant's Gluon kernel compiled for the race's launches at each shape;
     then, once ``go_file`` exists (at most 300 s), ``_check_one`` at each (14B on 5 heads); exit status 3 if one
     fails."""
-    for shape in shapes:
+    for shape in shapes if VARIANTS[name].get("gluon") is not None else ():
         _compile_one(name, shape, HEADS_14B if shape == "14b" else None)
     if go_file:
         end = time.time() + 300

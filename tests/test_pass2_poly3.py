@@ -150,21 +150,23 @@ def test_one_group_kernel_equals_the_pair_kernel(gen):
                        sel.select_kv(*args, 100, topk_fused=False, one_group=False, **kw))
 
 
-def test_one_group_row_pairs_match_float64(gen):
-    """``row_pairs=True`` (the one-group kernel's row sums as two partial sums per thread, ``_pair_row_sums``): sums
-    within 1e-6 relative L2 per group of the plain one-group kernel and within 2e-4 of float64 sums of its own
-    dequantised operands, not the same bits everywhere (the other addition order ran), every entry written, odd group
-    count and ragged S; the top-K fused into it selects what the separate top-K selects from its sums."""
+@pytest.mark.parametrize("row_sums,bound", [("pairs", 1e-6), ("mma", 2e-3)])
+def test_one_group_row_sums_match_float64(gen, row_sums, bound):
+    """``row_sums`` of the one-group kernel: "pairs" (two partial sums per thread, ``_pair_row_sums``) within 1e-6
+    relative L2 per group of the plain kernel's ("chain"), "mma" (bf16 P times a ones column on the tensor cores,
+    ``_mma_row_sums``) within 2e-3 (bfloat16 rounding of each term); both within bound + 2e-4 of float64 sums of the
+    kernel's own dequantised operands, not the same bits everywhere (the other arithmetic ran), every entry written,
+    odd group count and ragged S; the top-K fused into it selects what the separate top-K selects from its sums."""
     sel = _selection()
     S, C, D = 330, 128, 32  # G = 3
     args = _three_group_inputs(gen, S, C, D)
     base = torch.full((1, 2, 3, S), float("nan"), device=DEVICE)
-    sel.group_prob_sums(*args, group_size=C, out=base, fp8=True, pipelined=False, one_group=True, row_pairs=False)
+    sel.group_prob_sums(*args, group_size=C, out=base, fp8=True, pipelined=False, one_group=True, row_sums="chain")
     got = torch.full_like(base, float("nan"))
-    sel.group_prob_sums(*args, group_size=C, out=got, fp8=True, pipelined=False, one_group=True, row_pairs=True)
+    sel.group_prob_sums(*args, group_size=C, out=got, fp8=True, pipelined=False, one_group=True, row_sums=row_sums)
     assert not got.isnan().any() and not base.isnan().any()
     rel = (got.double() - base.double()).norm(dim=-1) / base.double().norm(dim=-1)
-    assert float(rel.max()) < 1e-6, float(rel.max())
+    assert float(rel.max()) < bound, float(rel.max())
     assert bool((got != base).any())
     q8, k8, _, lse_s, kb = sel.fp8_operands(*args[:3], D**-0.5)
     (_, qs), (_, ks) = sel.fp8_stats(args[0]), sel.fp8_stats(args[1])
@@ -172,10 +174,12 @@ def test_one_group_row_pairs_match_float64(gen):
                                     k8.double() * ks.double()[..., None, None], lse_s.double(), args[3], group_size=C)
     deq = deq * torch.exp2(kb.double())[:, :, None, :]
     rel = (got.double() - deq).norm(dim=-1) / deq.norm(dim=-1)
-    assert float(rel.max()) < 2e-4, float(rel.max())
-    kw = dict(group_size=C, kv_tile=16, fp8=True, pipelined=False, one_group=True, row_pairs=True)
+    assert float(rel.max()) < bound + 2e-4, float(rel.max())
+    kw = dict(group_size=C, kv_tile=16, fp8=True, pipelined=False, one_group=True, row_sums=row_sums)
     assert torch.equal(sel.select_kv(*args, 100, topk_fused=True, **kw),
                        sel.select_kv(*args, 100, topk_fused=False, **kw))
+    with pytest.raises(ValueError, match="row_sums"):
+        sel.group_prob_sums(*args, group_size=C, fp8=True, one_group=True, row_sums="tree")
 
 
 @pytest.mark.parametrize("fused", [False, True])

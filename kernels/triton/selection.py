@@ -229,6 +229,15 @@ def _pair_row_sums(p):
     return tl.sum(a, 1) + tl.sum(b, 1)
 
 
+@triton.jit
+def _mma_row_sums(p):
+    """Row sums of p ([BLOCK_N, BLOCK_M] fp32 -> [BLOCK_N]) on the tensor cores: p rounded to bfloat16 times a
+    [BLOCK_M, 16] matrix with ones in column 0 (fp32 accumulate), then the 16 columns of the product added (15 of
+    them 0). Each term carries bfloat16 rounding (2^-9 relative)."""
+    ones = tl.where((tl.arange(0, p.shape[1])[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0), 1.0, 0.0)
+    return tl.sum(tl.dot(p.to(tl.bfloat16), ones.to(tl.bfloat16)), 1)
+
+
 # (the fused top-K's per-density integers are not specialised: one compile serves every density)
 @triton.jit(do_not_specialize=["num_keys", "stride_samp", "n_samp", "hi_rank", "lo_rank"])
 def _group_prob_sums_pair(
@@ -259,7 +268,7 @@ def _group_prob_sums_pair(
     T_ROWS: tl.constexpr = 128,  # top-K tile rows (16-byte vectors) per sweep step
     T_NS: tl.constexpr = 1024,  # top-K sample slots (a power of two >= n_samp)
     T_TWO_BITS: tl.constexpr = False,  # its sample order statistics two bits per reduction (T_NS <= 8 per thread)
-    ROW_PAIRS: tl.constexpr = False,  # ONE_GROUP: two independent partial row sums per thread (``_pair_row_sums``)
+    ROW_SUMS: tl.constexpr = 0,  # ONE_GROUP: row sums 0 ``tl.sum``, 1 ``_pair_row_sums``, 2 ``_mma_row_sums``
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
@@ -361,8 +370,11 @@ def _group_prob_sums_pair(
             k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                         mask=k_ok[:, None], other=0.0)
             x0 = tl.dot(k, tl.trans(q0)) * f - l0[None, :]
-            if ROW_PAIRS:
-                tl.static_assert(ONE_GROUP and P3_G0 == 0, "ROW_PAIRS: one group, no poly3")
+            if ROW_SUMS == 2:
+                tl.static_assert(ONE_GROUP and P3_G0 == 0, "ROW_SUMS: one group, no poly3")
+                col0 = _key_scaled(_mma_row_sums(_mufu_exp2(x0, EXP_MODE)), kb_base, keys, SK, FP8, KB_POW2)
+            elif ROW_SUMS == 1:
+                tl.static_assert(ONE_GROUP and P3_G0 == 0, "ROW_SUMS: one group, no poly3")
                 col0 = _key_scaled(_pair_row_sums(_mufu_exp2(x0, EXP_MODE)), kb_base, keys, SK, FP8, KB_POW2)
             else:
                 col0 = _key_scaled(_mixed_sums(x0, EXP_MODE, P3_G0, n0 // BLOCK_N, 0), kb_base, keys, SK, FP8,
@@ -729,9 +741,12 @@ _ONE_GROUP_DEFAULT = True
 # the cap is 128 (4 programs per SM as without the top-K: ptxas 119 without, 122 uncapped / 119 capped with it, 0
 # spills; capped at 168 it would take 139 and lose a program)
 _TOPK_FUSED_MAXNREG = 168
-# the one-group kernel's row sums as two partial sums per thread (row_pairs; offline: 124 registers with the fused
-# top-K under the 128 cap, 0 spills, 4 FADD chains of 16 instead of 2 of 32 per tile). Not measured yet: off.
-_ROW_PAIRS_DEFAULT = False
+# the one-group kernel's row sums (row_sums): "chain" tl.sum (2 dependent FADD chains of 32 per tile and thread),
+# "pairs" (4 chains of 16; offline with the fused top-K under the 128 cap: 124 registers, 0 spills), "mma" (bf16
+# P x a ones column on the tensor cores, P from registers: 8 HGMMA m64n16k16 + 32 F2FP instead of 64 FADD per tile;
+# 128 registers, 0 spills, +4 KiB shared memory). Not measured yet: "chain".
+_ROW_SUMS = {"chain": 0, "pairs": 1, "mma": 2}
+_ROW_SUMS_DEFAULT = "chain"
 
 
 def fp8_default(capability: tuple[int, int] | None) -> bool:
@@ -751,7 +766,7 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
                     num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None,
-                    poly3=(0, 0), select=None, one_group=None, row_pairs=None):
+                    poly3=(0, 0), select=None, one_group=None, row_sums=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -777,9 +792,10 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         one_group: the pair kernel with ONE query group per program (unstaggered; no hist, no poly): 119
         registers instead of 166 (offline), so 4 programs per SM instead of 3, each key tile read once per group;
         None: ``_ONE_GROUP_DEFAULT`` where it applies (float8, unstaggered, no hist / poly; with or without select).
-        row_pairs: with one group per program, each thread's row sums as two independent partial sums
-        (``_pair_row_sums``: shorter FADD chains, fp32 rounding order differs); ignored otherwise; None:
-        ``_ROW_PAIRS_DEFAULT``.
+        row_sums: with one group per program, how each key's sum over the group's queries is added: "chain"
+        (``tl.sum``: one dependent FADD chain per row and thread), "pairs" (``_pair_row_sums``: two chains of half
+        the length; fp32 rounding order differs), "mma" (``_mma_row_sums``: on the tensor cores, each term rounded
+        to bfloat16); ignored otherwise; None: ``_ROW_SUMS_DEFAULT``. ValueError for another value.
         poly3: (g0, g1), eighths (0, 2 or 4) of each of the pair kernel's two groups' exponentials taken by the
         degree-3 polynomial on the FMA pipe (``_exp2_poly3``: relative error < 7.6e-5) instead of MUFU (4: the odd
         query columns of every key tile; 2: of every other key tile, group 0's even tiles, group 1's odd); pair kernel
@@ -806,6 +822,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         out = torch.empty(B, H, G, SK, dtype=torch.float32, device=q.device)
     elif out.dtype not in (torch.float32, torch.float16) or tuple(out.shape) != (B, H, G, SK):
         raise ValueError(f"out must be float32/16 [B, H, G, Sk] = {(B, H, G, SK)}, got {out.dtype} {tuple(out.shape)}")
+    if row_sums not in (None, *_ROW_SUMS):
+        raise ValueError(f"row_sums must be None or one of {tuple(_ROW_SUMS)}, got {row_sums!r}")
     poly = 2 if poly is True else int(poly)
     if not 0 <= poly <= 2:
         raise ValueError(f"poly must be a bool or 0, 1, 2, got {poly}")
@@ -862,8 +880,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
             POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32,
             WITH_HIST=hist is not None, KB_POW2=pow2, ONE_GROUP=bool(one_group), **sel_meta, num_warps=warps_,
-            ROW_PAIRS=bool(one_group) and not any(poly3) and (_ROW_PAIRS_DEFAULT if row_pairs is None
-                                                              else bool(row_pairs)),
+            ROW_SUMS=_ROW_SUMS[row_sums or _ROW_SUMS_DEFAULT] if one_group and not any(poly3) else 0,
             num_stages=num_stages or stages,
             **({"maxnreg": 128 if one_group else _TOPK_FUSED_MAXNREG} if select is not None and fp8 and cap is not None
                else {}),
@@ -891,7 +908,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
-              topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None, row_pairs=None):
+              topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None, row_sums=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -939,7 +956,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon, select=select,
-            one_group=one_group, row_pairs=row_pairs,
+            one_group=one_group, row_sums=row_sums,
         )
         if select is not None and select.done:
             select.finish(sums)
