@@ -342,6 +342,19 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence idx2 rt8 next_item": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
         cp_async_fence=False, idx_ahead=2, row_threads=8, next_item=True),
+    # + the last, partial round split into key ranges (sparse_tail_merge), registers 216 / 72
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs rt8 next_item split": dict(
+        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+        cp_async_fence=False, q_regs=True, row_threads=8, next_item=True, split_tail=4, consumer_regs=216,
+        producer_regs=72),
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence idx2 rt8 next_item split": dict(
+        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+        cp_async_fence=False, idx_ahead=2, row_threads=8, next_item=True, split_tail=4, consumer_regs=216,
+        producer_regs=72),
+    # the register split alone (216 / 72) on q_regs rt8 next_item
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs rt8 next_item r216": dict(
+        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+        cp_async_fence=False, q_regs=True, row_threads=8, next_item=True, consumer_regs=216, producer_regs=72),
     "gluon pingpong persistent stage_out": dict(_gluon=True, pingpong=True, persistent=True, stage_out=True),  # 16-byte
     # output stores through the Q tile (the CuTeDSL kernel's staged epilogue: +2-3 % at small s)
     "gluon overlap pingpong persistent stage_out": dict(_gluon=True, overlap=True, pingpong=True, persistent=True,

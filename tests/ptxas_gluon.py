@@ -126,7 +126,14 @@ def main():
                         dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
                              early_q=True, cp_async_fence=False, q_regs=True, row_threads=8, next_item=True),
                         dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
-                             early_q=True, cp_async_fence=False, idx_ahead=2, row_threads=8, next_item=True))])
+                             early_q=True, cp_async_fence=False, idx_ahead=2, row_threads=8, next_item=True),
+                        # + the split last round (registers 216 / 72)
+                        dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
+                             early_q=True, cp_async_fence=False, q_regs=True, row_threads=8, next_item=True,
+                             split_tail=4, consumer_regs=216, producer_regs=72),
+                        dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
+                             early_q=True, cp_async_fence=False, idx_ahead=2, row_threads=8, next_item=True,
+                             split_tail=4, consumer_regs=216, producer_regs=72))])
     for D, kind, tune in cases:
         r = report(kind, D=D, ptx_dir=args.ptx, **tune)
         bad += r["consumer_hot_spills"] > 0 or not r["fits"] or (not tune and r["spill_st"] > 64)

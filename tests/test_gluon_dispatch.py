@@ -164,7 +164,7 @@ class _Fake:
         self.calls += 1
         sched = {n: kw.pop(n) for n in ("pingpong", "persistent", "overlap", "pipeline", "num_stages", "stage_out",
                                         "thread_arrive", "early_q", "cp_async_fence", "q_regs", "idx_ahead", "row_threads",
-                                        "next_item")
+                                        "next_item", "split_tail", "consumer_regs", "producer_regs")
                  if n in kw}
         self.options.append(sched)
         return _dispatch()._triton_kernel.sparse_attention(*a, **kw)

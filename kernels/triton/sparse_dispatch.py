@@ -80,6 +80,14 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence idx2 rt8 next_item": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         idx_ahead=2, row_threads=8, next_item=True),
+    # + the last, partial round of work items split into up to 4 key ranges (sparse_tail_merge combines them), with
+    # registers 216 / 72 (the split walk's producer spilled in its copy loop at 56)
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs rt8 next_item split": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        q_regs=True, row_threads=8, next_item=True, split_tail=4, consumer_regs=216, producer_regs=72),
+    "pingpong persistent 3 stages thread_arrive early_q no_fence idx2 rt8 next_item split": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        idx_ahead=2, row_threads=8, next_item=True, split_tail=4, consumer_regs=216, producer_regs=72),
 }
 # What the auto mode times per shape. H200, 2026-12-01 13:42 (tests/_timing.race, vs flash-attn-4 dense with LSE x s,
 # 1.3B 480p / 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5): pingpong persistent with the 3-deep ring and per-thread
