@@ -9,7 +9,7 @@
 #    the Triton kernel's default config and the Gluon tunings (final: 3 of them), both shapes, s = 0.1/0.15/0.25/0.5;
 #    writes $OUT/bench_reuse.json and $OUT/scoreboard.json (triton_sparse_eff_min; a Gluon result with
 #    rel_l2 > 2e-2 is excluded from it; with --gluon the figure is the op's). Expected: full ~1.2 + ~2 min (cap 5 + 4
-#    min); final ~40 + ~70 s (cap 45 + 110 s). "bench" (<= 96 s): the new variants' GPU tests, then the benchmark by
+#    min); final ~40 + ~70 s (cap 45 + 110 s). "bench" (<= 97 s): the new variants' GPU tests, then the benchmark by
 #    tests/_timing.race (the method of record).
 set -u
 OUT=${1:?usage: gpu_round_gluon.sh OUT_DIR [commit] [final]}
@@ -28,32 +28,34 @@ if [ "$MODE" = final ]; then  # <= 155 s: the default path's cases, the auto mod
     T_TESTS=45
     T_BENCH=110
 fi
-if [ "$MODE" = bench ]; then  # <= 96 s in all: the GPU tests of the new variants (cap 42 s), then the benchmark
+if [ "$MODE" = bench ]; then  # <= 97 s in all: the GPU tests of the new variants (cap 44 s), then the benchmark
     T0=$(date +%s)
-    # 1. the new variants against float64 (session 7 round 1): the queries in registers with the producer at 8 threads
-    #    per row (rt8) on long rows (int4_group, bf16, 16 programs: every ring stage refilled many times), + each
-    #    item's first loads an item early (next_item) on long rows (plain) and on short ragged items (fp16,
-    #    int4_group, 7 programs), indices two tiles ahead + rt8 + next_item on short ragged items (fp8_row); 4
-    #    compiles; pytest's own exit has hung after the last case in every round, so the process ends by os._exit
-    #    with pytest's status
-    timeout 42 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
+    # 1. the new variants against float64 (session 7 round 1), 4 compiles: the queries in registers with the
+    #    producer at 8 threads per row (rt8) on long rows (int4_group, bf16, 16 programs: every ring stage refilled
+    #    many times); + each item's first loads an item early (next_item) on short ragged items (fp16, int4_group, 7
+    #    programs); + the last round split into key ranges (split_tail, merged by sparse_tail_merge) on short ragged
+    #    items (36 items on 7 programs: one item in 4 parts, some empty) and on long rows (2 items in 4 parts of 3
+    #    tiles); pytest's own exit has hung after the last case in every round, so the process ends by os._exit
+    timeout 44 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
         -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py \
-        -k "rt8-q-regs or rt8-idx-ahead-2-next-item" > "$OUT/gluon_gpu_tests.log" 2>&1
+        -k "long_rows and rt8-q-regs and not next or tunings and rt8-q-regs-next-item or split-tail-q-regs or split_tail_long_rows and q_regs" \
+        > "$OUT/gluon_gpu_tests.log" 2>&1
     trc=$?
     grep -E "rel_l2|passed|failed|error|Error|^PASSED|^FAILED" "$OUT/gluon_gpu_tests.log" | tail -16
     echo "gluon gpu tests: rc=$trc"
     passed() { [ "$(grep -cE "^PASSED .*\[$1\]\$" "$OUT/gluon_gpu_tests.log")" -ge "$2" ]; }  # -rA's summary lines
     # 2. the op (auto mode: the scoreboard figure), its first schedule called directly (the op's own compiled kernel:
-    #    no compile; op vs kernel in the same race) and, only if (1) passed, the new variants: q_regs + rt8, + next_item,
-    #    idx2 + rt8 + next_item; timed by the method of record (tests/_timing.race) with flash-attn-4 dense in the
-    #    same rounds; --budget: the tunings are dropped late, so the op's figure and the scoreboard are written in time
+    #    no compile; op vs kernel in the same race) and each new variant whose own GPU cases passed: q_regs + rt8,
+    #    + next_item, + split_tail (registers 216 / 72); timed by the method of record (tests/_timing.race) with
+    #    flash-attn-4 dense in the same rounds; --budget: the tunings are dropped late, so the op's figure and the
+    #    scoreboard are written in time
     P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence"
-    NAMES="$P q_regs"  # each new variant only if its own GPU cases passed
+    NAMES="$P q_regs"
     passed rt8-q-regs 1 && NAMES="$NAMES,$P q_regs rt8"
-    passed rt8-q-regs-next-item 2 && NAMES="$NAMES,$P q_regs rt8 next_item"
-    passed rt8-idx-ahead-2-next-item 1 && NAMES="$NAMES,$P idx2 rt8 next_item"
+    passed rt8-q-regs-next-item 1 && NAMES="$NAMES,$P q_regs rt8 next_item"
+    passed split-tail-q-regs 1 && passed q_regs 1 && NAMES="$NAMES,$P q_regs rt8 next_item split"
     echo "raced: $NAMES"
-    LEFT=$(( 96 - ($(date +%s) - T0) ))  # SIGTERM at the cap: the bench writes what it measured (~1 s)
+    LEFT=$(( 97 - ($(date +%s) - T0) ))  # SIGTERM at the cap: the bench writes what it measured (~1 s)
     timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \
         --gluon-configs "$NAMES" ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
     echo "bench: rc=$? (cap $LEFT s)"

@@ -498,8 +498,8 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
               THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr = False, FENCE: gl.constexpr = True):
     """One group's key tiles t0 .. t0 + n_tiles - 1 (>= 1 tile; ring tiles c0 ..): per tile S = Q K^T, the online
     softmax in base 2 with the lazy rescale, O += P V accumulated in fp32. Only the last tile masks the slots past
-    the count (the loop body runs unmasked: no select per score). PIPELINE: tile t's P V and tile t + 1's QK^T issued as one block (one fence, one
-    wait). PINGPONG (implies PIPELINE's blocks; FA3's inter-warpgroup schedule): the two consumer warpgroups take
+    the count (the loop body runs unmasked: no select per score). PIPELINE: tile t's P V and tile t + 1's QK^T
+    issued as one block (one fence, one wait). PINGPONG (implies PIPELINE's blocks; FA3's inter-warpgroup schedule): the two consumer warpgroups take
     turns issuing their blocks (mbarriers ``turn_w`` / ``turn_o``), so one's softmax runs under the other's products;
     ``j0`` counts this warpgroup's earlier blocks (all items: n_tiles + 1 per item). EARLY_Q: this warpgroup's arrive
     on ``q_free`` (the item's Q slot) once its last QK^T has completed, before the last tile's softmax and P V. Returns (O
