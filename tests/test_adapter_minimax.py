@@ -168,3 +168,43 @@ def test_container_entry_in_a_run_peeks_without_copy_and_releases():
         override.dispatch = real
     assert out == "sparse" and all(a is b for a, b in zip(seen["qkv"], ts))
     assert all(c.tensor is None for c in cs)
+
+
+def test_h3_layout_wrapper_sets_only_this_forwards_rows(monkeypatch):
+    """Each forward's transformer_options say where THIS forward's video rows start, or why it has none: a layout that
+    cannot be read after a readable one removes the earlier text length (else its joint calls would split a new
+    sequence at a stale row), and a readable one removes an earlier reason. Mutation: either key not reset first."""
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import LAYOUT_MISSING_KEY, TEXT_LEN_KEY
+
+    good = types.SimpleNamespace(segments=((0, 12, "text"), (12, 60, "video")), seq_len=60)
+    layouts = [good, RuntimeError("unreadable"), good]
+
+    def packed_layout(dm, x, context, payload):
+        item = layouts.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    monkeypatch.setattr(minimax, "packed_layout", packed_layout)
+
+    class Executor:
+        class_obj = None
+
+        def __call__(self, x, timestep, context, transformer_options):
+            return dict(transformer_options)
+
+    options = {}  # one dict across forwards: the worst case (ComfyUI copies it per call)
+    seen = [minimax.layout_wrapper(Executor(), None, None, None, options) for _ in range(3)]
+    assert seen[0].get(TEXT_LEN_KEY) == 12 and LAYOUT_MISSING_KEY not in seen[0]
+    assert TEXT_LEN_KEY not in seen[1] and "unreadable" in seen[1][LAYOUT_MISSING_KEY]
+    assert seen[2].get(TEXT_LEN_KEY) == 12 and LAYOUT_MISSING_KEY not in seen[2]
+
+
+def test_h3_patches_skip_blocks_without_attention():
+    """Only blocks that have an ``attn`` get an object patch (a patch on a missing attribute fails when ComfyUI
+    applies it). Mutation: every block patched."""
+    model = MiniMaxH3Model()
+    del model.blocks[1].attn
+    assert [p for p, _ in minimax.patches(model)] == ["blocks.0.attn.forward", "blocks.2.attn.forward"]
