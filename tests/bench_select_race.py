@@ -171,6 +171,12 @@ def host_ms(fn, busy, n=5):
     return sorted(ts)[len(ts) // 2]
 
 
+# race 2's fused top-K variants: (tag, one group per program, tile rows per thread, bracket z, cand_count); the first
+# two always, the others while the budget lasts
+RACE2_TOPK = (("2grp", False, 1, topk._Z, False), ("1grp", True, 1, topk._Z, False), ("1grp count", True, 1, topk._Z, True),
+              ("1grp z3", True, 1, 3.0, False), ("1grp count z3", True, 1, 3.0, True), ("1grp x2", True, 2, topk._Z, False))
+
+
 def race2(name, q, k, v, lse, perm, budget, t0, log):
     """The parts at s = 0.25 in the same rounds as dense (docstring, item 3; p2ws's variants: ``race2b``)."""
     S, H = q.shape[2], q.shape[1]
@@ -184,10 +190,10 @@ def race2(name, q, k, v, lse, perm, budget, t0, log):
     selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums)
     ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)
     out16 = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
+    fns["select_kv defaults"] = lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE)
     plains = {}
-    # (tag, one group per program, tile rows per thread)
-    for tag, one, rpt in (("2grp", False, 1), ("1grp", True, 1), ("1grp x2", True, 2)):
-        if rpt > 1 and time.time() - t0 > budget:
+    for tag, one, rpt, z, cc in RACE2_TOPK:
+        if tag not in ("2grp", "1grp") and time.time() - t0 > budget:
             break
         try:
             if one not in plains:  # the kernel without the top-K epilogue
@@ -197,7 +203,8 @@ def race2(name, q, k, v, lse, perm, budget, t0, log):
                     raise AssertionError(f"sums differ from select_kv's pass 2 by {rel:.2e}")
                 plains[one] = plain
                 fns[f"pass-2 kernel {tag}"] = (lambda one: lambda: launch_pair(ops, perm, out16, one_group=one))(one)
-            fused = dataclasses.replace(topk.FusedRows.allocate(H * G, S, kq, width, q.device), rows_per_thread=rpt)
+            fused = dataclasses.replace(topk.FusedRows.allocate(H * G, S, kq, width, q.device, z=z),
+                                        rows_per_thread=rpt, cand_count=cc)
             sel = fused.for_chunk(torch.full((1, H, G, width), -7, dtype=torch.int32, device=q.device))
             got = launch_pair(ops, perm, torch.full_like(out16, float("nan")), one_group=one, select=sel)
             hc = min(H, 12)  # the brute force on the first 12 heads (at 14B all 40 would sort 1.8e9 sums)

@@ -51,6 +51,11 @@ VARIANTS = {  # name: pair-kernel constexprs (BLOCK_N 64, 4 warps, 3 stages unle
                                                              TOPK=True, ONE_GROUP=True, maxnreg=128, ROW_SUMS=1),
     "fp8 one group mma row sums + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True,
                                                                 TOPK=True, ONE_GROUP=True, maxnreg=128, ROW_SUMS=2),
+    "fp8 one group + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
+                                                   ONE_GROUP=True, maxnreg=128),
+    # session 7: the top-K's threshold among its candidates by counting (topk.FusedRows.cand_count)
+    "fp8 one group + fused top-K count (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
+                                                         ONE_GROUP=True, maxnreg=128, T_CC=True),
 }
 
 
@@ -94,7 +99,7 @@ def compile_variant(name, cfg, S=75600, H=40, D=128, C=128, arch=90):
         select = topk.FusedRows(torch.empty(B, 5, G, width, dtype=torch.int32, device="meta"), kk, width, plan,
                                 torch.empty(B * 5 * G, plan[4], dtype=torch.int16, device="meta"),
                                 torch.empty(B * 5 * G, dtype=torch.int8, device="meta"),
-                                rows_per_thread=cfg.get("T_RPT", 1))
+                                rows_per_thread=cfg.get("T_RPT", 1), cand_count=cfg.get("T_CC", False))
     sel_args, sel_meta = selection._fused_topk_args(select, sums, warps, lse)
     args += list(sel_args)
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=cfg.get("BLOCK_N", 64), EXP_MODE=0, STAGGER=cfg.get("STAGGER", True),

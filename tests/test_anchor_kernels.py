@@ -204,6 +204,50 @@ def test_interpreter_tuple_reduce_equals_the_per_element_one(gen, rows, cols):
     assert flat.tolist() == [int(x.sum()), int(nz[0])]
 
 
+@triton.jit
+def _cand_threshold_kernel(CAND, N, KK, LO, HI, OUT, STEP: tl.constexpr, COUNT: tl.constexpr):
+    """Row r of CAND ([rows, N] int16): (T, need) of ``topk._cand_threshold[_count]`` into OUT[r, 0:2]."""
+    r = tl.program_id(0)
+    kk = tl.load(KK + r)
+    lo = tl.load(LO + r)
+    hi = tl.load(HI + r)
+    if COUNT:
+        t, need = triton_topk._cand_threshold_count(CAND + r * N, N, kk, lo, hi, STEP)
+    else:
+        t, need = triton_topk._cand_threshold(CAND + r * N, N, kk, lo, hi, STEP)
+    tl.store(OUT + 2 * r, t)
+    tl.store(OUT + 2 * r + 1, need)
+
+
+@pytest.mark.parametrize("count", [True, False])
+def test_candidate_threshold_is_the_kth_largest_copy(gen, count):
+    """topk's threshold among the bracket's copies (``_cand_threshold_count``: bit search by counting;
+    ``_cand_threshold``: radix histograms): T = the kk-th largest of the n copies (every one in [lo, hi]) and need = kk
+    minus the copies above T, with many ties, kk = 1, kk = n, hi - lo = 0, 1, a power of two and 0x7C00 - lo (the top
+    bit of the range needed), n not a multiple of the chunk (STEP 64)."""
+    n, rows = 300, 8
+    spans = [0, 1, 2, 64, 255, 256, 4000, 0x7C00]
+    lo = torch.tensor([0, 7, 100, 300, 1, 0, 2000, 0], dtype=torch.int32)
+    hi = lo + torch.tensor(spans, dtype=torch.int32)
+    cand = torch.empty(rows, n, dtype=torch.int16)
+    for r in range(rows):  # a few levels (ties), the range's ends among them
+        levels = torch.randint(0, spans[r] + 1, (12,), generator=gen)
+        levels[0], levels[1] = 0, spans[r]
+        cand[r] = (lo[r] + levels[torch.randint(0, 12, (n,), generator=gen)]).to(torch.int16)
+    cand[7, :40] = 0x7C00  # the top bit of the range decides T
+    cand[5] = cand[5].clamp_max(lo[5] + 200)
+    cand[5, 0], cand[5, n - 1] = lo[5] + 250, lo[5] + 256  # the largest copy is the last one (kk = 2)
+    kk = torch.tensor([1, n, 150, 37, 299, 2, 77, 45], dtype=torch.int32)
+    out = torch.full((rows, 2), POISON, dtype=torch.int32).to(DEVICE)
+    _cand_threshold_kernel[(rows,)](cand.to(DEVICE), n, kk.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE), out, STEP=64,
+                                    COUNT=count)
+    out = out.cpu()
+    for r in range(rows):
+        vals = sorted(cand[r].tolist(), reverse=True)
+        t = vals[kk[r] - 1]
+        assert out[r].tolist() == [t, int(kk[r]) - sum(v > t for v in vals)], r
+
+
 def _groups(gen, B, H, S, C):
     G = -(-S // C)
     perm = torch.full((B, H, G * C), -1, dtype=torch.int32)
@@ -667,14 +711,16 @@ def test_select_kv_with_the_pass2_histogram_is_unchanged(gen, fp8):
     assert torch.equal(with_hist, ref_top_k_rows(sums16, K, with_hist.shape[-1]))
 
 
-@pytest.mark.parametrize("fp8,cap,one_group,rpt", [(False, None, False, 1), (True, 16, False, 1), (True, None, True, 1),
-                                                   (True, None, True, 2)])
-def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rpt):
+@pytest.mark.parametrize("fp8,cap,one_group,rpt,cand_count", [
+    (False, None, False, 1, False), (True, 16, False, 1, False), (True, None, True, 1, False), (True, None, True, 2, False),
+    (True, None, True, 1, True)])
+def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rpt, cand_count):
     """group_prob_sums(select=topk.FusedRows): the pair kernel's epilogue writes each group's top-K of the float16 sums
     it stored (B = 2, 9 groups: the last pair has one group; 16-byte rows, one whole 1024-key tile and a partial one),
     and ``finish`` the rows whose bracket missed (cap 16: every row overflows its candidate slots and goes to the radix
-    launch; default cap: none does), also with one group per program (one_group) and two tile rows per thread (rpt:
-    one masked 2048-key step): the brute-force top-K of the same sums, every slot written (poisoned first);
+    launch; default cap: none does), also with one group per program (one_group), two tile rows per thread (rpt:
+    one masked 2048-key step) and the threshold among the candidates by counting (cand_count): the brute-force top-K
+    of the same sums, every slot written (poisoned first);
     select_kv(topk_fused=True) == select_kv(topk_fused=False)."""
     from comfyui_mc_sparse_pack.kernels.triton import selection, topk
 
@@ -688,7 +734,7 @@ def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rp
     plan = topk.bracket_plan(S, K, 2, cap=cap)
     fused = topk.FusedRows(torch.full((B, H, G, width), POISON, dtype=torch.int32), K, width, plan,
                            torch.empty(B * H * G, plan[4], dtype=torch.int16), torch.empty(B * H * G, dtype=torch.int8),
-                           rows_per_thread=rpt)
+                           rows_per_thread=rpt, cand_count=cand_count)
     selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums, fp8=fp8, pair=True, select=fused,
                               one_group=one_group)
     assert fused.done

@@ -269,6 +269,7 @@ def _group_prob_sums_pair(
     T_NS: tl.constexpr = 1024,  # top-K sample slots (a power of two >= n_samp)
     T_TWO_BITS: tl.constexpr = False,  # its sample order statistics two bits per reduction (T_NS <= 8 per thread)
     ROW_SUMS: tl.constexpr = 0,  # ONE_GROUP: row sums 0 ``tl.sum``, 1 ``_pair_row_sums``, 2 ``_mma_row_sums``
+    T_CAND_COUNT: tl.constexpr = False,  # the top-K's threshold among its candidates by counting (FusedRows.cand_count)
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
@@ -401,11 +402,11 @@ def _group_prob_sums_pair(
         dst = SEL + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + g0.to(tl.int64) * stride_og
         row = bh.to(tl.int64) * G + g0
         _bracket_row(src, dst, CAND + row * t_cap, FLAGS + row, SK, num_keys, width, stride_samp, n_samp, hi_rank,
-                     lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS, T_NS, t_cap, True, T_TWO_BITS)
+                     lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS, T_NS, t_cap, True, T_TWO_BITS, T_CAND_COUNT)
         if has_g1:
             _bracket_row(src + t_sg * T_ALIGN, dst + stride_og, CAND + (row + 1) * t_cap, FLAGS + row + 1, SK,
                          num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, T_ROWS, 128 // KEY_BITS,
-                         T_NS, t_cap, True, T_TWO_BITS)
+                         T_NS, t_cap, True, T_TWO_BITS, T_CAND_COUNT)
 
 
 @triton.jit
@@ -688,7 +689,7 @@ def _fused_topk_args(select, out, num_warps, placeholder):
             sel.stride(0), sel.stride(1), sel.stride(2), stride, n_samp, hi_rank, lo_rank, cap)
     meta = dict(TOPK=True, T_ALIGN=align, T_ROWS=32 * num_warps * select.rows_per_thread,
                 T_NS=triton.next_power_of_2(n_samp),
-                T_TWO_BITS=triton.next_power_of_2(n_samp) <= 8 * 32 * num_warps)
+                T_TWO_BITS=triton.next_power_of_2(n_samp) <= 8 * 32 * num_warps, T_CAND_COUNT=bool(select.cand_count))
     return args, meta
 
 

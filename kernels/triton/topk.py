@@ -355,6 +355,35 @@ def _cand_threshold(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr):
 
 
 @triton.jit
+def _cand_threshold_count(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr):
+    """``_cand_threshold``'s (T, need) by a bit search instead of histograms: for each bit of d = key - lo from the top
+    of hi - lo's bit length down, the copies with d >= (bits found | this bit) are counted (per-element counters over
+    the STEP-key chunks, one block-wide sum per bit) and the bit kept when at least kk are; then one more count of the
+    copies above T gives need. ~log2(hi - lo) passes of a compare and an add per copy, against two 256-bin
+    ``tl.histogram`` passes (ballots per bin bit) per copy."""
+    offs0 = tl.arange(0, STEP)
+    rng = hi - lo
+    top = lo * 0  # the bit length of hi - lo
+    for i in tl.static_range(32):
+        top = tl.where((rng >> i) > 0, i + 1, top)
+    thr = lo  # lo + the bits of T - lo found so far
+    for i in range(0, top):
+        trial = thr + (1 << (top - 1 - i))
+        cnt = tl.zeros([STEP], dtype=tl.int32)
+        for c0 in range(0, n_cand, STEP):
+            offs = c0 + offs0
+            key = tl.load(cand_row + offs, mask=offs < n_cand, other=-1).to(tl.int32)  # keys are >= 0
+            cnt += (key >= trial).to(tl.int32)
+        thr = tl.where(tl.sum(cnt, 0) >= kk, trial, thr)
+    cnt = tl.zeros([STEP], dtype=tl.int32)
+    for c0 in range(0, n_cand, STEP):
+        offs = c0 + offs0
+        key = tl.load(cand_row + offs, mask=offs < n_cand, other=-1).to(tl.int32)
+        cnt += (key > thr).to(tl.int32)
+    return thr, kk - tl.sum(cnt, 0)
+
+
+@triton.jit
 def _bracket_topk_rows(
     SUMS, OUT, CAND, FELL_BACK,
     SK, num_keys, width, inner,
@@ -388,13 +417,14 @@ def _bracket_topk_rows(
 @triton.jit
 def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank,
                  KEY_BITS: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, NS: tl.constexpr, cap,
-                 PREFETCH: tl.constexpr, SAMPLE_TWO_BITS: tl.constexpr = False):
+                 PREFETCH: tl.constexpr, SAMPLE_TWO_BITS: tl.constexpr = False, CAND_COUNT: tl.constexpr = False):
     """The bracket method for one row of Sk keys at ``src`` (16-byte aligned when Sk >= ROWS * VEC: whole tiles load
     unmasked) into the selection row ``dst`` (``width`` slots), with the candidate scratch ``cand_row`` (``cap`` slots)
     and the row's int8 fallback flag at ``flag`` (written 1 when the row is left to the radix launch, else 0);
     ``_bracket_topk_rows`` per program, or pass 2's epilogue (``selection._group_prob_sums_pair`` TOPK). The threshold
     among the copies: ``_cand_threshold`` (radix select). SAMPLE_TWO_BITS: the bracket's two sample order statistics
-    two bits per reduction (``_kth_largest2``; for NS / threads <= 8: the fused epilogue's 4 warps)."""
+    two bits per reduction (``_kth_largest2``; for NS / threads <= 8: the fused epilogue's 4 warps). CAND_COUNT: the
+    threshold among the copies by ``_cand_threshold_count`` (bit search by counting) instead."""
     zero = tl.program_id(0) * 0
     top = zero + (0x7C01 if KEY_BITS == 16 else 0x7F800001)  # one above +inf's key: above every key
 
@@ -430,7 +460,10 @@ def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_s
     tl.store(flag, (1 - hit.to(tl.int32)).to(tl.int8))
     if hit:
         # the threshold is the (num_keys - above)-th largest copy (every copy is >= lo, n_cand >= that)
-        prefix, need = _cand_threshold(cand_row, n_cand, num_keys - above, lo, hi, ROWS * VEC // 2)
+        if CAND_COUNT:
+            prefix, need = _cand_threshold_count(cand_row, n_cand, num_keys - above, lo, hi, ROWS * VEC)
+        else:
+            prefix, need = _cand_threshold(cand_row, n_cand, num_keys - above, lo, hi, ROWS * VEC // 2)
         _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, ROWS, VEC, PREFETCH)
 
 
@@ -564,7 +597,8 @@ class FusedRows:
     plan, ``bracket_plan``'s (stride, n_samp, hi_rank, lo_rank, cap); cand, the candidate scratch (int16
     ``[>= B*h*G, cap]``); flags, int8 ``[>= B*h*G]``; done: set by pass 2 when its kernel ran the top-K (the Gluon
     pass-2 kernel does not: then the caller runs ``top_k_rows``); rows_per_thread: 16-byte tile rows each thread
-    holds per sweep step (a power of two; tuning: fewer, longer steps)."""
+    holds per sweep step (a power of two; tuning: fewer, longer steps); cand_count: the threshold among the bracket's
+    copies by counting bit by bit (``_cand_threshold_count``) instead of radix histograms."""
     out: torch.Tensor
     num_keys: int
     width: int
@@ -573,12 +607,14 @@ class FusedRows:
     flags: torch.Tensor
     done: bool = False
     rows_per_thread: int = 1
+    cand_count: bool = False
 
     @classmethod
-    def allocate(cls, rows: int, sk: int, num_keys: int, width: int, device) -> "FusedRows":
-        """A plan for float16 sums of ``rows`` rows of ``sk`` keys (``out`` set per head chunk by ``for_chunk``).
-        Raises torch.cuda.OutOfMemoryError for the candidate scratch (rows x cap int16)."""
-        plan = bracket_plan(sk, num_keys, 2)
+    def allocate(cls, rows: int, sk: int, num_keys: int, width: int, device, *, z: float = _Z) -> "FusedRows":
+        """A plan for float16 sums of ``rows`` rows of ``sk`` keys (``out`` set per head chunk by ``for_chunk``;
+        ``z``: the bracket's half-width in binomial sigmas, ``bracket_plan``). Raises torch.cuda.OutOfMemoryError for
+        the candidate scratch (rows x cap int16)."""
+        plan = bracket_plan(sk, num_keys, 2, z=z)
         return cls(torch.empty(0, dtype=torch.int32, device=device), num_keys, width, plan,
                    torch.empty(rows, plan[4], dtype=torch.int16, device=device),
                    torch.empty(rows, dtype=torch.int8, device=device))
