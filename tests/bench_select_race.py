@@ -203,8 +203,8 @@ def race2(name, q, k, v, lse, perm, budget, t0, log):
                     raise AssertionError(f"sums differ from select_kv's pass 2 by {rel:.2e}")
                 plains[one] = plain
                 fns[f"pass-2 kernel {tag}"] = (lambda one: lambda: launch_pair(ops, perm, out16, one_group=one))(one)
-            fused = dataclasses.replace(topk.FusedRows.allocate(H * G, S, kq, width, q.device, z=z),
-                                        rows_per_thread=rpt, cand_count=cc)
+            fused = dataclasses.replace(topk.FusedRows.allocate(H * G, S, kq, width, q.device, z=z, cand_count=cc),
+                                        rows_per_thread=rpt)
             sel = fused.for_chunk(torch.full((1, H, G, width), -7, dtype=torch.int32, device=q.device))
             got = launch_pair(ops, perm, torch.full_like(out16, float("nan")), one_group=one, select=sel)
             hc = min(H, 12)  # the brute force on the first 12 heads (at 14B all 40 would sort 1.8e9 sums)

@@ -205,16 +205,16 @@ def test_interpreter_tuple_reduce_equals_the_per_element_one(gen, rows, cols):
 
 
 @triton.jit
-def _cand_threshold_kernel(CAND, N, KK, LO, HI, OUT, STEP: tl.constexpr, COUNT: tl.constexpr):
-    """Row r of CAND ([rows, N] int16): (T, need) of ``topk._cand_threshold[_count]`` into OUT[r, 0:2]."""
+def _cand_threshold_kernel(CAND, N, W, KK, LO, HI, OUT, STEP: tl.constexpr, COUNT: tl.constexpr):
+    """Row r of CAND ([rows, W] int16, N copies): (T, need) of ``topk._cand_threshold[_count]`` into OUT[r, 0:2]."""
     r = tl.program_id(0)
-    kk = tl.load(KK + r)
+    kk = tl.load(KK + r)  # (rows of W >= N slots: the count pads to a multiple of STEP)
     lo = tl.load(LO + r)
     hi = tl.load(HI + r)
     if COUNT:
-        t, need = triton_topk._cand_threshold_count(CAND + r * N, N, kk, lo, hi, STEP)
+        t, need = triton_topk._cand_threshold_count(CAND + r * W, N, kk, lo, hi, STEP)
     else:
-        t, need = triton_topk._cand_threshold(CAND + r * N, N, kk, lo, hi, STEP)
+        t, need = triton_topk._cand_threshold(CAND + r * W, N, kk, lo, hi, STEP)
     tl.store(OUT + 2 * r, t)
     tl.store(OUT + 2 * r + 1, need)
 
@@ -229,21 +229,21 @@ def test_candidate_threshold_is_the_kth_largest_copy(gen, count):
     spans = [0, 1, 2, 64, 255, 256, 4000, 0x7C00]
     lo = torch.tensor([0, 7, 100, 300, 1, 0, 2000, 0], dtype=torch.int32)
     hi = lo + torch.tensor(spans, dtype=torch.int32)
-    cand = torch.empty(rows, n, dtype=torch.int16)
+    cand = torch.full((rows, 320), 0x7C00, dtype=torch.int16)  # slots past n: above every copy (must not count)
     for r in range(rows):  # a few levels (ties), the range's ends among them
         levels = torch.randint(0, spans[r] + 1, (12,), generator=gen)
         levels[0], levels[1] = 0, spans[r]
-        cand[r] = (lo[r] + levels[torch.randint(0, 12, (n,), generator=gen)]).to(torch.int16)
+        cand[r, :n] = (lo[r] + levels[torch.randint(0, 12, (n,), generator=gen)]).to(torch.int16)
     cand[7, :40] = 0x7C00  # the top bit of the range decides T
-    cand[5] = cand[5].clamp_max(lo[5] + 200)
+    cand[5, :n] = cand[5, :n].clamp_max(lo[5] + 200)
     cand[5, 0], cand[5, n - 1] = lo[5] + 250, lo[5] + 256  # the largest copy is the last one (kk = 2)
     kk = torch.tensor([1, n, 150, 37, 299, 2, 77, 45], dtype=torch.int32)
     out = torch.full((rows, 2), POISON, dtype=torch.int32).to(DEVICE)
-    _cand_threshold_kernel[(rows,)](cand.to(DEVICE), n, kk.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE), out, STEP=64,
-                                    COUNT=count)
+    _cand_threshold_kernel[(rows,)](cand.to(DEVICE), n, 320, kk.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE), out,
+                                    STEP=64, COUNT=count)
     out = out.cpu()
     for r in range(rows):
-        vals = sorted(cand[r].tolist(), reverse=True)
+        vals = sorted(cand[r, :n].tolist(), reverse=True)
         t = vals[kk[r] - 1]
         assert out[r].tolist() == [t, int(kk[r]) - sum(v > t for v in vals)], r
 
@@ -731,7 +731,7 @@ def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rp
     lse = lse.float()
     perm = _groups(gen, B, H, S, C)
     sums = torch.full((B, H, G, S), float("nan"), dtype=torch.float16)
-    plan = topk.bracket_plan(S, K, 2, cap=cap)
+    plan = topk.bracket_plan(S, K, 2, cap=cap or (1024 if cand_count else None))  # (count: a multiple of its step)
     fused = topk.FusedRows(torch.full((B, H, G, width), POISON, dtype=torch.int32), K, width, plan,
                            torch.empty(B * H * G, plan[4], dtype=torch.int16), torch.empty(B * H * G, dtype=torch.int8),
                            rows_per_thread=rpt, cand_count=cand_count)

@@ -689,7 +689,8 @@ def _fused_topk_args(select, out, num_warps, placeholder):
             sel.stride(0), sel.stride(1), sel.stride(2), stride, n_samp, hi_rank, lo_rank, cap)
     meta = dict(TOPK=True, T_ALIGN=align, T_ROWS=32 * num_warps * select.rows_per_thread,
                 T_NS=triton.next_power_of_2(n_samp),
-                T_TWO_BITS=triton.next_power_of_2(n_samp) <= 8 * 32 * num_warps, T_CAND_COUNT=bool(select.cand_count))
+                T_TWO_BITS=triton.next_power_of_2(n_samp) <= 8 * 32 * num_warps,
+                T_CAND_COUNT=bool(select.cand_count) and cap % (32 * num_warps * select.rows_per_thread * 8) == 0)
     return args, meta
 
 

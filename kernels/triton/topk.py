@@ -52,6 +52,9 @@ _BRACKET_ROWS_PER_THREAD = 1  # tile rows (16-byte vectors) per thread per sweep
 # the prefetch needs 96 uncapped, 72 with no spill (tests/ptxas_select.py --topk): 14 programs (28 warps) per SM
 # instead of 10 (the fallback inlined: 140 registers, 7 programs; every tuning of round 1b ran at ~14 warps per SM)
 _BRACKET_MAXNREG = 72
+# candidate slots per row with ``FusedRows.cand_count``: a multiple of the fused epilogue's sweep step (4 warps x up to
+# 4 tile rows per thread x 8 float16 keys), which ``_cand_threshold_count`` pads its copies to
+_CAND_COUNT_MIN_CAP = 4096
 HIST_BINS = tl.constexpr(128)  # bins of a first-digit histogram given by pass 2: the top 8 key bits of sums >= 0
 
 
@@ -359,9 +362,14 @@ def _cand_threshold_count(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr):
     """``_cand_threshold``'s (T, need) by a bit search instead of histograms: for each bit of d = key - lo from the top
     of hi - lo's bit length down, the copies with d >= (bits found | this bit) are counted (per-element counters over
     the STEP-key chunks, one block-wide sum per bit) and the bit kept when at least kk are; then one more count of the
-    copies above T gives need. ~log2(hi - lo) passes of a compare and an add per copy, against two 256-bin
-    ``tl.histogram`` passes (ballots per bin bit) per copy."""
+    copies above T gives need. The slots from n_cand up to the next multiple of STEP are written -1 first (the row's
+    scratch must hold them: its size a multiple of STEP), so every chunk loads whole and unmasked (16-byte loads).
+    ~log2(hi - lo) passes of a compare and an add per copy, against two 256-bin ``tl.histogram`` passes (ballots per
+    bin bit: ~80 SASS instructions per copy and pass at sm_90) per copy."""
     offs0 = tl.arange(0, STEP)
+    pad = n_cand + offs0
+    tl.store(cand_row + pad, tl.full([STEP], -1, cand_row.dtype.element_ty), mask=pad < (n_cand + STEP - 1) // STEP * STEP)
+    tl.debug_barrier()  # the copies and the padding, stored by every thread, are read by others
     rng = hi - lo
     top = lo * 0  # the bit length of hi - lo
     for i in tl.static_range(32):
@@ -371,14 +379,12 @@ def _cand_threshold_count(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr):
         trial = thr + (1 << (top - 1 - i))
         cnt = tl.zeros([STEP], dtype=tl.int32)
         for c0 in range(0, n_cand, STEP):
-            offs = c0 + offs0
-            key = tl.load(cand_row + offs, mask=offs < n_cand, other=-1).to(tl.int32)  # keys are >= 0
+            key = tl.load(cand_row + c0 + offs0).to(tl.int32)  # copies >= 0, padding -1
             cnt += (key >= trial).to(tl.int32)
         thr = tl.where(tl.sum(cnt, 0) >= kk, trial, thr)
     cnt = tl.zeros([STEP], dtype=tl.int32)
     for c0 in range(0, n_cand, STEP):
-        offs = c0 + offs0
-        key = tl.load(cand_row + offs, mask=offs < n_cand, other=-1).to(tl.int32)
+        key = tl.load(cand_row + c0 + offs0).to(tl.int32)
         cnt += (key > thr).to(tl.int32)
     return thr, kk - tl.sum(cnt, 0)
 
@@ -598,7 +604,8 @@ class FusedRows:
     ``[>= B*h*G, cap]``); flags, int8 ``[>= B*h*G]``; done: set by pass 2 when its kernel ran the top-K (the Gluon
     pass-2 kernel does not: then the caller runs ``top_k_rows``); rows_per_thread: 16-byte tile rows each thread
     holds per sweep step (a power of two; tuning: fewer, longer steps); cand_count: the threshold among the bracket's
-    copies by counting bit by bit (``_cand_threshold_count``) instead of radix histograms."""
+    copies by counting bit by bit (``_cand_threshold_count``) instead of radix histograms (where the candidate slots
+    per row are a multiple of the epilogue's 16-byte tile, ``plan[4]``; else the histograms)."""
     out: torch.Tensor
     num_keys: int
     width: int
@@ -610,14 +617,18 @@ class FusedRows:
     cand_count: bool = False
 
     @classmethod
-    def allocate(cls, rows: int, sk: int, num_keys: int, width: int, device, *, z: float = _Z) -> "FusedRows":
+    def allocate(cls, rows: int, sk: int, num_keys: int, width: int, device, *, z: float = _Z,
+                 cand_count: bool = False) -> "FusedRows":
         """A plan for float16 sums of ``rows`` rows of ``sk`` keys (``out`` set per head chunk by ``for_chunk``;
-        ``z``: the bracket's half-width in binomial sigmas, ``bracket_plan``). Raises torch.cuda.OutOfMemoryError for
-        the candidate scratch (rows x cap int16)."""
+        ``z``: the bracket's half-width in binomial sigmas, ``bracket_plan``; ``cand_count``: the field, with at least
+        ``_CAND_COUNT_MIN_CAP`` candidate slots). Raises torch.cuda.OutOfMemoryError for the candidate scratch (rows x
+        cap int16)."""
         plan = bracket_plan(sk, num_keys, 2, z=z)
+        if cand_count and plan[4] < _CAND_COUNT_MIN_CAP:
+            plan = (*plan[:4], _CAND_COUNT_MIN_CAP)
         return cls(torch.empty(0, dtype=torch.int32, device=device), num_keys, width, plan,
                    torch.empty(rows, plan[4], dtype=torch.int16, device=device),
-                   torch.empty(rows, dtype=torch.int8, device=device))
+                   torch.empty(rows, dtype=torch.int8, device=device), cand_count=cand_count)
 
     def for_chunk(self, out: torch.Tensor) -> "FusedRows":
         """This plan (same scratch) for the head chunk's selection ``out`` ([B, h, G, width]), ``done`` cleared."""
