@@ -102,7 +102,8 @@ def patch_interpreter() -> None:
         for d, dt in zip(data, dtypes):
             d = np.take(d, 0, axis=axis)
             if self.keep_dims:
-                d = np.expand_dims(d, axis) if original_axis is not None else d.reshape((1,) * input[0].handle.data.ndim)
+                flat = (1,) * input[0].handle.data.ndim
+                d = np.expand_dims(d, axis) if original_axis is not None else d.reshape(flat)
             elif original_axis is None:
                 d = d.item()
             out.append(self.to_tensor(d, dt))

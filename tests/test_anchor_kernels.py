@@ -712,8 +712,8 @@ def test_select_kv_with_the_pass2_histogram_is_unchanged(gen, fp8):
 
 
 @pytest.mark.parametrize("fp8,cap,one_group,rpt,cand_count", [
-    (False, None, False, 1, False), (True, 16, False, 1, False), (True, None, True, 1, False), (True, None, True, 2, False),
-    (True, None, True, 1, True)])
+    (False, None, False, 1, False), (True, 16, False, 1, False), (True, None, True, 1, False),
+    (True, None, True, 2, False), (True, None, True, 1, True)])
 def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rpt, cand_count):
     """group_prob_sums(select=topk.FusedRows): the pair kernel's epilogue writes each group's top-K of the float16 sums
     it stored (B = 2, 9 groups: the last pair has one group; 16-byte rows, one whole 1024-key tile and a partial one),

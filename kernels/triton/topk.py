@@ -368,7 +368,8 @@ def _cand_threshold_count(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr):
     bin bit: ~80 SASS instructions per copy and pass at sm_90) per copy."""
     offs0 = tl.arange(0, STEP)
     pad = n_cand + offs0
-    tl.store(cand_row + pad, tl.full([STEP], -1, cand_row.dtype.element_ty), mask=pad < (n_cand + STEP - 1) // STEP * STEP)
+    tl.store(cand_row + pad, tl.full([STEP], -1, cand_row.dtype.element_ty),
+             mask=pad < (n_cand + STEP - 1) // STEP * STEP)
     tl.debug_barrier()  # the copies and the padding, stored by every thread, are read by others
     rng = hi - lo
     top = lo * 0  # the bit length of hi - lo
