@@ -103,6 +103,8 @@ VARIANTS = {  # name: keywords of launch()
     # timing floor without exponentials; its pipeline depth
     "kb pow2 1grp row pairs": dict(kb_pow2=True, one_group=True, row_sums=1),
     "kb pow2 1grp mma sums": dict(kb_pow2=True, one_group=True, row_sums=2, rtol=2e-3),
+    "kb pow2 1grp mma sums poly3 1/4": dict(kb_pow2=True, one_group=True, row_sums=2, poly3=(2, 0), rtol=2e-3),
+    "kb pow2 1grp mma sums poly3 1/2": dict(kb_pow2=True, one_group=True, row_sums=2, poly3=(4, 0), rtol=2e-3),
     "kb pow2 1grp poly3 1/4": dict(kb_pow2=True, one_group=True, poly3=(2, 0)),  # one group: (2, 0) is a quarter
     "kb pow2 1grp poly3 1/2": dict(kb_pow2=True, one_group=True, poly3=(4, 0)),  # of its exponentials, (4, 0) half
     "kb pow2 1grp no exp (floor)": dict(kb_pow2=True, one_group=True, exp="none"),

@@ -51,6 +51,12 @@ VARIANTS = {  # name: pair-kernel constexprs (BLOCK_N 64, 4 warps, 3 stages unle
                                                              TOPK=True, ONE_GROUP=True, maxnreg=128, ROW_SUMS=1),
     "fp8 one group mma row sums + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True,
                                                                 TOPK=True, ONE_GROUP=True, maxnreg=128, ROW_SUMS=2),
+    "fp8 one group mma row sums poly3 1/4 + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False,
+                                                                          KB_POW2=True, TOPK=True, ONE_GROUP=True,
+                                                                          maxnreg=128, ROW_SUMS=2, P3_G0=2),
+    "fp8 one group mma row sums poly3 1/2 + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False,
+                                                                          KB_POW2=True, TOPK=True, ONE_GROUP=True,
+                                                                          maxnreg=128, ROW_SUMS=2, P3_G0=4),
     "fp8 one group + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
                                                    ONE_GROUP=True, maxnreg=128),
     # session 7: the top-K's threshold among its candidates by counting (topk.FusedRows.cand_count)

@@ -230,6 +230,27 @@ def _pair_row_sums(p):
 
 
 @triton.jit
+def _mixed_exp2(x, EXP_MODE: tl.constexpr, EIGHTHS: tl.constexpr, tile, PARITY: tl.constexpr):
+    """2^x ([BLOCK_N, BLOCK_M] fp32) with EIGHTHS / 8 of it on the degree-3 polynomial (``_exp2_poly3``, FMA pipe)
+    as ``_mixed_sums`` splits it (4: the odd query columns of every key tile; 2: of the tiles whose index ``tile``
+    has parity PARITY; 0: none), the rest on MUFU; the two halves joined back in place (no data moved)."""
+    if EIGHTHS == 0:
+        p = _mufu_exp2(x, EXP_MODE)
+    else:
+        even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+        if EIGHTHS == 4:
+            odd = _exp2_poly3(odd)
+        else:
+            tl.static_assert(EIGHTHS == 2, "EIGHTHS must be 0, 2 or 4")
+            if tile % 2 == PARITY:
+                odd = _exp2_poly3(odd)
+            else:
+                odd = _mufu_exp2(odd, EXP_MODE)
+        p = tl.reshape(tl.join(_mufu_exp2(even, EXP_MODE), odd), [x.shape[0], x.shape[1]])
+    return p
+
+
+@triton.jit
 def _mma_row_sums(p):
     """Row sums of p ([BLOCK_N, BLOCK_M] fp32 -> [BLOCK_N]) on the tensor cores: p rounded to bfloat16 times a
     [BLOCK_M, 16] matrix with ones in column 0 (fp32 accumulate), then the 16 columns of the product added (15 of
@@ -372,10 +393,11 @@ def _group_prob_sums_pair(
                         mask=k_ok[:, None], other=0.0)
             x0 = tl.dot(k, tl.trans(q0)) * f - l0[None, :]
             if ROW_SUMS == 2:
-                tl.static_assert(ONE_GROUP and P3_G0 == 0, "ROW_SUMS: one group, no poly3")
-                col0 = _key_scaled(_mma_row_sums(_mufu_exp2(x0, EXP_MODE)), kb_base, keys, SK, FP8, KB_POW2)
+                tl.static_assert(ONE_GROUP, "ROW_SUMS: one group")
+                col0 = _key_scaled(_mma_row_sums(_mixed_exp2(x0, EXP_MODE, P3_G0, n0 // BLOCK_N, 0)), kb_base, keys,
+                                   SK, FP8, KB_POW2)
             elif ROW_SUMS == 1:
-                tl.static_assert(ONE_GROUP and P3_G0 == 0, "ROW_SUMS: one group, no poly3")
+                tl.static_assert(ONE_GROUP and P3_G0 == 0, "ROW_SUMS 1: one group, no poly3")
                 col0 = _key_scaled(_pair_row_sums(_mufu_exp2(x0, EXP_MODE)), kb_base, keys, SK, FP8, KB_POW2)
             else:
                 col0 = _key_scaled(_mixed_sums(x0, EXP_MODE, P3_G0, n0 // BLOCK_N, 0), kb_base, keys, SK, FP8,
@@ -797,7 +819,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         row_sums: with one group per program, how each key's sum over the group's queries is added: "chain"
         (``tl.sum``: one dependent FADD chain per row and thread), "pairs" (``_pair_row_sums``: two chains of half
         the length; fp32 rounding order differs), "mma" (``_mma_row_sums``: on the tensor cores, each term rounded
-        to bfloat16); ignored otherwise; None: ``_ROW_SUMS_DEFAULT``. ValueError for another value.
+        to bfloat16; with poly3[0] its share on the polynomial, ``_mixed_exp2``); ignored otherwise; None:
+        ``_ROW_SUMS_DEFAULT``. ValueError for another value, or "pairs" with poly3.
         poly3: (g0, g1), eighths (0, 2 or 4) of each of the pair kernel's two groups' exponentials taken by the
         degree-3 polynomial on the FMA pipe (``_exp2_poly3``: relative error < 7.6e-5) instead of MUFU (4: the odd
         query columns of every key tile; 2: of every other key tile, group 0's even tiles, group 1's odd); pair kernel
@@ -858,6 +881,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     if one_group is None:
         one_group = (_ONE_GROUP_DEFAULT and fp8 and not pipelined and hist is None and not poly
                      and not any(poly3))
+    if one_group and (row_sums or _ROW_SUMS_DEFAULT) == "pairs" and poly3[0]:
+        raise ValueError("row_sums='pairs' takes no poly3 ('chain' or 'mma' do)")
     if one_group and (hist is not None or pipelined or poly or poly3[1]):
         raise ValueError("one_group: unstaggered, without hist / poly / poly3[1]")
     if (exp_mode == 3 or any(poly3) or one_group) and not (pair and C <= block_m):
@@ -882,7 +907,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
             POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32,
             WITH_HIST=hist is not None, KB_POW2=pow2, ONE_GROUP=bool(one_group), **sel_meta, num_warps=warps_,
-            ROW_SUMS=_ROW_SUMS[row_sums or _ROW_SUMS_DEFAULT] if one_group and not any(poly3) else 0,
+            ROW_SUMS=_ROW_SUMS[row_sums or _ROW_SUMS_DEFAULT] if one_group else 0,
             num_stages=num_stages or stages,
             **({"maxnreg": 128 if one_group else _TOPK_FUSED_MAXNREG} if select is not None and fp8 and cap is not None
                else {}),
@@ -910,7 +935,8 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
-              topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None, row_sums=None):
+              topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None, row_sums=None,
+              poly3=(0, 0)):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -918,7 +944,8 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. ``topk.top_k_rows`` then writes each group's
     row of the selection in place: the K largest float16 sums (ties: lower token index first), ascending, then -1.
     ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined``,
-    ``exp``, ``pair``, ``poly``, ``fp8``, ``gluon``, ``one_group`` tune pass 2 (see ``group_prob_sums``; the defaults are
+    ``exp``, ``pair``, ``poly``, ``fp8``, ``gluon``, ``one_group``, ``row_sums``, ``poly3`` tune pass 2 (see
+    ``group_prob_sums``; the defaults are
     its defaults: the staggered two-group kernel, float8 products per ``fp8_default``); ``topk_method`` picks
     ``topk.top_k_rows``'s
     method (None: its default by row length, or "radix" with ``topk_hist``); ``topk_hist``: pass 2 counts each
@@ -958,7 +985,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon, select=select,
-            one_group=one_group, row_sums=row_sums,
+            one_group=one_group, row_sums=row_sums, poly3=poly3,
         )
         if select is not None and select.done:
             select.finish(sums)
