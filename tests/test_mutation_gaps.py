@@ -591,3 +591,52 @@ def test_quantised_residuals_stay_finite_at_extreme_rows(gen):
         assert torch.isfinite(back).all(), name
         rel = float((back - r).abs().sum() / r.abs().sum())
         assert rel < (0.05 if name == "float8_e4m3fn" else 0.2), (name, rel)
+
+
+def _run_state(sigmas, **over):
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, settings
+
+    base = dict(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1", query_tile=64,
+                cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+    return lifecycle.RunState(settings.build_settings(**{**base, **over}), sigmas)
+
+
+def test_a_warmup_over_every_step_says_so_and_steps_only_advance(monkeypatch):
+    """A dense warm-up longer than the sampler call keeps the run dense with that reason (not "no anchor step"); the
+    step an interrupted run reports is the highest one reached, also when a later evaluation is at an earlier step;
+    the step of an evaluation is read once per sigmas tensor. Mutations: the warm-up reason branch dropped, the
+    last step overwritten by a lower one, the per-tensor step memo dropped (a device read per attention call)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle
+
+    sigmas = torch.linspace(1.0, 0.0, 51)
+    run = _run_state(sigmas, dense_warmup="60", anchor_steps="auto")
+    assert run.runner is None and run.dense_run_reason == "dense warm-up covers all 50 steps"
+    run = _run_state(sigmas)
+    run.note_step(5)
+    run.note_step(3)
+    assert run.last_step == 5
+    reads = []
+    monkeypatch.setattr(lifecycle, "current_sigma", lambda options: reads.append(1) or float(options["sigmas"][0]))
+    options = {"sigmas": sigmas[7:8].clone()}
+    assert run.step_of(options) == run.step_of(options) == 7 and len(reads) == 1
+
+
+def test_the_backend_line_names_each_reason_once_and_an_unregistered_backend_runs_auto(monkeypatch):
+    """The summary's backend line gives each reason the requested backend was passed over once (two ops with the
+    same refusal) and leaves out the ops it does not implement; a backend name the registry does not hold (its
+    package failed before registering) runs "auto" with a note. Mutations: no deduplication / no filter; the note
+    dropped."""
+    from comfyui_mc_sparse_pack.kernels import registry
+
+    run = _run_state(torch.linspace(1.0, 0.0, 5), backend="triton")
+    why = "fallback; triton (requested): runs float16/bfloat16 only, got torch.float32"
+    run.runner.kernels.choices.update({
+        "select_kv": registry.Choice("torch", why), "sparse_attention": registry.Choice("torch", why),
+        "pddp_groups": registry.Choice("torch", "fallback; triton (requested): does not implement pddp_groups"),
+    })
+    line = run.backend_line()
+    assert line.count("runs float16/bfloat16 only") == 1 and "does not implement" not in line, line
+    monkeypatch.delitem(registry._backends, "cutedsl")
+    run = _run_state(torch.linspace(1.0, 0.0, 5), backend="cutedsl")
+    assert any("backend 'cutedsl' is not registered here" in note for note in run.notes), run.notes
+    assert run.runner.backend == "auto"
