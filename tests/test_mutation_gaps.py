@@ -3,6 +3,8 @@ in a scratch copy (the mutation named in its docstring) left the whole CPU suite
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.attention import anchor_attention
@@ -640,3 +642,31 @@ def test_the_backend_line_names_each_reason_once_and_an_unregistered_backend_run
     run = _run_state(torch.linspace(1.0, 0.0, 5), backend="cutedsl")
     assert any("backend 'cutedsl' is not registered here" in note for note in run.notes), run.notes
     assert run.runner.backend == "auto"
+
+
+def test_the_payoff_check_at_its_edges(monkeypatch):
+    """Before sampling (``payoff.dense_reason``): exactly ``min_tokens`` tokens may go sparse; a model whose only
+    marked block count is unknown (1) is not refused for having no non-warm-up block; an unknown dtype / head dim is
+    probed as bf16 / the largest head dim (so Triton, asked for by name on the interpreter, is a fast kernel); a fast
+    backend other than Triton counts; the refusal text leaves out backends that do not implement the op. Mutations:
+    ``<=`` at min_tokens, the warm-up layers' floor dropped, the dtype default dropped, only Triton counted, the
+    "does not implement" filter dropped."""
+    from comfyui_mc_sparse_pack import kernels
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.payoff import dense_reason
+    from comfyui_mc_sparse_pack.kernels import registry
+
+    cfg = MCSparseConfig(density=0.2, group_size=128, warmup_steps=10, warmup_layers=1, anchor_steps=(9,))
+    common = dict(num_steps=50, min_tokens=4096)
+    assert dense_reason(cfg, layers=30, requested_backend="torch", tokens=4096, **common) is None
+    assert "fewer than min tokens" in dense_reason(cfg, layers=30, requested_backend="torch", tokens=4095, **common)
+    assert dense_reason(cfg, layers=1, requested_backend="auto", **common) is None
+    cpu = torch.device("cpu")
+    if os.environ.get("TRITON_INTERPRET") == "1":  # CPU tensors run on Triton's interpreter (tests/conftest.py)
+        assert dense_reason(cfg, layers=30, requested_backend="triton", device=cpu, **common) is None
+    why = dense_reason(cfg, layers=30, requested_backend="auto", device=cpu, dtype=torch.bfloat16, head_dim=128,
+                       **common)
+    assert why.startswith("no fast sparse kernel on cpu") and "does not implement" not in why, why
+    monkeypatch.setitem(registry._backends, "fast_cpu", registry.Backend(
+        name="fast_cpu", priority=50, ops={"sparse_attention": kernels.reference.sparse_attention}))
+    assert dense_reason(cfg, layers=30, requested_backend="auto", device=cpu, dtype=torch.bfloat16, head_dim=128,
+                        **common) is None
