@@ -98,8 +98,8 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
 
 
 OP_ROWS = ("again", "residual", "counts + kernel", "options")  # the op's extra rows (``--op-rows``)
-# "options": the op with these staged-epilogue options ($MC_SPARSE_CUTEDSL_OPTIONS, rules.staged_options): the
-# candidate default beside the op's
+# "options": the op with each of these staged-epilogue option sets ($MC_SPARSE_CUTEDSL_OPTIONS,
+# rules.staged_options; ``--op-options``, ";"-separated): candidate defaults beside the op's
 OP_OTHER_OPTIONS = "persistent,overlap,hide_epi"
 
 
@@ -118,7 +118,7 @@ def with_options(raw, fn):
     return run
 
 
-def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP_ROWS):
+def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP_ROWS, op_options=(OP_OTHER_OPTIONS,)):
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (native(gen, B, S, H, D) for _ in range(3))
@@ -162,13 +162,12 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
         if "residual" in op_rows:
             fns["cutedsl op + plain residual"] = lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
                                                                                   residual=res, backend="cutedsl")
-        if "options" in op_rows:  # checked first like the op: its output, no fallback
-            op_pf = with_options(OP_OTHER_OPTIONS, lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
-                                                                               backend="cutedsl"))
+        for raw in op_options if "options" in op_rows else ():  # checked first like the op: output, no fallback
+            op_pf = with_options(raw, lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl"))
             out.fill_(float("nan"))
             with registry.recording(registry.Record()) as rec:
                 got = op_pf()
-            tag = f"cutedsl op ({OP_OTHER_OPTIONS})"
+            tag = f"cutedsl op ({raw})"
             r_err[tag] = (err(got), int(out.isnan().sum()))
             if rec.choices["sparse_attention"].backend != "cutedsl" or r_err[tag][0] > 1e-2 or r_err[tag][1]:
                 log(f"{name} s={s}: {tag} WRONG or fell back ({r_err[tag]}, {rec.failures}): not timed")
@@ -276,6 +275,8 @@ def main():
     ap.add_argument("--variants", default="evict smem persistent,evict smem overlap",
                     help="kernel variants timed alone: " + ", ".join(VARIANTS))
     ap.add_argument("--op-rows", default=",".join(OP_ROWS), help="the op's extra rows: " + ", ".join(OP_ROWS))
+    ap.add_argument("--op-options", default=OP_OTHER_OPTIONS,
+                    help='";"-separated staged-epilogue option sets of the "options" op rows')
     ap.add_argument("--commit", default=os.environ.get("MC_SPARSE_COMMIT", "unknown"))
     ap.add_argument("--scoreboard", default=str(ROOT / "docs/results/scoreboard.json"))
     args = ap.parse_args()
@@ -291,7 +292,8 @@ def main():
     for name in args.shapes.split(","):
         report["shapes"][name] = run_shape(name, SHAPES[name], [float(x) for x in args.densities.split(",")],
                                            args.rounds, args.target_ms, [x for x in args.variants.split(",") if x], log,
-                                           [x for x in args.op_rows.split(",") if x])
+                                           [x for x in args.op_rows.split(",") if x],
+                                           [x for x in args.op_options.split(";") if x])
     effs = {(n, s): r["efficiency"]["cutedsl op"] for n, sh in report["shapes"].items()
             for s, r in sh["densities"].items()}
     worst = min(effs, key=effs.get)

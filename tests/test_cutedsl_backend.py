@@ -229,9 +229,10 @@ def test_offline_sm90_compile_every_residual(tmp_path):
 
 
 def _fake_launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean, scale,
-                 num_ctas):
+                 num_ctas, ws_o=None, ws_lse=None, n_parts=1):
     """A float64 torch model of one launch, on the contract of ``kernels/cutedsl/sparse_fwd_sm90.py`` (with
-    the compiled kernel's argument checks: ranks, dtypes, unit strides, the residual form it was compiled for)."""
+    the compiled kernel's argument checks: ranks, dtypes, unit strides, the residual form it was compiled for);
+    with ``n_parts`` > 1 ("split_tail") the last round's groups go to the workspace in parts (``_fake_parts``)."""
     _, dtype, head_dim, with_lse, residual, epilogue = fn
     B, S, H, D = q.shape
     if epilogue == "smem":  # 16-byte stores of rounded O: no residual, 16-byte aligned out rows
@@ -255,7 +256,12 @@ def _fake_launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, re
     if residual == "int4_group":
         assert res_coef.dtype == torch.uint8 and res_coef.shape == (B, H, S) and res_scale.dtype == torch.bfloat16
         assert res_mean.dtype == torch.bfloat16 and res_mean.shape == (B, H, G, D) and res_mean.stride(-1) == 1
-    for n in range(N):
+    n_full = N
+    if n_parts > 1:
+        assert epilogue == "smem" and ws_o is not None and N > num_ctas
+        n_full = N // num_ctas * num_ctas
+        _fake_parts(q, k, v, perm_rows, kv_rows, counts, scale, ws_o, ws_lse, n_full, n_parts, G, H)
+    for n in range(n_full):
         b, h = divmod(n // G, H)
         rows = perm_rows[n][perm_rows[n] >= 0].long()
         keys = kv_rows[n, : int(counts[n])].long()
@@ -275,6 +281,27 @@ def _fake_launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, re
         out[b, rows, h] = o.to(out.dtype)
         if lse is not None:
             lse[b, h, rows] = s.logsumexp(-1).float()
+
+
+def _fake_parts(q, k, v, perm_rows, kv_rows, counts, scale, ws_o, ws_lse, n_full, n_parts, G, H):
+    """The "split_tail" items of groups n_full..N-1 (``sparse_fwd_sm90.SparseFwdSm90._work``): part p of a group of
+    T key tiles covers tiles [p*T//P, (p+1)*T//P) (an empty part: the last tile, LSE -inf); its normalised O of all
+    128 slots (padded ones read query row 0) and LSE at workspace rows (j*P + p)*128 ..."""
+    for j in range(perm_rows.shape[0] - n_full):
+        n = n_full + j
+        b, h = divmod(n // G, H)
+        rows = perm_rows[n].clamp(min=0).long()
+        count = int(counts[n])
+        tiles = -(-count // 128)
+        for p in range(n_parts):
+            lo, hi = p * tiles // n_parts, (p + 1) * tiles // n_parts
+            empty = lo == hi
+            lo, hi = (tiles - 1, tiles) if empty else (lo, hi)
+            keys = kv_rows[n, lo * 128: min(hi * 128, count)].long()
+            s = q[b, rows, h].double() @ k[b, keys, h].double().T * scale
+            at = slice((j * n_parts + p) * 128, (j * n_parts + p + 1) * 128)
+            ws_o[at] = (s.softmax(-1) @ v[b, keys, h].double()).to(ws_o.dtype)
+            ws_lse[at] = float("-inf") if empty else s.logsumexp(-1).float()
 
 
 def rules_dtype(name):
@@ -300,6 +327,37 @@ def fake_op(monkeypatch):
     assert op._compile is fake
     op.calls, op.epilogues = fake.calls, fake.epilogues
     return op
+
+
+@pytest.mark.parametrize("ctas", [4, 5, 7])
+def test_split_tail_parts_merged(fake_op, monkeypatch, ctas):
+    """With "split_tail" the op splits the last round's groups (groups mod ctas of them, when at most half the CTAs)
+    into parts through the kernel's workspace (the fake launch's model) and merges them (``tail_merge``, the Triton
+    kernel, under the interpreter on CPU): out and LSE equal the float64 reference on every row, including groups
+    with fewer key tiles than parts (5 parts of groups of 1-3 tiles: empty parts, LSE -inf) and padded query slots;
+    7 CTAs (no split) as control."""
+    monkeypatch.setattr(rules, "EPILOGUE", "smem")
+    monkeypatch.setattr(rules, "STAGED_OPTIONS", ("persistent", "overlap", "split_tail"))
+    monkeypatch.setattr(fake_op, "_sm_count", lambda device: ctas)
+    gen = torch.Generator().manual_seed(29 + ctas)
+    B, H, S, D, K = 1, 2, 330, 64, 300  # 3 groups per head (the last padded), up to 3 key tiles each
+    q, k, v, perm, idx = _op_inputs(gen, B, H, S, D, K)
+    idx[0, 1, 2, 100:] = -1  # one group of a single key tile
+    out = torch.full((B, S, H * D), float("nan"), dtype=torch.bfloat16).view(B, S, H, D).transpose(1, 2)
+    got, lse = fake_op.sparse_attention(q, k, v, perm, idx, out=out, return_lse=True)
+    assert rules.split_parts(6, ctas) == {4: 2, 5: 5, 7: 1}[ctas]
+    ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, return_lse=True)
+    assert not got.isnan().any() and not lse.isnan().any()
+    assert float((got.double() - ref).abs().max()) <= 2**-7 * float(ref.abs().max())
+    assert float((lse.double() - ref_lse).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize(("groups", "ctas", "want"), [
+    (3072, 132, 3), (23640, 132, 11), (3036, 132, 1), (3100, 132, 2), (3130, 132, 1), (100, 132, 1), (133, 132, 16), (6, 4, 2),
+])
+def test_split_parts(groups, ctas, want):
+    """Parts per last-round group: only when that round is at most half full, never more than MAX_PARTS."""
+    assert rules.split_parts(groups, ctas) == want
 
 
 @pytest.mark.parametrize(("default", "pad", "kind", "want"), [

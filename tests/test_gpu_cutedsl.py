@@ -222,6 +222,33 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
         print(f"cutedsl {options} ctas={ctas} {dtype} D={D}: rel err {err:.2e}")
 
 
+@pytest.mark.parametrize(("B", "H", "S", "K", "ragged", "lse"), [
+    (2, 3, 2900, 700, True, True), (1, 1, 140 * 128 - 5, 3000, False, False),
+], ids=["138-groups-ragged-lse", "140-groups"])
+def test_cutedsl_split_tail(monkeypatch, B, H, S, K, ragged, lse):
+    """The op with "split_tail" (+ hide_epi): the last round's groups (N mod SMs of them) split into parts through
+    the workspace and merged (``tail_merge``), against float64: 138 groups with ragged counts of 1-6 key tiles on
+    132 SMs (6 groups in 16 parts: empty parts, LSE -inf), and 140 groups of 24 key tiles without the LSE (8 groups
+    in 16 parts of 1-2 tiles); a NaN-filled out written in full."""
+    from comfyui_mc_sparse_pack.kernels.cutedsl import rules
+
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", "persistent,overlap,hide_epi,split_tail")
+    gen = torch.Generator(device="cuda").manual_seed(71 + S)
+    C, D = 128, 128
+    q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))
+    perm, idx = _inputs(gen, B, H, S, C, K, -(-K // 128) * 128, ragged)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    parts = rules.split_parts(B * H * idx.shape[2], sms)
+    assert parts > 1, f"these shapes do not split on {sms} SMs"
+    base = torch.full((B, S, H * D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = base.view(B, S, H, D).transpose(1, 2)
+    got = _cutedsl(q, k, v, perm, idx, out=out, return_lse=lse)
+    got, lse_t = got if lse else (got, None)
+    assert not base.isnan().any() and (lse_t is None or not lse_t.isnan().any())
+    err = _check(out, lse_t, q, k, v, perm, idx)
+    print(f"cutedsl split_tail {B * H * idx.shape[2]} groups on {sms} SMs, {parts} parts: rel err {err:.2e}")
+
+
 @pytest.mark.parametrize("kind", ["plain", "int4_group"])
 def test_cutedsl_overlap_residual(kind):
     """The "overlap" option with the register epilogue and a residual (the reuse path's call) against float64 on

@@ -122,7 +122,13 @@ def compile_fake(dtype: str, head_dim: int, with_lse: bool, residual: str = "non
     args = _fake_args(dtype, head_dim, with_lse, residual, 16 if epilogue == "smem" else 4)
     kernel = SparseFwdSm90(_DTYPES[dtype], head_dim, stages or default_stages(), RESIDUALS[residual][0], producer,
                            epilogue, tuple(options))
-    return cute.compile(kernel, *args, Float32(1.0), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
+    ws = (None, None)
+    if "split_tail" in options:  # the parts' workspace: O rows (dtype) and LSE
+        rows = cute.sym_int()
+        ws = (make_fake_tensor(_DTYPES[dtype], (rows, head_dim), divisibility=8),
+              make_fake_tensor(Float32, (rows,), divisibility=1))
+    return cute.compile(kernel, *args, Float32(1.0), Int32(1), *ws, Int32(1), make_fake_stream(),
+                        options="--enable-tvm-ffi")
 
 
 def compiled(dtype: str, head_dim: int, with_lse: bool, residual: str = "none", stages: int | None = None,
@@ -188,12 +194,15 @@ def _to_disk(disk, key, fn):
 
 
 def launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean,
-           scale: float, num_ctas: int) -> None:
+           scale: float, num_ctas: int, ws_o=None, ws_lse=None, n_parts: int = 1) -> None:
     """Run a compiled kernel (``sparse_fwd_sm90.py``'s contract): q/out ``(B, S, H, D)``, k/v ``(B, Sk, H, D)``,
     lse fp32 ``(B, H, S)`` or None, perm_rows int32 ``(N, 128)``, kv_rows int32 ``(N, K_alloc)``, counts ``(N,)``,
     res_data ``(B, S, H, D or D//2)``, res_scale ``(B, H, S)``, res_coef uint8 ``(B, H, S)``, res_mean bf16
-    ``(B, H, G, D)``, each or None as the residual form has them; ``num_ctas`` CTAs (at most N run)."""
-    fn(q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean, scale, num_ctas)
+    ``(B, H, G, D)``, each or None as the residual form has them; ``num_ctas`` CTAs (at most N run); for a
+    "split_tail" kernel the parts' workspace ``ws_o`` ``(rows, D)`` (q's dtype) and ``ws_lse`` fp32 ``(rows,)``
+    (rows >= 128 * r * n_parts, r the groups of the last round) and ``n_parts`` (1: no split), else None."""
+    fn(q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean, scale, num_ctas, ws_o,
+       ws_lse, n_parts)
 
 
 def warm(stages: int | None = None) -> dict:

@@ -14,7 +14,8 @@ import torch
 
 from ..triton.counts import valid_counts
 from . import compile as _compile
-from .rules import DTYPE_NAMES, call_refusal, epilogue_for, launch_plan
+from . import tail_merge
+from .rules import DTYPE_NAMES, call_refusal, epilogue_for, launch_plan, split_parts
 
 __all__ = ["sparse_attention"]
 
@@ -53,11 +54,20 @@ def _run(q, k, v, perm, kv_idx, scale, return_lse, out, residual):
     fn = _compile.compiled(DTYPE_NAMES[q.dtype], D, return_lse, res_name, epilogue=epilogue, options=options)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else None
     counts = valid_counts(kv_idx)
+    perm_rows = perm.contiguous().view(n, perm.shape[-1] // G)
+    n_parts, ws = 1, (None, None)
+    if "split_tail" in options:  # the last round's groups in parts, into a workspace, merged after
+        n_parts = split_parts(n, num_ctas)
+        rows = 128 * (n % num_ctas * n_parts if n_parts > 1 else 1)
+        ws = (torch.empty(rows, D, dtype=q.dtype, device=q.device),
+              torch.empty(rows, dtype=torch.float32, device=q.device))
     _compile.launch(
-        fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse,
-        perm.contiguous().view(n, perm.shape[-1] // G), kv_idx.reshape(n, k_alloc).contiguous(), counts, *res_args,
-        scale, num_ctas,
+        fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse, perm_rows,
+        kv_idx.reshape(n, k_alloc).contiguous(), counts, *res_args, scale, num_ctas, *ws, n_parts,
     )
+    if n_parts > 1:
+        r = n % num_ctas
+        tail_merge.merge(*ws, perm_rows, out.transpose(1, 2), lse, n - r, r, n_parts, G)
     return (out, lse) if return_lse else out
 
 

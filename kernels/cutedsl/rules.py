@@ -116,6 +116,18 @@ def launch_plan(epilogue: str, groups: int, sms: int) -> tuple[tuple, int]:
     return options, min(sms, groups) if "persistent" in options else groups
 
 
+MAX_PARTS = 16  # "split_tail": the most parts a group of the last round is split into
+
+
+def split_parts(groups: int, ctas: int) -> int:
+    """Parts per group of the persistent walk's last round for the "split_tail" option (1: no split): with ``groups``
+    over ``ctas`` CTAs the last round holds r = groups mod ctas groups; split when 0 < r <= ctas / 2 (a fuller round
+    gains little) into min(ctas // r, ``MAX_PARTS``) parts, so the round's items fill the CTAs about once. Needs more
+    groups than CTAs (the kernel's grid is then ``ctas``)."""
+    r = groups % ctas if groups > ctas else 0
+    return min(ctas // r, MAX_PARTS) if 0 < r <= ctas // 2 else 1
+
+
 def staged_options() -> tuple:
     """The staged-epilogue kernel's compile options: ``STAGED_OPTIONS``, or ``$MC_SPARSE_CUTEDSL_OPTIONS`` (comma-
     separated ``sparse_fwd_sm90.OPTIONS``, e.g. "persistent"; "none" for none) to time or try

@@ -98,7 +98,13 @@ EPILOGUES = ("registers", "smem")
 # into L2 (``prefetch.global.L2::evict_last`` per 128-byte line: a per-thread instruction, where the bulk prefetch is
 # a uniform one that ptxas loops over the lanes) the K and V rows of its slot two tiles further on, its index loaded
 # a tile before that: the gather then finds rows the L2 lacked (14B 720p: a head's K/V is 38.7 MB) on chip.
-OPTIONS = ("persistent", "overlap", "hide_epi", "tma_q", "tma_h", "l2_ahead")
+# "split_tail" (with "overlap", staged epilogue): when the group count N is not a multiple of the grid's G CTAs, the
+# last round's r = N mod G groups would run on r SMs while the rest idle (Wan2.1-1.3B 480p: 3072 groups on 132 SMs,
+# 36 in the 24th round); with ``n_parts`` P > 1 at launch each of those groups is split into P work items of
+# consecutive key tiles, one per CTA, which write their normalised O (rows in group order) and LSE to a workspace
+# (``mWsO`` ``(r*P*128, D)``, ``mWsL`` ``(r*P*128,)``); ``tail_merge.py`` combines them into ``out`` (and the LSE).
+# A part with no key tile (a group of fewer tiles than P) recomputes the group's last tile and writes LSE -inf.
+OPTIONS = ("persistent", "overlap", "hide_epi", "tma_q", "tma_h", "l2_ahead", "split_tail")
 TMA_PASSES = {"tma_q": 2, "tma_h": 4}  # of the 8 row passes (TILE // 16) per tile
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
@@ -187,8 +193,9 @@ class GroupScheduler:
 class _Outputs:
     """What the epilogue writes to, bundled at trace time (a Python object, not a kernel argument)."""
 
-    def __init__(self, mO, mLSE, mPerm, mRes, mScale, mCoef, mMean, n_heads, groups_per_head):
+    def __init__(self, mO, mLSE, mPerm, mRes, mScale, mCoef, mMean, n_heads, groups_per_head, mWsO=None, mWsL=None):
         self.mO, self.mLSE, self.mPerm, self.mRes, self.mScale = mO, mLSE, mPerm, mRes, mScale
+        self.mWsO, self.mWsL = mWsO, mWsL
         self.mCoef, self.mMean = mCoef, mMean
         self.n_heads, self.groups_per_head = n_heads, groups_per_head
 
@@ -237,13 +244,16 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.tma_passes = max([TMA_PASSES[o] for o in options if o in TMA_PASSES] + [0])
         assert not self.tma_passes or producer == "cp.async+evict", "the TMA rows need the hinted producer"
         self.l2_ahead = "l2_ahead" in options
+        self.split_tail = "split_tail" in options
+        assert not self.split_tail or (self.overlap and self.smem_epilogue), "split_tail: overlap, staged epilogue"
         assert not self.l2_ahead or producer == "cp.async+evict", "l2_ahead needs the hinted producer"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
                  mIdx: cute.Tensor, mCounts: cute.Tensor, mRes, mScale, mCoef, mMean, softmax_scale: Float32,
-                 num_ctas: Int32, stream=None):
+                 num_ctas: Int32, mWsO, mWsL, n_parts: Int32, stream=None):
         assert (mRes is None) == (self.res_kind is None), "residual tensor and res_kind disagree"
+        assert (mWsO is not None) == self.split_tail and (mWsL is not None) == self.split_tail, "split_tail workspace"
         if const_expr(self.res_kind in ("fp8_row", "int4_row", "int4_group")):
             assert mRes.element_type == cutlass.Uint8 and mScale is not None
         assert (mMean is not None) == (self.res_kind == "int4_group") and (mCoef is None) == (mMean is None)
@@ -287,7 +297,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         grid_x = total if const_expr(one_per_group) else cutlass.min(num_ctas, total)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mPerm, mIdx, mCounts, mRes, mScale, mCoef, mMean, softmax_scale_log2, softmax_scale,
-            total, atom_k, atom_v, tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout, SharedStorage,
+            total, atom_k, atom_v, mWsO, mWsL, n_parts, tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout, SharedStorage,
         ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def _get_shared_storage_cls(self):
@@ -323,7 +333,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
                mIdx: cute.Tensor, mCounts: cute.Tensor, mRes, mScale, mCoef, mMean, softmax_scale_log2: Float32,
-               softmax_scale, total: Int32, atom_k, atom_v, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+               softmax_scale, total: Int32, atom_k, atom_v, mWsO, mWsL, n_parts: Int32, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -356,23 +366,29 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                                 mSeqUsedK=mCounts)
         AttentionMaskCls = partial(AttentionMask, self.tile_m, self.tile_n, window_size_left=None,
                                    window_size_right=None, qhead_per_kvhead_packgqa=1)
-        TileSchedulerCls = partial(GroupScheduler.create, total)
+        n_items = total
+        if const_expr(self.split_tail):  # the last round's groups as n_parts items each
+            grid = Int32(cute.arch.grid_dim()[0])
+            if n_parts > 1:
+                n_items = total + (total - (total // grid) * grid) * (n_parts - 1)
+        TileSchedulerCls = partial(GroupScheduler.create, n_items)
+        work_fn = partial(self._work, total=total, n_parts=n_parts, SeqlenInfoCls=SeqlenInfoCls, block_info=block_info)
         n_heads = mQ.shape[2]
         groups_per_head = total // (n_heads * mQ.shape[3])
         pipeline_init_wait(cluster_shape_mn=(1, 1))
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, atom_k, atom_v)
+                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, atom_k, atom_v, work_fn)
         else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
-            outputs = _Outputs(mO, mLSE, mPerm, mRes, mScale, mCoef, mMean, n_heads, groups_per_head)
+            outputs = _Outputs(mO, mLSE, mPerm, mRes, mScale, mCoef, mMean, n_heads, groups_per_head, mWsO, mWsL)
             if const_expr(self.overlap):
                 self.mma_overlap(
                     tiled_mma_qk, tiled_mma_pv, outputs, sQ, sK, layout_utils.transpose_view(sV), pipeline_k,
                     pipeline_v, pipeline_q, tidx - 128, softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls,
-                    AttentionMaskCls, TileSchedulerCls,
+                    AttentionMaskCls, TileSchedulerCls, work_fn,
                 )
             else:
                 self.mma(
@@ -384,7 +400,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def load_fused(self, mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, atom_k=None, atom_v=None):
+                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, atom_k=None, atom_v=None, work_fn=None):
         """Producer: per group, its query rows through ``perm`` and its K/V rows through ``kv_idx``, all by cp.async
         (mQ/mK/mV ``(S, D, H, B)``; mPerm ``(N, 128)``, mIdx ``(N, K_alloc)``), or the K/V rows of the last
         ``tma_passes`` row passes by TMA boxes (``atom_k`` / ``atom_v``: the tiled TMA atoms, "tma_q" / "tma_h")."""
@@ -397,11 +413,14 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         work_tile = tile_scheduler.initial_work_tile_info()
         while work_tile.is_valid_tile:
             _, _, group, _ = work_tile.tile_idx
-            seqlen = SeqlenInfoCls(group)
+            if const_expr(self.split_tail):
+                group, _, n_block_min, n_block_max, _, _ = work_fn(group)
+            else:
+                seqlen = SeqlenInfoCls(group)
+                n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
             bh = group // groups_per_head
             b = bh // n_heads
             h = bh - b * n_heads
-            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
             rows = PagedKVManager.create(
                 mIdx, mK, mV, FastDivmodDivisorV2(mK.shape[0]), group, h, tidx, n_block_max * self.tile_n, 0,
                 self.tile_n, self.tile_hdim, self.tile_hdimv, self.num_threads_per_warp_group, mK.element_type,
@@ -449,7 +468,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     @cute.jit
     def mma_overlap(self, tiled_mma_qk, tiled_mma_pv, outs, sQ, sK, sVt, pipeline_k, pipeline_v, pipeline_q, tidx,
                     softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls, AttentionMaskCls,
-                    TileSchedulerCls):
+                    TileSchedulerCls, work_fn=None):
         """Consumers of the "overlap" option: flash-attn-4's per-tile step (``mma_one_n_block_intrawg_overlap``:
         tile j's Q K^T and tile j+1's P V in flight while tile j's softmax runs) continued across the groups of
         this CTA. At a group's end the next group's first Q K^T (its queries already in the other slot of the
@@ -481,8 +500,11 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         skip = Int32(0)  # "hide_epi": 1 when the previous group's boundary ran this group's second key tile
         if work_tile.is_valid_tile:  # the CTA's first group: its first Q K^T alone
             _, _, group, _ = work_tile.tile_idx
-            seqlen = SeqlenInfoCls(group)
-            _, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
+            if const_expr(self.split_tail):
+                group, seqlen, _, n_block_max, _, _ = work_fn(group)
+            else:
+                seqlen = SeqlenInfoCls(group)
+                _, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
             pipeline_q.consumer_wait(q_state, pipeline_q.consumer_try_wait(q_state))
             kv_state = self.first_half_block_overlap(
                 n_block=n_block_max - 1,
@@ -495,8 +517,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             )
         while work_tile.is_valid_tile:
             _, _, group, _ = work_tile.tile_idx
-            seqlen = SeqlenInfoCls(group)
-            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
+            slot = Int32(-1)  # "split_tail": the item's workspace slot (-1: a whole group, written to out)
+            discard = Int32(0)
+            if const_expr(self.split_tail):
+                group, seqlen, n_block_min, n_block_max, slot, discard = work_fn(group)
+            else:
+                seqlen = SeqlenInfoCls(group)
+                n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
             out_rows = self._epilogue_perm(outs.mPerm, group, tiled_mma_pv, tidx)  # used at the group's end
             O_should_accumulate = False
             if const_expr(self.hide_epi):
@@ -519,8 +546,11 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             kv_state.advance()  # the next group's first tile
             if next_tile.is_valid_tile:
                 _, _, next_group, _ = next_tile.tile_idx
-                next_seqlen = SeqlenInfoCls(next_group)
-                _, next_max = block_info.get_n_block_min_max(next_seqlen, 0)
+                if const_expr(self.split_tail):
+                    next_group, next_seqlen, _, next_max, _, _ = work_fn(next_group)
+                else:
+                    next_seqlen = SeqlenInfoCls(next_group)
+                    _, next_max = block_info.get_n_block_min_max(next_seqlen, 0)
                 q_next = q_state.clone()
                 q_next.advance()
                 pipeline_q.consumer_wait(q_next, pipeline_q.consumer_try_wait(q_next))
@@ -550,10 +580,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 skip, kv_state = self._boundary_hiding(
                     acc_O, lse, outs, sQ[None, None, q_state.index], tiled_mma_pv, tidx, group, b,
                     bh - b * outs.n_heads, out_rows, next_tile, kv_state, q_state, tSrQ, tSrK, tiled_mma_qk,
-                    mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax, block_info, SeqlenInfoCls)
+                    mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax, block_info, SeqlenInfoCls, work_fn, slot,
+                    discard)
             elif const_expr(self.smem_epilogue):
                 self._epilogue_smem(acc_O, lse, outs.mO, outs.mLSE, outs.mPerm, sQ[None, None, q_state.index],
-                                    tiled_mma_pv, tidx, group, b, bh - b * outs.n_heads, rows=out_rows)
+                                    tiled_mma_pv, tidx, group, b, bh - b * outs.n_heads, rows=out_rows,
+                                    slot=slot, discard=discard, outs=outs)
             else:
                 self._epilogue_registers(acc_O, lse, outs, tiled_mma_pv, tidx, group, bh, b, bh - b * outs.n_heads,
                                          rows=out_rows)
@@ -563,9 +595,43 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             work_tile = next_tile
 
     @cute.jit
+    def _work(self, item: Int32, total: Int32, n_parts: Int32, SeqlenInfoCls, block_info):
+        """Work item ``item`` of the "split_tail" walk: (group, its seqlen info, first and end key tile, workspace
+        slot or -1, 1 if its result is discarded else 0). Items below the last round's start (N // G * G for the
+        grid's G CTAs) or all of them when ``n_parts`` is 1 are whole groups; after it, item n_full + j is part
+        j % P of group n_full + j // P: key tiles [p*T//P, (p+1)*T//P) of its T; an empty part takes the group's
+        last tile and is discarded."""
+        group = item
+        slot = Int32(-1)
+        part = Int32(0)
+        grid = Int32(cute.arch.grid_dim()[0])
+        n_full = (total // grid) * grid
+        if n_parts > 1 and item >= n_full:
+            j = item - n_full
+            group = n_full + j // n_parts
+            part = j - (j // n_parts) * n_parts
+            slot = j
+        seqlen = SeqlenInfoCls(group)
+        n_min, n_max = block_info.get_n_block_min_max(seqlen, 0)
+        lo = Int32(n_min)
+        hi = Int32(n_max)
+        discard = Int32(0)
+        if slot >= 0:
+            t = hi - lo
+            first = lo + part * t // n_parts
+            end = lo + (part + 1) * t // n_parts
+            if first == end:
+                discard = Int32(1)
+                first = hi - 1
+                end = hi
+            lo = first
+            hi = end
+        return group, seqlen, lo, hi, slot, discard
+
+    @cute.jit
     def _boundary_hiding(self, acc_O, lse, outs, sO, tiled_mma_pv, tidx, group, b, h, out_rows, next_tile, kv_state,
                          q_state, tSrQ, tSrK, tiled_mma_qk, mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax,
-                         block_info, SeqlenInfoCls):
+                         block_info, SeqlenInfoCls, work_fn=None, slot=None, discard=None):
         """The "hide_epi" group boundary (``acc_O`` this group's normalised output, ``tOrP`` the next group's first
         P): O rounded and staged in this group's query slot ``sO``, the LSE written; then, if the next group has
         two key tiles or more, its second Q K^T and first P V are issued (``_step_hiding``) and the staged rows are
@@ -573,12 +639,16 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         (its loop then starts one tile later) else 0, the consumers' K/V state after it)."""
         rO = cute.make_fragment_like(acc_O, self.dtype)
         fa_utils.cvt_f16(acc_O, rO)
-        self._stage_o(rO, lse, outs.mLSE, outs.mPerm, sO, tiled_mma_pv, tidx, group, b, h, rows=out_rows)
-        store = partial(self._store_staged, outs.mO, outs.mPerm, sO, tidx, group, b, h, out_rows)
+        self._stage_o(rO, lse, outs.mLSE, outs.mPerm, sO, tiled_mma_pv, tidx, group, b, h, rows=out_rows, slot=slot,
+                      discard=discard, mWsL=outs.mWsL)
+        store = partial(self._store_staged, outs.mO, outs.mPerm, sO, tidx, group, b, h, out_rows, slot, outs.mWsO)
         stepped = Int32(0)
         if next_tile.is_valid_tile:
             _, _, next_group, _ = next_tile.tile_idx
-            next_min, next_max = block_info.get_n_block_min_max(SeqlenInfoCls(next_group), 0)
+            if const_expr(self.split_tail):
+                _, _, next_min, next_max, _, _ = work_fn(next_group)
+            else:
+                next_min, next_max = block_info.get_n_block_min_max(SeqlenInfoCls(next_group), 0)
             if next_max - next_min > 1:
                 q_next = q_state.clone()
                 q_next.advance()
@@ -771,7 +841,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             cute.local_tile(cO, (wg_rows, self.tile_hdimv), (wg, 0)))
 
     @cute.jit
-    def _epilogue_smem(self, acc_O, lse, mO, mLSE, mPerm, sO, tiled_mma, tidx, group, b, h, rows=None):
+    def _epilogue_smem(self, acc_O, lse, mO, mLSE, mPerm, sO, tiled_mma, tidx, group, b, h, rows=None, slot=None,
+                       discard=None, outs=None):
         """O rounded and staged in the query tile (``sO``), each consumer warpgroup on its own 64 rows (which only
         its own QK^T read, finished by now: no barrier with the other warpgroup, which may still be computing), then
         each of its threads stores 16-byte pieces of rows, a warp writing 4 half rows (128 contiguous bytes each)
@@ -779,19 +850,38 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         loaded ahead (``_epilogue_perm``), or None to load them here."""
         rO = cute.make_fragment_like(acc_O, self.dtype)
         fa_utils.cvt_f16(acc_O, rO)
-        self._stage_o(rO, lse, mLSE, mPerm, sO, tiled_mma, tidx, group, b, h, rows)
-        self._store_staged(mO, mPerm, sO, tidx, group, b, h, rows)
+        mWsO, mWsL = (outs.mWsO, outs.mWsL) if const_expr(outs is not None) else (None, None)
+        self._stage_o(rO, lse, mLSE, mPerm, sO, tiled_mma, tidx, group, b, h, rows, slot, discard, mWsL)
+        self._store_staged(mO, mPerm, sO, tidx, group, b, h, rows, slot, mWsO)
 
     @cute.jit
-    def _stage_o(self, rO, lse, mLSE, mPerm, sO, tiled_mma, tidx, group, b, h, rows=None):
+    def _stage_o(self, rO, lse, mLSE, mPerm, sO, tiled_mma, tidx, group, b, h, rows=None, slot=None, discard=None,
+                 mWsL=None):
         """The first half of ``_epilogue_smem``: the rounded output ``rO`` (this thread's accumulator fragment) into
-        the query tile ``sO`` and the LSE to ``mLSE`` (query order)."""
+        the query tile ``sO`` and the LSE to ``mLSE`` (query order), or for a "split_tail" part (``slot`` >= 0) to
+        ``mWsL[slot * 128 + row]`` (-inf when ``discard``)."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if const_expr(self.own_sO):  # this warpgroup's threads have read back the previous group's output
             cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=128)
         smem_copy_atom = fa_utils.get_smem_store_atom(90, self.dtype)
         smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma).get_slice(tidx)
         cute.copy(smem_copy_atom, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
+        cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+        if const_expr(self.split_tail):
+            if slot >= 0:
+                tOcO_mma = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(tidx).partition_C(cO))
+                if tOcO_mma[0, 0][1] == 0:
+                    for m in cutlass.range_constexpr(cute.size(lse)):
+                        mWsL[slot * self.tile_m + tOcO_mma[m, 0][0]] = (
+                            lse[m] if discard == 0 else Float32(-float("inf")))
+            else:
+                self._store_lse(lse, mLSE, mPerm, tiled_mma, tidx, group, b, h, rows)
+        else:
+            self._store_lse(lse, mLSE, mPerm, tiled_mma, tidx, group, b, h, rows)
+
+    @cute.jit
+    def _store_lse(self, lse, mLSE, mPerm, tiled_mma, tidx, group, b, h, rows):
+        """This thread's rows' LSE (the threads holding column 0) to ``mLSE[b, h, perm[row]]`` (None: nothing)."""
         cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
         if const_expr(mLSE is not None):
             tOcO_mma = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(tidx).partition_C(cO))
@@ -802,9 +892,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                         mLSE[b, h, q_row] = lse[m]
 
     @cute.jit
-    def _store_staged(self, mO, mPerm, sO, tidx, group, b, h, rows=None):
+    def _store_staged(self, mO, mPerm, sO, tidx, group, b, h, rows=None, slot=None, mWsO=None):
         """The second half of ``_epilogue_smem``: once this warpgroup's 64 staged rows are all in ``sO`` (a
-        128-thread barrier), each thread reads back its 16-byte pieces and stores them at ``out[b, perm[row], h, :]``."""
+        128-thread barrier), each thread reads back its 16-byte pieces and stores them at ``out[b, perm[row], h, :]``,
+        or for a "split_tail" part (``slot`` >= 0) at ``mWsO[slot * 128 + row, :]``."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
         wg_rows = self.tile_m // self.num_wg_mma
@@ -814,6 +905,23 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         tOcO = thr_copy.partition_S(cute.local_tile(cO, (wg_rows, self.tile_hdimv), (wg, 0)))
         tOrO = cute.make_fragment_like(tOsO, self.dtype)
         cute.autovec_copy(tOsO, tOrO)
+        if const_expr(self.split_tail):
+            if slot >= 0:
+                for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+                    for kk in cutlass.range_constexpr(cute.size(tOrO.shape[2])):
+                        src = tOrO[None, rest_m, kk]
+                        ptr = cute.make_ptr(self.dtype, fa_utils.elem_pointer(
+                            mWsO, (slot * self.tile_m + tOcO[0, rest_m, kk][0], tOcO[0, rest_m, kk][1])).toint(),
+                            cute.AddressSpace.gmem, assumed_align=16)
+                        cute.autovec_copy(src, cute.make_tensor(ptr, src.layout))
+            else:
+                self._store_rows(tOrO, tOcO, mO, mPerm, group, b, h, rows)
+        else:
+            self._store_rows(tOrO, tOcO, mO, mPerm, group, b, h, rows)
+
+    @cute.jit
+    def _store_rows(self, tOrO, tOcO, mO, mPerm, group, b, h, rows):
+        """This thread's read-back 16-byte pieces ``tOrO`` (tile coordinates ``tOcO``) to ``out[b, perm[row], h, :]``."""
         for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
             q_row = mPerm[group, tOcO[0, rest_m, 0][0]] if const_expr(rows is None) else rows[1][rest_m]
             if q_row >= 0:
