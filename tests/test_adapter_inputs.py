@@ -239,6 +239,35 @@ def test_geometry_for_the_cache_estimate():
     assert layouts.geometry(dm, layouts.PatchPlan(None, (), False, "x"), (1, 16, 3, 8, 8)) is None
 
 
+def test_geometry_of_the_other_families_and_the_joint_text_length():
+    """Hunyuan3D 2.1 calls hold one time token beside the N latent tokens; a patch size that is not (t, h, w) gives no
+    geometry (the estimate is then skipped, not wrong); a joint double block records the text length of ``txt`` for
+    its call and the single blocks after it. Mutations: the time token dropped, the patch-size check dropped, the
+    double blocks' text length not recorded."""
+    attn = types.SimpleNamespace(num_heads=16, head_dim=64)
+    dm = types.SimpleNamespace(blocks=[types.SimpleNamespace(attn1=attn)] * 2)
+    geo = layouts.geometry(dm, layouts.PatchPlan("hunyuan3d21", (("a", None),) * 2, True, None), (1, 64, 4096))
+    assert (geo.heads, geo.head_dim, geo.tokens, geo.layers) == (16, 64, 4097, 2)
+    wan = types.SimpleNamespace(patch_size=(2, 2), num_heads=12, dim=1536)
+    assert layouts.geometry(wan, layouts.PatchPlan("wan", (("a", None),), False, None), (1, 16, 3, 8, 8)) is None
+
+    class HunyuanVideo(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.double_blocks = torch.nn.ModuleList([_Attn()])
+            self.single_blocks = torch.nn.ModuleList([_Attn()])
+
+    model = HunyuanVideo()
+    plan = layouts.plan_for(model)
+    (double_rel, double_factory), (single_rel, single_factory) = plan.patches
+    options = {}
+    double = double_factory(lambda x, txt=None, transformer_options=None: transformer_options[MARK_KEY])
+    single = single_factory(model.single_blocks[0].forward)
+    site = double(None, txt=torch.zeros(1, 7, 8), transformer_options=options)
+    assert site.text_len == 7 and options[TEXT_LEN_KEY] == 7
+    assert single(None, transformer_options=options).layer == 1
+
+
 # -- presets, warm-up / anchor consistency, interrupted runs ---------------------------------------------------
 
 @pytest.mark.parametrize("preset", ["quality", "balanced", "fast"])
