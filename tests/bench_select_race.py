@@ -5,12 +5,14 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 
 1. CHECKS on the GPU before any timing (a line with "CHECKS"; "CHECK FAILED" when one fails), on 2 heads at s =
    0.25: select_kv at its defaults == the brute-force top-K (kernels/reference/topk.py) of its own float16 sums;
-   with two query groups per program == the defaults; at 1.3B also the fused top-K with every row forced to the
-   radix fallback (16 candidate slots) == the brute force.
+   with two query groups per program == the defaults; the fused top-K's counting threshold (topk_count) == without
+   it; select_kv(q_raw=True) (with and without topk_count) == the brute-force top-K of its own sums, and those sums
+   within 5 % of the defaults' (a row whose check fails is not timed); at 1.3B also the fused top-K with every row
+   forced to the radix fallback (16 candidate slots) == the brute force.
 2. RACE 1 (tests/_timing.race: sustained back-to-back samples, shuffled order, median; TEAM.md item 7): flash-attn-4
    dense with LSE, select_kv defaults (on sm_90: the top-K fused into the pass-2 kernel, one query group per
-   program) and ``RACE1_ROWS`` (two groups per program; ``--p2ws-gluon-row``: the Gluon pass 2 where its child
-   check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios / dense from the same rounds ->
+   program) and ``RACE1_ROWS`` (two groups per program, topk_count, q_raw, both; ``--p2ws-gluon-row``: the Gluon
+   pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios / dense from the same rounds ->
    ``pass2_topk_over_dense_max`` (the defaults; both shapes).
 3. RACE 2 (per shape after both shapes' race 1; 14B only with 20 s of ``--budget`` left): the parts on all heads at
    s = 0.25 in the same rounds as dense: the float8 operand pass, the pass-2 kernel alone and with its fused top-K
@@ -95,6 +97,15 @@ def checks(q, k, lse, perm, S, log, full=True):
     want = ref_top_k_rows(sums16, kq, width)
     two = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, one_group=False)
     r = dict(default_exact=bool(torch.equal(sel, want)), two_groups_equal=bool(torch.equal(two, sel)))
+    # race 1's rows: the counting threshold gives the same selection; q_raw the brute-force top-K of its own sums
+    r["count_equal"] = bool(torch.equal(selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_count=True),
+                                        selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_count=False)))
+    raw = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, q_raw=True)
+    raw16 = selection.group_prob_sums(*sub, group_size=C, q_raw=True).half()
+    r["q_raw_exact"] = bool(torch.equal(raw, ref_top_k_rows(raw16, kq, width)))
+    r["q_raw_count_equal"] = bool(torch.equal(
+        raw, selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, q_raw=True, topk_count=True)))
+    r["q_raw_sums_rel"] = float((raw16.double() - sums16.double()).norm() / sums16.double().norm())
     if full:
         plan = topk.bracket_plan(S, kq, 2, cap=16)
         forced = topk.FusedRows(torch.full_like(sel, -7), kq, width, plan,
@@ -106,14 +117,17 @@ def checks(q, k, lse, perm, S, log, full=True):
         forced.finish(sums_f)
         r["fused_forced_fallback_exact"] = bool(torch.equal(forced.out, ref_top_k_rows(sums_f, kq, width)))
         r["fused_forced_fallback_rows"] = float(forced.flags.float().mean())
-    ok = all(v for n, v in r.items() if n != "fused_forced_fallback_rows") and r.get("fused_forced_fallback_rows",
-                                                                                     1.0) == 1.0
+    ok = (all(v for n, v in r.items() if n not in ("fused_forced_fallback_rows", "q_raw_sums_rel"))
+          and r.get("fused_forced_fallback_rows", 1.0) == 1.0 and r["q_raw_sums_rel"] < 0.05)
     log(f"CHECKS {r}" + ("" if ok else "  CHECK FAILED"))
     r["ok"] = ok
     return r
 
 
-RACE1_ROWS = {"2grp": dict(one_group=False)}  # select_kv variants beside its defaults (+ "gluon": --p2ws-gluon-row)
+# select_kv variants beside its defaults (+ "gluon": --p2ws-gluon-row): two groups per program; the fused top-K's
+# threshold among its candidates by counting; the one-group kernel quantising its own queries (q_raw); both
+RACE1_ROWS = {"2grp": dict(one_group=False), "count": dict(topk_count=True), "q_raw": dict(q_raw=True),
+              "q_raw count": dict(q_raw=True, topk_count=True)}
 
 
 def race1(name, q, k, v, lse, perm, log, rows):
@@ -187,7 +201,8 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0):
     width = -(-kq // KV_TILE) * KV_TILE
     dname, dense = dense_fn(q, k, v)
     res = dict(errors={})
-    fns = {"dense": dense, "operands default": lambda: selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)}
+    fns = {"dense": dense, "operands default": lambda: selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True),
+           "operands q_raw (k only)": lambda: selection.fp8_k_operands(q, k, D**-0.5)}
     sums = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
     selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums)
     ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)
@@ -377,8 +392,12 @@ def main():
                 res["checks"] = checks(q, k, lse, perm, q.shape[2], log, full=name != "14b")
                 save()
                 gluon_row = bool(args.p2ws_gluon_row and child_rc and child_rc.get(p2.GLUON_DEFAULT_VARIANT) == 0)
+                rows = {n: kw for n, kw in RACE1_ROWS.items()  # rows whose GPU check failed are not timed
+                        if not ("count" in n and not res["checks"]["count_equal"])
+                        and not ("q_raw" in n and not (res["checks"]["q_raw_exact"]
+                                                       and res["checks"]["q_raw_count_equal"]))}
                 res["race1"] = race1(name, q, k, v, lse, perm, log,
-                                     {**RACE1_ROWS, **({"gluon": dict(gluon=True)} if gluon_row else {})})
+                                     {**rows, **({"gluon": dict(gluon=True)} if gluon_row else {})})
                 save()
             kept[name] = (q, k, v, lse, perm)
         except Exception as err:  # noqa: BLE001 (a failing shape is reported; the others still run)

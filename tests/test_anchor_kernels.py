@@ -567,6 +567,75 @@ def test_fp8_operands_are_the_smoothed_rounded_copies(gen):
     assert torch.allclose(kb.double(), want_kb.clamp(-100, 100), rtol=1e-5, atol=1e-3)
 
 
+def _pow2_scale_ref(amax: float) -> float:
+    """The float8 scale rule of ``selection._pow2_scale`` (a power of two with amax / scale in (224, 448], 1 for
+    amax < 2^-111), in Python."""
+    if amax < 2.0**-111:
+        return 1.0
+    mant, ex = math.frexp(amax)  # amax = mant * 2^ex, mant in [0.5, 1): 1.f = 2 mant, exponent ex - 1
+    return 2.0 ** (ex - 1 - (8 if 2 * mant <= 1.75 else 7))
+
+
+def test_q_raw_pass2_is_exact_on_its_own_float8_operands(gen):
+    """group_prob_sums(q_raw=True): the one-group float8 kernel quantises each query group itself: its sums are the
+    float64 sums of (q - m_q) / s_g rounded to e4m3 (s_g: the group's power-of-two scale of its largest |q - m_q|) times
+    fp8_k_operands' k copy, with the LSE shifted by scale q . m_k and the per-key factor kb (relative error <= 2e-5 per
+    group), for B = 2 (means read at b * H + h of [2, B * H, D]), ragged S (a partial last group), NaN-poisoned
+    output; close to float64 (5 %) keeping >= 99.5 % of the exact top-K's mass; the fused top-K on its sums is their
+    brute-force top-K; q_raw with two groups per program is a ValueError."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection, topk
+
+    B, H, S, D, C = 2, 2, 300, 32, 128  # G = 3
+    q = (torch.randn(B, H, S, D, generator=gen) + torch.randn(B, H, 1, D, generator=gen)).to(torch.bfloat16)
+    q[1, 0, 5] *= 40  # one group with a much larger scale than the others
+    k = torch.randn(B, H, S, D, generator=gen) * torch.rand(B, H, 1, 1, generator=gen) * 3
+    k = (k + 2 * torch.randn(B, H, 1, D, generator=gen)).to(torch.bfloat16)
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    lse = lse.float()
+    perm = _groups(gen, B, H, S, C)
+    G = perm.shape[-1] // C
+    out = torch.full((B, H, G, S), float("nan")).to(DEVICE)
+    selection.group_prob_sums(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(DEVICE), group_size=C, out=out,
+                              fp8=True, one_group=True, q_raw=True)
+    out = out.cpu()
+    assert not out.isnan().any()
+    scale = D**-0.5
+    k8, qf, kb, means = (t.cpu() for t in selection.fp8_k_operands(q, k, scale))
+    _, ks = selection.fp8_stats(k)
+    mq, mk = means.view(2, B, H, D).double()
+    assert torch.allclose(mq, q.double()[:, :, ::8].mean(2), rtol=1e-5, atol=1e-5)
+    kd = k8.double() * ks.double()[..., None, None]
+    want = torch.zeros(B, H, G, S, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for g in range(G):
+                rows = perm[b, h, g * C:(g + 1) * C]
+                rows = rows[rows >= 0].long()
+                qc = q[b, h, rows].double() - mq[b, h]
+                sg = _pow2_scale_ref(float(qc.abs().max()))
+                q8 = (qc / sg).float().to(torch.float8_e4m3fn).double() * sg
+                lse_s = lse[b, h, rows].double() - scale * (q[b, h, rows].double() @ mk[b, h])
+                p = torch.exp(q8 @ kd[b, h].T * scale - lse_s[:, None])
+                want[b, h, g] = p.sum(0) * kb[b, h].double()
+    for g in range(G):
+        assert float((out[:, :, g].double() - want[:, :, g]).norm() / want[:, :, g].norm()) < 2e-5, g
+    exact = reference.group_prob_sums(q.double(), k.double(), lse.double(), perm, group_size=C)
+    assert float((out.double() - exact).norm() / exact.norm()) < 5e-2
+    kept = exact.gather(-1, out.topk(90, -1).indices).sum(-1)
+    assert bool((kept >= 0.995 * exact.topk(90, -1).values.sum(-1)).all())
+    K, width = 90, 128
+    sums = torch.full((B, H, G, S), float("nan"), dtype=torch.float16).to(DEVICE)
+    fused = topk.FusedRows.allocate(B * H * G, S, K, width, DEVICE).for_chunk(
+        torch.full((B, H, G, width), POISON, dtype=torch.int32).to(DEVICE))
+    selection.group_prob_sums(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(DEVICE), group_size=C, out=sums,
+                              fp8=True, one_group=True, q_raw=True, select=fused)
+    assert fused.done
+    fused.finish(sums)
+    assert torch.equal(fused.out.cpu(), _brute_force(sums.cpu(), K, width))
+    with pytest.raises(ValueError, match="q_raw needs"):
+        selection.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, one_group=False, q_raw=True)
+
+
 @pytest.mark.parametrize("stagger,poly", [(True, 0), (False, 0), (True, 1), (True, 2), (False, 1)])
 def test_fp8_pair_pass2_is_exact_on_its_float8_operands(gen, stagger, poly):
     """The float8 pass 2 computes the exact group sums of its own smoothed float8 operands (fp32 accumulation of
