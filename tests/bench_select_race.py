@@ -39,6 +39,7 @@ import datetime
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -290,6 +291,67 @@ def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_
     return res
 
 
+# select_kv compiles for race 1 in child processes started with the bench (one per group of rows and shape, on 2
+# heads of the shape: the same specialisations), so the main process loads them from Triton's disk cache instead of
+# compiling one after another (~4 s each; round s6r2 lost its 14B race to the cap); "race2": race 2's kernels
+CHILD_ROWS = (("defaults", "count", "2grp"), ("q_raw", "q_raw count"))
+
+
+def spawn_children(shapes, out_dir, with_race2):
+    """The compile children (``CHILD_ROWS`` per shape, + race 2's at 1.3B); logs OUT/select_child_*.log."""
+    procs = {}
+    for shape in shapes:
+        for rows in CHILD_ROWS + ((("race2",),) if with_race2 and shape == "1.3b" else ()):
+            tag = f"{shape}:{'+'.join(rows)}"
+            log = open(out_dir / f"select_child_{len(procs)}.log", "w")
+            procs[tag] = subprocess.Popen([sys.executable, __file__, "--out", str(out_dir), "--precompile", shape,
+                                           "--rows", ",".join(rows)], stdout=log, stderr=subprocess.STDOUT)
+    return procs
+
+
+def wait_children(procs, seconds):
+    """{tag: exit status} of ``spawn_children``'s processes after at most ``seconds`` (None: killed)."""
+    end, rcs = time.time() + seconds, {}
+    for tag, p in procs.items():
+        try:
+            rcs[tag] = p.wait(timeout=max(0.1, end - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rcs[tag] = None
+    return rcs
+
+
+def precompile(shape, rows):
+    """(child) Each row once on 2 heads of ``shape`` at s = 0.25 (random bf16 q / k, fp32 LSE, random groups)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # (cpu: TRITON_INTERPRET=1, a check of this code)
+    S = math.prod(SHAPES[shape]["grid"])
+    G = -(-S // C)
+    gen = torch.Generator(device=dev).manual_seed(7)
+    q, k = (torch.randn(1, 2, S, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    lse = torch.randn(1, 2, S, device=dev, generator=gen) + 10.0
+    perm = torch.full((1, 2, G * C), -1, dtype=torch.int32, device=dev)
+    for h in range(2):
+        perm[0, h, :S] = torch.randperm(S, device=dev, generator=gen).to(torch.int32)
+    kq = int(0.25 * S)
+    width = -(-kq // KV_TILE) * KV_TILE
+    for row in rows:
+        if row != "race2":
+            selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE,
+                                **({} if row == "defaults" else RACE1_ROWS[row]))
+            continue
+        ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)
+        selection.fp8_k_operands(q, k, D**-0.5)
+        out16 = torch.empty(1, 2, G, S, dtype=torch.float16, device=dev)
+        for _, one, rpt, z, cc in RACE2_TOPK:
+            launch_pair(ops, perm, out16, one_group=one)
+            fused = dataclasses.replace(topk.FusedRows.allocate(2 * G, S, kq, width, q.device, z=z, cand_count=cc),
+                                        rows_per_thread=rpt)
+            launch_pair(ops, perm, out16, one_group=one, select=fused.for_chunk(
+                torch.empty(1, 2, G, width, dtype=torch.int32, device=dev)))
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
 def make_inputs(name):
     from bench_anchor import structured_q  # the inputs of bench_anchor (same generator and seed)
     import bench_anchor
@@ -343,9 +405,18 @@ def main():
     ap.add_argument("--p2ws-gluon-row", action="store_true", help="race 1 also times select_kv(gluon=True) (the Gluon "
                     "pass 2 at its default config + the separate top-K) if that config passed its child check")
     ap.add_argument("--race1-only", action="store_true", help="checks and race 1 only (no race 2 / 2b)")
+    ap.add_argument("--precompile", default=None, help=argparse.SUPPRESS)  # (child: a shape)
+    ap.add_argument("--rows", default="", help=argparse.SUPPRESS)  # (child: its rows)
     ap.add_argument("--race2-only", action="store_true", help="no checks, no race 1, no scoreboard: race 2b "
                     "alone (p2ws's pass-2 variants beside dense)")
     args = ap.parse_args()
+    if args.precompile:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            from _triton_interp import patch_interpreter
+
+            patch_interpreter()
+        precompile(args.precompile, args.rows.split(","))
+        return
     SMOKE = args.smoke
     if SMOKE:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -369,6 +440,7 @@ def main():
         (out_dir / "bench_select_race.json").write_text(json.dumps(report, indent=1, default=str))
 
     kept = {}
+    children = {} if SMOKE or args.race2_only else spawn_children(shapes, out_dir, not args.race1_only)
     variants = [n.strip() for n in args.p2ws_variants.split(",") if n.strip()]
     precompiling = []
     child_rc = None
@@ -392,6 +464,10 @@ def main():
                 res["checks"] = checks(q, k, lse, perm, q.shape[2], log, full=name != "14b")
                 save()
                 gluon_row = bool(args.p2ws_gluon_row and child_rc and child_rc.get(p2.GLUON_DEFAULT_VARIANT) == 0)
+                if children:  # nothing is timed while they run
+                    rcs = wait_children(children, max(5.0, 60.0 - (time.time() - t0)))
+                    log("select children (0 = compiled): " + ", ".join(f"{t} {rc}" for t, rc in rcs.items()))
+                    children = {}
                 rows = {n: kw for n, kw in RACE1_ROWS.items()  # rows whose GPU check failed are not timed
                         if not ("count" in n and not res["checks"]["count_equal"])
                         and not ("q_raw" in n and not (res["checks"]["q_raw_exact"]
