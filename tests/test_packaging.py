@@ -44,3 +44,17 @@ def test_pyproject_has_registry_metadata_and_requirements_no_torch():
     assert meta["tool"]["comfy"]["PublisherId"] and meta["project"]["urls"]["Repository"]
     reqs = [ln.split("#")[0].strip() for ln in (ROOT / "requirements.txt").read_text().splitlines()]
     assert not any(r.lower().startswith("torch") for r in reqs if r)
+
+
+def test_architecture_doc_names_every_module():
+    """docs/architecture.md's tables name every module of ``comfyui_mc_sparse/`` (algorithm, tools, adapter) and every
+    backend folder of ``kernels/`` (mutation: a module added without its row, as fidelity_nodes.py and the adapter's
+    probe.py were until session 7)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    modules = [p for p in sorted((ROOT / "comfyui_mc_sparse").rglob("*.py")) if p.name != "__init__.py"]
+    same_name = {p.name: sum(q.name == p.name for q in modules) for p in modules}  # probe.py: tools/ and adapter/
+    missing = [str(p.relative_to(ROOT)) for p in modules if str(p.relative_to(ROOT)) not in doc
+               and doc.count(f"`{p.name}`") + doc.count(f"`{p.stem}`") < same_name[p.name]]
+    missing += [f"kernels/{p.name}/" for p in sorted((ROOT / "kernels").iterdir())
+                if p.is_dir() and (p / "__init__.py").is_file() and f"`{p.name}/`" not in doc]
+    assert not missing, f"docs/architecture.md does not name: {missing}"
