@@ -576,13 +576,15 @@ def _pow2_scale_ref(amax: float) -> float:
     return 2.0 ** (ex - 1 - (8 if 2 * mant <= 1.75 else 7))
 
 
-def test_q_raw_pass2_is_exact_on_its_own_float8_operands(gen):
+@pytest.mark.parametrize("k_rows", [False, True])
+def test_q_raw_pass2_is_exact_on_its_own_float8_operands(gen, k_rows):
     """group_prob_sums(q_raw=True): the one-group float8 kernel quantises each query group itself: its sums are the
     float64 sums of (q - m_q) / s_g rounded to e4m3 (s_g: the group's power-of-two scale of its largest |q - m_q|) times
     fp8_k_operands' k copy, with the LSE shifted by scale q . m_k and the per-key factor kb (relative error <= 2e-5 per
     group), for B = 2 (means read at b * H + h of [2, B * H, D]), ragged S (a partial last group), NaN-poisoned
-    output; close to float64 (5 %) keeping >= 99.5 % of the exact top-K's mass; the fused top-K on its sums is their
-    brute-force top-K; q_raw with two groups per program is a ValueError."""
+    output; q_raw="k_rows": k's copy row by row ((k - m_k) / s_j, s_j each row's power-of-two scale, m_k from every 8th
+    row; a key row at 3x); close to float64 (5 %) keeping >= 99.5 % of the exact top-K's mass; the fused top-K on
+    its sums is their brute-force top-K; q_raw with two groups per program is a ValueError."""
     from comfyui_mc_sparse_pack.kernels.triton import selection, topk
 
     B, H, S, D, C = 2, 2, 300, 32, 128  # G = 3
@@ -590,21 +592,33 @@ def test_q_raw_pass2_is_exact_on_its_own_float8_operands(gen):
     q[1, 0, 5] *= 40  # one group with a much larger scale than the others
     k = torch.randn(B, H, S, D, generator=gen) * torch.rand(B, H, 1, 1, generator=gen) * 3
     k = (k + 2 * torch.randn(B, H, 1, D, generator=gen)).to(torch.bfloat16)
+    k[0, 1, 17] *= 3  # (k_rows: a key with its own scale)
     _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
     lse = lse.float()
     perm = _groups(gen, B, H, S, C)
     G = perm.shape[-1] // C
+    raw = "k_rows" if k_rows else True
     out = torch.full((B, H, G, S), float("nan")).to(DEVICE)
     selection.group_prob_sums(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(DEVICE), group_size=C, out=out,
-                              fp8=True, one_group=True, q_raw=True)
+                              fp8=True, one_group=True, q_raw=raw)
     out = out.cpu()
     assert not out.isnan().any()
     scale = D**-0.5
-    k8, qf, kb, means = (t.cpu() for t in selection.fp8_k_operands(q, k, scale))
-    _, ks = selection.fp8_stats(k)
-    mq, mk = means.view(2, B, H, D).double()
+    k8, qf, kb, means = (t.cpu() for t in selection.fp8_k_operands(q, k, scale, k_rows=k_rows))
+    mq, mk = means[: 2 * B * H * D].view(2, B, H, D).double()
     assert torch.allclose(mq, q.double()[:, :, ::8].mean(2), rtol=1e-5, atol=1e-5)
-    kd = k8.double() * ks.double()[..., None, None]
+    if k_rows:
+        assert torch.allclose(mk, k.double()[:, :, ::8].mean(2), rtol=1e-5, atol=1e-5)
+        kc = k.double() - mk[:, :, None]
+        rs = torch.tensor([_pow2_scale_ref(float(a)) for a in kc.abs().amax(-1).flatten()],
+                          dtype=torch.float64).view(B, H, S)
+        assert torch.equal(means[2 * B * H * D:].view(B, H, S).double(), rs)
+        want8 = (kc / rs[..., None]).float().to(torch.float8_e4m3fn)
+        assert torch.equal(k8.view(torch.uint8), want8.view(torch.uint8))
+        kd = k8.double() * rs[..., None]
+    else:
+        _, ks = selection.fp8_stats(k)
+        kd = k8.double() * ks.double()[..., None, None]
     want = torch.zeros(B, H, G, S, dtype=torch.float64)
     for b in range(B):
         for h in range(H):
@@ -628,7 +642,7 @@ def test_q_raw_pass2_is_exact_on_its_own_float8_operands(gen):
     fused = topk.FusedRows.allocate(B * H * G, S, K, width, DEVICE).for_chunk(
         torch.full((B, H, G, width), POISON, dtype=torch.int32).to(DEVICE))
     selection.group_prob_sums(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), perm.to(DEVICE), group_size=C, out=sums,
-                              fp8=True, one_group=True, q_raw=True, select=fused)
+                              fp8=True, one_group=True, q_raw=raw, select=fused)
     assert fused.done
     fused.finish(sums)
     assert torch.equal(fused.out.cpu(), _brute_force(sums.cpu(), K, width))

@@ -310,6 +310,7 @@ def _group_prob_sums_pair(
     ROW_SUMS: tl.constexpr = 0,  # ONE_GROUP: row sums 0 ``tl.sum``, 1 ``_pair_row_sums``, 2 ``_mma_row_sums``
     T_CAND_COUNT: tl.constexpr = False,  # the top-K's threshold among its candidates by counting (FusedRows.cand_count)
     Q_RAW: tl.constexpr = False,  # ONE_GROUP + FP8: Q / LSE the raw q / lse, quantised here (``fp8_k_operands``)
+    K_ROWS: tl.constexpr = False,  # Q_RAW: K's rows each by its own scale (HIST + 2 * B * H * D: [B * H, SK] fp32)
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
@@ -367,9 +368,12 @@ def _group_prob_sums_pair(
         f = sm_scale_log2
     if Q_RAW:  # the group's float8 queries from the raw rows (HIST: mean_q, mean_k; QF: k scale x softmax scale x log2e)
         tl.static_assert(ONE_GROUP and FP8, "Q_RAW: one group per program, float8")
+        if K_ROWS:  # the key's scale comes per key tile; QF is not read
+            f = sm_scale_log2
         q0, l0, f = _quantize_group(q0, l0, v0, f, HIST + bh * HEAD_DIM, HIST + (tl.num_programs(1) + bh) * HEAD_DIM,
                                     sm_scale_log2, HEAD_DIM)
     kb_base = KB + bh.to(tl.int64) * SK
+    ks_base = HIST + 2 * tl.num_programs(1) * HEAD_DIM + bh.to(tl.int64) * SK  # (K_ROWS)
 
     if STAGGER:
         # software pipeline across the two groups: per key tile, group 0's QK^T is issued before group 1's
@@ -414,7 +418,11 @@ def _group_prob_sums_pair(
             k_ok = keys < SK
             k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                         mask=k_ok[:, None], other=0.0)
-            x0 = tl.dot(k, tl.trans(q0)) * f - l0[None, :]
+            if K_ROWS:
+                tl.static_assert(Q_RAW, "K_ROWS needs Q_RAW")
+                x0 = tl.dot(k, tl.trans(q0)) * (f * tl.load(ks_base + keys, mask=k_ok, other=0.0))[:, None] - l0[None, :]
+            else:
+                x0 = tl.dot(k, tl.trans(q0)) * f - l0[None, :]
             if ROW_SUMS == 2:
                 tl.static_assert(ONE_GROUP, "ROW_SUMS: one group")
                 col0 = _key_scaled(_mma_row_sums(_mixed_exp2(x0, EXP_MODE, P3_G0, n0 // BLOCK_N, 0)), kb_base, keys,
@@ -457,13 +465,16 @@ def _group_prob_sums_pair(
 @triton.jit
 def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, bh, S,
                    stride_xb, stride_xh, stride_xs, stride_xd, stride_rb, stride_rh, stride_rs, row_mul,
-                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, IS_Q: tl.constexpr, POW2: tl.constexpr = False):
+                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, IS_Q: tl.constexpr, POW2: tl.constexpr = False,
+                   ROW_SCALE: tl.constexpr = False, ROW_SCALE_OUT=None):
     """Rows [blk * BLOCK_S, +BLOCK_S) of head (b, h) of q (IS_Q) or k ([B, H, S, D] by strides): OUT (float8_e4m3,
     contiguous [B, H, S, D]) = (x - MEAN[bh]) / SCALE[bh] rounded to nearest even (SCALE is a power of two: the
     quotient is exact, taken as a product by 1 / SCALE), and a per-row term t = x . OTHER_MEAN[bh] (q: x . mean(k))
     or (x - MEAN[bh]) . OTHER_MEAN[bh] (k: (k - mean(k)) . mean(q)) written as OUT_ROW[bh * S + row] = IN_ROW[row] +
     row_mul * t for q (IN_ROW: the LSE by its strides), and clamp(row_mul * t, -100, 100) for k (IN_ROW unused;
-    POW2: 2 to that power). MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]."""
+    POW2: 2 to that power). MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]. ROW_SCALE: each row divided by
+    its own power-of-two scale (``_pow2_scale`` of its largest |x - MEAN|), written to ROW_SCALE_OUT[bh * S + row]
+    (SCALE unused)."""
     rows = blk * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = rows < S
@@ -484,8 +495,13 @@ def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, 
         if POW2:
             kb = tl.math.exp2(kb)
         tl.store(OUT_ROW + out_rows, kb, mask=ok)
-    inv = tl.div_rn(1.0, tl.load(SCALE + bh))  # exact: SCALE is a power of two
-    y = xc * inv
+    if ROW_SCALE:
+        rs = _pow2_scale(tl.max(tl.abs(xc), 1))
+        tl.store(ROW_SCALE_OUT + out_rows, rs, mask=ok)
+        y = xc * tl.div_rn(1.0, rs)[:, None]  # exact: powers of two
+    else:
+        inv = tl.div_rn(1.0, tl.load(SCALE + bh))  # exact: SCALE is a power of two
+        y = xc * inv
     tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None])
 
 
@@ -500,6 +516,7 @@ def _fp8_quantize(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     KB_POW2: tl.constexpr = False,
+    K_ROW_SCALE: tl.constexpr = False,  # k's rows each by its own scale, written to LSE_S ([B * H * SK]; no q rows)
 ):
     """q's and k's float8 copies in one launch: programs [0, nbq) of axis 0 take q's row blocks (``_quantize_rows``
     with IS_Q: Q8, LSE_S = LSE + lse_mul * q . mean_k), the rest k's (K8, KB = clamp(kb_mul * (k - mean_k) . mean_q),
@@ -513,7 +530,8 @@ def _fp8_quantize(
                        stride_lb, stride_lh, stride_ls, lse_mul, HEAD_DIM, BLOCK_S, True)
     else:
         _quantize_rows(K, K8, MK, MQ, KS, LSE, KB, pid - nbq, b, h, bh, SK, stride_kb, stride_kh, stride_ks,
-                       stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, BLOCK_S, False, KB_POW2)
+                       stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, BLOCK_S, False, KB_POW2,
+                       K_ROW_SCALE, LSE_S)
 
 
 @triton.jit
@@ -722,7 +740,8 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
 _Q_MEAN_SAMPLE = 8  # fp8_k_operands: q's mean from every 8th row (any vector keeps the decomposition exact)
 
 
-def fp8_k_operands(q: torch.Tensor, k: torch.Tensor, scale: float, *, q_sample: int = _Q_MEAN_SAMPLE):
+def fp8_k_operands(q: torch.Tensor, k: torch.Tensor, scale: float, *, q_sample: int = _Q_MEAN_SAMPLE,
+                   k_rows: bool = False):
     """``fp8_operands`` for the pair kernel's Q_RAW mode (``group_prob_sums(q_raw=True)``): k's float8 copy and terms
     only; the kernel quantises each query group from the raw q and lse itself (``_quantize_group``, the group's own
     power-of-two scale), so q is read once here (a mean from every ``q_sample``-th row) instead of twice plus a float8
@@ -734,29 +753,36 @@ def fp8_k_operands(q: torch.Tensor, k: torch.Tensor, scale: float, *, q_sample: 
     ``fp8_operands``); qf fp32 ``[B, H]`` = k's scale x ``scale`` x log2(e) (the kernel multiplies in each group's q
     scale); kb fp32 ``[B, H, Sk]`` = 2^clamp(scale * log2(e) * m_q . (k - m_k), -100, 100) (``fp8_operands`` with
     kb_pow2); means fp32 ``[2, B * H, D]``: m_q (sampled), m_k. Three launches (statistics, per-head reduction, k's
-    quantising pass); ~1.1x k's bytes read twice + k8 written."""
+    quantising pass); ~1.1x k's bytes read twice + k8 written.
+    k_rows: each k row by its own power-of-two scale (the kernel's K_ROWS: a per-key factor on the score, one FFMA per
+    score as with a per-head one), so k needs no head statistics either: m_k from every ``q_sample``-th row too and k
+    read once; then means is fp32 ``[2 * B * H * D + B * H * Sk]``: m_q, m_k, each key's scale (qf unused)."""
     B, H, S, D = q.shape
     SK = k.shape[2]
     dev = q.device
     qs = q[:, :, ::q_sample]
-    nk, per_k = _stat_splits(B * H, SK)
+    ks = k[:, :, ::q_sample] if k_rows else k  # (k_rows: no head scale of k, its mean sampled too)
+    nk, per_k = _stat_splits(B * H, ks.shape[2])
     nq, per_q = _stat_splits(B * H, qs.shape[2])
     part = torch.empty(B * H, nk + nq, 3, D, dtype=torch.float32, device=dev)
-    _fp8_partial_stats[(nk + nq, B * H)](k, qs, part, H, SK, qs.shape[2], per_k, per_q, nk, nq, *k.stride(),
+    _fp8_partial_stats[(nk + nq, B * H)](ks, qs, part, H, ks.shape[2], qs.shape[2], per_k, per_q, nk, nq, *ks.stride(),
                                          *qs.stride(), HEAD_DIM=D, BLOCK_S=_STATS_BLOCK_S, num_warps=4)
-    means = torch.empty(2, B * H, D, dtype=torch.float32, device=dev)  # m_q, m_k
+    buf = torch.empty(2 * B * H * D + (B * H * SK if k_rows else 0), dtype=torch.float32, device=dev)
+    means = buf[: 2 * B * H * D].view(2, B * H, D)  # m_q, m_k
     stats = torch.empty(3, B, H, dtype=torch.float32, device=dev)  # k scale, q scale (unused), qf
-    _fp8_stats_final[(B * H,)](part, means[1], means[0], stats[0], stats[1], stats[2], SK, qs.shape[2], nk, nq,
-                               scale * _LOG2E, HEAD_DIM=D, NP=triton.next_power_of_2(max(nq, nk)), TWO=True,
+    _fp8_stats_final[(B * H,)](part, means[1], means[0], stats[0], stats[1], stats[2], ks.shape[2], qs.shape[2], nk,
+                               nq, scale * _LOG2E, HEAD_DIM=D, NP=triton.next_power_of_2(max(nq, nk)), TWO=True,
                                QF_FIRST=True, num_warps=4)
     k8 = torch.empty(B, H, SK, D, dtype=torch.float8_e4m3fn, device=dev)
     kb = torch.empty(B, H, SK, dtype=torch.float32, device=dev)
+    row_scales = buf[2 * B * H * D:] if k_rows else kb  # (placeholder without k_rows)
     bs = _QUANT_BLOCK_S
     # k's rows only (nbq = 0): q's arguments are placeholders
     _fp8_quantize[(triton.cdiv(SK, bs), B * H)](
-        k, k, k8, k8, means[0], means[1], stats[1], stats[0], kb, kb, kb, H, S, SK, 0, *k.stride(), *k.stride(),
-        *kb.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, KB_POW2=True, num_warps=4)
-    return k8, stats[2], kb, means
+        k, k, k8, k8, means[0], means[1], stats[1], stats[0], kb, row_scales, kb, H, S, SK, 0, *k.stride(),
+        *k.stride(), *kb.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, KB_POW2=True,
+        K_ROW_SCALE=bool(k_rows), num_warps=4)
+    return k8, stats[2], kb, (buf if k_rows else means)
 
 
 def _fused_topk_args(select, out, num_warps, placeholder):
@@ -904,7 +930,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         q_raw: the float8 one-group kernel quantises each query group itself from the raw q and lse (``Q_RAW``,
         ``_quantize_group``: the group's own power-of-two scale) and the operand pass makes k's operands only
         (``fp8_k_operands``: q read once, for a mean over every 8th row); approximate sums like fp8 (other roundings);
-        None: ``_Q_RAW_DEFAULT`` where it applies; True elsewhere is a ValueError. Never the Gluon kernel.
+        "k_rows": also each k row by its own scale (k read once, its mean sampled too); None: ``_Q_RAW_DEFAULT``
+        where it applies; True elsewhere is a ValueError. Never the Gluon kernel.
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
@@ -966,14 +993,15 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     if pair and C <= block_m:
         qf = kb = lse  # placeholders, not read without FP8
         pow2 = False  # the Triton kernel reads 2^KB (KB_POW2) where the Gluon kernel will not be tried
-        raw = _Q_RAW_DEFAULT if q_raw is None else bool(q_raw)
-        raw = raw and fp8 and bool(one_group)
+        raw = _Q_RAW_DEFAULT if q_raw is None else q_raw
+        k_rows = raw == "k_rows"
+        raw = bool(raw) and fp8 and bool(one_group)
         if q_raw and not raw:
             raise ValueError("q_raw needs the float8 kernel with one group per program")
         means = None
         if raw:  # the Triton one-group kernel quantises its queries itself (no Gluon)
             pow2 = True
-            k, qf, kb, means = fp8_k_operands(q, k, scale)
+            k, qf, kb, means = fp8_k_operands(q, k, scale, k_rows=k_rows)
         elif fp8:
             # 2^KB precomputed unless the Gluon kernel will be tried with a config that reads KB itself
             pow2 = not pass2_dispatch.gluon_mode(gluon) or pass2_dispatch.gluon_kb_pow2(D)
@@ -991,7 +1019,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             *q.stride(), *k.stride(), *lse.stride(), *out.stride(), *sel_args,
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
             POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32,
-            WITH_HIST=hist is not None, KB_POW2=pow2, ONE_GROUP=bool(one_group), Q_RAW=raw, **sel_meta,
+            WITH_HIST=hist is not None, KB_POW2=pow2, ONE_GROUP=bool(one_group), Q_RAW=raw, K_ROWS=raw and k_rows,
+            **sel_meta,
             num_warps=warps_,
             ROW_SUMS=_ROW_SUMS[row_sums or _ROW_SUMS_DEFAULT] if one_group else 0,
             num_stages=num_stages or stages,
