@@ -139,11 +139,11 @@ def anchor_attention(
         ValueError / NonFiniteInputError: see ``check_inputs``; extra_kv of the wrong shape.
     """
     check_inputs(q, k, v, check_finite=False)
-    _check_extra(q, extra_kv, check_finite=False)
+    extra_kv = _nonempty(q, extra_kv)
     finite = None
     if check_finite:  # started here, waited for after pass 1 is queued (FINITE_BESIDE)
         named = [("q", q), ("k", k), ("v", v)]
-        if extra_kv is not None and extra_kv[0].numel():
+        if extra_kv is not None:
             named += [("extra_kv k", extra_kv[0]), ("extra_kv v", extra_kv[1])]
         finite = _FiniteCheck(named)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -201,10 +201,10 @@ def reuse_attention(
     residual = entry.residual
     if isinstance(residual, torch.Tensor):
         residual = kernels.Residual(data=residual, kind="plain")
+    extra_kv = _nonempty(q, extra_kv)
     if extra_kv is None:
         return kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx, scale=scale, out=out, residual=residual,
                                         backend=backend)
-    _check_extra(q, extra_kv, check_finite=False)
     merged = _sparse(q, k, v, entry.perm, entry.kv_idx, extra_kv, scale, backend)
     if residual is not None:
         merged = (merged.float() + residual.dequantize(torch.float32, entry.perm)).to(q.dtype)
@@ -261,7 +261,14 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _check_extra(q: torch.Tensor, extra_kv, *, check_finite: bool) -> None:
+def _nonempty(q: torch.Tensor, extra_kv):
+    """``extra_kv`` checked (``_check_extra``), or None when it holds no key (e.g. a joint call whose mask masks every
+    text token): attention over the selected keys and an empty set is attention over the selected keys."""
+    _check_extra(q, extra_kv)
+    return None if extra_kv is None or extra_kv[0].shape[2] == 0 else extra_kv
+
+
+def _check_extra(q: torch.Tensor, extra_kv) -> None:
     if extra_kv is None:
         return
     if not isinstance(extra_kv, (tuple, list)) or len(extra_kv) != 2:
@@ -274,5 +281,3 @@ def _check_extra(q: torch.Tensor, extra_kv, *, check_finite: bool) -> None:
             raise ValueError(f"{name} must match q's dtype and device, got {t.dtype} on {t.device}")
     if extra_kv[0].shape != extra_kv[1].shape:
         raise ValueError(f"extra_kv k and v must have one shape, got {tuple(extra_kv[0].shape)} and {tuple(extra_kv[1].shape)}")
-    if check_finite and extra_kv[0].numel():
-        _FiniteCheck((("extra_kv k", extra_kv[0]), ("extra_kv v", extra_kv[1]))).result()

@@ -361,3 +361,34 @@ def test_the_node_rejects_edge_values_naming_the_input():
             build(**over)
     assert build(dense_warmup="10", anchor_steps="10; 26").anchors == build(dense_warmup="10", anchor_steps="10, 26").anchors
     assert len(build(dense_warmup="10", anchor_steps="10; 26").anchors) == 2
+
+
+@pytest.mark.parametrize("joint", ["video_first", "text_first"])
+def test_a_joint_call_whose_mask_masks_every_text_key_stays_sparse(gen, joint):
+    """A joint [video, text] call whose mask masks every text token (an empty prompt padded out) has no text key to
+    attend exactly: anchor and reuse steps run MC-Sparse over the video keys alone, exact at the anchor under the
+    mask (before: the empty text keys reached dense attention as Sk = 0, a ValueError that made the rest of the run
+    dense as an internal error)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import override
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import TEXT_LEN_KEY, CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    run = _adapter_run()
+    sv, st, h = 192, 16, 2
+    text = slice(sv, sv + st) if joint == "video_first" else slice(0, st)
+    mask = torch.zeros(1, 1, sv + st)
+    mask[..., text] = -torch.finfo(torch.float32).max
+    over = override.make_override(None)
+    for sigma in (1.0, 0.8):
+        q, k, v = (torch.randn(1, h, sv + st, 64, generator=gen) for _ in range(3))
+        opts = {**transformer_options(run, CallSite(1, "hunyuan_video", joint), chunks=1, sigma=sigma),
+                TEXT_LEN_KEY: st}
+        out = over(raw_attention, q, k, v, h, mask=mask, skip_reshape=True, skip_output_reshape=True,
+                   transformer_options=opts)
+        assert torch.isfinite(out).all()
+        if sigma == 1.0:
+            ref = raw_attention(q, k, v, h, mask=mask.unsqueeze(1), skip_reshape=True, skip_output_reshape=True)
+            torch.testing.assert_close(out, ref.to(out.dtype), rtol=1e-4, atol=1e-4)
+    assert run.counts() == {"sparse": 1, "anchor": 1, "dense": 0}, run.summary()
+    assert "internal error" not in run.summary()
