@@ -392,3 +392,36 @@ def test_a_joint_call_whose_mask_masks_every_text_key_stays_sparse(gen, joint):
             torch.testing.assert_close(out, ref.to(out.dtype), rtol=1e-4, atol=1e-4)
     assert run.counts() == {"sparse": 1, "anchor": 1, "dense": 0}, run.summary()
     assert "internal error" not in run.summary()
+
+
+@pytest.mark.parametrize("case", ["out_shares_k", "out_shares_v", "out_device", "perm_width", "perm_device",
+                                  "decode_width", "decode_rows"])
+def test_public_op_checks_no_other_test_reached(gen, case):
+    """Each check of the public ops that a mutation could drop with the suite green: ``out`` sharing memory with k or
+    v (the kernel reads them while writing out), ``out`` or perm on another device, a perm width that is not G*C for
+    kv_idx's G, and decode_bitmask's ``out`` of another width than ``width`` or whose rows do not flatten. Each is a
+    clear TypeError / ValueError before any backend runs (no backend failure recorded)."""
+    q, k, v, perm, lse = _inputs(gen)
+    kv_idx = kernels.select_kv(q, k, lse, perm, 8, group_size=16, kv_tile=8, backend="torch")
+    bits = torch.zeros(6, 5, dtype=torch.uint8)
+    call, err, words = {
+        "out_shares_k": (lambda: kernels.sparse_attention(q, k, v, perm, kv_idx, out=k), ValueError,
+                         "must not share memory with k"),
+        "out_shares_v": (lambda: kernels.sparse_attention(q, k, v, perm, kv_idx, out=v[:, :, :]), ValueError,
+                         "must not share memory with v"),
+        "out_device": (lambda: kernels.sparse_attention(q, k, v, perm, kv_idx, out=torch.empty(q.shape, device="meta")),
+                       TypeError, "out must have q's dtype and device"),
+        "perm_width": (lambda: kernels.sparse_attention(q, k, v, perm, torch.cat((kv_idx, kv_idx[:, :, :2]), 2)),
+                       ValueError, "perm width 48 must be G*C for kv_idx's G = 5"),
+        "perm_device": (lambda: kernels.sparse_attention(q, k, v, perm.to("meta"), kv_idx), ValueError,
+                        "perm and kv_idx must be on q's device"),
+        "decode_width": (lambda: kernels.decode_bitmask(bits, num_tokens=40, out=torch.empty(6, 8, dtype=torch.int32),
+                                                        width=16), ValueError, "differs from width=16"),
+        "decode_rows": (lambda: kernels.decode_bitmask(bits.view(2, 3, 5), num_tokens=40,
+                                                       out=torch.empty(3, 2, 8, dtype=torch.int32).transpose(0, 1)),
+                        ValueError, "flatten to rows"),
+    }[case]
+    record = registry.Record()
+    with registry.recording(record), pytest.raises(err, match=words.replace("*", r"\*")):
+        call()
+    assert not record.failures
