@@ -58,3 +58,16 @@ def test_architecture_doc_names_every_module():
     missing += [f"kernels/{p.name}/" for p in sorted((ROOT / "kernels").iterdir())
                 if p.is_dir() and (p / "__init__.py").is_file() and f"`{p.name}/`" not in doc]
     assert not missing, f"docs/architecture.md does not name: {missing}"
+
+
+def test_readme_cache_sizes_are_the_estimates():
+    """The README's residual-precision row gives the cache sizes the node's own estimate computes (Wan2.1-14B, 81
+    frames, CFG, preset quality; ``settings.cache_size_note``, the tooltip's figures). Mutation: an encoding or
+    estimate change that moves the sizes without the README."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.settings import cache_size_note
+
+    note = cache_size_note()
+    m = re.search(r"720p: bf16 (\S+) / fp8 (\S+) / int4 (\S+) GiB; 480p: bf16 (\S+) / fp8 (\S+) / int4 (\S+) GiB", note)
+    assert m, note
+    want = f"720p {m[1]} / {m[2]} / {m[3]} GiB, 480p {m[4]} / {m[5]} / {m[6]} GiB (bf16 / fp8 / int4)"
+    assert want in (ROOT / "README.md").read_text(encoding="utf-8"), (want, note)
