@@ -351,6 +351,14 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
         cp_async_fence=False, idx_ahead=2, row_threads=8, next_item=True, split_tail=4, consumer_regs=216,
         producer_regs=72),
+    # the auto mode's schedules since round s7r2 (the op's own compiled kernels: no compile) and q_regs with their
+    # register split (216 / 72) but no split last round
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs split": dict(
+        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+        cp_async_fence=False, q_regs=True, split_tail=4, consumer_regs=216, producer_regs=72),
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs r216": dict(
+        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+        cp_async_fence=False, q_regs=True, consumer_regs=216, producer_regs=72),
     # the register split alone (216 / 72) on q_regs rt8 next_item
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs rt8 next_item r216": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
@@ -675,7 +683,7 @@ def gluon_state():
     probe = torch.empty(1, 1, 128, 128, device="cuda", dtype=DTYPE)
     compiled = [(int(ck.n_regs), int(ck.n_spills)) for ck in g.compiled_kernels()]
     return dict(gluon_ran=bool(compiled) and d.fallback_reason() is None, gluon_kernels=compiled, mode=d.gluon_mode(),
-                fallback=d.fallback_reason(), refusal=d.gluon_refusal(probe, probe, probe),
+                auto_schedules=list(d.AUTO_SCHEDULES), fallback=d.fallback_reason(), refusal=d.gluon_refusal(probe, probe, probe),
                 auto_choices=[dict(k_alloc=k[4][-1], residual=k[6], lse=k[7], choice=c,
                                    ms={n: round(t, 3) for n, t in d._times[k].items()}) for k, c in d.choices.items()])
 
@@ -771,6 +779,9 @@ def main():
                     "--reps-14b at 14b)")
     ap.add_argument("--reps-14b", type=int, default=3, help="with --gluon, without --reps: rounds at 14b")
     ap.add_argument("--with-triton", action="store_true", help="with --gluon: also the Triton kernel called directly")
+    ap.add_argument("--gluon-auto", default="", help="with --gluon: 'previous' times the op with sparse_dispatch's "
+                    "PREVIOUS_AUTO_SCHEDULES instead of AUTO_SCHEDULES (a GPU round whose checks of the new auto "
+                    "schedules failed); the JSON and the scoreboard note name the schedules timed")
     ap.add_argument("--budget", type=float, default=0, help="with --gluon: seconds the whole run may take; the "
                     "tunings are dropped 12 s before it, 22 s more per shape still to come (the op and dense are "
                     "always timed)")
@@ -780,6 +791,11 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     densities = [float(x) for x in args.densities.split(",")]
+    if args.gluon_auto == "previous":
+        d = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_dispatch")
+        d.AUTO_SCHEDULES = d.PREVIOUS_AUTO_SCHEDULES
+    elif args.gluon_auto:
+        sys.exit(f"--gluon-auto must be 'previous' or empty, got {args.gluon_auto!r}")
     report = dict(
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
         cudnn=torch.backends.cudnn.version(), python=platform.python_version(), argv=sys.argv,

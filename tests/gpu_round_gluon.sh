@@ -28,36 +28,37 @@ if [ "$MODE" = final ]; then  # <= 155 s: the default path's cases, the auto mod
     T_TESTS=45
     T_BENCH=110
 fi
-if [ "$MODE" = bench ]; then  # <= 97 s in all: the GPU tests of the new variants (cap 44 s), then the benchmark
+if [ "$MODE" = bench ]; then  # <= 97 s in all: the GPU tests of the new variants (cap 46 s), then the benchmark
     T0=$(date +%s)
-    # 1. the new variants against float64 (session 7 round 1), 4 compiles: the queries in registers with the
-    #    producer at 8 threads per row (rt8) on long rows (int4_group, bf16, 16 programs: every ring stage refilled
-    #    many times); + each item's first loads an item early (next_item) on short ragged items (fp16, int4_group, 7
-    #    programs); + the last round split into key ranges (split_tail, merged by sparse_tail_merge) on short ragged
-    #    items (36 items on 7 programs: one item in 4 parts, some empty) and on long rows (2 items in 4 parts of 3
-    #    tiles); pytest's own exit has hung after the last case in every round, so the process ends by os._exit
-    timeout 44 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
-        -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py \
-        -k "long_rows and rt8-q-regs and not next or tunings and rt8-q-regs-next-item or split-tail-q-regs or split_tail_long_rows and q_regs" \
+    # 1. round s7r2: the auto mode's two schedules (since s7r2 with the last, partial round of work items split into
+    #    key ranges, merged by kernels/triton/sparse_tail_merge.py; registers 216 / 72) against float64 where the
+    #    split happens: 36 short ragged items on 7 programs (one item in 4 parts, some empty; fp16, int4_group /
+    #    fp8_row) and 192 long items on 10 programs (2 items in 4 parts; bf16, plain / int4_row); 4 compiles;
+    #    pytest's own exit has hung after the last case in every round, so the process ends by os._exit
+    timeout 46 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
+        -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py -k "auto_schedules_split" \
         > "$OUT/gluon_gpu_tests.log" 2>&1
     trc=$?
     grep -E "rel_l2|passed|failed|error|Error|^PASSED|^FAILED" "$OUT/gluon_gpu_tests.log" | tail -16
     echo "gluon gpu tests: rc=$trc"
     passed() { [ "$(grep -cE "^PASSED .*\[$1\]\$" "$OUT/gluon_gpu_tests.log")" -ge "$2" ]; }  # -rA's summary lines
-    # 2. the op (auto mode: the scoreboard figure), its first schedule called directly (the op's own compiled kernel:
-    #    no compile; op vs kernel in the same race) and each new variant whose own GPU cases passed: q_regs + rt8,
-    #    + next_item, + split_tail (registers 216 / 72); timed by the method of record (tests/_timing.race) with
-    #    flash-attn-4 dense in the same rounds; --budget: the tunings are dropped late, so the op's figure and the
-    #    scoreboard are written in time
+    # 2. the op (auto mode: the scoreboard figure) by the method of record (tests/_timing.race) with flash-attn-4 dense
+    #    in the same rounds, beside round s7r1's auto schedule q_regs called directly (the previous op's kernel), q_regs
+    #    with the new register split (216 / 72) but no split round, and the new first auto schedule called directly
+    #    (the op's own kernel: no compile). If any case of (1) failed, the op is timed with round s7r1's auto
+    #    schedules (--gluon-auto previous) and the split rows are left out. --budget: the tunings are dropped late, so
+    #    the op's figure and the scoreboard are written in time
     P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence"
-    NAMES="$P q_regs"
-    passed rt8-q-regs 1 && NAMES="$NAMES,$P q_regs rt8"
-    passed rt8-q-regs-next-item 1 && NAMES="$NAMES,$P q_regs rt8 next_item"
-    passed split-tail-q-regs 1 && passed q_regs 1 && NAMES="$NAMES,$P q_regs rt8 next_item split"
-    echo "raced: $NAMES"
+    NAMES="$P q_regs,$P q_regs r216"
+    AUTO=(--gluon-auto previous)
+    if passed auto0-short 1 && passed auto1-short 1 && passed auto0-long 1 && passed auto1-long 1; then
+        NAMES="$NAMES,$P q_regs split"
+        AUTO=()
+    fi
+    echo "raced: $NAMES ${AUTO[*]+${AUTO[*]}}"
     LEFT=$(( 97 - ($(date +%s) - T0) ))  # SIGTERM at the cap: the bench writes what it measured (~1 s)
     timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \
-        --gluon-configs "$NAMES" ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
+        --gluon-configs "$NAMES" ${AUTO[@]+"${AUTO[@]}"} ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
     echo "bench: rc=$? (cap $LEFT s)"
     grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -70
     exit 0

@@ -93,6 +93,25 @@ def report(residual_kind=None, return_lse=True, D=128, S=75600, H=40, ptx_dir=No
                 cfg={k: meta[k] for k in ("NUM_STAGES", "ROW_THREADS", "CONSUMER_REGS", "PRODUCER_REGS", "maxnreg")})
 
 
+def merge_report(residual_kind=None, D=128, S=32760, H=12):
+    """Offline sm_90a compile of ``sparse_tail_merge._merge_parts`` (the split-tail merge, a Triton kernel) at a
+    Wan2.1 shape with its launch arguments: registers, spills."""
+    merge = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_tail_merge")
+    B, C, n_tail, n_parts = 1, 128, 36, 3
+    G = -(-S // C)
+    _, _, _, out = pr.model_views(B, H, S, D)
+    perm = torch.empty(B, H, G * C, dtype=torch.int32, device="meta")
+    ws_o = torch.empty(n_tail * n_parts, 128, D, dtype=torch.float32, device="meta")
+    ws_ml = torch.empty(n_tail * n_parts, 128, 2, dtype=torch.float32, device="meta")
+    lse = torch.empty(B, H, S, dtype=torch.float32, device="meta")
+    res = pr.meta_residual(residual_kind, B, H, S, D, G)
+    _, args, meta = merge.merge_args(ws_o, ws_ml, B * H * G - n_tail, n_tail, n_parts, perm, out, lse, res, H, S, C,
+                                     G * C, 1, False)
+    ck = pr.compile_offline(merge._merge_parts, args, meta, 90)
+    regs, st, ld = pr.ptxas_usage(ck, 90)
+    return dict(kernel="sparse_tail_merge", D=D, residual=residual_kind, regs=regs, spill_st=st, spill_ld=ld)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ptx", default=None)
@@ -133,7 +152,16 @@ def main():
                              split_tail=4, consumer_regs=216, producer_regs=72),
                         dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
                              early_q=True, cp_async_fence=False, idx_ahead=2, row_threads=8, next_item=True,
-                             split_tail=4, consumer_regs=216, producer_regs=72))])
+                             split_tail=4, consumer_regs=216, producer_regs=72),
+                        # the auto mode's schedules since round s7r2 (sparse_dispatch.AUTO_SCHEDULES)
+                        dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
+                             early_q=True, cp_async_fence=False, q_regs=True, split_tail=4, consumer_regs=216,
+                             producer_regs=72),
+                        dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
+                             early_q=True, cp_async_fence=False, idx_ahead=2, split_tail=4, consumer_regs=216,
+                             producer_regs=72))])
+    for kind in ("int4_group",) if args.quick else (None, "plain", "fp8_row", "int4_row", "int4_group"):
+        print(merge_report(kind), flush=True)  # before the Gluon kernel's lines (the CPU test reads the last one)
     for D, kind, tune in cases:
         r = report(kind, D=D, ptx_dir=args.ptx, **tune)
         bad += r["consumer_hot_spills"] > 0 or not r["fits"] or (not tune and r["spill_st"] > 64)

@@ -195,15 +195,18 @@ def auto_gluon(monkeypatch):
     d.reset()
 
 
-@pytest.mark.parametrize(("times", "want"), [((1.0, 1.5), "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs"),
-                                             ((3.0, 1.0), "pingpong persistent 3 stages thread_arrive early_q no_fence idx2")])
+_AUTO = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs split",
+         "pingpong persistent 3 stages thread_arrive early_q no_fence idx2 split")
+
+
+@pytest.mark.parametrize(("times", "want"), [((1.0, 1.5), _AUTO[0]), ((3.0, 1.0), _AUTO[1])])
 def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, times, want):
     """The first call of a shape times each AUTO_SCHEDULES entry (each with its own launch options; the Triton kernel
     is not a candidate), keeps the fastest for that shape, returns the chosen kernel's result; later calls of the
     shape run the choice (its schedule's options) without timing; another K_alloc is timed anew."""
     fake, timer = auto_gluon
     d = _dispatch()
-    assert d.AUTO_SCHEDULES == ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs", "pingpong persistent 3 stages thread_arrive early_q no_fence idx2")
+    assert d.AUTO_SCHEDULES == _AUTO
     assert list(d.GLUON_SCHEDULES)[0] == "plain"  # what "on" runs
     q, k, v, perm, idx = _inputs(gen)
     ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
@@ -212,7 +215,8 @@ def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, t
     got = d.sparse_attention(q, k, v, perm, idx, out=out)
     assert got is out and float((out.double() - ref).norm() / ref.norm()) < 4e-3
     assert timer.timed == 2 and list(d.choices.values()) == [want]
-    base = dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False)
+    base = dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+                split_tail=4, consumer_regs=216, producer_regs=72)
     schedules = [dict(base, q_regs=True), dict(base, idx_ahead=2)]
     assert fake.options[:2] == schedules  # each compiled and launched once
     assert fake.options[2:4] == schedules  # each timed with its own options

@@ -141,16 +141,7 @@ TUNINGS = {"no-overlap": (dict(overlap=False), "int4_group"), "pipeline": (dict(
                                               row_threads=8, next_item=True), "fp8_row"),
            "rt8-q-regs-next-item": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3, thread_arrive=True,
                                          early_q=True, cp_async_fence=False, q_regs=True, row_threads=8,
-                                         next_item=True), "int4_group"),
-           # + the last, partial round's item split into 4 key ranges (36 items on 7 programs: 5 rounds + 1 item of
-           # 1-3 tiles, so some parts are empty), merged by sparse_tail_merge; registers 216 / 72
-           "split-tail-q-regs": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3, thread_arrive=True,
-                                      early_q=True, cp_async_fence=False, q_regs=True, row_threads=8, next_item=True,
-                                      split_tail=4, consumer_regs=216, producer_regs=72), "int4_group"),
-           "split-tail-idx-ahead-2": (dict(pingpong=True, persistent=True, num_sms=7, num_stages=3,
-                                           thread_arrive=True, early_q=True, cp_async_fence=False, idx_ahead=2,
-                                           row_threads=8, next_item=True, split_tail=4, consumer_regs=216,
-                                           producer_regs=72), "fp8_row")}
+                                         next_item=True), "int4_group")}
 
 
 @pytest.mark.parametrize(("tuning", "kind"), list(TUNINGS.values()), ids=list(TUNINGS))
@@ -194,16 +185,23 @@ def test_gluon_rt8_q_regs_next_item_head_dim_64():
            q_regs=True, row_threads=8, next_item=True)
 
 
-@pytest.mark.parametrize("schedule", ["q_regs", "idx2"])
-def test_gluon_split_tail_long_rows_vs_float64(schedule):
-    """The split last round on long rows: 192 items of 12 key tiles on 10 programs (19 rounds, then 2 items in 4
-    parts of 3 tiles each, merged by sparse_tail_merge), bf16, B = 2, native views, NaN-poisoned out, LSE, a plain
-    residual (q_regs) / int4_row (idx2)."""
-    extra = dict(q_regs=True) if schedule == "q_regs" else dict(idx_ahead=2)
-    _check(2, 3, 4000, 128, 128, 1500, 1536, "plain" if schedule == "q_regs" else "int4_row", torch.bfloat16,
-           seed=41, pingpong=True, persistent=True, num_sms=10, num_stages=3, thread_arrive=True, early_q=True,
-           cp_async_fence=False, row_threads=8, next_item=True, split_tail=4, consumer_regs=216, producer_regs=72,
-           **extra)
+@pytest.mark.parametrize(("which", "rows"), [(0, "short"), (1, "short"), (0, "long"), (1, "long")],
+                         ids=["auto0-short", "auto1-short", "auto0-long", "auto1-long"])
+def test_auto_schedules_split_tail_vs_float64(which, rows):
+    """Each AUTO_SCHEDULES entry (the last, partial round of work items split into key ranges since round s7r2,
+    merged by sparse_tail_merge) called directly where the split happens: "short": 36 items of 1-3 key tiles on 7
+    programs (5 rounds, then one item in 4 parts, some empty), fp16, int4_group (auto0) / fp8_row (auto1), ragged
+    counts; "long": 192 items of 12 key tiles on 10 programs (19 rounds, then 2 items in 4 parts of 3 tiles), bf16,
+    plain (auto0) / int4_row (auto1). NaN-poisoned out view, LSE."""
+    d = _dispatch()
+    tuning = dict(d.GLUON_SCHEDULES[d.AUTO_SCHEDULES[which]])
+    assert tuning.get("split_tail"), tuning
+    if rows == "short":
+        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, ("int4_group", "fp8_row")[which], torch.float16, seed=13,
+               ragged_counts=True, num_sms=7, **tuning)
+    else:
+        _check(2, 3, 4000, 128, 128, 1500, 1536, ("plain", "int4_row")[which], torch.bfloat16, seed=41, num_sms=10,
+               **tuning)
 
 
 def test_gluon_persistent_c192_vs_float64():

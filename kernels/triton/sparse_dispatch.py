@@ -88,6 +88,14 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence idx2 rt8 next_item split": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         idx_ahead=2, row_threads=8, next_item=True, split_tail=4, consumer_regs=216, producer_regs=72),
+    # the two schedules of round s6r2's auto mode with the split last round (registers 216 / 72: at 224 / 56 the
+    # split walk's producer spilled 5-6 local accesses per tile in its copy loop, offline SASS)
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs split": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        q_regs=True, split_tail=4, consumer_regs=216, producer_regs=72),
+    "pingpong persistent 3 stages thread_arrive early_q no_fence idx2 split": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        idx_ahead=2, split_tail=4, consumer_regs=216, producer_regs=72),
 }
 # What the auto mode times per shape. H200, 2026-12-01 13:42 (tests/_timing.race, vs flash-attn-4 dense with LSE x s,
 # 1.3B 480p / 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5): pingpong persistent with the 3-deep ring and per-thread
@@ -99,9 +107,15 @@ GLUON_SCHEDULES = {
 # FA3's overlap with both 1.639 ms (-17 %). The auto mode times the q_regs schedule and early_q no_fence with the
 # producer's indices two tiles ahead (idx2). Round 16:31 (the op = this auto mode; 14B cut after s = 0.15): the op
 # 0.701 / 0.718 / 0.775 / 0.775 | 0.773 / 0.784, the previous first schedule 0.694 / 0.723 / 0.783 / 0.772 | 0.749 /
-# 0.776, q_regs called directly 0.714 / 0.736 / 0.780 / 0.776 | 0.739 / 0.765 (docs/kernels.md).
-AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs",
-                  "pingpong persistent 3 stages thread_arrive early_q no_fence idx2")
+# 0.776, q_regs called directly 0.714 / 0.736 / 0.780 / 0.776 | 0.739 / 0.765 (docs/kernels.md). Round s7r1 (the op
+# = this auto mode): 0.690 / 0.725 / 0.775 / 0.777 | 0.764 / 0.793 / 0.830 / 0.840 (dense 9.4-9.8 / 173-178 ms);
+# the producer at 8 threads per row and each item's first loads an item early no faster. Since round s7r2: both with
+# the last, partial round of work items split into key ranges (split_tail: Wan2.1-1.3B 480p runs 3072 items on 132
+# SMs, 23.3 rounds; 14B 720p 179.1), to be measured there; PREVIOUS_AUTO_SCHEDULES is what round s7r1 measured.
+PREVIOUS_AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs",
+                           "pingpong persistent 3 stages thread_arrive early_q no_fence idx2")
+AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs split",
+                  "pingpong persistent 3 stages thread_arrive early_q no_fence idx2 split")
 choices: dict[tuple, str] = {}  # shape key -> an AUTO_SCHEDULES name (auto mode); times in _times
 _times: dict[tuple, dict[str, float]] = {}
 _failures = registry.FailureMemo(GLUON_KEY)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .sparse_attention import _store_half, residual_args
 
-_LN2 = 0.6931471805599453
+_LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -67,6 +67,16 @@ def _merge_parts(WS_O, WS_ML, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN
                 stride_md, D, RES_KIND)
 
 
+def merge_args(ws_o, ws_ml, n_full, n_tail, n_parts, perm, out, lse, residual, H, S, C, n_slots, m_blocks, row64):
+    """(grid, positional args, meta) of the merge launch (``merge``; the offline compile in tests/ptxas_gluon.py)."""
+    kind, res_ptrs, res_strides = residual_args(residual, out)
+    args = (ws_o, ws_ml, perm, out, lse if lse is not None else out, *res_ptrs, n_full, n_parts, H, S, C, n_slots,
+            *out.stride(), *res_strides)
+    meta = dict(M_BLOCKS=m_blocks, D=ws_o.shape[-1], RETURN_LSE=lse is not None, RES_KIND=kind, ROW64=row64,
+                num_warps=8)
+    return (n_tail,), args, meta
+
+
 def merge(ws_o, ws_ml, n_full, n_tail, n_parts, perm, out, lse, residual, H, S, C, n_slots, m_blocks, row64):
     """Write the rows of the split work items n_full .. n_full + n_tail - 1 (``sparse_attention_sm90.launch_args``'s
     ``tail``): combine each item's ``n_parts`` workspace slots, normalise, + residual, store through ``perm``.
@@ -78,8 +88,6 @@ def merge(ws_o, ws_ml, n_full, n_tail, n_parts, perm, out, lse, residual, H, S, 
         perm: int32 ``[B, H, G*C]`` contiguous; out: ``[B, H, S, D]`` view (any strides); lse: fp32 ``[B, H, S]``
             contiguous or None; residual: a ``kernels.Residual`` or None; the rest: the launch's shape numbers.
     """
-    D = ws_o.shape[-1]
-    kind, res_ptrs, res_strides = residual_args(residual, out)
-    _merge_parts[(n_tail,)](ws_o, ws_ml, perm, out, lse if lse is not None else out, *res_ptrs, n_full, n_parts, H, S,
-                            C, n_slots, *out.stride(), *res_strides, M_BLOCKS=m_blocks, D=D,
-                            RETURN_LSE=lse is not None, RES_KIND=kind, ROW64=row64, num_warps=8)
+    grid, args, meta = merge_args(ws_o, ws_ml, n_full, n_tail, n_parts, perm, out, lse, residual, H, S, C, n_slots,
+                                  m_blocks, row64)
+    _merge_parts[grid](*args, **meta)
