@@ -844,7 +844,12 @@ _TOPK_HIST_DEFAULT = False
 # against 0.571 / 0.512 / 0.515 / 0.520 at 14B 720p: better at every point; selection identical (GPU-checked)
 _TOPK_FUSED_DEFAULT = True
 # select_kv's fused top-K: the threshold among the bracket's candidates by counting (topk_count, FusedRows.cand_count)
-_TOPK_COUNT_DEFAULT = False
+# instead of two radix histogram passes. H200 round s7r1 (main 8dd7ca2, tests/bench_select_race.py, 1.3B 480p, flash-attn-4
+# dense 8.83 ms): race 2 at s = 0.25, the one-group pass-2 kernel alone 0.5116 of dense, + fused top-K 0.5637, + fused
+# top-K counting 0.5393 (the top-K's share 0.052 -> 0.028); race 1 (select_kv) 0.580 / 0.570 / 0.564 / 0.569 against
+# 0.574 / 0.574 / 0.576 / 0.582 (s = 0.1 / 0.15 / 0.25 / 0.5); selection identical (GPU-checked). The bracket at 3
+# sigma instead of 5 was slower (0.2 % of rows fell back: 0.5549 with counting, 0.5656 without)
+_TOPK_COUNT_DEFAULT = True
 _TOPK_FUSED_MIN_CAPABILITY = (9, 0)
 # group_prob_sums / select_kv: the float8 pair kernel with one query group per program (one_group; 119 registers, 4
 # programs per SM instead of 3). H200 round s5r2 (tests/bench_select_race.py race 2, sustained interleaved, 1.3B 480p,
