@@ -45,14 +45,15 @@ if [ "$MODE" = bench ]; then  # <= 97 s in all: the GPU tests of the new variant
     # 2. the op (auto mode: the scoreboard figure) by the method of record (tests/_timing.race) with flash-attn-4 dense
     #    in the same rounds, beside round s7r1's auto schedule q_regs called directly (the previous op's kernel), q_regs
     #    with the new register split (216 / 72) but no split round, and the new first auto schedule called directly
-    #    (the op's own kernel: no compile). If any case of (1) failed, the op is timed with round s7r1's auto
+    #    (the op's own kernel: no compile) and, a diagnostic, that schedule without its K/V copies (the consumers
+    #    alone: wrong results, its error is printed, never a figure). If any case of (1) failed, the op is timed with round s7r1's auto
     #    schedules (--gluon-auto previous) and the split rows are left out. --budget: the tunings are dropped late, so
     #    the op's figure and the scoreboard are written in time
     P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence"
     NAMES="$P q_regs,$P q_regs r216"
     AUTO=(--gluon-auto previous)
     if passed auto0-short 1 && passed auto1-short 1 && passed auto0-long 1 && passed auto1-long 1; then
-        NAMES="$NAMES,$P q_regs split"
+        NAMES="$NAMES,$P q_regs split,$P q_regs split (consumers alone)"
         AUTO=()
     fi
     echo "raced: $NAMES ${AUTO[*]+${AUTO[*]}}"

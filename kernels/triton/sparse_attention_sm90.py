@@ -263,7 +263,7 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
               M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               ROW_THREADS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
               L2_PREFETCH: gl.constexpr, EARLY_Q: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr,
-              SPLIT: gl.constexpr, STREAM: gl.constexpr):
+              SPLIT: gl.constexpr, NO_COPY: gl.constexpr, STREAM: gl.constexpr):
     """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the item's Q slot)
     then K then V rows of each key tile into the stage ring; the ring's stage and phase follow a tile counter kept
     across items. PERSISTENT with one Q slot (``Q_SLOTS`` 1: a 3-deep ring leaves room for one): the item's first
@@ -282,7 +282,8 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
     at an item boundary the copies go on without a round trip to memory (without: the producer waits for the tail
     and tile 0's indices before its first copy of every item, while the ring drains). SPLIT: ``n_work`` counts
     virtual work indices (``_sub_item``); a part of an item copies its key tiles only (``_part_tiles``; an empty
-    part copies none but its queries)."""
+    part copies none but its queries). NO_COPY (a timing diagnostic, wrong results): the K/V copies are left out
+    (the stages are signalled ready at once), so the kernel runs at its consumers' speed."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ROW_THREADS, ROW_THREADS], [4, 1], [1, 0])
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
     offs_m = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
@@ -372,10 +373,12 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
                 _prefetch_rows_l2(k_base, kv, stride_ks, stride_kd, HEAD_DIM, ROW_THREADS)
                 _prefetch_rows_l2(v_base, kv, stride_vs, stride_vd, HEAD_DIM, ROW_THREADS)
             mbarrier.wait(k_empty.index(s), ph ^ 1)
-            _gather_rows(k_smem.index(s), k_base, kv, live, stride_ks, stride_kd, offs_d, _DEFAULT_POLICY)
+            if not NO_COPY:
+                _gather_rows(k_smem.index(s), k_base, kv, live, stride_ks, stride_kd, offs_d, _DEFAULT_POLICY)
             async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
             mbarrier.wait(v_empty.index(s), ph ^ 1)
-            _gather_rows(v_smem.index(s), v_base, kv, live, stride_vs, stride_vd, offs_d, _DEFAULT_POLICY)
+            if not NO_COPY:
+                _gather_rows(v_smem.index(s), v_base, kv, live, stride_vs, stride_vd, offs_d, _DEFAULT_POLICY)
             async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
             if PERSISTENT and Q_SLOTS == 1:
                 if t == q_at:
@@ -852,7 +855,7 @@ def _sparse_fwd_sm90(
     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr,
     L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr, CP_ASYNC_FENCE: gl.constexpr,
     Q_REGS: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr, SPLIT: gl.constexpr,
-    STREAM: gl.constexpr, num_warps: gl.constexpr,
+    NO_COPY: gl.constexpr, STREAM: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
@@ -918,7 +921,7 @@ def _sparse_fwd_sm90(
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, ROW_THREADS, ROW64, PERSISTENT, Q_SLOTS, L2_PREFETCH,
-                     EARLY_Q, IDX_AHEAD, NEXT_ITEM, SPLIT, STREAM)),
+                     EARLY_Q, IDX_AHEAD, NEXT_ITEM, SPLIT, NO_COPY, STREAM)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -926,7 +929,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 row_threads=None, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
                 q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None,
-                idx_ahead=None, next_item=None, split_tail=None):
+                idx_ahead=None, next_item=None, split_tail=None, diag_no_copy=False):
     """(grid, positional args, meta) of one launch, and (out, lse, tail): tail None, or with ``split_tail`` and a
     last, partial round of work items the arguments of ``sparse_tail_merge.merge`` (run after the launch: it writes
     the split items' rows); the op and the offline compile share it.
@@ -1014,6 +1017,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 IDX_AHEAD=int(cfg["idx_ahead"] if idx_ahead is None else idx_ahead),
                 NEXT_ITEM=next_item,
                 SPLIT=bool(split_tail),
+                NO_COPY=bool(diag_no_copy),
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     return grid, args, meta, (out, lse, tail)
@@ -1055,7 +1059,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             persistent: the items of the last, partial round of the programs' walk are split into up to N key
             ranges, one program each, so the last round keeps more SMs busy (Wan2.1-1.3B 480p: 3072 items on 132
             SMs = 23.3 rounds; unsplit, the last round runs 36 items on 132 SMs); each part stores its unnormalised O,
-            max and row sum to a workspace and ``sparse_tail_merge.merge`` combines them into the output rows).
+            max and row sum to a workspace and ``sparse_tail_merge.merge`` combines them into the output rows),
+            ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
+            warpgroups' speed; the benchmark's "consumers alone" row).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:
