@@ -18,7 +18,8 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
    s = 0.25 in the same rounds as dense: the float8 operand pass, select_kv at its defaults (the whole beside its
    parts), the one-group pass-2 kernel alone and with its fused top-K epilogue (on precomputed operands; sums checked
    against select_kv's, the fused selection against the brute force of its sums), counting and by histograms, then,
-   while the budget lasts (30 s kept for race 2b), two tile rows per thread in the top-K's sweeps (``RACE2_TOPK``);
+   while the budget lasts (30 s kept for race 2b), the bracket at 4 sigma, two tile rows per thread in the top-K's
+   sweeps (``RACE2_TOPK``);
    then the host time of one select_kv call enqueued behind busy GPU work. RACE 2b, last (a faulting kernel ends the
    process): issue 15's pass-2 kernel variants of tests/bench_pass2_exp.py (``--p2ws-variants``; each checked against
    that bench's reference kernel as there) with dense in their own race.
@@ -182,7 +183,7 @@ def host_ms(fn, busy, n=5):
 # race 2's fused top-K variants: (tag, one group per program, tile rows per thread, bracket z, cand_count); the first
 # two always, the others while the budget lasts
 RACE2_TOPK = (("1grp", True, 1, topk._Z, True), ("1grp hist", True, 1, topk._Z, False),
-              ("1grp x2", True, 2, topk._Z, True))
+              ("1grp z4", True, 1, 4.0, True), ("1grp x2", True, 2, topk._Z, True))
 
 
 def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0):

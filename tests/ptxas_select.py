@@ -62,15 +62,6 @@ VARIANTS = {  # name: pair-kernel constexprs (BLOCK_N 64, 4 warps, 3 stages unle
     # session 7: the top-K's threshold among its candidates by counting (topk.FusedRows.cand_count)
     "fp8 one group + fused top-K count (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
                                                          ONE_GROUP=True, maxnreg=128, T_CC=True),
-    # session 7: each group's queries quantised by the kernel from the raw q (Q_RAW, group_prob_sums(q_raw=True))
-    "fp8 one group q_raw + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
-                                                         ONE_GROUP=True, maxnreg=128, Q_RAW=True),
-    "fp8 one group q_raw + fused top-K count (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True,
-                                                               TOPK=True, ONE_GROUP=True, maxnreg=128, Q_RAW=True,
-                                                               T_CC=True),
-    "fp8 one group q_raw k_rows + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True,
-                                                                TOPK=True, ONE_GROUP=True, maxnreg=128, Q_RAW=True,
-                                                                K_ROWS=True),
 }
 
 
@@ -103,9 +94,6 @@ def compile_variant(name, cfg, S=75600, H=40, D=128, C=128, arch=90):
     qf = torch.empty(B * H, dtype=torch.float32, device="meta")
     kb = torch.empty(B, H, S, dtype=torch.float32, device="meta")
     hist = torch.empty(B, 5, G, 128, dtype=torch.int32, device="meta")
-    if cfg.get("Q_RAW"):  # the raw bf16 q views; HIST holds the means (fp32 [2, B * H, D])
-        q = pr.model_views(B, H, S, D)[0]
-        hist = torch.empty(2 * B * H * D + B * H * S, dtype=torch.float32, device="meta")  # (+ K_ROWS: key scales)
     args = [q, k, lse, perm, sums, qf, kb, hist, 0.1275, H, S, S, G * C, C, G, *q.stride(), *k.stride(), *lse.stride(),
             *sums.stride()]
     warps = cfg.get("num_warps", 4)
@@ -124,7 +112,7 @@ def compile_variant(name, cfg, S=75600, H=40, D=128, C=128, arch=90):
                 FP8=fp8, POLY=cfg.get("POLY", 0), P3_G0=cfg.get("P3_G0", 0), P3_G1=cfg.get("P3_G1", 0), KEY_BITS=16,
                 WITH_HIST=cfg.get("WITH_HIST", False), num_warps=warps, num_stages=cfg.get("num_stages", 3), **sel_meta,
                 KB_POW2=cfg.get("KB_POW2", False), ONE_GROUP=cfg.get("ONE_GROUP", False), ROW_SUMS=cfg.get("ROW_SUMS", 0),
-                Q_RAW=cfg.get("Q_RAW", False), K_ROWS=cfg.get("K_ROWS", False), **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
+                **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
     ck = pr.compile_offline(selection._group_prob_sums_pair, args, meta, arch)
     regs, st, ld = pr.ptxas_usage(ck, arch)
     if os.environ.get("PTXAS_SELECT_DUMP"):  # PTX and SASS of each variant into that folder

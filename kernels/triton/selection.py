@@ -259,24 +259,6 @@ def _mma_row_sums(p):
     return tl.sum(tl.dot(p.to(tl.bfloat16), ones.to(tl.bfloat16)), 1)
 
 
-@triton.jit
-def _quantize_group(q, l2, valid, f, MEAN_Q, MEAN_K, sm_scale_log2, HEAD_DIM: tl.constexpr):
-    """One query group's float8 operands from its raw rows ``q`` ([BLOCK_M, HEAD_DIM] bf16/fp16, invalid rows 0) and
-    LSEs ``l2`` (base 2, invalid +inf), as ``fp8_operands`` makes them for a head but with the group's own scale:
-    (q8, l2 - sm_scale_log2 * q . mean_k, f * sq) with q8 = (q - mean_q) / sq rounded to e4m3 and sq the power of two of
-    ``_pow2_scale`` for the group's largest |q - mean_q| (``f``: k's scale x softmax scale x log2 e; MEAN_Q / MEAN_K:
-    fp32 [HEAD_DIM] pointers). A scalar per program, so the per-group scale costs the key loop nothing."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    x = q.to(tl.float32)
-    mq = tl.load(MEAN_Q + offs_d)
-    mk = tl.load(MEAN_K + offs_d)
-    l2 = l2 - sm_scale_log2 * tl.sum(x * mk[None, :], 1)  # +inf stays +inf (invalid rows are 0)
-    xc = tl.where(valid[:, None], x - mq[None, :], 0.0)
-    sq = _pow2_scale(tl.max(tl.max(tl.abs(xc), 1), 0))
-    q8 = (xc * tl.div_rn(1.0, sq)).to(tl.float8e4nv)  # exact product: sq is a power of two
-    return q8, l2, f * sq
-
-
 # (the fused top-K's per-density integers are not specialised: one compile serves every density)
 @triton.jit(do_not_specialize=["num_keys", "stride_samp", "n_samp", "hi_rank", "lo_rank"])
 def _group_prob_sums_pair(
@@ -309,8 +291,6 @@ def _group_prob_sums_pair(
     T_TWO_BITS: tl.constexpr = False,  # its sample order statistics two bits per reduction (T_NS <= 8 per thread)
     ROW_SUMS: tl.constexpr = 0,  # ONE_GROUP: row sums 0 ``tl.sum``, 1 ``_pair_row_sums``, 2 ``_mma_row_sums``
     T_CAND_COUNT: tl.constexpr = False,  # the top-K's threshold among its candidates by counting (FusedRows.cand_count)
-    Q_RAW: tl.constexpr = False,  # ONE_GROUP + FP8: Q / LSE the raw q / lse, quantised here (``fp8_k_operands``)
-    K_ROWS: tl.constexpr = False,  # Q_RAW: K's rows each by its own scale (HIST + 2 * B * H * D: [B * H, SK] fp32)
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
@@ -366,14 +346,7 @@ def _group_prob_sums_pair(
         f = tl.load(QF + bh)  # the head's q scale x k scale x softmax scale x log2(e)
     else:
         f = sm_scale_log2
-    if Q_RAW:  # the group's float8 queries from the raw rows (HIST: mean_q, mean_k; QF: k scale x softmax scale x log2e)
-        tl.static_assert(ONE_GROUP and FP8, "Q_RAW: one group per program, float8")
-        if K_ROWS:  # the key's scale comes per key tile; QF is not read
-            f = sm_scale_log2
-        q0, l0, f = _quantize_group(q0, l0, v0, f, HIST + bh * HEAD_DIM, HIST + (tl.num_programs(1) + bh) * HEAD_DIM,
-                                    sm_scale_log2, HEAD_DIM)
     kb_base = KB + bh.to(tl.int64) * SK
-    ks_base = HIST + 2 * tl.num_programs(1) * HEAD_DIM + bh.to(tl.int64) * SK  # (K_ROWS)
 
     if STAGGER:
         # software pipeline across the two groups: per key tile, group 0's QK^T is issued before group 1's
@@ -418,11 +391,7 @@ def _group_prob_sums_pair(
             k_ok = keys < SK
             k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                         mask=k_ok[:, None], other=0.0)
-            if K_ROWS:
-                tl.static_assert(Q_RAW, "K_ROWS needs Q_RAW")
-                x0 = tl.dot(k, tl.trans(q0)) * (f * tl.load(ks_base + keys, mask=k_ok, other=0.0))[:, None] - l0[None, :]
-            else:
-                x0 = tl.dot(k, tl.trans(q0)) * f - l0[None, :]
+            x0 = tl.dot(k, tl.trans(q0)) * f - l0[None, :]
             if ROW_SUMS == 2:
                 tl.static_assert(ONE_GROUP, "ROW_SUMS: one group")
                 col0 = _key_scaled(_mma_row_sums(_mixed_exp2(x0, EXP_MODE, P3_G0, n0 // BLOCK_N, 0)), kb_base, keys,
@@ -465,16 +434,13 @@ def _group_prob_sums_pair(
 @triton.jit
 def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, bh, S,
                    stride_xb, stride_xh, stride_xs, stride_xd, stride_rb, stride_rh, stride_rs, row_mul,
-                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, IS_Q: tl.constexpr, POW2: tl.constexpr = False,
-                   ROW_SCALE: tl.constexpr = False, ROW_SCALE_OUT=None):
+                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, IS_Q: tl.constexpr, POW2: tl.constexpr = False):
     """Rows [blk * BLOCK_S, +BLOCK_S) of head (b, h) of q (IS_Q) or k ([B, H, S, D] by strides): OUT (float8_e4m3,
     contiguous [B, H, S, D]) = (x - MEAN[bh]) / SCALE[bh] rounded to nearest even (SCALE is a power of two: the
     quotient is exact, taken as a product by 1 / SCALE), and a per-row term t = x . OTHER_MEAN[bh] (q: x . mean(k))
     or (x - MEAN[bh]) . OTHER_MEAN[bh] (k: (k - mean(k)) . mean(q)) written as OUT_ROW[bh * S + row] = IN_ROW[row] +
     row_mul * t for q (IN_ROW: the LSE by its strides), and clamp(row_mul * t, -100, 100) for k (IN_ROW unused;
-    POW2: 2 to that power). MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]. ROW_SCALE: each row divided by
-    its own power-of-two scale (``_pow2_scale`` of its largest |x - MEAN|), written to ROW_SCALE_OUT[bh * S + row]
-    (SCALE unused)."""
+    POW2: 2 to that power). MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]."""
     rows = blk * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = rows < S
@@ -495,13 +461,8 @@ def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, 
         if POW2:
             kb = tl.math.exp2(kb)
         tl.store(OUT_ROW + out_rows, kb, mask=ok)
-    if ROW_SCALE:
-        rs = _pow2_scale(tl.max(tl.abs(xc), 1))
-        tl.store(ROW_SCALE_OUT + out_rows, rs, mask=ok)
-        y = xc * tl.div_rn(1.0, rs)[:, None]  # exact: powers of two
-    else:
-        inv = tl.div_rn(1.0, tl.load(SCALE + bh))  # exact: SCALE is a power of two
-        y = xc * inv
+    inv = tl.div_rn(1.0, tl.load(SCALE + bh))  # exact: SCALE is a power of two
+    y = xc * inv
     tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None])
 
 
@@ -516,7 +477,6 @@ def _fp8_quantize(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     KB_POW2: tl.constexpr = False,
-    K_ROW_SCALE: tl.constexpr = False,  # k's rows each by its own scale, written to LSE_S ([B * H * SK]; no q rows)
 ):
     """q's and k's float8 copies in one launch: programs [0, nbq) of axis 0 take q's row blocks (``_quantize_rows``
     with IS_Q: Q8, LSE_S = LSE + lse_mul * q . mean_k), the rest k's (K8, KB = clamp(kb_mul * (k - mean_k) . mean_q),
@@ -530,8 +490,7 @@ def _fp8_quantize(
                        stride_lb, stride_lh, stride_ls, lse_mul, HEAD_DIM, BLOCK_S, True)
     else:
         _quantize_rows(K, K8, MK, MQ, KS, LSE, KB, pid - nbq, b, h, bh, SK, stride_kb, stride_kh, stride_ks,
-                       stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, BLOCK_S, False, KB_POW2,
-                       K_ROW_SCALE, LSE_S)
+                       stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, BLOCK_S, False, KB_POW2)
 
 
 @triton.jit
@@ -628,11 +587,10 @@ def _fp8_stats_final(
     HEAD_DIM: tl.constexpr,
     NP: tl.constexpr,  # power of two >= max(n0, n1)
     TWO: tl.constexpr,  # the second tensor's statistics too (and QF)
-    QF_FIRST: tl.constexpr = False,  # QF[bh] = SC0 * qf_mul (the second tensor's scale not in it)
 ):
     """One program per head b * H + h: reduces ``_fp8_partial_stats``' splits to each tensor's mean (M0 / M1, fp32
     [B * H, HEAD_DIM]) and float8 scale (SC0 / SC1, fp32 [B * H], ``_pow2_scale`` of max over columns of
-    max(max - mean, mean - min)); with TWO also QF[bh] = SC0 * SC1 * qf_mul (QF_FIRST: SC0 * qf_mul)."""
+    max(max - mean, mean - min)); with TWO also QF[bh] = SC0 * SC1 * qf_mul."""
     bh = tl.program_id(0)
     sp = tl.arange(0, NP)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -640,10 +598,7 @@ def _fp8_stats_final(
     sc0 = _head_stats(base, sp < n0, S0, M0 + bh * HEAD_DIM + offs_d, SC0 + bh, HEAD_DIM)
     if TWO:
         sc1 = _head_stats(base + n0 * (3 * HEAD_DIM), sp < n1, S1, M1 + bh * HEAD_DIM + offs_d, SC1 + bh, HEAD_DIM)
-        if QF_FIRST:
-            tl.store(QF + bh, sc0 * qf_mul)
-        else:
-            tl.store(QF + bh, sc0 * sc1 * qf_mul)
+        tl.store(QF + bh, sc0 * sc1 * qf_mul)
 
 
 _STATS_BLOCK_S = 32  # rows per register tile of the statistics pass (4 warps: 32 fp32 accumulators x 3 per thread)
@@ -737,54 +692,6 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     return q8, k8, stats[2], lse_s, kb
 
 
-_Q_MEAN_SAMPLE = 8  # fp8_k_operands: q's mean from every 8th row (any vector keeps the decomposition exact)
-
-
-def fp8_k_operands(q: torch.Tensor, k: torch.Tensor, scale: float, *, q_sample: int = _Q_MEAN_SAMPLE,
-                   k_rows: bool = False):
-    """``fp8_operands`` for the pair kernel's Q_RAW mode (``group_prob_sums(q_raw=True)``): k's float8 copy and terms
-    only; the kernel quantises each query group from the raw q and lse itself (``_quantize_group``, the group's own
-    power-of-two scale), so q is read once here (a mean from every ``q_sample``-th row) instead of twice plus a float8
-    copy written. The smoothing decomposition ``q . k = (q - m_q) . (k - m_k) + q . m_k + m_q . (k - m_k)`` is exact for
-    any vectors m_q, m_k, so a sampled m_q changes only which rounding the float8 products see.
-
-    Args: q ``[B, H, S, D]``, k ``[B, H, Sk, D]`` (fp16 / bf16 / fp32, any strides); scale: the softmax scale.
-    Returns: (k8, qf, kb, means): k8 float8_e4m3fn ``[B, H, Sk, D]`` contiguous ((k - m_k) / k's head scale, as
-    ``fp8_operands``); qf fp32 ``[B, H]`` = k's scale x ``scale`` x log2(e) (the kernel multiplies in each group's q
-    scale); kb fp32 ``[B, H, Sk]`` = 2^clamp(scale * log2(e) * m_q . (k - m_k), -100, 100) (``fp8_operands`` with
-    kb_pow2); means fp32 ``[2, B * H, D]``: m_q (sampled), m_k. Three launches (statistics, per-head reduction, k's
-    quantising pass); ~1.1x k's bytes read twice + k8 written.
-    k_rows: each k row by its own power-of-two scale (the kernel's K_ROWS: a per-key factor on the score, one FFMA per
-    score as with a per-head one), so k needs no head statistics either: m_k from every ``q_sample``-th row too and k
-    read once; then means is fp32 ``[2 * B * H * D + B * H * Sk]``: m_q, m_k, each key's scale (qf unused)."""
-    B, H, S, D = q.shape
-    SK = k.shape[2]
-    dev = q.device
-    qs = q[:, :, ::q_sample]
-    ks = k[:, :, ::q_sample] if k_rows else k  # (k_rows: no head scale of k, its mean sampled too)
-    nk, per_k = _stat_splits(B * H, ks.shape[2])
-    nq, per_q = _stat_splits(B * H, qs.shape[2])
-    part = torch.empty(B * H, nk + nq, 3, D, dtype=torch.float32, device=dev)
-    _fp8_partial_stats[(nk + nq, B * H)](ks, qs, part, H, ks.shape[2], qs.shape[2], per_k, per_q, nk, nq, *ks.stride(),
-                                         *qs.stride(), HEAD_DIM=D, BLOCK_S=_STATS_BLOCK_S, num_warps=4)
-    buf = torch.empty(2 * B * H * D + (B * H * SK if k_rows else 0), dtype=torch.float32, device=dev)
-    means = buf[: 2 * B * H * D].view(2, B * H, D)  # m_q, m_k
-    stats = torch.empty(3, B, H, dtype=torch.float32, device=dev)  # k scale, q scale (unused), qf
-    _fp8_stats_final[(B * H,)](part, means[1], means[0], stats[0], stats[1], stats[2], ks.shape[2], qs.shape[2], nk,
-                               nq, scale * _LOG2E, HEAD_DIM=D, NP=triton.next_power_of_2(max(nq, nk)), TWO=True,
-                               QF_FIRST=True, num_warps=4)
-    k8 = torch.empty(B, H, SK, D, dtype=torch.float8_e4m3fn, device=dev)
-    kb = torch.empty(B, H, SK, dtype=torch.float32, device=dev)
-    row_scales = buf[2 * B * H * D:] if k_rows else kb  # (placeholder without k_rows)
-    bs = _QUANT_BLOCK_S
-    # k's rows only (nbq = 0): q's arguments are placeholders
-    _fp8_quantize[(triton.cdiv(SK, bs), B * H)](
-        k, k, k8, k8, means[0], means[1], stats[1], stats[0], kb, row_scales, kb, H, S, SK, 0, *k.stride(),
-        *k.stride(), *kb.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, KB_POW2=True,
-        K_ROW_SCALE=bool(k_rows), num_warps=4)
-    return k8, stats[2], kb, (buf if k_rows else means)
-
-
 def _fused_topk_args(select, out, num_warps, placeholder):
     """The pair kernel's TOPK arguments (runtime args, constexprs) for ``select`` (a ``topk.FusedRows`` or None)."""
     if select is None:
@@ -859,9 +766,6 @@ _TOPK_FUSED_MIN_CAPABILITY = (9, 0)
 # 0.478 at 14B 720p, against 0.589 / 0.590 / 0.596 / 0.593 and 0.485 / 0.486 / 0.490 / 0.497 with two groups per
 # program: better at every point (selection identical, GPU-checked).
 _ONE_GROUP_DEFAULT = True
-# group_prob_sums / select_kv: the one-group float8 kernel quantises its own queries from the raw q (q_raw,
-# ``fp8_k_operands``: q read once for a sampled mean instead of twice + a float8 copy); not measured yet
-_Q_RAW_DEFAULT = False
 # the float8 pair kernel with the fused top-K: ptxas gives it 170 registers uncapped (2 programs of 4 warps per SM)
 # against the plain kernel's 166 (3 programs); capped at 168 it keeps 3, no spill, its key loop 554 instead of 532
 # SASS instructions per tile pair (tests/ptxas_select.py), under a loop bound 2:1 by MUFU over issue. With one_group
@@ -893,7 +797,7 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
                     num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None,
-                    poly3=(0, 0), select=None, one_group=None, row_sums=None, q_raw=None):
+                    poly3=(0, 0), select=None, one_group=None, row_sums=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -932,11 +836,6 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         select: optional ``topk.FusedRows``: the pair kernel also writes each group's top-K of the float16 sums into
         ``select.out`` and sets ``select.done`` (then the caller runs ``select.finish(out)``); other kernels leave it
         unset (the caller runs ``topk.top_k_rows``). Needs float16 ``out``.
-        q_raw: the float8 one-group kernel quantises each query group itself from the raw q and lse (``Q_RAW``,
-        ``_quantize_group``: the group's own power-of-two scale) and the operand pass makes k's operands only
-        (``fp8_k_operands``: q read once, for a mean over every 8th row); approximate sums like fp8 (other roundings);
-        "k_rows": also each k row by its own scale (k read once, its mean sampled too); None: ``_Q_RAW_DEFAULT``
-        where it applies; True elsewhere is a ValueError. Never the Gluon kernel.
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
@@ -998,16 +897,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     if pair and C <= block_m:
         qf = kb = lse  # placeholders, not read without FP8
         pow2 = False  # the Triton kernel reads 2^KB (KB_POW2) where the Gluon kernel will not be tried
-        raw = _Q_RAW_DEFAULT if q_raw is None else q_raw
-        k_rows = raw == "k_rows"
-        raw = bool(raw) and fp8 and bool(one_group)
-        if q_raw and not raw:
-            raise ValueError("q_raw needs the float8 kernel with one group per program")
-        means = None
-        if raw:  # the Triton one-group kernel quantises its queries itself (no Gluon)
-            pow2 = True
-            k, qf, kb, means = fp8_k_operands(q, k, scale, k_rows=k_rows)
-        elif fp8:
+        if fp8:
             # 2^KB precomputed unless the Gluon kernel will be tried with a config that reads KB itself
             pow2 = not pass2_dispatch.gluon_mode(gluon) or pass2_dispatch.gluon_kb_pow2(D)
             q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2)
@@ -1019,14 +909,11 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         warps_ = num_warps or warps
         sel_args, sel_meta = _fused_topk_args(select, out, warps_, lse)
         _group_prob_sums_pair[(G if one_group else triton.cdiv(G, 2), B * H)](
-            q, k, lse, perm, out, qf, kb, means if raw else (qf if hist is None else hist), scale * _LOG2E, H, S, SK,
-            n_slots, C, G,
+            q, k, lse, perm, out, qf, kb, qf if hist is None else hist, scale * _LOG2E, H, S, SK, n_slots, C, G,
             *q.stride(), *k.stride(), *lse.stride(), *out.stride(), *sel_args,
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
             POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32,
-            WITH_HIST=hist is not None, KB_POW2=pow2, ONE_GROUP=bool(one_group), Q_RAW=raw, K_ROWS=raw and k_rows,
-            **sel_meta,
-            num_warps=warps_,
+            WITH_HIST=hist is not None, KB_POW2=pow2, ONE_GROUP=bool(one_group), **sel_meta, num_warps=warps_,
             ROW_SUMS=_ROW_SUMS[row_sums or _ROW_SUMS_DEFAULT] if one_group else 0,
             num_stages=num_stages or stages,
             **({"maxnreg": 128 if one_group else _TOPK_FUSED_MAXNREG} if select is not None and fp8 and cap is not None
@@ -1056,7 +943,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
               topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None, row_sums=None,
-              poly3=(0, 0), q_raw=None, topk_count=None):
+              poly3=(0, 0), topk_count=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -1073,8 +960,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     ``_TOPK_HIST_DEFAULT``); ``topk_fused``: the pair kernel runs the bracket top-K on its own groups' sums after
     its key sweep (``topk.FusedRows``; same selection; None: ``_TOPK_FUSED_DEFAULT`` on sm_90+; ignored with ``topk_method``,
     ``topk_hist`` or when another pass-2 kernel runs); ``topk_count``: that top-K's threshold among its candidates
-    by counting (``FusedRows.cand_count``; same selection; None: ``_TOPK_COUNT_DEFAULT``); ``q_raw``: the one-group
-    float8 kernel quantises its queries itself (``group_prob_sums``; None: ``_Q_RAW_DEFAULT``).
+    by counting (``FusedRows.cand_count``; same selection; None: ``_TOPK_COUNT_DEFAULT``).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -1108,7 +994,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon, select=select,
-            one_group=one_group, row_sums=row_sums, poly3=poly3, q_raw=q_raw,
+            one_group=one_group, row_sums=row_sums, poly3=poly3,
         )
         if select is not None and select.done:
             select.finish(sums)
