@@ -185,23 +185,21 @@ def test_gluon_rt8_q_regs_next_item_head_dim_64():
            q_regs=True, row_threads=8, next_item=True)
 
 
-@pytest.mark.parametrize(("which", "rows"), [(0, "short"), (1, "short"), (0, "long"), (1, "long")],
-                         ids=["auto0-short", "auto1-short", "auto0-long", "auto1-long"])
-def test_auto_schedules_split_tail_vs_float64(which, rows):
-    """Each AUTO_SCHEDULES entry (the last, partial round of work items split into key ranges since round s7r2,
-    merged by sparse_tail_merge) called directly where the split happens: "short": 36 items of 1-3 key tiles on 7
-    programs (5 rounds, then one item in 4 parts, some empty), fp16, int4_group (auto0) / fp8_row (auto1), ragged
-    counts; "long": 192 items of 12 key tiles on 10 programs (19 rounds, then 2 items in 4 parts of 3 tiles), bf16,
-    plain (auto0) / int4_row (auto1). NaN-poisoned out view, LSE."""
+@pytest.mark.parametrize("rows", ["short", "long"], ids=["split0-short", "split0-long"])
+def test_auto_schedules_split_tail_vs_float64(rows):
+    """The AUTO_SCHEDULES entry with the split last round (since round s7r2; merged by sparse_tail_merge) called
+    directly where the split happens: "short": 36 items of 1-3 key tiles on 7 programs (5 rounds, then one item in 4
+    parts, some empty), fp16, int4_group, ragged counts; "long": 192 items of 12 key tiles on 10 programs (19 rounds,
+    then 2 items in 4 parts of 3 tiles), bf16, plain residual. NaN-poisoned out view, LSE."""
     d = _dispatch()
-    tuning = dict(d.GLUON_SCHEDULES[d.AUTO_SCHEDULES[which]])
-    assert tuning.get("split_tail"), tuning
+    split = [n for n in d.AUTO_SCHEDULES if d.GLUON_SCHEDULES[n].get("split_tail")]
+    assert split, d.AUTO_SCHEDULES
+    tuning = d.GLUON_SCHEDULES[split[0]]
     if rows == "short":
-        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, ("int4_group", "fp8_row")[which], torch.float16, seed=13,
-               ragged_counts=True, num_sms=7, **tuning)
+        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "int4_group", torch.float16, seed=13, ragged_counts=True,
+               num_sms=7, **tuning)
     else:
-        _check(2, 3, 4000, 128, 128, 1500, 1536, ("plain", "int4_row")[which], torch.bfloat16, seed=41, num_sms=10,
-               **tuning)
+        _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=41, num_sms=10, **tuning)
 
 
 def test_gluon_persistent_c192_vs_float64():
