@@ -63,39 +63,13 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence idx2": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         idx_ahead=2),
-    # both, with the producer's copies at 8 threads per row (each warp cp.async 4 rows x 128 bytes: whole 128-byte
-    # lines, half the lines per request of the default 4 threads x 8 rows x 64 bytes); pingpong persistent with rt8
-    # ran 0.6-6 % faster than without at every point of round s6final (same race)
-    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs rt8": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, row_threads=8),
-    "pingpong persistent 3 stages thread_arrive early_q no_fence idx2 rt8": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        idx_ahead=2, row_threads=8),
-    # + each item's first loads (count tail, first tiles' indices, perm entries) issued by the producer when the
-    # previous item starts: no round trip to memory at an item boundary
-    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs rt8 next_item": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, row_threads=8, next_item=True),
-    "pingpong persistent 3 stages thread_arrive early_q no_fence idx2 rt8 next_item": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        idx_ahead=2, row_threads=8, next_item=True),
-    # + the last, partial round of work items split into up to 4 key ranges (sparse_tail_merge combines them), with
-    # registers 216 / 72 (the split walk's producer spilled in its copy loop at 56)
-    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs rt8 next_item split": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, row_threads=8, next_item=True, split_tail=4, consumer_regs=216, producer_regs=72),
-    "pingpong persistent 3 stages thread_arrive early_q no_fence idx2 rt8 next_item split": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        idx_ahead=2, row_threads=8, next_item=True, split_tail=4, consumer_regs=216, producer_regs=72),
-    # the two schedules of round s6r2's auto mode with the split last round (registers 216 / 72: at 224 / 56 the
-    # split walk's producer spilled 5-6 local accesses per tile in its copy loop, offline SASS)
+    # q_regs with the last, partial round of work items split into key ranges (split_tail; registers 216 / 72: at
+    # 224 / 56 the split walk's producer spilled 5-6 local accesses per tile in its copy loop, offline SASS). The
+    # producer at 8 threads per row and each item's first loads an item early (rt8, next_item) measured no faster in
+    # round s7r1 and are bench rows only (tests/bench_kernels.py GLUON_CONFIGS)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs split": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         q_regs=True, split_tail=4, consumer_regs=216, producer_regs=72),
-    "pingpong persistent 3 stages thread_arrive early_q no_fence idx2 split": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        idx_ahead=2, split_tail=4, consumer_regs=216, producer_regs=72),
 }
 # What the auto mode times per shape. H200, 2026-12-01 13:42 (tests/_timing.race, vs flash-attn-4 dense with LSE x s,
 # 1.3B 480p / 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5): pingpong persistent with the 3-deep ring and per-thread
