@@ -182,12 +182,8 @@ def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, cta
     (torch.bfloat16, 128, True, ("overlap", "persistent")), (torch.float16, 64, False, ("overlap", "persistent")),
     (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi")),
     (torch.float16, 64, True, ("overlap", "persistent", "hide_epi")),
-    (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "tma_q")),
-    (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "tma_h")),
-    (torch.float16, 64, True, ("overlap", "persistent", "tma_h")),
-    (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "l2_ahead")),
-], ids=["bf16-d128-lse", "fp16-d64", "hide-bf16-d128", "hide-fp16-d64-lse", "hide-tmaq-bf16-d128",
-        "hide-tmah-bf16-d128", "tmah-fp16-d64-lse", "hide-l2ahead-bf16-d128"])
+    (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "split_tail", "l2_ahead")),
+], ids=["bf16-d128-lse", "fp16-d64", "hide-bf16-d128", "hide-fp16-d64-lse", "split-l2ahead-bf16-d128"])
 def test_cutedsl_overlap_grids(dtype, D, lse, options):
     """The "overlap" option (two groups in flight per CTA: 2-slot query ring, the next group's first Q K^T issued
     with this group's last P V, O staged in the finished group's query slot) against float64 on persistent grids of
@@ -195,9 +191,9 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
     which never take the cross-group step), ragged counts (one group with a single key: a group of one tile, whose
     last P V is its first), K_alloc not a multiple of 128, B = 2, a NaN-filled out written in full each time, the
     LSE in query order. With "hide_epi" the boundary also runs the next group's second key tile while the output
-    is stored (groups of one tile take the plain boundary); with "tma_q" / "tma_h" a quarter / half of the K/V
-    rows arrive by TMA boxes (the unit's 128-byte swizzle by shared address); "l2_ahead" prefetches rows into L2
-    two tiles ahead (no effect on the result: tested for hangs and that nothing else moved)."""
+    is stored (groups of one tile take the plain boundary); "l2_ahead" prefetches rows into L2 two tiles ahead (no
+    effect on the result: tested for hangs and that nothing else moved; with "split_tail", launched with one part per
+    group, its workspace unused)."""
     import math
 
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
@@ -210,13 +206,15 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
     fn = cc.compiled({torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], D, lse, "none", 2,
                      "cp.async+evict", "smem", options)
     n = B * H * idx.shape[2]
+    ws = (torch.empty(128, D, dtype=dtype, device="cuda"), torch.empty(128, device="cuda")) \
+        if "split_tail" in options else (None, None)  # one part per group: the workspace unused
     for ctas in (1, 2, 7, 500):
         base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
         out = base.view(B, S, H, D).transpose(1, 2)
         lse_t = torch.full((B, H, S), float("nan"), device="cuda") if lse else None
         cc.launch(fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse_t,
                   perm.reshape(n, C).contiguous(), idx.reshape(n, -1).contiguous(), valid_counts(idx), None, None,
-                  None, None, 1 / math.sqrt(D), ctas)
+                  None, None, 1 / math.sqrt(D), ctas, *ws, 1)
         assert not base.isnan().any() and (lse_t is None or not lse_t.isnan().any()), ctas
         err = _check(out, lse_t, q, k, v, perm, idx)
         print(f"cutedsl {options} ctas={ctas} {dtype} D={D}: rel err {err:.2e}")

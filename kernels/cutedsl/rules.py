@@ -27,8 +27,12 @@ EPILOGUE = "smem"
 # against 0.862 / 0.883 (single-call samples there: ~+-2 %). GPU-tested through the op (tests/test_gpu_cutedsl.py:
 # LSE, fp16, D 64, ragged counts, more and fewer groups than SMs) and on grids of 1-500 CTAs. "prefetch" in round
 # s6r2 (the op with it, side by side): a tie (0.807 / 0.795 / 0.866 / 0.872 and 0.833 / 0.857 / 0.870 / 0.918 against
-# 0.823 / 0.789 / 0.881 / 0.871 and 0.825 / 0.865 / 0.870 / 0.915): not taken.
-STAGED_OPTIONS: tuple = ("persistent", "overlap")
+# 0.823 / 0.789 / 0.881 / 0.871 and 0.825 / 0.865 / 0.870 / 0.915): not taken. + "hide_epi" (the output's global
+# stores under the next group's first MMAs) and "split_tail" (the last, partial round's groups split into key-tile
+# parts, merged by tail_merge.py) since 2026-12-01 19:20, for round s7r2 to measure against the previous default:
+# round s7r1 (3 rounds; s = 0.1, the only point where the rows ran as meant) the op with both 0.906 / 0.934 (1.3B /
+# 14B) against 0.832 / 0.859 for the op and 0.848 / 0.861 with hide_epi alone.
+STAGED_OPTIONS: tuple = ("persistent", "overlap", "hide_epi", "split_tail")
 # compile options of the register-epilogue kernel (calls with a residual: the reuse path's), as STAGED_OPTIONS:
 # persistent + overlap since 2026-12-01 16:40: H200 round s6r2 (method of record, 4 rounds, side by side, plain bf16
 # residual, no LSE; 1.3B 480p then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5) 0.772 / 0.757 / 0.856 / 0.878 and 0.834 /

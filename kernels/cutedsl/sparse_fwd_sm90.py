@@ -50,7 +50,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute import FastDivmodDivisorV2
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
 from flash_attn.cute import pipeline as fa_pipeline
@@ -64,7 +64,6 @@ from flash_attn.cute.softmax import Softmax
 from flash_attn.cute.tile_scheduler import WorkTileInfo
 from flash_attn.cute.utils import AuxData
 from quack import layout_utils, sm90_utils
-from quack.copy_utils import get_tma_desc_addr
 
 TILE = 128  # query tile (= group size C) and key tile
 RES_KINDS = (None, "plain", "fp8_row", "int4_row", "int4_group")
@@ -87,13 +86,6 @@ EPILOGUES = ("registers", "smem")
 # "hide_epi" (with "overlap", staged epilogue only): at a group boundary the finished group's output is staged in its
 # query slot, then the next group's second Q K^T and first P V are issued and the staged rows are written to global
 # memory while those run (``SparseFwdSm90._step_hiding``), instead of the tensor cores idling through the stores.
-# "tma_q" / "tma_h" (with the "cp.async+evict" producer): a quarter / half of each K/V tile's rows (the last 2 / 4 of
-# the 8 row passes of every producer warp: 32 / 64 rows) copied by the TMA unit instead of cp.async: the lane that
-# loaded a row's index issues that row's 1 x 64 boxes (one ``cp.async.bulk.tensor`` per box with the lane's own
-# coordinates; ptxas serialises them over the lanes, 4 / 8 lanes per warp; the unit swizzles by shared address),
-# completing on the stage's barrier (each warp's byte count expected by its lane 0 before its lanes' cp.async
-# arrivals); the other rows by cp.async as before. (All rows by TMA, one elected lane per warp walking its 32 rows,
-# measured 0.53-0.60 of dense x s on the H200 in session 5.)
 # "l2_ahead" (with the "cp.async+evict" producer): while a tile's rows are copied, each producer thread prefetches
 # into L2 (``prefetch.global.L2::evict_last`` per 128-byte line: a per-thread instruction, where the bulk prefetch is
 # a uniform one that ptxas loops over the lanes) the K and V rows of its slot two tiles further on, its index loaded
@@ -104,8 +96,11 @@ EPILOGUES = ("registers", "smem")
 # consecutive key tiles, one per CTA, which write their normalised O (rows in group order) and LSE to a workspace
 # (``mWsO`` ``(r*P*128, D)``, ``mWsL`` ``(r*P*128,)``); ``tail_merge.py`` combines them into ``out`` (and the LSE).
 # A part with no key tile (a group of fewer tiles than P) recomputes the group's last tile and writes LSE -inf.
-OPTIONS = ("persistent", "overlap", "hide_epi", "tma_q", "tma_h", "l2_ahead", "split_tail")
-TMA_PASSES = {"tma_q": 2, "tma_h": 4}  # of the 8 row passes (TILE // 16) per tile
+# Measured on the H200 and removed (round s7r1): "tma_q" / "tma_h", a quarter / half of each K/V tile's rows copied
+# by TMA boxes (1 x 64, 128-byte swizzle by shared address; the lane holding a row's index issued its boxes, which
+# ptxas serialises over the lanes since the instruction takes uniform operands), the rest by cp.async: 0.64-0.74 /
+# 0.50-0.61 of dense x s against 0.85-0.99 for the same kernel without them.
+OPTIONS = ("persistent", "overlap", "hide_epi", "l2_ahead", "split_tail")
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -240,9 +235,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         # the staged epilogue's global stores under the next group's first MMAs (needs O staged: no residual)
         self.hide_epi = "hide_epi" in options and self.smem_epilogue
         assert "hide_epi" not in options or self.overlap, "hide_epi is an overlap option"
-        # row passes (the last ones of every producer warp) whose K/V rows go by TMA boxes
-        self.tma_passes = max([TMA_PASSES[o] for o in options if o in TMA_PASSES] + [0])
-        assert not self.tma_passes or producer == "cp.async+evict", "the TMA rows need the hinted producer"
         self.l2_ahead = "l2_ahead" in options
         self.split_tail = "split_tail" in options
         assert not self.split_tail or (self.overlap and self.smem_epilogue), "split_tail: overlap, staged epilogue"
@@ -283,13 +275,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         SharedStorage = self._get_shared_storage_cls()
         # (B, S, H, D) -> (S, D, H, B): the row-copy helper's (row, d, head, batch) order
         mQ, mK, mV = [layout_utils.select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV)]
-        atom_k = atom_v = None
-        if const_expr(self.tma_passes):
-            # one row x 64 columns (128 bytes) per box, 128-byte swizzle as the K/V stages; coordinates (d, s, h, b)
-            row_layout = cute.make_composed_layout(self.sK_layout.inner, 0, cute.make_layout((1, 64), stride=(64, 1)))
-            op = cpasync.CopyBulkTensorTileG2SOp()
-            atom_k, _ = cpasync.make_tiled_tma_atom(op, mK, row_layout, (1, 64))
-            atom_v, _ = cpasync.make_tiled_tma_atom(op, mV, row_layout, (1, 64))
         softmax_scale_log2, softmax_scale = fa_utils.compute_softmax_scale_log2(softmax_scale, None)
         total = mPerm.shape[0]
         # the staged epilogue through the query tile, which a persistent CTA's producer refills: one group per CTA
@@ -297,7 +282,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         grid_x = total if const_expr(one_per_group) else cutlass.min(num_ctas, total)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mPerm, mIdx, mCounts, mRes, mScale, mCoef, mMean, softmax_scale_log2, softmax_scale,
-            total, atom_k, atom_v, mWsO, mWsL, n_parts, tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout, SharedStorage,
+            total, mWsO, mWsL, n_parts, tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout,
+            SharedStorage,
         ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def _get_shared_storage_cls(self):
@@ -333,14 +319,11 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
                mIdx: cute.Tensor, mCounts: cute.Tensor, mRes, mScale, mCoef, mMean, softmax_scale_log2: Float32,
-               softmax_scale, total: Int32, atom_k, atom_v, mWsO, mWsL, n_parts: Int32, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+               softmax_scale, total: Int32, mWsO, mWsL, n_parts: Int32, tiled_mma_qk: cute.TiledMma,
+               tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if const_expr(self.tma_passes):
-            if warp_idx == 0:
-                cpasync.prefetch_descriptor(atom_k)
-                cpasync.prefetch_descriptor(atom_v)
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         Threads = partial(cutlass.pipeline.CooperativeGroup, cutlass.pipeline.Agent.Thread)
@@ -379,7 +362,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, atom_k, atom_v, work_fn)
+                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn)
         else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
@@ -400,10 +383,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def load_fused(self, mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, atom_k=None, atom_v=None, work_fn=None):
+                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn=None):
         """Producer: per group, its query rows through ``perm`` and its K/V rows through ``kv_idx``, all by cp.async
-        (mQ/mK/mV ``(S, D, H, B)``; mPerm ``(N, 128)``, mIdx ``(N, K_alloc)``), or the K/V rows of the last
-        ``tma_passes`` row passes by TMA boxes (``atom_k`` / ``atom_v``: the tiled TMA atoms, "tma_q" / "tma_h")."""
+        (mQ/mK/mV ``(S, D, H, B)``; mPerm ``(N, 128)``, mIdx ``(N, K_alloc)``); ``work_fn``: ``_work`` with the
+        launch's arguments bound ("split_tail")."""
         tidx, _, _ = cute.arch.thread_idx()
         k_alloc = mIdx.shape[1]
         q_phase = Int32(1)
@@ -431,9 +414,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 self.tile_hdim, self.tile_hdim, self.num_threads_per_warp_group, mQ.element_type, arch=90,
             )
             index = _IndexRow(rows, rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, k_alloc, tidx)
-            tma = None
-            if const_expr(self.tma_passes):  # descriptors and head for the TMA rows (trace-time bundle)
-                tma = SimpleNamespace(K=get_tma_desc_addr(atom_k).toint(), V=get_tma_desc_addr(atom_v).toint(), h=h)
             q_index = _IndexRow(q_rows, q_rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, Int32(self.tile_m),
                                 tidx)
             q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
@@ -451,7 +431,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             index.advance()
             index.fetch(n_block - 1)
             pipeline_k.producer_acquire(kv_state)
-            self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block, tma)
+            self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
             if const_expr(not self.overlap):
                 pipeline_q.producer_acquire_w_index_phase(0, q_phase)
                 q_index.advance()
@@ -460,7 +440,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 pipeline_q.producer_commit_w_index(0)
                 q_phase ^= 1
             kv_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min,
-                                          n_block_max, tma)
+                                          n_block_max)
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
         pipeline_v.producer_tail(kv_state)
@@ -691,8 +671,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                        fastdiv_mods=None)
 
     @cute.jit
-    def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min, n_block_max,
-                      tma=None):
+    def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min, n_block_max):
         """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1 (its
         stage is the previous one), V of the last tile at the end. The row addresses of tile j-1 are kept in a
         register while tile j's are loaded. With "l2_ahead" the rows of tile j-2 are prefetched into L2 before tile
@@ -712,31 +691,27 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             v_state = kv_state.clone()
             kv_state.advance()
             pipeline_k.producer_acquire(kv_state)
-            self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block, tma)
+            self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
             cur_row = rows.tPrPageOffset[0]
             rows.tPrPageOffset[0] = prev_row
             pipeline_v.producer_acquire(v_state)
-            self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block + 1, tma)
+            self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block + 1)
             rows.tPrPageOffset[0] = cur_row
         pipeline_v.producer_acquire(kv_state)
-        self._load_tile(rows, sV, pipeline_v, kv_state, "V", n_block_min, tma)
+        self._load_tile(rows, sV, pipeline_v, kv_state, "V", n_block_min)
         kv_state.advance()
         return kv_state
 
     @cute.jit
-    def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32,
-                   tma=None):
+    def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32):
         """One K or V tile into stage ``state.index``: flash-attn-4's row copy (``cp.async``), or for the
-        "cp.async+l2" / "cp.async+evict" producers the same copies with L2 hints (``_copy_rows_hinted``), the last
-        ``tma_passes`` row passes by TMA (``_tma_rows``; ``tma``: load_fused's bundle)."""
+        "cp.async+l2" / "cp.async+evict" producers the same copies with L2 hints (``_copy_rows_hinted``)."""
         if const_expr(self.producer == "cp.async"):
             self.load_KV(None, rows, sX, block=block, pipeline_kv=pipeline_kv, producer_state=state, K_or_V=K_or_V)
         else:
             stage_bytes = TILE * self.tile_hdim * (self.dtype.width // 8)
             base = sX[None, None, 0].iterator.toint() + state.index * stage_bytes
             policy_kind = "evict_last" if const_expr(self.producer == "cp.async+evict") else None
-            if const_expr(self.tma_passes):
-                self._tma_rows(rows, base, K_or_V, tma, pipeline_kv.producer_get_barrier(state))
             self._copy_rows_hinted(rows, base, K_or_V, policy_kind)
             cute.arch.cp_async_commit_group()
             pipeline_kv.producer_commit(state)
@@ -755,7 +730,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         x_ptr = rows.compute_X_ptr(K_or_V)[0]
         dst0 = base + r0 * 128 + ((lane8 ^ (r0 % 8)) << 4)
         policy = _l2_policy(policy_kind) if const_expr(policy_kind is not None) else Int64(0)
-        for m in cutlass.range_constexpr(TILE // 16 - self.tma_passes):  # the rest by TMA (``_tma_rows``)
+        for m in cutlass.range_constexpr(TILE // 16):
             src = fa_utils.shuffle_sync(x_ptr, m % 8, width=8) + Int64(lane8 * 16)
             for k in cutlass.range_constexpr(self.tile_hdim // 64):
                 _cp_async_16_hinted(dst0 + (m * 16 * 128 + k * TILE * 128), src + Int64(k * 128), policy,
@@ -769,27 +744,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             src = fa_utils.elem_pointer(mX, (token, 0, rows.tPrPage[0])).toint()
             for line in cutlass.range_constexpr(row_bytes // 128):
                 _prefetch_l2(src + Int64(line * 128))
-
-    @cute.jit
-    def _tma_rows(self, rows: PagedKVManager, base: Int32, K_or_V: str, tma, bar):
-        """The last ``tma_passes`` row passes of this warp by TMA: lane l holds the token index of row
-        ``(t % 8) * 16 + t // 8`` (t its producer thread index, ``_IndexRow.fetch``), copied in pass ``t % 8``;
-        the lanes of the TMA passes issue their row's D/64 boxes of 1 x 64 into ``base + c*TILE*128 + row*128``
-        (the unit applies the 128-byte swizzle by shared address: 1024-byte aligned stages); lane 0 first adds the
-        warp's bytes to the stage's barrier ``bar`` (its cp.async arrival after that keeps the phase open until
-        they land)."""
-        t = rows.thread_idx
-        row = (t % 8) * (TILE // 8) + t // 8
-        if cute.arch.lane_idx() == 0:  # 4 lanes per pass in a warp
-            cute.arch.mbarrier_expect_tx(bar, 4 * self.tma_passes * self.tile_hdim * (self.dtype.width // 8))
-        cute.arch.sync_warp()
-        if t % 8 >= 8 - self.tma_passes:
-            desc = tma.K if const_expr(K_or_V == "K") else tma.V
-            policy = _l2_policy("evict_last")
-            bar_addr = Int32(bar.toint())
-            for c in cutlass.range_constexpr(self.tile_hdim // 64):
-                _tma_row_box(base + (c * TILE * 128) + row * 128, desc, Int32(c * 64), rows.tPrPageOffset[0],
-                             tma.h, rows.tPrPage[0], bar_addr, policy)
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx, m_block,
@@ -921,7 +875,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _store_rows(self, tOrO, tOcO, mO, mPerm, group, b, h, rows):
-        """This thread's read-back 16-byte pieces ``tOrO`` (tile coordinates ``tOcO``) to ``out[b, perm[row], h, :]``."""
+        """This thread's read-back 16-byte pieces ``tOrO`` (tile coordinates ``tOcO``) to ``out[b, perm[row], h,
+        :]``."""
         for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
             q_row = mPerm[group, tOcO[0, rest_m, 0][0]] if const_expr(rows is None) else rows[1][rest_m]
             if q_row >= 0:
@@ -1047,20 +1002,6 @@ def _l2_policy(kind: str, *, loc=None, ip=None) -> Int64:
 def _prefetch_l2(src: Int64, *, loc=None, ip=None):
     """``prefetch.global.L2::evict_last`` of the line at global ``src``."""
     llvm.inline_asm(None, [Int64(src).ir_value(loc=loc, ip=ip)], "prefetch.global.L2::evict_last [$0];", "l",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def _tma_row_box(dst: Int32, desc: Int64, d: Int32, s: Int32, h: Int32, b: Int32, mbar: Int32, policy: Int64, *,
-                 loc=None, ip=None):
-    """One TMA box (the descriptor's box: 1 row x 64 columns) at coordinates (d, s, h, b) of the 4-d tensor map at
-    generic address ``desc`` into shared address ``dst``, completing ``mbar`` (shared address) by its bytes, with
-    the L2 cache ``policy``; issued by every lane that runs it (its own coordinates)."""
-    llvm.inline_asm(None, [Int32(x).ir_value(loc=loc, ip=ip) for x in (dst,)] + [Int64(desc).ir_value(loc=loc, ip=ip)]
-                    + [Int32(x).ir_value(loc=loc, ip=ip) for x in (d, s, h, b, mbar)]
-                    + [Int64(policy).ir_value(loc=loc, ip=ip)],
-                    "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-                    " [$0], [$1, {$2, $3, $4, $5}], [$6], $7;", "r,l,r,r,r,r,r,l",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
