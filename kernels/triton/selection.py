@@ -219,44 +219,21 @@ def _key_scaled(col, kb_base, keys, SK, FP8: tl.constexpr, KB_POW2: tl.constexpr
 
 
 @triton.jit
-def _pair_row_sums(p):
-    """Row sums of p ([BLOCK_N, BLOCK_M] fp32 -> [BLOCK_N]) as two independent partial sums per thread (its even and
-    odd query columns) added at the end: ``tl.sum`` adds a thread's 32 values of a row in one dependent chain
-    (offline PTX), this runs two chains of 16 (the wgmma accumulator holds column pairs in one thread, so the split
-    moves no data). The same FADD count; the addition order differs (fp32 rounding). A further split by nested
-    reshapes costs a shared-memory layout conversion (offline: 368 FADD, 16 KiB more shared memory)."""
-    a, b = tl.split(tl.reshape(p, [p.shape[0], p.shape[1] // 2, 2]))
-    return tl.sum(a, 1) + tl.sum(b, 1)
-
-
-@triton.jit
-def _mixed_exp2(x, EXP_MODE: tl.constexpr, EIGHTHS: tl.constexpr, tile, PARITY: tl.constexpr):
-    """2^x ([BLOCK_N, BLOCK_M] fp32) with EIGHTHS / 8 of it on the degree-3 polynomial (``_exp2_poly3``, FMA pipe)
-    as ``_mixed_sums`` splits it (4: the odd query columns of every key tile; 2: of the tiles whose index ``tile``
-    has parity PARITY; 0: none), the rest on MUFU; the two halves joined back in place (no data moved)."""
-    if EIGHTHS == 0:
-        p = _mufu_exp2(x, EXP_MODE)
+def _store_direct(ptrs, vals, mask):
+    """``tl.store(ptrs, vals, mask=mask)`` (float16 or float32 ``vals``) by inline PTX, so the values are stored from
+    the registers that hold them (a key's sum sits in the 4 lanes of a quad of the wgmma layout: 4 stores of the same
+    bytes in one warp instruction) instead of through the shared-memory layout conversion ``tl.store`` gets (2
+    st.shared + bar.sync + ld.shared per key tile, offline PTX). CUDA only (inline assembly)."""
+    if vals.dtype == tl.float16:
+        done = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b16 [$1], $2; mov.b32 $0, 0; }", "=r,l,h,r",
+            [ptrs, vals.to(tl.int16, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-        if EIGHTHS == 4:
-            odd = _exp2_poly3(odd)
-        else:
-            tl.static_assert(EIGHTHS == 2, "EIGHTHS must be 0, 2 or 4")
-            if tile % 2 == PARITY:
-                odd = _exp2_poly3(odd)
-            else:
-                odd = _mufu_exp2(odd, EXP_MODE)
-        p = tl.reshape(tl.join(_mufu_exp2(even, EXP_MODE), odd), [x.shape[0], x.shape[1]])
-    return p
-
-
-@triton.jit
-def _mma_row_sums(p):
-    """Row sums of p ([BLOCK_N, BLOCK_M] fp32 -> [BLOCK_N]) on the tensor cores: p rounded to bfloat16 times a
-    [BLOCK_M, 16] matrix with ones in column 0 (fp32 accumulate), then the 16 columns of the product added (15 of
-    them 0). Each term carries bfloat16 rounding (2^-9 relative)."""
-    ones = tl.where((tl.arange(0, p.shape[1])[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0), 1.0, 0.0)
-    return tl.sum(tl.dot(p.to(tl.bfloat16), ones.to(tl.bfloat16)), 1)
+        tl.static_assert(vals.dtype == tl.float32, "float16 or float32 values")
+        done = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
+            [ptrs, vals.to(tl.int32, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    return done
 
 
 # (the fused top-K's per-density integers are not specialised: one compile serves every density)
@@ -289,7 +266,7 @@ def _group_prob_sums_pair(
     T_ROWS: tl.constexpr = 128,  # top-K tile rows (16-byte vectors) per sweep step
     T_NS: tl.constexpr = 1024,  # top-K sample slots (a power of two >= n_samp)
     T_TWO_BITS: tl.constexpr = False,  # its sample order statistics two bits per reduction (T_NS <= 8 per thread)
-    ROW_SUMS: tl.constexpr = 0,  # ONE_GROUP: row sums 0 ``tl.sum``, 1 ``_pair_row_sums``, 2 ``_mma_row_sums``
+    DIRECT_STORE: tl.constexpr = False,  # ONE_GROUP: the sums stored from the registers that hold them (``_store_direct``)
     T_CAND_COUNT: tl.constexpr = False,  # the top-K's threshold among its candidates by counting (FusedRows.cand_count)
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
@@ -392,19 +369,14 @@ def _group_prob_sums_pair(
             k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                         mask=k_ok[:, None], other=0.0)
             x0 = tl.dot(k, tl.trans(q0)) * f - l0[None, :]
-            if ROW_SUMS == 2:
-                tl.static_assert(ONE_GROUP, "ROW_SUMS: one group")
-                col0 = _key_scaled(_mma_row_sums(_mixed_exp2(x0, EXP_MODE, P3_G0, n0 // BLOCK_N, 0)), kb_base, keys,
-                                   SK, FP8, KB_POW2)
-            elif ROW_SUMS == 1:
-                tl.static_assert(ONE_GROUP and P3_G0 == 0, "ROW_SUMS 1: one group, no poly3")
-                col0 = _key_scaled(_pair_row_sums(_mufu_exp2(x0, EXP_MODE)), kb_base, keys, SK, FP8, KB_POW2)
-            else:
-                col0 = _key_scaled(_mixed_sums(x0, EXP_MODE, P3_G0, n0 // BLOCK_N, 0), kb_base, keys, SK, FP8,
-                                   KB_POW2)
+            col0 = _key_scaled(_mixed_sums(x0, EXP_MODE, P3_G0, n0 // BLOCK_N, 0), kb_base, keys, SK, FP8, KB_POW2)
             dst = s_base + keys.to(tl.int64) * stride_sn
             c0 = col0.to(SUMS.dtype.element_ty)
-            tl.store(dst, c0, mask=k_ok)
+            if DIRECT_STORE:
+                tl.static_assert(ONE_GROUP and not WITH_HIST, "DIRECT_STORE: one group, no histogram")
+                _store_direct(dst, c0, k_ok)
+            else:
+                tl.store(dst, c0, mask=k_ok)
             if not ONE_GROUP:
                 x1 = tl.dot(k, tl.trans(q1)) * f - l1[None, :]
                 col1 = _key_scaled(_row_sums(x1, EXP_MODE, POLY, P3_G1, n0 // BLOCK_N), kb_base, keys, SK, FP8, KB_POW2)
@@ -850,12 +822,13 @@ _ONE_GROUP_DEFAULT = True
 # the cap is 128 (4 programs per SM as without the top-K: ptxas 119 without, 122 uncapped / 119 capped with it, 0
 # spills; capped at 168 it would take 139 and lose a program)
 _TOPK_FUSED_MAXNREG = 168
-# the one-group kernel's row sums (row_sums): "chain" tl.sum (2 dependent FADD chains of 32 per tile and thread),
-# "pairs" (4 chains of 16; offline with the fused top-K under the 128 cap: 124 registers, 0 spills), "mma" (bf16
-# P x a ones column on the tensor cores, P from registers: 8 HGMMA m64n16k16 + 32 F2FP instead of 64 FADD per tile;
-# 128 registers, 0 spills, +4 KiB shared memory). Not measured yet: "chain".
-_ROW_SUMS = {"chain": 0, "pairs": 1, "mma": 2}
-_ROW_SUMS_DEFAULT = "chain"
+# the one-group kernel's key sums stored by inline PTX from the wgmma layout (direct_store; CUDA only): no
+# shared-memory layout conversion per key tile (offline PTX: Triton then places its CTA barrier before the next
+# cp.async instead). Not measured yet: off. (Measured slower in round s7r1, the pass-2 kernel alone / flash-attn-4
+# dense at 1.3B 480p, 0.5226 for the default: the row sums as two partial sums per thread 0.5450, on the tensor cores
+# (bf16 P x a ones column, P from registers) 0.5761, a quarter of the exponentials on the degree-3 polynomial 0.5997,
+# 4 stages 0.5524; removed.)
+_DIRECT_STORE_DEFAULT = False
 
 
 def fp8_default(capability: tuple[int, int] | None) -> bool:
@@ -875,7 +848,7 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
                     num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None,
-                    poly3=(0, 0), select=None, one_group=None, row_sums=None, operand_sample=None):
+                    poly3=(0, 0), select=None, one_group=None, direct_store=None, operand_sample=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -901,11 +874,9 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         one_group: the pair kernel with ONE query group per program (unstaggered; no hist, no poly): 119
         registers instead of 166 (offline), so 4 programs per SM instead of 3, each key tile read once per group;
         None: ``_ONE_GROUP_DEFAULT`` where it applies (float8, unstaggered, no hist / poly; with or without select).
-        row_sums: with one group per program, how each key's sum over the group's queries is added: "chain"
-        (``tl.sum``: one dependent FADD chain per row and thread), "pairs" (``_pair_row_sums``: two chains of half
-        the length; fp32 rounding order differs), "mma" (``_mma_row_sums``: on the tensor cores, each term rounded
-        to bfloat16; with poly3[0] its share on the polynomial, ``_mixed_exp2``); ignored otherwise; None:
-        ``_ROW_SUMS_DEFAULT``. ValueError for another value, or "pairs" with poly3.
+        direct_store: with one group per program on CUDA, the sums stored by inline PTX from the registers that
+        hold them (``_store_direct``; the same values); ignored elsewhere (the interpreter: ``tl.store``); None:
+        ``_DIRECT_STORE_DEFAULT``.
         poly3: (g0, g1), eighths (0, 2 or 4) of each of the pair kernel's two groups' exponentials taken by the
         degree-3 polynomial on the FMA pipe (``_exp2_poly3``: relative error < 7.6e-5) instead of MUFU (4: the odd
         query columns of every key tile; 2: of every other key tile, group 0's even tiles, group 1's odd); pair kernel
@@ -934,8 +905,6 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         out = torch.empty(B, H, G, SK, dtype=torch.float32, device=q.device)
     elif out.dtype not in (torch.float32, torch.float16) or tuple(out.shape) != (B, H, G, SK):
         raise ValueError(f"out must be float32/16 [B, H, G, Sk] = {(B, H, G, SK)}, got {out.dtype} {tuple(out.shape)}")
-    if row_sums not in (None, *_ROW_SUMS):
-        raise ValueError(f"row_sums must be None or one of {tuple(_ROW_SUMS)}, got {row_sums!r}")
     poly = 2 if poly is True else int(poly)
     if not 0 <= poly <= 2:
         raise ValueError(f"poly must be a bool or 0, 1, 2, got {poly}")
@@ -968,8 +937,6 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
     if one_group is None:
         one_group = (_ONE_GROUP_DEFAULT and fp8 and not pipelined and hist is None and not poly
                      and not any(poly3))
-    if one_group and (row_sums or _ROW_SUMS_DEFAULT) == "pairs" and poly3[0]:
-        raise ValueError("row_sums='pairs' takes no poly3 ('chain' or 'mma' do)")
     if one_group and (hist is not None or pipelined or poly or poly3[1]):
         raise ValueError("one_group: unstaggered, without hist / poly / poly3[1]")
     if (exp_mode == 3 or any(poly3) or one_group) and not (pair and C <= block_m):
@@ -995,7 +962,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
             POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32,
             WITH_HIST=hist is not None, KB_POW2=pow2, ONE_GROUP=bool(one_group), **sel_meta, num_warps=warps_,
-            ROW_SUMS=_ROW_SUMS[row_sums or _ROW_SUMS_DEFAULT] if one_group else 0,
+            DIRECT_STORE=bool(one_group) and cap is not None and (_DIRECT_STORE_DEFAULT if direct_store is None
+                                                                  else bool(direct_store)),
             num_stages=num_stages or stages,
             **({"maxnreg": 128 if one_group else _TOPK_FUSED_MAXNREG} if select is not None and fp8 and cap is not None
                else {}),
@@ -1023,7 +991,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
-              topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None, row_sums=None,
+              topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None, direct_store=None,
               poly3=(0, 0), topk_count=None, operand_sample=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
@@ -1032,7 +1000,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. ``topk.top_k_rows`` then writes each group's
     row of the selection in place: the K largest float16 sums (ties: lower token index first), ascending, then -1.
     ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined``,
-    ``exp``, ``pair``, ``poly``, ``fp8``, ``gluon``, ``one_group``, ``row_sums``, ``poly3`` tune pass 2 (see
+    ``exp``, ``pair``, ``poly``, ``fp8``, ``gluon``, ``one_group``, ``direct_store``, ``poly3`` tune pass 2 (see
     ``group_prob_sums``; the defaults are
     its defaults: the staggered two-group kernel, float8 products per ``fp8_default``); ``topk_method`` picks
     ``topk.top_k_rows``'s
@@ -1076,7 +1044,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon, select=select,
-            one_group=one_group, row_sums=row_sums, poly3=poly3, operand_sample=operand_sample,
+            one_group=one_group, direct_store=direct_store, poly3=poly3, operand_sample=operand_sample,
         )
         if select is not None and select.done:
             select.finish(sums)
