@@ -425,3 +425,84 @@ def test_public_op_checks_no_other_test_reached(gen, case):
     with registry.recording(record), pytest.raises(err, match=words.replace("*", r"\*")):
         call()
     assert not record.failures
+
+
+class _H3D21Attention(torch.nn.Module):
+    """``comfy/ldm/hunyuan3dv2_1/hunyuandit.py`` ``Attention`` (L352-418): q/k/v projections, per-head q/k norms, the
+    interleaved per-head split, attention without transformer_options, out_proj."""
+
+    def __init__(self, gen, heads=2, head_dim=64):
+        super().__init__()
+        dim = heads * head_dim
+        self.num_heads, self.head_dim = heads, head_dim
+        self.to_q, self.to_k, self.to_v, self.out_proj = (torch.nn.Linear(dim, dim) for _ in range(4))
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=gen) * dim**-0.5
+        self.q_norm = self.k_norm = torch.nn.LayerNorm(head_dim)
+        self.requires_grad_(False)  # ComfyUI samples under inference mode
+
+    def forward(self, x):
+        from comfy.ldm.modules.attention import optimized_attention
+
+        B, N, _ = x.shape
+        qkv = torch.cat((self.to_q(x), self.to_k(x), self.to_v(x)), dim=-1)
+        split = qkv.shape[-1] // self.num_heads // 3
+        q, k, v = torch.split(qkv.view(1, -1, self.num_heads, split * 3), split, dim=-1)
+        q = self.q_norm(q.reshape(B, N, self.num_heads, self.head_dim)).reshape(B, N, -1)
+        k = self.k_norm(k.reshape(B, N, self.num_heads, self.head_dim)).reshape(B, N, -1)
+        return self.out_proj(optimized_attention(q, k, v.reshape(B, N, -1), heads=self.num_heads))
+
+
+def test_hunyuan3d21_attention_forward_contains_a_bug_and_passes_the_callers_errors(gen, monkeypatch):
+    """Hunyuan3D 2.1's replaced attention forward (its attention gets no transformer_options, so the pack calls its
+    dispatch itself): in a run it equals the original forward at the anchor step; a bug in the pack's dispatch
+    gives the original attention for that call and every later one, with the error in the summary (before: it
+    propagated and lost the run, as the override's own entry never lets one); an error of ComfyUI's attention
+    propagates unchanged."""
+    import sys
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import hunyuan3d21, override
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    backend = {"fn": lambda q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, **kw:
+               raw_attention(q, k, v, heads, mask=mask, skip_reshape=skip_reshape,
+                             skip_output_reshape=skip_output_reshape).float()}
+    mods = {name: types.ModuleType(name) for name in ("comfy", "comfy.ldm", "comfy.ldm.modules",
+                                                      "comfy.ldm.modules.attention")}
+    mods["comfy.ldm.modules.attention"].optimized_attention = lambda *a, **kw: backend["fn"](*a, **kw)
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setenv("MC_SPARSE_RAISE_ERRORS", "0")
+    attn = _H3D21Attention(gen)
+    site = CallSite(1, "hunyuan3d21", prefix=1)
+    forward = hunyuan3d21.make_attn_forward(attn, site, attn.forward)
+    x = torch.randn(1, 200, 128, generator=gen)
+    run = _adapter_run()
+
+    def call(sigma):
+        token = override.CURRENT_OPTIONS.set(transformer_options(run, site, chunks=1, sigma=sigma))
+        try:
+            return forward(x)
+        finally:
+            override.CURRENT_OPTIONS.reset(token)
+
+    torch.testing.assert_close(call(1.0), attn.forward(x), rtol=1e-4, atol=1e-4)  # the anchor: exact
+    assert run.counts()["anchor"] == 1
+
+    def broken(*args, **kwargs):
+        raise IndexError("simulated bug in the layout")
+
+    monkeypatch.setattr(override, "_to_heads_first", broken)
+    for sigma in (0.8, 0.8):  # reuse step: the bug, then the run is dense
+        torch.testing.assert_close(call(sigma), attn.forward(x))
+    assert "internal error at block 1 (IndexError: simulated bug in the layout)" in run.summary(), run.summary()
+
+    def comfy_fails(*args, **kwargs):
+        raise RuntimeError("ComfyUI's attention failed")
+
+    backend["fn"] = comfy_fails
+    with pytest.raises(RuntimeError, match="ComfyUI's attention failed"):
+        call(0.8)

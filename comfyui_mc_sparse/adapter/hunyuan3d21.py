@@ -10,14 +10,15 @@ from collections.abc import Callable
 import torch
 
 from . import override
-from .callsite import CallSite
+from .callsite import MARK_KEY, CallSite
 
 
 def make_attn_forward(module, site: CallSite, original: Callable) -> Callable:
     """Replacement for ``hunyuan3dv2_1`` ``Attention.forward`` (``hunyuandit.py`` L390-418), which calls
     attention without transformer_options. Same projections and per-head q/k/v split as the original, then
-    ``override.dispatch`` with the transformer_options the APPLY_MODEL wrapper published in ``override.CURRENT_OPTIONS``.
-    Outside an MC-Sparse run it calls ``original`` unchanged.
+    ``override.dispatch`` with the transformer_options the APPLY_MODEL wrapper published in ``override.CURRENT_OPTIONS``,
+    contained like the override's entry (``override._contained``). Outside an MC-Sparse run it calls ``original``
+    unchanged.
     """
 
     def forward(x, *args, **kwargs):
@@ -37,12 +38,18 @@ def make_attn_forward(module, site: CallSite, original: Callable) -> Callable:
         k = module.k_norm(k.reshape(b, n, heads, head_dim)).reshape(b, n, heads * head_dim)
         v = v.reshape(b, n, heads * head_dim)
 
+        @override._callers
         def call(q_, k_, v_, mask_, skip_reshape_, skip_output_reshape_):
             return optimized_attention(q_, k_, v_, heads, mask=mask_, skip_reshape=skip_reshape_,
                                        skip_output_reshape=skip_output_reshape_)
 
-        out = override.dispatch(run, site, q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False,
-                       options=options, call=call)
+        # contained as the override's own entry is: a bug in the pack's dispatch gives this call (and the rest of
+        # the run) the original attention instead of losing the run; ComfyUI's own errors propagate (_callers)
+        out = override._contained(
+            run, {**options, MARK_KEY: site},
+            lambda: override.dispatch(run, site, q, k, v, heads, mask=None, skip_reshape=False,
+                                      skip_output_reshape=False, options=options, call=call),
+            lambda: call(q, k, v, None, False, False))
         return module.out_proj(out)
 
     forward.mc_sparse_marker = site
