@@ -298,3 +298,34 @@ def test_processor_reuse_steps_use_xdit_scale_and_count_repeated_blocks(gen):
     for run in runs:
         assert run.counts()["sparse"] == 8  # step 3: 2 calls x 2 conditioning chunks x 2 ranks' worth of entries
         assert {key.kind for key in run.cache_keys} == {"self@u0/2", "self#1@u0/2"}
+
+
+def test_processor_contains_a_bug_and_passes_xdits_errors(gen, monkeypatch):
+    """A bug in the processor's own code (here the context-window key) gives that call and the rest of the run
+    xDiT's attention, with the error in the summary, as the override's entry does; an error of xDiT's own attention
+    propagates unchanged; ring attention is still refused with an error (a setup error, not contained)."""
+    monkeypatch.setenv("MC_SPARSE_RAISE_ERRORS", "0")
+    run = lifecycle.RunState(_settings(), torch.tensor([1.0, 0.6, 0.3, 0.0]), family="wan")
+    calls = []
+    dense = _xdit_dense(calls)
+    processor = ray_mc.MCSparseInnerAttention(lambda: ray_mc.HeadSlice(0, 2, 1))
+    q, k, v = (torch.randn(2, 320, 2, 64, generator=gen) for _ in range(3))
+
+    def broken(window):
+        raise IndexError("simulated bug in the window key")
+
+    monkeypatch.setattr(ray_mc, "_window_key", broken)
+    for sigma in (1.0, 0.6):
+        out = processor(dense, q, k, v, transformer_options=_options(run, 1, sigma), **_xdit_kwargs())
+        torch.testing.assert_close(out, dense(q, k, v))
+    assert "internal error at block 1 (IndexError: simulated bug in the window key)" in run.summary(), run.summary()
+    assert run.counts()["sparse"] == 0
+
+    def xdit_fails(*args, **kwargs):
+        raise RuntimeError("xDiT failed")
+
+    with pytest.raises(RuntimeError, match="xDiT failed"):
+        processor(xdit_fails, q, k, v, transformer_options=_options(run, 1, 0.3), **_xdit_kwargs())
+    ring = ray_mc.MCSparseInnerAttention(lambda: ray_mc.HeadSlice(0, 1, 2))
+    with pytest.raises(RuntimeError, match="ring degree 2"):
+        ring(dense, q, k, v, transformer_options=_options(run, 1, 0.3), **_xdit_kwargs())

@@ -165,9 +165,9 @@ def _callers(call: Callable) -> Callable:
     (``engine.CALLER_ERROR_ATTR``), so the pack's error containment lets them propagate instead of retrying them."""
     from ..engine import CALLER_ERROR_ATTR
 
-    def marked(*args):
+    def marked(*args, **kwargs):
         try:
-            return call(*args)
+            return call(*args, **kwargs)
         except Exception as err:
             with contextlib.suppress(AttributeError):  # an exception type without a __dict__ stays unmarked
                 setattr(err, CALLER_ERROR_ATTR, True)

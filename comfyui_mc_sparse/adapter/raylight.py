@@ -45,7 +45,8 @@ import torch
 
 from ..config import HEAD_DIMS
 from .lifecycle import HOLDER_KEY, MCSparsePatch, RunState
-from .override import RUN_KEY, _window_key
+from .callsite import MARK_KEY, CallSite
+from .override import RUN_KEY, _callers, _contained, _window_key
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,18 @@ class MCSparseInnerAttention:
         run = options.get(RUN_KEY)
         if run is None:
             return dense(q, k, v, **kwargs)
+        head_slice = self.head_slice_fn()
+        if head_slice.ring > 1:  # raylight refuses first; never run a ring-split selection (a setup error: raised)
+            raise RuntimeError(RING_REFUSAL.format(ring=head_slice.ring))
+        marked = _callers(dense)
+        # contained as the override's entry is: a bug here gives this call (and the rest of the run) xDiT's attention
+        layer = options.get("block_index")
+        where = {**options, MARK_KEY: CallSite(layer, "wan") if isinstance(layer, int) else None}  # for the summary
+        return _contained(run, where,
+                          lambda: self._dispatch(run, options, marked, head_slice, q, k, v, kwargs),
+                          lambda: marked(q, k, v, **kwargs))
 
+    def _dispatch(self, run, options: dict, dense, head_slice: HeadSlice, q, k, v, kwargs: dict):
         def fallback(reason: str):
             run.record_dense(reason)
             return dense(q, k, v, **kwargs)
@@ -156,9 +168,6 @@ class MCSparseInnerAttention:
         step = run.step_of(options)  # once per model evaluation (steps.STEP_KEY / one read per sigmas tensor)
         if step is None:
             return fallback("no current sigma in transformer_options")
-        head_slice = self.head_slice_fn()
-        if head_slice.ring > 1:  # raylight refuses first; never run a ring-split selection
-            raise RuntimeError(RING_REFUSAL.format(ring=head_slice.ring))
         seen = options.setdefault(OCCURRENCE_KEY, {})
         occurrence = seen.get(layer, 0)
         seen[layer] = occurrence + 1
