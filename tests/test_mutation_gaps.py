@@ -670,3 +670,32 @@ def test_the_payoff_check_at_its_edges(monkeypatch):
         name="fast_cpu", priority=50, ops={"sparse_attention": kernels.reference.sparse_attention}))
     assert dense_reason(cfg, layers=30, requested_backend="auto", device=cpu, dtype=torch.bfloat16, head_dim=128,
                         **common) is None
+
+
+def test_min_tokens_and_the_mask_threshold_at_their_edges(gen):
+    """A call of exactly ``min_tokens`` latent tokens goes sparse (one fewer stays dense, with the reason); a text
+    mask entry of exactly -1e4 counts as masked out (the override's threshold), so that joint call goes sparse and is
+    exact at the anchor under the mask. Mutations: ``<=`` at min_tokens; ``<`` at the mask threshold."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import override
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import TEXT_LEN_KEY, CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    q, k, v = (torch.randn(1, 2, 160, 64, generator=gen) for _ in range(3))
+    for min_tokens, anchors in ((160, 1), (161, 0)):
+        run = _run_state(torch.tensor([1.0, 0.5, 0.0]), min_tokens=min_tokens)
+        opts = transformer_options(run, CallSite(1, "wan"), chunks=1, sigma=1.0)
+        override.make_override(None)(raw_attention, q, k, v, 2, skip_reshape=True, skip_output_reshape=True,
+                                     transformer_options=opts)
+        assert run.counts()["anchor"] == anchors, (min_tokens, run.summary())
+    assert "fewer" in run.summary() and "161" in run.summary(), run.summary()
+    run = _run_state(torch.tensor([1.0, 0.5, 0.0]))
+    mask = torch.zeros(1, 1, 160)
+    mask[..., -4:] = -1e4  # the last 4 of 16 text tokens
+    opts = {**transformer_options(run, CallSite(1, "hunyuan_video", "video_first"), chunks=1, sigma=1.0),
+            TEXT_LEN_KEY: 16}
+    out = override.make_override(None)(raw_attention, q, k, v, 2, mask=mask, skip_reshape=True,
+                                       skip_output_reshape=True, transformer_options=opts)
+    ref = raw_attention(q, k, v, 2, mask=mask.unsqueeze(1), skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert run.counts()["anchor"] == 1, run.summary()
