@@ -6,14 +6,12 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 1. CHECKS on the GPU before any timing (a line with "CHECKS"; "CHECK FAILED" when one fails), on 2 heads at s =
    0.25: select_kv at its defaults == the brute-force top-K (kernels/reference/topk.py) of its own float16 sums;
    with two query groups per program == the defaults; the fused top-K's threshold among its candidates by counting
-   (the default) == by histograms (topk_count=False); with the operand statistics from every 8th row
-   (operand_sample=8) == the brute-force top-K of its own sums, those within 5 % of the defaults' (a row whose check
-   fails is not timed); at 1.3B also the fused top-K with every row forced to the radix fallback (16 candidate
-   slots) == the brute force.
+   (the default) == by histograms (topk_count=False; not timed if this fails); at 1.3B also the fused top-K with
+   every row forced to the radix fallback (16 candidate slots) == the brute force.
 2. RACE 1 (tests/_timing.race: sustained back-to-back samples, shuffled order, median; TEAM.md item 7): flash-attn-4
    dense with LSE, select_kv defaults (on sm_90: the top-K fused into the one-group pass-2 kernel, its threshold
-   among the candidates by counting) and ``RACE1_ROWS`` ("hist": by histograms; "sample8": operand_sample=8;
-   ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios / dense from the same rounds
+   among the candidates by counting) and ``RACE1_ROWS`` ("hist": by histograms; ``--p2ws-gluon-row``: the Gluon
+   pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios / dense from the same rounds
    -> ``pass2_topk_over_dense_max`` (the defaults; both shapes). Their kernels compile first in child processes
    (``CHILD_ROWS``), waited for before the first timing.
 3. RACE 2 (per shape after both shapes' race 1; 14B only with 20 s of ``--budget`` left): the parts on all heads at
@@ -65,6 +63,7 @@ SCORE_NAME = {"1.3b": "wan13b_480p", "14b": "wan14b_720p"}
 DENSITIES = (0.1, 0.15, 0.25, 0.5)
 C = D = KV_TILE = 128
 SMOKE = False
+ROUNDS = 3  # tests/_timing.race rounds of races 1 and 2 (--rounds)
 
 
 def race(fns, rounds=3, target_ms=20.0):
@@ -103,11 +102,6 @@ def checks(q, k, lse, perm, S, log, full=True):
     # race 1's row: the top-K's threshold among its candidates by histograms gives the same selection as counting
     r["count_equal"] = bool(torch.equal(selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_count=True),
                                         selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_count=False)))
-    # the sampled operand statistics: the brute-force top-K of its own sums, those within 5 % of the defaults'
-    smp = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, operand_sample=8)
-    smp16 = selection.group_prob_sums(*sub, group_size=C, operand_sample=8).half()
-    r["sample8_exact"] = bool(torch.equal(smp, ref_top_k_rows(smp16, kq, width)))
-    r["sample8_sums_rel"] = float((smp16.double() - sums16.double()).norm() / sums16.double().norm())
     if full:
         plan = topk.bracket_plan(S, kq, 2, cap=16)
         forced = topk.FusedRows(torch.full_like(sel, -7), kq, width, plan,
@@ -119,16 +113,16 @@ def checks(q, k, lse, perm, S, log, full=True):
         forced.finish(sums_f)
         r["fused_forced_fallback_exact"] = bool(torch.equal(forced.out, ref_top_k_rows(sums_f, kq, width)))
         r["fused_forced_fallback_rows"] = float(forced.flags.float().mean())
-    ok = (all(v for n, v in r.items() if n not in ("fused_forced_fallback_rows", "sample8_sums_rel"))
-          and r.get("fused_forced_fallback_rows", 1.0) == 1.0 and r["sample8_sums_rel"] < 0.05)
+    ok = (all(v for n, v in r.items() if n != "fused_forced_fallback_rows")
+          and r.get("fused_forced_fallback_rows", 1.0) == 1.0)
     log(f"CHECKS {r}" + ("" if ok else "  CHECK FAILED"))
     r["ok"] = ok
     return r
 
 
 # select_kv variants beside its defaults (+ "gluon": --p2ws-gluon-row): the fused top-K's threshold among its candidates
-# by radix histograms (the default until round s7r1); the operand pass's statistics from every 8th row
-RACE1_ROWS = {"hist": dict(topk_count=False), "sample8": dict(operand_sample=8)}
+# by radix histograms (the default until round s7r1)
+RACE1_ROWS = {"hist": dict(topk_count=False)}
 
 
 def race1(name, q, k, v, lse, perm, log, rows):
@@ -141,7 +135,7 @@ def race1(name, q, k, v, lse, perm, log, rows):
         for row, kw in {"defaults": {}, **rows}.items():
             fns[f"{row} s={s}"] = (lambda kk, kw: lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C,
                                                                               kv_tile=KV_TILE, **kw))(kk, kw)
-    ms = race(fns, rounds=3, target_ms=20.0)
+    ms = race(fns, rounds=ROUNDS, target_ms=20.0)
     r = dict(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
              over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
     log(f"{name} RACE 1 (dense {dname} {ms['dense']:.3f} ms): " + " | ".join(
@@ -201,8 +195,7 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0):
     width = -(-kq // KV_TILE) * KV_TILE
     dname, dense = dense_fn(q, k, v)
     res = dict(errors={})
-    fns = {"dense": dense, "operands default": lambda: selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True),
-           "operands sample8": lambda: selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, sample=8)}
+    fns = {"dense": dense, "operands default": lambda: selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)}
     sums = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
     selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums)
     ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)
@@ -235,7 +228,7 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0):
         except Exception as err:  # noqa: BLE001
             res["errors"][f"pass-2 kernel {tag}"] = f"{type(err).__name__}: {str(err)[:300]}"
     del plains
-    ms = race(fns, rounds=3, target_ms=20.0)
+    ms = race(fns, rounds=ROUNDS, target_ms=20.0)
     res.update(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
                over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
     for one in (False, True):
@@ -293,7 +286,7 @@ def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_
 # select_kv compiles for race 1 in child processes started with the bench (one per group of rows and shape, on 2
 # heads of the shape: the same specialisations), so the main process loads them from Triton's disk cache instead of
 # compiling one after another (~4 s each; round s6r2 lost its 14B race to the cap); "race2": race 2's kernels
-CHILD_ROWS = (("defaults", "hist"), ("sample8",))
+CHILD_ROWS = (("defaults", "hist"),)
 
 
 def spawn_children(shapes, out_dir, with_race2):
@@ -339,7 +332,6 @@ def precompile(shape, rows):
                                 **({} if row == "defaults" else RACE1_ROWS[row]))
             continue
         ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)
-        selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, sample=8)
         out16 = torch.empty(1, 2, G, S, dtype=torch.float16, device=dev)
         for _, one, rpt, z, cc in RACE2_TOPK:
             launch_pair(ops, perm, out16, one_group=one)
@@ -400,6 +392,7 @@ def main():
     ap.add_argument("--commit", default=os.environ.get("MC_SPARSE_COMMIT", ""))
     ap.add_argument("--p2ws-variants", default="", help="comma-separated tests/bench_pass2_exp.py VARIANTS to race")
     ap.add_argument("--budget", type=float, default=100.0, help="s since start after which race 2 adds no more items")
+    ap.add_argument("--rounds", type=int, default=3, help="tests/_timing.race rounds in races 1 and 2 (>= 3)")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: code paths on a tiny shape")
     ap.add_argument("--p2ws-gluon-row", action="store_true", help="race 1 also times select_kv(gluon=True) (the Gluon "
                     "pass 2 at its default config + the separate top-K) if that config passed its child check")
@@ -409,6 +402,8 @@ def main():
     ap.add_argument("--race2-only", action="store_true", help="no checks, no race 1, no scoreboard: race 2b "
                     "alone (p2ws's pass-2 variants beside dense)")
     args = ap.parse_args()
+    global ROUNDS
+    ROUNDS = max(3, args.rounds)
     if args.precompile:
         if os.environ.get("TRITON_INTERPRET") == "1":
             from _triton_interp import patch_interpreter
@@ -467,10 +462,7 @@ def main():
                     rcs = wait_children(children, max(5.0, 60.0 - (time.time() - t0)))
                     log("select children (0 = compiled): " + ", ".join(f"{t} {rc}" for t, rc in rcs.items()))
                     children = {}
-                c = res["checks"]  # (a row whose check failed is not timed)
-                rows = {n: kw for n, kw in RACE1_ROWS.items()
-                        if (n != "hist" or c["count_equal"])
-                        and (n != "sample8" or (c["sample8_exact"] and c["sample8_sums_rel"] < 0.05))}
+                rows = dict(RACE1_ROWS) if res["checks"]["count_equal"] else {}  # (not timed if its check failed)
                 res["race1"] = race1(name, q, k, v, lse, perm, log,
                                      {**rows, **({"gluon": dict(gluon=True)} if gluon_row else {})})
                 save()

@@ -3,8 +3,9 @@
 #   bash tests/gpu_round_select.sh "$OUT" <commit> [shapes]     (shapes: 1.3b,14b (default), or one of them)
 # tests/bench_select_race.py (its docstring says what each line measures): GPU checks first (lines "CHECKS"), then
 # race 1 per shape (flash-attn-4 dense, select_kv defaults (on sm_90: the top-K fused into pass 2, one query group per
-# program) and with two groups per program (+ select_kv(gluon=True) with $P2WS_GLUON_ROW), at s = 0.1 / 0.15 / 0.25 /
-# 0.5; tests/_timing.race, the method of record) -> $OUT/scoreboard.json (pass2_topk_over_dense_max), then race 2 per
+# program) and its RACE1_ROWS (+ select_kv(gluon=True) with $P2WS_GLUON_ROW), at s = 0.1 / 0.15 / 0.25 / 0.5;
+# tests/_timing.race, the method of record, $ROUNDS rounds (default 3)) -> $OUT/scoreboard.json
+# (pass2_topk_over_dense_max), then race 2 per
 # shape at s = 0.25 (operand pass, the pass-2 kernel with and without its fused top-K epilogue and its variants, the
 # host enqueue time of select_kv), last race 2b at 1.3B (the tests/bench_pass2_exp.py variants named in
 # $P2WS_VARIANTS, checked in child processes first) until --budget. Logs: $OUT/bench.log, $OUT/bench_select_race.json.
@@ -31,6 +32,7 @@ elif [ -n "$P2WS_TEST" ]; then
 fi
 timeout "$T_BENCH" python3 tests/bench_select_race.py --out "$OUT" --shapes "$SHAPES" ${COMMIT:+--commit "$COMMIT"} \
     --p2ws-variants "$P2WS_VARIANTS" ${P2WS_GLUON_ROW:+--p2ws-gluon-row} ${RACE1_ONLY:+--race1-only} \
+    ${ROUNDS:+--rounds "$ROUNDS"} \
     --budget $((T_BENCH - 10)) \
     > "$OUT/bench.log" 2>&1
 echo "bench: rc=$?"

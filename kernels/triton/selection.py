@@ -406,15 +406,13 @@ def _group_prob_sums_pair(
 @triton.jit
 def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, bh, S,
                    stride_xb, stride_xh, stride_xs, stride_xd, stride_rb, stride_rh, stride_rs, row_mul,
-                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, IS_Q: tl.constexpr, POW2: tl.constexpr = False,
-                   AMAX_OUT=None, amax_idx=0, TRACK_AMAX: tl.constexpr = False):
+                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, IS_Q: tl.constexpr, POW2: tl.constexpr = False):
     """Rows [blk * BLOCK_S, +BLOCK_S) of head (b, h) of q (IS_Q) or k ([B, H, S, D] by strides): OUT (float8_e4m3,
     contiguous [B, H, S, D]) = (x - MEAN[bh]) / SCALE[bh] rounded to nearest even (SCALE is a power of two: the
     quotient is exact, taken as a product by 1 / SCALE), and a per-row term t = x . OTHER_MEAN[bh] (q: x . mean(k))
     or (x - MEAN[bh]) . OTHER_MEAN[bh] (k: (k - mean(k)) . mean(q)) written as OUT_ROW[bh * S + row] = IN_ROW[row] +
     row_mul * t for q (IN_ROW: the LSE by its strides), and clamp(row_mul * t, -100, 100) for k (IN_ROW unused;
-    POW2: 2 to that power). MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]. TRACK_AMAX: the block's largest
-    |x - MEAN| joins the fp32 AMAX_OUT[amax_idx] by atomic max (``fp8_operands(sample=...)``'s saturation check)."""
+    POW2: 2 to that power). MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]."""
     rows = blk * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = rows < S
@@ -435,8 +433,6 @@ def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, 
         if POW2:
             kb = tl.math.exp2(kb)
         tl.store(OUT_ROW + out_rows, kb, mask=ok)
-    if TRACK_AMAX:
-        tl.atomic_max(AMAX_OUT + amax_idx, tl.max(tl.max(tl.where(ok[:, None], tl.abs(xc), 0.0), 1), 0))
     inv = tl.div_rn(1.0, tl.load(SCALE + bh))  # exact: SCALE is a power of two
     y = xc * inv
     tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None])
@@ -453,8 +449,6 @@ def _fp8_quantize(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     KB_POW2: tl.constexpr = False,
-    AMAX=None,  # TRACK_AMAX: fp32 [B * H, 2], each head's largest |q - mean| and |k - mean| (atomic max; zeroed)
-    TRACK_AMAX: tl.constexpr = False,
 ):
     """q's and k's float8 copies in one launch: programs [0, nbq) of axis 0 take q's row blocks (``_quantize_rows``
     with IS_Q: Q8, LSE_S = LSE + lse_mul * q . mean_k), the rest k's (K8, KB = clamp(kb_mul * (k - mean_k) . mean_q),
@@ -465,65 +459,10 @@ def _fp8_quantize(
     h = bh % H
     if pid < nbq:
         _quantize_rows(Q, Q8, MQ, MK, QS, LSE, LSE_S, pid, b, h, bh, S, stride_qb, stride_qh, stride_qs, stride_qd,
-                       stride_lb, stride_lh, stride_ls, lse_mul, HEAD_DIM, BLOCK_S, True, False, AMAX, 2 * bh,
-                       TRACK_AMAX)
+                       stride_lb, stride_lh, stride_ls, lse_mul, HEAD_DIM, BLOCK_S, True)
     else:
         _quantize_rows(K, K8, MK, MQ, KS, LSE, KB, pid - nbq, b, h, bh, SK, stride_kb, stride_kh, stride_ks,
-                       stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, BLOCK_S, False, KB_POW2,
-                       AMAX, 2 * bh + 1, TRACK_AMAX)
-
-
-@triton.jit
-def _fp8_requantize(
-    Q, K, Q8, K8, MQ, MK, QS, KS, AMAX, QF,
-    H, S, SK, nbq, qf_mul,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """``fp8_operands(sample=...)``'s check after ``_fp8_quantize`` with TRACK_AMAX (same grid): a head whose largest
-    |x - mean| (AMAX) is above 448 x its sampled scale (QS / KS: some element saturated) has that tensor quantised
-    again with the scale of its true amax (``_pow2_scale``); QF[bh] = the final q scale x k scale x qf_mul (program
-    0 of each head). Every other program returns at once."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    sq0 = tl.load(QS + bh)
-    sk0 = tl.load(KS + bh)
-    aq = tl.load(AMAX + 2 * bh)
-    ak = tl.load(AMAX + 2 * bh + 1)
-    fix_q = aq > 448.0 * sq0
-    fix_k = ak > 448.0 * sk0
-    sq = tl.where(fix_q, _pow2_scale(aq), sq0)
-    sk = tl.where(fix_k, _pow2_scale(ak), sk0)
-    if pid == 0:
-        tl.store(QF + bh, sq * sk * qf_mul)
-    if pid < nbq:
-        if fix_q:
-            _requantize_rows(Q, Q8, MQ, sq, pid, b, h, bh, S, stride_qb, stride_qh, stride_qs, stride_qd, HEAD_DIM,
-                             BLOCK_S)
-    else:
-        if fix_k:
-            _requantize_rows(K, K8, MK, sk, pid - nbq, b, h, bh, SK, stride_kb, stride_kh, stride_ks, stride_kd,
-                             HEAD_DIM, BLOCK_S)
-
-
-@triton.jit
-def _requantize_rows(X, OUT, MEAN, scale, blk, b, h, bh, S, stride_xb, stride_xh, stride_xs, stride_xd,
-                     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
-    """``_quantize_rows``' float8 copy of rows [blk * BLOCK_S, +BLOCK_S) of head (b, h) with the scalar power-of-two
-    ``scale`` (its per-row terms are unchanged)."""
-    rows = blk * BLOCK_S + tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = rows < S
-    x = tl.load(X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + rows.to(tl.int64)[:, None] * stride_xs
-                + offs_d[None, :] * stride_xd, mask=ok[:, None], other=0.0).to(tl.float32)
-    xc = x - tl.load(MEAN + bh * HEAD_DIM + offs_d)[None, :]
-    y = xc * tl.div_rn(1.0, scale)
-    out_rows = bh.to(tl.int64) * S + rows
-    tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None])
+                       stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, BLOCK_S, False, KB_POW2)
 
 
 @triton.jit
@@ -598,16 +537,16 @@ def _pow2_scale(amax):
 
 
 @triton.jit
-def _head_stats(base, ok, S, MEAN_OUT, SCALE_OUT, HEAD_DIM: tl.constexpr, HEADROOM: tl.constexpr = 1.0):
+def _head_stats(base, ok, S, MEAN_OUT, SCALE_OUT, HEAD_DIM: tl.constexpr):
     """One tensor's head statistics from its ``_fp8_partial_stats`` splits at ``base`` ([NP, HEAD_DIM] pointers to
     each split's column sums; maxima and minima HEAD_DIM and 2 * HEAD_DIM further; splits with ``ok`` false are
     ignored): stores the column means over the S rows (fp32 [HEAD_DIM]) at MEAN_OUT and the float8 scale
-    (``_pow2_scale`` of HEADROOM x the largest |x - mean|) at SCALE_OUT, and returns the scale."""
+    (``_pow2_scale`` of the largest |x - mean|) at SCALE_OUT, and returns the scale."""
     ok = ok[:, None]
     mean = tl.div_rn(tl.sum(tl.load(base, mask=ok, other=0.0), 0), S.to(tl.float32))
     hi = tl.max(tl.load(base + HEAD_DIM, mask=ok, other=float("-inf")), 0)
     lo = tl.min(tl.load(base + 2 * HEAD_DIM, mask=ok, other=float("inf")), 0)
-    scale = _pow2_scale(HEADROOM * tl.max(tl.maximum(hi - mean, mean - lo), 0))
+    scale = _pow2_scale(tl.max(tl.maximum(hi - mean, mean - lo), 0))
     tl.store(MEAN_OUT, mean)
     tl.store(SCALE_OUT, scale)
     return scale
@@ -620,7 +559,6 @@ def _fp8_stats_final(
     HEAD_DIM: tl.constexpr,
     NP: tl.constexpr,  # power of two >= max(n0, n1)
     TWO: tl.constexpr,  # the second tensor's statistics too (and QF)
-    HEADROOM: tl.constexpr = 1.0,  # the scales for HEADROOM x the amax found (sampled rows: 2)
 ):
     """One program per head b * H + h: reduces ``_fp8_partial_stats``' splits to each tensor's mean (M0 / M1, fp32
     [B * H, HEAD_DIM]) and float8 scale (SC0 / SC1, fp32 [B * H], ``_pow2_scale`` of max over columns of
@@ -629,10 +567,9 @@ def _fp8_stats_final(
     sp = tl.arange(0, NP)
     offs_d = tl.arange(0, HEAD_DIM)
     base = PART + bh.to(tl.int64) * (n0 + n1) * (3 * HEAD_DIM) + sp[:, None] * (3 * HEAD_DIM) + offs_d[None, :]
-    sc0 = _head_stats(base, sp < n0, S0, M0 + bh * HEAD_DIM + offs_d, SC0 + bh, HEAD_DIM, HEADROOM)
+    sc0 = _head_stats(base, sp < n0, S0, M0 + bh * HEAD_DIM + offs_d, SC0 + bh, HEAD_DIM)
     if TWO:
-        sc1 = _head_stats(base + n0 * (3 * HEAD_DIM), sp < n1, S1, M1 + bh * HEAD_DIM + offs_d, SC1 + bh, HEAD_DIM,
-                          HEADROOM)
+        sc1 = _head_stats(base + n0 * (3 * HEAD_DIM), sp < n1, S1, M1 + bh * HEAD_DIM + offs_d, SC1 + bh, HEAD_DIM)
         tl.store(QF + bh, sc0 * sc1 * qf_mul)
 
 
@@ -669,8 +606,7 @@ def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, *, stats_programs: int | None = None,
-                 quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False,
-                 sample: int | None = None):
+                 quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False):
     """The float8 operands of pass 2's FP8 mode, smoothed: (q8, k8, qf, lse_s, kb).
 
     The products are taken on mean-free rows (q' = q - mean_q, k' = k - mean_k per head, SageAttention's smoothing of
@@ -697,10 +633,6 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         kb: fp32 ``[B, H, Sk]``: ``scale * log2(e) * mean_q . k'``, clamped to [-100, 100] (a mean query alone giving a
         key a logit beyond +-69 is outside what this is built for): the group sum of key j is 2^kb[j] x the sum over
         the group of 2^(q8 . k8 * qf - lse_s * log2(e)).
-        sample: the statistics from every ``sample``-th row only (the decomposition above is exact for any mean vectors)
-        with the scales for twice their amax; the quantising pass tracks each head's true amax, and a fourth launch
-        quantises a head again with the scale of its true amax where a sampled scale saturated (nothing does then
-        either; qf follows): the statistics read 1/sample of q and k. None: every row, as described here.
     Cost: three Triton launches for q and k together: the statistics (one read of each, ``fp8_stats``' passes), the
     per-head reduction, the quantising pass (a second read; 1 byte written per element and 4 per row): about 2.5x
     the bytes of q and k. Source: docs/kernels.md ("select_kv"); e4m3: torch.float8_e4m3fn (OCP FP8, max 448).
@@ -709,19 +641,16 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     SK = k.shape[2]
     dev = q.device
     programs = stats_programs or _STATS_PROGRAMS
-    qs, ks = (q[:, :, ::sample], k[:, :, ::sample]) if sample else (q, k)  # the rows the statistics read
-    nq, per_q = _stat_splits(B * H, qs.shape[2], programs)
-    nk, per_k = _stat_splits(B * H, ks.shape[2], programs)
+    nq, per_q = _stat_splits(B * H, S, programs)
+    nk, per_k = _stat_splits(B * H, SK, programs)
     part = torch.empty(B * H, nq + nk, 3, D, dtype=torch.float32, device=dev)
-    _fp8_partial_stats[(nq + nk, B * H)](qs, ks, part, H, qs.shape[2], ks.shape[2], per_q, per_k, nq, nk,
-                                         *qs.stride(), *ks.stride(), HEAD_DIM=D, BLOCK_S=_STATS_BLOCK_S, num_warps=4)
+    _fp8_partial_stats[(nq + nk, B * H)](q, k, part, H, S, SK, per_q, per_k, nq, nk, *q.stride(), *k.stride(),
+                                         HEAD_DIM=D, BLOCK_S=_STATS_BLOCK_S, num_warps=4)
     mq = torch.empty(B * H, D, dtype=torch.float32, device=dev)
     mk = torch.empty(B * H, D, dtype=torch.float32, device=dev)
     stats = torch.empty(3, B, H, dtype=torch.float32, device=dev)  # q scale, k scale, qf
-    _fp8_stats_final[(B * H,)](part, mq, mk, stats[0], stats[1], stats[2], qs.shape[2], ks.shape[2], nq, nk,
-                               scale * _LOG2E, HEAD_DIM=D, NP=triton.next_power_of_2(max(nq, nk)), TWO=True,
-                               HEADROOM=2.0 if sample else 1.0, num_warps=4)
-    amax = torch.zeros(B * H, 2, dtype=torch.float32, device=dev) if sample else stats  # (placeholder)
+    _fp8_stats_final[(B * H,)](part, mq, mk, stats[0], stats[1], stats[2], S, SK, nq, nk, scale * _LOG2E,
+                               HEAD_DIM=D, NP=triton.next_power_of_2(max(nq, nk)), TWO=True, num_warps=4)
     q8 = torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn, device=dev)
     k8 = torch.empty(B, H, SK, D, dtype=torch.float8_e4m3fn, device=dev)
     lse_s = torch.empty(B, H, S, dtype=torch.float32, device=dev)
@@ -730,12 +659,8 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     nbq = triton.cdiv(S, bs)
     _fp8_quantize[(nbq + triton.cdiv(SK, bs), B * H)](
         q, k, q8, k8, mq, mk, stats[0], stats[1], lse, lse_s, kb, H, S, SK, nbq, *q.stride(), *k.stride(),
-        *lse.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, KB_POW2=bool(kb_pow2), AMAX=amax,
-        TRACK_AMAX=bool(sample), num_warps=quant_warps or 4)
-    if sample:
-        _fp8_requantize[(nbq + triton.cdiv(SK, bs), B * H)](
-            q, k, q8, k8, mq, mk, stats[0], stats[1], amax, stats[2], H, S, SK, nbq, scale * _LOG2E, *q.stride(),
-            *k.stride(), HEAD_DIM=D, BLOCK_S=bs, num_warps=quant_warps or 4)
+        *lse.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, KB_POW2=bool(kb_pow2),
+        num_warps=quant_warps or 4)
     return q8, k8, stats[2], lse_s, kb
 
 
@@ -804,9 +729,6 @@ _TOPK_FUSED_DEFAULT = True
 # / 0.569 against 0.574 / 0.574 / 0.576 / 0.582 (s = 0.1 / 0.15 / 0.25 / 0.5); selection identical (GPU-checked). The
 # bracket at 3 sigma instead of 5 was slower (0.2 % of rows fell back: 0.5549 with counting, 0.5656 without)
 _TOPK_COUNT_DEFAULT = True
-# group_prob_sums / select_kv: the float8 operand pass's statistics from every n-th row (operand_sample, fp8_operands'
-# sample: 2x headroom, a head quantised again where its sampled scale saturated); not measured yet
-_OPERAND_SAMPLE_DEFAULT = None
 _TOPK_FUSED_MIN_CAPABILITY = (9, 0)
 # group_prob_sums / select_kv: the float8 pair kernel with one query group per program (one_group; 119 registers, 4
 # programs per SM instead of 3). H200 round s5r2 (tests/bench_select_race.py race 2, sustained interleaved, 1.3B 480p,
@@ -848,7 +770,7 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
                     num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None,
-                    poly3=(0, 0), select=None, one_group=None, direct_store=None, operand_sample=None):
+                    poly3=(0, 0), select=None, one_group=None, direct_store=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -885,8 +807,6 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         select: optional ``topk.FusedRows``: the pair kernel also writes each group's top-K of the float16 sums into
         ``select.out`` and sets ``select.done`` (then the caller runs ``select.finish(out)``); other kernels leave it
         unset (the caller runs ``topk.top_k_rows``). Needs float16 ``out``.
-        operand_sample: the float8 operand pass's statistics from every n-th row (``fp8_operands(sample=n)``; exact
-        where no scale saturates, else a head is quantised again); None: ``_OPERAND_SAMPLE_DEFAULT``.
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
@@ -947,8 +867,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         if fp8:
             # 2^KB precomputed unless the Gluon kernel will be tried with a config that reads KB itself
             pow2 = not pass2_dispatch.gluon_mode(gluon) or pass2_dispatch.gluon_kb_pow2(D)
-            sample = _OPERAND_SAMPLE_DEFAULT if operand_sample is None else operand_sample
-            q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2, sample=sample)
+            q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2)
             tuned = one_group_asked or any(x is not None for x in (block_n, num_warps, num_stages))
             only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode, tuned=tuned)
             if pass2_dispatch.try_gluon(q, k, qf, lse, kb, perm, out, group_size=C, requested=gluon,
@@ -992,7 +911,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
               topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None, direct_store=None,
-              poly3=(0, 0), topk_count=None, operand_sample=None):
+              poly3=(0, 0), topk_count=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -1009,8 +928,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     ``_TOPK_HIST_DEFAULT``); ``topk_fused``: the pair kernel runs the bracket top-K on its own groups' sums after
     its key sweep (``topk.FusedRows``; same selection; None: ``_TOPK_FUSED_DEFAULT`` on sm_90+; ignored with ``topk_method``,
     ``topk_hist`` or when another pass-2 kernel runs); ``topk_count``: that top-K's threshold among its candidates
-    by counting (``FusedRows.cand_count``; same selection; None: ``_TOPK_COUNT_DEFAULT``); ``operand_sample``: the
-    float8 operand pass's statistics from every n-th row (``group_prob_sums``).
+    by counting (``FusedRows.cand_count``; same selection; None: ``_TOPK_COUNT_DEFAULT``).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -1044,7 +962,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon, select=select,
-            one_group=one_group, direct_store=direct_store, poly3=poly3, operand_sample=operand_sample,
+            one_group=one_group, direct_store=direct_store, poly3=poly3,
         )
         if select is not None and select.done:
             select.finish(sums)
