@@ -195,8 +195,8 @@ def auto_gluon(monkeypatch):
     d.reset()
 
 
-_AUTO = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs split",
-         "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs")
+_AUTO = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs",
+         "pingpong persistent 3 stages thread_arrive early_q no_fence idx2")
 
 
 @pytest.mark.parametrize(("times", "want"), [((1.0, 1.5), _AUTO[0]), ((3.0, 1.0), _AUTO[1])])
@@ -215,9 +215,8 @@ def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, t
     got = d.sparse_attention(q, k, v, perm, idx, out=out)
     assert got is out and float((out.double() - ref).norm() / ref.norm()) < 4e-3
     assert timer.timed == 2 and list(d.choices.values()) == [want]
-    base = dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-                q_regs=True)
-    schedules = [dict(base, split_tail=4, consumer_regs=216, producer_regs=72), base]
+    base = dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False)
+    schedules = [dict(base, q_regs=True), dict(base, idx_ahead=2)]
     assert fake.options[:2] == schedules  # each compiled and launched once
     assert fake.options[2:4] == schedules  # each timed with its own options
     calls = fake.calls
@@ -239,7 +238,7 @@ def test_auto_mode_leaves_out_a_failing_schedule(gen, auto_gluon, monkeypatch):
     works = fake.sparse_attention
 
     def flaky(*a, **kw):
-        if not kw.get("split_tail"):  # AUTO_SCHEDULES[1] (the first splits the last round)
+        if kw.get("idx_ahead") == 2:  # AUTO_SCHEDULES[1]
             raise RuntimeError("out of resource: shared memory")
         return works(*a, **kw)
 

@@ -187,14 +187,12 @@ def test_gluon_rt8_q_regs_next_item_head_dim_64():
 
 @pytest.mark.parametrize("rows", ["short", "long"], ids=["split0-short", "split0-long"])
 def test_auto_schedules_split_tail_vs_float64(rows):
-    """The AUTO_SCHEDULES entry with the split last round (since round s7r2; merged by sparse_tail_merge) called
-    directly where the split happens: "short": 36 items of 1-3 key tiles on 7 programs (5 rounds, then one item in 4
+    """The schedule with the split last round (q_regs split; merged by sparse_tail_merge) called directly where the
+    split happens: "short": 36 items of 1-3 key tiles on 7 programs (5 rounds, then one item in 4
     parts, some empty), fp16, int4_group, ragged counts; "long": 192 items of 12 key tiles on 10 programs (19 rounds,
     then 2 items in 4 parts of 3 tiles), bf16, plain residual. NaN-poisoned out view, LSE."""
     d = _dispatch()
-    split = [n for n in d.AUTO_SCHEDULES if d.GLUON_SCHEDULES[n].get("split_tail")]
-    assert split, d.AUTO_SCHEDULES
-    tuning = d.GLUON_SCHEDULES[split[0]]
+    tuning = d.GLUON_SCHEDULES["pingpong persistent 3 stages thread_arrive early_q no_fence q_regs split"]
     if rows == "short":
         _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "int4_group", torch.float16, seed=13, ragged_counts=True,
                num_sms=7, **tuning)
