@@ -85,8 +85,6 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
     "evict smem overlap": ("cp.async+evict", "smem", 2, ("overlap", "persistent")),
     # + the staged output's global stores under the next group's second Q K^T and first P V
     "evict smem hide": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "hide_epi")),
-    # + the K/V rows two tiles ahead prefetched into L2
-    "hide l2_ahead": ("cp.async+evict", "smem", 2, ("overlap", "persistent", "hide_epi", "l2_ahead")),
     # + the next group's count / perm / first index entries loaded during this group
     # with the plain bf16 residual (the reuse path's call: the register epilogue): the op's kernel, then overlap
     "res kernel": ("cp.async+evict", "registers", 2, (), "plain"),

@@ -182,8 +182,8 @@ def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, cta
     (torch.bfloat16, 128, True, ("overlap", "persistent")), (torch.float16, 64, False, ("overlap", "persistent")),
     (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi")),
     (torch.float16, 64, True, ("overlap", "persistent", "hide_epi")),
-    (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "split_tail", "l2_ahead")),
-], ids=["bf16-d128-lse", "fp16-d64", "hide-bf16-d128", "hide-fp16-d64-lse", "split-l2ahead-bf16-d128"])
+    (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "split_tail")),
+], ids=["bf16-d128-lse", "fp16-d64", "hide-bf16-d128", "hide-fp16-d64-lse", "split-bf16-d128"])
 def test_cutedsl_overlap_grids(dtype, D, lse, options):
     """The "overlap" option (two groups in flight per CTA: 2-slot query ring, the next group's first Q K^T issued
     with this group's last P V, O staged in the finished group's query slot) against float64 on persistent grids of
@@ -191,9 +191,8 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
     which never take the cross-group step), ragged counts (one group with a single key: a group of one tile, whose
     last P V is its first), K_alloc not a multiple of 128, B = 2, a NaN-filled out written in full each time, the
     LSE in query order. With "hide_epi" the boundary also runs the next group's second key tile while the output
-    is stored (groups of one tile take the plain boundary); "l2_ahead" prefetches rows into L2 two tiles ahead (no
-    effect on the result: tested for hangs and that nothing else moved; with "split_tail", launched with one part per
-    group, its workspace unused)."""
+    is stored (groups of one tile take the plain boundary); with "split_tail" launched with one part per group (its
+    workspace unused; the split itself is tested through the op, ``test_cutedsl_split_tail``)."""
     import math
 
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc

@@ -86,10 +86,6 @@ EPILOGUES = ("registers", "smem")
 # "hide_epi" (with "overlap", staged epilogue only): at a group boundary the finished group's output is staged in its
 # query slot, then the next group's second Q K^T and first P V are issued and the staged rows are written to global
 # memory while those run (``SparseFwdSm90._step_hiding``), instead of the tensor cores idling through the stores.
-# "l2_ahead" (with the "cp.async+evict" producer): while a tile's rows are copied, each producer thread prefetches
-# into L2 (``prefetch.global.L2::evict_last`` per 128-byte line: a per-thread instruction, where the bulk prefetch is
-# a uniform one that ptxas loops over the lanes) the K and V rows of its slot two tiles further on, its index loaded
-# a tile before that: the gather then finds rows the L2 lacked (14B 720p: a head's K/V is 38.7 MB) on chip.
 # "split_tail" (with "overlap", staged epilogue): when the group count N is not a multiple of the grid's G CTAs, the
 # last round's r = N mod G groups would run on r SMs while the rest idle (Wan2.1-1.3B 480p: 3072 groups on 132 SMs,
 # 36 in the 24th round); with ``n_parts`` P > 1 at launch each of those groups is split into P work items of
@@ -99,8 +95,10 @@ EPILOGUES = ("registers", "smem")
 # Measured on the H200 and removed (round s7r1): "tma_q" / "tma_h", a quarter / half of each K/V tile's rows copied
 # by TMA boxes (1 x 64, 128-byte swizzle by shared address; the lane holding a row's index issued its boxes, which
 # ptxas serialises over the lanes since the instruction takes uniform operands), the rest by cp.async: 0.64-0.74 /
-# 0.50-0.61 of dense x s against 0.85-0.99 for the same kernel without them.
-OPTIONS = ("persistent", "overlap", "hide_epi", "l2_ahead", "split_tail")
+# 0.50-0.61 of dense x s against 0.85-0.99 for the same kernel without them. Round s7r2: "l2_ahead" (each producer
+# thread prefetching into L2, prefetch.global.L2::evict_last, the K/V rows of its slot two tiles ahead, its index
+# loaded a tile before): the op with it 0.739-0.846 against 0.803-0.926 without.
+OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail")
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -131,16 +129,6 @@ class _IndexRow:
             # past the row's end: its last slot (a -1, or a real index); either way finite data the mask drops
             slot = cutlass.min(cutlass.max(n_block, 0) * rows.n_block_size + row, self.k_alloc - 1)
             self.nxt[i] = cutlass.max(self.idx_row[slot], 0)
-
-    @cute.jit
-    def peek(self, n_block: Int32) -> Int32:
-        """This thread's index of key tile ``n_block`` (as ``fetch``), returned."""
-        rows = self.rows
-        row = (self.thread_idx % rows.gmem_threads_per_row) * (rows.num_threads // rows.gmem_threads_per_row) + (
-            self.thread_idx // rows.gmem_threads_per_row
-        )
-        slot = cutlass.min(cutlass.max(n_block, 0) * rows.n_block_size + row, self.k_alloc - 1)
-        return cutlass.max(self.idx_row[slot], 0)
 
     @cute.jit
     def advance(self):
@@ -235,10 +223,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         # the staged epilogue's global stores under the next group's first MMAs (needs O staged: no residual)
         self.hide_epi = "hide_epi" in options and self.smem_epilogue
         assert "hide_epi" not in options or self.overlap, "hide_epi is an overlap option"
-        self.l2_ahead = "l2_ahead" in options
         self.split_tail = "split_tail" in options
         assert not self.split_tail or (self.overlap and self.smem_epilogue), "split_tail: overlap, staged epilogue"
-        assert not self.l2_ahead or producer == "cp.async+evict", "l2_ahead needs the hinted producer"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -674,17 +660,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min, n_block_max):
         """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1 (its
         stage is the previous one), V of the last tile at the end. The row addresses of tile j-1 are kept in a
-        register while tile j's are loaded. With "l2_ahead" the rows of tile j-2 are prefetched into L2 before tile
-        j's copies (``_prefetch_rows``). Returns the advanced producer state."""
-        pf = cute.make_rmem_tensor((1,), Int32)  # "l2_ahead": this thread's index of the tile to prefetch next
-        if const_expr(self.l2_ahead):
-            pf[0] = index.peek(n_block_max - 4)
+        register while tile j's are loaded. Returns the advanced producer state."""
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
-            if const_expr(self.l2_ahead):
-                if n_block - 2 >= n_block_min:
-                    self._prefetch_rows(rows, pf[0])
-                pf[0] = index.peek(n_block - 3)
             prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
             index.advance()
             index.fetch(n_block - 1)
@@ -735,15 +713,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             for k in cutlass.range_constexpr(self.tile_hdim // 64):
                 _cp_async_16_hinted(dst0 + (m * 16 * 128 + k * TILE * 128), src + Int64(k * 128), policy,
                                     policy_kind is not None)
-
-    @cute.jit
-    def _prefetch_rows(self, rows: PagedKVManager, token: Int32):
-        """L2 prefetch (evict-last) of this thread's K and V rows at ``token`` of its group's batch and head."""
-        row_bytes = self.tile_hdim * (self.dtype.width // 8)
-        for mX in (rows.mK_paged, rows.mV_paged):
-            src = fa_utils.elem_pointer(mX, (token, 0, rows.tPrPage[0])).toint()
-            for line in cutlass.range_constexpr(row_bytes // 128):
-                _prefetch_l2(src + Int64(line * 128))
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx, m_block,
@@ -996,13 +965,6 @@ def _l2_policy(kind: str, *, loc=None, ip=None) -> Int64:
     assert kind == "evict_last", kind
     return Int64(llvm.inline_asm(T.i64(), [], f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l",
                                  has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _prefetch_l2(src: Int64, *, loc=None, ip=None):
-    """``prefetch.global.L2::evict_last`` of the line at global ``src``."""
-    llvm.inline_asm(None, [Int64(src).ir_value(loc=loc, ip=ip)], "prefetch.global.L2::evict_last [$0];", "l",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op
