@@ -29,9 +29,11 @@ EPILOGUE = "smem"
 # s6r2 (the op with it, side by side): a tie (0.807 / 0.795 / 0.866 / 0.872 and 0.833 / 0.857 / 0.870 / 0.918 against
 # 0.823 / 0.789 / 0.881 / 0.871 and 0.825 / 0.865 / 0.870 / 0.915): not taken. + "hide_epi" (the output's global
 # stores under the next group's first MMAs) and "split_tail" (the last, partial round's groups split into key-tile
-# parts, merged by tail_merge.py) since 2026-12-01 19:20, for round s7r2 to measure against the previous default:
-# round s7r1 (3 rounds; s = 0.1, the only point where the rows ran as meant) the op with both 0.906 / 0.934 (1.3B /
-# 14B) against 0.832 / 0.859 for the op and 0.848 / 0.861 with hide_epi alone.
+# parts, merged by tail_merge.py) since 2026-12-01 19:10: H200 round s7r2 (method of record, 4 rounds, side by side;
+# 1.3B 480p then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5) 0.803 / 0.843 / 0.902 / 0.918 and 0.858 / 0.887 / 0.889 /
+# 0.926 against the previous default's 0.793 / 0.823 / 0.890 / 0.874 and 0.826 / 0.850 / 0.881 / 0.912 (better at
+# all 8 points) and hide_epi alone 0.801 / 0.841 / 0.887 / 0.899 and 0.853 / 0.896 / 0.892 / 0.932; GPU-tested
+# through the op in every dtype / head dim with the LSE, split last rounds with ragged counts.
 STAGED_OPTIONS: tuple = ("persistent", "overlap", "hide_epi", "split_tail")
 # compile options of the register-epilogue kernel (calls with a residual: the reuse path's), as STAGED_OPTIONS:
 # persistent + overlap since 2026-12-01 16:40: H200 round s6r2 (method of record, 4 rounds, side by side, plain bf16
