@@ -21,8 +21,10 @@ Work is distributed by our own grid-stride scheduler (``GroupScheduler``) over t
 (every batch element: both CFG branches). ``num_ctas`` below the group count makes the launch persistent, a CTA's
 producer then gathering the next group's queries and first K/V tile while its consumers finish the previous group
 (the staged epilogue needs the "persistent" option for it); with the "overlap" option two groups are in flight per
-CTA (``mma_overlap``). ``op.py`` launches both epilogues' kernels persistent (one CTA per SM) with "overlap"
-(``rules.STAGED_OPTIONS`` / ``REGISTERS_OPTIONS``, ``rules.launch_plan``; the H200 figures: docs/kernels.md).
+CTA (``mma_overlap``). ``op.py`` launches both epilogues' kernels persistent (one CTA per SM) with "overlap", the
+staged one also with "hide_epi" (its stores under the next group's first MMAs) and "split_tail" (the last, partial
+round's groups in key-tile parts through a workspace, merged by ``tail_merge.py``) (``rules.STAGED_OPTIONS`` /
+``REGISTERS_OPTIONS``, ``rules.launch_plan``; the H200 figures: docs/kernels.md).
 
 Contract of one launch (``SparseFwdSm90.__call__``; ``op.py`` builds the views):
     q, k, v ``(B, S, H, D)`` fp16/bf16 views with unit stride on D and 16-byte aligned rows (the model's
@@ -33,7 +35,9 @@ Contract of one launch (``SparseFwdSm90.__call__``; ``op.py`` builds the views):
     each row's valid slot count (>= 1); residual data ``(B, S, H, D)`` (plain: bf16/fp16/fp32; fp8_row: the e4m3
     bytes as uint8) or ``(B, S, H, D//2)`` uint8 (int4_row, int4_group), unit stride on the last dim, with scale
     ``(B, H, S)`` (unit stride on S; fp32, bf16 for int4_group) for the row kinds; for int4_group also coef (the e4m3
-    bytes as uint8) ``(B, H, S)`` and mean bf16 ``(B, H, G, D)`` (unit stride on D, 4-byte aligned rows); or None.
+    bytes as uint8) ``(B, H, S)`` and mean bf16 ``(B, H, G, D)`` (unit stride on D, 4-byte aligned rows); or None;
+    with "split_tail" the workspace ``mWsO`` ``(rows, D)`` (q's dtype, contiguous) and ``mWsL`` fp32 ``(rows,)``, rows
+    >= 128 * r * n_parts, and ``n_parts`` (1: no split), else None, None, 1.
     Slots past a row's count load finite rows and are masked to -inf by flash-attn-4's sequence-length mask, so they
     weigh exactly 0; padded query slots load query row 0 (finite) and are never written back.
 """
