@@ -364,6 +364,10 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs split (consumers alone)": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
         cp_async_fence=False, q_regs=True, split_tail=4, consumer_regs=216, producer_regs=72, diag_no_copy=True),
+    # the same diagnostic on q_regs as the auto mode runs it (224 / 56, no split round)
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs (consumers alone)": dict(
+        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+        cp_async_fence=False, q_regs=True, diag_no_copy=True),
     # the register split alone (216 / 72) on q_regs rt8 next_item
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs rt8 next_item r216": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,

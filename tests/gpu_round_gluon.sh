@@ -28,6 +28,17 @@ if [ "$MODE" = final ]; then  # <= 155 s: the default path's cases, the auto mod
     T_TESTS=45
     T_BENCH=110
 fi
+if [ "$MODE" = diag ]; then  # <= 70 s: round s7r3 (inside the final call): no new default, so no GPU tests; the op
+    # (auto, as r1 / r2 measured it) by the method of record with flash-attn-4 dense, beside its first schedule called
+    # directly and that schedule without its K/V copies (the consumers alone: wrong results by design, its error is
+    # printed, never a figure): how much of the per-tile gap to flash-attn-4 is the consumers' and how much the gathers'
+    P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence"
+    timeout 68 python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget 65 \
+        --gluon-configs "$P q_regs,$P q_regs (consumers alone)" ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
+    echo "bench: rc=$? (cap 68 s)"
+    grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -50
+    exit 0
+fi
 if [ "$MODE" = bench ]; then  # <= 97 s in all: the GPU tests of the new variants (cap 46 s), then the benchmark
     T0=$(date +%s)
     # 1. round s7r2: the auto mode (since s7r2: q_regs with the last, partial round of work items split into key
