@@ -80,7 +80,7 @@ def variant_kernels():
         obj = cls(cutlass.BFloat16, 128, cc.default_stages(), None, **kw)
         out_align = 16 if kw.get("epilogue") == "smem" else 4
         out[name] = cute.compile(obj, *cc._fake_args("bfloat16", 128, False, "none", out_align), Float32(1.0),
-                                 Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
+                                 Int32(1), None, None, Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
         print(f"compiled {name} in {time.perf_counter() - t:.1f} s", flush=True)
     return out
 
