@@ -6,12 +6,13 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 1. CHECKS on the GPU before any timing (a line with "CHECKS"; "CHECK FAILED" when one fails), on 2 heads at s =
    0.25: select_kv at its defaults == the brute-force top-K (kernels/reference/topk.py) of its own float16 sums;
    with two query groups per program == the defaults; the fused top-K's threshold among its candidates by counting
-   (the default) == by histograms (topk_count=False; not timed if this fails); at 1.3B also the fused top-K with
-   every row forced to the radix fallback (16 candidate slots) == the brute force.
+   (the default) == by histograms (topk_count=False), with the bracket at 4 sigma (topk_z=4) == the defaults (a row
+   whose check fails is not timed); at 1.3B also the fused top-K with every row forced to the radix fallback (16
+   candidate slots) == the brute force.
 2. RACE 1 (tests/_timing.race: sustained back-to-back samples, shuffled order, median; TEAM.md item 7): flash-attn-4
    dense with LSE, select_kv defaults (on sm_90: the top-K fused into the one-group pass-2 kernel, its threshold
-   among the candidates by counting) and ``RACE1_ROWS`` ("hist": by histograms; ``--p2ws-gluon-row``: the Gluon
-   pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios / dense from the same rounds
+   among the candidates by counting) and ``RACE1_ROWS`` ("hist": by histograms; "z4": the bracket at 4 sigma;
+   ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios / dense from the same rounds
    -> ``pass2_topk_over_dense_max`` (the defaults; both shapes). Their kernels compile first in child processes
    (``CHILD_ROWS``), waited for before the first timing.
 3. RACE 2 (per shape after both shapes' race 1; 14B only with 20 s of ``--budget`` left): the parts on all heads at
@@ -102,6 +103,7 @@ def checks(q, k, lse, perm, S, log, full=True):
     # race 1's row: the top-K's threshold among its candidates by histograms gives the same selection as counting
     r["count_equal"] = bool(torch.equal(selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_count=True),
                                         selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_count=False)))
+    r["z4_equal"] = bool(torch.equal(selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_z=4.0), sel))
     if full:
         plan = topk.bracket_plan(S, kq, 2, cap=16)
         forced = topk.FusedRows(torch.full_like(sel, -7), kq, width, plan,
@@ -121,8 +123,8 @@ def checks(q, k, lse, perm, S, log, full=True):
 
 
 # select_kv variants beside its defaults (+ "gluon": --p2ws-gluon-row): the fused top-K's threshold among its candidates
-# by radix histograms (the default until round s7r1)
-RACE1_ROWS = {"hist": dict(topk_count=False)}
+# by radix histograms (the default until round s7r1); its bracket at 4 sigma instead of 5
+RACE1_ROWS = {"hist": dict(topk_count=False), "z4": dict(topk_z=4.0)}
 
 
 def race1(name, q, k, v, lse, perm, log, rows):
@@ -286,7 +288,7 @@ def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_
 # select_kv compiles for race 1 in child processes started with the bench (one per group of rows and shape, on 2
 # heads of the shape: the same specialisations), so the main process loads them from Triton's disk cache instead of
 # compiling one after another (~4 s each; round s6r2 lost its 14B race to the cap); "race2": race 2's kernels
-CHILD_ROWS = (("defaults", "hist"),)
+CHILD_ROWS = (("defaults", "hist", "z4"),)
 
 
 def spawn_children(shapes, out_dir, with_race2):
@@ -462,7 +464,8 @@ def main():
                     rcs = wait_children(children, max(5.0, 60.0 - (time.time() - t0)))
                     log("select children (0 = compiled): " + ", ".join(f"{t} {rc}" for t, rc in rcs.items()))
                     children = {}
-                rows = dict(RACE1_ROWS) if res["checks"]["count_equal"] else {}  # (not timed if its check failed)
+                rows = {n: kw for n, kw in RACE1_ROWS.items()  # (a row whose check failed is not timed)
+                        if res["checks"][{"hist": "count_equal", "z4": "z4_equal"}[n]]}
                 res["race1"] = race1(name, q, k, v, lse, perm, log,
                                      {**rows, **({"gluon": dict(gluon=True)} if gluon_row else {})})
                 save()

@@ -747,6 +747,25 @@ def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rp
                            selection.select_kv(q, k, lse, perm, K, topk_fused=False, **kw))
 
 
+def test_select_kv_fused_top_k_options_keep_the_selection(gen, monkeypatch):
+    """select_kv's fused top-K options (the path of sm_90, forced here): topk_z (the bracket's half-width: 4 sigma, and
+    1 sigma, where rows fall back) and topk_count=False give the defaults' selection, the brute-force top-K of the
+    same float16 sums."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    monkeypatch.setattr(selection, "_capability", lambda device: (9, 0))
+    B, H, S, C, K = 1, 2, 300, 128, 70
+    q, k = (torch.randn(B, H, S, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    perm = _groups(gen, B, H, S, C)
+    kw = dict(group_size=C, kv_tile=64, fp8=False)
+    got = selection.select_kv(q, k, lse.float(), perm, K, **kw)
+    sums16 = selection.group_prob_sums(q, k, lse.float(), perm, group_size=C, fp8=False).half()
+    assert torch.equal(got, ref_top_k_rows(sums16, K, got.shape[-1]))
+    for opts in (dict(topk_z=4.0), dict(topk_z=1.0), dict(topk_count=False)):
+        assert torch.equal(selection.select_kv(q, k, lse.float(), perm, K, **opts, **kw), got), opts
+
+
 @pytest.mark.parametrize("cap,want", [((9, 0), True), ((8, 9), False), (None, False)])
 def test_select_kv_fuses_the_top_k_by_default_on_sm90(gen, monkeypatch, cap, want):
     """select_kv's default: the top-K fused into the pair pass-2 kernel on sm_90+ (measured there), the separate

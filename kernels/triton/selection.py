@@ -911,7 +911,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
               topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None, direct_store=None,
-              poly3=(0, 0), topk_count=None):
+              poly3=(0, 0), topk_count=None, topk_z=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -928,7 +928,8 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     ``_TOPK_HIST_DEFAULT``); ``topk_fused``: the pair kernel runs the bracket top-K on its own groups' sums after
     its key sweep (``topk.FusedRows``; same selection; None: ``_TOPK_FUSED_DEFAULT`` on sm_90+; ignored with ``topk_method``,
     ``topk_hist`` or when another pass-2 kernel runs); ``topk_count``: that top-K's threshold among its candidates
-    by counting (``FusedRows.cand_count``; same selection; None: ``_TOPK_COUNT_DEFAULT``).
+    by counting (``FusedRows.cand_count``; same selection; None: ``_TOPK_COUNT_DEFAULT``); ``topk_z``: that top-K's
+    bracket half-width in binomial sigmas (``topk.bracket_plan``; same selection; None: its default).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -950,7 +951,8 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     if topk_fused and not use_hist and topk_method is None:
         try:
             fused = FusedRows.allocate(B * hc * G, SK, num_keys, k_alloc, q.device,
-                                       cand_count=_TOPK_COUNT_DEFAULT if topk_count is None else bool(topk_count))
+                                       cand_count=_TOPK_COUNT_DEFAULT if topk_count is None else bool(topk_count),
+                                       **({} if topk_z is None else dict(z=float(topk_z))))
         except torch.cuda.OutOfMemoryError:
             fused = None  # the unfused top-K (its own out-of-memory handling)
     for h0 in range(0, H, hc):
