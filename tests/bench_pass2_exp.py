@@ -99,22 +99,18 @@ VARIANTS = {  # name: keywords of launch()
     "gluon ws kb pow2 ks4": dict(gluon=dict(kb_poly=2, ksplit=4, poly=0), kb_pow2=True),
     # the Gluon kernel at its default config (selection_sm90.config), as select_kv(gluon=True) runs it
     "gluon ws default": dict(gluon={}, kb_pow2=False, rtol=2e-3),  # kb_pow2: what config()'s kb_poly reads
-    # session 7: the one-group kernel (select_kv's pass 2): its timing floor without exponentials, pipeline depth,
-    # its sums stored from the wgmma registers (no layout conversion), 8 warps on 128-key tiles; measured in round
-    # s7r1 and removed since (slower than "kb pow2 1grp" 0.5226): row sums as two partial sums 0.5450, on the tensor
-    # cores 0.5761, a quarter of the exponentials on the degree-3 polynomial 0.5997
-    "kb pow2 1grp st2": dict(kb_pow2=True, one_group=True, num_stages=2),
-    "kb pow2 1grp st4": dict(kb_pow2=True, one_group=True, num_stages=4),
-    "kb pow2 1grp direct store": dict(kb_pow2=True, one_group=True, direct_store=True),
-    "kb pow2 1grp bn128 w8": dict(kb_pow2=True, one_group=True, block_n=128, num_warps=8),
-    "kb pow2 1grp direct store st2": dict(kb_pow2=True, one_group=True, direct_store=True, num_stages=2),
+    # session 7: the one-group kernel (select_kv's pass 2): its timing floor without exponentials. Measured and
+    # removed since (the default "kb pow2 1grp" 0.5226 in round s7r1, 0.5058 in s7r2): row sums as two partial sums
+    # 0.5450, on the tensor cores 0.5761, a quarter of the exponentials on the degree-3 polynomial 0.5997, 4 stages
+    # 0.5524; the sums stored by inline PTX 0.5148, 2 stages 0.5506, 8 warps on 128-key tiles 0.5601
+    "kb pow2 1grp no exp (floor)": dict(kb_pow2=True, one_group=True, exp="none"),
 }
 
 
 def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=False, gluon=None, num_stages=3,
-           stagger=False, one_group=False, rtol=None, direct_store=False, block_n=64, num_warps=4):
+           stagger=False, one_group=False, rtol=None):
     """The pair kernel alone on precomputed float8 operands ``ops`` = (q8, k8, qf, lse_s, kb), as
-    ``selection.group_prob_sums`` launches it with fp8 (unstaggered, BLOCK_N 64, 4 warps, 3 stages unless given). ``kb_pow2``:
+    ``selection.group_prob_sums`` launches it with fp8 (unstaggered, BLOCK_N 64, 4 warps, 3 stages). ``kb_pow2``:
     ``ops`` carries 2^KB in place of KB. ``gluon``: the Gluon kernel instead, with these tuning keywords. ``rtol``:
     the sums check's bound for this variant (not a launch parameter)."""
     q8, k8, qf, lse_s, kb = ops
@@ -130,10 +126,9 @@ def launch(ops, perm, out, *, poly3=(0, 0), exp="fp32", maxnreg=None, kb_pow2=Fa
     selection._group_prob_sums_pair[(G if one_group else triton.cdiv(G, 2), B * H)](
         q8, k8, lse_s, perm, out, qf, kb, qf, 1.0, H, S, SK, n_slots, C, G,
         *q8.stride(), *k8.stride(), *lse_s.stride(), *out.stride(), *selection._fused_topk_args(None, out, 4, qf)[0],
-        HEAD_DIM=D, BLOCK_M=128, BLOCK_N=block_n, EXP_MODE=3 if exp == "none" else 0, STAGGER=stagger, FP8=True, POLY=0,
+        HEAD_DIM=D, BLOCK_M=128, BLOCK_N=64, EXP_MODE=3 if exp == "none" else 0, STAGGER=stagger, FP8=True, POLY=0,
         P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32, WITH_HIST=False,
-        KB_POW2=kb_pow2, ONE_GROUP=one_group, DIRECT_STORE=direct_store, num_warps=num_warps, num_stages=num_stages,
-        **extra)
+        KB_POW2=kb_pow2, ONE_GROUP=one_group, num_warps=4, num_stages=num_stages, **extra)
     return out
 
 

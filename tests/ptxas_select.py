@@ -46,12 +46,6 @@ VARIANTS = {  # name: pair-kernel constexprs (BLOCK_N 64, 4 warps, 3 stages unle
     "fp8 unstaggered + fused top-K": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True, maxnreg=168),
     "fp8 one group + fused top-K": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True, ONE_GROUP=True),
     "fp8 one group": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, ONE_GROUP=True),
-    # session 7: the sums stored from the wgmma registers by inline PTX (no layout conversion); 8 warps, 128 keys
-    "fp8 one group direct store + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True,
-                                                                TOPK=True, ONE_GROUP=True, maxnreg=128,
-                                                                DIRECT_STORE=True),
-    "fp8 one group bn128 w8 + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
-                                                            ONE_GROUP=True, maxnreg=128, BLOCK_N=128, num_warps=8),
     "fp8 one group + fused top-K (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
                                                    ONE_GROUP=True, maxnreg=128),
     # session 7: the top-K's threshold among its candidates by counting (topk.FusedRows.cand_count)
@@ -106,7 +100,7 @@ def compile_variant(name, cfg, S=75600, H=40, D=128, C=128, arch=90):
     meta = dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=cfg.get("BLOCK_N", 64), EXP_MODE=0, STAGGER=cfg.get("STAGGER", True),
                 FP8=fp8, POLY=cfg.get("POLY", 0), P3_G0=cfg.get("P3_G0", 0), P3_G1=cfg.get("P3_G1", 0), KEY_BITS=16,
                 WITH_HIST=cfg.get("WITH_HIST", False), num_warps=warps, num_stages=cfg.get("num_stages", 3), **sel_meta,
-                KB_POW2=cfg.get("KB_POW2", False), ONE_GROUP=cfg.get("ONE_GROUP", False), DIRECT_STORE=cfg.get("DIRECT_STORE", False),
+                KB_POW2=cfg.get("KB_POW2", False), ONE_GROUP=cfg.get("ONE_GROUP", False),
                 **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
     ck = pr.compile_offline(selection._group_prob_sums_pair, args, meta, arch)
     regs, st, ld = pr.ptxas_usage(ck, arch)

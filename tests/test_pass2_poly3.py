@@ -150,27 +150,6 @@ def test_one_group_kernel_equals_the_pair_kernel(gen):
                        sel.select_kv(*args, 100, topk_fused=False, one_group=False, **kw))
 
 
-def test_direct_store_is_ignored_under_the_interpreter(gen, monkeypatch):
-    """``direct_store=True`` (the one-group kernel's sums stored by inline PTX, CUDA only) launches with DIRECT_STORE
-    off where inline assembly cannot run (the interpreter: capability None), so the sums are the plain kernel's."""
-    sel = _selection()
-    S, C = 330, 128
-    args = _three_group_inputs(gen, S, C)
-    seen, kernel = [], sel._group_prob_sums_pair
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                seen.append(kw["DIRECT_STORE"])
-                return kernel[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(sel, "_group_prob_sums_pair", Spy())
-    got = torch.full((1, 2, 3, S), float("nan"), device=DEVICE)
-    sel.group_prob_sums(*args, group_size=C, out=got, fp8=True, pipelined=False, one_group=True, direct_store=True)
-    assert seen == [sel._capability(got.device) is not None] and not got.isnan().any()
-
-
 @pytest.mark.parametrize("fused", [False, True])
 def test_one_group_is_the_default_with_and_without_the_fused_top_k(gen, monkeypatch, fused):
     """The float8 pair kernel runs one query group per program by default (``_ONE_GROUP_DEFAULT``) whether or not the

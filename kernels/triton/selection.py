@@ -218,24 +218,6 @@ def _key_scaled(col, kb_base, keys, SK, FP8: tl.constexpr, KB_POW2: tl.constexpr
     return col
 
 
-@triton.jit
-def _store_direct(ptrs, vals, mask):
-    """``tl.store(ptrs, vals, mask=mask)`` (float16 or float32 ``vals``) by inline PTX, so the values are stored from
-    the registers that hold them (a key's sum sits in the 4 lanes of a quad of the wgmma layout: 4 stores of the same
-    bytes in one warp instruction) instead of through the shared-memory layout conversion ``tl.store`` gets (2
-    st.shared + bar.sync + ld.shared per key tile, offline PTX). CUDA only (inline assembly)."""
-    if vals.dtype == tl.float16:
-        done = tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b16 [$1], $2; mov.b32 $0, 0; }", "=r,l,h,r",
-            [ptrs, vals.to(tl.int16, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.static_assert(vals.dtype == tl.float32, "float16 or float32 values")
-        done = tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
-            [ptrs, vals.to(tl.int32, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    return done
-
-
 # (the fused top-K's per-density integers are not specialised: one compile serves every density)
 @triton.jit(do_not_specialize=["num_keys", "stride_samp", "n_samp", "hi_rank", "lo_rank"])
 def _group_prob_sums_pair(
@@ -266,7 +248,6 @@ def _group_prob_sums_pair(
     T_ROWS: tl.constexpr = 128,  # top-K tile rows (16-byte vectors) per sweep step
     T_NS: tl.constexpr = 1024,  # top-K sample slots (a power of two >= n_samp)
     T_TWO_BITS: tl.constexpr = False,  # its sample order statistics two bits per reduction (T_NS <= 8 per thread)
-    DIRECT_STORE: tl.constexpr = False,  # ONE_GROUP: the sums stored from the registers that hold them (``_store_direct``)
     T_CAND_COUNT: tl.constexpr = False,  # the top-K's threshold among its candidates by counting (FusedRows.cand_count)
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
@@ -372,11 +353,7 @@ def _group_prob_sums_pair(
             col0 = _key_scaled(_mixed_sums(x0, EXP_MODE, P3_G0, n0 // BLOCK_N, 0), kb_base, keys, SK, FP8, KB_POW2)
             dst = s_base + keys.to(tl.int64) * stride_sn
             c0 = col0.to(SUMS.dtype.element_ty)
-            if DIRECT_STORE:
-                tl.static_assert(ONE_GROUP and not WITH_HIST, "DIRECT_STORE: one group, no histogram")
-                _store_direct(dst, c0, k_ok)
-            else:
-                tl.store(dst, c0, mask=k_ok)
+            tl.store(dst, c0, mask=k_ok)
             if not ONE_GROUP:
                 x1 = tl.dot(k, tl.trans(q1)) * f - l1[None, :]
                 col1 = _key_scaled(_row_sums(x1, EXP_MODE, POLY, P3_G1, n0 // BLOCK_N), kb_base, keys, SK, FP8, KB_POW2)
@@ -744,13 +721,10 @@ _ONE_GROUP_DEFAULT = True
 # the cap is 128 (4 programs per SM as without the top-K: ptxas 119 without, 122 uncapped / 119 capped with it, 0
 # spills; capped at 168 it would take 139 and lose a program)
 _TOPK_FUSED_MAXNREG = 168
-# the one-group kernel's key sums stored by inline PTX from the wgmma layout (direct_store; CUDA only): no
-# shared-memory layout conversion per key tile (offline PTX: Triton then places its CTA barrier before the next
-# cp.async instead). Not measured yet: off. (Measured slower in round s7r1, the pass-2 kernel alone / flash-attn-4
-# dense at 1.3B 480p, 0.5226 for the default: the row sums as two partial sums per thread 0.5450, on the tensor cores
-# (bf16 P x a ones column, P from registers) 0.5761, a quarter of the exponentials on the degree-3 polynomial 0.5997,
-# 4 stages 0.5524; removed.)
-_DIRECT_STORE_DEFAULT = False
+# The one-group kernel's loop, variants measured slower (the kernel alone / flash-attn-4 dense at 1.3B 480p, round
+# s7r1 default 0.5226: row sums as two partial sums per thread 0.5450, on the tensor cores 0.5761, a quarter of the
+# exponentials on the degree-3 polynomial 0.5997, 4 stages 0.5524; round s7r2 default 0.5058: the sums stored by
+# inline PTX from the wgmma registers 0.5148, 2 stages 0.5506, 8 warps on 128-key tiles 0.5601); removed.
 
 
 def fp8_default(capability: tuple[int, int] | None) -> bool:
@@ -770,7 +744,7 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
                     num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None,
-                    poly3=(0, 0), select=None, one_group=None, direct_store=None):
+                    poly3=(0, 0), select=None, one_group=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -796,9 +770,6 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         one_group: the pair kernel with ONE query group per program (unstaggered; no hist, no poly): 119
         registers instead of 166 (offline), so 4 programs per SM instead of 3, each key tile read once per group;
         None: ``_ONE_GROUP_DEFAULT`` where it applies (float8, unstaggered, no hist / poly; with or without select).
-        direct_store: with one group per program on CUDA, the sums stored by inline PTX from the registers that
-        hold them (``_store_direct``; the same values); ignored elsewhere (the interpreter: ``tl.store``); None:
-        ``_DIRECT_STORE_DEFAULT``.
         poly3: (g0, g1), eighths (0, 2 or 4) of each of the pair kernel's two groups' exponentials taken by the
         degree-3 polynomial on the FMA pipe (``_exp2_poly3``: relative error < 7.6e-5) instead of MUFU (4: the odd
         query columns of every key tile; 2: of every other key tile, group 0's even tiles, group 1's odd); pair kernel
@@ -881,8 +852,6 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n or bn, EXP_MODE=exp_mode, STAGGER=pipelined, FP8=fp8,
             POLY=poly, P3_G0=poly3[0], P3_G1=poly3[1], KEY_BITS=16 if out.dtype == torch.float16 else 32,
             WITH_HIST=hist is not None, KB_POW2=pow2, ONE_GROUP=bool(one_group), **sel_meta, num_warps=warps_,
-            DIRECT_STORE=bool(one_group) and cap is not None and (_DIRECT_STORE_DEFAULT if direct_store is None
-                                                                  else bool(direct_store)),
             num_stages=num_stages or stages,
             **({"maxnreg": 128 if one_group else _TOPK_FUSED_MAXNREG} if select is not None and fp8 and cap is not None
                else {}),
@@ -910,7 +879,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
-              topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None, direct_store=None,
+              topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None,
               poly3=(0, 0), topk_count=None, topk_z=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
@@ -919,7 +888,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     Wan2.1-14B 720p one head's sums are 591 x 75600 x 2 B = 89 MB. ``topk.top_k_rows`` then writes each group's
     row of the selection in place: the K largest float16 sums (ties: lower token index first), ascending, then -1.
     ``heads_per_chunk`` overrides the chunk size; ``block_n``, ``num_warps``, ``num_stages``, ``pipelined``,
-    ``exp``, ``pair``, ``poly``, ``fp8``, ``gluon``, ``one_group``, ``direct_store``, ``poly3`` tune pass 2 (see
+    ``exp``, ``pair``, ``poly``, ``fp8``, ``gluon``, ``one_group``, ``poly3`` tune pass 2 (see
     ``group_prob_sums``; the defaults are
     its defaults: the staggered two-group kernel, float8 products per ``fp8_default``); ``topk_method`` picks
     ``topk.top_k_rows``'s
@@ -964,7 +933,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon, select=select,
-            one_group=one_group, direct_store=direct_store, poly3=poly3,
+            one_group=one_group, poly3=poly3,
         )
         if select is not None and select.done:
             select.finish(sums)
