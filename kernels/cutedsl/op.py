@@ -56,9 +56,10 @@ def _run(q, k, v, perm, kv_idx, scale, return_lse, out, residual):
     counts = valid_counts(kv_idx)
     perm_rows = perm.contiguous().view(n, perm.shape[-1] // G)
     n_parts, ws = 1, (None, None)
+    r = n % num_ctas  # groups of the persistent walk's last round
     if "split_tail" in options:  # the last round's groups in parts, into a workspace, merged after
         n_parts = split_parts(n, num_ctas)
-        rows = 128 * (n % num_ctas * n_parts if n_parts > 1 else 1)
+        rows = 128 * (r * n_parts if n_parts > 1 else 1)
         ws = (torch.empty(rows, D, dtype=q.dtype, device=q.device),
               torch.empty(rows, dtype=torch.float32, device=q.device))
     _compile.launch(
@@ -66,7 +67,6 @@ def _run(q, k, v, perm, kv_idx, scale, return_lse, out, residual):
         kv_idx.reshape(n, k_alloc).contiguous(), counts, *res_args, scale, num_ctas, *ws, n_parts,
     )
     if n_parts > 1:
-        r = n % num_ctas
         tail_merge.merge(*ws, perm_rows, out.transpose(1, 2), lse, n - r, r, n_parts, G)
     return (out, lse) if return_lse else out
 

@@ -83,11 +83,11 @@ GLUON_SCHEDULES = {
 # 0.701 / 0.718 / 0.775 / 0.775 | 0.773 / 0.784, the previous first schedule 0.694 / 0.723 / 0.783 / 0.772 | 0.749 /
 # 0.776, q_regs called directly 0.714 / 0.736 / 0.780 / 0.776 | 0.739 / 0.765 (docs/kernels.md). Round s7r1 (the op
 # = this auto mode): 0.690 / 0.725 / 0.775 / 0.777 | 0.764 / 0.793 / 0.830 / 0.840 (dense 9.4-9.8 / 173-178 ms);
-# the producer at 8 threads per row and each item's first loads an item early no faster. Since round s7r2: both with
+# the producer at 8 threads per row and each item's first loads an item early no faster. Round s7r2 tried both with
 # the last, partial round of work items split into key ranges (split_tail: Wan2.1-1.3B 480p runs 3072 items on 132
-# SMs, 23.3 rounds; 14B 720p 179.1) was tried in round s7r2: with registers 216 / 72 (its producer spills at 224 /
-# 56) q_regs ran 0.56-0.65 instead of 0.72-0.79 (both shapes, same race), and the split schedule failed to compile
-# with an int4_group residual there, so the auto mode keeps s7r1's pair (the op in s7r2: 0.708 / 0.734 / 0.767 /
+# SMs, 23.3 rounds; 14B 720p 179.1): with registers 216 / 72 (its producer spills at 224 / 56) q_regs ran 0.56-0.65
+# instead of 0.72-0.79 (both shapes, same race), and the split schedule failed to compile with an int4_group
+# residual, so the auto mode keeps s7r1's pair (the op in s7r2: 0.708 / 0.734 / 0.767 /
 # 0.788 | 0.722 / 0.821 / 0.842 / 0.825). PREVIOUS_AUTO_SCHEDULES (bench --gluon-auto previous) is the same pair.
 PREVIOUS_AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs",
                            "pingpong persistent 3 stages thread_arrive early_q no_fence idx2")
