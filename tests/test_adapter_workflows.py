@@ -193,3 +193,60 @@ def test_ui_and_api_twins_set_the_pack_nodes_alike(path):
         api_values = [[v for k, v in n["inputs"].items() if k != skip] for n in api.values()
                       if n["class_type"] == node_type]
         assert ui_values == api_values, f"{path.name}: {node_type} widgets {ui_values} vs the API twin's {api_values}"
+
+
+SAMPLERS = {"KSampler", "KSamplerAdvanced", "CFGGuider", "BasicGuider", "DualCFGGuider"}
+LOADERS = {"UNETLoader", "ImageOnlyCheckpointLoader", "CheckpointLoaderSimple", "LoraLoaderModelOnly", "LoraLoader"}
+
+
+@pytest.mark.parametrize("path", API, ids=lambda p: p.name)
+def test_api_samplers_get_the_patched_model(path):
+    """Every sampler / guider's model is patched: its MODEL chain back to the loader passes one MCSparsePatch, placed
+    right after the loader / LoRA and before ModelSampling* (README, "Where to put the node"); the A/B workflow's
+    reference sampler alone runs the plain model. Mutation: a sampler fed from ModelSamplingSD3 on the loader (the
+    patch left dangling: a valid prompt that never runs MC-Sparse), or the patch after ModelSamplingSD3."""
+    prompt = json.loads(path.read_text(encoding="utf-8"))
+    plain = 0
+    for nid, node in prompt.items():
+        if node["class_type"] not in SAMPLERS:
+            continue
+        chain, cur = [], node["inputs"]["model"]
+        while isinstance(cur, list):
+            src = prompt[cur[0]]
+            chain.append(src["class_type"])
+            cur = src["inputs"].get("model")
+        assert chain and chain[-1] in LOADERS, f"{path.name} sampler {nid}: model chain {chain} ends at no loader"
+        patches = [i for i, t in enumerate(chain) if t == "MCSparsePatch"]
+        if not patches:
+            plain += 1
+            continue
+        assert len(patches) == 1, f"{path.name} sampler {nid}: {len(patches)} patch nodes chained: {chain}"
+        after = chain[patches[0] + 1:]  # upstream of the patch
+        assert all(t in LOADERS for t in after), f"{path.name} sampler {nid}: patch after {after}"
+    assert plain == (1 if path.name.startswith("wan21_t2v_1.3b_compare") else 0), f"{path.name}: {plain} unpatched"
+
+
+@pytest.mark.parametrize("path", UI, ids=lambda p: p.name)
+def test_ui_links_agree_with_the_nodes_and_the_patch_is_wired(path):
+    """The UI graph's link table and the nodes' own link fields agree (the frontend reads both: a link the node does
+    not list is dropped on load), and every MC-Sparse Patch node is active (mode 0, not bypassed or muted) with its
+    model input linked and its MODEL output used. Mutation: a patch node set to bypass (mode 4), its output links
+    cleared, or a link record whose target input names another link."""
+    ui = json.loads(path.read_text(encoding="utf-8"))
+    for graph in _graphs(ui):
+        nodes = {n["id"]: n for n in graph["nodes"]}
+        links = {lk[0]: lk for lk in _links(graph)}
+        for lid, o, os_, tgt, ts, _ltype in links.values():
+            if tgt >= 0:
+                assert nodes[tgt]["inputs"][ts].get("link") == lid, f"{path.name}: link {lid} not on its target input"
+            if o >= 0:
+                assert lid in (nodes[o]["outputs"][os_].get("links") or []), f"{path.name}: link {lid} not on its origin"
+        for n in graph["nodes"]:
+            for inp in n.get("inputs", []):
+                assert inp.get("link") is None or inp["link"] in links, f"{path.name} node {n['id']}: dangling input"
+            for out in n.get("outputs", []):
+                assert all(lid in links for lid in out.get("links") or []), f"{path.name} node {n['id']}: dangling"
+            if n["type"] == "MCSparsePatch":
+                assert n.get("mode", 0) == 0, f"{path.name} patch node {n['id']}: mode {n.get('mode')} (inactive)"
+                assert [i.get("link") is not None for i in n["inputs"] if i["name"] == "model"] == [True], n["id"]
+                assert any(out.get("links") for out in n["outputs"] if out["type"] == "MODEL"), n["id"]
