@@ -39,39 +39,30 @@ if [ "$MODE" = diag ]; then  # <= 70 s: round s7r3 (inside the final call): no n
     grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -50
     exit 0
 fi
-if [ "$MODE" = bench ]; then  # <= 97 s in all: the GPU tests of the new variants (cap 46 s), then the benchmark
+if [ "$MODE" = bench ]; then  # <= 97 s in all: the GPU tests of the new variants (cap 40 s), then the benchmark
     T0=$(date +%s)
-    # 1. round s7r2: the auto mode (since s7r2: q_regs with the last, partial round of work items split into key
-    #    ranges, merged by kernels/triton/sparse_tail_merge.py, registers 216 / 72; and q_regs as in s7r1) against
-    #    float64: the split schedule where the split happens (36 short ragged items on 7 programs: one item in 4
-    #    parts, some empty, fp16 int4_group; 192 long items on 10 programs: 2 items in 4 parts, bf16 plain), and the
-    #    op in auto mode (both candidates timed, compiled and checked, int4_group bf16 B = 2); 4 compiles; pytest's
-    #    own exit has hung after the last case in every round, so the process ends by os._exit
-    timeout 46 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
-        -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py -k "auto_schedules_split or auto_mode" \
-        > "$OUT/gluon_gpu_tests.log" 2>&1
+    # 1. round s8r1: chain (one pingpong block sequence across a program's items) against float64: short ragged
+    #    items, long rows, one item per program, D = 64, with idx2 (5 cases, 4 compiles); pytest's own exit has hung
+    #    after the last case in earlier rounds, so the process ends by os._exit
+    timeout 40 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
+        -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py -k "chain" > "$OUT/gluon_gpu_tests.log" 2>&1
     trc=$?
     grep -E "rel_l2|passed|failed|error|Error|^PASSED|^FAILED" "$OUT/gluon_gpu_tests.log" | tail -16
     echo "gluon gpu tests: rc=$trc"
     passed() { [ "$(grep -cE "^PASSED .*$1" "$OUT/gluon_gpu_tests.log")" -ge 1 ]; }  # -rA's summary lines
-    # 2. the op (auto mode: the scoreboard figure) by the method of record (tests/_timing.race) with flash-attn-4 dense
-    #    in the same rounds, beside round s7r1's auto schedule q_regs called directly (the previous op's kernel), q_regs
-    #    with the new register split (216 / 72) but no split round, and the new first auto schedule called directly
-    #    (the op's own kernel: no compile) and, a diagnostic, that schedule without its K/V copies (the consumers
-    #    alone: wrong results, its error is printed, never a figure). If any case of (1) failed, the op is timed with round s7r1's auto
-    #    schedules (--gluon-auto previous) and the split rows are left out. --budget: the tunings are dropped late, so
-    #    the op's figure and the scoreboard are written in time
-    P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence"
-    NAMES="$P q_regs,$P q_regs r216"
-    AUTO=(--gluon-auto previous)
-    if passed '\[split0-short\]$' && passed '\[split0-long\]$' && passed 'auto_mode_times_every_schedule'; then
-        NAMES="$NAMES,$P q_regs split,$P q_regs split (consumers alone)"
-        AUTO=()
+    # 2. the op (auto mode, unchanged: the scoreboard figure) by the method of record (tests/_timing.race) with
+    #    flash-attn-4 dense in the same rounds, beside chain and chain + idx2 called directly, each only where its
+    #    GPU cases passed. --budget: the tunings are dropped late, so the op's figure and the scoreboard are written
+    P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs"
+    NAMES=""
+    if passed '\[short\]$' && passed '\[long\]$' && passed '\[one-item\]$' && passed '\[d64\]$'; then
+        NAMES="$P chain"
+        if passed '\[idx2\]$'; then NAMES="$NAMES,$P idx2 chain"; fi
     fi
-    echo "raced: $NAMES ${AUTO[*]+${AUTO[*]}}"
+    echo "raced: op${NAMES:+,$NAMES}"
     LEFT=$(( 97 - ($(date +%s) - T0) ))  # SIGTERM at the cap: the bench writes what it measured (~1 s)
     timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \
-        --gluon-configs "$NAMES" ${AUTO[@]+"${AUTO[@]}"} ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
+        --gluon-configs "${NAMES:-none}" ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
     echo "bench: rc=$? (cap $LEFT s)"
     grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -70
     exit 0

@@ -159,7 +159,12 @@ def main():
                              producer_regs=72),
                         dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
                              early_q=True, cp_async_fence=False, idx_ahead=2, split_tail=4, consumer_regs=216,
-                             producer_regs=72))])
+                             producer_regs=72),
+                        # one pingpong block sequence across items (chain), alone and with idx2
+                        dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
+                             early_q=True, cp_async_fence=False, q_regs=True, chain=True),
+                        dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
+                             early_q=True, cp_async_fence=False, q_regs=True, idx_ahead=2, chain=True))])
     for kind in ("int4_group",) if args.quick else (None, "plain", "fp8_row", "int4_row", "int4_group"):
         print(merge_report(kind), flush=True)  # before the Gluon kernel's lines (the CPU test reads the last one)
     for D, kind, tune in cases:

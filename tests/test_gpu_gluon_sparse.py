@@ -200,6 +200,35 @@ def test_auto_schedules_split_tail_vs_float64(rows):
         _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=41, num_sms=10, **tuning)
 
 
+CHAIN = "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs chain"
+
+
+@pytest.mark.parametrize("case", ["short", "long", "one-item", "d64", "idx2"])
+def test_chain_vs_float64(case):
+    """``chain`` (one pingpong block sequence across a program's items: an item's last P V with the next item's first
+    QK^T, its epilogue at the next item's start, each item's queries read twice from the one Q slot) against float64,
+    NaN-poisoned out views, LSE: "short": 36 items of 1-3 key tiles (single-tile items: the boundary right after
+    the first QK^T) on 7 programs, fp16, int4_group, ragged counts; "long": 12 key tiles per item, 16 programs
+    walking 12 items each (every ring stage refilled many times), bf16, plain residual; "one-item": every program
+    one item (no boundary: the last item's lone P V), bf16, no residual; "d64": D = 64, fp16, plain; "idx2": with
+    the producer's indices two tiles ahead, fp8_row."""
+    tuning = dict(_dispatch().GLUON_SCHEDULES[CHAIN])
+    if case == "short":
+        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "int4_group", torch.float16, seed=13, ragged_counts=True,
+               num_sms=7, **tuning)
+    elif case == "long":
+        _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=29, num_sms=16, **tuning)
+    elif case == "one-item":
+        _check(1, 2, 600, 128, 128, 400, 512, None, torch.bfloat16, seed=43, ragged_counts=True, num_sms=132,
+               **tuning)
+    elif case == "d64":
+        _check(2, 2, 1500 + 3, 64, 128, 300, 512, "plain", torch.float16, seed=31, ragged_counts=True, num_sms=7,
+               **tuning)
+    else:
+        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "fp8_row", torch.bfloat16, seed=47, ragged_counts=True,
+               num_sms=5, **{**tuning, "idx_ahead": 2})
+
+
 def test_gluon_persistent_c192_vs_float64():
     """Persistent with two programs' worth of rows per group (C = 192: items of 128 and 64 rows)."""
     _check(2, 2, 1500 + 3, 128, 192, 129, 256, "plain", torch.bfloat16, seed=19, ragged_counts=True, persistent=True,

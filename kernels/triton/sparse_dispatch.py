@@ -63,6 +63,14 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence idx2": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         idx_ahead=2),
+    # q_regs with one pingpong block sequence across a program's items (chain: an item's last P V issued with the
+    # next item's first QK^T, its epilogue under the other warpgroup's boundary block); alone and with idx2
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs chain": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        q_regs=True, chain=True),
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs idx2 chain": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        q_regs=True, idx_ahead=2, chain=True),
     # q_regs with the last, partial round of work items split into key ranges (split_tail; registers 216 / 72: at
     # 224 / 56 the split walk's producer spilled 5-6 local accesses per tile in its copy loop, offline SASS). The
     # producer at 8 threads per row and each item's first loads an item early (rt8, next_item) measured no faster in
