@@ -210,8 +210,8 @@ def test_chain_vs_float64(case):
     NaN-poisoned out views, LSE: "short": 36 items of 1-3 key tiles (single-tile items: the boundary right after
     the first QK^T) on 7 programs, fp16, int4_group, ragged counts; "long": 12 key tiles per item, 16 programs
     walking 12 items each (every ring stage refilled many times), bf16, plain residual; "one-item": every program
-    one item (no boundary: the last item's lone P V), bf16, no residual; "d64": D = 64, fp16, plain; "idx2": with
-    the producer's indices two tiles ahead, fp8_row."""
+    one item (no boundary: the last item's lone P V), bf16, plain; "d64": D = 64, fp16, plain; "idx2": with the
+    producer's indices two tiles ahead, short ragged items on 5 programs, bf16, plain (4 compiles in all)."""
     tuning = dict(_dispatch().GLUON_SCHEDULES[CHAIN])
     if case == "short":
         _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "int4_group", torch.float16, seed=13, ragged_counts=True,
@@ -219,14 +219,15 @@ def test_chain_vs_float64(case):
     elif case == "long":
         _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=29, num_sms=16, **tuning)
     elif case == "one-item":
-        _check(1, 2, 600, 128, 128, 400, 512, None, torch.bfloat16, seed=43, ragged_counts=True, num_sms=132,
+        _check(1, 2, 1024, 128, 128, 400, 512, "plain", torch.bfloat16, seed=43, ragged_counts=True, num_sms=132,
                **tuning)
     elif case == "d64":
         _check(2, 2, 1500 + 3, 64, 128, 300, 512, "plain", torch.float16, seed=31, ragged_counts=True, num_sms=7,
                **tuning)
     else:
-        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "fp8_row", torch.bfloat16, seed=47, ragged_counts=True,
+        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "plain", torch.bfloat16, seed=47, ragged_counts=True,
                num_sms=5, **{**tuning, "idx_ahead": 2})
+    print(f"CHAIN OK [{case}]")  # the round script's mark of a passed case (read even if pytest's exit hangs)
 
 
 def test_gluon_persistent_c192_vs_float64():
