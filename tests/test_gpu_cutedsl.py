@@ -219,17 +219,22 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
         print(f"cutedsl {options} ctas={ctas} {dtype} D={D}: rel err {err:.2e}")
 
 
+SPLIT = "persistent,overlap,hide_epi,split_tail"
+
+
+@pytest.mark.parametrize("options", [SPLIT, SPLIT + ",pdl"], ids=["split", "split-pdl"])
 @pytest.mark.parametrize(("B", "H", "S", "K", "ragged", "lse"), [
     (2, 3, 2900, 700, True, True), (1, 1, 140 * 128 - 5, 3000, False, False),
 ], ids=["138-groups-ragged-lse", "140-groups"])
-def test_cutedsl_split_tail(monkeypatch, B, H, S, K, ragged, lse):
-    """The op with "split_tail" (+ hide_epi): the last round's groups (N mod SMs of them) split into parts through
+def test_cutedsl_split_tail(monkeypatch, B, H, S, K, ragged, lse, options):
+    """The op with "split_tail" (+ hide_epi, and with "pdl": the counts launch, the kernel and the merge as
+    programmatic dependent launches): the last round's groups (N mod SMs of them) split into parts through
     the workspace and merged (``tail_merge``), against float64: 138 groups with ragged counts of 1-6 key tiles on
     132 SMs (6 groups in 16 parts: empty parts, LSE -inf), and 140 groups of 24 key tiles without the LSE (8 groups
     in 16 parts of 1-2 tiles); a NaN-filled out written in full."""
     from comfyui_mc_sparse_pack.kernels.cutedsl import rules
 
-    monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", "persistent,overlap,hide_epi,split_tail")
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", options)
     gen = torch.Generator(device="cuda").manual_seed(71 + S)
     C, D = 128, 128
     q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))
@@ -244,6 +249,34 @@ def test_cutedsl_split_tail(monkeypatch, B, H, S, K, ragged, lse):
     assert not base.isnan().any() and (lse_t is None or not lse_t.isnan().any())
     err = _check(out, lse_t, q, k, v, perm, idx)
     print(f"cutedsl split_tail {B * H * idx.shape[2]} groups on {sms} SMs, {parts} parts: rel err {err:.2e}")
+
+
+def test_cutedsl_pdl_chain(monkeypatch):
+    """"pdl" (the op's three launches as programmatic dependent launches, each waiting for the kernel before it):
+    three op calls queued with no host synchronisation, each reading what the launch just before it wrote: k made
+    by a torch kernel, then the selection cut by a torch kernel, then the first call's output (its kernel's rows and
+    the tail merge's rows) as the third call's queries, read in place right after the second call's merge; 138 groups (the last round split and merged), ragged counts,
+    the LSE; each output against float64 on the inputs it was given. A kernel reading before its predecessor ended
+    would read stale or NaN inputs."""
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", SPLIT + ",pdl")
+    gen = torch.Generator(device="cuda").manual_seed(83)
+    B, H, S, C, D, K = 2, 3, 2900, 128, 128, 700
+    q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))
+    perm, idx = _inputs(gen, B, H, S, C, K, 768, True)
+    bases = [torch.full((B, S, H * D), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    outs = [b.view(B, S, H, D).transpose(1, 2) for b in bases]
+    k8 = k * 8  # the third call's keys: scores of O-sized queries still far from uniform
+    torch.cuda.synchronize()
+    k2 = (k.float() * 0.5 + 0.25).to(torch.bfloat16)  # a torch kernel right before the op's first launch
+    o1, l1 = _cutedsl(q, k2, v, perm, idx, out=outs[0], return_lse=True)
+    idx2 = torch.where(torch.arange(idx.shape[-1], device="cuda") < 300, idx, -1).to(torch.int32)
+    o2, l2 = _cutedsl(q, k2, v, perm, idx2, out=outs[1], return_lse=True)
+    o3, l3 = _cutedsl(o1, k8, v, perm, idx, out=outs[2], return_lse=True)
+    torch.cuda.synchronize()
+    assert not any(b.isnan().any() for b in bases)
+    for got, lse, qq, kk, ii in ((o1, l1, q, k2, idx), (o2, l2, q, k2, idx2), (o3, l3, o1, k8, idx)):
+        err = _check(got, lse, qq, kk, v, perm, ii)
+        print(f"cutedsl pdl chain: rel err {err:.2e}")
 
 
 @pytest.mark.parametrize("kind", ["plain", "int4_group"])

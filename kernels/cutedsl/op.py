@@ -53,7 +53,9 @@ def _run(q, k, v, perm, kv_idx, scale, return_lse, out, residual):
     options, num_ctas = launch_plan(epilogue, n, _sm_count(q.device))
     fn = _compile.compiled(DTYPE_NAMES[q.dtype], D, return_lse, res_name, epilogue=epilogue, options=options)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else None
-    counts = valid_counts(kv_idx)
+    # the three launches as programmatic dependent launches ("pdl" of sparse_fwd_sm90.OPTIONS; CUDA only)
+    pdl = "pdl" in options and q.device.type == "cuda"
+    counts = valid_counts(kv_idx, pdl=pdl)
     perm_rows = perm.contiguous().view(n, perm.shape[-1] // G)
     n_parts, ws = 1, (None, None)
     r = n % num_ctas  # groups of the persistent walk's last round
@@ -67,7 +69,7 @@ def _run(q, k, v, perm, kv_idx, scale, return_lse, out, residual):
         kv_idx.reshape(n, k_alloc).contiguous(), counts, *res_args, scale, num_ctas, *ws, n_parts,
     )
     if n_parts > 1:
-        tail_merge.merge(*ws, perm_rows, out.transpose(1, 2), lse, n - r, r, n_parts, G)
+        tail_merge.merge(*ws, perm_rows, out.transpose(1, 2), lse, n - r, r, n_parts, G, pdl=pdl)
     return (out, lse) if return_lse else out
 
 

@@ -102,7 +102,10 @@ EPILOGUES = ("registers", "smem")
 # 0.50-0.61 of dense x s against 0.85-0.99 for the same kernel without them. Round s7r2: "l2_ahead" (each producer
 # thread prefetching into L2, prefetch.global.L2::evict_last, the K/V rows of its slot two tiles ahead, its index
 # loaded a tile before): the op with it 0.739-0.846 against 0.803-0.926 without.
-OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail")
+# "pdl": launched as a programmatic dependent launch (the launch and the CTAs' prologue overlap the tail of the kernel
+# before it on the stream, the op's counts launch); every thread waits for that kernel's end (griddepcontrol.wait)
+# before it reads any input, then lets the next kernel (the tail merge, the next call's counts) launch early.
+OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl")
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -229,6 +232,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         assert "hide_epi" not in options or self.overlap, "hide_epi is an overlap option"
         self.split_tail = "split_tail" in options
         assert not self.split_tail or (self.overlap and self.smem_epilogue), "split_tail: overlap, staged epilogue"
+        self.pdl = "pdl" in options
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -274,7 +278,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             mQ, mK, mV, mO, mLSE, mPerm, mIdx, mCounts, mRes, mScale, mCoef, mMean, softmax_scale_log2, softmax_scale,
             total, mWsO, mWsL, n_parts, tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout,
             SharedStorage,
-        ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+                 use_pdl=self.pdl)
 
     def _get_shared_storage_cls(self):
         """flash-attn-4's storage (barriers, Q, K/V stages), plus an output tile for the staged epilogue of a
@@ -349,6 +354,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         n_heads = mQ.shape[2]
         groups_per_head = total // (n_heads * mQ.shape[3])
         pipeline_init_wait(cluster_shape_mn=(1, 1))
+        if const_expr(self.pdl):  # the kernel before this one (its writes visible) has ended; the next may launch
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,

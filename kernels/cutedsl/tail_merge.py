@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 TILE = 128  # rows per group (C)
 
@@ -20,7 +21,10 @@ TILE = 128  # rows per group (C)
 @triton.jit
 def _merge(WS_O, WS_L, PERM, OUT, LSE, n_full, n_parts, groups_per_head, H,
            s_ob, s_os, s_oh, s_lb, s_lh,
-           D: tl.constexpr, WITH_LSE: tl.constexpr):
+           D: tl.constexpr, WITH_LSE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch: the kernel's parts written and visible first
+        gdc_wait()
+        gdc_launch_dependents()
     j = tl.program_id(0)  # the j-th split group: group n_full + j, workspace items j * n_parts ..
     group = n_full + j
     bh = group // groups_per_head
@@ -50,13 +54,15 @@ def _merge(WS_O, WS_L, PERM, OUT, LSE, n_full, n_parts, groups_per_head, H,
 
 
 def merge(ws_o: torch.Tensor, ws_lse: torch.Tensor, perm_rows: torch.Tensor, out: torch.Tensor,
-          lse: torch.Tensor | None, n_full: int, n_split: int, n_parts: int, groups_per_head: int) -> None:
+          lse: torch.Tensor | None, n_full: int, n_split: int, n_parts: int, groups_per_head: int,
+          pdl: bool = False) -> None:
     """Combine the parts of groups ``n_full .. n_full + n_split - 1`` (``sparse_fwd_sm90`` "split_tail").
 
     ws_o ``(rows, D)`` fp16/bf16 and ws_lse fp32 ``(rows,)``, contiguous, item j*P + p at rows (j*P + p)*128 ..;
     perm_rows int32 ``(N, 128)`` contiguous (N = B*H*G groups, heads inside a batch element); out ``(B, S, H, D)``
     (the model's layout; unit stride on D), written at the split groups' rows; lse fp32 ``(B, H, S)`` with unit stride
-    on S, or None. One program per split group, on out's device and current stream."""
+    on S, or None. One program per split group, on out's device and current stream; ``pdl``: launched as a
+    programmatic dependent launch (CUDA sm_90+ only: the kernel waits for the one before it)."""
     if n_split <= 0:
         return
     B, S, H, D = out.shape
@@ -65,4 +71,4 @@ def merge(ws_o: torch.Tensor, ws_lse: torch.Tensor, perm_rows: torch.Tensor, out
     _merge[(n_split,)](ws_o, ws_lse, perm_rows, out, lse_arg, n_full, n_parts, groups_per_head, H,
                        out.stride(0), out.stride(1), out.stride(2),
                        lse.stride(0) if with_lse else 0, lse.stride(1) if with_lse else 0,
-                       D=D, WITH_LSE=with_lse)
+                       D=D, WITH_LSE=with_lse, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
