@@ -1,0 +1,413 @@
+"""Pass 2 of exact selection on Hopper (sm_90) in CuTeDSL: float8 group sums with the QK^T MMA overlapped with the
+exponentials (MC-Sparse sec. 3.3; the sums of ``kernels/triton/selection.py``'s float8 pair kernel, ``KB_POW2``).
+
+For a query group g of head (b, h) (C <= 128 query slots gathered through ``perm``) and every key j::
+
+    sums[b, h, g, j] = KB2[b, h, j] * sum over the group's queries i of 2^((q8_i . k8_j) * QF[b, h] - LSE_s[i] * log2 e)
+
+with the float8 operands of ``selection.fp8_operands(kb_pow2=True)`` (q8, k8 contiguous float8_e4m3fn copies, QF the
+head's factor, LSE_s the shifted LSE, KB2 = 2^KB). Padded query slots (perm -1, or an index >= S) add exactly 0
+(their LSE is +inf); keys >= Sk are never stored. The arithmetic per score is the Triton kernel's (one FFMA, one
+``ex2.approx.ftz``, one FADD into a row sum; the per-key factor applied to the finished sum before the rounding to the
+output dtype): only the order of the fp32 additions of a key's row sum differs.
+
+Schedule (the transposed form of ``selection.py``'s kernel: keys on the MMA's M, queries on N, both operands K-major
+as float8 wgmma requires):
+
+- persistent CTAs (one per SM) walk the work items (b*H + h, g) in order, groups of one head back to back (the head's
+  float8 keys stay in L2 while the CTAs sweep them);
+- a producer warpgroup: warp 0 issues the TMA loads of 128-key tiles (128 x D float8, 128-byte swizzle) into a
+  ``stages``-deep ring, warp 1 gathers each group's 128 query rows through ``perm`` (16-byte ``cp.async`` copies)
+  into a 2-slot query ring, so the next group's queries arrive while the current group runs;
+- two consumer warpgroups, each taking one 64-key half of every ring stage: ``S^T = K_half Q_g^T`` (m64n128k32
+  wgmmas, fp32 accumulators) issued asynchronously into one of two accumulators while the other accumulator's
+  exponentials and row sums run (the tile's 64 x 128 scores: the LSE is a per-column bias held in registers for the
+  whole group, the key's sum is a per-row sum: thread-local adds and two quad shuffles), so the tensor cores work
+  under the exponentials inside a warpgroup, and the two warpgroups' exponentials interleave on the SM's MUFU units.
+- ``poly``: of every 32 score columns a thread holds per row, that many take 2^x on the FMA pipe (flash-attn-4's
+  degree-3 ``ex2_emulation``, relative error ~1e-4) instead of MUFU (0: none; the exact Triton arithmetic).
+
+Contract of a launch (``Pass2Sm90.__call__``; ``group_prob_sums_fp8`` builds the views): q8 uint8 ``(B*H, S, D)``
+and k8 uint8 ``(B*H, Sk, D)`` (the float8 bytes; contiguous), lse_s fp32 ``(B*H, S)``, perm int32 ``(B*H, G*C)``,
+kb2 fp32 ``(B*H, Sk)``, qf fp32 ``(B*H,)`` (all unit stride on the last dim), out ``(B, H, G, Sk)`` float16 or float32
+with unit stride on Sk, the group size C (64 < C <= 128) and the CTA count.
+Runs on CUDA sm_90 only; offline compile: ``compile_fake`` (CUTE_DSL_ARCH=sm_90a). Checked on the GPU against
+float64 and the Triton kernel by tests/test_gpu_cutedsl_pass2.py.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
+from cutlass.utils import LayoutEnum
+from flash_attn.cute import copy_utils as fa_copy
+from flash_attn.cute import pipeline as fa_pipeline
+from flash_attn.cute import utils as fa_utils
+from quack import layout_utils, sm90_utils
+
+HEAD_DIM = 128
+TILE_N = 128  # keys per ring stage (two 64-key halves, one per consumer warpgroup)
+TILE_Q = 128  # query slots per group (the wgmma N)
+HALF = 64  # keys per consumer warpgroup per stage (the wgmma M)
+LOG2E = 1.4426950408889634
+OUT_DTYPES = {"float16": cutlass.Float16, "float32": cutlass.Float32}
+
+
+class Pass2Sm90:
+    """The kernel (module docstring). ``out_dtype``: cutlass.Float16 or Float32; ``stages``: K ring depth (16 KiB
+    each); ``poly``: score columns per 32 taken by the FMA-pipe exponential (0-32); ``regs``: (consumer, producer)
+    register counts after ``setmaxnreg``."""
+
+    def __init__(self, out_dtype, stages: int = 4, poly: int = 0, regs: tuple = (232, 40)):
+        assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
+        assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
+        self.out_dtype = out_dtype
+        self.stages = stages
+        self.poly = poly
+        self.mma_regs, self.producer_regs = regs
+        self.dtype = cutlass.Float8E4M3FN
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
+                 mQF: cute.Tensor, mOut: cute.Tensor, group_size: Int32, num_ctas: Int32, stream=None):
+        # the float8 bytes as float8; (BH, S, D) -> (S, D, BH), the TMA / row-copy order
+        mQ = cute.recast_tensor(mQ, self.dtype)
+        mK = cute.recast_tensor(mK, self.dtype)
+        mQ, mK = [layout_utils.select(t, [1, 2, 0]) for t in (mQ, mK)]
+        tiled_mma = sm90_utils.make_tiled_mma(self.dtype, "K", "K", TILE_Q, "SS", (1, 1, 1))
+        sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_Q, HEAD_DIM), 2)
+        sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, HEAD_DIM), self.stages)
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.select(sK_layout, mode=[0, 1]), (TILE_N, HEAD_DIM), 1)
+        sQ_struct, sK_struct = [
+            cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
+            for layout in (sQ_layout, sK_layout)
+        ]
+        fields = dict(mbar_k=cute.struct.MemRange[cutlass.Int64, self.stages * 2],
+                      mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * 2], sQ=sQ_struct, sK=sK_struct)
+        SharedStorage = cute.struct(type("Pass2Storage", (), {"__annotations__": fields}))
+        total = mPerm.shape[0] * mOut.shape[2]
+        grid_x = cutlass.min(num_ctas, total)
+        self.kernel(mQ, tma_K, mLSE, mPerm, mKB, mQF, mOut, group_size, tma_atom_K, tiled_mma, sQ_layout, sK_layout,
+                    SharedStorage).launch(grid=(grid_x, 1, 1), block=[384, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
+               mQF: cute.Tensor, mOut: cute.Tensor, group_size: Int32, tma_atom_K: cute.CopyAtom,
+               tiled_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               SharedStorage: cutlass.Constexpr):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_K)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        Threads = partial(cutlass.pipeline.CooperativeGroup, cutlass.pipeline.Agent.Thread)
+        consumer_warps = Threads(8)
+        pipeline_k = fa_pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.stages, producer_group=Threads(1),
+            consumer_group=consumer_warps, tx_count=TILE_N * HEAD_DIM, defer_sync=True)
+        pipeline_q = fa_pipeline.PipelineCpAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=2, producer_group=Threads(32),
+            consumer_group=consumer_warps, defer_sync=True, elect_one_release=True, syncwarp_before_release=False)
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        n_groups = mOut.shape[2]
+        total = mPerm.shape[0] * n_groups
+        sk = mK.shape[0]
+        n_pairs = (sk + 2 * TILE_N - 1) // (2 * TILE_N)  # stages per group, rounded up to even (tiles past Sk: zeros)
+        grid = cute.arch.grid_dim()[0]
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self._load_k(mK, sK, tma_atom_K, pipeline_k, total, n_groups, n_pairs, grid)
+            if warp_idx == 1:
+                self._load_q(mQ, mPerm, sQ, pipeline_q, total, n_groups, group_size, grid, tidx % 32)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            wg = warp_idx // 4 - 1
+            self._consume(tiled_mma, sQ, sK, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, total, n_groups,
+                          group_size, n_pairs, sk, mQ.shape[0], grid, wg, tidx - 128 * (wg + 1))
+
+    @cute.jit
+    def _load_k(self, mK, sK, tma_atom_K, pipeline_k, total, n_groups, n_pairs, grid):
+        """Warp 0: the TMA loads of every work item's 2 * n_pairs + 1 key tiles (tiles past Sk are zero-filled by TMA;
+        the consumers compute them and store nothing)."""
+        state = make_pipeline_state(PipelineUserType.Producer, self.stages)
+        item = cute.arch.block_idx()[0]
+        while item < total:
+            bh = item // n_groups
+            gK = cute.local_tile(mK[None, None, bh], (TILE_N, HEAD_DIM), (None, 0))
+            load, _, _ = fa_copy.tma_get_copy_fn(tma_atom_K, 0, cute.make_layout(1), gK, sK)
+            load = fa_copy.tma_producer_copy_fn(load, pipeline_k)
+            for j in cutlass.range(2 * n_pairs, unroll=1):
+                pipeline_k.producer_acquire(state)
+                load(src_idx=j, producer_state=state)
+                state.advance()
+            item += grid
+
+    @cute.jit
+    def _load_q(self, mQ, mPerm, sQ, pipeline_q, total, n_groups, group_size, grid, lane):
+        """Warp 1: each group's 128 query rows through perm (16-byte cp.async copies, 8 lanes per row); padded
+        slots copy row 0 (finite; their LSE of +inf makes them add 0)."""
+        tiled_copy = fa_copy.tiled_copy_2d(self.dtype, HEAD_DIM, 32, is_async=True)
+        thr_copy = tiled_copy.get_slice(lane)
+        state = make_pipeline_state(PipelineUserType.Producer, 2)
+        n_seq = mQ.shape[0]
+        cQ = cute.make_identity_tensor((TILE_Q, HEAD_DIM))
+        tQcQ = thr_copy.partition_S(cQ)
+        item = cute.arch.block_idx()[0]
+        while item < total:
+            bh = item // n_groups
+            g = item - bh * n_groups
+            pipeline_q.producer_acquire(state)
+            tQsQ = thr_copy.partition_D(sQ[None, None, state.index])
+            for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+                row = tQcQ[0, m, 0][0]
+                idx = Int32(-1)
+                if row < group_size:
+                    idx = mPerm[bh, g * group_size + row]
+                if idx >= n_seq:
+                    idx = Int32(-1)
+                # this thread's row of the float8 copy (16-byte aligned: D = 128 bytes), in 16-byte chunks
+                row_ptr = cute.make_ptr(self.dtype, fa_utils.elem_pointer(mQ, (cutlass.max(idx, 0), 0, bh)).toint(),
+                                        cute.AddressSpace.gmem, assumed_align=16)
+                g_row = cute.tiled_divide(cute.make_tensor(row_ptr, cute.make_layout((HEAD_DIM,))), (16,))
+                for k in cutlass.range_constexpr(cute.size(tQsQ, mode=[2])):
+                    chunk = tQcQ[0, m, k][1] // 16
+                    src = cute.make_tensor(g_row[None, chunk].iterator, tQsQ[None, m, k].layout)
+                    cute.copy(tiled_copy, src, tQsQ[None, m, k])
+            cute.arch.cp_async_commit_group()
+            pipeline_q.producer_commit(state)
+            state.advance()
+            item += grid
+
+    @cute.jit
+    def _consume(self, tiled_mma, sQ, sK, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, total, n_groups,
+                 group_size, n_pairs, sk, n_seq, grid, wg, tid):
+        """A consumer warpgroup: per group, the LSE of its 32 columns, then the key tiles' halves ``wg`` two at a
+        time (one accumulator's wgmma in flight while the other's exponentials run)."""
+        thr_mma = tiled_mma.get_slice(tid)
+        sK_half = cute.flat_divide(sK, (HALF, HEAD_DIM))[None, None, wg, 0, None]  # (64, D, stages)
+        tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK_half))
+        tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
+        acc0 = cute.make_rmem_tensor(thr_mma.partition_shape_C((HALF, TILE_Q)), Float32)
+        acc1 = cute.make_rmem_tensor(thr_mma.partition_shape_C((HALF, TILE_Q)), Float32)
+        tScS = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((HALF, TILE_Q))))
+        n_cols = cute.size(tScS, mode=[1])
+        nl2 = cute.make_rmem_tensor((n_cols,), Float32)  # -LSE * log2(e) of this thread's query columns
+        k_state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
+        q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
+        n_heads = mOut.shape[1]
+        item = cute.arch.block_idx()[0]
+        while item < total:
+            bh = item // n_groups
+            g = item - bh * n_groups
+            b = bh // n_heads
+            h = bh - b * n_heads
+            qf = mQF[bh]
+            for c in cutlass.range_constexpr(n_cols):
+                col = tScS[0, c][1]
+                idx = Int32(-1)
+                if col < group_size:
+                    idx = mPerm[bh, g * group_size + col]
+                v = -Float32.inf
+                if idx >= 0 and idx < n_seq:
+                    v = -(mLSE[bh, idx] * Float32(LOG2E))
+                nl2[c] = v
+            pipeline_q.consumer_wait(q_state)
+            rQ = tSrQ[None, None, None, q_state.index]
+            k_rel = k_state.clone()
+            for p in cutlass.range(n_pairs, unroll=1):
+                pipeline_k.consumer_wait(k_state)
+                sm90_utils.gemm(tiled_mma, acc0, tSrK[None, None, None, k_state.index], rQ, zero_init=True,
+                                wg_wait=-1)
+                k_state.advance()
+                pipeline_k.consumer_wait(k_state)
+                sm90_utils.gemm(tiled_mma, acc1, tSrK[None, None, None, k_state.index], rQ, zero_init=True,
+                                wg_wait=-1)
+                k_state.advance()
+                warpgroup.wait_group(1)
+                pipeline_k.consumer_release(k_rel)
+                k_rel.advance()
+                self._tile_sums(acc0, tScS, nl2, qf, mKB, mOut, bh, b, h, g, (2 * p) * TILE_N + wg * HALF, sk, tid)
+                warpgroup.wait_group(0)
+                pipeline_k.consumer_release(k_rel)
+                k_rel.advance()
+                self._tile_sums(acc1, tScS, nl2, qf, mKB, mOut, bh, b, h, g, (2 * p + 1) * TILE_N + wg * HALF, sk,
+                                tid)
+            pipeline_q.consumer_release(q_state)
+            q_state.advance()
+            item += grid
+
+    @cute.jit
+    def _tile_sums(self, acc, tScS, nl2, qf, mKB, mOut, bh, b, h, g, key0, sk, tid):
+        """The group sums of this thread's two key rows of one 64 x 128 score tile, stored by the quad's lane 0."""
+        acc_mn = layout_utils.reshape_acc_to_mn(acc)
+        n_cols = cute.size(acc_mn, mode=[1])
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            key = key0 + tScS[r, 0][0]
+            kbv = Float32(0.0)
+            if key < sk:
+                kbv = mKB[bh, key]
+            s0 = Float32(0.0)
+            s1 = Float32(0.0)
+            s2 = Float32(0.0)
+            s3 = Float32(0.0)
+            for c in cutlass.range_constexpr(n_cols):
+                x = acc_mn[r, c] * qf + nl2[c]
+                if const_expr(c % 32 < self.poly):
+                    e = fa_utils.ex2_emulation(x)
+                else:
+                    e = cute.arch.exp2(x)
+                if const_expr(c % 4 == 0):
+                    s0 += e
+                elif const_expr(c % 4 == 1):
+                    s1 += e
+                elif const_expr(c % 4 == 2):
+                    s2 += e
+                else:
+                    s3 += e
+            s = (s0 + s1) + (s2 + s3)
+            s += cute.arch.shuffle_sync_bfly(s, offset=1)
+            s += cute.arch.shuffle_sync_bfly(s, offset=2)
+            if tid % 4 == 0 and key < sk:
+                mOut[b, h, g, key] = (s * kbv).to(self.out_dtype)
+
+
+# ---- host side ---------------------------------------------------------------------------------------------------
+
+CAPABILITIES = ((9, 0),)
+HEAD_DIMS = (HEAD_DIM,)
+# the launch config: K ring depth, FMA-pipe exponentials per 32 columns, (consumer, producer) registers. Not yet
+# measured on the H200 (round s8r1 is the first): the kernel runs only where the caller asks for it
+# (pass2_dispatch: cute=True / MC_SPARSE_PASS2_CUTE=1).
+STAGES = 4
+POLY = 0
+_SM_COUNT: dict = {}
+
+
+def config(head_dim: int = HEAD_DIM) -> dict:
+    """The launch config ``group_prob_sums_fp8`` uses when the caller gives none."""
+    return dict(stages=STAGES, poly=POLY)
+
+
+def refusal(q8, k8, group_size: int, out) -> str | None:
+    """Why this kernel cannot run a float8 pass 2 call (None when it can): device, capability, operand dtype and
+    layout (the contiguous float8 copies of ``selection.fp8_operands``), head dim, group width, output dtype and
+    layout."""
+    import torch
+
+    if q8.device.type != "cuda":
+        return f"needs a CUDA device, got {q8.device.type}"
+    cap = torch.cuda.get_device_capability(q8.device)
+    if cap not in CAPABILITIES:
+        return f"runs on sm_90 only, got sm_{cap[0]}{cap[1]}"
+    if q8.dtype != torch.float8_e4m3fn or k8.dtype != torch.float8_e4m3fn:
+        return f"takes float8_e4m3fn operands, got {q8.dtype} / {k8.dtype}"
+    if q8.shape[-1] not in HEAD_DIMS:
+        return f"head dim must be one of {HEAD_DIMS}, got {q8.shape[-1]}"
+    if not 64 < group_size <= TILE_Q:
+        return f"group size must be in (64, {TILE_Q}], got {group_size}"
+    if not (q8.is_contiguous() and k8.is_contiguous()) or q8.data_ptr() % 16 or k8.data_ptr() % 16:
+        return "q8 / k8 must be contiguous and 16-byte aligned (fp8_operands' copies)"
+    if out.dtype not in (torch.float16, torch.float32) or out.stride(-1) != 1:
+        return f"sums must be float16 or float32 with a unit stride on Sk, got {out.dtype} {tuple(out.stride())}"
+    return None
+
+
+def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None):
+    """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
+    ``OUT_DTYPES``. Raises KeyError for an unknown output dtype."""
+    from quack.compile_utils import make_fake_stream, make_fake_tensor
+
+    bh, s, sk, n, b, h, g, sk_out = (cute.sym_int() for _ in range(8))
+    args = (make_fake_tensor(cutlass.Uint8, (bh, s, HEAD_DIM), divisibility=16),
+            make_fake_tensor(cutlass.Uint8, (bh, sk, HEAD_DIM), divisibility=16),
+            make_fake_tensor(Float32, (bh, s)), make_fake_tensor(Int32, (bh, n)), make_fake_tensor(Float32, (bh, sk)),
+            make_fake_tensor(Float32, (bh,)), make_fake_tensor(OUT_DTYPES[out_dtype], (b, h, g, sk_out)))
+    kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, POLY if poly is None else poly)
+    return cute.compile(kernel, *args, Int32(128), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
+
+
+def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None):
+    """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
+    or a fresh compile (a few seconds)."""
+    from . import compile as cc
+
+    stages = STAGES if stages is None else int(stages)
+    poly = POLY if poly is None else int(poly)
+    key = ("mc_pass2_sm90", out_dtype, stages, poly, cc.source_hash())
+    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly))
+
+
+def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
+    """Compile (or load from disk) the kernel for each output dtype; seconds per dtype."""
+    import time
+
+    took = {}
+    for dt in out_dtypes:
+        t = time.perf_counter()
+        compiled(dt, **tuning)
+        took[dt] = round(time.perf_counter() - t, 2)
+    return took
+
+
+def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, stages: int | None = None,
+                        poly: int | None = None, num_ctas: int | None = None):
+    """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula).
+
+    Args:
+        q8, k8: float8_e4m3fn ``[B, H, S, D]`` / ``[B, H, Sk, D]``, contiguous (``selection.fp8_operands``); qf: fp32
+        ``[B, H]``; lse_s: fp32 ``[B, H, S]`` (natural log); kb: fp32 ``[B, H, Sk]`` holding 2^KB
+        (``fp8_operands(kb_pow2=True)``); perm: int32 ``[B, H, G*C]`` (-1: padded slot); out: float16 / float32
+        ``[B, H, G, Sk]``, any b / h / g strides, unit stride on Sk; group_size: C. stages, poly, num_ctas: tuning
+        (None: ``config``; CTAs: the SM count).
+    Returns:
+        ``out``. Keys are written for every group; nothing past Sk.
+    Raises:
+        ValueError: a call ``refusal`` names, or tensors of the wrong shapes. Compile / launch errors propagate (the
+        caller, ``pass2_dispatch``, falls back to the Triton kernel).
+    """
+    import torch
+
+    why = refusal(q8, k8, group_size, out)
+    if why is not None:
+        raise ValueError(f"CuTeDSL pass 2 cannot run this call: {why}")
+    B, H, S, D = q8.shape
+    SK = k8.shape[2]
+    G = perm.shape[-1] // group_size
+    if tuple(out.shape) != (B, H, G, SK) or tuple(k8.shape[:2]) != (B, H) or perm.shape[-1] != G * group_size:
+        raise ValueError(f"shapes: q8 {tuple(q8.shape)}, k8 {tuple(k8.shape)}, perm {tuple(perm.shape)}, "
+                         f"out {tuple(out.shape)}, group size {group_size}")
+    if tuple(lse_s.shape) != (B, H, S) or tuple(kb.shape) != (B, H, SK) or qf.numel() != B * H:
+        raise ValueError(f"shapes: lse_s {tuple(lse_s.shape)}, kb {tuple(kb.shape)}, qf {tuple(qf.shape)}")
+    if G == 0 or SK == 0:
+        return out
+    fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly)
+    dev = q8.device
+    if num_ctas is None:
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        if idx not in _SM_COUNT:
+            _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        num_ctas = _SM_COUNT[idx]
+    fn(q8.view(torch.uint8).view(B * H, S, D), k8.view(torch.uint8).view(B * H, SK, D),
+       lse_s.contiguous().view(B * H, S), perm.contiguous().view(B * H, G * group_size),
+       kb.contiguous().view(B * H, SK), qf.contiguous().view(B * H), out, int(group_size), int(num_ctas))
+    return out
+
+
+def compiled_kernels() -> list:
+    """The compiled kernels this process holds (for the bench's report)."""
+    from . import compile as cc
+
+    return [k for k in cc._memory if k and k[0] == "mc_pass2_sm90"]

@@ -1,0 +1,41 @@
+"""The CuTeDSL pass-2 kernel (kernels/cutedsl/pass2_sm90.py) compiles for sm_90a without a GPU (CUTE_DSL_ARCH), for
+both output dtypes and the FMA-pipe exponential share, and lands in the disk cache; skipped without the CuTeDSL
+stack. The kernel's results are checked on the GPU: tests/test_gpu_cutedsl_pass2.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_NEEDS_CUTE = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("cutlass", "flash_attn", "quack")),
+    reason="the CuTeDSL stack (nvidia-cutlass-dsl, flash-attn-4, quack) is not installed")
+
+
+@_NEEDS_CUTE
+def test_offline_sm90a_compile(tmp_path):
+    """float16 and float32 sums, and poly = 8, compile offline (~6 s each) and the second ``compiled`` call of the
+    same config is served from memory."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        os.environ['CUTE_DSL_ARCH'] = 'sm_90a'
+        sys.path.insert(0, {str(ROOT / 'comfyui_mc_sparse')!r})
+        import _standalone
+        _standalone.load_pack()
+        from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90 as p2
+        print('WARM', p2.warm())
+        p2.compiled('float16', poly=8)
+        assert p2.compiled('float16') is p2.compiled('float16')
+        print('KERNELS', len(p2.compiled_kernels()))
+    """)
+    env = dict(os.environ, MC_SPARSE_CUTEDSL_CACHE_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert "KERNELS 3" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert any(tmp_path.glob("*.o")), list(tmp_path.iterdir())

@@ -1,0 +1,126 @@
+"""The CuTeDSL sm_90 pass 2 (kernels/cutedsl/pass2_sm90.py) on an H200 against float64 and the Triton pair kernel:
+the same float8 operands (``selection.fp8_operands(kb_pow2=True)``), NaN-poisoned outputs that are a strided view of
+a larger buffer (nothing written outside the view: no key past Sk, no other head), ragged S and Sk (a partial last
+key tile; an odd key-tile count, so the consumers' last pair holds an all-zero tile), odd group counts, a ragged last
+group, padded slots inside groups (perm -1), B = 2, Sk != S, C 100 / 128, float16 and float32 sums, a persistent
+walk of several groups per CTA (num_ctas small: the query ring wraps), and the FMA-pipe exponential share (poly).
+
+Skipped without an sm_90 GPU or without the CuTeDSL stack (cutlass-dsl, flash-attn-4, quack). Run:
+``python -m pytest -q -m gpu tests/test_gpu_cutedsl_pass2.py`` (~30 s on an H200, compiles included).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from comfyui_mc_sparse_pack.kernels import reference
+
+from .test_reuse_op import random_groups
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                       reason="needs an sm_90 CUDA GPU"),
+]
+SEED = 20261201
+
+
+def _mods():
+    try:
+        from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90
+    except ImportError as err:  # the CuTeDSL stack is not installed on this machine
+        pytest.skip(f"CuTeDSL stack unavailable: {err}")
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    return selection, pass2_sm90
+
+
+def _case(B, H, S, SK, C, seed, holes=False):
+    """q, k (bf16, a shared component per head as real q / k have), the exact LSE of softmax(q k^T) over the Sk keys,
+    and random groups (-1 padding in the last group; with ``holes`` also ~3 % of the slots inside groups)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    print(f"seed {seed}: B {B} H {H} S {S} Sk {SK} C {C} holes {holes}")
+    D = 128
+    q = (torch.randn(B, H, S, D, device="cuda", generator=gen)
+         + torch.randn(B, H, 1, D, device="cuda", generator=gen)).to(torch.bfloat16)
+    k = (torch.randn(B, H, SK, D, device="cuda", generator=gen)
+         + 2 * torch.randn(B, H, 1, D, device="cuda", generator=gen)).to(torch.bfloat16)
+    _, lse = reference.dense_attention(q.double(), k.double(), k.double(), return_lse=True)
+    cpu = torch.Generator().manual_seed(seed)
+    perm = random_groups(cpu, B, H, S, C)
+    if holes:
+        perm[torch.rand(perm.shape, generator=cpu) < 0.03] = -1
+    return q, k, lse.float(), perm.cuda()
+
+
+def _triton_sums(selection, q, k, lse, perm, C, out):
+    """The Triton pair kernel's float8 sums (the Gluon and CuTeDSL kernels off)."""
+    extra = {"cute": False} if "cute" in inspect.signature(selection.group_prob_sums).parameters else {}
+    return selection.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, gluon=False, out=out, **extra)
+
+
+CASES = [  # B, H, S, Sk, C, holes: G = 32 (ragged last group), Sk = 4000 (partial last tile, 32 tiles);
+    # B = 2, Sk != S, C = 100, G = 29 (odd), 16 key tiles; Sk = 2900: 23 key tiles (odd: an all-zero tile), holes
+    (1, 2, 4000, 4000, 128, False),
+    (2, 3, 2850, 2000, 100, False),
+    (1, 2, 2900, 2900, 128, True),
+]
+VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5)), (CASES[2], dict(num_ctas=7)),
+                                       (CASES[0], dict(stages=3)), (CASES[2], dict(poly=8))]
+
+
+@pytest.mark.parametrize(("case", "tuning"), VARIANTS,
+                         ids=lambda v: "B{}H{}S{}Sk{}C{}h{}".format(*v) if isinstance(v, tuple) else str(v))
+def test_cutedsl_pass2_equals_float64_and_the_triton_kernel(case, tuning):
+    """Every entry of the view written, nothing outside it (NaN-poisoned buffer with an extra head and 64 columns
+    past Sk); fp32 sums within 1e-4 relative per entry of the Triton pair kernel's (the same e4m3 products, FFMA and
+    ex2.approx; only a key's row-sum order differs; poly: 1e-3, the FMA-pipe polynomial's error) and within 5e-4
+    relative L2 per group of the float64 sums of the same float8 operands; fp16 sums within one fp16 rounding of the
+    Triton kernel's (poly: 1e-3)."""
+    selection, p2 = _mods()
+    B, H, S, SK, C, holes = case
+    q, k, lse, perm = _case(B, H, S, SK, C, seed=SEED + S + len(str(tuning)), holes=holes)
+    q8, k8, qf, lse_s, kb = selection.fp8_operands(q, k, lse, 128**-0.5, kb_pow2=True)
+    G = perm.shape[-1] // C
+    poly = tuning.get("poly", p2.config()["poly"])
+    for dtype in (torch.float32, torch.float16):
+        want = _triton_sums(selection, q, k, lse, perm, C, torch.empty(B, H, G, SK, dtype=dtype, device="cuda"))
+        buf = torch.full((B, H + 1, G, SK + 64), float("nan"), dtype=dtype, device="cuda")
+        out = buf[:, :H, :, :SK]
+        p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, **tuning)
+        torch.cuda.synchronize()
+        assert not out.isnan().any(), f"{int(out.isnan().sum())} of {out.numel()} entries not written ({dtype})"
+        assert buf[:, H:].isnan().all() and buf[..., SK:].isnan().all(), "written outside the output view"
+        if dtype == torch.float32:
+            rel_t = float(((out - want).abs() / want.abs().clamp_min(1e-30)).max())
+            print(f"fp32: max relative difference to the Triton kernel {rel_t:.2e}")
+            assert rel_t < (1e-3 if poly else 1e-4), rel_t
+            out32 = out.clone()
+        else:
+            diff = float((out.float() - want.float()).abs().max())
+            assert torch.allclose(out.float(), want.float(), rtol=1e-3 if poly else 2**-10, atol=1e-7), diff
+    # against float64 on the dequantised float8 operands (as tests/test_gpu_pass2_gluon.py)
+    (_, qs), (_, ks) = selection.fp8_stats(q), selection.fp8_stats(k)
+    deq = reference.group_prob_sums(q8.double() * qs.double()[..., None, None],
+                                    k8.double() * ks.double()[..., None, None], lse_s.double(), perm, group_size=C)
+    deq = deq * kb.double()[:, :, None, :]
+    rel = (out32.double() - deq).norm(dim=-1) / deq.norm(dim=-1)
+    print(f"float64: max relative L2 per group {float(rel.max()):.2e}")
+    assert float(rel.max()) < 5e-4, float(rel.max())
+
+
+def test_cutedsl_pass2_refusals():
+    """The calls the kernel does not take are refused with a reason (the dispatch then runs the Triton kernel)."""
+    _, p2 = _mods()
+    q8 = torch.zeros(1, 1, 256, 128, device="cuda").to(torch.float8_e4m3fn)
+    out = torch.empty(1, 1, 2, 256, dtype=torch.float16, device="cuda")
+    assert p2.refusal(q8, q8, 128, out) is None
+    assert "group size" in p2.refusal(q8, q8, 64, out)
+    assert "head dim" in p2.refusal(q8[..., :64].contiguous(), q8[..., :64].contiguous(), 128, out)
+    assert "float8" in p2.refusal(q8.to(torch.bfloat16), q8, 128, out)
+    assert "contiguous" in p2.refusal(q8.transpose(2, 3).contiguous().transpose(2, 3), q8, 128, out)
+    assert "sums" in p2.refusal(q8, q8, 128, out.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="cannot run"):
+        p2.group_prob_sums_fp8(q8, q8, None, None, None, None, out.to(torch.bfloat16), group_size=128)
