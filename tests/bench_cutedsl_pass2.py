@@ -1,0 +1,128 @@
+"""The CuTeDSL pass-2 kernel (kernels/cutedsl/pass2_sm90.py) alone / flash-attn-4 dense, its launch variants side by
+side with the Triton one-group pass-2 kernel, by the timing method of record (tests/_timing.race; issue 15).
+
+Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p: S = 32760, H = 12; 14B 720p: S =
+75600, H = 40; D = C = 128, bf16, structured queries, PDDP groups). On the float8 operands of
+``selection.fp8_operands(kb_pow2=True)`` (computed once, not timed):
+
+1. CHECK per variant before any timing: its float16 sums against the Triton one-group kernel's on all heads (every
+   entry written: NaN-poisoned output; max relative L2 per group <= 1e-3, poly <= 2e-3); a failing variant is not
+   timed ("CHECK FAILED").
+2. RACE: flash-attn-4 dense with LSE (``kernels.dense_attention(..., backend="flash_attn4")``), the Triton one-group
+   kernel alone (``bench_select_race.launch_pair``) and every checked CuTeDSL variant alone, in the same rounds;
+   ratios / dense printed side by side with the dense ms.
+
+``cute_rows`` is what tests/bench_select_race.py can import for its own race 2. Usage (checkout root, H200):
+``python tests/bench_cutedsl_pass2.py --out OUT [--shapes 1.3b] [--variants "st4,st4 p8,st6"] [--commit HASH]``;
+a variant is ``st<stages>`` with optional `` p<poly>`` and `` c<ctas>``. Writes OUT/bench_cutedsl_pass2.json.
+Expected at 1.3B: ~10 s inputs, ~5 s per variant compile (first process on a machine), ~2 s race.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import bench_select_race as bsr  # noqa: E402  (loads the pack)
+
+from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
+
+DEFAULT_VARIANTS = "st4,st4 p8,st6,st4 p12"
+
+
+def parse_variant(text: str) -> dict:
+    """'st4 p8 c132' -> dict(stages=4, poly=8, num_ctas=132)."""
+    keys = {"st": "stages", "p": "poly", "c": "num_ctas"}
+    out = {}
+    for tok in text.split():
+        for pre in ("st", "p", "c"):
+            if tok.startswith(pre) and tok[len(pre):].isdigit():
+                out[keys[pre]] = int(tok[len(pre):])
+                break
+        else:
+            raise ValueError(f"bad variant token {tok!r} in {text!r}")
+    return out
+
+
+def cute_rows(ops, perm, ref16, variants, log):
+    """{row name: zero-argument callable} of the CuTeDSL variants whose check passed, and {name: check result}.
+    ``ops``: ``fp8_operands(kb_pow2=True)``; ``ref16``: the Triton kernel's float16 sums [B, H, G, Sk]."""
+    from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90 as p2
+
+    q8, k8, qf, lse_s, kb = ops
+    fns, res = {}, {}
+    for text in variants:
+        name = f"cute {text}"
+        try:
+            tun = parse_variant(text)
+            t = time.time()
+            p2.compiled("float16", tun.get("stages"), tun.get("poly"))
+            got = torch.full_like(ref16, float("nan"))
+            p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, got, group_size=bsr.C, **tun)
+            torch.cuda.synchronize()
+            rel = float(((got.double() - ref16.double()).norm(dim=-1) / ref16.double().norm(dim=-1)).max())
+            ok = rel <= (2e-3 if tun.get("poly") else 1e-3)  # (nan: an entry not written -> False)
+            res[name] = dict(rel_l2=rel, ok=ok, compile_s=round(time.time() - t, 1))
+            log(f"CHECK {name}: max rel L2 per group vs Triton {rel:.2e} ({res[name]['compile_s']} s)"
+                + ("" if ok else "  CHECK FAILED"))
+            if ok:
+                out = torch.empty_like(ref16)
+                fns[name] = (lambda tun, out: lambda: p2.group_prob_sums_fp8(
+                    q8, k8, qf, lse_s, kb, perm, out, group_size=bsr.C, **tun))(tun, out)
+            del got
+        except Exception as err:  # noqa: BLE001 (a variant that fails to compile or run is reported, not timed)
+            res[name] = dict(ok=False, error=f"{type(err).__name__}: {str(err)[:400]}")
+            log(f"CHECK {name}: {res[name]['error']}  CHECK FAILED")
+    return fns, res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="1.3b")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = dict(commit=args.commit, command=" ".join(sys.argv), shapes={})
+    t0 = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for name in args.shapes.split(","):
+        q, k, v, lse, perm = bsr.make_inputs(name)
+        H, S = q.shape[1], q.shape[2]
+        G = perm.shape[-1] // bsr.C
+        ops = selection.fp8_operands(q, k, lse, bsr.D**-0.5, kb_pow2=True)
+        ref16 = bsr.launch_pair(ops, perm, torch.empty(1, H, G, S, dtype=torch.float16, device="cuda"),
+                                one_group=True)
+        log(f"{name}: inputs ready (H {H}, S {S}, G {G})")
+        fns, checks = cute_rows(ops, perm, ref16, variants, log)
+        dname, dense = bsr.dense_fn(q, k, v)
+        out16 = torch.empty_like(ref16)
+        race_fns = {"dense": dense, "triton 1grp": lambda: bsr.launch_pair(ops, perm, out16, one_group=True), **fns}
+        ms = bsr.race(race_fns, rounds=args.rounds, target_ms=20.0)
+        ratio = {n: t / ms["dense"] for n, t in ms.items() if n != "dense"}
+        log(f"{name} CUTE RACE (dense {dname} {ms['dense']:.3f} ms, all heads, kernel alone / dense): " + " | ".join(
+            f"{n} {r:.4f}" for n, r in ratio.items()))
+        report["shapes"][name] = dict(dense_backend=dname, dense_ms=ms["dense"], ms=ms, over_dense=ratio,
+                                      checks=checks)
+        (out_dir / "bench_cutedsl_pass2.json").write_text(json.dumps(report, indent=1, default=str))
+        del q, k, v, lse, perm, ops, ref16, fns, race_fns
+        torch.cuda.empty_cache()
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
