@@ -230,6 +230,25 @@ def test_chain_vs_float64(case):
     print(f"CHAIN OK [{case}]")  # the round script's mark of a passed case (read even if pytest's exit hangs)
 
 
+@pytest.mark.parametrize("case", ["short", "long", "cfg"])
+def test_tail_launch_vs_float64(case):
+    """``tail_launch`` (the last, partial round's items in a second launch of the kernel split into key ranges, no
+    residual / LSE there; merged by sparse_tail_merge) with chain in the first launch, where the split happens,
+    NaN-poisoned out views, LSE: "short": 36 items of 1-3 key tiles on 7 programs (5 rounds, then 1 item in 4
+    parts, some empty), fp16, int4_group, ragged counts; "long": 192 items of 12 key tiles on 10 programs (19 rounds,
+    then 2 items in 4 parts), bf16, plain; "cfg": the shape whose split_tail compile failed in round s7r2 (B = 2,
+    S = 3005, int4_group, bf16; 96 items on 13 programs: 7 rounds, then 5 items in 2 parts)."""
+    tuning = dict(_dispatch().GLUON_SCHEDULES[CHAIN + " tail_launch"])
+    if case == "short":
+        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "int4_group", torch.float16, seed=13, ragged_counts=True,
+               num_sms=7, **tuning)
+    elif case == "long":
+        _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=41, num_sms=10, **tuning)
+    else:
+        _check(2, 2, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16, seed=5, num_sms=13, **tuning)
+    print(f"TAIL OK [{case}]")  # the round script's mark of a passed case
+
+
 def test_gluon_persistent_c192_vs_float64():
     """Persistent with two programs' worth of rows per group (C = 192: items of 128 and 64 rows)."""
     _check(2, 2, 1500 + 3, 128, 192, 129, 256, "plain", torch.bfloat16, seed=19, ragged_counts=True, persistent=True,

@@ -79,7 +79,7 @@ def config(head_dim: int) -> dict:
     return dict(num_stages=2, consumer_regs=224, producer_regs=56, maxnreg=168, pipeline=False, persistent=False,
                 overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
                 thread_arrive=False, early_q=False, cp_async_fence=True, q_regs=False, idx_ahead=1, next_item=False,
-                split_tail=0, chain=False)
+                split_tail=0, chain=False, tail_launch=0)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -962,7 +962,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
 @gluon.jit
 def _sparse_fwd_sm90(
     Q, K, V, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_O, WS_ML,
-    sm_scale_log2, H, S, SK, n_slots, K_ALLOC, C, n_work, n_full, n_parts,
+    sm_scale_log2, H, S, SK, n_slots, K_ALLOC, C, n_work, n_full, n_parts, w_first,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -980,8 +980,8 @@ def _sparse_fwd_sm90(
     NO_COPY: gl.constexpr, STREAM: gl.constexpr, CHAIN: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
-    if PERSISTENT:  # one program per SM walks items pid, pid + programs, ...
-        w0 = gl.program_id(0)
+    if PERSISTENT:  # one program per SM walks items pid, pid + programs, ... (a tail launch: from w_first)
+        w0 = w_first + gl.program_id(0)
         w_step = gl.num_programs(0)
         w_end = n_work
     else:  # one item per program
@@ -1053,7 +1053,8 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 row_threads=None, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
                 q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None,
-                idx_ahead=None, next_item=None, split_tail=None, chain=None, diag_no_copy=False):
+                idx_ahead=None, next_item=None, split_tail=None, chain=None, tail_launch=None,
+                diag_no_copy=False):
     """(grid, positional args, meta) of one launch, and (out, lse, tail): tail None, or with ``split_tail`` and a
     last, partial round of work items the arguments of ``sparse_tail_merge.merge`` (run after the launch: it writes
     the split items' rows); the op and the offline compile share it.
@@ -1113,6 +1114,10 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     if chain and not (persistent and q_regs and bool(cfg["pingpong"] if pingpong is None else pingpong)
                       and not overlap and not split_tail):
         raise ValueError("chain runs persistent pingpong with q_regs, without overlap / split_tail")
+    tail_launch = int(cfg["tail_launch"] if tail_launch is None else tail_launch)
+    if tail_launch and (not persistent or overlap or stage_out or split_tail
+                        or int(cfg["idx_ahead"] if idx_ahead is None else idx_ahead) == 3):
+        raise ValueError("tail_launch runs persistent, without overlap / stage_out / split_tail, idx_ahead 1 or 2")
     n_full, n_parts, n_virtual, tail, ws_o, ws_ml = n_work, 1, n_work, None, out, lse
     if split_tail:  # the last round's items in n_parts key ranges each (at most split_tail), so more programs run it
         rounds, n_tail = divmod(n_work, grid[0])
@@ -1125,9 +1130,24 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
             tail = dict(ws_o=ws_o, ws_ml=ws_ml, n_full=n_full, n_tail=n_tail, n_parts=n_parts, perm=perm, out=out,
                         lse=lse if return_lse else None, residual=residual, H=H, S=S, C=C, n_slots=n_slots,
                         m_blocks=m_blocks, row64=bool(row64))
-    args = (q, k, v, perm, kv_idx, out, lse, *res_ptrs, ws_o, ws_ml, scale * _LOG2E, H, S, k.shape[2], n_slots,
-            k_alloc, C, n_virtual, n_full, n_parts, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            *res_strides)
+    tail_parts = 1
+    if tail_launch:  # the last round's items in a second launch, split into key ranges (no residual: the merge's)
+        rounds, n_tail = divmod(n_work, grid[0])
+        tail_parts = min(tail_launch, grid[0] // n_tail) if n_tail and rounds else 1
+        if tail_parts > 1:
+            n_full = n_virtual = rounds * grid[0]  # this launch: whole rounds only
+            ws_o = torch.empty(n_tail * tail_parts, BLOCK_M, D, dtype=torch.float32, device=q.device)
+            ws_ml = torch.empty(n_tail * tail_parts, BLOCK_M, 2, dtype=torch.float32, device=q.device)
+            tail = dict(ws_o=ws_o, ws_ml=ws_ml, n_full=n_full, n_tail=n_tail, n_parts=tail_parts, perm=perm,
+                        out=out, lse=lse if return_lse else None, residual=residual, H=H, S=S, C=C,
+                        n_slots=n_slots, m_blocks=m_blocks, row64=bool(row64))
+
+    def _args(out_lse, res_ptrs, res_strides, n_virtual, n_full, n_parts, w_first):
+        return (q, k, v, perm, kv_idx, out, out_lse, *res_ptrs, ws_o, ws_ml, scale * _LOG2E, H, S, k.shape[2],
+                n_slots, k_alloc, C, n_virtual, n_full, n_parts, w_first, *q.stride(), *k.stride(), *v.stride(),
+                *out.stride(), *res_strides)
+
+    args = _args(lse, res_ptrs, res_strides, n_virtual, n_full, n_parts, 0)
     meta = dict(M_BLOCKS=m_blocks, HEAD_DIM=D, BLOCK_N=BLOCK_N, NUM_STAGES=num_stages,
                 RETURN_LSE=bool(return_lse), RES_KIND=kind, ROW64=bool(row64),
                 ROW_THREADS=row_threads or cfg["row_threads"],
@@ -1149,6 +1169,15 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 CHAIN=chain,
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
+    if tail_parts > 1:  # the tail launch: one program per part, its partial O / max / sum to the workspace only
+        # (no residual, no LSE: the merge adds them), the split walk's registers 216 / 72 (its producer spills at
+        # 224 / 56); the chain and next-item walks are the whole-item launch's
+        _, none_ptrs, none_strides = residual_args(None, out)
+        n_parts_virtual = n_full + tail["n_tail"] * tail_parts
+        tail["launch"] = ((tail["n_tail"] * tail_parts,),
+                          _args(out, none_ptrs, none_strides, n_parts_virtual, n_full, tail_parts, n_full),
+                          dict(meta, RETURN_LSE=False, RES_KIND=0, SPLIT=True, CHAIN=False, NEXT_ITEM=False,
+                               CONSUMER_REGS=216, PRODUCER_REGS=72))
     return grid, args, meta, (out, lse, tail)
 
 
@@ -1189,7 +1218,10 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             ranges, one program each, so the last round keeps more SMs busy (Wan2.1-1.3B 480p: 3072 items on 132
             SMs = 23.3 rounds; unsplit, the last round runs 36 items on 132 SMs); each part stores its unnormalised O,
             max and row sum to a workspace and ``sparse_tail_merge.merge`` combines them into the output rows),
-            ``chain`` (persistent pingpong with ``q_regs``: a program's items as one sequence of product blocks, an
+            ``tail_launch`` (N >= 2, persistent: as ``split_tail``, but this launch walks whole rounds only and
+            the last, partial round's items run in a second launch of the kernel, N key ranges each, one program
+            per part, without residual or LSE (the merge adds them): the first launch keeps its register split
+            and schedule, ``chain`` included), ``chain`` (persistent pingpong with ``q_regs``: a program's items as one sequence of product blocks, an
             item's last P V issued with the next item's first QK^T and its epilogue at the next item's start:
             ``_chain_walk``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
             warpgroups' speed; the benchmark's "consumers alone" row).
@@ -1201,7 +1233,11 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
     grid, args, meta, (out, lse, tail) = launch_args(q, k, v, perm, kv_idx, scale=scale, return_lse=return_lse,
                                                      out=out, residual=residual, **tuning)
     _sparse_fwd_sm90[grid](*args, **meta)
-    if tail is not None:  # the split items' parts -> their output rows (and LSE)
+    if tail is not None:  # the split items' parts (tail_launch: run by a second launch) -> their rows (and LSE)
+        tail = dict(tail)
+        launch = tail.pop("launch", None)
+        if launch is not None:
+            _sparse_fwd_sm90[launch[0]](*launch[1], **launch[2])
         sparse_tail_merge.merge(**tail)
     return (out, lse) if return_lse else out
 

@@ -71,6 +71,15 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs idx2 chain": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         q_regs=True, idx_ahead=2, chain=True),
+    # chain with the last, partial round of work items in a second launch split into key ranges (tail_launch: the
+    # first launch keeps 224 / 56 and its schedule; the tail launch runs without residual / LSE, 216 / 72, merged by
+    # kernels/triton/sparse_tail_merge.py)
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs chain tail_launch": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        q_regs=True, chain=True, tail_launch=4),
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs tail_launch": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        q_regs=True, tail_launch=4),
     # q_regs with the last, partial round of work items split into key ranges (split_tail; registers 216 / 72: at
     # 224 / 56 the split walk's producer spilled 5-6 local accesses per tile in its copy loop, offline SASS). The
     # producer at 8 threads per row and each item's first loads an item early (rt8, next_item) measured no faster in
