@@ -227,7 +227,7 @@ def test_chain_vs_float64(case):
     else:
         _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "plain", torch.bfloat16, seed=47, ragged_counts=True,
                num_sms=5, **{**tuning, "idx_ahead": 2})
-    print(f"CHAIN OK [{case}]")  # the round script's mark of a passed case (read even if pytest's exit hangs)
+    print(f"CHAIN OK chain_vs_float64[{case}]")  # the round script's mark of a passed case (read even if pytest's exit hangs)
 
 
 @pytest.mark.parametrize("case", ["short", "long", "cfg"])
@@ -246,7 +246,7 @@ def test_tail_launch_vs_float64(case):
         _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=41, num_sms=10, **tuning)
     else:
         _check(2, 2, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16, seed=5, num_sms=13, **tuning)
-    print(f"TAIL OK [{case}]")  # the round script's mark of a passed case
+    print(f"TAIL OK tail_launch_vs_float64[{case}]")  # the round script's mark of a passed case
 
 
 def test_gluon_persistent_c192_vs_float64():
