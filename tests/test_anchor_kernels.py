@@ -91,8 +91,8 @@ def test_bracket_top_k_tilings(gen, rows_per_step, prefetch):
     assert torch.equal(got, _brute_force(sums, 1000, 1024))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_bracket_top_k_is_exact_on_every_path(gen, dtype):
+@pytest.mark.parametrize("dtype,cand_count", [(torch.float16, False), (torch.float32, False), (torch.float16, True)])
+def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     """The bracket method with few samples (strata of 4 keys) and a small candidate buffer: rows where the bracket
     holds the K-th key (radix select among the candidates) and rows where it cannot (radix fallback), all exact:
     - row 0: distinct random values -> bracket hit;
@@ -103,7 +103,9 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype):
     - row 3: one value everywhere -> more candidates than the buffer holds -> fallback;
     - row 4: ties at the threshold inside a hit (levels drawn from 300 values);
     - row 5: 1000 consecutive bit patterns, shuffled: every key value inside the bracket occurs, so a search
-      that stops short of a single value picks a wrong threshold."""
+      that stops short of a single value picks a wrong threshold.
+    ``cand_count``: the threshold among the candidates by counting bit by bit (the separate top-K after the CuTeDSL
+    pass 2), the same rows and the same fallbacks (its candidate slots: 512, one sweep step)."""
     sk, k, width, stride, cap = 1000, 300, 320, 4, 512
     pos = triton_topk.sample_positions(sk, stride)
     assert len(pos) == 250 and bool((pos < sk).all()) and len(set(pos.tolist())) == 250
@@ -118,7 +120,7 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype):
     sums[5] = codes.to(torch.int16 if dtype == torch.float16 else torch.int32).view(dtype)
     out = torch.full((6, width), POISON, dtype=torch.int32)
     got, fell_back = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), cap=cap, method="bracket",
-                                            sample_stride=stride, return_fallbacks=True)
+                                            sample_stride=stride, return_fallbacks=True, cand_count=cand_count)
     assert torch.equal(got.cpu(), _brute_force(sums, k, width))
     assert fell_back.cpu().tolist() == [0, 1, 1, 1, 0, 0]
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from comfyui_mc_sparse_pack.kernels import reference, registry
+from comfyui_mc_sparse_pack.kernels.reference.topk import top_k_rows as ref_top_k_rows
 
 from .test_reuse_op import random_groups
 
@@ -206,3 +207,167 @@ def test_gluon_pass2_compiles_offline_for_sm90_without_spills():
     assert "'spill_st': 0" in line and "'consumer_hot_spills': 0" in line
     assert f"('dec', '{cfg['producer_regs']}')" in line and f"('inc', '{cfg['consumer_regs']}')" in line
     assert "'QGMMA': 16" in line and "'UTMALDG': 0" not in line
+
+
+# --- the CuTeDSL pass 2 (kernels/cutedsl/pass2_sm90.py) in the same dispatch, tried before the Gluon kernel ---
+
+class _Cute:
+    """A stand-in CuTeDSL pass-2 kernel: records what it is handed and writes float16 sums drawn from a few levels (ties
+    at the K-th value: the top-K after it must be the brute-force one); ``err`` set: fails (compile or launch)."""
+
+    def __init__(self, err=None, seed=5):
+        self.err, self.calls, self.seed = err, [], seed
+
+    def refusal(self, q8, k8, group_size, out):
+        return None  # as on sm_90 with nvidia-cutlass-dsl
+
+    def group_prob_sums_fp8(self, q8, k8, qf, lse_s, kb, perm, out, *, group_size):
+        self.calls.append(dict(q8=q8, k8=k8, qf=qf, lse_s=lse_s, kb=kb, perm=perm, out=out, C=group_size))
+        if self.err is not None:
+            raise self.err
+        g = torch.Generator().manual_seed(self.seed + len(self.calls))
+        levels = torch.rand(12, generator=g, dtype=torch.float64) * group_size
+        out.copy_(levels[torch.randint(0, 12, tuple(out.shape), generator=g)].to(out.dtype))
+        return out
+
+
+@pytest.fixture
+def cute(monkeypatch):
+    d = _mod("pass2_dispatch")
+    d.reset()
+    monkeypatch.delenv("MC_SPARSE_PASS2_CUTE", raising=False)
+    monkeypatch.delenv("MC_SPARSE_PASS2_GLUON", raising=False)
+    fake = _Cute()
+    monkeypatch.setattr(d, "_cute_module", lambda: fake)
+    yield fake
+    d.reset()
+
+
+def test_cute_pass2_mode(monkeypatch):
+    d = _mod("pass2_dispatch")
+    monkeypatch.delenv("MC_SPARSE_PASS2_CUTE", raising=False)
+    assert d.cute_mode() == d.CUTE_DEFAULT
+    assert d.cute_mode(True) and not d.cute_mode(False)
+    monkeypatch.setenv("MC_SPARSE_PASS2_CUTE", "0")
+    assert not d.cute_mode() and d.cute_mode(True)
+    assert "MC_SPARSE_PASS2_CUTE=0" in d.cute_refusal(None, None, 128, None)
+    monkeypatch.setenv("MC_SPARSE_PASS2_CUTE", "1")
+    assert d.cute_mode() and not d.cute_mode(False)
+    assert "cute=False" in d.cute_refusal(None, None, 128, None, requested=False)
+    monkeypatch.setenv("MC_SPARSE_PASS2_CUTE", "on")
+    with pytest.raises(ValueError, match="MC_SPARSE_PASS2_CUTE"):
+        d.cute_mode()
+
+
+def test_cute_unavailable_without_cutlass_is_a_refusal(gen, monkeypatch):
+    """nvidia-cutlass-dsl blocked (its import fails): the CuTeDSL kernel is refused with the import error as the reason,
+    nothing is remembered as a failure, and select_kv(cute=True) returns the Triton kernel's selection."""
+    d = _mod("pass2_dispatch")
+    d.reset()
+    for name in ("cutlass", "cutlass.cute"):
+        monkeypatch.setitem(sys.modules, name, None)  # import cutlass -> ImportError
+    for name in [m for m in sys.modules if m.endswith("kernels.cutedsl.pass2_sm90")]:
+        monkeypatch.delitem(sys.modules, name)
+    why = d.cute_refusal(None, None, 128, None, requested=True)
+    assert why.startswith("unavailable (") and "Error" in why, why
+    sel = _mod("selection")
+    q, k, lse, perm, C = _inputs(gen, S=64)
+    got = sel.select_kv(q, k, lse, perm, 20, group_size=C, kv_tile=16, fp8=True, cute=True)
+    assert torch.equal(got, sel.select_kv(q, k, lse, perm, 20, group_size=C, kv_tile=16, fp8=True, cute=False))
+    assert d.cute_fallback_reason() is None
+
+
+@pytest.mark.parametrize("gluon_on", [False, True])
+def test_cute_is_handed_the_float8_operands_with_2_pow_kb(gen, cute, gluon, gluon_on):
+    """cute=True on the float8 path: the CuTeDSL kernel gets fp8_operands(kb_pow2=True)'s outputs (2^KB, also when
+    the Gluon kernel is on with a config that reads KB), perm contiguous, the caller's ``out``; its sums are returned
+    without a Gluon or Triton launch."""
+    sel = _mod("selection")
+    q, k, lse, perm, C = _inputs(gen)
+    out = torch.full((1, 2, perm.shape[-1] // C, q.shape[2]), float("nan"), dtype=torch.float16)
+    got = sel.group_prob_sums(q, k, lse, perm, group_size=C, out=out, fp8=True, cute=True, gluon=gluon_on)
+    assert got is out and not out.isnan().any() and len(cute.calls) == 1 and not gluon.calls
+    call = cute.calls[0]
+    q8, k8, qf, lse_s, kb = sel.fp8_operands(q, k, lse, q.shape[-1] ** -0.5, kb_pow2=True)
+    for name, want in (("q8", q8), ("k8", k8), ("qf", qf), ("lse_s", lse_s), ("kb", kb)):
+        assert torch.equal(call[name].float(), want.float()), name
+    assert call["perm"].is_contiguous() and torch.equal(call["perm"], perm) and call["out"] is out and call["C"] == C
+
+
+@pytest.mark.parametrize("topk_count", [None, False, True])
+def test_select_kv_with_cute_is_the_top_k_of_its_sums(gen, cute, topk_count, monkeypatch):
+    """select_kv(cute=True): the CuTeDSL kernel writes each head chunk's sums (float16 scratch, chunks of 1 head here)
+    and the separate top-K selects from them: the brute-force top-K (ties to the lower index) of exactly those sums,
+    by histograms or by counting; the fused top-K (forced on, as on sm_90) is not run on them."""
+    sel = _mod("selection")
+    monkeypatch.setattr(sel, "_TOPK_FUSED_DEFAULT", True)
+    monkeypatch.setattr(sel, "_capability", lambda device: (9, 0))  # the fused path's switch (fp8 given explicitly)
+    seen = []
+    real = sel.top_k_rows
+    monkeypatch.setattr(sel, "top_k_rows", lambda sums, *a, **kw: seen.append((sums.clone(), kw)) or real(sums, *a, **kw))
+    q, k, lse, perm, C = _inputs(gen, S=150)
+    got = sel.select_kv(q, k, lse, perm, 40, group_size=C, kv_tile=16, fp8=True, cute=True, heads_per_chunk=1,
+                        topk_count=topk_count)
+    assert len(cute.calls) == 2 and len(seen) == 2
+    assert [kw["cand_count"] for _, kw in seen] == [sel._TOPK_SEPARATE_COUNT_DEFAULT if topk_count is None
+                                                    else topk_count] * 2
+    sums = torch.cat([s for s, _ in seen], dim=1)
+    assert torch.equal(got, ref_top_k_rows(sums, 40, got.shape[-1]))
+
+
+@pytest.mark.parametrize("kw", [dict(cute=False), dict(fp8=False), dict(poly=1), dict(block_n=64),
+                                dict(exp="f16_emulated"), dict(one_group=True)])
+def test_cute_is_not_tried(gen, cute, kw):
+    """Not tried: turned off, the bf16 path, or an option only the Triton kernel has; the Triton sums come back."""
+    sel = _mod("selection")
+    q, k, lse, perm, C = _inputs(gen)
+    sel.group_prob_sums(q, k, lse, perm, group_size=C, **(dict(fp8=True, cute=True) | kw))
+    assert not cute.calls
+
+
+def test_cute_failure_falls_back_once_per_run(gen, cute, gluon, monkeypatch):
+    """A failing CuTeDSL kernel: the call returns the Triton kernel's sums (bitwise those of cute=False), the reason is
+    in the run's Record, the rest of the run does not try it again, a new run does. With the Gluon kernel on (a
+    config reading KB, not the 2^KB made for the CuTeDSL kernel) the fallback skips it for the Triton kernel; with
+    MC_SPARSE_PASS2_CUTE=1 the same."""
+    sel = _mod("selection")
+    d = _mod("pass2_dispatch")
+    cute.err = RuntimeError("cute DSL compile boom")
+    q, k, lse, perm, C = _inputs(gen, S=64)
+    want = sel.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, cute=False)
+    monkeypatch.setenv("MC_SPARSE_PASS2_CUTE", "1")
+    with registry.recording(registry.Record()) as record:
+        sel.select_kv(q, k, lse, perm, 20, group_size=C, kv_tile=16, fp8=True, gluon=True)
+        assert len(cute.calls) == 1 and not gluon.calls
+        for _ in range(2):
+            assert torch.equal(sel.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True), want)
+        assert "failed earlier (RuntimeError: cute DSL compile boom)" == d.cute_refusal(None, None, C, None)
+    assert len(cute.calls) == 1
+    assert "cute DSL compile boom" in record.failures[d.CUTE_KEY] and d.GLUON_KEY not in record.failures
+    assert d.cute_fallback_reason() is None and d.fallback_reason() is None  # the run's, not the process's
+    with registry.recording(registry.Record()):  # a new run tries again
+        sel.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True)
+    assert len(cute.calls) == 2
+
+
+def test_cute_failure_without_record_goes_to_gluon_when_it_reads_2_pow_kb(gen, cute, gluon):
+    """Without a record the failure is remembered for the process; a Gluon config that reads 2^KB (kb_poly=2) then
+    takes the call with the same operands."""
+    sel = _mod("selection")
+    d = _mod("pass2_dispatch")
+    cute.err, gluon.kb_poly = RuntimeError("launch boom"), 2
+    q, k, lse, perm, C = _inputs(gen)
+    for _ in range(2):
+        out = sel.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, cute=True, gluon=True)
+        assert bool((out == 7.0).all())
+    assert len(cute.calls) == 1 and len(gluon.calls) == 2 and "boom" in d.cute_fallback_reason()
+    assert torch.equal(gluon.calls[0]["kb"], cute.calls[0]["kb"])
+
+
+def test_cute_out_of_memory_propagates(gen, cute):
+    sel = _mod("selection")
+    cute.err = torch.cuda.OutOfMemoryError("CUDA out of memory")
+    q, k, lse, perm, C = _inputs(gen)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        sel.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, cute=True)
+    assert _mod("pass2_dispatch").cute_fallback_reason() is None

@@ -1,5 +1,13 @@
-"""Which kernel runs the float8 pass 2 of ``selection.group_prob_sums``: the warp-specialised sm_90 Gluon kernel
+"""Which kernel runs the float8 pass 2 of ``selection.group_prob_sums``: the CuTeDSL sm_90 kernel
+(``kernels/cutedsl/pass2_sm90.py``) where it is on and can run, else the warp-specialised sm_90 Gluon kernel
 (``selection_sm90.py``) where it can, else the Triton pair kernel (``selection._group_prob_sums_pair``).
+
+- The CuTeDSL kernel: tried first when on (``cute=True`` from the caller, else ``MC_SPARSE_PASS2_CUTE``, else
+  ``CUTE_DEFAULT``) and when its module imports (nvidia-cutlass-dsl: an import failure is a refusal, reported) and
+  ``pass2_sm90.refusal`` accepts the call; never with a Triton-only option (``triton_only``). It reads 2^KB
+  (``fp8_operands(kb_pow2=True)``) and writes only the sums: the caller's top-K runs after it (``topk.top_k_rows``).
+  Its compile or launch failure (anything but out of memory) is remembered like the Gluon kernel's (``CUTE_KEY``) and
+  the call goes on to the Gluon / Triton kernel with the same operands.
 
 - The Triton kernel runs everywhere the Gluon kernel refuses (``selection_sm90.refusal``: not sm_90, the interpreter,
   head dim, group width, operand layout), whenever the caller asks for something only the Triton kernel has (the
@@ -28,6 +36,71 @@ GLUON_KEY = ("triton.gluon_sm90", "group_prob_sums")
 # 0.527 vs 0.468 (14B). MC_SPARSE_PASS2_GLUON=1 or gluon=True turns it on (GPU tests passed in both rounds).
 GLUON_DEFAULT = False
 _failures = registry.FailureMemo(GLUON_KEY)
+
+CUTE_KEY = ("cutedsl.pass2_sm90", "group_prob_sums")
+# off until an H200 round measures select_kv with it below the Triton default (tests/bench_select_race.py race 1)
+CUTE_DEFAULT = False
+_cute_failures = registry.FailureMemo(CUTE_KEY)
+
+
+def _cute_module():
+    from ..cutedsl import pass2_sm90  # imported lazily: no nvidia-cutlass-dsl is a refusal reason, not a failure
+
+    return pass2_sm90
+
+
+def cute_mode(requested: bool | None = None) -> bool:
+    """Whether the CuTeDSL kernel is wanted: ``requested`` when not None, else ``MC_SPARSE_PASS2_CUTE`` ("1" on, "0"
+    off; any other value is a ValueError), else ``CUTE_DEFAULT``."""
+    if requested is not None:
+        return bool(requested)
+    env = os.environ.get("MC_SPARSE_PASS2_CUTE", "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"MC_SPARSE_PASS2_CUTE must be 0 or 1, got {env!r}")
+    return env == "1" if env else bool(CUTE_DEFAULT)
+
+
+def cute_fallback_reason() -> str | None:
+    """The CuTeDSL kernel's failure this run (active record) or this process (no record), if any."""
+    return _cute_failures.reason()
+
+
+def cute_refusal(q8, k8, group_size, out, *, requested=None, only_triton=None) -> str | None:
+    """Why the CuTeDSL kernel does not run this float8 pass 2 call (None: it runs)."""
+    if not cute_mode(requested):
+        if requested is False:
+            return "off (cute=False)"
+        return "off (MC_SPARSE_PASS2_CUTE=0)" if os.environ.get("MC_SPARSE_PASS2_CUTE") == "0" else \
+            "off (CUTE_DEFAULT)"
+    if only_triton is not None:
+        return only_triton
+    failed = cute_fallback_reason()
+    if failed is not None:
+        return f"failed earlier ({failed})"
+    try:
+        mod = _cute_module()
+    except Exception as err:  # noqa: BLE001 (no nvidia-cutlass-dsl, or a broken CUDA stack at import)
+        return f"unavailable ({type(err).__name__}: {err})"
+    return mod.refusal(q8, k8, group_size, out)
+
+
+def try_cute(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, requested=None, only_triton=None) -> bool:
+    """Run the float8 pass 2 on the CuTeDSL kernel into ``out`` if it may (``cute_refusal``): True when it wrote
+    ``out``; False when the caller must run another kernel (refused, or failed: then remembered and logged). ``kb2``:
+    2^KB (``fp8_operands(kb_pow2=True)``); the rest as ``selection_sm90.group_prob_sums_fp8``. Raises: out of
+    memory."""
+    if cute_refusal(q8, k8, group_size, out, requested=requested, only_triton=only_triton) is not None:
+        return False
+    try:
+        _cute_module().group_prob_sums_fp8(q8, k8, qf, lse_s, kb2, perm, out, group_size=group_size)
+        return True
+    except Exception as err:  # noqa: BLE001 (any compile / launch failure: the next kernel answers)
+        if registry.is_out_of_memory(err):
+            raise
+        reason = f"{type(err).__name__}: {str(err)[:500]}"
+        _cute_failures.remember(reason)
+        log.warning("MC-Sparse: the CuTeDSL pass-2 kernel failed (%s); using the Triton kernel", reason)
+        return False
 
 
 def _gluon_module():
@@ -76,8 +149,9 @@ def fallback_reason() -> str | None:
 
 
 def reset() -> None:
-    """Forget a process-level Gluon failure (tests; a new record starts clean itself)."""
+    """Forget the process-level Gluon and CuTeDSL failures (tests; a new record starts clean itself)."""
     _failures.reset()
+    _cute_failures.reset()
 
 
 def gluon_refusal(q8, k8, group_size, out, *, requested=None, only_triton=None) -> str | None:

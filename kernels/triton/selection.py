@@ -707,6 +707,10 @@ _TOPK_FUSED_DEFAULT = True
 # bracket at 3 sigma instead of 5 was slower (0.2 % of rows fell back: 0.5549 with counting, 0.5656 without)
 _TOPK_COUNT_DEFAULT = True
 _TOPK_FUSED_MIN_CAPABILITY = (9, 0)
+# select_kv's separate top-K (after a pass-2 kernel without the fused epilogue: the CuTeDSL or Gluon kernel, GPUs below
+# sm_90, the interpreter): the bracket's threshold among its candidates by counting (``topk.top_k_rows(cand_count=)``).
+# Off until an H200 round measures it (tests/bench_select_race.py race 2); the same selection either way
+_TOPK_SEPARATE_COUNT_DEFAULT = False
 # group_prob_sums / select_kv: the float8 pair kernel with one query group per program (one_group; 119 registers, 4
 # programs per SM instead of 3). H200 round s5r2 (tests/bench_select_race.py race 2, sustained interleaved, 1.3B 480p,
 # all heads): pass-2 kernel 0.5139 of flash-attn-4 dense against 0.5272 for two groups per program (14B 720p not
@@ -744,7 +748,7 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
                     num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None,
-                    poly3=(0, 0), select=None, one_group=None):
+                    poly3=(0, 0), select=None, one_group=None, cute=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -778,6 +782,9 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         select: optional ``topk.FusedRows``: the pair kernel also writes each group's top-K of the float16 sums into
         ``select.out`` and sets ``select.done`` (then the caller runs ``select.finish(out)``); other kernels leave it
         unset (the caller runs ``topk.top_k_rows``). Needs float16 ``out``.
+        cute: the float8 path on the CuTeDSL sm_90 kernel (``kernels/cutedsl/pass2_sm90.py``; the same sums up to the
+        order of fp32 additions) where it runs, tried before the Gluon kernel; on its refusal or failure (remembered)
+        the Gluon / Triton kernel: ``pass2_dispatch``; None: its default. It never runs the fused top-K.
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
@@ -836,11 +843,19 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         qf = kb = lse  # placeholders, not read without FP8
         pow2 = False  # the Triton kernel reads 2^KB (KB_POW2) where the Gluon kernel will not be tried
         if fp8:
-            # 2^KB precomputed unless the Gluon kernel will be tried with a config that reads KB itself
-            pow2 = not pass2_dispatch.gluon_mode(gluon) or pass2_dispatch.gluon_kb_pow2(D)
+            # 2^KB precomputed unless only the Gluon kernel will be tried, with a config that reads KB itself (the
+            # CuTeDSL kernel reads 2^KB)
+            want_cute = pass2_dispatch.cute_mode(cute)
+            gluon_pow2 = pass2_dispatch.gluon_kb_pow2(D)
+            pow2 = want_cute or not pass2_dispatch.gluon_mode(gluon) or gluon_pow2
             q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2)
             tuned = one_group_asked or any(x is not None for x in (block_n, num_warps, num_stages))
             only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode, tuned=tuned)
+            if want_cute and pass2_dispatch.try_cute(q, k, qf, lse, kb, perm, out, group_size=C, requested=cute,
+                                                     only_triton=only_triton):
+                return out
+            if pow2 and not gluon_pow2 and only_triton is None:
+                only_triton = "the float8 operands hold 2^KB (made for the CuTeDSL kernel); this Gluon config reads KB"
             if pass2_dispatch.try_gluon(q, k, qf, lse, kb, perm, out, group_size=C, requested=gluon,
                                         only_triton=only_triton):
                 return out
@@ -880,7 +895,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
               topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None,
-              poly3=(0, 0), topk_count=None, topk_z=None):
+              poly3=(0, 0), topk_count=None, topk_z=None, cute=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -898,7 +913,10 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     its key sweep (``topk.FusedRows``; same selection; None: ``_TOPK_FUSED_DEFAULT`` on sm_90+; ignored with ``topk_method``,
     ``topk_hist`` or when another pass-2 kernel runs); ``topk_count``: that top-K's threshold among its candidates
     by counting (``FusedRows.cand_count``; same selection; None: ``_TOPK_COUNT_DEFAULT``); ``topk_z``: that top-K's
-    bracket half-width in binomial sigmas (``topk.bracket_plan``; same selection; None: its default).
+    bracket half-width in binomial sigmas (``topk.bracket_plan``; same selection; None: its default); ``cute``: pass 2
+    on the CuTeDSL sm_90 kernel where it runs (``group_prob_sums``; None: ``pass2_dispatch.CUTE_DEFAULT``), then the
+    separate bracket top-K (``topk.top_k_rows``), its threshold among the candidates by counting when ``topk_count``
+    (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -933,16 +951,17 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon, select=select,
-            one_group=one_group, poly3=poly3,
+            one_group=one_group, poly3=poly3, cute=cute,
         )
         if select is not None and select.done:
             select.finish(sums)
         else:
-            _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method or ("radix" if use_hist else None), hist)
+            _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method or ("radix" if use_hist else None), hist,
+                   cand_count=_TOPK_SEPARATE_COUNT_DEFAULT if topk_count is None else bool(topk_count))
     return out
 
 
-def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None):
+def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None, cand_count=False):
     """The Triton top-K; if it cannot run here (a compiler or resource failure), ``torch.topk`` + sort instead, so
     the selection stays fast (ties then as torch.topk breaks them); the error is logged once per process. Out of
     memory in the bracket method (its per-call candidate scratch, rows x cap int16: ~230 MB for a 14B 720p head
@@ -950,7 +969,7 @@ def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None):
     raised (the caller's out-of-memory handling), and neither disables the Triton top-K."""
     if not _RADIX_FAILED:
         try:
-            return top_k_rows(sums, num_keys, k_alloc, out=out, method=method, hist=hist)
+            return top_k_rows(sums, num_keys, k_alloc, out=out, method=method, hist=hist, cand_count=cand_count)
         except (ValueError, TypeError):
             raise
         except torch.cuda.OutOfMemoryError:

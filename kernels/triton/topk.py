@@ -405,6 +405,7 @@ def _bracket_topk_rows(
     NS: tl.constexpr,  # sample slots (power of two >= n_samp)
     CAP: tl.constexpr,  # candidate slots per row in CAND
     PREFETCH: tl.constexpr,  # each sweep issues the next tile's load before this tile's work
+    CAND_COUNT: tl.constexpr = False,  # the threshold among the copies by counting (CAP a multiple of ROWS * VEC)
 ):
     """The bracket method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row: a stratified sample of
     n_samp keys (one per ``stride_samp`` positions, a scrambled offset in each) brackets the K-th largest key between
@@ -420,7 +421,8 @@ def _bracket_topk_rows(
     row_in = (row % inner).to(tl.int64)
     _bracket_row(SUMS + outer * (stride_so * ALIGN) + row_in * (stride_si * ALIGN),
                  OUT + outer * stride_oo + row_in * stride_oi, CAND + row.to(tl.int64) * CAP, FELL_BACK + row,
-                 SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, ROWS, VEC, NS, CAP, PREFETCH)
+                 SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, ROWS, VEC, NS, CAP, PREFETCH,
+                 False, CAND_COUNT)
 
 
 @triton.jit
@@ -508,7 +510,8 @@ def sample_positions(sk: int, stride: int) -> torch.Tensor:
 def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tensor | None = None,
                method: str | None = None, cap: int | None = None, block: int | None = None,
                num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None,
-               sample_stride: int | None = None, prefetch: bool = True, maxnreg: int | None = None):
+               sample_stride: int | None = None, prefetch: bool = True, maxnreg: int | None = None,
+               cand_count: bool = False):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
 
@@ -526,6 +529,9 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         sample_stride: the bracket method's keys per sample (None: ``bracket_plan``'s); prefetch: its sweeps issue
             the next tile's load before this tile's work; maxnreg: the bracket kernel's register cap per thread on
             CUDA (None: ``_BRACKET_MAXNREG``; 0: none).
+        cand_count: the bracket method's threshold among its candidates by counting bit by bit
+            (``_cand_threshold_count``, as ``FusedRows.cand_count``) instead of radix histograms; the candidate slots
+            per row are then rounded up to a multiple of the sweep step (its padding). Same result.
         return_fallbacks: also return int8 ``[rows]``, 1 where the bracket method fell back to the radix threshold.
         hist: optional int32 ``[..., HIST_BINS]`` contiguous: each row's histogram of its keys' top 8 bits (pass 2
             counts it while writing the sums, ``selection.group_prob_sums(hist=...)``); the radix method then skips
@@ -581,6 +587,9 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         align = vec if src.stride(0) % vec == 0 and src.stride(1) % vec == 0 else 1
         warps = num_warps or _BRACKET_WARPS
         tile_rows = (block // vec) if block else 32 * warps * _BRACKET_ROWS_PER_THREAD
+        if cand_count:  # whole sweep steps of copies (``_cand_threshold_count`` pads to them)
+            step = tile_rows * vec
+            cap_b = -(-max(cap_b, step) // step) * step
         cand = torch.empty(n, cap_b, dtype=torch.int16 if key_bits == 16 else torch.int32, device=sums.device)
         regs = _BRACKET_MAXNREG if maxnreg is None else maxnreg
         launch = dict(maxnreg=regs) if regs and sums.device.type == "cuda" else {}
@@ -588,7 +597,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // align,
             src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank,
             KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
-            PREFETCH=prefetch, num_warps=warps, **launch)
+            PREFETCH=prefetch, CAND_COUNT=bool(cand_count), num_warps=warps, **launch)
         # the rows whose bracket missed (flagged): radix threshold + compaction; every other program returns at once
         _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,
                                HAS_HIST=False, ONLY_FLAGGED=True, num_warps=4)
