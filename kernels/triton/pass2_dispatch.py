@@ -43,9 +43,17 @@ CUTE_DEFAULT = False
 _cute_failures = registry.FailureMemo(CUTE_KEY)
 
 
-def _cute_module():
-    from ..cutedsl import pass2_sm90  # imported lazily: no nvidia-cutlass-dsl is a refusal reason, not a failure
+_cute_import_error: list[BaseException] = []  # the module's import error, once (not retried on every call)
 
+
+def _cute_module():
+    if _cute_import_error:
+        raise _cute_import_error[0]
+    try:
+        from ..cutedsl import pass2_sm90  # imported lazily: no nvidia-cutlass-dsl is a refusal reason, not a failure
+    except Exception as err:
+        _cute_import_error.append(err)
+        raise
     return pass2_sm90
 
 
