@@ -3,25 +3,28 @@
 Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wan2.1-14B 720p: S = 75600, H = 40; D = C
 = 128, bf16; the inputs of tests/bench_anchor.py: structured queries, random keys, PDDP groups):
 
-1. CHECKS on the GPU before any timing (a line with "CHECKS"; "CHECK FAILED" when one fails), on 2 heads at s =
-   0.25: select_kv at its defaults == the brute-force top-K (kernels/reference/topk.py) of its own float16 sums;
-   with two query groups per program == the defaults; the fused top-K's threshold among its candidates by counting
-   (the default) == by histograms (topk_count=False), with the bracket at 4 sigma (topk_z=4) == the defaults (a row
-   whose check fails is not timed); at 1.3B also the fused top-K with every row forced to the radix fallback (16
-   candidate slots) == the brute force.
+1. CHECKS on the GPU before any timing (lines with "CHECKS"; "CHECK FAILED" when one fails), on 2 heads at s = 0.25:
+   first the CuTeDSL pass 2 (kernels/cutedsl/pass2_sm90.py; ``cute_checks``: its sums vs the Triton kernel's, every
+   entry written, select_kv(cute=True) == the brute-force top-K of its sums by both separate top-K thresholds; a
+   failure skips its rows and, where it is the default, turns it off for the run: the defaults row then measures the
+   Triton pass 2, reported); then select_kv at its defaults == the brute-force top-K (kernels/reference/topk.py) of
+   its own float16 sums; at 1.3B also the fused top-K with every row forced to the radix fallback (16 candidate
+   slots) == the brute force.
 2. RACE 1 (tests/_timing.race: sustained back-to-back samples, shuffled order, median; TEAM.md item 7): flash-attn-4
-   dense with LSE, select_kv defaults (on sm_90: the top-K fused into the one-group pass-2 kernel, its threshold
-   among the candidates by counting) and ``RACE1_ROWS`` ("hist": by histograms; "z4": the bracket at 4 sigma;
-   ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios / dense from the same rounds
-   -> ``pass2_topk_over_dense_max`` (the defaults; both shapes). Their kernels compile first in child processes
+   dense with LSE, select_kv defaults (on sm_90 with the Triton pass 2: the top-K fused into the one-group pass-2
+   kernel, its threshold among the candidates by counting) and ``RACE1_ROWS`` ("cute" / "cute count": the CuTeDSL
+   pass 2 + the separate top-K by histograms / by counting; ``--p2ws-gluon-row``: the Gluon pass 2 where its child
+   check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios / dense from the same rounds ->
+   ``pass2_topk_over_dense_max`` (the defaults; both shapes). Their kernels compile first in child processes
    (``CHILD_ROWS``), waited for before the first timing.
 3. RACE 2 (per shape after both shapes' race 1; 14B only with 20 s of ``--budget`` left): the parts on all heads at
    s = 0.25 in the same rounds as dense: the float8 operand pass, select_kv at its defaults (the whole beside its
    parts), the one-group pass-2 kernel alone and with its fused top-K epilogue (on precomputed operands; sums checked
-   against select_kv's, the fused selection against the brute force of its sums), counting and by histograms, then,
-   while the budget lasts (30 s kept for race 2b), the bracket at 4 sigma, two tile rows per thread in the top-K's
-   sweeps (``RACE2_TOPK``);
-   then the host time of one select_kv call enqueued behind busy GPU work. RACE 2b, last (a faulting kernel ends the
+   against select_kv's, the fused selection against the brute force of its sums), counting and by histograms
+   (``RACE2_TOPK``); the separate top-K alone on those sums (``SEPARATE_TOPK``: histograms, counting, 4 warps, twice
+   the samples); the CuTeDSL pass 2 alone, + the separate top-K (histograms / counting),
+   select_kv(cute=True, topk_count=True) (``race2_cute``, each checked first);
+   then the host time of one select_kv call enqueued behind busy GPU work (defaults, cute count). RACE 2b, last (a faulting kernel ends the
    process): issue 15's pass-2 kernel variants of tests/bench_pass2_exp.py (``--p2ws-variants``; each checked against
    that bench's reference kernel as there) with dense in their own race.
 
@@ -57,7 +60,7 @@ _standalone.load_pack()
 from comfyui_mc_sparse_pack import kernels  # noqa: E402
 from comfyui_mc_sparse_pack.kernels import registry  # noqa: E402
 from comfyui_mc_sparse_pack.kernels.reference.topk import top_k_rows as ref_top_k_rows  # noqa: E402
-from comfyui_mc_sparse_pack.kernels.triton import grouping, selection, topk  # noqa: E402
+from comfyui_mc_sparse_pack.kernels.triton import grouping, pass2_dispatch, selection, topk  # noqa: E402
 
 SHAPES = {"1.3b": dict(H=12, grid=(21, 30, 52)), "14b": dict(H=40, grid=(21, 45, 80)), "smoke": dict(H=2, grid=(2, 4, 33))}
 SCORE_NAME = {"1.3b": "wan13b_480p", "14b": "wan14b_720p"}
@@ -94,16 +97,15 @@ def checks(q, k, lse, perm, S, log, full=True):
     kq = int(0.25 * S)
     sub = (q[:, :2], k[:, :2], lse[:, :2], perm[:, :2])
     G = perm.shape[-1] // C
+    width = -(-kq // KV_TILE) * KV_TILE
+    cute = cute_checks(sub, kq, width, log)  # first: a failure turns a CuTeDSL default off before the defaults' check
+    if pass2_dispatch.cute_mode() and not cute["ok"]:
+        pass2_dispatch.CUTE_DEFAULT = False
+        log("CUTE DEFAULT OFF for this run: its check failed; the defaults row measures the Triton pass 2")
     sel = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE)
-    width = sel.shape[-1]
     sums16 = selection.group_prob_sums(*sub, group_size=C).half()
     want = ref_top_k_rows(sums16, kq, width)
-    two = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, one_group=False)
-    r = dict(default_exact=bool(torch.equal(sel, want)), two_groups_equal=bool(torch.equal(two, sel)))
-    # race 1's row: the top-K's threshold among its candidates by histograms gives the same selection as counting
-    r["count_equal"] = bool(torch.equal(selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_count=True),
-                                        selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_count=False)))
-    r["z4_equal"] = bool(torch.equal(selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_z=4.0), sel))
+    r = dict(default_exact=bool(torch.equal(sel, want)))
     if full:
         plan = topk.bracket_plan(S, kq, 2, cap=16)
         forced = topk.FusedRows(torch.full_like(sel, -7), kq, width, plan,
@@ -119,12 +121,64 @@ def checks(q, k, lse, perm, S, log, full=True):
           and r.get("fused_forced_fallback_rows", 1.0) == 1.0)
     log(f"CHECKS {r}" + ("" if ok else "  CHECK FAILED"))
     r["ok"] = ok
+    r["cute"] = cute
+    r["cute_default"] = pass2_dispatch.cute_mode()
     return r
 
 
-# select_kv variants beside its defaults (+ "gluon": --p2ws-gluon-row): the fused top-K's threshold among its candidates
-# by radix histograms (the default until round s7r1); its bracket at 4 sigma instead of 5
-RACE1_ROWS = {"hist": dict(topk_count=False), "z4": dict(topk_z=4.0)}
+def cute_why(q8, k8, out):
+    """Why the CuTeDSL pass 2 (kernels/cutedsl/pass2_sm90.py) cannot run here (None: it can)."""
+    return pass2_dispatch.cute_refusal(q8, k8, C, out, requested=True)
+
+
+def cute_checks(sub, kq, width, log):
+    """The CuTeDSL pass 2 on the 2 heads of ``checks``: its float16 sums (NaN-poisoned output, every entry written)
+    against the Triton kernel's (cute=False; relative L2 per row <= 1e-3: the same float8 operands, fp32 sums in
+    another order, two float16 roundings), select_kv(cute=True) == the brute-force top-K of its own sums (the separate top-K,
+    by histograms and by counting), and no fallback remembered. ``ok`` False: its race rows are not timed (and under
+    ``CUTE_DEFAULT`` the bench turns it off before race 1: the Triton default is what gets timed)."""
+    q, k, lse, perm = sub
+    r = {}
+    try:
+        q8, k8, qf, lse_s, kb2 = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)
+        sums16 = torch.empty(*perm.shape[:2], perm.shape[-1] // C, k.shape[2], dtype=torch.float16, device=q.device)
+        selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums16, cute=False)
+        got = torch.full_like(sums16, float("nan"))
+        why = cute_why(q8, k8, got)
+        if why is not None:
+            r.update(ok=False, skipped=why)
+            log(f"CHECKS cute: skipped ({why})")
+            return r
+        t = time.time()
+        pass2_dispatch._cute_module().group_prob_sums_fp8(q8, k8, qf, lse_s, kb2, perm, got, group_size=C)
+        if not SMOKE:
+            torch.cuda.synchronize()
+        r["first_call_s"] = round(time.time() - t, 2)
+        r["all_written"] = not bool(got.isnan().any())
+        rel = ((got.double() - sums16.double()).norm(dim=-1) / sums16.double().norm(dim=-1).clamp_min(1e-30)).max()
+        r["sums_rel_l2_max"] = float(rel)
+        r["sums_close"] = bool(rel <= 1e-3)
+        want = ref_top_k_rows(got, kq, width)
+        sel_h = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True, topk_count=False)
+        sel_c = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True, topk_count=True)
+        r["select_exact"] = bool(torch.equal(sel_h, want))
+        r["select_count_exact"] = bool(torch.equal(sel_c, want))
+        r["no_fallback"] = pass2_dispatch.cute_fallback_reason() is None
+        if not r["no_fallback"]:
+            r["fallback"] = pass2_dispatch.cute_fallback_reason()
+        r["ok"] = all(r[n] for n in ("all_written", "sums_close", "select_exact", "select_count_exact", "no_fallback"))
+    except Exception as err:  # noqa: BLE001 (a failing kernel is reported; the Triton rows still run)
+        r.update(ok=False, error=f"{type(err).__name__}: {str(err)[:500]}")
+        traceback.print_exc()
+    log(f"CHECKS cute {r}" + ("" if r["ok"] else "  CHECK FAILED (cute)"))
+    return r
+
+
+# select_kv variants beside its defaults (+ "gluon": --p2ws-gluon-row): pass 2 on the CuTeDSL sm_90 kernel (p2cute,
+# kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
+# by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
+# rounds s7r1-s7r3 and not better, are no longer raced.)
+RACE1_ROWS = {"cute": dict(cute=True, topk_count=False), "cute count": dict(cute=True, topk_count=True)}
 
 
 def race1(name, q, k, v, lse, perm, log, rows):
@@ -184,12 +238,68 @@ def host_ms(fn, busy, n=5):
 
 
 # race 2's fused top-K variants: (tag, one group per program, tile rows per thread, bracket z, cand_count); the first
-# two always, the others while the budget lasts
-RACE2_TOPK = (("1grp", True, 1, topk._Z, True), ("1grp hist", True, 1, topk._Z, False),
-              ("1grp z4", True, 1, 4.0, True), ("1grp x2", True, 2, topk._Z, True))
+# always, the others while the budget lasts (z4 / x2 / two groups: measured in rounds s7r1-s7r3, not better: dropped)
+RACE2_TOPK = (("1grp", True, 1, topk._Z, True), ("1grp hist", True, 1, topk._Z, False))
 
 
-def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0):
+# race 2's separate top-K variants (``topk.top_k_rows`` keyword arguments), timed alone on the Triton kernel's sums
+# (what follows the CuTeDSL pass 2): histograms (today's separate default), counting, counting with 4 warps per row,
+# counting with twice the samples (one per 32 keys: a bracket ~0.7x as wide), each checked against the brute force
+SEPARATE_TOPK = (("hist", dict(cand_count=False)), ("count", dict(cand_count=True)),
+                 ("count w4", dict(cand_count=True, num_warps=4)), ("count s32", dict(cand_count=True, sample_stride=32)))
+
+
+def race2_topk(fns, sums, kq, width, res):
+    """Race 2's separate top-K rows (``SEPARATE_TOPK``) on ``sums``, each checked first (brute force on the first 12
+    heads, fallback-row share recorded); returns the selection buffer they write."""
+    sel = torch.empty(*sums.shape[:3], width, dtype=torch.int32, device=sums.device)
+    hc = min(sums.shape[1], 12)
+    want = ref_top_k_rows(sums[:, :hc], kq, width)
+    for tag, kw in SEPARATE_TOPK:
+        try:
+            sel.fill_(-7)
+            _, fell = topk.top_k_rows(sums, kq, width, out=sel, return_fallbacks=True, **kw)
+            if not torch.equal(sel[:, :hc], want):
+                raise AssertionError("differs from the brute-force top-K of the sums")
+            res[f"fallback rows top-K {tag}"] = float(fell.float().mean())
+            fns[f"top-K {tag} alone"] = (lambda kw: lambda: topk.top_k_rows(sums, kq, width, out=sel, **kw))(kw)
+        except Exception as err:  # noqa: BLE001
+            res["errors"][f"top-K {tag}"] = f"{type(err).__name__}: {str(err)[:300]}"
+    return sel
+
+
+def race2_cute(fns, ops, perm, out16, sums, kq, width, res, sel):
+    """Race 2's CuTeDSL rows (added to ``fns`` when its sums on all heads match the Triton kernel's ``sums`` and the
+    separate top-K on them, by histograms and by counting, is the brute force of them on the first 12 heads): the
+    kernel alone on precomputed operands, the separate top-K alone (on the Triton sums: same row lengths), and the two
+    together."""
+    q8, k8, qf, lse_s, kb2 = ops
+    why = cute_why(q8, k8, out16)
+    if why is not None:
+        res["errors"]["cute"] = f"skipped: {why}"
+        return
+    mod = pass2_dispatch._cute_module()
+    run = lambda out: mod.group_prob_sums_fp8(q8, k8, qf, lse_s, kb2, perm, out, group_size=C)  # noqa: E731
+    got = run(torch.full_like(out16, float("nan")))
+    rel = float(((got.double() - sums.double()).norm(dim=-1) / sums.double().norm(dim=-1).clamp_min(1e-30)).max())
+    res["cute sums rel"] = rel
+    if not rel <= 1e-3:  # (nan included: an entry not written)
+        raise AssertionError(f"cute sums differ from select_kv's Triton pass 2 by {rel:.2e}")
+    hc = min(out16.shape[1], 12)
+    want = ref_top_k_rows(got[:, :hc], kq, width)
+    for tag, cc in (("hist", False), ("count", True)):
+        sel.fill_(-7)
+        topk.top_k_rows(got, kq, width, out=sel, cand_count=cc)
+        if not torch.equal(sel[:, :hc], want):
+            raise AssertionError(f"the separate top-K ({tag}) differs from the brute-force top-K of the cute sums")
+    del got, want
+    fns["pass-2 cute alone"] = lambda: run(out16)
+    for tag, cc in (("hist", False), ("count", True)):
+        fns[f"cute + top-K {tag}"] = (lambda cc: lambda: topk.top_k_rows(run(out16), kq, width, out=sel,
+                                                                          cand_count=cc))(cc)
+
+
+def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=()):
     """The parts at s = 0.25 in the same rounds as dense (docstring, item 3; p2ws's variants: ``race2b``)."""
     S, H = q.shape[2], q.shape[1]
     G = perm.shape[-1] // C
@@ -199,7 +309,7 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0):
     res = dict(errors={})
     fns = {"dense": dense, "operands default": lambda: selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)}
     sums = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
-    selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums)
+    selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums, cute=False)  # the Triton kernel's
     ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)
     out16 = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
     fns["select_kv defaults"] = lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE)
@@ -230,16 +340,32 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0):
         except Exception as err:  # noqa: BLE001
             res["errors"][f"pass-2 kernel {tag}"] = f"{type(err).__name__}: {str(err)[:300]}"
     del plains
+    sel = race2_topk(fns, sums, kq, width, res)
+    try:
+        race2_cute(fns, ops, perm, out16, sums, kq, width, res, sel)
+        fns["select_kv cute count"] = lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE,
+                                                                  cute=True, topk_count=True)
+    except Exception as err:  # noqa: BLE001
+        res["errors"]["cute"] = f"{type(err).__name__}: {str(err)[:300]}"
+    if cute_variants and "pass-2 cute alone" in fns:  # p2cute's launch variants (tests/bench_cutedsl_pass2.py)
+        try:
+            import bench_cutedsl_pass2 as bcp
+
+            vfns, res["cute variants"] = bcp.cute_rows(ops, perm, sums, cute_variants, log)
+            fns.update({f"pass-2 {n} alone": fn for n, fn in vfns.items()})
+        except Exception as err:  # noqa: BLE001
+            res["errors"]["cute variants"] = f"{type(err).__name__}: {str(err)[:300]}"
     ms = race(fns, rounds=ROUNDS, target_ms=20.0)
     res.update(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
                over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
-    for one in (False, True):
-        res["host_ms " + ("1grp" if one else "defaults")] = host_ms(
-            lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, one_group=one or None),
-            dense)
+    res["host_ms defaults"] = host_ms(
+        lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE), dense)
+    if "select_kv cute count" in fns:
+        res["host_ms cute count"] = host_ms(lambda: selection.select_kv(
+            q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True, topk_count=True), dense)
     log(f"{name} RACE 2 (dense {dname} {ms['dense']:.3f} ms, all heads, s = 0.25): " + " | ".join(
         f"{n} {v:.4f}" for n, v in res["over_dense"].items()) + " | " + " | ".join(
-        f"{n} {v:.3f}" for n, v in res.items() if n.startswith(("host", "fallback", "sums")))
+        f"{n} {v:.3f}" for n, v in res.items() if n.startswith(("host", "fallback", "sums", "cute sums")))
         + (f" | errors {res['errors']}" if res["errors"] else ""))
     return res
 
@@ -288,12 +414,17 @@ def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_
 # select_kv compiles for race 1 in child processes started with the bench (one per group of rows and shape, on 2
 # heads of the shape: the same specialisations), so the main process loads them from Triton's disk cache instead of
 # compiling one after another (~4 s each; round s6r2 lost its 14B race to the cap); "race2": race 2's kernels
-CHILD_ROWS = (("defaults", "hist", "z4"),)
+CHILD_ROWS = (("defaults", "cute", "cute count"),)
 
 
-def spawn_children(shapes, out_dir, with_race2):
-    """The compile children (``CHILD_ROWS`` per shape, + race 2's at 1.3B); logs OUT/select_child_*.log."""
+def spawn_children(shapes, out_dir, with_race2, cute_variants=()):
+    """The compile children (``CHILD_ROWS`` per shape, + race 2's at 1.3B, + one per CuTeDSL variant: its compile into
+    the disk cache of kernels/cutedsl/compile.py); logs OUT/select_child_*.log."""
     procs = {}
+    for text in cute_variants if with_race2 else ():
+        log = open(out_dir / f"select_child_{len(procs)}.log", "w")
+        procs[f"cute {text}"] = subprocess.Popen([sys.executable, __file__, "--out", str(out_dir), "--precompile",
+                                                  "cute", "--rows", text], stdout=log, stderr=subprocess.STDOUT)
     for shape in shapes:
         for rows in CHILD_ROWS + ((("race2",),) if with_race2 and shape == "1.3b" else ()):
             tag = f"{shape}:{'+'.join(rows)}"
@@ -316,7 +447,15 @@ def wait_children(procs, seconds):
 
 
 def precompile(shape, rows):
-    """(child) Each row once on 2 heads of ``shape`` at s = 0.25 (random bf16 q / k, fp32 LSE, random groups)."""
+    """(child) Each row once on 2 heads of ``shape`` at s = 0.25 (random bf16 q / k, fp32 LSE, random groups); shape
+    "cute": the CuTeDSL kernel's compile for the variant ``rows[0]`` (tests/bench_cutedsl_pass2.py's syntax)."""
+    if shape == "cute":
+        import bench_cutedsl_pass2 as bcp
+        from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90
+
+        tun = bcp.parse_variant(rows[0])
+        pass2_sm90.compiled("float16", tun.get("stages"), tun.get("poly"))
+        return
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # (cpu: TRITON_INTERPRET=1, a check of this code)
     S = math.prod(SHAPES[shape]["grid"])
     G = -(-S // C)
@@ -335,6 +474,9 @@ def precompile(shape, rows):
             continue
         ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)
         out16 = torch.empty(1, 2, G, S, dtype=torch.float16, device=dev)
+        sel = torch.empty(1, 2, G, width, dtype=torch.int32, device=dev)
+        for _, kw in SEPARATE_TOPK:  # race 2's separate top-K
+            topk.top_k_rows(out16.normal_().abs_(), kq, width, out=sel, **kw)
         for _, one, rpt, z, cc in RACE2_TOPK:
             launch_pair(ops, perm, out16, one_group=one)
             fused = dataclasses.replace(topk.FusedRows.allocate(2 * G, S, kq, width, q.device, z=z, cand_count=cc),
@@ -399,6 +541,8 @@ def main():
     ap.add_argument("--p2ws-gluon-row", action="store_true", help="race 1 also times select_kv(gluon=True) (the Gluon "
                     "pass 2 at its default config + the separate top-K) if that config passed its child check")
     ap.add_argument("--race1-only", action="store_true", help="checks and race 1 only (no race 2 / 2b)")
+    ap.add_argument("--cute-variants", default="", help="comma-separated CuTeDSL pass-2 launch variants "
+                    "(tests/bench_cutedsl_pass2.py: 'st4 p8') raced alone in race 2 at 1.3B, checked first")
     ap.add_argument("--precompile", default=None, help=argparse.SUPPRESS)  # (child: a shape)
     ap.add_argument("--rows", default="", help=argparse.SUPPRESS)  # (child: its rows)
     ap.add_argument("--race2-only", action="store_true", help="no checks, no race 1, no scoreboard: race 2b "
@@ -421,6 +565,13 @@ def main():
         from _triton_interp import patch_interpreter  # two Triton 3.6 interpreter fixes (tests/_triton_interp.py)
 
         patch_interpreter()
+        # a stand-in for the CuTeDSL kernel (no CUDA here): the Triton one-group kernel on the same operands, so
+        # the smoke runs the cute rows' code (checks, race rows) too
+        stand_in = type("CuteStandIn", (), dict(
+            refusal=staticmethod(lambda q8, k8, group_size, out: None),
+            group_prob_sums_fp8=staticmethod(lambda q8, k8, qf, lse_s, kb2, perm, out, *, group_size: launch_pair(
+                (q8, k8, qf, lse_s, kb2), perm, out, one_group=True))))
+        pass2_dispatch._cute_module = lambda: stand_in
     shapes = ["smoke"] if SMOKE else args.shapes.split(",")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -436,7 +587,8 @@ def main():
         (out_dir / "bench_select_race.json").write_text(json.dumps(report, indent=1, default=str))
 
     kept = {}
-    children = {} if SMOKE or args.race2_only else spawn_children(shapes, out_dir, not args.race1_only)
+    cute_variants = [t.strip() for t in args.cute_variants.split(",") if t.strip()]
+    children = {} if SMOKE or args.race2_only else spawn_children(shapes, out_dir, not args.race1_only, cute_variants)
     variants = [n.strip() for n in args.p2ws_variants.split(",") if n.strip()]
     precompiling = []
     child_rc = None
@@ -464,8 +616,7 @@ def main():
                     rcs = wait_children(children, max(5.0, 60.0 - (time.time() - t0)))
                     log("select children (0 = compiled): " + ", ".join(f"{t} {rc}" for t, rc in rcs.items()))
                     children = {}
-                rows = {n: kw for n, kw in RACE1_ROWS.items()  # (a row whose check failed is not timed)
-                        if res["checks"][{"hist": "count_equal", "z4": "z4_equal"}[n]]}
+                rows = RACE1_ROWS if res["checks"]["cute"]["ok"] else {}  # (rows whose check failed: not timed)
                 res["race1"] = race1(name, q, k, v, lse, perm, log,
                                      {**rows, **({"gluon": dict(gluon=True)} if gluon_row else {})})
                 save()
@@ -481,7 +632,8 @@ def main():
             log(f"{name} race 2 skipped (budget)")
             continue
         try:
-            report["shapes"][name]["race2"] = race2(name, *inputs, args.budget, t0, log, 30.0 if variants else 0.0)
+            report["shapes"][name]["race2"] = race2(name, *inputs, args.budget, t0, log, 30.0 if variants else 0.0,
+                                                    cute_variants if name == "1.3b" else ())
         except Exception as err:  # noqa: BLE001
             report["shapes"][name]["race2_error"] = f"{type(err).__name__}: {str(err)[:500]}"
             log(f"{name} race 2 FAILED: {report['shapes'][name]['race2_error']}")

@@ -9,9 +9,13 @@
 # shape at s = 0.25 (operand pass, the pass-2 kernel with and without its fused top-K epilogue and its variants, the
 # host enqueue time of select_kv), last race 2b at 1.3B (the tests/bench_pass2_exp.py variants named in
 # $P2WS_VARIANTS, checked in child processes first) until --budget. Logs: $OUT/bench.log, $OUT/bench_select_race.json.
-# Hard cap $T_BENCH s (default 85). Before it, when $P2WS_TEST is set: p2ws's GPU tests ("isolated":
+# Hard cap $T_BENCH s (default 85). Before it, when $CUTE_TEST is set: p2cute's GPU tests of the CuTeDSL pass 2
+# (python -m pytest -q -m gpu tests/test_gpu_cutedsl_pass2.py, -k "$CUTE_TEST" unless it is "1"; hard cap $T_TEST s,
+# default 25; log $OUT/cute_gpu_tests.log); when $P2WS_TEST is set: p2ws's GPU tests ("isolated":
 # tests/gpu_p2ws_tests.sh, one process per case; else python -m pytest -q -m gpu tests/test_gpu_pass2_gluon.py -k
-# "$P2WS_TEST"; hard cap $T_TEST s, default 25). The two caps together stay within the round's 110 s. RACE1_ONLY=1:
+# "$P2WS_TEST"; hard cap $T_TEST s, default 25). The two caps together stay within the round's cap.
+# $CUTE_VARIANTS: p2cute's CuTeDSL pass-2 launch variants (tests/bench_cutedsl_pass2.py syntax, comma-separated),
+# compiled in child processes at the start, checked and raced alone in race 2 at 1.3B. RACE1_ONLY=1:
 # checks and race 1 only (e.g. one shape: RACE1_ONLY=1 T_BENCH=60 bash tests/gpu_round_select.sh $OUT <commit> 14b).
 set -u
 OUT=${1:?usage: gpu_round_select.sh OUT_DIR [commit] [shapes]}
@@ -21,7 +25,16 @@ T_BENCH=${T_BENCH:-85}
 T_TEST=${T_TEST:-25}
 P2WS_VARIANTS=${P2WS_VARIANTS:-}
 P2WS_TEST=${P2WS_TEST:-}
+CUTE_TEST=${CUTE_TEST:-}
 mkdir -p "$OUT"
+if [ -n "$CUTE_TEST" ] && [ -f tests/test_gpu_cutedsl_pass2.py ]; then
+    K_ARGS=()
+    [ "$CUTE_TEST" != 1 ] && K_ARGS=(-k "$CUTE_TEST")
+    timeout "$T_TEST" python3 -m pytest -q -m gpu tests/test_gpu_cutedsl_pass2.py "${K_ARGS[@]}" -p no:cacheprovider \
+        > "$OUT/cute_gpu_tests.log" 2>&1
+    echo "cute gpu tests: rc=$?"
+    tail -3 "$OUT/cute_gpu_tests.log"
+fi
 if [ "$P2WS_TEST" = isolated ]; then  # p2ws: each Gluon GPU test case in its own process, all at once
     bash tests/gpu_p2ws_tests.sh "$OUT" "$T_TEST"
 elif [ -n "$P2WS_TEST" ]; then
@@ -33,6 +46,7 @@ fi
 timeout "$T_BENCH" python3 tests/bench_select_race.py --out "$OUT" --shapes "$SHAPES" ${COMMIT:+--commit "$COMMIT"} \
     --p2ws-variants "$P2WS_VARIANTS" ${P2WS_GLUON_ROW:+--p2ws-gluon-row} ${RACE1_ONLY:+--race1-only} \
     ${ROUNDS:+--rounds "$ROUNDS"} \
+    --cute-variants "${CUTE_VARIANTS:-}" \
     --budget $((T_BENCH - 10)) \
     > "$OUT/bench.log" 2>&1
 echo "bench: rc=$?"
