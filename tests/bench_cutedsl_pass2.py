@@ -14,7 +14,8 @@ Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p:
 
 ``cute_rows`` is what tests/bench_select_race.py can import for its own race 2. Usage (checkout root, H200):
 ``python tests/bench_cutedsl_pass2.py --out OUT [--shapes 1.3b] [--variants "st4,st4 p8,st6"] [--commit HASH]``;
-a variant is ``st<stages>`` with optional `` p<poly>`` and `` c<ctas>``. Writes OUT/bench_cutedsl_pass2.json.
+a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<ksplit>`` (else
+``auto_ksplit``) and `` pp`` (pingpong). Writes OUT/bench_cutedsl_pass2.json.
 Expected at 1.3B: ~10 s inputs, ~5 s per variant compile (first process on a machine), ~2 s race.
 """
 
@@ -34,15 +35,18 @@ import bench_select_race as bsr  # noqa: E402  (loads the pack)
 
 from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 
-DEFAULT_VARIANTS = "st4,st4 p8,st6,st4 p12"
+DEFAULT_VARIANTS = "st4,st4 k1,st4 pp,st4 p10,st6"
 
 
 def parse_variant(text: str) -> dict:
-    """'st4 p8 c132' -> dict(stages=4, poly=8, num_ctas=132)."""
-    keys = {"st": "stages", "p": "poly", "c": "num_ctas"}
+    """'st4 p8 c132 k2 pp' -> dict(stages=4, poly=8, num_ctas=132, ksplit=2, pingpong=True)."""
+    keys = {"st": "stages", "p": "poly", "c": "num_ctas", "k": "ksplit"}
     out = {}
     for tok in text.split():
-        for pre in ("st", "p", "c"):
+        if tok == "pp":
+            out["pingpong"] = True
+            continue
+        for pre in ("st", "p", "c", "k"):
             if tok.startswith(pre) and tok[len(pre):].isdigit():
                 out[keys[pre]] = int(tok[len(pre):])
                 break
@@ -63,7 +67,7 @@ def cute_rows(ops, perm, ref16, variants, log):
         try:
             tun = parse_variant(text)
             t = time.time()
-            p2.compiled("float16", tun.get("stages"), tun.get("poly"))
+            p2.compiled("float16", tun.get("stages"), tun.get("poly"), tun.get("pingpong"))
             got = torch.full_like(ref16, float("nan"))
             p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, got, group_size=bsr.C, **tun)
             torch.cuda.synchronize()
@@ -100,8 +104,24 @@ def main():
         print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    import _cute_pass2_warm
+
+    configs, seen = [], set()
+    for text in variants:  # each distinct compiled config once, in parallel with the input build
+        try:
+            tun = parse_variant(text)
+        except ValueError:
+            continue  # reported by cute_rows
+        c = dict(out_dtype="float16", **{k: v for k, v in tun.items() if k in ("stages", "poly", "pingpong")})
+        if repr(c) not in seen:
+            seen.add(repr(c))
+            configs.append(c)
+    children = _cute_pass2_warm.start(configs)
     for name in args.shapes.split(","):
         q, k, v, lse, perm = bsr.make_inputs(name)
+        if children:
+            log(f"parallel compiles: {_cute_pass2_warm.wait(children, 60.0)}")
+            children = {}
         H, S = q.shape[1], q.shape[2]
         G = perm.shape[-1] // bsr.C
         ops = selection.fp8_operands(q, k, lse, bsr.D**-0.5, kb_pow2=True)

@@ -57,6 +57,35 @@ TILE_Q = 128  # query slots per group (the wgmma N)
 HALF = 64  # keys per consumer warpgroup per stage (the wgmma M)
 LOG2E = 1.4426950408889634
 OUT_DTYPES = {"float16": cutlass.Float16, "float32": cutlass.Float32}
+PINGPONG_BARRIER = 3  # named barriers 3 and 4: consumer warpgroup 0's / 1's turn to issue (0: the CTA-wide sync)
+
+
+class _Walk:
+    """The persistent walk over the work items (trace-time object; its fields are the launch's loop invariants):
+    item i = (group b*H*G + ..., key part) with ``ksplit`` parts per group, parts of a group adjacent and the groups
+    of one head back to back; CTA c takes items c, c + gridDim.x, ..."""
+
+    def __init__(self, total, n_groups, ksplit, n_pairs, part_pairs, grid):
+        self.total, self.n_groups, self.ksplit = total, n_groups, ksplit
+        self.n_pairs, self.part_pairs, self.grid = n_pairs, part_pairs, grid
+
+    def at(self, item):
+        """(bh, g, first key-tile pair, pair count) of work item ``item`` (the count may be 0 for a last part)."""
+        grp = item // self.ksplit
+        part = item - grp * self.ksplit
+        bh = grp // self.n_groups
+        p0 = part * self.part_pairs
+        count = cutlass.max(cutlass.min(self.part_pairs, self.n_pairs - p0), 0)
+        return bh, grp - bh * self.n_groups, p0, count
+
+    def _fields(self):
+        return (self.total, self.n_groups, self.ksplit, self.n_pairs, self.part_pairs, self.grid)
+
+    def __extract_mlir_values__(self):
+        return [v for f in self._fields() for v in cutlass.extract_mlir_values(Int32(f))]
+
+    def __new_from_mlir_values__(self, values):
+        return _Walk(*(cutlass.new_from_mlir_values(Int32(f), values[i:i + 1]) for i, f in enumerate(self._fields())))
 
 
 class Pass2Sm90:
@@ -64,18 +93,22 @@ class Pass2Sm90:
     each); ``poly``: score columns per 32 taken by the FMA-pipe exponential (0-32); ``regs``: (consumer, producer)
     register counts after ``setmaxnreg``."""
 
-    def __init__(self, out_dtype, stages: int = 4, poly: int = 0, regs: tuple = (232, 40)):
+    def __init__(self, out_dtype, stages: int = 4, poly: int = 0, regs: tuple = (232, 40), pingpong: bool = False):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
         self.stages = stages
         self.poly = poly
+        # the columns (of a thread's 32 per row) whose 2^x runs on the FMA pipe: spread evenly over the row
+        self.poly_cols = frozenset((i * 32) // poly for i in range(poly)) if poly else frozenset()
+        self.pingpong = pingpong
         self.mma_regs, self.producer_regs = regs
         self.dtype = cutlass.Float8E4M3FN
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
-                 mQF: cute.Tensor, mOut: cute.Tensor, group_size: Int32, num_ctas: Int32, stream=None):
+                 mQF: cute.Tensor, mOut: cute.Tensor, group_size: Int32, num_ctas: Int32, ksplit: Int32,
+                 stream=None):
         # the float8 bytes as float8; (BH, S, D) -> (S, D, BH), the TMA / row-copy order
         mQ = cute.recast_tensor(mQ, self.dtype)
         mK = cute.recast_tensor(mK, self.dtype)
@@ -92,14 +125,14 @@ class Pass2Sm90:
         fields = dict(mbar_k=cute.struct.MemRange[cutlass.Int64, self.stages * 2],
                       mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * 2], sQ=sQ_struct, sK=sK_struct)
         SharedStorage = cute.struct(type("Pass2Storage", (), {"__annotations__": fields}))
-        total = mPerm.shape[0] * mOut.shape[2]
+        total = mPerm.shape[0] * mOut.shape[2] * ksplit
         grid_x = cutlass.min(num_ctas, total)
-        self.kernel(mQ, tma_K, mLSE, mPerm, mKB, mQF, mOut, group_size, tma_atom_K, tiled_mma, sQ_layout, sK_layout,
-                    SharedStorage).launch(grid=(grid_x, 1, 1), block=[384, 1, 1], stream=stream, min_blocks_per_mp=1)
+        self.kernel(mQ, tma_K, mLSE, mPerm, mKB, mQF, mOut, group_size, ksplit, tma_atom_K, tiled_mma, sQ_layout,
+                    sK_layout, SharedStorage).launch(grid=(grid_x, 1, 1), block=[384, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
-               mQF: cute.Tensor, mOut: cute.Tensor, group_size: Int32, tma_atom_K: cute.CopyAtom,
+               mQF: cute.Tensor, mOut: cute.Tensor, group_size: Int32, ksplit: Int32, tma_atom_K: cute.CopyAtom,
                tiled_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -122,42 +155,43 @@ class Pass2Sm90:
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         n_groups = mOut.shape[2]
-        total = mPerm.shape[0] * n_groups
+        total = mPerm.shape[0] * n_groups * ksplit
         sk = mK.shape[0]
-        n_pairs = (sk + 2 * TILE_N - 1) // (2 * TILE_N)  # stages per group, rounded up to even (tiles past Sk: zeros)
-        grid = cute.arch.grid_dim()[0]
+        n_pairs = (sk + 2 * TILE_N - 1) // (2 * TILE_N)  # tile pairs per group (tiles past Sk: zeros, never stored)
+        part_pairs = (n_pairs + ksplit - 1) // ksplit  # pairs per work item (a group's keys in ksplit parts)
+        walk = _Walk(total, n_groups, ksplit, n_pairs, part_pairs, cute.arch.grid_dim()[0])
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self._load_k(mK, sK, tma_atom_K, pipeline_k, total, n_groups, n_pairs, grid)
+                self._load_k(mK, sK, tma_atom_K, pipeline_k, walk)
             if warp_idx == 1:
-                self._load_q(mQ, mPerm, sQ, pipeline_q, total, n_groups, group_size, grid, tidx % 32)
+                self._load_q(mQ, mPerm, sQ, pipeline_q, walk, group_size, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             wg = warp_idx // 4 - 1
-            self._consume(tiled_mma, sQ, sK, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, total, n_groups,
-                          group_size, n_pairs, sk, mQ.shape[0], grid, wg, tidx - 128 * (wg + 1))
+            self._consume(tiled_mma, sQ, sK, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size,
+                          sk, mQ.shape[0], wg, tidx - 128 * (wg + 1))
 
     @cute.jit
-    def _load_k(self, mK, sK, tma_atom_K, pipeline_k, total, n_groups, n_pairs, grid):
-        """Warp 0: the TMA loads of every work item's 2 * n_pairs + 1 key tiles (tiles past Sk are zero-filled by TMA;
+    def _load_k(self, mK, sK, tma_atom_K, pipeline_k, walk):
+        """Warp 0: the TMA loads of every work item's key tiles, two per pair (tiles past Sk are zero-filled by TMA;
         the consumers compute them and store nothing)."""
         state = make_pipeline_state(PipelineUserType.Producer, self.stages)
         item = cute.arch.block_idx()[0]
-        while item < total:
-            bh = item // n_groups
+        while item < walk.total:
+            bh, _, p0, count = walk.at(item)
             gK = cute.local_tile(mK[None, None, bh], (TILE_N, HEAD_DIM), (None, 0))
             load, _, _ = fa_copy.tma_get_copy_fn(tma_atom_K, 0, cute.make_layout(1), gK, sK)
             load = fa_copy.tma_producer_copy_fn(load, pipeline_k)
-            for j in cutlass.range(2 * n_pairs, unroll=1):
+            for j in cutlass.range(2 * count, unroll=1):
                 pipeline_k.producer_acquire(state)
-                load(src_idx=j, producer_state=state)
+                load(src_idx=2 * p0 + j, producer_state=state)
                 state.advance()
-            item += grid
+            item += walk.grid
 
     @cute.jit
-    def _load_q(self, mQ, mPerm, sQ, pipeline_q, total, n_groups, group_size, grid, lane):
-        """Warp 1: each group's 128 query rows through perm (16-byte cp.async copies, 8 lanes per row); padded
+    def _load_q(self, mQ, mPerm, sQ, pipeline_q, walk, group_size, lane):
+        """Warp 1: each work item's 128 query rows through perm (16-byte cp.async copies, 8 lanes per row); padded
         slots copy row 0 (finite; their LSE of +inf makes them add 0)."""
         tiled_copy = fa_copy.tiled_copy_2d(self.dtype, HEAD_DIM, 32, is_async=True)
         thr_copy = tiled_copy.get_slice(lane)
@@ -166,9 +200,8 @@ class Pass2Sm90:
         cQ = cute.make_identity_tensor((TILE_Q, HEAD_DIM))
         tQcQ = thr_copy.partition_S(cQ)
         item = cute.arch.block_idx()[0]
-        while item < total:
-            bh = item // n_groups
-            g = item - bh * n_groups
+        while item < walk.total:
+            bh, g, _, _ = walk.at(item)
             pipeline_q.producer_acquire(state)
             tQsQ = thr_copy.partition_D(sQ[None, None, state.index])
             for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
@@ -189,13 +222,14 @@ class Pass2Sm90:
             cute.arch.cp_async_commit_group()
             pipeline_q.producer_commit(state)
             state.advance()
-            item += grid
+            item += walk.grid
 
     @cute.jit
-    def _consume(self, tiled_mma, sQ, sK, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, total, n_groups,
-                 group_size, n_pairs, sk, n_seq, grid, wg, tid):
-        """A consumer warpgroup: per group, the LSE of its 32 columns, then the key tiles' halves ``wg`` two at a
-        time (one accumulator's wgmma in flight while the other's exponentials run)."""
+    def _consume(self, tiled_mma, sQ, sK, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size, sk,
+                 n_seq, wg, tid):
+        """A consumer warpgroup: per work item, the LSE of its 32 columns, then its key tiles' halves ``wg`` two at
+        a time: both wgmmas issued, the first tile's exponentials under the second's wgmma, then the second's
+        (with ``pingpong`` the two warpgroups take turns issuing, FA3's schedule)."""
         thr_mma = tiled_mma.get_slice(tid)
         sK_half = cute.flat_divide(sK, (HALF, HEAD_DIM))[None, None, wg, 0, None]  # (64, D, stages)
         tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK_half))
@@ -208,10 +242,12 @@ class Pass2Sm90:
         k_state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
         q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
         n_heads = mOut.shape[1]
+        if const_expr(self.pingpong):
+            if wg == 1:  # warpgroup 0 issues first
+                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=256)
         item = cute.arch.block_idx()[0]
-        while item < total:
-            bh = item // n_groups
-            g = item - bh * n_groups
+        while item < walk.total:
+            bh, g, p0, count = walk.at(item)
             b = bh // n_heads
             h = bh - b * n_heads
             qf = mQF[bh]
@@ -227,14 +263,19 @@ class Pass2Sm90:
             pipeline_q.consumer_wait(q_state)
             rQ = tSrQ[None, None, None, q_state.index]
             k_rel = k_state.clone()
-            for p in cutlass.range(n_pairs, unroll=1):
+            for i in cutlass.range(count, unroll=1):
+                p = p0 + i
                 pipeline_k.consumer_wait(k_state)
+                if const_expr(self.pingpong):
+                    cute.arch.barrier(barrier_id=PINGPONG_BARRIER + wg, number_of_threads=256)
                 sm90_utils.gemm(tiled_mma, acc0, tSrK[None, None, None, k_state.index], rQ, zero_init=True,
                                 wg_wait=-1)
                 k_state.advance()
                 pipeline_k.consumer_wait(k_state)
                 sm90_utils.gemm(tiled_mma, acc1, tSrK[None, None, None, k_state.index], rQ, zero_init=True,
                                 wg_wait=-1)
+                if const_expr(self.pingpong):
+                    cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - wg, number_of_threads=256)
                 k_state.advance()
                 warpgroup.wait_group(1)
                 pipeline_k.consumer_release(k_rel)
@@ -247,7 +288,7 @@ class Pass2Sm90:
                                 tid)
             pipeline_q.consumer_release(q_state)
             q_state.advance()
-            item += grid
+            item += walk.grid
 
     @cute.jit
     def _tile_sums(self, acc, tScS, nl2, qf, mKB, mOut, bh, b, h, g, key0, sk, tid):
@@ -265,7 +306,7 @@ class Pass2Sm90:
             s3 = Float32(0.0)
             for c in cutlass.range_constexpr(n_cols):
                 x = acc_mn[r, c] * qf + nl2[c]
-                if const_expr(c % 32 < self.poly):
+                if const_expr(c % 32 in self.poly_cols):
                     e = fa_utils.ex2_emulation(x)
                 else:
                     e = cute.arch.exp2(x)
@@ -293,12 +334,28 @@ HEAD_DIMS = (HEAD_DIM,)
 # (pass2_dispatch: cute=True / MC_SPARSE_PASS2_CUTE=1).
 STAGES = 4
 POLY = 0
+PINGPONG = False
 _SM_COUNT: dict = {}
 
 
 def config(head_dim: int = HEAD_DIM) -> dict:
-    """The launch config ``group_prob_sums_fp8`` uses when the caller gives none."""
-    return dict(stages=STAGES, poly=POLY)
+    """The launch config ``group_prob_sums_fp8`` uses when the caller gives none (ksplit None: ``auto_ksplit``)."""
+    return dict(stages=STAGES, poly=POLY, pingpong=PINGPONG, ksplit=None)
+
+
+def auto_ksplit(items: int, ctas: int, max_split: int = 4, target: float = 0.98) -> int:
+    """Key parts per group: 1 when the walk's last round keeps the CTAs busy (items / (rounds * ctas) >= target),
+    else the smallest split up to ``max_split`` that does, else the best of them (Wan2.1-1.3B 480p: 3072 groups on
+    132 SMs fill 0.970 of 24 rounds; in two parts 0.990 of 47)."""
+    best, best_eff = 1, 0.0
+    for k in range(1, max_split + 1):
+        n = items * k
+        eff = n / (-(-n // ctas) * ctas)
+        if eff >= target:
+            return k
+        if eff > best_eff + 1e-9:
+            best, best_eff = k, eff
+    return best
 
 
 def refusal(q8, k8, group_size: int, out) -> str | None:
@@ -325,7 +382,8 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
     return None
 
 
-def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None):
+def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
+                 pingpong: bool | None = None):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``. Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -335,19 +393,22 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
             make_fake_tensor(cutlass.Uint8, (bh, sk, HEAD_DIM), divisibility=16),
             make_fake_tensor(Float32, (bh, s)), make_fake_tensor(Int32, (bh, n)), make_fake_tensor(Float32, (bh, sk)),
             make_fake_tensor(Float32, (bh,)), make_fake_tensor(OUT_DTYPES[out_dtype], (b, h, g, sk_out)))
-    kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, POLY if poly is None else poly)
-    return cute.compile(kernel, *args, Int32(128), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
+    kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, POLY if poly is None else poly,
+                       pingpong=PINGPONG if pingpong is None else bool(pingpong))
+    return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
-def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None):
+def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
+             pingpong: bool | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
 
     stages = STAGES if stages is None else int(stages)
     poly = POLY if poly is None else int(poly)
-    key = ("mc_pass2_sm90", out_dtype, stages, poly, cc.source_hash())
-    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly))
+    pingpong = PINGPONG if pingpong is None else bool(pingpong)
+    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, cc.source_hash())
+    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -363,15 +424,16 @@ def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
 
 
 def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, stages: int | None = None,
-                        poly: int | None = None, num_ctas: int | None = None):
+                        poly: int | None = None, pingpong: bool | None = None, num_ctas: int | None = None,
+                        ksplit: int | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula).
 
     Args:
         q8, k8: float8_e4m3fn ``[B, H, S, D]`` / ``[B, H, Sk, D]``, contiguous (``selection.fp8_operands``); qf: fp32
         ``[B, H]``; lse_s: fp32 ``[B, H, S]`` (natural log); kb: fp32 ``[B, H, Sk]`` holding 2^KB
         (``fp8_operands(kb_pow2=True)``); perm: int32 ``[B, H, G*C]`` (-1: padded slot); out: float16 / float32
-        ``[B, H, G, Sk]``, any b / h / g strides, unit stride on Sk; group_size: C. stages, poly, num_ctas: tuning
-        (None: ``config``; CTAs: the SM count).
+        ``[B, H, G, Sk]``, any b / h / g strides, unit stride on Sk; group_size: C. stages, poly, pingpong,
+        num_ctas, ksplit: tuning (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``).
     Returns:
         ``out``. Keys are written for every group; nothing past Sk.
     Raises:
@@ -393,16 +455,20 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, st
         raise ValueError(f"shapes: lse_s {tuple(lse_s.shape)}, kb {tuple(kb.shape)}, qf {tuple(qf.shape)}")
     if G == 0 or SK == 0:
         return out
-    fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly)
+    fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, pingpong)
     dev = q8.device
     if num_ctas is None:
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         if idx not in _SM_COUNT:
             _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
         num_ctas = _SM_COUNT[idx]
+    if ksplit is None:
+        ksplit = auto_ksplit(B * H * G, num_ctas)
+    if not 1 <= int(ksplit) <= 64:
+        raise ValueError(f"ksplit must be in [1, 64], got {ksplit}")
     fn(q8.view(torch.uint8).view(B * H, S, D), k8.view(torch.uint8).view(B * H, SK, D),
        lse_s.contiguous().view(B * H, S), perm.contiguous().view(B * H, G * group_size),
-       kb.contiguous().view(B * H, SK), qf.contiguous().view(B * H), out, int(group_size), int(num_ctas))
+       kb.contiguous().view(B * H, SK), qf.contiguous().view(B * H), out, int(group_size), int(num_ctas), int(ksplit))
     return out
 
 
