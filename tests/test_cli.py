@@ -42,6 +42,7 @@ def test_demo_quick_prints_all_rows(tmp_path, capsys):
     [
         (["demo", "--densities", "0"], r"--densities must be numbers in \(0, 1\], got \[0.0\]"),
         (["demo", "--frames", "4"], "--frames, --height and --width must be given together"),
+        (["demo", "--frames", "1", "--height", "1", "--width", "3"], "must hold more than 4 tokens .*got 3"),
         (["demo", "--steps", "1"], "--steps must be >= 2"),
         (["demo", "--heads", "0"], "--heads must be >= 1, got 0"),
         (["demo", "--layers", "0"], "--layers must be >= 1, got 0"),

@@ -143,6 +143,10 @@ def _settings(args) -> dict:
     if any(x is not None for x in explicit):
         if any(x is None for x in explicit):
             raise ValueError(f"--frames, --height and --width must be given together, got {explicit}")
+        sinks = workload.WorkloadSpec.num_sinks  # the synthetic workload's attention-sink tokens
+        if all(x >= 1 for x in explicit) and math.prod(explicit) <= sinks:
+            raise ValueError(f"--frames x --height x --width must hold more than {sinks} tokens (the synthetic "
+                             f"workload's attention sinks), got {math.prod(explicit)}")
         grid = explicit
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
