@@ -353,10 +353,11 @@ def test_split_tail_parts_merged(fake_op, monkeypatch, ctas):
 
 
 @pytest.mark.parametrize(("groups", "ctas", "want"), [
-    (3072, 132, 3), (23640, 132, 11), (3036, 132, 1), (3100, 132, 2), (3130, 132, 1), (100, 132, 1), (133, 132, 16), (6, 4, 2),
+    (3072, 132, 3), (23640, 132, 11), (3036, 132, 1), (3100, 132, 2), (3130, 132, 1), (100, 132, 1), (10, 132, 1), (133, 132, 16), (6, 4, 2),
 ])
 def test_split_parts(groups, ctas, want):
-    """Parts per last-round group: only when that round is at most half full, never more than MAX_PARTS."""
+    """Parts per last-round group: only when that round is at most half full, never more than MAX_PARTS, never with
+    fewer groups than CTAs (mutation: 10 groups on 132 CTAs split into 13 parts)."""
     assert rules.split_parts(groups, ctas) == want
 
 
