@@ -220,15 +220,16 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
 
 
 SPLIT = "persistent,overlap,hide_epi,split_tail"
+CAND = SPLIT + ",pdl,v3"  # round s8r1's candidate options
 
 
-@pytest.mark.parametrize("options", [SPLIT, SPLIT + ",pdl"], ids=["split", "split-pdl"])
+@pytest.mark.parametrize("options", [SPLIT, CAND], ids=["split", "split-pdl-v3"])
 @pytest.mark.parametrize(("B", "H", "S", "K", "ragged", "lse"), [
     (2, 3, 2900, 700, True, True), (1, 1, 140 * 128 - 5, 3000, False, False),
 ], ids=["138-groups-ragged-lse", "140-groups"])
 def test_cutedsl_split_tail(monkeypatch, B, H, S, K, ragged, lse, options):
-    """The op with "split_tail" (+ hide_epi, and with "pdl": the counts launch, the kernel and the merge as
-    programmatic dependent launches): the last round's groups (N mod SMs of them) split into parts through
+    """The op with "split_tail" (+ hide_epi; and with "pdl": the counts launch, the kernel and the merge as
+    programmatic dependent launches, "v3": 3 V stages on their own pipeline state): the last round's groups (N mod SMs of them) split into parts through
     the workspace and merged (``tail_merge``), against float64: 138 groups with ragged counts of 1-6 key tiles on
     132 SMs (6 groups in 16 parts: empty parts, LSE -inf), and 140 groups of 24 key tiles without the LSE (8 groups
     in 16 parts of 1-2 tiles); a NaN-filled out written in full."""
@@ -252,13 +253,13 @@ def test_cutedsl_split_tail(monkeypatch, B, H, S, K, ragged, lse, options):
 
 
 def test_cutedsl_pdl_chain(monkeypatch):
-    """"pdl" (the op's three launches as programmatic dependent launches, each waiting for the kernel before it):
+    """"pdl" (with "v3"; the op's three launches as programmatic dependent launches, each waiting for the kernel before it):
     three op calls queued with no host synchronisation, each reading what the launch just before it wrote: k made
     by a torch kernel, then the selection cut by a torch kernel, then the first call's output (its kernel's rows and
     the tail merge's rows) as the third call's queries, read in place right after the second call's merge; 138 groups (the last round split and merged), ragged counts,
     the LSE; each output against float64 on the inputs it was given. A kernel reading before its predecessor ended
     would read stale or NaN inputs."""
-    monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", SPLIT + ",pdl")
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", CAND)
     gen = torch.Generator(device="cuda").manual_seed(83)
     B, H, S, C, D, K = 2, 3, 2900, 128, 128, 700
     q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))

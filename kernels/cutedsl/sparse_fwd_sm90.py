@@ -89,7 +89,7 @@ EPILOGUES = ("registers", "smem")
 # a tie in round s6r2.
 # "hide_epi" (with "overlap", staged epilogue only): at a group boundary the finished group's output is staged in its
 # query slot, then the next group's second Q K^T and first P V are issued and the staged rows are written to global
-# memory while those run (``SparseFwdSm90._step_hiding``), instead of the tensor cores idling through the stores.
+# memory while those run (``SparseFwdSm90._boundary_hiding``), instead of the tensor cores idling through the stores.
 # "split_tail" (with "overlap", staged epilogue): when the group count N is not a multiple of the grid's G CTAs, the
 # last round's r = N mod G groups would run on r SMs while the rest idle (Wan2.1-1.3B 480p: 3072 groups on 132 SMs,
 # 36 in the 24th round); with ``n_parts`` P > 1 at launch each of those groups is split into P work items of
@@ -105,7 +105,10 @@ EPILOGUES = ("registers", "smem")
 # "pdl": launched as a programmatic dependent launch (the launch and the CTAs' prologue overlap the tail of the kernel
 # before it on the stream, the op's counts launch); every thread waits for that kernel's end (griddepcontrol.wait)
 # before it reads any input, then lets the next kernel (the tail merge, the next call's counts) launch early.
-OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl")
+# "v3" (with "overlap"): 3 V stages, 2 K stages (224 KiB of shared memory at D = 128 with the query ring): a V stage
+# is freed only when both consumer warpgroups finished the P V that read it, about one key tile before the next V
+# for it is needed, while its 128 rows arrive by cp.async; a third V stage gives the gather about two tiles.
+OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3")
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -233,6 +236,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.split_tail = "split_tail" in options
         assert not self.split_tail or (self.overlap and self.smem_epilogue), "split_tail: overlap, staged epilogue"
         self.pdl = "pdl" in options
+        # V stages: K and V have their own pipeline states (``_load_k_ahead``, ``_step``), so they may differ
+        self.v_stages = 3 if "v3" in options else stages
+        assert "v3" not in options or self.overlap, "v3 is an overlap option"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -263,7 +269,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, shape, stage)
             for shape, stage in [((self.tile_m, self.tile_hdim), 2 if const_expr(self.overlap) else None),
                                  ((self.tile_n, self.tile_hdim), self.num_stages),
-                                 ((self.tile_n, self.tile_hdimv), self.num_stages)]
+                                 ((self.tile_n, self.tile_hdimv), self.v_stages)]
         ]
         self.sP_layout = None
         SharedStorage = self._get_shared_storage_cls()
@@ -306,7 +312,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             for layout in (self.sQ_layout, self.sK_layout, self.sV_layout)
         ]
         mbar_q = cute.struct.MemRange[cutlass.Int64, 2 * 2]
-        mbar_k, mbar_v = (cute.struct.MemRange[cutlass.Int64, self.num_stages * 2] for _ in range(2))
+        mbar_k = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+        mbar_v = cute.struct.MemRange[cutlass.Int64, self.v_stages * 2]
         fields = dict(mbar_ptr_Q=mbar_q, mbar_ptr_K=mbar_k, mbar_ptr_V=mbar_v, sV=sV_struct, sQ=sQ_struct,
                       sK=sK_struct)
         return cute.struct(type("SharedStorageQ2KV", (), {"__annotations__": fields}))
@@ -331,7 +338,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             )
             for bar, n in ((storage.mbar_ptr_Q.data_ptr(), 2 if const_expr(self.overlap) else 1),
                            (storage.mbar_ptr_K.data_ptr(), self.num_stages),
-                           (storage.mbar_ptr_V.data_ptr(), self.num_stages))
+                           (storage.mbar_ptr_V.data_ptr(), self.v_stages))
         ]
         pipeline_q, pipeline_k, pipeline_v = pipes
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
@@ -389,7 +396,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         k_alloc = mIdx.shape[1]
         q_phase = Int32(1)
         q_state = make_pipeline_state(PipelineUserType.Producer, 2)  # the "overlap" query ring
-        kv_state = make_pipeline_state(PipelineUserType.Producer, self.num_stages)
+        kv_state = make_pipeline_state(PipelineUserType.Producer, self.num_stages)  # K
+        v_state = make_pipeline_state(PipelineUserType.Producer, self.v_stages)
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
         while work_tile.is_valid_tile:
@@ -437,11 +445,11 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 cute.arch.cp_async_commit_group()
                 pipeline_q.producer_commit_w_index(0)
                 q_phase ^= 1
-            kv_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min,
-                                          n_block_max)
+            kv_state, v_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, v_state,
+                                                   n_block_min, n_block_max)
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
-        pipeline_v.producer_tail(kv_state)
+        pipeline_v.producer_tail(v_state)
 
     @cute.jit
     def mma_overlap(self, tiled_mma_qk, tiled_mma_pv, outs, sQ, sK, sVt, pipeline_k, pipeline_v, pipeline_q, tidx,
@@ -468,7 +476,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         smem_copy_params = SimpleNamespace(smem_thr_copy_P=None, tPsP=None)  # P stays in registers
         self.mma_init()
         q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
-        kv_state = make_pipeline_state(PipelineUserType.Consumer, self.num_stages)
+        kv_state = make_pipeline_state(PipelineUserType.Consumer, self.num_stages)  # K: the last tile consumed
+        v_state = make_pipeline_state(PipelineUserType.Consumer, self.v_stages)  # V: the next tile to consume
         softmax = Softmax.create(softmax_scale_log2, num_rows=acc_O.shape[0][0] * acc_O.shape[1],
                                  softmax_scale=softmax_scale)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
@@ -507,21 +516,17 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             if const_expr(self.hide_epi):
                 O_should_accumulate = skip > 0  # the boundary's step issued this group's first P V
             for n_tile in cutlass.range(skip, n_block_max - 1 - n_block_min, unroll=1):
-                kv_state = self.mma_one_n_block_intrawg_overlap(
-                    kv_state, n_block=n_block_max - 2 - n_tile,
-                    mma_qk_fn=partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ,
-                                      tSrK, A_idx=q_state.index),
-                    mma_pv_fn=partial(mma_pv_fn, zero_init=not O_should_accumulate), pipeline_k=pipeline_k,
-                    pipeline_v=pipeline_v, acc_O=acc_O, tOrP=tOrP, smem_copy_params=smem_copy_params,
-                    softmax=softmax, seqlen=seqlen, mask_fn=None,
-                )
+                kv_state, v_state = self._step(
+                    kv_state, v_state,
+                    partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ, tSrK,
+                            A_idx=q_state.index),
+                    mma_pv_fn, not O_should_accumulate, pipeline_k, pipeline_v, acc_O, tOrP, softmax)
                 O_should_accumulate = True
             tile_scheduler.advance_to_next_work()
             next_tile = tile_scheduler.get_current_work()
             row_scale = softmax.finalize()  # this group's 1 / row sum; row_sum now holds its LSE
             lse.store(softmax.row_sum.load())
-            v_state = kv_state.clone()  # this group's last tile: its P V is left
-            kv_state.advance()  # the next group's first tile
+            kv_state.advance()  # the next group's first tile (v_state: this group's last tile, its P V left)
             if next_tile.is_valid_tile:
                 _, _, next_group, _ = next_tile.tile_idx
                 if const_expr(self.split_tail):
@@ -551,13 +556,14 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 pipeline_v.consumer_wait(v_state, pipeline_v.consumer_try_wait(v_state))
                 mma_pv_fn(B_idx=v_state.index, zero_init=not O_should_accumulate, wg_wait=0)
                 pipeline_v.consumer_release(v_state)
+            v_state.advance()
             softmax.rescale_O(acc_O, row_scale)
             bh = group // outs.groups_per_head
             b = bh // outs.n_heads
             if const_expr(self.hide_epi):
-                skip, kv_state = self._boundary_hiding(
+                skip, kv_state, v_state = self._boundary_hiding(
                     acc_O, lse, outs, sQ[None, None, q_state.index], tiled_mma_pv, tidx, group, b,
-                    bh - b * outs.n_heads, out_rows, next_tile, kv_state, q_state, tSrQ, tSrK, tiled_mma_qk,
+                    bh - b * outs.n_heads, out_rows, next_tile, kv_state, v_state, q_state, tSrQ, tSrK, tiled_mma_qk,
                     mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax, block_info, SeqlenInfoCls, work_fn, slot,
                     discard)
             elif const_expr(self.smem_epilogue):
@@ -608,13 +614,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _boundary_hiding(self, acc_O, lse, outs, sO, tiled_mma_pv, tidx, group, b, h, out_rows, next_tile, kv_state,
-                         q_state, tSrQ, tSrK, tiled_mma_qk, mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax,
+                         v_state, q_state, tSrQ, tSrK, tiled_mma_qk, mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax,
                          block_info, SeqlenInfoCls, work_fn=None, slot=None, discard=None):
         """The "hide_epi" group boundary (``acc_O`` this group's normalised output, ``tOrP`` the next group's first
         P): O rounded and staged in this group's query slot ``sO``, the LSE written; then, if the next group has
-        two key tiles or more, its second Q K^T and first P V are issued (``_step_hiding``) and the staged rows are
+        two key tiles or more, its second Q K^T and first P V are issued (``_step``) and the staged rows are
         stored while they run; else the rows are stored at once. Returns (1 if it ran the next group's second tile
-        (its loop then starts one tile later) else 0, the consumers' K/V state after it)."""
+        (its loop then starts one tile later) else 0, the consumers' K and V states after it)."""
         rO = cute.make_fragment_like(acc_O, self.dtype)
         fa_utils.cvt_f16(acc_O, rO)
         self._stage_o(rO, lse, outs.mLSE, outs.mPerm, sO, tiled_mma_pv, tidx, group, b, h, rows=out_rows, slot=slot,
@@ -630,37 +636,41 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             if next_max - next_min > 1:
                 q_next = q_state.clone()
                 q_next.advance()
-                kv_state = self._step_hiding(
-                    kv_state, partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ, tSrK,
-                                      A_idx=q_next.index),
-                    mma_pv_fn, pipeline_k, pipeline_v, acc_O, tOrP, softmax, store)
+                kv_state, v_state = self._step(
+                    kv_state, v_state, partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n),
+                                               tSrQ, tSrK, A_idx=q_next.index),
+                    mma_pv_fn, True, pipeline_k, pipeline_v, acc_O, tOrP, softmax, store)
                 stepped = Int32(1)
         if stepped == 0:
             store()
-        return stepped, kv_state
+        return stepped, kv_state, v_state
 
     @cute.jit
-    def _step_hiding(self, kv_state, mma_qk_fn, mma_pv_fn, pipeline_k, pipeline_v, acc_O, tOrP, softmax, during):
-        """flash-attn-4's per-tile step (``mma_one_n_block_intrawg_overlap``, RS P V, no score mod or mask) for a
-        group's second key tile and first P V (zero-initialised), with ``during()`` run while both are on the tensor
-        cores. Returns the advanced ``kv_state``."""
-        v_state = kv_state.clone()
+    def _step(self, kv_state, v_state, mma_qk_fn, mma_pv_fn, zero_init, pipeline_k, pipeline_v, acc_O, tOrP, softmax,
+              during=None):
+        """flash-attn-4's per-tile step (``mma_one_n_block_intrawg_overlap``, RS P V, no score mod or mask) with K
+        and V on their own pipeline states: the next key tile's Q K^T (``kv_state`` advanced to it) and the previous
+        tile's P V (V at ``v_state``, O zero-initialised when ``zero_init``) on the tensor cores while ``during()``
+        runs ("hide_epi": a group's second key tile and first P V under the previous group's output stores), then
+        the softmax. Returns the advanced states (K, V)."""
         kv_state.advance()
         pipeline_k.consumer_wait(kv_state, pipeline_k.consumer_try_wait(kv_state))
         self.warp_scheduler_barrier_sync()
         acc_S = mma_qk_fn(B_idx=kv_state.index, wg_wait=-1)
         pipeline_v.consumer_wait(v_state, pipeline_v.consumer_try_wait(v_state))
-        mma_pv_fn(B_idx=v_state.index, zero_init=True, wg_wait=-1)
+        mma_pv_fn(B_idx=v_state.index, zero_init=zero_init, wg_wait=-1)
         self.warp_scheduler_barrier_arrive()
-        during()
+        if const_expr(during is not None):
+            during()
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(kv_state)
         row_scale = softmax.online_softmax(acc_S, check_inf=True)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
+        v_state.advance()
         fa_utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_S), tOrP)
         softmax.rescale_O(acc_O, row_scale)
-        return kv_state
+        return kv_state, v_state
 
     def _mask_fn(self, AttentionMaskCls, seqlen, thr_mma_qk, group):
         """flash-attn-4's mask of a group's last (partial) key tile: slots past its valid count to -inf."""
@@ -669,16 +679,17 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                        fastdiv_mods=None)
 
     @cute.jit
-    def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, n_block_min, n_block_max):
-        """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1 (its
-        stage is the previous one), V of the last tile at the end. The row addresses of tile j-1 are kept in a
-        register while tile j's are loaded. Returns the advanced producer state."""
+    def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, v_state, n_block_min,
+                      n_block_max):
+        """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1, V of
+        the last tile at the end; ``kv_state`` the K producer state (at the group's first K, loaded), ``v_state``
+        the V one (its own stage count). The row addresses of tile j-1 are kept in a register while tile j's are
+        loaded. Returns the advanced producer states (K, V)."""
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
             prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
             index.advance()
             index.fetch(n_block - 1)
-            v_state = kv_state.clone()
             kv_state.advance()
             pipeline_k.producer_acquire(kv_state)
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
@@ -686,11 +697,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             rows.tPrPageOffset[0] = prev_row
             pipeline_v.producer_acquire(v_state)
             self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block + 1)
+            v_state.advance()
             rows.tPrPageOffset[0] = cur_row
-        pipeline_v.producer_acquire(kv_state)
-        self._load_tile(rows, sV, pipeline_v, kv_state, "V", n_block_min)
+        pipeline_v.producer_acquire(v_state)
+        self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block_min)
+        v_state.advance()
         kv_state.advance()
-        return kv_state
+        return kv_state, v_state
 
     @cute.jit
     def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32):
