@@ -15,7 +15,7 @@ Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p:
 ``cute_rows`` is what tests/bench_select_race.py can import for its own race 2. Usage (checkout root, H200):
 ``python tests/bench_cutedsl_pass2.py --out OUT [--shapes 1.3b] [--variants "st4,st4 p8,st6"] [--commit HASH]``;
 a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<ksplit>`` (else
-``auto_ksplit``) and `` pp`` (pingpong). Writes OUT/bench_cutedsl_pass2.json.
+``auto_ksplit``), `` pp`` (pingpong) and `` ls`` (lse_smem). Writes OUT/bench_cutedsl_pass2.json.
 Expected at 1.3B: ~10 s inputs, ~5 s per variant compile (first process on a machine), ~2 s race.
 """
 
@@ -35,16 +35,17 @@ import bench_select_race as bsr  # noqa: E402  (loads the pack)
 
 from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 
+COMPILED = ("stages", "poly", "pingpong", "lse_smem")  # the compile-time tuning keys
 DEFAULT_VARIANTS = "st4,st4 k1,st4 pp,st4 p10,st6"
 
 
 def parse_variant(text: str) -> dict:
-    """'st4 p8 c132 k2 pp' -> dict(stages=4, poly=8, num_ctas=132, ksplit=2, pingpong=True)."""
+    """'st4 p8 c132 k2 pp ls' -> dict(stages=4, poly=8, num_ctas=132, ksplit=2, pingpong=True, lse_smem=True)."""
     keys = {"st": "stages", "p": "poly", "c": "num_ctas", "k": "ksplit"}
     out = {}
     for tok in text.split():
-        if tok == "pp":
-            out["pingpong"] = True
+        if tok in ("pp", "ls"):
+            out["pingpong" if tok == "pp" else "lse_smem"] = True
             continue
         for pre in ("st", "p", "c", "k"):
             if tok.startswith(pre) and tok[len(pre):].isdigit():
@@ -67,7 +68,7 @@ def cute_rows(ops, perm, ref16, variants, log):
         try:
             tun = parse_variant(text)
             t = time.time()
-            p2.compiled("float16", tun.get("stages"), tun.get("poly"), tun.get("pingpong"))
+            p2.compiled("float16", tun.get("stages"), tun.get("poly"), tun.get("pingpong"), tun.get("lse_smem"))
             got = torch.full_like(ref16, float("nan"))
             p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, got, group_size=bsr.C, **tun)
             torch.cuda.synchronize()
@@ -112,7 +113,7 @@ def main():
             tun = parse_variant(text)
         except ValueError:
             continue  # reported by cute_rows
-        c = dict(out_dtype="float16", **{k: v for k, v in tun.items() if k in ("stages", "poly", "pingpong")})
+        c = dict(out_dtype="float16", **{k: v for k, v in tun.items() if k in COMPILED})
         if repr(c) not in seen:
             seen.add(repr(c))
             configs.append(c)

@@ -21,8 +21,8 @@ _NEEDS_CUTE = pytest.mark.skipif(
 
 @_NEEDS_CUTE
 def test_offline_sm90a_compile(tmp_path):
-    """float16 and float32 sums, and poly = 8 with pingpong, compile offline (~6 s each) and the second ``compiled``
-    call of the same config is served from memory."""
+    """float16 and float32 sums, and poly = 8 with pingpong and lse_smem, compile offline (~6 s each) and the second
+    ``compiled`` call of the same config is served from memory."""
     code = textwrap.dedent(f"""
         import os, sys
         os.environ['CUTE_DSL_ARCH'] = 'sm_90a'
@@ -31,7 +31,7 @@ def test_offline_sm90a_compile(tmp_path):
         _standalone.load_pack()
         from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90 as p2
         print('WARM', p2.warm())
-        p2.compiled('float16', poly=8, pingpong=True)
+        p2.compiled('float16', poly=8, pingpong=True, lse_smem=True)
         assert p2.compiled('float16') is p2.compiled('float16')
         print('KERNELS', len(p2.compiled_kernels()))
     """)

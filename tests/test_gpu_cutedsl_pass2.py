@@ -42,8 +42,8 @@ def _mods():
         from ._cute_pass2_warm import warm_parallel
 
         configs = [dict(out_dtype=dt) for dt in ("float32", "float16")] + [
-            dict(out_dtype="float32", **{k: v for k, v in t.items() if k in ("stages", "poly", "pingpong")})
-            for _, t in VARIANTS if set(t) & {"stages", "poly", "pingpong"}]
+            dict(out_dtype="float32", **{k: v for k, v in t.items() if k in _COMPILED})
+            for _, t in VARIANTS if set(t) & set(_COMPILED)]
         _WARMED.append(warm_parallel(configs))
         print("parallel compiles:", _WARMED[0])
     return selection, pass2_sm90
@@ -83,7 +83,9 @@ CASES = [  # B, H, S, Sk, C, holes: G = 32 (ragged last group), Sk = 4000 (parti
 # a key split with an empty last part (12 tile pairs in 5 parts of 3); pingpong; 3 stages; the FMA-pipe share
 VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5, ksplit=1)), (CASES[2], dict(num_ctas=7, ksplit=5)),
                                        (CASES[0], dict(pingpong=True)), (CASES[0], dict(stages=3)),
-                                       (CASES[2], dict(poly=10))]
+                                       (CASES[2], dict(poly=10)), (CASES[2], dict(lse_smem=True)),
+                                       (CASES[1], dict(lse_smem=True, num_ctas=5, ksplit=3))]
+_COMPILED = ("stages", "poly", "pingpong", "lse_smem")  # the tuning keys that are compile-time
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,
@@ -100,7 +102,7 @@ def test_cutedsl_pass2_equals_float64_and_the_triton_kernel(case, tuning):
     q8, k8, qf, lse_s, kb = selection.fp8_operands(q, k, lse, 128**-0.5, kb_pow2=True)
     G = perm.shape[-1] // C
     poly = tuning.get("poly", p2.config()["poly"])
-    compiled_variant = bool(set(tuning) & {"stages", "poly", "pingpong"})
+    compiled_variant = bool(set(tuning) & set(_COMPILED))
     for dtype in (torch.float32,) if compiled_variant else (torch.float32, torch.float16):
         want = _triton_sums(selection, q, k, lse, perm, C, torch.empty(B, H, G, SK, dtype=dtype, device="cuda"))
         buf = torch.full((B, H + 1, G, SK + 64), float("nan"), dtype=dtype, device="cuda")

@@ -93,7 +93,8 @@ class Pass2Sm90:
     each); ``poly``: score columns per 32 taken by the FMA-pipe exponential (0-32); ``regs``: (consumer, producer)
     register counts after ``setmaxnreg``."""
 
-    def __init__(self, out_dtype, stages: int = 4, poly: int = 0, regs: tuple = (232, 40), pingpong: bool = False):
+    def __init__(self, out_dtype, stages: int = 4, poly: int = 0, regs: tuple = (224, 56), pingpong: bool = False,
+                 lse_smem: bool = False):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -102,13 +103,16 @@ class Pass2Sm90:
         # the columns (of a thread's 32 per row) whose 2^x runs on the FMA pipe: spread evenly over the row
         self.poly_cols = frozenset((i * 32) // poly for i in range(poly)) if poly else frozenset()
         self.pingpong = pingpong
+        # the group's LSE gathered by the query-loading warp into shared memory (4-byte cp.async beside the rows;
+        # padded slots copy +inf from ``mInf``) instead of 2 x 32 dependent global loads per consumer thread
+        self.lse_smem = lse_smem
         self.mma_regs, self.producer_regs = regs
         self.dtype = cutlass.Float8E4M3FN
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
-                 mQF: cute.Tensor, mOut: cute.Tensor, group_size: Int32, num_ctas: Int32, ksplit: Int32,
-                 stream=None):
+                 mQF: cute.Tensor, mOut: cute.Tensor, mInf: cute.Tensor, group_size: Int32, num_ctas: Int32,
+                 ksplit: Int32, stream=None):
         # the float8 bytes as float8; (BH, S, D) -> (S, D, BH), the TMA / row-copy order
         mQ = cute.recast_tensor(mQ, self.dtype)
         mK = cute.recast_tensor(mK, self.dtype)
@@ -123,16 +127,19 @@ class Pass2Sm90:
             for layout in (sQ_layout, sK_layout)
         ]
         fields = dict(mbar_k=cute.struct.MemRange[cutlass.Int64, self.stages * 2],
-                      mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * 2], sQ=sQ_struct, sK=sK_struct)
+                      mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * 2],
+                      sL=cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_Q], 16], sQ=sQ_struct, sK=sK_struct)
         SharedStorage = cute.struct(type("Pass2Storage", (), {"__annotations__": fields}))
         total = mPerm.shape[0] * mOut.shape[2] * ksplit
         grid_x = cutlass.min(num_ctas, total)
-        self.kernel(mQ, tma_K, mLSE, mPerm, mKB, mQF, mOut, group_size, ksplit, tma_atom_K, tiled_mma, sQ_layout,
-                    sK_layout, SharedStorage).launch(grid=(grid_x, 1, 1), block=[384, 1, 1], stream=stream, min_blocks_per_mp=1)
+        self.kernel(mQ, tma_K, mLSE, mPerm, mKB, mQF, mOut, mInf, group_size, ksplit, tma_atom_K, tiled_mma,
+                    sQ_layout, sK_layout, SharedStorage).launch(grid=(grid_x, 1, 1), block=[384, 1, 1], stream=stream,
+                                                                min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
-               mQF: cute.Tensor, mOut: cute.Tensor, group_size: Int32, ksplit: Int32, tma_atom_K: cute.CopyAtom,
+               mQF: cute.Tensor, mOut: cute.Tensor, mInf: cute.Tensor, group_size: Int32, ksplit: Int32,
+               tma_atom_K: cute.CopyAtom,
                tiled_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -152,6 +159,7 @@ class Pass2Sm90:
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sL = storage.sL.get_tensor(cute.make_layout((TILE_Q, 2)))
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         n_groups = mOut.shape[2]
@@ -165,12 +173,12 @@ class Pass2Sm90:
             if warp_idx == 0:
                 self._load_k(mK, sK, tma_atom_K, pipeline_k, walk)
             if warp_idx == 1:
-                self._load_q(mQ, mPerm, sQ, pipeline_q, walk, group_size, tidx % 32)
+                self._load_q(mQ, mPerm, mLSE, mInf, sQ, sL, pipeline_q, walk, group_size, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             wg = warp_idx // 4 - 1
-            self._consume(tiled_mma, sQ, sK, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size,
-                          sk, mQ.shape[0], wg, tidx - 128 * (wg + 1))
+            self._consume(tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
+                          group_size, sk, mQ.shape[0], wg, tidx - 128 * (wg + 1))
 
     @cute.jit
     def _load_k(self, mK, sK, tma_atom_K, pipeline_k, walk):
@@ -190,10 +198,12 @@ class Pass2Sm90:
             item += walk.grid
 
     @cute.jit
-    def _load_q(self, mQ, mPerm, sQ, pipeline_q, walk, group_size, lane):
+    def _load_q(self, mQ, mPerm, mLSE, mInf, sQ, sL, pipeline_q, walk, group_size, lane):
         """Warp 1: each work item's 128 query rows through perm (16-byte cp.async copies, 8 lanes per row); padded
-        slots copy row 0 (finite; their LSE of +inf makes them add 0)."""
+        slots copy row 0 (finite; their LSE of +inf makes them add 0). With ``lse_smem`` also each row's LSE (4-byte
+        cp.async by the row's first lane; +inf from ``mInf`` for a padded slot) into ``sL``."""
         tiled_copy = fa_copy.tiled_copy_2d(self.dtype, HEAD_DIM, 32, is_async=True)
+        lse_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
         thr_copy = tiled_copy.get_slice(lane)
         state = make_pipeline_state(PipelineUserType.Producer, 2)
         n_seq = mQ.shape[0]
@@ -219,14 +229,22 @@ class Pass2Sm90:
                     chunk = tQcQ[0, m, k][1] // 16
                     src = cute.make_tensor(g_row[None, chunk].iterator, tQsQ[None, m, k].layout)
                     cute.copy(tiled_copy, src, tQsQ[None, m, k])
+                if const_expr(self.lse_smem):
+                    if lane % 8 == 0:
+                        l_addr = mInf.iterator.toint()
+                        if idx >= 0:
+                            l_addr = fa_utils.elem_pointer(mLSE, (bh, idx)).toint()
+                        l_ptr = cute.make_ptr(Float32, l_addr, cute.AddressSpace.gmem, assumed_align=4)
+                        l_src = cute.make_tensor(l_ptr, cute.make_layout((1,)))
+                        cute.copy(lse_atom, l_src, cute.local_tile(sL[None, state.index], (1,), (row,)))
             cute.arch.cp_async_commit_group()
             pipeline_q.producer_commit(state)
             state.advance()
             item += walk.grid
 
     @cute.jit
-    def _consume(self, tiled_mma, sQ, sK, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size, sk,
-                 n_seq, wg, tid):
+    def _consume(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size,
+                 sk, n_seq, wg, tid):
         """A consumer warpgroup: per work item, the LSE of its 32 columns, then its key tiles' halves ``wg`` two at
         a time: both wgmmas issued, the first tile's exponentials under the second's wgmma, then the second's
         (with ``pingpong`` the two warpgroups take turns issuing, FA3's schedule)."""
@@ -251,16 +269,20 @@ class Pass2Sm90:
             b = bh // n_heads
             h = bh - b * n_heads
             qf = mQF[bh]
-            for c in cutlass.range_constexpr(n_cols):
-                col = tScS[0, c][1]
-                idx = Int32(-1)
-                if col < group_size:
-                    idx = mPerm[bh, g * group_size + col]
-                v = -Float32.inf
-                if idx >= 0 and idx < n_seq:
-                    v = -(mLSE[bh, idx] * Float32(LOG2E))
-                nl2[c] = v
+            if const_expr(not self.lse_smem):
+                for c in cutlass.range_constexpr(n_cols):
+                    col = tScS[0, c][1]
+                    idx = Int32(-1)
+                    if col < group_size:
+                        idx = mPerm[bh, g * group_size + col]
+                    v = -Float32.inf
+                    if idx >= 0 and idx < n_seq:
+                        v = -(mLSE[bh, idx] * Float32(LOG2E))
+                    nl2[c] = v
             pipeline_q.consumer_wait(q_state)
+            if const_expr(self.lse_smem):
+                for c in cutlass.range_constexpr(n_cols):
+                    nl2[c] = -(sL[tScS[0, c][1], q_state.index] * Float32(LOG2E))
             rQ = tSrQ[None, None, None, q_state.index]
             k_rel = k_state.clone()
             for i in cutlass.range(count, unroll=1):
@@ -335,12 +357,14 @@ HEAD_DIMS = (HEAD_DIM,)
 STAGES = 4
 POLY = 0
 PINGPONG = False
+LSE_SMEM = False
 _SM_COUNT: dict = {}
+_INF: dict = {}  # device index -> fp32 [4] of +inf (the LSE a padded query slot copies with lse_smem)
 
 
 def config(head_dim: int = HEAD_DIM) -> dict:
     """The launch config ``group_prob_sums_fp8`` uses when the caller gives none (ksplit None: ``auto_ksplit``)."""
-    return dict(stages=STAGES, poly=POLY, pingpong=PINGPONG, ksplit=None)
+    return dict(stages=STAGES, poly=POLY, pingpong=PINGPONG, lse_smem=LSE_SMEM, ksplit=None)
 
 
 def auto_ksplit(items: int, ctas: int, max_split: int = 4, target: float = 0.98) -> int:
@@ -383,7 +407,7 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 
 
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
-                 pingpong: bool | None = None):
+                 pingpong: bool | None = None, lse_smem: bool | None = None):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``. Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -392,14 +416,16 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
     args = (make_fake_tensor(cutlass.Uint8, (bh, s, HEAD_DIM), divisibility=16),
             make_fake_tensor(cutlass.Uint8, (bh, sk, HEAD_DIM), divisibility=16),
             make_fake_tensor(Float32, (bh, s)), make_fake_tensor(Int32, (bh, n)), make_fake_tensor(Float32, (bh, sk)),
-            make_fake_tensor(Float32, (bh,)), make_fake_tensor(OUT_DTYPES[out_dtype], (b, h, g, sk_out)))
+            make_fake_tensor(Float32, (bh,)), make_fake_tensor(OUT_DTYPES[out_dtype], (b, h, g, sk_out)),
+            make_fake_tensor(Float32, (4,), divisibility=4))
     kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, POLY if poly is None else poly,
-                       pingpong=PINGPONG if pingpong is None else bool(pingpong))
+                       pingpong=PINGPONG if pingpong is None else bool(pingpong),
+                       lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
-             pingpong: bool | None = None):
+             pingpong: bool | None = None, lse_smem: bool | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -407,8 +433,9 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     stages = STAGES if stages is None else int(stages)
     poly = POLY if poly is None else int(poly)
     pingpong = PINGPONG if pingpong is None else bool(pingpong)
-    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, cc.source_hash())
-    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong))
+    lse_smem = LSE_SMEM if lse_smem is None else bool(lse_smem)
+    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, cc.source_hash())
+    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -424,8 +451,8 @@ def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
 
 
 def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, stages: int | None = None,
-                        poly: int | None = None, pingpong: bool | None = None, num_ctas: int | None = None,
-                        ksplit: int | None = None):
+                        poly: int | None = None, pingpong: bool | None = None, lse_smem: bool | None = None,
+                        num_ctas: int | None = None, ksplit: int | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula).
 
     Args:
@@ -433,7 +460,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, st
         ``[B, H]``; lse_s: fp32 ``[B, H, S]`` (natural log); kb: fp32 ``[B, H, Sk]`` holding 2^KB
         (``fp8_operands(kb_pow2=True)``); perm: int32 ``[B, H, G*C]`` (-1: padded slot); out: float16 / float32
         ``[B, H, G, Sk]``, any b / h / g strides, unit stride on Sk; group_size: C. stages, poly, pingpong,
-        num_ctas, ksplit: tuning (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``).
+        lse_smem, num_ctas, ksplit: tuning (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``).
     Returns:
         ``out``. Keys are written for every group; nothing past Sk.
     Raises:
@@ -455,20 +482,23 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, st
         raise ValueError(f"shapes: lse_s {tuple(lse_s.shape)}, kb {tuple(kb.shape)}, qf {tuple(qf.shape)}")
     if G == 0 or SK == 0:
         return out
-    fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, pingpong)
+    fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, pingpong, lse_smem)
     dev = q8.device
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
     if num_ctas is None:
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
         if idx not in _SM_COUNT:
             _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
         num_ctas = _SM_COUNT[idx]
+    if idx not in _INF:
+        _INF[idx] = torch.full((4,), float("inf"), dtype=torch.float32, device=dev)
     if ksplit is None:
         ksplit = auto_ksplit(B * H * G, num_ctas)
     if not 1 <= int(ksplit) <= 64:
         raise ValueError(f"ksplit must be in [1, 64], got {ksplit}")
     fn(q8.view(torch.uint8).view(B * H, S, D), k8.view(torch.uint8).view(B * H, SK, D),
        lse_s.contiguous().view(B * H, S), perm.contiguous().view(B * H, G * group_size),
-       kb.contiguous().view(B * H, SK), qf.contiguous().view(B * H), out, int(group_size), int(num_ctas), int(ksplit))
+       kb.contiguous().view(B * H, SK), qf.contiguous().view(B * H), out, _INF[idx], int(group_size), int(num_ctas),
+       int(ksplit))
     return out
 
 
