@@ -108,7 +108,8 @@ EPILOGUES = ("registers", "smem")
 # "v3" (with "overlap"): 3 V stages, 2 K stages (224 KiB of shared memory at D = 128 with the query ring): a V stage
 # is freed only when both consumer warpgroups finished the P V that read it, about one key tile before the next V
 # for it is needed, while its 128 rows arrive by cp.async; a third V stage gives the gather about two tiles.
-OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3")
+# "k3" (with "overlap"; not with "v3": 256 KiB): 3 K stages, 2 V stages, the other way round.
+OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3")
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -236,9 +237,11 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.split_tail = "split_tail" in options
         assert not self.split_tail or (self.overlap and self.smem_epilogue), "split_tail: overlap, staged epilogue"
         self.pdl = "pdl" in options
-        # V stages: K and V have their own pipeline states (``_load_k_ahead``, ``_step``), so they may differ
+        # K and V stages: each has its own pipeline state (``_load_k_ahead``, ``_step``), so they may differ
         self.v_stages = 3 if "v3" in options else stages
-        assert "v3" not in options or self.overlap, "v3 is an overlap option"
+        self.k_stages = 3 if "k3" in options else stages
+        assert not ({"v3", "k3"} & set(options)) or self.overlap, "v3 / k3 are overlap options"
+        assert not {"v3", "k3"} <= set(options), "v3 and k3 together exceed shared memory"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -268,7 +271,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.sQ_layout, self.sK_layout, self.sV_layout = [
             sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, shape, stage)
             for shape, stage in [((self.tile_m, self.tile_hdim), 2 if const_expr(self.overlap) else None),
-                                 ((self.tile_n, self.tile_hdim), self.num_stages),
+                                 ((self.tile_n, self.tile_hdim), self.k_stages),
                                  ((self.tile_n, self.tile_hdimv), self.v_stages)]
         ]
         self.sP_layout = None
@@ -312,7 +315,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             for layout in (self.sQ_layout, self.sK_layout, self.sV_layout)
         ]
         mbar_q = cute.struct.MemRange[cutlass.Int64, 2 * 2]
-        mbar_k = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+        mbar_k = cute.struct.MemRange[cutlass.Int64, self.k_stages * 2]
         mbar_v = cute.struct.MemRange[cutlass.Int64, self.v_stages * 2]
         fields = dict(mbar_ptr_Q=mbar_q, mbar_ptr_K=mbar_k, mbar_ptr_V=mbar_v, sV=sV_struct, sQ=sQ_struct,
                       sK=sK_struct)
@@ -337,7 +340,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 defer_sync=True, elect_one_release=True, syncwarp_before_release=False,
             )
             for bar, n in ((storage.mbar_ptr_Q.data_ptr(), 2 if const_expr(self.overlap) else 1),
-                           (storage.mbar_ptr_K.data_ptr(), self.num_stages),
+                           (storage.mbar_ptr_K.data_ptr(), self.k_stages),
                            (storage.mbar_ptr_V.data_ptr(), self.v_stages))
         ]
         pipeline_q, pipeline_k, pipeline_v = pipes
@@ -396,7 +399,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         k_alloc = mIdx.shape[1]
         q_phase = Int32(1)
         q_state = make_pipeline_state(PipelineUserType.Producer, 2)  # the "overlap" query ring
-        kv_state = make_pipeline_state(PipelineUserType.Producer, self.num_stages)  # K
+        kv_state = make_pipeline_state(PipelineUserType.Producer, self.k_stages)  # K
         v_state = make_pipeline_state(PipelineUserType.Producer, self.v_stages)
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
@@ -476,7 +479,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         smem_copy_params = SimpleNamespace(smem_thr_copy_P=None, tPsP=None)  # P stays in registers
         self.mma_init()
         q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
-        kv_state = make_pipeline_state(PipelineUserType.Consumer, self.num_stages)  # K: the last tile consumed
+        kv_state = make_pipeline_state(PipelineUserType.Consumer, self.k_stages)  # K: the last tile consumed
         v_state = make_pipeline_state(PipelineUserType.Consumer, self.v_stages)  # V: the next tile to consume
         softmax = Softmax.create(softmax_scale_log2, num_rows=acc_O.shape[0][0] * acc_O.shape[1],
                                  softmax_scale=softmax_scale)
