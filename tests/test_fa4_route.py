@@ -242,6 +242,23 @@ def test_kv_pages_copy_when_strides_differ(fa4_stub):
     assert torch.equal(vp.view(B, H, S, D), v) and torch.equal(kp.view(B, H, S, D), k)
 
 
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_kv_pages_copy_a_pool_off_16_byte_alignment(fa4_stub, which):
+    """K and V of equal strides where one starts 4 bytes past a 16-byte boundary (a view one float in): FA4's page
+    pools need 16-byte aligned storage, so both are copied (page strides of a contiguous [B, H, S, D]), equal to the
+    inputs. Mutation: only k's alignment checked (v viewed in place off alignment)."""
+    mod, _, _ = fa4_stub
+    B, H, S, D = 1, 2, 6, 8
+    gen = torch.Generator().manual_seed(37)
+    aligned = torch.randn(B * H * S * D, generator=gen).view(B, H, S, D)
+    shifted = torch.randn(B * H * S * D + 1, generator=gen)[1:].view(B, H, S, D)
+    assert aligned.data_ptr() % 16 == 0 and shifted.data_ptr() % 16 == 4 and aligned.stride() == shifted.stride()
+    k, v = (aligned, shifted) if which == "v" else (shifted, aligned)
+    kp, vp, (pb, ph, ps) = mod.kv_pages(k, v)
+    assert (pb, ph, ps) == (H * S, S, 1) and kp.data_ptr() % 16 == 0 and vp.data_ptr() % 16 == 0
+    assert torch.equal(vp.view(B, H, S, D), v) and torch.equal(kp.view(B, H, S, D), k)
+
+
 @pytest.mark.parametrize("swap", [False, True])
 def test_paged_call_launches_the_recorded_kernel_directly(fa4_stub, swap):
     """The first call goes through the interface and records its compiled kernel; later calls launch it with their

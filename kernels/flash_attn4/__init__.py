@@ -86,9 +86,15 @@ def kv_pages(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if B * H * S >= 2**31:
         # RuntimeError, not ValueError: the call is valid, this route cannot take it (the registry falls back)
         raise RuntimeError(f"flash_attn4 paged route: {B * H * S} K/V rows do not fit int32 page ids")
-    kc = k.contiguous().reshape(B * H * S, 1, 1, D)
-    vc = v.contiguous().reshape(B * H * S, 1, 1, D)
+    kc, vc = (_aligned_copy(x).reshape(B * H * S, 1, 1, D) for x in (k, v))
     return kc, vc, (H * S, S, 1)
+
+
+def _aligned_copy(x: torch.Tensor) -> torch.Tensor:
+    """x as a contiguous tensor with 16-byte aligned storage: ``contiguous()`` returns an already contiguous tensor
+    itself, also one that starts off alignment (e.g. a view one element into a buffer), so that one is cloned."""
+    c = x.contiguous()
+    return c if c.data_ptr() % 16 == 0 else c.clone()
 
 
 class _RecordingCache:
