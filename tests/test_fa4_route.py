@@ -164,10 +164,14 @@ def fa4_stub(monkeypatch):
                 page_table, None, None, None, None, object(), None, None]
         if fwd.swap:  # a build whose argument list differs from ours
             args[9], args[10] = args[10], args[9]
+        if fwd.build == "scratch":  # a build that also passes a tensor of its own (a per-call scratch buffer)
+            args[15] = torch.zeros(4)
+        elif fwd.build == "scale_moved":  # a build whose slot 5 holds something else than the softmax scale
+            args[5], args[16] = 1.0, softmax_scale
         cache["key"](*args)
         return out, lse, None, None, None
 
-    fwd.compile_cache, fwd.interface_calls, fwd.swap = {}, 0, False
+    fwd.compile_cache, fwd.interface_calls, fwd.swap, fwd.build = {}, 0, False, None
     interface = types.ModuleType("flash_attn.cute.interface")
     interface._flash_attn_fwd = fwd
     cute = types.ModuleType("flash_attn.cute")
@@ -283,6 +287,37 @@ def test_paged_call_launches_the_recorded_kernel_directly(fa4_stub, swap):
         for name, want in dict(q=q, out=out, used=used, table=table).items():
             assert got[name].data_ptr() == want.data_ptr(), name
         assert args[5] == scale and args[1].data_ptr() == pools[0].data_ptr()
+
+
+@pytest.mark.parametrize("build", ["scratch", "scale_moved"])
+def test_paged_call_never_records_a_build_with_other_arguments(fa4_stub, build):
+    """A build that passes a tensor of its own beside ours, or keeps something else in the scale's slot, is never
+    launched directly (its recorded arguments would be stale): every call goes through the interface. Mutations: any
+    other tensor accepted, the scale slot not compared."""
+    mod, fwd, launches = fa4_stub
+    fwd.build = build
+    mod._DIRECT.clear()
+    t = lambda *s: torch.zeros(*s)  # noqa: E731
+    pools = (t(50, 1, 1, 16), t(50, 1, 1, 16))
+    for scale in (0.25, 0.5):
+        mod._paged_call(t(4, 8, 1, 16), *pools, torch.zeros(4, dtype=torch.int32),
+                        torch.zeros(4, 8, dtype=torch.int32), t(4, 8, 1, 16), None, scale, {})
+    assert fwd.interface_calls == 2 and len(launches) == 2 and not mod._DIRECT
+
+
+def test_paged_call_keeps_kernels_with_and_without_lse_apart(fa4_stub):
+    """FA4 compiles a kernel with and one without the LSE: a call with an LSE after one without goes through the
+    interface (its own kernel), and only a repeat of each is launched directly. Mutation: the LSE left out of the
+    direct-launch key (the no-LSE kernel launched with an LSE it never writes)."""
+    mod, fwd, launches = fa4_stub
+    mod._DIRECT.clear()
+    t = lambda *s: torch.zeros(*s)  # noqa: E731
+    pools = (t(50, 1, 1, 16), t(50, 1, 1, 16))
+    for with_lse in (False, True, False, True):
+        mod._paged_call(t(4, 8, 1, 16), *pools, torch.zeros(4, dtype=torch.int32),
+                        torch.zeros(4, 8, dtype=torch.int32), t(4, 8, 1, 16), t(4, 1, 8) if with_lse else None,
+                        0.25, {})
+    assert fwd.interface_calls == 2 and len(launches) == 4 and len(mod._DIRECT) == 2
 
 
 def _paged_in_torch(calls):
