@@ -164,6 +164,13 @@ def test_residual_rejects_malformed():
         Residual(packed, bf, "int4_group", coef[..., :4], mean)
     with pytest.raises(ValueError, match="int4_group only"):
         Residual(packed, torch.ones(1, 2, 5), "int4_row", coef, mean)
+    with pytest.raises(TypeError, match="float8_e4m3fn coef"):  # a coef of another dtype (the kernels read bytes)
+        Residual(packed, bf, "int4_group", coef.to(torch.bfloat16), mean)
+    for i, name in enumerate(("scale", "coef", "mean")):  # each per-row / per-group tensor on data's device
+        parts = [bf, coef, mean]
+        parts[i] = parts[i].to("meta")
+        with pytest.raises(ValueError, match=f"Residual {name} must be on data's device"):
+            Residual(packed, parts[0], "int4_group", parts[1], parts[2])
     group = Residual(packed, bf, "int4_group", coef, mean)
     group.check(q)
     perm5 = torch.arange(5, dtype=torch.int32).view(1, 1, 5).expand(1, 2, 5).contiguous()
