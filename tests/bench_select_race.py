@@ -8,12 +8,13 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
    entry written, select_kv(cute=True) == the brute-force top-K of its sums by both separate top-K thresholds; a
    failure skips its rows and, where it is the default, turns it off for the run: the defaults row then measures the
    Triton pass 2, reported); then select_kv at its defaults == the brute-force top-K (kernels/reference/topk.py) of
-   its own float16 sums; at 1.3B also the fused top-K with every row forced to the radix fallback (16 candidate
-   slots) == the brute force.
+   its own float16 sums, with topk_count=2 == the defaults; at 1.3B also the fused top-K with every row forced to
+   the radix fallback (16 candidate slots) == the brute force.
 2. RACE 1 (tests/_timing.race: sustained back-to-back samples, shuffled order, median; TEAM.md item 7): flash-attn-4
    dense with LSE, select_kv defaults (on sm_90 with the Triton pass 2: the top-K fused into the one-group pass-2
-   kernel, its threshold among the candidates by counting) and ``RACE1_ROWS`` ("cute" / "cute count": the CuTeDSL
-   pass 2 + the separate top-K by histograms / by counting; ``--p2ws-gluon-row``: the Gluon pass 2 where its child
+   kernel, its threshold among the candidates by counting) and ``RACE1_ROWS`` ("count2": that threshold counting two
+   bits per pass; "cute" / "cute count" / "cute count2": the CuTeDSL pass 2 + the separate top-K by histograms / by
+   counting one / two bits per pass; ``--p2ws-gluon-row``: the Gluon pass 2 where its child
    check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios / dense from the same rounds ->
    ``pass2_topk_over_dense_max`` (the defaults; both shapes). Their kernels compile first in child processes
    (``CHILD_ROWS``), waited for before the first timing.
@@ -21,8 +22,9 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
    s = 0.25 in the same rounds as dense: the float8 operand pass, select_kv at its defaults (the whole beside its
    parts), the one-group pass-2 kernel alone and with its fused top-K epilogue (on precomputed operands; sums checked
    against select_kv's, the fused selection against the brute force of its sums), counting and by histograms
-   (``RACE2_TOPK``); the separate top-K alone on those sums (``SEPARATE_TOPK``: histograms, counting, 4 warps, twice
-   the samples); the CuTeDSL pass 2 alone, + the separate top-K (histograms / counting),
+   and counting two bits per pass (``RACE2_TOPK``); the separate top-K alone on those sums (``SEPARATE_TOPK``:
+   histograms, counting one / two bits per pass, 4 warps, twice the samples); the CuTeDSL pass 2 alone, + the
+   separate top-K (histograms / counting one / two bits),
    select_kv(cute=True, topk_count=True) (``race2_cute``, each checked first);
    then the host time of one select_kv call enqueued behind busy GPU work (defaults, cute count). RACE 2b, last (a faulting kernel ends the
    process): issue 15's pass-2 kernel variants of tests/bench_pass2_exp.py (``--p2ws-variants``; each checked against
@@ -106,6 +108,9 @@ def checks(q, k, lse, perm, S, log, full=True):
     sums16 = selection.group_prob_sums(*sub, group_size=C).half()
     want = ref_top_k_rows(sums16, kq, width)
     r = dict(default_exact=bool(torch.equal(sel, want)))
+    # race 1's row "count2": the fused top-K's threshold by counting two bits per pass == the defaults
+    two = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_count=2)
+    r["count2_equal"] = bool(torch.equal(two, sel))
     if full:
         plan = topk.bracket_plan(S, kq, 2, cap=16)
         forced = topk.FusedRows(torch.full_like(sel, -7), kq, width, plan,
@@ -161,12 +166,15 @@ def cute_checks(sub, kq, width, log):
         want = ref_top_k_rows(got, kq, width)
         sel_h = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True, topk_count=False)
         sel_c = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True, topk_count=True)
+        sel_c2 = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True, topk_count=2)
         r["select_exact"] = bool(torch.equal(sel_h, want))
         r["select_count_exact"] = bool(torch.equal(sel_c, want))
+        r["select_count2_exact"] = bool(torch.equal(sel_c2, want))
         r["no_fallback"] = pass2_dispatch.cute_fallback_reason() is None
         if not r["no_fallback"]:
             r["fallback"] = pass2_dispatch.cute_fallback_reason()
-        r["ok"] = all(r[n] for n in ("all_written", "sums_close", "select_exact", "select_count_exact", "no_fallback"))
+        r["ok"] = all(r[n] for n in ("all_written", "sums_close", "select_exact", "select_count_exact",
+                                     "select_count2_exact", "no_fallback"))
     except Exception as err:  # noqa: BLE001 (a failing kernel is reported; the Triton rows still run)
         r.update(ok=False, error=f"{type(err).__name__}: {str(err)[:500]}")
         traceback.print_exc()
@@ -178,7 +186,8 @@ def cute_checks(sub, kq, width, log):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"cute": dict(cute=True, topk_count=False), "cute count": dict(cute=True, topk_count=True)}
+RACE1_ROWS = {"count2": dict(topk_count=2), "cute": dict(cute=True, topk_count=False),
+              "cute count": dict(cute=True, topk_count=True), "cute count2": dict(cute=True, topk_count=2)}
 
 
 def race1(name, q, k, v, lse, perm, log, rows):
@@ -239,14 +248,15 @@ def host_ms(fn, busy, n=5):
 
 # race 2's fused top-K variants: (tag, one group per program, tile rows per thread, bracket z, cand_count); the first
 # always, the others while the budget lasts (z4 / x2 / two groups: measured in rounds s7r1-s7r3, not better: dropped)
-RACE2_TOPK = (("1grp", True, 1, topk._Z, True), ("1grp hist", True, 1, topk._Z, False))
+RACE2_TOPK = (("1grp", True, 1, topk._Z, True), ("1grp hist", True, 1, topk._Z, False),
+              ("1grp count2", True, 1, topk._Z, 2))
 
 
 # race 2's separate top-K variants (``topk.top_k_rows`` keyword arguments), timed alone on the Triton kernel's sums
 # (what follows the CuTeDSL pass 2): histograms (today's separate default), counting, counting with 4 warps per row,
 # counting with twice the samples (one per 32 keys: a bracket ~0.7x as wide), each checked against the brute force
-SEPARATE_TOPK = (("hist", dict(cand_count=False)), ("count", dict(cand_count=True)),
-                 ("count w4", dict(cand_count=True, num_warps=4)), ("count s32", dict(cand_count=True, sample_stride=32)))
+SEPARATE_TOPK = (("hist", dict(cand_count=0)), ("count", dict(cand_count=1)), ("count2", dict(cand_count=2)),
+                 ("count2 w4", dict(cand_count=2, num_warps=4)), ("count2 s32", dict(cand_count=2, sample_stride=32)))
 
 
 def race2_topk(fns, sums, kq, width, res):
@@ -287,14 +297,14 @@ def race2_cute(fns, ops, perm, out16, sums, kq, width, res, sel):
         raise AssertionError(f"cute sums differ from select_kv's Triton pass 2 by {rel:.2e}")
     hc = min(out16.shape[1], 12)
     want = ref_top_k_rows(got[:, :hc], kq, width)
-    for tag, cc in (("hist", False), ("count", True)):
+    for tag, cc in (("hist", 0), ("count", 1), ("count2", 2)):
         sel.fill_(-7)
         topk.top_k_rows(got, kq, width, out=sel, cand_count=cc)
         if not torch.equal(sel[:, :hc], want):
             raise AssertionError(f"the separate top-K ({tag}) differs from the brute-force top-K of the cute sums")
     del got, want
     fns["pass-2 cute alone"] = lambda: run(out16)
-    for tag, cc in (("hist", False), ("count", True)):
+    for tag, cc in (("hist", 0), ("count", 1), ("count2", 2)):
         fns[f"cute + top-K {tag}"] = (lambda cc: lambda: topk.top_k_rows(run(out16), kq, width, out=sel,
                                                                           cand_count=cc))(cc)
 
@@ -315,7 +325,7 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
     fns["select_kv defaults"] = lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE)
     plains = {}
     for tag, one, rpt, z, cc in RACE2_TOPK:
-        if tag not in ("1grp", "1grp hist") and time.time() - t0 > budget - reserve:
+        if tag not in ("1grp", "1grp hist", "1grp count2") and time.time() - t0 > budget - reserve:
             break  # (reserve: seconds kept for race 2b)
         try:
             if one not in plains:  # the kernel without the top-K epilogue
@@ -414,7 +424,7 @@ def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_
 # select_kv compiles for race 1 in child processes started with the bench (one per group of rows and shape, on 2
 # heads of the shape: the same specialisations), so the main process loads them from Triton's disk cache instead of
 # compiling one after another (~4 s each; round s6r2 lost its 14B race to the cap); "race2": race 2's kernels
-CHILD_ROWS = (("defaults", "cute", "cute count"),)
+CHILD_ROWS = (("defaults", "count2"), ("cute", "cute count", "cute count2"))
 
 
 def spawn_children(shapes, out_dir, with_race2, cute_variants=()):
@@ -616,7 +626,8 @@ def main():
                     rcs = wait_children(children, max(5.0, 60.0 - (time.time() - t0)))
                     log("select children (0 = compiled): " + ", ".join(f"{t} {rc}" for t, rc in rcs.items()))
                     children = {}
-                rows = RACE1_ROWS if res["checks"]["cute"]["ok"] else {}  # (rows whose check failed: not timed)
+                rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed)
+                        if (res["checks"]["cute"]["ok"] if n.startswith("cute") else res["checks"]["count2_equal"])}
                 res["race1"] = race1(name, q, k, v, lse, perm, log,
                                      {**rows, **({"gluon": dict(gluon=True)} if gluon_row else {})})
                 save()

@@ -51,6 +51,9 @@ VARIANTS = {  # name: pair-kernel constexprs (BLOCK_N 64, 4 warps, 3 stages unle
     # session 7: the top-K's threshold among its candidates by counting (topk.FusedRows.cand_count)
     "fp8 one group + fused top-K count (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
                                                          ONE_GROUP=True, maxnreg=128, T_CC=True),
+    # session 8: two bits per counting pass (FusedRows.cand_count = 2)
+    "fp8 one group + fused top-K count2 (128 regs)": dict(FP8=True, POLY=0, STAGGER=False, KB_POW2=True, TOPK=True,
+                                                          ONE_GROUP=True, maxnreg=128, T_CC=2),
 }
 
 

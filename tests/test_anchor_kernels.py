@@ -91,7 +91,8 @@ def test_bracket_top_k_tilings(gen, rows_per_step, prefetch):
     assert torch.equal(got, _brute_force(sums, 1000, 1024))
 
 
-@pytest.mark.parametrize("dtype,cand_count", [(torch.float16, False), (torch.float32, False), (torch.float16, True)])
+@pytest.mark.parametrize("dtype,cand_count", [(torch.float16, 0), (torch.float32, 0), (torch.float16, 1),
+                                              (torch.float16, 2)])
 def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     """The bracket method with few samples (strata of 4 keys) and a small candidate buffer: rows where the bracket
     holds the K-th key (radix select among the candidates) and rows where it cannot (radix fallback), all exact:
@@ -104,8 +105,8 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     - row 4: ties at the threshold inside a hit (levels drawn from 300 values);
     - row 5: 1000 consecutive bit patterns, shuffled: every key value inside the bracket occurs, so a search
       that stops short of a single value picks a wrong threshold.
-    ``cand_count``: the threshold among the candidates by counting bit by bit (the separate top-K after the CuTeDSL
-    pass 2), the same rows and the same fallbacks (its candidate slots: 512, one sweep step)."""
+    ``cand_count``: the threshold among the candidates by counting, one or two bits per pass (the separate top-K after
+    the CuTeDSL pass 2), the same rows and the same fallbacks (its candidate slots: 512, one sweep step)."""
     sk, k, width, stride, cap = 1000, 300, 320, 4, 512
     pos = triton_topk.sample_positions(sk, stride)
     assert len(pos) == 250 and bool((pos < sk).all()) and len(set(pos.tolist())) == 250
@@ -214,22 +215,24 @@ def _cand_threshold_kernel(CAND, N, W, KK, LO, HI, OUT, STEP: tl.constexpr, COUN
     lo = tl.load(LO + r)
     hi = tl.load(HI + r)
     if COUNT:
-        t, need = triton_topk._cand_threshold_count(CAND + r * W, N, kk, lo, hi, STEP)
+        t, need = triton_topk._cand_threshold_count(CAND + r * W, N, kk, lo, hi, STEP, COUNT)
     else:
         t, need = triton_topk._cand_threshold(CAND + r * W, N, kk, lo, hi, STEP)
     tl.store(OUT + 2 * r, t)
     tl.store(OUT + 2 * r + 1, need)
 
 
-@pytest.mark.parametrize("count", [True, False])
+@pytest.mark.parametrize("count", [1, 2, 0])
 def test_candidate_threshold_is_the_kth_largest_copy(gen, count):
-    """topk's threshold among the bracket's copies (``_cand_threshold_count``: bit search by counting;
+    """topk's threshold among the bracket's copies (``_cand_threshold_count``: bit search by counting, one or two bits
+    per pass (odd and even range bit lengths);
     ``_cand_threshold``: radix histograms): T = the kk-th largest of the n copies (every one in [lo, hi]) and need = kk
     minus the copies above T, with many ties, kk = 1, kk = n, hi - lo = 0, 1, a power of two and 0x7C00 - lo (the top
-    bit of the range needed), n not a multiple of the chunk (STEP 64)."""
-    n, rows = 300, 8
-    spans = [0, 1, 2, 64, 255, 256, 4000, 0x7C00]
-    lo = torch.tensor([0, 7, 100, 300, 1, 0, 2000, 0], dtype=torch.int32)
+    bit of the range needed), n not a multiple of the chunk (STEP 64); row 8: every value of a 7-bit range, T - lo odd
+    (the lowest bit decides)."""
+    n, rows = 300, 9
+    spans = [0, 1, 2, 64, 255, 256, 4000, 0x7C00, 127]
+    lo = torch.tensor([0, 7, 100, 300, 1, 0, 2000, 0, 3], dtype=torch.int32)
     hi = lo + torch.tensor(spans, dtype=torch.int32)
     cand = torch.full((rows, 320), 0x7C00, dtype=torch.int16)  # slots past n: above every copy (must not count)
     for r in range(rows):  # a few levels (ties), the range's ends among them
@@ -239,7 +242,8 @@ def test_candidate_threshold_is_the_kth_largest_copy(gen, count):
     cand[7, :40] = 0x7C00  # the top bit of the range decides T
     cand[5, :n] = cand[5, :n].clamp_max(lo[5] + 200)
     cand[5, 0], cand[5, n - 1] = lo[5] + 250, lo[5] + 256  # the largest copy is the last one (kk = 2)
-    kk = torch.tensor([1, n, 150, 37, 299, 2, 77, 45], dtype=torch.int32)
+    cand[8, :n] = (lo[8] + torch.arange(n)[torch.randperm(n, generator=gen)] % 128).to(torch.int16)
+    kk = torch.tensor([1, n, 150, 37, 299, 2, 77, 45, 42], dtype=torch.int32)  # row 8: T = lo + 107
     out = torch.full((rows, 2), POISON, dtype=torch.int32).to(DEVICE)
     _cand_threshold_kernel[(rows,)](cand.to(DEVICE), n, 320, kk.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE), out,
                                     STEP=64, COUNT=count)
@@ -715,13 +719,14 @@ def test_select_kv_with_the_pass2_histogram_is_unchanged(gen, fp8):
 
 @pytest.mark.parametrize("fp8,cap,one_group,rpt,cand_count", [
     (False, None, False, 1, False), (True, 16, False, 1, False), (True, None, True, 1, False),
-    (True, None, True, 2, False), (True, None, True, 1, True)])
+    (True, None, True, 2, False), (True, None, True, 1, True), (True, None, True, 1, 2)])
 def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rpt, cand_count):
     """group_prob_sums(select=topk.FusedRows): the pair kernel's epilogue writes each group's top-K of the float16 sums
     it stored (B = 2, 9 groups: the last pair has one group; 16-byte rows, one whole 1024-key tile and a partial one),
     and ``finish`` the rows whose bracket missed (cap 16: every row overflows its candidate slots and goes to the radix
     launch; default cap: none does), also with one group per program (one_group), two tile rows per thread (rpt:
-    one masked 2048-key step) and the threshold among the candidates by counting (cand_count): the brute-force top-K
+    one masked 2048-key step) and the threshold among the candidates by counting (cand_count: one / two bits per
+    pass): the brute-force top-K
     of the same sums, every slot written (poisoned first);
     select_kv(topk_fused=True) == select_kv(topk_fused=False)."""
     from comfyui_mc_sparse_pack.kernels.triton import selection, topk

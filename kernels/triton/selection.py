@@ -248,7 +248,7 @@ def _group_prob_sums_pair(
     T_ROWS: tl.constexpr = 128,  # top-K tile rows (16-byte vectors) per sweep step
     T_NS: tl.constexpr = 1024,  # top-K sample slots (a power of two >= n_samp)
     T_TWO_BITS: tl.constexpr = False,  # its sample order statistics two bits per reduction (T_NS <= 8 per thread)
-    T_CAND_COUNT: tl.constexpr = False,  # the top-K's threshold among its candidates by counting (FusedRows.cand_count)
+    T_CAND_COUNT: tl.constexpr = 0,  # the top-K's threshold among its candidates by counting (FusedRows.cand_count)
 ):
     """``_group_prob_sums_fwd`` for C <= BLOCK_M with two query groups per program (groups 2i and 2i+1 of one
     head): each K tile is loaded once for both groups' QK^T products (half the K traffic from L2), and the two
@@ -661,7 +661,7 @@ def _fused_topk_args(select, out, num_warps, placeholder):
     meta = dict(TOPK=True, T_ALIGN=align, T_ROWS=32 * num_warps * select.rows_per_thread,
                 T_NS=triton.next_power_of_2(n_samp),
                 T_TWO_BITS=triton.next_power_of_2(n_samp) <= 8 * 32 * num_warps,
-                T_CAND_COUNT=bool(select.cand_count) and cap % (32 * num_warps * select.rows_per_thread * 8) == 0)
+                T_CAND_COUNT=int(select.cand_count) if cap % (32 * num_warps * select.rows_per_thread * 8) == 0 else 0)
     return args, meta
 
 
@@ -912,7 +912,8 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     ``_TOPK_HIST_DEFAULT``); ``topk_fused``: the pair kernel runs the bracket top-K on its own groups' sums after
     its key sweep (``topk.FusedRows``; same selection; None: ``_TOPK_FUSED_DEFAULT`` on sm_90+; ignored with ``topk_method``,
     ``topk_hist`` or when another pass-2 kernel runs); ``topk_count``: that top-K's threshold among its candidates
-    by counting (``FusedRows.cand_count``; same selection; None: ``_TOPK_COUNT_DEFAULT``); ``topk_z``: that top-K's
+    by counting (``FusedRows.cand_count``: True / 1 one bit per pass over the copies, 2 two bits, False / 0 radix
+    histograms; same selection; None: ``_TOPK_COUNT_DEFAULT``); ``topk_z``: that top-K's
     bracket half-width in binomial sigmas (``topk.bracket_plan``; same selection; None: its default); ``cute``: pass 2
     on the CuTeDSL sm_90 kernel where it runs (``group_prob_sums``; None: ``pass2_dispatch.CUTE_DEFAULT``), then the
     separate bracket top-K (``topk.top_k_rows``), its threshold among the candidates by counting when ``topk_count``
@@ -938,7 +939,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     if topk_fused and not use_hist and topk_method is None:
         try:
             fused = FusedRows.allocate(B * hc * G, SK, num_keys, k_alloc, q.device,
-                                       cand_count=_TOPK_COUNT_DEFAULT if topk_count is None else bool(topk_count),
+                                       cand_count=int(_TOPK_COUNT_DEFAULT if topk_count is None else topk_count),
                                        **({} if topk_z is None else dict(z=float(topk_z))))
         except torch.cuda.OutOfMemoryError:
             fused = None  # the unfused top-K (its own out-of-memory handling)
@@ -957,11 +958,11 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             select.finish(sums)
         else:
             _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method or ("radix" if use_hist else None), hist,
-                   cand_count=_TOPK_SEPARATE_COUNT_DEFAULT if topk_count is None else bool(topk_count))
+                   cand_count=int(_TOPK_SEPARATE_COUNT_DEFAULT if topk_count is None else topk_count))
     return out
 
 
-def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None, cand_count=False):
+def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None, cand_count=0):
     """The Triton top-K; if it cannot run here (a compiler or resource failure), ``torch.topk`` + sort instead, so
     the selection stays fast (ties then as torch.topk breaks them); the error is logged once per process. Out of
     memory in the bracket method (its per-call candidate scratch, rows x cap int16: ~230 MB for a 14B 720p head

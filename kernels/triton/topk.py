@@ -360,14 +360,16 @@ def _cand_threshold(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr):
 
 
 @triton.jit
-def _cand_threshold_count(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr):
+def _cand_threshold_count(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr, BITS: tl.constexpr = 1):
     """``_cand_threshold``'s (T, need) by a bit search instead of histograms: for each bit of d = key - lo from the top
     of hi - lo's bit length down, the copies with d >= (bits found | this bit) are counted (per-element counters over
     the STEP-key chunks, one block-wide sum per bit) and the bit kept when at least kk are; then one more count of the
     copies above T gives need. The slots from n_cand up to the next multiple of STEP are written -1 first (the row's
     scratch must hold them: its size a multiple of STEP), so every chunk loads whole and unmasked (16-byte loads).
     ~log2(hi - lo) passes of a compare and an add per copy, against two 256-bin ``tl.histogram`` passes (ballots per
-    bin bit: ~80 SASS instructions per copy and pass at sm_90) per copy."""
+    bin bit: ~80 SASS instructions per copy and pass at sm_90) per copy. BITS 2: two bits per pass (three trials
+    counted in one sweep of the copies, packed into one int64 counter per element, 21 bits each): half the dependent
+    passes over the copies."""
     offs0 = tl.arange(0, STEP)
     pad = n_cand + offs0
     tl.store(cand_row + pad, tl.full([STEP], -1, cand_row.dtype.element_ty),
@@ -378,13 +380,33 @@ def _cand_threshold_count(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr):
     for i in tl.static_range(32):
         top = tl.where((rng >> i) > 0, i + 1, top)
     thr = lo  # lo + the bits of T - lo found so far
-    for i in range(0, top):
-        trial = thr + (1 << (top - 1 - i))
-        cnt = tl.zeros([STEP], dtype=tl.int32)
-        for c0 in range(0, n_cand, STEP):
-            key = tl.load(cand_row + c0 + offs0).to(tl.int32)  # copies >= 0, padding -1
-            cnt += (key >= trial).to(tl.int32)
-        thr = tl.where(tl.sum(cnt, 0) >= kk, trial, thr)
+    if BITS == 2:
+        # top rounded up to even: a trial past hi counts no copy (< kk), so the extra top bit stays 0
+        top2 = top + (top & 1)
+        for i in range(0, top2, 2):
+            b = top2 - 2 - i
+            t1 = thr + (1 << b)
+            t2 = thr + (2 << b)
+            t3 = thr + (3 << b)
+            cnt = tl.zeros([STEP], dtype=tl.int64)
+            for c0 in range(0, n_cand, STEP):
+                key = tl.load(cand_row + c0 + offs0).to(tl.int32)  # copies >= 0, padding -1
+                cnt += ((key >= t1).to(tl.int64) + ((key >= t2).to(tl.int64) << 21)
+                        + ((key >= t3).to(tl.int64) << 42))
+            tot = tl.sum(cnt, 0)
+            c1 = (tot & 0x1FFFFF).to(tl.int32)
+            c2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
+            c3 = (tot >> 42).to(tl.int32)
+            thr = tl.where(c3 >= kk, t3, tl.where(c2 >= kk, t2, tl.where(c1 >= kk, t1, thr)))
+    else:
+        tl.static_assert(BITS == 1, "BITS must be 1 or 2")
+        for i in range(0, top):
+            trial = thr + (1 << (top - 1 - i))
+            cnt = tl.zeros([STEP], dtype=tl.int32)
+            for c0 in range(0, n_cand, STEP):
+                key = tl.load(cand_row + c0 + offs0).to(tl.int32)  # copies >= 0, padding -1
+                cnt += (key >= trial).to(tl.int32)
+            thr = tl.where(tl.sum(cnt, 0) >= kk, trial, thr)
     cnt = tl.zeros([STEP], dtype=tl.int32)
     for c0 in range(0, n_cand, STEP):
         key = tl.load(cand_row + c0 + offs0).to(tl.int32)
@@ -405,7 +427,8 @@ def _bracket_topk_rows(
     NS: tl.constexpr,  # sample slots (power of two >= n_samp)
     CAP: tl.constexpr,  # candidate slots per row in CAND
     PREFETCH: tl.constexpr,  # each sweep issues the next tile's load before this tile's work
-    CAND_COUNT: tl.constexpr = False,  # the threshold among the copies by counting (CAP a multiple of ROWS * VEC)
+    CAND_COUNT: tl.constexpr = 0,  # the threshold among the copies by counting, 1 or 2 bits per pass (0: histograms;
+    # CAP a multiple of ROWS * VEC)
 ):
     """The bracket method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row: a stratified sample of
     n_samp keys (one per ``stride_samp`` positions, a scrambled offset in each) brackets the K-th largest key between
@@ -435,7 +458,7 @@ def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_s
     ``_bracket_topk_rows`` per program, or pass 2's epilogue (``selection._group_prob_sums_pair`` TOPK). The threshold
     among the copies: ``_cand_threshold`` (radix select). SAMPLE_TWO_BITS: the bracket's two sample order statistics
     two bits per reduction (``_kth_largest2``; for NS / threads <= 8: the fused epilogue's 4 warps). CAND_COUNT: the
-    threshold among the copies by ``_cand_threshold_count`` (bit search by counting) instead."""
+    threshold among the copies by ``_cand_threshold_count`` (bit search by counting; 2: two bits per pass) instead."""
     zero = tl.program_id(0) * 0
     top = zero + (0x7C01 if KEY_BITS == 16 else 0x7F800001)  # one above +inf's key: above every key
 
@@ -472,7 +495,7 @@ def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_s
     if hit:
         # the threshold is the (num_keys - above)-th largest copy (every copy is >= lo, n_cand >= that)
         if CAND_COUNT:
-            prefix, need = _cand_threshold_count(cand_row, n_cand, num_keys - above, lo, hi, ROWS * VEC)
+            prefix, need = _cand_threshold_count(cand_row, n_cand, num_keys - above, lo, hi, ROWS * VEC, CAND_COUNT)
         else:
             prefix, need = _cand_threshold(cand_row, n_cand, num_keys - above, lo, hi, ROWS * VEC // 2)
         _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, ROWS, VEC, PREFETCH)
@@ -511,7 +534,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
                method: str | None = None, cap: int | None = None, block: int | None = None,
                num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None,
                sample_stride: int | None = None, prefetch: bool = True, maxnreg: int | None = None,
-               cand_count: bool = False):
+               cand_count: int = 0):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
 
@@ -529,9 +552,10 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         sample_stride: the bracket method's keys per sample (None: ``bracket_plan``'s); prefetch: its sweeps issue
             the next tile's load before this tile's work; maxnreg: the bracket kernel's register cap per thread on
             CUDA (None: ``_BRACKET_MAXNREG``; 0: none).
-        cand_count: the bracket method's threshold among its candidates by counting bit by bit
-            (``_cand_threshold_count``, as ``FusedRows.cand_count``) instead of radix histograms; the candidate slots
-            per row are then rounded up to a multiple of the sweep step (its padding). Same result.
+        cand_count: the bracket method's threshold among its candidates by counting (``_cand_threshold_count``, as
+            ``FusedRows.cand_count``; True or 1: one bit per pass over the copies, 2: two) instead of radix histograms
+            (0 / False); the candidate slots per row are then rounded up to a multiple of the sweep step (its
+            padding). Same result.
         return_fallbacks: also return int8 ``[rows]``, 1 where the bracket method fell back to the radix threshold.
         hist: optional int32 ``[..., HIST_BINS]`` contiguous: each row's histogram of its keys' top 8 bits (pass 2
             counts it while writing the sums, ``selection.group_prob_sums(hist=...)``); the radix method then skips
@@ -597,7 +621,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // align,
             src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank,
             KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
-            PREFETCH=prefetch, CAND_COUNT=bool(cand_count), num_warps=warps, **launch)
+            PREFETCH=prefetch, CAND_COUNT=int(cand_count), num_warps=warps, **launch)
         # the rows whose bracket missed (flagged): radix threshold + compaction; every other program returns at once
         _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,
                                HAS_HIST=False, ONLY_FLAGGED=True, num_warps=4)
@@ -626,11 +650,11 @@ class FusedRows:
     flags: torch.Tensor
     done: bool = False
     rows_per_thread: int = 1
-    cand_count: bool = False
+    cand_count: int = 0
 
     @classmethod
     def allocate(cls, rows: int, sk: int, num_keys: int, width: int, device, *, z: float = _Z,
-                 cand_count: bool = False) -> "FusedRows":
+                 cand_count: int = 0) -> "FusedRows":
         """A plan for float16 sums of ``rows`` rows of ``sk`` keys (``out`` set per head chunk by ``for_chunk``;
         ``z``: the bracket's half-width in binomial sigmas, ``bracket_plan``; ``cand_count``: the field, with at least
         ``_CAND_COUNT_MIN_CAP`` candidate slots). Raises torch.cuda.OutOfMemoryError for the candidate scratch (rows x
@@ -640,7 +664,7 @@ class FusedRows:
             plan = (*plan[:4], _CAND_COUNT_MIN_CAP)
         return cls(torch.empty(0, dtype=torch.int32, device=device), num_keys, width, plan,
                    torch.empty(rows, plan[4], dtype=torch.int16, device=device),
-                   torch.empty(rows, dtype=torch.int8, device=device), cand_count=cand_count)
+                   torch.empty(rows, dtype=torch.int8, device=device), cand_count=int(cand_count))
 
     def for_chunk(self, out: torch.Tensor) -> "FusedRows":
         """This plan (same scratch) for the head chunk's selection ``out`` ([B, h, G, width]), ``done`` cleared."""
