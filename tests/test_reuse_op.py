@@ -150,6 +150,9 @@ def test_residual_rejects_malformed():
     q = torch.zeros(1, 2, 5, 8, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"\(1, 2, 5, 4\)"):
         Residual(torch.zeros(1, 2, 5, 8, dtype=torch.uint8), torch.ones(1, 2, 5), "int4_row").check(q)
+    with pytest.raises(ValueError, match="even head dim"):  # D = 9: 4 bytes would drop the 9th element
+        Residual(torch.zeros(1, 2, 5, 4, dtype=torch.uint8), torch.ones(1, 2, 5), "int4_row").check(
+            torch.zeros(1, 2, 5, 9, dtype=torch.float16))
     packed, bf = torch.full((1, 2, 5, 4), 0x88, dtype=torch.uint8), torch.ones(1, 2, 5, dtype=torch.bfloat16)
     coef, mean = torch.zeros(1, 2, 5).to(torch.float8_e4m3fn), torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="bfloat16 scale"):
