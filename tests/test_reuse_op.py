@@ -176,6 +176,15 @@ def test_residual_rejects_malformed():
             Residual(packed, parts[0], "int4_group", parts[1], parts[2])
     group = Residual(packed, bf, "int4_group", coef, mean)
     group.check(q)
+    with pytest.raises(ValueError, match="on q's device"):
+        group.check(q.to("meta"))
+    with pytest.raises(ValueError, match="do not divide perm's width"):  # 3 mean rows, 5 slots
+        group.dequantize(torch.float32, torch.arange(5, dtype=torch.int32).view(1, 1, 5).expand(1, 2, 5))
+    # a query no perm slot holds (4 of 0-4 here) adds no group's mean row: R = q * scale = 0 there, mean 1 elsewhere
+    ones = Residual(packed, bf, "int4_group", torch.ones(1, 2, 5).to(torch.float8_e4m3fn), torch.ones_like(mean))
+    held = torch.tensor([0, 1, 2, 3, -1, -1], dtype=torch.int32).view(1, 1, 6).expand(1, 2, 6)
+    r = ones.dequantize(torch.float32, held)
+    assert torch.equal(r[:, :, :4], torch.ones(1, 2, 4, 8)) and torch.equal(r[:, :, 4], torch.zeros(1, 2, 8))
     perm5 = torch.arange(5, dtype=torch.int32).view(1, 1, 5).expand(1, 2, 5).contiguous()
     idx1 = torch.arange(5, dtype=torch.int32).view(1, 1, 1, 5).expand(1, 2, 1, 5).contiguous()
     with pytest.raises(ValueError, match="mean must have kv_idx's G = 1"):
