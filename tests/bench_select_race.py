@@ -464,7 +464,7 @@ def precompile(shape, rows):
         from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90
 
         tun = bcp.parse_variant(rows[0])
-        pass2_sm90.compiled("float16", tun.get("stages"), tun.get("poly"))
+        pass2_sm90.compiled("float16", **{key: tun[key] for key in bcp.COMPILED if key in tun})
         return
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # (cpu: TRITON_INTERPRET=1, a check of this code)
     S = math.prod(SHAPES[shape]["grid"])
