@@ -253,10 +253,12 @@ RACE2_TOPK = (("1grp", True, 1, topk._Z, True), ("1grp hist", True, 1, topk._Z, 
 
 
 # race 2's separate top-K variants (``topk.top_k_rows`` keyword arguments), timed alone on the Triton kernel's sums
-# (what follows the CuTeDSL pass 2): histograms (today's separate default), counting, counting with 4 warps per row,
-# counting with twice the samples (one per 32 keys: a bracket ~0.7x as wide), each checked against the brute force
+# (what follows the CuTeDSL pass 2): histograms (today's separate default), counting one / two bits per pass, and with
+# two bits: 4 warps per row, twice the samples (one per 32 keys: a bracket ~0.7x as wide), two 16-byte tile rows per
+# thread per sweep step (block 1024: twice the bytes in flight); each checked against the brute force
 SEPARATE_TOPK = (("hist", dict(cand_count=0)), ("count", dict(cand_count=1)), ("count2", dict(cand_count=2)),
-                 ("count2 w4", dict(cand_count=2, num_warps=4)), ("count2 s32", dict(cand_count=2, sample_stride=32)))
+                 ("count2 w4", dict(cand_count=2, num_warps=4)), ("count2 s32", dict(cand_count=2, sample_stride=32)),
+                 ("count2 x2", dict(cand_count=2, block=1024)))
 
 
 def race2_topk(fns, sums, kq, width, res):

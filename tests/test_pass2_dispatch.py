@@ -373,3 +373,18 @@ def test_cute_out_of_memory_propagates(gen, cute):
     with pytest.raises(torch.cuda.OutOfMemoryError):
         sel.group_prob_sums(q, k, lse, perm, group_size=C, fp8=True, cute=True)
     assert _mod("pass2_dispatch").cute_fallback_reason() is None
+
+
+def test_cute_default_routes_select_kv(gen, cute, gluon, monkeypatch):
+    """CUTE_DEFAULT on (what a measured win sets): select_kv at its defaults runs the CuTeDSL kernel, the Gluon kernel
+    is not tried, and MC_SPARSE_PASS2_CUTE=0 / cute=False turn it off again."""
+    sel = _mod("selection")
+    d = _mod("pass2_dispatch")
+    monkeypatch.setattr(d, "CUTE_DEFAULT", True)
+    q, k, lse, perm, C = _inputs(gen, S=64)
+    sel.select_kv(q, k, lse, perm, 20, group_size=C, kv_tile=16, fp8=True)
+    assert len(cute.calls) == 1 and not gluon.calls
+    sel.select_kv(q, k, lse, perm, 20, group_size=C, kv_tile=16, fp8=True, cute=False)
+    monkeypatch.setenv("MC_SPARSE_PASS2_CUTE", "0")
+    sel.select_kv(q, k, lse, perm, 20, group_size=C, kv_tile=16, fp8=True)
+    assert len(cute.calls) == 1
