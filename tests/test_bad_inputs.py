@@ -506,3 +506,67 @@ def test_hunyuan3d21_attention_forward_contains_a_bug_and_passes_the_callers_err
     backend["fn"] = comfy_fails
     with pytest.raises(RuntimeError, match="ComfyUI's attention failed"):
         call(0.8)
+
+
+class _H3D21AttentionV033(_H3D21Attention):
+    """ComfyUI v0.33.0's ``Attention.forward`` (``hunyuandit.py`` L390-420): as v0.3.64's, its attention called with
+    ``low_precision_attention=False`` (SageAttention and other low-precision backends run PyTorch attention here)."""
+
+    def forward(self, x):
+        from comfy.ldm.modules.attention import optimized_attention
+
+        B, N, _ = x.shape
+        qkv = torch.cat((self.to_q(x), self.to_k(x), self.to_v(x)), dim=-1)
+        split = qkv.shape[-1] // self.num_heads // 3
+        q, k, v = torch.split(qkv.view(B, -1, self.num_heads, split * 3), split, dim=-1)
+        q = self.q_norm(q.reshape(B, N, self.num_heads, self.head_dim)).reshape(B, N, -1)
+        k = self.k_norm(k.reshape(B, N, self.num_heads, self.head_dim)).reshape(B, N, -1)
+        return self.out_proj(optimized_attention(q, k, v.reshape(B, N, -1), heads=self.num_heads,
+                                                 low_precision_attention=False))
+
+
+@pytest.mark.parametrize("version", ["v0.3.64", "v0.33.0"])
+def test_hunyuan3d21_dense_calls_keep_the_originals_precision_keyword(gen, monkeypatch, version):
+    """The replaced Hunyuan3D 2.1 forward's dense calls (here the warm-up step and a dense warm-up layer) reach
+    ComfyUI's attention with the keywords the original forward passes: ``low_precision_attention=False`` under v0.33.0
+    (with SageAttention selected the unpatched model runs PyTorch attention there; the patched one ran SageAttention
+    in every dense call), nothing extra under v0.3.64 (whose backends never heard of it). Mutation: the keyword dropped
+    (the bug) or always passed."""
+    import sys
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import hunyuan3d21, override
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    seen = []
+
+    def backend(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, **kw):
+        seen.append(kw)
+        return raw_attention(q, k, v, heads, mask=mask, skip_reshape=skip_reshape,
+                             skip_output_reshape=skip_output_reshape).float()
+
+    mods = {name: types.ModuleType(name) for name in ("comfy", "comfy.ldm", "comfy.ldm.modules",
+                                                      "comfy.ldm.modules.attention")}
+    mods["comfy.ldm.modules.attention"].optimized_attention = backend
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    attn = (_H3D21AttentionV033 if version == "v0.33.0" else _H3D21Attention)(gen)
+    want = {"low_precision_attention": False} if version == "v0.33.0" else {}
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, settings
+
+    x = torch.randn(1, 200, 128, generator=gen)
+    s = settings.build_settings(preset="custom", density=0.5, dense_warmup="2", warmup_layers=1, anchor_steps="2",
+                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+    run = lifecycle.RunState(s, torch.tensor([1.0, 0.8, 0.6, 0.4, 0.0]))
+    for layer, sigma in ((1, 1.0), (0, 0.6)):  # block 1 at a dense warm-up step, block 0 (a dense layer) at a reuse step
+        forward = hunyuan3d21.make_attn_forward(attn, CallSite(layer, "hunyuan3d21", prefix=1), attn.forward)
+        token = override.CURRENT_OPTIONS.set(transformer_options(run, CallSite(layer, "hunyuan3d21", prefix=1),
+                                                                 chunks=1, sigma=sigma))
+        try:
+            seen.clear()
+            torch.testing.assert_close(forward(x), attn.forward(x))
+        finally:
+            override.CURRENT_OPTIONS.reset(token)
+        assert seen and all(kw == want for kw in seen), (layer, sigma, seen)
