@@ -194,7 +194,17 @@ def test_torch_compile_second_run_no_recompile(comfy, summaries):
 
 
 def test_hunyuan3d21_object_patch_route(comfy, summaries):
-    """Hunyuan3D 2.1 (no transformer_options at attention): the replaced attn1 forwards go sparse."""
+    """Hunyuan3D 2.1 (no transformer_options at attention): the replaced attn1 forwards go sparse, and their dense
+    calls pass the fixed keywords this ComfyUI's own forward passes (v0.33.0: low_precision_attention=False)."""
+    import importlib
+    import inspect
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import hunyuan3d21
+
+    dit = importlib.import_module("comfy.ldm.hunyuan3dv2_1.hunyuandit")
+    source = inspect.getsource(dit.Attention.forward)
+    want = {"low_precision_attention": False} if "low_precision_attention=False" in source else {}
+    assert hunyuan3d21.original_keywords(dit.Attention.forward) == want, source
     _, nodes = comfy
     model = _patch(nodes, _load(comfy, "hunyuan3d21"))
     g = torch.Generator().manual_seed(0)
