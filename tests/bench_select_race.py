@@ -105,7 +105,8 @@ def checks(q, k, lse, perm, S, log, full=True):
         pass2_dispatch.CUTE_DEFAULT = False
         log("CUTE DEFAULT OFF for this run: its check failed; the defaults row measures the Triton pass 2")
     sel = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE)
-    sums16 = selection.group_prob_sums(*sub, group_size=C).half()
+    sums16 = torch.empty(1, 2, G, k.shape[2], dtype=torch.float16, device=q.device)  # (the scratch's dtype)
+    selection.group_prob_sums(*sub, group_size=C, out=sums16)
     want = ref_top_k_rows(sums16, kq, width)
     r = dict(default_exact=bool(torch.equal(sel, want)))
     # race 1's row "count2": the fused top-K's threshold by counting two bits per pass == the defaults
@@ -117,7 +118,7 @@ def checks(q, k, lse, perm, S, log, full=True):
                                 torch.empty(2 * G, 16, dtype=torch.int16, device=q.device),
                                 torch.empty(2 * G, dtype=torch.int8, device=q.device))
         sums_f = torch.full_like(sums16, float("nan"))
-        selection.group_prob_sums(*sub, group_size=C, out=sums_f, select=forced)
+        selection.group_prob_sums(*sub, group_size=C, out=sums_f, select=forced, cute=False)  # (the Triton kernel)
         r["fused_ran"] = forced.done
         forced.finish(sums_f)
         r["fused_forced_fallback_exact"] = bool(torch.equal(forced.out, ref_top_k_rows(sums_f, kq, width)))
@@ -630,6 +631,8 @@ def main():
                     children = {}
                 rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed)
                         if (res["checks"]["cute"]["ok"] if n.startswith("cute") else res["checks"]["count2_equal"])}
+                if pass2_dispatch.cute_mode():  # the CuTeDSL pass 2 is the default: the Triton one beside it
+                    rows["triton"] = dict(cute=False)
                 res["race1"] = race1(name, q, k, v, lse, perm, log,
                                      {**rows, **({"gluon": dict(gluon=True)} if gluon_row else {})})
                 save()
