@@ -3,6 +3,8 @@ backend runs (so no backend is blamed for the caller's mistake: nothing lands in
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from comfyui_mc_sparse_pack import kernels
@@ -395,7 +397,9 @@ def test_a_joint_call_whose_mask_masks_every_text_key_stays_sparse(gen, joint):
 
 
 @pytest.mark.parametrize("case", ["out_shares_k", "out_shares_v", "out_device", "perm_width", "perm_device",
-                                  "decode_width", "decode_rows"])
+                                  "decode_width", "decode_rows", "k_device", "k_head_dim", "perm_device_pass2",
+                                  "lse_device", "kv_idx_empty", "decode_bytes", "decode_out_device",
+                                  "out_shares_one_element"])
 def test_public_op_checks_no_other_test_reached(gen, case):
     """Each check of the public ops that a mutation could drop with the suite green: ``out`` sharing memory with k or
     v (the kernel reads them while writing out), ``out`` or perm on another device, a perm width that is not G*C for
@@ -404,6 +408,7 @@ def test_public_op_checks_no_other_test_reached(gen, case):
     q, k, v, perm, lse = _inputs(gen)
     kv_idx = kernels.select_kv(q, k, lse, perm, 8, group_size=16, kv_tile=8, backend="torch")
     bits = torch.zeros(6, 5, dtype=torch.uint8)
+    shared = torch.randn(2 * q.numel() - 1, generator=gen)  # out's last element is k's first
     call, err, words = {
         "out_shares_k": (lambda: kernels.sparse_attention(q, k, v, perm, kv_idx, out=k), ValueError,
                          "must not share memory with k"),
@@ -420,11 +425,42 @@ def test_public_op_checks_no_other_test_reached(gen, case):
         "decode_rows": (lambda: kernels.decode_bitmask(bits.view(2, 3, 5), num_tokens=40,
                                                        out=torch.empty(3, 2, 8, dtype=torch.int32).transpose(0, 1)),
                         ValueError, "flatten to rows"),
+        "k_device": (lambda: kernels.dense_attention(q, k.to("meta"), v.to("meta")), TypeError,
+                     "k must match q's dtype and device"),
+        "k_head_dim": (lambda: kernels.dense_attention(q, k[..., :16], v[..., :16]), ValueError,
+                       "k must be [B, H, Sk, D] with q's B, H, D"),
+        "perm_device_pass2": (lambda: kernels.select_kv(q, k, lse, perm.to("meta"), 8, group_size=16, kv_tile=8),
+                              ValueError, "perm must be on q's device"),
+        "lse_device": (lambda: kernels.group_prob_sums(q, k, lse.to("meta"), perm, group_size=16), ValueError,
+                       "lse must be [B, H, S] = (1, 2, 40) on q's device"),
+        "kv_idx_empty": (lambda: kernels.sparse_attention(q, k, v, perm, kv_idx[..., :0]), ValueError,
+                         "kv_idx must be int32 [B, H, G, K]"),
+        "decode_bytes": (lambda: kernels.decode_bitmask(bits, num_tokens=48, width=8), ValueError,
+                         "ceil(num_tokens/8) = 6 bytes per row, got 5"),
+        "decode_out_device": (lambda: kernels.decode_bitmask(bits, num_tokens=40,
+                                                             out=torch.empty(6, 8, dtype=torch.int32, device="meta")),
+                              ValueError, "out must be on bits' device"),
+        "out_shares_one_element": (lambda: kernels.sparse_attention(q, shared[q.numel() - 1:].view(q.shape), v, perm,
+                                                                    kv_idx, out=shared[:q.numel()].view(q.shape)),
+                                   ValueError, "must not share memory with k"),
     }[case]
     record = registry.Record()
-    with registry.recording(record), pytest.raises(err, match=words.replace("*", r"\*")):
+    with registry.recording(record), pytest.raises(err, match=re.escape(words)):
         call()
     assert not record.failures
+
+
+def test_out_right_before_k_in_one_buffer_is_not_an_overlap(gen):
+    """``out`` ending exactly where k starts in one buffer shares no byte with it: the call runs (the overlap check
+    compares half-open byte ranges). Mutation: adjacent ranges counted as overlapping."""
+    q, k, v, perm, lse = _inputs(gen)
+    kv_idx = kernels.select_kv(q, k, lse, perm, 8, group_size=16, kv_tile=8, backend="torch")
+    buf = torch.empty(2 * q.numel())
+    out, k2 = buf[:q.numel()].view(q.shape), buf[q.numel():].view(q.shape)
+    k2.copy_(k)
+    got = kernels.sparse_attention(q, k2, v, perm, kv_idx, out=out, backend="torch")
+    assert got is out
+    torch.testing.assert_close(out, kernels.sparse_attention(q, k, v, perm, kv_idx, backend="torch"))
 
 
 class _H3D21Attention(torch.nn.Module):
