@@ -8,27 +8,28 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
    entry written, select_kv(cute=True) == the brute-force top-K of its sums by both separate top-K thresholds; a
    failure skips its rows and, where it is the default, turns it off for the run: the defaults row then measures the
    Triton pass 2, reported); then select_kv at its defaults == the brute-force top-K (kernels/reference/topk.py) of
-   its own float16 sums, with topk_count=2 == the defaults; at 1.3B also the fused top-K with every row forced to
-   the radix fallback (16 candidate slots) == the brute force.
-2. RACE 1 (tests/_timing.race: sustained back-to-back samples, shuffled order, median; TEAM.md item 7): flash-attn-4
-   dense with LSE, select_kv defaults (on sm_90 with the Triton pass 2: the top-K fused into the one-group pass-2
-   kernel, its threshold among the candidates by counting) and ``RACE1_ROWS`` ("count2": that threshold counting two
-   bits per pass; "cute" / "cute count" / "cute count2": the CuTeDSL pass 2 + the separate top-K by histograms / by
-   counting one / two bits per pass; ``--p2ws-gluon-row``: the Gluon pass 2 where its child
-   check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios / dense from the same rounds ->
-   ``pass2_topk_over_dense_max`` (the defaults; both shapes). Their kernels compile first in child processes
-   (``CHILD_ROWS``), waited for before the first timing.
-3. RACE 2 (per shape after both shapes' race 1; 14B only with 20 s of ``--budget`` left): the parts on all heads at
-   s = 0.25 in the same rounds as dense: the float8 operand pass, select_kv at its defaults (the whole beside its
-   parts), the one-group pass-2 kernel alone and with its fused top-K epilogue (on precomputed operands; sums checked
-   against select_kv's, the fused selection against the brute force of its sums), counting and by histograms
-   and counting two bits per pass (``RACE2_TOPK``); the separate top-K alone on those sums (``SEPARATE_TOPK``:
-   histograms, counting one / two bits per pass, 4 warps, twice the samples); the CuTeDSL pass 2 alone, + the
-   separate top-K (histograms / counting one / two bits),
-   select_kv(cute=True, topk_count=True) (``race2_cute``, each checked first);
-   then the host time of one select_kv call enqueued behind busy GPU work (defaults, cute count). RACE 2b, last (a faulting kernel ends the
-   process): issue 15's pass-2 kernel variants of tests/bench_pass2_exp.py (``--p2ws-variants``; each checked against
-   that bench's reference kernel as there) with dense in their own race.
+   its own float16 sums; at 1.3B also the fused top-K with every row forced to the radix fallback (16 candidate
+   slots) == the brute force.
+2. RACE 2 at 1.3B first, after its checks (round s8r1 lost it to the time cap; at 14B only after both race 1s, with
+   20 s of ``--budget`` left): the parts on all heads at s = 0.25 in the same rounds as dense: the float8 operand
+   pass, select_kv at its defaults (the whole beside its parts), the one-group Triton pass-2 kernel alone and with
+   its fused top-K epilogue (``RACE2_TOPK``; on precomputed operands; sums checked against select_kv's, the fused
+   selection against the brute force of its sums); the separate top-K alone on those sums (``SEPARATE_TOPK``:
+   counting one / two bits per pass, twice the samples, two tile rows per thread); the CuTeDSL pass 2 alone (+
+   ``--cute-variants``, p2cute's launch variants), + the separate top-K (counting one / two bits),
+   select_kv(cute=True, topk_count=True) (``race2_cute``, each checked first); then the host time of one select_kv
+   call enqueued behind busy GPU work (defaults, cute count).
+3. RACE 1 per shape (tests/_timing.race: sustained back-to-back samples, shuffled order, median; TEAM.md item 7):
+   flash-attn-4 dense with LSE, select_kv defaults (on sm_90 with the Triton pass 2: the top-K fused into the
+   one-group pass-2 kernel, its threshold among the candidates by counting) and ``RACE1_ROWS`` ("cute count" /
+   "cute count2": the CuTeDSL pass 2 + the separate top-K counting one / two bits per pass; "triton" beside a
+   CuTeDSL default; ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 /
+   0.25 / 0.5: ratios / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes).
+   Their kernels compile first in child processes (``CHILD_ROWS``), waited for before the first timing.
+   RACE 2b, last (a faulting kernel ends the process): issue 15's pass-2 kernel variants of tests/bench_pass2_exp.py
+   (``--p2ws-variants``; each checked against that bench's reference kernel as there) with dense in their own race.
+   Round s8r1 (H200, main 83522ba): the rows "hist" (CuTeDSL + separate top-K by histograms) and "count2" (the fused
+   top-K counting two bits per pass) lost to the ones kept at every point and were removed.
 
 Writes OUT/bench_select_race.json after each step and OUT/scoreboard.json (the key above, with command and commit).
 Usage (checkout root, H200): python tests/bench_select_race.py --out OUT [--shapes 1.3b,14b] [--commit HASH]
@@ -109,9 +110,6 @@ def checks(q, k, lse, perm, S, log, full=True):
     selection.group_prob_sums(*sub, group_size=C, out=sums16)
     want = ref_top_k_rows(sums16, kq, width)
     r = dict(default_exact=bool(torch.equal(sel, want)))
-    # race 1's row "count2": the fused top-K's threshold by counting two bits per pass == the defaults
-    two = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_count=2)
-    r["count2_equal"] = bool(torch.equal(two, sel))
     if full:
         plan = topk.bracket_plan(S, kq, 2, cap=16)
         forced = topk.FusedRows(torch.full_like(sel, -7), kq, width, plan,
@@ -187,8 +185,7 @@ def cute_checks(sub, kq, width, log):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"count2": dict(topk_count=2), "cute": dict(cute=True, topk_count=False),
-              "cute count": dict(cute=True, topk_count=True), "cute count2": dict(cute=True, topk_count=2)}
+RACE1_ROWS = {"cute count": dict(cute=True, topk_count=True), "cute count2": dict(cute=True, topk_count=2)}
 
 
 def race1(name, q, k, v, lse, perm, log, rows):
@@ -249,17 +246,15 @@ def host_ms(fn, busy, n=5):
 
 # race 2's fused top-K variants: (tag, one group per program, tile rows per thread, bracket z, cand_count); the first
 # always, the others while the budget lasts (z4 / x2 / two groups: measured in rounds s7r1-s7r3, not better: dropped)
-RACE2_TOPK = (("1grp", True, 1, topk._Z, True), ("1grp hist", True, 1, topk._Z, False),
-              ("1grp count2", True, 1, topk._Z, 2))
+RACE2_TOPK = (("1grp", True, 1, topk._Z, True),)
 
 
 # race 2's separate top-K variants (``topk.top_k_rows`` keyword arguments), timed alone on the Triton kernel's sums
 # (what follows the CuTeDSL pass 2): histograms (today's separate default), counting one / two bits per pass, and with
 # two bits: 4 warps per row, twice the samples (one per 32 keys: a bracket ~0.7x as wide), two 16-byte tile rows per
 # thread per sweep step (block 1024: twice the bytes in flight); each checked against the brute force
-SEPARATE_TOPK = (("hist", dict(cand_count=0)), ("count", dict(cand_count=1)), ("count2", dict(cand_count=2)),
-                 ("count2 w4", dict(cand_count=2, num_warps=4)), ("count2 s32", dict(cand_count=2, sample_stride=32)),
-                 ("count2 x2", dict(cand_count=2, block=1024)))
+SEPARATE_TOPK = (("count", dict(cand_count=1)), ("count2", dict(cand_count=2)),
+                 ("count2 s32", dict(cand_count=2, sample_stride=32)), ("count2 x2", dict(cand_count=2, block=1024)))
 
 
 def race2_topk(fns, sums, kq, width, res):
@@ -300,14 +295,14 @@ def race2_cute(fns, ops, perm, out16, sums, kq, width, res, sel):
         raise AssertionError(f"cute sums differ from select_kv's Triton pass 2 by {rel:.2e}")
     hc = min(out16.shape[1], 12)
     want = ref_top_k_rows(got[:, :hc], kq, width)
-    for tag, cc in (("hist", 0), ("count", 1), ("count2", 2)):
+    for tag, cc in (("count", 1), ("count2", 2)):
         sel.fill_(-7)
         topk.top_k_rows(got, kq, width, out=sel, cand_count=cc)
         if not torch.equal(sel[:, :hc], want):
             raise AssertionError(f"the separate top-K ({tag}) differs from the brute-force top-K of the cute sums")
     del got, want
     fns["pass-2 cute alone"] = lambda: run(out16)
-    for tag, cc in (("hist", 0), ("count", 1), ("count2", 2)):
+    for tag, cc in (("count", 1), ("count2", 2)):
         fns[f"cute + top-K {tag}"] = (lambda cc: lambda: topk.top_k_rows(run(out16), kq, width, out=sel,
                                                                           cand_count=cc))(cc)
 
@@ -328,7 +323,7 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
     fns["select_kv defaults"] = lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE)
     plains = {}
     for tag, one, rpt, z, cc in RACE2_TOPK:
-        if tag not in ("1grp", "1grp hist", "1grp count2") and time.time() - t0 > budget - reserve:
+        if tag != "1grp" and time.time() - t0 > budget - reserve:
             break  # (reserve: seconds kept for race 2b)
         try:
             if one not in plains:  # the kernel without the top-K epilogue
@@ -427,7 +422,7 @@ def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_
 # select_kv compiles for race 1 in child processes started with the bench (one per group of rows and shape, on 2
 # heads of the shape: the same specialisations), so the main process loads them from Triton's disk cache instead of
 # compiling one after another (~4 s each; round s6r2 lost its 14B race to the cap); "race2": race 2's kernels
-CHILD_ROWS = (("defaults", "count2"), ("cute", "cute count", "cute count2"))
+CHILD_ROWS = (("defaults",), ("cute count", "cute count2"))
 
 
 def spawn_children(shapes, out_dir, with_race2, cute_variants=()):
@@ -541,6 +536,18 @@ def write_scoreboard(report, out_dir, command):
     (out_dir / "scoreboard.json").write_text(text)
 
 
+def run_race2(report, name, inputs, args, t0, log, variants, cute_variants, save):
+    """``race2`` for one shape into the report (a failure is reported, not raised)."""
+    try:
+        report["shapes"][name]["race2"] = race2(name, *inputs, args.budget, t0, log, 30.0 if variants else 0.0,
+                                                cute_variants)
+    except Exception as err:  # noqa: BLE001
+        report["shapes"][name]["race2_error"] = f"{type(err).__name__}: {str(err)[:500]}"
+        log(f"{name} race 2 FAILED: {report['shapes'][name]['race2_error']}")
+        traceback.print_exc()
+    save()
+
+
 def main():
     global SMOKE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -629,8 +636,10 @@ def main():
                     rcs = wait_children(children, max(5.0, 60.0 - (time.time() - t0)))
                     log("select children (0 = compiled): " + ", ".join(f"{t} {rc}" for t, rc in rcs.items()))
                     children = {}
+                if name in ("1.3b", "smoke") and not args.race1_only:  # the parts first (round s8r1 lost them to the cap)
+                    run_race2(report, name, (q, k, v, lse, perm), args, t0, log, variants, cute_variants, save)
                 rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed)
-                        if (res["checks"]["cute"]["ok"] if n.startswith("cute") else res["checks"]["count2_equal"])}
+                        if res["checks"]["cute"]["ok"] or not n.startswith("cute")}
                 if pass2_dispatch.cute_mode():  # the CuTeDSL pass 2 is the default: the Triton one beside it
                     rows["triton"] = dict(cute=False)
                 res["race1"] = race1(name, q, k, v, lse, perm, log,
@@ -644,17 +653,12 @@ def main():
     if not args.race2_only:
         write_scoreboard(report, out_dir, command)
     for name, inputs in ({} if args.race2_only or args.race1_only else kept).items():
-        if time.time() - t0 > args.budget - (0 if name in ("1.3b", "smoke") else 20):
+        if name in ("1.3b", "smoke"):
+            continue  # (run before its race 1)
+        if time.time() - t0 > args.budget - 20:
             log(f"{name} race 2 skipped (budget)")
             continue
-        try:
-            report["shapes"][name]["race2"] = race2(name, *inputs, args.budget, t0, log, 30.0 if variants else 0.0,
-                                                    cute_variants if name == "1.3b" else ())
-        except Exception as err:  # noqa: BLE001
-            report["shapes"][name]["race2_error"] = f"{type(err).__name__}: {str(err)[:500]}"
-            log(f"{name} race 2 FAILED: {report['shapes'][name]['race2_error']}")
-            traceback.print_exc()
-        save()
+        run_race2(report, name, inputs, args, t0, log, variants, (), save)
     if variants and "1.3b" in kept and time.time() - t0 < args.budget and not args.race1_only:  # last: a faulting
         # variant ends the process
         try:
