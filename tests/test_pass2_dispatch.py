@@ -243,6 +243,17 @@ def cute(monkeypatch):
     d.reset()
 
 
+def test_cute_module_refusal_is_the_reason_and_nothing_runs(cute, monkeypatch):
+    """The CuTeDSL module refusing a call (here: a head dim it does not run) is cute_refusal's answer; try_cute then
+    launches nothing, remembers no failure and leaves the call to the next kernel. Mutation: the module's refusal
+    ignored (the kernel launched on a call it cannot run)."""
+    d = _mod("pass2_dispatch")
+    monkeypatch.setattr(cute, "refusal", lambda q8, k8, group_size, out: "runs head dim 128 only, got 64")
+    assert d.cute_refusal(None, None, 128, None, requested=True) == "runs head dim 128 only, got 64"
+    assert not d.try_cute(None, None, None, None, None, None, None, group_size=128, requested=True)
+    assert not cute.calls and d.cute_fallback_reason() is None
+
+
 def test_cute_pass2_mode(monkeypatch):
     d = _mod("pass2_dispatch")
     monkeypatch.delenv("MC_SPARSE_PASS2_CUTE", raising=False)
