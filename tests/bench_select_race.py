@@ -21,7 +21,8 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
    call enqueued behind busy GPU work (defaults, cute count).
 3. RACE 1 per shape (tests/_timing.race: sustained back-to-back samples, shuffled order, median; TEAM.md item 7):
    flash-attn-4 dense with LSE, select_kv defaults (on sm_90 with the Triton pass 2: the top-K fused into the
-   one-group pass-2 kernel, its threshold among the candidates by counting) and ``RACE1_ROWS`` ("cute count" /
+   one-group pass-2 kernel, its threshold among the candidates by counting) and ``RACE1_ROWS`` ("s32": that top-K's
+   bracket from one sample per 32 keys, twice the samples at 1.3B; "cute count" /
    "cute count2": the CuTeDSL pass 2 + the separate top-K counting one / two bits per pass; "triton" beside a
    CuTeDSL default; ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 /
    0.25 / 0.5: ratios / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes).
@@ -110,6 +111,8 @@ def checks(q, k, lse, perm, S, log, full=True):
     selection.group_prob_sums(*sub, group_size=C, out=sums16)
     want = ref_top_k_rows(sums16, kq, width)
     r = dict(default_exact=bool(torch.equal(sel, want)))
+    # race 1's row "s32": the top-K's bracket from one sample per 32 keys == the defaults
+    r["s32_equal"] = bool(torch.equal(selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_stride=32), sel))
     if full:
         plan = topk.bracket_plan(S, kq, 2, cap=16)
         forced = topk.FusedRows(torch.full_like(sel, -7), kq, width, plan,
@@ -185,7 +188,8 @@ def cute_checks(sub, kq, width, log):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"cute count": dict(cute=True, topk_count=True), "cute count2": dict(cute=True, topk_count=2)}
+RACE1_ROWS = {"s32": dict(topk_stride=32), "cute count": dict(cute=True, topk_count=True),
+              "cute count2": dict(cute=True, topk_count=2)}
 
 
 def race1(name, q, k, v, lse, perm, log, rows):
@@ -244,9 +248,10 @@ def host_ms(fn, busy, n=5):
     return sorted(ts)[len(ts) // 2]
 
 
-# race 2's fused top-K variants: (tag, one group per program, tile rows per thread, bracket z, cand_count); the first
+# race 2's fused top-K variants: (tag, one group per program, tile rows per thread, bracket z, cand_count, keys per
+# sample: 32 = twice the samples at 1.3B, ~0.7x the bracket's keys); the first
 # always, the others while the budget lasts (z4 / x2 / two groups: measured in rounds s7r1-s7r3, not better: dropped)
-RACE2_TOPK = (("1grp", True, 1, topk._Z, True),)
+RACE2_TOPK = (("1grp", True, 1, topk._Z, True, None), ("1grp s32", True, 1, topk._Z, True, 32))
 
 
 # race 2's separate top-K variants (``topk.top_k_rows`` keyword arguments), timed alone on the Triton kernel's sums
@@ -322,8 +327,8 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
     out16 = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
     fns["select_kv defaults"] = lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE)
     plains = {}
-    for tag, one, rpt, z, cc in RACE2_TOPK:
-        if tag != "1grp" and time.time() - t0 > budget - reserve:
+    for tag, one, rpt, z, cc, stride in RACE2_TOPK:
+        if tag not in ("1grp", "1grp s32") and time.time() - t0 > budget - reserve:
             break  # (reserve: seconds kept for race 2b)
         try:
             if one not in plains:  # the kernel without the top-K epilogue
@@ -333,7 +338,8 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
                     raise AssertionError(f"sums differ from select_kv's pass 2 by {rel:.2e}")
                 plains[one] = plain
                 fns[f"pass-2 kernel {tag}"] = (lambda one: lambda: launch_pair(ops, perm, out16, one_group=one))(one)
-            fused = dataclasses.replace(topk.FusedRows.allocate(H * G, S, kq, width, q.device, z=z, cand_count=cc),
+            fused = dataclasses.replace(topk.FusedRows.allocate(H * G, S, kq, width, q.device, z=z, cand_count=cc,
+                                                                stride=stride),
                                         rows_per_thread=rpt)
             sel = fused.for_chunk(torch.full((1, H, G, width), -7, dtype=torch.int32, device=q.device))
             got = launch_pair(ops, perm, torch.full_like(out16, float("nan")), one_group=one, select=sel)
@@ -422,7 +428,7 @@ def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_
 # select_kv compiles for race 1 in child processes started with the bench (one per group of rows and shape, on 2
 # heads of the shape: the same specialisations), so the main process loads them from Triton's disk cache instead of
 # compiling one after another (~4 s each; round s6r2 lost its 14B race to the cap); "race2": race 2's kernels
-CHILD_ROWS = (("defaults",), ("cute count", "cute count2"))
+CHILD_ROWS = (("defaults", "s32"), ("cute count", "cute count2"))
 
 
 def spawn_children(shapes, out_dir, with_race2, cute_variants=()):
@@ -485,9 +491,10 @@ def precompile(shape, rows):
         sel = torch.empty(1, 2, G, width, dtype=torch.int32, device=dev)
         for _, kw in SEPARATE_TOPK:  # race 2's separate top-K
             topk.top_k_rows(out16.normal_().abs_(), kq, width, out=sel, **kw)
-        for _, one, rpt, z, cc in RACE2_TOPK:
+        for _, one, rpt, z, cc, stride in RACE2_TOPK:
             launch_pair(ops, perm, out16, one_group=one)
-            fused = dataclasses.replace(topk.FusedRows.allocate(2 * G, S, kq, width, q.device, z=z, cand_count=cc),
+            fused = dataclasses.replace(topk.FusedRows.allocate(2 * G, S, kq, width, q.device, z=z, cand_count=cc,
+                                                                stride=stride),
                                         rows_per_thread=rpt)
             launch_pair(ops, perm, out16, one_group=one, select=fused.for_chunk(
                 torch.empty(1, 2, G, width, dtype=torch.int32, device=dev)))
@@ -639,7 +646,7 @@ def main():
                 if name in ("1.3b", "smoke") and not args.race1_only:  # the parts first (round s8r1 lost them to the cap)
                     run_race2(report, name, (q, k, v, lse, perm), args, t0, log, variants, cute_variants, save)
                 rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed)
-                        if res["checks"]["cute"]["ok"] or not n.startswith("cute")}
+                        if (res["checks"]["cute"]["ok"] if n.startswith("cute") else res["checks"]["s32_equal"])}
                 if pass2_dispatch.cute_mode():  # the CuTeDSL pass 2 is the default: the Triton one beside it
                     rows["triton"] = dict(cute=False)
                 res["race1"] = race1(name, q, k, v, lse, perm, log,

@@ -756,8 +756,8 @@ def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rp
 
 def test_select_kv_fused_top_k_options_keep_the_selection(gen, monkeypatch):
     """select_kv's fused top-K options (the path of sm_90, forced here): topk_z (the bracket's half-width: 4 sigma, and
-    1 sigma, where rows fall back) and topk_count=False give the defaults' selection, the brute-force top-K of the
-    same float16 sums."""
+    1 sigma, where rows fall back), topk_count=False and topk_stride (fewer samples; fused and separate) give the
+    defaults' selection, the brute-force top-K of the same float16 sums."""
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
     monkeypatch.setattr(selection, "_capability", lambda device: (9, 0))
@@ -771,6 +771,15 @@ def test_select_kv_fused_top_k_options_keep_the_selection(gen, monkeypatch):
     assert torch.equal(got, ref_top_k_rows(sums16, K, got.shape[-1]))
     for opts in (dict(topk_z=4.0), dict(topk_z=1.0), dict(topk_count=False)):
         assert torch.equal(selection.select_kv(q, k, lse.float(), perm, K, **opts, **kw), got), opts
+    # topk_stride: the bracket's keys per sample reach its plan, fused and separate, and keep the selection
+    from comfyui_mc_sparse_pack.kernels.triton import topk
+
+    strides, plan = [], topk.bracket_plan
+    monkeypatch.setattr(topk, "bracket_plan", lambda *a, **k_: strides.append(k_.get("stride")) or plan(*a, **k_))
+    for fused in (True, False):
+        assert torch.equal(selection.select_kv(q, k, lse.float(), perm, K, topk_stride=7, topk_fused=fused, **kw),
+                           got), fused
+    assert strides == [7, 7], strides
 
 
 @pytest.mark.parametrize("cap,want", [((9, 0), True), ((8, 9), False), (None, False)])

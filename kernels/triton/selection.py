@@ -895,7 +895,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
               topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None,
-              poly3=(0, 0), topk_count=None, topk_z=None, cute=None):
+              poly3=(0, 0), topk_count=None, topk_z=None, cute=None, topk_stride=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -914,7 +914,8 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     ``topk_hist`` or when another pass-2 kernel runs); ``topk_count``: that top-K's threshold among its candidates
     by counting (``FusedRows.cand_count``: True / 1 one bit per pass over the copies, 2 two bits, False / 0 radix
     histograms; same selection; None: ``_TOPK_COUNT_DEFAULT``); ``topk_z``: that top-K's
-    bracket half-width in binomial sigmas (``topk.bracket_plan``; same selection; None: its default); ``cute``: pass 2
+    bracket half-width in binomial sigmas and ``topk_stride`` its keys per sample (``topk.bracket_plan``; same
+    selection; None: its defaults; the separate top-K takes the stride too); ``cute``: pass 2
     on the CuTeDSL sm_90 kernel where it runs (``group_prob_sums``; None: ``pass2_dispatch.CUTE_DEFAULT``), then the
     separate bracket top-K (``topk.top_k_rows``), its threshold among the candidates by counting when ``topk_count``
     (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``).
@@ -940,7 +941,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
         try:
             fused = FusedRows.allocate(B * hc * G, SK, num_keys, k_alloc, q.device,
                                        cand_count=int(_TOPK_COUNT_DEFAULT if topk_count is None else topk_count),
-                                       **({} if topk_z is None else dict(z=float(topk_z))))
+                                       **({} if topk_z is None else dict(z=float(topk_z))), stride=topk_stride)
         except torch.cuda.OutOfMemoryError:
             fused = None  # the unfused top-K (its own out-of-memory handling)
     for h0 in range(0, H, hc):
@@ -958,11 +959,12 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             select.finish(sums)
         else:
             _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method or ("radix" if use_hist else None), hist,
-                   cand_count=int(_TOPK_SEPARATE_COUNT_DEFAULT if topk_count is None else topk_count))
+                   cand_count=int(_TOPK_SEPARATE_COUNT_DEFAULT if topk_count is None else topk_count),
+                   sample_stride=topk_stride)
     return out
 
 
-def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None, cand_count=0):
+def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None, cand_count=0, sample_stride=None):
     """The Triton top-K; if it cannot run here (a compiler or resource failure), ``torch.topk`` + sort instead, so
     the selection stays fast (ties then as torch.topk breaks them); the error is logged once per process. Out of
     memory in the bracket method (its per-call candidate scratch, rows x cap int16: ~230 MB for a 14B 720p head
@@ -970,7 +972,8 @@ def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None, cand_count=0):
     raised (the caller's out-of-memory handling), and neither disables the Triton top-K."""
     if not _RADIX_FAILED:
         try:
-            return top_k_rows(sums, num_keys, k_alloc, out=out, method=method, hist=hist, cand_count=cand_count)
+            return top_k_rows(sums, num_keys, k_alloc, out=out, method=method, hist=hist, cand_count=cand_count,
+                              sample_stride=sample_stride)
         except (ValueError, TypeError):
             raise
         except torch.cuda.OutOfMemoryError:

@@ -654,12 +654,13 @@ class FusedRows:
 
     @classmethod
     def allocate(cls, rows: int, sk: int, num_keys: int, width: int, device, *, z: float = _Z,
-                 cand_count: int = 0) -> "FusedRows":
+                 cand_count: int = 0, stride: int | None = None) -> "FusedRows":
         """A plan for float16 sums of ``rows`` rows of ``sk`` keys (``out`` set per head chunk by ``for_chunk``;
-        ``z``: the bracket's half-width in binomial sigmas, ``bracket_plan``; ``cand_count``: the field, with at least
+        ``z``: the bracket's half-width in binomial sigmas and ``stride`` its keys per sample (None: the default),
+        ``bracket_plan``; ``cand_count``: the field, with at least
         ``_CAND_COUNT_MIN_CAP`` candidate slots). Raises torch.cuda.OutOfMemoryError for the candidate scratch (rows x
         cap int16)."""
-        plan = bracket_plan(sk, num_keys, 2, z=z)
+        plan = bracket_plan(sk, num_keys, 2, z=z, stride=stride)
         if cand_count and plan[4] < _CAND_COUNT_MIN_CAP:
             plan = (*plan[:4], _CAND_COUNT_MIN_CAP)
         return cls(torch.empty(0, dtype=torch.int32, device=device), num_keys, width, plan,
