@@ -93,6 +93,7 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
 
 
 OP_ROWS = ("again", "residual", "counts + kernel", "options")  # the op's extra rows (``--op-rows``)
+# "residual check": the op with a plain residual checked (not timed) at each point, one more compile
 # "options": the op with each of these staged-epilogue option sets ($MC_SPARSE_CUTEDSL_OPTIONS,
 # rules.staged_options; ``--op-options``, ";"-separated): candidate defaults beside the op's
 OP_OTHER_OPTIONS = "persistent,overlap"  # the default before round s7r2
@@ -148,8 +149,9 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
         if rec.choices["sparse_attention"].backend != "cutedsl":  # a fallback would be timed instead of the kernel
             raise SystemExit(f"the cutedsl kernel did not run: {rec.choices} {rec.failures}")
         r_err["cutedsl op"] = (err(got), int(out.isnan().sum()))
-        got = kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, backend="cutedsl")
-        r_err["cutedsl op + plain residual"] = (err(got, res.data), 0)
+        if "residual" in op_rows or "residual check" in op_rows:
+            got = kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, backend="cutedsl")
+            r_err["cutedsl op + plain residual"] = (err(got, res.data), 0)
         fns = dict(dense_fns)
         # the row after the dense kernel in the race's cyclic order ran 2-4 % slow (H200 round 1 of 2026-12-01
         # 13:05: the op there, 0.02-0.04 below the same compiled kernel timed later; the race rotates the order,
