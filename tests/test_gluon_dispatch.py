@@ -164,7 +164,8 @@ class _Fake:
         self.calls += 1
         sched = {n: kw.pop(n) for n in ("pingpong", "persistent", "overlap", "pipeline", "num_stages", "stage_out",
                                         "thread_arrive", "early_q", "cp_async_fence", "q_regs", "idx_ahead", "row_threads",
-                                        "next_item", "split_tail", "consumer_regs", "producer_regs")
+                                        "next_item", "split_tail", "consumer_regs", "producer_regs", "chain",
+                                        "tail_launch")
                  if n in kw}
         self.options.append(sched)
         return _dispatch()._triton_kernel.sparse_attention(*a, **kw)
@@ -195,8 +196,8 @@ def auto_gluon(monkeypatch):
     d.reset()
 
 
-_AUTO = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs",
-         "pingpong persistent 3 stages thread_arrive early_q no_fence idx2")
+_AUTO = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs tail_launch",
+         "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs")
 
 
 @pytest.mark.parametrize(("times", "want"), [((1.0, 1.5), _AUTO[0]), ((3.0, 1.0), _AUTO[1])])
@@ -216,7 +217,7 @@ def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, t
     assert got is out and float((out.double() - ref).norm() / ref.norm()) < 4e-3
     assert timer.timed == 2 and list(d.choices.values()) == [want]
     base = dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False)
-    schedules = [dict(base, q_regs=True), dict(base, idx_ahead=2)]
+    schedules = [dict(base, q_regs=True, tail_launch=4), dict(base, q_regs=True)]
     assert fake.options[:2] == schedules  # each compiled and launched once
     assert fake.options[2:4] == schedules  # each timed with its own options
     calls = fake.calls
@@ -238,7 +239,7 @@ def test_auto_mode_leaves_out_a_failing_schedule(gen, auto_gluon, monkeypatch):
     works = fake.sparse_attention
 
     def flaky(*a, **kw):
-        if kw.get("idx_ahead") == 2:  # AUTO_SCHEDULES[1]
+        if not kw.get("tail_launch"):  # AUTO_SCHEDULES[1]
             raise RuntimeError("out of resource: shared memory")
         return works(*a, **kw)
 

@@ -308,6 +308,44 @@ def test_op_auto_mode_times_every_schedule_and_matches_float64(monkeypatch):
     d.reset()
 
 
+def test_op_auto_mode_tail_split_vs_float64(monkeypatch):
+    """The op in auto mode at a shape whose persistent walk ends in a partial round (140 items on the H200's 132 SMs:
+    one round, then 8 items), so a tail_launch candidate splits them into key ranges in a second launch and merges
+    them (int4_group residual, bf16, LSE): every candidate is timed and checked against float64 through the op, into
+    a NaN-poisoned out view (every element written)."""
+    monkeypatch.delenv("MC_SPARSE_GLUON", raising=False)
+    d = _dispatch()
+    d.reset()
+    gen = torch.Generator(device="cuda").manual_seed(53)
+    B, H, S, C = 1, 4, 4480, 128
+    q, k, v = (_native(gen, B, S, H, 128, torch.bfloat16) for _ in range(3))
+    perm, idx = _inputs(gen, B, H, S, C, 700, 768)
+    res = make_residual(torch.randn(B, H, S, 128, generator=gen, device="cuda") * 0.05, "int4_group", perm,
+                        perm.shape[-1] // C)
+    ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx, return_lse=True)
+    ref = ref + res.dequantize(torch.float64, perm)
+    with registry.recording(registry.Record()) as record:
+        for _ in range(2):
+            base = torch.full((B, S, H * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+            out = base.view(B, S, H, 128).transpose(1, 2)
+            got, lse = kernels.sparse_attention(q, k, v, perm, idx, residual=res, out=out, return_lse=True,
+                                                backend="triton")
+            assert not base.isnan().any(), "some output element was not written"
+            err = float((got.double() - ref).norm() / ref.norm())
+            lse_err = float((lse.double() - ref_lse.double()).abs().max())
+            assert err < 6e-3 and lse_err < 1e-3, (err, lse_err)
+    assert record.failures == {}, record.failures
+    (key, choice), = d.choices.items()
+    print("auto mode (tail split):", choice, d._times[key], f"rel_l2 {err:.2e}, lse {lse_err:.2e}")
+    assert set(d._times[key]) == set(d.AUTO_SCHEDULES)
+    for name in d.AUTO_SCHEDULES:
+        got, lse = _g90().sparse_attention(q, k, v, perm, idx, residual=res, return_lse=True, **d.GLUON_SCHEDULES[name])
+        err = float((got.double() - ref).norm() / ref.norm())
+        print(f"auto candidate {name}: rel_l2 {err:.2e}")
+        assert err < 6e-3, (name, err)
+    d.reset()
+
+
 def test_auto_first_schedule_head_dim_64():
     """The auto mode's first schedule (queries in registers since 2026-12-01 15:45: the A operand's layout depends on
     D) at D = 64, fp16, a plain residual, 7 persistent programs, ragged counts, LSE."""

@@ -108,7 +108,11 @@ GLUON_SCHEDULES = {
 # 0.788 | 0.722 / 0.821 / 0.842 / 0.825). PREVIOUS_AUTO_SCHEDULES (bench --gluon-auto previous) is the same pair.
 PREVIOUS_AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs",
                            "pingpong persistent 3 stages thread_arrive early_q no_fence idx2")
-AUTO_SCHEDULES = PREVIOUS_AUTO_SCHEDULES
+# Round s8r1 (chain: no faster at 1.3B, 0.702 / 0.725 / 0.757 / 0.773 beside the op's 0.700 / 0.728 / 0.765 /
+# 0.779). Since round s8r2: q_regs with the last, partial round in a second, split launch (tail_launch: 1.3B 480p
+# runs 23 whole rounds, then 36 items in 3 parts on 108 SMs instead of 36 whole items on 36), and q_regs as before.
+AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs tail_launch",
+                  "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs")
 choices: dict[tuple, str] = {}  # shape key -> an AUTO_SCHEDULES name (auto mode); times in _times
 _times: dict[tuple, dict[str, float]] = {}
 _failures = registry.FailureMemo(GLUON_KEY)
