@@ -606,6 +606,25 @@ def time_host(fn, calls=5):
     return host
 
 
+def host_profile(fn, calls=10, top=12):
+    """Where the host time of ``calls`` calls of fn goes (cProfile, own time per function, the GPU idle before):
+    the ``top`` functions as 'file:line(name) us per call'."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return "; ".join(f"{Path(f).name}:{line}({fname}) {tt / calls * 1e6:.0f}" for (f, line, fname), (_, _, tt, _, _)
+                     in rows)
+
+
 def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None, with_triton=False, res=None):
     """--reuse --gluon: per density, flash-attn-4 dense with LSE (cuDNN too at the first density), the op (auto mode),
     each GLUON_CONFIGS tuning (and with ``with_triton`` the Triton kernel called directly), timed by the method of
@@ -670,6 +689,7 @@ def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None, wit
         if s == densities[0]:  # host cost per call, with the GPU idle before the first call
             res["host_us"] = {n: round(time_host(fns[n], calls=2), 1) for n in calls}
             log(f"{name} host us per call (Python + launch): {res['host_us']}")
+            log(f"{name} the op's host profile (10 calls, GPU idle first): {host_profile(fns[OP_LABEL])}")
         ms = _timing.race(fns, reps, RACE_MS)
         base_name = "flash_attn4 (LSE)" if "flash_attn4 (LSE)" in ms else "cudnn sdpa (LSE)"
         base = ms[base_name]
