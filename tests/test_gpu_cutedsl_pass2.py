@@ -4,7 +4,8 @@ a larger buffer (nothing written outside the view: no key past Sk, no other head
 key tile; an odd key-tile count, so the consumers' last pair holds an all-zero tile), odd group counts, a ragged last
 group, padded slots inside groups (perm -1), B = 2, Sk != S, C 100 / 128, float16 and float32 sums, a persistent
 walk of several groups per CTA (num_ctas small: the query ring wraps), key splits (ksplit, an empty last part),
-the pingpong schedule and the FMA-pipe exponential share (poly).
+the pingpong schedule, the FMA-pipe exponential share (poly), the LSE through shared memory (lse_smem) and
+the query-half products (qsplit).
 
 Skipped without an sm_90 GPU or without the CuTeDSL stack (cutlass-dsl, flash-attn-4, quack). Run:
 ``python -m pytest -q -m gpu tests/test_gpu_cutedsl_pass2.py`` (~30 s on an H200, compiles included).
@@ -28,9 +29,6 @@ pytestmark = [
 SEED = 20261201
 
 
-_WARMED: list = []
-
-
 def _mods():
     try:
         from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90
@@ -38,15 +36,24 @@ def _mods():
         pytest.skip(f"CuTeDSL stack unavailable: {err}")
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
-    if not _WARMED:  # every config this file compiles, in parallel child processes (disk cache), once
-        from ._cute_pass2_warm import warm_parallel
-
-        configs = [dict(out_dtype=dt) for dt in ("float32", "float16")] + [
-            dict(out_dtype="float32", **{k: v for k, v in t.items() if k in _COMPILED})
-            for _, t in VARIANTS if set(t) & set(_COMPILED)]
-        _WARMED.append(warm_parallel(configs))
-        print("parallel compiles:", _WARMED[0])
     return selection, pass2_sm90
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm(request):
+    """Every config the SELECTED tests of this file compile, in parallel child processes (disk cache), first."""
+    _mods()
+    from ._cute_pass2_warm import warm_parallel
+
+    configs = []
+    for item in request.session.items:
+        tun = getattr(getattr(item, "callspec", None), "params", {}).get("tuning")
+        if item.module is request.module and tun is not None:
+            keys = {k: v for k, v in tun.items() if k in _COMPILED}
+            for dt in ("float32",) if keys else ("float32", "float16"):
+                if dict(out_dtype=dt, **keys) not in configs:
+                    configs.append(dict(out_dtype=dt, **keys))
+    print("parallel compiles:", warm_parallel(configs))
 
 
 def _case(B, H, S, SK, C, seed, holes=False):
@@ -84,8 +91,10 @@ CASES = [  # B, H, S, Sk, C, holes: G = 32 (ragged last group), Sk = 4000 (parti
 VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5, ksplit=1)), (CASES[2], dict(num_ctas=7, ksplit=5)),
                                        (CASES[0], dict(pingpong=True)), (CASES[0], dict(stages=3)),
                                        (CASES[2], dict(poly=10)), (CASES[2], dict(lse_smem=True)),
-                                       (CASES[1], dict(lse_smem=True, num_ctas=5, ksplit=3))]
-_COMPILED = ("stages", "poly", "pingpong", "lse_smem")  # the tuning keys that are compile-time
+                                       (CASES[1], dict(lse_smem=True, num_ctas=5, ksplit=3)),
+                                       (CASES[2], dict(qsplit=True)), (CASES[1], dict(qsplit=True, lse_smem=True,
+                                                                                       pingpong=True, poly=8))]
+_COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit")  # the tuning keys that are compile-time
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,

@@ -94,7 +94,7 @@ class Pass2Sm90:
     register counts after ``setmaxnreg``."""
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, regs: tuple = (224, 56), pingpong: bool = False,
-                 lse_smem: bool = False):
+                 lse_smem: bool = False, qsplit: bool = False, diag: str = ""):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -106,6 +106,12 @@ class Pass2Sm90:
         # the group's LSE gathered by the query-loading warp into shared memory (4-byte cp.async beside the rows;
         # padded slots copy +inf from ``mInf``) instead of 2 x 32 dependent global loads per consumer thread
         self.lse_smem = lse_smem
+        # each 64-key tile as two 64 x 64 products (query halves) in four accumulators: three of the four tiles'
+        # exponentials run with a wgmma of the same warpgroup in flight instead of one of two
+        self.qsplit = qsplit
+        # timing floors for the benchmark (wrong sums): "noexp" sums x itself (no MUFU), "nomma" issues no wgmma
+        assert diag in ("", "noexp", "nomma"), diag
+        self.diag = diag
         self.mma_regs, self.producer_regs = regs
         self.dtype = cutlass.Float8E4M3FN
 
@@ -117,7 +123,8 @@ class Pass2Sm90:
         mQ = cute.recast_tensor(mQ, self.dtype)
         mK = cute.recast_tensor(mK, self.dtype)
         mQ, mK = [layout_utils.select(t, [1, 2, 0]) for t in (mQ, mK)]
-        tiled_mma = sm90_utils.make_tiled_mma(self.dtype, "K", "K", TILE_Q, "SS", (1, 1, 1))
+        tiled_mma = sm90_utils.make_tiled_mma(self.dtype, "K", "K", TILE_Q // 2 if const_expr(self.qsplit) else TILE_Q,
+                                              "SS", (1, 1, 1))
         sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_Q, HEAD_DIM), 2)
         sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, HEAD_DIM), self.stages)
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
@@ -177,8 +184,9 @@ class Pass2Sm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             wg = warp_idx // 4 - 1
-            self._consume(tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
-                          group_size, sk, mQ.shape[0], wg, tidx - 128 * (wg + 1))
+            consume = self._consume_qsplit if const_expr(self.qsplit) else self._consume
+            consume(tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size, sk,
+                    mQ.shape[0], wg, tidx - 128 * (wg + 1))
 
     @cute.jit
     def _load_k(self, mK, sK, tma_atom_K, pipeline_k, walk):
@@ -254,6 +262,9 @@ class Pass2Sm90:
         tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
         acc0 = cute.make_rmem_tensor(thr_mma.partition_shape_C((HALF, TILE_Q)), Float32)
         acc1 = cute.make_rmem_tensor(thr_mma.partition_shape_C((HALF, TILE_Q)), Float32)
+        if const_expr(self.diag == "nomma"):  # the floor's scores: distinct runtime values, never written by a wgmma
+            self._fill_distinct(acc0, tid, 0)
+            self._fill_distinct(acc1, tid, 1)
         tScS = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((HALF, TILE_Q))))
         n_cols = cute.size(tScS, mode=[1])
         nl2 = cute.make_rmem_tensor((n_cols,), Float32)  # -LSE * log2(e) of this thread's query columns
@@ -290,12 +301,10 @@ class Pass2Sm90:
                 pipeline_k.consumer_wait(k_state)
                 if const_expr(self.pingpong):
                     cute.arch.barrier(barrier_id=PINGPONG_BARRIER + wg, number_of_threads=256)
-                sm90_utils.gemm(tiled_mma, acc0, tSrK[None, None, None, k_state.index], rQ, zero_init=True,
-                                wg_wait=-1)
+                self._mma(tiled_mma, acc0, tSrK[None, None, None, k_state.index], rQ)
                 k_state.advance()
                 pipeline_k.consumer_wait(k_state)
-                sm90_utils.gemm(tiled_mma, acc1, tSrK[None, None, None, k_state.index], rQ, zero_init=True,
-                                wg_wait=-1)
+                self._mma(tiled_mma, acc1, tSrK[None, None, None, k_state.index], rQ)
                 if const_expr(self.pingpong):
                     cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - wg, number_of_threads=256)
                 k_state.advance()
@@ -313,25 +322,173 @@ class Pass2Sm90:
             item += walk.grid
 
     @cute.jit
-    def _tile_sums(self, acc, tScS, nl2, qf, mKB, mOut, bh, b, h, g, key0, sk, tid):
-        """The group sums of this thread's two key rows of one 64 x 128 score tile, stored by the quad's lane 0."""
+    def _consume_qsplit(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
+                        group_size, sk, n_seq, wg, tid):
+        """``_consume`` with each 64-key tile taken as two 64 x 64 products (query halves 0, 1): per pair of tiles
+        four wgmma groups a0 .. a3 issued, then their exponentials in order, each with the later groups in flight;
+        a tile's two halves' row sums are added before the quad shuffle and the store."""
+        thr_mma = tiled_mma.get_slice(tid)
+        sK_half = cute.flat_divide(sK, (HALF, HEAD_DIM))[None, None, wg, 0, None]  # (64, D, stages)
+        tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK_half))
+        sQ_h = cute.flat_divide(sQ, (TILE_Q // 2, HEAD_DIM))  # (64, D, 2, 1, 2 slots)
+        tSrQ0 = thr_mma.make_fragment_B(thr_mma.partition_B(sQ_h[None, None, 0, 0, None]))
+        tSrQ1 = thr_mma.make_fragment_B(thr_mma.partition_B(sQ_h[None, None, 1, 0, None]))
+        shape_c = thr_mma.partition_shape_C((HALF, TILE_Q // 2))
+        a0, a1, a2, a3 = (cute.make_rmem_tensor(shape_c, Float32) for _ in range(4))
+        if const_expr(self.diag == "nomma"):
+            for j, a in enumerate((a0, a1, a2, a3)):
+                self._fill_distinct(a, tid, j)
+        tScS = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((HALF, TILE_Q // 2))))
+        n_cols = cute.size(tScS, mode=[1])  # per query half
+        n_rows = cute.size(tScS, mode=[0])
+        nl2 = cute.make_rmem_tensor((2 * n_cols,), Float32)  # half 0's columns, then half 1's
+        part = cute.make_rmem_tensor((n_rows,), Float32)
+        k_state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
+        q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
+        n_heads = mOut.shape[1]
+        if const_expr(self.pingpong):
+            if wg == 1:
+                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=256)
+        item = cute.arch.block_idx()[0]
+        while item < walk.total:
+            bh, g, p0, count = walk.at(item)
+            b = bh // n_heads
+            h = bh - b * n_heads
+            qf = mQF[bh]
+            if const_expr(not self.lse_smem):
+                for c in cutlass.range_constexpr(2 * n_cols):
+                    col = tScS[0, c % n_cols][1] + (c // n_cols) * (TILE_Q // 2)
+                    idx = Int32(-1)
+                    if col < group_size:
+                        idx = mPerm[bh, g * group_size + col]
+                    v = -Float32.inf
+                    if idx >= 0 and idx < n_seq:
+                        v = -(mLSE[bh, idx] * Float32(LOG2E))
+                    nl2[c] = v
+            pipeline_q.consumer_wait(q_state)
+            if const_expr(self.lse_smem):
+                for c in cutlass.range_constexpr(2 * n_cols):
+                    col = tScS[0, c % n_cols][1] + (c // n_cols) * (TILE_Q // 2)
+                    nl2[c] = -(sL[col, q_state.index] * Float32(LOG2E))
+            rQ0 = tSrQ0[None, None, None, q_state.index]
+            rQ1 = tSrQ1[None, None, None, q_state.index]
+            k_rel = k_state.clone()
+            for i in cutlass.range(count, unroll=1):
+                p = p0 + i
+                pipeline_k.consumer_wait(k_state)
+                if const_expr(self.pingpong):
+                    cute.arch.barrier(barrier_id=PINGPONG_BARRIER + wg, number_of_threads=256)
+                rK = tSrK[None, None, None, k_state.index]
+                self._mma(tiled_mma, a0, rK, rQ0)
+                self._mma(tiled_mma, a1, rK, rQ1)
+                k_state.advance()
+                pipeline_k.consumer_wait(k_state)
+                rK = tSrK[None, None, None, k_state.index]
+                self._mma(tiled_mma, a2, rK, rQ0)
+                self._mma(tiled_mma, a3, rK, rQ1)
+                if const_expr(self.pingpong):
+                    cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - wg, number_of_threads=256)
+                k_state.advance()
+                key_a = (2 * p) * TILE_N + wg * HALF
+                key_b = (2 * p + 1) * TILE_N + wg * HALF
+                warpgroup.wait_group(3)
+                self._rows(a0, nl2, 0, qf, part, False)
+                warpgroup.wait_group(2)
+                pipeline_k.consumer_release(k_rel)
+                k_rel.advance()
+                self._rows(a1, nl2, n_cols, qf, part, True)
+                self._store_rows(part, tScS, mKB, mOut, bh, b, h, g, key_a, sk, tid)
+                warpgroup.wait_group(1)
+                self._rows(a2, nl2, 0, qf, part, False)
+                warpgroup.wait_group(0)
+                pipeline_k.consumer_release(k_rel)
+                k_rel.advance()
+                self._rows(a3, nl2, n_cols, qf, part, True)
+                self._store_rows(part, tScS, mKB, mOut, bh, b, h, g, key_b, sk, tid)
+            pipeline_q.consumer_release(q_state)
+            q_state.advance()
+            item += walk.grid
+
+    @cute.jit
+    def _fill_distinct(self, acc, tid, j: cutlass.Constexpr):
+        """The "nomma" floor's stand-in scores: distinct per element and thread (nothing the compiler can fold)."""
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = Float32(tid) * Float32(-1e-3) - Float32(0.01 * (i + 64 * j))
+
+    @cute.jit
+    def _mma(self, tiled_mma, acc, rA, rB):
+        """One asynchronous wgmma group acc = rA rB^T (none with the "nomma" floor)."""
+        if const_expr(self.diag != "nomma"):
+            sm90_utils.gemm(tiled_mma, acc, rA, rB, zero_init=True, wg_wait=-1)
+        else:
+            warpgroup.commit_group()
+
+    @cute.jit
+    def _exp2(self, x, c: cutlass.Constexpr):
+        """2^x of column c: MUFU, or the FMA-pipe polynomial for ``poly_cols``; x itself with the "noexp" floor."""
+        if const_expr(self.diag == "noexp"):
+            return x
+        elif const_expr(c % 32 in self.poly_cols):
+            return fa_utils.ex2_emulation(x)
+        else:
+            return cute.arch.exp2(x)
+
+    @cute.jit
+    def _rows(self, acc, nl2, c0: cutlass.Constexpr, qf, part, accumulate: cutlass.Constexpr):
+        """This thread's partial row sums of one 64 x 64 score tile (columns nl2[c0:]) into ``part`` (added to it
+        with ``accumulate``); four independent partial chains per row."""
         acc_mn = layout_utils.reshape_acc_to_mn(acc)
         n_cols = cute.size(acc_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            key = key0 + tScS[r, 0][0]
-            kbv = Float32(0.0)
-            if key < sk:
-                kbv = mKB[bh, key]
             s0 = Float32(0.0)
             s1 = Float32(0.0)
             s2 = Float32(0.0)
             s3 = Float32(0.0)
             for c in cutlass.range_constexpr(n_cols):
-                x = acc_mn[r, c] * qf + nl2[c]
-                if const_expr(c % 32 in self.poly_cols):
-                    e = fa_utils.ex2_emulation(x)
+                e = self._exp2(acc_mn[r, c] * qf + nl2[c0 + c], c0 + c)
+                if const_expr(c % 4 == 0):
+                    s0 += e
+                elif const_expr(c % 4 == 1):
+                    s1 += e
+                elif const_expr(c % 4 == 2):
+                    s2 += e
                 else:
-                    e = cute.arch.exp2(x)
+                    s3 += e
+            if const_expr(accumulate):
+                part[r] = part[r] + ((s0 + s1) + (s2 + s3))
+            else:
+                part[r] = (s0 + s1) + (s2 + s3)
+
+    @cute.jit
+    def _store_rows(self, part, tScS, mKB, mOut, bh, b, h, g, key0, sk, tid):
+        """The quad's row sums (two shuffles) times the per-key factor, stored by the quad's lane 0."""
+        for r in cutlass.range_constexpr(cute.size(part)):
+            key = key0 + tScS[r, 0][0]
+            s = part[r]
+            s += cute.arch.shuffle_sync_bfly(s, offset=1)
+            s += cute.arch.shuffle_sync_bfly(s, offset=2)
+            if tid % 4 == 0 and key < sk:
+                mOut[b, h, g, key] = (s * mKB[bh, key]).to(self.out_dtype)
+
+    @cute.jit
+    def _tile_sums(self, acc, tScS, nl2, qf, mKB, mOut, bh, b, h, g, key0, sk, tid):
+        """The group sums of this thread's two key rows of one 64 x 128 score tile, stored by the quad's lane 0."""
+        acc_mn = layout_utils.reshape_acc_to_mn(acc)
+        n_cols = cute.size(acc_mn, mode=[1])
+        n_rows = cute.size(acc_mn, mode=[0])
+        kbv = cute.make_rmem_tensor((n_rows,), Float32)  # the rows' per-key factors, loaded before the exponentials
+        for r in cutlass.range_constexpr(n_rows):
+            kbv[r] = Float32(0.0)
+            if key0 + tScS[r, 0][0] < sk:
+                kbv[r] = mKB[bh, key0 + tScS[r, 0][0]]
+        for r in cutlass.range_constexpr(n_rows):
+            key = key0 + tScS[r, 0][0]
+            s0 = Float32(0.0)
+            s1 = Float32(0.0)
+            s2 = Float32(0.0)
+            s3 = Float32(0.0)
+            for c in cutlass.range_constexpr(n_cols):
+                e = self._exp2(acc_mn[r, c] * qf + nl2[c], c)
                 if const_expr(c % 4 == 0):
                     s0 += e
                 elif const_expr(c % 4 == 1):
@@ -344,7 +501,7 @@ class Pass2Sm90:
             s += cute.arch.shuffle_sync_bfly(s, offset=1)
             s += cute.arch.shuffle_sync_bfly(s, offset=2)
             if tid % 4 == 0 and key < sk:
-                mOut[b, h, g, key] = (s * kbv).to(self.out_dtype)
+                mOut[b, h, g, key] = (s * kbv[r]).to(self.out_dtype)
 
 
 # ---- host side ---------------------------------------------------------------------------------------------------
@@ -358,13 +515,14 @@ STAGES = 4
 POLY = 0
 PINGPONG = False
 LSE_SMEM = False
+QSPLIT = False
 _SM_COUNT: dict = {}
 _INF: dict = {}  # device index -> fp32 [4] of +inf (the LSE a padded query slot copies with lse_smem)
 
 
 def config(head_dim: int = HEAD_DIM) -> dict:
     """The launch config ``group_prob_sums_fp8`` uses when the caller gives none (ksplit None: ``auto_ksplit``)."""
-    return dict(stages=STAGES, poly=POLY, pingpong=PINGPONG, lse_smem=LSE_SMEM, ksplit=None)
+    return dict(stages=STAGES, poly=POLY, pingpong=PINGPONG, lse_smem=LSE_SMEM, qsplit=QSPLIT, ksplit=None)
 
 
 def auto_ksplit(items: int, ctas: int, max_split: int = 4, target: float = 0.98) -> int:
@@ -407,7 +565,8 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 
 
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
-                 pingpong: bool | None = None, lse_smem: bool | None = None):
+                 pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None,
+                 diag: str = ""):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``. Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -420,12 +579,13 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
             make_fake_tensor(Float32, (4,), divisibility=4))
     kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, POLY if poly is None else poly,
                        pingpong=PINGPONG if pingpong is None else bool(pingpong),
-                       lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem))
+                       lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
+                       qsplit=QSPLIT if qsplit is None else bool(qsplit), diag=diag or "")
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
-             pingpong: bool | None = None, lse_smem: bool | None = None):
+             pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None, diag: str = ""):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -434,8 +594,9 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     poly = POLY if poly is None else int(poly)
     pingpong = PINGPONG if pingpong is None else bool(pingpong)
     lse_smem = LSE_SMEM if lse_smem is None else bool(lse_smem)
-    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, cc.source_hash())
-    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem))
+    qsplit = QSPLIT if qsplit is None else bool(qsplit)
+    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag or "", cc.source_hash())
+    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -452,7 +613,8 @@ def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
 
 def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, stages: int | None = None,
                         poly: int | None = None, pingpong: bool | None = None, lse_smem: bool | None = None,
-                        num_ctas: int | None = None, ksplit: int | None = None):
+                        qsplit: bool | None = None, diag: str = "", num_ctas: int | None = None,
+                        ksplit: int | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula).
 
     Args:
@@ -460,7 +622,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, st
         ``[B, H]``; lse_s: fp32 ``[B, H, S]`` (natural log); kb: fp32 ``[B, H, Sk]`` holding 2^KB
         (``fp8_operands(kb_pow2=True)``); perm: int32 ``[B, H, G*C]`` (-1: padded slot); out: float16 / float32
         ``[B, H, G, Sk]``, any b / h / g strides, unit stride on Sk; group_size: C. stages, poly, pingpong,
-        lse_smem, num_ctas, ksplit: tuning (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``).
+        lse_smem, qsplit, num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG
+        sums) (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``).
     Returns:
         ``out``. Keys are written for every group; nothing past Sk.
     Raises:
@@ -482,7 +645,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, st
         raise ValueError(f"shapes: lse_s {tuple(lse_s.shape)}, kb {tuple(kb.shape)}, qf {tuple(qf.shape)}")
     if G == 0 or SK == 0:
         return out
-    fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, pingpong, lse_smem)
+    fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, pingpong, lse_smem, qsplit,
+                  diag)
     dev = q8.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     if num_ctas is None:
