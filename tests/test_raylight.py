@@ -252,7 +252,8 @@ def _xdit_dense(calls):
     ("cross", "not self-attention"), ("dropout", "causal, dropout or ALiBi"), ("alibi", "causal, dropout or ALiBi"),
     ("window", "windowed (local) attention"), ("probs", "attention probabilities requested"),
     ("short", "fewer latent tokens (128) than min tokens (256)"), ("head_dim", "head dim 48 not supported"),
-    ("batch", "batch 3 does not split into 2 conditioning chunks"),
+    ("batch", "batch 3 does not split into 2 conditioning chunks"), ("v_dim", "not self-attention"),
+    ("joint_value", "joint text keys"),
 ])
 def test_processor_calls_that_stay_dense_say_why(gen, what, why):
     """Each xDiT call MC-Sparse cannot run exactly (cross-attention, dropout, ALiBi, a window, probabilities asked
@@ -267,8 +268,10 @@ def test_processor_calls_that_stay_dense_say_why(gen, what, why):
     q, k, v = (torch.randn(B, S, 2, D, generator=gen) for _ in range(3))
     if what == "cross":
         k, v = k[:, :16], v[:, :16]
+    if what == "v_dim":  # q and k alike, v of another head dim
+        v = v[..., :32]
     more = {"dropout": {"dropout_p": 0.1}, "alibi": {"alibi_slopes": torch.ones(2)}, "window": {"window_size": (64, 64)},
-            "probs": {"return_attn_probs": True}}.get(what, {})
+            "probs": {"return_attn_probs": True}, "joint_value": {"joint_tensor_value": torch.ones(1)}}.get(what, {})
     kwargs = _xdit_kwargs(softmax_scale=0.3, **more)
     processor = ray_mc.MCSparseInnerAttention(lambda: ray_mc.HeadSlice(0, 2, 1))
     out = processor(dense, q, k, v, transformer_options=_options(run, 1, 0.5), **kwargs)
@@ -329,3 +332,55 @@ def test_processor_contains_a_bug_and_passes_xdits_errors(gen, monkeypatch):
     ring = ray_mc.MCSparseInnerAttention(lambda: ray_mc.HeadSlice(0, 1, 2))
     with pytest.raises(RuntimeError, match="ring degree 2"):
         ring(dense, q, k, v, transformer_options=_options(run, 1, 0.3), **_xdit_kwargs())
+
+
+def test_xdit_dense_returning_a_tuple_gives_its_output():
+    """Some xDiT ring functions return (out, lse, ...): the runner's dense fallback takes the output, heads first.
+    Mutation: the tuple passed on."""
+    out = torch.randn(2, 8, 3, 16)
+    dense_fn = ray_mc._heads_first_dense(lambda q, k, v, **kw: (out, torch.zeros(2, 3, 8)), {})
+    x = torch.zeros(2, 3, 8, 16)
+    assert torch.equal(dense_fn(x, x, x), out.transpose(1, 2))
+
+
+def test_diffusion_model_wrapper_publishes_only_in_a_run_and_resets_the_occurrences():
+    """Outside an MC-Sparse run the DIFFUSION_MODEL wrapper publishes nothing (the shim adds no options) and leaves the
+    options alone; in a run each evaluation starts its block occurrence count afresh, also on a reused options dict.
+    Mutations: options published outside a run; the previous evaluation's counts kept."""
+    seen = []
+    module = types.SimpleNamespace(xfuser_optimized_attention=lambda *a, **kw: seen.append(kw.get("transformer_options")))
+    ray_mc.forward_options_shim(module)
+
+    def executor(*args, **kwargs):
+        seen.append(dict(args[5].get(ray_mc.OCCURRENCE_KEY, {"absent": True})))
+        module.xfuser_optimized_attention(1, 2, 3, heads=2)
+        return "out"
+
+    plain = {"block_index": 3}
+    assert ray_mc.diffusion_model_wrapper(executor, 0, 0, 0, None, None, plain) == "out"
+    assert seen == [{"absent": True}, None] and plain == {"block_index": 3}
+    seen.clear()
+    run_options = {override.RUN_KEY: object(), ray_mc.OCCURRENCE_KEY: {1: 2}}  # the previous evaluation's counts
+    ray_mc.diffusion_model_wrapper(executor, 0, 0, 0, None, None, run_options)
+    assert seen == [{}, run_options]
+
+
+def test_one_rank_logs_its_summary_as_is_and_a_ranks_warning_is_a_warning():
+    """A process group of one rank logs the summary unchanged (no store round trip, no header); on two ranks a
+    WARNING in another rank's summary makes the combined text a WARNING; lines rank 0 already has are not repeated.
+    Mutations: world size 1 sent through the store; the other ranks' warnings logged at INFO; repeated lines."""
+    records = []
+
+    class Log:
+        def log(self, level, fmt, text):
+            records.append((level, text))
+
+    assert ray_mc.report_across_ranks("MC-Sparse: 1 sparse", group=(0, 1, FakeStore()), log=Log()) == \
+        "MC-Sparse: 1 sparse"
+    assert records == [(logging.INFO, "MC-Sparse: 1 sparse")]
+    records.clear()
+    store = FakeStore()
+    ray_mc.report_across_ranks("MC-Sparse: 2 sparse\n  schedule: s\n  WARNING: rank 1 went dense", group=(1, 2, store),
+                               run_id=3, log=Log())
+    text = ray_mc.report_across_ranks("MC-Sparse: 3 sparse\n  schedule: s", group=(0, 2, store), run_id=3, log=Log())
+    assert records == [(logging.WARNING, text)] and text.count("schedule: s") == 1 and "rank 1 went dense" in text
