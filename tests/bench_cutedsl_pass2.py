@@ -15,8 +15,9 @@ Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p:
 ``cute_rows`` is what tests/bench_select_race.py can import for its own race 2. Usage (checkout root, H200):
 ``python tests/bench_cutedsl_pass2.py --out OUT [--shapes 1.3b] [--variants "st4,st4 p8,st6"] [--commit HASH]``;
 a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<ksplit>`` (else
-``auto_ksplit``), `` pp`` (pingpong), `` ls`` (lse_smem), `` qs`` (qsplit), or a timing floor `` noexp`` /
-`` nomma`` (wrong sums: timed without the check). Writes OUT/bench_cutedsl_pass2.json.
+``auto_ksplit``), `` pp`` (pingpong), `` ls`` (lse_smem), `` qs`` (qsplit), `` wg3`` (three consumer
+warpgroups), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed without the check).
+Writes OUT/bench_cutedsl_pass2.json.
 Expected at 1.3B: ~10 s inputs, ~5 s per variant compile (first process on a machine), ~2 s race.
 """
 
@@ -36,8 +37,8 @@ import bench_select_race as bsr  # noqa: E402  (loads the pack)
 
 from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 
-COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "diag")  # the compile-time tuning keys
-FLAGS = {"pp": "pingpong", "ls": "lse_smem", "qs": "qsplit"}
+COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "diag", "wg3")  # the compile-time tuning keys
+FLAGS = {"pp": "pingpong", "ls": "lse_smem", "qs": "qsplit", "wg3": "wg3"}
 DEFAULT_VARIANTS = "st4,st4 k1,st4 pp,st4 p10,st6"
 
 

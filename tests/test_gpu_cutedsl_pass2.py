@@ -5,7 +5,7 @@ key tile; an odd key-tile count, so the consumers' last pair holds an all-zero t
 group, padded slots inside groups (perm -1), B = 2, Sk != S, C 100 / 128, float16 and float32 sums, a persistent
 walk of several groups per CTA (num_ctas small: the query ring wraps), key splits (ksplit, an empty last part),
 the pingpong schedule, the FMA-pipe exponential share (poly), the LSE through shared memory (lse_smem) and
-the query-half products (qsplit).
+the query-half products (qsplit) and three consumer warpgroups (wg3).
 
 Skipped without an sm_90 GPU or without the CuTeDSL stack (cutlass-dsl, flash-attn-4, quack). Run:
 ``python -m pytest -q -m gpu tests/test_gpu_cutedsl_pass2.py`` (~30 s on an H200, compiles included).
@@ -93,8 +93,10 @@ VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5, ksplit=1)), (
                                        (CASES[2], dict(poly=10)), (CASES[2], dict(lse_smem=True)),
                                        (CASES[1], dict(lse_smem=True, num_ctas=5, ksplit=3)),
                                        (CASES[2], dict(qsplit=True)), (CASES[1], dict(qsplit=True, lse_smem=True,
-                                                                                       pingpong=True, poly=8))]
-_COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit")  # the tuning keys that are compile-time
+                                                                                       pingpong=True, poly=8)),
+                                       (CASES[2], dict(wg3=True)),
+                                       (CASES[1], dict(wg3=True, lse_smem=True, num_ctas=5))]
+_COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "wg3")  # the tuning keys that are compile-time
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,

@@ -94,7 +94,7 @@ class Pass2Sm90:
     register counts after ``setmaxnreg``."""
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, regs: tuple = (224, 56), pingpong: bool = False,
-                 lse_smem: bool = False, qsplit: bool = False, diag: str = ""):
+                 lse_smem: bool = False, qsplit: bool = False, diag: str = "", wg3: bool = False):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -112,7 +112,13 @@ class Pass2Sm90:
         # timing floors for the benchmark (wrong sums): "noexp" sums x itself (no MUFU), "nomma" issues no wgmma
         assert diag in ("", "noexp", "nomma"), diag
         self.diag = diag
-        self.mma_regs, self.producer_regs = regs
+        # three consumer warpgroups with one accumulator each (192-key stages, one 64-key third each; 3 warps per
+        # SMSP instead of 2, each issuing, waiting and exponentiating its own tile), instead of two with two
+        self.nwg = 3 if wg3 else 2
+        assert not (wg3 and (pingpong or qsplit)), "wg3: no pingpong / qsplit"
+        self.stage_keys = HALF * self.nwg  # keys per ring stage
+        self.stages_per_step = 2 if self.nwg == 2 else 1  # stages per consumer loop step
+        self.mma_regs, self.producer_regs = (160, 32) if wg3 else regs
         self.dtype = cutlass.Float8E4M3FN
 
     @cute.jit
@@ -126,9 +132,10 @@ class Pass2Sm90:
         tiled_mma = sm90_utils.make_tiled_mma(self.dtype, "K", "K", TILE_Q // 2 if const_expr(self.qsplit) else TILE_Q,
                                               "SS", (1, 1, 1))
         sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_Q, HEAD_DIM), 2)
-        sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, HEAD_DIM), self.stages)
+        sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (self.stage_keys, HEAD_DIM),
+                                                self.stages)
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.select(sK_layout, mode=[0, 1]), (TILE_N, HEAD_DIM), 1)
+            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.select(sK_layout, mode=[0, 1]), (self.stage_keys, HEAD_DIM), 1)
         sQ_struct, sK_struct = [
             cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
             for layout in (sQ_layout, sK_layout)
@@ -140,8 +147,8 @@ class Pass2Sm90:
         total = mPerm.shape[0] * mOut.shape[2] * ksplit
         grid_x = cutlass.min(num_ctas, total)
         self.kernel(mQ, tma_K, mLSE, mPerm, mKB, mQF, mOut, mInf, group_size, ksplit, tma_atom_K, tiled_mma,
-                    sQ_layout, sK_layout, SharedStorage).launch(grid=(grid_x, 1, 1), block=[384, 1, 1], stream=stream,
-                                                                min_blocks_per_mp=1)
+                    sQ_layout, sK_layout, SharedStorage).launch(grid=(grid_x, 1, 1), block=[128 * (self.nwg + 1), 1, 1],
+                                                                stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
@@ -156,10 +163,10 @@ class Pass2Sm90:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         Threads = partial(cutlass.pipeline.CooperativeGroup, cutlass.pipeline.Agent.Thread)
-        consumer_warps = Threads(8)
+        consumer_warps = Threads(4 * self.nwg)
         pipeline_k = fa_pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.stages, producer_group=Threads(1),
-            consumer_group=consumer_warps, tx_count=TILE_N * HEAD_DIM, defer_sync=True)
+            consumer_group=consumer_warps, tx_count=self.stage_keys * HEAD_DIM, defer_sync=True)
         pipeline_q = fa_pipeline.PipelineCpAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=2, producer_group=Threads(32),
             consumer_group=consumer_warps, defer_sync=True, elect_one_release=True, syncwarp_before_release=False)
@@ -172,7 +179,8 @@ class Pass2Sm90:
         n_groups = mOut.shape[2]
         total = mPerm.shape[0] * n_groups * ksplit
         sk = mK.shape[0]
-        n_pairs = (sk + 2 * TILE_N - 1) // (2 * TILE_N)  # tile pairs per group (tiles past Sk: zeros, never stored)
+        step_keys = self.stage_keys * self.stages_per_step  # keys per consumer step (2 x 128 or 1 x 192)
+        n_pairs = (sk + step_keys - 1) // step_keys  # steps per group (tiles past Sk: zeros, never stored)
         part_pairs = (n_pairs + ksplit - 1) // ksplit  # pairs per work item (a group's keys in ksplit parts)
         walk = _Walk(total, n_groups, ksplit, n_pairs, part_pairs, cute.arch.grid_dim()[0])
         if warp_idx < 4:
@@ -184,7 +192,8 @@ class Pass2Sm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             wg = warp_idx // 4 - 1
-            consume = self._consume_qsplit if const_expr(self.qsplit) else self._consume
+            consume = self._consume_qsplit if const_expr(self.qsplit) else (
+                self._consume_single if const_expr(self.nwg == 3) else self._consume)
             consume(tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size, sk,
                     mQ.shape[0], wg, tidx - 128 * (wg + 1))
 
@@ -196,12 +205,12 @@ class Pass2Sm90:
         item = cute.arch.block_idx()[0]
         while item < walk.total:
             bh, _, p0, count = walk.at(item)
-            gK = cute.local_tile(mK[None, None, bh], (TILE_N, HEAD_DIM), (None, 0))
+            gK = cute.local_tile(mK[None, None, bh], (self.stage_keys, HEAD_DIM), (None, 0))
             load, _, _ = fa_copy.tma_get_copy_fn(tma_atom_K, 0, cute.make_layout(1), gK, sK)
             load = fa_copy.tma_producer_copy_fn(load, pipeline_k)
-            for j in cutlass.range(2 * count, unroll=1):
+            for j in cutlass.range(self.stages_per_step * count, unroll=1):
                 pipeline_k.producer_acquire(state)
-                load(src_idx=2 * p0 + j, producer_state=state)
+                load(src_idx=self.stages_per_step * p0 + j, producer_state=state)
                 state.advance()
             item += walk.grid
 
@@ -317,6 +326,57 @@ class Pass2Sm90:
                 k_rel.advance()
                 self._tile_sums(acc1, tScS, nl2, qf, mKB, mOut, bh, b, h, g, (2 * p + 1) * TILE_N + wg * HALF, sk,
                                 tid)
+            pipeline_q.consumer_release(q_state)
+            q_state.advance()
+            item += walk.grid
+
+    @cute.jit
+    def _consume_single(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
+                        group_size, sk, n_seq, wg, tid):
+        """``wg3``: a consumer warpgroup's 64-key third of every 192-key stage, one wgmma group at a time (issue,
+        wait, exponentials); the three warpgroups' exponentials overlap each other's wgmmas."""
+        thr_mma = tiled_mma.get_slice(tid)
+        sK_part = cute.flat_divide(sK, (HALF, HEAD_DIM))[None, None, wg, 0, None]  # (64, D, stages)
+        tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK_part))
+        tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
+        acc0 = cute.make_rmem_tensor(thr_mma.partition_shape_C((HALF, TILE_Q)), Float32)
+        if const_expr(self.diag == "nomma"):
+            self._fill_distinct(acc0, tid, 0)
+        tScS = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((HALF, TILE_Q))))
+        n_cols = cute.size(tScS, mode=[1])
+        nl2 = cute.make_rmem_tensor((n_cols,), Float32)
+        k_state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
+        q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
+        n_heads = mOut.shape[1]
+        item = cute.arch.block_idx()[0]
+        while item < walk.total:
+            bh, g, p0, count = walk.at(item)
+            b = bh // n_heads
+            h = bh - b * n_heads
+            qf = mQF[bh]
+            if const_expr(not self.lse_smem):
+                for c in cutlass.range_constexpr(n_cols):
+                    col = tScS[0, c][1]
+                    idx = Int32(-1)
+                    if col < group_size:
+                        idx = mPerm[bh, g * group_size + col]
+                    v = -Float32.inf
+                    if idx >= 0 and idx < n_seq:
+                        v = -(mLSE[bh, idx] * Float32(LOG2E))
+                    nl2[c] = v
+            pipeline_q.consumer_wait(q_state)
+            if const_expr(self.lse_smem):
+                for c in cutlass.range_constexpr(n_cols):
+                    nl2[c] = -(sL[tScS[0, c][1], q_state.index] * Float32(LOG2E))
+            rQ = tSrQ[None, None, None, q_state.index]
+            for i in cutlass.range(count, unroll=1):
+                pipeline_k.consumer_wait(k_state)
+                self._mma(tiled_mma, acc0, tSrK[None, None, None, k_state.index], rQ)
+                warpgroup.wait_group(0)
+                pipeline_k.consumer_release(k_state)
+                k_state.advance()
+                self._tile_sums(acc0, tScS, nl2, qf, mKB, mOut, bh, b, h, g, (p0 + i) * self.stage_keys + wg * HALF,
+                                sk, tid)
             pipeline_q.consumer_release(q_state)
             q_state.advance()
             item += walk.grid
@@ -516,13 +576,14 @@ POLY = 0
 PINGPONG = False
 LSE_SMEM = False
 QSPLIT = False
+WG3 = False
 _SM_COUNT: dict = {}
 _INF: dict = {}  # device index -> fp32 [4] of +inf (the LSE a padded query slot copies with lse_smem)
 
 
 def config(head_dim: int = HEAD_DIM) -> dict:
     """The launch config ``group_prob_sums_fp8`` uses when the caller gives none (ksplit None: ``auto_ksplit``)."""
-    return dict(stages=STAGES, poly=POLY, pingpong=PINGPONG, lse_smem=LSE_SMEM, qsplit=QSPLIT, ksplit=None)
+    return dict(stages=STAGES, poly=POLY, pingpong=PINGPONG, lse_smem=LSE_SMEM, qsplit=QSPLIT, wg3=WG3, ksplit=None)
 
 
 def auto_ksplit(items: int, ctas: int, max_split: int = 4, target: float = 0.98) -> int:
@@ -566,7 +627,7 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
                  pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None,
-                 diag: str = ""):
+                 diag: str = "", wg3: bool | None = None):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``. Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -580,12 +641,14 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
     kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, POLY if poly is None else poly,
                        pingpong=PINGPONG if pingpong is None else bool(pingpong),
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
-                       qsplit=QSPLIT if qsplit is None else bool(qsplit), diag=diag or "")
+                       qsplit=QSPLIT if qsplit is None else bool(qsplit), diag=diag or "",
+                       wg3=WG3 if wg3 is None else bool(wg3))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
-             pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None, diag: str = ""):
+             pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None, diag: str = "",
+             wg3: bool | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -595,8 +658,9 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     pingpong = PINGPONG if pingpong is None else bool(pingpong)
     lse_smem = LSE_SMEM if lse_smem is None else bool(lse_smem)
     qsplit = QSPLIT if qsplit is None else bool(qsplit)
-    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag or "", cc.source_hash())
-    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag))
+    wg3 = WG3 if wg3 is None else bool(wg3)
+    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag or "", wg3, cc.source_hash())
+    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag, wg3))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -613,8 +677,8 @@ def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
 
 def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, stages: int | None = None,
                         poly: int | None = None, pingpong: bool | None = None, lse_smem: bool | None = None,
-                        qsplit: bool | None = None, diag: str = "", num_ctas: int | None = None,
-                        ksplit: int | None = None):
+                        qsplit: bool | None = None, diag: str = "", wg3: bool | None = None,
+                        num_ctas: int | None = None, ksplit: int | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula).
 
     Args:
@@ -622,7 +686,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, st
         ``[B, H]``; lse_s: fp32 ``[B, H, S]`` (natural log); kb: fp32 ``[B, H, Sk]`` holding 2^KB
         (``fp8_operands(kb_pow2=True)``); perm: int32 ``[B, H, G*C]`` (-1: padded slot); out: float16 / float32
         ``[B, H, G, Sk]``, any b / h / g strides, unit stride on Sk; group_size: C. stages, poly, pingpong,
-        lse_smem, qsplit, num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG
+        lse_smem, qsplit, wg3, num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG
         sums) (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``).
     Returns:
         ``out``. Keys are written for every group; nothing past Sk.
@@ -646,7 +710,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, st
     if G == 0 or SK == 0:
         return out
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, pingpong, lse_smem, qsplit,
-                  diag)
+                  diag, wg3)
     dev = q8.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     if num_ctas is None:
