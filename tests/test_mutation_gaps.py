@@ -699,3 +699,39 @@ def test_min_tokens_and_the_mask_threshold_at_their_edges(gen):
     ref = raw_attention(q, k, v, 2, mask=mask.unsqueeze(1), skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert run.counts()["anchor"] == 1, run.summary()
+
+
+def _guider(name, conds, **attrs):
+    """A stand-in guider of ComfyUI class ``name`` whose own predict_noise is ComfyUI's (CFGGuider's subclasses keep
+    or replace it as in comfy_extras)."""
+    base = type("CFGGuider", (), {"predict_noise": lambda self, *a, **k: None})
+    cls = base if name == "CFGGuider" else type(name, (base,), {} if name == "Guider_Basic" else
+                                                {"predict_noise": lambda self, *a, **k: None})
+    guider = cls()
+    guider.conds = dict.fromkeys(conds, [])
+    guider.cfg = 1.0  # CFGGuider.__init__'s; Guider_DualCFG never changes it
+    for key, value in attrs.items():
+        setattr(guider, key, value)
+    return guider
+
+
+@pytest.mark.parametrize("name, conds, attrs, branches", [
+    ("CFGGuider", ("positive", "negative"), dict(cfg=5.0), 2),
+    ("CFGGuider", ("positive", "negative"), dict(cfg=1.0), 1),
+    ("Guider_Basic", ("positive",), {}, 1),
+    ("Guider_DualCFG", ("positive", "middle", "negative"), dict(cfg1=8.0, cfg2=8.0, nested=False), 3),
+    ("Guider_DualCFG", ("positive", "middle", "negative"), dict(cfg1=8.0, cfg2=1.0, nested=False), 2),
+    ("Guider_DualCFG", ("positive", "middle", "negative"), dict(cfg1=1.0, cfg2=1.0, nested=False), 1),
+    ("Guider_DualCFG", ("positive", "middle", "negative"), dict(cfg1=1.0, cfg2=1.0, nested=True), 3),
+    ("Guider_PerpNeg", ("positive", "negative", "empty_negative_prompt"), dict(cfg=6.0, neg_scale=1.0), 3),
+    ("Guider_PerpNeg", ("positive", "negative", "empty_negative_prompt"), dict(cfg=6.0, neg_scale=0.0), 2),
+    ("Guider_PerpNeg", ("positive", "negative", "empty_negative_prompt"), dict(cfg=1.0, neg_scale=0.0), 1),
+    ("SomeCustomGuider", ("positive", "negative"), dict(cfg=3.0), 2),
+])
+def test_the_plan_counts_the_conditionings_each_guider_evaluates(name, conds, attrs, branches):
+    """The cache is planned for the conditionings the guider's predict_noise really evaluates: ComfyUI's DualCFG
+    guider runs three at cfg 8 / 8 (its ``cfg`` attribute stays 1.0: the CFGGuider rule planned 1, a third of the
+    cache) and PerpNeg three (planned 2); their cfg-1 shortcuts drop branches as ComfyUI does."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle
+
+    assert lifecycle.evaluated_branches(_guider(name, conds, **attrs)) == branches

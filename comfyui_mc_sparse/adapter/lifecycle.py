@@ -361,14 +361,45 @@ def _plan_before_sampling(run: RunState, guider, noise, latent_shapes=None) -> N
         return
     if geo is None:
         return
-    conds = getattr(guider, "conds", {}) or {}
-    cfg = getattr(guider, "cfg", 1.0)
-    branches = 2 if ("negative" in conds and cfg != 1.0) else 1
+    branches = evaluated_branches(guider)
     try:  # the runner logs the estimate (info) and repeats it in its summary
         runner.plan(heads=geo.heads, head_dim=geo.head_dim, layers=geo.layers, tokens=geo.tokens,
                            branches=branches, batch=int(noise.shape[0]), num_steps=run.num_steps)
     except (ValueError, TypeError) as err:  # an estimate must never stop sampling; say why it is missing
         logger.warning("MC-Sparse: no cache estimate for this run (%s)", err)
+
+
+def evaluated_branches(guider) -> int:
+    """How many conditionings each model evaluation of this sampler call runs (the cache holds one entry per block
+    and branch), by the guider's own ``predict_noise`` (the first class in its MRO that defines one):
+
+    * ``CFGGuider`` (``comfy/samplers.py``; also ``Guider_Basic``, which keeps it) and guiders without one: the
+      positive, and the negative unless cfg is 1 (``sampling_function`` skips it);
+    * ``Guider_DualCFG`` (``comfy_extras/nodes_custom_sampler.py``): negative, middle and positive; the "regular"
+      style drops the negative at cfg2 1 and then the middle too at cfg1 1 (its ``cfg`` attribute stays 1.0);
+    * ``Guider_PerpNeg`` (``comfy_extras/nodes_perpneg.py``): positive, negative and the empty prompt; the negative
+      dropped at neg_scale 0 and then the empty prompt too at cfg 1;
+    * any other guider with its own ``predict_noise``: the CFGGuider rule (its conds are not known to be evaluated).
+    """
+    import math
+
+    conds = getattr(guider, "conds", {}) or {}
+    owner = next((c.__name__ for c in type(guider).__mro__ if "predict_noise" in vars(c)), "CFGGuider")
+    if owner == "Guider_DualCFG":
+        keep = {"positive", "middle", "negative"} & set(conds)
+        if not getattr(guider, "nested", False) and math.isclose(getattr(guider, "cfg2", 0.0), 1.0):
+            keep.discard("negative")
+            if math.isclose(getattr(guider, "cfg1", 0.0), 1.0):
+                keep.discard("middle")
+        return max(1, len(keep))
+    if owner == "Guider_PerpNeg":
+        keep = {"positive", "negative", "empty_negative_prompt"} & set(conds)
+        if math.isclose(getattr(guider, "neg_scale", 1.0), 0.0):
+            keep.discard("negative")
+            if math.isclose(getattr(guider, "cfg", 0.0), 1.0):
+                keep.discard("empty_negative_prompt")
+        return max(1, len(keep))
+    return 2 if ("negative" in conds and getattr(guider, "cfg", 1.0) != 1.0) else 1
 
 
 def _plan_or_dense(run: RunState, guider, noise, latent_shapes=None) -> None:
