@@ -246,6 +246,46 @@ def test_probe_run_observes_marked_calls_without_changing_them(workload):
     assert "probe (anchor) step 2 and reuse step 4 of 5" in report.header[0]
 
 
+def test_probe_inputs_steps_and_filters_at_their_edges(workload):
+    """The Probe node's edges: blank blocks / capture boxes mean all / none, a negative block is refused; the auto
+    reuse step is at least one step after the anchor and dropped past the call's end; a reuse step at or before the
+    probe step is dropped with a note; a block outside ``blocks`` is not measured and a step evaluated twice (heun's
+    corrector, split conds) is measured once, from its first evaluation. Eight mutations that left the suite green."""
+    assert adapter_probe.parse_blocks("") is None and adapter_probe.parse_blocks("  ") is None
+    assert adapter_probe.parse_capture("") == () and adapter_probe.parse_capture(" None ") == ()
+    with pytest.raises(ValueError, match=">= 0"):
+        adapter_probe.parse_blocks("2, -1")
+    assert adapter_probe._auto_steps(3, (1, 2)) == (1, 2)  # next anchor right after: reuse = that step, never the anchor
+    assert adapter_probe._auto_steps(2, (1,)) == (1, None)  # no step after the anchor
+    early = adapter_probe.ProbeRun(_spec(probe_step="4", reuse_step="2"), [1.0, 0.8, 0.6, 0.4, 0.2, 0.0])
+    assert early.reuse is None and any("not after the probe step 4" in n for n in early.notes)
+
+    (q, k, v), (q2, k2, v2) = ([t[..., :256, :].contiguous() for t in qkv] for qkv in workload)
+    sigmas = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
+    fn = override.make_override(None)
+
+    def func(q_, k_, v_, heads, **kw):
+        return q_
+
+    def to_comfy(t):
+        return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1)
+
+    def observe(run, block, tensors):
+        options = {override.PROBE_RUN_KEY: run, MARK_KEY: CallSite(block, "wan"), "sigmas": torch.tensor([sigmas[1]]),
+                   "cond_or_uncond": [0]}
+        fn(func, *(to_comfy(t) for t in tensors), 2, transformer_options=options)
+
+    only_one = adapter_probe.ProbeRun(_spec(blocks="1", reuse_step="auto"), sigmas)
+    observe(only_one, 4, (q, k, v))
+    assert not only_one.finish().blocks
+    twice = adapter_probe.ProbeRun(_spec(reuse_step="auto"), sigmas)
+    observe(twice, 4, (q, k, v))
+    observe(twice, 4, (q2, k2, v2))  # the same step again, other tensors: not measured again
+    ref, _ = probe.anchor_scores(q[:, :1].contiguous(), k[:, :1].contiguous(), v[:, :1].contiguous(), twice.settings)
+    got = twice.finish().blocks[0].scores
+    assert all(got[m].rel_l1 == pytest.approx(ref[m].rel_l1, rel=1e-6) for m in ref)
+
+
 def test_probe_spec_and_auto_steps():
     assert adapter_probe.parse_blocks("all") is None and adapter_probe.parse_blocks(" 3, 0,3") == (0, 3)
     assert adapter_probe.parse_capture("none") == () and adapter_probe.parse_capture("all") == (-1,)
