@@ -44,7 +44,7 @@ if [ "$MODE" = r2 ]; then  # <= 97 s in all (cold machine: compiles counted): ro
     # 1. the op's auto mode since s8r2 (q_regs + tail_launch, q_regs) against float64 through the op: the B = 2
     #    int4_group shape (no partial round there) and a 140-item shape (one round on 132 SMs, then 8 items split by
     #    the tail launch and merged; int4_group, LSE, NaN-poisoned out); ~3 Gluon + 2 merge compiles
-    timeout 48 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
+    timeout 52 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
         -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py -k "auto_mode" > "$OUT/gluon_gpu_tests.log" 2>&1
     trc=$?
     grep -E "rel_l2|passed|failed|error|Error|^PASSED|^FAILED" "$OUT/gluon_gpu_tests.log" | tail -16
