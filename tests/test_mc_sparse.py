@@ -1,6 +1,7 @@
 """The MC-Sparse algorithm on the reference path: config, schedule, anchor and reuse steps, the run."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -332,6 +333,24 @@ def test_extra_kv_of_the_wrong_shape_is_rejected(gen):
     cfg = MCSparseConfig(group_size=64, warmup_steps=0, anchor_steps=(0,))
     with pytest.raises(ValueError, match=r"extra_kv k must be \[B, H, T, D\]"):
         attention.anchor_attention(q, k, v, cfg, extra_kv=(torch.randn(1, 3, 5, 64), torch.randn(1, 3, 5, 64)))
+    kx = torch.randn(1, 2, 5, 64, generator=gen)
+    for bad, words in (((kx,), "a (k, v) pair"), ((kx, kx, kx), "a (k, v) pair"), ((kx, kx[:, :, :4]), "one shape"),
+                       ((kx, kx.to("meta")), "extra_kv v must match q's dtype and device")):
+        with pytest.raises((TypeError, ValueError), match=re.escape(words)):
+            attention.anchor_attention(q, k, v, cfg, extra_kv=bad)
+
+
+def test_ineligible_calls_are_named_and_merge_survives_far_apart_lses(gen):
+    """The sparse path's eligibility names q/k/v on different devices, mixed dtypes and an empty sequence; merging
+    two parts whose LSEs lie 200 apart (exp(200) overflows float32) stays finite and equals the dominant part.
+    Four mutations that left the suite green (the device / dtype / empty checks dropped, the merge's max shift)."""
+    q, k, v = _qkv(gen, S=64)
+    assert "one device" in attention.ineligible_reason(q, k.to("meta"), v)
+    assert "unsupported dtype" in attention.ineligible_reason(q, k.half(), v)
+    assert attention.ineligible_reason(*(t[:, :, :0] for t in (q, k, v))) == "empty sequence"
+    lse1 = torch.zeros(1, 2, 64)
+    merged = attention.merge_attention(q, lse1, v, lse1 + 200.0)
+    assert torch.isfinite(merged).all() and torch.allclose(merged, v)
 
 
 def test_a_second_evaluation_at_an_anchor_step_runs_dense_not_a_second_anchor(gen):
