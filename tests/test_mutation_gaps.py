@@ -735,3 +735,23 @@ def test_the_plan_counts_the_conditionings_each_guider_evaluates(name, conds, at
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle
 
     assert lifecycle.evaluated_branches(_guider(name, conds, **attrs)) == branches
+
+
+def test_schedule_resolution_with_mixed_units_and_anchors_at_the_end():
+    """A box that mixes steps and percents is never rejected at the node (units are compared per sampler call): its
+    anchors inside the warm-up move to the warm-up's last step, merged into one; an anchor one past the call's last
+    step is dropped and named. Mutations that left the suite green: the mixed-unit test as 'all anchors in the other
+    unit', the drop / keep bounds at the call's end off by one, moved anchors not merged."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import settings
+
+    def custom(warmup, anchors):
+        return settings.build_settings(preset="custom", density=0.5, dense_warmup=warmup, warmup_layers=0,
+                                       anchor_steps=anchors, query_tile=64, cache_placement="auto", backend="auto",
+                                       min_tokens=0, verbose=False)
+
+    mixed = settings.resolve_schedule(custom("15", "10, 20%"), 50)  # steps 10 and 10 (20 %), both before step 15
+    assert (mixed.warmup_steps, mixed.anchor_steps) == (15, (14,)) and "moved to its last step 15" in mixed.notes[0]
+    merged = settings.resolve_schedule(custom("6", "2%, 4%"), 50)  # steps 1 and 2 -> both to step 6, one anchor
+    assert merged.anchor_steps == (5,)
+    end = settings.resolve_schedule(custom("auto", "5, 10"), 9)  # step 10 of a 9-step call
+    assert end.anchor_steps == (4,) and "anchor steps 10 lie past the end of this 9-step" in end.notes[0]
