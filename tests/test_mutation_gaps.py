@@ -147,6 +147,7 @@ def test_an_override_installed_after_ours_is_chained_and_reported(caplog):
     import logging
 
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.override import RUN_KEY
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.steps import STEP_KEY
 
     s = settings.build_settings(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1",
@@ -755,3 +756,90 @@ def test_schedule_resolution_with_mixed_units_and_anchors_at_the_end():
     assert merged.anchor_steps == (5,)
     end = settings.resolve_schedule(custom("auto", "5, 10"), 9)  # step 10 of a 9-step call
     assert end.anchor_steps == (4,) and "anchor steps 10 lie past the end of this 9-step" in end.notes[0]
+
+
+def test_calc_cond_batch_wrapper_hands_each_evaluation_its_step_on_a_copy():
+    """CALC_COND_BATCH (``comfy/samplers.py`` args ``(model, conds, x_in, timestep, model_options)``, positional or
+    keyword): the executor gets a copy of the options with this evaluation's step, from the batch's largest sigma;
+    the guider's options never hold a step; a NaN or empty timestep gives no step and no error (the attention calls
+    read the sigma themselves). Mutations that left the suite green: the step written into the shared options, the
+    smallest sigma, a NaN or empty timestep raising."""
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, settings
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.override import RUN_KEY
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.steps import STEP_KEY
+
+    s = settings.build_settings(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1",
+                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+    run = lifecycle.RunState(s, torch.tensor([1.0, 0.8, 0.6, 0.4, 0.0]), family="wan",
+                             runner_factory=lambda c, b: types.SimpleNamespace(close=lambda: None))
+    guider_options = {"transformer_options": {RUN_KEY: run}}
+    seen = []
+
+    def executor(*args, **kwargs):
+        options = kwargs["model_options"] if "model_options" in kwargs else args[4]
+        seen.append(options["transformer_options"].get(STEP_KEY))
+        return "out"
+
+    for timestep, want in ((torch.tensor([0.6, 0.8]), 1), (torch.tensor([float("nan")]), None),
+                           (torch.tensor([]), None)):
+        seen.clear()
+        assert lifecycle.calc_cond_batch_wrapper(executor, None, None, None, timestep, guider_options) == "out"
+        assert lifecycle.calc_cond_batch_wrapper(executor, None, None, None, timestep=timestep,
+                                                 model_options=guider_options) == "out"
+        assert seen == [want, want] and STEP_KEY not in guider_options["transformer_options"], (timestep, seen)
+
+
+def test_prepare_state_and_cleanup_callbacks():
+    """ON_PREPARE_STATE re-asserts the override on the model_options it is handed (positionally in newer ComfyUI,
+    ``(patcher, timestep, model_options)``) or else on the patcher's; ON_CLEANUP frees the active runs' caches.
+    Mutations that left the suite green: the positional model_options ignored, the cleanup doing nothing."""
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override
+
+    handed = {"transformer_options": {}}
+    patcher = types.SimpleNamespace(model_options={"transformer_options": {}})
+    lifecycle.on_prepare_state(patcher, torch.tensor([1.0]), handed)
+    assert override.is_ours(handed["transformer_options"].get("optimized_attention_override"))
+    assert "optimized_attention_override" not in patcher.model_options["transformer_options"]
+    lifecycle.on_prepare_state(patcher, torch.tensor([1.0]))
+    assert override.is_ours(patcher.model_options["transformer_options"].get("optimized_attention_override"))
+    closed = []
+    holder = lifecycle.MCSparsePatch(None)
+    holder.active_runs.append(types.SimpleNamespace(close=lambda: closed.append(1)))
+    lifecycle.on_cleanup(types.SimpleNamespace(model_options={"transformer_options": {lifecycle.HOLDER_KEY: holder}}))
+    assert closed == [1]
+
+
+def test_outer_sample_restores_the_guiders_options_also_after_an_error(monkeypatch):
+    """OUTER_SAMPLE runs the sampler on a clone of the guider's model_options (holding this run's state) and puts the
+    guider's own dict back afterwards, also when the sampler raises, so the next sampler call on that guider starts
+    clean. Mutation that left the suite green: the options not restored."""
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, settings
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.override import RUN_KEY
+
+    from ._comfy_standins import install_comfy_modules
+
+    install_comfy_modules(monkeypatch)
+    s = settings.build_settings(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1",
+                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+    original = {"transformer_options": {lifecycle.HOLDER_KEY: lifecycle.MCSparsePatch(s, "wan")}}
+    guider = types.SimpleNamespace(model_options=original)
+    during = []
+
+    def executor(noise, latent, sampler, sigmas, fail=False):
+        during.append(guider.model_options)
+        if fail:
+            raise RuntimeError("sampler failed")
+        return "done"
+
+    executor.class_obj = guider
+    assert lifecycle.outer_sample_wrapper(executor, None, None, None, torch.tensor([1.0, 0.5, 0.0])) == "done"
+    with pytest.raises(RuntimeError, match="sampler failed"):
+        lifecycle.outer_sample_wrapper(executor, None, None, None, torch.tensor([1.0, 0.5, 0.0]), fail=True)
+    assert guider.model_options is original and RUN_KEY not in original["transformer_options"]
+    assert all(d is not original and RUN_KEY in d["transformer_options"] for d in during)
