@@ -843,3 +843,61 @@ def test_outer_sample_restores_the_guiders_options_also_after_an_error(monkeypat
         lifecycle.outer_sample_wrapper(executor, None, None, None, torch.tensor([1.0, 0.5, 0.0]), fail=True)
     assert guider.model_options is original and RUN_KEY not in original["transformer_options"]
     assert all(d is not original and RUN_KEY in d["transformer_options"] for d in during)
+
+
+def _wan_like(name, blocks, vace=0, mapping=None, missing_self_attn=()):
+    """A stand-in of ComfyUI's Wan model class ``name``: ``blocks`` blocks (those in ``missing_self_attn`` without a
+    self_attn), ``vace`` VACE blocks and their ``vace_layers_mapping``."""
+    dm = type(name, (torch.nn.Module,), {})()
+    dm.blocks = torch.nn.ModuleList(torch.nn.Module() for _ in range(blocks))
+    for i, block in enumerate(dm.blocks):
+        if i not in missing_self_attn:
+            block.self_attn = torch.nn.Identity()
+    if vace:
+        dm.vace_blocks = torch.nn.ModuleList(torch.nn.Module() for _ in range(vace))
+        for block in dm.vace_blocks:
+            block.self_attn = torch.nn.Identity()
+        dm.vace_layers_mapping = mapping or {}
+    return dm
+
+
+def test_call_site_marks_and_plans_at_their_edges():
+    """The marking wrappers and plans where only the real-ComfyUI tier looked: a forward called without
+    transformer_options is called unchanged; the mark goes on a copy (the caller's dict never carries it); main block
+    0 starts a fresh VACE occurrence count; a Wan block without self-attention is not patched; a VACE block outside
+    vace_layers_mapping gets its own layer after the main blocks; applying the plan twice keeps one layer of marks;
+    HunyuanVideo without double blocks reads as [text, video]. Seven mutations that left the CPU suite green."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import layouts
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import MARK_KEY, OCCURRENCE_KEY, CallSite
+
+    from ._comfy_standins import ModelPatcher
+
+    seen = []
+
+    def original(*args, **kwargs):
+        seen.append(kwargs)
+        return "out"
+
+    block0 = layouts._marking_forward(original, CallSite(0, "wan"), reset_occurrences=True)
+    vace = layouts._marking_forward(original, CallSite(0, "wan", kind="vace"), count_occurrences=True)
+    assert block0(1) == "out" and seen == [{}]  # no options: nothing added
+    options = {OCCURRENCE_KEY: {(0, "vace"): 5}}  # a stale count
+    block0(1, transformer_options=options)
+    vace(1, transformer_options=options)
+    vace(1, transformer_options=options)
+    assert [kw["transformer_options"][MARK_KEY].occurrence for kw in seen[2:]] == [0, 1]
+    assert MARK_KEY not in options
+
+    plan = layouts.plan_for(_wan_like("WanModel", 3, missing_self_attn=(1,)))
+    assert [rel for rel, _ in plan.patches] == ["blocks.0.self_attn.forward", "blocks.2.self_attn.forward"]
+    plan = layouts.plan_for(_wan_like("VaceWanModel", 4, vace=2, mapping={0: 0}))  # VACE block 1 unmapped
+    marks = {rel: factory(original).mc_sparse_marker for rel, factory in plan.patches}
+    assert marks["vace_blocks.0.self_attn.forward"].layer == 0 and marks["vace_blocks.1.self_attn.forward"].layer == 5
+
+    patcher = ModelPatcher(_wan_like("WanModel", 2))
+    plan = layouts.plan_for(patcher.get_model_object("diffusion_model"))
+    assert layouts.install_plan(patcher, plan) == 2
+    first = dict(patcher.object_patches)
+    assert layouts.install_plan(patcher, plan) == 0 and patcher.object_patches == first
+
+    assert layouts._hunyuan_video_order(type("HunyuanVideo", (), {})()) == "text_first"
