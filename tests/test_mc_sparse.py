@@ -397,3 +397,22 @@ def test_meta_tensors_and_empty_keys_are_refused(gen):
     x = torch.randn(1, 2, 16, 64, generator=gen)
     with pytest.raises(ValueError, match=r"k must hold at least one key"):
         kernels.dense_attention(x, x[:, :, :0], x[:, :, :0])
+
+
+def test_an_anchor_over_two_conditioning_chunks_with_extra_keys(gen):
+    """One runner call holding two conditioning chunks (CFG) and extra keys per chunk (a joint model's text keys):
+    at the anchor each chunk gets its own rows of extra_kv (the output is each chunk's exact attention over its
+    latent and extra keys), and a NaN anchor input makes the call dense with a reason naming the tensor. Mutations
+    that left the suite green: the whole batch's extra keys handed to each chunk; the reason without the tensor."""
+    runner = engine.MCSparseRunner(MCSparseConfig(group_size=64, warmup_steps=1, anchor_steps=(0,)))
+    q, k, v = _qkv(gen, B=2, S=128)
+    kx, vx = (torch.randn(2, 2, 7, 64, generator=gen) for _ in range(2))
+    keys = [CacheKey(0, "cond"), CacheKey(0, "uncond")]
+    out = runner.attention(q, k, v, step=0, layer=0, keys=keys, extra_kv=(kx, vx))
+    want = kernels.dense_attention(q, torch.cat([k, kx], 2), torch.cat([v, vx], 2), backend="torch")
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    bad = k.clone()
+    bad[1, 0, 3, 5] = float("nan")
+    runner.attention(q, bad, v, step=0, layer=1, keys=[CacheKey(1, "cond"), CacheKey(1, "uncond")])
+    assert any("non-finite input" in r and "k must be finite" in r for r in runner.stats.dense_reasons), \
+        runner.stats.dense_reasons
