@@ -163,3 +163,33 @@ def test_ops_reject_malformed_inputs(gen, call, match):
     perm = kernels.pddp_groups(q, 64)
     with pytest.raises((ValueError, TypeError), match=match):
         call((q, lse, perm))
+
+
+def test_chunked_reference_ops_equal_one_chunk(monkeypatch):
+    """The torch reference bounds its memory by working in chunks of queries / query groups / bitmask rows (at real
+    sizes: many chunks); every other test fits one chunk. With the chunk budgets cut so that each op runs in several
+    uneven chunks, all five ops give the single-chunk results. Mutations: a chunk written to or read from
+    the first chunk's rows, the last partial chunk dropped (float64: equal up to the products' summation order)."""
+    from comfyui_mc_sparse_pack.kernels.reference import attention as ref_attn
+    from comfyui_mc_sparse_pack.kernels.reference import bitmask as ref_bits
+
+    gen = torch.Generator().manual_seed(41)
+    B, H, S, D, C, K = 2, 2, 150, 16, 16, 24  # G = 10 groups, the last one padded
+    q, k, v = (torch.randn(B, H, S, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    perm = torch.stack([torch.stack([torch.cat([torch.randperm(S, generator=gen), torch.full((10,), -1)])
+                                     for _ in range(H)]) for _ in range(B)]).to(torch.int32)
+    bits = torch.randint(0, 256, (B, H, 10, -(-S // 8)), generator=gen, dtype=torch.uint8)
+
+    def run_all():
+        out, lse = ref_attn.dense_attention(q, k, v, return_lse=True)
+        sums = ref_attn.group_prob_sums(q, k, lse, perm, group_size=C)
+        idx = ref_attn.select_kv(q, k, lse, perm, K, group_size=C, kv_tile=8)
+        sparse, slse = ref_attn.sparse_attention(q, k, v, perm, idx, return_lse=True)
+        decoded = ref_bits.decode_bitmask(bits, torch.empty(B, H, 10, S, dtype=torch.int32), num_tokens=S)
+        return out, lse, sums, idx, sparse, slse, decoded
+
+    whole = run_all()
+    monkeypatch.setattr(ref_attn, "_CHUNK_ELEMENTS", 7 * B * H * S)  # 7 queries, under one group, per chunk
+    monkeypatch.setattr(ref_bits, "_CHUNK_BITS", 3 * 8 * bits.shape[-1])  # 3 bitmask rows per chunk
+    for want, got in zip(whole, run_all()):  # float64 / int32: equal up to the BLAS blocking of the products
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
