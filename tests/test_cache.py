@@ -466,3 +466,35 @@ def test_out_of_memory_falls_back_to_dense_with_settings_that_fit(gen, monkeypat
     assert "out of memory at step 1 (1-based), block 1 (CUDA out of memory. Tried to allocate 2.00 GiB)" in text
     assert "Settings that would fit: " in text
     assert "dense x2: out of memory; dense for the rest of the run" in text
+
+
+def test_chunked_encodings_equal_one_chunk(gen, monkeypatch):
+    """The encoders and decoders work in row chunks (``encoding._CHUNK_ELEMENTS``: many chunks at real sizes, one in
+    every other test). With the budget cut to a few rows per chunk, every selection encoding (bitmask packed by bytes
+    and by words, uint16), the query groups and every residual form give the same bytes and decode to the same
+    tensors as in one chunk. Mutations: a chunk's rows written at the first chunk, the last partial chunk dropped."""
+    B, H, S, D, C, K = 2, 3, 300, 64, 64, 40
+    kv = _selection(gen, B, H, 5, S, K, 48)
+    r, perm, G = _grouped(gen, B, H, S, D, C)
+
+    def run_all():
+        got = []
+        for how in ("bytes", "words"):
+            monkeypatch.setattr(encoding, "PACK_BITS", how)
+            enc = encoding.encode_selection(kv, S, K, "bitmask", checked=True)
+            got += [enc.data, encoding.decode_selection(enc)]
+        enc = encoding.encode_selection(kv, S, K, "uint16", checked=True)
+        got += [enc.data, encoding.decode_selection(enc)]
+        groups = encoding.encode_groups(perm, S)
+        got += [groups.data, encoding.decode_groups(groups)]
+        for name in ("float8_e4m3fn", "int4", "int4_group"):
+            res = encoding.encode_residual(r, name, perm, G)
+            got += [t for t in (res.data, res.scale, res.coef, res.mean) if t is not None]
+            got.append(encoding.decode_residual(res, torch.float32, perm=perm))
+        return got
+
+    whole = run_all()
+    monkeypatch.setattr(encoding, "_CHUNK_ELEMENTS", 5 * S)  # a few rows (or heads) per chunk, the last partial
+    for i, (want, got) in enumerate(zip(whole, run_all(), strict=True)):
+        assert torch.equal(want.view(torch.uint8) if want.dtype.itemsize == 1 else want,
+                           got.view(torch.uint8) if got.dtype.itemsize == 1 else got), i
