@@ -134,9 +134,12 @@ def _ssim_reference(x, y):
     return float(torch.stack(vals).view(C, -1).mean())
 
 
-def test_psnr_ssim_match_a_float64_reference(gen):
-    """Per frame and overall, on structured frames with noise and a brightness shift (SSIM well below 1).
-    Kills: a box window, sigma != 1.5, zero padding, swapped C1/C2, luminance-only SSIM, mean-of-dB overall PSNR."""
+@pytest.mark.parametrize("chunk", [8, 2])
+def test_psnr_ssim_match_a_float64_reference(gen, monkeypatch, chunk):
+    """Per frame and overall, on structured frames with noise and a brightness shift (SSIM well below 1), in one chunk
+    of frames and in two (the last partial: long videos run in many). Kills: a box window, sigma != 1.5, zero
+    padding, swapped C1/C2, luminance-only SSIM, mean-of-dB overall PSNR, a chunk read from the first frames."""
+    monkeypatch.setattr(image_metrics, "_FRAMES_PER_CHUNK", chunk)
     base = torch.rand(3, 18, 21, 3, generator=gen, dtype=torch.float64)
     a = base.float()
     b = (base * 0.8 + 0.1 + 0.08 * torch.randn(base.shape, generator=gen, dtype=torch.float64)).clamp(0, 1).float()
