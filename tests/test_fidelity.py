@@ -53,6 +53,27 @@ def test_probe_equals_the_diagnostics_on_the_same_tensors(workload):
     assert fast[probe.QUERY_ORACLE].recall > fast[probe.TOKEN_ORACLE].recall > fast[probe.BSA].recall
 
 
+def test_probe_and_diagnostics_in_many_chunks_equal_one_chunk(workload, monkeypatch):
+    """The probe's per-query oracle and the diagnostics behind its exact rows work in chunks of rows / query groups
+    (many at real sizes, one here otherwise); with the budgets cut to a few rows / one group per chunk every score
+    is the one-chunk score. Mutations that left the suite green: a chunk's kept mass written at the first rows, a
+    group chunk read from the first groups."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools import diagnostics
+
+    whole = [_scores(workload, exact) for exact in (False, True)]
+    (q, k, v), _ = workload
+    S = q.shape[2]
+    monkeypatch.setattr(probe, "_ROW_CHUNK_BYTES", 4 * S * 5)  # 5 sampled rows per chunk
+    monkeypatch.setattr(diagnostics, "_CHUNK_BYTES", 4 * q.shape[0] * q.shape[1] * 64 * S)  # one group per chunk
+    for exact, one in zip((False, True), whole):
+        cut = _scores(workload, exact)
+        tol = 1e-9 if exact else 1e-6  # the fast path's products in fp32: another summation order per chunk
+        for m in probe.METHODS:
+            assert cut[m].recall == pytest.approx(one[m].recall, rel=tol, abs=1e-12), (exact, m)
+            assert cut[m].rel_l1 == pytest.approx(one[m].rel_l1, rel=tol, abs=1e-12), (exact, m)
+            assert cut[m].recall_per_head == pytest.approx(one[m].recall_per_head, rel=tol, abs=1e-12), (exact, m)
+
+
 def test_per_query_oracle_on_sampled_rows_matches_float64_brute_force(gen):
     """Sampled rows: each row's own top-K keys, its renormalised output, recall and rel L1 over those rows only."""
     q, k, v = (torch.randn(1, 2, 200, 64, generator=gen) * 1.5 for _ in range(3))
