@@ -384,3 +384,30 @@ def test_one_rank_logs_its_summary_as_is_and_a_ranks_warning_is_a_warning():
                                run_id=3, log=Log())
     text = ray_mc.report_across_ranks("MC-Sparse: 3 sparse\n  schedule: s", group=(0, 2, store), run_id=3, log=Log())
     assert records == [(logging.WARNING, text)] and text.count("schedule: s") == 1 and "rank 1 went dense" in text
+
+
+def test_the_actor_loads_the_pack_by_path_or_says_where_it_is_missing():
+    """What the Ray node runs in each actor (``raylight_actor.patch_on_actor``, pickled by value): with the pack's
+    folder missing on that host, an ImportError naming the path (nothing left in sys.modules); with it present, the
+    pack is loaded from the folder under the given name (as ComfyUI loads custom nodes) and the patch runs there,
+    here (no ComfyUI in this process) stopping where the patch first imports ComfyUI."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import raylight_actor
+
+    with pytest.raises(ImportError, match="not at /nonexistent/pack on this Ray worker's host"):
+        raylight_actor.patch_on_actor(None, "/nonexistent/pack", "mc_sparse_actor_missing", {})
+    assert "mc_sparse_actor_missing" not in sys.modules
+    name = "mc_sparse_actor_pack"
+    root = Path(__file__).resolve().parent.parent
+    try:
+        with pytest.raises(ImportError, match="comfy"):
+            raylight_actor.patch_on_actor(None, str(root), name, dict(_settings_kwargs()))
+        assert sys.modules[name].__file__ == str(root / "__init__.py")
+        assert f"{name}.comfyui_mc_sparse.adapter.raylight" in sys.modules
+    finally:
+        for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[mod]
+
+
+def _settings_kwargs():
+    return dict(preset="custom", density=0.25, dense_warmup="1", warmup_layers=1, anchor_steps="1", query_tile=64,
+                cache_placement="cpu", backend="torch", min_tokens=0, verbose=False)
