@@ -16,7 +16,8 @@ Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p:
 ``python tests/bench_cutedsl_pass2.py --out OUT [--shapes 1.3b] [--variants "st4,st4 p8,st6"] [--commit HASH]``;
 a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<ksplit>`` (else
 ``auto_ksplit``), `` pp`` (pingpong), `` ls`` (lse_smem), `` qs`` (qsplit), `` wg3`` (three consumer
-warpgroups), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed without the check).
+warpgroups), `` wg2`` / `` nols`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums:
+timed without the check).
 Writes OUT/bench_cutedsl_pass2.json.
 Expected at 1.3B: ~10 s inputs, ~5 s per variant compile (first process on a machine), ~2 s race.
 """
@@ -39,6 +40,7 @@ from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 
 COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "diag", "wg3")  # the compile-time tuning keys
 FLAGS = {"pp": "pingpong", "ls": "lse_smem", "qs": "qsplit", "wg3": "wg3"}
+OFF = {"wg2": "wg3", "nols": "lse_smem"}
 DEFAULT_VARIANTS = "st4,st4 k1,st4 pp,st4 p10,st6"
 
 
@@ -49,6 +51,9 @@ def parse_variant(text: str) -> dict:
     for tok in text.split():
         if tok in FLAGS:
             out[FLAGS[tok]] = True
+            continue
+        if tok in OFF:  # a default option turned off
+            out[OFF[tok]] = False
             continue
         if tok in ("noexp", "nomma"):  # timing floors (wrong sums: not checked, timed only)
             out["diag"] = tok

@@ -94,7 +94,7 @@ VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5, ksplit=1)), (
                                        (CASES[1], dict(lse_smem=True, num_ctas=5, ksplit=3)),
                                        (CASES[2], dict(qsplit=True)), (CASES[1], dict(qsplit=True, lse_smem=True,
                                                                                        pingpong=True, poly=8)),
-                                       (CASES[2], dict(wg3=True)),
+                                       (CASES[2], dict(wg3=False)), (CASES[0], dict(wg3=False, lse_smem=False)),
                                        (CASES[1], dict(wg3=True, lse_smem=True, num_ctas=5))]
 _COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "wg3")  # the tuning keys that are compile-time
 

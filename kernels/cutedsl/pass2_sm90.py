@@ -568,15 +568,19 @@ class Pass2Sm90:
 
 CAPABILITIES = ((9, 0),)
 HEAD_DIMS = (HEAD_DIM,)
-# the launch config: K ring depth, FMA-pipe exponentials per 32 columns, (consumer, producer) registers. Not yet
-# measured on the H200 (round s8r1 is the first): the kernel runs only where the caller asks for it
-# (pass2_dispatch: cute=True / MC_SPARSE_PASS2_CUTE=1).
+# The default launch config: three consumer warpgroups (wg3) with the LSE through shared memory (lse_smem), 4 stages,
+# no FMA-pipe share. H200 round s8r2 (main 2a57dc8, tests/bench_select_race.py race 2, the method of record, the
+# kernel alone / flash-attn-4 dense 8.954 ms at 1.3B 480p, all heads, each variant checked against the Triton sums
+# first): wg3 + lse_smem 0.4739, wg3 0.4842 (6 stages 0.4831), against 0.5336 for two consumer warpgroups (the
+# previous default), 0.5412 with lse_smem, 0.5714 pingpong, 0.6933 qsplit (0.6759 with lse_smem), 0.5481 poly 8
+# (wg3 poly 8: 0.5143), and 0.5140 for the Triton one-group kernel; floors: no exponential 0.3487, no wgmma 0.4474
+# (wg3: 0.4128, ~94 % of MUFU's 16 exponentials per clock): the exponential side is the limit now.
 STAGES = 4
 POLY = 0
 PINGPONG = False
-LSE_SMEM = False
+LSE_SMEM = True
 QSPLIT = False
-WG3 = False
+WG3 = True
 _SM_COUNT: dict = {}
 _INF: dict = {}  # device index -> fp32 [4] of +inf (the LSE a padded query slot copies with lse_smem)
 
@@ -642,7 +646,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                        pingpong=PINGPONG if pingpong is None else bool(pingpong),
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=QSPLIT if qsplit is None else bool(qsplit), diag=diag or "",
-                       wg3=WG3 if wg3 is None else bool(wg3))
+                       wg3=(WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
@@ -658,7 +662,8 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     pingpong = PINGPONG if pingpong is None else bool(pingpong)
     lse_smem = LSE_SMEM if lse_smem is None else bool(lse_smem)
     qsplit = QSPLIT if qsplit is None else bool(qsplit)
-    wg3 = WG3 if wg3 is None else bool(wg3)
+    # pingpong / qsplit are two-warpgroup schedules: asked for without wg3, they run with two warpgroups
+    wg3 = (WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3)
     key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag or "", wg3, cc.source_hash())
     return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag, wg3))
 
