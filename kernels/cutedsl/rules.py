@@ -33,8 +33,14 @@ EPILOGUE = "smem"
 # 1.3B 480p then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5) 0.803 / 0.843 / 0.902 / 0.918 and 0.858 / 0.887 / 0.889 /
 # 0.926 against the previous default's 0.793 / 0.823 / 0.890 / 0.874 and 0.826 / 0.850 / 0.881 / 0.912 (better at
 # all 8 points) and hide_epi alone 0.801 / 0.841 / 0.887 / 0.899 and 0.853 / 0.896 / 0.892 / 0.932; GPU-tested
-# through the op in every dtype / head dim with the LSE, split last rounds with ragged counts.
-STAGED_OPTIONS: tuple = ("persistent", "overlap", "hide_epi", "split_tail")
+# through the op in every dtype / head dim with the LSE, split last rounds with ragged counts. + "pdl" (the op's
+# three launches as programmatic dependent launches) and "v3" (3 V stages) since 2026-12-01 22:30: H200 round s8r2
+# (method of record, 6 rounds, side by side; 1.3B 480p then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5) 0.917 / 0.910 /
+# 0.970 / 0.976 and 0.880 / 0.911 / 0.929 / 0.940 against the previous default's 0.869 / 0.883 / 0.944 / 0.957 and
+# 0.866 / 0.902 / 0.909 / 0.922 (better at all 8 points; v3 alone 0.914 / 0.908 / 0.985 / 0.995 and 0.877 / 0.913 /
+# 0.914 / 0.937); GPU-tested through the op (bf16 D 128 / fp16 D 64 ragged with the LSE, groups vs SMs, split last
+# rounds of 138 / 140 groups, three calls queued without a sync, each reading what the launch before it wrote).
+STAGED_OPTIONS: tuple = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3")
 # compile options of the register-epilogue kernel (calls with a residual: the reuse path's), as STAGED_OPTIONS:
 # persistent + overlap since 2026-12-01 16:40: H200 round s6r2 (method of record, 4 rounds, side by side, plain bf16
 # residual, no LSE; 1.3B 480p then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5) 0.772 / 0.757 / 0.856 / 0.878 and 0.834 /
