@@ -120,6 +120,7 @@ _720P = dict(heads=40, head_dim=128, layers=40, tokens=75600, branches=2)
     [
         (100, 200, "auto", "auto", ("bfloat16", "gpu")),  # H200: all on the GPU
         (20, 128, "auto", "auto", ("bfloat16", "cpu")),  # 24 GB card, 128 GB host: bf16 pinned (73 <= 96)
+        (60, 128, "auto", "auto", ("bfloat16", "cpu")),  # fp8 would fit the GPU (53.8 <= 60): bf16 in RAM first
         (20, 64, "auto", "auto", ("float8_e4m3fn", "cpu")),  # 64 GB host: 46 GiB fp8 <= 48
         (20, 48, "auto", "auto", ("int4_group", "cpu")),  # 48 GB host: 31.9 GiB int4-group <= 36
         (40, 40, "auto", "auto", ("int4_group", "gpu")),  # 48 GB card: int4-group on the GPU (31.9 + 3.7 + 4 <= 40)
@@ -139,8 +140,9 @@ def test_plan_decisions_from_free_memory_figures(gpu_free, available, residual, 
     assert (plan.residual_dtype, plan.placement) == expected, plan.describe()
     if plan.placement == "cpu":
         assert plan.estimate.total_bytes <= plan.host_budget <= 0.75 * host.available
-    if plan.dense:
+    if plan.dense:  # the reason quotes the smallest cache among the precisions tried
         assert plan.fits and "this run stays dense. Would fit: " in plan.describe()
+        assert f"needs {memory._gb(min(e.total_bytes for e in plan.options.values()))} at least" in plan.reason
     else:
         assert plan.estimate == plan.options[plan.residual_dtype]
 
