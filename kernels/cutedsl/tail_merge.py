@@ -13,7 +13,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+try:  # programmatic dependent launch; a Triton without it launches "pdl" calls plainly
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 TILE = 128  # rows per group (C)
 
@@ -67,6 +70,7 @@ def merge(ws_o: torch.Tensor, ws_lse: torch.Tensor, perm_rows: torch.Tensor, out
         return
     B, S, H, D = out.shape
     with_lse = lse is not None
+    pdl = pdl and gdc_wait is not None
     lse_arg = lse if with_lse else ws_lse
     _merge[(n_split,)](ws_o, ws_lse, perm_rows, out, lse_arg, n_full, n_parts, groups_per_head, H,
                        out.stride(0), out.stride(1), out.stride(2),

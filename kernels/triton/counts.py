@@ -10,7 +10,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+try:  # programmatic dependent launch; a Triton without it launches "pdl" calls plainly
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
@@ -57,6 +60,7 @@ def valid_counts(kv_idx: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     kv = kv_idx.contiguous()
     rows = kv.shape[0] * kv.shape[1] * kv.shape[2]
     counts = torch.empty(rows, dtype=torch.int32, device=kv.device)
+    pdl = pdl and gdc_wait is not None
     extra = {"launch_pdl": True} if pdl else {}
     _valid_counts[(rows,)](kv, counts, kv.shape[3], LEVELS=levels(kv.shape[3]), FAN=FAN, PDL=pdl, num_warps=1,
                            **extra)
