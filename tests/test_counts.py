@@ -44,3 +44,13 @@ def test_valid_counts_at_every_search_level(K):
     kv_idx = torch.where(torch.arange(K) < counts[:, None], torch.arange(K, dtype=torch.int32) * 2,
                          torch.full((K,), -1, dtype=torch.int32)).view(1, 1, len(want), K)
     assert torch.equal(valid_counts(kv_idx), counts.to(torch.int32)), levels(K)
+
+
+def test_pdl_without_gdc_launches_plainly(monkeypatch):
+    """A Triton without programmatic dependent launch (no gdc_wait): valid_counts(pdl=True) counts as a plain launch
+    (here under the interpreter, which has no such launch either) instead of failing the CuTeDSL op."""
+    from comfyui_mc_sparse_pack.kernels.triton import counts as mod
+
+    monkeypatch.setattr(mod, "gdc_wait", None)
+    kv_idx = torch.tensor([[0, 5, 9, -1], [2, -1, -1, -1]], dtype=torch.int32).view(1, 1, 2, 4)
+    assert mod.valid_counts(kv_idx, pdl=True).tolist() == [3, 1]
