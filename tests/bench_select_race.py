@@ -15,15 +15,15 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
    pass, select_kv at its defaults (the whole beside its parts), the one-group Triton pass-2 kernel alone and with
    its fused top-K epilogue (``RACE2_TOPK``; on precomputed operands; sums checked against select_kv's, the fused
    selection against the brute force of its sums); the separate top-K alone on those sums (``SEPARATE_TOPK``:
-   counting one / two bits per pass, twice the samples, two tile rows per thread); the CuTeDSL pass 2 alone (+
+   counting one / two bits per pass, the pre-session-8 sample plan); the CuTeDSL pass 2 alone (+
    ``--cute-variants``, p2cute's launch variants), + the separate top-K (counting one / two bits),
    select_kv(cute=True, topk_count=True) (``race2_cute``, each checked first); then the host time of one select_kv
    call enqueued behind busy GPU work (defaults, cute count).
 3. RACE 1 per shape (tests/_timing.race: sustained back-to-back samples, shuffled order, median; TEAM.md item 7):
    flash-attn-4 dense with LSE, select_kv defaults (on sm_90 with the Triton pass 2: the top-K fused into the
-   one-group pass-2 kernel, its threshold among the candidates by counting) and ``RACE1_ROWS`` ("s32": that top-K's
-   bracket from one sample per 32 keys, twice the samples at 1.3B; "cute count" /
-   "cute count2": the CuTeDSL pass 2 + the separate top-K counting one / two bits per pass; "triton" beside a
+   one-group pass-2 kernel, its threshold among the candidates by counting) and ``RACE1_ROWS`` ("s63": that top-K's
+   bracket from one sample per 63 keys, the plan before session 8 at 1.3B; "cute count": the CuTeDSL pass 2 + the
+   separate top-K counting one bit per pass; "triton" beside a
    CuTeDSL default; ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 /
    0.25 / 0.5: ratios / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes).
    Their kernels compile first in child processes (``CHILD_ROWS``), waited for before the first timing.
@@ -111,8 +111,8 @@ def checks(q, k, lse, perm, S, log, full=True):
     selection.group_prob_sums(*sub, group_size=C, out=sums16)
     want = ref_top_k_rows(sums16, kq, width)
     r = dict(default_exact=bool(torch.equal(sel, want)))
-    # race 1's row "s32": the top-K's bracket from one sample per 32 keys == the defaults
-    r["s32_equal"] = bool(torch.equal(selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_stride=32), sel))
+    # race 1's row "s63": the top-K's bracket from one sample per 63 keys (the plan before session 8) == the defaults
+    r["s63_equal"] = bool(torch.equal(selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_stride=63), sel))
     if full:
         plan = topk.bracket_plan(S, kq, 2, cap=16)
         forced = topk.FusedRows(torch.full_like(sel, -7), kq, width, plan,
@@ -188,8 +188,7 @@ def cute_checks(sub, kq, width, log):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"s32": dict(topk_stride=32), "cute count": dict(cute=True, topk_count=True),
-              "cute count2": dict(cute=True, topk_count=2)}
+RACE1_ROWS = {"s63": dict(topk_stride=63), "cute count": dict(cute=True, topk_count=True)}
 
 
 def race1(name, q, k, v, lse, perm, log, rows):
@@ -249,9 +248,9 @@ def host_ms(fn, busy, n=5):
 
 
 # race 2's fused top-K variants: (tag, one group per program, tile rows per thread, bracket z, cand_count, keys per
-# sample: 32 = twice the samples at 1.3B, ~0.7x the bracket's keys); the first
+# sample: 63 = the plan before session 8 at 1.3B, half the samples of today's default); the first
 # always, the others while the budget lasts (z4 / x2 / two groups: measured in rounds s7r1-s7r3, not better: dropped)
-RACE2_TOPK = (("1grp", True, 1, topk._Z, True, None), ("1grp s32", True, 1, topk._Z, True, 32))
+RACE2_TOPK = (("1grp", True, 1, topk._Z, True, None), ("1grp s63", True, 1, topk._Z, True, 63))
 
 
 # race 2's separate top-K variants (``topk.top_k_rows`` keyword arguments), timed alone on the Triton kernel's sums
@@ -259,7 +258,7 @@ RACE2_TOPK = (("1grp", True, 1, topk._Z, True, None), ("1grp s32", True, 1, topk
 # two bits: 4 warps per row, twice the samples (one per 32 keys: a bracket ~0.7x as wide), two 16-byte tile rows per
 # thread per sweep step (block 1024: twice the bytes in flight); each checked against the brute force
 SEPARATE_TOPK = (("count", dict(cand_count=1)), ("count2", dict(cand_count=2)),
-                 ("count2 s32", dict(cand_count=2, sample_stride=32)), ("count2 x2", dict(cand_count=2, block=1024)))
+                 ("count s63", dict(cand_count=1, sample_stride=63)))
 
 
 def race2_topk(fns, sums, kq, width, res):
@@ -328,7 +327,7 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
     fns["select_kv defaults"] = lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE)
     plains = {}
     for tag, one, rpt, z, cc, stride in RACE2_TOPK:
-        if tag not in ("1grp", "1grp s32") and time.time() - t0 > budget - reserve:
+        if tag not in ("1grp", "1grp s63") and time.time() - t0 > budget - reserve:
             break  # (reserve: seconds kept for race 2b)
         try:
             if one not in plains:  # the kernel without the top-K epilogue
@@ -428,7 +427,7 @@ def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_
 # select_kv compiles for race 1 in child processes started with the bench (one per group of rows and shape, on 2
 # heads of the shape: the same specialisations), so the main process loads them from Triton's disk cache instead of
 # compiling one after another (~4 s each; round s6r2 lost its 14B race to the cap); "race2": race 2's kernels
-CHILD_ROWS = (("defaults", "s32"), ("cute count", "cute count2"))
+CHILD_ROWS = (("defaults", "s63"), ("cute count",))
 
 
 def spawn_children(shapes, out_dir, with_race2, cute_variants=()):
@@ -646,9 +645,9 @@ def main():
                 if name in ("1.3b", "smoke") and not args.race1_only:  # the parts first (round s8r1 lost them to the cap)
                     run_race2(report, name, (q, k, v, lse, perm), args, t0, log, variants, cute_variants, save)
                 rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed)
-                        if (res["checks"]["cute"]["ok"] if n.startswith("cute") else res["checks"]["s32_equal"])}
-                if name == "14b":  # (its default plan already samples one key per 74: "s32" is the defaults there)
-                    rows.pop("s32", None)
+                        if (res["checks"]["cute"]["ok"] if n.startswith("cute") else res["checks"]["s63_equal"])}
+                if name == "14b":  # (its plan samples one key per 74 either way: "s63" is the defaults there)
+                    rows.pop("s63", None)
                 if pass2_dispatch.cute_mode():  # the CuTeDSL pass 2 is the default: the Triton one beside it
                     rows["triton"] = dict(cute=False)
                 res["race1"] = race1(name, q, k, v, lse, perm, log,

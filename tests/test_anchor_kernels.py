@@ -129,14 +129,15 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
 def test_bracket_plan_ranks():
     """The bracket: K * n_samp / Sk samples expected above the K-th key, +- (5 sigma + 2); whole rows sampled when
     Sk < 1024; the Wan2.1-14B 720p row (75600 float16 keys) reads one key per 74 (1021 samples, <= 1024 in
-    registers), the 1.3B 480p row (32760) one per 63 (one per 128-byte line: 64, but >= 512 samples); the candidate
-    slots cover 1.3x the bracket's expected keys."""
+    registers), the 1.3B 480p row (32760) one per 32 (1023: as many as the registers hold); the candidate slots
+    cover 1.3x the bracket's expected keys."""
     assert triton_topk.bracket_plan(1000, 300, 2) == (1, 1000, 300 - 75, 300 + 75, 256)  # sigma = sqrt(210)
     stride, n, hi, lo, cap = triton_topk.bracket_plan(75600, 18900, 2)
     margin = math.ceil(5 * (1021 * 0.1875) ** 0.5) + 2
     assert (stride, n, hi, lo, cap) == (74, 1021, 255 - margin, 256 + margin, 16384)
-    assert triton_topk.bracket_plan(32760, 8190, 2)[:2] == (63, 520)
-    assert triton_topk.bracket_plan(32760, 8190, 4)[:2] == (32, 1023)  # float32 sums: one key per 128 bytes
+    assert triton_topk.bracket_plan(32760, 8190, 2)[:2] == (32, 1023)
+    assert triton_topk.bracket_plan(32760, 8190, 4)[:2] == (32, 1023)  # float32 sums: the same
+    assert triton_topk.bracket_plan(32760, 8190, 2, stride=63)[:2] == (63, 520)  # the plan before session 8
     assert triton_topk.bracket_plan(100, 1, 2)[2] <= 0  # no upper bound: the bracket starts at the top
     assert triton_topk.bracket_plan(75600, 18900, 2, stride=4, cap=64)[::4] == (74, 64)  # <= 1024 samples; cap given
 

@@ -10,7 +10,7 @@ comes out sorted with no sort at all; slots K..K_alloc-1 are written -1. No glob
   sums, 4 for float32), each pass a masked ``tl.histogram`` over the whole row. Exact, but a 256-bin
   ``tl.histogram`` costs ~2 warp instructions per entry (ballots and popcounts), so it is instruction-bound
   (~19 ms for the 23 640 rows of 75 600 sums at Wan2.1-14B 720p on an H200, 4x what its bytes need).
-- "bracket" (the default): one key per 128-byte line of the row (<= 1024 samples, in registers; a scrambled offset
+- "bracket" (the default): one key per ceil(Sk / 1024) of the row (<= 1024 samples, in registers; a scrambled offset
   in each stratum) brackets the K-th largest key between two sample order statistics at its expected sample rank
   +-(5 sigma + 2) (binomial sigma, ``bracket_plan``); one sweep counts the keys above the bracket and copies the
   keys inside it (int16 keys) to a per-row scratch; if the counts prove the K-th key is inside (above < K <= above
@@ -42,8 +42,13 @@ import triton.language as tl
 
 _BLOCK = 1024  # entries per chunk of the row sweep (radix method)
 _Z = 5.0  # bracket half-width in binomial standard deviations (a miss only costs the radix fallback)
-_BRACKET_LINE = 128  # bracket method: one sample per this many bytes of the row (one DRAM sector in four)
-_BRACKET_MIN_SAMPLES = 512
+# bracket method: one sample per ceil(Sk / _BRACKET_MAX_SAMPLES) keys by default, as many as the sample registers hold
+# (until session 8: one per 128-byte line but >= 512 samples, 520 at 1.3B 480p, whose registers already held 1024).
+# H200 round s8r2 (main 176160c, 1.3B 480p, flash-attn-4 dense, tests/_timing.race): one sample per 32 keys (1023)
+# against per 63 (520): select_kv 0.5686 / 0.5614 / 0.5713 / 0.5689 against 0.5659 / 0.5785 / 0.5722 / 0.5668 (s =
+# 0.1 / 0.15 / 0.25 / 0.5; max 0.5713 vs 0.5785), the pass-2 kernel + fused top-K 0.5348 vs 0.5373, the separate
+# top-K (two bits per counting pass) 0.0447 vs 0.0473 (s = 0.25); same selection (GPU-checked). 14B 720p (75600 keys)
+# samples one per 74 either way.
 _BRACKET_MAX_SAMPLES = 1024  # (a power of two: the sample is held in registers, [NS] with NS = 2^k >= n_samp)
 # bracket launch defaults, H200 (bench_anchor --only select at 904c5fd, s = 0.25, all heads): 2 warps per row with one
 # 16-byte row of keys per thread per sweep step: 5.98 ms at 14B 720p / 0.520 ms at 1.3B 480p, against 7.79 / 0.55 for
@@ -504,15 +509,13 @@ def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_s
 def bracket_plan(sk: int, num_keys: int, key_bytes: int, *, stride: int | None = None, cap: int | None = None,
                  z: float = _Z) -> tuple[int, int, int, int, int]:
     """(stride, n_samp, hi_rank, lo_rank, cap) of the "bracket" method for rows of ``sk`` keys of ``key_bytes``
-    bytes: one sample per ``stride`` keys (default one per 128-byte line, i.e. a quarter of the row's DRAM sectors,
-    but at least ``_BRACKET_MIN_SAMPLES`` and at most ``_BRACKET_MAX_SAMPLES`` samples); the sample ranks (1 =
+    bytes: one sample per ``stride`` keys (default: as many samples as fit ``_BRACKET_MAX_SAMPLES``, i.e. one per
+    ceil(sk / 1024) keys; a given stride is raised to that too); the sample ranks (1 =
     largest) whose keys bracket the K-th largest key: about K * n_samp / sk of the samples lie above it, with a
     binomial spread sigma, and the bracket is that rank -/+ (z * sigma + 2) (hi_rank may be <= 0: no upper bound;
     lo_rank > n_samp: no lower bound); the candidate slots per row: the power of two >= 1.3 x the keys the bracket
     is expected to hold (its sample ranks x stride), at least 256 (``cap`` overrides it)."""
-    if stride is None:
-        stride = max(1, min(_BRACKET_LINE // key_bytes, sk // _BRACKET_MIN_SAMPLES))
-    stride = max(stride, -(-sk // _BRACKET_MAX_SAMPLES))
+    stride = max(stride or 1, -(-sk // _BRACKET_MAX_SAMPLES))
     n_samp = sk // stride
     p = num_keys / sk
     rank = num_keys * n_samp / sk
