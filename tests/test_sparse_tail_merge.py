@@ -139,7 +139,7 @@ def test_split_plan(gen):
             g.launch_args(q, q, q, perm, idx, num_sms=7, split_tail=4, **{**base, **bad})
 
 
-def test_tail_launch_plan(gen):
+def test_tail_launch_plan(gen, monkeypatch):
     """launch_args with tail_launch: the first launch walks whole rounds only (virtual work count = n_full, no split
     path), the last round's items go to a second launch (one program per part, starting at work index n_full,
     split path on, no residual or LSE there, its own register split) and the merge; none when the items fill whole
@@ -158,6 +158,9 @@ def test_tail_launch_plan(gen):
     assert (meta2["CONSUMER_REGS"], meta2["PRODUCER_REGS"]) == (216, 72)
     assert args2[11] is tail["ws_o"] and args2[12] is tail["ws_ml"]
     assert g.launch_args(q, q, q, perm, idx, num_sms=8, tail_launch=4, **base)[3][2] is None  # 2 whole rounds
+    monkeypatch.setattr(g, "TAIL_MAX_ROUNDS", 1)  # a long walk: its last round's idle share is not worth 2 launches
+    assert g.launch_args(q, q, q, perm, idx, num_sms=7, tail_launch=4, **base)[3][2] is None
+    monkeypatch.undo()
     for bad in (dict(persistent=False, early_q=False, q_regs=False, chain=False), dict(split_tail=4, chain=False)):
         with pytest.raises(ValueError, match="tail_launch"):
             g.launch_args(q, q, q, perm, idx, num_sms=7, tail_launch=4, **{**base, **bad})

@@ -66,6 +66,11 @@ HEAD_DIMS = (64, 128)
 BLOCK_M = 128  # query rows per program (two consumer warpgroups of 64)
 BLOCK_N = 128  # keys per tile
 RESCALE_LOG2 = gl.constexpr(8.0)  # lazy rescale threshold, log2 units (as sparse_attention.RESCALE_LOG2)
+# tail_launch splits the last, partial round only when the walk has at most this many whole rounds: its two extra
+# launches cost ~0.3-0.45 ms of host time per call (round s8r2: the op 779 vs 310 us at 1.3B), which a sustained
+# timing counts once per sample, while the idle share of the last round shrinks as 1 / rounds (1.3B 480p: 23 rounds,
+# ~3 % of the kernel; 14B 720p: 179 rounds, ~0.5 %: there the op with the tail launch measured slower than q_regs)
+TAIL_MAX_ROUNDS = 32
 _DEFAULT_POLICY = gl.constexpr("")  # the K/V gathers' L2 eviction policy (Triton 3.6 drops one on cp.async anyway)
 
 
@@ -1133,7 +1138,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     tail_parts = 1
     if tail_launch:  # the last round's items in a second launch, split into key ranges (no residual: the merge's)
         rounds, n_tail = divmod(n_work, grid[0])
-        tail_parts = min(tail_launch, grid[0] // n_tail) if n_tail and rounds else 1
+        tail_parts = min(tail_launch, grid[0] // n_tail) if n_tail and 0 < rounds <= TAIL_MAX_ROUNDS else 1
         if tail_parts > 1:
             n_full = n_virtual = rounds * grid[0]  # this launch: whole rounds only
             ws_o = torch.empty(n_tail * tail_parts, BLOCK_M, D, dtype=torch.float32, device=q.device)
@@ -1218,7 +1223,8 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             ranges, one program each, so the last round keeps more SMs busy (Wan2.1-1.3B 480p: 3072 items on 132
             SMs = 23.3 rounds; unsplit, the last round runs 36 items on 132 SMs); each part stores its unnormalised O,
             max and row sum to a workspace and ``sparse_tail_merge.merge`` combines them into the output rows),
-            ``tail_launch`` (N >= 2, persistent: as ``split_tail``, but this launch walks whole rounds only and
+            ``tail_launch`` (N >= 2, persistent, at most ``TAIL_MAX_ROUNDS`` whole rounds: as ``split_tail``, but
+            this launch walks whole rounds only and
             the last, partial round's items run in a second launch of the kernel, N key ranges each, one program
             per part, without residual or LSE (the merge adds them): the first launch keeps its register split
             and schedule, ``chain`` included), ``chain`` (persistent pingpong with ``q_regs``: a program's items as one sequence of product blocks, an

@@ -111,6 +111,10 @@ PREVIOUS_AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q n
 # Round s8r1 (chain: no faster at 1.3B, 0.702 / 0.725 / 0.757 / 0.773 beside the op's 0.700 / 0.728 / 0.765 /
 # 0.779). Since round s8r2: q_regs with the last, partial round in a second, split launch (tail_launch: 1.3B 480p
 # runs 23 whole rounds, then 36 items in 3 parts on 108 SMs instead of 36 whole items on 36), and q_regs as before.
+# Round s8r2 (the op = this pair vs q_regs called directly, same race): 1.3B 0.708 / 0.737 / 0.768 / 0.792 vs 0.706 /
+# 0.728 / 0.767 / 0.776; 14B 0.716 / 0.734 / 0.782 / 0.819 vs 0.751 / 0.766 / 0.786 / 0.800, where the tail launch's
+# extra host time sits in every one-call sample: since then the tail launch splits only walks of at most
+# sparse_attention_sm90.TAIL_MAX_ROUNDS whole rounds (1.3B 480p: 23; 14B 720p: 179, q_regs unchanged there).
 AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs tail_launch",
                   "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs")
 choices: dict[tuple, str] = {}  # shape key -> an AUTO_SCHEDULES name (auto mode); times in _times
