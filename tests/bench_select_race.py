@@ -10,8 +10,8 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
    Triton pass 2, reported); then select_kv at its defaults == the brute-force top-K (kernels/reference/topk.py) of
    its own float16 sums; at 1.3B also the fused top-K with every row forced to the radix fallback (16 candidate
    slots) == the brute force.
-2. RACE 2 at 1.3B first, after its checks (round s8r1 lost it to the time cap; at 14B only after both race 1s, with
-   20 s of ``--budget`` left): the parts on all heads at s = 0.25 in the same rounds as dense: the float8 operand
+2. RACE 2 (``--race2-first``: at 1.3B right after its checks, round s8r1 lost it to the time cap; else per shape
+   after both shapes' race 1, the scoreboard figures first; at 14B only with 20 s of ``--budget`` left): the parts on all heads at s = 0.25 in the same rounds as dense: the float8 operand
    pass, select_kv at its defaults (the whole beside its parts), the one-group Triton pass-2 kernel alone and with
    its fused top-K epilogue (``RACE2_TOPK``; on precomputed operands; sums checked against select_kv's, the fused
    selection against the brute force of its sums); the separate top-K alone on those sums (``SEPARATE_TOPK``:
@@ -567,6 +567,8 @@ def main():
     ap.add_argument("--p2ws-gluon-row", action="store_true", help="race 1 also times select_kv(gluon=True) (the Gluon "
                     "pass 2 at its default config + the separate top-K) if that config passed its child check")
     ap.add_argument("--race1-only", action="store_true", help="checks and race 1 only (no race 2 / 2b)")
+    ap.add_argument("--race2-first", action="store_true", help="race 2 at 1.3B before its race 1 (else after both "
+                    "shapes' race 1: the scoreboard figures first)")
     ap.add_argument("--cute-variants", default="", help="comma-separated CuTeDSL pass-2 launch variants "
                     "(tests/bench_cutedsl_pass2.py: 'st4 p8') raced alone in race 2 at 1.3B, checked first")
     ap.add_argument("--precompile", default=None, help=argparse.SUPPRESS)  # (child: a shape)
@@ -642,7 +644,7 @@ def main():
                     rcs = wait_children(children, max(5.0, 60.0 - (time.time() - t0)))
                     log("select children (0 = compiled): " + ", ".join(f"{t} {rc}" for t, rc in rcs.items()))
                     children = {}
-                if name in ("1.3b", "smoke") and not args.race1_only:  # the parts first (round s8r1 lost them to the cap)
+                if name in ("1.3b", "smoke") and args.race2_first and not args.race1_only:  # (round s8r1 lost them)
                     run_race2(report, name, (q, k, v, lse, perm), args, t0, log, variants, cute_variants, save)
                 rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed)
                         if (res["checks"]["cute"]["ok"] if n.startswith("cute") else res["checks"]["s63_equal"])}
@@ -661,9 +663,9 @@ def main():
     if not args.race2_only:
         write_scoreboard(report, out_dir, command)
     for name, inputs in ({} if args.race2_only or args.race1_only else kept).items():
-        if name in ("1.3b", "smoke"):
+        if name in ("1.3b", "smoke") and args.race2_first:
             continue  # (run before its race 1)
-        if time.time() - t0 > args.budget - 20:
+        if time.time() - t0 > args.budget - (0 if name in ("1.3b", "smoke") else 20):
             log(f"{name} race 2 skipped (budget)")
             continue
         run_race2(report, name, inputs, args, t0, log, variants, (), save)
