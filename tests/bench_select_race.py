@@ -609,7 +609,8 @@ def main():
         print(f"[{time.time() - t0:6.1f} s] {msg}", flush=True)
 
     report = dict(commit=args.commit, argv=sys.argv, gpu=torch.cuda.get_device_name() if not SMOKE else "cpu", shapes={})
-    command = "python tests/bench_select_race.py --out $OUT " + " ".join(a for a in sys.argv[1:] if "$" not in a)
+    argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--out" and (i == 0 or sys.argv[i] != "--out")]
+    command = "python tests/bench_select_race.py --out $OUT " + " ".join(a for a in argv if "$" not in a)
 
     def save():
         (out_dir / "bench_select_race.json").write_text(json.dumps(report, indent=1, default=str))
