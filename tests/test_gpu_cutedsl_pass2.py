@@ -168,9 +168,11 @@ _LOG2E = 1.4426950408889634
                          ids=lambda v: "B{}H{}S{}Sk{}C{}h{}".format(*v) if isinstance(v, tuple) else str(v))
 def test_cutedsl_pass2_equals_float64(case, tuning):
     """On torch-made float8 operands (no Triton kernel involved): every entry of the view written, nothing outside it
-    (NaN-poisoned buffer with an extra head and 64 columns past Sk), fp32 sums within 5e-4 relative L2 per group of
-    float64 (e4m3 products exact in fp32; ex2.approx's ~2^-22 relative error per term; poly: the polynomial's
-    ~1e-4), fp16 sums (the default config) within one fp16 rounding of the fp32 sums."""
+    (NaN-poisoned buffer with an extra head and 64 columns past Sk), fp32 sums within 3e-3 relative L2 per group of
+    float64 (the e4m3 wgmma accumulates below fp32 precision: these unsmoothed randn x 4 operands' scores carry
+    ~1e-3 absolute error, measured 2e-4 - 1.3e-3 on the H200 in round s8final; the Triton kernel's sums, same
+    products, agree with this kernel's to 3e-5 there), fp16 sums (the default config) within one fp16 rounding of the
+    fp32 sums."""
     _, p2 = _mods()
     B, H, S, SK, C, holes = case
     q8, k8, qf, lse_s, kb, perm = _torch_operands(B, H, S, SK, C, SEED + S + len(str(tuning)), holes)
@@ -189,7 +191,7 @@ def test_cutedsl_pass2_equals_float64(case, tuning):
         got[dtype] = out
     rel = (got[torch.float32].double() - want).norm(dim=-1) / want.norm(dim=-1)
     print(f"float64: max relative L2 per group {float(rel.max()):.2e}")
-    assert float(rel.max()) < 5e-4, float(rel.max())
+    assert float(rel.max()) < 3e-3, float(rel.max())
     if torch.float16 in got:
         f32 = got[torch.float32]
         assert torch.allclose(got[torch.float16].float(), f32.half().float(), rtol=2**-10, atol=1e-7), \
