@@ -60,12 +60,7 @@ def _cute_module():
 def cute_mode(requested: bool | None = None) -> bool:
     """Whether the CuTeDSL kernel is wanted: ``requested`` when not None, else ``MC_SPARSE_PASS2_CUTE`` ("1" on, "0"
     off; any other value is a ValueError), else ``CUTE_DEFAULT``."""
-    if requested is not None:
-        return bool(requested)
-    env = os.environ.get("MC_SPARSE_PASS2_CUTE", "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"MC_SPARSE_PASS2_CUTE must be 0 or 1, got {env!r}")
-    return env == "1" if env else bool(CUTE_DEFAULT)
+    return _switch(requested, "MC_SPARSE_PASS2_CUTE", CUTE_DEFAULT)
 
 
 def cute_fallback_reason() -> str | None:
@@ -75,21 +70,9 @@ def cute_fallback_reason() -> str | None:
 
 def cute_refusal(q8, k8, group_size, out, *, requested=None, only_triton=None) -> str | None:
     """Why the CuTeDSL kernel does not run this float8 pass 2 call (None: it runs)."""
-    if not cute_mode(requested):
-        if requested is False:
-            return "off (cute=False)"
-        return "off (MC_SPARSE_PASS2_CUTE=0)" if os.environ.get("MC_SPARSE_PASS2_CUTE") == "0" else \
-            "off (CUTE_DEFAULT)"
-    if only_triton is not None:
-        return only_triton
-    failed = cute_fallback_reason()
-    if failed is not None:
-        return f"failed earlier ({failed})"
-    try:
-        mod = _cute_module()
-    except Exception as err:  # noqa: BLE001 (no nvidia-cutlass-dsl, or a broken CUDA stack at import)
-        return f"unavailable ({type(err).__name__}: {err})"
-    return mod.refusal(q8, k8, group_size, out)
+    why = _not_wanted(cute_mode(requested), requested, "cute", "MC_SPARSE_PASS2_CUTE", "CUTE_DEFAULT", only_triton,
+                      cute_fallback_reason)
+    return why if why is not None else _module_refusal(_cute_module, q8, k8, group_size, out)
 
 
 def try_cute(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, requested=None, only_triton=None) -> bool:
@@ -99,16 +82,8 @@ def try_cute(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, requested=None, o
     memory."""
     if cute_refusal(q8, k8, group_size, out, requested=requested, only_triton=only_triton) is not None:
         return False
-    try:
-        _cute_module().group_prob_sums_fp8(q8, k8, qf, lse_s, kb2, perm, out, group_size=group_size)
-        return True
-    except Exception as err:  # noqa: BLE001 (any compile / launch failure: the next kernel answers)
-        if registry.is_out_of_memory(err):
-            raise
-        reason = f"{type(err).__name__}: {str(err)[:500]}"
-        _cute_failures.remember(reason)
-        log.warning("MC-Sparse: the CuTeDSL pass-2 kernel failed (%s); using the Triton kernel", reason)
-        return False
+    return _launch(_cute_module, _cute_failures, "the CuTeDSL pass-2 kernel",
+                   (q8, k8, qf, lse_s, kb2, perm, out), group_size)
 
 
 def _gluon_module():
@@ -120,12 +95,7 @@ def _gluon_module():
 def gluon_mode(requested: bool | None = None) -> bool:
     """Whether the Gluon kernel is wanted: ``requested`` when not None, else ``MC_SPARSE_PASS2_GLUON`` ("1" on, "0"
     off; any other value is a ValueError), else ``GLUON_DEFAULT``."""
-    if requested is not None:
-        return bool(requested)
-    env = os.environ.get("MC_SPARSE_PASS2_GLUON", "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"MC_SPARSE_PASS2_GLUON must be 0 or 1, got {env!r}")
-    return env == "1" if env else bool(GLUON_DEFAULT)
+    return _switch(requested, "MC_SPARSE_PASS2_GLUON", GLUON_DEFAULT)
 
 
 def gluon_kb_pow2(head_dim: int) -> bool:
@@ -164,21 +134,9 @@ def reset() -> None:
 
 def gluon_refusal(q8, k8, group_size, out, *, requested=None, only_triton=None) -> str | None:
     """Why the Gluon kernel does not run this float8 pass 2 call (None: it runs)."""
-    if not gluon_mode(requested):
-        if requested is False:
-            return "off (gluon=False)"
-        return "off (MC_SPARSE_PASS2_GLUON=0)" if os.environ.get("MC_SPARSE_PASS2_GLUON") == "0" else \
-            "off (GLUON_DEFAULT)"
-    if only_triton is not None:
-        return only_triton
-    failed = fallback_reason()
-    if failed is not None:
-        return f"failed earlier ({failed})"
-    try:
-        mod = _gluon_module()
-    except Exception as err:  # a Triton without Gluon's Hopper modules
-        return f"unavailable ({type(err).__name__}: {err})"
-    return mod.refusal(q8, k8, group_size, out)
+    why = _not_wanted(gluon_mode(requested), requested, "gluon", "MC_SPARSE_PASS2_GLUON", "GLUON_DEFAULT", only_triton,
+                      fallback_reason)
+    return why if why is not None else _module_refusal(_gluon_module, q8, k8, group_size, out)
 
 
 def try_gluon(q8, k8, qf, lse_s, kb, perm, out, *, group_size, requested=None, only_triton=None) -> bool:
@@ -187,13 +145,55 @@ def try_gluon(q8, k8, qf, lse_s, kb, perm, out, *, group_size, requested=None, o
     Arguments as ``selection_sm90.group_prob_sums_fp8``. Raises: out of memory."""
     if gluon_refusal(q8, k8, group_size, out, requested=requested, only_triton=only_triton) is not None:
         return False
+    return _launch(_gluon_module, _failures, "the sm_90 Gluon pass-2 kernel", (q8, k8, qf, lse_s, kb, perm, out),
+                   group_size)
+
+
+def _switch(requested, env_name: str, default) -> bool:
+    """A kernel's on/off: ``requested`` when not None, else ``$env_name`` ("1" on, "0" off; any other value is a
+    ValueError), else ``default``."""
+    if requested is not None:
+        return bool(requested)
+    env = os.environ.get(env_name, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{env_name} must be 0 or 1, got {env!r}")
+    return env == "1" if env else bool(default)
+
+
+def _not_wanted(on: bool, requested, arg: str, env_name: str, default_name: str, only_triton, failed) -> str | None:
+    """The reason a kernel is not tried before its module is asked (None: ask it): switched off (by the caller's
+    ``arg``=False, ``$env_name``=0 or ``default_name``), a Triton-only request, or a failure remembered earlier
+    (``failed()``)."""
+    if not on:
+        if requested is False:
+            return f"off ({arg}=False)"
+        return f"off ({env_name}=0)" if os.environ.get(env_name) == "0" else f"off ({default_name})"
+    if only_triton is not None:
+        return only_triton
+    reason = failed()
+    return None if reason is None else f"failed earlier ({reason})"
+
+
+def _module_refusal(load, q8, k8, group_size, out) -> str | None:
+    """The kernel module's own refusal; its import error (no nvidia-cutlass-dsl, a Triton without Gluon's Hopper
+    modules, a broken CUDA stack) is the reason "unavailable (...)"."""
     try:
-        _gluon_module().group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, group_size=group_size)
+        mod = load()
+    except Exception as err:  # noqa: BLE001
+        return f"unavailable ({type(err).__name__}: {err})"
+    return mod.refusal(q8, k8, group_size, out)
+
+
+def _launch(load, failures, label: str, args: tuple, group_size: int) -> bool:
+    """Run ``load().group_prob_sums_fp8(*args, group_size=)``: True when it wrote the sums; False after a failure
+    (remembered in ``failures``, logged once here), out of memory re-raised."""
+    try:
+        load().group_prob_sums_fp8(*args, group_size=group_size)
         return True
     except Exception as err:  # noqa: BLE001 (any compile / launch failure: the Triton kernel answers)
         if registry.is_out_of_memory(err):
             raise
         reason = f"{type(err).__name__}: {str(err)[:500]}"
-        _failures.remember(reason)
-        log.warning("MC-Sparse: the sm_90 Gluon pass-2 kernel failed (%s); using the Triton kernel", reason)
+        failures.remember(reason)
+        log.warning("MC-Sparse: %s failed (%s); using the Triton kernel", label, reason)
         return False
