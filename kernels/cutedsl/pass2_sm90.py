@@ -290,19 +290,10 @@ class Pass2Sm90:
             h = bh - b * n_heads
             qf = mQF[bh]
             if const_expr(not self.lse_smem):
-                for c in cutlass.range_constexpr(n_cols):
-                    col = tScS[0, c][1]
-                    idx = Int32(-1)
-                    if col < group_size:
-                        idx = mPerm[bh, g * group_size + col]
-                    v = -Float32.inf
-                    if idx >= 0 and idx < n_seq:
-                        v = -(mLSE[bh, idx] * Float32(LOG2E))
-                    nl2[c] = v
+                self._bias_from_lse(nl2, tScS, n_cols, mLSE, mPerm, bh, g, group_size, n_seq)
             pipeline_q.consumer_wait(q_state)
             if const_expr(self.lse_smem):
-                for c in cutlass.range_constexpr(n_cols):
-                    nl2[c] = -(sL[tScS[0, c][1], q_state.index] * Float32(LOG2E))
+                self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index)
             rQ = tSrQ[None, None, None, q_state.index]
             k_rel = k_state.clone()
             for i in cutlass.range(count, unroll=1):
@@ -331,6 +322,25 @@ class Pass2Sm90:
             item += walk.grid
 
     @cute.jit
+    def _bias_from_lse(self, nl2, tScS, n_cols, mLSE, mPerm, bh, g, group_size, n_seq):
+        """This thread's query columns' bias -LSE * log2(e), read through perm (-inf for padded slots: they add 0)."""
+        for c in cutlass.range_constexpr(n_cols):
+            col = tScS[0, c][1]
+            idx = Int32(-1)
+            if col < group_size:
+                idx = mPerm[bh, g * group_size + col]
+            v = -Float32.inf
+            if idx >= 0 and idx < n_seq:
+                v = -(mLSE[bh, idx] * Float32(LOG2E))
+            nl2[c] = v
+
+    @cute.jit
+    def _bias_from_smem(self, nl2, tScS, n_cols, sL, slot):
+        """``lse_smem``: the same bias from the LSE row the query producer staged in Q slot ``slot``."""
+        for c in cutlass.range_constexpr(n_cols):
+            nl2[c] = -(sL[tScS[0, c][1], slot] * Float32(LOG2E))
+
+    @cute.jit
     def _consume_single(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
                         group_size, sk, n_seq, wg, tid):
         """``wg3``: a consumer warpgroup's 64-key third of every 192-key stage, one wgmma group at a time (issue,
@@ -355,19 +365,10 @@ class Pass2Sm90:
             h = bh - b * n_heads
             qf = mQF[bh]
             if const_expr(not self.lse_smem):
-                for c in cutlass.range_constexpr(n_cols):
-                    col = tScS[0, c][1]
-                    idx = Int32(-1)
-                    if col < group_size:
-                        idx = mPerm[bh, g * group_size + col]
-                    v = -Float32.inf
-                    if idx >= 0 and idx < n_seq:
-                        v = -(mLSE[bh, idx] * Float32(LOG2E))
-                    nl2[c] = v
+                self._bias_from_lse(nl2, tScS, n_cols, mLSE, mPerm, bh, g, group_size, n_seq)
             pipeline_q.consumer_wait(q_state)
             if const_expr(self.lse_smem):
-                for c in cutlass.range_constexpr(n_cols):
-                    nl2[c] = -(sL[tScS[0, c][1], q_state.index] * Float32(LOG2E))
+                self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index)
             rQ = tSrQ[None, None, None, q_state.index]
             for i in cutlass.range(count, unroll=1):
                 pipeline_k.consumer_wait(k_state)
