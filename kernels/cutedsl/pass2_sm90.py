@@ -51,6 +51,8 @@ from flash_attn.cute import pipeline as fa_pipeline
 from flash_attn.cute import utils as fa_utils
 from quack import layout_utils, sm90_utils
 
+from ..triton import pass2_dispatch
+
 HEAD_DIM = 128
 TILE_N = 128  # keys per ring stage (two 64-key halves, one per consumer warpgroup)
 TILE_Q = 128  # query slots per group (the wgmma N)
@@ -614,17 +616,10 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 
     if q8.device.type != "cuda":
         return f"needs a CUDA device, got {q8.device.type}"
-    cap = torch.cuda.get_device_capability(q8.device)
-    if cap not in CAPABILITIES:
-        return f"runs on sm_90 only, got sm_{cap[0]}{cap[1]}"
-    if q8.dtype != torch.float8_e4m3fn or k8.dtype != torch.float8_e4m3fn:
-        return f"takes float8_e4m3fn operands, got {q8.dtype} / {k8.dtype}"
-    if q8.shape[-1] not in HEAD_DIMS:
-        return f"head dim must be one of {HEAD_DIMS}, got {q8.shape[-1]}"
-    if not 64 < group_size <= TILE_Q:
-        return f"group size must be in (64, {TILE_Q}], got {group_size}"
-    if not (q8.is_contiguous() and k8.is_contiguous()) or q8.data_ptr() % 16 or k8.data_ptr() % 16:
-        return "q8 / k8 must be contiguous and 16-byte aligned (fp8_operands' copies)"
+    why = pass2_dispatch.operand_refusal(q8, k8, group_size, capabilities=CAPABILITIES, head_dims=HEAD_DIMS,
+                                         max_group=TILE_Q)
+    if why is not None:
+        return why
     if out.dtype not in (torch.float16, torch.float32) or out.stride(-1) != 1:
         return f"sums must be float16 or float32 with a unit stride on Sk, got {out.dtype} {tuple(out.stride())}"
     return None

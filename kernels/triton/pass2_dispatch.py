@@ -149,6 +149,26 @@ def try_gluon(q8, k8, qf, lse_s, kb, perm, out, *, group_size, requested=None, o
                    group_size)
 
 
+def operand_refusal(q8, k8, group_size: int, *, capabilities, head_dims, max_group: int) -> str | None:
+    """The refusal checks both float8 pass-2 kernels make on a CUDA call (None: they pass), in this order: the
+    device's capability in ``capabilities``, float8_e4m3fn operands, head dim in ``head_dims``, group width in
+    (64, ``max_group``], q8 / k8 contiguous and 16-byte aligned (``selection.fp8_operands``' copies)."""
+    import torch
+
+    cap = torch.cuda.get_device_capability(q8.device)
+    if cap not in capabilities:
+        return f"runs on sm_90 only, got sm_{cap[0]}{cap[1]}"
+    if q8.dtype != torch.float8_e4m3fn or k8.dtype != torch.float8_e4m3fn:
+        return f"takes float8_e4m3fn operands, got {q8.dtype} / {k8.dtype}"
+    if q8.shape[-1] not in head_dims:
+        return f"head dim must be one of {head_dims}, got {q8.shape[-1]}"
+    if not 64 < group_size <= max_group:
+        return f"group size must be in (64, {max_group}], got {group_size}"
+    if not (q8.is_contiguous() and k8.is_contiguous()) or q8.data_ptr() % 16 or k8.data_ptr() % 16:
+        return "q8 / k8 must be contiguous and 16-byte aligned (fp8_operands' copies)"
+    return None
+
+
 def _switch(requested, env_name: str, default) -> bool:
     """A kernel's on/off: ``requested`` when not None, else ``$env_name`` ("1" on, "0" off; any other value is a
     ValueError), else ``default``."""

@@ -57,6 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import pass2_dispatch
+
 CAPABILITIES = ((9, 0),)
 HEAD_DIMS = (64, 128)
 BLOCK_M = 128  # queries per group (one consumer warpgroup's wgmma N)
@@ -82,17 +84,10 @@ def refusal(q8: torch.Tensor, k8: torch.Tensor, group_size: int, out: torch.Tens
         return f"needs a CUDA device, got {q8.device.type}"
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "not under the Triton interpreter (Gluon has no interpreter mode)"
-    cap = torch.cuda.get_device_capability(q8.device)
-    if cap not in CAPABILITIES:
-        return f"runs on sm_90 only, got sm_{cap[0]}{cap[1]}"
-    if q8.dtype != torch.float8_e4m3fn or k8.dtype != torch.float8_e4m3fn:
-        return f"takes float8_e4m3fn operands, got {q8.dtype} / {k8.dtype}"
-    if q8.shape[-1] not in HEAD_DIMS:
-        return f"head dim must be one of {HEAD_DIMS}, got {q8.shape[-1]}"
-    if not 64 < group_size <= BLOCK_M:
-        return f"group size must be in (64, {BLOCK_M}], got {group_size}"
-    if not (q8.is_contiguous() and k8.is_contiguous()) or q8.data_ptr() % 16 or k8.data_ptr() % 16:
-        return "q8 / k8 must be contiguous and 16-byte aligned (fp8_operands' copies)"
+    why = pass2_dispatch.operand_refusal(q8, k8, group_size, capabilities=CAPABILITIES, head_dims=HEAD_DIMS,
+                                         max_group=BLOCK_M)
+    if why is not None:
+        return why
     if out.dtype not in (torch.float16, torch.float32):
         return f"sums must be float16 or float32, got {out.dtype}"
     return None
