@@ -6,23 +6,34 @@ the GPU idle between attention calls (they sit between GEMMs at full power), so 
 sleep, an L2 clear) let the clocks boost and flatter short calls: on the H200 of 2026-12-01 flash-attn-4 dense at
 Wan2.1-1.3B 480p took 9.8-10.2 ms this way and 8.7-8.9 ms with 1 ms GPU sleeps before each call, in the same machine
 session. Ratios taken with different methods are not comparable; a benchmark may print a gapped figure beside this one.
+
+Lead-in (session 9, 2026-12-01): each sample starts with untimed calls of the same function (about a quarter of
+``target_ms``, at least one call). Without them a sample began on an idle GPU right after the previous function's
+sample: the first call's host launch time (0.3-0.8 ms for the sparse op, 20 ms samples) and the previous function's
+power state (the row after flash-attn-4 dense ran 2-4 % slow) fell inside the timed region. In a model run the host
+is ahead of the GPU and the call follows the model's own work, which the lead-in stands for.
+``MC_SPARSE_RACE_LEAD_IN=0`` times the way sessions 5-8 did (the scoreboard's figures up to commit a50914c).
 """
 from __future__ import annotations
 
+import os
 import random
 import statistics
 
 import torch
 
 
-def race(fns: dict, rounds: int, target_ms: float) -> dict:
+def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None) -> dict:
     """Median ms per call of each fn (name -> zero-argument callable on the current CUDA stream), timed interleaved:
     ``rounds`` rounds, each running every fn back to back for about ``target_ms`` (CUDA events), so a clock or
-    thermal drift hits every fn alike. The order is shuffled each round (fixed seed): a kernel timed right after a
-    full-power one runs at lower clocks (H200, 2026-12-01: the row after flash-attn-4 dense ran 2-4 % slow), and a
-    rotated cyclic order would keep every row's predecessor."""
+    thermal drift hits every fn alike. The order is shuffled each round (fixed seed). Each sample is led in by
+    untimed calls of the same fn (see the module docstring; ``MC_SPARSE_RACE_LEAD_IN=0`` turns that off).
+
+    ``from_idle``: a dict to fill with each fn's median ms per lead-in call (the calls that start on an idle GPU,
+    right after another fn's sample: what a sample without lead-in mostly measured); left empty without lead-in."""
+    lead_in = os.environ.get("MC_SPARSE_RACE_LEAD_IN", "1") != "0"
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
-    est, times = {}, {k: [] for k in fns}
+    est, times, idle = {}, {k: [] for k in fns}, {k: [] for k in fns}
     for k, fn in fns.items():
         fn()
         a, b = ev(), ev()
@@ -32,16 +43,24 @@ def race(fns: dict, rounds: int, target_ms: float) -> dict:
         torch.cuda.synchronize()
         est[k] = max(a.elapsed_time(b), 1e-3)
     reps = {k: max(1, round(target_ms / est[k])) for k in fns}
+    leads = {k: max(1, round(target_ms / 4 / est[k])) if lead_in else 0 for k in fns}
     order, rng = list(fns), random.Random(0)
     for _ in range(rounds):
         rng.shuffle(order)
         for k in order:
             fn = fns[k]
-            a, b = ev(), ev()
+            a0, a, b = ev(), ev(), ev()
+            a0.record()
+            for _ in range(leads[k]):
+                fn()
             a.record()
             for _ in range(reps[k]):
                 fn()
             b.record()
             torch.cuda.synchronize()
             times[k].append(a.elapsed_time(b) / reps[k])
+            if leads[k]:
+                idle[k].append(a0.elapsed_time(a) / leads[k])
+    if from_idle is not None:
+        from_idle.update({k: statistics.median(v) for k, v in idle.items() if v})
     return {k: statistics.median(v) for k, v in times.items()}
