@@ -55,3 +55,30 @@ def test_without_lead_in_the_first_call_is_timed(timing, monkeypatch):
     ms = mod.race(fns, rounds=3, target_ms=20.0, from_idle=idle)
     assert ms["op"] > 1.0 and not idle  # 20 calls of 1 ms, the first 0.5 ms slower
     assert ms["op"] == pytest.approx((20 * 1.0 + 0.5) / 20)
+
+
+def test_samples_rounds_and_order(timing, monkeypatch):
+    """Each round times every fn once, in a new order; a sample is led in by ~target/4 of calls (at least one, also for
+    a fn slower than the target) and then runs ~target_ms of calls (at least one), sizes from a warmed-up estimate."""
+    mod, gpu_fn = timing
+    monkeypatch.delenv("MC_SPARSE_RACE_LEAD_IN", raising=False)
+    log = []
+    monkeypatch.setattr(mod.torch.cuda, "synchronize", lambda: log.append("|"))
+    ms = {"fast": 0.25, "mid": 0.75, "slow": 50.0, "op": 2.0}
+
+    def logged(name):
+        fn = gpu_fn(name, ms[name], 5.0)  # a slow first call: the size estimate must come from a warmed-up call
+        return lambda: (log.append(name), fn())
+
+    rounds, target = 6, 20.0
+    mod.race({k: logged(k) for k in ms}, rounds=rounds, target_ms=target)
+    segments = "".join(x if x == "|" else x + "," for x in log).split("|")[:-1]
+    samples = [s.rstrip(",").split(",") for s in segments[len(ms):]]
+    assert len(samples) == rounds * len(ms)
+    expect = {k: max(1, round(target / 4 / v)) + max(1, round(target / v)) for k, v in ms.items()}
+    assert expect == {"fast": 20 + 80, "mid": 7 + 27, "slow": 1 + 1, "op": 2 + 10}
+    for s in samples:
+        assert len(set(s)) == 1 and len(s) == expect[s[0]]
+    orders = [tuple(s[0] for s in samples[r * len(ms):(r + 1) * len(ms)]) for r in range(rounds)]
+    assert all(sorted(o) == sorted(ms) for o in orders)
+    assert len(set(orders)) > 1  # shuffled each round, not one fixed order
