@@ -65,6 +65,23 @@ def test_gluon_pass2_refusal(monkeypatch, cap, q_kw, C, out_dtype, want):
     assert (why is None) if want is None else (want in why), why
 
 
+@pytest.mark.parametrize(("k_kw", "want"), [
+    (dict(dtype=torch.bfloat16), "float8_e4m3fn"),
+    (dict(contiguous=False), "contiguous"),
+    (dict(ptr=8), "16-byte aligned"),
+])
+def test_pass2_refusal_checks_k8_too(monkeypatch, k_kw, want):
+    """The operand checks both float8 pass-2 kernels share (pass2_dispatch.operand_refusal) look at k8 as well as q8
+    (mutations: a k8 check dropped)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    why = _mod("selection_sm90").refusal(_fake(), _fake(**k_kw), 128, SimpleNamespace(dtype=torch.float16))
+    assert why is not None and want in why, why
+    d = _mod("pass2_dispatch")
+    why = d.operand_refusal(_fake(), _fake(**k_kw), 128, capabilities=((9, 0),), head_dims=(128,), max_group=128)
+    assert why is not None and want in why, why
+
+
 def test_gluon_pass2_mode(monkeypatch):
     d = _mod("pass2_dispatch")
     monkeypatch.delenv("MC_SPARSE_PASS2_GLUON", raising=False)
@@ -265,9 +282,10 @@ def test_cute_pass2_mode(monkeypatch):
     monkeypatch.setenv("MC_SPARSE_PASS2_CUTE", "1")
     assert d.cute_mode() and not d.cute_mode(False)
     assert "cute=False" in d.cute_refusal(None, None, 128, None, requested=False)
-    monkeypatch.setenv("MC_SPARSE_PASS2_CUTE", "on")
-    with pytest.raises(ValueError, match="MC_SPARSE_PASS2_CUTE"):
-        d.cute_mode()
+    for bad in ("on", "2", " 1"):
+        monkeypatch.setenv("MC_SPARSE_PASS2_CUTE", bad)
+        with pytest.raises(ValueError, match="MC_SPARSE_PASS2_CUTE"):
+            d.cute_mode()
 
 
 def test_cute_unavailable_without_cutlass_is_a_refusal(gen, monkeypatch):
