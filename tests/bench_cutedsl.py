@@ -214,16 +214,24 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
                 log(f"{name} s={s}: {tag} WRONG (rel err {r_err[tag][0]:.2e}, NaN left {r_err[tag][1]}): not timed")
                 continue
             fns[tag] = lambda fn=fn, args=args: cc.launch(fn, *args)
-        r = race(fns, rounds, target_ms)
+        idle = {}
+        r = race(fns, rounds, target_ms, from_idle=idle)
         base = r[base_name]
         eff = {kk: base * s / vv for kk, vv in r.items() if not kk.startswith(("dense", "counts"))}
+        # the lead-in calls' median (each started on an idle GPU after another row's sample; empty without lead-in)
+        eff_idle = {kk: idle[base_name] * s / vv for kk, vv in idle.items()
+                    if base_name in idle and not kk.startswith(("dense", "counts"))}
         if r_host:
             log(f"{name} s={s}: host us per call (issued behind a dense call): "
                 + ", ".join(f"{kk} {vv:.0f}" for kk, vv in r_host.items()))
         log(f"{name} s={s}: " + ", ".join(f"{kk} {vv:.3f} ms" + (f" (eff {eff[kk]:.3f})" if kk in eff else "")
                                            for kk, vv in r.items())
             + "; rel err / NaN left " + ", ".join(f"{kk} {e:.2e}/{nn}" for kk, (e, nn) in r_err.items()))
-        rows[s] = dict(ms=r, efficiency=eff, err=r_err, host_us_per_op_call=r_host)
+        if idle:
+            log(f"{name} s={s}: from idle (lead-in calls' median): " + ", ".join(
+                f"{kk} {vv:.3f} ms" + (f" (eff {eff_idle[kk]:.3f})" if kk in eff_idle else "") for kk, vv in idle.items()))
+        rows[s] = dict(ms=r, efficiency=eff, err=r_err, host_us_per_op_call=r_host, from_idle_ms=idle,
+                       efficiency_from_idle=eff_idle)
     return dict(baseline=base_name, densities=rows)
 
 

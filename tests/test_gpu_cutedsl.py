@@ -183,7 +183,8 @@ def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, cta
     (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi")),
     (torch.float16, 64, True, ("overlap", "persistent", "hide_epi")),
     (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "split_tail")),
-], ids=["bf16-d128-lse", "fp16-d64", "hide-bf16-d128", "hide-fp16-d64-lse", "split-bf16-d128"])
+    (torch.float16, 64, False, ("overlap", "persistent", "hide_epi", "q_ahead", "cnt_ahead")),
+], ids=["bf16-d128-lse", "fp16-d64", "hide-bf16-d128", "hide-fp16-d64-lse", "split-bf16-d128", "ahead-fp16-d64"])
 def test_cutedsl_overlap_grids(dtype, D, lse, options):
     """The "overlap" option (two groups in flight per CTA: 2-slot query ring, the next group's first Q K^T issued
     with this group's last P V, O staged in the finished group's query slot) against float64 on persistent grids of
@@ -192,7 +193,9 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
     last P V is its first), K_alloc not a multiple of 128, B = 2, a NaN-filled out written in full each time, the
     LSE in query order. With "hide_epi" the boundary also runs the next group's second key tile while the output
     is stored (groups of one tile take the plain boundary); with "split_tail" launched with one part per group (its
-    workspace unused; the split itself is tested through the op, ``test_cutedsl_split_tail``)."""
+    workspace unused; the split itself is tested through the op, ``test_cutedsl_split_tail``). With "q_ahead" /
+    "cnt_ahead" the next group's queries are gathered during this group (groups of 5-6 key tiles) or at its start
+    (1-4 tiles), and its count is read ahead: walks mix both, the last group of a CTA has no next."""
     import math
 
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
@@ -220,10 +223,11 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
 
 
 SPLIT = "persistent,overlap,hide_epi,split_tail"
-CAND = SPLIT + ",pdl,v3"  # round s8r1's candidate options
+CAND = SPLIT + ",pdl,v3"  # round s8r1's candidate options (the op's default since s8r2)
+AHEAD = CAND + ",q_ahead,cnt_ahead"  # session 9's candidate: the next item's queries and count loaded ahead
 
 
-@pytest.mark.parametrize("options", [SPLIT, CAND], ids=["split", "split-pdl-v3"])
+@pytest.mark.parametrize("options", [SPLIT, CAND, AHEAD], ids=["split", "split-pdl-v3", "split-pdl-v3-ahead"])
 @pytest.mark.parametrize(("B", "H", "S", "K", "ragged", "lse"), [
     (2, 3, 2900, 700, True, True), (1, 1, 140 * 128 - 5, 3000, False, False),
 ], ids=["138-groups-ragged-lse", "140-groups"])
@@ -252,14 +256,15 @@ def test_cutedsl_split_tail(monkeypatch, B, H, S, K, ragged, lse, options):
     print(f"cutedsl split_tail {B * H * idx.shape[2]} groups on {sms} SMs, {parts} parts: rel err {err:.2e}")
 
 
-def test_cutedsl_pdl_chain(monkeypatch):
+@pytest.mark.parametrize("options", [CAND, AHEAD], ids=["pdl-v3", "pdl-v3-ahead"])
+def test_cutedsl_pdl_chain(monkeypatch, options):
     """"pdl" (with "v3"; the op's three launches as programmatic dependent launches, each waiting for the kernel before it):
     three op calls queued with no host synchronisation, each reading what the launch just before it wrote: k made
     by a torch kernel, then the selection cut by a torch kernel, then the first call's output (its kernel's rows and
     the tail merge's rows) as the third call's queries, read in place right after the second call's merge; 138 groups (the last round split and merged), ragged counts,
     the LSE; each output against float64 on the inputs it was given. A kernel reading before its predecessor ended
     would read stale or NaN inputs."""
-    monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", CAND)
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", options)
     gen = torch.Generator(device="cuda").manual_seed(83)
     B, H, S, C, D, K = 2, 3, 2900, 128, 128, 700
     q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))

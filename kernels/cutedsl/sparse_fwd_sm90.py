@@ -109,7 +109,14 @@ EPILOGUES = ("registers", "smem")
 # is freed only when both consumer warpgroups finished the P V that read it, about one key tile before the next V
 # for it is needed, while its 128 rows arrive by cp.async; a third V stage gives the gather about two tiles.
 # "k3" (with "overlap"; not with "v3": 256 KiB): 3 K stages, 2 V stages, the other way round.
-OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3")
+# "q_ahead" (with "overlap"): the producer gathers the next work item's queries into the free slot of the query ring
+# while it is still loading this item's K/V (after key tile ``Q_AHEAD_AT`` + 1 of the item; an item of fewer tiles
+# leaves it to the next item's start, as without the option), so the consumers never wait for the queries (their
+# ``perm`` entries and rows, read once from DRAM) at a group boundary.
+# "cnt_ahead" (with "overlap"): the consumers load the next work item's valid count at this item's start (a register
+# until the boundary) instead of at the boundary, where its L2 latency stalled both warpgroups once per group.
+OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3", "q_ahead", "cnt_ahead")
+Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -242,6 +249,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.k_stages = 3 if "k3" in options else stages
         assert not ({"v3", "k3"} & set(options)) or self.overlap, "v3 / k3 are overlap options"
         assert not {"v3", "k3"} <= set(options), "v3 and k3 together exceed shared memory"
+        self.q_ahead = "q_ahead" in options
+        self.cnt_ahead = "cnt_ahead" in options
+        assert not ({"q_ahead", "cnt_ahead"} & set(options)) or self.overlap, "q_ahead / cnt_ahead: overlap options"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -361,6 +371,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 n_items = total + (total - (total // grid) * grid) * (n_parts - 1)
         TileSchedulerCls = partial(GroupScheduler.create, n_items)
         work_fn = partial(self._work, total=total, n_parts=n_parts, SeqlenInfoCls=SeqlenInfoCls, block_info=block_info)
+        count_fn = partial(self._item_count, total=total, n_parts=n_parts, mCounts=mCounts)
+        group_fn = partial(self._item_group, total=total, n_parts=n_parts)
         n_heads = mQ.shape[2]
         groups_per_head = total // (n_heads * mQ.shape[3])
         pipeline_init_wait(cluster_shape_mn=(1, 1))
@@ -370,7 +382,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn)
+                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn, group_fn)
         else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
@@ -379,7 +391,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 self.mma_overlap(
                     tiled_mma_qk, tiled_mma_pv, outputs, sQ, sK, layout_utils.transpose_view(sV), pipeline_k,
                     pipeline_v, pipeline_q, tidx - 128, softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls,
-                    AttentionMaskCls, TileSchedulerCls, work_fn,
+                    AttentionMaskCls, TileSchedulerCls, work_fn, count_fn,
                 )
             else:
                 self.mma(
@@ -391,10 +403,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def load_fused(self, mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn=None):
+                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn=None, group_fn=None):
         """Producer: per group, its query rows through ``perm`` and its K/V rows through ``kv_idx``, all by cp.async
         (mQ/mK/mV ``(S, D, H, B)``; mPerm ``(N, 128)``, mIdx ``(N, K_alloc)``); ``work_fn``: ``_work`` with the
-        launch's arguments bound ("split_tail")."""
+        launch's arguments bound ("split_tail"), ``group_fn`` ``_item_group`` so bound ("q_ahead")."""
         tidx, _, _ = cute.arch.thread_idx()
         k_alloc = mIdx.shape[1]
         q_phase = Int32(1)
@@ -403,10 +415,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         v_state = make_pipeline_state(PipelineUserType.Producer, self.v_stages)
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
+        q_done = Int32(0)  # "q_ahead": 1 when this item's queries were gathered during the previous item
         while work_tile.is_valid_tile:
-            _, _, group, _ = work_tile.tile_idx
+            _, _, item, _ = work_tile.tile_idx
+            group = item
             if const_expr(self.split_tail):
-                group, _, n_block_min, n_block_max, _, _ = work_fn(group)
+                group, _, n_block_min, n_block_max, _, _ = work_fn(item)
             else:
                 seqlen = SeqlenInfoCls(group)
                 n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
@@ -431,12 +445,11 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             if const_expr(self.overlap):
                 # the queries first: their slot was freed a group ago, the K stage only when the consumers finish
                 # this group's second-to-last Q K^T
-                pipeline_q.producer_acquire(q_state)
-                q_index.advance()
-                q_rows.load_KV(0, sQ[None, None, q_state.index], "K")
-                cute.arch.cp_async_commit_group()
-                pipeline_q.producer_commit(q_state)
-                q_state.advance()
+                if const_expr(self.q_ahead):
+                    if q_done == 0:
+                        q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state)
+                else:
+                    q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state)
             index.advance()
             index.fetch(n_block - 1)
             pipeline_k.producer_acquire(kv_state)
@@ -448,16 +461,58 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 cute.arch.cp_async_commit_group()
                 pipeline_q.producer_commit_w_index(0)
                 q_phase ^= 1
-            kv_state, v_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, v_state,
-                                                   n_block_min, n_block_max)
+            q_hook, q_at = None, Int32(-1)
+            if const_expr(self.q_ahead):  # the next item's queries during this item's K/V loads, if it has enough
+                next_item = item + Int32(cute.arch.grid_dim()[0])
+                if next_item < tile_scheduler.total:
+                    if n_block_max - 1 - n_block_min > Q_AHEAD_AT:
+                        q_at = Int32(Q_AHEAD_AT)
+                q_hook = partial(self._load_q_of_item, mQ, mPerm, sQ, pipeline_q, next_item, n_heads, groups_per_head,
+                                 tidx, group_fn)
+            kv_state, v_state, q_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state,
+                                                            v_state, n_block_min, n_block_max, q_state, q_at, q_hook)
+            if const_expr(self.q_ahead):
+                q_done = Int32(0)
+                if q_at >= 0:
+                    q_done = Int32(1)
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
         pipeline_v.producer_tail(v_state)
 
     @cute.jit
+    def _load_q(self, q_rows: PagedKVManager, q_index, sQ, pipeline_q, q_state):
+        """One item's 128 query rows into the next slot of the query ring (``q_state``; its ``perm`` entry already
+        fetched by ``q_index``). Returns the advanced state."""
+        pipeline_q.producer_acquire(q_state)
+        q_index.advance()
+        q_rows.load_KV(0, sQ[None, None, q_state.index], "K")
+        cute.arch.cp_async_commit_group()
+        pipeline_q.producer_commit(q_state)
+        q_state.advance()
+        return q_state
+
+    @cute.jit
+    def _load_q_of_item(self, mQ, mPerm, sQ, pipeline_q, item, n_heads, groups_per_head, tidx, group_fn, q_state):
+        """"q_ahead": work item ``item``'s query rows (its group's, through ``perm``) into the query ring."""
+        group = item
+        if const_expr(self.split_tail):
+            group = group_fn(item)[0]
+        bh = group // groups_per_head
+        b = bh // n_heads
+        h = bh - b * n_heads
+        q_rows = PagedKVManager.create(
+            mPerm, mQ, mQ, FastDivmodDivisorV2(mQ.shape[0]), group, h, tidx, self.tile_m, 0, self.tile_m,
+            self.tile_hdim, self.tile_hdim, self.num_threads_per_warp_group, mQ.element_type, arch=90,
+        )
+        q_index = _IndexRow(q_rows, q_rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, Int32(self.tile_m),
+                            tidx)
+        q_index.fetch(0)
+        return self._load_q(q_rows, q_index, sQ, pipeline_q, q_state)
+
+    @cute.jit
     def mma_overlap(self, tiled_mma_qk, tiled_mma_pv, outs, sQ, sK, sVt, pipeline_k, pipeline_v, pipeline_q, tidx,
                     softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls, AttentionMaskCls,
-                    TileSchedulerCls, work_fn=None):
+                    TileSchedulerCls, work_fn=None, count_fn=None):
         """Consumers of the "overlap" option: flash-attn-4's per-tile step (``mma_one_n_block_intrawg_overlap``:
         tile j's Q K^T and tile j+1's P V in flight while tile j's softmax runs) continued across the groups of
         this CTA. At a group's end the next group's first Q K^T (its queries already in the other slot of the
@@ -507,6 +562,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             )
         while work_tile.is_valid_tile:
             _, _, group, _ = work_tile.tile_idx
+            next_count = None  # "cnt_ahead": the next item's valid count, loaded now, used at the boundary
+            if const_expr(self.cnt_ahead):
+                next_count = count_fn(group + Int32(cute.arch.grid_dim()[0]))
             slot = Int32(-1)  # "split_tail": the item's workspace slot (-1: a whole group, written to out)
             discard = Int32(0)
             if const_expr(self.split_tail):
@@ -533,9 +591,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             if next_tile.is_valid_tile:
                 _, _, next_group, _ = next_tile.tile_idx
                 if const_expr(self.split_tail):
-                    next_group, next_seqlen, _, next_max, _, _ = work_fn(next_group)
+                    next_group, next_seqlen, _, next_max, _, _ = work_fn(next_group, count=next_count)
                 else:
-                    next_seqlen = SeqlenInfoCls(next_group)
+                    next_seqlen = self._seqlen(SeqlenInfoCls, next_group, next_count)
                     _, next_max = block_info.get_n_block_min_max(next_seqlen, 0)
                 q_next = q_state.clone()
                 q_next.advance()
@@ -568,7 +626,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     acc_O, lse, outs, sQ[None, None, q_state.index], tiled_mma_pv, tidx, group, b,
                     bh - b * outs.n_heads, out_rows, next_tile, kv_state, v_state, q_state, tSrQ, tSrK, tiled_mma_qk,
                     mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax, block_info, SeqlenInfoCls, work_fn, slot,
-                    discard)
+                    discard, next_count)
             elif const_expr(self.smem_epilogue):
                 self._epilogue_smem(acc_O, lse, outs.mO, outs.mLSE, outs.mPerm, sQ[None, None, q_state.index],
                                     tiled_mma_pv, tidx, group, b, bh - b * outs.n_heads, rows=out_rows,
@@ -582,12 +640,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             work_tile = next_tile
 
     @cute.jit
-    def _work(self, item: Int32, total: Int32, n_parts: Int32, SeqlenInfoCls, block_info):
-        """Work item ``item`` of the "split_tail" walk: (group, its seqlen info, first and end key tile, workspace
-        slot or -1, 1 if its result is discarded else 0). Items below the last round's start (N // G * G for the
-        grid's G CTAs) or all of them when ``n_parts`` is 1 are whole groups; after it, item n_full + j is part
-        j % P of group n_full + j // P: key tiles [p*T//P, (p+1)*T//P) of its T; an empty part takes the group's
-        last tile and is discarded."""
+    def _item_group(self, item: Int32, total: Int32, n_parts: Int32):
+        """(group, workspace slot or -1, part) of work item ``item`` of the "split_tail" walk (``_work``)."""
         group = item
         slot = Int32(-1)
         part = Int32(0)
@@ -598,7 +652,33 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             group = n_full + j // n_parts
             part = j - (j // n_parts) * n_parts
             slot = j
-        seqlen = SeqlenInfoCls(group)
+        return group, slot, part
+
+    @cute.jit
+    def _item_count(self, item: Int32, total: Int32, n_parts: Int32, mCounts: cute.Tensor):
+        """"cnt_ahead": the valid count of work item ``item``'s group (of the last group past the walk's end)."""
+        group = item
+        if const_expr(self.split_tail):
+            group = self._item_group(item, total, n_parts)[0]
+        return Int32(mCounts[cutlass.min(group, total - 1)])
+
+    def _seqlen(self, SeqlenInfoCls, group, count=None):
+        """The group's sequence-length info: its valid count read from the counts (``SeqlenInfoCls``) or, given,
+        ``count`` (loaded ahead, "cnt_ahead")."""
+        if const_expr(count is None):
+            return SeqlenInfoCls(group)
+        return SeqlenInfoQK.create(group, seqlen_q_static=self.tile_m, seqlen_k_static=count)
+
+    @cute.jit
+    def _work(self, item: Int32, total: Int32, n_parts: Int32, SeqlenInfoCls, block_info, count=None):
+        """Work item ``item`` of the "split_tail" walk: (group, its seqlen info, first and end key tile, workspace
+        slot or -1, 1 if its result is discarded else 0); ``count``: the group's valid count if loaded ahead
+        ("cnt_ahead"), else None (read here). Items below the last round's start (N // G * G for the
+        grid's G CTAs) or all of them when ``n_parts`` is 1 are whole groups; after it, item n_full + j is part
+        j % P of group n_full + j // P: key tiles [p*T//P, (p+1)*T//P) of its T; an empty part takes the group's
+        last tile and is discarded."""
+        group, slot, part = self._item_group(item, total, n_parts)
+        seqlen = self._seqlen(SeqlenInfoCls, group, count)
         n_min, n_max = block_info.get_n_block_min_max(seqlen, 0)
         lo = Int32(n_min)
         hi = Int32(n_max)
@@ -618,11 +698,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     @cute.jit
     def _boundary_hiding(self, acc_O, lse, outs, sO, tiled_mma_pv, tidx, group, b, h, out_rows, next_tile, kv_state,
                          v_state, q_state, tSrQ, tSrK, tiled_mma_qk, mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax,
-                         block_info, SeqlenInfoCls, work_fn=None, slot=None, discard=None):
+                         block_info, SeqlenInfoCls, work_fn=None, slot=None, discard=None, next_count=None):
         """The "hide_epi" group boundary (``acc_O`` this group's normalised output, ``tOrP`` the next group's first
         P): O rounded and staged in this group's query slot ``sO``, the LSE written; then, if the next group has
         two key tiles or more, its second Q K^T and first P V are issued (``_step``) and the staged rows are
-        stored while they run; else the rows are stored at once. Returns (1 if it ran the next group's second tile
+        stored while they run; else the rows are stored at once (``next_count``: the next item's valid count if
+        loaded ahead, "cnt_ahead"). Returns (1 if it ran the next group's second tile
         (its loop then starts one tile later) else 0, the consumers' K and V states after it)."""
         rO = cute.make_fragment_like(acc_O, self.dtype)
         fa_utils.cvt_f16(acc_O, rO)
@@ -633,9 +714,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if next_tile.is_valid_tile:
             _, _, next_group, _ = next_tile.tile_idx
             if const_expr(self.split_tail):
-                _, _, next_min, next_max, _, _ = work_fn(next_group)
+                _, _, next_min, next_max, _, _ = work_fn(next_group, count=next_count)
             else:
-                next_min, next_max = block_info.get_n_block_min_max(SeqlenInfoCls(next_group), 0)
+                next_min, next_max = block_info.get_n_block_min_max(
+                    self._seqlen(SeqlenInfoCls, next_group, next_count), 0)
             if next_max - next_min > 1:
                 q_next = q_state.clone()
                 q_next.advance()
@@ -683,11 +765,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, v_state, n_block_min,
-                      n_block_max):
+                      n_block_max, q_state=None, q_at=None, q_hook=None):
         """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1, V of
         the last tile at the end; ``kv_state`` the K producer state (at the group's first K, loaded), ``v_state``
         the V one (its own stage count). The row addresses of tile j-1 are kept in a register while tile j's are
-        loaded. Returns the advanced producer states (K, V)."""
+        loaded. "q_ahead": ``q_hook(q_state)`` (the next item's queries) after iteration ``q_at`` (-1: none).
+        Returns the advanced producer states (K, V, Q)."""
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
             prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
@@ -702,11 +785,14 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block + 1)
             v_state.advance()
             rows.tPrPageOffset[0] = cur_row
+            if const_expr(q_hook is not None):
+                if i == q_at:
+                    q_state = q_hook(q_state)
         pipeline_v.producer_acquire(v_state)
         self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block_min)
         v_state.advance()
         kv_state.advance()
-        return kv_state, v_state
+        return kv_state, v_state, q_state
 
     @cute.jit
     def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32):
