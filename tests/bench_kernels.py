@@ -640,7 +640,9 @@ def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None, wit
     gen = torch.Generator(device="cuda").manual_seed(1234)
     res = {} if res is None else res
     res.update(shape=shp, dense={}, sparse={}, errors={}, sweep={}, kernels={}, decode={}, dense_per_s={},
-               timing="tests/_timing.race: %d rounds, ~%d ms of back-to-back calls per sample" % (reps, RACE_MS))
+               timing="tests/_timing.race: %d rounds, ~%d ms of back-to-back calls per sample, %s" % (
+                   reps, RACE_MS, "no lead-in (MC_SPARSE_RACE_LEAD_IN=0: sessions 5-8)" if not _lead_in()
+                   else "each sample led in by untimed calls (session 9)"), from_idle={})
     sets = [tuple(torch.randn(B, H, S, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(3)) for _ in range(2)]
     perms = [random_perm(B, H, S, gen) for _ in range(2)]
     sub = slice(0, 2)
@@ -690,7 +692,9 @@ def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None, wit
             res["host_us"] = {n: round(time_host(fns[n], calls=2), 1) for n in calls}
             log(f"{name} host us per call (Python + launch): {res['host_us']}")
             log(f"{name} the op's host profile (10 calls, GPU idle first): {host_profile(fns[OP_LABEL])}")
-        ms = _timing.race(fns, reps, RACE_MS)
+        idle = {}  # each fn's median ms per lead-in call (started right after another fn's sample)
+        ms = _timing.race(fns, reps, RACE_MS, from_idle=idle)
+        res["from_idle"][str(s)] = idle
         base_name = "flash_attn4 (LSE)" if "flash_attn4 (LSE)" in ms else "cudnn sdpa (LSE)"
         base = ms[base_name]
         res["dense_per_s"][str(s)] = {n: ms[n] for n in dense if n in ms}
@@ -707,7 +711,8 @@ def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None, wit
             if cudnn:  # against cuDNN too (timed in the first density's race)
                 res.setdefault("vs_cudnn", {}).setdefault(vname, {})[str(s)] = cudnn * (kq / S) / ms[vname]
             log(f"{name} s={s} {vname}: {ms[vname]:.3f} ms, efficiency {eff:.3f} vs {base_name} {base:.2f} ms "
-                f"(same race)")
+                f"(same race)" + (f"; from idle {idle[vname]:.3f} ms, {base_name} {idle[base_name]:.2f} ms"
+                                  if vname in idle and base_name in idle else ""))
         log(f"{name} s={s} dense: " + ", ".join(f"{n} {ms[n]:.2f} ms" for n in dense if n in ms))
         del idxs
         best_name = "flash_attn4 (LSE)" if "flash_attn4 (LSE)" in res["dense"] else "cudnn sdpa (LSE)"
@@ -716,6 +721,11 @@ def run_gluon_shape(name, shp, densities, reps, log, configs, deadline=None, wit
     res["gluon"] = gluon_state()
     log(f"{name} sparse op on this GPU: {res['gluon']}")
     return res
+
+
+def _lead_in() -> bool:
+    """Whether ``_timing.race`` leads each sample in with untimed calls (``MC_SPARSE_RACE_LEAD_IN``, default on)."""
+    return os.environ.get("MC_SPARSE_RACE_LEAD_IN", "1") != "0"
 
 
 def _gluon_kernel():
@@ -780,7 +790,7 @@ def update_scoreboard(path, report, command, commit):
         native = effs("triton native, out=, residual plain")
         note = ((f"PARTIAL (stopped by the time cap; measured: {sorted(e)}); " if report.get("partial") else "")
                 + f"min over shapes x s of best dense (with LSE) x s / sparse ms; worst at {worst[0]} s={worst[1]}; "
-                f"best dense {dense}")
+                f"best dense {dense}; timing: {next(iter(report['shapes'].values())).get('timing', '?')}")
         if key.startswith("triton"):
             pe = errs.get(pick, [])
             note += (f"; Triton config: {pick} ({'the op as users get it' if report.get('op_only') else 'the fastest spill-free config at its worst point'}; per-config minima "

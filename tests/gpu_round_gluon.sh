@@ -39,6 +39,31 @@ if [ "$MODE" = diag ]; then  # <= 70 s: round s7r3 (inside the final call): no n
     grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -50
     exit 0
 fi
+if [ "$MODE" = s9r1 ]; then  # <= 100 s (cold machine: compiles counted): session 9 round 1, no new schedule
+    # (the auto mode unchanged since s8r2: no GPU checks of a new kernel needed; bench_kernels checks every timed row
+    # against the float32 reference before its race). 1. the method of record since main 5142875 (each race sample
+    # led in by untimed calls; from_idle printed beside each ratio): the op (= scoreboard figure) beside q_regs
+    # called directly, both shapes, 4 densities; 2. the same op by the sessions 5-8 method (MC_SPARSE_RACE_LEAD_IN=0,
+    # 3 rounds at both shapes, the op only) into $OUT/old/, its scoreboard there too (not the round's figure)
+    T0=$(date +%s)
+    timeout 70 python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget 67 \
+        --gluon-configs "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs" \
+        ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
+    echo "bench (lead-in): rc=$? ($(( $(date +%s) - T0 )) s, cap 70 s)"
+    grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -40
+    LEFT=$(( 100 - ($(date +%s) - T0) ))
+    if [ "$LEFT" -gt 15 ]; then
+        mkdir -p "$OUT/old"
+        MC_SPARSE_RACE_LEAD_IN=0 timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/old/bench_reuse.json" \
+            --reuse --gluon --reps 3 --reps-14b 3 --gluon-configs none --scoreboard "$OUT/old/board.json" \
+            ${COMMIT:+--commit "$COMMIT"} > "$OUT/old/bench.log" 2>&1
+        echo "bench (no lead-in, sessions 5-8 method): rc=$? (cap $LEFT s)"
+        grep -E "efficiency [0-9]|scoreboard triton" "$OUT/old/bench.log" | tail -12
+    else
+        echo "bench (no lead-in): skipped, $LEFT s left"
+    fi
+    exit 0
+fi
 if [ "$MODE" = r2 ]; then  # <= 97 s in all (cold machine: compiles counted): round s8r2
     T0=$(date +%s)
     # 1. the op's auto mode since s8r2 (q_regs + tail_launch, q_regs) against float64 through the op: the B = 2
