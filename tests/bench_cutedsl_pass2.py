@@ -16,8 +16,9 @@ Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p:
 ``python tests/bench_cutedsl_pass2.py --out OUT [--shapes 1.3b] [--variants "st4,st4 p8,st6"] [--commit HASH]``;
 a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<ksplit>`` (else
 ``auto_ksplit``), `` pp`` (pingpong), `` ls`` (lse_smem), `` qs`` (qsplit), `` wg3`` (three consumer
-warpgroups), `` wg2`` / `` nols`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums:
-timed without the check).
+warpgroups), `` tk`` (the top-K fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums too),
+`` wg2`` / `` nols`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed without
+the check).
 Writes OUT/bench_cutedsl_pass2.json.
 Expected at 1.3B: ~10 s inputs, ~5 s per variant compile (first process on a machine), ~2 s race.
 """
@@ -38,8 +39,9 @@ import bench_select_race as bsr  # noqa: E402  (loads the pack)
 
 from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 
-COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "diag", "wg3")  # the compile-time tuning keys
-FLAGS = {"pp": "pingpong", "ls": "lse_smem", "qs": "qsplit", "wg3": "wg3"}
+COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "diag", "wg3", "topk")  # the compile-time keys
+FLAGS = {"pp": "pingpong", "ls": "lse_smem", "qs": "qsplit", "wg3": "wg3", "tk": "topk"}
+TOPK_DENSITY = 0.25  # the fused top-K variants ("tk") select K = 0.25 x Sk keys per group
 OFF = {"wg2": "wg3", "nols": "lse_smem"}
 DEFAULT_VARIANTS = "st4,st4 k1,st4 pp,st4 p10,st6"
 
@@ -81,17 +83,30 @@ def cute_rows(ops, perm, ref16, variants, log):
             t = time.time()
             p2.compiled("float16", **{key: tun[key] for key in COMPILED if key in tun})
             got = torch.full_like(ref16, float("nan"))
-            p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, got, group_size=bsr.C, **tun)
+            run = dict(tun)
+            sel_ok = True
+            if run.pop("topk", False):
+                kq = int(TOPK_DENSITY * ref16.shape[-1])
+                width = -(-kq // bsr.KV_TILE) * bsr.KV_TILE
+                sel = torch.full((*ref16.shape[:3], width), -7, dtype=torch.int32, device=ref16.device)
+                run["select"] = (sel, kq)
+            p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, got, group_size=bsr.C, **run)
             torch.cuda.synchronize()
             rel = float(((got.double() - ref16.double()).norm(dim=-1) / ref16.double().norm(dim=-1)).max())
-            ok = rel <= (2e-3 if tun.get("poly") else 1e-3) or bool(tun.get("diag"))  # (nan: not written -> False)
+            if "select" in run:  # the fused selection == the brute-force top-K of the kernel's own sums
+                rows_bad = int((sel != bsr.ref_top_k_rows(got, kq, width)).any(-1).sum())
+                flagged = int(p2._flags(got.device.index or 0, got.device, sel[..., 0].numel()).sum())
+                sel_ok = rows_bad == 0
+                log(f"CHECK {name}: selection rows differing from the brute-force top-K {rows_bad} of "
+                    f"{sel[..., 0].numel()} (radix-launch rows {flagged})")
+            ok = sel_ok and (rel <= (2e-3 if tun.get("poly") else 1e-3) or bool(tun.get("diag")))  # (nan -> False)
             res[name] = dict(rel_l2=rel, ok=ok, compile_s=round(time.time() - t, 1))
             log(f"CHECK {name}: max rel L2 per group vs Triton {rel:.2e} ({res[name]['compile_s']} s)"
                 + ("" if ok else "  CHECK FAILED"))
             if ok:
                 out = torch.empty_like(ref16)
-                fns[name] = (lambda tun, out: lambda: p2.group_prob_sums_fp8(
-                    q8, k8, qf, lse_s, kb, perm, out, group_size=bsr.C, **tun))(tun, out)
+                fns[name] = (lambda run, out: lambda: p2.group_prob_sums_fp8(
+                    q8, k8, qf, lse_s, kb, perm, out, group_size=bsr.C, **run))(run, out)
             del got
         except Exception as err:  # noqa: BLE001 (a variant that fails to compile or run is reported, not timed)
             res[name] = dict(ok=False, error=f"{type(err).__name__}: {str(err)[:400]}")
@@ -144,6 +159,14 @@ def main():
         dname, dense = bsr.dense_fn(q, k, v)
         out16 = torch.empty_like(ref16)
         race_fns = {"dense": dense, "triton 1grp": lambda: bsr.launch_pair(ops, perm, out16, one_group=True), **fns}
+        if any("topk" in parse_variant(t) for t in variants if f"cute {t}" in fns):  # today's path beside the fused
+            from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90 as p2
+            from comfyui_mc_sparse_pack.kernels.triton import topk
+
+            kq = int(TOPK_DENSITY * S)
+            sel = torch.empty(*ref16.shape[:3], -(-kq // bsr.KV_TILE) * bsr.KV_TILE, dtype=torch.int32, device="cuda")
+            race_fns["cute + separate top-K count"] = lambda: topk.top_k_rows(
+                p2.group_prob_sums_fp8(*ops, perm, out16, group_size=bsr.C), kq, sel.shape[-1], out=sel, cand_count=1)
         ms = bsr.race(race_fns, rounds=args.rounds, target_ms=20.0)
         ratio = {n: t / ms["dense"] for n, t in ms.items() if n != "dense"}
         log(f"{name} CUTE RACE (dense {dname} {ms['dense']:.3f} ms, all heads, kernel alone / dense): " + " | ".join(

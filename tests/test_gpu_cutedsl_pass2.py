@@ -20,6 +20,7 @@ import inspect
 import pytest
 import torch
 from comfyui_mc_sparse_pack.kernels import reference
+from comfyui_mc_sparse_pack.kernels.reference.topk import top_k_rows
 
 from .test_reuse_op import random_groups
 
@@ -49,6 +50,10 @@ def _warm(request):
 
     configs = []
     for item in request.session.items:
+        if item.module is request.module and "num_keys" in getattr(getattr(item, "callspec", None), "params", {}):
+            for c in (dict(out_dtype="float16"), dict(out_dtype="float16", topk=True)):  # the fused top-K's tests
+                if c not in configs:
+                    configs.append(c)
         tun = getattr(getattr(item, "callspec", None), "params", {}).get("tuning")
         if item.module is request.module and tun is not None:
             keys = {k: v for k, v in tun.items() if k in _COMPILED}
@@ -211,3 +216,75 @@ def test_cutedsl_pass2_refusals():
     assert "sums" in p2.refusal(q8, q8, 128, out.to(torch.bfloat16))
     with pytest.raises(ValueError, match="cannot run"):
         p2.group_prob_sums_fp8(q8, q8, None, None, None, None, out.to(torch.bfloat16), group_size=128)
+
+
+# The fused top-K (``group_prob_sums_fp8(select=(sel, K))``): case, K, width, launch / plan options. Sk a multiple of 8
+# (16-byte rows); Sk 4000: 500 16-byte vectors, the sweeps' last step ragged; C = 100 (padded query slots), B = 2,
+# 5 CTAs (each walks many rows: both selecting warps' ring slots wrap); K = Sk and K = 1; twin keys (every sum tied
+# with its neighbour's: the tie rule decides); a sample plan whose brackets miss (every row through the radix launch).
+FUSED = [
+    ((1, 2, 4000, 4000, 128, False), 1000, 1024, {}, False),
+    ((2, 3, 2850, 2000, 100, False), 500, 512, dict(num_ctas=5), False),
+    ((1, 2, 2900, 2904, 128, True), 2904, 2944, {}, False),
+    ((1, 2, 2900, 2904, 128, True), 1, 64, dict(num_ctas=3), False),
+    ((1, 3, 3000, 4000, 128, False), 1300, 1344, dict(num_ctas=4), True),
+    ((1, 2, 3000, 4000, 128, False), 2000, 2048, dict(bracket=(8, 500, 1, 1)), True),
+]
+
+
+@pytest.mark.parametrize(("case", "num_keys", "width", "opts", "twins"), FUSED,
+                         ids=lambda v: "B{}H{}S{}Sk{}C{}h{}".format(*v) if isinstance(v, tuple) else str(v))
+def test_cutedsl_fused_topk_equals_brute_force(case, num_keys, width, opts, twins):
+    """The fused selection equals the brute-force top-K of the kernel's own float16 sums (``reference.top_k_rows``:
+    ties to the lower index, ascending, -1 up to the width), every slot of the strided selection view written
+    (poisoned -7 in a buffer with an extra head on each side), nothing outside it; the sums equal the unfused
+    launch's bit for bit; every row's flag written (poisoned 7) and, with the missing plan, rows sent to the radix
+    launch. ``twins``: keys come in identical pairs (k8 and 2^KB duplicated), so every sum has an equal neighbour."""
+    _, p2 = _mods()
+    B, H, S, SK, C, holes = case
+    q8, k8, qf, lse_s, kb, perm = _torch_operands(B, H, S, SK, C, SEED + S + num_keys, holes)
+    if twins:
+        k8 = k8.view(B, H, SK // 2, 1, 128).expand(B, H, SK // 2, 2, 128).reshape(B, H, SK, 128).contiguous()
+        kb = kb.view(B, H, SK // 2, 1).expand(B, H, SK // 2, 2).reshape(B, H, SK).contiguous()
+        s = torch.einsum("bhsd,bhkd->bhsk", q8.double(), k8.double()) * qf.double()[..., None, None] / _LOG2E
+        lse_s = torch.logsumexp(s, -1).float()
+    G = perm.shape[-1] // C
+    plain = torch.empty(B, H, G, SK, dtype=torch.float16, device="cuda")
+    p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, plain, group_size=C, ksplit=1,
+                           **{k: v for k, v in opts.items() if k != "bracket"})
+    sums = torch.full((B, H, G, SK), float("nan"), dtype=torch.float16, device="cuda")
+    buf = torch.full((B, H + 2, G, width), -7, dtype=torch.int32, device="cuda")
+    sel = buf[:, 1:H + 1]
+    p2._flags(torch.cuda.current_device(), q8.device, B * H * G).fill_(7)
+    assert p2.select_refusal(q8, k8, C, sums, sel, num_keys) is None
+    p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, sums, group_size=C, select=(sel, num_keys), **opts)
+    torch.cuda.synchronize()
+    flags = p2._flags(torch.cuda.current_device(), q8.device, B * H * G).clone()
+    print(f"rows through the radix launch: {int(flags.sum())} of {flags.numel()}")
+    assert not sums.isnan().any(), f"{int(sums.isnan().sum())} sums not written"
+    assert torch.equal(sums, plain), "the fused launch's sums differ from the unfused launch's"
+    assert bool(((flags == 0) | (flags == 1)).all()), "a row's flag not written"
+    if "bracket" in opts:
+        assert int(flags.sum()) > 0, "the missing plan sent no row to the radix launch"
+    assert bool((buf[:, 0] == -7).all() and (buf[:, H + 1] == -7).all()), "written outside the selection view"
+    want = top_k_rows(sums, num_keys, width)
+    bad = (sel != want).any(-1)
+    assert not bool(bad.any()), (f"{int(bad.sum())} of {bad.numel()} rows differ; first: "
+                                 f"{sel[bad][0][:16].tolist()} vs {want[bad][0][:16].tolist()}")
+    if twins:  # ties at the threshold were decided (the K-th and (K+1)-th sums equal somewhere)
+        srt = torch.sort(sums.float(), dim=-1, descending=True).values
+        print(f"rows with a tie at the threshold: {int((srt[..., num_keys - 1] == srt[..., num_keys]).sum())}")
+
+
+def test_cutedsl_fused_topk_refusals():
+    """The fused top-K refuses float32 sums, rows not 16-byte aligned, a bad selection tensor and K out of range."""
+    _, p2 = _mods()
+    q8 = torch.zeros(1, 1, 256, 128, device="cuda").to(torch.float8_e4m3fn)
+    out = torch.empty(1, 1, 2, 256, dtype=torch.float16, device="cuda")
+    sel = torch.empty(1, 1, 2, 128, dtype=torch.int32, device="cuda")
+    assert p2.select_refusal(q8, q8, 128, out, sel, 100) is None
+    assert "float16" in p2.select_refusal(q8, q8, 128, out.float(), sel, 100)
+    assert "aligned" in p2.select_refusal(q8, q8, 128, out[..., :252], sel, 100)
+    assert "sel" in p2.select_refusal(q8, q8, 128, out, sel.long(), 100)
+    assert "num_keys" in p2.select_refusal(q8, q8, 128, out, sel, 129)
+    assert "num_keys" in p2.select_refusal(q8, q8, 128, out, sel, 0)

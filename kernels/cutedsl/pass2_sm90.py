@@ -27,10 +27,21 @@ as float8 wgmma requires):
 - ``poly``: of every 32 score columns a thread holds per row, that many take 2^x on the FMA pipe (flash-attn-4's
   degree-3 ``ex2_emulation``, relative error ~1e-4) instead of MUFU (0: none; the exact Triton arithmetic).
 
+- ``topk`` (the top-K fused; wg3 only, ksplit 1, float16 sums): producer warps 2 and 3 (idle otherwise) select the
+  CTA's rows alternately while the consumers run the next items: the consumers hand over each finished row through an
+  mbarrier ring (per selecting warp a full barrier every consumer thread arrives on after its last store of the row,
+  and an empty barrier the warp releases once it took the row), and the warp runs ``topk.py``'s bracket method on the
+  row from L2 (``_select_row``: the same sample positions and ranks, ``topk.bracket_plan``; candidates in shared
+  memory; threshold by a bit search over them; compaction in ascending index order with a warp prefix count; ties to
+  the lower index), writing the selection in ``select_kv``'s format. A row whose bracket the counts disprove is
+  flagged and written by ``topk._radix_topk_rows`` (ONLY_FLAGGED) launched after the kernel: exact either way.
+
 Contract of a launch (``Pass2Sm90.__call__``; ``group_prob_sums_fp8`` builds the views): q8 uint8 ``(B*H, S, D)``
 and k8 uint8 ``(B*H, Sk, D)`` (the float8 bytes; contiguous), lse_s fp32 ``(B*H, S)``, perm int32 ``(B*H, G*C)``,
 kb2 fp32 ``(B*H, Sk)``, qf fp32 ``(B*H,)`` (all unit stride on the last dim), out ``(B, H, G, Sk)`` float16 or float32
-with unit stride on Sk, the group size C (64 < C <= 128) and the CTA count.
+with unit stride on Sk, sel int32 ``(B, H, G, width)`` (unit stride on width) and flags int8 ``(B*H*G,)`` (with
+``topk``; placeholders otherwise), the group size C (64 < C <= 128), the CTA count, the key split, and K with the
+bracket plan (stride, n_samp, hi_rank, lo_rank).
 Runs on CUDA sm_90 only; offline compile: ``compile_fake`` (CUTE_DSL_ARCH=sm_90a). Checked on the GPU against
 float64 and the Triton kernel by tests/test_gpu_cutedsl_pass2.py.
 """
@@ -60,6 +71,11 @@ HALF = 64  # keys per consumer warpgroup per stage (the wgmma M)
 LOG2E = 1.4426950408889634
 OUT_DTYPES = {"float16": cutlass.Float16, "float32": cutlass.Float32}
 PINGPONG_BARRIER = 3  # named barriers 3 and 4: consumer warpgroup 0's / 1's turn to issue (0: the CTA-wide sync)
+SELECT_WARPS = 2  # producer warps 2 and 3: the fused top-K's selecting warps (``topk``)
+CAND_SLOTS = 16384  # each selecting warp's int16 candidate slots in shared memory (32 KiB; the bracket plan's cap at
+# 14B 720p, s = 0.5: 16384)
+SAMPLE_SLOTS = 1024  # the sample's slots (topk._BRACKET_MAX_SAMPLES), staged at the start of the candidate slots
+KEY_TOP = 0x7C01  # one above +inf's float16 key: above every key (topk._bracket_row's ``top``)
 
 
 class _Walk:
@@ -96,7 +112,7 @@ class Pass2Sm90:
     register counts after ``setmaxnreg``."""
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, regs: tuple = (224, 56), pingpong: bool = False,
-                 lse_smem: bool = False, qsplit: bool = False, diag: str = "", wg3: bool = False):
+                 lse_smem: bool = False, qsplit: bool = False, diag: str = "", wg3: bool = False, topk: bool = False):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -120,13 +136,18 @@ class Pass2Sm90:
         assert not (wg3 and (pingpong or qsplit)), "wg3: no pingpong / qsplit"
         self.stage_keys = HALF * self.nwg  # keys per ring stage
         self.stages_per_step = 2 if self.nwg == 2 else 1  # stages per consumer loop step
-        self.mma_regs, self.producer_regs = (160, 32) if wg3 else regs
+        # (the fused top-K's selecting warps need more than 32 registers: 152 / 56, no spill in the consumers offline)
+        self.mma_regs, self.producer_regs = ((152, 56) if topk else (160, 32)) if wg3 else regs
         self.dtype = cutlass.Float8E4M3FN
+        # the top-K fused: producer warps 2 and 3 select each finished row of the CTA (``_select_rows``); wg3 only
+        assert not topk or wg3, "topk: wg3 only"
+        self.topk = topk
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
-                 mQF: cute.Tensor, mOut: cute.Tensor, mInf: cute.Tensor, group_size: Int32, num_ctas: Int32,
-                 ksplit: Int32, stream=None):
+                 mQF: cute.Tensor, mOut: cute.Tensor, mInf: cute.Tensor, mSel: cute.Tensor, mFlag: cute.Tensor,
+                 group_size: Int32, num_ctas: Int32, ksplit: Int32, num_keys: Int32, samp_stride: Int32,
+                 n_samp: Int32, hi_rank: Int32, lo_rank: Int32, stream=None):
         # the float8 bytes as float8; (BH, S, D) -> (S, D, BH), the TMA / row-copy order
         mQ = cute.recast_tensor(mQ, self.dtype)
         mK = cute.recast_tensor(mK, self.dtype)
@@ -145,17 +166,21 @@ class Pass2Sm90:
         fields = dict(mbar_k=cute.struct.MemRange[cutlass.Int64, self.stages * 2],
                       mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * 2],
                       sL=cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_Q], 16], sQ=sQ_struct, sK=sK_struct)
+        if const_expr(self.topk):  # the row ring (full / empty per selecting warp) and each warp's candidate slots
+            fields["mbar_row"] = cute.struct.MemRange[cutlass.Int64, 2 * SELECT_WARPS]
+            fields["sC"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int16, SELECT_WARPS * CAND_SLOTS], 16]
         SharedStorage = cute.struct(type("Pass2Storage", (), {"__annotations__": fields}))
         total = mPerm.shape[0] * mOut.shape[2] * ksplit
         grid_x = cutlass.min(num_ctas, total)
-        self.kernel(mQ, tma_K, mLSE, mPerm, mKB, mQF, mOut, mInf, group_size, ksplit, tma_atom_K, tiled_mma,
-                    sQ_layout, sK_layout, SharedStorage).launch(grid=(grid_x, 1, 1), block=[128 * (self.nwg + 1), 1, 1],
+        self.kernel(mQ, tma_K, mLSE, mPerm, mKB, mQF, mOut, mInf, mSel, mFlag, group_size, ksplit, num_keys,
+                    samp_stride, n_samp, hi_rank, lo_rank, tma_atom_K, tiled_mma, sQ_layout, sK_layout, SharedStorage).launch(grid=(grid_x, 1, 1), block=[128 * (self.nwg + 1), 1, 1],
                                                                 stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
-               mQF: cute.Tensor, mOut: cute.Tensor, mInf: cute.Tensor, group_size: Int32, ksplit: Int32,
-               tma_atom_K: cute.CopyAtom,
+               mQF: cute.Tensor, mOut: cute.Tensor, mInf: cute.Tensor, mSel: cute.Tensor, mFlag: cute.Tensor,
+               group_size: Int32, ksplit: Int32, num_keys: Int32, samp_stride: Int32, n_samp: Int32, hi_rank: Int32,
+               lo_rank: Int32, tma_atom_K: cute.CopyAtom,
                tiled_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -172,6 +197,14 @@ class Pass2Sm90:
         pipeline_q = fa_pipeline.PipelineCpAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=2, producer_group=Threads(32),
             consumer_group=consumer_warps, defer_sync=True, elect_one_release=True, syncwarp_before_release=False)
+        mbar_row = None
+        if const_expr(self.topk):
+            mbar_row = storage.mbar_row.data_ptr()
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    for i in cutlass.range_constexpr(SELECT_WARPS):
+                        cute.arch.mbarrier_init(mbar_row + i, 128 * self.nwg)  # full: every consumer thread
+                        cute.arch.mbarrier_init(mbar_row + SELECT_WARPS + i, 1)  # empty: the selecting warp
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -191,13 +224,22 @@ class Pass2Sm90:
                 self._load_k(mK, sK, tma_atom_K, pipeline_k, walk)
             if warp_idx == 1:
                 self._load_q(mQ, mPerm, mLSE, mInf, sQ, sL, pipeline_q, walk, group_size, tidx % 32)
+            if const_expr(self.topk):
+                if warp_idx >= 2:
+                    sC = storage.sC.get_tensor(cute.make_layout((CAND_SLOTS, SELECT_WARPS)))
+                    self._select_rows(mOut, mSel, mFlag, sC, mbar_row, walk, num_keys, samp_stride, n_samp, hi_rank,
+                                      lo_rank, warp_idx - 2, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             wg = warp_idx // 4 - 1
             consume = self._consume_qsplit if const_expr(self.qsplit) else (
                 self._consume_single if const_expr(self.nwg == 3) else self._consume)
-            consume(tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size, sk,
-                    mQ.shape[0], wg, tidx - 128 * (wg + 1))
+            if const_expr(self.topk):
+                self._consume_single(tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
+                                     group_size, sk, mQ.shape[0], wg, tidx - 128 * (wg + 1), mbar_row)
+            else:
+                consume(tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size,
+                        sk, mQ.shape[0], wg, tidx - 128 * (wg + 1))
 
     @cute.jit
     def _load_k(self, mK, sK, tma_atom_K, pipeline_k, walk):
@@ -260,6 +302,179 @@ class Pass2Sm90:
             pipeline_q.producer_commit(state)
             state.advance()
             item += walk.grid
+
+    @cute.jit
+    def _select_rows(self, mOut, mSel, mFlag, sC, mbar_row, walk, num_keys, samp_stride, n_samp, hi_rank, lo_rank,
+                     w, lane):
+        """``topk``: selecting warp ``w`` (producer warp 2 + w) takes the CTA's items k = w, w + 2, ... as the row
+        ring hands them over (every consumer thread arrived after its last store of that row's sums) and writes
+        each row's selection (``_select_row``)."""
+        n_heads = mOut.shape[1]
+        n_groups = mOut.shape[2]
+        j = Int32(0)
+        item = cute.arch.block_idx()[0] + w * walk.grid
+        while item < walk.total:
+            bh, g, _, _ = walk.at(item)
+            b = bh // n_heads
+            h = bh - b * n_heads
+            cute.arch.mbarrier_wait(mbar_row + w, j % 2)
+            if lane == 0:  # the slot is free again for item k + 2 (the sums of a row are never rewritten)
+                cute.arch.mbarrier_arrive(mbar_row + SELECT_WARPS + w)
+            self._select_row(mOut, mSel, mFlag, sC, w, b, h, g, bh * n_groups + g, num_keys, samp_stride, n_samp,
+                             hi_rank, lo_rank, lane)
+            j += 1
+            item += SELECT_WARPS * walk.grid
+
+    @cute.jit
+    def _row_keys(self, wsrc, v, n_vec, keys):
+        """The 8 keys of the row's 16-byte vector ``v`` (``topk._keys``: the float16 bit pattern as int16, negatives
+        and -0.0 -> 0; -1 when v >= n_vec, whose load reads the last vector instead)."""
+        vec = cute.make_rmem_tensor((4,), Int32)
+        addr = (wsrc.iterator + cutlass.min(v, n_vec - 1) * 4).toint()
+        src = cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=16),
+                               cute.make_layout((4,)))
+        cute.copy(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Int32, num_bits_per_copy=128), src, vec)
+        ok = v < n_vec
+        for e in cutlass.range_constexpr(8):
+            word = vec[e // 2]
+            x = (word << 16) >> 16 if const_expr(e % 2 == 0) else word >> 16
+            keys[e] = cutlass.select_(ok, cutlass.max(x, Int32(0)), Int32(-1))
+
+    @cute.jit
+    def _count_above(self, sC, w, lane, n, t, strict: cutlass.Constexpr):
+        """How many of the first ``n`` int16 keys in ``sC[:, w]`` are >= t (> t with ``strict``), summed over the
+        warp."""
+        cnt = Int32(0)
+        for c in cutlass.range((n + 31) // 32, unroll=1):
+            idx = c * 32 + lane
+            v = Int32(-1)
+            if idx < n:
+                v = Int32(sC[idx, w])
+            if const_expr(strict):
+                cnt += Int32(v > t)
+            else:
+                cnt += Int32(v >= t)
+        return cute.arch.warp_reduction_sum(cnt)
+
+    @cute.jit
+    def _select_row(self, mOut, mSel, mFlag, sC, w, b, h, g, row, num_keys, samp_stride, n_samp, hi_rank, lo_rank,
+                    lane):
+        """One row's selection by ``topk.py``'s bracket method, one warp: the stratified sample (the same positions,
+        staged in ``sC``) brackets the K-th largest key between its hi_rank-th and lo_rank-th largest (bit search by
+        counting, both at once); one sweep (16-byte loads, 8 keys per lane, the next vectors loaded before this
+        one's work) counts the keys above hi and copies those in [lo, hi] to ``sC`` (ballot + popc slots); if the
+        counts prove the K-th key inside (and the copies fit CAND_SLOTS) the threshold T and ``need`` come from the
+        copies by a bit search, then the compaction sweep writes, in ascending index order, every index whose key is
+        > T and the first ``need`` whose key == T at slots from a warp prefix count (``topk._compact_step``), then
+        -1 up to the width; flag 0. Else flag 1 and the row is left to the radix launch after the kernel."""
+        sk = mOut.shape[3]
+        width = mSel.shape[3]
+        n_vec = sk // 8
+        hsrc = cute.make_tensor(
+            cute.make_ptr(cutlass.Int16, fa_utils.elem_pointer(mOut, (b, h, g, 0)).toint(), cute.AddressSpace.gmem,
+                          assumed_align=16), cute.make_layout((sk,)))
+        wsrc = cute.make_tensor(
+            cute.make_ptr(Int32, fa_utils.elem_pointer(mOut, (b, h, g, 0)).toint(), cute.AddressSpace.gmem,
+                          assumed_align=16), cute.make_layout((sk // 2,)))
+        # the sample (topk.sample_positions), one per samp_stride keys; -1 past n_samp
+        for m in cutlass.range(SAMPLE_SLOTS // 32, unroll=4):
+            jj = m * 32 + lane
+            v = Int32(-1)
+            if jj < n_samp:
+                pos = jj * samp_stride + (jj * 97 + (jj >> 3) * 13) % samp_stride
+                v = cutlass.max(Int32(hsrc[pos]), Int32(0))
+            sC[jj, w] = cutlass.Int16(v)
+        # hi / lo: the largest t with at least hi_rank / lo_rank samples >= t (topk._kth_largest2; each lane reads
+        # only its own samples back)
+        t1 = Int32(0)
+        t2 = Int32(0)
+        for i in cutlass.range(15, unroll=1):
+            a1 = t1 | (Int32(1) << (14 - i))
+            a2 = t2 | (Int32(1) << (14 - i))
+            n1 = Int32(0)
+            n2 = Int32(0)
+            for m in cutlass.range(SAMPLE_SLOTS // 32, unroll=8):
+                v = Int32(sC[m * 32 + lane, w])
+                n1 += Int32(v >= a1)
+                n2 += Int32(v >= a2)
+            n1 = cute.arch.warp_reduction_sum(n1)
+            n2 = cute.arch.warp_reduction_sum(n2)
+            t1 = cutlass.select_(n1 >= hi_rank, a1, t1)
+            t2 = cutlass.select_(n2 >= lo_rank, a2, t2)
+        hi = cutlass.min(t1, Int32(KEY_TOP))
+        lo = cutlass.min(t2, Int32(KEY_TOP))
+        cute.arch.sync_warp()  # every lane's sample reads done before the copies overwrite the slots
+        # the count / copy sweep
+        lt_mask = (Int32(1) << lane) - 1
+        above = Int32(0)
+        n_cand = Int32(0)
+        keys = cute.make_rmem_tensor((8,), Int32)
+        keys2 = cute.make_rmem_tensor((8,), Int32)
+        n_steps = (n_vec + 31) // 32
+        for i in cutlass.range((n_steps + 1) // 2, unroll=1):
+            self._row_keys(wsrc, (2 * i) * 32 + lane, n_vec, keys)
+            self._row_keys(wsrc, (2 * i + 1) * 32 + lane, n_vec, keys2)
+            for half in cutlass.range_constexpr(2):
+                kk = keys if const_expr(half == 0) else keys2
+                for e in cutlass.range_constexpr(8):
+                    key = kk[e]
+                    above += Int32(key > hi)
+                    inside = (key >= lo) & (key <= hi)
+                    mask = cute.arch.vote_ballot_sync(inside)
+                    slot = n_cand + cute.arch.popc(mask & lt_mask)
+                    if inside & (slot < CAND_SLOTS):
+                        sC[slot, w] = cutlass.Int16(key)
+                    n_cand += cute.arch.popc(mask)
+        above = cute.arch.warp_reduction_sum(above)
+        hit = (above < num_keys) & (above + n_cand >= num_keys) & (n_cand <= CAND_SLOTS)
+        if lane == 0:
+            mFlag[row] = cutlass.Int8(1 - Int32(hit))
+        if hit:
+            cute.arch.sync_warp()  # the copies of every lane visible to all
+            kk_rank = num_keys - above
+            rng = hi - lo
+            top = Int32(0)  # the bit length of hi - lo
+            for i in cutlass.range_constexpr(16):
+                if (rng >> i) > 0:
+                    top = Int32(i + 1)
+            thr = lo
+            for i in cutlass.range(top, unroll=1):
+                trial = thr + (Int32(1) << (top - 1 - i))
+                cnt = self._count_above(sC, w, lane, n_cand, trial, False)
+                thr = cutlass.select_(cnt >= kk_rank, trial, thr)
+            need = kk_rank - self._count_above(sC, w, lane, n_cand, thr, True)
+            # the compaction sweep: slot = (keys > T before) + min(keys == T before, need)
+            n_gt = Int32(0)
+            n_eq = Int32(0)
+            for i in cutlass.range(n_steps, unroll=1):
+                v = i * 32 + lane
+                self._row_keys(wsrc, v, n_vec, keys)
+                packed = Int32(0)
+                for e in cutlass.range_constexpr(8):
+                    packed += Int32(keys[e] > thr) + (Int32(keys[e] == thr) << 16)
+                incl = packed
+                for d in cutlass.range_constexpr(5):
+                    up = cute.arch.shuffle_sync_up(incl, offset=1 << d)
+                    if lane >= (1 << d):
+                        incl += up
+                excl = incl - packed
+                gt_b = n_gt + (excl & 0xFFFF)
+                eq_b = n_eq + (excl >> 16)
+                for e in cutlass.range_constexpr(8):
+                    gt = keys[e] > thr
+                    eq = keys[e] == thr
+                    pos = gt_b + cutlass.min(eq_b, need)
+                    if (gt | (eq & (eq_b < need))) & (pos < num_keys):
+                        mSel[b, h, g, pos] = v * 8 + e
+                    gt_b += Int32(gt)
+                    eq_b += Int32(eq)
+                tot = cute.arch.shuffle_sync(incl, 31)
+                n_gt += tot & 0xFFFF
+                n_eq += tot >> 16
+            for c in cutlass.range((width - num_keys + 31) // 32, unroll=1):
+                pos = num_keys + c * 32 + lane
+                if pos < width:
+                    mSel[b, h, g, pos] = Int32(-1)
 
     @cute.jit
     def _consume(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size,
@@ -344,9 +559,11 @@ class Pass2Sm90:
 
     @cute.jit
     def _consume_single(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
-                        group_size, sk, n_seq, wg, tid):
+                        group_size, sk, n_seq, wg, tid, mbar_row=None):
         """``wg3``: a consumer warpgroup's 64-key third of every 192-key stage, one wgmma group at a time (issue,
-        wait, exponentials); the three warpgroups' exponentials overlap each other's wgmmas."""
+        wait, exponentials); the three warpgroups' exponentials overlap each other's wgmmas. With ``topk``: the
+        CTA's k-th item (its row of sums stored) is handed to selecting warp k % 2 through the row ring (``mbar_row``:
+        wait for the slot's previous row to be taken, then every consumer thread arrives after its last store)."""
         thr_mma = tiled_mma.get_slice(tid)
         sK_part = cute.flat_divide(sK, (HALF, HEAD_DIM))[None, None, wg, 0, None]  # (64, D, stages)
         tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK_part))
@@ -361,6 +578,7 @@ class Pass2Sm90:
         q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
         n_heads = mOut.shape[1]
         item = cute.arch.block_idx()[0]
+        k_item = Int32(0)  # this CTA's items so far (the row ring's position)
         while item < walk.total:
             bh, g, p0, count = walk.at(item)
             b = bh // n_heads
@@ -382,6 +600,11 @@ class Pass2Sm90:
                                 sk, tid)
             pipeline_q.consumer_release(q_state)
             q_state.advance()
+            if const_expr(self.topk):
+                slot = k_item % SELECT_WARPS
+                cute.arch.mbarrier_wait(mbar_row + SELECT_WARPS + slot, ((k_item // SELECT_WARPS) % 2) ^ 1)
+                cute.arch.mbarrier_arrive(mbar_row + slot)  # release: this thread's stores of the row before it
+            k_item += 1
             item += walk.grid
 
     @cute.jit
@@ -571,6 +794,7 @@ class Pass2Sm90:
 
 CAPABILITIES = ((9, 0),)
 HEAD_DIMS = (HEAD_DIM,)
+FUSED_TOPK = True  # group_prob_sums_fp8(select=...) selects each group's top-K in the same launch (select_refusal)
 # The default launch config: three consumer warpgroups (wg3) with the LSE through shared memory (lse_smem), 4 stages,
 # no FMA-pipe share. H200 round s8r2 (main 2a57dc8, tests/bench_select_race.py race 2, the method of record, the
 # kernel alone / flash-attn-4 dense 8.954 ms at 1.3B 480p, all heads, each variant checked against the Triton sums
@@ -627,28 +851,30 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
                  pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None,
-                 diag: str = "", wg3: bool | None = None):
+                 diag: str = "", wg3: bool | None = None, topk: bool = False):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
-    ``OUT_DTYPES``. Raises KeyError for an unknown output dtype."""
+    ``OUT_DTYPES``; ``topk``: the fused top-K (wg3 only). Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
 
-    bh, s, sk, n, b, h, g, sk_out = (cute.sym_int() for _ in range(8))
+    bh, s, sk, n, b, h, g, sk_out, b2, h2, g2, w2, rows = (cute.sym_int() for _ in range(13))
     args = (make_fake_tensor(cutlass.Uint8, (bh, s, HEAD_DIM), divisibility=16),
             make_fake_tensor(cutlass.Uint8, (bh, sk, HEAD_DIM), divisibility=16),
             make_fake_tensor(Float32, (bh, s)), make_fake_tensor(Int32, (bh, n)), make_fake_tensor(Float32, (bh, sk)),
             make_fake_tensor(Float32, (bh,)), make_fake_tensor(OUT_DTYPES[out_dtype], (b, h, g, sk_out)),
-            make_fake_tensor(Float32, (4,), divisibility=4))
+            make_fake_tensor(Float32, (4,), divisibility=4), make_fake_tensor(Int32, (b2, h2, g2, w2)),
+            make_fake_tensor(cutlass.Int8, (rows,)))
     kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, POLY if poly is None else poly,
                        pingpong=PINGPONG if pingpong is None else bool(pingpong),
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=QSPLIT if qsplit is None else bool(qsplit), diag=diag or "",
-                       wg3=(WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3))
-    return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
+                       wg3=(WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3), topk=bool(topk))
+    return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
+                        Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None, diag: str = "",
-             wg3: bool | None = None):
+             wg3: bool | None = None, topk: bool = False):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -660,8 +886,10 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     qsplit = QSPLIT if qsplit is None else bool(qsplit)
     # pingpong / qsplit are two-warpgroup schedules: asked for without wg3, they run with two warpgroups
     wg3 = (WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3)
-    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag or "", wg3, cc.source_hash())
-    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag, wg3))
+    topk = bool(topk)
+    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag or "", wg3, topk,
+           cc.source_hash())
+    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag, wg3, topk))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -676,28 +904,64 @@ def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
     return took
 
 
-def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, stages: int | None = None,
+def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int) -> str | None:
+    """Why the fused top-K cannot run this call (None when it can; ``refusal`` passed first): float16 sums with
+    16-byte aligned rows (Sk and the row strides multiples of 8), int32 ``sel`` ``[B, H, G, width]`` with a unit stride
+    on width, 1 <= num_keys <= min(Sk, width), the default bracket plan (``topk.bracket_plan``) within ``SAMPLE_SLOTS``
+    samples and ``CAND_SLOTS`` candidate slots, three consumer warpgroups (``WG3``)."""
+    import torch
+
+    from ..triton import topk
+
+    if out.dtype != torch.float16:
+        return f"the fused top-K reads float16 sums, got {out.dtype}"
+    B, H, G, SK = out.shape
+    if SK % 8 or any(st % 8 for st in out.stride()[:3]) or out.data_ptr() % 16:
+        return f"the fused top-K needs 16-byte aligned rows of sums (Sk {SK}, strides {tuple(out.stride())})"
+    if not WG3:
+        return "the fused top-K runs with three consumer warpgroups (WG3) only"
+    if sel.dtype != torch.int32 or sel.dim() != 4 or tuple(sel.shape[:3]) != (B, H, G) or sel.stride(-1) != 1:
+        return f"sel must be int32 [B, H, G, width] with a unit stride on width, got {sel.dtype} {tuple(sel.shape)}"
+    if not 1 <= num_keys <= min(SK, sel.shape[3]):
+        return f"num_keys must be in [1, min(Sk, width)], got {num_keys} (Sk {SK}, width {sel.shape[3]})"
+    _, n_samp, _, _, cap = topk.bracket_plan(SK, num_keys, 2)
+    if n_samp > SAMPLE_SLOTS or cap > CAND_SLOTS:
+        return f"the bracket plan needs {n_samp} samples / {cap} candidate slots (> {SAMPLE_SLOTS} / {CAND_SLOTS})"
+    return None
+
+
+def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, select=None, stages: int | None = None,
                         poly: int | None = None, pingpong: bool | None = None, lse_smem: bool | None = None,
                         qsplit: bool | None = None, diag: str = "", wg3: bool | None = None,
-                        num_ctas: int | None = None, ksplit: int | None = None):
-    """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula).
+                        num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None):
+    """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
+    ``select``, also each group's top-K from the stored sums (the fused top-K).
 
     Args:
         q8, k8: float8_e4m3fn ``[B, H, S, D]`` / ``[B, H, Sk, D]``, contiguous (``selection.fp8_operands``); qf: fp32
         ``[B, H]``; lse_s: fp32 ``[B, H, S]`` (natural log); kb: fp32 ``[B, H, Sk]`` holding 2^KB
         (``fp8_operands(kb_pow2=True)``); perm: int32 ``[B, H, G*C]`` (-1: padded slot); out: float16 / float32
-        ``[B, H, G, Sk]``, any b / h / g strides, unit stride on Sk; group_size: C. stages, poly, pingpong,
-        lse_smem, qsplit, wg3, num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG
-        sums) (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``).
+        ``[B, H, G, Sk]``, any b / h / g strides, unit stride on Sk; group_size: C. select: None, or (sel, num_keys):
+        sel int32 ``[B, H, G, width]`` (unit stride on width, any other strides), num_keys K in [1, min(Sk, width)]:
+        every row of sel gets the K largest of that group's stored float16 sums as ascending indices (ties: lower
+        index first; ``topk.top_k_rows``'s rule), then -1 up to width (``select_refusal`` must pass: float16 sums
+        with 16-byte aligned rows; the launch then runs with ksplit 1 and wg3). stages, poly, pingpong, lse_smem,
+        qsplit, wg3, num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG
+        sums) (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused top-K's sample
+        plan (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s (tests: a plan whose brackets miss
+        sends rows to the radix launch; any plan gives the same selection).
     Returns:
-        ``out``. Keys are written for every group; nothing past Sk.
+        ``out``. Keys are written for every group; nothing past Sk. With ``select``: ``sel`` written in full (rows
+        whose bracket the kernel's counts disproved by the radix top-K launched after it on the same stream).
     Raises:
-        ValueError: a call ``refusal`` names, or tensors of the wrong shapes. Compile / launch errors propagate (the
-        caller, ``pass2_dispatch``, falls back to the Triton kernel).
+        ValueError: a call ``refusal`` / ``select_refusal`` names, or tensors of the wrong shapes. Compile / launch
+        errors propagate (the caller, ``pass2_dispatch``, falls back to the Triton kernel).
     """
     import torch
 
     why = refusal(q8, k8, group_size, out)
+    if why is None and select is not None:
+        why = select_refusal(q8, k8, group_size, out, select[0], int(select[1]))
     if why is not None:
         raise ValueError(f"CuTeDSL pass 2 cannot run this call: {why}")
     B, H, S, D = q8.shape
@@ -710,8 +974,11 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, st
         raise ValueError(f"shapes: lse_s {tuple(lse_s.shape)}, kb {tuple(kb.shape)}, qf {tuple(qf.shape)}")
     if G == 0 or SK == 0:
         return out
+    topk_on = select is not None
+    if topk_on:
+        wg3, ksplit = True, 1  # a row whole in one CTA; the selecting warps are wg3's
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, pingpong, lse_smem, qsplit,
-                  diag, wg3)
+                  diag, wg3, topk_on)
     dev = q8.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     if num_ctas is None:
@@ -724,11 +991,40 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, st
         ksplit = auto_ksplit(B * H * G, num_ctas)
     if not 1 <= int(ksplit) <= 64:
         raise ValueError(f"ksplit must be in [1, 64], got {ksplit}")
+    if topk_on:
+        from ..triton import topk
+
+        sel, num_keys = select[0], int(select[1])
+        stride, n_samp, hi_rank, lo_rank = bracket or topk.bracket_plan(SK, num_keys, 2)[:4]
+        if not (1 <= stride and 1 <= n_samp <= min(SAMPLE_SLOTS, SK // stride)):
+            raise ValueError(f"bracket plan {(stride, n_samp)}: needs 1 <= n_samp <= min({SAMPLE_SLOTS}, Sk // stride)")
+        flags = _flags(idx, dev, B * H * G)
+    else:  # placeholders (not read)
+        sel, num_keys, stride, n_samp, hi_rank, lo_rank = _INF[idx].view(torch.int32).view(1, 1, 1, 4), 1, 1, 1, 0, 1
+        flags = _INF[idx].view(torch.int8)
     fn(q8.view(torch.uint8).view(B * H, S, D), k8.view(torch.uint8).view(B * H, SK, D),
        lse_s.contiguous().view(B * H, S), perm.contiguous().view(B * H, G * group_size),
-       kb.contiguous().view(B * H, SK), qf.contiguous().view(B * H), out, _INF[idx], int(group_size), int(num_ctas),
-       int(ksplit))
+       kb.contiguous().view(B * H, SK), qf.contiguous().view(B * H), out, _INF[idx], sel, flags, int(group_size),
+       int(num_ctas), int(ksplit), num_keys, int(stride), int(n_samp), int(hi_rank), int(lo_rank))
+    if topk_on:  # the rows whose bracket the kernel's counts disproved (flag 1): radix select (topk.FusedRows.finish)
+        src = out.view(B, H * G, SK) if out.stride(1) == G * out.stride(2) else out.reshape(B, H * G, SK)
+        dst = sel.view(B, H * G, sel.shape[3])
+        topk._radix_topk_rows[(B * H * G,)](
+            src, dst, flags, flags, SK, num_keys, sel.shape[3], H * G, src.stride(0), src.stride(1), dst.stride(0),
+            dst.stride(1), KEY_BITS=16, BLOCK=topk._BLOCK, HAS_HIST=False, ONLY_FLAGGED=True, num_warps=4)
     return out
+
+
+_FLAGS: dict = {}  # device index -> int8 flags of the fused top-K (one per row, every one written by the kernel)
+
+
+def _flags(idx, dev, rows: int):
+    import torch
+
+    buf = _FLAGS.get(idx)
+    if buf is None or buf.numel() < rows:
+        buf = _FLAGS[idx] = torch.empty(rows, dtype=torch.int8, device=dev)
+    return buf[:rows]
 
 
 def compiled_kernels() -> list:
