@@ -901,3 +901,18 @@ def test_call_site_marks_and_plans_at_their_edges():
     assert layouts.install_plan(patcher, plan) == 0 and patcher.object_patches == first
 
     assert layouts._hunyuan_video_order(type("HunyuanVideo", (), {})()) == "text_first"
+
+
+def test_wan_variants_of_the_2026_snapshot():
+    """ComfyUI v0.33.0's Wan subclasses that run Wan's own blocks (SCAIL, SCAIL-2, WanDancer) are marked like Wan;
+    the causal autoregressive Wan and Wan Animate 2 stay dense with a reason naming them (not the generic one). The
+    real models: tests/integration/test_comfyui_2026.py."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import layouts
+
+    for name in ("SCAILWanModel", "SCAIL2WanModel", "WanDancerModel"):
+        plan = layouts.plan_for(_wan_like(name, 2))
+        assert plan.family == "wan" and plan.reason_unsupported is None
+        assert [rel for rel, _ in plan.patches] == ["blocks.0.self_attn.forward", "blocks.1.self_attn.forward"]
+    for name, words in (("CausalWanModel", "KV cache"), ("WanAnimate2Model", "per frame")):
+        plan = layouts.plan_for(_wan_like(name, 2))
+        assert plan.family is None and not plan.patches and words in plan.reason_unsupported

@@ -14,6 +14,9 @@ Models (class names of ``model.diffusion_model``; sources are ComfyUI snapshot f
 * Wan 2.1/2.2 T2V, I2V, FLF, Fun, Camera, 5B TI2V, HuMo (``comfy/ldm/wan/model.py``: ``WanModel`` and
   subclasses; self-attn ``blocks.i.self_attn``, call L81-87, q/k/v ``(B, S, H*128)``). Extra tokens
   (``reference_latent`` prepended L552-556, ``time_dim_concat`` appended) are just more self-attention tokens.
+  v0.33.0's SCAIL / SCAIL-2 (``SCAILWanModel``, ``SCAIL2WanModel``: pose tokens appended to the video's, not in
+  the cache estimate, which counts the latent's tokens) and WanDancer (``wan/model_wandancer.py``: music injected
+  between blocks through unmarked cross-attention) run Wan's own blocks.
 * Wan VACE (``VaceWanModel`` L661-776): main blocks as Wan. ``vace_blocks[ii]`` runs right after main block
   ``i`` (``vace_layers_mapping``, L702) with the same transformer_options, once per VACE context
   (``for iii in range(len(c))``, L766-769). Its call site gets the main block's index as ``layer`` (as newer
@@ -34,7 +37,8 @@ Models (class names of ``model.diffusion_model``; sources are ComfyUI snapshot f
   [1 time token, latent tokens]; the latent set is unordered (PDDP groups it; no grid is assumed).
 
 Wan S2V (``WanModel_S2V``) passes no transformer_options to its blocks, and Wan Animate's face adapter calls
-attention directly: both stay dense (unmarked). Every other model: dense pass-through, counted.
+attention directly: both stay dense (unmarked). v0.33.0's causal autoregressive Wan and Wan Animate 2 stay dense
+with their reason in the summary (``SKIPPED``). Every other model: dense pass-through, counted.
 """
 
 from __future__ import annotations
@@ -49,8 +53,15 @@ from . import hunyuan3d21
 
 logger = logging.getLogger(__name__)
 
-WAN_FAMILY = ("WanModel", "VaceWanModel", "CameraWanModel", "HumoWanModel", "AnimateWanModel")
-SKIPPED = {"WanModel_S2V": "Wan S2V blocks pass no transformer_options (snapshot)"}
+WAN_FAMILY = ("WanModel", "VaceWanModel", "CameraWanModel", "HumoWanModel", "AnimateWanModel", "SCAILWanModel",
+              "SCAIL2WanModel", "WanDancerModel")
+SKIPPED = {
+    "WanModel_S2V": "Wan S2V blocks pass no transformer_options (snapshot)",
+    "CausalWanModel": "Wan causal autoregressive model (v0.33.0 wan/ar_model.py): its self-attention reads a rolling "
+                      "KV cache of earlier frames, not one sequence per step",
+    "WanAnimate2Model": "Wan Animate 2 (v0.33.0 wan/model_animate2.py) attends per frame against pose keys, not one "
+                        "sequence per step",
+}
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ WORKFLOWS = PACK_ROOT / "workflows"
 COND_NODE = "MCSparseTestConditioning"
 SINK_NODE = "MCSparseTestLatentSink"
 
-CHECKPOINT_KINDS = ("wan21_t2v", "wan21_i2v", "wan22_5b", "wan21_vace", "hunyuan_video", "hunyuan3d", "hunyuan3d21")
+CHECKPOINT_KINDS = ("wan21_t2v", "wan21_i2v", "wan22_5b", "wan21_vace", "hunyuan_video", "hunyuan3d", "hunyuan3d21",
+                    "wan21_scail", "wan22_wandancer")
 
 _state: dict[str, Any] = {}  # the one ComfyUI import of this process (ComfyUI itself is process-global)
 
@@ -196,7 +197,9 @@ def write_tiny_checkpoint(kind: str, *, seed: int = 0) -> str:
 
     kinds (``CHECKPOINT_KINDS``): "wan21_t2v" (in 16), "wan21_i2v" (in 36 + img_emb), "wan22_5b" (in/out 48),
     "wan21_vace" (4 blocks + 2 VACE blocks, vace_in_dim 96), "hunyuan_video" (2 double + 2 single blocks,
-    2 heads x 128), "hunyuan3d" (v2.0: 1 double + 1 single block, 16 heads x 64), "hunyuan3d21". Built from ComfyUI's own model classes on the meta device so the keys and shapes are what
+    2 heads x 128), "hunyuan3d" (v2.0: 1 double + 1 single block, 16 heads x 64), "hunyuan3d21"; ComfyUI v0.33.0 only:
+    "wan21_scail" (SCAIL: in 20 + the pose patch embedding), "wan22_wandancer" (music encoder, audio injected
+    after blocks 0 and 2). Built from ComfyUI's own model classes on the meta device so the keys and shapes are what
     ComfyUI's detection (``comfy/model_detection.py``) expects; weights ~N(0, 0.02) in fp16, norms 1.
     """
     name = f"mc_sparse_tiny_{kind}.safetensors"
@@ -251,6 +254,16 @@ def _tiny_model(kind: str):
         if kind.startswith("wan"):
             from comfy.ldm.wan.model import WanModel
 
+            if kind == "wan21_scail":  # v0.33.0 wan/model.py SCAILWanModel: pose tokens appended to the video's
+                from comfy.ldm.wan.model import SCAILWanModel
+
+                return SCAILWanModel(in_dim=20, out_dim=16, dim=256, ffn_dim=512, num_heads=2, num_layers=3,
+                                     text_dim=4096, freq_dim=256, operations=ops)
+            if kind == "wan22_wandancer":  # v0.33.0 wan/model_wandancer.py
+                from comfy.ldm.wan.model_wandancer import WanDancerModel
+
+                return WanDancerModel(in_dim=36, out_dim=16, dim=256, ffn_dim=512, num_heads=2, num_layers=3,
+                                      text_dim=4096, freq_dim=256, audio_inject_layers=[0, 2], operations=ops)
             if kind == "wan21_vace":  # 4 main blocks, 2 VACE blocks after main blocks 0 and 2 (mapping L702)
                 from comfy.ldm.wan.model import VaceWanModel
 

@@ -194,3 +194,35 @@ def test_attention_backend_node_and_containers_while_active(comfy, summaries, sp
     assert summaries.counts()["sparse"] > 0 and "another attention override" in text, text
     assert seen["container"] > 0  # dense warm-up calls went through the chained backend's container entry
     _check_h3_calls(spy, video_start=24 + 2 * 37)
+
+
+@pytest.mark.parametrize(("kind", "cls", "extra_tokens"), [
+    ("wan21_scail", "SCAILWanModel", 3 * 4 * 4),  # the pose latent's tokens, appended to the video's
+    ("wan22_wandancer", "WanDancerModel", 0),
+])
+def test_wan_variants_of_the_2026_snapshot_go_sparse(comfy, summaries, spy, kind, cls, extra_tokens):
+    """SCAIL (pose tokens appended to the video's, ``wan/model.py`` SCAILWanModel) and WanDancer (music injected
+    after blocks, ``wan/model_wandancer.py``) run Wan's own blocks: their self-attention goes sparse over the whole
+    sequence the block sees. Anchor / dense calls are exact; the last reuse call is not (it went sparse)."""
+    headless, nodes = comfy
+    model = nodes.UNETLoader().load_unet(headless.write_tiny_checkpoint(kind), "default")[0]
+    assert type(model.get_model_object("diffusion_model")).__name__ == cls
+    g = torch.Generator().manual_seed(7)
+    extra = {"pose_video_latent": torch.randn(1, 16, 3, 8, 8, generator=g)} if kind == "wan21_scail" else \
+        {"audio_embed": torch.randn(1, 12, 35, generator=g)}
+    pos = [[torch.randn(1, 64, 4096, generator=g), dict(extra)]]
+    neg = [[torch.randn(1, 64, 4096, generator=g), dict(extra)]]
+    nodes.common_ksampler(_patch(nodes, model), 3, 6, 5.0, "euler", "simple", pos, neg,
+                          {"samples": torch.zeros(1, 16, 3, 16, 16)})
+    assert "not supported" not in summaries.summaries[-1]
+    assert summaries.counts()["sparse"] > 0 and summaries.counts()["anchor"] > 0
+    assert spy and {c["q"].shape[1] for c in spy} == {3 * 8 * 8 + extra_tokens}
+    for c in spy:
+        if not c["reuse"]:
+            h = c["q"].shape[-1] // 128
+            q, k, v = (t.unflatten(-1, (h, 128)).transpose(1, 2) for t in (c["q"], c["k"], c["v"]))
+            torch.testing.assert_close(c["out"].double(), _reference(q, k, v), rtol=1e-3, atol=1e-3)
+    c = [c for c in spy if c["reuse"]][-1]
+    h = c["q"].shape[-1] // 128
+    q, k, v = (t.unflatten(-1, (h, 128)).transpose(1, 2) for t in (c["q"], c["k"], c["v"]))
+    assert (c["out"].double() - _reference(q, k, v)).abs().max() > 1e-4
