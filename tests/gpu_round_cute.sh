@@ -9,8 +9,8 @@ OUT=$1
 COMMIT=$2
 ROUNDS=${3:-6}
 DEF="persistent,overlap,hide_epi,split_tail,pdl,v3"  # the op's default since round s8r2 (rules.STAGED_OPTIONS)
-AHEAD="$DEF,q_ahead,cnt_ahead"  # candidate: the next item's queries (producer) and count (consumers) loaded ahead
-QA="$DEF,q_ahead"
+AHEAD="$DEF,q_ahead,cnt_ahead,idx_ahead"  # candidate: the next item's queries, count, first index entries ahead
+QA="$DEF,q_ahead,cnt_ahead"  # the same without idx_ahead (checked by the bench before it is timed)
 mkdir -p "$OUT"
 # the candidate through the op against float64: split last rounds (138 groups ragged LSE, 140 groups of 24 tiles),
 # overlap grids of 1-500 CTAs (fp16 D 64, no split), the chain of three op calls queued without a sync; 3 compiles

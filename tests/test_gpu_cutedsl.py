@@ -183,7 +183,7 @@ def test_cutedsl_kernel_variants(dtype, D, lse, producer, epilogue, options, cta
     (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi")),
     (torch.float16, 64, True, ("overlap", "persistent", "hide_epi")),
     (torch.bfloat16, 128, False, ("overlap", "persistent", "hide_epi", "split_tail")),
-    (torch.float16, 64, False, ("overlap", "persistent", "hide_epi", "q_ahead", "cnt_ahead")),
+    (torch.float16, 64, False, ("overlap", "persistent", "hide_epi", "q_ahead", "cnt_ahead", "idx_ahead")),
 ], ids=["bf16-d128-lse", "fp16-d64", "hide-bf16-d128", "hide-fp16-d64-lse", "split-bf16-d128", "ahead-fp16-d64"])
 def test_cutedsl_overlap_grids(dtype, D, lse, options):
     """The "overlap" option (two groups in flight per CTA: 2-slot query ring, the next group's first Q K^T issued
@@ -194,8 +194,9 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
     LSE in query order. With "hide_epi" the boundary also runs the next group's second key tile while the output
     is stored (groups of one tile take the plain boundary); with "split_tail" launched with one part per group (its
     workspace unused; the split itself is tested through the op, ``test_cutedsl_split_tail``). With "q_ahead" /
-    "cnt_ahead" the next group's queries are gathered during this group (groups of 5-6 key tiles) or at its start
-    (1-4 tiles), and its count is read ahead: walks mix both, the last group of a CTA has no next."""
+    "cnt_ahead" / "idx_ahead" the next group's queries, count and first index entries are read during this group
+    (groups of 5-6 key tiles) or at the next group's start (1-4 tiles), and the consumers read its count ahead: walks
+    mix both, the last group of a CTA has no next."""
     import math
 
     from comfyui_mc_sparse_pack.kernels.cutedsl import compile as cc
@@ -224,7 +225,7 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
 
 SPLIT = "persistent,overlap,hide_epi,split_tail"
 CAND = SPLIT + ",pdl,v3"  # round s8r1's candidate options (the op's default since s8r2)
-AHEAD = CAND + ",q_ahead,cnt_ahead"  # session 9's candidate: the next item's queries and count loaded ahead
+AHEAD = CAND + ",q_ahead,cnt_ahead,idx_ahead"  # session 9's candidate: the next item's queries, count, index ahead
 
 
 @pytest.mark.parametrize("options", [SPLIT, CAND, AHEAD], ids=["split", "split-pdl-v3", "split-pdl-v3-ahead"])

@@ -115,7 +115,10 @@ EPILOGUES = ("registers", "smem")
 # ``perm`` entries and rows, read once from DRAM) at a group boundary.
 # "cnt_ahead" (with "overlap"): the consumers load the next work item's valid count at this item's start (a register
 # until the boundary) instead of at the boundary, where its L2 latency stalled both warpgroups once per group.
-OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3", "q_ahead", "cnt_ahead")
+# "idx_ahead" (with "q_ahead"): with the next item's queries the producer also reads its valid count and its first
+# key tile's index entries (registers until the next item's start), so the next item's first K tile is issued
+# without the two dependent loads (count, then kv_idx from DRAM) that the boundary waited for.
+OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3", "q_ahead", "cnt_ahead", "idx_ahead")
 Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
@@ -252,6 +255,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.q_ahead = "q_ahead" in options
         self.cnt_ahead = "cnt_ahead" in options
         assert not ({"q_ahead", "cnt_ahead"} & set(options)) or self.overlap, "q_ahead / cnt_ahead: overlap options"
+        self.idx_ahead = "idx_ahead" in options
+        assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -382,7 +387,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn, group_fn)
+                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn, group_fn, count_fn)
         else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
@@ -403,10 +408,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def load_fused(self, mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn=None, group_fn=None):
+                   SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn=None, group_fn=None,
+                   count_fn=None):
         """Producer: per group, its query rows through ``perm`` and its K/V rows through ``kv_idx``, all by cp.async
         (mQ/mK/mV ``(S, D, H, B)``; mPerm ``(N, 128)``, mIdx ``(N, K_alloc)``); ``work_fn``: ``_work`` with the
-        launch's arguments bound ("split_tail"), ``group_fn`` ``_item_group`` so bound ("q_ahead")."""
+        launch's arguments bound ("split_tail"), ``group_fn`` ``_item_group`` so bound ("q_ahead"), ``count_fn``
+        ``_item_count`` so bound ("idx_ahead")."""
         tidx, _, _ = cute.arch.thread_idx()
         k_alloc = mIdx.shape[1]
         q_phase = Int32(1)
@@ -416,13 +423,22 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
         q_done = Int32(0)  # "q_ahead": 1 when this item's queries were gathered during the previous item
+        # "idx_ahead": this item's valid count and raw first-tile index entry, read during the previous item
+        pre = cute.make_rmem_tensor((2,), Int32)
+        pre[0] = Int32(0)
+        pre[1] = Int32(0)
         while work_tile.is_valid_tile:
             _, _, item, _ = work_tile.tile_idx
             group = item
+            count = None
+            if const_expr(self.idx_ahead):
+                count = pre[0]
+                if q_done == 0:
+                    count = count_fn(item)
             if const_expr(self.split_tail):
-                group, _, n_block_min, n_block_max, _, _ = work_fn(item)
+                group, _, n_block_min, n_block_max, _, _ = work_fn(item, count=count)
             else:
-                seqlen = SeqlenInfoCls(group)
+                seqlen = self._seqlen(SeqlenInfoCls, group, count)
                 n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
             bh = group // groups_per_head
             b = bh // n_heads
@@ -441,7 +457,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                                 tidx)
             q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
             n_block = n_block_max - 1
-            index.fetch(n_block)
+            if const_expr(self.idx_ahead):
+                index.nxt[0] = cutlass.max(pre[1], 0)
+                if q_done == 0:
+                    index.fetch(n_block)
+            else:
+                index.fetch(n_block)
             if const_expr(self.overlap):
                 # the queries first: their slot was freed a group ago, the K stage only when the consumers finish
                 # this group's second-to-last Q K^T
@@ -469,6 +490,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                         q_at = Int32(Q_AHEAD_AT)
                 q_hook = partial(self._load_q_of_item, mQ, mPerm, sQ, pipeline_q, next_item, n_heads, groups_per_head,
                                  tidx, group_fn)
+                if const_expr(self.idx_ahead):
+                    q_hook = partial(self._load_q_idx_of_item, q_hook, mIdx, mK, mV, next_item, n_heads,
+                                     groups_per_head, tidx, group_fn, count_fn, work_fn, SeqlenInfoCls, block_info,
+                                     pre)
             kv_state, v_state, q_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state,
                                                             v_state, n_block_min, n_block_max, q_state, q_at, q_hook)
             if const_expr(self.q_ahead):
@@ -490,6 +515,31 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         pipeline_q.producer_commit(q_state)
         q_state.advance()
         return q_state
+
+    @cute.jit
+    def _load_q_idx_of_item(self, q_hook, mIdx, mK, mV, item, n_heads, groups_per_head, tidx, group_fn, count_fn,
+                            work_fn, SeqlenInfoCls, block_info, pre, q_state):
+        """"idx_ahead": work item ``item``'s valid count into ``pre[0]`` and this thread's raw ``kv_idx`` entry of
+        its first key tile (as ``_IndexRow.fetch`` picks it) into ``pre[1]`` (the loads in flight, used at the
+        item's start), then ``q_hook(q_state)`` (its queries)."""
+        group = item
+        count = count_fn(item)
+        if const_expr(self.split_tail):
+            group, _, _, n_block_max, _, _ = work_fn(item, count=count)
+        else:
+            _, n_block_max = block_info.get_n_block_min_max(self._seqlen(SeqlenInfoCls, group, count), 0)
+        h = group // groups_per_head
+        h = h - (h // n_heads) * n_heads
+        rows = PagedKVManager.create(
+            mIdx, mK, mV, FastDivmodDivisorV2(mK.shape[0]), group, h, tidx, n_block_max * self.tile_n, 0,
+            self.tile_n, self.tile_hdim, self.tile_hdimv, self.num_threads_per_warp_group, mK.element_type, arch=90,
+        )
+        row = (tidx % rows.gmem_threads_per_row) * (rows.num_threads // rows.gmem_threads_per_row) + (
+            tidx // rows.gmem_threads_per_row)
+        slot = cutlass.min(cutlass.max(n_block_max - 1, 0) * rows.n_block_size + row, mIdx.shape[1] - 1)
+        pre[0] = count
+        pre[1] = rows.mPageTable[slot]
+        return q_hook(q_state)
 
     @cute.jit
     def _load_q_of_item(self, mQ, mPerm, sQ, pipeline_q, item, n_heads, groups_per_head, tidx, group_fn, q_state):
