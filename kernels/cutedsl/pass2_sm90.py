@@ -76,6 +76,7 @@ CAND_SLOTS = 16384  # each selecting warp's int16 candidate slots in shared memo
 # 14B 720p, s = 0.5: 16384)
 SAMPLE_SLOTS = 1024  # the sample's slots (topk._BRACKET_MAX_SAMPLES), staged at the start of the candidate slots
 KEY_TOP = 0x7C01  # one above +inf's float16 key: above every key (topk._bracket_row's ``top``)
+SWEEP_BATCH = 4  # 16-byte loads per lane issued together in the selecting warps' row sweeps (latency from L2)
 
 
 class _Walk:
@@ -326,15 +327,18 @@ class Pass2Sm90:
             item += SELECT_WARPS * walk.grid
 
     @cute.jit
-    def _row_keys(self, wsrc, v, n_vec, keys):
-        """The 8 keys of the row's 16-byte vector ``v`` (``topk._keys``: the float16 bit pattern as int16, negatives
-        and -0.0 -> 0; -1 when v >= n_vec, whose load reads the last vector instead)."""
-        vec = cute.make_rmem_tensor((4,), Int32)
+    def _load_vec(self, wsrc, v, n_vec, vec):
+        """The row's 16-byte vector ``v`` (8 float16 sums as 4 int32 words) into ``vec`` (the last vector when v >=
+        n_vec: an address inside the row; ``_decode`` turns those keys to -1)."""
         addr = (wsrc.iterator + cutlass.min(v, n_vec - 1) * 4).toint()
         src = cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=16),
                                cute.make_layout((4,)))
         cute.copy(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Int32, num_bits_per_copy=128), src, vec)
-        ok = v < n_vec
+
+    @cute.jit
+    def _decode(self, vec, ok, keys):
+        """The 8 keys of a loaded vector (``topk._keys``: the float16 bit pattern as int16, negatives and -0.0 -> 0;
+        all -1 when not ``ok``)."""
         for e in cutlass.range_constexpr(8):
             word = vec[e // 2]
             x = (word << 16) >> 16 if const_expr(e % 2 == 0) else word >> 16
@@ -361,8 +365,8 @@ class Pass2Sm90:
                     lane):
         """One row's selection by ``topk.py``'s bracket method, one warp: the stratified sample (the same positions,
         staged in ``sC``) brackets the K-th largest key between its hi_rank-th and lo_rank-th largest (bit search by
-        counting, both at once); one sweep (16-byte loads, 8 keys per lane, the next vectors loaded before this
-        one's work) counts the keys above hi and copies those in [lo, hi] to ``sC`` (ballot + popc slots); if the
+        counting, both at once); one sweep (16-byte loads, 8 keys per lane, ``SWEEP_BATCH`` loads per lane issued
+        before their work) counts the keys above hi and copies those in [lo, hi] to ``sC`` (ballot + popc slots); if the
         counts prove the K-th key inside (and the copies fit CAND_SLOTS) the threshold T and ``need`` come from the
         copies by a bit search, then the compaction sweep writes, in ascending index order, every index whose key is
         > T and the first ``need`` whose key == T at slots from a warp prefix count (``topk._compact_step``), then
@@ -409,15 +413,16 @@ class Pass2Sm90:
         above = Int32(0)
         n_cand = Int32(0)
         keys = cute.make_rmem_tensor((8,), Int32)
-        keys2 = cute.make_rmem_tensor((8,), Int32)
+        vecs = [cute.make_rmem_tensor((4,), Int32) for _ in range(SWEEP_BATCH)]
         n_steps = (n_vec + 31) // 32
-        for i in cutlass.range((n_steps + 1) // 2, unroll=1):
-            self._row_keys(wsrc, (2 * i) * 32 + lane, n_vec, keys)
-            self._row_keys(wsrc, (2 * i + 1) * 32 + lane, n_vec, keys2)
-            for half in cutlass.range_constexpr(2):
-                kk = keys if const_expr(half == 0) else keys2
+        n_batches = (n_steps + SWEEP_BATCH - 1) // SWEEP_BATCH
+        for i in cutlass.range(n_batches, unroll=1):
+            for u in cutlass.range_constexpr(SWEEP_BATCH):  # the batch's loads first: SWEEP_BATCH in flight per lane
+                self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
+            for u in cutlass.range_constexpr(SWEEP_BATCH):
+                self._decode(vecs[u], (i * SWEEP_BATCH + u) * 32 + lane < n_vec, keys)
                 for e in cutlass.range_constexpr(8):
-                    key = kk[e]
+                    key = keys[e]
                     above += Int32(key > hi)
                     inside = (key >= lo) & (key <= hi)
                     mask = cute.arch.vote_ballot_sync(inside)
@@ -446,31 +451,34 @@ class Pass2Sm90:
             # the compaction sweep: slot = (keys > T before) + min(keys == T before, need)
             n_gt = Int32(0)
             n_eq = Int32(0)
-            for i in cutlass.range(n_steps, unroll=1):
-                v = i * 32 + lane
-                self._row_keys(wsrc, v, n_vec, keys)
-                packed = Int32(0)
-                for e in cutlass.range_constexpr(8):
-                    packed += Int32(keys[e] > thr) + (Int32(keys[e] == thr) << 16)
-                incl = packed
-                for d in cutlass.range_constexpr(5):
-                    up = cute.arch.shuffle_sync_up(incl, offset=1 << d)
-                    if lane >= (1 << d):
-                        incl += up
-                excl = incl - packed
-                gt_b = n_gt + (excl & 0xFFFF)
-                eq_b = n_eq + (excl >> 16)
-                for e in cutlass.range_constexpr(8):
-                    gt = keys[e] > thr
-                    eq = keys[e] == thr
-                    pos = gt_b + cutlass.min(eq_b, need)
-                    if (gt | (eq & (eq_b < need))) & (pos < num_keys):
-                        mSel[b, h, g, pos] = v * 8 + e
-                    gt_b += Int32(gt)
-                    eq_b += Int32(eq)
-                tot = cute.arch.shuffle_sync(incl, 31)
-                n_gt += tot & 0xFFFF
-                n_eq += tot >> 16
+            for i in cutlass.range(n_batches, unroll=1):
+                for u in cutlass.range_constexpr(SWEEP_BATCH):  # the batch's loads first
+                    self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
+                for u in cutlass.range_constexpr(SWEEP_BATCH):
+                    v = (i * SWEEP_BATCH + u) * 32 + lane
+                    self._decode(vecs[u], v < n_vec, keys)
+                    packed = Int32(0)
+                    for e in cutlass.range_constexpr(8):
+                        packed += Int32(keys[e] > thr) + (Int32(keys[e] == thr) << 16)
+                    incl = packed
+                    for d in cutlass.range_constexpr(5):
+                        up = cute.arch.shuffle_sync_up(incl, offset=1 << d)
+                        if lane >= (1 << d):
+                            incl += up
+                    excl = incl - packed
+                    gt_b = n_gt + (excl & 0xFFFF)
+                    eq_b = n_eq + (excl >> 16)
+                    for e in cutlass.range_constexpr(8):
+                        gt = keys[e] > thr
+                        eq = keys[e] == thr
+                        pos = gt_b + cutlass.min(eq_b, need)
+                        if (gt | (eq & (eq_b < need))) & (pos < num_keys):
+                            mSel[b, h, g, pos] = v * 8 + e
+                        gt_b += Int32(gt)
+                        eq_b += Int32(eq)
+                    tot = cute.arch.shuffle_sync(incl, 31)
+                    n_gt += tot & 0xFFFF
+                    n_eq += tot >> 16
             for c in cutlass.range((width - num_keys + 31) // 32, unroll=1):
                 pos = num_keys + c * 32 + lane
                 if pos < width:
