@@ -39,8 +39,8 @@ import bench_select_race as bsr  # noqa: E402  (loads the pack)
 
 from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 
-COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "diag", "wg3", "topk")  # the compile-time keys
-FLAGS = {"pp": "pingpong", "ls": "lse_smem", "qs": "qsplit", "wg3": "wg3", "tk": "topk"}
+COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "diag", "wg3", "topk", "wg4")  # the compile-time keys
+FLAGS = {"pp": "pingpong", "ls": "lse_smem", "qs": "qsplit", "wg3": "wg3", "tk": "topk", "wg4": "wg4"}
 TOPK_DENSITY = 0.25  # the fused top-K variants ("tk") select K = 0.25 x Sk keys per group
 OFF = {"wg2": "wg3", "nols": "lse_smem"}
 DEFAULT_VARIANTS = "st4,st4 k1,st4 pp,st4 p10,st6"

@@ -51,7 +51,9 @@ def _warm(request):
     configs = []
     for item in request.session.items:
         if item.module is request.module and "num_keys" in getattr(getattr(item, "callspec", None), "params", {}):
-            for c in (dict(out_dtype="float16"), dict(out_dtype="float16", topk=True)):  # the fused top-K's tests
+            opts = item.callspec.params["opts"]
+            more = {k: opts[k] for k in ("wg4", "stages") if k in opts}
+            for c in (dict(out_dtype="float16", **more), dict(out_dtype="float16", topk=True, **more)):  # fused tests
                 if c not in configs:
                     configs.append(c)
         tun = getattr(getattr(item, "callspec", None), "params", {}).get("tuning")
@@ -102,8 +104,9 @@ VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5, ksplit=1)), (
                                        (CASES[2], dict(qsplit=True)), (CASES[1], dict(qsplit=True, lse_smem=True,
                                                                                        pingpong=True, poly=8)),
                                        (CASES[2], dict(wg3=False)), (CASES[0], dict(wg3=False, lse_smem=False)),
-                                       (CASES[1], dict(wg3=True, lse_smem=True, num_ctas=5))]
-_COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "wg3")  # the tuning keys that are compile-time
+                                       (CASES[1], dict(wg3=True, lse_smem=True, num_ctas=5)),
+                                       (CASES[2], dict(wg4=True, stages=3, num_ctas=6))]
+_COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "wg3", "wg4")  # the tuning keys that are compile-time
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,
@@ -222,6 +225,7 @@ def test_cutedsl_pass2_refusals():
 # (16-byte rows); Sk 4000: 500 16-byte vectors, the sweeps' last step ragged; C = 100 (padded query slots), B = 2,
 # 5 CTAs (each walks many rows: both selecting warps' ring slots wrap); K = Sk and K = 1; twin keys (every sum tied
 # with its neighbour's: the tie rule decides); a sample plan whose brackets miss (every row through the radix launch).
+# Last: four consumer warpgroups (wg4, 3 stages).
 FUSED = [
     ((1, 2, 4000, 4000, 128, False), 1000, 1024, {}, False),
     ((2, 3, 2850, 2000, 100, False), 500, 512, dict(num_ctas=5), False),
@@ -229,6 +233,7 @@ FUSED = [
     ((1, 2, 2900, 2904, 128, True), 1, 64, dict(num_ctas=3), False),
     ((1, 3, 3000, 4000, 128, False), 1300, 1344, dict(num_ctas=4), True),
     ((1, 2, 3000, 4000, 128, False), 2000, 2048, dict(bracket=(8, 500, 1, 1)), True),
+    ((2, 3, 2850, 2000, 100, True), 700, 768, dict(wg4=True, stages=3, num_ctas=5), False),
 ]
 
 

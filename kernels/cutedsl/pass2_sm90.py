@@ -113,7 +113,8 @@ class Pass2Sm90:
     register counts after ``setmaxnreg``."""
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, regs: tuple = (224, 56), pingpong: bool = False,
-                 lse_smem: bool = False, qsplit: bool = False, diag: str = "", wg3: bool = False, topk: bool = False):
+                 lse_smem: bool = False, qsplit: bool = False, diag: str = "", wg3: bool = False, topk: bool = False,
+                 wg4: bool = False):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -133,15 +134,18 @@ class Pass2Sm90:
         self.diag = diag
         # three consumer warpgroups with one accumulator each (192-key stages, one 64-key third each; 3 warps per
         # SMSP instead of 2, each issuing, waiting and exponentiating its own tile), instead of two with two
-        self.nwg = 3 if wg3 else 2
-        assert not (wg3 and (pingpong or qsplit)), "wg3: no pingpong / qsplit"
+        # wg4: four such warpgroups (256-key stages; 120 registers each, 112 with the fused top-K)
+        self.nwg = 4 if wg4 else (3 if wg3 else 2)
+        assert not (self.nwg > 2 and (pingpong or qsplit)), "wg3 / wg4: no pingpong / qsplit"
         self.stage_keys = HALF * self.nwg  # keys per ring stage
         self.stages_per_step = 2 if self.nwg == 2 else 1  # stages per consumer loop step
+        assert self.stage_keys * HEAD_DIM * stages <= 128 * 1024, "the key ring must fit 128 KiB of shared memory"
         # (the fused top-K's selecting warps need more than 32 registers: 152 / 56, no spill in the consumers offline)
-        self.mma_regs, self.producer_regs = ((152, 56) if topk else (160, 32)) if wg3 else regs
+        self.mma_regs, self.producer_regs = {2: regs, 3: (152, 56) if topk else (160, 32),
+                                             4: (112, 56) if topk else (120, 24)}[self.nwg]
         self.dtype = cutlass.Float8E4M3FN
         # the top-K fused: producer warps 2 and 3 select each finished row of the CTA (``_select_rows``); wg3 only
-        assert not topk or wg3, "topk: wg3 only"
+        assert not topk or self.nwg > 2, "topk: wg3 / wg4 only"
         self.topk = topk
 
     @cute.jit
@@ -234,7 +238,7 @@ class Pass2Sm90:
             cute.arch.setmaxregister_increase(self.mma_regs)
             wg = warp_idx // 4 - 1
             consume = self._consume_qsplit if const_expr(self.qsplit) else (
-                self._consume_single if const_expr(self.nwg == 3) else self._consume)
+                self._consume_single if const_expr(self.nwg > 2) else self._consume)
             if const_expr(self.topk):
                 self._consume_single(tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
                                      group_size, sk, mQ.shape[0], wg, tidx - 128 * (wg + 1), mbar_row)
@@ -859,7 +863,7 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
                  pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None,
-                 diag: str = "", wg3: bool | None = None, topk: bool = False):
+                 diag: str = "", wg3: bool | None = None, topk: bool = False, wg4: bool = False):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``; ``topk``: the fused top-K (wg3 only). Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -875,14 +879,15 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                        pingpong=PINGPONG if pingpong is None else bool(pingpong),
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=QSPLIT if qsplit is None else bool(qsplit), diag=diag or "",
-                       wg3=(WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3), topk=bool(topk))
+                       wg3=(WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3), topk=bool(topk),
+                       wg4=bool(wg4))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None, diag: str = "",
-             wg3: bool | None = None, topk: bool = False):
+             wg3: bool | None = None, topk: bool = False, wg4: bool = False):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -894,10 +899,11 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     qsplit = QSPLIT if qsplit is None else bool(qsplit)
     # pingpong / qsplit are two-warpgroup schedules: asked for without wg3, they run with two warpgroups
     wg3 = (WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3)
-    topk = bool(topk)
-    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag or "", wg3, topk,
+    topk, wg4 = bool(topk), bool(wg4)
+    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag or "", wg3, topk, wg4,
            cc.source_hash())
-    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag, wg3, topk))
+    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag, wg3, topk,
+                                                wg4))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -940,7 +946,7 @@ def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int) -> str | No
 
 def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, select=None, stages: int | None = None,
                         poly: int | None = None, pingpong: bool | None = None, lse_smem: bool | None = None,
-                        qsplit: bool | None = None, diag: str = "", wg3: bool | None = None,
+                        qsplit: bool | None = None, diag: str = "", wg3: bool | None = None, wg4: bool = False,
                         num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
@@ -954,7 +960,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         every row of sel gets the K largest of that group's stored float16 sums as ascending indices (ties: lower
         index first; ``topk.top_k_rows``'s rule), then -1 up to width (``select_refusal`` must pass: float16 sums
         with 16-byte aligned rows; the launch then runs with ksplit 1 and wg3). stages, poly, pingpong, lse_smem,
-        qsplit, wg3, num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG
+        qsplit, wg3, wg4 (four consumer warpgroups), num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG
         sums) (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused top-K's sample
         plan (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s (tests: a plan whose brackets miss
         sends rows to the radix launch; any plan gives the same selection).
@@ -984,9 +990,9 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         return out
     topk_on = select is not None
     if topk_on:
-        wg3, ksplit = True, 1  # a row whole in one CTA; the selecting warps are wg3's
+        wg3, ksplit = True, 1  # a row whole in one CTA; the selecting warps need wg3 / wg4
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, pingpong, lse_smem, qsplit,
-                  diag, wg3, topk_on)
+                  diag, wg3, topk_on, wg4)
     dev = q8.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     if num_ctas is None:
