@@ -417,3 +417,119 @@ def test_cute_default_routes_select_kv(gen, cute, gluon, monkeypatch):
     monkeypatch.setenv("MC_SPARSE_PASS2_CUTE", "0")
     sel.select_kv(q, k, lse, perm, 20, group_size=C, kv_tile=16, fp8=True)
     assert len(cute.calls) == 1
+
+
+# --- the CuTeDSL kernel's fused top-K (pass2_dispatch.try_cute_select, reached from select_kv's FusedRows) ---
+
+class _CuteFused(_Cute):
+    """A stand-in CuTeDSL module with a fused top-K: with ``select`` = (sel, num_keys) it also writes each row's
+    brute-force top-K of the sums it wrote (``select_err`` set: that launch fails; ``select_why``: refused)."""
+
+    FUSED_TOPK = True
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.select_err, self.select_why = None, None
+
+    def select_refusal(self, q8, k8, group_size, out, sel, num_keys):
+        return self.select_why
+
+    def group_prob_sums_fp8(self, q8, k8, qf, lse_s, kb, perm, out, *, group_size, select=None):
+        if select is not None and self.select_err is not None:
+            self.calls.append(dict(out=out, select=select, C=group_size))
+            raise self.select_err
+        super().group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, group_size=group_size)
+        self.calls[-1]["select"] = select
+        self.calls[-1]["sums"] = out.clone()
+        if select is not None:
+            sel, num_keys = select
+            sel.copy_(ref_top_k_rows(out, num_keys, sel.shape[-1]))
+        return out
+
+
+@pytest.fixture
+def cute_fused(monkeypatch):
+    d = _mod("pass2_dispatch")
+    d.reset()
+    sel = _mod("selection")
+    for name in ("MC_SPARSE_PASS2_CUTE", "MC_SPARSE_PASS2_GLUON", "MC_SPARSE_PASS2_CUTE_TOPK"):
+        monkeypatch.delenv(name, raising=False)
+    fake = _CuteFused()
+    monkeypatch.setattr(d, "_cute_module", lambda: fake)
+    monkeypatch.setattr(sel, "_TOPK_FUSED_DEFAULT", True)
+    monkeypatch.setattr(sel, "_capability", lambda device: (9, 0))  # the fused top-K's switch (fp8 given explicitly)
+    seen = []
+    real = sel.top_k_rows
+    monkeypatch.setattr(sel, "top_k_rows", lambda sums, *a, **kw: seen.append(sums.clone()) or real(sums, *a, **kw))
+    fake.separate = seen
+    yield fake
+    d.reset()
+
+
+def _select(sel, q, k, lse, perm, C, **kw):
+    return sel.select_kv(q, k, lse, perm, 40, group_size=C, kv_tile=16, fp8=True, cute=True, heads_per_chunk=1, **kw)
+
+
+def test_select_kv_with_cute_runs_its_fused_top_k(gen, cute_fused):
+    """select_kv(cute=True) where the CuTeDSL module has a fused top-K: each head chunk is one kernel call handed the
+    chunk's view of the selection (int32, width = K rounded up to kv_tile) and K; no separate top-K runs, and the
+    result is the brute-force top-K of the sums the kernel wrote. Mutations: the fused route never tried (a separate
+    top-K runs), the chunk's selection view or K wrong (rows of another head / width)."""
+    sel = _mod("selection")
+    q, k, lse, perm, C = _inputs(gen, S=150)
+    got = _select(sel, q, k, lse, perm, C)
+    assert len(cute_fused.calls) == 2 and not cute_fused.separate
+    for h, call in enumerate(cute_fused.calls):
+        view, num_keys = call["select"]
+        assert num_keys == 40 and view.data_ptr() == got[:, h:h + 1].data_ptr() and view.shape == got[:, h:h + 1].shape
+    sums = torch.cat([c["sums"] for c in cute_fused.calls], dim=1)
+    assert torch.equal(got, ref_top_k_rows(sums, 40, got.shape[-1]))
+    assert _mod("pass2_dispatch").cute_topk_fallback_reason() is None
+
+
+@pytest.mark.parametrize("how", ["refused", "env off", "no module support", "topk_fused=False"])
+def test_cute_fused_top_k_not_used(gen, cute_fused, monkeypatch, how):
+    """The fused top-K refused by the module, switched off (MC_SPARSE_PASS2_CUTE_TOPK=0), absent from the module (no
+    FUSED_TOPK) or not asked for (topk_fused=False): the CuTeDSL kernel writes the sums only and the separate top-K
+    selects from them (the brute force of those sums); nothing is remembered as a failure."""
+    sel = _mod("selection")
+    d = _mod("pass2_dispatch")
+    kw = {}
+    if how == "refused":
+        cute_fused.select_why = "fused top-K takes Sk <= 65536"
+        assert d.cute_select_refusal(None, None, 128, None, None, 40, requested=True) == cute_fused.select_why
+    elif how == "env off":
+        monkeypatch.setenv("MC_SPARSE_PASS2_CUTE_TOPK", "0")
+        assert "MC_SPARSE_PASS2_CUTE_TOPK=0" in d.cute_select_refusal(None, None, 128, None, None, 40, requested=True)
+    elif how == "no module support":
+        monkeypatch.setattr(_CuteFused, "FUSED_TOPK", False)
+        assert "no fused top-K" in d.cute_select_refusal(None, None, 128, None, None, 40, requested=True)
+    else:
+        kw = dict(topk_fused=False)
+    q, k, lse, perm, C = _inputs(gen, S=150)
+    got = _select(sel, q, k, lse, perm, C, **kw)
+    assert [c["select"] for c in cute_fused.calls] == [None, None] and len(cute_fused.separate) == 2
+    assert torch.equal(got, ref_top_k_rows(torch.cat(cute_fused.separate, dim=1), 40, got.shape[-1]))
+    assert d.cute_topk_fallback_reason() is None and d.cute_fallback_reason() is None
+
+
+def test_cute_fused_top_k_failure_falls_back_to_the_kernel_without_it(gen, cute_fused):
+    """The fused launch failing: that call runs the CuTeDSL kernel without the fused top-K + the separate top-K (the
+    brute force of those sums), the reason is in the run's Record under CUTE_TOPK_KEY (not CUTE_KEY: the kernel
+    itself stays on), the rest of the run does not try the fused launch again, a new run does."""
+    sel = _mod("selection")
+    d = _mod("pass2_dispatch")
+    cute_fused.select_err = RuntimeError("fused top-K compile boom")
+    q, k, lse, perm, C = _inputs(gen, S=150)
+    with registry.recording(registry.Record()) as record:
+        got = _select(sel, q, k, lse, perm, C)
+        assert [c["select"] is not None for c in cute_fused.calls] == [True, False, False]
+        assert "fused top-K failed earlier" in d.cute_select_refusal(None, None, C, None, None, 40, requested=True)
+    assert "fused top-K compile boom" in record.failures[d.CUTE_TOPK_KEY] and d.CUTE_KEY not in record.failures
+    assert len(cute_fused.separate) == 2
+    sums = torch.cat([c["sums"] for c in cute_fused.calls[1:]], dim=1)
+    assert torch.equal(got, ref_top_k_rows(sums, 40, got.shape[-1]))
+    cute_fused.select_err = None
+    with registry.recording(registry.Record()):  # a new run tries the fused launch again
+        _select(sel, q, k, lse, perm, C)
+    assert cute_fused.calls[3]["select"] is not None

@@ -8,6 +8,11 @@
   (``fp8_operands(kb_pow2=True)``) and writes only the sums: the caller's top-K runs after it (``topk.top_k_rows``).
   Its compile or launch failure (anything but out of memory) is remembered like the Gluon kernel's (``CUTE_KEY``) and
   the call goes on to the Gluon / Triton kernel with the same operands.
+- The CuTeDSL kernel with its fused top-K (``try_cute_select``: the module's ``FUSED_TOPK``; the selection written by
+  the kernel from its own float16 sums, so select_kv launches no top-K): tried first where select_kv hands pass 2 a
+  selection to fill (``topk.FusedRows``) and the CuTeDSL kernel is on, unless ``MC_SPARSE_PASS2_CUTE_TOPK=0`` or the
+  module refuses (``select_refusal``) or has no fused top-K; its failure is remembered apart (``CUTE_TOPK_KEY``), and
+  the call goes on to the CuTeDSL kernel without it (then the separate top-K), as any refusal does.
 
 - The Triton kernel runs everywhere the Gluon kernel refuses (``selection_sm90.refusal``: not sm_90, the interpreter,
   head dim, group width, operand layout), whenever the caller asks for something only the Triton kernel has (the
@@ -41,6 +46,8 @@ CUTE_KEY = ("cutedsl.pass2_sm90", "group_prob_sums")
 # off until an H200 round measures select_kv with it below the Triton default (tests/bench_select_race.py race 1)
 CUTE_DEFAULT = False
 _cute_failures = registry.FailureMemo(CUTE_KEY)
+CUTE_TOPK_KEY = ("cutedsl.pass2_sm90", "group_prob_sums+top_k")
+_cute_topk_failures = registry.FailureMemo(CUTE_TOPK_KEY)
 
 
 _cute_import_error: list[BaseException] = []  # the module's import error, once (not retried on every call)
@@ -84,6 +91,50 @@ def try_cute(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, requested=None, o
         return False
     return _launch(_cute_module, _cute_failures, "the CuTeDSL pass-2 kernel",
                    (q8, k8, qf, lse_s, kb2, perm, out), group_size)
+
+
+def cute_topk_mode() -> bool:
+    """Whether the CuTeDSL kernel's fused top-K is wanted where the kernel runs: ``MC_SPARSE_PASS2_CUTE_TOPK`` ("1" on,
+    "0" off; any other value is a ValueError), else on (the same selection as the separate top-K)."""
+    return _switch(None, "MC_SPARSE_PASS2_CUTE_TOPK", True)
+
+
+def cute_topk_fallback_reason() -> str | None:
+    """The fused top-K launch's failure this run (active record) or this process (no record), if any."""
+    return _cute_topk_failures.reason()
+
+
+def cute_select_refusal(q8, k8, group_size, out, sel, num_keys, *, requested=None, only_triton=None) -> str | None:
+    """Why the CuTeDSL kernel does not run this call with its fused top-K into ``sel`` (None: it does): the
+    kernel's own refusal (``cute_refusal``), the fused top-K switched off, failed earlier, absent from the module
+    (no ``FUSED_TOPK``), or refused by it (``select_refusal``)."""
+    why = cute_refusal(q8, k8, group_size, out, requested=requested, only_triton=only_triton)
+    if why is not None:
+        return why
+    if not cute_topk_mode():
+        return "fused top-K off (MC_SPARSE_PASS2_CUTE_TOPK=0)"
+    reason = cute_topk_fallback_reason()
+    if reason is not None:
+        return f"fused top-K failed earlier ({reason})"
+    mod = _cute_module()  # (imported: cute_refusal passed)
+    if not getattr(mod, "FUSED_TOPK", False):
+        return "this kernels/cutedsl/pass2_sm90.py has no fused top-K"
+    return mod.select_refusal(q8, k8, group_size, out, sel, num_keys)
+
+
+def try_cute_select(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, sel, num_keys, requested=None,
+                    only_triton=None) -> bool:
+    """Run the float8 pass 2 on the CuTeDSL kernel with its fused top-K if it may (``cute_select_refusal``): True when
+    it wrote the float16 sums into ``out`` and each row's ``num_keys`` largest of them into ``sel`` (int32 ``[B, H, G,
+    width]``, contiguous last dim: ascending indices, ties to the lower index, then -1); False when the caller must
+    run something else (refused, or failed: then remembered under ``CUTE_TOPK_KEY`` and logged). Raises: out of
+    memory."""
+    if cute_select_refusal(q8, k8, group_size, out, sel, num_keys, requested=requested,
+                           only_triton=only_triton) is not None:
+        return False
+    return _launch(_cute_module, _cute_topk_failures, "the CuTeDSL pass-2 kernel's fused top-K",
+                   (q8, k8, qf, lse_s, kb2, perm, out), group_size, then="it without the fused top-K",
+                   select=(sel, num_keys))
 
 
 def _gluon_module():
@@ -130,6 +181,7 @@ def reset() -> None:
     """Forget the process-level Gluon and CuTeDSL failures (tests; a new record starts clean itself)."""
     _failures.reset()
     _cute_failures.reset()
+    _cute_topk_failures.reset()
 
 
 def gluon_refusal(q8, k8, group_size, out, *, requested=None, only_triton=None) -> str | None:
@@ -204,16 +256,16 @@ def _module_refusal(load, q8, k8, group_size, out) -> str | None:
     return mod.refusal(q8, k8, group_size, out)
 
 
-def _launch(load, failures, label: str, args: tuple, group_size: int) -> bool:
-    """Run ``load().group_prob_sums_fp8(*args, group_size=)``: True when it wrote the sums; False after a failure
-    (remembered in ``failures``, logged once here), out of memory re-raised."""
+def _launch(load, failures, label: str, args: tuple, group_size: int, then: str = "the Triton kernel", **extra) -> bool:
+    """Run ``load().group_prob_sums_fp8(*args, group_size=, **extra)``: True when it wrote the sums; False after a
+    failure (remembered in ``failures``, logged once here with what runs ``then``), out of memory re-raised."""
     try:
-        load().group_prob_sums_fp8(*args, group_size=group_size)
+        load().group_prob_sums_fp8(*args, group_size=group_size, **extra)
         return True
     except Exception as err:  # noqa: BLE001 (any compile / launch failure: the Triton kernel answers)
         if registry.is_out_of_memory(err):
             raise
         reason = f"{type(err).__name__}: {str(err)[:500]}"
         failures.remember(reason)
-        log.warning("MC-Sparse: %s failed (%s); using the Triton kernel", label, reason)
+        log.warning("MC-Sparse: %s failed (%s); using %s", label, reason, then)
         return False

@@ -784,7 +784,9 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         unset (the caller runs ``topk.top_k_rows``). Needs float16 ``out``.
         cute: the float8 path on the CuTeDSL sm_90 kernel (``kernels/cutedsl/pass2_sm90.py``; the same sums up to the
         order of fp32 additions) where it runs, tried before the Gluon kernel; on its refusal or failure (remembered)
-        the Gluon / Triton kernel: ``pass2_dispatch``; None: its default. It never runs the fused top-K.
+        the Gluon / Triton kernel: ``pass2_dispatch``; None: its default. With ``select`` it is first tried with
+        its own fused top-K into ``select.out`` (``pass2_dispatch.try_cute_select``; then ``select.done`` and
+        ``select.complete`` are set), else without it (``select`` left unset: the caller's separate top-K).
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
@@ -851,6 +853,11 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2)
             tuned = one_group_asked or any(x is not None for x in (block_n, num_warps, num_stages))
             only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode, tuned=tuned)
+            if want_cute and select is not None and pass2_dispatch.try_cute_select(
+                    q, k, qf, lse, kb, perm, out, group_size=C, sel=select.out, num_keys=select.num_keys,
+                    requested=cute, only_triton=only_triton):
+                select.done = select.complete = True  # (every selection row written by the kernel)
+                return out
             if want_cute and pass2_dispatch.try_cute(q, k, qf, lse, kb, perm, out, group_size=C, requested=cute,
                                                      only_triton=only_triton):
                 return out
@@ -916,9 +923,10 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     histograms; same selection; None: ``_TOPK_COUNT_DEFAULT``); ``topk_z``: that top-K's
     bracket half-width in binomial sigmas and ``topk_stride`` its keys per sample (``topk.bracket_plan``; same
     selection; None: its defaults; the separate top-K takes the stride too); ``cute``: pass 2
-    on the CuTeDSL sm_90 kernel where it runs (``group_prob_sums``; None: ``pass2_dispatch.CUTE_DEFAULT``), then the
-    separate bracket top-K (``topk.top_k_rows``), its threshold among the candidates by counting when ``topk_count``
-    (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``).
+    on the CuTeDSL sm_90 kernel where it runs (``group_prob_sums``; None: ``pass2_dispatch.CUTE_DEFAULT``), with its
+    own fused top-K where the module has one and ``topk_fused`` is on (``pass2_dispatch.try_cute_select``), else then
+    the separate bracket top-K (``topk.top_k_rows``), its threshold among the candidates by counting when
+    ``topk_count`` (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.

@@ -644,7 +644,9 @@ class FusedRows:
     pass-2 kernel does not: then the caller runs ``top_k_rows``); rows_per_thread: 16-byte tile rows each thread
     holds per sweep step (a power of two; tuning: fewer, longer steps); cand_count: the threshold among the bracket's
     copies by counting bit by bit (``_cand_threshold_count``) instead of radix histograms (where the candidate slots
-    per row are a multiple of the epilogue's 16-byte tile, ``plan[4]``; else the histograms)."""
+    per row are a multiple of the epilogue's 16-byte tile, ``plan[4]``; else the histograms); complete: set with
+    ``done`` by a pass-2 kernel that wrote every row of ``out`` exactly (the CuTeDSL kernel's fused top-K,
+    ``pass2_dispatch.try_cute_select``): ``finish`` has nothing to do."""
     out: torch.Tensor
     num_keys: int
     width: int
@@ -654,6 +656,7 @@ class FusedRows:
     done: bool = False
     rows_per_thread: int = 1
     cand_count: int = 0
+    complete: bool = False
 
     @classmethod
     def allocate(cls, rows: int, sk: int, num_keys: int, width: int, device, *, z: float = _Z,
@@ -672,11 +675,13 @@ class FusedRows:
 
     def for_chunk(self, out: torch.Tensor) -> "FusedRows":
         """This plan (same scratch) for the head chunk's selection ``out`` ([B, h, G, width]), ``done`` cleared."""
-        return dataclasses.replace(self, out=out, done=False)
+        return dataclasses.replace(self, out=out, done=False, complete=False)
 
     def finish(self, sums: torch.Tensor) -> torch.Tensor:
         """After pass 2 ran the fused top-K on ``sums`` ([B, h, G, Sk] float16, contiguous rows): the radix method on
-        the flagged rows; returns ``out``."""
+        the flagged rows (none when ``complete``); returns ``out``."""
+        if self.complete:
+            return self.out
         B = sums.shape[0]
         sk = sums.shape[-1]
         src = sums.view(B, -1, sk)
