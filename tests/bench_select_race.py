@@ -5,32 +5,37 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 
 1. CHECKS on the GPU before any timing (lines with "CHECKS"; "CHECK FAILED" when one fails), on 2 heads at s = 0.25:
    first the CuTeDSL pass 2 (kernels/cutedsl/pass2_sm90.py; ``cute_checks``: its sums vs the Triton kernel's, every
-   entry written, select_kv(cute=True) == the brute-force top-K of its sums by both separate top-K thresholds; a
-   failure skips its rows and, where it is the default, turns it off for the run: the defaults row then measures the
-   Triton pass 2, reported); then select_kv at its defaults == the brute-force top-K (kernels/reference/topk.py) of
-   its own float16 sums; at 1.3B also the fused top-K with every row forced to the radix fallback (16 candidate
-   slots) == the brute force.
-2. RACE 2 (``--race2-first``: at 1.3B right after its checks, round s8r1 lost it to the time cap; else per shape
-   after both shapes' race 1, the scoreboard figures first; at 14B only with 20 s of ``--budget`` left): the parts on all heads at s = 0.25 in the same rounds as dense: the float8 operand
-   pass, select_kv at its defaults (the whole beside its parts), the one-group Triton pass-2 kernel alone and with
-   its fused top-K epilogue (``RACE2_TOPK``; on precomputed operands; sums checked against select_kv's, the fused
-   selection against the brute force of its sums); the separate top-K alone on those sums (``SEPARATE_TOPK``:
-   counting one / two bits per pass, the pre-session-8 sample plan); the CuTeDSL pass 2 alone (+
-   ``--cute-variants``, p2cute's launch variants), + the separate top-K (counting one / two bits),
-   select_kv(cute=True, topk_count=True) (``race2_cute``, each checked first); then the host time of one select_kv
-   call enqueued behind busy GPU work (defaults, cute count).
-3. RACE 1 per shape (tests/_timing.race: sustained back-to-back samples, shuffled order, median; TEAM.md item 7):
-   flash-attn-4 dense with LSE, select_kv defaults (on sm_90 with the Triton pass 2: the top-K fused into the
-   one-group pass-2 kernel, its threshold among the candidates by counting) and ``RACE1_ROWS`` ("s63": that top-K's
-   bracket from one sample per 63 keys, the plan before session 8 at 1.3B; "cute count": the CuTeDSL pass 2 + the
-   separate top-K counting one bit per pass; "triton" beside a
-   CuTeDSL default; ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 /
-   0.25 / 0.5: ratios / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes).
+   entry written, select_kv(cute=True, topk_fused=False) == the brute-force top-K of its sums by both separate top-K
+   thresholds; where the module has its fused top-K (``fused`` True, else the refusal reason): the kernel called
+   with ``select`` writes the same sums and the brute-force top-K of them (selection poisoned first), and
+   select_kv(cute=True) returns it; a failure skips its rows (a failing fused top-K alone: switched off for the run,
+   MC_SPARSE_PASS2_CUTE_TOPK=0) and, where it is the default, turns it off for the run: the defaults row then measures
+   the Triton pass 2, reported); then select_kv at its defaults == the brute-force top-K (kernels/reference/topk.py)
+   of its own float16 sums; at 1.3B also the Triton fused top-K with every row forced to the radix fallback (16
+   candidate slots) == the brute force.
+2. RACE 2 (``--race2-first``: at 1.3B right after its checks; else per shape after both shapes' race 1, the scoreboard
+   figures first; at 14B only with 20 s of ``--budget`` left): the parts on all heads at s = 0.25 in the same rounds
+   as dense: the float8 operand pass, select_kv at its defaults (the whole beside its parts), the one-group Triton
+   pass-2 kernel alone and with its fused top-K epilogue (``RACE2_TOPK``; on precomputed operands; sums checked
+   against select_kv's, the fused selection against the brute force of its sums); the separate top-K alone on those
+   sums (``SEPARATE_TOPK``: counting one / two bits per pass); the CuTeDSL pass 2 alone (+ ``--cute-variants``,
+   p2cute's launch variants), + the separate top-K (counting one / two bits), + its fused top-K, select_kv with the
+   ``RACE1_ROWS`` (``race2_cute``, each checked first); then the host time of one select_kv call enqueued behind busy
+   GPU work (defaults, cute).
+3. RACE 1 per shape (tests/_timing.race: sustained back-to-back samples led in by untimed calls, shuffled order,
+   median; TEAM.md items 7 and 11): flash-attn-4 dense with LSE, select_kv defaults and ``RACE1_ROWS`` ("cute": the
+   CuTeDSL pass 2 with its fused top-K where the module has one, else + the separate top-K counting one bit per pass;
+   "cute sep": the CuTeDSL pass 2 + the separate top-K, beside a fused one; "triton" beside a CuTeDSL default;
+   ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios
+   / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes). Each race also prints
+   ``from_idle``: each row's lead-in calls (the first of each sample, on a GPU just left by another row) / dense's.
    Their kernels compile first in child processes (``CHILD_ROWS``), waited for before the first timing.
+   ``--old-method``: after both race 1s, dense + defaults again without lead-in (``MC_SPARSE_RACE_LEAD_IN=0``, 3
+   rounds, "RACE 1 OLD METHOD"): the sessions 5-8 figure beside the new one (round s9r1).
    RACE 2b, last (a faulting kernel ends the process): issue 15's pass-2 kernel variants of tests/bench_pass2_exp.py
    (``--p2ws-variants``; each checked against that bench's reference kernel as there) with dense in their own race.
-   Round s8r1 (H200, main 83522ba): the rows "hist" (CuTeDSL + separate top-K by histograms) and "count2" (the fused
-   top-K counting two bits per pass) lost to the ones kept at every point and were removed.
+   Removed after measurement: rows "hist", "count2" (round s8r1), "s63" (the top-K bracket's pre-session-8 sample
+   plan, round s8final: the defaults better or equal at every point).
 
 Writes OUT/bench_select_race.json after each step and OUT/scoreboard.json (the key above, with command and commit).
 Usage (checkout root, H200): python tests/bench_select_race.py --out OUT [--shapes 1.3b,14b] [--commit HASH]
@@ -74,18 +79,26 @@ SMOKE = False
 ROUNDS = 3  # tests/_timing.race rounds of races 1 and 2 (--rounds)
 
 
-def race(fns, rounds=3, target_ms=20.0):
-    """tests/_timing.race (the method of record); under --smoke one call each, timed on the host."""
+def race(fns, rounds=3, target_ms=20.0, from_idle=None):
+    """tests/_timing.race (the method of record; ``from_idle`` filled with its lead-in calls' median ms); under --smoke
+    one call each, timed on the host (``from_idle``: the same figures)."""
     if not SMOKE:
         from _timing import race as _race
 
-        return _race(fns, rounds, target_ms)
+        return _race(fns, rounds, target_ms, from_idle=from_idle)
     out = {}
     for k, fn in fns.items():
         t = time.perf_counter()
         fn()
         out[k] = (time.perf_counter() - t) * 1000
+    if from_idle is not None:
+        from_idle.update(out)
     return out
+
+
+def idle_ratios(idle):
+    """{name: lead-in ms / dense's lead-in ms} of ``race``'s ``from_idle`` (empty without lead-in)."""
+    return {n: t / idle["dense"] for n, t in idle.items() if n != "dense"} if "dense" in idle else {}
 
 
 def dense_fn(q, k, v):
@@ -111,8 +124,6 @@ def checks(q, k, lse, perm, S, log, full=True):
     selection.group_prob_sums(*sub, group_size=C, out=sums16)
     want = ref_top_k_rows(sums16, kq, width)
     r = dict(default_exact=bool(torch.equal(sel, want)))
-    # race 1's row "s63": the top-K's bracket from one sample per 63 keys (the plan before session 8) == the defaults
-    r["s63_equal"] = bool(torch.equal(selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE, topk_stride=63), sel))
     if full:
         plan = topk.bracket_plan(S, kq, 2, cap=16)
         forced = topk.FusedRows(torch.full_like(sel, -7), kq, width, plan,
@@ -136,6 +147,12 @@ def checks(q, k, lse, perm, S, log, full=True):
 def cute_why(q8, k8, out):
     """Why the CuTeDSL pass 2 (kernels/cutedsl/pass2_sm90.py) cannot run here (None: it can)."""
     return pass2_dispatch.cute_refusal(q8, k8, C, out, requested=True)
+
+
+def fused_why(q8, k8, out, sel, kq):
+    """True where the CuTeDSL kernel runs its fused top-K on this call, else the reason it does not."""
+    why = pass2_dispatch.cute_select_refusal(q8, k8, C, out, sel, kq, requested=True)
+    return True if why is None else why
 
 
 def cute_checks(sub, kq, width, log):
@@ -172,11 +189,29 @@ def cute_checks(sub, kq, width, log):
         r["select_exact"] = bool(torch.equal(sel_h, want))
         r["select_count_exact"] = bool(torch.equal(sel_c, want))
         r["select_count2_exact"] = bool(torch.equal(sel_c2, want))
+        r["fused"] = fused_why(q8, k8, got, sel_c, kq)
+        names = ["all_written", "sums_close", "select_exact", "select_count_exact", "select_count2_exact"]
+        if r["fused"] is True:  # the kernel's fused top-K: its selection == the brute force of the sums it wrote
+            fsums = torch.full_like(sums16, float("nan"))
+            fsel = torch.full_like(sel_c, -7)
+            pass2_dispatch._cute_module().group_prob_sums_fp8(q8, k8, qf, lse_s, kb2, perm, fsums, group_size=C,
+                                                               select=(fsel, kq))
+            r["fused_all_written"] = not bool(fsums.isnan().any())
+            r["fused_sums_equal"] = bool(torch.equal(fsums, got))
+            r["fused_select_exact"] = bool(torch.equal(fsel, ref_top_k_rows(fsums, kq, width)))
+            sel_f = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True)
+            r["fused_select_kv_exact"] = bool(torch.equal(sel_f, fsel))
+            r["fused_no_fallback"] = pass2_dispatch.cute_topk_fallback_reason() is None
+            names += ["fused_all_written", "fused_select_exact", "fused_select_kv_exact", "fused_no_fallback"]
         r["no_fallback"] = pass2_dispatch.cute_fallback_reason() is None
         if not r["no_fallback"]:
             r["fallback"] = pass2_dispatch.cute_fallback_reason()
-        r["ok"] = all(r[n] for n in ("all_written", "sums_close", "select_exact", "select_count_exact",
-                                     "select_count2_exact", "no_fallback"))
+        r["ok"] = all(r[n] for n in names + ["no_fallback"])
+        if r["fused"] is True and not r["ok"] and all(r[n] for n in names[:5] + ["no_fallback"]):
+            r["fused"] = "its check failed"  # the kernel without it still timed (separate top-K)
+            r["ok"] = True
+            os.environ["MC_SPARSE_PASS2_CUTE_TOPK"] = "0"
+            log("CUTE FUSED TOP-K OFF for this run: its check failed")
     except Exception as err:  # noqa: BLE001 (a failing kernel is reported; the Triton rows still run)
         r.update(ok=False, error=f"{type(err).__name__}: {str(err)[:500]}")
         traceback.print_exc()
@@ -188,10 +223,10 @@ def cute_checks(sub, kq, width, log):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"s63": dict(topk_stride=63), "cute count": dict(cute=True, topk_count=True)}
+RACE1_ROWS = {"cute": dict(cute=True, topk_count=True), "cute sep": dict(cute=True, topk_fused=False, topk_count=True)}
 
 
-def race1(name, q, k, v, lse, perm, log, rows):
+def race1(name, q, k, v, lse, perm, log, rows, rounds=None, tag=""):
     """Dense, select_kv defaults and the ``rows`` variants at every density, in the same rounds (docstring, item 2)."""
     S = q.shape[2]
     dname, dense = dense_fn(q, k, v)
@@ -201,13 +236,33 @@ def race1(name, q, k, v, lse, perm, log, rows):
         for row, kw in {"defaults": {}, **rows}.items():
             fns[f"{row} s={s}"] = (lambda kk, kw: lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C,
                                                                               kv_tile=KV_TILE, **kw))(kk, kw)
-    ms = race(fns, rounds=ROUNDS, target_ms=20.0)
+    idle = {}
+    ms = race(fns, rounds=rounds or ROUNDS, target_ms=20.0, from_idle=idle)
     r = dict(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
-             over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
-    log(f"{name} RACE 1 (dense {dname} {ms['dense']:.3f} ms): " + " | ".join(
+             over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"}, from_idle_ms=idle,
+             from_idle_over_dense=idle_ratios(idle))
+    log(f"{name} RACE 1{tag} (dense {dname} {ms['dense']:.3f} ms): " + " | ".join(
         f"s={s}: " + ", ".join(f"{row} {r['over_dense'][f'{row} s={s}']:.4f}" for row in ("defaults", *rows))
         for s in DENSITIES))
+    if idle:
+        log(f"{name} RACE 1{tag} from_idle (each sample's lead-in calls / dense's, dense {idle['dense']:.3f} ms): "
+            + " | ".join(f"s={s}: " + ", ".join(f"{row} {r['from_idle_over_dense'][f'{row} s={s}']:.4f}"
+                                                  for row in ("defaults", *rows)) for s in DENSITIES))
     return r
+
+
+def race1_old(name, q, k, v, lse, perm, log):
+    """Race 1's dense + defaults rows timed the sessions 5-8 way (``MC_SPARSE_RACE_LEAD_IN=0``: no lead-in calls),
+    3 rounds: the figure beside the new method's for the closing note (``--old-method``, round 1 only)."""
+    prev = os.environ.get("MC_SPARSE_RACE_LEAD_IN")
+    os.environ["MC_SPARSE_RACE_LEAD_IN"] = "0"
+    try:
+        return race1(name, q, k, v, lse, perm, log, {}, rounds=3, tag=" OLD METHOD (no lead-in)")
+    finally:
+        if prev is None:
+            os.environ.pop("MC_SPARSE_RACE_LEAD_IN")
+        else:
+            os.environ["MC_SPARSE_RACE_LEAD_IN"] = prev
 
 
 def launch_pair(ops, perm, out, *, one_group=False, select=None):
@@ -250,15 +305,14 @@ def host_ms(fn, busy, n=5):
 # race 2's fused top-K variants: (tag, one group per program, tile rows per thread, bracket z, cand_count, keys per
 # sample: 63 = the plan before session 8 at 1.3B, half the samples of today's default); the first
 # always, the others while the budget lasts (z4 / x2 / two groups: measured in rounds s7r1-s7r3, not better: dropped)
-RACE2_TOPK = (("1grp", True, 1, topk._Z, True, None), ("1grp s63", True, 1, topk._Z, True, 63))
+RACE2_TOPK = (("1grp", True, 1, topk._Z, True, None),)
 
 
 # race 2's separate top-K variants (``topk.top_k_rows`` keyword arguments), timed alone on the Triton kernel's sums
 # (what follows the CuTeDSL pass 2): histograms (today's separate default), counting one / two bits per pass, and with
 # two bits: 4 warps per row, twice the samples (one per 32 keys: a bracket ~0.7x as wide), two 16-byte tile rows per
 # thread per sweep step (block 1024: twice the bytes in flight); each checked against the brute force
-SEPARATE_TOPK = (("count", dict(cand_count=1)), ("count2", dict(cand_count=2)),
-                 ("count s63", dict(cand_count=1, sample_stride=63)))
+SEPARATE_TOPK = (("count", dict(cand_count=1)), ("count2", dict(cand_count=2)))
 
 
 def race2_topk(fns, sums, kq, width, res):
@@ -304,11 +358,23 @@ def race2_cute(fns, ops, perm, out16, sums, kq, width, res, sel):
         topk.top_k_rows(got, kq, width, out=sel, cand_count=cc)
         if not torch.equal(sel[:, :hc], want):
             raise AssertionError(f"the separate top-K ({tag}) differs from the brute-force top-K of the cute sums")
-    del got, want
+    del want
     fns["pass-2 cute alone"] = lambda: run(out16)
     for tag, cc in (("count", 1), ("count2", 2)):
         fns[f"cute + top-K {tag}"] = (lambda cc: lambda: topk.top_k_rows(run(out16), kq, width, out=sel,
                                                                           cand_count=cc))(cc)
+    fused = fused_why(q8, k8, out16, sel, kq)
+    res["cute fused"] = fused
+    if fused is True:  # the kernel with its own top-K (checked: == the brute force of the sums it wrote)
+        fsums = torch.full_like(out16, float("nan"))
+        sel.fill_(-7)
+        mod.group_prob_sums_fp8(q8, k8, qf, lse_s, kb2, perm, fsums, group_size=C, select=(sel, kq))
+        if not (torch.equal(fsums, got) and torch.equal(sel[:, :hc], ref_top_k_rows(fsums[:, :hc], kq, width))):
+            raise AssertionError("the fused top-K's sums or selection differ (sums / brute force)")
+        fns["pass-2 cute + fused top-K"] = lambda: mod.group_prob_sums_fp8(q8, k8, qf, lse_s, kb2, perm, out16,
+                                                                           group_size=C, select=(sel, kq))
+        del fsums
+    del got
 
 
 def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=()):
@@ -327,7 +393,7 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
     fns["select_kv defaults"] = lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE)
     plains = {}
     for tag, one, rpt, z, cc, stride in RACE2_TOPK:
-        if tag not in ("1grp", "1grp s63") and time.time() - t0 > budget - reserve:
+        if tag != "1grp" and time.time() - t0 > budget - reserve:
             break  # (reserve: seconds kept for race 2b)
         try:
             if one not in plains:  # the kernel without the top-K epilogue
@@ -356,8 +422,10 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
     sel = race2_topk(fns, sums, kq, width, res)
     try:
         race2_cute(fns, ops, perm, out16, sums, kq, width, res, sel)
-        fns["select_kv cute count"] = lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE,
-                                                                  cute=True, topk_count=True)
+        for row, kw in RACE1_ROWS.items():
+            if row != "cute sep" or res.get("cute fused") is True:
+                fns[f"select_kv {row}"] = (lambda kw: lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C,
+                                                                                  kv_tile=KV_TILE, **kw))(kw)
     except Exception as err:  # noqa: BLE001
         res["errors"]["cute"] = f"{type(err).__name__}: {str(err)[:300]}"
     if cute_variants and "pass-2 cute alone" in fns:  # p2cute's launch variants (tests/bench_cutedsl_pass2.py)
@@ -368,18 +436,22 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
             fns.update({f"pass-2 {n} alone": fn for n, fn in vfns.items()})
         except Exception as err:  # noqa: BLE001
             res["errors"]["cute variants"] = f"{type(err).__name__}: {str(err)[:300]}"
-    ms = race(fns, rounds=ROUNDS, target_ms=20.0)
+    idle = {}
+    ms = race(fns, rounds=ROUNDS, target_ms=20.0, from_idle=idle)
     res.update(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
-               over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"})
+               over_dense={n: t / ms["dense"] for n, t in ms.items() if n != "dense"}, from_idle_ms=idle,
+               from_idle_over_dense=idle_ratios(idle))
     res["host_ms defaults"] = host_ms(
         lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE), dense)
-    if "select_kv cute count" in fns:
-        res["host_ms cute count"] = host_ms(lambda: selection.select_kv(
-            q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True, topk_count=True), dense)
+    if "select_kv cute" in fns:
+        res["host_ms cute"] = host_ms(fns["select_kv cute"], dense)
     log(f"{name} RACE 2 (dense {dname} {ms['dense']:.3f} ms, all heads, s = 0.25): " + " | ".join(
         f"{n} {v:.4f}" for n, v in res["over_dense"].items()) + " | " + " | ".join(
         f"{n} {v:.3f}" for n, v in res.items() if n.startswith(("host", "fallback", "sums", "cute sums")))
         + (f" | errors {res['errors']}" if res["errors"] else ""))
+    if idle:
+        log(f"{name} RACE 2 from_idle (lead-in calls / dense's, dense {idle['dense']:.3f} ms): " + " | ".join(
+            f"{n} {v:.4f}" for n, v in res["from_idle_over_dense"].items()))
     return res
 
 
@@ -427,7 +499,7 @@ def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_
 # select_kv compiles for race 1 in child processes started with the bench (one per group of rows and shape, on 2
 # heads of the shape: the same specialisations), so the main process loads them from Triton's disk cache instead of
 # compiling one after another (~4 s each; round s6r2 lost its 14B race to the cap); "race2": race 2's kernels
-CHILD_ROWS = (("defaults", "s63"), ("cute count",))
+CHILD_ROWS = (("defaults",), ("cute", "cute sep"))
 
 
 def spawn_children(shapes, out_dir, with_race2, cute_variants=()):
@@ -567,6 +639,8 @@ def main():
     ap.add_argument("--p2ws-gluon-row", action="store_true", help="race 1 also times select_kv(gluon=True) (the Gluon "
                     "pass 2 at its default config + the separate top-K) if that config passed its child check")
     ap.add_argument("--race1-only", action="store_true", help="checks and race 1 only (no race 2 / 2b)")
+    ap.add_argument("--old-method", action="store_true", help="after both race 1s, dense + defaults again timed "
+                    "without lead-in (MC_SPARSE_RACE_LEAD_IN=0, 3 rounds): the sessions 5-8 figure beside the new one")
     ap.add_argument("--race2-first", action="store_true", help="race 2 at 1.3B before its race 1 (else after both "
                     "shapes' race 1: the scoreboard figures first)")
     ap.add_argument("--cute-variants", default="", help="comma-separated CuTeDSL pass-2 launch variants "
@@ -595,10 +669,17 @@ def main():
         patch_interpreter()
         # a stand-in for the CuTeDSL kernel (no CUDA here): the Triton one-group kernel on the same operands, so
         # the smoke runs the cute rows' code (checks, race rows) too
+        def stand_in_sums(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, select=None):
+            launch_pair((q8, k8, qf, lse_s, kb2), perm, out, one_group=True)
+            if select is not None:  # (its fused top-K: the brute force of those sums)
+                select[0].copy_(ref_top_k_rows(out, select[1], select[0].shape[-1]))
+            return out
+
         stand_in = type("CuteStandIn", (), dict(
+            FUSED_TOPK=os.environ.get("SMOKE_CUTE_FUSED", "1") == "1",
             refusal=staticmethod(lambda q8, k8, group_size, out: None),
-            group_prob_sums_fp8=staticmethod(lambda q8, k8, qf, lse_s, kb2, perm, out, *, group_size: launch_pair(
-                (q8, k8, qf, lse_s, kb2), perm, out, one_group=True))))
+            select_refusal=staticmethod(lambda q8, k8, group_size, out, sel, num_keys: None),
+            group_prob_sums_fp8=staticmethod(stand_in_sums)))
         pass2_dispatch._cute_module = lambda: stand_in
     shapes = ["smoke"] if SMOKE else args.shapes.split(",")
     out_dir = Path(args.out)
@@ -647,10 +728,9 @@ def main():
                     children = {}
                 if name in ("1.3b", "smoke") and args.race2_first and not args.race1_only:  # (round s8r1 lost them)
                     run_race2(report, name, (q, k, v, lse, perm), args, t0, log, variants, cute_variants, save)
-                rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed)
-                        if (res["checks"]["cute"]["ok"] if n.startswith("cute") else res["checks"]["s63_equal"])}
-                if name == "14b":  # (its plan samples one key per 74 either way: "s63" is the defaults there)
-                    rows.pop("s63", None)
+                cute_ok = res["checks"]["cute"]
+                rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed; "cute sep" only
+                        if cute_ok["ok"] and (n != "cute sep" or cute_ok.get("fused") is True)}  # beside a fused top-K)
                 if pass2_dispatch.cute_mode():  # the CuTeDSL pass 2 is the default: the Triton one beside it
                     rows["triton"] = dict(cute=False)
                 res["race1"] = race1(name, q, k, v, lse, perm, log,
@@ -663,6 +743,12 @@ def main():
             traceback.print_exc()
     if not args.race2_only:
         write_scoreboard(report, out_dir, command)
+    for name, inputs in (kept.items() if args.old_method and not args.race2_only else ()):
+        try:
+            report["shapes"][name]["race1_old_method"] = race1_old(name, *inputs, log)
+        except Exception as err:  # noqa: BLE001
+            log(f"{name} old-method race FAILED: {type(err).__name__}: {str(err)[:300]}")
+        save()
     for name, inputs in ({} if args.race2_only or args.race1_only else kept).items():
         if name in ("1.3b", "smoke") and args.race2_first:
             continue  # (run before its race 1)

@@ -16,7 +16,8 @@
 # "$P2WS_TEST"; hard cap $T_TEST s, default 25). The two caps together stay within the round's cap.
 # $CUTE_VARIANTS: p2cute's CuTeDSL pass-2 launch variants (tests/bench_cutedsl_pass2.py syntax, comma-separated),
 # compiled in child processes at the start, checked and raced alone in race 2 at 1.3B. RACE2_FIRST=1: race 2 at 1.3B
-# before the race 1s (else after them: the scoreboard figures first). RACE1_ONLY=1:
+# before the race 1s (else after them: the scoreboard figures first). OLD_METHOD=1: after both race 1s, dense + the
+# defaults row again without the race's lead-in calls (MC_SPARSE_RACE_LEAD_IN=0, 3 rounds). RACE1_ONLY=1:
 # checks and race 1 only (e.g. one shape: RACE1_ONLY=1 T_BENCH=60 bash tests/gpu_round_select.sh $OUT <commit> 14b).
 set -u
 OUT=${1:?usage: gpu_round_select.sh OUT_DIR [commit] [shapes]}
@@ -48,8 +49,8 @@ timeout "$T_BENCH" python3 tests/bench_select_race.py --out "$OUT" --shapes "$SH
     --p2ws-variants "$P2WS_VARIANTS" ${P2WS_GLUON_ROW:+--p2ws-gluon-row} ${RACE1_ONLY:+--race1-only} \
     ${ROUNDS:+--rounds "$ROUNDS"} \
     --cute-variants "${CUTE_VARIANTS:-}" \
-    ${RACE2_FIRST:+--race2-first} \
+    ${RACE2_FIRST:+--race2-first} ${OLD_METHOD:+--old-method} \
     --budget $((T_BENCH - 10)) \
     > "$OUT/bench.log" 2>&1
 echo "bench: rc=$?"
-grep -E "CHECK|RACE|FAILED|Error|skipped|children|done" "$OUT/bench.log" | tail -30
+grep -E "CHECK|RACE|FAILED|Error|skipped|children|done|OFF" "$OUT/bench.log" | tail -30
