@@ -99,23 +99,24 @@ OP_ROWS = ("again", "residual", "counts + kernel", "options")  # the op's extra 
 OP_OTHER_OPTIONS = "persistent,overlap"  # the default before round s7r2
 
 
-def with_options(raw, fn):
-    """fn run with $MC_SPARSE_CUTEDSL_OPTIONS = raw (restored after)."""
+def with_options(raw, fn, env="MC_SPARSE_CUTEDSL_OPTIONS"):
+    """fn run with $env (the staged epilogue's options; MC_SPARSE_CUTEDSL_RES_OPTIONS: the register epilogue's) = raw
+    (restored after)."""
     def run():
-        old = os.environ.get("MC_SPARSE_CUTEDSL_OPTIONS")
-        os.environ["MC_SPARSE_CUTEDSL_OPTIONS"] = raw
+        old = os.environ.get(env)
+        os.environ[env] = raw
         try:
             return fn()
         finally:
             if old is None:
-                del os.environ["MC_SPARSE_CUTEDSL_OPTIONS"]
+                del os.environ[env]
             else:
-                os.environ["MC_SPARSE_CUTEDSL_OPTIONS"] = old
+                os.environ[env] = old
     return run
 
 
 def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP_ROWS,
-              other_options=(OP_OTHER_OPTIONS,)):
+              other_options=(OP_OTHER_OPTIONS,), res_options=()):
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (native(gen, B, S, H, D) for _ in range(3))
@@ -168,6 +169,19 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
                 got = op_pf()
             tag = f"cutedsl op ({raw})"
             r_err[tag] = (err(got), int(out.isnan().sum()))
+            if rec.choices["sparse_attention"].backend != "cutedsl" or r_err[tag][0] > 1e-2 or r_err[tag][1]:
+                log(f"{name} s={s}: {tag} WRONG or fell back ({r_err[tag]}, {rec.failures}): not timed")
+            else:
+                fns[tag] = op_pf
+        for raw in res_options:  # the op with the plain residual (register epilogue) under other options, checked
+            op_pf = with_options(raw, lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res,
+                                                                       backend="cutedsl"),
+                                 "MC_SPARSE_CUTEDSL_RES_OPTIONS")
+            out.fill_(float("nan"))
+            with registry.recording(registry.Record()) as rec:
+                got = op_pf()
+            tag = f"cutedsl op + plain residual ({raw})"
+            r_err[tag] = (err(got, res.data), int(out.isnan().sum()))
             if rec.choices["sparse_attention"].backend != "cutedsl" or r_err[tag][0] > 1e-2 or r_err[tag][1]:
                 log(f"{name} s={s}: {tag} WRONG or fell back ({r_err[tag]}, {rec.failures}): not timed")
             else:
@@ -288,6 +302,9 @@ def main():
     ap.add_argument("--op-rows", default=",".join(OP_ROWS), help="the op's extra rows: " + ", ".join(OP_ROWS))
     ap.add_argument("--op-options", default=OP_OTHER_OPTIONS,
                     help='";"-separated staged-epilogue option sets of the "options" op rows')
+    ap.add_argument("--res-options", default="",
+                    help='";"-separated register-epilogue option sets: the op with the plain residual under each '
+                         '($MC_SPARSE_CUTEDSL_RES_OPTIONS), beside the "residual" op row')
     ap.add_argument("--commit", default=os.environ.get("MC_SPARSE_COMMIT", "unknown"))
     ap.add_argument("--scoreboard", default=str(ROOT / "docs/results/scoreboard.json"))
     args = ap.parse_args()
@@ -304,7 +321,8 @@ def main():
         report["shapes"][name] = run_shape(name, SHAPES[name], [float(x) for x in args.densities.split(",")],
                                            args.rounds, args.target_ms, [x for x in args.variants.split(",") if x], log,
                                            [x for x in args.op_rows.split(",") if x],
-                                           [x for x in args.op_options.split(";") if x])
+                                           [x for x in args.op_options.split(";") if x],
+                                           [x for x in args.res_options.split(";") if x])
     effs = {(n, s): r["efficiency"]["cutedsl op"] for n, sh in report["shapes"].items()
             for s, r in sh["densities"].items()}
     worst = min(effs, key=effs.get)

@@ -568,9 +568,14 @@ def test_launch_plan(monkeypatch, options, reg_options, epilogue, want):
 ])
 def test_options_from_the_environment(monkeypatch, raw, want):
     """$MC_SPARSE_CUTEDSL_OPTIONS replaces STAGED_OPTIONS for the staged epilogue only (the register epilogue keeps
-    REGISTERS_OPTIONS); "none" means none."""
+    REGISTERS_OPTIONS), $MC_SPARSE_CUTEDSL_RES_OPTIONS REGISTERS_OPTIONS only; "none" means none."""
     monkeypatch.setattr(rules, "STAGED_OPTIONS", ("persistent",))
     monkeypatch.setattr(rules, "REGISTERS_OPTIONS", ("persistent", "y"))
     monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", raw)
     assert rules.launch_plan("smem", 3000, 132) == want
     assert rules.launch_plan("registers", 3000, 132) == (("persistent", "y"), 132)
+    # and $MC_SPARSE_CUTEDSL_RES_OPTIONS the register epilogue's only
+    monkeypatch.delenv("MC_SPARSE_CUTEDSL_OPTIONS")
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_RES_OPTIONS", raw)
+    assert rules.launch_plan("registers", 3000, 132) == want
+    assert rules.launch_plan("smem", 3000, 132) == (("persistent",), 132)

@@ -93,13 +93,33 @@ def test_cutedsl_vs_float64(dtype, D, S, K, ragged, kv_tile):
     print(f"cutedsl {dtype} D={D} S={S} K={K} ragged={ragged}: rel err {err:.2e}")
 
 
+# session 9's candidate for the register epilogue (calls with a residual): the staged default's pdl + v3 and the
+# next item's queries / count / index ahead
+RES_CAND = "persistent,overlap,pdl,v3,q_ahead,cnt_ahead,idx_ahead"
+
+
 @pytest.mark.parametrize("kind", ["plain", "plain-fp16", "plain-fp32", "fp8_row", "int4_row", "int4_group"])
 def test_cutedsl_residual_epilogue(kind):
     """O = sparse + R for every residual form, B = 2, S not a multiple of 128, ragged counts, LSE; the out view's rows
     are padded (a [B, S, H*D + 8] buffer): the padding stays NaN, every element of the view is written. R is as large
     as O, so a residual read from the wrong row or dequantised wrong fails the tolerance."""
+    _residual_case(kind)
+
+
+@pytest.mark.parametrize("kind", ["plain", "int4_group"])
+def test_cutedsl_residual_candidate(monkeypatch, kind):
+    """``test_cutedsl_residual_epilogue`` with the register epilogue's candidate options (``RES_CAND`` through
+    $MC_SPARSE_CUTEDSL_RES_OPTIONS): 68 groups (fewer than the SMs: one per CTA), then 544 groups (4-5 per CTA on
+    132 SMs: the walk crosses groups of 1-5 key tiles, the next group's queries / count / index read ahead where a
+    group has 5)."""
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_RES_OPTIONS", RES_CAND)
+    _residual_case(kind)
+    _residual_case(kind, H=16)
+
+
+def _residual_case(kind, H=2):
     gen = torch.Generator(device="cuda").manual_seed(5)
-    B, H, S, D, C, K = 2, 2, 2050, 128, 128, 640
+    B, S, D, C, K = 2, 2050, 128, 128, 640
     q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))
     perm, idx = _inputs(gen, B, H, S, C, K, K, True)
     r = torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05
@@ -257,32 +277,36 @@ def test_cutedsl_split_tail(monkeypatch, B, H, S, K, ragged, lse, options):
     print(f"cutedsl split_tail {B * H * idx.shape[2]} groups on {sms} SMs, {parts} parts: rel err {err:.2e}")
 
 
-@pytest.mark.parametrize("options", [CAND, AHEAD], ids=["pdl-v3", "pdl-v3-ahead"])
-def test_cutedsl_pdl_chain(monkeypatch, options):
+@pytest.mark.parametrize(("options", "with_res"), [(CAND, False), (AHEAD, False), (RES_CAND, True)],
+                         ids=["pdl-v3", "pdl-v3-ahead", "res-pdl-v3-ahead"])
+def test_cutedsl_pdl_chain(monkeypatch, options, with_res):
     """"pdl" (with "v3"; the op's three launches as programmatic dependent launches, each waiting for the kernel before it):
     three op calls queued with no host synchronisation, each reading what the launch just before it wrote: k made
     by a torch kernel, then the selection cut by a torch kernel, then the first call's output (its kernel's rows and
     the tail merge's rows) as the third call's queries, read in place right after the second call's merge; 138 groups (the last round split and merged), ragged counts,
     the LSE; each output against float64 on the inputs it was given. A kernel reading before its predecessor ended
-    would read stale or NaN inputs."""
-    monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", options)
+    would read stale or NaN inputs. ``with_res``: each call with a plain bf16 residual (the register epilogue, its
+    options ``options`` through $MC_SPARSE_CUTEDSL_RES_OPTIONS; no tail merge)."""
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_RES_OPTIONS" if with_res else "MC_SPARSE_CUTEDSL_OPTIONS", options)
     gen = torch.Generator(device="cuda").manual_seed(83)
     B, H, S, C, D, K = 2, 3, 2900, 128, 128, 700
     q, k, v = (_native(gen, B, S, H, D, torch.bfloat16) for _ in range(3))
     perm, idx = _inputs(gen, B, H, S, C, K, 768, True)
+    res = kernels.Residual((torch.randn(B, H, S, D, generator=gen, device="cuda") * 0.05).to(torch.bfloat16)) \
+        if with_res else None
     bases = [torch.full((B, S, H * D), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(3)]
     outs = [b.view(B, S, H, D).transpose(1, 2) for b in bases]
     k8 = k * 8  # the third call's keys: scores of O-sized queries still far from uniform
     torch.cuda.synchronize()
     k2 = (k.float() * 0.5 + 0.25).to(torch.bfloat16)  # a torch kernel right before the op's first launch
-    o1, l1 = _cutedsl(q, k2, v, perm, idx, out=outs[0], return_lse=True)
+    o1, l1 = _cutedsl(q, k2, v, perm, idx, out=outs[0], return_lse=True, residual=res)
     idx2 = torch.where(torch.arange(idx.shape[-1], device="cuda") < 300, idx, -1).to(torch.int32)
-    o2, l2 = _cutedsl(q, k2, v, perm, idx2, out=outs[1], return_lse=True)
-    o3, l3 = _cutedsl(o1, k8, v, perm, idx, out=outs[2], return_lse=True)
+    o2, l2 = _cutedsl(q, k2, v, perm, idx2, out=outs[1], return_lse=True, residual=res)
+    o3, l3 = _cutedsl(o1, k8, v, perm, idx, out=outs[2], return_lse=True, residual=res)
     torch.cuda.synchronize()
     assert not any(b.isnan().any() for b in bases)
     for got, lse, qq, kk, ii in ((o1, l1, q, k2, idx), (o2, l2, q, k2, idx2), (o3, l3, o1, k8, idx)):
-        err = _check(got, lse, qq, kk, v, perm, ii)
+        err = _check(got, lse, qq, kk, v, perm, ii, res)
         print(f"cutedsl pdl chain: rel err {err:.2e}")
 
 

@@ -124,7 +124,7 @@ def launch_plan(epilogue: str, groups: int, sms: int) -> tuple[tuple, int]:
     """(compile options, CTA count) of a call whose kernel runs ``epilogue`` over ``groups`` query groups on a device
     of ``sms`` SMs: the staged epilogue takes ``STAGED_OPTIONS``, the register epilogue ``REGISTERS_OPTIONS``; with
     "persistent" among them a grid of min(sms, groups) CTAs walks the groups, otherwise one CTA per group."""
-    options = staged_options() if epilogue == "smem" else tuple(REGISTERS_OPTIONS)
+    options = staged_options() if epilogue == "smem" else registers_options()
     return options, min(sms, groups) if "persistent" in options else groups
 
 
@@ -144,7 +144,17 @@ def staged_options() -> tuple:
     """The staged-epilogue kernel's compile options: ``STAGED_OPTIONS``, or ``$MC_SPARSE_CUTEDSL_OPTIONS`` (comma-
     separated ``sparse_fwd_sm90.OPTIONS``, e.g. "persistent"; "none" for none) to time or try
     another set. An unknown name fails the call's compile with a ValueError (the op's fallback, with the reason)."""
-    raw = os.environ.get("MC_SPARSE_CUTEDSL_OPTIONS")
+    return _options("MC_SPARSE_CUTEDSL_OPTIONS", STAGED_OPTIONS)
+
+
+def registers_options() -> tuple:
+    """The register-epilogue kernel's compile options (calls with a residual): ``REGISTERS_OPTIONS``, or
+    ``$MC_SPARSE_CUTEDSL_RES_OPTIONS`` (as ``staged_options``)."""
+    return _options("MC_SPARSE_CUTEDSL_RES_OPTIONS", REGISTERS_OPTIONS)
+
+
+def _options(env: str, default: tuple) -> tuple:
+    raw = os.environ.get(env)
     if raw is None:
-        return tuple(STAGED_OPTIONS)
+        return tuple(default)
     return tuple(o for o in (x.strip() for x in raw.split(",")) if o and o != "none")
