@@ -39,29 +39,36 @@ if [ "$MODE" = diag ]; then  # <= 70 s: round s7r3 (inside the final call): no n
     grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -50
     exit 0
 fi
-if [ "$MODE" = s9r1 ]; then  # <= 100 s (cold machine: compiles counted): session 9 round 1, no new schedule
-    # (the auto mode unchanged since s8r2: no GPU checks of a new kernel needed; bench_kernels checks every timed row
-    # against the float32 reference before its race). 1. the method of record since main 5142875 (each race sample
-    # led in by untimed calls; from_idle printed beside each ratio): the op (= scoreboard figure) beside q_regs
-    # called directly, both shapes, 4 densities; 2. the same op by the sessions 5-8 method (MC_SPARSE_RACE_LEAD_IN=0,
-    # 3 rounds at both shapes, the op only) into $OUT/old/, its scoreboard there too (not the round's figure)
+if [ "$MODE" = s9r1 ]; then  # <= 100 s + <= 25 s (cold machine: compiles counted): session 9 round 1
     T0=$(date +%s)
-    timeout 70 python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget 67 \
-        --gluon-configs "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs" \
-        ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
-    echo "bench (lead-in): rc=$? ($(( $(date +%s) - T0 )) s, cap 70 s)"
-    grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -40
+    # 1. skip_rescale (each warp skips its accumulator multiplies when no row's max moved; inline PTX) against
+    #    float64: scores growing along the selections (rescales mid-row), and the auto-candidate form with the tail
+    #    launch (int4_group, a split last round); ~3 Gluon + 1 merge compiles; os._exit: pytest's exit has hung before
+    timeout 35 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
+        -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py -k "skip_rescale and (ramp or tail)" \
+        > "$OUT/gluon_gpu_tests.log" 2>&1
+    echo "gluon gpu tests: rc=$? ($(( $(date +%s) - T0 )) s, cap 35 s)"
+    grep -E "rel_l2|passed|failed|error|Error|^PASSED|^FAILED|SKIP OK" "$OUT/gluon_gpu_tests.log" | tail -12
+    P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs"
+    NAMES="$P"
+    if grep -q "SKIP OK skip_rescale_vs_float64\[ramp\]" "$OUT/gluon_gpu_tests.log"; then NAMES="$P,$P skip_rescale"; fi
+    echo "raced: the op (auto, unchanged since s8), $NAMES"
+    # 2. the method of record since main 5142875 (each race sample led in by untimed calls; from_idle printed beside
+    #    each ratio): the op (= scoreboard figure) beside q_regs and q_regs + skip_rescale called directly, both
+    #    shapes, 4 densities (every row checked against the float32 reference inside the bench before its race)
     LEFT=$(( 100 - ($(date +%s) - T0) ))
-    if [ "$LEFT" -gt 15 ]; then
-        mkdir -p "$OUT/old"
-        MC_SPARSE_RACE_LEAD_IN=0 timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/old/bench_reuse.json" \
-            --reuse --gluon --reps 3 --reps-14b 3 --gluon-configs none --scoreboard "$OUT/old/board.json" \
-            ${COMMIT:+--commit "$COMMIT"} > "$OUT/old/bench.log" 2>&1
-        echo "bench (no lead-in, sessions 5-8 method): rc=$? (cap $LEFT s)"
-        grep -E "efficiency [0-9]|scoreboard triton" "$OUT/old/bench.log" | tail -12
-    else
-        echo "bench (no lead-in): skipped, $LEFT s left"
-    fi
+    timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \
+        --gluon-configs "$NAMES" ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
+    echo "bench (lead-in): rc=$? ($(( $(date +%s) - T0 )) s in all, cap $LEFT s)"
+    grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -40
+    # 3. the same op by the sessions 5-8 method (MC_SPARSE_RACE_LEAD_IN=0, 3 rounds, the op only) into $OUT/old/ (its
+    #    own scoreboard.json there, not the round's figure); <= 25 s
+    mkdir -p "$OUT/old"
+    MC_SPARSE_RACE_LEAD_IN=0 timeout 25 python3 tests/bench_kernels.py --out "$OUT/old/bench_reuse.json" \
+        --reuse --gluon --reps 3 --reps-14b 3 --gluon-configs none --scoreboard "$OUT/old/board.json" \
+        ${COMMIT:+--commit "$COMMIT"} > "$OUT/old/bench.log" 2>&1
+    echo "bench (no lead-in, sessions 5-8 method): rc=$? (cap 25 s)"
+    grep -E "efficiency [0-9]|scoreboard triton" "$OUT/old/bench.log" | tail -12
     exit 0
 fi
 if [ "$MODE" = r2 ]; then  # <= 97 s in all (cold machine: compiles counted): round s8r2

@@ -37,9 +37,13 @@ def _native(gen, B, S, H, D, dtype):
     return base.view(B, S, H, D).transpose(1, 2)
 
 
-def _check(B, H, S, D, C, K, k_alloc, kind, dtype, seed, ragged_counts=False, **tuning):
+def _check(B, H, S, D, C, K, k_alloc, kind, dtype, seed, ragged_counts=False, k_ramp=0.0, **tuning):
+    """k_ramp: key row j scaled by 1 + k_ramp * j / S (the sorted selections' later tiles score higher, so the
+    running max of a row moves many times along it: the lazy rescale runs mid-row)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (_native(gen, B, S, H, D, dtype) for _ in range(3))
+    if k_ramp:
+        k = (k.float() * (1 + k_ramp * torch.arange(S, device="cuda") / S)[:, None]).to(dtype)
     perm, idx = _inputs(gen, B, H, S, C, K, k_alloc)
     if ragged_counts:  # each group keeps its own count in [1, K]: the valid-count search on every row
         counts = torch.randint(1, K + 1, idx.shape[:3], generator=gen, device="cuda")
@@ -228,6 +232,34 @@ def test_chain_vs_float64(case):
         _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "plain", torch.bfloat16, seed=47, ragged_counts=True,
                num_sms=5, **{**tuning, "idx_ahead": 2})
     print(f"CHAIN OK chain_vs_float64[{case}]")  # the round script's mark of a passed case (read even if pytest's exit hangs)
+
+
+SKIP = "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale"
+
+
+@pytest.mark.parametrize("case", ["ramp", "long", "short", "tail", "d64"])
+def test_skip_rescale_vs_float64(case):
+    """``skip_rescale`` (each warp votes whether any of its rows' running max moved and branches over its 64
+    accumulator multiplies when none did; inline PTX with the accumulator tied in and out): keys whose scores grow
+    along the sorted selections (the max moves many times per row, some rows of a warp rescaling and others not),
+    long rows (rescales early, then skipped), short ragged items, the auto mode's tail launch with it, and D = 64
+    (where the option is ignored). Prints a mark for the round script."""
+    tuning = dict(_dispatch().GLUON_SCHEDULES[SKIP])
+    if case == "ramp":
+        _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=53, k_ramp=7.0, num_sms=16, **tuning)
+    elif case == "long":
+        _check(2, 3, 4000, 128, 128, 1500, 1536, "int4_group", torch.bfloat16, seed=29, num_sms=16, **tuning)
+    elif case == "short":
+        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "fp8_row", torch.float16, seed=13, ragged_counts=True,
+               k_ramp=3.0, num_sms=7, **tuning)
+    elif case == "tail":  # 2 x 3 x 24 = 144 items on 132 programs: 1 round, then 12 items split by the tail launch
+        tuning = dict(_dispatch().GLUON_SCHEDULES[SKIP + " tail_launch"])
+        _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16, seed=5, k_ramp=5.0, num_sms=132,
+               **tuning)
+    else:
+        _check(2, 2, 1500 + 3, 64, 128, 300, 512, "plain", torch.float16, seed=31, ragged_counts=True, num_sms=7,
+               **tuning)
+    print(f"SKIP OK skip_rescale_vs_float64[{case}]")  # the round script's mark of a passed case
 
 
 @pytest.mark.parametrize("case", ["short", "long", "cfg"])

@@ -84,7 +84,7 @@ def config(head_dim: int) -> dict:
     return dict(num_stages=2, consumer_regs=224, producer_regs=56, maxnreg=168, pipeline=False, persistent=False,
                 overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
                 thread_arrive=False, early_q=False, cp_async_fence=True, q_regs=False, idx_ahead=1, next_item=False,
-                split_tail=0, chain=False, tail_launch=0)
+                split_tail=0, chain=False, tail_launch=0, skip_rescale=False)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -499,12 +499,41 @@ def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_em
     return acc, qk
 
 
+_VOTE_ANY_BELOW_1 = gl.constexpr("{ .reg .pred p, q; setp.lt.f32 p, $2, 0f3F800000; setp.lt.f32 q, $3, 0f3F800000; "
+                     "or.pred p, p, q; vote.sync.any.pred p, p, 0xffffffff; selp.s32 $0, 1, 0, p; mov.b32 $1, $0; }")
+# O x alpha over one thread's 64 accumulator elements behind a warp-uniform branch on the vote above ($192: the
+# vote, broadcast; $0..$63 the accumulator, tied to the inputs $64..$127; $128..$191 alpha, broadcast)
+_MUL_IF_VOTED = gl.constexpr("{ .reg .pred p; setp.ne.s32 p, $192, 0; @!p bra.uni RESCALE_DONE; "
+                 + " ".join(f"mul.f32 ${i}, ${i}, ${128 + i};" for i in range(64)) + " RESCALE_DONE: }")
+_MUL_IF_VOTED_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 64 + [str(i) for i in range(64)] + ["f"] * 64 + ["r"] * 64))
+
+
+@gluon.jit
+def _rescale(acc, alpha, SKIP: gl.constexpr):
+    """O x alpha per row (the lazy online softmax's rescale: alpha < 1 where a row's running max moved, else exactly
+    1). SKIP (a ``[64, D]`` accumulator at D = 128, 64 elements per thread): each warp votes whether any of its rows
+    has alpha < 1 and branches over its 64 multiplies per thread when none has (warp-uniform, no warpgroup
+    barrier): with the lazy threshold the max rarely moves after a group's first tiles, and the multiplies sit
+    between the turn wait and the next P V on every consumer's critical path."""
+    if SKIP:
+        need = gl.inline_asm_elementwise(_VOTE_ANY_BELOW_1, "=r,=r,f,f", [alpha], dtype=gl.int32, is_pure=False,
+                                         pack=2)
+        alpha_b, _ = gl.broadcast(alpha[:, None], acc)
+        need_b, _ = gl.broadcast(need[:, None], acc)
+        acc = gl.inline_asm_elementwise(_MUL_IF_VOTED, _MUL_IF_VOTED_CONSTRAINTS, [acc, alpha_b, need_b],
+                                        dtype=gl.float32, is_pure=False, pack=64)
+    else:
+        acc = acc * alpha[:, None]
+    return acc
+
+
 @gluon.jit
 def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w, turn_o, q_free, n_end, t0, n_tiles,
               c0, j0,
               sm_scale_log2, dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
-              THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr = False, FENCE: gl.constexpr = True):
+              THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr = False, FENCE: gl.constexpr = True,
+              SKIP_RESCALE: gl.constexpr = False):
     """One group's key tiles t0 .. t0 + n_tiles - 1 (>= 1 tile; ring tiles c0 ..): per tile S = Q K^T, the online
     softmax in base 2 with the lazy rescale, O += P V accumulated in fp32. Only the last tile masks the slots past
     the count (the loop body runs unmasked: no select per score). PIPELINE: tile t's P V and tile t + 1's QK^T
@@ -514,7 +543,8 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
     on ``q_free`` (the item's Q slot) once its last QK^T has completed, before the last tile's softmax and P V. Returns (O
     unnormalised, running max (log2 units), row sum). FENCE=False: no proxy fence between a stage's ready wait
     and its wgmma (flash-attn-4's sm90 forward and CUTLASS's cp.async GMMA mainloops issue the wgmma right after the
-    cp.async pipeline's wait; ptxas makes each fence a MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S)."""
+    cp.async pipeline's wait; ptxas makes each fence a MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S). SKIP_RESCALE: the
+    accumulator's rescale only when a row's max moved (``_rescale``)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -533,7 +563,7 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
         c = c0 + t
         p16, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
                                              row_o, False)
-        acc = acc * alpha[:, None]
+        acc = _rescale(acc, alpha, SKIP_RESCALE)
         if PIPELINE or PINGPONG:
             acc, qk = _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
                                           c, turn_w, turn_o, j0 + 1 + t, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE, FENCE)
@@ -547,7 +577,7 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
     t = n_tiles - 1  # the last tile: its slots past the count weigh nothing
     p16, m_i, l_i, alpha = _softmax_tile(qk, t0 + t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
                                          row_o, True)
-    acc = acc * alpha[:, None]
+    acc = _rescale(acc, alpha, SKIP_RESCALE)
     acc = _values(p16, acc, v_smem, v_ready, v_empty, c0 + t, turn_w, turn_o, j0 + n_tiles, NUM_STAGES, HALF, PINGPONG,
                   THREAD_ARRIVE, FENCE)
     return acc, m_i, l_i
@@ -847,7 +877,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
               PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr,
               CP_ASYNC_FENCE: gl.constexpr, Q_REGS: gl.constexpr, SPLIT: gl.constexpr, STREAM: gl.constexpr,
-              CHAIN: gl.constexpr = False):
+              CHAIN: gl.constexpr = False, SKIP_RESCALE: gl.constexpr = False):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
     loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
     later) and the epilogue's perm rows, both in flight under the mainloop. SPLIT: ``n_work`` counts virtual work
@@ -944,7 +974,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
                                           q_empty.index(i % Q_SLOTS), n_end, 0, gl.cdiv(n_end, BLOCK_N), c, c + i,
                                           sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF,
                                           PIPELINE, PINGPONG, THREAD_ARRIVE, EARLY_Q if not Q_REGS else False,
-                                          CP_ASYNC_FENCE)
+                                          CP_ASYNC_FENCE, SKIP_RESCALE)
             if SPLIT:
                 c += t_hi - t_lo
             else:
@@ -982,7 +1012,8 @@ def _sparse_fwd_sm90(
     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr,
     L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr, CP_ASYNC_FENCE: gl.constexpr,
     Q_REGS: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr, SPLIT: gl.constexpr,
-    NO_COPY: gl.constexpr, STREAM: gl.constexpr, CHAIN: gl.constexpr, num_warps: gl.constexpr,
+    NO_COPY: gl.constexpr, STREAM: gl.constexpr, CHAIN: gl.constexpr, SKIP_RESCALE: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ... (a tail launch: from w_first)
@@ -1034,7 +1065,7 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     CHAIN)),
+                     CHAIN, SKIP_RESCALE)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_O, WS_ML, q_smem, k_smem, v_smem,
                      q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn_1, turn_0, w0, w_end, w_step, H, G_MB, n_slots, C,
@@ -1044,7 +1075,7 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     CHAIN)),
+                     CHAIN, SKIP_RESCALE)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK, n_full, n_parts,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -1058,7 +1089,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 row_threads=None, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
                 q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None,
-                idx_ahead=None, next_item=None, split_tail=None, chain=None, tail_launch=None,
+                idx_ahead=None, next_item=None, split_tail=None, chain=None, tail_launch=None, skip_rescale=None,
                 diag_no_copy=False):
     """(grid, positional args, meta) of one launch, and (out, lse, tail): tail None, or with ``split_tail`` and a
     last, partial round of work items the arguments of ``sparse_tail_merge.merge`` (run after the launch: it writes
@@ -1172,6 +1203,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 SPLIT=bool(split_tail),
                 NO_COPY=bool(diag_no_copy),
                 CHAIN=chain,
+                SKIP_RESCALE=bool(cfg["skip_rescale"] if skip_rescale is None else skip_rescale) and D == 128,
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     if tail_parts > 1:  # the tail launch: one program per part, its partial O / max / sum to the workspace only
@@ -1229,7 +1261,8 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             per part, without residual or LSE (the merge adds them): the first launch keeps its register split
             and schedule, ``chain`` included), ``chain`` (persistent pingpong with ``q_regs``: a program's items as one sequence of product blocks, an
             item's last P V issued with the next item's first QK^T and its epilogue at the next item's start:
-            ``_chain_walk``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
+            ``_chain_walk``), ``skip_rescale`` (D = 128; ignored at D = 64: each warp skips its accumulator's
+            rescale when none of its rows' running max moved, ``_rescale``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
             warpgroups' speed; the benchmark's "consumers alone" row).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
