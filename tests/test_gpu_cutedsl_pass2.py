@@ -225,7 +225,8 @@ def test_cutedsl_pass2_refusals():
 # (16-byte rows); Sk 4000: 500 16-byte vectors, the sweeps' last step ragged; C = 100 (padded query slots), B = 2,
 # 5 CTAs (each walks many rows: both selecting warps' ring slots wrap); K = Sk and K = 1; twin keys (every sum tied
 # with its neighbour's: the tie rule decides); a sample plan whose brackets miss (every row through the radix launch).
-# Last: four consumer warpgroups (wg4, 3 stages).
+# Then: four consumer warpgroups (wg4, 3 stages); key splits (a row's parts from different CTAs, the last part's
+# selecting warp selects it; 2000 keys = 11 stages of 192 in 5 parts of 3: an empty last part).
 FUSED = [
     ((1, 2, 4000, 4000, 128, False), 1000, 1024, {}, False),
     ((2, 3, 2850, 2000, 100, False), 500, 512, dict(num_ctas=5), False),
@@ -234,6 +235,8 @@ FUSED = [
     ((1, 3, 3000, 4000, 128, False), 1300, 1344, dict(num_ctas=4), True),
     ((1, 2, 3000, 4000, 128, False), 2000, 2048, dict(bracket=(8, 500, 1, 1)), True),
     ((2, 3, 2850, 2000, 100, True), 700, 768, dict(wg4=True, stages=3, num_ctas=5), False),
+    ((1, 2, 4000, 4000, 128, False), 1000, 1024, dict(ksplit=2, num_ctas=7), False),
+    ((2, 3, 2850, 2000, 100, True), 333, 384, dict(ksplit=5, num_ctas=5), True),
 ]
 
 
@@ -256,7 +259,7 @@ def test_cutedsl_fused_topk_equals_brute_force(case, num_keys, width, opts, twin
     G = perm.shape[-1] // C
     plain = torch.empty(B, H, G, SK, dtype=torch.float16, device="cuda")
     p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, plain, group_size=C, ksplit=1,
-                           **{k: v for k, v in opts.items() if k != "bracket"})
+                           **{k: v for k, v in opts.items() if k not in ("bracket", "ksplit")})
     sums = torch.full((B, H, G, SK), float("nan"), dtype=torch.float16, device="cuda")
     buf = torch.full((B, H + 2, G, width), -7, dtype=torch.int32, device="cuda")
     sel = buf[:, 1:H + 1]

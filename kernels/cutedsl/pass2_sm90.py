@@ -27,14 +27,17 @@ as float8 wgmma requires):
 - ``poly``: of every 32 score columns a thread holds per row, that many take 2^x on the FMA pipe (flash-attn-4's
   degree-3 ``ex2_emulation``, relative error ~1e-4) instead of MUFU (0: none; the exact Triton arithmetic).
 
-- ``topk`` (the top-K fused; wg3 only, ksplit 1, float16 sums): producer warps 2 and 3 (idle otherwise) select the
+- ``topk`` (the top-K fused; wg3 / wg4, float16 sums): producer warps 2 and 3 (idle otherwise) select the
   CTA's rows alternately while the consumers run the next items: the consumers hand over each finished row through an
   mbarrier ring (per selecting warp a full barrier every consumer thread arrives on after its last store of the row,
   and an empty barrier the warp releases once it took the row), and the warp runs ``topk.py``'s bracket method on the
   row from L2 (``_select_row``: the same sample positions and ranks, ``topk.bracket_plan``; candidates in shared
   memory; threshold by a bit search over them; compaction in ascending index order with a warp prefix count; ties to
   the lower index), writing the selection in ``select_kv``'s format. A row whose bracket the counts disprove is
-  flagged and written by ``topk._radix_topk_rows`` (ONLY_FLAGGED) launched after the kernel: exact either way.
+  flagged and written by ``topk._radix_topk_rows`` (ONLY_FLAGGED) launched after the kernel: exact either way. With
+  key parts (ksplit > 1) a row's parts come from several CTAs: the consumers fence their stores at GPU scope, each
+  part's selecting warp counts it in a per-row counter (atomic, acq_rel, GPU scope) and the last one selects the row,
+  reading it from L2 (``ld.global.cg``).
 
 Contract of a launch (``Pass2Sm90.__call__``; ``group_prob_sums_fp8`` builds the views): q8 uint8 ``(B*H, S, D)``
 and k8 uint8 ``(B*H, Sk, D)`` (the float8 bytes; contiguous), lse_s fp32 ``(B*H, S)``, perm int32 ``(B*H, G*C)``,
@@ -54,6 +57,8 @@ from functools import partial
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
@@ -151,7 +156,7 @@ class Pass2Sm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
                  mQF: cute.Tensor, mOut: cute.Tensor, mInf: cute.Tensor, mSel: cute.Tensor, mFlag: cute.Tensor,
-                 group_size: Int32, num_ctas: Int32, ksplit: Int32, num_keys: Int32, samp_stride: Int32,
+                 mCnt: cute.Tensor, group_size: Int32, num_ctas: Int32, ksplit: Int32, num_keys: Int32, samp_stride: Int32,
                  n_samp: Int32, hi_rank: Int32, lo_rank: Int32, stream=None):
         # the float8 bytes as float8; (BH, S, D) -> (S, D, BH), the TMA / row-copy order
         mQ = cute.recast_tensor(mQ, self.dtype)
@@ -177,14 +182,14 @@ class Pass2Sm90:
         SharedStorage = cute.struct(type("Pass2Storage", (), {"__annotations__": fields}))
         total = mPerm.shape[0] * mOut.shape[2] * ksplit
         grid_x = cutlass.min(num_ctas, total)
-        self.kernel(mQ, tma_K, mLSE, mPerm, mKB, mQF, mOut, mInf, mSel, mFlag, group_size, ksplit, num_keys,
+        self.kernel(mQ, tma_K, mLSE, mPerm, mKB, mQF, mOut, mInf, mSel, mFlag, mCnt, group_size, ksplit, num_keys,
                     samp_stride, n_samp, hi_rank, lo_rank, tma_atom_K, tiled_mma, sQ_layout, sK_layout, SharedStorage).launch(grid=(grid_x, 1, 1), block=[128 * (self.nwg + 1), 1, 1],
                                                                 stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
                mQF: cute.Tensor, mOut: cute.Tensor, mInf: cute.Tensor, mSel: cute.Tensor, mFlag: cute.Tensor,
-               group_size: Int32, ksplit: Int32, num_keys: Int32, samp_stride: Int32, n_samp: Int32, hi_rank: Int32,
+               mCnt: cute.Tensor, group_size: Int32, ksplit: Int32, num_keys: Int32, samp_stride: Int32, n_samp: Int32, hi_rank: Int32,
                lo_rank: Int32, tma_atom_K: cute.CopyAtom,
                tiled_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
@@ -232,7 +237,7 @@ class Pass2Sm90:
             if const_expr(self.topk):
                 if warp_idx >= 2:
                     sC = storage.sC.get_tensor(cute.make_layout((CAND_SLOTS, SELECT_WARPS)))
-                    self._select_rows(mOut, mSel, mFlag, sC, mbar_row, walk, num_keys, samp_stride, n_samp, hi_rank,
+                    self._select_rows(mOut, mSel, mFlag, mCnt, sC, mbar_row, walk, num_keys, samp_stride, n_samp, hi_rank,
                                       lo_rank, warp_idx - 2, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
@@ -309,11 +314,13 @@ class Pass2Sm90:
             item += walk.grid
 
     @cute.jit
-    def _select_rows(self, mOut, mSel, mFlag, sC, mbar_row, walk, num_keys, samp_stride, n_samp, hi_rank, lo_rank,
-                     w, lane):
+    def _select_rows(self, mOut, mSel, mFlag, mCnt, sC, mbar_row, walk, num_keys, samp_stride, n_samp, hi_rank,
+                     lo_rank, w, lane):
         """``topk``: selecting warp ``w`` (producer warp 2 + w) takes the CTA's items k = w, w + 2, ... as the row
-        ring hands them over (every consumer thread arrived after its last store of that row's sums) and writes
-        each row's selection (``_select_row``)."""
+        ring hands them over (every consumer thread arrived after its last store of that item's sums) and writes
+        each row's selection (``_select_row``). With ksplit > 1 a row's key parts come from several CTAs: each
+        part's warp counts it in ``mCnt[row]`` (an acq_rel atomic at GPU scope; the consumers fenced their stores at
+        GPU scope before arriving) and the warp that counts the last part selects the row."""
         n_heads = mOut.shape[1]
         n_groups = mOut.shape[2]
         j = Int32(0)
@@ -322,22 +329,34 @@ class Pass2Sm90:
             bh, g, _, _ = walk.at(item)
             b = bh // n_heads
             h = bh - b * n_heads
+            row = bh * n_groups + g
             cute.arch.mbarrier_wait(mbar_row + w, j % 2)
             if lane == 0:  # the slot is free again for item k + 2 (the sums of a row are never rewritten)
                 cute.arch.mbarrier_arrive(mbar_row + SELECT_WARPS + w)
-            self._select_row(mOut, mSel, mFlag, sC, w, b, h, g, bh * n_groups + g, num_keys, samp_stride, n_samp,
-                             hi_rank, lo_rank, lane)
+            last = Int32(1)
+            if walk.ksplit > 1:
+                old = Int32(0)
+                if lane == 0:
+                    old = cute.arch.atomic_add((mCnt.iterator + row).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+                old = cute.arch.shuffle_sync(old, 0)
+                cute.arch.fence_acq_rel_gpu()
+                last = Int32(old == walk.ksplit - 1)
+            if last == 1:
+                self._select_row(mOut, mSel, mFlag, sC, w, b, h, g, row, num_keys, samp_stride, n_samp, hi_rank,
+                                 lo_rank, lane)
             j += 1
             item += SELECT_WARPS * walk.grid
 
     @cute.jit
     def _load_vec(self, wsrc, v, n_vec, vec):
         """The row's 16-byte vector ``v`` (8 float16 sums as 4 int32 words) into ``vec`` (the last vector when v >=
-        n_vec: an address inside the row; ``_decode`` turns those keys to -1)."""
+        n_vec: an address inside the row; ``_decode`` turns those keys to -1), from L2 (``ld.global.cg``: with key
+        parts from other CTAs this SM's L1 may hold stale sectors of the row)."""
         addr = (wsrc.iterator + cutlass.min(v, n_vec - 1) * 4).toint()
-        src = cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=16),
-                               cute.make_layout((4,)))
-        cute.copy(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Int32, num_bits_per_copy=128), src, vec)
+        ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=16)
+        v4 = cute.arch.load(ptr.llvm_ptr, ir.VectorType.get([4], Int32.mlir_type), cop="cg")  # L2: parts of other CTAs
+        for k in cutlass.range_constexpr(4):
+            vec[k] = Int32(vector.extract(v4, dynamic_position=[], static_position=[k]))
 
     @cute.jit
     def _decode(self, vec, ok, keys):
@@ -390,7 +409,8 @@ class Pass2Sm90:
             v = Int32(-1)
             if jj < n_samp:
                 pos = jj * samp_stride + (jj * 97 + (jj >> 3) * 13) % samp_stride
-                v = cutlass.max(Int32(hsrc[pos]), Int32(0))
+                ptr = (hsrc.iterator + pos).llvm_ptr
+                v = cutlass.max(Int32(cute.arch.load(ptr, cutlass.Int16, cop="cg")), Int32(0))
             sC[jj, w] = cutlass.Int16(v)
         # hi / lo: the largest t with at least hi_rank / lo_rank samples >= t (topk._kth_largest2; each lane reads
         # only its own samples back)
@@ -613,6 +633,8 @@ class Pass2Sm90:
             pipeline_q.consumer_release(q_state)
             q_state.advance()
             if const_expr(self.topk):
+                if walk.ksplit > 1:  # the row's other parts' selecting warps read these stores (_select_rows)
+                    cute.arch.fence_acq_rel_gpu()
                 slot = k_item % SELECT_WARPS
                 cute.arch.mbarrier_wait(mbar_row + SELECT_WARPS + slot, ((k_item // SELECT_WARPS) % 2) ^ 1)
                 cute.arch.mbarrier_arrive(mbar_row + slot)  # release: this thread's stores of the row before it
@@ -807,6 +829,9 @@ class Pass2Sm90:
 CAPABILITIES = ((9, 0),)
 HEAD_DIMS = (HEAD_DIM,)
 FUSED_TOPK = True  # group_prob_sums_fp8(select=...) selects each group's top-K in the same launch (select_refusal)
+# the fused top-K's key split when the caller gives none: ``auto_ksplit``'s when True, else 1 (a row whole in one CTA;
+# with parts, the last part's selecting warp selects the row: GPU-checked, not yet timed)
+TOPK_AUTO_KSPLIT = False
 # The default launch config: three consumer warpgroups (wg3) with the LSE through shared memory (lse_smem), 4 stages,
 # no FMA-pipe share. H200 round s8r2 (main 2a57dc8, tests/bench_select_race.py race 2, the method of record, the
 # kernel alone / flash-attn-4 dense 8.954 ms at 1.3B 480p, all heads, each variant checked against the Triton sums
@@ -874,7 +899,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
             make_fake_tensor(Float32, (bh, s)), make_fake_tensor(Int32, (bh, n)), make_fake_tensor(Float32, (bh, sk)),
             make_fake_tensor(Float32, (bh,)), make_fake_tensor(OUT_DTYPES[out_dtype], (b, h, g, sk_out)),
             make_fake_tensor(Float32, (4,), divisibility=4), make_fake_tensor(Int32, (b2, h2, g2, w2)),
-            make_fake_tensor(cutlass.Int8, (rows,)))
+            make_fake_tensor(cutlass.Int8, (rows,)), make_fake_tensor(Int32, (rows,)))
     kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, POLY if poly is None else poly,
                        pingpong=PINGPONG if pingpong is None else bool(pingpong),
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
@@ -959,9 +984,10 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         sel int32 ``[B, H, G, width]`` (unit stride on width, any other strides), num_keys K in [1, min(Sk, width)]:
         every row of sel gets the K largest of that group's stored float16 sums as ascending indices (ties: lower
         index first; ``topk.top_k_rows``'s rule), then -1 up to width (``select_refusal`` must pass: float16 sums
-        with 16-byte aligned rows; the launch then runs with ksplit 1 and wg3). stages, poly, pingpong, lse_smem,
-        qsplit, wg3, wg4 (four consumer warpgroups), num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG
-        sums) (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused top-K's sample
+        with 16-byte aligned rows; the launch then runs wg3 or wg4, ksplit 1 when not given unless
+        ``TOPK_AUTO_KSPLIT``). stages, poly, pingpong, lse_smem, qsplit, wg3, wg4 (four consumer warpgroups),
+        num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG sums) (None:
+        ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused top-K's sample
         plan (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s (tests: a plan whose brackets miss
         sends rows to the radix launch; any plan gives the same selection).
     Returns:
@@ -990,7 +1016,9 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         return out
     topk_on = select is not None
     if topk_on:
-        wg3, ksplit = True, 1  # a row whole in one CTA; the selecting warps need wg3 / wg4
+        wg3 = True  # the selecting warps need wg3 / wg4
+        if ksplit is None and not TOPK_AUTO_KSPLIT:
+            ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, pingpong, lse_smem, qsplit,
                   diag, wg3, topk_on, wg4)
     dev = q8.device
@@ -1013,12 +1041,13 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         if not (1 <= stride and 1 <= n_samp <= min(SAMPLE_SLOTS, SK // stride)):
             raise ValueError(f"bracket plan {(stride, n_samp)}: needs 1 <= n_samp <= min({SAMPLE_SLOTS}, Sk // stride)")
         flags = _flags(idx, dev, B * H * G)
+        counts = torch.zeros(B * H * G, dtype=torch.int32, device=dev) if ksplit > 1 else _INF[idx].view(torch.int32)
     else:  # placeholders (not read)
         sel, num_keys, stride, n_samp, hi_rank, lo_rank = _INF[idx].view(torch.int32).view(1, 1, 1, 4), 1, 1, 1, 0, 1
-        flags = _INF[idx].view(torch.int8)
+        flags, counts = _INF[idx].view(torch.int8), _INF[idx].view(torch.int32)
     fn(q8.view(torch.uint8).view(B * H, S, D), k8.view(torch.uint8).view(B * H, SK, D),
        lse_s.contiguous().view(B * H, S), perm.contiguous().view(B * H, G * group_size),
-       kb.contiguous().view(B * H, SK), qf.contiguous().view(B * H), out, _INF[idx], sel, flags, int(group_size),
+       kb.contiguous().view(B * H, SK), qf.contiguous().view(B * H), out, _INF[idx], sel, flags, counts, int(group_size),
        int(num_ctas), int(ksplit), num_keys, int(stride), int(n_samp), int(hi_rank), int(lo_rank))
     if topk_on:  # the rows whose bracket the kernel's counts disproved (flag 1): radix select (topk.FusedRows.finish)
         src = out.view(B, H * G, SK) if out.stride(1) == G * out.stride(2) else out.reshape(B, H * G, SK)
