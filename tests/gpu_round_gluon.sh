@@ -41,9 +41,9 @@ if [ "$MODE" = diag ]; then  # <= 70 s: round s7r3 (inside the final call): no n
 fi
 if [ "$MODE" = s9r1 ]; then  # <= 100 s + <= 25 s (cold machine: compiles counted): session 9 round 1
     T0=$(date +%s)
-    # 1. skip_rescale (each warp skips its accumulator multiplies when no row's max moved; inline PTX) against
-    #    float64: scores growing along the selections (rescales mid-row), and the auto-candidate form with the tail
-    #    launch (int4_group, a split last round); ~3 Gluon + 1 merge compiles; os._exit: pytest's exit has hung before
+    # 1. skip_rescale (each warp skips its accumulator multiplies when no row's max moved; inline PTX) + max_tree
+    #    against float64: scores growing along the selections (rescales mid-row), and the tail-launch form (int4_group,
+    #    a split last round); ~3 Gluon + 1 merge compiles; os._exit: pytest's exit has hung before
     timeout 35 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
         -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py -k "skip_rescale and (ramp or tail)" \
         > "$OUT/gluon_gpu_tests.log" 2>&1
@@ -51,10 +51,13 @@ if [ "$MODE" = s9r1 ]; then  # <= 100 s + <= 25 s (cold machine: compiles counte
     grep -E "rel_l2|passed|failed|error|Error|^PASSED|^FAILED|SKIP OK" "$OUT/gluon_gpu_tests.log" | tail -12
     P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs"
     NAMES="$P"
-    if grep -q "SKIP OK skip_rescale_vs_float64\[ramp\]" "$OUT/gluon_gpu_tests.log"; then NAMES="$P,$P skip_rescale"; fi
+    if grep -q "SKIP OK skip_rescale_vs_float64\[ramp\]" "$OUT/gluon_gpu_tests.log"; then
+        NAMES="$P,$P skip_rescale,$P skip_rescale max_tree"
+    fi
     echo "raced: the op (auto, unchanged since s8), $NAMES"
     # 2. the method of record since main 5142875 (each race sample led in by untimed calls; from_idle printed beside
-    #    each ratio): the op (= scoreboard figure) beside q_regs and q_regs + skip_rescale called directly, both
+    #    each ratio): the op (= scoreboard figure) beside q_regs, q_regs + skip_rescale and + max_tree (the row
+    #    maxima as a tree) called directly, both
     #    shapes, 4 densities (every row checked against the float32 reference inside the bench before its race)
     LEFT=$(( 100 - ($(date +%s) - T0) ))
     timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \

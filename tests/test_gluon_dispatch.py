@@ -308,7 +308,8 @@ def test_early_q_only_where_the_q_slot_is_free_after_the_last_qk():
 
 def test_skip_rescale_only_at_head_dim_128():
     """``skip_rescale`` (inline PTX over a thread's 64 accumulator elements) is compiled in at D = 128 and left out
-    at D = 64 (32 elements per thread there), off by default; its schedules are dispatch entries."""
+    at D = 64 (32 elements per thread there), off by default; its schedules are dispatch entries (with and without
+    ``max_tree``, the row maxima as a tree, at any D)."""
     g = _g90()
     gen = torch.Generator().manual_seed(0)
     perm, idx = random_groups(gen, 1, 2, 256, 128), random_kv_idx(gen, 1, 2, 2, 256, 100, 128)
@@ -317,6 +318,10 @@ def test_skip_rescale_only_at_head_dim_128():
         q = torch.randn(1, 2, 256, D, generator=gen).to(torch.bfloat16)
         assert g.launch_args(q, q, q, perm, idx, num_sms=4, **sched)[2]["SKIP_RESCALE"] is want
         assert g.launch_args(q, q, q, perm, idx)[2]["SKIP_RESCALE"] is False
+        tree = _dispatch().GLUON_SCHEDULES["pingpong persistent 3 stages thread_arrive early_q no_fence q_regs "
+                                           "skip_rescale max_tree"]
+        assert g.launch_args(q, q, q, perm, idx, num_sms=4, **tree)[2]["MAX_TREE"] is True
+        assert g.launch_args(q, q, q, perm, idx, num_sms=4, **sched)[2]["MAX_TREE"] is False
 
 
 def test_tuning_goes_to_the_triton_kernel(gen, failing_gluon):

@@ -242,9 +242,12 @@ def test_skip_rescale_vs_float64(case):
     """``skip_rescale`` (each warp votes whether any of its rows' running max moved and branches over its 64
     accumulator multiplies when none did; inline PTX with the accumulator tied in and out): keys whose scores grow
     along the sorted selections (the max moves many times per row, some rows of a warp rescaling and others not),
-    long rows (rescales early, then skipped), short ragged items, the auto mode's tail launch with it, and D = 64
-    (where the option is ignored). Prints a mark for the round script."""
+    long rows (rescales early, then skipped), short ragged items, the tail launch with it, and D = 64 (where the
+    option is ignored); the ramp and tail cases with ``max_tree`` too (the row maxima as a tree). Prints a mark for
+    the round script."""
     tuning = dict(_dispatch().GLUON_SCHEDULES[SKIP])
+    if case in ("ramp", "tail"):  # with the row maxima as a tree too (max_tree)
+        tuning = dict(_dispatch().GLUON_SCHEDULES[SKIP + " max_tree" + (" tail_launch" if case == "tail" else "")])
     if case == "ramp":
         _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=53, k_ramp=7.0, num_sms=16, **tuning)
     elif case == "long":
@@ -253,7 +256,6 @@ def test_skip_rescale_vs_float64(case):
         _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "fp8_row", torch.float16, seed=13, ragged_counts=True,
                k_ramp=3.0, num_sms=7, **tuning)
     elif case == "tail":  # 2 x 3 x 24 = 144 items on 132 programs: 1 round, then 12 items split by the tail launch
-        tuning = dict(_dispatch().GLUON_SCHEDULES[SKIP + " tail_launch"])
         _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16, seed=5, k_ramp=5.0, num_sms=132,
                **tuning)
     else:

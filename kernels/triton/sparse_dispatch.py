@@ -85,9 +85,13 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         q_regs=True, skip_rescale=True),
-    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale tail_launch": dict(
+    # + the scores' row maxima as a tree (max_tree: a dependent chain of ~5 maxima instead of 32 before the shuffles)
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, skip_rescale=True, tail_launch=4),
+        q_regs=True, skip_rescale=True, max_tree=True),
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree tail_launch": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        q_regs=True, skip_rescale=True, max_tree=True, tail_launch=4),
     # q_regs with the last, partial round of work items split into key ranges (split_tail; registers 216 / 72: at
     # 224 / 56 the split walk's producer spilled 5-6 local accesses per tile in its copy loop, offline SASS). The
     # producer at 8 threads per row and each item's first loads an item early (rt8, next_item) measured no faster in
