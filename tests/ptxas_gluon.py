@@ -9,7 +9,7 @@ in a consumer's hot loop, spills more than 64 bytes in all (the producer's 40 re
 consumers' loop), or does not fit in shared memory.
 
 Usage: python tests/ptxas_gluon.py [--quick] [--ptx DIR] (--quick: D = 128, the default config with a plain residual
-and the skip_rescale max_tree schedule with int4_group; DIR: also write each
+and the skip_rescale max_tree sum_partial schedule with int4_group; DIR: also write each
 PTX and cubin there)
 """
 
@@ -121,7 +121,7 @@ def main():
     bad = 0
     skip = dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True, early_q=True,
                 cp_async_fence=False, q_regs=True, skip_rescale=True)  # inline PTX over the accumulator (session 9)
-    cases = [(128, "int4_group", dict(skip, max_tree=True)), (128, "plain", {})] if args.quick else (
+    cases = [(128, "int4_group", dict(skip, max_tree=True, sum_partial=True)), (128, "plain", {})] if args.quick else (
         [(D, kind, {}) for D in (128, 64) for kind in (None, "plain", "fp8_row", "int4_row", "int4_group")]
         + [(128, kind, tune) for kind in ("plain", "int4_group")  # the bench's GLUON_CONFIGS
            for tune in (dict(pipeline=True), dict(num_stages=3), dict(pipeline=True, num_stages=3),
@@ -169,7 +169,9 @@ def main():
                         dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
                              early_q=True, cp_async_fence=False, q_regs=True, idx_ahead=2, chain=True),
                         # the accumulator's rescale skipped per warp, alone and with the tail launch
-                        skip, dict(skip, max_tree=True), dict(skip, max_tree=True, tail_launch=4))])
+                        skip, dict(skip, max_tree=True), dict(skip, max_tree=True, tail_launch=4),
+                        dict(skip, max_tree=True, sum_partial=True),
+                        dict(skip, max_tree=True, sum_partial=True, tail_launch=4))])
     for kind in ("int4_group",) if args.quick else (None, "plain", "fp8_row", "int4_row", "int4_group"):
         print(merge_report(kind), flush=True)  # before the Gluon kernel's lines (the CPU test reads the last one)
     for D, kind, tune in cases:

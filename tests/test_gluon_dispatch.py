@@ -322,6 +322,9 @@ def test_skip_rescale_only_at_head_dim_128():
                                            "skip_rescale max_tree"]
         assert g.launch_args(q, q, q, perm, idx, num_sms=4, **tree)[2]["MAX_TREE"] is True
         assert g.launch_args(q, q, q, perm, idx, num_sms=4, **sched)[2]["MAX_TREE"] is False
+        fast = dict(tree, sum_partial=True)
+        assert g.launch_args(q, q, q, perm, idx, num_sms=4, **fast)[2]["SUM_PARTIAL"] is True
+        assert g.launch_args(q, q, q, perm, idx, num_sms=4, **tree)[2]["SUM_PARTIAL"] is False
 
 
 def test_tuning_goes_to_the_triton_kernel(gen, failing_gluon):

@@ -264,6 +264,33 @@ def test_skip_rescale_vs_float64(case):
     print(f"SKIP OK skip_rescale_vs_float64[{case}]")  # the round script's mark of a passed case
 
 
+FAST = SKIP + " max_tree sum_partial"
+
+
+@pytest.mark.parametrize("case", ["ramp", "tail", "short", "d64", "lse-pad"])
+def test_fast_softmax_vs_float64(case):
+    """skip_rescale + max_tree + ``sum_partial`` (the row sums kept as each thread's partials over a group's tiles,
+    finished once at the end): scores growing along the selections, the tail-launch form (its split walk keeps
+    the full sums), short ragged fp8_row items, D = 64 and many trailing -1 slots with LSE (the finished sums feed
+    the LSE). Prints a mark for the round script."""
+    tuning = dict(_dispatch().GLUON_SCHEDULES[FAST + (" tail_launch" if case == "tail" else "")])
+    if case == "ramp":
+        _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=59, k_ramp=7.0, num_sms=16, **tuning)
+    elif case == "tail":
+        _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16, seed=61, k_ramp=5.0, num_sms=132,
+               **tuning)
+    elif case == "short":
+        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "fp8_row", torch.float16, seed=67, ragged_counts=True,
+               k_ramp=3.0, num_sms=7, **tuning)
+    elif case == "d64":
+        _check(2, 2, 1500 + 3, 64, 128, 300, 512, "plain", torch.float16, seed=71, ragged_counts=True, num_sms=7,
+               **tuning)
+    else:
+        _check(2, 2, 1500 + 3, 128, 128, 300, 2048, None, torch.float16, seed=73, ragged_counts=True, num_sms=7,
+               **tuning)
+    print(f"FAST OK fast_softmax_vs_float64[{case}]")  # the round script's mark of a passed case
+
+
 @pytest.mark.parametrize("case", ["short", "long", "cfg"])
 def test_tail_launch_vs_float64(case):
     """``tail_launch`` (the last, partial round's items in a second launch of the kernel split into key ranges, no

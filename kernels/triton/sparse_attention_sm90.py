@@ -85,7 +85,7 @@ def config(head_dim: int) -> dict:
                 overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
                 thread_arrive=False, early_q=False, cp_async_fence=True, q_regs=False, idx_ahead=1, next_item=False,
                 split_tail=0, chain=False, tail_launch=0, skip_rescale=False,
-                max_tree=False)
+                max_tree=False, sum_partial=False)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -534,7 +534,8 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
               sm_scale_log2, dtype: gl.constexpr, M: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
               THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr = False, FENCE: gl.constexpr = True,
-              SKIP_RESCALE: gl.constexpr = False, MAX_TREE: gl.constexpr = False):
+              SKIP_RESCALE: gl.constexpr = False, MAX_TREE: gl.constexpr = False,
+              SUM_PARTIAL: gl.constexpr = False):
     """One group's key tiles t0 .. t0 + n_tiles - 1 (>= 1 tile; ring tiles c0 ..): per tile S = Q K^T, the online
     softmax in base 2 with the lazy rescale, O += P V accumulated in fp32. Only the last tile masks the slots past
     the count (the loop body runs unmasked: no select per score). PIPELINE: tile t's P V and tile t + 1's QK^T
@@ -545,7 +546,8 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
     unnormalised, running max (log2 units), row sum). FENCE=False: no proxy fence between a stage's ready wait
     and its wgmma (flash-attn-4's sm90 forward and CUTLASS's cp.async GMMA mainloops issue the wgmma right after the
     cp.async pipeline's wait; ptxas makes each fence a MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S). SKIP_RESCALE: the
-    accumulator's rescale only when a row's max moved (``_rescale``). MAX_TREE: ``_row_max``'s tree."""
+    accumulator's rescale only when a row's max moved (``_rescale``). MAX_TREE: ``_row_max``'s tree. SUM_PARTIAL: the row sums
+    kept as per-thread partials over the tiles, finished once at the end (``_softmax_tile``)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -555,15 +557,18 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([M], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([M], gl.float32, layout=row_s)
     acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
+    if SUM_PARTIAL:  # [M, 4] zeros in _thread_sums' layout
+        l_i = _thread_sums(s_zero)
+    else:
+        l_i = gl.zeros([M], gl.float32, layout=row_s)
     qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn_w, turn_o, j0, NUM_STAGES, HALF, PINGPONG,
                  THREAD_ARRIVE, FENCE)
     for t in range(n_tiles - 1):  # every tile but the last: all slots valid
         c = c0 + t
         p16, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
-                                             row_o, False, MAX_TREE)
+                                             row_o, False, MAX_TREE, SUM_PARTIAL)
         acc = _rescale(acc, alpha, SKIP_RESCALE)
         if PIPELINE or PINGPONG:
             acc, qk = _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
@@ -577,10 +582,12 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
         mbarrier.arrive(q_free, count=1)
     t = n_tiles - 1  # the last tile: its slots past the count weigh nothing
     p16, m_i, l_i, alpha = _softmax_tile(qk, t0 + t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
-                                         row_o, True, MAX_TREE)
+                                         row_o, True, MAX_TREE, SUM_PARTIAL)
     acc = _rescale(acc, alpha, SKIP_RESCALE)
     acc = _values(p16, acc, v_smem, v_ready, v_empty, c0 + t, turn_w, turn_o, j0 + n_tiles, NUM_STAGES, HALF, PINGPONG,
                   THREAD_ARRIVE, FENCE)
+    if SUM_PARTIAL:
+        l_i = gl.convert_layout(gl.sum(l_i, 1), row_s)
     return acc, m_i, l_i
 
 
@@ -591,6 +598,19 @@ def _halves_max(x):
     N: gl.constexpr = x.shape[1]
     a, b = gl.reshape(x, [M, 2, N // 2]).permute(0, 2, 1).split()
     return gl.maximum(a, b)
+
+
+@gluon.jit
+def _thread_sums(x):
+    """``[M, 128]`` (the wgmma accumulator layout) -> ``[M, 4]``: each thread's own partial row sums, by the column
+    halves' sums (register-only, as ``_row_max``'s tree) and the last column pair; ``gl.sum(., 1)`` finishes a row
+    (the shuffles across the row's 4 threads)."""
+    M: gl.constexpr = x.shape[0]
+    for _ in gl.static_range(4):
+        a, b = gl.reshape(x, [M, 2, x.shape[1] // 2]).permute(0, 2, 1).split()
+        x = a + b
+    a, b = gl.reshape(x, [M, 4, 2]).split()
+    return a + b
 
 
 @gluon.jit
@@ -608,17 +628,24 @@ def _row_max(x, TREE: gl.constexpr):
 
 @gluon.jit
 def _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype: gl.constexpr, BLOCK_N: gl.constexpr,
-                  p_layout: gl.constexpr, row_o: gl.constexpr, MASK: gl.constexpr = True, MAX_TREE: gl.constexpr = False):
+                  p_layout: gl.constexpr, row_o: gl.constexpr, MASK: gl.constexpr = True, MAX_TREE: gl.constexpr = False,
+                  SUM_PARTIAL: gl.constexpr = False):
     """Key tile t's scores -> (P in q's dtype as the P V wgmma's register operand, new running max, new row sum,
     the accumulator's rescale factor per row); base 2, lazy rescale; MASK (the last tile): slots past n_end weigh
-    nothing. MAX_TREE: the row maxima as a tree (``_row_max``)."""
+    nothing. MAX_TREE: the row maxima as a tree (``_row_max``). SUM_PARTIAL: ``l_i`` / the new row sum are each
+    thread's partial sums ``[M, 4]`` (``_thread_sums``; the caller finishes them once per item), so no shuffle per
+    tile for the sums."""
     if MASK:
         qk = gl.where((t * BLOCK_N + offs_n < n_end)[None, :], qk, float("-inf"))
     m_tile = _row_max(qk, MAX_TREE) * sm_scale_log2
     m_new = gl.where(m_tile > m_i + RESCALE_LOG2, m_tile, m_i)
     p = gl.exp2(qk * sm_scale_log2 - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
-    l_new = l_i * alpha + gl.sum(p, 1)
+    if SUM_PARTIAL:
+        ps = _thread_sums(p)
+        l_new = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, ps.type.layout))[:, None] + ps
+    else:
+        l_new = l_i * alpha + gl.sum(p, 1)
     return gl.convert_layout(p.to(dtype), p_layout), m_new, l_new, gl.convert_layout(alpha, row_o)
 
 
@@ -900,7 +927,8 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
               PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr,
               CP_ASYNC_FENCE: gl.constexpr, Q_REGS: gl.constexpr, SPLIT: gl.constexpr, STREAM: gl.constexpr,
-              CHAIN: gl.constexpr = False, SKIP_RESCALE: gl.constexpr = False, MAX_TREE: gl.constexpr = False):
+              CHAIN: gl.constexpr = False, SKIP_RESCALE: gl.constexpr = False, MAX_TREE: gl.constexpr = False,
+              SUM_PARTIAL: gl.constexpr = False):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
     loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
     later) and the epilogue's perm rows, both in flight under the mainloop. SPLIT: ``n_work`` counts virtual work
@@ -997,7 +1025,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
                                           q_empty.index(i % Q_SLOTS), n_end, 0, gl.cdiv(n_end, BLOCK_N), c, c + i,
                                           sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF,
                                           PIPELINE, PINGPONG, THREAD_ARRIVE, EARLY_Q if not Q_REGS else False,
-                                          CP_ASYNC_FENCE, SKIP_RESCALE, MAX_TREE)
+                                          CP_ASYNC_FENCE, SKIP_RESCALE, MAX_TREE, SUM_PARTIAL)
             if SPLIT:
                 c += t_hi - t_lo
             else:
@@ -1036,7 +1064,7 @@ def _sparse_fwd_sm90(
     L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr, CP_ASYNC_FENCE: gl.constexpr,
     Q_REGS: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr, SPLIT: gl.constexpr,
     NO_COPY: gl.constexpr, STREAM: gl.constexpr, CHAIN: gl.constexpr, SKIP_RESCALE: gl.constexpr,
-    MAX_TREE: gl.constexpr, num_warps: gl.constexpr,
+    MAX_TREE: gl.constexpr, SUM_PARTIAL: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ... (a tail launch: from w_first)
@@ -1088,7 +1116,7 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     CHAIN, SKIP_RESCALE, MAX_TREE)),
+                     CHAIN, SKIP_RESCALE, MAX_TREE, SUM_PARTIAL)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_O, WS_ML, q_smem, k_smem, v_smem,
                      q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn_1, turn_0, w0, w_end, w_step, H, G_MB, n_slots, C,
@@ -1098,7 +1126,7 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     CHAIN, SKIP_RESCALE, MAX_TREE)),
+                     CHAIN, SKIP_RESCALE, MAX_TREE, SUM_PARTIAL)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK, n_full, n_parts,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -1113,7 +1141,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
                 q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None,
                 idx_ahead=None, next_item=None, split_tail=None, chain=None, tail_launch=None, skip_rescale=None,
-                max_tree=None, diag_no_copy=False):
+                max_tree=None, sum_partial=None, diag_no_copy=False):
     """(grid, positional args, meta) of one launch, and (out, lse, tail): tail None, or with ``split_tail`` and a
     last, partial round of work items the arguments of ``sparse_tail_merge.merge`` (run after the launch: it writes
     the split items' rows); the op and the offline compile share it.
@@ -1228,6 +1256,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 CHAIN=chain,
                 SKIP_RESCALE=bool(cfg["skip_rescale"] if skip_rescale is None else skip_rescale) and D == 128,
                 MAX_TREE=bool(cfg["max_tree"] if max_tree is None else max_tree),
+                SUM_PARTIAL=bool(cfg["sum_partial"] if sum_partial is None else sum_partial),
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     if tail_parts > 1:  # the tail launch: one program per part, its partial O / max / sum to the workspace only
@@ -1287,7 +1316,8 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             item's last P V issued with the next item's first QK^T and its epilogue at the next item's start:
             ``_chain_walk``), ``skip_rescale`` (D = 128; ignored at D = 64: each warp skips its accumulator's
             rescale when none of its rows' running max moved, ``_rescale``), ``max_tree`` (the scores' row maxima
-            as a tree: ``_row_max``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
+            as a tree: ``_row_max``), ``sum_partial`` (the row sums as per-thread partials, finished once per
+            item: ``_thread_sums``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
             warpgroups' speed; the benchmark's "consumers alone" row).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).

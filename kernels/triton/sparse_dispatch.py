@@ -92,6 +92,13 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree tail_launch": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         q_regs=True, skip_rescale=True, max_tree=True, tail_launch=4),
+    # + the row sums kept as per-thread partials, finished once per item (sum_partial: no shuffles per tile for them)
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True),
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial tail_launch":
+        dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+             q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True, tail_launch=4),
     # q_regs with the last, partial round of work items split into key ranges (split_tail; registers 216 / 72: at
     # 224 / 56 the split walk's producer spilled 5-6 local accesses per tile in its copy loop, offline SASS). The
     # producer at 8 threads per row and each item's first loads an item early (rt8, next_item) measured no faster in
