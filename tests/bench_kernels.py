@@ -382,24 +382,10 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs rt8 next_item r216": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
         cp_async_fence=False, q_regs=True, row_threads=8, next_item=True, consumer_regs=216, producer_regs=72),
-    # one pingpong block sequence across a program's items (chain; round s8r1), alone, with idx2, and its consumers
-    # alone (the diagnostic above)
-    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs chain": dict(
-        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
-        cp_async_fence=False, q_regs=True, chain=True),
-    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs idx2 chain": dict(
-        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
-        cp_async_fence=False, q_regs=True, idx_ahead=2, chain=True),
     # + the last, partial round in a second launch split into key ranges (tail_launch; round s8r2)
-    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs chain tail_launch": dict(
-        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
-        cp_async_fence=False, q_regs=True, chain=True, tail_launch=4),
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs tail_launch": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
         cp_async_fence=False, q_regs=True, tail_launch=4),
-    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs chain (consumers alone)": dict(
-        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
-        cp_async_fence=False, q_regs=True, chain=True, diag_no_copy=True),
     "gluon pingpong persistent stage_out": dict(_gluon=True, pingpong=True, persistent=True, stage_out=True),  # 16-byte
     # output stores through the Q tile (the CuTeDSL kernel's staged epilogue: +2-3 % at small s)
     "gluon overlap pingpong persistent stage_out": dict(_gluon=True, overlap=True, pingpong=True, persistent=True,

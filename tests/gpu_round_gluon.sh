@@ -9,8 +9,7 @@
 #    the Triton kernel's default config and the Gluon tunings (final: 3 of them), both shapes, s = 0.1/0.15/0.25/0.5;
 #    writes $OUT/bench_reuse.json and $OUT/scoreboard.json (triton_sparse_eff_min; a Gluon result with
 #    rel_l2 > 2e-2 is excluded from it; with --gluon the figure is the op's). Expected: full ~1.2 + ~2 min (cap 5 + 4
-#    min); final ~40 + ~70 s (cap 45 + 110 s). "bench" (<= 97 s): the new variants' GPU tests, then the benchmark by
-#    tests/_timing.race (the method of record).
+#    min); final ~40 + ~70 s (cap 45 + 110 s). "diag", "r2", "s9r1": the rounds named in each block below.
 set -u
 OUT=${1:?usage: gpu_round_gluon.sh OUT_DIR [commit] [final]}
 COMMIT=${2:-}
@@ -97,40 +96,6 @@ if [ "$MODE" = r2 ]; then  # <= 97 s in all (cold machine: compiles counted): ro
         ${AUTO[@]+"${AUTO[@]}"} ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
     echo "bench: rc=$? (cap $LEFT s)"
     grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -40
-    exit 0
-fi
-if [ "$MODE" = bench ]; then  # <= 97 s in all: the GPU tests of the new variants (cap 50 s), then the benchmark
-    T0=$(date +%s)
-    # 1. round s8r1 against float64: chain (one pingpong block sequence across a program's items) on short ragged
-    #    items, long rows, one item per program, D = 64; chain + tail_launch (the last round's items in a second,
-    #    split launch) on short ragged items and the B = 2 int4_group shape (6 cases, ~7 Gluon + 2 merge compiles);
-    #    pytest's own exit has hung after the last case in earlier rounds, so the process ends by os._exit
-    timeout 50 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
-        -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py \
-        -k "(chain_vs and not idx2) or (tail_launch_vs and not long)" > "$OUT/gluon_gpu_tests.log" 2>&1
-    trc=$?
-    grep -E "rel_l2|passed|failed|error|Error|^PASSED|^FAILED" "$OUT/gluon_gpu_tests.log" | tail -16
-    echo "gluon gpu tests: rc=$trc"
-    passed() { [ "$(grep -cE "^PASSED .*$1|^(CHAIN|TAIL) OK $1" "$OUT/gluon_gpu_tests.log")" -ge 1 ]; }
-    # 2. the op (auto mode, unchanged: the scoreboard figure) by the method of record (tests/_timing.race) with
-    #    flash-attn-4 dense in the same rounds, beside chain and chain + tail_launch called directly, each only where
-    #    its GPU cases passed. --budget: the tunings are dropped late, so the op's figure and the scoreboard are
-    #    written
-    P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs"
-    NAMES=none
-    if passed 'chain_vs_float64\[short\]' && passed 'chain_vs_float64\[long\]' \
-            && passed 'chain_vs_float64\[one-item\]' && passed 'chain_vs_float64\[d64\]'; then
-        NAMES="$P chain"
-        if passed 'tail_launch_vs_float64\[short\]' && passed 'tail_launch_vs_float64\[cfg\]'; then
-            NAMES="$NAMES,$P chain tail_launch"
-        fi
-    fi
-    echo "raced: op,$NAMES"
-    LEFT=$(( 97 - ($(date +%s) - T0) ))  # SIGTERM at the cap: the bench writes what it measured (~1 s)
-    timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \
-        --gluon-configs "$NAMES" ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
-    echo "bench: rc=$? (cap $LEFT s)"
-    grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -70
     exit 0
 fi
 # -u: unbuffered, so a run killed by the timeout still shows how far it got (round 2 lost its "passed" line: every

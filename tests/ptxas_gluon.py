@@ -163,11 +163,6 @@ def main():
                         dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
                              early_q=True, cp_async_fence=False, idx_ahead=2, split_tail=4, consumer_regs=216,
                              producer_regs=72),
-                        # one pingpong block sequence across items (chain), alone and with idx2
-                        dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
-                             early_q=True, cp_async_fence=False, q_regs=True, chain=True),
-                        dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True,
-                             early_q=True, cp_async_fence=False, q_regs=True, idx_ahead=2, chain=True),
                         # the accumulator's rescale skipped per warp, alone and with the tail launch
                         skip, dict(skip, max_tree=True), dict(skip, max_tree=True, tail_launch=4),
                         dict(skip, max_tree=True, sum_partial=True),

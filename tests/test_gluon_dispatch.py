@@ -164,8 +164,8 @@ class _Fake:
         self.calls += 1
         sched = {n: kw.pop(n) for n in ("pingpong", "persistent", "overlap", "pipeline", "num_stages", "stage_out",
                                         "thread_arrive", "early_q", "cp_async_fence", "q_regs", "idx_ahead", "row_threads",
-                                        "next_item", "split_tail", "consumer_regs", "producer_regs", "chain",
-                                        "tail_launch")
+                                        "next_item", "split_tail", "consumer_regs", "producer_regs", "tail_launch",
+                                        "skip_rescale", "max_tree", "sum_partial")
                  if n in kw}
         self.options.append(sched)
         return _dispatch()._triton_kernel.sparse_attention(*a, **kw)
@@ -298,12 +298,6 @@ def test_early_q_only_where_the_q_slot_is_free_after_the_last_qk():
     for bad in (dict(persistent=False), dict(idx_ahead=3)):  # the producer's next-item loads: persistent, 1-2 ahead
         with pytest.raises(ValueError, match="next_item"):
             g.launch_args(q, q, q, perm, idx, next_item=True, **{**base, **bad})
-    chain = dict(base, early_q=True, q_regs=True, chain=True)  # one block sequence across items: persistent
-    assert g.launch_args(q, q, q, perm, idx, **chain)[2]["CHAIN"]  # pingpong with the queries in registers
-    assert not g.launch_args(q, q, q, perm, idx, **{**chain, "chain": False})[2]["CHAIN"]
-    for bad in (dict(pingpong=False), dict(q_regs=False), dict(overlap=True), dict(split_tail=4)):
-        with pytest.raises(ValueError, match="chain"):
-            g.launch_args(q, q, q, perm, idx, **{**chain, **bad})
 
 
 def test_skip_rescale_only_at_head_dim_128():

@@ -84,7 +84,7 @@ def config(head_dim: int) -> dict:
     return dict(num_stages=2, consumer_regs=224, producer_regs=56, maxnreg=168, pipeline=False, persistent=False,
                 overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
                 thread_arrive=False, early_q=False, cp_async_fence=True, q_regs=False, idx_ahead=1, next_item=False,
-                split_tail=0, chain=False, tail_launch=0, skip_rescale=False,
+                split_tail=0, tail_launch=0, skip_rescale=False,
                 max_tree=False, sum_partial=False)
 
 
@@ -269,7 +269,7 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
               M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               ROW_THREADS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
               L2_PREFETCH: gl.constexpr, EARLY_Q: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr,
-              SPLIT: gl.constexpr, NO_COPY: gl.constexpr, STREAM: gl.constexpr, CHAIN: gl.constexpr = False):
+              SPLIT: gl.constexpr, NO_COPY: gl.constexpr, STREAM: gl.constexpr):
     """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the item's Q slot)
     then K then V rows of each key tile into the stage ring; the ring's stage and phase follow a tile counter kept
     across items. PERSISTENT with one Q slot (``Q_SLOTS`` 1: a 3-deep ring leaves room for one): the item's first
@@ -334,8 +334,7 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
         n_end = _count_from_tail(tail, idx_base, K_ALLOC, 128, 4)
         if PERSISTENT:
             q_base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
-            if Q_SLOTS == 2 or CHAIN:  # this item's queries first (CHAIN: the consumers read them into registers
-                # at the previous item's last tile; the slot was freed at that item's start)
+            if Q_SLOTS == 2:  # this item's queries first
                 _load_q_item(q_smem, q_ready, q_empty, i, q_base, q_idx_a, q_idx_b, S, stride_qs, stride_qd, offs_d,
                              Q_SLOTS, ROW64, STREAM)
         n_tiles = gl.cdiv(n_end, BLOCK_N)
@@ -387,7 +386,7 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
             if not NO_COPY:
                 _gather_rows(v_smem.index(s), v_base, kv, live, stride_vs, stride_vd, offs_d, _DEFAULT_POLICY)
             async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
-            if PERSISTENT and Q_SLOTS == 1 and not CHAIN:
+            if PERSISTENT and Q_SLOTS == 1:
                 if t == q_at:
                     _load_q_item(q_smem, q_ready, q_empty, i, q_base, q_idx_a, q_idx_b, S, stride_qs, stride_qd,
                                  offs_d, Q_SLOTS, ROW64, STREAM)
@@ -804,118 +803,6 @@ def _store_partial(acc, m_i, l_i, WS_O, WS_ML, sub, HALF: gl.constexpr, M: gl.co
 
 
 @gluon.jit
-def _chain_q(q_smem, q_ready, q_empty, i, HALF: gl.constexpr, Q_SLOTS: gl.constexpr, FENCE: gl.constexpr,
-             q_dot: gl.constexpr, FREE: gl.constexpr):
-    """CHAIN: item i's 64 query rows of this warpgroup from its Q slot into registers (the QK^T's A operand); FREE: the
-    slot released after the read (one arrive per warpgroup). Each item's rows are read twice, for its first QK^T (in
-    the previous item's boundary block) and at its start, so no operand in the wgmma's packed 16-bit register layout
-    is carried across a loop iteration (ptxas unpacks a carried one into 16-bit values and spills)."""
-    qs = i % Q_SLOTS
-    mbarrier.wait(q_ready.index(qs), (i // Q_SLOTS) & 1)
-    if FENCE:  # the queries came by cp.async
-        fence_async_shared()
-    q = q_smem.index(qs * 2 + HALF).load(q_dot)
-    if FREE:
-        mbarrier.arrive(q_empty.index(qs), count=1)
-    return q
-
-
-@gluon.jit
-def _chain_walk(PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready, q_empty,
-                k_ready, v_ready, k_empty, v_empty, turn_w, turn_o, w0, n_work, w_step, H, G_MB, n_slots, C, K_ALLOC, S,
-                sm_scale_log2, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh, stride_rs, stride_rd,
-                stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg,
-                stride_md, dtype: gl.constexpr, HALF: gl.constexpr, M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, RES_KIND: gl.constexpr,
-                ROW64: gl.constexpr, Q_SLOTS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, FENCE: gl.constexpr,
-                STREAM: gl.constexpr):
-    """CHAIN (persistent pingpong, queries in registers): one consumer warpgroup's walk over its program's items as
-    ONE sequence of pingpong product blocks: an item's last P V is issued in one block with the next item's first
-    QK^T (as inside an item: tile t's P V with tile t + 1's QK^T), so an item boundary costs its epilogue, not a
-    lone P V, a lone QK^T and two turn hand-overs with their waits. The next item's queries are read into registers
-    after this item's last QK^T has completed (the producer gathers each item's queries before its first K/V tile);
-    an item's epilogue runs at the next item's start, under the other warpgroup's boundary block. Per warpgroup,
-    block 0 is the first item's QK^T and an item of n key tiles takes blocks j .. j + n - 1 (its last: the boundary
-    block, or the last item's lone P V). Same arithmetic as ``_mainloop``."""
-    M: gl.constexpr = 64
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    q_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
-    # the first item (the launch has at most n_work programs: every program has one): its count, the next item's
-    # count tail in flight, its first QK^T (block 0)
-    first_idx = KV_IDX + _work_item(w0, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4]
-    n_end = _count_from_tail(_tail_probe(first_idx, K_ALLOC, w0 < n_work, 128, 4, STREAM), first_idx, K_ALLOC, 128, 4)
-    tail = _tail_probe(KV_IDX + _work_item(w0 + w_step, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4], K_ALLOC,
-                       w0 + w_step < n_work, 128, 4, STREAM)
-    qk = _scores(_chain_q(q_smem, q_ready, q_empty, 0, HALF, Q_SLOTS, FENCE, q_dot, False), k_smem, k_ready, k_empty,
-                 s_zero, 0, turn_w, turn_o, 0, NUM_STAGES, HALF, True, THREAD_ARRIVE, FENCE)  # block 0
-    c = 0  # ring tiles before this item
-    j = 1  # this warpgroup's product blocks before this item's second (block 0: the first item's QK^T)
-    i = 0
-    # the previous item's output, stored at this item's start (its last P V completed in the boundary block)
-    acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
-    m_i = gl.full([M], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([M], gl.float32, layout=row_s)
-    epi_idx = gl.full([M], -1, gl.int32, layout=row_o)
-    pb = 0
-    ph = 0
-    pg = 0
-    for vw in range(w0, n_work, w_step):
-        b, h, group, row0, idx_off, perm_off = _work_item(vw, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)
-        if i > 0:  # the previous item's epilogue, under the other warpgroup's boundary block
-            _epilogue(acc, m_i, l_i, epi_idx, epi_idx, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, 0, 0, C, S,
-                      pb, ph, pg, (pb * H + ph).to(gl.int64) * S, stride_ob, stride_oh, stride_os, stride_od, stride_rb,
-                      stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, stride_eb, stride_eh,
-                      stride_es, stride_mb, stride_mh, stride_mg, stride_md, s_zero, M, HEAD_DIM, RETURN_LSE,
-                      RES_KIND, ROW64, False, STREAM)
-        q = _chain_q(q_smem, q_ready, q_empty, i, HALF, Q_SLOTS, FENCE, q_dot, True)  # read again, the slot freed
-        offs_mo = row0 + HALF * M + gl.arange(0, M, layout=row_o)
-        epi_idx = gl.load(PERM + perm_off + offs_mo, mask=offs_mo < C, other=-1, eviction_policy=STREAM)
-        n_tiles = gl.cdiv(n_end, BLOCK_N)
-        m_i = gl.full([M], float("-inf"), gl.float32, layout=row_s)
-        l_i = gl.zeros([M], gl.float32, layout=row_s)
-        acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
-        for t in range(n_tiles - 1):  # every tile but the last: all slots valid
-            p16, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N,
-                                                 p_layout, row_o, False)
-            acc = acc * alpha[:, None]
-            acc, qk = _values_then_scores(p16, acc, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
-                                          c + t, turn_w, turn_o, j + t, NUM_STAGES, HALF, True, THREAD_ARRIVE, FENCE)
-        p16, m_i, l_i, alpha = _softmax_tile(qk, n_tiles - 1, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N,
-                                             p_layout, row_o, True)  # the last tile: slots past the count weigh 0
-        acc = acc * alpha[:, None]
-        if vw + w_step < n_work:  # the boundary block: this item's last P V with the next item's first QK^T
-            next_idx = KV_IDX + _work_item(vw + w_step, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4]
-            n_end = _count_from_tail(tail, next_idx, K_ALLOC, 128, 4)
-            tail = _tail_probe(KV_IDX + _work_item(vw + 2 * w_step, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4],
-                               K_ALLOC, vw + 2 * w_step < n_work, 128, 4, STREAM)
-            q_next = _chain_q(q_smem, q_ready, q_empty, i + 1, HALF, Q_SLOTS, FENCE, q_dot, False)
-            acc, qk = _values_then_scores(p16, acc, q_next, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                                          s_zero, c + n_tiles - 1, turn_w, turn_o, j + n_tiles - 1, NUM_STAGES, HALF,
-                                          True, THREAD_ARRIVE, FENCE)
-        else:  # the program's last item: its last P V alone
-            acc = _values(p16, acc, v_smem, v_ready, v_empty, c + n_tiles - 1, turn_w, turn_o, j + n_tiles - 1,
-                          NUM_STAGES, HALF, True, THREAD_ARRIVE, FENCE)
-        pb = b
-        ph = h
-        pg = group
-        c += n_tiles
-        j += n_tiles
-        i += 1
-    _epilogue(acc, m_i, l_i, epi_idx, epi_idx, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, 0, 0, C, S, pb, ph,
-              pg, (pb * H + ph).to(gl.int64) * S, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh,
-              stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb,
-              stride_mh, stride_mg, stride_md, s_zero, M, HEAD_DIM, RETURN_LSE, RES_KIND, ROW64, False, STREAM)
-
-
-@gluon.jit
 def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_O, WS_ML, q_smem, k_smem, v_smem,
               q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn_w, turn_o, w0, n_work, w_step, H, G_MB,
               n_slots, C, K_ALLOC, S, n_full, n_parts, sm_scale_log2,
@@ -927,7 +814,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
               PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr,
               CP_ASYNC_FENCE: gl.constexpr, Q_REGS: gl.constexpr, SPLIT: gl.constexpr, STREAM: gl.constexpr,
-              CHAIN: gl.constexpr = False, SKIP_RESCALE: gl.constexpr = False, MAX_TREE: gl.constexpr = False,
+              SKIP_RESCALE: gl.constexpr = False, MAX_TREE: gl.constexpr = False,
               SUM_PARTIAL: gl.constexpr = False):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
     loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
@@ -944,105 +831,97 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
                                                        instr_shape=[16, BLOCK_N, 16])
     q_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    if CHAIN:  # one pingpong block sequence across items (_chain_walk)
-        _chain_walk(PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, q_smem, k_smem, v_smem, q_ready,
-                    q_empty, k_ready, v_ready, k_empty, v_empty, turn_w, turn_o, w0, n_work, w_step, H, G_MB, n_slots,
-                    C, K_ALLOC, S, sm_scale_log2, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh,
-                    stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb,
-                    stride_mh, stride_mg, stride_md, Q.dtype.element_ty, HALF, M_BLOCKS, HEAD_DIM, BLOCK_N,
-                    NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, Q_SLOTS, THREAD_ARRIVE, CP_ASYNC_FENCE, STREAM)
-    else:
-        c = 0  # ring tiles consumed so far (all items)
-        i = 0
-        jb = 0  # SPLIT: product blocks issued so far (pingpong turns), n_tiles + 1 per non-empty part
-        if PERSISTENT:  # the first item's count tail (the loop loads each next item's)
-            w_first = _sub_item(w0, n_full, n_parts, SPLIT)[0]
-            tail = _tail_probe(KV_IDX + _work_item(w_first, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4], K_ALLOC,
-                               w0 < n_work, 128, 4, STREAM)
-        for vw in range(w0, n_work, w_step):
-            w, part, parts = _sub_item(vw, n_full, n_parts, SPLIT)
-            b, h, group, row0, idx_off, perm_off = _work_item(w, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)
-            rowh = row0 + HALF * M
-            if not PERSISTENT:
-                tail = _tail_probe(KV_IDX + idx_off, K_ALLOC, True, 128, 4, STREAM)
-            offs_mo = rowh + gl.arange(0, M, layout=row_o)
-            epi_idx = gl.load(PERM + perm_off + offs_mo, mask=offs_mo < C, other=-1,
-                              eviction_policy=STREAM)  # used by the epilogue
-            if STAGE_OUT:  # the staged epilogue's rows too, in its store layout's row slice
-                offs_m2 = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, st_lay))
-                epi_idx2 = gl.load(PERM + perm_off + offs_m2, mask=offs_m2 < C, other=-1, eviction_policy=STREAM)
-            else:
-                epi_idx2 = epi_idx
-            if PERSISTENT:  # the queries came from the producer; the count from the tail loaded an item ago
-                n_end = _count_from_tail(tail, KV_IDX + idx_off, K_ALLOC, 128, 4)
-                w_next = _sub_item(vw + w_step, n_full, n_parts, SPLIT)[0]
-                tail = _tail_probe(KV_IDX + _work_item(w_next, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4], K_ALLOC,
-                                   vw + w_step < n_work, 128, 4, STREAM)
-                qs = i % Q_SLOTS
-                q_tile = q_smem.index(qs * 2 + HALF)
-                mbarrier.wait(q_ready.index(qs), (i // Q_SLOTS) & 1)
-                if CP_ASYNC_FENCE:  # the queries came by cp.async too
-                    fence_async_shared()
-                if Q_REGS:  # this half's queries into registers (the QK^T's A operand): the slot is free at once
-                    q_tile = q_tile.load(q_dot)
-                    mbarrier.arrive(q_empty.index(qs), count=1)
-            else:  # one item per program: this half's Q rows through perm, into its own tile
-                offs_m = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, q_lay))
-                q_idx = gl.load(PERM + perm_off + offs_m, mask=offs_m < C, other=-1, eviction_policy=STREAM)
-                n_end = _count_from_tail(tail, KV_IDX + idx_off, K_ALLOC, 128, 4)
-                q_ok = (q_idx >= 0) & (q_idx < S)
-                q_rows = gl.where(q_ok, q_idx, 0)
-                if ROW64:
-                    q_rows = q_rows.to(gl.int64)
-                offs_dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_lay))
-                q_base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
-                q = gl.load(q_base + q_rows[:, None] * stride_qs + offs_dq[None, :] * stride_qd, mask=q_ok[:, None],
-                            other=0.0, eviction_policy=STREAM)
-                q_tile = q_smem.index(HALF)
-                q_tile.store(q)
+    c = 0  # ring tiles consumed so far (all items)
+    i = 0
+    jb = 0  # SPLIT: product blocks issued so far (pingpong turns), n_tiles + 1 per non-empty part
+    if PERSISTENT:  # the first item's count tail (the loop loads each next item's)
+        w_first = _sub_item(w0, n_full, n_parts, SPLIT)[0]
+        tail = _tail_probe(KV_IDX + _work_item(w_first, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4], K_ALLOC,
+                           w0 < n_work, 128, 4, STREAM)
+    for vw in range(w0, n_work, w_step):
+        w, part, parts = _sub_item(vw, n_full, n_parts, SPLIT)
+        b, h, group, row0, idx_off, perm_off = _work_item(w, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)
+        rowh = row0 + HALF * M
+        if not PERSISTENT:
+            tail = _tail_probe(KV_IDX + idx_off, K_ALLOC, True, 128, 4, STREAM)
+        offs_mo = rowh + gl.arange(0, M, layout=row_o)
+        epi_idx = gl.load(PERM + perm_off + offs_mo, mask=offs_mo < C, other=-1,
+                          eviction_policy=STREAM)  # used by the epilogue
+        if STAGE_OUT:  # the staged epilogue's rows too, in its store layout's row slice
+            offs_m2 = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, st_lay))
+            epi_idx2 = gl.load(PERM + perm_off + offs_m2, mask=offs_m2 < C, other=-1, eviction_policy=STREAM)
+        else:
+            epi_idx2 = epi_idx
+        if PERSISTENT:  # the queries came from the producer; the count from the tail loaded an item ago
+            n_end = _count_from_tail(tail, KV_IDX + idx_off, K_ALLOC, 128, 4)
+            w_next = _sub_item(vw + w_step, n_full, n_parts, SPLIT)[0]
+            tail = _tail_probe(KV_IDX + _work_item(w_next, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4], K_ALLOC,
+                               vw + w_step < n_work, 128, 4, STREAM)
+            qs = i % Q_SLOTS
+            q_tile = q_smem.index(qs * 2 + HALF)
+            mbarrier.wait(q_ready.index(qs), (i // Q_SLOTS) & 1)
+            if CP_ASYNC_FENCE:  # the queries came by cp.async too
                 fence_async_shared()
-            if OVERLAP:
-                acc, m_i, l_i = _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w,
-                                                  turn_o, q_empty.index(i % Q_SLOTS), n_end, c, c - i, sm_scale_log2,
-                                                  Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF, PINGPONG,
-                                                  THREAD_ARRIVE, EARLY_Q if not Q_REGS else False, CP_ASYNC_FENCE)
-            elif SPLIT:  # this part's key tiles (none: an empty part, O = 0 and l = 0 for the merge)
-                t_lo, t_hi = _part_tiles(gl.cdiv(n_end, BLOCK_N), part, parts)
-                if t_hi > t_lo:
-                    acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w, turn_o,
-                                              q_empty.index(i % Q_SLOTS), n_end, t_lo, t_hi - t_lo, c, jb, sm_scale_log2,
-                                              Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF, PIPELINE,
-                                              PINGPONG, THREAD_ARRIVE, EARLY_Q if not Q_REGS else False, CP_ASYNC_FENCE)
-                    jb += t_hi - t_lo + 1
-                else:
-                    acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
-                    m_i = gl.full([M], float("-inf"), gl.float32, layout=row_s)
-                    l_i = gl.zeros([M], gl.float32, layout=row_s)
-                    if EARLY_Q and not Q_REGS:  # the mainloop would have freed the Q slot
-                        mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
-            else:
+            if Q_REGS:  # this half's queries into registers (the QK^T's A operand): the slot is free at once
+                q_tile = q_tile.load(q_dot)
+                mbarrier.arrive(q_empty.index(qs), count=1)
+        else:  # one item per program: this half's Q rows through perm, into its own tile
+            offs_m = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, q_lay))
+            q_idx = gl.load(PERM + perm_off + offs_m, mask=offs_m < C, other=-1, eviction_policy=STREAM)
+            n_end = _count_from_tail(tail, KV_IDX + idx_off, K_ALLOC, 128, 4)
+            q_ok = (q_idx >= 0) & (q_idx < S)
+            q_rows = gl.where(q_ok, q_idx, 0)
+            if ROW64:
+                q_rows = q_rows.to(gl.int64)
+            offs_dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_lay))
+            q_base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
+            q = gl.load(q_base + q_rows[:, None] * stride_qs + offs_dq[None, :] * stride_qd, mask=q_ok[:, None],
+                        other=0.0, eviction_policy=STREAM)
+            q_tile = q_smem.index(HALF)
+            q_tile.store(q)
+            fence_async_shared()
+        if OVERLAP:
+            acc, m_i, l_i = _mainloop_overlap(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w,
+                                              turn_o, q_empty.index(i % Q_SLOTS), n_end, c, c - i, sm_scale_log2,
+                                              Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF, PINGPONG,
+                                              THREAD_ARRIVE, EARLY_Q if not Q_REGS else False, CP_ASYNC_FENCE)
+        elif SPLIT:  # this part's key tiles (none: an empty part, O = 0 and l = 0 for the merge)
+            t_lo, t_hi = _part_tiles(gl.cdiv(n_end, BLOCK_N), part, parts)
+            if t_hi > t_lo:
                 acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w, turn_o,
-                                          q_empty.index(i % Q_SLOTS), n_end, 0, gl.cdiv(n_end, BLOCK_N), c, c + i,
-                                          sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF,
-                                          PIPELINE, PINGPONG, THREAD_ARRIVE, EARLY_Q if not Q_REGS else False,
-                                          CP_ASYNC_FENCE, SKIP_RESCALE, MAX_TREE, SUM_PARTIAL)
-            if SPLIT:
-                c += t_hi - t_lo
+                                          q_empty.index(i % Q_SLOTS), n_end, t_lo, t_hi - t_lo, c, jb, sm_scale_log2,
+                                          Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF, PIPELINE,
+                                          PINGPONG, THREAD_ARRIVE, EARLY_Q if not Q_REGS else False, CP_ASYNC_FENCE)
+                jb += t_hi - t_lo + 1
             else:
-                c += gl.cdiv(n_end, BLOCK_N)
-            if PERSISTENT and not STAGE_OUT and not EARLY_Q:  # every QK^T of the item is done: its Q slot is free
-                mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
-            if SPLIT and parts > 1:  # a part of a split item: merged by sparse_tail_merge after the launch
-                _store_partial(acc, m_i, l_i, WS_O, WS_ML, vw - n_full, HALF, M, HEAD_DIM)
-            else:
-                _epilogue(acc, m_i, l_i, epi_idx, epi_idx2, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off,
-                          rowh, C, S, b, h, group, (b * H + h).to(gl.int64) * S, stride_ob, stride_oh, stride_os, stride_od,
-                          stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, stride_eb,
-                          stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md, q_tile, M, HEAD_DIM,
-                          RETURN_LSE, RES_KIND, ROW64, STAGE_OUT, STREAM)
-            if PERSISTENT and STAGE_OUT:  # the Q tile staged the output rows: free it now
-                mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
-            i += 1
+                acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)
+                m_i = gl.full([M], float("-inf"), gl.float32, layout=row_s)
+                l_i = gl.zeros([M], gl.float32, layout=row_s)
+                if EARLY_Q and not Q_REGS:  # the mainloop would have freed the Q slot
+                    mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
+        else:
+            acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w, turn_o,
+                                      q_empty.index(i % Q_SLOTS), n_end, 0, gl.cdiv(n_end, BLOCK_N), c, c + i,
+                                      sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF,
+                                      PIPELINE, PINGPONG, THREAD_ARRIVE, EARLY_Q if not Q_REGS else False,
+                                      CP_ASYNC_FENCE, SKIP_RESCALE, MAX_TREE, SUM_PARTIAL)
+        if SPLIT:
+            c += t_hi - t_lo
+        else:
+            c += gl.cdiv(n_end, BLOCK_N)
+        if PERSISTENT and not STAGE_OUT and not EARLY_Q:  # every QK^T of the item is done: its Q slot is free
+            mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
+        if SPLIT and parts > 1:  # a part of a split item: merged by sparse_tail_merge after the launch
+            _store_partial(acc, m_i, l_i, WS_O, WS_ML, vw - n_full, HALF, M, HEAD_DIM)
+        else:
+            _epilogue(acc, m_i, l_i, epi_idx, epi_idx2, PERM, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, perm_off,
+                      rowh, C, S, b, h, group, (b * H + h).to(gl.int64) * S, stride_ob, stride_oh, stride_os, stride_od,
+                      stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, stride_eb,
+                      stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md, q_tile, M, HEAD_DIM,
+                      RETURN_LSE, RES_KIND, ROW64, STAGE_OUT, STREAM)
+        if PERSISTENT and STAGE_OUT:  # the Q tile staged the output rows: free it now
+            mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
+        i += 1
 
 
 @gluon.jit
@@ -1063,7 +942,7 @@ def _sparse_fwd_sm90(
     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr,
     L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr, CP_ASYNC_FENCE: gl.constexpr,
     Q_REGS: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr, SPLIT: gl.constexpr,
-    NO_COPY: gl.constexpr, STREAM: gl.constexpr, CHAIN: gl.constexpr, SKIP_RESCALE: gl.constexpr,
+    NO_COPY: gl.constexpr, STREAM: gl.constexpr, SKIP_RESCALE: gl.constexpr,
     MAX_TREE: gl.constexpr, SUM_PARTIAL: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
@@ -1116,7 +995,7 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     CHAIN, SKIP_RESCALE, MAX_TREE, SUM_PARTIAL)),
+                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_O, WS_ML, q_smem, k_smem, v_smem,
                      q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn_1, turn_0, w0, w_end, w_step, H, G_MB, n_slots, C,
@@ -1126,13 +1005,13 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     CHAIN, SKIP_RESCALE, MAX_TREE, SUM_PARTIAL)),
+                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK, n_full, n_parts,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, ROW_THREADS, ROW64, PERSISTENT, Q_SLOTS, L2_PREFETCH,
-                     EARLY_Q, IDX_AHEAD, NEXT_ITEM, SPLIT, NO_COPY, STREAM, CHAIN)),
+                     EARLY_Q, IDX_AHEAD, NEXT_ITEM, SPLIT, NO_COPY, STREAM)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1140,7 +1019,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 row_threads=None, consumer_regs=None, producer_regs=None, maxnreg=None, row64=None, pipeline=None,
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
                 q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None,
-                idx_ahead=None, next_item=None, split_tail=None, chain=None, tail_launch=None, skip_rescale=None,
+                idx_ahead=None, next_item=None, split_tail=None, tail_launch=None, skip_rescale=None,
                 max_tree=None, sum_partial=None, diag_no_copy=False):
     """(grid, positional args, meta) of one launch, and (out, lse, tail): tail None, or with ``split_tail`` and a
     last, partial round of work items the arguments of ``sparse_tail_merge.merge`` (run after the launch: it writes
@@ -1197,10 +1076,6 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     if split_tail and (not persistent or overlap or stage_out
                        or int(cfg["idx_ahead"] if idx_ahead is None else idx_ahead) == 3):
         raise ValueError("split_tail runs persistent, without overlap / stage_out, idx_ahead 1 or 2")
-    chain = bool(cfg["chain"] if chain is None else chain)
-    if chain and not (persistent and q_regs and bool(cfg["pingpong"] if pingpong is None else pingpong)
-                      and not overlap and not split_tail):
-        raise ValueError("chain runs persistent pingpong with q_regs, without overlap / split_tail")
     tail_launch = int(cfg["tail_launch"] if tail_launch is None else tail_launch)
     if tail_launch and (not persistent or overlap or stage_out or split_tail
                         or int(cfg["idx_ahead"] if idx_ahead is None else idx_ahead) == 3):
@@ -1253,7 +1128,6 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 NEXT_ITEM=next_item,
                 SPLIT=bool(split_tail),
                 NO_COPY=bool(diag_no_copy),
-                CHAIN=chain,
                 SKIP_RESCALE=bool(cfg["skip_rescale"] if skip_rescale is None else skip_rescale) and D == 128,
                 MAX_TREE=bool(cfg["max_tree"] if max_tree is None else max_tree),
                 SUM_PARTIAL=bool(cfg["sum_partial"] if sum_partial is None else sum_partial),
@@ -1261,12 +1135,12 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     if tail_parts > 1:  # the tail launch: one program per part, its partial O / max / sum to the workspace only
         # (no residual, no LSE: the merge adds them), the split walk's registers 216 / 72 (its producer spills at
-        # 224 / 56); the chain and next-item walks are the whole-item launch's
+        # 224 / 56); the next-item walk is the whole-item launch's
         _, none_ptrs, none_strides = residual_args(None, out)
         n_parts_virtual = n_full + tail["n_tail"] * tail_parts
         tail["launch"] = ((tail["n_tail"] * tail_parts,),
                           _args(out, none_ptrs, none_strides, n_parts_virtual, n_full, tail_parts, n_full),
-                          dict(meta, RETURN_LSE=False, RES_KIND=0, SPLIT=True, CHAIN=False, NEXT_ITEM=False,
+                          dict(meta, RETURN_LSE=False, RES_KIND=0, SPLIT=True, NEXT_ITEM=False,
                                CONSUMER_REGS=216, PRODUCER_REGS=72))
     return grid, args, meta, (out, lse, tail)
 
@@ -1312,9 +1186,7 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             this launch walks whole rounds only and
             the last, partial round's items run in a second launch of the kernel, N key ranges each, one program
             per part, without residual or LSE (the merge adds them): the first launch keeps its register split
-            and schedule, ``chain`` included), ``chain`` (persistent pingpong with ``q_regs``: a program's items as one sequence of product blocks, an
-            item's last P V issued with the next item's first QK^T and its epilogue at the next item's start:
-            ``_chain_walk``), ``skip_rescale`` (D = 128; ignored at D = 64: each warp skips its accumulator's
+            and schedule), ``skip_rescale`` (D = 128; ignored at D = 64: each warp skips its accumulator's
             rescale when none of its rows' running max moved, ``_rescale``), ``max_tree`` (the scores' row maxima
             as a tree: ``_row_max``), ``sum_partial`` (the row sums as per-thread partials, finished once per
             item: ``_thread_sums``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer

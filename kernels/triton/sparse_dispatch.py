@@ -63,20 +63,10 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence idx2": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         idx_ahead=2),
-    # q_regs with one pingpong block sequence across a program's items (chain: an item's last P V issued with the
-    # next item's first QK^T, its epilogue under the other warpgroup's boundary block); alone and with idx2
-    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs chain": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, chain=True),
-    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs idx2 chain": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, idx_ahead=2, chain=True),
-    # chain with the last, partial round of work items in a second launch split into key ranges (tail_launch: the
+    # q_regs with the last, partial round of work items in a second launch split into key ranges (tail_launch: the
     # first launch keeps 224 / 56 and its schedule; the tail launch runs without residual / LSE, 216 / 72, merged by
-    # kernels/triton/sparse_tail_merge.py)
-    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs chain tail_launch": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, chain=True, tail_launch=4),
+    # kernels/triton/sparse_tail_merge.py). (chain, one pingpong block sequence across a program's items, measured no
+    # faster in round s8r1 and was removed in session 9)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs tail_launch": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         q_regs=True, tail_launch=4),
