@@ -248,7 +248,12 @@ CAND = SPLIT + ",pdl,v3"  # round s8r1's candidate options (the op's default sin
 AHEAD = CAND + ",q_ahead,cnt_ahead,idx_ahead"  # session 9's candidate: the next item's queries, count, index ahead
 
 
-@pytest.mark.parametrize("options", [SPLIT, CAND, AHEAD], ids=["split", "split-pdl-v3", "split-pdl-v3-ahead"])
+K3 = SPLIT + ",pdl,k3,q_ahead,cnt_ahead,idx_ahead"  # 3 K stages, 2 V stages (instead of v3's 2 / 3), loads early
+LAZY = AHEAD + ",lazy_rescale"  # + the running max raised only past a threshold, O's rescale skipped per warp
+
+
+@pytest.mark.parametrize("options", [SPLIT, CAND, AHEAD, K3, LAZY], ids=[
+    "split", "split-pdl-v3", "split-pdl-v3-ahead", "split-pdl-k3-early", "split-pdl-v3-early-lazy"])
 @pytest.mark.parametrize(("B", "H", "S", "K", "ragged", "lse"), [
     (2, 3, 2900, 700, True, True), (1, 1, 140 * 128 - 5, 3000, False, False),
 ], ids=["138-groups-ragged-lse", "140-groups"])
@@ -277,8 +282,8 @@ def test_cutedsl_split_tail(monkeypatch, B, H, S, K, ragged, lse, options):
     print(f"cutedsl split_tail {B * H * idx.shape[2]} groups on {sms} SMs, {parts} parts: rel err {err:.2e}")
 
 
-@pytest.mark.parametrize(("options", "with_res"), [(CAND, False), (AHEAD, False), (RES_CAND, True)],
-                         ids=["pdl-v3", "pdl-v3-ahead", "res-pdl-v3-ahead"])
+@pytest.mark.parametrize(("options", "with_res"), [(CAND, False), (AHEAD, False), (RES_CAND, True), (LAZY, False)],
+                         ids=["pdl-v3", "pdl-v3-ahead", "res-pdl-v3-ahead", "pdl-v3-early-lazy"])
 def test_cutedsl_pdl_chain(monkeypatch, options, with_res):
     """"pdl" (with "v3"; the op's three launches as programmatic dependent launches, each waiting for the kernel before it):
     three op calls queued with no host synchronisation, each reading what the launch just before it wrote: k made
@@ -339,3 +344,24 @@ def test_cutedsl_overlap_residual(kind):
                   1 / math.sqrt(D), ctas)
         assert not out.isnan().any() and base[..., H * D:].isnan().all() and not lse_t.isnan().any(), ctas
         _check(out, lse_t, q, k, v, perm, idx, res)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cutedsl_lazy_rescale_ramp(monkeypatch, dtype):
+    """"lazy_rescale" where the running max moves a lot: keys scaled up toward the low token indices (the kernel
+    walks a group's key tiles from the last to the first, so each tile's scores grow past the threshold over the
+    previous max: rows rescaled mid-walk), mixed with tiles that stay under it; 138 groups (the last round split and
+    merged), ragged counts, the LSE, through the op against float64."""
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", LAZY)
+    gen = torch.Generator(device="cuda").manual_seed(97)
+    B, H, S, C, D, K = 2, 3, 2900, 128, 128, 700
+    q, k, v = (_native(gen, B, S, H, D, dtype) for _ in range(3))
+    ramp = 1 + 12 * (1 - torch.arange(S, device="cuda") / S) ** 2  # x13 at token 0, x1 at the end
+    k = (k.float() * ramp[:, None]).to(dtype)
+    perm, idx = _inputs(gen, B, H, S, C, K, 768, True)
+    base = torch.full((B, S, H * D), float("nan"), dtype=dtype, device="cuda")
+    out = base.view(B, S, H, D).transpose(1, 2)
+    got, lse = _cutedsl(q, k, v, perm, idx, out=out, return_lse=True)
+    assert not base.isnan().any() and not lse.isnan().any()
+    err = _check(got, lse, q, k, v, perm, idx)
+    print(f"cutedsl lazy_rescale ramp {dtype}: rel err {err:.2e}")

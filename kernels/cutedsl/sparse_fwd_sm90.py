@@ -118,7 +118,13 @@ EPILOGUES = ("registers", "smem")
 # "idx_ahead" (with "q_ahead"): with the next item's queries the producer also reads its valid count and its first
 # key tile's index entries (registers until the next item's start), so the next item's first K tile is issued
 # without the two dependent loads (count, then kv_idx from DRAM) that the boundary waited for.
-OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3", "q_ahead", "cnt_ahead", "idx_ahead")
+# "lazy_rescale" (with "overlap"): a row's running max is raised only when a key tile's max exceeds it by more than
+# ``RESCALE_THRESHOLD`` (log2 units of the scaled scores, so the exponentials stay <= 2^8: exact in fp32 sums and O,
+# and P keeps its relative precision in fp16 / bf16), and a warp skips the 64 multiplies of its O accumulator
+# rescale when none of its rows moved (``_LazySoftmax``): after the first few key tiles of a group almost every tile.
+OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3", "q_ahead", "cnt_ahead", "idx_ahead",
+           "lazy_rescale")
+RESCALE_THRESHOLD = 8.0
 Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
@@ -157,6 +163,56 @@ class _IndexRow:
         for i in cutlass.range_constexpr(1):
             self.rows.tPrPage[i] = self.batch
             self.rows.tPrPageOffset[i] = self.nxt[i]
+
+
+@dataclass
+class _LazySoftmax(Softmax):
+    """flash-attn-4's sm90 online softmax (``Softmax``, used as a library) with the "lazy_rescale" option's rule: a
+    row keeps its running max m while a tile's scores stay below m + ``RESCALE_THRESHOLD`` / scale_log2 (then its
+    row scale is exactly 1), and ``rescale_O`` skips a warp's multiplies when every row scale of the warp is 1. The
+    sums and O stay consistent with the max actually used, so the result is the same softmax."""
+
+    @staticmethod
+    def create(scale_log2: Float32, num_rows: cutlass.Constexpr[int], softmax_scale: Float32 | None = None):
+        return _LazySoftmax(scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
+                            cute.make_rmem_tensor(num_rows, Float32), 80, softmax_scale)
+
+    @cute.jit
+    def online_softmax(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool] = False,
+                       check_inf: cutlass.Constexpr[bool] = True) -> cute.Tensor:
+        """P = exp2(S * scale_log2 - m * scale_log2) in place of ``acc_S``, the row sums updated; returns the row
+        scales for O (1 where m did not move)."""
+        if const_expr(is_first):
+            return Softmax.online_softmax(self, acc_S, is_first=True, check_inf=check_inf)
+        acc_S_mn = layout_utils.reshape_acc_to_mn(acc_S)
+        row_scale = cute.make_fragment_like(self.row_max, Float32)
+        for r in cutlass.range(cute.size(self.row_max), unroll_full=True):
+            scores = acc_S_mn[r, None].load()
+            prev = self.row_max[r]
+            tile_max = cute.arch.warp_reduction_max(fa_utils.fmax_reduce(scores, init_val=prev, arch=80),
+                                                    threads_in_group=4)
+            # the scaled growth of the max; within the threshold the previous max stays (no rescale)
+            grow = (tile_max - prev) * self.scale_log2
+            keep = grow <= RESCALE_THRESHOLD
+            m = prev if keep else tile_max
+            self.row_max[r] = m
+            m_safe = m
+            if const_expr(check_inf):
+                m_safe = 0.0 if m == -Float32.inf else m
+            p = cute.math.exp2(scores * self.scale_log2 - m_safe * self.scale_log2, fastmath=True)
+            row_scale[r] = 1.0 if keep else cute.math.exp2((prev - m_safe) * self.scale_log2, fastmath=True)
+            self.row_sum[r] = fa_utils.fadd_reduce(p, init_val=self.row_sum[r] * row_scale[r], arch=80)
+            acc_S_mn[r, None].store(p)
+        return row_scale
+
+    @cute.jit
+    def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor) -> None:
+        """O's rows times ``row_scale``, skipped by a warp whose row scales are all 1."""
+        moved = row_scale[0] != 1.0
+        for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+            moved = moved | (row_scale[r] != 1.0)
+        if cute.arch.vote_any_sync(moved):
+            Softmax.rescale_O(self, acc_O, row_scale)
 
 
 class GroupScheduler:
@@ -256,6 +312,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.cnt_ahead = "cnt_ahead" in options
         assert not ({"q_ahead", "cnt_ahead"} & set(options)) or self.overlap, "q_ahead / cnt_ahead: overlap options"
         self.idx_ahead = "idx_ahead" in options
+        self.lazy_rescale = "lazy_rescale" in options
+        assert not self.lazy_rescale or self.overlap, "lazy_rescale is an overlap option"
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
 
     @cute.jit
@@ -586,8 +644,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
         kv_state = make_pipeline_state(PipelineUserType.Consumer, self.k_stages)  # K: the last tile consumed
         v_state = make_pipeline_state(PipelineUserType.Consumer, self.v_stages)  # V: the next tile to consume
-        softmax = Softmax.create(softmax_scale_log2, num_rows=acc_O.shape[0][0] * acc_O.shape[1],
-                                 softmax_scale=softmax_scale)
+        softmax = (_LazySoftmax if const_expr(self.lazy_rescale) else Softmax).create(
+            softmax_scale_log2, num_rows=acc_O.shape[0][0] * acc_O.shape[1], softmax_scale=softmax_scale)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
         tile_scheduler = TileSchedulerCls()
