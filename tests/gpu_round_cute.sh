@@ -10,22 +10,25 @@ COMMIT=$2
 ROUNDS=${3:-6}
 DEF="persistent,overlap,hide_epi,split_tail,pdl,v3"  # the op's default since round s8r2 (rules.STAGED_OPTIONS)
 AHEAD="$DEF,q_ahead,cnt_ahead,idx_ahead"  # candidate: the next item's queries, count, first index entries ahead
-QA="$DEF,q_ahead,cnt_ahead"  # the same without idx_ahead (checked by the bench before it is timed)
+LAZY="$AHEAD,lazy_rescale"  # + the running max raised only past a threshold, O's rescale skipped per warp
 mkdir -p "$OUT"
-# the candidate through the op against float64: split last rounds (138 groups ragged LSE, 140 groups of 24 tiles),
-# overlap grids of 1-500 CTAs (fp16 D 64, no split), the chain of three op calls queued without a sync; 3 compiles
+# the candidates through the op against float64 (4 compiles on a cold machine): AHEAD: overlap grids of 1-500 CTAs
+# (fp16 D 64, no split), split last rounds (138 groups ragged LSE, 140 groups of 24 tiles), the chain of three op calls
+# queued without a sync; LAZY: the chain, keys ramped so rows rescale mid-walk (bf16, 138 groups, LSE)
 timeout -k 3 45 python3 -m pytest -v -p no:cacheprovider tests/test_gpu_cutedsl.py \
-  -k '(split_tail and ahead) or (overlap_grids and ahead) or (pdl_chain and ahead and not res)' > "$OUT/tests.log" 2>&1
+  -k '(split_tail and ahead) or (overlap_grids and ahead) or (pdl_chain and (ahead or lazy) and not res) or (lazy_rescale_ramp and bf16)' \
+  > "$OUT/tests.log" 2>&1
 grep -E "PASSED|FAILED|ERROR|passed|failed|Timeout" "$OUT/tests.log" | tail -n 10
-# all selected tests passed: the summary line starts with "N passed" (a failure or error comes first in it; a cut run
-# has no summary line)
-if grep -qE "FAILED|ERROR" "$OUT/tests.log" || ! grep -qE "^=+ [0-9]+ passed" "$OUT/tests.log"; then
-  ROWS=""
-  echo "the candidates' GPU tests did not all pass: candidates NOT timed"
-else
-  ROWS="$AHEAD;$QA"
+passed() { for t in "$@"; do grep -qF "::$t PASSED" "$OUT/tests.log" || return 1; done; }
+ROWS=""
+if passed "test_cutedsl_overlap_grids[ahead-fp16-d64]" "test_cutedsl_split_tail[138-groups-ragged-lse-split-pdl-v3-ahead]" \
+    "test_cutedsl_split_tail[140-groups-split-pdl-v3-ahead]" "test_cutedsl_pdl_chain[pdl-v3-ahead]"; then
+  ROWS="$AHEAD"
+  if passed "test_cutedsl_pdl_chain[pdl-v3-early-lazy]" "test_cutedsl_lazy_rescale_ramp[bf16]"; then
+    ROWS="$AHEAD;$LAZY"
+  fi
 fi
-echo "op rows: op (default $DEF); op with: $ROWS"
+echo "op rows: op (default $DEF); op with: ${ROWS:-(none: a GPU test of the candidates did not pass)}"
 timeout -k 3 70 python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
   --no-compile-times --op-rows options --op-options "$ROWS" --variants ""
 if [ "${OLD:-0}" = 1 ]; then  # the op row timed the sessions 5-8 way (no lead-in), beside the figures above
