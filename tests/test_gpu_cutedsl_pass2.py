@@ -5,7 +5,8 @@ key tile; an odd key-tile count, so the consumers' last pair holds an all-zero t
 group, padded slots inside groups (perm -1), B = 2, Sk != S, C 100 / 128, float16 and float32 sums, a persistent
 walk of several groups per CTA (num_ctas small: the query ring wraps), key splits (ksplit, an empty last part),
 the pingpong schedule, the FMA-pipe exponential share (poly), the LSE through shared memory (lse_smem) and
-the query-half products (qsplit) and three consumer warpgroups (wg3).
+the query-half products (qsplit), three and four consumer warpgroups (wg3, wg4), two query groups per work item
+(pair), and the fused top-K (``test_cutedsl_fused_topk_equals_brute_force``).
 
 ``test_cutedsl_pass2_equals_float64`` uses torch-made operands (no Triton compile: what a round with a short cap
 runs, ``-k "not triton"``); ``..._and_the_triton_kernel`` the operands of ``selection.fp8_operands`` and the
@@ -52,7 +53,7 @@ def _warm(request):
     for item in request.session.items:
         if item.module is request.module and "num_keys" in getattr(getattr(item, "callspec", None), "params", {}):
             opts = item.callspec.params["opts"]
-            more = {k: opts[k] for k in ("wg4", "stages") if k in opts}
+            more = {k: opts[k] for k in ("wg4", "stages", "pair") if k in opts}
             for c in (dict(out_dtype="float16", **more), dict(out_dtype="float16", topk=True, **more)):  # fused tests
                 if c not in configs:
                     configs.append(c)
@@ -105,8 +106,10 @@ VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5, ksplit=1)), (
                                                                                        pingpong=True, poly=8)),
                                        (CASES[2], dict(wg3=False)), (CASES[0], dict(wg3=False, lse_smem=False)),
                                        (CASES[1], dict(wg3=True, lse_smem=True, num_ctas=5)),
-                                       (CASES[2], dict(wg4=True, stages=3, num_ctas=6))]
-_COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "wg3", "wg4")  # the tuning keys that are compile-time
+                                       (CASES[2], dict(wg4=True, stages=3, num_ctas=6)),
+                                       (CASES[1], dict(pair=True, num_ctas=5)),
+                                       (CASES[2], dict(pair=True, wg4=True, stages=3, ksplit=2))]
+_COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "wg3", "wg4", "pair")  # the tuning keys that are compile-time
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,
@@ -226,7 +229,8 @@ def test_cutedsl_pass2_refusals():
 # 5 CTAs (each walks many rows: both selecting warps' ring slots wrap); K = Sk and K = 1; twin keys (every sum tied
 # with its neighbour's: the tie rule decides); a sample plan whose brackets miss (every row through the radix launch).
 # Then: four consumer warpgroups (wg4, 3 stages); key splits (a row's parts from different CTAs, the last part's
-# selecting warp selects it; 2000 keys = 11 stages of 192 in 5 parts of 3: an empty last part).
+# selecting warp selects it; 2000 keys = 11 stages of 192 in 5 parts of 3: an empty last part); two groups per item
+# (pair; G = 29: the last item's second group does not exist; with a key split).
 FUSED = [
     ((1, 2, 4000, 4000, 128, False), 1000, 1024, {}, False),
     ((2, 3, 2850, 2000, 100, False), 500, 512, dict(num_ctas=5), False),
@@ -237,6 +241,8 @@ FUSED = [
     ((2, 3, 2850, 2000, 100, True), 700, 768, dict(wg4=True, stages=3, num_ctas=5), False),
     ((1, 2, 4000, 4000, 128, False), 1000, 1024, dict(ksplit=2, num_ctas=7), False),
     ((2, 3, 2850, 2000, 100, True), 333, 384, dict(ksplit=5, num_ctas=5), True),
+    ((2, 3, 2850, 2000, 100, False), 600, 640, dict(pair=True, stages=3, num_ctas=5), True),
+    ((1, 2, 2900, 2904, 128, True), 1000, 1024, dict(pair=True, stages=3, ksplit=2, num_ctas=6), False),
 ]
 
 

@@ -76,6 +76,7 @@ HALF = 64  # keys per consumer warpgroup per stage (the wgmma M)
 LOG2E = 1.4426950408889634
 OUT_DTYPES = {"float16": cutlass.Float16, "float32": cutlass.Float32}
 PINGPONG_BARRIER = 3  # named barriers 3 and 4: consumer warpgroup 0's / 1's turn to issue (0: the CTA-wide sync)
+BIAS_BARRIER = 5  # named barrier 5: the consumers' in-place LSE -> bias conversion of a pair item (``pair``)
 SELECT_WARPS = 2  # producer warps 2 and 3: the fused top-K's selecting warps (``topk``)
 CAND_SLOTS = 16384  # each selecting warp's int16 candidate slots in shared memory (32 KiB; the bracket plan's cap at
 # 14B 720p, s = 0.5: 16384)
@@ -119,7 +120,7 @@ class Pass2Sm90:
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, regs: tuple = (224, 56), pingpong: bool = False,
                  lse_smem: bool = False, qsplit: bool = False, diag: str = "", wg3: bool = False, topk: bool = False,
-                 wg4: bool = False):
+                 wg4: bool = False, pair: bool = False):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -152,6 +153,13 @@ class Pass2Sm90:
         # the top-K fused: producer warps 2 and 3 select each finished row of the CTA (``_select_rows``); wg3 only
         assert not topk or self.nwg > 2, "topk: wg3 / wg4 only"
         self.topk = topk
+        # pair: two query groups per work item; every key stage serves both (two wgmmas per warpgroup on the same
+        # keys, half the key traffic from L2 per query); wg3 / wg4 with lse_smem only
+        assert not pair or (self.nwg > 2 and lse_smem), "pair: wg3 / wg4 with lse_smem"
+        self.gpi = 2 if pair else 1  # query groups per work item
+        smem = (stages * self.stage_keys + 2 * self.gpi * TILE_Q) * HEAD_DIM + 2 * self.gpi * TILE_Q * 4 + (
+            SELECT_WARPS * CAND_SLOTS * 2 if topk else 0) + 2048
+        assert smem <= 227 * 1024, f"shared memory {smem} bytes > 227 KiB (stages {stages}, pair {pair}, topk {topk})"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
@@ -164,7 +172,7 @@ class Pass2Sm90:
         mQ, mK = [layout_utils.select(t, [1, 2, 0]) for t in (mQ, mK)]
         tiled_mma = sm90_utils.make_tiled_mma(self.dtype, "K", "K", TILE_Q // 2 if const_expr(self.qsplit) else TILE_Q,
                                               "SS", (1, 1, 1))
-        sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_Q, HEAD_DIM), 2)
+        sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_Q, HEAD_DIM), 2 * self.gpi)
         sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (self.stage_keys, HEAD_DIM),
                                                 self.stages)
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
@@ -175,12 +183,13 @@ class Pass2Sm90:
         ]
         fields = dict(mbar_k=cute.struct.MemRange[cutlass.Int64, self.stages * 2],
                       mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * 2],
-                      sL=cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_Q], 16], sQ=sQ_struct, sK=sK_struct)
+                      sL=cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.gpi * TILE_Q], 16], sQ=sQ_struct,
+                      sK=sK_struct)
         if const_expr(self.topk):  # the row ring (full / empty per selecting warp) and each warp's candidate slots
             fields["mbar_row"] = cute.struct.MemRange[cutlass.Int64, 2 * SELECT_WARPS]
             fields["sC"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int16, SELECT_WARPS * CAND_SLOTS], 16]
         SharedStorage = cute.struct(type("Pass2Storage", (), {"__annotations__": fields}))
-        total = mPerm.shape[0] * mOut.shape[2] * ksplit
+        total = mPerm.shape[0] * ((mOut.shape[2] + self.gpi - 1) // self.gpi) * ksplit
         grid_x = cutlass.min(num_ctas, total)
         self.kernel(mQ, tma_K, mLSE, mPerm, mKB, mQF, mOut, mInf, mSel, mFlag, mCnt, group_size, ksplit, num_keys,
                     samp_stride, n_samp, hi_rank, lo_rank, tma_atom_K, tiled_mma, sQ_layout, sK_layout, SharedStorage).launch(grid=(grid_x, 1, 1), block=[128 * (self.nwg + 1), 1, 1],
@@ -214,26 +223,28 @@ class Pass2Sm90:
                 with cute.arch.elect_one():
                     for i in cutlass.range_constexpr(SELECT_WARPS):
                         cute.arch.mbarrier_init(mbar_row + i, 128 * self.nwg)  # full: every consumer thread
-                        cute.arch.mbarrier_init(mbar_row + SELECT_WARPS + i, 1)  # empty: the selecting warp
+                        # empty: the selecting warp (alternate items), or both (pair: each takes one row of every item)
+                        cute.arch.mbarrier_init(mbar_row + SELECT_WARPS + i, SELECT_WARPS if self.gpi == 2 else 1)
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sL = storage.sL.get_tensor(cute.make_layout((TILE_Q, 2)))
+        sL = storage.sL.get_tensor(cute.make_layout((TILE_Q, 2 * self.gpi)))
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         n_groups = mOut.shape[2]
-        total = mPerm.shape[0] * n_groups * ksplit
+        n_units = (n_groups + self.gpi - 1) // self.gpi  # work units (query groups, or pairs of them) per head
+        total = mPerm.shape[0] * n_units * ksplit
         sk = mK.shape[0]
         step_keys = self.stage_keys * self.stages_per_step  # keys per consumer step (2 x 128 or 1 x 192)
         n_pairs = (sk + step_keys - 1) // step_keys  # steps per group (tiles past Sk: zeros, never stored)
         part_pairs = (n_pairs + ksplit - 1) // ksplit  # pairs per work item (a group's keys in ksplit parts)
-        walk = _Walk(total, n_groups, ksplit, n_pairs, part_pairs, cute.arch.grid_dim()[0])
+        walk = _Walk(total, n_units, ksplit, n_pairs, part_pairs, cute.arch.grid_dim()[0])
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self._load_k(mK, sK, tma_atom_K, pipeline_k, walk)
             if warp_idx == 1:
-                self._load_q(mQ, mPerm, mLSE, mInf, sQ, sL, pipeline_q, walk, group_size, tidx % 32)
+                self._load_q(mQ, mPerm, mLSE, mInf, sQ, sL, pipeline_q, walk, group_size, n_groups, tidx % 32)
             if const_expr(self.topk):
                 if warp_idx >= 2:
                     sC = storage.sC.get_tensor(cute.make_layout((CAND_SLOTS, SELECT_WARPS)))
@@ -269,10 +280,11 @@ class Pass2Sm90:
             item += walk.grid
 
     @cute.jit
-    def _load_q(self, mQ, mPerm, mLSE, mInf, sQ, sL, pipeline_q, walk, group_size, lane):
+    def _load_q(self, mQ, mPerm, mLSE, mInf, sQ, sL, pipeline_q, walk, group_size, n_groups, lane):
         """Warp 1: each work item's 128 query rows through perm (16-byte cp.async copies, 8 lanes per row); padded
         slots copy row 0 (finite; their LSE of +inf makes them add 0). With ``lse_smem`` also each row's LSE (4-byte
-        cp.async by the row's first lane; +inf from ``mInf`` for a padded slot) into ``sL``."""
+        cp.async by the row's first lane; +inf from ``mInf`` for a padded slot) into ``sL``. With ``pair``: both
+        groups of the item into the stage's two sub-slots (a group past G: all slots padded)."""
         tiled_copy = fa_copy.tiled_copy_2d(self.dtype, HEAD_DIM, 32, is_async=True)
         lse_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
         thr_copy = tiled_copy.get_slice(lane)
@@ -282,70 +294,85 @@ class Pass2Sm90:
         tQcQ = thr_copy.partition_S(cQ)
         item = cute.arch.block_idx()[0]
         while item < walk.total:
-            bh, g, _, _ = walk.at(item)
+            bh, unit, _, _ = walk.at(item)
             pipeline_q.producer_acquire(state)
-            tQsQ = thr_copy.partition_D(sQ[None, None, state.index])
-            for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
-                row = tQcQ[0, m, 0][0]
-                idx = Int32(-1)
-                if row < group_size:
-                    idx = mPerm[bh, g * group_size + row]
-                if idx >= n_seq:
-                    idx = Int32(-1)
-                # this thread's row of the float8 copy (16-byte aligned: D = 128 bytes), in 16-byte chunks
-                row_ptr = cute.make_ptr(self.dtype, fa_utils.elem_pointer(mQ, (cutlass.max(idx, 0), 0, bh)).toint(),
-                                        cute.AddressSpace.gmem, assumed_align=16)
-                g_row = cute.tiled_divide(cute.make_tensor(row_ptr, cute.make_layout((HEAD_DIM,))), (16,))
-                for k in cutlass.range_constexpr(cute.size(tQsQ, mode=[2])):
-                    chunk = tQcQ[0, m, k][1] // 16
-                    src = cute.make_tensor(g_row[None, chunk].iterator, tQsQ[None, m, k].layout)
-                    cute.copy(tiled_copy, src, tQsQ[None, m, k])
-                if const_expr(self.lse_smem):
-                    if lane % 8 == 0:
-                        l_addr = mInf.iterator.toint()
-                        if idx >= 0:
-                            l_addr = fa_utils.elem_pointer(mLSE, (bh, idx)).toint()
-                        l_ptr = cute.make_ptr(Float32, l_addr, cute.AddressSpace.gmem, assumed_align=4)
-                        l_src = cute.make_tensor(l_ptr, cute.make_layout((1,)))
-                        cute.copy(lse_atom, l_src, cute.local_tile(sL[None, state.index], (1,), (row,)))
+            for gi in cutlass.range_constexpr(self.gpi):
+                self._load_group(mQ, mPerm, mLSE, mInf, sQ, sL, tiled_copy, lse_atom, thr_copy, tQcQ, bh,
+                                 unit * self.gpi + gi, state.index * self.gpi + gi, group_size, n_groups, n_seq, lane)
             cute.arch.cp_async_commit_group()
             pipeline_q.producer_commit(state)
             state.advance()
             item += walk.grid
 
     @cute.jit
+    def _load_group(self, mQ, mPerm, mLSE, mInf, sQ, sL, tiled_copy, lse_atom, thr_copy, tQcQ, bh, g, slot,
+                    group_size, n_groups, n_seq, lane):
+        """``_load_q``'s copies of group ``g``'s rows (and LSE) into query slot ``slot``."""
+        tQsQ = thr_copy.partition_D(sQ[None, None, slot])
+        for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+            row = tQcQ[0, m, 0][0]
+            idx = Int32(-1)
+            if row < group_size and g < n_groups:
+                idx = mPerm[bh, g * group_size + row]
+            if idx >= n_seq:
+                idx = Int32(-1)
+            # this thread's row of the float8 copy (16-byte aligned: D = 128 bytes), in 16-byte chunks
+            row_ptr = cute.make_ptr(self.dtype, fa_utils.elem_pointer(mQ, (cutlass.max(idx, 0), 0, bh)).toint(),
+                                    cute.AddressSpace.gmem, assumed_align=16)
+            g_row = cute.tiled_divide(cute.make_tensor(row_ptr, cute.make_layout((HEAD_DIM,))), (16,))
+            for k in cutlass.range_constexpr(cute.size(tQsQ, mode=[2])):
+                chunk = tQcQ[0, m, k][1] // 16
+                src = cute.make_tensor(g_row[None, chunk].iterator, tQsQ[None, m, k].layout)
+                cute.copy(tiled_copy, src, tQsQ[None, m, k])
+            if const_expr(self.lse_smem):
+                if lane % 8 == 0:
+                    l_addr = mInf.iterator.toint()
+                    if idx >= 0:
+                        l_addr = fa_utils.elem_pointer(mLSE, (bh, idx)).toint()
+                    l_ptr = cute.make_ptr(Float32, l_addr, cute.AddressSpace.gmem, assumed_align=4)
+                    l_src = cute.make_tensor(l_ptr, cute.make_layout((1,)))
+                    cute.copy(lse_atom, l_src, cute.local_tile(sL[None, slot], (1,), (row,)))
+
+    @cute.jit
     def _select_rows(self, mOut, mSel, mFlag, mCnt, sC, mbar_row, walk, num_keys, samp_stride, n_samp, hi_rank,
                      lo_rank, w, lane):
-        """``topk``: selecting warp ``w`` (producer warp 2 + w) takes the CTA's items k = w, w + 2, ... as the row
-        ring hands them over (every consumer thread arrived after its last store of that item's sums) and writes
-        each row's selection (``_select_row``). With ksplit > 1 a row's key parts come from several CTAs: each
-        part's warp counts it in ``mCnt[row]`` (an acq_rel atomic at GPU scope; the consumers fenced their stores at
-        GPU scope before arriving) and the warp that counts the last part selects the row."""
+        """``topk``: selecting warp ``w`` (producer warp 2 + w) takes the CTA's items k = w, w + 2, ... (with
+        ``pair``: every item k, and of it the row of group 2 * unit + w) as the row ring hands them over (slot k % 2;
+        every consumer thread arrived after its last store of that item's sums) and writes each row's selection
+        (``_select_row``). With ksplit > 1 a row's key parts come from several CTAs: each part's warp counts it in
+        ``mCnt[row]`` (an acq_rel atomic at GPU scope; the consumers fenced their stores at GPU scope before
+        arriving) and the warp that counts the last part selects the row."""
         n_heads = mOut.shape[1]
         n_groups = mOut.shape[2]
-        j = Int32(0)
-        item = cute.arch.block_idx()[0] + w * walk.grid
+        step = 1 if const_expr(self.gpi == 2) else SELECT_WARPS  # CTA items per turn of this warp
+        k = Int32(0) if const_expr(self.gpi == 2) else w
+        item = cute.arch.block_idx()[0] + k * walk.grid
         while item < walk.total:
-            bh, g, _, _ = walk.at(item)
+            bh, unit, _, _ = walk.at(item)
             b = bh // n_heads
             h = bh - b * n_heads
+            g = unit * self.gpi + (w if const_expr(self.gpi == 2) else 0)
             row = bh * n_groups + g
-            cute.arch.mbarrier_wait(mbar_row + w, j % 2)
+            slot = k % 2
+            cute.arch.mbarrier_wait(mbar_row + slot, (k // 2) % 2)
             if lane == 0:  # the slot is free again for item k + 2 (the sums of a row are never rewritten)
-                cute.arch.mbarrier_arrive(mbar_row + SELECT_WARPS + w)
-            last = Int32(1)
-            if walk.ksplit > 1:
-                old = Int32(0)
-                if lane == 0:
-                    old = cute.arch.atomic_add((mCnt.iterator + row).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
-                old = cute.arch.shuffle_sync(old, 0)
-                cute.arch.fence_acq_rel_gpu()
-                last = Int32(old == walk.ksplit - 1)
+                cute.arch.mbarrier_arrive(mbar_row + SELECT_WARPS + slot)
+            last = Int32(0)
+            if g < n_groups:
+                last = Int32(1)
+                if walk.ksplit > 1:
+                    old = Int32(0)
+                    if lane == 0:
+                        old = cute.arch.atomic_add((mCnt.iterator + row).llvm_ptr, Int32(1), sem="acq_rel",
+                                                   scope="gpu")
+                    old = cute.arch.shuffle_sync(old, 0)
+                    cute.arch.fence_acq_rel_gpu()
+                    last = Int32(old == walk.ksplit - 1)
             if last == 1:
                 self._select_row(mOut, mSel, mFlag, sC, w, b, h, g, row, num_keys, samp_stride, n_samp, hi_rank,
                                  lo_rank, lane)
-            j += 1
-            item += SELECT_WARPS * walk.grid
+            k += step
+            item += step * walk.grid
 
     @cute.jit
     def _load_vec(self, wsrc, v, n_vec, vec):
@@ -592,10 +619,12 @@ class Pass2Sm90:
     @cute.jit
     def _consume_single(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
                         group_size, sk, n_seq, wg, tid, mbar_row=None):
-        """``wg3``: a consumer warpgroup's 64-key third of every 192-key stage, one wgmma group at a time (issue,
-        wait, exponentials); the three warpgroups' exponentials overlap each other's wgmmas. With ``topk``: the
-        CTA's k-th item (its row of sums stored) is handed to selecting warp k % 2 through the row ring (``mbar_row``:
-        wait for the slot's previous row to be taken, then every consumer thread arrives after its last store)."""
+        """``wg3`` / ``wg4``: a consumer warpgroup's 64-key part of every stage, one wgmma group at a time (issue,
+        wait, exponentials); the warpgroups' exponentials overlap each other's wgmmas. With ``pair`` each stage serves
+        the item's two groups in turn (one bias vector per group, from the LSE in shared memory; a group past G is
+        computed on padded slots and not stored). With ``topk``: the CTA's k-th item (its rows of sums stored) is
+        handed to the selecting warps through the row ring slot k % 2 (``mbar_row``: wait for the slot's previous
+        item to be taken, then every consumer thread arrives after its last store)."""
         thr_mma = tiled_mma.get_slice(tid)
         sK_part = cute.flat_divide(sK, (HALF, HEAD_DIM))[None, None, wg, 0, None]  # (64, D, stages)
         tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK_part))
@@ -609,35 +638,49 @@ class Pass2Sm90:
         k_state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
         q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
         n_heads = mOut.shape[1]
+        n_groups = mOut.shape[2]
         item = cute.arch.block_idx()[0]
         k_item = Int32(0)  # this CTA's items so far (the row ring's position)
         while item < walk.total:
-            bh, g, p0, count = walk.at(item)
+            bh, unit, p0, count = walk.at(item)
             b = bh // n_heads
             h = bh - b * n_heads
             qf = mQF[bh]
             if const_expr(not self.lse_smem):
-                self._bias_from_lse(nl2, tScS, n_cols, mLSE, mPerm, bh, g, group_size, n_seq)
+                self._bias_from_lse(nl2, tScS, n_cols, mLSE, mPerm, bh, unit, group_size, n_seq)
             pipeline_q.consumer_wait(q_state)
-            if const_expr(self.lse_smem):
+            if const_expr(self.gpi == 2):  # the item's LSE -> bias -LSE * log2(e) in place, one value per thread
+                c_tid = wg * 128 + tid
+                if c_tid < 2 * TILE_Q:
+                    v = sL[c_tid % TILE_Q, q_state.index * 2 + c_tid // TILE_Q]
+                    sL[c_tid % TILE_Q, q_state.index * 2 + c_tid // TILE_Q] = -(v * Float32(LOG2E))
+                cute.arch.barrier(barrier_id=BIAS_BARRIER, number_of_threads=128 * self.nwg)
+            elif const_expr(self.lse_smem):
                 self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index)
-            rQ = tSrQ[None, None, None, q_state.index]
             for i in cutlass.range(count, unroll=1):
                 pipeline_k.consumer_wait(k_state)
-                self._mma(tiled_mma, acc0, tSrK[None, None, None, k_state.index], rQ)
-                warpgroup.wait_group(0)
-                pipeline_k.consumer_release(k_state)
+                for gi in cutlass.range_constexpr(self.gpi):
+                    self._mma(tiled_mma, acc0, tSrK[None, None, None, k_state.index],
+                              tSrQ[None, None, None, q_state.index * self.gpi + gi])
+                    warpgroup.wait_group(0)
+                    if const_expr(gi == self.gpi - 1):
+                        pipeline_k.consumer_release(k_state)
+                    g = unit * self.gpi + gi
+                    bias = nl2
+                    if const_expr(self.gpi == 2):  # this group's bias row in shared memory (read per tile)
+                        bias = sL[None, q_state.index * 2 + gi]
+                    self._tile_sums(acc0, tScS, bias, qf, mKB, mOut, bh, b, h, g,
+                                    (p0 + i) * self.stage_keys + wg * HALF, sk, tid, g < n_groups,
+                                    self.gpi == 2)
                 k_state.advance()
-                self._tile_sums(acc0, tScS, nl2, qf, mKB, mOut, bh, b, h, g, (p0 + i) * self.stage_keys + wg * HALF,
-                                sk, tid)
             pipeline_q.consumer_release(q_state)
             q_state.advance()
             if const_expr(self.topk):
                 if walk.ksplit > 1:  # the row's other parts' selecting warps read these stores (_select_rows)
                     cute.arch.fence_acq_rel_gpu()
-                slot = k_item % SELECT_WARPS
-                cute.arch.mbarrier_wait(mbar_row + SELECT_WARPS + slot, ((k_item // SELECT_WARPS) % 2) ^ 1)
-                cute.arch.mbarrier_arrive(mbar_row + slot)  # release: this thread's stores of the row before it
+                slot = k_item % 2
+                cute.arch.mbarrier_wait(mbar_row + SELECT_WARPS + slot, ((k_item // 2) % 2) ^ 1)
+                cute.arch.mbarrier_arrive(mbar_row + slot)  # release: this thread's stores of the rows before it
             k_item += 1
             item += walk.grid
 
@@ -791,8 +834,11 @@ class Pass2Sm90:
                 mOut[b, h, g, key] = (s * mKB[bh, key]).to(self.out_dtype)
 
     @cute.jit
-    def _tile_sums(self, acc, tScS, nl2, qf, mKB, mOut, bh, b, h, g, key0, sk, tid):
-        """The group sums of this thread's two key rows of one 64 x 128 score tile, stored by the quad's lane 0."""
+    def _tile_sums(self, acc, tScS, nl2, qf, mKB, mOut, bh, b, h, g, key0, sk, tid, g_ok=True,
+                   bias_by_col: cutlass.Constexpr = False):
+        """The group sums of this thread's two key rows of one 64 x 128 score tile, stored by the quad's lane 0 (not
+        when ``g_ok`` is False: a pair's group past G). ``nl2``: this thread's column biases, or with ``bias_by_col``
+        the group's 128 biases (shared memory) indexed by query column."""
         acc_mn = layout_utils.reshape_acc_to_mn(acc)
         n_cols = cute.size(acc_mn, mode=[1])
         n_rows = cute.size(acc_mn, mode=[0])
@@ -808,7 +854,8 @@ class Pass2Sm90:
             s2 = Float32(0.0)
             s3 = Float32(0.0)
             for c in cutlass.range_constexpr(n_cols):
-                e = self._exp2(acc_mn[r, c] * qf + nl2[c], c)
+                bias = nl2[tScS[0, c][1]] if const_expr(bias_by_col) else nl2[c]
+                e = self._exp2(acc_mn[r, c] * qf + bias, c)
                 if const_expr(c % 4 == 0):
                     s0 += e
                 elif const_expr(c % 4 == 1):
@@ -820,7 +867,7 @@ class Pass2Sm90:
             s = (s0 + s1) + (s2 + s3)
             s += cute.arch.shuffle_sync_bfly(s, offset=1)
             s += cute.arch.shuffle_sync_bfly(s, offset=2)
-            if tid % 4 == 0 and key < sk:
+            if tid % 4 == 0 and key < sk and g_ok:
                 mOut[b, h, g, key] = (s * kbv[r]).to(self.out_dtype)
 
 
@@ -888,7 +935,7 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
                  pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None,
-                 diag: str = "", wg3: bool | None = None, topk: bool = False, wg4: bool = False):
+                 diag: str = "", wg3: bool | None = None, topk: bool = False, wg4: bool = False, pair: bool = False):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``; ``topk``: the fused top-K (wg3 only). Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -905,14 +952,14 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=QSPLIT if qsplit is None else bool(qsplit), diag=diag or "",
                        wg3=(WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3), topk=bool(topk),
-                       wg4=bool(wg4))
+                       wg4=bool(wg4), pair=bool(pair))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None, diag: str = "",
-             wg3: bool | None = None, topk: bool = False, wg4: bool = False):
+             wg3: bool | None = None, topk: bool = False, wg4: bool = False, pair: bool = False):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -924,11 +971,11 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     qsplit = QSPLIT if qsplit is None else bool(qsplit)
     # pingpong / qsplit are two-warpgroup schedules: asked for without wg3, they run with two warpgroups
     wg3 = (WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3)
-    topk, wg4 = bool(topk), bool(wg4)
-    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag or "", wg3, topk, wg4,
+    topk, wg4, pair = bool(topk), bool(wg4), bool(pair)
+    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag or "", wg3, topk, wg4, pair,
            cc.source_hash())
     return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag, wg3, topk,
-                                                wg4))
+                                                wg4, pair))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -972,7 +1019,7 @@ def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int) -> str | No
 def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, select=None, stages: int | None = None,
                         poly: int | None = None, pingpong: bool | None = None, lse_smem: bool | None = None,
                         qsplit: bool | None = None, diag: str = "", wg3: bool | None = None, wg4: bool = False,
-                        num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None):
+                        pair: bool = False, num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
@@ -985,8 +1032,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         every row of sel gets the K largest of that group's stored float16 sums as ascending indices (ties: lower
         index first; ``topk.top_k_rows``'s rule), then -1 up to width (``select_refusal`` must pass: float16 sums
         with 16-byte aligned rows; the launch then runs wg3 or wg4, ksplit 1 when not given unless
-        ``TOPK_AUTO_KSPLIT``). stages, poly, pingpong, lse_smem, qsplit, wg3, wg4 (four consumer warpgroups),
-        num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG sums) (None:
+        ``TOPK_AUTO_KSPLIT``). stages, poly, pingpong, lse_smem, qsplit, wg3, wg4 (four consumer warpgroups), pair
+        (two query groups per work item, sharing each key stage), num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG sums) (None:
         ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused top-K's sample
         plan (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s (tests: a plan whose brackets miss
         sends rows to the radix launch; any plan gives the same selection).
@@ -1020,7 +1067,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         if ksplit is None and not TOPK_AUTO_KSPLIT:
             ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, pingpong, lse_smem, qsplit,
-                  diag, wg3, topk_on, wg4)
+                  diag, wg3, topk_on, wg4, pair)
     dev = q8.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     if num_ctas is None:
