@@ -157,9 +157,8 @@ class Pass2Sm90:
         # keys, half the key traffic from L2 per query); wg3 / wg4 with lse_smem only
         assert not pair or (self.nwg > 2 and lse_smem), "pair: wg3 / wg4 with lse_smem"
         self.gpi = 2 if pair else 1  # query groups per work item
-        smem = (stages * self.stage_keys + 2 * self.gpi * TILE_Q) * HEAD_DIM + 2 * self.gpi * TILE_Q * 4 + (
-            SELECT_WARPS * CAND_SLOTS * 2 if topk else 0) + 2048
-        assert smem <= 227 * 1024, f"shared memory {smem} bytes > 227 KiB (stages {stages}, pair {pair}, topk {topk})"
+        smem = smem_bytes(stages, self.nwg, self.gpi, topk)
+        assert smem <= SMEM_LIMIT, f"shared memory {smem} bytes > 227 KiB (stages {stages}, pair {pair}, topk {topk})"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
@@ -887,6 +886,8 @@ TOPK_AUTO_KSPLIT = False
 # (wg3 poly 8: 0.5143), and 0.5140 for the Triton one-group kernel; floors: no exponential 0.3487, no wgmma 0.4474
 # (wg3: 0.4128, ~94 % of MUFU's 16 exponentials per clock): the exponential side is the limit now.
 STAGES = 4
+WG4 = False
+PAIR = False
 POLY = 0
 PINGPONG = False
 LSE_SMEM = True
@@ -896,9 +897,28 @@ _SM_COUNT: dict = {}
 _INF: dict = {}  # device index -> fp32 [4] of +inf (the LSE a padded query slot copies with lse_smem)
 
 
+SMEM_LIMIT = 227 * 1024
+
+
 def config(head_dim: int = HEAD_DIM) -> dict:
-    """The launch config ``group_prob_sums_fp8`` uses when the caller gives none (ksplit None: ``auto_ksplit``)."""
-    return dict(stages=STAGES, poly=POLY, pingpong=PINGPONG, lse_smem=LSE_SMEM, qsplit=QSPLIT, wg3=WG3, ksplit=None)
+    """The launch config ``group_prob_sums_fp8`` uses when the caller gives none (ksplit None: ``auto_ksplit``;
+    stages: ``STAGES``, fewer where the shared memory would not hold them, ``fit_stages``)."""
+    return dict(stages=STAGES, poly=POLY, pingpong=PINGPONG, lse_smem=LSE_SMEM, qsplit=QSPLIT, wg3=WG3, wg4=WG4,
+                pair=PAIR, ksplit=None)
+
+
+def smem_bytes(stages: int, nwg: int, gpi: int, topk: bool) -> int:
+    """Shared memory of a launch config (bytes, with 3 KiB for barriers and alignment): the key ring (64 keys per
+    consumer warpgroup per stage), two query slots per group of an item, their LSE, the selecting warps' candidates."""
+    return ((stages * HALF * nwg + 2 * gpi * TILE_Q) * HEAD_DIM + 2 * gpi * TILE_Q * 4
+            + (SELECT_WARPS * CAND_SLOTS * 2 if topk else 0) + 3072)
+
+
+def fit_stages(stages: int, nwg: int, gpi: int, topk: bool) -> int:
+    """``stages``, or the most below it (at least 2) whose shared memory fits ``SMEM_LIMIT``."""
+    while stages > 2 and smem_bytes(stages, nwg, gpi, topk) > SMEM_LIMIT:
+        stages -= 1
+    return stages
 
 
 def auto_ksplit(items: int, ctas: int, max_split: int = 4, target: float = 0.98) -> int:
@@ -959,11 +979,12 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
 
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None, diag: str = "",
-             wg3: bool | None = None, topk: bool = False, wg4: bool = False, pair: bool = False):
+             wg3: bool | None = None, topk: bool = False, wg4: bool | None = None, pair: bool | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
 
+    fit = stages is None
     stages = STAGES if stages is None else int(stages)
     poly = POLY if poly is None else int(poly)
     pingpong = PINGPONG if pingpong is None else bool(pingpong)
@@ -971,7 +992,11 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     qsplit = QSPLIT if qsplit is None else bool(qsplit)
     # pingpong / qsplit are two-warpgroup schedules: asked for without wg3, they run with two warpgroups
     wg3 = (WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3)
-    topk, wg4, pair = bool(topk), bool(wg4), bool(pair)
+    topk = bool(topk)
+    wg4 = WG4 if wg4 is None else bool(wg4)
+    pair = PAIR if pair is None else bool(pair)
+    if fit:  # the default: as many as fit
+        stages = fit_stages(stages, 4 if wg4 else (3 if wg3 else 2), 2 if pair else 1, topk)
     key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag or "", wg3, topk, wg4, pair,
            cc.source_hash())
     return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag, wg3, topk,
@@ -1018,8 +1043,8 @@ def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int) -> str | No
 
 def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, select=None, stages: int | None = None,
                         poly: int | None = None, pingpong: bool | None = None, lse_smem: bool | None = None,
-                        qsplit: bool | None = None, diag: str = "", wg3: bool | None = None, wg4: bool = False,
-                        pair: bool = False, num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None):
+                        qsplit: bool | None = None, diag: str = "", wg3: bool | None = None, wg4: bool | None = None,
+                        pair: bool | None = None, num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
