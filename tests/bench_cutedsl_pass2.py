@@ -16,7 +16,7 @@ Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p:
 ``python tests/bench_cutedsl_pass2.py --out OUT [--shapes 1.3b] [--variants "st4,st4 p8,st6"] [--commit HASH]``;
 a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<ksplit>`` (else
 ``auto_ksplit``), `` pp`` (pingpong), `` ls`` (lse_smem), `` qs`` (qsplit), `` wg3`` (three consumer
-warpgroups), `` wg4`` (four), `` pr`` (two query groups per work item), `` tk`` (the top-K fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums too),
+warpgroups), `` wg4`` (four), `` pr`` (two query groups per work item), `` ov`` (with pr: overlapped wgmmas), `` tk`` (the top-K fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums too),
 `` wg2`` / `` nols`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed without
 the check).
 Writes OUT/bench_cutedsl_pass2.json.
@@ -39,8 +39,8 @@ import bench_select_race as bsr  # noqa: E402  (loads the pack)
 
 from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 
-COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "diag", "wg3", "topk", "wg4", "pair")  # the compile-time keys
-FLAGS = {"pp": "pingpong", "ls": "lse_smem", "qs": "qsplit", "wg3": "wg3", "tk": "topk", "wg4": "wg4", "pr": "pair"}
+COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "diag", "wg3", "topk", "wg4", "pair", "overlap")  # the compile-time keys
+FLAGS = {"pp": "pingpong", "ls": "lse_smem", "qs": "qsplit", "wg3": "wg3", "tk": "topk", "wg4": "wg4", "pr": "pair", "ov": "overlap"}
 TOPK_DENSITY = 0.25  # the fused top-K variants ("tk") select K = 0.25 x Sk keys per group
 OFF = {"wg2": "wg3", "nols": "lse_smem"}
 DEFAULT_VARIANTS = "st4,st4 k1,st4 pp,st4 p10,st6"

@@ -53,7 +53,7 @@ def _warm(request):
     for item in request.session.items:
         if item.module is request.module and "num_keys" in getattr(getattr(item, "callspec", None), "params", {}):
             opts = item.callspec.params["opts"]
-            more = {k: opts[k] for k in ("wg4", "stages", "pair") if k in opts}
+            more = {k: opts[k] for k in ("wg4", "stages", "pair", "overlap") if k in opts}
             for c in (dict(out_dtype="float16", **more), dict(out_dtype="float16", topk=True, **more)):  # fused tests
                 if c not in configs:
                     configs.append(c)
@@ -108,8 +108,9 @@ VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5, ksplit=1)), (
                                        (CASES[1], dict(wg3=True, lse_smem=True, num_ctas=5)),
                                        (CASES[2], dict(wg4=True, stages=3, num_ctas=6)),
                                        (CASES[1], dict(pair=True, num_ctas=5)),
-                                       (CASES[2], dict(pair=True, wg4=True, stages=3, ksplit=2))]
-_COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "wg3", "wg4", "pair")  # the tuning keys that are compile-time
+                                       (CASES[2], dict(pair=True, wg4=True, stages=3, ksplit=2)),
+                                       (CASES[1], dict(pair=True, overlap=True, num_ctas=4))]
+_COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "wg3", "wg4", "pair", "overlap")  # the tuning keys that are compile-time
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,
@@ -230,7 +231,7 @@ def test_cutedsl_pass2_refusals():
 # with its neighbour's: the tie rule decides); a sample plan whose brackets miss (every row through the radix launch).
 # Then: four consumer warpgroups (wg4, 3 stages); key splits (a row's parts from different CTAs, the last part's
 # selecting warp selects it; 2000 keys = 11 stages of 192 in 5 parts of 3: an empty last part); two groups per item
-# (pair; G = 29: the last item's second group does not exist; with a key split).
+# (pair; G = 29: the last item's second group does not exist; with a key split; with overlapped wgmmas).
 FUSED = [
     ((1, 2, 4000, 4000, 128, False), 1000, 1024, {}, False),
     ((2, 3, 2850, 2000, 100, False), 500, 512, dict(num_ctas=5), False),
@@ -243,6 +244,7 @@ FUSED = [
     ((2, 3, 2850, 2000, 100, True), 333, 384, dict(ksplit=5, num_ctas=5), True),
     ((2, 3, 2850, 2000, 100, False), 600, 640, dict(pair=True, stages=3, num_ctas=5), True),
     ((1, 2, 2900, 2904, 128, True), 1000, 1024, dict(pair=True, stages=3, ksplit=2, num_ctas=6), False),
+    ((2, 3, 2850, 2000, 100, True), 1999, 2048, dict(pair=True, overlap=True, stages=3, num_ctas=7), False),
 ]
 
 

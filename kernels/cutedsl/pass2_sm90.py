@@ -120,7 +120,7 @@ class Pass2Sm90:
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, regs: tuple = (224, 56), pingpong: bool = False,
                  lse_smem: bool = False, qsplit: bool = False, diag: str = "", wg3: bool = False, topk: bool = False,
-                 wg4: bool = False, pair: bool = False):
+                 wg4: bool = False, pair: bool = False, overlap: bool = False):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -157,6 +157,10 @@ class Pass2Sm90:
         # keys, half the key traffic from L2 per query); wg3 / wg4 with lse_smem only
         assert not pair or (self.nwg > 2 and lse_smem), "pair: wg3 / wg4 with lse_smem"
         self.gpi = 2 if pair else 1  # query groups per work item
+        # overlap (pair): both groups' wgmmas of a stage issued into two accumulators, the second group's under the
+        # first group's exponentials (the consumers' 64 more registers: wg3 only)
+        assert not overlap or (pair and self.nwg == 3), "overlap: pair with wg3"
+        self.overlap = overlap
         smem = smem_bytes(stages, self.nwg, self.gpi, topk)
         assert smem <= SMEM_LIMIT, f"shared memory {smem} bytes > 227 KiB (stages {stages}, pair {pair}, topk {topk})"
 
@@ -629,8 +633,12 @@ class Pass2Sm90:
         tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK_part))
         tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
         acc0 = cute.make_rmem_tensor(thr_mma.partition_shape_C((HALF, TILE_Q)), Float32)
+        acc1 = cute.make_rmem_tensor(thr_mma.partition_shape_C((HALF, TILE_Q)), Float32) if const_expr(
+            self.overlap) else acc0
         if const_expr(self.diag == "nomma"):
             self._fill_distinct(acc0, tid, 0)
+            if const_expr(self.overlap):
+                self._fill_distinct(acc1, tid, 1)
         tScS = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((HALF, TILE_Q))))
         n_cols = cute.size(tScS, mode=[1])
         nl2 = cute.make_rmem_tensor((n_cols,), Float32)
@@ -658,17 +666,27 @@ class Pass2Sm90:
                 self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index)
             for i in cutlass.range(count, unroll=1):
                 pipeline_k.consumer_wait(k_state)
-                for gi in cutlass.range_constexpr(self.gpi):
+                if const_expr(self.overlap):  # both groups' wgmmas issued; the second runs under the first's exps
                     self._mma(tiled_mma, acc0, tSrK[None, None, None, k_state.index],
-                              tSrQ[None, None, None, q_state.index * self.gpi + gi])
-                    warpgroup.wait_group(0)
+                              tSrQ[None, None, None, q_state.index * 2])
+                    self._mma(tiled_mma, acc1, tSrK[None, None, None, k_state.index],
+                              tSrQ[None, None, None, q_state.index * 2 + 1])
+                for gi in cutlass.range_constexpr(self.gpi):
+                    acc = acc0
+                    if const_expr(self.overlap):
+                        acc = acc0 if const_expr(gi == 0) else acc1
+                        warpgroup.wait_group(1 - gi)
+                    else:
+                        self._mma(tiled_mma, acc0, tSrK[None, None, None, k_state.index],
+                                  tSrQ[None, None, None, q_state.index * self.gpi + gi])
+                        warpgroup.wait_group(0)
                     if const_expr(gi == self.gpi - 1):
                         pipeline_k.consumer_release(k_state)
                     g = unit * self.gpi + gi
                     bias = nl2
                     if const_expr(self.gpi == 2):  # this group's bias row in shared memory (read per tile)
                         bias = sL[None, q_state.index * 2 + gi]
-                    self._tile_sums(acc0, tScS, bias, qf, mKB, mOut, bh, b, h, g,
+                    self._tile_sums(acc, tScS, bias, qf, mKB, mOut, bh, b, h, g,
                                     (p0 + i) * self.stage_keys + wg * HALF, sk, tid, g < n_groups,
                                     self.gpi == 2)
                 k_state.advance()
@@ -888,6 +906,7 @@ TOPK_AUTO_KSPLIT = False
 STAGES = 4
 WG4 = False
 PAIR = False
+OVERLAP = False
 POLY = 0
 PINGPONG = False
 LSE_SMEM = True
@@ -904,7 +923,7 @@ def config(head_dim: int = HEAD_DIM) -> dict:
     """The launch config ``group_prob_sums_fp8`` uses when the caller gives none (ksplit None: ``auto_ksplit``;
     stages: ``STAGES``, fewer where the shared memory would not hold them, ``fit_stages``)."""
     return dict(stages=STAGES, poly=POLY, pingpong=PINGPONG, lse_smem=LSE_SMEM, qsplit=QSPLIT, wg3=WG3, wg4=WG4,
-                pair=PAIR, ksplit=None)
+                pair=PAIR, overlap=OVERLAP and PAIR and not WG4, ksplit=None)
 
 
 def smem_bytes(stages: int, nwg: int, gpi: int, topk: bool) -> int:
@@ -955,7 +974,8 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
                  pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None,
-                 diag: str = "", wg3: bool | None = None, topk: bool = False, wg4: bool = False, pair: bool = False):
+                 diag: str = "", wg3: bool | None = None, topk: bool = False, wg4: bool = False, pair: bool = False,
+                 overlap: bool = False):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``; ``topk``: the fused top-K (wg3 only). Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -972,14 +992,15 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=QSPLIT if qsplit is None else bool(qsplit), diag=diag or "",
                        wg3=(WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3), topk=bool(topk),
-                       wg4=bool(wg4), pair=bool(pair))
+                       wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None, diag: str = "",
-             wg3: bool | None = None, topk: bool = False, wg4: bool | None = None, pair: bool | None = None):
+             wg3: bool | None = None, topk: bool = False, wg4: bool | None = None, pair: bool | None = None,
+             overlap: bool | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -995,12 +1016,13 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     topk = bool(topk)
     wg4 = WG4 if wg4 is None else bool(wg4)
     pair = PAIR if pair is None else bool(pair)
+    overlap = (OVERLAP and pair and not wg4) if overlap is None else bool(overlap)
     if fit:  # the default: as many as fit
         stages = fit_stages(stages, 4 if wg4 else (3 if wg3 else 2), 2 if pair else 1, topk)
     key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag or "", wg3, topk, wg4, pair,
-           cc.source_hash())
+           overlap, cc.source_hash())
     return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag, wg3, topk,
-                                                wg4, pair))
+                                                wg4, pair, overlap))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -1044,7 +1066,7 @@ def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int) -> str | No
 def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, select=None, stages: int | None = None,
                         poly: int | None = None, pingpong: bool | None = None, lse_smem: bool | None = None,
                         qsplit: bool | None = None, diag: str = "", wg3: bool | None = None, wg4: bool | None = None,
-                        pair: bool | None = None, num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None):
+                        pair: bool | None = None, overlap: bool | None = None, num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
@@ -1058,7 +1080,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         index first; ``topk.top_k_rows``'s rule), then -1 up to width (``select_refusal`` must pass: float16 sums
         with 16-byte aligned rows; the launch then runs wg3 or wg4, ksplit 1 when not given unless
         ``TOPK_AUTO_KSPLIT``). stages, poly, pingpong, lse_smem, qsplit, wg3, wg4 (four consumer warpgroups), pair
-        (two query groups per work item, sharing each key stage), num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG sums) (None:
+        (two query groups per work item, sharing each key stage), overlap (with pair: the second group's wgmma
+        under the first's exponentials), num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG sums) (None:
         ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused top-K's sample
         plan (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s (tests: a plan whose brackets miss
         sends rows to the radix launch; any plan gives the same selection).
@@ -1092,7 +1115,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         if ksplit is None and not TOPK_AUTO_KSPLIT:
             ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, pingpong, lse_smem, qsplit,
-                  diag, wg3, topk_on, wg4, pair)
+                  diag, wg3, topk_on, wg4, pair, overlap)
     dev = q8.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     if num_ctas is None:
