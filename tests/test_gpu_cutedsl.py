@@ -13,6 +13,8 @@ one round's selection: tests/gpu_round_cute.sh.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from comfyui_mc_sparse_pack import kernels
@@ -347,12 +349,12 @@ def test_cutedsl_overlap_residual(kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_cutedsl_lazy_rescale_ramp(monkeypatch, dtype):
+def test_cutedsl_lazy_rescale_ramp(monkeypatch, dtype, options=LAZY):
     """"lazy_rescale" where the running max moves a lot: keys scaled up toward the low token indices (the kernel
     walks a group's key tiles from the last to the first, so each tile's scores grow past the threshold over the
     previous max: rows rescaled mid-walk), mixed with tiles that stay under it; 138 groups (the last round split and
     merged), ragged counts, the LSE, through the op against float64."""
-    monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", LAZY)
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_OPTIONS", options)
     gen = torch.Generator(device="cuda").manual_seed(97)
     B, H, S, C, D, K = 2, 3, 2900, 128, 128, 700
     q, k, v = (_native(gen, B, S, H, D, dtype) for _ in range(3))
@@ -365,3 +367,37 @@ def test_cutedsl_lazy_rescale_ramp(monkeypatch, dtype):
     assert not base.isnan().any() and not lse.isnan().any()
     err = _check(got, lse, q, k, v, perm, idx)
     print(f"cutedsl lazy_rescale ramp {dtype}: rel err {err:.2e}")
+
+
+# a round's candidate options named at run time (tests/gpu_round_cute.sh): the staged epilogue's through
+# $MC_SPARSE_CUTEDSL_TEST_OPTIONS, the register epilogue's through $MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS
+_ENV_CAND = os.environ.get("MC_SPARSE_CUTEDSL_TEST_OPTIONS", "")
+_ENV_RES_CAND = os.environ.get("MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS", "")
+
+
+@pytest.mark.skipif(not _ENV_CAND, reason="no $MC_SPARSE_CUTEDSL_TEST_OPTIONS")
+@pytest.mark.parametrize("case", ["split-138-lse", "split-140", "chain", "ramp"])
+def test_cutedsl_env_candidate(monkeypatch, case):
+    """The staged-epilogue options in $MC_SPARSE_CUTEDSL_TEST_OPTIONS through the op: the split last rounds (138
+    groups ragged with the LSE, 140 groups of 24 tiles), the pdl chain, the ramped keys (rows rescaled mid-walk)."""
+    if case == "split-138-lse":
+        test_cutedsl_split_tail(monkeypatch, 2, 3, 2900, 700, True, True, _ENV_CAND)
+    elif case == "split-140":
+        test_cutedsl_split_tail(monkeypatch, 1, 1, 140 * 128 - 5, 3000, False, False, _ENV_CAND)
+    elif case == "chain":
+        test_cutedsl_pdl_chain(monkeypatch, _ENV_CAND, False)
+    else:
+        test_cutedsl_lazy_rescale_ramp(monkeypatch, torch.bfloat16, _ENV_CAND)
+
+
+@pytest.mark.skipif(not _ENV_RES_CAND, reason="no $MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS")
+@pytest.mark.parametrize("case", ["plain", "int4_group", "chain"])
+def test_cutedsl_env_res_candidate(monkeypatch, case):
+    """The register-epilogue options in $MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS through the op: plain and int4_group
+    residuals on 68 and 544 groups, the pdl chain with a plain residual."""
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_RES_OPTIONS", _ENV_RES_CAND)
+    if case == "chain":
+        test_cutedsl_pdl_chain(monkeypatch, _ENV_RES_CAND, True)
+    else:
+        _residual_case(case)
+        _residual_case(case, H=16)
