@@ -369,35 +369,38 @@ def test_cutedsl_lazy_rescale_ramp(monkeypatch, dtype, options=LAZY):
     print(f"cutedsl lazy_rescale ramp {dtype}: rel err {err:.2e}")
 
 
-# a round's candidate options named at run time (tests/gpu_round_cute.sh): the staged epilogue's through
-# $MC_SPARSE_CUTEDSL_TEST_OPTIONS, the register epilogue's through $MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS
-_ENV_CAND = os.environ.get("MC_SPARSE_CUTEDSL_TEST_OPTIONS", "")
-_ENV_RES_CAND = os.environ.get("MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS", "")
+# a round's candidate options named at run time (tests/gpu_round_cute.sh), ";"-separated sets: the staged epilogue's
+# through $MC_SPARSE_CUTEDSL_TEST_OPTIONS, the register epilogue's through $MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS; test
+# ids c0, c1, ... in that order
+_ENV_CANDS = [x for x in os.environ.get("MC_SPARSE_CUTEDSL_TEST_OPTIONS", "").split(";") if x]
+_ENV_RES_CANDS = [x for x in os.environ.get("MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS", "").split(";") if x]
 
 
-@pytest.mark.skipif(not _ENV_CAND, reason="no $MC_SPARSE_CUTEDSL_TEST_OPTIONS")
+@pytest.mark.skipif(not _ENV_CANDS, reason="no $MC_SPARSE_CUTEDSL_TEST_OPTIONS")
 @pytest.mark.parametrize("case", ["split-138-lse", "split-140", "chain", "ramp"])
-def test_cutedsl_env_candidate(monkeypatch, case):
-    """The staged-epilogue options in $MC_SPARSE_CUTEDSL_TEST_OPTIONS through the op: the split last rounds (138
+@pytest.mark.parametrize("options", _ENV_CANDS or [""], ids=[f"c{i}" for i in range(max(1, len(_ENV_CANDS)))])
+def test_cutedsl_env_candidate(monkeypatch, options, case):
+    """Staged-epilogue options from $MC_SPARSE_CUTEDSL_TEST_OPTIONS through the op: the split last rounds (138
     groups ragged with the LSE, 140 groups of 24 tiles), the pdl chain, the ramped keys (rows rescaled mid-walk)."""
     if case == "split-138-lse":
-        test_cutedsl_split_tail(monkeypatch, 2, 3, 2900, 700, True, True, _ENV_CAND)
+        test_cutedsl_split_tail(monkeypatch, 2, 3, 2900, 700, True, True, options)
     elif case == "split-140":
-        test_cutedsl_split_tail(monkeypatch, 1, 1, 140 * 128 - 5, 3000, False, False, _ENV_CAND)
+        test_cutedsl_split_tail(monkeypatch, 1, 1, 140 * 128 - 5, 3000, False, False, options)
     elif case == "chain":
-        test_cutedsl_pdl_chain(monkeypatch, _ENV_CAND, False)
+        test_cutedsl_pdl_chain(monkeypatch, options, False)
     else:
-        test_cutedsl_lazy_rescale_ramp(monkeypatch, torch.bfloat16, _ENV_CAND)
+        test_cutedsl_lazy_rescale_ramp(monkeypatch, torch.bfloat16, options)
 
 
-@pytest.mark.skipif(not _ENV_RES_CAND, reason="no $MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS")
+@pytest.mark.skipif(not _ENV_RES_CANDS, reason="no $MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS")
 @pytest.mark.parametrize("case", ["plain", "int4_group", "chain"])
-def test_cutedsl_env_res_candidate(monkeypatch, case):
-    """The register-epilogue options in $MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS through the op: plain and int4_group
+@pytest.mark.parametrize("options", _ENV_RES_CANDS or [""], ids=[f"c{i}" for i in range(max(1, len(_ENV_RES_CANDS)))])
+def test_cutedsl_env_res_candidate(monkeypatch, options, case):
+    """Register-epilogue options from $MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS through the op: plain and int4_group
     residuals on 68 and 544 groups, the pdl chain with a plain residual."""
-    monkeypatch.setenv("MC_SPARSE_CUTEDSL_RES_OPTIONS", _ENV_RES_CAND)
+    monkeypatch.setenv("MC_SPARSE_CUTEDSL_RES_OPTIONS", options)
     if case == "chain":
-        test_cutedsl_pdl_chain(monkeypatch, _ENV_RES_CAND, True)
+        test_cutedsl_pdl_chain(monkeypatch, options, True)
     else:
         _residual_case(case)
         _residual_case(case, H=16)
