@@ -69,10 +69,22 @@ def test_presets_run_the_published_schedule(preset, density):
     ([1.0, 0.8, 0.5, 0.2, 0.0], 0.2, 3),      # last step
     ([0.889, 0.7, 0.616], 0.889, 0),          # split sampler: local schedule not starting at 1
     ([1.0, 0.8, 0.5, 0.2, 0.0], 1.2, 0),      # above the schedule: clamp
+    ([1.0, 0.8, 0.5, 0.2, 0.0], 0.8 * (1 + 5e-5), 1),  # an entry read back a little high (float32 sigma): same step
+    ([1.0, 0.8, 0.5, 0.2, 0.0], 0.8 * (1 + 1e-3), 0),  # beyond the tolerance: still the previous interval
+    ([1.0, 0.8, 0.5, 0.2, 0.0], 0.0, 3),      # the schedule's final 0 (no step of its own): the last step
 ])
 def test_step_index(sampler_sigmas, sigma, expected):
     """The step is the schedule interval holding the sigma (heun/ancestral/split samplers)."""
     assert steps.step_index(sigma, torch.tensor(sampler_sigmas)) == expected
+
+
+def test_step_index_refuses_a_schedule_without_steps_and_a_nan_sigma():
+    with pytest.raises(ValueError, match="at least 2 values"):
+        steps.step_index(0.5, torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="NaN"):
+        steps.step_index(float("nan"), torch.tensor([1.0, 0.0]))
+    assert steps.step_index(0.5, [1.0, 0.0]) == 0  # a plain list works as the tensor does
+    assert steps.current_sigma({"sigmas": torch.tensor([])}) is None  # an empty batch: no sigma, no error
 
 
 _options = functools.partial(transformer_options, chunks=2, sigma=0.5)
