@@ -30,7 +30,7 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
    / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes). Each race also prints
    ``from_idle``: each row's lead-in calls (the first of each sample, on a GPU just left by another row) / dense's.
    Their kernels compile first in child processes (``CHILD_ROWS``), waited for before the first timing.
-   ``--old-method``: after both race 1s, dense + defaults again without lead-in (``MC_SPARSE_RACE_LEAD_IN=0``, 3
+   ``--old-method``: after each shape's race 1, dense + defaults again without lead-in (``MC_SPARSE_RACE_LEAD_IN=0``, 3
    rounds, "RACE 1 OLD METHOD"): the sessions 5-8 figure beside the new one (round s9r1).
    RACE 2b, last (a faulting kernel ends the process): issue 15's pass-2 kernel variants of tests/bench_pass2_exp.py
    (``--p2ws-variants``; each checked against that bench's reference kernel as there) with dense in their own race.
@@ -693,8 +693,8 @@ def main():
     ap.add_argument("--p2ws-gluon-row", action="store_true", help="race 1 also times select_kv(gluon=True) (the Gluon "
                     "pass 2 at its default config + the separate top-K) if that config passed its child check")
     ap.add_argument("--race1-only", action="store_true", help="checks and race 1 only (no race 2 / 2b)")
-    ap.add_argument("--old-method", action="store_true", help="after both race 1s, dense + defaults again timed "
-                    "without lead-in (MC_SPARSE_RACE_LEAD_IN=0, 3 rounds): the sessions 5-8 figure beside the new one")
+    ap.add_argument("--old-method", action="store_true", help="after each shape's race 1, dense + defaults again "
+                    "timed without lead-in (MC_SPARSE_RACE_LEAD_IN=0, 3 rounds): the sessions 5-8 figure beside it")
     ap.add_argument("--race2-first", action="store_true", help="race 2 at 1.3B before its race 1 (else after both "
                     "shapes' race 1: the scoreboard figures first)")
     ap.add_argument("--cute-variants", default="", help="comma-separated CuTeDSL pass-2 launch variants "
@@ -796,6 +796,9 @@ def main():
                 res["race1"] = race1(name, q, k, v, lse, perm, log,
                                      {**rows, **({"gluon": dict(gluon=True)} if gluon_row else {})})
                 save()
+                if args.old_method:
+                    res["race1_old_method"] = race1_old(name, q, k, v, lse, perm, log)
+                    save()
             kept[name] = (q, k, v, lse, perm)
         except Exception as err:  # noqa: BLE001 (a failing shape is reported; the others still run)
             res["error"] = f"{type(err).__name__}: {str(err)[:500]}"
@@ -803,12 +806,6 @@ def main():
             traceback.print_exc()
     if not args.race2_only:
         write_scoreboard(report, out_dir, command)
-    for name, inputs in (kept.items() if args.old_method and not args.race2_only else ()):
-        try:
-            report["shapes"][name]["race1_old_method"] = race1_old(name, *inputs, log)
-        except Exception as err:  # noqa: BLE001
-            log(f"{name} old-method race FAILED: {type(err).__name__}: {str(err)[:300]}")
-        save()
     for name, inputs in ({} if args.race2_only or args.race1_only else kept).items():
         if name in ("1.3b", "smoke") and args.race2_first:
             continue  # (run before its race 1)

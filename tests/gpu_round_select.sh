@@ -16,7 +16,7 @@
 # "$P2WS_TEST"; hard cap $T_TEST s, default 25). The two caps together stay within the round's cap.
 # $CUTE_VARIANTS: p2cute's CuTeDSL pass-2 launch variants (tests/bench_cutedsl_pass2.py syntax, comma-separated),
 # compiled in child processes at the start, checked and raced alone in race 2 at 1.3B. RACE2_FIRST=1: race 2 at 1.3B
-# before the race 1s (else after them: the scoreboard figures first). OLD_METHOD=1: after both race 1s, dense + the
+# before the race 1s (else after them: the scoreboard figures first). OLD_METHOD=1: after each shape's race 1, dense + the
 # defaults row again without the race's lead-in calls (MC_SPARSE_RACE_LEAD_IN=0, 3 rounds). RACE1_ONLY=1:
 # checks and race 1 only (e.g. one shape: RACE1_ONLY=1 T_BENCH=60 bash tests/gpu_round_select.sh $OUT <commit> 14b).
 set -u
