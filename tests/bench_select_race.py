@@ -782,6 +782,10 @@ def main():
                     children = {}
                     PERS_OK.update({sh: rcs.get(f"{sh}:persistent") == 0 for sh in shapes})
                     report["persistent_checked"] = dict(PERS_OK)
+                    if selection._OPERANDS_PERSISTENT_DEFAULT and not all(PERS_OK.values()):
+                        selection._OPERANDS_PERSISTENT_DEFAULT = False
+                        log(f"PERSISTENT OPERANDS DEFAULT OFF for this run: its child check {PERS_OK}; the defaults "
+                            "rows time the three-launch operand pass")
                 elif SMOKE and name not in PERS_OK:
                     check_persistent(name)  # (in-process: exits on a mismatch)
                     PERS_OK[name] = True
