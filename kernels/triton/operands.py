@@ -32,18 +32,57 @@ import torch
 import triton
 import triton.language as tl
 
-from .selection import _column_stats, _pow2_scale, _quantize_rows
+from .selection import _pow2_scale, _quantize_rows
 
 SPLIT_ROWS = 256  # rows per statistics item (64 KB of bf16 rows at D = 128)
-QUANT_ROWS = 128  # rows per quantising item (two 64-row tiles)
+QUANT_ROWS = 64  # rows per quantising item (one register tile: 16 KB of bf16 loads in flight per program; 128 rows
+# spill 36 bytes at 8 warps and 128 registers, offline sm_90a)
 PROGRAMS_PER_SM = 2  # persistent programs per SM
-NUM_WARPS = 8  # warps per program, at most MAXNREG registers per thread (offline sm_90a: 128, no spill; uncapped 157,
-MAXNREG = 128  # one program per SM; 4 warps uncapped take 255, at 168 no spill)
+NUM_WARPS = 8  # warps per program, at most MAXNREG registers per thread (offline sm_90a: 126, no spill; uncapped 190,
+MAXNREG = 128  # one program per SM; 4 warps: 168 without spills, 3 programs per SM)
 SKEW = 1  # heads between a head's statistics and its quantising items
-_QTILE = 64  # rows per register tile of a quantising item
-_QTILE_JIT = tl.constexpr(_QTILE)  # (the same, for the kernel)
+_QUANT_MULTIPLE = 16  # quant_rows: a power of two, at least this
 _RCHUNK = 32  # statistics slots reduced per step in ``_reduce_head``
 _BLOCK_S = 32  # rows per register tile of a statistics item
+STATS_UNROLL = 2  # statistics tiles loaded before they are added (bytes in flight per program: 2 x 8 KB)
+
+
+@triton.jit
+def _tile_stats(base, rows, r1, offs_d, stride_s, stride_d, acc, hi, lo):
+    """``acc`` / ``hi`` / ``lo`` updated with the row tile ``rows`` (rows >= r1 masked: 0 to the sum, -inf / +inf to the
+    max / min)."""
+    ok = (rows < r1)[:, None]
+    x = tl.load(base + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d, mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    return acc + x, tl.maximum(hi, tl.where(ok, x, float("-inf"))), tl.minimum(lo, tl.where(ok, x, float("inf")))
+
+
+@triton.jit
+def _column_stats_unrolled(base, stride_s, stride_d, r0, r1, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                           UNROLL: tl.constexpr):
+    """(sum, max, min) per column (fp32 [HEAD_DIM] each) of rows [r0, r1) of one head (``base`` by strides; r1 > r0),
+    as ``selection._column_stats`` but with UNROLL (1 or 2) row tiles per step, the second tile's load issued before
+    the first is added (more loads in flight)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_s = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_S, HEAD_DIM], dtype=tl.float32)
+    hi = tl.full([BLOCK_S, HEAD_DIM], float("-inf"), tl.float32)
+    lo = tl.full([BLOCK_S, HEAD_DIM], float("inf"), tl.float32)
+    tl.static_assert(UNROLL == 1 or UNROLL == 2, "UNROLL: 1 or 2")
+    for s0 in range(r0, r1, BLOCK_S * UNROLL):
+        if UNROLL == 2:
+            rows1 = s0 + BLOCK_S + offs_s
+            ok1 = (rows1 < r1)[:, None]
+            x1 = tl.load(base + rows1.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d, mask=ok1,
+                         other=0.0)
+            acc, hi, lo = _tile_stats(base, s0 + offs_s, r1, offs_d, stride_s, stride_d, acc, hi, lo)
+            x1 = x1.to(tl.float32)
+            acc += x1
+            hi = tl.maximum(hi, tl.where(ok1, x1, float("-inf")))
+            lo = tl.minimum(lo, tl.where(ok1, x1, float("inf")))
+        else:
+            acc, hi, lo = _tile_stats(base, s0 + offs_s, r1, offs_d, stride_s, stride_d, acc, hi, lo)
+    return tl.sum(acc, 0), tl.max(hi, 0), tl.min(lo, 0)
 
 
 @triton.jit
@@ -77,8 +116,9 @@ def _fp8_operands_persistent(
     lse_mul, kb_mul, qf_mul,
     HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr,  # rows per statistics item
-    QTILES: tl.constexpr,  # 64-row tiles per quantising item
+    QROWS: tl.constexpr,  # rows per quantising item (one register tile)
     BLOCK_S: tl.constexpr,
+    UNROLL: tl.constexpr,
     RCHUNK: tl.constexpr,
     KB_POW2: tl.constexpr,
 ):
@@ -87,7 +127,7 @@ def _fp8_operands_persistent(
     SYNC[1 + BH + bh]: its ready flag; PART: fp32 [BH, nq + nk, 3, HEAD_DIM]; MQ / MK: fp32 [BH, HEAD_DIM]; STATS:
     fp32 [3, BH] (q scale, k scale, qf). See the module docstring."""
     ns = nq + nk
-    nbq = tl.cdiv(S, _QTILE_JIT * QTILES)
+    nbq = tl.cdiv(S, QROWS)
     t = tl.atomic_add(SYNC, 1)
     while t < n_items:
         code = tl.load(ITEMS + t)
@@ -98,14 +138,14 @@ def _fp8_operands_persistent(
         if idx < ns:  # statistics of rows [r0, r0 + SPLIT) of q (idx < nq) or k
             if idx < nq:
                 r0 = idx * SPLIT
-                col_sum, col_max, col_min = _column_stats(
+                col_sum, col_max, col_min = _column_stats_unrolled(
                     Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh, stride_qs, stride_qd, r0,
-                    tl.minimum(r0 + SPLIT, S), HEAD_DIM, BLOCK_S)
+                    tl.minimum(r0 + SPLIT, S), HEAD_DIM, BLOCK_S, UNROLL)
             else:
                 r0 = (idx - nq) * SPLIT
-                col_sum, col_max, col_min = _column_stats(
+                col_sum, col_max, col_min = _column_stats_unrolled(
                     K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh, stride_ks, stride_kd, r0,
-                    tl.minimum(r0 + SPLIT, SK), HEAD_DIM, BLOCK_S)
+                    tl.minimum(r0 + SPLIT, SK), HEAD_DIM, BLOCK_S, UNROLL)
             offs_d = tl.arange(0, HEAD_DIM)
             slot = PART + (bh.to(tl.int64) * ns + idx) * (3 * HEAD_DIM) + offs_d
             tl.store(slot, col_sum)
@@ -122,20 +162,18 @@ def _fp8_operands_persistent(
                 tl.store(STATS + 2 * BH + bh, sq * sk * qf_mul)
                 tl.debug_barrier()
                 tl.atomic_xchg(SYNC + 1 + BH + bh, 1, sem="release", scope="gpu")
-        else:  # quantising: QTILES tiles of 64 rows of q (j < nbq) or k, once the head's statistics are ready
+        else:  # quantising: QROWS rows of q (j < nbq) or k, once the head's statistics are ready
             ready = tl.atomic_add(SYNC + 1 + BH + bh, 0, sem="acquire", scope="gpu")
             while ready == 0:
                 ready = tl.atomic_add(SYNC + 1 + BH + bh, 0, sem="acquire", scope="gpu")
             j = idx - ns
-            for i in tl.static_range(QTILES):
-                if j < nbq:
-                    _quantize_rows(Q, Q8, MQ, MK, STATS, LSE, LSE_S, j * QTILES + i, b, h, bh, S, stride_qb,
-                                   stride_qh, stride_qs, stride_qd, stride_lb, stride_lh, stride_ls, lse_mul,
-                                   HEAD_DIM, _QTILE_JIT, True, False, True)
-                else:
-                    _quantize_rows(K, K8, MK, MQ, STATS + BH, LSE, KB, (j - nbq) * QTILES + i, b, h, bh, SK,
-                                   stride_kb, stride_kh, stride_ks, stride_kd, stride_lb, stride_lh, stride_ls, kb_mul,
-                                   HEAD_DIM, _QTILE_JIT, False, KB_POW2, True)
+            if j < nbq:
+                _quantize_rows(Q, Q8, MQ, MK, STATS, LSE, LSE_S, j, b, h, bh, S, stride_qb, stride_qh, stride_qs,
+                               stride_qd, stride_lb, stride_lh, stride_ls, lse_mul, HEAD_DIM, QROWS, True, False, True)
+            else:
+                _quantize_rows(K, K8, MK, MQ, STATS + BH, LSE, KB, j - nbq, b, h, bh, SK, stride_kb, stride_kh,
+                               stride_ks, stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, QROWS, False,
+                               KB_POW2, True)
         t = tl.atomic_add(SYNC, 1)
 
 
@@ -179,24 +217,25 @@ def _programs(device, n_items: int, per_sm: int) -> int:
 def refusal(q: torch.Tensor, k: torch.Tensor, *, split_rows: int = SPLIT_ROWS, quant_rows: int = QUANT_ROWS,
             skew: int = SKEW) -> str | None:
     """Why the persistent launch cannot take these shapes or tuning (None: it can): the item codes hold a head index
-    below 2^15 and an item index below 2^16; quant_rows a multiple of 64; skew >= 1."""
+    below 2^15 and an item index below 2^16; quant_rows a power of two >= 16; skew >= 1."""
     B, H, S, D = q.shape
     SK = k.shape[2]
     ns = -(-S // split_rows) + -(-SK // split_rows)
     nb = -(-S // quant_rows) + -(-SK // quant_rows)
     if B * H >= 1 << 15 or ns + nb >= 1 << 16 or skew < 1:
         return f"too many heads ({B * H}) or rows per head ({S}, {SK}) for the item codes, or skew {skew} < 1"
-    if quant_rows % _QTILE:
-        return f"quant_rows must be a multiple of {_QTILE}, got {quant_rows}"
+    if quant_rows < _QUANT_MULTIPLE or quant_rows & (quant_rows - 1):
+        return f"quant_rows must be a power of two >= {_QUANT_MULTIPLE}, got {quant_rows}"
     return None
 
 
 def fp8_operands_persistent(q, k, lse, scale, *, kb_pow2=False, split_rows=SPLIT_ROWS, quant_rows=QUANT_ROWS,
                             programs_per_sm=PROGRAMS_PER_SM, skew=SKEW, num_warps=NUM_WARPS, maxnreg=MAXNREG,
-                            stats=None):
+                            unroll=STATS_UNROLL, stats=None):
     """``selection.fp8_operands``' outputs (q8, k8, qf, lse_s, kb; same shapes, dtypes and formulas) in one
     persistent launch (module docstring). split_rows / quant_rows: rows per statistics / quantising item;
-    programs_per_sm, skew, num_warps, maxnreg (CUDA; 0: uncapped): launch tuning. ``stats``: a dict filled with this launch's mq, mk (fp32 [B, H,
+    programs_per_sm, skew, num_warps, maxnreg (CUDA; 0: uncapped), unroll (statistics tiles in flight): launch
+    tuning. ``stats``: a dict filled with this launch's mq, mk (fp32 [B, H,
     D]) and q / k scales (fp32 [B, H]). Raises ValueError where ``refusal`` says why."""
     why = refusal(q, k, split_rows=split_rows, quant_rows=quant_rows, skew=skew)
     if why is not None:
@@ -221,7 +260,7 @@ def fp8_operands_persistent(q, k, lse, scale, *, kb_pow2=False, split_rows=SPLIT
     _fp8_operands_persistent[(_programs(dev, len(items), programs_per_sm),)](
         q, k, q8, k8, lse, lse_s, kb, part, mq, mk, st, sync, items, H, BH, S, SK, len(items), nq, nk,
         *q.stride(), *k.stride(), *lse.stride(), -scale, scale * log2e, scale * log2e,
-        HEAD_DIM=D, SPLIT=split_rows, QTILES=quant_rows // _QTILE, BLOCK_S=_BLOCK_S, RCHUNK=_RCHUNK,
+        HEAD_DIM=D, SPLIT=split_rows, QROWS=quant_rows, BLOCK_S=_BLOCK_S, UNROLL=unroll, RCHUNK=_RCHUNK,
         KB_POW2=bool(kb_pow2), num_warps=num_warps, **(dict(maxnreg=maxnreg) if maxnreg and dev.type == "cuda" else {}))
     if stats is not None:
         stats.update(mq=mq, mk=mk, q_scale=st[0], k_scale=st[1])
