@@ -229,7 +229,8 @@ RACE1_ROWS = {"cute": dict(cute=True, topk_count=True), "cute sep": dict(cute=Tr
 # the float8 operand pass in one persistent launch (kernels/triton/operands.py): its launch tunings raced in race 2,
 # each checked first in a child process per shape (``check_persistent``: a hang is killed there, not in the bench)
 OPERAND_VARIANTS = {"pers": {}, "pers w4": dict(num_warps=4, maxnreg=168, programs_per_sm=3),
-                    "pers skew2": dict(skew=2), "pers s512": dict(split_rows=512), "pers u1": dict(unroll=1)}
+                    "pers skew2": dict(skew=2), "pers s512": dict(split_rows=512), "pers u1": dict(unroll=1),
+                    "pers ev": dict(evict=True), "pers ev skew2": dict(evict=True, skew=2)}
 
 
 def race1(name, q, k, v, lse, perm, log, rows, rounds=None, tag=""):

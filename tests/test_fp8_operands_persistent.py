@@ -37,9 +37,9 @@ def _inputs(gen, B=2, H=3, S=300, SK=170, D=32):
     return q, k, lse
 
 
-@pytest.mark.parametrize(("split", "quant", "skew", "pow2", "unroll"), [(64, 128, 1, True, 2), (256, 64, 2, False, 1),
-                                                                      (96, 32, 1, False, 2)])
-def test_persistent_operands_round_their_own_statistics(gen, split, quant, skew, pow2, unroll):
+@pytest.mark.parametrize(("split", "quant", "skew", "pow2", "unroll", "evict"),
+                         [(64, 128, 1, True, 2, False), (256, 64, 2, False, 1, True), (96, 32, 1, False, 2, True)])
+def test_persistent_operands_round_their_own_statistics(gen, split, quant, skew, pow2, unroll, evict):
     """q8 / k8 are bitwise the float8 rounding of (x - mean) / scale with the launch's own mean and scale (ragged
     last items: S = 300, Sk = 170 against 64- to 256-row items), the means are the float64 means to 1e-5, the scales
     follow the power-of-two rule (an all-zero head: 1), lse_s / kb / qf follow fp8_operands' formulas (kb clamped, or
@@ -51,7 +51,8 @@ def test_persistent_operands_round_their_own_statistics(gen, split, quant, skew,
     scale = 0.125
     st = {}
     got = operands.fp8_operands_persistent(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), scale, kb_pow2=pow2,
-                                           split_rows=split, quant_rows=quant, skew=skew, unroll=unroll, stats=st)
+                                           split_rows=split, quant_rows=quant, skew=skew, unroll=unroll, evict=evict,
+                                           stats=st)
     q8, k8, qf, lse_s, kb = (t.cpu() for t in got)
     mq, mk, qs, ks = (st[n].cpu() for n in ("mq", "mk", "q_scale", "k_scale"))
     assert torch.allclose(mq.double(), q.double().mean(2), rtol=1e-5, atol=1e-5)

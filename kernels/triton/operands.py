@@ -44,22 +44,24 @@ SKEW = 1  # heads between a head's statistics and its quantising items
 _QUANT_MULTIPLE = 16  # quant_rows: a power of two, at least this
 _RCHUNK = 32  # statistics slots reduced per step in ``_reduce_head``
 _BLOCK_S = 32  # rows per register tile of a statistics item
+EVICT_HINTS = False  # L2 eviction hints (statistics rows evict-last, quantised rows / copies evict-first): not measured
 STATS_UNROLL = 2  # statistics tiles loaded before they are added (bytes in flight per program: 2 x 8 KB)
 
 
 @triton.jit
-def _tile_stats(base, rows, r1, offs_d, stride_s, stride_d, acc, hi, lo):
+def _tile_stats(base, rows, r1, offs_d, stride_s, stride_d, acc, hi, lo, EVICT: tl.constexpr):
     """``acc`` / ``hi`` / ``lo`` updated with the row tile ``rows`` (rows >= r1 masked: 0 to the sum, -inf / +inf to the
-    max / min)."""
+    max / min); EVICT: the rows marked evict-last in L2 (the quantising item re-reads them)."""
     ok = (rows < r1)[:, None]
-    x = tl.load(base + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d, mask=ok, other=0.0)
+    x = tl.load(base + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d, mask=ok, other=0.0,
+                eviction_policy="evict_last" if EVICT else "")
     x = x.to(tl.float32)
     return acc + x, tl.maximum(hi, tl.where(ok, x, float("-inf"))), tl.minimum(lo, tl.where(ok, x, float("inf")))
 
 
 @triton.jit
 def _column_stats_unrolled(base, stride_s, stride_d, r0, r1, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                           UNROLL: tl.constexpr):
+                           UNROLL: tl.constexpr, EVICT: tl.constexpr):
     """(sum, max, min) per column (fp32 [HEAD_DIM] each) of rows [r0, r1) of one head (``base`` by strides; r1 > r0),
     as ``selection._column_stats`` but with UNROLL (1 or 2) row tiles per step, the second tile's load issued before
     the first is added (more loads in flight)."""
@@ -74,14 +76,14 @@ def _column_stats_unrolled(base, stride_s, stride_d, r0, r1, HEAD_DIM: tl.conste
             rows1 = s0 + BLOCK_S + offs_s
             ok1 = (rows1 < r1)[:, None]
             x1 = tl.load(base + rows1.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d, mask=ok1,
-                         other=0.0)
-            acc, hi, lo = _tile_stats(base, s0 + offs_s, r1, offs_d, stride_s, stride_d, acc, hi, lo)
+                         other=0.0, eviction_policy="evict_last" if EVICT else "")
+            acc, hi, lo = _tile_stats(base, s0 + offs_s, r1, offs_d, stride_s, stride_d, acc, hi, lo, EVICT)
             x1 = x1.to(tl.float32)
             acc += x1
             hi = tl.maximum(hi, tl.where(ok1, x1, float("-inf")))
             lo = tl.minimum(lo, tl.where(ok1, x1, float("inf")))
         else:
-            acc, hi, lo = _tile_stats(base, s0 + offs_s, r1, offs_d, stride_s, stride_d, acc, hi, lo)
+            acc, hi, lo = _tile_stats(base, s0 + offs_s, r1, offs_d, stride_s, stride_d, acc, hi, lo, EVICT)
     return tl.sum(acc, 0), tl.max(hi, 0), tl.min(lo, 0)
 
 
@@ -119,6 +121,7 @@ def _fp8_operands_persistent(
     QROWS: tl.constexpr,  # rows per quantising item (one register tile)
     BLOCK_S: tl.constexpr,
     UNROLL: tl.constexpr,
+    EVICT: tl.constexpr,  # L2 hints: statistics rows evict-last, quantised rows and float8 copies evict-first
     RCHUNK: tl.constexpr,
     KB_POW2: tl.constexpr,
 ):
@@ -140,12 +143,12 @@ def _fp8_operands_persistent(
                 r0 = idx * SPLIT
                 col_sum, col_max, col_min = _column_stats_unrolled(
                     Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh, stride_qs, stride_qd, r0,
-                    tl.minimum(r0 + SPLIT, S), HEAD_DIM, BLOCK_S, UNROLL)
+                    tl.minimum(r0 + SPLIT, S), HEAD_DIM, BLOCK_S, UNROLL, EVICT)
             else:
                 r0 = (idx - nq) * SPLIT
                 col_sum, col_max, col_min = _column_stats_unrolled(
                     K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh, stride_ks, stride_kd, r0,
-                    tl.minimum(r0 + SPLIT, SK), HEAD_DIM, BLOCK_S, UNROLL)
+                    tl.minimum(r0 + SPLIT, SK), HEAD_DIM, BLOCK_S, UNROLL, EVICT)
             offs_d = tl.arange(0, HEAD_DIM)
             slot = PART + (bh.to(tl.int64) * ns + idx) * (3 * HEAD_DIM) + offs_d
             tl.store(slot, col_sum)
@@ -169,11 +172,11 @@ def _fp8_operands_persistent(
             j = idx - ns
             if j < nbq:
                 _quantize_rows(Q, Q8, MQ, MK, STATS, LSE, LSE_S, j, b, h, bh, S, stride_qb, stride_qh, stride_qs,
-                               stride_qd, stride_lb, stride_lh, stride_ls, lse_mul, HEAD_DIM, QROWS, True, False, True)
+                               stride_qd, stride_lb, stride_lh, stride_ls, lse_mul, HEAD_DIM, QROWS, True, False, True, EVICT)
             else:
                 _quantize_rows(K, K8, MK, MQ, STATS + BH, LSE, KB, j - nbq, b, h, bh, SK, stride_kb, stride_kh,
                                stride_ks, stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, QROWS, False,
-                               KB_POW2, True)
+                               KB_POW2, True, EVICT)
         t = tl.atomic_add(SYNC, 1)
 
 
@@ -231,11 +234,11 @@ def refusal(q: torch.Tensor, k: torch.Tensor, *, split_rows: int = SPLIT_ROWS, q
 
 def fp8_operands_persistent(q, k, lse, scale, *, kb_pow2=False, split_rows=SPLIT_ROWS, quant_rows=QUANT_ROWS,
                             programs_per_sm=PROGRAMS_PER_SM, skew=SKEW, num_warps=NUM_WARPS, maxnreg=MAXNREG,
-                            unroll=STATS_UNROLL, stats=None):
+                            unroll=STATS_UNROLL, evict=EVICT_HINTS, stats=None):
     """``selection.fp8_operands``' outputs (q8, k8, qf, lse_s, kb; same shapes, dtypes and formulas) in one
     persistent launch (module docstring). split_rows / quant_rows: rows per statistics / quantising item;
-    programs_per_sm, skew, num_warps, maxnreg (CUDA; 0: uncapped), unroll (statistics tiles in flight): launch
-    tuning. ``stats``: a dict filled with this launch's mq, mk (fp32 [B, H,
+    programs_per_sm, skew, num_warps, maxnreg (CUDA; 0: uncapped), unroll (statistics tiles in flight), evict (L2
+    eviction hints): launch tuning. ``stats``: a dict filled with this launch's mq, mk (fp32 [B, H,
     D]) and q / k scales (fp32 [B, H]). Raises ValueError where ``refusal`` says why."""
     why = refusal(q, k, split_rows=split_rows, quant_rows=quant_rows, skew=skew)
     if why is not None:
@@ -260,7 +263,7 @@ def fp8_operands_persistent(q, k, lse, scale, *, kb_pow2=False, split_rows=SPLIT
     _fp8_operands_persistent[(_programs(dev, len(items), programs_per_sm),)](
         q, k, q8, k8, lse, lse_s, kb, part, mq, mk, st, sync, items, H, BH, S, SK, len(items), nq, nk,
         *q.stride(), *k.stride(), *lse.stride(), -scale, scale * log2e, scale * log2e,
-        HEAD_DIM=D, SPLIT=split_rows, QROWS=quant_rows, BLOCK_S=_BLOCK_S, UNROLL=unroll, RCHUNK=_RCHUNK,
+        HEAD_DIM=D, SPLIT=split_rows, QROWS=quant_rows, BLOCK_S=_BLOCK_S, UNROLL=unroll, EVICT=bool(evict), RCHUNK=_RCHUNK,
         KB_POW2=bool(kb_pow2), num_warps=num_warps, **(dict(maxnreg=maxnreg) if maxnreg and dev.type == "cuda" else {}))
     if stats is not None:
         stats.update(mq=mq, mk=mk, q_scale=st[0], k_scale=st[1])

@@ -385,19 +385,22 @@ def _group_prob_sums_pair(
 def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, bh, S,
                    stride_xb, stride_xh, stride_xs, stride_xd, stride_rb, stride_rh, stride_rs, row_mul,
                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, IS_Q: tl.constexpr, POW2: tl.constexpr = False,
-                   CG: tl.constexpr = False):
+                   CG: tl.constexpr = False, EVICT: tl.constexpr = False):
     """Rows [blk * BLOCK_S, +BLOCK_S) of head (b, h) of q (IS_Q) or k ([B, H, S, D] by strides): OUT (float8_e4m3,
     contiguous [B, H, S, D]) = (x - MEAN[bh]) / SCALE[bh] rounded to nearest even (SCALE is a power of two: the
     quotient is exact, taken as a product by 1 / SCALE), and a per-row term t = x . OTHER_MEAN[bh] (q: x . mean(k))
     or (x - MEAN[bh]) . OTHER_MEAN[bh] (k: (k - mean(k)) . mean(q)) written as OUT_ROW[bh * S + row] = IN_ROW[row] +
     row_mul * t for q (IN_ROW: the LSE by its strides), and clamp(row_mul * t, -100, 100) for k (IN_ROW unused;
     POW2: 2 to that power). MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]. CG: those three read past L1
-    (``operands``: written by another program of the same launch, next to entries this SM may have cached)."""
+    (``operands``: written by another program of the same launch, next to entries this SM may have cached). EVICT:
+    x's rows and the float8 copy marked evict-first in L2 (their last use: ``operands`` keeps L2 for rows still to
+    be quantised)."""
     rows = blk * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = rows < S
     x = tl.load(X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + rows.to(tl.int64)[:, None] * stride_xs
-                + offs_d[None, :] * stride_xd, mask=ok[:, None], other=0.0).to(tl.float32)
+                + offs_d[None, :] * stride_xd, mask=ok[:, None], other=0.0,
+                eviction_policy="evict_first" if EVICT else "").to(tl.float32)
     if CG:
         mean = tl.load(MEAN + bh * HEAD_DIM + offs_d, cache_modifier=".cg")
         other = tl.load(OTHER_MEAN + bh * HEAD_DIM + offs_d, cache_modifier=".cg")
@@ -420,7 +423,8 @@ def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, 
             kb = tl.math.exp2(kb)
         tl.store(OUT_ROW + out_rows, kb, mask=ok)
     y = xc * inv
-    tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None])
+    tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None],
+             eviction_policy="evict_first" if EVICT else "")
 
 
 @triton.jit
