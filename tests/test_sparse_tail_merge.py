@@ -148,19 +148,19 @@ def test_tail_launch_plan(gen, monkeypatch):
     q = torch.randn(1, 2, 1000, 128, generator=gen).to(torch.bfloat16)
     perm, idx = random_groups(gen, 1, 2, 1000, 128), random_kv_idx(gen, 1, 2, 8, 1000, 100, 128)  # 16 items
     base = dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, q_regs=True,
-                chain=True)
+                skip_rescale=True)
     grid, args, meta, (_, _, tail) = g.launch_args(q, q, q, perm, idx, num_sms=7, tail_launch=4, **base)
-    assert grid == (7,) and not meta["SPLIT"] and meta["CHAIN"] and args[20:24] == (14, 14, 1, 0)
+    assert grid == (7,) and not meta["SPLIT"] and meta["SKIP_RESCALE"] and args[20:24] == (14, 14, 1, 0)
     assert tail["n_full"] == 14 and tail["n_tail"] == 2 and tail["n_parts"] == 3
     grid2, args2, meta2 = tail["launch"]
     assert grid2 == (6,) and args2[20:24] == (20, 14, 3, 14)
-    assert meta2["SPLIT"] and not meta2["CHAIN"] and meta2["RES_KIND"] == 0 and not meta2["RETURN_LSE"]
+    assert meta2["SPLIT"] and meta2["RES_KIND"] == 0 and not meta2["RETURN_LSE"]
     assert (meta2["CONSUMER_REGS"], meta2["PRODUCER_REGS"]) == (216, 72)
     assert args2[11] is tail["ws_o"] and args2[12] is tail["ws_ml"]
     assert g.launch_args(q, q, q, perm, idx, num_sms=8, tail_launch=4, **base)[3][2] is None  # 2 whole rounds
     monkeypatch.setattr(g, "TAIL_MAX_ROUNDS", 1)  # a long walk: its last round's idle share is not worth 2 launches
     assert g.launch_args(q, q, q, perm, idx, num_sms=7, tail_launch=4, **base)[3][2] is None
     monkeypatch.undo()
-    for bad in (dict(persistent=False, early_q=False, q_regs=False, chain=False), dict(split_tail=4, chain=False)):
+    for bad in (dict(persistent=False, early_q=False, q_regs=False), dict(split_tail=4)):
         with pytest.raises(ValueError, match="tail_launch"):
             g.launch_args(q, q, q, perm, idx, num_sms=7, tail_launch=4, **{**base, **bad})
