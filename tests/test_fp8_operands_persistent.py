@@ -121,3 +121,32 @@ def test_refusal_and_failure_fall_back_to_three_launches(gen, monkeypatch, caplo
         assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, want))
     assert len(calls) == 1 and "persistent boom" in selection._PERSISTENT_FAILED[0]
     assert "persistent float8 operand pass failed" in caplog.text
+
+
+def test_refusal_at_the_item_code_limits():
+    """operands.refusal at its edges (shapes only, nothing launched): B * H below 2^15 and a head's statistics +
+    quantising items below 2^16 (the item codes bh * 65536 + idx), skew >= 1, quant_rows a multiple of 64 (a
+    96-row item would quantise one 64-row tile and leave rows unwritten); fp8_operands_persistent raises the reason.
+    Mutations: a limit off by one, an item count summed wrongly, the quant_rows check dropped."""
+    from types import SimpleNamespace
+
+    operands, _ = _mods()
+
+    def shapes(bh=1, s=64, sk=64):
+        return SimpleNamespace(shape=(1, bh, s, 64)), SimpleNamespace(shape=(1, bh, sk, 64))
+
+    ok = dict(split_rows=64, quant_rows=64)
+    assert operands.refusal(*shapes(bh=(1 << 15) - 1), **ok) is None
+    assert "heads" in operands.refusal(*shapes(bh=1 << 15), **ok)
+    # statistics + quantising items of one head: 2 * (S / 64 + Sk / 64) with 64-row items
+    assert operands.refusal(*shapes(s=64 * 20000, sk=64 * 12767), **ok) is None  # 65534 items
+    assert "rows per head" in operands.refusal(*shapes(s=64 * 20000, sk=64 * 12768), **ok)  # 65536
+    assert operands.refusal(*shapes(s=64 * 20000 + 1, sk=64 * 12766), **ok) is None  # 65534: one more of each
+    assert operands.refusal(*shapes(), skew=1) is None and "skew" in operands.refusal(*shapes(), skew=0)
+    for rows in (64, 128, 192):
+        assert operands.refusal(*shapes(), quant_rows=rows) is None
+    for rows in (32, 96, 100):
+        assert "multiple of 64" in operands.refusal(*shapes(), quant_rows=rows)
+    q = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        operands.fp8_operands_persistent(q, q, torch.zeros(1, 1, 8), 0.125, quant_rows=96)
