@@ -533,3 +533,18 @@ def test_cute_fused_top_k_failure_falls_back_to_the_kernel_without_it(gen, cute_
     with registry.recording(registry.Record()):  # a new run tries the fused launch again
         _select(sel, q, k, lse, perm, C)
     assert cute_fused.calls[3]["select"] is not None
+
+
+def test_cute_select_refusal_starts_with_the_kernels_own(cute_fused, monkeypatch):
+    """cute_select_refusal answers the kernel's own refusal first (switched off, a Triton-only option, the module's
+    refusal of the operands) and try_cute_select then launches nothing, fused or not. Mutation: that first check
+    dropped (the fused launch asked only the top-K's own conditions)."""
+    d = _mod("pass2_dispatch")
+    assert d.cute_select_refusal(None, None, 128, None, None, 40, requested=False) == "off (cute=False)"
+    only = "first-digit histogram requested (Triton kernel only)"
+    assert d.cute_select_refusal(None, None, 128, None, None, 40, requested=True, only_triton=only) == only
+    monkeypatch.setattr(cute_fused, "refusal", lambda q8, k8, group_size, out: "runs head dim 128 only, got 64")
+    assert d.cute_select_refusal(None, None, 128, None, None, 40, requested=True) == "runs head dim 128 only, got 64"
+    assert not d.try_cute_select(None, None, None, None, None, None, None, group_size=128, sel=None, num_keys=40,
+                                 requested=True)
+    assert not cute_fused.calls and d.cute_topk_fallback_reason() is None
