@@ -16,7 +16,8 @@ Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p:
 ``python tests/bench_cutedsl_pass2.py --out OUT [--shapes 1.3b] [--variants "st4,st4 p8,st6"] [--commit HASH]``;
 a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<ksplit>`` (else
 ``auto_ksplit``), `` pp`` (pingpong), `` ls`` (lse_smem), `` qs`` (qsplit), `` wg3`` (three consumer
-warpgroups), `` wg4`` (four), `` pr`` (two query groups per work item), `` ov`` (with pr: overlapped wgmmas), `` tk`` (the top-K fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums too),
+warpgroups), `` wg4`` (four), `` pr`` (two query groups per work item), `` ov`` (with pr: overlapped wgmmas),
+`` tk`` (the top-K fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums too),
 `` wg2`` / `` nols`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed without
 the check).
 Writes OUT/bench_cutedsl_pass2.json.
@@ -39,8 +40,10 @@ import bench_select_race as bsr  # noqa: E402  (loads the pack)
 
 from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 
-COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "diag", "wg3", "topk", "wg4", "pair", "overlap")  # the compile-time keys
-FLAGS = {"pp": "pingpong", "ls": "lse_smem", "qs": "qsplit", "wg3": "wg3", "tk": "topk", "wg4": "wg4", "pr": "pair", "ov": "overlap"}
+# the compile-time keys
+COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "diag", "wg3", "topk", "wg4", "pair", "overlap")
+FLAGS = {"pp": "pingpong", "ls": "lse_smem", "qs": "qsplit", "wg3": "wg3", "tk": "topk", "wg4": "wg4", "pr": "pair",
+         "ov": "overlap"}
 TOPK_DENSITY = 0.25  # the fused top-K variants ("tk") select K = 0.25 x Sk keys per group
 OFF = {"wg2": "wg3", "nols": "lse_smem"}
 DEFAULT_VARIANTS = "st4,st4 k1,st4 pp,st4 p10,st6"
@@ -72,6 +75,7 @@ def parse_variant(text: str) -> dict:
 def cute_rows(ops, perm, ref16, variants, log):
     """{row name: zero-argument callable} of the CuTeDSL variants whose check passed, and {name: check result}.
     ``ops``: ``fp8_operands(kb_pow2=True)``; ``ref16``: the Triton kernel's float16 sums [B, H, G, Sk]."""
+    from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_launch
     from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90 as p2
 
     q8, k8, qf, lse_s, kb = ops
@@ -95,7 +99,7 @@ def cute_rows(ops, perm, ref16, variants, log):
             rel = float(((got.double() - ref16.double()).norm(dim=-1) / ref16.double().norm(dim=-1)).max())
             if "select" in run:  # the fused selection == the brute-force top-K of the kernel's own sums
                 rows_bad = int((sel != bsr.ref_top_k_rows(got, kq, width)).any(-1).sum())
-                flagged = int(p2._flags(got.device.index or 0, got.device, sel[..., 0].numel()).sum())
+                flagged = int(pass2_launch.flags(got.device, sel[..., 0].numel()).sum())
                 sel_ok = rows_bad == 0
                 log(f"CHECK {name}: selection rows differing from the brute-force top-K {rows_bad} of "
                     f"{sel[..., 0].numel()} (radix-launch rows {flagged})")

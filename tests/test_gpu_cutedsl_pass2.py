@@ -110,7 +110,8 @@ VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5, ksplit=1)), (
                                        (CASES[1], dict(pair=True, num_ctas=5)),
                                        (CASES[2], dict(pair=True, wg4=True, stages=3, ksplit=2)),
                                        (CASES[1], dict(pair=True, overlap=True, num_ctas=4))]
-_COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "wg3", "wg4", "pair", "overlap")  # the tuning keys that are compile-time
+# the tuning keys that are compile-time
+_COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "wg3", "wg4", "pair", "overlap")
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,
@@ -257,6 +258,8 @@ def test_cutedsl_fused_topk_equals_brute_force(case, num_keys, width, opts, twin
     launch's bit for bit; every row's flag written (poisoned 7) and, with the missing plan, rows sent to the radix
     launch. ``twins``: keys come in identical pairs (k8 and 2^KB duplicated), so every sum has an equal neighbour."""
     _, p2 = _mods()
+    from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_launch as launch
+
     B, H, S, SK, C, holes = case
     q8, k8, qf, lse_s, kb, perm = _torch_operands(B, H, S, SK, C, SEED + S + num_keys, holes)
     if twins:
@@ -271,11 +274,11 @@ def test_cutedsl_fused_topk_equals_brute_force(case, num_keys, width, opts, twin
     sums = torch.full((B, H, G, SK), float("nan"), dtype=torch.float16, device="cuda")
     buf = torch.full((B, H + 2, G, width), -7, dtype=torch.int32, device="cuda")
     sel = buf[:, 1:H + 1]
-    p2._flags(torch.cuda.current_device(), q8.device, B * H * G).fill_(7)
+    launch.flags(q8.device, B * H * G).fill_(7)
     assert p2.select_refusal(q8, k8, C, sums, sel, num_keys) is None
     p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, sums, group_size=C, select=(sel, num_keys), **opts)
     torch.cuda.synchronize()
-    flags = p2._flags(torch.cuda.current_device(), q8.device, B * H * G).clone()
+    flags = launch.flags(q8.device, B * H * G).clone()
     print(f"rows through the radix launch: {int(flags.sum())} of {flags.numel()}")
     assert not sums.isnan().any(), f"{int(sums.isnan().sum())} sums not written"
     assert torch.equal(sums, plain), "the fused launch's sums differ from the unfused launch's"

@@ -68,6 +68,7 @@ from flash_attn.cute import utils as fa_utils
 from quack import layout_utils, sm90_utils
 
 from ..triton import pass2_dispatch
+from . import pass2_launch
 
 HEAD_DIM = 128
 TILE_N = 128  # keys per ring stage (two 64-key halves, one per consumer warpgroup)
@@ -195,13 +196,15 @@ class Pass2Sm90:
         total = mPerm.shape[0] * ((mOut.shape[2] + self.gpi - 1) // self.gpi) * ksplit
         grid_x = cutlass.min(num_ctas, total)
         self.kernel(mQ, tma_K, mLSE, mPerm, mKB, mQF, mOut, mInf, mSel, mFlag, mCnt, group_size, ksplit, num_keys,
-                    samp_stride, n_samp, hi_rank, lo_rank, tma_atom_K, tiled_mma, sQ_layout, sK_layout, SharedStorage).launch(grid=(grid_x, 1, 1), block=[128 * (self.nwg + 1), 1, 1],
+                    samp_stride, n_samp, hi_rank, lo_rank, tma_atom_K, tiled_mma, sQ_layout, sK_layout,
+                    SharedStorage).launch(grid=(grid_x, 1, 1), block=[128 * (self.nwg + 1), 1, 1],
                                                                 stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mPerm: cute.Tensor, mKB: cute.Tensor,
                mQF: cute.Tensor, mOut: cute.Tensor, mInf: cute.Tensor, mSel: cute.Tensor, mFlag: cute.Tensor,
-               mCnt: cute.Tensor, group_size: Int32, ksplit: Int32, num_keys: Int32, samp_stride: Int32, n_samp: Int32, hi_rank: Int32,
+               mCnt: cute.Tensor, group_size: Int32, ksplit: Int32, num_keys: Int32, samp_stride: Int32,
+               n_samp: Int32, hi_rank: Int32,
                lo_rank: Int32, tma_atom_K: cute.CopyAtom,
                tiled_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
@@ -913,7 +916,6 @@ LSE_SMEM = True
 QSPLIT = False
 WG3 = True
 _SM_COUNT: dict = {}
-_INF: dict = {}  # device index -> fp32 [4] of +inf (the LSE a padded query slot copies with lse_smem)
 
 
 SMEM_LIMIT = 227 * 1024
@@ -980,13 +982,11 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
     ``OUT_DTYPES``; ``topk``: the fused top-K (wg3 only). Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
 
-    bh, s, sk, n, b, h, g, sk_out, b2, h2, g2, w2, rows = (cute.sym_int() for _ in range(13))
-    args = (make_fake_tensor(cutlass.Uint8, (bh, s, HEAD_DIM), divisibility=16),
-            make_fake_tensor(cutlass.Uint8, (bh, sk, HEAD_DIM), divisibility=16),
-            make_fake_tensor(Float32, (bh, s)), make_fake_tensor(Int32, (bh, n)), make_fake_tensor(Float32, (bh, sk)),
-            make_fake_tensor(Float32, (bh,)), make_fake_tensor(OUT_DTYPES[out_dtype], (b, h, g, sk_out)),
-            make_fake_tensor(Float32, (4,), divisibility=4), make_fake_tensor(Int32, (b2, h2, g2, w2)),
-            make_fake_tensor(cutlass.Int8, (rows,)), make_fake_tensor(Int32, (rows,)))
+    syms: dict = {}
+    dtypes = dict(uint8=cutlass.Uint8, float32=Float32, int32=Int32, int8=cutlass.Int8, out=OUT_DTYPES[out_dtype])
+    args = tuple(make_fake_tensor(dtypes[dt], tuple(d if isinstance(d, int) else syms.setdefault(d, cute.sym_int())
+                                                    for d in shape), divisibility=div)
+                 for _, dt, shape, div in pass2_launch.ARG_SHAPES)
     kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, POLY if poly is None else poly,
                        pingpong=PINGPONG if pingpong is None else bool(pingpong),
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
@@ -1066,7 +1066,8 @@ def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int) -> str | No
 def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, select=None, stages: int | None = None,
                         poly: int | None = None, pingpong: bool | None = None, lse_smem: bool | None = None,
                         qsplit: bool | None = None, diag: str = "", wg3: bool | None = None, wg4: bool | None = None,
-                        pair: bool | None = None, overlap: bool | None = None, num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None):
+                        pair: bool | None = None, overlap: bool | None = None, num_ctas: int | None = None,
+                        ksplit: int | None = None, bracket: tuple | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
@@ -1081,10 +1082,10 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         with 16-byte aligned rows; the launch then runs wg3 or wg4, ksplit 1 when not given unless
         ``TOPK_AUTO_KSPLIT``). stages, poly, pingpong, lse_smem, qsplit, wg3, wg4 (four consumer warpgroups), pair
         (two query groups per work item, sharing each key stage), overlap (with pair: the second group's wgmma
-        under the first's exponentials), num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG sums) (None:
-        ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused top-K's sample
-        plan (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s (tests: a plan whose brackets miss
-        sends rows to the radix launch; any plan gives the same selection).
+        under the first's exponentials), num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" /
+        "nomma": WRONG sums) (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused
+        top-K's sample plan (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s (tests: a plan whose
+        brackets miss sends rows to the radix launch; any plan gives the same selection).
     Returns:
         ``out``. Keys are written for every group; nothing past Sk. With ``select``: ``sel`` written in full (rows
         whose bracket the kernel's counts disproved by the radix top-K launched after it on the same stream).
@@ -1122,8 +1123,6 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         if idx not in _SM_COUNT:
             _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
         num_ctas = _SM_COUNT[idx]
-    if idx not in _INF:
-        _INF[idx] = torch.full((4,), float("inf"), dtype=torch.float32, device=dev)
     if ksplit is None:
         ksplit = auto_ksplit(B * H * G, num_ctas)
     if not 1 <= int(ksplit) <= 64:
@@ -1135,34 +1134,21 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         stride, n_samp, hi_rank, lo_rank = bracket or topk.bracket_plan(SK, num_keys, 2)[:4]
         if not (1 <= stride and 1 <= n_samp <= min(SAMPLE_SLOTS, SK // stride)):
             raise ValueError(f"bracket plan {(stride, n_samp)}: needs 1 <= n_samp <= min({SAMPLE_SLOTS}, Sk // stride)")
-        flags = _flags(idx, dev, B * H * G)
-        counts = torch.zeros(B * H * G, dtype=torch.int32, device=dev) if ksplit > 1 else _INF[idx].view(torch.int32)
-    else:  # placeholders (not read)
-        sel, num_keys, stride, n_samp, hi_rank, lo_rank = _INF[idx].view(torch.int32).view(1, 1, 1, 4), 1, 1, 1, 0, 1
-        flags, counts = _INF[idx].view(torch.int8), _INF[idx].view(torch.int32)
-    fn(q8.view(torch.uint8).view(B * H, S, D), k8.view(torch.uint8).view(B * H, SK, D),
-       lse_s.contiguous().view(B * H, S), perm.contiguous().view(B * H, G * group_size),
-       kb.contiguous().view(B * H, SK), qf.contiguous().view(B * H), out, _INF[idx], sel, flags, counts, int(group_size),
-       int(num_ctas), int(ksplit), num_keys, int(stride), int(n_samp), int(hi_rank), int(lo_rank))
-    if topk_on:  # the rows whose bracket the kernel's counts disproved (flag 1): radix select (topk.FusedRows.finish)
+    else:  # (not read)
+        sel, num_keys, stride, n_samp, hi_rank, lo_rank = None, 1, 1, 1, 0, 1
+    tensors = pass2_launch.launch_tensors(q8, k8, qf, lse_s, kb, perm, out, group_size=group_size, sel=sel,
+                                          ksplit=int(ksplit))
+    fn(*tensors, int(group_size), int(num_ctas), int(ksplit), num_keys, int(stride), int(n_samp), int(hi_rank),
+       int(lo_rank))
+    if topk_on:
+        # the rows whose bracket the kernel's counts disproved (flag 1): radix select (topk.FusedRows.finish)
+        flags = tensors[9]
         src = out.view(B, H * G, SK) if out.stride(1) == G * out.stride(2) else out.reshape(B, H * G, SK)
         dst = sel.view(B, H * G, sel.shape[3])
         topk._radix_topk_rows[(B * H * G,)](
             src, dst, flags, flags, SK, num_keys, sel.shape[3], H * G, src.stride(0), src.stride(1), dst.stride(0),
             dst.stride(1), KEY_BITS=16, BLOCK=topk._BLOCK, HAS_HIST=False, ONLY_FLAGGED=True, num_warps=4)
     return out
-
-
-_FLAGS: dict = {}  # device index -> int8 flags of the fused top-K (one per row, every one written by the kernel)
-
-
-def _flags(idx, dev, rows: int):
-    import torch
-
-    buf = _FLAGS.get(idx)
-    if buf is None or buf.numel() < rows:
-        buf = _FLAGS[idx] = torch.empty(rows, dtype=torch.int8, device=dev)
-    return buf[:rows]
 
 
 def compiled_kernels() -> list:
