@@ -328,6 +328,9 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
         cp_async_fence=False, q_regs=True, skip_rescale=True, max_tree=True),
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial": dict(
+        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+        cp_async_fence=False, q_regs=True, skip_rescale=True, sum_partial=True),
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
         cp_async_fence=False, q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True),

@@ -321,6 +321,23 @@ def test_skip_rescale_only_at_head_dim_128():
         assert g.launch_args(q, q, q, perm, idx, num_sms=4, **tree)[2]["SUM_PARTIAL"] is False
 
 
+def test_diag_times_buffer_checked():
+    """``diag_times`` (the per-item clock-stamp diagnostic) takes the split workspace's argument slot: persistent, no
+    split or tail launch, a contiguous float32 buffer of programs x ceil(items / programs) x 8; off by default."""
+    g = _g90()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 256, 128, generator=gen).to(torch.bfloat16)
+    perm, idx = random_groups(gen, 1, 2, 256, 128), random_kv_idx(gen, 1, 2, 2, 256, 100, 128)  # 4 items
+    base = dict(pingpong=True, persistent=True, num_sms=3, num_stages=3, thread_arrive=True)
+    buf = torch.zeros(3 * 2 * 8)
+    grid, args, meta, _ = g.launch_args(q, q, q, perm, idx, diag_times=buf, **base)
+    assert meta["DIAG"] and args[12] is buf and not g.launch_args(q, q, q, perm, idx, **base)[2]["DIAG"]
+    for bad, kw in ((torch.zeros(3 * 2 * 8 - 1), {}), (torch.zeros(3 * 2 * 8, dtype=torch.float64), {}),
+                    (buf, dict(persistent=False)), (buf, dict(tail_launch=4))):
+        with pytest.raises(ValueError, match="diag_times"):
+            g.launch_args(q, q, q, perm, idx, diag_times=bad, **{**base, **kw})
+
+
 def test_tuning_goes_to_the_triton_kernel(gen, failing_gluon):
     """Launch tuning belongs to the Triton kernel: with it the Gluon kernel is not tried."""
     q, k, v, perm, idx = _inputs(gen)

@@ -261,6 +261,14 @@ def test_fast_softmax_vs_float64(case):
     print(f"FAST OK fast_softmax_vs_float64[{case}]")  # the round script's mark of a passed case
 
 
+def test_partial_sums_ramp_vs_float64():
+    """skip_rescale + ``sum_partial`` without max_tree (round s9r2's raced row): scores growing along the selections
+    (rescales mid-row, so the partial sums are rescaled too), plain residual, LSE from the finished sums."""
+    tuning = dict(_dispatch().GLUON_SCHEDULES[SKIP], sum_partial=True)
+    _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=79, k_ramp=7.0, num_sms=16, **tuning)
+    print("PSUM OK partial_sums_ramp")  # the round script's mark
+
+
 @pytest.mark.parametrize("case", ["short", "long", "cfg"])
 def test_tail_launch_vs_float64(case):
     """``tail_launch`` (the last, partial round's items in a second launch of the kernel split into key ranges, no

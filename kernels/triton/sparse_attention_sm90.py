@@ -262,6 +262,17 @@ def _item_first_loads(KV_IDX, PERM, w, valid, H, G_MB, M_BLOCKS: gl.constexpr, n
 
 
 @gluon.jit
+def _stamp(DIAG_PTR, i, w_step, n_work, k: gl.constexpr):
+    """DIAG (a timing diagnostic): this SM's clock (``%clock``, 32 bits, as fp32 bits) into slot k of item i of this
+    program: ``DIAG_PTR[(program * items + i) * 8 + k]`` (items = ceil(n_work / programs)), stored by one thread."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    o = gl.arange(0, 128, layout=lay)
+    clk = gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r,r", [o], dtype=gl.int32, is_pure=False, pack=1)
+    slot = (gl.program_id(0) * gl.cdiv(n_work, w_step) + i) * 8 + k
+    gl.store(DIAG_PTR + slot + o * 0, clk.to(gl.float32, bitcast=True), mask=o == 0)
+
+
+@gluon.jit
 def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               w0, n_work, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK, n_full, n_parts,
               stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -269,7 +280,8 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
               M_BLOCKS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               ROW_THREADS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
               L2_PREFETCH: gl.constexpr, EARLY_Q: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr,
-              SPLIT: gl.constexpr, NO_COPY: gl.constexpr, STREAM: gl.constexpr):
+              SPLIT: gl.constexpr, NO_COPY: gl.constexpr, STREAM: gl.constexpr, DIAG_PTR=None,
+              DIAG: gl.constexpr = False):
     """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the item's Q slot)
     then K then V rows of each key tile into the stage ring; the ring's stage and phase follow a tile counter kept
     across items. PERSISTENT with one Q slot (``Q_SLOTS`` 1: a 3-deep ring leaves room for one): the item's first
@@ -301,6 +313,8 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
                                                              w0 < n_work, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC,
                                                              BLOCK_N, IDX_AHEAD, STREAM)
     for vw in range(w0, n_work, w_step):
+        if DIAG:
+            _stamp(DIAG_PTR, i, w_step, n_work, 5)
         w, part, parts = _sub_item(vw, n_full, n_parts, SPLIT)
         b, h, group, row0, idx_off, perm_off = _work_item(w, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)
         idx_base = KV_IDX + idx_off
@@ -332,6 +346,8 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
                 q_idx_a = gl.load(PERM + perm_off + rows_a, mask=rows_a < C, other=-1, eviction_policy=STREAM)
                 q_idx_b = gl.load(PERM + perm_off + rows_b, mask=rows_b < C, other=-1, eviction_policy=STREAM)
         n_end = _count_from_tail(tail, idx_base, K_ALLOC, 128, 4)
+        if DIAG:
+            _stamp(DIAG_PTR, i, w_step, n_work, 6)
         if PERSISTENT:
             q_base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
             if Q_SLOTS == 2:  # this item's queries first
@@ -395,6 +411,8 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
             if t_hi == t_lo:
                 _load_q_item(q_smem, q_ready, q_empty, i, q_base, q_idx_a, q_idx_b, S, stride_qs, stride_qd, offs_d,
                              Q_SLOTS, ROW64, STREAM)
+        if DIAG:
+            _stamp(DIAG_PTR, i, w_step, n_work, 7)
         i += 1
     async_copy.commit_group()  # no copy of this warpgroup outlives it
     async_copy.wait_group(0)
@@ -815,7 +833,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
               STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr,
               CP_ASYNC_FENCE: gl.constexpr, Q_REGS: gl.constexpr, SPLIT: gl.constexpr, STREAM: gl.constexpr,
               SKIP_RESCALE: gl.constexpr = False, MAX_TREE: gl.constexpr = False,
-              SUM_PARTIAL: gl.constexpr = False):
+              SUM_PARTIAL: gl.constexpr = False, DIAG: gl.constexpr = False):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
     loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
     later) and the epilogue's perm rows, both in flight under the mainloop. SPLIT: ``n_work`` counts virtual work
@@ -839,6 +857,8 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
         tail = _tail_probe(KV_IDX + _work_item(w_first, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4], K_ALLOC,
                            w0 < n_work, 128, 4, STREAM)
     for vw in range(w0, n_work, w_step):
+        if DIAG and HALF == 0:
+            _stamp(WS_ML, i, w_step, n_work, 0)
         w, part, parts = _sub_item(vw, n_full, n_parts, SPLIT)
         b, h, group, row0, idx_off, perm_off = _work_item(w, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)
         rowh = row0 + HALF * M
@@ -865,6 +885,8 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
             if Q_REGS:  # this half's queries into registers (the QK^T's A operand): the slot is free at once
                 q_tile = q_tile.load(q_dot)
                 mbarrier.arrive(q_empty.index(qs), count=1)
+            if DIAG and HALF == 0:
+                _stamp(WS_ML, i, w_step, n_work, 1)
         else:  # one item per program: this half's Q rows through perm, into its own tile
             offs_m = rowh + gl.arange(0, M, layout=gl.SliceLayout(1, q_lay))
             q_idx = gl.load(PERM + perm_off + offs_m, mask=offs_m < C, other=-1, eviction_policy=STREAM)
@@ -905,6 +927,8 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
                                       sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF,
                                       PIPELINE, PINGPONG, THREAD_ARRIVE, EARLY_Q if not Q_REGS else False,
                                       CP_ASYNC_FENCE, SKIP_RESCALE, MAX_TREE, SUM_PARTIAL)
+        if DIAG:
+            _stamp(WS_ML, i, w_step, n_work, 2 + 2 * HALF)
         if SPLIT:
             c += t_hi - t_lo
         else:
@@ -921,6 +945,8 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
                       RETURN_LSE, RES_KIND, ROW64, STAGE_OUT, STREAM)
         if PERSISTENT and STAGE_OUT:  # the Q tile staged the output rows: free it now
             mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
+        if DIAG and HALF == 0:
+            _stamp(WS_ML, i, w_step, n_work, 3)
         i += 1
 
 
@@ -943,7 +969,7 @@ def _sparse_fwd_sm90(
     L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr, CP_ASYNC_FENCE: gl.constexpr,
     Q_REGS: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr, SPLIT: gl.constexpr,
     NO_COPY: gl.constexpr, STREAM: gl.constexpr, SKIP_RESCALE: gl.constexpr,
-    MAX_TREE: gl.constexpr, SUM_PARTIAL: gl.constexpr, num_warps: gl.constexpr,
+    MAX_TREE: gl.constexpr, SUM_PARTIAL: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
     if PERSISTENT:  # one program per SM walks items pid, pid + programs, ... (a tail launch: from w_first)
@@ -995,7 +1021,7 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL)),
+                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_O, WS_ML, q_smem, k_smem, v_smem,
                      q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn_1, turn_0, w0, w_end, w_step, H, G_MB, n_slots, C,
@@ -1005,13 +1031,13 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL)),
+                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK, n_full, n_parts,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, ROW_THREADS, ROW64, PERSISTENT, Q_SLOTS, L2_PREFETCH,
-                     EARLY_Q, IDX_AHEAD, NEXT_ITEM, SPLIT, NO_COPY, STREAM)),
+                     EARLY_Q, IDX_AHEAD, NEXT_ITEM, SPLIT, NO_COPY, STREAM, WS_ML, DIAG)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1020,7 +1046,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
                 q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None,
                 idx_ahead=None, next_item=None, split_tail=None, tail_launch=None, skip_rescale=None,
-                max_tree=None, sum_partial=None, diag_no_copy=False):
+                max_tree=None, sum_partial=None, diag_no_copy=False, diag_times=None):
     """(grid, positional args, meta) of one launch, and (out, lse, tail): tail None, or with ``split_tail`` and a
     last, partial round of work items the arguments of ``sparse_tail_merge.merge`` (run after the launch: it writes
     the split items' rows); the op and the offline compile share it.
@@ -1092,6 +1118,13 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
             tail = dict(ws_o=ws_o, ws_ml=ws_ml, n_full=n_full, n_tail=n_tail, n_parts=n_parts, perm=perm, out=out,
                         lse=lse if return_lse else None, residual=residual, H=H, S=S, C=C, n_slots=n_slots,
                         m_blocks=m_blocks, row64=bool(row64))
+    if diag_times is not None:  # the timing diagnostic's clock stamps go where the split workspace would
+        if split_tail or tail_launch or not persistent:
+            raise ValueError("diag_times runs persistent without split_tail / tail_launch")
+        need = grid[0] * -(-n_work // grid[0]) * 8
+        if diag_times.dtype != torch.float32 or diag_times.numel() < need or not diag_times.is_contiguous():
+            raise ValueError(f"diag_times must be a contiguous float32 tensor of at least {need} elements")
+        ws_ml = diag_times
     tail_parts = 1
     if tail_launch:  # the last round's items in a second launch, split into key ranges (no residual: the merge's)
         rounds, n_tail = divmod(n_work, grid[0])
@@ -1131,6 +1164,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 SKIP_RESCALE=bool(cfg["skip_rescale"] if skip_rescale is None else skip_rescale) and D == 128,
                 MAX_TREE=bool(cfg["max_tree"] if max_tree is None else max_tree),
                 SUM_PARTIAL=bool(cfg["sum_partial"] if sum_partial is None else sum_partial),
+                DIAG=diag_times is not None,
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     if tail_parts > 1:  # the tail launch: one program per part, its partial O / max / sum to the workspace only
@@ -1187,7 +1221,11 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             the last, partial round's items run in a second launch of the kernel, N key ranges each, one program
             per part, without residual or LSE (the merge adds them): the first launch keeps its register split
             and schedule), ``skip_rescale`` (D = 128; ignored at D = 64: each warp skips its accumulator's
-            rescale when none of its rows' running max moved, ``_rescale``), ``max_tree`` (the scores' row maxima
+            rescale when none of its rows' running max moved, ``_rescale``), ``diag_times`` (a timing diagnostic,
+            results unchanged: a float32 tensor of programs x ceil(items / programs) x 8 slots that receives the SM
+            clock (``%clock`` bits) at each item's start, queries in registers, mainloop end and epilogue end of
+            consumer warpgroup 0 (slots 0-3), mainloop end of warpgroup 1 (4), and the producer's item start, count
+            known and last copies issued (5-7); persistent, no split), ``max_tree`` (the scores' row maxima
             as a tree: ``_row_max``), ``sum_partial`` (the row sums as per-thread partials, finished once per
             item: ``_thread_sums``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
             warpgroups' speed; the benchmark's "consumers alone" row).
