@@ -147,9 +147,11 @@ class Pass2Sm90:
         self.stage_keys = HALF * self.nwg  # keys per ring stage
         self.stages_per_step = 2 if self.nwg == 2 else 1  # stages per consumer loop step
         assert self.stage_keys * HEAD_DIM * stages <= 128 * 1024, "the key ring must fit 128 KiB of shared memory"
-        # (the fused top-K's selecting warps need more than 32 registers: 152 / 56, no spill in the consumers offline)
-        self.mma_regs, self.producer_regs = {2: regs, 3: (152, 56) if topk else (160, 32),
-                                             4: (112, 56) if topk else (120, 24)}[self.nwg]
+        # the fused top-K's selecting warps need more than 32 registers, and pair's query loader (two groups per item)
+        # spills at 32: 152 / 56 then (offline sm_90a: no consumer spill)
+        more = topk or pair
+        self.mma_regs, self.producer_regs = {2: regs, 3: (152, 56) if more else (160, 32),
+                                             4: (112, 56) if more else (120, 24)}[self.nwg]
         self.dtype = cutlass.Float8E4M3FN
         # the top-K fused: producer warps 2 and 3 select each finished row of the CTA (``_select_rows``); wg3 only
         assert not topk or self.nwg > 2, "topk: wg3 / wg4 only"
