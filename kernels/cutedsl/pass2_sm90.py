@@ -1126,7 +1126,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
             _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
         num_ctas = _SM_COUNT[idx]
     if ksplit is None:
-        ksplit = auto_ksplit(B * H * G, num_ctas)
+        pair_on = PAIR if pair is None else bool(pair)
+        ksplit = auto_ksplit(B * H * (-(-G // 2) if pair_on else G), num_ctas)  # work items: groups or pairs
     if not 1 <= int(ksplit) <= 64:
         raise ValueError(f"ksplit must be in [1, 64], got {ksplit}")
     if topk_on:
