@@ -213,6 +213,24 @@ def test_call_order_learns_an_order_the_anchor_step_did_not_show():
     assert wrongs == [1, 0, 0], wrongs
 
 
+def test_call_order_with_keys_the_anchor_step_never_stored():
+    """A call group holding a key no anchor call stored (a block or window that first appears at a reuse step), or an
+    empty group: no prediction (None), no error; every prediction handed out is counted once, and a wrong one once.
+    Mutations: the unknown-key guard dropped (a KeyError in the engine's prefetch), a prediction counted twice."""
+    order = CallOrder()
+    for group in _evaluation_groups(_SPLIT, 2):
+        order.anchor_call(group, step=0)
+    stranger = (CacheKey(7, "uuid0", "w9", (1, 2, 64, 64), "self"),)
+    assert order.predict(stranger) is None and order.predict(()) is None
+    assert order.predict(_evaluation_groups(_SPLIT, 2)[0] + stranger) is None
+    before = order.predictions
+    first = order.begin_evaluation()
+    order.observe(first)  # right
+    nxt = order.predict(first)
+    order.observe(stranger)  # wrong
+    assert nxt is not None and (order.predictions - before, order.wrong) == (2, 1)
+
+
 def test_call_order_relearns_when_batching_changes_mid_run():
     """ComfyUI may switch between batched and split CFG from one evaluation to the next (free memory changes): one
     wrong guess at each switch (the first call), none while the mode stays."""
