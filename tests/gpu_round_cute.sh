@@ -1,38 +1,47 @@
 #!/usr/bin/env bash
-# One H200 round of the CuTeDSL kernel (issue 16): GPU tests of the candidate options, then the op's benchmark (method
-# of record, the scoreboard's cutedsl_sparse_eff_min) with the candidates beside it; with OLD=1 (round s9r1) also a
-# short pass timed the sessions 5-8 way (MC_SPARSE_RACE_LEAD_IN=0, 3 rounds, the op row only). Not collected by pytest.
-# Usage: bash tests/gpu_round_cute.sh OUT COMMIT [ROUNDS]
-#   (writes OUT/tests.log, OUT/bc.json, OUT/scoreboard.json; OUT/old/bc_old.json with OLD=1)
+# One H200 round of the CuTeDSL kernel (issue 16): GPU tests of candidate option sets through the op, then the op's
+# benchmark (method of record, the scoreboard's cutedsl_sparse_eff_min) with each candidate that passed beside it.
+# Not collected by pytest.
+# Usage: CANDS="opts;opts" RES_CANDS="opts;opts" [TESTED="opts;opts"] bash tests/gpu_round_cute.sh OUT COMMIT [ROUNDS]
+#   CANDS: staged-epilogue option sets (the op's calls without a residual; $MC_SPARSE_CUTEDSL_OPTIONS), RES_CANDS:
+#   register-epilogue ones (calls with a residual; $MC_SPARSE_CUTEDSL_RES_OPTIONS), each GPU-tested against float64
+#   (test_cutedsl_env_candidate / test_cutedsl_env_res_candidate: 2 compiles per set) and timed only if every test
+#   of its set passed; TESTED: staged sets GPU-tested in an earlier round, timed without testing them again (every
+#   timed row is still checked against float32 at each point before its race). Writes OUT/tests.log, OUT/bc.json,
+#   OUT/scoreboard.json.
 set -u
 OUT=$1
 COMMIT=$2
 ROUNDS=${3:-6}
-DEF="persistent,overlap,hide_epi,split_tail,pdl,v3"  # the op's default since round s8r2 (rules.STAGED_OPTIONS)
-AHEAD="$DEF,q_ahead,cnt_ahead,idx_ahead"  # candidate: the next item's queries, count, first index entries ahead
-LAZY="$AHEAD,lazy_rescale"  # + the running max raised only past a threshold, O's rescale skipped per warp
+CANDS=${CANDS:-}
+RES_CANDS=${RES_CANDS:-}
+TEST_S=${TEST_S:-45}
+BENCH_S=${BENCH_S:-60}
 mkdir -p "$OUT"
-# the candidates through the op against float64 (4 compiles on a cold machine): AHEAD: overlap grids of 1-500 CTAs
-# (fp16 D 64, no split), split last rounds (138 groups ragged LSE, 140 groups of 24 tiles), the chain of three op calls
-# queued without a sync; LAZY: the chain, keys ramped so rows rescale mid-walk (bf16, 138 groups, LSE)
-timeout -k 3 45 python3 -m pytest -v -p no:cacheprovider tests/test_gpu_cutedsl.py \
-  -k '(split_tail and ahead) or (overlap_grids and ahead) or (pdl_chain and (ahead or lazy) and not res) or (lazy_rescale_ramp and bf16)' \
+MC_SPARSE_CUTEDSL_TEST_OPTIONS="$CANDS" MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS="$RES_CANDS" timeout -k 3 "$TEST_S" \
+  python3 -m pytest -v -p no:cacheprovider tests/test_gpu_cutedsl.py -k 'env_candidate or env_res_candidate' \
   > "$OUT/tests.log" 2>&1
-grep -E "PASSED|FAILED|ERROR|passed|failed|Timeout" "$OUT/tests.log" | tail -n 10
-passed() { for t in "$@"; do grep -qF "::$t PASSED" "$OUT/tests.log" || return 1; done; }
-ROWS=""
-if passed "test_cutedsl_overlap_grids[ahead-fp16-d64]" "test_cutedsl_split_tail[138-groups-ragged-lse-split-pdl-v3-ahead]" \
-    "test_cutedsl_split_tail[140-groups-split-pdl-v3-ahead]" "test_cutedsl_pdl_chain[pdl-v3-ahead]"; then
-  ROWS="$AHEAD"
-  if passed "test_cutedsl_pdl_chain[pdl-v3-early-lazy]" "test_cutedsl_lazy_rescale_ramp[bf16]"; then
-    ROWS="$AHEAD;$LAZY"
-  fi
-fi
-echo "op rows: op (default $DEF); op with: ${ROWS:-(none: a GPU test of the candidates did not pass)}"
-timeout -k 3 70 python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
-  --no-compile-times --op-rows options --op-options "$ROWS" --variants ""
-if [ "${OLD:-0}" = 1 ]; then  # the op row timed the sessions 5-8 way (no lead-in), beside the figures above
-  MC_SPARSE_RACE_LEAD_IN=0 timeout -k 3 30 python3 tests/bench_cutedsl.py --out "$OUT/old/bc_old.json" \
-    --commit "$COMMIT" --rounds 3 --no-compile-times --op-rows "" --variants "" --scoreboard "$OUT/old/board.json" \
-    | grep -E "^(1.3b|14b) s=|eff_min"
-fi
+grep -E "PASSED|FAILED|ERROR|passed|failed|Timeout" "$OUT/tests.log" | tail -n 14
+ok() {  # every test of candidate $2 of test $1 passed (cases $3...)
+  local t=$1 c=$2; shift 2
+  for case in "$@"; do grep -qF "::$t[$c-$case] PASSED" "$OUT/tests.log" || return 1; done
+}
+ROWS=${TESTED:-} RES_ROWS=""
+i=0; IFS=';' read -ra SETS <<< "$CANDS"
+for o in "${SETS[@]}"; do
+  [ -n "$o" ] || continue
+  if ok test_cutedsl_env_candidate "c$i" split-138-lse split-140 chain ramp; then ROWS="$ROWS${ROWS:+;}$o"
+  else echo "candidate c$i ($o): a GPU test did not pass: not timed"; fi
+  i=$((i + 1))
+done
+i=0; IFS=';' read -ra SETS <<< "$RES_CANDS"
+for o in "${SETS[@]}"; do
+  [ -n "$o" ] || continue
+  if ok test_cutedsl_env_res_candidate "c$i" plain int4_group chain; then RES_ROWS="$RES_ROWS${RES_ROWS:+;}$o"
+  else echo "residual candidate c$i ($o): a GPU test did not pass: not timed"; fi
+  i=$((i + 1))
+done
+echo "op rows: op (default); op with: ${ROWS:-none}; residual rows: ${RES_CANDS:+op + plain residual (default), }${RES_ROWS:-none}"
+timeout -k 3 "$BENCH_S" python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
+  --no-compile-times --op-rows "options${RES_CANDS:+,residual}" --op-options "$ROWS" --res-options "$RES_ROWS" \
+  --variants ""
