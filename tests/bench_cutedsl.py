@@ -93,6 +93,9 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
 
 
 OP_ROWS = ("again", "residual", "counts + kernel", "options")  # the op's extra rows (``--op-rows``)
+# "contiguous": the op on the dense baseline's head-contiguous [B, H, S, D] copies of q / k / v (out the same) instead
+# of the model's [B, S, H*D] views: how much the gathers' address spread costs (a 14B head's K rows lie 10 KiB apart
+# over 774 MB; head-contiguous, 256 B apart over 19 MB); not an op figure
 # "residual check": the op with a plain residual checked (not timed) at each point, one more compile
 # "options": the op with each of these staged-epilogue option sets ($MC_SPARSE_CUTEDSL_OPTIONS,
 # rules.staged_options; ``--op-options``, ";"-separated): candidate defaults beside the op's
@@ -186,6 +189,18 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
                 log(f"{name} s={s}: {tag} WRONG or fell back ({r_err[tag]}, {rec.failures}): not timed")
             else:
                 fns[tag] = op_pf
+        if "contiguous" in op_rows:  # checked first like the op
+            out_c = torch.empty_like(qc)
+            op_c = lambda: kernels.sparse_attention(qc, kc, vc, perm, idx, out=out_c, backend="cutedsl")  # noqa: E731
+            out_c.fill_(float("nan"))
+            with registry.recording(registry.Record()) as rec:
+                got = op_c()
+            tag = "cutedsl op (head-contiguous q/k/v)"
+            r_err[tag] = (err(got), int(out_c.isnan().sum()))
+            if rec.choices["sparse_attention"].backend != "cutedsl" or r_err[tag][0] > 1e-2 or r_err[tag][1]:
+                log(f"{name} s={s}: {tag} WRONG or fell back ({r_err[tag]}, {rec.failures}): not timed")
+            else:
+                fns[tag] = op_c
         # the op's rows twice: two rows of the same call differ only by their place in the race's order
         if "again" in op_rows:
             fns["cutedsl op (again)"] = fns["cutedsl op"]

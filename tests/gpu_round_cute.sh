@@ -7,7 +7,8 @@
 #   register-epilogue ones (calls with a residual; $MC_SPARSE_CUTEDSL_RES_OPTIONS), each GPU-tested against float64
 #   (test_cutedsl_env_candidate / test_cutedsl_env_res_candidate: 2 compiles per set) and timed only if every test
 #   of its set passed; TESTED: staged sets GPU-tested in an earlier round, timed without testing them again (every
-#   timed row is still checked against float32 at each point before its race). Writes OUT/tests.log, OUT/bc.json,
+#   timed row is still checked against float32 at each point before its race); EXTRA_ROWS: more of bench_cutedsl's
+#   --op-rows (e.g. "contiguous"). Writes OUT/tests.log, OUT/bc.json,
 #   OUT/scoreboard.json.
 set -u
 OUT=$1
@@ -43,5 +44,6 @@ for o in "${SETS[@]}"; do
 done
 echo "op rows: op (default); op with: ${ROWS:-none}; residual rows: ${RES_CANDS:+op + plain residual (default), }${RES_ROWS:-none}"
 timeout -k 3 "$BENCH_S" python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
-  --no-compile-times --op-rows "options${RES_CANDS:+,residual}" --op-options "$ROWS" --res-options "$RES_ROWS" \
+  --no-compile-times --op-rows "options${RES_CANDS:+,residual}${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" \
+  --res-options "$RES_ROWS" \
   --variants ""
