@@ -95,7 +95,8 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
 OP_ROWS = ("again", "residual", "counts + kernel", "options")  # the op's extra rows (``--op-rows``)
 # "contiguous": the op on the dense baseline's head-contiguous [B, H, S, D] copies of q / k / v (out the same) instead
 # of the model's [B, S, H*D] views: how much the gathers' address spread costs (a 14B head's K rows lie 10 KiB apart
-# over 774 MB; head-contiguous, 256 B apart over 19 MB); not an op figure
+# over 774 MB; head-contiguous, 256 B apart over 19 MB); not an op figure. "diag": the op with its default options
+# + "diag_no_copy" (the producer skips the K/V copies: WRONG output, not checked; the kernel without its gathers)
 # "residual check": the op with a plain residual checked (not timed) at each point, one more compile
 # "options": the op with each of these staged-epilogue option sets ($MC_SPARSE_CUTEDSL_OPTIONS,
 # rules.staged_options; ``--op-options``, ";"-separated): candidate defaults beside the op's
@@ -201,6 +202,17 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
                 log(f"{name} s={s}: {tag} WRONG or fell back ({r_err[tag]}, {rec.failures}): not timed")
             else:
                 fns[tag] = op_c
+        if "diag" in op_rows:  # not checked: its output is wrong by construction; the backend's op directly (a
+            # failure raises here instead of turning the registry's cutedsl off for the other rows)
+            from comfyui_mc_sparse_pack.kernels.cutedsl import op as cop_diag
+            raw = ",".join(rules.staged_options() + ("diag_no_copy",))
+            diag = with_options(raw, lambda: cop_diag.sparse_attention(q, k, v, perm, idx, out=out))
+            try:
+                diag()
+                torch.cuda.synchronize()
+                fns["DIAG op without K/V copies"] = diag
+            except Exception as exc:  # noqa: BLE001 (a diagnostic row: report and go on)
+                log(f"{name} s={s}: DIAG row failed ({type(exc).__name__}: {exc}): not timed")
         # the op's rows twice: two rows of the same call differ only by their place in the race's order
         if "again" in op_rows:
             fns["cutedsl op (again)"] = fns["cutedsl op"]

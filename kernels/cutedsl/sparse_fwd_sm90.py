@@ -122,8 +122,10 @@ EPILOGUES = ("registers", "smem")
 # ``RESCALE_THRESHOLD`` (log2 units of the scaled scores, so the exponentials stay <= 2^8: exact in fp32 sums and O,
 # and P keeps its relative precision in fp16 / bf16), and a warp skips the 64 multiplies of its O accumulator
 # rescale when none of its rows moved (``_LazySoftmax``): after the first few key tiles of a group almost every tile.
+# "diag_no_copy" (a diagnostic, wrong results): the producer skips the K/V row copies (their barriers still arrive),
+# so the consumers compute on whatever the stages hold: the kernel's speed without the gathers.
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale")
+           "lazy_rescale", "diag_no_copy")
 RESCALE_THRESHOLD = 8.0
 Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
@@ -313,6 +315,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         assert not ({"q_ahead", "cnt_ahead"} & set(options)) or self.overlap, "q_ahead / cnt_ahead: overlap options"
         self.idx_ahead = "idx_ahead" in options
         self.lazy_rescale = "lazy_rescale" in options
+        self.diag_no_copy = "diag_no_copy" in options
         assert not self.lazy_rescale or self.overlap, "lazy_rescale is an overlap option"
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
 
@@ -912,7 +915,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             stage_bytes = TILE * self.tile_hdim * (self.dtype.width // 8)
             base = sX[None, None, 0].iterator.toint() + state.index * stage_bytes
             policy_kind = "evict_last" if const_expr(self.producer == "cp.async+evict") else None
-            self._copy_rows_hinted(rows, base, K_or_V, policy_kind)
+            if const_expr(not self.diag_no_copy):
+                self._copy_rows_hinted(rows, base, K_or_V, policy_kind)
             cute.arch.cp_async_commit_group()
             pipeline_kv.producer_commit(state)
 
