@@ -108,7 +108,7 @@ def dense_fn(q, k, v):
     return name, (lambda: kernels.dense_attention(q, k, v, return_lse=True, backend=name))
 
 
-def checks(q, k, lse, perm, S, log, full=True):
+def checks(q, k, lse, perm, S, log, full=True, name="smoke"):
     """GPU correctness of the select paths (docstring, item 1) on 2 heads at s = 0.25; returns the dict. ``full``: also
     the fused top-K with every row forced to the radix fallback (16 candidate slots); else (14B) the defaults and two
     groups per program only (the code is shared, its shape-specific compiles are the race's)."""
@@ -116,7 +116,15 @@ def checks(q, k, lse, perm, S, log, full=True):
     sub = (q[:, :2], k[:, :2], lse[:, :2], perm[:, :2])
     G = perm.shape[-1] // C
     width = -(-kq // KV_TILE) * KV_TILE
-    cute = cute_checks(sub, kq, width, log)  # first: a failure turns a CuTeDSL default off before the defaults' check
+    configs = {}
+    for config in CUTE_CONFIGS:  # first: a failure turns a CuTeDSL default off before the defaults' check
+        if not CUTE_CHILD_OK.get((name, config), SMOKE):  # (a hang or a failure in the child: never run here)
+            configs[config] = dict(ok=False, skipped="its child check did not pass (select_child_*.log)")
+            log(f"CHECKS {config}: skipped (its child check did not pass)  CHECK FAILED ({config})")
+            continue
+        with cute_globals(config):
+            configs[config] = cute_checks(sub, kq, width, log, config)
+    cute = configs["cute"]
     if pass2_dispatch.cute_mode() and not cute["ok"]:
         pass2_dispatch.CUTE_DEFAULT = False
         log("CUTE DEFAULT OFF for this run: its check failed; the defaults row measures the Triton pass 2")
@@ -141,6 +149,7 @@ def checks(q, k, lse, perm, S, log, full=True):
     log(f"CHECKS {r}" + ("" if ok else "  CHECK FAILED"))
     r["ok"] = ok
     r["cute"] = cute
+    r["cute_configs"] = configs
     r["cute_default"] = pass2_dispatch.cute_mode()
     return r
 
@@ -156,7 +165,7 @@ def fused_why(q8, k8, out, sel, kq):
     return True if why is None else why
 
 
-def cute_checks(sub, kq, width, log):
+def cute_checks(sub, kq, width, log, config="cute"):
     """The CuTeDSL pass 2 on the 2 heads of ``checks``: its float16 sums (NaN-poisoned output, every entry written)
     against the Triton kernel's (cute=False; relative L2 per row <= 1e-3: the same float8 operands, fp32 sums in
     another order, two float16 roundings), select_kv(cute=True) == the brute-force top-K of its own sums (the separate top-K,
@@ -216,7 +225,7 @@ def cute_checks(sub, kq, width, log):
     except Exception as err:  # noqa: BLE001 (a failing kernel is reported; the Triton rows still run)
         r.update(ok=False, error=f"{type(err).__name__}: {str(err)[:500]}")
         traceback.print_exc()
-    log(f"CHECKS cute {r}" + ("" if r["ok"] else "  CHECK FAILED (cute)"))
+    log(f"CHECKS {config} {r}" + ("" if r["ok"] else f"  CHECK FAILED ({config})"))
     return r
 
 
@@ -225,12 +234,53 @@ def cute_checks(sub, kq, width, log):
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
 RACE1_ROWS = {"cute": dict(cute=True, topk_count=True), "cute sep": dict(cute=True, topk_fused=False, topk_count=True),
-              "cute pers": dict(cute=True, topk_count=True, persistent=True)}
+              "cute pair": dict(cute=True, topk_count=True)}
+# CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
+# work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
+CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
+CUTE_CONFIGS = ("cute", "cute pair")  # each checked in a child process per shape first (``cute_child_check``)
+CUTE_CHILD_OK: dict = {}  # (shape, config) -> its child check passed
 # the float8 operand pass in one persistent launch (kernels/triton/operands.py): its launch tunings raced in race 2,
-# each checked first in a child process per shape (``check_persistent``: a hang is killed there, not in the bench)
-OPERAND_VARIANTS = {"pers": {}, "pers w4": dict(num_warps=4, maxnreg=168, programs_per_sm=3),
-                    "pers skew2": dict(skew=2), "pers s512": dict(split_rows=512), "pers u1": dict(unroll=1),
-                    "pers ev": dict(evict=True), "pers ev skew2": dict(evict=True, skew=2)}
+# each checked first in a child process per shape (``check_persistent``: a hang is killed there, not in the bench);
+# round s9r1 (1.3B, / dense): the three launches 0.0203, persistent 0.0708 (skew 1), 0.0445 (skew 2), 0.0435 (skew 2 +
+# L2 hints), 0.0510 (4 warps x 3 per SM), 0.0695 (512-row statistics items), 0.0750 (one statistics tile in flight)
+OPERAND_VARIANTS = {"pers skew2": dict(skew=2), "pers ev skew2": dict(evict=True, skew=2),
+                    "pers w4 skew2": dict(num_warps=4, maxnreg=168, programs_per_sm=3, skew=2),
+                    "pers w4 ev skew3": dict(num_warps=4, maxnreg=168, programs_per_sm=3, skew=3, evict=True)}
+
+
+class cute_globals:
+    """Context: the CuTeDSL pass-2 module's globals of ``CUTE_GLOBALS[row]`` set (none for other rows), restored on
+    exit."""
+
+    def __init__(self, row):
+        self.kw = CUTE_GLOBALS.get(row, {})
+
+    def __enter__(self):
+        self.old = {}
+        if self.kw:
+            mod = pass2_dispatch._cute_module()
+            self.old = {n: getattr(mod, n) for n in self.kw}
+            for n, v in self.kw.items():
+                setattr(mod, n, v)
+        return self
+
+    def __exit__(self, *exc):
+        if self.old:
+            mod = pass2_dispatch._cute_module()
+            for n, v in self.old.items():
+                setattr(mod, n, v)
+        return False
+
+
+def select_row(row, kw, q, k, lse, perm, kk):
+    """A zero-argument callable: select_kv with ``kw`` under the row's CuTeDSL globals."""
+    if row in CUTE_GLOBALS:
+        def fn():
+            with cute_globals(row):
+                return selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE, **kw)
+        return fn
+    return lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE, **kw)
 
 
 def race1(name, q, k, v, lse, perm, log, rows, rounds=None, tag=""):
@@ -241,8 +291,7 @@ def race1(name, q, k, v, lse, perm, log, rows, rounds=None, tag=""):
     for s in DENSITIES:
         kk = int(s * S)
         for row, kw in {"defaults": {}, **rows}.items():
-            fns[f"{row} s={s}"] = (lambda kk, kw: lambda: selection.select_kv(q, k, lse, perm, kk, group_size=C,
-                                                                              kv_tile=KV_TILE, **kw))(kk, kw)
+            fns[f"{row} s={s}"] = select_row(row, kw, q, k, lse, perm, kk)
     idle = {}
     ms = race(fns, rounds=rounds or ROUNDS, target_ms=20.0, from_idle=idle)
     r = dict(dense_backend=dname, dense_ms=ms["dense"], ms=ms,
@@ -440,14 +489,15 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
     del plains
     sel = race2_topk(fns, sums, kq, width, res)
     try:
+        if not CUTE_CHILD_OK.get((name, "cute"), SMOKE):
+            raise RuntimeError("not run: its child check did not pass")
         race2_cute(fns, ops, perm, out16, sums, kq, width, res, sel)
         for row, kw in RACE1_ROWS.items():
-            if (row != "cute sep" or res.get("cute fused") is True) and (row != "cute pers" or PERS_OK.get(name)):
-                fns[f"select_kv {row}"] = (lambda kw: lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C,
-                                                                                  kv_tile=KV_TILE, **kw))(kw)
+            if (row != "cute sep" or res.get("cute fused") is True) and CUTE_CHILD_OK.get((name, row), True):
+                fns[f"select_kv {row}"] = select_row(row, kw, q, k, lse, perm, kq)
     except Exception as err:  # noqa: BLE001
         res["errors"]["cute"] = f"{type(err).__name__}: {str(err)[:300]}"
-    if cute_variants and "pass-2 cute alone" in fns:  # p2cute's launch variants (tests/bench_cutedsl_pass2.py)
+    if cute_variants and "pass-2 cute alone" in fns and all(CUTE_CHILD_OK.get((name, c), SMOKE) for c in CUTE_CONFIGS):  # p2cute's launch variants (tests/bench_cutedsl_pass2.py)
         try:
             import bench_cutedsl_pass2 as bcp
 
@@ -518,7 +568,7 @@ def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_
 # select_kv compiles for race 1 in child processes started with the bench (one per group of rows and shape, on 2
 # heads of the shape: the same specialisations), so the main process loads them from Triton's disk cache instead of
 # compiling one after another (~4 s each; round s6r2 lost its 14B race to the cap); "race2": race 2's kernels
-CHILD_ROWS = (("defaults",), ("cute", "cute sep"), ("persistent",))
+CHILD_ROWS = (("defaults",), ("persistent",)) + tuple((f"cutecheck {c}",) for c in CUTE_CONFIGS)
 
 
 def spawn_children(shapes, out_dir, with_race2, cute_variants=()):
@@ -574,6 +624,17 @@ def precompile(shape, rows):
     for row in rows:
         if row == "persistent":
             check_persistent(shape)
+            continue
+        if row.startswith("cutecheck "):  # the CuTeDSL rows' checks (and compiles) on these 2 heads
+            config = row.split(" ", 1)[1]
+            with cute_globals(config):
+                r = cute_checks((q, k, lse, perm), kq, width, lambda m: print(m, flush=True), config)
+                if r["ok"] and config == "cute":
+                    selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, **RACE1_ROWS["cute sep"])
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            if not r["ok"]:
+                sys.exit(1)
             continue
         if row != "race2":
             selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE,
@@ -681,6 +742,24 @@ def run_race2(report, name, inputs, args, t0, log, variants, cute_variants, save
     save()
 
 
+def install_stand_in():
+    """(--smoke, and its children under TRITON_INTERPRET=1) a stand-in for the CuTeDSL kernel (no CUDA here): the
+    Triton one-group kernel on the same operands (+ the brute-force top-K as its fused selection), so the smoke runs
+    the cute rows' code (checks, race rows) too."""
+    def stand_in_sums(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, select=None):
+        launch_pair((q8, k8, qf, lse_s, kb2), perm, out, one_group=True)
+        if select is not None:  # (its fused top-K: the brute force of those sums)
+            select[0].copy_(ref_top_k_rows(out, select[1], select[0].shape[-1]))
+        return out
+
+    stand_in = type("CuteStandIn", (), dict(
+        FUSED_TOPK=os.environ.get("SMOKE_CUTE_FUSED", "1") == "1", PAIR=False, TOPK_AUTO_KSPLIT=False,
+        refusal=staticmethod(lambda q8, k8, group_size, out: None),
+        select_refusal=staticmethod(lambda q8, k8, group_size, out, sel, num_keys: None),
+        group_prob_sums_fp8=staticmethod(stand_in_sums)))
+    pass2_dispatch._cute_module = lambda: stand_in
+
+
 def main():
     global SMOKE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -712,6 +791,9 @@ def main():
             from _triton_interp import patch_interpreter
 
             patch_interpreter()
+            os.environ["MC_SPARSE_PASS2_FP8"] = "1"
+            install_stand_in()
+            SMOKE = True
         precompile(args.precompile, args.rows.split(","))
         return
     SMOKE = args.smoke
@@ -722,20 +804,7 @@ def main():
         from _triton_interp import patch_interpreter  # two Triton 3.6 interpreter fixes (tests/_triton_interp.py)
 
         patch_interpreter()
-        # a stand-in for the CuTeDSL kernel (no CUDA here): the Triton one-group kernel on the same operands, so
-        # the smoke runs the cute rows' code (checks, race rows) too
-        def stand_in_sums(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, select=None):
-            launch_pair((q8, k8, qf, lse_s, kb2), perm, out, one_group=True)
-            if select is not None:  # (its fused top-K: the brute force of those sums)
-                select[0].copy_(ref_top_k_rows(out, select[1], select[0].shape[-1]))
-            return out
-
-        stand_in = type("CuteStandIn", (), dict(
-            FUSED_TOPK=os.environ.get("SMOKE_CUTE_FUSED", "1") == "1",
-            refusal=staticmethod(lambda q8, k8, group_size, out: None),
-            select_refusal=staticmethod(lambda q8, k8, group_size, out, sel, num_keys: None),
-            group_prob_sums_fp8=staticmethod(stand_in_sums)))
-        pass2_dispatch._cute_module = lambda: stand_in
+        install_stand_in()
     shapes = ["smoke"] if SMOKE else args.shapes.split(",")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -774,28 +843,31 @@ def main():
                 child_rc = p2.wait_precompile(precompiling, 35)
                 log("p2ws children (0 = compiled and checked): " + ", ".join(f"{n} {rc}" for n, rc in child_rc.items()))
             if not args.race2_only:
-                res["checks"] = checks(q, k, lse, perm, q.shape[2], log, full=name != "14b")
-                save()
-                gluon_row = bool(args.p2ws_gluon_row and child_rc and child_rc.get(p2.GLUON_DEFAULT_VARIANT) == 0)
-                if children:  # nothing is timed while they run
-                    rcs = wait_children(children, max(5.0, 60.0 - (time.time() - t0)))
-                    log("select children (0 = compiled): " + ", ".join(f"{t} {rc}" for t, rc in rcs.items()))
+                if children:  # nothing is timed while they run; the CuTeDSL checks run here only where a child ran
+                    rcs = wait_children(children, max(5.0, 60.0 - (time.time() - t0)))  # them first (a hang is
+                    log("select children (0 = compiled / checked): "  # killed there, not here)
+                        + ", ".join(f"{t} {rc}" for t, rc in rcs.items()))
                     children = {}
                     PERS_OK.update({sh: rcs.get(f"{sh}:persistent") == 0 for sh in shapes})
-                    report["persistent_checked"] = dict(PERS_OK)
+                    CUTE_CHILD_OK.update({(sh, c): rcs.get(f"{sh}:cutecheck {c}") == 0 for sh in shapes
+                                          for c in CUTE_CONFIGS})
+                    report["children"] = rcs
                     if selection._OPERANDS_PERSISTENT_DEFAULT and not all(PERS_OK.values()):
                         selection._OPERANDS_PERSISTENT_DEFAULT = False
                         log(f"PERSISTENT OPERANDS DEFAULT OFF for this run: its child check {PERS_OK}; the defaults "
                             "rows time the three-launch operand pass")
-                elif SMOKE and name not in PERS_OK:
+                res["checks"] = checks(q, k, lse, perm, q.shape[2], log, full=name != "14b", name=name)
+                save()
+                gluon_row = bool(args.p2ws_gluon_row and child_rc and child_rc.get(p2.GLUON_DEFAULT_VARIANT) == 0)
+                if SMOKE and name not in PERS_OK:
                     check_persistent(name)  # (in-process: exits on a mismatch)
                     PERS_OK[name] = True
                 if name in ("1.3b", "smoke") and args.race2_first and not args.race1_only:  # (round s8r1 lost them)
                     run_race2(report, name, (q, k, v, lse, perm), args, t0, log, variants, cute_variants, save)
-                cute_ok = res["checks"]["cute"]
+                cfg = res["checks"]["cute_configs"]
                 rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed; "cute sep" only
-                        if cute_ok["ok"] and (n != "cute sep" or cute_ok.get("fused") is True)  # beside a fused
-                        and (n != "cute pers" or PERS_OK.get(name))}  # top-K; "cute pers": its child check passed)
+                        if cfg.get(n if n in cfg else "cute", {}).get("ok")  # beside a fused top-K)
+                        and (n != "cute sep" or cfg["cute"].get("fused") is True and name != "14b")}  # (time)
                 if pass2_dispatch.cute_mode():  # the CuTeDSL pass 2 is the default: the Triton one beside it
                     rows["triton"] = dict(cute=False)
                 res["race1"] = race1(name, q, k, v, lse, perm, log,

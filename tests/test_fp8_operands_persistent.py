@@ -125,8 +125,8 @@ def test_refusal_and_failure_fall_back_to_three_launches(gen, monkeypatch, caplo
 
 def test_refusal_at_the_item_code_limits():
     """operands.refusal at its edges (shapes only, nothing launched): B * H below 2^15 and a head's statistics +
-    quantising items below 2^16 (the item codes bh * 65536 + idx), skew >= 1, quant_rows a multiple of 64 (a
-    96-row item would quantise one 64-row tile and leave rows unwritten); fp8_operands_persistent raises the reason.
+    quantising items below 2^16 (the item codes bh * 65536 + idx), skew >= 1, quant_rows a power of two >= 16 (one
+    register tile per item: a 96-row item cannot be one); fp8_operands_persistent raises the reason.
     Mutations: a limit off by one, an item count summed wrongly, the quant_rows check dropped."""
     from types import SimpleNamespace
 
@@ -143,10 +143,10 @@ def test_refusal_at_the_item_code_limits():
     assert "rows per head" in operands.refusal(*shapes(s=64 * 20000, sk=64 * 12768), **ok)  # 65536
     assert operands.refusal(*shapes(s=64 * 20000 + 1, sk=64 * 12766), **ok) is None  # 65534: one more of each
     assert operands.refusal(*shapes(), skew=1) is None and "skew" in operands.refusal(*shapes(), skew=0)
-    for rows in (64, 128, 192):
+    for rows in (16, 32, 64, 128):
         assert operands.refusal(*shapes(), quant_rows=rows) is None
-    for rows in (32, 96, 100):
-        assert "multiple of 64" in operands.refusal(*shapes(), quant_rows=rows)
+    for rows in (8, 96, 100, 192):
+        assert "power of two" in operands.refusal(*shapes(), quant_rows=rows)
     q = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="multiple of 64"):
+    with pytest.raises(ValueError, match="power of two"):
         operands.fp8_operands_persistent(q, q, torch.zeros(1, 1, 8), 0.125, quant_rows=96)
