@@ -1,5 +1,6 @@
 """The MC-Sparse algorithm on the reference path: config, schedule, anchor and reuse steps, the run."""
 
+import dataclasses
 import math
 import re
 
@@ -38,12 +39,48 @@ def _rel_l1(a, b):
         ({"anchor_steps": (5, 5)}, "strictly increasing"),
         ({"warmup_steps": 10, "anchor_steps": (3, 25)}, r"must not start before the dense warm-up ends.*>= .* = 9, got 3"),
         ({"residual_dtype": "int8"}, "residual_dtype must be one of"),
+        ({"group_size": True}, "group_size .* as an int"),
+        ({"group_size": 64.0}, "group_size .* as an int"),
+        ({"power_iters": 0}, "power_iters must be >= 1, got 0"),
+        ({"anchor_steps": (True,)}, "anchor_steps must be ints"),
+        ({"anchor_steps": (9.0,)}, "anchor_steps must be ints"),
+        ({"anchor_steps": (-1, 4), "warmup_steps": 0}, "strictly increasing steps >= 0"),
+        ({"warmup_steps": 10, "anchor_steps": (8,)}, r"first anchor must be >= warmup_steps - 1 = 9, got 8"),
+        ({"index_encoding": "uint8"}, "index_encoding must be one of"),
+        ({"cache_placement": "disk"}, "cache_placement must be one of"),
+        ({"cache_headroom_gib": -0.5}, "cache_headroom_gib must be a finite number >= 0"),
+        ({"cache_headroom_gib": float("inf")}, "cache_headroom_gib must be a finite number >= 0"),
+        ({"cache_headroom_gib": "4"}, "cache_headroom_gib must be a number"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(kwargs, match):
     """Each bad setting raises, naming the field, the accepted range and the value got."""
     with pytest.raises((ValueError, TypeError), match=match):
         MCSparseConfig(**kwargs)
+
+
+def test_config_accepts_the_edges_and_step_kind_before_the_first_anchor():
+    """The edges that are valid: density 1, kv_tile 1, no warm-up, headroom 0, the first anchor on the last warm-up
+    step; defaults with the residual on. step_kind: a step before the first anchor is dense even with no warm-up
+    (nothing cached yet), negative steps / layers and an empty schedule are refused. Mutations: an edge refused, the
+    'before the first anchor' test joined with 'and', a check dropped."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.schedule import StepKind, paper_video_schedule, step_kind
+
+    for kw in ({"density": 1.0}, {"kv_tile": 1}, {"warmup_steps": 0, "anchor_steps": (0,)}, {"cache_headroom_gib": 0},
+               {"warmup_steps": 10, "anchor_steps": (9, 26)}, {"group_size": 64}):
+        MCSparseConfig(**kw)
+    assert MCSparseConfig().residual is True
+    with pytest.raises(dataclasses.FrozenInstanceError):  # one config per run, never edited in place
+        MCSparseConfig().density = 0.5
+    cfg = MCSparseConfig(warmup_steps=0, warmup_layers=1, anchor_steps=(3,))
+    assert [step_kind(cfg, step, 1).value for step in range(5)] == ["dense"] * 3 + ["anchor", "reuse"]
+    assert step_kind(cfg, 4, 0) is StepKind.DENSE
+    for step, layer in ((-1, 1), (4, -1)):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            step_kind(cfg, step, layer)
+    with pytest.raises(ValueError, match="num_steps must be >= 1"):
+        paper_video_schedule(0)
+    assert paper_video_schedule(1) == (1, (0,))
 
 
 def test_schedule_warmup_anchors_reuse():
