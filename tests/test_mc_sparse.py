@@ -117,6 +117,22 @@ def test_keys_for_density_rounds_up_to_the_tile_and_caps_at_s(density, S, tile, 
     assert selection.keys_for_density(density, S, tile) == K
 
 
+@pytest.mark.parametrize("density,S,tile,K", [(0.25, 1000, 1, 250), (0.1, 30, 1, 3), (0.07, 100, 1, 7),
+                                              (0.001, 100, 1, 1), (1.0, 1, 64, 1), (0.5, 3, 1, 2)])
+def test_keys_for_density_without_a_tile_and_at_one_token(density, S, tile, K):
+    """With a tile of 1: K = ceil(s*S) exactly (0.1 * 30 is 3.0000000000000004 in floating point: 3 keys, not 4), at
+    least one key; one token keeps one. Mutations: the float slack's sign, the floor of one key."""
+    assert selection.keys_for_density(density, S, tile) == K
+
+
+@pytest.mark.parametrize("args,match", [((0.0, 10, 1), "density"), ((1.0000001, 10, 1), "density"),
+                                        ((float("nan"), 10, 1), "density"), ((0.5, 0, 1), "num_tokens"),
+                                        ((0.5, 10, 0), "kv_tile")])
+def test_keys_for_density_refuses_out_of_range_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
+        selection.keys_for_density(*args)
+
+
 # --- anchor and reuse steps -----------------------------------------------------------------------
 
 
