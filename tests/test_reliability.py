@@ -414,3 +414,30 @@ def test_call_timer_reads_finished_pairs_during_the_run(monkeypatch):
             assert left == 3  # the two the device has not reached and one it finished after the last call
         else:
             assert left == 6
+
+
+def test_call_timer_on_the_host_clock_and_on_an_idle_device(monkeypatch):
+    """Off CUDA the timer reads the wall clock (ms since start, divided by the batch, at least 1); on CUDA a device that
+    has finished everything still leaves the pair just recorded unread (read at the next call or at the end).
+    Mutations: the elapsed time's sign, the batch floor, the newest pair read at once."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import timing
+
+    clock = iter([10.0, 10.25, 20.0, 20.5])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    t = CallTimer()
+    assert t.drain == CallTimer.DRAIN == 2
+    t.stop(t.start(torch.device("cpu")), "dense", (2, 8, 4))  # per: 1 by default
+    t.stop(t.start(torch.device("cpu")), "dense", (2, 8, 4), per=0)  # a batch of 0: counted as 1
+    assert t.times("dense") == {(2, 8, 4): [250.0, 500.0]}
+
+    def event(device):
+        e = _FakeEvent()
+        e.done = True  # an idle device: passed at once
+        return e
+
+    monkeypatch.setattr(CallTimer, "_event", staticmethod(event))
+    t = CallTimer()
+    for _ in range(4):
+        t.stop(t.start(torch.device("cuda")), "reuse", (2, 8, 4), per=1)
+        assert t.pending == 1
+    assert t.times("reuse") == {(2, 8, 4): [1.0] * 4} and t.pending == 0
