@@ -18,7 +18,7 @@ a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<kspli
 ``auto_ksplit``), `` pp`` (pingpong), `` ls`` (lse_smem), `` qs`` (qsplit), `` wg3`` (three consumer
 warpgroups), `` wg4`` (four), `` pr`` (two query groups per work item), `` ov`` (with pr: overlapped wgmmas),
 `` tk`` (the top-K fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums too),
-`` wg2`` / `` nols`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed without
+`` wg2`` / `` nols`` / `` npr`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed without
 the check).
 Writes OUT/bench_cutedsl_pass2.json.
 Expected at 1.3B: ~10 s inputs, ~5 s per variant compile (first process on a machine), ~2 s race.
@@ -45,7 +45,7 @@ COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "diag", "wg3", "
 FLAGS = {"pp": "pingpong", "ls": "lse_smem", "qs": "qsplit", "wg3": "wg3", "tk": "topk", "wg4": "wg4", "pr": "pair",
          "ov": "overlap"}
 TOPK_DENSITY = 0.25  # the fused top-K variants ("tk") select K = 0.25 x Sk keys per group
-OFF = {"wg2": "wg3", "nols": "lse_smem"}
+OFF = {"wg2": "wg3", "nols": "lse_smem", "npr": "pair"}
 DEFAULT_VARIANTS = "st4,st4 k1,st4 pp,st4 p10,st6"
 
 

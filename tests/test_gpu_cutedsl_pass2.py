@@ -235,13 +235,13 @@ def test_cutedsl_pass2_refusals():
 # (pair; G = 29: the last item's second group does not exist; with a key split; with overlapped wgmmas).
 FUSED = [
     ((1, 2, 4000, 4000, 128, False), 1000, 1024, {}, False),
-    ((2, 3, 2850, 2000, 100, False), 500, 512, dict(num_ctas=5), False),
+    ((2, 3, 2850, 2000, 100, False), 500, 512, dict(num_ctas=5, pair=False), False),
     ((1, 2, 2900, 2904, 128, True), 2904, 2944, {}, False),
     ((1, 2, 2900, 2904, 128, True), 1, 64, dict(num_ctas=3), False),
     ((1, 3, 3000, 4000, 128, False), 1300, 1344, dict(num_ctas=4), True),
     ((1, 2, 3000, 4000, 128, False), 2000, 2048, dict(bracket=(8, 500, 1, 1)), True),
-    ((2, 3, 2850, 2000, 100, True), 700, 768, dict(wg4=True, stages=3, num_ctas=5), False),
-    ((1, 2, 4000, 4000, 128, False), 1000, 1024, dict(ksplit=2, num_ctas=7), False),
+    ((2, 3, 2850, 2000, 100, True), 700, 768, dict(wg4=True, pair=False, stages=3, num_ctas=5), False),
+    ((1, 2, 4000, 4000, 128, False), 1000, 1024, dict(ksplit=2, num_ctas=7, pair=False), False),
     ((2, 3, 2850, 2000, 100, True), 333, 384, dict(ksplit=5, num_ctas=5), True),
     ((2, 3, 2850, 2000, 100, False), 600, 640, dict(pair=True, stages=3, num_ctas=5), True),
     ((1, 2, 2900, 2904, 128, True), 1000, 1024, dict(pair=True, stages=3, ksplit=2, num_ctas=6), False),
@@ -275,7 +275,7 @@ def test_cutedsl_fused_topk_equals_brute_force(case, num_keys, width, opts, twin
     buf = torch.full((B, H + 2, G, width), -7, dtype=torch.int32, device="cuda")
     sel = buf[:, 1:H + 1]
     launch.flags(q8.device, B * H * G).fill_(7)
-    assert p2.select_refusal(q8, k8, C, sums, sel, num_keys) is None
+    assert p2.select_refusal(q8, k8, C, sums, sel, num_keys, policy=False) is None
     p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, sums, group_size=C, select=(sel, num_keys), **opts)
     torch.cuda.synchronize()
     flags = launch.flags(q8.device, B * H * G).clone()
@@ -296,14 +296,17 @@ def test_cutedsl_fused_topk_equals_brute_force(case, num_keys, width, opts, twin
 
 
 def test_cutedsl_fused_topk_refusals():
-    """The fused top-K refuses float32 sums, rows not 16-byte aligned, a bad selection tensor and K out of range."""
+    """The fused top-K refuses float32 sums, rows not 16-byte aligned, a bad selection tensor and K out of range; the
+    dispatch's question (policy) also a walk that needs key parts to fill the SMs (this 1-item walk)."""
     _, p2 = _mods()
     q8 = torch.zeros(1, 1, 256, 128, device="cuda").to(torch.float8_e4m3fn)
     out = torch.empty(1, 1, 2, 256, dtype=torch.float16, device="cuda")
     sel = torch.empty(1, 1, 2, 128, dtype=torch.int32, device="cuda")
-    assert p2.select_refusal(q8, q8, 128, out, sel, 100) is None
-    assert "float16" in p2.select_refusal(q8, q8, 128, out.float(), sel, 100)
-    assert "aligned" in p2.select_refusal(q8, q8, 128, out[..., :252], sel, 100)
-    assert "sel" in p2.select_refusal(q8, q8, 128, out, sel.long(), 100)
-    assert "num_keys" in p2.select_refusal(q8, q8, 128, out, sel, 129)
-    assert "num_keys" in p2.select_refusal(q8, q8, 128, out, sel, 0)
+    refuse = lambda *a: p2.select_refusal(*a, policy=False)  # noqa: E731
+    assert refuse(q8, q8, 128, out, sel, 100) is None
+    assert "key parts" in p2.select_refusal(q8, q8, 128, out, sel, 100)
+    assert "float16" in refuse(q8, q8, 128, out.float(), sel, 100)
+    assert "aligned" in refuse(q8, q8, 128, out[..., :252], sel, 100)
+    assert "sel" in refuse(q8, q8, 128, out, sel.long(), 100)
+    assert "num_keys" in refuse(q8, q8, 128, out, sel, 129)
+    assert "num_keys" in refuse(q8, q8, 128, out, sel, 0)

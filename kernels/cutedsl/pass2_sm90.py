@@ -899,8 +899,18 @@ CAPABILITIES = ((9, 0),)
 HEAD_DIMS = (HEAD_DIM,)
 FUSED_TOPK = True  # group_prob_sums_fp8(select=...) selects each group's top-K in the same launch (select_refusal)
 # the fused top-K's key split when the caller gives none: ``auto_ksplit``'s when True, else 1 (a row whole in one CTA;
-# with parts, the last part's selecting warp selects the row: GPU-checked, not yet timed)
+# with parts, the last part's selecting warp selects the row: GPU-checked, and 2x slower at 1.3B 480p in round s9r2)
 TOPK_AUTO_KSPLIT = False
+# The fused top-K's config. H200 round s9r2 (main b4160ca, tests/bench_select_race.py race 1, flash-attn-4 dense,
+# s = 0.1 / 0.15 / 0.25 / 0.5; all checks passed): 14B 720p select_kv with the fused top-K and pair (whole rows:
+# auto_ksplit 1 there) 0.444-0.450, with the fused top-K alone (wg3) 0.453-0.462, the Triton default 0.452-0.462; at
+# 1.3B 480p, whose 3072 groups (1536 pairs) fill the SMs' rounds only with key parts (auto_ksplit 2 / 3), the
+# CuTeDSL kernel (key parts) + the separate top-K 0.549-0.558 against the fused top-K's 0.561-0.567 (whole rows: the
+# last round 27 % full; 0.94-1.08 with pair and 3 key parts) and the Triton default's 0.559-0.574. So: pair with the
+# fused top-K, and the fused top-K only on walks that need no key parts (select_refusal; the caller then runs this
+# kernel unfused + the separate top-K).
+PAIR_FUSED = True
+TOPK_WHOLE_WALKS_ONLY = True
 # The default launch config: three consumer warpgroups (wg3) with the LSE through shared memory (lse_smem), 4 stages,
 # no FMA-pipe share. H200 round s8r2 (main 2a57dc8, tests/bench_select_race.py race 2, the method of record, the
 # kernel alone / flash-attn-4 dense 8.954 ms at 1.3B 480p, all heads, each variant checked against the Triton sums
@@ -918,6 +928,16 @@ LSE_SMEM = True
 QSPLIT = False
 WG3 = True
 _SM_COUNT: dict = {}
+
+
+def _sm_count(dev) -> int:
+    """The SM count of CUDA device ``dev`` (cached)."""
+    import torch
+
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
 
 
 SMEM_LIMIT = 227 * 1024
@@ -1017,7 +1037,7 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     wg3 = (WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3)
     topk = bool(topk)
     wg4 = WG4 if wg4 is None else bool(wg4)
-    pair = PAIR if pair is None else bool(pair)
+    pair = (PAIR_FUSED if topk else PAIR) if pair is None else bool(pair)
     overlap = (OVERLAP and pair and not wg4) if overlap is None else bool(overlap)
     if fit:  # the default: as many as fit
         stages = fit_stages(stages, 4 if wg4 else (3 if wg3 else 2), 2 if pair else 1, topk)
@@ -1039,11 +1059,13 @@ def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
     return took
 
 
-def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int) -> str | None:
+def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int, *, policy: bool = True) -> str | None:
     """Why the fused top-K cannot run this call (None when it can; ``refusal`` passed first): float16 sums with
     16-byte aligned rows (Sk and the row strides multiples of 8), int32 ``sel`` ``[B, H, G, width]`` with a unit stride
     on width, 1 <= num_keys <= min(Sk, width), the default bracket plan (``topk.bracket_plan``) within ``SAMPLE_SLOTS``
-    samples and ``CAND_SLOTS`` candidate slots, three consumer warpgroups (``WG3``)."""
+    samples and ``CAND_SLOTS`` candidate slots, three consumer warpgroups (``WG3``); with ``policy`` (the dispatch's
+    question) also where it was measured slower than this kernel + the separate top-K: a walk that needs key parts
+    to fill the SMs (``TOPK_WHOLE_WALKS_ONLY``; ``group_prob_sums_fp8`` asks without the policy)."""
     import torch
 
     from ..triton import topk
@@ -1062,6 +1084,12 @@ def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int) -> str | No
     _, n_samp, _, _, cap = topk.bracket_plan(SK, num_keys, 2)
     if n_samp > SAMPLE_SLOTS or cap > CAND_SLOTS:
         return f"the bracket plan needs {n_samp} samples / {cap} candidate slots (> {SAMPLE_SLOTS} / {CAND_SLOTS})"
+    if policy and TOPK_WHOLE_WALKS_ONLY:
+        items = B * H * (-(-G // 2) if PAIR_FUSED else G)
+        parts = auto_ksplit(items, _sm_count(out.device))
+        if parts > 1:
+            return (f"the walk of {items} work items needs {parts} key parts to fill the SMs; the fused top-K runs "
+                    "whole rows only (TOPK_WHOLE_WALKS_ONLY: there the kernel + the separate top-K measured faster)")
     return None
 
 
@@ -1099,7 +1127,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
 
     why = refusal(q8, k8, group_size, out)
     if why is None and select is not None:
-        why = select_refusal(q8, k8, group_size, out, select[0], int(select[1]))
+        why = select_refusal(q8, k8, group_size, out, select[0], int(select[1]), policy=False)
     if why is not None:
         raise ValueError(f"CuTeDSL pass 2 cannot run this call: {why}")
     B, H, S, D = q8.shape
@@ -1113,21 +1141,18 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
     if G == 0 or SK == 0:
         return out
     topk_on = select is not None
+    if pair is None:
+        pair = PAIR_FUSED if topk_on else PAIR
     if topk_on:
         wg3 = True  # the selecting warps need wg3 / wg4
         if ksplit is None and not TOPK_AUTO_KSPLIT:
             ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, pingpong, lse_smem, qsplit,
                   diag, wg3, topk_on, wg4, pair, overlap)
-    dev = q8.device
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
     if num_ctas is None:
-        if idx not in _SM_COUNT:
-            _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        num_ctas = _SM_COUNT[idx]
+        num_ctas = _sm_count(q8.device)
     if ksplit is None:
-        pair_on = PAIR if pair is None else bool(pair)
-        ksplit = auto_ksplit(B * H * (-(-G // 2) if pair_on else G), num_ctas)  # work items: groups or pairs
+        ksplit = auto_ksplit(B * H * (-(-G // 2) if pair else G), num_ctas)  # work items: groups or pairs
     if not 1 <= int(ksplit) <= 64:
         raise ValueError(f"ksplit must be in [1, 64], got {ksplit}")
     if topk_on:
