@@ -441,3 +441,60 @@ def test_call_timer_on_the_host_clock_and_on_an_idle_device(monkeypatch):
         t.stop(t.start(torch.device("cuda")), "reuse", (2, 8, 4), per=1)
         assert t.pending == 1
     assert t.times("reuse") == {(2, 8, 4): [1.0] * 4} and t.pending == 0
+
+
+def _summary_run(counts, *, not_self=0, anchors=(1, 4), config=True, keys=(), runner=True, interrupted=None,
+                 disabled=None):
+    """A stand-in of lifecycle.RunState with what adapter.summary reads."""
+    from collections import Counter
+
+    r = None
+    if runner:
+        r = types.SimpleNamespace(stats=types.SimpleNamespace(dense_reasons={override.NOT_SELF_ATTENTION: not_self}),
+                                  speed=types.SimpleNamespace(speedup=1.5), cache_where=lambda: "GPU memory",
+                                  summary_lines=lambda: ["runner line"], disabled_reason=disabled)
+    return types.SimpleNamespace(
+        counts=lambda: dict(counts), settings=types.SimpleNamespace(density=0.2, preset="custom", warmup_layers=1),
+        schedule=types.SimpleNamespace(warmup_steps=2, anchor_steps=anchors), config=object() if config else None,
+        runner=r, dense_reasons=Counter({"up front": 3}), cache_keys=list(keys), backend_line=lambda: "backend: b",
+        displaced=[], notes=[], num_steps=8, dense_run_reason="too few tokens", interrupted_by=interrupted,
+        last_step=None)
+
+
+def test_summary_lines_from_the_run_state():
+    """adapter.summary on a stand-in run: the headline's share counts only self-attention (cross-attention dense calls
+    left out), the speed only with sparse calls, the cache with anchors too; the schedule line's 1-based anchors (or
+    'none'), left out when no schedule was resolved; the cache-entries line (blocks, branches, windows); the WARNING
+    when a finished run with a runner went sparse nowhere (not for an interrupted run or a run dense up front).
+    Mutations that left the suite green: 16 in summary.py."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import summary
+
+    run = _summary_run({"sparse": 6, "anchor": 1, "dense": 3}, not_self=2)
+    assert summary.headline(run) == "MC-Sparse: 75% of self-attention sparse, ~1.50x expected, cache in GPU memory"
+    text = summary.format_summary(run)
+    assert "  schedule: dense warm-up 2 steps, 1 layer; anchors at steps 2, 5 (1-based)" in text
+    assert "runner line" in text and "backend: b" in text and "WARNING" not in text and "cache entries" not in text
+    assert summary.headline(_summary_run({"sparse": 0, "anchor": 2, "dense": 5})) == \
+        "MC-Sparse: 0% of self-attention sparse, cache in GPU memory"
+    assert summary.headline(_summary_run({"sparse": 4, "anchor": 1, "dense": 0}, disabled="out of memory")) \
+        .startswith("MC-Sparse: 80% of self-attention sparse")
+    assert summary.headline(_summary_run({"sparse": 0, "anchor": 1, "dense": 0}, disabled="out of memory")) == \
+        "MC-Sparse: stayed dense: out of memory"
+    assert "anchors at steps none (1-based)" in summary.format_summary(_summary_run({"sparse": 0, "anchor": 0,
+                                                                                    "dense": 1}, anchors=()))
+    assert "schedule:" not in summary.format_summary(_summary_run({"sparse": 1, "anchor": 1, "dense": 0},
+                                                                  config=False))
+    one = [CacheKey(0, "b0", None, (1, 2, 64, 64), "self"), CacheKey(1, "b0", None, (1, 2, 64, 64), "self"),
+           CacheKey(1, "b0", None, (1, 2, 64, 64), "vace")]
+    assert "  cache entries: 3 keys over 2 blocks, 1 conditioning branch, no context windows, kinds self, vace" in \
+        summary.format_summary(_summary_run({"sparse": 1, "anchor": 1, "dense": 0}, keys=one))
+    two = [CacheKey(0, b, w, (1, 2, 64, 64), "self") for b in ("b0", "b1") for w in ("w0", "w1")]
+    assert "  cache entries: 4 keys over 1 block, 2 conditioning branches, 2 context windows, kinds self" in \
+        summary.format_summary(_summary_run({"sparse": 1, "anchor": 1, "dense": 0}, keys=two))
+    warning = "WARNING: no attention call went sparse"
+    assert warning in summary.format_summary(_summary_run({"sparse": 0, "anchor": 1, "dense": 4}))
+    assert warning not in summary.format_summary(_summary_run({"sparse": 0, "anchor": 1, "dense": 4},
+                                                              interrupted="KeyboardInterrupt"))
+    dense = summary.format_summary(_summary_run({"sparse": 0, "anchor": 0, "dense": 3}, runner=False))
+    assert warning not in dense and dense.startswith("MC-Sparse: stayed dense: too few tokens")
+    assert "  dense x3: up front" in dense
