@@ -40,7 +40,18 @@ EPILOGUE = "smem"
 # 0.866 / 0.902 / 0.909 / 0.922 (better at all 8 points; v3 alone 0.914 / 0.908 / 0.985 / 0.995 and 0.877 / 0.913 /
 # 0.914 / 0.937); GPU-tested through the op (bf16 D 128 / fp16 D 64 ragged with the LSE, groups vs SMs, split last
 # rounds of 138 / 140 groups, three calls queued without a sync, each reading what the launch before it wrote).
-STAGED_OPTIONS: tuple = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3")
+# + "q_ahead", "cnt_ahead", "idx_ahead" (the next work item's queries, count and first kv_idx entries loaded during
+# this item) and "lazy_rescale" (the running max raised only past +8 in log2 units, O's rescale skipped per warp when
+# no row moved) since 2026-12-02 01:15: H200 round s9r1 (method of record with lead-in, 6 rounds, side by side; 1.3B
+# 480p then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5) 0.902 / 0.914 / 0.967 / 0.982 and 0.892 / 0.933 / 0.918 / 0.927
+# against the previous default's 0.879 / 0.902 / 0.957 / 0.960 and 0.849 / 0.895 / 0.903 / 0.915 (better at all 8
+# points; the three loads-ahead options alone: no gain); round s9r2 (another H200, 5 rounds) 0.826 / 0.833 / 0.836 /
+# 0.877 and 0.884 / 0.915 / 0.886 / 0.926 against 0.826 / 0.806 / 0.864 / 0.861 and 0.873 / 0.901 / 0.891 / 0.909
+# (min 0.826 vs 0.806; lazy_rescale without the loads ahead 0.832 / 0.821 / 0.864 / 0.867 and 0.866 / 0.913 / 0.880 /
+# 0.944, min 0.821). GPU-tested through the op (split last rounds, the pdl chain, keys ramped so that rows rescale
+# mid-walk, overlap grids of 1-500 CTAs).
+STAGED_OPTIONS: tuple = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead",
+                         "idx_ahead", "lazy_rescale")
 # compile options of the register-epilogue kernel (calls with a residual: the reuse path's), as STAGED_OPTIONS:
 # persistent + overlap since 2026-12-01 16:40: H200 round s6r2 (method of record, 4 rounds, side by side, plain bf16
 # residual, no LSE; 1.3B 480p then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5) 0.772 / 0.757 / 0.856 / 0.878 and 0.834 /
