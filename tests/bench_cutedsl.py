@@ -205,13 +205,13 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
         if "diag" in op_rows:  # not checked: its output is wrong by construction; the backend's op directly (a
             # failure raises here instead of turning the registry's cutedsl off for the other rows)
             from comfyui_mc_sparse_pack.kernels.cutedsl import op as cop_diag
-            raw = ",".join(rules.staged_options() + ("diag_no_copy",))
+            raw = ",".join((*rules.staged_options(), "diag_no_copy"))
             diag = with_options(raw, lambda: cop_diag.sparse_attention(q, k, v, perm, idx, out=out))
             try:
                 diag()
                 torch.cuda.synchronize()
                 fns["DIAG op without K/V copies"] = diag
-            except Exception as exc:  # noqa: BLE001 (a diagnostic row: report and go on)
+            except Exception as exc:  # a diagnostic row: report and go on
                 log(f"{name} s={s}: DIAG row failed ({type(exc).__name__}: {exc}): not timed")
         # the op's rows twice: two rows of the same call differ only by their place in the race's order
         if "again" in op_rows:
