@@ -196,8 +196,8 @@ def auto_gluon(monkeypatch):
     d.reset()
 
 
-_AUTO = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs tail_launch",
-         "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs")
+_AUTO = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial tail_launch",
+         "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial")
 
 
 @pytest.mark.parametrize(("times", "want"), [((1.0, 1.5), _AUTO[0]), ((3.0, 1.0), _AUTO[1])])
@@ -217,7 +217,8 @@ def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, t
     assert got is out and float((out.double() - ref).norm() / ref.norm()) < 4e-3
     assert timer.timed == 2 and list(d.choices.values()) == [want]
     base = dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False)
-    schedules = [dict(base, q_regs=True, tail_launch=4), dict(base, q_regs=True)]
+    fast = dict(base, q_regs=True, skip_rescale=True, sum_partial=True)
+    schedules = [dict(fast, tail_launch=4), fast]
     assert fake.options[:2] == schedules  # each compiled and launched once
     assert fake.options[2:4] == schedules  # each timed with its own options
     calls = fake.calls

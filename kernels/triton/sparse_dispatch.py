@@ -82,7 +82,15 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree tail_launch": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         q_regs=True, skip_rescale=True, max_tree=True, tail_launch=4),
-    # + the row sums kept as per-thread partials, finished once per item (sum_partial: no shuffles per tile for them)
+    # q_regs + skip_rescale + the row sums kept as each thread's partials over a group's tiles, finished once per
+    # item (sum_partial: no shuffles per tile for them); with and without the tail launch (the auto mode since s9r3)
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        q_regs=True, skip_rescale=True, sum_partial=True),
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial tail_launch": dict(
+        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
+        q_regs=True, skip_rescale=True, sum_partial=True, tail_launch=4),
+    # the same with the row maxima as a tree too (max_tree: slower at 1.3B in round s9r1, without sum_partial)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial": dict(
         pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
         q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True),
@@ -114,9 +122,7 @@ GLUON_SCHEDULES = {
 # SMs, 23.3 rounds; 14B 720p 179.1): with registers 216 / 72 (its producer spills at 224 / 56) q_regs ran 0.56-0.65
 # instead of 0.72-0.79 (both shapes, same race), and the split schedule failed to compile with an int4_group
 # residual, so the auto mode keeps s7r1's pair (the op in s7r2: 0.708 / 0.734 / 0.767 /
-# 0.788 | 0.722 / 0.821 / 0.842 / 0.825). PREVIOUS_AUTO_SCHEDULES (bench --gluon-auto previous) is the same pair.
-PREVIOUS_AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs",
-                           "pingpong persistent 3 stages thread_arrive early_q no_fence idx2")
+# 0.788 | 0.722 / 0.821 / 0.842 / 0.825).
 # Round s8r1 (chain: no faster at 1.3B, 0.702 / 0.725 / 0.757 / 0.773 beside the op's 0.700 / 0.728 / 0.765 /
 # 0.779). Since round s8r2: q_regs with the last, partial round in a second, split launch (tail_launch: 1.3B 480p
 # runs 23 whole rounds, then 36 items in 3 parts on 108 SMs instead of 36 whole items on 36), and q_regs as before.
@@ -124,8 +130,16 @@ PREVIOUS_AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q n
 # 0.728 / 0.767 / 0.776; 14B 0.716 / 0.734 / 0.782 / 0.819 vs 0.751 / 0.766 / 0.786 / 0.800, where the tail launch's
 # extra host time sits in every one-call sample: since then the tail launch splits only walks of at most
 # sparse_attention_sm90.TAIL_MAX_ROUNDS whole rounds (1.3B 480p: 23; 14B 720p: 179, q_regs unchanged there).
-AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs tail_launch",
-                  "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs")
+# Round s9r1 (session 9, the lead-in timing): skip_rescale alone and with max_tree no faster at 1.3B. Round s9r2 (main
+# b4160ca, same race, 1.3B s = 0.1 / 0.15 / 0.25 / 0.5 | 14B s = 0.1 / 0.15 before the cap): q_regs + skip_rescale +
+# sum_partial called directly 0.752 / 0.762 / 0.801 / 0.817 | 0.788 / 0.825 against the op (this pair before it)
+# 0.703 / 0.727 / 0.763 / 0.783 | 0.759 / 0.773: the auto mode's pair since round s9r3 is that schedule with and
+# without the tail launch. PREVIOUS_AUTO_SCHEDULES (bench --gluon-auto previous: a round whose GPU checks of the new
+# pair failed) is the pair of rounds s8r2-s9r2.
+PREVIOUS_AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs tail_launch",
+                           "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs")
+AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial tail_launch",
+                  "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial")
 choices: dict[tuple, str] = {}  # shape key -> an AUTO_SCHEDULES name (auto mode); times in _times
 _times: dict[tuple, dict[str, float]] = {}
 _failures = registry.FailureMemo(GLUON_KEY)
