@@ -384,6 +384,7 @@ def test_op_auto_mode_tail_split_vs_float64(monkeypatch):
         print(f"auto candidate {name}: rel_l2 {err:.2e}")
         assert err < 6e-3, (name, err)
     d.reset()
+    print("AUTO OK auto_mode_tail_split")  # the round script's mark of a passed case (read even if pytest's exit hangs)
 
 
 def test_auto_first_schedule_head_dim_64():
