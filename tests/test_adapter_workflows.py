@@ -250,3 +250,24 @@ def test_ui_links_agree_with_the_nodes_and_the_patch_is_wired(path):
                 assert n.get("mode", 0) == 0, f"{path.name} patch node {n['id']}: mode {n.get('mode')} (inactive)"
                 assert [i.get("link") is not None for i in n["inputs"] if i["name"] == "model"] == [True], n["id"]
                 assert any(out.get("links") for out in n["outputs"] if out["type"] == "MODEL"), n["id"]
+
+
+def test_headless_models_dir_is_removed_at_exit(monkeypatch):
+    """The per-process tiny-checkpoint folder goes when the process exits (integration runs left ~0.5 GB each)."""
+    import atexit
+    import sys
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools import headless
+
+    added, at_exit = [], []
+    monkeypatch.setitem(sys.modules, "folder_paths",
+                        types.SimpleNamespace(add_model_folder_path=lambda *a, **k: added.append(a)))
+    monkeypatch.setattr(headless, "_state", {})
+    monkeypatch.setattr(atexit, "register", lambda fn, *a, **k: at_exit.append((fn, a, k)))
+    path = headless.models_dir()
+    (path / "mc_sparse_tiny_x.safetensors").write_bytes(b"x" * 16)
+    assert path.is_dir() and {a[0] for a in added} == {"diffusion_models", "loras"}
+    for fn, a, k in at_exit:
+        fn(*a, **k)
+    assert not path.exists()

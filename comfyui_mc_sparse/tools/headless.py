@@ -15,10 +15,12 @@ This module imports ComfyUI only inside its functions; ComfyUI must be importabl
 from __future__ import annotations
 
 import asyncio
+import atexit
 import copy
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import uuid
@@ -181,11 +183,13 @@ def node_definitions(class_types) -> dict:
 
 
 def models_dir() -> Path:
-    """A per-process temporary ``diffusion_models`` folder registered with ComfyUI's ``folder_paths``."""
+    """A per-process temporary ``diffusion_models`` folder registered with ComfyUI's ``folder_paths``, removed when
+    the process exits (its tiny checkpoints are ~0.5 GB per process: left behind, integration runs filled the disk)."""
     if "models_dir" not in _state:
         import folder_paths
 
         path = Path(tempfile.mkdtemp(prefix="mc_sparse_models_"))
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
         folder_paths.add_model_folder_path("diffusion_models", str(path), is_default=True)
         folder_paths.add_model_folder_path("loras", str(path), is_default=True)
         _state["models_dir"] = path
