@@ -193,9 +193,10 @@ def cute_checks(sub, kq, width, log, config="cute"):
         r["sums_rel_l2_max"] = float(rel)
         r["sums_close"] = bool(rel <= 1e-3)
         want = ref_top_k_rows(got, kq, width)
-        sel_h = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True, topk_count=False)
-        sel_c = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True, topk_count=True)
-        sel_c2 = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True, topk_count=2)
+        sep = dict(group_size=C, kv_tile=KV_TILE, cute=True, topk_fused=False)
+        sel_h = selection.select_kv(q, k, lse, perm, kq, topk_count=False, **sep)
+        sel_c = selection.select_kv(q, k, lse, perm, kq, topk_count=True, **sep)
+        sel_c2 = selection.select_kv(q, k, lse, perm, kq, topk_count=2, **sep)
         r["select_exact"] = bool(torch.equal(sel_h, want))
         r["select_count_exact"] = bool(torch.equal(sel_c, want))
         r["select_count2_exact"] = bool(torch.equal(sel_c2, want))
@@ -209,15 +210,33 @@ def cute_checks(sub, kq, width, log, config="cute"):
             r["fused_all_written"] = not bool(fsums.isnan().any())
             r["fused_sums_equal"] = bool(torch.equal(fsums, got))
             r["fused_select_exact"] = bool(torch.equal(fsel, ref_top_k_rows(fsums, kq, width)))
-            sel_f = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True)
+            sel_f = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True, topk_fused=True)
             r["fused_select_kv_exact"] = bool(torch.equal(sel_f, fsel))
             r["fused_no_fallback"] = pass2_dispatch.cute_topk_fallback_reason() is None
             names += ["fused_all_written", "fused_select_exact", "fused_select_kv_exact", "fused_no_fallback"]
+        # the default route (select_kv(cute=True) leaving topk_fused to pass2_dispatch.cute_select_plan): the fused
+        # top-K with the plan's launch tuning (its sums and selection from one direct call) or the separate one
+        plan_fused, tuning = pass2_dispatch.cute_select_plan(k.shape[2])
+        r["plan"] = f"fused {tuning}" if plan_fused and r["fused"] is True else "separate top-K"
+        sel_d = selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, cute=True)
+        if plan_fused and r["fused"] is True:
+            psums = torch.full_like(sums16, float("nan"))
+            psel = torch.full_like(sel_c, -7)
+            pass2_dispatch._cute_module().group_prob_sums_fp8(q8, k8, qf, lse_s, kb2, perm, psums, group_size=C,
+                                                               select=(psel, kq), **tuning)
+            prel = ((psums.double() - sums16.double()).norm(dim=-1) / sums16.double().norm(dim=-1).clamp_min(1e-30))
+            r["plan_sums_close"] = bool(prel.max() <= 1e-3) and not bool(psums.isnan().any())
+            r["plan_select_exact"] = bool(torch.equal(psel, ref_top_k_rows(psums, kq, width)))
+            r["default_route_exact"] = bool(torch.equal(sel_d, psel))
+            names += ["plan_sums_close", "plan_select_exact"]
+        else:
+            r["default_route_exact"] = bool(torch.equal(sel_d, want))
+        names.append("default_route_exact")
         r["no_fallback"] = pass2_dispatch.cute_fallback_reason() is None
         if not r["no_fallback"]:
             r["fallback"] = pass2_dispatch.cute_fallback_reason()
         r["ok"] = all(r[n] for n in names + ["no_fallback"])
-        if r["fused"] is True and not r["ok"] and all(r[n] for n in names[:5] + ["no_fallback"]):
+        if r["fused"] is True and not r["ok"] and not plan_fused and all(r[n] for n in names[:5] + ["no_fallback"]):
             r["fused"] = "its check failed"  # the kernel without it still timed (separate top-K)
             r["ok"] = True
             os.environ["MC_SPARSE_PASS2_CUTE_TOPK"] = "0"
@@ -233,12 +252,12 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"cute": dict(cute=True, topk_count=True), "cute sep": dict(cute=True, topk_fused=False, topk_count=True),
-              "cute pair": dict(cute=True, topk_count=True)}
+RACE1_ROWS = {"cute sep": dict(cute=True, topk_fused=False, topk_count=True),
+              "cute fused": dict(cute=True, topk_fused=True)}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
-CUTE_CONFIGS = ("cute", "cute pair")  # each checked in a child process per shape first (``cute_child_check``)
+CUTE_CONFIGS = ("cute",)  # each checked in a child process per shape first (``cute_child_check``)
 CUTE_CHILD_OK: dict = {}  # (shape, config) -> its child check passed
 # the float8 operand pass in one persistent launch (kernels/triton/operands.py): its launch tunings raced in race 2,
 # each checked first in a child process per shape (``check_persistent``: a hang is killed there, not in the bench);
@@ -493,7 +512,8 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
             raise RuntimeError("not run: its child check did not pass")
         race2_cute(fns, ops, perm, out16, sums, kq, width, res, sel)
         for row, kw in RACE1_ROWS.items():
-            if (row != "cute sep" or res.get("cute fused") is True) and CUTE_CHILD_OK.get((name, row), True):
+            if ((row != "cute fused" or res.get("cute fused") is True)
+                    and CUTE_CHILD_OK.get((name, row if row in CUTE_CONFIGS else "cute"), SMOKE)):
                 fns[f"select_kv {row}"] = select_row(row, kw, q, k, lse, perm, kq)
     except Exception as err:  # noqa: BLE001
         res["errors"]["cute"] = f"{type(err).__name__}: {str(err)[:300]}"
@@ -512,8 +532,8 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
                from_idle_over_dense=idle_ratios(idle))
     res["host_ms defaults"] = host_ms(
         lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE), dense)
-    if "select_kv cute" in fns:
-        res["host_ms cute"] = host_ms(fns["select_kv cute"], dense)
+    if "select_kv cute sep" in fns:
+        res["host_ms cute sep"] = host_ms(fns["select_kv cute sep"], dense)
     log(f"{name} RACE 2 (dense {dname} {ms['dense']:.3f} ms, all heads, s = 0.25): " + " | ".join(
         f"{n} {v:.4f}" for n, v in res["over_dense"].items()) + " | " + " | ".join(
         f"{n} {v:.3f}" for n, v in res.items() if n.startswith(("host", "fallback", "sums", "cute sums")))
@@ -630,7 +650,8 @@ def precompile(shape, rows):
             with cute_globals(config):
                 r = cute_checks((q, k, lse, perm), kq, width, lambda m: print(m, flush=True), config)
                 if r["ok"] and config == "cute":
-                    selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, **RACE1_ROWS["cute sep"])
+                    for kw in RACE1_ROWS.values():
+                        selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, **kw)
             if dev == "cuda":
                 torch.cuda.synchronize()
             if not r["ok"]:
@@ -746,7 +767,7 @@ def install_stand_in():
     """(--smoke, and its children under TRITON_INTERPRET=1) a stand-in for the CuTeDSL kernel (no CUDA here): the
     Triton one-group kernel on the same operands (+ the brute-force top-K as its fused selection), so the smoke runs
     the cute rows' code (checks, race rows) too."""
-    def stand_in_sums(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, select=None):
+    def stand_in_sums(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, select=None, **tuning):
         launch_pair((q8, k8, qf, lse_s, kb2), perm, out, one_group=True)
         if select is not None:  # (its fused top-K: the brute force of those sums)
             select[0].copy_(ref_top_k_rows(out, select[1], select[0].shape[-1]))
@@ -865,9 +886,9 @@ def main():
                 if name in ("1.3b", "smoke") and args.race2_first and not args.race1_only:  # (round s8r1 lost them)
                     run_race2(report, name, (q, k, v, lse, perm), args, t0, log, variants, cute_variants, save)
                 cfg = res["checks"]["cute_configs"]
-                rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed; "cute sep" only
-                        if cfg.get(n if n in cfg else "cute", {}).get("ok")  # beside a fused top-K)
-                        and (n != "cute sep" or cfg["cute"].get("fused") is True and name != "14b")}  # (time)
+                rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed; "cute fused"
+                        if cfg.get(n if n in cfg else "cute", {}).get("ok")  # only where the module has it)
+                        and (n != "cute fused" or cfg["cute"].get("fused") is True)}
                 if pass2_dispatch.cute_mode():  # the CuTeDSL pass 2 is the default: the Triton one beside it
                     rows["triton"] = dict(cute=False)
                 res["race1"] = race1(name, q, k, v, lse, perm, log,
@@ -889,7 +910,8 @@ def main():
         if time.time() - t0 > args.budget - (0 if name in ("1.3b", "smoke") else 20):
             log(f"{name} race 2 skipped (budget)")
             continue
-        run_race2(report, name, inputs, args, t0, log, variants, (), save)
+        run_race2(report, name, inputs, args, t0, log, variants, cute_variants if name in ("1.3b", "smoke") else (),
+                  save)
     if variants and "1.3b" in kept and time.time() - t0 < args.budget and not args.race1_only:  # last: a faulting
         # variant ends the process
         try:
