@@ -459,7 +459,6 @@ def cute_fused(monkeypatch):
     monkeypatch.setattr(d, "_cute_module", lambda: fake)
     monkeypatch.setattr(sel, "_TOPK_FUSED_DEFAULT", True)
     monkeypatch.setattr(sel, "_capability", lambda device: (9, 0))  # the fused top-K's switch (fp8 given explicitly)
-    monkeypatch.setattr(d, "CUTE_FUSED_MIN_KEYS", 100)  # the default plan: fused (+ pair) from 100 keys on here
     seen = []
     real = sel.top_k_rows
     monkeypatch.setattr(sel, "top_k_rows", lambda sums, *a, **kw: seen.append(sums.clone()) or real(sums, *a, **kw))
@@ -487,27 +486,6 @@ def test_select_kv_with_cute_runs_its_fused_top_k(gen, cute_fused):
     sums = torch.cat([c["sums"] for c in cute_fused.calls], dim=1)
     assert torch.equal(got, ref_top_k_rows(sums, 40, got.shape[-1]))
     assert _mod("pass2_dispatch").cute_topk_fallback_reason() is None
-    assert all(c["tuning"] == {"pair": True} for c in cute_fused.calls)  # the plan's launch tuning
-
-
-@pytest.mark.parametrize(("min_keys", "kw", "fused", "tuning"), [
-    (100, {}, True, {"pair": True}), (151, {}, False, {}), (151, dict(topk_fused=True), True, {}),
-    (100, dict(topk_fused=False), False, {})])
-def test_cute_select_plan_by_keys(gen, cute_fused, monkeypatch, min_keys, kw, fused, tuning):
-    """select_kv's default on the CuTeDSL route follows pass2_dispatch.cute_select_plan by Sk (150 keys here): from
-    CUTE_FUSED_MIN_KEYS on the fused top-K with pair=True, below it the kernel's default launch + the separate
-    (counting) top-K; an explicit topk_fused wins (True: fused at the module's defaults). The selection is the brute
-    force of the sums the kernel wrote either way. Mutations: the threshold compared the wrong way, the plan's
-    tuning not passed, an explicit topk_fused overridden."""
-    sel = _mod("selection")
-    monkeypatch.setattr(_mod("pass2_dispatch"), "CUTE_FUSED_MIN_KEYS", min_keys)
-    q, k, lse, perm, C = _inputs(gen, S=150)
-    got = _select(sel, q, k, lse, perm, C, **kw)
-    assert [c["select"] is not None for c in cute_fused.calls] == [fused, fused]
-    assert [c["tuning"] for c in cute_fused.calls] == [tuning, tuning]
-    assert len(cute_fused.separate) == (0 if fused else 2)
-    sums = torch.cat([c["sums"] for c in cute_fused.calls], dim=1)
-    assert torch.equal(got, ref_top_k_rows(sums, 40, got.shape[-1]))
 
 
 @pytest.mark.parametrize("how", ["refused", "env off", "no module support", "topk_fused=False"])

@@ -49,12 +49,10 @@ CUTE_KEY = ("cutedsl.pass2_sm90", "group_prob_sums")
 # the Triton defaults 0.561 / 0.574 / 0.563 / 0.559 (its fused top-K 0.567 / 0.562 / 0.561 / 0.563: race 2, the
 # kernel alone 0.484, + separate top-K 0.531, + fused 0.538); at 14B 720p two query groups per work item (pair) + the
 # fused top-K 0.448 / 0.450 / 0.444 / 0.447 against 0.462 / 0.452 / 0.456 / 0.455 (without pair, fused: 0.453 / 0.462
-# / 0.461 / 0.453). Selections GPU-checked == the brute-force top-K of the kernel's sums. ``cute_select_plan``.
+# / 0.461 / 0.453). Selections GPU-checked == the brute-force top-K of the kernel's sums. Which of the two forms runs
+# is the module's policy (``select_refusal``: the fused top-K with pair only on walks that need no key parts; p2cute's
+# d0c4613), so the dispatch just asks for the fused top-K and falls to the kernel without it where refused.
 CUTE_DEFAULT = True
-# select_kv's default plan on the CuTeDSL route by keys per head (``cute_select_plan``): at or above this many keys the
-# fused top-K with pair (measured at 14B 720p, 75600 keys), below it the kernel's default launch + the separate top-K
-# (1.3B 480p, 32760 keys); between the two measured shapes the threshold is their geometric mean (untested there)
-CUTE_FUSED_MIN_KEYS = 49766
 _cute_failures = registry.FailureMemo(CUTE_KEY)
 CUTE_TOPK_KEY = ("cutedsl.pass2_sm90", "group_prob_sums+top_k")
 _cute_topk_failures = registry.FailureMemo(CUTE_TOPK_KEY)
@@ -78,15 +76,6 @@ def cute_mode(requested: bool | None = None) -> bool:
     """Whether the CuTeDSL kernel is wanted: ``requested`` when not None, else ``MC_SPARSE_PASS2_CUTE`` ("1" on, "0"
     off; any other value is a ValueError), else ``CUTE_DEFAULT``."""
     return _switch(requested, "MC_SPARSE_PASS2_CUTE", CUTE_DEFAULT)
-
-
-def cute_select_plan(num_keys_total: int) -> tuple[bool, dict]:
-    """(fused top-K, launch tuning) of select_kv's default on the CuTeDSL route for rows of ``num_keys_total`` keys
-    (Sk): the fused top-K with ``pair=True`` from ``CUTE_FUSED_MIN_KEYS`` keys on, else the kernel's default launch
-    without it (the separate top-K follows). Source: the H200 measurements at ``CUTE_DEFAULT``."""
-    if num_keys_total >= CUTE_FUSED_MIN_KEYS:
-        return True, {"pair": True}
-    return False, {}
 
 
 def cute_wanted(requested: bool | None = None) -> bool:
@@ -113,15 +102,15 @@ def cute_refusal(q8, k8, group_size, out, *, requested=None, only_triton=None) -
     return why if why is not None else _module_refusal(_cute_module, q8, k8, group_size, out)
 
 
-def try_cute(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, requested=None, only_triton=None, tuning=None) -> bool:
+def try_cute(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, requested=None, only_triton=None) -> bool:
     """Run the float8 pass 2 on the CuTeDSL kernel into ``out`` if it may (``cute_refusal``): True when it wrote
     ``out``; False when the caller must run another kernel (refused, or failed: then remembered and logged). ``kb2``:
-    2^KB (``fp8_operands(kb_pow2=True)``); the rest as ``selection_sm90.group_prob_sums_fp8``; ``tuning``: launch
-    keywords of the module's ``group_prob_sums_fp8`` (``cute_select_plan``). Raises: out of memory."""
+    2^KB (``fp8_operands(kb_pow2=True)``); the rest as ``selection_sm90.group_prob_sums_fp8``. Raises: out of
+    memory."""
     if cute_refusal(q8, k8, group_size, out, requested=requested, only_triton=only_triton) is not None:
         return False
     return _launch(_cute_module, _cute_failures, "the CuTeDSL pass-2 kernel",
-                   (q8, k8, qf, lse_s, kb2, perm, out), group_size, **(tuning or {}))
+                   (q8, k8, qf, lse_s, kb2, perm, out), group_size)
 
 
 def cute_topk_mode() -> bool:
@@ -154,18 +143,18 @@ def cute_select_refusal(q8, k8, group_size, out, sel, num_keys, *, requested=Non
 
 
 def try_cute_select(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, sel, num_keys, requested=None,
-                    only_triton=None, tuning=None) -> bool:
+                    only_triton=None) -> bool:
     """Run the float8 pass 2 on the CuTeDSL kernel with its fused top-K if it may (``cute_select_refusal``): True when
     it wrote the float16 sums into ``out`` and each row's ``num_keys`` largest of them into ``sel`` (int32 ``[B, H, G,
     width]``, contiguous last dim: ascending indices, ties to the lower index, then -1); False when the caller must
-    run something else (refused, or failed: then remembered under ``CUTE_TOPK_KEY`` and logged); ``tuning`` as
-    ``try_cute``'s. Raises: out of memory."""
+    run something else (refused, or failed: then remembered under ``CUTE_TOPK_KEY`` and logged). Raises: out of
+    memory."""
     if cute_select_refusal(q8, k8, group_size, out, sel, num_keys, requested=requested,
                            only_triton=only_triton) is not None:
         return False
     return _launch(_cute_module, _cute_topk_failures, "the CuTeDSL pass-2 kernel's fused top-K",
                    (q8, k8, qf, lse_s, kb2, perm, out), group_size, then="it without the fused top-K",
-                   select=(sel, num_keys), **(tuning or {}))
+                   select=(sel, num_keys))
 
 
 def _gluon_module():

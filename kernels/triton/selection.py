@@ -783,8 +783,7 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
                     num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None,
-                    poly3=(0, 0), select=None, one_group=None, cute=None, persistent=None, cute_fused=True,
-                    cute_tuning=None):
+                    poly3=(0, 0), select=None, one_group=None, cute=None, persistent=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -824,9 +823,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         its own fused top-K into ``select.out`` (``pass2_dispatch.try_cute_select``; then ``select.done`` and
         ``select.complete`` are set), else without it (``select`` left unset: the caller's separate top-K).
         persistent: the float8 operands from one persistent launch (``fp8_operands(persistent=)``; None: its
-        default). cute_fused: False: the CuTeDSL kernel is not asked for its fused top-K (``select`` is then left to
-        the Triton kernel where the CuTeDSL kernel does not run, else to the caller); cute_tuning: its launch keywords
-        (``pass2_dispatch.cute_select_plan``).
+        default).
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
@@ -893,13 +890,13 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2, persistent=persistent)
             tuned = one_group_asked or any(x is not None for x in (block_n, num_warps, num_stages))
             only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode, tuned=tuned)
-            if want_cute and select is not None and cute_fused and pass2_dispatch.try_cute_select(
+            if want_cute and select is not None and pass2_dispatch.try_cute_select(
                     q, k, qf, lse, kb, perm, out, group_size=C, sel=select.out, num_keys=select.num_keys,
-                    requested=cute, only_triton=only_triton, tuning=cute_tuning):
+                    requested=cute, only_triton=only_triton):
                 select.done = select.complete = True  # (every selection row written by the kernel)
                 return out
             if want_cute and pass2_dispatch.try_cute(q, k, qf, lse, kb, perm, out, group_size=C, requested=cute,
-                                                     only_triton=only_triton, tuning=cute_tuning):
+                                                     only_triton=only_triton):
                 return out
             if pow2 and not gluon_pow2 and only_triton is None:
                 only_triton = "the float8 operands hold 2^KB (made for the CuTeDSL kernel); this Gluon config reads KB"
@@ -964,10 +961,9 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     bracket half-width in binomial sigmas and ``topk_stride`` its keys per sample (``topk.bracket_plan``; same
     selection; None: its defaults; the separate top-K takes the stride too); ``cute``: pass 2
     on the CuTeDSL sm_90 kernel where it runs (``group_prob_sums``; None: ``pass2_dispatch.CUTE_DEFAULT``), with its
-    own fused top-K where the module has one and ``topk_fused`` is True (``pass2_dispatch.try_cute_select``; None:
-    ``pass2_dispatch.cute_select_plan`` by Sk, with its launch tuning), else then the separate bracket top-K
-    (``topk.top_k_rows``), its threshold among the candidates by counting when ``topk_count`` (None:
-    ``_TOPK_SEPARATE_COUNT_DEFAULT``); ``persistent``: the float8 operands from one persistent
+    own fused top-K where the module has one, ``topk_fused`` is on and the module's policy takes the call
+    (``pass2_dispatch.try_cute_select``), else then the separate bracket top-K (``topk.top_k_rows``), its threshold
+    among the candidates by counting when ``topk_count`` (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``); ``persistent``: the float8 operands from one persistent
     launch (``fp8_operands``; None: its default).
 
     Returns:
@@ -984,11 +980,9 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     use_hist = _TOPK_HIST_DEFAULT if topk_hist is None else bool(topk_hist)
     hist_buf = torch.empty(B * hc * G * HIST_BINS.value, dtype=torch.int32, device=q.device) if use_hist else None
     fused = None
-    cute_fused, cute_tuning = True, None  # (the CuTeDSL kernel's plan where the caller leaves topk_fused to us)
     if topk_fused is None:
         cap = _capability(q.device)
         topk_fused = _TOPK_FUSED_DEFAULT and cap is not None and tuple(cap) >= _TOPK_FUSED_MIN_CAPABILITY
-        cute_fused, cute_tuning = pass2_dispatch.cute_select_plan(SK)
     if topk_fused and not use_hist and topk_method is None:
         try:
             fused = FusedRows.allocate(B * hc * G, SK, num_keys, k_alloc, q.device,
@@ -1005,8 +999,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon, select=select,
-            one_group=one_group, poly3=poly3, cute=cute, persistent=persistent, cute_fused=cute_fused,
-            cute_tuning=cute_tuning,
+            one_group=one_group, poly3=poly3, cute=cute, persistent=persistent,
         )
         if select is not None and select.done:
             select.finish(sums)
