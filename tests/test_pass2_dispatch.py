@@ -549,3 +549,22 @@ def test_cute_select_refusal_starts_with_the_kernels_own(cute_fused, monkeypatch
     assert not d.try_cute_select(None, None, None, None, None, None, None, group_size=128, sel=None, num_keys=40,
                                  requested=True)
     assert not cute_fused.calls and d.cute_topk_fallback_reason() is None
+
+
+def test_cute_wanted_needs_the_switch_and_the_module(monkeypatch):
+    """cute_wanted (whether a float8 pass 2 makes the operands the CuTeDSL kernel reads, 2^KB): only when the kernel is
+    switched on AND its module imports; a failing import (no nvidia-cutlass-dsl) is False, not an error. Mutations:
+    the switch ignored, an import failure read as wanted."""
+    d = _mod("pass2_dispatch")
+    monkeypatch.delenv("MC_SPARSE_PASS2_CUTE", raising=False)
+    imports = []
+    monkeypatch.setattr(d, "_cute_module", lambda: imports.append(1) or object())
+    assert d.cute_wanted(True) and not d.cute_wanted(False)
+    monkeypatch.setenv("MC_SPARSE_PASS2_CUTE", "0")
+    assert not d.cute_wanted() and len(imports) == 1  # switched off: the module is not even imported
+
+    def missing():
+        raise ImportError("No module named 'cutlass'")
+
+    monkeypatch.setattr(d, "_cute_module", missing)
+    assert not d.cute_wanted(True)
