@@ -77,7 +77,6 @@ DENSITIES = (0.1, 0.15, 0.25, 0.5)
 C = D = KV_TILE = 128
 SMOKE = False
 ROUNDS = 3  # tests/_timing.race rounds of races 1 and 2 (--rounds)
-PERS_OK: dict = {}  # shape -> the persistent operand pass passed its child check (``check_persistent``)
 
 
 def race(fns, rounds=3, target_ms=20.0, from_idle=None):
@@ -247,14 +246,6 @@ RACE1_ROWS = {"cute sep": dict(cute=True, topk_fused=False, topk_count=True),
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
 CUTE_CONFIGS = ("cute",)  # each checked in a child process per shape first (``cute_child_check``)
 CUTE_CHILD_OK: dict = {}  # (shape, config) -> its child check passed
-# the float8 operand pass in one persistent launch (kernels/triton/operands.py): its launch tunings raced in race 2,
-# each checked first in a child process per shape (``check_persistent``: a hang is killed there, not in the bench);
-# round s9r1 (1.3B, / dense): the three launches 0.0203, persistent 0.0708 (skew 1), 0.0445 (skew 2), 0.0435 (skew 2 +
-# L2 hints), 0.0510 (4 warps x 3 per SM), 0.0695 (512-row statistics items), 0.0750 (one statistics tile in flight)
-OPERAND_VARIANTS = {"pers skew2": dict(skew=2), "pers ev skew2": dict(evict=True, skew=2),
-                    "pers w4 skew2": dict(num_warps=4, maxnreg=168, programs_per_sm=3, skew=2),
-                    "pers w4 ev skew3": dict(num_warps=4, maxnreg=168, programs_per_sm=3, skew=3, evict=True)}
-
 
 class cute_globals:
     """Context: the CuTeDSL pass-2 module's globals of ``CUTE_GLOBALS[row]`` set (none for other rows), restored on
@@ -451,16 +442,7 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
     width = -(-kq // KV_TILE) * KV_TILE
     dname, dense = dense_fn(q, k, v)
     res = dict(errors={})
-    fns = {"dense": dense, "operands default": lambda: selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True,
-                                                                             persistent=False)}
-    if PERS_OK.get(name):  # (checked in a child process, ``check_persistent``)
-        from comfyui_mc_sparse_pack.kernels.triton import operands
-
-        for tag, kw in OPERAND_VARIANTS.items():
-            fns[f"operands {tag}"] = (lambda kw: lambda: operands.fp8_operands_persistent(
-                q, k, lse, D**-0.5, kb_pow2=True, **kw))(kw)
-    else:
-        res["errors"]["operands persistent"] = "not run: its child check did not pass"
+    fns = {"dense": dense, "operands default": lambda: selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)}
     sums = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
     selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums, cute=False)  # the Triton kernel's
     ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)
@@ -576,7 +558,7 @@ def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_
 # select_kv compiles for race 1 in child processes started with the bench (one per group of rows and shape, on 2
 # heads of the shape: the same specialisations), so the main process loads them from Triton's disk cache instead of
 # compiling one after another (~4 s each; round s6r2 lost its 14B race to the cap); "race2": race 2's kernels
-CHILD_ROWS = (("defaults",), ("persistent",)) + tuple((f"cutecheck {c}",) for c in CUTE_CONFIGS)
+CHILD_ROWS = (("defaults",),) + tuple((f"cutecheck {c}",) for c in CUTE_CONFIGS)
 
 
 def spawn_children(shapes, out_dir, with_race2, cute_variants=()):
@@ -630,9 +612,6 @@ def precompile(shape, rows):
     kq = int(0.25 * S)
     width = -(-kq // KV_TILE) * KV_TILE
     for row in rows:
-        if row == "persistent":
-            check_persistent(shape)
-            continue
         if row.startswith("cutecheck "):  # the CuTeDSL rows' checks (and compiles) on these 2 heads
             config = row.split(" ", 1)[1]
             with cute_globals(config):
@@ -663,39 +642,6 @@ def precompile(shape, rows):
                 torch.empty(1, 2, G, width, dtype=torch.int32, device=dev)))
     if dev == "cuda":
         torch.cuda.synchronize()
-
-
-def check_persistent(shape):
-    """(child) The persistent operand pass (each ``OPERAND_VARIANTS`` tuning, 3 calls each) on all heads of ``shape``
-    against the three launches: the same qf, float8 elements within one rounding step (< 1 % differing: the means
-    are summed in another order), lse_s / 2^kb to fp32 rounding; exit status 1 on a mismatch (the parent then skips
-    the persistent rows; a hang is killed by its wait)."""
-    from comfyui_mc_sparse_pack.kernels.triton import operands
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    H, S = (SHAPES[shape]["H"], math.prod(SHAPES[shape]["grid"]))
-    gen = torch.Generator(device=dev).manual_seed(11)
-    q = torch.randn(1, H, S, D, device=dev, generator=gen).to(torch.bfloat16)
-    k = (torch.randn(1, H, S, D, device=dev, generator=gen) + torch.randn(1, H, 1, D, device=dev, generator=gen) * 3
-         ).to(torch.bfloat16)
-    lse = torch.randn(1, H, S, device=dev, generator=gen) + 10.0
-    want = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, persistent=False)
-    bad = []
-    for name, kw in OPERAND_VARIANTS.items():
-        for rep_ in range(3):
-            got = operands.fp8_operands_persistent(q, k, lse, D**-0.5, kb_pow2=True, **kw)
-            diff = [float((a.float() != b.float()).float().mean()) for a, b in zip(got[:2], want[:2])]
-            step = all(bool(((a.float() - b.float()).abs() <= b.float().abs() / 8 + 2.0**-9).all())
-                       for a, b in zip(got[:2], want[:2]))
-            ok = (torch.equal(got[2], want[2]) and step and max(diff) < 0.01
-                  and torch.allclose(got[3], want[3], rtol=1e-5, atol=1e-3)
-                  and torch.allclose(got[4], want[4], rtol=1e-4, atol=1e-30))
-            print(f"persistent {name} call {rep_}: differing float8 {diff}, ok {ok}", flush=True)
-            if not ok:
-                bad.append(name)
-    if bad:
-        print(f"persistent FAILED: {sorted(set(bad))}", flush=True)
-        sys.exit(1)
 
 
 def make_inputs(name):
@@ -857,20 +803,12 @@ def main():
                     log("select children (0 = compiled / checked): "  # killed there, not here)
                         + ", ".join(f"{t} {rc}" for t, rc in rcs.items()))
                     children = {}
-                    PERS_OK.update({sh: rcs.get(f"{sh}:persistent") == 0 for sh in shapes})
                     CUTE_CHILD_OK.update({(sh, c): rcs.get(f"{sh}:cutecheck {c}") == 0 for sh in shapes
                                           for c in CUTE_CONFIGS})
                     report["children"] = rcs
-                    if selection._OPERANDS_PERSISTENT_DEFAULT and not all(PERS_OK.values()):
-                        selection._OPERANDS_PERSISTENT_DEFAULT = False
-                        log(f"PERSISTENT OPERANDS DEFAULT OFF for this run: its child check {PERS_OK}; the defaults "
-                            "rows time the three-launch operand pass")
                 res["checks"] = checks(q, k, lse, perm, q.shape[2], log, full=name != "14b", name=name)
                 save()
                 gluon_row = bool(args.p2ws_gluon_row and child_rc and child_rc.get(p2.GLUON_DEFAULT_VARIANT) == 0)
-                if SMOKE and name not in PERS_OK:
-                    check_persistent(name)  # (in-process: exits on a mismatch)
-                    PERS_OK[name] = True
                 if name in ("1.3b", "smoke") and args.race2_first and not args.race1_only:  # (round s8r1 lost them)
                     run_race2(report, name, (q, k, v, lse, perm), args, t0, log, variants, cute_variants, save)
                 cfg = res["checks"]["cute_configs"]

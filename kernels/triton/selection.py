@@ -40,7 +40,6 @@ from .topk import HIST_BINS, FusedRows, _bracket_row, top_k_rows
 log = logging.getLogger(__name__)
 _RADIX_FAILED: list[str] = []  # the radix top-K's first error in this process (then torch.topk answers)
 _BRACKET_OOM: list[bool] = []  # set once the bracket top-K ran out of memory (logged once; radix answers such calls)
-_PERSISTENT_FAILED: list[str] = []  # the persistent operand pass's first error in this process (then three launches)
 
 _LOG2E = 1.4426950408889634
 _SCRATCH_BYTES = 1 << 30  # fp32 group-sum scratch per head chunk in select_kv: 1 GiB (14B 720p: 5 heads)
@@ -384,31 +383,20 @@ def _group_prob_sums_pair(
 @triton.jit
 def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, bh, S,
                    stride_xb, stride_xh, stride_xs, stride_xd, stride_rb, stride_rh, stride_rs, row_mul,
-                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, IS_Q: tl.constexpr, POW2: tl.constexpr = False,
-                   CG: tl.constexpr = False, EVICT: tl.constexpr = False):
+                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, IS_Q: tl.constexpr, POW2: tl.constexpr = False):
     """Rows [blk * BLOCK_S, +BLOCK_S) of head (b, h) of q (IS_Q) or k ([B, H, S, D] by strides): OUT (float8_e4m3,
     contiguous [B, H, S, D]) = (x - MEAN[bh]) / SCALE[bh] rounded to nearest even (SCALE is a power of two: the
     quotient is exact, taken as a product by 1 / SCALE), and a per-row term t = x . OTHER_MEAN[bh] (q: x . mean(k))
     or (x - MEAN[bh]) . OTHER_MEAN[bh] (k: (k - mean(k)) . mean(q)) written as OUT_ROW[bh * S + row] = IN_ROW[row] +
     row_mul * t for q (IN_ROW: the LSE by its strides), and clamp(row_mul * t, -100, 100) for k (IN_ROW unused;
-    POW2: 2 to that power). MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]. CG: those three read past L1
-    (``operands``: written by another program of the same launch, next to entries this SM may have cached). EVICT:
-    x's rows and the float8 copy marked evict-first in L2 (their last use: ``operands`` keeps L2 for rows still to
-    be quantised)."""
+    POW2: 2 to that power). MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]."""
     rows = blk * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = rows < S
     x = tl.load(X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + rows.to(tl.int64)[:, None] * stride_xs
-                + offs_d[None, :] * stride_xd, mask=ok[:, None], other=0.0,
-                eviction_policy="evict_first" if EVICT else "").to(tl.float32)
-    if CG:
-        mean = tl.load(MEAN + bh * HEAD_DIM + offs_d, cache_modifier=".cg")
-        other = tl.load(OTHER_MEAN + bh * HEAD_DIM + offs_d, cache_modifier=".cg")
-        inv = tl.div_rn(1.0, tl.load(SCALE + bh, cache_modifier=".cg"))  # exact: SCALE is a power of two
-    else:
-        mean = tl.load(MEAN + bh * HEAD_DIM + offs_d)
-        other = tl.load(OTHER_MEAN + bh * HEAD_DIM + offs_d)
-        inv = tl.div_rn(1.0, tl.load(SCALE + bh))
+                + offs_d[None, :] * stride_xd, mask=ok[:, None], other=0.0).to(tl.float32)
+    mean = tl.load(MEAN + bh * HEAD_DIM + offs_d)
+    other = tl.load(OTHER_MEAN + bh * HEAD_DIM + offs_d)
     xc = x - mean[None, :]
     out_rows = bh.to(tl.int64) * S + rows
     if IS_Q:
@@ -422,9 +410,9 @@ def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, 
         if POW2:
             kb = tl.math.exp2(kb)
         tl.store(OUT_ROW + out_rows, kb, mask=ok)
+    inv = tl.div_rn(1.0, tl.load(SCALE + bh))  # exact: SCALE is a power of two
     y = xc * inv
-    tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None],
-             eviction_policy="evict_first" if EVICT else "")
+    tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None])
 
 
 @triton.jit
@@ -565,9 +553,6 @@ def _fp8_stats_final(
 _STATS_BLOCK_S = 32  # rows per register tile of the statistics pass (4 warps: 32 fp32 accumulators x 3 per thread)
 _STATS_PROGRAMS = 528  # statistics programs per tensor (~4 per H200 SM): enough loads in flight for HBM speed
 _QUANT_BLOCK_S = 64  # rows per program of the quantising pass
-# fp8_operands in one persistent launch (kernels/triton/operands.py): off until an H200 round measures it faster
-# (tests/bench_select_race.py race 2, rows "operands persistent*")
-_OPERANDS_PERSISTENT_DEFAULT = False
 
 
 def _stat_splits(heads: int, rows: int, programs: int = _STATS_PROGRAMS) -> tuple[int, int]:
@@ -598,8 +583,7 @@ def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, *, stats_programs: int | None = None,
-                 quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False,
-                 persistent: bool | None = None):
+                 quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False):
     """The float8 operands of pass 2's FP8 mode, smoothed: (q8, k8, qf, lse_s, kb).
 
     The products are taken on mean-free rows (q' = q - mean_q, k' = k - mean_k per head, SageAttention's smoothing of
@@ -616,10 +600,6 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         kb_pow2: return 2^kb in place of kb (what the Triton pair kernel reads with KB_POW2: no exponential per key
         and group there; H200: pass-2 kernel 0.445 against 0.455 of dense at 1.3B 480p, tests/bench_pass2_exp.py
         round s5r1).
-        persistent: the same outputs from ONE persistent launch that reads each head from DRAM once
-        (``operands.fp8_operands_persistent``; its statistics summed in another order), where ``operands.refusal``
-        lets it; its failure (compile / launch, logged once per process) runs the three launches instead; None:
-        ``_OPERANDS_PERSISTENT_DEFAULT``.
     Returns:
         q8, k8: float8_e4m3fn ``[B, H, S, D]`` / ``[B, H, Sk, D]``, contiguous: (x - mean) / head scale (``fp8_stats``:
         a power of two, so the quotient is exact) rounded to nearest even (e4m3 is a float format: one scale per head
@@ -634,18 +614,6 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     per-head reduction, the quantising pass (a second read; 1 byte written per element and 4 per row): about 2.5x
     the bytes of q and k. Source: docs/kernels.md ("select_kv"); e4m3: torch.float8_e4m3fn (OCP FP8, max 448).
     """
-    if (_OPERANDS_PERSISTENT_DEFAULT if persistent is None else persistent) and not _PERSISTENT_FAILED:
-        from . import operands  # (imports this module: loaded on first use)
-
-        if operands.refusal(q, k) is None:
-            try:
-                return operands.fp8_operands_persistent(q, k, lse, scale, kb_pow2=kb_pow2)
-            except torch.cuda.OutOfMemoryError:
-                raise
-            except Exception as err:  # noqa: BLE001 (a compile / launch failure: the three launches answer)
-                _PERSISTENT_FAILED.append(f"{type(err).__name__}: {str(err)[:300]}")
-                log.warning("MC-Sparse: the persistent float8 operand pass failed (%s); using three launches",
-                            _PERSISTENT_FAILED[0])
     B, H, S, D = q.shape
     SK = k.shape[2]
     dev = q.device
@@ -783,7 +751,7 @@ def fp8_default(capability: tuple[int, int] | None) -> bool:
 
 def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_n=None, num_warps=None,
                     num_stages=None, exp="fp32", poly=0, pipelined=None, fp8=None, pair=None, hist=None, gluon=None,
-                    poly3=(0, 0), select=None, one_group=None, cute=None, persistent=None):
+                    poly3=(0, 0), select=None, one_group=None, cute=None):
     """Pass 2 on the Triton kernel; same contract as ``kernels.reference.group_prob_sums``.
 
     Args:
@@ -822,8 +790,6 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
         the Gluon / Triton kernel: ``pass2_dispatch``; None: its default. With ``select`` it is first tried with
         its own fused top-K into ``select.out`` (``pass2_dispatch.try_cute_select``; then ``select.done`` and
         ``select.complete`` are set), else without it (``select`` left unset: the caller's separate top-K).
-        persistent: the float8 operands from one persistent launch (``fp8_operands(persistent=)``; None: its
-        default).
     Returns:
         fp32 ``[B, H, G, Sk]``, each entry in [0, C].
     Raises:
@@ -887,7 +853,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             want_cute = pass2_dispatch.cute_wanted(cute)
             gluon_pow2 = pass2_dispatch.gluon_kb_pow2(D)
             pow2 = want_cute or not pass2_dispatch.gluon_mode(gluon) or gluon_pow2
-            q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2, persistent=persistent)
+            q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2)
             tuned = one_group_asked or any(x is not None for x in (block_n, num_warps, num_stages))
             only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode, tuned=tuned)
             if want_cute and select is not None and pass2_dispatch.try_cute_select(
@@ -939,7 +905,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
               topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None,
-              poly3=(0, 0), topk_count=None, topk_z=None, cute=None, topk_stride=None, persistent=None):
+              poly3=(0, 0), topk_count=None, topk_z=None, cute=None, topk_stride=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -963,8 +929,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     on the CuTeDSL sm_90 kernel where it runs (``group_prob_sums``; None: ``pass2_dispatch.CUTE_DEFAULT``), with its
     own fused top-K where the module has one, ``topk_fused`` is on and the module's policy takes the call
     (``pass2_dispatch.try_cute_select``), else then the separate bracket top-K (``topk.top_k_rows``), its threshold
-    among the candidates by counting when ``topk_count`` (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``); ``persistent``: the float8 operands from one persistent
-    launch (``fp8_operands``; None: its default).
+    among the candidates by counting when ``topk_count`` (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -999,7 +964,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             q[:, h0:h1], k[:, h0:h1], lse[:, h0:h1], perm[:, h0:h1], group_size=C, scale=scale,
             out=scratch[:, : h1 - h0], poly=poly, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
             pipelined=pipelined, fp8=fp8, exp=exp, pair=pair, hist=hist, gluon=gluon, select=select,
-            one_group=one_group, poly3=poly3, cute=cute, persistent=persistent,
+            one_group=one_group, poly3=poly3, cute=cute,
         )
         if select is not None and select.done:
             select.finish(sums)
