@@ -916,3 +916,28 @@ def test_wan_variants_of_the_2026_snapshot():
     for name, words in (("CausalWanModel", "KV cache"), ("WanAnimate2Model", "per frame")):
         plan = layouts.plan_for(_wan_like(name, 2))
         assert plan.family is None and not plan.patches and words in plan.reason_unsupported
+
+
+def test_window_keys_and_key_masks_at_their_edges():
+    """override._window_key: no window is None (the summary's 'no context windows'); windows are keyed by their index
+    list (two window objects of one step or of two steps with the same frames are the same key; repr is only the
+    fallback). override._analyse_mask: a bool key mask (True = attend) keeps the unmasked keys like its additive
+    form; a mask that masks nothing keeps every key without an index list (None, None). Five mutations that left the
+    suite green."""
+    from types import SimpleNamespace
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import override
+
+    assert override._window_key(None) is None
+    a, b = SimpleNamespace(index_list=[0, 1, 2]), SimpleNamespace(index_list=torch.tensor([0, 1, 2]))
+    assert override._window_key(a) == override._window_key(b) == ("window", (0, 1, 2))
+    assert override._window_key(SimpleNamespace(index_list=[1, 2, 3])) != override._window_key(a)
+    seq, latent = 10, slice(4, 10)
+    keep = torch.ones(seq, dtype=torch.bool)
+    keep[[1, 3]] = False  # two padded text keys
+    additive = torch.where(keep, 0.0, float("-inf"))
+    for mask in (keep.view(1, 1, seq), additive.view(1, 1, seq)):
+        idx, why = override._analyse_mask(mask, seq, latent)
+        assert why is None and idx.tolist() == [0, 2, 4, 5, 6, 7, 8, 9]
+    assert override._analyse_mask(torch.ones(1, 1, seq, dtype=torch.bool), seq, latent) == (None, None)
+    assert override._analyse_mask(torch.zeros(1, 1, seq), seq, latent) == (None, None)
