@@ -44,6 +44,9 @@ GLUON_DEFAULT = "auto"
 TIMING_REPS = 5
 # The Gluon kernel's schedules (name -> launch options of sparse_attention_sm90); the first is what "on" runs. Each
 # is checked against float64 on the GPU (tests/test_gpu_gluon_sparse.py).
+# the producer's early query gathers and the consumers' per-thread arrives, no proxy fence: the base of the
+# schedules below from q_regs on
+_EARLY_Q = dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False)
 GLUON_SCHEDULES = {
     "plain": {},
     "pingpong": dict(pingpong=True),
@@ -56,54 +59,41 @@ GLUON_SCHEDULES = {
     # + each item's Q slot freed at its last QK^T and the next item's queries gathered right behind its first K/V
     # tile (early_q), no proxy fence between a stage's ready wait and its wgmma (no_fence: flash-attn-4's sm90
     # cp.async pipelines), and the queries as the QK^T's register operand (the Q slot freed at each item's start)
-    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True),
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs": dict(_EARLY_Q, q_regs=True),
     # + each tile's kv_idx slots loaded two tiles ahead by the producer
-    "pingpong persistent 3 stages thread_arrive early_q no_fence idx2": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        idx_ahead=2),
+    "pingpong persistent 3 stages thread_arrive early_q no_fence idx2": dict(_EARLY_Q, idx_ahead=2),
     # q_regs with the last, partial round of work items in a second launch split into key ranges (tail_launch: the
     # first launch keeps 224 / 56 and its schedule; the tail launch runs without residual / LSE, 216 / 72, merged by
     # kernels/triton/sparse_tail_merge.py). (chain, one pingpong block sequence across a program's items, measured no
     # faster in round s8r1 and was removed in session 9)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs tail_launch": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, tail_launch=4),
+        _EARLY_Q, q_regs=True, tail_launch=4),
     # + each warp skips its 64 accumulator multiplies per tile when none of its rows' running max moved (skip_rescale,
     # D = 128: a vote and a warp-uniform branch; the multiplies sat between the turn wait and the next P V)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, skip_rescale=True),
+        _EARLY_Q, q_regs=True, skip_rescale=True),
     # + the scores' row maxima as a tree (max_tree: a dependent chain of ~5 maxima instead of 32 before the shuffles)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, skip_rescale=True, max_tree=True),
+        _EARLY_Q, q_regs=True, skip_rescale=True, max_tree=True),
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree tail_launch": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, skip_rescale=True, max_tree=True, tail_launch=4),
+        _EARLY_Q, q_regs=True, skip_rescale=True, max_tree=True, tail_launch=4),
     # q_regs + skip_rescale + the row sums kept as each thread's partials over a group's tiles, finished once per
     # item (sum_partial: no shuffles per tile for them); with and without the tail launch (the auto mode since s9r3)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, skip_rescale=True, sum_partial=True),
+        _EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True),
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial tail_launch": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, skip_rescale=True, sum_partial=True, tail_launch=4),
+        _EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, tail_launch=4),
     # the same with the row maxima as a tree too (max_tree: slower at 1.3B in round s9r1, without sum_partial)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True),
+        _EARLY_Q, q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True),
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial tail_launch":
-        dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-             q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True, tail_launch=4),
+        dict(_EARLY_Q, q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True, tail_launch=4),
     # q_regs with the last, partial round of work items split into key ranges (split_tail; registers 216 / 72: at
     # 224 / 56 the split walk's producer spilled 5-6 local accesses per tile in its copy loop, offline SASS). The
     # producer at 8 threads per row and each item's first loads an item early (rt8, next_item) measured no faster in
     # round s7r1 and are bench rows only (tests/bench_kernels.py GLUON_CONFIGS)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs split": dict(
-        pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False,
-        q_regs=True, split_tail=4, consumer_regs=216, producer_regs=72),
+        _EARLY_Q, q_regs=True, split_tail=4, consumer_regs=216, producer_regs=72),
 }
 # What the auto mode times per shape. H200, 2026-12-01 13:42 (tests/_timing.race, vs flash-attn-4 dense with LSE x s,
 # 1.3B 480p / 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5): pingpong persistent with the 3-deep ring and per-thread
