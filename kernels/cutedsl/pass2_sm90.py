@@ -606,10 +606,11 @@ class Pass2Sm90:
             item += walk.grid
 
     @cute.jit
-    def _bias_from_lse(self, nl2, tScS, n_cols, mLSE, mPerm, bh, g, group_size, n_seq):
-        """This thread's query columns' bias -LSE * log2(e), read through perm (-inf for padded slots: they add 0)."""
-        for c in cutlass.range_constexpr(n_cols):
-            col = tScS[0, c][1]
+    def _bias_from_lse(self, nl2, tScS, n_cols, mLSE, mPerm, bh, g, group_size, n_seq, halves=1):
+        """This thread's query columns' bias -LSE * log2(e), read through perm (-inf for padded slots: they add 0);
+        ``halves`` 2 (``qsplit``): the columns of query half 0, then those of half 1 (TILE_Q // 2 further on)."""
+        for c in cutlass.range_constexpr(halves * n_cols):
+            col = tScS[0, c % n_cols][1] + (c // n_cols) * (TILE_Q // 2)
             idx = Int32(-1)
             if col < group_size:
                 idx = mPerm[bh, g * group_size + col]
@@ -619,10 +620,10 @@ class Pass2Sm90:
             nl2[c] = v
 
     @cute.jit
-    def _bias_from_smem(self, nl2, tScS, n_cols, sL, slot):
+    def _bias_from_smem(self, nl2, tScS, n_cols, sL, slot, halves=1):
         """``lse_smem``: the same bias from the LSE row the query producer staged in Q slot ``slot``."""
-        for c in cutlass.range_constexpr(n_cols):
-            nl2[c] = -(sL[tScS[0, c][1], slot] * Float32(LOG2E))
+        for c in cutlass.range_constexpr(halves * n_cols):
+            nl2[c] = -(sL[tScS[0, c % n_cols][1] + (c // n_cols) * (TILE_Q // 2), slot] * Float32(LOG2E))
 
     @cute.jit
     def _consume_single(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
@@ -741,20 +742,10 @@ class Pass2Sm90:
             h = bh - b * n_heads
             qf = mQF[bh]
             if const_expr(not self.lse_smem):
-                for c in cutlass.range_constexpr(2 * n_cols):
-                    col = tScS[0, c % n_cols][1] + (c // n_cols) * (TILE_Q // 2)
-                    idx = Int32(-1)
-                    if col < group_size:
-                        idx = mPerm[bh, g * group_size + col]
-                    v = -Float32.inf
-                    if idx >= 0 and idx < n_seq:
-                        v = -(mLSE[bh, idx] * Float32(LOG2E))
-                    nl2[c] = v
+                self._bias_from_lse(nl2, tScS, n_cols, mLSE, mPerm, bh, g, group_size, n_seq, 2)
             pipeline_q.consumer_wait(q_state)
             if const_expr(self.lse_smem):
-                for c in cutlass.range_constexpr(2 * n_cols):
-                    col = tScS[0, c % n_cols][1] + (c // n_cols) * (TILE_Q // 2)
-                    nl2[c] = -(sL[col, q_state.index] * Float32(LOG2E))
+                self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index, 2)
             rQ0 = tSrQ0[None, None, None, q_state.index]
             rQ1 = tSrQ1[None, None, None, q_state.index]
             k_rel = k_state.clone()
