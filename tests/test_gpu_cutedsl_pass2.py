@@ -110,6 +110,20 @@ VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5, ksplit=1)), (
                                        (CASES[1], dict(pair=True, num_ctas=5)),
                                        (CASES[2], dict(pair=True, wg4=True, stages=3, ksplit=2)),
                                        (CASES[1], dict(pair=True, overlap=True, num_ctas=4))]
+def _written_sums(p2, operands, perm, C, tuning, dtype):
+    """The kernel's sums for the float8 ``operands`` (q8, k8, qf, lse_s, kb) written into a NaN-poisoned view of a
+    larger buffer: every entry of the view written, nothing outside it."""
+    B, H, _, _ = operands[0].shape
+    G, SK = perm.shape[-1] // C, operands[1].shape[2]
+    buf = torch.full((B, H + 1, G, SK + 64), float("nan"), dtype=dtype, device="cuda")
+    out = buf[:, :H, :, :SK]
+    p2.group_prob_sums_fp8(*operands, perm.contiguous(), out, group_size=C, **tuning)
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} of {out.numel()} entries not written ({dtype})"
+    assert buf[:, H:].isnan().all() and buf[..., SK:].isnan().all(), "written outside the output view"
+    return out
+
+
 # the tuning keys that are compile-time
 _COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "wg3", "wg4", "pair", "overlap")
 
@@ -131,12 +145,7 @@ def test_cutedsl_pass2_equals_float64_and_the_triton_kernel(case, tuning):  # (-
     compiled_variant = bool(set(tuning) & set(_COMPILED))
     for dtype in (torch.float32,) if compiled_variant else (torch.float32, torch.float16):
         want = _triton_sums(selection, q, k, lse, perm, C, torch.empty(B, H, G, SK, dtype=dtype, device="cuda"))
-        buf = torch.full((B, H + 1, G, SK + 64), float("nan"), dtype=dtype, device="cuda")
-        out = buf[:, :H, :, :SK]
-        p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, **tuning)
-        torch.cuda.synchronize()
-        assert not out.isnan().any(), f"{int(out.isnan().sum())} of {out.numel()} entries not written ({dtype})"
-        assert buf[:, H:].isnan().all() and buf[..., SK:].isnan().all(), "written outside the output view"
+        out = _written_sums(p2, (q8, k8, qf, lse_s, kb), perm, C, tuning, dtype)
         if dtype == torch.float32:
             rel_t = float(((out - want).abs() / want.abs().clamp_min(1e-30)).max())
             print(f"fp32: max relative difference to the Triton kernel {rel_t:.2e}")
@@ -189,19 +198,11 @@ def test_cutedsl_pass2_equals_float64(case, tuning):
     _, p2 = _mods()
     B, H, S, SK, C, holes = case
     q8, k8, qf, lse_s, kb, perm = _torch_operands(B, H, S, SK, C, SEED + S + len(str(tuning)), holes)
-    G = perm.shape[-1] // C
     want = reference.group_prob_sums(q8.double(), k8.double() * (qf.double() / (_LOG2E * 128**-0.5))[..., None, None],
                                      lse_s.double(), perm, group_size=C) * kb.double()[:, :, None, :]
     compiled_variant = bool(set(tuning) & set(_COMPILED))
-    got = {}
-    for dtype in (torch.float32,) if compiled_variant else (torch.float32, torch.float16):
-        buf = torch.full((B, H + 1, G, SK + 64), float("nan"), dtype=dtype, device="cuda")
-        out = buf[:, :H, :, :SK]
-        p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm.contiguous(), out, group_size=C, **tuning)
-        torch.cuda.synchronize()
-        assert not out.isnan().any(), f"{int(out.isnan().sum())} of {out.numel()} entries not written ({dtype})"
-        assert buf[:, H:].isnan().all() and buf[..., SK:].isnan().all(), "written outside the output view"
-        got[dtype] = out
+    got = {dtype: _written_sums(p2, (q8, k8, qf, lse_s, kb), perm, C, tuning, dtype)
+           for dtype in ((torch.float32,) if compiled_variant else (torch.float32, torch.float16))}
     rel = (got[torch.float32].double() - want).norm(dim=-1) / want.norm(dim=-1)
     print(f"float64: max relative L2 per group {float(rel.max()):.2e}")
     assert float(rel.max()) < 3e-3, float(rel.max())
