@@ -2,13 +2,15 @@
 # One H200 round of the CuTeDSL kernel (issue 16): GPU tests of candidate option sets through the op, then the op's
 # benchmark (method of record, the scoreboard's cutedsl_sparse_eff_min) with each candidate that passed beside it.
 # Not collected by pytest.
-# Usage: CANDS="opts;opts" RES_CANDS="opts;opts" [TESTED="opts;opts"] bash tests/gpu_round_cute.sh OUT COMMIT [ROUNDS]
+# Usage: CANDS="opts;opts" RES_CANDS="opts;opts" [TESTED="opts;opts"] [RES_TESTED="opts;opts"] \
+#          bash tests/gpu_round_cute.sh OUT COMMIT [ROUNDS]
 #        DEFAULT="opts" FALLBACK="opts" bash tests/gpu_round_cute.sh OUT COMMIT [ROUNDS]   (the final round, below)
 #   CANDS: staged-epilogue option sets (the op's calls without a residual; $MC_SPARSE_CUTEDSL_OPTIONS), RES_CANDS:
 #   register-epilogue ones (calls with a residual; $MC_SPARSE_CUTEDSL_RES_OPTIONS), each GPU-tested against float64
 #   (test_cutedsl_env_candidate / test_cutedsl_env_res_candidate: 2 compiles per set) and timed only if every test
-#   of its set passed; TESTED: staged sets GPU-tested in an earlier round, timed without testing them again (every
-#   timed row is still checked against float32 at each point before its race); EXTRA_ROWS: more of bench_cutedsl's
+#   of its set passed; TESTED / RES_TESTED: staged / register-epilogue sets GPU-tested in an earlier round or only
+#   measured (not candidates for a default this round), timed without their GPU tests (every timed row is still
+#   checked against float32 at each point before its race); EXTRA_ROWS: more of bench_cutedsl's
 #   --op-rows (e.g. "contiguous"). Writes OUT/tests.log, OUT/bc.json,
 #   OUT/scoreboard.json.
 set -u
@@ -41,15 +43,17 @@ if [ -n "${FALLBACK:-}" ]; then
     --no-compile-times --op-rows "options${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" --variants ""
   exit 0
 fi
-MC_SPARSE_CUTEDSL_TEST_OPTIONS="$CANDS" MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS="$RES_CANDS" timeout -k 3 "$TEST_S" \
-  python3 -m pytest -v -p no:cacheprovider tests/test_gpu_cutedsl.py -k 'env_candidate or env_res_candidate' \
-  > "$OUT/tests.log" 2>&1
-grep -E "PASSED|FAILED|ERROR|passed|failed|Timeout" "$OUT/tests.log" | tail -n 14
+if [ -n "$CANDS$RES_CANDS" ]; then
+  MC_SPARSE_CUTEDSL_TEST_OPTIONS="$CANDS" MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS="$RES_CANDS" timeout -k 3 "$TEST_S" \
+    python3 -m pytest -v -p no:cacheprovider tests/test_gpu_cutedsl.py -k 'env_candidate or env_res_candidate' \
+    > "$OUT/tests.log" 2>&1
+  grep -E "PASSED|FAILED|ERROR|passed|failed|Timeout" "$OUT/tests.log" | tail -n 14
+fi
 ok() {  # every test of candidate $2 of test $1 passed (cases $3...)
   local t=$1 c=$2; shift 2
   for case in "$@"; do grep -qF "::$t[$c-$case] PASSED" "$OUT/tests.log" || return 1; done
 }
-ROWS=${TESTED:-} RES_ROWS=""
+ROWS=${TESTED:-} RES_ROWS=${RES_TESTED:-}
 i=0; IFS=';' read -ra SETS <<< "$CANDS"
 for o in "${SETS[@]}"; do
   [ -n "$o" ] || continue
@@ -64,8 +68,9 @@ for o in "${SETS[@]}"; do
   else echo "residual candidate c$i ($o): a GPU test did not pass: not timed"; fi
   i=$((i + 1))
 done
-echo "op rows: op (default); op with: ${ROWS:-none}; residual rows: ${RES_CANDS:+op + plain residual (default), }${RES_ROWS:-none}"
+RES_ANY=$RES_CANDS${RES_TESTED:-}
+echo "op rows: op (default); op with: ${ROWS:-none}; residual rows: ${RES_ANY:+op + plain residual (default), }${RES_ROWS:-none}"
 timeout -k 3 "$BENCH_S" python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
-  --no-compile-times --op-rows "options${RES_CANDS:+,residual}${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" \
+  --no-compile-times --op-rows "options${RES_ANY:+,residual}${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" \
   --res-options "$RES_ROWS" \
   --variants ""
