@@ -334,6 +334,14 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
         cp_async_fence=False, q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True),
+    # + each item's queries gathered during the item before (session 10), with and without the tail launch
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead": dict(
+        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+        cp_async_fence=False, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True),
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead "
+    "tail_launch": dict(_gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+                        cp_async_fence=False, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True,
+                        tail_launch=4),
     # each tile's kv_idx slots loaded two tiles ahead by the producer (two index loads in flight)
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence idx2": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,

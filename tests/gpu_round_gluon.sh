@@ -9,7 +9,7 @@
 #    the Triton kernel's default config and the Gluon tunings (final: 3 of them), both shapes, s = 0.1/0.15/0.25/0.5;
 #    writes $OUT/bench_reuse.json and $OUT/scoreboard.json (triton_sparse_eff_min; a Gluon result with
 #    rel_l2 > 2e-2 is excluded from it; with --gluon the figure is the op's). Expected: full ~1.2 + ~2 min (cap 5 + 4
-#    min); final ~40 + ~70 s (cap 45 + 110 s). "diag", "r2", "s9r1": the rounds named in each block below.
+#    min); final ~40 + ~70 s (cap 45 + 110 s). "diag", "s9r2", "s9r3", "s10r1": the rounds named in each block below.
 set -u
 OUT=${1:?usage: gpu_round_gluon.sh OUT_DIR [commit] [final]}
 COMMIT=${2:-}
@@ -38,39 +38,26 @@ if [ "$MODE" = diag ]; then  # <= 70 s: round s7r3 (inside the final call): no n
     grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -50
     exit 0
 fi
-if [ "$MODE" = s9r1 ]; then  # <= 100 s + <= 25 s (cold machine: compiles counted): session 9 round 1
+if [ "$MODE" = s10r1 ]; then  # <= 130 s (cold machine: compiles counted): session 10 round 1; auto mode unchanged
     T0=$(date +%s)
-    # 1. skip_rescale (each warp skips its accumulator multiplies when no row's max moved; inline PTX) + max_tree
-    #    against float64: scores growing along the selections (rescales mid-row), and the tail-launch form (int4_group,
-    #    a split last round); ~3 Gluon + 1 merge compiles; os._exit: pytest's exit has hung before
-    timeout 35 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
-        -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py -k "skip_rescale and (ramp or tail)" \
+    # 1. q_ahead (each item's queries gathered by the producer during the item before) against float64: scores
+    #    growing along 12-tile items, short ragged items (fp8_row, fp16), the tail-launch form (int4_group, LSE);
+    #    ~4 Gluon + 1 merge compiles; os._exit: pytest's exit has hung before
+    timeout 45 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
+        -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py -k "q_ahead and (ramp or short or tail)" \
         > "$OUT/gluon_gpu_tests.log" 2>&1
-    echo "gluon gpu tests: rc=$? ($(( $(date +%s) - T0 )) s, cap 35 s)"
-    grep -E "rel_l2|passed|failed|error|Error|^PASSED|^FAILED|SKIP OK" "$OUT/gluon_gpu_tests.log" | tail -12
-    P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs"
-    NAMES="$P"
-    if grep -q "SKIP OK skip_rescale_vs_float64\[ramp\]" "$OUT/gluon_gpu_tests.log"; then
-        NAMES="$P,$P skip_rescale,$P skip_rescale max_tree"
-    fi
-    echo "raced: the op (auto, unchanged since s8), $NAMES"
-    # 2. the method of record since main 5142875 (each race sample led in by untimed calls; from_idle printed beside
-    #    each ratio): the op (= scoreboard figure) beside q_regs, q_regs + skip_rescale and + max_tree (the row
-    #    maxima as a tree) called directly, both
-    #    shapes, 4 densities (every row checked against the float32 reference inside the bench before its race)
-    LEFT=$(( 100 - ($(date +%s) - T0) ))
+    echo "gluon gpu tests: rc=$? ($(( $(date +%s) - T0 )) s, cap 45 s)"
+    grep -E "rel_l2|passed|failed|Error|QA OK" "$OUT/gluon_gpu_tests.log" | tail -8
+    P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead"
+    NAMES=none
+    if [ "$(grep -c "QA OK" "$OUT/gluon_gpu_tests.log")" -ge 3 ]; then NAMES="$P tail_launch"; fi
+    # 2. the op (the auto mode as in s9r3: the scoreboard figure) beside the same schedule + q_ahead (+ the tail launch,
+    #    active at 1.3B only) called directly, by the method of record, both shapes, 4 densities
+    LEFT=$(( 130 - ($(date +%s) - T0) ))
     timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \
         --gluon-configs "$NAMES" ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
-    echo "bench (lead-in): rc=$? ($(( $(date +%s) - T0 )) s in all, cap $LEFT s)"
-    grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -40
-    # 3. the same op by the sessions 5-8 method (MC_SPARSE_RACE_LEAD_IN=0, 3 rounds, the op only) into $OUT/old/ (its
-    #    own scoreboard.json there, not the round's figure); <= 25 s
-    mkdir -p "$OUT/old"
-    MC_SPARSE_RACE_LEAD_IN=0 timeout 25 python3 tests/bench_kernels.py --out "$OUT/old/bench_reuse.json" \
-        --reuse --gluon --reps 3 --reps-14b 3 --gluon-configs none --scoreboard "$OUT/old/board.json" \
-        ${COMMIT:+--commit "$COMMIT"} > "$OUT/old/bench.log" 2>&1
-    echo "bench (no lead-in, sessions 5-8 method): rc=$? (cap 25 s)"
-    grep -E "efficiency [0-9]|scoreboard triton" "$OUT/old/bench.log" | tail -12
+    echo "bench: rc=$? ($(( $(date +%s) - T0 )) s in all, cap $LEFT s)"
+    grep -E "efficiency|scoreboard triton|sparse op on|dense:|host us|FAILED|Error" "$OUT/bench.log" | tail -30
     exit 0
 fi
 if [ "$MODE" = s9r3 ]; then  # <= 100 s (cold machine: compiles counted): session 9 final kernel round (scoreboard)
@@ -118,31 +105,6 @@ if [ "$MODE" = s9r2 ]; then  # <= 100 s (cold machine: compiles counted): sessio
         --gluon-configs "$NAMES" ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
     echo "bench: rc=$? ($(( $(date +%s) - T0 )) s in all, cap $LEFT s)"
     grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -30
-    exit 0
-fi
-if [ "$MODE" = r2 ]; then  # <= 97 s in all (cold machine: compiles counted): round s8r2
-    T0=$(date +%s)
-    # 1. the op's auto mode since s8r2 (q_regs + tail_launch, q_regs) against float64 through the op: the B = 2
-    #    int4_group shape (no partial round there) and a 140-item shape (one round on 132 SMs, then 8 items split by
-    #    the tail launch and merged; int4_group, LSE, NaN-poisoned out); ~3 Gluon + 2 merge compiles
-    timeout 52 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
-        -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py -k "auto_mode" > "$OUT/gluon_gpu_tests.log" 2>&1
-    trc=$?
-    grep -E "rel_l2|passed|failed|error|Error|^PASSED|^FAILED" "$OUT/gluon_gpu_tests.log" | tail -16
-    echo "gluon gpu tests: rc=$trc"
-    passed() { [ "$(grep -cE "^PASSED .*$1" "$OUT/gluon_gpu_tests.log")" -ge 1 ]; }
-    # 2. the op (auto: the scoreboard figure; if a case of (1) failed, timed with the previous pair instead:
-    #    --gluon-auto previous) by the method of record with flash-attn-4 dense, beside q_regs called directly (the
-    #    previous op's first kernel)
-    AUTO=(--gluon-auto previous)
-    if passed 'auto_mode_times_every_schedule' && passed 'auto_mode_tail_split'; then AUTO=(); fi
-    echo "op auto: ${AUTO[*]:-s8r2 (q_regs tail_launch, q_regs)}"
-    LEFT=$(( 97 - ($(date +%s) - T0) ))
-    timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \
-        --gluon-configs "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs" \
-        ${AUTO[@]+"${AUTO[@]}"} ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
-    echo "bench: rc=$? (cap $LEFT s)"
-    grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -40
     exit 0
 fi
 # -u: unbuffered, so a run killed by the timeout still shows how far it got (round 2 lost its "passed" line: every

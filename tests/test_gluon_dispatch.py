@@ -301,6 +301,28 @@ def test_early_q_only_where_the_q_slot_is_free_after_the_last_qk():
             g.launch_args(q, q, q, perm, idx, next_item=True, **{**base, **bad})
 
 
+def test_q_ahead_only_with_the_q_slot_free_at_each_item_start():
+    """``q_ahead`` (each item's queries gathered during the item before) needs the slot free from each item's start
+    (``q_regs``), one Q slot and no ``next_item`` / ``split_tail``: otherwise refused before a launch (the producer
+    would wait for a slot the consumers free only after tiles it has not copied yet). Off by default; the tail
+    launch's split launch runs without it; its schedules are dispatch entries."""
+    g = _g90()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 256, 128, generator=gen).to(torch.bfloat16)
+    perm, idx = random_groups(gen, 1, 2, 256, 128), random_kv_idx(gen, 1, 2, 2, 256, 100, 128)
+    name = "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead"
+    sched = _dispatch().GLUON_SCHEDULES[name]
+    assert g.launch_args(q, q, q, perm, idx, num_sms=4, **sched)[2]["Q_AHEAD"] is True
+    assert g.launch_args(q, q, q, perm, idx, num_sms=4, **dict(sched, q_ahead=False))[2]["Q_AHEAD"] is False
+    assert g.launch_args(q, q, q, perm, idx)[2]["Q_AHEAD"] is False
+    for bad in (dict(q_regs=False), dict(num_stages=2), dict(next_item=True), dict(split_tail=4)):
+        with pytest.raises(ValueError, match="q_ahead"):
+            g.launch_args(q, q, q, perm, idx, num_sms=4, **{**sched, **bad})
+    tail = _dispatch().GLUON_SCHEDULES[name + " tail_launch"]
+    _, _, meta, (_, _, split) = g.launch_args(q, q, q, perm, idx, num_sms=3, **tail)  # 4 items on 3: 1 round + 1
+    assert meta["Q_AHEAD"] is True and split["launch"][2]["Q_AHEAD"] is False
+
+
 def test_skip_rescale_only_at_head_dim_128():
     """``skip_rescale`` (inline PTX over a thread's 64 accumulator elements) is compiled in at D = 128 and left out
     at D = 64 (32 elements per thread there), off by default; its schedules are dispatch entries (with and without

@@ -402,3 +402,31 @@ def test_auto_first_schedule_bf16_plain_residual_cfg_batch():
     d = _dispatch()
     _check(2, 3, 1500 + 3, 128, 128, 400, 512, "plain", torch.bfloat16, seed=23, ragged_counts=True, num_sms=7,
            **d.GLUON_SCHEDULES[d.AUTO_SCHEDULES[0]])
+
+
+QA = SKIP + " sum_partial q_ahead"  # the auto schedule since s9r3 + q_ahead
+
+
+@pytest.mark.parametrize("case", ["ramp", "short", "tail", "d64", "one-round"])
+def test_q_ahead_vs_float64(case):
+    """``q_ahead`` (each item's queries gathered by the producer during the item before, the first item's before the
+    walk; the Q slot's fills and the consumers' item walk stay in step): scores growing along the selections over 12
+    key tiles per item (the gather after tile 3), short ragged items of 1-3 tiles (the gather after the item's last
+    tile, waiting for the consumers to start the item), the tail-launch form (its split launch without q_ahead),
+    D = 64, and 132 programs walking 144 items with no tail launch (programs of one and two items). NaN-poisoned out
+    views, LSE. Prints a mark for the round script."""
+    tuning = dict(_dispatch().GLUON_SCHEDULES[QA + (" tail_launch" if case == "tail" else "")])
+    if case == "ramp":
+        _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=83, k_ramp=7.0, num_sms=16, **tuning)
+    elif case == "short":
+        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "fp8_row", torch.float16, seed=89, ragged_counts=True,
+               k_ramp=3.0, num_sms=7, **tuning)
+    elif case == "tail":  # 2 x 3 x 24 = 144 items on 132 programs: 1 round, then 12 items split by the tail launch
+        _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16, seed=97, k_ramp=5.0, num_sms=132,
+               **tuning)
+    elif case == "d64":
+        _check(2, 2, 1500 + 3, 64, 128, 300, 512, "plain", torch.float16, seed=101, ragged_counts=True, num_sms=7,
+               **tuning)
+    else:
+        _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_row", torch.bfloat16, seed=103, num_sms=132, **tuning)
+    print(f"QA OK q_ahead_vs_float64[{case}]")  # the round script's mark of a passed case

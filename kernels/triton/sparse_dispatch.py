@@ -83,6 +83,12 @@ GLUON_SCHEDULES = {
         _EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True),
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial tail_launch": dict(
         _EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, tail_launch=4),
+    # + each item's queries gathered by the producer during the item before (q_ahead: the consumers no longer wait at
+    # an item's start for queries gathered behind its first K/V tile); with and without the tail launch
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead": dict(
+        _EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True),
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead tail_launch":
+        dict(_EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True, tail_launch=4),
     # the same with the row maxima as a tree too (max_tree: slower at 1.3B in round s9r1, without sum_partial)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial": dict(
         _EARLY_Q, q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True),
