@@ -24,14 +24,14 @@ BENCH_S=${BENCH_S:-60}
 mkdir -p "$OUT"
 if [ -n "${FALLBACK:-}" ]; then
   # the final round: the op's default (rules.STAGED_OPTIONS, named in DEFAULT) checked through the op against float64
-  # (bf16 D 128 / fp16 D 64 ragged with the LSE, groups vs SMs, and test_cutedsl_env_candidate's four cases); if any
+  # (bf16 D 128 / fp16 D 64 ragged with the LSE, groups vs SMs, and test_cutedsl_env_candidate's five cases); if any
   # test fails the op is timed with FALLBACK (the previous, r2-measured default) instead, and says so; else FALLBACK
   # is timed beside it
   MC_SPARSE_CUTEDSL_TEST_OPTIONS="$DEFAULT" timeout -k 3 "$TEST_S" python3 -m pytest -v -p no:cacheprovider \
     tests/test_gpu_cutedsl.py -k '(vs_float64 and (S3008-ragged-128-bf16 or S3008-ragged-64-fp16)) or groups_vs_sms or env_candidate' \
     > "$OUT/tests.log" 2>&1
   grep -E "PASSED|FAILED|ERROR|passed|failed|Timeout" "$OUT/tests.log" | tail -n 10
-  if grep -qE "FAILED|ERROR" "$OUT/tests.log" || ! grep -qE "^=+ 8 passed" "$OUT/tests.log"; then
+  if grep -qE "FAILED|ERROR" "$OUT/tests.log" || ! grep -qE "^=+ 9 passed" "$OUT/tests.log"; then
     export MC_SPARSE_CUTEDSL_OPTIONS=$FALLBACK
     echo "the default's GPU tests did not all pass: the op timed with the previous default $FALLBACK"
     ROWS=""
@@ -57,7 +57,7 @@ ROWS=${TESTED:-} RES_ROWS=${RES_TESTED:-}
 i=0; IFS=';' read -ra SETS <<< "$CANDS"
 for o in "${SETS[@]}"; do
   [ -n "$o" ] || continue
-  if ok test_cutedsl_env_candidate "c$i" split-138-lse split-140 chain ramp; then ROWS="$ROWS${ROWS:+;}$o"
+  if ok test_cutedsl_env_candidate "c$i" split-138-lse split-140 chain ramp grids; then ROWS="$ROWS${ROWS:+;}$o"
   else echo "candidate c$i ($o): a GPU test did not pass: not timed"; fi
   i=$((i + 1))
 done

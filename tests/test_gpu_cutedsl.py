@@ -377,12 +377,16 @@ _ENV_RES_CANDS = [x for x in os.environ.get("MC_SPARSE_CUTEDSL_TEST_RES_OPTIONS"
 
 
 @pytest.mark.skipif(not _ENV_CANDS, reason="no $MC_SPARSE_CUTEDSL_TEST_OPTIONS")
-@pytest.mark.parametrize("case", ["split-138-lse", "split-140", "chain", "ramp"])
+@pytest.mark.parametrize("case", ["split-138-lse", "split-140", "chain", "ramp", "grids"])
 @pytest.mark.parametrize("options", _ENV_CANDS or [""], ids=[f"c{i}" for i in range(max(1, len(_ENV_CANDS)))])
 def test_cutedsl_env_candidate(monkeypatch, options, case):
     """Staged-epilogue options from $MC_SPARSE_CUTEDSL_TEST_OPTIONS through the op: the split last rounds (138
-    groups ragged with the LSE, 140 groups of 24 tiles), the pdl chain, the ramped keys (rows rescaled mid-walk)."""
-    if case == "split-138-lse":
+    groups ragged with the LSE, 140 groups of 24 tiles), the pdl chain, the ramped keys (rows rescaled mid-walk);
+    and the compiled kernel on persistent grids of 1, 2, 7 and 500 CTAs (``test_cutedsl_overlap_grids``: walks of
+    many rounds, whose odd rounds "zigzag" loads in ascending tile order)."""
+    if case == "grids":
+        test_cutedsl_overlap_grids(torch.bfloat16, 128, True, tuple(options.split(",")))
+    elif case == "split-138-lse":
         test_cutedsl_split_tail(monkeypatch, 2, 3, 2900, 700, True, True, options)
     elif case == "split-140":
         test_cutedsl_split_tail(monkeypatch, 1, 1, 140 * 128 - 5, 3000, False, False, options)

@@ -122,10 +122,17 @@ EPILOGUES = ("registers", "smem")
 # ``RESCALE_THRESHOLD`` (log2 units of the scaled scores, so the exponentials stay <= 2^8: exact in fp32 sums and O,
 # and P keeps its relative precision in fp16 / bf16), and a warp skips the 64 multiplies of its O accumulator
 # rescale when none of its rows moved (``_LazySoftmax``): after the first few key tiles of a group almost every tile.
+# "zigzag" (with "persistent"): the persistent walk's odd rounds (work item // grid odd) load their key tiles in
+# ascending token order after the first, even rounds descending as without it: every item's first tile stays its
+# last, partial one (the consumers mask the first tile they see, unchanged), then even rounds go n_max-2 .. n_min
+# and odd rounds n_min .. n_max-2. All CTAs of a round walk one head's sorted rows about in step, so a round ends on
+# the token rows the next round starts on, which are then still in L2: without it each round begins at the rows the
+# previous round read longest ago (a 14B 720p head's K and V, 38.7 MB, exceed what L2 keeps of them). Only the
+# producer's tile order changes; the softmax is the same in any tile order.
 # "diag_no_copy" (a diagnostic, wrong results): the producer skips the K/V row copies (their barriers still arrive),
 # so the consumers compute on whatever the stages hold: the kernel's speed without the gathers.
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "diag_no_copy")
+           "lazy_rescale", "zigzag", "diag_no_copy")
 RESCALE_THRESHOLD = 8.0
 Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
@@ -316,6 +323,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.idx_ahead = "idx_ahead" in options
         self.lazy_rescale = "lazy_rescale" in options
         self.diag_no_copy = "diag_no_copy" in options
+        self.zigzag = "zigzag" in options
+        assert not self.zigzag or self.persistent, "zigzag is a persistent-grid option"
         assert not self.lazy_rescale or self.overlap, "lazy_rescale is an overlap option"
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
 
@@ -514,6 +523,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 self.tile_hdim, self.tile_hdim, self.num_threads_per_warp_group, mQ.element_type, arch=90,
             )
             index = _IndexRow(rows, rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, k_alloc, tidx)
+            asc = Int32(0)  # "zigzag": 1 in the walk's odd rounds (key tiles ascending after the first)
+            if const_expr(self.zigzag):
+                asc = (item // Int32(cute.arch.grid_dim()[0])) % 2
             q_index = _IndexRow(q_rows, q_rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, Int32(self.tile_m),
                                 tidx)
             q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
@@ -533,7 +545,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 else:
                     q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state)
             index.advance()
-            index.fetch(n_block - 1)
+            index.fetch(self._tile_at(1, n_block_min, n_block_max, asc))
             pipeline_k.producer_acquire(kv_state)
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
             if const_expr(not self.overlap):
@@ -556,7 +568,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                                      groups_per_head, tidx, group_fn, count_fn, work_fn, SeqlenInfoCls, block_info,
                                      pre)
             kv_state, v_state, q_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state,
-                                                            v_state, n_block_min, n_block_max, q_state, q_at, q_hook)
+                                                            v_state, n_block_min, n_block_max, q_state, q_at, q_hook,
+                                                            asc)
             if const_expr(self.q_ahead):
                 q_done = Int32(0)
                 if q_at >= 0:
@@ -876,34 +889,47 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, v_state, n_block_min,
-                      n_block_max, q_state=None, q_at=None, q_hook=None):
-        """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1, V of
-        the last tile at the end; ``kv_state`` the K producer state (at the group's first K, loaded), ``v_state``
-        the V one (its own stage count). The row addresses of tile j-1 are kept in a register while tile j's are
-        loaded. "q_ahead": ``q_hook(q_state)`` (the next item's queries) after iteration ``q_at`` (-1: none).
-        Returns the advanced producer states (K, V, Q)."""
+                      n_block_max, q_state=None, q_at=None, q_hook=None, asc=None):
+        """The group's K/V tiles after the first K, in the consumers' order: K of the tile at position p, then V of
+        the tile at p - 1, V of the last one at the end (positions: ``_tile_at``, ``asc`` its "zigzag" direction);
+        ``kv_state`` the K producer state (at the group's first K, loaded), ``v_state`` the V one (its own stage
+        count). The row addresses of the tile at p - 1 are kept in a register while those at p are loaded.
+        "q_ahead": ``q_hook(q_state)`` (the next item's queries) after iteration ``q_at`` (-1: none). Returns the
+        advanced producer states (K, V, Q)."""
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-            n_block = n_block_max - 2 - i
-            prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
+            prev_row = rows.tPrPageOffset[0]  # the tile at position i, whose V is next
             index.advance()
-            index.fetch(n_block - 1)
+            index.fetch(self._tile_at(i + 2, n_block_min, n_block_max, asc))
             kv_state.advance()
             pipeline_k.producer_acquire(kv_state)
-            self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
+            self._load_tile(rows, sK, pipeline_k, kv_state, "K", self._tile_at(i + 1, n_block_min, n_block_max, asc))
             cur_row = rows.tPrPageOffset[0]
             rows.tPrPageOffset[0] = prev_row
             pipeline_v.producer_acquire(v_state)
-            self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block + 1)
+            self._load_tile(rows, sV, pipeline_v, v_state, "V", self._tile_at(i, n_block_min, n_block_max, asc))
             v_state.advance()
             rows.tPrPageOffset[0] = cur_row
             if const_expr(q_hook is not None):
                 if i == q_at:
                     q_state = q_hook(q_state)
         pipeline_v.producer_acquire(v_state)
-        self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block_min)
+        self._load_tile(rows, sV, pipeline_v, v_state, "V",
+                        self._tile_at(n_block_max - 1 - n_block_min, n_block_min, n_block_max, asc))
         v_state.advance()
         kv_state.advance()
         return kv_state, v_state, q_state
+
+    @cute.jit
+    def _tile_at(self, p, n_block_min, n_block_max, asc):
+        """The key tile a work item of tiles [n_block_min, n_block_max) loads at position ``p`` (0 first; past the
+        end: a tile index whose fetch is clamped, never used): n_block_max - 1 - p, or with ``asc`` 1 ("zigzag"'s
+        odd rounds) the last tile first, then n_block_min, n_block_min + 1, ..."""
+        tile = n_block_max - 1 - p
+        if const_expr(self.zigzag):
+            if asc == 1:
+                if p > 0:
+                    tile = n_block_min + p - 1
+        return tile
 
     @cute.jit
     def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32):
