@@ -5,7 +5,7 @@ key tile; an odd key-tile count, so the consumers' last pair holds an all-zero t
 group, padded slots inside groups (perm -1), B = 2, Sk != S, C 100 / 128, float16 and float32 sums, a persistent
 walk of several groups per CTA (num_ctas small: the query ring wraps), key splits (ksplit, an empty last part),
 the pingpong schedule, the FMA-pipe exponential share (poly), the LSE through shared memory (lse_smem) and
-the query-half products (qsplit), three and four consumer warpgroups (wg3, wg4), two query groups per work item
+the query-half products (qsplit, with two and three consumer warpgroups), three and four consumer warpgroups (wg3, wg4), two query groups per work item
 (pair), and the fused top-K (``test_cutedsl_fused_topk_equals_brute_force``).
 
 ``test_cutedsl_pass2_equals_float64`` uses torch-made operands (no Triton compile: what a round with a short cap
@@ -109,7 +109,9 @@ VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5, ksplit=1)), (
                                        (CASES[2], dict(wg4=True, stages=3, num_ctas=6)),
                                        (CASES[1], dict(pair=True, num_ctas=5)),
                                        (CASES[2], dict(pair=True, wg4=True, stages=3, ksplit=2)),
-                                       (CASES[1], dict(pair=True, overlap=True, num_ctas=4))]
+                                       (CASES[1], dict(pair=True, overlap=True, num_ctas=4)),
+                                       (CASES[2], dict(wg3=True, qsplit=True)),
+                                       (CASES[1], dict(wg3=True, qsplit=True, poly=4, num_ctas=5, ksplit=3))]
 def _written_sums(p2, operands, perm, C, tuning, dtype):
     """The kernel's sums for the float8 ``operands`` (q8, k8, qf, lse_s, kb) written into a NaN-poisoned view of a
     larger buffer: every entry of the view written, nothing outside it."""

@@ -134,7 +134,8 @@ class Pass2Sm90:
         # padded slots copy +inf from ``mInf``) instead of 2 x 32 dependent global loads per consumer thread
         self.lse_smem = lse_smem
         # each 64-key tile as two 64 x 64 products (query halves) in four accumulators: three of the four tiles'
-        # exponentials run with a wgmma of the same warpgroup in flight instead of one of two
+        # exponentials run with a wgmma of the same warpgroup in flight instead of one of two; with wg3 / wg4 in two
+        # (the registers of one 64 x 128 accumulator): the second half's wgmma runs under the first half's sums
         self.qsplit = qsplit
         # timing floors for the benchmark (wrong sums): "noexp" sums x itself (no MUFU), "nomma" issues no wgmma
         assert diag in ("", "noexp", "nomma"), diag
@@ -143,7 +144,7 @@ class Pass2Sm90:
         # SMSP instead of 2, each issuing, waiting and exponentiating its own tile), instead of two with two
         # wg4: four such warpgroups (256-key stages; 120 registers each, 112 with the fused top-K)
         self.nwg = 4 if wg4 else (3 if wg3 else 2)
-        assert not (self.nwg > 2 and (pingpong or qsplit)), "wg3 / wg4: no pingpong / qsplit"
+        assert not (self.nwg > 2 and pingpong), "wg3 / wg4: no pingpong"
         self.stage_keys = HALF * self.nwg  # keys per ring stage
         self.stages_per_step = 2 if self.nwg == 2 else 1  # stages per consumer loop step
         assert self.stage_keys * HEAD_DIM * stages <= 128 * 1024, "the key ring must fit 128 KiB of shared memory"
@@ -160,6 +161,7 @@ class Pass2Sm90:
         # keys, half the key traffic from L2 per query); wg3 / wg4 with lse_smem only
         assert not pair or (self.nwg > 2 and lse_smem), "pair: wg3 / wg4 with lse_smem"
         self.gpi = 2 if pair else 1  # query groups per work item
+        assert not (pair and qsplit), "pair: no qsplit"
         # overlap (pair): both groups' wgmmas of a stage issued into two accumulators, the second group's under the
         # first group's exponentials (the consumers' 64 more registers: wg3 only)
         assert not overlap or (pair and self.nwg == 3), "overlap: pair with wg3"
@@ -261,8 +263,8 @@ class Pass2Sm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             wg = warp_idx // 4 - 1
-            consume = self._consume_qsplit if const_expr(self.qsplit) else (
-                self._consume_single if const_expr(self.nwg > 2) else self._consume)
+            consume = self._consume_single if const_expr(self.nwg > 2) else (
+                self._consume_qsplit if const_expr(self.qsplit) else self._consume)
             if const_expr(self.topk):
                 self._consume_single(tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
                                      group_size, sk, mQ.shape[0], wg, tidx - 128 * (wg + 1), mbar_row)
@@ -631,23 +633,32 @@ class Pass2Sm90:
         """``wg3`` / ``wg4``: a consumer warpgroup's 64-key part of every stage, one wgmma group at a time (issue,
         wait, exponentials); the warpgroups' exponentials overlap each other's wgmmas. With ``pair`` each stage serves
         the item's two groups in turn (one bias vector per group, from the LSE in shared memory; a group past G is
-        computed on padded slots and not stored). With ``topk``: the CTA's k-th item (its rows of sums stored) is
+        computed on padded slots and not stored). With ``qsplit`` each tile is two 64 x 64 wgmmas (query halves),
+        the second waited for after the first half's exponentials. With ``topk``: the CTA's k-th item (its rows of sums stored) is
         handed to the selecting warps through the row ring slot k % 2 (``mbar_row``: wait for the slot's previous
         item to be taken, then every consumer thread arrives after its last store)."""
         thr_mma = tiled_mma.get_slice(tid)
         sK_part = cute.flat_divide(sK, (HALF, HEAD_DIM))[None, None, wg, 0, None]  # (64, D, stages)
         tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK_part))
-        tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
-        acc0 = cute.make_rmem_tensor(thr_mma.partition_shape_C((HALF, TILE_Q)), Float32)
-        acc1 = cute.make_rmem_tensor(thr_mma.partition_shape_C((HALF, TILE_Q)), Float32) if const_expr(
-            self.overlap) else acc0
+        halves = 2 if const_expr(self.qsplit) else 1  # query halves per tile (one wgmma each)
+        n_q = TILE_Q // halves
+        if const_expr(self.qsplit):  # (each half's B operand: the slot's query rows 0-63 / 64-127)
+            sQ_h = cute.flat_divide(sQ, (n_q, HEAD_DIM))  # (64, D, 2, 1, slots)
+            tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ_h[None, None, 0, 0, None]))
+            tSrQ1 = thr_mma.make_fragment_B(thr_mma.partition_B(sQ_h[None, None, 1, 0, None]))
+        else:
+            tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
+        acc0 = cute.make_rmem_tensor(thr_mma.partition_shape_C((HALF, n_q)), Float32)
+        acc1 = cute.make_rmem_tensor(thr_mma.partition_shape_C((HALF, n_q)), Float32) if const_expr(
+            self.overlap or self.qsplit) else acc0
         if const_expr(self.diag == "nomma"):
             self._fill_distinct(acc0, tid, 0)
-            if const_expr(self.overlap):
+            if const_expr(self.overlap or self.qsplit):
                 self._fill_distinct(acc1, tid, 1)
-        tScS = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((HALF, TILE_Q))))
-        n_cols = cute.size(tScS, mode=[1])
-        nl2 = cute.make_rmem_tensor((n_cols,), Float32)
+        tScS = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((HALF, n_q))))
+        n_cols = cute.size(tScS, mode=[1])  # per query half with qsplit
+        nl2 = cute.make_rmem_tensor((halves * n_cols,), Float32)
+        part = cute.make_rmem_tensor((cute.size(tScS, mode=[0]),), Float32)
         k_state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
         q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
         n_heads = mOut.shape[1]
@@ -660,7 +671,7 @@ class Pass2Sm90:
             h = bh - b * n_heads
             qf = mQF[bh]
             if const_expr(not self.lse_smem):
-                self._bias_from_lse(nl2, tScS, n_cols, mLSE, mPerm, bh, unit, group_size, n_seq)
+                self._bias_from_lse(nl2, tScS, n_cols, mLSE, mPerm, bh, unit, group_size, n_seq, halves)
             pipeline_q.consumer_wait(q_state)
             if const_expr(self.gpi == 2):  # the item's LSE -> bias -LSE * log2(e) in place, one value per thread
                 c_tid = wg * 128 + tid
@@ -669,15 +680,27 @@ class Pass2Sm90:
                     sL[c_tid % TILE_Q, q_state.index * 2 + c_tid // TILE_Q] = -(v * Float32(LOG2E))
                 cute.arch.barrier(barrier_id=BIAS_BARRIER, number_of_threads=128 * self.nwg)
             elif const_expr(self.lse_smem):
-                self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index)
+                self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index, halves)
             for i in cutlass.range(count, unroll=1):
                 pipeline_k.consumer_wait(k_state)
+                if const_expr(self.qsplit):  # both halves' wgmmas issued; the second runs under the first's sums
+                    rK = tSrK[None, None, None, k_state.index]
+                    self._mma(tiled_mma, acc0, rK, tSrQ[None, None, None, q_state.index])
+                    self._mma(tiled_mma, acc1, rK, tSrQ1[None, None, None, q_state.index])
+                    key0 = (p0 + i) * self.stage_keys + wg * HALF
+                    kbv = self._kb_rows(tScS, mKB, bh, key0, sk)
+                    warpgroup.wait_group(1)
+                    self._rows(acc0, nl2, 0, qf, part, False)
+                    warpgroup.wait_group(0)
+                    pipeline_k.consumer_release(k_state)
+                    self._rows(acc1, nl2, n_cols, qf, part, True)
+                    self._store_rows(part, kbv, tScS, mOut, b, h, unit, key0, sk, tid)
                 if const_expr(self.overlap):  # both groups' wgmmas issued; the second runs under the first's exps
                     self._mma(tiled_mma, acc0, tSrK[None, None, None, k_state.index],
                               tSrQ[None, None, None, q_state.index * 2])
                     self._mma(tiled_mma, acc1, tSrK[None, None, None, k_state.index],
                               tSrQ[None, None, None, q_state.index * 2 + 1])
-                for gi in cutlass.range_constexpr(self.gpi):
+                for gi in cutlass.range_constexpr(0 if const_expr(self.qsplit) else self.gpi):
                     acc = acc0
                     if const_expr(self.overlap):
                         acc = acc0 if const_expr(gi == 0) else acc1
@@ -767,20 +790,22 @@ class Pass2Sm90:
                 k_state.advance()
                 key_a = (2 * p) * TILE_N + wg * HALF
                 key_b = (2 * p + 1) * TILE_N + wg * HALF
+                kb_a = self._kb_rows(tScS, mKB, bh, key_a, sk)
+                kb_b = self._kb_rows(tScS, mKB, bh, key_b, sk)
                 warpgroup.wait_group(3)
                 self._rows(a0, nl2, 0, qf, part, False)
                 warpgroup.wait_group(2)
                 pipeline_k.consumer_release(k_rel)
                 k_rel.advance()
                 self._rows(a1, nl2, n_cols, qf, part, True)
-                self._store_rows(part, tScS, mKB, mOut, bh, b, h, g, key_a, sk, tid)
+                self._store_rows(part, kb_a, tScS, mOut, b, h, g, key_a, sk, tid)
                 warpgroup.wait_group(1)
                 self._rows(a2, nl2, 0, qf, part, False)
                 warpgroup.wait_group(0)
                 pipeline_k.consumer_release(k_rel)
                 k_rel.advance()
                 self._rows(a3, nl2, n_cols, qf, part, True)
-                self._store_rows(part, tScS, mKB, mOut, bh, b, h, g, key_b, sk, tid)
+                self._store_rows(part, kb_b, tScS, mOut, b, h, g, key_b, sk, tid)
             pipeline_q.consumer_release(q_state)
             q_state.advance()
             item += walk.grid
@@ -810,41 +835,55 @@ class Pass2Sm90:
             return cute.arch.exp2(x)
 
     @cute.jit
-    def _rows(self, acc, nl2, c0: cutlass.Constexpr, qf, part, accumulate: cutlass.Constexpr):
-        """This thread's partial row sums of one 64 x 64 score tile (columns nl2[c0:]) into ``part`` (added to it
-        with ``accumulate``); four independent partial chains per row."""
-        acc_mn = layout_utils.reshape_acc_to_mn(acc)
-        n_cols = cute.size(acc_mn, mode=[1])
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            s0 = Float32(0.0)
-            s1 = Float32(0.0)
-            s2 = Float32(0.0)
-            s3 = Float32(0.0)
-            for c in cutlass.range_constexpr(n_cols):
-                e = self._exp2(acc_mn[r, c] * qf + nl2[c0 + c], c0 + c)
-                if const_expr(c % 4 == 0):
-                    s0 += e
-                elif const_expr(c % 4 == 1):
-                    s1 += e
-                elif const_expr(c % 4 == 2):
-                    s2 += e
-                else:
-                    s3 += e
-            if const_expr(accumulate):
-                part[r] = part[r] + ((s0 + s1) + (s2 + s3))
+    def _row_sum(self, acc_mn, r: cutlass.Constexpr, qf, bias, c0: cutlass.Constexpr, tScS,
+                 by_col: cutlass.Constexpr = False):
+        """Sum over this thread's columns c of row ``r`` of 2^(acc_mn[r, c] * qf + bias[c0 + c]) (with ``by_col``:
+        bias indexed by the column's query, ``tScS``) in four partial chains, each started by its first term (no add
+        to zero)."""
+        chains = [None, None, None, None]
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            bc = bias[tScS[0, c][1]] if const_expr(by_col) else bias[c0 + c]
+            e = self._exp2(acc_mn[r, c] * qf + bc, c0 + c)
+            if const_expr(c < 4):
+                chains[c] = e
             else:
-                part[r] = (s0 + s1) + (s2 + s3)
+                chains[c % 4] = chains[c % 4] + e
+        return (chains[0] + chains[1]) + (chains[2] + chains[3])
 
     @cute.jit
-    def _store_rows(self, part, tScS, mKB, mOut, bh, b, h, g, key0, sk, tid):
-        """The quad's row sums (two shuffles) times the per-key factor, stored by the quad's lane 0."""
+    def _rows(self, acc, nl2, c0: cutlass.Constexpr, qf, part, accumulate: cutlass.Constexpr):
+        """This thread's partial row sums of one 64 x 64 score tile (columns nl2[c0:]) into ``part`` (added to it
+        with ``accumulate``)."""
+        acc_mn = layout_utils.reshape_acc_to_mn(acc)
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            s = self._row_sum(acc_mn, r, qf, nl2, c0, None)
+            if const_expr(accumulate):
+                part[r] = part[r] + s
+            else:
+                part[r] = s
+
+    @cute.jit
+    def _kb_rows(self, tScS, mKB, bh, key0, sk):
+        """This thread's key rows' per-key factors 2^KB (0 past Sk), loaded before the exponentials that hide them."""
+        n_rows = cute.size(tScS, mode=[0])
+        kbv = cute.make_rmem_tensor((n_rows,), Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            kbv[r] = Float32(0.0)
+            if key0 + tScS[r, 0][0] < sk:
+                kbv[r] = mKB[bh, key0 + tScS[r, 0][0]]
+        return kbv
+
+    @cute.jit
+    def _store_rows(self, part, kbv, tScS, mOut, b, h, g, key0, sk, tid, g_ok=True):
+        """The quad's row sums (two shuffles) times the per-key factors ``kbv``, stored by the quad's lane 0 (not when
+        ``g_ok`` is False: a pair's group past G)."""
         for r in cutlass.range_constexpr(cute.size(part)):
             key = key0 + tScS[r, 0][0]
             s = part[r]
             s += cute.arch.shuffle_sync_bfly(s, offset=1)
             s += cute.arch.shuffle_sync_bfly(s, offset=2)
-            if tid % 4 == 0 and key < sk:
-                mOut[b, h, g, key] = (s * mKB[bh, key]).to(self.out_dtype)
+            if tid % 4 == 0 and key < sk and g_ok:
+                mOut[b, h, g, key] = (s * kbv[r]).to(self.out_dtype)
 
     @cute.jit
     def _tile_sums(self, acc, tScS, nl2, qf, mKB, mOut, bh, b, h, g, key0, sk, tid, g_ok=True,
@@ -853,35 +892,12 @@ class Pass2Sm90:
         when ``g_ok`` is False: a pair's group past G). ``nl2``: this thread's column biases, or with ``bias_by_col``
         the group's 128 biases (shared memory) indexed by query column."""
         acc_mn = layout_utils.reshape_acc_to_mn(acc)
-        n_cols = cute.size(acc_mn, mode=[1])
         n_rows = cute.size(acc_mn, mode=[0])
-        kbv = cute.make_rmem_tensor((n_rows,), Float32)  # the rows' per-key factors, loaded before the exponentials
+        kbv = self._kb_rows(tScS, mKB, bh, key0, sk)
+        part = cute.make_rmem_tensor((n_rows,), Float32)
         for r in cutlass.range_constexpr(n_rows):
-            kbv[r] = Float32(0.0)
-            if key0 + tScS[r, 0][0] < sk:
-                kbv[r] = mKB[bh, key0 + tScS[r, 0][0]]
-        for r in cutlass.range_constexpr(n_rows):
-            key = key0 + tScS[r, 0][0]
-            s0 = Float32(0.0)
-            s1 = Float32(0.0)
-            s2 = Float32(0.0)
-            s3 = Float32(0.0)
-            for c in cutlass.range_constexpr(n_cols):
-                bias = nl2[tScS[0, c][1]] if const_expr(bias_by_col) else nl2[c]
-                e = self._exp2(acc_mn[r, c] * qf + bias, c)
-                if const_expr(c % 4 == 0):
-                    s0 += e
-                elif const_expr(c % 4 == 1):
-                    s1 += e
-                elif const_expr(c % 4 == 2):
-                    s2 += e
-                else:
-                    s3 += e
-            s = (s0 + s1) + (s2 + s3)
-            s += cute.arch.shuffle_sync_bfly(s, offset=1)
-            s += cute.arch.shuffle_sync_bfly(s, offset=2)
-            if tid % 4 == 0 and key < sk and g_ok:
-                mOut[b, h, g, key] = (s * kbv[r]).to(self.out_dtype)
+            part[r] = self._row_sum(acc_mn, r, qf, nl2, 0, tScS, bias_by_col)
+        self._store_rows(part, kbv, tScS, mOut, b, h, g, key0, sk, tid, g_ok)
 
 
 # ---- host side ---------------------------------------------------------------------------------------------------
