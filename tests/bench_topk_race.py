@@ -1,0 +1,113 @@
+"""The separate top-K (``topk.top_k_rows``) launch variants / flash-attn-4 dense, in one race (issue 15, p2ops).
+
+Not collected by pytest. At Wan2.1-1.3B 480p (tests/bench_select_race.py's inputs: S = 32760, H = 12, C = 128; the
+float16 group sums of the Triton pass-2 kernel, 3072 rows of 32760 keys) for s in ``--densities``: each variant of
+``VARIANTS`` (``--variants``: names, comma-separated; default all) is checked first (== the brute-force top-K of the
+sums, kernels/reference/topk.py, every row; the share of rows that fell back to the radix launch recorded), then
+dense and every checked variant are raced (tests/_timing.race, the method of record) at each density. Prints lines
+"TOPK CHECK" / "TOPK RACE" and writes OUT/bench_topk_race.json.
+Usage (checkout root, H200): python tests/bench_topk_race.py --out OUT [--commit HASH] [--variants a,b] [--rounds 5]
+Expected: ~15 s start-up, ~2 s per variant and density compile + check, ~5 s per density race.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--smoke" in sys.argv:  # the CPU smoke run: Triton's interpreter with the tests' fixes
+    import _triton_interp
+
+    _triton_interp.patch_interpreter()
+import bench_select_race as bsr  # noqa: E402  (loads the pack)
+
+topk = bsr.topk
+selection = bsr.selection
+ref_top_k_rows = bsr.ref_top_k_rows
+
+# name -> top_k_rows keyword arguments. "count": select_kv's separate top-K today (2 warps, one 16-byte tile row per
+# thread per step, the threshold among the candidates counted from memory one bit per pass); "regs": the copies held
+# in registers (``_cand_threshold_regs``); wN: warps per row, bN: keys per sweep step, rN: register cap (0: none)
+VARIANTS = {
+    "count": dict(cand_count=1),
+    "regs w4 b2048": dict(cand_regs=True, num_warps=4, block=2048, maxnreg=0),
+    "regs w8 b4096": dict(cand_regs=True, num_warps=8, block=4096, maxnreg=0),
+    "regs w8 b8192": dict(cand_regs=True, num_warps=8, block=8192, maxnreg=0),
+    "regs w16 b4096": dict(cand_regs=True, num_warps=16, block=4096, maxnreg=0),
+    "regs w16 b8192": dict(cand_regs=True, num_warps=16, block=8192, maxnreg=0),
+    "count2 w8 b4096": dict(cand_count=2, num_warps=8, block=4096, maxnreg=0),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--variants", default="")
+    ap.add_argument("--densities", default="0.1,0.25,0.5")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="TRITON_INTERPRET=1 on the CPU: a tiny shape, single calls")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shape = "smoke" if args.smoke else "1.3b"
+    bsr.SMOKE = args.smoke
+    names = [n for n in args.variants.split(",") if n] or list(VARIANTS)
+    t0 = time.time()
+    report = dict(commit=args.commit, gpu=None if args.smoke else torch.cuda.get_device_name(), checks={}, races={})
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+
+    def save():
+        (out_dir / "bench_topk_race.json").write_text(json.dumps(report, indent=1))
+
+    q, k, v, lse, perm = bsr.make_inputs(shape)
+    S, H = q.shape[2], q.shape[1]
+    G = perm.shape[-1] // bsr.C
+    sums = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
+    selection.group_prob_sums(q, k, lse, perm, group_size=bsr.C, out=sums, cute=False)
+    log(f"inputs {shape}: S {S}, H {H}, G {G}, sums {tuple(sums.shape)}")
+    _, dense = bsr.dense_fn(q, k, v)
+    for s in (float(x) for x in args.densities.split(",")):
+        kq = int(s * S)
+        width = -(-kq // bsr.KV_TILE) * bsr.KV_TILE
+        want = ref_top_k_rows(sums, kq, width)
+        fns = {"dense": dense}
+        for name in names:
+            kw = VARIANTS[name]
+            sel = torch.full((1, H, G, width), -7, dtype=torch.int32, device=q.device)
+            try:
+                _, fell = topk.top_k_rows(sums, kq, width, out=sel, return_fallbacks=True, **kw)
+                ok = bool(torch.equal(sel, want))
+                report["checks"][f"{name} s={s}"] = dict(equal=ok, fallback_rows=float(fell.float().mean()))
+                if ok:
+                    fns[name] = (lambda kw, sel: lambda: topk.top_k_rows(sums, kq, width, out=sel, **kw))(kw, sel)
+                else:
+                    log(f"TOPK CHECK FAILED {name} s={s}: differs from the brute-force top-K")
+            except Exception as err:  # noqa: BLE001
+                report["checks"][f"{name} s={s}"] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+                log(f"TOPK CHECK FAILED {name} s={s}: {type(err).__name__}: {str(err)[:300]}")
+                traceback.print_exc()
+        del want
+        log(f"TOPK CHECKS s={s}: " + ", ".join(
+            f"{n} {'ok' if c.get('equal') else 'FAILED'} fb {c.get('fallback_rows', float('nan')):.4f}"
+            for n, c in report["checks"].items() if n.endswith(f" s={s}")))
+        save()
+        ms = bsr.race(fns, rounds=args.rounds)
+        over = {n: t / ms["dense"] for n, t in ms.items() if n != "dense"}
+        report["races"][f"s={s}"] = dict(dense_ms=ms["dense"], ms=ms, over_dense=over)
+        log(f"TOPK RACE s={s} (dense {ms['dense']:.3f} ms): " + " | ".join(f"{n} {r:.4f}" for n, r in over.items()))
+        save()
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
