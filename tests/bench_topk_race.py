@@ -4,7 +4,9 @@ Not collected by pytest. At Wan2.1-1.3B 480p (tests/bench_select_race.py's input
 float16 group sums of the Triton pass-2 kernel, 3072 rows of 32760 keys) for s in ``--densities``: each variant of
 ``VARIANTS`` (``--variants``: names, comma-separated; default all) is checked first (== the brute-force top-K of the
 sums, kernels/reference/topk.py, every row; the share of rows that fell back to the radix launch recorded), then
-dense and every checked variant are raced (tests/_timing.race, the method of record) at each density. Prints lines
+dense and every checked variant are raced (tests/_timing.race, the method of record) at each density, with the
+float8 operand pass (``selection.fp8_operands``) in its two program orders (rows "operands", "operands rev": the
+quantising pass from the last head; ``quant_reverse``). Prints lines
 "TOPK CHECK" / "TOPK RACE" and writes OUT/bench_topk_race.json.
 Usage (checkout root, H200): python tests/bench_topk_race.py --out OUT [--commit HASH] [--variants a,b] [--rounds 5]
 Expected: ~15 s start-up, ~2 s per variant and density compile + check, ~5 s per density race.
@@ -34,15 +36,16 @@ ref_top_k_rows = bsr.ref_top_k_rows
 
 # name -> top_k_rows keyword arguments. "count": select_kv's separate top-K today (2 warps, one 16-byte tile row per
 # thread per step, the threshold among the candidates counted from memory one bit per pass); "regs": the copies held
-# in registers (``_cand_threshold_regs``); wN: warps per row, bN: keys per sweep step, rN: register cap (0: none)
+# in registers (``_cand_threshold_regs``); wN: warps per row, bN: keys per sweep step (256 x warps: one 16-byte tile
+# row per thread), rN: register cap (0: none). Offline sm_90 (ptxas): count 96 registers uncapped (72 capped, the
+# default), count w8 b2048 121, regs w8 b2048 156, regs w16 b4096 114, regs w16 b8192 128, all without spills
 VARIANTS = {
     "count": dict(cand_count=1),
-    "regs w4 b2048": dict(cand_regs=True, num_warps=4, block=2048, maxnreg=0),
-    "regs w8 b4096": dict(cand_regs=True, num_warps=8, block=4096, maxnreg=0),
-    "regs w8 b8192": dict(cand_regs=True, num_warps=8, block=8192, maxnreg=0),
+    "count w8 b2048 r128": dict(cand_count=1, num_warps=8, block=2048, maxnreg=128),
+    "regs w8 b2048": dict(cand_regs=True, num_warps=8, block=2048, maxnreg=0),
+    "regs w8 b2048 r128": dict(cand_regs=True, num_warps=8, block=2048, maxnreg=128),
     "regs w16 b4096": dict(cand_regs=True, num_warps=16, block=4096, maxnreg=0),
     "regs w16 b8192": dict(cand_regs=True, num_warps=16, block=8192, maxnreg=0),
-    "count2 w8 b4096": dict(cand_count=2, num_warps=8, block=4096, maxnreg=0),
 }
 
 
@@ -81,6 +84,9 @@ def main():
         width = -(-kq // bsr.KV_TILE) * bsr.KV_TILE
         want = ref_top_k_rows(sums, kq, width)
         fns = {"dense": dense}
+        for tag, rev in (("operands", False), ("operands rev", True)):  # the float8 operand pass, in each race
+            fns[tag] = (lambda rev: lambda: selection.fp8_operands(q, k, lse, bsr.D**-0.5, kb_pow2=True,
+                                                                   quant_reverse=rev))(rev)
         for name in names:
             kw = VARIANTS[name]
             sel = torch.full((1, H, G, width), -7, dtype=torch.int32, device=q.device)

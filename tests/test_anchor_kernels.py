@@ -92,7 +92,7 @@ def test_bracket_top_k_tilings(gen, rows_per_step, prefetch):
 
 
 @pytest.mark.parametrize("dtype,cand_count", [(torch.float16, 0), (torch.float32, 0), (torch.float16, 1),
-                                              (torch.float16, 2)])
+                                              (torch.float16, 2), (torch.float16, "regs")])
 def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     """The bracket method with few samples (strata of 4 keys) and a small candidate buffer: rows where the bracket
     holds the K-th key (radix select among the candidates) and rows where it cannot (radix fallback), all exact:
@@ -106,7 +106,8 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     - row 5: 1000 consecutive bit patterns, shuffled: every key value inside the bracket occurs, so a search
       that stops short of a single value picks a wrong threshold.
     ``cand_count``: the threshold among the candidates by counting, one or two bits per pass (the separate top-K after
-    the CuTeDSL pass 2), the same rows and the same fallbacks (its candidate slots: 512, one sweep step)."""
+    the CuTeDSL pass 2), the same rows and the same fallbacks (its candidate slots: 512, one sweep step); "regs": the
+    copies held in registers (``top_k_rows(cand_regs=True)``, 8 per thread)."""
     sk, k, width, stride, cap = 1000, 300, 320, 4, 512
     pos = triton_topk.sample_positions(sk, stride)
     assert len(pos) == 250 and bool((pos < sk).all()) and len(set(pos.tolist())) == 250
@@ -121,7 +122,9 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     sums[5] = codes.to(torch.int16 if dtype == torch.float16 else torch.int32).view(dtype)
     out = torch.full((6, width), POISON, dtype=torch.int32)
     got, fell_back = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), cap=cap, method="bracket",
-                                            sample_stride=stride, return_fallbacks=True, cand_count=cand_count)
+                                            sample_stride=stride, return_fallbacks=True,
+                                            **(dict(cand_regs=True) if cand_count == "regs" else
+                                               dict(cand_count=cand_count)))
     assert torch.equal(got.cpu(), _brute_force(sums, k, width))
     assert fell_back.cpu().tolist() == [0, 1, 1, 1, 0, 0]
 
@@ -215,7 +218,9 @@ def _cand_threshold_kernel(CAND, N, W, KK, LO, HI, OUT, STEP: tl.constexpr, COUN
     kk = tl.load(KK + r)  # (rows of W >= N slots: the count pads to a multiple of STEP)
     lo = tl.load(LO + r)
     hi = tl.load(HI + r)
-    if COUNT:
+    if COUNT == 3:  # the copies held in registers (a power-of-two tile >= N; slots past N masked)
+        t, need = triton_topk._cand_threshold_regs(CAND + r * W, N, kk, lo, hi, 512)
+    elif COUNT:
         t, need = triton_topk._cand_threshold_count(CAND + r * W, N, kk, lo, hi, STEP, COUNT)
     else:
         t, need = triton_topk._cand_threshold(CAND + r * W, N, kk, lo, hi, STEP)
@@ -223,10 +228,11 @@ def _cand_threshold_kernel(CAND, N, W, KK, LO, HI, OUT, STEP: tl.constexpr, COUN
     tl.store(OUT + 2 * r + 1, need)
 
 
-@pytest.mark.parametrize("count", [1, 2, 0])
+@pytest.mark.parametrize("count", [1, 2, 0, 3])
 def test_candidate_threshold_is_the_kth_largest_copy(gen, count):
     """topk's threshold among the bracket's copies (``_cand_threshold_count``: bit search by counting, one or two bits
-    per pass (odd and even range bit lengths);
+    per pass (odd and even range bit lengths); 3: ``_cand_threshold_regs``, the copies held in registers, two bits
+    per step;
     ``_cand_threshold``: radix histograms): T = the kk-th largest of the n copies (every one in [lo, hi]) and need = kk
     minus the copies above T, with many ties, kk = 1, kk = n, hi - lo = 0, 1, a power of two and 0x7C00 - lo (the top
     bit of the range needed), n not a multiple of the chunk (STEP 64); row 8: every value of a 7-bit range, T - lo odd
@@ -535,12 +541,14 @@ def test_fp8_scale_is_the_largest_power_of_two_that_fits():
     assert sc.cpu()[0].tolist() == [2.0**-8, 2.0**-7, 2.0**-8, 2.0**-37, 1.0, 1.0, 2.0**40]
 
 
-def test_fp8_operands_are_the_smoothed_rounded_copies(gen):
+@pytest.mark.parametrize("reverse", [False, True])
+def test_fp8_operands_are_the_smoothed_rounded_copies(gen, reverse):
     """fp8_operands on strided [B, S, H*D] views (keys with a large shared component, as DiT keys have): q8 / k8 are
     (x - head mean) / head scale rounded to nearest even (bitwise torch's float8_e4m3fn cast of the same fp32
     quotient), every element written; the scale is the power of two that puts amax|x - mean| in (224, 448] (nothing
     saturates, no range wasted by a large constant column); an all-zero head gets scale 1 (no NaN); lse_s = lse - scale q . mean_k and kb = scale log2(e) mean_q . (k - mean_k), clamped
-    to [-100, 100]; qf = q scale x k scale x softmax scale x log2(e)."""
+    to [-100, 100]; qf = q scale x k scale x softmax scale x log2(e). ``reverse``: the quantising pass in reverse
+    program order (the same outputs)."""
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
     B, H, S, SK, D = 2, 3, 70, 90, 32
@@ -551,7 +559,8 @@ def test_fp8_operands_are_the_smoothed_rounded_copies(gen):
     q[0, 1, :, 0] = 300.0  # a mean query that gives keys logits beyond the clamp
     lse = torch.randn(B, H, S, generator=gen)
     scale = 0.125
-    q8, k8, qf, lse_s, kb = (t.cpu() for t in selection.fp8_operands(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), scale))
+    q8, k8, qf, lse_s, kb = (t.cpu() for t in selection.fp8_operands(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), scale,
+                                                                     quant_reverse=reverse))
     mq, qs = selection.fp8_stats(q)
     mk, ks = selection.fp8_stats(k)
     assert torch.allclose(mq.double(), q.double().mean(2), rtol=1e-5, atol=1e-5)

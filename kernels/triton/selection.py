@@ -426,12 +426,17 @@ def _fp8_quantize(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     KB_POW2: tl.constexpr = False,
+    REVERSE: tl.constexpr = False,
 ):
     """q's and k's float8 copies in one launch: programs [0, nbq) of axis 0 take q's row blocks (``_quantize_rows``
     with IS_Q: Q8, LSE_S = LSE + lse_mul * q . mean_k), the rest k's (K8, KB = clamp(kb_mul * (k - mean_k) . mean_q),
-    or 2^that with KB_POW2); axis 1 is b * H + h."""
+    or 2^that with KB_POW2); axis 1 is b * H + h. REVERSE: both axes taken from the end (the first programs read the
+    head blocks the statistics pass read last, which may still be in L2); the same outputs."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
+    if REVERSE:
+        pid = tl.num_programs(0) - 1 - pid
+        bh = tl.num_programs(1) - 1 - bh
     b = bh // H
     h = bh % H
     if pid < nbq:
@@ -553,6 +558,8 @@ def _fp8_stats_final(
 _STATS_BLOCK_S = 32  # rows per register tile of the statistics pass (4 warps: 32 fp32 accumulators x 3 per thread)
 _STATS_PROGRAMS = 528  # statistics programs per tensor (~4 per H200 SM): enough loads in flight for HBM speed
 _QUANT_BLOCK_S = 64  # rows per program of the quantising pass
+# the quantising pass in reverse program order (``_fp8_quantize`` REVERSE): off until raced (tests/bench_topk_race.py)
+_QUANT_REVERSE = False
 
 
 def _stat_splits(heads: int, rows: int, programs: int = _STATS_PROGRAMS) -> tuple[int, int]:
@@ -583,7 +590,8 @@ def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, *, stats_programs: int | None = None,
-                 quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False):
+                 quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False,
+                 quant_reverse: bool | None = None):
     """The float8 operands of pass 2's FP8 mode, smoothed: (q8, k8, qf, lse_s, kb).
 
     The products are taken on mean-free rows (q' = q - mean_q, k' = k - mean_k per head, SageAttention's smoothing of
@@ -596,7 +604,9 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         q: ``[B, H, S, D]``, k: ``[B, H, Sk, D]``, fp16 / bf16 / fp32, any strides; lse: fp32 ``[B, H, S]`` (natural
         log, any strides); scale: the softmax scale. stats_programs, quant_block, quant_warps: launch tuning (the
         statistics programs per tensor, default ``_STATS_PROGRAMS``; rows per program and warps of the quantising
-        pass, default ``_QUANT_BLOCK_S``, 4); the results do not depend on the quantising pass's tuning.
+        pass, default ``_QUANT_BLOCK_S``, 4); quant_reverse: the quantising pass takes the heads and row blocks from
+        the last (``_fp8_quantize`` REVERSE; None: ``_QUANT_REVERSE``); the results do not depend on the quantising
+        pass's tuning.
         kb_pow2: return 2^kb in place of kb (what the Triton pair kernel reads with KB_POW2: no exponential per key
         and group there; H200: pass-2 kernel 0.445 against 0.455 of dense at 1.3B 480p, tests/bench_pass2_exp.py
         round s5r1).
@@ -637,7 +647,7 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     _fp8_quantize[(nbq + triton.cdiv(SK, bs), B * H)](
         q, k, q8, k8, mq, mk, stats[0], stats[1], lse, lse_s, kb, H, S, SK, nbq, *q.stride(), *k.stride(),
         *lse.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, KB_POW2=bool(kb_pow2),
-        num_warps=quant_warps or 4)
+        REVERSE=_QUANT_REVERSE if quant_reverse is None else bool(quant_reverse), num_warps=quant_warps or 4)
     return q8, k8, stats[2], lse_s, kb
 
 
