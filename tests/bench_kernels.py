@@ -342,6 +342,10 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "tail_launch": dict(_gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
                         cp_async_fence=False, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True,
                         tail_launch=4),
+    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead max_vote "
+    "tail_launch": dict(_gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
+                        cp_async_fence=False, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True,
+                        max_vote=True, tail_launch=4),
     # each tile's kv_idx slots loaded two tiles ahead by the producer (two index loads in flight)
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence idx2": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,

@@ -344,6 +344,26 @@ def test_skip_rescale_only_at_head_dim_128():
         assert g.launch_args(q, q, q, perm, idx, num_sms=4, **tree)[2]["SUM_PARTIAL"] is False
 
 
+def test_max_vote_only_with_per_thread_sums_at_head_dim_128():
+    """``max_vote`` (the running max per thread, its shuffles only on a warp's vote) runs with skip_rescale and
+    sum_partial (its rescale factor is per thread: refused otherwise), is left out at D = 64 (as skip_rescale), off by
+    default; its schedules are dispatch entries."""
+    g = _g90()
+    gen = torch.Generator().manual_seed(0)
+    perm, idx = random_groups(gen, 1, 2, 256, 128), random_kv_idx(gen, 1, 2, 2, 256, 100, 128)
+    name = "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead max_vote"
+    sched = _dispatch().GLUON_SCHEDULES[name]
+    for D, want in ((128, True), (64, False)):
+        q = torch.randn(1, 2, 256, D, generator=gen).to(torch.bfloat16)
+        assert g.launch_args(q, q, q, perm, idx, num_sms=4, **sched)[2]["MAX_VOTE"] is want
+        assert g.launch_args(q, q, q, perm, idx)[2]["MAX_VOTE"] is False
+    q = torch.randn(1, 2, 256, 128, generator=gen).to(torch.bfloat16)
+    for bad in (dict(skip_rescale=False), dict(sum_partial=False)):
+        with pytest.raises(ValueError, match="max_vote"):
+            g.launch_args(q, q, q, perm, idx, num_sms=4, **{**sched, **bad})
+    assert _dispatch().GLUON_SCHEDULES[name + " tail_launch"]["max_vote"]
+
+
 def test_diag_times_buffer_checked():
     """``diag_times`` (the per-item clock-stamp diagnostic) takes the split workspace's argument slot: persistent, no
     split or tail launch, a contiguous float32 buffer of programs x ceil(items / programs) x 8; off by default."""

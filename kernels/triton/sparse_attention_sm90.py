@@ -85,7 +85,7 @@ def config(head_dim: int) -> dict:
                 overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
                 thread_arrive=False, early_q=False, cp_async_fence=True, q_regs=False, idx_ahead=1, next_item=False,
                 split_tail=0, tail_launch=0, skip_rescale=False,
-                max_tree=False, sum_partial=False, q_ahead=False)
+                max_tree=False, sum_partial=False, q_ahead=False, max_vote=False)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -560,18 +560,62 @@ _MUL_IF_VOTED = gl.constexpr("{ .reg .pred p; setp.ne.s32 p, $192, 0; @!p bra.un
 _MUL_IF_VOTED_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 64 + [str(i) for i in range(64)] + ["f"] * 64 + ["r"] * 64))
 
 
+# MAX_VOTE: a row's new running max from its 4 threads' partial maxima ($2, $3: this thread's, scaled, rows r and
+# r + 8; $4, $5 the running maxima): when no thread of the warp has a partial above its running max + RESCALE_LOG2
+# (vote), the running maxima stay (no row's max can move: the lazy rule); else each row's max over its 4 threads (the
+# lanes of a quad: 2 butterfly shuffles) replaces the running max where it exceeds it by more than RESCALE_LOG2
+_MAX_IF_VOTED = gl.constexpr(
+    "{ .reg .pred p, q, e; .reg .f32 ta, tb, a, b, x; "
+    "add.f32 ta, $4, 0f41000000; add.f32 tb, $5, 0f41000000; "
+    "setp.gt.f32 p, $2, ta; setp.gt.f32 q, $3, tb; or.pred e, p, q; vote.sync.any.pred e, e, 0xffffffff; "
+    "mov.f32 $0, $4; mov.f32 $1, $5; @!e bra.uni MAX_DONE; "
+    "shfl.sync.bfly.b32 x, $2, 1, 0x1f, 0xffffffff; max.f32 a, $2, x; "
+    "shfl.sync.bfly.b32 x, a, 2, 0x1f, 0xffffffff; max.f32 a, a, x; "
+    "shfl.sync.bfly.b32 x, $3, 1, 0x1f, 0xffffffff; max.f32 b, $3, x; "
+    "shfl.sync.bfly.b32 x, b, 2, 0x1f, 0xffffffff; max.f32 b, b, x; "
+    "setp.gt.f32 p, a, ta; selp.f32 $0, a, $4, p; setp.gt.f32 q, b, tb; selp.f32 $1, b, $5, q; MAX_DONE: }")
+
+
 @gluon.jit
-def _rescale(acc, alpha, SKIP: gl.constexpr):
+def _thread_max(x):
+    """``[M, 128]`` (the wgmma accumulator layout) -> ``[M, 4]``: each thread's own partial row maxima (register-only,
+    as ``_thread_sums``)."""
+    M: gl.constexpr = x.shape[0]
+    for _ in gl.static_range(4):
+        a, b = gl.reshape(x, [M, 2, x.shape[1] // 2]).permute(0, 2, 1).split()
+        x = gl.maximum(a, b)
+    a, b = gl.reshape(x, [M, 4, 2]).split()
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _per_thread_to_tile(y, like):
+    """``[M, 4]`` per-thread row values (``_thread_sums``' layout: column t is lane t of a row's quad) -> ``[M, 128]``
+    in ``like``'s layout, each element its row's value: the inverse of ``_thread_sums``' folds (register-only)."""
+    M: gl.constexpr = y.shape[0]
+    z = gl.reshape(gl.join(y, y), [M, 8])
+    for _ in gl.static_range(4):
+        z = gl.reshape(gl.join(z, z).permute(0, 2, 1), [M, 2 * z.shape[1]])
+    return gl.convert_layout(z, like.type.layout)
+
+
+@gluon.jit
+def _rescale(acc, alpha, SKIP: gl.constexpr, PER_THREAD: gl.constexpr = False):
     """O x alpha per row (the lazy online softmax's rescale: alpha < 1 where a row's running max moved, else exactly
     1). SKIP (a ``[64, D]`` accumulator at D = 128, 64 elements per thread): each warp votes whether any of its rows
     has alpha < 1 and branches over its 64 multiplies per thread when none has (warp-uniform, no warpgroup
     barrier): with the lazy threshold the max rarely moves after a group's first tiles, and the multiplies sit
-    between the turn wait and the next P V on every consumer's critical path."""
+    between the turn wait and the next P V on every consumer's critical path. PER_THREAD (with SKIP): alpha is
+    ``[M, 4]`` in ``_thread_sums``' layout (MAX_VOTE)."""
     if SKIP:
         need = gl.inline_asm_elementwise(_VOTE_ANY_BELOW_1, "=r,=r,f,f", [alpha], dtype=gl.int32, is_pure=False,
                                          pack=2)
-        alpha_b, _ = gl.broadcast(alpha[:, None], acc)
-        need_b, _ = gl.broadcast(need[:, None], acc)
+        if PER_THREAD:
+            alpha_b = _per_thread_to_tile(alpha, acc)
+            need_b = _per_thread_to_tile(need, acc)
+        else:
+            alpha_b, _ = gl.broadcast(alpha[:, None], acc)
+            need_b, _ = gl.broadcast(need[:, None], acc)
         acc = gl.inline_asm_elementwise(_MUL_IF_VOTED, _MUL_IF_VOTED_CONSTRAINTS, [acc, alpha_b, need_b],
                                         dtype=gl.float32, is_pure=False, pack=64)
     else:
@@ -586,7 +630,7 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
               NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
               THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr = False, FENCE: gl.constexpr = True,
               SKIP_RESCALE: gl.constexpr = False, MAX_TREE: gl.constexpr = False,
-              SUM_PARTIAL: gl.constexpr = False):
+              SUM_PARTIAL: gl.constexpr = False, MAX_VOTE: gl.constexpr = False):
     """One group's key tiles t0 .. t0 + n_tiles - 1 (>= 1 tile; ring tiles c0 ..): per tile S = Q K^T, the online
     softmax in base 2 with the lazy rescale, O += P V accumulated in fp32. Only the last tile masks the slots past
     the count (the loop body runs unmasked: no select per score). PIPELINE: tile t's P V and tile t + 1's QK^T
@@ -598,7 +642,9 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
     and its wgmma (flash-attn-4's sm90 forward and CUTLASS's cp.async GMMA mainloops issue the wgmma right after the
     cp.async pipeline's wait; ptxas makes each fence a MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S). SKIP_RESCALE: the
     accumulator's rescale only when a row's max moved (``_rescale``). MAX_TREE: ``_row_max``'s tree. SUM_PARTIAL: the row sums
-    kept as per-thread partials over the tiles, finished once at the end (``_softmax_tile``)."""
+    kept as per-thread partials over the tiles, finished once at the end (``_softmax_tile``). MAX_VOTE (with
+    SUM_PARTIAL, SKIP_RESCALE): the running max per thread too, its shuffles only when a warp's vote says a row's max
+    may move (``_softmax_tile``); finished once at the end."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -612,6 +658,8 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
     s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
     if SUM_PARTIAL:  # [M, 4] zeros in _thread_sums' layout
         l_i = _thread_sums(s_zero)
+        if MAX_VOTE:
+            m_i = gl.full(l_i.shape, float("-inf"), gl.float32, layout=l_i.type.layout)
     else:
         l_i = gl.zeros([M], gl.float32, layout=row_s)
     qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn_w, turn_o, j0, NUM_STAGES, HALF, PINGPONG,
@@ -619,8 +667,8 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
     for t in range(n_tiles - 1):  # every tile but the last: all slots valid
         c = c0 + t
         p16, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
-                                             row_o, False, MAX_TREE, SUM_PARTIAL)
-        acc = _rescale(acc, alpha, SKIP_RESCALE)
+                                             row_o, False, MAX_TREE, SUM_PARTIAL, MAX_VOTE)
+        acc = _rescale(acc, alpha, SKIP_RESCALE, MAX_VOTE)
         if PIPELINE or PINGPONG:
             acc, qk = _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
                                           c, turn_w, turn_o, j0 + 1 + t, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE, FENCE)
@@ -633,12 +681,14 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
         mbarrier.arrive(q_free, count=1)
     t = n_tiles - 1  # the last tile: its slots past the count weigh nothing
     p16, m_i, l_i, alpha = _softmax_tile(qk, t0 + t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
-                                         row_o, True, MAX_TREE, SUM_PARTIAL)
-    acc = _rescale(acc, alpha, SKIP_RESCALE)
+                                         row_o, True, MAX_TREE, SUM_PARTIAL, MAX_VOTE)
+    acc = _rescale(acc, alpha, SKIP_RESCALE, MAX_VOTE)
     acc = _values(p16, acc, v_smem, v_ready, v_empty, c0 + t, turn_w, turn_o, j0 + n_tiles, NUM_STAGES, HALF, PINGPONG,
                   THREAD_ARRIVE, FENCE)
     if SUM_PARTIAL:
         l_i = gl.convert_layout(gl.sum(l_i, 1), row_s)
+        if MAX_VOTE:  # a row's 4 copies are equal
+            m_i = gl.convert_layout(gl.max(m_i, 1), row_s)
     return acc, m_i, l_i
 
 
@@ -680,24 +730,36 @@ def _row_max(x, TREE: gl.constexpr):
 @gluon.jit
 def _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype: gl.constexpr, BLOCK_N: gl.constexpr,
                   p_layout: gl.constexpr, row_o: gl.constexpr, MASK: gl.constexpr = True, MAX_TREE: gl.constexpr = False,
-                  SUM_PARTIAL: gl.constexpr = False):
+                  SUM_PARTIAL: gl.constexpr = False, MAX_VOTE: gl.constexpr = False):
     """Key tile t's scores -> (P in q's dtype as the P V wgmma's register operand, new running max, new row sum,
     the accumulator's rescale factor per row); base 2, lazy rescale; MASK (the last tile): slots past n_end weigh
     nothing. MAX_TREE: the row maxima as a tree (``_row_max``). SUM_PARTIAL: ``l_i`` / the new row sum are each
     thread's partial sums ``[M, 4]`` (``_thread_sums``; the caller finishes them once per item), so no shuffle per
-    tile for the sums."""
+    tile for the sums. MAX_VOTE (with SUM_PARTIAL): ``m_i`` / the new running max and the returned rescale factor are
+    ``[M, 4]`` in that layout too (each thread's copy of its rows' values): each thread's partial maxima, one warp vote,
+    and the shuffles across a row's 4 threads only when some row's max may move (``_MAX_IF_VOTED``: same values as
+    the row maxima's shuffles every tile)."""
     if MASK:
         qk = gl.where((t * BLOCK_N + offs_n < n_end)[None, :], qk, float("-inf"))
-    m_tile = _row_max(qk, MAX_TREE) * sm_scale_log2
-    m_new = gl.where(m_tile > m_i + RESCALE_LOG2, m_tile, m_i)
-    p = gl.exp2(qk * sm_scale_log2 - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    if SUM_PARTIAL:
-        ps = _thread_sums(p)
-        l_new = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, ps.type.layout))[:, None] + ps
+    if MAX_VOTE:
+        pm = _thread_max(qk) * sm_scale_log2
+        m_new = gl.inline_asm_elementwise(_MAX_IF_VOTED, "=f,=f,f,f,f,f", [pm, m_i], dtype=gl.float32, is_pure=False,
+                                          pack=2)
+        p = gl.exp2(qk * sm_scale_log2 - _per_thread_to_tile(m_new, qk))
+        alpha = gl.exp2(m_i - m_new)
+        l_new = l_i * alpha + _thread_sums(p)
     else:
-        l_new = l_i * alpha + gl.sum(p, 1)
-    return gl.convert_layout(p.to(dtype), p_layout), m_new, l_new, gl.convert_layout(alpha, row_o)
+        m_tile = _row_max(qk, MAX_TREE) * sm_scale_log2
+        m_new = gl.where(m_tile > m_i + RESCALE_LOG2, m_tile, m_i)
+        p = gl.exp2(qk * sm_scale_log2 - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        if SUM_PARTIAL:
+            ps = _thread_sums(p)
+            l_new = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, ps.type.layout))[:, None] + ps
+        else:
+            l_new = l_i * alpha + gl.sum(p, 1)
+        alpha = gl.convert_layout(alpha, row_o)
+    return gl.convert_layout(p.to(dtype), p_layout), m_new, l_new, alpha
 
 
 @gluon.jit
@@ -867,7 +929,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
               STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr,
               CP_ASYNC_FENCE: gl.constexpr, Q_REGS: gl.constexpr, SPLIT: gl.constexpr, STREAM: gl.constexpr,
               SKIP_RESCALE: gl.constexpr = False, MAX_TREE: gl.constexpr = False,
-              SUM_PARTIAL: gl.constexpr = False, DIAG: gl.constexpr = False):
+              SUM_PARTIAL: gl.constexpr = False, DIAG: gl.constexpr = False, MAX_VOTE: gl.constexpr = False):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
     loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
     later) and the epilogue's perm rows, both in flight under the mainloop. SPLIT: ``n_work`` counts virtual work
@@ -960,7 +1022,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
                                       q_empty.index(i % Q_SLOTS), n_end, 0, gl.cdiv(n_end, BLOCK_N), c, c + i,
                                       sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF,
                                       PIPELINE, PINGPONG, THREAD_ARRIVE, EARLY_Q if not Q_REGS else False,
-                                      CP_ASYNC_FENCE, SKIP_RESCALE, MAX_TREE, SUM_PARTIAL)
+                                      CP_ASYNC_FENCE, SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, MAX_VOTE)
         if DIAG:
             _stamp(WS_ML, i, w_step, n_work, 2 + 2 * HALF)
         if SPLIT:
@@ -1004,6 +1066,7 @@ def _sparse_fwd_sm90(
     Q_REGS: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr, SPLIT: gl.constexpr,
     NO_COPY: gl.constexpr, STREAM: gl.constexpr, SKIP_RESCALE: gl.constexpr,
     MAX_TREE: gl.constexpr, SUM_PARTIAL: gl.constexpr, DIAG: gl.constexpr, Q_AHEAD: gl.constexpr,
+    MAX_VOTE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
@@ -1056,7 +1119,7 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG)),
+                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG, MAX_VOTE)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_O, WS_ML, q_smem, k_smem, v_smem,
                      q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn_1, turn_0, w0, w_end, w_step, H, G_MB, n_slots, C,
@@ -1066,7 +1129,7 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG)),
+                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG, MAX_VOTE)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK, n_full, n_parts,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -1081,7 +1144,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
                 q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None,
                 idx_ahead=None, next_item=None, split_tail=None, tail_launch=None, skip_rescale=None,
-                max_tree=None, sum_partial=None, q_ahead=None, diag_no_copy=False, diag_times=None):
+                max_tree=None, sum_partial=None, q_ahead=None, max_vote=None, diag_no_copy=False, diag_times=None):
     """(grid, positional args, meta) of one launch, and (out, lse, tail): tail None, or with ``split_tail`` and a
     last, partial round of work items the arguments of ``sparse_tail_merge.merge`` (run after the launch: it writes
     the split items' rows); the op and the offline compile share it.
@@ -1141,6 +1204,12 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     if split_tail and (not persistent or overlap or stage_out
                        or int(cfg["idx_ahead"] if idx_ahead is None else idx_ahead) == 3):
         raise ValueError("split_tail runs persistent, without overlap / stage_out, idx_ahead 1 or 2")
+    skip_rescale = bool(cfg["skip_rescale"] if skip_rescale is None else skip_rescale) and D == 128
+    sum_partial = bool(cfg["sum_partial"] if sum_partial is None else sum_partial)
+    max_vote = bool(cfg["max_vote"] if max_vote is None else max_vote) and D == 128
+    if max_vote and not (skip_rescale and sum_partial) or max_vote and overlap:
+        raise ValueError("max_vote keeps the running max per thread: it runs with skip_rescale and sum_partial "
+                         "(D = 128; ignored at D = 64), not with overlap")
     if split_tail and q_ahead:
         raise ValueError("q_ahead runs without split_tail (tail_launch: its split launch gathers its queries as before)")
     tail_launch = int(cfg["tail_launch"] if tail_launch is None else tail_launch)
@@ -1202,11 +1271,12 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 NEXT_ITEM=next_item,
                 SPLIT=bool(split_tail),
                 NO_COPY=bool(diag_no_copy),
-                SKIP_RESCALE=bool(cfg["skip_rescale"] if skip_rescale is None else skip_rescale) and D == 128,
+                SKIP_RESCALE=skip_rescale,
                 MAX_TREE=bool(cfg["max_tree"] if max_tree is None else max_tree),
-                SUM_PARTIAL=bool(cfg["sum_partial"] if sum_partial is None else sum_partial),
+                SUM_PARTIAL=sum_partial,
                 DIAG=diag_times is not None,
                 Q_AHEAD=q_ahead,
+                MAX_VOTE=max_vote,
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     if tail_parts > 1:  # the tail launch: one program per part, its partial O / max / sum to the workspace only
@@ -1271,7 +1341,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             as a tree: ``_row_max``), ``sum_partial`` (the row sums as per-thread partials, finished once per
             item: ``_thread_sums``), ``q_ahead`` (with ``q_regs``, one Q slot, no ``next_item`` / ``split_tail``: the
             producer gathers each item's queries during the item before, after its tile min(3, tiles - 1), so the
-            consumers do not wait for them at the item's start: ``_producer``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
+            consumers do not wait for them at the item's start: ``_producer``), ``max_vote`` (with skip_rescale and
+            sum_partial, D = 128; ignored at D = 64: the running max kept per thread too, the row maxima's shuffles
+            only when a warp's vote says a row's max may move: ``_softmax_tile``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
             warpgroups' speed; the benchmark's "consumers alone" row).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).

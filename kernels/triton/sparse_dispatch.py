@@ -89,6 +89,13 @@ GLUON_SCHEDULES = {
         _EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True),
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead tail_launch":
         dict(_EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True, tail_launch=4),
+    # + the running max kept per thread too, the row maxima's shuffles only when a warp's vote says a row's max may
+    # move (max_vote; same values), with q_ahead, with and without the tail launch
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead max_vote": dict(
+        _EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True, max_vote=True),
+    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead max_vote "
+    "tail_launch": dict(_EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True, max_vote=True,
+                        tail_launch=4),
     # the same with the row maxima as a tree too (max_tree: slower at 1.3B in round s9r1, without sum_partial)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial": dict(
         _EARLY_Q, q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True),
