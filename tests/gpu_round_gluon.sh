@@ -41,23 +41,28 @@ fi
 if [ "$MODE" = s10r1 ]; then  # <= 130 s (cold machine: compiles counted): session 10 round 1; auto mode unchanged
     T0=$(date +%s)
     # 1. q_ahead (each item's queries gathered by the producer during the item before) against float64: scores
-    #    growing along 12-tile items, short ragged items (fp8_row, fp16), the tail-launch form (int4_group, LSE);
-    #    ~4 Gluon + 1 merge compiles; os._exit: pytest's exit has hung before
-    timeout 45 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
-        -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py -k "q_ahead and (ramp or short or tail)" \
-        > "$OUT/gluon_gpu_tests.log" 2>&1
-    echo "gluon gpu tests: rc=$? ($(( $(date +%s) - T0 )) s, cap 45 s)"
-    grep -E "rel_l2|passed|failed|Error|QA OK" "$OUT/gluon_gpu_tests.log" | tail -8
+    #    growing along 12-tile items, short ragged items (fp8_row, fp16), the tail-launch form (int4_group, LSE); and
+    #    max_vote (the row maxima's shuffles only on a warp's vote) with q_ahead on the growing scores (bitwise
+    #    comparison with q_ahead alone printed); ~5 Gluon + 1 merge compiles; os._exit: pytest's exit has hung before
+    timeout 55 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
+        -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py \
+        -k "(q_ahead and (ramp or short or tail)) or (max_vote and ramp)" > "$OUT/gluon_gpu_tests.log" 2>&1
+    echo "gluon gpu tests: rc=$? ($(( $(date +%s) - T0 )) s, cap 55 s)"
+    grep -E "rel_l2|passed|failed|Error|QA OK|MV OK|differ" "$OUT/gluon_gpu_tests.log" | tail -12
     P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead"
-    NAMES=none
+    NAMES=""
     if [ "$(grep -c "QA OK" "$OUT/gluon_gpu_tests.log")" -ge 3 ]; then NAMES="$P tail_launch"; fi
-    # 2. the op (the auto mode as in s9r3: the scoreboard figure) beside the same schedule + q_ahead (+ the tail launch,
-    #    active at 1.3B only) called directly, by the method of record, both shapes, 4 densities
+    if grep -q "MV OK" "$OUT/gluon_gpu_tests.log"; then NAMES="${NAMES:+$NAMES,}$P max_vote tail_launch"; fi
+    NAMES=${NAMES:-none}
+    echo "raced beside the op: $NAMES"
+    # 2. the op (the auto mode as in s9r3: the scoreboard figure) beside the same schedule + q_ahead, and + max_vote
+    #    (each with the tail launch: active at 1.3B only) called directly, by the method of record (each row checked
+    #    against the float32 reference first), 1.3B then 14B, 4 densities, as far as the cap allows
     LEFT=$(( 130 - ($(date +%s) - T0) ))
     timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \
         --gluon-configs "$NAMES" ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
     echo "bench: rc=$? ($(( $(date +%s) - T0 )) s in all, cap $LEFT s)"
-    grep -E "efficiency|scoreboard triton|sparse op on|dense:|host us|FAILED|Error" "$OUT/bench.log" | tail -30
+    grep -E "efficiency|scoreboard triton|sparse op on|dense:|host us|FAILED|Error" "$OUT/bench.log" | tail -40
     exit 0
 fi
 if [ "$MODE" = s9r3 ]; then  # <= 100 s (cold machine: compiles counted): session 9 final kernel round (scoreboard)
