@@ -38,7 +38,8 @@ ref_top_k_rows = bsr.ref_top_k_rows
 # thread per step, the threshold among the candidates counted from memory one bit per pass); "regs": the copies held
 # in registers (``_cand_threshold_regs``); wN: warps per row, bN: keys per sweep step (256 x warps: one 16-byte tile
 # row per thread), rN: register cap (0: none). Offline sm_90 (ptxas): count 96 registers uncapped (72 capped, the
-# default), count w8 b2048 121, regs w8 b2048 156, regs w16 b4096 114, regs w16 b8192 128, all without spills
+# default), count w8 b2048 121, regs w8 b2048 156, regs w16 b4096 114, regs w16 b8192 128, all without spills; l2:
+# the row prefetched into L2 first (``topk._prefetch_l2``)
 VARIANTS = {
     "count": dict(cand_count=1),
     "count w8 b2048 r128": dict(cand_count=1, num_warps=8, block=2048, maxnreg=128),
@@ -46,6 +47,8 @@ VARIANTS = {
     "regs w8 b2048 r128": dict(cand_regs=True, num_warps=8, block=2048, maxnreg=128),
     "regs w16 b4096": dict(cand_regs=True, num_warps=16, block=4096, maxnreg=0),
     "regs w16 b8192": dict(cand_regs=True, num_warps=16, block=8192, maxnreg=0),
+    "regs w8 b2048 l2": dict(cand_regs=True, num_warps=8, block=2048, maxnreg=0, l2_prefetch=True),
+    "regs w16 b4096 l2": dict(cand_regs=True, num_warps=16, block=4096, maxnreg=0, l2_prefetch=True),
 }
 
 

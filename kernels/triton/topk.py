@@ -454,6 +454,17 @@ def _cand_threshold_regs(cand_row, n_cand, kk, lo, hi, CAP: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(src, SK, PER_LINE: tl.constexpr, LINES: tl.constexpr):
+    """``prefetch.global.L2`` of every 128-byte line of the row of SK keys at ``src`` (PER_LINE keys a line; LINES a
+    power of two >= the lines; offsets past the row clamped to its last key): the row's DRAM reads all issued at
+    once, without registers held for them, so the sweeps after the bracket's sample find the row in L2 (while few
+    enough rows are in flight for L2 to hold them). CUDA only (inline PTX)."""
+    offs = tl.minimum(tl.arange(0, LINES) * PER_LINE, SK - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [src + offs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _bracket_topk_rows(
     SUMS, OUT, CAND, FELL_BACK,
     SK, num_keys, width, inner,
@@ -469,6 +480,8 @@ def _bracket_topk_rows(
     CAND_COUNT: tl.constexpr = 0,  # the threshold among the copies by counting, 1 or 2 bits per pass (0: histograms;
     # CAP a multiple of ROWS * VEC); 3: ``_cand_threshold_regs`` (CAP a power of two)
     SAMPLE_TWO_BITS: tl.constexpr = False,  # the sample's order statistics two bits per reduction (NS / threads <= 8)
+    L2_LINES: tl.constexpr = 0,  # > 0 (CUDA only): first prefetch the row's 128-byte lines into L2 (a power of two
+    # >= the row's lines; ``_prefetch_l2``)
 ):
     """The bracket method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row: a stratified sample of
     n_samp keys (one per ``stride_samp`` positions, a scrambled offset in each) brackets the K-th largest key between
@@ -482,6 +495,9 @@ def _bracket_topk_rows(
     row = tl.program_id(0)
     outer = (row // inner).to(tl.int64)
     row_in = (row % inner).to(tl.int64)
+    if L2_LINES:
+        _prefetch_l2(SUMS + outer * (stride_so * ALIGN) + row_in * (stride_si * ALIGN), SK, 128 * 8 // KEY_BITS,
+                     L2_LINES)
     _bracket_row(SUMS + outer * (stride_so * ALIGN) + row_in * (stride_si * ALIGN),
                  OUT + outer * stride_oo + row_in * stride_oi, CAND + row.to(tl.int64) * CAP, FELL_BACK + row,
                  SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, ROWS, VEC, NS, CAP, PREFETCH,
@@ -575,7 +591,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
                method: str | None = None, cap: int | None = None, block: int | None = None,
                num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None,
                sample_stride: int | None = None, prefetch: bool = True, maxnreg: int | None = None,
-               cand_count: int = 0, cand_regs: bool = False):
+               cand_count: int = 0, cand_regs: bool = False, l2_prefetch: bool = False):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
 
@@ -600,6 +616,8 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         cand_regs: the threshold among the candidates by ``_cand_threshold_regs`` instead (the copies loaded once into
             registers, two bits per block-wide reduction; ``cand_count`` ignored) where the candidate slots per row
             are at most ``_CAND_REGS_PER_THREAD`` per thread, else as without it. Same result.
+        l2_prefetch: (CUDA; ignored elsewhere) each bracket program first prefetches its row into L2
+            (``_prefetch_l2``); for launches with few rows in flight (wide programs). Same result.
         return_fallbacks: also return int8 ``[rows]``, 1 where the bracket method fell back to the radix threshold.
         hist: optional int32 ``[..., HIST_BINS]`` contiguous: each row's histogram of its keys' top 8 bits (pass 2
             counts it while writing the sums, ``selection.group_prob_sums(hist=...)``); the radix method then skips
@@ -669,7 +687,9 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank,
             KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
             PREFETCH=prefetch, CAND_COUNT=int(cand_count),
-            SAMPLE_TWO_BITS=triton.next_power_of_2(n_samp) <= 8 * 32 * warps, num_warps=warps, **launch)
+            SAMPLE_TWO_BITS=triton.next_power_of_2(n_samp) <= 8 * 32 * warps,
+            L2_LINES=triton.next_power_of_2(-(-sk * key_bits // 1024)) if l2_prefetch and sums.device.type == "cuda"
+            else 0, num_warps=warps, **launch)
         # the rows whose bracket missed (flagged): radix threshold + compaction; every other program returns at once
         _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,
                                HAS_HIST=False, ONLY_FLAGGED=True, num_warps=4)
