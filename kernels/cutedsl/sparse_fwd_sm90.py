@@ -129,11 +129,16 @@ EPILOGUES = ("registers", "smem")
 # the token rows the next round starts on, which are then still in L2: without it each round begins at the rows the
 # previous round read longest ago (a 14B 720p head's K and V, 38.7 MB, exceed what L2 keeps of them). Only the
 # producer's tile order changes; the softmax is the same in any tile order.
+# "idx_l2" (with "overlap"): each producer thread prefetches into L2 its ``kv_idx`` entry of the key tile
+# ``IDX_L2_AHEAD`` tiles after the one whose index it loads (tiles 2 .. IDX_L2_AHEAD + 1 of an item at its start),
+# so the per-tile index load, which the producer waits for before the next tile's copies (its row addresses), finds
+# the line in L2 instead of DRAM (an index row is read once, 30 KiB per group at 14B 720p s = 0.1).
 # "diag_no_copy" (a diagnostic, wrong results): the producer skips the K/V row copies (their barriers still arrive),
 # so the consumers compute on whatever the stages hold: the kernel's speed without the gathers.
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "zigzag", "diag_no_copy")
+           "lazy_rescale", "zigzag", "idx_l2", "diag_no_copy")
 RESCALE_THRESHOLD = 8.0
+IDX_L2_AHEAD = 4  # "idx_l2": key tiles between the index loaded and the index line prefetched
 Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
@@ -155,16 +160,25 @@ class _IndexRow:
     thread_idx: Int32
 
     @cute.jit
-    def fetch(self, n_block: Int32):
-        """Start loading this thread's index of key tile ``n_block`` (slot clamped to the row; -1 -> 0)."""
+    def slot(self, n_block: Int32):
+        """This thread's slot of key tile ``n_block`` in the row, clamped to the row (past its end: its last slot,
+        a -1 or a real index; either way finite data the mask drops)."""
         rows = self.rows
+        row = (self.thread_idx % rows.gmem_threads_per_row) * (rows.num_threads // rows.gmem_threads_per_row) + (
+            self.thread_idx // rows.gmem_threads_per_row
+        )
+        return cutlass.min(cutlass.max(n_block, 0) * rows.n_block_size + row, self.k_alloc - 1)
+
+    @cute.jit
+    def fetch(self, n_block: Int32):
+        """Start loading this thread's index of key tile ``n_block`` (-1 -> 0)."""
         for i in cutlass.range_constexpr(1):
-            row = (self.thread_idx % rows.gmem_threads_per_row) * (rows.num_threads // rows.gmem_threads_per_row) + (
-                self.thread_idx // rows.gmem_threads_per_row
-            )
-            # past the row's end: its last slot (a -1, or a real index); either way finite data the mask drops
-            slot = cutlass.min(cutlass.max(n_block, 0) * rows.n_block_size + row, self.k_alloc - 1)
-            self.nxt[i] = cutlass.max(self.idx_row[slot], 0)
+            self.nxt[i] = cutlass.max(self.idx_row[self.slot(n_block)], 0)
+
+    @cute.jit
+    def prefetch(self, n_block: Int32):
+        """Prefetch the L2 line of this thread's index of key tile ``n_block`` ("idx_l2")."""
+        _prefetch_l2(fa_utils.elem_pointer(self.idx_row, self.slot(n_block)).toint())
 
     @cute.jit
     def advance(self):
@@ -324,6 +338,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.lazy_rescale = "lazy_rescale" in options
         self.diag_no_copy = "diag_no_copy" in options
         self.zigzag = "zigzag" in options
+        self.idx_l2 = "idx_l2" in options
+        assert not self.idx_l2 or self.overlap, "idx_l2 is an overlap option"
         assert not self.zigzag or self.persistent, "zigzag is a persistent-grid option"
         assert not self.lazy_rescale or self.overlap, "lazy_rescale is an overlap option"
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
@@ -546,6 +562,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state)
             index.advance()
             index.fetch(self._tile_at(1, n_block_min, n_block_max, asc))
+            if const_expr(self.idx_l2):
+                for p in cutlass.range_constexpr(2, 2 + IDX_L2_AHEAD):
+                    index.prefetch(self._tile_at(p, n_block_min, n_block_max, asc))
             pipeline_k.producer_acquire(kv_state)
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
             if const_expr(not self.overlap):
@@ -900,6 +919,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             prev_row = rows.tPrPageOffset[0]  # the tile at position i, whose V is next
             index.advance()
             index.fetch(self._tile_at(i + 2, n_block_min, n_block_max, asc))
+            if const_expr(self.idx_l2):
+                index.prefetch(self._tile_at(i + 2 + IDX_L2_AHEAD, n_block_min, n_block_max, asc))
             kv_state.advance()
             pipeline_k.producer_acquire(kv_state)
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", self._tile_at(i + 1, n_block_min, n_block_max, asc))
@@ -1217,6 +1238,13 @@ def _l2_policy(kind: str, *, loc=None, ip=None) -> Int64:
     assert kind == "evict_last", kind
     return Int64(llvm.inline_asm(T.i64(), [], f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l",
                                  has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _prefetch_l2(addr: Int64, *, loc=None, ip=None):
+    """prefetch.global.L2 of the line holding global address ``addr``."""
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op
