@@ -766,7 +766,8 @@ def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rp
 
 def test_select_kv_fused_top_k_options_keep_the_selection(gen, monkeypatch):
     """select_kv's fused top-K options (the path of sm_90, forced here): topk_z (the bracket's half-width: 4 sigma, and
-    1 sigma, where rows fall back), topk_count=False and topk_stride (fewer samples; fused and separate) give the
+    1 sigma, where rows fall back), topk_count=False, the separate top-K's launch (topk_launch: 4 warps, copies in
+    registers) and topk_stride (fewer samples; fused and separate) give the
     defaults' selection, the brute-force top-K of the same float16 sums."""
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
@@ -779,8 +780,13 @@ def test_select_kv_fused_top_k_options_keep_the_selection(gen, monkeypatch):
     got = selection.select_kv(q, k, lse.float(), perm, K, **kw)
     sums16 = selection.group_prob_sums(q, k, lse.float(), perm, group_size=C, fp8=False).half()
     assert torch.equal(got, ref_top_k_rows(sums16, K, got.shape[-1]))
-    for opts in (dict(topk_z=4.0), dict(topk_z=1.0), dict(topk_count=False)):
+    launches, top_k_rows = [], selection.top_k_rows
+    monkeypatch.setattr(selection, "top_k_rows", lambda *a, **k_: launches.append(k_.get("cand_regs")) or
+                        top_k_rows(*a, **k_))
+    for opts in (dict(topk_z=4.0), dict(topk_z=1.0), dict(topk_count=False),
+                 dict(topk_fused=False, topk_launch=dict(cand_regs=True, num_warps=4, block=1024))):
         assert torch.equal(selection.select_kv(q, k, lse.float(), perm, K, **opts, **kw), got), opts
+    assert launches == [True], launches  # (the fused rows launch no separate top-K)
     # topk_stride: the bracket's keys per sample reach its plan, fused and separate, and keep the selection
     from comfyui_mc_sparse_pack.kernels.triton import topk
 

@@ -724,6 +724,8 @@ _TOPK_FUSED_MIN_CAPABILITY = (9, 0)
 # route of CUTE_DEFAULT); rounds s8r1 / s8r2: counting 0.629-0.656 against histograms 0.641-0.657 (race 1, CuTeDSL pass
 # 2 + separate top-K); the same selection either way
 _TOPK_SEPARATE_COUNT_DEFAULT = True
+# select_kv's separate top-K launch (``topk.top_k_rows`` keywords; {}: its defaults, 2 warps per row)
+_TOPK_SEPARATE_LAUNCH: dict = {}
 # group_prob_sums / select_kv: the float8 pair kernel with one query group per program (one_group; 119 registers, 4
 # programs per SM instead of 3). H200 round s5r2 (tests/bench_select_race.py race 2, sustained interleaved, 1.3B 480p,
 # all heads): pass-2 kernel 0.5139 of flash-attn-4 dense against 0.5272 for two groups per program (14B 720p not
@@ -915,7 +917,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
               topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None,
-              poly3=(0, 0), topk_count=None, topk_z=None, cute=None, topk_stride=None):
+              poly3=(0, 0), topk_count=None, topk_z=None, cute=None, topk_stride=None, topk_launch=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -939,7 +941,9 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     on the CuTeDSL sm_90 kernel where it runs (``group_prob_sums``; None: ``pass2_dispatch.CUTE_DEFAULT``), with its
     own fused top-K where the module has one, ``topk_fused`` is on and the module's policy takes the call
     (``pass2_dispatch.try_cute_select``), else then the separate bracket top-K (``topk.top_k_rows``), its threshold
-    among the candidates by counting when ``topk_count`` (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``).
+    among the candidates by counting when ``topk_count`` (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``); ``topk_launch``:
+    that separate top-K's launch (``topk.top_k_rows`` keywords: num_warps, block, maxnreg, cand_regs, l2_prefetch;
+    same selection; None: ``_TOPK_SEPARATE_LAUNCH``).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -981,20 +985,21 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
         else:
             _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method or ("radix" if use_hist else None), hist,
                    cand_count=int(_TOPK_SEPARATE_COUNT_DEFAULT if topk_count is None else topk_count),
-                   sample_stride=topk_stride)
+                   sample_stride=topk_stride, launch=_TOPK_SEPARATE_LAUNCH if topk_launch is None else topk_launch)
     return out
 
 
-def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None, cand_count=0, sample_stride=None):
+def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None, cand_count=0, sample_stride=None, launch=None):
     """The Triton top-K; if it cannot run here (a compiler or resource failure), ``torch.topk`` + sort instead, so
     the selection stays fast (ties then as torch.topk breaks them); the error is logged once per process. Out of
     memory in the bracket method (its per-call candidate scratch, rows x cap int16: ~230 MB for a 14B 720p head
     chunk) retries that call with the radix method (no scratch; same result), logged once; out of memory there is
-    raised (the caller's out-of-memory handling), and neither disables the Triton top-K."""
+    raised (the caller's out-of-memory handling), and neither disables the Triton top-K. ``launch``: more
+    ``top_k_rows`` keywords (the bracket method's launch)."""
     if not _RADIX_FAILED:
         try:
             return top_k_rows(sums, num_keys, k_alloc, out=out, method=method, hist=hist, cand_count=cand_count,
-                              sample_stride=sample_stride)
+                              sample_stride=sample_stride, **(launch or {}))
         except (ValueError, TypeError):
             raise
         except torch.cuda.OutOfMemoryError:
