@@ -92,7 +92,8 @@ def test_bracket_top_k_tilings(gen, rows_per_step, prefetch):
 
 
 @pytest.mark.parametrize("dtype,cand_count", [(torch.float16, 0), (torch.float32, 0), (torch.float16, 1),
-                                              (torch.float16, 2), (torch.float16, "regs")])
+                                              (torch.float16, 2), (torch.float16, "regs"),
+                                              (torch.float16, "regs persist")])
 def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     """The bracket method with few samples (strata of 4 keys) and a small candidate buffer: rows where the bracket
     holds the K-th key (radix select among the candidates) and rows where it cannot (radix fallback), all exact:
@@ -107,7 +108,8 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
       that stops short of a single value picks a wrong threshold.
     ``cand_count``: the threshold among the candidates by counting, one or two bits per pass (the separate top-K after
     the CuTeDSL pass 2), the same rows and the same fallbacks (its candidate slots: 512, one sweep step); "regs": the
-    copies held in registers (``top_k_rows(cand_regs=True)``, 8 per thread)."""
+    copies held in registers (``top_k_rows(cand_regs=True)``, 8 per thread); "regs persist": with 2 programs looping
+    over the 6 rows (``persist=1``: a program per 4 rows off CUDA), each with one candidate scratch row."""
     sk, k, width, stride, cap = 1000, 300, 320, 4, 512
     pos = triton_topk.sample_positions(sk, stride)
     assert len(pos) == 250 and bool((pos < sk).all()) and len(set(pos.tolist())) == 250
@@ -123,8 +125,8 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     out = torch.full((6, width), POISON, dtype=torch.int32)
     got, fell_back = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), cap=cap, method="bracket",
                                             sample_stride=stride, return_fallbacks=True,
-                                            **(dict(cand_regs=True) if cand_count == "regs" else
-                                               dict(cand_count=cand_count)))
+                                            **(dict(cand_count=cand_count) if not isinstance(cand_count, str) else
+                                               dict(cand_regs=True, persist=int(cand_count == "regs persist"))))
     assert torch.equal(got.cpu(), _brute_force(sums, k, width))
     assert fell_back.cpu().tolist() == [0, 1, 1, 1, 0, 0]
 

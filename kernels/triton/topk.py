@@ -469,7 +469,7 @@ def _bracket_topk_rows(
     SUMS, OUT, CAND, FELL_BACK,
     SK, num_keys, width, inner,
     stride_so, stride_si, stride_oo, stride_oi,
-    stride_samp, n_samp, hi_rank, lo_rank,
+    stride_samp, n_samp, hi_rank, lo_rank, n_rows,
     KEY_BITS: tl.constexpr,
     ALIGN: tl.constexpr,  # the row strides (in keys) are multiples of ALIGN (passed divided by it)
     ROWS: tl.constexpr,
@@ -480,10 +480,12 @@ def _bracket_topk_rows(
     CAND_COUNT: tl.constexpr = 0,  # the threshold among the copies by counting, 1 or 2 bits per pass (0: histograms;
     # CAP a multiple of ROWS * VEC); 3: ``_cand_threshold_regs`` (CAP a power of two)
     SAMPLE_TWO_BITS: tl.constexpr = False,  # the sample's order statistics two bits per reduction (NS / threads <= 8)
-    L2_LINES: tl.constexpr = 0,  # > 0 (CUDA only): first prefetch the row's 128-byte lines into L2 (a power of two
-    # >= the row's lines; ``_prefetch_l2``)
+    L2_LINES: tl.constexpr = 0,  # > 0 (CUDA only): prefetch each row's 128-byte lines into L2 (a power of two >= the
+    # row's lines; ``_prefetch_l2``): before the row, or with PERSIST the program's next row before this one
+    PERSIST: tl.constexpr = False,  # programs loop over rows pid, pid + programs, ... (CAND: a scratch row each)
 ):
-    """The bracket method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row: a stratified sample of
+    """The bracket method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row (PERSIST: rows pid, pid +
+    programs, ... of the n_rows): a stratified sample of
     n_samp keys (one per ``stride_samp`` positions, a scrambled offset in each) brackets the K-th largest key between
     two sample order statistics; one sweep counts the keys above the bracket (per-thread counters, reduced once) and
     copies the keys inside it to CAND (at most CAP); radix select over the copies (``_cand_threshold``) gives the
@@ -492,16 +494,34 @@ def _bracket_topk_rows(
     unwritten with FELL_BACK[row] = 1: ``_radix_topk_rows`` (ONLY_FLAGGED, the next launch) writes it, so the result
     is exact either way. (The radix passes are not inlined here: they held the kernel at 140 registers, 7 programs
     of 2 warps per SM; without them 72 fit with no spill.)"""
-    row = tl.program_id(0)
-    outer = (row // inner).to(tl.int64)
-    row_in = (row % inner).to(tl.int64)
-    if L2_LINES:
-        _prefetch_l2(SUMS + outer * (stride_so * ALIGN) + row_in * (stride_si * ALIGN), SK, 128 * 8 // KEY_BITS,
-                     L2_LINES)
-    _bracket_row(SUMS + outer * (stride_so * ALIGN) + row_in * (stride_si * ALIGN),
-                 OUT + outer * stride_oo + row_in * stride_oi, CAND + row.to(tl.int64) * CAP, FELL_BACK + row,
-                 SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, ROWS, VEC, NS, CAP, PREFETCH,
-                 SAMPLE_TWO_BITS, CAND_COUNT)
+    pid = tl.program_id(0)
+    per_line: tl.constexpr = 128 * 8 // KEY_BITS
+    if PERSIST:
+        nprog = tl.num_programs(0)
+        if L2_LINES:
+            _prefetch_l2(_row_src(SUMS, pid, inner, stride_so, stride_si, ALIGN), SK, per_line, L2_LINES)
+        for row in range(pid, n_rows, nprog):
+            if L2_LINES:
+                if row + nprog < n_rows:
+                    _prefetch_l2(_row_src(SUMS, row + nprog, inner, stride_so, stride_si, ALIGN), SK, per_line,
+                                 L2_LINES)
+            _bracket_row(_row_src(SUMS, row, inner, stride_so, stride_si, ALIGN),
+                         _row_src(OUT, row, inner, stride_oo, stride_oi, 1), CAND + pid.to(tl.int64) * CAP,
+                         FELL_BACK + row, SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, ROWS,
+                         VEC, NS, CAP, PREFETCH, SAMPLE_TWO_BITS, CAND_COUNT)
+    else:
+        src = _row_src(SUMS, pid, inner, stride_so, stride_si, ALIGN)
+        if L2_LINES:
+            _prefetch_l2(src, SK, per_line, L2_LINES)
+        _bracket_row(src, _row_src(OUT, pid, inner, stride_oo, stride_oi, 1), CAND + pid.to(tl.int64) * CAP,
+                     FELL_BACK + pid, SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, ROWS, VEC,
+                     NS, CAP, PREFETCH, SAMPLE_TWO_BITS, CAND_COUNT)
+
+
+@triton.jit
+def _row_src(base, row, inner, stride_o, stride_i, ALIGN: tl.constexpr):
+    """The start of row ``row`` of a [outer, inner, ...] tensor at ``base`` with strides (stride_o, stride_i) * ALIGN."""
+    return base + (row // inner).to(tl.int64) * (stride_o * ALIGN) + (row % inner).to(tl.int64) * (stride_i * ALIGN)
 
 
 @triton.jit
@@ -591,7 +611,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
                method: str | None = None, cap: int | None = None, block: int | None = None,
                num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None,
                sample_stride: int | None = None, prefetch: bool = True, maxnreg: int | None = None,
-               cand_count: int = 0, cand_regs: bool = False, l2_prefetch: bool = False):
+               cand_count: int = 0, cand_regs: bool = False, l2_prefetch: bool = False, persist: int = 0):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
 
@@ -618,6 +638,8 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             are at most ``_CAND_REGS_PER_THREAD`` per thread, else as without it. Same result.
         l2_prefetch: (CUDA; ignored elsewhere) each bracket program first prefetches its row into L2
             (``_prefetch_l2``); for launches with few rows in flight (wide programs). Same result.
+        persist: (> 0) the bracket launch as ``persist`` programs per SM (CUDA; else per 4 rows) looping over the
+            rows, each with one candidate scratch row (with ``l2_prefetch``: its next row prefetched before this one).
         return_fallbacks: also return int8 ``[rows]``, 1 where the bracket method fell back to the radix threshold.
         hist: optional int32 ``[..., HIST_BINS]`` contiguous: each row's histogram of its keys' top 8 bits (pass 2
             counts it while writing the sums, ``selection.group_prob_sums(hist=...)``); the radix method then skips
@@ -679,17 +701,22 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         elif cand_count:  # whole sweep steps of copies (``_cand_threshold_count`` pads to them)
             step = tile_rows * vec
             cap_b = -(-max(cap_b, step) // step) * step
-        cand = torch.empty(n, cap_b, dtype=torch.int16 if key_bits == 16 else torch.int32, device=sums.device)
+        programs = n
+        if persist:
+            per = (torch.cuda.get_device_properties(sums.device).multi_processor_count if sums.device.type == "cuda"
+                   else -(-n // 4))
+            programs = max(1, min(n, persist * per))
+        cand = torch.empty(programs, cap_b, dtype=torch.int16 if key_bits == 16 else torch.int32, device=sums.device)
         regs = _BRACKET_MAXNREG if maxnreg is None else maxnreg
         launch = dict(maxnreg=regs) if regs and sums.device.type == "cuda" else {}
-        _bracket_topk_rows[(n,)](
+        _bracket_topk_rows[(programs,)](
             src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // align,
-            src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank,
+            src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank, n,
             KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
             PREFETCH=prefetch, CAND_COUNT=int(cand_count),
             SAMPLE_TWO_BITS=triton.next_power_of_2(n_samp) <= 8 * 32 * warps,
             L2_LINES=triton.next_power_of_2(-(-sk * key_bits // 1024)) if l2_prefetch and sums.device.type == "cuda"
-            else 0, num_warps=warps, **launch)
+            else 0, PERSIST=bool(persist), num_warps=warps, **launch)
         # the rows whose bracket missed (flagged): radix threshold + compaction; every other program returns at once
         _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,
                                HAS_HIST=False, ONLY_FLAGGED=True, num_warps=4)
