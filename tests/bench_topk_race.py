@@ -8,7 +8,10 @@ dense and every checked variant are raced (tests/_timing.race, the method of rec
 float8 operand pass (``selection.fp8_operands``) in its two program orders (rows "operands", "operands rev": the
 quantising pass from the last head; ``quant_reverse``). Prints lines
 "TOPK CHECK" / "TOPK RACE" and writes OUT/bench_topk_race.json.
+``--select``: last, select_kv at each density with the launch of the variant whose worst ratio was lowest
+(``topk_launch``) beside its defaults (checked equal first), dense in the same race (line "SELECT RACE").
 Usage (checkout root, H200): python tests/bench_topk_race.py --out OUT [--commit HASH] [--variants a,b] [--rounds 5]
+[--select]
 The variants compile first in child processes (one per variant, Triton's cache), beside the inputs' making.
 Expected: ~30 s start-up, ~5 s per density's checks and race.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -86,6 +90,8 @@ def main():
     ap.add_argument("--densities", default="0.1,0.25,0.5")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="TRITON_INTERPRET=1 on the CPU: a tiny shape, single calls")
+    ap.add_argument("--select", action="store_true", help="last, select_kv with the best variant's launch "
+                    "(topk_launch) beside its defaults and dense (the CuTeDSL pass 2 compiled in a child first)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -95,6 +101,10 @@ def main():
     if args.compile_only:
         return compile_only(names, [float(x) for x in args.densities.split(",")])
     children = [] if args.smoke else spawn_compiles(names, args.densities)
+    if args.select and not args.smoke:  # select_kv's defaults compiled (CuTeDSL pass 2 into its disk cache) and checked
+        children.append(subprocess.Popen([sys.executable, str(Path(__file__).with_name("bench_select_race.py")),
+                                          "--out", str(out_dir), "--precompile", "1.3b", "--rows", "defaults"],
+                                         stdout=open(out_dir / "select_child.log", "w"), stderr=subprocess.STDOUT))
     t0 = time.time()
     report = dict(commit=args.commit, gpu=None if args.smoke else torch.cuda.get_device_name(), checks={}, races={})
 
@@ -150,7 +160,44 @@ def main():
         report["races"][f"s={s}"] = dict(dense_ms=ms["dense"], ms=ms, over_dense=over)
         log(f"TOPK RACE s={s} (dense {ms['dense']:.3f} ms): " + " | ".join(f"{n} {r:.4f}" for n, r in over.items()))
         save()
+    if args.select:
+        try:
+            report["select"] = select_race(report, names, q, k, v, lse, perm, dense, args,
+                                           cute_ok=args.smoke or children[-1].returncode == 0, log=log)
+        except Exception as err:  # noqa: BLE001
+            report["select"] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+            log(f"SELECT FAILED: {report['select']['error']}")
+            traceback.print_exc()
+        save()
     log("done")
+
+
+def select_race(report, names, q, k, v, lse, perm, dense, args, cute_ok, log):
+    """select_kv with the launch of the variant whose worst top-K ratio over the densities was lowest (``topk_launch``)
+    beside select_kv's defaults, at each density in one race with dense; its selection checked == the defaults' first
+    (the same pass 2: the same sums). Without the CuTeDSL child's pass (compile / check), both rows take the Triton
+    pass 2 without its fused top-K (cute=False, topk_fused=False)."""
+    worst = {n: max(report["races"][f"s={float(s)}"]["over_dense"].get(n, math.inf)
+                    for s in args.densities.split(",")) for n in names}
+    best = min(worst, key=worst.get)
+    launch = {key: val for key, val in VARIANTS[best].items() if key != "cand_count"}
+    extra = dict(topk_count=VARIANTS[best]["cand_count"]) if "cand_count" in VARIANTS[best] else {}
+    kw = {} if cute_ok else dict(cute=False, topk_fused=False)  # (the Triton pass 2 + the separate top-K)
+    S = q.shape[2]
+    fns = {"dense": dense}
+    for s in (float(x) for x in args.densities.split(",")):
+        kq = int(s * S)
+        run = lambda kq, more: lambda: selection.select_kv(q, k, lse, perm, kq, group_size=bsr.C,  # noqa: E731
+                                                           kv_tile=bsr.KV_TILE, **kw, **more)
+        if not torch.equal(run(kq, {})(), run(kq, dict(topk_launch=launch, **extra))()):
+            raise AssertionError(f"select_kv with {best}'s launch differs from its defaults at s={s}")
+        fns[f"defaults s={s}"] = run(kq, {})
+        fns[f"{best} s={s}"] = run(kq, dict(topk_launch=launch, **extra))
+    ms = bsr.race(fns, rounds=args.rounds)
+    over = {n: t / ms["dense"] for n, t in ms.items() if n != "dense"}
+    log(f"SELECT RACE (dense {ms['dense']:.3f} ms, cute {cute_ok}, best top-K '{best}' worst {worst[best]:.4f}): "
+        + " | ".join(f"{n} {r:.4f}" for n, r in over.items()))
+    return dict(best=best, worst=worst, cute=cute_ok, dense_ms=ms["dense"], ms=ms, over_dense=over)
 
 
 if __name__ == "__main__":
