@@ -132,7 +132,9 @@ EPILOGUES = ("registers", "smem")
 # "idx_l2" (with "overlap"): each producer thread prefetches into L2 its ``kv_idx`` entry of the key tile
 # ``IDX_L2_AHEAD`` tiles after the one whose index it loads (tiles 2 .. IDX_L2_AHEAD + 1 of an item at its start),
 # so the per-tile index load, which the producer waits for before the next tile's copies (its row addresses), finds
-# the line in L2 instead of DRAM (an index row is read once, 30 KiB per group at 14B 720p s = 0.1).
+# the line in L2 instead of DRAM (an index row is read once, 30 KiB per group at 14B 720p s = 0.1); and it waits
+# for that index after the tile's K stage is free instead of at the end of the iteration before (without the
+# option the loaded index is clamped right after its load: the offline SASS waits for it after the V copies).
 # "diag_no_copy" (a diagnostic, wrong results): the producer skips the K/V row copies (their barriers still arrive),
 # so the consumers compute on whatever the stages hold: the kernel's speed without the gathers.
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3", "q_ahead", "cnt_ahead", "idx_ahead",
@@ -150,7 +152,8 @@ class _IndexRow:
 
     ``rows`` is flash-attn-4's row-copy helper; its page / page-offset registers are set to (batch, token index),
     so its row address is ``&X[b, idx, h, 0]`` of the ``(S, D, H, B)``-ordered view. ``nxt`` holds the index of
-    the tile after the one being copied (loaded one tile ahead)."""
+    the tile after the one being copied (loaded one tile ahead). ``late``: the loaded index is first used (-1 -> 0)
+    by ``advance`` instead of right after its load ("idx_l2"), so the producer waits for it only there."""
 
     rows: PagedKVManager
     idx_row: cute.Tensor
@@ -158,6 +161,7 @@ class _IndexRow:
     batch: Int32
     k_alloc: Int32
     thread_idx: Int32
+    late: cutlass.Constexpr[bool] = False
 
     @cute.jit
     def slot(self, n_block: Int32):
@@ -171,9 +175,13 @@ class _IndexRow:
 
     @cute.jit
     def fetch(self, n_block: Int32):
-        """Start loading this thread's index of key tile ``n_block`` (-1 -> 0)."""
+        """Start loading this thread's index of key tile ``n_block`` (-1 -> 0, here or with ``late`` in
+        ``advance``)."""
         for i in cutlass.range_constexpr(1):
-            self.nxt[i] = cutlass.max(self.idx_row[self.slot(n_block)], 0)
+            if const_expr(self.late):
+                self.nxt[i] = self.idx_row[self.slot(n_block)]
+            else:
+                self.nxt[i] = cutlass.max(self.idx_row[self.slot(n_block)], 0)
 
     @cute.jit
     def prefetch(self, n_block: Int32):
@@ -185,7 +193,7 @@ class _IndexRow:
         """Make the fetched tile the one the next ``load_KV`` copies."""
         for i in cutlass.range_constexpr(1):
             self.rows.tPrPage[i] = self.batch
-            self.rows.tPrPageOffset[i] = self.nxt[i]
+            self.rows.tPrPageOffset[i] = cutlass.max(self.nxt[i], 0) if const_expr(self.late) else self.nxt[i]
 
 
 @dataclass
@@ -538,7 +546,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 mPerm, mQ, mQ, FastDivmodDivisorV2(mQ.shape[0]), group, h, tidx, self.tile_m, 0, self.tile_m,
                 self.tile_hdim, self.tile_hdim, self.num_threads_per_warp_group, mQ.element_type, arch=90,
             )
-            index = _IndexRow(rows, rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, k_alloc, tidx)
+            index = _IndexRow(rows, rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, k_alloc, tidx,
+                              self.idx_l2)
             asc = Int32(0)  # "zigzag": 1 in the walk's odd rounds (key tiles ascending after the first)
             if const_expr(self.zigzag):
                 asc = (item // Int32(cute.arch.grid_dim()[0])) % 2
@@ -560,12 +569,15 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                         q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state)
                 else:
                     q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state)
+            if const_expr(self.idx_l2):  # the stage first: the wait for the index below overlaps it
+                pipeline_k.producer_acquire(kv_state)
             index.advance()
             index.fetch(self._tile_at(1, n_block_min, n_block_max, asc))
             if const_expr(self.idx_l2):
                 for p in cutlass.range_constexpr(2, 2 + IDX_L2_AHEAD):
                     index.prefetch(self._tile_at(p, n_block_min, n_block_max, asc))
-            pipeline_k.producer_acquire(kv_state)
+            else:
+                pipeline_k.producer_acquire(kv_state)
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
             if const_expr(not self.overlap):
                 pipeline_q.producer_acquire_w_index_phase(0, q_phase)
@@ -917,12 +929,15 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         advanced producer states (K, V, Q)."""
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             prev_row = rows.tPrPageOffset[0]  # the tile at position i, whose V is next
+            kv_state.advance()
+            if const_expr(self.idx_l2):  # the stage first: the wait for the index (fetched a tile ago) overlaps it
+                pipeline_k.producer_acquire(kv_state)
             index.advance()
             index.fetch(self._tile_at(i + 2, n_block_min, n_block_max, asc))
             if const_expr(self.idx_l2):
                 index.prefetch(self._tile_at(i + 2 + IDX_L2_AHEAD, n_block_min, n_block_max, asc))
-            kv_state.advance()
-            pipeline_k.producer_acquire(kv_state)
+            else:
+                pipeline_k.producer_acquire(kv_state)
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", self._tile_at(i + 1, n_block_min, n_block_max, asc))
             cur_row = rows.tPrPageOffset[0]
             rows.tPrPageOffset[0] = prev_row
