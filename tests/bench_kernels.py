@@ -57,6 +57,7 @@ import triton.testing  # noqa: E402
 import _timing  # noqa: E402  (tests/_timing.py: the method of record for kernel ratios)
 from comfyui_mc_sparse_pack import kernels  # noqa: E402
 from comfyui_mc_sparse_pack.kernels import reference, registry  # noqa: E402
+from comfyui_mc_sparse_pack.kernels.triton import sparse_dispatch as _dispatch  # noqa: E402
 
 SHAPES = {"1.3b": dict(B=1, H=12, S=32760, D=128), "14b": dict(B=1, H=40, S=75600, D=128)}
 C = 128
@@ -334,18 +335,12 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
         cp_async_fence=False, q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True),
-    # + each item's queries gathered during the item before (session 10), with and without the tail launch
-    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead": dict(
-        _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
-        cp_async_fence=False, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True),
-    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead "
-    "tail_launch": dict(_gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
-                        cp_async_fence=False, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True,
-                        tail_launch=4),
-    "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead max_vote "
-    "tail_launch": dict(_gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
-                        cp_async_fence=False, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True,
-                        max_vote=True, tail_launch=4),
+    # session 10, the s9r3 auto schedule (q_regs skip_rescale sum_partial) + each item's queries gathered during the
+    # item before (q_ahead), + the row maxima's shuffles only on a warp's vote (max_vote), + the pingpong turns on
+    # named barriers (named_turns), + both; each with the tail launch (active at 1.3B 480p only)
+    **{"gluon " + name: dict(_gluon=True, **_dispatch.GLUON_SCHEDULES[name])
+       for name in (_dispatch._SUM_PARTIAL + extra + " tail_launch"
+                    for extra in (" q_ahead", " max_vote", " named_turns", " max_vote named_turns"))},
     # each tile's kv_idx slots loaded two tiles ahead by the producer (two index loads in flight)
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence idx2": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,

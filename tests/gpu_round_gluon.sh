@@ -9,7 +9,7 @@
 #    the Triton kernel's default config and the Gluon tunings (final: 3 of them), both shapes, s = 0.1/0.15/0.25/0.5;
 #    writes $OUT/bench_reuse.json and $OUT/scoreboard.json (triton_sparse_eff_min; a Gluon result with
 #    rel_l2 > 2e-2 is excluded from it; with --gluon the figure is the op's). Expected: full ~1.2 + ~2 min (cap 5 + 4
-#    min); final ~40 + ~70 s (cap 45 + 110 s). "diag", "s9r2", "s9r3", "s10r1": the rounds named in each block below.
+#    min); final ~40 + ~70 s (cap 45 + 110 s). "diag", "s9r2", "s9r3", "s10r2": the rounds named in each block below.
 set -u
 OUT=${1:?usage: gpu_round_gluon.sh OUT_DIR [commit] [final]}
 COMMIT=${2:-}
@@ -38,27 +38,30 @@ if [ "$MODE" = diag ]; then  # <= 70 s: round s7r3 (inside the final call): no n
     grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -50
     exit 0
 fi
-if [ "$MODE" = s10r1 ]; then  # <= 130 s (cold machine: compiles counted): session 10 round 1; auto mode unchanged
+if [ "$MODE" = s10r2 ]; then  # <= 120 s (cold machine: compiles counted): session 10 round 2; auto mode unchanged
     T0=$(date +%s)
-    # 1. q_ahead (each item's queries gathered by the producer during the item before) against float64: scores
-    #    growing along 12-tile items, short ragged items (fp8_row, fp16), the tail-launch form (int4_group, LSE); and
-    #    max_vote (the row maxima's shuffles only on a warp's vote) with q_ahead on the growing scores (bitwise
-    #    comparison with q_ahead alone printed); ~5 Gluon + 1 merge compiles; os._exit: pytest's exit has hung before
-    timeout 55 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
+    # 1. named_turns (the pingpong turns on named barriers: a wrong protocol deadlocks, so the cap) on 12-tile items
+    #    with growing scores, short ragged items on 7 programs, the tail-launch form; max_vote on growing scores (its
+    #    bitwise comparison with the auto schedule printed); ~6 Gluon + 1 merge compiles; os._exit: pytest's exit has hung
+    timeout 60 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
         -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py \
-        -k "(q_ahead and (ramp or short or tail)) or (max_vote and ramp)" > "$OUT/gluon_gpu_tests.log" 2>&1
-    echo "gluon gpu tests: rc=$? ($(( $(date +%s) - T0 )) s, cap 55 s)"
-    grep -E "rel_l2|passed|failed|Error|QA OK|MV OK|differ" "$OUT/gluon_gpu_tests.log" | tail -12
-    P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead"
+        -k "(named_turns and (ramp or short or tail)) or (max_vote and ramp)" > "$OUT/gluon_gpu_tests.log" 2>&1
+    echo "gluon gpu tests: rc=$? ($(( $(date +%s) - T0 )) s, cap 60 s)"
+    grep -E "rel_l2|passed|failed|Error|NT OK|MV OK|differ" "$OUT/gluon_gpu_tests.log" | tail -12
+    P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial"
     NAMES=""
-    if [ "$(grep -c "QA OK" "$OUT/gluon_gpu_tests.log")" -ge 3 ]; then NAMES="$P tail_launch"; fi
-    if grep -q "MV OK" "$OUT/gluon_gpu_tests.log"; then NAMES="${NAMES:+$NAMES,}$P max_vote tail_launch"; fi
+    NT=$(grep -c "NT OK" "$OUT/gluon_gpu_tests.log")
+    if grep -q "MV OK" "$OUT/gluon_gpu_tests.log"; then NAMES="$P max_vote tail_launch"; fi
+    if [ "$NT" -ge 3 ]; then NAMES="${NAMES:+$NAMES,}$P named_turns tail_launch"; fi
+    if [ "$NT" -ge 3 ] && grep -q "MV OK" "$OUT/gluon_gpu_tests.log"; then
+        NAMES="$NAMES,$P max_vote named_turns tail_launch"
+    fi
     NAMES=${NAMES:-none}
     echo "raced beside the op: $NAMES"
-    # 2. the op (the auto mode as in s9r3: the scoreboard figure) beside the same schedule + q_ahead, and + max_vote
-    #    (each with the tail launch: active at 1.3B only) called directly, by the method of record (each row checked
-    #    against the float32 reference first), 1.3B then 14B, 4 densities, as far as the cap allows
-    LEFT=$(( 130 - ($(date +%s) - T0) ))
+    # 2. the op (the auto mode as in s9r3: the scoreboard figure) beside the auto schedule + max_vote, + named_turns
+    #    and + both (each with the tail launch: active at 1.3B only) called directly, by the method of record (each row
+    #    checked against the float32 reference first), 1.3B then 14B, 4 densities, as far as the cap allows
+    LEFT=$(( 120 - ($(date +%s) - T0) ))
     timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \
         --gluon-configs "$NAMES" ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
     echo "bench: rc=$? ($(( $(date +%s) - T0 )) s in all, cap $LEFT s)"

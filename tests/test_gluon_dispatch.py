@@ -351,7 +351,7 @@ def test_max_vote_only_with_per_thread_sums_at_head_dim_128():
     g = _g90()
     gen = torch.Generator().manual_seed(0)
     perm, idx = random_groups(gen, 1, 2, 256, 128), random_kv_idx(gen, 1, 2, 2, 256, 100, 128)
-    name = "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead max_vote"
+    name = "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial max_vote"
     sched = _dispatch().GLUON_SCHEDULES[name]
     for D, want in ((128, True), (64, False)):
         q = torch.randn(1, 2, 256, D, generator=gen).to(torch.bfloat16)
@@ -362,6 +362,26 @@ def test_max_vote_only_with_per_thread_sums_at_head_dim_128():
         with pytest.raises(ValueError, match="max_vote"):
             g.launch_args(q, q, q, perm, idx, num_sms=4, **{**sched, **bad})
     assert _dispatch().GLUON_SCHEDULES[name + " tail_launch"]["max_vote"]
+
+
+def test_named_turns_only_with_pingpong_whole_items():
+    """``named_turns`` (the pingpong turns on named barriers 8 / 9) runs with pingpong, without overlap or split_tail
+    (refused otherwise: the split walk's empty parts issue no blocks, so its last arrive would not be known); the
+    tail launch's split launch keeps the mbarrier turns; off by default; its schedules are dispatch entries."""
+    g = _g90()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 256, 128, generator=gen).to(torch.bfloat16)
+    perm, idx = random_groups(gen, 1, 2, 256, 128), random_kv_idx(gen, 1, 2, 2, 256, 100, 128)
+    name = "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial named_turns"
+    sched = _dispatch().GLUON_SCHEDULES[name]
+    assert g.launch_args(q, q, q, perm, idx, num_sms=4, **sched)[2]["NAMED_TURNS"] is True
+    assert g.launch_args(q, q, q, perm, idx)[2]["NAMED_TURNS"] is False
+    for bad in (dict(pingpong=False), dict(overlap=True), dict(split_tail=4)):
+        with pytest.raises(ValueError, match="named_turns"):
+            g.launch_args(q, q, q, perm, idx, num_sms=4, **{**sched, **bad})
+    tail = _dispatch().GLUON_SCHEDULES[name + " tail_launch"]
+    _, _, meta, (_, _, split) = g.launch_args(q, q, q, perm, idx, num_sms=3, **tail)  # 4 items on 3: 1 round + 1
+    assert meta["NAMED_TURNS"] is True and split["launch"][2]["NAMED_TURNS"] is False
 
 
 def test_diag_times_buffer_checked():

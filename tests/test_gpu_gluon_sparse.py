@@ -433,13 +433,13 @@ def test_q_ahead_vs_float64(case):
     print(f"QA OK q_ahead_vs_float64[{case}]")  # the round script's mark of a passed case
 
 
-MV = QA + " max_vote"
+MV = SKIP + " sum_partial max_vote"  # the auto schedule since s9r3 + max_vote
 
 
 @pytest.mark.parametrize("case", ["ramp", "short", "tail", "lse-pad"])
 def test_max_vote_vs_float64(case):
     """``max_vote`` (each thread's partial row maxima, one warp vote, the shuffles across a row's 4 threads only when
-    some row's max may move) with q_ahead: scores growing along the selections (the max moves many times per row,
+    some row's max may move): scores growing along the selections (the max moves many times per row,
     so the vote branch runs mid-row), short ragged items (masked last tiles), the tail-launch form (its split walk
     too), many trailing -1 slots with LSE (the running max finished once per item feeds the LSE). The same
     schedule without max_vote is run beside it: the results should be bitwise equal (same arithmetic; printed, not
@@ -462,3 +462,29 @@ def test_max_vote_vs_float64(case):
     print(f"max_vote vs without: {int((got != base).sum())} output / {int((lse != base_lse).sum())} LSE elements "
           "differ")
     print(f"MV OK max_vote_vs_float64[{case}]")  # the round script's mark of a passed case
+
+
+NT = SKIP + " sum_partial named_turns"  # the auto schedule since s9r3 + named_turns
+
+
+@pytest.mark.parametrize("case", ["ramp", "short", "tail", "one-round", "both"])
+def test_named_turns_vs_float64(case):
+    """``named_turns`` (the pingpong turns on named barriers: warpgroup 1's arrive ahead of the walk and its dropped
+    last arrive, so every arrive meets a wait): 12-tile items on 16 programs (growing scores), short ragged items of
+    1-3 tiles on 7 programs (many turns per item boundary), the tail-launch form (its split launch with mbarrier
+    turns), 132 programs walking 144 items (programs of one and two items), and with max_vote too. A wrong turn
+    protocol deadlocks (the round script's timeout) or races the products (wrong results). NaN-poisoned out views,
+    LSE. Prints a mark for the round script."""
+    tuning = dict(_dispatch().GLUON_SCHEDULES[(MV + " named_turns" if case == "both" else NT)
+                                               + (" tail_launch" if case == "tail" else "")])
+    if case in ("ramp", "both"):
+        _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=131, k_ramp=7.0, num_sms=16, **tuning)
+    elif case == "short":
+        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "fp8_row", torch.float16, seed=137, ragged_counts=True,
+               k_ramp=3.0, num_sms=7, **tuning)
+    elif case == "tail":  # 2 x 3 x 24 = 144 items on 132 programs: 1 round, then 12 items split by the tail launch
+        _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16, seed=139, k_ramp=5.0, num_sms=132,
+               **tuning)
+    else:
+        _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_row", torch.bfloat16, seed=149, num_sms=132, **tuning)
+    print(f"NT OK named_turns_vs_float64[{case}]")  # the round script's mark of a passed case

@@ -85,7 +85,7 @@ def config(head_dim: int) -> dict:
                 overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
                 thread_arrive=False, early_q=False, cp_async_fence=True, q_regs=False, idx_ahead=1, next_item=False,
                 split_tail=0, tail_launch=0, skip_rescale=False,
-                max_tree=False, sum_partial=False, q_ahead=False, max_vote=False)
+                max_tree=False, sum_partial=False, q_ahead=False, max_vote=False, named_turns=False)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -459,15 +459,55 @@ def _e4m3_to_f32_div256(byte):
     return bits.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
 
 
+# NAMED turns: hardware named barriers 8 (consumer warpgroup 0's turn) and 9 (warpgroup 1's), 256 threads each: the
+# waiting warpgroup's 128 threads bar.sync, the other's 128 bar.arrive (Triton's partitions use barriers 0-3)
+_TURN_SYNC_0 = gl.constexpr("bar.sync 8, 256; mov.u32 $0, $1;")
+_TURN_SYNC_1 = gl.constexpr("bar.sync 9, 256; mov.u32 $0, $1;")
+_TURN_ARRIVE_0 = gl.constexpr("{ .reg .pred p; setp.ne.s32 p, $1, 0; @p bar.arrive 8, 256; mov.u32 $0, $1; }")
+_TURN_ARRIVE_1 = gl.constexpr("{ .reg .pred p; setp.ne.s32 p, $1, 0; @p bar.arrive 9, 256; mov.u32 $0, $1; }")
+
+
 @gluon.jit
-def _turn_wait(turn_w, j, HALF: gl.constexpr):
+def _named_barrier(ARRIVE: gl.constexpr, HALF: gl.constexpr, flag):
+    """Warpgroup HALF's turn barrier (named barrier 8 + HALF, 256 threads): bar.sync, or ARRIVE: bar.arrive when
+    ``flag`` (int, warp-uniform) is nonzero; executed once by every thread of the calling warpgroup (a 128-element
+    tensor, one element per thread)."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    f = gl.arange(0, 128, layout=lay) * 0 + flag
+    if ARRIVE:
+        if HALF == 0:
+            gl.inline_asm_elementwise(_TURN_ARRIVE_0, "=r,r", [f], dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise(_TURN_ARRIVE_1, "=r,r", [f], dtype=gl.int32, is_pure=False, pack=1)
+    elif HALF == 0:
+        gl.inline_asm_elementwise(_TURN_SYNC_0, "=r,r", [f], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise(_TURN_SYNC_1, "=r,r", [f], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _turn_wait(turn_w, j, HALF: gl.constexpr, NAMED: gl.constexpr = False):
     """PINGPONG: wait on ``turn_w`` (this warpgroup's turn barrier, the other warpgroup arrives on it) until this
     consumer warpgroup may issue its j-th block of products (block j of warpgroup 0 follows block j - 1 of warpgroup
-    1; block j of warpgroup 1 follows block j of warpgroup 0)."""
-    if HALF == 0:
+    1; block j of warpgroup 1 follows block j of warpgroup 0). NAMED: on this warpgroup's named barrier instead
+    (``_named_barrier``: no phases; warpgroup 1 arrives once ahead for warpgroup 0's block 0, ``_consumer``)."""
+    if NAMED:
+        _named_barrier(False, HALF, 1)
+    elif HALF == 0:
         mbarrier.wait(turn_w.index(0), (j & 1) ^ 1)
     else:
         mbarrier.wait(turn_w.index(0), j & 1)
+
+
+@gluon.jit
+def _pass_turn(turn_o, HALF: gl.constexpr, THREAD_ARRIVE: gl.constexpr, NAMED: gl.constexpr = False, keep=1):
+    """PINGPONG: the other warpgroup's turn passed on: an arrive on ``turn_o`` (``_release``), or NAMED: on the other
+    warpgroup's named barrier, unless ``keep`` is 0 (warpgroup 1's last block of the walk: no block of warpgroup 0
+    follows it)."""
+    if NAMED:
+        _named_barrier(True, 1 - HALF, keep)
+    else:
+        _release(turn_o.index(0), THREAD_ARRIVE)
 
 
 @gluon.jit
@@ -485,21 +525,23 @@ def _release(bar, THREAD_ARRIVE: gl.constexpr):
 
 @gluon.jit
 def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c, turn_w, turn_o, j, NUM_STAGES: gl.constexpr, HALF: gl.constexpr,
-            PINGPONG: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False, FENCE: gl.constexpr = True):
+            PINGPONG: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False, FENCE: gl.constexpr = True,
+            NAMED: gl.constexpr = False):
     """S = Q K^T of the ring's tile c (fp32, the wgmma accumulator layout of s_zero), then its K stage released.
     PINGPONG: issued as this warpgroup's product block j (``_turn_wait`` on ``turn_w``), the other warpgroup's turn
     passed on (an arrive on ``turn_o``).
-    FENCE: a proxy fence between the stage's ready wait and the wgmma (without: ``_mainloop``'s ``FENCE``)."""
+    FENCE: a proxy fence between the stage's ready wait and the wgmma (without: ``_mainloop``'s ``FENCE``). NAMED: the
+    turns on named barriers (``_turn_wait``, ``_pass_turn``)."""
     s = c % NUM_STAGES
     k_tile = k_smem.index(s)
     mbarrier.wait(k_ready.index(s), (c // NUM_STAGES) & 1)
     if FENCE:
         fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads through the async proxy
     if PINGPONG:
-        _turn_wait(turn_w, j, HALF)
+        _turn_wait(turn_w, j, HALF, NAMED)
     qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if PINGPONG:
-        _release(turn_o.index(0), THREAD_ARRIVE)
+        _pass_turn(turn_o, HALF, THREAD_ARRIVE, NAMED)
     qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, q_tile, k_tile))
     _release(k_empty.index(s), THREAD_ARRIVE)
     return qk
@@ -507,19 +549,20 @@ def _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c, turn_w, turn_o, j, NUM_
 
 @gluon.jit
 def _values(p16, acc, v_smem, v_ready, v_empty, c, turn_w, turn_o, j, NUM_STAGES: gl.constexpr, HALF: gl.constexpr,
-            PINGPONG: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False, FENCE: gl.constexpr = True):
-    """O += P V of the ring's tile c (P from registers), then its V stage released; PINGPONG, FENCE as
-    ``_scores``."""
+            PINGPONG: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False, FENCE: gl.constexpr = True,
+            NAMED: gl.constexpr = False, keep=1):
+    """O += P V of the ring's tile c (P from registers), then its V stage released; PINGPONG, FENCE, NAMED as
+    ``_scores``; ``keep``: ``_pass_turn``'s."""
     s = c % NUM_STAGES
     v_tile = v_smem.index(s)
     mbarrier.wait(v_ready.index(s), (c // NUM_STAGES) & 1)
     if FENCE:
         fence_async_shared()
     if PINGPONG:
-        _turn_wait(turn_w, j, HALF)
+        _turn_wait(turn_w, j, HALF, NAMED)
     acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
     if PINGPONG:
-        _release(turn_o.index(0), THREAD_ARRIVE)
+        _pass_turn(turn_o, HALF, THREAD_ARRIVE, NAMED, keep)
     acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, v_tile, p16))
     _release(v_empty.index(s), THREAD_ARRIVE)
     return acc
@@ -528,7 +571,7 @@ def _values(p16, acc, v_smem, v_ready, v_empty, c, turn_w, turn_o, j, NUM_STAGES
 @gluon.jit
 def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero, c, turn_w, turn_o, j,
                         NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
-                        THREAD_ARRIVE: gl.constexpr = False, FENCE: gl.constexpr = True):
+                        THREAD_ARRIVE: gl.constexpr = False, FENCE: gl.constexpr = True, NAMED: gl.constexpr = False):
     """One product block: O += P V of tile c and S = Q K^T of tile c + 1 issued back to back (one proxy fence for
     both stages, one wait for both products), then both stages released. Returns (O, S of tile c + 1)."""
     sv = c % NUM_STAGES
@@ -540,11 +583,11 @@ def _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_em
     if FENCE:
         fence_async_shared()
     if PINGPONG:
-        _turn_wait(turn_w, j, HALF)
+        _turn_wait(turn_w, j, HALF, NAMED)
     acc_t = warpgroup_mma(p16, v_tile, acc, is_async=True)
     qk_t = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if PINGPONG:
-        _release(turn_o.index(0), THREAD_ARRIVE)
+        _pass_turn(turn_o, HALF, THREAD_ARRIVE, NAMED)
     acc, qk, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, qk_t, p16, v_tile, q_tile, k_tile))
     _release(v_empty.index(sv), THREAD_ARRIVE)
     _release(k_empty.index(sk), THREAD_ARRIVE)
@@ -630,7 +673,8 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
               NUM_STAGES: gl.constexpr, HALF: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
               THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr = False, FENCE: gl.constexpr = True,
               SKIP_RESCALE: gl.constexpr = False, MAX_TREE: gl.constexpr = False,
-              SUM_PARTIAL: gl.constexpr = False, MAX_VOTE: gl.constexpr = False):
+              SUM_PARTIAL: gl.constexpr = False, MAX_VOTE: gl.constexpr = False, NAMED: gl.constexpr = False,
+              keep_last=1):
     """One group's key tiles t0 .. t0 + n_tiles - 1 (>= 1 tile; ring tiles c0 ..): per tile S = Q K^T, the online
     softmax in base 2 with the lazy rescale, O += P V accumulated in fp32. Only the last tile masks the slots past
     the count (the loop body runs unmasked: no select per score). PIPELINE: tile t's P V and tile t + 1's QK^T
@@ -644,7 +688,8 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
     accumulator's rescale only when a row's max moved (``_rescale``). MAX_TREE: ``_row_max``'s tree. SUM_PARTIAL: the row sums
     kept as per-thread partials over the tiles, finished once at the end (``_softmax_tile``). MAX_VOTE (with
     SUM_PARTIAL, SKIP_RESCALE): the running max per thread too, its shuffles only when a warp's vote says a row's max
-    may move (``_softmax_tile``); finished once at the end."""
+    may move (``_softmax_tile``); finished once at the end. NAMED (PINGPONG): the turns on named barriers
+    (``_turn_wait``); ``keep_last`` 0 drops the last block's arrive (``_pass_turn``)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -663,7 +708,7 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
     else:
         l_i = gl.zeros([M], gl.float32, layout=row_s)
     qk = _scores(q_tile, k_smem, k_ready, k_empty, s_zero, c0, turn_w, turn_o, j0, NUM_STAGES, HALF, PINGPONG,
-                 THREAD_ARRIVE, FENCE)
+                 THREAD_ARRIVE, FENCE, NAMED)
     for t in range(n_tiles - 1):  # every tile but the last: all slots valid
         c = c0 + t
         p16, m_i, l_i, alpha = _softmax_tile(qk, t, n_end, m_i, l_i, sm_scale_log2, offs_n, dtype, BLOCK_N, p_layout,
@@ -671,7 +716,8 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
         acc = _rescale(acc, alpha, SKIP_RESCALE, MAX_VOTE)
         if PIPELINE or PINGPONG:
             acc, qk = _values_then_scores(p16, acc, q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
-                                          c, turn_w, turn_o, j0 + 1 + t, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE, FENCE)
+                                          c, turn_w, turn_o, j0 + 1 + t, NUM_STAGES, HALF, PINGPONG, THREAD_ARRIVE, FENCE,
+                                          NAMED)
         else:
             acc = _values(p16, acc, v_smem, v_ready, v_empty, c, turn_w, turn_o, 0, NUM_STAGES, HALF, False, THREAD_ARRIVE,
                           FENCE)
@@ -684,7 +730,7 @@ def _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w
                                          row_o, True, MAX_TREE, SUM_PARTIAL, MAX_VOTE)
     acc = _rescale(acc, alpha, SKIP_RESCALE, MAX_VOTE)
     acc = _values(p16, acc, v_smem, v_ready, v_empty, c0 + t, turn_w, turn_o, j0 + n_tiles, NUM_STAGES, HALF, PINGPONG,
-                  THREAD_ARRIVE, FENCE)
+                  THREAD_ARRIVE, FENCE, NAMED, keep_last)
     if SUM_PARTIAL:
         l_i = gl.convert_layout(gl.sum(l_i, 1), row_s)
         if MAX_VOTE:  # a row's 4 copies are equal
@@ -929,12 +975,15 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
               STAGE_OUT: gl.constexpr, Q_SLOTS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr,
               CP_ASYNC_FENCE: gl.constexpr, Q_REGS: gl.constexpr, SPLIT: gl.constexpr, STREAM: gl.constexpr,
               SKIP_RESCALE: gl.constexpr = False, MAX_TREE: gl.constexpr = False,
-              SUM_PARTIAL: gl.constexpr = False, DIAG: gl.constexpr = False, MAX_VOTE: gl.constexpr = False):
+              SUM_PARTIAL: gl.constexpr = False, DIAG: gl.constexpr = False, MAX_VOTE: gl.constexpr = False,
+              NAMED: gl.constexpr = False):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
     loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
     later) and the epilogue's perm rows, both in flight under the mainloop. SPLIT: ``n_work`` counts virtual work
     indices (``_sub_item``); a part of an item runs its key tiles only (an empty part none) and stores its
-    unnormalised O, running max and row sum to the workspace (``_store_partial``) for ``sparse_tail_merge``."""
+    unnormalised O, running max and row sum to the workspace (``_store_partial``) for ``sparse_tail_merge``. NAMED
+    (PINGPONG, not SPLIT / OVERLAP): the turns on named barriers (``_turn_wait``): warpgroup 1 arrives once before its
+    walk (warpgroup 0's first block) and drops the arrive of its walk's last block, so every arrive meets a wait."""
     M: gl.constexpr = 64
     q_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
     st_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
@@ -948,6 +997,8 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
     c = 0  # ring tiles consumed so far (all items)
     i = 0
     jb = 0  # SPLIT: product blocks issued so far (pingpong turns), n_tiles + 1 per non-empty part
+    if NAMED and HALF == 1:  # warpgroup 0's first turn
+        _named_barrier(True, 0, (w0 < n_work).to(gl.int32))
     if PERSISTENT:  # the first item's count tail (the loop loads each next item's)
         w_first = _sub_item(w0, n_full, n_parts, SPLIT)[0]
         tail = _tail_probe(KV_IDX + _work_item(w_first, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)[4], K_ALLOC,
@@ -1018,11 +1069,15 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
                 if EARLY_Q and not Q_REGS:  # the mainloop would have freed the Q slot
                     mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
         else:
+            if HALF == 0:
+                keep_last = 1
+            else:  # warpgroup 1's last block of the walk passes no turn (NAMED)
+                keep_last = (vw + w_step < n_work).to(gl.int32)
             acc, m_i, l_i = _mainloop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_w, turn_o,
                                       q_empty.index(i % Q_SLOTS), n_end, 0, gl.cdiv(n_end, BLOCK_N), c, c + i,
                                       sm_scale_log2, Q.dtype.element_ty, M, HEAD_DIM, BLOCK_N, NUM_STAGES, HALF,
                                       PIPELINE, PINGPONG, THREAD_ARRIVE, EARLY_Q if not Q_REGS else False,
-                                      CP_ASYNC_FENCE, SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, MAX_VOTE)
+                                      CP_ASYNC_FENCE, SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, MAX_VOTE, NAMED, keep_last)
         if DIAG:
             _stamp(WS_ML, i, w_step, n_work, 2 + 2 * HALF)
         if SPLIT:
@@ -1066,7 +1121,7 @@ def _sparse_fwd_sm90(
     Q_REGS: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr, SPLIT: gl.constexpr,
     NO_COPY: gl.constexpr, STREAM: gl.constexpr, SKIP_RESCALE: gl.constexpr,
     MAX_TREE: gl.constexpr, SUM_PARTIAL: gl.constexpr, DIAG: gl.constexpr, Q_AHEAD: gl.constexpr,
-    MAX_VOTE: gl.constexpr,
+    MAX_VOTE: gl.constexpr, NAMED_TURNS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
@@ -1119,7 +1174,7 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG, MAX_VOTE)),
+                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG, MAX_VOTE, NAMED_TURNS)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_O, WS_ML, q_smem, k_smem, v_smem,
                      q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn_1, turn_0, w0, w_end, w_step, H, G_MB, n_slots, C,
@@ -1129,7 +1184,7 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG, MAX_VOTE)),
+                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG, MAX_VOTE, NAMED_TURNS)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK, n_full, n_parts,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -1144,7 +1199,8 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
                 q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None,
                 idx_ahead=None, next_item=None, split_tail=None, tail_launch=None, skip_rescale=None,
-                max_tree=None, sum_partial=None, q_ahead=None, max_vote=None, diag_no_copy=False, diag_times=None):
+                max_tree=None, sum_partial=None, q_ahead=None, max_vote=None, named_turns=None, diag_no_copy=False,
+                diag_times=None):
     """(grid, positional args, meta) of one launch, and (out, lse, tail): tail None, or with ``split_tail`` and a
     last, partial round of work items the arguments of ``sparse_tail_merge.merge`` (run after the launch: it writes
     the split items' rows); the op and the offline compile share it.
@@ -1210,6 +1266,11 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     if max_vote and not (skip_rescale and sum_partial) or max_vote and overlap:
         raise ValueError("max_vote keeps the running max per thread: it runs with skip_rescale and sum_partial "
                          "(D = 128; ignored at D = 64), not with overlap")
+    named_turns = bool(cfg["named_turns"] if named_turns is None else named_turns)
+    pingpong = bool(cfg["pingpong"] if pingpong is None else pingpong)
+    if named_turns and (not pingpong or overlap or split_tail):
+        raise ValueError("named_turns passes the pingpong turns on named barriers: it runs with pingpong, without "
+                         "overlap / split_tail (tail_launch: its split launch keeps the mbarrier turns)")
     if split_tail and q_ahead:
         raise ValueError("q_ahead runs without split_tail (tail_launch: its split launch gathers its queries as before)")
     tail_launch = int(cfg["tail_launch"] if tail_launch is None else tail_launch)
@@ -1259,7 +1320,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 CONSUMER_REGS=consumer_regs or cfg["consumer_regs"], PRODUCER_REGS=producer_regs or cfg["producer_regs"],
                 PIPELINE=bool(cfg["pipeline"] if pipeline is None else pipeline), PERSISTENT=persistent,
                 OVERLAP=overlap,
-                PINGPONG=bool(cfg["pingpong"] if pingpong is None else pingpong),
+                PINGPONG=pingpong,
                 STAGE_OUT=stage_out,
                 Q_SLOTS=q_slots if persistent else 1,
                 L2_PREFETCH=bool(cfg["l2_prefetch"] if l2_prefetch is None else l2_prefetch),
@@ -1277,6 +1338,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 DIAG=diag_times is not None,
                 Q_AHEAD=q_ahead,
                 MAX_VOTE=max_vote,
+                NAMED_TURNS=named_turns,
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     if tail_parts > 1:  # the tail launch: one program per part, its partial O / max / sum to the workspace only
@@ -1287,6 +1349,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
         tail["launch"] = ((tail["n_tail"] * tail_parts,),
                           _args(out, none_ptrs, none_strides, n_parts_virtual, n_full, tail_parts, n_full),
                           dict(meta, RETURN_LSE=False, RES_KIND=0, SPLIT=True, NEXT_ITEM=False, Q_AHEAD=False,
+                               NAMED_TURNS=False,
                                CONSUMER_REGS=216, PRODUCER_REGS=72))
     return grid, args, meta, (out, lse, tail)
 

@@ -47,6 +47,7 @@ TIMING_REPS = 5
 # the producer's early query gathers and the consumers' per-thread arrives, no proxy fence: the base of the
 # schedules below from q_regs on
 _EARLY_Q = dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False)
+_SUM_PARTIAL = "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial"
 GLUON_SCHEDULES = {
     "plain": {},
     "pingpong": dict(pingpong=True),
@@ -90,12 +91,12 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead tail_launch":
         dict(_EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True, tail_launch=4),
     # + the running max kept per thread too, the row maxima's shuffles only when a warp's vote says a row's max may
-    # move (max_vote; same values), with q_ahead, with and without the tail launch
-    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead max_vote": dict(
-        _EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True, max_vote=True),
-    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead max_vote "
-    "tail_launch": dict(_EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True, max_vote=True,
-                        tail_launch=4),
+    # move (max_vote; same values), + the pingpong turns on named barriers (named_turns: bar.sync / bar.arrive, as
+    # flash-attn's sm90 warp scheduler barriers, instead of mbarrier waits and arrives), and both; each with and
+    # without the tail launch
+    **{_SUM_PARTIAL + extra + tail: dict(_EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True,
+                                         **{opt: True for opt in extra.split()}, **({"tail_launch": 4} if tail else {}))
+       for extra in (" max_vote", " named_turns", " max_vote named_turns") for tail in ("", " tail_launch")},
     # the same with the row maxima as a tree too (max_tree: slower at 1.3B in round s9r1, without sum_partial)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial": dict(
         _EARLY_Q, q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True),
