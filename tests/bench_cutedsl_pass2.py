@@ -17,7 +17,8 @@ Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p:
 a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<ksplit>`` (else
 ``auto_ksplit``), `` pp`` (pingpong), `` ls`` (lse_smem), `` qs`` (qsplit), `` wg3`` (three consumer
 warpgroups), `` wg4`` (four), `` pr`` (two query groups per work item), `` ov`` (with pr: overlapped wgmmas),
-`` tk`` (the top-K fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums too),
+`` qr`` (qsplit 2: with wg3 / wg4, the query halves' wgmmas rolled over pairs of tiles), `` tk`` (the top-K
+fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums too),
 `` wg2`` / `` nols`` / `` npr`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed without
 the check).
 Writes OUT/bench_cutedsl_pass2.json.
@@ -59,6 +60,9 @@ def parse_variant(text: str) -> dict:
             continue
         if tok in OFF:  # a default option turned off
             out[OFF[tok]] = False
+            continue
+        if tok == "qr":  # qsplit 2: the query halves' wgmmas rolled over tile pairs (wg3 / wg4)
+            out["qsplit"] = 2
             continue
         if tok in ("noexp", "nomma"):  # timing floors (wrong sums: not checked, timed only)
             out["diag"] = tok

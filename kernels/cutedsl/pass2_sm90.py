@@ -132,7 +132,7 @@ class Pass2Sm90:
     register counts after ``setmaxnreg``."""
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, regs: tuple = (224, 56), pingpong: bool = False,
-                 lse_smem: bool = False, qsplit: bool = False, diag: str = "", wg3: bool = False, topk: bool = False,
+                 lse_smem: bool = False, qsplit: int = 0, diag: str = "", wg3: bool = False, topk: bool = False,
                  wg4: bool = False, pair: bool = False, overlap: bool = False):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
@@ -147,8 +147,10 @@ class Pass2Sm90:
         self.lse_smem = lse_smem
         # each 64-key tile as two 64 x 64 products (query halves) in four accumulators: three of the four tiles'
         # exponentials run with a wgmma of the same warpgroup in flight instead of one of two; with wg3 / wg4 in two
-        # (the registers of one 64 x 128 accumulator): the second half's wgmma runs under the first half's sums
-        self.qsplit = qsplit
+        # (the registers of one 64 x 128 accumulator): the second half's wgmma runs under the first half's sums;
+        # qsplit 2 (wg3 / wg4): tiles two at a time, each half's wgmma issued as soon as its accumulator is free
+        self.qsplit = int(qsplit)
+        assert self.qsplit in (0, 1, 2), qsplit
         # timing floors for the benchmark (wrong sums): "noexp" sums x itself (no MUFU), "nomma" issues no wgmma
         assert diag in ("", "noexp", "nomma"), diag
         self.diag = diag
@@ -157,6 +159,7 @@ class Pass2Sm90:
         # wg4: four such warpgroups (256-key stages; 120 registers each, 112 with the fused top-K)
         self.nwg = 4 if wg4 else (3 if wg3 else 2)
         assert not (self.nwg > 2 and pingpong), "wg3 / wg4: no pingpong"
+        assert self.qsplit < 2 or self.nwg > 2, "qsplit 2: wg3 / wg4"
         self.stage_keys = HALF * self.nwg  # keys per ring stage
         self.stages_per_step = 2 if self.nwg == 2 else 1  # stages per consumer loop step
         assert self.stage_keys * HEAD_DIM * stages <= 128 * 1024, "the key ring must fit 128 KiB of shared memory"
@@ -686,9 +689,10 @@ class Pass2Sm90:
         wait, exponentials); the warpgroups' exponentials overlap each other's wgmmas. With ``pair`` each stage serves
         the item's two groups in turn (one bias vector per group, from the LSE in shared memory; a group past G is
         computed on padded slots and not stored). With ``qsplit`` each tile is two 64 x 64 wgmmas (query halves),
-        the second waited for after the first half's exponentials. With ``topk``: the CTA's k-th item (its rows of sums stored) is
-        handed to the selecting warps through the row ring slot k % 2 (``mbar_row``: wait for the slot's previous
-        item to be taken, then every consumer thread arrives after its last store)."""
+        the second waited for after the first half's exponentials (qsplit 2: tile pairs, ``_qsplit_pair``). With
+        ``topk``: the CTA's k-th item (its rows of sums stored) is handed to the selecting warps through the row ring
+        slot k % 2 (``mbar_row``: wait for the slot's previous item to be taken, then every consumer thread arrives
+        after its last store)."""
         thr_mma = tiled_mma.get_slice(tid)
         sK_part = cute.flat_divide(sK, (HALF, HEAD_DIM))[None, None, wg, 0, None]  # (64, D, stages)
         tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK_part))
@@ -733,7 +737,18 @@ class Pass2Sm90:
                 cute.arch.barrier(barrier_id=BIAS_BARRIER, number_of_threads=128 * self.nwg)
             elif const_expr(self.lse_smem):
                 self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index, halves)
-            for i in cutlass.range(count, unroll=1):
+            n_rolled = Int32(0)  # tiles taken two at a time by _qsplit_pair (qsplit 2)
+            if const_expr(self.qsplit == 2):
+                n_rolled = count - count % 2
+                for i in cutlass.range(count // 2, unroll=1):
+                    k_b = k_state.clone()
+                    k_b.advance()
+                    self._qsplit_pair(tiled_mma, tSrK, tSrQ, tSrQ1, acc0, acc1, tScS, nl2, n_cols, part, qf, mKB, mOut,
+                                      pipeline_k, k_state, k_b, q_state.index, bh, b, h, unit,
+                                      (p0 + 2 * i) * self.stage_keys + wg * HALF, sk, tid)
+                    k_state.advance()
+                    k_state.advance()
+            for i in cutlass.range(n_rolled, count, unroll=1):
                 pipeline_k.consumer_wait(k_state)
                 if const_expr(self.qsplit):  # both halves' wgmmas issued; the second runs under the first's sums
                     rK = tSrK[None, None, None, k_state.index]
@@ -781,6 +796,38 @@ class Pass2Sm90:
                 cute.arch.mbarrier_arrive(mbar_row + slot)  # release: this thread's stores of the rows before it
             k_item += 1
             item += walk.grid
+
+    @cute.jit
+    def _qsplit_pair(self, tiled_mma, tSrK, tSrQ0, tSrQ1, acc0, acc1, tScS, nl2, n_cols, part, qf, mKB, mOut, pipeline_k,
+                     k_a, k_b, q_slot, bh, b, h, g, key_a, sk, tid):
+        """``qsplit`` 2: two key tiles (a, then b = a + stage_keys: ring stages ``k_a``, ``k_b``) as four query-half
+        wgmmas in the two half accumulators, each issued as soon as the exponentials of the half before it in the
+        same accumulator are done, so every half's exponentials but tile a's first run with a wgmma in flight (none
+        is in flight across the caller's loop edge)."""
+        rQ0 = tSrQ0[None, None, None, q_slot]
+        rQ1 = tSrQ1[None, None, None, q_slot]
+        key_b = key_a + self.stage_keys
+        pipeline_k.consumer_wait(k_a)
+        self._mma(tiled_mma, acc0, tSrK[None, None, None, k_a.index], rQ0)
+        self._mma(tiled_mma, acc1, tSrK[None, None, None, k_a.index], rQ1)
+        kbv_a = self._kb_rows(tScS, mKB, bh, key_a, sk)
+        kbv_b = self._kb_rows(tScS, mKB, bh, key_b, sk)
+        warpgroup.wait_group(1)  # a, half 0
+        self._rows(acc0, nl2, 0, qf, part, False)
+        pipeline_k.consumer_wait(k_b)
+        rKb = tSrK[None, None, None, k_b.index]
+        self._mma(tiled_mma, acc0, rKb, rQ0)
+        warpgroup.wait_group(1)  # a, half 1
+        pipeline_k.consumer_release(k_a)
+        self._rows(acc1, nl2, n_cols, qf, part, True)
+        self._store_rows(part, kbv_a, tScS, mOut, b, h, g, key_a, sk, tid)
+        self._mma(tiled_mma, acc1, rKb, rQ1)
+        warpgroup.wait_group(1)  # b, half 0
+        self._rows(acc0, nl2, 0, qf, part, False)
+        warpgroup.wait_group(0)  # b, half 1
+        pipeline_k.consumer_release(k_b)
+        self._rows(acc1, nl2, n_cols, qf, part, True)
+        self._store_rows(part, kbv_b, tScS, mOut, b, h, g, key_b, sk, tid)
 
     @cute.jit
     def _consume_qsplit(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
@@ -1056,7 +1103,7 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 
 
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
-                 pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None,
+                 pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: int | None = None,
                  diag: str = "", wg3: bool | None = None, topk: bool = False, wg4: bool = False, pair: bool = False,
                  overlap: bool = False):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
@@ -1071,7 +1118,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
     kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, POLY if poly is None else poly,
                        pingpong=PINGPONG if pingpong is None else bool(pingpong),
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
-                       qsplit=QSPLIT if qsplit is None else bool(qsplit), diag=diag or "",
+                       qsplit=QSPLIT if qsplit is None else int(qsplit), diag=diag or "",
                        wg3=(WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3), topk=bool(topk),
                        wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
@@ -1079,7 +1126,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
 
 
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
-             pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: bool | None = None, diag: str = "",
+             pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "",
              wg3: bool | None = None, topk: bool = False, wg4: bool | None = None, pair: bool | None = None,
              overlap: bool | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
@@ -1091,8 +1138,9 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     poly = POLY if poly is None else int(poly)
     pingpong = PINGPONG if pingpong is None else bool(pingpong)
     lse_smem = LSE_SMEM if lse_smem is None else bool(lse_smem)
-    qsplit = QSPLIT if qsplit is None else bool(qsplit)
-    # pingpong / qsplit are two-warpgroup schedules: asked for without wg3, they run with two warpgroups
+    qsplit = QSPLIT if qsplit is None else int(qsplit)
+    # pingpong / qsplit are two-warpgroup schedules: asked for without wg3, they run with two warpgroups (qsplit 2:
+    # wg3 / wg4 only)
     wg3 = (WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3)
     topk = bool(topk)
     wg4 = WG4 if wg4 is None else bool(wg4)
@@ -1154,7 +1202,7 @@ def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int, *, policy: 
 
 def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, select=None, stages: int | None = None,
                         poly: int | None = None, pingpong: bool | None = None, lse_smem: bool | None = None,
-                        qsplit: bool | None = None, diag: str = "", wg3: bool | None = None, wg4: bool | None = None,
+                        qsplit: int | None = None, diag: str = "", wg3: bool | None = None, wg4: bool | None = None,
                         pair: bool | None = None, overlap: bool | None = None, num_ctas: int | None = None,
                         ksplit: int | None = None, bracket: tuple | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
@@ -1169,12 +1217,13 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         every row of sel gets the K largest of that group's stored float16 sums as ascending indices (ties: lower
         index first; ``topk.top_k_rows``'s rule), then -1 up to width (``select_refusal`` must pass: float16 sums
         with 16-byte aligned rows; the launch then runs wg3 or wg4, ksplit 1 when not given unless
-        ``TOPK_AUTO_KSPLIT``). stages, poly, pingpong, lse_smem, qsplit, wg3, wg4 (four consumer warpgroups), pair
-        (two query groups per work item, sharing each key stage), overlap (with pair: the second group's wgmma
-        under the first's exponentials), num_ctas, ksplit: tuning; diag: a timing floor of the benchmark ("noexp" /
-        "nomma": WRONG sums) (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused
-        top-K's sample plan (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s (tests: a plan whose
-        brackets miss sends rows to the radix launch; any plan gives the same selection).
+        ``TOPK_AUTO_KSPLIT``). stages, poly, pingpong, lse_smem, qsplit (0 / 1; 2: wg3 / wg4, tile pairs rolled),
+        wg3, wg4 (four consumer warpgroups), pair (two query groups per work item, sharing each key stage), overlap
+        (with pair: the second group's wgmma under the first's exponentials), num_ctas, ksplit: tuning; diag: a
+        timing floor of the benchmark ("noexp" / "nomma": WRONG sums) (None: ``config``; CTAs: the SM count;
+        ksplit: ``auto_ksplit``). bracket: the fused top-K's sample plan (stride, n_samp, hi_rank, lo_rank) instead
+        of ``topk.bracket_plan``'s (tests: a plan whose brackets miss sends rows to the radix launch; any plan gives
+        the same selection).
     Returns:
         ``out``. Keys are written for every group; nothing past Sk. With ``select``: ``sel`` written in full (rows
         whose bracket the kernel's counts disproved by the radix top-K launched after it on the same stream).
