@@ -366,14 +366,16 @@ def test_split_parts(groups, ctas, want):
     assert rules.split_parts(groups, ctas) == want
 
 
-@pytest.mark.parametrize(("default", "pad", "kind", "want"), [
-    ("smem", 0, None, "smem"), ("smem", 8, None, "smem"), ("smem", 4, None, "registers"),
-    ("smem", 0, "fp8_row", "registers"), ("registers", 0, None, "registers"),
+@pytest.mark.parametrize(("default", "pad", "start", "kind", "want"), [
+    ("smem", 0, 0, None, "smem"), ("smem", 8, 0, None, "smem"), ("smem", 4, 0, None, "registers"),
+    ("smem", 8, 4, None, "registers"), ("smem", 0, 0, "fp8_row", "registers"), ("registers", 0, 0, None, "registers"),
 ])
-def test_staged_epilogue_only_where_it_applies(fake_op, monkeypatch, default, pad, kind, want):
+def test_staged_epilogue_only_where_it_applies(fake_op, monkeypatch, default, pad, start, kind, want):
     """With the staged (16-byte store) epilogue as the default, a call gets it only without a residual and with
-    16-byte aligned out rows (a [B, S, H*D + pad] buffer: pad 4 bf16 elements misaligns every row but the first);
-    the fake launch asserts the same, and the output is right either way."""
+    16-byte aligned out rows (a [B, S, H*D + pad] buffer: pad 4 bf16 elements misaligns every row but the first;
+    out starting ``start`` elements into it, 8 bytes, misaligns every row though the row stride is aligned:
+    mutation, ``epilogue_for`` without its base-pointer check, passed the other cases); the fake launch asserts the
+    same, and the output is right either way."""
     from .test_reuse_op import brute_residual, make_residual
 
     monkeypatch.setattr(rules, "EPILOGUE", default)
@@ -383,7 +385,7 @@ def test_staged_epilogue_only_where_it_applies(fake_op, monkeypatch, default, pa
     res = None if kind is None else make_residual(torch.randn(B, H, S, D, generator=gen) * 0.1, kind, perm,
                                                   idx.shape[2])
     base = torch.full((B, S, H * D + pad), float("nan"), dtype=torch.bfloat16)
-    out = base[..., :H * D].view(B, S, H, D).transpose(1, 2)
+    out = base[..., start:start + H * D].view(B, S, H, D).transpose(1, 2)
     got = fake_op.sparse_attention(q, k, v, perm, idx, out=out, residual=res)
     assert fake_op.epilogues == [want]
     ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
