@@ -20,7 +20,7 @@ Reported (``--out``/raylight_2gpu.json, printed side by side):
 
 Needs (the lead carries them): ``.comfyui`` (ComfyUI), ``.raylight`` (a raylight checkout WITH
 ``src/raylight/distributed_modules/inner_attention/`` and the dispatcher in ``attention.py``: komikndr/raylight at or
-after 55ea37b), and xfuser 0.7.0 + yunchang 0.6.4 installed (``tests/gpu/pack_raylight_wheels.sh``). Usage:
+after 55ea37b), and xfuser 0.7.0 + yunchang 0.6.4 installed (``tests/pack_raylight_wheels.sh``). Usage:
     COMFYUI_DIR=.comfyui RAYLIGHT_DIR=.raylight python tests/bench_raylight_2gpu.py --out $OUT
     (~6 min on 2 H200; --smoke: Wan 1.3B 480p 33 frames, ~1.5 min, to check the plumbing first)
 """
