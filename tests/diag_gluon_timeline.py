@@ -9,12 +9,15 @@ give the median cycles per item of each phase, per key tile of the mainloop, and
 the same with the K/V copies left out (``diag_no_copy``: the consumers alone). The SM clock rate comes from the
 clock span of the launch against its CUDA-event time. Writes ``--out`` (JSON) and prints a table.
 
-Usage: python tests/diag_gluon_timeline.py --out DIR [--densities 0.1,0.5] [--reps 20]
+Usage: python tests/diag_gluon_timeline.py --out DIR [--densities 0.1,0.5] [--reps 20] [--schedule NAME] [--whole-only]
+(NAME: a ``sparse_dispatch.GLUON_SCHEDULES`` entry without a split or tail launch, default the q_regs schedule below;
+--whole-only: no "consumers alone" runs)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -49,7 +52,7 @@ def _phases(st: torch.Tensor, n_tiles: int) -> dict:
     return out
 
 
-def run(density: float, reps: int, no_copy: bool) -> dict:
+def run(density: float, reps: int, no_copy: bool, schedule: dict = SCHEDULE) -> dict:
     g90 = bk._gluon_kernel()
     B, H, S, D, C = 1, 12, 32760, 128, 128
     G = -(-S // C)
@@ -62,7 +65,7 @@ def run(density: float, reps: int, no_copy: bool) -> dict:
     n_work = B * H * G
     items = -(-n_work // programs)
     diag = torch.zeros(programs * items * 8, dtype=torch.float32, device="cuda")
-    tune = dict(SCHEDULE, diag_times=diag, diag_no_copy=no_copy)
+    tune = dict(schedule, diag_times=diag, diag_no_copy=no_copy)
     out = g90.sparse_attention(q, k, v, perm, idx, **tune)
     if not no_copy:  # the stamps change no result (2 heads vs the float32 reference)
         ref = reference.sparse_attention(*(t[:, :2].float() for t in (q, k, v)), perm[:, :2], idx[:, :2])
@@ -92,11 +95,18 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--densities", default="0.1,0.5")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--schedule", default="", help="a sparse_dispatch.GLUON_SCHEDULES name (default: SCHEDULE)")
+    ap.add_argument("--whole-only", action="store_true", help="no 'consumers alone' (diag_no_copy) runs")
     args = ap.parse_args()
+    schedule = SCHEDULE
+    if args.schedule:
+        d = importlib.import_module("comfyui_mc_sparse_pack.kernels.triton.sparse_dispatch")
+        schedule = d.GLUON_SCHEDULES[args.schedule]
     rows = []
     for s in (float(x) for x in args.densities.split(",")):
-        for no_copy in (False, True):
-            r = run(s, args.reps, no_copy)
+        for no_copy in (False,) if args.whole_only else (False, True):
+            r = run(s, args.reps, no_copy, schedule)
+            r["schedule"] = args.schedule or "q_regs (SCHEDULE)"
             rows.append(r)
             c = r["cycles"]
             print(f"s={s} {'consumers alone' if no_copy else 'whole kernel'}: {r['ms']:.3f} ms, ~{r['sm_mhz_est']:.0f} MHz, "
@@ -106,7 +116,8 @@ def main():
                   f"producer: count {c['producer_count']:.0f}, item {c['producer_item']:.0f}, lead {c['producer_lead']:.0f}",
                   flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "gluon_timeline.json").write_text(json.dumps(rows, indent=1))
+    (Path(args.out) / f"gluon_timeline{'_' + args.schedule.split()[-1] if args.schedule else ''}.json").write_text(
+        json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

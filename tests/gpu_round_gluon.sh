@@ -40,25 +40,34 @@ if [ "$MODE" = diag ]; then  # <= 70 s: round s7r3 (inside the final call): no n
 fi
 if [ "$MODE" = s10r2 ]; then  # <= 120 s (cold machine: compiles counted): session 10 round 2; auto mode unchanged
     T0=$(date +%s)
-    # 1. named_turns (the pingpong turns on named barriers: a wrong protocol deadlocks, so the cap) on 12-tile items
-    #    with growing scores, short ragged items on 7 programs, the tail-launch form; max_vote on growing scores (its
-    #    bitwise comparison with the auto schedule printed); ~6 Gluon + 1 merge compiles; os._exit: pytest's exit has hung
-    timeout 60 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
+    # 1. named_turns (the pingpong turns on named barriers: a wrong protocol deadlocks, so the cap) on short ragged
+    #    items on 7 programs and the tail-launch form; max_vote on growing scores; ~4 Gluon + 1 merge compiles;
+    #    os._exit: pytest's exit has hung before
+    timeout 45 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
         -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py \
-        -k "(named_turns and (ramp or short or tail)) or (max_vote and ramp)" > "$OUT/gluon_gpu_tests.log" 2>&1
-    echo "gluon gpu tests: rc=$? ($(( $(date +%s) - T0 )) s, cap 60 s)"
-    grep -E "rel_l2|passed|failed|Error|NT OK|MV OK|differ" "$OUT/gluon_gpu_tests.log" | tail -12
-    P="gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial"
+        -k "(named_turns and (short or tail)) or (max_vote and ramp)" > "$OUT/gluon_gpu_tests.log" 2>&1
+    echo "gluon gpu tests: rc=$? ($(( $(date +%s) - T0 )) s, cap 45 s)"
+    grep -E "rel_l2|passed|failed|Error|NT OK|MV OK" "$OUT/gluon_gpu_tests.log" | tail -10
+    # 2. the per-item timeline (SM clock stamps, 1.3B 480p s = 0.1, whole kernel) of the auto schedule and of it with
+    #    q_ahead (round s10r1: no faster): where the consumers' wait at an item's start went
+    P0="pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial"
+    for SCHED in "$P0" "$P0 q_ahead"; do
+        timeout 20 python3 tests/diag_gluon_timeline.py --out "$OUT" --densities 0.1 --reps 10 --whole-only \
+            --schedule "$SCHED" >> "$OUT/timeline.log" 2>&1
+        echo "timeline ${SCHED##* }: rc=$? ($(( $(date +%s) - T0 )) s)"
+    done
+    grep -E "^s=|Error|error" "$OUT/timeline.log" | tail -4
+    P="gluon $P0"
     NAMES=""
     NT=$(grep -c "NT OK" "$OUT/gluon_gpu_tests.log")
     if grep -q "MV OK" "$OUT/gluon_gpu_tests.log"; then NAMES="$P max_vote tail_launch"; fi
-    if [ "$NT" -ge 3 ]; then NAMES="${NAMES:+$NAMES,}$P named_turns tail_launch"; fi
-    if [ "$NT" -ge 3 ] && grep -q "MV OK" "$OUT/gluon_gpu_tests.log"; then
+    if [ "$NT" -ge 2 ]; then NAMES="${NAMES:+$NAMES,}$P named_turns tail_launch"; fi
+    if [ "$NT" -ge 2 ] && grep -q "MV OK" "$OUT/gluon_gpu_tests.log"; then
         NAMES="$NAMES,$P max_vote named_turns tail_launch"
     fi
     NAMES=${NAMES:-none}
     echo "raced beside the op: $NAMES"
-    # 2. the op (the auto mode as in s9r3: the scoreboard figure) beside the auto schedule + max_vote, + named_turns
+    # 3. the op (the auto mode as in s9r3: the scoreboard figure) beside the auto schedule + max_vote, + named_turns
     #    and + both (each with the tail launch: active at 1.3B only) called directly, by the method of record (each row
     #    checked against the float32 reference first), 1.3B then 14B, 4 densities, as far as the cap allows
     LEFT=$(( 120 - ($(date +%s) - T0) ))

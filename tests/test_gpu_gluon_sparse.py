@@ -66,7 +66,6 @@ def _check(B, H, S, D, C, K, k_alloc, kind, dtype, seed, ragged_counts=False, k_
           f"lse {lse_err:.2e}")
     assert err < 6e-3, err
     assert lse_err < 1e-3, lse_err
-    return got, lse
 
 
 @pytest.mark.parametrize("kind", [None, "plain", "fp8_row", "int4_row", "int4_group"])
@@ -441,9 +440,8 @@ def test_max_vote_vs_float64(case):
     """``max_vote`` (each thread's partial row maxima, one warp vote, the shuffles across a row's 4 threads only when
     some row's max may move): scores growing along the selections (the max moves many times per row,
     so the vote branch runs mid-row), short ragged items (masked last tiles), the tail-launch form (its split walk
-    too), many trailing -1 slots with LSE (the running max finished once per item feeds the LSE). The same
-    schedule without max_vote is run beside it: the results should be bitwise equal (same arithmetic; printed, not
-    asserted: a different FMA contraction would be legitimate). Prints a mark for the round script."""
+    too), many trailing -1 slots with LSE (the running max finished once per item feeds the LSE). Prints a mark for
+    the round script."""
     tuning = dict(_dispatch().GLUON_SCHEDULES[MV + (" tail_launch" if case == "tail" else "")])
     if case == "ramp":
         args = (2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16)
@@ -457,10 +455,7 @@ def test_max_vote_vs_float64(case):
     else:
         args = (2, 2, 1500 + 3, 128, 128, 300, 2048, None, torch.float16)
         kw = dict(seed=127, ragged_counts=True, num_sms=7)
-    got, lse = _check(*args, **kw, **tuning)
-    base, base_lse = _check(*args, **kw, **dict(tuning, max_vote=False))
-    print(f"max_vote vs without: {int((got != base).sum())} output / {int((lse != base_lse).sum())} LSE elements "
-          "differ")
+    _check(*args, **kw, **tuning)
     print(f"MV OK max_vote_vs_float64[{case}]")  # the round script's mark of a passed case
 
 
