@@ -25,7 +25,8 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 3. RACE 1 per shape (tests/_timing.race: sustained back-to-back samples led in by untimed calls, shuffled order,
    median; TEAM.md items 7 and 11): flash-attn-4 dense with LSE, select_kv defaults and ``RACE1_ROWS`` ("cute": the
    CuTeDSL pass 2 with its fused top-K where the module has one, else + the separate top-K counting one bit per pass;
-   "cute sep": the CuTeDSL pass 2 + the separate top-K, beside a fused one; "triton" beside a CuTeDSL default;
+   "cute sep": the CuTeDSL pass 2 + the separate top-K at its 2-warp launch (``topk_launch={}``: the default up to
+   session 10), beside a fused one or another launch; "triton" beside a CuTeDSL default;
    ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios
    / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes). Each race also prints
    ``from_idle``: each row's lead-in calls (the first of each sample, on a GPU just left by another row) / dense's.
@@ -239,7 +240,7 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"cute sep": dict(cute=True, topk_fused=False, topk_count=True)}
+RACE1_ROWS = {"cute sep": dict(cute=True, topk_fused=False, topk_count=True, topk_launch={})}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
