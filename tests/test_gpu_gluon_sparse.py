@@ -483,3 +483,18 @@ def test_named_turns_vs_float64(case):
     else:
         _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_row", torch.bfloat16, seed=149, num_sms=132, **tuning)
     print(f"NT OK named_turns_vs_float64[{case}]")  # the round script's mark of a passed case
+
+
+@pytest.mark.parametrize("case", ["tail", "short"])
+def test_idx2_sum_partial_vs_float64(case):
+    """The auto schedule since s9r3 with the producer's kv_idx loads two tiles ahead (idx2): the tail-launch form (its
+    split launch with idx2 too: parts starting mid-item load their own first two tiles' indices) and short ragged
+    items of 1-3 tiles (index loads past the count masked). NaN-poisoned out views, LSE. Prints a mark."""
+    tuning = dict(_dispatch().GLUON_SCHEDULES[SKIP + " sum_partial idx2" + (" tail_launch" if case == "tail" else "")])
+    if case == "tail":
+        _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16, seed=151, k_ramp=5.0, num_sms=132,
+               **tuning)
+    else:
+        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "fp8_row", torch.float16, seed=157, ragged_counts=True,
+               k_ramp=3.0, num_sms=7, **tuning)
+    print(f"I2 OK idx2_sum_partial_vs_float64[{case}]")  # the round script's mark of a passed case
