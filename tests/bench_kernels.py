@@ -341,7 +341,8 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     # (active at 1.3B 480p only)
     **{"gluon " + name: dict(_gluon=True, **_dispatch.GLUON_SCHEDULES[name])
        for name in (_dispatch._SUM_PARTIAL + extra + " tail_launch"
-                    for extra in (" q_ahead", " max_vote", " named_turns", " max_vote named_turns", " idx2"))},
+                    for extra in (" q_ahead", " max_vote", " named_turns", " max_vote named_turns", " idx2",
+                                  " idx2 idx_l2"))},
     # each tile's kv_idx slots loaded two tiles ahead by the producer (two index loads in flight)
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence idx2": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,

@@ -384,6 +384,24 @@ def test_named_turns_only_with_pingpong_whole_items():
     assert meta["NAMED_TURNS"] is True and split["launch"][2]["NAMED_TURNS"] is False
 
 
+def test_idx_l2_persistent_only_and_not_in_the_split_launch():
+    """``idx_l2`` (the producer's L2 prefetch of each next item's kv_idx row) is compiled in for persistent launches
+    only (one item per program has no next item), off by default and in the tail launch's split launch (one part per
+    program); its schedules are dispatch entries."""
+    g = _g90()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 256, 128, generator=gen).to(torch.bfloat16)
+    perm, idx = random_groups(gen, 1, 2, 256, 128), random_kv_idx(gen, 1, 2, 2, 256, 100, 128)
+    name = "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial idx2 idx_l2"
+    sched = _dispatch().GLUON_SCHEDULES[name]
+    assert g.launch_args(q, q, q, perm, idx, num_sms=4, **sched)[2]["IDX_L2"] is True
+    assert g.launch_args(q, q, q, perm, idx, idx_l2=True)[2]["IDX_L2"] is False  # one item per program
+    assert g.launch_args(q, q, q, perm, idx)[2]["IDX_L2"] is False
+    _, _, meta, (_, _, split) = g.launch_args(q, q, q, perm, idx, num_sms=3,
+                                              **_dispatch().GLUON_SCHEDULES[name + " tail_launch"])
+    assert meta["IDX_L2"] is True and split["launch"][2]["IDX_L2"] is False
+
+
 def test_diag_times_buffer_checked():
     """``diag_times`` (the per-item clock-stamp diagnostic) takes the split workspace's argument slot: persistent, no
     split or tail launch, a contiguous float32 buffer of programs x ceil(items / programs) x 8; off by default."""

@@ -485,13 +485,15 @@ def test_named_turns_vs_float64(case):
     print(f"NT OK named_turns_vs_float64[{case}]")  # the round script's mark of a passed case
 
 
-@pytest.mark.parametrize("case", ["tail", "short"])
+@pytest.mark.parametrize("case", ["tail", "short", "l2-tail", "l2-short"])
 def test_idx2_sum_partial_vs_float64(case):
-    """The auto schedule since s9r3 with the producer's kv_idx loads two tiles ahead (idx2): the tail-launch form (its
-    split launch with idx2 too: parts starting mid-item load their own first two tiles' indices) and short ragged
-    items of 1-3 tiles (index loads past the count masked). NaN-poisoned out views, LSE. Prints a mark."""
-    tuning = dict(_dispatch().GLUON_SCHEDULES[SKIP + " sum_partial idx2" + (" tail_launch" if case == "tail" else "")])
-    if case == "tail":
+    """The auto schedule since s9r3 with the producer's kv_idx loads two tiles ahead (idx2), and with each next item's
+    index row prefetched into L2 too (idx_l2, "l2-" cases: a hint, the same results): the tail-launch form (its split
+    launch with idx2 too: parts starting mid-item load their own first two tiles' indices) and short ragged items of
+    1-3 tiles (index loads past the count masked). NaN-poisoned out views, LSE. Prints a mark."""
+    name = SKIP + " sum_partial idx2" + (" idx_l2" if case.startswith("l2-") else "")
+    tuning = dict(_dispatch().GLUON_SCHEDULES[name + (" tail_launch" if case.endswith("tail") else "")])
+    if case.endswith("tail"):
         _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16, seed=151, k_ramp=5.0, num_sms=132,
                **tuning)
     else:

@@ -85,7 +85,7 @@ def config(head_dim: int) -> dict:
                 overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
                 thread_arrive=False, early_q=False, cp_async_fence=True, q_regs=False, idx_ahead=1, next_item=False,
                 split_tail=0, tail_launch=0, skip_rescale=False,
-                max_tree=False, sum_partial=False, q_ahead=False, max_vote=False, named_turns=False)
+                max_tree=False, sum_partial=False, q_ahead=False, max_vote=False, named_turns=False, idx_l2=False)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -214,6 +214,19 @@ def _prefetch_rows_l2(base, rows, stride_s, stride_d, HEAD_DIM: gl.constexpr, RO
 
 
 @gluon.jit
+def _prefetch_idx_row(idx_base, K_ALLOC, valid):
+    """``prefetch.global.L2`` of every 128-byte line of one group's kv_idx row (K_ALLOC int32 from ``idx_base``; none
+    when not ``valid``), one line per producer thread per pass: that item's count tail, first tiles' and per-tile
+    index loads then find their lines in L2 instead of DRAM. A hint: no effect on results."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    j = gl.arange(0, 128, layout=lay) * 32  # int32 slots per 128-byte line
+    for off in range(0, K_ALLOC, 128 * 32):
+        ok = ((off + j < K_ALLOC) & valid).to(gl.int32)
+        gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [idx_base + off + j, ok], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _gather_q(dst, q_base, q_idx, S, stride_qs, stride_qd, offs_d, ROW64: gl.constexpr, STREAM: gl.constexpr):
     """cp.async of 64 query rows q_idx (perm entries; -1 or out of range: zeros) into one Q tile."""
     ok = (q_idx >= 0) & (q_idx < S)
@@ -294,7 +307,7 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
               ROW_THREADS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
               L2_PREFETCH: gl.constexpr, EARLY_Q: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr,
               SPLIT: gl.constexpr, NO_COPY: gl.constexpr, STREAM: gl.constexpr, DIAG_PTR=None,
-              DIAG: gl.constexpr = False, Q_AHEAD: gl.constexpr = False):
+              DIAG: gl.constexpr = False, Q_AHEAD: gl.constexpr = False, IDX_L2: gl.constexpr = False):
     """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the item's Q slot)
     then K then V rows of each key tile into the stage ring; the ring's stage and phase follow a tile counter kept
     across items. PERSISTENT with one Q slot (``Q_SLOTS`` 1: a 3-deep ring leaves room for one): the item's first
@@ -320,7 +333,9 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
     waits imply the consumers have started that item, so the slot is free: no wait), the first item's before the
     walk; the item's perm entries are loaded with the previous item's first loads. Without it the consumers wait at
     each item's start for queries gathered behind the item's first K/V tile (round s9r2's timeline: ~4450 cycles per
-    item at 1.3B 480p)."""
+    item at 1.3B 480p). IDX_L2: at each item's start, after its first loads, the next item's whole kv_idx row is
+    prefetched into L2 (``_prefetch_idx_row``), so its count tail and every tile's index load (the loads a tile's
+    copies wait for) come from L2, not DRAM."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ROW_THREADS, ROW_THREADS], [4, 1], [1, 0])
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
     offs_m = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
@@ -373,6 +388,9 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
                 rows_b = row0 + 64 + offs_m
                 q_idx_a = gl.load(PERM + perm_off + rows_a, mask=rows_a < C, other=-1, eviction_policy=STREAM)
                 q_idx_b = gl.load(PERM + perm_off + rows_b, mask=rows_b < C, other=-1, eviction_policy=STREAM)
+        if IDX_L2:  # the next item's index row towards L2, under this item's first loads
+            _prefetch_idx_row(KV_IDX + _work_item(_sub_item(vw + w_step, n_full, n_parts, SPLIT)[0], H, G_MB, M_BLOCKS,
+                                                  n_slots, C, K_ALLOC)[4], K_ALLOC, vw + w_step < n_work)
         n_end = _count_from_tail(tail, idx_base, K_ALLOC, 128, 4)
         if DIAG:
             _stamp(DIAG_PTR, i, w_step, n_work, 6)
@@ -1121,7 +1139,7 @@ def _sparse_fwd_sm90(
     Q_REGS: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr, SPLIT: gl.constexpr,
     NO_COPY: gl.constexpr, STREAM: gl.constexpr, SKIP_RESCALE: gl.constexpr,
     MAX_TREE: gl.constexpr, SUM_PARTIAL: gl.constexpr, DIAG: gl.constexpr, Q_AHEAD: gl.constexpr,
-    MAX_VOTE: gl.constexpr, NAMED_TURNS: gl.constexpr,
+    MAX_VOTE: gl.constexpr, NAMED_TURNS: gl.constexpr, IDX_L2: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
@@ -1190,7 +1208,7 @@ def _sparse_fwd_sm90(
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, ROW_THREADS, ROW64, PERSISTENT, Q_SLOTS, L2_PREFETCH,
-                     EARLY_Q, IDX_AHEAD, NEXT_ITEM, SPLIT, NO_COPY, STREAM, WS_ML, DIAG, Q_AHEAD)),
+                     EARLY_Q, IDX_AHEAD, NEXT_ITEM, SPLIT, NO_COPY, STREAM, WS_ML, DIAG, Q_AHEAD, IDX_L2)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1199,8 +1217,8 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
                 q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None,
                 idx_ahead=None, next_item=None, split_tail=None, tail_launch=None, skip_rescale=None,
-                max_tree=None, sum_partial=None, q_ahead=None, max_vote=None, named_turns=None, diag_no_copy=False,
-                diag_times=None):
+                max_tree=None, sum_partial=None, q_ahead=None, max_vote=None, named_turns=None, idx_l2=None,
+                diag_no_copy=False, diag_times=None):
     """(grid, positional args, meta) of one launch, and (out, lse, tail): tail None, or with ``split_tail`` and a
     last, partial round of work items the arguments of ``sparse_tail_merge.merge`` (run after the launch: it writes
     the split items' rows); the op and the offline compile share it.
@@ -1339,6 +1357,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 Q_AHEAD=q_ahead,
                 MAX_VOTE=max_vote,
                 NAMED_TURNS=named_turns,
+                IDX_L2=bool(cfg["idx_l2"] if idx_l2 is None else idx_l2) and persistent,
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     if tail_parts > 1:  # the tail launch: one program per part, its partial O / max / sum to the workspace only
@@ -1349,7 +1368,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
         tail["launch"] = ((tail["n_tail"] * tail_parts,),
                           _args(out, none_ptrs, none_strides, n_parts_virtual, n_full, tail_parts, n_full),
                           dict(meta, RETURN_LSE=False, RES_KIND=0, SPLIT=True, NEXT_ITEM=False, Q_AHEAD=False,
-                               NAMED_TURNS=False,
+                               NAMED_TURNS=False, IDX_L2=False,
                                CONSUMER_REGS=216, PRODUCER_REGS=72))
     return grid, args, meta, (out, lse, tail)
 
@@ -1406,7 +1425,9 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             producer gathers each item's queries during the item before, after its tile min(3, tiles - 1), so the
             consumers do not wait for them at the item's start: ``_producer``), ``max_vote`` (with skip_rescale and
             sum_partial, D = 128; ignored at D = 64: the running max kept per thread too, the row maxima's shuffles
-            only when a warp's vote says a row's max may move: ``_softmax_tile``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
+            only when a warp's vote says a row's max may move: ``_softmax_tile``), ``named_turns`` (pingpong, not
+            overlap / split_tail: the turns on named barriers, ``_turn_wait``), ``idx_l2`` (persistent; ignored
+            otherwise: the producer prefetches each next item's kv_idx row into L2, ``_producer``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
             warpgroups' speed; the benchmark's "consumers alone" row).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).

@@ -93,13 +93,13 @@ GLUON_SCHEDULES = {
     # + the running max kept per thread too, the row maxima's shuffles only when a warp's vote says a row's max may
     # move (max_vote; same values), + the pingpong turns on named barriers (named_turns: bar.sync / bar.arrive, as
     # flash-attn's sm90 warp scheduler barriers, instead of mbarrier waits and arrives), and both; + each tile's kv_idx
-    # slots loaded two tiles ahead by the producer (idx2: two index loads in flight); each with and without the tail
-    # launch
+    # slots loaded two tiles ahead by the producer (idx2: two index loads in flight), + each next item's kv_idx row
+    # prefetched into L2 by the producer (idx_l2); each with and without the tail launch
     **{_SUM_PARTIAL + extra + tail: dict(_EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, **opts,
                                          **({"tail_launch": 4} if tail else {}))
        for extra, opts in ((" max_vote", dict(max_vote=True)), (" named_turns", dict(named_turns=True)),
                            (" max_vote named_turns", dict(max_vote=True, named_turns=True)),
-                           (" idx2", dict(idx_ahead=2)))
+                           (" idx2", dict(idx_ahead=2)), (" idx2 idx_l2", dict(idx_ahead=2, idx_l2=True)))
        for tail in ("", " tail_launch")},
     # the same with the row maxima as a tree too (max_tree: slower at 1.3B in round s9r1, without sum_partial)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial": dict(
