@@ -21,7 +21,7 @@ warpgroups), `` wg4`` (four), `` pr`` (two query groups per work item), `` ov`` 
 fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums too),
 `` wg2`` / `` nols`` / `` npr`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed without
 the check).
-Writes OUT/bench_cutedsl_pass2.json.
+Writes OUT/bench_cutedsl_pass2.json (after the checks, again after the race).
 Expected at 1.3B: ~10 s inputs, ~5 s per variant compile (first process on a machine), ~2 s race.
 """
 
@@ -164,6 +164,8 @@ def main():
                                 one_group=True)
         log(f"{name}: inputs ready (H {H}, S {S}, G {G})")
         fns, checks = cute_rows(ops, perm, ref16, variants, log)
+        report["shapes"][name] = dict(checks=checks)  # written now: a round's cap may stop the race
+        (out_dir / "bench_cutedsl_pass2.json").write_text(json.dumps(report, indent=1, default=str))
         dname, dense = bsr.dense_fn(q, k, v)
         out16 = torch.empty_like(ref16)
         race_fns = {"dense": dense, "triton 1grp": lambda: bsr.launch_pair(ops, perm, out16, one_group=True), **fns}

@@ -101,7 +101,11 @@ def _h2_mask(w: Int32, t2: Int32, op: str, *, loc=None, ip=None) -> Int32:
 class _Walk:
     """The persistent walk over the work items (trace-time object; its fields are the launch's loop invariants):
     item i = (group b*H*G + ..., key part) with ``ksplit`` parts per group, parts of a group adjacent and the groups
-    of one head back to back; CTA c takes items c, c + gridDim.x, ..."""
+    of one head back to back; CTA c takes items c, c + gridDim.x, ... When the grid is a multiple of ksplit (a
+    group's parts then never straddle two rounds), item grp * ksplit + j of round r holds part (j + r) % ksplit, so
+    a CTA's items cycle through the parts instead of all holding part c % ksplit: the fused top-K's row selection
+    falls to the part that finishes last (never a short last part) and would otherwise stay on the same CTAs for
+    the whole walk."""
 
     def __init__(self, total, n_groups, ksplit, n_pairs, part_pairs, grid):
         self.total, self.n_groups, self.ksplit = total, n_groups, ksplit
@@ -110,7 +114,8 @@ class _Walk:
     def at(self, item):
         """(bh, g, first key-tile pair, pair count) of work item ``item`` (the count may be 0 for a last part)."""
         grp = item // self.ksplit
-        part = item - grp * self.ksplit
+        rot = cutlass.select_(self.grid % self.ksplit == 0, item // self.grid, Int32(0))
+        part = (item - grp * self.ksplit + rot) % self.ksplit
         bh = grp // self.n_groups
         p0 = part * self.part_pairs
         count = cutlass.max(cutlass.min(self.part_pairs, self.n_pairs - p0), 0)
