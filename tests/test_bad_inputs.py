@@ -151,6 +151,9 @@ def _case(name, gen):
     latent_masked[..., 3] = neg
     return {
         "batch": (x, x, x, 2, None, wan, {}, "batch 3 does not split into 2 conditioning chunks"),
+        "same uuid": (x, x, x, 2, None, wan, {"uuids": ["u0", "u0"]}, "share one identity"),
+        "same chunk, no uuids": (x, x, x, 2, None, joint, {"uuids": None, "cond_or_uncond": [0, 0], TEXT_LEN_KEY: 10},
+                                 "share one identity"),
         "shapes": (x, x[:, :100], x[:, :100], 2, None, wan, {}, "q/k/v shapes differ"),
         "no text length": (x, x, x, 2, None, joint, {}, "joint sequence without a known text length"),
         "text too long": (x, x, x, 2, None, joint, {TEXT_LEN_KEY: 160}, "joint text length 160 does not fit"),
@@ -162,13 +165,15 @@ def _case(name, gen):
     }[name]
 
 
-@pytest.mark.parametrize("name", ["batch", "shapes", "no text length", "text too long", "no sigma", "mask values",
-                                  "latent masked", "mask per query"])
+@pytest.mark.parametrize("name", ["batch", "same uuid", "same chunk, no uuids", "shapes", "no text length",
+                                  "text too long", "no sigma", "mask values", "latent masked", "mask per query"])
 def test_calls_the_adapter_cannot_take_run_dense_exactly_and_say_why(gen, name):
-    """Each call the override cannot run sparse (a batch that does not split into its conditioning chunks, a marked
-    call whose q/k/v differ, a joint call without a usable text length or with a mask that is not a per-key 0 /
-    masked-out mask over text keys only, no sigma to place the step) is the caller's own attention, bit for bit,
-    with the reason counted in the run summary."""
+    """Each call the override cannot run sparse (a batch that does not split into its conditioning chunks or whose
+    chunks carry one identity, so that one would reuse the other's cache entry, a marked call whose q/k/v differ, a
+    joint call without a usable text length or with a mask that is not a per-key 0 / masked-out mask over text keys
+    only, no sigma to place the step) is the caller's own attention, bit for bit, with the reason counted in the run
+    summary. (Before: two chunks of one identity shared a cache key; at the next reuse step the first chunk got the
+    second's selection and residual, 0.5 max abs error against dense, silently.)"""
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import override
 
     from ._comfy_standins import raw_attention, transformer_options

@@ -253,12 +253,12 @@ def _xdit_dense(calls):
     ("window", "windowed (local) attention"), ("probs", "attention probabilities requested"),
     ("short", "fewer latent tokens (128) than min tokens (256)"), ("head_dim", "head dim 48 not supported"),
     ("batch", "batch 3 does not split into 2 conditioning chunks"), ("v_dim", "not self-attention"),
-    ("joint_value", "joint text keys"),
+    ("joint_value", "joint text keys"), ("same_uuid", "share one identity"),
 ])
 def test_processor_calls_that_stay_dense_say_why(gen, what, why):
     """Each xDiT call MC-Sparse cannot run exactly (cross-attention, dropout, ALiBi, a window, probabilities asked
-    for, too few tokens, an unsupported head dim, a batch that is not whole conditioning chunks) runs xDiT's own
-    attention with the caller's arguments, and the summary's dense reasons name it (no raylight needed: the
+    for, too few tokens, an unsupported head dim, a batch that is not whole conditioning chunks or whose chunks carry
+    one identity) runs xDiT's own attention with the caller's arguments, and the summary's dense reasons name it (no raylight needed: the
     processor called as raylight's dispatcher calls it). Mutations: any one of these checks dropped."""
     run = lifecycle.RunState(_settings(min_tokens=256 if what == "short" else 0), torch.tensor([1.0, 0.5, 0.0]),
                              family="wan")
@@ -274,7 +274,10 @@ def test_processor_calls_that_stay_dense_say_why(gen, what, why):
             "probs": {"return_attn_probs": True}, "joint_value": {"joint_tensor_value": torch.ones(1)}}.get(what, {})
     kwargs = _xdit_kwargs(softmax_scale=0.3, **more)
     processor = ray_mc.MCSparseInnerAttention(lambda: ray_mc.HeadSlice(0, 2, 1))
-    out = processor(dense, q, k, v, transformer_options=_options(run, 1, 0.5), **kwargs)
+    options = _options(run, 1, 0.5)
+    if what == "same_uuid":
+        options["uuids"] = ["u0", "u0"]
+    out = processor(dense, q, k, v, transformer_options=options, **kwargs)
     torch.testing.assert_close(out, dense(q, k, v, **kwargs))
     assert calls == [0.3, 0.3]
     assert run.counts()["sparse"] == 0

@@ -239,6 +239,22 @@ def _window_key(window: Any) -> Any:
     return ("window", repr(window))
 
 
+def chunk_branches(options: dict, batch: int) -> tuple[list[str], str | None]:
+    """Each conditioning chunk's identity in batch order (ComfyUI's ``uuids``, else ``cond_or_uncond=<n>``, the cache
+    key's branch), and why the batch cannot be keyed per chunk (None: it can): it does not split evenly into the
+    chunks, or two chunks carry one identity (their entries would collide: one chunk would reuse the other's
+    selection and residual; e.g. two positive conditionings in one batch where no ``uuids`` are given)."""
+    cond_or_uncond = list(options.get("cond_or_uncond") or [0])
+    uuids = list(options.get("uuids") or [])
+    chunks = len(cond_or_uncond)
+    if batch % chunks:
+        return [], f"batch {batch} does not split into {chunks} conditioning chunks"
+    branches = [str(uuids[i]) if i < len(uuids) else f"cond_or_uncond={cond_or_uncond[i]}" for i in range(chunks)]
+    if len(set(branches)) < chunks:
+        return [], "two conditioning chunks of the batch share one identity (uuid): their cache entries would collide"
+    return branches, None
+
+
 def _keep_mask(run, mask: torch.Tensor | None, seq: int, latent: slice) -> tuple[torch.Tensor | None, str | None]:
     """Indices of keys to keep for a joint call with an additive (or bool) key mask, or a reason to go dense.
 
@@ -333,16 +349,14 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
         return run.timed_dense(reason, (batch, heads, seq, head_dim),
                                lambda: call(q, k, v, mask, skip_reshape, skip_output_reshape), device=q.device)
 
-    cond_or_uncond = list(options.get("cond_or_uncond") or [0])
-    uuids = list(options.get("uuids") or [])
-    chunks = len(cond_or_uncond)
-    if batch % chunks:
-        return dense(f"batch {batch} does not split into {chunks} conditioning chunks")
+    branches, why = chunk_branches(options, batch)
+    if why is not None:
+        return dense(why)
+    chunks = len(branches)
     per_chunk = batch // chunks
     window = _window_key(options.get("context_window"))
 
     qh, kh, vh = (_to_heads_first(t, heads, skip_reshape) for t in (q, k, v))  # [B, H, S, D] views, no copies
-    branches = [str(uuids[i]) if i < len(uuids) else f"cond_or_uncond={cond_or_uncond[i]}" for i in range(chunks)]
     if site.joint is None:
         # the whole batch in one runner call (one kernel launch for both CFG branches at reuse steps), written
         # straight into the output in the caller's layout through a strided view

@@ -46,7 +46,7 @@ import torch
 from ..config import HEAD_DIMS
 from .lifecycle import HOLDER_KEY, MCSparsePatch, RunState
 from .callsite import MARK_KEY, CallSite
-from .override import RUN_KEY, _callers, _contained, _window_key
+from .override import RUN_KEY, _callers, _contained, _window_key, chunk_branches
 
 logger = logging.getLogger(__name__)
 
@@ -175,16 +175,13 @@ class MCSparseInnerAttention:
             reason = "dense warm-up layer" if layer < run.config.warmup_layers else "dense warm-up step"
             return run.timed_dense(reason, (batch, heads, seq, head_dim), lambda: dense(q, k, v, **kwargs))
 
-        cond_or_uncond = list(options.get("cond_or_uncond") or [0])
-        uuids = list(options.get("uuids") or [])
-        chunks = len(cond_or_uncond)
-        if batch % chunks:
-            return fallback(f"batch {batch} does not split into {chunks} conditioning chunks")
+        branches, why = chunk_branches(options, batch)
+        if why is not None:
+            return fallback(why)
         window = _window_key(options.get("context_window"))
         kind = "self" + (f"#{occurrence}" if occurrence else "") + head_slice.tag
         dense_fn = _heads_first_dense(dense, kwargs)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [B, H_local, S, D] views
-        branches = [str(uuids[i]) if i < len(uuids) else f"cond_or_uncond={cond_or_uncond[i]}" for i in range(chunks)]
         out = torch.empty_like(q)  # [B, S, H_local, D], the layout xDiT expects back; the kernel writes its view
         run.sparse_call(qh, kh, vh, step=step, layer=layer, branches=branches, window=window, dense_fn=dense_fn,
                         scale=kwargs.get("softmax_scale"), kind=kind, out=out.transpose(1, 2))
