@@ -1065,8 +1065,8 @@ SMEM_LIMIT = 227 * 1024
 def config(head_dim: int = HEAD_DIM) -> dict:
     """The launch config ``group_prob_sums_fp8`` uses when the caller gives none (ksplit None: ``auto_ksplit``;
     stages: ``STAGES``, fewer where the shared memory would not hold them, ``fit_stages``)."""
-    return dict(stages=STAGES, poly=POLY, pingpong=PINGPONG, lse_smem=LSE_SMEM, qsplit=QSPLIT, wg3=WG3, wg4=WG4,
-                pair=PAIR, overlap=OVERLAP and PAIR and not WG4, ksplit=None)
+    return dict(stages=STAGES, poly=POLY, pingpong=PINGPONG, lse_smem=LSE_SMEM, qsplit=0 if PAIR else QSPLIT, wg3=WG3,
+                wg4=WG4, pair=PAIR, overlap=OVERLAP and PAIR and not WG4, ksplit=None)
 
 
 def smem_bytes(stages: int, nwg: int, gpi: int, topk: bool) -> int:
@@ -1132,7 +1132,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                        pingpong=PINGPONG if pingpong is None else bool(pingpong),
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=QSPLIT if qsplit is None else int(qsplit), diag=diag or "",
-                       wg3=(WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3), topk=bool(topk),
+                       wg3=(WG3 and not (pingpong or qsplit == 1)) if wg3 is None else bool(wg3), topk=bool(topk),
                        wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
@@ -1151,13 +1151,12 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     poly = POLY if poly is None else int(poly)
     pingpong = PINGPONG if pingpong is None else bool(pingpong)
     lse_smem = LSE_SMEM if lse_smem is None else bool(lse_smem)
-    qsplit = QSPLIT if qsplit is None else int(qsplit)
-    # pingpong / qsplit are two-warpgroup schedules: asked for without wg3, they run with two warpgroups (qsplit 2:
-    # wg3 / wg4 only)
-    wg3 = (WG3 and not (pingpong or qsplit)) if wg3 is None else bool(wg3)
     topk = bool(topk)
-    wg4 = WG4 if wg4 is None else bool(wg4)
     pair = (PAIR_FUSED if topk else PAIR) if pair is None else bool(pair)
+    qsplit = (0 if pair or pingpong else QSPLIT) if qsplit is None else int(qsplit)  # (pair, pingpong: none)
+    # pingpong / qsplit 1 asked for without wg3 are the two-warpgroup schedules (qsplit 2: wg3 / wg4 only)
+    wg3 = (WG3 and not (pingpong or qsplit == 1)) if wg3 is None else bool(wg3)
+    wg4 = WG4 if wg4 is None else bool(wg4)
     overlap = (OVERLAP and pair and not wg4) if overlap is None else bool(overlap)
     if fit:  # the default: as many as fit
         stages = fit_stages(stages, 4 if wg4 else (3 if wg3 else 2), 2 if pair else 1, topk)
