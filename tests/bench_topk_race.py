@@ -46,7 +46,8 @@ ref_top_k_rows = bsr.ref_top_k_rows
 # row per thread), rN: register cap (0: none). Offline sm_90 (ptxas): count 96 registers uncapped (72 capped, the
 # default), count w8 b2048 121, regs w8 b2048 156, regs w16 b4096 114, regs w16 b8192 128, all without spills; l2:
 # the row prefetched into L2 first (``topk._prefetch_l2``); persist: one program per SM looping over rows, each
-# prefetching its next row into L2 before this one (offline: w8 255 registers, w16 128 with 72 bytes spilled)
+# prefetching its next row into L2 before this one (offline: w8 255 registers, w16 128 with 72 bytes spilled);
+# split: kernels/triton/topk_split.py (rows x chunks programs; c16: 16 chunks, w4: 4 warps per chunk program)
 VARIANTS = {
     "count": dict(cand_count=1),
     "count w8 b2048 r128": dict(cand_count=1, num_warps=8, block=2048, maxnreg=128),
@@ -59,6 +60,9 @@ VARIANTS = {
     "regs w8 b2048 l2 persist": dict(cand_regs=True, num_warps=8, block=2048, maxnreg=0, l2_prefetch=True, persist=1),
     "regs w16 b4096 l2 persist": dict(cand_regs=True, num_warps=16, block=4096, maxnreg=0, l2_prefetch=True,
                                       persist=1),
+    "split": dict(split={}),
+    "split c16": dict(split=dict(chunks=16)),
+    "split w4": dict(split=dict(num_warps=4)),
 }
 
 
@@ -126,6 +130,9 @@ def main():
         except subprocess.TimeoutExpired:
             child.kill()
     log(f"compile children: rc {[c.returncode for c in children]}")
+    # a variant whose child did not end cleanly (a compile error, a fault, a hang) is not run here: a faulting
+    # kernel would end this process
+    names = [n for n, c in zip(names, children) if c.returncode == 0] if children else names
     _, dense = bsr.dense_fn(q, k, v)
     for s in (float(x) for x in args.densities.split(",")):
         kq = int(s * S)

@@ -93,7 +93,7 @@ def test_bracket_top_k_tilings(gen, rows_per_step, prefetch):
 
 @pytest.mark.parametrize("dtype,cand_count", [(torch.float16, 0), (torch.float32, 0), (torch.float16, 1),
                                               (torch.float16, 2), (torch.float16, "regs"),
-                                              (torch.float16, "regs persist")])
+                                              (torch.float16, "regs persist"), (torch.float16, "split")])
 def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     """The bracket method with few samples (strata of 4 keys) and a small candidate buffer: rows where the bracket
     holds the K-th key (radix select among the candidates) and rows where it cannot (radix fallback), all exact:
@@ -109,7 +109,8 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     ``cand_count``: the threshold among the candidates by counting, one or two bits per pass (the separate top-K after
     the CuTeDSL pass 2), the same rows and the same fallbacks (its candidate slots: 512, one sweep step); "regs": the
     copies held in registers (``top_k_rows(cand_regs=True)``, 8 per thread); "regs persist": with 2 programs looping
-    over the 6 rows (``persist=1``: a program per 4 rows off CUDA), each with one candidate scratch row."""
+    over the 6 rows (``persist=1``: a program per 4 rows off CUDA), each with one candidate scratch row; "split": the
+    chunked launches (``topk_split``: 2 chunks of 512 keys, the copies packed with their chunk)."""
     sk, k, width, stride, cap = 1000, 300, 320, 4, 512
     pos = triton_topk.sample_positions(sk, stride)
     assert len(pos) == 250 and bool((pos < sk).all()) and len(set(pos.tolist())) == 250
@@ -126,9 +127,28 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     got, fell_back = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), cap=cap, method="bracket",
                                             sample_stride=stride, return_fallbacks=True,
                                             **(dict(cand_count=cand_count) if not isinstance(cand_count, str) else
+                                               dict(split={}) if cand_count == "split" else
                                                dict(cand_regs=True, persist=int(cand_count == "regs persist"))))
     assert torch.equal(got.cpu(), _brute_force(sums, k, width))
     assert fell_back.cpu().tolist() == [0, 1, 1, 1, 0, 0]
+
+
+def test_split_top_k_keeps_the_first_ties_across_chunks(gen):
+    """topk_split (4 chunks of 512 keys, one program each): when the threshold value fills half of every chunk, the
+    kept ties are the first ``need`` in index order across chunks (chunk 0's all, chunk 1's part, none later), and
+    every selection slot is written (poisoned first); with K = Sk and K = 1 too (2048 candidate slots: every tie fits)."""
+    from comfyui_mc_sparse_pack.kernels.triton import topk_split
+
+    sk, width = 2000, 1024
+    sums = (torch.rand(3, sk, generator=gen, dtype=torch.float64) + 0.5).to(torch.float16)
+    sums[:, ::2] = 1.0  # 1000 ties at a value inside the random range
+    for k in (700, sk, 1):
+        w = max(width, k)
+        out = torch.full((3, w), POISON, dtype=torch.int32)
+        got, fell = topk_split.top_k_rows_split(sums.to(DEVICE), k, w, out=out.to(DEVICE), cap=2048,
+                                                return_fallbacks=True)
+        assert torch.equal(got.cpu(), _brute_force(sums, k, w)), k
+        assert fell.cpu().tolist() == [0, 0, 0], k
 
 
 def test_bracket_plan_ranks():

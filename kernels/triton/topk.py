@@ -611,7 +611,8 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
                method: str | None = None, cap: int | None = None, block: int | None = None,
                num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None,
                sample_stride: int | None = None, prefetch: bool = True, maxnreg: int | None = None,
-               cand_count: int = 0, cand_regs: bool = False, l2_prefetch: bool = False, persist: int = 0):
+               cand_count: int = 0, cand_regs: bool = False, l2_prefetch: bool = False, persist: int = 0,
+               split: dict | None = None):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
 
@@ -638,6 +639,8 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             are at most ``_CAND_REGS_PER_THREAD`` per thread, else as without it. Same result.
         l2_prefetch: (CUDA; ignored elsewhere) each bracket program first prefetches its row into L2
             (``_prefetch_l2``); for launches with few rows in flight (wide programs). Same result.
+        split: (float16 sums, the bracket method) the chunked launches of ``topk_split.top_k_rows_split`` with these
+            keywords ({}: its defaults) instead of one program per row; the other launch keywords are ignored.
         persist: (> 0) the bracket launch as ``persist`` programs per SM (CUDA; else per 4 rows) looping over the
             rows, each with one candidate scratch row (with ``l2_prefetch``: its next row prefetched before this one).
         return_fallbacks: also return int8 ``[rows]``, 1 where the bracket method fell back to the radix threshold.
@@ -688,6 +691,12 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         _radix_topk_rows[(n,)](rows[0], rows[1], fell_back if hist is None else hist, fell_back, *rows[2:],
                                KEY_BITS=key_bits, BLOCK=block or _BLOCK, HAS_HIST=hist is not None,
                                num_warps=num_warps or 4)
+    elif n and method == "bracket" and split is not None and key_bits == 16 and hist is None:
+        from .topk_split import top_k_rows_split  # (it imports this module's kernels)
+
+        _, fell = top_k_rows_split(src, num_keys, width, out=dst, cap=cap, sample_stride=sample_stride,
+                                   return_fallbacks=True, **split)
+        fell_back.copy_(fell)
     elif n and method == "bracket":
         stride, n_samp, hi_rank, lo_rank, cap_b = bracket_plan(sk, num_keys, key_bits // 8, stride=sample_stride,
                                                                cap=cap)
