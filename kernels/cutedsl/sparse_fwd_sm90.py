@@ -135,6 +135,9 @@ EPILOGUES = ("registers", "smem")
 # the line in L2 instead of DRAM (an index row is read once, 30 KiB per group at 14B 720p s = 0.1); and it waits
 # for that index after the tile's K stage is free instead of at the end of the iteration before (without the
 # option the loaded index is clamped right after its load: the offline SASS waits for it after the V copies).
+# With "idx_ahead" the next item's entries of its tiles 1 .. IDX_L2_AHEAD + 1 are prefetched with its first tile's
+# entry, and at each item's start the next item's perm entry (read by "q_ahead" a few tiles later), so the loads of
+# an item's start and the query gather's wait for its perm entry find L2 lines too.
 # "diag_no_copy" (a diagnostic, wrong results): the producer skips the K/V row copies (their barriers still arrive),
 # so the consumers compute on whatever the stages hold: the kernel's speed without the gathers.
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3", "q_ahead", "cnt_ahead", "idx_ahead",
@@ -554,6 +557,11 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             q_index = _IndexRow(q_rows, q_rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, Int32(self.tile_m),
                                 tidx)
             q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
+            if const_expr(self.idx_l2):  # the next item's perm entry, which "q_ahead" reads a few tiles from now
+                next_item = item + Int32(cute.arch.grid_dim()[0])
+                if next_item < tile_scheduler.total:
+                    next_group = group_fn(next_item)[0] if const_expr(self.split_tail) else next_item
+                    _prefetch_l2(fa_utils.elem_pointer(mPerm, (next_group, q_index.slot(0))).toint())
             n_block = n_block_max - 1
             if const_expr(self.idx_ahead):
                 index.nxt[0] = cutlass.max(pre[1], 0)
@@ -626,24 +634,29 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                             work_fn, SeqlenInfoCls, block_info, pre, q_state):
         """"idx_ahead": work item ``item``'s valid count into ``pre[0]`` and this thread's raw ``kv_idx`` entry of
         its first key tile (as ``_IndexRow.fetch`` picks it) into ``pre[1]`` (the loads in flight, used at the
-        item's start), then ``q_hook(q_state)`` (its queries)."""
+        item's start), then ``q_hook(q_state)`` (its queries). With "idx_l2" also the L2 lines of its entries of
+        the item's key tiles 1 .. IDX_L2_AHEAD + 1 (the loads of its start and first loop iterations)."""
         group = item
         count = count_fn(item)
         if const_expr(self.split_tail):
-            group, _, _, n_block_max, _, _ = work_fn(item, count=count)
+            group, _, n_block_min, n_block_max, _, _ = work_fn(item, count=count)
         else:
-            _, n_block_max = block_info.get_n_block_min_max(self._seqlen(SeqlenInfoCls, group, count), 0)
+            n_block_min, n_block_max = block_info.get_n_block_min_max(self._seqlen(SeqlenInfoCls, group, count), 0)
         h = group // groups_per_head
         h = h - (h // n_heads) * n_heads
         rows = PagedKVManager.create(
             mIdx, mK, mV, FastDivmodDivisorV2(mK.shape[0]), group, h, tidx, n_block_max * self.tile_n, 0,
             self.tile_n, self.tile_hdim, self.tile_hdimv, self.num_threads_per_warp_group, mK.element_type, arch=90,
         )
-        row = (tidx % rows.gmem_threads_per_row) * (rows.num_threads // rows.gmem_threads_per_row) + (
-            tidx // rows.gmem_threads_per_row)
-        slot = cutlass.min(cutlass.max(n_block_max - 1, 0) * rows.n_block_size + row, mIdx.shape[1] - 1)
+        index = _IndexRow(rows, rows.mPageTable, None, Int32(0), mIdx.shape[1], tidx)
         pre[0] = count
-        pre[1] = rows.mPageTable[slot]
+        pre[1] = rows.mPageTable[index.slot(n_block_max - 1)]
+        if const_expr(self.idx_l2):
+            asc = Int32(0)
+            if const_expr(self.zigzag):
+                asc = (item // Int32(cute.arch.grid_dim()[0])) % 2
+            for p in cutlass.range_constexpr(1, 2 + IDX_L2_AHEAD):
+                index.prefetch(self._tile_at(p, n_block_min, n_block_max, asc))
         return q_hook(q_state)
 
     @cute.jit
