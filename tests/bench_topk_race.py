@@ -88,6 +88,7 @@ def spawn_compiles(names, densities):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-wait", type=float, default=45.0, help="s from start the compile children get")
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="")
     ap.add_argument("--variants", default="")
@@ -126,7 +127,7 @@ def main():
     log(f"inputs {shape}: S {S}, H {H}, G {G}, sums {tuple(sums.shape)}")
     for child in children:  # (a child that fails or hangs only costs the compile in this process)
         try:
-            child.wait(timeout=max(1.0, 60.0 - (time.time() - t0)))
+            child.wait(timeout=max(1.0, args.child_wait - (time.time() - t0)))
         except subprocess.TimeoutExpired:
             child.kill()
     log(f"compile children: rc {[c.returncode for c in children]}")
