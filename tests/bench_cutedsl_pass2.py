@@ -15,12 +15,11 @@ Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p:
 ``cute_rows`` is what tests/bench_select_race.py can import for its own race 2. Usage (checkout root, H200):
 ``python tests/bench_cutedsl_pass2.py --out OUT [--shapes 1.3b] [--variants "st4,st4 p8,st6"] [--commit HASH]``;
 a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<ksplit>`` (else
-``auto_ksplit``), `` pp`` (pingpong), `` ls`` (lse_smem), `` qs`` (qsplit), `` wg3`` (three consumer
-warpgroups), `` wg4`` (four), `` pr`` (two query groups per work item), `` ov`` (with pr: overlapped wgmmas),
-`` qr`` (qsplit 2: with wg3 / wg4, the query halves' wgmmas rolled over pairs of tiles), `` tk`` (the top-K
-fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums too),
-`` wg2`` / `` nols`` / `` npr`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed without
-the check).
+``auto_ksplit``), `` ls`` (lse_smem), `` qs`` (qsplit 1: query-half wgmmas), `` qr`` (qsplit 2: rolled over pairs
+of tiles), `` wg4`` (four consumer warpgroups), `` pr`` (two query groups per work item), `` ov`` (with pr:
+overlapped wgmmas), `` tk`` (the top-K fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums
+too), `` nols`` / `` npr`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed
+without the check).
 Writes OUT/bench_cutedsl_pass2.json (after the checks, again after the race).
 Expected at 1.3B: ~10 s inputs, ~5 s per variant compile (first process on a machine), ~2 s race.
 """
@@ -42,16 +41,16 @@ import bench_select_race as bsr  # noqa: E402  (loads the pack)
 from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 
 # the compile-time keys
-COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "diag", "wg3", "topk", "wg4", "pair", "overlap")
-FLAGS = {"pp": "pingpong", "ls": "lse_smem", "qs": "qsplit", "wg3": "wg3", "tk": "topk", "wg4": "wg4", "pr": "pair",
+COMPILED = ("stages", "poly", "lse_smem", "qsplit", "diag", "topk", "wg4", "pair", "overlap")
+FLAGS = {"ls": "lse_smem", "qs": "qsplit", "tk": "topk", "wg4": "wg4", "pr": "pair",
          "ov": "overlap"}
 TOPK_DENSITY = 0.25  # the fused top-K variants ("tk") select K = 0.25 x Sk keys per group
-OFF = {"wg2": "wg3", "nols": "lse_smem", "npr": "pair"}
-DEFAULT_VARIANTS = "st4,st4 k1,st4 pp,st4 p10,st6"
+OFF = {"nols": "lse_smem", "npr": "pair"}
+DEFAULT_VARIANTS = "st4,st4 k1,st4 qr,st4 p4,st6"
 
 
 def parse_variant(text: str) -> dict:
-    """'st4 p8 c132 k2 pp ls' -> dict(stages=4, poly=8, num_ctas=132, ksplit=2, pingpong=True, lse_smem=True)."""
+    """'st4 p8 c132 k2 qs ls' -> dict(stages=4, poly=8, num_ctas=132, ksplit=2, qsplit=True, lse_smem=True)."""
     keys = {"st": "stages", "p": "poly", "c": "num_ctas", "k": "ksplit"}
     out = {}
     for tok in text.split():
@@ -61,7 +60,7 @@ def parse_variant(text: str) -> dict:
         if tok in OFF:  # a default option turned off
             out[OFF[tok]] = False
             continue
-        if tok == "qr":  # qsplit 2: the query halves' wgmmas rolled over tile pairs (wg3 / wg4)
+        if tok == "qr":  # qsplit 2: the query halves' wgmmas rolled over tile pairs
             out["qsplit"] = 2
             continue
         if tok in ("noexp", "nomma"):  # timing floors (wrong sums: not checked, timed only)

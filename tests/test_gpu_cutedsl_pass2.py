@@ -4,10 +4,9 @@ a larger buffer (nothing written outside the view: no key past Sk, no other head
 key tile; an odd key-tile count, so the consumers' last pair holds an all-zero tile), odd group counts, a ragged last
 group, padded slots inside groups (perm -1), B = 2, Sk != S, C 100 / 128, float16 and float32 sums, a persistent
 walk of several groups per CTA (num_ctas small: the query ring wraps), key splits (ksplit, an empty last part),
-the pingpong schedule, the FMA-pipe exponential share (poly), the LSE through shared memory (lse_smem), the
-query-half products (qsplit; with two and three consumer warpgroups, and rolled over tile pairs), three and four
-consumer warpgroups (wg3, wg4), two query groups per work item (pair), and the fused top-K
-(``test_cutedsl_fused_topk_equals_brute_force``).
+the FMA-pipe exponential share (poly), the LSE through global or shared memory (lse_smem), the query-half
+products (qsplit 1, and 2: rolled over tile pairs), four consumer warpgroups (wg4), two query groups per work item
+(pair), and the fused top-K (``test_cutedsl_fused_topk_equals_brute_force``).
 
 ``test_cutedsl_pass2_equals_float64`` uses torch-made operands (no Triton compile: what a round with a short cap
 runs, ``-k "not triton"``); ``..._and_the_triton_kernel`` the operands of ``selection.fp8_operands`` and the
@@ -98,24 +97,23 @@ CASES = [  # B, H, S, Sk, C, holes: G = 32 (ragged last group), Sk = 4000 (parti
     (1, 2, 2900, 2900, 128, True),
 ]
 # the defaults (ksplit auto: 2 on these small cases); a persistent walk of many items per CTA (the query ring wraps);
-# a key split with an empty last part (12 tile pairs in 5 parts of 3); pingpong; 3 stages; the FMA-pipe share; qsplit
-# with wg3 (and 2: tile pairs rolled; 21 tiles in auto parts, 11 in 3 parts: odd parts take the one-tile path)
+# a key split with an empty last part (12 tile pairs in 5 parts of 3); 3 stages; the LSE read through perm (no
+# lse_smem); the FMA-pipe share; qsplit 1 and 2 (tile pairs rolled; 21 tiles in auto parts, 11 in 3 parts: odd parts
+# take the one-tile path); four consumer warpgroups; pair
 VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5, ksplit=1)), (CASES[2], dict(num_ctas=7, ksplit=5)),
-                                       (CASES[0], dict(pingpong=True)), (CASES[0], dict(stages=3)),
-                                       (CASES[2], dict(poly=10)), (CASES[2], dict(lse_smem=True)),
-                                       (CASES[1], dict(lse_smem=True, num_ctas=5, ksplit=3)),
-                                       (CASES[2], dict(qsplit=True)), (CASES[1], dict(qsplit=True, lse_smem=True,
-                                                                                       pingpong=True, poly=8)),
-                                       (CASES[2], dict(wg3=False)), (CASES[0], dict(wg3=False, lse_smem=False)),
-                                       (CASES[1], dict(wg3=True, lse_smem=True, num_ctas=5)),
+                                       (CASES[0], dict(stages=3)), (CASES[2], dict(poly=10)),
+                                       (CASES[2], dict(lse_smem=False)),
+                                       (CASES[1], dict(lse_smem=False, num_ctas=5, ksplit=3)),
+                                       (CASES[2], dict(qsplit=1)),
+                                       (CASES[1], dict(qsplit=1, lse_smem=False, poly=8, num_ctas=5, ksplit=3)),
+                                       (CASES[0], dict(qsplit=2)),
+                                       (CASES[1], dict(qsplit=2, poly=4, num_ctas=5, ksplit=3)),
                                        (CASES[2], dict(wg4=True, stages=3, num_ctas=6)),
                                        (CASES[1], dict(pair=True, num_ctas=5)),
                                        (CASES[2], dict(pair=True, wg4=True, stages=3, ksplit=2)),
-                                       (CASES[1], dict(pair=True, overlap=True, num_ctas=4)),
-                                       (CASES[2], dict(wg3=True, qsplit=True)),
-                                       (CASES[1], dict(wg3=True, qsplit=True, poly=4, num_ctas=5, ksplit=3)),
-                                       (CASES[0], dict(wg3=True, qsplit=2)),
-                                       (CASES[1], dict(wg3=True, qsplit=2, num_ctas=5, ksplit=3))]
+                                       (CASES[1], dict(pair=True, overlap=True, num_ctas=4))]
+
+
 def _written_sums(p2, operands, perm, C, tuning, dtype):
     """The kernel's sums for the float8 ``operands`` (q8, k8, qf, lse_s, kb) written into a NaN-poisoned view of a
     larger buffer: every entry of the view written, nothing outside it."""
@@ -131,7 +129,7 @@ def _written_sums(p2, operands, perm, C, tuning, dtype):
 
 
 # the tuning keys that are compile-time
-_COMPILED = ("stages", "poly", "pingpong", "lse_smem", "qsplit", "wg3", "wg4", "pair", "overlap")
+_COMPILED = ("stages", "poly", "lse_smem", "qsplit", "wg4", "pair", "overlap")
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,

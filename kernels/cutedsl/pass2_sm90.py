@@ -16,18 +16,20 @@ as float8 wgmma requires):
 
 - persistent CTAs (one per SM) walk the work items (b*H + h, g) in order, groups of one head back to back (the head's
   float8 keys stay in L2 while the CTAs sweep them);
-- a producer warpgroup: warp 0 issues the TMA loads of 128-key tiles (128 x D float8, 128-byte swizzle) into a
-  ``stages``-deep ring, warp 1 gathers each group's 128 query rows through ``perm`` (16-byte ``cp.async`` copies)
-  into a 2-slot query ring, so the next group's queries arrive while the current group runs;
-- two consumer warpgroups, each taking one 64-key half of every ring stage: ``S^T = K_half Q_g^T`` (m64n128k32
-  wgmmas, fp32 accumulators) issued asynchronously into one of two accumulators while the other accumulator's
-  exponentials and row sums run (the tile's 64 x 128 scores: the LSE is a per-column bias held in registers for the
-  whole group, the key's sum is a per-row sum: thread-local adds and two quad shuffles), so the tensor cores work
-  under the exponentials inside a warpgroup, and the two warpgroups' exponentials interleave on the SM's MUFU units.
+- a producer warpgroup: warp 0 issues the TMA loads of 192-key tiles (192 x D float8, 128-byte swizzle; 256 with
+  ``wg4``) into a ``stages``-deep ring, warp 1 gathers each group's 128 query rows through ``perm`` (16-byte
+  ``cp.async`` copies) and their LSE into a 2-slot query ring, so the next group's queries arrive while the current
+  group runs;
+- three consumer warpgroups (four with ``wg4``), each taking one 64-key part of every ring stage: ``S^T = K_part
+  Q_g^T`` (m64n128k32 wgmmas, fp32 accumulators), waited for, then its exponentials and row sums (the tile's 64 x 128
+  scores: the LSE is a per-column bias held in registers for the whole group, the key's sum is a per-row sum:
+  thread-local adds in four chains and two quad shuffles); the warpgroups' wgmmas run under each other's
+  exponentials (three warps per SM sub-partition share its MUFU unit). ``qsplit``: each tile as two 64 x 64
+  query-half wgmmas, the second under the first half's exponentials (2: tile pairs, three of four halves so).
 - ``poly``: of every 32 score columns a thread holds per row, that many take 2^x on the FMA pipe (flash-attn-4's
   degree-3 ``ex2_emulation``, relative error ~1e-4) instead of MUFU (0: none; the exact Triton arithmetic).
 
-- ``topk`` (the top-K fused; wg3 / wg4, float16 sums): producer warps 2 and 3 (idle otherwise) select the
+- ``topk`` (the top-K fused; float16 sums): producer warps 2 and 3 (idle otherwise) select the
   CTA's rows alternately while the consumers run the next items: the consumers hand over each finished row through an
   mbarrier ring (per selecting warp a full barrier every consumer thread arrives on after its last store of the row,
   and an empty barrier the warp releases once it took the row), and the warp runs ``topk.py``'s bracket method on the
@@ -77,7 +79,6 @@ TILE_Q = 128  # query slots per group (the wgmma N)
 HALF = 64  # keys per consumer warpgroup per stage (the wgmma M)
 LOG2E = 1.4426950408889634
 OUT_DTYPES = {"float16": cutlass.Float16, "float32": cutlass.Float32}
-PINGPONG_BARRIER = 3  # named barriers 3 and 4: consumer warpgroup 0's / 1's turn to issue (0: the CTA-wide sync)
 BIAS_BARRIER = 5  # named barrier 5: the consumers' in-place LSE -> bias conversion of a pair item (``pair``)
 SELECT_WARPS = 2  # producer warps 2 and 3: the fused top-K's selecting warps (``topk``)
 CAND_SLOTS = 16384  # each selecting warp's int16 candidate slots in shared memory (32 KiB; the bracket plan's cap at
@@ -107,22 +108,22 @@ class _Walk:
     falls to the part that finishes last (never a short last part) and would otherwise stay on the same CTAs for
     the whole walk."""
 
-    def __init__(self, total, n_groups, ksplit, n_pairs, part_pairs, grid):
+    def __init__(self, total, n_groups, ksplit, n_tiles, part_tiles, grid):
         self.total, self.n_groups, self.ksplit = total, n_groups, ksplit
-        self.n_pairs, self.part_pairs, self.grid = n_pairs, part_pairs, grid
+        self.n_tiles, self.part_tiles, self.grid = n_tiles, part_tiles, grid
 
     def at(self, item):
-        """(bh, g, first key-tile pair, pair count) of work item ``item`` (the count may be 0 for a last part)."""
+        """(bh, g, first key tile, tile count) of work item ``item`` (the count may be 0 for a last part)."""
         grp = item // self.ksplit
         rot = cutlass.select_(self.grid % self.ksplit == 0, item // self.grid, Int32(0))
         part = (item - grp * self.ksplit + rot) % self.ksplit
         bh = grp // self.n_groups
-        p0 = part * self.part_pairs
-        count = cutlass.max(cutlass.min(self.part_pairs, self.n_pairs - p0), 0)
+        p0 = part * self.part_tiles
+        count = cutlass.max(cutlass.min(self.part_tiles, self.n_tiles - p0), 0)
         return bh, grp - bh * self.n_groups, p0, count
 
     def _fields(self):
-        return (self.total, self.n_groups, self.ksplit, self.n_pairs, self.part_pairs, self.grid)
+        return (self.total, self.n_groups, self.ksplit, self.n_tiles, self.part_tiles, self.grid)
 
     def __extract_mlir_values__(self):
         return [v for f in self._fields() for v in cutlass.extract_mlir_values(Int32(f))]
@@ -132,13 +133,11 @@ class _Walk:
 
 
 class Pass2Sm90:
-    """The kernel (module docstring). ``out_dtype``: cutlass.Float16 or Float32; ``stages``: K ring depth (16 KiB
-    each); ``poly``: score columns per 32 taken by the FMA-pipe exponential (0-32); ``regs``: (consumer, producer)
-    register counts after ``setmaxnreg``."""
+    """The kernel (module docstring). ``out_dtype``: cutlass.Float16 or Float32; ``stages``: K ring depth (24 KiB
+    each, 32 with wg4); ``poly``: score columns per 32 taken by the FMA-pipe exponential (0-32)."""
 
-    def __init__(self, out_dtype, stages: int = 4, poly: int = 0, regs: tuple = (224, 56), pingpong: bool = False,
-                 lse_smem: bool = False, qsplit: int = 0, diag: str = "", wg3: bool = False, topk: bool = False,
-                 wg4: bool = False, pair: bool = False, overlap: bool = False):
+    def __init__(self, out_dtype, stages: int = 4, poly: int = 0, lse_smem: bool = False, qsplit: int = 0,
+                 diag: str = "", topk: bool = False, wg4: bool = False, pair: bool = False, overlap: bool = False):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -146,45 +145,41 @@ class Pass2Sm90:
         self.poly = poly
         # the columns (of a thread's 32 per row) whose 2^x runs on the FMA pipe: spread evenly over the row
         self.poly_cols = frozenset((i * 32) // poly for i in range(poly)) if poly else frozenset()
-        self.pingpong = pingpong
         # the group's LSE gathered by the query-loading warp into shared memory (4-byte cp.async beside the rows;
         # padded slots copy +inf from ``mInf``) instead of 2 x 32 dependent global loads per consumer thread
         self.lse_smem = lse_smem
-        # each 64-key tile as two 64 x 64 products (query halves) in four accumulators: three of the four tiles'
-        # exponentials run with a wgmma of the same warpgroup in flight instead of one of two; with wg3 / wg4 in two
-        # (the registers of one 64 x 128 accumulator): the second half's wgmma runs under the first half's sums;
-        # qsplit 2 (wg3 / wg4): tiles two at a time, each half's wgmma issued as soon as its accumulator is free
+        # each 64-key tile as two 64 x 64 products (query halves) in the registers of one 64 x 128 accumulator: the
+        # second half's wgmma runs under the first half's sums; 2: tiles two at a time, each half's wgmma issued as
+        # soon as its accumulator is free
         self.qsplit = int(qsplit)
         assert self.qsplit in (0, 1, 2), qsplit
         # timing floors for the benchmark (wrong sums): "noexp" sums x itself (no MUFU), "nomma" issues no wgmma
         assert diag in ("", "noexp", "nomma"), diag
         self.diag = diag
         # three consumer warpgroups with one accumulator each (192-key stages, one 64-key third each; 3 warps per
-        # SMSP instead of 2, each issuing, waiting and exponentiating its own tile), instead of two with two
+        # SM sub-partition, each issuing, waiting and exponentiating its own tile; H200 round s8r2: 0.484 of dense
+        # against 0.534 for two warpgroups with two accumulators each, 0.571 with FA3's pingpong turns, 0.693 with
+        # query-half products in four accumulators: those two-warpgroup schedules were removed in session 10)
         # wg4: four such warpgroups (256-key stages; 120 registers each, 112 with the fused top-K)
-        self.nwg = 4 if wg4 else (3 if wg3 else 2)
-        assert not (self.nwg > 2 and pingpong), "wg3 / wg4: no pingpong"
-        assert self.qsplit < 2 or self.nwg > 2, "qsplit 2: wg3 / wg4"
+        self.nwg = 4 if wg4 else 3
         self.stage_keys = HALF * self.nwg  # keys per ring stage
-        self.stages_per_step = 2 if self.nwg == 2 else 1  # stages per consumer loop step
         assert self.stage_keys * HEAD_DIM * stages <= 128 * 1024, "the key ring must fit 128 KiB of shared memory"
         # the fused top-K's selecting warps need more than 32 registers, and pair's query loader (two groups per item)
         # spills at 32: 152 / 56 then (offline sm_90a: no consumer spill)
         more = topk or pair
-        self.mma_regs, self.producer_regs = {2: regs, 3: (152, 56) if more else (160, 32),
+        self.mma_regs, self.producer_regs = {3: (152, 56) if more else (160, 32),
                                              4: (112, 56) if more else (120, 24)}[self.nwg]
         self.dtype = cutlass.Float8E4M3FN
-        # the top-K fused: producer warps 2 and 3 select each finished row of the CTA (``_select_rows``); wg3 only
-        assert not topk or self.nwg > 2, "topk: wg3 / wg4 only"
+        # the top-K fused: producer warps 2 and 3 select each finished row of the CTA (``_select_rows``)
         self.topk = topk
         # pair: two query groups per work item; every key stage serves both (two wgmmas per warpgroup on the same
-        # keys, half the key traffic from L2 per query); wg3 / wg4 with lse_smem only
-        assert not pair or (self.nwg > 2 and lse_smem), "pair: wg3 / wg4 with lse_smem"
+        # keys, half the key traffic from L2 per query); with lse_smem only
+        assert not pair or lse_smem, "pair: with lse_smem"
         self.gpi = 2 if pair else 1  # query groups per work item
         assert not (pair and qsplit), "pair: no qsplit"
         # overlap (pair): both groups' wgmmas of a stage issued into two accumulators, the second group's under the
-        # first group's exponentials (the consumers' 64 more registers: wg3 only)
-        assert not overlap or (pair and self.nwg == 3), "overlap: pair with wg3"
+        # first group's exponentials (the consumers' 64 more registers: three warpgroups only)
+        assert not overlap or (pair and self.nwg == 3), "overlap: pair without wg4"
         self.overlap = overlap
         smem = smem_bytes(stages, self.nwg, self.gpi, topk)
         assert smem <= SMEM_LIMIT, f"shared memory {smem} bytes > 227 KiB (stages {stages}, pair {pair}, topk {topk})"
@@ -266,10 +261,9 @@ class Pass2Sm90:
         n_units = (n_groups + self.gpi - 1) // self.gpi  # work units (query groups, or pairs of them) per head
         total = mPerm.shape[0] * n_units * ksplit
         sk = mK.shape[0]
-        step_keys = self.stage_keys * self.stages_per_step  # keys per consumer step (2 x 128 or 1 x 192)
-        n_pairs = (sk + step_keys - 1) // step_keys  # steps per group (tiles past Sk: zeros, never stored)
-        part_pairs = (n_pairs + ksplit - 1) // ksplit  # pairs per work item (a group's keys in ksplit parts)
-        walk = _Walk(total, n_units, ksplit, n_pairs, part_pairs, cute.arch.grid_dim()[0])
+        n_tiles = (sk + self.stage_keys - 1) // self.stage_keys  # key tiles per group (past Sk: zeros, never stored)
+        part_tiles = (n_tiles + ksplit - 1) // ksplit  # tiles per work item (a group's keys in ksplit parts)
+        walk = _Walk(total, n_units, ksplit, n_tiles, part_tiles, cute.arch.grid_dim()[0])
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -285,19 +279,13 @@ class Pass2Sm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             wg = warp_idx // 4 - 1
-            consume = self._consume_single if const_expr(self.nwg > 2) else (
-                self._consume_qsplit if const_expr(self.qsplit) else self._consume)
-            if const_expr(self.topk):
-                self._consume_single(tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
-                                     group_size, sk, mQ.shape[0], wg, tidx - 128 * (wg + 1), mbar_row)
-            else:
-                consume(tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size,
-                        sk, mQ.shape[0], wg, tidx - 128 * (wg + 1))
+            self._consume(tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size,
+                          sk, mQ.shape[0], wg, tidx - 128 * (wg + 1), mbar_row)
 
     @cute.jit
     def _load_k(self, mK, sK, tma_atom_K, pipeline_k, walk):
-        """Warp 0: the TMA loads of every work item's key tiles, two per pair (tiles past Sk are zero-filled by TMA;
-        the consumers compute them and store nothing)."""
+        """Warp 0: the TMA loads of every work item's key tiles (tiles past Sk are zero-filled by TMA; the consumers
+        compute them and store nothing)."""
         state = make_pipeline_state(PipelineUserType.Producer, self.stages)
         item = cute.arch.block_idx()[0]
         while item < walk.total:
@@ -305,9 +293,9 @@ class Pass2Sm90:
             gK = cute.local_tile(mK[None, None, bh], (self.stage_keys, HEAD_DIM), (None, 0))
             load, _, _ = fa_copy.tma_get_copy_fn(tma_atom_K, 0, cute.make_layout(1), gK, sK)
             load = fa_copy.tma_producer_copy_fn(load, pipeline_k)
-            for j in cutlass.range(self.stages_per_step * count, unroll=1):
+            for j in cutlass.range(count, unroll=1):
                 pipeline_k.producer_acquire(state)
-                load(src_idx=self.stages_per_step * p0 + j, producer_state=state)
+                load(src_idx=p0 + j, producer_state=state)
                 state.advance()
             item += walk.grid
 
@@ -614,68 +602,6 @@ class Pass2Sm90:
                     mSel[b, h, g, pos] = Int32(-1)
 
     @cute.jit
-    def _consume(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size,
-                 sk, n_seq, wg, tid):
-        """A consumer warpgroup: per work item, the LSE of its 32 columns, then its key tiles' halves ``wg`` two at
-        a time: both wgmmas issued, the first tile's exponentials under the second's wgmma, then the second's
-        (with ``pingpong`` the two warpgroups take turns issuing, FA3's schedule)."""
-        thr_mma = tiled_mma.get_slice(tid)
-        sK_half = cute.flat_divide(sK, (HALF, HEAD_DIM))[None, None, wg, 0, None]  # (64, D, stages)
-        tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK_half))
-        tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
-        acc0 = cute.make_rmem_tensor(thr_mma.partition_shape_C((HALF, TILE_Q)), Float32)
-        acc1 = cute.make_rmem_tensor(thr_mma.partition_shape_C((HALF, TILE_Q)), Float32)
-        if const_expr(self.diag == "nomma"):  # the floor's scores: distinct runtime values, never written by a wgmma
-            self._fill_distinct(acc0, tid, 0)
-            self._fill_distinct(acc1, tid, 1)
-        tScS = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((HALF, TILE_Q))))
-        n_cols = cute.size(tScS, mode=[1])
-        nl2 = cute.make_rmem_tensor((n_cols,), Float32)  # -LSE * log2(e) of this thread's query columns
-        k_state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
-        q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
-        n_heads = mOut.shape[1]
-        if const_expr(self.pingpong):
-            if wg == 1:  # warpgroup 0 issues first
-                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=256)
-        item = cute.arch.block_idx()[0]
-        while item < walk.total:
-            bh, g, p0, count = walk.at(item)
-            b = bh // n_heads
-            h = bh - b * n_heads
-            qf = mQF[bh]
-            if const_expr(not self.lse_smem):
-                self._bias_from_lse(nl2, tScS, n_cols, mLSE, mPerm, bh, g, group_size, n_seq)
-            pipeline_q.consumer_wait(q_state)
-            if const_expr(self.lse_smem):
-                self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index)
-            rQ = tSrQ[None, None, None, q_state.index]
-            k_rel = k_state.clone()
-            for i in cutlass.range(count, unroll=1):
-                p = p0 + i
-                pipeline_k.consumer_wait(k_state)
-                if const_expr(self.pingpong):
-                    cute.arch.barrier(barrier_id=PINGPONG_BARRIER + wg, number_of_threads=256)
-                self._mma(tiled_mma, acc0, tSrK[None, None, None, k_state.index], rQ)
-                k_state.advance()
-                pipeline_k.consumer_wait(k_state)
-                self._mma(tiled_mma, acc1, tSrK[None, None, None, k_state.index], rQ)
-                if const_expr(self.pingpong):
-                    cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - wg, number_of_threads=256)
-                k_state.advance()
-                warpgroup.wait_group(1)
-                pipeline_k.consumer_release(k_rel)
-                k_rel.advance()
-                self._tile_sums(acc0, tScS, nl2, qf, mKB, mOut, bh, b, h, g, (2 * p) * TILE_N + wg * HALF, sk, tid)
-                warpgroup.wait_group(0)
-                pipeline_k.consumer_release(k_rel)
-                k_rel.advance()
-                self._tile_sums(acc1, tScS, nl2, qf, mKB, mOut, bh, b, h, g, (2 * p + 1) * TILE_N + wg * HALF, sk,
-                                tid)
-            pipeline_q.consumer_release(q_state)
-            q_state.advance()
-            item += walk.grid
-
-    @cute.jit
     def _bias_from_lse(self, nl2, tScS, n_cols, mLSE, mPerm, bh, g, group_size, n_seq, halves=1):
         """This thread's query columns' bias -LSE * log2(e), read through perm (-inf for padded slots: they add 0);
         ``halves`` 2 (``qsplit``): the columns of query half 0, then those of half 1 (TILE_Q // 2 further on)."""
@@ -696,9 +622,9 @@ class Pass2Sm90:
             nl2[c] = -(sL[tScS[0, c % n_cols][1] + (c // n_cols) * (TILE_Q // 2), slot] * Float32(LOG2E))
 
     @cute.jit
-    def _consume_single(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
+    def _consume(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
                         group_size, sk, n_seq, wg, tid, mbar_row=None):
-        """``wg3`` / ``wg4``: a consumer warpgroup's 64-key part of every stage, one wgmma group at a time (issue,
+        """A consumer warpgroup: its 64-key part of every stage, one wgmma group at a time (issue,
         wait, exponentials); the warpgroups' exponentials overlap each other's wgmmas. With ``pair`` each stage serves
         the item's two groups in turn (one bias vector per group, from the LSE in shared memory; a group past G is
         computed on padded slots and not stored). With ``qsplit`` each tile is two 64 x 64 wgmmas (query halves),
@@ -843,86 +769,6 @@ class Pass2Sm90:
         self._store_rows(part, kbv_b, tScS, mOut, b, h, g, key_b, sk, tid)
 
     @cute.jit
-    def _consume_qsplit(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
-                        group_size, sk, n_seq, wg, tid):
-        """``_consume`` with each 64-key tile taken as two 64 x 64 products (query halves 0, 1): per pair of tiles
-        four wgmma groups a0 .. a3 issued, then their exponentials in order, each with the later groups in flight;
-        a tile's two halves' row sums are added before the quad shuffle and the store."""
-        thr_mma = tiled_mma.get_slice(tid)
-        sK_half = cute.flat_divide(sK, (HALF, HEAD_DIM))[None, None, wg, 0, None]  # (64, D, stages)
-        tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK_half))
-        sQ_h = cute.flat_divide(sQ, (TILE_Q // 2, HEAD_DIM))  # (64, D, 2, 1, 2 slots)
-        tSrQ0 = thr_mma.make_fragment_B(thr_mma.partition_B(sQ_h[None, None, 0, 0, None]))
-        tSrQ1 = thr_mma.make_fragment_B(thr_mma.partition_B(sQ_h[None, None, 1, 0, None]))
-        shape_c = thr_mma.partition_shape_C((HALF, TILE_Q // 2))
-        a0, a1, a2, a3 = (cute.make_rmem_tensor(shape_c, Float32) for _ in range(4))
-        if const_expr(self.diag == "nomma"):
-            for j, a in enumerate((a0, a1, a2, a3)):
-                self._fill_distinct(a, tid, j)
-        tScS = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((HALF, TILE_Q // 2))))
-        n_cols = cute.size(tScS, mode=[1])  # per query half
-        n_rows = cute.size(tScS, mode=[0])
-        nl2 = cute.make_rmem_tensor((2 * n_cols,), Float32)  # half 0's columns, then half 1's
-        part = cute.make_rmem_tensor((n_rows,), Float32)
-        k_state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
-        q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
-        n_heads = mOut.shape[1]
-        if const_expr(self.pingpong):
-            if wg == 1:
-                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=256)
-        item = cute.arch.block_idx()[0]
-        while item < walk.total:
-            bh, g, p0, count = walk.at(item)
-            b = bh // n_heads
-            h = bh - b * n_heads
-            qf = mQF[bh]
-            if const_expr(not self.lse_smem):
-                self._bias_from_lse(nl2, tScS, n_cols, mLSE, mPerm, bh, g, group_size, n_seq, 2)
-            pipeline_q.consumer_wait(q_state)
-            if const_expr(self.lse_smem):
-                self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index, 2)
-            rQ0 = tSrQ0[None, None, None, q_state.index]
-            rQ1 = tSrQ1[None, None, None, q_state.index]
-            k_rel = k_state.clone()
-            for i in cutlass.range(count, unroll=1):
-                p = p0 + i
-                pipeline_k.consumer_wait(k_state)
-                if const_expr(self.pingpong):
-                    cute.arch.barrier(barrier_id=PINGPONG_BARRIER + wg, number_of_threads=256)
-                rK = tSrK[None, None, None, k_state.index]
-                self._mma(tiled_mma, a0, rK, rQ0)
-                self._mma(tiled_mma, a1, rK, rQ1)
-                k_state.advance()
-                pipeline_k.consumer_wait(k_state)
-                rK = tSrK[None, None, None, k_state.index]
-                self._mma(tiled_mma, a2, rK, rQ0)
-                self._mma(tiled_mma, a3, rK, rQ1)
-                if const_expr(self.pingpong):
-                    cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - wg, number_of_threads=256)
-                k_state.advance()
-                key_a = (2 * p) * TILE_N + wg * HALF
-                key_b = (2 * p + 1) * TILE_N + wg * HALF
-                kb_a = self._kb_rows(tScS, mKB, bh, key_a, sk)
-                kb_b = self._kb_rows(tScS, mKB, bh, key_b, sk)
-                warpgroup.wait_group(3)
-                self._rows(a0, nl2, 0, qf, part, False)
-                warpgroup.wait_group(2)
-                pipeline_k.consumer_release(k_rel)
-                k_rel.advance()
-                self._rows(a1, nl2, n_cols, qf, part, True)
-                self._store_rows(part, kb_a, tScS, mOut, b, h, g, key_a, sk, tid)
-                warpgroup.wait_group(1)
-                self._rows(a2, nl2, 0, qf, part, False)
-                warpgroup.wait_group(0)
-                pipeline_k.consumer_release(k_rel)
-                k_rel.advance()
-                self._rows(a3, nl2, n_cols, qf, part, True)
-                self._store_rows(part, kb_b, tScS, mOut, b, h, g, key_b, sk, tid)
-            pipeline_q.consumer_release(q_state)
-            q_state.advance()
-            item += walk.grid
-
-    @cute.jit
     def _fill_distinct(self, acc, tid, j: cutlass.Constexpr):
         """The "nomma" floor's stand-in scores: distinct per element and thread (nothing the compiler can fold)."""
         for i in cutlass.range_constexpr(cute.size(acc)):
@@ -1022,7 +868,7 @@ FUSED_TOPK = True  # group_prob_sums_fp8(select=...) selects each group's top-K 
 TOPK_AUTO_KSPLIT = False
 # The fused top-K's config. H200 round s9r2 (main b4160ca, tests/bench_select_race.py race 1, flash-attn-4 dense,
 # s = 0.1 / 0.15 / 0.25 / 0.5; all checks passed): 14B 720p select_kv with the fused top-K and pair (whole rows:
-# auto_ksplit 1 there) 0.444-0.450, with the fused top-K alone (wg3) 0.453-0.462, the Triton default 0.452-0.462; at
+# auto_ksplit 1 there) 0.444-0.450, with the fused top-K alone 0.453-0.462, the Triton default 0.452-0.462; at
 # 1.3B 480p, whose 3072 groups (1536 pairs) fill the SMs' rounds only with key parts (auto_ksplit 2 / 3), the
 # CuTeDSL kernel (key parts) + the separate top-K 0.549-0.558 against the fused top-K's 0.561-0.567 (whole rows: the
 # last round 27 % full; 0.94-1.08 with pair and 3 key parts) and the Triton default's 0.559-0.574. So: pair with the
@@ -1030,22 +876,20 @@ TOPK_AUTO_KSPLIT = False
 # kernel unfused + the separate top-K).
 PAIR_FUSED = True
 TOPK_WHOLE_WALKS_ONLY = True
-# The default launch config: three consumer warpgroups (wg3) with the LSE through shared memory (lse_smem), 4 stages,
-# no FMA-pipe share. H200 round s8r2 (main 2a57dc8, tests/bench_select_race.py race 2, the method of record, the
+# The default launch config: three consumer warpgroups with the LSE through shared memory (lse_smem), 4 stages, no
+# FMA-pipe share. H200 round s8r2 (main 2a57dc8, tests/bench_select_race.py race 2, the method of record, the
 # kernel alone / flash-attn-4 dense 8.954 ms at 1.3B 480p, all heads, each variant checked against the Triton sums
-# first): wg3 + lse_smem 0.4739, wg3 0.4842 (6 stages 0.4831), against 0.5336 for two consumer warpgroups (the
-# previous default), 0.5412 with lse_smem, 0.5714 pingpong, 0.6933 qsplit (0.6759 with lse_smem), 0.5481 poly 8
-# (wg3 poly 8: 0.5143), and 0.5140 for the Triton one-group kernel; floors: no exponential 0.3487, no wgmma 0.4474
-# (wg3: 0.4128, ~94 % of MUFU's 16 exponentials per clock): the exponential side is the limit now.
+# first): three warpgroups + lse_smem 0.4739, without lse_smem 0.4842 (6 stages 0.4831), against 0.5336 for the two
+# consumer warpgroups of session 8 (removed in session 10 with their pingpong / four-accumulator qsplit forms, 0.5714
+# / 0.6933), poly 8 0.5143, and 0.5140 for the Triton one-group kernel; floors: no wgmma 0.4128 (~94 % of MUFU's 16
+# exponentials per clock): the exponential side is the limit now.
 STAGES = 4
 WG4 = False
 PAIR = False
 OVERLAP = False
 POLY = 0
-PINGPONG = False
 LSE_SMEM = True
-QSPLIT = False
-WG3 = True
+QSPLIT = 0
 _SM_COUNT: dict = {}
 
 
@@ -1065,8 +909,8 @@ SMEM_LIMIT = 227 * 1024
 def config(head_dim: int = HEAD_DIM) -> dict:
     """The launch config ``group_prob_sums_fp8`` uses when the caller gives none (ksplit None: ``auto_ksplit``;
     stages: ``STAGES``, fewer where the shared memory would not hold them, ``fit_stages``)."""
-    return dict(stages=STAGES, poly=POLY, pingpong=PINGPONG, lse_smem=LSE_SMEM, qsplit=0 if PAIR else QSPLIT, wg3=WG3,
-                wg4=WG4, pair=PAIR, overlap=OVERLAP and PAIR and not WG4, ksplit=None)
+    return dict(stages=STAGES, poly=POLY, lse_smem=LSE_SMEM, qsplit=0 if PAIR else QSPLIT, wg4=WG4, pair=PAIR,
+                overlap=OVERLAP and PAIR and not WG4, ksplit=None)
 
 
 def smem_bytes(stages: int, nwg: int, gpi: int, topk: bool) -> int:
@@ -1116,11 +960,10 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 
 
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
-                 pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: int | None = None,
-                 diag: str = "", wg3: bool | None = None, topk: bool = False, wg4: bool = False, pair: bool = False,
-                 overlap: bool = False):
+                 lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
+                 wg4: bool = False, pair: bool = False, overlap: bool = False):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
-    ``OUT_DTYPES``; ``topk``: the fused top-K (wg3 only). Raises KeyError for an unknown output dtype."""
+    ``OUT_DTYPES``; ``topk``: the fused top-K. Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
 
     syms: dict = {}
@@ -1129,19 +972,16 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                                                     for d in shape), divisibility=div)
                  for _, dt, shape, div in pass2_launch.ARG_SHAPES)
     kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, POLY if poly is None else poly,
-                       pingpong=PINGPONG if pingpong is None else bool(pingpong),
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
-                       qsplit=QSPLIT if qsplit is None else int(qsplit), diag=diag or "",
-                       wg3=(WG3 and not (pingpong or qsplit == 1)) if wg3 is None else bool(wg3), topk=bool(topk),
-                       wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap))
+                       qsplit=(0 if pair else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
+                       topk=bool(topk), wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
-             pingpong: bool | None = None, lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "",
-             wg3: bool | None = None, topk: bool = False, wg4: bool | None = None, pair: bool | None = None,
-             overlap: bool | None = None):
+             lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
+             wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -1149,21 +989,18 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     fit = stages is None
     stages = STAGES if stages is None else int(stages)
     poly = POLY if poly is None else int(poly)
-    pingpong = PINGPONG if pingpong is None else bool(pingpong)
     lse_smem = LSE_SMEM if lse_smem is None else bool(lse_smem)
     topk = bool(topk)
     pair = (PAIR_FUSED if topk else PAIR) if pair is None else bool(pair)
-    qsplit = (0 if pair or pingpong else QSPLIT) if qsplit is None else int(qsplit)  # (pair, pingpong: none)
-    # pingpong / qsplit 1 asked for without wg3 are the two-warpgroup schedules (qsplit 2: wg3 / wg4 only)
-    wg3 = (WG3 and not (pingpong or qsplit == 1)) if wg3 is None else bool(wg3)
+    qsplit = (0 if pair else QSPLIT) if qsplit is None else int(qsplit)  # (pair runs without qsplit)
     wg4 = WG4 if wg4 is None else bool(wg4)
     overlap = (OVERLAP and pair and not wg4) if overlap is None else bool(overlap)
     if fit:  # the default: as many as fit
-        stages = fit_stages(stages, 4 if wg4 else (3 if wg3 else 2), 2 if pair else 1, topk)
-    key = ("mc_pass2_sm90", out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag or "", wg3, topk, wg4, pair,
-           overlap, cc.source_hash())
-    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, pingpong, lse_smem, qsplit, diag, wg3, topk,
-                                                wg4, pair, overlap))
+        stages = fit_stages(stages, 4 if wg4 else 3, 2 if pair else 1, topk)
+    key = ("mc_pass2_sm90", out_dtype, stages, poly, lse_smem, qsplit, diag or "", topk, wg4, pair, overlap,
+           cc.source_hash())
+    return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, lse_smem, qsplit, diag, topk, wg4, pair,
+                                                overlap))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -1182,7 +1019,7 @@ def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int, *, policy: 
     """Why the fused top-K cannot run this call (None when it can; ``refusal`` passed first): float16 sums with
     16-byte aligned rows (Sk and the row strides multiples of 8), int32 ``sel`` ``[B, H, G, width]`` with a unit stride
     on width, 1 <= num_keys <= min(Sk, width), the default bracket plan (``topk.bracket_plan``) within ``SAMPLE_SLOTS``
-    samples and ``CAND_SLOTS`` candidate slots, three consumer warpgroups (``WG3``); with ``policy`` (the dispatch's
+    samples and ``CAND_SLOTS`` candidate slots; with ``policy`` (the dispatch's
     question) also where it was measured slower than this kernel + the separate top-K: a walk that needs key parts
     to fill the SMs (``TOPK_WHOLE_WALKS_ONLY``; ``group_prob_sums_fp8`` asks without the policy)."""
     import torch
@@ -1194,8 +1031,6 @@ def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int, *, policy: 
     B, H, G, SK = out.shape
     if SK % 8 or any(st % 8 for st in out.stride()[:3]) or out.data_ptr() % 16:
         return f"the fused top-K needs 16-byte aligned rows of sums (Sk {SK}, strides {tuple(out.stride())})"
-    if not WG3:
-        return "the fused top-K runs with three consumer warpgroups (WG3) only"
     if sel.dtype != torch.int32 or sel.dim() != 4 or tuple(sel.shape[:3]) != (B, H, G) or sel.stride(-1) != 1:
         return f"sel must be int32 [B, H, G, width] with a unit stride on width, got {sel.dtype} {tuple(sel.shape)}"
     if not 1 <= num_keys <= min(SK, sel.shape[3]):
@@ -1213,10 +1048,9 @@ def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int, *, policy: 
 
 
 def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, select=None, stages: int | None = None,
-                        poly: int | None = None, pingpong: bool | None = None, lse_smem: bool | None = None,
-                        qsplit: int | None = None, diag: str = "", wg3: bool | None = None, wg4: bool | None = None,
-                        pair: bool | None = None, overlap: bool | None = None, num_ctas: int | None = None,
-                        ksplit: int | None = None, bracket: tuple | None = None):
+                        poly: int | None = None, lse_smem: bool | None = None, qsplit: int | None = None,
+                        diag: str = "", wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
+                        num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
@@ -1228,10 +1062,10 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         sel int32 ``[B, H, G, width]`` (unit stride on width, any other strides), num_keys K in [1, min(Sk, width)]:
         every row of sel gets the K largest of that group's stored float16 sums as ascending indices (ties: lower
         index first; ``topk.top_k_rows``'s rule), then -1 up to width (``select_refusal`` must pass: float16 sums
-        with 16-byte aligned rows; the launch then runs wg3 or wg4, ksplit 1 when not given unless
-        ``TOPK_AUTO_KSPLIT``). stages, poly, pingpong, lse_smem, qsplit (0 / 1; 2: wg3 / wg4, tile pairs rolled),
-        wg3, wg4 (four consumer warpgroups), pair (two query groups per work item, sharing each key stage), overlap
-        (with pair: the second group's wgmma under the first's exponentials), num_ctas, ksplit: tuning; diag: a
+        with 16-byte aligned rows; ksplit 1 when not given unless ``TOPK_AUTO_KSPLIT``). stages, poly, lse_smem,
+        qsplit (0, 1, 2: tile pairs rolled), wg4 (four consumer warpgroups), pair (two query groups per work item,
+        sharing each key stage), overlap (with pair: the second group's wgmma under the first's exponentials),
+        num_ctas, ksplit: tuning; diag: a
         timing floor of the benchmark ("noexp" / "nomma": WRONG sums) (None: ``config``; CTAs: the SM count;
         ksplit: ``auto_ksplit``). bracket: the fused top-K's sample plan (stride, n_samp, hi_rank, lo_rank) instead
         of ``topk.bracket_plan``'s (tests: a plan whose brackets miss sends rows to the radix launch; any plan gives
@@ -1263,12 +1097,10 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
     topk_on = select is not None
     if pair is None:
         pair = PAIR_FUSED if topk_on else PAIR
-    if topk_on:
-        wg3 = True  # the selecting warps need wg3 / wg4
-        if ksplit is None and not TOPK_AUTO_KSPLIT:
-            ksplit = 1
-    fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, pingpong, lse_smem, qsplit,
-                  diag, wg3, topk_on, wg4, pair, overlap)
+    if topk_on and ksplit is None and not TOPK_AUTO_KSPLIT:
+        ksplit = 1
+    fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, lse_smem, qsplit, diag, topk_on,
+                  wg4, pair, overlap)
     if num_ctas is None:
         num_ctas = _sm_count(q8.device)
     if ksplit is None:
