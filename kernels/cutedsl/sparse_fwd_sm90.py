@@ -136,8 +136,9 @@ EPILOGUES = ("registers", "smem")
 # for that index after the tile's K stage is free instead of at the end of the iteration before (without the
 # option the loaded index is clamped right after its load: the offline SASS waits for it after the V copies).
 # With "idx_ahead" the next item's entries of its tiles 1 .. IDX_L2_AHEAD + 1 are prefetched with its first tile's
-# entry, and at each item's start the next item's perm entry (read by "q_ahead" a few tiles later), so the loads of
-# an item's start and the query gather's wait for its perm entry find L2 lines too.
+# entry, and at each item's start the next item's perm entry (read by "q_ahead" a few tiles later) and its valid
+# count is loaded (used then), so the loads of an item's start and the query gather's waits for its count and perm
+# entry find L2 lines or loaded registers.
 # "diag_no_copy" (a diagnostic, wrong results): the producer skips the K/V row copies (their barriers still arrive),
 # so the consumers compute on whatever the stages hold: the kernel's speed without the gathers.
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3", "q_ahead", "cnt_ahead", "idx_ahead",
@@ -557,8 +558,11 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             q_index = _IndexRow(q_rows, q_rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, Int32(self.tile_m),
                                 tidx)
             q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
+            next_count = None  # "idx_l2" + "idx_ahead": the next item's valid count, loaded now, used by q_hook
             if const_expr(self.idx_l2):  # the next item's perm entry, which "q_ahead" reads a few tiles from now
                 next_item = item + Int32(cute.arch.grid_dim()[0])
+                if const_expr(self.idx_ahead):
+                    next_count = count_fn(next_item)
                 if next_item < tile_scheduler.total:
                     next_group = group_fn(next_item)[0] if const_expr(self.split_tail) else next_item
                     _prefetch_l2(fa_utils.elem_pointer(mPerm, (next_group, q_index.slot(0))).toint())
@@ -605,7 +609,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 if const_expr(self.idx_ahead):
                     q_hook = partial(self._load_q_idx_of_item, q_hook, mIdx, mK, mV, next_item, n_heads,
                                      groups_per_head, tidx, group_fn, count_fn, work_fn, SeqlenInfoCls, block_info,
-                                     pre)
+                                     pre, next_count)
             kv_state, v_state, q_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state,
                                                             v_state, n_block_min, n_block_max, q_state, q_at, q_hook,
                                                             asc)
@@ -631,13 +635,15 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _load_q_idx_of_item(self, q_hook, mIdx, mK, mV, item, n_heads, groups_per_head, tidx, group_fn, count_fn,
-                            work_fn, SeqlenInfoCls, block_info, pre, q_state):
+                            work_fn, SeqlenInfoCls, block_info, pre, count, q_state):
         """"idx_ahead": work item ``item``'s valid count into ``pre[0]`` and this thread's raw ``kv_idx`` entry of
         its first key tile (as ``_IndexRow.fetch`` picks it) into ``pre[1]`` (the loads in flight, used at the
-        item's start), then ``q_hook(q_state)`` (its queries). With "idx_l2" also the L2 lines of its entries of
-        the item's key tiles 1 .. IDX_L2_AHEAD + 1 (the loads of its start and first loop iterations)."""
+        item's start), then ``q_hook(q_state)`` (its queries). ``count``: the item's valid count if loaded before
+        ("idx_l2"), else None (read here). With "idx_l2" also the L2 lines of its entries of the item's key tiles
+        1 .. IDX_L2_AHEAD + 1 (the loads of its start and first loop iterations)."""
         group = item
-        count = count_fn(item)
+        if const_expr(count is None):
+            count = count_fn(item)
         if const_expr(self.split_tail):
             group, _, n_block_min, n_block_max, _, _ = work_fn(item, count=count)
         else:
