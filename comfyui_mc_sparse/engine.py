@@ -225,7 +225,8 @@ class MCSparseRunner:
             (warm-up or fallback); when the conditioning chunks ran different kinds, ANCHOR if any chunk anchored,
             else REUSE if any reused).
         Raises:
-            ValueError: both or neither of key/keys, or a batch that does not split into the keys' chunks.
+            ValueError: both or neither of key/keys, keys not distinct, or a batch that does not split into the
+                keys' chunks.
         """
         with kernels.registry.recording(self.kernels):
             return self._call(q, k, v, step=step, layer=layer, group=_group(key, keys, q), dense_fn=dense_fn,
@@ -524,6 +525,8 @@ def _group(key: CacheKey | None, keys: Sequence[CacheKey] | None, q: torch.Tenso
     group = (key,) if keys is None else tuple(keys)
     if not group or q.shape[0] % len(group):
         raise ValueError(f"the batch of {q.shape[0]} must split into {len(group)} equal conditioning chunks (keys)")
+    if len(set(group)) < len(group):
+        raise ValueError(f"keys must be distinct (one cache entry per conditioning chunk), got {group}")
     return group
 
 

@@ -79,6 +79,22 @@ def _runner():
     return MCSparseRunner(MCSparseConfig(density=0.5, group_size=64, warmup_steps=1, anchor_steps=(0,)), backend="torch")
 
 
+def test_the_runner_refuses_keys_it_cannot_keep_apart(gen):
+    """``MCSparseRunner.call``: exactly one of key / keys, a batch that splits into the keys' chunks, and distinct keys
+    (two chunks of one key would share one cache entry: the override checks the identities first, this is the
+    runner's own contract), each a ValueError before anything runs or is stored."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey
+
+    q = torch.randn(2, 2, 128, 64, generator=gen)
+    runner = _runner()
+    for kw, words in [(dict(key=CacheKey(1), keys=[CacheKey(1)]), "exactly one of key"), ({}, "exactly one of key"),
+                      (dict(keys=[CacheKey(1)] * 3), "must split into 3"),
+                      (dict(keys=[CacheKey(1, branch="a")] * 2), "keys must be distinct")]:
+        with pytest.raises(ValueError, match=words):
+            runner.call(q, q, q, step=0, layer=1, **kw)
+    assert len(runner.cache) == 0
+
+
 @pytest.mark.parametrize("where, error", [("kernel", ValueError("simulated bug: bad stride")),
                                           ("loader", KeyError("simulated bug: lost entry"))])
 def test_a_bug_in_the_reuse_path_turns_the_run_dense_and_is_reported(gen, monkeypatch, where, error):
