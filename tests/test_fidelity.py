@@ -197,7 +197,8 @@ def test_side_by_side_and_shape_errors(gen):
 
 def test_capture_round_trip_and_cli_table(workload, tmp_path, capsys):
     """save -> load keeps tensors and metadata; the exact (diagnostics) report of a capture equals the fast path's;
-    ``python -m comfyui_mc_sparse probe --captured`` prints that table; a foreign safetensors file is refused."""
+    ``python -m comfyui_mc_sparse probe --captured`` prints that table; a foreign safetensors file is refused, a
+    truncated or non-safetensors file too, with a message (before: a SafetensorError traceback from the CLI)."""
     (q, k, v), (q2, k2, v2) = ([t[:, :1, :256].contiguous() for t in qkv] for qkv in workload)
     tensors = {f"block3.{w}.{n}": t for w, qkv in (("anchor", (q, k, v)), ("reuse", (q2, k2, v2)))
                for n, t in zip("qkv", qkv)}
@@ -223,6 +224,13 @@ def test_capture_round_trip_and_cli_table(workload, tmp_path, capsys):
     save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="not an MC-Sparse probe capture"):
         capture.load_capture(tmp_path / "other.safetensors")
+    data = path.read_bytes()  # a truncated capture and one that is no safetensors at all: a message, exit code 2
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    (tmp_path / "text.safetensors").write_text("not a capture")
+    for name in ("cut", "text"):
+        with pytest.raises(ValueError, match="cannot be read as a .safetensors file"):
+            capture.load_capture(tmp_path / f"{name}.safetensors")
+        assert cli.main(["probe", "--captured", str(tmp_path / f"{name}.safetensors")]) == 2
 
 
 # --- the probe inside the attention override (ComfyUI stand-ins) --------------------------------------------------

@@ -49,23 +49,27 @@ def save_capture(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str
 def load_capture(path) -> tuple[dict[int, dict[str, dict[str, torch.Tensor]]], dict[str, str]]:
     """Read a capture: ``({block: {"anchor"|"reuse": {"q","k","v": [1, h, S, D]}}}, metadata)``.
 
-    Raises: FileNotFoundError; ValueError when the file is not a probe capture (format) or a block lacks q, k or v.
+    Raises: FileNotFoundError; ValueError when the file is not a probe capture (format), cannot be read as
+    safetensors (corrupt or truncated) or a block lacks q, k or v.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--captured must name a probe capture (.safetensors), got {path}")
     blocks: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-    with safe_open(str(path), framework="pt") as f:
-        metadata = dict(f.metadata() or {})
-        if metadata.get("format") != CAPTURE_FORMAT:
-            raise ValueError(f"{path} is not an MC-Sparse probe capture (format {metadata.get('format')!r}, "
-                             f"expected {CAPTURE_FORMAT!r})")
-        for key in f.keys():
-            m = _KEY.match(key)
-            if m:
-                blocks.setdefault(int(m[1]), {}).setdefault(m[2], {})[m[3]] = f.get_tensor(key)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            if metadata.get("format") != CAPTURE_FORMAT:
+                raise ValueError(f"{path} is not an MC-Sparse probe capture (format {metadata.get('format')!r}, "
+                                 f"expected {CAPTURE_FORMAT!r})")
+            for key in f.keys():
+                m = _KEY.match(key)
+                if m:
+                    blocks.setdefault(int(m[1]), {}).setdefault(m[2], {})[m[3]] = f.get_tensor(key)
+    except SafetensorError as err:
+        raise ValueError(f"{path} cannot be read as a .safetensors file (corrupt or truncated?): {err}") from None
     for b, steps in blocks.items():
         for which, qkv in steps.items():
             if set(qkv) != {"q", "k", "v"}:
