@@ -383,7 +383,7 @@ def test_cutedsl_env_candidate(monkeypatch, options, case):
     """Staged-epilogue options from $MC_SPARSE_CUTEDSL_TEST_OPTIONS through the op: the split last rounds (138
     groups ragged with the LSE, 140 groups of 24 tiles), the pdl chain, the ramped keys (rows rescaled mid-walk);
     and the compiled kernel on persistent grids of 1, 2, 7 and 500 CTAs (``test_cutedsl_overlap_grids``: walks of
-    many rounds, whose odd rounds "zigzag" loads in ascending tile order)."""
+    many rounds)."""
     if case == "grids":
         test_cutedsl_overlap_grids(torch.bfloat16, 128, True, tuple(options.split(",")))
     elif case == "split-138-lse":

@@ -122,13 +122,6 @@ EPILOGUES = ("registers", "smem")
 # ``RESCALE_THRESHOLD`` (log2 units of the scaled scores, so the exponentials stay <= 2^8: exact in fp32 sums and O,
 # and P keeps its relative precision in fp16 / bf16), and a warp skips the 64 multiplies of its O accumulator
 # rescale when none of its rows moved (``_LazySoftmax``): after the first few key tiles of a group almost every tile.
-# "zigzag" (with "persistent"): the persistent walk's odd rounds (work item // grid odd) load their key tiles in
-# ascending token order after the first, even rounds descending as without it: every item's first tile stays its
-# last, partial one (the consumers mask the first tile they see, unchanged), then even rounds go n_max-2 .. n_min
-# and odd rounds n_min .. n_max-2. All CTAs of a round walk one head's sorted rows about in step, so a round ends on
-# the token rows the next round starts on, which are then still in L2: without it each round begins at the rows the
-# previous round read longest ago (a 14B 720p head's K and V, 38.7 MB, exceed what L2 keeps of them). Only the
-# producer's tile order changes; the softmax is the same in any tile order.
 # "idx_l2" (with "overlap"): each producer thread prefetches into L2 its ``kv_idx`` entry of the key tile
 # ``IDX_L2_AHEAD`` tiles after the one whose index it loads (tiles 2 .. IDX_L2_AHEAD + 1 of an item at its start),
 # so the per-tile index load, which the producer waits for before the next tile's copies (its row addresses), finds
@@ -142,7 +135,7 @@ EPILOGUES = ("registers", "smem")
 # "diag_no_copy" (a diagnostic, wrong results): the producer skips the K/V row copies (their barriers still arrive),
 # so the consumers compute on whatever the stages hold: the kernel's speed without the gathers.
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "zigzag", "idx_l2", "diag_no_copy")
+           "lazy_rescale", "idx_l2", "diag_no_copy")
 RESCALE_THRESHOLD = 8.0
 IDX_L2_AHEAD = 4  # "idx_l2": key tiles between the index loaded and the index line prefetched
 Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
@@ -349,10 +342,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.idx_ahead = "idx_ahead" in options
         self.lazy_rescale = "lazy_rescale" in options
         self.diag_no_copy = "diag_no_copy" in options
-        self.zigzag = "zigzag" in options
         self.idx_l2 = "idx_l2" in options
         assert not self.idx_l2 or self.overlap, "idx_l2 is an overlap option"
-        assert not self.zigzag or self.persistent, "zigzag is a persistent-grid option"
         assert not self.lazy_rescale or self.overlap, "lazy_rescale is an overlap option"
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
 
@@ -552,9 +543,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             )
             index = _IndexRow(rows, rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, k_alloc, tidx,
                               self.idx_l2)
-            asc = Int32(0)  # "zigzag": 1 in the walk's odd rounds (key tiles ascending after the first)
-            if const_expr(self.zigzag):
-                asc = (item // Int32(cute.arch.grid_dim()[0])) % 2
             q_index = _IndexRow(q_rows, q_rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, Int32(self.tile_m),
                                 tidx)
             q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
@@ -584,10 +572,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             if const_expr(self.idx_l2):  # the stage first: the wait for the index below overlaps it
                 pipeline_k.producer_acquire(kv_state)
             index.advance()
-            index.fetch(self._tile_at(1, n_block_min, n_block_max, asc))
+            index.fetch(n_block - 1)
             if const_expr(self.idx_l2):
                 for p in cutlass.range_constexpr(2, 2 + IDX_L2_AHEAD):
-                    index.prefetch(self._tile_at(p, n_block_min, n_block_max, asc))
+                    index.prefetch(n_block_max - 1 - p)
             else:
                 pipeline_k.producer_acquire(kv_state)
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
@@ -611,8 +599,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                                      groups_per_head, tidx, group_fn, count_fn, work_fn, SeqlenInfoCls, block_info,
                                      pre, next_count)
             kv_state, v_state, q_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state,
-                                                            v_state, n_block_min, n_block_max, q_state, q_at, q_hook,
-                                                            asc)
+                                                            v_state, n_block_min, n_block_max, q_state, q_at, q_hook)
             if const_expr(self.q_ahead):
                 q_done = Int32(0)
                 if q_at >= 0:
@@ -645,9 +632,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if const_expr(count is None):
             count = count_fn(item)
         if const_expr(self.split_tail):
-            group, _, n_block_min, n_block_max, _, _ = work_fn(item, count=count)
+            group, _, _, n_block_max, _, _ = work_fn(item, count=count)
         else:
-            n_block_min, n_block_max = block_info.get_n_block_min_max(self._seqlen(SeqlenInfoCls, group, count), 0)
+            _, n_block_max = block_info.get_n_block_min_max(self._seqlen(SeqlenInfoCls, group, count), 0)
         h = group // groups_per_head
         h = h - (h // n_heads) * n_heads
         rows = PagedKVManager.create(
@@ -658,11 +645,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         pre[0] = count
         pre[1] = rows.mPageTable[index.slot(n_block_max - 1)]
         if const_expr(self.idx_l2):
-            asc = Int32(0)
-            if const_expr(self.zigzag):
-                asc = (item // Int32(cute.arch.grid_dim()[0])) % 2
             for p in cutlass.range_constexpr(1, 2 + IDX_L2_AHEAD):
-                index.prefetch(self._tile_at(p, n_block_min, n_block_max, asc))
+                index.prefetch(n_block_max - 1 - p)
         return q_hook(q_state)
 
     @cute.jit
@@ -939,52 +923,40 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, v_state, n_block_min,
-                      n_block_max, q_state=None, q_at=None, q_hook=None, asc=None):
-        """The group's K/V tiles after the first K, in the consumers' order: K of the tile at position p, then V of
-        the tile at p - 1, V of the last one at the end (positions: ``_tile_at``, ``asc`` its "zigzag" direction);
-        ``kv_state`` the K producer state (at the group's first K, loaded), ``v_state`` the V one (its own stage
-        count). The row addresses of the tile at p - 1 are kept in a register while those at p are loaded.
-        "q_ahead": ``q_hook(q_state)`` (the next item's queries) after iteration ``q_at`` (-1: none). Returns the
-        advanced producer states (K, V, Q)."""
+                      n_block_max, q_state=None, q_at=None, q_hook=None):
+        """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1, V of
+        the last tile at the end; ``kv_state`` the K producer state (at the group's first K, loaded), ``v_state``
+        the V one (its own stage count). The row addresses of tile j-1 are kept in a register while tile j's are
+        loaded. "q_ahead": ``q_hook(q_state)`` (the next item's queries) after iteration ``q_at`` (-1: none).
+        Returns the advanced producer states (K, V, Q)."""
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-            prev_row = rows.tPrPageOffset[0]  # the tile at position i, whose V is next
-            kv_state.advance()
+            n_block = n_block_max - 2 - i
+            prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
             if const_expr(self.idx_l2):  # the stage first: the wait for the index (fetched a tile ago) overlaps it
+                kv_state.advance()
                 pipeline_k.producer_acquire(kv_state)
             index.advance()
-            index.fetch(self._tile_at(i + 2, n_block_min, n_block_max, asc))
+            index.fetch(n_block - 1)
             if const_expr(self.idx_l2):
-                index.prefetch(self._tile_at(i + 2 + IDX_L2_AHEAD, n_block_min, n_block_max, asc))
+                index.prefetch(n_block - 1 - IDX_L2_AHEAD)
             else:
+                kv_state.advance()
                 pipeline_k.producer_acquire(kv_state)
-            self._load_tile(rows, sK, pipeline_k, kv_state, "K", self._tile_at(i + 1, n_block_min, n_block_max, asc))
+            self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
             cur_row = rows.tPrPageOffset[0]
             rows.tPrPageOffset[0] = prev_row
             pipeline_v.producer_acquire(v_state)
-            self._load_tile(rows, sV, pipeline_v, v_state, "V", self._tile_at(i, n_block_min, n_block_max, asc))
+            self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block + 1)
             v_state.advance()
             rows.tPrPageOffset[0] = cur_row
             if const_expr(q_hook is not None):
                 if i == q_at:
                     q_state = q_hook(q_state)
         pipeline_v.producer_acquire(v_state)
-        self._load_tile(rows, sV, pipeline_v, v_state, "V",
-                        self._tile_at(n_block_max - 1 - n_block_min, n_block_min, n_block_max, asc))
+        self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block_min)
         v_state.advance()
         kv_state.advance()
         return kv_state, v_state, q_state
-
-    @cute.jit
-    def _tile_at(self, p, n_block_min, n_block_max, asc):
-        """The key tile a work item of tiles [n_block_min, n_block_max) loads at position ``p`` (0 first; past the
-        end: a tile index whose fetch is clamped, never used): n_block_max - 1 - p, or with ``asc`` 1 ("zigzag"'s
-        odd rounds) the last tile first, then n_block_min, n_block_min + 1, ..."""
-        tile = n_block_max - 1 - p
-        if const_expr(self.zigzag):
-            if asc == 1:
-                if p > 0:
-                    tile = n_block_min + p - 1
-        return tile
 
     @cute.jit
     def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32):
