@@ -25,7 +25,8 @@ NODE_ID = "MCSparsePatch"
 
 
 class MCSparsePatch(io.ComfyNode):
-    """MODEL in, MODEL out: MC-Sparse sparse self-attention on Wan 2.1/2.2, HunyuanVideo and Hunyuan3D."""
+    """MODEL in, MODEL out: MC-Sparse sparse self-attention on Wan 2.1/2.2, HunyuanVideo, Hunyuan3D and (ComfyUI
+    v0.33.0) MiniMax-H3 (docs/comfyui.md, "Models")."""
 
     @classmethod
     def define_schema(cls) -> io.Schema:
