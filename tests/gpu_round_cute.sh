@@ -26,7 +26,7 @@ if [ -n "${FALLBACK:-}" ]; then
   # the final round: the op's default (rules.STAGED_OPTIONS, named in DEFAULT) checked through the op against float64
   # (bf16 D 128 / fp16 D 64 ragged with the LSE, groups vs SMs, and test_cutedsl_env_candidate's five cases); if any
   # test fails the op is timed with FALLBACK (the previous, r2-measured default) instead, and says so; else FALLBACK
-  # is timed beside it
+  # is timed beside it; RES_TESTED: register-epilogue sets timed beside the op with a plain residual (not tested here)
   MC_SPARSE_CUTEDSL_TEST_OPTIONS="$DEFAULT" timeout -k 3 "$TEST_S" python3 -m pytest -v -p no:cacheprovider \
     tests/test_gpu_cutedsl.py -k '(vs_float64 and (S3008-ragged-128-bf16 or S3008-ragged-64-fp16)) or groups_vs_sms or env_candidate' \
     > "$OUT/tests.log" 2>&1
@@ -38,9 +38,10 @@ if [ -n "${FALLBACK:-}" ]; then
   else
     ROWS=$FALLBACK
   fi
-  echo "op rows: op (default); op with: ${ROWS:-none}"
+  echo "op rows: op (default); op with: ${ROWS:-none}; residual rows: ${RES_TESTED:-none}"
   timeout -k 3 "$BENCH_S" python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
-    --no-compile-times --op-rows "options${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" --variants ""
+    --no-compile-times --op-rows "options${RES_TESTED:+,residual}${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" \
+    --res-options "${RES_TESTED:-}" --variants ""
   exit 0
 fi
 if [ -n "$CANDS$RES_CANDS" ]; then

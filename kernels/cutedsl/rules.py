@@ -50,8 +50,16 @@ EPILOGUE = "smem"
 # (min 0.826 vs 0.806; lazy_rescale without the loads ahead 0.832 / 0.821 / 0.864 / 0.867 and 0.866 / 0.913 / 0.880 /
 # 0.944, min 0.821). GPU-tested through the op (split last rounds, the pdl chain, keys ramped so that rows rescale
 # mid-walk, overlap grids of 1-500 CTAs).
+# + "idx_l2" (the producer's kv_idx lines prefetched into L2 a few key tiles and one work item ahead, the next
+# item's count loaded at the item's start, each tile's index waited for after its K stage is free) since 2026-12-02
+# 04:30: H200 round s10r2 (method of record with lead-in, 5 rounds, side by side; 1.3B 480p then 14B 720p, s = 0.1 /
+# 0.15 / 0.25 / 0.5) 0.903 / 0.931 / 0.999 / 1.014 and 0.930 / 1.001 / 0.947 / 0.919 against the previous default's
+# 0.845 / 0.892 / 0.989 / 0.980 and 0.911 / 0.998 / 0.922 / 0.894 (better at all 8 points; 1.015 against 1.085 ms at
+# 1.3B s = 0.1); the same kernel without its K/V copies ("diag_no_copy") 0.927 / 0.930 / 1.002 / 1.034 and 1.003 /
+# 1.078 / 1.110 / 1.173. GPU-tested through the op (split last rounds, the pdl chain, ramped keys, grids of 1-500
+# CTAs).
 STAGED_OPTIONS: tuple = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead",
-                         "idx_ahead", "lazy_rescale")
+                         "idx_ahead", "lazy_rescale", "idx_l2")
 # compile options of the register-epilogue kernel (calls with a residual: the reuse path's), as STAGED_OPTIONS:
 # persistent + overlap since 2026-12-01 16:40: H200 round s6r2 (method of record, 4 rounds, side by side, plain bf16
 # residual, no LSE; 1.3B 480p then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5) 0.772 / 0.757 / 0.856 / 0.878 and 0.834 /
