@@ -25,8 +25,8 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 3. RACE 1 per shape (tests/_timing.race: sustained back-to-back samples led in by untimed calls, shuffled order,
    median; TEAM.md items 7 and 11): flash-attn-4 dense with LSE, select_kv defaults and ``RACE1_ROWS`` ("cute": the
    CuTeDSL pass 2 with its fused top-K where the module has one, else + the separate top-K counting one bit per pass;
-   "cute sep": the CuTeDSL pass 2 + the separate top-K at its 2-warp launch (``topk_launch={}``: the default up to
-   session 10), beside a fused one or another launch; "triton" beside a CuTeDSL default;
+   "cute sep": the CuTeDSL pass 2 + the separate top-K, beside a fused one; "triton" beside a CuTeDSL default (not
+   with ``--no-triton-row``);
    ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios
    / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes). Each race also prints
    ``from_idle``: each row's lead-in calls (the first of each sample, on a GPU just left by another row) / dense's.
@@ -240,7 +240,7 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"cute sep": dict(cute=True, topk_fused=False, topk_count=True, topk_launch={})}
+RACE1_ROWS = {"cute sep": dict(cute=True, topk_fused=False, topk_count=True)}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
@@ -732,6 +732,8 @@ def main():
     ap.add_argument("--p2ws-gluon-row", action="store_true", help="race 1 also times select_kv(gluon=True) (the Gluon "
                     "pass 2 at its default config + the separate top-K) if that config passed its child check")
     ap.add_argument("--race1-only", action="store_true", help="checks and race 1 only (no race 2 / 2b)")
+    ap.add_argument("--no-triton-row", action="store_true", help="race 1 without the 'triton' row beside a CuTeDSL "
+                    "default (its compiles happen inside the race: a short cap)")
     ap.add_argument("--old-method", action="store_true", help="after each shape's race 1, dense + defaults again "
                     "timed without lead-in (MC_SPARSE_RACE_LEAD_IN=0, 3 rounds): the sessions 5-8 figure beside it")
     ap.add_argument("--race2-first", action="store_true", help="race 2 at 1.3B before its race 1 (else after both "
@@ -819,7 +821,8 @@ def main():
                 rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed; "cute fused"
                         if cfg.get(n if n in cfg else "cute", {}).get("ok")  # only where the module has it)
                         and (n != "cute fused" or cfg["cute"].get("fused") is True)}
-                if pass2_dispatch.cute_mode():  # the CuTeDSL pass 2 is the default: the Triton one beside it
+                if pass2_dispatch.cute_mode() and not args.no_triton_row:  # the CuTeDSL pass 2 is the default: the
+                    # Triton one beside it (its pass-2 and fused top-K compiles are not precompiled: ~10-20 s a shape)
                     rows["triton"] = dict(cute=False)
                 res["race1"] = race1(name, q, k, v, lse, perm, log,
                                      {**rows, **({"gluon": dict(gluon=True)} if gluon_row else {})})

@@ -19,6 +19,7 @@
 # before the race 1s (else after them: the scoreboard figures first). OLD_METHOD=1: after each shape's race 1, dense + the
 # defaults row again without the race's lead-in calls (MC_SPARSE_RACE_LEAD_IN=0, 3 rounds). RACE1_ONLY=1:
 # checks and race 1 only (e.g. one shape: RACE1_ONLY=1 T_BENCH=60 bash tests/gpu_round_select.sh $OUT <commit> 14b).
+# NO_TRITON_ROW=1: race 1 without the "triton" row beside the CuTeDSL default (its compiles are not precompiled).
 set -u
 OUT=${1:?usage: gpu_round_select.sh OUT_DIR [commit] [shapes]}
 COMMIT=${2:-}
@@ -47,6 +48,7 @@ elif [ -n "$P2WS_TEST" ]; then
 fi
 timeout "$T_BENCH" python3 tests/bench_select_race.py --out "$OUT" --shapes "$SHAPES" ${COMMIT:+--commit "$COMMIT"} \
     --p2ws-variants "$P2WS_VARIANTS" ${P2WS_GLUON_ROW:+--p2ws-gluon-row} ${RACE1_ONLY:+--race1-only} \
+    ${NO_TRITON_ROW:+--no-triton-row} \
     ${ROUNDS:+--rounds "$ROUNDS"} \
     --cute-variants "${CUTE_VARIANTS:-}" \
     ${RACE2_FIRST:+--race2-first} ${OLD_METHOD:+--old-method} \

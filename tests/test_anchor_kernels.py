@@ -92,8 +92,7 @@ def test_bracket_top_k_tilings(gen, rows_per_step, prefetch):
 
 
 @pytest.mark.parametrize("dtype,cand_count", [(torch.float16, 0), (torch.float32, 0), (torch.float16, 1),
-                                              (torch.float16, 2), (torch.float16, "regs"),
-                                              (torch.float16, "regs persist"), (torch.float16, "split")])
+                                              (torch.float16, 2)])
 def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     """The bracket method with few samples (strata of 4 keys) and a small candidate buffer: rows where the bracket
     holds the K-th key (radix select among the candidates) and rows where it cannot (radix fallback), all exact:
@@ -107,10 +106,7 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     - row 5: 1000 consecutive bit patterns, shuffled: every key value inside the bracket occurs, so a search
       that stops short of a single value picks a wrong threshold.
     ``cand_count``: the threshold among the candidates by counting, one or two bits per pass (the separate top-K after
-    the CuTeDSL pass 2), the same rows and the same fallbacks (its candidate slots: 512, one sweep step); "regs": the
-    copies held in registers (``top_k_rows(cand_regs=True)``, 8 per thread); "regs persist": with 2 programs looping
-    over the 6 rows (``persist=1``: a program per 4 rows off CUDA), each with one candidate scratch row; "split": the
-    chunked launches (``topk_split``: 2 chunks of 512 keys, the copies packed with their chunk)."""
+    the CuTeDSL pass 2), the same rows and the same fallbacks (its candidate slots: 512, one sweep step)."""
     sk, k, width, stride, cap = 1000, 300, 320, 4, 512
     pos = triton_topk.sample_positions(sk, stride)
     assert len(pos) == 250 and bool((pos < sk).all()) and len(set(pos.tolist())) == 250
@@ -125,30 +121,9 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     sums[5] = codes.to(torch.int16 if dtype == torch.float16 else torch.int32).view(dtype)
     out = torch.full((6, width), POISON, dtype=torch.int32)
     got, fell_back = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), cap=cap, method="bracket",
-                                            sample_stride=stride, return_fallbacks=True,
-                                            **(dict(cand_count=cand_count) if not isinstance(cand_count, str) else
-                                               dict(split={}) if cand_count == "split" else
-                                               dict(cand_regs=True, persist=int(cand_count == "regs persist"))))
+                                            sample_stride=stride, return_fallbacks=True, cand_count=cand_count)
     assert torch.equal(got.cpu(), _brute_force(sums, k, width))
     assert fell_back.cpu().tolist() == [0, 1, 1, 1, 0, 0]
-
-
-def test_split_top_k_keeps_the_first_ties_across_chunks(gen):
-    """topk_split (4 chunks of 512 keys, one program each): when the threshold value fills half of every chunk, the
-    kept ties are the first ``need`` in index order across chunks (chunk 0's all, chunk 1's part, none later), and
-    every selection slot is written (poisoned first); with K = Sk and K = 1 too (2048 candidate slots: every tie fits)."""
-    from comfyui_mc_sparse_pack.kernels.triton import topk_split
-
-    sk, width = 2000, 1024
-    sums = (torch.rand(3, sk, generator=gen, dtype=torch.float64) + 0.5).to(torch.float16)
-    sums[:, ::2] = 1.0  # 1000 ties at a value inside the random range
-    for k in (700, sk, 1):
-        w = max(width, k)
-        out = torch.full((3, w), POISON, dtype=torch.int32)
-        got, fell = topk_split.top_k_rows_split(sums.to(DEVICE), k, w, out=out.to(DEVICE), cap=2048,
-                                                return_fallbacks=True)
-        assert torch.equal(got.cpu(), _brute_force(sums, k, w)), k
-        assert fell.cpu().tolist() == [0, 0, 0], k
 
 
 def test_bracket_plan_ranks():
@@ -240,9 +215,7 @@ def _cand_threshold_kernel(CAND, N, W, KK, LO, HI, OUT, STEP: tl.constexpr, COUN
     kk = tl.load(KK + r)  # (rows of W >= N slots: the count pads to a multiple of STEP)
     lo = tl.load(LO + r)
     hi = tl.load(HI + r)
-    if COUNT == 3:  # the copies held in registers (a power-of-two tile >= N; slots past N masked)
-        t, need = triton_topk._cand_threshold_regs(CAND + r * W, N, kk, lo, hi, 512)
-    elif COUNT:
+    if COUNT:
         t, need = triton_topk._cand_threshold_count(CAND + r * W, N, kk, lo, hi, STEP, COUNT)
     else:
         t, need = triton_topk._cand_threshold(CAND + r * W, N, kk, lo, hi, STEP)
@@ -250,11 +223,10 @@ def _cand_threshold_kernel(CAND, N, W, KK, LO, HI, OUT, STEP: tl.constexpr, COUN
     tl.store(OUT + 2 * r + 1, need)
 
 
-@pytest.mark.parametrize("count", [1, 2, 0, 3])
+@pytest.mark.parametrize("count", [1, 2, 0])
 def test_candidate_threshold_is_the_kth_largest_copy(gen, count):
     """topk's threshold among the bracket's copies (``_cand_threshold_count``: bit search by counting, one or two bits
-    per pass (odd and even range bit lengths); 3: ``_cand_threshold_regs``, the copies held in registers, two bits
-    per step;
+    per pass (odd and even range bit lengths);
     ``_cand_threshold``: radix histograms): T = the kk-th largest of the n copies (every one in [lo, hi]) and need = kk
     minus the copies above T, with many ties, kk = 1, kk = n, hi - lo = 0, 1, a power of two and 0x7C00 - lo (the top
     bit of the range needed), n not a multiple of the chunk (STEP 64); row 8: every value of a 7-bit range, T - lo odd
@@ -563,14 +535,12 @@ def test_fp8_scale_is_the_largest_power_of_two_that_fits():
     assert sc.cpu()[0].tolist() == [2.0**-8, 2.0**-7, 2.0**-8, 2.0**-37, 1.0, 1.0, 2.0**40]
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_fp8_operands_are_the_smoothed_rounded_copies(gen, reverse):
+def test_fp8_operands_are_the_smoothed_rounded_copies(gen):
     """fp8_operands on strided [B, S, H*D] views (keys with a large shared component, as DiT keys have): q8 / k8 are
     (x - head mean) / head scale rounded to nearest even (bitwise torch's float8_e4m3fn cast of the same fp32
     quotient), every element written; the scale is the power of two that puts amax|x - mean| in (224, 448] (nothing
     saturates, no range wasted by a large constant column); an all-zero head gets scale 1 (no NaN); lse_s = lse - scale q . mean_k and kb = scale log2(e) mean_q . (k - mean_k), clamped
-    to [-100, 100]; qf = q scale x k scale x softmax scale x log2(e). ``reverse``: the quantising pass in reverse
-    program order (the same outputs)."""
+    to [-100, 100]; qf = q scale x k scale x softmax scale x log2(e)."""
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
     B, H, S, SK, D = 2, 3, 70, 90, 32
@@ -581,8 +551,7 @@ def test_fp8_operands_are_the_smoothed_rounded_copies(gen, reverse):
     q[0, 1, :, 0] = 300.0  # a mean query that gives keys logits beyond the clamp
     lse = torch.randn(B, H, S, generator=gen)
     scale = 0.125
-    q8, k8, qf, lse_s, kb = (t.cpu() for t in selection.fp8_operands(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), scale,
-                                                                     quant_reverse=reverse))
+    q8, k8, qf, lse_s, kb = (t.cpu() for t in selection.fp8_operands(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), scale))
     mq, qs = selection.fp8_stats(q)
     mk, ks = selection.fp8_stats(k)
     assert torch.allclose(mq.double(), q.double().mean(2), rtol=1e-5, atol=1e-5)
@@ -788,8 +757,7 @@ def test_pass2_fused_top_k_is_the_top_k_of_its_sums(gen, fp8, cap, one_group, rp
 
 def test_select_kv_fused_top_k_options_keep_the_selection(gen, monkeypatch):
     """select_kv's fused top-K options (the path of sm_90, forced here): topk_z (the bracket's half-width: 4 sigma, and
-    1 sigma, where rows fall back), topk_count=False, the separate top-K's launch (topk_launch: 4 warps, copies in
-    registers) and topk_stride (fewer samples; fused and separate) give the
+    1 sigma, where rows fall back), topk_count=False and topk_stride (fewer samples; fused and separate) give the
     defaults' selection, the brute-force top-K of the same float16 sums."""
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
@@ -802,13 +770,8 @@ def test_select_kv_fused_top_k_options_keep_the_selection(gen, monkeypatch):
     got = selection.select_kv(q, k, lse.float(), perm, K, **kw)
     sums16 = selection.group_prob_sums(q, k, lse.float(), perm, group_size=C, fp8=False).half()
     assert torch.equal(got, ref_top_k_rows(sums16, K, got.shape[-1]))
-    launches, top_k_rows = [], selection.top_k_rows
-    monkeypatch.setattr(selection, "top_k_rows", lambda *a, **k_: launches.append(k_.get("cand_regs")) or
-                        top_k_rows(*a, **k_))
-    for opts in (dict(topk_z=4.0), dict(topk_z=1.0), dict(topk_count=False),
-                 dict(topk_fused=False, topk_launch=dict(cand_regs=True, num_warps=4, block=1024))):
+    for opts in (dict(topk_z=4.0), dict(topk_z=1.0), dict(topk_count=False)):
         assert torch.equal(selection.select_kv(q, k, lse.float(), perm, K, **opts, **kw), got), opts
-    assert launches == [True], launches  # (the fused rows launch no separate top-K)
     # topk_stride: the bracket's keys per sample reach its plan, fused and separate, and keep the selection
     from comfyui_mc_sparse_pack.kernels.triton import topk
 

@@ -426,17 +426,12 @@ def _fp8_quantize(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     KB_POW2: tl.constexpr = False,
-    REVERSE: tl.constexpr = False,
 ):
     """q's and k's float8 copies in one launch: programs [0, nbq) of axis 0 take q's row blocks (``_quantize_rows``
     with IS_Q: Q8, LSE_S = LSE + lse_mul * q . mean_k), the rest k's (K8, KB = clamp(kb_mul * (k - mean_k) . mean_q),
-    or 2^that with KB_POW2); axis 1 is b * H + h. REVERSE: both axes taken from the end (the first programs read the
-    head blocks the statistics pass read last, which may still be in L2); the same outputs."""
+    or 2^that with KB_POW2); axis 1 is b * H + h."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
-    if REVERSE:
-        pid = tl.num_programs(0) - 1 - pid
-        bh = tl.num_programs(1) - 1 - bh
     b = bh // H
     h = bh % H
     if pid < nbq:
@@ -558,8 +553,6 @@ def _fp8_stats_final(
 _STATS_BLOCK_S = 32  # rows per register tile of the statistics pass (4 warps: 32 fp32 accumulators x 3 per thread)
 _STATS_PROGRAMS = 528  # statistics programs per tensor (~4 per H200 SM): enough loads in flight for HBM speed
 _QUANT_BLOCK_S = 64  # rows per program of the quantising pass
-# the quantising pass in reverse program order (``_fp8_quantize`` REVERSE): off until raced (tests/bench_topk_race.py)
-_QUANT_REVERSE = False
 
 
 def _stat_splits(heads: int, rows: int, programs: int = _STATS_PROGRAMS) -> tuple[int, int]:
@@ -590,8 +583,7 @@ def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, *, stats_programs: int | None = None,
-                 quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False,
-                 quant_reverse: bool | None = None):
+                 quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False):
     """The float8 operands of pass 2's FP8 mode, smoothed: (q8, k8, qf, lse_s, kb).
 
     The products are taken on mean-free rows (q' = q - mean_q, k' = k - mean_k per head, SageAttention's smoothing of
@@ -604,9 +596,7 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         q: ``[B, H, S, D]``, k: ``[B, H, Sk, D]``, fp16 / bf16 / fp32, any strides; lse: fp32 ``[B, H, S]`` (natural
         log, any strides); scale: the softmax scale. stats_programs, quant_block, quant_warps: launch tuning (the
         statistics programs per tensor, default ``_STATS_PROGRAMS``; rows per program and warps of the quantising
-        pass, default ``_QUANT_BLOCK_S``, 4); quant_reverse: the quantising pass takes the heads and row blocks from
-        the last (``_fp8_quantize`` REVERSE; None: ``_QUANT_REVERSE``); the results do not depend on the quantising
-        pass's tuning.
+        pass, default ``_QUANT_BLOCK_S``, 4); the results do not depend on the quantising pass's tuning.
         kb_pow2: return 2^kb in place of kb (what the Triton pair kernel reads with KB_POW2: no exponential per key
         and group there; H200: pass-2 kernel 0.445 against 0.455 of dense at 1.3B 480p, tests/bench_pass2_exp.py
         round s5r1).
@@ -647,7 +637,7 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     _fp8_quantize[(nbq + triton.cdiv(SK, bs), B * H)](
         q, k, q8, k8, mq, mk, stats[0], stats[1], lse, lse_s, kb, H, S, SK, nbq, *q.stride(), *k.stride(),
         *lse.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, KB_POW2=bool(kb_pow2),
-        REVERSE=_QUANT_REVERSE if quant_reverse is None else bool(quant_reverse), num_warps=quant_warps or 4)
+        num_warps=quant_warps or 4)
     return q8, k8, stats[2], lse_s, kb
 
 
@@ -724,8 +714,6 @@ _TOPK_FUSED_MIN_CAPABILITY = (9, 0)
 # route of CUTE_DEFAULT); rounds s8r1 / s8r2: counting 0.629-0.656 against histograms 0.641-0.657 (race 1, CuTeDSL pass
 # 2 + separate top-K); the same selection either way
 _TOPK_SEPARATE_COUNT_DEFAULT = True
-# select_kv's separate top-K launch (``topk.top_k_rows`` keywords; {}: its defaults, 2 warps per row)
-_TOPK_SEPARATE_LAUNCH: dict = {}
 # group_prob_sums / select_kv: the float8 pair kernel with one query group per program (one_group; 119 registers, 4
 # programs per SM instead of 3). H200 round s5r2 (tests/bench_select_race.py race 2, sustained interleaved, 1.3B 480p,
 # all heads): pass-2 kernel 0.5139 of flash-attn-4 dense against 0.5272 for two groups per program (14B 720p not
@@ -917,7 +905,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
               topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None,
-              poly3=(0, 0), topk_count=None, topk_z=None, cute=None, topk_stride=None, topk_launch=None):
+              poly3=(0, 0), topk_count=None, topk_z=None, cute=None, topk_stride=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -941,9 +929,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     on the CuTeDSL sm_90 kernel where it runs (``group_prob_sums``; None: ``pass2_dispatch.CUTE_DEFAULT``), with its
     own fused top-K where the module has one, ``topk_fused`` is on and the module's policy takes the call
     (``pass2_dispatch.try_cute_select``), else then the separate bracket top-K (``topk.top_k_rows``), its threshold
-    among the candidates by counting when ``topk_count`` (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``); ``topk_launch``:
-    that separate top-K's launch (``topk.top_k_rows`` keywords: num_warps, block, maxnreg, cand_regs, l2_prefetch;
-    same selection; None: ``_TOPK_SEPARATE_LAUNCH``).
+    among the candidates by counting when ``topk_count`` (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -985,21 +971,20 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
         else:
             _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method or ("radix" if use_hist else None), hist,
                    cand_count=int(_TOPK_SEPARATE_COUNT_DEFAULT if topk_count is None else topk_count),
-                   sample_stride=topk_stride, launch=_TOPK_SEPARATE_LAUNCH if topk_launch is None else topk_launch)
+                   sample_stride=topk_stride)
     return out
 
 
-def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None, cand_count=0, sample_stride=None, launch=None):
+def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None, cand_count=0, sample_stride=None):
     """The Triton top-K; if it cannot run here (a compiler or resource failure), ``torch.topk`` + sort instead, so
     the selection stays fast (ties then as torch.topk breaks them); the error is logged once per process. Out of
     memory in the bracket method (its per-call candidate scratch, rows x cap int16: ~230 MB for a 14B 720p head
     chunk) retries that call with the radix method (no scratch; same result), logged once; out of memory there is
-    raised (the caller's out-of-memory handling), and neither disables the Triton top-K. ``launch``: more
-    ``top_k_rows`` keywords (the bracket method's launch)."""
+    raised (the caller's out-of-memory handling), and neither disables the Triton top-K."""
     if not _RADIX_FAILED:
         try:
             return top_k_rows(sums, num_keys, k_alloc, out=out, method=method, hist=hist, cand_count=cand_count,
-                              sample_stride=sample_stride, **(launch or {}))
+                              sample_stride=sample_stride)
         except (ValueError, TypeError):
             raise
         except torch.cuda.OutOfMemoryError:

@@ -62,8 +62,6 @@ _BRACKET_MAXNREG = 72
 # candidate slots per row with ``FusedRows.cand_count``: a multiple of the fused epilogue's sweep step (4 warps x up to
 # 4 tile rows per thread x 8 float16 keys), which ``_cand_threshold_count`` pads its copies to
 _CAND_COUNT_MIN_CAP = 4096
-# ``_cand_threshold_regs``: candidate slots per thread it holds in registers at most (int32 each)
-_CAND_REGS_PER_THREAD = 64
 HIST_BINS = tl.constexpr(128)  # bins of a first-digit histogram given by pass 2: the top 8 key bits of sums >= 0
 
 
@@ -422,54 +420,11 @@ def _cand_threshold_count(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr, BITS
 
 
 @triton.jit
-def _add3(a0, a1, a2, b0, b1, b2):
-    return a0 + b0, a1 + b1, a2 + b2
-
-
-@triton.jit
-def _cand_threshold_regs(cand_row, n_cand, kk, lo, hi, CAP: tl.constexpr):
-    """``_cand_threshold_count``'s (T, need) with the copies loaded ONCE into registers (``[CAP]``, CAP >= n_cand:
-    the row's whole scratch; slots past n_cand read as -1): the bit search of T - lo from the top of hi - lo's bit
-    length, two bits per step (three trial values counted in one block-wide reduction), then one count of the copies
-    above T. No pass reads memory after the load, so a step costs a compare-and-add per held copy and trial plus one
-    reduction, not a dependent L2 round trip per chunk of copies."""
-    tl.debug_barrier()  # the copies, stored by every thread, are read by others
-    offs = tl.arange(0, CAP)
-    key = tl.load(cand_row + offs, mask=offs < n_cand, other=-1).to(tl.int32)
-    rng = hi - lo
-    top = lo * 0  # the bit length of hi - lo
-    for i in tl.static_range(32):
-        top = tl.where((rng >> i) > 0, i + 1, top)
-    top2 = top + (top & 1)  # rounded up to even: a trial past hi counts no copy (< kk), so the extra bit stays 0
-    thr = lo
-    for i in range(0, top2, 2):
-        b = top2 - 2 - i
-        t1 = thr + (1 << b)
-        t2 = thr + (2 << b)
-        t3 = thr + (3 << b)
-        c1, c2, c3 = tl.reduce(((key >= t1).to(tl.int32), (key >= t2).to(tl.int32), (key >= t3).to(tl.int32)), 0,
-                               _add3)
-        thr = tl.where(c3 >= kk, t3, tl.where(c2 >= kk, t2, tl.where(c1 >= kk, t1, thr)))
-    return thr, kk - tl.sum((key > thr).to(tl.int32), 0)
-
-
-@triton.jit
-def _prefetch_l2(src, SK, PER_LINE: tl.constexpr, LINES: tl.constexpr):
-    """``prefetch.global.L2`` of every 128-byte line of the row of SK keys at ``src`` (PER_LINE keys a line; LINES a
-    power of two >= the lines; offsets past the row clamped to its last key): the row's DRAM reads all issued at
-    once, without registers held for them, so the sweeps after the bracket's sample find the row in L2 (while few
-    enough rows are in flight for L2 to hold them). CUDA only (inline PTX)."""
-    offs = tl.minimum(tl.arange(0, LINES) * PER_LINE, SK - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [src + offs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _bracket_topk_rows(
     SUMS, OUT, CAND, FELL_BACK,
     SK, num_keys, width, inner,
     stride_so, stride_si, stride_oo, stride_oi,
-    stride_samp, n_samp, hi_rank, lo_rank, n_rows,
+    stride_samp, n_samp, hi_rank, lo_rank,
     KEY_BITS: tl.constexpr,
     ALIGN: tl.constexpr,  # the row strides (in keys) are multiples of ALIGN (passed divided by it)
     ROWS: tl.constexpr,
@@ -478,14 +433,9 @@ def _bracket_topk_rows(
     CAP: tl.constexpr,  # candidate slots per row in CAND
     PREFETCH: tl.constexpr,  # each sweep issues the next tile's load before this tile's work
     CAND_COUNT: tl.constexpr = 0,  # the threshold among the copies by counting, 1 or 2 bits per pass (0: histograms;
-    # CAP a multiple of ROWS * VEC); 3: ``_cand_threshold_regs`` (CAP a power of two)
-    SAMPLE_TWO_BITS: tl.constexpr = False,  # the sample's order statistics two bits per reduction (NS / threads <= 8)
-    L2_LINES: tl.constexpr = 0,  # > 0 (CUDA only): prefetch each row's 128-byte lines into L2 (a power of two >= the
-    # row's lines; ``_prefetch_l2``): before the row, or with PERSIST the program's next row before this one
-    PERSIST: tl.constexpr = False,  # programs loop over rows pid, pid + programs, ... (CAND: a scratch row each)
+    # CAP a multiple of ROWS * VEC)
 ):
-    """The bracket method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row (PERSIST: rows pid, pid +
-    programs, ... of the n_rows): a stratified sample of
+    """The bracket method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row: a stratified sample of
     n_samp keys (one per ``stride_samp`` positions, a scrambled offset in each) brackets the K-th largest key between
     two sample order statistics; one sweep counts the keys above the bracket (per-thread counters, reduced once) and
     copies the keys inside it to CAND (at most CAP); radix select over the copies (``_cand_threshold``) gives the
@@ -494,34 +444,13 @@ def _bracket_topk_rows(
     unwritten with FELL_BACK[row] = 1: ``_radix_topk_rows`` (ONLY_FLAGGED, the next launch) writes it, so the result
     is exact either way. (The radix passes are not inlined here: they held the kernel at 140 registers, 7 programs
     of 2 warps per SM; without them 72 fit with no spill.)"""
-    pid = tl.program_id(0)
-    per_line: tl.constexpr = 128 * 8 // KEY_BITS
-    if PERSIST:
-        nprog = tl.num_programs(0)
-        if L2_LINES:
-            _prefetch_l2(_row_src(SUMS, pid, inner, stride_so, stride_si, ALIGN), SK, per_line, L2_LINES)
-        for row in range(pid, n_rows, nprog):
-            if L2_LINES:
-                if row + nprog < n_rows:
-                    _prefetch_l2(_row_src(SUMS, row + nprog, inner, stride_so, stride_si, ALIGN), SK, per_line,
-                                 L2_LINES)
-            _bracket_row(_row_src(SUMS, row, inner, stride_so, stride_si, ALIGN),
-                         _row_src(OUT, row, inner, stride_oo, stride_oi, 1), CAND + pid.to(tl.int64) * CAP,
-                         FELL_BACK + row, SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, ROWS,
-                         VEC, NS, CAP, PREFETCH, SAMPLE_TWO_BITS, CAND_COUNT)
-    else:
-        src = _row_src(SUMS, pid, inner, stride_so, stride_si, ALIGN)
-        if L2_LINES:
-            _prefetch_l2(src, SK, per_line, L2_LINES)
-        _bracket_row(src, _row_src(OUT, pid, inner, stride_oo, stride_oi, 1), CAND + pid.to(tl.int64) * CAP,
-                     FELL_BACK + pid, SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, ROWS, VEC,
-                     NS, CAP, PREFETCH, SAMPLE_TWO_BITS, CAND_COUNT)
-
-
-@triton.jit
-def _row_src(base, row, inner, stride_o, stride_i, ALIGN: tl.constexpr):
-    """The start of row ``row`` of a [outer, inner, ...] tensor at ``base`` with strides (stride_o, stride_i) * ALIGN."""
-    return base + (row // inner).to(tl.int64) * (stride_o * ALIGN) + (row % inner).to(tl.int64) * (stride_i * ALIGN)
+    row = tl.program_id(0)
+    outer = (row // inner).to(tl.int64)
+    row_in = (row % inner).to(tl.int64)
+    _bracket_row(SUMS + outer * (stride_so * ALIGN) + row_in * (stride_si * ALIGN),
+                 OUT + outer * stride_oo + row_in * stride_oi, CAND + row.to(tl.int64) * CAP, FELL_BACK + row,
+                 SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, ROWS, VEC, NS, CAP, PREFETCH,
+                 False, CAND_COUNT)
 
 
 @triton.jit
@@ -534,8 +463,7 @@ def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_s
     ``_bracket_topk_rows`` per program, or pass 2's epilogue (``selection._group_prob_sums_pair`` TOPK). The threshold
     among the copies: ``_cand_threshold`` (radix select). SAMPLE_TWO_BITS: the bracket's two sample order statistics
     two bits per reduction (``_kth_largest2``; for NS / threads <= 8: the fused epilogue's 4 warps). CAND_COUNT: the
-    threshold among the copies by ``_cand_threshold_count`` (bit search by counting; 2: two bits per pass) instead; 3:
-    by ``_cand_threshold_regs`` (the copies held in registers; ``cap`` a constexpr power of two)."""
+    threshold among the copies by ``_cand_threshold_count`` (bit search by counting; 2: two bits per pass) instead."""
     zero = tl.program_id(0) * 0
     top = zero + (0x7C01 if KEY_BITS == 16 else 0x7F800001)  # one above +inf's key: above every key
 
@@ -571,9 +499,7 @@ def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_s
     tl.store(flag, (1 - hit.to(tl.int32)).to(tl.int8))
     if hit:
         # the threshold is the (num_keys - above)-th largest copy (every copy is >= lo, n_cand >= that)
-        if CAND_COUNT == 3:
-            prefix, need = _cand_threshold_regs(cand_row, n_cand, num_keys - above, lo, hi, cap)
-        elif CAND_COUNT:
+        if CAND_COUNT:
             prefix, need = _cand_threshold_count(cand_row, n_cand, num_keys - above, lo, hi, ROWS * VEC, CAND_COUNT)
         else:
             prefix, need = _cand_threshold(cand_row, n_cand, num_keys - above, lo, hi, ROWS * VEC // 2)
@@ -611,8 +537,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
                method: str | None = None, cap: int | None = None, block: int | None = None,
                num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None,
                sample_stride: int | None = None, prefetch: bool = True, maxnreg: int | None = None,
-               cand_count: int = 0, cand_regs: bool = False, l2_prefetch: bool = False, persist: int = 0,
-               split: dict | None = None):
+               cand_count: int = 0):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
 
@@ -634,15 +559,6 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             ``FusedRows.cand_count``; True or 1: one bit per pass over the copies, 2: two) instead of radix histograms
             (0 / False); the candidate slots per row are then rounded up to a multiple of the sweep step (its
             padding). Same result.
-        cand_regs: the threshold among the candidates by ``_cand_threshold_regs`` instead (the copies loaded once into
-            registers, two bits per block-wide reduction; ``cand_count`` ignored) where the candidate slots per row
-            are at most ``_CAND_REGS_PER_THREAD`` per thread, else as without it. Same result.
-        l2_prefetch: (CUDA; ignored elsewhere) each bracket program first prefetches its row into L2
-            (``_prefetch_l2``); for launches with few rows in flight (wide programs). Same result.
-        split: (float16 sums, the bracket method) the chunked launches of ``topk_split.top_k_rows_split`` with these
-            keywords ({}: its defaults) instead of one program per row; the other launch keywords are ignored.
-        persist: (> 0) the bracket launch as ``persist`` programs per SM (CUDA; else per 4 rows) looping over the
-            rows, each with one candidate scratch row (with ``l2_prefetch``: its next row prefetched before this one).
         return_fallbacks: also return int8 ``[rows]``, 1 where the bracket method fell back to the radix threshold.
         hist: optional int32 ``[..., HIST_BINS]`` contiguous: each row's histogram of its keys' top 8 bits (pass 2
             counts it while writing the sums, ``selection.group_prob_sums(hist=...)``); the radix method then skips
@@ -691,12 +607,6 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         _radix_topk_rows[(n,)](rows[0], rows[1], fell_back if hist is None else hist, fell_back, *rows[2:],
                                KEY_BITS=key_bits, BLOCK=block or _BLOCK, HAS_HIST=hist is not None,
                                num_warps=num_warps or 4)
-    elif n and method == "bracket" and split is not None and key_bits == 16 and hist is None:
-        from .topk_split import top_k_rows_split  # (it imports this module's kernels)
-
-        _, fell = top_k_rows_split(src, num_keys, width, out=dst, cap=cap, sample_stride=sample_stride,
-                                   return_fallbacks=True, **split)
-        fell_back.copy_(fell)
     elif n and method == "bracket":
         stride, n_samp, hi_rank, lo_rank, cap_b = bracket_plan(sk, num_keys, key_bits // 8, stride=sample_stride,
                                                                cap=cap)
@@ -704,28 +614,17 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         align = vec if src.stride(0) % vec == 0 and src.stride(1) % vec == 0 else 1
         warps = num_warps or _BRACKET_WARPS
         tile_rows = (block // vec) if block else 32 * warps * _BRACKET_ROWS_PER_THREAD
-        cand_regs = cand_regs and cap_b <= _CAND_REGS_PER_THREAD * 32 * warps
-        if cand_regs:
-            cand_count = 3  # (``_bracket_row``'s CAND_COUNT for ``_cand_threshold_regs``; cap_b a power of two)
-        elif cand_count:  # whole sweep steps of copies (``_cand_threshold_count`` pads to them)
+        if cand_count:  # whole sweep steps of copies (``_cand_threshold_count`` pads to them)
             step = tile_rows * vec
             cap_b = -(-max(cap_b, step) // step) * step
-        programs = n
-        if persist:
-            per = (torch.cuda.get_device_properties(sums.device).multi_processor_count if sums.device.type == "cuda"
-                   else -(-n // 4))
-            programs = max(1, min(n, persist * per))
-        cand = torch.empty(programs, cap_b, dtype=torch.int16 if key_bits == 16 else torch.int32, device=sums.device)
+        cand = torch.empty(n, cap_b, dtype=torch.int16 if key_bits == 16 else torch.int32, device=sums.device)
         regs = _BRACKET_MAXNREG if maxnreg is None else maxnreg
         launch = dict(maxnreg=regs) if regs and sums.device.type == "cuda" else {}
-        _bracket_topk_rows[(programs,)](
+        _bracket_topk_rows[(n,)](
             src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // align,
-            src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank, n,
+            src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank,
             KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
-            PREFETCH=prefetch, CAND_COUNT=int(cand_count),
-            SAMPLE_TWO_BITS=triton.next_power_of_2(n_samp) <= 8 * 32 * warps,
-            L2_LINES=triton.next_power_of_2(-(-sk * key_bits // 1024)) if l2_prefetch and sums.device.type == "cuda"
-            else 0, PERSIST=bool(persist), num_warps=warps, **launch)
+            PREFETCH=prefetch, CAND_COUNT=int(cand_count), num_warps=warps, **launch)
         # the rows whose bracket missed (flagged): radix threshold + compaction; every other program returns at once
         _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,
                                HAS_HIST=False, ONLY_FLAGGED=True, num_warps=4)
