@@ -335,14 +335,12 @@ GLUON_CONFIGS = {  # --gluon: the sm_90 Gluon kernel's tunings beside the op (au
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,
         cp_async_fence=False, q_regs=True, skip_rescale=True, max_tree=True, sum_partial=True),
-    # session 10, the s9r3 auto schedule (q_regs skip_rescale sum_partial) + each item's queries gathered during the
-    # item before (q_ahead), + the row maxima's shuffles only on a warp's vote (max_vote), + the pingpong turns on
-    # named barriers (named_turns), + both, + the producer's indices two tiles ahead (idx2); each with the tail launch
+    # session 10: the s9r3 auto schedule (q_regs skip_rescale sum_partial) and it + the row maxima's shuffles only on a
+    # warp's vote (max_vote), + the pingpong turns on named barriers (named_turns), + both; each with the tail launch
     # (active at 1.3B 480p only)
     **{"gluon " + name: dict(_gluon=True, **_dispatch.GLUON_SCHEDULES[name])
        for name in (_dispatch._SUM_PARTIAL + extra + " tail_launch"
-                    for extra in (" q_ahead", " max_vote", " named_turns", " max_vote named_turns", " idx2",
-                                  " idx2 idx_l2"))},
+                    for extra in ("", " max_vote", " named_turns", " max_vote named_turns"))},
     # each tile's kv_idx slots loaded two tiles ahead by the producer (two index loads in flight)
     "gluon pingpong persistent 3 stages thread_arrive early_q no_fence idx2": dict(
         _gluon=True, pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True,

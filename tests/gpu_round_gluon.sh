@@ -9,7 +9,7 @@
 #    the Triton kernel's default config and the Gluon tunings (final: 3 of them), both shapes, s = 0.1/0.15/0.25/0.5;
 #    writes $OUT/bench_reuse.json and $OUT/scoreboard.json (triton_sparse_eff_min; a Gluon result with
 #    rel_l2 > 2e-2 is excluded from it; with --gluon the figure is the op's). Expected: full ~1.2 + ~2 min (cap 5 + 4
-#    min); final ~40 + ~70 s (cap 45 + 110 s). "diag", "s9r2", "s9r3", "s10r2": the rounds named in each block below.
+#    min); final ~40 + ~70 s (cap 45 + 110 s). "diag", "s9r2", "s9r3", "s10final": the rounds named in each block below.
 set -u
 OUT=${1:?usage: gpu_round_gluon.sh OUT_DIR [commit] [final]}
 COMMIT=${2:-}
@@ -38,42 +38,35 @@ if [ "$MODE" = diag ]; then  # <= 70 s: round s7r3 (inside the final call): no n
     grep -E "efficiency|scoreboard|sparse op on|dense|host us|FAILED|skipped|Error" "$OUT/bench.log" | tail -50
     exit 0
 fi
-if [ "$MODE" = s10r2 ]; then  # <= 115 s (cold machine: compiles counted): session 10 round 2; auto mode unchanged
+if [ "$MODE" = s10final ]; then  # <= 150 s (cold machine: compiles counted): session 10 final call (scoreboard)
     T0=$(date +%s)
-    # 1. named_turns (the pingpong turns on named barriers: a wrong protocol deadlocks, so the cap) on short ragged
-    #    items on 7 programs (~5 items each); max_vote on growing scores; idx2 (the producer's indices two tiles
-    #    ahead) and idx2 + idx_l2 (each next item's index row prefetched into L2) in the tail-launch form; ~5 Gluon +
-    #    1 merge compiles; os._exit: pytest's exit has hung before
-    timeout 55 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
+    # 1. the auto mode since s10final (max_vote and max_vote + named_turns, each with and without the tail launch)
+    #    through the op against float64: B = 2 int4_group (every candidate timed, chosen and called directly), a
+    #    140-item shape whose last round the tail launch splits (int4_group, LSE, NaN-poisoned out), its first schedule
+    #    at D = 64 (max_vote left out there, named turns on) and at B = 2 with a plain residual; max_vote on short
+    #    ragged items, max_vote + named_turns on growing scores; ~8 Gluon + 2 merge compiles; os._exit: pytest's
+    #    exit has hung before
+    timeout 65 python3 -u -c "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); sys.stdout.flush(); os._exit(int(rc))" \
         -q -s -rA -p no:cacheprovider tests/test_gpu_gluon_sparse.py \
-        -k "(named_turns and short) or (max_vote and ramp) or (idx2_sum_partial and tail)" \
+        -k "op_auto_mode or auto_first_schedule or (max_vote and short) or (named_turns and both)" \
         > "$OUT/gluon_gpu_tests.log" 2>&1
-    echo "gluon gpu tests: rc=$? ($(( $(date +%s) - T0 )) s, cap 55 s)"
-    grep -E "rel_l2|passed|failed|Error|NT OK|MV OK|I2 OK" "$OUT/gluon_gpu_tests.log" | tail -10
-    ok() { grep -q "$1" "$OUT/gluon_gpu_tests.log"; }
-    # 2. the per-item timeline (SM clock stamps, 1.3B 480p s = 0.1, whole kernel) of the auto schedule + q_ahead
-    #    (round s10r1: no faster; s9r2's q_regs timeline: 4452 cycles of query wait per item): where the wait went
-    P0="pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial"
-    timeout 20 python3 tests/diag_gluon_timeline.py --out "$OUT" --densities 0.1 --reps 10 --whole-only \
-        --schedule "$P0 q_ahead" > "$OUT/timeline.log" 2>&1
-    echo "timeline q_ahead: rc=$? ($(( $(date +%s) - T0 )) s, cap 20 s)"
-    grep -E "^s=|Error|error" "$OUT/timeline.log" | tail -2
-    P="gluon $P0"
-    NAMES=""
-    if ok "MV OK"; then NAMES="$P max_vote tail_launch"; fi
-    if ok "NT OK"; then NAMES="${NAMES:+$NAMES,}$P named_turns tail_launch"; fi
-    if ok "I2 OK idx2_sum_partial_vs_float64\[tail\]"; then NAMES="${NAMES:+$NAMES,}$P idx2 tail_launch"; fi
-    if ok "I2 OK idx2_sum_partial_vs_float64\[l2-tail\]"; then NAMES="${NAMES:+$NAMES,}$P idx2 idx_l2 tail_launch"; fi
-    NAMES=${NAMES:-none}
-    echo "raced beside the op: $NAMES"
-    # 3. the op (the auto mode as in s9r3: the scoreboard figure) beside the auto schedule + max_vote, + named_turns,
-    #    + idx2, + idx2 idx_l2 (each with the tail launch: active at 1.3B only) called directly, by the method of record
-    #    (each row checked against the float32 reference first), 1.3B then 14B, 4 densities, as far as the cap allows
-    LEFT=$(( 115 - ($(date +%s) - T0) ))  # the round's cap is 120 s: 5 s for start-up and the copy back
+    echo "gluon gpu tests: rc=$? ($(( $(date +%s) - T0 )) s, cap 65 s)"
+    grep -E "rel_l2|passed|failed|Error|^PASSED|^FAILED|AUTO OK|MV OK|NT OK" "$OUT/gluon_gpu_tests.log" | tail -14
+    AUTO=(--gluon-auto previous)
+    NAMES=none
+    if grep -q "AUTO OK auto_mode_tail_split" "$OUT/gluon_gpu_tests.log" \
+        && grep -q "AUTO OK auto_mode_times_every_schedule" "$OUT/gluon_gpu_tests.log"; then
+        AUTO=()
+        NAMES="gluon pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial tail_launch"
+    fi
+    echo "op auto: ${AUTO[*]:-s10final (max_vote [named_turns] [tail_launch])}; beside it: $NAMES"
+    # 2. the op (= the scoreboard figure) by the method of record, both shapes, 4 densities, beside the previous auto
+    #    mode's schedule (s9r3-s10r2, with the tail launch: at 14B the same kernel as without) called directly
+    LEFT=$(( 145 - ($(date +%s) - T0) ))
     timeout $LEFT python3 tests/bench_kernels.py --out "$OUT/bench_reuse.json" --reuse --gluon --budget $((LEFT - 3)) \
-        --gluon-configs "$NAMES" ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
+        --gluon-configs "$NAMES" ${AUTO[@]+"${AUTO[@]}"} ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
     echo "bench: rc=$? ($(( $(date +%s) - T0 )) s in all, cap $LEFT s)"
-    grep -E "efficiency|scoreboard triton|sparse op on|dense:|host us|FAILED|Error" "$OUT/bench.log" | tail -40
+    grep -E "efficiency|scoreboard triton|sparse op on|dense:|host us|FAILED|Error" "$OUT/bench.log" | tail -30
     exit 0
 fi
 if [ "$MODE" = s9r3 ]; then  # <= 100 s (cold machine: compiles counted): session 9 final kernel round (scoreboard)

@@ -10,8 +10,8 @@ consumers' loop), or does not fit in shared memory (the overlap + persistent con
 in the consumer loop and are printed 'flagged' instead: no schedule uses them).
 
 Usage: python tests/ptxas_gluon.py [--quick] [--ptx DIR] (--quick: D = 128, the default config with a plain residual
-and the skip_rescale max_tree sum_partial schedule with int4_group; DIR: also write each
-PTX and cubin there)
+and the auto mode's first schedule (max_vote named_turns, without its tail launch) with int4_group; DIR: also write
+each PTX and cubin there)
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def main():
     bad = 0
     skip = dict(pingpong=True, persistent=True, num_sms=132, num_stages=3, thread_arrive=True, early_q=True,
                 cp_async_fence=False, q_regs=True, skip_rescale=True)  # inline PTX over the accumulator (session 9)
-    cases = [(128, "int4_group", dict(skip, max_tree=True, sum_partial=True)), (128, "plain", {})] if args.quick else (
+    vote = dict(skip, sum_partial=True, max_vote=True)  # the auto mode's schedules since s10final (tail launch aside)
+    cases = [(128, "int4_group", dict(vote, named_turns=True)), (128, "plain", {})] if args.quick else (
         [(D, kind, {}) for D in (128, 64) for kind in (None, "plain", "fp8_row", "int4_row", "int4_group")]
         + [(128, kind, tune) for kind in ("plain", "int4_group")  # the bench's GLUON_CONFIGS
            for tune in (dict(pipeline=True), dict(num_stages=3), dict(pipeline=True, num_stages=3),
@@ -167,7 +168,8 @@ def main():
                         # the accumulator's rescale skipped per warp, alone and with the tail launch
                         skip, dict(skip, max_tree=True), dict(skip, max_tree=True, tail_launch=4),
                         dict(skip, max_tree=True, sum_partial=True),
-                        dict(skip, max_tree=True, sum_partial=True, tail_launch=4))])
+                        dict(skip, max_tree=True, sum_partial=True, tail_launch=4),
+                        vote, dict(vote, named_turns=True), dict(vote, named_turns=True, tail_launch=4))])
     for kind in ("int4_group",) if args.quick else (None, "plain", "fp8_row", "int4_row", "int4_group"):
         print(merge_report(kind), flush=True)  # before the Gluon kernel's lines (the CPU test reads the last one)
     for D, kind, tune in cases:

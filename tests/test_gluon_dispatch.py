@@ -165,7 +165,7 @@ class _Fake:
         sched = {n: kw.pop(n) for n in ("pingpong", "persistent", "overlap", "pipeline", "num_stages", "stage_out",
                                         "thread_arrive", "early_q", "cp_async_fence", "q_regs", "idx_ahead", "row_threads",
                                         "next_item", "split_tail", "consumer_regs", "producer_regs", "tail_launch",
-                                        "skip_rescale", "max_tree", "sum_partial")
+                                        "skip_rescale", "max_tree", "sum_partial", "max_vote", "named_turns")
                  if n in kw}
         self.options.append(sched)
         return _dispatch()._triton_kernel.sparse_attention(*a, **kw)
@@ -196,11 +196,12 @@ def auto_gluon(monkeypatch):
     d.reset()
 
 
-_AUTO = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial tail_launch",
-         "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial")
+_SP = "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial"
+_AUTO = (_SP + " max_vote named_turns tail_launch", _SP + " max_vote named_turns", _SP + " max_vote tail_launch",
+         _SP + " max_vote")
 
 
-@pytest.mark.parametrize(("times", "want"), [((1.0, 1.5), _AUTO[0]), ((3.0, 1.0), _AUTO[1])])
+@pytest.mark.parametrize(("times", "want"), [((1.0, 1.5, 2.0, 2.5), _AUTO[0]), ((3.0, 2.0, 1.0, 4.0), _AUTO[2])])
 def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, times, want):
     """The first call of a shape times each AUTO_SCHEDULES entry (each with its own launch options; the Triton kernel
     is not a candidate), keeps the fastest for that shape, returns the chosen kernel's result; later calls of the
@@ -215,21 +216,22 @@ def test_auto_mode_times_once_per_shape_and_keeps_the_fastest(gen, auto_gluon, t
     out = torch.full_like(q, float("nan"))
     got = d.sparse_attention(q, k, v, perm, idx, out=out)
     assert got is out and float((out.double() - ref).norm() / ref.norm()) < 4e-3
-    assert timer.timed == 2 and list(d.choices.values()) == [want]
+    assert timer.timed == 4 and list(d.choices.values()) == [want]
     base = dict(pingpong=True, persistent=True, num_stages=3, thread_arrive=True, early_q=True, cp_async_fence=False)
-    fast = dict(base, q_regs=True, skip_rescale=True, sum_partial=True)
-    schedules = [dict(fast, tail_launch=4), fast]
-    assert fake.options[:2] == schedules  # each compiled and launched once
-    assert fake.options[2:4] == schedules  # each timed with its own options
+    vote = dict(base, q_regs=True, skip_rescale=True, sum_partial=True, max_vote=True)
+    named = dict(vote, named_turns=True)
+    schedules = [dict(named, tail_launch=4), named, dict(vote, tail_launch=4), vote]
+    assert fake.options[:4] == schedules  # each compiled and launched once
+    assert fake.options[4:8] == schedules  # each timed with its own options
     calls = fake.calls
     for _ in range(2):
         d.sparse_attention(q, k, v, perm, idx)
-    assert timer.timed == 2 and fake.calls == calls + 2
+    assert timer.timed == 4 and fake.calls == calls + 2
     assert fake.options[-1] == d.GLUON_SCHEDULES[want]
-    timer.times = [1.0, 2.0]
+    timer.times = [1.0, 2.0, 3.0, 4.0]
     wider = torch.cat([idx, torch.full_like(idx[..., :64], -1)], -1)  # K_alloc 128: a new shape key
     d.sparse_attention(q, k, v, perm, wider)
-    assert timer.timed == 4 and len(d.choices) == 2
+    assert timer.timed == 8 and len(d.choices) == 2
 
 
 def test_auto_mode_leaves_out_a_failing_schedule(gen, auto_gluon, monkeypatch):
@@ -240,16 +242,17 @@ def test_auto_mode_leaves_out_a_failing_schedule(gen, auto_gluon, monkeypatch):
     works = fake.sparse_attention
 
     def flaky(*a, **kw):
-        if not kw.get("tail_launch"):  # AUTO_SCHEDULES[1]
+        if not kw.get("tail_launch"):  # AUTO_SCHEDULES[1] and [3]
             raise RuntimeError("out of resource: shared memory")
         return works(*a, **kw)
 
     monkeypatch.setattr(d, "_gluon_module", lambda: SimpleNamespace(refusal=lambda q, k, v, residual=None: None,
                                                                    sparse_attention=flaky))
     q, k, v, perm, idx = _inputs(gen)
-    timer.times = [2.0]
+    timer.times = [2.0, 3.0]
     d.sparse_attention(q, k, v, perm, idx)
-    assert timer.timed == 1 and list(d.choices.values()) == [d.AUTO_SCHEDULES[0]]
+    assert timer.timed == 2 and list(d.choices.values()) == [d.AUTO_SCHEDULES[0]]
+    assert set(d._times[next(iter(d._times))]) == {d.AUTO_SCHEDULES[0], d.AUTO_SCHEDULES[2]}
     assert d.fallback_reason() is None
 
 
@@ -299,28 +302,6 @@ def test_early_q_only_where_the_q_slot_is_free_after_the_last_qk():
     for bad in (dict(persistent=False), dict(idx_ahead=3)):  # the producer's next-item loads: persistent, 1-2 ahead
         with pytest.raises(ValueError, match="next_item"):
             g.launch_args(q, q, q, perm, idx, next_item=True, **{**base, **bad})
-
-
-def test_q_ahead_only_with_the_q_slot_free_at_each_item_start():
-    """``q_ahead`` (each item's queries gathered during the item before) needs the slot free from each item's start
-    (``q_regs``), one Q slot and no ``next_item`` / ``split_tail``: otherwise refused before a launch (the producer
-    would wait for a slot the consumers free only after tiles it has not copied yet). Off by default; the tail
-    launch's split launch runs without it; its schedules are dispatch entries."""
-    g = _g90()
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 2, 256, 128, generator=gen).to(torch.bfloat16)
-    perm, idx = random_groups(gen, 1, 2, 256, 128), random_kv_idx(gen, 1, 2, 2, 256, 100, 128)
-    name = "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead"
-    sched = _dispatch().GLUON_SCHEDULES[name]
-    assert g.launch_args(q, q, q, perm, idx, num_sms=4, **sched)[2]["Q_AHEAD"] is True
-    assert g.launch_args(q, q, q, perm, idx, num_sms=4, **dict(sched, q_ahead=False))[2]["Q_AHEAD"] is False
-    assert g.launch_args(q, q, q, perm, idx)[2]["Q_AHEAD"] is False
-    for bad in (dict(q_regs=False), dict(num_stages=2), dict(next_item=True), dict(split_tail=4)):
-        with pytest.raises(ValueError, match="q_ahead"):
-            g.launch_args(q, q, q, perm, idx, num_sms=4, **{**sched, **bad})
-    tail = _dispatch().GLUON_SCHEDULES[name + " tail_launch"]
-    _, _, meta, (_, _, split) = g.launch_args(q, q, q, perm, idx, num_sms=3, **tail)  # 4 items on 3: 1 round + 1
-    assert meta["Q_AHEAD"] is True and split["launch"][2]["Q_AHEAD"] is False
 
 
 def test_skip_rescale_only_at_head_dim_128():
@@ -382,24 +363,6 @@ def test_named_turns_only_with_pingpong_whole_items():
     tail = _dispatch().GLUON_SCHEDULES[name + " tail_launch"]
     _, _, meta, (_, _, split) = g.launch_args(q, q, q, perm, idx, num_sms=3, **tail)  # 4 items on 3: 1 round + 1
     assert meta["NAMED_TURNS"] is True and split["launch"][2]["NAMED_TURNS"] is False
-
-
-def test_idx_l2_persistent_only_and_not_in_the_split_launch():
-    """``idx_l2`` (the producer's L2 prefetch of each next item's kv_idx row) is compiled in for persistent launches
-    only (one item per program has no next item), off by default and in the tail launch's split launch (one part per
-    program); its schedules are dispatch entries."""
-    g = _g90()
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 2, 256, 128, generator=gen).to(torch.bfloat16)
-    perm, idx = random_groups(gen, 1, 2, 256, 128), random_kv_idx(gen, 1, 2, 2, 256, 100, 128)
-    name = "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial idx2 idx_l2"
-    sched = _dispatch().GLUON_SCHEDULES[name]
-    assert g.launch_args(q, q, q, perm, idx, num_sms=4, **sched)[2]["IDX_L2"] is True
-    assert g.launch_args(q, q, q, perm, idx, idx_l2=True)[2]["IDX_L2"] is False  # one item per program
-    assert g.launch_args(q, q, q, perm, idx)[2]["IDX_L2"] is False
-    _, _, meta, (_, _, split) = g.launch_args(q, q, q, perm, idx, num_sms=3,
-                                              **_dispatch().GLUON_SCHEDULES[name + " tail_launch"])
-    assert meta["IDX_L2"] is True and split["launch"][2]["IDX_L2"] is False
 
 
 def test_diag_times_buffer_checked():

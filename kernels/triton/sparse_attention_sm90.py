@@ -85,7 +85,7 @@ def config(head_dim: int) -> dict:
                 overlap=False, pingpong=False, stage_out=False, l2_hints=False, row_threads=4, l2_prefetch=False,
                 thread_arrive=False, early_q=False, cp_async_fence=True, q_regs=False, idx_ahead=1, next_item=False,
                 split_tail=0, tail_launch=0, skip_rescale=False,
-                max_tree=False, sum_partial=False, q_ahead=False, max_vote=False, named_turns=False, idx_l2=False)
+                max_tree=False, sum_partial=False, max_vote=False, named_turns=False)
 
 
 def _l2_policies(l2_hints: bool) -> dict:
@@ -214,19 +214,6 @@ def _prefetch_rows_l2(base, rows, stride_s, stride_d, HEAD_DIM: gl.constexpr, RO
 
 
 @gluon.jit
-def _prefetch_idx_row(idx_base, K_ALLOC, valid):
-    """``prefetch.global.L2`` of every 128-byte line of one group's kv_idx row (K_ALLOC int32 from ``idx_base``; none
-    when not ``valid``), one line per producer thread per pass: that item's count tail, first tiles' and per-tile
-    index loads then find their lines in L2 instead of DRAM. A hint: no effect on results."""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    j = gl.arange(0, 128, layout=lay) * 32  # int32 slots per 128-byte line
-    for off in range(0, K_ALLOC, 128 * 32):
-        ok = ((off + j < K_ALLOC) & valid).to(gl.int32)
-        gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                                  "=r,l,r", [idx_base + off + j, ok], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _gather_q(dst, q_base, q_idx, S, stride_qs, stride_qd, offs_d, ROW64: gl.constexpr, STREAM: gl.constexpr):
     """cp.async of 64 query rows q_idx (perm entries; -1 or out of range: zeros) into one Q tile."""
     ok = (q_idx >= 0) & (q_idx < S)
@@ -246,19 +233,6 @@ def _load_q_item(q_smem, q_ready, q_empty, i, q_base, q_idx_a, q_idx_b, S, strid
     _gather_q(q_smem.index(qs * 2), q_base, q_idx_a, S, stride_qs, stride_qd, offs_d, ROW64, STREAM)
     _gather_q(q_smem.index(qs * 2 + 1), q_base, q_idx_b, S, stride_qs, stride_qd, offs_d, ROW64, STREAM)
     async_copy.mbarrier_arrive(q_ready.index(qs), increment_count=False)
-
-
-@gluon.jit
-def _q_rows(Q, PERM, w, valid, H, G_MB, M_BLOCKS: gl.constexpr, n_slots, C, K_ALLOC, stride_qb, stride_qh, offs_m,
-            STREAM: gl.constexpr):
-    """Work item w's query rows: (the base of its (b, h) in Q, the perm entries of its two halves of 64 rows in
-    ``offs_m``'s layout; -1 past C or when not ``valid``)."""
-    b, h, _, row0, _, perm_off = _work_item(w, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC)
-    rows_a = row0 + offs_m
-    rows_b = row0 + 64 + offs_m
-    q_idx_a = gl.load(PERM + perm_off + rows_a, mask=(rows_a < C) & valid, other=-1, eviction_policy=STREAM)
-    q_idx_b = gl.load(PERM + perm_off + rows_b, mask=(rows_b < C) & valid, other=-1, eviction_policy=STREAM)
-    return Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh, q_idx_a, q_idx_b
 
 
 @gluon.jit
@@ -307,7 +281,7 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
               ROW_THREADS: gl.constexpr, ROW64: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
               L2_PREFETCH: gl.constexpr, EARLY_Q: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr,
               SPLIT: gl.constexpr, NO_COPY: gl.constexpr, STREAM: gl.constexpr, DIAG_PTR=None,
-              DIAG: gl.constexpr = False, Q_AHEAD: gl.constexpr = False, IDX_L2: gl.constexpr = False):
+              DIAG: gl.constexpr = False):
     """Producer warpgroup: for each work item, (PERSISTENT: the group's Q rows through perm into the item's Q slot)
     then K then V rows of each key tile into the stage ring; the ring's stage and phase follow a tile counter kept
     across items. PERSISTENT with one Q slot (``Q_SLOTS`` 1: a 3-deep ring leaves room for one): the item's first
@@ -327,27 +301,13 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
     and tile 0's indices before its first copy of every item, while the ring drains). SPLIT: ``n_work`` counts
     virtual work indices (``_sub_item``); a part of an item copies its key tiles only (``_part_tiles``; an empty
     part copies none but its queries). NO_COPY (a timing diagnostic, wrong results): the K/V copies are left out
-    (the stages are signalled ready at once), so the kernel runs at its consumers' speed. Q_AHEAD (PERSISTENT, one Q
-    slot, EARLY_Q with the consumers' queries in registers, no SPLIT / NEXT_ITEM): each item's queries are gathered
-    during the item before, right after its tile min(NUM_STAGES, tiles - 1) (from tile NUM_STAGES on, the ring's
-    waits imply the consumers have started that item, so the slot is free: no wait), the first item's before the
-    walk; the item's perm entries are loaded with the previous item's first loads. Without it the consumers wait at
-    each item's start for queries gathered behind the item's first K/V tile (round s9r2's timeline: ~4450 cycles per
-    item at 1.3B 480p). IDX_L2: at each item's start, after its first loads, the next item's whole kv_idx row is
-    prefetched into L2 (``_prefetch_idx_row``), so its count tail and every tile's index load (the loads a tile's
-    copies wait for) come from L2, not DRAM."""
+    (the stages are signalled ready at once), so the kernel runs at its consumers' speed."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ROW_THREADS, ROW_THREADS], [4, 1], [1, 0])
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
     offs_m = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, lay))
     c = 0  # tiles produced so far (all items)
     i = 0  # items so far
-    if Q_AHEAD:  # the first item's queries (the walk gathers each next item's during the item before)
-        q_base_n, q_idx_a, q_idx_b = _q_rows(Q, PERM, w0, w0 < n_work, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC,
-                                             stride_qb, stride_qh, offs_m, STREAM)
-        if w0 < n_work:
-            _load_q_item(q_smem, q_ready, q_empty, 0, q_base_n, q_idx_a, q_idx_b, S, stride_qs, stride_qd, offs_d,
-                         Q_SLOTS, ROW64, STREAM)
     if NEXT_ITEM:  # the first item's first loads (the loop issues each next item's)
         tail_n, kv0_n, kv1_n, qa_n, qb_n = _item_first_loads(KV_IDX, PERM, _sub_item(w0, n_full, n_parts, SPLIT)[0],
                                                              w0 < n_work, H, G_MB, M_BLOCKS, n_slots, C, K_ALLOC,
@@ -380,17 +340,11 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
             if IDX_AHEAD == 3:  # and tile 2's
                 kv_next3 = gl.load(idx_base + 2 * BLOCK_N + offs_n, mask=2 * BLOCK_N + offs_n < K_ALLOC, other=-1,
                                    eviction_policy=STREAM)
-            if Q_AHEAD:  # the next item's query rows (gathered during this item)
-                q_base_n, q_idx_a, q_idx_b = _q_rows(Q, PERM, vw + w_step, vw + w_step < n_work, H, G_MB, M_BLOCKS,
-                                                     n_slots, C, K_ALLOC, stride_qb, stride_qh, offs_m, STREAM)
-            elif PERSISTENT:
+            if PERSISTENT:
                 rows_a = row0 + offs_m
                 rows_b = row0 + 64 + offs_m
                 q_idx_a = gl.load(PERM + perm_off + rows_a, mask=rows_a < C, other=-1, eviction_policy=STREAM)
                 q_idx_b = gl.load(PERM + perm_off + rows_b, mask=rows_b < C, other=-1, eviction_policy=STREAM)
-        if IDX_L2:  # the next item's index row towards L2, under this item's first loads
-            _prefetch_idx_row(KV_IDX + _work_item(_sub_item(vw + w_step, n_full, n_parts, SPLIT)[0], H, G_MB, M_BLOCKS,
-                                                  n_slots, C, K_ALLOC)[4], K_ALLOC, vw + w_step < n_work)
         n_end = _count_from_tail(tail, idx_base, K_ALLOC, 128, 4)
         if DIAG:
             _stamp(DIAG_PTR, i, w_step, n_work, 6)
@@ -411,9 +365,7 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
         else:
             t_lo = 0
             t_hi = n_tiles
-        if Q_AHEAD:  # the next item's queries: from tile NUM_STAGES on the slot is free (no wait)
-            q_at = t_lo + gl.minimum(t_hi - t_lo - 1, NUM_STAGES)
-        elif EARLY_Q:  # the consumers free the slot at their last QK^T: the queries right behind tile 0
+        if EARLY_Q:  # the consumers free the slot at their last QK^T: the queries right behind tile 0
             q_at = t_lo
         else:  # Q_SLOTS 1: the queries go out after this tile
             q_at = t_lo + gl.minimum(t_hi - t_lo, NUM_STAGES) - 1
@@ -450,11 +402,7 @@ def _producer(Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k
             if not NO_COPY:
                 _gather_rows(v_smem.index(s), v_base, kv, live, stride_vs, stride_vd, offs_d, _DEFAULT_POLICY)
             async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
-            if Q_AHEAD:
-                if (t == q_at) & (vw + w_step < n_work):
-                    _load_q_item(q_smem, q_ready, q_empty, i + 1, q_base_n, q_idx_a, q_idx_b, S, stride_qs,
-                                 stride_qd, offs_d, Q_SLOTS, ROW64, STREAM)
-            elif PERSISTENT and Q_SLOTS == 1:
+            if PERSISTENT and Q_SLOTS == 1:
                 if t == q_at:
                     _load_q_item(q_smem, q_ready, q_empty, i, q_base, q_idx_a, q_idx_b, S, stride_qs, stride_qd,
                                  offs_d, Q_SLOTS, ROW64, STREAM)
@@ -1138,8 +1086,8 @@ def _sparse_fwd_sm90(
     L2_PREFETCH: gl.constexpr, THREAD_ARRIVE: gl.constexpr, EARLY_Q: gl.constexpr, CP_ASYNC_FENCE: gl.constexpr,
     Q_REGS: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr, SPLIT: gl.constexpr,
     NO_COPY: gl.constexpr, STREAM: gl.constexpr, SKIP_RESCALE: gl.constexpr,
-    MAX_TREE: gl.constexpr, SUM_PARTIAL: gl.constexpr, DIAG: gl.constexpr, Q_AHEAD: gl.constexpr,
-    MAX_VOTE: gl.constexpr, NAMED_TURNS: gl.constexpr, IDX_L2: gl.constexpr,
+    MAX_TREE: gl.constexpr, SUM_PARTIAL: gl.constexpr, DIAG: gl.constexpr,
+    MAX_VOTE: gl.constexpr, NAMED_TURNS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
@@ -1208,7 +1156,7 @@ def _sparse_fwd_sm90(
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, ROW_THREADS, ROW64, PERSISTENT, Q_SLOTS, L2_PREFETCH,
-                     EARLY_Q, IDX_AHEAD, NEXT_ITEM, SPLIT, NO_COPY, STREAM, WS_ML, DIAG, Q_AHEAD, IDX_L2)),
+                     EARLY_Q, IDX_AHEAD, NEXT_ITEM, SPLIT, NO_COPY, STREAM, WS_ML, DIAG)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1217,8 +1165,8 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 persistent=None, num_sms=None, overlap=None, pingpong=None, stage_out=None, l2_hints=None,
                 q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None,
                 idx_ahead=None, next_item=None, split_tail=None, tail_launch=None, skip_rescale=None,
-                max_tree=None, sum_partial=None, q_ahead=None, max_vote=None, named_turns=None, idx_l2=None,
-                diag_no_copy=False, diag_times=None):
+                max_tree=None, sum_partial=None, max_vote=None, named_turns=None, diag_no_copy=False,
+                diag_times=None):
     """(grid, positional args, meta) of one launch, and (out, lse, tail): tail None, or with ``split_tail`` and a
     last, partial round of work items the arguments of ``sparse_tail_merge.merge`` (run after the launch: it writes
     the split items' rows); the op and the offline compile share it.
@@ -1267,10 +1215,6 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
         raise ValueError("next_item runs persistent with idx_ahead 1 or 2 (each item's first loads an item early)")
     if q_regs and not early_q:
         raise ValueError("q_regs frees the Q slot at the item's start: it needs early_q (the producer's order)")
-    q_ahead = bool(cfg["q_ahead"] if q_ahead is None else q_ahead)
-    if q_ahead and not (q_regs and q_slots == 1 and not next_item):
-        raise ValueError("q_ahead gathers each item's queries during the item before: it needs q_regs (the slot free "
-                         "at each item's start), one Q slot (num_stages=3) and no next_item")
     if early_q and (stage_out or not persistent):
         raise ValueError("early_q runs persistent, not with stage_out (its epilogue stages the output rows in the Q "
                          "tile)")
@@ -1289,8 +1233,6 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
     if named_turns and (not pingpong or overlap or split_tail):
         raise ValueError("named_turns passes the pingpong turns on named barriers: it runs with pingpong, without "
                          "overlap / split_tail (tail_launch: its split launch keeps the mbarrier turns)")
-    if split_tail and q_ahead:
-        raise ValueError("q_ahead runs without split_tail (tail_launch: its split launch gathers its queries as before)")
     tail_launch = int(cfg["tail_launch"] if tail_launch is None else tail_launch)
     if tail_launch and (not persistent or overlap or stage_out or split_tail
                         or int(cfg["idx_ahead"] if idx_ahead is None else idx_ahead) == 3):
@@ -1354,10 +1296,8 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 MAX_TREE=bool(cfg["max_tree"] if max_tree is None else max_tree),
                 SUM_PARTIAL=sum_partial,
                 DIAG=diag_times is not None,
-                Q_AHEAD=q_ahead,
                 MAX_VOTE=max_vote,
                 NAMED_TURNS=named_turns,
-                IDX_L2=bool(cfg["idx_l2"] if idx_l2 is None else idx_l2) and persistent,
                 **_l2_policies(cfg["l2_hints"] if l2_hints is None else l2_hints),
                 num_warps=4, maxnreg=maxnreg or cfg["maxnreg"])
     if tail_parts > 1:  # the tail launch: one program per part, its partial O / max / sum to the workspace only
@@ -1367,8 +1307,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
         n_parts_virtual = n_full + tail["n_tail"] * tail_parts
         tail["launch"] = ((tail["n_tail"] * tail_parts,),
                           _args(out, none_ptrs, none_strides, n_parts_virtual, n_full, tail_parts, n_full),
-                          dict(meta, RETURN_LSE=False, RES_KIND=0, SPLIT=True, NEXT_ITEM=False, Q_AHEAD=False,
-                               NAMED_TURNS=False, IDX_L2=False,
+                          dict(meta, RETURN_LSE=False, RES_KIND=0, SPLIT=True, NEXT_ITEM=False, NAMED_TURNS=False,
                                CONSUMER_REGS=216, PRODUCER_REGS=72))
     return grid, args, meta, (out, lse, tail)
 
@@ -1421,13 +1360,10 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             consumer warpgroup 0 (slots 0-3), mainloop end of warpgroup 1 (4), and the producer's item start, count
             known and last copies issued (5-7); persistent, no split), ``max_tree`` (the scores' row maxima
             as a tree: ``_row_max``), ``sum_partial`` (the row sums as per-thread partials, finished once per
-            item: ``_thread_sums``), ``q_ahead`` (with ``q_regs``, one Q slot, no ``next_item`` / ``split_tail``: the
-            producer gathers each item's queries during the item before, after its tile min(3, tiles - 1), so the
-            consumers do not wait for them at the item's start: ``_producer``), ``max_vote`` (with skip_rescale and
+            item: ``_thread_sums``), ``max_vote`` (with skip_rescale and
             sum_partial, D = 128; ignored at D = 64: the running max kept per thread too, the row maxima's shuffles
             only when a warp's vote says a row's max may move: ``_softmax_tile``), ``named_turns`` (pingpong, not
-            overlap / split_tail: the turns on named barriers, ``_turn_wait``), ``idx_l2`` (persistent; ignored
-            otherwise: the producer prefetches each next item's kv_idx row into L2, ``_producer``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
+            overlap / split_tail: the turns on named barriers, ``_turn_wait``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
             warpgroups' speed; the benchmark's "consumers alone" row).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).

@@ -79,27 +79,19 @@ GLUON_SCHEDULES = {
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree tail_launch": dict(
         _EARLY_Q, q_regs=True, skip_rescale=True, max_tree=True, tail_launch=4),
     # q_regs + skip_rescale + the row sums kept as each thread's partials over a group's tiles, finished once per
-    # item (sum_partial: no shuffles per tile for them); with and without the tail launch (the auto mode since s9r3)
+    # item (sum_partial: no shuffles per tile for them); with and without the tail launch (the auto mode s9r3-s10r2)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial": dict(
         _EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True),
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial tail_launch": dict(
         _EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, tail_launch=4),
-    # + each item's queries gathered by the producer during the item before (q_ahead: the consumers no longer wait at
-    # an item's start for queries gathered behind its first K/V tile); with and without the tail launch
-    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead": dict(
-        _EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True),
-    "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial q_ahead tail_launch":
-        dict(_EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, q_ahead=True, tail_launch=4),
     # + the running max kept per thread too, the row maxima's shuffles only when a warp's vote says a row's max may
     # move (max_vote; same values), + the pingpong turns on named barriers (named_turns: bar.sync / bar.arrive, as
-    # flash-attn's sm90 warp scheduler barriers, instead of mbarrier waits and arrives), and both; + each tile's kv_idx
-    # slots loaded two tiles ahead by the producer (idx2: two index loads in flight), + each next item's kv_idx row
-    # prefetched into L2 by the producer (idx_l2); each with and without the tail launch
+    # flash-attn's sm90 warp scheduler barriers, instead of mbarrier waits and arrives), and both; each with and
+    # without the tail launch (the auto mode since round s10final: all four)
     **{_SUM_PARTIAL + extra + tail: dict(_EARLY_Q, q_regs=True, skip_rescale=True, sum_partial=True, **opts,
                                          **({"tail_launch": 4} if tail else {}))
        for extra, opts in ((" max_vote", dict(max_vote=True)), (" named_turns", dict(named_turns=True)),
-                           (" max_vote named_turns", dict(max_vote=True, named_turns=True)),
-                           (" idx2", dict(idx_ahead=2)), (" idx2 idx_l2", dict(idx_ahead=2, idx_l2=True)))
+                           (" max_vote named_turns", dict(max_vote=True, named_turns=True)))
        for tail in ("", " tail_launch")},
     # the same with the row maxima as a tree too (max_tree: slower at 1.3B in round s9r1, without sum_partial)
     "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale max_tree sum_partial": dict(
@@ -144,10 +136,17 @@ GLUON_SCHEDULES = {
 # 0.703 / 0.727 / 0.763 / 0.783 | 0.759 / 0.773: the auto mode's pair since round s9r3 is that schedule with and
 # without the tail launch. PREVIOUS_AUTO_SCHEDULES (bench --gluon-auto previous: a round whose GPU checks of the new
 # pair failed) is the pair of rounds s8r2-s9r2.
-PREVIOUS_AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs tail_launch",
-                           "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs")
-AUTO_SCHEDULES = ("pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial tail_launch",
-                  "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale sum_partial")
+# Session 10 (the method of record, 1.3B 480p, s = 0.1 / 0.15 / 0.25 / 0.5, each + the tail launch, called directly
+# beside the op = the pair above): round s10r1, + q_ahead (each item's queries gathered during the item before) 0.736
+# / 0.771 / 0.808 / 0.822 against the op's 0.736 / 0.772 / 0.817 / 0.833 (removed); round s10r2, + max_vote 0.782 /
+# 0.821 / 0.866 / 0.888, + named_turns 0.771 / 0.788 / 0.831 / 0.853, + idx2 0.745 / 0.780 / 0.814 / 0.842, + idx2 and
+# an L2 prefetch of each next item's index row 0.747 / 0.779 / 0.821 / 0.833 (removed), against the op's 0.750 /
+# 0.775 / 0.811 / 0.839 (14B not reached). Since round s10final the auto mode times max_vote and max_vote +
+# named_turns, each with and without the tail launch, and keeps the fastest per shape; PREVIOUS_AUTO_SCHEDULES is
+# the pair of rounds s9r3-s10r2.
+PREVIOUS_AUTO_SCHEDULES = (_SUM_PARTIAL + " tail_launch", _SUM_PARTIAL)
+AUTO_SCHEDULES = (_SUM_PARTIAL + " max_vote named_turns tail_launch", _SUM_PARTIAL + " max_vote named_turns",
+                  _SUM_PARTIAL + " max_vote tail_launch", _SUM_PARTIAL + " max_vote")
 choices: dict[tuple, str] = {}  # shape key -> an AUTO_SCHEDULES name (auto mode); times in _times
 _times: dict[tuple, dict[str, float]] = {}
 _failures = registry.FailureMemo(GLUON_KEY)
