@@ -420,12 +420,16 @@ def test_a_joint_call_whose_mask_masks_every_text_key_stays_sparse(gen, joint):
 @pytest.mark.parametrize("case", ["out_shares_k", "out_shares_v", "out_device", "perm_width", "perm_device",
                                   "decode_width", "decode_rows", "k_device", "k_head_dim", "perm_device_pass2",
                                   "lse_device", "kv_idx_empty", "decode_bytes", "decode_out_device",
-                                  "out_shares_one_element"])
+                                  "out_shares_one_element", "q_not_a_tensor", "perm_int64", "perm_short",
+                                  "decode_bits_int32", "decode_no_width", "decode_out_int64"])
 def test_public_op_checks_no_other_test_reached(gen, case):
     """Each check of the public ops that a mutation could drop with the suite green: ``out`` sharing memory with k or
     v (the kernel reads them while writing out), ``out`` or perm on another device, a perm width that is not G*C for
-    kv_idx's G, and decode_bitmask's ``out`` of another width than ``width`` or whose rows do not flatten. Each is a
-    clear TypeError / ValueError before any backend runs (no backend failure recorded)."""
+    kv_idx's G, and decode_bitmask's ``out`` of another width than ``width`` or whose rows do not flatten; q that is
+    no tensor, a perm of another dtype or width in pass 2, decode_bitmask's bits not uint8, neither out nor width, an
+    out not int32 (session 10: each of these six checks dropped left test_bad_inputs, test_reuse_op,
+    test_reference_ops and test_mc_sparse green). Each is a clear TypeError / ValueError before any backend runs (no
+    backend failure recorded)."""
     q, k, v, perm, lse = _inputs(gen)
     kv_idx = kernels.select_kv(q, k, lse, perm, 8, group_size=16, kv_tile=8, backend="torch")
     bits = torch.zeros(6, 5, dtype=torch.uint8)
@@ -464,6 +468,16 @@ def test_public_op_checks_no_other_test_reached(gen, case):
         "out_shares_one_element": (lambda: kernels.sparse_attention(q, shared[q.numel() - 1:].view(q.shape), v, perm,
                                                                     kv_idx, out=shared[:q.numel()].view(q.shape)),
                                    ValueError, "must not share memory with k"),
+        "q_not_a_tensor": (lambda: kernels.dense_attention(q.numpy(), k, v), TypeError, "q must be a torch.Tensor"),
+        "perm_int64": (lambda: kernels.select_kv(q, k, lse, perm.long(), 8, group_size=16, kv_tile=8), ValueError,
+                       "perm must be int32 [B, H, ceil(S/C)*C] = (1, 2, 48)"),
+        "perm_short": (lambda: kernels.group_prob_sums(q, k, lse, perm[..., :32], group_size=16), ValueError,
+                       "perm must be int32 [B, H, ceil(S/C)*C] = (1, 2, 48)"),
+        "decode_bits_int32": (lambda: kernels.decode_bitmask(bits.int(), num_tokens=40, width=8), TypeError,
+                              "bits must be a uint8 tensor"),
+        "decode_no_width": (lambda: kernels.decode_bitmask(bits, num_tokens=40), ValueError, "give out or a width"),
+        "decode_out_int64": (lambda: kernels.decode_bitmask(bits, num_tokens=40, out=torch.empty(6, 8, dtype=torch.long)),
+                             ValueError, "out must be int32 [6, width]"),
     }[case]
     record = registry.Record()
     with registry.recording(record), pytest.raises(err, match=re.escape(words)):
