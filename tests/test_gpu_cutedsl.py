@@ -249,13 +249,12 @@ SPLIT = "persistent,overlap,hide_epi,split_tail"
 CAND = SPLIT + ",pdl,v3"  # round s8r1's candidate options (the op's default since s8r2)
 AHEAD = CAND + ",q_ahead,cnt_ahead,idx_ahead"  # session 9's candidate: the next item's queries, count, index ahead
 
-
-K3 = SPLIT + ",pdl,k3,q_ahead,cnt_ahead,idx_ahead"  # 3 K stages, 2 V stages (instead of v3's 2 / 3), loads early
 LAZY = AHEAD + ",lazy_rescale"  # + the running max raised only past a threshold, O's rescale skipped per warp
+IDX_L2 = LAZY + ",idx_l2"  # + kv_idx / perm lines prefetched into L2 ahead (the op's default since round s10r2)
 
 
-@pytest.mark.parametrize("options", [SPLIT, CAND, AHEAD, K3, LAZY], ids=[
-    "split", "split-pdl-v3", "split-pdl-v3-ahead", "split-pdl-k3-early", "split-pdl-v3-early-lazy"])
+@pytest.mark.parametrize("options", [SPLIT, CAND, AHEAD, LAZY, IDX_L2], ids=[
+    "split", "split-pdl-v3", "split-pdl-v3-ahead", "split-pdl-v3-early-lazy", "split-pdl-v3-early-lazy-idx-l2"])
 @pytest.mark.parametrize(("B", "H", "S", "K", "ragged", "lse"), [
     (2, 3, 2900, 700, True, True), (1, 1, 140 * 128 - 5, 3000, False, False),
 ], ids=["138-groups-ragged-lse", "140-groups"])

@@ -108,7 +108,8 @@ EPILOGUES = ("registers", "smem")
 # "v3" (with "overlap"): 3 V stages, 2 K stages (224 KiB of shared memory at D = 128 with the query ring): a V stage
 # is freed only when both consumer warpgroups finished the P V that read it, about one key tile before the next V
 # for it is needed, while its 128 rows arrive by cp.async; a third V stage gives the gather about two tiles.
-# "k3" (with "overlap"; not with "v3": 256 KiB): 3 K stages, 2 V stages, the other way round.
+# Measured on the H200 and removed (round s10r1, docs/kernels.md): "k3" (3 K stages, 2 V, instead of v3's 2 / 3) and
+# "zigzag" (odd rounds of the walk loading their key tiles in ascending order, for L2 reuse across rounds): level.
 # "q_ahead" (with "overlap"): the producer gathers the next work item's queries into the free slot of the query ring
 # while it is still loading this item's K/V (after key tile ``Q_AHEAD_AT`` + 1 of the item; an item of fewer tiles
 # leaves it to the next item's start, as without the option), so the consumers never wait for the queries (their
@@ -134,7 +135,7 @@ EPILOGUES = ("registers", "smem")
 # entry find L2 lines or loaded registers.
 # "diag_no_copy" (a diagnostic, wrong results): the producer skips the K/V row copies (their barriers still arrive),
 # so the consumers compute on whatever the stages hold: the kernel's speed without the gathers.
-OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "k3", "q_ahead", "cnt_ahead", "idx_ahead",
+OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
            "lazy_rescale", "idx_l2", "diag_no_copy")
 RESCALE_THRESHOLD = 8.0
 IDX_L2_AHEAD = 4  # "idx_l2": key tiles between the index loaded and the index line prefetched
@@ -333,9 +334,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.pdl = "pdl" in options
         # K and V stages: each has its own pipeline state (``_load_k_ahead``, ``_step``), so they may differ
         self.v_stages = 3 if "v3" in options else stages
-        self.k_stages = 3 if "k3" in options else stages
-        assert not ({"v3", "k3"} & set(options)) or self.overlap, "v3 / k3 are overlap options"
-        assert not {"v3", "k3"} <= set(options), "v3 and k3 together exceed shared memory"
+        self.k_stages = stages
+        assert "v3" not in options or self.overlap, "v3 is an overlap option"
         self.q_ahead = "q_ahead" in options
         self.cnt_ahead = "cnt_ahead" in options
         assert not ({"q_ahead", "cnt_ahead"} & set(options)) or self.overlap, "q_ahead / cnt_ahead: overlap options"
