@@ -10,8 +10,9 @@ the same with the K/V copies left out (``diag_no_copy``: the consumers alone). T
 clock span of the launch against its CUDA-event time. Writes ``--out`` (JSON) and prints a table.
 
 Usage: python tests/diag_gluon_timeline.py --out DIR [--densities 0.1,0.5] [--reps 20] [--schedule NAME] [--whole-only]
-(NAME: a ``sparse_dispatch.GLUON_SCHEDULES`` entry without a split or tail launch, default the q_regs schedule below;
---whole-only: no "consumers alone" runs)
+[--no-store-too] (NAME: a ``sparse_dispatch.GLUON_SCHEDULES`` entry without a split or tail launch, default the q_regs
+schedule below; --whole-only: no "consumers alone" runs; --no-store-too: also the whole kernel without its output
+stores, ``diag_no_store``)
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _phases(st: torch.Tensor, n_tiles: int) -> dict:
     return out
 
 
-def run(density: float, reps: int, no_copy: bool, schedule: dict = SCHEDULE) -> dict:
+def run(density: float, reps: int, no_copy: bool, schedule: dict = SCHEDULE, no_store: bool = False) -> dict:
     g90 = bk._gluon_kernel()
     B, H, S, D, C = 1, 12, 32760, 128, 128
     G = -(-S // C)
@@ -65,9 +66,9 @@ def run(density: float, reps: int, no_copy: bool, schedule: dict = SCHEDULE) -> 
     n_work = B * H * G
     items = -(-n_work // programs)
     diag = torch.zeros(programs * items * 8, dtype=torch.float32, device="cuda")
-    tune = dict(schedule, diag_times=diag, diag_no_copy=no_copy)
+    tune = dict(schedule, diag_times=diag, diag_no_copy=no_copy, diag_no_store=no_store)
     out = g90.sparse_attention(q, k, v, perm, idx, **tune)
-    if not no_copy:  # the stamps change no result (2 heads vs the float32 reference)
+    if not (no_copy or no_store):  # the stamps change no result (2 heads vs the float32 reference)
         ref = reference.sparse_attention(*(t[:, :2].float() for t in (q, k, v)), perm[:, :2], idx[:, :2])
         err = float((out[:, :2].float() - ref).norm() / ref.norm())
         assert err < 2e-2, err
@@ -84,7 +85,7 @@ def run(density: float, reps: int, no_copy: bool, schedule: dict = SCHEDULE) -> 
     span = [int((clk[p, -1, 3] - clk[p, 0, 0]) % (1 << 32)) for p in range(programs) if n_work > p + (items - 1) * programs]
     mhz = statistics.median(span) / (ms * 1e3)
     n_tiles = -(-kq // 128)
-    res = dict(density=density, no_copy=no_copy, ms=ms, sm_mhz_est=mhz, items_per_program=items, n_tiles=n_tiles,
+    res = dict(density=density, no_copy=no_copy, no_store=no_store, ms=ms, sm_mhz_est=mhz, items_per_program=items, n_tiles=n_tiles,
                cycles=_phases(st, n_tiles))
     res["us"] = {k: v / mhz for k, v in res["cycles"].items()}
     return res
@@ -97,6 +98,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--schedule", default="", help="a sparse_dispatch.GLUON_SCHEDULES name (default: SCHEDULE)")
     ap.add_argument("--whole-only", action="store_true", help="no 'consumers alone' (diag_no_copy) runs")
+    ap.add_argument("--no-store-too", action="store_true", help="also each whole-kernel run without its O / LSE "
+                    "stores (diag_no_store: wrong results, the epilogue's stores' share of the item time)")
     args = ap.parse_args()
     schedule = SCHEDULE
     if args.schedule:
@@ -104,12 +107,15 @@ def main():
         schedule = d.GLUON_SCHEDULES[args.schedule]
     rows = []
     for s in (float(x) for x in args.densities.split(",")):
-        for no_copy in (False,) if args.whole_only else (False, True):
-            r = run(s, args.reps, no_copy, schedule)
+        runs = [(False, False)] + ([(False, True)] if args.no_store_too else []) + ([] if args.whole_only
+                                                                                    else [(True, False)])
+        for no_copy, no_store in runs:
+            r = run(s, args.reps, no_copy, schedule, no_store)
             r["schedule"] = args.schedule or "q_regs (SCHEDULE)"
             rows.append(r)
             c = r["cycles"]
-            print(f"s={s} {'consumers alone' if no_copy else 'whole kernel'}: {r['ms']:.3f} ms, ~{r['sm_mhz_est']:.0f} MHz, "
+            what = "consumers alone" if no_copy else "whole kernel, no O stores" if no_store else "whole kernel"
+            print(f"s={s} {what}: {r['ms']:.3f} ms, ~{r['sm_mhz_est']:.0f} MHz, "
                   f"{r['n_tiles']} tiles/item; cycles per item: period {c['item_period']:.0f}, mainloop "
                   f"{c['mainloop']:.0f} ({c['mainloop_per_tile']:.0f}/tile), outside mainloop {c['outside_mainloop']:.0f} "
                   f"(q wait {c['q_wait']:.0f}, epilogue {c['epilogue']:.0f}), wg1 after wg0 {c['wg1_after_wg0']:.0f}, "

@@ -67,6 +67,17 @@ if [ "$MODE" = s10final ]; then  # <= 150 s (cold machine: compiles counted): se
         --gluon-configs "$NAMES" ${AUTO[@]+"${AUTO[@]}"} ${COMMIT:+--commit "$COMMIT"} > "$OUT/bench.log" 2>&1
     echo "bench: rc=$? ($(( $(date +%s) - T0 )) s in all, cap $LEFT s)"
     grep -E "efficiency|scoreboard triton|sparse op on|dense:|host us|FAILED|Error" "$OUT/bench.log" | tail -30
+    # 3. only with >= 25 s of the 145 left: the per-item timeline (1.3B s = 0.1) of the auto mode's max_vote +
+    #    named_turns schedule with and without its output stores (diag_no_store, wrong results): whether the ~3200
+    #    cycles between an item's start and its queries in registers are the previous epilogue's stores draining
+    LEFT=$(( 145 - ($(date +%s) - T0) ))
+    if [ "$LEFT" -ge 25 ]; then
+        timeout $((LEFT - 2)) python3 tests/diag_gluon_timeline.py --out "$OUT" --densities 0.1 --reps 10 --whole-only \
+            --no-store-too --schedule "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale \
+sum_partial max_vote named_turns" > "$OUT/timeline.log" 2>&1
+        echo "timeline: rc=$? ($(( $(date +%s) - T0 )) s in all)"
+        grep -E "^s=|Error|error" "$OUT/timeline.log" | tail -3
+    fi
     exit 0
 fi
 if [ "$MODE" = s9r3 ]; then  # <= 100 s (cold machine: compiles counted): session 9 final kernel round (scoreboard)

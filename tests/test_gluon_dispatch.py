@@ -367,7 +367,8 @@ def test_named_turns_only_with_pingpong_whole_items():
 
 def test_diag_times_buffer_checked():
     """``diag_times`` (the per-item clock-stamp diagnostic) takes the split workspace's argument slot: persistent, no
-    split or tail launch, a contiguous float32 buffer of programs x ceil(items / programs) x 8; off by default."""
+    split or tail launch, a contiguous float32 buffer of programs x ceil(items / programs) x 8; off by default; as
+    ``diag_no_store`` (no output stores)."""
     g = _g90()
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 256, 128, generator=gen).to(torch.bfloat16)
@@ -376,6 +377,8 @@ def test_diag_times_buffer_checked():
     buf = torch.zeros(3 * 2 * 8)
     grid, args, meta, _ = g.launch_args(q, q, q, perm, idx, diag_times=buf, **base)
     assert meta["DIAG"] and args[12] is buf and not g.launch_args(q, q, q, perm, idx, **base)[2]["DIAG"]
+    assert g.launch_args(q, q, q, perm, idx, diag_no_store=True, **base)[2]["NO_STORE"]  # the stores-left-out diagnostic
+    assert not meta["NO_STORE"]
     for bad, kw in ((torch.zeros(3 * 2 * 8 - 1), {}), (torch.zeros(3 * 2 * 8, dtype=torch.float64), {}),
                     (buf, dict(persistent=False)), (buf, dict(tail_launch=4))):
         with pytest.raises(ValueError, match="diag_times"):

@@ -850,14 +850,15 @@ def _epilogue(acc, m_i, l_i, q_idx, q_idx2, PERM, OUT, LSE, RES, RES_SCALE, RES_
               lse_base, stride_ob, stride_oh, stride_os, stride_od, stride_rb, stride_rh, stride_rs, stride_rd,
               stride_cb, stride_ch, stride_cs, stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg,
               stride_md, stage, M: gl.constexpr, HEAD_DIM: gl.constexpr, RETURN_LSE: gl.constexpr,
-              RES_KIND: gl.constexpr, ROW64: gl.constexpr, STAGE_OUT: gl.constexpr, STREAM: gl.constexpr):
+              RES_KIND: gl.constexpr, ROW64: gl.constexpr, STAGE_OUT: gl.constexpr, STREAM: gl.constexpr,
+              NO_STORE: gl.constexpr = False):
     """O / l (+ the residual, dequantised in fp32) stored to the rows q_idx = perm[rowh ..] (loaded by the caller
     before its mainloop, in the accumulator's row layout; STAGE_OUT: q_idx2, the same rows in the staged layout's
     row slice, also loaded before the mainloop) of ``out`` by strides; the LSE.
     Residual kinds as ``sparse_attention._store_half``: 1 plain, 2 fp8_row, 3 int4_row, 4 int4_group (+ coef x the
     group's mean row). STAGE_OUT: the rounded rows go through ``stage`` (this warpgroup's Q tile, free once its
     products are done) into a row-major layout, so each warp store writes whole 256-byte rows (the wgmma layout
-    writes 4 bytes per thread)."""
+    writes 4 bytes per thread). NO_STORE (a timing diagnostic, WRONG results): the O and LSE stores left out."""
     b64 = b.to(gl.int64)
     h64 = h.to(gl.int64)
     o_layout: gl.constexpr = acc.type.layout
@@ -870,7 +871,8 @@ def _epilogue(acc, m_i, l_i, q_idx, q_idx2, PERM, OUT, LSE, RES, RES_SCALE, RES_
         rows = rows.to(gl.int64)
     if RETURN_LSE:
         lse = (gl.convert_layout(m_i, row_o) + gl.log2(l_o)) * 0.6931471805599453
-        gl.store(LSE + lse_base + rows, lse, mask=ok)
+        if not NO_STORE:
+            gl.store(LSE + lse_base + rows, lse, mask=ok)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     if RES_KIND != 0:
         r_base = b64 * stride_rb + h64 * stride_rh
@@ -912,7 +914,8 @@ def _epilogue(acc, m_i, l_i, q_idx, q_idx2, PERM, OUT, LSE, RES, RES_SCALE, RES_
         gl.store(o_ptr, o2, mask=ok2[:, None], eviction_policy=STREAM)
     else:
         o_ptr = OUT + b64 * stride_ob + h64 * stride_oh + rows[:, None] * stride_os + offs_d[None, :] * stride_od
-        gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=ok[:, None], eviction_policy=STREAM)
+        if not NO_STORE:
+            gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=ok[:, None], eviction_policy=STREAM)
 
 
 @gluon.jit
@@ -942,7 +945,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
               CP_ASYNC_FENCE: gl.constexpr, Q_REGS: gl.constexpr, SPLIT: gl.constexpr, STREAM: gl.constexpr,
               SKIP_RESCALE: gl.constexpr = False, MAX_TREE: gl.constexpr = False,
               SUM_PARTIAL: gl.constexpr = False, DIAG: gl.constexpr = False, MAX_VOTE: gl.constexpr = False,
-              NAMED: gl.constexpr = False):
+              NAMED: gl.constexpr = False, NO_STORE: gl.constexpr = False):
     """One consumer warpgroup: rows HALF*64 .. +64 of each work item's 128 query rows (group order). Per item, the
     loads whose values are needed later go out first: the count's tail (PERSISTENT: the next item's, counted an item
     later) and the epilogue's perm rows, both in flight under the mainloop. SPLIT: ``n_work`` counts virtual work
@@ -1059,7 +1062,7 @@ def _consumer(Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_
                       rowh, C, S, b, h, group, (b * H + h).to(gl.int64) * S, stride_ob, stride_oh, stride_os, stride_od,
                       stride_rb, stride_rh, stride_rs, stride_rd, stride_cb, stride_ch, stride_cs, stride_eb,
                       stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md, q_tile, M, HEAD_DIM,
-                      RETURN_LSE, RES_KIND, ROW64, STAGE_OUT, STREAM)
+                      RETURN_LSE, RES_KIND, ROW64, STAGE_OUT, STREAM, NO_STORE)
         if PERSISTENT and STAGE_OUT:  # the Q tile staged the output rows: free it now
             mbarrier.arrive(q_empty.index(i % Q_SLOTS), count=1)
         if DIAG and HALF == 0:
@@ -1087,7 +1090,7 @@ def _sparse_fwd_sm90(
     Q_REGS: gl.constexpr, IDX_AHEAD: gl.constexpr, NEXT_ITEM: gl.constexpr, SPLIT: gl.constexpr,
     NO_COPY: gl.constexpr, STREAM: gl.constexpr, SKIP_RESCALE: gl.constexpr,
     MAX_TREE: gl.constexpr, SUM_PARTIAL: gl.constexpr, DIAG: gl.constexpr,
-    MAX_VOTE: gl.constexpr, NAMED_TURNS: gl.constexpr,
+    MAX_VOTE: gl.constexpr, NAMED_TURNS: gl.constexpr, NO_STORE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     G_MB = (n_slots // C) * M_BLOCKS  # work items per (b, h)
@@ -1140,7 +1143,7 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      0, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG, MAX_VOTE, NAMED_TURNS)),
+                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG, MAX_VOTE, NAMED_TURNS, NO_STORE)),
         (_consumer, (Q, PERM, KV_IDX, OUT, LSE, RES, RES_SCALE, RES_COEF, RES_MEAN, WS_O, WS_ML, q_smem, k_smem, v_smem,
                      q_ready,
                      q_empty, k_ready, v_ready, k_empty, v_empty, turn_1, turn_0, w0, w_end, w_step, H, G_MB, n_slots, C,
@@ -1150,7 +1153,7 @@ def _sparse_fwd_sm90(
                      stride_eb, stride_eh, stride_es, stride_mb, stride_mh, stride_mg, stride_md,
                      1, M_BLOCKS, HEAD_DIM, BLOCK_N, NUM_STAGES, RETURN_LSE, RES_KIND, ROW64, PIPELINE, PERSISTENT, OVERLAP,
                      PINGPONG, STAGE_OUT, Q_SLOTS, THREAD_ARRIVE, EARLY_Q, CP_ASYNC_FENCE, Q_REGS, SPLIT, STREAM,
-                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG, MAX_VOTE, NAMED_TURNS)),
+                     SKIP_RESCALE, MAX_TREE, SUM_PARTIAL, DIAG, MAX_VOTE, NAMED_TURNS, NO_STORE)),
         (_producer, (Q, K, V, PERM, KV_IDX, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w0, w_end, w_step, H, G_MB, n_slots, C, K_ALLOC, S, SK, n_full, n_parts,
                      stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -1166,7 +1169,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 q_slots=None, l2_prefetch=None, thread_arrive=None, early_q=None, cp_async_fence=None, q_regs=None,
                 idx_ahead=None, next_item=None, split_tail=None, tail_launch=None, skip_rescale=None,
                 max_tree=None, sum_partial=None, max_vote=None, named_turns=None, diag_no_copy=False,
-                diag_times=None):
+                diag_times=None, diag_no_store=False):
     """(grid, positional args, meta) of one launch, and (out, lse, tail): tail None, or with ``split_tail`` and a
     last, partial round of work items the arguments of ``sparse_tail_merge.merge`` (run after the launch: it writes
     the split items' rows); the op and the offline compile share it.
@@ -1292,6 +1295,7 @@ def launch_args(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out=None
                 NEXT_ITEM=next_item,
                 SPLIT=bool(split_tail),
                 NO_COPY=bool(diag_no_copy),
+                NO_STORE=bool(diag_no_store),
                 SKIP_RESCALE=skip_rescale,
                 MAX_TREE=bool(cfg["max_tree"] if max_tree is None else max_tree),
                 SUM_PARTIAL=sum_partial,
@@ -1360,11 +1364,12 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
             consumer warpgroup 0 (slots 0-3), mainloop end of warpgroup 1 (4), and the producer's item start, count
             known and last copies issued (5-7); persistent, no split), ``max_tree`` (the scores' row maxima
             as a tree: ``_row_max``), ``sum_partial`` (the row sums as per-thread partials, finished once per
-            item: ``_thread_sums``), ``max_vote`` (with skip_rescale and
-            sum_partial, D = 128; ignored at D = 64: the running max kept per thread too, the row maxima's shuffles
-            only when a warp's vote says a row's max may move: ``_softmax_tile``), ``named_turns`` (pingpong, not
-            overlap / split_tail: the turns on named barriers, ``_turn_wait``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch runs at the consumer
-            warpgroups' speed; the benchmark's "consumers alone" row).
+            item: ``_thread_sums``), ``max_vote`` (with skip_rescale and sum_partial, D = 128; ignored at D = 64: the
+            running max kept per thread too, the row maxima's shuffles only when a warp's vote says a row's max may
+            move: ``_softmax_tile``), ``named_turns`` (pingpong, not overlap / split_tail: the turns on named
+            barriers, ``_turn_wait``), ``diag_no_store`` (a timing diagnostic with WRONG results: no O / LSE stores,
+            ``_epilogue``), ``diag_no_copy`` (a timing diagnostic with WRONG results: no K/V copies, so the launch
+            runs at the consumer warpgroups' speed; the benchmark's "consumers alone" row).
     Returns:
         ``out`` (original query order), or (out, LSE fp32 ``[B, H, S]``, natural log).
     Raises:
