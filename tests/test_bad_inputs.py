@@ -202,6 +202,35 @@ def test_calls_the_adapter_cannot_take_run_dense_exactly_and_say_why(gen, name):
     assert run.counts()["anchor"] == 0 and reason in run.summary(), run.summary()
 
 
+def test_a_marked_call_with_containers_instead_of_tensors_is_the_callers_own(gen):
+    """q / k / v that arrive as something else than tensors (v0.33.0's AttentionTensorContainer when no container
+    entry is taken) go to the caller's attention untouched, counted with the reason, not as an internal error that
+    would turn the rest of the run dense (mutation: the dispatch without this check passed every CPU test)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import override
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import CallSite
+
+    from ._comfy_standins import transformer_options
+
+    class Container:  # a stand-in: holds a tensor, is none
+        def __init__(self, t):
+            self.tensor = t
+
+    x = torch.randn(2, 160, 128, generator=gen)
+    sentinel = torch.randn(2, 160, 128, generator=gen)
+    seen = []
+
+    def func(q, k, v, heads, **kwargs):
+        seen.append((q, k, v))
+        return sentinel
+
+    run = _adapter_run()
+    boxes = tuple(Container(x) for _ in range(3))
+    out = override.make_override(None)(func, *boxes, 2, transformer_options=transformer_options(run, CallSite(0, "wan")))
+    assert out is sentinel and seen == [boxes]
+    text = run.summary()
+    assert "q/k/v arrive as Container, not tensors" in text and "internal error" not in text, text
+
+
 def test_a_bug_in_the_override_turns_the_run_dense_and_the_callers_errors_propagate(gen, monkeypatch):
     """An unexpected error in the override's own code (here the joint-sequence split) gives the caller's attention
     for that call and every later sparse candidate, with the error in the summary; an error of the caller's own
@@ -317,23 +346,31 @@ def test_a_bug_while_planning_a_sampler_call_turns_it_dense(monkeypatch):
 def test_a_bug_in_the_prefetch_at_an_evaluations_start_turns_the_run_dense(gen, monkeypatch):
     """The prefetch a model evaluation starts with (``begin_evaluation``, outside any attention call): an unexpected
     error there frees the cache and turns the rest of the run dense with a note, instead of escaping ComfyUI's
-    CALC_COND_BATCH wrapper (mutation: begin_evaluation calling the prefetch unguarded)."""
+    CALC_COND_BATCH wrapper (mutation: begin_evaluation calling the prefetch unguarded). With MC_SPARSE_RAISE_ERRORS=1
+    it propagates (mutation: the guard without its re-raise passed every test)."""
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.prefetch import ReuseLoader
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.schedule import StepKind
 
     q, k, v = (torch.randn(2, 2, 128, 64, generator=gen) for _ in range(3))
     keys = [CacheKey(1, branch="uncond"), CacheKey(1, branch="cond")]
-    monkeypatch.setenv("MC_SPARSE_RAISE_ERRORS", "0")
-    runner = _runner()
-    runner.call(q, k, v, step=0, layer=1, keys=keys)
-    assert runner.call(q, k, v, step=1, layer=1, keys=keys)[1] is StepKind.REUSE
 
     def broken(*args, **kwargs):
         raise KeyError("simulated bug: lost entry")
 
-    monkeypatch.setattr(ReuseLoader, "prefetch", broken)
-    runner.begin_evaluation(2)
+    for strict in ("1", "0"):
+        monkeypatch.setenv("MC_SPARSE_RAISE_ERRORS", strict)
+        runner = _runner()
+        runner.call(q, k, v, step=0, layer=1, keys=keys)
+        assert runner.call(q, k, v, step=1, layer=1, keys=keys)[1] is StepKind.REUSE
+        with monkeypatch.context() as m:
+            m.setattr(ReuseLoader, "prefetch", broken)
+            if strict == "1":
+                with pytest.raises(KeyError, match="simulated bug"):
+                    runner.begin_evaluation(2)
+                assert runner.disabled_reason is None
+            else:
+                runner.begin_evaluation(2)
     assert runner.disabled_reason.startswith("internal error") and len(runner.cache) == 0
     assert "internal error at the prefetch starting step 3 (1-based) (KeyError" in runner.summary()
     assert runner.call(q, k, v, step=2, layer=1, keys=keys)[1] is StepKind.DENSE
