@@ -941,3 +941,72 @@ def test_window_keys_and_key_masks_at_their_edges():
         assert why is None and idx.tolist() == [0, 2, 4, 5, 6, 7, 8, 9]
     assert override._analyse_mask(torch.ones(1, 1, seq, dtype=torch.bool), seq, latent) == (None, None)
     assert override._analyse_mask(torch.zeros(1, 1, seq), seq, latent) == (None, None)
+
+
+def test_argument_checks_of_settings_cache_and_encodings():
+    """Guards that a mutation could drop with the adapter, cache and encoding tests green (session 10: each 'if' before
+    a raise in settings / cache / encoding replaced by False): an anchor list with no step (',') and a density that is
+    text under 'custom', a schedule for 0 steps, an unknown cache placement or fixed choice, an unknown selection
+    encoding, kv_idx / perm of the wrong dtype or rank, K outside [1, K_alloc], a 4-bit residual of odd head dim.
+    Each is a clear error naming the argument."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse import encoding
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import settings
+
+    def build(**over):
+        base = dict(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1", query_tile=64,
+                    cache_placement="auto", backend="auto", min_tokens=0, verbose=False)
+        return settings.build_settings(**{**base, **over})
+
+    with pytest.raises(ValueError, match="anchor steps must list at least one step"):
+        build(anchor_steps=" , ;")
+    with pytest.raises(TypeError, match="density must be a number"):
+        build(density="0.5")
+    with pytest.raises(ValueError, match="num_steps must be >= 1"):
+        settings.resolve_schedule(build(), 0)
+    with pytest.raises(ValueError, match="placement must be one of"):
+        MetadataCache("disk")
+    with pytest.raises(ValueError, match="choice must be 'gpu' or 'cpu'"):
+        MetadataCache("auto").fix_placement("auto")
+    with pytest.raises(ValueError, match="index_encoding must be one of"):
+        encoding.pick_selection_encoding("bits", 100, 10, 16)
+    idx = torch.arange(16, dtype=torch.int32).view(1, 1, 1, 16)
+    with pytest.raises(ValueError, match="kv_idx must be int32"):
+        encoding.encode_selection(idx.long(), 100, 16)
+    with pytest.raises(ValueError, match="kv_idx must be int32"):
+        encoding.encode_selection(idx[0], 100, 16)
+    for k in (0, 17):
+        with pytest.raises(ValueError, match=r"num_keys must be in \[1, K_alloc=16\]"):
+            encoding.encode_selection(idx, 100, k)
+    with pytest.raises(ValueError, match="perm must be int32"):
+        encoding.encode_groups(torch.arange(16).view(1, 1, 16), 16)
+    with pytest.raises(ValueError, match="residual needs an even head dim"):
+        encoding.encode_residual(torch.randn(1, 1, 16, 7), "int4")
+
+
+def test_outer_sample_without_the_patch_and_a_run_where_no_op_ran(monkeypatch):
+    """OUTER_SAMPLE on a guider whose options hold no MC-Sparse patch (the wrapper outlived it) runs the sampler as
+    is, options untouched; a run with a named backend where no kernel op ran says so on its backend line. (Mutations
+    that left the suite green: the holder check dropped, the 'no kernel op ran' branch dropped.)"""
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, settings
+
+    from ._comfy_standins import install_comfy_modules
+
+    install_comfy_modules(monkeypatch)
+    options = {"transformer_options": {}}
+    guider = types.SimpleNamespace(model_options=options)
+    seen = []
+
+    def executor(noise, latent, sampler, sigmas):
+        seen.append(guider.model_options)
+        return "done"
+
+    executor.class_obj = guider
+    assert lifecycle.outer_sample_wrapper(executor, None, None, None, torch.tensor([1.0, 0.5, 0.0])) == "done"
+    assert seen == [options] and seen[0] is options and options == {"transformer_options": {}}
+
+    s = settings.build_settings(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1",
+                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+    run = lifecycle.RunState(s, torch.tensor([1.0, 0.5, 0.0]))
+    assert run.backend_line() == "backend: requested torch; no kernel op ran in this sampler call"
