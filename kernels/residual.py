@@ -163,14 +163,3 @@ def _group_rows(mean: torch.Tensor, perm: torch.Tensor, num_tokens: int) -> torc
     padded = torch.cat([mean, mean.new_zeros(B, H, 1, D)], 2)
     return torch.gather(padded, 2, group_of[..., :num_tokens, None].expand(-1, -1, -1, D))
 
-
-def finish_unfused(o: torch.Tensor, out: torch.Tensor | None, residual: Residual | None,
-                   perm: torch.Tensor | None = None) -> torch.Tensor:
-    """For backends without the fused epilogue: o + R (in fp32) written into ``out`` (or o itself); returns it.
-    ``perm``: the call's query groups (needed for an "int4_group" residual)."""
-    if residual is not None:
-        o = (o.float() + residual.dequantize(torch.float32, perm)).to(o.dtype)
-    if out is None:
-        return o
-    out.copy_(o)
-    return out

@@ -439,18 +439,6 @@ def test_joint_calls_with_their_own_text_masks_are_exact_at_the_anchor(gen, join
     assert run.counts() == {"sparse": 0, "anchor": 2, "dense": 0}
 
 
-def test_the_unfused_residual_add_rounds_once(gen):
-    """Backends without the fused epilogue (flash-attn-4's paged route) add R in fp32 and round once, as the fused
-    kernels do (mutation that left the suite green: o + R in bf16, R rounded to bf16 first)."""
-    from comfyui_mc_sparse_pack.kernels.residual import Residual, finish_unfused
-
-    o = torch.randn(1, 2, 64, 32, generator=gen).to(torch.bfloat16)
-    r = torch.randn(1, 2, 64, 32, generator=gen) / 3
-    out = torch.empty_like(o)
-    assert finish_unfused(o, out, Residual(r)) is out
-    assert torch.equal(out, (o.float() + r).to(torch.bfloat16))
-
-
 def test_a_prebuilt_h3_layout_is_used_only_for_its_own_shapes(monkeypatch):
     """MiniMax-H3: the payload's prebuilt packed layout serves a forward only when its signature (text length, padded
     video T/H/W, audio length) matches; otherwise one is built for this forward's shapes, as the model's own _forward

@@ -133,10 +133,14 @@ def test_residual_dequantize_matches_format(gen, kind):
 
 
 def test_residual_rejects_malformed():
-    """Clear errors for an unknown kind, wrong dtypes, a missing or misshapen scale, or a shape not q's."""
+    """Clear errors for an unknown kind, data that is no 4-D tensor, wrong dtypes, a missing or misshapen scale, or a
+    shape not q's."""
     x = torch.zeros(1, 2, 5, 8)
     with pytest.raises(ValueError, match="kind"):
         Residual(x, None, "int8")
+    for data in (x[0], x.numpy()):  # (mutation: the 4-D check dropped passed the suite)
+        with pytest.raises(ValueError, match=r"Residual data must be a 4-D tensor \[B, H, S, D or D//2\]"):
+            Residual(data)
     with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
         Residual(x.double())
     with pytest.raises(ValueError, match="no scale"):
