@@ -256,6 +256,29 @@ def test_auto_mode_leaves_out_a_failing_schedule(gen, auto_gluon, monkeypatch):
     assert d.fallback_reason() is None
 
 
+def test_auto_mode_out_of_memory_in_a_schedules_first_launch_propagates(gen, auto_gluon, monkeypatch):
+    """Out of memory while a schedule is tried (the auto mode's first launch of each) is not that schedule's failure:
+    it reaches the caller's out-of-memory path at once; nothing is timed, chosen or remembered (mutation: the trial's
+    out-of-memory re-raise dropped passed tests/test_gluon_dispatch.py)."""
+    fake, timer = auto_gluon
+    d = _dispatch()
+    works, tried = fake.sparse_attention, []
+
+    def oom_first(*a, **kw):  # the first schedule's trial runs out of memory, the others would work
+        tried.append(1)
+        if len(tried) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return works(*a, **kw)
+
+    monkeypatch.setattr(d, "_gluon_module", lambda: SimpleNamespace(refusal=lambda q, k, v, residual=None: None,
+                                                                   sparse_attention=oom_first))
+    q, k, v, perm, idx = _inputs(gen)
+    timer.times = [1.0] * len(d.AUTO_SCHEDULES)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        d.sparse_attention(q, k, v, perm, idx)
+    assert tried == [1] and timer.timed == 0 and not d.choices and d.fallback_reason() is None
+
+
 def test_auto_mode_runs_the_triton_kernel_under_graph_capture(gen, auto_gluon, monkeypatch):
     fake, timer = auto_gluon
     monkeypatch.setattr(_dispatch(), "_capturing", lambda: True)
