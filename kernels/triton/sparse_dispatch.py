@@ -143,7 +143,9 @@ GLUON_SCHEDULES = {
 # an L2 prefetch of each next item's index row 0.747 / 0.779 / 0.821 / 0.833 (removed), against the op's 0.750 /
 # 0.775 / 0.811 / 0.839 (14B not reached). Since round s10final the auto mode times max_vote and max_vote +
 # named_turns, each with and without the tail launch, and keeps the fastest per shape; PREVIOUS_AUTO_SCHEDULES is
-# the pair of rounds s9r3-s10r2.
+# the pair of rounds s9r3-s10r2. Round s10final (the op = this auto mode, beside the previous pair's first schedule
+# called directly): 0.780 / 0.823 / 0.862 / 0.894 | 0.831 / 0.883 / 0.868 / 0.867 against 0.737 / 0.778 / 0.818 /
+# 0.837 | 0.755 / 0.790 / 0.830 / 0.875 (1.3B | 14B); its own timings picked max_vote + named_turns at 5 of 8 points.
 PREVIOUS_AUTO_SCHEDULES = (_SUM_PARTIAL + " tail_launch", _SUM_PARTIAL)
 AUTO_SCHEDULES = (_SUM_PARTIAL + " max_vote named_turns tail_launch", _SUM_PARTIAL + " max_vote named_turns",
                   _SUM_PARTIAL + " max_vote tail_launch", _SUM_PARTIAL + " max_vote")
