@@ -57,7 +57,9 @@ EPILOGUE = "smem"
 # 0.845 / 0.892 / 0.989 / 0.980 and 0.911 / 0.998 / 0.922 / 0.894 (better at all 8 points; 1.015 against 1.085 ms at
 # 1.3B s = 0.1); the same kernel without its K/V copies ("diag_no_copy") 0.927 / 0.930 / 1.002 / 1.034 and 1.003 /
 # 1.078 / 1.110 / 1.173. GPU-tested through the op (split last rounds, the pdl chain, ramped keys, grids of 1-500
-# CTAs).
+# CTAs). Final round s10final (another H200, 5 rounds): 0.866 / 0.884 / 0.877 / 0.951 and 0.876 / 0.908 / 0.908 /
+# 0.918 against the previous default's 0.867 / 0.889 / 0.868 / 0.934 and 0.848 / 0.904 / 0.896 / 0.930 (min 0.866
+# against 0.848; level at 1.3B s = 0.1 there).
 STAGED_OPTIONS: tuple = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead",
                          "idx_ahead", "lazy_rescale", "idx_l2")
 # compile options of the register-epilogue kernel (calls with a residual: the reuse path's), as STAGED_OPTIONS:
@@ -65,6 +67,9 @@ STAGED_OPTIONS: tuple = ("persistent", "overlap", "hide_epi", "split_tail", "pdl
 # residual, no LSE; 1.3B 480p then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5) 0.772 / 0.757 / 0.856 / 0.878 and 0.834 /
 # 0.843 / 0.863 / 0.901 against one CTA per group 0.728 / 0.736 / 0.840 / 0.854 and 0.792 / 0.838 / 0.846 / 0.904;
 # each checked in the same run; GPU tests with plain and int4_group residuals on grids of 1, 7 and 500 CTAs.
+# Candidate (round s10final, side by side, not GPU-tested as a set): + pdl, v3, q_ahead, cnt_ahead, idx_ahead,
+# lazy_rescale, idx_l2 0.804 / 0.832 / 0.813 / 0.905 and 0.837 / 0.880 / 0.843 / 0.890 against these options' 0.770 /
+# 0.818 / 0.784 / 0.886 and 0.816 / 0.865 / 0.856 / 0.901.
 REGISTERS_OPTIONS: tuple = ("persistent", "overlap")
 
 
