@@ -576,23 +576,15 @@ class Pass2Sm90:
                     excl = incl - packed
                     eq_b = n_eq + (excl >> 16)
                     pos = n_gt + (excl & 0xFFFF) + cutlass.min(eq_b, need)
-                    if (eq_b < need) & (eq_b + (packed >> 16) > need):  # the one lane whose == T keys run out
-                        for e in cutlass.range_constexpr(8):
-                            bit = 1 if const_expr(e % 2 == 0) else 0x10000
-                            eq = (eqs[e // 2] & bit) != 0
-                            take = ((gts[e // 2] & bit) != 0) | (eq & (eq_b < need))
-                            if take & (pos < num_keys):
-                                srow[pos] = v * 8 + e
-                            pos += Int32(take)
-                            eq_b += Int32(eq)
-                    else:  # every == T key of the vector taken, or none
-                        eq_all = Int32(0) - Int32(eq_b < need)
-                        for e in cutlass.range_constexpr(8):
-                            bit = 1 if const_expr(e % 2 == 0) else 0x10000
-                            take = ((gts[e // 2] | (eqs[e // 2] & eq_all)) & bit) != 0
-                            if take & (pos < num_keys):
-                                srow[pos] = v * 8 + e
-                            pos += Int32(take)
+                    for e in cutlass.range_constexpr(8):
+                        bit = 1 if const_expr(e % 2 == 0) else 0x10000
+                        gt = (gts[e // 2] & bit) != 0
+                        eq = (eqs[e // 2] & bit) != 0
+                        take = gt | (eq & (eq_b < need))
+                        if take & (pos < num_keys):
+                            srow[pos] = v * 8 + e
+                        pos += Int32(take)
+                        eq_b += Int32(eq)
                     tot = cute.arch.shuffle_sync(incl, 31)
                     n_gt += tot & 0xFFFF
                     n_eq += tot >> 16
