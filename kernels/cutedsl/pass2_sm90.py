@@ -60,8 +60,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm, vector
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
@@ -85,18 +84,7 @@ CAND_SLOTS = 16384  # each selecting warp's int16 candidate slots in shared memo
 # 14B 720p, s = 0.5: 16384)
 SAMPLE_SLOTS = 1024  # the sample's slots (topk._BRACKET_MAX_SAMPLES), staged at the start of the candidate slots
 KEY_TOP = 0x7C01  # one above +inf's float16 key: above every key (topk._bracket_row's ``top``)
-KEY_INF = 0x7C00  # +inf's float16 key
-KEY_NAN = 0x7E00  # a float16 NaN: compares false
 SWEEP_BATCH = 4  # 16-byte loads per lane issued together in the selecting warps' row sweeps (latency from L2)
-
-
-@dsl_user_op
-def _h2_mask(w: Int32, t2: Int32, op: str, *, loc=None, ip=None) -> Int32:
-    """Per 16-bit half of ``w``: 0xFFFF where the float16 there is ``op`` ("le", "ge", "eq") ``t2``'s, else 0
-    (``set.<op>.u32.f16x2``: false for NaN)."""
-    return Int32(llvm.inline_asm(T.i32(), [Int32(w).ir_value(loc=loc, ip=ip), Int32(t2).ir_value(loc=loc, ip=ip)],
-                                 f"set.{op}.u32.f16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 class _Walk:
@@ -211,7 +199,6 @@ class Pass2Sm90:
         if const_expr(self.topk):  # the row ring (full / empty per selecting warp) and each warp's candidate slots
             fields["mbar_row"] = cute.struct.MemRange[cutlass.Int64, 2 * SELECT_WARPS]
             fields["sC"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int16, SELECT_WARPS * CAND_SLOTS], 16]
-            fields["sN"] = cute.struct.Align[cute.struct.MemRange[Int32, SELECT_WARPS], 16]  # candidates per warp
         SharedStorage = cute.struct(type("Pass2Storage", (), {"__annotations__": fields}))
         total = mPerm.shape[0] * ((mOut.shape[2] + self.gpi - 1) // self.gpi) * ksplit
         grid_x = cutlass.min(num_ctas, total)
@@ -273,8 +260,7 @@ class Pass2Sm90:
             if const_expr(self.topk):
                 if warp_idx >= 2:
                     sC = storage.sC.get_tensor(cute.make_layout((CAND_SLOTS, SELECT_WARPS)))
-                    sN = storage.sN.get_tensor(cute.make_layout((SELECT_WARPS,)))
-                    self._select_rows(mOut, mSel, mFlag, mCnt, sC, sN, mbar_row, walk, num_keys, samp_stride, n_samp, hi_rank,
+                    self._select_rows(mOut, mSel, mFlag, mCnt, sC, mbar_row, walk, num_keys, samp_stride, n_samp, hi_rank,
                                       lo_rank, warp_idx - 2, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
@@ -354,7 +340,7 @@ class Pass2Sm90:
                     cute.copy(lse_atom, l_src, cute.local_tile(sL[None, slot], (1,), (row,)))
 
     @cute.jit
-    def _select_rows(self, mOut, mSel, mFlag, mCnt, sC, sN, mbar_row, walk, num_keys, samp_stride, n_samp, hi_rank,
+    def _select_rows(self, mOut, mSel, mFlag, mCnt, sC, mbar_row, walk, num_keys, samp_stride, n_samp, hi_rank,
                      lo_rank, w, lane):
         """``topk``: selecting warp ``w`` (producer warp 2 + w) takes the CTA's items k = w, w + 2, ... (with
         ``pair``: every item k, and of it the row of group 2 * unit + w) as the row ring hands them over (slot k % 2;
@@ -389,7 +375,7 @@ class Pass2Sm90:
                     cute.arch.fence_acq_rel_gpu()
                     last = Int32(old == walk.ksplit - 1)
             if last == 1:
-                self._select_row(mOut, mSel, mFlag, sC, sN, w, b, h, g, row, num_keys, samp_stride, n_samp, hi_rank,
+                self._select_row(mOut, mSel, mFlag, sC, w, b, h, g, row, num_keys, samp_stride, n_samp, hi_rank,
                                  lo_rank, lane)
             k += step
             item += step * walk.grid
@@ -408,14 +394,11 @@ class Pass2Sm90:
     @cute.jit
     def _decode(self, vec, ok, keys):
         """The 8 keys of a loaded vector (``topk._keys``: the float16 bit pattern as int16, negatives and -0.0 -> 0;
-        all -1 when not ``ok``; ``ok`` None: no mask)."""
+        all -1 when not ``ok``)."""
         for e in cutlass.range_constexpr(8):
             word = vec[e // 2]
             x = (word << 16) >> 16 if const_expr(e % 2 == 0) else word >> 16
-            if const_expr(ok is None):
-                keys[e] = cutlass.max(x, Int32(0))
-            else:
-                keys[e] = cutlass.select_(ok, cutlass.max(x, Int32(0)), Int32(-1))
+            keys[e] = cutlass.select_(ok, cutlass.max(x, Int32(0)), Int32(-1))
 
     @cute.jit
     def _count_above(self, sC, w, lane, n, t, strict: cutlass.Constexpr):
@@ -434,20 +417,16 @@ class Pass2Sm90:
         return cute.arch.warp_reduction_sum(cnt)
 
     @cute.jit
-    def _select_row(self, mOut, mSel, mFlag, sC, sN, w, b, h, g, row, num_keys, samp_stride, n_samp, hi_rank, lo_rank,
+    def _select_row(self, mOut, mSel, mFlag, sC, w, b, h, g, row, num_keys, samp_stride, n_samp, hi_rank, lo_rank,
                     lane):
         """One row's selection by ``topk.py``'s bracket method, one warp: the stratified sample (the same positions,
         staged in ``sC``) brackets the K-th largest key between its hi_rank-th and lo_rank-th largest (bit search by
         counting, both at once); one sweep (16-byte loads, 8 keys per lane, ``SWEEP_BATCH`` loads per lane issued
-        before their work) counts the keys above hi and copies those in [lo, hi] to ``sC`` (float16x2 comparisons,
-        two keys per instruction; a lane whose vector holds a key in [lo, hi] copies it to a slot from a shared-memory
-        atomic count in ``sN``); if the counts prove the K-th key inside (and the copies fit CAND_SLOTS) the
-        threshold T and ``need`` come from the copies by a bit search, then the compaction sweep writes, in ascending
-        index order, every index whose key is > T and the first ``need`` whose key == T at slots from a warp prefix
-        count (``topk._compact_step``; > T / == T by float16x2 comparisons), then -1 up to the width; flag 0. Else
-        flag 1 and the row is left to the radix launch after the kernel. The float16 comparisons order the keys as
-        their int16 values do because the sums are >= 0; a NaN sum (finite operands never give one) is above every
-        threshold in both sweeps, so K indices are written either way."""
+        before their work) counts the keys above hi and copies those in [lo, hi] to ``sC`` (ballot + popc slots); if the
+        counts prove the K-th key inside (and the copies fit CAND_SLOTS) the threshold T and ``need`` come from the
+        copies by a bit search, then the compaction sweep writes, in ascending index order, every index whose key is
+        > T and the first ``need`` whose key == T at slots from a warp prefix count (``topk._compact_step``), then
+        -1 up to the width; flag 0. Else flag 1 and the row is left to the radix launch after the kernel."""
         sk = mOut.shape[3]
         width = mSel.shape[3]
         n_vec = sk // 8
@@ -486,20 +465,10 @@ class Pass2Sm90:
         hi = cutlass.min(t1, Int32(KEY_TOP))
         lo = cutlass.min(t2, Int32(KEY_TOP))
         cute.arch.sync_warp()  # every lane's sample reads done before the copies overwrite the slots
-        # the count / copy sweep, two keys per instruction: the float16 comparisons (key <= hi, key >= lo) of a
-        # 32-bit word's two sums order them as their int16 keys do (sums >= 0; hi, lo <= inf's key; lo above it: no
-        # key inside, lo compared as NaN); a lane whose vector holds a key in [lo, hi] copies those keys (int16
-        # compares, as _decode) to slots taken by a shared-memory atomic (the copies' order does not matter: only
-        # counts are taken from them)
-        hi_h = cutlass.min(hi, Int32(KEY_INF))
-        lo_h = cutlass.select_(lo > KEY_INF, Int32(KEY_NAN), lo)
-        hi2 = hi_h | (hi_h << 16)
-        lo2 = lo_h | (lo_h << 16)
-        if lane == 0:
-            sN[w] = Int32(0)
-        cute.arch.sync_warp()
-        n_slot = (sN.iterator + w).llvm_ptr
-        above2 = Int32(0)  # the lane's counts of keys > hi, one per 16-bit half
+        # the count / copy sweep
+        lt_mask = (Int32(1) << lane) - 1
+        above = Int32(0)
+        n_cand = Int32(0)
         keys = cute.make_rmem_tensor((8,), Int32)
         vecs = [cute.make_rmem_tensor((4,), Int32) for _ in range(SWEEP_BATCH)]
         n_steps = (n_vec + 31) // 32
@@ -508,22 +477,16 @@ class Pass2Sm90:
             for u in cutlass.range_constexpr(SWEEP_BATCH):  # the batch's loads first: SWEEP_BATCH in flight per lane
                 self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
             for u in cutlass.range_constexpr(SWEEP_BATCH):
-                if (i * SWEEP_BATCH + u) * 32 + lane < n_vec:
-                    inside = Int32(0)
-                    for k in cutlass.range_constexpr(4):
-                        le = _h2_mask(vecs[u][k], hi2, "le")
-                        above2 += ~le & 0x00010001
-                        inside |= _h2_mask(vecs[u][k], lo2, "ge") & le
-                    if inside != 0:
-                        self._decode(vecs[u], None, keys)
-                        for e in cutlass.range_constexpr(8):
-                            if (keys[e] >= lo) & (keys[e] <= hi):
-                                slot = cute.arch.atomic_add(n_slot, Int32(1))
-                                if slot < CAND_SLOTS:
-                                    sC[slot, w] = cutlass.Int16(keys[e])
-        above = (above2 & 0xFFFF) + ((above2 >> 16) & 0xFFFF)
-        cute.arch.sync_warp()  # every lane's copies and count updates before the count is read
-        n_cand = sN[w]
+                self._decode(vecs[u], (i * SWEEP_BATCH + u) * 32 + lane < n_vec, keys)
+                for e in cutlass.range_constexpr(8):
+                    key = keys[e]
+                    above += Int32(key > hi)
+                    inside = (key >= lo) & (key <= hi)
+                    mask = cute.arch.vote_ballot_sync(inside)
+                    slot = n_cand + cute.arch.popc(mask & lt_mask)
+                    if inside & (slot < CAND_SLOTS):
+                        sC[slot, w] = cutlass.Int16(key)
+                    n_cand += cute.arch.popc(mask)
         above = cute.arch.warp_reduction_sum(above)
         hit = (above < num_keys) & (above + n_cand >= num_keys) & (n_cand <= CAND_SLOTS)
         if lane == 0:
@@ -542,15 +505,7 @@ class Pass2Sm90:
                 cnt = self._count_above(sC, w, lane, n_cand, trial, False)
                 thr = cutlass.select_(cnt >= kk_rank, trial, thr)
             need = kk_rank - self._count_above(sC, w, lane, n_cand, thr, True)
-            # the compaction sweep: slot = (keys > T before) + min(keys == T before, need), i.e. the keys taken
-            # before; > T and == T two keys per instruction (float16 comparisons, as in the count sweep); a lane's
-            # counts are packed (> T in the low 16 bits, == T in the high) for the warp's prefix sum
-            thr2 = thr | (thr << 16)
-            srow = cute.make_tensor(
-                cute.make_ptr(Int32, fa_utils.elem_pointer(mSel, (b, h, g, 0)).toint(), cute.AddressSpace.gmem,
-                              assumed_align=4), cute.make_layout((width,)))
-            gts = cute.make_rmem_tensor((4,), Int32)
-            eqs = cute.make_rmem_tensor((4,), Int32)
+            # the compaction sweep: slot = (keys > T before) + min(keys == T before, need)
             n_gt = Int32(0)
             n_eq = Int32(0)
             for i in cutlass.range(n_batches, unroll=1):
@@ -558,32 +513,25 @@ class Pass2Sm90:
                     self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
                 for u in cutlass.range_constexpr(SWEEP_BATCH):
                     v = (i * SWEEP_BATCH + u) * 32 + lane
-                    valid = Int32(0) - Int32(v < n_vec)  # all ones, or 0 past the row (a repeated vector)
-                    gsum = Int32(0)
-                    esum = Int32(0)
-                    for k in cutlass.range_constexpr(4):
-                        gts[k] = ~_h2_mask(vecs[u][k], thr2, "le") & valid  # (NaN: > T, as in the count sweep)
-                        eqs[k] = _h2_mask(vecs[u][k], thr2, "eq") & valid
-                        gsum += gts[k] & 0x00010001
-                        esum += eqs[k] & 0x00010001
-                    # x * 0x10001 adds x's two 16-bit counts into its high half
-                    packed = ((gsum * 0x10001) >> 16) + ((esum * 0x10001) & Int32(-65536))
+                    self._decode(vecs[u], v < n_vec, keys)
+                    packed = Int32(0)
+                    for e in cutlass.range_constexpr(8):
+                        packed += Int32(keys[e] > thr) + (Int32(keys[e] == thr) << 16)
                     incl = packed
                     for d in cutlass.range_constexpr(5):
                         up = cute.arch.shuffle_sync_up(incl, offset=1 << d)
                         if lane >= (1 << d):
                             incl += up
                     excl = incl - packed
+                    gt_b = n_gt + (excl & 0xFFFF)
                     eq_b = n_eq + (excl >> 16)
-                    pos = n_gt + (excl & 0xFFFF) + cutlass.min(eq_b, need)
                     for e in cutlass.range_constexpr(8):
-                        bit = 1 if const_expr(e % 2 == 0) else 0x10000
-                        gt = (gts[e // 2] & bit) != 0
-                        eq = (eqs[e // 2] & bit) != 0
-                        take = gt | (eq & (eq_b < need))
-                        if take & (pos < num_keys):
-                            srow[pos] = v * 8 + e
-                        pos += Int32(take)
+                        gt = keys[e] > thr
+                        eq = keys[e] == thr
+                        pos = gt_b + cutlass.min(eq_b, need)
+                        if (gt | (eq & (eq_b < need))) & (pos < num_keys):
+                            mSel[b, h, g, pos] = v * 8 + e
+                        gt_b += Int32(gt)
                         eq_b += Int32(eq)
                     tot = cute.arch.shuffle_sync(incl, 31)
                     n_gt += tot & 0xFFFF
