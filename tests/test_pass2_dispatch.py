@@ -455,6 +455,7 @@ def cute_fused(monkeypatch):
     sel = _mod("selection")
     for name in ("MC_SPARSE_PASS2_CUTE", "MC_SPARSE_PASS2_GLUON", "MC_SPARSE_PASS2_CUTE_TOPK"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MC_SPARSE_PASS2_CUTE_TOPK", "1")  # opted in: off by default since session 10
     fake = _CuteFused()
     monkeypatch.setattr(d, "_cute_module", lambda: fake)
     monkeypatch.setattr(sel, "_TOPK_FUSED_DEFAULT", True)
@@ -488,11 +489,12 @@ def test_select_kv_with_cute_runs_its_fused_top_k(gen, cute_fused):
     assert _mod("pass2_dispatch").cute_topk_fallback_reason() is None
 
 
-@pytest.mark.parametrize("how", ["refused", "env off", "no module support", "topk_fused=False"])
+@pytest.mark.parametrize("how", ["refused", "env off", "env unset (the default)", "no module support", "topk_fused=False"])
 def test_cute_fused_top_k_not_used(gen, cute_fused, monkeypatch, how):
-    """The fused top-K refused by the module, switched off (MC_SPARSE_PASS2_CUTE_TOPK=0), absent from the module (no
-    FUSED_TOPK) or not asked for (topk_fused=False): the CuTeDSL kernel writes the sums only and the separate top-K
-    selects from them (the brute force of those sums); nothing is remembered as a failure."""
+    """The fused top-K refused by the module, switched off (MC_SPARSE_PASS2_CUTE_TOPK=0, or unset: off by default),
+    absent from the module (no FUSED_TOPK) or not asked for (topk_fused=False): the CuTeDSL kernel writes the sums
+    only and the separate top-K selects from them (the brute force of those sums); nothing is remembered as a
+    failure."""
     sel = _mod("selection")
     d = _mod("pass2_dispatch")
     kw = {}
@@ -501,7 +503,10 @@ def test_cute_fused_top_k_not_used(gen, cute_fused, monkeypatch, how):
         assert d.cute_select_refusal(None, None, 128, None, None, 40, requested=True) == cute_fused.select_why
     elif how == "env off":
         monkeypatch.setenv("MC_SPARSE_PASS2_CUTE_TOPK", "0")
-        assert "MC_SPARSE_PASS2_CUTE_TOPK=0" in d.cute_select_refusal(None, None, 128, None, None, 40, requested=True)
+        assert "fused top-K off" in d.cute_select_refusal(None, None, 128, None, None, 40, requested=True)
+    elif how == "env unset (the default)":
+        monkeypatch.delenv("MC_SPARSE_PASS2_CUTE_TOPK")
+        assert "fused top-K off" in d.cute_select_refusal(None, None, 128, None, None, 40, requested=True)
     elif how == "no module support":
         monkeypatch.setattr(_CuteFused, "FUSED_TOPK", False)
         assert "no fused top-K" in d.cute_select_refusal(None, None, 128, None, None, 40, requested=True)

@@ -10,7 +10,9 @@
   the call goes on to the Gluon / Triton kernel with the same operands.
 - The CuTeDSL kernel with its fused top-K (``try_cute_select``: the module's ``FUSED_TOPK``; the selection written by
   the kernel from its own float16 sums, so select_kv launches no top-K): tried first where select_kv hands pass 2 a
-  selection to fill (``topk.FusedRows``) and the CuTeDSL kernel is on, unless ``MC_SPARSE_PASS2_CUTE_TOPK=0`` or the
+  selection to fill (``topk.FusedRows``), the CuTeDSL kernel is on and ``MC_SPARSE_PASS2_CUTE_TOPK=1`` (off by default
+  since session 10: every final-round figure ran without it, and its float16x2 sweeps failed the twin-key GPU tests
+  before they were reverted; the restored sweeps are session 9's GPU-checked code), unless the
   module refuses (``select_refusal``) or has no fused top-K; its failure is remembered apart (``CUTE_TOPK_KEY``), and
   the call goes on to the CuTeDSL kernel without it (then the separate top-K), as any refusal does.
 
@@ -115,8 +117,9 @@ def try_cute(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, requested=None, o
 
 def cute_topk_mode() -> bool:
     """Whether the CuTeDSL kernel's fused top-K is wanted where the kernel runs: ``MC_SPARSE_PASS2_CUTE_TOPK`` ("1" on,
-    "0" off; any other value is a ValueError), else on (the same selection as the separate top-K)."""
-    return _switch(None, "MC_SPARSE_PASS2_CUTE_TOPK", True)
+    "0" off; any other value is a ValueError), else off (the kernel + the separate top-K: the route every session-10
+    H200 figure measured, docs/kernels.md; the fused top-K gives the same selection)."""
+    return _switch(None, "MC_SPARSE_PASS2_CUTE_TOPK", False)
 
 
 def cute_topk_fallback_reason() -> str | None:
@@ -132,7 +135,7 @@ def cute_select_refusal(q8, k8, group_size, out, sel, num_keys, *, requested=Non
     if why is not None:
         return why
     if not cute_topk_mode():
-        return "fused top-K off (MC_SPARSE_PASS2_CUTE_TOPK=0)"
+        return "fused top-K off (MC_SPARSE_PASS2_CUTE_TOPK unset or 0)"
     reason = cute_topk_fallback_reason()
     if reason is not None:
         return f"fused top-K failed earlier ({reason})"
