@@ -6,7 +6,8 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 1. CHECKS on the GPU before any timing (lines with "CHECKS"; "CHECK FAILED" when one fails), on 2 heads at s = 0.25:
    first the CuTeDSL pass 2 (kernels/cutedsl/pass2_sm90.py; ``cute_checks``: its sums vs the Triton kernel's, every
    entry written, select_kv(cute=True, topk_fused=False) == the brute-force top-K of its sums by both separate top-K
-   thresholds; where the module has its fused top-K (``fused`` True, else the refusal reason): the kernel called
+   thresholds; where the module has its fused top-K and it is on (``MC_SPARSE_PASS2_CUTE_TOPK=1``: off by default
+   since session 10; ``fused`` True, else the refusal reason): the kernel called
    with ``select`` writes the same sums and the brute-force top-K of them (selection poisoned first), and
    select_kv(cute=True) returns it; a failure skips its rows (a failing fused top-K alone: switched off for the run,
    MC_SPARSE_PASS2_CUTE_TOPK=0) and, where it is the default, turns it off for the run: the defaults row then measures
