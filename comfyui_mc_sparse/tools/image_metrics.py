@@ -1,7 +1,8 @@
 """PSNR and SSIM between two ComfyUI IMAGE batches, and a side-by-side / difference image (torch only).
 
 IMAGE tensors are ``[B, H, W, C]`` float in [0, 1] (ComfyUI's layout; C = 3 RGB, a 4th alpha channel is
-ignored). Frames are compared pairwise (frame i of A with frame i of B); the data range L is 1.
+ignored; both batches must have one shape, channels included: RGB against RGBA is an error). Frames are compared
+pairwise (frame i of A with frame i of B); the data range L is 1.
 
 * PSNR (dB) per frame: ``10 log10(L^2 / MSE)`` over all pixels and the RGB channels; ``inf`` for identical
   frames. Overall: ``10 log10(L^2 / mean MSE)`` with the MSE pooled over every frame (not the mean of the
