@@ -257,3 +257,18 @@ def test_decode_bitmask_reference(gen, S, K, width):
     got = kernels.decode_bitmask(bits, num_tokens=S, out=stacked[1])
     assert got.data_ptr() == stacked[1].data_ptr()
     assert torch.equal(stacked[1], brute_decode(bits, S, width)) and (stacked[0] == 7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_adds_the_residual_before_its_one_rounding(gen, dtype):
+    """The torch reference (the backend of last resort, and every fused kernel's model): sparse + R summed in fp32 and
+    rounded once to q's dtype, bit for bit (mutation: the sparse part and R each rounded to q's dtype before the sum
+    passed every test after the unfused helper that pinned this was deleted as dead code)."""
+    B, H, S, D, C, K = 1, 2, 70, 32, 16, 24
+    q, k, v = (torch.randn(B, H, S, D, generator=gen).to(dtype) for _ in range(3))
+    perm = random_groups(gen, B, H, S, C)
+    idx = random_kv_idx(gen, B, H, perm.shape[-1] // C, S, K, 32)
+    r = torch.randn(B, H, S, D, generator=gen) / 3
+    got = kernels.sparse_attention(q, k, v, perm, idx, residual=Residual(r), backend="torch")
+    sparse = kernels.sparse_attention(q.float(), k.float(), v.float(), perm, idx, backend="torch")
+    assert got.dtype == dtype and torch.equal(got, (sparse + r).to(dtype))
