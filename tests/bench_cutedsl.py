@@ -92,11 +92,14 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
 }
 
 
-OP_ROWS = ("again", "residual", "counts + kernel", "options")  # the op's extra rows (``--op-rows``)
+OP_ROWS = ("again", "residual", "counts + kernel", "options")  # the op's default extra rows (``--op-rows``)
 # "contiguous": the op on the dense baseline's head-contiguous [B, H, S, D] copies of q / k / v (out the same) instead
 # of the model's [B, S, H*D] views: how much the gathers' address spread costs (a 14B head's K rows lie 10 KiB apart
 # over 774 MB; head-contiguous, 256 B apart over 19 MB); not an op figure. "diag": the op with its default options
 # + "diag_no_copy" (the producer skips the K/V copies: WRONG output, not checked; the kernel without its gathers)
+# "shared": the op with every group of a head selecting its head's first group's key set (the same count and bytes,
+# every row then read by all the head's groups: L2 reuse as good as it gets; checked first like the op): beside the
+# op and "diag", whether the gathers are bound by L2 misses (shared ~ diag) or by their issue / latency (shared ~ op)
 # "residual check": the op with a plain residual checked (not timed) at each point, one more compile
 # "options": the op with each of these staged-epilogue option sets ($MC_SPARSE_CUTEDSL_OPTIONS,
 # rules.staged_options; ``--op-options``, ";"-separated): candidate defaults beside the op's
@@ -202,6 +205,21 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
                 log(f"{name} s={s}: {tag} WRONG or fell back ({r_err[tag]}, {rec.failures}): not timed")
             else:
                 fns[tag] = op_c
+        if "shared" in op_rows:
+            idx_sh = idx[:, :, :1].expand_as(idx).contiguous()
+            want = reference.sparse_attention(q[:, heads].float(), k[:, heads].float(), v[:, heads].float(),
+                                              perm[:, heads], idx_sh[:, heads])
+            op_sh = lambda: kernels.sparse_attention(q, k, v, perm, idx_sh, out=out, backend="cutedsl")  # noqa: E731
+            out.fill_(float("nan"))
+            with registry.recording(registry.Record()) as rec:
+                got = op_sh()
+            tag = "cutedsl op (shared key set per head)"
+            r_err[tag] = (float((got[:, heads].float() - want).norm() / want.norm()), int(out.isnan().sum()))
+            del want
+            if rec.choices["sparse_attention"].backend != "cutedsl" or r_err[tag][0] > 1e-2 or r_err[tag][1]:
+                log(f"{name} s={s}: {tag} WRONG or fell back ({r_err[tag]}, {rec.failures}): not timed")
+            else:
+                fns[tag] = op_sh
         if "diag" in op_rows:  # not checked: its output is wrong by construction; the backend's op directly (a
             # failure raises here instead of turning the registry's cutedsl off for the other rows)
             from comfyui_mc_sparse_pack.kernels.cutedsl import op as cop_diag
