@@ -20,7 +20,7 @@ Timings: ``triton.testing.do_bench`` medians. Expected run time on an H200: ~2-3
 
 Writes ``<out>/bench_anchor.json``, and the scoreboard keys ``pass2_topk_over_dense_max``, ``pddp_ms_wan14b_720p``,
 ``pddp_ms_wan13b_480p``, ``pddp_variance_ratio_max`` into ``docs/results/scoreboard.json`` (read, update, write
-back) and a copy of that file to ``<out>/scoreboard.json``.
+back) and these keys alone to ``<out>/scoreboard.json`` (tests/_scoreboard.py).
 
 Usage (from the checkout root): python tests/bench_anchor.py --out OUT [--shapes 1.3b,14b] [--rep 300]
 [--only pddp|select] [--commit HASH]. ``--only pddp``: the PDDP part alone (~1 min on an H200): ms per call, as one
@@ -36,12 +36,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -51,6 +49,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
+import _scoreboard  # noqa: E402
 import _standalone  # noqa: E402
 
 _standalone.load_pack()
@@ -690,25 +689,13 @@ def graph_ms(fn, rep_ms):
 COMMIT = None  # --commit
 
 
-def commit() -> str:
-    """The commit measured: --commit, else $MC_SPARSE_COMMIT (the GPU copy's git HEAD may be stale), else git HEAD."""
-    if COMMIT or os.environ.get("MC_SPARSE_COMMIT"):
-        return COMMIT or os.environ["MC_SPARSE_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write_scoreboard(report, out_dir, command):
-    path = ROOT / "docs" / "results" / "scoreboard.json"
-    board = json.loads(path.read_text()) if path.exists() else {}
-    common = dict(command=command, commit=commit(), gpu=report["gpu"], date=datetime.date.today().isoformat())
+    common = dict(command=command, commit=_scoreboard.measured_commit(COMMIT), gpu=report["gpu"])
+    board = {}
     shapes = report["shapes"]
     if shapes and all(len(sh.get("select", {})) == len(DENSITIES) for sh in shapes.values()):
         worst = max((r["over_dense"], n, s) for n, sh in shapes.items() for s, r in sh["select"].items())
-        board["pass2_topk_over_dense_max"] = dict(value=round(worst[0], 4), unit="ratio", **common, note=(
+        board["pass2_topk_over_dense_max"] = _scoreboard.entry(worst[0], "ratio", **common, note=(
             f"worst of {', '.join(shapes)} x s in {list(DENSITIES)}: {worst[1]} s={worst[2]}; select_kv defaults "
             f"(kernels/triton/selection.py: float8 QK^T {selection.fp8_default((9, 0))}, topk.top_k_rows' default "
             "method by row length); fastest bf16 pass-2 sweep config "
@@ -726,16 +713,13 @@ def write_scoreboard(report, out_dir, command):
         for n, sh in shapes.items():
             p = sh["pddp"]["triton grouping"]
             ratios.append((p["variance_ratio"], n))
-            board[f"pddp_ms_{SCORE_SHAPE[n]}"] = dict(value=round(p["ms"], 4), unit="ms", **common, note=(
+            board[f"pddp_ms_{SCORE_SHAPE[n]}"] = _scoreboard.entry(p["ms"], "ms", **common, note=(
                 "kernels/triton/grouping.py, all heads, structured synthetic queries; one CUDA graph: "
                 f"{sh.get('pddp_graph_ms')} ms; phases (ms, launch gaps included) "
                 f"{ {k: t for k, t in sh.get('pddp_phases_ms', {}).items() if k != 'per_launch'} }"))
-        board["pddp_variance_ratio_max"] = dict(value=round(max(ratios)[0], 4), unit="ratio", **common, note=(
+        board["pddp_variance_ratio_max"] = _scoreboard.entry(max(ratios)[0], "ratio", **common, note=(
             f"mean within-group variance / torch reference's, structured synthetic queries; worst: {max(ratios)[1]}"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(board, indent=2) + "\n"
-    path.write_text(text)
-    (out_dir / "scoreboard.json").write_text(text)
+    _scoreboard.update(board, out_dir / "scoreboard.json")
 
 
 def main():
@@ -773,7 +757,8 @@ def main():
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = dict(gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)", torch=torch.__version__, triton=triton.__version__,
-                  python=platform.python_version(), argv=sys.argv, commit=commit(), backends=registry.report(), shapes={})
+                  python=platform.python_version(), argv=sys.argv, commit=_scoreboard.measured_commit(COMMIT),
+                  backends=registry.report(), shapes={})
     t0 = time.time()
 
     def log(msg):

@@ -26,7 +26,7 @@ them), H = 12, S = 32760, D = 128, preset 'fast' (s = 0.15, C = 128, kv_tile 64)
 CHECKs (GPU): the "words" bitmask equals the "bytes" one bit for bit on the anchor's real selection; both decode
 variants equal the selection; the anchor step's outputs and stored selections are identical across variants.
 
-Writes ``<out>/anchor_step.json`` and ``<out>/scoreboard.json`` (no scoreboard key: a profile). H200: ~45 s.
+Writes ``<out>/anchor_step.json`` (no scoreboard key: a profile). H200: ~45 s.
 Usage (checkout root): python tests/bench_anchor_step.py --out $OUT [--commit HASH] [--kernels triton-only] (pass 1 on
 cuDNN as in the 1.3B whole-run bar; by default the fastest dense kernel installed); ``--smoke`` runs every code path
 once on a tiny shape on the CPU (TRITON_INTERPRET=1).
@@ -386,7 +386,6 @@ def main() -> int:
             report[key] = {"error": f"{type(err).__name__}: {err}"}
             log(f"[{key}] FAILED: {type(err).__name__}: {err}")
         (out_dir / "anchor_step.json").write_text(json.dumps(report, indent=1, default=str))
-    (out_dir / "scoreboard.json").write_text("{}\n")
     log(f"wall {time.time() - t_start:.1f} s")
     return 0
 

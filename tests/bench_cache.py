@@ -19,9 +19,9 @@ entries), on synthetic DiT-like q/k/v (``tools/workload.py``, anchor at step 9 o
    memory (bf16, int4-group), and int4-group vs int4 row on the GPU (the group mean's epilogue cost); 720p only
    (--layers 16 --budget-s 10: ~25 s on an H200) (the in-model offload measurement is tests/bench_comfyui_speedup.py's).
 Writes ``<out>/bench_cache.json`` and the keys ``cache_gib_wan14b_{720p,480p}_quality_cfg`` to ``--scoreboard``
-(and a copy to ``<out>/scoreboard.json``). The scoreboard value is the cache the preset's default ('auto'
-precision) stores when bf16 and fp8 do not fit the machine: int4-group (the note gives every precision's size and
-fidelity).
+(and these keys alone to ``<out>/scoreboard.json``, tests/_scoreboard.py). The scoreboard value is the cache the
+preset's default ('auto' precision) stores when bf16 and fp8 do not fit the machine: int4-group (the note gives
+every precision's size and fidelity).
 
 Usage (GPU, ~25 s on an H200; ~60 s with --speed --layers 16 --budget-s 10): python tests/bench_cache.py --out $OUT
 CPU fidelity table on a small grid: python tests/bench_cache.py --out /tmp/bc --grid 8,16,24 --heads 8 --no-scoreboard
@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,12 +42,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
+import _scoreboard  # noqa: E402
 import _standalone  # noqa: E402
 
 _standalone.load_pack()
 from comfyui_mc_sparse_pack import kernels  # noqa: E402
 from comfyui_mc_sparse_pack.comfyui_mc_sparse import attention, encoding, engine, memory  # noqa: E402
-from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheEntry, CacheKey, encode_entry  # noqa: E402
+from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import CacheKey, encode_entry  # noqa: E402
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig  # noqa: E402
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.tools.workload import SyntheticWorkload, WorkloadSpec  # noqa: E402
 
@@ -293,7 +292,7 @@ def main():
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--budget-s", type=float, default=60.0)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks the script runs")
-    ap.add_argument("--scoreboard", default=str(ROOT / "docs" / "results" / "scoreboard.json"))
+    ap.add_argument("--scoreboard", default=str(_scoreboard.BOARD))
     ap.add_argument("--no-scoreboard", action="store_true")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse of the checkout)")
     args = ap.parse_args()
@@ -364,9 +363,7 @@ def bar_met(fid: dict, precision: str) -> bool:
 
 
 def write_scoreboard(rep, path: Path, out_dir: Path, commit: str | None = None) -> None:
-    commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                      text=True).stdout.strip()
-    board = json.loads(path.read_text()) if path.is_file() else {}
+    commit = _scoreboard.measured_commit(commit)
     gpu = rep["env"]["gpu"] if rep["env"]["gpu"].startswith("NVIDIA") else None
     mine = {}
     for name in GRIDS:
@@ -378,26 +375,16 @@ def write_scoreboard(rep, path: Path, out_dir: Path, commit: str | None = None) 
             f"{LABEL[p]} {row[f'{LABEL[p]} - bf16']:+.5f}" for p in PRECISIONS[1:])
             for step, row in f.items() if isinstance(row, dict) and "bf16" in row)
         meets = ", ".join(f"{LABEL[p]} {'yes' if bar_met(f, p) else 'no'}" for p in PRECISIONS[1:])
-        mine[f"cache_gib_wan14b_{name}_quality_cfg"] = {
-            "value": round(b[AUTO_4BIT]["total_GiB"], 3), "unit": "GiB",
-            "command": "python tests/bench_cache.py --out $OUT --commit <hash>", "commit": commit, "gpu": gpu,
-            "date": datetime.date.today().isoformat(),
-            "note": (f"preset quality (s=0.25, block 0 dense, CFG, {b[AUTO_4BIT]['entries']} entries), residual "
-                     f"precision 'auto' = int4-group where bf16 and fp8 do not fit (bf16 when it fits); stored bytes of "
-                     f"a real entry x entries, estimate equal: {all(b[p]['estimate_equal'] for p in PRECISIONS)}; every "
-                     f"precision (GiB): {sizes}. Reuse output rel L1 vs dense on the synthetic workload (precision - "
-                     f"bf16; the anchor row is sparse + R although the runner outputs O_dense there): {fid}. Within "
-                     f"+{BAR} of bf16 at every reuse step: {meets}"),
-        }
-    board.update(mine)
-    text = json.dumps(board, indent=2) + "\n"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    except OSError as err:
-        print(f"scoreboard not written to {path}: {err}")
-    (out_dir / "scoreboard.json").write_text(text)
-    print("scoreboard: " + ", ".join(f"{k} = {v['value']}" for k, v in mine.items()))
+        mine[f"cache_gib_wan14b_{name}_quality_cfg"] = _scoreboard.entry(
+            b[AUTO_4BIT]["total_GiB"], "GiB", digits=3, commit=commit, gpu=gpu,
+            command="python tests/bench_cache.py --out $OUT --commit <hash>",
+            note=(f"preset quality (s=0.25, block 0 dense, CFG, {b[AUTO_4BIT]['entries']} entries), residual "
+                  f"precision 'auto' = int4-group where bf16 and fp8 do not fit (bf16 when it fits); stored bytes of "
+                  f"a real entry x entries, estimate equal: {all(b[p]['estimate_equal'] for p in PRECISIONS)}; every "
+                  f"precision (GiB): {sizes}. Reuse output rel L1 vs dense on the synthetic workload (precision - "
+                  f"bf16; the anchor row is sparse + R although the runner outputs O_dense there): {fid}. Within "
+                  f"+{BAR} of bf16 at every reuse step: {meets}"))
+    _scoreboard.update(mine, out_dir / "scoreboard.json", path)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _scoreboard  # noqa: E402
 
 MODELS = {  # Wan2.1 T2V: in_dim 16, text_dim 4096, freq_dim 256, patch (1, 2, 2), head dim 128
     "wan14b": {"dim": 5120, "num_heads": 40, "num_layers": 40, "ffn_dim": 13824},
@@ -1453,7 +1455,6 @@ def whole_breakdown(dense_rec: dict, patched_rec: dict, run, *, dense: dict | No
 
 def scoreboard_entries(report: dict, *, command: str, commit: str, gpu: str | None) -> dict:
     """The scoreboard keys this benchmark measured in ``report`` (true values, bars met or not)."""
-    date = time.strftime("%Y-%m-%d")
     out = {}
     kernels = report["args"].get("kernels", "installed")
 
@@ -1463,8 +1464,7 @@ def scoreboard_entries(report: dict, *, command: str, commit: str, gpu: str | No
         if suffixed and kernels == "triton-only":
             key += TRITON_ONLY_SUFFIX
         if value is not None and value == value:
-            out[key] = {"value": round(float(value), 4), "unit": unit, "command": command, "commit": commit,
-                        "gpu": gpu, "date": date, "note": note}
+            out[key] = _scoreboard.entry(value, unit, note, command=command, commit=commit, gpu=gpu)
 
     for c in report["configs"]:
         tag = {("wan14b", "720p"): "wan14b_720p", ("wan14b", "480p"): "wan14b_480p",
@@ -1517,14 +1517,6 @@ def scoreboard_entries(report: dict, *, command: str, commit: str, gpu: str | No
                    f"({whole['prewarm_s']:.1f} s, as in any later run of a process); " if "prewarm_s" in whole else "")
                 + f"--kernels {kernels}: {(whole.get('run_kernels') or {}).get('line', '?')}")
     return out
-
-
-def write_scoreboard(path: Path, entries: dict) -> None:
-    """Read ``path`` (if any), replace this benchmark's keys, write it back."""
-    board = json.loads(path.read_text()) if path.is_file() else {}
-    board.update(entries)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(sorted(board.items())), indent=1) + "\n")
 
 
 PRESETS = ("quality", "balanced", "fast")
@@ -1893,11 +1885,8 @@ def main() -> int:
                     "(from GPU runs) into --scoreboard (default docs/results/scoreboard.json) and exit")
     args = ap.parse_args()
     if args.merge:
-        target = Path(args.scoreboard or ROOT / "docs" / "results" / "scoreboard.json")
-        for f in args.merge:
-            write_scoreboard(target, json.loads(Path(f).read_text()))
-        print(f"merged {len(args.merge)} file(s) into {target}")
-        return 0
+        target = Path(args.scoreboard or _scoreboard.BOARD)
+        return _scoreboard.main(["merge", *args.merge, "--board", str(target)])
     PAPER["steps"] = args.schedule_steps
     if not args.comfyui:
         ap.error("--comfyui or COMFYUI_DIR must name a ComfyUI checkout")
@@ -1957,7 +1946,7 @@ def main() -> int:
               "configs": []}
     out = Path(args.out)
 
-    commit = args.commit or _git_commit()
+    commit = _scoreboard.measured_commit(args.commit)
     command = " ".join(["python3", "tests/bench_comfyui_speedup.py"] + [a for a in sys.argv[1:]])
     gpu = report["gpu"]
 
@@ -1967,9 +1956,7 @@ def main() -> int:
         try:  # the scoreboard keys measured so far (a killed run keeps them)
             entries = scoreboard_entries(report, command=command, commit=commit, gpu=gpu)
             report["scoreboard"] = entries
-            out.with_suffix(".scoreboard.json").write_text(json.dumps(entries, indent=1))
-            if args.scoreboard and entries:
-                write_scoreboard(Path(args.scoreboard), entries)
+            _scoreboard.update(entries, out.with_suffix(".scoreboard.json"), args.scoreboard or None, say=False)
         except Exception as err:  # the measurement JSON above is what matters
             print(f"note: scoreboard not written: {type(err).__name__}: {err}", flush=True)
 
@@ -2000,16 +1987,6 @@ def main() -> int:
     ok = all(r.get("extrapolation") for c in report["configs"] for r in c.get("runs", [])) and \
         all(not c.get("errors") for c in report["configs"])
     return 0 if ok else 1
-
-
-def _git_commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:  # the GPU machine gets the working tree without .git: pass --commit
-        return "unknown"
 
 
 def _estimate(env: Env, plan: list[dict], args) -> float:

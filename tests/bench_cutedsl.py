@@ -29,7 +29,6 @@ Usage: python tests/bench_cutedsl.py --out $OUT/bench_cutedsl.json --commit <has
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -43,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
 import _standalone  # noqa: E402
+import _scoreboard  # noqa: E402
 from _timing import race  # noqa: E402
 
 _standalone.load_pack()
@@ -350,8 +350,8 @@ def main():
     ap.add_argument("--res-options", default="",
                     help='";"-separated register-epilogue option sets: the op with the plain residual under each '
                          '($MC_SPARSE_CUTEDSL_RES_OPTIONS), beside the "residual" op row')
-    ap.add_argument("--commit", default=os.environ.get("MC_SPARSE_COMMIT", "unknown"))
-    ap.add_argument("--scoreboard", default=str(ROOT / "docs/results/scoreboard.json"))
+    ap.add_argument("--commit", default=_scoreboard.measured_commit())
+    ap.add_argument("--scoreboard", default=str(_scoreboard.BOARD))
     args = ap.parse_args()
     lines = []
 
@@ -388,22 +388,17 @@ def main():
         + ", ".join(f"{kk} {e:.3f}" for kk, e in kerns.items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(report, log=lines), indent=1, default=str))
-    board_path = Path(args.scoreboard)
-    board = json.loads(board_path.read_text()) if board_path.is_file() else {}
     bases = "; ".join(f"{n}: {sh['baseline']} " + "/".join(f"{r['ms'][sh['baseline']]:.2f}" for r in sh["densities"].values())
                       + " ms" for n, sh in report["shapes"].items())
-    board["cutedsl_sparse_eff_min"] = dict(
-        value=round(effs[worst], 4), unit="ratio",
-        command=" ".join(["python tests/bench_cutedsl.py"] + sys.argv[1:]), commit=args.commit,
-        gpu=report["gpu"], date=datetime.date.today().isoformat(),
+    entries = {"cutedsl_sparse_eff_min": _scoreboard.entry(
+        effs[worst], "ratio", command=" ".join(["python tests/bench_cutedsl.py"] + sys.argv[1:]), commit=args.commit,
+        gpu=report["gpu"],
         note=(f"min over shapes x s of dense with LSE x s / CuTeDSL op (native views, out=, counts launch + kernel; "
               f"dense timed interleaved with it at each point, median of {args.rounds} rounds); "
               f"worst at {worst[0]} s={worst[1]}; staged-epilogue options {rules.staged_options()}; dense baseline "
               f"{bases}; minimum per row: " + ", ".join(f"{kk} {e:.3f}" for kk, e in kerns.items())
-              + f"; compile {report['compile']}"),
-    )
-    board_path.write_text(json.dumps(board, indent=2) + "\n")
-    Path(args.out).with_name("scoreboard.json").write_text(json.dumps(board, indent=2) + "\n")
+              + f"; compile {report['compile']}"))}
+    _scoreboard.update(entries, Path(args.out).with_name("scoreboard.json"), args.scoreboard)
 
 
 if __name__ == "__main__":

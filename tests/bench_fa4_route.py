@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _scoreboard  # noqa: E402
 import bench_kernels as bk  # noqa: E402  (loads the pack)
 from _timing import race  # noqa: E402
 
@@ -199,14 +200,13 @@ def report_and_board(report, out, log):
                 f"{ {f'{n} {s}': round(v, 3) for (n, s), v in bare.items()} }; best bare row per point "
                 f"{ {f'{n} {s}': round(v, 3) for (n, s), v in best_bare.items()} }; dense ms "
                 f"{ {n: {s: round(pt['ms']['dense'], 3) for s, pt in r['points'].items()} for n, r in report['shapes'].items()} }")
-        board["fa4_route_eff_min"] = dict(
-            value=round(effs[worst], 4), unit="ratio", commit=report["commit"], gpu=report["gpu"],
-            date=datetime.date.today().isoformat(), note=note,
+        board["fa4_route_eff_min"] = _scoreboard.entry(
+            effs[worst], "ratio", note, commit=report["commit"], gpu=report["gpu"],
             command=f"python tests/bench_fa4_route.py --out $OUT --commit {report['commit']}")
         log(f"\nscoreboard fa4_route_eff_min = {effs[worst]:.4f} (worst at {worst[0]} s={worst[1]})")
     else:
         log(f"\nno scoreboard figure: wrong results at {wrong}" if wrong else "\nno points measured")
-    (out / "scoreboard.json").write_text(json.dumps(board, indent=2) + "\n")
+    _scoreboard.update(board, out / "scoreboard.json", board=None)  # the keys file only
 
 
 def main():
@@ -231,7 +231,7 @@ def main():
 
     densities = [float(x) for x in args.densities.split(",")]
     tunings = {n: TUNINGS[n] for n in args.tunings.split(",") if n}
-    report = dict(gpu=torch.cuda.get_device_name(), commit=bk.measured_commit(args.commit), shapes={},
+    report = dict(gpu=torch.cuda.get_device_name(), commit=_scoreboard.measured_commit(args.commit), shapes={},
                   method=f"tests/_timing.race, {args.rounds} rounds x ~{args.target_ms} ms",
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"))
     for name in args.shapes.split(","):

@@ -26,7 +26,8 @@ A benchmark, not a test (not collected). What it does:
    kernels are compiled first on the exact shapes (one anchor + one reuse call through the pack's runner);
 5. extrapolates to the published 49-step schedule (9 dense + 1 anchor + 39 reuse, block 0 dense) against 49
    unpatched dense steps, per step kind (as ``tests/bench_comfyui_speedup.py`` does), and writes
-   ``h3_speedup_fast`` to ``docs/results/scoreboard.json`` with the packed token count.
+   ``h3_speedup_fast`` to ``docs/results/scoreboard.json`` (and ``OUT/scoreboard.json``, tests/_scoreboard.py) with
+   the packed token count; the commit: --commit, else $MC_SPARSE_COMMIT, else git HEAD.
 
 Usage (H200, ~5 minutes; the lead carries ``.gpu-bundle-h3`` made by ``tests/make_h3_gpu_bundle.sh``):
     python3 tests/bench_h3_speedup.py --comfyui /tmp/comfyui-2026 --out $OUT
@@ -37,11 +38,9 @@ CPU smoke (tiny model, a minute):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -50,7 +49,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SCOREBOARD = ROOT / "docs" / "results" / "scoreboard.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _scoreboard  # noqa: E402
+
 KEY = "h3_speedup_fast"
 
 FULL = {"hidden_size": 5376, "num_attention_heads": 56, "attention_head_dim": 128, "ffn_hidden_size": 14336,
@@ -376,21 +377,6 @@ def prewarm(env: Env, geo: dict, plan: dict, device, dtype) -> float:
     return now(device) - t0
 
 
-def git_commit() -> str | None:
-    try:
-        return subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def write_scoreboard(value: float, note: str, command: str, gpu: str | None) -> None:
-    SCOREBOARD.parent.mkdir(parents=True, exist_ok=True)
-    board = json.loads(SCOREBOARD.read_text()) if SCOREBOARD.is_file() else {}
-    board[KEY] = {"value": round(value, 3), "unit": "x", "command": command, "commit": git_commit(), "gpu": gpu,
-                  "date": datetime.date.today().isoformat(), "note": note}
-    SCOREBOARD.write_text(json.dumps(board, indent=2, sort_keys=True) + "\n")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--comfyui", required=True, help="ComfyUI v0.33.0 checkout")
@@ -403,6 +389,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: tiny dims, 64x64, 22 frames")
     ap.add_argument("--residual-precision", default=None, help="force bf16 / fp8 / int4 instead of the plan's")
     ap.add_argument("--no-scoreboard", action="store_true")
+    ap.add_argument("--commit", default=None, help="commit measured (default $MC_SPARSE_COMMIT, else git HEAD)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     out_dir = Path(a.out)
@@ -482,9 +469,10 @@ def main(argv=None) -> int:
               flush=True)
         print(f"note: {note}", flush=True)
         if not a.no_scoreboard and not a.tiny and device.type == "cuda":
-            write_scoreboard(speedup, note, "python3 tests/bench_h3_speedup.py --comfyui <v0.33.0> --out $OUT",
-                             result["device"])
-            (out_dir / "scoreboard.json").write_text(SCOREBOARD.read_text())
+            _scoreboard.update({KEY: _scoreboard.entry(
+                speedup, "x", note, command="python3 tests/bench_h3_speedup.py --comfyui <v0.33.0> --out $OUT",
+                commit=_scoreboard.measured_commit(a.commit), gpu=result["device"], digits=3)},
+                out_dir / "scoreboard.json")
     except Exception as err:  # noqa: BLE001
         result["error"] = f"{type(err).__name__}: {err}"
         result["traceback"] = traceback.format_exc()

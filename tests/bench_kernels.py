@@ -24,7 +24,8 @@ all timed interleaved with flash-attn-4 dense (``run_gluon_shape``), and prints 
 point; its ``triton_sparse_eff_min`` is the op's. It prints
 f16x2 / fp32, lazy / eager, qreg / shared, pipelined / not (and --quick: default / config) time ratios per point,
 writes ``triton_sparse_eff_min`` = the min over the points of the best spill-free config (named in the note) into
-docs/results/scoreboard.json (commit: --commit, else $MC_SPARSE_COMMIT, else git HEAD), and a copy next to --out.
+docs/results/scoreboard.json (commit: --commit, else $MC_SPARSE_COMMIT, else git HEAD), and its keys alone to
+scoreboard.json next to --out (tests/_scoreboard.py).
 
 Usage: python tests/bench_kernels.py --out bench.json [--shapes 1.3b,14b] [--densities 0.1,0.15,0.25,0.5] [--sweep]
        python tests/bench_kernels.py --out $OUT/bench_reuse.json --reuse --rep 40 --commit <hash> [--quick | --gluon]
@@ -33,14 +34,12 @@ Usage: python tests/bench_kernels.py --out bench.json [--shapes 1.3b,14b] [--den
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import itertools
 import json
 import os
 import platform
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,6 +53,7 @@ _standalone.load_pack()
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
+import _scoreboard  # noqa: E402
 import _timing  # noqa: E402  (tests/_timing.py: the method of record for kernel ratios)
 from comfyui_mc_sparse_pack import kernels  # noqa: E402
 from comfyui_mc_sparse_pack.kernels import reference, registry  # noqa: E402
@@ -751,15 +751,15 @@ def gluon_state():
                                    ms={n: round(t, 3) for n, t in d._times[k].items()}) for k, c in d.choices.items()])
 
 
-def update_scoreboard(path, report, command, commit):
-    """Write triton_sparse_eff_min (and fa4_route_eff_min) into the scoreboard (docs/results/scoreboard.json's format).
+def update_scoreboard(path, keys_file, report, command, commit):
+    """Write triton_sparse_eff_min (and fa4_route_eff_min) into the scoreboard ``path`` and, alone, into ``keys_file``
+    (tests/_scoreboard.update); returns these entries.
 
     triton_sparse_eff_min is the min over the measured points of the best config that compiled without spills at every
     point: the op ("triton contiguous": the sm_90 Gluon kernel where it ran), the Triton kernel's default config or a
     REUSE_CONFIGS entry (packed or fp32 exponentials, eager or lazy
     rescale), named in the note with the other configs' minima and the winner's errors."""
-    path = Path(path)
-    board = json.loads(path.read_text()) if path.is_file() else {}
+    board = {}
 
     def effs(variant):
         return {(n, s): v["efficiency"] for n, r in report["shapes"].items() for s, v in r["sparse"].get(variant, {}).items()}
@@ -807,23 +807,9 @@ def update_scoreboard(path, report, command, commit):
                      f"{min(native.values()) if native else float('nan'):.3f}; "
                      f"default config compiled (num_warps, n_regs, n_spills): {spills}; the op per shape: {gluon}"
                      + (f"; excluded for rel_l2 > 2e-2: {bad}" if bad else ""))
-        board[key] = dict(value=round(e[worst], 4), unit="ratio", command=command, commit=commit or "unknown",
-                          gpu=report["gpu"], date=datetime.date.today().isoformat(), note=note)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(board, indent=2) + "\n")
+        board[key] = _scoreboard.entry(e[worst], "ratio", note, command=command, commit=commit, gpu=report["gpu"])
+    _scoreboard.update(board, keys_file, path, say=False)
     return board
-
-
-def measured_commit(arg):
-    """--commit, else $MC_SPARSE_COMMIT, else this checkout's git HEAD (stale or absent on the GPU machine's copy)."""
-    if arg or os.environ.get("MC_SPARSE_COMMIT"):
-        return arg or os.environ["MC_SPARSE_COMMIT"]
-    root = Path(__file__).resolve().parent.parent
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def main():
@@ -849,7 +835,7 @@ def main():
                     "tunings are dropped 12 s before it, 22 s more per shape still to come (the op and dense are "
                     "always timed)")
     ap.add_argument("--commit", default="", help="commit measured (default: $MC_SPARSE_COMMIT, else git HEAD)")
-    ap.add_argument("--scoreboard", default=str(Path(__file__).resolve().parent.parent / "docs/results/scoreboard.json"))
+    ap.add_argument("--scoreboard", default=str(_scoreboard.BOARD))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
@@ -905,8 +891,8 @@ def main():
     if args.reuse:
         command = "python3 tests/bench_kernels.py " + " ".join(a if a != args.out else "$OUT/" + Path(a).name
                                                                  for a in sys.argv[1:])
-        board = update_scoreboard(args.scoreboard, report, command, measured_commit(args.commit))
-        (Path(args.out).parent / "scoreboard.json").write_text(json.dumps(board, indent=2) + "\n")
+        board = update_scoreboard(args.scoreboard, Path(args.out).parent / "scoreboard.json", report, command,
+                                  _scoreboard.measured_commit(args.commit))
         print_reuse_table(report, board)
         log("done")
         return

@@ -32,7 +32,6 @@ import datetime
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -41,6 +40,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import _scoreboard  # noqa: E402
+
 BAR = 0.95
 
 
@@ -194,24 +196,20 @@ def report(args, out_dir: Path) -> dict:
     for where, err in result["errors"].items():
         print(f"ERROR {where}:\n{err}")
     if ratio is not None and not args.smoke:
-        _scoreboard(args, ratio, speed, fid)
+        write_scoreboard(args, out_dir, ratio, speed, fid)
     return result
 
 
-def _scoreboard(args, ratio: float, speed: dict, fid: dict) -> None:
-    path = Path(args.scoreboard)
-    board = json.loads(path.read_text()) if path.is_file() else {}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    board["multigpu_2gpu_speedup_ratio"] = {
-        "value": round(ratio, 3), "unit": "ratio", "gpu": f"2x {torch.cuda.get_device_name(0)}",
-        "command": "COMFYUI_DIR=.comfyui RAYLIGHT_DIR=.raylight python tests/bench_raylight_2gpu.py --out $OUT",
-        "commit": commit, "date": datetime.date.today().isoformat(),
-        "note": (f"Wan2.1 {args.model} {args.res} {args.frames} frames, random bf16 weights, raylight Wan USP path, "
-                 f"Ulysses 2 / ring 1, attention {args.attention}, cfg {args.cfg}, density {args.density:g}; mean "
-                 f"reuse-step time: 1-GPU speedup {speed['gpu1']['speedup']:.3f}x, 2-GPU {speed['gpu2']['speedup']:.3f}x; "
-                 f"fidelity (rel L2) {json.dumps({k: round(v, 4) for k, v in fid.items() if isinstance(v, float)})}"),
-    }
-    path.write_text(json.dumps(board, indent=2) + "\n")
+def write_scoreboard(args, out_dir: Path, ratio: float, speed: dict, fid: dict) -> None:
+    _scoreboard.update({"multigpu_2gpu_speedup_ratio": _scoreboard.entry(
+        ratio, "ratio", digits=3, gpu=f"2x {torch.cuda.get_device_name(0)}",
+        command="COMFYUI_DIR=.comfyui RAYLIGHT_DIR=.raylight python tests/bench_raylight_2gpu.py --out $OUT",
+        commit=_scoreboard.measured_commit(),
+        note=(f"Wan2.1 {args.model} {args.res} {args.frames} frames, random bf16 weights, raylight Wan USP path, "
+              f"Ulysses 2 / ring 1, attention {args.attention}, cfg {args.cfg}, density {args.density:g}; mean "
+              f"reuse-step time: 1-GPU speedup {speed['gpu1']['speedup']:.3f}x, 2-GPU {speed['gpu2']['speedup']:.3f}x; "
+              f"fidelity (rel L2) {json.dumps({k: round(v, 4) for k, v in fid.items() if isinstance(v, float)})}"))},
+        out_dir / "scoreboard.json", args.scoreboard)
 
 
 def main() -> int:
@@ -230,7 +228,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--port", type=int, default=29531)
     ap.add_argument("--smoke", action="store_true", help="Wan 1.3B 480p 33 frames; no scoreboard update")
-    ap.add_argument("--scoreboard", default=str(ROOT / "docs" / "results" / "scoreboard.json"))
+    ap.add_argument("--scoreboard", default=str(_scoreboard.BOARD))
     ap.add_argument("--phase", choices=["all", "one", "two", "report"], default="all")
     args = ap.parse_args()
     if args.smoke:

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
@@ -65,6 +64,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
 sys.path.insert(0, str(ROOT / "tests"))
+import _scoreboard  # noqa: E402
 import _standalone  # noqa: E402
 
 _standalone.load_pack()
@@ -676,18 +676,13 @@ def write_scoreboard(report, out_dir, command):
     worst = worst_of("defaults")
     rows = sorted({key.rsplit(" s=", 1)[0] for sh in shapes.values() for key in sh["race1"]["over_dense"]} - {"defaults"})
     others = "; ".join(f"{p}: {w[0]:.4f} ({w[1]} {w[2]})" for p in rows for w in [worst_of(p)])
-    path = ROOT / "docs" / "results" / "scoreboard.json"
-    board = json.loads(path.read_text()) if path.exists() else {}
-    board["pass2_topk_over_dense_max"] = dict(
-        value=round(worst[0], 4), unit="ratio", command=command, commit=report["commit"], gpu=report["gpu"],
-        date=datetime.date.today().isoformat(), note=(
-            f"select_kv defaults / flash-attn-4 dense with LSE, tests/_timing.race (sustained, interleaved, same "
-            f"rounds), worst of 1.3b, 14b x s in {list(DENSITIES)}: {worst[1]} {worst[2]}; worst of the explicit "
-            f"variants in the same run: {others}; dense ms "
-            + ", ".join(f"{n} {sh['race1']['dense_ms']:.3f}" for n, sh in shapes.items())))
-    text = json.dumps(board, indent=2) + "\n"
-    path.write_text(text)
-    (out_dir / "scoreboard.json").write_text(text)
+    entry = _scoreboard.entry(
+        worst[0], "ratio", command=command, commit=_scoreboard.measured_commit(report["commit"]), gpu=report["gpu"],
+        note=(f"select_kv defaults / flash-attn-4 dense with LSE, tests/_timing.race (sustained, interleaved, same "
+              f"rounds), worst of 1.3b, 14b x s in {list(DENSITIES)}: {worst[1]} {worst[2]}; worst of the explicit "
+              f"variants in the same run: {others}; dense ms "
+              + ", ".join(f"{n} {sh['race1']['dense_ms']:.3f}" for n, sh in shapes.items())))
+    _scoreboard.update({"pass2_topk_over_dense_max": entry}, out_dir / "scoreboard.json")
 
 
 def run_race2(report, name, inputs, args, t0, log, variants, cute_variants, save):
