@@ -133,10 +133,14 @@ EPILOGUES = ("registers", "smem")
 # entry, and at each item's start the next item's perm entry (read by "q_ahead" a few tiles later) and its valid
 # count is loaded (used then), so the loads of an item's start and the query gather's waits for its count and perm
 # entry find L2 lines or loaded registers.
+# "kv_half" (with the "cp.async+evict" producer): the K/V copies' L2 policy marks half of the lines evict-last and
+# the rest evict-first (``createpolicy.fractional``) instead of all evict-last: a head's K + V at 14B 720p (38.7 MB)
+# is more than one L2 partition holds, and when the rows a head's groups read cycle through more than the cache
+# holds, plain LRU among equal-priority lines keeps missing; a fixed half kept resident keeps hitting.
 # "diag_no_copy" (a diagnostic, wrong results): the producer skips the K/V row copies (their barriers still arrive),
 # so the consumers compute on whatever the stages hold: the kernel's speed without the gathers.
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "diag_no_copy")
+           "lazy_rescale", "idx_l2", "kv_half", "diag_no_copy")
 RESCALE_THRESHOLD = 8.0
 IDX_L2_AHEAD = 4  # "idx_l2": key tiles between the index loaded and the index line prefetched
 Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
@@ -343,6 +347,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.lazy_rescale = "lazy_rescale" in options
         self.diag_no_copy = "diag_no_copy" in options
         self.idx_l2 = "idx_l2" in options
+        self.kv_half = "kv_half" in options
+        assert not self.kv_half or producer == "cp.async+evict", "kv_half is a cp.async+evict option"
         assert not self.idx_l2 or self.overlap, "idx_l2 is an overlap option"
         assert not self.lazy_rescale or self.overlap, "lazy_rescale is an overlap option"
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
@@ -967,7 +973,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         else:
             stage_bytes = TILE * self.tile_hdim * (self.dtype.width // 8)
             base = sX[None, None, 0].iterator.toint() + state.index * stage_bytes
-            policy_kind = "evict_last" if const_expr(self.producer == "cp.async+evict") else None
+            last = "evict_last_half" if const_expr(self.kv_half) else "evict_last"
+            policy_kind = last if const_expr(self.producer == "cp.async+evict") else None
             if const_expr(not self.diag_no_copy):
                 self._copy_rows_hinted(rows, base, K_or_V, policy_kind)
             cute.arch.cp_async_commit_group()
@@ -1240,9 +1247,12 @@ def _e4m3_pair(w: Int32):
 
 @dsl_user_op
 def _l2_policy(kind: str, *, loc=None, ip=None) -> Int64:
-    """An L2 cache policy (createpolicy) that marks lines ``kind`` ("evict_last")."""
-    assert kind == "evict_last", kind
-    return Int64(llvm.inline_asm(T.i64(), [], f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l",
+    """An L2 cache policy (createpolicy) that marks lines "evict_last", or ("evict_last_half") half of them
+    evict-last and the other half evict-first."""
+    assert kind in ("evict_last", "evict_last_half"), kind
+    asm = ("createpolicy.fractional.L2::evict_last.b64 $0, 1.0;" if kind == "evict_last" else
+           "createpolicy.fractional.L2::evict_last.L2::evict_first.b64 $0, 0.5;")
+    return Int64(llvm.inline_asm(T.i64(), [], asm, "=l",
                                  has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
