@@ -1,0 +1,176 @@
+"""select_kv's separate top-K: the Triton launch against the CuTeDSL one (kernels/cutedsl/topk_sm90.py), / flash-attn-4
+dense, in one race (issue 15, p2ops).
+
+Not collected by pytest. At Wan2.1-1.3B 480p (tests/bench_select_race.py's inputs: S = 32760, H = 12, C = 128; the
+float16 group sums of the CuTeDSL pass 2 where it runs, else the Triton one: 3072 rows of 32760 keys), for s in
+``--densities``: every row is CHECKED first (line "TOPK CHECKS": == the brute-force top-K of the sums,
+kernels/reference/topk.py, every row; the share of rows that fell back to the radix launch; also on "twin" sums, every
+odd key a copy of its even neighbour, all ties), then dense and every checked row are raced (tests/_timing.race, the
+method of record; line "TOPK RACE"): the top-K alone on the same sums ("triton", "cute wN rev|fwd": N warps (rows)
+per CTA, rows from the last one or the first), and, where the CuTeDSL pass 2 compiled, pass 2 on precomputed float8
+operands followed by each top-K ("p2+..."; there the sums pass 2 wrote last are still in L2, which ``rev`` reads
+first), and the float8 operand pass ("operands").
+Usage (checkout root, H200): python tests/bench_topk_race.py --out OUT [--commit HASH] [--densities 0.5,0.25,0.1]
+[--rounds 5] [--child-wait 50]. The CuTeDSL launches (and pass 2) compile first in child processes (disk cache) beside
+the inputs. Writes OUT/bench_topk_race.json after each density.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--smoke" in sys.argv:  # the CPU smoke run: Triton's interpreter with the tests' fixes
+    import _triton_interp
+
+    _triton_interp.patch_interpreter()
+import bench_select_race as bsr  # noqa: E402  (loads the pack)
+
+topk = bsr.topk
+selection = bsr.selection
+ref_top_k_rows = bsr.ref_top_k_rows
+
+CUTE = {"cute w2 rev": dict(warps=2, reverse=True), "cute w2 fwd": dict(warps=2, reverse=False),
+        "cute w1 rev": dict(warps=1, reverse=True), "cute w4 rev": dict(warps=4, reverse=True)}
+
+
+def _cute_topk():
+    from comfyui_mc_sparse_pack.kernels.cutedsl import topk_sm90
+
+    return topk_sm90
+
+
+def compile_child(what, densities, S=32760):
+    """(child) the CuTeDSL top-K launches of ``CUTE`` (``what`` "topk") or pass 2 ("pass2") compiled into the disk
+    cache."""
+    if what == "pass2":
+        from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90
+
+        pass2_sm90.compiled("float16")
+        return
+    t = _cute_topk()
+    for s in densities:
+        for kw in CUTE.values():
+            t.compiled(kw["warps"], t.cand_slots(S, int(s * S)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--child-wait", type=float, default=50.0, help="s from start the compile children get")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--densities", default="0.5,0.25,0.1")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="TRITON_INTERPRET=1 on the CPU: a tiny shape, single calls, "
+                    "no CuTeDSL rows")
+    args = ap.parse_args()
+    bsr.SMOKE = args.smoke
+    dens = [float(x) for x in args.densities.split(",")]
+    if args.child:
+        return compile_child(args.child, dens)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    children = {} if args.smoke else {w: subprocess.Popen([sys.executable, __file__, "--out", "/tmp", "--child", w, "--densities",
+                                     args.densities], stdout=open(out_dir / f"child_{w}.log", "w"),
+                                    stderr=subprocess.STDOUT) for w in ("topk", "pass2")}
+    t0 = time.time()
+    report = dict(commit=args.commit, gpu=None if args.smoke else torch.cuda.get_device_name(), checks={}, races={},
+                  errors={})
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+
+    def save():
+        (out_dir / "bench_topk_race.json").write_text(json.dumps(report, indent=1))
+
+    q, k, v, lse, perm = bsr.make_inputs("smoke" if args.smoke else "1.3b")
+    S, H = q.shape[2], q.shape[1]
+    G = perm.shape[-1] // bsr.C
+    scale = bsr.D ** -0.5
+    ops = selection.fp8_operands(q, k, lse, scale, kb_pow2=True)
+    log(f"inputs: S {S}, H {H}, G {G}")
+    for w, child in children.items():  # (a child that fails or hangs only costs its rows)
+        try:
+            child.wait(timeout=max(1.0, args.child_wait - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    rc = {w: c.returncode for w, c in children.items()} if children else dict(topk=1, pass2=1)
+    log(f"compile children rc {rc}")
+    sums = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
+    p2 = None
+    if rc["pass2"] == 0:
+        from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90
+
+        p2 = lambda: pass2_sm90.group_prob_sums_fp8(*ops, perm, sums, group_size=bsr.C)  # noqa: E731
+        p2()
+    else:
+        selection.group_prob_sums(q, k, lse, perm, group_size=bsr.C, out=sums, cute=False)
+    twin = sums.clone()
+    twin[..., 1::2] = twin[..., 0::2]
+    log(f"sums from {'the CuTeDSL' if p2 else 'the Triton'} pass 2")
+    _, dense = bsr.dense_fn(q, k, v)
+    t = _cute_topk() if rc["topk"] == 0 else None
+    for s in dens:
+        kq = int(s * S)
+        width = -(-kq // bsr.KV_TILE) * bsr.KV_TILE
+        rows = {"triton": lambda src, sel, kq=kq, width=width: topk.top_k_rows(src, kq, width, out=sel, cand_count=1)}
+        if t is not None:
+            for name, kw in CUTE.items():
+                rows[name] = lambda src, sel, kq=kq, kw=kw: t.top_k_rows(src, kq, sel, **kw)
+        fns = {"dense": dense, "operands": lambda: selection.fp8_operands(q, k, lse, scale, kb_pow2=True)}
+        for tag, src in (("", sums), (" twin", twin)):
+            want = ref_top_k_rows(src, kq, width)
+            for name, fn in rows.items():
+                sel = torch.full((1, H, G, width), -7, dtype=torch.int32, device=q.device)
+                key = f"{name}{tag} s={s}"
+                try:
+                    fn(src, sel)
+                    ok = bool(torch.equal(sel, want))
+                    report["checks"][key] = dict(equal=ok, bad_rows=int((sel != want).any(-1).sum()))
+                    if name.startswith("cute"):  # the rows the radix launch wrote (their flags)
+                        from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_launch
+
+                        report["checks"][key]["fallback_rows"] = int(pass2_launch.flags(q.device, H * G).sum())
+                    if ok and not tag:
+                        fns[name] = (lambda fn, sel: lambda: fn(sums, sel))(fn, sel)
+                        if p2 is not None:
+                            fns[f"p2+{name}"] = (lambda fn, sel: lambda: (p2(), fn(sums, sel)))(fn, sel)
+                    if not ok:
+                        log(f"TOPK CHECK FAILED {key}: {report['checks'][key]['bad_rows']} rows differ")
+                except Exception as err:  # noqa: BLE001
+                    report["checks"][key] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+                    log(f"TOPK CHECK FAILED {key}: {report['checks'][key]['error']}")
+                    traceback.print_exc()
+            del want
+        if p2 is not None:
+            fns["p2 alone"] = p2
+        log(f"TOPK CHECKS s={s}: " + ", ".join(
+            f"{n.rsplit(' s=', 1)[0]} {'ok' if c.get('equal') else 'FAILED'} fb {c.get('fallback_rows', '-')}"
+            for n, c in report["checks"].items() if n.endswith(f" s={s}")))
+        save()
+        try:
+            ms = bsr.race(fns, rounds=args.rounds)
+        except Exception as err:  # noqa: BLE001
+            report["errors"][f"race s={s}"] = f"{type(err).__name__}: {str(err)[:300]}"
+            log(f"TOPK RACE FAILED s={s}: {report['errors'][f'race s={s}']}")
+            save()
+            break
+        over = {n: x / ms["dense"] for n, x in ms.items() if n != "dense"}
+        report["races"][f"s={s}"] = dict(dense_ms=ms["dense"], ms=ms, over_dense=over)
+        log(f"TOPK RACE s={s} (dense {ms['dense']:.3f} ms): " + " | ".join(f"{n} {r:.4f}" for n, r in over.items()))
+        save()
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
