@@ -113,13 +113,16 @@ class MCSparseRunner:
 
     def plan(self, *, heads: int, head_dim: int, layers: int, tokens: int, branches: int = 2, batch: int = 1,
              num_steps: int | None = None, attention_share: float | None = None,
-             kernel_efficiency: float = memory.DEFAULT_KERNEL_EFFICIENCY, device: torch.device | None = None) -> str:
+             kernel_efficiency: float = memory.DEFAULT_KERNEL_EFFICIENCY, device: torch.device | None = None,
+             model_heads: int | None = None) -> str:
         """Decide the residual precision and the cache placement from the free memory (``memory.plan_cache``),
         estimate the cache and the speedup; log it (info, or a warning when the run must stay dense) and keep it
         for the summary. Call before sampling.
 
         Args:
-            heads, head_dim: H, D of the self-attention. layers: transformer blocks. tokens: S per call.
+            heads, head_dim: H, D of the self-attention (H: the heads this runner caches). layers: transformer
+                blocks. tokens: S per call. model_heads: the model's H when this runner holds a share of the heads
+                (raylight's Ulysses ranks; None: ``heads``), for the attention-share calibration.
             branches: cached conditioning branches (2 with CFG). batch: B per runner call.
             num_steps: the sampler call's steps (None: no speedup estimate). attention_share: self-attention's
                 share of a dense step (None: ``memory.attention_share``). kernel_efficiency: sparse kernel's
@@ -152,7 +155,7 @@ class MCSparseRunner:
         if num_steps is not None and not plan.dense:
             calibrated = True
             if attention_share is None:
-                attention_share, calibrated = memory.attention_share(heads, head_dim, tokens)
+                attention_share, calibrated = memory.attention_share(model_heads or heads, head_dim, tokens)
             speed = memory.expected_speedup(self.config, num_steps=num_steps, num_layers=layers,
                                             attention_share=attention_share, kernel_efficiency=kernel_efficiency,
                                             overhead=memory.decode_overhead(est), calibrated=calibrated)

@@ -414,3 +414,71 @@ def test_the_actor_loads_the_pack_by_path_or_says_where_it_is_missing():
 def _settings_kwargs():
     return dict(preset="custom", density=0.25, dense_warmup="1", warmup_layers=1, anchor_steps="1", query_tile=64,
                 cache_placement="cpu", backend="torch", min_tokens=0, verbose=False)
+
+
+def _ray_outer_sample(monkeypatch, degree, min_tokens=0):
+    """raylight's OUTER_SAMPLE wrapper on rank 1 of a Ulysses group of ``degree``: a Wan model of 12 heads x 128,
+    3 blocks, a 21 x 60 x 104 latent (S = 32760), CFG, 10 steps. Returns (the kwargs of the runner's plan call or
+    None, the rank's summary)."""
+    import copy
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import MCSparseRunner
+
+    from ._comfy_standins import ModelPatcher
+
+    comfy_pkg = types.ModuleType("comfy")
+    mp = types.ModuleType("comfy.model_patcher")
+    mp.create_model_options_clone = lambda o: {**o, "transformer_options": copy.copy(o.get("transformer_options", {}))}
+    comfy_pkg.model_patcher = mp
+    monkeypatch.setitem(sys.modules, "comfy", comfy_pkg)
+    monkeypatch.setitem(sys.modules, "comfy.model_patcher", mp)
+    monkeypatch.setattr(ray_mc, "xfuser_head_slice", lambda: ray_mc.HeadSlice(1, degree, 1))
+    planned, summaries = [], []
+    monkeypatch.setattr(ray_mc, "report_across_ranks", lambda text, **kw: summaries.append(text))
+    real_plan = MCSparseRunner.plan
+
+    def plan(self, **kw):
+        line = real_plan(self, **kw)
+        planned.append(dict(kw, speed=self.speed))
+        return line
+
+    monkeypatch.setattr(MCSparseRunner, "plan", plan)
+    WanModel = type("WanModel", (torch.nn.Module,), {})  # noqa: N806  (ComfyUI's class name)
+    dm = WanModel()
+    dm.blocks = torch.nn.ModuleList(torch.nn.Module() for _ in range(3))
+    for block in dm.blocks:
+        block.self_attn = torch.nn.Identity()
+    dm.patch_size, dm.num_heads, dm.dim = (1, 2, 2), 12, 1536
+    holder = lifecycle.MCSparsePatch(_settings(min_tokens=min_tokens, cache_placement="auto"), "wan")
+    guider = types.SimpleNamespace(model_patcher=ModelPatcher(dm), conds={"positive": [], "negative": []}, cfg=5.0,
+                                   model_options={"transformer_options": {lifecycle.HOLDER_KEY: holder}})
+
+    def executor(noise, latent, sampler, sigmas):
+        return "done"
+
+    executor.class_obj = guider
+    out = ray_mc.outer_sample_wrapper(executor, torch.zeros(1, 16, 21, 60, 104), None, None, torch.linspace(1, 0, 11))
+    assert out == "done" and len(summaries) == 1 and not holder.active_runs
+    return (planned[0] if planned else None), summaries[0]
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_raylight_sampler_calls_plan_their_share_of_the_heads(monkeypatch, degree):
+    """Each rank plans its cache (placement, residual precision) for its Ulysses share of the heads, with the
+    whole model's heads for the speed estimate (mutation: raylight's OUTER_SAMPLE without the plan call, as before
+    session 11, or planning all 12 heads on each rank)."""
+    kwargs, text = _ray_outer_sample(monkeypatch, degree)
+    assert kwargs is not None, "no cache plan on this rank"
+    assert kwargs["heads"] == 12 // degree and kwargs["head_dim"] == 128 and kwargs["tokens"] == 21 * 30 * 52
+    assert kwargs["branches"] == 2 and kwargs["layers"] == 3
+    assert "dense" not in text.splitlines()[0], text
+    one_gpu, _ = _ray_outer_sample(monkeypatch, 1)
+    assert kwargs["speed"] == one_gpu["speed"] and kwargs["speed"].calibrated  # the 1.3B calibration, all heads
+
+
+def test_raylight_sampler_call_that_cannot_pay_off_runs_dense_and_says_why(monkeypatch):
+    """The one-GPU pay-off check holds on every rank: too few latent tokens for min_tokens -> dense, with the reason
+    in the summary and no cache plan."""
+    kwargs, text = _ray_outer_sample(monkeypatch, 2, min_tokens=10 ** 6)
+    assert kwargs is None
+    assert "fewer than min tokens (1000000)" in text, text

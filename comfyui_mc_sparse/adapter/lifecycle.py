@@ -328,11 +328,13 @@ def _comfy_free_memory(device: torch.device) -> int:
     return max(0, int(mm.get_free_memory(device)) - int(mm.minimum_inference_memory()))
 
 
-def _plan_before_sampling(run: RunState, guider, noise, latent_shapes=None) -> None:
+def _plan_before_sampling(run: RunState, guider, noise, latent_shapes=None, head_split: int = 1) -> None:
     """Before the first step: decide whether this sampler call can pay off (``payoff.dense_reason``; if not, the
     run goes dense and says why once), then log the runner's cache / speed estimate (``MCSparseRunner.plan``),
     from the model's attention geometry, device and dtype and the latent (``noise``, the latent's shape; for a
-    packed multi-stream latent, v0.33.0 ``latent_shapes``, the first stream's shape: MiniMax-H3's video)."""
+    packed multi-stream latent, v0.33.0 ``latent_shapes``, the first stream's shape: MiniMax-H3's video).
+    ``head_split``: this process attends to (and caches) 1/head_split of the model's heads (raylight's Ulysses
+    degree, ``adapter/raylight.py``); the cache plan counts that share, the speed estimate the whole model's."""
     runner = run.runner
     if runner is None:
         return
@@ -363,8 +365,9 @@ def _plan_before_sampling(run: RunState, guider, noise, latent_shapes=None) -> N
         return
     branches = evaluated_branches(guider)
     try:  # the runner logs the estimate (info) and repeats it in its summary
-        runner.plan(heads=geo.heads, head_dim=geo.head_dim, layers=geo.layers, tokens=geo.tokens,
-                           branches=branches, batch=int(noise.shape[0]), num_steps=run.num_steps)
+        runner.plan(heads=geo.heads // head_split, head_dim=geo.head_dim, layers=geo.layers, tokens=geo.tokens,
+                    branches=branches, batch=int(noise.shape[0]), num_steps=run.num_steps,
+                    **({"model_heads": geo.heads} if head_split > 1 else {}))
     except (ValueError, TypeError) as err:  # an estimate must never stop sampling; say why it is missing
         logger.warning("MC-Sparse: no cache estimate for this run (%s)", err)
 
@@ -402,13 +405,13 @@ def evaluated_branches(guider) -> int:
     return 2 if ("negative" in conds and getattr(guider, "cfg", 1.0) != 1.0) else 1
 
 
-def _plan_or_dense(run: RunState, guider, noise, latent_shapes=None) -> None:
+def _plan_or_dense(run: RunState, guider, noise, latent_shapes=None, head_split: int = 1) -> None:
     """``_plan_before_sampling``; an unexpected error there (a bug: a model variant without an attribute the
     geometry reads, a failing memory query) turns this sampler call dense instead of losing it: logged with its
     traceback, named in the summary. It propagates with MC_SPARSE_RAISE_ERRORS=1 and for an interrupt
     (``engine.contains``)."""
     try:
-        _plan_before_sampling(run, guider, noise, latent_shapes)
+        _plan_before_sampling(run, guider, noise, latent_shapes, head_split)
     except Exception as err:
         from ..engine import contains
 

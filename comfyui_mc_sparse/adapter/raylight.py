@@ -19,8 +19,9 @@ ring's merged LSE), so ring degrees above 1 are refused (``RING_REFUSAL``).
 Per rank (each Ray actor is its own process): ``apply_mc_sparse_raylight`` installs, on the actor's model,
 
 * ``MCSparseInnerAttention`` as raylight's inner attention (registered as ``PROCESSOR_NAME``);
-* an OUTER_SAMPLE wrapper: a ``lifecycle.RunState`` per sampler call (the step from the sigmas as on one GPU),
-  whose summary is gathered from every rank and logged once, by rank 0 (``report_across_ranks``);
+* an OUTER_SAMPLE wrapper: a ``lifecycle.RunState`` per sampler call (the step from the sigmas, the pay-off check
+  and the cache plan as on one GPU, the plan for this rank's heads), whose summary is gathered from every rank and
+  logged once, by rank 0 (``report_across_ranks``);
 * a DIFFUSION_MODEL wrapper that publishes this evaluation's transformer_options and installs
   ``forward_options_shim`` (raylight's Wan self-attention calls its xDiT attention without
   transformer_options, so the dispatcher would never see the processor there; the shim passes them).
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import HEAD_DIMS
-from .lifecycle import HOLDER_KEY, MCSparsePatch, RunState
+from .lifecycle import HOLDER_KEY, MCSparsePatch, RunState, _plan_or_dense
 from .callsite import MARK_KEY, CallSite
 from .override import RUN_KEY, _callers, _contained, _window_key, chunk_branches
 
@@ -280,7 +281,9 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
 
 def outer_sample_wrapper(executor, *args, **kwargs):
     """OUTER_SAMPLE on one rank: a fresh ``RunState`` for this sampler call (args ``(noise, latent, sampler,
-    sigmas, ...)``); in ``finally`` the summary goes to ``report_across_ranks`` and the caches are freed."""
+    sigmas, ...)``), its pay-off check and cache plan as on one GPU (``lifecycle._plan_or_dense``) for this rank's
+    share of the heads (the Ulysses degree's; a CFG-parallel rank is planned for every branch its guider has, an
+    over-estimate); in ``finally`` the summary goes to ``report_across_ranks`` and the caches are freed."""
     from comfy.model_patcher import create_model_options_clone
 
     guider = executor.class_obj
@@ -296,6 +299,8 @@ def outer_sample_wrapper(executor, *args, **kwargs):
         run = RunState(holder.settings, sigmas, family=holder.family, unsupported=holder.unsupported)
         options[RUN_KEY] = run
         holder.active_runs.append(run)
+        _plan_or_dense(run, guider, args[0] if args else kwargs.get("noise"), kwargs.get("latent_shapes"),
+                       head_split=xfuser_head_slice().degree)
         return executor(*args, **kwargs)
     except BaseException as err:
         if run is not None:
