@@ -29,7 +29,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from quack.compile_utils import make_fake_stream, make_fake_tensor
 
-from .sparse_fwd_sm90 import EPILOGUES, OPTIONS, PRODUCERS, SparseFwdSm90
+from .sparse_fwd_sm90 import EPILOGUES, OPTIONS, PRODUCERS, STAMP_SLOTS, SparseFwdSm90
 
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 # the kernel's residual forms (compile-time): none, plain in one of three dtypes, or a row-scaled byte form
@@ -127,7 +127,10 @@ def compile_fake(dtype: str, head_dim: int, with_lse: bool, residual: str = "non
         rows = cute.sym_int()
         ws = (make_fake_tensor(_DTYPES[dtype], (rows, head_dim), divisibility=8),
               make_fake_tensor(Float32, (rows,), divisibility=1))
-    return cute.compile(kernel, *args, Float32(1.0), Int32(1), *ws, Int32(1), make_fake_stream(),
+    # "stamps" (a diagnostic): its int64 (items, STAMP_SLOTS) tensor
+    stamps = (make_fake_tensor(cutlass.Int64, (cute.sym_int(), len(STAMP_SLOTS)), divisibility=1)
+              if "stamps" in options else None)
+    return cute.compile(kernel, *args, Float32(1.0), Int32(1), *ws, Int32(1), stamps, make_fake_stream(),
                         options="--enable-tvm-ffi")
 
 
@@ -194,15 +197,17 @@ def _to_disk(disk, key, fn):
 
 
 def launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean,
-           scale: float, num_ctas: int, ws_o=None, ws_lse=None, n_parts: int = 1) -> None:
+           scale: float, num_ctas: int, ws_o=None, ws_lse=None, n_parts: int = 1, stamps=None) -> None:
     """Run a compiled kernel (``sparse_fwd_sm90.py``'s contract): q/out ``(B, S, H, D)``, k/v ``(B, Sk, H, D)``,
     lse fp32 ``(B, H, S)`` or None, perm_rows int32 ``(N, 128)``, kv_rows int32 ``(N, K_alloc)``, counts ``(N,)``,
     res_data ``(B, S, H, D or D//2)``, res_scale ``(B, H, S)``, res_coef uint8 ``(B, H, S)``, res_mean bf16
     ``(B, H, G, D)``, each or None as the residual form has them; ``num_ctas`` CTAs (at most N run); for a
     "split_tail" kernel the parts' workspace ``ws_o`` ``(rows, D)`` (q's dtype) and ``ws_lse`` fp32 ``(rows,)``
-    (rows >= 128 * r * n_parts, r the groups of the last round) and ``n_parts`` (1: no split), else None."""
+    (rows >= 128 * r * n_parts, r the groups of the last round) and ``n_parts`` (1: no split), else None; for a
+    "stamps" kernel (a diagnostic) ``stamps`` int64 ``(items, len(STAMP_SLOTS))`` (items >= the walk's work items:
+    N + num_ctas is enough), else None."""
     fn(q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean, scale, num_ctas, ws_o,
-       ws_lse, n_parts)
+       ws_lse, n_parts, stamps)
 
 
 def warm(stages: int | None = None) -> dict:

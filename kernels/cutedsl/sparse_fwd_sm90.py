@@ -139,8 +139,19 @@ EPILOGUES = ("registers", "smem")
 # holds, plain LRU among equal-priority lines keeps missing; a fixed half kept resident keeps hitting.
 # "diag_no_copy" (a diagnostic, wrong results): the producer skips the K/V row copies (their barriers still arrive),
 # so the consumers compute on whatever the stages hold: the kernel's speed without the gathers.
+# "stamps" (a diagnostic, with "overlap"; needs the ``mStamps`` argument): per work item, SM clock stamps of the
+# phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
+# to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "kv_half", "diag_no_copy")
+           "lazy_rescale", "idx_l2", "kv_half", "diag_no_copy", "stamps")
+# "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
+# 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
+# queries and first K done, the boundary's softmax of the next item's first tile done, item end (output written or
+# staged and stored), cycles waiting for K stages in the item's steps, for V stages, the globaltimer (ns) at the
+# item start. The producer's at 16 + (0 .. 5): item start, first K tile issued, last V tile issued, cycles waiting
+# for free K stages, for free V stages, cycles in the next item's query / index loads ("q_ahead" hook).
+STAMP_SLOTS = ("c_start", "c_tiles", "c_ready", "c_softmax", "c_end", "c_kwait", "c_vwait", "c_ns") * 2 + (
+    "p_start", "p_first", "p_last", "p_kwait", "p_vwait", "p_qhook")
 RESCALE_THRESHOLD = 8.0
 IDX_L2_AHEAD = 4  # "idx_l2": key tiles between the index loaded and the index line prefetched
 Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
@@ -196,6 +207,53 @@ class _IndexRow:
         for i in cutlass.range_constexpr(1):
             self.rows.tPrPage[i] = self.batch
             self.rows.tPrPageOffset[i] = cutlass.max(self.nxt[i], 0) if const_expr(self.late) else self.nxt[i]
+
+
+@dataclass
+class _Stamps:
+    """The "stamps" diagnostic's writer for one role of a CTA (trace-time bundle): ``t`` the ``mStamps`` tensor
+    ``(items, len(STAMP_SLOTS))``, ``lead`` whether this thread writes, ``base`` the role's first column, ``acc``
+    this item's wait-cycle sums (registers; ``flush`` writes and clears them)."""
+
+    t: cute.Tensor
+    lead: cutlass.Boolean
+    base: Int32
+    acc: cute.Tensor
+
+    @staticmethod
+    def create(t: cute.Tensor, lead, base) -> "_Stamps":
+        acc = cute.make_rmem_tensor((3,), Int64)
+        for i in range(3):  # a trace-time loop (not a cute.jit function)
+            acc[i] = Int64(0)
+        return _Stamps(t, lead, Int32(base), acc)
+
+    @cute.jit
+    def at(self, item: Int32, slot: cutlass.Constexpr[int]):
+        """Column ``slot`` of ``item``'s row: the SM clock now."""
+        now = _clock64()
+        if self.lead:
+            self.t[item, self.base + slot] = now
+
+    @cute.jit
+    def at_ns(self, item: Int32, slot: cutlass.Constexpr[int]):
+        """Column ``slot`` of ``item``'s row: the global timer (ns) now."""
+        now = _globaltimer()
+        if self.lead:
+            self.t[item, self.base + slot] = now
+
+    @cute.jit
+    def since(self, t0: Int64, i: cutlass.Constexpr[int]):
+        """Add the cycles since ``t0`` to wait sum ``i``."""
+        self.acc[i] = self.acc[i] + (_clock64() - t0)
+
+    @cute.jit
+    def flush(self, item: Int32, slot: cutlass.Constexpr[int], n: cutlass.Constexpr[int]):
+        """Wait sums 0 .. n-1 into columns slot .. slot + n - 1 of ``item``'s row, then cleared."""
+        if self.lead:
+            for i in cutlass.range_constexpr(n):
+                self.t[item, self.base + slot + i] = self.acc[i]
+        for i in cutlass.range_constexpr(n):
+            self.acc[i] = Int64(0)
 
 
 @dataclass
@@ -352,13 +410,16 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         assert not self.idx_l2 or self.overlap, "idx_l2 is an overlap option"
         assert not self.lazy_rescale or self.overlap, "lazy_rescale is an overlap option"
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
+        self.stamps = "stamps" in options
+        assert not self.stamps or self.overlap, "stamps is an overlap option"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
                  mIdx: cute.Tensor, mCounts: cute.Tensor, mRes, mScale, mCoef, mMean, softmax_scale: Float32,
-                 num_ctas: Int32, mWsO, mWsL, n_parts: Int32, stream=None):
+                 num_ctas: Int32, mWsO, mWsL, n_parts: Int32, mStamps=None, stream=None):
         assert (mRes is None) == (self.res_kind is None), "residual tensor and res_kind disagree"
         assert (mWsO is not None) == self.split_tail and (mWsL is not None) == self.split_tail, "split_tail workspace"
+        assert (mStamps is not None) == self.stamps, "stamps tensor and option disagree"
         if const_expr(self.res_kind in ("fp8_row", "int4_row", "int4_group")):
             assert mRes.element_type == cutlass.Uint8 and mScale is not None
         assert (mMean is not None) == (self.res_kind == "int4_group") and (mCoef is None) == (mMean is None)
@@ -395,8 +456,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         grid_x = total if const_expr(one_per_group) else cutlass.min(num_ctas, total)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mPerm, mIdx, mCounts, mRes, mScale, mCoef, mMean, softmax_scale_log2, softmax_scale,
-            total, mWsO, mWsL, n_parts, tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout,
-            SharedStorage,
+            total, mWsO, mWsL, n_parts, mStamps, tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout,
+            self.sV_layout, SharedStorage,
         ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  use_pdl=self.pdl)
 
@@ -434,7 +495,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
                mIdx: cute.Tensor, mCounts: cute.Tensor, mRes, mScale, mCoef, mMean, softmax_scale_log2: Float32,
-               softmax_scale, total: Int32, mWsO, mWsL, n_parts: Int32, tiled_mma_qk: cute.TiledMma,
+               softmax_scale, total: Int32, mWsO, mWsL, n_parts: Int32, mStamps, tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
@@ -482,7 +543,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
-                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn, group_fn, count_fn)
+                            SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn, group_fn, count_fn,
+                            mStamps)
         else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
@@ -491,7 +553,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 self.mma_overlap(
                     tiled_mma_qk, tiled_mma_pv, outputs, sQ, sK, layout_utils.transpose_view(sV), pipeline_k,
                     pipeline_v, pipeline_q, tidx - 128, softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls,
-                    AttentionMaskCls, TileSchedulerCls, work_fn, count_fn,
+                    AttentionMaskCls, TileSchedulerCls, work_fn, count_fn, mStamps,
                 )
             else:
                 self.mma(
@@ -504,13 +566,14 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     @cute.jit
     def load_fused(self, mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
                    SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn=None, group_fn=None,
-                   count_fn=None):
+                   count_fn=None, mStamps=None):
         """Producer: per group, its query rows through ``perm`` and its K/V rows through ``kv_idx``, all by cp.async
         (mQ/mK/mV ``(S, D, H, B)``; mPerm ``(N, 128)``, mIdx ``(N, K_alloc)``); ``work_fn``: ``_work`` with the
         launch's arguments bound ("split_tail"), ``group_fn`` ``_item_group`` so bound ("q_ahead"), ``count_fn``
-        ``_item_count`` so bound ("idx_ahead")."""
+        ``_item_count`` so bound ("idx_ahead"); ``mStamps`` the "stamps" tensor or None."""
         tidx, _, _ = cute.arch.thread_idx()
         k_alloc = mIdx.shape[1]
+        st = _Stamps.create(mStamps, tidx == 0, 16) if const_expr(self.stamps) else None
         q_phase = Int32(1)
         q_state = make_pipeline_state(PipelineUserType.Producer, 2)  # the "overlap" query ring
         kv_state = make_pipeline_state(PipelineUserType.Producer, self.k_stages)  # K
@@ -524,6 +587,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         pre[1] = Int32(0)
         while work_tile.is_valid_tile:
             _, _, item, _ = work_tile.tile_idx
+            if const_expr(self.stamps):
+                st.at(item, 0)
             group = item
             count = None
             if const_expr(self.idx_ahead):
@@ -585,6 +650,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             else:
                 pipeline_k.producer_acquire(kv_state)
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
+            if const_expr(self.stamps):
+                st.at(item, 1)
             if const_expr(not self.overlap):
                 pipeline_q.producer_acquire_w_index_phase(0, q_phase)
                 q_index.advance()
@@ -604,8 +671,14 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     q_hook = partial(self._load_q_idx_of_item, q_hook, mIdx, mK, mV, next_item, n_heads,
                                      groups_per_head, tidx, group_fn, count_fn, work_fn, SeqlenInfoCls, block_info,
                                      pre, next_count)
+                if const_expr(self.stamps):
+                    q_hook = partial(self._timed_hook, q_hook, st)
             kv_state, v_state, q_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state,
-                                                            v_state, n_block_min, n_block_max, q_state, q_at, q_hook)
+                                                            v_state, n_block_min, n_block_max, q_state, q_at, q_hook,
+                                                            st)
+            if const_expr(self.stamps):
+                st.at(item, 2)
+                st.flush(item, 3, 3)
             if const_expr(self.q_ahead):
                 q_done = Int32(0)
                 if q_at >= 0:
@@ -613,6 +686,14 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
         pipeline_v.producer_tail(v_state)
+
+    @cute.jit
+    def _timed_hook(self, q_hook, st, q_state):
+        """"stamps": ``q_hook(q_state)`` with its cycles added to the producer's wait sum 2."""
+        t0 = _clock64()
+        q_state = q_hook(q_state)
+        st.since(t0, 2)
+        return q_state
 
     @cute.jit
     def _load_q(self, q_rows: PagedKVManager, q_index, sQ, pipeline_q, q_state):
@@ -676,7 +757,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     @cute.jit
     def mma_overlap(self, tiled_mma_qk, tiled_mma_pv, outs, sQ, sK, sVt, pipeline_k, pipeline_v, pipeline_q, tidx,
                     softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls, AttentionMaskCls,
-                    TileSchedulerCls, work_fn=None, count_fn=None):
+                    TileSchedulerCls, work_fn=None, count_fn=None, mStamps=None):
         """Consumers of the "overlap" option: flash-attn-4's per-tile step (``mma_one_n_block_intrawg_overlap``:
         tile j's Q K^T and tile j+1's P V in flight while tile j's softmax runs) continued across the groups of
         this CTA. At a group's end the next group's first Q K^T (its queries already in the other slot of the
@@ -684,8 +765,11 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         runs while that P V is on the tensor cores, then this group's output is normalised, staged in its own
         query slot (each consumer warpgroup its 64 rows) and stored (``_epilogue_smem``), or written from the
         registers with the residual (``_epilogue_registers``), and the slot released to the producer. ``tidx``
-        0..255."""
+        0..255; ``mStamps`` the "stamps" tensor or None."""
         warp_group_idx = cute.arch.make_warp_uniform(tidx // self.num_threads_per_warp_group)
+        st = None
+        if const_expr(self.stamps):
+            st = _Stamps.create(mStamps, tidx % self.num_threads_per_warp_group == 0, warp_group_idx * 8)
         wg_layout = cute.make_layout(self.num_wg_mma, stride=self.num_threads_per_warp_group)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(warp_group_idx))
@@ -726,6 +810,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             )
         while work_tile.is_valid_tile:
             _, _, group, _ = work_tile.tile_idx
+            item = group
+            if const_expr(self.stamps):
+                st.at(item, 0)
+                st.at_ns(item, 7)
             next_count = None  # "cnt_ahead": the next item's valid count, loaded now, used at the boundary
             if const_expr(self.cnt_ahead):
                 next_count = count_fn(group + Int32(cute.arch.grid_dim()[0]))
@@ -745,8 +833,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     kv_state, v_state,
                     partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ, tSrK,
                             A_idx=q_state.index),
-                    mma_pv_fn, not O_should_accumulate, pipeline_k, pipeline_v, acc_O, tOrP, softmax)
+                    mma_pv_fn, not O_should_accumulate, pipeline_k, pipeline_v, acc_O, tOrP, softmax, stamps=st)
                 O_should_accumulate = True
+            if const_expr(self.stamps):
+                st.at(item, 1)
             tile_scheduler.advance_to_next_work()
             next_tile = tile_scheduler.get_current_work()
             row_scale = softmax.finalize()  # this group's 1 / row sum; row_sum now holds its LSE
@@ -763,6 +853,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 q_next.advance()
                 pipeline_q.consumer_wait(q_next, pipeline_q.consumer_try_wait(q_next))
                 pipeline_k.consumer_wait(kv_state, pipeline_k.consumer_try_wait(kv_state))
+                if const_expr(self.stamps):
+                    st.at(item, 2)
                 self.warp_scheduler_barrier_sync()
                 sm90_utils.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, None, q_next.index],
                                 tSrK[None, None, None, kv_state.index], zero_init=True, wg_wait=-1)
@@ -777,10 +869,16 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 warpgroup.wait_group(0)
                 pipeline_v.consumer_release(v_state)
                 fa_utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_S), tOrP)
+                if const_expr(self.stamps):
+                    st.at(item, 3)
             else:
                 pipeline_v.consumer_wait(v_state, pipeline_v.consumer_try_wait(v_state))
+                if const_expr(self.stamps):
+                    st.at(item, 2)
                 mma_pv_fn(B_idx=v_state.index, zero_init=not O_should_accumulate, wg_wait=0)
                 pipeline_v.consumer_release(v_state)
+                if const_expr(self.stamps):
+                    st.at(item, 3)
             v_state.advance()
             softmax.rescale_O(acc_O, row_scale)
             bh = group // outs.groups_per_head
@@ -798,6 +896,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             else:
                 self._epilogue_registers(acc_O, lse, outs, tiled_mma_pv, tidx, group, bh, b, bh - b * outs.n_heads,
                                          rows=out_rows)
+            if const_expr(self.stamps):
+                st.at(item, 4)
+                st.flush(item, 5, 2)
             cute.arch.sync_warp()  # every lane of this warp has read its staged rows back: the slot is free
             pipeline_q.consumer_release(q_state)
             q_state.advance()
@@ -896,17 +997,24 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _step(self, kv_state, v_state, mma_qk_fn, mma_pv_fn, zero_init, pipeline_k, pipeline_v, acc_O, tOrP, softmax,
-              during=None):
+              during=None, stamps=None):
         """flash-attn-4's per-tile step (``mma_one_n_block_intrawg_overlap``, RS P V, no score mod or mask) with K
         and V on their own pipeline states: the next key tile's Q K^T (``kv_state`` advanced to it) and the previous
         tile's P V (V at ``v_state``, O zero-initialised when ``zero_init``) on the tensor cores while ``during()``
         runs ("hide_epi": a group's second key tile and first P V under the previous group's output stores), then
-        the softmax. Returns the advanced states (K, V)."""
+        the softmax; ``stamps``: a "stamps" writer whose wait sums 0 / 1 get the K / V wait cycles, or None. Returns
+        the advanced states (K, V)."""
         kv_state.advance()
+        t0 = _clock64() if const_expr(stamps is not None) else None
         pipeline_k.consumer_wait(kv_state, pipeline_k.consumer_try_wait(kv_state))
+        if const_expr(stamps is not None):
+            stamps.since(t0, 0)
         self.warp_scheduler_barrier_sync()
         acc_S = mma_qk_fn(B_idx=kv_state.index, wg_wait=-1)
+        t0 = _clock64() if const_expr(stamps is not None) else None
         pipeline_v.consumer_wait(v_state, pipeline_v.consumer_try_wait(v_state))
+        if const_expr(stamps is not None):
+            stamps.since(t0, 1)
         mma_pv_fn(B_idx=v_state.index, zero_init=zero_init, wg_wait=-1)
         self.warp_scheduler_barrier_arrive()
         if const_expr(during is not None):
@@ -929,18 +1037,22 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, v_state, n_block_min,
-                      n_block_max, q_state=None, q_at=None, q_hook=None):
+                      n_block_max, q_state=None, q_at=None, q_hook=None, st=None):
         """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1, V of
         the last tile at the end; ``kv_state`` the K producer state (at the group's first K, loaded), ``v_state``
         the V one (its own stage count). The row addresses of tile j-1 are kept in a register while tile j's are
         loaded. "q_ahead": ``q_hook(q_state)`` (the next item's queries) after iteration ``q_at`` (-1: none).
-        Returns the advanced producer states (K, V, Q)."""
+        ``st``: the producer's "stamps" writer (the stage waits summed) or None. Returns the advanced producer states
+        (K, V, Q)."""
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
             prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
             if const_expr(self.idx_l2):  # the stage first: the wait for the index (fetched a tile ago) overlaps it
                 kv_state.advance()
+                t0 = _clock64() if const_expr(st is not None) else None
                 pipeline_k.producer_acquire(kv_state)
+                if const_expr(st is not None):
+                    st.since(t0, 0)
             index.advance()
             index.fetch(n_block - 1)
             if const_expr(self.idx_l2):
@@ -951,7 +1063,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
             cur_row = rows.tPrPageOffset[0]
             rows.tPrPageOffset[0] = prev_row
+            t0 = _clock64() if const_expr(st is not None) else None
             pipeline_v.producer_acquire(v_state)
+            if const_expr(st is not None):
+                st.since(t0, 1)
             self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block + 1)
             v_state.advance()
             rows.tPrPageOffset[0] = cur_row
@@ -1254,6 +1369,20 @@ def _l2_policy(kind: str, *, loc=None, ip=None) -> Int64:
            "createpolicy.fractional.L2::evict_last.L2::evict_first.b64 $0, 0.5;")
     return Int64(llvm.inline_asm(T.i64(), [], asm, "=l",
                                  has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _clock64(*, loc=None, ip=None) -> Int64:
+    """The SM's cycle counter (%clock64; "stamps")."""
+    return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %clock64;", "=l", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _globaltimer(*, loc=None, ip=None) -> Int64:
+    """The global nanosecond timer (%globaltimer; "stamps")."""
+    return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op
