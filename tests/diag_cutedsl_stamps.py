@@ -82,6 +82,24 @@ def phases(st: torch.Tensor, ctas: int, rounds: int, tiles: int) -> dict:
     return out
 
 
+def launch_ns(st: torch.Tensor, ctas: int, items: int) -> dict:
+    """Per-launch figures in ns from the globaltimer columns (``st``: (rows, slots) int64, the walk's ``items`` work
+    items): each CTA's wait for the kernel before it ("pdl": the counts launch), its first item's start after it, the
+    kernel's span (first CTA start to last item end) and how far the CTAs' last item ends spread (the tail)."""
+    st = st.double()
+    k0, dep = st[:ctas, col("k_start_ns")], st[:ctas, col("k_dep_ns")]
+    first = st[:ctas, col("c_ns")]
+    ends = st[:items, col("c_end_ns")]
+    cta_of = torch.arange(items) % ctas  # grid-stride: item i runs on CTA i mod ctas
+    last_end = torch.zeros(ctas, dtype=torch.float64).scatter_reduce(0, cta_of, ends, "amax")
+    t0 = float(k0.min())
+    return {"pdl wait (median over CTAs)": float((dep - k0).median()), "pdl wait (max)": float((dep - k0).max()),
+            "first item start after the wait": float((first - dep).median()),
+            "kernel span (first CTA start -> last item end)": float(ends.max()) - t0,
+            "CTA last item end: median": float(last_end.median()) - t0,
+            "CTA last item end: min": float(last_end.min()) - t0}
+
+
 def run(shape: str, s: float, reps: int, extra: tuple) -> dict:
     shp = bc.SHAPES[shape]
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
@@ -126,11 +144,14 @@ def run(shape: str, s: float, reps: int, extra: tuple) -> dict:
             ph = phases(stamps.cpu(), ctas, rounds, tiles)
             ghz = ph["clock_ghz"]
             row["phases_cycles"] = ph
+            row["launch_ns"] = lns = launch_ns(stamps.cpu(), ctas, n + r * (parts - 1))
             print(f"{shape} s={s} {tag}: {row['ms_median']:.3f} ms; {n} groups / {ctas} CTAs, {rounds} whole rounds,"
                   f" {tiles} key tiles per group; SM clock {ghz:.3f} GHz; median per item (cycles / ns):", flush=True)
             for kk, vv in ph.items():
                 if kk != "clock_ghz":
                     print(f"    {kk:40s} {vv:10.0f}  {vv / ghz:9.0f} ns", flush=True)
+            for kk, vv in lns.items():
+                print(f"    {kk:50s} {vv / 1000:9.2f} us", flush=True)
         else:
             print(f"{shape} s={s} {tag}: {row['ms_median']:.3f} ms", flush=True)
         res[tag] = row

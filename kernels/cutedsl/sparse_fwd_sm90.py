@@ -149,9 +149,11 @@ OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ah
 # queries and first K done, the boundary's softmax of the next item's first tile done, item end (output written or
 # staged and stored), cycles waiting for K stages in the item's steps, for V stages, the globaltimer (ns) at the
 # item start. The producer's at 16 + (0 .. 5): item start, first K tile issued, last V tile issued, cycles waiting
-# for free K stages, for free V stages, cycles in the next item's query / index loads ("q_ahead" hook).
+# for free K stages, for free V stages, cycles in the next item's query / index loads ("q_ahead" hook); then the
+# globaltimer (ns) at consumer warpgroup 0's item end, and in the row of the CTA's first item (item = CTA index) the
+# globaltimer at the kernel's start and after its wait for the kernel before it ("pdl": the counts launch).
 STAMP_SLOTS = ("c_start", "c_tiles", "c_ready", "c_softmax", "c_end", "c_kwait", "c_vwait", "c_ns") * 2 + (
-    "p_start", "p_first", "p_last", "p_kwait", "p_vwait", "p_qhook")
+    "p_start", "p_first", "p_last", "p_kwait", "p_vwait", "p_qhook", "c_end_ns", "k_start_ns", "k_dep_ns")
 RESCALE_THRESHOLD = 8.0
 IDX_L2_AHEAD = 4  # "idx_l2": key tiles between the index loaded and the index line prefetched
 Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
@@ -537,9 +539,16 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         n_heads = mQ.shape[2]
         groups_per_head = total // (n_heads * mQ.shape[3])
         pipeline_init_wait(cluster_shape_mn=(1, 1))
+        k_start = _globaltimer() if const_expr(self.stamps) else None
         if const_expr(self.pdl):  # the kernel before this one (its writes visible) has ended; the next may launch
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.stamps):
+            k_dep = _globaltimer()
+            if cute.arch.thread_idx()[0] == 0:
+                cta = Int32(cute.arch.block_idx()[0])
+                mStamps[cta, len(STAMP_SLOTS) - 2] = k_start
+                mStamps[cta, len(STAMP_SLOTS) - 1] = k_dep
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
@@ -899,6 +908,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             if const_expr(self.stamps):
                 st.at(item, 4)
                 st.flush(item, 5, 2)
+                if warp_group_idx == 0:
+                    st.at_ns(item, 22)  # c_end_ns (warpgroup 0: base 0)
             cute.arch.sync_warp()  # every lane of this warp has read its staged rows back: the slot is free
             pipeline_q.consumer_release(q_state)
             q_state.advance()
