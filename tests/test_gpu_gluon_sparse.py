@@ -204,6 +204,28 @@ def test_auto_schedules_split_tail_vs_float64(rows):
         _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=41, num_sms=10, **tuning)
 
 
+CASES = {  # the shapes the schedule-option tests below share: _check's positional args, keywords besides the seed
+    # scores growing along the sorted selections: the running max moves many times per row (rescales mid-row)
+    "ramp": ((2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16), dict(k_ramp=7.0, num_sms=16)),
+    "long": ((2, 3, 4000, 128, 128, 1500, 1536, "int4_group", torch.bfloat16), dict(num_sms=16)),  # 12 tiles per row
+    # short ragged items of 1-3 key tiles (masked last tiles), many per program
+    "short": ((2, 2, 1100 + 8, 128, 128, 300, 1024, "fp8_row", torch.float16),
+              dict(ragged_counts=True, k_ramp=3.0, num_sms=7)),
+    # 2 x 3 x 24 = 144 items on 132 programs: 1 round, then 12 items (split by a tail launch where there is one)
+    "tail": ((2, 3, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16), dict(k_ramp=5.0, num_sms=132)),
+    "one-round": ((2, 3, 3000 + 5, 128, 128, 700, 768, "int4_row", torch.bfloat16), dict(num_sms=132)),
+    "d64": ((2, 2, 1500 + 3, 64, 128, 300, 512, "plain", torch.float16), dict(ragged_counts=True, num_sms=7)),
+    # many trailing -1 slots with LSE, no residual
+    "lse-pad": ((2, 2, 1500 + 3, 128, 128, 300, 2048, None, torch.float16), dict(ragged_counts=True, num_sms=7)),
+}
+
+
+def _case(case, seed, tuning):
+    """``_check`` on the shape ``CASES[case]`` with ``seed`` and the kernel keywords ``tuning``."""
+    args, kw = CASES[case]
+    _check(*args, seed=seed, **kw, **tuning)
+
+
 SKIP = "pingpong persistent 3 stages thread_arrive early_q no_fence q_regs skip_rescale"
 
 
@@ -218,19 +240,7 @@ def test_skip_rescale_vs_float64(case):
     tuning = dict(_dispatch().GLUON_SCHEDULES[SKIP])
     if case in ("ramp", "tail"):  # with the row maxima as a tree too (max_tree)
         tuning = dict(_dispatch().GLUON_SCHEDULES[SKIP + " max_tree" + (" tail_launch" if case == "tail" else "")])
-    if case == "ramp":
-        _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=53, k_ramp=7.0, num_sms=16, **tuning)
-    elif case == "long":
-        _check(2, 3, 4000, 128, 128, 1500, 1536, "int4_group", torch.bfloat16, seed=29, num_sms=16, **tuning)
-    elif case == "short":
-        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "fp8_row", torch.float16, seed=13, ragged_counts=True,
-               k_ramp=3.0, num_sms=7, **tuning)
-    elif case == "tail":  # 2 x 3 x 24 = 144 items on 132 programs: 1 round, then 12 items split by the tail launch
-        _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16, seed=5, k_ramp=5.0, num_sms=132,
-               **tuning)
-    else:
-        _check(2, 2, 1500 + 3, 64, 128, 300, 512, "plain", torch.float16, seed=31, ragged_counts=True, num_sms=7,
-               **tuning)
+    _case(case, {"ramp": 53, "long": 29, "short": 13, "tail": 5, "d64": 31}[case], tuning)
     print(f"SKIP OK skip_rescale_vs_float64[{case}]")  # the round script's mark of a passed case
 
 
@@ -244,28 +254,14 @@ def test_fast_softmax_vs_float64(case):
     the full sums), short ragged fp8_row items, D = 64 and many trailing -1 slots with LSE (the finished sums feed
     the LSE). Prints a mark for the round script."""
     tuning = dict(_dispatch().GLUON_SCHEDULES[FAST + (" tail_launch" if case == "tail" else "")])
-    if case == "ramp":
-        _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=59, k_ramp=7.0, num_sms=16, **tuning)
-    elif case == "tail":
-        _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16, seed=61, k_ramp=5.0, num_sms=132,
-               **tuning)
-    elif case == "short":
-        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "fp8_row", torch.float16, seed=67, ragged_counts=True,
-               k_ramp=3.0, num_sms=7, **tuning)
-    elif case == "d64":
-        _check(2, 2, 1500 + 3, 64, 128, 300, 512, "plain", torch.float16, seed=71, ragged_counts=True, num_sms=7,
-               **tuning)
-    else:
-        _check(2, 2, 1500 + 3, 128, 128, 300, 2048, None, torch.float16, seed=73, ragged_counts=True, num_sms=7,
-               **tuning)
+    _case(case, {"ramp": 59, "tail": 61, "short": 67, "d64": 71, "lse-pad": 73}[case], tuning)
     print(f"FAST OK fast_softmax_vs_float64[{case}]")  # the round script's mark of a passed case
 
 
 def test_partial_sums_ramp_vs_float64():
     """skip_rescale + ``sum_partial`` without max_tree (round s9r2's raced row): scores growing along the selections
     (rescales mid-row, so the partial sums are rescaled too), plain residual, LSE from the finished sums."""
-    tuning = dict(_dispatch().GLUON_SCHEDULES[SKIP], sum_partial=True)
-    _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=79, k_ramp=7.0, num_sms=16, **tuning)
+    _case("ramp", 79, dict(_dispatch().GLUON_SCHEDULES[SKIP], sum_partial=True))
     print("PSUM OK partial_sums_ramp")  # the round script's mark
 
 
@@ -416,19 +412,7 @@ def test_max_vote_vs_float64(case):
     too), many trailing -1 slots with LSE (the running max finished once per item feeds the LSE). Prints a mark for
     the round script."""
     tuning = dict(_dispatch().GLUON_SCHEDULES[MV + (" tail_launch" if case == "tail" else "")])
-    if case == "ramp":
-        args = (2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16)
-        kw = dict(seed=107, k_ramp=7.0, num_sms=16)
-    elif case == "short":
-        args = (2, 2, 1100 + 8, 128, 128, 300, 1024, "fp8_row", torch.float16)
-        kw = dict(seed=109, ragged_counts=True, k_ramp=3.0, num_sms=7)
-    elif case == "tail":
-        args = (2, 3, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16)
-        kw = dict(seed=113, k_ramp=5.0, num_sms=132)
-    else:
-        args = (2, 2, 1500 + 3, 128, 128, 300, 2048, None, torch.float16)
-        kw = dict(seed=127, ragged_counts=True, num_sms=7)
-    _check(*args, **kw, **tuning)
+    _case(case, {"ramp": 107, "short": 109, "tail": 113, "lse-pad": 127}[case], tuning)
     print(f"MV OK max_vote_vs_float64[{case}]")  # the round script's mark of a passed case
 
 
@@ -445,14 +429,6 @@ def test_named_turns_vs_float64(case):
     LSE. Prints a mark for the round script."""
     tuning = dict(_dispatch().GLUON_SCHEDULES[(MV + " named_turns" if case == "both" else NT)
                                                + (" tail_launch" if case == "tail" else "")])
-    if case in ("ramp", "both"):
-        _check(2, 3, 4000, 128, 128, 1500, 1536, "plain", torch.bfloat16, seed=131, k_ramp=7.0, num_sms=16, **tuning)
-    elif case == "short":
-        _check(2, 2, 1100 + 8, 128, 128, 300, 1024, "fp8_row", torch.float16, seed=137, ragged_counts=True,
-               k_ramp=3.0, num_sms=7, **tuning)
-    elif case == "tail":  # 2 x 3 x 24 = 144 items on 132 programs: 1 round, then 12 items split by the tail launch
-        _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_group", torch.bfloat16, seed=139, k_ramp=5.0, num_sms=132,
-               **tuning)
-    else:
-        _check(2, 3, 3000 + 5, 128, 128, 700, 768, "int4_row", torch.bfloat16, seed=149, num_sms=132, **tuning)
+    shape = "ramp" if case == "both" else case
+    _case(shape, {"ramp": 131, "short": 137, "tail": 139, "one-round": 149}[shape], tuning)
     print(f"NT OK named_turns_vs_float64[{case}]")  # the round script's mark of a passed case
