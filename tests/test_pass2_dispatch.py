@@ -573,3 +573,132 @@ def test_cute_wanted_needs_the_switch_and_the_module(monkeypatch):
 
     monkeypatch.setattr(d, "_cute_module", missing)
     assert not d.cute_wanted(True)
+
+
+class _CuteTopK:
+    """A stand-in for kernels/cutedsl/topk_sm90.py: writes the brute-force top-K of the sums it is handed and records
+    each call (``err`` set: the launch fails; ``why``: refused)."""
+
+    def __init__(self):
+        self.calls, self.err, self.why = [], None, None
+
+    def refusal(self, sums, num_keys, width):
+        return self.why
+
+    def top_k_rows(self, sums, num_keys, out):
+        self.calls.append(dict(sums=sums.clone(), num_keys=num_keys, out=out))
+        if self.err is not None:
+            raise self.err
+        out.copy_(ref_top_k_rows(sums, num_keys, out.shape[-1]))
+        return out
+
+
+@pytest.fixture
+def cute_topk(monkeypatch):
+    """The Triton pass 2 (cute=False) + the separate top-K, with the CuTeDSL top-K module stood in; the Triton top-K's
+    calls recorded in ``.triton`` (the sums it was handed)."""
+    d = _mod("pass2_dispatch")
+    d.reset()
+    sel = _mod("selection")
+    monkeypatch.delenv("MC_SPARSE_TOPK_CUTE", raising=False)
+    fake = _CuteTopK()
+    monkeypatch.setattr(d, "_topk_module", lambda: fake)
+    real = sel.top_k_rows
+    fake.triton = []
+    monkeypatch.setattr(sel, "top_k_rows", lambda sums, *a, **kw: fake.triton.append(sums.clone()) or real(sums, *a,
+                                                                                                            **kw))
+    yield fake
+    d.reset()
+
+
+def _select_sep(sel, q, k, lse, perm, C, **kw):
+    return sel.select_kv(q, k, lse, perm, 40, group_size=C, kv_tile=16, cute=False, topk_fused=False,
+                         heads_per_chunk=1, **kw)
+
+
+@pytest.mark.parametrize("how", ["topk_cute=True", "env 1"])
+def test_select_kv_separate_top_k_on_the_cute_launch(gen, cute_topk, monkeypatch, how):
+    """Switched on (select_kv(topk_cute=True) or MC_SPARSE_TOPK_CUTE=1), each head chunk's separate top-K is one call
+    of the CuTeDSL launch, handed the chunk's float16 sums, K and the chunk's view of the selection; no Triton top-K
+    runs and the result is the brute-force top-K of those sums. Mutations: the launch never tried, the chunk's view
+    or K wrong."""
+    sel = _mod("selection")
+    kw = dict(topk_cute=True) if how == "topk_cute=True" else {}
+    if how == "env 1":
+        monkeypatch.setenv("MC_SPARSE_TOPK_CUTE", "1")
+    q, k, lse, perm, C = _inputs(gen, S=150)
+    got = _select_sep(sel, q, k, lse, perm, C, **kw)
+    assert len(cute_topk.calls) == 2 and not cute_topk.triton
+    for h, call in enumerate(cute_topk.calls):
+        assert call["num_keys"] == 40 and call["sums"].dtype == torch.float16
+        assert call["out"].data_ptr() == got[:, h:h + 1].data_ptr() and call["out"].shape == got[:, h:h + 1].shape
+    sums = torch.cat([c["sums"] for c in cute_topk.calls], dim=1)
+    assert torch.equal(got, ref_top_k_rows(sums, 40, got.shape[-1]))
+    assert _mod("pass2_dispatch").topk_cute_fallback_reason() is None
+
+
+@pytest.mark.parametrize("how", ["default (off)", "env 0", "topk_cute=False", "refused", "topk_stride", "topk_method"])
+def test_select_kv_separate_top_k_stays_on_triton(gen, cute_topk, monkeypatch, how):
+    """Off by default (TOPK_CUTE_DEFAULT), by MC_SPARSE_TOPK_CUTE=0 or topk_cute=False, refused by the module, or a
+    Triton-only top-K option given (sample stride, method): the Triton top-K selects (the brute force of the sums)
+    and nothing is remembered as a failure. Mutations: the switch or a Triton-only option ignored."""
+    sel = _mod("selection")
+    d = _mod("pass2_dispatch")
+    kw = {}
+    if how == "env 0":
+        monkeypatch.setenv("MC_SPARSE_TOPK_CUTE", "0")
+        assert d.topk_cute_refusal(None, 40, 48) == "off (MC_SPARSE_TOPK_CUTE=0)"
+    elif how == "topk_cute=False":
+        kw = dict(topk_cute=False)
+    elif how == "refused":
+        cute_topk.why = "needs sm_90, got sm_89"
+        kw = dict(topk_cute=True)
+    elif how == "topk_stride":
+        kw = dict(topk_cute=True, topk_stride=4)
+    elif how == "topk_method":
+        kw = dict(topk_cute=True, topk_method="radix")
+    else:
+        assert d.topk_cute_refusal(None, 40, 48) == "off (TOPK_CUTE_DEFAULT)" and not d.TOPK_CUTE_DEFAULT
+    q, k, lse, perm, C = _inputs(gen, S=150)
+    got = _select_sep(sel, q, k, lse, perm, C, **kw)
+    assert not cute_topk.calls and len(cute_topk.triton) == 2
+    assert torch.equal(got, ref_top_k_rows(torch.cat(cute_topk.triton, dim=1), 40, got.shape[-1]))
+    assert d.topk_cute_fallback_reason() is None
+
+
+def test_cute_top_k_failure_falls_back_to_triton_for_the_run(gen, cute_topk):
+    """The CuTeDSL top-K failing: that call's rows come from the Triton top-K (the brute force of the same sums), the
+    reason is in the run's Record under TOPK_CUTE_KEY, the rest of the run does not try the launch again, a new run
+    does; a bad MC_SPARSE_TOPK_CUTE is a ValueError. Mutations: the failure not remembered, the call left
+    unselected."""
+    sel = _mod("selection")
+    d = _mod("pass2_dispatch")
+    cute_topk.err = RuntimeError("top-K compile boom")
+    q, k, lse, perm, C = _inputs(gen, S=150)
+    with registry.recording(registry.Record()) as record:
+        got = _select_sep(sel, q, k, lse, perm, C, topk_cute=True)
+        assert "failed earlier" in d.topk_cute_refusal(None, 40, 48, requested=True)
+    assert "top-K compile boom" in record.failures[d.TOPK_CUTE_KEY]
+    assert len(cute_topk.calls) == 1 and len(cute_topk.triton) == 2
+    assert torch.equal(got, ref_top_k_rows(torch.cat(cute_topk.triton, dim=1), 40, got.shape[-1]))
+    cute_topk.err = None
+    with registry.recording(registry.Record()):  # a new run tries the launch again
+        _select_sep(sel, q, k, lse, perm, C, topk_cute=True)
+    assert len(cute_topk.calls) == 3
+
+
+def test_cute_top_k_switch_values(cute_topk, monkeypatch):
+    """MC_SPARSE_TOPK_CUTE takes 0 / 1 only; an import failure of the module is a refusal ("unavailable"), not a
+    failure."""
+    d = _mod("pass2_dispatch")
+    monkeypatch.setenv("MC_SPARSE_TOPK_CUTE", "yes")
+    with pytest.raises(ValueError, match="MC_SPARSE_TOPK_CUTE"):
+        d.topk_cute_mode()
+    monkeypatch.delenv("MC_SPARSE_TOPK_CUTE")
+
+    def missing():
+        raise ImportError("No module named 'cutlass'")
+
+    monkeypatch.setattr(d, "_topk_module", missing)
+    assert d.topk_cute_refusal(None, 40, 48, requested=True).startswith("unavailable (ImportError")
+    assert d.topk_cute_fallback_reason() is None
