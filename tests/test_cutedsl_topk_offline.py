@@ -1,5 +1,5 @@
 """The CuTeDSL top-K launch (kernels/cutedsl/topk_sm90.py) compiles for sm_90a without a GPU (CUTE_DSL_ARCH) for one,
-two and four rows per CTA, lands in the disk cache and is served from memory the second time; its refusals that need
+two and four rows per CTA, 4 / 8 loads per lane in flight, the next batch's loads issued early or not, lands in the disk cache and is served from memory the second time; its refusals that need
 no GPU. Skipped without the CuTeDSL stack. Its results are checked on the GPU: tests/test_gpu_cutedsl_topk.py."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def test_offline_sm90a_compile(tmp_path):
         import _standalone
         _standalone.load_pack()
         from comfyui_mc_sparse_pack.kernels.cutedsl import topk_sm90 as t
-        for warps, slots in ((1, 1024), (2, 8192), (4, 16384)):
-            t.compiled(warps, slots)
+        for warps, slots, batch, ahead in ((1, 1024, 4, False), (2, 8192, 8, True), (4, 16384, 4, True)):
+            t.compiled(warps, slots, batch, ahead)
         assert t.compiled(2, 8192) is t.compiled(2, 8192)
         print('SLOTS', t.cand_slots(32760, 3276), t.cand_slots(75600, 37800), t.cand_slots(2000, 10))
     """)

@@ -31,6 +31,31 @@ class WarpRowSelect:
     """The one-warp row selection (module docstring); ``cand_slots``: each warp's int16 candidate slots."""
 
     cand_slots: int = 0
+    sweep_batch: int = SWEEP_BATCH  # 16-byte loads per lane issued together in each sweep
+    sweep_ahead: bool = False  # each sweep issues the next batch's loads before this batch's work (16 more registers)
+
+    @cute.jit
+    def _next_batch(self, wsrc, i, n_vec, lane, vecs, ahead):
+        """Batch ``i`` of a row sweep into ``vecs`` (``sweep_batch`` 16-byte vectors per lane, vector (i * batch + u) *
+        32 + lane): loaded now, or with ``sweep_ahead`` taken from ``ahead`` (loaded one batch earlier; batch 0 by
+        the caller) while batch i + 1's loads are issued into it."""
+        nb = self.sweep_batch
+        if const_expr(self.sweep_ahead):
+            for u in cutlass.range_constexpr(nb):
+                for k in cutlass.range_constexpr(4):
+                    vecs[u][k] = ahead[u][k]
+            for u in cutlass.range_constexpr(nb):
+                self._load_vec(wsrc, ((i + 1) * nb + u) * 32 + lane, n_vec, ahead[u])
+        else:
+            for u in cutlass.range_constexpr(nb):  # the batch's loads first: sweep_batch in flight per lane
+                self._load_vec(wsrc, (i * nb + u) * 32 + lane, n_vec, vecs[u])
+
+    @cute.jit
+    def _first_batch(self, wsrc, n_vec, lane, ahead):
+        """With ``sweep_ahead``: batch 0's loads into ``ahead`` (``_next_batch``)."""
+        if const_expr(self.sweep_ahead):
+            for u in cutlass.range_constexpr(self.sweep_batch):
+                self._load_vec(wsrc, u * 32 + lane, n_vec, ahead[u])
 
     @cute.jit
     def _load_vec(self, wsrc, v, n_vec, vec):
@@ -73,7 +98,7 @@ class WarpRowSelect:
                     lane):
         """One row's selection by ``topk.py``'s bracket method, one warp: the stratified sample (the same positions,
         staged in ``sC``) brackets the K-th largest key between its hi_rank-th and lo_rank-th largest (bit search by
-        counting, both at once); one sweep (16-byte loads, 8 keys per lane, ``SWEEP_BATCH`` loads per lane issued
+        counting, both at once); one sweep (16-byte loads, 8 keys per lane, ``sweep_batch`` loads per lane issued
         before their work) counts the keys above hi and copies those in [lo, hi] to ``sC`` (ballot + popc slots); if the
         counts prove the K-th key inside (and the copies fit ``cand_slots``) the threshold T and ``need`` come from the
         copies by a bit search, then the compaction sweep writes, in ascending index order, every index whose key is
@@ -122,14 +147,16 @@ class WarpRowSelect:
         above = Int32(0)
         n_cand = Int32(0)
         keys = cute.make_rmem_tensor((8,), Int32)
-        vecs = [cute.make_rmem_tensor((4,), Int32) for _ in range(SWEEP_BATCH)]
+        nb = self.sweep_batch
+        vecs = [cute.make_rmem_tensor((4,), Int32) for _ in range(nb)]
+        ahead = [cute.make_rmem_tensor((4,), Int32) for _ in range(nb)] if const_expr(self.sweep_ahead) else None
         n_steps = (n_vec + 31) // 32
-        n_batches = (n_steps + SWEEP_BATCH - 1) // SWEEP_BATCH
+        n_batches = (n_steps + nb - 1) // nb
+        self._first_batch(wsrc, n_vec, lane, ahead)
         for i in cutlass.range(n_batches, unroll=1):
-            for u in cutlass.range_constexpr(SWEEP_BATCH):  # the batch's loads first: SWEEP_BATCH in flight per lane
-                self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
-            for u in cutlass.range_constexpr(SWEEP_BATCH):
-                self._decode(vecs[u], (i * SWEEP_BATCH + u) * 32 + lane < n_vec, keys)
+            self._next_batch(wsrc, i, n_vec, lane, vecs, ahead)
+            for u in cutlass.range_constexpr(nb):
+                self._decode(vecs[u], (i * nb + u) * 32 + lane < n_vec, keys)
                 for e in cutlass.range_constexpr(8):
                     key = keys[e]
                     above += Int32(key > hi)
@@ -160,11 +187,11 @@ class WarpRowSelect:
             # the compaction sweep: slot = (keys > T before) + min(keys == T before, need)
             n_gt = Int32(0)
             n_eq = Int32(0)
+            self._first_batch(wsrc, n_vec, lane, ahead)
             for i in cutlass.range(n_batches, unroll=1):
-                for u in cutlass.range_constexpr(SWEEP_BATCH):  # the batch's loads first
-                    self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
-                for u in cutlass.range_constexpr(SWEEP_BATCH):
-                    v = (i * SWEEP_BATCH + u) * 32 + lane
+                self._next_batch(wsrc, i, n_vec, lane, vecs, ahead)
+                for u in cutlass.range_constexpr(nb):
+                    v = (i * nb + u) * 32 + lane
                     self._decode(vecs[u], v < n_vec, keys)
                     packed = Int32(0)
                     for e in cutlass.range_constexpr(8):

@@ -31,19 +31,25 @@ from .row_select import SAMPLE_SLOTS, WarpRowSelect
 
 WARPS = 2  # rows (one warp each) per CTA: with 8192 candidate slots (16 KiB per warp) 7 CTAs, 14 warps per SM
 REVERSE = True  # the rows from the last one (pass 2's last rows are still in L2)
+BATCH = 4  # 16-byte loads per lane issued together in each row sweep (row_select.WarpRowSelect.sweep_batch)
+AHEAD = False  # each sweep issues the next batch's loads before this batch's work (sweep_ahead)
 SMEM_LIMIT = 227 * 1024
 CAPABILITIES = ((9, 0),)
 
 
 class TopKSm90(WarpRowSelect):
     """The launch (module docstring): ``warps`` rows per CTA, ``cand_slots`` int16 candidate slots per warp (>=
-    ``SAMPLE_SLOTS``, a multiple of 8)."""
+    ``SAMPLE_SLOTS``, a multiple of 8), ``batch`` loads per lane in flight in the sweeps, ``ahead``: the next batch's
+    loads issued before this batch's work."""
 
-    def __init__(self, warps: int = WARPS, cand_slots: int = 8192):
+    def __init__(self, warps: int = WARPS, cand_slots: int = 8192, batch: int = BATCH, ahead: bool = AHEAD):
         assert 1 <= warps <= 32 and cand_slots >= SAMPLE_SLOTS and cand_slots % 8 == 0, (warps, cand_slots)
         assert warps * cand_slots * 2 <= SMEM_LIMIT, (warps, cand_slots)
+        assert 1 <= batch <= 16, batch
         self.warps = warps
         self.cand_slots = cand_slots
+        self.sweep_batch = batch
+        self.sweep_ahead = bool(ahead)
 
     @cute.jit
     def __call__(self, mOut: cute.Tensor, mSel: cute.Tensor, mFlag: cute.Tensor, num_keys: Int32, samp_stride: Int32,
@@ -85,7 +91,7 @@ def cand_slots(sk: int, num_keys: int) -> int:
     return max(SAMPLE_SLOTS, topk.bracket_plan(sk, num_keys, 2)[4])
 
 
-def compile_fake(warps: int = WARPS, slots: int = 8192):
+def compile_fake(warps: int = WARPS, slots: int = 8192, batch: int = BATCH, ahead: bool = AHEAD):
     """Compile the launch from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a)."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
 
@@ -93,17 +99,17 @@ def compile_fake(warps: int = WARPS, slots: int = 8192):
     sums = make_fake_tensor(cutlass.Float16, (b, h, g, sk), divisibility=8)
     sel = make_fake_tensor(Int32, (b, h, g, w), divisibility=1)
     flags = make_fake_tensor(cutlass.Int8, (n,), divisibility=1)
-    return cute.compile(TopKSm90(warps, slots), sums, sel, flags, Int32(1), Int32(1), Int32(1), Int32(0), Int32(1),
+    return cute.compile(TopKSm90(warps, slots, batch, ahead), sums, sel, flags, Int32(1), Int32(1), Int32(1), Int32(0), Int32(1),
                         Int32(0), make_fake_stream(), options="--enable-tvm-ffi")
 
 
-def compiled(warps: int = WARPS, slots: int = 8192):
+def compiled(warps: int = WARPS, slots: int = 8192, batch: int = BATCH, ahead: bool = AHEAD):
     """The compiled launch: from memory, ``compile.py``'s disk cache (keyed by the kernel sources), or a fresh
     compile (a few seconds)."""
     from . import compile as cc
 
-    return cc._cached(("mc_topk_sm90", int(warps), int(slots), cc.source_hash()),
-                      lambda: compile_fake(int(warps), int(slots)))
+    key = ("mc_topk_sm90", int(warps), int(slots), int(batch), bool(ahead), cc.source_hash())
+    return cc._cached(key, lambda: compile_fake(int(warps), int(slots), int(batch), bool(ahead)))
 
 
 def refusal(sums, num_keys: int, width: int, *, warps: int = WARPS) -> str | None:
@@ -134,14 +140,15 @@ def refusal(sums, num_keys: int, width: int, *, warps: int = WARPS) -> str | Non
 
 
 def top_k_rows(sums, num_keys: int, out, *, warps: int | None = None, reverse: bool | None = None,
-               bracket: tuple | None = None):
+               bracket: tuple | None = None, batch: int | None = None, ahead: bool | None = None):
     """Each row's K largest float16 sums as sorted int32 indices with -1 padding, written into ``out``
     (``topk.top_k_rows``'s contract and result).
 
     Args:
         sums: float16 ``[B, H, G, Sk]`` (``refusal`` must pass); num_keys: K; out: int32 ``[B, H, G, width]``, unit
         stride on width, the other dims any strides. warps: rows per CTA (None: ``WARPS``); reverse: rows from the
-        last one (None: ``REVERSE``); bracket: (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s
+        last one (None: ``REVERSE``); batch, ahead: the sweeps' loads per lane in flight and the next batch's
+        issued early (None: ``BATCH``, ``AHEAD``); bracket: (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s
         (tests: a plan whose brackets miss sends rows to the radix launch; the result is the same).
     Returns:
         ``out``.
@@ -171,8 +178,10 @@ def top_k_rows(sums, num_keys: int, out, *, warps: int | None = None, reverse: b
     if not (1 <= stride and 1 <= n_samp <= min(SAMPLE_SLOTS, SK // stride)):
         raise ValueError(f"bracket plan {(stride, n_samp)}: needs 1 <= n_samp <= min({SAMPLE_SLOTS}, Sk // stride)")
     flags = pass2_launch.flags(sums.device, rows)
-    compiled(warps, cand_slots(SK, num_keys))(sums, out, flags, int(num_keys), int(stride), int(n_samp), int(hi_rank),
-                                              int(lo_rank), int(REVERSE if reverse is None else bool(reverse)))
+    fn = compiled(warps, cand_slots(SK, num_keys), BATCH if batch is None else int(batch),
+                  AHEAD if ahead is None else bool(ahead))
+    fn(sums, out, flags, int(num_keys), int(stride), int(n_samp), int(hi_rank), int(lo_rank),
+       int(REVERSE if reverse is None else bool(reverse)))
     src = sums.view(B, H * G, SK) if sums.stride(1) == G * sums.stride(2) else sums.reshape(B, H * G, SK)
     dst = out.view(B, H * G, width)
     topk._radix_topk_rows[(rows,)](src, dst, flags, flags, SK, num_keys, width, H * G, src.stride(0), src.stride(1),
