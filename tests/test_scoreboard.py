@@ -162,3 +162,33 @@ def test_the_writer_check_can_fail():
                 'json.dump(board, open(p, "w"))']:
         assert _direct_board_writes(bad), bad
     assert not _direct_board_writes('(out / "bench.json").write_text(json.dumps(report))')
+
+
+def test_the_kernel_benchmark_writes_well_formed_entries_and_the_worst_point(tmp_path, monkeypatch):
+    """bench_kernels.update_scoreboard (triton_sparse_eff_min, fa4_route_eff_min) on a synthetic two-shape report:
+    well-formed entries, the best spill-free config's minimum (a wrong config excluded), the keys file beside."""
+    monkeypatch.syspath_prepend(str(TESTS))
+    spec = importlib.util.spec_from_file_location("bench_kernels_t", TESTS / "bench_kernels.py")
+    bk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bk)
+
+    def point(e):
+        return {s: {"efficiency": v} for s, v in zip(("0.1", "0.5"), e)}
+
+    def shape(op, kernel, route):
+        return {"sparse": {"triton contiguous": point(op), bk.TRITON_KERNEL: point(kernel),
+                           "flash_attn4 paged route": point(route)},
+                "kernels": {"default": [(4, 200, 0)]}, "best_dense": {"name": "flash_attn4", "ms": 10.0},
+                "errors": {"triton contiguous s=0.1": {"rel_l2": 1e-3, "max_abs": 1e-3},
+                           f"{bk.TRITON_KERNEL} s=0.1": {"rel_l2": 0.5, "max_abs": 1.0}},  # the kernel row is wrong
+                "sweep": {}, "gluon": {"gluon_ran": True}, "timing": "race"}
+
+    report = {"gpu": "NVIDIA H200", "shapes": {"1.3b": shape((0.80, 0.90), (0.95, 0.99), (0.70, 0.88)),
+                                               "14b": shape((0.85, 0.78), (0.99, 0.99), (0.86, 0.90))}}
+    board, keys = tmp_path / "board.json", tmp_path / "out" / "scoreboard.json"
+    entries = bk.update_scoreboard(board, keys, report, "python3 tests/bench_kernels.py --reuse", "8b1d692")
+    assert set(entries) == {"triton_sparse_eff_min", "fa4_route_eff_min"} and not _problems(entries)
+    assert entries["triton_sparse_eff_min"]["value"] == 0.78  # the op's worst point (14b s=0.5), not the wrong row's
+    assert "worst at 14b s=0.5" in entries["triton_sparse_eff_min"]["note"]
+    assert entries["fa4_route_eff_min"]["value"] == 0.70
+    assert json.loads(keys.read_text()) == json.loads(board.read_text()) == entries
