@@ -109,6 +109,20 @@ def install_comfy_modules(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
 
 
+def wan_model(blocks: int = 3, heads: int = 12, dim: int = 1536):
+    """A stand-in of ComfyUI's ``WanModel`` (the class name the adapter's layouts key on) with what the run's
+    geometry reads: ``blocks[i].self_attn``, ``patch_size`` (1, 2, 2), ``num_heads`` and ``dim`` (Wan2.1-1.3B's by
+    default: 12 heads of 128)."""
+    import torch
+
+    dm = type("WanModel", (torch.nn.Module,), {})()
+    dm.blocks = torch.nn.ModuleList(torch.nn.Module() for _ in range(blocks))
+    for block in dm.blocks:
+        block.self_attn = torch.nn.Identity()
+    dm.patch_size, dm.num_heads, dm.dim = (1, 2, 2), heads, dim
+    return dm
+
+
 class Executor:
     """``comfy/patcher_extension.py`` WrapperExecutor (L91-121): calls ``wrappers[i](next_executor, *args)``, the
     last one ``original``; ``class_obj`` is the guider for OUTER_SAMPLE wrappers."""

@@ -321,16 +321,11 @@ def _outer_sample(monkeypatch, run_steps, raise_exc):
     """Drive ``outer_sample_wrapper`` like ``comfy/samplers.py`` L1032-1035: the executor evaluates the model
     through ``calc_cond_batch_wrapper`` (args ``(model, conds, x_in, timestep, model_options)``) for
     ``run_steps`` sigmas, one self-attention call each, then raises ``raise_exc`` (or returns)."""
-    import copy
     import logging
-    import sys
 
-    comfy_pkg = types.ModuleType("comfy")
-    mp = types.ModuleType("comfy.model_patcher")
-    mp.create_model_options_clone = lambda o: {**o, "transformer_options": copy.copy(o.get("transformer_options", {}))}
-    comfy_pkg.model_patcher = mp
-    monkeypatch.setitem(sys.modules, "comfy", comfy_pkg)
-    monkeypatch.setitem(sys.modules, "comfy.model_patcher", mp)
+    from ._comfy_standins import install_comfy_modules
+
+    install_comfy_modules(monkeypatch)
     holder = lifecycle.MCSparsePatch(_settings(dense_warmup="1", anchor_steps="1"), "wan")
     guider = types.SimpleNamespace(model_options={"transformer_options": {lifecycle.HOLDER_KEY: holder}})
     gen = torch.Generator().manual_seed(0)

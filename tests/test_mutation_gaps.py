@@ -40,7 +40,7 @@ def test_the_summary_names_a_kernel_that_failed_in_the_run(gen):
     """Mutation: the runner's summary without its "kernel fallback:" lines. A backend that fails at run time is
     skipped for the rest of the run (registry) and the summary says which one failed on which op, and why."""
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import MCSparseRunner
-    from comfyui_mc_sparse_pack.kernels import reference, registry
+    from comfyui_mc_sparse_pack.kernels import registry
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated launch failure")
@@ -147,7 +147,6 @@ def test_an_override_installed_after_ours_is_chained_and_reported(caplog):
     import logging
 
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, override, settings
-    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.override import RUN_KEY
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.steps import STEP_KEY
 
     s = settings.build_settings(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1",
@@ -481,7 +480,7 @@ def test_the_plan_counts_a_cache_branch_per_evaluated_conditioning(cfg, branches
 
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, settings
 
-    from ._comfy_standins import ModelPatcher
+    from ._comfy_standins import ModelPatcher, wan_model
 
     planned = []
 
@@ -492,12 +491,7 @@ def test_the_plan_counts_a_cache_branch_per_evaluated_conditioning(cfg, branches
         def close(self):
             pass
 
-    WanModel = type("WanModel", (torch.nn.Module,), {})  # noqa: N806  (ComfyUI's class name)
-    dm = WanModel()
-    dm.blocks = torch.nn.ModuleList(torch.nn.Module() for _ in range(3))
-    for block in dm.blocks:
-        block.self_attn = torch.nn.Identity()
-    dm.patch_size, dm.num_heads, dm.dim = (1, 2, 2), 12, 1536
+    dm = wan_model()
     s = settings.build_settings(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1",
                                 query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
     run = lifecycle.RunState(s, torch.linspace(1, 0, 11), family="wan", runner_factory=lambda c, b: Runner())

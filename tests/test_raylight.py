@@ -420,18 +420,11 @@ def _ray_outer_sample(monkeypatch, degree, min_tokens=0):
     """raylight's OUTER_SAMPLE wrapper on rank 1 of a Ulysses group of ``degree``: a Wan model of 12 heads x 128,
     3 blocks, a 21 x 60 x 104 latent (S = 32760), CFG, 10 steps. Returns (the kwargs of the runner's plan call or
     None, the rank's summary)."""
-    import copy
-
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import MCSparseRunner
 
-    from ._comfy_standins import ModelPatcher
+    from ._comfy_standins import ModelPatcher, install_comfy_modules, wan_model
 
-    comfy_pkg = types.ModuleType("comfy")
-    mp = types.ModuleType("comfy.model_patcher")
-    mp.create_model_options_clone = lambda o: {**o, "transformer_options": copy.copy(o.get("transformer_options", {}))}
-    comfy_pkg.model_patcher = mp
-    monkeypatch.setitem(sys.modules, "comfy", comfy_pkg)
-    monkeypatch.setitem(sys.modules, "comfy.model_patcher", mp)
+    install_comfy_modules(monkeypatch)
     monkeypatch.setattr(ray_mc, "xfuser_head_slice", lambda: ray_mc.HeadSlice(1, degree, 1))
     planned, summaries = [], []
     monkeypatch.setattr(ray_mc, "report_across_ranks", lambda text, **kw: summaries.append(text))
@@ -443,14 +436,8 @@ def _ray_outer_sample(monkeypatch, degree, min_tokens=0):
         return line
 
     monkeypatch.setattr(MCSparseRunner, "plan", plan)
-    WanModel = type("WanModel", (torch.nn.Module,), {})  # noqa: N806  (ComfyUI's class name)
-    dm = WanModel()
-    dm.blocks = torch.nn.ModuleList(torch.nn.Module() for _ in range(3))
-    for block in dm.blocks:
-        block.self_attn = torch.nn.Identity()
-    dm.patch_size, dm.num_heads, dm.dim = (1, 2, 2), 12, 1536
     holder = lifecycle.MCSparsePatch(_settings(min_tokens=min_tokens, cache_placement="auto"), "wan")
-    guider = types.SimpleNamespace(model_patcher=ModelPatcher(dm), conds={"positive": [], "negative": []}, cfg=5.0,
+    guider = types.SimpleNamespace(model_patcher=ModelPatcher(wan_model()), conds={"positive": [], "negative": []}, cfg=5.0,
                                    model_options={"transformer_options": {lifecycle.HOLDER_KEY: holder}})
 
     def executor(noise, latent, sampler, sigmas):
