@@ -427,12 +427,22 @@ def _plan_or_dense(run: RunState, guider, noise, latent_shapes=None, head_split:
 
 def outer_sample_wrapper(executor, *args, **kwargs):
     """OUTER_SAMPLE: a fresh ``RunState`` for this sampler call; summary, free and restore in ``finally``."""
+    return run_sampler_call(executor, args, kwargs, install=True, report=_report)
+
+
+def run_sampler_call(executor, args: tuple, kwargs: dict, *, install: bool, report, head_split: int = 1):
+    """The body of an OUTER_SAMPLE wrapper (this module's, and raylight's on each rank): the sampler call
+    ``executor(*args, **kwargs)`` (args ``(noise, latent, sampler, sigmas, ...)``) with a fresh ``RunState`` under
+    ``RUN_KEY`` in a clone of the guider's model options (the attention override installed there when ``install``),
+    after the pay-off check and cache plan (``_plan_or_dense`` for ``1 / head_split`` of the heads). In ``finally``:
+    ``report(run)``, the run's caches freed, the guider's options restored. An exception is noted in the run
+    (``interrupted_by``) and propagates. Without an MC-Sparse holder in the options: the call alone."""
     from comfy.model_patcher import create_model_options_clone
 
     guider = executor.class_obj
     original_options = guider.model_options
-    holder: MCSparsePatch | None = original_options.get("transformer_options", {}).get(HOLDER_KEY)
-    if holder is None:
+    holder = original_options.get("transformer_options", {}).get(HOLDER_KEY)
+    if not isinstance(holder, MCSparsePatch):
         return executor(*args, **kwargs)
     sigmas = args[3] if len(args) > 3 else kwargs["sigmas"]
     run = None
@@ -441,11 +451,13 @@ def outer_sample_wrapper(executor, *args, **kwargs):
         options = guider.model_options.setdefault("transformer_options", {})
         run = RunState(holder.settings, sigmas, family=holder.family, unsupported=holder.unsupported)
         options[RUN_KEY] = run
-        displaced = install_override(options)
-        if displaced:
-            run.note_displaced(displaced)
+        if install:
+            displaced = install_override(options)
+            if displaced:
+                run.note_displaced(displaced)
         holder.active_runs.append(run)
-        _plan_or_dense(run, guider, args[0] if args else kwargs.get("noise"), kwargs.get("latent_shapes"))
+        _plan_or_dense(run, guider, args[0] if args else kwargs.get("noise"), kwargs.get("latent_shapes"),
+                       head_split)
         return executor(*args, **kwargs)
     except BaseException as err:  # ComfyUI's interrupt (InterruptProcessingException), OOM, Ctrl-C, ...
         if run is not None:
@@ -454,7 +466,7 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     finally:
         if run is not None:
             try:
-                _report(run)
+                report(run)
             finally:
                 run.close()
                 if run in holder.active_runs:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import HEAD_DIMS
-from .lifecycle import HOLDER_KEY, MCSparsePatch, RunState, _plan_or_dense
+from .lifecycle import HOLDER_KEY, MCSparsePatch, run_sampler_call
 from .callsite import MARK_KEY, CallSite
 from .override import RUN_KEY, _callers, _contained, _window_key, chunk_branches
 
@@ -280,41 +280,12 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
 # -- one run per sampler call on each rank, one summary for all ranks ----------------------------------------
 
 def outer_sample_wrapper(executor, *args, **kwargs):
-    """OUTER_SAMPLE on one rank: a fresh ``RunState`` for this sampler call (args ``(noise, latent, sampler,
-    sigmas, ...)``), its pay-off check and cache plan as on one GPU (``lifecycle._plan_or_dense``) for this rank's
-    share of the heads (the Ulysses degree's; a CFG-parallel rank is planned for every branch its guider has, an
-    over-estimate); in ``finally`` the summary goes to ``report_across_ranks`` and the caches are freed."""
-    from comfy.model_patcher import create_model_options_clone
-
-    guider = executor.class_obj
-    original_options = guider.model_options
-    holder = original_options.get("transformer_options", {}).get(HOLDER_KEY)
-    if not isinstance(holder, MCSparsePatch):
-        return executor(*args, **kwargs)
-    sigmas = args[3] if len(args) > 3 else kwargs["sigmas"]
-    run = None
-    try:
-        guider.model_options = create_model_options_clone(original_options)
-        options = guider.model_options.setdefault("transformer_options", {})
-        run = RunState(holder.settings, sigmas, family=holder.family, unsupported=holder.unsupported)
-        options[RUN_KEY] = run
-        holder.active_runs.append(run)
-        _plan_or_dense(run, guider, args[0] if args else kwargs.get("noise"), kwargs.get("latent_shapes"),
-                       head_split=xfuser_head_slice().degree)
-        return executor(*args, **kwargs)
-    except BaseException as err:
-        if run is not None:
-            run.interrupted_by = type(err).__name__
-        raise
-    finally:
-        if run is not None:
-            try:
-                report_across_ranks(run.summary(), finished=run.interrupted_by is None)
-            finally:
-                run.close()
-                if run in holder.active_runs:
-                    holder.active_runs.remove(run)
-        guider.model_options = original_options
+    """OUTER_SAMPLE on one rank: ``lifecycle.run_sampler_call`` (a fresh ``RunState`` for this sampler call, its
+    pay-off check and cache plan as on one GPU for this rank's share of the heads: the Ulysses degree's; a
+    CFG-parallel rank is planned for every branch its guider has, an over-estimate) without the attention override
+    (the processor runs MC-Sparse here); the summary goes to ``report_across_ranks``."""
+    return run_sampler_call(executor, args, kwargs, install=False, head_split=xfuser_head_slice().degree,
+                            report=lambda run: report_across_ranks(run.summary(), finished=run.interrupted_by is None))
 
 
 def _default_group():
