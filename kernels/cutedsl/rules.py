@@ -67,10 +67,15 @@ STAGED_OPTIONS: tuple = ("persistent", "overlap", "hide_epi", "split_tail", "pdl
 # residual, no LSE; 1.3B 480p then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5) 0.772 / 0.757 / 0.856 / 0.878 and 0.834 /
 # 0.843 / 0.863 / 0.901 against one CTA per group 0.728 / 0.736 / 0.840 / 0.854 and 0.792 / 0.838 / 0.846 / 0.904;
 # each checked in the same run; GPU tests with plain and int4_group residuals on grids of 1, 7 and 500 CTAs.
-# Candidate (round s10final, side by side, not GPU-tested as a set): + pdl, v3, q_ahead, cnt_ahead, idx_ahead,
-# lazy_rescale, idx_l2 0.804 / 0.832 / 0.813 / 0.905 and 0.837 / 0.880 / 0.843 / 0.890 against these options' 0.770 /
-# 0.818 / 0.784 / 0.886 and 0.816 / 0.865 / 0.856 / 0.901.
-REGISTERS_OPTIONS: tuple = ("persistent", "overlap")
+# + pdl, v3, q_ahead, cnt_ahead, idx_ahead, lazy_rescale, idx_l2 since 2026-12-02 06:25: round s10final (side by
+# side) 0.804 / 0.832 / 0.813 / 0.905 and 0.837 / 0.880 / 0.843 / 0.890 against persistent + overlap's 0.770 / 0.818
+# / 0.784 / 0.886 and 0.816 / 0.865 / 0.856 / 0.901; round s11r1 (method of record with lead-in, 5 rounds, side by
+# side, plain bf16 residual) 0.833 / 0.867 / 0.917 / 0.950 and 0.843 / 0.875 / 0.884 / 0.864 against 0.805 / 0.809 /
+# 0.883 / 0.891 and 0.825 / 0.886 / 0.870 / 0.865 (better at 6 of 8 points, level at the other two; min 0.833 vs
+# 0.805); GPU-tested through the op in that round (plain and int4_group residuals on 68 and 544 groups, the pdl
+# chain with a plain residual: test_cutedsl_env_res_candidate).
+REGISTERS_OPTIONS: tuple = ("persistent", "overlap", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead", "lazy_rescale",
+                            "idx_l2")
 
 
 def refusal(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int) -> str | None:
