@@ -26,9 +26,8 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 3. RACE 1 per shape (tests/_timing.race: sustained back-to-back samples led in by untimed calls, shuffled order,
    median; TEAM.md items 7 and 11): flash-attn-4 dense with LSE, select_kv defaults and ``RACE1_ROWS`` ("cute": the
    CuTeDSL pass 2 with its fused top-K where the module has one, else + the separate top-K counting one bit per pass;
-   "cute sep": the CuTeDSL pass 2 + the separate top-K, beside a fused one; "cute topk": the same with the separate
-   top-K as the CuTeDSL launch (kernels/cutedsl/topk_sm90.py; only where its check passed: ``topk_cute_ok``);
-   "triton" beside a CuTeDSL default (not with ``--no-triton-row``);
+   "cute sep": the CuTeDSL pass 2 + the separate top-K, beside a fused one; "triton" beside a CuTeDSL default (not
+   with ``--no-triton-row``);
    ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios
    / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes). Each race also prints
    ``from_idle``: each row's lead-in calls (the first of each sample, on a GPU just left by another row) / dense's.
@@ -222,15 +221,6 @@ def cute_checks(sub, kq, width, log, config="cute"):
         r["default_route"] = "fused top-K" if r["fused"] is True else "separate top-K"
         r["default_route_exact"] = bool(torch.equal(sel_d, fsel if r["fused"] is True else want))
         names.append("default_route_exact")
-        # the separate top-K as the CuTeDSL launch (kernels/cutedsl/topk_sm90.py): the row "cute topk" runs only
-        # where it equals the brute force too (its failure does not stop the other rows)
-        try:
-            sel_t = selection.select_kv(q, k, lse, perm, kq, topk_cute=True, **sep)
-            r["topk_cute_exact"] = bool(torch.equal(sel_t, want))
-            r["topk_cute_ran"] = pass2_dispatch.topk_cute_refusal(got, kq, width, requested=True) is None
-        except Exception as err:  # noqa: BLE001
-            r["topk_cute_error"] = f"{type(err).__name__}: {str(err)[:300]}"
-        r["topk_cute_ok"] = bool(r.get("topk_cute_exact") and r.get("topk_cute_ran"))
         r["no_fallback"] = pass2_dispatch.cute_fallback_reason() is None
         if not r["no_fallback"]:
             r["fallback"] = pass2_dispatch.cute_fallback_reason()
@@ -251,9 +241,7 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"cute sep": dict(cute=True, topk_fused=False, topk_count=True),
-              # the separate top-K as the CuTeDSL launch (p2ops, kernels/cutedsl/topk_sm90.py)
-              "cute topk": dict(cute=True, topk_fused=False, topk_cute=True)}
+RACE1_ROWS = {"cute sep": dict(cute=True, topk_fused=False, topk_count=True)}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
@@ -828,8 +816,7 @@ def main():
                 cfg = res["checks"]["cute_configs"]
                 rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed; "cute fused"
                         if cfg.get(n if n in cfg else "cute", {}).get("ok")  # only where the module has it)
-                        and (n != "cute fused" or cfg["cute"].get("fused") is True)
-                        and (n != "cute topk" or cfg["cute"].get("topk_cute_ok") is True)}
+                        and (n != "cute fused" or cfg["cute"].get("fused") is True)}
                 if pass2_dispatch.cute_mode() and not args.no_triton_row:  # the CuTeDSL pass 2 is the default: the
                     # Triton one beside it (its pass-2 and fused top-K compiles are not precompiled: ~10-20 s a shape)
                     rows["triton"] = dict(cute=False)

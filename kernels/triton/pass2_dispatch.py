@@ -15,12 +15,6 @@
   before they were reverted; the restored sweeps are session 9's GPU-checked code), unless the
   module refuses (``select_refusal``) or has no fused top-K; its failure is remembered apart (``CUTE_TOPK_KEY``), and
   the call goes on to the CuTeDSL kernel without it (then the separate top-K), as any refusal does.
-- The separate top-K after a pass 2 that wrote only the sums (``try_cute_topk``, select_kv's ``_top_k``): the CuTeDSL
-  launch (``kernels/cutedsl/topk_sm90.py``: one warp per row, the fused top-K's row routine; the same selection as
-  ``topk.top_k_rows``) when on (``topk_cute=True`` from the caller, else ``MC_SPARSE_TOPK_CUTE``, else
-  ``TOPK_CUTE_DEFAULT``), its module imports and ``topk_sm90.refusal`` accepts the call (sm_90, float16 sums in
-  16-byte aligned rows); never with a Triton-only top-K option (a method, histogram or sample stride given). Its
-  failure is remembered (``TOPK_CUTE_KEY``) and that call and the rest of the run take the Triton top-K.
 
 - The Triton kernel runs everywhere the Gluon kernel refuses (``selection_sm90.refusal``: not sm_90, the interpreter,
   head dim, group width, operand layout), whenever the caller asks for something only the Triton kernel has (the
@@ -64,10 +58,6 @@ CUTE_DEFAULT = True
 _cute_failures = registry.FailureMemo(CUTE_KEY)
 CUTE_TOPK_KEY = ("cutedsl.pass2_sm90", "group_prob_sums+top_k")
 _cute_topk_failures = registry.FailureMemo(CUTE_TOPK_KEY)
-TOPK_CUTE_KEY = ("cutedsl.topk_sm90", "top_k")
-# off until it wins a race on the GPU (tests/bench_topk_race.py, tests/bench_select_race.py)
-TOPK_CUTE_DEFAULT = False
-_topk_cute_failures = registry.FailureMemo(TOPK_CUTE_KEY)
 
 
 _cute_import_error: list[BaseException] = []  # the module's import error, once (not retried on every call)
@@ -170,65 +160,6 @@ def try_cute_select(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, sel, num_k
                    select=(sel, num_keys))
 
 
-_topk_import_error: list[BaseException] = []  # the CuTeDSL top-K module's import error, once
-
-
-def _topk_module():
-    if _topk_import_error:
-        raise _topk_import_error[0]
-    try:
-        from ..cutedsl import topk_sm90  # imported lazily: no nvidia-cutlass-dsl is a refusal reason, not a failure
-    except Exception as err:
-        _topk_import_error.append(err)
-        raise
-    return topk_sm90
-
-
-def topk_cute_mode(requested: bool | None = None) -> bool:
-    """Whether the CuTeDSL top-K launch is wanted: ``requested`` when not None, else ``MC_SPARSE_TOPK_CUTE`` ("1" on,
-    "0" off; any other value is a ValueError), else ``TOPK_CUTE_DEFAULT``."""
-    return _switch(requested, "MC_SPARSE_TOPK_CUTE", TOPK_CUTE_DEFAULT)
-
-
-def topk_cute_fallback_reason() -> str | None:
-    """The CuTeDSL top-K launch's failure this run (active record) or this process (no record), if any."""
-    return _topk_cute_failures.reason()
-
-
-def topk_cute_refusal(sums, num_keys: int, width: int, *, requested=None, only_triton=None) -> str | None:
-    """Why the CuTeDSL top-K launch does not select from ``sums`` (None: it does): switched off, a Triton-only top-K
-    option (``only_triton``), a failure remembered earlier, its module not importable ("unavailable (...)") or its
-    ``refusal``."""
-    why = _not_wanted(topk_cute_mode(requested), requested, "topk_cute", "MC_SPARSE_TOPK_CUTE", "TOPK_CUTE_DEFAULT",
-                      only_triton, topk_cute_fallback_reason)
-    if why is not None:
-        return why
-    try:
-        mod = _topk_module()
-    except Exception as err:  # noqa: BLE001
-        return f"unavailable ({type(err).__name__}: {err})"
-    return mod.refusal(sums, num_keys, width)
-
-
-def try_cute_topk(sums, num_keys: int, out, *, requested=None, only_triton=None) -> bool:
-    """Write each row's ``num_keys`` largest float16 ``sums`` (``[B, H, G, Sk]``) into ``out`` (int32 ``[B, H, G,
-    width]``: ascending indices, ties to the lower index, then -1) with the CuTeDSL launch if it may
-    (``topk_cute_refusal``): True when it did; False when the caller must run the Triton top-K (refused, or failed:
-    then remembered under ``TOPK_CUTE_KEY`` and logged). Raises: out of memory."""
-    if topk_cute_refusal(sums, num_keys, out.shape[-1], requested=requested, only_triton=only_triton) is not None:
-        return False
-    try:
-        _topk_module().top_k_rows(sums, num_keys, out)
-        return True
-    except Exception as err:  # noqa: BLE001 (any compile / launch failure: the Triton top-K answers)
-        if registry.is_out_of_memory(err):
-            raise
-        reason = f"{type(err).__name__}: {str(err)[:500]}"
-        _topk_cute_failures.remember(reason)
-        log.warning("MC-Sparse: the CuTeDSL top-K failed (%s); using the Triton top-K", reason)
-        return False
-
-
 def _gluon_module():
     from . import selection_sm90  # imported lazily: an import error is a refusal reason, not a broken backend
 
@@ -270,12 +201,10 @@ def fallback_reason() -> str | None:
 
 
 def reset() -> None:
-    """Forget the process-level Gluon and CuTeDSL failures, the top-K launch's too (tests; a new record starts clean
-    itself)."""
+    """Forget the process-level Gluon and CuTeDSL failures (tests; a new record starts clean itself)."""
     _failures.reset()
     _cute_failures.reset()
     _cute_topk_failures.reset()
-    _topk_cute_failures.reset()
 
 
 def gluon_refusal(q8, k8, group_size, out, *, requested=None, only_triton=None) -> str | None:

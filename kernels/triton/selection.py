@@ -905,7 +905,7 @@ def head_chunk(B: int, H: int, G: int, SK: int) -> int:
 def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, heads_per_chunk=None, poly=0,
               block_n=None, num_warps=None, num_stages=None, pipelined=None, fp8=None, exp="fp32", pair=None,
               topk_method=None, topk_hist=None, gluon=None, topk_fused=None, one_group=None,
-              poly3=(0, 0), topk_count=None, topk_z=None, cute=None, topk_stride=None, topk_cute=None):
+              poly3=(0, 0), topk_count=None, topk_z=None, cute=None, topk_stride=None):
     """Pass 2 + top-K on the Triton kernel; same contract as ``kernels.reference.select_kv``.
 
     Heads are processed in chunks so the group-sum scratch stays under ``_SCRATCH_BYTES`` (1 GiB). The sums are
@@ -929,9 +929,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     on the CuTeDSL sm_90 kernel where it runs (``group_prob_sums``; None: ``pass2_dispatch.CUTE_DEFAULT``), with its
     own fused top-K where the module has one, ``topk_fused`` is on and the module's policy takes the call
     (``pass2_dispatch.try_cute_select``), else then the separate bracket top-K (``topk.top_k_rows``), its threshold
-    among the candidates by counting when ``topk_count`` (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``); ``topk_cute``: that
-    separate top-K as the CuTeDSL launch where it runs (``pass2_dispatch.try_cute_topk``; the same selection; None:
-    ``pass2_dispatch.TOPK_CUTE_DEFAULT``; never with ``topk_method``, ``topk_hist`` or ``topk_stride``).
+    among the candidates by counting when ``topk_count`` (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.
@@ -957,8 +955,6 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
                                        **({} if topk_z is None else dict(z=float(topk_z))), stride=topk_stride)
         except torch.cuda.OutOfMemoryError:
             fused = None  # the unfused top-K (its own out-of-memory handling)
-    only_triton_topk = ("a top-K method, histogram or sample stride given (the Triton top-K's options)"
-                        if topk_method is not None or use_hist or topk_stride is not None else None)
     for h0 in range(0, H, hc):
         h1 = min(H, h0 + hc)
         hist = None if hist_buf is None else hist_buf[: B * (h1 - h0) * G * HIST_BINS.value].view(
@@ -972,8 +968,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
         )
         if select is not None and select.done:
             select.finish(sums)
-        elif not pass2_dispatch.try_cute_topk(sums, num_keys, out[:, h0:h1], requested=topk_cute,
-                                               only_triton=only_triton_topk):
+        else:
             _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method or ("radix" if use_hist else None), hist,
                    cand_count=int(_TOPK_SEPARATE_COUNT_DEFAULT if topk_count is None else topk_count),
                    sample_stride=topk_stride)
