@@ -1,18 +1,18 @@
-"""select_kv's separate top-K: the Triton launch against the CuTeDSL one (kernels/cutedsl/topk_sm90.py), / flash-attn-4
-dense, in one race (issue 15, p2ops).
+"""select_kv's separate top-K and float8 operand pass: launch variants / flash-attn-4 dense, in one race (issue 15,
+p2ops).
 
 Not collected by pytest. At Wan2.1-1.3B 480p (tests/bench_select_race.py's inputs: S = 32760, H = 12, C = 128; the
 float16 group sums of the CuTeDSL pass 2 where it runs, else the Triton one: 3072 rows of 32760 keys), for s in
-``--densities``: every row is CHECKED first (line "TOPK CHECKS": == the brute-force top-K of the sums,
-kernels/reference/topk.py, every row; the share of rows that fell back to the radix launch; also on "twin" sums, every
-odd key a copy of its even neighbour, all ties), then dense and every checked row are raced (tests/_timing.race, the
-method of record; line "TOPK RACE"): the top-K alone on the same sums ("triton", "cute wN rev|fwd": N warps (rows)
-per CTA, rows from the last one or the first), and, where the CuTeDSL pass 2 compiled, pass 2 on precomputed float8
-operands followed by each top-K ("p2+..."; there the sums pass 2 wrote last are still in L2, which ``rev`` reads
-first), and the float8 operand pass ("operands").
+``--densities``: every top-K row is CHECKED first (line "TOPK CHECKS": == the brute-force top-K of the sums,
+kernels/reference/topk.py, every row; also on "twin" sums, every odd key a copy of its even neighbour), then dense and
+every checked row are raced (tests/_timing.race, the method of record; line "TOPK RACE"): the top-K launches of
+``TOPK`` alone on the same sums and, where the CuTeDSL pass 2 compiled, after pass 2 on precomputed float8 operands
+("p2+..."; "p2 alone" beside them), and the operand pass's launch tunings of ``OPERANDS``.
 Usage (checkout root, H200): python tests/bench_topk_race.py --out OUT [--commit HASH] [--densities 0.5,0.25,0.1]
-[--rounds 5] [--child-wait 50]. The CuTeDSL launches (and pass 2) compile first in child processes (disk cache) beside
-the inputs. Writes OUT/bench_topk_race.json after each density.
+[--rounds 5] [--child-wait 50] [--smoke: CPU, TRITON_INTERPRET=1, tiny shape, single calls]. The variants' Triton
+compiles and the CuTeDSL pass 2 run first in two child processes beside the inputs (a variant row runs only where its
+child ended cleanly). Writes OUT/bench_topk_race.json after each density. (Round s11r1 raced the CuTeDSL top-K launch
+here; it lost and was removed.)
 """
 
 from __future__ import annotations
@@ -38,32 +38,43 @@ topk = bsr.topk
 selection = bsr.selection
 ref_top_k_rows = bsr.ref_top_k_rows
 
-CUTE = {"cute w2 rev": dict(warps=2, reverse=True), "cute w2 fwd": dict(warps=2, reverse=False),
-        "cute w1 rev": dict(warps=1, reverse=True), "cute w4 rev": dict(warps=4, reverse=True)}
-
-
-def _cute_topk():
-    from comfyui_mc_sparse_pack.kernels.cutedsl import topk_sm90
-
-    return topk_sm90
+# the separate top-K's launch variants (``topk.top_k_rows`` keywords; "count": select_kv's, 2 warps per row, 72
+# registers: 14 programs per SM). rN: the register cap (offline sm_90 ptxas at 1.3B: 64 spills 28 bytes outside the
+# sweeps, 72 24 bytes (the default), 80 and 96 none: 16 / 14 / 12 / 10 programs per SM); w1: one warp per row (no
+# barrier in the sweeps' scans; up to 28-32 programs per SM), w4: four warps, 1024-key steps
+TOPK = {"count": dict(cand_count=1), "count r64": dict(cand_count=1, maxnreg=64),
+        "count r80": dict(cand_count=1, maxnreg=80), "count w1": dict(cand_count=1, num_warps=1),
+        "count w1 r64": dict(cand_count=1, num_warps=1, maxnreg=64),
+        "count w4 r64": dict(cand_count=1, num_warps=4, maxnreg=64)}
+# the float8 operand pass's launch tuning (``selection.fp8_operands`` keywords; "operands": select_kv's: 528
+# statistics programs per tensor, 64-row quantising programs of 4 warps)
+OPERANDS = {"operands": {}, "operands p264": dict(stats_programs=264), "operands p1056": dict(stats_programs=1056),
+            "operands qb32": dict(quant_block=32), "operands qb128": dict(quant_block=128),
+            "operands qw8": dict(quant_warps=8)}
 
 
 def compile_child(what, densities, S=32760):
-    """(child) the CuTeDSL top-K launches of ``CUTE`` (``what`` "topk": compiled into the disk cache and run once on
-    random sums, checked) or pass 2 ("pass2") compiled."""
+    """(child) pass 2 ("pass2": the CuTeDSL kernel) compiled into the disk cache, or every ``TOPK`` launch ("topk")
+    or ``OPERANDS`` config ("ops") run once on random inputs of the race's shapes (Triton's cache)."""
     if what == "pass2":
         from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90
 
         pass2_sm90.compiled("float16")
         return
-    t = _cute_topk()
-    sums = torch.rand(1, 2, 256, S, device="cuda").half()  # a first run here: a fault ends this child, not the bench
+    if what == "ops":
+        q, k = (torch.randn(1, 12, S, bsr.D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        lse = torch.randn(1, 12, S, device="cuda") + 10.0
+        for kw in OPERANDS.values():
+            selection.fp8_operands(q, k, lse, bsr.D ** -0.5, kb_pow2=True, **kw)
+        torch.cuda.synchronize()
+        return
+    sums = torch.rand(1, 12, 256, S, device="cuda").half()
     for s in densities:
         kq = int(s * S)
-        sel = torch.empty(1, 2, 256, kq, dtype=torch.int32, device="cuda")
-        for kw in CUTE.values():
-            t.top_k_rows(sums, kq, sel, **kw)
-            assert torch.equal(sel, ref_top_k_rows(sums, kq, kq)), kw
+        width = -(-kq // bsr.KV_TILE) * bsr.KV_TILE
+        sel = torch.empty(1, 12, 256, width, dtype=torch.int32, device="cuda")
+        for kw in TOPK.values():
+            topk.top_k_rows(sums, kq, width, out=sel, **kw)
     torch.cuda.synchronize()
 
 
@@ -86,7 +97,7 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     children = {} if args.smoke else {w: subprocess.Popen([sys.executable, __file__, "--out", "/tmp", "--child", w, "--densities",
                                      args.densities], stdout=open(out_dir / f"child_{w}.log", "w"),
-                                    stderr=subprocess.STDOUT) for w in ("topk", "pass2")}
+                                    stderr=subprocess.STDOUT) for w in ("topk", "ops", "pass2")}
     t0 = time.time()
     report = dict(commit=args.commit, gpu=None if args.smoke else torch.cuda.get_device_name(), checks={}, races={},
                   errors={})
@@ -109,7 +120,7 @@ def main():
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-    rc = {w: c.returncode for w, c in children.items()} if children else dict(topk=1, pass2=1)
+    rc = {w: c.returncode for w, c in children.items()} if children else dict(topk=0, ops=0, pass2=1)  # (smoke: in-process)
     log(f"compile children rc {rc}")
     sums = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
     p2 = None
@@ -124,15 +135,15 @@ def main():
     twin[..., 1::2] = twin[..., 0::2]
     log(f"sums from {'the CuTeDSL' if p2 else 'the Triton'} pass 2")
     _, dense = bsr.dense_fn(q, k, v)
-    t = _cute_topk() if rc["topk"] == 0 else None
     for s in dens:
         kq = int(s * S)
         width = -(-kq // bsr.KV_TILE) * bsr.KV_TILE
-        rows = {"triton": lambda src, sel, kq=kq, width=width: topk.top_k_rows(src, kq, width, out=sel, cand_count=1)}
-        if t is not None:
-            for name, kw in CUTE.items():
-                rows[name] = lambda src, sel, kq=kq, kw=kw: t.top_k_rows(src, kq, sel, **kw)
-        fns = {"dense": dense, "operands": lambda: selection.fp8_operands(q, k, lse, scale, kb_pow2=True)}
+        rows = {name: (lambda src, sel, kq=kq, width=width, kw=kw: topk.top_k_rows(src, kq, width, out=sel, **kw))
+                for name, kw in TOPK.items()} if rc["topk"] == 0 else {
+                    "count": lambda src, sel, kq=kq, width=width: topk.top_k_rows(src, kq, width, out=sel, cand_count=1)}
+        fns = {"dense": dense}
+        for name, kw in (OPERANDS if rc["ops"] == 0 else {"operands": {}}).items():
+            fns[name] = (lambda kw: lambda: selection.fp8_operands(q, k, lse, scale, kb_pow2=True, **kw))(kw)
         for tag, src in (("", sums), (" twin", twin)):
             want = ref_top_k_rows(src, kq, width)
             for name, fn in rows.items():
@@ -142,10 +153,6 @@ def main():
                     fn(src, sel)
                     ok = bool(torch.equal(sel, want))
                     report["checks"][key] = dict(equal=ok, bad_rows=int((sel != want).any(-1).sum()))
-                    if name.startswith("cute"):  # the rows the radix launch wrote (their flags)
-                        from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_launch
-
-                        report["checks"][key]["fallback_rows"] = int(pass2_launch.flags(q.device, H * G).sum())
                     if ok and not tag:
                         fns[name] = (lambda fn, sel: lambda: fn(sums, sel))(fn, sel)
                         if p2 is not None:
@@ -159,9 +166,8 @@ def main():
             del want
         if p2 is not None:
             fns["p2 alone"] = p2
-        log(f"TOPK CHECKS s={s}: " + ", ".join(
-            f"{n.rsplit(' s=', 1)[0]} {'ok' if c.get('equal') else 'FAILED'} fb {c.get('fallback_rows', '-')}"
-            for n, c in report["checks"].items() if n.endswith(f" s={s}")))
+        log(f"TOPK CHECKS s={s}: " + ", ".join(f"{n.rsplit(' s=', 1)[0]} {'ok' if c.get('equal') else 'FAILED'}"
+                                               for n, c in report["checks"].items() if n.endswith(f" s={s}")))
         save()
         try:
             ms = bsr.race(fns, rounds=args.rounds)
