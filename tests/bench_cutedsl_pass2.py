@@ -17,10 +17,13 @@ Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p:
 a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<ksplit>`` (else
 ``auto_ksplit``), `` ls`` (lse_smem), `` qs`` (qsplit 1: query-half wgmmas), `` qr`` (qsplit 2: rolled over pairs
 of tiles), `` wg4`` (four consumer warpgroups), `` pr`` (two query groups per work item), `` ov`` (with pr:
-overlapped wgmmas), `` tk`` (the top-K fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums
+overlapped wgmmas), `` u1`` (``unit_qf``: on operands with qf = 1, ``unit_qf_operands``, checked against the
+Triton sums of those), `` tk`` (the top-K fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums
 too), `` nols`` / `` npr`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed
 without the check).
-Writes OUT/bench_cutedsl_pass2.json (after the checks, again after the race).
+Writes OUT/bench_cutedsl_pass2.json (after the checks, again after the race). ``--clocks SEC``: then each raced row
+back to back for SEC seconds under nvidia-smi sampling (lines "CLOCKS": ms, SM MHz, W, Mcycles per call; the H200
+runs power-capped, so a row's clock says its energy per call).
 Expected at 1.3B: ~10 s inputs, ~5 s per variant compile (first process on a machine), ~2 s race.
 """
 
@@ -41,9 +44,9 @@ import bench_select_race as bsr  # noqa: E402  (loads the pack)
 from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 
 # the compile-time keys
-COMPILED = ("stages", "poly", "lse_smem", "qsplit", "diag", "topk", "wg4", "pair", "overlap")
+COMPILED = ("stages", "poly", "lse_smem", "qsplit", "diag", "topk", "wg4", "pair", "overlap", "unit_qf")
 FLAGS = {"ls": "lse_smem", "qs": "qsplit", "tk": "topk", "wg4": "wg4", "pr": "pair",
-         "ov": "overlap"}
+         "ov": "overlap", "u1": "unit_qf"}
 TOPK_DENSITY = 0.25  # the fused top-K variants ("tk") select K = 0.25 x Sk keys per group
 OFF = {"nols": "lse_smem", "npr": "pair"}
 DEFAULT_VARIANTS = "st4,st4 k1,st4 qr,st4 p4,st6"
@@ -75,21 +78,35 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-def cute_rows(ops, perm, ref16, variants, log):
+def unit_qf_operands(ops):
+    """``ops`` with the head factor moved into the float8 operands (q8, k8 times sqrt(qf), rounded again to e4m3;
+    qf = 1): what the ``u1`` variants (``unit_qf``) read. Same work per score; a second rounding, so their check is
+    against the Triton sums of these operands."""
+    q8, k8, qf, lse_s, kb = ops
+    r = qf.double().sqrt()[..., None, None]
+    return ((q8.double() * r).to(torch.float8_e4m3fn), (k8.double() * r).to(torch.float8_e4m3fn),
+            torch.ones_like(qf), lse_s, kb)
+
+
+def cute_rows(ops, perm, ref16, variants, log, ref_u1=None):
     """{row name: zero-argument callable} of the CuTeDSL variants whose check passed, and {name: check result}.
-    ``ops``: ``fp8_operands(kb_pow2=True)``; ``ref16``: the Triton kernel's float16 sums [B, H, G, Sk]."""
+    ``ops``: ``fp8_operands(kb_pow2=True)``; ``ref16``: the Triton kernel's float16 sums [B, H, G, Sk]; ``ref_u1``:
+    (``unit_qf_operands(ops)``, the Triton sums of those) for the ``u1`` variants."""
     from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_launch
     from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90 as p2
 
-    q8, k8, qf, lse_s, kb = ops
     fns, res = {}, {}
     for text in variants:
         name = f"cute {text}"
+        q8, k8, qf, lse_s, kb = ops
+        ref = ref16
         try:
             tun = parse_variant(text)
+            if tun.get("unit_qf"):
+                (q8, k8, qf, lse_s, kb), ref = ref_u1
             t = time.time()
             p2.compiled("float16", **{key: tun[key] for key in COMPILED if key in tun})
-            got = torch.full_like(ref16, float("nan"))
+            got = torch.full_like(ref, float("nan"))
             run = dict(tun)
             sel_ok = True
             if run.pop("topk", False):
@@ -99,7 +116,7 @@ def cute_rows(ops, perm, ref16, variants, log):
                 run["select"] = (sel, kq)
             p2.group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, got, group_size=bsr.C, **run)
             torch.cuda.synchronize()
-            rel = float(((got.double() - ref16.double()).norm(dim=-1) / ref16.double().norm(dim=-1)).max())
+            rel = float(((got.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max())
             if "select" in run:  # the fused selection == the brute-force top-K of the kernel's own sums
                 rows_bad = int((sel != bsr.ref_top_k_rows(got, kq, width)).any(-1).sum())
                 flagged = int(pass2_launch.flags(got.device, sel[..., 0].numel()).sum())
@@ -112,13 +129,44 @@ def cute_rows(ops, perm, ref16, variants, log):
                 + ("" if ok else "  CHECK FAILED"))
             if ok:
                 out = torch.empty_like(ref16)
-                fns[name] = (lambda run, out: lambda: p2.group_prob_sums_fp8(
-                    q8, k8, qf, lse_s, kb, perm, out, group_size=bsr.C, **run))(run, out)
+                fns[name] = (lambda run, out, o: lambda: p2.group_prob_sums_fp8(
+                    *o, perm, out, group_size=bsr.C, **run))(run, out, (q8, k8, qf, lse_s, kb))
             del got
         except Exception as err:  # noqa: BLE001 (a variant that fails to compile or run is reported, not timed)
             res[name] = dict(ok=False, error=f"{type(err).__name__}: {str(err)[:400]}")
             log(f"CHECK {name}: {res[name]['error']}  CHECK FAILED")
     return fns, res
+
+
+def clocks(fns, seconds, smi_path, log):
+    """Each of ``fns`` called back to back for ~``seconds`` while nvidia-smi samples the SM clock and board power
+    (tests/bench_cutedsl_clocks.py's sampler; the first 0.3 s of each segment left out): {row: ms, MHz, W, reasons,
+    Mcycles per call}. Not the method of record (rows run one after another): it says at which clock each row ran."""
+    import bench_cutedsl_clocks as bcc
+
+    proc, _ = bcc.sampler(20, str(smi_path))
+    segs = []
+    try:
+        for row, fn in fns.items():
+            t0, t1, ms = bcc.segment(fn, seconds)
+            segs.append((row, t0 + 0.3, t1, ms))
+    finally:
+        time.sleep(0.2)
+        proc.terminate()
+        proc.wait()
+    samples = bcc.parse(Path(smi_path).read_text().splitlines())
+    out = {}
+    for row, t0, t1, ms in segs:
+        inside = [x for x in samples if t0 <= x[0] <= t1]
+        if not inside:
+            out[row] = dict(ms=ms)
+            continue
+        mhz = sum(x[1] for x in inside) / len(inside)
+        out[row] = dict(ms=ms, mhz=mhz, watts=sum(x[2] for x in inside) / len(inside),
+                        reasons=sorted({x[4] for x in inside}), mcycles=ms * mhz / 1e3, samples=len(inside))
+        log(f"CLOCKS {row}: {ms:.3f} ms at {mhz:.0f} MHz, {out[row]['watts']:.0f} W = {out[row]['mcycles']:.3f} "
+            f"Mcycles per call; reasons {out[row]['reasons']}")
+    return out
 
 
 def main():
@@ -128,6 +176,10 @@ def main():
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--commit", default="")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--target-ms", type=float, default=20.0)
+    ap.add_argument("--clocks", type=float, default=0.0,
+                    help="after the race: each raced row back to back for this many seconds under nvidia-smi "
+                         "sampling (SM MHz, W): ms, MHz and cycles per call (0: off)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -161,8 +213,12 @@ def main():
         ops = selection.fp8_operands(q, k, lse, bsr.D**-0.5, kb_pow2=True)
         ref16 = bsr.launch_pair(ops, perm, torch.empty(1, H, G, S, dtype=torch.float16, device="cuda"),
                                 one_group=True)
+        ref_u1 = None
+        if any(" u1" in f" {t} " for t in variants):
+            ops_u1 = unit_qf_operands(ops)
+            ref_u1 = (ops_u1, bsr.launch_pair(ops_u1, perm, torch.empty_like(ref16), one_group=True))
         log(f"{name}: inputs ready (H {H}, S {S}, G {G})")
-        fns, checks = cute_rows(ops, perm, ref16, variants, log)
+        fns, checks = cute_rows(ops, perm, ref16, variants, log, ref_u1)
         report["shapes"][name] = dict(checks=checks)  # written now: a round's cap may stop the race
         (out_dir / "bench_cutedsl_pass2.json").write_text(json.dumps(report, indent=1, default=str))
         dname, dense = bsr.dense_fn(q, k, v)
@@ -176,13 +232,16 @@ def main():
             sel = torch.empty(*ref16.shape[:3], -(-kq // bsr.KV_TILE) * bsr.KV_TILE, dtype=torch.int32, device="cuda")
             race_fns["cute + separate top-K count"] = lambda: topk.top_k_rows(
                 p2.group_prob_sums_fp8(*ops, perm, out16, group_size=bsr.C), kq, sel.shape[-1], out=sel, cand_count=1)
-        ms = bsr.race(race_fns, rounds=args.rounds, target_ms=20.0)
+        ms = bsr.race(race_fns, rounds=args.rounds, target_ms=args.target_ms)
         ratio = {n: t / ms["dense"] for n, t in ms.items() if n != "dense"}
         log(f"{name} CUTE RACE (dense {dname} {ms['dense']:.3f} ms, all heads, kernel alone / dense): " + " | ".join(
             f"{n} {r:.4f}" for n, r in ratio.items()))
         report["shapes"][name] = dict(dense_backend=dname, dense_ms=ms["dense"], ms=ms, over_dense=ratio,
                                       checks=checks)
         (out_dir / "bench_cutedsl_pass2.json").write_text(json.dumps(report, indent=1, default=str))
+        if args.clocks > 0:
+            report["shapes"][name]["clocks"] = clocks(race_fns, args.clocks, out_dir / f"smi_{name}.csv", log)
+            (out_dir / "bench_cutedsl_pass2.json").write_text(json.dumps(report, indent=1, default=str))
         del q, k, v, lse, perm, ops, ref16, fns, race_fns
         torch.cuda.empty_cache()
     log("done")

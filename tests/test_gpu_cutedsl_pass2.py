@@ -60,9 +60,11 @@ def _warm(request):
         tun = getattr(getattr(item, "callspec", None), "params", {}).get("tuning")
         if item.module is request.module and tun is not None:
             keys = {k: v for k, v in tun.items() if k in _COMPILED}
-            for dt in ("float32",) if keys else ("float32", "float16"):
-                if dict(out_dtype=dt, **keys) not in configs:
-                    configs.append(dict(out_dtype=dt, **keys))
+            more = [{k: v for k, v in keys.items() if k != "unit_qf"}] if "unit_qf" in keys else []  # its plain form
+            for kk in [keys] + more:
+                for dt in ("float32",) if kk or more else ("float32", "float16"):
+                    if dict(out_dtype=dt, **kk) not in configs:
+                        configs.append(dict(out_dtype=dt, **kk))
     print("parallel compiles:", warm_parallel(configs))
 
 
@@ -129,7 +131,7 @@ def _written_sums(p2, operands, perm, C, tuning, dtype):
 
 
 # the tuning keys that are compile-time
-_COMPILED = ("stages", "poly", "lse_smem", "qsplit", "wg4", "pair", "overlap")
+_COMPILED = ("stages", "poly", "lse_smem", "qsplit", "wg4", "pair", "overlap", "unit_qf")
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,
@@ -214,6 +216,34 @@ def test_cutedsl_pass2_equals_float64(case, tuning):
         f32 = got[torch.float32]
         assert torch.allclose(got[torch.float16].float(), f32.half().float(), rtol=2**-10, atol=1e-7), \
             float((got[torch.float16].float() - f32).abs().max())
+
+
+@pytest.mark.parametrize("tuning", [dict(unit_qf=True), dict(unit_qf=True, poly=8, num_ctas=5, ksplit=3),
+                                    dict(unit_qf=True, qsplit=2, lse_smem=False, num_ctas=7)], ids=str)
+def test_cutedsl_pass2_unit_qf_equals_float64(tuning):
+    """``unit_qf`` (2^score x the query's weight 2^bias, qf not read) on torch-made operands with qf = 1 (the scores
+    q8 . k8 in log2 units): every entry of the view written, nothing outside it, fp32 sums within 3e-3 relative L2 per
+    group of float64 (the test above's bound: the e4m3 wgmma's accumulation) and within 1e-4 relative per entry of
+    the default form's sums on the same operands passed with qf = 1 (poly: 1e-3)."""
+    _, p2 = _mods()
+    B, H, S, SK, C, holes = CASES[2]
+    q8, k8, qf, lse_s, kb, perm = _torch_operands(B, H, S, SK, C, SEED + 7 + len(str(tuning)), holes)
+    r = qf.double().sqrt()[..., None, None]  # qf moved into the operands: q8 . k8 is the score in log2 units
+    q8, k8 = (q8.double() * r).to(torch.float8_e4m3fn), (k8.double() * r).to(torch.float8_e4m3fn)
+    qf = torch.ones_like(qf)
+    s = torch.einsum("bhsd,bhkd->bhsk", q8.double(), k8.double()) / _LOG2E
+    lse_s = torch.logsumexp(s, -1).float()
+    want = reference.group_prob_sums(q8.double(), k8.double() / (_LOG2E * 128**-0.5), lse_s.double(), perm,
+                                     group_size=C) * kb.double()[:, :, None, :]
+    got = _written_sums(p2, (q8, k8, qf, lse_s, kb), perm, C, tuning, torch.float32)
+    rel = (got.double() - want).norm(dim=-1) / want.norm(dim=-1)
+    print(f"float64: max relative L2 per group {float(rel.max()):.2e}")
+    assert float(rel.max()) < 3e-3, float(rel.max())
+    plain = _written_sums(p2, (q8, k8, qf, lse_s, kb), perm, C, {k: v for k, v in tuning.items() if k != "unit_qf"},
+                          torch.float32)
+    rel_p = float(((got - plain).abs() / plain.abs().clamp_min(1e-30)).max())
+    print(f"max relative difference to the default form {rel_p:.2e}")
+    assert rel_p < (1e-3 if tuning.get("poly") else 1e-4), rel_p
 
 
 def test_cutedsl_pass2_refusals():

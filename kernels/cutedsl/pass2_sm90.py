@@ -125,7 +125,8 @@ class Pass2Sm90:
     each, 32 with wg4); ``poly``: score columns per 32 taken by the FMA-pipe exponential (0-32)."""
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, lse_smem: bool = False, qsplit: int = 0,
-                 diag: str = "", topk: bool = False, wg4: bool = False, pair: bool = False, overlap: bool = False):
+                 diag: str = "", topk: bool = False, wg4: bool = False, pair: bool = False, overlap: bool = False,
+                 unit_qf: bool = False):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -169,6 +170,11 @@ class Pass2Sm90:
         # first group's exponentials (the consumers' 64 more registers: three warpgroups only)
         assert not overlap or (pair and self.nwg == 3), "overlap: pair without wg4"
         self.overlap = overlap
+        # unit_qf: operands whose head factor qf is 1 (the scores come out of the wgmma in log2 units): each score's
+        # 2^s times the query's weight 2^(-LSE * log2(e)) (one per column and item) goes into the row sum by one FFMA,
+        # no FFMA for the argument (MUFU + FFMA per score instead of FFMA + MUFU + FADD); qf is not read
+        assert not (unit_qf and pair), "unit_qf: no pair"
+        self.unit_qf = bool(unit_qf)
         smem = smem_bytes(stages, self.nwg, self.gpi, topk)
         assert smem <= SMEM_LIMIT, f"shared memory {smem} bytes > 227 KiB (stages {stages}, pair {pair}, topk {topk})"
 
@@ -616,6 +622,9 @@ class Pass2Sm90:
                 cute.arch.barrier(barrier_id=BIAS_BARRIER, number_of_threads=128 * self.nwg)
             elif const_expr(self.lse_smem):
                 self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index, halves)
+            if const_expr(self.unit_qf):  # the columns' weights 2^bias (0 for a padded slot's -inf)
+                for c in cutlass.range_constexpr(halves * n_cols):
+                    nl2[c] = cute.arch.exp2(nl2[c])
             n_rolled = Int32(0)  # tiles taken two at a time by _qsplit_pair (qsplit 2)
             if const_expr(self.qsplit == 2):
                 n_rolled = count - count % 2
@@ -737,15 +746,22 @@ class Pass2Sm90:
                  by_col: cutlass.Constexpr = False):
         """Sum over this thread's columns c of row ``r`` of 2^(acc_mn[r, c] * qf + bias[c0 + c]) (with ``by_col``:
         bias indexed by the column's query, ``tScS``) in four partial chains, each started by its first term (no add
-        to zero)."""
+        to zero). ``unit_qf``: the sum of 2^acc_mn[r, c] * bias[c0 + c] (bias: the columns' weights; qf not read)."""
         chains = [None, None, None, None]
         for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
             bc = bias[tScS[0, c][1]] if const_expr(by_col) else bias[c0 + c]
-            e = self._exp2(acc_mn[r, c] * qf + bc, c0 + c)
-            if const_expr(c < 4):
-                chains[c] = e
+            if const_expr(self.unit_qf):
+                e = self._exp2(acc_mn[r, c], c0 + c)
+                if const_expr(c < 4):
+                    chains[c] = e * bc
+                else:
+                    chains[c % 4] = e * bc + chains[c % 4]
             else:
-                chains[c % 4] = chains[c % 4] + e
+                e = self._exp2(acc_mn[r, c] * qf + bc, c0 + c)
+                if const_expr(c < 4):
+                    chains[c] = e
+                else:
+                    chains[c % 4] = chains[c % 4] + e
         return (chains[0] + chains[1]) + (chains[2] + chains[3])
 
     @cute.jit
@@ -901,7 +917,7 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
                  lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
-                 wg4: bool = False, pair: bool = False, overlap: bool = False):
+                 wg4: bool = False, pair: bool = False, overlap: bool = False, unit_qf: bool = False):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``; ``topk``: the fused top-K. Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -914,14 +930,16 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
     kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, POLY if poly is None else poly,
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=(0 if pair else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
-                       topk=bool(topk), wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap))
+                       topk=bool(topk), wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap),
+                       unit_qf=bool(unit_qf))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
 
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
-             wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None):
+             wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
+             unit_qf: bool = False):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -938,9 +956,9 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     if fit:  # the default: as many as fit
         stages = fit_stages(stages, 4 if wg4 else 3, 2 if pair else 1, topk)
     key = ("mc_pass2_sm90", out_dtype, stages, poly, lse_smem, qsplit, diag or "", topk, wg4, pair, overlap,
-           cc.source_hash())
+           bool(unit_qf), cc.source_hash())
     return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, lse_smem, qsplit, diag, topk, wg4, pair,
-                                                overlap))
+                                                overlap, unit_qf))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -990,7 +1008,8 @@ def select_refusal(q8, k8, group_size: int, out, sel, num_keys: int, *, policy: 
 def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, select=None, stages: int | None = None,
                         poly: int | None = None, lse_smem: bool | None = None, qsplit: int | None = None,
                         diag: str = "", wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
-                        num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None):
+                        num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None,
+                        unit_qf: bool = False):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
@@ -1009,7 +1028,9 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         timing floor of the benchmark ("noexp" / "nomma": WRONG sums) (None: ``config``; CTAs: the SM count;
         ksplit: ``auto_ksplit``). bracket: the fused top-K's sample plan (stride, n_samp, hi_rank, lo_rank) instead
         of ``topk.bracket_plan``'s (tests: a plan whose brackets miss sends rows to the radix launch; any plan gives
-        the same selection).
+        the same selection). unit_qf (an option under test, off): operands whose qf is exactly 1 for every head (the
+        caller's guarantee: qf is not read), and whose scores q8 . k8 and biases -lse_s * log2(e) stay inside
+        float32's exponent range (2^score finite, 2^bias normal): the sums as 2^score x 2^bias (``Pass2Sm90``).
     Returns:
         ``out``. Keys are written for every group; nothing past Sk. With ``select``: ``sel`` written in full (rows
         whose bracket the kernel's counts disproved by the radix top-K launched after it on the same stream).
@@ -1040,7 +1061,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
     if topk_on and ksplit is None and not TOPK_AUTO_KSPLIT:
         ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, lse_smem, qsplit, diag, topk_on,
-                  wg4, pair, overlap)
+                  wg4, pair, overlap, unit_qf)
     if num_ctas is None:
         num_ctas = _sm_count(q8.device)
     if ksplit is None:
