@@ -7,7 +7,8 @@ back for ``--seconds`` while ``nvidia-smi`` samples the SM clock, board power, t
 shapes and inputs of ``bench_cutedsl.py``): flash-attn-4 dense with LSE, the op (``rules.STAGED_OPTIONS``), the op
 with every group of a head on its first group's key set ("shared": same bytes, every row read by all the head's
 groups), the op without its K/V copies ("diag": wrong output by construction, the consumers' own speed), then the op
-and dense again (drift). Printed per row: ms per call, cycles per key tile (ms x mean SM MHz / tiles per SM) and us
+and dense again (drift); ``--op-options``: the op under each of these staged-epilogue option sets too
+($MC_SPARSE_CUTEDSL_OPTIONS; each checked against the op's output first, rel. diff < 1e-2). Printed per row: ms per call, cycles per key tile (ms x mean SM MHz / tiles per SM) and us
 per key tile, so rows that run at different clocks compare per cycle. If the op runs at a lower clock than dense at
 the same power, the gap is power (energy per key tile), not latency.
 
@@ -83,6 +84,7 @@ def main():
     ap.add_argument("--seconds", type=float, default=1.2)
     ap.add_argument("--settle", type=float, default=0.3)
     ap.add_argument("--sample-ms", type=int, default=20)
+    ap.add_argument("--op-options", default="", help='";"-separated staged-epilogue option sets timed as op rows')
     args = ap.parse_args()
     from comfyui_mc_sparse_pack.kernels.cutedsl import op as cop
     smi_log = os.path.splitext(os.path.abspath(args.out))[0] + ".smi.csv"
@@ -112,6 +114,18 @@ def main():
                 ("op again", lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl")),
                 ("dense again", lambda: kernels.dense_attention(qc, kc, vc, return_lse=True, backend="flash_attn4")),
             ]
+            for raw in [x for x in args.op_options.split(";") if x]:
+                fn = bc.with_options(raw, lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
+                                                                          backend="cutedsl"))
+                want = rows[1][1]().clone()
+                with bc.registry.recording(bc.registry.Record()) as rec:
+                    got = fn()
+                rel = float((got.float() - want.float()).norm() / want.float().norm())
+                bad = rec.choices["sparse_attention"].backend != "cutedsl" or not rel < 1e-2
+                print(f"{point} op ({raw}): rel diff to the op {rel:.2e}" + (": WRONG or fell back, not timed"
+                                                                             if bad else ""), flush=True)
+                if not bad:
+                    rows.insert(-2, (f"op ({raw})", fn))
             with bc.registry.recording(bc.registry.Record()) as rec:  # a fallback would be timed instead
                 rows[1][1]()
             if rec.choices["sparse_attention"].backend != "cutedsl":
