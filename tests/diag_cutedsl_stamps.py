@@ -9,9 +9,11 @@ softmax done, item end, and its K / V wait cycles; the producer's item start, fi
 K / V stage wait cycles and its next-item hook cycles (``STAMP_SLOTS``). Prints the median of each phase over the
 items of the walk's inner rounds (no first or last round), in cycles and in ns (clock rate from the stamps'
 globaltimer column), the loop's cycles per key tile, and the same kernel without "stamps" timed beside it (the
-stamps' own cost). With ``--no-copy`` also the kernel with "diag_no_copy" (the consumers without the gathers).
+stamps' own cost). ``--extra``: more stamped kernels, each the op's options plus the ";"-separated option sets given
+(e.g. "diag_no_copy": the consumers without the gathers; a candidate option), and each timed without stamps too.
 
-Usage: python tests/diag_cutedsl_stamps.py --out DIR [--points 1.3b:0.1,1.3b:0.5,14b:0.1] [--reps 10] [--no-copy]
+Usage: python tests/diag_cutedsl_stamps.py --out DIR [--points 1.3b:0.1,1.3b:0.5,14b:0.1] [--reps 10]
+       [--extra "diag_no_copy;stage_under_qk"]
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ C = 128
 
 def col(name: str, wg: int = 0) -> int:
     """The column of stamp ``name`` (consumer warpgroup ``wg``'s for the c_ ones)."""
-    return STAMP_SLOTS.index(name) + (8 * wg if name.startswith("c_") else 0)
+    return STAMP_SLOTS.index(name) + (8 * wg if name.startswith("c_") and name != "c_end_ns" else 0)
 
 
 def phases(st: torch.Tensor, ctas: int, rounds: int, tiles: int) -> dict:
@@ -61,10 +63,12 @@ def phases(st: torch.Tensor, ctas: int, rounds: int, tiles: int) -> dict:
             f"wg{wg} end -> next start": st[2:rounds, :, col("c_start", wg)] - st[inner, :, col("c_end", wg)],
             f"wg{wg} K wait sum": st[inner, :, col("c_kwait", wg)],
             f"wg{wg} V wait sum": st[inner, :, col("c_vwait", wg)],
+            f"wg{wg} boundary step K+V waits": st[inner, :, col(f"c{wg}_bwait")],
         })
     rows.update({
         "wg1 start - wg0 start": st[inner, :, col("c_start", 1)] - st[inner, :, col("c_start", 0)],
-        "producer start -> first K": d("p_start", "p_first"),
+        "producer start -> first K stage free": d("p_start", "p_acq"),
+        "producer first K stage free -> first K": d("p_acq", "p_first"),
         "producer first K -> last V": d("p_first", "p_last"),
         "producer last V -> next start": st[2:rounds, :, col("p_start")] - st[inner, :, col("p_last")],
         "producer K stage wait sum": st[inner, :, col("p_kwait")],
@@ -122,8 +126,13 @@ def run(shape: str, s: float, reps: int, extra: tuple) -> dict:
     res = dict(shape=shape, s=s, groups=n, ctas=ctas, parts=parts, options=list(options))
     tiles = -(-int(counts[0]) // 128)
     rounds = n // ctas
-    for tag, opts in (("default", options), ("stamps", (*options, "stamps")),
-                      *((f"stamps+{x}", (*options, "stamps", x)) for x in extra)):
+    runs = [("default", options), ("stamps", (*options, "stamps"))]
+    for x in extra:
+        more = tuple(o for o in x.split(",") if o)
+        if "diag_no_copy" not in more:  # a candidate: its own time without stamps too
+            runs.append((f"+{x}", (*options, *more)))
+        runs.append((f"stamps+{x}", (*options, "stamps", *more)))
+    for tag, opts in runs:
         fn = cc.compiled("bfloat16", D, False, "none", epilogue="smem", options=opts)
         stamps = torch.zeros(n + ctas, len(STAMP_SLOTS), dtype=torch.int64, device=q.device) if "stamps" in tag \
             else None
@@ -163,14 +172,15 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--points", default="1.3b:0.1,1.3b:0.5,14b:0.1")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--no-copy", action="store_true", help='also the kernel with "diag_no_copy" (stamped)')
+    ap.add_argument("--extra", default="", help='";"-separated option sets added to the op\'s (stamped, and timed '
+                    'alone unless diag_no_copy)')
     args = ap.parse_args()
     print(f"GPU {torch.cuda.get_device_name()}", flush=True)
     report = []
     for point in args.points.split(","):
         shape, s = point.split(":")
         try:
-            report.append(run(shape, float(s), args.reps, ("diag_no_copy",) if args.no_copy else ()))
+            report.append(run(shape, float(s), args.reps, tuple(x for x in args.extra.split(";") if x)))
         except Exception as exc:  # a diagnostic: report and go on
             print(f"{point}: FAILED {type(exc).__name__}: {exc}", flush=True)
             report.append(dict(point=point, error=f"{type(exc).__name__}: {exc}"))

@@ -147,11 +147,14 @@ EPILOGUES = ("registers", "smem")
 # 0.931 / 0.908 / 0.933).
 # "diag_no_copy" (a diagnostic, wrong results): the producer skips the K/V row copies (their barriers still arrive),
 # so the consumers compute on whatever the stages hold: the kernel's speed without the gathers.
+# "stage_under_qk" (with "hide_epi"): at a group boundary the finished group's output is normalised, rounded and
+# staged in its query slot after the next group's second Q K^T is issued and before its first P V (which zero-fills
+# the accumulator), so those instructions run under that Q K^T instead of between the warpgroup's MMAs.
 # "stamps" (a diagnostic, with "overlap"; needs the ``mStamps`` argument): per work item, SM clock stamps of the
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "phase", "diag_no_copy", "stamps")
+           "lazy_rescale", "idx_l2", "phase", "stage_under_qk", "diag_no_copy", "stamps")
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
 # queries and first K done, the boundary's softmax of the next item's first tile done, item end (output written or
@@ -159,9 +162,12 @@ OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ah
 # item start. The producer's at 16 + (0 .. 5): item start, first K tile issued, last V tile issued, cycles waiting
 # for free K stages, for free V stages, cycles in the next item's query / index loads ("q_ahead" hook); then the
 # globaltimer (ns) at consumer warpgroup 0's item end, and in the row of the CTA's first item (item = CTA index) the
-# globaltimer at the kernel's start and after its wait for the kernel before it ("pdl": the counts launch).
+# globaltimer at the kernel's start and after its wait for the kernel before it ("pdl": the counts launch); then
+# consumer warpgroup 0's and 1's cycles waiting for K / V in the "hide_epi" boundary step (the next item's second key
+# tile) and the producer's clock after it acquired the item's first K stage.
 STAMP_SLOTS = ("c_start", "c_tiles", "c_ready", "c_softmax", "c_end", "c_kwait", "c_vwait", "c_ns") * 2 + (
-    "p_start", "p_first", "p_last", "p_kwait", "p_vwait", "p_qhook", "c_end_ns", "k_start_ns", "k_dep_ns")
+    "p_start", "p_first", "p_last", "p_kwait", "p_vwait", "p_qhook", "c_end_ns", "k_start_ns", "k_dep_ns",
+    "c0_bwait", "c1_bwait", "p_acq")
 RESCALE_THRESHOLD = 8.0
 PHASE_NS = 1850  # "phase": the clock's tile period, about one key tile's time under the power cap (1.8-1.95 us)
 IDX_L2_AHEAD = 4  # "idx_l2": key tiles between the index loaded and the index line prefetched
@@ -422,6 +428,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         assert not self.lazy_rescale or self.overlap, "lazy_rescale is an overlap option"
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
         self.stamps = "stamps" in options
+        self.stage_under_qk = "stage_under_qk" in options
+        assert not self.stage_under_qk or self.hide_epi, "stage_under_qk is a hide_epi option (staged epilogue)"
         assert not self.stamps or self.overlap, "stamps is an overlap option"
 
     @cute.jit
@@ -556,8 +564,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             k_dep = _globaltimer()
             if cute.arch.thread_idx()[0] == 0:
                 cta = Int32(cute.arch.block_idx()[0])
-                mStamps[cta, len(STAMP_SLOTS) - 2] = k_start
-                mStamps[cta, len(STAMP_SLOTS) - 1] = k_dep
+                mStamps[cta, STAMP_SLOTS.index("k_start_ns")] = k_start
+                mStamps[cta, STAMP_SLOTS.index("k_dep_ns")] = k_dep
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
@@ -668,6 +676,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state)
             if const_expr(self.idx_l2):  # the stage first: the wait for the index below overlaps it
                 pipeline_k.producer_acquire(kv_state)
+                if const_expr(self.stamps):
+                    st.at(item, STAMP_SLOTS.index("p_acq") - 16)
             index.advance()
             index.fetch(order(0) if const_expr(self.phase) else n_block - 1)
             if const_expr(self.idx_l2):
@@ -911,7 +921,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 if const_expr(self.stamps):
                     st.at(item, 3)
             v_state.advance()
-            softmax.rescale_O(acc_O, row_scale)
+            if const_expr(not self.stage_under_qk):  # else in _boundary_hiding
+                softmax.rescale_O(acc_O, row_scale)
             bh = group // outs.groups_per_head
             b = bh // outs.n_heads
             if const_expr(self.hide_epi):
@@ -919,7 +930,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     acc_O, lse, outs, sQ[None, None, q_state.index], tiled_mma_pv, tidx, group, b,
                     bh - b * outs.n_heads, out_rows, next_tile, kv_state, v_state, q_state, tSrQ, tSrK, tiled_mma_qk,
                     mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax, block_info, SeqlenInfoCls, work_fn, slot,
-                    discard, next_count)
+                    discard, next_count, row_scale, st)
             elif const_expr(self.smem_epilogue):
                 self._epilogue_smem(acc_O, lse, outs.mO, outs.mLSE, outs.mPerm, sQ[None, None, q_state.index],
                                     tiled_mma_pv, tidx, group, b, bh - b * outs.n_heads, rows=out_rows,
@@ -932,6 +943,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 st.flush(item, 5, 2)
                 if warp_group_idx == 0:
                     st.at_ns(item, 22)  # c_end_ns (warpgroup 0: base 0)
+                if st.lead:  # the boundary step's waits (its sum 2), then cleared
+                    mStamps[item, STAMP_SLOTS.index("c0_bwait") + warp_group_idx] = st.acc[2]
+                st.acc[2] = Int64(0)
             cute.arch.sync_warp()  # every lane of this warp has read its staged rows back: the slot is free
             pipeline_q.consumer_release(q_state)
             q_state.advance()
@@ -996,17 +1010,20 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     @cute.jit
     def _boundary_hiding(self, acc_O, lse, outs, sO, tiled_mma_pv, tidx, group, b, h, out_rows, next_tile, kv_state,
                          v_state, q_state, tSrQ, tSrK, tiled_mma_qk, mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax,
-                         block_info, SeqlenInfoCls, work_fn=None, slot=None, discard=None, next_count=None):
+                         block_info, SeqlenInfoCls, work_fn=None, slot=None, discard=None, next_count=None,
+                         row_scale=None, st=None):
         """The "hide_epi" group boundary (``acc_O`` this group's normalised output, ``tOrP`` the next group's first
         P): O rounded and staged in this group's query slot ``sO``, the LSE written; then, if the next group has
         two key tiles or more, its second Q K^T and first P V are issued (``_step``) and the staged rows are
         stored while they run; else the rows are stored at once (``next_count``: the next item's valid count if
-        loaded ahead, "cnt_ahead"). Returns (1 if it ran the next group's second tile
-        (its loop then starts one tile later) else 0, the consumers' K and V states after it)."""
-        rO = cute.make_fragment_like(acc_O, self.dtype)
-        fa_utils.cvt_f16(acc_O, rO)
-        self._stage_o(rO, lse, outs.mLSE, outs.mPerm, sO, tiled_mma_pv, tidx, group, b, h, rows=out_rows, slot=slot,
-                      discard=discard, mWsL=outs.mWsL)
+        loaded ahead, "cnt_ahead"). "stage_under_qk": ``acc_O`` is not normalised yet (``row_scale``: its rows'
+        1 / row sum) and the normalising and staging run between that Q K^T and that P V. ``st``: the consumers'
+        "stamps" writer or None (the step's waits go to its wait sum 2). Returns (1 if it ran the next group's
+        second tile (its loop then starts one tile later) else 0, the consumers' K and V states after it)."""
+        stage = partial(self._stage_boundary, acc_O, row_scale, softmax, lse, outs.mLSE, outs.mPerm, sO, tiled_mma_pv,
+                        tidx, group, b, h, out_rows, slot, discard, outs.mWsL)
+        if const_expr(not self.stage_under_qk):
+            stage()
         store = partial(self._store_staged, outs.mO, outs.mPerm, sO, tidx, group, b, h, out_rows, slot, outs.mWsO)
         stepped = Int32(0)
         if next_tile.is_valid_tile:
@@ -1022,32 +1039,50 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 kv_state, v_state = self._step(
                     kv_state, v_state, partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n),
                                                tSrQ, tSrK, A_idx=q_next.index),
-                    mma_pv_fn, True, pipeline_k, pipeline_v, acc_O, tOrP, softmax, store)
+                    mma_pv_fn, True, pipeline_k, pipeline_v, acc_O, tOrP, softmax, store, st, 2,
+                    stage if const_expr(self.stage_under_qk) else None)
                 stepped = Int32(1)
         if stepped == 0:
+            if const_expr(self.stage_under_qk):
+                stage()
             store()
         return stepped, kv_state, v_state
 
     @cute.jit
+    def _stage_boundary(self, acc_O, row_scale, softmax, lse, mLSE, mPerm, sO, tiled_mma_pv, tidx, group, b, h,
+                        out_rows, slot, discard, mWsL):
+        """``_boundary_hiding``'s staging: ("stage_under_qk") O's rows times ``row_scale`` (1 / row sum), then O
+        rounded and staged in ``sO`` and the LSE written (``_stage_o``)."""
+        if const_expr(self.stage_under_qk):
+            softmax.rescale_O(acc_O, row_scale)
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        fa_utils.cvt_f16(acc_O, rO)
+        self._stage_o(rO, lse, mLSE, mPerm, sO, tiled_mma_pv, tidx, group, b, h, rows=out_rows, slot=slot,
+                      discard=discard, mWsL=mWsL)
+
+    @cute.jit
     def _step(self, kv_state, v_state, mma_qk_fn, mma_pv_fn, zero_init, pipeline_k, pipeline_v, acc_O, tOrP, softmax,
-              during=None, stamps=None):
+              during=None, stamps=None, wait_sum=None, before_pv=None):
         """flash-attn-4's per-tile step (``mma_one_n_block_intrawg_overlap``, RS P V, no score mod or mask) with K
         and V on their own pipeline states: the next key tile's Q K^T (``kv_state`` advanced to it) and the previous
         tile's P V (V at ``v_state``, O zero-initialised when ``zero_init``) on the tensor cores while ``during()``
         runs ("hide_epi": a group's second key tile and first P V under the previous group's output stores), then
-        the softmax; ``stamps``: a "stamps" writer whose wait sums 0 / 1 get the K / V wait cycles, or None. Returns
-        the advanced states (K, V)."""
+        the softmax; ``stamps``: a "stamps" writer whose wait sums 0 / 1 (or both ``wait_sum``) get the K / V wait
+        cycles, or None; ``before_pv()`` (or None) runs after the Q K^T is issued, before the P V ("stage_under_qk").
+        Returns the advanced states (K, V)."""
         kv_state.advance()
         t0 = _clock64() if const_expr(stamps is not None) else None
         pipeline_k.consumer_wait(kv_state, pipeline_k.consumer_try_wait(kv_state))
         if const_expr(stamps is not None):
-            stamps.since(t0, 0)
+            stamps.since(t0, 0 if const_expr(wait_sum is None) else wait_sum)
         self.warp_scheduler_barrier_sync()
         acc_S = mma_qk_fn(B_idx=kv_state.index, wg_wait=-1)
+        if const_expr(before_pv is not None):
+            before_pv()
         t0 = _clock64() if const_expr(stamps is not None) else None
         pipeline_v.consumer_wait(v_state, pipeline_v.consumer_try_wait(v_state))
         if const_expr(stamps is not None):
-            stamps.since(t0, 1)
+            stamps.since(t0, 1 if const_expr(wait_sum is None) else wait_sum)
         mma_pv_fn(B_idx=v_state.index, zero_init=zero_init, wg_wait=-1)
         self.warp_scheduler_barrier_arrive()
         if const_expr(during is not None):
