@@ -17,7 +17,7 @@ Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p:
 a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<ksplit>`` (else
 ``auto_ksplit``), `` ls`` (lse_smem), `` qs`` (qsplit 1: query-half wgmmas), `` qr`` (qsplit 2: rolled over pairs
 of tiles), `` wg4`` (four consumer warpgroups), `` pr`` (two query groups per work item), `` ov`` (with pr:
-overlapped wgmmas), `` u1`` (``unit_qf``: on operands with qf = 1, ``unit_qf_operands``, checked against the
+overlapped wgmmas), `` u1`` (``unit_qf``: on ``fp8_operands(unit_qf=True)``'s operands, checked against the
 Triton sums of those), `` tk`` (the top-K fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums
 too), `` nols`` / `` npr`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed
 without the check).
@@ -78,20 +78,10 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-def unit_qf_operands(ops):
-    """``ops`` with the head factor moved into the float8 operands (q8, k8 times sqrt(qf), rounded again to e4m3;
-    qf = 1): what the ``u1`` variants (``unit_qf``) read. Same work per score; a second rounding, so their check is
-    against the Triton sums of these operands."""
-    q8, k8, qf, lse_s, kb = ops
-    r = qf.double().sqrt()[..., None, None]
-    return ((q8.double() * r).to(torch.float8_e4m3fn), (k8.double() * r).to(torch.float8_e4m3fn),
-            torch.ones_like(qf), lse_s, kb)
-
-
 def cute_rows(ops, perm, ref16, variants, log, ref_u1=None):
     """{row name: zero-argument callable} of the CuTeDSL variants whose check passed, and {name: check result}.
     ``ops``: ``fp8_operands(kb_pow2=True)``; ``ref16``: the Triton kernel's float16 sums [B, H, G, Sk]; ``ref_u1``:
-    (``unit_qf_operands(ops)``, the Triton sums of those) for the ``u1`` variants."""
+    (``fp8_operands(kb_pow2=True, unit_qf=True)``, the Triton sums of those) for the ``u1`` variants."""
     from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_launch
     from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90 as p2
 
@@ -214,9 +204,13 @@ def main():
         ref16 = bsr.launch_pair(ops, perm, torch.empty(1, H, G, S, dtype=torch.float16, device="cuda"),
                                 one_group=True)
         ref_u1 = None
-        if any(" u1" in f" {t} " for t in variants):
-            ops_u1 = unit_qf_operands(ops)
+        if any(" u1 " in f" {t} " for t in variants):
+            from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_launch
+
+            ops_u1 = selection.fp8_operands(q, k, lse, bsr.D**-0.5, kb_pow2=True, unit_qf=True)
             ref_u1 = (ops_u1, bsr.launch_pair(ops_u1, perm, torch.empty_like(ref16), one_group=True))
+            fac = pass2_launch.unit_qf_factors(ops_u1[2], ops_u1[3], ops_u1[4])
+            log(f"u1 operands: {int((fac > 0).sum())} of {fac.numel()} heads take the fast form (qf {fac.tolist()})")
         log(f"{name}: inputs ready (H {H}, S {S}, G {G})")
         fns, checks = cute_rows(ops, perm, ref16, variants, log, ref_u1)
         report["shapes"][name] = dict(checks=checks)  # written now: a round's cap may stop the race

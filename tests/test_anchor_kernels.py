@@ -574,6 +574,45 @@ def test_fp8_operands_are_the_smoothed_rounded_copies(gen):
     assert torch.allclose(kb.double(), want_kb.clamp(-100, 100), rtol=1e-5, atol=1e-3)
 
 
+def test_fp8_operands_unit_qf_moves_qf_into_the_copies(gen):
+    """fp8_operands(unit_qf=True): qf exactly 1 where both scales can grow by t = sqrt(1 / qf) <= UNIT_MAX_T, the
+    copies then (x - mean) x 1 / (scale t) rounded (within one e4m3 step of it) and their products the scores in
+    log2 units about as close to the float64 ones as the default copies' products x qf; a head whose t would exceed
+    UNIT_MAX_T keeps the default copies and qf bit for bit; lse_s and kb unchanged."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    B, H, S, SK, D = 1, 3, 70, 90, 32
+    q = (torch.randn(B, H, S, D, generator=gen) * 3).to(torch.bfloat16)
+    k = (torch.randn(B, H, SK, D, generator=gen) + 4 * torch.randn(B, H, 1, D, generator=gen)).to(torch.bfloat16)
+    q[0, 2] = q[0, 2] * 1e-5  # tiny: t > UNIT_MAX_T
+    k[0, 2] = k[0, 2] * 1e-5
+    lse = torch.randn(B, H, S, generator=gen)
+    scale = 0.125
+    dev = [t.to(DEVICE) for t in (q, k, lse)]
+    base = [t.cpu() for t in selection.fp8_operands(*dev, scale)]
+    unit = [t.cpu() for t in selection.fp8_operands(*dev, scale, unit_qf=True)]
+    assert torch.equal(unit[3], base[3]) and torch.equal(unit[4], base[4])
+    t = (1 / base[2].double()).sqrt()
+    assert float(t[0, 2]) > 1024 and float(t[0, :2].max()) <= 1024
+    assert torch.equal(unit[2][0, :2], torch.ones(2)), unit[2]
+    assert float(unit[2][0, 2]) == float(base[2][0, 2])
+    assert torch.equal(unit[0][0, 2].view(torch.uint8), base[0][0, 2].view(torch.uint8))
+    assert torch.equal(unit[1][0, 2].view(torch.uint8), base[1][0, 2].view(torch.uint8))
+    mq, qs = selection.fp8_stats(q)
+    mk, ks = selection.fp8_stats(k)
+    exact = ((q.double() - mq.double()[:, :, None]) @ (k.double() - mk.double()[:, :, None]).transpose(-1, -2)
+             * scale * math.log2(math.e))
+    for h in range(2):
+        want_q = (q[0, h].double() - mq[0, h].double()) / (float(qs[0, h]) * float(t[0, h]))
+        step = want_q.abs().clamp_min(2.0**-6) * 2.0**-3  # one e4m3 step (subnormal spacing 2^-9 below 2^-6)
+        assert bool(((unit[0][0, h].double() - want_q).abs() <= step).all())
+        s_unit = unit[0][0, h].double() @ unit[1][0, h].double().T
+        s_base = base[0][0, h].double() @ base[1][0, h].double().T * float(base[2][0, h])
+        err_u = float((s_unit - exact[0, h]).norm() / exact[0, h].norm())
+        err_b = float((s_base - exact[0, h]).norm() / exact[0, h].norm())
+        assert err_u < 1.5 * err_b + 1e-3, (h, err_u, err_b)
+
+
 @pytest.mark.parametrize("stagger,poly", [(True, 0), (False, 0), (True, 1), (True, 2), (False, 1)])
 def test_fp8_pair_pass2_is_exact_on_its_float8_operands(gen, stagger, poly):
     """The float8 pass 2 computes the exact group sums of its own smoothed float8 operands (fp32 accumulation of

@@ -170,9 +170,10 @@ class Pass2Sm90:
         # first group's exponentials (the consumers' 64 more registers: three warpgroups only)
         assert not overlap or (pair and self.nwg == 3), "overlap: pair without wg4"
         self.overlap = overlap
-        # unit_qf: operands whose head factor qf is 1 (the scores come out of the wgmma in log2 units): each score's
-        # 2^s times the query's weight 2^(-LSE * log2(e)) (one per column and item) goes into the row sum by one FFMA,
-        # no FFMA for the argument (MUFU + FFMA per score instead of FFMA + MUFU + FADD); qf is not read
+        # unit_qf: for heads whose qf is 1 (the scores come out of the wgmma in log2 units) and whose ranges allow it
+        # (the host's sign of qf, ``pass2_launch.unit_qf_factors``), each score's 2^s times the query's weight
+        # 2^(-LSE * log2(e)) (one per column and item) goes into the row sum by one FFMA, no FFMA for the argument
+        # (MUFU + FFMA per score instead of FFMA + MUFU + FADD); other heads (qf passed negated): the default form
         assert not (unit_qf and pair), "unit_qf: no pair"
         self.unit_qf = bool(unit_qf)
         smem = smem_bytes(stages, self.nwg, self.gpi, topk)
@@ -622,9 +623,10 @@ class Pass2Sm90:
                 cute.arch.barrier(barrier_id=BIAS_BARRIER, number_of_threads=128 * self.nwg)
             elif const_expr(self.lse_smem):
                 self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index, halves)
-            if const_expr(self.unit_qf):  # the columns' weights 2^bias (0 for a padded slot's -inf)
-                for c in cutlass.range_constexpr(halves * n_cols):
-                    nl2[c] = cute.arch.exp2(nl2[c])
+            if const_expr(self.unit_qf):
+                if qf > Float32(0.0):  # the fast form: the columns' weights 2^bias (0 for a padded slot's -inf)
+                    for c in cutlass.range_constexpr(halves * n_cols):
+                        nl2[c] = cute.arch.exp2(nl2[c])
             n_rolled = Int32(0)  # tiles taken two at a time by _qsplit_pair (qsplit 2)
             if const_expr(self.qsplit == 2):
                 n_rolled = count - count % 2
@@ -743,14 +745,15 @@ class Pass2Sm90:
 
     @cute.jit
     def _row_sum(self, acc_mn, r: cutlass.Constexpr, qf, bias, c0: cutlass.Constexpr, tScS,
-                 by_col: cutlass.Constexpr = False):
+                 by_col: cutlass.Constexpr = False, weights: cutlass.Constexpr = False):
         """Sum over this thread's columns c of row ``r`` of 2^(acc_mn[r, c] * qf + bias[c0 + c]) (with ``by_col``:
         bias indexed by the column's query, ``tScS``) in four partial chains, each started by its first term (no add
-        to zero). ``unit_qf``: the sum of 2^acc_mn[r, c] * bias[c0 + c] (bias: the columns' weights; qf not read)."""
+        to zero). ``weights`` (``unit_qf``'s fast form): the sum of 2^acc_mn[r, c] * bias[c0 + c] (bias: the columns'
+        weights 2^bias; qf not read)."""
         chains = [None, None, None, None]
         for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
             bc = bias[tScS[0, c][1]] if const_expr(by_col) else bias[c0 + c]
-            if const_expr(self.unit_qf):
+            if const_expr(weights):
                 e = self._exp2(acc_mn[r, c], c0 + c)
                 if const_expr(c < 4):
                     chains[c] = e * bc
@@ -765,16 +768,34 @@ class Pass2Sm90:
         return (chains[0] + chains[1]) + (chains[2] + chains[3])
 
     @cute.jit
-    def _rows(self, acc, nl2, c0: cutlass.Constexpr, qf, part, accumulate: cutlass.Constexpr):
-        """This thread's partial row sums of one 64 x 64 score tile (columns nl2[c0:]) into ``part`` (added to it
-        with ``accumulate``)."""
-        acc_mn = layout_utils.reshape_acc_to_mn(acc)
+    def _part_sums(self, acc_mn, qf, bias, c0: cutlass.Constexpr, tScS, part, accumulate: cutlass.Constexpr,
+                   by_col: cutlass.Constexpr = False, weights: cutlass.Constexpr = False):
+        """``_row_sum`` of every row of ``acc_mn`` into ``part`` (added to it with ``accumulate``)."""
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            s = self._row_sum(acc_mn, r, qf, nl2, c0, None)
+            s = self._row_sum(acc_mn, r, qf, bias, c0, tScS, by_col, weights)
             if const_expr(accumulate):
                 part[r] = part[r] + s
             else:
                 part[r] = s
+
+    @cute.jit
+    def _sums(self, acc_mn, qf, bias, c0: cutlass.Constexpr, tScS, part, accumulate: cutlass.Constexpr,
+              by_col: cutlass.Constexpr = False):
+        """``_part_sums``; with ``unit_qf`` the item's form by the sign of ``qf`` (uniform: one value per head): > 0
+        the fast form (bias holds the weights), else the default one with qf = -qf (``group_prob_sums_fp8``)."""
+        if const_expr(self.unit_qf):
+            if qf > Float32(0.0):
+                self._part_sums(acc_mn, qf, bias, c0, tScS, part, accumulate, by_col, True)
+            else:
+                self._part_sums(acc_mn, -qf, bias, c0, tScS, part, accumulate, by_col, False)
+        else:
+            self._part_sums(acc_mn, qf, bias, c0, tScS, part, accumulate, by_col, False)
+
+    @cute.jit
+    def _rows(self, acc, nl2, c0: cutlass.Constexpr, qf, part, accumulate: cutlass.Constexpr):
+        """This thread's partial row sums of one 64 x 64 score tile (columns nl2[c0:]) into ``part`` (added to it
+        with ``accumulate``)."""
+        self._sums(layout_utils.reshape_acc_to_mn(acc), qf, nl2, c0, None, part, accumulate)
 
     @cute.jit
     def _kb_rows(self, tScS, mKB, bh, key0, sk):
@@ -809,8 +830,7 @@ class Pass2Sm90:
         n_rows = cute.size(acc_mn, mode=[0])
         kbv = self._kb_rows(tScS, mKB, bh, key0, sk)
         part = cute.make_rmem_tensor((n_rows,), Float32)
-        for r in cutlass.range_constexpr(n_rows):
-            part[r] = self._row_sum(acc_mn, r, qf, nl2, 0, tScS, bias_by_col)
+        self._sums(acc_mn, qf, nl2, 0, tScS, part, False, bias_by_col)
         self._store_rows(part, kbv, tScS, mOut, b, h, g, key0, sk, tid, g_ok)
 
 
@@ -1028,9 +1048,9 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         timing floor of the benchmark ("noexp" / "nomma": WRONG sums) (None: ``config``; CTAs: the SM count;
         ksplit: ``auto_ksplit``). bracket: the fused top-K's sample plan (stride, n_samp, hi_rank, lo_rank) instead
         of ``topk.bracket_plan``'s (tests: a plan whose brackets miss sends rows to the radix launch; any plan gives
-        the same selection). unit_qf (an option under test, off): operands whose qf is exactly 1 for every head (the
-        caller's guarantee: qf is not read), and whose scores q8 . k8 and biases -lse_s * log2(e) stay inside
-        float32's exponent range (2^score finite, 2^bias normal): the sums as 2^score x 2^bias (``Pass2Sm90``).
+        the same selection). unit_qf (an option under test, off): heads whose qf is exactly 1
+        (``selection.fp8_operands(unit_qf=True)``) and whose ranges pass (``pass2_launch.unit_qf_factors``) take the
+        sums as 2^score x 2^bias (``Pass2Sm90``), the others the default form; the same sums up to float32 rounding.
     Returns:
         ``out``. Keys are written for every group; nothing past Sk. With ``select``: ``sel`` written in full (rows
         whose bracket the kernel's counts disproved by the radix top-K launched after it on the same stream).
@@ -1077,6 +1097,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
             raise ValueError(f"bracket plan {(stride, n_samp)}: needs 1 <= n_samp <= min({SAMPLE_SLOTS}, Sk // stride)")
     else:  # (not read)
         sel, num_keys, stride, n_samp, hi_rank, lo_rank = None, 1, 1, 1, 0, 1
+    if unit_qf:
+        qf = pass2_launch.unit_qf_factors(qf, lse_s, kb)
     tensors = pass2_launch.launch_tensors(q8, k8, qf, lse_s, kb, perm, out, group_size=group_size, sel=sel,
                                           ksplit=int(ksplit))
     fn(*tensors, int(group_size), int(num_ctas), int(ksplit), num_keys, int(stride), int(n_samp), int(hi_rank),

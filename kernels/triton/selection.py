@@ -410,7 +410,7 @@ def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, 
         if POW2:
             kb = tl.math.exp2(kb)
         tl.store(OUT_ROW + out_rows, kb, mask=ok)
-    inv = tl.div_rn(1.0, tl.load(SCALE + bh))  # exact: SCALE is a power of two
+    inv = tl.div_rn(1.0, tl.load(SCALE + bh))  # exact when SCALE is a power of two (not with unit_qf)
     y = xc * inv
     tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None])
 
@@ -536,10 +536,13 @@ def _fp8_stats_final(
     HEAD_DIM: tl.constexpr,
     NP: tl.constexpr,  # power of two >= max(n0, n1)
     TWO: tl.constexpr,  # the second tensor's statistics too (and QF)
+    UNIT: tl.constexpr = False,  # (with TWO) QF = 1 where the scales can take qf_mul (``fp8_operands(unit_qf=True)``)
 ):
     """One program per head b * H + h: reduces ``_fp8_partial_stats``' splits to each tensor's mean (M0 / M1, fp32
     [B * H, HEAD_DIM]) and float8 scale (SC0 / SC1, fp32 [B * H], ``_pow2_scale`` of max over columns of
-    max(max - mean, mean - min)); with TWO also QF[bh] = SC0 * SC1 * qf_mul."""
+    max(max - mean, mean - min)); with TWO also QF[bh] = SC0 * SC1 * qf_mul. UNIT: where that QF is <= 1 and
+    t = sqrt(1 / QF) <= UNIT_MAX_T, both scales grow by t (SC1 exactly 1 / (SC0 qf_mul)) and QF = 1: the products of
+    the float8 copies are the scores in qf_mul's units, each copy's amax at 224-448 / t."""
     bh = tl.program_id(0)
     sp = tl.arange(0, NP)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -547,9 +550,21 @@ def _fp8_stats_final(
     sc0 = _head_stats(base, sp < n0, S0, M0 + bh * HEAD_DIM + offs_d, SC0 + bh, HEAD_DIM)
     if TWO:
         sc1 = _head_stats(base + n0 * (3 * HEAD_DIM), sp < n1, S1, M1 + bh * HEAD_DIM + offs_d, SC1 + bh, HEAD_DIM)
-        tl.store(QF + bh, sc0 * sc1 * qf_mul)
+        qf = sc0 * sc1 * qf_mul
+        if UNIT:
+            t = tl.sqrt_rn(tl.div_rn(1.0, qf))
+            ok = (qf <= 1.0) & (t <= UNIT_MAX_T)
+            sc0u = sc0 * t
+            tl.store(SC0 + bh, tl.where(ok, sc0u, sc0))
+            tl.store(SC1 + bh, tl.where(ok, tl.div_rn(1.0, sc0u * qf_mul), sc1))
+            qf = tl.where(ok, 1.0, qf)
+        tl.store(QF + bh, qf)
 
 
+# fp8_operands(unit_qf=True): the largest factor t by which both float8 scales may grow to make qf 1 (the copies'
+# amax then >= 224 / t: with 1024 at least ~0.2, far above e4m3's subnormals (2^-6) for the elements that carry the
+# products; beyond it the head keeps its power-of-two scales and qf != 1)
+UNIT_MAX_T = tl.constexpr(1024.0)
 _STATS_BLOCK_S = 32  # rows per register tile of the statistics pass (4 warps: 32 fp32 accumulators x 3 per thread)
 _STATS_PROGRAMS = 528  # statistics programs per tensor (~4 per H200 SM): enough loads in flight for HBM speed
 _QUANT_BLOCK_S = 64  # rows per program of the quantising pass
@@ -583,7 +598,8 @@ def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, *, stats_programs: int | None = None,
-                 quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False):
+                 quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False,
+                 unit_qf: bool = False):
     """The float8 operands of pass 2's FP8 mode, smoothed: (q8, k8, qf, lse_s, kb).
 
     The products are taken on mean-free rows (q' = q - mean_q, k' = k - mean_k per head, SageAttention's smoothing of
@@ -599,7 +615,10 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         pass, default ``_QUANT_BLOCK_S``, 4); the results do not depend on the quantising pass's tuning.
         kb_pow2: return 2^kb in place of kb (what the Triton pair kernel reads with KB_POW2: no exponential per key
         and group there; H200: pass-2 kernel 0.445 against 0.455 of dense at 1.3B 480p, tests/bench_pass2_exp.py
-        round s5r1).
+        round s5r1). unit_qf: the scales of each head chosen so that qf is exactly 1 where that keeps both copies'
+        amax >= 224 / ``UNIT_MAX_T`` (both scales grow by the same factor; no longer powers of two: the quotient is
+        taken as a product by the float32 reciprocal before the rounding); other heads as without it. What the CuTeDSL
+        pass 2's ``unit_qf`` form reads (its scores come out of the wgmma in log2 units).
     Returns:
         q8, k8: float8_e4m3fn ``[B, H, S, D]`` / ``[B, H, Sk, D]``, contiguous: (x - mean) / head scale (``fp8_stats``:
         a power of two, so the quotient is exact) rounded to nearest even (e4m3 is a float format: one scale per head
@@ -627,7 +646,8 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     mk = torch.empty(B * H, D, dtype=torch.float32, device=dev)
     stats = torch.empty(3, B, H, dtype=torch.float32, device=dev)  # q scale, k scale, qf
     _fp8_stats_final[(B * H,)](part, mq, mk, stats[0], stats[1], stats[2], S, SK, nq, nk, scale * _LOG2E,
-                               HEAD_DIM=D, NP=triton.next_power_of_2(max(nq, nk)), TWO=True, num_warps=4)
+                               HEAD_DIM=D, NP=triton.next_power_of_2(max(nq, nk)), TWO=True, UNIT=bool(unit_qf),
+                               num_warps=4)
     q8 = torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn, device=dev)
     k8 = torch.empty(B, H, SK, D, dtype=torch.float8_e4m3fn, device=dev)
     lse_s = torch.empty(B, H, S, dtype=torch.float32, device=dev)
