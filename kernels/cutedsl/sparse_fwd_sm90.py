@@ -149,7 +149,9 @@ EPILOGUES = ("registers", "smem")
 # so the consumers compute on whatever the stages hold: the kernel's speed without the gathers.
 # "stage_under_qk" (with "hide_epi"): at a group boundary the finished group's output is normalised, rounded and
 # staged in its query slot after the next group's second Q K^T is issued and before its first P V (which zero-fills
-# the accumulator), so those instructions run under that Q K^T instead of between the warpgroup's MMAs.
+# the accumulator), so those instructions run under that Q K^T instead of between the warpgroup's MMAs; and the
+# group's row sums (1 / sum, LSE) and the next group's key-tile count are computed after the boundary's MMAs (the
+# next group's first Q K^T, this group's last P V) are issued instead of before.
 # "stamps" (a diagnostic, with "overlap"; needs the ``mStamps`` argument): per work item, SM clock stamps of the
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
@@ -880,16 +882,20 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 st.at(item, 1)
             tile_scheduler.advance_to_next_work()
             next_tile = tile_scheduler.get_current_work()
-            row_scale = softmax.finalize()  # this group's 1 / row sum; row_sum now holds its LSE
-            lse.store(softmax.row_sum.load())
+            # this group's 1 / row sum (row_sum then holds its LSE); "stage_under_qk": after the boundary's MMAs
+            # are issued (the next group's first softmax resets the sums)
+            if const_expr(self.stage_under_qk):
+                row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
+            else:
+                row_scale = softmax.finalize()
+                lse.store(softmax.row_sum.load())
             kv_state.advance()  # the next group's first tile (v_state: this group's last tile, its P V left)
             if next_tile.is_valid_tile:
                 _, _, next_group, _ = next_tile.tile_idx
-                if const_expr(self.split_tail):
-                    next_group, next_seqlen, _, next_max, _, _ = work_fn(next_group, count=next_count)
-                else:
-                    next_seqlen = self._seqlen(SeqlenInfoCls, next_group, next_count)
-                    _, next_max = block_info.get_n_block_min_max(next_seqlen, 0)
+                next_item = next_group
+                if const_expr(not self.stage_under_qk):
+                    next_group, next_seqlen, next_max = self._next_work(next_item, next_count, work_fn,
+                                                                        SeqlenInfoCls, block_info)
                 q_next = q_state.clone()
                 q_next.advance()
                 pipeline_q.consumer_wait(q_next, pipeline_q.consumer_try_wait(q_next))
@@ -902,6 +908,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 pipeline_v.consumer_wait(v_state, pipeline_v.consumer_try_wait(v_state))
                 mma_pv_fn(B_idx=v_state.index, zero_init=not O_should_accumulate, wg_wait=-1)
                 self.warp_scheduler_barrier_arrive()
+                if const_expr(self.stage_under_qk):
+                    self._finalize(softmax, row_scale, lse)
+                    next_group, next_seqlen, next_max = self._next_work(next_item, next_count, work_fn,
+                                                                        SeqlenInfoCls, block_info)
                 warpgroup.wait_group(1)
                 pipeline_k.consumer_release(kv_state)
                 self._mask_fn(AttentionMaskCls, next_seqlen, thr_mma_qk, next_group)(
@@ -913,6 +923,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 if const_expr(self.stamps):
                     st.at(item, 3)
             else:
+                if const_expr(self.stage_under_qk):
+                    self._finalize(softmax, row_scale, lse)
                 pipeline_v.consumer_wait(v_state, pipeline_v.consumer_try_wait(v_state))
                 if const_expr(self.stamps):
                     st.at(item, 2)
@@ -950,6 +962,24 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             pipeline_q.consumer_release(q_state)
             q_state.advance()
             work_tile = next_tile
+
+    @cute.jit
+    def _finalize(self, softmax, row_scale, lse):
+        """A group's end: its rows' 1 / row sum into ``row_scale`` and their LSE into ``lse`` (``Softmax.finalize``)."""
+        row_scale.store(softmax.finalize().load())
+        lse.store(softmax.row_sum.load())
+
+    @cute.jit
+    def _next_work(self, next_item, next_count, work_fn, SeqlenInfoCls, block_info):
+        """(group, seqlen info, end key tile) of work item ``next_item`` (``next_count``: its valid count if loaded
+        ahead, else None)."""
+        if const_expr(self.split_tail):
+            next_group, next_seqlen, _, next_max, _, _ = work_fn(next_item, count=next_count)
+        else:
+            next_group = next_item
+            next_seqlen = self._seqlen(SeqlenInfoCls, next_item, next_count)
+            _, next_max = block_info.get_n_block_min_max(next_seqlen, 0)
+        return next_group, next_seqlen, next_max
 
     @cute.jit
     def _item_group(self, item: Int32, total: Int32, n_parts: Int32):
