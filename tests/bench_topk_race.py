@@ -41,11 +41,14 @@ ref_top_k_rows = bsr.ref_top_k_rows
 # the separate top-K's launch variants (``topk.top_k_rows`` keywords; "count": select_kv's, 2 warps per row, 72
 # registers: 14 programs per SM). rN: the register cap (offline sm_90 ptxas at 1.3B: 64 spills 28 bytes outside the
 # sweeps, 72 24 bytes (the default), 80 and 96 none: 16 / 14 / 12 / 10 programs per SM); w1: one warp per row (no
-# barrier in the sweeps' scans; up to 28-32 programs per SM), w4: four warps, 1024-key steps
+# barrier in the sweeps' scans; up to 28-32 programs per SM), w4: four warps, 1024-key steps; lanes: the compaction on
+# lane-major tiles (``topk._compact_lanes``: whole-sector stores of the selection, 2-byte loads; offline sm_90 ~400
+# instructions per step of 8 keys per thread against ~236, 0 spills)
 TOPK = {"count": dict(cand_count=1), "count r64": dict(cand_count=1, maxnreg=64),
         "count r80": dict(cand_count=1, maxnreg=80), "count w1": dict(cand_count=1, num_warps=1),
         "count w1 r64": dict(cand_count=1, num_warps=1, maxnreg=64),
-        "count w4 r64": dict(cand_count=1, num_warps=4, maxnreg=64)}
+        "count w4 r64": dict(cand_count=1, num_warps=4, maxnreg=64),
+        "count lanes": dict(cand_count=1, lanes=True), "count w1 lanes": dict(cand_count=1, num_warps=1, lanes=True)}
 # the float8 operand pass's launch tuning (``selection.fp8_operands`` keywords; "operands": select_kv's: 528
 # statistics programs per tensor, 64-row quantising programs of 4 warps)
 OPERANDS = {"operands": {}, "operands p264": dict(stats_programs=264), "operands p1056": dict(stats_programs=1056),
@@ -55,7 +58,8 @@ OPERANDS = {"operands": {}, "operands p264": dict(stats_programs=264), "operands
 
 def compile_child(what, densities, S=32760):
     """(child) pass 2 ("pass2": the CuTeDSL kernel) compiled into the disk cache, or every ``TOPK`` launch ("topk")
-    or ``OPERANDS`` config ("ops") run once on random inputs of the race's shapes (Triton's cache)."""
+    ("topk0" / "topk1": every other one) or ``OPERANDS`` config ("ops") run once on random inputs of the race's
+    shapes (Triton's cache)."""
     if what == "pass2":
         from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90
 
@@ -69,11 +73,12 @@ def compile_child(what, densities, S=32760):
         torch.cuda.synchronize()
         return
     sums = torch.rand(1, 12, 256, S, device="cuda").half()
+    part = int(what[-1])  # ("topk0" / "topk1": every other variant)
     for s in densities:
         kq = int(s * S)
         width = -(-kq // bsr.KV_TILE) * bsr.KV_TILE
         sel = torch.empty(1, 12, 256, width, dtype=torch.int32, device="cuda")
-        for kw in TOPK.values():
+        for kw in list(TOPK.values())[part::2]:
             topk.top_k_rows(sums, kq, width, out=sel, **kw)
     torch.cuda.synchronize()
 
@@ -97,7 +102,7 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     children = {} if args.smoke else {w: subprocess.Popen([sys.executable, __file__, "--out", "/tmp", "--child", w, "--densities",
                                      args.densities], stdout=open(out_dir / f"child_{w}.log", "w"),
-                                    stderr=subprocess.STDOUT) for w in ("topk", "ops", "pass2")}
+                                    stderr=subprocess.STDOUT) for w in ("topk0", "topk1", "ops", "pass2")}
     t0 = time.time()
     report = dict(commit=args.commit, gpu=None if args.smoke else torch.cuda.get_device_name(), checks={}, races={},
                   errors={})
@@ -120,7 +125,7 @@ def main():
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-    rc = {w: c.returncode for w, c in children.items()} if children else dict(topk=0, ops=0, pass2=1)  # (smoke: in-process)
+    rc = {w: c.returncode for w, c in children.items()} if children else dict(topk0=0, topk1=0, ops=0, pass2=1)  # (smoke)
     log(f"compile children rc {rc}")
     sums = torch.empty(1, H, G, S, dtype=torch.float16, device=q.device)
     p2 = None
@@ -139,8 +144,7 @@ def main():
         kq = int(s * S)
         width = -(-kq // bsr.KV_TILE) * bsr.KV_TILE
         rows = {name: (lambda src, sel, kq=kq, width=width, kw=kw: topk.top_k_rows(src, kq, width, out=sel, **kw))
-                for name, kw in TOPK.items()} if rc["topk"] == 0 else {
-                    "count": lambda src, sel, kq=kq, width=width: topk.top_k_rows(src, kq, width, out=sel, cand_count=1)}
+                for i, (name, kw) in enumerate(TOPK.items()) if rc[f"topk{i % 2}"] == 0 or name == "count"}
         fns = {"dense": dense}
         for name, kw in (OPERANDS if rc["ops"] == 0 else {"operands": {}}).items():
             fns[name] = (lambda kw: lambda: selection.fp8_operands(q, k, lse, scale, kb_pow2=True, **kw))(kw)

@@ -91,6 +91,24 @@ def test_bracket_top_k_tilings(gen, rows_per_step, prefetch):
     assert torch.equal(got, _brute_force(sums, 1000, 1024))
 
 
+@pytest.mark.parametrize("dtype,sk,k,width,levels,block", [
+    (_F16, 4104, 1000, 1008, 3000, None), (_F16, 1500, 37, 64, 4, 128), (_F32, 2100, 700, 704, 40, None),
+    (_F16, 300, 1, 5, 300, None), (_F16, 1500, 1500, 1536, 3, 256)])
+def test_bracket_top_k_lane_major_compaction(gen, dtype, sk, k, width, levels, block):
+    """top_k_rows(lanes=True): the compaction on lane-major tiles (each tile row's keys across the lanes, prefix
+    counts across lanes then over the rows) == the brute-force top-K: ties at the threshold (few levels), -0.0,
+    rows not a multiple of the tile (masked last tile), K = 1 and K = Sk, width > K (the -1 padding), float32 sums.
+    Mutations: the row prefix (``tl.cumsum(row_tot) - row_tot``) dropped, or the tie rank taken from the row alone,
+    fail here."""
+    sums = _tied_sums(gen, 5, sk, dtype, levels)
+    sums[2] = sums[2].abs() * torch.rand(sk, generator=gen).to(dtype)
+    sums[3, ::7] = -0.0
+    out = torch.full((5, width), POISON, dtype=torch.int32)
+    got = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), method="bracket", cand_count=1,
+                                 lanes=True, block=block).cpu()
+    assert torch.equal(got, _brute_force(sums, k, width))
+
+
 @pytest.mark.parametrize("dtype,cand_count", [(torch.float16, 0), (torch.float32, 0), (torch.float16, 1),
                                               (torch.float16, 2)])
 def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
