@@ -146,12 +146,34 @@ def test_a_bug_in_the_reuse_path_turns_the_run_dense_and_is_reported(gen, monkey
 _SIGMAS = torch.tensor([1.0, 0.8, 0.6, 0.0])  # anchor at step 0, reuse at steps 1 and 2
 
 
-def _adapter_run():
+def _adapter_run(min_tokens=0):
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, settings
 
     s = settings.build_settings(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1",
-                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=min_tokens,
+                                verbose=False)
     return lifecycle.RunState(s, _SIGMAS)
+
+
+@pytest.mark.parametrize(("min_tokens", "sparse"), [(160, True), (161, False)])
+def test_min_tokens_keeps_a_call_of_exactly_that_many_tokens(gen, min_tokens, sparse):
+    """'calls with fewer latent tokens stay dense' (README, the node's min_tokens): a 160-token call runs MC-Sparse at
+    min tokens 160 and stays dense at 161, in the per-call check (override) and in the sampler call's pay-off check
+    (mutation: ``<=`` for ``<`` in payoff.dense_reason passed every test)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import override, payoff
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    x = torch.randn(2, 160, 128, generator=gen)  # [B, S, H*D], 2 heads x 64
+    run = _adapter_run(min_tokens)
+    options = transformer_options(run, CallSite(0, "wan"), chunks=2, sigma=1.0)
+    override.make_override(None)(raw_attention, x, x, x, 2, transformer_options=options)
+    assert (run.counts()["anchor"] > 0) is sparse, run.summary()
+    assert ("fewer latent tokens (160) than min tokens (161)" in run.summary()) is not sparse
+    why = payoff.dense_reason(run.config, num_steps=50, layers=30, requested_backend="torch", min_tokens=min_tokens,
+                              tokens=160)
+    assert (why is None) is sparse, why
 
 
 def _case(name, gen):

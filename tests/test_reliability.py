@@ -247,6 +247,10 @@ def test_runs_that_cannot_pay_off_stay_dense_and_say_why_once(monkeypatch, gen):
     assert payoff.dense_reason(cfg, num_steps=2, layers=30, requested_backend="torch", min_tokens=0) is None
     cfg = MCSparseConfig(density=0.2, group_size=64, warmup_steps=10, anchor_steps=(9, 25))
     assert payoff.dense_reason(cfg, num_steps=50, layers=30, requested_backend="auto", min_tokens=0) is None
+    # the presets' block 0 dense: the estimate counts all 30 blocks (mutation: num_layers from min() -> one block,
+    # the dense one: every run dense for "too few reuse steps")
+    one_dense = MCSparseConfig(density=0.2, group_size=64, warmup_steps=10, anchor_steps=(9,), warmup_layers=1)
+    assert payoff.dense_reason(one_dense, num_steps=50, layers=30, requested_backend="auto", min_tokens=0) is None
     for backend in ("auto", "torch"):
         assert "fewer than min tokens" in payoff.dense_reason(cfg, num_steps=50, layers=30, requested_backend=backend,
                                                               min_tokens=2048, tokens=1024)
