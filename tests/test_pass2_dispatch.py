@@ -238,8 +238,8 @@ class _Cute:
     def refusal(self, q8, k8, group_size, out):
         return None  # as on sm_90 with nvidia-cutlass-dsl
 
-    def group_prob_sums_fp8(self, q8, k8, qf, lse_s, kb, perm, out, *, group_size):
-        self.calls.append(dict(q8=q8, k8=k8, qf=qf, lse_s=lse_s, kb=kb, perm=perm, out=out, C=group_size))
+    def group_prob_sums_fp8(self, q8, k8, qf, lse_s, kb, perm, out, *, group_size, **extra):
+        self.calls.append(dict(q8=q8, k8=k8, qf=qf, lse_s=lse_s, kb=kb, perm=perm, out=out, C=group_size, **extra))
         if self.err is not None:
             raise self.err
         g = torch.Generator().manual_seed(self.seed + len(self.calls))
@@ -286,6 +286,35 @@ def test_cute_pass2_mode(monkeypatch):
         monkeypatch.setenv("MC_SPARSE_PASS2_CUTE", bad)
         with pytest.raises(ValueError, match="MC_SPARSE_PASS2_CUTE"):
             d.cute_mode()
+
+
+@pytest.mark.parametrize(("env", "module", "want"), [(None, None, False), (None, True, True), (None, False, False),
+                                                     ("1", None, True), ("0", True, False)])
+def test_cute_unit_qf_hands_the_kernel_operands_with_qf_1(gen, cute, monkeypatch, env, module, want):
+    """cute_unit_qf: MC_SPARSE_PASS2_UNIT_QF, else the module's UNIT_QF (off when it has none). On: the CuTeDSL
+    kernel gets fp8_operands(kb_pow2=True, unit_qf=True)'s outputs and unit_qf=True; off: the plain operands and no
+    unit_qf argument. A bad value is a ValueError. Mutations: the switch not passed to fp8_operands, or not to the
+    kernel, each fail a case."""
+    d, sel = _mod("pass2_dispatch"), _mod("selection")
+    monkeypatch.delenv("MC_SPARSE_PASS2_UNIT_QF", raising=False)
+    if env is not None:
+        monkeypatch.setenv("MC_SPARSE_PASS2_UNIT_QF", env)
+    if module is not None:
+        monkeypatch.setattr(cute, "UNIT_QF", module, raising=False)
+    assert d.cute_unit_qf() == want
+    q, k, lse, perm, C = _inputs(gen)
+    out = torch.empty((1, 2, perm.shape[-1] // C, q.shape[2]), dtype=torch.float16)
+    sel.group_prob_sums(q, k, lse, perm, group_size=C, out=out, fp8=True, cute=True)
+    call = cute.calls[-1]
+    assert call.get("unit_qf", False) == want
+    ops = sel.fp8_operands(q, k, lse, q.shape[-1] ** -0.5, kb_pow2=True, unit_qf=want)
+    for name, t in zip(("q8", "k8", "qf", "lse_s", "kb"), ops):
+        assert torch.equal(call[name].float(), t.float()), name
+    if want:
+        assert bool((call["qf"] == 1).all())
+    monkeypatch.setenv("MC_SPARSE_PASS2_UNIT_QF", "yes")
+    with pytest.raises(ValueError, match="MC_SPARSE_PASS2_UNIT_QF"):
+        d.cute_unit_qf()
 
 
 def test_cute_unavailable_without_cutlass_is_a_refusal(gen, monkeypatch):

@@ -860,6 +860,9 @@ TOPK_WHOLE_WALKS_ONLY = True
 # / 0.6933), poly 8 0.5143, and 0.5140 for the Triton one-group kernel; floors: no wgmma 0.4128 (~94 % of MUFU's 16
 # exponentials per clock): the exponential side is the limit now.
 STAGES = 4
+# select_kv's float8 operands with qf = 1 and this kernel's unit_qf form (pass2_dispatch.cute_unit_qf; the env
+# MC_SPARSE_PASS2_UNIT_QF overrides): off until an H200 race shows it faster
+UNIT_QF = False
 WG4 = False
 PAIR = False
 OVERLAP = False

@@ -92,6 +92,18 @@ def cute_wanted(requested: bool | None = None) -> bool:
     return True
 
 
+def cute_unit_qf() -> bool:
+    """Whether a float8 pass 2 headed for the CuTeDSL kernel makes its operands with qf = 1 and runs the kernel's
+    ``unit_qf`` form (``selection.fp8_operands(unit_qf=True)``; every other kernel reads those operands as well):
+    ``MC_SPARSE_PASS2_UNIT_QF`` ("1" on, "0" off; any other value is a ValueError), else the module's ``UNIT_QF``
+    (off when the module has none or does not import)."""
+    try:
+        default = bool(getattr(_cute_module(), "UNIT_QF", False))
+    except Exception:  # noqa: BLE001 (no nvidia-cutlass-dsl: the kernel is refused anyway)
+        default = False
+    return _switch(None, "MC_SPARSE_PASS2_UNIT_QF", default)
+
+
 def cute_fallback_reason() -> str | None:
     """The CuTeDSL kernel's failure this run (active record) or this process (no record), if any."""
     return _cute_failures.reason()
@@ -104,15 +116,16 @@ def cute_refusal(q8, k8, group_size, out, *, requested=None, only_triton=None) -
     return why if why is not None else _module_refusal(_cute_module, q8, k8, group_size, out)
 
 
-def try_cute(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, requested=None, only_triton=None) -> bool:
+def try_cute(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, requested=None, only_triton=None,
+             unit_qf=False) -> bool:
     """Run the float8 pass 2 on the CuTeDSL kernel into ``out`` if it may (``cute_refusal``): True when it wrote
     ``out``; False when the caller must run another kernel (refused, or failed: then remembered and logged). ``kb2``:
-    2^KB (``fp8_operands(kb_pow2=True)``); the rest as ``selection_sm90.group_prob_sums_fp8``. Raises: out of
-    memory."""
+    2^KB (``fp8_operands(kb_pow2=True)``); ``unit_qf``: the operands were made with ``unit_qf=True`` (the kernel's
+    ``unit_qf`` form, ``cute_unit_qf``); the rest as ``selection_sm90.group_prob_sums_fp8``. Raises: out of memory."""
     if cute_refusal(q8, k8, group_size, out, requested=requested, only_triton=only_triton) is not None:
         return False
     return _launch(_cute_module, _cute_failures, "the CuTeDSL pass-2 kernel",
-                   (q8, k8, qf, lse_s, kb2, perm, out), group_size)
+                   (q8, k8, qf, lse_s, kb2, perm, out), group_size, **({"unit_qf": True} if unit_qf else {}))
 
 
 def cute_topk_mode() -> bool:

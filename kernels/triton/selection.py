@@ -873,7 +873,8 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             want_cute = pass2_dispatch.cute_wanted(cute)
             gluon_pow2 = pass2_dispatch.gluon_kb_pow2(D)
             pow2 = want_cute or not pass2_dispatch.gluon_mode(gluon) or gluon_pow2
-            q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2)
+            unit = want_cute and pass2_dispatch.cute_unit_qf()  # qf = 1 operands for the kernel's unit_qf form
+            q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2, unit_qf=unit)
             tuned = one_group_asked or any(x is not None for x in (block_n, num_warps, num_stages))
             only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode, tuned=tuned)
             if want_cute and select is not None and pass2_dispatch.try_cute_select(
@@ -882,7 +883,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
                 select.done = select.complete = True  # (every selection row written by the kernel)
                 return out
             if want_cute and pass2_dispatch.try_cute(q, k, qf, lse, kb, perm, out, group_size=C, requested=cute,
-                                                     only_triton=only_triton):
+                                                     only_triton=only_triton, unit_qf=unit):
                 return out
             if pow2 and not gluon_pow2 and only_triton is None:
                 only_triton = "the float8 operands hold 2^KB (made for the CuTeDSL kernel); this Gluon config reads KB"
