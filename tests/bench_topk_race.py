@@ -50,10 +50,11 @@ TOPK = {"count": dict(cand_count=1), "count r64": dict(cand_count=1, maxnreg=64)
         "count w4 r64": dict(cand_count=1, num_warps=4, maxnreg=64),
         "count lanes": dict(cand_count=1, lanes=True), "count w1 lanes": dict(cand_count=1, num_warps=1, lanes=True)}
 # the float8 operand pass's launch tuning (``selection.fp8_operands`` keywords; "operands": select_kv's: 528
-# statistics programs per tensor, 64-row quantising programs of 4 warps)
+# statistics programs per tensor, 64-row quantising programs of 4 warps; pf: the statistics pass's next tile loaded
+# early, 158 registers, 3 programs per SM, ~48 KiB in flight per SM against ~32)
 OPERANDS = {"operands": {}, "operands p264": dict(stats_programs=264), "operands p1056": dict(stats_programs=1056),
             "operands qb32": dict(quant_block=32), "operands qb128": dict(quant_block=128),
-            "operands qw8": dict(quant_warps=8)}
+            "operands qw8": dict(quant_warps=8), "operands pf": dict(stats_prefetch=True)}
 
 
 def compile_child(what, densities, S=32760):

@@ -592,6 +592,27 @@ def test_fp8_operands_are_the_smoothed_rounded_copies(gen):
     assert torch.allclose(kb.double(), want_kb.clamp(-100, 100), rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("S", [150, 64, 20])
+def test_fp8_operands_stats_prefetch_changes_nothing(gen, S):
+    """fp8_operands(stats_prefetch=True) (the statistics pass loading each program's next row tile early) returns the
+    same five tensors bit for bit, with splits of several whole tiles + a partial one (S 150), whole tiles only (64)
+    and no whole tile (20). Mutations: the prefetched tile skipped or added twice (a loop off by one) fail."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    B, H, D = 1, 2, 32
+    q = (torch.randn(B, S, H * D, generator=gen) * 3).to(torch.bfloat16).view(B, S, H, D).transpose(1, 2)
+    k = (torch.randn(B, S + 7, H * D, generator=gen) + 2).to(torch.bfloat16).view(B, S + 7, H, D).transpose(1, 2)
+    lse = torch.randn(B, H, S, generator=gen)
+    args = (q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), 0.125)
+    base = [t.cpu() for t in selection.fp8_operands(*args, stats_programs=2, stats_prefetch=False)]
+    pref = [t.cpu() for t in selection.fp8_operands(*args, stats_programs=2, stats_prefetch=True)]
+    for a, b in zip(base, pref):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    mq, _ = selection.fp8_stats(q)
+    assert torch.allclose(mq.double(), q.double().mean(2), rtol=1e-5, atol=1e-5)
+
+
 def test_fp8_operands_unit_qf_moves_qf_into_the_copies(gen):
     """fp8_operands(unit_qf=True): qf exactly 1 where both scales can grow by t = sqrt(1 / qf) <= UNIT_MAX_T, the
     copies then (x - mean) x 1 / (scale t) rounded (within one e4m3 step of it) and their products the scores in
