@@ -583,6 +583,7 @@ UNIT_MAX_T = tl.constexpr(1024.0)
 _STATS_BLOCK_S = 32  # rows per register tile of the statistics pass (4 warps: 32 fp32 accumulators x 3 per thread)
 _STATS_PROGRAMS = 528  # statistics programs per tensor (~4 per H200 SM): enough loads in flight for HBM speed
 _QUANT_BLOCK_S = 64  # rows per program of the quantising pass
+_QUANT_WARPS = 4  # warps per program of the quantising pass
 # the statistics pass's next row tile loaded before this one's adds (off until raced; offline sm_90: 128 registers, 4
 # programs of 4 warps per SM, each waiting on its 8 KiB tile: ~32 KiB in flight per SM)
 _STATS_PREFETCH = False
@@ -630,7 +631,7 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         q: ``[B, H, S, D]``, k: ``[B, H, Sk, D]``, fp16 / bf16 / fp32, any strides; lse: fp32 ``[B, H, S]`` (natural
         log, any strides); scale: the softmax scale. stats_programs, quant_block, quant_warps: launch tuning (the
         statistics programs per tensor, default ``_STATS_PROGRAMS``; rows per program and warps of the quantising
-        pass, default ``_QUANT_BLOCK_S``, 4); the results do not depend on the quantising pass's tuning.
+        pass, default ``_QUANT_BLOCK_S``, ``_QUANT_WARPS``); the results do not depend on the quantising pass's tuning.
         stats_prefetch: the statistics pass loads each program's next row tile before adding this one (None:
         ``_STATS_PREFETCH``; the same results).
         kb_pow2: return 2^kb in place of kb (what the Triton pair kernel reads with KB_POW2: no exponential per key
@@ -678,7 +679,7 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     _fp8_quantize[(nbq + triton.cdiv(SK, bs), B * H)](
         q, k, q8, k8, mq, mk, stats[0], stats[1], lse, lse_s, kb, H, S, SK, nbq, *q.stride(), *k.stride(),
         *lse.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, KB_POW2=bool(kb_pow2),
-        num_warps=quant_warps or 4)
+        num_warps=quant_warps or _QUANT_WARPS)
     return q8, k8, stats[2], lse_s, kb
 
 

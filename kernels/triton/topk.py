@@ -59,6 +59,8 @@ _BRACKET_ROWS_PER_THREAD = 1  # tile rows (16-byte vectors) per thread per sweep
 # the prefetch needs 96 uncapped, 72 with no spill (tests/ptxas_select.py --topk): 14 programs (28 warps) per SM
 # instead of 10 (the fallback inlined: 140 registers, 7 programs; every tuning of round 1b ran at ~14 warps per SM)
 _BRACKET_MAXNREG = 72
+# the bracket method's compaction on lane-major tiles (``_compact_lanes``) by default: off until raced
+_BRACKET_LANES = False
 # candidate slots per row with ``FusedRows.cand_count``: a multiple of the fused epilogue's sweep step (4 warps x up to
 # 4 tile rows per thread x 8 float16 keys), which ``_cand_threshold_count`` pads its copies to
 _CAND_COUNT_MIN_CAP = 4096
@@ -580,7 +582,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
                method: str | None = None, cap: int | None = None, block: int | None = None,
                num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None,
                sample_stride: int | None = None, prefetch: bool = True, maxnreg: int | None = None,
-               cand_count: int = 0, lanes: bool = False):
+               cand_count: int = 0, lanes: bool | None = None):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
 
@@ -603,7 +605,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             (0 / False); the candidate slots per row are then rounded up to a multiple of the sweep step (its
             padding). Same result.
         lanes: the bracket method's compaction on lane-major tiles (``_compact_lanes``: whole-sector stores of the
-            selection; the same result).
+            selection; the same result; None: ``_BRACKET_LANES``).
         return_fallbacks: also return int8 ``[rows]``, 1 where the bracket method fell back to the radix threshold.
         hist: optional int32 ``[..., HIST_BINS]`` contiguous: each row's histogram of its keys' top 8 bits (pass 2
             counts it while writing the sums, ``selection.group_prob_sums(hist=...)``); the radix method then skips
@@ -669,7 +671,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // align,
             src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank, 1,
             KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
-            PREFETCH=prefetch, CAND_COUNT=int(cand_count), LANES=bool(lanes), num_warps=warps,
+            PREFETCH=prefetch, CAND_COUNT=int(cand_count), LANES=_BRACKET_LANES if lanes is None else bool(lanes), num_warps=warps,
             **launch)
         # the rows whose bracket missed (flagged): radix threshold + compaction; every other program returns at once
         _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,
