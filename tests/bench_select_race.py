@@ -245,36 +245,41 @@ RACE1_ROWS = {"cute sep": dict(cute=True, topk_fused=False, topk_count=True)}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
+# the Triton modules' globals a row runs under (module name in kernels/triton -> {global: value}, set around each of
+# the row's calls and restored after): a row with the previous defaults of the separate top-K / operand pass beside
+# new ones, in the same race (none now)
+PARTS_GLOBALS: dict = {}
 CUTE_CONFIGS = ("cute",)  # each checked in a child process per shape first (``cute_child_check``)
 CUTE_CHILD_OK: dict = {}  # (shape, config) -> its child check passed
 
 class cute_globals:
-    """Context: the CuTeDSL pass-2 module's globals of ``CUTE_GLOBALS[row]`` set (none for other rows), restored on
-    exit."""
+    """Context: the CuTeDSL pass-2 module's globals of ``CUTE_GLOBALS[row]`` and the Triton modules' of
+    ``PARTS_GLOBALS[row]`` set (none for other rows), restored on exit."""
 
     def __init__(self, row):
         self.kw = CUTE_GLOBALS.get(row, {})
+        self.parts = PARTS_GLOBALS.get(row, {})
 
     def __enter__(self):
-        self.old = {}
-        if self.kw:
-            mod = pass2_dispatch._cute_module()
-            self.old = {n: getattr(mod, n) for n in self.kw}
-            for n, v in self.kw.items():
+        self.old = []
+        mods = [(pass2_dispatch._cute_module(), self.kw)] if self.kw else []
+        mods += [({"topk": topk, "selection": selection}[m], kw) for m, kw in self.parts.items()]
+        for mod, kw in mods:
+            self.old.append((mod, {n: getattr(mod, n) for n in kw}))
+            for n, v in kw.items():
                 setattr(mod, n, v)
         return self
 
     def __exit__(self, *exc):
-        if self.old:
-            mod = pass2_dispatch._cute_module()
-            for n, v in self.old.items():
+        for mod, old in self.old:
+            for n, v in old.items():
                 setattr(mod, n, v)
         return False
 
 
 def select_row(row, kw, q, k, lse, perm, kk):
     """A zero-argument callable: select_kv with ``kw`` under the row's CuTeDSL globals."""
-    if row in CUTE_GLOBALS:
+    if row in CUTE_GLOBALS or row in PARTS_GLOBALS:
         def fn():
             with cute_globals(row):
                 return selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE, **kw)
@@ -618,8 +623,9 @@ def precompile(shape, rows):
             with cute_globals(config):
                 r = cute_checks((q, k, lse, perm), kq, width, lambda m: print(m, flush=True), config)
                 if r["ok"] and config == "cute":
-                    for kw in RACE1_ROWS.values():
-                        selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, **kw)
+                    for row_name, kw in RACE1_ROWS.items():
+                        with cute_globals(row_name):
+                            selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, **kw)
                     mod = pass2_dispatch._cute_module()
                     if getattr(mod, "FUSED_TOPK", False) and hasattr(mod, "compiled"):  # the fused top-K's launch
                         mod.compiled("float16", topk=True)  # (the route of all heads may differ from these 2 heads':
