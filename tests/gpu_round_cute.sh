@@ -4,7 +4,8 @@
 # Not collected by pytest.
 # Usage: CANDS="opts;opts" RES_CANDS="opts;opts" [TESTED="opts;opts"] [RES_TESTED="opts;opts"] \
 #          bash tests/gpu_round_cute.sh OUT COMMIT [ROUNDS]
-#        DEFAULT="opts" FALLBACK="opts" bash tests/gpu_round_cute.sh OUT COMMIT [ROUNDS]   (the final round, below)
+#        DEFAULT="opts" FALLBACK="opts" [ALSO="opts;opts"] bash tests/gpu_round_cute.sh OUT COMMIT [ROUNDS]   (the final
+#        round, below)
 #   CANDS: staged-epilogue option sets (the op's calls without a residual; $MC_SPARSE_CUTEDSL_OPTIONS), RES_CANDS:
 #   register-epilogue ones (calls with a residual; $MC_SPARSE_CUTEDSL_RES_OPTIONS), each GPU-tested against float64
 #   (test_cutedsl_env_candidate / test_cutedsl_env_res_candidate: 2 compiles per set) and timed only if every test
@@ -26,7 +27,8 @@ if [ -n "${FALLBACK:-}" ]; then
   # the final round: the op's default (rules.STAGED_OPTIONS, named in DEFAULT) checked through the op against float64
   # (bf16 D 128 / fp16 D 64 ragged with the LSE, groups vs SMs, and test_cutedsl_env_candidate's five cases); if any
   # test fails the op is timed with FALLBACK (the previous, r2-measured default) instead, and says so; else FALLBACK
-  # is timed beside it; RES_TESTED: register-epilogue sets timed beside the op with a plain residual (not tested here)
+  # is timed beside it, and each ALSO set (GPU-tested in an earlier round, e.g. the parts of a combined default);
+  # RES_TESTED: register-epilogue sets timed beside the op with a plain residual (not tested here)
   MC_SPARSE_CUTEDSL_TEST_OPTIONS="$DEFAULT" timeout -k 3 "$TEST_S" python3 -m pytest -v -p no:cacheprovider \
     tests/test_gpu_cutedsl.py -k '(vs_float64 and (S3008-ragged-128-bf16 or S3008-ragged-64-fp16)) or groups_vs_sms or env_candidate' \
     > "$OUT/tests.log" 2>&1
@@ -36,7 +38,7 @@ if [ -n "${FALLBACK:-}" ]; then
     echo "the default's GPU tests did not all pass: the op timed with the previous default $FALLBACK"
     ROWS=""
   else
-    ROWS=$FALLBACK
+    ROWS=$FALLBACK${ALSO:+;$ALSO}
   fi
   echo "op rows: op (default); op with: ${ROWS:-none}; residual rows: ${RES_TESTED:-none}"
   timeout -k 3 "$BENCH_S" python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
