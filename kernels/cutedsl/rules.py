@@ -60,8 +60,16 @@ EPILOGUE = "smem"
 # CTAs). Final round s10final (another H200, 5 rounds): 0.866 / 0.884 / 0.877 / 0.951 and 0.876 / 0.908 / 0.908 /
 # 0.918 against the previous default's 0.867 / 0.889 / 0.868 / 0.934 and 0.848 / 0.904 / 0.896 / 0.930 (min 0.866
 # against 0.848; level at 1.3B s = 0.1 there).
+# + "stage_under_qk" (at a group boundary the finished group's output normalised and staged under the next group's
+# second Q K^T, its row sums and the next group's tile count under the boundary's MMAs) since 2026-12-02 07:05: H200
+# round s11r2 (method of record with lead-in, 5 rounds, side by side; 1.3B 480p then 14B 720p, s = 0.1 / 0.15 / 0.25
+# / 0.5) 0.883 / 0.921 / 0.963 / 1.006 and 0.899 / 0.936 / 0.925 / 0.938 against the previous default's 0.881 / 0.916
+# / 0.959 / 0.999 and 0.878 / 0.933 / 0.914 / 0.921 (better at all 8 points, by 0.002-0.021); GPU-tested through the
+# op in that round (split last rounds, the pdl chain, ramped keys, grids of 1-500 CTAs). The SM clock stamps of
+# the kernel alone (tests/diag_cutedsl_stamps.py, same round) showed no fewer cycles per group with it (70.3k against
+# 69.1k at 1.3B s = 0.1): the race's gain is under the H200's power cap, not in cycles.
 STAGED_OPTIONS: tuple = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead",
-                         "idx_ahead", "lazy_rescale", "idx_l2")
+                         "idx_ahead", "lazy_rescale", "idx_l2", "stage_under_qk")
 # compile options of the register-epilogue kernel (calls with a residual: the reuse path's), as STAGED_OPTIONS:
 # persistent + overlap since 2026-12-01 16:40: H200 round s6r2 (method of record, 4 rounds, side by side, plain bf16
 # residual, no LSE; 1.3B 480p then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5) 0.772 / 0.757 / 0.856 / 0.878 and 0.834 /

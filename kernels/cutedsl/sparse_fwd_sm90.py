@@ -152,14 +152,15 @@ EPILOGUES = ("registers", "smem")
 # the accumulator), so those instructions run under that Q K^T instead of between the warpgroup's MMAs; and the
 # group's row sums (1 / sum, LSE) and the next group's key-tile count are computed after the boundary's MMAs (the
 # next group's first Q K^T, this group's last P V) are issued instead of before.
-# "res_l2" (with "overlap", register epilogue with a residual): during a group's second key tile each thread holding
-# column 0 of its accumulator rows prefetches into L2 the residual rows those rows will add (their ``perm`` entries
-# loaded at the group's start), so the epilogue's residual loads at the group's end find L2 lines instead of DRAM.
+# Measured on the H200 and removed (round s11r2): "res_l2" (register epilogue with a residual: each accumulator
+# row's residual row prefetched into L2 during the group's second key tile): the op with a plain residual 0.788 /
+# 0.821 / 0.868 / 0.919 | 0.850 / 0.873 / 0.862 / 0.904 against 0.808 / 0.833 / 0.876 / 0.937 | 0.858 / 0.883 / 0.862 /
+# 0.889 without (lower at 6 of 8 points).
 # "stamps" (a diagnostic, with "overlap"; needs the ``mStamps`` argument): per work item, SM clock stamps of the
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "phase", "stage_under_qk", "res_l2", "diag_no_copy", "stamps")
+           "lazy_rescale", "idx_l2", "phase", "stage_under_qk", "diag_no_copy", "stamps")
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
 # queries and first K done, the boundary's softmax of the next item's first tile done, item end (output written or
@@ -435,9 +436,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.stamps = "stamps" in options
         self.stage_under_qk = "stage_under_qk" in options
         assert not self.stage_under_qk or self.hide_epi, "stage_under_qk is a hide_epi option (staged epilogue)"
-        # "res_l2": only a register-epilogue kernel with a residual has residual rows to prefetch
-        self.res_l2 = "res_l2" in options and res_kind is not None and not self.smem_epilogue
-        assert "res_l2" not in options or self.overlap, "res_l2 is an overlap option"
         assert not self.stamps or self.overlap, "stamps is an overlap option"
 
     @cute.jit
@@ -884,9 +882,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                             A_idx=q_state.index),
                     mma_pv_fn, not O_should_accumulate, pipeline_k, pipeline_v, acc_O, tOrP, softmax, stamps=st)
                 O_should_accumulate = True
-                if const_expr(self.res_l2):
-                    if n_tile == skip + 1:
-                        self._prefetch_residual(outs, out_rows[0], group, tidx)
             if const_expr(self.stamps):
                 st.at(item, 1)
             tile_scheduler.advance_to_next_work()
@@ -971,22 +966,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             pipeline_q.consumer_release(q_state)
             q_state.advance()
             work_tile = next_tile
-
-    @cute.jit
-    def _prefetch_residual(self, outs, rows, group, tidx):
-        """"res_l2": the L2 lines of the residual rows ``rows`` (this thread's accumulator rows' ``perm`` entries,
-        ``_epilogue_perm``; -1 skipped) of ``group``, by the thread of each lane quad that holds column 0."""
-        if tidx % 4 == 0:
-            bh = group // outs.groups_per_head
-            b = bh // outs.n_heads
-            h = bh - b * outs.n_heads
-            row_bytes = outs.mRes.shape[3] * (outs.mRes.element_type.width // 8)
-            for m in cutlass.range_constexpr(cute.size(rows)):
-                if rows[m] >= 0:
-                    base = fa_utils.elem_pointer(outs.mRes, (b, rows[m], h, 0)).toint()
-                    for off in cutlass.range_constexpr(0, self.tile_hdim * 4, 128):  # up to fp32 rows of D
-                        if off < row_bytes:
-                            _prefetch_l2(base + Int64(off))
 
     @cute.jit
     def _finalize(self, softmax, row_scale, lse):
