@@ -28,7 +28,8 @@ if [ -n "${FALLBACK:-}" ]; then
   # (bf16 D 128 / fp16 D 64 ragged with the LSE, groups vs SMs, and test_cutedsl_env_candidate's five cases); if any
   # test fails the op is timed with FALLBACK (the previous, r2-measured default) instead, and says so; else FALLBACK
   # is timed beside it, and each ALSO set (GPU-tested in an earlier round, e.g. the parts of a combined default);
-  # RES_TESTED: register-epilogue sets timed beside the op with a plain residual (not tested here)
+  # RES_TESTED: register-epilogue sets timed beside the op with a plain residual (not tested here); RES_ROW=1: the
+  # op with a plain residual (its default, rules.REGISTERS_OPTIONS) timed even without RES_TESTED
   MC_SPARSE_CUTEDSL_TEST_OPTIONS="$DEFAULT" timeout -k 3 "$TEST_S" python3 -m pytest -v -p no:cacheprovider \
     tests/test_gpu_cutedsl.py -k '(vs_float64 and (S3008-ragged-128-bf16 or S3008-ragged-64-fp16)) or groups_vs_sms or env_candidate' \
     > "$OUT/tests.log" 2>&1
@@ -40,9 +41,10 @@ if [ -n "${FALLBACK:-}" ]; then
   else
     ROWS=$FALLBACK${ALSO:+;$ALSO}
   fi
-  echo "op rows: op (default); op with: ${ROWS:-none}; residual rows: ${RES_TESTED:-none}"
+  RES_ON=${RES_TESTED:-${RES_ROW:-}}
+  echo "op rows: op (default); op with: ${ROWS:-none}; residual rows: ${RES_ON:+op + plain residual (default), }${RES_TESTED:-none}"
   timeout -k 3 "$BENCH_S" python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
-    --no-compile-times --op-rows "options${RES_TESTED:+,residual}${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" \
+    --no-compile-times --op-rows "options${RES_ON:+,residual}${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" \
     --res-options "${RES_TESTED:-}" --variants ""
   exit 0
 fi
