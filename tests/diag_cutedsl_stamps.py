@@ -13,7 +13,7 @@ stamps' own cost). ``--extra``: more stamped kernels, each the op's options plus
 (e.g. "diag_no_copy": the consumers without the gathers; a candidate option), and each timed without stamps too.
 
 Usage: python tests/diag_cutedsl_stamps.py --out DIR [--points 1.3b:0.1,1.3b:0.5,14b:0.1] [--reps 10]
-       [--extra "diag_no_copy;stage_under_qk"]
+       [--extra "diag_no_copy;stage_under_qk"] [--raw]
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def launch_ns(st: torch.Tensor, ctas: int, items: int) -> dict:
             "CTA last item end: min": float(last_end.min()) - t0}
 
 
-def run(shape: str, s: float, reps: int, extra: tuple) -> dict:
+def run(shape: str, s: float, reps: int, extra: tuple, raw_dir: Path | None = None) -> dict:
     shp = bc.SHAPES[shape]
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -154,6 +154,10 @@ def run(shape: str, s: float, reps: int, extra: tuple) -> dict:
             ghz = ph["clock_ghz"]
             row["phases_cycles"] = ph
             row["launch_ns"] = lns = launch_ns(stamps.cpu(), ctas, n + r * (parts - 1))
+            if raw_dir is not None:  # every item's stamps, for offline analysis (int64, STAMP_SLOTS columns)
+                raw_dir.mkdir(parents=True, exist_ok=True)
+                torch.save(dict(stamps=stamps.cpu(), slots=STAMP_SLOTS, ctas=ctas, groups=n, parts=parts),
+                           raw_dir / f"stamps_{shape}_s{s}_{tag.replace('+', '_').replace(',', '_')}.pt")
             print(f"{shape} s={s} {tag}: {row['ms_median']:.3f} ms; {n} groups / {ctas} CTAs, {rounds} whole rounds,"
                   f" {tiles} key tiles per group; SM clock {ghz:.3f} GHz; median per item (cycles / ns):", flush=True)
             for kk, vv in ph.items():
@@ -172,6 +176,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--points", default="1.3b:0.1,1.3b:0.5,14b:0.1")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--raw", action="store_true", help="also save every item's stamps (OUT/stamps_*.pt)")
     ap.add_argument("--extra", default="", help='";"-separated option sets added to the op\'s (stamped, and timed '
                     'alone unless diag_no_copy)')
     args = ap.parse_args()
@@ -180,7 +185,8 @@ def main():
     for point in args.points.split(","):
         shape, s = point.split(":")
         try:
-            report.append(run(shape, float(s), args.reps, tuple(x for x in args.extra.split(";") if x)))
+            report.append(run(shape, float(s), args.reps, tuple(x for x in args.extra.split(";") if x),
+                              Path(args.out) if args.raw else None))
         except Exception as exc:  # a diagnostic: report and go on
             print(f"{point}: FAILED {type(exc).__name__}: {exc}", flush=True)
             report.append(dict(point=point, error=f"{type(exc).__name__}: {exc}"))
