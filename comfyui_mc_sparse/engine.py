@@ -128,7 +128,9 @@ class MCSparseRunner:
                 share of a dense step (None: ``memory.attention_share``). kernel_efficiency: sparse kernel's
                 fraction of the ideal 1/s speedup. device: the compute device (None: the current CUDA device when
                 there is one); on a CUDA device the GPU's free memory (``free_memory_fn``) and the host's
-                (``host_memory_fn``) decide; elsewhere nothing constrains the cache.
+                (``host_memory_fn``) decide; elsewhere the device's memory does not constrain the cache, and
+                placement "cpu" (pinned host memory, which needs CUDA) does not fit: the run stays dense and the
+                plan line names placement auto / gpu as what would fit.
         Returns:
             The log line (``memory.format_plan``). When nothing fits, every later call is dense and the line
             says why and which settings would fit.
@@ -162,7 +164,7 @@ class MCSparseRunner:
         self._plan = est
         self.speed = speed
         placement = None if plan.dense or not on_gpu else self.config.cache_placement
-        self.plan_line = memory.format_plan(est, speed, placement, plan if on_gpu else None)
+        self.plan_line = memory.format_plan(est, speed, placement, plan if on_gpu or plan.dense else None)
         if plan.dense:
             log.warning("%s", self.plan_line)
             self._note(f"dense run: {plan.describe()}")

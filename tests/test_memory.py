@@ -209,6 +209,20 @@ def test_dense_run_says_why_before_it_starts_and_names_what_fits(gen):
     assert ok.residual_dtype == "int4" and ok.disabled_reason is None and "auto -> int4" in ok.plan_line
 
 
+@pytest.mark.parametrize("placement", ["auto", "gpu", "cpu"])
+def test_off_cuda_the_device_does_not_constrain_the_cache_but_placement_cpu_does_not_fit(placement):
+    """engine.MCSparseRunner.plan on a non-CUDA device (CPU, MPS): no free-memory figure limits the cache, so 'auto'
+    and 'gpu' keep it on the device whatever its size; 'cpu' placement (pinned host memory, CUDA only) has no pin
+    budget there, so the run stays dense and the plan line names a placement that fits."""
+    cfg = MCSparseConfig(density=0.25, group_size=64, warmup_steps=0, anchor_steps=(0,), cache_placement=placement)
+    runner = engine.MCSparseRunner(cfg, free_memory_fn=lambda dev: 0, host_memory_fn=lambda: None)
+    line = runner.plan(heads=40, head_dim=128, layers=40, tokens=75600, num_steps=50, device=torch.device("cpu"))
+    if placement == "cpu":
+        assert runner.disabled_reason and "this run stays dense" in line and "cache placement auto" in line, line
+    else:
+        assert runner.disabled_reason is None and runner.residual_dtype == "bfloat16", line
+
+
 @pytest.mark.parametrize(
     "heads,tokens,layers,density,eff,expected",
     [
