@@ -97,20 +97,20 @@ QUICK = False
 VARIANTS = None  # --variants: the PDDP variants timed (None: all)
 TOPK_METHODS = ("radix", "bracket", "radix + pass-2 hist")
 QUICK_TOPK_METHODS = ("radix", "bracket")  # --quick (round 1b: radix + hist 11.7 / 1.01 ms)
-OPERAND_TUNING = {  # selection.fp8_operands launch tunings timed beside its default (528 statistics programs per
+OPERAND_TUNING = {  # selection.fp8_operands launch tunings timed beside its default (264 statistics programs per
     # tensor, 64 rows x 4 warps per quantising program)
     "default again": {},
     "quant 128 rows": dict(quant_block=128),
     "quant 128 rows 8 warps": dict(quant_block=128, quant_warps=8),
     "quant 32 rows": dict(quant_block=32),
-    "stats 1056 programs": dict(stats_programs=1056),
+    "stats 528 programs": dict(stats_programs=528),
 }
 TOPK_TUNING = {  # top_k_rows variants timed at s = 0.25 beside the methods' defaults (radix 4 warps x 1024,
-    # bracket 2 warps x one 16-byte row per thread, prefetch, 72 registers: topk._BRACKET_MAXNREG)
+    # bracket 4 warps x one 16-byte row per thread, prefetch, 64 registers: topk._BRACKET_WARPS / _BRACKET_MAXNREG)
     "bracket uncapped (95 regs)": dict(method="bracket", maxnreg=0),
     "bracket w1": dict(method="bracket", num_warps=1),
     "bracket w1 no prefetch": dict(method="bracket", num_warps=1, prefetch=False),
-    "bracket w4 96 regs": dict(method="bracket", num_warps=4, maxnreg=96),
+    "bracket w2 72 regs": dict(method="bracket", num_warps=2, maxnreg=72),
     "bracket 1 sample per 32 keys": dict(method="bracket", sample_stride=32),  # 1.3B: 1023 samples (not 520)
 }
 

@@ -26,8 +26,8 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 3. RACE 1 per shape (tests/_timing.race: sustained back-to-back samples led in by untimed calls, shuffled order,
    median; TEAM.md items 7 and 11): flash-attn-4 dense with LSE, select_kv defaults and ``RACE1_ROWS`` ("cute": the
    CuTeDSL pass 2 with its fused top-K where the module has one, else + the separate top-K counting one bit per pass;
-   "cute sep": the CuTeDSL pass 2 + the separate top-K, beside a fused one; "triton" beside a CuTeDSL default (not
-   with ``--no-triton-row``);
+   "s10": the CuTeDSL pass 2 + the separate top-K with session 10's launch settings (``PARTS_GLOBALS``, and the pass
+   2's ``CUTE_GLOBALS`` of that row where given); "triton" beside a CuTeDSL default (not with ``--no-triton-row``);
    ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios
    / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes). Each race also prints
    ``from_idle``: each row's lead-in calls (the first of each sample, on a GPU just left by another row) / dense's.
@@ -241,14 +241,15 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"cute sep": dict(cute=True, topk_fused=False, topk_count=True)}
+RACE1_ROWS = {"s10": dict(cute=True, topk_fused=False, topk_count=True)}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
 # the Triton modules' globals a row runs under (module name in kernels/triton -> {global: value}, set around each of
-# the row's calls and restored after): a row with the previous defaults of the separate top-K / operand pass beside
-# new ones, in the same race (none now)
-PARTS_GLOBALS: dict = {}
+# the row's calls and restored after): "s10" = the session-10 separate top-K (2 warps, 72 registers) and operand pass
+# (528 statistics programs per tensor) beside the defaults of round s11r2 (4 warps, 64 registers; 264), same route
+PARTS_GLOBALS: dict = {"s10": {"topk": dict(_BRACKET_WARPS=2, _BRACKET_MAXNREG=72),
+                               "selection": dict(_STATS_PROGRAMS=528)}}
 CUTE_CONFIGS = ("cute",)  # each checked in a child process per shape first (``cute_child_check``)
 CUTE_CHILD_OK: dict = {}  # (shape, config) -> its child check passed
 
@@ -508,8 +509,8 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
                from_idle_over_dense=idle_ratios(idle))
     res["host_ms defaults"] = host_ms(
         lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE), dense)
-    if "select_kv cute sep" in fns:
-        res["host_ms cute sep"] = host_ms(fns["select_kv cute sep"], dense)
+    if "select_kv s10" in fns:
+        res["host_ms s10"] = host_ms(fns["select_kv s10"], dense)
     log(f"{name} RACE 2 (dense {dname} {ms['dense']:.3f} ms, all heads, s = 0.25): " + " | ".join(
         f"{n} {v:.4f}" for n, v in res["over_dense"].items()) + " | " + " | ".join(
         f"{n} {v:.3f}" for n, v in res.items() if n.startswith(("host", "fallback", "sums", "cute sums")))

@@ -38,23 +38,13 @@ topk = bsr.topk
 selection = bsr.selection
 ref_top_k_rows = bsr.ref_top_k_rows
 
-# the separate top-K's launch variants (``topk.top_k_rows`` keywords; "count": select_kv's, 2 warps per row, 72
-# registers: 14 programs per SM). rN: the register cap (offline sm_90 ptxas at 1.3B: 64 spills 28 bytes outside the
-# sweeps, 72 24 bytes (the default), 80 and 96 none: 16 / 14 / 12 / 10 programs per SM); w1: one warp per row (no
-# barrier in the sweeps' scans; up to 28-32 programs per SM), w4: four warps, 1024-key steps; lanes: the compaction on
-# lane-major tiles (``topk._compact_lanes``: whole-sector stores of the selection, 2-byte loads; offline sm_90 ~400
-# instructions per step of 8 keys per thread against ~236, 0 spills)
-TOPK = {"count": dict(cand_count=1), "count r64": dict(cand_count=1, maxnreg=64),
-        "count r80": dict(cand_count=1, maxnreg=80), "count w1": dict(cand_count=1, num_warps=1),
-        "count w1 r64": dict(cand_count=1, num_warps=1, maxnreg=64),
-        "count w4 r64": dict(cand_count=1, num_warps=4, maxnreg=64),
-        "count lanes": dict(cand_count=1, lanes=True), "count w1 lanes": dict(cand_count=1, num_warps=1, lanes=True)}
-# the float8 operand pass's launch tuning (``selection.fp8_operands`` keywords; "operands": select_kv's: 528
-# statistics programs per tensor, 64-row quantising programs of 4 warps; pf: the statistics pass's next tile loaded
-# early, 158 registers, 3 programs per SM, ~48 KiB in flight per SM against ~32)
-OPERANDS = {"operands": {}, "operands p264": dict(stats_programs=264), "operands p1056": dict(stats_programs=1056),
-            "operands qb32": dict(quant_block=32), "operands qb128": dict(quant_block=128),
-            "operands qw8": dict(quant_warps=8), "operands pf": dict(stats_prefetch=True)}
+# the separate top-K's launch variants (``topk.top_k_rows`` keywords; "count": select_kv's, 4 warps per row, 64
+# registers since round s11r2; "s10": the previous 2 warps at 72 registers). Raced and removed after round s11r2:
+# register caps 64 / 80 at 2 warps, one warp per row, the compaction on lane-major tiles (docs/kernels.md)
+TOPK = {"count": dict(cand_count=1), "count s10": dict(cand_count=1, num_warps=2, maxnreg=72)}
+# the float8 operand pass's launch tuning (``selection.fp8_operands`` keywords; "operands": select_kv's, 264 statistics
+# programs per tensor since round s11r2; "p528": the previous 528)
+OPERANDS = {"operands": {}, "operands p528": dict(stats_programs=528)}
 
 
 def compile_child(what, densities, S=32760):

@@ -91,24 +91,6 @@ def test_bracket_top_k_tilings(gen, rows_per_step, prefetch):
     assert torch.equal(got, _brute_force(sums, 1000, 1024))
 
 
-@pytest.mark.parametrize("dtype,sk,k,width,levels,block", [
-    (_F16, 4104, 1000, 1008, 3000, None), (_F16, 1500, 37, 64, 4, 128), (_F32, 2100, 700, 704, 40, None),
-    (_F16, 300, 1, 5, 300, None), (_F16, 1500, 1500, 1536, 3, 256)])
-def test_bracket_top_k_lane_major_compaction(gen, dtype, sk, k, width, levels, block):
-    """top_k_rows(lanes=True): the compaction on lane-major tiles (each tile row's keys across the lanes, prefix
-    counts across lanes then over the rows) == the brute-force top-K: ties at the threshold (few levels), -0.0,
-    rows not a multiple of the tile (masked last tile), K = 1 and K = Sk, width > K (the -1 padding), float32 sums.
-    Mutations: the row prefix (``tl.cumsum(row_tot) - row_tot``) dropped, or the tie rank taken from the row alone,
-    fail here."""
-    sums = _tied_sums(gen, 5, sk, dtype, levels)
-    sums[2] = sums[2].abs() * torch.rand(sk, generator=gen).to(dtype)
-    sums[3, ::7] = -0.0
-    out = torch.full((5, width), POISON, dtype=torch.int32)
-    got = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), method="bracket", cand_count=1,
-                                 lanes=True, block=block).cpu()
-    assert torch.equal(got, _brute_force(sums, k, width))
-
-
 @pytest.mark.parametrize("dtype,cand_count", [(torch.float16, 0), (torch.float32, 0), (torch.float16, 1),
                                               (torch.float16, 2)])
 def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
@@ -139,7 +121,8 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     sums[5] = codes.to(torch.int16 if dtype == torch.float16 else torch.int32).view(dtype)
     out = torch.full((6, width), POISON, dtype=torch.int32)
     got, fell_back = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), cap=cap, method="bracket",
-                                            sample_stride=stride, return_fallbacks=True, cand_count=cand_count)
+                                            sample_stride=stride, return_fallbacks=True, cand_count=cand_count,
+                                            num_warps=2)  # (512-key sweep steps: the counting buffer stays 512)
     assert torch.equal(got.cpu(), _brute_force(sums, k, width))
     assert fell_back.cpu().tolist() == [0, 1, 1, 1, 0, 0]
 
@@ -590,27 +573,6 @@ def test_fp8_operands_are_the_smoothed_rounded_copies(gen):
     want_kb = scale * math.log2(math.e) * ((k.double() - mk.double()[:, :, None]) @ mq.double()[..., None]).squeeze(-1)
     assert float(want_kb.abs().max()) > 100  # the clamp is exercised
     assert torch.allclose(kb.double(), want_kb.clamp(-100, 100), rtol=1e-5, atol=1e-3)
-
-
-@pytest.mark.parametrize("S", [150, 64, 20])
-def test_fp8_operands_stats_prefetch_changes_nothing(gen, S):
-    """fp8_operands(stats_prefetch=True) (the statistics pass loading each program's next row tile early) returns the
-    same five tensors bit for bit, with splits of several whole tiles + a partial one (S 150), whole tiles only (64)
-    and no whole tile (20). Mutations: the prefetched tile skipped or added twice (a loop off by one) fail."""
-    from comfyui_mc_sparse_pack.kernels.triton import selection
-
-    B, H, D = 1, 2, 32
-    q = (torch.randn(B, S, H * D, generator=gen) * 3).to(torch.bfloat16).view(B, S, H, D).transpose(1, 2)
-    k = (torch.randn(B, S + 7, H * D, generator=gen) + 2).to(torch.bfloat16).view(B, S + 7, H, D).transpose(1, 2)
-    lse = torch.randn(B, H, S, generator=gen)
-    args = (q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), 0.125)
-    base = [t.cpu() for t in selection.fp8_operands(*args, stats_programs=2, stats_prefetch=False)]
-    pref = [t.cpu() for t in selection.fp8_operands(*args, stats_programs=2, stats_prefetch=True)]
-    for a, b in zip(base, pref):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
-    mq, _ = selection.fp8_stats(q)
-    assert torch.allclose(mq.double(), q.double().mean(2), rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_operands_unit_qf_moves_qf_into_the_copies(gen):

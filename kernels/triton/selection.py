@@ -443,35 +443,21 @@ def _fp8_quantize(
 
 
 @triton.jit
-def _column_stats(base, stride_s, stride_d, r0, r1, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                  PREFETCH: tl.constexpr = False):
+def _column_stats(base, stride_s, stride_d, r0, r1, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
     """(sum, max, min) per column (fp32 [HEAD_DIM] each) of rows [r0, r1) of one head (``base`` by strides; r1 > r0):
-    accumulated elementwise in registers over BLOCK_S-row tiles and reduced across rows once. PREFETCH: the next
-    tile's load issued before this tile's adds (twice the bytes in flight per program; the same sums)."""
+    accumulated elementwise in registers over BLOCK_S-row tiles and reduced across rows once."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_s = tl.arange(0, BLOCK_S)
     acc = tl.zeros([BLOCK_S, HEAD_DIM], dtype=tl.float32)
     hi = tl.full([BLOCK_S, HEAD_DIM], float("-inf"), tl.float32)
     lo = tl.full([BLOCK_S, HEAD_DIM], float("inf"), tl.float32)
     n_full = tl.maximum(r1 - r0, 0) // BLOCK_S
-    if PREFETCH:
-        rows = r0 + tl.minimum(offs_s, r1 - r0 - 1)  # tile 0 (rows clamped: loaded but unused when n_full == 0)
-        x = tl.load(base + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
-        for i in range(0, n_full):  # whole tiles: no masks
-            rows = r0 + tl.minimum(i + 1, n_full - 1) * BLOCK_S + offs_s  # the next whole tile (the last: again)
-            x_next = tl.load(base + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
-            xf = x.to(tl.float32)
-            acc += xf
-            hi = tl.maximum(hi, xf)
-            lo = tl.minimum(lo, xf)
-            x = x_next
-    else:
-        for i in range(0, n_full):  # whole tiles: no masks
-            rows = r0 + i * BLOCK_S + offs_s
-            x = tl.load(base + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d).to(tl.float32)
-            acc += x
-            hi = tl.maximum(hi, x)
-            lo = tl.minimum(lo, x)
+    for i in range(0, n_full):  # whole tiles: no masks
+        rows = r0 + i * BLOCK_S + offs_s
+        x = tl.load(base + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d).to(tl.float32)
+        acc += x
+        hi = tl.maximum(hi, x)
+        lo = tl.minimum(lo, x)
     rows = r0 + n_full * BLOCK_S + offs_s  # the last partial tile (maybe empty): rows past r1 read row r1 - 1
     ok = rows < r1  # again (max / min unchanged) and add 0 (r1 > r0: every split has a row)
     rows = tl.minimum(rows, r1 - 1)
@@ -490,7 +476,6 @@ def _fp8_partial_stats(
     stride_1b, stride_1h, stride_1s, stride_1d,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    PREFETCH: tl.constexpr = False,  # ``_column_stats``' PREFETCH
 ):
     """Column sums, maxima and minima of two tensors' heads in one launch: program (p, b * H + h) with p < n0 takes
     rows [p * rows0, (p + 1) * rows0) of X0's head (b, h), else rows [(p - n0) * rows1, ...) of X1's; writes fp32
@@ -503,12 +488,12 @@ def _fp8_partial_stats(
         r0 = p * rows0
         col_sum, col_max, col_min = _column_stats(
             X0 + b.to(tl.int64) * stride_0b + h.to(tl.int64) * stride_0h, stride_0s, stride_0d, r0,
-            tl.minimum(r0 + rows0, S0), HEAD_DIM, BLOCK_S, PREFETCH)
+            tl.minimum(r0 + rows0, S0), HEAD_DIM, BLOCK_S)
     else:
         r0 = (p - n0) * rows1
         col_sum, col_max, col_min = _column_stats(
             X1 + b.to(tl.int64) * stride_1b + h.to(tl.int64) * stride_1h, stride_1s, stride_1d, r0,
-            tl.minimum(r0 + rows1, S1), HEAD_DIM, BLOCK_S, PREFETCH)
+            tl.minimum(r0 + rows1, S1), HEAD_DIM, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     out = PART + (bh.to(tl.int64) * (n0 + n1) + p) * (3 * HEAD_DIM) + offs_d
     tl.store(out, col_sum)
@@ -581,12 +566,13 @@ def _fp8_stats_final(
 # products; beyond it the head keeps its power-of-two scales and qf != 1)
 UNIT_MAX_T = tl.constexpr(1024.0)
 _STATS_BLOCK_S = 32  # rows per register tile of the statistics pass (4 warps: 32 fp32 accumulators x 3 per thread)
-_STATS_PROGRAMS = 528  # statistics programs per tensor (~4 per H200 SM): enough loads in flight for HBM speed
+# statistics programs per tensor: 264 (q's and k's together 528 = one wave of 4 programs per H200 SM; 128 registers).
+# H200 round s11r2 (main a2b0472, tests/bench_topk_race.py, 1.3B 480p, / flash-attn-4 dense): the operand pass 0.0179 /
+# 0.0178 / 0.0191 of dense against 0.0204 / 0.0215 / 0.0249 for 528 (two waves; three races); 1056 0.0213-0.0245, 32-
+# or 128-row quantising programs 0.0201-0.0221, 8 quantising warps 0.0216-0.0227 (4 kept)
+_STATS_PROGRAMS = 264
 _QUANT_BLOCK_S = 64  # rows per program of the quantising pass
 _QUANT_WARPS = 4  # warps per program of the quantising pass
-# the statistics pass's next row tile loaded before this one's adds (off until raced; offline sm_90: 128 registers, 4
-# programs of 4 warps per SM, each waiting on its 8 KiB tile: ~32 KiB in flight per SM)
-_STATS_PREFETCH = False
 
 
 def _stat_splits(heads: int, rows: int, programs: int = _STATS_PROGRAMS) -> tuple[int, int]:
@@ -618,7 +604,7 @@ def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, *, stats_programs: int | None = None,
                  quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False,
-                 unit_qf: bool = False, stats_prefetch: bool | None = None):
+                 unit_qf: bool = False):
     """The float8 operands of pass 2's FP8 mode, smoothed: (q8, k8, qf, lse_s, kb).
 
     The products are taken on mean-free rows (q' = q - mean_q, k' = k - mean_k per head, SageAttention's smoothing of
@@ -632,8 +618,6 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         log, any strides); scale: the softmax scale. stats_programs, quant_block, quant_warps: launch tuning (the
         statistics programs per tensor, default ``_STATS_PROGRAMS``; rows per program and warps of the quantising
         pass, default ``_QUANT_BLOCK_S``, ``_QUANT_WARPS``); the results do not depend on the quantising pass's tuning.
-        stats_prefetch: the statistics pass loads each program's next row tile before adding this one (None:
-        ``_STATS_PREFETCH``; the same results).
         kb_pow2: return 2^kb in place of kb (what the Triton pair kernel reads with KB_POW2: no exponential per key
         and group there; H200: pass-2 kernel 0.445 against 0.455 of dense at 1.3B 480p, tests/bench_pass2_exp.py
         round s5r1). unit_qf: the scales of each head chosen so that qf is exactly 1 where that keeps both copies'
@@ -662,8 +646,7 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     nk, per_k = _stat_splits(B * H, SK, programs)
     part = torch.empty(B * H, nq + nk, 3, D, dtype=torch.float32, device=dev)
     _fp8_partial_stats[(nq + nk, B * H)](q, k, part, H, S, SK, per_q, per_k, nq, nk, *q.stride(), *k.stride(),
-                                         HEAD_DIM=D, BLOCK_S=_STATS_BLOCK_S, num_warps=4,
-                                         PREFETCH=_STATS_PREFETCH if stats_prefetch is None else bool(stats_prefetch))
+                                         HEAD_DIM=D, BLOCK_S=_STATS_BLOCK_S, num_warps=4)
     mq = torch.empty(B * H, D, dtype=torch.float32, device=dev)
     mk = torch.empty(B * H, D, dtype=torch.float32, device=dev)
     stats = torch.empty(3, B, H, dtype=torch.float32, device=dev)  # q scale, k scale, qf

@@ -50,17 +50,21 @@ _Z = 5.0  # bracket half-width in binomial standard deviations (a miss only cost
 # top-K (two bits per counting pass) 0.0447 vs 0.0473 (s = 0.25); same selection (GPU-checked). 14B 720p (75600 keys)
 # samples one per 74 either way.
 _BRACKET_MAX_SAMPLES = 1024  # (a power of two: the sample is held in registers, [NS] with NS = 2^k >= n_samp)
-# bracket launch defaults, H200 (bench_anchor --only select at 904c5fd, s = 0.25, all heads): 2 warps per row with one
-# 16-byte row of keys per thread per sweep step: 5.98 ms at 14B 720p / 0.520 ms at 1.3B 480p, against 7.79 / 0.55 for
-# 1 warp x 2 rows, 7.42 / 0.60 for 1 x 1, 6.49 / 0.58 for 2 x 2, 6.56 / 0.54 for 4 x 1 (radix 17.6 / 1.43 ms)
-_BRACKET_WARPS = 2
+# bracket launch defaults: 4 warps per row, one 16-byte row of keys per thread per sweep step (1024-key steps), 64
+# registers (8 programs, 32 warps per SM). H200 round s11r2 (main a2b0472, tests/bench_topk_race.py, 1.3B 480p, the
+# CuTeDSL pass 2's sums, / flash-attn-4 dense 8.73-8.77 ms, s = 0.1 / 0.25 / 0.5): the top-K alone 0.0407 / 0.0426 /
+# 0.0501 against 0.0421 / 0.0444 / 0.0512 for the previous 2 warps at 72 registers (14 programs per SM); after pass 2
+# 0.5197 / 0.5200 / 0.5293 against 0.5218 / 0.5215 / 0.5296. Slower there: 2 warps at 64 registers 0.0418-0.0511, at
+# 80 0.0425-0.0488, one warp per row 0.0425-0.0564 (64 registers 0.0425-0.0589), the compaction on lane-major tiles
+# (whole-sector stores, ~400 instead of ~236 instructions per 8-key step) 0.0607-0.0676. Earlier (bench_anchor at
+# 904c5fd, s = 0.25, before the counting threshold): 2 x 1 5.98 ms at 14B 720p / 0.520 ms at 1.3B 480p against 7.79 /
+# 0.55 for 1 warp x 2 rows, 7.42 / 0.60 for 1 x 1, 6.49 / 0.58 for 2 x 2, 6.56 / 0.54 for 4 x 1 (radix 17.6 / 1.43 ms)
+_BRACKET_WARPS = 4
 _BRACKET_ROWS_PER_THREAD = 1  # tile rows (16-byte vectors) per thread per sweep step
-# registers per thread of the bracket kernel (its radix fallback runs in a second launch): ptxas sm_90 at 2 warps with
-# the prefetch needs 96 uncapped, 72 with no spill (tests/ptxas_select.py --topk): 14 programs (28 warps) per SM
-# instead of 10 (the fallback inlined: 140 registers, 7 programs; every tuning of round 1b ran at ~14 warps per SM)
-_BRACKET_MAXNREG = 72
-# the bracket method's compaction on lane-major tiles (``_compact_lanes``) by default: off until raced
-_BRACKET_LANES = False
+# registers per thread of the bracket kernel (its radix fallback runs in a second launch): 64 at 4 warps (offline sm_90
+# at 1.3B: 28 bytes spilled outside the sweeps) = 8 programs, 32 warps per SM (round s11r2 above; before it 72 at 2
+# warps: 14 programs, 28 warps; the fallback inlined held 140 registers, 7 programs)
+_BRACKET_MAXNREG = 64
 # candidate slots per row with ``FusedRows.cand_count``: a multiple of the fused epilogue's sweep step (4 warps x up to
 # 4 tile rows per thread x 8 float16 keys), which ``_cand_threshold_count`` pads its copies to
 _CAND_COUNT_MIN_CAP = 4096
@@ -316,42 +320,6 @@ def _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS: tl.con
 
 
 @triton.jit
-def _compact_lanes(src, dst, SK, num_keys, width, prefix, need, one, KEY_BITS: tl.constexpr, ROWS: tl.constexpr,
-                   VEC: tl.constexpr):
-    """``_compact_tiles`` on [VEC, ROWS] tiles of consecutive keys with the keys of each tile row spread over the
-    lanes (key e * ROWS + r at [e, r]; ``one``: a runtime 1 in the offsets, so the loads are not vectorised into one
-    thread's 8 keys): the selected keys of a tile row go to consecutive slots from consecutive lanes, so each store
-    instruction writes a few whole sectors of the selection instead of one int per sector per lane (the thread-major
-    tiles' 8 scattered stores per thread and step). Prefix counts: across the lanes per tile row, then over the VEC
-    rows in the thread. ROWS * VEC < 2^16 (packed counts). Same result as ``_compact_tiles``."""
-    tile = tl.arange(0, VEC)[:, None] * ROWS + tl.arange(0, ROWS)[None, :] * one
-    step: tl.constexpr = ROWS * VEC
-    tl.static_assert(step < 65536)
-    n_gt = tl.program_id(0) * 0
-    n_eq = n_gt
-    for c0 in range(0, SK, step):
-        offs = c0 + tile
-        key = _raw_keys(_load_tile(src, offs, SK, True), offs, SK, KEY_BITS, True)
-        gt = (key > prefix).to(tl.int32)
-        eq = (key == prefix).to(tl.int32)
-        packed = gt + (eq << 16)
-        row_tot = tl.sum(packed, 1)
-        before = (tl.cumsum(row_tot, 0) - row_tot)[:, None] + tl.cumsum(packed, 1) - packed
-        gt_b = n_gt + (before & 0xFFFF)
-        eq_b = n_eq + (before >> 16)
-        pos = gt_b + tl.minimum(eq_b, need)
-        sel = (gt > 0) | ((eq > 0) & (eq_b < need))
-        tl.store(dst + pos, offs, mask=sel & (pos < num_keys))  # never past K, whatever the threshold
-        total = tl.sum(row_tot, 0)
-        n_gt += total & 0xFFFF
-        n_eq += total >> 16
-    offs1 = tl.arange(0, step)
-    for c0 in range(num_keys, width, step):
-        fill = c0 + offs1
-        tl.store(dst + fill, tl.full([step], -1, tl.int32), mask=fill < width)
-
-
-@triton.jit
 def _count_step(key, cand_row, lo, hi, above_rows, n_cand, cap):
     """One tile of the bracket sweep (``key``: its keys): per-row counts of keys above ``hi`` added to
     ``above_rows``, keys in [lo, hi] copied to ``cand_row`` (the first ``cap``); returns (above_rows, n_cand)."""
@@ -457,13 +425,12 @@ def _cand_threshold_count(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr, BITS
     return thr, kk - tl.sum(cnt, 0)
 
 
-@triton.jit(do_not_specialize=["one"])
+@triton.jit
 def _bracket_topk_rows(
     SUMS, OUT, CAND, FELL_BACK,
     SK, num_keys, width, inner,
     stride_so, stride_si, stride_oo, stride_oi,
     stride_samp, n_samp, hi_rank, lo_rank,
-    one,  # a runtime 1, never specialised (LANES: keeps the compaction's loads from being vectorised)
     KEY_BITS: tl.constexpr,
     ALIGN: tl.constexpr,  # the row strides (in keys) are multiples of ALIGN (passed divided by it)
     ROWS: tl.constexpr,
@@ -473,7 +440,6 @@ def _bracket_topk_rows(
     PREFETCH: tl.constexpr,  # each sweep issues the next tile's load before this tile's work
     CAND_COUNT: tl.constexpr = 0,  # the threshold among the copies by counting, 1 or 2 bits per pass (0: histograms;
     # CAP a multiple of ROWS * VEC)
-    LANES: tl.constexpr = False,  # the compaction on lane-major tiles (``_compact_lanes``)
 ):
     """The bracket method on [ROWS, VEC] tiles (``_tile_offsets``), one program per row: a stratified sample of
     n_samp keys (one per ``stride_samp`` positions, a scrambled offset in each) brackets the K-th largest key between
@@ -490,22 +456,20 @@ def _bracket_topk_rows(
     _bracket_row(SUMS + outer * (stride_so * ALIGN) + row_in * (stride_si * ALIGN),
                  OUT + outer * stride_oo + row_in * stride_oi, CAND + row.to(tl.int64) * CAP, FELL_BACK + row,
                  SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, ROWS, VEC, NS, CAP, PREFETCH,
-                 False, CAND_COUNT, LANES, one)
+                 False, CAND_COUNT)
 
 
 @triton.jit
 def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank,
                  KEY_BITS: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, NS: tl.constexpr, cap,
-                 PREFETCH: tl.constexpr, SAMPLE_TWO_BITS: tl.constexpr = False, CAND_COUNT: tl.constexpr = False,
-                 LANES: tl.constexpr = False, one=1):
+                 PREFETCH: tl.constexpr, SAMPLE_TWO_BITS: tl.constexpr = False, CAND_COUNT: tl.constexpr = False):
     """The bracket method for one row of Sk keys at ``src`` (16-byte aligned when Sk >= ROWS * VEC: whole tiles load
     unmasked) into the selection row ``dst`` (``width`` slots), with the candidate scratch ``cand_row`` (``cap`` slots)
     and the row's int8 fallback flag at ``flag`` (written 1 when the row is left to the radix launch, else 0);
     ``_bracket_topk_rows`` per program, or pass 2's epilogue (``selection._group_prob_sums_pair`` TOPK). The threshold
     among the copies: ``_cand_threshold`` (radix select). SAMPLE_TWO_BITS: the bracket's two sample order statistics
     two bits per reduction (``_kth_largest2``; for NS / threads <= 8: the fused epilogue's 4 warps). CAND_COUNT: the
-    threshold among the copies by ``_cand_threshold_count`` (bit search by counting; 2: two bits per pass) instead.
-    LANES: the compaction on lane-major tiles (``_compact_lanes``; ``one``: a runtime 1)."""
+    threshold among the copies by ``_cand_threshold_count`` (bit search by counting; 2: two bits per pass) instead."""
     zero = tl.program_id(0) * 0
     top = zero + (0x7C01 if KEY_BITS == 16 else 0x7F800001)  # one above +inf's key: above every key
 
@@ -545,10 +509,7 @@ def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_s
             prefix, need = _cand_threshold_count(cand_row, n_cand, num_keys - above, lo, hi, ROWS * VEC, CAND_COUNT)
         else:
             prefix, need = _cand_threshold(cand_row, n_cand, num_keys - above, lo, hi, ROWS * VEC // 2)
-        if LANES:
-            _compact_lanes(src, dst, SK, num_keys, width, prefix, need, one, KEY_BITS, ROWS, VEC)
-        else:
-            _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, ROWS, VEC, PREFETCH)
+        _compact_tiles(src, dst, SK, num_keys, width, prefix, need, KEY_BITS, ROWS, VEC, PREFETCH)
 
 
 def bracket_plan(sk: int, num_keys: int, key_bytes: int, *, stride: int | None = None, cap: int | None = None,
@@ -582,7 +543,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
                method: str | None = None, cap: int | None = None, block: int | None = None,
                num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None,
                sample_stride: int | None = None, prefetch: bool = True, maxnreg: int | None = None,
-               cand_count: int = 0, lanes: bool | None = None):
+               cand_count: int = 0):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
 
@@ -604,8 +565,6 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             ``FusedRows.cand_count``; True or 1: one bit per pass over the copies, 2: two) instead of radix histograms
             (0 / False); the candidate slots per row are then rounded up to a multiple of the sweep step (its
             padding). Same result.
-        lanes: the bracket method's compaction on lane-major tiles (``_compact_lanes``: whole-sector stores of the
-            selection; the same result; None: ``_BRACKET_LANES``).
         return_fallbacks: also return int8 ``[rows]``, 1 where the bracket method fell back to the radix threshold.
         hist: optional int32 ``[..., HIST_BINS]`` contiguous: each row's histogram of its keys' top 8 bits (pass 2
             counts it while writing the sums, ``selection.group_prob_sums(hist=...)``); the radix method then skips
@@ -669,10 +628,9 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         launch = dict(maxnreg=regs) if regs and sums.device.type == "cuda" else {}
         _bracket_topk_rows[(n,)](
             src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // align,
-            src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank, 1,
+            src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank,
             KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
-            PREFETCH=prefetch, CAND_COUNT=int(cand_count), LANES=_BRACKET_LANES if lanes is None else bool(lanes), num_warps=warps,
-            **launch)
+            PREFETCH=prefetch, CAND_COUNT=int(cand_count), num_warps=warps, **launch)
         # the rows whose bracket missed (flagged): radix threshold + compaction; every other program returns at once
         _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,
                                HAS_HIST=False, ONLY_FLAGGED=True, num_warps=4)
