@@ -71,3 +71,17 @@ def test_readme_cache_sizes_are_the_estimates():
     assert m, note
     want = f"720p {m[1]} / {m[2]} / {m[3]} GiB, 480p {m[4]} / {m[5]} / {m[6]} GiB (bf16 / fp8 / int4)"
     assert want in (ROOT / "README.md").read_text(encoding="utf-8"), (want, note)
+
+
+def test_architecture_doc_lists_every_environment_switch():
+    """Every ``MC_SPARSE_*`` environment variable the pack or the benchmarks' helpers read has a row in
+    docs/architecture.md's "Environment switches" table, and every row names one that is read (mutation: a switch
+    added without its row, as MC_SPARSE_CUTEDSL_RES_OPTIONS, _STAGES and MC_SPARSE_PASS2_UNIT_QF were)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8").split("## Environment switches", 1)[-1]
+    rows = set(re.findall(r"^\| `(MC_SPARSE_[A-Z0-9_]+)` \|", doc, flags=re.M))
+    sources = [*(ROOT / "comfyui_mc_sparse").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"),
+               ROOT / "tests" / "_scoreboard.py", ROOT / "tests" / "_timing.py"]
+    names = {n for p in sources for n in re.findall(r"[\"'](MC_SPARSE_[A-Z0-9_]+)[\"']", p.read_text(encoding="utf-8"))}
+    names -= {"MC_SPARSE_PROBE"}  # a ComfyUI socket type name (adapter/probe.py), no environment variable
+    assert names == rows, f"not in the table: {sorted(names - rows)}; not read anywhere: {sorted(rows - names)}"
+
