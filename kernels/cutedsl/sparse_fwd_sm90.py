@@ -133,18 +133,14 @@ EPILOGUES = ("registers", "smem")
 # entry, and at each item's start the next item's perm entry (read by "q_ahead" a few tiles later) and its valid
 # count is loaded (used then), so the loads of an item's start and the query gather's waits for its count and perm
 # entry find L2 lines or loaded registers.
-# "phase" (with "overlap"): the producer loads an item's key tiles after its first (partial) one in a cyclic order
-# that starts at the tile the global clock points to (``_phase``: %globaltimer / ``PHASE_NS`` modulo the item's
-# other tiles, ascending), so every CTA reads about the same token range of its head at a time (a group's sorted
-# ``kv_idx`` row walks its head's tokens in order): the K/V rows in flight over the grid are a window of a head
-# instead of any of its rows (at 14B 720p a head's K + V is 38.7 MB; round s11r1 under the H200's power cap: with
-# every group of a head on one key set the op ran at dense's SM clock, 1541 MHz, without it at 1427: the gathers'
-# DRAM misses cost the clock). With "idx_ahead" the next item's phase is set when its first index entries are
-# read (predicted for its start, the same rule on every CTA), so the index lines prefetched then are its tiles'.
-# The consumers' order needs no change (the first tile alone is masked; P V follows Q K^T's order).
 # Measured on the H200 and removed (round s11r1): "kv_half" (the K/V copies' L2 policy half evict-last, half
 # evict-first instead of all evict-last): lower at all 8 points (14B 0.866 / 0.888 / 0.888 / 0.875 against 0.884 /
-# 0.931 / 0.908 / 0.933).
+# 0.931 / 0.908 / 0.933). Round s11r2: "phase" (an item's key tiles after its first in a cyclic order from the
+# global clock's tile, %globaltimer / 1850 ns, so every CTA gathers the same token window of its head at a time; the
+# next item's phase predicted with its index prefetches): lower at 7 of 8 points, level at 14B s = 0.1 (1.3B 0.856
+# / 0.878 / 0.937 / 0.974, 14B 0.879 / 0.884 / 0.893 / 0.906 against 0.881 / 0.916 / 0.959 / 0.999 and 0.878 /
+# 0.933 / 0.914 / 0.921), as "phased" in s6r1. The likely reason (not measured): a window swept in lockstep is
+# re-read from DRAM every sweep (its rows come back a whole head later), while the unaligned walk keeps them live.
 # "diag_no_copy" (a diagnostic, wrong results): the producer skips the K/V row copies (their barriers still arrive),
 # so the consumers compute on whatever the stages hold: the kernel's speed without the gathers.
 # "stage_under_qk" (with "hide_epi"): at a group boundary the finished group's output is normalised, rounded and
@@ -160,7 +156,7 @@ EPILOGUES = ("registers", "smem")
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "phase", "stage_under_qk", "diag_no_copy", "stamps")
+           "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps")
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
 # queries and first K done, the boundary's softmax of the next item's first tile done, item end (output written or
@@ -175,7 +171,6 @@ STAMP_SLOTS = ("c_start", "c_tiles", "c_ready", "c_softmax", "c_end", "c_kwait",
     "p_start", "p_first", "p_last", "p_kwait", "p_vwait", "p_qhook", "c_end_ns", "k_start_ns", "k_dep_ns",
     "c0_bwait", "c1_bwait", "p_acq")
 RESCALE_THRESHOLD = 8.0
-PHASE_NS = 1850  # "phase": the clock's tile period, about one key tile's time under the power cap (1.8-1.95 us)
 IDX_L2_AHEAD = 4  # "idx_l2": key tiles between the index loaded and the index line prefetched
 Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
@@ -428,8 +423,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.lazy_rescale = "lazy_rescale" in options
         self.diag_no_copy = "diag_no_copy" in options
         self.idx_l2 = "idx_l2" in options
-        self.phase = "phase" in options
-        assert not self.phase or self.overlap, "phase is an overlap option"
         assert not self.idx_l2 or self.overlap, "idx_l2 is an overlap option"
         assert not self.lazy_rescale or self.overlap, "lazy_rescale is an overlap option"
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
@@ -614,10 +607,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         work_tile = tile_scheduler.initial_work_tile_info()
         q_done = Int32(0)  # "q_ahead": 1 when this item's queries were gathered during the previous item
         # "idx_ahead": this item's valid count and raw first-tile index entry, read during the previous item
-        # "phase" + "idx_ahead": pre[2] this item's phase, set then
-        pre = cute.make_rmem_tensor((3 if const_expr(self.phase) else 2,), Int32)
-        for i in cutlass.range_constexpr(3 if const_expr(self.phase) else 2):
-            pre[i] = Int32(0)
+        pre = cute.make_rmem_tensor((2,), Int32)
+        pre[0] = Int32(0)
+        pre[1] = Int32(0)
         while work_tile.is_valid_tile:
             _, _, item, _ = work_tile.tile_idx
             if const_expr(self.stamps):
@@ -658,13 +650,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 if next_item < tile_scheduler.total:
                     next_group = group_fn(next_item)[0] if const_expr(self.split_tail) else next_item
                     _prefetch_l2(fa_utils.elem_pointer(mPerm, (next_group, q_index.slot(0))).toint())
-            order = None  # "phase": the key tile of the item's loop iteration i (``_tile_at``)
-            if const_expr(self.phase):
-                ph = _phase(n_block_max - 1 - n_block_min, 0)
-                if const_expr(self.idx_ahead):
-                    if q_done != 0:
-                        ph = pre[2]
-                order = partial(self._tile_at, ph=ph, n_block_min=n_block_min, n_block_max=n_block_max)
             n_block = n_block_max - 1
             if const_expr(self.idx_ahead):
                 index.nxt[0] = cutlass.max(pre[1], 0)
@@ -685,10 +670,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 if const_expr(self.stamps):
                     st.at(item, STAMP_SLOTS.index("p_acq") - 16)
             index.advance()
-            index.fetch(order(0) if const_expr(self.phase) else n_block - 1)
+            index.fetch(n_block - 1)
             if const_expr(self.idx_l2):
                 for p in cutlass.range_constexpr(2, 2 + IDX_L2_AHEAD):
-                    index.prefetch(order(p - 1) if const_expr(self.phase) else n_block_max - 1 - p)
+                    index.prefetch(n_block_max - 1 - p)
             else:
                 pipeline_k.producer_acquire(kv_state)
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
@@ -717,7 +702,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     q_hook = partial(self._timed_hook, q_hook, st)
             kv_state, v_state, q_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state,
                                                             v_state, n_block_min, n_block_max, q_state, q_at, q_hook,
-                                                            st, order)
+                                                            st)
             if const_expr(self.stamps):
                 st.at(item, 2)
                 st.flush(item, 3, 3)
@@ -761,9 +746,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if const_expr(count is None):
             count = count_fn(item)
         if const_expr(self.split_tail):
-            group, _, n_block_min, n_block_max, _, _ = work_fn(item, count=count)
+            group, _, _, n_block_max, _, _ = work_fn(item, count=count)
         else:
-            n_block_min, n_block_max = block_info.get_n_block_min_max(self._seqlen(SeqlenInfoCls, group, count), 0)
+            _, n_block_max = block_info.get_n_block_min_max(self._seqlen(SeqlenInfoCls, group, count), 0)
         h = group // groups_per_head
         h = h - (h // n_heads) * n_heads
         rows = PagedKVManager.create(
@@ -773,14 +758,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         index = _IndexRow(rows, rows.mPageTable, None, Int32(0), mIdx.shape[1], tidx)
         pre[0] = count
         pre[1] = rows.mPageTable[index.slot(n_block_max - 1)]
-        order = None
-        if const_expr(self.phase):  # the item starts about its tile count - Q_AHEAD_AT ticks from now
-            m = n_block_max - 1 - n_block_min
-            pre[2] = _phase(m, m - Q_AHEAD_AT)
-            order = partial(self._tile_at, ph=pre[2], n_block_min=n_block_min, n_block_max=n_block_max)
         if const_expr(self.idx_l2):
             for p in cutlass.range_constexpr(1, 2 + IDX_L2_AHEAD):
-                index.prefetch(order(p - 1) if const_expr(self.phase) else n_block_max - 1 - p)
+                index.prefetch(n_block_max - 1 - p)
         return q_hook(q_state)
 
     @cute.jit
@@ -1139,17 +1119,15 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, v_state, n_block_min,
-                      n_block_max, q_state=None, q_at=None, q_hook=None, st=None, order=None):
+                      n_block_max, q_state=None, q_at=None, q_hook=None, st=None):
         """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1, V of
         the last tile at the end; ``kv_state`` the K producer state (at the group's first K, loaded), ``v_state``
         the V one (its own stage count). The row addresses of tile j-1 are kept in a register while tile j's are
         loaded. "q_ahead": ``q_hook(q_state)`` (the next item's queries) after iteration ``q_at`` (-1: none).
-        ``st``: the producer's "stamps" writer (the stage waits summed) or None. ``order``: "phase"'s tile of loop
-        iteration i (``_tile_at``), or None: tiles n_block_max - 2 down to n_block_min. Returns the advanced producer
-        states (K, V, Q)."""
-        v_block = n_block_max - 1  # "phase": the tile whose V is next
+        ``st``: the producer's "stamps" writer (the stage waits summed) or None. Returns the advanced producer states
+        (K, V, Q)."""
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-            n_block = order(i) if const_expr(order is not None) else n_block_max - 2 - i
+            n_block = n_block_max - 2 - i
             prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
             if const_expr(self.idx_l2):  # the stage first: the wait for the index (fetched a tile ago) overlaps it
                 kv_state.advance()
@@ -1158,10 +1136,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 if const_expr(st is not None):
                     st.since(t0, 0)
             index.advance()
-            index.fetch(order(i + 1) if const_expr(order is not None) else n_block - 1)
+            index.fetch(n_block - 1)
             if const_expr(self.idx_l2):
-                index.prefetch(order(i + 1 + IDX_L2_AHEAD) if const_expr(order is not None)
-                               else n_block - 1 - IDX_L2_AHEAD)
+                index.prefetch(n_block - 1 - IDX_L2_AHEAD)
             else:
                 kv_state.advance()
                 pipeline_k.producer_acquire(kv_state)
@@ -1172,26 +1149,17 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             pipeline_v.producer_acquire(v_state)
             if const_expr(st is not None):
                 st.since(t0, 1)
-            self._load_tile(rows, sV, pipeline_v, v_state, "V", v_block if const_expr(order is not None)
-                            else n_block + 1)
+            self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block + 1)
             v_state.advance()
             rows.tPrPageOffset[0] = cur_row
-            if const_expr(order is not None):
-                v_block = n_block
             if const_expr(q_hook is not None):
                 if i == q_at:
                     q_state = q_hook(q_state)
         pipeline_v.producer_acquire(v_state)
-        self._load_tile(rows, sV, pipeline_v, v_state, "V", v_block if const_expr(order is not None) else n_block_min)
+        self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block_min)
         v_state.advance()
         kv_state.advance()
         return kv_state, v_state, q_state
-
-    @cute.jit
-    def _tile_at(self, i, ph: Int32, n_block_min: Int32, n_block_max: Int32) -> Int32:
-        """"phase": the key tile an item loads at its loop iteration ``i`` >= 0 (after its first tile,
-        n_block_max - 1): n_block_min + (ph + i) mod m over its m = n_block_max - 1 - n_block_min other tiles."""
-        return n_block_min + (ph + i) % cutlass.max(n_block_max - 1 - n_block_min, 1)
 
     @cute.jit
     def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32):
@@ -1493,14 +1461,6 @@ def _globaltimer(*, loc=None, ip=None) -> Int64:
     """The global nanosecond timer (%globaltimer; "stamps")."""
     return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True,
                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@cute.jit
-def _phase(m: Int32, ahead: Int32) -> Int32:
-    """"phase": the global clock's tile ``ahead`` ticks from now (ticks of ``PHASE_NS``), modulo ``m`` (>= 1; 0
-    when m <= 0): the same on every SM at the same time (%globaltimer)."""
-    ticks = _globaltimer() // Int64(PHASE_NS) + Int64(ahead)
-    return Int32(ticks % Int64(cutlass.max(m, 1)))
 
 
 @dsl_user_op
