@@ -22,7 +22,9 @@ import datetime
 import json
 import math
 import os
+import signal
 import subprocess
+import sys
 import time
 
 import torch
@@ -92,7 +94,8 @@ def main():
     proc, fields = sampler(args.sample_ms, smi_log)
     print(f"GPU {torch.cuda.get_device_name()}; nvidia-smi fields {fields}", flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    report, segs = [], []
+    segs = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # timeout(1): stop, but summarise what was measured
     try:
         for point in args.points.split(","):
             name, s = point.split(":")
@@ -136,14 +139,22 @@ def main():
                 t0, t1, ms = segment(fn, args.seconds)
                 per_sm = groups * tiles["dense" if tag.startswith("dense") else "sparse"] / sms
                 segs.append(dict(point=point, row=tag, t0=t0 + args.settle, t1=t1, ms=ms, tiles_per_sm=per_sm))
+                print(f"{point} {tag}: {ms:.3f} ms per call, host {t0:.3f} .. {t1:.3f} s", flush=True)
             del q, k, v, qc, kc, vc, out, perm, idx, idx_sh
             torch.cuda.empty_cache()
-    finally:
+    finally:  # also on a timeout's SIGTERM (the handler above): the segments measured so far
         time.sleep(0.2)
         proc.terminate()
         proc.wait()
         with open(smi_log) as f:
             samples = parse(f.read().splitlines())
+        summarize(segs, samples, fields, args.out)
+
+
+def summarize(segs, samples, fields, out):
+    """Per segment: the nvidia-smi samples inside it (mean SM MHz, W, max temperature, reasons), cycles per key
+    tile; printed and written to ``out`` (JSON)."""
+    report = []
     for sg in segs:
         inside = [x for x in samples if sg["t0"] <= x[0] <= sg["t1"]]
         if not inside:
@@ -161,7 +172,7 @@ def main():
               f"{sg['watts']:.0f} W, {sg['temp_c']:.0f} C, reasons {sg['reasons']} ({len(inside)} samples)",
               flush=True)
         report.append(sg)
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), fields=fields, segments=report), f, indent=1)
 
 
