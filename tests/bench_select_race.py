@@ -175,9 +175,14 @@ def cute_checks(sub, kq, width, log, config="cute"):
     q, k, lse, perm = sub
     r = {}
     try:
-        q8, k8, qf, lse_s, kb2 = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)
+        unit = pass2_dispatch.cute_unit_qf()  # select_kv's operands and kernel form (qf = 1: pass2_sm90.UNIT_QF)
+        ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, unit_qf=unit)
+        q8, k8, qf, lse_s, kb2 = ops
         sums16 = torch.empty(*perm.shape[:2], perm.shape[-1] // C, k.shape[2], dtype=torch.float16, device=q.device)
-        selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums16, cute=False)
+        if unit:  # the Triton kernel on the same operands
+            launch_pair(ops, perm, sums16, one_group=True)
+        else:
+            selection.group_prob_sums(q, k, lse, perm, group_size=C, out=sums16, cute=False)
         got = torch.full_like(sums16, float("nan"))
         why = cute_why(q8, k8, got)
         if why is not None:
@@ -185,7 +190,9 @@ def cute_checks(sub, kq, width, log, config="cute"):
             log(f"CHECKS cute: skipped ({why})")
             return r
         t = time.time()
-        pass2_dispatch._cute_module().group_prob_sums_fp8(q8, k8, qf, lse_s, kb2, perm, got, group_size=C)
+        pass2_dispatch._cute_module().group_prob_sums_fp8(q8, k8, qf, lse_s, kb2, perm, got, group_size=C,
+                                                           **({"unit_qf": True} if unit else {}))
+        r["unit_qf"] = unit
         if not SMOKE:
             torch.cuda.synchronize()
         r["first_call_s"] = round(time.time() - t, 2)

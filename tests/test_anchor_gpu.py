@@ -6,6 +6,8 @@ Skipped on CPU machines (the interpreter versions run in tests/test_anchor_kerne
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from comfyui_mc_sparse_pack import kernels
@@ -100,7 +102,7 @@ def test_select_fp8_pass2_on_gpu_is_exact_on_its_operands(cuda_gen, extra):
     polynomial exponentials, where the interpreter gives <= 2e-5: Hopper's float8 wgmma accumulates with fewer bits),
     keys with a shared component, odd group count and ragged S, every entry written; select_kv with fp8 is exactly
     the top-K of its float16 sums and keeps >= 99.5 % of the float64 top-K's probability mass."""
-    from comfyui_mc_sparse_pack.kernels.triton import selection
+    from comfyui_mc_sparse_pack.kernels.triton import pass2_dispatch, selection
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 products need sm_89+")
@@ -116,14 +118,17 @@ def test_select_fp8_pass2_on_gpu_is_exact_on_its_operands(cuda_gen, extra):
         out = torch.full((1, H, G, S), float("nan"), device="cuda")
         selection.group_prob_sums(q, k, lse, perm, group_size=C, out=out, fp8=True, **extra)
         assert not out.isnan().any()
-        q8, k8, _, lse_s, kb = selection.fp8_operands(q, k, lse, D**-0.5)
+        # the operands group_prob_sums made: with qf = 1 where the CuTeDSL kernel's unit_qf form is on
+        unit = pass2_dispatch.cute_wanted() and pass2_dispatch.cute_unit_qf()
+        q8, k8, qf, lse_s, kb = selection.fp8_operands(q, k, lse, D**-0.5, unit_qf=unit)
         (mq, qs), (mk, ks) = selection.fp8_stats(q), selection.fp8_stats(k)
         for x, m, sc in ((q, mq, qs), (k, mk, ks)):  # the compiled statistics pass against torch
             assert torch.allclose(m.double(), x.double().mean(2), rtol=1e-5, atol=1e-5)
             amax = (x.float() - m[:, :, None]).abs().amax((-2, -1))  # scale: a power of two, amax / scale in (224, 448]
             assert bool((torch.frexp(sc)[0] == 0.5).all()) and bool(((amax / sc > 224) & (amax / sc <= 448)).all())
-        deq = reference.group_prob_sums(q8.double() * qs.double()[..., None, None],
-                                        k8.double() * ks.double()[..., None, None], lse_s.double(), perm, group_size=C)
+        # dequantised: q8 . k8 x qf / log2(e) is the logit (natural units) for either kind of operands
+        deq = reference.group_prob_sums(q8.double(), k8.double() * (qf.double() / (D**-0.5 * math.log2(math.e)))[
+            ..., None, None], lse_s.double(), perm, group_size=C)
         deq = deq * torch.exp2(kb.double())[:, :, None, :]
         rel = (out.double() - deq).norm(dim=-1) / deq.norm(dim=-1)
         assert float(rel.max()) < 5e-4, float(rel.max())  # H200: 5e-5 - 1.4e-4 (e4m3 MMA's reduced-precision sums)

@@ -173,7 +173,8 @@ class Pass2Sm90:
         # unit_qf: for heads whose qf is 1 (the scores come out of the wgmma in log2 units) and whose ranges allow it
         # (the host's sign of qf, ``pass2_launch.unit_qf_factors``), each score's 2^s times the query's weight
         # 2^(-LSE * log2(e)) (one per column and item) goes into the row sum by one FFMA, no FFMA for the argument
-        # (MUFU + FFMA per score instead of FFMA + MUFU + FADD); other heads (qf passed negated): the default form
+        # (MUFU + FFMA per score instead of FFMA + MUFU + FADD); other heads (qf passed negated): the default form,
+        # MUFU only (``poly`` applies to the fast form then)
         assert not (unit_qf and pair), "unit_qf: no pair"
         self.unit_qf = bool(unit_qf)
         smem = smem_bytes(stages, self.nwg, self.gpi, topk)
@@ -734,11 +735,12 @@ class Pass2Sm90:
             warpgroup.commit_group()
 
     @cute.jit
-    def _exp2(self, x, c: cutlass.Constexpr):
-        """2^x of column c: MUFU, or the FMA-pipe polynomial for ``poly_cols``; x itself with the "noexp" floor."""
+    def _exp2(self, x, c: cutlass.Constexpr, poly: cutlass.Constexpr = True):
+        """2^x of column c: MUFU, or the FMA-pipe polynomial for ``poly_cols`` (with ``poly``); x itself with the
+        "noexp" floor."""
         if const_expr(self.diag == "noexp"):
             return x
-        elif const_expr(c % 32 in self.poly_cols):
+        elif const_expr(poly and c % 32 in self.poly_cols):
             return fa_utils.ex2_emulation(x)
         else:
             return cute.arch.exp2(x)
@@ -760,7 +762,7 @@ class Pass2Sm90:
                 else:
                     chains[c % 4] = e * bc + chains[c % 4]
             else:
-                e = self._exp2(acc_mn[r, c] * qf + bc, c0 + c)
+                e = self._exp2(acc_mn[r, c] * qf + bc, c0 + c, not self.unit_qf)  # (unit_qf: poly in the fast form)
                 if const_expr(c < 4):
                     chains[c] = e
                 else:
@@ -860,9 +862,15 @@ TOPK_WHOLE_WALKS_ONLY = True
 # / 0.6933), poly 8 0.5143, and 0.5140 for the Triton one-group kernel; floors: no wgmma 0.4128 (~94 % of MUFU's 16
 # exponentials per clock): the exponential side is the limit now.
 STAGES = 4
-# select_kv's float8 operands with qf = 1 and this kernel's unit_qf form (pass2_dispatch.cute_unit_qf; the env
-# MC_SPARSE_PASS2_UNIT_QF overrides): off until an H200 race shows it faster
-UNIT_QF = False
+# select_kv's float8 operands with qf = 1 and this kernel's unit_qf form with UNIT_POLY of every 32 columns' 2^x on
+# the FMA pipe (pass2_dispatch.cute_unit_qf; MC_SPARSE_PASS2_UNIT_QF=0 restores the session-10 default: plain
+# operands, the default form, POLY). H200 round s11r2 (main a2b0472, tests/bench_cutedsl_pass2.py, the kernel alone /
+# flash-attn-4 dense 9.254 ms at 1.3B 480p, 7 rounds, every row checked against the Triton sums of its operands):
+# the default 0.4548 (again under another name 0.4560), poly 8 0.5014; unit_qf 0.4820, + poly 4 0.4448, + poly 8
+# 0.4338, + poly 12 0.4517; Mcycles per call 8.32 (default) / 7.64 (unit_qf + poly 8); floors: no wgmma 0.4112,
+# unit_qf without wgmma 0.3921, no exponential 0.3221.
+UNIT_QF = True
+UNIT_POLY = 8
 WG4 = False
 PAIR = False
 OVERLAP = False
@@ -950,7 +958,8 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
     args = tuple(make_fake_tensor(dtypes[dt], tuple(d if isinstance(d, int) else syms.setdefault(d, cute.sym_int())
                                                     for d in shape), divisibility=div)
                  for _, dt, shape, div in pass2_launch.ARG_SHAPES)
-    kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, POLY if poly is None else poly,
+    poly = (UNIT_POLY if unit_qf else POLY) if poly is None else poly
+    kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, poly,
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=(0 if pair else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
                        topk=bool(topk), wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap),
@@ -969,7 +978,7 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
 
     fit = stages is None
     stages = STAGES if stages is None else int(stages)
-    poly = POLY if poly is None else int(poly)
+    poly = (UNIT_POLY if unit_qf else POLY) if poly is None else int(poly)
     lse_smem = LSE_SMEM if lse_smem is None else bool(lse_smem)
     topk = bool(topk)
     pair = (PAIR_FUSED if topk else PAIR) if pair is None else bool(pair)
@@ -1051,9 +1060,11 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         timing floor of the benchmark ("noexp" / "nomma": WRONG sums) (None: ``config``; CTAs: the SM count;
         ksplit: ``auto_ksplit``). bracket: the fused top-K's sample plan (stride, n_samp, hi_rank, lo_rank) instead
         of ``topk.bracket_plan``'s (tests: a plan whose brackets miss sends rows to the radix launch; any plan gives
-        the same selection). unit_qf (an option under test, off): heads whose qf is exactly 1
-        (``selection.fp8_operands(unit_qf=True)``) and whose ranges pass (``pass2_launch.unit_qf_factors``) take the
-        sums as 2^score x 2^bias (``Pass2Sm90``), the others the default form; the same sums up to float32 rounding.
+        the same selection). unit_qf (select_kv passes it with ``UNIT_QF``, ``pass2_dispatch.cute_unit_qf``): heads
+        whose qf is exactly 1 (``selection.fp8_operands(unit_qf=True)``) and whose ranges pass
+        (``pass2_launch.unit_qf_factors``) take the sums as 2^score x 2^bias (``Pass2Sm90``; poly, default
+        ``UNIT_POLY``, applies to this form), the others the default form (MUFU only); the same sums up to float32
+        rounding and the polynomial's error.
     Returns:
         ``out``. Keys are written for every group; nothing past Sk. With ``select``: ``sel`` written in full (rows
         whose bracket the kernel's counts disproved by the radix top-K launched after it on the same stream).
