@@ -251,7 +251,9 @@ def cute_checks(sub, kq, width, log, config="cute"):
 RACE1_ROWS = {"s10": dict(cute=True, topk_fused=False, topk_count=True)}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
-CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
+CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True),
+                # "s10": the session-10 pass 2 (no unit_qf form; with PARTS_GLOBALS["s10"]: select_kv of session 10)
+                "s10": dict(UNIT_QF=False)}
 # the Triton modules' globals a row runs under (module name in kernels/triton -> {global: value}, set around each of
 # the row's calls and restored after): "s10" = the session-10 separate top-K (2 warps, 72 registers) and operand pass
 # (528 statistics programs per tensor) beside the defaults of round s11r2 (4 warps, 64 registers; 264), same route
@@ -722,7 +724,7 @@ def install_stand_in():
         return out
 
     stand_in = type("CuteStandIn", (), dict(
-        FUSED_TOPK=os.environ.get("SMOKE_CUTE_FUSED", "1") == "1", PAIR=False, TOPK_AUTO_KSPLIT=False,
+        FUSED_TOPK=os.environ.get("SMOKE_CUTE_FUSED", "1") == "1", PAIR=False, TOPK_AUTO_KSPLIT=False, UNIT_QF=False,
         refusal=staticmethod(lambda q8, k8, group_size, out: None),
         select_refusal=staticmethod(lambda q8, k8, group_size, out, sel, num_keys: None),
         group_prob_sums_fp8=staticmethod(stand_in_sums)))
