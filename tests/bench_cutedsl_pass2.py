@@ -205,11 +205,9 @@ def main():
                                 one_group=True)
         ref_u1 = None
         if any(" u1 " in f" {t} " for t in variants):
-            from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_launch
-
             ops_u1 = selection.fp8_operands(q, k, lse, bsr.D**-0.5, kb_pow2=True, unit_qf=True)
             ref_u1 = (ops_u1, bsr.launch_pair(ops_u1, perm, torch.empty_like(ref16), one_group=True))
-            fac = pass2_launch.unit_qf_factors(ops_u1[2], ops_u1[3], ops_u1[4])
+            fac = selection.unit_qf_factors(ops_u1[2], ops_u1[3], ops_u1[4])
             log(f"u1 operands: {int((fac > 0).sum())} of {fac.numel()} heads take the fast form (qf {fac.tolist()})")
         log(f"{name}: inputs ready (H {H}, S {S}, G {G})")
         fns, checks = cute_rows(ops, perm, ref16, variants, log, ref_u1)

@@ -614,6 +614,34 @@ def test_fp8_operands_unit_qf_moves_qf_into_the_copies(gen):
         assert err_u < 1.5 * err_b + 1e-3, (h, err_u, err_b)
 
 
+def test_unit_qf_factors_send_only_safe_heads_to_the_fast_form():
+    """``unit_qf_factors``: +1 for a head with qf exactly 1 whose ranges pass (min b + min kb > UNIT_LO, max b +
+    max kb < UNIT_HI, b = -lse_s log2(e), kb = log2 of the keys' factors; one Triton launch), -qf for every other head:
+    qf != 1 (by one ulp too), each bound crossed alone, a NaN LSE (rows of 50 / 40 values: several blocks' tails)."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    gen = torch.Generator().manual_seed(7)
+    lo, hi, log2e = selection.UNIT_LO.value, selection.UNIT_HI.value, math.log2(math.e)
+    H = 7
+    qf = torch.ones(1, H)
+    qf[0, 1] = 0.25
+    qf[0, 2] = float(torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)))
+    lse = 20 + torch.randn(1, H, 50, generator=gen)  # b ~ -29
+    kb2 = torch.exp2(torch.randn(1, H, 40, generator=gen))
+    lse[0, 3, 5] = (-lo + 1) / log2e  # min b + min kb <= UNIT_LO (scores could overflow)
+    lse[0, 4, 7] = -(hi + 1) / log2e  # max b > UNIT_HI alone
+    kb2[0, 5, 3] = 2.0 ** 100  # max kb + max b > UNIT_HI
+    lse[0, 5, 0] = -(hi - 100 + 1) / log2e
+    lse[0, 6, 0] = float("nan")
+    got = selection.unit_qf_factors(qf.to(DEVICE), lse.to(DEVICE), kb2.to(DEVICE)).cpu()
+    assert got.shape == (H,) and got.dtype == torch.float32
+    assert got[0] == 1.0
+    assert torch.equal(got[1:], -qf[0, 1:]), got
+    # within the bounds by a margin: fast
+    lse[0, 3, 5] = (-lo - 10) / log2e
+    assert selection.unit_qf_factors(qf.to(DEVICE), lse.to(DEVICE), kb2.to(DEVICE))[3] == 1.0
+
+
 @pytest.mark.parametrize("stagger,poly", [(True, 0), (False, 0), (True, 1), (True, 2), (False, 1)])
 def test_fp8_pair_pass2_is_exact_on_its_float8_operands(gen, stagger, poly):
     """The float8 pass 2 computes the exact group sums of its own smoothed float8 operands (fp32 accumulation of

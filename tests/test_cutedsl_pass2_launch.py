@@ -74,28 +74,3 @@ def test_arg_shapes_follow_the_kernel_signature():
     tensors = [a.arg for a in call.args.args[1:]
                if a.annotation is not None and ast.unparse(a.annotation) == "cute.Tensor"]
     assert tensors == [name for name, *_ in launch.ARG_SHAPES]
-
-
-def test_unit_qf_factors_send_only_safe_heads_to_the_fast_form():
-    """``unit_qf_factors``: +1 for a head with qf exactly 1 whose ranges pass (min b + min kb > UNIT_LO, max b +
-    max kb < UNIT_HI, b = -lse_s log2(e), kb = log2 of the keys' factors), -qf for every other head: qf != 1 (by one
-    ulp too), each bound crossed alone, a NaN LSE."""
-    gen = torch.Generator().manual_seed(7)
-    H = 7
-    qf = torch.ones(1, H)
-    qf[0, 1] = 0.25
-    qf[0, 2] = float(torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)))
-    lse = 20 + torch.randn(1, H, 50, generator=gen)  # b ~ -29
-    kb2 = torch.exp2(torch.randn(1, H, 40, generator=gen))
-    lse[0, 3, 5] = (-launch.UNIT_LO + 1) / launch.LOG2E  # min b + min kb <= UNIT_LO (scores could overflow)
-    lse[0, 4, 7] = -(launch.UNIT_HI + 1) / launch.LOG2E  # max b > UNIT_HI alone
-    kb2[0, 5, 3] = 2.0 ** 100  # max kb + max b > UNIT_HI
-    lse[0, 5, 0] = -(launch.UNIT_HI - 100 + 1) / launch.LOG2E
-    lse[0, 6, 0] = float("nan")
-    got = launch.unit_qf_factors(qf, lse, kb2)
-    assert got.shape == (H,) and got.dtype == torch.float32
-    assert got[0] == 1.0
-    assert torch.equal(got[1:], -qf[0, 1:]), got
-    # within the bounds by a margin: fast
-    lse[0, 3, 5] = (-launch.UNIT_LO - 10) / launch.LOG2E
-    assert launch.unit_qf_factors(qf, lse, kb2)[3] == 1.0

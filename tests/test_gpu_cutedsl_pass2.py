@@ -223,13 +223,11 @@ def test_cutedsl_pass2_equals_float64(case, tuning):
                          ids=["unitdefault", "unitmufu", "unitqsplit"])
 def test_cutedsl_pass2_unit_qf_equals_float64(tuning):
     """``unit_qf`` on torch-made operands whose head 0 has qf = 1 (the scores q8 . k8 in log2 units: the fast form,
-    2^score x the query's weight) and head 1 qf = 0.5 (``pass2_launch.unit_qf_factors`` sends it to the default
+    2^score x the query's weight) and head 1 qf = 0.5 (``selection.unit_qf_factors`` sends it to the default
     form): every entry of the view written, nothing outside it, fp32 sums within 3e-3 relative L2 per group of
     float64 (the test above's bound: the e4m3 wgmma's accumulation) and within 1e-4 relative per entry of the
     default kernel's sums on the same operands (with the fast form's poly, default ``UNIT_POLY``: 1e-3)."""
-    from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_launch as launch
-
-    _, p2 = _mods()
+    selection, p2 = _mods()
     B, H, S, SK, C, holes = CASES[2]
     q8, k8, qf, lse_s, kb, perm = _torch_operands(B, H, S, SK, C, SEED + 7 + len(str(tuning)), holes)
     r = qf.double().sqrt()[..., None, None]  # qf moved into the operands: q8 . k8 is the score in log2 units
@@ -238,7 +236,7 @@ def test_cutedsl_pass2_unit_qf_equals_float64(tuning):
     qf[:, 1] = 0.5
     s = torch.einsum("bhsd,bhkd->bhsk", q8.double(), k8.double()) * qf.double()[..., None, None] / _LOG2E
     lse_s = torch.logsumexp(s, -1).float()
-    assert launch.unit_qf_factors(qf, lse_s, kb).tolist() == [1.0, -0.5]
+    assert selection.unit_qf_factors(qf, lse_s, kb).tolist() == [1.0, -0.5]
     want = reference.group_prob_sums(q8.double(), k8.double() * (qf.double() / (_LOG2E * 128**-0.5))[..., None, None],
                                      lse_s.double(), perm, group_size=C) * kb.double()[:, :, None, :]
     got = _written_sums(p2, (q8, k8, qf, lse_s, kb), perm, C, tuning, torch.float32)

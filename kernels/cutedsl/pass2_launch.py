@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 HEAD_DIM = 128
-LOG2E = 1.4426950408889634
 
 # (argument, dtype key, shape: a name per dim (equal names: equal extents) or an int, divisibility of the last dim)
 ARG_SHAPES = (
@@ -86,24 +85,3 @@ def shape_mismatches(tensors) -> list[str]:
             elif seen.setdefault(d, (name, n))[1] != n:
                 bad.append(f"{name}.shape[{i}] = {n} != {seen[d][0]}'s {d} = {seen[d][1]}")
     return bad
-
-
-# unit_qf's range condition per head (log2 units; b = -lse_s log2(e) the queries' biases, kb the keys' factors'
-# exponents): the fast form's 2^score stays finite when min b + min kb > UNIT_LO (a score is at most -b - kb plus the
-# float8 error), and the terms it flushes (score < -126) weigh at most 2^(-126 + max b + max kb) < 2^-46 in a sum when
-# max b + max kb < UNIT_HI (the default form flushes below 2^-126 of its own)
-UNIT_LO = -112.0
-UNIT_HI = 80.0
-
-
-def unit_qf_factors(qf, lse_s, kb2):
-    """``qf`` as the ``unit_qf`` kernel reads it: fp32 ``[B*H]``, 1 where the head's qf is exactly 1 and its ranges
-    pass (``UNIT_LO`` / ``UNIT_HI``, from the min / max of its lse_s and 2^kb: two reductions on the device, no
-    sync), else -qf (the default form). qf ``[B, H]``, lse_s ``[B, H, S]``, kb2 ``[B, H, Sk]`` (2^kb)."""
-    bh = qf.numel()
-    lmin, lmax = torch.aminmax(lse_s.reshape(bh, -1), dim=1)
-    kmin, kmax = torch.aminmax(kb2.reshape(bh, -1), dim=1)
-    q = qf.reshape(bh).float()
-    fast = ((q == 1.0) & (torch.log2(kmin) - lmax * LOG2E > UNIT_LO)
-            & (torch.log2(kmax) - lmin * LOG2E < UNIT_HI))
-    return torch.where(fast, q, -q)

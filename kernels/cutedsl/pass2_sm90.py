@@ -171,7 +171,7 @@ class Pass2Sm90:
         assert not overlap or (pair and self.nwg == 3), "overlap: pair without wg4"
         self.overlap = overlap
         # unit_qf: for heads whose qf is 1 (the scores come out of the wgmma in log2 units) and whose ranges allow it
-        # (the host's sign of qf, ``pass2_launch.unit_qf_factors``), each score's 2^s times the query's weight
+        # (the host's sign of qf, ``selection.unit_qf_factors``), each score's 2^s times the query's weight
         # 2^(-LSE * log2(e)) (one per column and item) goes into the row sum by one FFMA, no FFMA for the argument
         # (MUFU + FFMA per score instead of FFMA + MUFU + FADD); other heads (qf passed negated): the default form,
         # MUFU only (``poly`` applies to the fast form then)
@@ -1062,7 +1062,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         of ``topk.bracket_plan``'s (tests: a plan whose brackets miss sends rows to the radix launch; any plan gives
         the same selection). unit_qf (select_kv passes it with ``UNIT_QF``, ``pass2_dispatch.cute_unit_qf``): heads
         whose qf is exactly 1 (``selection.fp8_operands(unit_qf=True)``) and whose ranges pass
-        (``pass2_launch.unit_qf_factors``) take the sums as 2^score x 2^bias (``Pass2Sm90``; poly, default
+        (``selection.unit_qf_factors``) take the sums as 2^score x 2^bias (``Pass2Sm90``; poly, default
         ``UNIT_POLY``, applies to this form), the others the default form (MUFU only); the same sums up to float32
         rounding and the polynomial's error.
     Returns:
@@ -1112,7 +1112,9 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
     else:  # (not read)
         sel, num_keys, stride, n_samp, hi_rank, lo_rank = None, 1, 1, 1, 0, 1
     if unit_qf:
-        qf = pass2_launch.unit_qf_factors(qf, lse_s, kb)
+        from ..triton import selection
+
+        qf = selection.unit_qf_factors(qf, lse_s, kb)
     tensors = pass2_launch.launch_tensors(q8, k8, qf, lse_s, kb, perm, out, group_size=group_size, sel=sel,
                                           ksplit=int(ksplit))
     fn(*tensors, int(group_size), int(num_ctas), int(ksplit), num_keys, int(stride), int(n_samp), int(hi_rank),

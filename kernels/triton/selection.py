@@ -604,6 +604,59 @@ def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, scale
 
 
+# unit_qf's range condition per head (log2 units; b = -lse_s log2(e) the queries' biases, kb the keys' factors'
+# exponents): the CuTeDSL pass 2's fast form's 2^score stays finite when min b + min kb > UNIT_LO (a score is at most
+# -b - kb plus the float8 error), and the terms it flushes (score < -126) weigh at most 2^(-126 + max b + max kb) <
+# 2^-46 in a sum when max b + max kb < UNIT_HI (the default form flushes below 2^-126 of its own)
+UNIT_LO = tl.constexpr(-112.0)
+UNIT_HI = tl.constexpr(80.0)
+_UNIT_BLOCK = 1024
+
+
+@triton.jit
+def _unit_qf_factors(QF, LSE_S, KB2, OUT, S, SK, BLOCK: tl.constexpr):
+    """One program per head: OUT[bh] = 1 if QF[bh] == 1 and min b + min kb > UNIT_LO and max b + max kb < UNIT_HI
+    (b = -LSE_S log2(e) over the S rows, kb = log2 KB2 over the SK keys; a NaN anywhere fails), else -QF[bh]."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    lmin = tl.full((BLOCK,), float("inf"), tl.float32)
+    lmax = tl.full((BLOCK,), float("-inf"), tl.float32)
+    bad = tl.zeros((BLOCK,), tl.int32)
+    for s0 in range(0, S, BLOCK):
+        ok = s0 + offs < S
+        x = tl.load(LSE_S + bh * S + s0 + offs, mask=ok, other=0.0)
+        lmin = tl.where(ok, tl.minimum(lmin, x), lmin)
+        lmax = tl.where(ok, tl.maximum(lmax, x), lmax)
+        bad += (ok & (x != x)).to(tl.int32)
+    kmin = tl.full((BLOCK,), float("inf"), tl.float32)
+    kmax = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for s0 in range(0, SK, BLOCK):
+        ok = s0 + offs < SK
+        x = tl.load(KB2 + bh * SK + s0 + offs, mask=ok, other=1.0)
+        kmin = tl.where(ok, tl.minimum(kmin, x), kmin)
+        kmax = tl.where(ok, tl.maximum(kmax, x), kmax)
+        bad += (ok & (x != x)).to(tl.int32)
+    qf = tl.load(QF + bh)
+    lo = tl.log2(tl.min(kmin, 0)) - tl.max(lmax, 0) * 1.4426950408889634
+    hi = tl.log2(tl.max(kmax, 0)) - tl.min(lmin, 0) * 1.4426950408889634
+    fast = (qf == 1.0) & (lo > UNIT_LO) & (hi < UNIT_HI) & (tl.sum(bad, 0) == 0)
+    tl.store(OUT + bh, tl.where(fast, qf, -qf))
+
+
+def unit_qf_factors(qf: torch.Tensor, lse_s: torch.Tensor, kb2: torch.Tensor) -> torch.Tensor:
+    """``qf`` as the CuTeDSL pass 2's ``unit_qf`` form reads it: fp32 ``[B*H]``, 1 where the head's qf is exactly 1
+    (``fp8_operands(unit_qf=True)``) and its ranges pass (``UNIT_LO`` / ``UNIT_HI`` from the min / max of its lse_s
+    and 2^kb; a NaN fails), else -qf (that head takes the default form). qf fp32 ``[B, H]``, lse_s fp32 ``[B, H, S]``,
+    kb2 fp32 ``[B, H, Sk]`` (2^kb, ``kb_pow2=True``). One launch, one program per head; no sync."""
+    bh = qf.numel()
+    lse_s = lse_s.reshape(bh, -1).contiguous()
+    kb2 = kb2.reshape(bh, -1).contiguous()
+    out = torch.empty(bh, dtype=torch.float32, device=qf.device)
+    _unit_qf_factors[(bh,)](qf.reshape(bh).float().contiguous(), lse_s, kb2, out, lse_s.shape[1], kb2.shape[1],
+                            BLOCK=_UNIT_BLOCK, num_warps=4)
+    return out
+
+
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, *, stats_programs: int | None = None,
                  quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False,
                  unit_qf: bool = False):
