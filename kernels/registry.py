@@ -24,8 +24,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-OPS = ("dense_attention", "group_prob_sums", "select_kv", "sparse_attention", "pddp_groups", "decode_bitmask")
-
 
 class NoCapableBackendError(RuntimeError):
     """No available backend accepts the call; the message lists every backend's reason."""

@@ -38,13 +38,11 @@ from .layouts import _mark
 logger = logging.getLogger(__name__)
 
 FAMILY = "minimax_h3"
-MODEL_CLASS = "MiniMaxH3Model"
 
 H3_STEPS = 49
 H3_DENSE_STEPS = 10
 H3_DENSE_BLOCKS = 1
 H3_MIN_TOKENS = 4096
-H3_DENSITY_FAST = 0.15
 
 SEGMENTS_KEY = "mc_sparse_h3_segments"
 """transformer_options key (per forward) with this forward's ``PackedLayout.segments`` as a tuple of
