@@ -73,12 +73,18 @@ def test_selection_from_a_real_anchor_round_trips(gen):
 
 
 def test_rows_not_k_sorted_fall_back_to_int32(gen):
-    """Unsorted rows or rows with fewer than K tokens are stored as given, so the round trip stays exact."""
+    """Unsorted rows, rows with fewer than K tokens, a repeated token or a token >= S are stored as given, so the round
+    trip stays exact (mutations '>=' for '>' between neighbours and '<=' for '< S' in the check passed before: the
+    bitmask dropped the repeat / decoded token S, past the keys)."""
     kv = _selection(gen, 1, 2, 3, 500, 64, 64)
     unsorted = kv.flip(-1).contiguous()
     short = kv.clone()
     short[0, 0, 0, -1] = -1
-    for bad in (unsorted, short):
+    repeat, past = kv.clone(), kv.clone()
+    repeat[0, 1, 2, 1] = repeat[0, 1, 2, 0]
+    past[0, 0, 1, -1] = 500
+    assert (repeat[0, 1, 2, 1:] >= repeat[0, 1, 2, :-1]).all() and past[0, 0, 1, -2] < 500  # still ascending
+    for bad in (unsorted, short, repeat, past):
         enc = encoding.encode_selection(bad, 500, 64, "bitmask")
         assert enc.kind == "int32" and torch.equal(encoding.decode_selection(enc), bad)
 
