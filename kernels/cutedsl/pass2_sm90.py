@@ -9,7 +9,11 @@ with the float8 operands of ``selection.fp8_operands(kb_pow2=True)`` (q8, k8 con
 head's factor, LSE_s the shifted LSE, KB2 = 2^KB). Padded query slots (perm -1, or an index >= S) add exactly 0
 (their LSE is +inf); keys >= Sk are never stored. The arithmetic per score is the Triton kernel's (one FFMA, one
 ``ex2.approx.ftz``, one FADD into a row sum; the per-key factor applied to the finished sum before the rounding to the
-output dtype): only the order of the fp32 additions of a key's row sum differs.
+output dtype): only the order of the fp32 additions of a key's row sum differs. ``unit_qf`` (select_kv's default,
+``UNIT_QF``): on operands with QF = 1 (``fp8_operands(unit_qf=True)``) the same sum as 2^(q8_i . k8_j) times the
+query's weight 2^(-LSE_s[i] * log2 e), one FFMA per score into the row sum (no FFMA for the argument), with
+``UNIT_POLY`` of every 32 columns' 2^x on the FMA pipe; heads ``selection.unit_qf_factors`` does not clear run the
+default form.
 
 Schedule (the transposed form of ``selection.py``'s kernel: keys on the MMA's M, queries on N, both operands K-major
 as float8 wgmma requires):
@@ -868,7 +872,9 @@ STAGES = 4
 # flash-attn-4 dense 9.254 ms at 1.3B 480p, 7 rounds, every row checked against the Triton sums of its operands):
 # the default 0.4548 (again under another name 0.4560), poly 8 0.5014; unit_qf 0.4820, + poly 4 0.4448, + poly 8
 # 0.4338, + poly 12 0.4517; Mcycles per call 8.32 (default) / 7.64 (unit_qf + poly 8); floors: no wgmma 0.4112,
-# unit_qf without wgmma 0.3921, no exponential 0.3221.
+# unit_qf without wgmma 0.3921, no exponential 0.3221. Final round s11final (main 8d04364, dense 8.816 ms): default
+# 0.4906, unit_qf + poly 8 0.4616, + poly 6 0.4647, + poly 10 0.4797; select_kv with it 0.5063-0.5174 at 1.3B
+# against the session-10 route's 0.5506-0.5690 in the same races (docs/kernels.md, session 11).
 UNIT_QF = True
 UNIT_POLY = 8
 WG4 = False
