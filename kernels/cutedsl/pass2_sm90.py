@@ -77,7 +77,6 @@ from ..triton import pass2_dispatch
 from . import pass2_launch
 
 HEAD_DIM = 128
-TILE_N = 128  # keys per ring stage (two 64-key halves, one per consumer warpgroup)
 TILE_Q = 128  # query slots per group (the wgmma N)
 HALF = 64  # keys per consumer warpgroup per stage (the wgmma M)
 LOG2E = 1.4426950408889634

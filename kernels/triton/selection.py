@@ -614,28 +614,29 @@ _UNIT_BLOCK = 1024
 
 
 @triton.jit
+def _row_min_max_nan(PTR, N, BLOCK: tl.constexpr):
+    """Per-lane running min / max of the float32 row PTR[0:N] and a per-lane count of its NaNs (BLOCK lanes)."""
+    offs = tl.arange(0, BLOCK)
+    vmin = tl.full((BLOCK,), float("inf"), tl.float32)
+    vmax = tl.full((BLOCK,), float("-inf"), tl.float32)
+    bad = tl.zeros((BLOCK,), tl.int32)
+    for s0 in range(0, N, BLOCK):
+        ok = s0 + offs < N
+        x = tl.load(PTR + s0 + offs, mask=ok, other=1.0)
+        vmin = tl.where(ok, tl.minimum(vmin, x), vmin)
+        vmax = tl.where(ok, tl.maximum(vmax, x), vmax)
+        bad += (ok & (x != x)).to(tl.int32)
+    return vmin, vmax, bad
+
+
+@triton.jit
 def _unit_qf_factors(QF, LSE_S, KB2, OUT, S, SK, BLOCK: tl.constexpr):
     """One program per head: OUT[bh] = 1 if QF[bh] == 1 and min b + min kb > UNIT_LO and max b + max kb < UNIT_HI
     (b = -LSE_S log2(e) over the S rows, kb = log2 KB2 over the SK keys; a NaN anywhere fails), else -QF[bh]."""
     bh = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    lmin = tl.full((BLOCK,), float("inf"), tl.float32)
-    lmax = tl.full((BLOCK,), float("-inf"), tl.float32)
-    bad = tl.zeros((BLOCK,), tl.int32)
-    for s0 in range(0, S, BLOCK):
-        ok = s0 + offs < S
-        x = tl.load(LSE_S + bh * S + s0 + offs, mask=ok, other=0.0)
-        lmin = tl.where(ok, tl.minimum(lmin, x), lmin)
-        lmax = tl.where(ok, tl.maximum(lmax, x), lmax)
-        bad += (ok & (x != x)).to(tl.int32)
-    kmin = tl.full((BLOCK,), float("inf"), tl.float32)
-    kmax = tl.full((BLOCK,), float("-inf"), tl.float32)
-    for s0 in range(0, SK, BLOCK):
-        ok = s0 + offs < SK
-        x = tl.load(KB2 + bh * SK + s0 + offs, mask=ok, other=1.0)
-        kmin = tl.where(ok, tl.minimum(kmin, x), kmin)
-        kmax = tl.where(ok, tl.maximum(kmax, x), kmax)
-        bad += (ok & (x != x)).to(tl.int32)
+    lmin, lmax, lbad = _row_min_max_nan(LSE_S + bh * S, S, BLOCK)
+    kmin, kmax, kbad = _row_min_max_nan(KB2 + bh * SK, SK, BLOCK)
+    bad = lbad + kbad
     qf = tl.load(QF + bh)
     lo = tl.log2(tl.min(kmin, 0)) - tl.max(lmax, 0) * 1.4426950408889634
     hi = tl.log2(tl.max(kmax, 0)) - tl.min(lmin, 0) * 1.4426950408889634
