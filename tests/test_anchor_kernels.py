@@ -617,28 +617,40 @@ def test_fp8_operands_unit_qf_moves_qf_into_the_copies(gen):
 def test_unit_qf_factors_send_only_safe_heads_to_the_fast_form():
     """``unit_qf_factors``: +1 for a head with qf exactly 1 whose ranges pass (min b + min kb > UNIT_LO, max b +
     max kb < UNIT_HI, b = -lse_s log2(e), kb = log2 of the keys' factors; one Triton launch), -qf for every other head:
-    qf != 1 (by one ulp too), each bound crossed alone, a NaN LSE (rows of 50 / 40 values: several blocks' tails)."""
+    qf != 1 (by one ulp too), each bound crossed alone, a NaN / +-inf LSE, a NaN / inf / 0 / negative key factor, a
+    NaN qf. Rows of 1100 / 40 values (two 1024-lane blocks, tails): the fast heads 8 / 9 sit where a masked lane read
+    as a value would move the LSE's min (8: all LSEs > 1, keys up to 2^100) or max (9: all < 1, keys down to 2^-120)
+    across a bound."""
     from comfyui_mc_sparse_pack.kernels.triton import selection
 
     gen = torch.Generator().manual_seed(7)
     lo, hi, log2e = selection.UNIT_LO.value, selection.UNIT_HI.value, math.log2(math.e)
-    H = 7
+    H, S, SK = 16, 1100, 40
     qf = torch.ones(1, H)
     qf[0, 1] = 0.25
     qf[0, 2] = float(torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)))
-    lse = 20 + torch.randn(1, H, 50, generator=gen)  # b ~ -29
-    kb2 = torch.exp2(torch.randn(1, H, 40, generator=gen))
-    lse[0, 3, 5] = (-lo + 1) / log2e  # min b + min kb <= UNIT_LO (scores could overflow)
+    lse = 20 + torch.randn(1, H, S, generator=gen)  # b ~ -29
+    kb2 = torch.exp2(torch.randn(1, H, SK, generator=gen))
+    lse[0, 3, 1030] = (-lo + 1) / log2e  # min b + min kb <= UNIT_LO (scores could overflow); in the second block
     lse[0, 4, 7] = -(hi + 1) / log2e  # max b > UNIT_HI alone
     kb2[0, 5, 3] = 2.0 ** 100  # max kb + max b > UNIT_HI
     lse[0, 5, 0] = -(hi - 100 + 1) / log2e
-    lse[0, 6, 0] = float("nan")
+    lse[0, 6, 1099] = float("nan")
+    kb2[0, 7, 39] = float("nan")
+    kb2[0, 8, 3] = 2.0 ** 100  # fast: max b + max kb = 100 - min lse log2(e) ~ 76 < UNIT_HI
+    lse[0, 9] -= 40  # fast: min b + min kb = -120 - max lse log2(e) ~ -95 > UNIT_LO
+    kb2[0, 9, 5] = 2.0 ** -120
+    lse[0, 10, 2], lse[0, 11, 2] = float("inf"), float("-inf")
+    kb2[0, 12, 1], kb2[0, 13, 1], kb2[0, 14, 1] = float("inf"), 0.0, -1.0
+    qf[0, 15] = float("nan")
     got = selection.unit_qf_factors(qf.to(DEVICE), lse.to(DEVICE), kb2.to(DEVICE)).cpu()
     assert got.shape == (H,) and got.dtype == torch.float32
-    assert got[0] == 1.0
-    assert torch.equal(got[1:], -qf[0, 1:]), got
+    want = -qf[0]
+    want[[0, 8, 9]] = 1.0
+    assert torch.equal(got[:15], want[:15]), got
+    assert not bool(got[15] > 0), got  # a NaN qf: the default form (the kernel takes the fast one for qf > 0)
     # within the bounds by a margin: fast
-    lse[0, 3, 5] = (-lo - 10) / log2e
+    lse[0, 3, 1030] = (-lo - 10) / log2e
     assert selection.unit_qf_factors(qf.to(DEVICE), lse.to(DEVICE), kb2.to(DEVICE))[3] == 1.0
 
 
