@@ -18,9 +18,10 @@ a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<kspli
 ``auto_ksplit``), `` ls`` (lse_smem), `` qs`` (qsplit 1: query-half wgmmas), `` qr`` (qsplit 2: rolled over pairs
 of tiles), `` wg4`` (four consumer warpgroups), `` pr`` (two query groups per work item), `` ov`` (with pr:
 overlapped wgmmas), `` u1`` (``unit_qf``: on ``fp8_operands(unit_qf=True)``'s operands, checked against the
-Triton sums of those), `` tk`` (the top-K fused, K = 0.25 Sk: checked against the brute-force top-K of its own sums
-too), `` nols`` / `` npr`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed
-without the check).
+Triton sums of those), `` tk`` (the top-K fused, K = --topk-density x Sk: checked against the brute-force top-K of
+its own sums too; raced beside the same variant without it at auto ksplit + the separate top-K, select_kv's route;
+with `` u1`` also `` npr``: unit_qf runs without pair), `` nols`` / `` npr`` (those defaults off), or a timing floor
+`` noexp`` / `` nomma`` (wrong sums: timed without the check).
 Writes OUT/bench_cutedsl_pass2.json (after the checks, again after the race). ``--clocks SEC``: then each raced row
 back to back for SEC seconds under nvidia-smi sampling (lines "CLOCKS": ms, SM MHz, W, Mcycles per call; the H200
 runs power-capped, so a row's clock says its energy per call).
@@ -47,7 +48,7 @@ from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 COMPILED = ("stages", "poly", "lse_smem", "qsplit", "diag", "topk", "wg4", "pair", "overlap", "unit_qf")
 FLAGS = {"ls": "lse_smem", "qs": "qsplit", "tk": "topk", "wg4": "wg4", "pr": "pair",
          "ov": "overlap", "u1": "unit_qf"}
-TOPK_DENSITY = 0.25  # the fused top-K variants ("tk") select K = 0.25 x Sk keys per group
+TOPK_DENSITY = 0.25  # the fused top-K variants ("tk") select K = 0.25 x Sk keys per group (--topk-density)
 OFF = {"nols": "lse_smem", "npr": "pair"}
 DEFAULT_VARIANTS = "st4,st4 k1,st4 qr,st4 p4,st6"
 
@@ -84,6 +85,7 @@ def cute_rows(ops, perm, ref16, variants, log, ref_u1=None):
     (``fp8_operands(kb_pow2=True, unit_qf=True)``, the Triton sums of those) for the ``u1`` variants."""
     from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_launch
     from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90 as p2
+    from comfyui_mc_sparse_pack.kernels.triton import topk
 
     fns, res = {}, {}
     for text in variants:
@@ -121,6 +123,12 @@ def cute_rows(ops, perm, ref16, variants, log, ref_u1=None):
                 out = torch.empty_like(ref16)
                 fns[name] = (lambda run, out, o: lambda: p2.group_prob_sums_fp8(
                     *o, perm, out, group_size=bsr.C, **run))(run, out, (q8, k8, qf, lse_s, kb))
+                if "select" in run:  # today's route beside it: the same kernel unfused (auto ksplit) + the top-K
+                    sep = {key: val for key, val in run.items() if key not in ("select", "ksplit")}
+                    sep_text = " ".join(t for t in text.split() if t != "tk" and not (t[0] == "k" and t[1:].isdigit()))
+                    fns[f"cute {sep_text} + separate top-K"] = (lambda sep, out, o, sel, kq: lambda: topk.top_k_rows(
+                        p2.group_prob_sums_fp8(*o, perm, out, group_size=bsr.C, **sep), kq, sel.shape[-1], out=sel,
+                        cand_count=1))(sep, out, (q8, k8, qf, lse_s, kb), torch.empty_like(sel), kq)
             del got
         except Exception as err:  # noqa: BLE001 (a variant that fails to compile or run is reported, not timed)
             res[name] = dict(ok=False, error=f"{type(err).__name__}: {str(err)[:400]}")
@@ -167,10 +175,14 @@ def main():
     ap.add_argument("--commit", default="")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--target-ms", type=float, default=20.0)
+    ap.add_argument("--topk-density", type=float, default=TOPK_DENSITY,
+                    help="the tk variants' K / Sk (and their separate top-K rows')")
     ap.add_argument("--clocks", type=float, default=0.0,
                     help="after the race: each raced row back to back for this many seconds under nvidia-smi "
                          "sampling (SM MHz, W): ms, MHz and cycles per call (0: off)")
     args = ap.parse_args()
+    global TOPK_DENSITY
+    TOPK_DENSITY = args.topk_density
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = dict(commit=args.commit, command=" ".join(sys.argv), shapes={})
@@ -216,14 +228,6 @@ def main():
         dname, dense = bsr.dense_fn(q, k, v)
         out16 = torch.empty_like(ref16)
         race_fns = {"dense": dense, "triton 1grp": lambda: bsr.launch_pair(ops, perm, out16, one_group=True), **fns}
-        if any("topk" in parse_variant(t) for t in variants if f"cute {t}" in fns):  # today's path beside the fused
-            from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90 as p2
-            from comfyui_mc_sparse_pack.kernels.triton import topk
-
-            kq = int(TOPK_DENSITY * S)
-            sel = torch.empty(*ref16.shape[:3], -(-kq // bsr.KV_TILE) * bsr.KV_TILE, dtype=torch.int32, device="cuda")
-            race_fns["cute + separate top-K count"] = lambda: topk.top_k_rows(
-                p2.group_prob_sums_fp8(*ops, perm, out16, group_size=bsr.C), kq, sel.shape[-1], out=sel, cand_count=1)
         ms = bsr.race(race_fns, rounds=args.rounds, target_ms=args.target_ms)
         ratio = {n: t / ms["dense"] for n, t in ms.items() if n != "dense"}
         log(f"{name} CUTE RACE (dense {dname} {ms['dense']:.3f} ms, all heads, kernel alone / dense): " + " | ".join(
