@@ -85,3 +85,21 @@ def test_architecture_doc_lists_every_environment_switch():
     names -= {"MC_SPARSE_PROBE"}  # a ComfyUI socket type name (adapter/probe.py), no environment variable
     assert names == rows, f"not in the table: {sorted(names - rows)}; not read anywhere: {sorted(rows - names)}"
 
+
+def test_architecture_doc_switch_defaults_match_the_code():
+    """Each default the "Environment switches" table states as a module constant (``(`module.NAME`: on)`` / off)
+    is that constant's truth value in the module's source (read with ast: the CuTeDSL modules need no import).
+    Mutation: the table said ``pass2_sm90.UNIT_QF: off`` for a session after UNIT_QF became True."""
+    import ast
+
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8").split("## Environment switches", 1)[-1]
+    claims = re.findall(r"\(`(\w+)\.([A-Z_]+)`: (on|off)\b", doc)
+    assert len(claims) >= 3, claims
+    for module, name, word in claims:
+        paths = [p for d in ("kernels", "comfyui_mc_sparse") for p in (ROOT / d).rglob(f"{module}.py")]
+        assert len(paths) == 1, (module, paths)
+        values = [ast.literal_eval(node.value) for node in ast.parse(paths[0].read_text(encoding="utf-8")).body
+                  if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)]
+        assert len(values) == 1, (module, name, values)
+        assert bool(values[0]) == (word == "on"), f"{module}.{name} = {values[0]!r}, the table says {word}"
+
