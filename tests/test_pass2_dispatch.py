@@ -518,6 +518,21 @@ def test_select_kv_with_cute_runs_its_fused_top_k(gen, cute_fused):
     assert _mod("pass2_dispatch").cute_topk_fallback_reason() is None
 
 
+@pytest.mark.parametrize("unit", [True, False])
+def test_cute_fused_top_k_gets_the_unit_qf_form(gen, cute_fused, monkeypatch, unit):
+    """The fused launch is told the operands' form as the plain one is (``cute_unit_qf``): unit_qf=True with the
+    operands of fp8_operands(unit_qf=True) (qf = 1), else no unit_qf argument. Mutation: unit_qf not passed on by
+    select_kv or by try_cute_select (the kernel's fused launch runs its default form on qf = 1 operands)."""
+    sel = _mod("selection")
+    monkeypatch.delenv("MC_SPARSE_PASS2_UNIT_QF", raising=False)
+    monkeypatch.setattr(cute_fused, "UNIT_QF", unit, raising=False)
+    q, k, lse, perm, C = _inputs(gen, S=150)
+    _select(sel, q, k, lse, perm, C)
+    assert [c["select"] is not None for c in cute_fused.calls] == [True, True]
+    assert [c["tuning"].get("unit_qf", False) for c in cute_fused.calls] == [unit, unit]
+    assert all(bool((c["qf"] == 1).all()) == unit for c in cute_fused.calls)
+
+
 @pytest.mark.parametrize("how", ["refused", "env off", "env unset (the default)", "no module support", "topk_fused=False"])
 def test_cute_fused_top_k_not_used(gen, cute_fused, monkeypatch, how):
     """The fused top-K refused by the module, switched off (MC_SPARSE_PASS2_CUTE_TOPK=0, or unset: off by default),

@@ -159,18 +159,19 @@ def cute_select_refusal(q8, k8, group_size, out, sel, num_keys, *, requested=Non
 
 
 def try_cute_select(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, sel, num_keys, requested=None,
-                    only_triton=None) -> bool:
+                    only_triton=None, unit_qf=False) -> bool:
     """Run the float8 pass 2 on the CuTeDSL kernel with its fused top-K if it may (``cute_select_refusal``): True when
     it wrote the float16 sums into ``out`` and each row's ``num_keys`` largest of them into ``sel`` (int32 ``[B, H, G,
     width]``, contiguous last dim: ascending indices, ties to the lower index, then -1); False when the caller must
-    run something else (refused, or failed: then remembered under ``CUTE_TOPK_KEY`` and logged). Raises: out of
+    run something else (refused, or failed: then remembered under ``CUTE_TOPK_KEY`` and logged). ``unit_qf``: the
+    operands were made with ``unit_qf=True`` (the kernel's ``unit_qf`` form, as ``try_cute``). Raises: out of
     memory."""
     if cute_select_refusal(q8, k8, group_size, out, sel, num_keys, requested=requested,
                            only_triton=only_triton) is not None:
         return False
     return _launch(_cute_module, _cute_topk_failures, "the CuTeDSL pass-2 kernel's fused top-K",
                    (q8, k8, qf, lse_s, kb2, perm, out), group_size, then="it without the fused top-K",
-                   select=(sel, num_keys))
+                   select=(sel, num_keys), **({"unit_qf": True} if unit_qf else {}))
 
 
 def _gluon_module():

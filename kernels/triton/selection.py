@@ -940,7 +940,7 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode, tuned=tuned)
             if want_cute and select is not None and pass2_dispatch.try_cute_select(
                     q, k, qf, lse, kb, perm, out, group_size=C, sel=select.out, num_keys=select.num_keys,
-                    requested=cute, only_triton=only_triton):
+                    requested=cute, only_triton=only_triton, unit_qf=unit):
                 select.done = select.complete = True  # (every selection row written by the kernel)
                 return out
             if want_cute and pass2_dispatch.try_cute(q, k, qf, lse, kb, perm, out, group_size=C, requested=cute,
