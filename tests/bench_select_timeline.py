@@ -1,0 +1,114 @@
+"""select_kv's launches on the GPU timeline: each kernel's duration and the idle gap before it (issue 15, p2ops).
+
+Not collected by pytest. At the shape of tests/bench_select_race.py's inputs (``--shape``, default Wan2.1-1.3B 480p),
+for each s in ``--densities``: select_kv at its defaults is warmed up (compiles), then one flash-attn-4 dense call
+and ``--calls`` select_kv calls are enqueued back to back under torch.profiler (CUDA activity only: the kernels'
+start / end stamps from CUPTI; the host stays ahead of the GPU after the dense call, as in a model run and in
+tests/_timing.race). Lines "TIMELINE": per launch position of a call (the calls after the first two), the kernel's
+name, its mean duration and the mean idle gap before it (after the previous kernel's end; for the first launch, after
+the previous call's last kernel), in microseconds; then the call's span (first start to last end), the sum of its
+kernel durations and of its gaps. Profiled durations are a timeline's, not the method of record's figures
+(tests/_timing.race): they say where the time of a select_kv call goes, not how fast it is.
+Usage (checkout root, H200): python tests/bench_select_timeline.py --out OUT [--shape 1.3b] [--densities 0.5,0.1]
+[--calls 12] [--commit HASH]. Writes OUT/select_timeline.json (and OUT/trace_<shape>_<s>.json, the chrome traces).
+Expected ~25 s at 1.3B (inputs ~10 s, compiles ~10 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_select_race as bsr  # noqa: E402  (loads the pack)
+
+GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")
+
+
+def gpu_events(trace: dict) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of the GPU work in a chrome trace (kernels, memsets, copies), by start."""
+    ev = [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in trace.get("traceEvents", [])
+          if e.get("cat") in GPU_CATS]
+    return sorted(ev, key=lambda e: e[1])
+
+
+def split_calls(events, first: str) -> list[list[tuple[str, float, float]]]:
+    """The events cut into calls, each starting at a kernel whose name contains ``first`` (events before the first
+    such kernel, e.g. the dense call, dropped)."""
+    calls: list = []
+    for e in events:
+        if first in e[0]:
+            calls.append([])
+        if calls:
+            calls[-1].append(e)
+    return calls
+
+
+def table(calls, skip: int = 2) -> dict:
+    """Per launch position (calls with the most common launch count, after the first ``skip``): name, mean duration,
+    mean gap before it (position 0: after the previous call's last end); the mean span, kernel sum and gap sum."""
+    prev_end = {i: calls[i - 1][-1][1] + calls[i - 1][-1][2] for i in range(1, len(calls))}
+    n = statistics.mode(len(c) for c in calls)
+    use = [i for i in range(max(1, skip), len(calls)) if len(calls[i]) == n]
+    rows = []
+    for p in range(n):
+        durs = [calls[i][p][2] for i in use]
+        gaps = [calls[i][p][1] - (prev_end[i] if p == 0 else calls[i][p - 1][1] + calls[i][p - 1][2]) for i in use]
+        rows.append(dict(name=calls[use[0]][p][0][:90], dur_us=statistics.mean(durs), gap_us=statistics.mean(gaps)))
+    span = [calls[i][-1][1] + calls[i][-1][2] - calls[i][0][1] for i in use]
+    return dict(calls=len(use), launches=n, rows=rows, span_us=statistics.mean(span),
+                kernels_us=sum(r["dur_us"] for r in rows), gaps_us=sum(r["gap_us"] for r in rows[1:]),
+                gap_before_call_us=rows[0]["gap_us"] if rows else 0.0)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="1.3b")
+    ap.add_argument("--densities", default="0.5,0.1")
+    ap.add_argument("--calls", type=int, default=12)
+    ap.add_argument("--commit", default="")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    q, k, v, lse, perm = bsr.make_inputs(args.shape)
+    S = q.shape[2]
+    _, dense = bsr.dense_fn(q, k, v)
+    report = dict(commit=args.commit, shape=args.shape, gpu=torch.cuda.get_device_name(), densities={})
+    print(f"[{time.time() - t0:5.1f} s] inputs ready (S {S}, H {q.shape[1]})", flush=True)
+    for s in (float(x) for x in args.densities.split(",")):
+        kk = int(s * S)
+        fn = lambda: bsr.selection.select_kv(q, k, lse, perm, kk, group_size=bsr.C, kv_tile=bsr.KV_TILE)  # noqa: E731
+        fn()
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            dense()
+            for _ in range(args.calls):
+                fn()
+            torch.cuda.synchronize()
+        path = out / f"trace_{args.shape}_{s}.json"
+        prof.export_chrome_trace(str(path))
+        calls = split_calls(gpu_events(json.loads(path.read_text())), "_fp8_partial_stats")
+        if len(calls) < 3:
+            print(f"TIMELINE {args.shape} s={s}: only {len(calls)} calls found in the trace", flush=True)
+            continue
+        t = report["densities"][str(s)] = table(calls)
+        print(f"[{time.time() - t0:5.1f} s] TIMELINE {args.shape} s={s} ({t['calls']} calls, {t['launches']} "
+              f"launches): span {t['span_us']:.1f} us = kernels {t['kernels_us']:.1f} + gaps {t['gaps_us']:.1f}; "
+              f"gap before the call {t['gap_before_call_us']:.1f}", flush=True)
+        for r in t["rows"]:
+            print(f"TIMELINE   {r['dur_us']:9.1f} us  (gap {r['gap_us']:6.1f})  {r['name']}", flush=True)
+        (out / "select_timeline.json").write_text(json.dumps(report, indent=1))
+    print(f"[{time.time() - t0:5.1f} s] done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
