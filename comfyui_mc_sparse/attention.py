@@ -205,27 +205,31 @@ def reuse_attention(
     if extra_kv is None:
         return kernels.sparse_attention(q, k, v, entry.perm, entry.kv_idx, scale=scale, out=out, residual=residual,
                                         backend=backend)
-    merged = _sparse(q, k, v, entry.perm, entry.kv_idx, extra_kv, scale, backend)
-    if residual is not None:
-        merged = (merged.float() + residual.dequantize(torch.float32, entry.perm)).to(q.dtype)
+    if residual is None:
+        merged = _sparse(q, k, v, entry.perm, entry.kv_idx, extra_kv, scale, backend)
+    else:  # merged and R added in float32, rounded once to q's dtype (as the kernels' residual epilogue)
+        merged = _sparse(q, k, v, entry.perm, entry.kv_idx, extra_kv, scale, backend, dtype=torch.float32)
+        merged = merged.add_(residual.dequantize(torch.float32, entry.perm)).to(q.dtype)
     if out is None:
         return merged
     return out.copy_(merged)
 
 
-def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor, *,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention over the union of two disjoint key sets, from each part's output and LSE.
 
     Args:
         o1, o2: ``[B, H, S, D]`` softmax attention outputs over key sets 1 and 2; lse1, lse2: their fp32
-            ``[B, H, S]`` log-sum-exps (natural log, scale applied).
+            ``[B, H, S]`` log-sum-exps (natural log, scale applied). dtype: of the result (None: o1's; float32
+            for a caller that adds more before its one rounding, ``reuse_attention``).
     Returns:
-        ``[B, H, S, D]`` in o1's dtype, exactly the attention over both sets (up to rounding).
+        ``[B, H, S, D]`` in ``dtype``, exactly the attention over both sets (up to rounding).
     """
     m = torch.maximum(lse1, lse2)
     w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
     merged = (o1.float() * w1.unsqueeze(-1) + o2.float() * w2.unsqueeze(-1)) / (w1 + w2).unsqueeze(-1)
-    return merged.to(o1.dtype)
+    return merged.to(o1.dtype if dtype is None else dtype)
 
 
 def _residual(dense: torch.Tensor, sparse: torch.Tensor, dtype_name: str) -> torch.Tensor:
@@ -245,13 +249,14 @@ def _residual(dense: torch.Tensor, sparse: torch.Tensor, dtype_name: str) -> tor
     return dense.float().sub_(sparse)
 
 
-def _sparse(q, k, v, perm, kv_idx, extra_kv, scale, backend):
-    """Token-sparse attention over the selected keys, merged with exact attention over ``extra_kv``."""
+def _sparse(q, k, v, perm, kv_idx, extra_kv, scale, backend, dtype=None):
+    """Token-sparse attention over the selected keys, merged with exact attention over ``extra_kv`` (the merge in
+    ``dtype``, ``merge_attention``)."""
     if extra_kv is None:
         return kernels.sparse_attention(q, k, v, perm, kv_idx, scale=scale, backend=backend)
     o_sel, lse_sel = kernels.sparse_attention(q, k, v, perm, kv_idx, scale=scale, return_lse=True, backend=backend)
     o_x, lse_x = kernels.dense_attention(q, extra_kv[0], extra_kv[1], scale=scale, return_lse=True, backend=backend)
-    return merge_attention(o_sel, lse_sel, o_x, lse_x)
+    return merge_attention(o_sel, lse_sel, o_x, lse_x, dtype=dtype)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:

@@ -369,6 +369,24 @@ def test_extra_keys_are_attended_exactly_at_anchor_and_reuse(gen):
     assert torch.allclose(attention.reuse_attention(q, k, v, entry1, extra_kv=(kx, vx)), full, atol=1e-5)
 
 
+def test_joint_reuse_rounds_once(gen):
+    """A reuse step with extra_kv and a residual (bf16 q/k/v, bf16 R) is the LSE merge of its two parts plus R in
+    float32, rounded once to bf16, as the kernels' residual epilogue rounds (before: the merge was rounded to bf16,
+    then the sum again; mutation: that double rounding differs from this in some elements)."""
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(gen, S=256))
+    kx, vx = (torch.randn(1, 2, 30, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    cfg = MCSparseConfig(density=0.25, group_size=64, warmup_steps=0, anchor_steps=(0,), residual_dtype="bfloat16")
+    _, entry = attention.anchor_attention(q, k, v, cfg, extra_kv=(kx, vx))
+    q2, k2, v2 = (t + 0.5 * torch.randn(t.shape, generator=gen).to(torch.bfloat16) for t in (q, k, v))
+    o_sel, l_sel = kernels.sparse_attention(q2, k2, v2, entry.perm, entry.kv_idx, return_lse=True)
+    o_x, l_x = kernels.dense_attention(q2, kx, vx, return_lse=True)
+    merged = attention.merge_attention(o_sel, l_sel, o_x, l_x, dtype=torch.float32)
+    want = (merged + entry.residual.float()).to(torch.bfloat16)
+    out = torch.full_like(q2, float("nan")).transpose(1, 2).contiguous().transpose(1, 2)  # a strided view, poisoned
+    got = attention.reuse_attention(q2, k2, v2, entry, extra_kv=(kx, vx), out=out)
+    assert got is out and torch.equal(got, want)
+
+
 def test_runner_dense_fn_sees_extra_keys(gen):
     """A dense call with extra_kv hands dense_fn the concatenated keys and values."""
     runner = engine.MCSparseRunner(MCSparseConfig(group_size=64, warmup_steps=2, anchor_steps=(1,)))
