@@ -96,14 +96,16 @@ def main():
             torch.cuda.synchronize()
         path = out / f"trace_{args.shape}_{s}.json"
         prof.export_chrome_trace(str(path))
-        calls = split_calls(gpu_events(json.loads(path.read_text())), "_fp8_partial_stats")
+        events = gpu_events(json.loads(path.read_text()))
+        calls = split_calls(events, "_fp8_partial_stats")
+        dense_us = sum(e[2] for e in events if calls and e[1] < calls[0][0][1])  # (one call from idle: a scale only)
         if len(calls) < 3:
             print(f"TIMELINE {args.shape} s={s}: only {len(calls)} calls found in the trace", flush=True)
             continue
-        t = report["densities"][str(s)] = table(calls)
+        t = report["densities"][str(s)] = dict(table(calls), dense_us=dense_us)
         print(f"[{time.time() - t0:5.1f} s] TIMELINE {args.shape} s={s} ({t['calls']} calls, {t['launches']} "
               f"launches): span {t['span_us']:.1f} us = kernels {t['kernels_us']:.1f} + gaps {t['gaps_us']:.1f}; "
-              f"gap before the call {t['gap_before_call_us']:.1f}", flush=True)
+              f"gap before the call {t['gap_before_call_us']:.1f}; dense (one call) {dense_us:.1f}", flush=True)
         for r in t["rows"]:
             print(f"TIMELINE   {r['dur_us']:9.1f} us  (gap {r['gap_us']:6.1f})  {r['name']}", flush=True)
         (out / "select_timeline.json").write_text(json.dumps(report, indent=1))
