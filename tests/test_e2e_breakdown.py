@@ -257,3 +257,25 @@ def test_host_phases_split_the_time_outside_the_steps(monkeypatch):
         assert RunState().close() == "closed"
     assert pack.s == {"plan": 0.5, "summary": 0.25, "close": 1.0}
     assert (lc._plan_before_sampling, lc._report, RunState.close) == saved
+
+
+def test_exit_status_fails_on_errors_not_on_budget_skips(capsys):
+    """``exit_status``: 0 for measured runs, the CPU split's hit-rate row and rows the time budget skipped (named in
+    a printed line); 1 for a run's error, a run with no result, a config's error. ``table`` shows a skipped config
+    as skipped, not FAILED."""
+    bench = _bench()
+    ok_run = {"label": "density 0.1", "extrapolation": {}}
+    cfg = {"model": "wan21_1.3b", "res": "480p", "tokens": 1, "errors": [],
+           "runs": [ok_run, {"label": "cpu split", "prefetch_hit_rate": 1.0},
+                    {"label": "preset fast", "skipped": "time budget 9 s spent"}],
+           "skipped": [{"stage": "peer", "skipped": "time budget 9 s spent"}]}
+    skipped_cfg = {"model": "wan21_14b", "res": "720p", "tokens": "", "errors": [], "runs": [],
+                   "skipped": [{"stage": "config", "skipped": "time budget spent"}]}
+    report = {"configs": [cfg, skipped_cfg]}
+    assert bench.exit_status(report) == 0
+    said = capsys.readouterr().out
+    assert "preset fast" in said and "peer" in said and "wan21_14b 720p config" in said
+    assert "| skipped: time budget spent |" in bench.table(report) and "FAILED" not in bench.table(report)
+    for bad in ({"runs": [ok_run, {"label": "density 0.2", "error": "RuntimeError: x"}]}, {"runs": [{"label": "?"}]},
+                {"errors": [{"stage": "build/dense", "error": "x"}]}):
+        assert bench.exit_status({"configs": [{**cfg, **bad}]}) == 1, bad
