@@ -152,11 +152,16 @@ EPILOGUES = ("registers", "smem")
 # row's residual row prefetched into L2 during the group's second key tile): the op with a plain residual 0.788 /
 # 0.821 / 0.868 / 0.919 | 0.850 / 0.873 / 0.862 / 0.904 against 0.808 / 0.833 / 0.876 / 0.937 | 0.858 / 0.883 / 0.862 /
 # 0.889 without (lower at 6 of 8 points).
+# "v_early" (with "v3"): the producer copies a key tile's V right after its K (K j, V j, K j+1, ...) instead of
+# after the next tile's K (K j, V j-1: flash-attn-4's order for 2 V stages), so a V tile is no longer issued only
+# after the producer's wait for the next free K stage; with 3 V stages its stage is free about half a key tile
+# after the K stage. The SM clock stamps (round s11r2, 1.3B s = 0.1, kernel alone) had each consumer warpgroup
+# waiting ~2.5k cycles per group for V (and ~2.6k for K) of ~61k in its key-tile loop.
 # "stamps" (a diagnostic, with "overlap"; needs the ``mStamps`` argument): per work item, SM clock stamps of the
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps")
+           "lazy_rescale", "idx_l2", "stage_under_qk", "v_early", "diag_no_copy", "stamps")
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
 # queries and first K done, the boundary's softmax of the next item's first tile done, item end (output written or
@@ -428,6 +433,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
         self.stamps = "stamps" in options
         self.stage_under_qk = "stage_under_qk" in options
+        self.v_early = "v_early" in options
+        assert not self.v_early or self.v_stages == 3, "v_early is a v3 option"
         assert not self.stage_under_qk or self.hide_epi, "stage_under_qk is a hide_epi option (staged epilogue)"
         assert not self.stamps or self.overlap, "stamps is an overlap option"
 
@@ -1121,14 +1128,16 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, v_state, n_block_min,
                       n_block_max, q_state=None, q_at=None, q_hook=None, st=None):
         """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1, V of
-        the last tile at the end; ``kv_state`` the K producer state (at the group's first K, loaded), ``v_state``
+        the last tile at the end (with "v_early": K of tile j, then V of tile j); ``kv_state`` the K producer state (at the group's first K, loaded), ``v_state``
         the V one (its own stage count). The row addresses of tile j-1 are kept in a register while tile j's are
         loaded. "q_ahead": ``q_hook(q_state)`` (the next item's queries) after iteration ``q_at`` (-1: none).
         ``st``: the producer's "stamps" writer (the stage waits summed) or None. Returns the advanced producer states
         (K, V, Q)."""
+        if const_expr(self.v_early):  # the first tile's V right after its K (the rows are still tile n_block_max - 1's)
+            v_state = self._load_v(rows, sV, pipeline_v, v_state, n_block_max - 1, st)
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
-            prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
+            prev_row = None if const_expr(self.v_early) else rows.tPrPageOffset[0]  # tile n_block + 1, V next
             if const_expr(self.idx_l2):  # the stage first: the wait for the index (fetched a tile ago) overlaps it
                 kv_state.advance()
                 t0 = _clock64() if const_expr(st is not None) else None
@@ -1143,23 +1152,32 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 kv_state.advance()
                 pipeline_k.producer_acquire(kv_state)
             self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
-            cur_row = rows.tPrPageOffset[0]
-            rows.tPrPageOffset[0] = prev_row
-            t0 = _clock64() if const_expr(st is not None) else None
-            pipeline_v.producer_acquire(v_state)
-            if const_expr(st is not None):
-                st.since(t0, 1)
-            self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block + 1)
-            v_state.advance()
-            rows.tPrPageOffset[0] = cur_row
+            if const_expr(self.v_early):
+                v_state = self._load_v(rows, sV, pipeline_v, v_state, n_block, st)
+            else:
+                cur_row = rows.tPrPageOffset[0]
+                rows.tPrPageOffset[0] = prev_row
+                v_state = self._load_v(rows, sV, pipeline_v, v_state, n_block + 1, st)
+                rows.tPrPageOffset[0] = cur_row
             if const_expr(q_hook is not None):
                 if i == q_at:
                     q_state = q_hook(q_state)
-        pipeline_v.producer_acquire(v_state)
-        self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block_min)
-        v_state.advance()
+        if const_expr(not self.v_early):
+            v_state = self._load_v(rows, sV, pipeline_v, v_state, n_block_min)
         kv_state.advance()
         return kv_state, v_state, q_state
+
+    @cute.jit
+    def _load_v(self, rows, sV, pipeline_v, v_state, n_block: Int32, st=None):
+        """V of key tile ``n_block`` (the rows ``rows`` holds) into the next V stage, once it is free; ``st`` as in
+        ``_load_k_ahead``. Returns the advanced V state."""
+        t0 = _clock64() if const_expr(st is not None) else None
+        pipeline_v.producer_acquire(v_state)
+        if const_expr(st is not None):
+            st.since(t0, 1)
+        self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block)
+        v_state.advance()
+        return v_state
 
     @cute.jit
     def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32):
