@@ -20,8 +20,8 @@ of tiles), `` wg4`` (four consumer warpgroups), `` pr`` (two query groups per wo
 overlapped wgmmas), `` u1`` (``unit_qf``: on ``fp8_operands(unit_qf=True)``'s operands, checked against the
 Triton sums of those), `` tk`` (the top-K fused, K = --topk-density x Sk: checked against the brute-force top-K of
 its own sums too; raced beside the same variant without it at auto ksplit + the separate top-K, select_kv's route;
-with `` u1`` also `` npr``: unit_qf runs without pair), `` nols`` / `` npr`` (those defaults off), or a timing floor
-`` noexp`` / `` nomma`` (wrong sums: timed without the check).
+with `` u1`` also `` npr``: unit_qf runs without pair; `` sw``: its row sweeps two keys per word, ``swar16``),
+`` nols`` / `` npr`` (those defaults off), or a timing floor `` noexp`` / `` nomma`` (wrong sums: timed without the check).
 Writes OUT/bench_cutedsl_pass2.json (after the checks, again after the race). ``--clocks SEC``: then each raced row
 back to back for SEC seconds under nvidia-smi sampling (lines "CLOCKS": ms, SM MHz, W, Mcycles per call; the H200
 runs power-capped, so a row's clock says its energy per call).
@@ -45,9 +45,9 @@ import bench_select_race as bsr  # noqa: E402  (loads the pack)
 from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 
 # the compile-time keys
-COMPILED = ("stages", "poly", "lse_smem", "qsplit", "diag", "topk", "wg4", "pair", "overlap", "unit_qf")
+COMPILED = ("stages", "poly", "lse_smem", "qsplit", "diag", "topk", "wg4", "pair", "overlap", "unit_qf", "swar")
 FLAGS = {"ls": "lse_smem", "qs": "qsplit", "tk": "topk", "wg4": "wg4", "pr": "pair",
-         "ov": "overlap", "u1": "unit_qf"}
+         "ov": "overlap", "u1": "unit_qf", "sw": "swar"}
 TOPK_DENSITY = 0.25  # the fused top-K variants ("tk") select K = 0.25 x Sk keys per group (--topk-density)
 OFF = {"nols": "lse_smem", "npr": "pair"}
 DEFAULT_VARIANTS = "st4,st4 k1,st4 qr,st4 p4,st6"
@@ -124,8 +124,9 @@ def cute_rows(ops, perm, ref16, variants, log, ref_u1=None):
                 fns[name] = (lambda run, out, o: lambda: p2.group_prob_sums_fp8(
                     *o, perm, out, group_size=bsr.C, **run))(run, out, (q8, k8, qf, lse_s, kb))
                 if "select" in run:  # today's route beside it: the same kernel unfused (auto ksplit) + the top-K
-                    sep = {key: val for key, val in run.items() if key not in ("select", "ksplit")}
-                    sep_text = " ".join(t for t in text.split() if t != "tk" and not (t[0] == "k" and t[1:].isdigit()))
+                    sep = {key: val for key, val in run.items() if key not in ("select", "ksplit", "swar")}
+                    sep_text = " ".join(t for t in text.split()
+                                        if t not in ("tk", "sw") and not (t[0] == "k" and t[1:].isdigit()))
                     fns[f"cute {sep_text} + separate top-K"] = (lambda sep, out, o, sel, kq: lambda: topk.top_k_rows(
                         p2.group_prob_sums_fp8(*o, perm, out, group_size=bsr.C, **sep), kq, sel.shape[-1], out=sel,
                         cand_count=1))(sep, out, (q8, k8, qf, lse_s, kb), torch.empty_like(sel), kq)

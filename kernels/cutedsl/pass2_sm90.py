@@ -43,7 +43,8 @@ as float8 wgmma requires):
   flagged and written by ``topk._radix_topk_rows`` (ONLY_FLAGGED) launched after the kernel: exact either way. With
   key parts (ksplit > 1) a row's parts come from several CTAs: the consumers fence their stores at GPU scope, each
   part's selecting warp counts it in a per-row counter (atomic, acq_rel, GPU scope) and the last one selects the row,
-  reading it from L2 (``ld.global.cg``).
+  reading it from L2 (``ld.global.cg``). ``swar`` (option, ``SWAR``): both sweeps compare the two float16 keys of a
+  32-bit word at once with integer instructions (``swar16``; the copies' slots from one warp prefix count per batch).
 
 Contract of a launch (``Pass2Sm90.__call__``; ``group_prob_sums_fp8`` builds the views): q8 uint8 ``(B*H, S, D)``
 and k8 uint8 ``(B*H, Sk, D)`` (the float8 bytes; contiguous), lse_s fp32 ``(B*H, S)``, perm int32 ``(B*H, G*C)``,
@@ -74,7 +75,7 @@ from flash_attn.cute import utils as fa_utils
 from quack import layout_utils, sm90_utils
 
 from ..triton import pass2_dispatch
-from . import pass2_launch
+from . import pass2_launch, swar16
 
 HEAD_DIM = 128
 TILE_Q = 128  # query slots per group (the wgmma N)
@@ -129,7 +130,7 @@ class Pass2Sm90:
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, lse_smem: bool = False, qsplit: int = 0,
                  diag: str = "", topk: bool = False, wg4: bool = False, pair: bool = False, overlap: bool = False,
-                 unit_qf: bool = False):
+                 unit_qf: bool = False, swar: bool = False):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -164,6 +165,8 @@ class Pass2Sm90:
         self.dtype = cutlass.Float8E4M3FN
         # the top-K fused: producer warps 2 and 3 select each finished row of the CTA (``_select_rows``)
         self.topk = topk
+        # swar: the selecting warps' row sweeps compare both float16 keys of a 32-bit word at once (``swar16``)
+        self.swar = bool(swar) and topk
         # pair: two query groups per work item; every key stage serves both (two wgmmas per warpgroup on the same
         # keys, half the key traffic from L2 per query); with lse_smem only
         assert not pair or lse_smem, "pair: with lse_smem"
@@ -476,28 +479,13 @@ class Pass2Sm90:
         hi = cutlass.min(t1, Int32(KEY_TOP))
         lo = cutlass.min(t2, Int32(KEY_TOP))
         cute.arch.sync_warp()  # every lane's sample reads done before the copies overwrite the slots
-        # the count / copy sweep
-        lt_mask = (Int32(1) << lane) - 1
-        above = Int32(0)
-        n_cand = Int32(0)
-        keys = cute.make_rmem_tensor((8,), Int32)
         vecs = [cute.make_rmem_tensor((4,), Int32) for _ in range(SWEEP_BATCH)]
         n_steps = (n_vec + 31) // 32
         n_batches = (n_steps + SWEEP_BATCH - 1) // SWEEP_BATCH
-        for i in cutlass.range(n_batches, unroll=1):
-            for u in cutlass.range_constexpr(SWEEP_BATCH):  # the batch's loads first: SWEEP_BATCH in flight per lane
-                self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
-            for u in cutlass.range_constexpr(SWEEP_BATCH):
-                self._decode(vecs[u], (i * SWEEP_BATCH + u) * 32 + lane < n_vec, keys)
-                for e in cutlass.range_constexpr(8):
-                    key = keys[e]
-                    above += Int32(key > hi)
-                    inside = (key >= lo) & (key <= hi)
-                    mask = cute.arch.vote_ballot_sync(inside)
-                    slot = n_cand + cute.arch.popc(mask & lt_mask)
-                    if inside & (slot < CAND_SLOTS):
-                        sC[slot, w] = cutlass.Int16(key)
-                    n_cand += cute.arch.popc(mask)
+        if const_expr(self.swar):
+            above, n_cand = self._count_sweep_swar(wsrc, sC, w, lane, n_vec, n_batches, lo, hi, vecs)
+        else:
+            above, n_cand = self._count_sweep(wsrc, sC, w, lane, n_vec, n_batches, lo, hi, vecs)
         above = cute.arch.warp_reduction_sum(above)
         hit = (above < num_keys) & (above + n_cand >= num_keys) & (n_cand <= CAND_SLOTS)
         if lane == 0:
@@ -516,41 +504,170 @@ class Pass2Sm90:
                 cnt = self._count_above(sC, w, lane, n_cand, trial, False)
                 thr = cutlass.select_(cnt >= kk_rank, trial, thr)
             need = kk_rank - self._count_above(sC, w, lane, n_cand, thr, True)
-            # the compaction sweep: slot = (keys > T before) + min(keys == T before, need)
-            n_gt = Int32(0)
-            n_eq = Int32(0)
-            for i in cutlass.range(n_batches, unroll=1):
-                for u in cutlass.range_constexpr(SWEEP_BATCH):  # the batch's loads first
-                    self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
-                for u in cutlass.range_constexpr(SWEEP_BATCH):
-                    v = (i * SWEEP_BATCH + u) * 32 + lane
-                    self._decode(vecs[u], v < n_vec, keys)
-                    packed = Int32(0)
-                    for e in cutlass.range_constexpr(8):
-                        packed += Int32(keys[e] > thr) + (Int32(keys[e] == thr) << 16)
-                    incl = packed
-                    for d in cutlass.range_constexpr(5):
-                        up = cute.arch.shuffle_sync_up(incl, offset=1 << d)
-                        if lane >= (1 << d):
-                            incl += up
-                    excl = incl - packed
-                    gt_b = n_gt + (excl & 0xFFFF)
-                    eq_b = n_eq + (excl >> 16)
-                    for e in cutlass.range_constexpr(8):
-                        gt = keys[e] > thr
-                        eq = keys[e] == thr
-                        pos = gt_b + cutlass.min(eq_b, need)
-                        if (gt | (eq & (eq_b < need))) & (pos < num_keys):
-                            mSel[b, h, g, pos] = v * 8 + e
-                        gt_b += Int32(gt)
-                        eq_b += Int32(eq)
-                    tot = cute.arch.shuffle_sync(incl, 31)
-                    n_gt += tot & 0xFFFF
-                    n_eq += tot >> 16
+            if const_expr(self.swar):
+                self._compact_sweep_swar(wsrc, mSel, b, h, g, lane, n_vec, n_batches, thr, need, num_keys, vecs)
+            else:
+                self._compact_sweep(wsrc, mSel, b, h, g, lane, n_vec, n_batches, thr, need, num_keys, vecs)
             for c in cutlass.range((width - num_keys + 31) // 32, unroll=1):
                 pos = num_keys + c * 32 + lane
                 if pos < width:
                     mSel[b, h, g, pos] = Int32(-1)
+
+    @cute.jit
+    def _count_sweep(self, wsrc, sC, w, lane, n_vec, n_batches, lo, hi, vecs):
+        """``_select_row``'s count / copy sweep, one key at a time: (this lane's count of keys > hi, the warp's count
+        of keys in [lo, hi], copied to ``sC[:, w]`` at ballot + popc slots while they fit)."""
+        lt_mask = (Int32(1) << lane) - 1
+        above = Int32(0)
+        n_cand = Int32(0)
+        keys = cute.make_rmem_tensor((8,), Int32)
+        for i in cutlass.range(n_batches, unroll=1):
+            for u in cutlass.range_constexpr(SWEEP_BATCH):  # the batch's loads first: SWEEP_BATCH in flight per lane
+                self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
+            for u in cutlass.range_constexpr(SWEEP_BATCH):
+                self._decode(vecs[u], (i * SWEEP_BATCH + u) * 32 + lane < n_vec, keys)
+                for e in cutlass.range_constexpr(8):
+                    key = keys[e]
+                    above += Int32(key > hi)
+                    inside = (key >= lo) & (key <= hi)
+                    mask = cute.arch.vote_ballot_sync(inside)
+                    slot = n_cand + cute.arch.popc(mask & lt_mask)
+                    if inside & (slot < CAND_SLOTS):
+                        sC[slot, w] = cutlass.Int16(key)
+                    n_cand += cute.arch.popc(mask)
+        return above, n_cand
+
+    @cute.jit
+    def _count_sweep_swar(self, wsrc, sC, w, lane, n_vec, n_batches, lo, hi, vecs):
+        """``_count_sweep`` with both keys of a 32-bit word compared at once (``swar16``: ~14 integer instructions
+        per word instead of ~40 per key pair); each lane's keys in [lo, hi] of a batch are copied to consecutive slots
+        after the warp's prefix count of the batch (one per batch; the copies' order does not matter)."""
+        hi2 = swar16.pair(hi + 1)  # (key > hi) == (key >= hi + 1); hi <= KEY_TOP, so hi + 1 <= 0x7FFF
+        lo2 = swar16.pair(lo)
+        above = Int32(0)  # this lane's keys > hi, counted per half
+        n_cand = Int32(0)
+        # per vector: bit k (bit 16 + k) set where word k's low (high) key is inside
+        ins = cute.make_rmem_tensor((SWEEP_BATCH,), Int32)
+        for i in cutlass.range(n_batches, unroll=1):
+            for u in cutlass.range_constexpr(SWEEP_BATCH):  # the batch's loads first: SWEEP_BATCH in flight per lane
+                self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
+            mine = Int32(0)  # this lane's keys inside in the batch, per half
+            for u in cutlass.range_constexpr(SWEEP_BATCH):
+                valid = Int32(0) - Int32((i * SWEEP_BATCH + u) * 32 + lane < n_vec)  # (past the row: a repeated vector)
+                bits = Int32(0)
+                for k in cutlass.range_constexpr(4):
+                    kk = swar16.keys(vecs[u][k])
+                    a = swar16.at_least(kk, hi2) & valid
+                    m = swar16.ones(swar16.at_least(kk, lo2) & ~a & valid)
+                    above += swar16.ones(a)
+                    mine += m
+                    bits |= m << k
+                ins[u] = bits
+            mine = swar16.total(mine)
+            incl = mine
+            for d in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(incl, offset=1 << d)
+                if lane >= (1 << d):
+                    incl += up
+            batch = cute.arch.shuffle_sync(incl, 31)
+            if batch > 0:
+                slot = n_cand + incl - mine
+                for u in cutlass.range_constexpr(SWEEP_BATCH):
+                    if ins[u] != 0:
+                        for k in cutlass.range_constexpr(4):
+                            kk = swar16.keys(vecs[u][k])
+                            for hh in cutlass.range_constexpr(2):
+                                inside = (ins[u] >> (16 * hh + k)) & 1
+                                if (inside != 0) & (slot < CAND_SLOTS):
+                                    sC[slot, w] = cutlass.Int16((kk >> (16 * hh)) & swar16.HALF_MASK)
+                                slot += inside
+            n_cand += batch
+        return swar16.total(above), n_cand
+
+    @cute.jit
+    def _compact_sweep(self, wsrc, mSel, b, h, g, lane, n_vec, n_batches, thr, need, num_keys, vecs):
+        """``_select_row``'s compaction sweep, one key at a time: slot = (keys > T before) + min(keys == T before,
+        need); every index whose key is > T and the first ``need`` whose key == T written in ascending order."""
+        keys = cute.make_rmem_tensor((8,), Int32)
+        n_gt = Int32(0)
+        n_eq = Int32(0)
+        for i in cutlass.range(n_batches, unroll=1):
+            for u in cutlass.range_constexpr(SWEEP_BATCH):  # the batch's loads first
+                self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
+            for u in cutlass.range_constexpr(SWEEP_BATCH):
+                v = (i * SWEEP_BATCH + u) * 32 + lane
+                self._decode(vecs[u], v < n_vec, keys)
+                packed = Int32(0)
+                for e in cutlass.range_constexpr(8):
+                    packed += Int32(keys[e] > thr) + (Int32(keys[e] == thr) << 16)
+                incl = packed
+                for d in cutlass.range_constexpr(5):
+                    up = cute.arch.shuffle_sync_up(incl, offset=1 << d)
+                    if lane >= (1 << d):
+                        incl += up
+                excl = incl - packed
+                gt_b = n_gt + (excl & 0xFFFF)
+                eq_b = n_eq + (excl >> 16)
+                for e in cutlass.range_constexpr(8):
+                    gt = keys[e] > thr
+                    eq = keys[e] == thr
+                    pos = gt_b + cutlass.min(eq_b, need)
+                    if (gt | (eq & (eq_b < need))) & (pos < num_keys):
+                        mSel[b, h, g, pos] = v * 8 + e
+                    gt_b += Int32(gt)
+                    eq_b += Int32(eq)
+                tot = cute.arch.shuffle_sync(incl, 31)
+                n_gt += tot & 0xFFFF
+                n_eq += tot >> 16
+
+    @cute.jit
+    def _compact_sweep_swar(self, wsrc, mSel, b, h, g, lane, n_vec, n_batches, thr, need, num_keys, vecs):
+        """``_compact_sweep`` with both keys of a word compared at once (``swar16``); the per-key writes test the
+        words' flag bits."""
+        t1 = swar16.pair(thr + 1)  # > T
+        t0 = swar16.pair(thr)  # >= T
+        n_gt = Int32(0)
+        n_eq = Int32(0)
+        for i in cutlass.range(n_batches, unroll=1):
+            for u in cutlass.range_constexpr(SWEEP_BATCH):  # the batch's loads first
+                self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
+            for u in cutlass.range_constexpr(SWEEP_BATCH):
+                v = (i * SWEEP_BATCH + u) * 32 + lane
+                valid = Int32(0) - Int32(v < n_vec)
+                gsum = Int32(0)  # this vector's keys > T (== T), per half
+                esum = Int32(0)
+                gbits = Int32(0)  # bit k (16 + k): word k's low (high) key > T
+                ebits = Int32(0)  # the same for == T
+                for k in cutlass.range_constexpr(4):
+                    kk = swar16.keys(vecs[u][k])
+                    gt = swar16.at_least(kk, t1) & valid
+                    eq = swar16.ones(swar16.at_least(kk, t0) & ~gt & valid)
+                    gt = swar16.ones(gt)
+                    gsum += gt
+                    esum += eq
+                    gbits |= gt << k
+                    ebits |= eq << k
+                packed = swar16.total(gsum) + (swar16.total(esum) << 16)  # > T low, == T high
+                incl = packed
+                for d in cutlass.range_constexpr(5):
+                    up = cute.arch.shuffle_sync_up(incl, offset=1 << d)
+                    if lane >= (1 << d):
+                        incl += up
+                excl = incl - packed
+                eq_b = n_eq + (excl >> 16)
+                pos = n_gt + (excl & 0xFFFF) + cutlass.min(eq_b, need)
+                if packed != 0:
+                    for e in cutlass.range_constexpr(8):  # key e: word e // 2, half e % 2
+                        is_gt = (gbits >> (16 * (e % 2) + e // 2)) & 1
+                        is_eq = (ebits >> (16 * (e % 2) + e // 2)) & 1
+                        take = is_gt | (is_eq & Int32(eq_b < need))
+                        if (take != 0) & (pos < num_keys):
+                            mSel[b, h, g, pos] = v * 8 + e
+                        pos += take
+                        eq_b += is_eq
+                tot = cute.arch.shuffle_sync(incl, 31)
+                n_gt += tot & 0xFFFF
+                n_eq += tot >> 16
 
     @cute.jit
     def _bias_from_lse(self, nl2, tScS, n_cols, mLSE, mPerm, bh, g, group_size, n_seq, halves=1):
@@ -857,6 +974,8 @@ TOPK_AUTO_KSPLIT = False
 # kernel unfused + the separate top-K).
 PAIR_FUSED = True
 TOPK_WHOLE_WALKS_ONLY = True
+# the fused top-K's row sweeps on two keys per 32-bit word (``swar16``; Pass2Sm90(swar=)): an option until measured
+SWAR = False
 # The default launch config: three consumer warpgroups with the LSE through shared memory (lse_smem), 4 stages, no
 # FMA-pipe share. H200 round s8r2 (main 2a57dc8, tests/bench_select_race.py race 2, the method of record, the
 # kernel alone / flash-attn-4 dense 8.954 ms at 1.3B 480p, all heads, each variant checked against the Triton sums
@@ -953,7 +1072,8 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
                  lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
-                 wg4: bool = False, pair: bool = False, overlap: bool = False, unit_qf: bool = False):
+                 wg4: bool = False, pair: bool = False, overlap: bool = False, unit_qf: bool = False,
+                 swar: bool = False):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``; ``topk``: the fused top-K. Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -968,7 +1088,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=(0 if pair else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
                        topk=bool(topk), wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap),
-                       unit_qf=bool(unit_qf))
+                       unit_qf=bool(unit_qf), swar=bool(swar))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
@@ -976,7 +1096,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
              wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
-             unit_qf: bool = False):
+             unit_qf: bool = False, swar: bool | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -990,12 +1110,13 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     qsplit = (0 if pair else QSPLIT) if qsplit is None else int(qsplit)  # (pair runs without qsplit)
     wg4 = WG4 if wg4 is None else bool(wg4)
     overlap = (OVERLAP and pair and not wg4) if overlap is None else bool(overlap)
+    swar = (SWAR and topk) if swar is None else bool(swar) and topk  # (only the fused top-K reads it)
     if fit:  # the default: as many as fit
         stages = fit_stages(stages, 4 if wg4 else 3, 2 if pair else 1, topk)
     key = ("mc_pass2_sm90", out_dtype, stages, poly, lse_smem, qsplit, diag or "", topk, wg4, pair, overlap,
-           bool(unit_qf), cc.source_hash())
+           bool(unit_qf), swar, cc.source_hash())
     return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, lse_smem, qsplit, diag, topk, wg4, pair,
-                                                overlap, unit_qf))
+                                                overlap, unit_qf, swar))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -1046,7 +1167,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
                         poly: int | None = None, lse_smem: bool | None = None, qsplit: int | None = None,
                         diag: str = "", wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
                         num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None,
-                        unit_qf: bool = False):
+                        unit_qf: bool = False, swar: bool | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
@@ -1061,7 +1182,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         with 16-byte aligned rows; ksplit 1 when not given unless ``TOPK_AUTO_KSPLIT``). stages, poly, lse_smem,
         qsplit (0, 1, 2: tile pairs rolled), wg4 (four consumer warpgroups), pair (two query groups per work item,
         sharing each key stage), overlap (with pair: the second group's wgmma under the first's exponentials),
-        num_ctas, ksplit: tuning; diag: a
+        num_ctas, ksplit: tuning; swar: the fused top-K's sweeps on two keys per word (None: ``SWAR``); diag: a
         timing floor of the benchmark ("noexp" / "nomma": WRONG sums) (None: ``config``; CTAs: the SM count;
         ksplit: ``auto_ksplit``). bracket: the fused top-K's sample plan (stride, n_samp, hi_rank, lo_rank) instead
         of ``topk.bracket_plan``'s (tests: a plan whose brackets miss sends rows to the radix launch; any plan gives
@@ -1100,7 +1221,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
     if topk_on and ksplit is None and not TOPK_AUTO_KSPLIT:
         ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, lse_smem, qsplit, diag, topk_on,
-                  wg4, pair, overlap, unit_qf)
+                  wg4, pair, overlap, unit_qf, swar)
     if num_ctas is None:
         num_ctas = _sm_count(q8.device)
     if ksplit is None:
