@@ -306,6 +306,46 @@ def test_processor_reuse_steps_use_xdit_scale_and_count_repeated_blocks(gen):
         assert {key.kind for key in run.cache_keys} == {"self@u0/2", "self#1@u0/2"}
 
 
+@pytest.mark.parametrize("uuids", [True, False])
+def test_cfg_parallel_ranks_equal_one_gpu_rows(gen, uuids):
+    """raylight's CFG parallelism (``cfg_utils.cfg_parallel_forward``): each CFG rank evaluates its row of the CFG
+    batch while transformer_options still describe both conditionings. Each rank's processor output equals the
+    one-GPU MC-Sparse output's same row at warm-up, anchor and reuse steps, under its own branch's cache key (both
+    ranks share one RunState here: a rank keyed by the other's branch would reuse its selection). Before: every call
+    on a CFG rank ran dense ("batch 1 does not split into 2 conditioning chunks"). Also with uuids absent
+    (cond_or_uncond names the branches); a CFG rank whose rows split a chunk runs dense and says why."""
+    sig = torch.tensor([1.0, 0.6, 0.3, 0.0])
+    one_gpu = lifecycle.RunState(_settings(), sig, family="wan")
+    ranks = lifecycle.RunState(_settings(), sig, family="wan")
+    over = override.make_override(None)
+    dense = _xdit_dense([])
+    processors = [ray_mc.MCSparseInnerAttention(lambda r=r: ray_mc.HeadSlice(cfg_rank=r, cfg_degree=2))
+                  for r in range(2)]
+    b, h, s, d = 2, 2, 320, 64
+    base = [torch.randn(b, h, s, d, generator=gen) for _ in range(3)]
+    for sigma in sig[:-1].tolist():
+        for layer in range(2):
+            q, k, v = (t + 0.3 * torch.randn(t.shape, generator=gen) for t in base)
+            ref = over(raw_attention, q, k, v, h, skip_reshape=True, skip_output_reshape=True,
+                       transformer_options=transformer_options(one_gpu, CallSite(layer, "wan"), sigma=sigma))
+            for r, processor in enumerate(processors):
+                options = _options(ranks, layer, sigma)
+                if not uuids:
+                    del options["uuids"]
+                ql, kl, vl = (t[r:r + 1].transpose(1, 2) for t in (q, k, v))  # this CFG rank's row, [1, S, H, D]
+                out = processor(dense, ql, kl, vl, transformer_options=options, **_xdit_kwargs())
+                torch.testing.assert_close(out.transpose(1, 2), ref[r:r + 1], rtol=1e-5, atol=1e-5)
+    assert ranks.counts()["sparse"] == one_gpu.counts()["sparse"] > 0
+    assert ranks.counts()["anchor"] == one_gpu.counts()["anchor"] > 0
+    want = {"u0", "u1"} if uuids else {"cond_or_uncond=1", "cond_or_uncond=0"}
+    assert {key.branch for key in ranks.cache_keys} == want
+    split = lifecycle.RunState(_settings(), sig, family="wan")
+    options = _options(split, 1, 0.6, chunks=1)  # one conditioning chunk of 2 rows over 2 CFG ranks of 1 row
+    processors[1](dense, ql, kl, vl, transformer_options=options, **_xdit_kwargs())
+    assert split.counts()["sparse"] == 0
+    assert any("rows split conditioning chunks" in why for why in split.runner.stats.dense_reasons)
+
+
 def test_processor_contains_a_bug_and_passes_xdits_errors(gen, monkeypatch):
     """A bug in the processor's own code (here the context-window key) gives that call and the rest of the run
     xDiT's attention, with the error in the summary, as the override's entry does; an error of xDiT's own attention
@@ -416,8 +456,9 @@ def _settings_kwargs():
                 cache_placement="cpu", backend="torch", min_tokens=0, verbose=False)
 
 
-def _ray_outer_sample(monkeypatch, degree, min_tokens=0):
-    """raylight's OUTER_SAMPLE wrapper on rank 1 of a Ulysses group of ``degree``: a Wan model of 12 heads x 128,
+def _ray_outer_sample(monkeypatch, degree, min_tokens=0, cfg_degree=1):
+    """raylight's OUTER_SAMPLE wrapper on rank 1 of a Ulysses group of ``degree`` (in CFG group 0 of ``cfg_degree``):
+    a Wan model of 12 heads x 128,
     3 blocks, a 21 x 60 x 104 latent (S = 32760), CFG, 10 steps. Returns (the kwargs of the runner's plan call or
     None, the rank's summary)."""
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import MCSparseRunner
@@ -425,7 +466,7 @@ def _ray_outer_sample(monkeypatch, degree, min_tokens=0):
     from ._comfy_standins import ModelPatcher, install_comfy_modules, wan_model
 
     install_comfy_modules(monkeypatch)
-    monkeypatch.setattr(ray_mc, "xfuser_head_slice", lambda: ray_mc.HeadSlice(1, degree, 1))
+    monkeypatch.setattr(ray_mc, "xfuser_head_slice", lambda: ray_mc.HeadSlice(1, degree, 1, 0, cfg_degree))
     planned, summaries = [], []
     monkeypatch.setattr(ray_mc, "report_across_ranks", lambda text, **kw: summaries.append(text))
     real_plan = MCSparseRunner.plan
@@ -461,6 +502,13 @@ def test_raylight_sampler_calls_plan_their_share_of_the_heads(monkeypatch, degre
     assert "dense" not in text.splitlines()[0], text
     one_gpu, _ = _ray_outer_sample(monkeypatch, 1)
     assert kwargs["speed"] == one_gpu["speed"] and kwargs["speed"].calibrated  # the 1.3B calibration, all heads
+
+
+def test_raylight_cfg_parallel_ranks_plan_their_branch(monkeypatch):
+    """A CFG-parallel rank (CFG degree 2, raylight's ``cfg_utils``) evaluates one of the two CFG branches: its cache
+    plan counts 1 branch (before: 2, twice the cache it holds), with its Ulysses share of the heads."""
+    kwargs, _ = _ray_outer_sample(monkeypatch, 2, cfg_degree=2)
+    assert kwargs["branches"] == 1 and kwargs["heads"] == 6
 
 
 def test_raylight_sampler_call_that_cannot_pay_off_runs_dense_and_says_why(monkeypatch):

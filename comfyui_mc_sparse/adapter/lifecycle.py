@@ -328,13 +328,16 @@ def _comfy_free_memory(device: torch.device) -> int:
     return max(0, int(mm.get_free_memory(device)) - int(mm.minimum_inference_memory()))
 
 
-def _plan_before_sampling(run: RunState, guider, noise, latent_shapes=None, head_split: int = 1) -> None:
+def _plan_before_sampling(run: RunState, guider, noise, latent_shapes=None, head_split: int = 1,
+                          branch_split: int = 1) -> None:
     """Before the first step: decide whether this sampler call can pay off (``payoff.dense_reason``; if not, the
     run goes dense and says why once), then log the runner's cache / speed estimate (``MCSparseRunner.plan``),
     from the model's attention geometry, device and dtype and the latent (``noise``, the latent's shape; for a
     packed multi-stream latent, v0.33.0 ``latent_shapes``, the first stream's shape: MiniMax-H3's video).
     ``head_split``: this process attends to (and caches) 1/head_split of the model's heads (raylight's Ulysses
-    degree, ``adapter/raylight.py``); the cache plan counts that share, the speed estimate the whole model's."""
+    degree, ``adapter/raylight.py``); the cache plan counts that share, the speed estimate the whole model's.
+    ``branch_split``: this process evaluates 1/branch_split of the guider's conditioning branches (raylight's CFG
+    degree; rounded up); the cache plan counts those."""
     runner = run.runner
     if runner is None:
         return
@@ -363,7 +366,7 @@ def _plan_before_sampling(run: RunState, guider, noise, latent_shapes=None, head
         return
     if geo is None:
         return
-    branches = evaluated_branches(guider)
+    branches = -(-evaluated_branches(guider) // max(1, branch_split))
     try:  # the runner logs the estimate (info) and repeats it in its summary
         runner.plan(heads=geo.heads // head_split, head_dim=geo.head_dim, layers=geo.layers, tokens=geo.tokens,
                     branches=branches, batch=int(noise.shape[0]), num_steps=run.num_steps,
@@ -405,13 +408,14 @@ def evaluated_branches(guider) -> int:
     return 2 if ("negative" in conds and getattr(guider, "cfg", 1.0) != 1.0) else 1
 
 
-def _plan_or_dense(run: RunState, guider, noise, latent_shapes=None, head_split: int = 1) -> None:
+def _plan_or_dense(run: RunState, guider, noise, latent_shapes=None, head_split: int = 1,
+                   branch_split: int = 1) -> None:
     """``_plan_before_sampling``; an unexpected error there (a bug: a model variant without an attribute the
     geometry reads, a failing memory query) turns this sampler call dense instead of losing it: logged with its
     traceback, named in the summary. It propagates with MC_SPARSE_RAISE_ERRORS=1 and for an interrupt
     (``engine.contains``)."""
     try:
-        _plan_before_sampling(run, guider, noise, latent_shapes, head_split)
+        _plan_before_sampling(run, guider, noise, latent_shapes, head_split, branch_split)
     except Exception as err:
         from ..engine import contains
 
@@ -430,11 +434,13 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     return run_sampler_call(executor, args, kwargs, install=True, report=_report)
 
 
-def run_sampler_call(executor, args: tuple, kwargs: dict, *, install: bool, report, head_split: int = 1):
+def run_sampler_call(executor, args: tuple, kwargs: dict, *, install: bool, report, head_split: int = 1,
+                     branch_split: int = 1):
     """The body of an OUTER_SAMPLE wrapper (this module's, and raylight's on each rank): the sampler call
     ``executor(*args, **kwargs)`` (args ``(noise, latent, sampler, sigmas, ...)``) with a fresh ``RunState`` under
     ``RUN_KEY`` in a clone of the guider's model options (the attention override installed there when ``install``),
-    after the pay-off check and cache plan (``_plan_or_dense`` for ``1 / head_split`` of the heads). In ``finally``:
+    after the pay-off check and cache plan (``_plan_or_dense`` for ``1 / head_split`` of the heads and
+    ``1 / branch_split`` of the branches). In ``finally``:
     ``report(run)``, the run's caches freed, the guider's options restored. An exception is noted in the run
     (``interrupted_by``) and propagates. Without an MC-Sparse holder in the options: the call alone."""
     from comfy.model_patcher import create_model_options_clone
@@ -457,7 +463,7 @@ def run_sampler_call(executor, args: tuple, kwargs: dict, *, install: bool, repo
                 run.note_displaced(displaced)
         holder.active_runs.append(run)
         _plan_or_dense(run, guider, args[0] if args else kwargs.get("noise"), kwargs.get("latent_shapes"),
-                       head_split)
+                       head_split, branch_split)
         return executor(*args, **kwargs)
     except BaseException as err:  # ComfyUI's interrupt (InterruptProcessingException), OOM, Ctrl-C, ...
         if run is not None:

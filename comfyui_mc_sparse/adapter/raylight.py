@@ -79,11 +79,15 @@ _RUN_SEQ = itertools.count()
 
 @dataclass(frozen=True)
 class HeadSlice:
-    """This rank's place in the sequence-parallel group: Ulysses ``rank`` of ``degree``, and the ring degree."""
+    """This rank's place in the parallel groups: Ulysses ``rank`` of ``degree``, the ring degree, and its CFG group
+    ``cfg_rank`` of ``cfg_degree`` (raylight's CFG parallelism, ``distributed_modules/cfg_utils.py``: each CFG group
+    evaluates its 1 / cfg_degree of the batch's rows, in order; transformer_options are not split)."""
 
     rank: int = 0
     degree: int = 1
     ring: int = 1
+    cfg_rank: int = 0
+    cfg_degree: int = 1
 
     @property
     def tag(self) -> str:
@@ -92,19 +96,37 @@ class HeadSlice:
 
 
 def xfuser_head_slice() -> HeadSlice:
-    """This process's Ulysses rank, Ulysses degree and ring degree from xfuser's parallel state; (0, 1, 1) when
-    xfuser is absent or its groups are not initialised (a one-GPU run)."""
+    """This process's Ulysses rank and degree, ring degree and CFG rank and degree from xfuser's parallel state;
+    ``HeadSlice()`` (one GPU) when xfuser is absent or its groups are not initialised."""
     try:
         from xfuser.core.distributed import (
+            get_classifier_free_guidance_rank,
+            get_classifier_free_guidance_world_size,
             get_ring_parallel_world_size,
             get_ulysses_parallel_rank,
             get_ulysses_parallel_world_size,
         )
 
         return HeadSlice(int(get_ulysses_parallel_rank()), int(get_ulysses_parallel_world_size()),
-                         int(get_ring_parallel_world_size()))
+                         int(get_ring_parallel_world_size()), int(get_classifier_free_guidance_rank()),
+                         int(get_classifier_free_guidance_world_size()))
     except Exception:  # ImportError, or the groups are not set up in this process
         return HeadSlice()
+
+
+def rank_branches(options: dict, batch: int, head_slice: HeadSlice) -> tuple[list[str], str | None]:
+    """``override.chunk_branches`` for this rank's ``batch`` rows: with CFG parallelism (``cfg_degree`` > 1) the
+    options describe the whole batch (cfg_degree x batch rows) and this rank holds rows cfg_rank x batch onward,
+    so it takes those rows' chunk identities (the reason when its rows do not cover whole chunks)."""
+    degree = max(1, head_slice.cfg_degree)
+    branches, why = chunk_branches(options, batch * degree)
+    if why is not None or degree == 1:
+        return branches, why
+    per_chunk = batch * degree // len(branches)
+    if batch % per_chunk:
+        return [], f"raylight CFG rank {head_slice.cfg_rank}: its {batch} rows split conditioning chunks of {per_chunk}"
+    first = head_slice.cfg_rank * batch // per_chunk
+    return branches[first:first + batch // per_chunk], None
 
 
 def check_ring(head_slice: HeadSlice) -> None:
@@ -176,7 +198,7 @@ class MCSparseInnerAttention:
             reason = "dense warm-up layer" if layer < run.config.warmup_layers else "dense warm-up step"
             return run.timed_dense(reason, (batch, heads, seq, head_dim), lambda: dense(q, k, v, **kwargs))
 
-        branches, why = chunk_branches(options, batch)
+        branches, why = rank_branches(options, batch, head_slice)
         if why is not None:
             return fallback(why)
         window = _window_key(options.get("context_window"))
@@ -281,10 +303,12 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
 
 def outer_sample_wrapper(executor, *args, **kwargs):
     """OUTER_SAMPLE on one rank: ``lifecycle.run_sampler_call`` (a fresh ``RunState`` for this sampler call, its
-    pay-off check and cache plan as on one GPU for this rank's share of the heads: the Ulysses degree's; a
-    CFG-parallel rank is planned for every branch its guider has, an over-estimate) without the attention override
-    (the processor runs MC-Sparse here); the summary goes to ``report_across_ranks``."""
-    return run_sampler_call(executor, args, kwargs, install=False, head_split=xfuser_head_slice().degree,
+    pay-off check and cache plan as on one GPU for this rank's share: the heads of its Ulysses degree, the
+    conditioning branches of its CFG degree) without the attention override (the processor runs MC-Sparse here);
+    the summary goes to ``report_across_ranks``."""
+    share = xfuser_head_slice()
+    return run_sampler_call(executor, args, kwargs, install=False, head_split=share.degree,
+                            branch_split=share.cfg_degree,
                             report=lambda run: report_across_ranks(run.summary(), finished=run.interrupted_by is None))
 
 
