@@ -76,15 +76,19 @@ def _compact_sweep(words, thr, need, num_keys):
         for lane in range(LANES):
             eq_b = n_eq + (int(excl[lane]) >> 16)
             pos = n_gt + (int(excl[lane]) & 0xFFFF) + min(eq_b, need)
+            boundary = eq_b < need < eq_b + (int(packed[lane]) >> 16)  # the vector where the keys == T run out
+            takes = int(gbits[lane] | (ebits[lane] & (np.int32(0) - np.int32(eq_b < need))))  # all or none
             for e in range(8):
-                is_gt = (int(gbits[lane]) >> (16 * (e % 2) + e // 2)) & 1
-                is_eq = (int(ebits[lane]) >> (16 * (e % 2) + e // 2)) & 1
-                take = is_gt | (is_eq & int(eq_b < need))
+                bit = 16 * (e % 2) + e // 2
+                if boundary:
+                    take = ((int(gbits[lane]) >> bit) & 1) | (((int(ebits[lane]) >> bit) & 1) & int(eq_b < need))
+                    eq_b += (int(ebits[lane]) >> bit) & 1
+                else:
+                    take = (takes >> bit) & 1
                 if take and pos < num_keys:
                     assert sel[pos] == -1, "a slot written twice"
                     sel[pos] = int(v[lane]) * 8 + e
                 pos += take
-                eq_b += is_eq
         n_gt += int(incl[-1]) & 0xFFFF
         n_eq += int(incl[-1]) >> 16
     return sel

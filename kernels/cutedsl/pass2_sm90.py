@@ -89,6 +89,7 @@ CAND_SLOTS = 16384  # each selecting warp's int16 candidate slots in shared memo
 SAMPLE_SLOTS = 1024  # the sample's slots (topk._BRACKET_MAX_SAMPLES), staged at the start of the candidate slots
 KEY_TOP = 0x7C01  # one above +inf's float16 key: above every key (topk._bracket_row's ``top``)
 SWEEP_BATCH = 4  # 16-byte loads per lane issued together in the selecting warps' row sweeps (latency from L2)
+SWAR_BATCH = 2  # the same for the swar sweeps
 
 
 class _Walk:
@@ -167,6 +168,7 @@ class Pass2Sm90:
         self.topk = topk
         # swar: the selecting warps' row sweeps compare both float16 keys of a 32-bit word at once (``swar16``)
         self.swar = bool(swar) and topk
+        self.batch = SWAR_BATCH if self.swar else SWEEP_BATCH  # 16-byte loads per lane in flight in the sweeps
         # pair: two query groups per work item; every key stage serves both (two wgmmas per warpgroup on the same
         # keys, half the key traffic from L2 per query); with lse_smem only
         assert not pair or lse_smem, "pair: with lse_smem"
@@ -479,9 +481,9 @@ class Pass2Sm90:
         hi = cutlass.min(t1, Int32(KEY_TOP))
         lo = cutlass.min(t2, Int32(KEY_TOP))
         cute.arch.sync_warp()  # every lane's sample reads done before the copies overwrite the slots
-        vecs = [cute.make_rmem_tensor((4,), Int32) for _ in range(SWEEP_BATCH)]
+        vecs = [cute.make_rmem_tensor((4,), Int32) for _ in range(self.batch)]
         n_steps = (n_vec + 31) // 32
-        n_batches = (n_steps + SWEEP_BATCH - 1) // SWEEP_BATCH
+        n_batches = (n_steps + self.batch - 1) // self.batch
         if const_expr(self.swar):
             above, n_cand = self._count_sweep_swar(wsrc, sC, w, lane, n_vec, n_batches, lo, hi, vecs)
         else:
@@ -547,13 +549,13 @@ class Pass2Sm90:
         above = Int32(0)  # this lane's keys > hi, counted per half
         n_cand = Int32(0)
         # per vector: bit k (bit 16 + k) set where word k's low (high) key is inside
-        ins = cute.make_rmem_tensor((SWEEP_BATCH,), Int32)
+        ins = cute.make_rmem_tensor((self.batch,), Int32)
         for i in cutlass.range(n_batches, unroll=1):
-            for u in cutlass.range_constexpr(SWEEP_BATCH):  # the batch's loads first: SWEEP_BATCH in flight per lane
-                self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
+            for u in cutlass.range_constexpr(self.batch):  # the batch's loads first: self.batch in flight per lane
+                self._load_vec(wsrc, (i * self.batch + u) * 32 + lane, n_vec, vecs[u])
             mine = Int32(0)  # this lane's keys inside in the batch, per half
-            for u in cutlass.range_constexpr(SWEEP_BATCH):
-                valid = Int32(0) - Int32((i * SWEEP_BATCH + u) * 32 + lane < n_vec)  # (past the row: a repeated vector)
+            for u in cutlass.range_constexpr(self.batch):
+                valid = Int32(0) - Int32((i * self.batch + u) * 32 + lane < n_vec)  # (past the row: a repeated vector)
                 bits = Int32(0)
                 for k in cutlass.range_constexpr(4):
                     kk = swar16.keys(vecs[u][k])
@@ -572,7 +574,7 @@ class Pass2Sm90:
             batch = cute.arch.shuffle_sync(incl, 31)
             if batch > 0:
                 slot = n_cand + incl - mine
-                for u in cutlass.range_constexpr(SWEEP_BATCH):
+                for u in cutlass.range_constexpr(self.batch):
                     if ins[u] != 0:
                         for k in cutlass.range_constexpr(4):
                             kk = swar16.keys(vecs[u][k])
@@ -623,16 +625,20 @@ class Pass2Sm90:
     @cute.jit
     def _compact_sweep_swar(self, wsrc, mSel, b, h, g, lane, n_vec, n_batches, thr, need, num_keys, vecs):
         """``_compact_sweep`` with both keys of a word compared at once (``swar16``); the per-key writes test the
-        words' flag bits."""
+        vector's packed flag bits (where a vector's keys == T are taken all or none, one mask; the one vector per row
+        where they run out, key by key) and store through the row's base pointer."""
         t1 = swar16.pair(thr + 1)  # > T
         t0 = swar16.pair(thr)  # >= T
+        srow = cute.make_tensor(
+            cute.make_ptr(Int32, fa_utils.elem_pointer(mSel, (b, h, g, 0)).toint(), cute.AddressSpace.gmem,
+                          assumed_align=4), cute.make_layout((num_keys,)))
         n_gt = Int32(0)
         n_eq = Int32(0)
         for i in cutlass.range(n_batches, unroll=1):
-            for u in cutlass.range_constexpr(SWEEP_BATCH):  # the batch's loads first
-                self._load_vec(wsrc, (i * SWEEP_BATCH + u) * 32 + lane, n_vec, vecs[u])
-            for u in cutlass.range_constexpr(SWEEP_BATCH):
-                v = (i * SWEEP_BATCH + u) * 32 + lane
+            for u in cutlass.range_constexpr(self.batch):  # the batch's loads first
+                self._load_vec(wsrc, (i * self.batch + u) * 32 + lane, n_vec, vecs[u])
+            for u in cutlass.range_constexpr(self.batch):
+                v = (i * self.batch + u) * 32 + lane
                 valid = Int32(0) - Int32(v < n_vec)
                 gsum = Int32(0)  # this vector's keys > T (== T), per half
                 esum = Int32(0)
@@ -657,14 +663,22 @@ class Pass2Sm90:
                 eq_b = n_eq + (excl >> 16)
                 pos = n_gt + (excl & 0xFFFF) + cutlass.min(eq_b, need)
                 if packed != 0:
-                    for e in cutlass.range_constexpr(8):  # key e: word e // 2, half e % 2
-                        is_gt = (gbits >> (16 * (e % 2) + e // 2)) & 1
-                        is_eq = (ebits >> (16 * (e % 2) + e // 2)) & 1
-                        take = is_gt | (is_eq & Int32(eq_b < need))
-                        if (take != 0) & (pos < num_keys):
-                            mSel[b, h, g, pos] = v * 8 + e
-                        pos += take
-                        eq_b += is_eq
+                    if (eq_b < need) & (eq_b + (packed >> 16) > need):  # the vector where the keys == T run out
+                        for e in cutlass.range_constexpr(8):  # key e: word e // 2, half e % 2
+                            is_gt = (gbits >> (16 * (e % 2) + e // 2)) & 1
+                            is_eq = (ebits >> (16 * (e % 2) + e // 2)) & 1
+                            take = is_gt | (is_eq & Int32(eq_b < need))
+                            if (take != 0) & (pos < num_keys):
+                                srow[pos] = v * 8 + e
+                            pos += take
+                            eq_b += is_eq
+                    else:  # its keys == T all taken (eq_b + count <= need) or none (eq_b >= need)
+                        takes = gbits | (ebits & (Int32(0) - Int32(eq_b < need)))
+                        for e in cutlass.range_constexpr(8):
+                            take = (takes >> (16 * (e % 2) + e // 2)) & 1
+                            if (take != 0) & (pos < num_keys):
+                                srow[pos] = v * 8 + e
+                            pos += take
                 tot = cute.arch.shuffle_sync(incl, 31)
                 n_gt += tot & 0xFFFF
                 n_eq += tot >> 16
