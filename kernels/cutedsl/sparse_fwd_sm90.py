@@ -163,11 +163,16 @@ EPILOGUES = ("registers", "smem")
 # later item's queries (two items later; the last two items' after its walk), first reads the staged rows back and
 # writes them to ``out`` (or the "split_tail" workspace), each thread the 16-byte pieces it copies into the slot
 # (``_store_slot``). The consumers keep the LSE stores.
+# "tok_shfl" (the hinted producers, the op's): each K/V row's address made by the copying thread from its 32-bit
+# token index (one shuffle from the index's loader and one IMAD.WIDE: token x row bytes + the thread's base) instead
+# of the loader's 64-bit row address shuffled (two shuffles and a 64-bit add per row); with "v_early" a tile's K and
+# V copies share the shuffled indices: 8 shuffles per thread per key tile instead of 32 (offline sm_90a SASS).
 # "stamps" (a diagnostic, with "overlap"; needs the ``mStamps`` argument): per work item, SM clock stamps of the
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "stage_under_qk", "v_early", "producer_store", "diag_no_copy", "stamps")
+           "lazy_rescale", "idx_l2", "stage_under_qk", "v_early", "producer_store", "tok_shfl", "diag_no_copy",
+           "stamps")
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
 # queries and first K done, the boundary's softmax of the next item's first tile done, item end (output written or
@@ -441,6 +446,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.stamps = "stamps" in options
         self.stage_under_qk = "stage_under_qk" in options
         self.v_early = "v_early" in options
+        self.tok_shfl = "tok_shfl" in options
+        assert not self.tok_shfl or producer != "cp.async", "tok_shfl is an option of the hinted producers"
         assert not self.v_early or self.v_stages == 3, "v_early is a v3 option"
         assert not self.stage_under_qk or self.hide_epi, "stage_under_qk is a hide_epi option (staged epilogue)"
         self.producer_store = "producer_store" in options
@@ -1198,12 +1205,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, v_state, n_block_min,
                       n_block_max, q_state=None, q_at=None, q_hook=None, st=None):
         """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1, V of
-        the last tile at the end (with "v_early": K of tile j, then V of tile j); ``kv_state`` the K producer state (at the group's first K, loaded), ``v_state``
-        the V one (its own stage count). The row addresses of tile j-1 are kept in a register while tile j's are
-        loaded. "q_ahead": ``q_hook(q_state)`` (the next item's queries) after iteration ``q_at`` (-1: none).
-        ``st``: the producer's "stamps" writer (the stage waits summed) or None. Returns the advanced producer states
-        (K, V, Q)."""
-        if const_expr(self.v_early):  # the first tile's V right after its K (the rows are still tile n_block_max - 1's)
+        the last tile at the end (with "v_early": K of tile j, then V of tile j); ``kv_state`` the K producer state
+        (at the group's first K, loaded), ``v_state`` the V one (its own stage count). The row addresses of tile
+        j-1 are kept in a register while tile j's are loaded. "q_ahead": ``q_hook(q_state)`` (the next item's
+        queries) after iteration ``q_at`` (-1: none). ``st``: the producer's "stamps" writer (the stage waits summed)
+        or None. Returns the advanced producer states (K, V, Q)."""
+        if const_expr(self.v_early):  # the first tile's V right after its K (rows: still tile n_block_max - 1's)
             v_state = self._load_v(rows, sV, pipeline_v, v_state, n_block_max - 1, st)
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
@@ -1221,9 +1228,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             else:
                 kv_state.advance()
                 pipeline_k.producer_acquire(kv_state)
-            self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
+            tok = self._row_tokens(rows) if const_expr(self.tok_shfl and self.v_early) else None
+            self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block, tok)
             if const_expr(self.v_early):
-                v_state = self._load_v(rows, sV, pipeline_v, v_state, n_block, st)
+                v_state = self._load_v(rows, sV, pipeline_v, v_state, n_block, st, tok)
             else:
                 cur_row = rows.tPrPageOffset[0]
                 rows.tPrPageOffset[0] = prev_row
@@ -1238,21 +1246,23 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         return kv_state, v_state, q_state
 
     @cute.jit
-    def _load_v(self, rows, sV, pipeline_v, v_state, n_block: Int32, st=None):
+    def _load_v(self, rows, sV, pipeline_v, v_state, n_block: Int32, st=None, tok=None):
         """V of key tile ``n_block`` (the rows ``rows`` holds) into the next V stage, once it is free; ``st`` as in
-        ``_load_k_ahead``. Returns the advanced V state."""
+        ``_load_k_ahead``, ``tok`` as in ``_load_tile``. Returns the advanced V state."""
         t0 = _clock64() if const_expr(st is not None) else None
         pipeline_v.producer_acquire(v_state)
         if const_expr(st is not None):
             st.since(t0, 1)
-        self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block)
+        self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block, tok)
         v_state.advance()
         return v_state
 
     @cute.jit
-    def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32):
+    def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32,
+                   tok=None):
         """One K or V tile into stage ``state.index``: flash-attn-4's row copy (``cp.async``), or for the
-        "cp.async+l2" / "cp.async+evict" producers the same copies with L2 hints (``_copy_rows_hinted``)."""
+        "cp.async+l2" / "cp.async+evict" producers the same copies with L2 hints (``_copy_rows_hinted``; ``tok``:
+        the rows' token indices from ``_row_tokens``, "tok_shfl", or None)."""
         if const_expr(self.producer == "cp.async"):
             self.load_KV(None, rows, sX, block=block, pipeline_kv=pipeline_kv, producer_state=state, K_or_V=K_or_V)
         else:
@@ -1260,12 +1270,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             base = sX[None, None, 0].iterator.toint() + state.index * stage_bytes
             policy_kind = "evict_last" if const_expr(self.producer == "cp.async+evict") else None
             if const_expr(not self.diag_no_copy):
-                self._copy_rows_hinted(rows, base, K_or_V, policy_kind)
+                self._copy_rows_hinted(rows, base, K_or_V, policy_kind, tok)
             cute.arch.cp_async_commit_group()
             pipeline_kv.producer_commit(state)
 
     @cute.jit
-    def _copy_rows_hinted(self, rows: PagedKVManager, base: Int32, K_or_V: str, policy_kind):
+    def _copy_rows_hinted(self, rows: PagedKVManager, base: Int32, K_or_V: str, policy_kind, tok=None):
         """This thread's 16-byte ``cp.async`` copies of a tile (the row-copy helper's thread layout: 8 threads per
         128-byte half row, 16 rows per pass; the row address from the thread that loaded its index, by shuffle)
         with L2 hints: a 256-byte L2 prefetch (a row of D = 128) and the L2 policy ``policy_kind``: None or
@@ -1275,14 +1285,33 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         t = rows.thread_idx
         lane8 = t % 8
         r0 = t // 8
-        x_ptr = rows.compute_X_ptr(K_or_V)[0]
         dst0 = base + r0 * 128 + ((lane8 ^ (r0 % 8)) << 4)
         policy = _l2_policy(policy_kind) if const_expr(policy_kind is not None) else Int64(0)
+        if const_expr(self.tok_shfl):
+            if const_expr(tok is None):
+                tok = self._row_tokens(rows)
+            mX = rows.mK_paged if const_expr(K_or_V == "K") else rows.mV_paged
+            row0 = fa_utils.elem_pointer(mX, (0, 0, rows.tPrPage[0])).toint() + Int64(lane8 * 16)
+            row_bytes = Int32(mX.stride[0]) * Int32(self.dtype.width // 8)
+        else:
+            x_ptr = rows.compute_X_ptr(K_or_V)[0]
         for m in cutlass.range_constexpr(TILE // 16):
-            src = fa_utils.shuffle_sync(x_ptr, m % 8, width=8) + Int64(lane8 * 16)
+            if const_expr(self.tok_shfl):
+                src = _mad_wide_u32(tok[m], row_bytes, row0)
+            else:
+                src = fa_utils.shuffle_sync(x_ptr, m % 8, width=8) + Int64(lane8 * 16)
             for k in cutlass.range_constexpr(self.tile_hdim // 64):
                 _cp_async_16_hinted(dst0 + (m * 16 * 128 + k * TILE * 128), src + Int64(k * 128), policy,
                                     policy_kind is not None)
+
+    @cute.jit
+    def _row_tokens(self, rows: PagedKVManager) -> cute.Tensor:
+        """"tok_shfl": the token indices of the rows this thread copies in each of a tile's TILE / 16 passes (pass m:
+        row m * 16 + thread // 8, whose index the 8-lane group's lane m loaded), one 32-bit shuffle each."""
+        tok = cute.make_rmem_tensor((TILE // 16,), Int32)
+        for m in cutlass.range_constexpr(TILE // 16):
+            tok[m] = fa_utils.shuffle_sync(rows.tPrPageOffset[0], m % 8, width=8)
+        return tok
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx, m_block,
@@ -1556,6 +1585,15 @@ def _prefetch_l2(addr: Int64, *, loc=None, ip=None):
     """prefetch.global.L2 of the line holding global address ``addr``."""
     llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _mad_wide_u32(a: Int32, b: Int32, c: Int64, *, loc=None, ip=None) -> Int64:
+    """a * b + c with a, b unsigned 32-bit and a 64-bit product (PTX mad.wide.u32: one IMAD.WIDE.U32)."""
+    return Int64(llvm.inline_asm(T.i64(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip),
+                                           Int64(c).ir_value(loc=loc, ip=ip)],
+                                 "mad.wide.u32 $0, $1, $2, $3;", "=l,r,r,l", has_side_effects=False,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op
