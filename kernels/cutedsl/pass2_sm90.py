@@ -1120,7 +1120,7 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     poly = (UNIT_POLY if unit_qf else POLY) if poly is None else int(poly)
     lse_smem = LSE_SMEM if lse_smem is None else bool(lse_smem)
     topk = bool(topk)
-    pair = (PAIR_FUSED if topk else PAIR) if pair is None else bool(pair)
+    pair = ((PAIR_FUSED and not unit_qf) if topk else PAIR) if pair is None else bool(pair)
     qsplit = (0 if pair else QSPLIT) if qsplit is None else int(qsplit)  # (pair runs without qsplit)
     wg4 = WG4 if wg4 is None else bool(wg4)
     overlap = (OVERLAP and pair and not wg4) if overlap is None else bool(overlap)
@@ -1231,7 +1231,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         return out
     topk_on = select is not None
     if pair is None:
-        pair = PAIR_FUSED if topk_on else PAIR
+        pair = (PAIR_FUSED and not unit_qf) if topk_on else PAIR  # (the unit_qf form runs without pair)
     if topk_on and ksplit is None and not TOPK_AUTO_KSPLIT:
         ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, lse_smem, qsplit, diag, topk_on,
