@@ -148,10 +148,40 @@ def checks(q, k, lse, perm, S, log, full=True, name="smoke"):
     ok = (all(v for n, v in r.items() if n != "fused_forced_fallback_rows")
           and r.get("fused_forced_fallback_rows", 1.0) == 1.0)
     log(f"CHECKS {r}" + ("" if ok else "  CHECK FAILED"))
+    if "unit fold" in RACE1_ROWS:
+        r["unit_fold"] = fold_checks(q, k, lse, sub, kq, sel, log)
     r["ok"] = ok
     r["cute"] = cute
     r["cute_configs"] = configs
     r["cute_default"] = pass2_dispatch.cute_mode()
+    return r
+
+
+def fold_checks(q, k, lse, sub, kq, sel, log):
+    """The "unit fold" row's checks: on all heads, three times (the atomics race on the GPU), fp8_operands(unit_signs=
+    True)'s factors == unit_qf_factors of its operands (bit for bit, NaN-poisoned first) and its other outputs ==
+    fp8_operands' without it; select_kv under the row's globals on ``sub`` == the defaults' selection ``sel`` (the
+    same factors: the same sums). A failure drops the row from RACE1_ROWS (not timed)."""
+    r = {}
+    try:
+        for _ in range(3):
+            ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, unit_qf=True, unit_signs=True)
+            plain = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, unit_qf=True)
+            want = selection.unit_qf_factors(*plain[2:5])
+            r["signs_equal"] = r.get("signs_equal", True) and bool(torch.equal(ops[5], want))
+            r["operands_equal"] = r.get("operands_equal", True) and all(
+                bool(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                 b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b))
+                for a, b in zip(ops[:5], plain))
+        r["fast_heads"] = int((want == 1).sum())
+        with cute_globals("unit fold"):
+            r["select_equal"] = bool(torch.equal(selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE), sel))
+        r["ok"] = r["signs_equal"] and r["operands_equal"] and r["select_equal"]
+    except Exception as err:  # noqa: BLE001
+        r.update(ok=False, error=f"{type(err).__name__}: {str(err)[:300]}")
+    if not r["ok"]:
+        RACE1_ROWS.pop("unit fold", None)
+    log(f"CHECKS unit fold {r}" + ("" if r["ok"] else "  CHECK FAILED (unit fold: row not timed)"))
     return r
 
 
@@ -248,7 +278,7 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"s10": dict(cute=True, topk_fused=False, topk_count=True)}
+RACE1_ROWS = {"s10": dict(cute=True, topk_fused=False, topk_count=True), "unit fold": {}}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True),
@@ -258,7 +288,10 @@ CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True),
 # the row's calls and restored after): "s10" = the session-10 separate top-K (2 warps, 72 registers) and operand pass
 # (528 statistics programs per tensor) beside the defaults of round s11r2 (4 warps, 64 registers; 264), same route
 PARTS_GLOBALS: dict = {"s10": {"topk": dict(_BRACKET_WARPS=2, _BRACKET_MAXNREG=72),
-                               "selection": dict(_STATS_PROGRAMS=528)}}
+                               "selection": dict(_STATS_PROGRAMS=528)},
+                       # the unit_qf check made by the quantising launch (fp8_operands(unit_signs=True)): one launch
+                       # less; timed where ``fold_checks`` passed
+                       "unit fold": {"selection": dict(_UNIT_SIGNS=True)}}
 CUTE_CONFIGS = ("cute",)  # each checked in a child process per shape first (``cute_child_check``)
 CUTE_CHILD_OK: dict = {}  # (shape, config) -> its child check passed
 

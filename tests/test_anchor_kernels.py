@@ -654,6 +654,46 @@ def test_unit_qf_factors_send_only_safe_heads_to_the_fast_form():
     assert selection.unit_qf_factors(qf.to(DEVICE), lse.to(DEVICE), kb2.to(DEVICE))[3] == 1.0
 
 
+def test_fp8_operands_unit_signs_equal_unit_qf_factors(gen):
+    """fp8_operands(unit_signs=True)'s sixth output (made by the quantising launch: per-block min / max / NaN counts
+    by atomics, the head's last block decides) == unit_qf_factors on its own qf / lse_s / 2^kb, bit for bit, on B = 2
+    (b * H + h indexing) x 4 heads, ragged S / Sk (partial last blocks, 5 and 6 blocks of 64 rows): fast heads, an LSE
+    whose max b crosses UNIT_HI alone, one whose min b + min kb crosses UNIT_LO (in q's last partial block; in k's by
+    its last key's kb = -100: the head's last program under the interpreter), a NaN LSE,
+    a NaN key row, a head with qf != 1 (tiny inputs: t > UNIT_MAX_T); twice (the counters start again each call); the
+    other five outputs equal fp8_operands' without it. Without kb_pow2: ValueError. Mutations: the last-block test
+    off by one (a head never written), a block's min dropped (its LSE bound missed), the NaN count dropped: each fails."""
+    from comfyui_mc_sparse_pack.kernels.triton import selection
+
+    B, H, S, SK, D = 2, 4, 300, 330, 32
+    lo, hi, log2e = selection.UNIT_LO.value, selection.UNIT_HI.value, math.log2(math.e)
+    for rep in range(2):
+        q = (torch.randn(B, H, S, D, generator=gen) * 3).to(torch.bfloat16)
+        k = (torch.randn(B, H, SK, D, generator=gen) + 2 * torch.randn(B, H, 1, D, generator=gen)).to(torch.bfloat16)
+        lse = 20 + torch.randn(B, H, S, generator=gen)
+        lse[0, 1, 17] = -(hi + 1) / log2e  # max b > UNIT_HI
+        lse[0, 2, S - 3] = (-lo + 40) / log2e  # min b + min kb < UNIT_LO, in the last (partial) block
+        lse[1, 0, 100 + rep] = float("nan")
+        k[1, 1, SK - 1] = float("nan")
+        q[0, 3] += 2.0  # a mean query of norm ~11: the last key (last block, the head's last program in the
+        k[0, 3, SK - 1] = -60 * q[0, 3].float().mean(0) / q[0, 3].float().mean(0).norm()  # interpreter) gets kb = -100
+        q[1, 3], k[1, 3] = q[1, 3] * 1e-5, k[1, 3] * 1e-5  # qf != 1
+        if rep:
+            lse[0, 1, 17] = 20.0  # the head fast again: nothing of the first call left in the counters
+        dev = [t.to(DEVICE) for t in (q, k, lse)]
+        got = [t.cpu() for t in selection.fp8_operands(*dev, 0.125, kb_pow2=True, unit_qf=True, unit_signs=True)]
+        plain = [t.cpu() for t in selection.fp8_operands(*dev, 0.125, kb_pow2=True, unit_qf=True)]
+        assert len(got) == 6 and all(torch.equal(a.float(), b.float()) or torch.equal(a.isnan(), b.isnan())
+                                     for a, b in zip(got[:5], plain))
+        want = selection.unit_qf_factors(*(t.to(DEVICE) for t in plain[2:5])).cpu()
+        torch.testing.assert_close(got[5], want, rtol=0, atol=0, equal_nan=True)
+        assert want.shape == (B * H,) and bool((want[[0, 6]] == 1).all()), want
+        assert bool((want[[2, 3, 4, 5]] < 0).all()) and not bool(want[7] == 1), want
+        assert bool(want[1] == 1) == bool(rep), want
+    with pytest.raises(ValueError, match="kb_pow2"):
+        selection.fp8_operands(*dev, 0.125, unit_qf=True, unit_signs=True)
+
+
 @pytest.mark.parametrize("stagger,poly", [(True, 0), (False, 0), (True, 1), (True, 2), (False, 1)])
 def test_fp8_pair_pass2_is_exact_on_its_float8_operands(gen, stagger, poly):
     """The float8 pass 2 computes the exact group sums of its own smoothed float8 operands (fp32 accumulation of

@@ -317,6 +317,32 @@ def test_cute_unit_qf_hands_the_kernel_operands_with_qf_1(gen, cute, monkeypatch
         d.cute_unit_qf()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_unit_signs_hand_the_kernel_its_factors(gen, cute, monkeypatch, fused):
+    """selection._UNIT_SIGNS on (with the unit_qf form): the CuTeDSL kernel's launch, plain or fused, gets unit_qf =
+    the factors made by fp8_operands' quantising launch (a tensor == unit_qf_factors of the operands it was handed)
+    instead of True, so it launches no check of its own. Mutation: the sixth output not handed on (unit_qf True)."""
+    d, sel = _mod("pass2_dispatch"), _mod("selection")
+    monkeypatch.delenv("MC_SPARSE_PASS2_UNIT_QF", raising=False)
+    monkeypatch.setattr(cute, "UNIT_QF", True, raising=False)
+    monkeypatch.setattr(sel, "_UNIT_SIGNS", True)
+    q, k, lse, perm, C = _inputs(gen)
+    out = torch.empty((1, 2, perm.shape[-1] // C, q.shape[2]), dtype=torch.float16)
+    if fused:
+        monkeypatch.setenv("MC_SPARSE_PASS2_CUTE_TOPK", "1")
+        monkeypatch.setattr(cute, "FUSED_TOPK", True, raising=False)
+        monkeypatch.setattr(cute, "select_refusal", lambda *a: None, raising=False)
+        monkeypatch.setattr(sel, "_TOPK_FUSED_DEFAULT", True)
+        monkeypatch.setattr(sel, "_capability", lambda device: (9, 0))  # (the fused top-K's switch)
+        sel.select_kv(q, k, lse, perm, 40, group_size=C, kv_tile=16, fp8=True, cute=True)
+    else:
+        sel.group_prob_sums(q, k, lse, perm, group_size=C, out=out, fp8=True, cute=True)
+    call = cute.calls[-1]
+    assert ("select" in call) == fused
+    assert isinstance(call.get("unit_qf"), torch.Tensor)
+    assert torch.equal(call["unit_qf"], sel.unit_qf_factors(call["qf"], call["lse_s"], call["kb"]))
+
+
 def test_cute_unavailable_without_cutlass_is_a_refusal(gen, monkeypatch):
     """nvidia-cutlass-dsl blocked (its import fails): the CuTeDSL kernel is refused with the import error as the reason,
     nothing is remembered as a failure, and select_kv(cute=True) returns the Triton kernel's selection."""

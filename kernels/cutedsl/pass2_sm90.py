@@ -1204,7 +1204,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         whose qf is exactly 1 (``selection.fp8_operands(unit_qf=True)``) and whose ranges pass
         (``selection.unit_qf_factors``) take the sums as 2^score x 2^bias (``Pass2Sm90``; poly, default
         ``UNIT_POLY``, applies to this form), the others the default form (MUFU only); the same sums up to float32
-        rounding and the polynomial's error.
+        rounding and the polynomial's error. unit_qf may also be those factors themselves (fp32 ``[B*H]``,
+        ``selection.fp8_operands(unit_signs=True)``'s sixth output): then no ``unit_qf_factors`` launch here.
     Returns:
         ``out``. Keys are written for every group; nothing past Sk. With ``select``: ``sel`` written in full (rows
         whose bracket the kernel's counts disproved by the radix top-K launched after it on the same stream).
@@ -1230,12 +1231,13 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
     if G == 0 or SK == 0:
         return out
     topk_on = select is not None
+    unit_form = unit_qf is not None and unit_qf is not False  # (True, or the factors themselves)
     if pair is None:
-        pair = (PAIR_FUSED and not unit_qf) if topk_on else PAIR  # (the unit_qf form runs without pair)
+        pair = (PAIR_FUSED and not unit_form) if topk_on else PAIR  # (the unit_qf form runs without pair)
     if topk_on and ksplit is None and not TOPK_AUTO_KSPLIT:
         ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, lse_smem, qsplit, diag, topk_on,
-                  wg4, pair, overlap, unit_qf, swar)
+                  wg4, pair, overlap, unit_form, swar)
     if num_ctas is None:
         num_ctas = _sm_count(q8.device)
     if ksplit is None:
@@ -1251,7 +1253,9 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
             raise ValueError(f"bracket plan {(stride, n_samp)}: needs 1 <= n_samp <= min({SAMPLE_SLOTS}, Sk // stride)")
     else:  # (not read)
         sel, num_keys, stride, n_samp, hi_rank, lo_rank = None, 1, 1, 1, 0, 1
-    if unit_qf:
+    if isinstance(unit_qf, torch.Tensor):
+        qf = unit_qf  # (fp8_operands(unit_signs=True)'s: made by the quantising launch)
+    elif unit_form:
         from ..triton import selection
 
         qf = selection.unit_qf_factors(qf, lse_s, kb)

@@ -121,11 +121,13 @@ def try_cute(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, requested=None, o
     """Run the float8 pass 2 on the CuTeDSL kernel into ``out`` if it may (``cute_refusal``): True when it wrote
     ``out``; False when the caller must run another kernel (refused, or failed: then remembered and logged). ``kb2``:
     2^KB (``fp8_operands(kb_pow2=True)``); ``unit_qf``: the operands were made with ``unit_qf=True`` (the kernel's
-    ``unit_qf`` form, ``cute_unit_qf``); the rest as ``selection_sm90.group_prob_sums_fp8``. Raises: out of memory."""
+    ``unit_qf`` form, ``cute_unit_qf``; or the form's factors themselves, fp32 ``[B*H]``: ``fp8_operands(unit_signs=
+    True)``'s sixth output, then the kernel launches no check of its own); the rest as
+    ``selection_sm90.group_prob_sums_fp8``. Raises: out of memory."""
     if cute_refusal(q8, k8, group_size, out, requested=requested, only_triton=only_triton) is not None:
         return False
     return _launch(_cute_module, _cute_failures, "the CuTeDSL pass-2 kernel",
-                   (q8, k8, qf, lse_s, kb2, perm, out), group_size, **({"unit_qf": True} if unit_qf else {}))
+                   (q8, k8, qf, lse_s, kb2, perm, out), group_size, **_unit_kw(unit_qf))
 
 
 def cute_topk_mode() -> bool:
@@ -171,7 +173,13 @@ def try_cute_select(q8, k8, qf, lse_s, kb2, perm, out, *, group_size, sel, num_k
         return False
     return _launch(_cute_module, _cute_topk_failures, "the CuTeDSL pass-2 kernel's fused top-K",
                    (q8, k8, qf, lse_s, kb2, perm, out), group_size, then="it without the fused top-K",
-                   select=(sel, num_keys), **({"unit_qf": True} if unit_qf else {}))
+                   select=(sel, num_keys), **_unit_kw(unit_qf))
+
+
+def _unit_kw(unit_qf) -> dict:
+    """The kernel's ``unit_qf`` keyword for a caller's ``unit_qf``: False / None none, True, or the factors tensor
+    (``selection.fp8_operands(unit_signs=True)``'s sixth output) as given."""
+    return {} if unit_qf is None or unit_qf is False else {"unit_qf": unit_qf}
 
 
 def _gluon_module():

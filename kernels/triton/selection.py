@@ -389,7 +389,8 @@ def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, 
     quotient is exact, taken as a product by 1 / SCALE), and a per-row term t = x . OTHER_MEAN[bh] (q: x . mean(k))
     or (x - MEAN[bh]) . OTHER_MEAN[bh] (k: (k - mean(k)) . mean(q)) written as OUT_ROW[bh * S + row] = IN_ROW[row] +
     row_mul * t for q (IN_ROW: the LSE by its strides), and clamp(row_mul * t, -100, 100) for k (IN_ROW unused;
-    POW2: 2 to that power). MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]."""
+    POW2: 2 to that power). MEAN / OTHER_MEAN: fp32 [B * H, D]; SCALE: fp32 [B * H]. Returns the OUT_ROW values
+    stored ([BLOCK_S] fp32) and which rows exist (rows < S)."""
     rows = blk * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = rows < S
@@ -403,16 +404,18 @@ def _quantize_rows(X, OUT, MEAN, OTHER_MEAN, SCALE, IN_ROW, OUT_ROW, blk, b, h, 
         t = tl.sum(x * other[None, :], 1)
         lse = tl.load(IN_ROW + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh + rows.to(tl.int64) * stride_rs,
                       mask=ok, other=0.0)
-        tl.store(OUT_ROW + out_rows, lse + row_mul * t, mask=ok)
+        row_val = lse + row_mul * t
     else:
         t = tl.sum(xc * other[None, :], 1)
         kb = tl.minimum(tl.maximum(row_mul * t, -100.0), 100.0)
         if POW2:
             kb = tl.math.exp2(kb)
-        tl.store(OUT_ROW + out_rows, kb, mask=ok)
+        row_val = kb
+    tl.store(OUT_ROW + out_rows, row_val, mask=ok)
     inv = tl.div_rn(1.0, tl.load(SCALE + bh))  # exact when SCALE is a power of two (not with unit_qf)
     y = xc * inv
     tl.store(OUT + out_rows[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=ok[:, None])
+    return row_val, ok
 
 
 @triton.jit
@@ -423,23 +426,54 @@ def _fp8_quantize(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_lb, stride_lh, stride_ls,
     lse_mul, kb_mul,
+    QF, URANGE, UCNT, QFU,  # UNIT_CHECK: qf [B*H], the check's min / max / counts per head, its output [B*H]
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     KB_POW2: tl.constexpr = False,
+    UNIT_CHECK: tl.constexpr = False,
 ):
     """q's and k's float8 copies in one launch: programs [0, nbq) of axis 0 take q's row blocks (``_quantize_rows``
     with IS_Q: Q8, LSE_S = LSE + lse_mul * q . mean_k), the rest k's (K8, KB = clamp(kb_mul * (k - mean_k) . mean_q),
-    or 2^that with KB_POW2); axis 1 is b * H + h."""
+    or 2^that with KB_POW2); axis 1 is b * H + h. UNIT_CHECK (with KB_POW2): also ``unit_qf_factors``' output in QFU
+    (``_unit_check_block``), so no launch of its own reads LSE_S / KB again."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     if pid < nbq:
-        _quantize_rows(Q, Q8, MQ, MK, QS, LSE, LSE_S, pid, b, h, bh, S, stride_qb, stride_qh, stride_qs, stride_qd,
-                       stride_lb, stride_lh, stride_ls, lse_mul, HEAD_DIM, BLOCK_S, True)
+        vals, ok = _quantize_rows(Q, Q8, MQ, MK, QS, LSE, LSE_S, pid, b, h, bh, S, stride_qb, stride_qh, stride_qs,
+                                  stride_qd, stride_lb, stride_lh, stride_ls, lse_mul, HEAD_DIM, BLOCK_S, True)
     else:
-        _quantize_rows(K, K8, MK, MQ, KS, LSE, KB, pid - nbq, b, h, bh, SK, stride_kb, stride_kh, stride_ks,
-                       stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, BLOCK_S, False, KB_POW2)
+        vals, ok = _quantize_rows(K, K8, MK, MQ, KS, LSE, KB, pid - nbq, b, h, bh, SK, stride_kb, stride_kh,
+                                  stride_ks, stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, BLOCK_S,
+                                  False, KB_POW2)
+    if UNIT_CHECK:
+        _unit_check_block(vals, ok, pid >= nbq, bh, tl.num_programs(0), QF, URANGE, UCNT, QFU)
+
+
+@triton.jit
+def _unit_check_block(vals, ok, is_k, bh, n_blocks, QF, URANGE, UCNT, QFU):
+    """``_fp8_quantize``'s part of the unit_qf check (``_unit_sign``) for one row block of head ``bh``: the block's
+    min / max of ``vals`` (lse_s rows, or 2^kb keys when ``is_k``) where ``ok`` go into URANGE[bh, 0:2] (lse_s) or
+    [bh, 2:4] (2^kb) and its NaN count into UCNT[bh, 1] by atomics (scalar: one thread issues them, in program
+    order), then UCNT[bh, 0] counts the block (acq_rel); the head's last block (``n_blocks`` per head) reads the
+    head's totals back by atomics and writes QFU[bh] = ``_unit_sign``. URANGE starts at (+inf, -inf, +inf, -inf) and
+    UCNT at 0 (``_fp8_stats_final``, the launch before)."""
+    nan = ok & (vals != vals)
+    use = ok & (vals == vals)
+    slot = URANGE + bh.to(tl.int64) * 4 + is_k.to(tl.int64) * 2
+    tl.atomic_min(slot, tl.min(tl.where(use, vals, float("inf")), 0), sem="relaxed")
+    tl.atomic_max(slot + 1, tl.max(tl.where(use, vals, float("-inf")), 0), sem="relaxed")
+    cnt = UCNT + bh.to(tl.int64) * 2
+    tl.atomic_add(cnt + 1, tl.sum(nan.to(tl.int32), 0), sem="relaxed")
+    if tl.atomic_add(cnt, 1, sem="acq_rel") == n_blocks - 1:
+        base = URANGE + bh.to(tl.int64) * 4
+        lmin = tl.atomic_min(base, float("inf"), sem="relaxed")  # (reads: no-op updates)
+        lmax = tl.atomic_max(base + 1, float("-inf"), sem="relaxed")
+        kmin = tl.atomic_min(base + 2, float("inf"), sem="relaxed")
+        kmax = tl.atomic_max(base + 3, float("-inf"), sem="relaxed")
+        bad = tl.atomic_add(cnt + 1, 0, sem="relaxed")
+        tl.store(QFU + bh, _unit_sign(tl.load(QF + bh), lmin, lmax, kmin, kmax, bad))
 
 
 @triton.jit
@@ -533,10 +567,12 @@ def _head_stats(base, ok, S, MEAN_OUT, SCALE_OUT, HEAD_DIM: tl.constexpr):
 def _fp8_stats_final(
     PART, M0, M1, SC0, SC1, QF,
     S0, S1, n0, n1, qf_mul,
+    URANGE, UCNT,  # UNIT_CHECK: the unit_qf check's per-head min / max and counts, set to their start here
     HEAD_DIM: tl.constexpr,
     NP: tl.constexpr,  # power of two >= max(n0, n1)
     TWO: tl.constexpr,  # the second tensor's statistics too (and QF)
     UNIT: tl.constexpr = False,  # (with TWO) QF = 1 where the scales can take qf_mul (``fp8_operands(unit_qf=True)``)
+    UNIT_CHECK: tl.constexpr = False,  # URANGE[bh] = (+inf, -inf, +inf, -inf), UCNT[bh] = (0, 0) (``_unit_check_block``)
 ):
     """One program per head b * H + h: reduces ``_fp8_partial_stats``' splits to each tensor's mean (M0 / M1, fp32
     [B * H, HEAD_DIM]) and float8 scale (SC0 / SC1, fp32 [B * H], ``_pow2_scale`` of max over columns of
@@ -559,6 +595,10 @@ def _fp8_stats_final(
             tl.store(SC1 + bh, tl.where(ok, tl.div_rn(1.0, sc0u * qf_mul), sc1))
             qf = tl.where(ok, 1.0, qf)
         tl.store(QF + bh, qf)
+    if UNIT_CHECK:
+        four = tl.arange(0, 4)
+        tl.store(URANGE + bh.to(tl.int64) * 4 + four, tl.where(four % 2 == 0, float("inf"), float("-inf")))
+        tl.store(UCNT + bh.to(tl.int64) * 2 + tl.arange(0, 2), tl.zeros([2], tl.int32))
 
 
 # fp8_operands(unit_qf=True): the largest factor t by which both float8 scales may grow to make qf 1 (the copies'
@@ -599,7 +639,7 @@ def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                                    BLOCK_S=_STATS_BLOCK_S, num_warps=4)
     mean = torch.empty(B, H, D, dtype=torch.float32, device=x.device)
     scale = torch.empty(B, H, dtype=torch.float32, device=x.device)
-    _fp8_stats_final[(B * H,)](part, mean, mean, scale, scale, scale, S, S, n, 0, 1.0, HEAD_DIM=D,
+    _fp8_stats_final[(B * H,)](part, mean, mean, scale, scale, scale, S, S, n, 0, 1.0, scale, scale, HEAD_DIM=D,
                                NP=triton.next_power_of_2(n), TWO=False, num_warps=4)
     return mean, scale
 
@@ -636,12 +676,19 @@ def _unit_qf_factors(QF, LSE_S, KB2, OUT, S, SK, BLOCK: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     lmin, lmax, lbad = _row_min_max_nan(LSE_S + bh * S, S, BLOCK)
     kmin, kmax, kbad = _row_min_max_nan(KB2 + bh * SK, SK, BLOCK)
-    bad = lbad + kbad
-    qf = tl.load(QF + bh)
-    lo = tl.log2(tl.min(kmin, 0)) - tl.max(lmax, 0) * 1.4426950408889634
-    hi = tl.log2(tl.max(kmax, 0)) - tl.min(lmin, 0) * 1.4426950408889634
-    fast = (qf == 1.0) & (lo > UNIT_LO) & (hi < UNIT_HI) & (tl.sum(bad, 0) == 0)
-    tl.store(OUT + bh, tl.where(fast, qf, -qf))
+    tl.store(OUT + bh, _unit_sign(tl.load(QF + bh), tl.min(lmin, 0), tl.max(lmax, 0), tl.min(kmin, 0),
+                                  tl.max(kmax, 0), tl.sum(lbad + kbad, 0)))
+
+
+@triton.jit
+def _unit_sign(qf, lmin, lmax, kmin, kmax, bad):
+    """A head's factor for the CuTeDSL pass 2's unit_qf form: qf if qf == 1 and min b + min kb > UNIT_LO and max b +
+    max kb < UNIT_HI (b = -lse_s log2(e), its min / max from lse_s's ``lmax`` / ``lmin``; kb = log2 of the keys'
+    factors 2^kb, min / max ``kmin`` / ``kmax``) and no NaN (``bad`` = their count), else -qf."""
+    lo = tl.log2(kmin) - lmax * 1.4426950408889634
+    hi = tl.log2(kmax) - lmin * 1.4426950408889634
+    fast = (qf == 1.0) & (lo > UNIT_LO) & (hi < UNIT_HI) & (bad == 0)
+    return tl.where(fast, qf, -qf)
 
 
 def unit_qf_factors(qf: torch.Tensor, lse_s: torch.Tensor, kb2: torch.Tensor) -> torch.Tensor:
@@ -660,7 +707,7 @@ def unit_qf_factors(qf: torch.Tensor, lse_s: torch.Tensor, kb2: torch.Tensor) ->
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, *, stats_programs: int | None = None,
                  quant_block: int | None = None, quant_warps: int | None = None, kb_pow2: bool = False,
-                 unit_qf: bool = False):
+                 unit_qf: bool = False, unit_signs: bool = False):
     """The float8 operands of pass 2's FP8 mode, smoothed: (q8, k8, qf, lse_s, kb).
 
     The products are taken on mean-free rows (q' = q - mean_q, k' = k - mean_k per head, SageAttention's smoothing of
@@ -679,7 +726,10 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         round s5r1). unit_qf: the scales of each head chosen so that qf is exactly 1 where that keeps both copies'
         amax >= 224 / ``UNIT_MAX_T`` (both scales grow by the same factor; no longer powers of two: the quotient is
         taken as a product by the float32 reciprocal before the rounding); other heads as without it. What the CuTeDSL
-        pass 2's ``unit_qf`` form reads (its scores come out of the wgmma in log2 units).
+        pass 2's ``unit_qf`` form reads (its scores come out of the wgmma in log2 units). unit_signs (with kb_pow2):
+        also return ``unit_qf_factors(qf, lse_s, kb)`` as a sixth tensor, made by the quantising launch itself (its
+        row blocks' min / max / NaN counts by atomics, the head's last block decides: ``_unit_check_block``), so the
+        CuTeDSL pass 2's ``unit_qf`` form needs no launch of its own to read lse_s and kb again.
     Returns:
         q8, k8: float8_e4m3fn ``[B, H, S, D]`` / ``[B, H, Sk, D]``, contiguous: (x - mean) / head scale (``fp8_stats``:
         a power of two, so the quotient is exact) rounded to nearest even (e4m3 is a float format: one scale per head
@@ -689,7 +739,9 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         lse_s: fp32 ``[B, H, S]``: ``lse - scale * q . mean_k`` (natural log);
         kb: fp32 ``[B, H, Sk]``: ``scale * log2(e) * mean_q . k'``, clamped to [-100, 100] (a mean query alone giving a
         key a logit beyond +-69 is outside what this is built for): the group sum of key j is 2^kb[j] x the sum over
-        the group of 2^(q8 . k8 * qf - lse_s * log2(e)).
+        the group of 2^(q8 . k8 * qf - lse_s * log2(e));
+        with unit_signs, qf_unit: fp32 ``[B * H]``, ``unit_qf_factors``' output (equal to it).
+    Raises: ValueError for unit_signs without kb_pow2.
     Cost: three Triton launches for q and k together: the statistics (one read of each, ``fp8_stats``' passes), the
     per-head reduction, the quantising pass (a second read; 1 byte written per element and 4 per row): about 2.5x
     the bytes of q and k. Source: docs/kernels.md ("select_kv"); e4m3: torch.float8_e4m3fn (OCP FP8, max 448).
@@ -697,6 +749,8 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     B, H, S, D = q.shape
     SK = k.shape[2]
     dev = q.device
+    if unit_signs and not kb_pow2:
+        raise ValueError("unit_signs needs kb_pow2=True (the check reads 2^kb, as unit_qf_factors)")
     programs = stats_programs or _STATS_PROGRAMS
     nq, per_q = _stat_splits(B * H, S, programs)
     nk, per_k = _stat_splits(B * H, SK, programs)
@@ -705,10 +759,12 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
                                          HEAD_DIM=D, BLOCK_S=_STATS_BLOCK_S, num_warps=4)
     mq = torch.empty(B * H, D, dtype=torch.float32, device=dev)
     mk = torch.empty(B * H, D, dtype=torch.float32, device=dev)
-    stats = torch.empty(3, B, H, dtype=torch.float32, device=dev)  # q scale, k scale, qf
-    _fp8_stats_final[(B * H,)](part, mq, mk, stats[0], stats[1], stats[2], S, SK, nq, nk, scale * _LOG2E,
-                               HEAD_DIM=D, NP=triton.next_power_of_2(max(nq, nk)), TWO=True, UNIT=bool(unit_qf),
-                               num_warps=4)
+    stats = torch.empty(4, B, H, dtype=torch.float32, device=dev)  # q scale, k scale, qf, qf_unit (unit_signs)
+    urange = torch.empty(B * H, 4, dtype=torch.float32, device=dev) if unit_signs else stats
+    ucnt = torch.empty(B * H, 2, dtype=torch.int32, device=dev) if unit_signs else stats
+    _fp8_stats_final[(B * H,)](part, mq, mk, stats[0], stats[1], stats[2], S, SK, nq, nk, scale * _LOG2E, urange,
+                               ucnt, HEAD_DIM=D, NP=triton.next_power_of_2(max(nq, nk)), TWO=True, UNIT=bool(unit_qf),
+                               UNIT_CHECK=bool(unit_signs), num_warps=4)
     q8 = torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn, device=dev)
     k8 = torch.empty(B, H, SK, D, dtype=torch.float8_e4m3fn, device=dev)
     lse_s = torch.empty(B, H, S, dtype=torch.float32, device=dev)
@@ -717,8 +773,10 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     nbq = triton.cdiv(S, bs)
     _fp8_quantize[(nbq + triton.cdiv(SK, bs), B * H)](
         q, k, q8, k8, mq, mk, stats[0], stats[1], lse, lse_s, kb, H, S, SK, nbq, *q.stride(), *k.stride(),
-        *lse.stride(), -scale, scale * _LOG2E, HEAD_DIM=D, BLOCK_S=bs, KB_POW2=bool(kb_pow2),
-        num_warps=quant_warps or _QUANT_WARPS)
+        *lse.stride(), -scale, scale * _LOG2E, stats[2], urange, ucnt, stats[3], HEAD_DIM=D, BLOCK_S=bs,
+        KB_POW2=bool(kb_pow2), UNIT_CHECK=bool(unit_signs), num_warps=quant_warps or _QUANT_WARPS)
+    if unit_signs:
+        return q8, k8, stats[2], lse_s, kb, stats[3].reshape(B * H)
     return q8, k8, stats[2], lse_s, kb
 
 
@@ -809,6 +867,10 @@ _ONE_GROUP_DEFAULT = True
 # the cap is 128 (4 programs per SM as without the top-K: ptxas 119 without, 122 uncapped / 119 capped with it, 0
 # spills; capped at 168 it would take 139 and lose a program)
 _TOPK_FUSED_MAXNREG = 168
+# the CuTeDSL pass 2's unit_qf check (``unit_qf_factors``) made by fp8_operands' quantising launch (``unit_signs``)
+# instead of a launch of its own before the kernel: the same factors (CPU test), one launch and one read of lse_s /
+# 2^kb less. Off until a race says (issue 15, session 12: bench_select_race's row "unit fold")
+_UNIT_SIGNS = False
 # The one-group kernel's loop, variants measured slower (the kernel alone / flash-attn-4 dense at 1.3B 480p, round
 # s7r1 default 0.5226: row sums as two partial sums per thread 0.5450, on the tensor cores 0.5761, a quarter of the
 # exponentials on the degree-3 polynomial 0.5997, 4 stages 0.5524; round s7r2 default 0.5058: the sums stored by
@@ -935,7 +997,10 @@ def group_prob_sums(q, k, lse, perm, *, group_size, scale=None, out=None, block_
             gluon_pow2 = pass2_dispatch.gluon_kb_pow2(D)
             pow2 = want_cute or not pass2_dispatch.gluon_mode(gluon) or gluon_pow2
             unit = want_cute and pass2_dispatch.cute_unit_qf()  # qf = 1 operands for the kernel's unit_qf form
-            q, k, qf, lse, kb = fp8_operands(q, k, lse, scale, kb_pow2=pow2, unit_qf=unit)
+            ops = fp8_operands(q, k, lse, scale, kb_pow2=pow2, unit_qf=unit, unit_signs=unit and _UNIT_SIGNS)
+            q, k, qf, lse, kb = ops[:5]
+            if len(ops) > 5:  # the form's factors made by the quantising launch (no check launch in the kernel's call)
+                unit = ops[5]
             tuned = one_group_asked or any(x is not None for x in (block_n, num_warps, num_stages))
             only_triton = pass2_dispatch.triton_only(hist=hist, poly=poly or any(poly3), exp_mode=exp_mode, tuned=tuned)
             if want_cute and select is not None and pass2_dispatch.try_cute_select(
