@@ -71,6 +71,19 @@ def inputs(gen, B, H, S, s):
     return perm, idx
 
 
+def half_footprint(gen, idx, S, s):
+    """A selection like ``inputs``' (same shape, count per group and sorted rows) with every group's keys drawn from
+    its head's first S // 2 tokens only: half the head's K/V rows in flight (19.4 MB at 14B 720p instead of 38.7),
+    the same bytes gathered, each row read by twice as many groups. Needs s <= 0.5."""
+    B, H, G, _ = idx.shape
+    num = int(s * S)
+    half = torch.full_like(idx, -1)
+    for h in range(H):
+        top = torch.rand(B, G, S // 2, generator=gen, device="cuda").topk(num, -1, sorted=False).indices
+        half[:, h, :, :num] = top.sort(-1).values.to(torch.int32)
+    return half
+
+
 VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled kernel timed alone (counts computed
     # before); "persistent" variants run one CTA per SM (grid stride over the groups)
     "kernel": ("cp.async", "registers", 2, ()),
@@ -100,6 +113,9 @@ OP_ROWS = ("again", "residual", "counts + kernel", "options")  # the op's defaul
 # "shared": the op with every group of a head selecting its head's first group's key set (the same count and bytes,
 # every row then read by all the head's groups: L2 reuse as good as it gets; checked first like the op): beside the
 # op and "diag", whether the gathers are bound by L2 misses (shared ~ diag) or by their issue / latency (shared ~ op)
+# "half": the op with every group's keys drawn from its head's first half of the tokens (``half_footprint``: the
+# same count and bytes, half the head's rows in flight; checked first like the op): beside the op and "shared",
+# whether the gathers' clock cost follows the rows in flight (L2 capacity) or the access pattern
 # "residual check": the op with a plain residual checked (not timed) at each point, one more compile
 # "options": the op with each of these staged-epilogue option sets ($MC_SPARSE_CUTEDSL_OPTIONS,
 # rules.staged_options; ``--op-options``, ";"-separated): candidate defaults beside the op's
@@ -205,21 +221,25 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
                 log(f"{name} s={s}: {tag} WRONG or fell back ({r_err[tag]}, {rec.failures}): not timed")
             else:
                 fns[tag] = op_c
-        if "shared" in op_rows:
-            idx_sh = idx[:, :, :1].expand_as(idx).contiguous()
+        other_sets = {"shared": ("cutedsl op (shared key set per head)", lambda: idx[:, :, :1].expand_as(idx).contiguous()),
+                      "half": ("cutedsl op (keys from half the head)", lambda: half_footprint(gen, idx, S, s))}
+        for row, (tag, make) in other_sets.items():
+            if row not in op_rows:
+                continue
+            idx_x = make()
             want = reference.sparse_attention(q[:, heads].float(), k[:, heads].float(), v[:, heads].float(),
-                                              perm[:, heads], idx_sh[:, heads])
-            op_sh = lambda: kernels.sparse_attention(q, k, v, perm, idx_sh, out=out, backend="cutedsl")  # noqa: E731
+                                              perm[:, heads], idx_x[:, heads])
+            op_x = lambda idx_x=idx_x: kernels.sparse_attention(q, k, v, perm, idx_x, out=out,  # noqa: E731
+                                                                backend="cutedsl")
             out.fill_(float("nan"))
             with registry.recording(registry.Record()) as rec:
-                got = op_sh()
-            tag = "cutedsl op (shared key set per head)"
+                got = op_x()
             r_err[tag] = (float((got[:, heads].float() - want).norm() / want.norm()), int(out.isnan().sum()))
             del want
             if rec.choices["sparse_attention"].backend != "cutedsl" or r_err[tag][0] > 1e-2 or r_err[tag][1]:
                 log(f"{name} s={s}: {tag} WRONG or fell back ({r_err[tag]}, {rec.failures}): not timed")
             else:
-                fns[tag] = op_sh
+                fns[tag] = op_x
         if "diag" in op_rows:  # not checked: its output is wrong by construction; the backend's op directly (a
             # failure raises here instead of turning the registry's cutedsl off for the other rows)
             from comfyui_mc_sparse_pack.kernels.cutedsl import op as cop_diag

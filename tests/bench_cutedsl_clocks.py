@@ -6,7 +6,8 @@ back for ``--seconds`` while ``nvidia-smi`` samples the SM clock, board power, t
 (throttle) reasons every ``--sample-ms``; the first ``--settle`` seconds of each segment are left out. Rows (the
 shapes and inputs of ``bench_cutedsl.py``): flash-attn-4 dense with LSE, the op (``rules.STAGED_OPTIONS``), the op
 with every group of a head on its first group's key set ("shared": same bytes, every row read by all the head's
-groups), the op without its K/V copies ("diag": wrong output by construction, the consumers' own speed), then the op
+groups), the op with every group's keys drawn from its head's first half ("half": same bytes, half the rows in
+flight), the op without its K/V copies ("diag": wrong output by construction, the consumers' own speed), then the op
 and dense again (drift); ``--op-options``: the op under each of these staged-epilogue option sets too
 ($MC_SPARSE_CUTEDSL_OPTIONS; each checked against the op's output first, rel. diff < 1e-2). Printed per row: ms per call, cycles per key tile (ms x mean SM MHz / tiles per SM) and us
 per key tile, so rows that run at different clocks compare per cycle. If the op runs at a lower clock than dense at
@@ -108,11 +109,13 @@ def main():
             out = torch.empty_like(q)
             perm, idx = bc.inputs(gen, B, H, S, s)
             idx_sh = idx[:, :, :1].expand_as(idx).contiguous()
+            idx_half = bc.half_footprint(gen, idx, S, s)
             diag_raw = ",".join((*rules.staged_options(), "diag_no_copy"))
             rows = [
                 ("dense", lambda: kernels.dense_attention(qc, kc, vc, return_lse=True, backend="flash_attn4")),
                 ("op", lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl")),
                 ("shared", lambda: kernels.sparse_attention(q, k, v, perm, idx_sh, out=out, backend="cutedsl")),
+                ("half", lambda: kernels.sparse_attention(q, k, v, perm, idx_half, out=out, backend="cutedsl")),
                 ("diag", bc.with_options(diag_raw, lambda: cop.sparse_attention(q, k, v, perm, idx, out=out))),
                 ("op again", lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl")),
                 ("dense again", lambda: kernels.dense_attention(qc, kc, vc, return_lse=True, backend="flash_attn4")),
