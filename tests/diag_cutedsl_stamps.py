@@ -136,7 +136,11 @@ def run(shape: str, s: float, reps: int, extra: tuple, raw_dir: Path | None = No
         fn = cc.compiled("bfloat16", D, False, "none", epilogue="smem", options=opts)
         stamps = torch.zeros(n + ctas, len(STAMP_SLOTS), dtype=torch.int64, device=q.device) if "stamps" in tag \
             else None
-        launch = lambda: cc.launch(fn, *views, *ws, stamps=stamps)  # noqa: E731
+        ctr = torch.zeros(1, dtype=torch.int32, device=q.device) if "dyn_walk" in opts else None
+
+        def launch(fn=fn, stamps=stamps, ctr=ctr):  # "dyn_walk": its counter zeroed before each launch
+            cc.launch(fn, *views, *ws, stamps=stamps, ctr=None if ctr is None else ctr.zero_())
+
         launch()
         torch.cuda.synchronize()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]

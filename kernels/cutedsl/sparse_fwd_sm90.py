@@ -167,12 +167,17 @@ EPILOGUES = ("registers", "smem")
 # token index (one shuffle from the index's loader and one IMAD.WIDE: token x row bytes + the thread's base) instead
 # of the loader's 64-bit row address shuffled (two shuffles and a 64-bit add per row); with "v_early" a tile's K and
 # V copies share the shuffled indices: 8 shuffles per thread per key tile instead of 32 (offline sm_90a SASS).
+# "dyn_walk" (with "overlap"; needs the ``mCtr`` argument, an int32 counter that is zero at launch): each CTA's
+# first item is its index, the next ones it claims from the counter as it goes (``DynScheduler``), instead of the
+# grid-stride order, so the CTAs' last items end about together (SM clock stamps s11r1 / s11r2, 1.3B s = 0.1: the
+# CTAs' last items ended 977-1010 us into a 1010 us kernel, median 994 us, from ~1.5 % differences in per-CTA speed
+# over 23 rounds). The items' order is the same (groups, then the last groups' "split_tail" parts).
 # "stamps" (a diagnostic, with "overlap"; needs the ``mStamps`` argument): per work item, SM clock stamps of the
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "stage_under_qk", "v_early", "producer_store", "tok_shfl", "diag_no_copy",
-           "stamps")
+           "lazy_rescale", "idx_l2", "stage_under_qk", "v_early", "producer_store", "tok_shfl", "dyn_walk",
+           "diag_no_copy", "stamps")
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
 # queries and first K done, the boundary's softmax of the next item's first tile done, item end (output written or
@@ -368,12 +373,78 @@ class GroupScheduler:
         self.tile += Int32(cute.arch.grid_dim()[0])
         return self.get_current_work()
 
+    def peek(self) -> Int32:
+        """The item after the current one (may be past the end)."""
+        return self.tile + Int32(cute.arch.grid_dim()[0])
+
     def __extract_mlir_values__(self):
         return cutlass.extract_mlir_values(self.total) + cutlass.extract_mlir_values(self.tile)
 
     def __new_from_mlir_values__(self, values):
         return GroupScheduler(cutlass.new_from_mlir_values(self.total, values[:1]),
                               cutlass.new_from_mlir_values(self.tile, values[1:]))
+
+
+@dataclass
+class _Walk:
+    """The "dyn_walk" option's shared state of one CTA (trace-time bundle): ``ring`` a 4-entry int32 shared-memory
+    ring of the CTA's claimed work items, ``bars`` its 4 mbarriers (arrival count 1), ``ctr`` the launch's int32
+    claim counter ``(1,)`` in global memory (zero at launch: ``kernels/triton/counts.py`` clears it). The CTA's
+    n-th item (n >= 1) is gridDim.x + the counter's value its claim took (``claim``, one thread), in entry
+    (n - 1) % 4 (``get``)."""
+
+    ring: cute.Tensor
+    bars: cute.Pointer
+    ctr: cute.Tensor
+
+    @cute.jit
+    def claim(self, n: Int32):
+        """Claim the CTA's n-th item (call from one thread): the counter's next value into the ring, then its
+        mbarrier arrives (release: ``get`` waits on it)."""
+        old = cute.arch.atomic_add(self.ctr.iterator, Int32(1), sem="relaxed", scope="gpu")
+        slot = (n - 1) % 4
+        self.ring[slot] = Int32(old) + Int32(cute.arch.grid_dim()[0])
+        cute.arch.mbarrier_arrive(self.bars + slot)
+
+    @cute.jit
+    def get(self, n: Int32) -> Int32:
+        """The CTA's n-th item (n >= 1), once claimed."""
+        slot = (n - 1) % 4
+        cute.arch.mbarrier_wait(self.bars + slot, ((n - 1) // 4) % 2)
+        return self.ring[slot]
+
+
+class DynScheduler(GroupScheduler):
+    """The "dyn_walk" walk: CTA c runs item c first, then the items it claims from the launch's counter in turn
+    (``_Walk``), so a CTA that runs faster takes more items and the CTAs end about together. ``n`` counts the CTA's
+    items. The producer's thread 0 claims item n + 2 at item n's start (``claim_ahead``); ``peek`` (item n + 1)
+    and ``advance_to_next_work`` wait for the claim."""
+
+    def __init__(self, total: Int32, tile: Int32, n: Int32, walk: _Walk):
+        super().__init__(total, tile)
+        self.n = n
+        self.walk = walk
+
+    @staticmethod
+    def create(total: Int32, walk: _Walk) -> "DynScheduler":
+        return DynScheduler(total, Int32(cute.arch.block_idx()[0]), Int32(0), walk)
+
+    def advance_to_next_work(self) -> WorkTileInfo:
+        self.n += Int32(1)
+        self.tile = self.walk.get(self.n)
+        return self.get_current_work()
+
+    def peek(self) -> Int32:
+        return self.walk.get(self.n + Int32(1))
+
+    def __extract_mlir_values__(self):
+        return (cutlass.extract_mlir_values(self.total) + cutlass.extract_mlir_values(self.tile)
+                + cutlass.extract_mlir_values(self.n))
+
+    def __new_from_mlir_values__(self, values):
+        return DynScheduler(cutlass.new_from_mlir_values(self.total, values[:1]),
+                            cutlass.new_from_mlir_values(self.tile, values[1:2]),
+                            cutlass.new_from_mlir_values(self.n, values[2:]), self.walk)
 
 
 class _Outputs:
@@ -450,6 +521,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         assert not self.tok_shfl or producer != "cp.async", "tok_shfl is an option of the hinted producers"
         assert not self.v_early or self.v_stages == 3, "v_early is a v3 option"
         assert not self.stage_under_qk or self.hide_epi, "stage_under_qk is a hide_epi option (staged epilogue)"
+        self.dyn_walk = "dyn_walk" in options
+        assert not self.dyn_walk or self.overlap, "dyn_walk is an overlap option"
         self.producer_store = "producer_store" in options
         assert not self.producer_store or self.hide_epi, "producer_store is a hide_epi option (staged epilogue)"
         assert not self.stamps or self.overlap, "stamps is an overlap option"
@@ -457,10 +530,11 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
                  mIdx: cute.Tensor, mCounts: cute.Tensor, mRes, mScale, mCoef, mMean, softmax_scale: Float32,
-                 num_ctas: Int32, mWsO, mWsL, n_parts: Int32, mStamps=None, stream=None):
+                 num_ctas: Int32, mWsO, mWsL, n_parts: Int32, mStamps=None, mCtr=None, stream=None):
         assert (mRes is None) == (self.res_kind is None), "residual tensor and res_kind disagree"
         assert (mWsO is not None) == self.split_tail and (mWsL is not None) == self.split_tail, "split_tail workspace"
         assert (mStamps is not None) == self.stamps, "stamps tensor and option disagree"
+        assert (mCtr is not None) == self.dyn_walk, "dyn_walk counter and option disagree"
         if const_expr(self.res_kind in ("fp8_row", "int4_row", "int4_group")):
             assert mRes.element_type == cutlass.Uint8 and mScale is not None
         assert (mMean is not None) == (self.res_kind == "int4_group") and (mCoef is None) == (mMean is None)
@@ -497,7 +571,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         grid_x = total if const_expr(one_per_group) else cutlass.min(num_ctas, total)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mPerm, mIdx, mCounts, mRes, mScale, mCoef, mMean, softmax_scale_log2, softmax_scale,
-            total, mWsO, mWsL, n_parts, mStamps, tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout,
+            total, mWsO, mWsL, n_parts, mStamps, mCtr, tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout,
             self.sV_layout, SharedStorage,
         ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  use_pdl=self.pdl)
@@ -531,12 +605,14 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         mbar_v = cute.struct.MemRange[cutlass.Int64, self.v_stages * 2]
         fields = dict(mbar_ptr_Q=mbar_q, mbar_ptr_K=mbar_k, mbar_ptr_V=mbar_v, sV=sV_struct, sQ=sQ_struct,
                       sK=sK_struct)
+        if const_expr(self.dyn_walk):  # the claimed items' ring and its barriers
+            fields.update(mbar_walk=cute.struct.MemRange[cutlass.Int64, 4], walk_ring=cute.struct.MemRange[Int32, 4])
         return cute.struct(type("SharedStorageQ2KV", (), {"__annotations__": fields}))
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
                mIdx: cute.Tensor, mCounts: cute.Tensor, mRes, mScale, mCoef, mMean, softmax_scale_log2: Float32,
-               softmax_scale, total: Int32, mWsO, mWsL, n_parts: Int32, mStamps, tiled_mma_qk: cute.TiledMma,
+               softmax_scale, total: Int32, mWsO, mWsL, n_parts: Int32, mStamps, mCtr, tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
@@ -556,6 +632,14 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                            (storage.mbar_ptr_V.data_ptr(), self.v_stages))
         ]
         pipeline_q, pipeline_k, pipeline_v = pipes
+        walk = None
+        if const_expr(self.dyn_walk):
+            walk = _Walk(storage.walk_ring.get_tensor(cute.make_layout(4)), storage.mbar_walk.data_ptr(), mCtr)
+            if warp_idx == 0:
+                if cute.arch.lane_idx() == 0:
+                    for i in cutlass.range_constexpr(4):
+                        cute.arch.mbarrier_init(walk.bars + i, 1)
+            cute.arch.mbarrier_init_fence()
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -572,6 +656,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             if n_parts > 1:
                 n_items = total + (total - (total // grid) * grid) * (n_parts - 1)
         TileSchedulerCls = partial(GroupScheduler.create, n_items)
+        if const_expr(self.dyn_walk):
+            TileSchedulerCls = partial(DynScheduler.create, n_items, walk)
         work_fn = partial(self._work, total=total, n_parts=n_parts, SeqlenInfoCls=SeqlenInfoCls, block_info=block_info)
         count_fn = partial(self._item_count, total=total, n_parts=n_parts, mCounts=mCounts)
         group_fn = partial(self._item_group, total=total, n_parts=n_parts)
@@ -623,11 +709,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         ("producer_store": the staged outputs are written from here)."""
         tidx, _, _ = cute.arch.thread_idx()
         k_alloc = mIdx.shape[1]
-        grid = Int32(cute.arch.grid_dim()[0])
         store = None  # "producer_store": a slot's staged output to global memory
         if const_expr(self.producer_store):
             store = partial(self._store_slot, outs, sQ, tidx, group_fn)
-        last = Int32(-1)  # the last item walked
+        prev1, prev2 = Int32(-1), Int32(-1)  # the items walked before this one (-1: none)
         st = _Stamps.create(mStamps, tidx == 0, 16) if const_expr(self.stamps) else None
         q_phase = Int32(1)
         q_state = make_pipeline_state(PipelineUserType.Producer, 2)  # the "overlap" query ring
@@ -635,6 +720,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         v_state = make_pipeline_state(PipelineUserType.Producer, self.v_stages)
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
+        if const_expr(self.dyn_walk):  # the CTA's second item
+            if tidx == 0:
+                tile_scheduler.walk.claim(Int32(1))
         q_done = Int32(0)  # "q_ahead": 1 when this item's queries were gathered during the previous item
         # "idx_ahead": this item's valid count and raw first-tile index entry, read during the previous item
         pre = cute.make_rmem_tensor((2,), Int32)
@@ -642,7 +730,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         pre[1] = Int32(0)
         while work_tile.is_valid_tile:
             _, _, item, _ = work_tile.tile_idx
-            last = item
             if const_expr(self.stamps):
                 st.at(item, 0)
             group = item
@@ -675,7 +762,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             q_index.fetch(0)  # padded slots (-1) load query row 0: finite, never written back
             next_count = None  # "idx_l2" + "idx_ahead": the next item's valid count, loaded now, used by q_hook
             if const_expr(self.idx_l2):  # the next item's perm entry, which "q_ahead" reads a few tiles from now
-                next_item = item + Int32(cute.arch.grid_dim()[0])
+                next_item = tile_scheduler.peek()
                 if const_expr(self.idx_ahead):
                     next_count = count_fn(next_item)
                 if next_item < tile_scheduler.total:
@@ -693,9 +780,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 # this group's second-to-last Q K^T
                 if const_expr(self.q_ahead):
                     if q_done == 0:
-                        q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state, store, item - 2 * grid)
+                        q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state, store, prev2)
                 else:
-                    q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state, store, item - 2 * grid)
+                    q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state, store, prev2)
+            if const_expr(self.dyn_walk):  # the item after the next one (the consumers are past item n - 2 now)
+                if tidx == 0:
+                    if tile_scheduler.peek() < tile_scheduler.total:
+                        tile_scheduler.walk.claim(tile_scheduler.n + 2)
             if const_expr(self.idx_l2):  # the stage first: the wait for the index below overlaps it
                 pipeline_k.producer_acquire(kv_state)
                 if const_expr(self.stamps):
@@ -719,12 +810,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 q_phase ^= 1
             q_hook, q_at = None, Int32(-1)
             if const_expr(self.q_ahead):  # the next item's queries during this item's K/V loads, if it has enough
-                next_item = item + Int32(cute.arch.grid_dim()[0])
+                next_item = tile_scheduler.peek()
                 if next_item < tile_scheduler.total:
                     if n_block_max - 1 - n_block_min > Q_AHEAD_AT:
                         q_at = Int32(Q_AHEAD_AT)
                 q_hook = partial(self._load_q_of_item, mQ, mPerm, sQ, pipeline_q, next_item, n_heads, groups_per_head,
-                                 tidx, group_fn, store)
+                                 tidx, group_fn, store, prev1)
                 if const_expr(self.idx_ahead):
                     q_hook = partial(self._load_q_idx_of_item, q_hook, mIdx, mK, mV, next_item, n_heads,
                                      groups_per_head, tidx, group_fn, count_fn, work_fn, SeqlenInfoCls, block_info,
@@ -741,11 +832,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 q_done = Int32(0)
                 if q_at >= 0:
                     q_done = Int32(1)
+            prev2 = prev1
+            prev1 = item
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
         if const_expr(self.producer_store):  # the last two items' outputs (no later item's queries refill them)
             for j in cutlass.range_constexpr(2):
-                out_item = last - (1 - j) * grid
+                out_item = prev2 if const_expr(j == 0) else prev1
                 if out_item >= 0:
                     pipeline_q.producer_acquire(q_state)
                 store(out_item, q_state.index)
@@ -842,9 +935,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _load_q_of_item(self, mQ, mPerm, sQ, pipeline_q, item, n_heads, groups_per_head, tidx, group_fn, store,
-                        q_state):
+                        out_item, q_state):
         """"q_ahead": work item ``item``'s query rows (its group's, through ``perm``) into the query ring (``store``:
-        "producer_store"'s writer of the slot's staged output, or None)."""
+        "producer_store"'s writer of the slot's staged output, the output of work item ``out_item``, or None)."""
         group = item
         if const_expr(self.split_tail):
             group = group_fn(item)[0]
@@ -858,8 +951,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         q_index = _IndexRow(q_rows, q_rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, Int32(self.tile_m),
                             tidx)
         q_index.fetch(0)
-        return self._load_q(q_rows, q_index, sQ, pipeline_q, q_state, store,
-                            item - 2 * Int32(cute.arch.grid_dim()[0]))
+        return self._load_q(q_rows, q_index, sQ, pipeline_q, q_state, store, out_item)
 
     @cute.jit
     def mma_overlap(self, tiled_mma_qk, tiled_mma_pv, outs, sQ, sK, sVt, pipeline_k, pipeline_v, pipeline_q, tidx,
@@ -923,7 +1015,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 st.at_ns(item, 7)
             next_count = None  # "cnt_ahead": the next item's valid count, loaded now, used at the boundary
             if const_expr(self.cnt_ahead):
-                next_count = count_fn(group + Int32(cute.arch.grid_dim()[0]))
+                next_count = count_fn(tile_scheduler.peek())
             slot = Int32(-1)  # "split_tail": the item's workspace slot (-1: a whole group, written to out)
             discard = Int32(0)
             if const_expr(self.split_tail):
