@@ -213,6 +213,19 @@ def test_call_order_learns_an_order_the_anchor_step_did_not_show():
     assert wrongs == [1, 0, 0], wrongs
 
 
+def test_call_order_a_later_anchor_step_replaces_the_earlier_record():
+    """A second anchor step (anchor_steps "10, 26") with another batching than the first (batched, then split): the
+    guesses come from the latest anchor step alone. After its last call the next guess is its own first group
+    (cyclically), not the first anchor step's (mutation: the record kept across anchor steps)."""
+    order = CallOrder()
+    for group in _evaluation_groups(_BATCHED, 3):
+        order.anchor_call(group, step=0)
+    split = _evaluation_groups(_SPLIT, 3)
+    for group in split:
+        order.anchor_call(group, step=5)
+    assert order.predict(split[-1]) == split[0]
+
+
 def test_call_order_with_keys_the_anchor_step_never_stored():
     """A call group holding a key no anchor call stored (a block or window that first appears at a reuse step), or an
     empty group: no prediction (None), no error; every prediction handed out is counted once, and a wrong one once.
