@@ -58,7 +58,8 @@ def test_reference_top_k_is_the_brute_force(gen):
 from comfyui_mc_sparse_pack.kernels.triton import topk as triton_topk  # noqa: E402  (after the skip marker)
 
 
-_TOPK_CASES = [(1500, 37, 64, 4), (1500, 1500, 1536, 3), (300, 1, 5, 300), (2100, 700, 704, 40)]
+_TOPK_CASES = [(1500, 37, 64, 4), (1500, 1500, 1536, 3), (300, 1, 5, 300), (2100, 700, 704, 40),
+               (1500, 1200, 1216, 4)]  # the last: the K-th key is 0, ties of +0.0 and -0.0 (row 3) at it
 _F16, _F32 = torch.float16, torch.float32
 
 
