@@ -244,7 +244,7 @@ def cute_checks(sub, kq, width, log, config="cute"):
             fsums = torch.full_like(sums16, float("nan"))
             fsel = torch.full_like(sel_c, -7)
             pass2_dispatch._cute_module().group_prob_sums_fp8(q8, k8, qf, lse_s, kb2, perm, fsums, group_size=C,
-                                                               select=(fsel, kq))
+                                                               select=(fsel, kq), **({"unit_qf": True} if unit else {}))
             r["fused_all_written"] = not bool(fsums.isnan().any())
             r["fused_sums_equal"] = bool(torch.equal(fsums, got))
             r["fused_select_exact"] = bool(torch.equal(fsel, ref_top_k_rows(fsums, kq, width)))
@@ -278,10 +278,13 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"s10": dict(cute=True, topk_fused=False, topk_count=True), "unit fold": {}}
+RACE1_ROWS = {"s10": dict(cute=True, topk_fused=False, topk_count=True), "unit fold": {}, "fused": {}}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True),
+                # "fused": the CuTeDSL kernel's fused top-K (p2cute, session 12: with ROW_ENV's switch; its swar
+                # sweeps), timed where its checks (config "fused" of CUTE_CONFIGS) passed
+                "fused": dict(SWAR=True),
                 # "s10": the session-10 pass 2 (no unit_qf form; with PARTS_GLOBALS["s10"]: select_kv of session 10)
                 "s10": dict(UNIT_QF=False)}
 # the Triton modules' globals a row runs under (module name in kernels/triton -> {global: value}, set around each of
@@ -292,18 +295,23 @@ PARTS_GLOBALS: dict = {"s10": {"topk": dict(_BRACKET_WARPS=2, _BRACKET_MAXNREG=7
                        # the unit_qf check made by the quantising launch (fp8_operands(unit_signs=True)): one launch
                        # less; timed where ``fold_checks`` passed
                        "unit fold": {"selection": dict(_UNIT_SIGNS=True)}}
-CUTE_CONFIGS = ("cute",)  # each checked in a child process per shape first (``cute_child_check``)
+# environment variables a row runs under (set around each of its calls, restored after)
+ROW_ENV = {"fused": {"MC_SPARSE_PASS2_CUTE_TOPK": "1"}}
+CUTE_CONFIGS = ("cute", "fused")  # each checked in a child process per shape first (``cute_child_check``)
 CUTE_CHILD_OK: dict = {}  # (shape, config) -> its child check passed
 
 class cute_globals:
-    """Context: the CuTeDSL pass-2 module's globals of ``CUTE_GLOBALS[row]`` and the Triton modules' of
-    ``PARTS_GLOBALS[row]`` set (none for other rows), restored on exit."""
+    """Context: the CuTeDSL pass-2 module's globals of ``CUTE_GLOBALS[row]``, the Triton modules' of
+    ``PARTS_GLOBALS[row]`` and the environment of ``ROW_ENV[row]`` set (none for other rows), restored on exit."""
 
     def __init__(self, row):
         self.kw = CUTE_GLOBALS.get(row, {})
         self.parts = PARTS_GLOBALS.get(row, {})
+        self.env = ROW_ENV.get(row, {})
 
     def __enter__(self):
+        self.old_env = {n: os.environ.get(n) for n in self.env}
+        os.environ.update(self.env)
         self.old = []
         mods = [(pass2_dispatch._cute_module(), self.kw)] if self.kw else []
         mods += [({"topk": topk, "selection": selection}[m], kw) for m, kw in self.parts.items()]
@@ -317,12 +325,17 @@ class cute_globals:
         for mod, old in self.old:
             for n, v in old.items():
                 setattr(mod, n, v)
+        for n, v in self.old_env.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
         return False
 
 
 def select_row(row, kw, q, k, lse, perm, kk):
     """A zero-argument callable: select_kv with ``kw`` under the row's CuTeDSL globals."""
-    if row in CUTE_GLOBALS or row in PARTS_GLOBALS:
+    if row in CUTE_GLOBALS or row in PARTS_GLOBALS or row in ROW_ENV:
         def fn():
             with cute_globals(row):
                 return selection.select_kv(q, k, lse, perm, kk, group_size=C, kv_tile=KV_TILE, **kw)
@@ -531,8 +544,7 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
             raise RuntimeError("not run: its child check did not pass")
         race2_cute(fns, ops, perm, out16, sums, kq, width, res, sel)
         for row, kw in RACE1_ROWS.items():
-            if ((row != "cute fused" or res.get("cute fused") is True)
-                    and CUTE_CHILD_OK.get((name, row if row in CUTE_CONFIGS else "cute"), SMOKE)):
+            if row != "fused" and CUTE_CHILD_OK.get((name, row if row in CUTE_CONFIGS else "cute"), SMOKE):
                 fns[f"select_kv {row}"] = select_row(row, kw, q, k, lse, perm, kq)
     except Exception as err:  # noqa: BLE001
         res["errors"]["cute"] = f"{type(err).__name__}: {str(err)[:300]}"
@@ -667,6 +679,8 @@ def precompile(shape, rows):
                 r = cute_checks((q, k, lse, perm), kq, width, lambda m: print(m, flush=True), config)
                 if r["ok"] and config == "cute":
                     for row_name, kw in RACE1_ROWS.items():
+                        if row_name in CUTE_CONFIGS:
+                            continue  # (compiled by its own child)
                         with cute_globals(row_name):
                             selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, **kw)
                     mod = pass2_dispatch._cute_module()
@@ -758,6 +772,7 @@ def install_stand_in():
 
     stand_in = type("CuteStandIn", (), dict(
         FUSED_TOPK=os.environ.get("SMOKE_CUTE_FUSED", "1") == "1", PAIR=False, TOPK_AUTO_KSPLIT=False, UNIT_QF=False,
+        SWAR=False,
         refusal=staticmethod(lambda q8, k8, group_size, out: None),
         select_refusal=staticmethod(lambda q8, k8, group_size, out, sel, num_keys: None),
         group_prob_sums_fp8=staticmethod(stand_in_sums)))
@@ -863,9 +878,9 @@ def main():
                 if name in ("1.3b", "smoke") and args.race2_first and not args.race1_only:  # (round s8r1 lost them)
                     run_race2(report, name, (q, k, v, lse, perm), args, t0, log, variants, cute_variants, save)
                 cfg = res["checks"]["cute_configs"]
-                rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed; "cute fused"
-                        if cfg.get(n if n in cfg else "cute", {}).get("ok")  # only where the module has it)
-                        and (n != "cute fused" or cfg["cute"].get("fused") is True)}
+                rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed; "fused"
+                        if cfg.get(n if n in cfg else "cute", {}).get("ok")  # only where its fused top-K ran and
+                        and (n != "fused" or cfg["fused"].get("fused") is True)}  # passed)
                 if pass2_dispatch.cute_mode() and not args.no_triton_row:  # the CuTeDSL pass 2 is the default: the
                     # Triton one beside it (its pass-2 and fused top-K compiles are not precompiled: ~10-20 s a shape)
                     rows["triton"] = dict(cute=False)
