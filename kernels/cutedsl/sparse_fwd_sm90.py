@@ -390,35 +390,40 @@ class _Walk:
     """The "dyn_walk" option's shared state of one CTA (trace-time bundle): ``ring`` a 4-entry int32 shared-memory
     ring of the CTA's claimed work items, ``bars`` its 4 mbarriers (arrival count 1), ``ctr`` the launch's int32
     claim counter ``(1,)`` in global memory (zero at launch: ``kernels/triton/counts.py`` clears it). The CTA's
-    n-th item (n >= 1) is gridDim.x + the counter's value its claim took (``claim``, one thread), in entry
-    (n - 1) % 4 (``get``)."""
+    n-th item (n >= 1) is gridDim.x + the counter's value its claim took (``take``, one thread), in entry
+    (n - 1) % 4 (``put``, ``get``)."""
 
     ring: cute.Tensor
     bars: cute.Pointer
     ctr: cute.Tensor
 
     @cute.jit
-    def claim(self, n: Int32):
-        """Claim the CTA's n-th item (call from one thread): the counter's next value into the ring, then its
-        mbarrier arrives (release: ``get`` waits on it)."""
-        old = cute.arch.atomic_add(self.ctr.iterator, Int32(1), sem="relaxed", scope="gpu")
-        slot = (n - 1) % 4
-        self.ring[slot] = Int32(old) + Int32(cute.arch.grid_dim()[0])
+    def take(self) -> Int32:
+        """The counter's next value (one thread; ``put`` makes it an item: the thread waits for the atomic there,
+        not here)."""
+        return Int32(cute.arch.atomic_add(self.ctr.iterator, Int32(1), sem="relaxed", scope="gpu"))
+
+    @cute.jit
+    def put(self, n: Int32, taken: Int32):
+        """Item gridDim.x + ``taken`` (``take``'s value, by the thread that took it) as the CTA's n-th: into the
+        ring, then its mbarrier arrives (release: ``get`` waits on it)."""
+        slot = (n - 1) & 3
+        self.ring[slot] = taken + Int32(cute.arch.grid_dim()[0])
         cute.arch.mbarrier_arrive(self.bars + slot)
 
     @cute.jit
     def get(self, n: Int32) -> Int32:
         """The CTA's n-th item (n >= 1), once claimed."""
-        slot = (n - 1) % 4
-        cute.arch.mbarrier_wait(self.bars + slot, ((n - 1) // 4) % 2)
+        slot = (n - 1) & 3
+        cute.arch.mbarrier_wait(self.bars + slot, ((n - 1) >> 2) & 1)
         return self.ring[slot]
 
 
 class DynScheduler(GroupScheduler):
     """The "dyn_walk" walk: CTA c runs item c first, then the items it claims from the launch's counter in turn
     (``_Walk``), so a CTA that runs faster takes more items and the CTAs end about together. ``n`` counts the CTA's
-    items. The producer's thread 0 claims item n + 2 at item n's start (``claim_ahead``); ``peek`` (item n + 1)
-    and ``advance_to_next_work`` wait for the claim."""
+    items. The producer's thread 0 takes item n + 2 at item n's start and puts it in the ring after its wait for
+    the item's first K stage; ``peek`` (item n + 1) and ``advance_to_next_work`` wait for it there."""
 
     def __init__(self, total: Int32, tile: Int32, n: Int32, walk: _Walk):
         super().__init__(total, tile)
@@ -722,7 +727,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         work_tile = tile_scheduler.initial_work_tile_info()
         if const_expr(self.dyn_walk):  # the CTA's second item
             if tidx == 0:
-                tile_scheduler.walk.claim(Int32(1))
+                tile_scheduler.walk.put(Int32(1), tile_scheduler.walk.take())
         q_done = Int32(0)  # "q_ahead": 1 when this item's queries were gathered during the previous item
         # "idx_ahead": this item's valid count and raw first-tile index entry, read during the previous item
         pre = cute.make_rmem_tensor((2,), Int32)
@@ -783,12 +788,19 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                         q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state, store, prev2)
                 else:
                     q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state, store, prev2)
-            if const_expr(self.dyn_walk):  # the item after the next one (the consumers are past item n - 2 now)
+            # "dyn_walk": the item after the next one taken (its atomic in flight through the wait for the K stage)
+            # and put in the ring (the consumers are past item n - 2: its ring entry is free)
+            taken, took = Int32(0), Int32(0)  # (the flag, not the value, says whether: no early wait for it)
+            if const_expr(self.dyn_walk):
                 if tidx == 0:
                     if tile_scheduler.peek() < tile_scheduler.total:
-                        tile_scheduler.walk.claim(tile_scheduler.n + 2)
+                        taken = tile_scheduler.walk.take()
+                        took = Int32(1)
             if const_expr(self.idx_l2):  # the stage first: the wait for the index below overlaps it
                 pipeline_k.producer_acquire(kv_state)
+            if const_expr(self.dyn_walk):
+                if took == 1:
+                    tile_scheduler.walk.put(tile_scheduler.n + 2, taken)
                 if const_expr(self.stamps):
                     st.at(item, STAMP_SLOTS.index("p_acq") - 16)
             index.advance()
@@ -814,12 +826,15 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 if next_item < tile_scheduler.total:
                     if n_block_max - 1 - n_block_min > Q_AHEAD_AT:
                         q_at = Int32(Q_AHEAD_AT)
-                q_hook = partial(self._load_q_of_item, mQ, mPerm, sQ, pipeline_q, next_item, n_heads, groups_per_head,
-                                 tidx, group_fn, store, prev1)
+                # "dyn_walk": the hook reads the next item from the walk's ring again (not a register held through
+                # the loop)
+                hook_item, sched = (None, tile_scheduler) if const_expr(self.dyn_walk) else (next_item, None)
+                q_hook = partial(self._load_q_of_item, mQ, mPerm, sQ, pipeline_q, hook_item, n_heads, groups_per_head,
+                                 tidx, group_fn, store, prev1, sched=sched)
                 if const_expr(self.idx_ahead):
-                    q_hook = partial(self._load_q_idx_of_item, q_hook, mIdx, mK, mV, next_item, n_heads,
+                    q_hook = partial(self._load_q_idx_of_item, q_hook, mIdx, mK, mV, hook_item, n_heads,
                                      groups_per_head, tidx, group_fn, count_fn, work_fn, SeqlenInfoCls, block_info,
-                                     pre, next_count)
+                                     pre, next_count, sched=sched)
                 if const_expr(self.stamps):
                     q_hook = partial(self._timed_hook, q_hook, st)
             kv_state, v_state, q_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state,
@@ -906,12 +921,15 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _load_q_idx_of_item(self, q_hook, mIdx, mK, mV, item, n_heads, groups_per_head, tidx, group_fn, count_fn,
-                            work_fn, SeqlenInfoCls, block_info, pre, count, q_state):
+                            work_fn, SeqlenInfoCls, block_info, pre, count, q_state, sched=None):
         """"idx_ahead": work item ``item``'s valid count into ``pre[0]`` and this thread's raw ``kv_idx`` entry of
         its first key tile (as ``_IndexRow.fetch`` picks it) into ``pre[1]`` (the loads in flight, used at the
         item's start), then ``q_hook(q_state)`` (its queries). ``count``: the item's valid count if loaded before
         ("idx_l2"), else None (read here). With "idx_l2" also the L2 lines of its entries of the item's key tiles
-        1 .. IDX_L2_AHEAD + 1 (the loads of its start and first loop iterations)."""
+        1 .. IDX_L2_AHEAD + 1 (the loads of its start and first loop iterations). ``item`` None: the walk's next
+        item (``sched.peek()``, "dyn_walk")."""
+        if const_expr(item is None):
+            item = sched.peek()
         group = item
         if const_expr(count is None):
             count = count_fn(item)
@@ -935,9 +953,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _load_q_of_item(self, mQ, mPerm, sQ, pipeline_q, item, n_heads, groups_per_head, tidx, group_fn, store,
-                        out_item, q_state):
+                        out_item, q_state, sched=None):
         """"q_ahead": work item ``item``'s query rows (its group's, through ``perm``) into the query ring (``store``:
-        "producer_store"'s writer of the slot's staged output, the output of work item ``out_item``, or None)."""
+        "producer_store"'s writer of the slot's staged output, the output of work item ``out_item``, or None;
+        ``item`` None: the walk's next item, ``sched.peek()``, "dyn_walk")."""
+        if const_expr(item is None):
+            item = sched.peek()
         group = item
         if const_expr(self.split_tail):
             group = group_fn(item)[0]
