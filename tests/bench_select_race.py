@@ -148,8 +148,7 @@ def checks(q, k, lse, perm, S, log, full=True, name="smoke"):
     ok = (all(v for n, v in r.items() if n != "fused_forced_fallback_rows")
           and r.get("fused_forced_fallback_rows", 1.0) == 1.0)
     log(f"CHECKS {r}" + ("" if ok else "  CHECK FAILED"))
-    if "unit fold" in RACE1_ROWS:
-        r["unit_fold"] = fold_checks(q, k, lse, sub, kq, sel, log)
+    r["same_result_rows"] = fold_checks(q, k, lse, sub, kq, sel, log)
     r["ok"] = ok
     r["cute"] = cute
     r["cute_configs"] = configs
@@ -158,30 +157,48 @@ def checks(q, k, lse, perm, S, log, full=True, name="smoke"):
 
 
 def fold_checks(q, k, lse, sub, kq, sel, log):
-    """The "unit fold" row's checks: on all heads, three times (the atomics race on the GPU), fp8_operands(unit_signs=
-    True)'s factors == unit_qf_factors of its operands (bit for bit, NaN-poisoned first) and its other outputs ==
-    fp8_operands' without it; select_kv under the row's globals on ``sub`` == the defaults' selection ``sel`` (the
-    same factors: the same sums). A failure drops the row from RACE1_ROWS (not timed)."""
+    """The checks of ``SAME_RESULT_ROWS`` (each row's failure drops it from RACE1_ROWS: not timed): select_kv under the
+    row's globals on ``sub`` == the defaults' selection ``sel``; for "unit fold" also, on all heads, three times (the
+    atomics race on the GPU), fp8_operands(unit_signs=True)'s factors == unit_qf_factors of its operands (bit for bit)
+    and its other outputs == fp8_operands' without it. Returns {row: its checks}."""
+    out = {}
+    for row in SAME_RESULT_ROWS:
+        if row in RACE1_ROWS:
+            out[row] = _row_checks(row, q, k, lse, sub, kq, sel, log)
+    return out
+
+
+def _row_checks(row, q, k, lse, sub, kq, sel, log):
+    """``fold_checks`` for one row (dropped from RACE1_ROWS when a check fails); returns its checks."""
     r = {}
     try:
-        for _ in range(3):
-            ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, unit_qf=True, unit_signs=True)
-            plain = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, unit_qf=True)
-            want = selection.unit_qf_factors(*plain[2:5])
-            r["signs_equal"] = r.get("signs_equal", True) and bool(torch.equal(ops[5], want))
-            r["operands_equal"] = r.get("operands_equal", True) and all(
-                bool(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                                 b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b))
-                for a, b in zip(ops[:5], plain))
-        r["fast_heads"] = int((want == 1).sum())
-        with cute_globals("unit fold"):
+        with cute_globals(row):
             r["select_equal"] = bool(torch.equal(selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE), sel))
-        r["ok"] = r["signs_equal"] and r["operands_equal"] and r["select_equal"]
+        if row == "unit fold":
+            r.update(_unit_signs_checks(q, k, lse))
+        r["ok"] = all(v for n, v in r.items() if n != "fast_heads")
     except Exception as err:  # noqa: BLE001
         r.update(ok=False, error=f"{type(err).__name__}: {str(err)[:300]}")
     if not r["ok"]:
-        RACE1_ROWS.pop("unit fold", None)
-    log(f"CHECKS unit fold {r}" + ("" if r["ok"] else "  CHECK FAILED (unit fold: row not timed)"))
+        RACE1_ROWS.pop(row, None)
+    log(f"CHECKS {row} {r}" + ("" if r["ok"] else f"  CHECK FAILED ({row}: row not timed)"))
+    return r
+
+
+def _unit_signs_checks(q, k, lse):
+    """fp8_operands(unit_signs=True) on all heads, three times: its factors == unit_qf_factors of its operands and its
+    other outputs == fp8_operands' without it (bit for bit); the count of heads in the fast form."""
+    r = dict(signs_equal=True, operands_equal=True)
+    for _ in range(3):
+        ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, unit_qf=True, unit_signs=True)
+        plain = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True, unit_qf=True)
+        want = selection.unit_qf_factors(*plain[2:5])
+        r["signs_equal"] = r["signs_equal"] and bool(torch.equal(ops[5], want))
+        r["operands_equal"] = r["operands_equal"] and all(
+            bool(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                             b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b))
+            for a, b in zip(ops[:5], plain))
+    r["fast_heads"] = int((want == 1).sum())
     return r
 
 
@@ -278,7 +295,7 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"s10": dict(cute=True, topk_fused=False, topk_count=True), "unit fold": {}, "fused": {}}
+RACE1_ROWS = {"s10": dict(cute=True, topk_fused=False, topk_count=True), "unit fold": {}, "quant rev": {}, "fused": {}}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True),
@@ -294,7 +311,10 @@ PARTS_GLOBALS: dict = {"s10": {"topk": dict(_BRACKET_WARPS=2, _BRACKET_MAXNREG=7
                                "selection": dict(_STATS_PROGRAMS=528)},
                        # the unit_qf check made by the quantising launch (fp8_operands(unit_signs=True)): one launch
                        # less; timed where ``fold_checks`` passed
-                       "unit fold": {"selection": dict(_UNIT_SIGNS=True)}}
+                       "unit fold": {"selection": dict(_UNIT_SIGNS=True)},
+                       # the quantising launch's heads in reverse order (L2 reuse of the statistics pass's last heads)
+                       "quant rev": {"selection": dict(_QUANT_REVERSE=True)}}
+SAME_RESULT_ROWS = ("unit fold", "quant rev")  # rows whose selection must equal the defaults' (``fold_checks``)
 # environment variables a row runs under (set around each of its calls, restored after)
 ROW_ENV = {"fused": {"MC_SPARSE_PASS2_CUTE_TOPK": "1"}}
 CUTE_CONFIGS = ("cute", "fused")  # each checked in a child process per shape first (``cute_child_check``)

@@ -431,13 +431,17 @@ def _fp8_quantize(
     BLOCK_S: tl.constexpr,
     KB_POW2: tl.constexpr = False,
     UNIT_CHECK: tl.constexpr = False,
+    REVERSE: tl.constexpr = False,  # heads in reverse launch order (``_QUANT_REVERSE``)
 ):
     """q's and k's float8 copies in one launch: programs [0, nbq) of axis 0 take q's row blocks (``_quantize_rows``
     with IS_Q: Q8, LSE_S = LSE + lse_mul * q . mean_k), the rest k's (K8, KB = clamp(kb_mul * (k - mean_k) . mean_q),
-    or 2^that with KB_POW2); axis 1 is b * H + h. UNIT_CHECK (with KB_POW2): also ``unit_qf_factors``' output in QFU
-    (``_unit_check_block``), so no launch of its own reads LSE_S / KB again."""
+    or 2^that with KB_POW2); axis 1 is b * H + h (REVERSE: B * H - 1 - that, so the heads the statistics pass read
+    last come first, and pass 2's first heads' copies are the last written). UNIT_CHECK (with KB_POW2): also
+    ``unit_qf_factors``' output in QFU (``_unit_check_block``), so no launch of its own reads LSE_S / KB again."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
+    if REVERSE:
+        bh = tl.num_programs(1) - 1 - bh
     b = bh // H
     h = bh % H
     if pid < nbq:
@@ -572,7 +576,7 @@ def _fp8_stats_final(
     NP: tl.constexpr,  # power of two >= max(n0, n1)
     TWO: tl.constexpr,  # the second tensor's statistics too (and QF)
     UNIT: tl.constexpr = False,  # (with TWO) QF = 1 where the scales can take qf_mul (``fp8_operands(unit_qf=True)``)
-    UNIT_CHECK: tl.constexpr = False,  # URANGE[bh] = (+inf, -inf, +inf, -inf), UCNT[bh] = (0, 0) (``_unit_check_block``)
+    UNIT_CHECK: tl.constexpr = False,  # URANGE[bh] = (+inf, -inf, +inf, -inf), UCNT[bh] = 0 (``_unit_check_block``)
 ):
     """One program per head b * H + h: reduces ``_fp8_partial_stats``' splits to each tensor's mean (M0 / M1, fp32
     [B * H, HEAD_DIM]) and float8 scale (SC0 / SC1, fp32 [B * H], ``_pow2_scale`` of max over columns of
@@ -613,6 +617,10 @@ _STATS_BLOCK_S = 32  # rows per register tile of the statistics pass (4 warps: 3
 _STATS_PROGRAMS = 264
 _QUANT_BLOCK_S = 64  # rows per program of the quantising pass
 _QUANT_WARPS = 4  # warps per program of the quantising pass
+# the quantising pass's heads in reverse order: its first reads hit the heads the statistics pass read last (still in
+# L2: ~3 of 1.3B 480p's 12 heads of q and k), and its last writes are the copies pass 2 reads first. The same outputs
+# (CPU test); off until a race says (issue 15, session 12: bench_select_race's row "quant rev")
+_QUANT_REVERSE = False
 
 
 def _stat_splits(heads: int, rows: int, programs: int = _STATS_PROGRAMS) -> tuple[int, int]:
@@ -774,7 +782,8 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     _fp8_quantize[(nbq + triton.cdiv(SK, bs), B * H)](
         q, k, q8, k8, mq, mk, stats[0], stats[1], lse, lse_s, kb, H, S, SK, nbq, *q.stride(), *k.stride(),
         *lse.stride(), -scale, scale * _LOG2E, stats[2], urange, ucnt, stats[3], HEAD_DIM=D, BLOCK_S=bs,
-        KB_POW2=bool(kb_pow2), UNIT_CHECK=bool(unit_signs), num_warps=quant_warps or _QUANT_WARPS)
+        KB_POW2=bool(kb_pow2), UNIT_CHECK=bool(unit_signs), REVERSE=bool(_QUANT_REVERSE),
+        num_warps=quant_warps or _QUANT_WARPS)
     if unit_signs:
         return q8, k8, stats[2], lse_s, kb, stats[3].reshape(B * H)
     return q8, k8, stats[2], lse_s, kb
