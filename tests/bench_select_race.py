@@ -640,7 +640,7 @@ def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_
 # select_kv compiles for race 1 in child processes started with the bench (one per group of rows and shape, on 2
 # heads of the shape: the same specialisations), so the main process loads them from Triton's disk cache instead of
 # compiling one after another (~4 s each; round s6r2 lost its 14B race to the cap); "race2": race 2's kernels
-CHILD_ROWS = (("defaults",),) + tuple((f"cutecheck {c}",) for c in CUTE_CONFIGS)
+CHILD_ROWS = (("defaults",) + SAME_RESULT_ROWS,) + tuple((f"cutecheck {c}",) for c in CUTE_CONFIGS)
 
 
 def spawn_children(shapes, out_dir, with_race2, cute_variants=()):
@@ -700,8 +700,8 @@ def precompile(shape, rows):
                 r = cute_checks((q, k, lse, perm), kq, width, lambda m: print(m, flush=True), config)
                 if r["ok"] and config == "cute":
                     for row_name, kw in RACE1_ROWS.items():
-                        if row_name in CUTE_CONFIGS:
-                            continue  # (compiled by its own child)
+                        if row_name in CUTE_CONFIGS or row_name in SAME_RESULT_ROWS:
+                            continue  # (compiled by its own child / the defaults' child)
                         with cute_globals(row_name):
                             selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, **kw)
                     mod = pass2_dispatch._cute_module()
@@ -714,8 +714,9 @@ def precompile(shape, rows):
                 sys.exit(1)
             continue
         if row != "race2":
-            selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE,
-                                **({} if row == "defaults" else RACE1_ROWS[row]))
+            with cute_globals(row):
+                selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE,
+                                    **({} if row == "defaults" else RACE1_ROWS[row]))
             continue
         ops = selection.fp8_operands(q, k, lse, D**-0.5, kb_pow2=True)
         out16 = torch.empty(1, 2, G, S, dtype=torch.float16, device=dev)
