@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from comfyui_mc_sparse_pack import kernels
 from comfyui_mc_sparse_pack.kernels import reference, registry
@@ -39,6 +40,40 @@ def test_runtime_failure_falls_back_and_is_reported(caplog, gen):
         assert len(calls) == 2 and ("broken_test", "dense_attention") in next_run.failures  # tried again, next run
     finally:
         registry._backends.pop("broken_test", None)
+
+
+@pytest.mark.parametrize("error", [ValueError, TypeError])
+def test_bad_input_errors_propagate_without_a_fallback(gen, error):
+    """A backend raising ValueError / TypeError (bad input: the caller's error, the same on every backend) is not a
+    backend failure: it propagates unchanged, no other backend runs and the run records no failure (mutation: either
+    type dropped from the re-raised pair, which sent bad input on to the next backend)."""
+    def picky(*args, **kwargs):
+        raise error("simulated bad input")
+
+    registry.register(registry.Backend(name="picky_test", priority=99, ops={"dense_attention": picky}))
+    try:
+        q, k, v = (torch.randn(1, 1, 8, 16, generator=gen) for _ in range(3))
+        with registry.recording(registry.Record()) as run, pytest.raises(error, match="simulated bad input"):
+            kernels.dense_attention(q, k, v)
+        assert not run.failures and not run.choices
+    finally:
+        registry._backends.pop("picky_test", None)
+
+
+def test_a_refused_requested_backend_is_named_once(gen):
+    """``backend=NAME`` that NAME refuses: the NoCapableBackendError (every backend refusing) lists NAME's refusal
+    once, marked "(requested)" (mutation: listed again among the others)."""
+    registry.register(registry.Backend(name="refusing_test", priority=99,
+                                       ops={"dense_attention": reference.dense_attention},
+                                       refuse=lambda op, q, requested: "never runs (simulated)"))
+    try:
+        q = torch.randn(1, 1, 8, 16, generator=gen)
+        with pytest.raises(registry.NoCapableBackendError) as err:
+            registry.candidates("no_such_op", q, backend="refusing_test")
+        text = str(err.value)
+        assert text.count("refusing_test") == 1 and "refusing_test (requested): does not implement" in text, text
+    finally:
+        registry._backends.pop("refusing_test", None)
 
 
 def test_out_of_memory_reaches_the_engine_and_disables_nothing(gen):
