@@ -12,7 +12,7 @@ query rows are MC-Sparse over the video keys plus every non-video key exactly (`
 The layout is the model's own: a DIFFUSION_MODEL wrapper (``layout_wrapper``) takes the ``PackedLayout`` the
 model itself would use for this forward (``minimax_payload["layout"]`` when its ``signature`` matches, else
 ``PackedLayout`` built with the same arguments as ``MiniMaxH3Model._forward``), checks that exactly one video
-segment ends the sequence, and stores its start under ``layouts.TEXT_LEN_KEY`` in this forward's
+segment ends the sequence, and stores its start under ``callsite.TEXT_LEN_KEY`` in this forward's
 transformer_options. No layout (or an unexpected one) leaves the key unset: the calls then run dense with the
 reason "joint sequence without a known text length", counted in the run summary.
 
