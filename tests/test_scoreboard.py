@@ -37,11 +37,12 @@ def test_committed_scoreboard_entries_are_well_formed():
 
 
 def test_entry_problems_names_each_break():
-    """The check can fail: each broken field is named."""
+    """The check can fail: each broken field is named (a hash shorter than git's 7 digits too)."""
     good = json.loads(BOARD.read_text())["cutedsl_sparse_eff_min"]
     assert sb.entry_problems("k", good) == []
     for edit, words in [({"value": "0.9"}, "value"), ({"value": float("nan")}, "value"), ({"value": True}, "value"),
-                        ({"unit": "%"}, "unit"), ({"command": ""}, "command"), ({"commit": "HEAD"}, "commit"),
+                        ({"unit": "%"}, "unit"), ({"command": ""}, "command"), ({"note": " "}, "note"),
+                        ({"commit": "HEAD"}, "commit"), ({"commit": "abc12"}, "commit"),
                         ({"gpu": 1}, "gpu"), ({"date": "02.12.2026"}, "date"), ({"extra": 1}, "fields")]:
         problems = sb.entry_problems("k", {**good, **edit})
         assert len(problems) == 1 and words in problems[0], (edit, problems)
@@ -74,6 +75,15 @@ def test_update_replaces_its_keys_keeps_the_others_and_writes_one_layout(tmp_pat
     assert keys.read_text() == sb.dumps(json.loads(keys.read_text()))
 
 
+def test_update_says_each_value_unless_told_not_to(tmp_path, capsys):
+    """``say``: one "scoreboard KEY = VALUE UNIT" line per key; none with say=False (benchmarks saving partial
+    results after every step)."""
+    assert sb.update({"k": _entry(1.5)}, None, tmp_path / "b.json") == []
+    assert capsys.readouterr().out == "scoreboard k = 1.5 ratio\n"
+    assert sb.update({"k": _entry(2.5)}, None, tmp_path / "b.json", say=False) == []
+    assert capsys.readouterr().out == ""
+
+
 def test_update_creates_a_missing_board_and_writes_no_board_when_told(tmp_path):
     board = tmp_path / "new" / "board.json"
     assert sb.update({"k": _entry(1.0)}, None, board) == []
@@ -100,7 +110,7 @@ def test_merge_cli(tmp_path):
     board.write_text(sb.dumps({"old": _entry(1.0)}))
     a.write_text(sb.dumps({"x": _entry(0.5)}))
     b.write_text(sb.dumps({"y": _entry(0.25)}))
-    assert sb.main(["merge", str(a), str(b), "--board", str(board)]) == 0
+    assert sb.main(["merge", str(a), "--board", str(board), str(b)]) == 0  # --board anywhere among the files
     assert set(json.loads(board.read_text())) == {"old", "x", "y"}
     b.write_text(sb.dumps({"y": _entry(0.125, commit="HEAD")}))
     assert sb.main(["merge", str(a), str(b), "--board", str(board)]) == 1
