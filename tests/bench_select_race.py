@@ -302,7 +302,7 @@ CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True),
                 # "fused": the CuTeDSL kernel's fused top-K (p2cute, session 12: with ROW_ENV's switch; its swar
                 # sweeps; also on walks that need key parts, with auto_ksplit's parts: 1.3B 480p), timed where its
                 # checks (config "fused" of CUTE_CONFIGS) passed
-                "fused": dict(SWAR=True, TOPK_WHOLE_WALKS_ONLY=False, TOPK_AUTO_KSPLIT=True),
+                "fused": dict(SWAR=8, TOPK_WHOLE_WALKS_ONLY=False, TOPK_AUTO_KSPLIT=True),
                 # "s10": the session-10 pass 2 (no unit_qf form; with PARTS_GLOBALS["s10"]: select_kv of session 10)
                 "s10": dict(UNIT_QF=False)}
 # the Triton modules' globals a row runs under (module name in kernels/triton -> {global: value}, set around each of

@@ -44,7 +44,7 @@ as float8 wgmma requires):
   key parts (ksplit > 1) a row's parts come from several CTAs: the consumers fence their stores at GPU scope, each
   part's selecting warp counts it in a per-row counter (atomic, acq_rel, GPU scope) and the last one selects the row,
   reading it from L2 (``ld.global.cg``). ``swar`` (option, ``SWAR``): both sweeps compare the two float16 keys of a
-  32-bit word at once with integer instructions (``swar16``; the copies' slots from one warp prefix count per batch).
+  32-bit word at once with integer instructions (``swar16``; the copies' slots from a warp prefix count per vector).
 
 Contract of a launch (``Pass2Sm90.__call__``; ``group_prob_sums_fp8`` builds the views): q8 uint8 ``(B*H, S, D)``
 and k8 uint8 ``(B*H, Sk, D)`` (the float8 bytes; contiguous), lse_s fp32 ``(B*H, S)``, perm int32 ``(B*H, G*C)``,
@@ -89,7 +89,7 @@ CAND_SLOTS = 16384  # each selecting warp's int16 candidate slots in shared memo
 SAMPLE_SLOTS = 1024  # the sample's slots (topk._BRACKET_MAX_SAMPLES), staged at the start of the candidate slots
 KEY_TOP = 0x7C01  # one above +inf's float16 key: above every key (topk._bracket_row's ``top``)
 SWEEP_BATCH = 4  # 16-byte loads per lane issued together in the selecting warps' row sweeps (latency from L2)
-SWAR_BATCH = 2  # the same for the swar sweeps
+SWAR_BATCH = 4  # the same for the swar sweeps (``swar`` True; an int 2 / 4 / 8 picks it)
 
 
 class _Walk:
@@ -131,7 +131,7 @@ class Pass2Sm90:
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, lse_smem: bool = False, qsplit: int = 0,
                  diag: str = "", topk: bool = False, wg4: bool = False, pair: bool = False, overlap: bool = False,
-                 unit_qf: bool = False, swar: bool = False):
+                 unit_qf: bool = False, swar: int = 0):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -161,14 +161,17 @@ class Pass2Sm90:
         # the fused top-K's selecting warps need more than 32 registers, and pair's query loader (two groups per item)
         # spills at 32: 152 / 56 then (offline sm_90a: no consumer spill)
         more = topk or pair
-        self.mma_regs, self.producer_regs = {3: (152, 56) if more else (160, 32),
+        # swar: the selecting warps' sweeps on two keys per word with ``batch`` 16-byte loads per lane in flight (8:
+        # 80 registers for the producers, 144 for the consumers: offline sm_90a, no consumer spill)
+        self.swar = bool(swar) and topk
+        self.batch = (SWAR_BATCH if swar is True else int(swar)) if self.swar else SWEEP_BATCH
+        assert self.batch in (2, 4, 8), swar
+        wide = self.swar and self.batch > 4
+        self.mma_regs, self.producer_regs = {3: (144, 80) if wide else (152, 56) if more else (160, 32),
                                              4: (112, 56) if more else (120, 24)}[self.nwg]
         self.dtype = cutlass.Float8E4M3FN
         # the top-K fused: producer warps 2 and 3 select each finished row of the CTA (``_select_rows``)
         self.topk = topk
-        # swar: the selecting warps' row sweeps compare both float16 keys of a 32-bit word at once (``swar16``)
-        self.swar = bool(swar) and topk
-        self.batch = SWAR_BATCH if self.swar else SWEEP_BATCH  # 16-byte loads per lane in flight in the sweeps
         # pair: two query groups per work item; every key stage serves both (two wgmmas per warpgroup on the same
         # keys, half the key traffic from L2 per query); with lse_smem only
         assert not pair or lse_smem, "pair: with lse_smem"
@@ -541,22 +544,20 @@ class Pass2Sm90:
 
     @cute.jit
     def _count_sweep_swar(self, wsrc, sC, w, lane, n_vec, n_batches, lo, hi, vecs):
-        """``_count_sweep`` with both keys of a 32-bit word compared at once (``swar16``: ~14 integer instructions
-        per word instead of ~40 per key pair); each lane's keys in [lo, hi] of a batch are copied to consecutive slots
-        after the warp's prefix count of the batch (one per batch; the copies' order does not matter)."""
+        """``_count_sweep`` with both keys of a 32-bit word compared at once (``swar16``); each lane's keys in
+        [lo, hi] of a vector are copied to consecutive slots after the warp's prefix count of that vector (the
+        copies' order does not matter), so a vector's registers are free once it is done."""
         hi2 = swar16.pair(hi + 1)  # (key > hi) == (key >= hi + 1); hi <= KEY_TOP, so hi + 1 <= 0x7FFF
         lo2 = swar16.pair(lo)
         above = Int32(0)  # this lane's keys > hi, counted per half
         n_cand = Int32(0)
-        # per vector: bit k (bit 16 + k) set where word k's low (high) key is inside
-        ins = cute.make_rmem_tensor((self.batch,), Int32)
         for i in cutlass.range(n_batches, unroll=1):
             for u in cutlass.range_constexpr(self.batch):  # the batch's loads first: self.batch in flight per lane
                 self._load_vec(wsrc, (i * self.batch + u) * 32 + lane, n_vec, vecs[u])
-            mine = Int32(0)  # this lane's keys inside in the batch, per half
             for u in cutlass.range_constexpr(self.batch):
                 valid = Int32(0) - Int32((i * self.batch + u) * 32 + lane < n_vec)  # (past the row: a repeated vector)
-                bits = Int32(0)
+                bits = Int32(0)  # bit k (16 + k): word k's low (high) key inside
+                mine = Int32(0)  # this lane's keys inside, per half
                 for k in cutlass.range_constexpr(4):
                     kk = swar16.keys(vecs[u][k])
                     a = swar16.at_least(kk, hi2) & valid
@@ -564,26 +565,22 @@ class Pass2Sm90:
                     above += swar16.ones(a)
                     mine += m
                     bits |= m << k
-                ins[u] = bits
-            mine = swar16.total(mine)
-            incl = mine
-            for d in cutlass.range_constexpr(5):
-                up = cute.arch.shuffle_sync_up(incl, offset=1 << d)
-                if lane >= (1 << d):
-                    incl += up
-            batch = cute.arch.shuffle_sync(incl, 31)
-            if batch > 0:
+                mine = swar16.total(mine)
+                incl = mine
+                for d in cutlass.range_constexpr(5):
+                    up = cute.arch.shuffle_sync_up(incl, offset=1 << d)
+                    if lane >= (1 << d):
+                        incl += up
                 slot = n_cand + incl - mine
-                for u in cutlass.range_constexpr(self.batch):
-                    if ins[u] != 0:
-                        for k in cutlass.range_constexpr(4):
-                            kk = swar16.keys(vecs[u][k])
-                            for hh in cutlass.range_constexpr(2):
-                                inside = (ins[u] >> (16 * hh + k)) & 1
-                                if (inside != 0) & (slot < CAND_SLOTS):
-                                    sC[slot, w] = cutlass.Int16((kk >> (16 * hh)) & swar16.HALF_MASK)
-                                slot += inside
-            n_cand += batch
+                if bits != 0:
+                    for k in cutlass.range_constexpr(4):
+                        kk = swar16.keys(vecs[u][k])
+                        for hh in cutlass.range_constexpr(2):
+                            inside = (bits >> (16 * hh + k)) & 1
+                            if (inside != 0) & (slot < CAND_SLOTS):
+                                sC[slot, w] = cutlass.Int16((kk >> (16 * hh)) & swar16.HALF_MASK)
+                            slot += inside
+                n_cand += cute.arch.shuffle_sync(incl, 31)
         return swar16.total(above), n_cand
 
     @cute.jit
@@ -1102,7 +1099,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=(0 if pair else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
                        topk=bool(topk), wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap),
-                       unit_qf=bool(unit_qf), swar=bool(swar))
+                       unit_qf=bool(unit_qf), swar=swar)
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
@@ -1124,7 +1121,8 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     qsplit = (0 if pair else QSPLIT) if qsplit is None else int(qsplit)  # (pair runs without qsplit)
     wg4 = WG4 if wg4 is None else bool(wg4)
     overlap = (OVERLAP and pair and not wg4) if overlap is None else bool(overlap)
-    swar = (SWAR and topk) if swar is None else bool(swar) and topk  # (only the fused top-K reads it)
+    swar = (SWAR if swar is None else swar) if topk else False  # (only the fused top-K reads it)
+    swar = SWAR_BATCH if swar is True else int(swar)
     if fit:  # the default: as many as fit
         stages = fit_stages(stages, 4 if wg4 else 3, 2 if pair else 1, topk)
     key = ("mc_pass2_sm90", out_dtype, stages, poly, lse_smem, qsplit, diag or "", topk, wg4, pair, overlap,
