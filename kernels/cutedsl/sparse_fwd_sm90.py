@@ -157,12 +157,12 @@ EPILOGUES = ("registers", "smem")
 # after the producer's wait for the next free K stage; with 3 V stages its stage is free about half a key tile
 # after the K stage. The SM clock stamps (round s11r2, 1.3B s = 0.1, kernel alone) had each consumer warpgroup
 # waiting ~2.5k cycles per group for V (and ~2.6k for K) of ~61k in its key-tile loop.
-# "producer_store" (with "hide_epi"): the staged output's read-back and global stores move from the consumer
-# warpgroups to the producer warpgroup (which waits for free K stages most of a group): the consumers stage O in the
-# finished group's query slot and release the slot as before, and the producer, when it acquires that slot for a
-# later item's queries (two items later; the last two items' after its walk), first reads the staged rows back and
-# writes them to ``out`` (or the "split_tail" workspace), each thread the 16-byte pieces it copies into the slot
-# (``_store_slot``). The consumers keep the LSE stores.
+# Measured on the H200 and removed (round s12r1): "producer_store" (the staged output read back and written to
+# ``out`` by the producer warpgroup when it acquired the slot for a later item's queries, each producer thread the
+# 16-byte pieces it copies into that slot; the consumers only staged O and wrote the LSE): lower at all 8 points
+# (1.3B 0.799 / 0.827 / 0.831 / 0.892, 14B 0.868 / 0.927 / 0.873 / 0.908 against 0.830 / 0.858 / 0.875 / 0.916 and
+# 0.882 / 0.916 / 0.904 / 0.932), as session 6's "pstore": the producer's extra work at its hook (the perm load, the
+# read-back, a warpgroup barrier) delays the K/V copies the consumers wait for.
 # "tok_shfl" (the hinted producers, the op's): each K/V row's address made by the copying thread from its 32-bit
 # token index (one shuffle from the index's loader and one IMAD.WIDE: token x row bytes + the thread's base) instead
 # of the loader's 64-bit row address shuffled (two shuffles and a 64-bit add per row); with "v_early" a tile's K and
@@ -176,7 +176,7 @@ EPILOGUES = ("registers", "smem")
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "stage_under_qk", "v_early", "producer_store", "tok_shfl", "dyn_walk",
+           "lazy_rescale", "idx_l2", "stage_under_qk", "v_early", "tok_shfl", "dyn_walk",
            "diag_no_copy", "stamps")
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
@@ -195,7 +195,6 @@ RESCALE_THRESHOLD = 8.0
 IDX_L2_AHEAD = 4  # "idx_l2": key tiles between the index loaded and the index line prefetched
 Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
-PRODUCER_BARRIER = 9  # "producer_store": the producer warpgroup's read-back of a slot done before it is refilled
 
 
 @dataclass
@@ -528,8 +527,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         assert not self.stage_under_qk or self.hide_epi, "stage_under_qk is a hide_epi option (staged epilogue)"
         self.dyn_walk = "dyn_walk" in options
         assert not self.dyn_walk or self.overlap, "dyn_walk is an overlap option"
-        self.producer_store = "producer_store" in options
-        assert not self.producer_store or self.hide_epi, "producer_store is a hide_epi option (staged epilogue)"
         assert not self.stamps or self.overlap, "stamps is an overlap option"
 
     @cute.jit
@@ -683,8 +680,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             self.load_fused(mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
                             SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn, group_fn, count_fn,
-                            mStamps, _Outputs(mO, mLSE, mPerm, mRes, mScale, mCoef, mMean, n_heads, groups_per_head,
-                                              mWsO, mWsL))
+                            mStamps)
         else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
@@ -706,18 +702,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     @cute.jit
     def load_fused(self, mQ, mK, mV, mPerm, mIdx, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, block_info,
                    SeqlenInfoCls, TileSchedulerCls, n_heads, groups_per_head, work_fn=None, group_fn=None,
-                   count_fn=None, mStamps=None, outs=None):
+                   count_fn=None, mStamps=None):
         """Producer: per group, its query rows through ``perm`` and its K/V rows through ``kv_idx``, all by cp.async
         (mQ/mK/mV ``(S, D, H, B)``; mPerm ``(N, 128)``, mIdx ``(N, K_alloc)``); ``work_fn``: ``_work`` with the
         launch's arguments bound ("split_tail"), ``group_fn`` ``_item_group`` so bound ("q_ahead"), ``count_fn``
-        ``_item_count`` so bound ("idx_ahead"); ``mStamps`` the "stamps" tensor or None; ``outs`` the ``_Outputs``
-        ("producer_store": the staged outputs are written from here)."""
+        ``_item_count`` so bound ("idx_ahead"); ``mStamps`` the "stamps" tensor or None."""
         tidx, _, _ = cute.arch.thread_idx()
         k_alloc = mIdx.shape[1]
-        store = None  # "producer_store": a slot's staged output to global memory
-        if const_expr(self.producer_store):
-            store = partial(self._store_slot, outs, sQ, tidx, group_fn)
-        prev1, prev2 = Int32(-1), Int32(-1)  # the items walked before this one (-1: none)
         st = _Stamps.create(mStamps, tidx == 0, 16) if const_expr(self.stamps) else None
         q_phase = Int32(1)
         q_state = make_pipeline_state(PipelineUserType.Producer, 2)  # the "overlap" query ring
@@ -785,9 +776,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 # this group's second-to-last Q K^T
                 if const_expr(self.q_ahead):
                     if q_done == 0:
-                        q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state, store, prev2)
+                        q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state)
                 else:
-                    q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state, store, prev2)
+                    q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state)
             # "dyn_walk": the item after the next one taken (its atomic in flight through the wait for the K stage)
             # and put in the ring (the consumers are past item n - 2: its ring entry is free)
             taken, took = Int32(0), Int32(0)  # (the flag, not the value, says whether: no early wait for it)
@@ -830,7 +821,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 # the loop)
                 hook_item, sched = (None, tile_scheduler) if const_expr(self.dyn_walk) else (next_item, None)
                 q_hook = partial(self._load_q_of_item, mQ, mPerm, sQ, pipeline_q, hook_item, n_heads, groups_per_head,
-                                 tidx, group_fn, store, prev1, sched=sched)
+                                 tidx, group_fn, sched=sched)
                 if const_expr(self.idx_ahead):
                     q_hook = partial(self._load_q_idx_of_item, q_hook, mIdx, mK, mV, hook_item, n_heads,
                                      groups_per_head, tidx, group_fn, count_fn, work_fn, SeqlenInfoCls, block_info,
@@ -847,17 +838,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 q_done = Int32(0)
                 if q_at >= 0:
                     q_done = Int32(1)
-            prev2 = prev1
-            prev1 = item
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
-        if const_expr(self.producer_store):  # the last two items' outputs (no later item's queries refill them)
-            for j in cutlass.range_constexpr(2):
-                out_item = prev2 if const_expr(j == 0) else prev1
-                if out_item >= 0:
-                    pipeline_q.producer_acquire(q_state)
-                store(out_item, q_state.index)
-                q_state.advance()
         pipeline_v.producer_tail(v_state)
 
     @cute.jit
@@ -869,55 +851,16 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         return q_state
 
     @cute.jit
-    def _load_q(self, q_rows: PagedKVManager, q_index, sQ, pipeline_q, q_state, store=None, out_item=None):
+    def _load_q(self, q_rows: PagedKVManager, q_index, sQ, pipeline_q, q_state):
         """One item's 128 query rows into the next slot of the query ring (``q_state``; its ``perm`` entry already
-        fetched by ``q_index``); "producer_store": first ``store(out_item, slot)``, the output of work item
-        ``out_item`` (two items before this one) staged in that slot. Returns the advanced state."""
+        fetched by ``q_index``). Returns the advanced state."""
         pipeline_q.producer_acquire(q_state)
-        if const_expr(store is not None):
-            store(out_item, q_state.index)
         q_index.advance()
         q_rows.load_KV(0, sQ[None, None, q_state.index], "K")
         cute.arch.cp_async_commit_group()
         pipeline_q.producer_commit(q_state)
         q_state.advance()
         return q_state
-
-    @cute.jit
-    def _store_slot(self, outs, sQ, tidx, group_fn, out_item, slot_index):
-        """"producer_store": the output of work item ``out_item`` (none when < 0), normalised, rounded and staged by
-        the consumers in slot ``slot_index`` of the query ring, to ``out[b, perm[row], h, :]`` (or for a "split_tail"
-        part to ``mWsO[slot * 128 + row, :]``). Producer thread ``tidx`` (0..127) reads back and stores the 16-byte
-        pieces it copies into the slot ("K" row copies: chunk tidx % 8 of rows tidx // 8 + 16 m), 4 half rows of 128
-        contiguous bytes per warp store, one piece at a time (the producer runs on few registers); the row's
-        ``perm`` entry from the lane that loads it for those copies (``_IndexRow.slot``), by shuffle. Ends with a
-        producer-warpgroup barrier, so the slot is read before any thread refills it."""
-        if out_item >= 0:
-            group = out_item
-            ws = Int32(-1)
-            if const_expr(self.split_tail):
-                group, ws, _ = group_fn(out_item)
-            bh = group // outs.groups_per_head
-            b = bh // outs.n_heads
-            h = bh - b * outs.n_heads
-            q_row_own = outs.mPerm[group, (tidx % 8) * (TILE // 8) + tidx // 8]
-            thr_copy = self._epilogue_copy().get_slice(tidx)
-            tOsO = thr_copy.partition_S(sQ[None, None, slot_index])
-            tOcO = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_hdimv)))
-            for m in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
-                q_row = fa_utils.shuffle_sync(q_row_own, m, width=8)
-                for kk in cutlass.range_constexpr(cute.size(tOsO.shape[2])):
-                    piece = cute.make_fragment_like(tOsO[None, m, kk], self.dtype)
-                    cute.autovec_copy(tOsO[None, m, kk], piece)
-                    row, col = tOcO[0, m, kk]
-                    dst = fa_utils.elem_pointer(outs.mO, (b, q_row, h, col)).toint()
-                    if const_expr(self.split_tail):
-                        if ws >= 0:
-                            dst = fa_utils.elem_pointer(outs.mWsO, (ws * self.tile_m + row, col)).toint()
-                    if q_row >= 0 or ws >= 0:
-                        ptr = cute.make_ptr(self.dtype, dst, cute.AddressSpace.gmem, assumed_align=16)
-                        cute.autovec_copy(piece, cute.make_tensor(ptr, piece.layout))
-            cute.arch.barrier(barrier_id=PRODUCER_BARRIER, number_of_threads=self.num_threads_per_warp_group)
 
     @cute.jit
     def _load_q_idx_of_item(self, q_hook, mIdx, mK, mV, item, n_heads, groups_per_head, tidx, group_fn, count_fn,
@@ -952,11 +895,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         return q_hook(q_state)
 
     @cute.jit
-    def _load_q_of_item(self, mQ, mPerm, sQ, pipeline_q, item, n_heads, groups_per_head, tidx, group_fn, store,
-                        out_item, q_state, sched=None):
-        """"q_ahead": work item ``item``'s query rows (its group's, through ``perm``) into the query ring (``store``:
-        "producer_store"'s writer of the slot's staged output, the output of work item ``out_item``, or None;
-        ``item`` None: the walk's next item, ``sched.peek()``, "dyn_walk")."""
+    def _load_q_of_item(self, mQ, mPerm, sQ, pipeline_q, item, n_heads, groups_per_head, tidx, group_fn, q_state,
+                        sched=None):
+        """"q_ahead": work item ``item``'s query rows (its group's, through ``perm``) into the query ring (``item``
+        None: the walk's next item, ``sched.peek()``, "dyn_walk")."""
         if const_expr(item is None):
             item = sched.peek()
         group = item
@@ -972,7 +914,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         q_index = _IndexRow(q_rows, q_rows.mPageTable, cute.make_rmem_tensor((1,), Int32), b, Int32(self.tile_m),
                             tidx)
         q_index.fetch(0)
-        return self._load_q(q_rows, q_index, sQ, pipeline_q, q_state, store, out_item)
+        return self._load_q(q_rows, q_index, sQ, pipeline_q, q_state)
 
     @cute.jit
     def mma_overlap(self, tiled_mma_qk, tiled_mma_pv, outs, sQ, sK, sVt, pipeline_k, pipeline_v, pipeline_q, tidx,
@@ -1222,8 +1164,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         """The "hide_epi" group boundary (``acc_O`` this group's normalised output, ``tOrP`` the next group's first
         P): O rounded and staged in this group's query slot ``sO``, the LSE written; then, if the next group has
         two key tiles or more, its second Q K^T and first P V are issued (``_step``) and the staged rows are
-        stored while they run; else the rows are stored at once ("producer_store": the producer stores them later;
-        ``next_count``: the next item's valid count if loaded ahead, "cnt_ahead"). "stage_under_qk": ``acc_O`` is not normalised yet (``row_scale``: its rows'
+        stored while they run; else the rows are stored at once (``next_count``: the next item's valid count if
+        loaded ahead, "cnt_ahead"). "stage_under_qk": ``acc_O`` is not normalised yet (``row_scale``: its rows'
         1 / row sum) and the normalising and staging run between that Q K^T and that P V. ``st``: the consumers'
         "stamps" writer or None (the step's waits go to its wait sum 2). Returns (1 if it ran the next group's
         second tile (its loop then starts one tile later) else 0, the consumers' K and V states after it)."""
@@ -1231,10 +1173,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                         tidx, group, b, h, out_rows, slot, discard, outs.mWsL)
         if const_expr(not self.stage_under_qk):
             stage()
-        store = None  # "producer_store": the producer writes the staged rows
-        if const_expr(not self.producer_store):
-            store = partial(self._store_staged, outs.mO, outs.mPerm, sO, tidx, group, b, h, out_rows, slot,
-                            outs.mWsO)
+        store = partial(self._store_staged, outs.mO, outs.mPerm, sO, tidx, group, b, h, out_rows, slot, outs.mWsO)
         stepped = Int32(0)
         if next_tile.is_valid_tile:
             _, _, next_group, _ = next_tile.tile_idx
@@ -1255,8 +1194,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if stepped == 0:
             if const_expr(self.stage_under_qk):
                 stage()
-            if const_expr(store is not None):
-                store()
+            store()
         return stepped, kv_state, v_state
 
     @cute.jit
@@ -1447,14 +1385,14 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         """The ``perm`` entries ``_epilogue_smem`` needs, loaded ahead (the "overlap" consumers at a group's start,
         so the loads' latency hides behind the group's tiles): (the rows of this thread's LSE values, which are
         also the rows it holds in its accumulator, the rows of its 16-byte output pieces or None without the staged
-        epilogue or with "producer_store"), int32 register tensors."""
+        epilogue), int32 register tensors."""
         cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
         tOcO_mma = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(tidx).partition_C(cO))
         lse_rows = cute.make_rmem_tensor((cute.size(tOcO_mma, mode=[0]),), Int32)
         for m in cutlass.range_constexpr(cute.size(lse_rows)):
             lse_rows[m] = mPerm[group, tOcO_mma[m, 0][0]]
         out_rows = None
-        if const_expr(self.smem_epilogue and not self.producer_store):
+        if const_expr(self.smem_epilogue):
             tOcO = self._epilogue_copy_coords(tidx)
             out_rows = cute.make_rmem_tensor((cute.size(tOcO.shape[1]),), Int32)
             for rest_m in cutlass.range_constexpr(cute.size(out_rows)):
