@@ -14,7 +14,7 @@ Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p:
 
 ``cute_rows`` is what tests/bench_select_race.py can import for its own race 2. Usage (checkout root, H200):
 ``python tests/bench_cutedsl_pass2.py --out OUT [--shapes 1.3b] [--variants "st4,st4 p8,st6"] [--commit HASH]``;
-a variant is ``st<stages>`` with optional `` p<poly>``, `` c<ctas>``, `` k<ksplit>`` (else
+a variant is ``st<stages>`` with optional `` p<poly>`` (`` d2``: of degree 2), `` c<ctas>``, `` k<ksplit>`` (else
 ``auto_ksplit``), `` ls`` (lse_smem), `` qs`` (qsplit 1: query-half wgmmas), `` qr`` (qsplit 2: rolled over pairs
 of tiles), `` wg4`` (four consumer warpgroups), `` pr`` (two query groups per work item), `` ov`` (with pr:
 overlapped wgmmas), `` u1`` (``unit_qf``: on ``fp8_operands(unit_qf=True)``'s operands, checked against the
@@ -46,7 +46,8 @@ import bench_select_race as bsr  # noqa: E402  (loads the pack)
 from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 
 # the compile-time keys
-COMPILED = ("stages", "poly", "lse_smem", "qsplit", "diag", "topk", "wg4", "pair", "overlap", "unit_qf", "swar")
+COMPILED = ("stages", "poly", "lse_smem", "qsplit", "diag", "topk", "wg4", "pair", "overlap", "unit_qf", "swar",
+            "poly_deg")
 FLAGS = {"ls": "lse_smem", "qs": "qsplit", "tk": "topk", "wg4": "wg4", "pr": "pair",
          "ov": "overlap", "u1": "unit_qf", "sw": "swar"}
 TOPK_DENSITY = 0.25  # the fused top-K variants ("tk") select K = 0.25 x Sk keys per group (--topk-density)
@@ -56,7 +57,7 @@ DEFAULT_VARIANTS = "st4,st4 k1,st4 qr,st4 p4,st6"
 
 def parse_variant(text: str) -> dict:
     """'st4 p8 c132 k2 qs ls' -> dict(stages=4, poly=8, num_ctas=132, ksplit=2, qsplit=True, lse_smem=True)."""
-    keys = {"st": "stages", "p": "poly", "c": "num_ctas", "k": "ksplit"}
+    keys = {"st": "stages", "p": "poly", "c": "num_ctas", "k": "ksplit", "d": "poly_deg"}
     out = {}
     for tok in text.split():
         if tok in FLAGS:
@@ -74,7 +75,7 @@ def parse_variant(text: str) -> dict:
         if tok in ("noexp", "nomma"):  # timing floors (wrong sums: not checked, timed only)
             out["diag"] = tok
             continue
-        for pre in ("st", "p", "c", "k"):
+        for pre in ("st", "p", "c", "k", "d"):
             if tok.startswith(pre) and tok[len(pre):].isdigit():
                 out[keys[pre]] = int(tok[len(pre):])
                 break

@@ -131,7 +131,7 @@ class Pass2Sm90:
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, lse_smem: bool = False, qsplit: int = 0,
                  diag: str = "", topk: bool = False, wg4: bool = False, pair: bool = False, overlap: bool = False,
-                 unit_qf: bool = False, swar: int = 0):
+                 unit_qf: bool = False, swar: int = 0, poly_deg: int = 3):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -139,6 +139,9 @@ class Pass2Sm90:
         self.poly = poly
         # the columns (of a thread's 32 per row) whose 2^x runs on the FMA pipe: spread evenly over the row
         self.poly_cols = frozenset((i * 32) // poly for i in range(poly)) if poly else frozenset()
+        # the polynomial's degree (flash-attn-4's ``POLY_EX2``; 3: relative error ~1e-4, 2: ~2e-3 and one FFMA less)
+        assert poly_deg in (2, 3), poly_deg
+        self.poly_deg = poly_deg
         # the group's LSE gathered by the query-loading warp into shared memory (4-byte cp.async beside the rows;
         # padded slots copy +inf from ``mInf``) instead of 2 x 32 dependent global loads per consumer thread
         self.lse_smem = lse_smem
@@ -872,7 +875,7 @@ class Pass2Sm90:
         if const_expr(self.diag == "noexp"):
             return x
         elif const_expr(poly and c % 32 in self.poly_cols):
-            return fa_utils.ex2_emulation(x)
+            return fa_utils.ex2_emulation(x, poly_degree=self.poly_deg)
         else:
             return cute.arch.exp2(x)
 
@@ -1084,7 +1087,7 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
                  lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
                  wg4: bool = False, pair: bool = False, overlap: bool = False, unit_qf: bool = False,
-                 swar: bool = False):
+                 swar: bool = False, poly_deg: int = 3):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``; ``topk``: the fused top-K. Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -1099,7 +1102,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=(0 if pair else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
                        topk=bool(topk), wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap),
-                       unit_qf=bool(unit_qf), swar=swar)
+                       unit_qf=bool(unit_qf), swar=swar, poly_deg=int(poly_deg))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
@@ -1107,7 +1110,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
              wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
-             unit_qf: bool = False, swar: bool | None = None):
+             unit_qf: bool = False, swar: bool | None = None, poly_deg: int = 3):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -1126,9 +1129,9 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     if fit:  # the default: as many as fit
         stages = fit_stages(stages, 4 if wg4 else 3, 2 if pair else 1, topk)
     key = ("mc_pass2_sm90", out_dtype, stages, poly, lse_smem, qsplit, diag or "", topk, wg4, pair, overlap,
-           bool(unit_qf), swar, cc.source_hash())
+           bool(unit_qf), swar, int(poly_deg), cc.source_hash())
     return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, lse_smem, qsplit, diag, topk, wg4, pair,
-                                                overlap, unit_qf, swar))
+                                                overlap, unit_qf, swar, poly_deg))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -1179,7 +1182,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
                         poly: int | None = None, lse_smem: bool | None = None, qsplit: int | None = None,
                         diag: str = "", wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
                         num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None,
-                        unit_qf: bool = False, swar: bool | None = None):
+                        unit_qf: bool = False, swar: bool | None = None, poly_deg: int = 3):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
@@ -1194,12 +1197,13 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         with 16-byte aligned rows; ksplit 1 when not given unless ``TOPK_AUTO_KSPLIT``). stages, poly, lse_smem,
         qsplit (0, 1, 2: tile pairs rolled), wg4 (four consumer warpgroups), pair (two query groups per work item,
         sharing each key stage), overlap (with pair: the second group's wgmma under the first's exponentials),
-        num_ctas, ksplit: tuning; swar: the fused top-K's sweeps on two keys per word (None: ``SWAR``); diag: a
-        timing floor of the benchmark ("noexp" / "nomma": WRONG sums) (None: ``config``; CTAs: the SM count;
-        ksplit: ``auto_ksplit``). bracket: the fused top-K's sample plan (stride, n_samp, hi_rank, lo_rank) instead
-        of ``topk.bracket_plan``'s (tests: a plan whose brackets miss sends rows to the radix launch; any plan gives
-        the same selection). unit_qf (select_kv passes it with ``UNIT_QF``, ``pass2_dispatch.cute_unit_qf``): heads
-        whose qf is exactly 1 (``selection.fp8_operands(unit_qf=True)``) and whose ranges pass
+        num_ctas, ksplit: tuning; poly_deg: the polynomial's degree (3, or 2); swar: the fused top-K's sweeps on two
+        keys per word (None: ``SWAR``); diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG sums)
+        (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused top-K's sample plan
+        (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s (tests: a plan whose brackets miss
+        sends rows to the radix launch; any plan gives the same selection). unit_qf (select_kv passes it with
+        ``UNIT_QF``, ``pass2_dispatch.cute_unit_qf``): heads whose qf is exactly 1
+        (``selection.fp8_operands(unit_qf=True)``) and whose ranges pass
         (``selection.unit_qf_factors``) take the sums as 2^score x 2^bias (``Pass2Sm90``; poly, default
         ``UNIT_POLY``, applies to this form), the others the default form (MUFU only); the same sums up to float32
         rounding and the polynomial's error. unit_qf may also be those factors themselves (fp32 ``[B*H]``,
@@ -1235,7 +1239,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
     if topk_on and ksplit is None and not TOPK_AUTO_KSPLIT:
         ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, lse_smem, qsplit, diag, topk_on,
-                  wg4, pair, overlap, unit_form, swar)
+                  wg4, pair, overlap, unit_form, swar, poly_deg)
     if num_ctas is None:
         num_ctas = _sm_count(q8.device)
     if ksplit is None:
