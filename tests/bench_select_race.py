@@ -157,12 +157,14 @@ def checks(q, k, lse, perm, S, log, full=True, name="smoke"):
 
 
 def fold_checks(q, k, lse, sub, kq, sel, log):
-    """The checks of ``SAME_RESULT_ROWS`` (each row's failure drops it from RACE1_ROWS: not timed): select_kv under the
-    row's globals on ``sub`` == the defaults' selection ``sel``; for "unit fold" also, on all heads, three times (the
-    atomics race on the GPU), fp8_operands(unit_signs=True)'s factors == unit_qf_factors of its operands (bit for bit)
-    and its other outputs == fp8_operands' without it. Returns {row: its checks}."""
+    """The checks of ``SAME_RESULT_ROWS`` and ``OWN_SUMS_ROWS`` (each row's failure drops it from RACE1_ROWS: not
+    timed): select_kv under the row's globals on ``sub`` == the defaults' selection ``sel`` (same-result rows) or ==
+    the brute-force top-K of the float16 sums group_prob_sums writes under them (own-sums rows); for "unit fold" also,
+    on all heads, three times, fp8_operands(unit_signs=True)'s factors ==
+    unit_qf_factors of its operands (bit for bit) and its other outputs == fp8_operands' without it. Returns {row: its
+    checks}."""
     out = {}
-    for row in SAME_RESULT_ROWS:
+    for row in SAME_RESULT_ROWS + OWN_SUMS_ROWS:
         if row in RACE1_ROWS:
             out[row] = _row_checks(row, q, k, lse, sub, kq, sel, log)
     return out
@@ -173,7 +175,13 @@ def _row_checks(row, q, k, lse, sub, kq, sel, log):
     r = {}
     try:
         with cute_globals(row):
-            r["select_equal"] = bool(torch.equal(selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE), sel))
+            got = selection.select_kv(*sub, kq, group_size=C, kv_tile=KV_TILE)
+            if row in OWN_SUMS_ROWS:
+                sums = torch.empty(*sub[3].shape[:2], sub[3].shape[-1] // C, sub[1].shape[2], dtype=torch.float16,
+                                   device=got.device)
+                selection.group_prob_sums(*sub, group_size=C, out=sums)
+                sel = ref_top_k_rows(sums, kq, got.shape[-1])
+            r["select_equal"] = bool(torch.equal(got, sel))
         if row == "unit fold":
             r.update(_unit_signs_checks(q, k, lse))
         r["ok"] = all(v for n, v in r.items() if n != "fast_heads")
@@ -295,7 +303,8 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"s10": dict(cute=True, topk_fused=False, topk_count=True), "unit fold": {}, "quant rev": {}, "fused": {}}
+RACE1_ROWS = {"s10": dict(cute=True, topk_fused=False, topk_count=True), "unit fold": {}, "quant rev": {},
+              "stats acc8": {}, "stats acc8 p528": {}, "fused": {}}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True),
@@ -314,8 +323,15 @@ PARTS_GLOBALS: dict = {"s10": {"topk": dict(_BRACKET_WARPS=2, _BRACKET_MAXNREG=7
                        # less; timed where ``fold_checks`` passed
                        "unit fold": {"selection": dict(_UNIT_SIGNS=True)},
                        # the quantising launch's heads in reverse order (L2 reuse of the statistics pass's last heads)
-                       "quant rev": {"selection": dict(_QUANT_REVERSE=True)}}
-SAME_RESULT_ROWS = ("unit fold", "quant rev")  # rows whose selection must equal the defaults' (``fold_checks``)
+                       "quant rev": {"selection": dict(_QUANT_REVERSE=True)},
+                       # the statistics pass with 8-row accumulators (61 registers, ~4x the loads in flight), at 264
+                       # and 528 programs per tensor (4 / 8 per SM: one wave); its means round differently
+                       "stats acc8": {"selection": dict(_STATS_ACC_ROWS=8)},
+                       "stats acc8 p528": {"selection": dict(_STATS_ACC_ROWS=8, _STATS_PROGRAMS=528)}}
+# rows whose selection must equal the defaults' (``fold_checks``); the "stats" rows' means round differently (a
+# selection may differ on a near-tie): they are checked against the brute force of their own sums instead
+SAME_RESULT_ROWS = ("unit fold", "quant rev")
+OWN_SUMS_ROWS = ("stats acc8", "stats acc8 p528")
 # environment variables a row runs under (set around each of its calls, restored after)
 ROW_ENV = {"fused": {"MC_SPARSE_PASS2_CUTE_TOPK": "1"}}
 CUTE_CONFIGS = ("cute", "fused")  # each checked in a child process per shape first (``cute_child_check``)
@@ -640,7 +656,7 @@ def race2b(name, q, k, v, lse, perm, p2ws_variants, budget, t0, log, p2ws_child_
 # select_kv compiles for race 1 in child processes started with the bench (one per group of rows and shape, on 2
 # heads of the shape: the same specialisations), so the main process loads them from Triton's disk cache instead of
 # compiling one after another (~4 s each; round s6r2 lost its 14B race to the cap); "race2": race 2's kernels
-CHILD_ROWS = (("defaults",) + SAME_RESULT_ROWS,) + tuple((f"cutecheck {c}",) for c in CUTE_CONFIGS)
+CHILD_ROWS = (("defaults",) + SAME_RESULT_ROWS + OWN_SUMS_ROWS,) + tuple((f"cutecheck {c}",) for c in CUTE_CONFIGS)
 
 
 def spawn_children(shapes, out_dir, with_race2, cute_variants=()):
@@ -700,7 +716,7 @@ def precompile(shape, rows):
                 r = cute_checks((q, k, lse, perm), kq, width, lambda m: print(m, flush=True), config)
                 if r["ok"] and config == "cute":
                     for row_name, kw in RACE1_ROWS.items():
-                        if row_name in CUTE_CONFIGS or row_name in SAME_RESULT_ROWS:
+                        if row_name in CUTE_CONFIGS or row_name in SAME_RESULT_ROWS + OWN_SUMS_ROWS:
                             continue  # (compiled by its own child / the defaults' child)
                         with cute_globals(row_name):
                             selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE, **kw)
@@ -794,6 +810,7 @@ def install_stand_in():
 
     stand_in = type("CuteStandIn", (), dict(
         FUSED_TOPK=os.environ.get("SMOKE_CUTE_FUSED", "1") == "1", PAIR=False, TOPK_AUTO_KSPLIT=False, UNIT_QF=False,
+        TOPK_WHOLE_WALKS_ONLY=True,
         SWAR=False,
         refusal=staticmethod(lambda q8, k8, group_size, out: None),
         select_refusal=staticmethod(lambda q8, k8, group_size, out, sel, num_keys: None),

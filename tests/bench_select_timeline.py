@@ -1,7 +1,8 @@
 """select_kv's launches on the GPU timeline: each kernel's duration and the idle gap before it (issue 15, p2ops).
 
 Not collected by pytest. At the shape of tests/bench_select_race.py's inputs (``--shape``, default Wan2.1-1.3B 480p),
-for each s in ``--densities``: select_kv at its defaults is warmed up (compiles), then one flash-attn-4 dense call
+for each row of ``--rows`` (bench_select_race's race-1 rows: "defaults", or a row name of its RACE1_ROWS, run under
+that row's globals / environment) and each s in ``--densities``: select_kv is warmed up (compiles), then one flash-attn-4 dense call
 and ``--calls`` select_kv calls are enqueued back to back under torch.profiler (CUDA activity only: the kernels'
 start / end stamps from CUPTI; the host stays ahead of the GPU after the dense call, as in a model run and in
 tests/_timing.race). Lines "TIMELINE": per launch position of a call (the calls after the first two), the kernel's
@@ -10,8 +11,9 @@ the previous call's last kernel), in microseconds; then the call's span (first s
 kernel durations and of its gaps. Profiled durations are a timeline's, not the method of record's figures
 (tests/_timing.race): they say where the time of a select_kv call goes, not how fast it is.
 Usage (checkout root, H200): python tests/bench_select_timeline.py --out OUT [--shape 1.3b] [--densities 0.5,0.1]
-[--calls 12] [--commit HASH]. Writes OUT/select_timeline.json (and OUT/trace_<shape>_<s>.json, the chrome traces).
-Expected ~25 s at 1.3B (inputs ~10 s, compiles ~10 s).
+[--calls 12] [--rows "defaults,unit fold"] [--commit HASH]. Writes OUT/select_timeline.json (and
+OUT/trace_<shape>_<row>_<s>.json, the chrome traces). Expected ~25 s at 1.3B for one row (inputs ~10 s, compiles
+~10 s), ~3 s per further row with warm compiles.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main():
     ap.add_argument("--densities", default="0.5,0.1")
     ap.add_argument("--calls", type=int, default=12)
     ap.add_argument("--commit", default="")
+    ap.add_argument("--rows", default="defaults")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,35 +84,45 @@ def main():
     q, k, v, lse, perm = bsr.make_inputs(args.shape)
     S = q.shape[2]
     _, dense = bsr.dense_fn(q, k, v)
-    report = dict(commit=args.commit, shape=args.shape, gpu=torch.cuda.get_device_name(), densities={})
+    report = dict(commit=args.commit, shape=args.shape, gpu=torch.cuda.get_device_name(), rows={})
     print(f"[{time.time() - t0:5.1f} s] inputs ready (S {S}, H {q.shape[1]})", flush=True)
-    for s in (float(x) for x in args.densities.split(",")):
-        kk = int(s * S)
-        fn = lambda: bsr.selection.select_kv(q, k, lse, perm, kk, group_size=bsr.C, kv_tile=bsr.KV_TILE)  # noqa: E731
-        fn()
-        fn()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            dense()
-            for _ in range(args.calls):
-                fn()
-            torch.cuda.synchronize()
-        path = out / f"trace_{args.shape}_{s}.json"
-        prof.export_chrome_trace(str(path))
-        events = gpu_events(json.loads(path.read_text()))
-        calls = split_calls(events, "_fp8_partial_stats")
-        dense_us = sum(e[2] for e in events if calls and e[1] < calls[0][0][1])  # (one call from idle: a scale only)
-        if len(calls) < 3:
-            print(f"TIMELINE {args.shape} s={s}: only {len(calls)} calls found in the trace", flush=True)
-            continue
-        t = report["densities"][str(s)] = dict(table(calls), dense_us=dense_us)
-        print(f"[{time.time() - t0:5.1f} s] TIMELINE {args.shape} s={s} ({t['calls']} calls, {t['launches']} "
-              f"launches): span {t['span_us']:.1f} us = kernels {t['kernels_us']:.1f} + gaps {t['gaps_us']:.1f}; "
-              f"gap before the call {t['gap_before_call_us']:.1f}; dense (one call) {dense_us:.1f}", flush=True)
-        for r in t["rows"]:
-            print(f"TIMELINE   {r['dur_us']:9.1f} us  (gap {r['gap_us']:6.1f})  {r['name']}", flush=True)
-        (out / "select_timeline.json").write_text(json.dumps(report, indent=1))
+    for row in (r.strip() for r in args.rows.split(",") if r.strip()):
+        for s in (float(x) for x in args.densities.split(",")):
+            profile(row, s, (q, k, lse, perm), dense, args, out, report, t0)
     print(f"[{time.time() - t0:5.1f} s] done", flush=True)
+
+
+def profile(row, s, inputs, dense, args, out, report, t0):
+    """One row at density s: warm-up, then dense + ``args.calls`` calls under the profiler; prints and records the
+    table (report["rows"][row][s])."""
+    q, k, lse, perm = inputs
+    kk = int(s * q.shape[2])
+    fn = bsr.select_row(row, {} if row == "defaults" else bsr.RACE1_ROWS[row], q, k, lse, perm, kk)  # (its globals)
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    act = torch.profiler.ProfilerActivity
+    with torch.profiler.profile(activities=[act.CUDA if torch.cuda.is_available() else act.CPU]) as prof:
+        dense()
+        for _ in range(args.calls):
+            fn()
+        torch.cuda.synchronize()
+    path = out / f"trace_{args.shape}_{row.replace(' ', '_')}_{s}.json"
+    prof.export_chrome_trace(str(path))
+    events = gpu_events(json.loads(path.read_text()))
+    calls = split_calls(events, "_fp8_partial_stats")
+    dense_us = sum(e[2] for e in events if calls and e[1] < calls[0][0][1])  # (one call from idle: a scale only)
+    tag = f"{args.shape} {row} s={s}"
+    if len(calls) < 3:
+        print(f"TIMELINE {tag}: only {len(calls)} calls found in the trace", flush=True)
+        return
+    t = report["rows"].setdefault(row, {})[str(s)] = dict(table(calls), dense_us=dense_us)
+    print(f"[{time.time() - t0:5.1f} s] TIMELINE {tag} ({t['calls']} calls, {t['launches']} launches): span "
+          f"{t['span_us']:.1f} us = kernels {t['kernels_us']:.1f} + gaps {t['gaps_us']:.1f}; gap before the call "
+          f"{t['gap_before_call_us']:.1f}; dense (one call) {dense_us:.1f}", flush=True)
+    for r in t["rows"]:
+        print(f"TIMELINE   {r['dur_us']:9.1f} us  (gap {r['gap_us']:6.1f})  {r['name']}", flush=True)
+    (out / "select_timeline.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

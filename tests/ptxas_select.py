@@ -131,11 +131,19 @@ def compile_operand_pass(S=75600, H=40, D=128, arch=90):
         "_fp8_partial_stats": (selection._fp8_partial_stats, [q, k, part, H, S, S, per, per, n, n, *q.stride(),
                                                                *k.stride()],
                                dict(HEAD_DIM=D, BLOCK_S=selection._STATS_BLOCK_S, num_warps=4)),
+        "_fp8_partial_stats acc8": (selection._fp8_partial_stats, [q, k, part, H, S, S, per, per, n, n, *q.stride(),
+                                                                    *k.stride()],
+                                    dict(HEAD_DIM=D, BLOCK_S=selection._STATS_BLOCK_S, ACC=8, num_warps=4)),
         "_fp8_stats_final": (selection._fp8_stats_final, [part, m, m, sc, sc, sc, S, S, n, n, 0.18],
-                             dict(HEAD_DIM=D, NP=triton.next_power_of_2(n), TWO=True, num_warps=4)),
+                             dict(HEAD_DIM=D, NP=triton.next_power_of_2(n), TWO=True, UNIT=True, num_warps=4)),
         "_fp8_quantize": (selection._fp8_quantize, [q, k, q8, q8, m, m, sc, sc, lse, lse, lse, H, S, S, 1182,
-                                                     *q.stride(), *k.stride(), *lse.stride(), -0.09, 0.13],
-                          dict(HEAD_DIM=D, BLOCK_S=selection._QUANT_BLOCK_S, num_warps=4)),
+                                                     *q.stride(), *k.stride(), *lse.stride(), -0.09, 0.13, sc],
+                          dict(HEAD_DIM=D, BLOCK_S=selection._QUANT_BLOCK_S, KB_POW2=True, num_warps=4)),
+        "_fp8_quantize unit check": (selection._fp8_quantize, [q, k, q8, q8, m, m, sc, sc, lse, lse, lse, H, S, S,
+                                                                1182, *q.stride(), *k.stride(), *lse.stride(), -0.09,
+                                                                0.13, sc],
+                                     dict(HEAD_DIM=D, BLOCK_S=selection._QUANT_BLOCK_S, KB_POW2=True, UNIT_CHECK=True,
+                                          num_warps=4)),
     }
     out = []
     for name, (fn, args, meta) in kernels.items():

@@ -426,7 +426,7 @@ def _fp8_quantize(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_lb, stride_lh, stride_ls,
     lse_mul, kb_mul,
-    QF, URANGE, UCNT, QFU,  # UNIT_CHECK: qf [B*H], the check's min / max / counts per head, its output [B*H]
+    UPART,  # UNIT_CHECK: fp32 [B*H, programs of axis 0, 4]: each row block's min, max, NaN count of LSE_S / KB
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     KB_POW2: tl.constexpr = False,
@@ -436,8 +436,8 @@ def _fp8_quantize(
     """q's and k's float8 copies in one launch: programs [0, nbq) of axis 0 take q's row blocks (``_quantize_rows``
     with IS_Q: Q8, LSE_S = LSE + lse_mul * q . mean_k), the rest k's (K8, KB = clamp(kb_mul * (k - mean_k) . mean_q),
     or 2^that with KB_POW2); axis 1 is b * H + h (REVERSE: B * H - 1 - that, so the heads the statistics pass read
-    last come first, and pass 2's first heads' copies are the last written). UNIT_CHECK (with KB_POW2): also
-    ``unit_qf_factors``' output in QFU (``_unit_check_block``), so no launch of its own reads LSE_S / KB again."""
+    last come first, and pass 2's first heads' copies are the last written). UNIT_CHECK: also each row block's min /
+    max / NaN count of the values it wrote to LSE_S or KB, at UPART[bh, pid] (``_unit_qf_final`` reduces them)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE:
@@ -452,32 +452,40 @@ def _fp8_quantize(
                                   stride_ks, stride_kd, stride_lb, stride_lh, stride_ls, kb_mul, HEAD_DIM, BLOCK_S,
                                   False, KB_POW2)
     if UNIT_CHECK:
-        _unit_check_block(vals, ok, pid >= nbq, bh, tl.num_programs(0), QF, URANGE, UCNT, QFU)
+        use = ok & (vals == vals)
+        four = tl.arange(0, 4)
+        part = tl.where(four == 0, tl.min(tl.where(use, vals, float("inf")), 0),
+                        tl.where(four == 1, tl.max(tl.where(use, vals, float("-inf")), 0),
+                                 tl.sum((ok & (vals != vals)).to(tl.float32), 0)))
+        tl.store(UPART + (bh.to(tl.int64) * tl.num_programs(0) + pid) * 4 + four, part)
 
 
 @triton.jit
-def _unit_check_block(vals, ok, is_k, bh, n_blocks, QF, URANGE, UCNT, QFU):
-    """``_fp8_quantize``'s part of the unit_qf check (``_unit_sign``) for one row block of head ``bh``: the block's
-    min / max of ``vals`` (lse_s rows, or 2^kb keys when ``is_k``) where ``ok`` go into URANGE[bh, 0:2] (lse_s) or
-    [bh, 2:4] (2^kb) and its NaN count into UCNT[bh, 1] by atomics (scalar: one thread issues them, in program
-    order), then UCNT[bh, 0] counts the block (acq_rel); the head's last block (``n_blocks`` per head) reads the
-    head's totals back by atomics and writes QFU[bh] = ``_unit_sign``. URANGE starts at (+inf, -inf, +inf, -inf) and
-    UCNT at 0 (``_fp8_stats_final``, the launch before)."""
-    nan = ok & (vals != vals)
-    use = ok & (vals == vals)
-    slot = URANGE + bh.to(tl.int64) * 4 + is_k.to(tl.int64) * 2
-    tl.atomic_min(slot, tl.min(tl.where(use, vals, float("inf")), 0), sem="relaxed")
-    tl.atomic_max(slot + 1, tl.max(tl.where(use, vals, float("-inf")), 0), sem="relaxed")
-    cnt = UCNT + bh.to(tl.int64) * 2
-    tl.atomic_add(cnt + 1, tl.sum(nan.to(tl.int32), 0), sem="relaxed")
-    if tl.atomic_add(cnt, 1, sem="acq_rel") == n_blocks - 1:
-        base = URANGE + bh.to(tl.int64) * 4
-        lmin = tl.atomic_min(base, float("inf"), sem="relaxed")  # (reads: no-op updates)
-        lmax = tl.atomic_max(base + 1, float("-inf"), sem="relaxed")
-        kmin = tl.atomic_min(base + 2, float("inf"), sem="relaxed")
-        kmax = tl.atomic_max(base + 3, float("-inf"), sem="relaxed")
-        bad = tl.atomic_add(cnt + 1, 0, sem="relaxed")
-        tl.store(QFU + bh, _unit_sign(tl.load(QF + bh), lmin, lmax, kmin, kmax, bad))
+def _unit_qf_final(UPART, QF, OUT, nbq, nblocks, BLOCK: tl.constexpr):
+    """One program per head bh: ``_fp8_quantize``'s UNIT_CHECK partials of the head (UPART[bh, 0:nbq]: lse_s's row
+    blocks, [nbq:nblocks]: 2^kb's; each min, max, NaN count) reduced (BLOCK blocks per step), OUT[bh] =
+    ``_unit_sign`` of QF[bh] and those ranges: ``unit_qf_factors``' output without reading lse_s / 2^kb again."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    lmin = tl.full((BLOCK,), float("inf"), tl.float32)
+    lmax = tl.full((BLOCK,), float("-inf"), tl.float32)
+    kmin = lmin
+    kmax = lmax
+    bad = tl.zeros((BLOCK,), tl.float32)
+    for b0 in range(0, nblocks, BLOCK):
+        blk = b0 + offs
+        ok = blk < nblocks
+        row = UPART + (bh * nblocks + blk) * 4
+        mn = tl.load(row, mask=ok, other=float("inf"))
+        mx = tl.load(row + 1, mask=ok, other=float("-inf"))
+        bad += tl.load(row + 2, mask=ok, other=0.0)
+        is_q = blk < nbq
+        lmin = tl.minimum(lmin, tl.where(is_q, mn, float("inf")))
+        lmax = tl.maximum(lmax, tl.where(is_q, mx, float("-inf")))
+        kmin = tl.minimum(kmin, tl.where(is_q, float("inf"), mn))
+        kmax = tl.maximum(kmax, tl.where(is_q, float("-inf"), mx))
+    tl.store(OUT + bh, _unit_sign(tl.load(QF + bh), tl.min(lmin, 0), tl.max(lmax, 0), tl.min(kmin, 0),
+                                  tl.max(kmax, 0), tl.sum(bad, 0)))
 
 
 @triton.jit
@@ -507,6 +515,63 @@ def _column_stats(base, stride_s, stride_d, r0, r1, HEAD_DIM: tl.constexpr, BLOC
 
 
 @triton.jit
+def _acc3(acc, hi, lo, x):
+    """acc + x, max(hi, x), min(lo, x) with x (loaded rows) as fp32."""
+    x = x.to(tl.float32)
+    return acc + x, tl.maximum(hi, x), tl.minimum(lo, x)
+
+
+@triton.jit
+def _column_stats_sub(base, stride_s, stride_d, r0, r1, HEAD_DIM: tl.constexpr, ACC: tl.constexpr):
+    """``_column_stats`` with ACC-row accumulators (3 x ACC x HEAD_DIM fp32: a quarter of 32 rows' at ACC 8) fed by
+    steps of four ACC-row loads (4 x ACC rows, issued together, the next step's issued before this step's adds): the
+    same register budget holds ~4x the bytes in flight. Row j of the split goes into accumulator row j % ACC, in
+    increasing j (deterministic; the sums' rounding differs from ``_column_stats``', the max / min are the same)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_a = tl.arange(0, ACC)
+    acc = tl.zeros([ACC, HEAD_DIM], dtype=tl.float32)
+    hi = tl.full([ACC, HEAD_DIM], float("-inf"), tl.float32)
+    lo = tl.full([ACC, HEAD_DIM], float("inf"), tl.float32)
+    step: tl.constexpr = 4 * ACC
+    n_full = tl.maximum(r1 - r0, 0) // step
+    last = r1 - 1
+    r = r0 + offs_a
+    x0 = tl.load(base + tl.minimum(r, last).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
+    x1 = tl.load(base + tl.minimum(r + ACC, last).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
+    x2 = tl.load(base + tl.minimum(r + 2 * ACC, last).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
+    x3 = tl.load(base + tl.minimum(r + 3 * ACC, last).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
+    for i in range(0, n_full):  # whole steps: x0..x3 hold step i's rows; step i + 1's loads go out first
+        rn = r0 + tl.minimum(i + 1, n_full - 1) * step + offs_a  # (the last whole step: loaded again, unused)
+        y0 = tl.load(base + rn.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
+        y1 = tl.load(base + (rn + ACC).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
+        y2 = tl.load(base + (rn + 2 * ACC).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
+        y3 = tl.load(base + (rn + 3 * ACC).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
+        acc, hi, lo = _acc3(acc, hi, lo, x0)
+        acc, hi, lo = _acc3(acc, hi, lo, x1)
+        acc, hi, lo = _acc3(acc, hi, lo, x2)
+        acc, hi, lo = _acc3(acc, hi, lo, x3)
+        x0, x1, x2, x3 = y0, y1, y2, y3
+    for j in range(r0 + n_full * step, r1, ACC):  # the rest, ACC rows at a time (rows past r1: row r1 - 1 again,
+        rows = j + offs_a  # max / min unchanged, 0 added)
+        ok = rows < r1
+        x = tl.load(base + tl.minimum(rows, last).to(tl.int64)[:, None] * stride_s
+                    + offs_d[None, :] * stride_d).to(tl.float32)
+        acc += tl.where(ok[:, None], x, 0.0)
+        hi = tl.maximum(hi, x)
+        lo = tl.minimum(lo, x)
+    return tl.sum(acc, 0), tl.max(hi, 0), tl.min(lo, 0)
+
+
+@triton.jit
+def _split_stats(base, stride_s, stride_d, r0, r1, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, ACC: tl.constexpr):
+    """``_column_stats`` (ACC 0) or ``_column_stats_sub`` (ACC-row accumulators) of rows [r0, r1)."""
+    if ACC:
+        return _column_stats_sub(base, stride_s, stride_d, r0, r1, HEAD_DIM, ACC)
+    else:
+        return _column_stats(base, stride_s, stride_d, r0, r1, HEAD_DIM, BLOCK_S)
+
+
+@triton.jit
 def _fp8_partial_stats(
     X0, X1, PART,
     H, S0, S1, rows0, rows1, n0, n1,
@@ -514,6 +579,7 @@ def _fp8_partial_stats(
     stride_1b, stride_1h, stride_1s, stride_1d,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    ACC: tl.constexpr = 0,  # 0: ``_column_stats`` on BLOCK_S-row tiles; else ``_column_stats_sub`` with ACC-row sums
 ):
     """Column sums, maxima and minima of two tensors' heads in one launch: program (p, b * H + h) with p < n0 takes
     rows [p * rows0, (p + 1) * rows0) of X0's head (b, h), else rows [(p - n0) * rows1, ...) of X1's; writes fp32
@@ -524,14 +590,14 @@ def _fp8_partial_stats(
     h = bh % H
     if p < n0:
         r0 = p * rows0
-        col_sum, col_max, col_min = _column_stats(
+        col_sum, col_max, col_min = _split_stats(
             X0 + b.to(tl.int64) * stride_0b + h.to(tl.int64) * stride_0h, stride_0s, stride_0d, r0,
-            tl.minimum(r0 + rows0, S0), HEAD_DIM, BLOCK_S)
+            tl.minimum(r0 + rows0, S0), HEAD_DIM, BLOCK_S, ACC)
     else:
         r0 = (p - n0) * rows1
-        col_sum, col_max, col_min = _column_stats(
+        col_sum, col_max, col_min = _split_stats(
             X1 + b.to(tl.int64) * stride_1b + h.to(tl.int64) * stride_1h, stride_1s, stride_1d, r0,
-            tl.minimum(r0 + rows1, S1), HEAD_DIM, BLOCK_S)
+            tl.minimum(r0 + rows1, S1), HEAD_DIM, BLOCK_S, ACC)
     offs_d = tl.arange(0, HEAD_DIM)
     out = PART + (bh.to(tl.int64) * (n0 + n1) + p) * (3 * HEAD_DIM) + offs_d
     tl.store(out, col_sum)
@@ -571,12 +637,10 @@ def _head_stats(base, ok, S, MEAN_OUT, SCALE_OUT, HEAD_DIM: tl.constexpr):
 def _fp8_stats_final(
     PART, M0, M1, SC0, SC1, QF,
     S0, S1, n0, n1, qf_mul,
-    URANGE, UCNT,  # UNIT_CHECK: the unit_qf check's per-head min / max and counts, set to their start here
     HEAD_DIM: tl.constexpr,
     NP: tl.constexpr,  # power of two >= max(n0, n1)
     TWO: tl.constexpr,  # the second tensor's statistics too (and QF)
     UNIT: tl.constexpr = False,  # (with TWO) QF = 1 where the scales can take qf_mul (``fp8_operands(unit_qf=True)``)
-    UNIT_CHECK: tl.constexpr = False,  # URANGE[bh] = (+inf, -inf, +inf, -inf), UCNT[bh] = 0 (``_unit_check_block``)
 ):
     """One program per head b * H + h: reduces ``_fp8_partial_stats``' splits to each tensor's mean (M0 / M1, fp32
     [B * H, HEAD_DIM]) and float8 scale (SC0 / SC1, fp32 [B * H], ``_pow2_scale`` of max over columns of
@@ -599,10 +663,6 @@ def _fp8_stats_final(
             tl.store(SC1 + bh, tl.where(ok, tl.div_rn(1.0, sc0u * qf_mul), sc1))
             qf = tl.where(ok, 1.0, qf)
         tl.store(QF + bh, qf)
-    if UNIT_CHECK:
-        four = tl.arange(0, 4)
-        tl.store(URANGE + bh.to(tl.int64) * 4 + four, tl.where(four % 2 == 0, float("inf"), float("-inf")))
-        tl.store(UCNT + bh.to(tl.int64) * 2 + tl.arange(0, 2), tl.zeros([2], tl.int32))
 
 
 # fp8_operands(unit_qf=True): the largest factor t by which both float8 scales may grow to make qf 1 (the copies'
@@ -615,8 +675,16 @@ _STATS_BLOCK_S = 32  # rows per register tile of the statistics pass (4 warps: 3
 # 0.0178 / 0.0191 of dense against 0.0204 / 0.0215 / 0.0249 for 528 (two waves; three races); 1056 0.0213-0.0245, 32-
 # or 128-row quantising programs 0.0201-0.0221, 8 quantising warps 0.0216-0.0227 (4 kept)
 _STATS_PROGRAMS = 264
+# the statistics pass's accumulators: 0 = one per element of its 32-row tiles (96 of its 128 registers: ~32 KiB of
+# loads in flight per SM, latency-bound, round s11's SASS reading); 8 = 8-row sums fed by four 8-row loads per step
+# with the next step's loads issued first (``_column_stats_sub``: ~4x the bytes in flight in fewer registers; the
+# means round differently, max / min the same). Off until a race says (session 12: bench_select_race's "stats acc8")
+_STATS_ACC_ROWS = 0
 _QUANT_BLOCK_S = 64  # rows per program of the quantising pass
 _QUANT_WARPS = 4  # warps per program of the quantising pass
+# its register cap on CUDA: 96 = 5 programs of 4 warps per SM (offline sm_90, 1.3B 480p: 96 plain, 104 with UNIT_CHECK,
+# 106 with REVERSE uncapped; capped at 96 none spills)
+_QUANT_MAXNREG = 96
 # the quantising pass's heads in reverse order: its first reads hit the heads the statistics pass read last (still in
 # L2: ~3 of 1.3B 480p's 12 heads of q and k), and its last writes are the copies pass 2 reads first. The same outputs
 # (CPU test); off until a race says (issue 15, session 12: bench_select_race's row "quant rev")
@@ -644,10 +712,10 @@ def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, per = _stat_splits(B * H, S)
     part = torch.empty(B * H, n, 3, D, dtype=torch.float32, device=x.device)
     _fp8_partial_stats[(n, B * H)](x, x, part, H, S, S, per, per, n, 0, *x.stride(), *x.stride(), HEAD_DIM=D,
-                                   BLOCK_S=_STATS_BLOCK_S, num_warps=4)
+                                   BLOCK_S=_STATS_BLOCK_S, ACC=_STATS_ACC_ROWS, num_warps=4)
     mean = torch.empty(B, H, D, dtype=torch.float32, device=x.device)
     scale = torch.empty(B, H, dtype=torch.float32, device=x.device)
-    _fp8_stats_final[(B * H,)](part, mean, mean, scale, scale, scale, S, S, n, 0, 1.0, scale, scale, HEAD_DIM=D,
+    _fp8_stats_final[(B * H,)](part, mean, mean, scale, scale, scale, S, S, n, 0, 1.0, HEAD_DIM=D,
                                NP=triton.next_power_of_2(n), TWO=False, num_warps=4)
     return mean, scale
 
@@ -659,6 +727,7 @@ def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 UNIT_LO = tl.constexpr(-112.0)
 UNIT_HI = tl.constexpr(80.0)
 _UNIT_BLOCK = 1024
+_UNIT_FINAL_BLOCK = 1024  # row blocks' partials per step of ``_unit_qf_final`` (1.3B 480p: 1024 blocks, one step)
 
 
 @triton.jit
@@ -735,9 +804,10 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         amax >= 224 / ``UNIT_MAX_T`` (both scales grow by the same factor; no longer powers of two: the quotient is
         taken as a product by the float32 reciprocal before the rounding); other heads as without it. What the CuTeDSL
         pass 2's ``unit_qf`` form reads (its scores come out of the wgmma in log2 units). unit_signs (with kb_pow2):
-        also return ``unit_qf_factors(qf, lse_s, kb)`` as a sixth tensor, made by the quantising launch itself (its
-        row blocks' min / max / NaN counts by atomics, the head's last block decides: ``_unit_check_block``), so the
-        CuTeDSL pass 2's ``unit_qf`` form needs no launch of its own to read lse_s and kb again.
+        also return ``unit_qf_factors(qf, lse_s, kb)`` as a sixth tensor, from the min / max / NaN count of each row
+        block the quantising launch writes (``_fp8_quantize``'s UNIT_CHECK) reduced per head by one more small
+        launch (``_unit_qf_final``): unit_qf_factors reads lse_s and 2^kb again in 64 dependent 4 KiB steps per head
+        (H200 s12r1 timeline, 1.3B 480p: 53 us, as long as the quantising pass).
     Returns:
         q8, k8: float8_e4m3fn ``[B, H, S, D]`` / ``[B, H, Sk, D]``, contiguous: (x - mean) / head scale (``fp8_stats``:
         a power of two, so the quotient is exact) rounded to nearest even (e4m3 is a float format: one scale per head
@@ -750,7 +820,8 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         the group of 2^(q8 . k8 * qf - lse_s * log2(e));
         with unit_signs, qf_unit: fp32 ``[B * H]``, ``unit_qf_factors``' output (equal to it).
     Raises: ValueError for unit_signs without kb_pow2.
-    Cost: three Triton launches for q and k together: the statistics (one read of each, ``fp8_stats``' passes), the
+    Cost: three Triton launches (four with unit_signs) for q and k together: the statistics (one read of each,
+    ``fp8_stats``' passes), the
     per-head reduction, the quantising pass (a second read; 1 byte written per element and 4 per row): about 2.5x
     the bytes of q and k. Source: docs/kernels.md ("select_kv"); e4m3: torch.float8_e4m3fn (OCP FP8, max 448).
     """
@@ -764,27 +835,28 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     nk, per_k = _stat_splits(B * H, SK, programs)
     part = torch.empty(B * H, nq + nk, 3, D, dtype=torch.float32, device=dev)
     _fp8_partial_stats[(nq + nk, B * H)](q, k, part, H, S, SK, per_q, per_k, nq, nk, *q.stride(), *k.stride(),
-                                         HEAD_DIM=D, BLOCK_S=_STATS_BLOCK_S, num_warps=4)
+                                         HEAD_DIM=D, BLOCK_S=_STATS_BLOCK_S, ACC=_STATS_ACC_ROWS, num_warps=4)
     mq = torch.empty(B * H, D, dtype=torch.float32, device=dev)
     mk = torch.empty(B * H, D, dtype=torch.float32, device=dev)
     stats = torch.empty(4, B, H, dtype=torch.float32, device=dev)  # q scale, k scale, qf, qf_unit (unit_signs)
-    urange = torch.empty(B * H, 4, dtype=torch.float32, device=dev) if unit_signs else stats
-    ucnt = torch.empty(B * H, 2, dtype=torch.int32, device=dev) if unit_signs else stats
-    _fp8_stats_final[(B * H,)](part, mq, mk, stats[0], stats[1], stats[2], S, SK, nq, nk, scale * _LOG2E, urange,
-                               ucnt, HEAD_DIM=D, NP=triton.next_power_of_2(max(nq, nk)), TWO=True, UNIT=bool(unit_qf),
-                               UNIT_CHECK=bool(unit_signs), num_warps=4)
+    _fp8_stats_final[(B * H,)](part, mq, mk, stats[0], stats[1], stats[2], S, SK, nq, nk, scale * _LOG2E,
+                               HEAD_DIM=D, NP=triton.next_power_of_2(max(nq, nk)), TWO=True, UNIT=bool(unit_qf),
+                               num_warps=4)
     q8 = torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn, device=dev)
     k8 = torch.empty(B, H, SK, D, dtype=torch.float8_e4m3fn, device=dev)
     lse_s = torch.empty(B, H, S, dtype=torch.float32, device=dev)
     kb = torch.empty(B, H, SK, dtype=torch.float32, device=dev)
     bs = quant_block or _QUANT_BLOCK_S
     nbq = triton.cdiv(S, bs)
-    _fp8_quantize[(nbq + triton.cdiv(SK, bs), B * H)](
+    nblocks = nbq + triton.cdiv(SK, bs)
+    upart = torch.empty(B * H, nblocks, 4, dtype=torch.float32, device=dev) if unit_signs else stats
+    _fp8_quantize[(nblocks, B * H)](
         q, k, q8, k8, mq, mk, stats[0], stats[1], lse, lse_s, kb, H, S, SK, nbq, *q.stride(), *k.stride(),
-        *lse.stride(), -scale, scale * _LOG2E, stats[2], urange, ucnt, stats[3], HEAD_DIM=D, BLOCK_S=bs,
+        *lse.stride(), -scale, scale * _LOG2E, upart, HEAD_DIM=D, BLOCK_S=bs,
         KB_POW2=bool(kb_pow2), UNIT_CHECK=bool(unit_signs), REVERSE=bool(_QUANT_REVERSE),
-        num_warps=quant_warps or _QUANT_WARPS)
+        num_warps=quant_warps or _QUANT_WARPS, **({"maxnreg": _QUANT_MAXNREG} if dev.type == "cuda" else {}))
     if unit_signs:
+        _unit_qf_final[(B * H,)](upart, stats[2], stats[3], nbq, nblocks, BLOCK=_UNIT_FINAL_BLOCK, num_warps=4)
         return q8, k8, stats[2], lse_s, kb, stats[3].reshape(B * H)
     return q8, k8, stats[2], lse_s, kb
 
