@@ -152,11 +152,11 @@ EPILOGUES = ("registers", "smem")
 # row's residual row prefetched into L2 during the group's second key tile): the op with a plain residual 0.788 /
 # 0.821 / 0.868 / 0.919 | 0.850 / 0.873 / 0.862 / 0.904 against 0.808 / 0.833 / 0.876 / 0.937 | 0.858 / 0.883 / 0.862 /
 # 0.889 without (lower at 6 of 8 points).
-# "v_early" (with "v3"): the producer copies a key tile's V right after its K (K j, V j, K j+1, ...) instead of
-# after the next tile's K (K j, V j-1: flash-attn-4's order for 2 V stages), so a V tile is no longer issued only
-# after the producer's wait for the next free K stage; with 3 V stages its stage is free about half a key tile
-# after the K stage. The SM clock stamps (round s11r2, 1.3B s = 0.1, kernel alone) had each consumer warpgroup
-# waiting ~2.5k cycles per group for V (and ~2.6k for K) of ~61k in its key-tile loop.
+# Measured on the H200 and removed (round s12r1): "v_early" (with "v3"; the producer copying a key tile's V right
+# after its K, K j, V j, instead of after the next tile's K, K j, V j-1, so that V was not issued behind the wait
+# for the next free K stage), raced together with "tok_shfl": the op with both 0.760 / 0.781 / 0.760 / 0.805 | 0.802 /
+# 0.835 / 0.813 / 0.861 against 0.830 / 0.858 / 0.875 / 0.916 | 0.882 / 0.916 / 0.904 / 0.932 (lower at all 8 points
+# by 0.07-0.11; not raced apart: tok_shfl alone is kept to be raced).
 # Measured on the H200 and removed (round s12r1): "producer_store" (the staged output read back and written to
 # ``out`` by the producer warpgroup when it acquired the slot for a later item's queries, each producer thread the
 # 16-byte pieces it copies into that slot; the consumers only staged O and wrote the LSE): lower at all 8 points
@@ -165,8 +165,8 @@ EPILOGUES = ("registers", "smem")
 # read-back, a warpgroup barrier) delays the K/V copies the consumers wait for.
 # "tok_shfl" (the hinted producers, the op's): each K/V row's address made by the copying thread from its 32-bit
 # token index (one shuffle from the index's loader and one IMAD.WIDE: token x row bytes + the thread's base) instead
-# of the loader's 64-bit row address shuffled (two shuffles and a 64-bit add per row); with "v_early" a tile's K and
-# V copies share the shuffled indices: 8 shuffles per thread per key tile instead of 32 (offline sm_90a SASS).
+# of the loader's 64-bit row address shuffled (two shuffles and a 64-bit add per row): 16 shuffles per thread per K
+# and V tile instead of 32 (offline sm_90a SASS).
 # "dyn_walk" (with "overlap"; needs the ``mCtr`` argument, an int32 counter that is zero at launch): each CTA's
 # first item is its index, the next ones it claims from the counter as it goes (``DynScheduler``), instead of the
 # grid-stride order, so the CTAs' last items end about together (SM clock stamps s11r1 / s11r2, 1.3B s = 0.1: the
@@ -176,7 +176,7 @@ EPILOGUES = ("registers", "smem")
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "stage_under_qk", "v_early", "tok_shfl", "dyn_walk",
+           "lazy_rescale", "idx_l2", "stage_under_qk", "tok_shfl", "dyn_walk",
            "diag_no_copy", "stamps")
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
@@ -520,10 +520,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
         self.stamps = "stamps" in options
         self.stage_under_qk = "stage_under_qk" in options
-        self.v_early = "v_early" in options
         self.tok_shfl = "tok_shfl" in options
         assert not self.tok_shfl or producer != "cp.async", "tok_shfl is an option of the hinted producers"
-        assert not self.v_early or self.v_stages == 3, "v_early is a v3 option"
         assert not self.stage_under_qk or self.hide_epi, "stage_under_qk is a hide_epi option (staged epilogue)"
         self.dyn_walk = "dyn_walk" in options
         assert not self.dyn_walk or self.overlap, "dyn_walk is an overlap option"
@@ -1256,16 +1254,14 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     def _load_k_ahead(self, rows, index, sK, sV, pipeline_k, pipeline_v, kv_state, v_state, n_block_min,
                       n_block_max, q_state=None, q_at=None, q_hook=None, st=None):
         """The group's K/V tiles after the first K, in the consumers' order: K of tile j, then V of tile j-1, V of
-        the last tile at the end (with "v_early": K of tile j, then V of tile j); ``kv_state`` the K producer state
-        (at the group's first K, loaded), ``v_state`` the V one (its own stage count). The row addresses of tile
+        the last tile at the end; ``kv_state`` the K producer state (at the group's first K, loaded), ``v_state``
+        the V one (its own stage count). The row addresses of tile
         j-1 are kept in a register while tile j's are loaded. "q_ahead": ``q_hook(q_state)`` (the next item's
         queries) after iteration ``q_at`` (-1: none). ``st``: the producer's "stamps" writer (the stage waits summed)
         or None. Returns the advanced producer states (K, V, Q)."""
-        if const_expr(self.v_early):  # the first tile's V right after its K (rows: still tile n_block_max - 1's)
-            v_state = self._load_v(rows, sV, pipeline_v, v_state, n_block_max - 1, st)
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
-            prev_row = None if const_expr(self.v_early) else rows.tPrPageOffset[0]  # tile n_block + 1, V next
+            prev_row = rows.tPrPageOffset[0]  # tile n_block + 1, whose V is next
             if const_expr(self.idx_l2):  # the stage first: the wait for the index (fetched a tile ago) overlaps it
                 kv_state.advance()
                 t0 = _clock64() if const_expr(st is not None) else None
@@ -1279,41 +1275,34 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             else:
                 kv_state.advance()
                 pipeline_k.producer_acquire(kv_state)
-            tok = self._row_tokens(rows) if const_expr(self.tok_shfl and self.v_early) else None
-            self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block, tok)
-            if const_expr(self.v_early):
-                v_state = self._load_v(rows, sV, pipeline_v, v_state, n_block, st, tok)
-            else:
-                cur_row = rows.tPrPageOffset[0]
-                rows.tPrPageOffset[0] = prev_row
-                v_state = self._load_v(rows, sV, pipeline_v, v_state, n_block + 1, st)
-                rows.tPrPageOffset[0] = cur_row
+            self._load_tile(rows, sK, pipeline_k, kv_state, "K", n_block)
+            cur_row = rows.tPrPageOffset[0]
+            rows.tPrPageOffset[0] = prev_row
+            v_state = self._load_v(rows, sV, pipeline_v, v_state, n_block + 1, st)
+            rows.tPrPageOffset[0] = cur_row
             if const_expr(q_hook is not None):
                 if i == q_at:
                     q_state = q_hook(q_state)
-        if const_expr(not self.v_early):
-            v_state = self._load_v(rows, sV, pipeline_v, v_state, n_block_min)
+        v_state = self._load_v(rows, sV, pipeline_v, v_state, n_block_min)
         kv_state.advance()
         return kv_state, v_state, q_state
 
     @cute.jit
-    def _load_v(self, rows, sV, pipeline_v, v_state, n_block: Int32, st=None, tok=None):
+    def _load_v(self, rows, sV, pipeline_v, v_state, n_block: Int32, st=None):
         """V of key tile ``n_block`` (the rows ``rows`` holds) into the next V stage, once it is free; ``st`` as in
-        ``_load_k_ahead``, ``tok`` as in ``_load_tile``. Returns the advanced V state."""
+        ``_load_k_ahead``. Returns the advanced V state."""
         t0 = _clock64() if const_expr(st is not None) else None
         pipeline_v.producer_acquire(v_state)
         if const_expr(st is not None):
             st.since(t0, 1)
-        self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block, tok)
+        self._load_tile(rows, sV, pipeline_v, v_state, "V", n_block)
         v_state.advance()
         return v_state
 
     @cute.jit
-    def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32,
-                   tok=None):
+    def _load_tile(self, rows: PagedKVManager, sX: cute.Tensor, pipeline_kv, state, K_or_V: str, block: Int32):
         """One K or V tile into stage ``state.index``: flash-attn-4's row copy (``cp.async``), or for the
-        "cp.async+l2" / "cp.async+evict" producers the same copies with L2 hints (``_copy_rows_hinted``; ``tok``:
-        the rows' token indices from ``_row_tokens``, "tok_shfl", or None)."""
+        "cp.async+l2" / "cp.async+evict" producers the same copies with L2 hints (``_copy_rows_hinted``)."""
         if const_expr(self.producer == "cp.async"):
             self.load_KV(None, rows, sX, block=block, pipeline_kv=pipeline_kv, producer_state=state, K_or_V=K_or_V)
         else:
@@ -1321,12 +1310,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             base = sX[None, None, 0].iterator.toint() + state.index * stage_bytes
             policy_kind = "evict_last" if const_expr(self.producer == "cp.async+evict") else None
             if const_expr(not self.diag_no_copy):
-                self._copy_rows_hinted(rows, base, K_or_V, policy_kind, tok)
+                self._copy_rows_hinted(rows, base, K_or_V, policy_kind)
             cute.arch.cp_async_commit_group()
             pipeline_kv.producer_commit(state)
 
     @cute.jit
-    def _copy_rows_hinted(self, rows: PagedKVManager, base: Int32, K_or_V: str, policy_kind, tok=None):
+    def _copy_rows_hinted(self, rows: PagedKVManager, base: Int32, K_or_V: str, policy_kind):
         """This thread's 16-byte ``cp.async`` copies of a tile (the row-copy helper's thread layout: 8 threads per
         128-byte half row, 16 rows per pass; the row address from the thread that loaded its index, by shuffle)
         with L2 hints: a 256-byte L2 prefetch (a row of D = 128) and the L2 policy ``policy_kind``: None or
@@ -1339,8 +1328,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         dst0 = base + r0 * 128 + ((lane8 ^ (r0 % 8)) << 4)
         policy = _l2_policy(policy_kind) if const_expr(policy_kind is not None) else Int64(0)
         if const_expr(self.tok_shfl):
-            if const_expr(tok is None):
-                tok = self._row_tokens(rows)
+            tok = self._row_tokens(rows)
             mX = rows.mK_paged if const_expr(K_or_V == "K") else rows.mV_paged
             row0 = fa_utils.elem_pointer(mX, (0, 0, rows.tPrPage[0])).toint() + Int64(lane8 * 16)
             row_bytes = Int32(mX.stride[0]) * Int32(self.dtype.width // 8)
