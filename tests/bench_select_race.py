@@ -26,8 +26,9 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 3. RACE 1 per shape (tests/_timing.race: sustained back-to-back samples led in by untimed calls, shuffled order,
    median; TEAM.md items 7 and 11): flash-attn-4 dense with LSE, select_kv defaults and ``RACE1_ROWS`` ("cute": the
    CuTeDSL pass 2 with its fused top-K where the module has one, else + the separate top-K counting one bit per pass;
-   "s10": the CuTeDSL pass 2 + the separate top-K with session 10's launch settings (``PARTS_GLOBALS``, and the pass
-   2's ``CUTE_GLOBALS`` of that row where given); "triton" beside a CuTeDSL default (not with ``--no-triton-row``);
+   the operand-pass options of session 12 ("unit fold", "quant rev", "stats acc8", "stats acc8 p528", and "ops s12":
+   the three together; ``PARTS_GLOBALS``, each checked first, ``fold_checks``); "fused": the CuTeDSL kernel's fused
+   top-K (``CUTE_GLOBALS`` / ``ROW_ENV``); "triton" beside a CuTeDSL default (not with ``--no-triton-row``);
    ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios
    / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes). Each race also prints
    ``from_idle``: each row's lead-in calls (the first of each sample, on a GPU just left by another row) / dense's.
@@ -37,7 +38,8 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
    RACE 2b, last (a faulting kernel ends the process): issue 15's pass-2 kernel variants of tests/bench_pass2_exp.py
    (``--p2ws-variants``; each checked against that bench's reference kernel as there) with dense in their own race.
    Removed after measurement: rows "hist", "count2" (round s8r1), "s63" (the top-K bracket's pre-session-8 sample
-   plan, round s8final: the defaults better or equal at every point).
+   plan, round s8final: the defaults better or equal at every point), "s10" (select_kv of session 10, round s12r1:
+   0.5430-0.5566 against the defaults' 0.4872-0.5074 at 1.3B).
 
 Writes OUT/bench_select_race.json after each step and OUT/scoreboard.json (the key above, with command and commit).
 Usage (checkout root, H200): python tests/bench_select_race.py --out OUT [--shapes 1.3b,14b] [--commit HASH]
@@ -303,23 +305,17 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"s10": dict(cute=True, topk_fused=False, topk_count=True), "unit fold": {}, "quant rev": {},
-              "stats acc8": {}, "stats acc8 p528": {}, "fused": {}}
+RACE1_ROWS = {"unit fold": {}, "quant rev": {}, "stats acc8": {}, "stats acc8 p528": {}, "ops s12": {}, "fused": {}}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True),
                 # "fused": the CuTeDSL kernel's fused top-K (p2cute, session 12: with ROW_ENV's switch; its swar
                 # sweeps; also on walks that need key parts, with auto_ksplit's parts: 1.3B 480p), timed where its
                 # checks (config "fused" of CUTE_CONFIGS) passed
-                "fused": dict(SWAR=8, TOPK_WHOLE_WALKS_ONLY=False, TOPK_AUTO_KSPLIT=True),
-                # "s10": the session-10 pass 2 (no unit_qf form; with PARTS_GLOBALS["s10"]: select_kv of session 10)
-                "s10": dict(UNIT_QF=False)}
+                "fused": dict(SWAR=8, TOPK_WHOLE_WALKS_ONLY=False, TOPK_AUTO_KSPLIT=True)}
 # the Triton modules' globals a row runs under (module name in kernels/triton -> {global: value}, set around each of
-# the row's calls and restored after): "s10" = the session-10 separate top-K (2 warps, 72 registers) and operand pass
-# (528 statistics programs per tensor) beside the defaults of round s11r2 (4 warps, 64 registers; 264), same route
-PARTS_GLOBALS: dict = {"s10": {"topk": dict(_BRACKET_WARPS=2, _BRACKET_MAXNREG=72),
-                               "selection": dict(_STATS_PROGRAMS=528)},
-                       # the unit_qf check made by the quantising launch (fp8_operands(unit_signs=True)): one launch
+# the row's calls and restored after)
+PARTS_GLOBALS: dict = {# the unit_qf check made by the quantising launch (fp8_operands(unit_signs=True)): one launch
                        # less; timed where ``fold_checks`` passed
                        "unit fold": {"selection": dict(_UNIT_SIGNS=True)},
                        # the quantising launch's heads in reverse order (L2 reuse of the statistics pass's last heads)
@@ -327,11 +323,13 @@ PARTS_GLOBALS: dict = {"s10": {"topk": dict(_BRACKET_WARPS=2, _BRACKET_MAXNREG=7
                        # the statistics pass with 8-row accumulators (61 registers, ~4x the loads in flight), at 264
                        # and 528 programs per tensor (4 / 8 per SM: one wave); its means round differently
                        "stats acc8": {"selection": dict(_STATS_ACC_ROWS=8)},
-                       "stats acc8 p528": {"selection": dict(_STATS_ACC_ROWS=8, _STATS_PROGRAMS=528)}}
+                       "stats acc8 p528": {"selection": dict(_STATS_ACC_ROWS=8, _STATS_PROGRAMS=528)},
+                       "ops s12": {"selection": dict(_UNIT_SIGNS=True, _QUANT_REVERSE=True, _STATS_ACC_ROWS=8,
+                                                     _STATS_PROGRAMS=528)}}
 # rows whose selection must equal the defaults' (``fold_checks``); the "stats" rows' means round differently (a
 # selection may differ on a near-tie): they are checked against the brute force of their own sums instead
 SAME_RESULT_ROWS = ("unit fold", "quant rev")
-OWN_SUMS_ROWS = ("stats acc8", "stats acc8 p528")
+OWN_SUMS_ROWS = ("stats acc8", "stats acc8 p528", "ops s12")
 # environment variables a row runs under (set around each of its calls, restored after)
 ROW_ENV = {"fused": {"MC_SPARSE_PASS2_CUTE_TOPK": "1"}}
 CUTE_CONFIGS = ("cute", "fused")  # each checked in a child process per shape first (``cute_child_check``)
@@ -600,8 +598,8 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
                from_idle_over_dense=idle_ratios(idle))
     res["host_ms defaults"] = host_ms(
         lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE), dense)
-    if "select_kv s10" in fns:
-        res["host_ms s10"] = host_ms(fns["select_kv s10"], dense)
+    if "select_kv ops s12" in fns:
+        res["host_ms ops s12"] = host_ms(fns["select_kv ops s12"], dense)
     log(f"{name} RACE 2 (dense {dname} {ms['dense']:.3f} ms, all heads, s = 0.25): " + " | ".join(
         f"{n} {v:.4f}" for n, v in res["over_dense"].items()) + " | " + " | ".join(
         f"{n} {v:.3f}" for n, v in res.items() if n.startswith(("host", "fallback", "sums", "cute sums")))
