@@ -427,7 +427,7 @@ def test_an_unreadable_h3_layout_runs_dense_and_says_why(gen, monkeypatch):
 def test_the_node_rejects_edge_values_naming_the_input():
     """Values just outside each box's range stop the node with a message naming the input; ';' separates steps like
     ',' (mutations that left the suite green: an anchor at 0 %, a warm-up of -1 steps, a headroom above the maximum
-    and min tokens = True accepted; ';' not splitting)."""
+    and min tokens = True accepted; ';' not splitting; a warm-up of 100.5 %), NaN percents included."""
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import settings
 
     def build(**over):
@@ -438,7 +438,11 @@ def test_the_node_rejects_edge_values_naming_the_input():
     for over, words in ((dict(anchor_steps="0%"), "anchor steps percents must be in"),
                         (dict(dense_warmup="-1"), "dense warm-up must be >= 0 steps"),
                         (dict(memory_headroom_gib=settings.MAX_HEADROOM_GIB + 0.5), "memory headroom must be"),
-                        (dict(min_tokens=True), "min tokens must be a whole number")):
+                        (dict(min_tokens=True), "min tokens must be a whole number"),
+                        (dict(dense_warmup="100.5%"), "dense warm-up percent must be in"),
+                        (dict(dense_warmup="nan%"), "dense warm-up percent must be in"),
+                        (dict(anchor_steps="nan%"), "anchor steps percents must be in"),
+                        (dict(anchor_steps="100.5%"), "anchor steps percents must be in")):
         with pytest.raises(ValueError, match=words):
             build(**over)
     assert build(dense_warmup="10", anchor_steps="10; 26").anchors == build(dense_warmup="10", anchor_steps="10, 26").anchors

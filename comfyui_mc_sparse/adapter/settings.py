@@ -137,7 +137,7 @@ def _parse_one(item: str, *, name: str) -> StepSpec:
             value = float(item[:-1])
         except ValueError:
             raise ValueError(f"{name} must hold step numbers or percents like '20%', got {item!r}") from None
-        if not (0.0 < value <= 100.0) or math.isnan(value):
+        if not (0.0 < value <= 100.0):  # (False for NaN too)
             raise ValueError(f"{name} percents must be in (0%, 100%], got {item!r}")
         return StepSpec(value, True)
     try:
@@ -263,7 +263,7 @@ def _check_same_unit_order(warmup: StepSpec | None, anchors: tuple[StepSpec, ...
     Raises:
         ValueError: naming "anchor steps" and "dense warm-up", with both values.
     """
-    if warmup is None or anchors is None or warmup.value <= 0:
+    if warmup is None or anchors is None:
         return
     if any(a.percent != warmup.percent for a in anchors):
         return
@@ -330,7 +330,7 @@ def resolve_schedule(settings: PatchSettings, num_steps: int) -> ResolvedSchedul
             first = max(0, min(warmup_steps, num_steps) - 1)
             anchors = (first,)
     warmup_steps = min(int(warmup_steps), num_steps)
-    if anchors and warmup_steps > 0 and anchors[0] < warmup_steps - 1:
+    if anchors and anchors[0] < warmup_steps - 1:
         moved = [a for a in anchors if a < warmup_steps - 1]
         notes.append(
             f"anchor steps {', '.join(str(a + 1) for a in moved)} fall inside the dense warm-up and were "
