@@ -27,7 +27,8 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
    median; TEAM.md items 7 and 11): flash-attn-4 dense with LSE, select_kv defaults and ``RACE1_ROWS`` ("cute": the
    CuTeDSL pass 2 with its fused top-K where the module has one, else + the separate top-K counting one bit per pass;
    the operand-pass options of session 12 ("unit fold", "quant rev", "stats acc8", "stats acc8 p528", and "ops s12":
-   the three together; ``PARTS_GLOBALS``, each checked first, ``fold_checks``); "fused": the CuTeDSL kernel's fused
+   the three together), "z4" / "z3" (the separate top-K's bracket at 4 / 3 sigmas; ``PARTS_GLOBALS``, each checked
+   first, ``fold_checks``); "fused": the CuTeDSL kernel's fused
    top-K (``CUTE_GLOBALS`` / ``ROW_ENV``); "triton" beside a CuTeDSL default (not with ``--no-triton-row``);
    ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios
    / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes). Each race also prints
@@ -305,7 +306,8 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"unit fold": {}, "quant rev": {}, "stats acc8": {}, "stats acc8 p528": {}, "ops s12": {}, "fused": {}}
+RACE1_ROWS = {"unit fold": {}, "quant rev": {}, "stats acc8": {}, "stats acc8 p528": {}, "ops s12": {}, "z4": {},
+              "z3": {}, "fused": {}}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True),
@@ -325,10 +327,14 @@ PARTS_GLOBALS: dict = {# the unit_qf check made by the quantising launch (fp8_op
                        "stats acc8": {"selection": dict(_STATS_ACC_ROWS=8)},
                        "stats acc8 p528": {"selection": dict(_STATS_ACC_ROWS=8, _STATS_PROGRAMS=528)},
                        "ops s12": {"selection": dict(_UNIT_SIGNS=True, _QUANT_REVERSE=True, _STATS_ACC_ROWS=8,
-                                                     _STATS_PROGRAMS=528)}}
+                                                     _STATS_PROGRAMS=528)},
+                       # the separate top-K's bracket at 4 / 3 sigmas (fewer candidates, more rows left to the radix
+                       # launch; the same selection)
+                       "z4": {"topk": dict(_SEPARATE_Z=4.0)},
+                       "z3": {"topk": dict(_SEPARATE_Z=3.0)}}
 # rows whose selection must equal the defaults' (``fold_checks``); the "stats" rows' means round differently (a
 # selection may differ on a near-tie): they are checked against the brute force of their own sums instead
-SAME_RESULT_ROWS = ("unit fold", "quant rev")
+SAME_RESULT_ROWS = ("unit fold", "quant rev", "z4", "z3")
 OWN_SUMS_ROWS = ("stats acc8", "stats acc8 p528", "ops s12")
 # environment variables a row runs under (set around each of its calls, restored after)
 ROW_ENV = {"fused": {"MC_SPARSE_PASS2_CUTE_TOPK": "1"}}
@@ -837,6 +843,8 @@ def main():
                     "shapes' race 1: the scoreboard figures first)")
     ap.add_argument("--cute-variants", default="", help="comma-separated CuTeDSL pass-2 launch variants "
                     "(tests/bench_cutedsl_pass2.py: 'st4 p8') raced alone in race 2 at 1.3B, checked first")
+    ap.add_argument("--rows-14b", default=None, help="comma-separated RACE1_ROWS timed at 14B (default: all; a 14B "
+                    "row takes ~6 s of race 1 at 5 rounds)")
     ap.add_argument("--precompile", default=None, help=argparse.SUPPRESS)  # (child: a shape)
     ap.add_argument("--rows", default="", help=argparse.SUPPRESS)  # (child: its rows)
     ap.add_argument("--race2-only", action="store_true", help="no checks, no race 1, no scoreboard: race 2b "
@@ -918,6 +926,9 @@ def main():
                 rows = {n: kw for n, kw in RACE1_ROWS.items()  # (rows whose check failed: not timed; "fused"
                         if cfg.get(n if n in cfg else "cute", {}).get("ok")  # only where its fused top-K ran and
                         and (n != "fused" or cfg["fused"].get("fused") is True)}  # passed)
+                if name == "14b" and args.rows_14b is not None:
+                    keep = {r.strip() for r in args.rows_14b.split(",")}
+                    rows = {n: kw for n, kw in rows.items() if n in keep}
                 if pass2_dispatch.cute_mode() and not args.no_triton_row:  # the CuTeDSL pass 2 is the default: the
                     # Triton one beside it (its pass-2 and fused top-K compiles are not precompiled: ~10-20 s a shape)
                     rows["triton"] = dict(cute=False)

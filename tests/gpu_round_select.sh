@@ -20,6 +20,7 @@
 # defaults row again without the race's lead-in calls (MC_SPARSE_RACE_LEAD_IN=0, 3 rounds). RACE1_ONLY=1:
 # checks and race 1 only (e.g. one shape: RACE1_ONLY=1 T_BENCH=60 bash tests/gpu_round_select.sh $OUT <commit> 14b).
 # NO_TRITON_ROW=1: race 1 without the "triton" row beside the CuTeDSL default (its compiles are not precompiled).
+# ROWS_14B="a,b": only these RACE1_ROWS at 14B (set and empty: the defaults alone there).
 set -u
 OUT=${1:?usage: gpu_round_select.sh OUT_DIR [commit] [shapes]}
 COMMIT=${2:-}
@@ -48,7 +49,7 @@ elif [ -n "$P2WS_TEST" ]; then
 fi
 timeout "$T_BENCH" python3 tests/bench_select_race.py --out "$OUT" --shapes "$SHAPES" ${COMMIT:+--commit "$COMMIT"} \
     --p2ws-variants "$P2WS_VARIANTS" ${P2WS_GLUON_ROW:+--p2ws-gluon-row} ${RACE1_ONLY:+--race1-only} \
-    ${NO_TRITON_ROW:+--no-triton-row} \
+    ${NO_TRITON_ROW:+--no-triton-row} ${ROWS_14B+--rows-14b "$ROWS_14B"} \
     ${ROUNDS:+--rounds "$ROUNDS"} \
     --cute-variants "${CUTE_VARIANTS:-}" \
     ${RACE2_FIRST:+--race2-first} ${OLD_METHOD:+--old-method} \

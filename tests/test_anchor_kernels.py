@@ -128,6 +128,24 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     assert fell_back.cpu().tolist() == [0, 1, 1, 1, 0, 0]
 
 
+def test_separate_top_k_bracket_width(gen, monkeypatch):
+    """top_k_rows(z=): the bracket's half-width in sigmas; None takes topk._SEPARATE_Z. A narrow bracket (z = 0: +-2
+    samples) misses rows (the radix launch writes them) where z = 5 misses none; every result is the brute force.
+    Mutation: z not passed to bracket_plan (fallback counts equal) fails."""
+    sk, k, width = 2000, 700, 704
+    sums = (torch.rand(16, sk, generator=gen, dtype=torch.float64) + 0.5).to(torch.float16)
+    want = _brute_force(sums, k, width)
+    fb = {}
+    for z in (0.0, 5.0, None):
+        if z is None:
+            monkeypatch.setattr(triton_topk, "_SEPARATE_Z", 0.0)
+        got, fell = triton_topk.top_k_rows(sums.to(DEVICE), k, width, method="bracket", return_fallbacks=True,
+                                           cand_count=1, z=z)
+        assert torch.equal(got.cpu(), want), z
+        fb[z] = int(fell.sum())
+    assert fb[5.0] == 0 and fb[0.0] > 0 and fb[None] == fb[0.0], fb
+
+
 def test_bracket_plan_ranks():
     """The bracket: K * n_samp / Sk samples expected above the K-th key, +- (5 sigma + 2); whole rows sampled when
     Sk < 1024; the Wan2.1-14B 720p row (75600 float16 keys) reads one key per 74 (1021 samples, <= 1024 in

@@ -1153,7 +1153,8 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     by counting (``FusedRows.cand_count``: True / 1 one bit per pass over the copies, 2 two bits, False / 0 radix
     histograms; same selection; None: ``_TOPK_COUNT_DEFAULT``); ``topk_z``: that top-K's
     bracket half-width in binomial sigmas and ``topk_stride`` its keys per sample (``topk.bracket_plan``; same
-    selection; None: its defaults; the separate top-K takes the stride too); ``cute``: pass 2
+    selection; None: its defaults, the separate top-K's ``topk._SEPARATE_Z``; the separate top-K takes both too);
+    ``cute``: pass 2
     on the CuTeDSL sm_90 kernel where it runs (``group_prob_sums``; None: ``pass2_dispatch.CUTE_DEFAULT``), with its
     own fused top-K where the module has one, ``topk_fused`` is on and the module's policy takes the call
     (``pass2_dispatch.try_cute_select``), else then the separate bracket top-K (``topk.top_k_rows``), its threshold
@@ -1198,12 +1199,12 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
             select.finish(sums)
         else:
             _top_k(sums, num_keys, k_alloc, out[:, h0:h1], topk_method or ("radix" if use_hist else None), hist,
-                   cand_count=int(_TOPK_SEPARATE_COUNT_DEFAULT if topk_count is None else topk_count),
+                   topk_z, cand_count=int(_TOPK_SEPARATE_COUNT_DEFAULT if topk_count is None else topk_count),
                    sample_stride=topk_stride)
     return out
 
 
-def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None, cand_count=0, sample_stride=None):
+def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None, z=None, cand_count=0, sample_stride=None):
     """The Triton top-K; if it cannot run here (a compiler or resource failure), ``torch.topk`` + sort instead, so
     the selection stays fast (ties then as torch.topk breaks them); the error is logged once per process. Out of
     memory in the bracket method (its per-call candidate scratch, rows x cap int16: ~230 MB for a 14B 720p head
@@ -1211,7 +1212,7 @@ def _top_k(sums, num_keys, k_alloc, out, method=None, hist=None, cand_count=0, s
     raised (the caller's out-of-memory handling), and neither disables the Triton top-K."""
     if not _RADIX_FAILED:
         try:
-            return top_k_rows(sums, num_keys, k_alloc, out=out, method=method, hist=hist, cand_count=cand_count,
+            return top_k_rows(sums, num_keys, k_alloc, out=out, method=method, hist=hist, z=z, cand_count=cand_count,
                               sample_stride=sample_stride)
         except (ValueError, TypeError):
             raise

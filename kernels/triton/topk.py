@@ -42,6 +42,10 @@ import triton.language as tl
 
 _BLOCK = 1024  # entries per chunk of the row sweep (radix method)
 _Z = 5.0  # bracket half-width in binomial standard deviations (a miss only costs the radix fallback)
+# the separate top-K's (``top_k_rows``) bracket half-width when not given: fewer sigmas hold fewer candidates (the
+# threshold's counting passes over them were ~40 % of a 1.3B 480p row's instructions at s = 0.5, offline SASS) and
+# miss more rows (each then written by the radix launch); session 12 races 4 and 3 against 5 (bench_select_race)
+_SEPARATE_Z = _Z
 # bracket method: one sample per ceil(Sk / _BRACKET_MAX_SAMPLES) keys by default, as many as the sample registers hold
 # (until session 8: one per 128-byte line but >= 512 samples, 520 at 1.3B 480p, whose registers already held 1024).
 # H200 round s8r2 (main 176160c, 1.3B 480p, flash-attn-4 dense, tests/_timing.race): one sample per 32 keys (1023)
@@ -543,7 +547,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
                method: str | None = None, cap: int | None = None, block: int | None = None,
                num_warps: int | None = None, return_fallbacks: bool = False, hist: torch.Tensor | None = None,
                sample_stride: int | None = None, prefetch: bool = True, maxnreg: int | None = None,
-               cand_count: int = 0):
+               cand_count: int = 0, z: float | None = None):
     """Each row's K largest entries as sorted int32 indices with -1 padding; ``kernels.reference.topk.top_k_rows``'s
     contract (ties: lower index first; negatives and -0.0 rank as +0.0; no NaN).
 
@@ -558,7 +562,8 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         cap: the bracket method's candidate slots per row (a power of two; default ``bracket_plan``'s; a scratch of
             rows x cap int16 keys for float16 sums, int32 for float32, per call).
         block, num_warps: keys per sweep step (bracket) or chunk size (radix), and warps per row (tuning).
-        sample_stride: the bracket method's keys per sample (None: ``bracket_plan``'s); prefetch: its sweeps issue
+        sample_stride: the bracket method's keys per sample (None: ``bracket_plan``'s); z: its bracket half-width in
+            binomial sigmas (None: ``_SEPARATE_Z``; any z gives the same result); prefetch: its sweeps issue
             the next tile's load before this tile's work; maxnreg: the bracket kernel's register cap per thread on
             CUDA (None: ``_BRACKET_MAXNREG``; 0: none).
         cand_count: the bracket method's threshold among its candidates by counting (``_cand_threshold_count``, as
@@ -615,7 +620,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
                                num_warps=num_warps or 4)
     elif n and method == "bracket":
         stride, n_samp, hi_rank, lo_rank, cap_b = bracket_plan(sk, num_keys, key_bits // 8, stride=sample_stride,
-                                                               cap=cap)
+                                                               cap=cap, z=_SEPARATE_Z if z is None else float(z))
         vec = 128 // key_bits  # keys per 16-byte load
         align = vec if src.stride(0) % vec == 0 and src.stride(1) % vec == 0 else 1
         warps = num_warps or _BRACKET_WARPS
