@@ -1639,10 +1639,7 @@ def run_config(env: Env, cfg: dict, args, device: torch.device, dtype: torch.dty
               + ("" if rec["finite"] else "  WARNING: non-finite latent"), flush=True)
         save()
     except Exception as err:
-        entry["errors"].append({"stage": "build/dense", "error": f"{type(err).__name__}: {err}",
-                                "traceback": traceback.format_exc()[-3000:]})
-        print(f"FAILED build/dense: {type(err).__name__}: {err}", flush=True)
-        traceback.print_exc()
+        entry["errors"].append({"stage": "build/dense", **_failure("build/dense", err)})
         base = None
         _free(env, device)
         save()
@@ -1691,12 +1688,7 @@ def run_config(env: Env, cfg: dict, args, device: torch.device, dtype: torch.dty
             entry["runs"].append(r)
             _print_run(r)
         except Exception as err:
-            entry["runs"].append({"label": label, "error": f"{type(err).__name__}: {err}",
-                                  "traceback": traceback.format_exc()[-3000:]})
-            print(f"[{label}] FAILED: {type(err).__name__}: {err}", flush=True)
-            traceback.print_exc()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            entry["runs"].append({"label": label, **_failure(label, err, device)})
         print(f"[{label}] {time.perf_counter() - t0:.1f} s wall", flush=True)
         save()
     extras = []  # (entry key, label, fn): the peer, the CPU-cache/split hit rate, whole runs
@@ -1729,12 +1721,7 @@ def run_config(env: Env, cfg: dict, args, device: torch.device, dtype: torch.dty
             else:
                 entry[slot] = r
         except Exception as err:
-            entry["errors"].append({"stage": label, "error": f"{type(err).__name__}: {err}",
-                                    "traceback": traceback.format_exc()[-3000:]})
-            print(f"[{label}] FAILED: {type(err).__name__}: {err}", flush=True)
-            traceback.print_exc()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            entry["errors"].append({"stage": label, **_failure(label, err, device)})
         print(f"[{label}] {time.perf_counter() - t0:.1f} s wall", flush=True)
         save()
     base = None
@@ -1753,6 +1740,16 @@ def _free(env: Env, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         print(f"freed: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB still allocated", flush=True)
+
+
+def _failure(label: str, err: BaseException, device: torch.device | None = None) -> dict:
+    """A failed stage (inside its ``except``): printed with its traceback, the CUDA cache emptied (``device``), and
+    returned as the report's fields {"error", "traceback" (its last 3000 characters)}."""
+    print(f"[{label}] FAILED: {type(err).__name__}: {err}", flush=True)
+    traceback.print_exc()
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
 
 
 def _print_run(r: dict) -> None:

@@ -279,3 +279,16 @@ def test_exit_status_fails_on_errors_not_on_budget_skips(capsys):
     for bad in ({"runs": [ok_run, {"label": "density 0.2", "error": "RuntimeError: x"}]}, {"runs": [{"label": "?"}]},
                 {"errors": [{"stage": "build/dense", "error": "x"}]}):
         assert bench.exit_status({"configs": [{**cfg, **bad}]}) == 1, bad
+
+
+def test_a_failed_stage_is_printed_and_recorded(capsys):
+    """``_failure`` (each stage's ``except``): the error and its traceback printed, and returned as the report's
+    "error" / "traceback" fields."""
+    bench = _bench()
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as err:
+        got = bench._failure("density 0.1", err)
+    assert got["error"] == "RuntimeError: boom" and "raise RuntimeError" in got["traceback"]
+    captured = capsys.readouterr()
+    assert "[density 0.1] FAILED: RuntimeError: boom" in captured.out and "Traceback" in captured.err
