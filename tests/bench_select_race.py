@@ -27,8 +27,8 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
    median; TEAM.md items 7 and 11): flash-attn-4 dense with LSE, select_kv defaults and ``RACE1_ROWS`` ("cute": the
    CuTeDSL pass 2 with its fused top-K where the module has one, else + the separate top-K counting one bit per pass;
    the operand-pass options of session 12 ("unit fold", "quant rev", "stats acc8", "stats acc8 p528", and "ops s12":
-   the three together), "z4" / "z3" (the separate top-K's bracket at 4 / 3 sigmas; ``PARTS_GLOBALS``, each checked
-   first, ``fold_checks``); "fused": the CuTeDSL kernel's fused
+   the three together), "z4" / "z3" (the separate top-K's bracket at 4 / 3 sigmas), "swar cnt" / "z4 swar" (its
+   threshold's counting on int16 pairs; ``PARTS_GLOBALS``, each checked first, ``fold_checks``); "fused": the CuTeDSL kernel's fused
    top-K (``CUTE_GLOBALS`` / ``ROW_ENV``); "triton" beside a CuTeDSL default (not with ``--no-triton-row``);
    ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios
    / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes). Each race also prints
@@ -307,7 +307,7 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
 RACE1_ROWS = {"unit fold": {}, "quant rev": {}, "stats acc8": {}, "stats acc8 p528": {}, "ops s12": {}, "z4": {},
-              "z3": {}, "fused": {}}
+              "z3": {}, "swar cnt": {}, "z4 swar": {}, "fused": {}}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True),
@@ -331,10 +331,15 @@ PARTS_GLOBALS: dict = {# the unit_qf check made by the quantising launch (fp8_op
                        # the separate top-K's bracket at 4 / 3 sigmas (fewer candidates, more rows left to the radix
                        # launch; the same selection)
                        "z4": {"topk": dict(_SEPARATE_Z=4.0)},
-                       "z3": {"topk": dict(_SEPARATE_Z=3.0)}}
+                       "z3": {"topk": dict(_SEPARATE_Z=3.0)},
+                       # the threshold's counting passes on int16 pairs (cand_count 3: offline 23 instead of 34.5
+                       # instructions per 8 copies, spills 36 instead of 76 bytes; the same selection), alone and at 4
+                       # sigmas
+                       "swar cnt": {"selection": dict(_TOPK_SEPARATE_COUNT_DEFAULT=3)},
+                       "z4 swar": {"selection": dict(_TOPK_SEPARATE_COUNT_DEFAULT=3), "topk": dict(_SEPARATE_Z=4.0)}}
 # rows whose selection must equal the defaults' (``fold_checks``); the "stats" rows' means round differently (a
 # selection may differ on a near-tie): they are checked against the brute force of their own sums instead
-SAME_RESULT_ROWS = ("unit fold", "quant rev", "z4", "z3")
+SAME_RESULT_ROWS = ("unit fold", "quant rev", "z4", "z3", "swar cnt", "z4 swar")
 OWN_SUMS_ROWS = ("stats acc8", "stats acc8 p528", "ops s12")
 # environment variables a row runs under (set around each of its calls, restored after)
 ROW_ENV = {"fused": {"MC_SPARSE_PASS2_CUTE_TOPK": "1"}}

@@ -93,7 +93,7 @@ def test_bracket_top_k_tilings(gen, rows_per_step, prefetch):
 
 
 @pytest.mark.parametrize("dtype,cand_count", [(torch.float16, 0), (torch.float32, 0), (torch.float16, 1),
-                                              (torch.float16, 2)])
+                                              (torch.float16, 2), (torch.float16, 3)])
 def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     """The bracket method with few samples (strata of 4 keys) and a small candidate buffer: rows where the bracket
     holds the K-th key (radix select among the candidates) and rows where it cannot (radix fallback), all exact:
@@ -106,8 +106,10 @@ def test_bracket_top_k_is_exact_on_every_path(gen, dtype, cand_count):
     - row 4: ties at the threshold inside a hit (levels drawn from 300 values);
     - row 5: 1000 consecutive bit patterns, shuffled: every key value inside the bracket occurs, so a search
       that stops short of a single value picks a wrong threshold.
-    ``cand_count``: the threshold among the candidates by counting, one or two bits per pass (the separate top-K after
-    the CuTeDSL pass 2), the same rows and the same fallbacks (its candidate slots: 512, one sweep step)."""
+    ``cand_count``: the threshold among the candidates by counting, one or two bits per pass, or one bit on int16 pairs
+    (3, ``_count_ge_pairs``) (the separate top-K after the CuTeDSL pass 2), the same rows and the same fallbacks (its
+    candidate slots: 512, one sweep step). Mutations of 3: the half-count split dropped (low half only), the padding
+    -1 (counted as >= every trial): each fails."""
     sk, k, width, stride, cap = 1000, 300, 320, 4, 512
     pos = triton_topk.sample_positions(sk, stride)
     assert len(pos) == 250 and bool((pos < sk).all()) and len(set(pos.tolist())) == 250

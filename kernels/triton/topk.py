@@ -375,6 +375,22 @@ def _cand_threshold(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr):
 
 
 @triton.jit
+def _count_ge_pairs(words, n_cand, t, STEP: tl.constexpr):
+    """How many of the int16 copies at ``words`` (int32 view, pairs; slots [0, n_cand) rounded up to STEP, the padding
+    0) are >= t, for 1 <= t <= 0x7FFF and copies in [0, 0x7C01]: per word (x | 0x80008000) - t * 0x10001 keeps each
+    half's borrow inside it (0x8000 + a - t > 0), and bit 15 / 31 is set exactly where that half's a >= t; the two
+    half-counts are accumulated packed (each <= the chunk count) and split after the sum."""
+    offs = tl.arange(0, STEP // 2)
+    t2 = t * 0x10001
+    cnt = tl.zeros([STEP // 2], dtype=tl.int32)
+    for c0 in range(0, n_cand, STEP):
+        w = tl.load(words + c0 // 2 + offs)
+        cnt += ((w | -2147450880) - t2 >> 15) & 0x10001  # (-2147450880: 0x80008000 as int32)
+    tot = tl.sum(cnt, 0)
+    return (tot & 0xFFFF) + (tot >> 16)
+
+
+@triton.jit
 def _cand_threshold_count(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr, BITS: tl.constexpr = 1):
     """``_cand_threshold``'s (T, need) by a bit search instead of histograms: for each bit of d = key - lo from the top
     of hi - lo's bit length down, the copies with d >= (bits found | this bit) are counted (per-element counters over
@@ -384,10 +400,11 @@ def _cand_threshold_count(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr, BITS
     ~log2(hi - lo) passes of a compare and an add per copy, against two 256-bin ``tl.histogram`` passes (ballots per
     bin bit: ~80 SASS instructions per copy and pass at sm_90) per copy. BITS 2: two bits per pass (three trials
     counted in one sweep of the copies, packed into one int64 counter per element, 21 bits each): half the dependent
-    passes over the copies."""
+    passes over the copies. BITS 3: one bit per pass on pairs of int16 copies at once (``_count_ge_pairs``; int16
+    copies only; the padding then 0, which no trial >= 1 and no ``> thr`` counts): the same (T, need)."""
     offs0 = tl.arange(0, STEP)
     pad = n_cand + offs0
-    tl.store(cand_row + pad, tl.full([STEP], -1, cand_row.dtype.element_ty),
+    tl.store(cand_row + pad, tl.full([STEP], 0 if BITS == 3 else -1, cand_row.dtype.element_ty),
              mask=pad < (n_cand + STEP - 1) // STEP * STEP)
     tl.debug_barrier()  # the copies and the padding, stored by every thread, are read by others
     rng = hi - lo
@@ -413,8 +430,14 @@ def _cand_threshold_count(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr, BITS
             c2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
             c3 = (tot >> 42).to(tl.int32)
             thr = tl.where(c3 >= kk, t3, tl.where(c2 >= kk, t2, tl.where(c1 >= kk, t1, thr)))
+    elif BITS == 3:
+        tl.static_assert(cand_row.dtype.element_ty == tl.int16, "BITS 3: int16 copies")
+        words = cand_row.to(tl.pointer_type(tl.int32))
+        for i in range(0, top):
+            trial = thr + (1 << (top - 1 - i))
+            thr = tl.where(_count_ge_pairs(words, n_cand, trial, STEP) >= kk, trial, thr)
     else:
-        tl.static_assert(BITS == 1, "BITS must be 1 or 2")
+        tl.static_assert(BITS == 1, "BITS must be 1, 2 or 3")
         for i in range(0, top):
             trial = thr + (1 << (top - 1 - i))
             cnt = tl.zeros([STEP], dtype=tl.int32)
@@ -422,11 +445,15 @@ def _cand_threshold_count(cand_row, n_cand, kk, lo, hi, STEP: tl.constexpr, BITS
                 key = tl.load(cand_row + c0 + offs0).to(tl.int32)  # copies >= 0, padding -1
                 cnt += (key >= trial).to(tl.int32)
             thr = tl.where(tl.sum(cnt, 0) >= kk, trial, thr)
-    cnt = tl.zeros([STEP], dtype=tl.int32)
-    for c0 in range(0, n_cand, STEP):
-        key = tl.load(cand_row + c0 + offs0).to(tl.int32)
-        cnt += (key > thr).to(tl.int32)
-    return thr, kk - tl.sum(cnt, 0)
+    if BITS == 3:
+        above = _count_ge_pairs(cand_row.to(tl.pointer_type(tl.int32)), n_cand, thr + 1, STEP)
+    else:
+        cnt = tl.zeros([STEP], dtype=tl.int32)
+        for c0 in range(0, n_cand, STEP):
+            key = tl.load(cand_row + c0 + offs0).to(tl.int32)
+            cnt += (key > thr).to(tl.int32)
+        above = tl.sum(cnt, 0)
+    return thr, kk - above
 
 
 @triton.jit
