@@ -720,6 +720,20 @@ def test_the_plan_counts_the_conditionings_each_guider_evaluates(name, conds, at
     assert lifecycle.evaluated_branches(_guider(name, conds, **attrs)) == branches
 
 
+def test_a_guider_subclass_without_its_own_predict_noise_counts_as_its_base():
+    """The rule is the class that defines predict_noise (MRO): a node pack's subclass of Guider_DualCFG that keeps
+    its predict_noise is counted as DualCFG (3 at cfg 8 / 8, not CFGGuider's 1); a DualCFG guider whose conds hold
+    none of its three names still plans 1 branch, never 0. Mutations: the rule by the class's own name; the
+    DualCFG count without its floor of 1."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle
+
+    dual = _guider("Guider_DualCFG", ("positive", "middle", "negative"), cfg1=8.0, cfg2=8.0, nested=False)
+    sub = type("MyDualCFG", (type(dual),), {})()
+    sub.__dict__.update(vars(dual))
+    assert lifecycle.evaluated_branches(sub) == 3
+    assert lifecycle.evaluated_branches(_guider("Guider_DualCFG", ("other",), cfg1=8.0, cfg2=8.0, nested=False)) == 1
+
+
 def test_schedule_resolution_with_mixed_units_and_anchors_at_the_end():
     """A box that mixes steps and percents is never rejected at the node (units are compared per sampler call): its
     anchors inside the warm-up move to the warm-up's last step, merged into one; an anchor one past the call's last
