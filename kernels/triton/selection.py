@@ -431,17 +431,13 @@ def _fp8_quantize(
     BLOCK_S: tl.constexpr,
     KB_POW2: tl.constexpr = False,
     UNIT_CHECK: tl.constexpr = False,
-    REVERSE: tl.constexpr = False,  # heads in reverse launch order (``_QUANT_REVERSE``)
 ):
     """q's and k's float8 copies in one launch: programs [0, nbq) of axis 0 take q's row blocks (``_quantize_rows``
     with IS_Q: Q8, LSE_S = LSE + lse_mul * q . mean_k), the rest k's (K8, KB = clamp(kb_mul * (k - mean_k) . mean_q),
-    or 2^that with KB_POW2); axis 1 is b * H + h (REVERSE: B * H - 1 - that, so the heads the statistics pass read
-    last come first, and pass 2's first heads' copies are the last written). UNIT_CHECK: also each row block's min /
+    or 2^that with KB_POW2); axis 1 is b * H + h. UNIT_CHECK: also each row block's min /
     max / NaN count of the values it wrote to LSE_S or KB, at UPART[bh, pid] (``_unit_qf_final`` reduces them)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
-    if REVERSE:
-        bh = tl.num_programs(1) - 1 - bh
     b = bh // H
     h = bh % H
     if pid < nbq:
@@ -682,13 +678,9 @@ _STATS_PROGRAMS = 264
 _STATS_ACC_ROWS = 0
 _QUANT_BLOCK_S = 64  # rows per program of the quantising pass
 _QUANT_WARPS = 4  # warps per program of the quantising pass
-# its register cap on CUDA: 96 = 5 programs of 4 warps per SM (offline sm_90, 1.3B 480p: 96 plain, 104 with UNIT_CHECK,
-# 106 with REVERSE uncapped; capped at 96 none spills)
+# its register cap on CUDA: 96 = 5 programs of 4 warps per SM (offline sm_90, 1.3B 480p: 96 plain, 104 with UNIT_CHECK
+# uncapped; capped at 96 no spill)
 _QUANT_MAXNREG = 96
-# the quantising pass's heads in reverse order: its first reads hit the heads the statistics pass read last (still in
-# L2: ~3 of 1.3B 480p's 12 heads of q and k), and its last writes are the copies pass 2 reads first. The same outputs
-# (CPU test); off until a race says (issue 15, session 12: bench_select_race's row "quant rev")
-_QUANT_REVERSE = False
 
 
 def _stat_splits(heads: int, rows: int, programs: int = _STATS_PROGRAMS) -> tuple[int, int]:
@@ -853,7 +845,7 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     _fp8_quantize[(nblocks, B * H)](
         q, k, q8, k8, mq, mk, stats[0], stats[1], lse, lse_s, kb, H, S, SK, nbq, *q.stride(), *k.stride(),
         *lse.stride(), -scale, scale * _LOG2E, upart, HEAD_DIM=D, BLOCK_S=bs,
-        KB_POW2=bool(kb_pow2), UNIT_CHECK=bool(unit_signs), REVERSE=bool(_QUANT_REVERSE),
+        KB_POW2=bool(kb_pow2), UNIT_CHECK=bool(unit_signs),
         num_warps=quant_warps or _QUANT_WARPS, **({"maxnreg": _QUANT_MAXNREG} if dev.type == "cuda" else {}))
     if unit_signs:
         _unit_qf_final[(B * H,)](upart, stats[2], stats[3], nbq, nblocks, BLOCK=_UNIT_FINAL_BLOCK, num_warps=4)
@@ -948,10 +940,16 @@ _ONE_GROUP_DEFAULT = True
 # the cap is 128 (4 programs per SM as without the top-K: ptxas 119 without, 122 uncapped / 119 capped with it, 0
 # spills; capped at 168 it would take 139 and lose a program)
 _TOPK_FUSED_MAXNREG = 168
-# the CuTeDSL pass 2's unit_qf check (``unit_qf_factors``) made by fp8_operands' quantising launch (``unit_signs``)
-# instead of a launch of its own before the kernel: the same factors (CPU test), one launch and one read of lse_s /
-# 2^kb less. Off until a race says (issue 15, session 12: bench_select_race's row "unit fold")
-_UNIT_SIGNS = False
+# the CuTeDSL pass 2's unit_qf check from the quantising launch's per-block min / max / NaN counts and one small
+# per-head reduction (``fp8_operands(unit_signs=True)``) instead of ``unit_qf_factors`` reading lse_s / 2^kb again:
+# the same factors (CPU test; GPU-checked bit for bit in each round's "CHECKS unit fold"). H200 round s12r2 (main
+# 3a6585e, tests/bench_select_race.py race 1, 1.3B 480p, / flash-attn-4 dense 9.010 ms, s = 0.1 / 0.15 / 0.25 / 0.5):
+# select_kv 0.5025 / 0.5005 / 0.4980 / 0.5052 against 0.5049 / 0.5064 / 0.5189 / 0.5143 without it (better at 4/4);
+# timeline (tests/bench_select_timeline.py): the check 4.3 us (``_unit_qf_final``) instead of 54 us
+# (``unit_qf_factors``: 12 programs of 64 dependent 4 KiB loads). Round s12r1's first form (scalar atomics per
+# quantising program, the head's last block deciding) was inside the spread: its acq_rel atomics and 104 registers
+# slowed the quantising pass
+_UNIT_SIGNS = True
 # The one-group kernel's loop, variants measured slower (the kernel alone / flash-attn-4 dense at 1.3B 480p, round
 # s7r1 default 0.5226: row sums as two partial sums per thread 0.5450, on the tensor cores 0.5761, a quarter of the
 # exponentials on the degree-3 polynomial 0.5997, 4 stages 0.5524; round s7r2 default 0.5058: the sums stored by
