@@ -156,17 +156,24 @@ EPILOGUES = ("registers", "smem")
 # after its K, K j, V j, instead of after the next tile's K, K j, V j-1, so that V was not issued behind the wait
 # for the next free K stage), raced together with "tok_shfl": the op with both 0.760 / 0.781 / 0.760 / 0.805 | 0.802 /
 # 0.835 / 0.813 / 0.861 against 0.830 / 0.858 / 0.875 / 0.916 | 0.882 / 0.916 / 0.904 / 0.932 (lower at all 8 points
-# by 0.07-0.11; not raced apart: tok_shfl alone is kept to be raced).
+# by 0.07-0.11). Round s12r2: "tok_shfl" (each K/V row address made by the copying thread from its 32-bit token index,
+# one shuffle and one mad.wide, instead of the loader's 64-bit address shuffled: 16 shuffles per thread per K + V
+# tile instead of 32, producer loop 473 -> 442 instructions, the same copies in the same order and L2 policy): 0.778
+# / 0.811 / 0.822 / 0.817 | 0.818 / 0.860 / 0.863 / 0.896 against 0.841 / 0.879 / 0.902 / 0.918 | 0.897 / 0.946 /
+# 0.923 / 0.934 (lower at all 8, also timed from idle). Why fewer instructions for the same copies lost ~10 % is not
+# known; "pad1" / "pad2" below test one explanation (the instruction addresses of the hot loops).
 # Measured on the H200 and removed (round s12r1): "producer_store" (the staged output read back and written to
 # ``out`` by the producer warpgroup when it acquired the slot for a later item's queries, each producer thread the
 # 16-byte pieces it copies into that slot; the consumers only staged O and wrote the LSE): lower at all 8 points
 # (1.3B 0.799 / 0.827 / 0.831 / 0.892, 14B 0.868 / 0.927 / 0.873 / 0.908 against 0.830 / 0.858 / 0.875 / 0.916 and
 # 0.882 / 0.916 / 0.904 / 0.932), as session 6's "pstore": the producer's extra work at its hook (the perm load, the
 # read-back, a warpgroup barrier) delays the K/V copies the consumers wait for.
-# "tok_shfl" (the hinted producers, the op's): each K/V row's address made by the copying thread from its 32-bit
-# token index (one shuffle from the index's loader and one IMAD.WIDE: token x row bytes + the thread's base) instead
-# of the loader's 64-bit row address shuffled (two shuffles and a 64-bit add per row): 16 shuffles per thread per K
-# and V tile instead of 32 (offline sm_90a SASS).
+# "pad1" / "pad2" (diagnostics, any options): 24 / 96 reads of the SM clock at the consumer warpgroups' start, their
+# sum stored only if the softmax scale is negative (never; ``_code_pad``): the consumers' code, their key-tile loop
+# included, moves by ~1.1 / ~4 KiB of instruction addresses (offline sm_90a SASS: 0x8e90 -> 0x92d0 / 0x9e10 for the
+# default) with the same instructions, everything else in place. Raced beside the default, they tell whether the
+# kernel's speed depends on where its hot loops sit (instruction cache), which would explain why producer-side
+# changes with fewer instructions lost ~10 % (s12r1, s12r2).
 # "dyn_walk" (with "overlap"; needs the ``mCtr`` argument, an int32 counter that is zero at launch): each CTA's
 # first item is its index, the next ones it claims from the counter as it goes (``DynScheduler``), instead of the
 # grid-stride order, so the CTAs' last items end about together (SM clock stamps s11r1 / s11r2, 1.3B s = 0.1: the
@@ -176,8 +183,9 @@ EPILOGUES = ("registers", "smem")
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "stage_under_qk", "tok_shfl", "dyn_walk",
-           "diag_no_copy", "stamps")
+           "lazy_rescale", "idx_l2", "stage_under_qk", "dyn_walk",
+           "diag_no_copy", "stamps", "pad1", "pad2")
+PAD_READS = {"pad1": 24, "pad2": 96}  # "pad1" / "pad2": clock reads of ``_code_pad`` (~2 instructions each)
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
 # queries and first K done, the boundary's softmax of the next item's first tile done, item end (output written or
@@ -514,14 +522,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.idx_ahead = "idx_ahead" in options
         self.lazy_rescale = "lazy_rescale" in options
         self.diag_no_copy = "diag_no_copy" in options
+        self.pad = PAD_READS.get(next((o for o in options if o in PAD_READS), None), 0)
         self.idx_l2 = "idx_l2" in options
         assert not self.idx_l2 or self.overlap, "idx_l2 is an overlap option"
         assert not self.lazy_rescale or self.overlap, "lazy_rescale is an overlap option"
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
         self.stamps = "stamps" in options
         self.stage_under_qk = "stage_under_qk" in options
-        self.tok_shfl = "tok_shfl" in options
-        assert not self.tok_shfl or producer != "cp.async", "tok_shfl is an option of the hinted producers"
         assert not self.stage_under_qk or self.hide_epi, "stage_under_qk is a hide_epi option (staged epilogue)"
         self.dyn_walk = "dyn_walk" in options
         assert not self.dyn_walk or self.overlap, "dyn_walk is an overlap option"
@@ -682,6 +689,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         else:  # two consumer warpgroups: flash-attn-4's, ending in our epilogue
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
+            if const_expr(self.pad):
+                _code_pad(self.pad, softmax_scale_log2, mCounts)
             outputs = _Outputs(mO, mLSE, mPerm, mRes, mScale, mCoef, mMean, n_heads, groups_per_head, mWsO, mWsL)
             if const_expr(self.overlap):
                 self.mma_overlap(
@@ -1325,32 +1334,14 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         t = rows.thread_idx
         lane8 = t % 8
         r0 = t // 8
+        x_ptr = rows.compute_X_ptr(K_or_V)[0]
         dst0 = base + r0 * 128 + ((lane8 ^ (r0 % 8)) << 4)
         policy = _l2_policy(policy_kind) if const_expr(policy_kind is not None) else Int64(0)
-        if const_expr(self.tok_shfl):
-            tok = self._row_tokens(rows)
-            mX = rows.mK_paged if const_expr(K_or_V == "K") else rows.mV_paged
-            row0 = fa_utils.elem_pointer(mX, (0, 0, rows.tPrPage[0])).toint() + Int64(lane8 * 16)
-            row_bytes = Int32(mX.stride[0]) * Int32(self.dtype.width // 8)
-        else:
-            x_ptr = rows.compute_X_ptr(K_or_V)[0]
         for m in cutlass.range_constexpr(TILE // 16):
-            if const_expr(self.tok_shfl):
-                src = _mad_wide_u32(tok[m], row_bytes, row0)
-            else:
-                src = fa_utils.shuffle_sync(x_ptr, m % 8, width=8) + Int64(lane8 * 16)
+            src = fa_utils.shuffle_sync(x_ptr, m % 8, width=8) + Int64(lane8 * 16)
             for k in cutlass.range_constexpr(self.tile_hdim // 64):
                 _cp_async_16_hinted(dst0 + (m * 16 * 128 + k * TILE * 128), src + Int64(k * 128), policy,
                                     policy_kind is not None)
-
-    @cute.jit
-    def _row_tokens(self, rows: PagedKVManager) -> cute.Tensor:
-        """"tok_shfl": the token indices of the rows this thread copies in each of a tile's TILE / 16 passes (pass m:
-        row m * 16 + thread // 8, whose index the 8-lane group's lane m loaded), one 32-bit shuffle each."""
-        tok = cute.make_rmem_tensor((TILE // 16,), Int32)
-        for m in cutlass.range_constexpr(TILE // 16):
-            tok[m] = fa_utils.shuffle_sync(rows.tPrPageOffset[0], m % 8, width=8)
-        return tok
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx, m_block,
@@ -1605,6 +1596,18 @@ def _l2_policy(kind: str, *, loc=None, ip=None) -> Int64:
                                  has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+@cute.jit
+def _code_pad(n: cutlass.Constexpr[int], scale_log2: Float32, mCounts: cute.Tensor):
+    """"pad1" / "pad2" (diagnostics): ``n`` reads of the SM clock summed at the consumers' start, written to
+    ``mCounts[0]`` only when ``scale_log2`` < 0 (never): ~2n instructions that move the consumers' code (their
+    key-tile loop included) to other instruction addresses, the rest of the kernel unchanged."""
+    acc = Int64(0)
+    for _ in cutlass.range_constexpr(n):
+        acc = acc + _clock64()
+    if scale_log2 < Float32(0.0):
+        mCounts[0] = Int32(acc)
+
+
 @dsl_user_op
 def _clock64(*, loc=None, ip=None) -> Int64:
     """The SM's cycle counter (%clock64; "stamps")."""
@@ -1624,15 +1627,6 @@ def _prefetch_l2(addr: Int64, *, loc=None, ip=None):
     """prefetch.global.L2 of the line holding global address ``addr``."""
     llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def _mad_wide_u32(a: Int32, b: Int32, c: Int64, *, loc=None, ip=None) -> Int64:
-    """a * b + c with a, b unsigned 32-bit and a 64-bit product (PTX mad.wide.u32: one IMAD.WIDE.U32)."""
-    return Int64(llvm.inline_asm(T.i64(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip),
-                                           Int64(c).ir_value(loc=loc, ip=ip)],
-                                 "mad.wide.u32 $0, $1, $2, $3;", "=l,r,r,l", has_side_effects=False,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op
