@@ -24,7 +24,7 @@ def raw_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=F
     if mask is not None:
         scores = scores + mask.double()
     out = (torch.softmax(scores, -1) @ v.double()).to(q.dtype)
-    if skip_reshape and skip_output_reshape:
+    if skip_output_reshape:  # [B, H, S, D] whatever the input layout (comfy/ldm/modules/attention.py)
         return out
     b, h, s, d = out.shape
     return out.transpose(1, 2).reshape(b, s, h * d)

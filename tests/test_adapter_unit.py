@@ -90,10 +90,12 @@ def test_step_index_refuses_a_schedule_without_steps_and_a_nan_sigma():
 _options = functools.partial(transformer_options, chunks=2, sigma=0.5)
 
 
-@pytest.mark.parametrize("skip_reshape,skip_output_reshape", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("skip_reshape,skip_output_reshape", [(False, False), (True, False), (True, True),
+                                                             (False, True)])
 def test_override_layouts_and_reuse_matches_dense_at_full_density(gen, skip_reshape, skip_output_reshape):
     """Both layouts and skip_output_reshape are honoured; at density 0.99 (every key kept once K is rounded up to
-    the KV tile) the anchor and reuse paths equal dense."""
+    the KV tile) the anchor and reuse paths equal dense. skip_output_reshape gives [B, H, S, D] whatever the input
+    layout, as ComfyUI's backends (``attention_pytorch``: before, [B, S, H*D] came back for (False, True))."""
     sig = torch.tensor([1.0, 0.8, 0.6, 0.4, 0.2, 0.0])
     run = lifecycle.RunState(_settings(density=0.99, dense_warmup="1", anchor_steps="1"), sig)
     over = override.make_override(None)
@@ -105,7 +107,8 @@ def test_override_layouts_and_reuse_matches_dense_at_full_density(gen, skip_resh
     for sigma in (1.0, 0.8):  # anchor at step 0, reuse at step 1
         out = over(_func, *args, h, skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
                    transformer_options=_options(run, site, sigma=sigma))
-        assert out.shape == ref.shape and torch.isfinite(out).all()
+        assert out.shape == ref.shape == ((b, h, s, d) if skip_output_reshape else (b, s, h * d))
+        assert torch.isfinite(out).all()
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert run.counts()["sparse"] == 2 and run.counts()["anchor"] == 2  # two cond chunks each
 

@@ -4,9 +4,9 @@ Contract (ComfyUI ``comfy/ldm/modules/attention.py`` L118-134, ``wrap_attn``): t
 ``override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
 skip_output_reshape=False, **kwargs)`` where ``func`` is the raw backend and kwargs carry
 ``transformer_options`` and ``_inside_attn_wrapper`` (forwarded untouched to ``func`` / ``previous``).
-Layouts: ``skip_reshape=False`` -> q/k/v ``(B, S, heads*D)``, output ``(B, S, heads*D)``;
-``skip_reshape=True`` -> ``(B, heads, S, D)``, output ``(B, S, heads*D)`` unless ``skip_output_reshape``,
-then ``(B, heads, S, D)``.
+Layouts: q/k/v ``(B, S, heads*D)``, or ``(B, heads, S, D)`` with ``skip_reshape``; the output ``(B, S, heads*D)``,
+or ``(B, heads, S, D)`` with ``skip_output_reshape`` whatever ``skip_reshape`` is (as ComfyUI's backends return it,
+``attention_pytorch`` / ``attention_basic`` in v0.3.64 and v0.33.0).
 
 Dispatch of one call (``dispatch``): unmarked calls (cross-attention, token refiners, text encoders), calls
 outside an MC-Sparse sampler run, masked non-joint calls, short sequences and unsupported shapes run dense
@@ -222,8 +222,8 @@ def _to_heads_first(t: torch.Tensor, heads: int, skip_reshape: bool) -> torch.Te
     return t.view(b, s, heads, hd // heads).transpose(1, 2)  # [B, S, H*D] -> [B, H, S, D]
 
 
-def _from_heads_first(t: torch.Tensor, skip_reshape: bool, skip_output_reshape: bool) -> torch.Tensor:
-    if skip_reshape and skip_output_reshape:
+def _from_heads_first(t: torch.Tensor, skip_output_reshape: bool) -> torch.Tensor:
+    if skip_output_reshape:
         return t  # caller wants [B, H, S, D]
     b, h, s, d = t.shape
     return t.transpose(1, 2).reshape(b, s, h * d)
@@ -360,7 +360,7 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
     if site.joint is None:
         # the whole batch in one runner call (one kernel launch for both CFG branches at reuse steps), written
         # straight into the output in the caller's layout through a strided view
-        out, out_h = _output_buffer(qh, skip_reshape, skip_output_reshape)
+        out, out_h = _output_buffer(qh, skip_output_reshape)
         run.sparse_call(qh, kh, vh, step=step, layer=site.layer, branches=branches, window=window,
                         dense_fn=_dense_fn(call), scale=scale, kind=site.cache_kind, out=out_h)
         return out
@@ -374,14 +374,14 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
         outs.append(_joint_chunk(run, site, qh[rows], kh[rows], vh[rows], text_len=text_len, keep=keep, mask=mask,
                                  step=step, branch=branches[i], window=window, scale=scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-    return _from_heads_first(out, skip_reshape, skip_output_reshape)
+    return _from_heads_first(out, skip_output_reshape)
 
 
-def _output_buffer(qh: torch.Tensor, skip_reshape: bool, skip_output_reshape: bool):
+def _output_buffer(qh: torch.Tensor, skip_output_reshape: bool):
     """The output tensor in the layout the caller expects, and its ``[B, H, S, D]`` view for the kernels to write:
     ``[B, S, H*D]`` (viewed as ``[B, H, S, D]`` by strides), or ``[B, H, S, D]`` itself with skip_output_reshape."""
     b, h, s, d = qh.shape
-    if skip_reshape and skip_output_reshape:
+    if skip_output_reshape:
         out = torch.empty(b, h, s, d, dtype=qh.dtype, device=qh.device)
         return out, out
     out = torch.empty(b, s, h * d, dtype=qh.dtype, device=qh.device)
