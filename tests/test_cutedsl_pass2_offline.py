@@ -22,7 +22,7 @@ _NEEDS_CUTE = pytest.mark.skipif(
 @_NEEDS_CUTE
 def test_offline_sm90a_compile(tmp_path):
     """float16 and float32 sums, qsplit 1 with poly = 8 and the LSE read through perm, the fused top-K, qsplit 2 (tile
-    pairs rolled) with poly = 4, unit_qf with poly = 8 (degree 3 and 2) and the fused top-K's two-keys-per-word
+    pairs rolled) with poly = 4, unit_qf with poly = 8 (degree 2, the default, and 3) and the fused top-K's two-keys-per-word
     sweeps (swar) compile offline (~6 s each) and the second ``compiled`` call of the same config is served from memory."""
     code = textwrap.dedent(f"""
         import os, sys
@@ -37,7 +37,7 @@ def test_offline_sm90a_compile(tmp_path):
         p2.compiled('float16', qsplit=2, poly=4)
         p2.compiled('float16', unit_qf=True, poly=8)
         p2.compiled('float16', topk=True, pair=False, swar=True)
-        p2.compiled('float16', unit_qf=True, poly=8, poly_deg=2)
+        p2.compiled('float16', unit_qf=True, poly=8, poly_deg=3)
         assert p2.compiled('float16') is p2.compiled('float16')
         print('KERNELS', len(p2.compiled_kernels()))
     """)

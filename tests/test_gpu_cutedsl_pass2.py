@@ -225,8 +225,10 @@ def test_cutedsl_pass2_unit_qf_equals_float64(tuning):
     """``unit_qf`` on torch-made operands whose head 0 has qf = 1 (the scores q8 . k8 in log2 units: the fast form,
     2^score x the query's weight) and head 1 qf = 0.5 (``selection.unit_qf_factors`` sends it to the default
     form): every entry of the view written, nothing outside it, fp32 sums within 3e-3 relative L2 per group of
-    float64 (the test above's bound: the e4m3 wgmma's accumulation) and within 1e-4 relative per entry of the
-    default kernel's sums on the same operands (with the fast form's poly, default ``UNIT_POLY``: 1e-3)."""
+    float64 (the test above's bound: the e4m3 wgmma's accumulation; + the polynomial's error with poly) and within
+    1e-4 relative per entry of the default kernel's sums on the same operands (with the fast form's poly, default
+    ``UNIT_POLY``, of degree ``UNIT_POLY_DEG``: 1e-4 + that polynomial's largest relative error,
+    ``POLY_REL_ERROR``: a sum of positive terms, each within it)."""
     selection, p2 = _mods()
     B, H, S, SK, C, holes = CASES[2]
     q8, k8, qf, lse_s, kb, perm = _torch_operands(B, H, S, SK, C, SEED + 7 + len(str(tuning)), holes)
@@ -240,14 +242,15 @@ def test_cutedsl_pass2_unit_qf_equals_float64(tuning):
     want = reference.group_prob_sums(q8.double(), k8.double() * (qf.double() / (_LOG2E * 128**-0.5))[..., None, None],
                                      lse_s.double(), perm, group_size=C) * kb.double()[:, :, None, :]
     got = _written_sums(p2, (q8, k8, qf, lse_s, kb), perm, C, tuning, torch.float32)
+    poly_err = p2.POLY_REL_ERROR[tuning.get("poly_deg", p2.UNIT_POLY_DEG)] if tuning.get("poly", p2.UNIT_POLY) else 0.0
     rel = (got.double() - want).norm(dim=-1) / want.norm(dim=-1)
     print(f"float64: max relative L2 per group {float(rel.max()):.2e}")
-    assert float(rel.max()) < 3e-3, float(rel.max())
+    assert float(rel.max()) < 3e-3 + poly_err, float(rel.max())
     plain = _written_sums(p2, (q8, k8, qf, lse_s, kb), perm, C, {k: v for k, v in tuning.items() if k != "unit_qf"},
                           torch.float32)
     rel_p = float(((got - plain).abs() / plain.abs().clamp_min(1e-30)).max())
     print(f"max relative difference to the default form {rel_p:.2e}")
-    assert rel_p < (1e-3 if tuning.get("poly", p2.UNIT_POLY) else 1e-4), rel_p
+    assert rel_p < 1e-4 + poly_err, rel_p
 
 
 def test_cutedsl_pass2_refusals():
@@ -310,8 +313,9 @@ def test_cutedsl_fused_topk_equals_brute_force(case, num_keys, width, opts, twin
     B, H, S, SK, C, holes = case
     q8, k8, qf, lse_s, kb, perm = _torch_operands(B, H, S, SK, C, SEED + S + num_keys, holes)
     if twins:
-        k8 = k8.view(B, H, SK // 2, 1, 128).expand(B, H, SK // 2, 2, 128).reshape(B, H, SK, 128).contiguous()
-        kb = kb.view(B, H, SK // 2, 1).expand(B, H, SK // 2, 2).reshape(B, H, SK).contiguous()
+        # keys 2j and 2j + 1 the same (on the bytes: float8 kernels are sparse on CUDA)
+        k8 = k8.view(torch.uint8)[:, :, 0::2].repeat_interleave(2, dim=2).contiguous().view(torch.float8_e4m3fn)
+        kb = kb[:, :, 0::2].repeat_interleave(2, dim=2).contiguous()
         s = torch.einsum("bhsd,bhkd->bhsk", q8.double(), k8.double()) * qf.double()[..., None, None] / _LOG2E
         lse_s = torch.logsumexp(s, -1).float()
     G = perm.shape[-1] // C

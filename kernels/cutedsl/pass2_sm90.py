@@ -12,8 +12,8 @@ head's factor, LSE_s the shifted LSE, KB2 = 2^KB). Padded query slots (perm -1, 
 output dtype): only the order of the fp32 additions of a key's row sum differs. ``unit_qf`` (select_kv's default,
 ``UNIT_QF``): on operands with QF = 1 (``fp8_operands(unit_qf=True)``) the same sum as 2^(q8_i . k8_j) times the
 query's weight 2^(-LSE_s[i] * log2 e), one FFMA per score into the row sum (no FFMA for the argument), with
-``UNIT_POLY`` of every 32 columns' 2^x on the FMA pipe; heads ``selection.unit_qf_factors`` does not clear run the
-default form.
+``UNIT_POLY`` of every 32 columns' 2^x on the FMA pipe (a polynomial of degree ``UNIT_POLY_DEG``); heads
+``selection.unit_qf_factors`` does not clear run the default form.
 
 Schedule (the transposed form of ``selection.py``'s kernel: keys on the MMA's M, queries on N, both operands K-major
 as float8 wgmma requires):
@@ -59,6 +59,7 @@ float64 and the Triton kernel by tests/test_gpu_cutedsl_pass2.py.
 from __future__ import annotations
 
 import math
+import os
 from functools import partial
 
 import cutlass
@@ -1009,6 +1010,16 @@ STAGES = 4
 # against the session-10 route's 0.5506-0.5690 in the same races (docs/kernels.md, session 11).
 UNIT_QF = True
 UNIT_POLY = 8
+# The polynomial's degree in the unit_qf form (the default form keeps 3). H200 round s12r2 (main 3a6585e,
+# tests/bench_cutedsl_pass2.py, 1.3B 480p, the kernel alone / flash-attn-4 dense 9.123 ms, 7 rounds, every row checked
+# against the Triton sums of its operands first: 5.5e-4 relative L2 with degree 2, 3.2e-4 without): unit_qf + poly 8
+# 0.4422 with degree 3, 0.4270 with degree 2 (one FFMA less per polynomial exponential), poly 12 with degree 2 0.4481.
+# MC_SPARSE_PASS2_POLY_DEG=3 restores degree 3 (read at import).
+UNIT_POLY_DEG = int(os.environ.get("MC_SPARSE_PASS2_POLY_DEG", "") or 2)
+assert UNIT_POLY_DEG in (2, 3), f"MC_SPARSE_PASS2_POLY_DEG must be 2 or 3, got {UNIT_POLY_DEG}"
+# the largest relative error of flash-attn-4's degree-2 / degree-3 polynomial 2^f on [0, 1) (numpy, 2e5 points: 2.08e-3
+# / 8.8e-5): a sum of positive terms of which any share took the polynomial is within this of the MUFU sum
+POLY_REL_ERROR = {2: 2.1e-3, 3: 9e-5}
 WG4 = False
 PAIR = False
 OVERLAP = False
@@ -1087,7 +1098,7 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
                  lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
                  wg4: bool = False, pair: bool = False, overlap: bool = False, unit_qf: bool = False,
-                 swar: bool = False, poly_deg: int = 3):
+                 swar: bool = False, poly_deg: int | None = None):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``; ``topk``: the fused top-K. Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -1098,6 +1109,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                                                     for d in shape), divisibility=div)
                  for _, dt, shape, div in pass2_launch.ARG_SHAPES)
     poly = (UNIT_POLY if unit_qf else POLY) if poly is None else poly
+    poly_deg = (UNIT_POLY_DEG if unit_qf else 3) if poly_deg is None else poly_deg
     kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, poly,
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=(0 if pair else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
@@ -1110,7 +1122,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
              wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
-             unit_qf: bool = False, swar: bool | None = None, poly_deg: int = 3):
+             unit_qf: bool = False, swar: bool | None = None, poly_deg: int | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -1118,6 +1130,7 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     fit = stages is None
     stages = STAGES if stages is None else int(stages)
     poly = (UNIT_POLY if unit_qf else POLY) if poly is None else int(poly)
+    poly_deg = (UNIT_POLY_DEG if unit_qf else 3) if poly_deg is None else int(poly_deg)
     lse_smem = LSE_SMEM if lse_smem is None else bool(lse_smem)
     topk = bool(topk)
     pair = ((PAIR_FUSED and not unit_qf) if topk else PAIR) if pair is None else bool(pair)
@@ -1182,7 +1195,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
                         poly: int | None = None, lse_smem: bool | None = None, qsplit: int | None = None,
                         diag: str = "", wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
                         num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None,
-                        unit_qf: bool = False, swar: bool | None = None, poly_deg: int = 3):
+                        unit_qf: bool = False, swar: bool | None = None, poly_deg: int | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
@@ -1197,7 +1210,8 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         with 16-byte aligned rows; ksplit 1 when not given unless ``TOPK_AUTO_KSPLIT``). stages, poly, lse_smem,
         qsplit (0, 1, 2: tile pairs rolled), wg4 (four consumer warpgroups), pair (two query groups per work item,
         sharing each key stage), overlap (with pair: the second group's wgmma under the first's exponentials),
-        num_ctas, ksplit: tuning; poly_deg: the polynomial's degree (3, or 2); swar: the fused top-K's sweeps on two
+        num_ctas, ksplit: tuning; poly_deg: the polynomial's degree (3, or 2; None: ``UNIT_POLY_DEG`` in the
+        unit_qf form, else 3); swar: the fused top-K's sweeps on two
         keys per word (None: ``SWAR``); diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG sums)
         (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused top-K's sample plan
         (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s (tests: a plan whose brackets miss
