@@ -268,19 +268,16 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
         # a "split_tail" kernel takes its workspace; launched here with one part per group (no split, no merge)
         ws = ((torch.empty(128, D, dtype=q.dtype, device=q.device), torch.empty(128, device=q.device), 1)
               if "split_tail" in op_options else ())
-        # "dyn_walk": the kernel's claim counter (zeroed by the counts launch, or here before a kernel alone)
-        ctr = torch.zeros(1, dtype=torch.int32, device=q.device) if "dyn_walk" in op_options else None
         if "counts + kernel" in op_rows:
-            fns["counts + op kernel"] = lambda: cc.launch(op_fn, *views[:7], valid_counts(idx, clear=ctr),
-                                                          *views[8:-1], op_ctas, *ws, ctr=ctr)
+            fns["counts + op kernel"] = lambda: cc.launch(op_fn, *views[:7], valid_counts(idx), *views[8:-1], op_ctas,
+                                                          *ws)
         from comfyui_mc_sparse_pack.kernels.cutedsl import op as cop
         r_host = {} if s != densities[0] else {  # where the op's host time goes (each behind a dense call)
             "op": host_us(lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl"), dense_fns),
             "registry candidates": host_us(lambda: registry.candidates("sparse_attention", q, "cutedsl"), dense_fns),
             "backend op": host_us(lambda: cop.sparse_attention(q, k, v, perm, idx, out=out), dense_fns),
             "counts launch": host_us(lambda: valid_counts(idx), dense_fns),
-            "kernel launch": host_us(lambda: cc.launch(op_fn, *views[:-1], op_ctas, *ws,
-                                                       ctr=None if ctr is None else ctr.zero_()), dense_fns),
+            "kernel launch": host_us(lambda: cc.launch(op_fn, *views[:-1], op_ctas, *ws), dense_fns),
         }
         for tag in variants:
             producer, epilogue, stages, options, *res_mode = VARIANTS[tag]

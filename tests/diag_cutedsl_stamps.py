@@ -86,7 +86,7 @@ def phases(st: torch.Tensor, ctas: int, rounds: int, tiles: int) -> dict:
     return out
 
 
-def launch_ns(st: torch.Tensor, ctas: int, items: int, dyn: bool = False) -> dict:
+def launch_ns(st: torch.Tensor, ctas: int, items: int) -> dict:
     """Per-launch figures in ns from the globaltimer columns (``st``: (rows, slots) int64, the walk's ``items`` work
     items): each CTA's wait for the kernel before it ("pdl": the counts launch), its first item's start after it, the
     kernel's span (first CTA start to last item end) and how far the CTAs' last item ends spread (the tail)."""
@@ -94,13 +94,9 @@ def launch_ns(st: torch.Tensor, ctas: int, items: int, dyn: bool = False) -> dic
     k0, dep = st[:ctas, col("k_start_ns")], st[:ctas, col("k_dep_ns")]
     first = st[:ctas, col("c_ns")]
     ends = st[:items, col("c_end_ns")]
-    t0 = float(k0.min())
-    # the CTAs' last items: with the grid-stride walk item i runs on CTA i mod ctas; with "dyn_walk" (CTAs claim
-    # items as they go) the ctas latest-ending items stand for them
-    cta_of = torch.arange(items) % ctas
+    cta_of = torch.arange(items) % ctas  # grid-stride: item i runs on CTA i mod ctas
     last_end = torch.zeros(ctas, dtype=torch.float64).scatter_reduce(0, cta_of, ends, "amax")
-    if dyn:
-        last_end = ends.sort().values[-ctas:]
+    t0 = float(k0.min())
     return {"pdl wait (median over CTAs)": float((dep - k0).median()), "pdl wait (max)": float((dep - k0).max()),
             "first item start after the wait": float((first - dep).median()),
             "kernel span (first CTA start -> last item end)": float(ends.max()) - t0,
@@ -140,11 +136,7 @@ def run(shape: str, s: float, reps: int, extra: tuple, raw_dir: Path | None = No
         fn = cc.compiled("bfloat16", D, False, "none", epilogue="smem", options=opts)
         stamps = torch.zeros(n + ctas, len(STAMP_SLOTS), dtype=torch.int64, device=q.device) if "stamps" in tag \
             else None
-        ctr = torch.zeros(1, dtype=torch.int32, device=q.device) if "dyn_walk" in opts else None
-
-        def launch(fn=fn, stamps=stamps, ctr=ctr):  # "dyn_walk": its counter zeroed before each launch
-            cc.launch(fn, *views, *ws, stamps=stamps, ctr=None if ctr is None else ctr.zero_())
-
+        launch = lambda: cc.launch(fn, *views, *ws, stamps=stamps)  # noqa: E731
         launch()
         torch.cuda.synchronize()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -161,7 +153,7 @@ def run(shape: str, s: float, reps: int, extra: tuple, raw_dir: Path | None = No
             ph = phases(stamps.cpu(), ctas, rounds, tiles)
             ghz = ph["clock_ghz"]
             row["phases_cycles"] = ph
-            row["launch_ns"] = lns = launch_ns(stamps.cpu(), ctas, n + r * (parts - 1), "dyn_walk" in opts)
+            row["launch_ns"] = lns = launch_ns(stamps.cpu(), ctas, n + r * (parts - 1))
             if raw_dir is not None:  # every item's stamps, for offline analysis (int64, STAMP_SLOTS columns)
                 raw_dir.mkdir(parents=True, exist_ok=True)
                 torch.save(dict(stamps=stamps.cpu(), slots=STAMP_SLOTS, ctas=ctas, groups=n, parts=parts),

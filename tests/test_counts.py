@@ -54,12 +54,3 @@ def test_pdl_without_gdc_launches_plainly(monkeypatch):
     monkeypatch.setattr(mod, "gdc_wait", None)
     kv_idx = torch.tensor([[0, 5, 9, -1], [2, -1, -1, -1]], dtype=torch.int32).view(1, 1, 2, 4)
     assert mod.valid_counts(kv_idx, pdl=True).tolist() == [3, 1]
-
-
-def test_clear_zeroes_the_counter_and_counts_alike():
-    """``clear=``: the launch also sets the given int32 (the CuTeDSL kernel's "dyn_walk" claim counter) to 0, nothing
-    else of it, and the counts are the same as without it."""
-    kv_idx = torch.tensor([[0, 5, 9, -1], [2, -1, -1, -1], [1, 2, 3, 4]], dtype=torch.int32).view(1, 1, 3, 4)
-    ctr = torch.tensor([12345, 777], dtype=torch.int32)
-    assert valid_counts(kv_idx, clear=ctr).tolist() == [3, 1, 4] == valid_counts(kv_idx).tolist()
-    assert ctr.tolist() == [0, 777]

@@ -231,7 +231,7 @@ def test_offline_sm90_compile_every_residual(tmp_path):
 
 
 def _fake_launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean, scale,
-                 num_ctas, ws_o=None, ws_lse=None, n_parts=1, ctr=None):
+                 num_ctas, ws_o=None, ws_lse=None, n_parts=1):
     """A float64 torch model of one launch, on the contract of ``kernels/cutedsl/sparse_fwd_sm90.py`` (with
     the compiled kernel's argument checks: ranks, dtypes, unit strides, the residual form it was compiled for);
     with ``n_parts`` > 1 ("split_tail") the last round's groups go to the workspace in parts (``_fake_parts``)."""
@@ -352,24 +352,6 @@ def test_split_tail_parts_merged(fake_op, monkeypatch, ctas):
     assert not got.isnan().any() and not lse.isnan().any()
     assert float((got.double() - ref).abs().max()) <= 2**-7 * float(ref.abs().max())
     assert float((lse.double() - ref_lse).abs().max()) <= 1e-4
-
-
-def test_dyn_walk_gets_a_counter_the_counts_launch_zeroed(fake_op, monkeypatch):
-    """With "dyn_walk" the op hands the kernel an int32 (1,) claim counter that is 0 when the kernel starts (the
-    counts launch clears it: the buffer is uninitialised memory); without it, none (mutation: the op not passing
-    ``clear=`` to the counts launch leaves the buffer's old contents)."""
-    seen = []
-    monkeypatch.setattr(fake_op._compile, "launch", lambda *a, ctr=None, **kw: seen.append(
-        None if ctr is None else (ctr.dtype, tuple(ctr.shape), int(ctr[0]))) or _fake_launch(*a, **kw))
-    monkeypatch.setattr(torch, "empty", lambda *a, _empty=torch.empty, **kw: _empty(*a, **kw).fill_(7))
-    gen = torch.Generator().manual_seed(5)
-    q, k, v, perm, idx = _op_inputs(gen, 1, 2, 300, 64, 160)
-    for options in (("persistent", "overlap", "dyn_walk"), ("persistent", "overlap")):
-        monkeypatch.setattr(rules, "STAGED_OPTIONS", options)
-        got = fake_op.sparse_attention(q, k, v, perm, idx)
-        ref = reference.sparse_attention(q.double(), k.double(), v.double(), perm, idx)
-        assert float((got.double() - ref).abs().max()) <= 2**-7 * float(ref.abs().max())
-    assert seen == [(torch.int32, (1,), 0), None]
 
 
 @pytest.mark.parametrize(("groups", "ctas", "want"), [

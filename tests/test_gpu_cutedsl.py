@@ -239,8 +239,7 @@ def test_cutedsl_overlap_grids(dtype, D, lse, options):
         lse_t = torch.full((B, H, S), float("nan"), device="cuda") if lse else None
         cc.launch(fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse_t,
                   perm.reshape(n, C).contiguous(), idx.reshape(n, -1).contiguous(), valid_counts(idx), None, None,
-                  None, None, 1 / math.sqrt(D), ctas, *ws, 1,
-                  ctr=torch.zeros(1, dtype=torch.int32, device="cuda") if "dyn_walk" in options else None)
+                  None, None, 1 / math.sqrt(D), ctas, *ws, 1)
         assert not base.isnan().any() and (lse_t is None or not lse_t.isnan().any()), ctas
         err = _check(out, lse_t, q, k, v, perm, idx)
         print(f"cutedsl {options} ctas={ctas} {dtype} D={D}: rel err {err:.2e}")

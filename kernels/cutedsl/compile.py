@@ -130,9 +130,7 @@ def compile_fake(dtype: str, head_dim: int, with_lse: bool, residual: str = "non
     # "stamps" (a diagnostic): its int64 (items, STAMP_SLOTS) tensor
     stamps = (make_fake_tensor(cutlass.Int64, (cute.sym_int(), len(STAMP_SLOTS)), divisibility=1)
               if "stamps" in options else None)
-    # "dyn_walk": its int32 claim counter
-    ctr = make_fake_tensor(Int32, (1,), divisibility=1) if "dyn_walk" in options else None
-    return cute.compile(kernel, *args, Float32(1.0), Int32(1), *ws, Int32(1), stamps, ctr, make_fake_stream(),
+    return cute.compile(kernel, *args, Float32(1.0), Int32(1), *ws, Int32(1), stamps, make_fake_stream(),
                         options="--enable-tvm-ffi")
 
 
@@ -199,7 +197,7 @@ def _to_disk(disk, key, fn):
 
 
 def launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean,
-           scale: float, num_ctas: int, ws_o=None, ws_lse=None, n_parts: int = 1, stamps=None, ctr=None) -> None:
+           scale: float, num_ctas: int, ws_o=None, ws_lse=None, n_parts: int = 1, stamps=None) -> None:
     """Run a compiled kernel (``sparse_fwd_sm90.py``'s contract): q/out ``(B, S, H, D)``, k/v ``(B, Sk, H, D)``,
     lse fp32 ``(B, H, S)`` or None, perm_rows int32 ``(N, 128)``, kv_rows int32 ``(N, K_alloc)``, counts ``(N,)``,
     res_data ``(B, S, H, D or D//2)``, res_scale ``(B, H, S)``, res_coef uint8 ``(B, H, S)``, res_mean bf16
@@ -207,10 +205,9 @@ def launch(fn, q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scal
     "split_tail" kernel the parts' workspace ``ws_o`` ``(rows, D)`` (q's dtype) and ``ws_lse`` fp32 ``(rows,)``
     (rows >= 128 * r * n_parts, r the groups of the last round) and ``n_parts`` (1: no split), else None; for a
     "stamps" kernel (a diagnostic) ``stamps`` int64 ``(items, len(STAMP_SLOTS))`` (items >= the walk's work items:
-    N + num_ctas is enough), else None; for a "dyn_walk" kernel ``ctr`` an int32 ``(1,)`` counter that is zero when
-    the kernel starts (``kernels/triton/counts.py`` clears it), else None."""
+    N + num_ctas is enough), else None."""
     fn(q, k, v, out, lse, perm_rows, kv_rows, counts, res_data, res_scale, res_coef, res_mean, scale, num_ctas, ws_o,
-       ws_lse, n_parts, stamps, ctr)
+       ws_lse, n_parts, stamps)
 
 
 def warm(stages: int | None = None) -> dict:

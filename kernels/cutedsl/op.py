@@ -55,9 +55,7 @@ def _run(q, k, v, perm, kv_idx, scale, return_lse, out, residual):
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else None
     # the three launches as programmatic dependent launches ("pdl" of sparse_fwd_sm90.OPTIONS; CUDA only)
     pdl = "pdl" in options and q.device.type == "cuda"
-    # "dyn_walk": the kernel's claim counter, zeroed by the counts launch
-    ctr = torch.empty(1, dtype=torch.int32, device=q.device) if "dyn_walk" in options else None
-    counts = valid_counts(kv_idx, pdl=pdl, clear=ctr)
+    counts = valid_counts(kv_idx, pdl=pdl)
     perm_rows = perm.contiguous().view(n, perm.shape[-1] // G)
     n_parts, ws = 1, (None, None)
     r = n % num_ctas  # groups of the persistent walk's last round
@@ -68,7 +66,7 @@ def _run(q, k, v, perm, kv_idx, scale, return_lse, out, residual):
               torch.empty(rows, dtype=torch.float32, device=q.device))
     _compile.launch(
         fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse, perm_rows,
-        kv_idx.reshape(n, k_alloc).contiguous(), counts, *res_args, scale, num_ctas, *ws, n_parts, ctr=ctr,
+        kv_idx.reshape(n, k_alloc).contiguous(), counts, *res_args, scale, num_ctas, *ws, n_parts,
     )
     if n_parts > 1:
         tail_merge.merge(*ws, perm_rows, out.transpose(1, 2), lse, n - r, r, n_parts, G, pdl=pdl)

@@ -174,16 +174,20 @@ EPILOGUES = ("registers", "smem")
 # default) with the same instructions, everything else in place. Raced beside the default, they tell whether the
 # kernel's speed depends on where its hot loops sit (instruction cache), which would explain why producer-side
 # changes with fewer instructions lost ~10 % (s12r1, s12r2).
-# "dyn_walk" (with "overlap"; needs the ``mCtr`` argument, an int32 counter that is zero at launch): each CTA's
-# first item is its index, the next ones it claims from the counter as it goes (``DynScheduler``), instead of the
-# grid-stride order, so the CTAs' last items end about together (SM clock stamps s11r1 / s11r2, 1.3B s = 0.1: the
-# CTAs' last items ended 977-1010 us into a 1010 us kernel, median 994 us, from ~1.5 % differences in per-CTA speed
-# over 23 rounds). The items' order is the same (groups, then the last groups' "split_tail" parts).
+# Measured on the H200 and removed (round s12r2): "dyn_walk" (each CTA's items after its first claimed from a
+# per-launch counter, through a 4-entry shared ring with one mbarrier per entry, instead of the grid-stride order):
+# lower at all 8 points (1.3B 0.721 / 0.766 / 0.793 / 0.799, 14B 0.798 / 0.836 / 0.833 / 0.864 against 0.841 /
+# 0.879 / 0.902 / 0.918 and 0.897 / 0.946 / 0.923 / 0.934). Its stamps (1.3B s = 0.1, kernel alone): the CTAs' last
+# items did end closer together (7 us from the median to the last against 13 us) but the 40-register producer,
+# spilling 2-3 registers inside its key-tile loop with the walk's state, went from ~34k to ~76k busy cycles per item
+# (its wait for free K stages 33.4k -> 5.7k) and the consumers waited for V (2.4k -> 15.7k cycles per item): either
+# such a spill costs about an L2 round trip per key tile (the shared memory leaves ~28 KiB of L1) or, as "pad1" /
+# "pad2" test, the moved code did.
 # "stamps" (a diagnostic, with "overlap"; needs the ``mStamps`` argument): per work item, SM clock stamps of the
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "stage_under_qk", "dyn_walk",
+           "lazy_rescale", "idx_l2", "stage_under_qk",
            "diag_no_copy", "stamps", "pad1", "pad2")
 PAD_READS = {"pad1": 24, "pad2": 96}  # "pad1" / "pad2": clock reads of ``_code_pad`` (~2 instructions each)
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
@@ -392,73 +396,6 @@ class GroupScheduler:
                               cutlass.new_from_mlir_values(self.tile, values[1:]))
 
 
-@dataclass
-class _Walk:
-    """The "dyn_walk" option's shared state of one CTA (trace-time bundle): ``ring`` a 4-entry int32 shared-memory
-    ring of the CTA's claimed work items, ``bars`` its 4 mbarriers (arrival count 1), ``ctr`` the launch's int32
-    claim counter ``(1,)`` in global memory (zero at launch: ``kernels/triton/counts.py`` clears it). The CTA's
-    n-th item (n >= 1) is gridDim.x + the counter's value its claim took (``take``, one thread), in entry
-    (n - 1) % 4 (``put``, ``get``)."""
-
-    ring: cute.Tensor
-    bars: cute.Pointer
-    ctr: cute.Tensor
-
-    @cute.jit
-    def take(self) -> Int32:
-        """The counter's next value (one thread; ``put`` makes it an item: the thread waits for the atomic there,
-        not here)."""
-        return Int32(cute.arch.atomic_add(self.ctr.iterator, Int32(1), sem="relaxed", scope="gpu"))
-
-    @cute.jit
-    def put(self, n: Int32, taken: Int32):
-        """Item gridDim.x + ``taken`` (``take``'s value, by the thread that took it) as the CTA's n-th: into the
-        ring, then its mbarrier arrives (release: ``get`` waits on it)."""
-        slot = (n - 1) & 3
-        self.ring[slot] = taken + Int32(cute.arch.grid_dim()[0])
-        cute.arch.mbarrier_arrive(self.bars + slot)
-
-    @cute.jit
-    def get(self, n: Int32) -> Int32:
-        """The CTA's n-th item (n >= 1), once claimed."""
-        slot = (n - 1) & 3
-        cute.arch.mbarrier_wait(self.bars + slot, ((n - 1) >> 2) & 1)
-        return self.ring[slot]
-
-
-class DynScheduler(GroupScheduler):
-    """The "dyn_walk" walk: CTA c runs item c first, then the items it claims from the launch's counter in turn
-    (``_Walk``), so a CTA that runs faster takes more items and the CTAs end about together. ``n`` counts the CTA's
-    items. The producer's thread 0 takes item n + 2 at item n's start and puts it in the ring after its wait for
-    the item's first K stage; ``peek`` (item n + 1) and ``advance_to_next_work`` wait for it there."""
-
-    def __init__(self, total: Int32, tile: Int32, n: Int32, walk: _Walk):
-        super().__init__(total, tile)
-        self.n = n
-        self.walk = walk
-
-    @staticmethod
-    def create(total: Int32, walk: _Walk) -> "DynScheduler":
-        return DynScheduler(total, Int32(cute.arch.block_idx()[0]), Int32(0), walk)
-
-    def advance_to_next_work(self) -> WorkTileInfo:
-        self.n += Int32(1)
-        self.tile = self.walk.get(self.n)
-        return self.get_current_work()
-
-    def peek(self) -> Int32:
-        return self.walk.get(self.n + Int32(1))
-
-    def __extract_mlir_values__(self):
-        return (cutlass.extract_mlir_values(self.total) + cutlass.extract_mlir_values(self.tile)
-                + cutlass.extract_mlir_values(self.n))
-
-    def __new_from_mlir_values__(self, values):
-        return DynScheduler(cutlass.new_from_mlir_values(self.total, values[:1]),
-                            cutlass.new_from_mlir_values(self.tile, values[1:2]),
-                            cutlass.new_from_mlir_values(self.n, values[2:]), self.walk)
-
-
 class _Outputs:
     """What the epilogue writes to, bundled at trace time (a Python object, not a kernel argument)."""
 
@@ -530,18 +467,15 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.stamps = "stamps" in options
         self.stage_under_qk = "stage_under_qk" in options
         assert not self.stage_under_qk or self.hide_epi, "stage_under_qk is a hide_epi option (staged epilogue)"
-        self.dyn_walk = "dyn_walk" in options
-        assert not self.dyn_walk or self.overlap, "dyn_walk is an overlap option"
         assert not self.stamps or self.overlap, "stamps is an overlap option"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
                  mIdx: cute.Tensor, mCounts: cute.Tensor, mRes, mScale, mCoef, mMean, softmax_scale: Float32,
-                 num_ctas: Int32, mWsO, mWsL, n_parts: Int32, mStamps=None, mCtr=None, stream=None):
+                 num_ctas: Int32, mWsO, mWsL, n_parts: Int32, mStamps=None, stream=None):
         assert (mRes is None) == (self.res_kind is None), "residual tensor and res_kind disagree"
         assert (mWsO is not None) == self.split_tail and (mWsL is not None) == self.split_tail, "split_tail workspace"
         assert (mStamps is not None) == self.stamps, "stamps tensor and option disagree"
-        assert (mCtr is not None) == self.dyn_walk, "dyn_walk counter and option disagree"
         if const_expr(self.res_kind in ("fp8_row", "int4_row", "int4_group")):
             assert mRes.element_type == cutlass.Uint8 and mScale is not None
         assert (mMean is not None) == (self.res_kind == "int4_group") and (mCoef is None) == (mMean is None)
@@ -578,7 +512,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         grid_x = total if const_expr(one_per_group) else cutlass.min(num_ctas, total)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mPerm, mIdx, mCounts, mRes, mScale, mCoef, mMean, softmax_scale_log2, softmax_scale,
-            total, mWsO, mWsL, n_parts, mStamps, mCtr, tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout,
+            total, mWsO, mWsL, n_parts, mStamps, tiled_mma_qk, tiled_mma_pv, self.sQ_layout, self.sK_layout,
             self.sV_layout, SharedStorage,
         ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  use_pdl=self.pdl)
@@ -612,14 +546,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         mbar_v = cute.struct.MemRange[cutlass.Int64, self.v_stages * 2]
         fields = dict(mbar_ptr_Q=mbar_q, mbar_ptr_K=mbar_k, mbar_ptr_V=mbar_v, sV=sV_struct, sQ=sQ_struct,
                       sK=sK_struct)
-        if const_expr(self.dyn_walk):  # the claimed items' ring and its barriers
-            fields.update(mbar_walk=cute.struct.MemRange[cutlass.Int64, 4], walk_ring=cute.struct.MemRange[Int32, 4])
         return cute.struct(type("SharedStorageQ2KV", (), {"__annotations__": fields}))
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
                mIdx: cute.Tensor, mCounts: cute.Tensor, mRes, mScale, mCoef, mMean, softmax_scale_log2: Float32,
-               softmax_scale, total: Int32, mWsO, mWsL, n_parts: Int32, mStamps, mCtr, tiled_mma_qk: cute.TiledMma,
+               softmax_scale, total: Int32, mWsO, mWsL, n_parts: Int32, mStamps, tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
@@ -639,14 +571,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                            (storage.mbar_ptr_V.data_ptr(), self.v_stages))
         ]
         pipeline_q, pipeline_k, pipeline_v = pipes
-        walk = None
-        if const_expr(self.dyn_walk):
-            walk = _Walk(storage.walk_ring.get_tensor(cute.make_layout(4)), storage.mbar_walk.data_ptr(), mCtr)
-            if warp_idx == 0:
-                if cute.arch.lane_idx() == 0:
-                    for i in cutlass.range_constexpr(4):
-                        cute.arch.mbarrier_init(walk.bars + i, 1)
-            cute.arch.mbarrier_init_fence()
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -663,8 +587,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             if n_parts > 1:
                 n_items = total + (total - (total // grid) * grid) * (n_parts - 1)
         TileSchedulerCls = partial(GroupScheduler.create, n_items)
-        if const_expr(self.dyn_walk):
-            TileSchedulerCls = partial(DynScheduler.create, n_items, walk)
         work_fn = partial(self._work, total=total, n_parts=n_parts, SeqlenInfoCls=SeqlenInfoCls, block_info=block_info)
         count_fn = partial(self._item_count, total=total, n_parts=n_parts, mCounts=mCounts)
         group_fn = partial(self._item_group, total=total, n_parts=n_parts)
@@ -723,9 +645,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         v_state = make_pipeline_state(PipelineUserType.Producer, self.v_stages)
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
-        if const_expr(self.dyn_walk):  # the CTA's second item
-            if tidx == 0:
-                tile_scheduler.walk.put(Int32(1), tile_scheduler.walk.take())
         q_done = Int32(0)  # "q_ahead": 1 when this item's queries were gathered during the previous item
         # "idx_ahead": this item's valid count and raw first-tile index entry, read during the previous item
         pre = cute.make_rmem_tensor((2,), Int32)
@@ -786,19 +705,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                         q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state)
                 else:
                     q_state = self._load_q(q_rows, q_index, sQ, pipeline_q, q_state)
-            # "dyn_walk": the item after the next one taken (its atomic in flight through the wait for the K stage)
-            # and put in the ring (the consumers are past item n - 2: its ring entry is free)
-            taken, took = Int32(0), Int32(0)  # (the flag, not the value, says whether: no early wait for it)
-            if const_expr(self.dyn_walk):
-                if tidx == 0:
-                    if tile_scheduler.peek() < tile_scheduler.total:
-                        taken = tile_scheduler.walk.take()
-                        took = Int32(1)
             if const_expr(self.idx_l2):  # the stage first: the wait for the index below overlaps it
                 pipeline_k.producer_acquire(kv_state)
-            if const_expr(self.dyn_walk):
-                if took == 1:
-                    tile_scheduler.walk.put(tile_scheduler.n + 2, taken)
                 if const_expr(self.stamps):
                     st.at(item, STAMP_SLOTS.index("p_acq") - 16)
             index.advance()
@@ -824,15 +732,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 if next_item < tile_scheduler.total:
                     if n_block_max - 1 - n_block_min > Q_AHEAD_AT:
                         q_at = Int32(Q_AHEAD_AT)
-                # "dyn_walk": the hook reads the next item from the walk's ring again (not a register held through
-                # the loop)
-                hook_item, sched = (None, tile_scheduler) if const_expr(self.dyn_walk) else (next_item, None)
-                q_hook = partial(self._load_q_of_item, mQ, mPerm, sQ, pipeline_q, hook_item, n_heads, groups_per_head,
-                                 tidx, group_fn, sched=sched)
+                q_hook = partial(self._load_q_of_item, mQ, mPerm, sQ, pipeline_q, next_item, n_heads, groups_per_head,
+                                 tidx, group_fn)
                 if const_expr(self.idx_ahead):
-                    q_hook = partial(self._load_q_idx_of_item, q_hook, mIdx, mK, mV, hook_item, n_heads,
+                    q_hook = partial(self._load_q_idx_of_item, q_hook, mIdx, mK, mV, next_item, n_heads,
                                      groups_per_head, tidx, group_fn, count_fn, work_fn, SeqlenInfoCls, block_info,
-                                     pre, next_count, sched=sched)
+                                     pre, next_count)
                 if const_expr(self.stamps):
                     q_hook = partial(self._timed_hook, q_hook, st)
             kv_state, v_state, q_state = self._load_k_ahead(rows, index, sK, sV, pipeline_k, pipeline_v, kv_state,
@@ -871,15 +776,12 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _load_q_idx_of_item(self, q_hook, mIdx, mK, mV, item, n_heads, groups_per_head, tidx, group_fn, count_fn,
-                            work_fn, SeqlenInfoCls, block_info, pre, count, q_state, sched=None):
+                            work_fn, SeqlenInfoCls, block_info, pre, count, q_state):
         """"idx_ahead": work item ``item``'s valid count into ``pre[0]`` and this thread's raw ``kv_idx`` entry of
         its first key tile (as ``_IndexRow.fetch`` picks it) into ``pre[1]`` (the loads in flight, used at the
         item's start), then ``q_hook(q_state)`` (its queries). ``count``: the item's valid count if loaded before
         ("idx_l2"), else None (read here). With "idx_l2" also the L2 lines of its entries of the item's key tiles
-        1 .. IDX_L2_AHEAD + 1 (the loads of its start and first loop iterations). ``item`` None: the walk's next
-        item (``sched.peek()``, "dyn_walk")."""
-        if const_expr(item is None):
-            item = sched.peek()
+        1 .. IDX_L2_AHEAD + 1 (the loads of its start and first loop iterations)."""
         group = item
         if const_expr(count is None):
             count = count_fn(item)
@@ -902,12 +804,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         return q_hook(q_state)
 
     @cute.jit
-    def _load_q_of_item(self, mQ, mPerm, sQ, pipeline_q, item, n_heads, groups_per_head, tidx, group_fn, q_state,
-                        sched=None):
-        """"q_ahead": work item ``item``'s query rows (its group's, through ``perm``) into the query ring (``item``
-        None: the walk's next item, ``sched.peek()``, "dyn_walk")."""
-        if const_expr(item is None):
-            item = sched.peek()
+    def _load_q_of_item(self, mQ, mPerm, sQ, pipeline_q, item, n_heads, groups_per_head, tidx, group_fn, q_state):
+        """"q_ahead": work item ``item``'s query rows (its group's, through ``perm``) into the query ring."""
         group = item
         if const_expr(self.split_tail):
             group = group_fn(item)[0]

@@ -17,21 +17,16 @@ except ImportError:
 
 
 @triton.jit
-def _valid_counts(KV_IDX, COUNTS, K_ALLOC, CLEAR, LEVELS: tl.constexpr, FAN: tl.constexpr, PDL: tl.constexpr,
-                  HAS_CLEAR: tl.constexpr):
+def _valid_counts(KV_IDX, COUNTS, K_ALLOC, LEVELS: tl.constexpr, FAN: tl.constexpr, PDL: tl.constexpr):
     """A FAN-ary search for the first -1 of one row (validity is monotone along a row): each level loads FAN probes
     of the current segment at once (one dependent load per level instead of one per halving: LEVELS >= log_FAN
     K_ALLOC, 3 levels up to 32768 slots), keeps the segment after the last valid probe; the last level probes every
     slot of a segment of at most FAN. PDL: launched as a programmatic dependent launch (sm_90): wait for the kernel
-    before (its writes visible), then let the next one launch. HAS_CLEAR: program 0 also zeroes the int32 at CLEAR
-    (the CuTeDSL kernel's "dyn_walk" counter, read by the launch after this one)."""
+    before (its writes visible), then let the next one launch."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    if HAS_CLEAR:
-        if row == 0:
-            tl.store(CLEAR, 0)
     base = KV_IDX + row * K_ALLOC
     j = tl.arange(0, FAN)
     nonempty = tl.load(base) >= 0  # issued with the first level's probes (it is probe 0), not after the last
@@ -59,15 +54,14 @@ def levels(k_alloc: int) -> int:
     return n
 
 
-def valid_counts(kv_idx: torch.Tensor, pdl: bool = False, clear: torch.Tensor | None = None) -> torch.Tensor:
+def valid_counts(kv_idx: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """int32 ``[B*H*G]``: each group's number of slots before its first -1 (kv_idx ``[B, H, G, K_alloc]``).
-    ``pdl``: launch as a programmatic dependent launch (CUDA sm_90+ only; the kernel waits for the one before it).
-    ``clear``: an int32 tensor whose first element the launch sets to 0 (or None)."""
+    ``pdl``: launch as a programmatic dependent launch (CUDA sm_90+ only; the kernel waits for the one before it)."""
     kv = kv_idx.contiguous()
     rows = kv.shape[0] * kv.shape[1] * kv.shape[2]
     counts = torch.empty(rows, dtype=torch.int32, device=kv.device)
     pdl = pdl and gdc_wait is not None
     extra = {"launch_pdl": True} if pdl else {}
-    _valid_counts[(rows,)](kv, counts, kv.shape[3], counts if clear is None else clear, LEVELS=levels(kv.shape[3]),
-                           FAN=FAN, PDL=pdl, HAS_CLEAR=clear is not None, num_warps=1, **extra)
+    _valid_counts[(rows,)](kv, counts, kv.shape[3], LEVELS=levels(kv.shape[3]), FAN=FAN, PDL=pdl, num_warps=1,
+                           **extra)
     return counts
