@@ -176,6 +176,66 @@ def test_min_tokens_keeps_a_call_of_exactly_that_many_tokens(gen, min_tokens, sp
     assert (why is None) is sparse, why
 
 
+def test_min_tokens_counts_latent_tokens_without_the_prefix(gen):
+    """The per-call min_tokens check counts latent tokens: a call site's prefix tokens (Hunyuan3D 2.1's time token,
+    ``CallSite.prefix``) do not count, so a 161-token call with a 1-token prefix runs MC-Sparse at min tokens 160 and
+    stays dense at 161 (mutation: the prefix left in the count)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import override
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    x = torch.randn(2, 161, 128, generator=gen)
+    for min_tokens, sparse in ((160, True), (161, False)):
+        run = _adapter_run(min_tokens)
+        options = transformer_options(run, CallSite(0, "wan", prefix=1), chunks=2, sigma=1.0)
+        override.make_override(None)(raw_attention, x, x, x, 2, transformer_options=options)
+        assert (run.counts()["anchor"] > 0) is sparse, run.summary()
+        assert ("fewer latent tokens (160) than min tokens (161)" in run.summary()) is not sparse
+
+
+def test_the_mask_memo_is_per_mask_and_layout():
+    """``override._keep_mask`` keeps its answer for one mask tensor (one host sync per model evaluation), keyed by the
+    sequence and its latent slice too: the same mask with another layout is analysed again (mutation: the memo keyed
+    by the tensor alone handed the second layout the first one's kept keys)."""
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import override
+
+    run = types.SimpleNamespace(mask_memo=None)
+    mask = torch.zeros(1, 1, 20)
+    mask[..., :3] = torch.finfo(torch.float32).min  # keys 0-2 masked: text in [text, latent], latent in the other
+    keep, why = override._keep_mask(run, mask, 20, slice(5, 20))
+    assert why is None and keep.tolist() == list(range(3, 20))
+    assert override._keep_mask(run, mask, 20, slice(5, 20))[0] is keep  # the memo
+    keep2, why2 = override._keep_mask(run, mask, 20, slice(0, 15))
+    assert keep2 is None and why2 == "mask masks latent tokens"
+
+
+def test_a_backend_ignoring_skip_output_reshape_still_serves_the_runners_dense_path(gen):
+    """The runner's dense fallback goes through the caller's own attention asked for [B, H, S, D]
+    (``override._dense_fn``); a backend or earlier override that returns [B, S, H*D] anyway is reshaped, so a call
+    the runner sends dense (here a NaN in q at the anchor step) still returns the caller's layout and values
+    (mutation: the reshape dropped: a shape error)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import override
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import CallSite
+
+    from ._comfy_standins import raw_attention, transformer_options
+
+    def flat_only(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
+        return raw_attention(q, k, v, heads, mask=mask, skip_reshape=skip_reshape)  # always [B, S, H*D]
+
+    x = torch.randn(2, 160, 128, generator=gen)
+    x[1, 7, 3] = float("nan")
+    run = _adapter_run()
+    out = override.make_override(None)(flat_only, x, x, x, 2,
+                                       transformer_options=transformer_options(run, CallSite(0, "wan"), sigma=1.0))
+    ref = raw_attention(x, x, x, 2)
+    assert out.shape == ref.shape and torch.equal(out.isnan(), ref.isnan())
+    torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num(), rtol=1e-5, atol=1e-5)
+    assert "non-finite input" in run.summary(), run.summary()
+
+
 def _case(name, gen):
     """(q, k, v, heads, mask, site, options edits, the summary's dense reason) of one call the adapter must run dense."""
     from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter.callsite import TEXT_LEN_KEY, CallSite

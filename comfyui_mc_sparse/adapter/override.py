@@ -371,8 +371,8 @@ def dispatch(run, site: CallSite | None, q, k, v, heads: int, *, mask, skip_resh
     outs = []
     for i in range(chunks):
         rows = slice(i * per_chunk, (i + 1) * per_chunk)
-        outs.append(_joint_chunk(run, site, qh[rows], kh[rows], vh[rows], text_len=text_len, keep=keep, mask=mask,
-                                 step=step, branch=branches[i], window=window, scale=scale))
+        outs.append(_joint_chunk(run, site, qh[rows], kh[rows], vh[rows], text_len=text_len, keep=keep, step=step,
+                                 branch=branches[i], window=window, scale=scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     return _from_heads_first(out, skip_output_reshape)
 
@@ -401,38 +401,30 @@ def _dense_fn(call: Callable) -> Callable:
     return dense_fn
 
 
-def _joint_chunk(run, site: CallSite, q, k, v, *, text_len: int, keep, mask, step: int, branch, window, scale):
+def _joint_chunk(run, site: CallSite, q, k, v, *, text_len: int, keep, step: int, branch, window, scale):
     """One conditioning chunk of a joint [video, text] / [text, latent] call, ``[B, H, S, D]`` in and out.
 
     Text query rows are always exact: dense over every kept key through the run's dense kernels (with no fp32 score
     matrix nor fp32 copies of K/V). Latent query rows: MC-Sparse over the latent
     keys plus *all* kept text keys exactly (``extra_kv``, LSE merge in the engine); masked text keys are left
-    out of ``extra_kv``. Without text tokens the call is MC-Sparse over the kept keys.
+    out of ``extra_kv``. Without text tokens the call is MC-Sparse over all keys (no key is masked then:
+    ``_analyse_mask`` sends a call that masks a latent key dense).
     """
     seq = q.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if not text_len:
+        return run.sparse_call(q, k, v, step=step, layer=site.layer, branches=[branch], window=window, dense_fn=None,
+                               scale=scale, kind=site.cache_kind)
     text = slice(seq - text_len, seq) if site.joint == "video_first" else slice(0, text_len)
     latent = slice(0, seq - text_len) if site.joint == "video_first" else slice(text_len, seq)
+    ks, vs = (k[:, :, keep], v[:, :, keep]) if keep is not None else (k, v)
+    text_keys = torch.arange(text.start, text.stop, device=q.device)
     if keep is not None:
-        ks, vs = k[:, :, keep], v[:, :, keep]
-    else:
-        ks, vs = k, v
-    if text_len:
-        text_keys = torch.arange(text.start, text.stop, device=q.device)
-        if keep is not None:
-            text_keys = keep[(keep >= text.start) & (keep < text.stop)]
-        extra = (k[:, :, text_keys], v[:, :, text_keys])
-        out = torch.empty_like(q)
-        out[:, :, latent] = run.sparse_call(q[:, :, latent], k[:, :, latent], v[:, :, latent], step=step,
-                                            layer=site.layer, branches=[branch], window=window, dense_fn=None,
-                                            scale=scale, kind=site.cache_kind, extra_kv=extra)
-        out[:, :, text] = run.exact_attention(q[:, :, text], ks, vs, scale=scale)
-        return out
-    qs = q[:, :, keep] if keep is not None else q
-    out_kept = run.sparse_call(qs, ks, vs, step=step, layer=site.layer, branches=[branch], window=window,
-                               dense_fn=None, scale=scale, kind=site.cache_kind)
-    if keep is None:
-        return out_kept
+        text_keys = keep[(keep >= text.start) & (keep < text.stop)]
+    extra = (k[:, :, text_keys], v[:, :, text_keys])
     out = torch.empty_like(q)
-    out[:, :, keep] = out_kept
+    out[:, :, latent] = run.sparse_call(q[:, :, latent], k[:, :, latent], v[:, :, latent], step=step,
+                                        layer=site.layer, branches=[branch], window=window, dense_fn=None,
+                                        scale=scale, kind=site.cache_kind, extra_kv=extra)
+    out[:, :, text] = run.exact_attention(q[:, :, text], ks, vs, scale=scale)
     return out
