@@ -166,8 +166,9 @@ EPILOGUES = ("registers", "smem")
 # ``out`` by the producer warpgroup when it acquired the slot for a later item's queries, each producer thread the
 # 16-byte pieces it copies into that slot; the consumers only staged O and wrote the LSE): lower at all 8 points
 # (1.3B 0.799 / 0.827 / 0.831 / 0.892, 14B 0.868 / 0.927 / 0.873 / 0.908 against 0.830 / 0.858 / 0.875 / 0.916 and
-# 0.882 / 0.916 / 0.904 / 0.932), as session 6's "pstore": the producer's extra work at its hook (the perm load, the
-# read-back, a warpgroup barrier) delays the K/V copies the consumers wait for.
+# 0.882 / 0.916 / 0.904 / 0.932), as session 6's "pstore": likely the producer's extra work at its hook (the perm
+# load, the read-back, a warpgroup barrier) delaying the K/V copies the consumers wait for, or (not measured) the
+# moved code, as "pad1" / "pad2" below test.
 # "pad1" / "pad2" (diagnostics, any options): 24 / 96 reads of the SM clock at the consumer warpgroups' start, their
 # sum stored only if the softmax scale is negative (never; ``_code_pad``): the consumers' code, their key-tile loop
 # included, moves by ~1.1 / ~4 KiB of instruction addresses (offline sm_90a SASS: 0x8e90 -> 0x92d0 / 0x9e10 for the
@@ -187,8 +188,7 @@ EPILOGUES = ("registers", "smem")
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "stage_under_qk",
-           "diag_no_copy", "stamps", "pad1", "pad2")
+           "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps", "pad1", "pad2")
 PAD_READS = {"pad1": 24, "pad2": 96}  # "pad1" / "pad2": clock reads of ``_code_pad`` (~2 instructions each)
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
