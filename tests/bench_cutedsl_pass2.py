@@ -20,9 +20,8 @@ of tiles), `` wg4`` (four consumer warpgroups), `` pr`` (two query groups per wo
 overlapped wgmmas), `` u1`` (``unit_qf``: on ``fp8_operands(unit_qf=True)``'s operands, checked against the
 Triton sums of those), `` tk`` (the top-K fused, K = --topk-density x Sk: checked against the brute-force top-K of
 its own sums too; raced beside the same variant without it at auto ksplit + the separate top-K, select_kv's route;
-with `` u1`` also `` npr``: unit_qf runs without pair; `` sw`` / `` sw<N>``: its row sweeps two keys per word,
-``swar16``, N loads per lane in flight), `` nols`` / `` npr`` (those defaults off), or a timing floor `` noexp`` /
-`` nomma`` (wrong sums: timed without the check).
+with `` u1`` also `` npr``: unit_qf runs without pair), `` nols`` / `` npr`` (those defaults off), or a timing floor
+`` noexp`` / `` nomma`` (wrong sums: timed without the check).
 Writes OUT/bench_cutedsl_pass2.json (after the checks, again after the race). ``--clocks SEC``: then each raced row
 back to back for SEC seconds under nvidia-smi sampling (lines "CLOCKS": ms, SM MHz, W, Mcycles per call; the H200
 runs power-capped, so a row's clock says its energy per call).
@@ -46,10 +45,9 @@ import bench_select_race as bsr  # noqa: E402  (loads the pack)
 from comfyui_mc_sparse_pack.kernels.triton import selection  # noqa: E402
 
 # the compile-time keys
-COMPILED = ("stages", "poly", "lse_smem", "qsplit", "diag", "topk", "wg4", "pair", "overlap", "unit_qf", "swar",
-            "poly_deg")
+COMPILED = ("stages", "poly", "lse_smem", "qsplit", "diag", "topk", "wg4", "pair", "overlap", "unit_qf", "poly_deg")
 FLAGS = {"ls": "lse_smem", "qs": "qsplit", "tk": "topk", "wg4": "wg4", "pr": "pair",
-         "ov": "overlap", "u1": "unit_qf", "sw": "swar"}
+         "ov": "overlap", "u1": "unit_qf"}
 TOPK_DENSITY = 0.25  # the fused top-K variants ("tk") select K = 0.25 x Sk keys per group (--topk-density)
 OFF = {"nols": "lse_smem", "npr": "pair"}
 DEFAULT_VARIANTS = "st4,st4 k1,st4 qr,st4 p4,st6"
@@ -68,9 +66,6 @@ def parse_variant(text: str) -> dict:
             continue
         if tok == "qr":  # qsplit 2: the query halves' wgmmas rolled over tile pairs
             out["qsplit"] = 2
-            continue
-        if tok.startswith("sw") and tok[2:].isdigit():  # swar with that many loads per lane in flight
-            out["swar"] = int(tok[2:])
             continue
         if tok in ("noexp", "nomma"):  # timing floors (wrong sums: not checked, timed only)
             out["diag"] = tok
@@ -129,9 +124,9 @@ def cute_rows(ops, perm, ref16, variants, log, ref_u1=None):
                 fns[name] = (lambda run, out, o: lambda: p2.group_prob_sums_fp8(
                     *o, perm, out, group_size=bsr.C, **run))(run, out, (q8, k8, qf, lse_s, kb))
                 if "select" in run:  # today's route beside it: the same kernel unfused (auto ksplit) + the top-K
-                    sep = {key: val for key, val in run.items() if key not in ("select", "ksplit", "swar")}
+                    sep = {key: val for key, val in run.items() if key not in ("select", "ksplit")}
                     sep_text = " ".join(t for t in text.split()
-                                        if t != "tk" and not t.startswith("sw") and not (t[0] == "k" and t[1:].isdigit()))
+                                        if t != "tk" and not (t[0] == "k" and t[1:].isdigit()))
                     fns[f"cute {sep_text} + separate top-K"] = (lambda sep, out, o, sel, kq: lambda: topk.top_k_rows(
                         p2.group_prob_sums_fp8(*o, perm, out, group_size=bsr.C, **sep), kq, sel.shape[-1], out=sel,
                         cand_count=1))(sep, out, (q8, k8, qf, lse_s, kb), torch.empty_like(sel), kq)

@@ -316,10 +316,10 @@ RACE1_ROWS = {"no unit fold": {}, "stats acc8": {}, "z4": {}, "swar cnt": {}, "z
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True),
-                # "fused": the CuTeDSL kernel's fused top-K (p2cute, session 12: with ROW_ENV's switch; its swar
-                # sweeps; also on walks that need key parts, with auto_ksplit's parts: 1.3B 480p), timed where its
-                # checks (config "fused" of CUTE_CONFIGS) passed
-                "fused": dict(SWAR=8, TOPK_WHOLE_WALKS_ONLY=False, TOPK_AUTO_KSPLIT=True)}
+                # "fused": the CuTeDSL kernel's fused top-K (p2cute, session 12: with ROW_ENV's switch; also on walks
+                # that need key parts, with auto_ksplit's parts: 1.3B 480p), timed where its checks (config "fused" of
+                # CUTE_CONFIGS) passed
+                "fused": dict(TOPK_WHOLE_WALKS_ONLY=False, TOPK_AUTO_KSPLIT=True)}
 # the Triton modules' globals a row runs under (module name in kernels/triton -> {global: value}, set around each of
 # the row's calls and restored after)
 PARTS_GLOBALS: dict = {# the unit_qf check by unit_qf_factors' launch (the default before round s12r2)
@@ -821,7 +821,6 @@ def install_stand_in():
     stand_in = type("CuteStandIn", (), dict(
         FUSED_TOPK=os.environ.get("SMOKE_CUTE_FUSED", "1") == "1", PAIR=False, TOPK_AUTO_KSPLIT=False, UNIT_QF=False,
         TOPK_WHOLE_WALKS_ONLY=True,
-        SWAR=False,
         refusal=staticmethod(lambda q8, k8, group_size, out: None),
         select_refusal=staticmethod(lambda q8, k8, group_size, out, sel, num_keys: None),
         group_prob_sums_fp8=staticmethod(stand_in_sums)))

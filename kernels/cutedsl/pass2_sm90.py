@@ -43,8 +43,7 @@ as float8 wgmma requires):
   flagged and written by ``topk._radix_topk_rows`` (ONLY_FLAGGED) launched after the kernel: exact either way. With
   key parts (ksplit > 1) a row's parts come from several CTAs: the consumers fence their stores at GPU scope, each
   part's selecting warp counts it in a per-row counter (atomic, acq_rel, GPU scope) and the last one selects the row,
-  reading it from L2 (``ld.global.cg``). ``swar`` (option, ``SWAR``): both sweeps compare the two float16 keys of a
-  32-bit word at once with integer instructions (``swar16``; the copies' slots from a warp prefix count per vector).
+  reading it from L2 (``ld.global.cg``).
 
 Contract of a launch (``Pass2Sm90.__call__``; ``group_prob_sums_fp8`` builds the views): q8 uint8 ``(B*H, S, D)``
 and k8 uint8 ``(B*H, Sk, D)`` (the float8 bytes; contiguous), lse_s fp32 ``(B*H, S)``, perm int32 ``(B*H, G*C)``,
@@ -76,7 +75,7 @@ from flash_attn.cute import utils as fa_utils
 from quack import layout_utils, sm90_utils
 
 from ..triton import pass2_dispatch
-from . import pass2_launch, swar16
+from . import pass2_launch
 
 HEAD_DIM = 128
 TILE_Q = 128  # query slots per group (the wgmma N)
@@ -90,7 +89,6 @@ CAND_SLOTS = 16384  # each selecting warp's int16 candidate slots in shared memo
 SAMPLE_SLOTS = 1024  # the sample's slots (topk._BRACKET_MAX_SAMPLES), staged at the start of the candidate slots
 KEY_TOP = 0x7C01  # one above +inf's float16 key: above every key (topk._bracket_row's ``top``)
 SWEEP_BATCH = 4  # 16-byte loads per lane issued together in the selecting warps' row sweeps (latency from L2)
-SWAR_BATCH = 4  # the same for the swar sweeps (``swar`` True; an int 2 / 4 / 8 picks it)
 
 
 class _Walk:
@@ -132,7 +130,7 @@ class Pass2Sm90:
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, lse_smem: bool = False, qsplit: int = 0,
                  diag: str = "", topk: bool = False, wg4: bool = False, pair: bool = False, overlap: bool = False,
-                 unit_qf: bool = False, swar: int = 0, poly_deg: int = 3):
+                 unit_qf: bool = False, poly_deg: int = 3):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -165,13 +163,7 @@ class Pass2Sm90:
         # the fused top-K's selecting warps need more than 32 registers, and pair's query loader (two groups per item)
         # spills at 32: 152 / 56 then (offline sm_90a: no consumer spill)
         more = topk or pair
-        # swar: the selecting warps' sweeps on two keys per word with ``batch`` 16-byte loads per lane in flight (8:
-        # 80 registers for the producers, 144 for the consumers: offline sm_90a, no consumer spill)
-        self.swar = bool(swar) and topk
-        self.batch = (SWAR_BATCH if swar is True else int(swar)) if self.swar else SWEEP_BATCH
-        assert self.batch in (2, 4, 8), swar
-        wide = self.swar and self.batch > 4
-        self.mma_regs, self.producer_regs = {3: (144, 80) if wide else (152, 56) if more else (160, 32),
+        self.mma_regs, self.producer_regs = {3: (152, 56) if more else (160, 32),
                                              4: (112, 56) if more else (120, 24)}[self.nwg]
         self.dtype = cutlass.Float8E4M3FN
         # the top-K fused: producer warps 2 and 3 select each finished row of the CTA (``_select_rows``)
@@ -488,13 +480,10 @@ class Pass2Sm90:
         hi = cutlass.min(t1, Int32(KEY_TOP))
         lo = cutlass.min(t2, Int32(KEY_TOP))
         cute.arch.sync_warp()  # every lane's sample reads done before the copies overwrite the slots
-        vecs = [cute.make_rmem_tensor((4,), Int32) for _ in range(self.batch)]
+        vecs = [cute.make_rmem_tensor((4,), Int32) for _ in range(SWEEP_BATCH)]
         n_steps = (n_vec + 31) // 32
-        n_batches = (n_steps + self.batch - 1) // self.batch
-        if const_expr(self.swar):
-            above, n_cand = self._count_sweep_swar(wsrc, sC, w, lane, n_vec, n_batches, lo, hi, vecs)
-        else:
-            above, n_cand = self._count_sweep(wsrc, sC, w, lane, n_vec, n_batches, lo, hi, vecs)
+        n_batches = (n_steps + SWEEP_BATCH - 1) // SWEEP_BATCH
+        above, n_cand = self._count_sweep(wsrc, sC, w, lane, n_vec, n_batches, lo, hi, vecs)
         above = cute.arch.warp_reduction_sum(above)
         hit = (above < num_keys) & (above + n_cand >= num_keys) & (n_cand <= CAND_SLOTS)
         if lane == 0:
@@ -513,10 +502,7 @@ class Pass2Sm90:
                 cnt = self._count_above(sC, w, lane, n_cand, trial, False)
                 thr = cutlass.select_(cnt >= kk_rank, trial, thr)
             need = kk_rank - self._count_above(sC, w, lane, n_cand, thr, True)
-            if const_expr(self.swar):
-                self._compact_sweep_swar(wsrc, mSel, b, h, g, lane, n_vec, n_batches, thr, need, num_keys, vecs)
-            else:
-                self._compact_sweep(wsrc, mSel, b, h, g, lane, n_vec, n_batches, thr, need, num_keys, vecs)
+            self._compact_sweep(wsrc, mSel, b, h, g, lane, n_vec, n_batches, thr, need, num_keys, vecs)
             for c in cutlass.range((width - num_keys + 31) // 32, unroll=1):
                 pos = num_keys + c * 32 + lane
                 if pos < width:
@@ -545,47 +531,6 @@ class Pass2Sm90:
                         sC[slot, w] = cutlass.Int16(key)
                     n_cand += cute.arch.popc(mask)
         return above, n_cand
-
-    @cute.jit
-    def _count_sweep_swar(self, wsrc, sC, w, lane, n_vec, n_batches, lo, hi, vecs):
-        """``_count_sweep`` with both keys of a 32-bit word compared at once (``swar16``); each lane's keys in
-        [lo, hi] of a vector are copied to consecutive slots after the warp's prefix count of that vector (the
-        copies' order does not matter), so a vector's registers are free once it is done."""
-        hi2 = swar16.pair(hi + 1)  # (key > hi) == (key >= hi + 1); hi <= KEY_TOP, so hi + 1 <= 0x7FFF
-        lo2 = swar16.pair(lo)
-        above = Int32(0)  # this lane's keys > hi, counted per half
-        n_cand = Int32(0)
-        for i in cutlass.range(n_batches, unroll=1):
-            for u in cutlass.range_constexpr(self.batch):  # the batch's loads first: self.batch in flight per lane
-                self._load_vec(wsrc, (i * self.batch + u) * 32 + lane, n_vec, vecs[u])
-            for u in cutlass.range_constexpr(self.batch):
-                valid = Int32(0) - Int32((i * self.batch + u) * 32 + lane < n_vec)  # (past the row: a repeated vector)
-                bits = Int32(0)  # bit k (16 + k): word k's low (high) key inside
-                mine = Int32(0)  # this lane's keys inside, per half
-                for k in cutlass.range_constexpr(4):
-                    kk = swar16.keys(vecs[u][k])
-                    a = swar16.at_least(kk, hi2) & valid
-                    m = swar16.ones(swar16.at_least(kk, lo2) & ~a & valid)
-                    above += swar16.ones(a)
-                    mine += m
-                    bits |= m << k
-                mine = swar16.total(mine)
-                incl = mine
-                for d in cutlass.range_constexpr(5):
-                    up = cute.arch.shuffle_sync_up(incl, offset=1 << d)
-                    if lane >= (1 << d):
-                        incl += up
-                slot = n_cand + incl - mine
-                if bits != 0:
-                    for k in cutlass.range_constexpr(4):
-                        kk = swar16.keys(vecs[u][k])
-                        for hh in cutlass.range_constexpr(2):
-                            inside = (bits >> (16 * hh + k)) & 1
-                            if (inside != 0) & (slot < CAND_SLOTS):
-                                sC[slot, w] = cutlass.Int16((kk >> (16 * hh)) & swar16.HALF_MASK)
-                            slot += inside
-                n_cand += cute.arch.shuffle_sync(incl, 31)
-        return swar16.total(above), n_cand
 
     @cute.jit
     def _compact_sweep(self, wsrc, mSel, b, h, g, lane, n_vec, n_batches, thr, need, num_keys, vecs):
@@ -619,67 +564,6 @@ class Pass2Sm90:
                         mSel[b, h, g, pos] = v * 8 + e
                     gt_b += Int32(gt)
                     eq_b += Int32(eq)
-                tot = cute.arch.shuffle_sync(incl, 31)
-                n_gt += tot & 0xFFFF
-                n_eq += tot >> 16
-
-    @cute.jit
-    def _compact_sweep_swar(self, wsrc, mSel, b, h, g, lane, n_vec, n_batches, thr, need, num_keys, vecs):
-        """``_compact_sweep`` with both keys of a word compared at once (``swar16``); the per-key writes test the
-        vector's packed flag bits (where a vector's keys == T are taken all or none, one mask; the one vector per row
-        where they run out, key by key) and store through the row's base pointer."""
-        t1 = swar16.pair(thr + 1)  # > T
-        t0 = swar16.pair(thr)  # >= T
-        srow = cute.make_tensor(
-            cute.make_ptr(Int32, fa_utils.elem_pointer(mSel, (b, h, g, 0)).toint(), cute.AddressSpace.gmem,
-                          assumed_align=4), cute.make_layout((num_keys,)))
-        n_gt = Int32(0)
-        n_eq = Int32(0)
-        for i in cutlass.range(n_batches, unroll=1):
-            for u in cutlass.range_constexpr(self.batch):  # the batch's loads first
-                self._load_vec(wsrc, (i * self.batch + u) * 32 + lane, n_vec, vecs[u])
-            for u in cutlass.range_constexpr(self.batch):
-                v = (i * self.batch + u) * 32 + lane
-                valid = Int32(0) - Int32(v < n_vec)
-                gsum = Int32(0)  # this vector's keys > T (== T), per half
-                esum = Int32(0)
-                gbits = Int32(0)  # bit k (16 + k): word k's low (high) key > T
-                ebits = Int32(0)  # the same for == T
-                for k in cutlass.range_constexpr(4):
-                    kk = swar16.keys(vecs[u][k])
-                    gt = swar16.at_least(kk, t1) & valid
-                    eq = swar16.ones(swar16.at_least(kk, t0) & ~gt & valid)
-                    gt = swar16.ones(gt)
-                    gsum += gt
-                    esum += eq
-                    gbits |= gt << k
-                    ebits |= eq << k
-                packed = swar16.total(gsum) + (swar16.total(esum) << 16)  # > T low, == T high
-                incl = packed
-                for d in cutlass.range_constexpr(5):
-                    up = cute.arch.shuffle_sync_up(incl, offset=1 << d)
-                    if lane >= (1 << d):
-                        incl += up
-                excl = incl - packed
-                eq_b = n_eq + (excl >> 16)
-                pos = n_gt + (excl & 0xFFFF) + cutlass.min(eq_b, need)
-                if packed != 0:
-                    if (eq_b < need) & (eq_b + (packed >> 16) > need):  # the vector where the keys == T run out
-                        for e in cutlass.range_constexpr(8):  # key e: word e // 2, half e % 2
-                            is_gt = (gbits >> (16 * (e % 2) + e // 2)) & 1
-                            is_eq = (ebits >> (16 * (e % 2) + e // 2)) & 1
-                            take = is_gt | (is_eq & Int32(eq_b < need))
-                            if (take != 0) & (pos < num_keys):
-                                srow[pos] = v * 8 + e
-                            pos += take
-                            eq_b += is_eq
-                    else:  # its keys == T all taken (eq_b + count <= need) or none (eq_b >= need)
-                        takes = gbits | (ebits & (Int32(0) - Int32(eq_b < need)))
-                        for e in cutlass.range_constexpr(8):
-                            take = (takes >> (16 * (e % 2) + e // 2)) & 1
-                            if (take != 0) & (pos < num_keys):
-                                srow[pos] = v * 8 + e
-                            pos += take
                 tot = cute.arch.shuffle_sync(incl, 31)
                 n_gt += tot & 0xFFFF
                 n_eq += tot >> 16
@@ -989,8 +873,6 @@ TOPK_AUTO_KSPLIT = False
 # kernel unfused + the separate top-K).
 PAIR_FUSED = True
 TOPK_WHOLE_WALKS_ONLY = True
-# the fused top-K's row sweeps on two keys per 32-bit word (``swar16``; Pass2Sm90(swar=)): an option until measured
-SWAR = False
 # The default launch config: three consumer warpgroups with the LSE through shared memory (lse_smem), 4 stages, no
 # FMA-pipe share. H200 round s8r2 (main 2a57dc8, tests/bench_select_race.py race 2, the method of record, the
 # kernel alone / flash-attn-4 dense 8.954 ms at 1.3B 480p, all heads, each variant checked against the Triton sums
@@ -1098,7 +980,7 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
                  lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
                  wg4: bool = False, pair: bool = False, overlap: bool = False, unit_qf: bool = False,
-                 swar: bool = False, poly_deg: int | None = None):
+                 poly_deg: int | None = None):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``; ``topk``: the fused top-K. Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -1114,7 +996,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=(0 if pair else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
                        topk=bool(topk), wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap),
-                       unit_qf=bool(unit_qf), swar=swar, poly_deg=int(poly_deg))
+                       unit_qf=bool(unit_qf), poly_deg=int(poly_deg))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
@@ -1122,7 +1004,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
              wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
-             unit_qf: bool = False, swar: bool | None = None, poly_deg: int | None = None):
+             unit_qf: bool = False, poly_deg: int | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -1137,14 +1019,12 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     qsplit = (0 if pair else QSPLIT) if qsplit is None else int(qsplit)  # (pair runs without qsplit)
     wg4 = WG4 if wg4 is None else bool(wg4)
     overlap = (OVERLAP and pair and not wg4) if overlap is None else bool(overlap)
-    swar = (SWAR if swar is None else swar) if topk else False  # (only the fused top-K reads it)
-    swar = SWAR_BATCH if swar is True else int(swar)
     if fit:  # the default: as many as fit
         stages = fit_stages(stages, 4 if wg4 else 3, 2 if pair else 1, topk)
     key = ("mc_pass2_sm90", out_dtype, stages, poly, lse_smem, qsplit, diag or "", topk, wg4, pair, overlap,
-           bool(unit_qf), swar, int(poly_deg), cc.source_hash())
+           bool(unit_qf), int(poly_deg), cc.source_hash())
     return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, lse_smem, qsplit, diag, topk, wg4, pair,
-                                                overlap, unit_qf, swar, poly_deg))
+                                                overlap, unit_qf, poly_deg))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -1195,7 +1075,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
                         poly: int | None = None, lse_smem: bool | None = None, qsplit: int | None = None,
                         diag: str = "", wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
                         num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None,
-                        unit_qf: bool = False, swar: bool | None = None, poly_deg: int | None = None):
+                        unit_qf: bool = False, poly_deg: int | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
@@ -1211,8 +1091,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         qsplit (0, 1, 2: tile pairs rolled), wg4 (four consumer warpgroups), pair (two query groups per work item,
         sharing each key stage), overlap (with pair: the second group's wgmma under the first's exponentials),
         num_ctas, ksplit: tuning; poly_deg: the polynomial's degree (3, or 2; None: ``UNIT_POLY_DEG`` in the
-        unit_qf form, else 3); swar: the fused top-K's sweeps on two
-        keys per word (None: ``SWAR``); diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG sums)
+        unit_qf form, else 3); diag: a timing floor of the benchmark ("noexp" / "nomma": WRONG sums)
         (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused top-K's sample plan
         (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s (tests: a plan whose brackets miss
         sends rows to the radix launch; any plan gives the same selection). unit_qf (select_kv passes it with
@@ -1253,7 +1132,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
     if topk_on and ksplit is None and not TOPK_AUTO_KSPLIT:
         ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, lse_smem, qsplit, diag, topk_on,
-                  wg4, pair, overlap, unit_form, swar, poly_deg)
+                  wg4, pair, overlap, unit_form, poly_deg)
     if num_ctas is None:
         num_ctas = _sm_count(q8.device)
     if ksplit is None:
