@@ -394,6 +394,41 @@ def test_decoded_groups_kept_within_the_plan_budget(monkeypatch):
     assert run.runner.loader.kept_loads == 0 and len(decodes) >= 3 * 2
 
 
+def test_a_later_anchor_step_drops_the_kept_batches():
+    """Kept decoded batches belong to the anchor step that stored their entries: a second anchor step (anchor_steps
+    "1, 3") replaces the entries, and the reuse step after it must read the new ones. With a keep budget the outputs
+    equal, bit for bit, a run that keeps nothing, at both reuse steps (mutation: ``ReuseLoader.clear`` leaving the
+    kept batches: step 4 reused step 1's selection and residual)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.config import MCSparseConfig
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.engine import MCSparseRunner
+
+    g = torch.Generator().manual_seed(SEED)
+    qkv = [[torch.randn(2, 2, 192, 64, generator=g) for _ in range(3)] for _ in range(4)]  # new q, k, v every step
+    keys = [CacheKey(0, "uuid1", None, (1, 2, 192, 64)), CacheKey(0, "uuid0", None, (1, 2, 192, 64))]
+    outs = {}
+    for budget in (0, 1 << 30):
+        runner = MCSparseRunner(MCSparseConfig(density=0.5, group_size=64, warmup_steps=0, anchor_steps=(0, 2)))
+        runner.loader.keep_budget_bytes = budget
+        outs[budget] = [runner.attention(*qkv[step], step=step, layer=0, keys=keys) for step in range(4)]
+        if budget:
+            assert runner.loader.kept_bytes > 0 and runner.stats.anchors == [0, 2]
+    for step in range(4):
+        assert torch.equal(outs[0][step], outs[1 << 30][step]), step
+
+
+def test_a_prefetch_of_a_missing_entry_is_a_no_op():
+    """``ReuseLoader.prefetch`` of a group with an entry the cache does not hold (evicted, or a predicted group of
+    keys never stored) starts nothing and raises nothing (mutation: the guard dropped: an AttributeError inside the
+    engine's prefetch, which turns the run dense); before any load the hit rate is None (no "0 %" in the summary)."""
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.cache import MetadataCache
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.prefetch import ReuseLoader
+
+    loader = ReuseLoader(MetadataCache("gpu"))
+    assert loader.hit_rate is None
+    loader.prefetch((CacheKey(0, "uuid0", None, (1, 2, 64, 64)),), torch.device("cpu"), torch.float32)
+    assert loader._pending is None and (loader.hits, loader.misses, loader.dropped) == (0, 0, 0)
+
+
 def test_keep_budget_from_the_plan():
     """Kept only for a GPU cache whose bytes + working set + every entry's int32 groups and indices take at most half of
     the plan's GPU budget beyond the headroom; never for a CPU cache, a dense plan or an unknown budget."""
