@@ -399,16 +399,24 @@ def test_runner_dense_fn_sees_extra_keys(gen):
 
 
 def test_extra_kv_of_the_wrong_shape_is_rejected(gen):
-    """extra_kv must share q's batch, heads and head dim."""
+    """extra_kv must share q's batch, heads, head dim, dtype and device, and be finite at an anchor step (mutations:
+    the dtype check dropped; extra_kv left out of the finite check: a NaN text key reached the selection)."""
     q, k, v = _qkv(gen, S=128)
     cfg = MCSparseConfig(group_size=64, warmup_steps=0, anchor_steps=(0,))
     with pytest.raises(ValueError, match=r"extra_kv k must be \[B, H, T, D\]"):
         attention.anchor_attention(q, k, v, cfg, extra_kv=(torch.randn(1, 3, 5, 64), torch.randn(1, 3, 5, 64)))
     kx = torch.randn(1, 2, 5, 64, generator=gen)
     for bad, words in (((kx,), "a (k, v) pair"), ((kx, kx, kx), "a (k, v) pair"), ((kx, kx[:, :, :4]), "one shape"),
-                       ((kx, kx.to("meta")), "extra_kv v must match q's dtype and device")):
+                       ((kx, kx.to("meta")), "extra_kv v must match q's dtype and device"),
+                       ((kx.double(), kx), "extra_kv k must match q's dtype and device")):
         with pytest.raises((TypeError, ValueError), match=re.escape(words)):
             attention.anchor_attention(q, k, v, cfg, extra_kv=bad)
+    for i, name in ((0, "extra_kv k"), (1, "extra_kv v")):
+        bad = [kx, kx.clone()]
+        bad[i] = bad[i].clone()
+        bad[i][0, 1, 2, 3] = float("inf") if i else float("nan")
+        with pytest.raises(attention.NonFiniteInputError, match=name):
+            attention.anchor_attention(q, k, v, cfg, extra_kv=tuple(bad))
 
 
 def test_ineligible_calls_are_named_and_merge_survives_far_apart_lses(gen):
