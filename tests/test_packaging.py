@@ -103,3 +103,33 @@ def test_architecture_doc_switch_defaults_match_the_code():
         assert len(values) == 1, (module, name, values)
         assert bool(values[0]) == (word == "on"), f"{module}.{name} = {values[0]!r}, the table says {word}"
 
+
+
+def test_readme_inputs_table_gives_the_nodes_defaults():
+    """README's "Inputs" table lists every input of the MC-Sparse Patch node (but ``model``) with the node's default
+    (read from ``adapter/nodes.py``'s schema with ast: no ComfyUI needed; ``BOX_DEFAULTS[...]`` resolved from
+    ``adapter.settings``). Mutation: a node default changed without the README (density 0.2 -> 0.25)."""
+    import ast
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import settings
+
+    tree = ast.parse((ROOT / "comfyui_mc_sparse" / "adapter" / "nodes.py").read_text(encoding="utf-8"))
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MCSparsePatch")
+    defaults = {}
+    for call in ast.walk(node):
+        if isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.Constant):
+            kw = {k.arg: k.value for k in call.keywords}
+            if "default" in kw:
+                d = kw["default"]
+                if isinstance(d, ast.Subscript) and ast.unparse(d.value) == "BOX_DEFAULTS":
+                    value = settings.BOX_DEFAULTS[ast.literal_eval(d.slice)]
+                else:
+                    value = ast.literal_eval(d)
+                defaults[call.args[0].value] = ("on" if value else "off") if isinstance(value, bool) else value
+    table = (ROOT / "README.md").read_text(encoding="utf-8").split("### Inputs", 1)[1].split("\n### ", 1)[0]
+    rows = dict(re.findall(r"^\| ([a-z_]+) \| ([^|]+?) \|", table, flags=re.M))
+    rows.pop("input", None)  # the header
+    assert set(rows) == set(defaults), (sorted(rows), sorted(defaults))
+    for name, value in defaults.items():
+        want = value if isinstance(value, str) else f"{value:g}"
+        assert rows[name] == want, (name, rows[name], value)
