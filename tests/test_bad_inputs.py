@@ -544,15 +544,15 @@ def test_a_joint_call_whose_mask_masks_every_text_key_stays_sparse(gen, joint):
                                   "decode_width", "decode_rows", "k_device", "k_head_dim", "perm_device_pass2",
                                   "lse_device", "kv_idx_empty", "decode_bytes", "decode_out_device",
                                   "out_shares_one_element", "q_not_a_tensor", "perm_int64", "perm_short",
-                                  "decode_bits_int32", "decode_no_width", "decode_out_int64"])
+                                  "decode_bits_int32", "decode_no_width", "decode_out_int64", "decode_no_tokens"])
 def test_public_op_checks_no_other_test_reached(gen, case):
     """Each check of the public ops that a mutation could drop with the suite green: ``out`` sharing memory with k or
     v (the kernel reads them while writing out), ``out`` or perm on another device, a perm width that is not G*C for
     kv_idx's G, and decode_bitmask's ``out`` of another width than ``width`` or whose rows do not flatten; q that is
     no tensor, a perm of another dtype or width in pass 2, decode_bitmask's bits not uint8, neither out nor width, an
     out not int32 (session 10: each of these six checks dropped left test_bad_inputs, test_reuse_op,
-    test_reference_ops and test_mc_sparse green). Each is a clear TypeError / ValueError before any backend runs (no
-    backend failure recorded)."""
+    test_reference_ops and test_mc_sparse green; session 12: num_tokens 0, which 0-byte rows matched). Each is a clear
+    TypeError / ValueError before any backend runs (no backend failure recorded)."""
     q, k, v, perm, lse = _inputs(gen)
     kv_idx = kernels.select_kv(q, k, lse, perm, 8, group_size=16, kv_tile=8, backend="torch")
     bits = torch.zeros(6, 5, dtype=torch.uint8)
@@ -601,6 +601,8 @@ def test_public_op_checks_no_other_test_reached(gen, case):
         "decode_no_width": (lambda: kernels.decode_bitmask(bits, num_tokens=40), ValueError, "give out or a width"),
         "decode_out_int64": (lambda: kernels.decode_bitmask(bits, num_tokens=40, out=torch.empty(6, 8, dtype=torch.long)),
                              ValueError, "out must be int32 [6, width]"),
+        "decode_no_tokens": (lambda: kernels.decode_bitmask(bits[:, :0], num_tokens=0, width=8), ValueError,
+                             "ceil(num_tokens/8) = 0 bytes per row, got 0"),
     }[case]
     record = registry.Record()
     with registry.recording(record), pytest.raises(err, match=re.escape(words)):
