@@ -462,7 +462,8 @@ def plan_cache(config: MCSparseConfig, *, heads: int, head_dim: int, layers: int
 
 def _what_would_fit(config: MCSparseConfig, kw: dict, gpu_free: int | None, host: HostMemory | None,
                     windows: bool | None) -> list[str]:
-    """Single setting changes (node input names) that make ``plan_cache`` fit, cheapest in fidelity first."""
+    """Single setting changes that make ``plan_cache`` fit, cheapest in fidelity first: node inputs by their names,
+    then the residual off, which only the Python API sets (``MCSparseConfig.residual``), so said."""
     import dataclasses
 
     def fits(**change) -> CachePlan | None:
@@ -494,7 +495,8 @@ def _what_would_fit(config: MCSparseConfig, kw: dict, gpu_free: int | None, host
     if config.residual:
         none = dataclasses.replace(config, residual=False)
         if not plan_cache(none, gpu_free=gpu_free, host=host, windows=windows, suggest=False, **kw).dense:
-            out.append("residual off (costs fidelity: paper sec. 5 ablation, -3.5 dB)")
+            out.append("residual off (MCSparseConfig(residual=False) in the Python API, not a node input; costs "
+                       "fidelity: paper sec. 5 ablation, -3.5 dB)")
     return out
 
 

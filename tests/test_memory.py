@@ -275,6 +275,21 @@ def test_suggestions_fit_the_budget():
     assert any("memory headroom" in t or "fewer latent tokens" in t for t in tight)
 
 
+def test_residual_off_is_suggested_as_the_python_apis_setting():
+    """Where only a cache without the residual fits (selections and groups alone), the suggestions say so and that it
+    is no node input (MCSparseConfig.residual; the node always stores the residual). Mutation: the suggestion
+    dropped, or any residual-precision suggestion made where none fits."""
+    cfg = MCSparseConfig(density=0.25, residual_dtype="auto", cache_placement="gpu", cache_headroom_gib=0.0)
+    kw = dict(heads=12, head_dim=128, layers=30, tokens=32760, branches=2)
+    none = memory.estimate_for_config(dataclasses.replace(cfg, residual=False), **kw)
+    gpu = none.total_bytes + none.working_bytes  # a residual-free cache fits the GPU exactly; int4's does not
+    plan = memory.plan_cache(cfg, gpu_free=gpu, host=None, **kw)
+    assert plan.dense
+    off = [f for f in plan.fits if f.startswith("residual off")]
+    assert off and "not a node input" in off[0] and "MCSparseConfig(residual=False)" in off[0], plan.fits
+    assert not any(f.startswith("residual precision") for f in plan.fits), plan.fits
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 def test_estimate_matches_cuda_allocations():
