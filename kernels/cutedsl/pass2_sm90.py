@@ -870,7 +870,10 @@ TOPK_AUTO_KSPLIT = False
 # CuTeDSL kernel (key parts) + the separate top-K 0.549-0.558 against the fused top-K's 0.561-0.567 (whole rows: the
 # last round 27 % full; 0.94-1.08 with pair and 3 key parts) and the Triton default's 0.559-0.574. So: pair with the
 # fused top-K, and the fused top-K only on walks that need no key parts (select_refusal; the caller then runs this
-# kernel unfused + the separate top-K).
+# kernel unfused + the separate top-K). With the unit_qf form (no pair), round s12r2 (main 3a6585e,
+# tests/bench_cutedsl_pass2.py, 1.3B 480p, K = 0.5 Sk, kernel alone / dense): fused, whole rows 0.5335, with 2 key
+# parts (sweeps on two keys per word) 0.8280, against this kernel + the separate top-K 0.4832 (pass2_dispatch keeps the
+# fused top-K off; docs/kernels.md, session 12).
 PAIR_FUSED = True
 TOPK_WHOLE_WALKS_ONLY = True
 # The default launch config: three consumer warpgroups with the LSE through shared memory (lse_smem), 4 stages, no
@@ -896,7 +899,9 @@ UNIT_POLY = 8
 # tests/bench_cutedsl_pass2.py, 1.3B 480p, the kernel alone / flash-attn-4 dense 9.123 ms, 7 rounds, every row checked
 # against the Triton sums of its operands first: 5.5e-4 relative L2 with degree 2, 3.2e-4 without): unit_qf + poly 8
 # 0.4422 with degree 3, 0.4270 with degree 2 (one FFMA less per polynomial exponential), poly 12 with degree 2 0.4481.
-# MC_SPARSE_PASS2_POLY_DEG=3 restores degree 3 (read at import).
+# Round s12r3 (main 9399d9e, dense 9.201 ms; its GPU test vs float64 passed first): degree 2 0.4297 (again 0.4313),
+# degree 3 0.4422, poly 6 / 10 with degree 2 0.4297 / 0.4432. MC_SPARSE_PASS2_POLY_DEG=3 restores degree 3 (read at
+# import).
 UNIT_POLY_DEG = int(os.environ.get("MC_SPARSE_PASS2_POLY_DEG", "") or 2)
 assert UNIT_POLY_DEG in (2, 3), f"MC_SPARSE_PASS2_POLY_DEG must be 2 or 3, got {UNIT_POLY_DEG}"
 # the largest relative error of flash-attn-4's degree-2 / degree-3 polynomial 2^f on [0, 1) (numpy, 2e5 points: 2.08e-3
