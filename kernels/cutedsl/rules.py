@@ -74,8 +74,16 @@ EPILOGUE = "smem"
 # round s12r1 (another H200, 4 rounds): 0.830 / 0.858 / 0.875 / 0.916 and 0.882 / 0.916 / 0.904 / 0.932 against
 # 0.804 / 0.844 / 0.859 / 0.900 and 0.894 / 0.931 / 0.893 / 0.929 without it (ahead at 6 of 8, min 0.830 against
 # 0.804): kept.
+# + "pad2" (the consumers' code moved by ~4 KiB of instruction addresses: 96 clock reads at their start, nothing
+# else changed) since 2026-12-02 10:10: H200 round s12r3 (method of record with lead-in, 4 rounds, side by side,
+# 1.3B 480p s = 0.1 / 0.25 / 0.5) 0.939 / 1.021 / 1.030 against the default's 0.911 / 0.985 / 0.979 and "pad1" (~1.1
+# KiB) 0.891 / 0.954 / 0.967: the same instructions run 3-5 % faster or 2.5 % slower by where the consumers' code
+# sits (offline sm_90a SASS, the consumers' key-tile loop at 0x8e90 / 0x92d0 / 0x9e10, the producer's at 0x2e50 in
+# all three; the mechanism, an instruction-fetch effect, is not identified: the two loops' overlap modulo 16 / 32
+# KiB predicts the opposite order). Any edit of the kernel moves its code: race the default against itself with
+# another pad before reading a small difference (docs/kernels.md, session 12).
 STAGED_OPTIONS: tuple = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead",
-                         "idx_ahead", "lazy_rescale", "idx_l2", "stage_under_qk")
+                         "idx_ahead", "lazy_rescale", "idx_l2", "stage_under_qk", "pad2")
 # compile options of the register-epilogue kernel (calls with a residual: the reuse path's), as STAGED_OPTIONS:
 # persistent + overlap since 2026-12-01 16:40: H200 round s6r2 (method of record, 4 rounds, side by side, plain bf16
 # residual, no LSE; 1.3B 480p then 14B 720p, s = 0.1 / 0.15 / 0.25 / 0.5) 0.772 / 0.757 / 0.856 / 0.878 and 0.834 /

@@ -169,12 +169,13 @@ EPILOGUES = ("registers", "smem")
 # 0.882 / 0.916 / 0.904 / 0.932), as session 6's "pstore": likely the producer's extra work at its hook (the perm
 # load, the read-back, a warpgroup barrier) delaying the K/V copies the consumers wait for, or (not measured) the
 # moved code, as "pad1" / "pad2" below test.
-# "pad1" / "pad2" (diagnostics, any options): 24 / 96 reads of the SM clock at the consumer warpgroups' start, their
-# sum stored only if the softmax scale is negative (never; ``_code_pad``): the consumers' code, their key-tile loop
-# included, moves by ~1.1 / ~4 KiB of instruction addresses (offline sm_90a SASS: 0x8e90 -> 0x92d0 / 0x9e10 for the
-# default) with the same instructions, everything else in place. Raced beside the default, they tell whether the
-# kernel's speed depends on where its hot loops sit (instruction cache), which would explain why producer-side
-# changes with fewer instructions lost ~10 % (s12r1, s12r2).
+# "pad1" / "pad2" (any options): 24 / 96 reads of the SM clock at the consumer warpgroups' start, their sum stored
+# only if the softmax scale is negative (never; ``_code_pad``): the consumers' code, their key-tile loop included,
+# moves by ~1.1 / ~4 KiB of instruction addresses (offline sm_90a SASS: 0x8e90 -> 0x92d0 / 0x9e10 for the session-11
+# default) with the same instructions, everything else in place. Round s12r3 (1.3B 480p s = 0.1 / 0.25 / 0.5, side
+# by side): the default 0.911 / 0.985 / 0.979, + pad1 0.891 / 0.954 / 0.967, + pad2 0.939 / 1.021 / 1.030: the
+# kernel's speed depends on where its hot code sits (why producer-side changes with fewer instructions lost ~10 % in
+# s12r1 / s12r2); pad2 in ``rules.STAGED_OPTIONS`` since then.
 # Measured on the H200 and removed (round s12r2): "dyn_walk" (each CTA's items after its first claimed from a
 # per-launch counter, through a 4-entry shared ring with one mbarrier per entry, instead of the grid-stride order):
 # lower at all 8 points (1.3B 0.721 / 0.766 / 0.793 / 0.799, 14B 0.798 / 0.836 / 0.833 / 0.864 against 0.841 /
@@ -1496,7 +1497,7 @@ def _l2_policy(kind: str, *, loc=None, ip=None) -> Int64:
 
 @cute.jit
 def _code_pad(n: cutlass.Constexpr[int], scale_log2: Float32, mCounts: cute.Tensor):
-    """"pad1" / "pad2" (diagnostics): ``n`` reads of the SM clock summed at the consumers' start, written to
+    """"pad1" / "pad2": ``n`` reads of the SM clock summed at the consumers' start, written to
     ``mCounts[0]`` only when ``scale_log2`` < 0 (never): ~2n instructions that move the consumers' code (their
     key-tile loop included) to other instruction addresses, the rest of the kernel unchanged."""
     acc = Int64(0)
