@@ -10,7 +10,7 @@ warpgroup) and, for ours, the producer's K/V loop (the smallest loop without HGM
 includes the once-per-item query hook). Prints each loop's instructions per warp by opcode, side by side.
 
 Usage (the offline CuTeDSL site on PYTHONPATH, as tests/test_cutedsl_backend.py's offline compiles):
-    python tests/sass_cutedsl_loops.py [--options "a,b;c,d"]
+    python tests/sass_cutedsl_loops.py [--options "a,b;c,d"] [--no-dense]
 (the cubins stay in $CUTE_DSL_DUMP_DIR, a fresh temporary directory unless set)
 """
 
@@ -101,8 +101,9 @@ def ours_build(options: tuple):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--options", default=",".join(rules.STAGED_OPTIONS), help='";"-separated option sets')
+    ap.add_argument("--no-dense", action="store_true", help="ours only (no flash-attn-4 compile)")
     args = ap.parse_args()
-    cols = {"fa4 step": pick(loops(sass_of(new_cubin(dense_build))), 16)}
+    cols = {} if args.no_dense else {"fa4 step": pick(loops(sass_of(new_cubin(dense_build))), 16)}
     for i, raw in enumerate(x for x in args.options.split(";") if x):
         found = loops(sass_of(new_cubin(ours_build(tuple(o for o in raw.split(",") if o)))))
         cols[f"[{i}] step"] = pick(found, 16)
@@ -114,6 +115,8 @@ def main():
     for k in ops:
         print(f"{k:32s}" + "".join(f"{cols[n][2][k]:14d}" for n in names))
     print(f"{'total':32s}" + "".join(f"{sum(cols[n][2].values()):14d}" for n in names))
+    for n in names:  # where each loop sits (the kernel's speed depends on it: docs/kernels.md, session 12)
+        print(f"loop {n}: {cols[n][0]:#x}-{cols[n][1]:#x}")
     print(f"cubins in {DUMP}")
 
 
