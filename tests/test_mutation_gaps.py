@@ -889,6 +889,13 @@ def test_call_site_marks_and_plans_at_their_edges():
     plan = layouts.plan_for(_wan_like("VaceWanModel", 4, vace=2, mapping={0: 0}))  # VACE block 1 unmapped
     marks = {rel: factory(original).mc_sparse_marker for rel, factory in plan.patches}
     assert marks["vace_blocks.0.self_attn.forward"].layer == 0 and marks["vace_blocks.1.self_attn.forward"].layer == 5
+    forwards = dict(plan.patches)  # a VACE model's block 0 starts each forward's occurrence count (plan_for's flag)
+    stale = {OCCURRENCE_KEY: {(0, "vace"): 5}}
+    forwards["blocks.0.self_attn.forward"](original)(1, transformer_options=stale)
+    assert stale[OCCURRENCE_KEY] == {}
+    stale = {OCCURRENCE_KEY: {(0, "vace"): 5}}
+    forwards["blocks.1.self_attn.forward"](original)(1, transformer_options=stale)  # later blocks leave it
+    assert stale[OCCURRENCE_KEY] == {(0, "vace"): 5}
 
     patcher = ModelPatcher(_wan_like("WanModel", 2))
     plan = layouts.plan_for(patcher.get_model_object("diffusion_model"))
