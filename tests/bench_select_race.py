@@ -26,10 +26,10 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 3. RACE 1 per shape (tests/_timing.race: sustained back-to-back samples led in by untimed calls, shuffled order,
    median; TEAM.md items 7 and 11): flash-attn-4 dense with LSE, select_kv defaults and ``RACE1_ROWS`` ("cute": the
    CuTeDSL pass 2 with its fused top-K where the module has one, else + the separate top-K counting one bit per pass;
-   session 12's options ("no unit fold": the unit_qf check by its own launch, the default before s12r2; "stats acc8";
-   "z4": the separate top-K's bracket at 4 sigmas; "swar cnt" / "z4 swar": its threshold's counting on int16 pairs;
-   ``PARTS_GLOBALS``, each checked first, ``fold_checks``); "fused": the CuTeDSL kernel's fused
-   top-K (``CUTE_GLOBALS`` / ``ROW_ENV``); "triton" beside a CuTeDSL default (not with ``--no-triton-row``);
+   session 12's rows ("no unit fold": the unit_qf check by its own launch, the default before s12r2; "swar cnt": the
+   separate top-K's threshold counting on int16 pairs; ``PARTS_GLOBALS``, each checked first, ``fold_checks``); a row
+   named "fused" (with a "fused" entry in CUTE_CONFIGS, ``CUTE_GLOBALS`` and ``ROW_ENV``: none since round s12r3):
+   the CuTeDSL kernel's fused top-K, timed where it ran and passed its checks; "triton" beside a CuTeDSL default (not with ``--no-triton-row``);
    ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios
    / dense from the same rounds -> ``pass2_topk_over_dense_max`` (the defaults; both shapes). Each race also prints
    ``from_idle``: each row's lead-in calls (the first of each sample, on a GPU just left by another row) / dense's.
@@ -312,39 +312,32 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"no unit fold": {}, "stats acc8": {}, "z4": {}, "swar cnt": {}, "z4 swar": {}, "fused": {}}
+RACE1_ROWS = {"no unit fold": {}, "swar cnt": {}}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
-CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True),
-                # "fused": the CuTeDSL kernel's fused top-K (p2cute, session 12: with ROW_ENV's switch; also on walks
-                # that need key parts, with auto_ksplit's parts: 1.3B 480p), timed where its checks (config "fused" of
-                # CUTE_CONFIGS) passed
-                "fused": dict(TOPK_WHOLE_WALKS_ONLY=False, TOPK_AUTO_KSPLIT=True)}
+CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
 # the Triton modules' globals a row runs under (module name in kernels/triton -> {global: value}, set around each of
 # the row's calls and restored after)
 PARTS_GLOBALS: dict = {# the unit_qf check by unit_qf_factors' launch (the default before round s12r2)
                        "no unit fold": {"selection": dict(_UNIT_SIGNS=False)},
-                       # the statistics pass with 8-row accumulators (61 registers, ~4x the loads in flight); its
-                       # means round differently
-                       "stats acc8": {"selection": dict(_STATS_ACC_ROWS=8)},
-                       # the separate top-K's bracket at 4 sigmas (fewer candidates, more rows left to the radix
-                       # launch; the same selection)
-                       "z4": {"topk": dict(_SEPARATE_Z=4.0)},
-                       # the threshold's counting passes on int16 pairs (cand_count 3: offline 23 instead of 34.5
-                       # instructions per 8 copies, spills 36 instead of 76 bytes; the same selection), alone and at 4
-                       # sigmas
-                       "swar cnt": {"selection": dict(_TOPK_SEPARATE_COUNT_DEFAULT=3)},
-                       "z4 swar": {"selection": dict(_TOPK_SEPARATE_COUNT_DEFAULT=3), "topk": dict(_SEPARATE_Z=4.0)}}
-# rows whose selection must equal the defaults' (``fold_checks``); the "stats" row's means round differently (a
-# selection may differ on a near-tie): checked against the brute force of its own sums instead. Removed after round
-# s12r2 (1.3B, / dense): "quant rev" (the quantising pass's heads in reverse order, 0.5000 / 0.5069 / 0.5068 / 0.5161
-# against the defaults' 0.5049 / 0.5064 / 0.5189 / 0.5143; s12r1 mixed too: deleted), "stats acc8 p528" (its
-# per-head reduction doubled: 13 us), "ops s12", "z3" (0.5169 / 0.5023 / 0.5073 / 0.5220); "unit fold" is the default
-SAME_RESULT_ROWS = ("no unit fold", "z4", "swar cnt", "z4 swar")
-OWN_SUMS_ROWS = ("stats acc8",)
+                       # the separate top-K's threshold counting on int16 pairs (cand_count 3: offline 23 instead of
+                       # 34.5 instructions per 8 copies; the same selection)
+                       "swar cnt": {"selection": dict(_TOPK_SEPARATE_COUNT_DEFAULT=3)}}
+# rows whose selection must equal the defaults' (``fold_checks``); rows that change the sums' rounding would be
+# checked against the brute force of their own sums (``OWN_SUMS_ROWS``). Removed after measurement (1.3B 480p, /
+# dense, s = 0.1 / 0.15 / 0.25 / 0.5): round s12r2 (defaults 0.5049 / 0.5064 / 0.5189 / 0.5143 before the unit fold):
+# "quant rev" (the quantising pass's heads in reverse order) 0.5000 / 0.5069 / 0.5068 / 0.5161 (s12r1 mixed too),
+# "stats acc8 p528" 0.5059 / 0.4986 / 0.5008 / 0.5129 (its per-head reduction 13 us), "ops s12", "z3" 0.5169 / 0.5023
+# / 0.5073 / 0.5220; round s12r3 (defaults with the unit fold and p2cute's p8 d2: 0.4867 / 0.4892 / 0.4858 / 0.4967):
+# "stats acc8" (the statistics pass with 8-row accumulators, 61 registers) 0.4973 / 0.4888 / 0.4897 / 0.4894 (s12r2
+# 0.5059 / 0.5005 / 0.5054 / 0.5120), "z4" (the separate top-K's bracket at 4 sigmas) 0.4888 / 0.5066 / 0.4889 / 0.4873,
+# "z4 swar" 0.4808 / 0.5024 / 0.4826 / 0.4949, "fused" (the CuTeDSL kernel's fused top-K, MC_SPARSE_PASS2_CUTE_TOPK=1
+# with SWAR 8 and key parts) 0.7414 / 0.7586 / 0.7667 / 0.8187
+SAME_RESULT_ROWS = ("no unit fold", "swar cnt")
+OWN_SUMS_ROWS: tuple = ()
 # environment variables a row runs under (set around each of its calls, restored after)
-ROW_ENV = {"fused": {"MC_SPARSE_PASS2_CUTE_TOPK": "1"}}
-CUTE_CONFIGS = ("cute", "fused")  # each checked in a child process per shape first (``cute_child_check``)
+ROW_ENV: dict = {}
+CUTE_CONFIGS = ("cute",)  # each checked in a child process per shape first (``cute_child_check``)
 CUTE_CHILD_OK: dict = {}  # (shape, config) -> its child check passed
 
 class cute_globals:

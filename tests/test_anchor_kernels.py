@@ -543,33 +543,6 @@ def _assert_pow2_scale(sc, amax):
     assert bool((sc[amax == 0] == 1).all())
 
 
-@pytest.mark.parametrize("S", [5, 40, 70, 3000])
-def test_fp8_stats_with_acc_rows_is_the_same_statistics(gen, monkeypatch, S):
-    """selection._STATS_ACC_ROWS = 8 (``_column_stats_sub``: 8-row sums fed by four 8-row loads per step, the next
-    step's issued first) gives fp8_stats' means within 1e-6 of the float64 means and of the 32-row tiles' (rounding
-    only) and the same scales, on strided [B, S, H*D] views with S = 5 (no whole step), 40, 70, 3000 (splits of 69 rows:
-    two whole steps and a rest of 8-row groups with a partial one); fp8_operands with it: q8 / k8 from those statistics (self-consistent).
-    Mutations: the next step's rows not taken (x0..x3 kept), the rest loop's mask dropped: each fails."""
-    from comfyui_mc_sparse_pack.kernels.triton import selection
-
-    B, H, D = 2, 3, 32
-    x = (torch.randn(B, S, H * D, generator=gen) * 3 + 5).to(torch.bfloat16).view(B, S, H, D).transpose(1, 2)
-    got = {}
-    for acc in (0, 8):
-        monkeypatch.setattr(selection, "_STATS_ACC_ROWS", acc)
-        got[acc] = [t.cpu() for t in selection.fp8_stats(x.to(DEVICE))]
-    want = x.double().mean(2)
-    assert torch.allclose(got[8][0].double(), want, rtol=1e-6, atol=1e-6)
-    assert torch.allclose(got[8][0], got[0][0], rtol=1e-6, atol=1e-6)
-    assert torch.equal(got[8][1], got[0][1])
-    q8, k8 = (t.cpu() for t in selection.fp8_operands(x.to(DEVICE), x.to(DEVICE), torch.zeros(B, H, S).to(DEVICE),
-                                                      0.125)[:2])
-    mean, sc = got[8]
-    want8 = ((x.float() - mean[:, :, None]) / sc[:, :, None, None]).to(torch.float8_e4m3fn)
-    assert torch.equal(q8.view(torch.uint8), want8.view(torch.uint8))
-    assert torch.equal(k8.view(torch.uint8), want8.view(torch.uint8))
-
-
 def test_fp8_scale_is_the_largest_power_of_two_that_fits():
     """fp8_stats' scale at the rule's edges: amax with mantissa 1.75 (exactly 448 after scaling), just above it (the
     next power of two: 224 < ratio), a power of two, a tiny head (amax < 2^-111: scale 1), all-equal rows (amax 0)."""

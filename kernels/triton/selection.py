@@ -511,63 +511,6 @@ def _column_stats(base, stride_s, stride_d, r0, r1, HEAD_DIM: tl.constexpr, BLOC
 
 
 @triton.jit
-def _acc3(acc, hi, lo, x):
-    """acc + x, max(hi, x), min(lo, x) with x (loaded rows) as fp32."""
-    x = x.to(tl.float32)
-    return acc + x, tl.maximum(hi, x), tl.minimum(lo, x)
-
-
-@triton.jit
-def _column_stats_sub(base, stride_s, stride_d, r0, r1, HEAD_DIM: tl.constexpr, ACC: tl.constexpr):
-    """``_column_stats`` with ACC-row accumulators (3 x ACC x HEAD_DIM fp32: a quarter of 32 rows' at ACC 8) fed by
-    steps of four ACC-row loads (4 x ACC rows, issued together, the next step's issued before this step's adds): the
-    same register budget holds ~4x the bytes in flight. Row j of the split goes into accumulator row j % ACC, in
-    increasing j (deterministic; the sums' rounding differs from ``_column_stats``', the max / min are the same)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_a = tl.arange(0, ACC)
-    acc = tl.zeros([ACC, HEAD_DIM], dtype=tl.float32)
-    hi = tl.full([ACC, HEAD_DIM], float("-inf"), tl.float32)
-    lo = tl.full([ACC, HEAD_DIM], float("inf"), tl.float32)
-    step: tl.constexpr = 4 * ACC
-    n_full = tl.maximum(r1 - r0, 0) // step
-    last = r1 - 1
-    r = r0 + offs_a
-    x0 = tl.load(base + tl.minimum(r, last).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
-    x1 = tl.load(base + tl.minimum(r + ACC, last).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
-    x2 = tl.load(base + tl.minimum(r + 2 * ACC, last).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
-    x3 = tl.load(base + tl.minimum(r + 3 * ACC, last).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
-    for i in range(0, n_full):  # whole steps: x0..x3 hold step i's rows; step i + 1's loads go out first
-        rn = r0 + tl.minimum(i + 1, n_full - 1) * step + offs_a  # (the last whole step: loaded again, unused)
-        y0 = tl.load(base + rn.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
-        y1 = tl.load(base + (rn + ACC).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
-        y2 = tl.load(base + (rn + 2 * ACC).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
-        y3 = tl.load(base + (rn + 3 * ACC).to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d)
-        acc, hi, lo = _acc3(acc, hi, lo, x0)
-        acc, hi, lo = _acc3(acc, hi, lo, x1)
-        acc, hi, lo = _acc3(acc, hi, lo, x2)
-        acc, hi, lo = _acc3(acc, hi, lo, x3)
-        x0, x1, x2, x3 = y0, y1, y2, y3
-    for j in range(r0 + n_full * step, r1, ACC):  # the rest, ACC rows at a time (rows past r1: row r1 - 1 again,
-        rows = j + offs_a  # max / min unchanged, 0 added)
-        ok = rows < r1
-        x = tl.load(base + tl.minimum(rows, last).to(tl.int64)[:, None] * stride_s
-                    + offs_d[None, :] * stride_d).to(tl.float32)
-        acc += tl.where(ok[:, None], x, 0.0)
-        hi = tl.maximum(hi, x)
-        lo = tl.minimum(lo, x)
-    return tl.sum(acc, 0), tl.max(hi, 0), tl.min(lo, 0)
-
-
-@triton.jit
-def _split_stats(base, stride_s, stride_d, r0, r1, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, ACC: tl.constexpr):
-    """``_column_stats`` (ACC 0) or ``_column_stats_sub`` (ACC-row accumulators) of rows [r0, r1)."""
-    if ACC:
-        return _column_stats_sub(base, stride_s, stride_d, r0, r1, HEAD_DIM, ACC)
-    else:
-        return _column_stats(base, stride_s, stride_d, r0, r1, HEAD_DIM, BLOCK_S)
-
-
-@triton.jit
 def _fp8_partial_stats(
     X0, X1, PART,
     H, S0, S1, rows0, rows1, n0, n1,
@@ -575,7 +518,6 @@ def _fp8_partial_stats(
     stride_1b, stride_1h, stride_1s, stride_1d,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    ACC: tl.constexpr = 0,  # 0: ``_column_stats`` on BLOCK_S-row tiles; else ``_column_stats_sub`` with ACC-row sums
 ):
     """Column sums, maxima and minima of two tensors' heads in one launch: program (p, b * H + h) with p < n0 takes
     rows [p * rows0, (p + 1) * rows0) of X0's head (b, h), else rows [(p - n0) * rows1, ...) of X1's; writes fp32
@@ -586,14 +528,14 @@ def _fp8_partial_stats(
     h = bh % H
     if p < n0:
         r0 = p * rows0
-        col_sum, col_max, col_min = _split_stats(
+        col_sum, col_max, col_min = _column_stats(
             X0 + b.to(tl.int64) * stride_0b + h.to(tl.int64) * stride_0h, stride_0s, stride_0d, r0,
-            tl.minimum(r0 + rows0, S0), HEAD_DIM, BLOCK_S, ACC)
+            tl.minimum(r0 + rows0, S0), HEAD_DIM, BLOCK_S)
     else:
         r0 = (p - n0) * rows1
-        col_sum, col_max, col_min = _split_stats(
+        col_sum, col_max, col_min = _column_stats(
             X1 + b.to(tl.int64) * stride_1b + h.to(tl.int64) * stride_1h, stride_1s, stride_1d, r0,
-            tl.minimum(r0 + rows1, S1), HEAD_DIM, BLOCK_S, ACC)
+            tl.minimum(r0 + rows1, S1), HEAD_DIM, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     out = PART + (bh.to(tl.int64) * (n0 + n1) + p) * (3 * HEAD_DIM) + offs_d
     tl.store(out, col_sum)
@@ -671,11 +613,6 @@ _STATS_BLOCK_S = 32  # rows per register tile of the statistics pass (4 warps: 3
 # 0.0178 / 0.0191 of dense against 0.0204 / 0.0215 / 0.0249 for 528 (two waves; three races); 1056 0.0213-0.0245, 32-
 # or 128-row quantising programs 0.0201-0.0221, 8 quantising warps 0.0216-0.0227 (4 kept)
 _STATS_PROGRAMS = 264
-# the statistics pass's accumulators: 0 = one per element of its 32-row tiles (96 of its 128 registers: ~32 KiB of
-# loads in flight per SM, latency-bound, round s11's SASS reading); 8 = 8-row sums fed by four 8-row loads per step
-# with the next step's loads issued first (``_column_stats_sub``: ~4x the bytes in flight in fewer registers; the
-# means round differently, max / min the same). Off until a race says (session 12: bench_select_race's "stats acc8")
-_STATS_ACC_ROWS = 0
 _QUANT_BLOCK_S = 64  # rows per program of the quantising pass
 _QUANT_WARPS = 4  # warps per program of the quantising pass
 # its register cap on CUDA: 96 = 5 programs of 4 warps per SM (offline sm_90, 1.3B 480p: 96 plain, 104 with UNIT_CHECK
@@ -704,7 +641,7 @@ def fp8_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, per = _stat_splits(B * H, S)
     part = torch.empty(B * H, n, 3, D, dtype=torch.float32, device=x.device)
     _fp8_partial_stats[(n, B * H)](x, x, part, H, S, S, per, per, n, 0, *x.stride(), *x.stride(), HEAD_DIM=D,
-                                   BLOCK_S=_STATS_BLOCK_S, ACC=_STATS_ACC_ROWS, num_warps=4)
+                                   BLOCK_S=_STATS_BLOCK_S, num_warps=4)
     mean = torch.empty(B, H, D, dtype=torch.float32, device=x.device)
     scale = torch.empty(B, H, dtype=torch.float32, device=x.device)
     _fp8_stats_final[(B * H,)](part, mean, mean, scale, scale, scale, S, S, n, 0, 1.0, HEAD_DIM=D,
@@ -827,7 +764,7 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
     nk, per_k = _stat_splits(B * H, SK, programs)
     part = torch.empty(B * H, nq + nk, 3, D, dtype=torch.float32, device=dev)
     _fp8_partial_stats[(nq + nk, B * H)](q, k, part, H, S, SK, per_q, per_k, nq, nk, *q.stride(), *k.stride(),
-                                         HEAD_DIM=D, BLOCK_S=_STATS_BLOCK_S, ACC=_STATS_ACC_ROWS, num_warps=4)
+                                         HEAD_DIM=D, BLOCK_S=_STATS_BLOCK_S, num_warps=4)
     mq = torch.empty(B * H, D, dtype=torch.float32, device=dev)
     mk = torch.empty(B * H, D, dtype=torch.float32, device=dev)
     stats = torch.empty(4, B, H, dtype=torch.float32, device=dev)  # q scale, k scale, qf, qf_unit (unit_signs)
@@ -924,7 +861,10 @@ _TOPK_FUSED_MIN_CAPABILITY = (9, 0)
 # On: H200 round s9r2 (tests/bench_select_race.py, 1.3B 480p, / flash-attn-4 dense): the separate top-K alone 0.0445
 # counting one bit per pass, 0.0453 two bits; select_kv with the CuTeDSL pass 2 + counting 0.549-0.558 (race 1, the
 # route of CUTE_DEFAULT); rounds s8r1 / s8r2: counting 0.629-0.656 against histograms 0.641-0.657 (race 1, CuTeDSL pass
-# 2 + separate top-K); the same selection either way
+# 2 + separate top-K); the same selection either way. 3 (one bit per pass on int16 pairs, ``topk._count_ge_pairs``):
+# round s12r3 (main 9399d9e, 1.3B, race 1) 0.4940 / 0.4867 / 0.4854 / 0.4888 against the default's 0.4867 / 0.4892 /
+# 0.4858 / 0.4967 (s = 0.1 / 0.15 / 0.25 / 0.5): better at 3 of 4 in its one race, not adopted (the final round races
+# it again as row "swar cnt")
 _TOPK_SEPARATE_COUNT_DEFAULT = True
 # group_prob_sums / select_kv: the float8 pair kernel with one query group per program (one_group; 119 registers, 4
 # programs per SM instead of 3). H200 round s5r2 (tests/bench_select_race.py race 2, sustained interleaved, 1.3B 480p,

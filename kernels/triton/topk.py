@@ -44,7 +44,10 @@ _BLOCK = 1024  # entries per chunk of the row sweep (radix method)
 _Z = 5.0  # bracket half-width in binomial standard deviations (a miss only costs the radix fallback)
 # the separate top-K's (``top_k_rows``) bracket half-width when not given: fewer sigmas hold fewer candidates (the
 # threshold's counting passes over them were ~40 % of a 1.3B 480p row's instructions at s = 0.5, offline SASS) and
-# miss more rows (each then written by the radix launch); session 12 races 4 and 3 against 5 (bench_select_race)
+# miss more rows (each then written by the radix launch). H200 rounds s12r2 / s12r3 (tests/bench_select_race.py, 1.3B
+# 480p, / flash-attn-4 dense, s = 0.1 / 0.15 / 0.25 / 0.5): 4 sigmas 0.5047 / 0.5237 / 0.5063 / 0.5080 against 0.5049 /
+# 0.5064 / 0.5189 / 0.5143, then 0.4888 / 0.5066 / 0.4889 / 0.4873 against 0.4867 / 0.4892 / 0.4858 / 0.4967; 3 sigmas
+# 0.5169 / 0.5023 / 0.5073 / 0.5220 (s12r2): inside the spread or worse, 5 kept
 _SEPARATE_Z = _Z
 # bracket method: one sample per ceil(Sk / _BRACKET_MAX_SAMPLES) keys by default, as many as the sample registers hold
 # (until session 8: one per 128-byte line but >= 512 samples, 520 at 1.3B 480p, whose registers already held 1024).
