@@ -140,7 +140,7 @@ def compile_operand_pass(S=75600, H=40, D=128, arch=90):
                                                                 1182, *q.stride(), *k.stride(), *lse.stride(), -0.09,
                                                                 0.13, sc],
                                      dict(HEAD_DIM=D, BLOCK_S=selection._QUANT_BLOCK_S, KB_POW2=True, UNIT_CHECK=True,
-                                          num_warps=4)),
+                                          num_warps=4, maxnreg=selection._QUANT_MAXNREG)),
     }
     out = []
     for name, (fn, args, meta) in kernels.items():

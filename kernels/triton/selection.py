@@ -615,8 +615,9 @@ _STATS_BLOCK_S = 32  # rows per register tile of the statistics pass (4 warps: 3
 _STATS_PROGRAMS = 264
 _QUANT_BLOCK_S = 64  # rows per program of the quantising pass
 _QUANT_WARPS = 4  # warps per program of the quantising pass
-# its register cap on CUDA: 96 = 5 programs of 4 warps per SM (offline sm_90, 1.3B 480p: 96 plain, 104 with UNIT_CHECK
-# uncapped; capped at 96 no spill)
+# its register cap on CUDA with UNIT_CHECK: 96 = 5 programs of 4 warps per SM, as the plain launch takes uncapped
+# (offline sm_90, 1.3B 480p: 104 with UNIT_CHECK uncapped, 96 capped without spill; the plain launch capped at 96
+# spills 16 bytes, so it runs uncapped)
 _QUANT_MAXNREG = 96
 
 
@@ -783,7 +784,8 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: flo
         q, k, q8, k8, mq, mk, stats[0], stats[1], lse, lse_s, kb, H, S, SK, nbq, *q.stride(), *k.stride(),
         *lse.stride(), -scale, scale * _LOG2E, upart, HEAD_DIM=D, BLOCK_S=bs,
         KB_POW2=bool(kb_pow2), UNIT_CHECK=bool(unit_signs),
-        num_warps=quant_warps or _QUANT_WARPS, **({"maxnreg": _QUANT_MAXNREG} if dev.type == "cuda" else {}))
+        num_warps=quant_warps or _QUANT_WARPS,
+        **({"maxnreg": _QUANT_MAXNREG} if unit_signs and dev.type == "cuda" else {}))
     if unit_signs:
         _unit_qf_final[(B * H,)](upart, stats[2], stats[3], nbq, nblocks, BLOCK=_UNIT_FINAL_BLOCK, num_warps=4)
         return q8, k8, stats[2], lse_s, kb, stats[3].reshape(B * H)
