@@ -79,6 +79,26 @@ def test_selection_equals_brute_force_topk(gen, S, C, density_keys):
             assert sums[chosen].min() >= kth - 1e-5  # every kept token is in the top K (up to fp32 ties)
 
 
+def test_reference_selection_breaks_ties_to_the_lower_index(gen):
+    """The torch backend's select_kv follows the rule of every backend (``reference.topk``): among keys of equal group
+    sum, the lower token index wins. Keys drawn from 3 distinct rows make exact ties in every group's sums, cut by K
+    (mutation: the old ``torch.topk``, which picks among ties arbitrarily: most rows differ)."""
+    from comfyui_mc_sparse_pack.kernels.reference.topk import top_k_rows
+
+    B, H, S, C, D, K = 1, 2, 200, 64, 64, 90
+    q = torch.randn(B, H, S, D, generator=gen)
+    rows = torch.randn(B, H, 3, D, generator=gen)
+    pick = torch.randint(0, 3, (S,), generator=gen)
+    k = rows[:, :, pick].contiguous()
+    _, lse = kernels.dense_attention(q, k, k, return_lse=True, backend="torch")
+    perm = kernels.pddp_groups(q, C, backend="torch")
+    idx = kernels.select_kv(q, k, lse, perm, K, group_size=C, kv_tile=16, backend="torch")
+    sums = kernels.group_prob_sums(q, k, lse, perm, group_size=C, backend="torch")
+    assert torch.equal(idx, top_k_rows(sums, K, idx.shape[-1]))
+    ties = (sums.unsqueeze(-1) == sums.unsqueeze(-2)).sum(-1).gt(1).float().mean()
+    assert ties > 0.5, ties  # most keys tie exactly with others
+
+
 def test_group_prob_sums_match_float64(gen):
     """Pass 2 sums equal float64 sums of exact probabilities over each group's queries."""
     S, C = 150, 64

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from .topk import top_k_rows
+
 _CHUNK_ELEMENTS = 1 << 24  # scores per chunk: 64 MiB of fp32, keeps CPU memory bounded at any S
 
 
@@ -98,8 +100,8 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None):
         num_keys: K, tokens kept per group, 1 <= K <= Sk.
         kv_tile: the width of the returned index rows is K rounded up to a multiple of this.
     Returns:
-        int32 ``[B, H, G, K_alloc]``: indices sorted ascending, slots past K set to -1. Ties are broken
-        arbitrarily (as ``torch.topk``).
+        int32 ``[B, H, G, K_alloc]``: indices sorted ascending, slots past K set to -1. Ties: the lower token
+        index wins, as on every backend (``topk.top_k_rows``; before, ``torch.topk`` broke them arbitrarily).
     """
     B, H, S, _ = q.shape
     C = group_size
@@ -110,8 +112,7 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None):
     for g0 in range(0, G, step):
         sub = perm[..., g0 * C : (g0 + step) * C]
         sums = group_prob_sums(q, k, lse, sub.contiguous(), group_size=C, scale=scale)  # [B, H, g, Sk]
-        top = torch.topk(sums, num_keys, dim=-1, sorted=False).indices
-        out[:, :, g0 : g0 + sums.shape[2], :num_keys] = torch.sort(top, dim=-1).values.to(torch.int32)
+        out[:, :, g0 : g0 + sums.shape[2]] = top_k_rows(sums, num_keys, k_alloc)
     return out
 
 
