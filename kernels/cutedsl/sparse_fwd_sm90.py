@@ -175,7 +175,8 @@ EPILOGUES = ("registers", "smem")
 # default) with the same instructions, everything else in place. Round s12r3 (1.3B 480p s = 0.1 / 0.25 / 0.5, side
 # by side): the default 0.911 / 0.985 / 0.979, + pad1 0.891 / 0.954 / 0.967, + pad2 0.939 / 1.021 / 1.030: the
 # kernel's speed depends on where its hot code sits (why producer-side changes with fewer instructions lost ~10 % in
-# s12r1 / s12r2); pad2 in ``rules.STAGED_OPTIONS`` since then.
+# s12r1 / s12r2); pad2 in ``rules.STAGED_OPTIONS`` since then, not confirmed by the final round s12final
+# (ahead at 3 of 8 points, behind at 4; rules.py).
 # Measured on the H200 and removed (round s12r2): "dyn_walk" (each CTA's items after its first claimed from a
 # per-launch counter, through a 4-entry shared ring with one mbarrier per entry, instead of the grid-stride order):
 # lower at all 8 points (1.3B 0.721 / 0.766 / 0.793 / 0.799, 14B 0.798 / 0.836 / 0.833 / 0.864 against 0.841 /

@@ -865,8 +865,8 @@ _TOPK_FUSED_MIN_CAPABILITY = (9, 0)
 # route of CUTE_DEFAULT); rounds s8r1 / s8r2: counting 0.629-0.656 against histograms 0.641-0.657 (race 1, CuTeDSL pass
 # 2 + separate top-K); the same selection either way. 3 (one bit per pass on int16 pairs, ``topk._count_ge_pairs``):
 # round s12r3 (main 9399d9e, 1.3B, race 1) 0.4940 / 0.4867 / 0.4854 / 0.4888 against the default's 0.4867 / 0.4892 /
-# 0.4858 / 0.4967 (s = 0.1 / 0.15 / 0.25 / 0.5): better at 3 of 4 in its one race, not adopted (the final round races
-# it again as row "swar cnt")
+# 0.4858 / 0.4967 (s = 0.1 / 0.15 / 0.25 / 0.5): better at 3 of 4; the final round s12final (main 78da7ed, row
+# "swar cnt") 0.4915 / 0.5062 / 0.4972 / 0.5433 against 0.4954 / 0.5026 / 0.4949 / 0.5055: not adopted
 _TOPK_SEPARATE_COUNT_DEFAULT = True
 # group_prob_sums / select_kv: the float8 pair kernel with one query group per program (one_group; 119 registers, 4
 # programs per SM instead of 3). H200 round s5r2 (tests/bench_select_race.py race 2, sustained interleaved, 1.3B 480p,
