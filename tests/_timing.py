@@ -23,14 +23,18 @@ import statistics
 import torch
 
 
-def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None) -> dict:
+def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None, samples: dict | None = None) -> dict:
     """Median ms per call of each fn (name -> zero-argument callable on the current CUDA stream), timed interleaved:
     ``rounds`` rounds, each running every fn back to back for about ``target_ms`` (CUDA events), so a clock or
     thermal drift hits every fn alike. The order is shuffled each round (fixed seed). Each sample is led in by
     untimed calls of the same fn (see the module docstring; ``MC_SPARSE_RACE_LEAD_IN=0`` turns that off).
 
     ``from_idle``: a dict to fill with each fn's median ms per lead-in call (the calls that start on an idle GPU,
-    right after another fn's sample: what a sample without lead-in mostly measured); left empty without lead-in."""
+    right after another fn's sample: what a sample without lead-in mostly measured); left empty without lead-in.
+
+    ``samples``: a dict to fill with each fn's timed samples, a list of ``(round, position, predecessor, ms per call)``
+    in time order (position 0 .. len(fns) - 1 within the round; predecessor the fn timed just before, None for the
+    race's first sample): where a row's spread comes from (its place in the order, the row before it, drift)."""
     lead_in = os.environ.get("MC_SPARSE_RACE_LEAD_IN", "1") != "0"
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
     est, times, idle = {}, {k: [] for k in fns}, {k: [] for k in fns}
@@ -44,10 +48,12 @@ def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None
         est[k] = max(a.elapsed_time(b), 1e-3)
     reps = {k: max(1, round(target_ms / est[k])) for k in fns}
     leads = {k: max(1, round(target_ms / 4 / est[k])) if lead_in else 0 for k in fns}
-    order, rng = list(fns), random.Random(0)
-    for _ in range(rounds):
+    order, rng, prev = list(fns), random.Random(0), None
+    if samples is not None:
+        samples.update({k: [] for k in fns})
+    for rnd in range(rounds):
         rng.shuffle(order)
-        for k in order:
+        for pos, k in enumerate(order):
             fn = fns[k]
             a0, a, b = ev(), ev(), ev()
             a0.record()
@@ -59,6 +65,9 @@ def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None
             b.record()
             torch.cuda.synchronize()
             times[k].append(a.elapsed_time(b) / reps[k])
+            if samples is not None:
+                samples[k].append((rnd, pos, prev, times[k][-1]))
+            prev = k
             if leads[k]:
                 idle[k].append(a0.elapsed_time(a) / leads[k])
     if from_idle is not None:

@@ -52,6 +52,7 @@ from comfyui_mc_sparse_pack.kernels.cutedsl import rules  # noqa: E402
 
 SHAPES = {"1.3b": dict(B=1, H=12, S=32760, D=128), "14b": dict(B=1, H=40, S=75600, D=128)}
 C = 128
+T0 = time.perf_counter()  # the run's start (the log's wall seconds: where a round's time goes)
 
 
 def native(gen, B, S, H, D):
@@ -293,8 +294,8 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
                 log(f"{name} s={s}: {tag} WRONG (rel err {r_err[tag][0]:.2e}, NaN left {r_err[tag][1]}): not timed")
                 continue
             fns[tag] = lambda fn=fn, args=args: cc.launch(fn, *args)
-        idle = {}
-        r = race(fns, rounds, target_ms, from_idle=idle)
+        idle, smp = {}, {}
+        r = race(fns, rounds, target_ms, from_idle=idle, samples=smp)
         base = r[base_name]
         eff = {kk: base * s / vv for kk, vv in r.items() if not kk.startswith(("dense", "counts"))}
         # the lead-in calls' median (each started on an idle GPU after another row's sample; empty without lead-in)
@@ -306,12 +307,27 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
         log(f"{name} s={s}: " + ", ".join(f"{kk} {vv:.3f} ms" + (f" (eff {eff[kk]:.3f})" if kk in eff else "")
                                            for kk, vv in r.items())
             + "; rel err / NaN left " + ", ".join(f"{kk} {e:.2e}/{nn}" for kk, (e, nn) in r_err.items()))
+        log(f"{name} s={s}: samples (at {time.perf_counter() - T0:.0f} s of the run): "
+            + sample_summary(smp, base_name, s))
         if idle:
             log(f"{name} s={s}: from idle (lead-in calls' median): " + ", ".join(
                 f"{kk} {vv:.3f} ms" + (f" (eff {eff_idle[kk]:.3f})" if kk in eff_idle else "") for kk, vv in idle.items()))
         rows[s] = dict(ms=r, efficiency=eff, err=r_err, host_us_per_op_call=r_host, from_idle_ms=idle,
-                       efficiency_from_idle=eff_idle)
+                       efficiency_from_idle=eff_idle, samples=smp)
     return dict(baseline=base_name, densities=rows)
+
+
+def sample_summary(smp, base_name, s):
+    """One log line from ``race``'s samples: the baseline's ms per round, then per other row (not "counts") its
+    efficiency per round against the baseline's sample of the same round and its place in that round's order
+    (eff@position), so a row's spread can be read beside its neighbours' (docs/kernels.md, session 13)."""
+    base = {rnd: ms for rnd, _, _, ms in smp[base_name]}
+    parts = [f"{base_name} ms " + "/".join(f"{base[rnd]:.3f}" for rnd in sorted(base))]
+    for kk, v in smp.items():
+        if kk.startswith(("dense", "counts")):
+            continue
+        parts.append(f"{kk} " + " ".join(f"{base[rnd] * s / ms:.3f}@{pos}" for rnd, pos, _, ms in v))
+    return "; ".join(parts)
 
 
 def host_us(fn, dense_fns, calls=20):

@@ -46,6 +46,7 @@ if [ -n "${FALLBACK:-}" ]; then
   timeout -k 3 "$BENCH_S" python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
     --no-compile-times --op-rows "options${RES_ON:+,residual}${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" \
     --res-options "${RES_TESTED:-}" --variants ""
+  echo "round script wall $SECONDS s"
   exit 0
 fi
 if [ -n "$CANDS$RES_CANDS" ]; then
@@ -53,6 +54,7 @@ if [ -n "$CANDS$RES_CANDS" ]; then
     python3 -m pytest -v -p no:cacheprovider tests/test_gpu_cutedsl.py -k 'env_candidate or env_res_candidate' \
     > "$OUT/tests.log" 2>&1
   grep -E "PASSED|FAILED|ERROR|passed|failed|Timeout" "$OUT/tests.log" | tail -n 14
+  echo "GPU tests done at $SECONDS s"
 fi
 ok() {  # every test of candidate $2 of test $1 passed (cases $3...)
   local t=$1 c=$2; shift 2
@@ -79,3 +81,4 @@ timeout -k 3 "$BENCH_S" python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --co
   --no-compile-times --op-rows "options${RES_ANY:+,residual}${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" \
   --res-options "$RES_ROWS" \
   --variants ""
+echo "round script wall $SECONDS s"

@@ -82,3 +82,43 @@ def test_samples_rounds_and_order(timing, monkeypatch):
     orders = [tuple(s[0] for s in samples[r * len(ms):(r + 1) * len(ms)]) for r in range(rounds)]
     assert all(sorted(o) == sorted(ms) for o in orders)
     assert len(set(orders)) > 1  # shuffled each round, not one fixed order
+
+
+def test_samples_give_each_timed_sample_in_time_order(timing, monkeypatch):
+    """``samples``: per fn its timed samples as (round, position, predecessor, ms per call), one per round, in the
+    race's order; the race's figure is their median; a slow sample shows as it was."""
+    mod, gpu_fn = timing
+    monkeypatch.delenv("MC_SPARSE_RACE_LEAD_IN", raising=False)
+    times = {"dense": 10.0, "op": 1.0, "again": 3.0}
+    state = {"op_samples": 0, "log": []}
+
+    def logged(name):
+        fn = gpu_fn(name, times[name], 0.0)
+        slow = gpu_fn(name, times[name] + 2.0, 0.0)
+
+        def call():  # the op's first timed sample (after the size estimate's synchronize) runs 2 ms slower per call
+            state["log"].append(name)
+            (slow if name == "op" and state["op_samples"] == 1 else fn)()
+        return call
+
+    def sync():  # each sample ends with a synchronize: count the op's
+        if state["log"] and state["log"][-1] == "op":
+            state["op_samples"] += 1
+        state["log"].append("|")
+
+    monkeypatch.setattr(mod.torch.cuda, "synchronize", sync)
+    got = {}
+    ms = mod.race({k: logged(k) for k in times}, rounds=4, target_ms=20.0, samples=got)
+    assert sorted(got) == sorted(times)
+    segs = "".join(x if x == "|" else x + "," for x in state["log"]).split("|")[len(times):-1]
+    order = [seg.split(",")[0] for seg in segs]  # the timed samples' fns in time order
+    flat = sorted((r, p, prev, k) for k, v in got.items() for (r, p, prev, _) in v)
+    assert [k for *_, k in flat] == order
+    assert [prev for _, _, prev, _ in flat] == [None] + order[:-1]
+    assert [p for _, p, _, _ in flat] == [0, 1, 2] * 4
+    for k, v in got.items():
+        assert [r for r, *_ in v] == [0, 1, 2, 3]
+        mid = sorted(t for *_, t in v)[1:3]
+        assert ms[k] == pytest.approx(sum(mid) / 2)
+    op = [t for *_, t in got["op"]]
+    assert op[0] == pytest.approx(3.0) and op[1:] == [pytest.approx(1.0)] * 3

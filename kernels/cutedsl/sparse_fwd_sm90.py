@@ -190,8 +190,10 @@ EPILOGUES = ("registers", "smem")
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps", "pad1", "pad2")
-PAD_READS = {"pad1": 24, "pad2": 96}  # "pad1" / "pad2": clock reads of ``_code_pad`` (~2 instructions each)
+           "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps", "pad1", "pad2", "pad3")
+# "pad1" / "pad2" / "pad3": clock reads of ``_code_pad`` (~2 instructions each); "pad3" (~8 KiB, session 13) a third
+# placement raced beside the default with and without pad2
+PAD_READS = {"pad1": 24, "pad2": 96, "pad3": 192}
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
 # queries and first K done, the boundary's softmax of the next item's first tile done, item end (output written or
@@ -1498,7 +1500,7 @@ def _l2_policy(kind: str, *, loc=None, ip=None) -> Int64:
 
 @cute.jit
 def _code_pad(n: cutlass.Constexpr[int], scale_log2: Float32, mCounts: cute.Tensor):
-    """"pad1" / "pad2": ``n`` reads of the SM clock summed at the consumers' start, written to
+    """"pad1" / "pad2" / "pad3": ``n`` reads of the SM clock summed at the consumers' start, written to
     ``mCounts[0]`` only when ``scale_log2`` < 0 (never): ~2n instructions that move the consumers' code (their
     key-tile loop included) to other instruction addresses, the rest of the kernel unchanged."""
     acc = Int64(0)
