@@ -23,7 +23,8 @@ import statistics
 import torch
 
 
-def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None, samples: dict | None = None) -> dict:
+def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None, samples: dict | None = None,
+         order: str = "random") -> dict:
     """Median ms per call of each fn (name -> zero-argument callable on the current CUDA stream), timed interleaved:
     ``rounds`` rounds, each running every fn back to back for about ``target_ms`` (CUDA events), so a clock or
     thermal drift hits every fn alike. The order is shuffled each round (fixed seed). Each sample is led in by
@@ -34,7 +35,11 @@ def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None
 
     ``samples``: a dict to fill with each fn's timed samples, a list of ``(round, position, predecessor, ms per call)``
     in time order (position 0 .. len(fns) - 1 within the round; predecessor the fn timed just before, None for the
-    race's first sample): where a row's spread comes from (its place in the order, the row before it, drift)."""
+    race's first sample): where a row's spread comes from (its place in the order, the row before it, drift).
+
+    ``order``: "random" (each round shuffled, seed 0: every race of the same row count runs the same sequence of
+    orders) or "balanced" (``balanced_orders``: over len(fns) rounds, or 2 len(fns) for an odd count, each fn at
+    each position and right after each other fn equally often)."""
     lead_in = os.environ.get("MC_SPARSE_RACE_LEAD_IN", "1") != "0"
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
     est, times, idle = {}, {k: [] for k in fns}, {k: [] for k in fns}
@@ -48,12 +53,16 @@ def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None
         est[k] = max(a.elapsed_time(b), 1e-3)
     reps = {k: max(1, round(target_ms / est[k])) for k in fns}
     leads = {k: max(1, round(target_ms / 4 / est[k])) if lead_in else 0 for k in fns}
-    order, rng, prev = list(fns), random.Random(0), None
+    if order not in ("random", "balanced"):
+        raise ValueError(f"order must be 'random' or 'balanced', got {order!r}")
+    seq, rng, prev = list(fns), random.Random(0), None
+    plan = balanced_orders(list(fns), rounds) if order == "balanced" else None
     if samples is not None:
         samples.update({k: [] for k in fns})
     for rnd in range(rounds):
-        rng.shuffle(order)
-        for pos, k in enumerate(order):
+        if plan is None:
+            rng.shuffle(seq)
+        for pos, k in enumerate(seq if plan is None else plan[rnd]):
             fn = fns[k]
             a0, a, b = ev(), ev(), ev()
             a0.record()
@@ -73,3 +82,20 @@ def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None
     if from_idle is not None:
         from_idle.update({k: statistics.median(v) for k, v in idle.items() if v})
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def balanced_orders(names: list, rounds: int) -> list:
+    """``rounds`` orders of ``names`` from a Williams design (a Latin square balanced for the row before each row):
+    with n names, over n rounds (n even) or 2n rounds (n odd; the second n reversed) every name takes every position
+    and follows every other name equally often within the rounds; the names' assignment to the design shuffled once
+    (seed 0). Beyond those rounds the design repeats."""
+    n = len(names)
+    names = list(names)
+    random.Random(0).shuffle(names)
+    base = [0] + [(i + 1) // 2 if i % 2 else n - i // 2 for i in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
+    period = n if n % 2 == 0 else 2 * n
+    out = []
+    for r in range(rounds):
+        row = [names[(b + r) % n] for b in base]
+        out.append(row[::-1] if (r % period) >= n else row)
+    return out

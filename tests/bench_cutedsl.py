@@ -140,7 +140,7 @@ def with_options(raw, fn, env="MC_SPARSE_CUTEDSL_OPTIONS"):
 
 
 def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP_ROWS,
-              other_options=(OP_OTHER_OPTIONS,), res_options=()):
+              other_options=(OP_OTHER_OPTIONS,), res_options=(), order="random"):
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (native(gen, B, S, H, D) for _ in range(3))
@@ -295,7 +295,7 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
                 continue
             fns[tag] = lambda fn=fn, args=args: cc.launch(fn, *args)
         idle, smp = {}, {}
-        r = race(fns, rounds, target_ms, from_idle=idle, samples=smp)
+        r = race(fns, rounds, target_ms, from_idle=idle, samples=smp, order=order)
         base = r[base_name]
         eff = {kk: base * s / vv for kk, vv in r.items() if not kk.startswith(("dense", "counts"))}
         # the lead-in calls' median (each started on an idle GPU after another row's sample; empty without lead-in)
@@ -386,6 +386,10 @@ def main():
     ap.add_argument("--res-options", default="",
                     help='";"-separated register-epilogue option sets: the op with the plain residual under each '
                          '($MC_SPARSE_CUTEDSL_RES_OPTIONS), beside the "residual" op row')
+    ap.add_argument("--order", default="random", choices=("random", "balanced"),
+                    help="the race's order of rows per round (tests/_timing.race): random (seed 0, the same sequence "
+                         "at every point) or balanced (a Williams design: give --rounds = the row count, or twice it "
+                         "for an odd count)")
     ap.add_argument("--commit", default=_scoreboard.measured_commit())
     ap.add_argument("--scoreboard", default=str(_scoreboard.BOARD))
     args = ap.parse_args()
@@ -403,7 +407,7 @@ def main():
                                            args.rounds, args.target_ms, [x for x in args.variants.split(",") if x], log,
                                            [x for x in args.op_rows.split(",") if x],
                                            [x for x in args.op_options.split(";") if x],
-                                           [x for x in args.res_options.split(";") if x])
+                                           [x for x in args.res_options.split(";") if x], args.order)
     effs = {(n, s): r["efficiency"]["cutedsl op"] for n, sh in report["shapes"].items()
             for s, r in sh["densities"].items()}
     worst = min(effs, key=effs.get)
@@ -430,7 +434,7 @@ def main():
         effs[worst], "ratio", command=" ".join(["python tests/bench_cutedsl.py"] + sys.argv[1:]), commit=args.commit,
         gpu=report["gpu"],
         note=(f"min over shapes x s of dense with LSE x s / CuTeDSL op (native views, out=, counts launch + kernel; "
-              f"dense timed interleaved with it at each point, median of {args.rounds} rounds); "
+              f"dense timed interleaved with it at each point, median of {args.rounds} rounds, {args.order} order); "
               f"worst at {worst[0]} s={worst[1]}; staged-epilogue options {rules.staged_options()}; dense baseline "
               f"{bases}; minimum per row: " + ", ".join(f"{kk} {e:.3f}" for kk, e in kerns.items())
               + f"; compile {report['compile']}"))}

@@ -12,7 +12,8 @@
 #   of its set passed; TESTED / RES_TESTED: staged / register-epilogue sets GPU-tested in an earlier round or only
 #   measured (not candidates for a default this round), timed without their GPU tests (every timed row is still
 #   checked against float32 at each point before its race); EXTRA_ROWS: more of bench_cutedsl's
-#   --op-rows (e.g. "contiguous"). Writes OUT/tests.log, OUT/bc.json,
+#   --op-rows (e.g. "contiguous", "again"); ORDER: the race's order per round (bench_cutedsl --order: random, the
+#   default, or balanced: then give ROUNDS = the race's row count, twice it if odd). Writes OUT/tests.log, OUT/bc.json,
 #   OUT/scoreboard.json.
 set -u
 OUT=$1
@@ -44,7 +45,7 @@ if [ -n "${FALLBACK:-}" ]; then
   RES_ON=${RES_TESTED:-${RES_ROW:-}}
   echo "op rows: op (default); op with: ${ROWS:-none}; residual rows: ${RES_ON:+op + plain residual (default), }${RES_TESTED:-none}"
   timeout -k 3 "$BENCH_S" python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
-    --no-compile-times --op-rows "options${RES_ON:+,residual}${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" \
+    --order "${ORDER:-random}" --no-compile-times --op-rows "options${RES_ON:+,residual}${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" \
     --res-options "${RES_TESTED:-}" --variants ""
   echo "round script wall $SECONDS s"
   exit 0
@@ -78,7 +79,7 @@ done
 RES_ANY=$RES_CANDS${RES_TESTED:-}
 echo "op rows: op (default); op with: ${ROWS:-none}; residual rows: ${RES_ANY:+op + plain residual (default), }${RES_ROWS:-none}"
 timeout -k 3 "$BENCH_S" python3 tests/bench_cutedsl.py --out "$OUT/bc.json" --commit "$COMMIT" --rounds "$ROUNDS" \
-  --no-compile-times --op-rows "options${RES_ANY:+,residual}${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" \
+  --order "${ORDER:-random}" --no-compile-times --op-rows "options${RES_ANY:+,residual}${EXTRA_ROWS:+,$EXTRA_ROWS}" --op-options "$ROWS" \
   --res-options "$RES_ROWS" \
   --variants ""
 echo "round script wall $SECONDS s"

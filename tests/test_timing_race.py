@@ -122,3 +122,29 @@ def test_samples_give_each_timed_sample_in_time_order(timing, monkeypatch):
         assert ms[k] == pytest.approx(sum(mid) / 2)
     op = [t for *_, t in got["op"]]
     assert op[0] == pytest.approx(3.0) and op[1:] == [pytest.approx(1.0)] * 3
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 6])
+def test_balanced_orders_balance_position_and_predecessor(timing, n):
+    """Williams design: over n rounds (n even) or 2n (n odd) every name at every position and right after every other
+    name equally often within a round; the race times that sequence with order="balanced"."""
+    mod, gpu_fn = timing
+    names = [f"f{i}" for i in range(n)]
+    period = n if n % 2 == 0 else 2 * n
+    plan = mod.balanced_orders(names, period)
+    assert all(sorted(o) == names for o in plan)
+    pos = {(k, i): 0 for k in names for i in range(n)}
+    pairs = {(a, b): 0 for a in names for b in names if a != b}
+    for o in plan:
+        for i, k in enumerate(o):
+            pos[k, i] += 1
+        for a, b in zip(o, o[1:]):
+            pairs[a, b] += 1
+    assert set(pos.values()) == {period // n} and set(pairs.values()) == {period // n}
+    got = {}
+    mod.race({k: gpu_fn(k, 1.0 + i, 0.0) for i, k in enumerate(names)}, rounds=period, target_ms=5.0, samples=got,
+             order="balanced")
+    timed = sorted((r, p, k) for k, v in got.items() for (r, p, _, _) in v)
+    assert [[k for r, _, k in timed if r == rnd] for rnd in range(period)] == plan
+    with pytest.raises(ValueError):
+        mod.race({"a": gpu_fn("a", 1.0, 0.0)}, rounds=1, target_ms=5.0, order="sorted")
