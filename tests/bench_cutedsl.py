@@ -330,6 +330,15 @@ def sample_summary(smp, base_name, s):
     return "; ".join(parts)
 
 
+def shape_rounds(raw: str, shape: str) -> int:
+    """--rounds for ``shape``: ``raw`` is a count ("6") or per-shape counts ("1.3b=18,14b=6"; a shape not named: 3).
+    Raises ValueError on anything else."""
+    if "=" not in raw:
+        return int(raw)
+    per = dict(part.split("=") for part in raw.split(","))
+    return int(per.get(shape, 3))
+
+
 def host_us(fn, dense_fns, calls=20):
     """Host microseconds per call of fn, issued while the GPU runs a dense call queued before (so the launch queue is
     neither empty nor full): above the kernel's own time, the op would be host-bound in a back-to-back race."""
@@ -373,7 +382,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="1.3b,14b")
     ap.add_argument("--densities", default="0.1,0.15,0.25,0.5")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
+    ap.add_argument("--rounds", default="3",
+                    help='interleaved timing rounds (median): a count, or per shape ("1.3b=18,14b=6"; a shape left out: 3)')
     ap.add_argument("--target-ms", type=float, default=30.0,
                     help="time per fn per round (TEAM.md: >= ~20 ms; the first call's host latency is exposed once "
                          "per sample)")
@@ -404,7 +414,8 @@ def main():
     report["compile"] = None if args.no_compile_times else compile_times(log)
     for name in args.shapes.split(","):
         report["shapes"][name] = run_shape(name, SHAPES[name], [float(x) for x in args.densities.split(",")],
-                                           args.rounds, args.target_ms, [x for x in args.variants.split(",") if x], log,
+                                           shape_rounds(args.rounds, name), args.target_ms,
+                                           [x for x in args.variants.split(",") if x], log,
                                            [x for x in args.op_rows.split(",") if x],
                                            [x for x in args.op_options.split(";") if x],
                                            [x for x in args.res_options.split(";") if x], args.order)

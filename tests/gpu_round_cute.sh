@@ -13,7 +13,7 @@
 #   measured (not candidates for a default this round), timed without their GPU tests (every timed row is still
 #   checked against float32 at each point before its race); EXTRA_ROWS: more of bench_cutedsl's
 #   --op-rows (e.g. "contiguous", "again"); ORDER: the race's order per round (bench_cutedsl --order: random, the
-#   default, or balanced: then give ROUNDS = the race's row count, twice it if odd). Writes OUT/tests.log, OUT/bc.json,
+#   default, or balanced: then give ROUNDS = the race's row count, twice it if odd; ROUNDS may be per shape, "1.3b=18,14b=6"). Writes OUT/tests.log, OUT/bc.json,
 #   OUT/scoreboard.json.
 set -u
 OUT=$1
