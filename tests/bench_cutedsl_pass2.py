@@ -21,7 +21,8 @@ overlapped wgmmas), `` u1`` (``unit_qf``: on ``fp8_operands(unit_qf=True)``'s op
 Triton sums of those), `` tk`` (the top-K fused, K = --topk-density x Sk: checked against the brute-force top-K of
 its own sums too; raced beside the same variant without it at auto ksplit + the separate top-K, select_kv's route;
 with `` u1`` also `` npr``: unit_qf runs without pair), `` nols`` / `` npr`` (those defaults off), or a timing floor
-`` noexp`` / `` nomma`` (wrong sums: timed without the check).
+`` noexp`` / `` nomma`` / `` noload`` (no key tiles from L2 after the first ring) (wrong sums: timed without the
+check).
 Writes OUT/bench_cutedsl_pass2.json (after the checks, again after the race). ``--clocks SEC``: then each raced row
 back to back for SEC seconds under nvidia-smi sampling (lines "CLOCKS": ms, SM MHz, W, Mcycles per call; the H200
 runs power-capped, so a row's clock says its energy per call).
@@ -67,7 +68,7 @@ def parse_variant(text: str) -> dict:
         if tok == "qr":  # qsplit 2: the query halves' wgmmas rolled over tile pairs
             out["qsplit"] = 2
             continue
-        if tok in ("noexp", "nomma"):  # timing floors (wrong sums: not checked, timed only)
+        if tok in ("noexp", "nomma", "noload"):  # timing floors (wrong sums: not checked, timed only)
             out["diag"] = tok
             continue
         for pre in ("st", "p", "c", "k", "d"):

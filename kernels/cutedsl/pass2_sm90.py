@@ -149,8 +149,10 @@ class Pass2Sm90:
         # soon as its accumulator is free
         self.qsplit = int(qsplit)
         assert self.qsplit in (0, 1, 2), qsplit
-        # timing floors for the benchmark (wrong sums): "noexp" sums x itself (no MUFU), "nomma" issues no wgmma
-        assert diag in ("", "noexp", "nomma"), diag
+        # timing floors for the benchmark (wrong sums): "noexp" sums x itself (no MUFU), "nomma" issues no wgmma,
+        # "noload" loads each CTA's first ring of key tiles only (then completes the stages without a copy: no key
+        # traffic from L2; the consumers rerun stale tiles)
+        assert diag in ("", "noexp", "nomma", "noload"), diag
         self.diag = diag
         # three consumer warpgroups with one accumulator each (192-key stages, one 64-key third each; 3 warps per
         # SM sub-partition, each issuing, waiting and exponentiating its own tile; H200 round s8r2: 0.484 of dense
@@ -181,8 +183,8 @@ class Pass2Sm90:
         # (the host's sign of qf, ``selection.unit_qf_factors``), each score's 2^s times the query's weight
         # 2^(-LSE * log2(e)) (one per column and item) goes into the row sum by one FFMA, no FFMA for the argument
         # (MUFU + FFMA per score instead of FFMA + MUFU + FADD); other heads (qf passed negated): the default form,
-        # MUFU only (``poly`` applies to the fast form then)
-        assert not (unit_qf and pair), "unit_qf: no pair"
+        # MUFU only (``poly`` applies to the fast form then); with ``pair`` the weights replace the item's LSE rows
+        # in shared memory (read per tile by query column)
         self.unit_qf = bool(unit_qf)
         smem = smem_bytes(stages, self.nwg, self.gpi, topk)
         assert smem <= SMEM_LIMIT, f"shared memory {smem} bytes > 227 KiB (stages {stages}, pair {pair}, topk {topk})"
@@ -269,7 +271,7 @@ class Pass2Sm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self._load_k(mK, sK, tma_atom_K, pipeline_k, walk)
+                self._load_k(mK, sK, tma_atom_K, pipeline_k, walk, storage.mbar_k.data_ptr())
             if warp_idx == 1:
                 self._load_q(mQ, mPerm, mLSE, mInf, sQ, sL, pipeline_q, walk, group_size, n_groups, tidx % 32)
             if const_expr(self.topk):
@@ -284,9 +286,9 @@ class Pass2Sm90:
                           sk, mQ.shape[0], wg, tidx - 128 * (wg + 1), mbar_row)
 
     @cute.jit
-    def _load_k(self, mK, sK, tma_atom_K, pipeline_k, walk):
+    def _load_k(self, mK, sK, tma_atom_K, pipeline_k, walk, mbar_full):
         """Warp 0: the TMA loads of every work item's key tiles (tiles past Sk are zero-filled by TMA; the consumers
-        compute them and store nothing)."""
+        compute them and store nothing); ``mbar_full``: the ring's full barriers (the "noload" floor's arrives)."""
         state = make_pipeline_state(PipelineUserType.Producer, self.stages)
         item = cute.arch.block_idx()[0]
         while item < walk.total:
@@ -295,8 +297,17 @@ class Pass2Sm90:
             load, _, _ = fa_copy.tma_get_copy_fn(tma_atom_K, 0, cute.make_layout(1), gK, sK)
             load = fa_copy.tma_producer_copy_fn(load, pipeline_k)
             for j in cutlass.range(count, unroll=1):
-                pipeline_k.producer_acquire(state)
-                load(src_idx=p0 + j, producer_state=state)
+                if const_expr(self.diag == "noload"):
+                    if item == cute.arch.block_idx()[0] and j < self.stages:
+                        pipeline_k.producer_acquire(state)
+                        load(src_idx=p0 + j, producer_state=state)
+                    else:  # the stage completed by a plain arrive (no transaction bytes): no copy
+                        pipeline_k.sync_object_empty.wait(state.index, state.phase)
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive(mbar_full + state.index)
+                else:
+                    pipeline_k.producer_acquire(state)
+                    load(src_idx=p0 + j, producer_state=state)
                 state.advance()
             item += walk.grid
 
@@ -638,12 +649,15 @@ class Pass2Sm90:
             if const_expr(self.gpi == 2):  # the item's LSE -> bias -LSE * log2(e) in place, one value per thread
                 c_tid = wg * 128 + tid
                 if c_tid < 2 * TILE_Q:
-                    v = sL[c_tid % TILE_Q, q_state.index * 2 + c_tid // TILE_Q]
-                    sL[c_tid % TILE_Q, q_state.index * 2 + c_tid // TILE_Q] = -(v * Float32(LOG2E))
+                    v = -(sL[c_tid % TILE_Q, q_state.index * 2 + c_tid // TILE_Q] * Float32(LOG2E))
+                    if const_expr(self.unit_qf):
+                        if qf > Float32(0.0):  # the fast form's weight 2^bias (0 for a padded slot)
+                            v = cute.arch.exp2(v)
+                    sL[c_tid % TILE_Q, q_state.index * 2 + c_tid // TILE_Q] = v
                 cute.arch.barrier(barrier_id=BIAS_BARRIER, number_of_threads=128 * self.nwg)
             elif const_expr(self.lse_smem):
                 self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index, halves)
-            if const_expr(self.unit_qf):
+            if const_expr(self.unit_qf and self.gpi == 1):
                 if qf > Float32(0.0):  # the fast form: the columns' weights 2^bias (0 for a padded slot's -inf)
                     for c in cutlass.range_constexpr(halves * n_cols):
                         nl2[c] = cute.arch.exp2(nl2[c])
