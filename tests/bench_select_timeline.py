@@ -11,7 +11,8 @@ the previous call's last kernel), in microseconds; then the call's span (first s
 kernel durations and of its gaps. Profiled durations are a timeline's, not the method of record's figures
 (tests/_timing.race): they say where the time of a select_kv call goes, not how fast it is.
 Usage (checkout root, H200): python tests/bench_select_timeline.py --out OUT [--shape 1.3b] [--densities 0.5,0.1]
-[--calls 12] [--rows "defaults,unit fold"] [--commit HASH]. Writes OUT/select_timeline.json (and
+[--calls 12] [--rows "defaults,no unit fold"] [--commit HASH]. Bad flags (a shape, row or density it does not know,
+fewer than 3 calls) stop it before the inputs are made (``check_args``). Writes OUT/select_timeline.json (and
 OUT/trace_<shape>_<row>_<s>.json, the chrome traces). Expected ~25 s at 1.3B for one row (inputs ~10 s, compiles
 ~10 s), ~3 s per further row with warm compiles.
 """
@@ -69,6 +70,28 @@ def table(calls, skip: int = 2) -> dict:
                 gap_before_call_us=rows[0]["gap_us"] if rows else 0.0)
 
 
+def check_args(args) -> str | None:
+    """What is wrong with the flags (None: nothing), checked before the inputs are made (~10 s of GPU time at 1.3B):
+    ``--shape`` a key of bench_select_race.SHAPES, each ``--rows`` entry "defaults" or a race-1 row
+    (``RACE1_ROWS``), each ``--densities`` entry a number in (0, 1], ``--calls`` >= 3 (the table drops the first
+    two calls)."""
+    if args.shape not in bsr.SHAPES:
+        return f"--shape must be one of {', '.join(bsr.SHAPES)}, got {args.shape!r}"
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r != "defaults" and r not in bsr.RACE1_ROWS]
+    if not rows or unknown:
+        return f"--rows: unknown {unknown or 'empty'}; known: defaults, {', '.join(bsr.RACE1_ROWS)}"
+    try:
+        dens = [float(x) for x in args.densities.split(",")]
+    except ValueError:
+        return f"--densities must be comma-separated numbers, got {args.densities!r}"
+    if not all(0.0 < s <= 1.0 for s in dens):
+        return f"--densities must each be in (0, 1], got {args.densities!r}"
+    if args.calls < 3:
+        return f"--calls must be >= 3 (the first two calls are left out of the table), got {args.calls}"
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -78,6 +101,9 @@ def main():
     ap.add_argument("--commit", default="")
     ap.add_argument("--rows", default="defaults")
     args = ap.parse_args()
+    why = check_args(args)
+    if why:
+        ap.error(why)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
