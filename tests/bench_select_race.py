@@ -26,8 +26,7 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 3. RACE 1 per shape (tests/_timing.race: sustained back-to-back samples led in by untimed calls, shuffled order,
    median; TEAM.md items 7 and 11): flash-attn-4 dense with LSE, select_kv defaults and ``RACE1_ROWS`` ("cute": the
    CuTeDSL pass 2 with its fused top-K where the module has one, else + the separate top-K counting one bit per pass;
-   session 12's rows ("no unit fold": the unit_qf check by its own launch, the default before s12r2; "swar cnt": the
-   separate top-K's threshold counting on int16 pairs; ``PARTS_GLOBALS``, each checked first, ``fold_checks``); a row
+   "seg": the separate top-K's kernels/triton/topk_seg.py form (``PARTS_GLOBALS``, checked first, ``fold_checks``); a row
    named "fused" (with a "fused" entry in CUTE_CONFIGS, ``CUTE_GLOBALS`` and ``ROW_ENV``: none since round s12r3):
    the CuTeDSL kernel's fused top-K, timed where it ran and passed its checks; "triton" beside a CuTeDSL default (not with ``--no-triton-row``);
    ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios
@@ -312,17 +311,16 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"no unit fold": {}, "swar cnt": {}}
+RACE1_ROWS = {"seg": {}}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
 # the Triton modules' globals a row runs under (module name in kernels/triton -> {global: value}, set around each of
 # the row's calls and restored after)
-PARTS_GLOBALS: dict = {# the unit_qf check by unit_qf_factors' launch (the default before round s12r2)
-                       "no unit fold": {"selection": dict(_UNIT_SIGNS=False)},
-                       # the separate top-K's threshold counting on int16 pairs (cand_count 3: offline 23 instead of
-                       # 34.5 instructions per 8 copies; the same selection)
-                       "swar cnt": {"selection": dict(_TOPK_SEPARATE_COUNT_DEFAULT=3)}}
+PARTS_GLOBALS: dict = {# the separate top-K's "seg" form (kernels/triton/topk_seg.py: per-thread candidate slots,
+                       # warp-local scans; offline sm_90 SASS per 8-key step 133 / 203 instead of 205 / 246
+                       # instructions, no barrier in the sweeps; the same selection)
+                       "seg": {"topk": dict(_SEPARATE_METHOD="seg")}}
 # rows whose selection must equal the defaults' (``fold_checks``); rows that change the sums' rounding would be
 # checked against the brute force of their own sums (``OWN_SUMS_ROWS``). Removed after measurement (1.3B 480p, /
 # dense, s = 0.1 / 0.15 / 0.25 / 0.5): round s12r2 (defaults 0.5049 / 0.5064 / 0.5189 / 0.5143 before the unit fold):
@@ -332,8 +330,10 @@ PARTS_GLOBALS: dict = {# the unit_qf check by unit_qf_factors' launch (the defau
 # "stats acc8" (the statistics pass with 8-row accumulators, 61 registers) 0.4973 / 0.4888 / 0.4897 / 0.4894 (s12r2
 # 0.5059 / 0.5005 / 0.5054 / 0.5120), "z4" (the separate top-K's bracket at 4 sigmas) 0.4888 / 0.5066 / 0.4889 / 0.4873,
 # "z4 swar" 0.4808 / 0.5024 / 0.4826 / 0.4949, "fused" (the CuTeDSL kernel's fused top-K, MC_SPARSE_PASS2_CUTE_TOPK=1
-# with SWAR 8 and key parts) 0.7414 / 0.7586 / 0.7667 / 0.8187
-SAME_RESULT_ROWS = ("no unit fold", "swar cnt")
+# with SWAR 8 and key parts) 0.7414 / 0.7586 / 0.7667 / 0.8187; round s12final (defaults 0.4954 / 0.5026 / 0.4949 /
+# 0.5055): "no unit fold" (the unit_qf check by its own launch) 0.5045 / 0.5006 / 0.5086 / 0.5162, "swar cnt" (the
+# separate top-K counting on int16 pairs, cand_count 3) 0.4915 / 0.5062 / 0.4972 / 0.5433
+SAME_RESULT_ROWS = ("seg",)
 OWN_SUMS_ROWS: tuple = ()
 # environment variables a row runs under (set around each of its calls, restored after)
 ROW_ENV: dict = {}
@@ -603,8 +603,6 @@ def race2(name, q, k, v, lse, perm, budget, t0, log, reserve=0.0, cute_variants=
                from_idle_over_dense=idle_ratios(idle))
     res["host_ms defaults"] = host_ms(
         lambda: selection.select_kv(q, k, lse, perm, kq, group_size=C, kv_tile=KV_TILE), dense)
-    if "select_kv no unit fold" in fns:
-        res["host_ms no unit fold"] = host_ms(fns["select_kv no unit fold"], dense)
     log(f"{name} RACE 2 (dense {dname} {ms['dense']:.3f} ms, all heads, s = 0.25): " + " | ".join(
         f"{n} {v:.4f}" for n, v in res["over_dense"].items()) + " | " + " | ".join(
         f"{n} {v:.3f}" for n, v in res.items() if n.startswith(("host", "fallback", "sums", "cute sums")))

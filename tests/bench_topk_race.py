@@ -39,9 +39,10 @@ selection = bsr.selection
 ref_top_k_rows = bsr.ref_top_k_rows
 
 # the separate top-K's launch variants (``topk.top_k_rows`` keywords; "count": select_kv's, 4 warps per row, 64
-# registers since round s11r2; "s10": the previous 2 warps at 72 registers). Raced and removed after round s11r2:
-# register caps 64 / 80 at 2 warps, one warp per row, the compaction on lane-major tiles (docs/kernels.md)
-TOPK = {"count": dict(cand_count=1), "count s10": dict(cand_count=1, num_warps=2, maxnreg=72)}
+# registers since round s11r2; "seg": kernels/triton/topk_seg.py, session 13). Raced and removed after round s11r2:
+# 2 warps at 72 registers (the session-10 default), register caps 64 / 80 at 2 warps, one warp per row, the compaction
+# on lane-major tiles (docs/kernels.md)
+TOPK = {"count": dict(cand_count=1), "seg": dict(method="seg")}
 # the float8 operand pass's launch tuning (``selection.fp8_operands`` keywords; "operands": select_kv's, 264 statistics
 # programs per tensor since round s11r2; "p528": the previous 528)
 OPERANDS = {"operands": {}, "operands p528": dict(stats_programs=528)}

@@ -49,6 +49,10 @@ _Z = 5.0  # bracket half-width in binomial standard deviations (a miss only cost
 # 0.5064 / 0.5189 / 0.5143, then 0.4888 / 0.5066 / 0.4889 / 0.4873 against 0.4867 / 0.4892 / 0.4858 / 0.4967; 3 sigmas
 # 0.5169 / 0.5023 / 0.5073 / 0.5220 (s12r2): inside the spread or worse, 5 kept
 _SEPARATE_Z = _Z
+# the separate top-K's method when ``top_k_rows`` is not given one: "bracket" (``_bracket_topk_rows``) or "seg"
+# (``topk_seg``: the same bracket with per-thread candidate slots and warp-local scans; float16 rows that are 16-byte
+# aligned with Sk a multiple of 8, else "bracket")
+_SEPARATE_METHOD = "bracket"
 # bracket method: one sample per ceil(Sk / _BRACKET_MAX_SAMPLES) keys by default, as many as the sample registers hold
 # (until session 8: one per 128-byte line but >= 512 samples, 520 at 1.3B 480p, whose registers already held 1024).
 # H200 round s8r2 (main 176160c, 1.3B 480p, flash-attn-4 dense, tests/_timing.race): one sample per 32 keys (1023)
@@ -494,6 +498,21 @@ def _bracket_topk_rows(
 
 
 @triton.jit
+def _bracket_bounds(src, SK, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS: tl.constexpr, NS: tl.constexpr,
+                    SAMPLE_TWO_BITS: tl.constexpr):
+    """(lo, hi): the bracket of the row at ``src`` (Sk keys): the keys of ranks lo_rank and hi_rank (1 = largest) in a
+    stratified sample of n_samp keys, one per ``stride_samp`` positions at a scrambled offset (``sample_positions``);
+    hi_rank <= 0: hi = one above +inf's key (no key above the bracket); lo_rank > n_samp: lo = 0 (every key inside).
+    SAMPLE_TWO_BITS: ``_kth_largest2`` two bits per reduction."""
+    top = tl.program_id(0) * 0 + (0x7C01 if KEY_BITS == 16 else 0x7F800001)  # one above +inf's key: above every key
+    j = tl.arange(0, NS)
+    pos = j * stride_samp + (j * 97 + (j >> 3) * 13) % stride_samp
+    samp = tl.where(j < n_samp, _keys(src, pos, SK, KEY_BITS), -1)
+    hi, lo = _kth_largest2(samp, hi_rank, lo_rank, top, KEY_BITS - 1, SAMPLE_TWO_BITS)
+    return lo, hi
+
+
+@triton.jit
 def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_samp, hi_rank, lo_rank,
                  KEY_BITS: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, NS: tl.constexpr, cap,
                  PREFETCH: tl.constexpr, SAMPLE_TWO_BITS: tl.constexpr = False, CAND_COUNT: tl.constexpr = False):
@@ -505,13 +524,7 @@ def _bracket_row(src, dst, cand_row, flag, SK, num_keys, width, stride_samp, n_s
     two bits per reduction (``_kth_largest2``; for NS / threads <= 8: the fused epilogue's 4 warps). CAND_COUNT: the
     threshold among the copies by ``_cand_threshold_count`` (bit search by counting; 2: two bits per pass) instead."""
     zero = tl.program_id(0) * 0
-    top = zero + (0x7C01 if KEY_BITS == 16 else 0x7F800001)  # one above +inf's key: above every key
-
-    j = tl.arange(0, NS)
-    pos = j * stride_samp + (j * 97 + (j >> 3) * 13) % stride_samp
-    samp = tl.where(j < n_samp, _keys(src, pos, SK, KEY_BITS), -1)
-    # hi_rank <= 0: hi = top (no key above the bracket); lo_rank > n_samp: lo = 0 (every key inside)
-    hi, lo = _kth_largest2(samp, hi_rank, lo_rank, top, KEY_BITS - 1, SAMPLE_TWO_BITS)
+    lo, hi = _bracket_bounds(src, SK, stride_samp, n_samp, hi_rank, lo_rank, KEY_BITS, NS, SAMPLE_TWO_BITS)
 
     tile = _tile_offsets(ROWS, VEC)
     step: tl.constexpr = ROWS * VEC
@@ -611,9 +624,9 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         method, cap not a power of two >= 16.
     """
     if method is None:
-        method = "bracket"
-    if method not in ("radix", "bracket"):
-        raise ValueError(f"method must be 'radix' or 'bracket', got {method!r}")
+        method = _SEPARATE_METHOD
+    if method not in ("radix", "bracket", "seg"):
+        raise ValueError(f"method must be 'radix', 'bracket' or 'seg', got {method!r}")
     if cap is not None and (cap & (cap - 1) or cap < 16):
         raise ValueError(f"cap must be a power of two >= 16, got {cap}")
     if sums.dtype not in (torch.float16, torch.float32):
@@ -648,11 +661,27 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         _radix_topk_rows[(n,)](rows[0], rows[1], fell_back if hist is None else hist, fell_back, *rows[2:],
                                KEY_BITS=key_bits, BLOCK=block or _BLOCK, HAS_HIST=hist is not None,
                                num_warps=num_warps or 4)
-    elif n and method == "bracket":
+    elif n:
         stride, n_samp, hi_rank, lo_rank, cap_b = bracket_plan(sk, num_keys, key_bits // 8, stride=sample_stride,
                                                                cap=cap, z=_SEPARATE_Z if z is None else float(z))
         vec = 128 // key_bits  # keys per 16-byte load
         align = vec if src.stride(0) % vec == 0 and src.stride(1) % vec == 0 else 1
+        if method == "seg" and key_bits == 16 and align == vec and sk % vec == 0:
+            from . import topk_seg
+
+            warps = num_warps or _BRACKET_WARPS
+            steps, slots = topk_seg.seg_plan(sk, (lo_rank - max(hi_rank, 0)) * stride, warps)
+            slots = cap or slots
+            cand = torch.empty(n, warps * topk_seg.LANES.value * slots, dtype=torch.int16, device=sums.device)
+            regs = _BRACKET_MAXNREG if maxnreg is None else maxnreg
+            topk_seg._seg_topk_rows[(n,)](
+                src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // vec,
+                src.stride(1) // vec, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank, steps, W=warps,
+                VEC=vec, NS=triton.next_power_of_2(n_samp), PT=slots, PREFETCH=prefetch, num_warps=warps,
+                **(dict(maxnreg=regs) if regs and sums.device.type == "cuda" else {}))
+            _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,
+                                   HAS_HIST=False, ONLY_FLAGGED=True, num_warps=4)
+            return (out, fell_back) if return_fallbacks else out
         warps = num_warps or _BRACKET_WARPS
         tile_rows = (block // vec) if block else 32 * warps * _BRACKET_ROWS_PER_THREAD
         if cand_count:  # whole sweep steps of copies (``_cand_threshold_count`` pads to them)
