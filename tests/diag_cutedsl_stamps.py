@@ -5,7 +5,8 @@ Launches the op's staged-epilogue kernel (``rules.staged_options()`` + the "stam
 at the Wan2.1-1.3B 480p / 14B 720p shapes of ``bench_cutedsl.py`` (bf16, D = 128, C = 128, random groups and
 selections), ``--reps`` times back to back, and reads the SM clock stamps of the last launch: per work item, each
 consumer warpgroup's item start, key-tile loop end, boundary waits done (next item's queries and first K), boundary
-softmax done, item end, and its K / V wait cycles; the producer's item start, first K issued, last V issued, its
+softmax done, item end, and its K / V wait cycles (and in the boundary step: its MMA turn, output staged, rows
+stored); the producer's item start, first K issued, last V issued, its
 K / V stage wait cycles and its next-item hook cycles (``STAMP_SLOTS``). Prints the median of each phase over the
 items of the walk's inner rounds (no first or last round), in cycles and in ns (clock rate from the stamps'
 globaltimer column), the loop's cycles per key tile, and the same kernel without "stamps" timed beside it (the
@@ -60,6 +61,11 @@ def phases(st: torch.Tensor, ctas: int, rounds: int, tiles: int) -> dict:
             f"wg{wg} boundary waits (next Q, K)": d("c_tiles", "c_ready", wg),
             f"wg{wg} boundary QK+PV+softmax": d("c_ready", "c_softmax", wg),
             f"wg{wg} epilogue (+ next 2nd tile)": d("c_softmax", "c_end", wg),
+            # the boundary step (the next item's second key tile, this item's output staged and stored in it)
+            f"wg{wg}   softmax done -> its MMA turn": d("c_softmax", f"c{wg}_turn", wg),
+            f"wg{wg}   turn -> output staged": d(f"c{wg}_turn", f"c{wg}_staged", wg),
+            f"wg{wg}   staged -> stored": d(f"c{wg}_staged", f"c{wg}_stored", wg),
+            f"wg{wg}   stored -> item end": d(f"c{wg}_stored", "c_end", wg),
             f"wg{wg} end -> next start": st[2:rounds, :, col("c_start", wg)] - st[inner, :, col("c_end", wg)],
             f"wg{wg} K wait sum": st[inner, :, col("c_kwait", wg)],
             f"wg{wg} V wait sum": st[inner, :, col("c_vwait", wg)],

@@ -211,10 +211,12 @@ PAD_READS = {"pad1": 24, "pad2": 96, "pad3": 192}
 # globaltimer (ns) at consumer warpgroup 0's item end, and in the row of the CTA's first item (item = CTA index) the
 # globaltimer at the kernel's start and after its wait for the kernel before it ("pdl": the counts launch); then
 # consumer warpgroup 0's and 1's cycles waiting for K / V in the "hide_epi" boundary step (the next item's second key
-# tile) and the producer's clock after it acquired the item's first K stage.
+# tile) and the producer's clock after it acquired the item's first K stage; then per consumer warpgroup (0, 1) the
+# clock in that boundary step when its turn on the tensor cores began (its warp-scheduler barrier passed), when the
+# finished item's output was staged, and when its staged rows were stored (session 13: where the step's time goes).
 STAMP_SLOTS = ("c_start", "c_tiles", "c_ready", "c_softmax", "c_end", "c_kwait", "c_vwait", "c_ns") * 2 + (
     "p_start", "p_first", "p_last", "p_kwait", "p_vwait", "p_qhook", "c_end_ns", "k_start_ns", "k_dep_ns",
-    "c0_bwait", "c1_bwait", "p_acq")
+    "c0_bwait", "c1_bwait", "p_acq", "c0_turn", "c1_turn", "c0_staged", "c1_staged", "c0_stored", "c1_stored")
 RESCALE_THRESHOLD = 8.0
 IDX_L2_AHEAD = 4  # "idx_l2": key tiles between the index loaded and the index line prefetched
 Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
@@ -1007,7 +1009,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     acc_O, lse, outs, sQ[None, None, q_state.index], tiled_mma_pv, tidx, group, b,
                     bh - b * outs.n_heads, out_rows, next_tile, kv_state, v_state, q_state, tSrQ, tSrK, tiled_mma_qk,
                     mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax, block_info, SeqlenInfoCls, work_fn, slot,
-                    discard, next_count, row_scale, st)
+                    discard, next_count, row_scale, st, item)
             elif const_expr(self.smem_epilogue):
                 self._epilogue_smem(acc_O, lse, outs.mO, outs.mLSE, outs.mPerm, sQ[None, None, q_state.index],
                                     tiled_mma_pv, tidx, group, b, bh - b * outs.n_heads, rows=out_rows,
@@ -1118,20 +1120,26 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
     def _boundary_hiding(self, acc_O, lse, outs, sO, tiled_mma_pv, tidx, group, b, h, out_rows, next_tile, kv_state,
                          v_state, q_state, tSrQ, tSrK, tiled_mma_qk, mma_pv_fn, pipeline_k, pipeline_v, tOrP, softmax,
                          block_info, SeqlenInfoCls, work_fn=None, slot=None, discard=None, next_count=None,
-                         row_scale=None, st=None):
+                         row_scale=None, st=None, item=None):
         """The "hide_epi" group boundary (``acc_O`` this group's normalised output, ``tOrP`` the next group's first
         P): O rounded and staged in this group's query slot ``sO``, the LSE written; then, if the next group has
         two key tiles or more, its second Q K^T and first P V are issued (``_step``) and the staged rows are
         stored while they run; else the rows are stored at once (``next_count``: the next item's valid count if
         loaded ahead, "cnt_ahead"). "stage_under_qk": ``acc_O`` is not normalised yet (``row_scale``: its rows'
         1 / row sum) and the normalising and staging run between that Q K^T and that P V. ``st``: the consumers'
-        "stamps" writer or None (the step's waits go to its wait sum 2). Returns (1 if it ran the next group's
-        second tile (its loop then starts one tile later) else 0, the consumers' K and V states after it)."""
+        "stamps" writer or None (the step's waits go to its wait sum 2; its turn, the staging's and the store's ends
+        to columns c*_turn, c*_staged, c*_stored of row ``item``). Returns (1 if it ran the next group's second tile
+        (its loop then starts one tile later) else 0, the consumers' K and V states after it)."""
         stage = partial(self._stage_boundary, acc_O, row_scale, softmax, lse, outs.mLSE, outs.mPerm, sO, tiled_mma_pv,
                         tidx, group, b, h, out_rows, slot, discard, outs.mWsL)
+        store = partial(self._store_staged, outs.mO, outs.mPerm, sO, tidx, group, b, h, out_rows, slot, outs.mWsO)
+        turn = None
+        if const_expr(st is not None):
+            stage = partial(self._stamped, stage, st, item, STAMP_SLOTS.index("c0_staged"))
+            store = partial(self._stamped, store, st, item, STAMP_SLOTS.index("c0_stored"))
+            turn = partial(self._stamped, None, st, item, STAMP_SLOTS.index("c0_turn"))
         if const_expr(not self.stage_under_qk):
             stage()
-        store = partial(self._store_staged, outs.mO, outs.mPerm, sO, tidx, group, b, h, out_rows, slot, outs.mWsO)
         stepped = Int32(0)
         if next_tile.is_valid_tile:
             _, _, next_group, _ = next_tile.tile_idx
@@ -1147,13 +1155,26 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     kv_state, v_state, partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n),
                                                tSrQ, tSrK, A_idx=None if const_expr(self.q_regs) else q_next.index),
                     mma_pv_fn, True, pipeline_k, pipeline_v, acc_O, tOrP, softmax, store, st, 2,
-                    stage if const_expr(self.stage_under_qk) else None)
+                    stage if const_expr(self.stage_under_qk) else None, turn)
                 stepped = Int32(1)
         if stepped == 0:
             if const_expr(self.stage_under_qk):
                 stage()
             store()
         return stepped, kv_state, v_state
+
+    @cute.jit
+    def _stamped(self, fn, st, item: Int32, col0: cutlass.Constexpr[int]):
+        """"stamps": ``fn()`` (None: nothing), then the SM clock to column ``col0`` + the consumer warpgroup's index
+        (``st.base`` // 8) of ``item``'s row."""
+        if const_expr(fn is not None):
+            fn()
+        now = _clock64()
+        col = col0 + st.base // 8
+        lead = st.lead  # locals: a dynamic if storing through ``st.t`` fails the DSL's IR check (st seen as rebound)
+        t = st.t
+        if lead:
+            t[item, col] = now
 
     @cute.jit
     def _stage_boundary(self, acc_O, row_scale, softmax, lse, mLSE, mPerm, sO, tiled_mma_pv, tidx, group, b, h,
@@ -1169,13 +1190,14 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _step(self, kv_state, v_state, mma_qk_fn, mma_pv_fn, zero_init, pipeline_k, pipeline_v, acc_O, tOrP, softmax,
-              during=None, stamps=None, wait_sum=None, before_pv=None):
+              during=None, stamps=None, wait_sum=None, before_pv=None, turn=None):
         """flash-attn-4's per-tile step (``mma_one_n_block_intrawg_overlap``, RS P V, no score mod or mask) with K
         and V on their own pipeline states: the next key tile's Q K^T (``kv_state`` advanced to it) and the previous
         tile's P V (V at ``v_state``, O zero-initialised when ``zero_init``) on the tensor cores while ``during()``
         runs ("hide_epi": a group's second key tile and first P V under the previous group's output stores), then
         the softmax; ``stamps``: a "stamps" writer whose wait sums 0 / 1 (or both ``wait_sum``) get the K / V wait
         cycles, or None; ``before_pv()`` (or None) runs after the Q K^T is issued, before the P V ("stage_under_qk").
+        ``turn()`` (or None) runs when this warpgroup's turn on the tensor cores begins (a "stamps" stamp).
         Returns the advanced states (K, V)."""
         kv_state.advance()
         t0 = _clock64() if const_expr(stamps is not None) else None
@@ -1183,6 +1205,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if const_expr(stamps is not None):
             stamps.since(t0, 0 if const_expr(wait_sum is None) else wait_sum)
         self.warp_scheduler_barrier_sync()
+        if const_expr(turn is not None):
+            turn()
         acc_S = mma_qk_fn(B_idx=kv_state.index, wg_wait=-1)
         if const_expr(before_pv is not None):
             before_pv()
