@@ -42,7 +42,8 @@ ref_top_k_rows = bsr.ref_top_k_rows
 # registers since round s11r2; "seg": kernels/triton/topk_seg.py, session 13). Raced and removed after round s11r2:
 # 2 warps at 72 registers (the session-10 default), register caps 64 / 80 at 2 warps, one warp per row, the compaction
 # on lane-major tiles (docs/kernels.md)
-TOPK = {"count": dict(cand_count=1), "seg": dict(method="seg")}
+TOPK = {"count": dict(cand_count=1), "seg": dict(method="seg"), "seg r48": dict(method="seg", maxnreg=48),
+        "seg w8": dict(method="seg", num_warps=8, maxnreg=48)}
 # the float8 operand pass's launch tuning (``selection.fp8_operands`` keywords; "operands": select_kv's, 264 statistics
 # programs per tensor since round s11r2; "p528": the previous 528)
 OPERANDS = {"operands": {}, "operands p528": dict(stats_programs=528)}

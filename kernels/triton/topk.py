@@ -53,6 +53,10 @@ _SEPARATE_Z = _Z
 # (``topk_seg``: the same bracket with per-thread candidate slots and warp-local scans; float16 rows that are 16-byte
 # aligned with Sk a multiple of 8, else "bracket")
 _SEPARATE_METHOD = "bracket"
+# the "seg" form's launch when ``top_k_rows`` is not given num_warps / maxnreg: warps per row (row quarters) and the
+# register cap on CUDA (offline sm_90 at 1.3B 480p: 56 registers under a cap of 64, 47 under 48, no spill either way)
+_SEG_WARPS = 4
+_SEG_MAXNREG = 64
 # bracket method: one sample per ceil(Sk / _BRACKET_MAX_SAMPLES) keys by default, as many as the sample registers hold
 # (until session 8: one per 128-byte line but >= 512 samples, 520 at 1.3B 480p, whose registers already held 1024).
 # H200 round s8r2 (main 176160c, 1.3B 480p, flash-attn-4 dense, tests/_timing.race): one sample per 32 keys (1023)
@@ -600,15 +604,20 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         out: optional int32 ``[..., width]``, written in place: a contiguous last dim, and the leading dims after
             the first mergeable into one (e.g. a head slice ``[B, h, G, K_alloc]`` of the whole selection).
         method: "bracket" (sample bracket + radix select among the candidates on [rows, 16-byte] tiles, radix fallback
-            per row, ``_bracket_topk_rows``) or "radix" (histogram passes only); None: "bracket" (H200: 2.4-3x faster than
-            radix at 32760 and 75600 keys, docs/kernels.md). Both are exact and give identical results.
+            per row, ``_bracket_topk_rows``), "seg" (the same bracket with per-thread candidate slots and warp-local
+            scans, ``topk_seg``; float16 rows 16-byte aligned with Sk a multiple of 8, else "bracket"; the threshold
+            always by counting, ``cand_count`` ignored) or "radix" (histogram passes only); None: ``_SEPARATE_METHOD``
+            (H200: the bracket 2.4-3x faster than radix at 32760 and 75600 keys, docs/kernels.md). All are exact and
+            give identical results.
         cap: the bracket method's candidate slots per row (a power of two; default ``bracket_plan``'s; a scratch of
-            rows x cap int16 keys for float16 sums, int32 for float32, per call).
-        block, num_warps: keys per sweep step (bracket) or chunk size (radix), and warps per row (tuning).
+            rows x cap int16 keys for float16 sums, int32 for float32, per call); "seg": per thread (default
+            ``topk_seg.seg_plan``'s; a scratch of rows x warps x 32 x cap int16 keys).
+        block, num_warps: keys per sweep step (bracket) or chunk size (radix), and warps per row (tuning; "seg":
+            ``_SEG_WARPS`` when None).
         sample_stride: the bracket method's keys per sample (None: ``bracket_plan``'s); z: its bracket half-width in
             binomial sigmas (None: ``_SEPARATE_Z``; any z gives the same result); prefetch: its sweeps issue
             the next tile's load before this tile's work; maxnreg: the bracket kernel's register cap per thread on
-            CUDA (None: ``_BRACKET_MAXNREG``; 0: none).
+            CUDA (None: ``_BRACKET_MAXNREG``, "seg" ``_SEG_MAXNREG``; 0: none).
         cand_count: the bracket method's threshold among its candidates by counting (``_cand_threshold_count``, as
             ``FusedRows.cand_count``; True or 1: one bit per pass over the copies, 2: two) instead of radix histograms
             (0 / False); the candidate slots per row are then rounded up to a multiple of the sweep step (its
@@ -669,11 +678,11 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         if method == "seg" and key_bits == 16 and align == vec and sk % vec == 0:
             from . import topk_seg
 
-            warps = num_warps or _BRACKET_WARPS
+            warps = num_warps or _SEG_WARPS
             steps, slots = topk_seg.seg_plan(sk, (lo_rank - max(hi_rank, 0)) * stride, warps)
             slots = cap or slots
             cand = torch.empty(n, warps * topk_seg.LANES.value * slots, dtype=torch.int16, device=sums.device)
-            regs = _BRACKET_MAXNREG if maxnreg is None else maxnreg
+            regs = _SEG_MAXNREG if maxnreg is None else maxnreg
             topk_seg._seg_topk_rows[(n,)](
                 src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // vec,
                 src.stride(1) // vec, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank, steps, W=warps,
