@@ -38,7 +38,7 @@ def step_kind(config: MCSparseConfig, step: int, layer: int) -> StepKind:
         return StepKind.DENSE
     if step in config.anchor_steps:
         return StepKind.ANCHOR
-    if step < config.warmup_steps or step < config.anchor_steps[0]:
+    if step < config.anchor_steps[0]:  # (the warm-up: the config keeps the first anchor >= warmup_steps - 1)
         return StepKind.DENSE
     return StepKind.REUSE
 

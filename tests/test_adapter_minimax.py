@@ -10,9 +10,10 @@ import torch
 from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import layouts, minimax, override, settings
 
 
-@pytest.mark.parametrize("steps, warmup", [(49, 10), (50, 10), (20, 4), (10, 2), (4, 1), (1, 1)])
+@pytest.mark.parametrize("steps, warmup", [(49, 10), (50, 10), (20, 4), (10, 2), (4, 1), (1, 1), (27, 6), (37, 8)])
 def test_h3_schedule_scales_published_one(steps, warmup):
-    """10 of 49 steps dense, ONE anchor at the last dense step, scaled."""
+    """10 of 49 steps dense, ONE anchor at the last dense step, scaled, rounded to the nearest step (27 steps: 5.51
+    -> 6; mutation that left the suite green: rounded down)."""
     assert minimax.h3_schedule(steps) == (warmup, (warmup - 1,))
 
 
@@ -28,6 +29,7 @@ def test_video_rows_from_segments():
     assert "0 video segments" in minimax.video_rows(segs[:-1], 178)
     assert "2 video segments" in minimax.video_rows(segs + [(626, 700, "video")], 700)
     assert "no non-video rows" in minimax.video_rows([(0, 10, "video")], 10)
+    assert "no video rows" in minimax.video_rows([(0, 10, "text"), (10, 10, "video")], 10)  # an empty video segment
 
 
 def _settings(preset, **over):

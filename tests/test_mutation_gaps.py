@@ -442,7 +442,10 @@ def test_a_prebuilt_h3_layout_is_used_only_for_its_own_shapes(monkeypatch):
     """MiniMax-H3: the payload's prebuilt packed layout serves a forward only when its signature (text length, padded
     video T/H/W, audio length) matches; otherwise one is built for this forward's shapes, as the model's own _forward
     does (mutation that left the suite green: the prebuilt layout taken whatever its shapes, e.g. a second resolution
-    with a stale payload). ComfyUI v0.33.0's modules are stand-ins here."""
+    with a stale payload); the built one from the PADDED video shape (an odd H / W) with the payload's keyframes and
+    references (mutations that left the suite green: the unpadded shape, keyframes or refs dropped: a layout without
+    the condition rows the model packs, so the video rows would be misplaced). ComfyUI v0.33.0's modules are
+    stand-ins here."""
     import sys
     import types
 
@@ -450,11 +453,15 @@ def test_a_prebuilt_h3_layout_is_used_only_for_its_own_shapes(monkeypatch):
 
     class PackedLayout:
         def __init__(self, *signature, keyframes=None, refs=None):
-            self.signature = signature
+            self.signature, self.keyframes, self.refs = signature, keyframes, refs
+
+    def pad_to_patch_size(x, patch):  # comfy/ldm/common_dit.py: each of T, H, W padded up to its patch multiple
+        pads = [(-n) % p for n, p in zip(x.shape[-3:], patch)]
+        return torch.nn.functional.pad(x, (0, pads[2], 0, pads[1], 0, pads[0]))
 
     mods = {name: types.ModuleType(name) for name in
             ("comfy", "comfy.ldm", "comfy.ldm.common_dit", "comfy.ldm.minimax", "comfy.ldm.minimax.model")}
-    mods["comfy.ldm.common_dit"].pad_to_patch_size = lambda x, patch: x
+    mods["comfy.ldm.common_dit"].pad_to_patch_size = pad_to_patch_size
     mods["comfy.ldm.minimax.model"].PackedLayout = PackedLayout
     mods["comfy"].ldm = mods["comfy.ldm"]
     mods["comfy.ldm"].common_dit, mods["comfy.ldm"].minimax = mods["comfy.ldm.common_dit"], mods["comfy.ldm.minimax"]
@@ -469,6 +476,10 @@ def test_a_prebuilt_h3_layout_is_used_only_for_its_own_shapes(monkeypatch):
     stale = PackedLayout(9, 5, 16, 24, 7)
     built = minimax.packed_layout(dm, x, context, {"layout": stale})
     assert built is not stale and built.signature == (9, 5, 8, 12, 7)
+    keyframes, refs = [{"resolved_frame_index": 0}], [{"kind": "ref_img"}]
+    odd = [torch.zeros(1, 24, 5, 7, 11), x[1]]
+    built = minimax.packed_layout(dm, odd, context, {"keyframes": keyframes, "refs": refs})
+    assert built.signature == (9, 5, 8, 12, 7) and built.keyframes is keyframes and built.refs is refs
 
 
 @pytest.mark.parametrize("cfg, branches", [(1.0, 1), (5.0, 2)])

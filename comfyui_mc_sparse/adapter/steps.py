@@ -47,10 +47,9 @@ def step_index(sigma: float, sample_sigmas: torch.Tensor | list[float]) -> int:
         raise ValueError(f"sample_sigmas must hold at least 2 values (1 step), got {len(values)}")
     if sigma != sigma:
         raise ValueError("sigma must be a number, got NaN")
-    num_steps = len(values) - 1
-    # Count schedule entries (excluding the final one) at or above sigma, within tolerance.
+    # Count schedule entries (excluding the final one: at most steps of them) at or above sigma, within tolerance.
     at_or_above = sum(1 for s in values[:-1] if s >= sigma * (1.0 - RTOL) - 1e-12)
-    return min(max(at_or_above - 1, 0), num_steps - 1)
+    return max(at_or_above - 1, 0)
 
 
 def current_sigma(transformer_options: dict) -> float | None:
