@@ -46,3 +46,26 @@ def test_offline_sm90a_compile(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert "KERNELS 9" in p.stdout, p.stdout + p.stderr[-3000:]
     assert any(tmp_path.glob("*.o")), list(tmp_path.iterdir())
+
+
+@_NEEDS_CUTE
+def test_grouping_defaults(monkeypatch):
+    """Query groups per work item when the caller gives none (``_grouping``): the unit_qf form without the fused top-K
+    takes ``UNIT_GROUPS`` (1 none, 2 pair, 3 triple); the fused top-K keeps ``PAIR_FUSED`` without unit_qf and no
+    grouping with it; the default form ``PAIR``; an explicit pair or triple always wins (both: the kernel refuses)."""
+    sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
+    import _standalone
+
+    _standalone.load_pack()
+    from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90 as p2
+
+    g = p2._grouping
+    for groups, unit in ((1, (False, False)), (2, (True, False)), (3, (False, True))):
+        monkeypatch.setattr(p2, "UNIT_GROUPS", groups)
+        assert g(False, True, None, None) == unit, groups
+        assert g(True, True, None, None) == (False, False)
+        assert g(True, False, None, None) == (p2.PAIR_FUSED, False)
+        assert g(False, False, None, None) == (p2.PAIR, False)
+        assert g(False, True, True, None) == (True, False)
+        assert g(False, True, None, True) == (False, True)
+        assert g(False, True, False, False) == (False, False)

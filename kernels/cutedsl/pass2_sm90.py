@@ -926,6 +926,9 @@ assert UNIT_POLY_DEG in (2, 3), f"MC_SPARSE_PASS2_POLY_DEG must be 2 or 3, got {
 POLY_REL_ERROR = {2: 2.1e-3, 3: 9e-5}
 WG4 = False
 PAIR = False
+# query groups per work item of the unit_qf form without the fused top-K (``_grouping``): 1, 2 (pair) or 3 (triple),
+# each key stage serving them all (a half / third of the key traffic from L2 per query)
+UNIT_GROUPS = 1
 OVERLAP = False
 POLY = 0
 LSE_SMEM = True
@@ -1026,7 +1029,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
              wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
-             unit_qf: bool = False, poly_deg: int | None = None, triple: bool = False):
+             unit_qf: bool = False, poly_deg: int | None = None, triple: bool | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -1037,8 +1040,7 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     poly_deg = (UNIT_POLY_DEG if unit_qf else 3) if poly_deg is None else int(poly_deg)
     lse_smem = LSE_SMEM if lse_smem is None else bool(lse_smem)
     topk = bool(topk)
-    pair = ((PAIR_FUSED and not unit_qf) if topk else PAIR) if pair is None else bool(pair)
-    triple = bool(triple)
+    pair, triple = _grouping(topk, unit_qf, pair, triple)
     qsplit = (0 if pair or triple else QSPLIT) if qsplit is None else int(qsplit)  # (pair runs without qsplit)
     wg4 = WG4 if wg4 is None else bool(wg4)
     overlap = (OVERLAP and pair and not wg4) if overlap is None else bool(overlap)
@@ -1048,6 +1050,16 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
            bool(unit_qf), int(poly_deg), triple, cc.source_hash())
     return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, lse_smem, qsplit, diag, topk, wg4, pair,
                                                 overlap, unit_qf, poly_deg, triple))
+
+
+def _grouping(topk: bool, unit_qf: bool, pair, triple) -> tuple:
+    """(pair, triple) of a launch: the caller's where given, else the module's (with the fused top-K ``PAIR_FUSED``
+    unless unit_qf; the unit_qf form ``UNIT_GROUPS``; else ``PAIR``)."""
+    if triple is None:
+        triple = bool(unit_qf) and not topk and pair is None and UNIT_GROUPS == 3
+    if pair is None:
+        pair = not triple and ((PAIR_FUSED and not unit_qf) if topk else (UNIT_GROUPS == 2 if unit_qf else PAIR))
+    return bool(pair), bool(triple)
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -1098,7 +1110,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
                         poly: int | None = None, lse_smem: bool | None = None, qsplit: int | None = None,
                         diag: str = "", wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
                         num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None,
-                        unit_qf: bool = False, poly_deg: int | None = None, triple: bool = False):
+                        unit_qf: bool = False, poly_deg: int | None = None, triple: bool | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
@@ -1112,7 +1124,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         index first; ``topk.top_k_rows``'s rule), then -1 up to width (``select_refusal`` must pass: float16 sums
         with 16-byte aligned rows; ksplit 1 when not given unless ``TOPK_AUTO_KSPLIT``). stages, poly, lse_smem,
         qsplit (0, 1, 2: tile pairs rolled), wg4 (four consumer warpgroups), pair (two query groups per work item,
-        sharing each key stage; ``triple``: three, without ``select``), overlap (with pair: the second group's wgmma
+        sharing each key stage; ``triple``: three, without ``select``; None: ``_grouping``'s), overlap (with pair: the second group's wgmma
         under the first's exponentials),
         num_ctas, ksplit: tuning; poly_deg: the polynomial's degree (3, or 2; None: ``UNIT_POLY_DEG`` in the
         unit_qf form, else 3); diag: a timing floor of the benchmark ("noexp" / "nomma" / "noload": WRONG sums)
@@ -1151,8 +1163,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         return out
     topk_on = select is not None
     unit_form = unit_qf is not None and unit_qf is not False  # (True, or the factors themselves)
-    if pair is None:
-        pair = (PAIR_FUSED and not unit_form) if topk_on else PAIR  # (the unit_qf form runs without pair)
+    pair, triple = _grouping(topk_on, unit_form, pair, triple)
     if topk_on and ksplit is None and not TOPK_AUTO_KSPLIT:
         ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, lse_smem, qsplit, diag, topk_on,
