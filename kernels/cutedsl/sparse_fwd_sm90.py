@@ -187,10 +187,10 @@ EPILOGUES = ("registers", "smem")
 # (its wait for free K stages 33.4k -> 5.7k) and the consumers waited for V (2.4k -> 15.7k cycles per item): either
 # such a spill costs about an L2 round trip per key tile (the shared memory leaves ~28 KiB of L1) or, as "pad1" /
 # "pad2" test, the moved code did.
-# "q_regs" (with "hide_epi"): the queries in registers: each consumer warpgroup loads its 64 query rows from the
+# "q_regs" (with "overlap"): the queries in registers: each consumer warpgroup loads its 64 query rows from the
 # query slot into the Q K^T's A fragment (ldmatrix, quack's ``canonical_a_load_s2r``) at each group's start and runs
 # Q K^T as a register-source wgmma, so the query ring needs one slot (the next group's queries gathered into it while
-# this group computes; the finished group's output staged in it after the load), and the 32 KiB freed hold a third K
+# this group computes; the staged epilogue's output staged in it after the load), and the 32 KiB freed hold a third K
 # stage (Q 32 + K 3 x 32 + V 3 x 32 KiB with "v3"): the producer issues K j+1 (and V j behind it) when Q K^T j-2
 # retires instead of Q K^T j-1, two key tiles of lead instead of one. The producer's query hook ("q_ahead") then runs
 # after key tile ``Q_AHEAD_AT_ONE_SLOT`` + 1, when the slot is free (released after the previous boundary's stores).
@@ -487,7 +487,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.stage_under_qk = "stage_under_qk" in options
         assert not self.stage_under_qk or self.hide_epi, "stage_under_qk is a hide_epi option (staged epilogue)"
         assert not self.stamps or self.overlap, "stamps is an overlap option"
-        assert not self.q_regs or self.hide_epi, "q_regs is a hide_epi option (staged epilogue)"
+        assert not self.q_regs or self.overlap, "q_regs is an overlap option"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -966,6 +966,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 pipeline_k.consumer_wait(kv_state, pipeline_k.consumer_try_wait(kv_state))
                 if const_expr(self.q_regs):  # this group's Q K^T have all retired (its last step's waits)
                     self._load_q_regs(q_load)
+                    if const_expr(not self.smem_epilogue):  # the register epilogue leaves the slot unused
+                        cute.arch.sync_warp()
+                        pipeline_q.consumer_release(q_next)
                 if const_expr(self.stamps):
                     st.at(item, 2)
                 self.warp_scheduler_barrier_sync()
@@ -1028,7 +1031,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             cute.arch.sync_warp()  # every lane of this warp has read its staged rows back: the slot is free
             if const_expr(self.q_regs):  # the slot held the next group's queries (none after the last group)
                 if next_tile.is_valid_tile:
-                    pipeline_q.consumer_release(q_state)
+                    if const_expr(self.smem_epilogue):
+                        pipeline_q.consumer_release(q_state)
                     q_state.advance()
             else:
                 pipeline_q.consumer_release(q_state)
