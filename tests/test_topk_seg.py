@@ -63,11 +63,14 @@ def test_seg_top_k_equals_brute_force(gen):
     assert fell.tolist() == [0, 0, 0, 0, 1, 0, 0], fell
 
 
-def test_seg_top_k_ties_at_zero_across_warps(gen):
+@pytest.mark.parametrize("reverse,prefetch", [(False, True), (True, True), (True, False)])
+def test_seg_top_k_ties_at_zero_across_warps(gen, monkeypatch, reverse, prefetch):
     """T = +0.0 with the kept zeros in both warps' quarters (2 warps, quarters of 1280 keys): the first quarter 20
     zeros and -0.0 among positives, the second mostly zeros: the second warp's first tie rank counts the first
     quarter's zeros only (the candidate slots' zero padding is >= 0 too: counted, the second warp keeps too few).
-    Mutation: the zero padding counted as copies == T fails."""
+    Mutation: the zero padding counted as copies == T fails. The count sweep forward and from each part's end
+    (``topk._SEG_REVERSE``), with and without the next step's load issued first."""
+    monkeypatch.setattr(topk, "_SEG_REVERSE", reverse)
     sk, k, width = 2056, 1500, 1536
     sums = torch.rand(3, sk, generator=gen, dtype=torch.float64) + 0.5
     for r in range(3):
@@ -75,7 +78,7 @@ def test_seg_top_k_ties_at_zero_across_warps(gen):
         sums[r, zeros] = 0.0 if r else -0.0
         sums[r, 1280:] = torch.where(torch.rand(sk - 1280, generator=gen) < 0.13, sums[r, 1280:], 0.0)
     sums = sums.to(torch.float16)
-    got, fell = _run(sums, k, width, num_warps=2)
+    got, fell = _run(sums, k, width, num_warps=2, prefetch=prefetch)
     assert torch.equal(got, _brute_force(sums, k, width))
     assert fell.tolist() == [0, 0, 0], fell
 

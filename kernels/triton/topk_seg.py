@@ -132,6 +132,8 @@ def _seg_topk_rows(
     NS: tl.constexpr,  # sample slots (power of two >= n_samp)
     PT: tl.constexpr,  # candidate slots per thread (a multiple of VEC)
     PREFETCH: tl.constexpr,  # the sweeps issue the next step's load before this step's work
+    REVERSE: tl.constexpr = False,  # the count sweep from each quarter's last step down (its order does not matter):
+    # the compaction then starts on the keys read last, the likeliest still in L2
 ):
     """One program per row (module docstring). SUMS rows 16-byte aligned (strides passed in vectors), SK a multiple
     of VEC; CAND int16 [rows, W * 32 * PT]; FELL_BACK int8 [rows] (1: the row is left to the radix launch)."""
@@ -148,12 +150,14 @@ def _seg_topk_rows(
 
     above_t = tl.zeros([LANES, W], dtype=tl.int32)
     n_t = tl.zeros([LANES, W], dtype=tl.int32)
-    key = _seg_load(src, vbase, v, n_vec, VEC)
+    last = steps_per_warp - 1
+    key = _seg_load(src, vbase + (last * LANES if REVERSE else 0), v, n_vec, VEC)
     for i in range(0, steps_per_warp):
         if PREFETCH:
-            key_next = _seg_load(src, vbase + tl.minimum(i + 1, steps_per_warp - 1) * LANES, v, n_vec, VEC)
+            nxt = tl.maximum(last - 1 - i, 0) if REVERSE else tl.minimum(i + 1, last)
+            key_next = _seg_load(src, vbase + nxt * LANES, v, n_vec, VEC)
         else:
-            key = _seg_load(src, vbase + i * LANES, v, n_vec, VEC)
+            key = _seg_load(src, vbase + ((last - i) if REVERSE else i) * LANES, v, n_vec, VEC)
         above_t += tl.sum((key > hi).to(tl.int32), 2)
         inside = ((key >= lo) & (key <= hi)).to(tl.int32)
         slot = _excl(inside, 2) + n_t[:, :, None]
