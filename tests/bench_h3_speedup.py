@@ -51,6 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _scoreboard  # noqa: E402
+from bench_comfyui_speedup import _stub_if_missing  # noqa: E402
 
 KEY = "h3_speedup_fast"
 
@@ -123,29 +124,6 @@ def setup(comfyui_dir: str, device: torch.device) -> Env:
     for name in ("engine", "config", "cache", "memory"):
         setattr(env, name, importlib.import_module(f"{p}.comfyui_mc_sparse.{name}"))
     return env
-
-
-def _stub_if_missing(name: str, why: str) -> list[str]:
-    """An empty module ``name`` in ``sys.modules`` when it cannot be imported (imported by ComfyUI at module level,
-    never called here; attribute access raises AttributeError)."""
-    import importlib
-    import importlib.machinery
-    import types
-
-    try:
-        importlib.import_module(name)
-        return []
-    except ImportError:
-        stub = types.ModuleType(name)
-        stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
-
-        def missing(attr):
-            raise AttributeError(f"{name} is a stub in this benchmark ({why}): no {attr}")
-
-        stub.__getattr__ = missing
-        sys.modules[name] = stub
-        print(f"note: {name} is not installed: stubbed ({why})", flush=True)
-        return [name]
 
 
 def _fallback_h3_config(supported_models_base, model_base, latent_formats):
@@ -432,9 +410,10 @@ def main(argv=None) -> int:
             result["prewarm_s"] = prewarm(env, geo, plan, device, dtype)
         patch = {"preset": "fast", "cache_placement": plan["placement"],
                  "residual_precision": plan["residual_precision"]}
-        if a.tiny:  # the preset keeps videos under 4096 tokens dense: the smoke test uses its schedule by hand
+        if a.tiny:  # the preset keeps videos under 4096 tokens dense: the smoke test uses its schedule by hand, and
+            # backend torch (named: on the CPU 'auto' finds no fast sparse kernel and the run would stay dense)
             patch.update(preset="custom", density=0.15, dense_warmup="1", anchor_steps="1", warmup_layers=1,
-                         min_tokens=0, query_tile=64)
+                         min_tokens=0, query_tile=64, backend="torch")
         patched_model = env.lifecycle.apply_mc_sparse(base, **patch)
         sparse = timed_sample(env, patched_model, steps=a.steps, plan=plan, text_len=a.text_tokens, geo=geo,
                               device=device, seed=a.seed)
