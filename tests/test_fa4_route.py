@@ -389,3 +389,40 @@ def test_flash_attn4_refusals_on_a_cuda_q(fa4_stub, monkeypatch, op, cap, dtype,
     q = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=(1, 2, 256, d))
     got = mod.refuse(op, q, False)
     assert (got is None) if why is None else (why in (got or "")), got
+
+
+@pytest.mark.parametrize(("op", "error"), [("dense_attention", TypeError), ("sparse_attention", ValueError)])
+def test_flash_attn4_argument_errors_fall_back_with_the_reason(fa4_stub, monkeypatch, op, error):
+    """FA4 raising ValueError / TypeError on a call the public op validated (its compiled kernel's TVM-FFI argument
+    checks, the DSL's DSLUserCodeTypeError, a TypeError subclass): the registered op raises RuntimeError, so the
+    registry falls back once per run with the reason in the run's Record instead of losing the run (mutation: the
+    ops registered unwrapped -> the error reaches the caller)."""
+    from comfyui_mc_sparse_pack import kernels
+    from comfyui_mc_sparse_pack.kernels import reference, registry
+
+    mod, fwd, _ = fa4_stub
+
+    def rejects(*args, **kwargs):
+        rejects.calls += 1
+        raise error("simulated FA4 argument check")
+
+    rejects.calls = 0
+    monkeypatch.setattr(mod, "flash_attn_func", rejects)
+    monkeypatch.setattr(mod, "_flash_attn_fwd", rejects)
+    registered = registry._backends["flash_attn4"]
+    monkeypatch.setitem(registry._backends, "flash_attn4", registry.Backend(  # its ops, CPU tensors accepted
+        name="flash_attn4", priority=99, ops=registered.ops))
+    gen = torch.Generator().manual_seed(89)
+    B, H, S, D, C = 1, 2, 96, 64, 32
+    q, k, v = (torch.randn(B, H, S, D, generator=gen).to(torch.bfloat16) for _ in range(3))
+    perm = _perm(B, H, S, C, gen)
+    kv_idx, _ = _selection(B, H, perm.shape[-1] // C, 16, S, gen)
+    args = (q, k, v) if op == "dense_attention" else (q, k, v, perm, kv_idx)
+    with registry.recording(registry.Record()) as rec:
+        got = getattr(kernels, op)(*args)
+        again = getattr(kernels, op)(*args)
+    assert rejects.calls == 1 and rec.choices[op].backend != "flash_attn4"
+    assert f"RuntimeError: flash-attn-4 failed: {error.__name__}: simulated" in rec.failures["flash_attn4", op]
+    want = getattr(reference, op)(*(t.double() if t.is_floating_point() else t for t in args))
+    for o in (got, again):
+        torch.testing.assert_close(o.double(), want, rtol=2**-7, atol=2**-7 * float(want.abs().max()))

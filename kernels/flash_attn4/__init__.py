@@ -13,14 +13,18 @@ whose ``seqused_k`` is its count of valid slots (the -1 slots are trailing, by t
 by one Triton launch from kv_idx; the group's C queries are gathered to ``(B*H*G, C, 1, D)`` by one launch, and one
 launch scatters FA4's output back to the original query order with the residual added (kernels/triton/
 paged_route.py). FA4 puts batch entries on grid.z (at most 65535), so larger calls run in chunks.
+
+Both ops are registered behind ``_as_backend_failure``: FA4's own ValueError / TypeError on a call the public op has
+validated becomes a RuntimeError, a fallback for the rest of the run with the reason in the run summary.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
-import os
 
 from flash_attn.cute import flash_attn_func
 from flash_attn.cute import interface as _fa4
@@ -212,11 +216,29 @@ def sparse_attention(q, k, v, perm, kv_idx, *, scale=None, return_lse=False, out
     return paged_route.scatter_output(o_groups, lse_groups, perm, out, residual)
 
 
+def _as_backend_failure(op):
+    """``op`` with FA4's ValueError / TypeError (its interface's argument checks, the compiled kernel's TVM-FFI
+    argument checks, the DSL's ``DSLUserCodeTypeError``) raised as RuntimeError: the public ops have validated the
+    inputs, so these are this backend's failures, and the registry, which treats ValueError / TypeError as the
+    caller's error, then falls back for the rest of the run instead of losing it (as the CuTeDSL op does,
+    ``kernels/cutedsl/op.py``)."""
+
+    @functools.wraps(op)
+    def run(*args, **kwargs):
+        try:
+            return op(*args, **kwargs)
+        except (ValueError, TypeError) as err:
+            raise RuntimeError(f"flash-attn-4 failed: {type(err).__name__}: {err}") from err
+
+    return run
+
+
 register(
     Backend(
         name="flash_attn4",
         priority=30,
-        ops={"dense_attention": dense_attention, "sparse_attention": sparse_attention},
+        ops={"dense_attention": _as_backend_failure(dense_attention),
+             "sparse_attention": _as_backend_failure(sparse_attention)},
         refuse=refuse,
     )
 )
