@@ -15,7 +15,7 @@ point):
   (producer L2 hints, the staged epilogue, 3 K/V stages, a persistent grid of one CTA per SM, two groups in flight
   per CTA; "res ..." with the plain bf16 residual); efficiency = FA4 dense ms * s /
   sparse ms;
-- the op's counts launch alone (``counts launch``: ms only);
+- the op's counts launch alone (``counts launch``: ms only; ``--op-rows`` "counts", not raced by default);
 - the compile time (a compile from fake tensors, never the disk cache) and the disk-cache load time (a fresh
   process).
 Every row's output is checked before timing (into a NaN-filled out: relative error against the float32 torch
@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -106,7 +107,8 @@ VARIANTS = {  # name -> (producer, epilogue, stages, options) of the compiled ke
 }
 
 
-OP_ROWS = ("again", "residual", "counts + kernel", "options")  # the op's default extra rows (``--op-rows``)
+OP_ROWS = ("again", "residual", "counts + kernel", "options")  # the op's default extra rows (``--op-rows``; also
+# "counts": the counts launch alone, see run_shape)
 # "contiguous": the op on the dense baseline's head-contiguous [B, H, S, D] copies of q / k / v (out the same) instead
 # of the model's [B, S, H*D] views: how much the gathers' address spread costs (a 14B head's K rows lie 10 KiB apart
 # over 774 MB; head-contiguous, 256 B apart over 19 MB); not an op figure. "diag": the op with its default options
@@ -178,10 +180,11 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
             got = kernels.sparse_attention(q, k, v, perm, idx, out=out, residual=res, backend="cutedsl")
             r_err["cutedsl op + plain residual"] = (err(got, res.data), 0)
         fns = dict(dense_fns)
-        # the row after the dense kernel in the race's cyclic order ran 2-4 % slow (H200 round 1 of 2026-12-01
-        # 13:05: the op there, 0.02-0.04 below the same compiled kernel timed later; the race rotates the order,
-        # which keeps every row's predecessor): the counts launch (ms only, no ratio) takes that place
-        fns["counts launch"] = lambda: valid_counts(idx)  # the op's launch before the kernel, timed alone
+        # "counts": the op's counts launch timed alone (ms only, no ratio). Not raced by default since round s13r1:
+        # its samples (host-bound launches, the GPU mostly idle) let the next row's sample start cool, 4.0 % faster
+        # on average (64 samples; tests/race_spread.py), which biased whichever row followed it
+        if "counts" in op_rows:
+            fns["counts launch"] = lambda: valid_counts(idx)
         fns["cutedsl op"] = lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out, backend="cutedsl")
         if "residual" in op_rows:
             fns["cutedsl op + plain residual"] = lambda: kernels.sparse_attention(q, k, v, perm, idx, out=out,
@@ -298,6 +301,7 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
         r = race(fns, rounds, target_ms, from_idle=idle, samples=smp, order=order)
         base = r[base_name]
         eff = {kk: base * s / vv for kk, vv in r.items() if not kk.startswith(("dense", "counts"))}
+        eff_paired = paired_efficiency(smp, base_name, s)
         # the lead-in calls' median (each started on an idle GPU after another row's sample; empty without lead-in)
         eff_idle = {kk: idle[base_name] * s / vv for kk, vv in idle.items()
                     if base_name in idle and not kk.startswith(("dense", "counts"))}
@@ -313,20 +317,32 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
             log(f"{name} s={s}: from idle (lead-in calls' median): " + ", ".join(
                 f"{kk} {vv:.3f} ms" + (f" (eff {eff_idle[kk]:.3f})" if kk in eff_idle else "") for kk, vv in idle.items()))
         rows[s] = dict(ms=r, efficiency=eff, err=r_err, host_us_per_op_call=r_host, from_idle_ms=idle,
-                       efficiency_from_idle=eff_idle, samples=smp)
+                       efficiency_from_idle=eff_idle, samples=smp, efficiency_paired=eff_paired)
     return dict(baseline=base_name, densities=rows)
+
+
+def paired_efficiency(smp, base_name, s):
+    """Per row (not the baseline or "counts") the median over the race's rounds of the baseline's sample x s over
+    the row's sample of the same round: the ratio taken within a round, so a drift of the clock between rounds
+    that moves both cancels (``race``'s ``samples``; the method of record takes the ratio of the two medians)."""
+    base = {rnd: ms for rnd, _, _, ms in smp[base_name]}
+    return {kk: statistics.median(base[rnd] * s / ms for rnd, _, _, ms in v) for kk, v in smp.items()
+            if not kk.startswith(("dense", "counts"))}
 
 
 def sample_summary(smp, base_name, s):
     """One log line from ``race``'s samples: the baseline's ms per round, then per other row (not "counts") its
-    efficiency per round against the baseline's sample of the same round and its place in that round's order
-    (eff@position), so a row's spread can be read beside its neighbours' (docs/kernels.md, session 13)."""
+    paired efficiency (``paired_efficiency``) and its efficiency per round against the baseline's sample of the same
+    round with its place in that round's order (eff@position), so a row's spread can be read beside its
+    neighbours' (docs/kernels.md, session 13)."""
     base = {rnd: ms for rnd, _, _, ms in smp[base_name]}
+    paired = paired_efficiency(smp, base_name, s)
     parts = [f"{base_name} ms " + "/".join(f"{base[rnd]:.3f}" for rnd in sorted(base))]
     for kk, v in smp.items():
         if kk.startswith(("dense", "counts")):
             continue
-        parts.append(f"{kk} " + " ".join(f"{base[rnd] * s / ms:.3f}@{pos}" for rnd, pos, _, ms in v))
+        parts.append(f"{kk} paired {paired[kk]:.3f}: " + " ".join(f"{base[rnd] * s / ms:.3f}@{pos}"
+                                                                 for rnd, pos, _, ms in v))
     return "; ".join(parts)
 
 
@@ -435,8 +451,14 @@ def main():
         for r in sh["densities"].values():
             for kk, e in r["efficiency"].items():
                 kerns[kk] = min(kerns.get(kk, e), e)
+    paired = {}
+    for sh in report["shapes"].values():
+        for r in sh["densities"].values():
+            for kk, e in r["efficiency_paired"].items():
+                paired[kk] = min(paired.get(kk, e), e)
     log(f"cutedsl_sparse_eff_min {effs[worst]:.3f} at {worst}; minimum over the points per row: "
-        + ", ".join(f"{kk} {e:.3f}" for kk, e in kerns.items()))
+        + ", ".join(f"{kk} {e:.3f}" for kk, e in kerns.items())
+        + "; paired (per-round ratios' median): " + ", ".join(f"{kk} {e:.3f}" for kk, e in paired.items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(report, log=lines), indent=1, default=str))
     bases = "; ".join(f"{n}: {sh['baseline']} " + "/".join(f"{r['ms'][sh['baseline']]:.2f}" for r in sh["densities"].values())
@@ -448,6 +470,7 @@ def main():
               f"dense timed interleaved with it at each point, median of {args.rounds} rounds, {args.order} order); "
               f"worst at {worst[0]} s={worst[1]}; staged-epilogue options {rules.staged_options()}; dense baseline "
               f"{bases}; minimum per row: " + ", ".join(f"{kk} {e:.3f}" for kk, e in kerns.items())
+              + "; paired minimum per row: " + ", ".join(f"{kk} {e:.3f}" for kk, e in paired.items())
               + f"; compile {report['compile']}"))}
     _scoreboard.update(entries, Path(args.out).with_name("scoreboard.json"), args.scoreboard)
 
