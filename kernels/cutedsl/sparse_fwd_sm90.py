@@ -194,11 +194,18 @@ EPILOGUES = ("registers", "smem")
 # stage (Q 32 + K 3 x 32 + V 3 x 32 KiB with "v3"): the producer issues K j+1 (and V j behind it) when Q K^T j-2
 # retires instead of Q K^T j-1, two key tiles of lead instead of one. The producer's query hook ("q_ahead") then runs
 # after key tile ``Q_AHEAD_AT_ONE_SLOT`` + 1, when the slot is free (released after the previous boundary's stores).
+# "stsm_tid" (session 13): the staged epilogue's stmatrix addresses computed from a fresh %tid.x read at the staging
+# (``_tid_x``). Without it ptxas keeps the four addresses, computed once at the consumers' start, in local memory
+# (the default's only local accesses: 4 STL there, 4 LDL per group boundary right after the boundary step's Q K^T
+# is issued, on the warpgroup's tensor-core turn before its P V issue); the loads' latency is an L2 round trip when
+# the lines left the ~28 KiB of L1 during the group. Offline sm_90a: no local memory at all with it (the staging
+# recomputes the addresses with ~15 integer instructions interleaved with the HGMMA issue).
 # "stamps" (a diagnostic, with "overlap"; needs the ``mStamps`` argument): per work item, SM clock stamps of the
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps", "pad1", "pad2", "pad3", "q_regs")
+           "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps", "pad1", "pad2", "pad3", "q_regs",
+           "stsm_tid")
 # "pad1" / "pad2" / "pad3": clock reads of ``_code_pad`` (~2 instructions each); "pad3" (~8 KiB, session 13) a third
 # placement raced beside the default with and without pad2
 PAD_READS = {"pad1": 24, "pad2": 96, "pad3": 192}
@@ -485,6 +492,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
         self.stamps = "stamps" in options
         self.stage_under_qk = "stage_under_qk" in options
+        self.stsm_tid = "stsm_tid" in options
         assert not self.stage_under_qk or self.hide_epi, "stage_under_qk is a hide_epi option (staged epilogue)"
         assert not self.stamps or self.overlap, "stamps is an overlap option"
         assert not self.q_regs or self.overlap, "q_regs is an overlap option"
@@ -1395,7 +1403,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if const_expr(self.own_sO):  # this warpgroup's threads have read back the previous group's output
             cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=128)
         smem_copy_atom = fa_utils.get_smem_store_atom(90, self.dtype)
-        smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma).get_slice(tidx)
+        # "stsm_tid": the stmatrix addresses from a fresh %tid.x read here instead of the kernel-start tidx
+        stsm_tidx = _tid_x() - 128 if const_expr(self.stsm_tid) else tidx
+        smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma).get_slice(stsm_tidx)
         cute.copy(smem_copy_atom, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
         cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
         if const_expr(self.split_tail):
@@ -1601,6 +1611,13 @@ def _code_pad(n: cutlass.Constexpr[int], scale_log2: Float32, mCounts: cute.Tens
 def _clock64(*, loc=None, ip=None) -> Int64:
     """The SM's cycle counter (%clock64; "stamps")."""
     return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %clock64;", "=l", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _tid_x(*, loc=None, ip=None) -> Int32:
+    """%tid.x read where it is called (a volatile read: neither hoisted nor merged with earlier reads; "stsm_tid")."""
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True,
                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
