@@ -69,3 +69,22 @@ def test_grouping_defaults(monkeypatch):
         assert g(False, True, True, None) == (True, False)
         assert g(False, True, None, True) == (False, True)
         assert g(False, True, False, False) == (False, False)
+
+
+@_NEEDS_CUTE
+def test_register_split_fits_the_launch():
+    """Every warpgroup layout's setmaxnreg split fits the registers the CTA is launched with (``regs_fit``; an increase
+    beyond what the decreases released waits forever: the unit_qf form with four consumer warpgroups at 120 / 24 hung
+    in round s13r1): three and four consumer warpgroups, with and without the fused top-K / pair."""
+    sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
+    import _standalone
+
+    _standalone.load_pack()
+    from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90 as p2
+
+    assert p2.regs_fit(3, 160, 32) and not p2.regs_fit(3, 168, 32)
+    assert not p2.regs_fit(4, 120, 24) and not p2.regs_fit(4, 112, 56)
+    for wg4 in (False, True):
+        for kw in (dict(), dict(topk=True), dict(pair=True), dict(unit_qf=True), dict(unit_qf=True, pair=True)):
+            k = p2.Pass2Sm90(p2.cutlass.Float16, 3, lse_smem=True, wg4=wg4, **kw)
+            assert p2.regs_fit(k.nwg, k.mma_regs, k.producer_regs), (wg4, kw, k.mma_regs, k.producer_regs)

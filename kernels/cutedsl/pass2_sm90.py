@@ -166,7 +166,11 @@ class Pass2Sm90:
         # spills at 32: 152 / 56 then (offline sm_90a: no consumer spill)
         more = topk or pair or triple
         self.mma_regs, self.producer_regs = {3: (152, 56) if more else (160, 32),
-                                             4: (112, 56) if more else (120, 24)}[self.nwg]
+                                             4: (104, 56) if more else (112, 32)}[self.nwg]
+        # (setmaxnreg moves registers only within the CTA's launch allocation: ``regs_fit``; wg4's former 120 / 24
+        # and 112 / 56 asked for more than 640 threads' 96 each hold, and the unit_qf form with wg4 hung in round
+        # s13r1)
+        assert regs_fit(self.nwg, self.mma_regs, self.producer_regs), (self.nwg, self.mma_regs, self.producer_regs)
         self.dtype = cutlass.Float8E4M3FN
         # the top-K fused: producer warps 2 and 3 select each finished row of the CTA (``_select_rows``)
         self.topk = topk
@@ -961,6 +965,15 @@ def smem_bytes(stages: int, nwg: int, gpi: int, topk: bool) -> int:
     consumer warpgroup per stage), two query slots per group of an item, their LSE, the selecting warps' candidates."""
     return ((stages * HALF * nwg + 2 * gpi * TILE_Q) * HEAD_DIM + 2 * gpi * TILE_Q * 4
             + (SELECT_WARPS * CAND_SLOTS * 2 if topk else 0) + 3072)
+
+
+def regs_fit(nwg: int, mma_regs: int, producer_regs: int) -> bool:
+    """Whether ``nwg`` consumer warpgroups at ``mma_regs`` and the producer warpgroup at ``producer_regs`` registers
+    per thread fit the registers the CTA is launched with: 65536 over its 128 * (nwg + 1) threads, in whole units of 8
+    per thread (``setmaxnreg.inc`` only takes what ``setmaxnreg.dec`` released in the same CTA: more waits forever)."""
+    threads = 128 * (nwg + 1)
+    launch = (65536 // threads) // 8 * 8
+    return 128 * (nwg * mma_regs + producer_regs) <= threads * launch
 
 
 def fit_stages(stages: int, nwg: int, gpi: int, topk: bool) -> int:
