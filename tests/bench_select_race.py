@@ -311,20 +311,22 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"seg": {}, "seg r48": {}, "seg w8": {}}
+RACE1_ROWS = {"seg": {}, "seg rev": {}}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
 # the Triton modules' globals a row runs under (module name in kernels/triton -> {global: value}, set around each of
 # the row's calls and restored after)
-PARTS_GLOBALS: dict = {# the separate top-K's "seg" form (kernels/triton/topk_seg.py: per-thread candidate slots,
-                       # warp-local scans; offline sm_90 SASS per 8-key step 133 / 203 instead of 205 / 246
-                       # instructions, no barrier in the sweeps; the same selection)
+PARTS_GLOBALS: dict = {# the separate top-K's "seg" form (kernels/triton/topk_seg.py: per-warp candidate slots and
+                       # row quarters, warp-local scans; offline sm_90 SASS per 8-key step 172 / 205 instructions
+                       # against 205 / 246, no barrier in the sweeps; the same selection); round s13r1's per-thread
+                       # slots (0.5219 / 0.4998 / 0.5102 / 0.4971 against 0.5264 / 0.4948 / 0.4878 / 0.4865; the top-K
+                       # alone 0.076 against 0.049 at s = 0.5) are gone, as their rows "seg r48" (48 registers) and
+                       # "seg w8" (8 warps): 0.5015-0.5247 and 0.4987-0.5396
                        "seg": {"topk": dict(_SEPARATE_METHOD="seg")},
-                       # the same under a 48-register cap (47, no spill offline: 10 programs per SM instead of 9), and
-                       # with 8 warps per row (8 row parts, 48 registers: 5 programs of 8 warps)
-                       "seg r48": {"topk": dict(_SEPARATE_METHOD="seg", _SEG_MAXNREG=48)},
-                       "seg w8": {"topk": dict(_SEPARATE_METHOD="seg", _SEG_WARPS=8, _SEG_MAXNREG=48)}}
+                       # its count sweep from each quarter's end (topk._SEG_REVERSE: the compaction starts on the keys
+                       # read last)
+                       "seg rev": {"topk": dict(_SEPARATE_METHOD="seg", _SEG_REVERSE=True)}}
 # rows whose selection must equal the defaults' (``fold_checks``); rows that change the sums' rounding would be
 # checked against the brute force of their own sums (``OWN_SUMS_ROWS``). Removed after measurement (1.3B 480p, /
 # dense, s = 0.1 / 0.15 / 0.25 / 0.5): round s12r2 (defaults 0.5049 / 0.5064 / 0.5189 / 0.5143 before the unit fold):
@@ -337,7 +339,7 @@ PARTS_GLOBALS: dict = {# the separate top-K's "seg" form (kernels/triton/topk_se
 # with SWAR 8 and key parts) 0.7414 / 0.7586 / 0.7667 / 0.8187; round s12final (defaults 0.4954 / 0.5026 / 0.4949 /
 # 0.5055): "no unit fold" (the unit_qf check by its own launch) 0.5045 / 0.5006 / 0.5086 / 0.5162, "swar cnt" (the
 # separate top-K counting on int16 pairs, cand_count 3) 0.4915 / 0.5062 / 0.4972 / 0.5433
-SAME_RESULT_ROWS = ("seg", "seg r48", "seg w8")
+SAME_RESULT_ROWS = ("seg", "seg rev")
 OWN_SUMS_ROWS: tuple = ()
 # environment variables a row runs under (set around each of its calls, restored after)
 ROW_ENV: dict = {}

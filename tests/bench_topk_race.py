@@ -39,11 +39,27 @@ selection = bsr.selection
 ref_top_k_rows = bsr.ref_top_k_rows
 
 # the separate top-K's launch variants (``topk.top_k_rows`` keywords; "count": select_kv's, 4 warps per row, 64
-# registers since round s11r2; "seg": kernels/triton/topk_seg.py, session 13). Raced and removed after round s11r2:
+# registers since round s11r2; "seg": kernels/triton/topk_seg.py, session 13; entries named ``_X``: topk module
+# globals for the call, ``run_topk``). Raced and removed after round s11r2:
 # 2 warps at 72 registers (the session-10 default), register caps 64 / 80 at 2 warps, one warp per row, the compaction
 # on lane-major tiles (docs/kernels.md)
 TOPK = {"count": dict(cand_count=1), "seg": dict(method="seg"), "seg r48": dict(method="seg", maxnreg=48),
-        "seg w8": dict(method="seg", num_warps=8, maxnreg=48)}
+        "seg w8": dict(method="seg", num_warps=8, maxnreg=48), "seg rev": dict(method="seg", _SEG_REVERSE=True)}
+
+
+def run_topk(src, kq, width, sel, kw):
+    """topk.top_k_rows with a TOPK row's keywords; its ``_NAME`` entries are topk module globals set for the call."""
+    glob = {n: v for n, v in kw.items() if n.startswith("_")}
+    old = {n: getattr(topk, n) for n in glob}
+    for n, v in glob.items():
+        setattr(topk, n, v)
+    try:
+        return topk.top_k_rows(src, kq, width, out=sel, **{n: v for n, v in kw.items() if n not in glob})
+    finally:
+        for n, v in old.items():
+            setattr(topk, n, v)
+
+
 # the float8 operand pass's launch tuning (``selection.fp8_operands`` keywords; "operands": select_kv's, 264 statistics
 # programs per tensor since round s11r2; "p528": the previous 528)
 OPERANDS = {"operands": {}, "operands p528": dict(stats_programs=528)}
@@ -72,7 +88,7 @@ def compile_child(what, densities, S=32760):
         width = -(-kq // bsr.KV_TILE) * bsr.KV_TILE
         sel = torch.empty(1, 12, 256, width, dtype=torch.int32, device="cuda")
         for kw in list(TOPK.values())[part::2]:
-            topk.top_k_rows(sums, kq, width, out=sel, **kw)
+            run_topk(sums, kq, width, sel, kw)
     torch.cuda.synchronize()
 
 
@@ -136,7 +152,7 @@ def main():
     for s in dens:
         kq = int(s * S)
         width = -(-kq // bsr.KV_TILE) * bsr.KV_TILE
-        rows = {name: (lambda src, sel, kq=kq, width=width, kw=kw: topk.top_k_rows(src, kq, width, out=sel, **kw))
+        rows = {name: (lambda src, sel, kq=kq, width=width, kw=kw: run_topk(src, kq, width, sel, kw))
                 for i, (name, kw) in enumerate(TOPK.items()) if rc[f"topk{i % 2}"] == 0 or name == "count"}
         fns = {"dense": dense}
         for name, kw in (OPERANDS if rc["ops"] == 0 else {"operands": {}}).items():

@@ -58,7 +58,7 @@ def test_seg_top_k_equals_brute_force(gen):
     sums[6] = torch.where(torch.rand(sk, generator=gen) < 0.3, sums[6], 0.0)  # fewer than K above 0: T = +0.0
     sums[6, 3::11] = -0.0
     sums = sums.to(torch.float16)
-    got, fell = _run(sums, k, width, sample_stride=4, num_warps=2)
+    got, fell = _run(sums, k, width, sample_stride=4, num_warps=2, cap=2048)  # (every key a copy in row 3)
     assert torch.equal(got, _brute_force(sums, k, width))
     assert fell.tolist() == [0, 0, 0, 0, 1, 0, 0], fell
 
@@ -78,24 +78,25 @@ def test_seg_top_k_ties_at_zero_across_warps(gen, monkeypatch, reverse, prefetch
         sums[r, zeros] = 0.0 if r else -0.0
         sums[r, 1280:] = torch.where(torch.rand(sk - 1280, generator=gen) < 0.13, sums[r, 1280:], 0.0)
     sums = sums.to(torch.float16)
-    got, fell = _run(sums, k, width, num_warps=2, prefetch=prefetch)
+    got, fell = _run(sums, k, width, num_warps=2, prefetch=prefetch, cap=2048)  # (~700 zeros a warp: copies)
     assert torch.equal(got, _brute_force(sums, k, width))
     assert fell.tolist() == [0, 0, 0], fell
 
 
 def test_seg_top_k_slot_overflow_and_plan(gen):
-    """A thread with more copies than its slots (16 slots, wide bracket) flags the row (radix launch), still exact;
-    ``seg_plan``: whole 256-key steps per warp quarter, slots >= twice a thread's share."""
+    """A warp with more copies than its slots (256, wide bracket) flags the row (radix launch), still exact;
+    ``seg_plan``: whole 256-key steps per warp quarter, slots >= twice a warp's share."""
     sk, k, width = 1024, 300, 320
     sums = (torch.rand(3, sk, generator=gen, dtype=torch.float64) + 0.5).to(torch.float16)
-    got, fell = _run(sums, k, width, cap=16, num_warps=1, z=20.0)  # (32 keys per thread, most inside)
+    got, fell = _run(sums, k, width, cap=256, num_warps=1, z=20.0)  # (one warp, most of its 1024 keys inside)
     assert torch.equal(got, _brute_force(sums, k, width))
     assert fell.tolist() == [1, 1, 1]
     for warps in (4, 8):  # (8: quarters of one 256-key step, the last four warps past the row)
         got, fell = _run(sums, k, width, num_warps=warps)
         assert torch.equal(got, _brute_force(sums, k, width)) and fell.tolist() == [0, 0, 0]
-    assert topk_seg.seg_plan(32760, 5280, 4) == (32, 128)
-    assert topk_seg.seg_plan(75600, 12210, 4) == (74, 256)
+    assert topk_seg.seg_plan(32760, 5280, 4) == (32, 4096)
+    assert topk_seg.seg_plan(75600, 12210, 4) == (74, 8192)
+    assert topk_seg.seg_plan(1024, 10, 4) == (1, 512)
 
 
 @pytest.mark.parametrize("dtype,sk", [(torch.float32, 1024), (torch.float16, 1003)])

@@ -611,8 +611,8 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             (H200: the bracket 2.4-3x faster than radix at 32760 and 75600 keys, docs/kernels.md). All are exact and
             give identical results.
         cap: the bracket method's candidate slots per row (a power of two; default ``bracket_plan``'s; a scratch of
-            rows x cap int16 keys for float16 sums, int32 for float32, per call); "seg": per thread (default
-            ``topk_seg.seg_plan``'s; a scratch of rows x warps x 32 x cap int16 keys).
+            rows x cap int16 keys for float16 sums, int32 for float32, per call); "seg": per warp (at least 256;
+            default ``topk_seg.seg_plan``'s; a scratch of rows x warps x cap int16 keys).
         block, num_warps: keys per sweep step (bracket) or chunk size (radix), and warps per row (tuning; "seg":
             ``_SEG_WARPS`` when None).
         sample_stride: the bracket method's keys per sample (None: ``bracket_plan``'s); z: its bracket half-width in
@@ -681,13 +681,13 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
 
             warps = num_warps or _SEG_WARPS
             steps, slots = topk_seg.seg_plan(sk, (lo_rank - max(hi_rank, 0)) * stride, warps)
-            slots = cap or slots
-            cand = torch.empty(n, warps * topk_seg.LANES.value * slots, dtype=torch.int16, device=sums.device)
+            slots = max(cap, 256) if cap else slots  # (whole 256-copy chunks per warp)
+            cand = torch.empty(n, warps * slots, dtype=torch.int16, device=sums.device)
             regs = _SEG_MAXNREG if maxnreg is None else maxnreg
             topk_seg._seg_topk_rows[(n,)](
                 src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // vec,
                 src.stride(1) // vec, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank, steps, W=warps,
-                VEC=vec, NS=triton.next_power_of_2(n_samp), PT=slots, PREFETCH=prefetch, REVERSE=_SEG_REVERSE,
+                VEC=vec, NS=triton.next_power_of_2(n_samp), CAPW=slots, PREFETCH=prefetch, REVERSE=_SEG_REVERSE,
                 num_warps=warps,
                 **(dict(maxnreg=regs) if regs and sums.device.type == "cuda" else {}))
             _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,
