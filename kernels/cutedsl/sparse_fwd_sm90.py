@@ -194,6 +194,15 @@ EPILOGUES = ("registers", "smem")
 # stage (Q 32 + K 3 x 32 + V 3 x 32 KiB with "v3"): the producer issues K j+1 (and V j behind it) when Q K^T j-2
 # retires instead of Q K^T j-1, two key tiles of lead instead of one. The producer's query hook ("q_ahead") then runs
 # after key tile ``Q_AHEAD_AT_ONE_SLOT`` + 1, when the slot is free (released after the previous boundary's stores).
+# Round s13r1 (1.3B | 14B, s = 0.1 / 0.15 / 0.25 / 0.5, side by side): 0.846 / 0.851 / 0.885 / 0.917 | 0.834 / 0.868 /
+# 0.867 / 0.891 against the same kernel without it 0.895 / 0.908 / 0.949 / 0.980 | 0.878 / 0.911 / 0.913 / 0.951
+# (lower at 8 of 8, by as much at s = 0.5 as at 0.1: a per-key-tile cost). The likely cause, offline sm_90a SASS:
+# with the register-source Q K^T ptxas puts the consumers' wait for the P V in flight (wgmma wait_group 0) before the
+# softmax's exponentials (0 of the 66 MUFU.EX2 per warp and tile before it, against 12 in the default and 10 in
+# flash-attn-4's dense loop), so they no longer run under the P V; more consumer registers (232, the launch's whole
+# pool) do not move it, and a data-dependent branch around the wait makes ptxas serialise every wgmma. "q_k2" (a
+# diagnostic, with "q_regs"): the same kernel with 2 K stages (the freed 32 KiB unused): q_regs against q_regs + q_k2
+# is the third K stage's own effect under the same consumer code.
 # "stsm_tid" (session 13): the staged epilogue's stmatrix addresses computed from a fresh %tid.x read at the staging
 # (``_tid_x``). Without it ptxas keeps the four addresses, computed once at the consumers' start, in local memory
 # (the default's only local accesses: 4 STL there, 4 LDL per group boundary right after the boundary step's Q K^T
@@ -205,7 +214,7 @@ EPILOGUES = ("registers", "smem")
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
            "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps", "pad1", "pad2", "pad3", "q_regs",
-           "stsm_tid")
+           "stsm_tid", "q_k2")
 # "pad1" / "pad2" / "pad3": clock reads of ``_code_pad`` (~2 instructions each); "pad3" (~8 KiB, session 13) a third
 # placement raced beside the default with and without pad2
 PAD_READS = {"pad1": 24, "pad2": 96, "pad3": 192}
@@ -475,7 +484,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.v_stages = 3 if "v3" in options else stages
         # "q_regs": Q in registers, one query slot, its 32 KiB for a third K stage
         self.q_regs = "q_regs" in options
-        self.k_stages = 3 if self.q_regs else stages
+        self.k_stages = 3 if self.q_regs and "q_k2" not in options else stages
+        assert "q_k2" not in options or self.q_regs, "q_k2 is a q_regs diagnostic"
         self.q_slots = 1 if self.q_regs else 2
         self.q_ahead_at = Q_AHEAD_AT_ONE_SLOT if self.q_regs else Q_AHEAD_AT
         assert "v3" not in options or self.overlap, "v3 is an overlap option"
