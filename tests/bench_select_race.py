@@ -311,7 +311,7 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"seg": {}, "seg rev": {}}
+RACE1_ROWS = {"seg": {}, "seg rev": {}, "seg p2": {}}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
@@ -326,7 +326,9 @@ PARTS_GLOBALS: dict = {# the separate top-K's "seg" form (kernels/triton/topk_se
                        "seg": {"topk": dict(_SEPARATE_METHOD="seg")},
                        # its count sweep from each quarter's end (topk._SEG_REVERSE: the compaction starts on the keys
                        # read last)
-                       "seg rev": {"topk": dict(_SEPARATE_METHOD="seg", _SEG_REVERSE=True)}}
+                       "seg rev": {"topk": dict(_SEPARATE_METHOD="seg", _SEG_REVERSE=True)},
+                       # its sweeps' loads issued two steps ahead (topk._SEG_PREFETCH 2; 64 registers, no spill)
+                       "seg p2": {"topk": dict(_SEPARATE_METHOD="seg", _SEG_PREFETCH=2)}}
 # rows whose selection must equal the defaults' (``fold_checks``); rows that change the sums' rounding would be
 # checked against the brute force of their own sums (``OWN_SUMS_ROWS``). Removed after measurement (1.3B 480p, /
 # dense, s = 0.1 / 0.15 / 0.25 / 0.5): round s12r2 (defaults 0.5049 / 0.5064 / 0.5189 / 0.5143 before the unit fold):
@@ -339,7 +341,7 @@ PARTS_GLOBALS: dict = {# the separate top-K's "seg" form (kernels/triton/topk_se
 # with SWAR 8 and key parts) 0.7414 / 0.7586 / 0.7667 / 0.8187; round s12final (defaults 0.4954 / 0.5026 / 0.4949 /
 # 0.5055): "no unit fold" (the unit_qf check by its own launch) 0.5045 / 0.5006 / 0.5086 / 0.5162, "swar cnt" (the
 # separate top-K counting on int16 pairs, cand_count 3) 0.4915 / 0.5062 / 0.4972 / 0.5433
-SAME_RESULT_ROWS = ("seg", "seg rev")
+SAME_RESULT_ROWS = ("seg", "seg rev", "seg p2")
 OWN_SUMS_ROWS: tuple = ()
 # environment variables a row runs under (set around each of its calls, restored after)
 ROW_ENV: dict = {}

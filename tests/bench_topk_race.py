@@ -44,7 +44,8 @@ ref_top_k_rows = bsr.ref_top_k_rows
 # 2 warps at 72 registers (the session-10 default), register caps 64 / 80 at 2 warps, one warp per row, the compaction
 # on lane-major tiles (docs/kernels.md)
 TOPK = {"count": dict(cand_count=1), "seg": dict(method="seg"), "seg r48": dict(method="seg", maxnreg=48),
-        "seg w8": dict(method="seg", num_warps=8, maxnreg=48), "seg rev": dict(method="seg", _SEG_REVERSE=True)}
+        "seg w8": dict(method="seg", num_warps=8, maxnreg=48), "seg rev": dict(method="seg", _SEG_REVERSE=True),
+        "seg p2": dict(method="seg", _SEG_PREFETCH=2)}
 
 
 def run_topk(src, kq, width, sel, kw):

@@ -58,6 +58,7 @@ _SEPARATE_METHOD = "bracket"
 _SEG_WARPS = 4
 _SEG_MAXNREG = 64
 _SEG_REVERSE = False  # its count sweep from each row part's end (``topk_seg._seg_topk_rows`` REVERSE; same result)
+_SEG_PREFETCH = 1  # its sweeps' load distance in steps with ``prefetch`` (1 or 2; ``topk_seg._seg_topk_rows`` PREFETCH)
 # bracket method: one sample per ceil(Sk / _BRACKET_MAX_SAMPLES) keys by default, as many as the sample registers hold
 # (until session 8: one per 128-byte line but >= 512 samples, 520 at 1.3B 480p, whose registers already held 1024).
 # H200 round s8r2 (main 176160c, 1.3B 480p, flash-attn-4 dense, tests/_timing.race): one sample per 32 keys (1023)
@@ -687,7 +688,8 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             topk_seg._seg_topk_rows[(n,)](
                 src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // vec,
                 src.stride(1) // vec, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank, steps, W=warps,
-                VEC=vec, NS=triton.next_power_of_2(n_samp), CAPW=slots, PREFETCH=prefetch, REVERSE=_SEG_REVERSE,
+                VEC=vec, NS=triton.next_power_of_2(n_samp), CAPW=slots, REVERSE=_SEG_REVERSE,
+                PREFETCH=_SEG_PREFETCH if prefetch else 0,
                 num_warps=warps,
                 **(dict(maxnreg=regs) if regs and sums.device.type == "cuda" else {}))
             _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,

@@ -46,6 +46,13 @@ def _seg_offsets(W: tl.constexpr, VEC: tl.constexpr, steps_per_warp):
 
 
 @triton.jit
+def _seg_step(vbase, i, last, REVERSE: tl.constexpr):
+    """The vectors of step i (clamped to [0, last]) of each warp's quarter, from its end when REVERSE."""
+    i = tl.minimum(i, last)
+    return vbase + ((last - i) if REVERSE else i) * LANES
+
+
+@triton.jit
 def _seg_load(src, vidx, v, n_vec, VEC: tl.constexpr):
     """The keys of vectors ``vidx`` ([32, W, 1]; -1 past the row's ``n_vec`` vectors, whose loads are clamped to the
     last vector: whole 16-byte loads, no mask) as int32 ``_raw_keys``."""
@@ -149,7 +156,8 @@ def _seg_topk_rows(
     VEC: tl.constexpr,  # keys per 16-byte vector (8: float16)
     NS: tl.constexpr,  # sample slots (power of two >= n_samp)
     CAPW: tl.constexpr,  # candidate slots per warp (a multiple of 32 x VEC)
-    PREFETCH: tl.constexpr,  # the sweeps issue the next step's load before this step's work
+    PREFETCH: tl.constexpr,  # the sweeps issue the load of the step this many steps ahead (0, 1, 2) before this
+    # step's work
     REVERSE: tl.constexpr = False,  # the count sweep from each quarter's last step down (its order does not matter):
     # the compaction then starts on the keys read last, the likeliest still in L2
 ):
@@ -168,21 +176,27 @@ def _seg_topk_rows(
     above_t = tl.zeros([LANES, W], dtype=tl.int32)
     n_w = tl.zeros([1, W, 1], dtype=tl.int32)
     last = steps_per_warp - 1
-    key = _seg_load(src, vbase + (last * LANES if REVERSE else 0), v, n_vec, VEC)
+    key = _seg_load(src, _seg_step(vbase, 0, last, REVERSE), v, n_vec, VEC)
+    if PREFETCH == 2:
+        key1 = _seg_load(src, _seg_step(vbase, 1, last, REVERSE), v, n_vec, VEC)
     for i in range(0, steps_per_warp):
-        if PREFETCH:
-            nxt = tl.maximum(last - 1 - i, 0) if REVERSE else tl.minimum(i + 1, last)
-            key_next = _seg_load(src, vbase + nxt * LANES, v, n_vec, VEC)
+        if PREFETCH == 2:
+            key2 = _seg_load(src, _seg_step(vbase, i + 2, last, REVERSE), v, n_vec, VEC)
+        elif PREFETCH == 1:
+            key1 = _seg_load(src, _seg_step(vbase, i + 1, last, REVERSE), v, n_vec, VEC)
         else:
-            key = _seg_load(src, vbase + ((last - i) if REVERSE else i) * LANES, v, n_vec, VEC)
+            key = _seg_load(src, _seg_step(vbase, i, last, REVERSE), v, n_vec, VEC)
         above_t += tl.sum((key > hi).to(tl.int32), 2)
         inside = ((key >= lo) & (key <= hi)).to(tl.int32)
         before, tot = _warp_scan(inside)
         slot = n_w + before
         tl.store(copies + slot, key.to(tl.int16), mask=(inside > 0) & (slot < CAPW))
         n_w += tot
-        if PREFETCH:
-            key = key_next
+        if PREFETCH == 2:
+            key = key1
+            key1 = key2
+        elif PREFETCH == 1:
+            key = key1
     above = tl.sum(tl.sum(above_t, 1), 0)
     n_cand = tl.sum(tl.sum(tl.sum(n_w, 2), 1), 0)
     fits = tl.max(tl.max(tl.max(n_w, 2), 1), 0) <= CAPW
@@ -195,16 +209,23 @@ def _seg_topk_rows(
         gt_run = _excl(gt_w, 0)[None, :, None]  # keys > T / == T before each warp's quarter
         eq_run = _excl(eq_c, 0)[None, :, None]
         tok_base = vbase * VEC + v
-        key = _seg_load(src, vbase, v, n_vec, VEC)
+        key = _seg_load(src, _seg_step(vbase, 0, last, False), v, n_vec, VEC)
+        if PREFETCH == 2:
+            key1 = _seg_load(src, _seg_step(vbase, 1, last, False), v, n_vec, VEC)
         for i in range(0, steps_per_warp):
-            if PREFETCH:
-                key_next = _seg_load(src, vbase + tl.minimum(i + 1, steps_per_warp - 1) * LANES, v, n_vec, VEC)
+            if PREFETCH == 2:
+                key2 = _seg_load(src, _seg_step(vbase, i + 2, last, False), v, n_vec, VEC)
+            elif PREFETCH == 1:
+                key1 = _seg_load(src, _seg_step(vbase, i + 1, last, False), v, n_vec, VEC)
             else:
-                key = _seg_load(src, vbase + i * LANES, v, n_vec, VEC)
+                key = _seg_load(src, _seg_step(vbase, i, last, False), v, n_vec, VEC)
             gt_run, eq_run = _seg_compact_step(key, dst, tok_base + i * (LANES * VEC), num_keys, thr, need, gt_run,
                                                eq_run)
-            if PREFETCH:
-                key = key_next
+            if PREFETCH == 2:
+                key = key1
+                key1 = key2
+            elif PREFETCH == 1:
+                key = key1
         offs1 = tl.arange(0, W * LANES * VEC)
         for c0 in range(num_keys, width, W * LANES * VEC):
             fill = c0 + offs1
