@@ -403,6 +403,36 @@ def test_pddp_groups_keep_every_query_for_non_finite_q(gen, backend):
         assert (perm[0, h, S:] == -1).all()
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the Triton interpreter on NaN rows
+@pytest.mark.parametrize("backend", (["auto"] if torch.cuda.is_available() else []) + [
+    b.name for b in registry.backends() if "select_kv" in b.ops and not b.unavailable_reason])
+def test_select_kv_rows_stay_valid_selections_for_non_finite_inputs(gen, backend):
+    """A model whose q or k overflows at an anchor step (a NaN q row, a NaN k row, an inf q entry, each in its own
+    head; the LSE of the dense pass then NaN / inf there) still gets, from every select_kv backend, rows that keep the
+    selection's contract: K distinct ascending indices in [0, S), then -1. The reuse steps' sparse kernels gather K/V
+    rows by these indices, so an index outside [0, S) would be an out-of-bounds read on the GPU (a crash mid-sampling)
+    rather than a NaN output. The clean head's rows equal the torch reference's where the backend is exact (CPU).
+    On a CUDA machine also the default path ("auto": float8 pass 2, the CuTeDSL kernel when installed, the fused
+    top-K) at a shape it runs (D = C = 128)."""
+    cuda = torch.cuda.is_available() and backend != "torch"
+    B, H, S, D, C, K = (1, 4, 1000, 128, 128, 300) if cuda else (1, 4, 200, 64, 64, 70)
+    dev = "cuda" if cuda else "cpu"
+    q, k, v = (torch.randn(B, H, S, D, generator=gen).to(torch.bfloat16).to(dev) for _ in range(3))
+    q[0, 1, 17] = float("nan")
+    k[0, 2, S - 1] = float("nan")
+    q[0, 3, 5, 3] = float("inf")
+    perm = kernels.pddp_groups(q, C)
+    _, lse = kernels.dense_attention(q, k, v, return_lse=True)
+    idx = kernels.select_kv(q, k, lse, perm, K, group_size=C, kv_tile=16, backend=backend).cpu()
+    head, tail = idx[..., :K], idx[..., K:]
+    for h in range(H):
+        assert bool((head[0, h] >= 0).all() and (head[0, h] < S).all()), (h, head[0, h].min(), head[0, h].max())
+        assert bool((head[0, h, :, 1:] > head[0, h, :, :-1]).all()) and bool((tail[0, h] == -1).all()), h
+    if not cuda:
+        want = kernels.select_kv(q, k, lse, perm, K, group_size=C, kv_tile=16, backend="torch")
+        assert torch.equal(idx[0, 0], want[0, 0])
+
+
 def test_a_bug_while_planning_a_sampler_call_turns_it_dense(monkeypatch):
     """An unexpected error before the first step (in the pay-off check / cache plan the sampler wrapper runs) gives a
     finished dense run whose summary names the error, instead of a lost one (mutation: the wrapper calling
