@@ -209,12 +209,18 @@ EPILOGUES = ("registers", "smem")
 # is issued, on the warpgroup's tensor-core turn before its P V issue); the loads' latency is an L2 round trip when
 # the lines left the ~28 KiB of L1 during the group. Offline sm_90a: no local memory at all with it (the staging
 # recomputes the addresses with ~15 integer instructions interleaved with the HGMMA issue).
+# "late_wait" (with "overlap"): in each key-tile step the row sums of the softmax (after all its exponentials) are
+# stored to a shared scratch word (one per consumer warp, never read) before the wait for the P V in flight (wgmma
+# wait_group 0), so ptxas keeps that wait after the exponentials (offline sm_90a SASS: all 66 MUFU.EX2 per warp and
+# tile before it, against 12 without the store, where ptxas hoists the wait; flash-attn-4's dense loop: 10): the
+# whole softmax of tile j runs under the P V of tile j-1 (flash-attn-4's intra-warpgroup overlap as written), only
+# the P conversion and the O rescale after the wait.
 # "stamps" (a diagnostic, with "overlap"; needs the ``mStamps`` argument): per work item, SM clock stamps of the
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
            "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps", "pad1", "pad2", "pad3", "q_regs",
-           "stsm_tid", "q_k2")
+           "stsm_tid", "q_k2", "late_wait")
 # "pad1" / "pad2" / "pad3": clock reads of ``_code_pad`` (~2 instructions each); "pad3" (~8 KiB, session 13) a third
 # placement raced beside the default with and without pad2
 PAD_READS = {"pad1": 24, "pad2": 96, "pad3": 192}
@@ -488,6 +494,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         assert "q_k2" not in options or self.q_regs, "q_k2 is a q_regs diagnostic"
         self.q_slots = 1 if self.q_regs else 2
         self.q_ahead_at = Q_AHEAD_AT_ONE_SLOT if self.q_regs else Q_AHEAD_AT
+        self.late_wait = "late_wait" in options
+        assert not self.late_wait or self.overlap, "late_wait is an overlap option"
         assert "v3" not in options or self.overlap, "v3 is an overlap option"
         self.q_ahead = "q_ahead" in options
         self.cnt_ahead = "cnt_ahead" in options
@@ -595,6 +603,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         mbar_v = cute.struct.MemRange[cutlass.Int64, self.v_stages * 2]
         fields = dict(mbar_ptr_Q=mbar_q, mbar_ptr_K=mbar_k, mbar_ptr_V=mbar_v, sV=sV_struct, sQ=sQ_struct,
                       sK=sK_struct)
+        if const_expr(self.late_wait):  # one word per consumer warp
+            fields = dict(scratch=cute.struct.MemRange[Float32, 8], **fields)
         return cute.struct(type("SharedStorageQ2KV", (), {"__annotations__": fields}))
 
     @cute.kernel
@@ -624,6 +634,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        self._scratch = storage.scratch.get_tensor(cute.make_layout(8)) if const_expr(self.late_wait) else None
         sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(self.own_sO) else sQ
         block_info = BlockInfo(self.tile_m, self.tile_n, False, False, False, None, None, qhead_per_kvhead_packgqa=1)
         SeqlenInfoCls = partial(SeqlenInfoQK.create, seqlen_q_static=self.tile_m, seqlen_k_static=mIdx.shape[1],
@@ -1243,6 +1254,11 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(kv_state)
         row_scale = softmax.online_softmax(acc_S, check_inf=True)
+        if const_expr(self.late_wait):  # a shared store of the row sums first: ptxas keeps the wait after it
+            total = softmax.row_sum[0]
+            for r in cutlass.range_constexpr(1, cute.size(softmax.row_sum)):
+                total = total + softmax.row_sum[r]
+            self._scratch[cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 8] = total
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
         v_state.advance()
