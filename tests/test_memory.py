@@ -266,11 +266,13 @@ def test_attention_share_scales_with_tokens():
 
 
 def test_suggestions_fit_the_budget():
-    """After an out of memory error: suggestions are settings whose plan fits the GPU memory left."""
+    """After an out of memory error: suggestions are settings whose plan fits the GPU memory left; one residual
+    precision, the best that fits (int4-group; int4 fits too: mutation listing every fitting precision)."""
     cfg = MCSparseConfig(density=0.25, residual_dtype="bfloat16")
     shape = (1, 40, 32760, 128)
     tips = memory.suggest_settings(cfg, shape, 80, free_bytes=20 * 2**30)
     assert tips[0].startswith("residual precision int4") and "gpu" in tips[0]  # fp8: 15.8 + 1.0 + 4 > 20 GiB
+    assert sum(t.startswith("residual precision") for t in tips) == 1, tips
     tight = memory.suggest_settings(cfg, shape, 80, free_bytes=2 * 2**30, host=memory.HostMemory(100 * GIB, 128 * GIB))
     assert any("memory headroom" in t or "fewer latent tokens" in t for t in tight)
 
@@ -288,6 +290,9 @@ def test_residual_off_is_suggested_as_the_python_apis_setting():
     off = [f for f in plan.fits if f.startswith("residual off")]
     assert off and "not a node input" in off[0] and "MCSparseConfig(residual=False)" in off[0], plan.fits
     assert not any(f.startswith("residual precision") for f in plan.fits), plan.fits
+    # without the residual the plan weighs one storage, not four equal ones (its line would list four equal sizes)
+    off_plan = memory.plan_cache(dataclasses.replace(cfg, residual=False), gpu_free=gpu, host=None, **kw)
+    assert not off_plan.dense and list(off_plan.options) == ["bfloat16"], off_plan.options
 
 
 @pytest.mark.gpu
