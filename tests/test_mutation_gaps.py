@@ -3,6 +3,7 @@ in a scratch copy (the mutation named in its docstring) left the whole CPU suite
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -510,6 +511,55 @@ def test_the_plan_counts_a_cache_branch_per_evaluated_conditioning(cfg, branches
     lifecycle._plan_or_dense(run, guider, torch.zeros(1, 16, 21, 60, 104))
     assert planned == [dict(heads=12, head_dim=128, layers=3, tokens=21 * 30 * 52, branches=branches, batch=1,
                             num_steps=10)]
+
+
+def test_the_plan_of_a_packed_latent_a_cfg_share_and_a_failed_estimate(caplog):
+    """Before sampling: a packed multi-stream latent (ComfyUI v0.33.0 ``latent_shapes``, e.g. MiniMax-H3's video +
+    audio) is planned from its first stream (the video), not the packed noise; a raylight CFG rank's share of 3
+    evaluated conditionings over 2 ranks is 2 (rounded up: a rank runs 2 of them); an estimate that raises
+    ValueError / TypeError is logged and the run stays sparse (it must never stop or densify sampling). Mutations
+    that left the suite green: the packed noise's shape planned, the share rounded down, the estimate's errors
+    caught by the planning's catch-all (the call went dense)."""
+    import logging
+    import types
+
+    from comfyui_mc_sparse_pack.comfyui_mc_sparse.adapter import lifecycle, settings
+
+    from ._comfy_standins import ModelPatcher, wan_model
+
+    planned = []
+
+    class Runner:
+        fail = False
+
+        def plan(self, **kwargs):
+            planned.append(kwargs)
+            if Runner.fail:
+                raise ValueError("simulated estimate failure")
+
+        def close(self):
+            pass
+
+    s = settings.build_settings(preset="custom", density=0.5, dense_warmup="1", warmup_layers=0, anchor_steps="1",
+                                query_tile=64, cache_placement="auto", backend="torch", min_tokens=0, verbose=False)
+    guider = _guider("Guider_DualCFG", ("positive", "middle", "negative"), cfg1=8.0, cfg2=8.0, nested=False)
+    guider.model_patcher = ModelPatcher(wan_model())
+
+    def plan(**kw):
+        run = lifecycle.RunState(s, torch.linspace(1, 0, 11), family="wan", runner_factory=lambda c, b: Runner())
+        lifecycle._plan_or_dense(run, guider, **kw)
+        return run
+
+    video, audio = (1, 16, 21, 60, 104), (1, 32, 2, 8)
+    packed = torch.zeros(1, math.prod(video) + math.prod(audio))  # the streams flattened into one tensor
+    run = plan(noise=packed, latent_shapes=[video, audio], branch_split=2)
+    assert planned == [dict(heads=12, head_dim=128, layers=3, tokens=21 * 30 * 52, branches=2, batch=1,
+                            num_steps=10)], planned
+    Runner.fail = True
+    with caplog.at_level(logging.WARNING):
+        run = plan(noise=torch.zeros(video))
+    assert run.runner is not None  # (go_dense drops the runner)
+    assert any("no cache estimate for this run (simulated estimate failure)" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("stack_views", [True, False])
