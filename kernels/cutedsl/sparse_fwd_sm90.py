@@ -176,8 +176,8 @@ EPILOGUES = ("registers", "smem")
 # default) with the same instructions, everything else in place. Round s12r3 (1.3B 480p s = 0.1 / 0.25 / 0.5, side
 # by side): the default 0.911 / 0.985 / 0.979, + pad1 0.891 / 0.954 / 0.967, + pad2 0.939 / 1.021 / 1.030: the
 # kernel's speed depends on where its hot code sits (why producer-side changes with fewer instructions lost ~10 % in
-# s12r1 / s12r2); pad2 in ``rules.STAGED_OPTIONS`` since then, not confirmed by the final round s12final
-# (ahead at 3 of 8 points, behind at 4; rules.py).
+# s12r1 / s12r2); pad2 was in ``rules.STAGED_OPTIONS`` from then until session 13, not confirmed by s12final,
+# s13r1 or s13r2 (rules.py): kept as diagnostics of the placement question.
 # Measured on the H200 and removed (round s12r2): "dyn_walk" (each CTA's items after its first claimed from a
 # per-launch counter, through a 4-entry shared ring with one mbarrier per entry, instead of the grid-stride order):
 # lower at all 8 points (1.3B 0.721 / 0.766 / 0.793 / 0.799, 14B 0.798 / 0.836 / 0.833 / 0.864 against 0.841 /
@@ -219,11 +219,9 @@ EPILOGUES = ("registers", "smem")
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps", "pad1", "pad2", "pad3", "q_regs",
+           "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps", "pad1", "pad2", "q_regs",
            "stsm_tid", "q_k2", "late_wait")
-# "pad1" / "pad2" / "pad3": clock reads of ``_code_pad`` (~2 instructions each); "pad3" (~8 KiB, session 13) a third
-# placement raced beside the default with and without pad2
-PAD_READS = {"pad1": 24, "pad2": 96, "pad3": 192}
+PAD_READS = {"pad1": 24, "pad2": 96}  # "pad1" / "pad2": clock reads of ``_code_pad`` (~2 instructions each)
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
 # queries and first K done, the boundary's softmax of the next item's first tile done, item end (output written or
@@ -1623,7 +1621,7 @@ def _l2_policy(kind: str, *, loc=None, ip=None) -> Int64:
 
 @cute.jit
 def _code_pad(n: cutlass.Constexpr[int], scale_log2: Float32, mCounts: cute.Tensor):
-    """"pad1" / "pad2" / "pad3": ``n`` reads of the SM clock summed at the consumers' start, written to
+    """"pad1" / "pad2": ``n`` reads of the SM clock summed at the consumers' start, written to
     ``mCounts[0]`` only when ``scale_log2`` < 0 (never): ~2n instructions that move the consumers' code (their
     key-tile loop included) to other instruction addresses, the rest of the kernel unchanged."""
     acc = Int64(0)
