@@ -203,12 +203,13 @@ EPILOGUES = ("registers", "smem")
 # pool) do not move it, and a data-dependent branch around the wait makes ptxas serialise every wgmma. "q_k2" (a
 # diagnostic, with "q_regs"): the same kernel with 2 K stages (the freed 32 KiB unused): q_regs against q_regs + q_k2
 # is the third K stage's own effect under the same consumer code.
-# "stsm_tid" (session 13): the staged epilogue's stmatrix addresses computed from a fresh %tid.x read at the staging
-# (``_tid_x``). Without it ptxas keeps the four addresses, computed once at the consumers' start, in local memory
-# (the default's only local accesses: 4 STL there, 4 LDL per group boundary right after the boundary step's Q K^T
-# is issued, on the warpgroup's tensor-core turn before its P V issue); the loads' latency is an L2 round trip when
-# the lines left the ~28 KiB of L1 during the group. Offline sm_90a: no local memory at all with it (the staging
-# recomputes the addresses with ~15 integer instructions interleaved with the HGMMA issue).
+# Measured on the H200 and removed (round s13r2): "stsm_tid" (the staged epilogue's four stmatrix addresses
+# recomputed from a fresh %tid.x read at the staging instead of kept from the consumers' start, where ptxas spills
+# them: the default's only local memory, 4 STL once and 4 LDL per group boundary on the warpgroup's tensor-core
+# turn; offline no local memory with it): stamped, the boundary's turn -> staged 0.8k / 1.0k cycles against 1.0k /
+# 1.4k, but the plain kernels ran 0.998 / 0.998 ms at 1.3B s = 0.1 and the op was behind at 6 of 8 points (0.877 /
+# 0.895 / 0.947 / 0.965 | 0.850 / 0.886 / 0.902 / 0.927 against 0.885 / 0.902 / 0.951 / 0.981 | 0.850 / 0.918 / 0.906
+# / 0.920): likely the spill's loads hit L1 (not measured).
 # "late_wait" (with "overlap"): in each key-tile step the row sums of the softmax (after all its exponentials) are
 # stored to a shared scratch word (one per consumer warp, never read) before the wait for the P V in flight (wgmma
 # wait_group 0), so ptxas keeps that wait after the exponentials (offline sm_90a SASS: all 66 MUFU.EX2 per warp and
@@ -220,7 +221,7 @@ EPILOGUES = ("registers", "smem")
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
            "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps", "pad1", "pad2", "q_regs",
-           "stsm_tid", "q_k2", "late_wait")
+           "q_k2", "late_wait")
 PAD_READS = {"pad1": 24, "pad2": 96}  # "pad1" / "pad2": clock reads of ``_code_pad`` (~2 instructions each)
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
@@ -508,7 +509,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         assert not self.idx_ahead or self.q_ahead, "idx_ahead is a q_ahead option"
         self.stamps = "stamps" in options
         self.stage_under_qk = "stage_under_qk" in options
-        self.stsm_tid = "stsm_tid" in options
         assert not self.stage_under_qk or self.hide_epi, "stage_under_qk is a hide_epi option (staged epilogue)"
         assert not self.stamps or self.overlap, "stamps is an overlap option"
         assert not self.q_regs or self.overlap, "q_regs is an overlap option"
@@ -1427,9 +1427,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         if const_expr(self.own_sO):  # this warpgroup's threads have read back the previous group's output
             cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=128)
         smem_copy_atom = fa_utils.get_smem_store_atom(90, self.dtype)
-        # "stsm_tid": the stmatrix addresses from a fresh %tid.x read here instead of the kernel-start tidx
-        stsm_tidx = _tid_x() - 128 if const_expr(self.stsm_tid) else tidx
-        smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma).get_slice(stsm_tidx)
+        smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma).get_slice(tidx)
         cute.copy(smem_copy_atom, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
         cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
         if const_expr(self.split_tail):
@@ -1635,13 +1633,6 @@ def _code_pad(n: cutlass.Constexpr[int], scale_log2: Float32, mCounts: cute.Tens
 def _clock64(*, loc=None, ip=None) -> Int64:
     """The SM's cycle counter (%clock64; "stamps")."""
     return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %clock64;", "=l", has_side_effects=True,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _tid_x(*, loc=None, ip=None) -> Int32:
-    """%tid.x read where it is called (a volatile read: neither hoisted nor merged with earlier reads; "stsm_tid")."""
-    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True,
                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
