@@ -24,7 +24,7 @@ import torch
 
 
 def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None, samples: dict | None = None,
-         order: str = "random") -> dict:
+         order: str = "random", warm_up: bool = False) -> dict:
     """Median ms per call of each fn (name -> zero-argument callable on the current CUDA stream), timed interleaved:
     ``rounds`` rounds, each running every fn back to back for about ``target_ms`` (CUDA events), so a clock or
     thermal drift hits every fn alike. The order is shuffled each round (fixed seed). Each sample is led in by
@@ -34,12 +34,17 @@ def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None
     right after another fn's sample: what a sample without lead-in mostly measured); left empty without lead-in.
 
     ``samples``: a dict to fill with each fn's timed samples, a list of ``(round, position, predecessor, ms per call)``
-    in time order (position 0 .. len(fns) - 1 within the round; predecessor the fn timed just before, None for the
-    race's first sample): where a row's spread comes from (its place in the order, the row before it, drift).
+    in time order (position 0 .. len(fns) - 1 within the round; predecessor the fn run just before, None for the
+    race's first sample without ``warm_up``): where a row's spread comes from (its place in the order, the row
+    before it, drift).
 
     ``order``: "random" (each round shuffled, seed 0: every race of the same row count runs the same sequence of
     orders) or "balanced" (``balanced_orders``: over len(fns) rounds, or 2 len(fns) for an odd count, each fn at
-    each position and right after each other fn equally often)."""
+    each position and right after each other fn equally often).
+
+    ``warm_up``: before the first round, the first fn of its order runs untimed for about ``target_ms``: otherwise
+    the race's first sample starts on a GPU idle since the caller's setup, and runs fast (session 13: at 1.3B the
+    first sample of each point 1-12 % below its row's median, always the same row at every point of a race)."""
     lead_in = os.environ.get("MC_SPARSE_RACE_LEAD_IN", "1") != "0"
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
     est, times, idle = {}, {k: [] for k in fns}, {k: [] for k in fns}
@@ -55,14 +60,17 @@ def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None
     leads = {k: max(1, round(target_ms / 4 / est[k])) if lead_in else 0 for k in fns}
     if order not in ("random", "balanced"):
         raise ValueError(f"order must be 'random' or 'balanced', got {order!r}")
-    seq, rng, prev = list(fns), random.Random(0), None
-    plan = balanced_orders(list(fns), rounds) if order == "balanced" else None
+    plan = balanced_orders(list(fns), rounds) if order == "balanced" else _shuffled_orders(list(fns), rounds)
+    prev = None
     if samples is not None:
         samples.update({k: [] for k in fns})
+    if warm_up and plan:
+        prev = plan[0][0]
+        for _ in range(reps[prev]):
+            fns[prev]()
+        torch.cuda.synchronize()
     for rnd in range(rounds):
-        if plan is None:
-            rng.shuffle(seq)
-        for pos, k in enumerate(seq if plan is None else plan[rnd]):
+        for pos, k in enumerate(plan[rnd]):
             fn = fns[k]
             a0, a, b = ev(), ev(), ev()
             a0.record()
@@ -82,6 +90,15 @@ def race(fns: dict, rounds: int, target_ms: float, from_idle: dict | None = None
     if from_idle is not None:
         from_idle.update({k: statistics.median(v) for k, v in idle.items() if v})
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _shuffled_orders(names: list, rounds: int) -> list:
+    """``rounds`` orders of ``names``: the list shuffled in place once per round (``random.Random(0)``)."""
+    rng, out = random.Random(0), []
+    for _ in range(rounds):
+        rng.shuffle(names)
+        out.append(list(names))
+    return out
 
 
 def balanced_orders(names: list, rounds: int) -> list:

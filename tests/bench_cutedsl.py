@@ -142,7 +142,7 @@ def with_options(raw, fn, env="MC_SPARSE_CUTEDSL_OPTIONS"):
 
 
 def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP_ROWS,
-              other_options=(OP_OTHER_OPTIONS,), res_options=(), order="random"):
+              other_options=(OP_OTHER_OPTIONS,), res_options=(), order="random", warm_up=True):
     B, H, S, D = shp["B"], shp["H"], shp["S"], shp["D"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (native(gen, B, S, H, D) for _ in range(3))
@@ -298,7 +298,7 @@ def run_shape(name, shp, densities, rounds, target_ms, variants, log, op_rows=OP
                 continue
             fns[tag] = lambda fn=fn, args=args: cc.launch(fn, *args)
         idle, smp = {}, {}
-        r = race(fns, rounds, target_ms, from_idle=idle, samples=smp, order=order)
+        r = race(fns, rounds, target_ms, from_idle=idle, samples=smp, order=order, warm_up=warm_up)
         base = r[base_name]
         eff = {kk: base * s / vv for kk, vv in r.items() if not kk.startswith(("dense", "counts"))}
         eff_paired = paired_efficiency(smp, base_name, s)
@@ -416,6 +416,9 @@ def main():
                     help="the race's order of rows per round (tests/_timing.race): random (seed 0, the same sequence "
                          "at every point) or balanced (a Williams design: give --rounds = the row count, or twice it "
                          "for an odd count)")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="no untimed warm-up sample before each point's race (tests/_timing.race warm_up; without it "
+                         "the race's first sample starts on a GPU idle since the point's setup)")
     ap.add_argument("--commit", default=_scoreboard.measured_commit())
     ap.add_argument("--scoreboard", default=str(_scoreboard.BOARD))
     args = ap.parse_args()
@@ -434,7 +437,8 @@ def main():
                                            [x for x in args.variants.split(",") if x], log,
                                            [x for x in args.op_rows.split(",") if x],
                                            [x for x in args.op_options.split(";") if x],
-                                           [x for x in args.res_options.split(";") if x], args.order)
+                                           [x for x in args.res_options.split(";") if x], args.order,
+                                           not args.no_warm_up)
     effs = {(n, s): r["efficiency"]["cutedsl op"] for n, sh in report["shapes"].items()
             for s, r in sh["densities"].items()}
     worst = min(effs, key=effs.get)
@@ -467,7 +471,8 @@ def main():
         effs[worst], "ratio", command=" ".join(["python tests/bench_cutedsl.py"] + sys.argv[1:]), commit=args.commit,
         gpu=report["gpu"],
         note=(f"min over shapes x s of dense with LSE x s / CuTeDSL op (native views, out=, counts launch + kernel; "
-              f"dense timed interleaved with it at each point, median of {args.rounds} rounds, {args.order} order); "
+              f"dense timed interleaved with it at each point, median of {args.rounds} rounds, {args.order} order, "
+              f"{'no warm-up' if args.no_warm_up else 'warm-up'}); "
               f"worst at {worst[0]} s={worst[1]}; staged-epilogue options {rules.staged_options()}; dense baseline "
               f"{bases}; minimum per row: " + ", ".join(f"{kk} {e:.3f}" for kk, e in kerns.items())
               + "; paired minimum per row: " + ", ".join(f"{kk} {e:.3f}" for kk, e in paired.items())

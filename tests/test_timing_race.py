@@ -148,3 +148,33 @@ def test_balanced_orders_balance_position_and_predecessor(timing, n):
     assert [[k for r, _, k in timed if r == rnd] for rnd in range(period)] == plan
     with pytest.raises(ValueError):
         mod.race({"a": gpu_fn("a", 1.0, 0.0)}, rounds=1, target_ms=5.0, order="sorted")
+
+
+@pytest.mark.parametrize("order", ["random", "balanced"])
+def test_warm_up_runs_the_first_fn_before_the_first_sample(timing, monkeypatch, order):
+    """warm_up: after the size estimates and before the first timed sample, the first fn of round 0's order runs
+    about target_ms of untimed calls (then a synchronize); the first sample's predecessor is that fn; without it the
+    first sample's predecessor is None and no calls come between the estimates and the first sample's lead-in."""
+    mod, gpu_fn = timing
+    monkeypatch.delenv("MC_SPARSE_RACE_LEAD_IN", raising=False)
+    times = {"a": 1.0, "b": 2.0, "c": 4.0}
+    for warm in (False, True):
+        log = []
+        monkeypatch.setattr(mod.torch.cuda, "synchronize", lambda: log.append("|"))
+
+        def logged(name):
+            fn = gpu_fn(name, times[name], 0.0)
+            return lambda: (log.append(name), fn())
+
+        got = {}
+        mod.race({k: logged(k) for k in times}, rounds=3, target_ms=20.0, samples=got, order=order, warm_up=warm)
+        segs = [seg.strip(",").split(",") for seg in "".join(x if x == "|" else x + "," for x in log).split("|")[:-1]]
+        first = min((v[0] for v in got.values()), key=lambda x: (x[0], x[1]))
+        k0 = next(k for k, v in got.items() if v[0] == first)
+        lead = max(1, round(20.0 / 4 / times[k0]))
+        reps = max(1, round(20.0 / times[k0]))
+        if warm:
+            assert segs[len(times)] == [k0] * reps  # the warm-up segment, then the first sample
+            assert segs[len(times) + 1] == [k0] * (lead + reps) and first[2] == k0
+        else:
+            assert segs[len(times)] == [k0] * (lead + reps) and first[2] is None
