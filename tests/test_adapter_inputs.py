@@ -268,6 +268,25 @@ def test_geometry_of_the_other_families_and_the_joint_text_length():
     assert single(None, transformer_options=options).layer == 1
 
 
+def test_geometry_of_minimax_h3_hunyuan_video_and_hunyuan3d20():
+    """MiniMax-H3's video stream padded up to its patch (odd T, H, W; heads and head dim from its blocks' attention),
+    HunyuanVideo's width from ``hidden_size`` (it has no ``dim``), Hunyuan3D 2.0's head dim from its double blocks'
+    hidden size / heads. Mutations that left the suite green: H3's tokens rounded down, HunyuanVideo's geometry lost
+    (no plan), Hunyuan3D 2.0's head dim fixed at 64."""
+    plan = layouts.PatchPlan("minimax_h3", (("a", None),) * 3, False, None)
+    h3 = types.SimpleNamespace(patch_size=(1, 2, 2),
+                               blocks=[types.SimpleNamespace(attn=types.SimpleNamespace(heads=56, head_dim=128))])
+    geo = layouts.geometry(h3, plan, (1, 24, 87, 95, 169))
+    assert (geo.heads, geo.head_dim, geo.tokens, geo.layers) == (56, 128, 87 * 48 * 85, 3)
+    hv = types.SimpleNamespace(patch_size=(1, 2, 2), num_heads=24, hidden_size=3072)
+    geo = layouts.geometry(hv, layouts.PatchPlan("hunyuan_video", (("a", None),) * 2, False, None), (1, 16, 33, 68, 120))
+    assert (geo.heads, geo.head_dim, geo.tokens, geo.layers) == (24, 128, 33 * 34 * 60, 2)
+    block = types.SimpleNamespace(num_heads=16, hidden_size=2048)
+    h3d = types.SimpleNamespace(double_blocks=[block])
+    geo = layouts.geometry(h3d, layouts.PatchPlan("hunyuan3d", (("a", None),) * 2, False, None), (1, 64, 3072))
+    assert (geo.heads, geo.head_dim, geo.tokens, geo.layers) == (16, 128, 3072, 2)
+
+
 # -- presets, warm-up / anchor consistency, interrupted runs ---------------------------------------------------
 
 @pytest.mark.parametrize("preset", ["quality", "balanced", "fast"])

@@ -247,7 +247,7 @@ def geometry(diffusion_model: Any, plan: PatchPlan, latent_shape: tuple[int, ...
     padding up as ``comfy.ldm.common_dit.pad_to_patch_size`` does); Hunyuan3D latents are ``[B, C, N]``
     (N tokens; 2.1 adds 1 time token, ``hunyuandit.py`` L620).
     """
-    if plan.family is None or not latent_shape:
+    if plan.family is None:  # (every family below checks the latent's rank: an empty shape gives None)
         return None
     layers = len(plan.patches)
     dm = diffusion_model
