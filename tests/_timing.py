@@ -13,6 +13,12 @@ sample: the first call's host launch time (0.3-0.8 ms for the sparse op, 20 ms s
 power state (the row after flash-attn-4 dense ran 2-4 % slow) fell inside the timed region. In a model run the host
 is ahead of the GPU and the call follows the model's own work, which the lead-in stands for.
 ``MC_SPARSE_RACE_LEAD_IN=0`` times the way sessions 5-8 did (the scoreboard's figures up to commit a50914c).
+
+Order and warm-up (session 13, opt-in: ``race(order="balanced", warm_up=True)``; bench_cutedsl uses both in its rounds):
+the seeded shuffle runs the same order sequence in every race of the same row count, so a row's predecessor repeats
+at every point of a benchmark; a balanced (Williams) order gives every row every position and predecessor equally
+often. The race's first sample starts on a GPU idle since the caller's setup and ran 0.2-12 % fast at 1.3B; the
+warm-up runs an untimed sample first. ``samples=`` returns every timed sample with its place (tests/race_spread.py).
 """
 from __future__ import annotations
 
