@@ -22,7 +22,7 @@ _NEEDS_CUTE = pytest.mark.skipif(
 @_NEEDS_CUTE
 def test_offline_sm90a_compile(tmp_path):
     """float16 and float32 sums, qsplit 1 with poly = 8 and the LSE read through perm, the fused top-K, qsplit 2 (tile
-    pairs rolled) with poly = 4, unit_qf with poly = 8 (degree 2, the default, and 3) and unit_qf with pair and with triple compile offline (~6 s each)
+    pairs rolled) with poly = 4 and unit_qf with poly = 8 (degree 2, the default, and 3) compile offline (~6 s each)
     and the second ``compiled`` call of the same config is served from memory."""
     code = textwrap.dedent(f"""
         import os, sys
@@ -37,38 +37,13 @@ def test_offline_sm90a_compile(tmp_path):
         p2.compiled('float16', qsplit=2, poly=4)
         p2.compiled('float16', unit_qf=True, poly=8)
         p2.compiled('float16', unit_qf=True, poly=8, poly_deg=3)
-        p2.compiled('float16', unit_qf=True, pair=True)
-        p2.compiled('float16', unit_qf=True, triple=True)
         assert p2.compiled('float16') is p2.compiled('float16')
         print('KERNELS', len(p2.compiled_kernels()))
     """)
     env = dict(os.environ, MC_SPARSE_CUTEDSL_CACHE_DIR=str(tmp_path))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert "KERNELS 9" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert "KERNELS 7" in p.stdout, p.stdout + p.stderr[-3000:]
     assert any(tmp_path.glob("*.o")), list(tmp_path.iterdir())
-
-
-@_NEEDS_CUTE
-def test_grouping_defaults(monkeypatch):
-    """Query groups per work item when the caller gives none (``_grouping``): the unit_qf form without the fused top-K
-    takes ``UNIT_GROUPS`` (1 none, 2 pair, 3 triple); the fused top-K keeps ``PAIR_FUSED`` without unit_qf and no
-    grouping with it; the default form ``PAIR``; an explicit pair or triple always wins (both: the kernel refuses)."""
-    sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
-    import _standalone
-
-    _standalone.load_pack()
-    from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90 as p2
-
-    g = p2._grouping
-    for groups, unit in ((1, (False, False)), (2, (True, False)), (3, (False, True))):
-        monkeypatch.setattr(p2, "UNIT_GROUPS", groups)
-        assert g(False, True, None, None) == unit, groups
-        assert g(True, True, None, None) == (False, False)
-        assert g(True, False, None, None) == (p2.PAIR_FUSED, False)
-        assert g(False, False, None, None) == (p2.PAIR, False)
-        assert g(False, True, True, None) == (True, False)
-        assert g(False, True, None, True) == (False, True)
-        assert g(False, True, False, False) == (False, False)
 
 
 @_NEEDS_CUTE
@@ -85,6 +60,6 @@ def test_register_split_fits_the_launch():
     assert p2.regs_fit(3, 160, 32) and not p2.regs_fit(3, 168, 32)
     assert not p2.regs_fit(4, 120, 24) and not p2.regs_fit(4, 112, 56)
     for wg4 in (False, True):
-        for kw in (dict(), dict(topk=True), dict(pair=True), dict(unit_qf=True), dict(unit_qf=True, pair=True)):
+        for kw in (dict(), dict(topk=True), dict(pair=True), dict(unit_qf=True)):
             k = p2.Pass2Sm90(p2.cutlass.Float16, 3, lse_smem=True, wg4=wg4, **kw)
             assert p2.regs_fit(k.nwg, k.mma_regs, k.producer_regs), (wg4, kw, k.mma_regs, k.producer_regs)

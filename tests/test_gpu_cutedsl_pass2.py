@@ -101,7 +101,7 @@ CASES = [  # B, H, S, Sk, C, holes: G = 32 (ragged last group), Sk = 4000 (parti
 # the defaults (ksplit auto: 2 on these small cases); a persistent walk of many items per CTA (the query ring wraps);
 # a key split with an empty last part (12 tile pairs in 5 parts of 3); 3 stages; the LSE read through perm (no
 # lse_smem); the FMA-pipe share; qsplit 1 and 2 (tile pairs rolled; 21 tiles in auto parts, 11 in 3 parts: odd parts
-# take the one-tile path); four consumer warpgroups; pair; triple (G = 29: the last item holds two groups)
+# take the one-tile path); four consumer warpgroups; pair
 VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5, ksplit=1)), (CASES[2], dict(num_ctas=7, ksplit=5)),
                                        (CASES[0], dict(stages=3)), (CASES[2], dict(poly=10)),
                                        (CASES[2], dict(lse_smem=False)),
@@ -113,8 +113,7 @@ VARIANTS = [(c, {}) for c in CASES] + [(CASES[1], dict(num_ctas=5, ksplit=1)), (
                                        (CASES[2], dict(wg4=True, stages=3, num_ctas=6)),
                                        (CASES[1], dict(pair=True, num_ctas=5)),
                                        (CASES[2], dict(pair=True, wg4=True, stages=3, ksplit=2)),
-                                       (CASES[1], dict(pair=True, overlap=True, num_ctas=4)),
-                                       (CASES[1], dict(triple=True, num_ctas=4))]
+                                       (CASES[1], dict(pair=True, overlap=True, num_ctas=4))]
 
 
 def _written_sums(p2, operands, perm, C, tuning, dtype):
@@ -132,7 +131,7 @@ def _written_sums(p2, operands, perm, C, tuning, dtype):
 
 
 # the tuning keys that are compile-time
-_COMPILED = ("stages", "poly", "lse_smem", "qsplit", "wg4", "pair", "overlap", "unit_qf", "triple")
+_COMPILED = ("stages", "poly", "lse_smem", "qsplit", "wg4", "pair", "overlap", "unit_qf")
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,
@@ -220,11 +219,8 @@ def test_cutedsl_pass2_equals_float64(case, tuning):
 
 
 @pytest.mark.parametrize("tuning", [dict(unit_qf=True), dict(unit_qf=True, poly=0, num_ctas=5, ksplit=3),
-                                    dict(unit_qf=True, qsplit=2, lse_smem=False, num_ctas=7),
-                                    dict(unit_qf=True, pair=True, num_ctas=5),
-                                    dict(unit_qf=True, triple=True, num_ctas=4),
-                                    dict(unit_qf=True, wg4=True, stages=3, num_ctas=6)],
-                         ids=["unitdefault", "unitmufu", "unitqsplit", "unitpair", "unittriple", "unitwg4"])
+                                    dict(unit_qf=True, qsplit=2, lse_smem=False, num_ctas=7)],
+                         ids=["unitdefault", "unitmufu", "unitqsplit"])
 def test_cutedsl_pass2_unit_qf_equals_float64(tuning):
     """``unit_qf`` on torch-made operands whose head 0 has qf = 1 (the scores q8 . k8 in log2 units: the fast form,
     2^score x the query's weight) and head 1 qf = 0.5 (``selection.unit_qf_factors`` sends it to the default

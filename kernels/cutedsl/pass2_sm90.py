@@ -130,7 +130,7 @@ class Pass2Sm90:
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, lse_smem: bool = False, qsplit: int = 0,
                  diag: str = "", topk: bool = False, wg4: bool = False, pair: bool = False, overlap: bool = False,
-                 unit_qf: bool = False, poly_deg: int = 3, triple: bool = False):
+                 unit_qf: bool = False, poly_deg: int = 3):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -164,7 +164,7 @@ class Pass2Sm90:
         assert self.stage_keys * HEAD_DIM * stages <= 128 * 1024, "the key ring must fit 128 KiB of shared memory"
         # the fused top-K's selecting warps need more than 32 registers, and pair's query loader (two groups per item)
         # spills at 32: 152 / 56 then (offline sm_90a: no consumer spill)
-        more = topk or pair or triple
+        more = topk or pair
         self.mma_regs, self.producer_regs = {3: (152, 56) if more else (160, 32),
                                              4: (104, 56) if more else (112, 32)}[self.nwg]
         # (setmaxnreg moves registers only within the CTA's launch allocation: ``regs_fit``; wg4's former 120 / 24
@@ -176,12 +176,9 @@ class Pass2Sm90:
         self.topk = topk
         # pair: two query groups per work item; every key stage serves both (two wgmmas per warpgroup on the same
         # keys, half the key traffic from L2 per query); with lse_smem only
-        # triple: three query groups per work item (a third of the key traffic per query); as pair, without the fused
-        # top-K and overlap
-        assert not (pair or triple) or lse_smem, "pair / triple: with lse_smem"
-        assert not (triple and (pair or topk or overlap)), "triple: no pair, topk or overlap"
-        self.gpi = 3 if triple else 2 if pair else 1  # query groups per work item
-        assert not ((pair or triple) and qsplit), "pair / triple: no qsplit"
+        assert not pair or lse_smem, "pair: with lse_smem"
+        self.gpi = 2 if pair else 1  # query groups per work item
+        assert not (pair and qsplit), "pair: no qsplit"
         # overlap (pair): both groups' wgmmas of a stage issued into two accumulators, the second group's under the
         # first group's exponentials (the consumers' 64 more registers: three warpgroups only)
         assert not overlap or (pair and self.nwg == 3), "overlap: pair without wg4"
@@ -190,8 +187,11 @@ class Pass2Sm90:
         # (the host's sign of qf, ``selection.unit_qf_factors``), each score's 2^s times the query's weight
         # 2^(-LSE * log2(e)) (one per column and item) goes into the row sum by one FFMA, no FFMA for the argument
         # (MUFU + FFMA per score instead of FFMA + MUFU + FADD); other heads (qf passed negated): the default form,
-        # MUFU only (``poly`` applies to the fast form then); with ``pair`` the weights replace the item's LSE rows
-        # in shared memory (read per tile by query column)
+        # MUFU only (``poly`` applies to the fast form then)
+        # (unit_qf with pair, and with three groups per item, were measured in round s13r2 (main b2b7ec4, 1.3B 480p,
+        # the kernel alone / dense 9.042 ms): 0.5117 / 0.4969 against 0.4247 without; the key stream is not what
+        # limits: the "noload" floor (no key traffic) 0.4333; both removed)
+        assert not (unit_qf and pair), "unit_qf: no pair"
         self.unit_qf = bool(unit_qf)
         smem = smem_bytes(stages, self.nwg, self.gpi, topk)
         assert smem <= SMEM_LIMIT, f"shared memory {smem} bytes > 227 KiB (stages {stages}, pair {pair}, topk {topk})"
@@ -653,18 +653,15 @@ class Pass2Sm90:
             if const_expr(not self.lse_smem):
                 self._bias_from_lse(nl2, tScS, n_cols, mLSE, mPerm, bh, unit, group_size, n_seq, halves)
             pipeline_q.consumer_wait(q_state)
-            if const_expr(self.gpi > 1):  # the item's LSE -> bias -LSE * log2(e) in place, one value per thread
+            if const_expr(self.gpi == 2):  # the item's LSE -> bias -LSE * log2(e) in place, one value per thread
                 c_tid = wg * 128 + tid
-                if c_tid < self.gpi * TILE_Q:
-                    v = -(sL[c_tid % TILE_Q, q_state.index * self.gpi + c_tid // TILE_Q] * Float32(LOG2E))
-                    if const_expr(self.unit_qf):
-                        if qf > Float32(0.0):  # the fast form's weight 2^bias (0 for a padded slot)
-                            v = cute.arch.exp2(v)
-                    sL[c_tid % TILE_Q, q_state.index * self.gpi + c_tid // TILE_Q] = v
+                if c_tid < 2 * TILE_Q:
+                    v = sL[c_tid % TILE_Q, q_state.index * 2 + c_tid // TILE_Q]
+                    sL[c_tid % TILE_Q, q_state.index * 2 + c_tid // TILE_Q] = -(v * Float32(LOG2E))
                 cute.arch.barrier(barrier_id=BIAS_BARRIER, number_of_threads=128 * self.nwg)
             elif const_expr(self.lse_smem):
                 self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index, halves)
-            if const_expr(self.unit_qf and self.gpi == 1):
+            if const_expr(self.unit_qf):
                 if qf > Float32(0.0):  # the fast form: the columns' weights 2^bias (0 for a padded slot's -inf)
                     for c in cutlass.range_constexpr(halves * n_cols):
                         nl2[c] = cute.arch.exp2(nl2[c])
@@ -711,11 +708,11 @@ class Pass2Sm90:
                         pipeline_k.consumer_release(k_state)
                     g = unit * self.gpi + gi
                     bias = nl2
-                    if const_expr(self.gpi > 1):  # this group's bias row in shared memory (read per tile)
-                        bias = sL[None, q_state.index * self.gpi + gi]
+                    if const_expr(self.gpi == 2):  # this group's bias row in shared memory (read per tile)
+                        bias = sL[None, q_state.index * 2 + gi]
                     self._tile_sums(acc, tScS, bias, qf, mKB, mOut, bh, b, h, g,
                                     (p0 + i) * self.stage_keys + wg * HALF, sk, tid, g < n_groups,
-                                    self.gpi > 1)
+                                    self.gpi == 2)
                 k_state.advance()
             pipeline_q.consumer_release(q_state)
             q_state.advance()
@@ -928,11 +925,8 @@ assert UNIT_POLY_DEG in (2, 3), f"MC_SPARSE_PASS2_POLY_DEG must be 2 or 3, got {
 # the largest relative error of flash-attn-4's degree-2 / degree-3 polynomial 2^f on [0, 1) (numpy, 2e5 points: 2.08e-3
 # / 8.8e-5): a sum of positive terms of which any share took the polynomial is within this of the MUFU sum
 POLY_REL_ERROR = {2: 2.1e-3, 3: 9e-5}
-WG4 = False
+WG4 = False  # (round s13r2: the unit_qf form with wg4 0.4543 against 0.4247 with three consumer warpgroups)
 PAIR = False
-# query groups per work item of the unit_qf form without the fused top-K (``_grouping``): 1, 2 (pair) or 3 (triple),
-# each key stage serving them all (a half / third of the key traffic from L2 per query)
-UNIT_GROUPS = 1
 OVERLAP = False
 POLY = 0
 LSE_SMEM = True
@@ -1018,7 +1012,7 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
                  lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
                  wg4: bool = False, pair: bool = False, overlap: bool = False, unit_qf: bool = False,
-                 poly_deg: int | None = None, triple: bool = False):
+                 poly_deg: int | None = None):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``; ``topk``: the fused top-K. Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -1032,9 +1026,9 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
     poly_deg = (UNIT_POLY_DEG if unit_qf else 3) if poly_deg is None else poly_deg
     kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, poly,
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
-                       qsplit=(0 if pair or triple else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
+                       qsplit=(0 if pair else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
                        topk=bool(topk), wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap),
-                       unit_qf=bool(unit_qf), poly_deg=int(poly_deg), triple=bool(triple))
+                       unit_qf=bool(unit_qf), poly_deg=int(poly_deg))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
@@ -1042,7 +1036,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
              wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
-             unit_qf: bool = False, poly_deg: int | None = None, triple: bool | None = None):
+             unit_qf: bool = False, poly_deg: int | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -1053,26 +1047,16 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     poly_deg = (UNIT_POLY_DEG if unit_qf else 3) if poly_deg is None else int(poly_deg)
     lse_smem = LSE_SMEM if lse_smem is None else bool(lse_smem)
     topk = bool(topk)
-    pair, triple = _grouping(topk, unit_qf, pair, triple)
-    qsplit = (0 if pair or triple else QSPLIT) if qsplit is None else int(qsplit)  # (pair runs without qsplit)
+    pair = ((PAIR_FUSED and not unit_qf) if topk else PAIR) if pair is None else bool(pair)
+    qsplit = (0 if pair else QSPLIT) if qsplit is None else int(qsplit)  # (pair runs without qsplit)
     wg4 = WG4 if wg4 is None else bool(wg4)
     overlap = (OVERLAP and pair and not wg4) if overlap is None else bool(overlap)
     if fit:  # the default: as many as fit
-        stages = fit_stages(stages, 4 if wg4 else 3, 3 if triple else 2 if pair else 1, topk)
+        stages = fit_stages(stages, 4 if wg4 else 3, 2 if pair else 1, topk)
     key = ("mc_pass2_sm90", out_dtype, stages, poly, lse_smem, qsplit, diag or "", topk, wg4, pair, overlap,
-           bool(unit_qf), int(poly_deg), triple, cc.source_hash())
+           bool(unit_qf), int(poly_deg), cc.source_hash())
     return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, lse_smem, qsplit, diag, topk, wg4, pair,
-                                                overlap, unit_qf, poly_deg, triple))
-
-
-def _grouping(topk: bool, unit_qf: bool, pair, triple) -> tuple:
-    """(pair, triple) of a launch: the caller's where given, else the module's (with the fused top-K ``PAIR_FUSED``
-    unless unit_qf; the unit_qf form ``UNIT_GROUPS``; else ``PAIR``)."""
-    if triple is None:
-        triple = bool(unit_qf) and not topk and pair is None and UNIT_GROUPS == 3
-    if pair is None:
-        pair = not triple and ((PAIR_FUSED and not unit_qf) if topk else (UNIT_GROUPS == 2 if unit_qf else PAIR))
-    return bool(pair), bool(triple)
+                                                overlap, unit_qf, poly_deg))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -1123,7 +1107,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
                         poly: int | None = None, lse_smem: bool | None = None, qsplit: int | None = None,
                         diag: str = "", wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
                         num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None,
-                        unit_qf: bool = False, poly_deg: int | None = None, triple: bool | None = None):
+                        unit_qf: bool = False, poly_deg: int | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
@@ -1137,8 +1121,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         index first; ``topk.top_k_rows``'s rule), then -1 up to width (``select_refusal`` must pass: float16 sums
         with 16-byte aligned rows; ksplit 1 when not given unless ``TOPK_AUTO_KSPLIT``). stages, poly, lse_smem,
         qsplit (0, 1, 2: tile pairs rolled), wg4 (four consumer warpgroups), pair (two query groups per work item,
-        sharing each key stage; ``triple``: three, without ``select``; None: ``_grouping``'s), overlap (with pair: the second group's wgmma
-        under the first's exponentials),
+        sharing each key stage), overlap (with pair: the second group's wgmma under the first's exponentials),
         num_ctas, ksplit: tuning; poly_deg: the polynomial's degree (3, or 2; None: ``UNIT_POLY_DEG`` in the
         unit_qf form, else 3); diag: a timing floor of the benchmark ("noexp" / "nomma" / "noload": WRONG sums)
         (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused top-K's sample plan
@@ -1176,16 +1159,16 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         return out
     topk_on = select is not None
     unit_form = unit_qf is not None and unit_qf is not False  # (True, or the factors themselves)
-    pair, triple = _grouping(topk_on, unit_form, pair, triple)
+    if pair is None:
+        pair = (PAIR_FUSED and not unit_form) if topk_on else PAIR  # (the unit_qf form runs without pair)
     if topk_on and ksplit is None and not TOPK_AUTO_KSPLIT:
         ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, lse_smem, qsplit, diag, topk_on,
-                  wg4, pair, overlap, unit_form, poly_deg, triple)
+                  wg4, pair, overlap, unit_form, poly_deg)
     if num_ctas is None:
         num_ctas = _sm_count(q8.device)
     if ksplit is None:
-        gpi = 3 if triple else 2 if pair else 1
-        ksplit = auto_ksplit(B * H * -(-G // gpi), num_ctas)  # work items: groups, pairs or triples
+        ksplit = auto_ksplit(B * H * (-(-G // 2) if pair else G), num_ctas)  # work items: groups or pairs
     if not 1 <= int(ksplit) <= 64:
         raise ValueError(f"ksplit must be in [1, 64], got {ksplit}")
     if topk_on:
