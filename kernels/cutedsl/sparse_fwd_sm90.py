@@ -50,7 +50,6 @@ from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils_basic
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -187,22 +186,17 @@ EPILOGUES = ("registers", "smem")
 # (its wait for free K stages 33.4k -> 5.7k) and the consumers waited for V (2.4k -> 15.7k cycles per item): either
 # such a spill costs about an L2 round trip per key tile (the shared memory leaves ~28 KiB of L1) or, as "pad1" /
 # "pad2" test, the moved code did.
-# "q_regs" (with "overlap"): the queries in registers: each consumer warpgroup loads its 64 query rows from the
-# query slot into the Q K^T's A fragment (ldmatrix, quack's ``canonical_a_load_s2r``) at each group's start and runs
-# Q K^T as a register-source wgmma, so the query ring needs one slot (the next group's queries gathered into it while
-# this group computes; the staged epilogue's output staged in it after the load), and the 32 KiB freed hold a third K
-# stage (Q 32 + K 3 x 32 + V 3 x 32 KiB with "v3"): the producer issues K j+1 (and V j behind it) when Q K^T j-2
-# retires instead of Q K^T j-1, two key tiles of lead instead of one. The producer's query hook ("q_ahead") then runs
-# after key tile ``Q_AHEAD_AT_ONE_SLOT`` + 1, when the slot is free (released after the previous boundary's stores).
-# Round s13r1 (1.3B | 14B, s = 0.1 / 0.15 / 0.25 / 0.5, side by side): 0.846 / 0.851 / 0.885 / 0.917 | 0.834 / 0.868 /
-# 0.867 / 0.891 against the same kernel without it 0.895 / 0.908 / 0.949 / 0.980 | 0.878 / 0.911 / 0.913 / 0.951
-# (lower at 8 of 8, by as much at s = 0.5 as at 0.1: a per-key-tile cost). The likely cause, offline sm_90a SASS:
-# with the register-source Q K^T ptxas puts the consumers' wait for the P V in flight (wgmma wait_group 0) before the
-# softmax's exponentials (0 of the 66 MUFU.EX2 per warp and tile before it, against 12 in the default and 10 in
-# flash-attn-4's dense loop), so they no longer run under the P V; more consumer registers (232, the launch's whole
-# pool) do not move it, and a data-dependent branch around the wait makes ptxas serialise every wgmma. "q_k2" (a
-# diagnostic, with "q_regs"): the same kernel with 2 K stages (the freed 32 KiB unused): q_regs against q_regs + q_k2
-# is the third K stage's own effect under the same consumer code.
+# Measured on the H200 and removed (round s13r1): "q_regs" (the queries in registers: each consumer warpgroup
+# loading its 64 query rows into the Q K^T's A fragment at a group's start, Q K^T as a register-source wgmma, the
+# query ring cut to one slot and the 32 KiB freed for a third K stage, K 3 x 32 + V 3 x 32 KiB, so K j+1 and V j
+# behind it were issued when Q K^T j-2 retired: two key tiles of lead instead of one; its 5 GPU tests passed): 0.846 /
+# 0.851 / 0.885 / 0.917 | 0.834 / 0.868 / 0.867 / 0.891 against the same kernel without it 0.895 / 0.908 / 0.949 /
+# 0.980 | 0.878 / 0.911 / 0.913 / 0.951 (lower at 8 of 8, as much at s = 0.5 as at 0.1: a per-key-tile cost). The
+# likely cause, offline sm_90a SASS: with the register-source Q K^T ptxas puts the consumers' wait for the P V in
+# flight (wgmma wait_group 0) before the softmax's exponentials (0 of the 66 MUFU.EX2 per warp and tile before it,
+# against 12 in the default and 10 in flash-attn-4's dense loop); 232 consumer registers did not move it, a
+# data-dependent branch around the wait made ptxas serialise every wgmma, a shared store of the row sums before the
+# wait ("late_wait" below) pinned it after them.
 # Measured on the H200 and removed (round s13r2): "stsm_tid" (the staged epilogue's four stmatrix addresses
 # recomputed from a fresh %tid.x read at the staging instead of kept from the consumers' start, where ptxas spills
 # them: the default's only local memory, 4 STL once and 4 LDL per group boundary on the warpgroup's tensor-core
@@ -210,18 +204,17 @@ EPILOGUES = ("registers", "smem")
 # 1.4k, but the plain kernels ran 0.998 / 0.998 ms at 1.3B s = 0.1 and the op was behind at 6 of 8 points (0.877 /
 # 0.895 / 0.947 / 0.965 | 0.850 / 0.886 / 0.902 / 0.927 against 0.885 / 0.902 / 0.951 / 0.981 | 0.850 / 0.918 / 0.906
 # / 0.920): likely the spill's loads hit L1 (not measured).
-# "late_wait" (with "overlap"): in each key-tile step the row sums of the softmax (after all its exponentials) are
-# stored to a shared scratch word (one per consumer warp, never read) before the wait for the P V in flight (wgmma
-# wait_group 0), so ptxas keeps that wait after the exponentials (offline sm_90a SASS: all 66 MUFU.EX2 per warp and
-# tile before it, against 12 without the store, where ptxas hoists the wait; flash-attn-4's dense loop: 10): the
-# whole softmax of tile j runs under the P V of tile j-1 (flash-attn-4's intra-warpgroup overlap as written), only
-# the P conversion and the O rescale after the wait.
+# Measured on the H200 and removed (round s13r2): "late_wait" (each key-tile step storing its softmax row sums to a
+# per-warp shared scratch word before the wait for the P V in flight, which kept ptxas's wgmma wait_group 0 after
+# all 66 exponentials per warp and tile instead of 12: the whole softmax of tile j under the P V of tile j-1; its 5
+# GPU tests passed): 0.858 / 0.875 / 0.923 / 0.945 | 0.858 / 0.904 / 0.904 / 0.914 against the default's 0.885 /
+# 0.902 / 0.951 / 0.981 | 0.850 / 0.918 / 0.906 / 0.920 (lower at 1.3B by 0.02-0.04, level at 14B): ptxas's early
+# wait is not what the consumers lose against flash-attn-4 (whose loop has it too).
 # "stamps" (a diagnostic, with "overlap"; needs the ``mStamps`` argument): per work item, SM clock stamps of the
 # phases of each consumer warpgroup and of the producer, and the cycles each spent waiting on its pipelines, written
 # to ``mStamps[item, :]`` (``STAMP_SLOTS``; tests/diag_cutedsl_stamps.py reads them).
 OPTIONS = ("persistent", "overlap", "hide_epi", "split_tail", "pdl", "v3", "q_ahead", "cnt_ahead", "idx_ahead",
-           "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps", "pad1", "pad2", "q_regs",
-           "q_k2", "late_wait")
+           "lazy_rescale", "idx_l2", "stage_under_qk", "diag_no_copy", "stamps", "pad1", "pad2")
 PAD_READS = {"pad1": 24, "pad2": 96}  # "pad1" / "pad2": clock reads of ``_code_pad`` (~2 instructions each)
 # "stamps": the columns of ``mStamps`` (int64; clock64 cycles unless named otherwise). Consumer warpgroup w's at
 # 8 * w + (0 ..7): item start (its loop top), its key-tile loop done, the boundary's waits for the next item's
@@ -241,7 +234,6 @@ STAMP_SLOTS = ("c_start", "c_tiles", "c_ready", "c_softmax", "c_end", "c_kwait",
 RESCALE_THRESHOLD = 8.0
 IDX_L2_AHEAD = 4  # "idx_l2": key tiles between the index loaded and the index line prefetched
 Q_AHEAD_AT = 3  # "q_ahead": the producer loop's iteration (after this item's key tile Q_AHEAD_AT + 1) issuing it
-Q_AHEAD_AT_ONE_SLOT = 6  # the same with "q_regs" (one query slot, free once the previous boundary's stores are done)
 EPILOGUE_BARRIER = 7  # named barriers 7, 8: the staged epilogue of consumer warpgroup 0, 1 (flash-attn-4 uses 1-6)
 
 
@@ -487,14 +479,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.pdl = "pdl" in options
         # K and V stages: each has its own pipeline state (``_load_k_ahead``, ``_step``), so they may differ
         self.v_stages = 3 if "v3" in options else stages
-        # "q_regs": Q in registers, one query slot, its 32 KiB for a third K stage
-        self.q_regs = "q_regs" in options
-        self.k_stages = 3 if self.q_regs and "q_k2" not in options else stages
-        assert "q_k2" not in options or self.q_regs, "q_k2 is a q_regs diagnostic"
-        self.q_slots = 1 if self.q_regs else 2
-        self.q_ahead_at = Q_AHEAD_AT_ONE_SLOT if self.q_regs else Q_AHEAD_AT
-        self.late_wait = "late_wait" in options
-        assert not self.late_wait or self.overlap, "late_wait is an overlap option"
+        self.k_stages = stages
         assert "v3" not in options or self.overlap, "v3 is an overlap option"
         self.q_ahead = "q_ahead" in options
         self.cnt_ahead = "cnt_ahead" in options
@@ -511,7 +496,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self.stage_under_qk = "stage_under_qk" in options
         assert not self.stage_under_qk or self.hide_epi, "stage_under_qk is a hide_epi option (staged epilogue)"
         assert not self.stamps or self.overlap, "stamps is an overlap option"
-        assert not self.q_regs or self.overlap, "q_regs is an overlap option"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mPerm: cute.Tensor,
@@ -541,7 +525,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         self._setup_attributes()
         self.sQ_layout, self.sK_layout, self.sV_layout = [
             sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, shape, stage)
-            for shape, stage in [((self.tile_m, self.tile_hdim), self.q_slots if const_expr(self.overlap) else None),
+            for shape, stage in [((self.tile_m, self.tile_hdim), 2 if const_expr(self.overlap) else None),
                                  ((self.tile_n, self.tile_hdim), self.k_stages),
                                  ((self.tile_n, self.tile_hdimv), self.v_stages)]
         ]
@@ -560,17 +544,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             self.sV_layout, SharedStorage,
         ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  use_pdl=self.pdl)
-
-    def _get_tiled_mma(self):
-        """flash-attn-4's tiled MMAs (Q K^T from shared memory, P V with P in registers); with "q_regs" the Q K^T's
-        A operand (Q) from registers too."""
-        tiled_mma_qk, tiled_mma_pv = super()._get_tiled_mma()
-        if self.q_regs:
-            tiled_mma_qk = sm90_utils_basic.make_trivial_tiled_mma(
-                self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-                atom_layout_mnk=(self.tile_m // 64, 1, 1), tiler_mn=(64, self.tile_n),
-                a_source=warpgroup.OperandSource.RMEM)
-        return tiled_mma_qk, tiled_mma_pv
 
     def _get_shared_storage_cls(self):
         """flash-attn-4's storage (barriers, Q, K/V stages), plus an output tile for the staged epilogue of a
@@ -596,13 +569,11 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], self.buffer_align_bytes]
             for layout in (self.sQ_layout, self.sK_layout, self.sV_layout)
         ]
-        mbar_q = cute.struct.MemRange[cutlass.Int64, self.q_slots * 2]
+        mbar_q = cute.struct.MemRange[cutlass.Int64, 2 * 2]
         mbar_k = cute.struct.MemRange[cutlass.Int64, self.k_stages * 2]
         mbar_v = cute.struct.MemRange[cutlass.Int64, self.v_stages * 2]
         fields = dict(mbar_ptr_Q=mbar_q, mbar_ptr_K=mbar_k, mbar_ptr_V=mbar_v, sV=sV_struct, sQ=sQ_struct,
                       sK=sK_struct)
-        if const_expr(self.late_wait):  # one word per consumer warp
-            fields = dict(scratch=cute.struct.MemRange[Float32, 8], **fields)
         return cute.struct(type("SharedStorageQ2KV", (), {"__annotations__": fields}))
 
     @cute.kernel
@@ -623,7 +594,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 barrier_storage=bar, num_stages=n, producer_group=load_threads, consumer_group=mma_warps,
                 defer_sync=True, elect_one_release=True, syncwarp_before_release=False,
             )
-            for bar, n in ((storage.mbar_ptr_Q.data_ptr(), self.q_slots if const_expr(self.overlap) else 1),
+            for bar, n in ((storage.mbar_ptr_Q.data_ptr(), 2 if const_expr(self.overlap) else 1),
                            (storage.mbar_ptr_K.data_ptr(), self.k_stages),
                            (storage.mbar_ptr_V.data_ptr(), self.v_stages))
         ]
@@ -632,7 +603,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        self._scratch = storage.scratch.get_tensor(cute.make_layout(8)) if const_expr(self.late_wait) else None
         sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(self.own_sO) else sQ
         block_info = BlockInfo(self.tile_m, self.tile_n, False, False, False, None, None, qhead_per_kvhead_packgqa=1)
         SeqlenInfoCls = partial(SeqlenInfoQK.create, seqlen_q_static=self.tile_m, seqlen_k_static=mIdx.shape[1],
@@ -698,7 +668,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         k_alloc = mIdx.shape[1]
         st = _Stamps.create(mStamps, tidx == 0, 16) if const_expr(self.stamps) else None
         q_phase = Int32(1)
-        q_state = make_pipeline_state(PipelineUserType.Producer, self.q_slots)  # the "overlap" query ring
+        q_state = make_pipeline_state(PipelineUserType.Producer, 2)  # the "overlap" query ring
         kv_state = make_pipeline_state(PipelineUserType.Producer, self.k_stages)  # K
         v_state = make_pipeline_state(PipelineUserType.Producer, self.v_stages)
         tile_scheduler = TileSchedulerCls()
@@ -788,8 +758,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
             if const_expr(self.q_ahead):  # the next item's queries during this item's K/V loads, if it has enough
                 next_item = tile_scheduler.peek()
                 if next_item < tile_scheduler.total:
-                    if n_block_max - 1 - n_block_min > self.q_ahead_at:
-                        q_at = Int32(self.q_ahead_at)
+                    if n_block_max - 1 - n_block_min > Q_AHEAD_AT:
+                        q_at = Int32(Q_AHEAD_AT)
                 q_hook = partial(self._load_q_of_item, mQ, mPerm, sQ, pipeline_q, next_item, n_heads, groups_per_head,
                                  tidx, group_fn)
                 if const_expr(self.idx_ahead):
@@ -905,10 +875,8 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                                                                None, sVt)
         mma_pv_fn = partial(sm90_utils.gemm_w_idx, tiled_mma_pv, acc_O, tOrP, tOrVt)
         smem_copy_params = SimpleNamespace(smem_thr_copy_P=None, tPsP=None)  # P stays in registers
-        # "q_regs": tSrQ is the Q K^T's register A fragment, loaded from the query slot by q_load
-        q_load = sm90_utils.canonical_a_load_s2r(tiled_mma_qk, sQ, tidx, tSrQ) if const_expr(self.q_regs) else None
         self.mma_init()
-        q_state = make_pipeline_state(PipelineUserType.Consumer, self.q_slots)
+        q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
         kv_state = make_pipeline_state(PipelineUserType.Consumer, self.k_stages)  # K: the last tile consumed
         v_state = make_pipeline_state(PipelineUserType.Consumer, self.v_stages)  # V: the next tile to consume
         softmax = (_LazySoftmax if const_expr(self.lazy_rescale) else Softmax).create(
@@ -926,16 +894,10 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 seqlen = SeqlenInfoCls(group)
                 _, n_block_max = block_info.get_n_block_min_max(seqlen, 0)
             pipeline_q.consumer_wait(q_state, pipeline_q.consumer_try_wait(q_state))
-            q_idx = None if const_expr(self.q_regs) else q_state.index
-            if const_expr(self.q_regs):  # the queries into registers, the slot back to the producer
-                self._load_q_regs(q_load)
-                cute.arch.sync_warp()
-                pipeline_q.consumer_release(q_state)
-                q_state.advance()
             kv_state = self.first_half_block_overlap(
                 n_block=n_block_max - 1,
                 mma_qk_fn=partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ, tSrK,
-                                  A_idx=q_idx),
+                                  A_idx=q_state.index),
                 kv_consumer_state=kv_state, pipeline_k=pipeline_k, tOrP=tOrP, smem_copy_params=smem_copy_params,
                 softmax=softmax, seqlen=seqlen,
                 mask_fn=partial(self._mask_fn(AttentionMaskCls, seqlen, thr_mma_qk, group), mask_mod=None),
@@ -965,7 +927,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 kv_state, v_state = self._step(
                     kv_state, v_state,
                     partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ, tSrK,
-                            A_idx=None if const_expr(self.q_regs) else q_state.index),
+                            A_idx=q_state.index),
                     mma_pv_fn, not O_should_accumulate, pipeline_k, pipeline_v, acc_O, tOrP, softmax, stamps=st)
                 O_should_accumulate = True
             if const_expr(self.stamps):
@@ -987,20 +949,13 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     next_group, next_seqlen, next_max = self._next_work(next_item, next_count, work_fn,
                                                                         SeqlenInfoCls, block_info)
                 q_next = q_state.clone()
-                if const_expr(not self.q_regs):  # "q_regs": the one slot's next fill
-                    q_next.advance()
+                q_next.advance()
                 pipeline_q.consumer_wait(q_next, pipeline_q.consumer_try_wait(q_next))
                 pipeline_k.consumer_wait(kv_state, pipeline_k.consumer_try_wait(kv_state))
-                if const_expr(self.q_regs):  # this group's Q K^T have all retired (its last step's waits)
-                    self._load_q_regs(q_load)
-                    if const_expr(not self.smem_epilogue):  # the register epilogue leaves the slot unused
-                        cute.arch.sync_warp()
-                        pipeline_q.consumer_release(q_next)
                 if const_expr(self.stamps):
                     st.at(item, 2)
                 self.warp_scheduler_barrier_sync()
-                sm90_utils.gemm(tiled_mma_qk, acc_S, tSrQ if const_expr(self.q_regs) else
-                                tSrQ[None, None, None, q_next.index],
+                sm90_utils.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, None, q_next.index],
                                 tSrK[None, None, None, kv_state.index], zero_init=True, wg_wait=-1)
                 pipeline_v.consumer_wait(v_state, pipeline_v.consumer_try_wait(v_state))
                 mma_pv_fn(B_idx=v_state.index, zero_init=not O_should_accumulate, wg_wait=-1)
@@ -1056,22 +1011,9 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                     mStamps[item, STAMP_SLOTS.index("c0_bwait") + warp_group_idx] = st.acc[2]
                 st.acc[2] = Int64(0)
             cute.arch.sync_warp()  # every lane of this warp has read its staged rows back: the slot is free
-            if const_expr(self.q_regs):  # the slot held the next group's queries (none after the last group)
-                if next_tile.is_valid_tile:
-                    if const_expr(self.smem_epilogue):
-                        pipeline_q.consumer_release(q_state)
-                    q_state.advance()
-            else:
-                pipeline_q.consumer_release(q_state)
-                q_state.advance()
+            pipeline_q.consumer_release(q_state)
+            q_state.advance()
             work_tile = next_tile
-
-    @cute.jit
-    def _load_q_regs(self, q_load):
-        """"q_regs": this warpgroup's 64 query rows from the query slot into the Q K^T's A fragment (``q_load``:
-        quack's ldmatrix copy of one 16-column block), every block."""
-        for blk in cutlass.range_constexpr(self.tile_hdim // 16):
-            q_load(0, blk)
 
     @cute.jit
     def _finalize(self, softmax, row_scale, lse):
@@ -1184,7 +1126,7 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
                 q_next.advance()
                 kv_state, v_state = self._step(
                     kv_state, v_state, partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n),
-                                               tSrQ, tSrK, A_idx=None if const_expr(self.q_regs) else q_next.index),
+                                               tSrQ, tSrK, A_idx=q_next.index),
                     mma_pv_fn, True, pipeline_k, pipeline_v, acc_O, tOrP, softmax, store, st, 2,
                     stage if const_expr(self.stage_under_qk) else None, turn)
                 stepped = Int32(1)
@@ -1252,11 +1194,6 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(kv_state)
         row_scale = softmax.online_softmax(acc_S, check_inf=True)
-        if const_expr(self.late_wait):  # a shared store of the row sums first: ptxas keeps the wait after it
-            total = softmax.row_sum[0]
-            for r in cutlass.range_constexpr(1, cute.size(softmax.row_sum)):
-                total = total + softmax.row_sum[r]
-            self._scratch[cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 8] = total
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
         v_state.advance()
@@ -1467,40 +1404,30 @@ class SparseFwdSm90(FlashAttentionForwardSm90):
         tOsO = thr_copy.partition_S(cute.local_tile(sO, (wg_rows, self.tile_hdimv), (wg, 0)))
         tOcO = thr_copy.partition_S(cute.local_tile(cO, (wg_rows, self.tile_hdimv), (wg, 0)))
         tOrO = cute.make_fragment_like(tOsO, self.dtype)
-        if const_expr(not self.q_regs):  # "q_regs": each piece read just before its store (_piece)
-            cute.autovec_copy(tOsO, tOrO)
+        cute.autovec_copy(tOsO, tOrO)
         if const_expr(self.split_tail):
             if slot >= 0:
                 for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
                     for kk in cutlass.range_constexpr(cute.size(tOrO.shape[2])):
-                        src = self._piece(tOsO, tOrO, rest_m, kk)
+                        src = tOrO[None, rest_m, kk]
                         ptr = cute.make_ptr(self.dtype, fa_utils.elem_pointer(
                             mWsO, (slot * self.tile_m + tOcO[0, rest_m, kk][0], tOcO[0, rest_m, kk][1])).toint(),
                             cute.AddressSpace.gmem, assumed_align=16)
                         cute.autovec_copy(src, cute.make_tensor(ptr, src.layout))
             else:
-                self._store_rows(tOsO, tOrO, tOcO, mO, mPerm, group, b, h, rows)
+                self._store_rows(tOrO, tOcO, mO, mPerm, group, b, h, rows)
         else:
-            self._store_rows(tOsO, tOrO, tOcO, mO, mPerm, group, b, h, rows)
+            self._store_rows(tOrO, tOcO, mO, mPerm, group, b, h, rows)
 
     @cute.jit
-    def _piece(self, tOsO, tOrO, rest_m: cutlass.Constexpr[int], kk: cutlass.Constexpr[int]):
-        """This thread's 16-byte piece (rest_m, kk) of the staged output in registers: read back here with "q_regs"
-        (the queries' 32 registers are live through the boundary, so the pieces are not all read at once), else
-        already read (``tOrO``)."""
-        if const_expr(self.q_regs):
-            cute.autovec_copy(tOsO[None, rest_m, kk], tOrO[None, rest_m, kk])
-        return tOrO[None, rest_m, kk]
-
-    @cute.jit
-    def _store_rows(self, tOsO, tOrO, tOcO, mO, mPerm, group, b, h, rows):
-        """This thread's 16-byte pieces (``_piece`` of the staged ``tOsO``, registers ``tOrO``; tile coordinates
-        ``tOcO``) to ``out[b, perm[row], h, :]``."""
+    def _store_rows(self, tOrO, tOcO, mO, mPerm, group, b, h, rows):
+        """This thread's read-back 16-byte pieces ``tOrO`` (tile coordinates ``tOcO``) to ``out[b, perm[row], h,
+        :]``."""
         for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
             q_row = mPerm[group, tOcO[0, rest_m, 0][0]] if const_expr(rows is None) else rows[1][rest_m]
             if q_row >= 0:
                 for kk in cutlass.range_constexpr(cute.size(tOrO.shape[2])):
-                    src = self._piece(tOsO, tOrO, rest_m, kk)
+                    src = tOrO[None, rest_m, kk]
                     ptr = cute.make_ptr(self.dtype, fa_utils.elem_pointer(
                         mO, (b, q_row, h, tOcO[0, rest_m, kk][1])).toint(), cute.AddressSpace.gmem,
                         assumed_align=16)
