@@ -26,7 +26,7 @@ Not collected by pytest. For each shape (Wan2.1-1.3B 480p: S = 32760, H = 12; Wa
 3. RACE 1 per shape (tests/_timing.race: sustained back-to-back samples led in by untimed calls, shuffled order,
    median; TEAM.md items 7 and 11): flash-attn-4 dense with LSE, select_kv defaults and ``RACE1_ROWS`` ("cute": the
    CuTeDSL pass 2 with its fused top-K where the module has one, else + the separate top-K counting one bit per pass;
-   "seg": the separate top-K's kernels/triton/topk_seg.py form (``PARTS_GLOBALS``, checked first, ``fold_checks``); a row
+   "bracket": the separate top-K before session 13 (``PARTS_GLOBALS``, checked first, ``fold_checks``); a row
    named "fused" (with a "fused" entry in CUTE_CONFIGS, ``CUTE_GLOBALS`` and ``ROW_ENV``: none since round s12r3):
    the CuTeDSL kernel's fused top-K, timed where it ran and passed its checks; "triton" beside a CuTeDSL default (not with ``--no-triton-row``);
    ``--p2ws-gluon-row``: the Gluon pass 2 where its child check passed), each at s = 0.1 / 0.15 / 0.25 / 0.5: ratios
@@ -311,24 +311,22 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"seg": {}, "seg rev": {}, "seg p2": {}}
+RACE1_ROWS = {"bracket": {}, "seg rev": {}}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
 # the Triton modules' globals a row runs under (module name in kernels/triton -> {global: value}, set around each of
 # the row's calls and restored after)
-PARTS_GLOBALS: dict = {# the separate top-K's "seg" form (kernels/triton/topk_seg.py: per-warp candidate slots and
-                       # row quarters, warp-local scans; offline sm_90 SASS per 8-key step 172 / 205 instructions
-                       # against 205 / 246, no barrier in the sweeps; the same selection); round s13r1's per-thread
-                       # slots (0.5219 / 0.4998 / 0.5102 / 0.4971 against 0.5264 / 0.4948 / 0.4878 / 0.4865; the top-K
-                       # alone 0.076 against 0.049 at s = 0.5) are gone, as their rows "seg r48" (48 registers) and
-                       # "seg w8" (8 warps): 0.5015-0.5247 and 0.4987-0.5396
-                       "seg": {"topk": dict(_SEPARATE_METHOD="seg")},
-                       # its count sweep from each quarter's end (topk._SEG_REVERSE: the compaction starts on the keys
-                       # read last)
-                       "seg rev": {"topk": dict(_SEPARATE_METHOD="seg", _SEG_REVERSE=True)},
-                       # its sweeps' loads issued two steps ahead (topk._SEG_PREFETCH 2; 64 registers, no spill)
-                       "seg p2": {"topk": dict(_SEPARATE_METHOD="seg", _SEG_PREFETCH=2)}}
+PARTS_GLOBALS: dict = {# the separate top-K's bracket method (topk._bracket_topk_rows), its default until session 13
+                       # (the default since: "seg", kernels/triton/topk_seg.py; round s13r2: seg 0.4897 / 0.4876 /
+                       # 0.4909 / 0.4956 against 0.4897 / 0.4951 / 0.4917 / 0.5109; its forms there: 48 registers
+                       # or 8 warps (rows "seg r48" / "seg w8" in s13r1, gone), the loads two steps ahead ("seg p2"
+                       # 0.4872 / 0.4870 / 0.4914 / 0.5016, removed); the per-thread slots of s13r1 lost: 0.4971 /
+                       # 0.4998 / 0.5102 / 0.5219 against 0.4865 / 0.4948 / 0.4878 / 0.5264)
+                       "bracket": {"topk": dict(_SEPARATE_METHOD="bracket")},
+                       # seg's count sweep from each quarter's end (topk._SEG_REVERSE: the compaction starts on the
+                       # keys read last; s13r2 0.4885 / 0.5098 / 0.4884 / 0.4933)
+                       "seg rev": {"topk": dict(_SEG_REVERSE=True)}}
 # rows whose selection must equal the defaults' (``fold_checks``); rows that change the sums' rounding would be
 # checked against the brute force of their own sums (``OWN_SUMS_ROWS``). Removed after measurement (1.3B 480p, /
 # dense, s = 0.1 / 0.15 / 0.25 / 0.5): round s12r2 (defaults 0.5049 / 0.5064 / 0.5189 / 0.5143 before the unit fold):
@@ -341,7 +339,7 @@ PARTS_GLOBALS: dict = {# the separate top-K's "seg" form (kernels/triton/topk_se
 # with SWAR 8 and key parts) 0.7414 / 0.7586 / 0.7667 / 0.8187; round s12final (defaults 0.4954 / 0.5026 / 0.4949 /
 # 0.5055): "no unit fold" (the unit_qf check by its own launch) 0.5045 / 0.5006 / 0.5086 / 0.5162, "swar cnt" (the
 # separate top-K counting on int16 pairs, cand_count 3) 0.4915 / 0.5062 / 0.4972 / 0.5433
-SAME_RESULT_ROWS = ("seg", "seg rev", "seg p2")
+SAME_RESULT_ROWS = ("bracket", "seg rev")
 OWN_SUMS_ROWS: tuple = ()
 # environment variables a row runs under (set around each of its calls, restored after)
 ROW_ENV: dict = {}

@@ -11,7 +11,7 @@ the previous call's last kernel), in microseconds; then the call's span (first s
 kernel durations and of its gaps. Profiled durations are a timeline's, not the method of record's figures
 (tests/_timing.race): they say where the time of a select_kv call goes, not how fast it is.
 Usage (checkout root, H200): python tests/bench_select_timeline.py --out OUT [--shape 1.3b] [--densities 0.5,0.1]
-[--calls 12] [--rows "defaults,seg"] [--commit HASH]. Bad flags (a shape, row or density it does not know,
+[--calls 12] [--rows "defaults,bracket"] [--commit HASH]. Bad flags (a shape, row or density it does not know,
 fewer than 3 calls) stop it before the inputs are made (``check_args``). Writes OUT/select_timeline.json (and
 OUT/trace_<shape>_<row>_<s>.json, the chrome traces). Expected ~25 s at 1.3B for one row (inputs ~10 s, compiles
 ~10 s), ~3 s per further row with warm compiles.

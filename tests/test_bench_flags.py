@@ -24,7 +24,7 @@ def timeline():
 
 @pytest.mark.parametrize(("flags", "words"), [
     ({}, None),
-    ({"rows": "defaults, seg", "densities": "1,0.1", "calls": 3}, None),
+    ({"rows": "defaults, bracket", "densities": "1,0.1", "calls": 3}, None),
     ({"rows": "unit fold"}, "unknown ['unit fold']"),  # the row the usage line named until session 13
     ({"rows": " , "}, "unknown empty"),
     ({"shape": "2b"}, "--shape must be one of"),

@@ -63,16 +63,14 @@ def test_seg_top_k_equals_brute_force(gen):
     assert fell.tolist() == [0, 0, 0, 0, 1, 0, 0], fell
 
 
-@pytest.mark.parametrize("reverse,prefetch,depth", [(False, True, 1), (True, True, 1), (True, False, 1),
-                                                   (False, True, 2), (True, True, 2)])
-def test_seg_top_k_ties_at_zero_across_warps(gen, monkeypatch, reverse, prefetch, depth):
+@pytest.mark.parametrize("reverse,prefetch", [(False, True), (True, True), (True, False)])
+def test_seg_top_k_ties_at_zero_across_warps(gen, monkeypatch, reverse, prefetch):
     """T = +0.0 with the kept zeros in both warps' quarters (2 warps, quarters of 1280 keys): the first quarter 20
     zeros and -0.0 among positives, the second mostly zeros: the second warp's first tie rank counts the first
     quarter's zeros only (the candidate slots' zero padding is >= 0 too: counted, the second warp keeps too few).
     Mutation: the zero padding counted as copies == T fails. The count sweep forward and from each part's end
-    (``topk._SEG_REVERSE``), with and without the loads issued ahead, one or two steps (``topk._SEG_PREFETCH``)."""
+    (``topk._SEG_REVERSE``), with and without the next step's load issued first."""
     monkeypatch.setattr(topk, "_SEG_REVERSE", reverse)
-    monkeypatch.setattr(topk, "_SEG_PREFETCH", depth)
     sk, k, width = 2056, 1500, 1536
     sums = torch.rand(3, sk, generator=gen, dtype=torch.float64) + 0.5
     for r in range(3):

@@ -1097,8 +1097,9 @@ def select_kv(q, k, lse, perm, num_keys, *, group_size, kv_tile, scale=None, hea
     ``cute``: pass 2
     on the CuTeDSL sm_90 kernel where it runs (``group_prob_sums``; None: ``pass2_dispatch.CUTE_DEFAULT``), with its
     own fused top-K where the module has one, ``topk_fused`` is on and the module's policy takes the call
-    (``pass2_dispatch.try_cute_select``), else then the separate bracket top-K (``topk.top_k_rows``), its threshold
-    among the candidates by counting when ``topk_count`` (None: ``_TOPK_SEPARATE_COUNT_DEFAULT``).
+    (``pass2_dispatch.try_cute_select``), else then the separate top-K (``topk.top_k_rows``: ``topk._SEPARATE_METHOD``,
+    "seg" since session 13, whose threshold always counts; the bracket method counts among its candidates when
+    ``topk_count``, None: ``_TOPK_SEPARATE_COUNT_DEFAULT``).
 
     Returns:
         int32 ``[B, H, G, ceil(K / kv_tile) * kv_tile]``: each group's K indices sorted ascending, -1 after them.

@@ -49,16 +49,19 @@ _Z = 5.0  # bracket half-width in binomial standard deviations (a miss only cost
 # 0.5064 / 0.5189 / 0.5143, then 0.4888 / 0.5066 / 0.4889 / 0.4873 against 0.4867 / 0.4892 / 0.4858 / 0.4967; 3 sigmas
 # 0.5169 / 0.5023 / 0.5073 / 0.5220 (s12r2): inside the spread or worse, 5 kept
 _SEPARATE_Z = _Z
-# the separate top-K's method when ``top_k_rows`` is not given one: "bracket" (``_bracket_topk_rows``) or "seg"
-# (``topk_seg``: the same bracket with per-thread candidate slots and warp-local scans; float16 rows that are 16-byte
-# aligned with Sk a multiple of 8, else "bracket")
-_SEPARATE_METHOD = "bracket"
+# the separate top-K's method when ``top_k_rows`` is not given one: "seg" (``topk_seg``: the bracket with per-warp row
+# quarters, candidate slots and scans; float16 rows that are 16-byte aligned with Sk a multiple of 8, else "bracket")
+# or "bracket" (``_bracket_topk_rows``, the default until session 13). H200 round s13r2 (main b2b7ec4, 1.3B 480p, /
+# flash-attn-4 dense): the top-K alone 0.0444 / 0.0377 of dense against 0.0494 / 0.0404 at s = 0.5 / 0.1
+# (tests/bench_topk_race.py); select_kv 0.4897 / 0.4876 / 0.4909 / 0.4956 against 0.4897 / 0.4951 / 0.4917 / 0.5109
+# at s = 0.1 / 0.15 / 0.25 / 0.5 (tests/bench_select_race.py). (Round s13r1's form with per-thread slots: 0.076 /
+# 0.051 alone, every copy its own sector.)
+_SEPARATE_METHOD = "seg"
 # the "seg" form's launch when ``top_k_rows`` is not given num_warps / maxnreg: warps per row (row quarters) and the
 # register cap on CUDA (offline sm_90 at 1.3B 480p: 56 registers under a cap of 64, 47 under 48, no spill either way)
-_SEG_WARPS = 4
-_SEG_MAXNREG = 64
+_SEG_WARPS = 4  # (round s13r2, the top-K alone at s = 0.5 / 0.1: 8 warps at 48 registers 0.0430 / 0.0386, 4 warps
+_SEG_MAXNREG = 64  # at 48 0.0447 / 0.0374, the loads two steps ahead 0.0437 / 0.0381: inside the spread)
 _SEG_REVERSE = False  # its count sweep from each row part's end (``topk_seg._seg_topk_rows`` REVERSE; same result)
-_SEG_PREFETCH = 1  # its sweeps' load distance in steps with ``prefetch`` (1 or 2; ``topk_seg._seg_topk_rows`` PREFETCH)
 # bracket method: one sample per ceil(Sk / _BRACKET_MAX_SAMPLES) keys by default, as many as the sample registers hold
 # (until session 8: one per 128-byte line but >= 512 samples, 520 at 1.3B 480p, whose registers already held 1024).
 # H200 round s8r2 (main 176160c, 1.3B 480p, flash-attn-4 dense, tests/_timing.race): one sample per 32 keys (1023)
@@ -689,7 +692,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
                 src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // vec,
                 src.stride(1) // vec, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank, steps, W=warps,
                 VEC=vec, NS=triton.next_power_of_2(n_samp), CAPW=slots, REVERSE=_SEG_REVERSE,
-                PREFETCH=_SEG_PREFETCH if prefetch else 0,
+                PREFETCH=prefetch,
                 num_warps=warps,
                 **(dict(maxnreg=regs) if regs and sums.device.type == "cuda" else {}))
             _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,

@@ -11,7 +11,7 @@ contiguous quarters, warp w sweeping quarter w in steps of 256 keys (32 lanes x 
   CAPW copies, or a bracket the counts disprove, flags the row for ``topk._radix_topk_rows`` (exact either way, as
   ``topk``). (Session 13's first form gave each thread its own slots, no scan at all: every copy then took its own
   sector, and the threshold's loads 32 sectors per warp; H200 round s13r1: the top-K alone 0.076 of dense against
-  the bracket method's 0.049 at 1.3B 480p s = 0.5.)
+  the bracket method's 0.049 at 1.3B 480p s = 0.5; this form 0.044 in round s13r2.)
 - threshold: T = the (K - above)-th largest copy by a bit search counting each warp's copies in 512-byte chunks
   (``_seg_threshold``, int16 pairs per 32-bit word as ``topk._count_ge_pairs``, one block-wide sum per bit), then per
   warp its copies > T and == T;
@@ -156,8 +156,7 @@ def _seg_topk_rows(
     VEC: tl.constexpr,  # keys per 16-byte vector (8: float16)
     NS: tl.constexpr,  # sample slots (power of two >= n_samp)
     CAPW: tl.constexpr,  # candidate slots per warp (a multiple of 32 x VEC)
-    PREFETCH: tl.constexpr,  # the sweeps issue the load of the step this many steps ahead (0, 1, 2) before this
-    # step's work
+    PREFETCH: tl.constexpr,  # the sweeps issue the next step's load before this step's work
     REVERSE: tl.constexpr = False,  # the count sweep from each quarter's last step down (its order does not matter):
     # the compaction then starts on the keys read last, the likeliest still in L2
 ):
@@ -177,12 +176,8 @@ def _seg_topk_rows(
     n_w = tl.zeros([1, W, 1], dtype=tl.int32)
     last = steps_per_warp - 1
     key = _seg_load(src, _seg_step(vbase, 0, last, REVERSE), v, n_vec, VEC)
-    if PREFETCH == 2:
-        key1 = _seg_load(src, _seg_step(vbase, 1, last, REVERSE), v, n_vec, VEC)
     for i in range(0, steps_per_warp):
-        if PREFETCH == 2:
-            key2 = _seg_load(src, _seg_step(vbase, i + 2, last, REVERSE), v, n_vec, VEC)
-        elif PREFETCH == 1:
+        if PREFETCH:
             key1 = _seg_load(src, _seg_step(vbase, i + 1, last, REVERSE), v, n_vec, VEC)
         else:
             key = _seg_load(src, _seg_step(vbase, i, last, REVERSE), v, n_vec, VEC)
@@ -192,10 +187,7 @@ def _seg_topk_rows(
         slot = n_w + before
         tl.store(copies + slot, key.to(tl.int16), mask=(inside > 0) & (slot < CAPW))
         n_w += tot
-        if PREFETCH == 2:
-            key = key1
-            key1 = key2
-        elif PREFETCH == 1:
+        if PREFETCH:
             key = key1
     above = tl.sum(tl.sum(above_t, 1), 0)
     n_cand = tl.sum(tl.sum(tl.sum(n_w, 2), 1), 0)
@@ -210,21 +202,14 @@ def _seg_topk_rows(
         eq_run = _excl(eq_c, 0)[None, :, None]
         tok_base = vbase * VEC + v
         key = _seg_load(src, _seg_step(vbase, 0, last, False), v, n_vec, VEC)
-        if PREFETCH == 2:
-            key1 = _seg_load(src, _seg_step(vbase, 1, last, False), v, n_vec, VEC)
         for i in range(0, steps_per_warp):
-            if PREFETCH == 2:
-                key2 = _seg_load(src, _seg_step(vbase, i + 2, last, False), v, n_vec, VEC)
-            elif PREFETCH == 1:
+            if PREFETCH:
                 key1 = _seg_load(src, _seg_step(vbase, i + 1, last, False), v, n_vec, VEC)
             else:
                 key = _seg_load(src, _seg_step(vbase, i, last, False), v, n_vec, VEC)
             gt_run, eq_run = _seg_compact_step(key, dst, tok_base + i * (LANES * VEC), num_keys, thr, need, gt_run,
                                                eq_run)
-            if PREFETCH == 2:
-                key = key1
-                key1 = key2
-            elif PREFETCH == 1:
+            if PREFETCH:
                 key = key1
         offs1 = tl.arange(0, W * LANES * VEC)
         for c0 in range(num_keys, width, W * LANES * VEC):
