@@ -17,7 +17,7 @@ Not collected by pytest. Inputs: tests/bench_select_race.py's (Wan2.1-1.3B 480p:
 a variant is ``st<stages>`` with optional `` p<poly>`` (`` d2``: of degree 2), `` c<ctas>``, `` k<ksplit>`` (else
 ``auto_ksplit``), `` ls`` (lse_smem), `` qs`` (qsplit 1: query-half wgmmas), `` qr`` (qsplit 2: rolled over pairs
 of tiles), `` wg4`` (four consumer warpgroups), `` pr`` (two query groups per work item), `` ov`` (with pr:
-overlapped wgmmas), `` tc`` (with u1: ``tcsum``, the row sums on the tensor core), `` u1`` (``unit_qf``:
+overlapped wgmmas), `` tc`` / `` tc2`` (with u1: ``tcsum`` 1 / 2, the row sums on the tensor core), `` u1`` (``unit_qf``:
 on ``fp8_operands(unit_qf=True)``'s operands, checked against the
 Triton sums of those), `` tk`` (the top-K fused, K = --topk-density x Sk: checked against the brute-force top-K of
 its own sums too; raced beside the same variant without it at auto ksplit + the separate top-K, select_kv's route;
@@ -66,6 +66,9 @@ def parse_variant(text: str) -> dict:
             continue
         if tok in OFF:  # a default option turned off
             out[OFF[tok]] = False
+            continue
+        if tok == "tc2":  # tcsum 2: each tile's sums wgmma waited for with the next tile's scores
+            out["tcsum"] = 2
             continue
         if tok == "qr":  # qsplit 2: the query halves' wgmmas rolled over tile pairs
             out["qsplit"] = 2

@@ -37,7 +37,7 @@ def test_offline_sm90a_compile(tmp_path):
         p2.compiled('float16', qsplit=2, poly=4)
         p2.compiled('float16', unit_qf=True, poly=8)
         p2.compiled('float16', unit_qf=True, poly=8, poly_deg=3)
-        p2.compiled('float16', unit_qf=True, tcsum=True)
+        p2.compiled('float16', unit_qf=True, tcsum=2)
         assert p2.compiled('float16') is p2.compiled('float16')
         print('KERNELS', len(p2.compiled_kernels()))
     """)

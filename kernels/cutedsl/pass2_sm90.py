@@ -197,8 +197,10 @@ class Pass2Sm90:
         # exponentials, written back into the score accumulator, become bfloat16 A operands (registers) of a m64n8k16
         # wgmma against the item's weights as B (shared memory: column 0 the bfloat16 weight, column 1 its bfloat16
         # remainder); no FFMA per score, no shuffles (the quad's lane 0 holds both columns)
+        # (2: each tile's sums wgmma waited for together with the next tile's score wgmma, its stores one tile later)
         assert not tcsum or (unit_qf and not (pair or qsplit or topk)), "tcsum: unit_qf alone"
-        self.tcsum = bool(tcsum)
+        assert int(tcsum) in (0, 1, 2), tcsum
+        self.tcsum = int(tcsum)
         smem = smem_bytes(stages, self.nwg, self.gpi, topk)
         assert smem <= SMEM_LIMIT, f"shared memory {smem} bytes > 227 KiB (stages {stages}, pair {pair}, topk {topk})"
 
@@ -704,6 +706,28 @@ class Pass2Sm90:
                                       (p0 + 2 * i) * self.stage_keys + wg * HALF, sk, tid)
                     k_state.advance()
                     k_state.advance()
+            if const_expr(self.tcsum == 2):
+                if qf > Float32(0.0):  # the fast form: tile i's sums wgmma waited for with tile i + 1's scores
+                    kbv = cute.make_rmem_tensor((cute.size(tScS, mode=[0]),), Float32)  # (the pending tile's)
+                    key_prev = Int32(0)
+                    for i in cutlass.range(count, unroll=1):
+                        pipeline_k.consumer_wait(k_state)
+                        self._mma(tiled_mma, acc0, tSrK[None, None, None, k_state.index],
+                                  tSrQ[None, None, None, q_state.index])
+                        warpgroup.wait_group(0)
+                        pipeline_k.consumer_release(k_state)
+                        if i > 0:
+                            self._tc_store(tc, kbv, tScS, mOut, b, h, unit, key_prev, sk, tid)
+                        key_prev = (p0 + i) * self.stage_keys + wg * HALF
+                        kb_now = self._kb_rows(tScS, mKB, bh, key_prev, sk)
+                        for r in cutlass.range_constexpr(cute.size(kbv)):
+                            kbv[r] = kb_now[r]
+                        self._tc_issue(acc0, tc, q_state.index, -1)
+                        k_state.advance()
+                    if count > 0:
+                        warpgroup.wait_group(0)
+                        self._tc_store(tc, kbv, tScS, mOut, b, h, unit, key_prev, sk, tid)
+                    n_rolled = count
             for i in cutlass.range(n_rolled, count, unroll=1):
                 pipeline_k.consumer_wait(k_state)
                 if const_expr(self.qsplit):  # both halves' wgmmas issued; the second runs under the first's sums
@@ -900,11 +924,8 @@ class Pass2Sm90:
         part = cute.make_rmem_tensor((n_rows,), Float32)
         if const_expr(self.tcsum):
             if qf > Float32(0.0):
-                self._tc_rows(acc, acc_mn, tc, slot, part)
-                for r in cutlass.range_constexpr(n_rows):
-                    key = key0 + tScS[r, 0][0]
-                    if tid % 4 == 0 and key < sk:
-                        mOut[b, h, g, key] = (part[r] * kbv[r]).to(self.out_dtype)
+                self._tc_issue(acc, tc, slot, 0)
+                self._tc_store(tc, kbv, tScS, mOut, b, h, g, key0, sk, tid)
             else:
                 self._sums(acc_mn, qf, nl2, 0, tScS, part, False, bias_by_col)
                 self._store_rows(part, kbv, tScS, mOut, b, h, g, key0, sk, tid, g_ok)
@@ -913,18 +934,25 @@ class Pass2Sm90:
             self._store_rows(part, kbv, tScS, mOut, b, h, g, key0, sk, tid, g_ok)
 
     @cute.jit
-    def _tc_rows(self, acc, acc_mn, tc, slot, part):
-        """``tcsum``: 2^score of every element in place, the tile as bfloat16 A fragment, one m64n8k16 wgmma group
-        against the slot's weights (waited for); ``part[r]`` = columns 0 + 1 of row r (the quad's lane 0's)."""
+    def _tc_issue(self, acc, tc, slot, wait: cutlass.Constexpr):
+        """``tcsum``: 2^score of every element of the score tile ``acc`` in place, the tile as bfloat16 A fragment,
+        one m64n8k16 wgmma group against query slot ``slot``'s weights (``wait``: wait_group's argument, -1 none)."""
         thr_mma_w, tWrW, tWrP, acc_w = tc
+        acc_mn = layout_utils.reshape_acc_to_mn(acc)
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
                 acc_mn[r, c] = self._exp2(acc_mn[r, c], c)
         tWrP.store(layout_utils.reshape_acc_to_frgA(acc).load().to(cutlass.BFloat16))
-        sm90_utils.gemm(thr_mma_w, acc_w, tWrP, tWrW[None, None, None, slot], zero_init=True, wg_wait=0)
-        acc_w_mn = layout_utils.reshape_acc_to_mn(acc_w)
-        for r in cutlass.range_constexpr(cute.size(part)):
-            part[r] = acc_w_mn[r, 0] + acc_w_mn[r, 1]
+        sm90_utils.gemm(thr_mma_w, acc_w, tWrP, tWrW[None, None, None, slot], zero_init=True, wg_wait=wait)
+
+    @cute.jit
+    def _tc_store(self, tc, kbv, tScS, mOut, b, h, g, key0, sk, tid):
+        """``tcsum``: the finished sums wgmma's rows (columns 0 + 1: the quad's lane 0's) times ``kbv``, stored."""
+        acc_w_mn = layout_utils.reshape_acc_to_mn(tc[3])
+        for r in cutlass.range_constexpr(cute.size(kbv)):
+            key = key0 + tScS[r, 0][0]
+            if tid % 4 == 0 and key < sk:
+                mOut[b, h, g, key] = ((acc_w_mn[r, 0] + acc_w_mn[r, 1]) * kbv[r]).to(self.out_dtype)
 
 
 # ---- host side ---------------------------------------------------------------------------------------------------
@@ -1085,7 +1113,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=(0 if pair else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
                        topk=bool(topk), wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap),
-                       unit_qf=bool(unit_qf), poly_deg=int(poly_deg), tcsum=bool(tcsum))
+                       unit_qf=bool(unit_qf), poly_deg=int(poly_deg), tcsum=int(tcsum))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
@@ -1111,9 +1139,9 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     if fit:  # the default: as many as fit
         stages = fit_stages(stages, 4 if wg4 else 3, 2 if pair else 1, topk)
     key = ("mc_pass2_sm90", out_dtype, stages, poly, lse_smem, qsplit, diag or "", topk, wg4, pair, overlap,
-           bool(unit_qf), int(poly_deg), bool(tcsum), cc.source_hash())
+           bool(unit_qf), int(poly_deg), int(tcsum), cc.source_hash())
     return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, lse_smem, qsplit, diag, topk, wg4, pair,
-                                                overlap, unit_qf, poly_deg, bool(tcsum)))
+                                                overlap, unit_qf, poly_deg, int(tcsum)))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
