@@ -174,6 +174,24 @@ def test_decode_bitmask_kernel_bit_exact(gen, S, K, width, variant, monkeypatch)
     assert torch.equal(ref, stacked[1])
 
 
+@pytest.mark.parametrize("variant", ["bits", "bytes"])
+def test_decode_bitmask_kernel_keeps_the_first_width_tokens_of_an_overfull_row(gen, variant, monkeypatch):
+    """A row with more set tokens than ``width`` (the cache never stores one; the public op does not check, that
+    would cost a device sync) keeps its first ``width`` tokens, as documented and as the reference does, and writes
+    nothing past its row: decoded into the first half of a stacked [2, ...] buffer, the second half stays untouched
+    (mutation: the kernel's store without its rank < width mask wrote the extra tokens into the next rows)."""
+    from comfyui_mc_sparse_pack.kernels.triton import bitmask
+
+    monkeypatch.setattr(bitmask, "VARIANT", variant)
+    S, K, width = 3001, 700, 512  # 700 set tokens per row, 512 slots (past one 256-byte step)
+    bits = random_bitmask(gen, (2, 3), S, K).to(DEVICE)
+    stacked = torch.full((2, 2, 3, width), 7, dtype=torch.int32, device=DEVICE)
+    kernels.decode_bitmask(bits, num_tokens=S, out=stacked[0], backend="triton")
+    assert torch.equal(stacked[0].cpu(), brute_decode(bits.cpu(), S, width))
+    assert (stacked[1] == 7).all()
+    assert torch.equal(kernels.decode_bitmask(bits, num_tokens=S, width=width, backend="torch"), stacked[0])
+
+
 # exponential modes x rescale policies (kernels/triton/fastexp.py; sparse_attention.py RESCALE_LOG2): "f16_emulated"
 # has the packed PTX path's roundings (fp16 argument and P) and runs under the interpreter; the PTX itself runs on
 # the GPU (tests/test_gpu_reuse_kernel.py). Same bounds as the fp32 path: P is rounded to the input dtype anyway.
