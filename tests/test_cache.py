@@ -87,6 +87,16 @@ def test_rows_not_k_sorted_fall_back_to_int32(gen):
     for bad in (unsorted, short, repeat, past):
         enc = encoding.encode_selection(bad, 500, 64, "bitmask")
         assert enc.kind == "int32" and torch.equal(encoding.decode_selection(enc), bad)
+    # a tail that is not -1 past K keys, and an unsorted row of K = 2 (mutations that left the suite green: the tail
+    # check dropped; the order checked only from K = 3)
+    wide = torch.cat([kv, torch.full((1, 2, 3, 8), -1, dtype=torch.int32)], -1)
+    wide[0, 1, 0, -3] = 17
+    pair = kv[..., :2].flip(-1).contiguous()
+    for bad, k in ((wide, 64), (pair, 2)):
+        enc = encoding.encode_selection(bad, 500, k, "bitmask")
+        assert enc.kind == "int32" and torch.equal(encoding.decode_selection(enc), bad)
+    with pytest.raises(ValueError, match="num_keys must be in"):
+        encoding.encode_selection(kv, 500, 65)  # K past the row width
 
 
 @pytest.mark.parametrize("S,K,expected", [(32760, 8192, "bitmask"), (32760, 1024, "uint16"), (32760, 2040, "uint16"),
@@ -107,6 +117,11 @@ def test_groups_round_trip_and_tail(gen):
     odd = perm.clone()
     odd[0, 0, -1] = 5  # not the documented -1 tail
     assert encoding.encode_groups(odd, 200).kind == "int32"
+    past = perm.clone()
+    past[0, 1, 3] = 70000  # a query index >= S (past 16 bits): stored as given (mutation: the '< S' check dropped)
+    enc = encoding.encode_groups(past, 200)
+    assert enc.kind == "int32" and torch.equal(encoding.decode_groups(enc), past)
+    assert [encoding.groups_kind(n) for n in (65536, 65537)] == ["uint16", "uint17"]  # 65536 tokens: indices < 2^16
 
 
 @pytest.mark.parametrize("S,kind", [(75600, "uint17"), (131072, "uint17"), (131073, "int32")])
@@ -290,8 +305,30 @@ def test_int4_group_needs_the_groups():
         encoding.encode_residual(torch.zeros(1, 1, 4, 8), "int4_group")
     with pytest.raises(ValueError, match="int4_group needs the entry's int32 perm"):
         encoding.encode_residual(torch.zeros(1, 1, 4, 8), "int4_group", torch.zeros(1, 1, 6, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="int4_group needs the entry's int32 perm"):  # G*C = 2 slots < S = 4
+        encoding.encode_residual(torch.zeros(1, 1, 4, 8), "int4_group", torch.zeros(1, 1, 2, dtype=torch.int32), 1)
     with pytest.raises(ValueError, match="number of query groups"):
         encoding.residual_nbytes(1, 1, 4, 8, "int4_group")
+
+
+def test_quantised_residuals_stay_finite_at_the_edges(gen):
+    """fp8: a row whose max |R| is below fp32's reach for its scale (1e-44: amax / 448 underflows to 0) keeps scale 1
+    instead of 0 / 0 = NaN (mutation that left the suite green: the underflow guard as 'amax > 0'); int4_group: a
+    group whose rows almost cancel (a mean row tiny next to them: each row's weight ~4e4) decodes finite. The weight's
+    clamp to e4m3's 448 before the cast is redundant with torch 2.13's cast (it saturates, even inf -> 448): kept, the
+    cast's overflow rule being torch's."""
+    r = torch.randn(1, 1, 4, 8, generator=gen)
+    r[0, 0, 1] = torch.tensor([1e-44, -1e-44, 0, 0, 0, 0, 0, 0])
+    enc = encoding.encode_residual(r, "float8_e4m3fn")
+    out = encoding.decode_residual(enc, torch.float32)
+    assert torch.isfinite(out).all() and float((out - r).abs().max()) < 0.1 * float(r.abs().max())
+    C, D = 4, 8
+    rows = torch.randn(1, 1, C, D, generator=gen) * 10
+    rows[0, 0, -1] = -rows[0, 0, :-1].sum(0) + 1e-3  # the group's mean is ~2.5e-4 per element
+    perm = torch.arange(C, dtype=torch.int32).view(1, 1, C)
+    enc = encoding.encode_residual(rows, "int4_group", perm, 1)
+    out = encoding.decode_residual(enc, torch.float32, perm=perm)
+    assert torch.isfinite(out).all(), out
 
 
 def test_residual_rejects_unknown_storage():
