@@ -51,6 +51,8 @@ def _rel_l1(a, b):
         ({"cache_headroom_gib": -0.5}, "cache_headroom_gib must be a finite number >= 0"),
         ({"cache_headroom_gib": float("inf")}, "cache_headroom_gib must be a finite number >= 0"),
         ({"cache_headroom_gib": "4"}, "cache_headroom_gib must be a number"),
+        ({"density": True}, "density must be a number"),  # a bool is no density (True would read as 1.0)
+        ({"kv_tile": True}, "kv_tile must be an int"),  # nor a tile size (True would read as 1)
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(kwargs, match):
