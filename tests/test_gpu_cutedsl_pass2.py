@@ -60,8 +60,7 @@ def _warm(request):
         tun = getattr(getattr(item, "callspec", None), "params", {}).get("tuning")
         if item.module is request.module and tun is not None:
             keys = {k: v for k, v in tun.items() if k in _COMPILED}
-            more = ([{k: v for k, v in keys.items() if k not in ("unit_qf", "tcsum")}] if "unit_qf" in keys
-                    else [])  # its plain form
+            more = [{k: v for k, v in keys.items() if k != "unit_qf"}] if "unit_qf" in keys else []  # its plain form
             for kk in [keys] + more:
                 for dt in ("float32",) if kk or more else ("float32", "float16"):
                     if dict(out_dtype=dt, **kk) not in configs:
@@ -132,7 +131,7 @@ def _written_sums(p2, operands, perm, C, tuning, dtype):
 
 
 # the tuning keys that are compile-time
-_COMPILED = ("stages", "poly", "lse_smem", "qsplit", "wg4", "pair", "overlap", "unit_qf", "tcsum")
+_COMPILED = ("stages", "poly", "lse_smem", "qsplit", "wg4", "pair", "overlap", "unit_qf")
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,
@@ -220,9 +219,8 @@ def test_cutedsl_pass2_equals_float64(case, tuning):
 
 
 @pytest.mark.parametrize("tuning", [dict(unit_qf=True), dict(unit_qf=True, poly=0, num_ctas=5, ksplit=3),
-                                    dict(unit_qf=True, qsplit=2, lse_smem=False, num_ctas=7),
-                                    dict(unit_qf=True, tcsum=1, num_ctas=5), dict(unit_qf=True, tcsum=2, num_ctas=4)],
-                         ids=["unitdefault", "unitmufu", "unitqsplit", "unittcsum", "unittcsum2"])
+                                    dict(unit_qf=True, qsplit=2, lse_smem=False, num_ctas=7)],
+                         ids=["unitdefault", "unitmufu", "unitqsplit"])
 def test_cutedsl_pass2_unit_qf_equals_float64(tuning):
     """``unit_qf`` on torch-made operands whose head 0 has qf = 1 (the scores q8 . k8 in log2 units: the fast form,
     2^score x the query's weight) and head 1 qf = 0.5 (``selection.unit_qf_factors`` sends it to the default
@@ -245,12 +243,11 @@ def test_cutedsl_pass2_unit_qf_equals_float64(tuning):
                                      lse_s.double(), perm, group_size=C) * kb.double()[:, :, None, :]
     got = _written_sums(p2, (q8, k8, qf, lse_s, kb), perm, C, tuning, torch.float32)
     poly_err = p2.POLY_REL_ERROR[tuning.get("poly_deg", p2.UNIT_POLY_DEG)] if tuning.get("poly", p2.UNIT_POLY) else 0.0
-    poly_err += p2.TC_REL_ERROR if tuning.get("tcsum") else 0.0  # (bfloat16 terms on the tensor core)
     rel = (got.double() - want).norm(dim=-1) / want.norm(dim=-1)
     print(f"float64: max relative L2 per group {float(rel.max()):.2e}")
     assert float(rel.max()) < 3e-3 + poly_err, float(rel.max())
-    plain = _written_sums(p2, (q8, k8, qf, lse_s, kb), perm, C,
-                          {k: v for k, v in tuning.items() if k not in ("unit_qf", "tcsum")}, torch.float32)
+    plain = _written_sums(p2, (q8, k8, qf, lse_s, kb), perm, C, {k: v for k, v in tuning.items() if k != "unit_qf"},
+                          torch.float32)
     rel_p = float(((got - plain).abs() / plain.abs().clamp_min(1e-30)).max())
     print(f"max relative difference to the default form {rel_p:.2e}")
     assert rel_p < 1e-4 + poly_err, rel_p

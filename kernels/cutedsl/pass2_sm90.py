@@ -130,7 +130,7 @@ class Pass2Sm90:
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, lse_smem: bool = False, qsplit: int = 0,
                  diag: str = "", topk: bool = False, wg4: bool = False, pair: bool = False, overlap: bool = False,
-                 unit_qf: bool = False, poly_deg: int = 3, tcsum: bool = False):
+                 unit_qf: bool = False, poly_deg: int = 3):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -193,14 +193,6 @@ class Pass2Sm90:
         # limits: the "noload" floor (no key traffic) 0.4333; both removed)
         assert not (unit_qf and pair), "unit_qf: no pair"
         self.unit_qf = bool(unit_qf)
-        # tcsum (unit_qf, one group per item, no qsplit / topk): the fast form's row sums on the tensor core: the
-        # exponentials, written back into the score accumulator, become bfloat16 A operands (registers) of a m64n8k16
-        # wgmma against the item's weights as B (shared memory: column 0 the bfloat16 weight, column 1 its bfloat16
-        # remainder); no FFMA per score, no shuffles (the quad's lane 0 holds both columns)
-        # (2: each tile's sums wgmma waited for together with the next tile's score wgmma, its stores one tile later)
-        assert not tcsum or (unit_qf and not (pair or qsplit or topk)), "tcsum: unit_qf alone"
-        assert int(tcsum) in (0, 1, 2), tcsum
-        self.tcsum = int(tcsum)
         smem = smem_bytes(stages, self.nwg, self.gpi, topk)
         assert smem <= SMEM_LIMIT, f"shared memory {smem} bytes > 227 KiB (stages {stages}, pair {pair}, topk {topk})"
 
@@ -215,8 +207,6 @@ class Pass2Sm90:
         mQ, mK = [layout_utils.select(t, [1, 2, 0]) for t in (mQ, mK)]
         tiled_mma = sm90_utils.make_tiled_mma(self.dtype, "K", "K", TILE_Q // 2 if const_expr(self.qsplit) else TILE_Q,
                                               "SS", (1, 1, 1))
-        tiled_mma_w = sm90_utils.make_tiled_mma(cutlass.BFloat16, "K", "K", 8, "RS", (1, 1, 1))
-        sW_layout = sm90_utils.make_smem_layout(cutlass.BFloat16, LayoutEnum.ROW_MAJOR, (8, TILE_Q), 2)
         sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_Q, HEAD_DIM), 2 * self.gpi)
         sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (self.stage_keys, HEAD_DIM),
                                                 self.stages)
@@ -230,8 +220,6 @@ class Pass2Sm90:
                       mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * 2],
                       sL=cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.gpi * TILE_Q], 16], sQ=sQ_struct,
                       sK=sK_struct)
-        if const_expr(self.tcsum):  # the weights' B tiles, one per query slot
-            fields["sW"] = cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sW_layout)], 1024]
         if const_expr(self.topk):  # the row ring (full / empty per selecting warp) and each warp's candidate slots
             fields["mbar_row"] = cute.struct.MemRange[cutlass.Int64, 2 * SELECT_WARPS]
             fields["sC"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int16, SELECT_WARPS * CAND_SLOTS], 16]
@@ -239,8 +227,8 @@ class Pass2Sm90:
         total = mPerm.shape[0] * ((mOut.shape[2] + self.gpi - 1) // self.gpi) * ksplit
         grid_x = cutlass.min(num_ctas, total)
         self.kernel(mQ, tma_K, mLSE, mPerm, mKB, mQF, mOut, mInf, mSel, mFlag, mCnt, group_size, ksplit, num_keys,
-                    samp_stride, n_samp, hi_rank, lo_rank, tma_atom_K, tiled_mma, tiled_mma_w, sQ_layout, sK_layout,
-                    sW_layout, SharedStorage).launch(grid=(grid_x, 1, 1), block=[128 * (self.nwg + 1), 1, 1],
+                    samp_stride, n_samp, hi_rank, lo_rank, tma_atom_K, tiled_mma, sQ_layout, sK_layout,
+                    SharedStorage).launch(grid=(grid_x, 1, 1), block=[128 * (self.nwg + 1), 1, 1],
                                                                 stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -249,8 +237,8 @@ class Pass2Sm90:
                mCnt: cute.Tensor, group_size: Int32, ksplit: Int32, num_keys: Int32, samp_stride: Int32,
                n_samp: Int32, hi_rank: Int32,
                lo_rank: Int32, tma_atom_K: cute.CopyAtom,
-               tiled_mma: cute.TiledMma, tiled_mma_w: cute.TiledMma, sQ_layout: cute.ComposedLayout,
-               sK_layout: cute.ComposedLayout, sW_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
+               tiled_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -278,7 +266,6 @@ class Pass2Sm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sL = storage.sL.get_tensor(cute.make_layout((TILE_Q, 2 * self.gpi)))
-        sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner) if const_expr(self.tcsum) else None
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         n_groups = mOut.shape[2]
@@ -303,7 +290,7 @@ class Pass2Sm90:
             cute.arch.setmaxregister_increase(self.mma_regs)
             wg = warp_idx // 4 - 1
             self._consume(tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk, group_size,
-                          sk, mQ.shape[0], wg, tidx - 128 * (wg + 1), mbar_row, tiled_mma_w, sW)
+                          sk, mQ.shape[0], wg, tidx - 128 * (wg + 1), mbar_row)
 
     @cute.jit
     def _load_k(self, mK, sK, tma_atom_K, pipeline_k, walk, mbar_full):
@@ -621,7 +608,7 @@ class Pass2Sm90:
 
     @cute.jit
     def _consume(self, tiled_mma, sQ, sK, sL, mLSE, mPerm, mKB, mQF, mOut, pipeline_k, pipeline_q, walk,
-                        group_size, sk, n_seq, wg, tid, mbar_row=None, tiled_mma_w=None, sW=None):
+                        group_size, sk, n_seq, wg, tid, mbar_row=None):
         """A consumer warpgroup: its 64-key part of every stage, one wgmma group at a time (issue,
         wait, exponentials); the warpgroups' exponentials overlap each other's wgmmas. With ``pair`` each stage serves
         the item's two groups in turn (one bias vector per group, from the LSE in shared memory; a group past G is
@@ -652,12 +639,6 @@ class Pass2Sm90:
         n_cols = cute.size(tScS, mode=[1])  # per query half with qsplit
         nl2 = cute.make_rmem_tensor((halves * n_cols,), Float32)
         part = cute.make_rmem_tensor((cute.size(tScS, mode=[0]),), Float32)
-        tc = None
-        if const_expr(self.tcsum):  # (thr_mma_w, the weights' B fragments per slot, the A fragment, the 64 x 8 sums)
-            thr_mma_w = tiled_mma_w.get_slice(tid)
-            tc = (thr_mma_w, thr_mma_w.make_fragment_B(thr_mma_w.partition_B(sW)),
-                  thr_mma_w.make_fragment_A(thr_mma_w.partition_shape_A((HALF, TILE_Q))),
-                  cute.make_rmem_tensor(thr_mma_w.partition_shape_C((HALF, 8)), Float32))
         k_state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
         q_state = make_pipeline_state(PipelineUserType.Consumer, 2)
         n_heads = mOut.shape[1]
@@ -680,17 +661,6 @@ class Pass2Sm90:
                 cute.arch.barrier(barrier_id=BIAS_BARRIER, number_of_threads=128 * self.nwg)
             elif const_expr(self.lse_smem):
                 self._bias_from_smem(nl2, tScS, n_cols, sL, q_state.index, halves)
-            if const_expr(self.tcsum):  # the item's weights (fast form) as the B tile of its slot
-                if qf > Float32(0.0):
-                    if wg == 0:  # (thread tid writes query column tid)
-                        w = cute.arch.exp2(-(sL[tid, q_state.index] * Float32(LOG2E)))
-                        w_hi = w.to(cutlass.BFloat16)
-                        sW[0, tid, q_state.index] = w_hi
-                        sW[1, tid, q_state.index] = (w - w_hi.to(Float32)).to(cutlass.BFloat16)
-                        for n in cutlass.range_constexpr(2, 8):
-                            sW[n, tid, q_state.index] = cutlass.BFloat16(0.0)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier(barrier_id=BIAS_BARRIER, number_of_threads=128 * self.nwg)
             if const_expr(self.unit_qf):
                 if qf > Float32(0.0):  # the fast form: the columns' weights 2^bias (0 for a padded slot's -inf)
                     for c in cutlass.range_constexpr(halves * n_cols):
@@ -706,28 +676,6 @@ class Pass2Sm90:
                                       (p0 + 2 * i) * self.stage_keys + wg * HALF, sk, tid)
                     k_state.advance()
                     k_state.advance()
-            if const_expr(self.tcsum == 2):
-                if qf > Float32(0.0):  # the fast form: tile i's sums wgmma waited for with tile i + 1's scores
-                    kbv = cute.make_rmem_tensor((cute.size(tScS, mode=[0]),), Float32)  # (the pending tile's)
-                    key_prev = Int32(0)
-                    for i in cutlass.range(count, unroll=1):
-                        pipeline_k.consumer_wait(k_state)
-                        self._mma(tiled_mma, acc0, tSrK[None, None, None, k_state.index],
-                                  tSrQ[None, None, None, q_state.index])
-                        warpgroup.wait_group(0)
-                        pipeline_k.consumer_release(k_state)
-                        if i > 0:
-                            self._tc_store(tc, kbv, tScS, mOut, b, h, unit, key_prev, sk, tid)
-                        key_prev = (p0 + i) * self.stage_keys + wg * HALF
-                        kb_now = self._kb_rows(tScS, mKB, bh, key_prev, sk)
-                        for r in cutlass.range_constexpr(cute.size(kbv)):
-                            kbv[r] = kb_now[r]
-                        self._tc_issue(acc0, tc, q_state.index, -1)
-                        k_state.advance()
-                    if count > 0:
-                        warpgroup.wait_group(0)
-                        self._tc_store(tc, kbv, tScS, mOut, b, h, unit, key_prev, sk, tid)
-                    n_rolled = count
             for i in cutlass.range(n_rolled, count, unroll=1):
                 pipeline_k.consumer_wait(k_state)
                 if const_expr(self.qsplit):  # both halves' wgmmas issued; the second runs under the first's sums
@@ -764,7 +712,7 @@ class Pass2Sm90:
                         bias = sL[None, q_state.index * 2 + gi]
                     self._tile_sums(acc, tScS, bias, qf, mKB, mOut, bh, b, h, g,
                                     (p0 + i) * self.stage_keys + wg * HALF, sk, tid, g < n_groups,
-                                    self.gpi == 2, tc, q_state.index)
+                                    self.gpi == 2)
                 k_state.advance()
             pipeline_q.consumer_release(q_state)
             q_state.advance()
@@ -913,46 +861,16 @@ class Pass2Sm90:
 
     @cute.jit
     def _tile_sums(self, acc, tScS, nl2, qf, mKB, mOut, bh, b, h, g, key0, sk, tid, g_ok=True,
-                   bias_by_col: cutlass.Constexpr = False, tc=None, slot=0):
+                   bias_by_col: cutlass.Constexpr = False):
         """The group sums of this thread's two key rows of one 64 x 128 score tile, stored by the quad's lane 0 (not
         when ``g_ok`` is False: a pair's group past G). ``nl2``: this thread's column biases, or with ``bias_by_col``
-        the group's 128 biases (shared memory) indexed by query column. ``tc`` (``tcsum``): the fast form's sums by
-        the tensor core against the weights' B tile of query slot ``slot``."""
+        the group's 128 biases (shared memory) indexed by query column."""
         acc_mn = layout_utils.reshape_acc_to_mn(acc)
         n_rows = cute.size(acc_mn, mode=[0])
         kbv = self._kb_rows(tScS, mKB, bh, key0, sk)
         part = cute.make_rmem_tensor((n_rows,), Float32)
-        if const_expr(self.tcsum):
-            if qf > Float32(0.0):
-                self._tc_issue(acc, tc, slot, 0)
-                self._tc_store(tc, kbv, tScS, mOut, b, h, g, key0, sk, tid)
-            else:
-                self._sums(acc_mn, qf, nl2, 0, tScS, part, False, bias_by_col)
-                self._store_rows(part, kbv, tScS, mOut, b, h, g, key0, sk, tid, g_ok)
-        else:
-            self._sums(acc_mn, qf, nl2, 0, tScS, part, False, bias_by_col)
-            self._store_rows(part, kbv, tScS, mOut, b, h, g, key0, sk, tid, g_ok)
-
-    @cute.jit
-    def _tc_issue(self, acc, tc, slot, wait: cutlass.Constexpr):
-        """``tcsum``: 2^score of every element of the score tile ``acc`` in place, the tile as bfloat16 A fragment,
-        one m64n8k16 wgmma group against query slot ``slot``'s weights (``wait``: wait_group's argument, -1 none)."""
-        thr_mma_w, tWrW, tWrP, acc_w = tc
-        acc_mn = layout_utils.reshape_acc_to_mn(acc)
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                acc_mn[r, c] = self._exp2(acc_mn[r, c], c)
-        tWrP.store(layout_utils.reshape_acc_to_frgA(acc).load().to(cutlass.BFloat16))
-        sm90_utils.gemm(thr_mma_w, acc_w, tWrP, tWrW[None, None, None, slot], zero_init=True, wg_wait=wait)
-
-    @cute.jit
-    def _tc_store(self, tc, kbv, tScS, mOut, b, h, g, key0, sk, tid):
-        """``tcsum``: the finished sums wgmma's rows (columns 0 + 1: the quad's lane 0's) times ``kbv``, stored."""
-        acc_w_mn = layout_utils.reshape_acc_to_mn(tc[3])
-        for r in cutlass.range_constexpr(cute.size(kbv)):
-            key = key0 + tScS[r, 0][0]
-            if tid % 4 == 0 and key < sk:
-                mOut[b, h, g, key] = ((acc_w_mn[r, 0] + acc_w_mn[r, 1]) * kbv[r]).to(self.out_dtype)
+        self._sums(acc_mn, qf, nl2, 0, tScS, part, False, bias_by_col)
+        self._store_rows(part, kbv, tScS, mOut, b, h, g, key0, sk, tid, g_ok)
 
 
 # ---- host side ---------------------------------------------------------------------------------------------------
@@ -1007,9 +925,10 @@ assert UNIT_POLY_DEG in (2, 3), f"MC_SPARSE_PASS2_POLY_DEG must be 2 or 3, got {
 # the largest relative error of flash-attn-4's degree-2 / degree-3 polynomial 2^f on [0, 1) (numpy, 2e5 points: 2.08e-3
 # / 8.8e-5): a sum of positive terms of which any share took the polynomial is within this of the MUFU sum
 POLY_REL_ERROR = {2: 2.1e-3, 3: 9e-5}
-# ``tcsum``'s terms rounded to bfloat16 (relative 2^-9 each; the weights split in two bfloat16 parts: ~2^-17), so a
-# key's sum of positive terms is within this of the float32 one
-TC_REL_ERROR = 2.0e-3
+# (The fast form's row sums on the tensor core instead of one FFMA per score: the exponentials converted to a
+# bfloat16 A fragment (32 F2FP per 64 scores) for m64n8k16 wgmmas against the weights in shared memory, FP32-pipe
+# instructions per tile 150 -> 84; round s13r3 (main 3525171, 1.3B 480p, the kernel alone / dense 9.362 ms): 0.5003,
+# and with that wgmma waited for with the next tile's 0.5314, against 0.4208 / 0.4151 without: removed.)
 WG4 = False  # (round s13r2: the unit_qf form with wg4 0.4543 against 0.4247 with three consumer warpgroups)
 PAIR = False
 OVERLAP = False
@@ -1097,7 +1016,7 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
                  lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
                  wg4: bool = False, pair: bool = False, overlap: bool = False, unit_qf: bool = False,
-                 poly_deg: int | None = None, tcsum: bool = False):
+                 poly_deg: int | None = None):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``; ``topk``: the fused top-K. Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -1113,7 +1032,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=(0 if pair else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
                        topk=bool(topk), wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap),
-                       unit_qf=bool(unit_qf), poly_deg=int(poly_deg), tcsum=int(tcsum))
+                       unit_qf=bool(unit_qf), poly_deg=int(poly_deg))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
@@ -1121,7 +1040,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
              wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
-             unit_qf: bool = False, poly_deg: int | None = None, tcsum: bool = False):
+             unit_qf: bool = False, poly_deg: int | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -1139,9 +1058,9 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     if fit:  # the default: as many as fit
         stages = fit_stages(stages, 4 if wg4 else 3, 2 if pair else 1, topk)
     key = ("mc_pass2_sm90", out_dtype, stages, poly, lse_smem, qsplit, diag or "", topk, wg4, pair, overlap,
-           bool(unit_qf), int(poly_deg), int(tcsum), cc.source_hash())
+           bool(unit_qf), int(poly_deg), cc.source_hash())
     return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, lse_smem, qsplit, diag, topk, wg4, pair,
-                                                overlap, unit_qf, poly_deg, int(tcsum)))
+                                                overlap, unit_qf, poly_deg))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -1192,7 +1111,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
                         poly: int | None = None, lse_smem: bool | None = None, qsplit: int | None = None,
                         diag: str = "", wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
                         num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None,
-                        unit_qf: bool = False, poly_deg: int | None = None, tcsum: bool = False):
+                        unit_qf: bool = False, poly_deg: int | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
@@ -1217,8 +1136,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         (``selection.unit_qf_factors``) take the sums as 2^score x 2^bias (``Pass2Sm90``; poly, default
         ``UNIT_POLY``, applies to this form), the others the default form (MUFU only); the same sums up to float32
         rounding and the polynomial's error. unit_qf may also be those factors themselves (fp32 ``[B*H]``,
-        ``selection.fp8_operands(unit_signs=True)``'s sixth output): then no ``unit_qf_factors`` launch here. tcsum
-        (with unit_qf): the fast form's row sums by a bfloat16 wgmma (``Pass2Sm90``; ``TC_REL_ERROR``).
+        ``selection.fp8_operands(unit_signs=True)``'s sixth output): then no ``unit_qf_factors`` launch here.
     Returns:
         ``out``. Keys are written for every group; nothing past Sk. With ``select``: ``sel`` written in full (rows
         whose bracket the kernel's counts disproved by the radix top-K launched after it on the same stream).
@@ -1250,7 +1168,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
     if topk_on and ksplit is None and not TOPK_AUTO_KSPLIT:
         ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, lse_smem, qsplit, diag, topk_on,
-                  wg4, pair, overlap, unit_form, poly_deg, tcsum)
+                  wg4, pair, overlap, unit_form, poly_deg)
     if num_ctas is None:
         num_ctas = _sm_count(q8.device)
     if ksplit is None:
