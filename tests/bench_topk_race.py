@@ -42,11 +42,10 @@ ref_top_k_rows = bsr.ref_top_k_rows
 # registers since round s11r2, the bracket method; "seg": kernels/triton/topk_seg.py, select_kv's since round s13r2;
 # entries named ``_X``: topk module globals for the call, ``run_topk``). Round s13r2 (1.3B, / dense, s = 0.5 / 0.1):
 # count 0.0494 / 0.0404, seg 0.0444 / 0.0377, seg rev 0.0441 / 0.0372, seg at 48 registers 0.0447 / 0.0374, 8 warps
-# 0.0430 / 0.0386, loads two steps ahead 0.0437 / 0.0381 (the last three removed). Raced and removed after round s11r2:
+# 0.0430 / 0.0386, loads two steps ahead 0.0437 / 0.0381 (the last four removed). Raced and removed after round s11r2:
 # 2 warps at 72 registers (the session-10 default), register caps 64 / 80 at 2 warps, one warp per row, the compaction
 # on lane-major tiles (docs/kernels.md)
-TOPK = {"count": dict(method="bracket", cand_count=1), "seg": dict(method="seg"),
-        "seg rev": dict(method="seg", _SEG_REVERSE=True)}
+TOPK = {"count": dict(method="bracket", cand_count=1), "seg": dict(method="seg")}
 
 
 def run_topk(src, kq, width, sel, kw):

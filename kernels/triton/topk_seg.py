@@ -46,10 +46,9 @@ def _seg_offsets(W: tl.constexpr, VEC: tl.constexpr, steps_per_warp):
 
 
 @triton.jit
-def _seg_step(vbase, i, last, REVERSE: tl.constexpr):
-    """The vectors of step i (clamped to [0, last]) of each warp's quarter, from its end when REVERSE."""
-    i = tl.minimum(i, last)
-    return vbase + ((last - i) if REVERSE else i) * LANES
+def _seg_step(vbase, i, last):
+    """The vectors of step i (clamped to [0, last]) of each warp's quarter."""
+    return vbase + tl.minimum(i, last) * LANES
 
 
 @triton.jit
@@ -157,8 +156,6 @@ def _seg_topk_rows(
     NS: tl.constexpr,  # sample slots (power of two >= n_samp)
     CAPW: tl.constexpr,  # candidate slots per warp (a multiple of 32 x VEC)
     PREFETCH: tl.constexpr,  # the sweeps issue the next step's load before this step's work
-    REVERSE: tl.constexpr = False,  # the count sweep from each quarter's last step down (its order does not matter):
-    # the compaction then starts on the keys read last, the likeliest still in L2
 ):
     """One program per row (module docstring). SUMS rows 16-byte aligned (strides passed in vectors), SK a multiple
     of VEC; CAND int16 [rows, W * CAPW]; FELL_BACK int8 [rows] (1: the row is left to the radix launch)."""
@@ -175,12 +172,12 @@ def _seg_topk_rows(
     above_t = tl.zeros([LANES, W], dtype=tl.int32)
     n_w = tl.zeros([1, W, 1], dtype=tl.int32)
     last = steps_per_warp - 1
-    key = _seg_load(src, _seg_step(vbase, 0, last, REVERSE), v, n_vec, VEC)
+    key = _seg_load(src, _seg_step(vbase, 0, last), v, n_vec, VEC)
     for i in range(0, steps_per_warp):
         if PREFETCH:
-            key1 = _seg_load(src, _seg_step(vbase, i + 1, last, REVERSE), v, n_vec, VEC)
+            key1 = _seg_load(src, _seg_step(vbase, i + 1, last), v, n_vec, VEC)
         else:
-            key = _seg_load(src, _seg_step(vbase, i, last, REVERSE), v, n_vec, VEC)
+            key = _seg_load(src, _seg_step(vbase, i, last), v, n_vec, VEC)
         above_t += tl.sum((key > hi).to(tl.int32), 2)
         inside = ((key >= lo) & (key <= hi)).to(tl.int32)
         before, tot = _warp_scan(inside)
@@ -201,12 +198,12 @@ def _seg_topk_rows(
         gt_run = _excl(gt_w, 0)[None, :, None]  # keys > T / == T before each warp's quarter
         eq_run = _excl(eq_c, 0)[None, :, None]
         tok_base = vbase * VEC + v
-        key = _seg_load(src, _seg_step(vbase, 0, last, False), v, n_vec, VEC)
+        key = _seg_load(src, _seg_step(vbase, 0, last), v, n_vec, VEC)
         for i in range(0, steps_per_warp):
             if PREFETCH:
-                key1 = _seg_load(src, _seg_step(vbase, i + 1, last, False), v, n_vec, VEC)
+                key1 = _seg_load(src, _seg_step(vbase, i + 1, last), v, n_vec, VEC)
             else:
-                key = _seg_load(src, _seg_step(vbase, i, last, False), v, n_vec, VEC)
+                key = _seg_load(src, _seg_step(vbase, i, last), v, n_vec, VEC)
             gt_run, eq_run = _seg_compact_step(key, dst, tok_base + i * (LANES * VEC), num_keys, thr, need, gt_run,
                                                eq_run)
             if PREFETCH:
