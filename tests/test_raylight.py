@@ -284,6 +284,23 @@ def test_processor_calls_that_stay_dense_say_why(gen, what, why):
     assert any(why in reason for reason in run.runner.stats.dense_reasons), run.runner.stats.dense_reasons
 
 
+def test_processor_edges_min_tokens_and_warmup_layers(gen):
+    """A call of exactly ``min_tokens`` tokens is taken (the node's rule: fewer stay dense), and a block below
+    ``warmup_layers`` is counted as a dense warm-up LAYER in the summary, not a warm-up step (mutations that left the
+    suite green: '<=' at min tokens; the layer reason dropped)."""
+    calls = []
+    dense = _xdit_dense(calls)
+    q, k, v = (torch.randn(2, 256, 2, 64, generator=gen) for _ in range(3))
+    processor = ray_mc.MCSparseInnerAttention(lambda: ray_mc.HeadSlice(0, 2, 1))
+    run = lifecycle.RunState(_settings(min_tokens=256, warmup_layers=2), torch.tensor([1.0, 0.5, 0.0]), family="wan")
+    for layer in (1, 2):
+        processor(dense, q, k, v, transformer_options=_options(run, layer, 0.5), **_xdit_kwargs())
+    reasons = run.runner.stats.dense_reasons
+    assert not any("fewer latent tokens" in r for r in reasons), reasons
+    assert reasons.get("dense warm-up layer") == 1 and run.counts()["anchor"] + run.counts()["sparse"] >= 1, (
+        reasons, run.counts())
+
+
 def test_processor_reuse_steps_use_xdit_scale_and_count_repeated_blocks(gen):
     """xDiT's ``softmax_scale`` reaches the sparse kernel: a run at scale 0.3 equals a run at the default 1/sqrt(D)
     on q x 0.3 sqrt(D) (the same logits) at warm-up, anchor and reuse steps. A block called twice in one evaluation
