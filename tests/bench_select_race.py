@@ -311,7 +311,7 @@ def cute_checks(sub, kq, width, log, config="cute"):
 # kernels/cutedsl/pass2_sm90.py) then the separate bracket top-K, its threshold among the candidates by histograms /
 # by counting (timed only where ``cute_checks`` passed). ("hist" / "z4", the fused top-K's variants, measured in
 # rounds s7r1-s7r3 and not better, are no longer raced.)
-RACE1_ROWS = {"bracket": {}, "seg evict": {}}
+RACE1_ROWS = {"bracket": {}}
 # CuTeDSL module globals a row runs under (set around each call, restored after): "cute pair" = two query groups per
 # work item and the fused top-K with auto_ksplit's key parts (p2cute, round s9r2)
 CUTE_GLOBALS = {"cute pair": dict(PAIR=True, TOPK_AUTO_KSPLIT=True)}
@@ -323,12 +323,11 @@ PARTS_GLOBALS: dict = {# the separate top-K's bracket method (topk._bracket_topk
                        # or 8 warps (rows "seg r48" / "seg w8" in s13r1, gone), the loads two steps ahead ("seg p2"
                        # 0.4872 / 0.4870 / 0.4914 / 0.5016, removed); the per-thread slots of s13r1 lost: 0.4971 /
                        # 0.4998 / 0.5102 / 0.5219 against 0.4865 / 0.4948 / 0.4878 / 0.5264)
-                       "bracket": {"topk": dict(_SEPARATE_METHOD="bracket")},
-                       # seg's selection stores L2 evict-first (topk._SEG_EVICT: 201 MB of indices at 1.3B s = 0.5,
-                       # as many bytes as the sums whose rows the compaction reads a second time)
-                       "seg evict": {"topk": dict(_SEG_EVICT=True)}}
+                       "bracket": {"topk": dict(_SEPARATE_METHOD="bracket")}}
 # (round s13r2 / s13r3 also raced "seg rev", seg's count sweep from each quarter's end: 0.4885 / 0.5098 / 0.4884 /
-# 0.4933, then 0.4959 / 0.5074 / 0.4937 / 0.5321 against seg's 0.4875 / 0.4923 / 0.4949 / 0.5006: removed)
+# 0.4933, then 0.4959 / 0.5074 / 0.4937 / 0.5321 against seg's 0.4875 / 0.4923 / 0.4949 / 0.5006: removed; round
+# s13r4 "seg evict", seg's selection stored L2 evict-first: 0.4948 / 0.5127 / 0.4967 / 0.5041 against 0.4943 / 0.4947
+# / 0.4963 / 0.5013: removed)
 # rows whose selection must equal the defaults' (``fold_checks``); rows that change the sums' rounding would be
 # checked against the brute force of their own sums (``OWN_SUMS_ROWS``). Removed after measurement (1.3B 480p, /
 # dense, s = 0.1 / 0.15 / 0.25 / 0.5): round s12r2 (defaults 0.5049 / 0.5064 / 0.5189 / 0.5143 before the unit fold):
@@ -341,7 +340,7 @@ PARTS_GLOBALS: dict = {# the separate top-K's bracket method (topk._bracket_topk
 # with SWAR 8 and key parts) 0.7414 / 0.7586 / 0.7667 / 0.8187; round s12final (defaults 0.4954 / 0.5026 / 0.4949 /
 # 0.5055): "no unit fold" (the unit_qf check by its own launch) 0.5045 / 0.5006 / 0.5086 / 0.5162, "swar cnt" (the
 # separate top-K counting on int16 pairs, cand_count 3) 0.4915 / 0.5062 / 0.4972 / 0.5433
-SAME_RESULT_ROWS = ("bracket", "seg evict")
+SAME_RESULT_ROWS = ("bracket",)
 OWN_SUMS_ROWS: tuple = ()
 # environment variables a row runs under (set around each of its calls, restored after)
 ROW_ENV: dict = {}

@@ -59,11 +59,11 @@ _SEPARATE_Z = _Z
 _SEPARATE_METHOD = "seg"
 # the "seg" form's launch when ``top_k_rows`` is not given num_warps / maxnreg: warps per row (row quarters) and the
 # register cap on CUDA (offline sm_90 at 1.3B 480p: 56 registers under a cap of 64, 47 under 48, no spill either way)
-_SEG_EVICT = False  # its selection stores with L2 evict-first (``topk_seg._seg_topk_rows`` EVICT; same result)
 _SEG_WARPS = 4  # (round s13r2, the top-K alone at s = 0.5 / 0.1: 8 warps at 48 registers 0.0430 / 0.0386, 4 warps
 _SEG_MAXNREG = 64  # at 48 0.0447 / 0.0374, the loads two steps ahead 0.0437 / 0.0381, the count sweep from each
 # row part's end 0.0441 / 0.0372: inside the spread; that last one lost in select_kv, round s13r3: 0.4959 / 0.5074 /
-# 0.4937 / 0.5321 against 0.4875 / 0.4923 / 0.4949 / 0.5006, removed)
+# 0.4937 / 0.5321 against 0.4875 / 0.4923 / 0.4949 / 0.5006, removed; so was the selection stored L2 evict-first,
+# round s13r4: 0.4948 / 0.5127 / 0.4967 / 0.5041 against 0.4943 / 0.4947 / 0.4963 / 0.5013)
 # bracket method: one sample per ceil(Sk / _BRACKET_MAX_SAMPLES) keys by default, as many as the sample registers hold
 # (until session 8: one per 128-byte line but >= 512 samples, 520 at 1.3B 480p, whose registers already held 1024).
 # H200 round s8r2 (main 176160c, 1.3B 480p, flash-attn-4 dense, tests/_timing.race): one sample per 32 keys (1023)
@@ -693,7 +693,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
             topk_seg._seg_topk_rows[(n,)](
                 src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // vec,
                 src.stride(1) // vec, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank, steps, W=warps,
-                VEC=vec, NS=triton.next_power_of_2(n_samp), CAPW=slots, EVICT=_SEG_EVICT,
+                VEC=vec, NS=triton.next_power_of_2(n_samp), CAPW=slots,
                 PREFETCH=prefetch,
                 num_warps=warps,
                 **(dict(maxnreg=regs) if regs and sums.device.type == "cuda" else {}))

@@ -129,11 +129,11 @@ def _seg_threshold(copies, n_w, kk, lo, hi, VEC: tl.constexpr):
 
 
 @triton.jit
-def _seg_compact_step(key, dst, tok, num_keys, thr, need, gt_run, eq_run, EVICT: tl.constexpr = False):
+def _seg_compact_step(key, dst, tok, num_keys, thr, need, gt_run, eq_run):
     """One step of the compaction (``key`` [32, W, VEC], token indices ``tok``): per key, its slot = keys > T before
     it + min(keys == T before it, need), kept when > T or == T with fewer than ``need`` before it; the counts before
     the step per warp in ``gt_run`` / ``eq_run`` ([1, W, 1]); within the step one packed ``_warp_scan`` (a step holds
-    256 keys per warp: 16-bit halves suffice). EVICT: the indices stored with L2 evict-first. Returns the new runs."""
+    256 keys per warp: 16-bit halves suffice). Returns the new runs."""
     gt = (key > thr).to(tl.int32)
     eq = (key == thr).to(tl.int32)
     before, tot = _warp_scan(gt + (eq << 16))
@@ -141,10 +141,7 @@ def _seg_compact_step(key, dst, tok, num_keys, thr, need, gt_run, eq_run, EVICT:
     eq_b = eq_run + (before >> 16)
     pos = gt_b + tl.minimum(eq_b, need)
     sel = (gt > 0) | ((eq > 0) & (eq_b < need))
-    if EVICT:  # (never past K, whatever the threshold)
-        tl.store(dst + pos, tok, mask=sel & (pos < num_keys), eviction_policy="evict_first")
-    else:
-        tl.store(dst + pos, tok, mask=sel & (pos < num_keys))
+    tl.store(dst + pos, tok, mask=sel & (pos < num_keys))  # never past K, whatever the threshold
     return gt_run + (tot & 0xFFFF), eq_run + (tot >> 16)
 
 
@@ -159,8 +156,6 @@ def _seg_topk_rows(
     NS: tl.constexpr,  # sample slots (power of two >= n_samp)
     CAPW: tl.constexpr,  # candidate slots per warp (a multiple of 32 x VEC)
     PREFETCH: tl.constexpr,  # the sweeps issue the next step's load before this step's work
-    EVICT: tl.constexpr = False,  # the selection's stores L2 evict-first: at s = 0.5 they are as many bytes as the
-    # sums, and would push out the rows other programs still have to read a second time
 ):
     """One program per row (module docstring). SUMS rows 16-byte aligned (strides passed in vectors), SK a multiple
     of VEC; CAND int16 [rows, W * CAPW]; FELL_BACK int8 [rows] (1: the row is left to the radix launch)."""
@@ -210,7 +205,7 @@ def _seg_topk_rows(
             else:
                 key = _seg_load(src, _seg_step(vbase, i, last), v, n_vec, VEC)
             gt_run, eq_run = _seg_compact_step(key, dst, tok_base + i * (LANES * VEC), num_keys, thr, need, gt_run,
-                                               eq_run, EVICT)
+                                               eq_run)
             if PREFETCH:
                 key = key1
         offs1 = tl.arange(0, W * LANES * VEC)
