@@ -3,6 +3,8 @@
 - ``kernels/triton/topk.py`` (radix top-K): exactly the brute-force top-K of the same sums, ties to the lower token
   index, with many ties, rows longer than one 1024-entry chunk, K not a multiple of any tile, K = Sk, padding to
   K_alloc; every output slot written (outputs poisoned first).
+- ``kernels/triton/topk_seg.py`` (the separate top-K's "seg" form): the same, on every path (fallbacks, a warp's slots
+  overflowing, warp parts past the row, ties at T split across warps).
 - ``select_kv`` on the Triton backend (pass 2 + radix top-K): exactly the top-K of the kernel's own group sums, and
   close to the float64 top-K in kept probability mass.
 """
@@ -56,6 +58,7 @@ def test_reference_top_k_is_the_brute_force(gen):
 
 
 from comfyui_mc_sparse_pack.kernels.triton import topk as triton_topk  # noqa: E402  (after the skip marker)
+from comfyui_mc_sparse_pack.kernels.triton import topk_seg  # noqa: E402
 
 
 _TOPK_CASES = [(1500, 37, 64, 4), (1500, 1500, 1536, 3), (300, 1, 5, 300), (2100, 700, 704, 40),
@@ -948,3 +951,82 @@ def test_select_kv_fuses_the_top_k_by_default_on_sm90(gen, monkeypatch, cap, wan
     off = selection.select_kv(q, k, lse.float(), perm, K, topk_fused=False, **kw)
     assert calls == [want, False]
     assert torch.equal(got, off)
+
+
+# ``kernels/triton/topk_seg.py`` (the separate top-K's "seg" form, select_kv's default since session 13): exactly the
+# brute force on every path (bracket hits, fallbacks, a warp's slots overflowing, warp parts past the row, ties at T
+# split across warps), and rows it does not take (float32, unaligned) on the bracket method.
+
+
+def _run_seg(sums, k, width, **kw):
+    out = torch.full((*sums.shape[:-1], width), POISON, dtype=torch.int32)
+    got, fell = triton_topk.top_k_rows(sums.to(DEVICE), k, width, out=out.to(DEVICE), method="seg",
+                                       return_fallbacks=True, **kw)
+    return got.cpu(), fell.cpu()
+
+
+def test_seg_top_k_equals_brute_force(gen):
+    """Rows of 2056 keys (two 256-key steps per warp at 2 warps, the last warp's quarter not full) at K = 700:
+    distinct values (bracket hit), ties drawn from 300 levels (ties at T split across warps), -0.0 and negatives
+    (rank as +0.0), a constant row (every key a copy, all tied at T), the sampled positions 0 and every other key
+    larger (the bracket below the K-th key: fallback), three values (ties at T in every warp's quarter),
+    30 % of the keys above 0 and the rest +-0.0 (T = 0: the zero padding of the candidate slots is >= T too)."""
+    sk, k, width = 2056, 700, 768
+    sums = torch.rand(7, sk, generator=gen, dtype=torch.float64) + 0.5
+    vals = torch.rand(300, generator=gen, dtype=torch.float64) * 3.0
+    sums[1] = vals[torch.randint(0, 300, (sk,), generator=gen)]
+    sums[2] = vals[torch.randint(0, 300, (sk,), generator=gen)]
+    sums[2, ::5] = -0.0
+    sums[2, 1::7] = -1.5
+    sums[3] = 0.75
+    pos = triton_topk.sample_positions(sk, 4)
+    sums[4, pos] = 0.0
+    sums[5] = vals[torch.randint(0, 3, (sk,), generator=gen)]  # three values: many ties at T across every warp
+    sums[6] = torch.where(torch.rand(sk, generator=gen) < 0.3, sums[6], 0.0)  # fewer than K above 0: T = +0.0
+    sums[6, 3::11] = -0.0
+    sums = sums.to(torch.float16)
+    got, fell = _run_seg(sums, k, width, sample_stride=4, num_warps=2, cap=2048)  # (every key a copy in row 3)
+    assert torch.equal(got, _brute_force(sums, k, width))
+    assert fell.tolist() == [0, 0, 0, 0, 1, 0, 0], fell
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_seg_top_k_ties_at_zero_across_warps(gen, prefetch):
+    """T = +0.0 with the kept zeros in both warps' quarters (2 warps, quarters of 1280 keys): the first quarter 20
+    zeros and -0.0 among positives, the second mostly zeros: the second warp's first tie rank counts the first
+    quarter's zeros only (the candidate slots' zero padding is >= 0 too: counted, the second warp keeps too few).
+    Mutation: the zero padding counted as copies == T fails. With and without the next step's load issued first."""
+    sk, k, width = 2056, 1500, 1536
+    sums = torch.rand(3, sk, generator=gen, dtype=torch.float64) + 0.5
+    for r in range(3):
+        zeros = torch.randperm(1280, generator=gen)[:20]
+        sums[r, zeros] = 0.0 if r else -0.0
+        sums[r, 1280:] = torch.where(torch.rand(sk - 1280, generator=gen) < 0.13, sums[r, 1280:], 0.0)
+    sums = sums.to(torch.float16)
+    got, fell = _run_seg(sums, k, width, num_warps=2, prefetch=prefetch, cap=2048)  # (~700 zeros a warp: copies)
+    assert torch.equal(got, _brute_force(sums, k, width))
+    assert fell.tolist() == [0, 0, 0], fell
+
+
+def test_seg_top_k_slot_overflow_and_plan(gen):
+    """A warp with more copies than its slots (256, wide bracket) flags the row (radix launch), still exact;
+    ``seg_plan``: whole 256-key steps per warp quarter, slots >= twice a warp's share."""
+    sk, k, width = 1024, 300, 320
+    sums = (torch.rand(3, sk, generator=gen, dtype=torch.float64) + 0.5).to(torch.float16)
+    got, fell = _run_seg(sums, k, width, cap=256, num_warps=1, z=20.0)  # (one warp, most of its 1024 keys inside)
+    assert torch.equal(got, _brute_force(sums, k, width))
+    assert fell.tolist() == [1, 1, 1]
+    for warps in (4, 8):  # (8: quarters of one 256-key step, the last four warps past the row)
+        got, fell = _run_seg(sums, k, width, num_warps=warps)
+        assert torch.equal(got, _brute_force(sums, k, width)) and fell.tolist() == [0, 0, 0]
+    assert topk_seg.seg_plan(32760, 5280, 4) == (32, 4096)
+    assert topk_seg.seg_plan(75600, 12210, 4) == (74, 8192)
+    assert topk_seg.seg_plan(1024, 10, 4) == (1, 512)
+
+
+@pytest.mark.parametrize("dtype,sk", [(torch.float32, 1024), (torch.float16, 1003)])
+def test_seg_top_k_other_rows_take_the_bracket_method(gen, dtype, sk):
+    """float32 sums and rows whose length is not a multiple of 8 run the bracket method (same result)."""
+    sums = (torch.rand(2, sk, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    got, _ = _run_seg(sums, 100, 128)
+    assert torch.equal(got, _brute_force(sums, 100, 128))

@@ -46,9 +46,14 @@ def _seg_offsets(W: tl.constexpr, VEC: tl.constexpr, steps_per_warp):
 
 
 @triton.jit
-def _seg_step(vbase, i, last):
-    """The vectors of step i (clamped to [0, last]) of each warp's quarter."""
-    return vbase + tl.minimum(i, last) * LANES
+def _seg_keys(src, vbase, i, last, v, n_vec, key, VEC: tl.constexpr, PREFETCH: tl.constexpr):
+    """(the keys of step i, the keys to carry into step i + 1) of a sweep over each warp's quarter (``last`` its last
+    step): PREFETCH, ``key`` holds step i's and step i + 1's load is issued now (clamped to the last step); else step
+    i's is loaded now."""
+    if PREFETCH:
+        return key, _seg_load(src, vbase + tl.minimum(i + 1, last) * LANES, v, n_vec, VEC)
+    key = _seg_load(src, vbase + i * LANES, v, n_vec, VEC)
+    return key, key
 
 
 @triton.jit
@@ -172,20 +177,16 @@ def _seg_topk_rows(
     above_t = tl.zeros([LANES, W], dtype=tl.int32)
     n_w = tl.zeros([1, W, 1], dtype=tl.int32)
     last = steps_per_warp - 1
-    key = _seg_load(src, _seg_step(vbase, 0, last), v, n_vec, VEC)
+    key = _seg_load(src, vbase, v, n_vec, VEC)
     for i in range(0, steps_per_warp):
-        if PREFETCH:
-            key1 = _seg_load(src, _seg_step(vbase, i + 1, last), v, n_vec, VEC)
-        else:
-            key = _seg_load(src, _seg_step(vbase, i, last), v, n_vec, VEC)
+        key, key1 = _seg_keys(src, vbase, i, last, v, n_vec, key, VEC, PREFETCH)
         above_t += tl.sum((key > hi).to(tl.int32), 2)
         inside = ((key >= lo) & (key <= hi)).to(tl.int32)
         before, tot = _warp_scan(inside)
         slot = n_w + before
         tl.store(copies + slot, key.to(tl.int16), mask=(inside > 0) & (slot < CAPW))
         n_w += tot
-        if PREFETCH:
-            key = key1
+        key = key1
     above = tl.sum(tl.sum(above_t, 1), 0)
     n_cand = tl.sum(tl.sum(tl.sum(n_w, 2), 1), 0)
     fits = tl.max(tl.max(tl.max(n_w, 2), 1), 0) <= CAPW
@@ -198,16 +199,12 @@ def _seg_topk_rows(
         gt_run = _excl(gt_w, 0)[None, :, None]  # keys > T / == T before each warp's quarter
         eq_run = _excl(eq_c, 0)[None, :, None]
         tok_base = vbase * VEC + v
-        key = _seg_load(src, _seg_step(vbase, 0, last), v, n_vec, VEC)
+        key = _seg_load(src, vbase, v, n_vec, VEC)
         for i in range(0, steps_per_warp):
-            if PREFETCH:
-                key1 = _seg_load(src, _seg_step(vbase, i + 1, last), v, n_vec, VEC)
-            else:
-                key = _seg_load(src, _seg_step(vbase, i, last), v, n_vec, VEC)
+            key, key1 = _seg_keys(src, vbase, i, last, v, n_vec, key, VEC, PREFETCH)
             gt_run, eq_run = _seg_compact_step(key, dst, tok_base + i * (LANES * VEC), num_keys, thr, need, gt_run,
                                                eq_run)
-            if PREFETCH:
-                key = key1
+            key = key1
         offs1 = tl.arange(0, W * LANES * VEC)
         for c0 in range(num_keys, width, W * LANES * VEC):
             fill = c0 + offs1
