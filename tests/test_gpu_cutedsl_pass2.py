@@ -131,7 +131,7 @@ def _written_sums(p2, operands, perm, C, tuning, dtype):
 
 
 # the tuning keys that are compile-time
-_COMPILED = ("stages", "poly", "lse_smem", "qsplit", "wg4", "pair", "overlap", "unit_qf", "hoist")
+_COMPILED = ("stages", "poly", "lse_smem", "qsplit", "wg4", "pair", "overlap", "unit_qf")
 
 
 @pytest.mark.parametrize(("case", "tuning"), VARIANTS,
@@ -219,9 +219,8 @@ def test_cutedsl_pass2_equals_float64(case, tuning):
 
 
 @pytest.mark.parametrize("tuning", [dict(unit_qf=True), dict(unit_qf=True, poly=0, num_ctas=5, ksplit=3),
-                                    dict(unit_qf=True, qsplit=2, lse_smem=False, num_ctas=7),
-                                    dict(unit_qf=True, hoist=True, num_ctas=5)],
-                         ids=["unitdefault", "unitmufu", "unitqsplit", "unithoist"])
+                                    dict(unit_qf=True, qsplit=2, lse_smem=False, num_ctas=7)],
+                         ids=["unitdefault", "unitmufu", "unitqsplit"])
 def test_cutedsl_pass2_unit_qf_equals_float64(tuning):
     """``unit_qf`` on torch-made operands whose head 0 has qf = 1 (the scores q8 . k8 in log2 units: the fast form,
     2^score x the query's weight) and head 1 qf = 0.5 (``selection.unit_qf_factors`` sends it to the default

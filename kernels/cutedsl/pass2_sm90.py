@@ -130,7 +130,7 @@ class Pass2Sm90:
 
     def __init__(self, out_dtype, stages: int = 4, poly: int = 0, lse_smem: bool = False, qsplit: int = 0,
                  diag: str = "", topk: bool = False, wg4: bool = False, pair: bool = False, overlap: bool = False,
-                 unit_qf: bool = False, poly_deg: int = 3, hoist: bool = False):
+                 unit_qf: bool = False, poly_deg: int = 3):
         assert out_dtype in (cutlass.Float16, cutlass.Float32), out_dtype
         assert 2 <= stages <= 8 and 0 <= poly <= 32, (stages, poly)
         self.out_dtype = out_dtype
@@ -193,10 +193,6 @@ class Pass2Sm90:
         # limits: the "noload" floor (no key traffic) 0.4333; both removed)
         assert not (unit_qf and pair), "unit_qf: no pair"
         self.unit_qf = bool(unit_qf)
-        # hoist: the tile loop addresses the group's row of sums and the head's 2^KB row from views made once per
-        # item (one group per item) instead of from (b, h, g, key) per tile (offline sm_90a: 485 -> 476 instructions
-        # in the tile loop)
-        self.hoist = bool(hoist)
         smem = smem_bytes(stages, self.nwg, self.gpi, topk)
         assert smem <= SMEM_LIMIT, f"shared memory {smem} bytes > 227 KiB (stages {stages}, pair {pair}, topk {topk})"
 
@@ -669,9 +665,6 @@ class Pass2Sm90:
                 if qf > Float32(0.0):  # the fast form: the columns' weights 2^bias (0 for a padded slot's -inf)
                     for c in cutlass.range_constexpr(halves * n_cols):
                         nl2[c] = cute.arch.exp2(nl2[c])
-            kb_row = None
-            if const_expr(self.hoist):  # the head's 2^KB row (``hoist``)
-                kb_row = cute.make_tensor(mKB[bh, None].iterator, cute.make_layout((1, mKB.shape[1])))
             n_rolled = Int32(0)  # tiles taken two at a time by _qsplit_pair (qsplit 2)
             if const_expr(self.qsplit == 2):
                 n_rolled = count - count % 2
@@ -717,15 +710,9 @@ class Pass2Sm90:
                     bias = nl2
                     if const_expr(self.gpi == 2):  # this group's bias row in shared memory (read per tile)
                         bias = sL[None, q_state.index * 2 + gi]
-                    if const_expr(self.hoist and self.gpi == 1):  # (the group's row of sums, the head's 2^KB)
-                        out_g = cute.make_tensor(mOut[b, h, g, None].iterator,
-                                                 cute.make_layout((1, 1, 1, mOut.shape[3])))
-                        self._tile_sums(acc, tScS, bias, qf, kb_row, out_g, 0, 0, 0, 0,
-                                        (p0 + i) * self.stage_keys + wg * HALF, sk, tid, g < n_groups, False)
-                    else:
-                        self._tile_sums(acc, tScS, bias, qf, mKB, mOut, bh, b, h, g,
-                                        (p0 + i) * self.stage_keys + wg * HALF, sk, tid, g < n_groups,
-                                        self.gpi == 2)
+                    self._tile_sums(acc, tScS, bias, qf, mKB, mOut, bh, b, h, g,
+                                    (p0 + i) * self.stage_keys + wg * HALF, sk, tid, g < n_groups,
+                                    self.gpi == 2)
                 k_state.advance()
             pipeline_q.consumer_release(q_state)
             q_state.advance()
@@ -1029,7 +1016,7 @@ def refusal(q8, k8, group_size: int, out) -> str | None:
 def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
                  lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
                  wg4: bool = False, pair: bool = False, overlap: bool = False, unit_qf: bool = False,
-                 poly_deg: int | None = None, hoist: bool = False):
+                 poly_deg: int | None = None):
     """Compile the kernel from fake tensors (no GPU needed with CUTE_DSL_ARCH=sm_90a); ``out_dtype`` a key of
     ``OUT_DTYPES``; ``topk``: the fused top-K. Raises KeyError for an unknown output dtype."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -1045,7 +1032,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=(0 if pair else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
                        topk=bool(topk), wg4=bool(wg4), pair=bool(pair), overlap=bool(overlap),
-                       unit_qf=bool(unit_qf), poly_deg=int(poly_deg), hoist=bool(hoist))
+                       unit_qf=bool(unit_qf), poly_deg=int(poly_deg))
     return cute.compile(kernel, *args, Int32(128), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
                         Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
 
@@ -1053,7 +1040,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
 def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | None = None,
              lse_smem: bool | None = None, qsplit: int | None = None, diag: str = "", topk: bool = False,
              wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
-             unit_qf: bool = False, poly_deg: int | None = None, hoist: bool = False):
+             unit_qf: bool = False, poly_deg: int | None = None):
     """The compiled kernel: from memory, the disk cache of ``compile.py`` (keyed by this package's kernel sources),
     or a fresh compile (a few seconds)."""
     from . import compile as cc
@@ -1071,9 +1058,9 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     if fit:  # the default: as many as fit
         stages = fit_stages(stages, 4 if wg4 else 3, 2 if pair else 1, topk)
     key = ("mc_pass2_sm90", out_dtype, stages, poly, lse_smem, qsplit, diag or "", topk, wg4, pair, overlap,
-           bool(unit_qf), int(poly_deg), bool(hoist), cc.source_hash())
+           bool(unit_qf), int(poly_deg), cc.source_hash())
     return cc._cached(key, lambda: compile_fake(out_dtype, stages, poly, lse_smem, qsplit, diag, topk, wg4, pair,
-                                                overlap, unit_qf, poly_deg, bool(hoist)))
+                                                overlap, unit_qf, poly_deg))
 
 
 def warm(out_dtypes=("float16", "float32"), **tuning) -> dict:
@@ -1124,7 +1111,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
                         poly: int | None = None, lse_smem: bool | None = None, qsplit: int | None = None,
                         diag: str = "", wg4: bool | None = None, pair: bool | None = None, overlap: bool | None = None,
                         num_ctas: int | None = None, ksplit: int | None = None, bracket: tuple | None = None,
-                        unit_qf: bool = False, poly_deg: int | None = None, hoist: bool = False):
+                        unit_qf: bool = False, poly_deg: int | None = None):
     """Pass 2's float8 group sums on this kernel, written into ``out`` (module docstring for the formula); with
     ``select``, also each group's top-K from the stored sums (the fused top-K).
 
@@ -1181,7 +1168,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
     if topk_on and ksplit is None and not TOPK_AUTO_KSPLIT:
         ksplit = 1
     fn = compiled("float16" if out.dtype == torch.float16 else "float32", stages, poly, lse_smem, qsplit, diag, topk_on,
-                  wg4, pair, overlap, unit_form, poly_deg, hoist)
+                  wg4, pair, overlap, unit_form, poly_deg)
     if num_ctas is None:
         num_ctas = _sm_count(q8.device)
     if ksplit is None:
