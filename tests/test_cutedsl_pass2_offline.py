@@ -63,3 +63,26 @@ def test_register_split_fits_the_launch():
         for kw in (dict(), dict(topk=True), dict(pair=True), dict(unit_qf=True)):
             k = p2.Pass2Sm90(p2.cutlass.Float16, 3, lse_smem=True, wg4=wg4, **kw)
             assert p2.regs_fit(k.nwg, k.mma_regs, k.producer_regs), (wg4, kw, k.mma_regs, k.producer_regs)
+
+
+@_NEEDS_CUTE
+def test_unit_poly_degree_switch(monkeypatch):
+    """``MC_SPARSE_PASS2_POLY_DEG``: unset or blank -> ``UNIT_POLY_DEG`` (2), "3" -> 3; any other value is a ValueError
+    naming the variable at the call (not at import, where the dispatch cached the failed import as "not available"
+    for the whole process without saying why), and the module stays importable."""
+    sys.path.insert(0, str(ROOT / "comfyui_mc_sparse"))
+    import _standalone
+
+    _standalone.load_pack()
+    from comfyui_mc_sparse_pack.kernels.cutedsl import pass2_sm90 as p2
+
+    monkeypatch.delenv("MC_SPARSE_PASS2_POLY_DEG", raising=False)
+    assert p2.unit_poly_degree() == p2.UNIT_POLY_DEG == 2
+    monkeypatch.setenv("MC_SPARSE_PASS2_POLY_DEG", " ")
+    assert p2.unit_poly_degree() == 2
+    monkeypatch.setenv("MC_SPARSE_PASS2_POLY_DEG", "3")
+    assert p2.unit_poly_degree() == 3
+    for bad in ("4", "x", "2.0"):
+        monkeypatch.setenv("MC_SPARSE_PASS2_POLY_DEG", bad)
+        with pytest.raises(ValueError, match="MC_SPARSE_PASS2_POLY_DEG"):
+            p2.unit_poly_degree()

@@ -242,7 +242,7 @@ def test_cutedsl_pass2_unit_qf_equals_float64(tuning):
     want = reference.group_prob_sums(q8.double(), k8.double() * (qf.double() / (_LOG2E * 128**-0.5))[..., None, None],
                                      lse_s.double(), perm, group_size=C) * kb.double()[:, :, None, :]
     got = _written_sums(p2, (q8, k8, qf, lse_s, kb), perm, C, tuning, torch.float32)
-    poly_err = p2.POLY_REL_ERROR[tuning.get("poly_deg", p2.UNIT_POLY_DEG)] if tuning.get("poly", p2.UNIT_POLY) else 0.0
+    poly_err = p2.POLY_REL_ERROR[tuning.get("poly_deg", p2.unit_poly_degree())] if tuning.get("poly", p2.UNIT_POLY) else 0.0
     rel = (got.double() - want).norm(dim=-1) / want.norm(dim=-1)
     print(f"float64: max relative L2 per group {float(rel.max()):.2e}")
     assert float(rel.max()) < 3e-3 + poly_err, float(rel.max())

@@ -919,9 +919,27 @@ UNIT_POLY = 8
 # 0.4422 with degree 3, 0.4270 with degree 2 (one FFMA less per polynomial exponential), poly 12 with degree 2 0.4481.
 # Round s12r3 (main 9399d9e, dense 9.201 ms; its GPU test vs float64 passed first): degree 2 0.4297 (again 0.4313),
 # degree 3 0.4422, poly 6 / 10 with degree 2 0.4297 / 0.4432. MC_SPARSE_PASS2_POLY_DEG=3 restores degree 3 (read at
-# import).
-UNIT_POLY_DEG = int(os.environ.get("MC_SPARSE_PASS2_POLY_DEG", "") or 2)
-assert UNIT_POLY_DEG in (2, 3), f"MC_SPARSE_PASS2_POLY_DEG must be 2 or 3, got {UNIT_POLY_DEG}"
+# each call by unit_poly_degree).
+UNIT_POLY_DEG = 2
+
+
+def unit_poly_degree() -> int:
+    """The unit_qf form's polynomial degree: ``$MC_SPARSE_PASS2_POLY_DEG`` ("2" or "3"), else ``UNIT_POLY_DEG``.
+
+    Read at each call (not at import: a bad value at import made the module unimportable, which the pass-2 dispatch
+    caches as "CuTeDSL pass 2 not available" for the whole process without naming the variable).
+
+    Raises:
+        ValueError: the variable is set to anything but "2" or "3" (the message names it).
+    """
+    env = os.environ.get("MC_SPARSE_PASS2_POLY_DEG", "").strip()
+    if not env:
+        return UNIT_POLY_DEG
+    if env not in ("2", "3"):
+        raise ValueError(f"MC_SPARSE_PASS2_POLY_DEG must be 2 or 3, got {env!r}")
+    return int(env)
+
+
 # the largest relative error of flash-attn-4's degree-2 / degree-3 polynomial 2^f on [0, 1) (numpy, 2e5 points: 2.08e-3
 # / 8.8e-5): a sum of positive terms of which any share took the polynomial is within this of the MUFU sum
 POLY_REL_ERROR = {2: 2.1e-3, 3: 9e-5}
@@ -1027,7 +1045,7 @@ def compile_fake(out_dtype: str = "float16", stages: int | None = None, poly: in
                                                     for d in shape), divisibility=div)
                  for _, dt, shape, div in pass2_launch.ARG_SHAPES)
     poly = (UNIT_POLY if unit_qf else POLY) if poly is None else poly
-    poly_deg = (UNIT_POLY_DEG if unit_qf else 3) if poly_deg is None else poly_deg
+    poly_deg = (unit_poly_degree() if unit_qf else 3) if poly_deg is None else poly_deg
     kernel = Pass2Sm90(OUT_DTYPES[out_dtype], STAGES if stages is None else stages, poly,
                        lse_smem=LSE_SMEM if lse_smem is None else bool(lse_smem),
                        qsplit=(0 if pair else QSPLIT) if qsplit is None else int(qsplit), diag=diag or "",
@@ -1048,7 +1066,7 @@ def compiled(out_dtype: str = "float16", stages: int | None = None, poly: int | 
     fit = stages is None
     stages = STAGES if stages is None else int(stages)
     poly = (UNIT_POLY if unit_qf else POLY) if poly is None else int(poly)
-    poly_deg = (UNIT_POLY_DEG if unit_qf else 3) if poly_deg is None else int(poly_deg)
+    poly_deg = (unit_poly_degree() if unit_qf else 3) if poly_deg is None else int(poly_deg)
     lse_smem = LSE_SMEM if lse_smem is None else bool(lse_smem)
     topk = bool(topk)
     pair = ((PAIR_FUSED and not unit_qf) if topk else PAIR) if pair is None else bool(pair)
@@ -1126,7 +1144,7 @@ def group_prob_sums_fp8(q8, k8, qf, lse_s, kb, perm, out, *, group_size: int, se
         with 16-byte aligned rows; ksplit 1 when not given unless ``TOPK_AUTO_KSPLIT``). stages, poly, lse_smem,
         qsplit (0, 1, 2: tile pairs rolled), wg4 (four consumer warpgroups), pair (two query groups per work item,
         sharing each key stage), overlap (with pair: the second group's wgmma under the first's exponentials),
-        num_ctas, ksplit: tuning; poly_deg: the polynomial's degree (3, or 2; None: ``UNIT_POLY_DEG`` in the
+        num_ctas, ksplit: tuning; poly_deg: the polynomial's degree (3, or 2; None: ``unit_poly_degree()`` in the
         unit_qf form, else 3); diag: a timing floor of the benchmark ("noexp" / "nomma" / "noload": WRONG sums)
         (None: ``config``; CTAs: the SM count; ksplit: ``auto_ksplit``). bracket: the fused top-K's sample plan
         (stride, n_samp, hi_rank, lo_rank) instead of ``topk.bracket_plan``'s (tests: a plan whose brackets miss
