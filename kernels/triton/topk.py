@@ -611,7 +611,7 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
         out: optional int32 ``[..., width]``, written in place: a contiguous last dim, and the leading dims after
             the first mergeable into one (e.g. a head slice ``[B, h, G, K_alloc]`` of the whole selection).
         method: "bracket" (sample bracket + radix select among the candidates on [rows, 16-byte] tiles, radix fallback
-            per row, ``_bracket_topk_rows``), "seg" (the same bracket with per-thread candidate slots and warp-local
+            per row, ``_bracket_topk_rows``), "seg" (the same bracket with per-warp candidate slots and warp-local
             scans, ``topk_seg``; float16 rows 16-byte aligned with Sk a multiple of 8, else "bracket"; the threshold
             always by counting, ``cand_count`` ignored) or "radix" (histogram passes only); None: ``_SEPARATE_METHOD``
             (H200: the bracket 2.4-3x faster than radix at 32760 and 75600 keys, docs/kernels.md). All are exact and
@@ -697,22 +697,20 @@ def top_k_rows(sums: torch.Tensor, num_keys: int, width: int, *, out: torch.Tens
                 PREFETCH=prefetch,
                 num_warps=warps,
                 **(dict(maxnreg=regs) if regs and sums.device.type == "cuda" else {}))
-            _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,
-                                   HAS_HIST=False, ONLY_FLAGGED=True, num_warps=4)
-            return (out, fell_back) if return_fallbacks else out
-        warps = num_warps or _BRACKET_WARPS
-        tile_rows = (block // vec) if block else 32 * warps * _BRACKET_ROWS_PER_THREAD
-        if cand_count:  # whole sweep steps of copies (``_cand_threshold_count`` pads to them)
-            step = tile_rows * vec
-            cap_b = -(-max(cap_b, step) // step) * step
-        cand = torch.empty(n, cap_b, dtype=torch.int16 if key_bits == 16 else torch.int32, device=sums.device)
-        regs = _BRACKET_MAXNREG if maxnreg is None else maxnreg
-        launch = dict(maxnreg=regs) if regs and sums.device.type == "cuda" else {}
-        _bracket_topk_rows[(n,)](
-            src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // align,
-            src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank,
-            KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
-            PREFETCH=prefetch, CAND_COUNT=int(cand_count), num_warps=warps, **launch)
+        else:
+            warps = num_warps or _BRACKET_WARPS
+            tile_rows = (block // vec) if block else 32 * warps * _BRACKET_ROWS_PER_THREAD
+            if cand_count:  # whole sweep steps of copies (``_cand_threshold_count`` pads to them)
+                step = tile_rows * vec
+                cap_b = -(-max(cap_b, step) // step) * step
+            cand = torch.empty(n, cap_b, dtype=torch.int16 if key_bits == 16 else torch.int32, device=sums.device)
+            regs = _BRACKET_MAXNREG if maxnreg is None else maxnreg
+            launch = dict(maxnreg=regs) if regs and sums.device.type == "cuda" else {}
+            _bracket_topk_rows[(n,)](
+                src, dst, cand, fell_back, sk, num_keys, width, src.shape[1], src.stride(0) // align,
+                src.stride(1) // align, dst.stride(0), dst.stride(1), stride, n_samp, hi_rank, lo_rank,
+                KEY_BITS=key_bits, ALIGN=align, ROWS=tile_rows, VEC=vec, NS=triton.next_power_of_2(n_samp), CAP=cap_b,
+                PREFETCH=prefetch, CAND_COUNT=int(cand_count), num_warps=warps, **launch)
         # the rows whose bracket missed (flagged): radix threshold + compaction; every other program returns at once
         _radix_topk_rows[(n,)](*rows[:2], fell_back, fell_back, *rows[2:], KEY_BITS=key_bits, BLOCK=_BLOCK,
                                HAS_HIST=False, ONLY_FLAGGED=True, num_warps=4)
